@@ -1,0 +1,411 @@
+"""ModelConfig: one dataclass for every DeepSeek-V4 variant.
+
+Field names follow the official inference code's `config.json` (`dim`, `n_layers`, ...). `from_dict`
+also reads the Hugging Face `config.json` keys (`hidden_size`, `num_hidden_layers`, `layer_types`,
+`rope_scaling`, ...). Unknown keys and inconsistent values are rejected with a message naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+LAYER_TYPE_TO_RATIO = {
+    "sliding_attention": 0,
+    "compressed_sparse_attention": 4,
+    "heavily_compressed_attention": 128,
+}
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, missing or inconsistent; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 129280
+    dim: int = 4096
+    n_layers: int = 43
+    n_mtp_layers: int = 1
+    n_hash_layers: int = 3
+    # attention
+    n_heads: int = 64
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    window_size: int = 128
+    # one entry per layer, then one per MTP layer (0 = window only, 4 = CSA, 128 = HCA)
+    compress_ratios: tuple[int, ...] = ()
+    norm_eps: float = 1e-6
+    # rope: window-only layers use rope_theta without YaRN; compressed layers compress_rope_theta + YaRN
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0
+    original_seq_len: int = 65536
+    beta_fast: int = 32
+    beta_slow: int = 1
+    # lightning indexer
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    # MoE
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    n_activated_experts: int = 6
+    moe_inter_dim: int = 2048
+    score_func: str = "sqrtsoftplus"
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    # manifold-constrained hyper-connections
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # tokens and lengths
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    max_seq_len: int = 1048576
+    # quantization-aware-training simulations (on in the released models)
+    fp8_kv_sim: bool = True
+    fp4_indexer_sim: bool = True
+    # storage formats of a released checkpoint (informational; the model computes in bf16/fp32)
+    dtype: str = "bf16"
+    expert_dtype: str | None = None
+    scale_fmt: str | None = None
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        self.compress_ratios = tuple(int(r) for r in self.compress_ratios)
+        if not self.compress_ratios:
+            self.compress_ratios = (0,) * (self.n_layers + self.n_mtp_layers)
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        def need(cond: bool, key: str, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"config key '{key}': {msg}")
+
+        for key in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
+                    "o_lora_rank", "window_size", "n_routed_experts", "n_activated_experts",
+                    "moe_inter_dim", "hc_mult", "hc_sinkhorn_iters", "index_n_heads", "index_head_dim",
+                    "index_topk"):
+            need(int(getattr(self, key)) > 0, key, f"must be a positive integer, got {getattr(self, key)!r}")
+        need(self.n_mtp_layers >= 0, "n_mtp_layers", "must be >= 0")
+        need(0 <= self.n_hash_layers <= self.n_layers, "n_hash_layers",
+             f"must be in [0, n_layers={self.n_layers}], got {self.n_hash_layers}")
+        need(len(self.compress_ratios) == self.n_layers + self.n_mtp_layers, "compress_ratios",
+             f"needs n_layers + n_mtp_layers = {self.n_layers + self.n_mtp_layers} entries, "
+             f"got {len(self.compress_ratios)}")
+        for r in self.compress_ratios:
+            need(r == 0 or r >= 2, "compress_ratios", f"entries must be 0 or >= 2, got {r}")
+        need(all(r == 0 for r in self.compress_ratios[self.n_layers:]), "compress_ratios",
+             "MTP layers (the entries after n_layers) must be window-only (0)")
+        need(0 < self.rope_head_dim < self.head_dim and self.rope_head_dim % 2 == 0, "rope_head_dim",
+             f"must be even and in (0, head_dim={self.head_dim}), got {self.rope_head_dim}")
+        need((self.head_dim - self.rope_head_dim) % 64 == 0, "head_dim",
+             "head_dim - rope_head_dim must be a multiple of 64 (FP8 KV simulation blocks)")
+        need(self.n_heads % self.o_groups == 0, "o_groups",
+             f"n_heads={self.n_heads} must be divisible by o_groups={self.o_groups}")
+        need(self.n_activated_experts <= self.n_routed_experts, "n_activated_experts",
+             f"{self.n_activated_experts} > n_routed_experts={self.n_routed_experts}")
+        need(self.n_shared_experts in (0, 1), "n_shared_experts", "only 0 or 1 shared expert is defined")
+        need(self.score_func in SCORE_FUNCS, "score_func", f"must be one of {SCORE_FUNCS}, got {self.score_func!r}")
+        need(self.index_head_dim > self.rope_head_dim, "index_head_dim",
+             f"must exceed rope_head_dim={self.rope_head_dim}")
+        need(self.index_head_dim & (self.index_head_dim - 1) == 0 and self.index_head_dim % 32 == 0,
+             "index_head_dim", "must be a power of two and a multiple of 32 (Hadamard, FP4 blocks)")
+        need(self.swiglu_limit >= 0, "swiglu_limit", "must be >= 0 (0 disables the clamp)")
+        need(self.route_scale > 0, "route_scale", "must be > 0")
+        need(self.rope_factor >= 1, "rope_factor", "must be >= 1")
+        need(0 <= self.bos_token_id < self.vocab_size, "bos_token_id", "must be a token id < vocab_size")
+        need(0 <= self.eos_token_id < self.vocab_size, "eos_token_id", "must be a token id < vocab_size")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def mix_hc(self) -> int:
+        return (2 + self.hc_mult) * self.hc_mult
+
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.rope_head_dim
+
+    def layer_ratio(self, layer_id: int) -> int:
+        return self.compress_ratios[layer_id]
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["compress_ratios"] = list(self.compress_ratios)
+        return d
+
+    def to_inference_json(self) -> dict[str, Any]:
+        """The official inference `config.json` keys."""
+        d = self.to_dict()
+        for k in ("name", "bos_token_id", "eos_token_id", "fp8_kv_sim", "fp4_indexer_sim"):
+            d.pop(k)
+        return d
+
+    def to_hf_json(self) -> dict[str, Any]:
+        """Hugging Face `config.json` keys (as `DeepseekV4Config` reads them)."""
+        ratio_to_type = {v: k for k, v in LAYER_TYPE_TO_RATIO.items()}
+        return {
+            "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+            "vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads, "num_key_value_heads": 1, "head_dim": self.head_dim,
+            "qk_rope_head_dim": self.rope_head_dim, "q_lora_rank": self.q_lora_rank,
+            "o_groups": self.o_groups, "o_lora_rank": self.o_lora_rank, "sliding_window": self.window_size,
+            "layer_types": [ratio_to_type[r] for r in self.compress_ratios[: self.n_layers]],
+            "mlp_layer_types": ["hash_moe" if i < self.n_hash_layers else "moe" for i in range(self.n_layers)],
+            "compress_rope_theta": self.compress_rope_theta, "rope_theta": self.rope_theta,
+            "rope_scaling": {"type": "yarn", "factor": self.rope_factor, "beta_fast": self.beta_fast,
+                             "beta_slow": self.beta_slow,
+                             "original_max_position_embeddings": self.original_seq_len},
+            "index_n_heads": self.index_n_heads, "index_head_dim": self.index_head_dim,
+            "index_topk": self.index_topk, "n_routed_experts": self.n_routed_experts,
+            "n_shared_experts": self.n_shared_experts, "num_experts_per_tok": self.n_activated_experts,
+            "moe_intermediate_size": self.moe_inter_dim, "scoring_func": self.score_func,
+            "routed_scaling_factor": self.route_scale, "swiglu_limit": self.swiglu_limit,
+            "norm_topk_prob": True, "hc_mult": self.hc_mult, "hc_sinkhorn_iters": self.hc_sinkhorn_iters,
+            "hc_eps": self.hc_eps, "rms_norm_eps": self.norm_eps,
+            "num_nextn_predict_layers": self.n_mtp_layers, "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id, "max_position_embeddings": self.max_seq_len,
+            "tie_word_embeddings": False, "hidden_act": "silu",
+        }
+
+    # ------------------------------------------------------------------ readers
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], name: str = "custom") -> ModelConfig:
+        """Read an official inference or Hugging Face config dict (auto-detected by its keys)."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(raw).__name__}")
+        is_hf = "hidden_size" in raw or "num_hidden_layers" in raw or raw.get("model_type") == "deepseek_v4"
+        kw = _from_hf(raw) if is_hf else _from_inference(raw)
+        kw.setdefault("name", name)
+        try:
+            return cls(**kw)
+        except TypeError as e:  # pragma: no cover - defensive: all keys were checked above
+            raise ConfigError(str(e)) from None
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(raw, name=path.parent.name or "custom")
+
+    @classmethod
+    def preset(cls, name: str) -> ModelConfig:
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset '{name}'; choose one of {sorted(PRESETS)}")
+        return PRESETS[name]()
+
+
+_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+# Official inference keys that do not change the math of this implementation.
+_INFERENCE_IGNORED = {"max_batch_size", "scale_dtype"}
+
+# Hugging Face key -> ModelConfig field
+_HF_RENAMES = {
+    "hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+    "moe_intermediate_size": "moe_inter_dim", "num_experts_per_tok": "n_activated_experts",
+    "scoring_func": "score_func", "routed_scaling_factor": "route_scale", "qk_rope_head_dim": "rope_head_dim",
+    "rms_norm_eps": "norm_eps", "sliding_window": "window_size", "num_hash_layers": "n_hash_layers",
+    "num_nextn_predict_layers": "n_mtp_layers", "max_position_embeddings": "max_seq_len",
+    "vocab_size": "vocab_size", "n_routed_experts": "n_routed_experts", "n_shared_experts": "n_shared_experts",
+    "head_dim": "head_dim", "q_lora_rank": "q_lora_rank", "o_groups": "o_groups", "o_lora_rank": "o_lora_rank",
+    "compress_rope_theta": "compress_rope_theta", "rope_theta": "rope_theta", "index_n_heads": "index_n_heads",
+    "index_head_dim": "index_head_dim", "index_topk": "index_topk", "hc_mult": "hc_mult",
+    "hc_sinkhorn_iters": "hc_sinkhorn_iters", "hc_eps": "hc_eps", "swiglu_limit": "swiglu_limit",
+    "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "expert_dtype": "expert_dtype",
+}
+# Hugging Face keys accepted without effect on the math, with the value they must have (None = any).
+_HF_FIXED: dict[str, Any] = {
+    "architectures": None, "model_type": None, "transformers_version": None, "torch_dtype": None,
+    "dtype": None, "initializer_range": None, "use_cache": None, "attention_dropout": None,
+    "topk_method": None, "output_router_logits": None, "router_aux_loss_coef": None, "pad_token_id": None,
+    "router_jitter_noise": None, "partial_rotary_factor": None, "_name_or_path": None,
+    "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "num_key_value_heads": 1,
+    "norm_topk_prob": True, "tie_word_embeddings": False, "compress_rates": None,
+}
+
+
+def _from_inference(raw: dict[str, Any]) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    for k, v in raw.items():
+        if k in _INFERENCE_IGNORED:
+            continue
+        if k not in _FIELDS:
+            raise ConfigError(f"unknown config key '{k}' (official inference config)")
+        kw[k] = v
+    if "compress_ratios" in kw:
+        n_layers = kw.get("n_layers", ModelConfig.n_layers)
+        kw.setdefault("n_mtp_layers", max(0, len(kw["compress_ratios"]) - n_layers))
+    if kw.get("dtype") not in (None, "bf16", "fp8"):
+        raise ConfigError(f"config key 'dtype': must be 'bf16' or 'fp8', got {kw['dtype']!r}")
+    return kw
+
+
+def _from_hf(raw: dict[str, Any]) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    layer_types = mlp_types = compress_ratios = None
+    for k, v in raw.items():
+        if k in _HF_RENAMES:
+            kw[_HF_RENAMES[k]] = v
+        elif k in _HF_FIXED:
+            want = _HF_FIXED[k]
+            if want is not None and v != want:
+                raise ConfigError(f"config key '{k}': DeepSeek-V4 requires {want!r}, got {v!r}")
+        elif k == "layer_types":
+            layer_types = v
+        elif k == "mlp_layer_types":
+            mlp_types = v
+        elif k == "compress_ratios":
+            compress_ratios = v
+        elif k == "rope_scaling":
+            kw.update(_read_yarn(v, "rope_scaling"))
+        elif k == "rope_parameters":
+            if isinstance(v, dict) and isinstance(v.get("compress"), dict):
+                kw.update(_read_yarn(v["compress"], "rope_parameters.compress"))
+                if "rope_theta" in v["compress"]:
+                    kw["compress_rope_theta"] = v["compress"]["rope_theta"]
+                if isinstance(v.get("main"), dict) and "rope_theta" in v["main"]:
+                    kw["rope_theta"] = v["main"]["rope_theta"]
+            elif isinstance(v, dict):
+                kw.update(_read_yarn(v, "rope_parameters"))
+        elif k == "quantization_config":
+            if not isinstance(v, dict):
+                raise ConfigError("config key 'quantization_config': must be an object")
+            if v.get("quant_method", "fp8") != "fp8" or v.get("weight_block_size", [128, 128]) != [128, 128]:
+                raise ConfigError(f"config key 'quantization_config': only fp8 with 128x128 blocks, got {v}")
+            kw["dtype"] = "fp8"
+            kw["scale_fmt"] = v.get("scale_fmt")
+        else:
+            raise ConfigError(f"unknown config key '{k}' (Hugging Face config)")
+    n_layers = kw.get("n_layers", ModelConfig.n_layers)
+    n_mtp = kw.get("n_mtp_layers", ModelConfig.n_mtp_layers)
+    if layer_types is not None:
+        bad = [t for t in layer_types if t not in LAYER_TYPE_TO_RATIO]
+        if bad:
+            raise ConfigError(f"config key 'layer_types': unknown entries {bad}")
+        ratios = [LAYER_TYPE_TO_RATIO[t] for t in layer_types]
+        if compress_ratios is not None and list(compress_ratios[: len(ratios)]) != ratios:
+            raise ConfigError("config keys 'layer_types' and 'compress_ratios' disagree")
+        if len(ratios) != n_layers:
+            raise ConfigError(f"config key 'layer_types': {len(ratios)} entries for num_hidden_layers={n_layers}")
+        compress_ratios = ratios
+    if compress_ratios is not None:
+        compress_ratios = list(compress_ratios)
+        if len(compress_ratios) == n_layers:
+            compress_ratios += [0] * n_mtp
+        kw["compress_ratios"] = compress_ratios
+    if mlp_types is not None:
+        bad = [t for t in mlp_types if t not in ("hash_moe", "moe")]
+        if bad:
+            raise ConfigError(f"config key 'mlp_layer_types': unknown entries {bad}")
+        n_hash = sum(t == "hash_moe" for t in mlp_types)
+        if list(mlp_types) != ["hash_moe"] * n_hash + ["moe"] * (len(mlp_types) - n_hash):
+            raise ConfigError("config key 'mlp_layer_types': hash_moe layers must come first")
+        if "n_hash_layers" in kw and kw["n_hash_layers"] != n_hash:
+            raise ConfigError("config keys 'num_hash_layers' and 'mlp_layer_types' disagree")
+        kw["n_hash_layers"] = n_hash
+    if isinstance(kw.get("eos_token_id"), list):
+        kw["eos_token_id"] = kw["eos_token_id"][0]
+    return kw
+
+
+def _read_yarn(v: Any, key: str) -> dict[str, Any]:
+    if v is None:
+        return {"rope_factor": 1.0, "original_seq_len": 0}
+    if not isinstance(v, dict):
+        raise ConfigError(f"config key '{key}': must be an object")
+    kind = v.get("type", v.get("rope_type", "yarn"))
+    if kind not in ("yarn", "default"):
+        raise ConfigError(f"config key '{key}': only 'yarn' scaling is defined for DeepSeek-V4, got {kind!r}")
+    if kind == "default":
+        return {"rope_factor": 1.0, "original_seq_len": 0}
+    known = {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "attention_factor", "mscale", "mscale_all_dim", "rope_theta", "partial_rotary_factor"}
+    for k in v:
+        if k not in known:
+            raise ConfigError(f"unknown config key '{key}.{k}'")
+    out = {}
+    if "factor" in v:
+        out["rope_factor"] = float(v["factor"])
+    if "original_max_position_embeddings" in v:
+        out["original_seq_len"] = int(v["original_max_position_embeddings"])
+    if "beta_fast" in v:
+        out["beta_fast"] = int(v["beta_fast"])
+    if "beta_slow" in v:
+        out["beta_slow"] = int(v["beta_slow"])
+    return out
+
+
+# ---------------------------------------------------------------------- presets
+def _tiny() -> ModelConfig:
+    # Under 5M parameters, every feature: window-only, CSA (ratio 4 + indexer), HCA (ratio 128),
+    # a hash-routed layer, an MTP block. Window stays 128 so tests cross the real window size.
+    return ModelConfig(
+        name="tiny", vocab_size=1024, dim=128, n_layers=4, n_mtp_layers=1, n_hash_layers=1,
+        n_heads=4, head_dim=128, rope_head_dim=64, q_lora_rank=64, o_groups=2, o_lora_rank=32,
+        window_size=128, compress_ratios=(0, 4, 128, 4, 0),
+        index_n_heads=4, index_head_dim=128, index_topk=8,
+        n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, moe_inter_dim=64,
+        route_scale=1.5, swiglu_limit=10.0, max_seq_len=4096,
+    )
+
+
+def _small() -> ModelConfig:
+    return ModelConfig(
+        name="small", vocab_size=32768, dim=1024, n_layers=8, n_mtp_layers=0, n_hash_layers=2,
+        n_heads=16, head_dim=512, rope_head_dim=64, q_lora_rank=512, o_groups=4, o_lora_rank=256,
+        window_size=128, compress_ratios=(0, 4, 128, 4, 128, 4, 128, 4),
+        index_n_heads=16, index_head_dim=128, index_topk=256,
+        n_routed_experts=32, n_shared_experts=1, n_activated_experts=4, moe_inter_dim=512,
+        route_scale=1.5, swiglu_limit=10.0, max_seq_len=65536,
+    )
+
+
+def _flash() -> ModelConfig:
+    return ModelConfig(
+        name="flash", vocab_size=129280, dim=4096, n_layers=43, n_mtp_layers=1, n_hash_layers=3,
+        n_heads=64, head_dim=512, rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+        window_size=128, compress_ratios=(0, 0) + (4, 128) * 20 + (4,) + (0,),
+        index_n_heads=64, index_head_dim=128, index_topk=512,
+        n_routed_experts=256, n_shared_experts=1, n_activated_experts=6, moe_inter_dim=2048,
+        route_scale=1.5, swiglu_limit=10.0, dtype="fp8", expert_dtype="fp4", scale_fmt="ue8m0",
+    )
+
+
+def _pro() -> ModelConfig:
+    # Identical to the released DeepSeek-V4-Pro config.json.
+    return ModelConfig(
+        name="pro", vocab_size=129280, dim=7168, n_layers=61, n_mtp_layers=1, n_hash_layers=3,
+        n_heads=128, head_dim=512, rope_head_dim=64, q_lora_rank=1536, o_groups=16, o_lora_rank=1024,
+        window_size=128, compress_ratios=(128, 128) + (4, 128) * 29 + (4,) + (0,),
+        index_n_heads=64, index_head_dim=128, index_topk=1024,
+        n_routed_experts=384, n_shared_experts=1, n_activated_experts=6, moe_inter_dim=3072,
+        route_scale=2.5, swiglu_limit=10.0, dtype="fp8", expert_dtype="fp4", scale_fmt="ue8m0",
+    )
+
+
+PRESETS = {"tiny": _tiny, "small": _small, "flash": _flash, "pro": _pro}
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = ["ModelConfig", "ConfigError", "PRESETS", "ceil_div"]

@@ -1,0 +1,187 @@
+"""Math primitives of DeepSeek-V4 behind one dispatch point.
+
+Every op has exactly one plain-torch *reference* (`dsv4.ops.reference`) that defines it. Fast backends
+(`triton`, ...) register themselves for the ops they implement and must match the reference forward and
+backward. The contract:
+
+- `dsv4.ops.<op>(..., backend=None)`: `backend=None` takes the default for the inputs' device (the
+  fastest registered backend that can run there, else the reference); a named backend that cannot run
+  raises `BackendUnavailable` with the reason - never a silent fallback.
+- Every call records the implementation that actually ran: `dsv4.ops.calls()` returns
+  `{(op, backend): count}`; `dsv4.ops.last_backend(op)` the latest one.
+- `use_backend("reference")` (or `{op: backend}`) sets the default inside a `with` block.
+- `set_deterministic(True)` asks backends for bit-identical repeats (backends that cannot promise it
+  refuse explicit requests in that mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from . import reference as _ref
+
+
+class BackendUnavailable(RuntimeError):
+    """An explicitly requested backend cannot run these inputs; the message says why."""
+
+
+@dataclass
+class Backend:
+    name: str
+    fn: Callable
+    # returns None when the backend can run on these inputs, else the reason it cannot
+    can_run: Callable[..., str | None]
+    deterministic: bool = True
+    priority: int = 0  # higher wins when chosen by default
+
+
+_REGISTRY: dict[str, dict[str, Backend]] = {}
+_CALLS: Counter = Counter()
+_LAST: dict[str, str] = {}
+_STATE = threading.local()
+_DETERMINISTIC = [False]
+
+
+def register(op: str, name: str, fn: Callable, can_run: Callable[..., str | None] | None = None,
+             deterministic: bool = True, priority: int = 0) -> None:
+    _REGISTRY.setdefault(op, {})[name] = Backend(name, fn, can_run or (lambda *a, **k: None),
+                                                 deterministic, priority)
+
+
+def backends(op: str) -> list[str]:
+    return sorted(_REGISTRY.get(op, {}))
+
+
+def ops() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def calls() -> dict[tuple[str, str], int]:
+    return dict(_CALLS)
+
+
+def reset_calls() -> None:
+    _CALLS.clear()
+    _LAST.clear()
+
+
+def last_backend(op: str) -> str | None:
+    return _LAST.get(op)
+
+
+def set_deterministic(on: bool = True) -> None:
+    _DETERMINISTIC[0] = bool(on)
+
+
+def is_deterministic() -> bool:
+    return _DETERMINISTIC[0]
+
+
+@contextlib.contextmanager
+def use_backend(choice: str | dict[str, str] | None) -> Iterator[None]:
+    """Default backend inside the block: one name for every op, or `{op: name}`."""
+    prev = getattr(_STATE, "choice", None)
+    _STATE.choice = choice
+    try:
+        yield
+    finally:
+        _STATE.choice = prev
+
+
+def _requested(op: str, backend: str | None) -> str | None:
+    if backend is not None:
+        return backend
+    choice = getattr(_STATE, "choice", None)
+    if isinstance(choice, dict):
+        return choice.get(op)
+    return choice
+
+
+def _first_tensor(args, kwargs) -> torch.Tensor | None:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+def resolve(op: str, backend: str | None, *args, **kwargs) -> Backend:
+    """The backend that will run `op` on these inputs (raises for an impossible explicit request)."""
+    table = _REGISTRY.get(op)
+    if not table:
+        raise KeyError(f"unknown op '{op}'")
+    name = _requested(op, backend)
+    if name is not None:
+        if name not in table:
+            raise BackendUnavailable(
+                f"op '{op}' has no backend '{name}' (registered: {sorted(table)}); "
+                f"install its dependencies or choose another")
+        be = table[name]
+        reason = be.can_run(*args, **kwargs)
+        if reason is None and is_deterministic() and not be.deterministic:
+            reason = "it is not deterministic and deterministic mode is on"
+        if reason is not None:
+            raise BackendUnavailable(f"op '{op}': backend '{name}' cannot run here: {reason}")
+        return be
+    best = table["reference"]
+    for be in table.values():
+        if be.priority > best.priority and be.can_run(*args, **kwargs) is None and (
+                be.deterministic or not is_deterministic()):
+            best = be
+    return best
+
+
+def call(op: str, *args, backend: str | None = None, **kwargs):
+    be = resolve(op, backend, *args, **kwargs)
+    _CALLS[(op, be.name)] += 1
+    _LAST[op] = be.name
+    return be.fn(*args, **kwargs)
+
+
+def _make(op: str) -> Callable:
+    def wrapper(*args, backend: str | None = None, **kwargs):
+        return call(op, *args, backend=backend, **kwargs)
+
+    ref = getattr(_ref, op)
+    wrapper.__name__ = op
+    wrapper.__qualname__ = op
+    wrapper.__doc__ = ref.__doc__
+    register(op, "reference", ref)
+    return wrapper
+
+
+sparse_attention = _make("sparse_attention")
+indexer_scores = _make("indexer_scores")
+indexer_topk = _make("indexer_topk")
+hc_split_sinkhorn = _make("hc_split_sinkhorn")
+hc_pre = _make("hc_pre")
+hc_post = _make("hc_post")
+hc_head = _make("hc_head")
+compress_pool = _make("compress_pool")
+fp8_round_trip = _make("fp8_round_trip")
+fp4_round_trip = _make("fp4_round_trip")
+hadamard = _make("hadamard")
+moe_experts = _make("moe_experts")
+
+
+def _load_optional_backends() -> None:
+    """Fast backends register themselves on import; a missing dependency only means not registered."""
+    try:
+        from . import triton as _triton  # noqa: F401
+    except ImportError:
+        pass
+
+
+_load_optional_backends()
+
+__all__ = [
+    "BackendUnavailable", "register", "backends", "ops", "calls", "reset_calls", "last_backend",
+    "use_backend", "set_deterministic", "is_deterministic", "resolve", "call",
+    "sparse_attention", "indexer_scores", "indexer_topk", "hc_split_sinkhorn", "hc_pre", "hc_post",
+    "hc_head", "compress_pool", "fp8_round_trip", "fp4_round_trip", "hadamard", "moe_experts",
+]
