@@ -1,0 +1,21 @@
+"""Triton backends of `dsv4.ops`. Importing this package registers every kernel module found here.
+
+Each module registers its ops with `dsv4.ops.register(op, "triton", fn, can_run=..., priority=10)`.
+`can_run` refuses tensors that are not on CUDA unless `TRITON_INTERPRET=1` (the CPU interpreter, used by
+the test suite at small shapes).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import triton  # noqa: F401  (ImportError here means: no triton backend; dsv4.ops then has none registered)
+
+_MODULES = ("sparse_attention", "indexer", "moe", "mhc", "quant_gemm")
+
+for _name in _MODULES:
+    try:
+        importlib.import_module(f"{__name__}.{_name}")
+    except ModuleNotFoundError as _e:
+        if _e.name != f"{__name__}.{_name}":
+            raise
