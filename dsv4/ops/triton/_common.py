@@ -1,0 +1,87 @@
+"""Shared helpers of the Triton backends: interpreter-aware kernel launch and input checks.
+
+Triton decides at *decoration* time whether a `@triton.jit` function is compiled or interpreted (it reads
+`TRITON_INTERPRET` when the decorator runs). dsv4 imports its kernels whenever `dsv4.ops` is imported, so a
+test that sets the variable later would still get compiled kernels. `Kernel` therefore keeps the plain
+Python function and builds the compiled or the interpreted form lazily, choosing at each launch from the
+variable's value *then*: setting `TRITON_INTERPRET=1` at any time before a launch selects the CPU
+interpreter, and unsetting it goes back to compiled kernels.
+
+Kernels launched through `Kernel` must be self-contained (no calls to other jit functions), so that the
+same source runs under both forms.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+LOG2E = 1.4426950408889634
+
+
+def interpret_mode() -> bool:
+    """True when kernels run on the Triton CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class Kernel:
+    """A Triton kernel whose compiled / interpreted form is chosen at launch: `Kernel(fn)[grid](...)`."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self._jit = None
+        self._interp = None
+
+    def __getitem__(self, grid):
+        if interpret_mode():
+            if self._interp is None:
+                self._interp = InterpretedFunction(self.fn)
+            return self._interp[grid]
+        if self._jit is None:
+            self._jit = triton.jit(self.fn)
+        return self._jit[grid]
+
+
+def device_reason(*tensors: torch.Tensor) -> str | None:
+    """None when the tensors can be handed to a Triton kernel here, else why not."""
+    devs = {t.device for t in tensors}
+    if len(devs) != 1:
+        return f"tensors on several devices: {sorted(map(str, devs))}"
+    dev = devs.pop()
+    if dev.type == "cuda":
+        return None if not interpret_mode() else "TRITON_INTERPRET=1 is set but tensors are on CUDA"
+    if interpret_mode() and dev.type == "cpu":
+        return None
+    return f"tensors are on {dev.type}, the triton backend needs CUDA (or CPU with TRITON_INTERPRET=1)"
+
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs are multiplied in full IEEE precision (no silent TF32), half types natively."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def dot_type(dtype: torch.dtype):
+    """Operand type of `tl.dot` for inputs of `dtype`: native when compiled, fp32 in the interpreter.
+
+    The Triton 3.x interpreter multiplies bf16 operands as their raw uint16 bit patterns (numpy has no
+    bf16), so kernels cast dot operands to this type; values are first rounded to the storage dtype, so
+    the interpreter still sees the same rounding as the compiled kernel.
+    """
+    return tl.float32 if interpret_mode() else _TL_DTYPES[dtype]

@@ -1,0 +1,348 @@
+"""Triton sparse attention with per-head sinks over index-gathered keys (the `triton` backend).
+
+Semantics: `dsv4.ops.reference.sparse_attention` (q [b, s, h, d], kv [b, n, d] one shared head used as key
+and value, sink [h] fp32, idx [b, s, k] with -1 = no key) -> (o [b, s, h, d], lse [b, s, h] fp32).
+
+Design
+- All heads of a query share its key indices, so one program takes one query and a block of BLOCK_H heads
+  (the M dimension of the tensor-core products): each gathered KV tile [BLOCK_N, d] is loaded once and
+  serves every head of the block. With 64 heads and BLOCK_H = 64 the KV of a query is read once.
+- Online softmax starts from the sink: running max m = sink_h and running sum l = 1 (= exp(sink - m)),
+  accumulator 0. The sink is thereby a key with a zero value, and every intermediate stays finite even
+  when a query has no valid key at all (then o = 0 and lse = sink exactly, as in the reference).
+- Decode (few queries, e.g. 1-2 per sequence in a large batch): the keys of each query are split over
+  several programs (flash-decoding); partial (max, sum, accumulator) triples are merged with the sink in a
+  second small kernel. Chosen automatically when one program per query would leave most SMs idle. A paged
+  KV cache is served by the same op: flatten the pool to kv [1, slots, d], the decode queries to
+  q [1, batch, h, d] and give physical slot ids in idx.
+- Backward (one program per query and head block, recomputing scores from the saved lse):
+  dq in registers (each program owns its rows); dsink per (query, head) summed by torch; dkv is a
+  scatter onto the gathered rows: fp32 atomics by default, or in deterministic mode
+  (`dsv4.ops.is_deterministic()` at forward time) a two-pass reduction: every program writes its
+  per-slot contribution, then a second kernel sums the contributions of each kv row in a fixed order
+  (stable sort of the targets). Gradient for lse is accepted and ignored (lse is not differentiable).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import ops as _ops
+from ._common import (
+    FLOAT_DTYPES,
+    LOG2E,
+    Kernel,
+    device_reason,
+    dot_precision,
+    dot_type,
+    interpret_mode,
+    num_sms,
+)
+
+NEG_BIG = -1.0e30  # finite "minus infinity" for partial (split) maxima
+
+
+# ----------------------------------------------------------------------------- kernels
+def _fwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr,
+                pacc_ptr, pm_ptr, pl_ptr,
+                S, H, K, N, D, scale_log2, keys_per_split, n_splits,
+                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                SPLIT: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+    pid_q = tl.program_id(0).to(tl.int64)          # b * S + s
+    pid_h = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    b = pid_q // S
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < H
+    d_ok = offs_d < D
+    q = tl.load(q_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)                     # [BH, BD]
+    if SPLIT:
+        m = tl.full([BLOCK_H], NEG_BIG, tl.float32)
+        l_sum = tl.zeros([BLOCK_H], tl.float32)
+        k_lo = pid_k * keys_per_split
+        k_hi = tl.minimum(k_lo + keys_per_split, K)
+    else:
+        m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_sum = tl.full([BLOCK_H], 1.0, tl.float32)
+        k_lo = 0
+        k_hi = K
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(k_lo, k_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        ids = tl.load(idx_ptr + pid_q * K + offs_n, mask=offs_n < k_hi, other=-1).to(tl.int64)
+        valid = ids >= 0
+        kv = tl.load(kv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :],
+                     mask=valid[:, None] & d_ok[None, :], other=0.0)                # [BN, BD]
+        s = tl.dot(q.to(DOT_T), tl.trans(kv.to(DOT_T)), input_precision=PREC) * scale_log2  # [BH, BN]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype).to(DOT_T), kv.to(DOT_T), input_precision=PREC)
+        m = m_new
+    if SPLIT:
+        row = (pid_q * n_splits + pid_k) * H + offs_h                                # [BH]
+        tl.store(pm_ptr + row, m, mask=h_ok)
+        tl.store(pl_ptr + row, l_sum, mask=h_ok)
+        tl.store(pacc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
+    else:
+        o = acc / l_sum[:, None]
+        tl.store(o_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=h_ok[:, None] & d_ok[None, :])
+        lse = (m + tl.log2(l_sum)) * 0.6931471805599453
+        tl.store(lse_ptr + pid_q * H + offs_h, lse, mask=h_ok)
+
+
+def _combine_kernel(sink_ptr, pacc_ptr, pm_ptr, pl_ptr, o_ptr, lse_ptr, H, D, n_splits,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_q = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < H
+    hd_ok = h_ok[:, None] & (offs_d < D)[None, :]
+    m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    l_sum = tl.full([BLOCK_H], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for i in range(0, n_splits):
+        row = (pid_q * n_splits + i) * H + offs_h
+        mi = tl.load(pm_ptr + row, mask=h_ok, other=NEG_BIG)
+        li = tl.load(pl_ptr + row, mask=h_ok, other=0.0)
+        ai = tl.load(pacc_ptr + row[:, None] * D + offs_d[None, :], mask=hd_ok, other=0.0)
+        m_new = tl.maximum(m, mi)
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(mi - m_new)
+        l_sum = l_sum * alpha + li * beta
+        acc = acc * alpha[:, None] + ai * beta[:, None]
+        m = m_new
+    o = acc / l_sum[:, None]
+    tl.store(o_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=hd_ok)
+    tl.store(lse_ptr + pid_q * H + offs_h, (m + tl.log2(l_sum)) * 0.6931471805599453, mask=h_ok)
+
+
+def _bwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr,
+                dq_ptr, dkv_ptr, dsink_ptr, contrib_ptr,
+                S, H, K, N, D, scale, n_hblocks,
+                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                DETERMINISTIC: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+    pid_q = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    b = pid_q // S
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < H
+    d_ok = offs_d < D
+    hd_ok = h_ok[:, None] & d_ok[None, :]
+    hd_off = (pid_q * H + offs_h[:, None]) * D + offs_d[None, :]
+    q = tl.load(q_ptr + hd_off, mask=hd_ok, other=0.0)                               # [BH, BD]
+    do = tl.load(do_ptr + hd_off, mask=hd_ok, other=0.0)                             # [BH, BD]
+    o = tl.load(o_ptr + hd_off, mask=hd_ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)                         # [BH]
+    lse = tl.load(lse_ptr + pid_q * H + offs_h, mask=h_ok, other=0.0)                # [BH]
+    sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    # d loss / d sink_h = -exp(sink_h - lse) * delta   (the sink is a key with a zero value)
+    tl.store(dsink_ptr + pid_q * H + offs_h, -tl.exp(sink - lse) * delta, mask=h_ok)
+    lse2 = lse * 1.4426950408889634
+    scale_log2 = scale * 1.4426950408889634
+    dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(0, K, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        ids = tl.load(idx_ptr + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
+        valid = ids >= 0
+        kv = tl.load(kv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :],
+                     mask=valid[:, None] & d_ok[None, :], other=0.0)                # [BN, BD]
+        s = tl.dot(q.to(DOT_T), tl.trans(kv.to(DOT_T)), input_precision=PREC) * scale_log2  # [BH, BN]
+        p = tl.exp2(s - lse2[:, None])
+        p = tl.where(valid[None, :] & h_ok[:, None], p, 0.0)
+        dp = tl.dot(do.to(DOT_T), tl.trans(kv.to(DOT_T)), input_precision=PREC)     # [BH, BN]
+        ds = p * (dp - delta[:, None])                                               # d loss / d (q.k)
+        dq += tl.dot(ds.to(kv.dtype).to(DOT_T), kv.to(DOT_T), input_precision=PREC)
+        dkv = tl.dot(tl.trans(p.to(do.dtype).to(DOT_T)), do.to(DOT_T), input_precision=PREC)  # value [BN, BD]
+        dkv += tl.dot(tl.trans((ds * scale).to(q.dtype).to(DOT_T)), q.to(DOT_T), input_precision=PREC)  # key
+        if DETERMINISTIC:
+            slot = (pid_q * n_hblocks + pid_h) * K + offs_n                          # [BN]
+            tl.store(contrib_ptr + slot[:, None] * D + offs_d[None, :], dkv,
+                     mask=(offs_n < K)[:, None] & d_ok[None, :])
+        else:
+            tl.atomic_add(dkv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :], dkv,
+                          mask=valid[:, None] & d_ok[None, :], sem="relaxed")
+    tl.store(dq_ptr + hd_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=hd_ok)
+
+
+def _scatter_reduce_kernel(contrib_ptr, perm_ptr, start_ptr, out_ptr, D, BLOCK_D: tl.constexpr):
+    """out[r] = sum of contrib[perm[i]] for i in [start[r], start[r+1]), in that order."""
+    r = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    lo = tl.load(start_ptr + r)
+    hi = tl.load(start_ptr + r + 1)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for i in range(lo, hi):
+        e = tl.load(perm_ptr + i)
+        acc += tl.load(contrib_ptr + e * D + offs_d, mask=d_ok, other=0.0)
+    tl.store(out_ptr + r * D + offs_d, acc, mask=d_ok)
+
+
+_fwd = Kernel(_fwd_kernel)
+_combine = Kernel(_combine_kernel)
+_bwd = Kernel(_bwd_kernel)
+_scatter_reduce = Kernel(_scatter_reduce_kernel)
+
+
+# ----------------------------------------------------------------------------- launch configuration
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _block_h(h: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(h)))
+
+
+# (BLOCK_N, num_warps, num_stages) by phase; tuned on an H200 at d=512, 64 heads (see BENCHMARKS.md)
+FWD_CONFIG = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+BWD_CONFIG = {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
+SPLIT_CONFIG = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+def _launch_opts(cfg: dict) -> dict:
+    if interpret_mode():
+        return {"BLOCK_N": 16}
+    return dict(cfg)
+
+
+def choose_splits(n_programs: int, k: int, device: torch.device) -> int:
+    """Number of key splits per query so that the grid fills the device (1 = no split)."""
+    if k <= 128:
+        return 1
+    target = 2 * num_sms(device)
+    if n_programs >= target:
+        return 1
+    return int(max(1, min(triton.cdiv(target, n_programs), triton.cdiv(k, 128), 16)))
+
+
+# ----------------------------------------------------------------------------- forward / backward
+def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                         scale: float, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only (no autograd). `splits=None` chooses the decode split automatically."""
+    b, s, h, d = q.shape
+    n, k = kv.size(1), idx.size(2)
+    q, kv, idx = q.contiguous(), kv.contiguous(), idx.contiguous()
+    sink = sink.float().contiguous()
+    o = torch.empty_like(q)
+    lse = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
+    if b * s == 0 or h == 0:
+        return o, lse
+    bh, bd = _block_h(h), _block_d(d)
+    n_hb = triton.cdiv(h, bh)
+    if splits is None:
+        splits = choose_splits(b * s * n_hb, k, q.device)
+    prec, dot_t = dot_precision(q.dtype), dot_type(q.dtype)
+    scale_log2 = float(scale) * LOG2E
+    if splits <= 1:
+        _fwd[(b * s, n_hb, 1)](q, kv, sink, idx, o, lse, o, lse, lse, s, h, k, n, d, scale_log2, k, 1,
+                               BLOCK_H=bh, BLOCK_D=bd, SPLIT=False, PREC=prec, DOT_T=dot_t,
+                               **_launch_opts(FWD_CONFIG))
+        return o, lse
+    per = triton.cdiv(triton.cdiv(k, splits), 16) * 16
+    splits = triton.cdiv(k, per)
+    pacc = torch.empty(b * s, splits, h, d, dtype=torch.float32, device=q.device)
+    pm = torch.empty(b * s, splits, h, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    _fwd[(b * s, n_hb, splits)](q, kv, sink, idx, o, lse, pacc, pm, pl, s, h, k, n, d, scale_log2, per,
+                                splits, BLOCK_H=bh, BLOCK_D=bd, SPLIT=True, PREC=prec, DOT_T=dot_t,
+                                **_launch_opts(SPLIT_CONFIG))
+    _combine[(b * s, n_hb)](sink, pacc, pm, pl, o, lse, h, d, splits, BLOCK_H=bh, BLOCK_D=bd,
+                            **({} if interpret_mode() else {"num_warps": 8}))
+    return o, lse
+
+
+def sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                         o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor, scale: float,
+                         deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dkv, dsink) for the forward above."""
+    b, s, h, d = q.shape
+    n, k = kv.size(1), idx.size(2)
+    q, kv, idx, o, do = q.contiguous(), kv.contiguous(), idx.contiguous(), o.contiguous(), do.contiguous()
+    lse = lse.contiguous()
+    sink32 = sink.float().contiguous()
+    dq = torch.empty_like(q)
+    dkv32 = torch.zeros(b, n, d, dtype=torch.float32, device=q.device)
+    dsink_part = torch.zeros(b * s, h, dtype=torch.float32, device=q.device)
+    if b * s == 0 or h == 0:
+        return dq.zero_(), dkv32.to(kv.dtype), torch.zeros_like(sink)
+    bh, bd = _block_h(h), _block_d(d)
+    n_hb = triton.cdiv(h, bh)
+    contrib = (torch.empty(b * s * n_hb * k, d, dtype=torch.float32, device=q.device) if deterministic
+               else dkv32)
+    _bwd[(b * s, n_hb)](q, kv, sink32, idx, o, do, lse, dq, dkv32, dsink_part, contrib,
+                        s, h, k, n, d, float(scale), n_hb, BLOCK_H=bh, BLOCK_D=bd,
+                        DETERMINISTIC=deterministic, PREC=dot_precision(q.dtype), DOT_T=dot_type(q.dtype),
+                        **_launch_opts(BWD_CONFIG))
+    if deterministic and contrib.numel() and b * n:
+        # target kv row of every (query, head block, slot) contribution; -1 slots go to a dropped row
+        rows = idx.long() + (torch.arange(b, device=q.device) * n).view(b, 1, 1)          # [b, s, k]
+        rows = torch.where(idx >= 0, rows, b * n)
+        rows = rows.view(b * s, 1, k).expand(b * s, n_hb, k).reshape(-1)
+        sorted_rows, perm = torch.sort(rows, stable=True)
+        start = torch.searchsorted(sorted_rows, torch.arange(b * n + 1, device=q.device))
+        bdr = min(bd, 128)
+        _scatter_reduce[(b * n, triton.cdiv(d, bdr))](contrib, perm, start, dkv32, d, BLOCK_D=bdr)
+    dsink = dsink_part.sum(0).to(sink.dtype)
+    return dq, dkv32.to(kv.dtype), dsink
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, sink, idx, scale):
+        o, lse = sparse_attention_fwd(q, kv, sink, idx, scale)
+        ctx.save_for_backward(q, kv, sink, idx, o, lse)
+        ctx.scale = scale
+        ctx.deterministic = _ops.is_deterministic()
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):  # the gradient for lse is ignored: lse is not differentiable
+        q, kv, sink, idx, o, lse = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dkv, dsink = sparse_attention_bwd(q, kv, sink, idx, o, lse, do, ctx.scale, ctx.deterministic)
+        return (dq if ctx.needs_input_grad[0] else None, dkv if ctx.needs_input_grad[1] else None,
+                dsink if ctx.needs_input_grad[2] else None, None, None)
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton backend of `dsv4.ops.sparse_attention` (differentiable in q, kv and sink)."""
+    if torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or sink.requires_grad):
+        return _SparseAttention.apply(q, kv, sink, idx, scale)
+    return sparse_attention_fwd(q, kv, sink, idx, scale)
+
+
+def can_run(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+            scale: float) -> str | None:
+    reason = device_reason(q, kv, sink, idx)
+    if reason:
+        return reason
+    if q.dim() != 4 or kv.dim() != 3 or idx.dim() != 3 or sink.dim() != 1:
+        return "expected q [b, s, h, d], kv [b, n, d], idx [b, s, k], sink [h]"
+    b, s, h, d = q.shape
+    if kv.size(0) != b or kv.size(2) != d or idx.shape[:2] != (b, s) or sink.size(0) != h:
+        return "shape mismatch between q, kv, idx and sink"
+    if q.dtype not in FLOAT_DTYPES or kv.dtype != q.dtype:
+        return f"dtypes q={q.dtype} kv={kv.dtype} (need one of bf16/fp16/fp32 for both)"
+    if idx.dtype not in (torch.int32, torch.int64):
+        return f"idx dtype {idx.dtype} (need int32 or int64)"
+    if d > 1024:
+        return f"head dim {d} > 1024"
+    return None
+
+
+_ops.register("sparse_attention", "triton", sparse_attention, can_run=can_run, deterministic=True,
+              priority=10)
