@@ -171,6 +171,7 @@ moe_experts = _make("moe_experts")
 
 def _load_optional_backends() -> None:
     """Fast backends register themselves on import; a missing dependency only means not registered."""
+    from . import torch_native as _torch_native  # noqa: F401
     try:
         from . import triton as _triton  # noqa: F401
     except ImportError:

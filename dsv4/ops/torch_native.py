@@ -1,0 +1,192 @@
+"""Fast backends written with torch ops only (no Triton), plus the shared MoE routing plan.
+
+- `moe_experts` backend "grouped": tokens sorted by expert, then `torch._grouped_mm` runs every local
+  expert in one call per projection (CUTLASS grouped GEMM on sm90+ GPUs, a C++ loop on CPU).
+- Quantized-weight linears `fp8_linear` / `fp4_linear`: their "reference" definition (dequantize the
+  weight to bf16, then a bf16 matmul). The Triton backends in `dsv4.ops.triton.quant_gemm` dequantize
+  inside the GEMM instead and are tested against these.
+
+The routing plan (`moe_plan`) is built with device-side ops only (stable argsort + searchsorted), so no
+data-dependent size reaches the host: every buffer has T*k rows, whatever the routing (BUGZOO Z23/Z24).
+Slots routed to experts outside this rank's range sort to the end; the rows they occupy are never
+computed by the grouped GEMM, so every consumer masks them with `torch.where` (BUGZOO Z09).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import register
+
+E8M0_BIAS = 127
+
+
+# ----------------------------------------------------------------------------- MoE routing plan
+@dataclass
+class MoEPlan:
+    """Slots (token, k) sorted by local expert; slots of other ranks' experts go last."""
+
+    order: torch.Tensor        # [T*k] int64: sorted position -> flat slot id (t*k + j)
+    token: torch.Tensor        # [T*k] int64: sorted position -> token
+    valid: torch.Tensor        # [T*k] bool: sorted position holds a local expert
+    weight: torch.Tensor       # [T*k] fp32: routing weight of each sorted slot
+    ends: torch.Tensor         # [E] int32: cumulative end row of each expert's group
+    n_tokens: int
+    topk: int
+
+
+def moe_plan(weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_offset: int) -> MoEPlan:
+    t, k = indices.shape
+    local = indices.reshape(-1).long() - expert_offset                     # [T*k]
+    valid = (local >= 0) & (local < n_local)
+    key = torch.where(valid, local, n_local)                               # foreign experts -> bucket E
+    order = torch.argsort(key, stable=True)                                # [T*k]
+    sorted_key = key[order]
+    bounds = torch.arange(n_local, device=key.device, dtype=sorted_key.dtype)
+    ends = torch.searchsorted(sorted_key, bounds, right=True).to(torch.int32)  # [E]
+    return MoEPlan(order=order, token=order // k, valid=sorted_key < n_local,
+                   weight=weights.reshape(-1).float()[order], ends=ends, n_tokens=t, topk=k)
+
+
+class _GatherRows(torch.autograd.Function):
+    """xs[i] = x[plan.token[i]]; backward sums each token's k slot gradients in slot order (no atomics)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, token: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        ctx.shape = (x.size(0), topk, x.size(1))
+        return x[token]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        slots = torch.empty_like(grad).index_copy_(0, order, grad)        # [T*k, D] in slot order
+        return slots.view(ctx.shape).sum(1), None, None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """y[t] = sum_j out[sorted position of slot (t, j)], summed in slot order (deterministic)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, token: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
+        ctx.save_for_backward(token)
+        slots = torch.empty_like(out).index_copy_(0, order, out)           # [T*k, D]
+        return slots.view(-1, topk, out.size(1)).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (token,) = ctx.saved_tensors
+        return grad[token], None, None, None
+
+
+def gather_rows(x: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
+    """[T, D] -> [T*k, D] in expert order; rows of foreign slots are zero (and pass zero gradient)."""
+    xs = _GatherRows.apply(x, plan.token, plan.order, plan.topk)
+    return torch.where(plan.valid.unsqueeze(-1), xs, torch.zeros((), dtype=xs.dtype, device=xs.device))
+
+
+def mask_rows(t: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
+    """Zero the rows of foreign slots (whatever they hold, even NaN); their gradient is zero too."""
+    return torch.where(plan.valid.unsqueeze(-1), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def combine_rows(out: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
+    """[T*k, D] expert-ordered expert outputs -> [T, D] fp32 sums; foreign rows are masked, never read."""
+    out = torch.where(plan.valid.unsqueeze(-1), out.float(), torch.zeros((), device=out.device))
+    return _CombineRows.apply(out, plan.token, plan.order, plan.topk)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 (limit 0 = no clamp)."""
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return F.silu(gate) * up
+
+
+# ----------------------------------------------------------------------------- grouped backend
+def _grouped_can_run(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0) -> str | None:
+    if not hasattr(torch, "_grouped_mm"):
+        return "this torch has no torch._grouped_mm"
+    if x.dim() != 2 or w1.dim() != 3:
+        return "expects x [T, D] and stacked expert weights [E, I, D]"
+    if x.dtype != w1.dtype or w1.dtype != w2.dtype or w1.dtype != w3.dtype:
+        return f"x and expert weights must share a dtype (got {x.dtype}, {w1.dtype})"
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16:
+            return f"torch._grouped_mm on CUDA needs bf16, got {x.dtype}"
+        if torch.cuda.get_device_capability(x.device) < (9, 0):
+            return "torch._grouped_mm needs an sm90+ GPU"
+    elif x.device.type != "cpu":
+        return f"device {x.device.type} is not supported"
+    align = 16 // x.element_size()
+    if x.size(1) % align or w1.size(1) % align:
+        return f"dim and inter dim must be multiples of {align} (16-byte strides)"
+    return None
+
+
+def grouped_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
+                        w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float,
+                        expert_offset: int = 0) -> torch.Tensor:
+    """`moe_experts` with one `torch._grouped_mm` per projection over all local experts."""
+    plan = moe_plan(weights, indices, w1.size(0), expert_offset)
+    xs = gather_rows(x, plan)                                                    # [M, D]
+    # rows past the last group are not computed: mask them before anything reads them (also in backward)
+    gate = mask_rows(torch._grouped_mm(xs, w1.transpose(1, 2), offs=plan.ends), plan)   # [M, I]
+    up = mask_rows(torch._grouped_mm(xs, w3.transpose(1, 2), offs=plan.ends), plan)     # [M, I]
+    h = (clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype)
+    out = torch._grouped_mm(h, w2.transpose(1, 2), offs=plan.ends)               # [M, D]
+    return combine_rows(out, plan)
+
+
+register("moe_experts", "grouped", grouped_moe_experts, can_run=_grouped_can_run, deterministic=True,
+         priority=5)
+
+
+# ----------------------------------------------------------------------------- quantized-weight linears
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scale bytes (float8_e8m0fnu or uint8/int8 bytes) -> fp32 2^(b-127), read bit for bit."""
+    if scale.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return scale.float()
+    b = scale.view(torch.uint8).to(torch.int32)
+    out = torch.exp2((b - E8M0_BIAS).float())
+    return torch.where(b == 255, torch.full_like(out, float("nan")), out)
+
+
+def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """FP8 E4M3 [N, K] with a [ceil(N/128), ceil(K/128)] block scale -> fp32 [N, K]."""
+    n, k = weight.shape
+    s = e8m0_to_float(scale)
+    s = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return weight.float() * s
+
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequant_mxfp4(weight: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Packed E2M1 [N, K/2] (low nibble = element 2i) with per-32 E8M0 scales [N, K/32] -> fp32 [N, K]."""
+    b = weight.view(torch.uint8).to(torch.int64)
+    codes = torch.stack([b & 0xF, b >> 4], -1).flatten(-2)                   # [N, K] interleaved
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=weight.device)
+    return table[codes] * e8m0_to_float(scale).repeat_interleave(block, -1)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T with W = dequant(FP8 block-scaled weight) rounded to x.dtype. x [..., K] -> [..., N]."""
+    w = dequant_fp8_block(weight, scale).to(x.dtype)
+    return F.linear(x, w)
+
+
+def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T with W = dequant(MXFP4 weight) rounded to x.dtype. x [..., K] -> [..., N]."""
+    w = dequant_mxfp4(weight, scale).to(x.dtype)
+    return F.linear(x, w)
+
+
+register("fp8_linear", "reference", fp8_linear)
+register("fp4_linear", "reference", fp4_linear)

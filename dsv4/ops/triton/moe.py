@@ -1,0 +1,265 @@
+"""Triton grouped GEMM for the routed experts (`moe_experts` backend "triton").
+
+All local experts run in one launch per projection. Slots are sorted by expert on the device
+(`dsv4.ops.torch_native.moe_plan`); a tile table, also built on the device, maps each program to
+(expert, first row), so no routing count ever reaches the host. The grid is sized for the worst case
+(ceil(T*k / BM) + E + 1 row tiles); surplus programs exit at once. Slots of experts owned by other ranks
+form a last bucket whose rows the kernel writes as zeros, so no output row is left uninitialised
+(BUGZOO Z09).
+
+Inference (no gradient needed) runs two kernels: gate+up with the gather of token rows, the clamped
+SwiGLU and the routing weight fused in, then the down projection, which scatters each row back to its
+(token, k) slot; the k slots of a token are then summed in fixed order. Training uses the same GEMM
+kernel inside an autograd.Function (dX with transposed weight strides) plus a weight-gradient kernel that
+reduces each expert's rows serially; no atomics anywhere, so repeats are bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import register
+from ..torch_native import clamped_swiglu, combine_rows, gather_rows, mask_rows, moe_plan
+from ._mm_utils import INTERPRET as _INTERPRET
+from ._mm_utils import device_reason
+from ._mm_utils import mma as _mma
+from ._mm_utils import round_to as _round_to
+
+
+@triton.jit
+def _gmm_kernel(a_ptr, a_idx_ptr, b_ptr, b2_ptr, c_ptr, c_idx_ptr, w_ptr,
+                tile_group_ptr, tile_row_ptr, tile_end_ptr,
+                N, K, n_groups,
+                stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+                limit,
+                GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SWIGLU: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr = False):
+    """C[r] = A[r] @ B[g] for the rows r of group g; SWIGLU: silu(min(A B, L)) * clamp(A B2, +-L) * w[r]."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    g = tl.load(tile_group_ptr + pid_m)
+    row0 = tl.load(tile_row_ptr + pid_m)
+    rend = tl.load(tile_end_ptr + pid_m)
+    if row0 >= rend:
+        return
+    rows = row0 + tl.arange(0, BM)
+    rmask = rows < rend
+    cols = pid_n * BN + tl.arange(0, BN)
+    cmask = cols < N
+    if SCATTER_C:
+        out_rows = tl.load(c_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        out_rows = rows.to(tl.int64)
+    c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    smask = rmask[:, None] & cmask[None, :]
+    if g >= n_groups:  # slots of other ranks' experts: defined zeros, never garbage
+        tl.store(c_ptrs, tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty), mask=smask)
+        return
+    if GATHER_A:
+        a_rows = tl.load(a_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    ks = tl.arange(0, BK)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
+    b_off = g.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kmask = (k0 + ks) < K
+        a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptr + b_off, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        acc = _mma(a, b, acc, UPCAST)
+        if SWIGLU:
+            b2 = tl.load(b2_ptr + b_off, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc2 = _mma(a, b2, acc2, UPCAST)
+        a_ptrs += BK * stride_ak
+        b_off += BK * stride_bk
+    if SWIGLU:
+        # the projections round to the activation dtype first, as a plain linear layer would
+        gate = _round_to(acc, a_ptr.dtype.element_ty, UPCAST).to(tl.float32)
+        up = _round_to(acc2, a_ptr.dtype.element_ty, UPCAST).to(tl.float32)
+        if limit > 0:
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            gate = tl.minimum(gate, limit)
+        w = tl.load(w_ptr + rows, mask=rmask, other=0.0)
+        acc = gate * tl.sigmoid(gate) * up * w[:, None]
+    tl.store(c_ptrs, _round_to(acc, c_ptr.dtype.element_ty, UPCAST), mask=smask)
+
+
+@triton.jit
+def _gmm_wgrad_kernel(a_ptr, g_ptr, out_ptr, starts_ptr, ends_ptr, N, K,
+                      stride_am, stride_ak, stride_gm, stride_gn, stride_oe, stride_ok, stride_on,
+                      BR: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                      UPCAST: tl.constexpr = False):
+    """out[e] = A[rows of e]^T @ G[rows of e], rows reduced serially (deterministic)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    e = tl.program_id(2)
+    start = tl.load(starts_ptr + e)
+    end = tl.load(ends_ptr + e)
+    ks = pid_k * BK + tl.arange(0, BK)
+    ns = pid_n * BN + tl.arange(0, BN)
+    kmask = ks < K
+    nmask = ns < N
+    acc = tl.zeros((BK, BN), dtype=tl.float32)
+    for r0 in range(start, end, BR):
+        rs = r0 + tl.arange(0, BR)
+        rmask = rs < end
+        a = tl.load(a_ptr + rs[:, None].to(tl.int64) * stride_am + ks[None, :] * stride_ak,
+                    mask=rmask[:, None] & kmask[None, :], other=0.0)                       # [BR, BK]
+        gr = tl.load(g_ptr + rs[:, None].to(tl.int64) * stride_gm + ns[None, :] * stride_gn,
+                     mask=rmask[:, None] & nmask[None, :], other=0.0)                     # [BR, BN]
+        acc = _mma(tl.trans(a), gr, acc, UPCAST)
+    o_ptrs = out_ptr + e.to(tl.int64) * stride_oe + ks[:, None] * stride_ok + ns[None, :] * stride_on
+    tl.store(o_ptrs, _round_to(acc, out_ptr.dtype.element_ty, UPCAST), mask=kmask[:, None] & nmask[None, :])
+
+
+_GMM_CONFIGS = [
+    triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s)
+    for bn, bk, w, s in ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (128, 32, 4, 4), (256, 64, 8, 3))
+]
+_SWIGLU_CONFIGS = [
+    triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s)
+    for bn, bk, w, s in ((64, 64, 4, 4), (64, 64, 8, 3), (128, 64, 8, 3), (128, 32, 8, 4))
+]
+_WGRAD_CONFIGS = [
+    triton.Config({"BK": bk, "BN": bn, "BR": br}, num_warps=w, num_stages=s)
+    for bk, bn, br, w, s in ((128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 32, 4, 4))
+]
+_gmm_tuned = triton.autotune(_GMM_CONFIGS, key=["N", "K", "BM", "SCATTER_C", "GATHER_A"])(_gmm_kernel)
+_swiglu_tuned = triton.autotune(_SWIGLU_CONFIGS, key=["N", "K", "BM"])(_gmm_kernel)
+_wgrad_tuned = triton.autotune(_WGRAD_CONFIGS, key=["N", "K"])(_gmm_wgrad_kernel)
+
+
+# ----------------------------------------------------------------------------- tile table (device side)
+class _Tiles:
+    """Row tiles of BM rows per group (local experts, then the foreign bucket), built without host sync."""
+
+    def __init__(self, ends: torch.Tensor, n_rows: int, bm: int):
+        e = ends.numel()
+        dev = ends.device
+        ends64 = ends.long()
+        m = torch.full((1,), n_rows, dtype=torch.long, device=dev)
+        ends_all = torch.cat([ends64, m])                                          # [E+1]
+        starts_all = torch.cat([torch.zeros_like(m), ends64])                      # [E+1]
+        tiles = (ends_all - starts_all + bm - 1) // bm
+        cum = torch.cumsum(tiles, 0)
+        self.n_tiles = triton.cdiv(n_rows, bm) + e + 1                           # upper bound, static
+        tid = torch.arange(self.n_tiles, device=dev)
+        g = torch.searchsorted(cum, tid, right=True)                               # e+1 = no work
+        gc = g.clamp(max=e)
+        row = starts_all[gc] + (tid - (cum[gc] - tiles[gc])) * bm
+        end = torch.where(g > e, torch.zeros_like(row), ends_all[gc])
+        self.group = g.to(torch.int32)
+        self.row = row.to(torch.int32)
+        self.end = end.to(torch.int32)
+        self.starts = starts_all[:e].to(torch.int32).contiguous()
+        self.ends = ends.to(torch.int32).contiguous()
+        self.n_groups = e
+        self.bm = bm
+
+
+def _block_m(n_rows: int, n_groups: int) -> int:
+    return 64 if n_rows < 128 * n_groups or _INTERPRET else 128
+
+
+def _launch_gmm(a: torch.Tensor, b: torch.Tensor, tiles: _Tiles, out: torch.Tensor, *,
+                a_idx: torch.Tensor | None = None, c_idx: torch.Tensor | None = None,
+                b2: torch.Tensor | None = None, w: torch.Tensor | None = None, limit: float = 0.0) -> None:
+    """out[rows of g] = a[rows] @ b[g] (b [E, K, N], any strides), or the fused SwiGLU when b2 is given."""
+    k, n = b.shape[1], b.shape[2]
+    swiglu = b2 is not None
+    if swiglu:
+        assert b2.stride() == b.stride()
+    dummy = tiles.group
+    args = (a, a_idx if a_idx is not None else dummy, b, b2 if swiglu else b, out,
+            c_idx if c_idx is not None else dummy, w if w is not None else a,
+            tiles.group, tiles.row, tiles.end, n, k, tiles.n_groups,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+            float(limit))
+    flags = dict(GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, SWIGLU=swiglu, BM=tiles.bm)
+    if _INTERPRET:
+        _gmm_kernel[(triton.cdiv(n, 32), tiles.n_tiles)](*args, **flags, BN=32, BK=32, UPCAST=True)
+        return
+    kern = _swiglu_tuned if swiglu else _gmm_tuned
+    kern[lambda meta: (triton.cdiv(n, meta["BN"]), tiles.n_tiles)](*args, **flags)
+
+
+def _launch_wgrad(a: torch.Tensor, g: torch.Tensor, tiles: _Tiles, out: torch.Tensor) -> None:
+    k, n = a.size(1), g.size(1)
+    args = (a, g, out, tiles.starts, tiles.ends, n, k, a.stride(0), a.stride(1), g.stride(0), g.stride(1),
+            out.stride(0), out.stride(1), out.stride(2))
+    if _INTERPRET:
+        grid = (triton.cdiv(n, 32), triton.cdiv(k, 32), tiles.n_groups)
+        _gmm_wgrad_kernel[grid](*args, BR=32, BK=32, BN=32, UPCAST=True)
+        return
+    _wgrad_tuned[lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(k, meta["BK"]), tiles.n_groups)](*args)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """c = a @ b[g] per group. a [M, K]; b [E, K, N] (a transposed view of the stored weight)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, tiles: _Tiles) -> torch.Tensor:
+        a = a.contiguous()
+        out = torch.empty(a.size(0), b.size(2), dtype=a.dtype, device=a.device)
+        _launch_gmm(a, b, tiles, out)
+        ctx.save_for_backward(a, b)
+        ctx.tiles = tiles
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        grad = grad.contiguous()
+        ga = gb = None
+        if ctx.needs_input_grad[0]:
+            ga = torch.empty_like(a)
+            _launch_gmm(grad, b.transpose(1, 2), ctx.tiles, ga)
+        if ctx.needs_input_grad[1]:
+            gb = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+            _launch_wgrad(a, grad, ctx.tiles, gb)
+        return ga, gb, None
+
+
+# ----------------------------------------------------------------------------- the op
+def triton_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
+                       w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float,
+                       expert_offset: int = 0) -> torch.Tensor:
+    """`moe_experts` as Triton grouped GEMMs over all local experts (see the module docstring)."""
+    n_local = w1.size(0)
+    plan = moe_plan(weights, indices, n_local, expert_offset)
+    m = plan.order.numel()
+    tiles = _Tiles(plan.ends, m, _block_m(m, n_local))
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, weights, w1, w2, w3))
+    if not needs_grad:
+        x = x.contiguous()
+        h = torch.empty(m, w1.size(1), dtype=x.dtype, device=x.device)           # [M, I]
+        _launch_gmm(x, w1.transpose(1, 2), tiles, h, a_idx=plan.token, b2=w3.transpose(1, 2),
+                    w=plan.weight.contiguous(), limit=swiglu_limit)
+        out = torch.empty(m, x.size(1), dtype=x.dtype, device=x.device)         # [T*k, D] slot order
+        _launch_gmm(h, w2.transpose(1, 2), tiles, out, c_idx=plan.order)
+        return out.view(plan.n_tokens, plan.topk, -1).float().sum(1)
+    xs = gather_rows(x, plan)                                                    # [M, D]
+    gate = _GroupedMM.apply(xs, w1.transpose(1, 2), tiles)                       # [M, I]
+    up = _GroupedMM.apply(xs, w3.transpose(1, 2), tiles)
+    h = (clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype)
+    out = mask_rows(_GroupedMM.apply(h, w2.transpose(1, 2), tiles), plan)         # [M, D]
+    return combine_rows(out, plan)
+
+
+def _can_run(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0) -> str | None:
+    reason = device_reason(x)
+    if reason:
+        return reason
+    if x.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
+        return "expects x [T, D] and stacked expert weights"
+    if not (x.dtype == w1.dtype == w2.dtype == w3.dtype) or x.dtype not in (torch.bfloat16, torch.float16):
+        return f"x and expert weights must all be bf16 or fp16 (got {x.dtype}, {w1.dtype})"
+    return None
+
+
+register("moe_experts", "triton", triton_moe_experts, can_run=_can_run, deterministic=True, priority=10)
