@@ -1,0 +1,366 @@
+"""`dsv4 bench kernels`: time the attention kernels against the device's measured limits.
+
+For each kernel and shape it prints the time, the rate (TFLOP/s or GB/s), the ratio to the bf16 matmul
+rate and to the copy bandwidth measured in the same run, and the speed-up over the plain-torch reference.
+`--check` first compares each kernel with the reference at the benchmark shape (relative L2).
+`--sweep` times a few launch configurations per kernel and keeps the fastest for the rest of the run.
+
+FLOP conventions: sparse attention forward `4*b*s*h*k*d` (QK^T and PV over k keys per query), backward
+2.5x that; indexer scoring `2*b*s*n*h*d` over all (query, key) pairs; decode counts the KV bytes
+gathered (`b*s*k*d*elem`) plus q and o.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+
+# ----------------------------------------------------------------------------- timing and limits
+def _time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
+    """Median of per-call times in ms (CUDA events around each call)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure_limits(device: torch.device) -> dict:
+    """Measured bf16 matmul TFLOP/s (8192^3) and device copy bandwidth GB/s (1 GiB read + 1 GiB write)."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    bm = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ms = _time_ms(lambda: a @ bm, reps=20)
+    mm_tflops = 2 * 8192**3 / ms / 1e9
+    src = torch.empty(1 << 29, device=device, dtype=torch.int16)   # 1 GiB
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), reps=20)
+    copy_gbs = 2 * src.numel() * 2 / ms / 1e6
+    return {"matmul_tflops": mm_tflops, "copy_gbs": copy_gbs}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ----------------------------------------------------------------------------- inputs
+def attention_inputs(b: int, s: int, h: int, d: int, k: int, n: int, device, dtype=torch.bfloat16,
+                     window: int = 128, seed: int = 0):
+    """q, kv, sink, idx like a V4 compressed layer: a causal window of `window` keys + random picks."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(b, s, h, d, device=device, dtype=dtype, generator=g)
+    kv = torch.randn(b, n, d, device=device, dtype=dtype, generator=g)
+    sink = torch.randn(h, device=device, generator=g)
+    t = torch.arange(s, device=device).view(1, s, 1)
+    w = min(window, k)
+    win = t - torch.arange(w, device=device).view(1, 1, w)                                # [1, s, w]
+    win = torch.where(win >= 0, win, -1).expand(b, s, w)
+    rest = torch.randint(0, n, (b, s, k - w), device=device, generator=g)
+    idx = torch.cat([win, rest], -1).contiguous()
+    return q, kv, sink, idx
+
+
+def indexer_inputs(b: int, s: int, h: int, d: int, n: int, device, dtype=torch.bfloat16, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(b, s, h, d, device=device, dtype=dtype, generator=g)
+    k = torch.randn(b, n, d, device=device, dtype=dtype, generator=g)
+    w = torch.randn(b, s, h, device=device, generator=g) * (h * d) ** -0.5
+    return q, k, w
+
+
+# ----------------------------------------------------------------------------- sweeps
+def _sweep(name: str, target: dict, candidates: list[dict], fn: Callable[[], object], rows: list) -> None:
+    """Time `fn` under each candidate config (updating `target` in place); keep the fastest."""
+    best, best_ms = dict(target), math.inf
+    for cand in candidates:
+        target.clear()
+        target.update(cand)
+        try:
+            ms = _time_ms(fn, reps=5, warmup=1)
+        except Exception as e:  # a config that does not compile or run (e.g. out of shared memory)
+            rows.append({"sweep": name, "config": cand, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            continue
+        rows.append({"sweep": name, "config": cand, "ms": ms})
+        if ms < best_ms:
+            best, best_ms = dict(cand), ms
+    target.clear()
+    target.update(best)
+    rows.append({"sweep": name, "chosen": best, "ms": best_ms})
+
+
+def _sweeps(args, device, rows: list, parts: set[str]) -> None:
+    from dsv4.ops.triton import indexer as ix
+    from dsv4.ops.triton import sparse_attention as sa
+
+    if "attention" in parts:
+        _attention_sweeps(args, device, rows, sa)
+    if "indexer" in parts:
+        _indexer_sweeps(args, device, rows, ix)
+
+
+def _indexer_sweeps(args, device, rows: list, ix) -> None:
+    iq, ik, iw = indexer_inputs(1, args.seq, args.index_heads, args.index_dim, args.index_keys, device)
+    pos = torch.arange(args.seq, device=device) + args.index_keys * args.ratio
+    sc_c = [{"BLOCK_M": m, "BLOCK_N": nn, "num_warps": w, "num_stages": st}
+            for m, nn, w, st in ((128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 256, 8, 3))]
+    _sweep("index_score", ix.SCORE_CONFIG, sc_c, lambda: ix.indexer_scores_fwd(iq, ik, iw, pos, args.ratio),
+           rows)
+    g = torch.randn(1, args.seq, args.index_keys, device=device)
+    bw_c = [{"BLOCK_M": m, "BLOCK_N": nn, "num_warps": w, "num_stages": st}
+            for m, nn, w, st in ((64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2))]
+    _sweep("index_bwd", ix.BWD_CONFIG, bw_c,
+           lambda: ix.indexer_scores_bwd(iq, ik, iw, pos, args.ratio, g), rows)
+
+
+def _attention_sweeps(args, device, rows: list, sa) -> None:
+    q, kv, sink, idx = attention_inputs(1, args.seq, args.heads, args.dim, args.topk, args.seq, device)
+    scale = args.dim**-0.5
+    fwd_c = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
+             for bn, w, st in ((64, 8, 2), (64, 8, 1), (32, 8, 2), (32, 4, 2), (128, 8, 1))]
+    _sweep("attn_fwd", sa.FWD_CONFIG, fwd_c, lambda: sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1),
+           rows)
+    o, lse = sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1)
+    do = torch.randn_like(o)
+    bwd_c = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
+             for bn, w, st in ((32, 8, 1), (16, 8, 1), (32, 16, 1), (64, 16, 1))]
+    _sweep("attn_bwd", sa.BWD_CONFIG, bwd_c,
+           lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False), rows)
+    qd, kvd, sinkd, idxd = attention_inputs(args.decode_batch, 1, args.heads, args.dim, args.topk, args.seq,
+                                            device)
+    dec_c = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
+             for bn, w, st in ((64, 8, 2), (32, 4, 2), (32, 8, 3))]
+    _sweep("attn_decode", sa.SPLIT_CONFIG, dec_c,
+           lambda: sa.sparse_attention_fwd(qd, kvd, sinkd, idxd, scale), rows)
+
+
+# ----------------------------------------------------------------------------- benchmarks
+def _row(name: str, shape: str, ms: float, limits: dict, flops: float | None = None,
+         nbytes: float | None = None, ref_ms: float | None = None, **extra) -> dict:
+    r = {"kernel": name, "shape": shape, "ms": round(ms, 4)}
+    if flops:
+        r["tflops"] = round(flops / ms / 1e9, 1)
+        r["of_matmul"] = round(r["tflops"] / limits["matmul_tflops"], 3)
+    if nbytes:
+        r["gbs"] = round(nbytes / ms / 1e6, 1)
+        r["of_copy"] = round(r["gbs"] / limits["copy_gbs"], 3)
+    if ref_ms is not None:
+        r["ref_ms"] = round(ref_ms, 3)
+        r["speedup"] = round(ref_ms / ms, 1)
+    r.update(extra)
+    return r
+
+
+def _bench_attention(args, device, limits: dict, rows: list) -> None:
+    from dsv4.ops import reference as ref
+    from dsv4.ops.triton import sparse_attention as sa
+
+    b, s, h, d, k = 1, args.seq, args.heads, args.dim, args.topk
+    n = s
+    scale = d**-0.5
+    q, kv, sink, idx = attention_inputs(b, s, h, d, k, n, device)
+    shape = f"b={b} s={s} h={h} d={d} k={k}"
+    flops = 4 * b * s * h * k * d
+    fwd = lambda: sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1)  # noqa: E731
+    ms = _time_ms(fwd)
+    o, lse = fwd()
+    do = torch.randn_like(o)
+    ref_ms = ref_bwd_ms = None
+    extra: dict = {}
+    if args.reference or args.check:
+        qr, kvr, sr = (x.detach().clone().requires_grad_() for x in (q, kv, sink))
+        ref_fwd = lambda: ref.sparse_attention(qr, kvr, sr, idx, scale)  # noqa: E731
+        if args.reference:
+            with torch.no_grad():
+                ref_ms = _time_ms(ref_fwd, reps=3, warmup=1)
+        if args.check:
+            ro, rl = ref_fwd()
+            (ro.float() * do.float()).sum().backward()
+            dq, dkv, dsink = sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False)
+            extra = {"rel_o": _rel(o, ro), "max_lse": float((lse - rl).abs().max()),
+                     "rel_dq": _rel(dq, qr.grad), "rel_dkv": _rel(dkv, kvr.grad),
+                     "rel_dsink": _rel(dsink, sr.grad)}
+            dq2, dkv2, dsink2 = sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, True)
+            dq3, dkv3, dsink3 = sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, True)
+            extra["det_repeat_identical"] = bool(torch.equal(dkv2, dkv3) and torch.equal(dq2, dq3)
+                                                 and torch.equal(dsink2, dsink3))
+            extra["rel_dkv_det"] = _rel(dkv2, kvr.grad)
+            del ro, rl
+        if args.reference:
+            def ref_bwd():
+                qr.grad = kvr.grad = sr.grad = None
+                ro, _ = ref_fwd()
+                ro.backward(do)
+            ref_bwd_ms = _time_ms(ref_bwd, reps=3, warmup=1) - (ref_ms or 0.0)
+    rows.append(_row("sparse_attn_fwd", shape, ms, limits, flops=flops, ref_ms=ref_ms, **extra))
+    bwd = lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False)  # noqa: E731
+    rows.append(_row("sparse_attn_bwd", shape, _time_ms(bwd), limits, flops=2.5 * flops, ref_ms=ref_bwd_ms))
+    det = lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, True)  # noqa: E731
+    rows.append(_row("sparse_attn_bwd_deterministic", shape, _time_ms(det, reps=5), limits,
+                     flops=2.5 * flops))
+
+    # decode: one query per sequence, large batch, its own kv per sequence
+    bd = args.decode_batch
+    q, kv, sink, idx = attention_inputs(bd, 1, h, d, k, args.seq, device)
+    elem = q.element_size()
+    nbytes = bd * k * d * elem + 2 * bd * h * d * elem
+    dec = lambda: sa.sparse_attention_fwd(q, kv, sink, idx, scale)  # noqa: E731
+    splits = sa.choose_splits(bd * math.ceil(h / sa._block_h(h)), k, q.device)
+    ref_ms = None
+    extra = {"splits": splits}
+    if args.reference:
+        with torch.no_grad():
+            ref_ms = _time_ms(lambda: ref.sparse_attention(q, kv, sink, idx, scale), reps=5)
+    if args.check:
+        o, lse = dec()
+        ro, rl = ref.sparse_attention(q, kv, sink, idx, scale)
+        extra.update(rel_o=_rel(o, ro), max_lse=float((lse - rl).abs().max()))
+    rows.append(_row("sparse_attn_decode", f"b={bd} s=1 h={h} d={d} k={k}", _time_ms(dec, reps=50), limits,
+                     flops=4 * bd * h * k * d, nbytes=nbytes, ref_ms=ref_ms, **extra))
+    nosplit = lambda: sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1)  # noqa: E731
+    rows.append(_row("sparse_attn_decode_nosplit", f"b={bd} s=1 h={h} d={d} k={k}",
+                     _time_ms(nosplit, reps=50), limits, flops=4 * bd * h * k * d, nbytes=nbytes))
+
+
+def _bench_indexer(args, device, limits: dict, rows: list) -> None:
+    from dsv4.ops import reference as ref
+    from dsv4.ops.triton import indexer as ix
+
+    s, h, d, n, r = args.seq, args.index_heads, args.index_dim, args.index_keys, args.ratio
+    q, k, w = indexer_inputs(1, s, h, d, n, device)
+    flops = 2 * s * n * h * d
+    for label, pos in (("all visible", torch.arange(s, device=device) + n * r),
+                       ("causal", torch.arange(s, device=device) * (n * r) // s)):
+        shape = f"s={s} n={n} h={h} d={d} ({label})"
+        visible = float(((pos + 1) // r).clamp(max=n).sum()) / (s * n)
+        fn = lambda pos=pos: ix.indexer_scores_fwd(q, k, w, pos, r)  # noqa: E731
+        extra: dict = {"visible_frac": round(visible, 3)}
+        ref_ms = None
+        if args.reference:
+            with torch.no_grad():
+                ref_ms = _time_ms(lambda pos=pos: ref.indexer_scores(q, k, w, pos, r), reps=3)
+        if args.check:
+            got, want = fn(), ref.indexer_scores(q, k, w, pos, r)
+            fin = torch.isfinite(want)
+            extra.update(rel=_rel(got[fin], want[fin]), same_mask=bool(torch.equal(fin, torch.isfinite(got))))
+        rows.append(_row("indexer_scores", shape, _time_ms(fn), limits, flops=flops, ref_ms=ref_ms, **extra))
+        topk = lambda pos=pos: ix.indexer_topk(q, k, w, pos, r, args.index_topk)  # noqa: E731
+        ref_ms = None
+        if args.reference:
+            with torch.no_grad():
+                ref_ms = _time_ms(lambda pos=pos: ref.indexer_topk(q, k, w, pos, r, args.index_topk), reps=3)
+        rows.append(_row("indexer_topk", shape + f" topk={args.index_topk}", _time_ms(topk), limits,
+                         flops=flops, ref_ms=ref_ms))
+        g = torch.randn(1, s, n, device=device)
+        bwd = lambda pos=pos, g=g: ix.indexer_scores_bwd(q, k, w, pos, r, g)  # noqa: E731
+        extra = {}
+        if args.check:
+            qr, kr, wr = (x.detach().clone().requires_grad_() for x in (q, k, w))
+            sc = ref.indexer_scores(qr, kr, wr, pos, r)
+            sc.masked_fill(~torch.isfinite(sc), 0).mul(g).sum().backward()
+            dq, dk, dw = bwd()
+            extra = {"rel_dq": _rel(dq, qr.grad), "rel_dk": _rel(dk, kr.grad), "rel_dw": _rel(dw, wr.grad)}
+        rows.append(_row("indexer_scores_bwd", shape, _time_ms(bwd, reps=10), limits, flops=4 * flops,
+                         **extra))
+
+
+class _Stream(list):
+    """A list that also prints each appended row as one JSON line (partial results survive a timeout)."""
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        print(json.dumps(row), flush=True)
+
+
+def run_kernel_bench(args: argparse.Namespace) -> int:
+    """Entry point of `dsv4 bench kernels`."""
+    if not torch.cuda.is_available():
+        print("dsv4 bench kernels: needs a CUDA device (none found); the kernels' CPU path is the "
+              "Triton interpreter, which is for tests, not timing")
+        return 2
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    limits = measure_limits(device)
+    rows: list[dict] = _Stream() if args.jsonl else []
+    sweep_rows: list[dict] = _Stream() if args.jsonl else []
+    if args.jsonl:
+        rows.append({"limits": limits, "device": torch.cuda.get_device_name(device)})
+    t0 = time.time()
+    parts = set(args.only.split(",")) if args.only else {"attention", "indexer"}
+    if args.sweep:
+        _sweeps(args, device, sweep_rows, parts)
+    if "attention" in parts:
+        _bench_attention(args, device, limits, rows)
+    if "indexer" in parts:
+        _bench_indexer(args, device, limits, rows)
+    result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+              "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d"),
+              "limits": {k: round(v, 1) for k, v in limits.items()}, "rows": rows, "sweeps": sweep_rows,
+              "seconds": round(time.time() - t0, 1)}
+    if args.jsonl:
+        return 0
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['device']}  torch {result['torch']}  triton {result['triton']}  {result['date']}")
+    print(f"measured: bf16 matmul {limits['matmul_tflops']:.0f} TFLOP/s, copy {limits['copy_gbs']:.0f} GB/s")
+    for r in sweep_rows:
+        print("sweep", r)
+    for r in rows:
+        rate = f"{r['tflops']:7.1f} TFLOP/s ({r['of_matmul']:.0%} of matmul)" if "tflops" in r else ""
+        bw = f"  {r['gbs']:7.0f} GB/s ({r['of_copy']:.0%} of copy)" if "gbs" in r else ""
+        sp = f"  x{r['speedup']} vs reference" if "speedup" in r else ""
+        print(f"{r['kernel']:30s} {r['shape']:44s} {r['ms']:9.3f} ms  {rate}{bw}{sp}")
+        keys = ("rel", "max_", "det_", "same_", "splits", "visible")
+        chk = {k: v for k, v in r.items() if k.startswith(keys)}
+        if chk:
+            print(f"{'':30s} {chk}")
+    return 0
+
+
+def add_bench_kernels_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds `kernels` to the `dsv4 bench` subcommands (sets `func=run_kernel_bench`)."""
+    p = subparsers.add_parser("kernels", help="time the attention / indexer kernels against measured limits")
+    p.add_argument("--seq", type=int, default=4096, help="queries per sequence (prefill)")
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--topk", type=int, default=640, help="keys per query (window + compressed)")
+    p.add_argument("--decode-batch", type=int, default=64)
+    p.add_argument("--index-heads", type=int, default=64)
+    p.add_argument("--index-dim", type=int, default=128)
+    p.add_argument("--index-keys", type=int, default=1024, help="compressed keys")
+    p.add_argument("--index-topk", type=int, default=512)
+    p.add_argument("--ratio", type=int, default=4)
+    p.add_argument("--only", default="", help="comma list: attention,indexer")
+    p.add_argument("--reference", action="store_true", help="also time the torch reference (speed-up)")
+    p.add_argument("--check", action="store_true", help="compare with the reference at the bench shapes")
+    p.add_argument("--sweep", action="store_true", help="try launch configs first, keep the fastest")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--jsonl", action="store_true", help="print each result as a JSON line as it is measured")
+    p.set_defaults(func=run_kernel_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsv4 bench")
+    sub = parser.add_subparsers(dest="bench", required=True)
+    add_bench_kernels_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
