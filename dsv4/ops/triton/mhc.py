@@ -1,0 +1,341 @@
+"""Fused manifold-constrained hyper-connections (`hc_pre`, `hc_post`, `hc_head` backends "triton").
+
+`hc_pre`: one program per block of BT tokens reads the token's hc residual copies once for the mix
+projection (fp32-exact: the fp32 `fn` is split into three bf16 parts, each multiplied on tensor cores with
+fp32 accumulation, and x is bf16 already), applies the RMS scale, the sigmoids and the 20 Sinkhorn
+iterations in registers, then re-reads its own tile (L2-resident by then) for the weighted reduce.
+`hc_post`: one pass over the residual copies, forward and backward (the backward also reduces the
+gradients of post and comb per token, in registers, in a fixed order).
+
+The `hc_pre` backward reruns the tiny Sinkhorn map through autograd on the saved mixes ([T, 24] numbers)
+and computes the projection gradients with torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference as _ref
+from .. import register
+from ._mm_utils import INTERPRET as _INTERPRET
+from ._mm_utils import device_reason
+from ._mm_utils import mma as _mma
+from ._mm_utils import round_to as _round_to
+
+
+@triton.jit
+def _hc_pre_fwd_kernel(x_ptr, fpp_ptr, fcb_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, mix_ptr,
+                       rs_ptr, T, D, norm_eps, hc_eps,
+                       ITERS: tl.constexpr, HC: tl.constexpr, P1: tl.constexpr, HEAD: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    ts = pid * BT + tl.arange(0, BT)
+    tmask = ts < T
+    ts64 = ts.to(tl.int64)
+    K = HC * D
+    P2: tl.constexpr = HC * HC
+    c1 = tl.arange(0, P1)
+    c2 = tl.arange(0, P2)
+    acc_pp = tl.zeros((BT, P1), dtype=tl.float32)        # pre | post mixes (zero-padded columns)
+    acc_cb = tl.zeros((BT, P2), dtype=tl.float32)        # comb mixes, row-major hc x hc
+    ss = tl.zeros((BT,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        kmask = ks < K
+        xk = tl.load(x_ptr + ts64[:, None] * K + ks[None, :], mask=tmask[:, None] & kmask[None, :],
+                     other=0.0)
+        xf = xk.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+        for part in tl.static_range(3):               # fn = hi + mid + lo, each exactly bf16
+            w = tl.load(fpp_ptr + part * K * P1 + ks[:, None] * P1 + c1[None, :], mask=kmask[:, None], other=0.0)
+            acc_pp = _mma(xk, w, acc_pp, UPCAST)
+            if not HEAD:
+                w2 = tl.load(fcb_ptr + part * K * P2 + ks[:, None] * P2 + c2[None, :], mask=kmask[:, None],
+                             other=0.0)
+                acc_cb = _mma(xk, w2, acc_cb, UPCAST)
+    r = 1.0 / tl.sqrt(ss / K + norm_eps)                # [BT]
+    mpp = acc_pp * r[:, None]
+    hcs = tl.arange(0, HC)
+    pp3 = tl.reshape(mpp, (BT, P1 // HC, HC))
+    which = tl.arange(0, P1 // HC)[None, :, None]
+    pre_m = tl.sum(tl.where(which == 0, pp3, 0.0), axis=1)                          # [BT, HC]
+    pre = tl.sigmoid(pre_m * tl.load(scale_ptr) + tl.load(base_ptr + hcs)[None, :]) + hc_eps
+    if not HEAD:
+        mcb = acc_cb * r[:, None]
+        n_mix = (2 + HC) * HC
+        tl.store(rs_ptr + ts, r, mask=tmask)
+        tl.store(mix_ptr + ts64[:, None] * n_mix + c1[None, :], mpp,
+                 mask=tmask[:, None] & (c1[None, :] < 2 * HC))
+        tl.store(mix_ptr + ts64[:, None] * n_mix + 2 * HC + c2[None, :], mcb, mask=tmask[:, None])
+        post_m = tl.sum(tl.where(which == 1, pp3, 0.0), axis=1)
+        post = 2.0 * tl.sigmoid(post_m * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + hcs)[None, :])
+        tl.store(post_ptr + ts64[:, None] * HC + hcs[None, :], post, mask=tmask[:, None])
+        # Sinkhorn on [BT, hc, hc]: row softmax (+eps), column normalisation, then ITERS-1 (row, column)
+        c = tl.reshape(mcb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + c2)[None, :], (BT, HC, HC))
+        c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
+        c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps
+        c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+        for _ in range(ITERS - 1):
+            c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+            c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+        tl.store(comb_ptr + ts64[:, None] * P2 + c2[None, :], tl.reshape(c, (BT, P2)), mask=tmask[:, None])
+    # weighted reduce of the copies (this program's tile is still in L2)
+    for d0 in range(0, D, BD):
+        ds = d0 + tl.arange(0, BD)
+        dmask = ds < D
+        m3 = tmask[:, None, None] & dmask[None, None, :]
+        x3 = tl.load(x_ptr + ts64[:, None, None] * K + hcs[None, :, None] * D + ds[None, None, :], mask=m3,
+                     other=0.0).to(tl.float32)                                          # [BT, HC, BD]
+        y = tl.sum(pre[:, :, None] * x3, axis=1)
+        tl.store(y_ptr + ts64[:, None] * D + ds[None, :], _round_to(y, y_ptr.dtype.element_ty, UPCAST),
+                 mask=tmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _hc_post_fwd_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, D,
+                        HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
+    """out[t, j] = post[t, j] * f[t] + sum_i comb[t, i, j] * res[t, i]."""
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    ts = pid_t * BT + tl.arange(0, BT)
+    tmask = ts < T
+    ts64 = ts.to(tl.int64)
+    hcs = tl.arange(0, HC)
+    ds = pid_d * BD + tl.arange(0, BD)
+    dmask = ds < D
+    m2 = tmask[:, None] & dmask[None, :]
+    post = tl.load(post_ptr + ts64[:, None] * HC + hcs[None, :], mask=tmask[:, None], other=0.0)  # [BT, HC]
+    f = tl.load(f_ptr + ts64[:, None] * D + ds[None, :], mask=m2, other=0.0).to(tl.float32)
+    out = post[:, :, None] * f[:, None, :]                                                 # [BT, HC, BD]
+    for i in tl.static_range(HC):
+        ci = tl.load(comb_ptr + ts64[:, None] * HC * HC + i * HC + hcs[None, :], mask=tmask[:, None],
+                     other=0.0)                                                                 # [BT, HC]
+        ri = tl.load(res_ptr + ts64[:, None] * HC * D + i * D + ds[None, :], mask=m2,
+                     other=0.0).to(tl.float32)                                                  # [BT, BD]
+        out += ci[:, :, None] * ri[:, None, :]
+    o_ptrs = out_ptr + ts64[:, None, None] * HC * D + hcs[None, :, None] * D + ds[None, None, :]
+    tl.store(o_ptrs, _round_to(out, out_ptr.dtype.element_ty, UPCAST), mask=m2[:, None, :])
+
+
+@triton.jit
+def _hc_post_bwd_kernel(g_ptr, f_ptr, res_ptr, post_ptr, comb_ptr, gf_ptr, gres_ptr, gpost_ptr, gcomb_ptr,
+                        T, D, HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
+    """One pass over g, f, res: gf, gres per element; gpost, gcomb reduced over d in registers."""
+    pid = tl.program_id(0)
+    ts = pid * BT + tl.arange(0, BT)
+    tmask = ts < T
+    ts64 = ts.to(tl.int64)
+    hcs = tl.arange(0, HC)
+    post = tl.load(post_ptr + ts64[:, None] * HC + hcs[None, :], mask=tmask[:, None], other=0.0)  # [BT, HC]
+    comb = tl.load(comb_ptr + ts64[:, None, None] * HC * HC + hcs[None, :, None] * HC + hcs[None, None, :],
+                   mask=tmask[:, None, None], other=0.0)                                 # [BT, HC(i), HC(j)]
+    gpost = tl.zeros((BT, HC), dtype=tl.float32)
+    gcomb = tl.zeros((BT, HC, HC), dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        ds = d0 + tl.arange(0, BD)
+        dmask = ds < D
+        m2 = tmask[:, None] & dmask[None, :]
+        m3 = m2[:, None, :]
+        off3 = ts64[:, None, None] * HC * D + hcs[None, :, None] * D + ds[None, None, :]
+        g = tl.load(g_ptr + off3, mask=m3, other=0.0).to(tl.float32)                   # [BT, HC(j), BD]
+        f = tl.load(f_ptr + ts64[:, None] * D + ds[None, :], mask=m2, other=0.0).to(tl.float32)
+        res = tl.load(res_ptr + off3, mask=m3, other=0.0).to(tl.float32)               # [BT, HC(i), BD]
+        gf = tl.sum(post[:, :, None] * g, axis=1)
+        tl.store(gf_ptr + ts64[:, None] * D + ds[None, :], _round_to(gf, gf_ptr.dtype.element_ty, UPCAST),
+                 mask=m2)
+        gpost += tl.sum(g * f[:, None, :], axis=2)
+        for i in tl.static_range(HC):
+            sel = (hcs == i)[None, :, None]
+            ci = tl.sum(tl.where(sel, comb, 0.0), axis=1)                                # [BT, HC(j)]
+            ri = tl.sum(tl.where(sel, res, 0.0), axis=1)                                 # [BT, BD]
+            gri = tl.sum(ci[:, :, None] * g, axis=1)                                      # [BT, BD]
+            tl.store(gres_ptr + ts64[:, None] * HC * D + i * D + ds[None, :],
+                     _round_to(gri, gres_ptr.dtype.element_ty, UPCAST), mask=m2)
+            gci = tl.sum(g * ri[:, None, :], axis=2)                                      # [BT, HC(j)]
+            gcomb += tl.where(sel, gci[:, None, :], 0.0)
+    tl.store(gpost_ptr + ts64[:, None] * HC + hcs[None, :], gpost, mask=tmask[:, None])
+    tl.store(gcomb_ptr + ts64[:, None, None] * HC * HC + hcs[None, :, None] * HC + hcs[None, None, :], gcomb,
+             mask=tmask[:, None, None])
+
+
+# ----------------------------------------------------------------------------- launchers
+def _split3(w: torch.Tensor) -> torch.Tensor:
+    """fp32 [..] -> [3, ..] bf16 with hi + mid + lo == w to fp32 precision."""
+    w = w.float()
+    hi = w.to(torch.bfloat16)
+    mid = (w - hi.float()).to(torch.bfloat16)
+    lo = (w - hi.float() - mid.float()).to(torch.bfloat16)
+    return torch.stack([hi, mid, lo])
+
+
+def _pp_width(hc: int) -> int:
+    return max(16, triton.next_power_of_2(2 * hc))
+
+
+def _pack_fn(fn: torch.Tensor, hc: int, head: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fn [mix, hc*D] -> (pre|post columns [3, K, P1], comb columns [3, K, hc*hc]) as bf16 parts."""
+    k = fn.size(1)
+    p1 = _pp_width(hc)
+    n_pp = hc if head else 2 * hc
+    parts = _split3(fn.t())                                                      # [3, K, mix]
+    fpp = torch.zeros(3, k, p1, dtype=torch.bfloat16, device=fn.device)
+    fpp[:, :, :n_pp] = parts[:, :, :n_pp]
+    fcb = parts[:, :, n_pp:].contiguous() if not head else fpp
+    return fpp, fcb
+
+
+def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+                hc_eps: float, iters: int, head: bool):
+    b, s, hc, d = x.shape
+    t = b * s
+    x = x.contiguous()
+    fpp, fcb = _pack_fn(fn, hc, head)
+    y = torch.empty(b, s, d, dtype=x.dtype, device=x.device)
+    dev = x.device
+    post = torch.empty(b, s, hc, dtype=torch.float32, device=dev)
+    comb = torch.empty(b, s, hc, hc, dtype=torch.float32, device=dev)
+    mix = torch.empty(t, (2 + hc) * hc, dtype=torch.float32, device=dev)
+    rs = torch.empty(t, dtype=torch.float32, device=dev)
+    bt, bk, bd = 16, (32 if _INTERPRET else 128), (32 if _INTERPRET else 128)
+    _hc_pre_fwd_kernel[(triton.cdiv(t, bt),)](
+        x, fpp, fcb, scale.float().contiguous(), base.float().contiguous(), y, post, comb, mix, rs, t, d,
+        float(norm_eps), float(hc_eps), ITERS=int(iters), HC=hc, P1=_pp_width(hc), HEAD=head,
+        BT=bt, BK=bk, BD=bd, UPCAST=_INTERPRET, num_warps=4)
+    return y, post, comb, mix, rs
+
+
+class _HcPre(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fn, scale, base, norm_eps, hc_eps, iters):
+        y, post, comb, mix, rs = _launch_pre(x, fn, scale, base, norm_eps, hc_eps, iters, head=False)
+        ctx.save_for_backward(x, fn, scale, base, mix, rs)
+        ctx.consts = (hc_eps, iters)
+        return y, post, comb
+
+    @staticmethod
+    def backward(ctx, g_y, g_post, g_comb):
+        x, fn, scale, base, mix, rs = ctx.saved_tensors
+        hc_eps, iters = ctx.consts
+        b, s, hc, d = x.shape
+        xf = x.reshape(b * s, hc * d).float()                                       # [T, K]
+        with torch.enable_grad():
+            m = mix.detach().requires_grad_()
+            sc = scale.detach().float().requires_grad_()
+            bs = base.detach().float().requires_grad_()
+            pre, post, comb = _ref.hc_split_sinkhorn(m, sc, bs, hc, iters, hc_eps)
+            outs, grads = [], []
+            if g_y is not None:
+                g_pre = torch.einsum("tid,td->ti", xf.view(-1, hc, d), g_y.reshape(-1, d).float())
+                outs.append(pre)
+                grads.append(g_pre)
+            if g_post is not None:
+                outs.append(post)
+                grads.append(g_post.reshape(-1, hc).float())
+            if g_comb is not None:
+                outs.append(comb)
+                grads.append(g_comb.reshape(-1, hc, hc).float())
+            g_m, g_sc, g_bs = torch.autograd.grad(outs, [m, sc, bs], grads, allow_unused=True)
+        g_m = g_m if g_m is not None else torch.zeros_like(mix)
+        r = rs.unsqueeze(-1)                                                          # [T, 1]
+        gmr = g_m * r                                                                 # d loss / d raw mixes
+        g_r = (g_m * mix).sum(-1, keepdim=True) / r                                   # d loss / d rsqrt
+        g_x = gmr @ fn.float() - g_r * r.pow(3) / (hc * d) * xf                       # [T, K]
+        if g_y is not None:
+            g_x = g_x.view(-1, hc, d) + pre.detach().unsqueeze(-1) * g_y.reshape(-1, 1, d).float()
+        g_fn = gmr.t() @ xf
+        g_sc = g_sc if g_sc is not None else torch.zeros_like(scale)
+        g_bs = g_bs if g_bs is not None else torch.zeros_like(base)
+        return (g_x.reshape(x.shape).to(x.dtype), g_fn.to(fn.dtype), g_sc.to(scale.dtype),
+                g_bs.to(base.dtype), None, None, None)
+
+
+def _post_launch_cfg(d: int) -> tuple[int, int]:
+    return (2, 32) if _INTERPRET else (2, min(256, triton.next_power_of_2(d)))
+
+
+class _HcPost(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, f, residual, post, comb):
+        b, s, hc, d = residual.shape
+        f_, res_ = f.contiguous(), residual.contiguous()
+        post_, comb_ = post.float().contiguous(), comb.float().contiguous()
+        out = torch.empty(b, s, hc, d, dtype=f.dtype, device=f.device)
+        bt, bd = _post_launch_cfg(d)
+        _hc_post_fwd_kernel[(triton.cdiv(b * s, bt), triton.cdiv(d, bd))](
+            f_, res_, post_, comb_, out, b * s, d, HC=hc, BT=bt, BD=bd, UPCAST=_INTERPRET, num_warps=4)
+        ctx.save_for_backward(f_, res_, post_, comb_)
+        ctx.dtypes = (post.dtype, comb.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        f, res, post, comb = ctx.saved_tensors
+        b, s, hc, d = res.shape
+        g = g.contiguous()
+        gf = torch.empty_like(f)
+        gres = torch.empty_like(res)
+        gpost = torch.empty(b, s, hc, dtype=torch.float32, device=f.device)
+        gcomb = torch.empty(b, s, hc, hc, dtype=torch.float32, device=f.device)
+        bt, bd = _post_launch_cfg(d)
+        _hc_post_bwd_kernel[(triton.cdiv(b * s, bt),)](
+            g, f, res, post, comb, gf, gres, gpost, gcomb, b * s, d, HC=hc, BT=bt, BD=bd, UPCAST=_INTERPRET,
+            num_warps=4)
+        return gf, gres, gpost.to(ctx.dtypes[0]), gcomb.to(ctx.dtypes[1])
+
+
+def triton_hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters):
+    """`hc_pre`: fused mix projection, Sinkhorn and weighted reduce (see the module docstring)."""
+    return _HcPre.apply(x, fn, scale, base, norm_eps, hc_eps, iters)
+
+
+def triton_hc_post(f, residual, post, comb):
+    """`hc_post`: one pass over the residual copies."""
+    return _HcPost.apply(f, residual, post, comb)
+
+
+def triton_hc_head(x, fn, scale, base, norm_eps, hc_eps):
+    """`hc_head` (inference only: the model trains through the reference head)."""
+    y, *_ = _launch_pre(x, fn, scale, base, norm_eps, hc_eps, 1, head=True)
+    return y
+
+
+def _x_reason(x: torch.Tensor) -> str | None:
+    reason = device_reason(x)
+    if reason:
+        return reason
+    if x.dim() != 4:
+        return f"expects [b, s, hc, d] residual copies, got {tuple(x.shape)}"
+    if x.size(2) not in (4, 8):
+        return f"hc_mult must be 4 or 8, got {x.size(2)}"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"expects bf16/fp16 residual copies (exact bf16 mix projection), got {x.dtype}"
+    return None
+
+
+def _pre_can_run(x, fn, scale, base, norm_eps, hc_eps, iters):
+    return _x_reason(x)
+
+
+def _head_can_run(x, fn, scale, base, norm_eps, hc_eps):
+    reason = _x_reason(x)
+    if reason:
+        return reason
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, fn, scale, base)):
+        return "hc_head has no triton backward (gradients requested)"
+    return None
+
+
+def _post_can_run(f, residual, post, comb):
+    reason = _x_reason(residual)
+    if reason:
+        return reason
+    if f.dtype != residual.dtype:
+        return f"f and residual dtypes differ ({f.dtype}, {residual.dtype})"
+    return None
+
+
+register("hc_pre", "triton", triton_hc_pre, can_run=_pre_can_run, deterministic=True, priority=10)
+register("hc_post", "triton", triton_hc_post, can_run=_post_can_run, deterministic=True, priority=10)
+register("hc_head", "triton", triton_hc_head, can_run=_head_can_run, deterministic=True, priority=10)
