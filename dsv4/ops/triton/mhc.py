@@ -49,7 +49,8 @@ def _hc_pre_fwd_kernel(x_ptr, fpp_ptr, fcb_ptr, scale_ptr, base_ptr, y_ptr, post
         xf = xk.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
         for part in tl.static_range(3):               # fn = hi + mid + lo, each exactly bf16
-            w = tl.load(fpp_ptr + part * K * P1 + ks[:, None] * P1 + c1[None, :], mask=kmask[:, None], other=0.0)
+            w = tl.load(fpp_ptr + part * K * P1 + ks[:, None] * P1 + c1[None, :], mask=kmask[:, None],
+                        other=0.0)
             acc_pp = _mma(xk, w, acc_pp, UPCAST)
             if not HEAD:
                 w2 = tl.load(fcb_ptr + part * K * P2 + ks[:, None] * P2 + c2[None, :], mask=kmask[:, None],
