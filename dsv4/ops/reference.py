@@ -141,16 +141,19 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, posi
     return score.masked_fill(~vis, float("-inf"))
 
 
+def select_topk(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last dim, ties broken towards the lower index;
+    entries with score -inf (invisible) become -1. Deterministic: ReLU scores tie at 0 often."""
+    k = min(k, score.size(-1))
+    values, order = score.sort(dim=-1, descending=True, stable=True)
+    return torch.where(torch.isfinite(values[..., :k]), order[..., :k], -1)
+
+
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                  ratio: int, topk: int) -> torch.Tensor:
-    """Top-`min(topk, n)` visible compressed entries per query, by indexer score; -1 pads the rest.
-
-    Returns [b, s, min(topk, n)] int64.
-    """
-    score = indexer_scores(q, k, weights, positions, ratio)
-    kk = min(topk, k.size(1))
-    top = score.topk(kk, dim=-1)
-    return torch.where(torch.isfinite(top.values), top.indices, -1)
+    """Top-`min(topk, n)` visible compressed entries per query by indexer score (ties: lower index
+    first); -1 pads the rest. Returns [b, s, min(topk, n)] int64."""
+    return select_topk(indexer_scores(q, k, weights, positions, ratio), topk)
 
 
 # ----------------------------------------------------------------------------- mHC

@@ -1,0 +1,111 @@
+"""Modules that keep checkpoint weights quantized and dequantize per block when computing.
+
+A plain-torch reference for keep-quantized loading (fast kernels plug in later):
+- `QuantLinear` replaces an `nn.Linear` whose checkpoint weight is FP8 (128x128 E8M0/fp32 scales).
+  `forward` dequantizes on the fly; `.weight` gives the dequantized weight, so code that reads the
+  weight directly keeps working.
+- `QuantExperts` replaces the stacked routed experts of a layer stored as MXFP4 or FP8: only the
+  experts a batch routes to are dequantized, one at a time.
+Stored bytes are kept bit for bit (`weight_q`, `scale` buffers).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import formats as fm
+from .reader import Value
+
+
+def _dequant(fmt: str, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if fmt == "fp8":
+        return fm.dequantize_fp8(q, scale, dtype)
+    return fm.dequantize_mxfp4(q, scale, dtype)
+
+
+def _raw(fmt: str, t: torch.Tensor) -> torch.Tensor:
+    return fm.as_fp8_bytes(t) if fmt == "fp8" else fm.as_packed_bytes(t)
+
+
+def _raw_scale(s: torch.Tensor) -> torch.Tensor:
+    return s.float() if s.dtype in (torch.float32, torch.bfloat16, torch.float16) else fm.as_e8m0_bytes(s)
+
+
+class QuantLinear(nn.Module):
+    """y = x @ dequant(weight_q, scale)^T, dequantized per call in the compute dtype."""
+
+    def __init__(self, value: Value, compute_dtype: torch.dtype, device: torch.device | str | None = None):
+        super().__init__()
+        self.fmt = value.fmt
+        self.compute_dtype = compute_dtype
+        self.register_buffer("weight_q", _raw(value.fmt, value.data).to(device))
+        self.register_buffer("scale", _raw_scale(value.scale).to(device))
+        o, i = value.data.shape
+        self.out_features, self.in_features = o, (i * 2 if value.fmt == "fp4" else i)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return _dequant(self.fmt, self.weight_q, self.scale, self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.fmt}"
+
+
+class QuantExperts(nn.Module):
+    """Stacked routed experts kept quantized: w{1,2,3}_q [E, o, i or i/2] + scales."""
+
+    def __init__(self, template: nn.Module, fmt: str, compute_dtype: torch.dtype):
+        super().__init__()
+        self.fmt, self.compute_dtype = fmt, compute_dtype
+        self.offset = getattr(template, "offset", 0)
+        self.swiglu_limit = getattr(template, "swiglu_limit", 0.0)
+        self.n = template.w1.size(0)
+        self._parts: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {
+            w: [None] * self.n for w in ("w1", "w2", "w3")}
+
+    def put(self, w: str, j: int, value: Value, device) -> None:
+        self._parts[w][j] = (_raw(self.fmt, value.data).to(device), _raw_scale(value.scale).to(device))
+
+    def finish(self) -> None:
+        for w, parts in self._parts.items():
+            missing = [j for j, p in enumerate(parts) if p is None]
+            if missing:
+                raise RuntimeError(f"quantized experts: {w} of expert {missing[0]} was never loaded")
+            self.register_buffer(f"{w}_q", torch.stack([p[0] for p in parts]))
+            self.register_buffer(f"{w}_scale", torch.stack([p[1] for p in parts]))
+        del self._parts
+
+    def expert(self, w: str, j: int) -> torch.Tensor:
+        return _dequant(self.fmt, getattr(self, f"{w}_q")[j], getattr(self, f"{w}_scale")[j], self.compute_dtype)
+
+    @property
+    def w1(self) -> torch.Tensor:
+        return torch.stack([self.expert("w1", j) for j in range(self.n)])
+
+    @property
+    def w2(self) -> torch.Tensor:
+        return torch.stack([self.expert("w2", j) for j in range(self.n)])
+
+    @property
+    def w3(self) -> torch.Tensor:
+        return torch.stack([self.expert("w3", j) for j in range(self.n)])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] -> fp32 [T, dim]: the routed experts' weighted sum, dequantizing only experts used."""
+        from ..ops import reference as ref
+
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        local = indices - self.offset
+        for j in torch.unique(local).tolist():
+            if not 0 <= j < self.n:
+                continue
+            tok, slot = torch.where(local == j)
+            w1, w2, w3 = (self.expert(w, j).to(x.dtype) for w in ("w1", "w2", "w3"))
+            out = ref.expert_ffn(x[tok], w1, w2, w3, self.swiglu_limit, weights[tok, slot].unsqueeze(-1))
+            y = y.index_add(0, tok, out.float())
+        return y

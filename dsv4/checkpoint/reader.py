@@ -1,0 +1,374 @@
+"""Read any layout: scan headers, validate everything against the config, then stream tensor by tensor.
+
+`plan()` reads only headers. It maps every stored tensor to its official name, checks that each expected
+tensor is present exactly once with an allowed dtype and shape, that each quantized weight has its block
+scale with the right shape (FP8: ceil(out/128) x ceil(in/128); MXFP4: out x in/32, packed out x in/2),
+and that nothing unexpected is left. All problems are collected; the first is the error message.
+
+`stream()` then yields one official tensor at a time (weight + scale, inference pieces reassembled),
+reading each payload once, so at most one tensor is in flight besides what the consumer keeps.
+Non-finite values (NaN/inf floats, NaN FP8 codes, NaN E8M0 scales) stop the stream with an error
+naming the tensor and file.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import formats as fm
+from ..config import ModelConfig
+from .layouts import detect_layout, find_files, load_config
+from .names import EXPERT, F32, FUSED, INT, Spec, canonical, expert_index, official_tensors, split_dim
+from .safetensors_io import FLOAT_DTYPES, INT_DTYPES, CheckpointError, TensorInfo, read_header, read_tensor
+
+log = logging.getLogger("dsv4.checkpoint")
+
+FP8_DTYPES = {"F8_E4M3"}
+FP4_DTYPES = {"I8", "U8", "F4"}
+E8M0_DTYPES = {"F8_E8M0", "U8"}
+FP8_SCALE_DTYPES = E8M0_DTYPES | {"F32", "BF16", "F16"}
+
+
+@dataclass
+class Piece:
+    info: TensorInfo
+    rank: int = 0
+
+    def where(self) -> str:
+        return f"'{self.info.name}' in {self.info.file}"
+
+
+@dataclass
+class Entry:
+    """One official weight (or one fused HF expert tensor) and where its bytes are."""
+    name: str
+    spec: Spec
+    fmt: str                                   # "float" | "int" | "fp8" | "fp4"
+    weight: list[Piece]
+    scale: list[Piece] = field(default_factory=list)
+    split: int | None = None                   # inference layout: pieces concatenated on this dim
+    parts: tuple[str, ...] = ()                # fused HF experts: ("w1", "w3") or ("w2",)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.info.nbytes for p in self.weight + self.scale)
+
+
+@dataclass
+class Value:
+    """A tensor as stored: float/int data, or quantized data with its block scale (bits untouched)."""
+    fmt: str
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.fmt == "fp8":
+            return fm.dequantize_fp8(self.data, self.scale, dtype)
+        if self.fmt == "fp4":
+            return fm.dequantize_mxfp4(self.data, self.scale, dtype)
+        if self.fmt == "int":
+            return self.data
+        return self.data.to(dtype)
+
+
+@dataclass
+class Plan:
+    root: Path
+    layout: str
+    cfg: ModelConfig
+    files: list[Path]
+    mp: int
+    entries: dict[str, Entry]
+    ignored: list[TensorInfo]
+    headers: dict[Path, dict[str, TensorInfo]]
+    warnings: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+
+class Problems:
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def add(self, msg: str) -> None:
+        self.items.append(msg)
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            more = f" (and {len(self.items) - 1} more problems)" if len(self.items) > 1 else ""
+            err = CheckpointError(self.items[0] + more)
+            err.problems = list(self.items)
+            raise err
+
+
+def _fmt_of(dtype: str) -> str:
+    if dtype in FP8_DTYPES:
+        return "fp8"
+    if dtype in FP4_DTYPES:
+        return "fp4"
+    if dtype in FLOAT_DTYPES:
+        return "float"
+    if dtype in INT_DTYPES:
+        return "int"
+    return "other"
+
+
+def _stored_shape(info: TensorInfo) -> tuple[int, ...]:
+    """The shape as bytes hold it: an F4 header counts fp4 elements, the packed tensor has half."""
+    if info.dtype == "F4":
+        return (*info.shape[:-1], info.shape[-1] // 2)
+    return info.shape
+
+
+def _piece_shape(full: tuple[int, ...], dim: int | None, mp: int) -> tuple[int, ...]:
+    if dim is None or mp == 1:
+        return full
+    s = list(full)
+    s[dim] //= mp
+    return tuple(s)
+
+
+def scan(path: str | Path) -> tuple[str, list[Path], int, dict[Path, dict[str, TensorInfo]]]:
+    """Headers of every file (no payloads) and the detected layout."""
+    by_files, files, mp = find_files(path)
+    headers = {f: read_header(f)[0] for f in files}
+    names = [n for h in headers.values() for n in h]
+    return detect_layout(names, by_files), files, mp, headers
+
+
+def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = None) -> Plan:
+    """Validate a checkpoint directory against cfg from its headers alone; raise CheckpointError."""
+    root = Path(path)
+    found, files, mp, headers = scan(root)
+    if layout is not None and layout != found:
+        if (layout == "inference") != (found == "inference"):
+            raise CheckpointError(f"{root}: --layout {layout} given, but the files are a {found} checkpoint")
+        found = layout
+    layout = found
+    cfg = cfg or load_config(root)
+    probs = Problems()
+    weights: dict[str, list[Piece]] = {}
+    scales: dict[str, list[Piece]] = {}
+    fused: dict[str, tuple[Piece, tuple[str, ...]]] = {}
+    ignored: list[TensorInfo] = []
+    for rank, f in enumerate(files):
+        for info in sorted(headers[f].values(), key=lambda t: t.begin):
+            c = canonical(info.name)
+            piece = Piece(info, rank if layout == "inference" else 0)
+            if c.kind == "ignored":
+                ignored.append(info)
+            elif c.kind == "fused":
+                if c.name in fused:
+                    probs.add(f"tensor {piece.where()} is stored twice (also {fused[c.name][0].where()})")
+                fused[c.name] = (piece, c.parts)
+            else:
+                (scales if c.kind == "scale" else weights).setdefault(c.name, []).append(piece)
+
+    expected = official_tensors(cfg)
+    warnings: list[str] = []
+    has_mtp = any(n.startswith("mtp.") for n in weights)
+    if cfg.n_mtp_layers and not has_mtp and layout == "hf":
+        warnings.append(f"{root}: no MTP weights (transformers checkpoints carry none); MTP disabled")
+        cfg = cfg.replace(n_mtp_layers=0, compress_ratios=cfg.compress_ratios[: cfg.n_layers])
+        expected = official_tensors(cfg)
+
+    entries: dict[str, Entry] = {}
+    covered: set[str] = set()
+    for name, (piece, parts) in fused.items():
+        prefix = name.rsplit(".", 1)[0]                                # layers.i.ffn.experts
+        e, inter, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
+        want = (e, 2 * inter, d) if parts == ("w1", "w3") else (e, d, inter)
+        if f"{prefix}.0.w1.weight" not in expected:
+            probs.add(f"unexpected tensor {piece.where()}: no such layer in config.json "
+                      f"({cfg.n_layers} layers); do config and weights match?")
+            continue
+        if piece.info.dtype not in FLOAT_DTYPES:
+            probs.add(f"{piece.info.file}: tensor '{piece.info.name}' has dtype {piece.info.dtype}, "
+                      "expected a float dtype (quantized fused experts are not supported)")
+        if piece.info.shape != want:
+            probs.add(f"{piece.info.file}: tensor '{piece.info.name}' has shape {list(piece.info.shape)}, "
+                      f"expected {list(want)}")
+        entries[name] = Entry(name, Spec(want, EXPERT), "float", [piece], parts=parts)
+        covered.update(f"{prefix}.{j}.{w}.weight" for j in range(e) for w in parts)
+
+    for name, spec in expected.items():
+        if name in covered:
+            if name in weights:
+                probs.add(f"tensor {weights[name][0].where()} is stored twice (also in a fused expert tensor)")
+                weights.pop(name)
+            continue
+        pieces = weights.pop(name, None)
+        if not pieces:
+            probs.add(f"{root}: missing tensor '{name}' ({_describe(spec)}) - no file in the checkpoint has it")
+            continue
+        sc = scales.pop(name[: -len(".weight")] + ".scale", []) if name.endswith(".weight") else []
+        entry = _check_entry(name, spec, pieces, sc, layout, mp, probs)
+        if entry is not None:
+            entries[name] = entry
+
+    for name, pieces in list(weights.items()) + list(scales.items()):
+        p = pieces[0]
+        hint = ""
+        if name.startswith(("layers.", "mtp.")):
+            hint = f"; config.json has {cfg.n_layers} layers, {cfg.n_mtp_layers} MTP - do config and weights match?"
+        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in expected:
+            probs.add(f"unexpected tensor {p.where()}: a block scale for a weight that is not quantized")
+        else:
+            probs.add(f"unexpected tensor {p.where()} (official name '{name}'){hint}")
+    probs.raise_if_any()
+    return Plan(root, layout, cfg, files, mp, entries, ignored, headers, warnings)
+
+
+def _describe(spec: Spec) -> str:
+    kinds = {F32: "F32", INT: "integer", EXPERT: "float, FP8 or MXFP4 + scale"}
+    return f"{kinds.get(spec.role, 'float or FP8 + scale')} {list(spec.shape)}"
+
+
+def _check_entry(name: str, spec: Spec, pieces: list[Piece], scales: list[Piece], layout: str, mp: int,
+                 probs: Problems) -> Entry | None:
+    n0 = len(probs.items)
+    split = split_dim(name) if layout == "inference" else None
+    if layout == "inference":
+        ranks = sorted(p.rank for p in pieces)
+        if expert_index(name) is not None:
+            if len(pieces) > 1:
+                probs.add(f"tensor {pieces[1].where()} is stored twice (also {pieces[0].where()})")
+        elif len(set(ranks)) != len(ranks):
+            probs.add(f"tensor {pieces[0].where()} is stored twice in one rank file")
+        elif ranks != list(range(mp)):
+            lost = sorted(set(range(mp)) - set(ranks))
+            probs.add(f"tensor '{name}' is missing from rank file(s) {lost} (model-parallel files must each "
+                      "hold their part of every non-expert tensor)")
+        if split is None:
+            pieces = pieces[:1]                                       # replicated: rank 0's copy
+        if split is not None and spec.shape[split] % mp:
+            probs.add(f"tensor '{name}' {list(spec.shape)} cannot be split into {mp} ranks on dim {split}")
+    elif len(pieces) > 1:
+        probs.add(f"tensor {pieces[1].where()} is stored twice (also {pieces[0].where()})")
+        pieces = pieces[:1]
+    if len(scales) > len(pieces) and expert_index(name) is None and split is None and layout != "inference":
+        probs.add(f"tensor {scales[1].where()} is stored twice (also {scales[0].where()})")
+    pieces = sorted(pieces, key=lambda p: p.rank)
+    scales = sorted(scales, key=lambda p: p.rank)
+    if split is None:
+        scales = scales[:1]
+    fmts = {_fmt_of(p.info.dtype) for p in pieces}
+    fmt = fmts.pop() if len(fmts) == 1 else "mixed"
+    want_piece = _piece_shape(spec.shape, split, mp)
+    for p in pieces:
+        dt, where = p.info.dtype, f"{p.info.file}: tensor '{p.info.name}'"
+        ok = {INT: fmt == "int", F32: fmt == "float", EXPERT: fmt in ("float", "fp8", "fp4")}.get(
+            spec.role, fmt in ("float", "fp8"))
+        if not ok:
+            probs.add(f"{where} has dtype {dt}, expected {_describe(spec)}")
+            continue
+        shape = _stored_shape(p.info)
+        want = want_piece if fmt != "fp4" else (*want_piece[:-1], want_piece[-1] // 2)
+        if fmt == "fp4" and want_piece[-1] % fm.FP4_BLOCK:
+            probs.add(f"{where}: MXFP4 needs the input dim to be a multiple of 32, got {want_piece}")
+        if shape != want:
+            what = " (packed FP4: two values per byte)" if fmt == "fp4" else ""
+            probs.add(f"{where} has shape {list(shape)}, expected {list(want)}{what}")
+    if len(probs.items) > n0:
+        return None
+    if fmt in ("fp8", "fp4"):
+        if not scales:
+            p = pieces[0]
+            probs.add(f"{p.info.file}: tensor '{p.info.name}' is {p.info.dtype} but has no block scale "
+                      f"'{name[:-len('.weight')]}.scale' (a quantized weight without its scale cannot be used)")
+            return None
+        if len(scales) != len(pieces):
+            probs.add(f"block scale of '{name}' has {len(scales)} pieces for {len(pieces)} weight pieces")
+            return None
+        for w, s in zip(pieces, scales):
+            dt, where = s.info.dtype, f"{s.info.file}: tensor '{s.info.name}'"
+            wshape = _piece_shape(spec.shape, split, mp)
+            if fmt == "fp8":
+                want_s, ok_dt = fm.fp8_scale_shape(*wshape), dt in FP8_SCALE_DTYPES
+                if split is not None and mp > 1 and wshape[split] % fm.FP8_BLOCK:
+                    probs.add(f"{where}: FP8 weight piece {list(wshape)} is not split on a 128-block boundary")
+            else:
+                want_s, ok_dt = (wshape[0], wshape[1] // fm.FP4_BLOCK), dt in E8M0_DTYPES
+            if not ok_dt:
+                probs.add(f"{where} has dtype {dt}, expected an E8M0 block scale (F8_E8M0)"
+                          + (" or F32" if fmt == "fp8" else ""))
+            elif s.info.shape != want_s:
+                probs.add(f"{where} has shape {list(s.info.shape)}, expected {list(want_s)} "
+                          f"(block scale of {fmt.upper()} weight {list(wshape)})")
+    elif scales:
+        probs.add(f"unexpected tensor {scales[0].where()}: a block scale for '{name}', "
+                  f"which is stored unquantized ({pieces[0].info.dtype})")
+    if len(probs.items) > n0:
+        return None
+    return Entry(name, spec, fmt, pieces, scales, split)
+
+
+# ------------------------------------------------------------------------------------------- stream
+class _Handles:
+    def __init__(self) -> None:
+        self.open: dict[Path, object] = {}
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        f = self.open.get(info.file)
+        if f is None:
+            if len(self.open) >= 8:
+                self.open.pop(next(iter(self.open))).close()
+            f = self.open[info.file] = open(info.file, "rb")
+        return read_tensor(info, f)
+
+    def close(self) -> None:
+        for f in self.open.values():
+            f.close()
+        self.open.clear()
+
+
+def _check_finite(entry: Entry, v: Value) -> None:
+    where = f"tensor '{entry.weight[0].info.name}' in {entry.weight[0].info.file}"
+    if v.fmt == "float" and not bool(torch.isfinite(v.data).all()):
+        n = int((~torch.isfinite(v.data)).sum())
+        raise CheckpointError(f"{where} has {n} non-finite values (NaN/inf)")
+    if v.fmt == "fp8" and bool(((fm.as_fp8_bytes(v.data) & 0x7F) == 0x7F).any()):
+        raise CheckpointError(f"{where} has FP8 NaN codes")
+    if v.scale is not None:
+        swhere = f"block scale '{entry.scale[0].info.name}' in {entry.scale[0].info.file}"
+        if v.scale.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            if not bool(torch.isfinite(v.scale).all()):
+                raise CheckpointError(f"{swhere} has non-finite values")
+        elif bool((fm.as_e8m0_bytes(v.scale) == fm.E8M0_NAN).any()):
+            raise CheckpointError(f"{swhere} has E8M0 NaN bytes (255)")
+
+
+def stream(p: Plan, progress: bool | None = None) -> Iterator[tuple[Entry, Value]]:
+    """Yield (entry, value) for every entry, ordered by file and offset; one tensor in flight."""
+    order = sorted(p.entries.values(), key=lambda e: (p.files.index(e.weight[0].info.file), e.weight[0].info.begin))
+    handles = _Handles()
+    bar = None
+    if progress or (progress is None and len(p.files) > 1):
+        from tqdm import tqdm
+        bar = tqdm(total=p.nbytes, unit="B", unit_scale=True, desc=f"loading {p.root.name}", leave=False)
+    try:
+        for e in order:
+            data = [handles.read(w.info) for w in e.weight]
+            scale = [handles.read(s.info) for s in e.scale]
+            if e.split is not None and len(data) > 1:
+                if e.fmt in ("fp8", "fp4"):
+                    data = [fm.as_fp8_bytes(d) if e.fmt == "fp8" else fm.as_packed_bytes(d) for d in data]
+                    scale = [s.view(torch.uint8) if s.element_size() == 1 else s for s in scale]
+                data = [torch.cat(data, e.split)]
+                scale = [torch.cat(scale, e.split)] if scale else []
+            v = Value(e.fmt, data[0], scale[0] if scale else None)
+            _check_finite(e, v)
+            yield e, v
+            if bar is not None:
+                bar.update(e.nbytes)
+    finally:
+        handles.close()
+        if bar is not None:
+            bar.close()

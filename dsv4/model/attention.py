@@ -1,0 +1,327 @@
+"""V4 attention: sliding window + optional compressed branch (CSA: ratio 4 + Lightning Indexer; HCA: 128).
+
+Shapes: b batch, s tokens, h heads, d head_dim (512), r rope dims (64), c compressed entries.
+Every layer keeps a shared single-head KV (`wkv`, 512 dims) used as both key and value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..config import ModelConfig
+from .layers import RMSNorm, linear_fp32, record, rms_normalize
+from .rope import Rope, apply_rope_tail
+
+
+# ------------------------------------------------------------------------------------------ caches
+@dataclass
+class CompressorState:
+    """Decode state of one compressor: the pooled entries so far and the raw slots of open groups."""
+    entries: torch.Tensor        # [b, capacity, c] compressed entries (after norm / rope / quant)
+    count: int                   # entries written
+    cur_kv: torch.Tensor         # [b, ratio, coff*c] raw kv of the group being filled
+    cur_score: torch.Tensor      # [b, ratio, coff*c] its gate scores (+ ape)
+    prev_kv: torch.Tensor | None = None     # last complete group (needed for overlap), or None
+    prev_score: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionCache:
+    window: torch.Tensor                      # [b, window, d] ring buffer: position p at slot p % window
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+
+
+# ------------------------------------------------------------------------------------------ compressor
+class Compressor(nn.Module):
+    """Learned gated pooling of `ratio` consecutive tokens into one KV entry.
+
+    ratio 4 overlaps: each entry pools 2*ratio slots - the previous group's first-half channels and the
+    current group's second-half channels (coff = 2). Entry j covers tokens [j*r, (j+1)*r), is roped at
+    position j*r and is visible to query t only when complete: j < (t+1) // r.
+    """
+
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, rope: Rope, rotate: bool):
+        super().__init__()
+        self.ratio, self.head_dim, self.rope, self.rotate = ratio, head_dim, rope, rotate
+        self.overlap = ratio == 4
+        self.coff = 2 if self.overlap else 1
+        self.fp8_sim, self.fp4_sim = cfg.fp8_kv_sim, cfg.fp4_indexer_sim
+        self.rope_dim = cfg.rope_head_dim
+        # computed in fp32: parameters are fp32
+        self.ape = nn.Parameter(torch.zeros(ratio, self.coff * head_dim, dtype=torch.float32))
+        self.wkv = nn.Linear(cfg.dim, self.coff * head_dim, bias=False, dtype=torch.float32)
+        self.wgate = nn.Linear(cfg.dim, self.coff * head_dim, bias=False, dtype=torch.float32)
+        self.norm = RMSNorm(head_dim, cfg.norm_eps)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, s, dim] -> raw kv, gate score (+ ape of each token's slot) [b, s, coff*c] fp32."""
+        kv = linear_fp32(x, self.wkv.weight)
+        score = linear_fp32(x, self.wgate.weight) + self.ape[positions % self.ratio]
+        return kv, score
+
+    def pool(self, kv: torch.Tensor, score: torch.Tensor, prev_kv: torch.Tensor | None = None,
+             prev_score: torch.Tensor | None = None) -> torch.Tensor:
+        """Pool complete groups kv, score [b, g, r, coff*c] -> [b, g, c] (fp32).
+
+        prev_kv / prev_score [b, r, coff*c]: the group before the first one (overlap only).
+        """
+        if self.overlap:
+            c = self.head_dim
+            if prev_kv is None:
+                prev_kv = kv.new_zeros(kv[:, 0].shape)
+                prev_score = score.new_full(score[:, 0].shape, float("-inf"))
+            before_kv = torch.cat([prev_kv.unsqueeze(1), kv[:, :-1]], 1)[..., :c]      # [b, g, r, c]
+            before_score = torch.cat([prev_score.unsqueeze(1), score[:, :-1]], 1)[..., :c]
+            kv = torch.cat([before_kv, kv[..., c:]], 2)                                 # [b, g, 2r, c]
+            score = torch.cat([before_score, score[..., c:]], 2)
+        return ops.compress_pool(kv, score)
+
+    def finish(self, pooled: torch.Tensor, first: int, dtype: torch.dtype) -> torch.Tensor:
+        """Norm, rope at j*r, then (indexer) Hadamard + FP4 round trip or (attention) FP8 round trip."""
+        g = pooled.size(1)
+        entries = self.norm(pooled.to(dtype))
+        pos = (torch.arange(g, device=pooled.device) + first) * self.ratio
+        entries = apply_rope_tail(entries, self.rope, pos)
+        if self.rotate:
+            entries = ops.hadamard(entries)
+            if self.fp4_sim:
+                entries = ops.fp4_round_trip(entries, 32)
+        elif self.fp8_sim:
+            entries = torch.cat([ops.fp8_round_trip(entries[..., : -self.rope_dim], 64),
+                                 entries[..., -self.rope_dim:]], -1)
+        return entries
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Full sequence from position 0: x [b, s, dim] -> (entries [b, s//r, c], raw kv, raw score)."""
+        b, s, _ = x.shape
+        r = self.ratio
+        kv, score = self.project(x, positions)
+        g = s // r
+        groups_kv = kv[:, : g * r].unflatten(1, (g, r))
+        groups_score = score[:, : g * r].unflatten(1, (g, r))
+        entries = self.finish(self.pool(groups_kv, groups_score), 0, x.dtype)
+        return entries, kv, score
+
+    # ---------------------------------------------------------------- decode
+    def new_state(self, b: int, capacity: int, device, dtype) -> CompressorState:
+        w = self.coff * self.head_dim
+        return CompressorState(
+            entries=torch.zeros(b, capacity, self.head_dim, device=device, dtype=dtype), count=0,
+            cur_kv=torch.zeros(b, self.ratio, w, device=device),
+            cur_score=torch.full((b, self.ratio, w), float("-inf"), device=device))
+
+    def fill_state(self, st: CompressorState, entries: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """After a prefill of s tokens: store the entries and the raw slots of the open groups."""
+        r, s, g = self.ratio, kv.size(1), entries.size(1)
+        if g > st.entries.size(1):
+            raise ValueError(f"prompt needs {g} compressed entries, cache holds {st.entries.size(1)}")
+        st.entries[:, :g] = entries
+        st.count = g
+        if g:
+            st.prev_kv, st.prev_score = kv[:, (g - 1) * r: g * r].clone(), score[:, (g - 1) * r: g * r].clone()
+        rem = s - g * r
+        st.cur_kv[:, :rem], st.cur_score[:, :rem] = kv[:, g * r:], score[:, g * r:]
+
+    def step(self, x: torch.Tensor, pos: int, st: CompressorState) -> None:
+        """Decode one token at position pos: x [b, 1, dim]; emits an entry when its group completes."""
+        r = self.ratio
+        positions = torch.tensor([pos], device=x.device)
+        kv, score = self.project(x, positions)
+        st.cur_kv[:, pos % r], st.cur_score[:, pos % r] = kv[:, 0], score[:, 0]
+        if (pos + 1) % r:
+            return
+        if st.count >= st.entries.size(1):
+            raise ValueError(f"compressed cache full ({st.count} entries): raise max_len of the cache")
+        pooled = self.pool(st.cur_kv.unsqueeze(1), st.cur_score.unsqueeze(1), st.prev_kv, st.prev_score)
+        st.entries[:, st.count] = self.finish(pooled, pos // r, x.dtype)[:, 0]
+        st.count += 1
+        st.prev_kv, st.prev_score = st.cur_kv.clone(), st.cur_score.clone()
+
+
+# ------------------------------------------------------------------------------------------ indexer
+class Indexer(nn.Module):
+    """Lightning Indexer: picks the top-k compressed entries per query for CSA layers.
+
+    q from the query LoRA output qr (64 heads x 128), roped, Hadamard-rotated, FP4 round trip;
+    keys from its own rotating compressor; score[t, j] = sum_h w[t, h] relu(q[t, h] . k[j]).
+    Its inputs are detached: the indexer trains only through its own loss.
+    """
+
+    def __init__(self, cfg: ModelConfig, rope: Rope):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.ratio = 4
+        self.rope, self.fp4_sim = rope, cfg.fp4_indexer_sim
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False)
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        self.compressor = Compressor(cfg, self.ratio, self.head_dim, rope, rotate=True)
+
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> q [b, s, H, D] (rotated, FP4-simulated), head weights [b, s, H]."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = ops.hadamard(apply_rope_tail(q, self.rope, positions))
+        if self.fp4_sim:
+            q = ops.fp4_round_trip(q, 32)
+        weights = self.weights_proj(x).float() * self.weight_scale
+        return q, weights
+
+
+# ------------------------------------------------------------------------------------------ attention
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_id = layer_id
+        self.n_heads, self.head_dim, self.rope_dim = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
+        self.window, self.ratio, self.eps = cfg.window_size, cfg.compress_ratios[layer_id], cfg.norm_eps
+        self.o_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
+        self.scale = self.head_dim ** -0.5
+        self.rope = Rope(cfg, compressed=self.ratio > 0)
+
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, self.eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(cfg.dim, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, self.eps)
+        self.wo_a = nn.Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank,
+                              bias=False)
+        self.wo_b = nn.Linear(self.o_groups * self.o_lora_rank, cfg.dim, bias=False)
+        self.compressor = Compressor(cfg, self.ratio, self.head_dim, self.rope, rotate=False) if self.ratio else None
+        self.indexer = Indexer(cfg, self.rope) if self.ratio == 4 else None
+        self.stage = f"layers.{layer_id}.attn"
+        self.want_indexer_loss = False
+        self.indexer_loss: torch.Tensor | None = None
+
+    # ---------------------------------------------------------------- shared pieces
+    def _q_kv(self, x: torch.Tensor, positions: torch.Tensor):
+        qr = self.q_norm(self.wq_a(x))                                                  # [b, s, q_lora]
+        q = rms_normalize(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), self.eps)
+        q = apply_rope_tail(q, self.rope, positions)                                    # [b, s, h, d]
+        kv = apply_rope_tail(self.kv_norm(self.wkv(x)), self.rope, positions)           # [b, s, d]
+        if self.cfg.fp8_kv_sim:
+            kv = torch.cat([ops.fp8_round_trip(kv[..., : -self.rope_dim], 64), kv[..., -self.rope_dim:]], -1)
+        return qr, record(f"{self.stage}.q", q), record(f"{self.stage}.kv", kv)
+
+    def _output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        o = apply_rope_tail(o, self.rope, positions, inverse=True)                      # [b, s, h, d]
+        o = record(f"{self.stage}.core", o)
+        b, s = o.shape[:2]
+        o = o.reshape(b, s, self.o_groups, -1)                                          # [b, s, g, h/g*d]
+        wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)               # [g, R, h/g*d]
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        return record(f"{self.stage}.out", self.wo_b(o.flatten(2)))
+
+    def _window_idx(self, s: int, device) -> torch.Tensor:
+        """[s, w] keys of the window for queries 0..s-1 (positions into the prefill kv), -1 = none."""
+        w = min(s, self.window)
+        t = torch.arange(s, device=device).unsqueeze(1)
+        idx = t - w + 1 + torch.arange(w, device=device)
+        return torch.where(idx >= 0, idx, -1)
+
+    def _select(self, x, qr, positions, kv_index, q_ctx):
+        """Indexer top-k over its compressed keys kv_index [b, n, D] for queries at positions."""
+        q, w = self.indexer.queries(x.detach(), qr.detach(), positions)
+        if self.want_indexer_loss and self.training:
+            scores = ops.indexer_scores(q, kv_index, w, positions, self.ratio)           # [b, s, n]
+            sel = ops.reference.select_topk(scores.detach(), self.indexer.topk)
+            q_ctx["scores"] = scores
+        else:
+            sel = ops.indexer_topk(q, kv_index, w, positions, self.ratio, self.indexer.topk)
+        return record(f"{self.stage}.indexer.topk", sel)
+
+    # ---------------------------------------------------------------- full sequence (train / prefill)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
+        """x [b, s, dim], positions = arange(s) (sequences start at 0). Fills `cache` when given."""
+        b, s, _ = x.shape
+        qr, q, kv = self._q_kv(x, positions)
+        idx = self._window_idx(s, x.device).unsqueeze(0).expand(b, -1, -1)              # [b, s, w]
+        kv_all, q_ctx = kv, {}
+        if self.ratio:
+            comp, raw_kv, raw_score = self.compressor(x, positions)                    # [b, s//r, d]
+            comp = record(f"{self.stage}.compressed_kv", comp)
+            n = comp.size(1)
+            if self.indexer is not None:
+                k_index, ik, isc = self.indexer.compressor(x.detach(), positions)
+                sel = self._select(x, qr, positions, k_index, q_ctx) if n else idx.new_zeros(b, s, 0)
+            else:
+                vis = ops.reference.compressed_visible(positions, n, self.ratio)        # [s, n]
+                sel = torch.where(vis, torch.arange(n, device=x.device), -1).expand(b, -1, -1)
+            idx = torch.cat([idx, torch.where(sel >= 0, sel + s, -1)], -1)
+            kv_all = torch.cat([kv, comp], 1)
+        o, lse = ops.sparse_attention(q, kv_all, self.attn_sink, idx, self.scale)
+        if "scores" in q_ctx:
+            self.indexer_loss = self._indexer_loss(q, kv_all, idx[..., -sel.size(-1):] if sel.size(-1) else None,
+                                                   lse, q_ctx["scores"], s)
+        if cache is not None:
+            self._fill_cache(cache, kv, s)
+            if self.ratio:
+                self.compressor.fill_state(cache.compressor, comp, raw_kv, raw_score)
+                if self.indexer is not None:
+                    self.indexer.compressor.fill_state(cache.indexer, k_index, ik, isc)
+        return self._output(o, positions)
+
+    def _indexer_loss(self, q, kv_all, comp_idx, lse, scores, offset) -> torch.Tensor:
+        """KL(main attention over the selected compressed entries || indexer softmax over them).
+
+        The target (heads summed, renormalized) is detached; lse is non-differentiable by contract.
+        """
+        if comp_idx is None:
+            return scores.sum() * 0
+        valid = comp_idx >= 0                                                           # [b, s, k]
+        b = q.size(0)
+        with torch.no_grad():
+            keys = kv_all[torch.arange(b, device=q.device).view(b, 1, 1), comp_idx.clamp_min(0)].float()
+            logits = torch.einsum("bshd,bskd->bshk", q.float(), keys) * self.scale
+            p = torch.exp(logits - lse.unsqueeze(-1)).masked_fill(~valid.unsqueeze(2), 0).sum(2)   # [b, s, k]
+            target = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+        sel_scores = scores.gather(-1, (comp_idx - offset).clamp_min(0)).masked_fill(~valid, float("-inf"))
+        log_q = torch.log_softmax(sel_scores, -1).masked_fill(~valid, 0)
+        rows = valid.any(-1)                                                            # [b, s]
+        kl = (target * (torch.log(target.clamp_min(1e-30)) - log_q)).masked_fill(~valid, 0).sum(-1)
+        return (kl * rows).sum() / rows.sum().clamp_min(1)
+
+    def _fill_cache(self, cache: AttentionCache, kv: torch.Tensor, s: int) -> None:
+        w = self.window
+        last = torch.arange(max(0, s - w), s, device=kv.device)
+        cache.window[:, last % w] = kv[:, last]
+
+    # ---------------------------------------------------------------- decode
+    def new_cache(self, b: int, max_len: int, device, dtype) -> AttentionCache:
+        cache = AttentionCache(window=torch.zeros(b, self.window, self.head_dim, device=device, dtype=dtype))
+        if self.ratio:
+            cache.compressor = self.compressor.new_state(b, max_len // self.ratio, device, dtype)
+        if self.indexer is not None:
+            cache.indexer = self.indexer.compressor.new_state(b, max_len // self.ratio, device, dtype)
+        return cache
+
+    def decode(self, x: torch.Tensor, pos: int, cache: AttentionCache) -> torch.Tensor:
+        """One token per sequence at position pos: x [b, 1, dim]; cost O(window + visible entries)."""
+        b = x.size(0)
+        positions = torch.tensor([pos], device=x.device)
+        qr, q, kv = self._q_kv(x, positions)
+        w = self.window
+        cache.window[:, pos % w] = kv[:, 0]
+        slots = torch.arange(w, device=x.device)
+        idx = torch.where(slots <= pos, slots, -1).view(1, 1, w).expand(b, 1, w)        # ring slots written
+        kv_all = cache.window
+        if self.ratio:
+            st = cache.compressor
+            self.compressor.step(x, pos, st)
+            n = st.count
+            if self.indexer is not None:
+                ist = cache.indexer
+                self.indexer.compressor.step(x.detach(), pos, ist)
+                sel = self._select(x, qr, positions, ist.entries[:, :n], {}) if n else idx.new_zeros(b, 1, 0)
+            else:
+                sel = torch.arange(n, device=x.device).view(1, 1, n).expand(b, 1, n)
+            idx = torch.cat([idx, torch.where(sel >= 0, sel + w, -1)], -1)
+            kv_all = torch.cat([cache.window, st.entries[:, :n]], 1)
+        o, _ = ops.sparse_attention(q, kv_all, self.attn_sink, idx, self.scale)
+        return self._output(o, positions)

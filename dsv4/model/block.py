@@ -1,0 +1,80 @@
+"""Transformer block with manifold-constrained hyper-connections (mHC), and the MTP block.
+
+The residual stream holds hc_mult copies [b, s, hc, dim]. Around each sublayer, `hc_pre` mixes the
+copies into the sublayer input (weights from a Sinkhorn-projected mix) and `hc_post` writes the output
+back into every copy: copy_j = post_j * f(x) + sum_i comb[i, j] * copy_i.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..config import ModelConfig
+from .attention import Attention, AttentionCache
+from .layers import RMSNorm, record
+from .moe import MoE
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        self.attn = Attention(cfg, layer_id)
+        self.ffn = MoE(cfg, layer_id)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        mix, hc_dim = cfg.mix_hc, cfg.hc_mult * cfg.dim
+        self.hc_attn_fn = nn.Parameter(torch.zeros(mix, hc_dim, dtype=torch.float32))
+        self.hc_ffn_fn = nn.Parameter(torch.zeros(mix, hc_dim, dtype=torch.float32))
+        self.hc_attn_base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
+        self.hc_ffn_base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
+        self.hc_attn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        self.hc_ffn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        self.stage = f"layers.{layer_id}"
+
+    def _hc_pre(self, x: torch.Tensor, fn, scale, base):
+        c = self.cfg
+        return ops.hc_pre(x, fn, scale, base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor,
+                cache: AttentionCache | None = None, pos: int | None = None) -> torch.Tensor:
+        """x [b, s, hc, dim]. pos=None: full sequence (filling `cache` if given); else decode at pos."""
+        residual = x
+        h, post, comb = self._hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        h = record(f"{self.stage}.hc_attn_pre", h)
+        h = self.attn_norm(h)
+        h = self.attn(h, positions, cache) if pos is None else self.attn.decode(h, pos, cache)
+        x = record(f"{self.stage}.hc_attn_post", ops.hc_post(h, residual, post, comb))
+
+        residual = x
+        h, post, comb = self._hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        h = record(f"{self.stage}.hc_ffn_pre", h)
+        h = self.ffn(self.ffn_norm(h), token_ids)
+        return record(f"{self.stage}.hc_ffn_post", ops.hc_post(h, residual, post, comb))
+
+
+def hc_head(x: torch.Tensor, fn, scale, base, cfg: ModelConfig) -> torch.Tensor:
+    return ops.hc_head(x, fn, scale, base, cfg.norm_eps, cfg.hc_eps)
+
+
+class MTPBlock(Block):
+    """Multi-token prediction: combines the main model's hidden state at t with the embedding of token
+    t+1 and runs a window-only block; its own HC head and norm, the main model's embedding and head."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__(cfg, layer_id)
+        self.e_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.h_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.stage = f"mtp.{layer_id - cfg.n_layers}"
+
+    def combine(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """h [b, s, hc, dim] hidden of the previous depth, e [b, s, dim] next-token embedding."""
+        return self.e_proj(self.enorm(e)).unsqueeze(2) + self.h_proj(self.hnorm(h))

@@ -1,0 +1,65 @@
+"""Small building blocks: RMSNorm (fp32), fp32 linear, stage recording for `dsv4 check`."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 with an fp32 weight; output in the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weightless RMS normalization (per-head query normalization), in fp32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T in fp32, also inside an autocast region (router, compressor, head)."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return F.linear(x.float(), weight.float())
+
+
+# ------------------------------------------------------------------------------------ stage capture
+_RECORDER = threading.local()
+
+
+def record(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Offer an intermediate tensor to the active stage recorder (no-op, no copy when none is active).
+
+    A recorder may return a replacement tensor (used by `dsv4 check` to plant faults at a named stage);
+    the model continues with what is returned.
+    """
+    fn = getattr(_RECORDER, "fn", None)
+    if fn is None:
+        return tensor
+    out = fn(name, tensor)
+    return tensor if out is None else out
+
+
+@contextlib.contextmanager
+def recording(fn: Callable[[str, torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
+    """Route every `record(name, tensor)` call in this thread to fn while the block runs."""
+    prev = getattr(_RECORDER, "fn", None)
+    _RECORDER.fn = fn
+    try:
+        yield
+    finally:
+        _RECORDER.fn = prev

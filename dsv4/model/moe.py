@@ -1,0 +1,129 @@
+"""V4 MoE: sqrtsoftplus router with a selection-only bias, hash-routed first layers, clamped SwiGLU experts.
+
+Routed experts are stored stacked per layer (`experts.w1` [E, inter, dim] ...) so a grouped GEMM can
+run them at once; `dsv4.checkpoint` maps these to the official per-expert names.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..config import ModelConfig
+from .layers import linear_fp32, record
+
+
+class Gate(nn.Module):
+    """Router. scores = f(x W^T) in fp32; `bias` shifts scores for selection only; weights are the
+    unbiased scores of the chosen experts, normalized to sum 1 (not for softmax), times route_scale once.
+    Hash layers choose experts by `tid2eid[token]` (a frozen table) and still weight them by the router.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.topk, self.score_func, self.route_scale = cfg.n_activated_experts, cfg.score_func, cfg.route_scale
+        self.hash = layer_id < cfg.n_hash_layers
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim))
+        if self.hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.topk, dtype=torch.int32))
+            self.bias = None
+        else:
+            # updated by the auxiliary-loss-free balancing rule, not by gradients
+            self.register_buffer("bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        logits = linear_fp32(x, self.weight)                                            # [T, E]
+        if self.score_func == "softmax":
+            return logits.softmax(-1)
+        if self.score_func == "sigmoid":
+            return logits.sigmoid()
+        return F.softplus(logits).sqrt()
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim], token_ids [T] -> (weights [T, k] fp32, indices [T, k] int64, scores [T, E])."""
+        scores = self.scores(x)
+        if self.hash:
+            indices = self.tid2eid[token_ids].long()
+        else:
+            indices = (scores.detach() + self.bias).topk(self.topk, dim=-1).indices
+        weights = scores.gather(1, indices)
+        if self.score_func != "softmax":
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * self.route_scale, indices, scores
+
+
+class Experts(nn.Module):
+    """The routed experts of one layer, stacked: w1, w3 [E, inter, dim]; w2 [E, dim, inter]."""
+
+    def __init__(self, cfg: ModelConfig, n_experts: int | None = None, offset: int = 0):
+        super().__init__()
+        e = cfg.n_routed_experts if n_experts is None else n_experts
+        self.offset, self.swiglu_limit = offset, cfg.swiglu_limit
+        self.w1 = nn.Parameter(torch.empty(e, cfg.moe_inter_dim, cfg.dim))
+        self.w3 = nn.Parameter(torch.empty(e, cfg.moe_inter_dim, cfg.dim))
+        self.w2 = nn.Parameter(torch.empty(e, cfg.dim, cfg.moe_inter_dim))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] -> fp32 [T, dim] (sum over the token's experts held here)."""
+        return ops.moe_experts(x, weights, indices, self.w1, self.w2, self.w3, self.swiglu_limit, self.offset)
+
+
+class Expert(nn.Module):
+    """One dense clamped-SwiGLU expert (the shared expert)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu_limit = cfg.swiglu_limit
+        self.w1 = nn.Linear(cfg.dim, cfg.moe_inter_dim, bias=False)
+        self.w2 = nn.Linear(cfg.moe_inter_dim, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.moe_inter_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.reference.expert_ffn(x, self.w1.weight, self.w2.weight, self.w3.weight, self.swiglu_limit)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.n_experts, self.topk = cfg.n_routed_experts, cfg.n_activated_experts
+        self.gate = Gate(cfg, layer_id)
+        self.experts = Experts(cfg)
+        self.shared_experts = Expert(cfg) if cfg.n_shared_experts else None
+        self.stage = f"layers.{layer_id}.ffn"
+        # set by the model for training: measured load and the optional sequence-wise balance loss
+        self.balance_alpha = 0.0
+        self.load: torch.Tensor | None = None
+        self.balance_loss: torch.Tensor | None = None
+        # expert parallelism installs a callable (x, weights, indices) -> fp32 [T, dim] here
+        self.routed_override = None
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """x [b, s, dim], token_ids [b, s] -> [b, s, dim]."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])                                                 # [T, dim]
+        weights, indices, scores = self.gate(flat, token_ids.reshape(-1))
+        indices = record(f"{self.stage}.router_indices", indices)
+        weights = record(f"{self.stage}.router_weights", weights)
+        self.load = torch.bincount(indices.flatten(), minlength=self.n_experts).detach()
+        if self.balance_alpha > 0 and self.training:
+            self.balance_loss = self._balance_loss(scores, indices, shape[0])
+        routed = self.routed_override or self.experts
+        y = record(f"{self.stage}.routed", routed(flat, weights, indices))              # fp32 [T, dim]
+        if self.shared_experts is not None:
+            y = y + record(f"{self.stage}.shared", self.shared_experts(flat)).float()
+        return record(f"{self.stage}.out", y.to(x.dtype).view(shape))
+
+    def _balance_loss(self, scores: torch.Tensor, indices: torch.Tensor, b: int) -> torch.Tensor:
+        """Sequence-wise balance loss: alpha * sum_i f_i * P_i per sequence, averaged over sequences.
+
+        f_i = E/(k*s) * (tokens of the sequence routed to i); P_i = mean over the sequence of the
+        normalized scores s_i / sum_j s_j.
+        """
+        e, k = self.n_experts, self.topk
+        t = scores.size(0) // b
+        probs = (scores / scores.sum(-1, keepdim=True)).view(b, t, e)
+        counts = F.one_hot(indices.view(b, t * k), e).sum(1).float()                   # [b, E]
+        f = counts * e / (k * t)
+        return self.balance_alpha * (f * probs.mean(1)).sum(-1).mean()

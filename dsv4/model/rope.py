@@ -1,0 +1,68 @@
+"""Rotary position embedding with YaRN, on interleaved pairs (dims 2i, 2i+1 form one complex number).
+
+Window-only layers: theta = rope_theta, no YaRN. Compressed layers: theta = compress_rope_theta with
+YaRN frequency interpolation (no mscale on cos/sin). Angles are computed from absolute positions on the
+fly, so there is no table and no maximum length.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..config import ModelConfig
+
+
+@functools.lru_cache(maxsize=16)
+def inv_frequencies(dim: int, theta: float, factor: float, original_seq_len: int, beta_fast: int,
+                    beta_slow: int) -> torch.Tensor:
+    """[dim/2] fp32 inverse frequencies; YaRN-interpolated when original_seq_len > 0."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if original_seq_len > 0 and factor != 1:
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        # ramp = 0: keep the original frequency (fast dims); ramp = 1: interpolate by `factor`
+        freqs = freqs / factor * ramp + freqs * (1 - ramp)
+    return freqs
+
+
+class Rope:
+    """cos/sin for a layer kind; `apply(x, positions)` rotates the last dim of x (its rope dims)."""
+
+    def __init__(self, cfg: ModelConfig, compressed: bool):
+        self.dim = cfg.rope_head_dim
+        if compressed:
+            self.inv_freq = inv_frequencies(self.dim, cfg.compress_rope_theta, cfg.rope_factor,
+                                            cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow)
+        else:
+            self.inv_freq = inv_frequencies(self.dim, cfg.rope_theta, 1.0, 0, cfg.beta_fast, cfg.beta_slow)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.outer(positions.float(), self.inv_freq.to(positions.device))   # [s, dim/2]
+        return angles.cos(), angles.sin()
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x [b, s, (h,) dim] rotated at positions [s]; inverse=True undoes the rotation."""
+        cos, sin = self.cos_sin(positions)                                   # [s, dim/2]
+        if x.dim() == 4:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                    # [s, 1, dim/2]
+        if inverse:
+            sin = -sin
+        xf = x.float()
+        x0, x1 = xf[..., 0::2], xf[..., 1::2]
+        y = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+        return y.to(x.dtype)
+
+
+def apply_rope_tail(x: torch.Tensor, rope: Rope, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate only the last `rope.dim` dims of x (the RoPE dims of a V4 head), leave the rest."""
+    nope, pe = x[..., : -rope.dim], x[..., -rope.dim:]
+    return torch.cat([nope, rope.apply(pe, positions, inverse)], dim=-1)

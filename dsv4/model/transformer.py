@@ -1,0 +1,270 @@
+"""DeepSeek-V4: embed -> hc copies -> blocks -> HC head -> norm -> fp32 logits (+ MTP blocks).
+
+Two paths share every module:
+- `forward(tokens)`: the full sequence from position 0, differentiable (training, prefill, checks);
+- `new_cache` / `prefill` / `decode_step`: incremental decoding with per-layer caches (window ring buffer,
+  compressed entries, compressor and indexer states), one token per sequence per step.
+Parameter names are the official inference names, except that routed experts are stacked per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import AttentionCache
+from .block import Block, MTPBlock, hc_head
+from .layers import RMSNorm, linear_fp32, record
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor                                  # [b, s, vocab] fp32
+    hidden: torch.Tensor | None = None                    # [b, s, hc, dim] before the HC head
+    mtp_logits: list[torch.Tensor] = field(default_factory=list)   # depth k: [b, s-1-k, vocab], predicts t+k+2
+    indexer_loss: torch.Tensor | None = None              # summed over CSA layers
+    balance_loss: torch.Tensor | None = None              # summed over MoE layers (when alpha > 0)
+    expert_load: list[torch.Tensor] = field(default_factory=list)  # per layer [E] token counts
+
+
+@dataclass
+class ModelCache:
+    layers: list[AttentionCache]
+    max_len: int
+    pos: int = 0
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+class DeepSeekV4(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+        super().__init__()
+        self.cfg = cfg
+        with _default_dtype(dtype), torch.device(device or "cpu"):
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=torch.float32)
+            self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=torch.float32))
+            self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32))
+            self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+            self.mtp = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + k) for k in range(cfg.n_mtp_layers))
+        if str(device) != "meta":
+            self.reset_parameters()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, cfg: ModelConfig | str, seed: int = 0, **kw) -> DeepSeekV4:
+        """A randomly initialized model from a ModelConfig or a preset name."""
+        if isinstance(cfg, str):
+            cfg = ModelConfig.preset(cfg)
+        model = cls(cfg, **kw)
+        model.reset_parameters(seed)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kw) -> DeepSeekV4:
+        """Load a checkpoint directory in any supported layout (release, inference MP shards, HF)."""
+        from ..checkpoint import load_pretrained
+
+        return load_pretrained(path, **kw)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Deterministic random init: linears N(0, 1/in), norms 1, mHC mixing near identity, hash
+        table of distinct experts per token, zero router bias, sinks and ape."""
+        cfg = self.cfg
+        gen = torch.Generator().manual_seed(seed)
+
+        def normal_(p: torch.Tensor, std: float) -> None:
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif leaf in ("attn_sink", "ape"):
+                p.zero_()
+            elif "hc_" in leaf and leaf.endswith("_fn"):
+                normal_(p, 0.02 / math.sqrt(p.size(1)))
+            elif "hc_" in leaf and leaf.endswith("_scale"):
+                p.fill_(1.0)
+            elif "hc_" in leaf and leaf.endswith("_base"):
+                self._init_hc_base(p)
+            elif name == "embed.weight":
+                normal_(p, 1.0)
+            elif p.dim() >= 2:
+                normal_(p, p.size(-1) ** -0.5)
+            else:
+                p.zero_()
+        for mod in self.modules():
+            if getattr(mod, "tid2eid", None) is not None:
+                table = torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.n_activated_experts]
+                                     for _ in range(cfg.vocab_size)])
+                mod.tid2eid.copy_(table.to(torch.int32))
+            if getattr(mod, "bias", None) is not None and isinstance(mod.bias, torch.Tensor) and \
+                    mod.__class__.__name__ == "Gate":
+                mod.bias.zero_()
+
+    def _init_hc_base(self, p: torch.Tensor) -> None:
+        hc = self.cfg.hc_mult
+        if p.numel() == hc:                       # HC head: pre = sigmoid(b) ~ 1/hc
+            p.fill_(math.log(1 / (hc - 1)) if hc > 1 else 0.0)
+            return
+        p.zero_()
+        p[:hc] = math.log(1 / (hc - 1)) if hc > 1 else 0.0       # pre ~ 1/hc: average the copies
+        comb = torch.full((hc, hc), -4.0)
+        comb.fill_diagonal_(4.0)                                  # comb ~ identity: keep each copy
+        p[2 * hc:] = comb.flatten()
+
+    # ------------------------------------------------------------------ pieces
+    def _head(self, h: torch.Tensor, fn, scale, base, norm: RMSNorm) -> torch.Tensor:
+        x = norm(hc_head(h, fn, scale, base, self.cfg))
+        return record("head.logits", linear_fp32(x, self.head.weight))
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        e = record("embed", self.embed(tokens))                                         # [b, s, dim]
+        return e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()        # [b, s, hc, dim]
+
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"tokens must be an integer tensor [batch, seq], got {tuple(tokens.shape)} "
+                             f"{tokens.dtype}")
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}); got "
+                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+
+    # ------------------------------------------------------------------ full sequence
+    def forward(self, tokens: torch.Tensor, *, mtp: bool = False, indexer_loss: bool = False,
+                balance_alpha: float = 0.0, last_only: bool = False) -> ModelOutput:
+        """tokens [b, s] from position 0 -> ModelOutput (logits [b, s, vocab] fp32, or [b, 1, vocab])."""
+        self._check_tokens(tokens)
+        s = tokens.size(1)
+        positions = torch.arange(s, device=tokens.device)
+        for layer in self.layers:
+            layer.attn.want_indexer_loss = indexer_loss
+            layer.attn.indexer_loss = None
+            layer.ffn.balance_alpha = balance_alpha
+            layer.ffn.balance_loss = None
+        h = self._embed(tokens)
+        for layer in self.layers:
+            h = layer(h, positions, tokens)
+        out = ModelOutput(
+            logits=self._head(h[:, -1:] if last_only else h, self.hc_head_fn, self.hc_head_scale,
+                              self.hc_head_base, self.norm),
+            hidden=h, expert_load=[layer.ffn.load for layer in self.layers])
+        if indexer_loss:
+            parts = [layer.attn.indexer_loss for layer in self.layers if layer.attn.indexer_loss is not None]
+            out.indexer_loss = torch.stack(parts).sum() if parts else None
+        if balance_alpha > 0:
+            parts = [layer.ffn.balance_loss for layer in self.layers if layer.ffn.balance_loss is not None]
+            out.balance_loss = torch.stack(parts).sum() if parts else None
+        if mtp:
+            out.mtp_logits = self._mtp(h, tokens, positions)
+        return out
+
+    def _mtp(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        logits = []
+        for k, block in enumerate(self.mtp):
+            n = tokens.size(1) - 1 - k
+            if n <= 0:
+                break
+            nxt = tokens[:, k + 1:]                                                      # [b, n]
+            x = block.combine(h[:, :n], self.embed(nxt))                                 # [b, n, hc, dim]
+            h = block(x, positions[:n], nxt)
+            logits.append(self._head(h, block.hc_head_fn, block.hc_head_scale, block.hc_head_base, block.norm))
+        return logits
+
+    # ------------------------------------------------------------------ incremental decoding
+    def new_cache(self, batch_size: int, max_len: int = 4096) -> ModelCache:
+        p = self.embed.weight
+        return ModelCache([layer.attn.new_cache(batch_size, max_len, p.device, p.dtype) for layer in self.layers],
+                          max_len=max_len)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, cache: ModelCache, last_only: bool = True) -> torch.Tensor:
+        """Run the prompt tokens [b, s] from position 0 and fill the cache. -> logits [b, s or 1, vocab]."""
+        self._check_tokens(tokens)
+        if cache.pos != 0:
+            raise ValueError("prefill starts a sequence: use a fresh cache (new_cache)")
+        s = tokens.size(1)
+        if s > cache.max_len:
+            raise ValueError(f"prompt of {s} tokens exceeds the cache's max_len={cache.max_len}")
+        positions = torch.arange(s, device=tokens.device)
+        h = self._embed(tokens)
+        for layer, lc in zip(self.layers, cache.layers):
+            h = layer(h, positions, tokens, cache=lc)
+        cache.pos = s
+        return self._head(h[:, -1:] if last_only else h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base,
+                          self.norm)
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """One new token per sequence, tokens [b, 1] at position cache.pos -> logits [b, 1, vocab]."""
+        self._check_tokens(tokens)
+        if tokens.size(1) != 1:
+            raise ValueError(f"decode_step takes one token per sequence, got {tokens.size(1)}")
+        pos = cache.pos
+        if pos >= cache.max_len:
+            raise ValueError(f"cache is full at max_len={cache.max_len}")
+        positions = torch.tensor([pos], device=tokens.device)
+        h = self._embed(tokens)
+        for layer, lc in zip(self.layers, cache.layers):
+            h = layer(h, positions, tokens, cache=lc, pos=pos)
+        cache.pos = pos + 1
+        return self._head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_at_eos: bool = True,
+                 eos_token_id: int | None = None, on_token=None) -> list[list[int]]:
+        """Continue each prompt. temperature 0 = greedy. Prompts of equal length are batched together.
+
+        on_token(row, token) is called for every generated token (for streaming output).
+        """
+        from .sampling import sample
+
+        eos = self.cfg.eos_token_id if eos_token_id is None else eos_token_id
+        gen = torch.Generator(device=self.embed.weight.device)
+        gen.manual_seed(0 if seed is None else seed)
+        results: list[list[int]] = [[] for _ in prompts]
+        by_len: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError("empty prompt: give at least one token (e.g. BOS)")
+            by_len.setdefault(len(p), []).append(i)
+        dev = self.embed.weight.device
+        for length, rows in by_len.items():
+            tokens = torch.tensor([prompts[i] for i in rows], device=dev)
+            cache = self.new_cache(len(rows), max_len=length + max_new_tokens)
+            logits = self.prefill(tokens, cache)[:, -1]
+            done = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+            for _ in range(max_new_tokens):
+                nxt = sample(logits, temperature, top_p, top_k, gen)                    # [n]
+                for j, i in enumerate(rows):
+                    if not done[j]:
+                        results[i].append(int(nxt[j]))
+                        if on_token is not None:
+                            on_token(i, int(nxt[j]))
+                if stop_at_eos:
+                    done |= nxt == eos
+                    if bool(done.all()):
+                        break
+                if cache.pos >= cache.max_len:
+                    break
+                logits = self.decode_step(nxt.unsqueeze(1), cache)[:, -1]
+        return results
