@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..formats import dequantize_fp8, dequantize_mxfp4
 from . import register
-
-E8M0_BIAS = 127
 
 
 # ----------------------------------------------------------------------------- MoE routing plan
@@ -148,43 +147,15 @@ register("moe_experts", "grouped", grouped_moe_experts, can_run=_grouped_can_run
 
 
 # ----------------------------------------------------------------------------- quantized-weight linears
-def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
-    """E8M0 scale bytes (float8_e8m0fnu or uint8/int8 bytes) -> fp32 2^(b-127), read bit for bit."""
-    if scale.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        return scale.float()
-    b = scale.view(torch.uint8).to(torch.int32)
-    out = torch.exp2((b - E8M0_BIAS).float())
-    return torch.where(b == 255, torch.full_like(out, float("nan")), out)
-
-
-def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """FP8 E4M3 [N, K] with a [ceil(N/128), ceil(K/128)] block scale -> fp32 [N, K]."""
-    n, k = weight.shape
-    s = e8m0_to_float(scale)
-    s = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-    return weight.float() * s
-
-
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def dequant_mxfp4(weight: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """Packed E2M1 [N, K/2] (low nibble = element 2i) with per-32 E8M0 scales [N, K/32] -> fp32 [N, K]."""
-    b = weight.view(torch.uint8).to(torch.int64)
-    codes = torch.stack([b & 0xF, b >> 4], -1).flatten(-2)                   # [N, K] interleaved
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=weight.device)
-    return table[codes] * e8m0_to_float(scale).repeat_interleave(block, -1)
-
-
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T with W = dequant(FP8 block-scaled weight) rounded to x.dtype. x [..., K] -> [..., N]."""
-    w = dequant_fp8_block(weight, scale).to(x.dtype)
+    w = dequantize_fp8(weight, scale, dtype=torch.float32).to(x.dtype)
     return F.linear(x, w)
 
 
 def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T with W = dequant(MXFP4 weight) rounded to x.dtype. x [..., K] -> [..., N]."""
-    w = dequant_mxfp4(weight, scale).to(x.dtype)
+    w = dequantize_mxfp4(weight, scale, dtype=torch.float32).to(x.dtype)
     return F.linear(x, w)
 
 
