@@ -104,7 +104,7 @@ def _fp4_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
         x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
         pmask = nmask[:, None] & ((k0 // 2 + kb) < K // 2)[None, :]
         p = tl.load(w_ptrs, mask=pmask, other=0).to(tl.int32) & 0xFF
-        w = tl.reshape(tl.join(_e2m1(p & 0xF), _e2m1(p >> 4)), (BN, BK))               # element 2i = low nibble
+        w = tl.reshape(tl.join(_e2m1(p & 0xF), _e2m1(p >> 4)), (BN, BK))  # element 2i = low nibble
         sb = tl.load(s_ptrs, mask=nmask[:, None] & ((k0 // 32 + kss) < K // 32)[None, :], other=127)
         s = _e8m0(sb.to(tl.int32) & 0xFF)                                                # [BN, BK/32]
         w = tl.reshape(tl.reshape(w, (BN, BK // 32, 32)) * s[:, :, None], (BN, BK))
