@@ -11,9 +11,9 @@ Design
   [s, heads, n] product never exists in memory; only the head-summed [s, n] scores are written. Key tiles
   that no query of the tile can see (causal) skip the head loop and store -inf.
 - Top-k is two-stage: the fused kernel scores a chunk of query rows into a bounded fp32 buffer
-  (at most ~64 Mi entries), then `torch.topk` selects per row; -inf (invisible) winners become -1.
-  The buffer is reused chunk by chunk, so memory stays bounded at any context length. Ties among equal
-  scores may pick different (equally scored) entries than the reference.
+  (at most ~64 Mi entries), then the reference's `select_topk` (stable descending sort: ties go to the
+  lower index, -inf winners become -1) selects per row. The buffer is reused chunk by chunk, so memory
+  stays bounded at any context length.
 - Backward of the scores (the indexer's training loss): with `G = d loss / d score` (zero where
   invisible) and `a = q[t, h] . k[j]`:
   dweights[t, h] = sum_j G[t, j] relu(a); dq[t, h] = sum_j G[t, j] w[t, h] [a > 0] k[j];
@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from ... import ops as _ops
-from ._common import FLOAT_DTYPES, Kernel, device_reason, dot_precision, dot_type, interpret_mode
+from .. import reference as _ref
+from ._common import FLOAT_DTYPES, Kernel, device_reason, dot_precision, dot_type, interpret_mode, num_sms
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -98,11 +99,15 @@ def _bwd_q_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, g_ptr, dq_ptr, dw_ptr, S, H, N, 
     tl.store(dw_ptr + row, dw.to(dw_ptr.dtype.element_ty), mask=m_ok)
 
 
-def _bwd_k_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, g_ptr, dk_ptr, S, H, N, D, ratio,
+def _bwd_k_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, g_ptr, dk_ptr, S, H, N, D, ratio, B, rows_per_split,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   PREC: tl.constexpr, DOT_T: tl.constexpr):
+    """Partial dk of key tile pid_n from the queries of split pid_split -> dk_ptr[pid_split, b] (fp32)."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    pid_split = tl.program_id(2).to(tl.int64)
+    m_lo = pid_split * rows_per_split
+    m_hi = tl.minimum(m_lo + rows_per_split, S)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < N
@@ -110,9 +115,9 @@ def _bwd_k_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, g_ptr, dk_ptr, S, H, N, D, ratio
     kt = tl.load(k_ptr + (b * N + offs_n[:, None]) * D + offs_d[None, :],
                  mask=n_ok[:, None] & d_ok[None, :], other=0.0)                         # [BN, BD]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for mstart in range(0, S, BLOCK_M):
+    for mstart in range(m_lo, m_hi, BLOCK_M):
         offs_m = mstart + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < S
+        m_ok = offs_m < m_hi
         t = offs_m.to(tl.int64)
         pos = tl.load(pos_ptr + t, mask=m_ok, other=0)
         lim = tl.where(m_ok, (pos + 1) // ratio, 0)
@@ -127,7 +132,7 @@ def _bwd_k_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, g_ptr, dk_ptr, S, H, N, D, ratio
             a = tl.dot(qh.to(DOT_T), tl.trans(kt.to(DOT_T)), input_precision=PREC)      # [BM, BN]
             ga = tl.where(a > 0.0, g * wh[:, None], 0.0)
             dk += tl.dot(tl.trans(ga.to(qh.dtype).to(DOT_T)), qh.to(DOT_T), input_precision=PREC)
-    tl.store(dk_ptr + (b * N + offs_n[:, None]) * D + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty),
+    tl.store(dk_ptr + ((pid_split * B + b) * N + offs_n[:, None]) * D + offs_d[None, :], dk,
              mask=n_ok[:, None] & d_ok[None, :])
 
 
@@ -180,16 +185,22 @@ def indexer_scores_bwd(q, k, weights, positions, ratio: int, g: torch.Tensor):
     b, s, h, d = q.shape
     n = k.size(1)
     dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
     dw = torch.empty_like(weights)
     if b * s * n * h == 0:
-        return dq.zero_(), dk.zero_(), dw.zero_()
+        return dq.zero_(), torch.zeros_like(k), dw.zero_()
     cfg = _opts(BWD_CONFIG)
     common = {"BLOCK_D": _block_d(d), "PREC": dot_precision(q.dtype), "DOT_T": dot_type(q.dtype), **cfg}
     _bwd_q[(triton.cdiv(s, cfg["BLOCK_M"]), h, b)](q, k, weights, positions, g, dq, dw, s, h, n, d,
                                                     int(ratio), **common)
-    _bwd_k[(triton.cdiv(n, cfg["BLOCK_N"]), b)](q, k, weights, positions, g, dk, s, h, n, d, int(ratio),
-                                                **common)
+    # key tiles alone are too few programs to fill the device: split the queries too and sum the parts
+    n_tiles = triton.cdiv(n, cfg["BLOCK_N"]) * b
+    splits = max(1, min(triton.cdiv(2 * num_sms(q.device), n_tiles), triton.cdiv(s, cfg["BLOCK_M"])))
+    rows = triton.cdiv(triton.cdiv(s, splits), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
+    splits = triton.cdiv(s, rows)
+    dk_part = torch.empty(splits, b, n, d, dtype=torch.float32, device=q.device)
+    _bwd_k[(triton.cdiv(n, cfg["BLOCK_N"]), b, splits)](q, k, weights, positions, g, dk_part, s, h, n, d,
+                                                        int(ratio), b, rows, **common)
+    dk = dk_part.sum(0).to(k.dtype)
     return dq, dk, dw
 
 
@@ -233,8 +244,7 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positi
         for lo in range(0, s, chunk):
             rows = min(chunk, s - lo)
             score = _scores_rows(q, k, weights, positions, ratio, lo, rows, out=buf[:, :rows])
-            top = score.topk(kk, dim=-1)
-            out[:, lo:lo + rows] = torch.where(torch.isfinite(top.values), top.indices, -1)
+            out[:, lo:lo + rows] = _ref.select_topk(score, kk)
         return out
 
 

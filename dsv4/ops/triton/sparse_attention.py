@@ -41,8 +41,6 @@ from ._common import (
     num_sms,
 )
 
-NEG_BIG = -1.0e30  # finite "minus infinity" for partial (split) maxima
-
 
 # ----------------------------------------------------------------------------- kernels
 def _fwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr,
@@ -61,7 +59,7 @@ def _fwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr,
     q = tl.load(q_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)                     # [BH, BD]
     if SPLIT:
-        m = tl.full([BLOCK_H], NEG_BIG, tl.float32)
+        m = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: no inf - inf
         l_sum = tl.zeros([BLOCK_H], tl.float32)
         k_lo = pid_k * keys_per_split
         k_hi = tl.minimum(k_lo + keys_per_split, K)
@@ -111,7 +109,7 @@ def _combine_kernel(sink_ptr, pacc_ptr, pm_ptr, pl_ptr, o_ptr, lse_ptr, H, D, n_
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for i in range(0, n_splits):
         row = (pid_q * n_splits + i) * H + offs_h
-        mi = tl.load(pm_ptr + row, mask=h_ok, other=NEG_BIG)
+        mi = tl.load(pm_ptr + row, mask=h_ok, other=-1.0e30)
         li = tl.load(pl_ptr + row, mask=h_ok, other=0.0)
         ai = tl.load(pacc_ptr + row[:, None] * D + offs_d[None, :], mask=hd_ok, other=0.0)
         m_new = tl.maximum(m, mi)
@@ -200,20 +198,21 @@ def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _block_h(h: int) -> int:
-    return min(64, max(16, triton.next_power_of_2(h)))
+def _block_h(h: int, cap: int = 64) -> int:
+    return min(cap, max(16, triton.next_power_of_2(h)))
 
 
 # (BLOCK_N, num_warps, num_stages) by phase; tuned on an H200 at d=512, 64 heads (see BENCHMARKS.md)
 FWD_CONFIG = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-BWD_CONFIG = {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
+BWD_CONFIG = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
 SPLIT_CONFIG = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 
 
 def _launch_opts(cfg: dict) -> dict:
+    """Launch options without BLOCK_H (chosen per call from the head count)."""
     if interpret_mode():
         return {"BLOCK_N": 16}
-    return dict(cfg)
+    return {k: v for k, v in cfg.items() if k != "BLOCK_H"}
 
 
 def choose_splits(n_programs: int, k: int, device: torch.device) -> int:
@@ -276,7 +275,7 @@ def sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, 
     dsink_part = torch.zeros(b * s, h, dtype=torch.float32, device=q.device)
     if b * s == 0 or h == 0:
         return dq.zero_(), dkv32.to(kv.dtype), torch.zeros_like(sink)
-    bh, bd = _block_h(h), _block_d(d)
+    bh, bd = _block_h(h, BWD_CONFIG.get("BLOCK_H", 64)), _block_d(d)
     n_hb = triton.cdiv(h, bh)
     contrib = (torch.empty(b * s * n_hb * k, d, dtype=torch.float32, device=q.device) if deterministic
                else dkv32)
