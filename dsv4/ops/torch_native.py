@@ -137,7 +137,7 @@ def grouped_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.T
     # rows past the last group are not computed: mask them before anything reads them (also in backward)
     gate = mask_rows(torch._grouped_mm(xs, w1.transpose(1, 2), offs=plan.ends), plan)   # [M, I]
     up = mask_rows(torch._grouped_mm(xs, w3.transpose(1, 2), offs=plan.ends), plan)     # [M, I]
-    h = (clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype)
+    h = mask_rows(clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1), plan).to(x.dtype)
     out = torch._grouped_mm(h, w2.transpose(1, 2), offs=plan.ends)               # [M, D]
     return combine_rows(out, plan)
 

@@ -1,0 +1,223 @@
+"""Fast MoE and mHC backends vs the references: forward, backward, poisoned memory, determinism.
+
+Triton kernels run on the CPU interpreter (TRITON_INTERPRET=1) at small shapes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import dsv4.ops as ops  # noqa: E402
+from dsv4.ops import reference as R  # noqa: E402
+
+triton_mm = pytest.importorskip("dsv4.ops.triton._mm_utils")
+if not triton_mm.INTERPRET:  # dsv4 was imported earlier without the interpreter: rebuild the kernels
+    importlib.reload(triton_mm)
+    for _name in ("moe", "mhc", "quant_gemm"):
+        importlib.reload(importlib.import_module(f"dsv4.ops.triton.{_name}"))
+
+MOE_BACKENDS = ["grouped", "triton"]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ----------------------------------------------------------------------------- MoE
+def _moe_inputs(seed: int = 0, t: int = 37, d: int = 64, inter: int = 32, e: int = 8, k: int = 3,
+                n_global: int = 12, offset: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    dt = torch.bfloat16
+    x = (torch.randn(t, d, generator=g) * 2).to(dt)
+    w1 = (torch.randn(e, inter, d, generator=g) * 0.25).to(dt)
+    w3 = (torch.randn(e, inter, d, generator=g) * 0.25).to(dt)
+    w2 = (torch.randn(e, d, inter, generator=g) * 0.2).to(dt)
+    idx = torch.stack([torch.randperm(n_global, generator=g)[:k] for _ in range(t)])  # distinct per token
+    idx[0] = torch.tensor([0, 1, n_global - 1])[:k]       # token 0: only other ranks' experts
+    idx[1] = torch.tensor([offset, offset + 1, offset + 2])[:k]
+    wts = torch.rand(t, k, generator=g) + 0.1
+    return x, wts, idx, w1, w2, w3
+
+
+def _grads(fn, inputs, grad_out):
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    x, wts, idx, w1, w2, w3 = leaves
+    y = fn(x, wts, idx.detach(), w1, w2, w3)
+    gs = torch.autograd.grad(y, [x, wts, w1, w2, w3], grad_out)
+    return y.detach(), gs
+
+
+@pytest.mark.parametrize("backend", MOE_BACKENDS)
+def test_moe_matches_reference_forward_and_backward(backend):
+    inputs = _moe_inputs()
+    limit = 2.0  # well inside the activations' range: the clamp is exercised (BUGZOO Z05)
+    ref_y = R.moe_experts(*inputs, limit, 2)
+    grad_out = torch.randn_like(ref_y)
+    y0, g0 = _grads(lambda *a: R.moe_experts(*a, limit, 2), inputs, grad_out)
+    ops.reset_calls()
+    y1, g1 = _grads(lambda *a: ops.moe_experts(*a, limit, 2, backend=backend), inputs, grad_out)
+    assert ops.last_backend("moe_experts") == backend
+    assert y1.dtype == torch.float32 and y1.shape == y0.shape
+    assert torch.equal(y1[0], torch.zeros_like(y1[0]))      # all experts foreign -> exactly zero
+    assert rel(y1, y0) < 5e-3, rel(y1, y0)
+    for name, a, b in zip(["x", "weights", "w1", "w2", "w3"], g1, g0):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < 1e-2, (name, rel(a, b))
+    # inference path (no autograd: the fused gate/up/SwiGLU kernel for triton)
+    with torch.no_grad():
+        y2 = ops.moe_experts(*inputs, limit, 2, backend=backend)
+    assert rel(y2, y0) < 5e-3
+
+
+def _nan_empty(real):
+    def empty(*size, **kw):
+        t = real(*size, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+    return empty
+
+
+@pytest.mark.parametrize("backend", MOE_BACKENDS)
+def test_moe_poisoned_memory(backend, monkeypatch):
+    """Every fresh buffer (and every grouped-GEMM row past the last group) starts as NaN (BUGZOO Z09)."""
+    inputs = _moe_inputs(seed=1)
+    ref_y = R.moe_experts(*inputs, 10.0, 2)
+    grad_out = torch.randn_like(ref_y)
+    y0, g0 = _grads(lambda *a: ops.moe_experts(*a, 10.0, 2, backend=backend), inputs, grad_out)
+
+    real_gmm = torch._grouped_mm
+
+    def poisoned_gmm(a, b, offs=None, **kw):
+        out = real_gmm(a, b, offs=offs, **kw)
+        out[offs[-1]:] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch, "empty", _nan_empty(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", _nan_empty(torch.empty_like))
+    monkeypatch.setattr(torch, "_grouped_mm", poisoned_gmm)
+    y1, g1 = _grads(lambda *a: ops.moe_experts(*a, 10.0, 2, backend=backend), inputs, grad_out)
+    assert ops.last_backend("moe_experts") == backend
+    assert torch.isfinite(y1).all()
+    assert torch.equal(y1, y0)
+    for a, b in zip(g1, g0):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", MOE_BACKENDS)
+def test_moe_deterministic_repeats(backend):
+    inputs = _moe_inputs(seed=2, t=29)
+    grad_out = torch.randn(29, 64)
+    ops.set_deterministic(True)
+    try:
+        runs = [_grads(lambda *a: ops.moe_experts(*a, 10.0, 2, backend=backend), inputs, grad_out)
+                for _ in range(2)]
+    finally:
+        ops.set_deterministic(False)
+    (ya, ga), (yb, gb) = runs
+    assert torch.equal(ya, yb)
+    assert all(torch.equal(a, b) for a, b in zip(ga, gb))
+
+
+def test_moe_default_backend_on_cpu_is_not_the_interpreter():
+    """The interpreter is for tests: by default CPU picks the fastest runnable backend, never silently."""
+    inputs = _moe_inputs(seed=3, t=5)
+    ops.moe_experts(*inputs, 10.0, 2)
+    assert ops.last_backend("moe_experts") in ("triton", "grouped")
+    with pytest.raises(ops.BackendUnavailable, match="must all be bf16"):
+        ops.moe_experts(inputs[0].float(), *inputs[1:3], *(w.float() for w in inputs[3:]), 10.0, 2,
+                        backend="triton")
+
+
+# ----------------------------------------------------------------------------- mHC
+def _hc_inputs(seed: int = 0, b: int = 2, s: int = 9, hc: int = 4, d: int = 64):
+    g = torch.Generator().manual_seed(seed)
+    mix = (2 + hc) * hc
+    x = torch.randn(b, s, hc, d, generator=g)
+    x[0, 0] *= 30.0                                      # one token with a large residual
+    x[1, 2, 1] = 0.0                                     # one all-zero copy
+    x = x.to(torch.bfloat16)
+    fn = torch.randn(mix, hc * d, generator=g) * 0.05
+    scale = torch.rand(3, generator=g) + 0.5
+    base = torch.randn(mix, generator=g) * 0.3
+    return x, fn, scale, base
+
+
+def test_hc_pre_matches_reference_forward_and_backward():
+    x, fn, scale, base = _hc_inputs()
+    leaves0 = [t.clone().requires_grad_() for t in (x, fn, scale, base)]
+    leaves1 = [t.clone().requires_grad_() for t in (x, fn, scale, base)]
+    out0 = R.hc_pre(*leaves0, 1e-6, 1e-6, 20)
+    ops.reset_calls()
+    out1 = ops.hc_pre(*leaves1, 1e-6, 1e-6, 20, backend="triton")
+    assert ops.last_backend("hc_pre") == "triton"
+    y0, post0, comb0 = out0
+    y1, post1, comb1 = out1
+    assert y1.dtype == x.dtype and post1.dtype == torch.float32 and comb1.shape == comb0.shape
+    assert (y1.float() - y0.float()).abs().max() <= 2e-2 * y0.float().abs().max()
+    assert torch.allclose(post1, post0, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(comb1, comb0, rtol=1e-5, atol=1e-6)
+    gs = [torch.randn_like(o.float()).to(o.dtype) for o in out0]
+    g0 = torch.autograd.grad(out0, leaves0, gs)
+    g1 = torch.autograd.grad(out1, leaves1, gs)
+    for name, a, b in zip(["x", "fn", "scale", "base"], g1, g0):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < (1e-2 if name == "x" else 1e-4), (name, rel(a, b))
+
+
+def test_hc_post_matches_reference_forward_and_backward():
+    g = torch.Generator().manual_seed(1)
+    b, s, hc, d = 2, 5, 4, 96
+    f = torch.randn(b, s, d, generator=g).bfloat16()
+    res = torch.randn(b, s, hc, d, generator=g).bfloat16()
+    post = torch.rand(b, s, hc, generator=g) * 2
+    comb = torch.rand(b, s, hc, hc, generator=g)
+    l0 = [t.clone().requires_grad_() for t in (f, res, post, comb)]
+    l1 = [t.clone().requires_grad_() for t in (f, res, post, comb)]
+    o0 = R.hc_post(*l0)
+    o1 = ops.hc_post(*l1, backend="triton")
+    assert ops.last_backend("hc_post") == "triton"
+    assert o1.dtype == o0.dtype
+    assert torch.equal(o1, o0) or (o1.float() - o0.float()).abs().max() <= 1e-2
+    go = torch.randn_like(o0.float()).bfloat16()
+    for name, a, bb in zip(["f", "res", "post", "comb"], torch.autograd.grad(o1, l1, go),
+                           torch.autograd.grad(o0, l0, go)):
+        assert rel(a, bb) < 5e-3, (name, rel(a, bb))
+
+
+def test_hc_head_matches_reference():
+    x, *_ = _hc_inputs(seed=4)
+    g = torch.Generator().manual_seed(5)
+    fn = torch.randn(4, 4 * 64, generator=g) * 0.05
+    scale = torch.rand(1, generator=g) + 0.5
+    base = torch.randn(4, generator=g) * 0.3
+    with torch.no_grad():
+        y1 = ops.hc_head(x, fn, scale, base, 1e-6, 1e-6, backend="triton")
+    assert ops.last_backend("hc_head") == "triton"
+    y0 = R.hc_head(x, fn, scale, base, 1e-6, 1e-6)
+    assert (y1.float() - y0.float()).abs().max() <= 1e-2 * y0.float().abs().max()
+
+
+def test_hc_pre_deterministic_and_refuses_fp32():
+    x, fn, scale, base = _hc_inputs(seed=6, s=3)
+    hashes = []
+    ops.set_deterministic(True)
+    try:
+        for _ in range(2):
+            leaves = [t.clone().requires_grad_() for t in (x, fn, scale, base)]
+            out = ops.hc_pre(*leaves, 1e-6, 1e-6, 20, backend="triton")
+            grads = torch.autograd.grad(out[0].float().sum() + out[2].sum(), leaves)
+            hashes.append([o.detach().clone() for o in out] + list(grads))
+    finally:
+        ops.set_deterministic(False)
+    assert all(torch.equal(a, b) for a, b in zip(*hashes))
+    with pytest.raises(ops.BackendUnavailable, match="bf16"):
+        ops.hc_pre(x.float(), fn, scale, base, 1e-6, 1e-6, 20, backend="triton")
