@@ -1,0 +1,281 @@
+"""`dsv4 bench ops`: the MoE, mHC and quantized-weight GEMM backends against the device's measured limits.
+
+For each op, backend and shape it prints the time, the rate (TFLOP/s for GEMMs, GB/s for the memory-bound
+mHC ops), the ratio to the bf16 matmul rate and copy bandwidth measured in the same run, and (where it
+applies) the ratio to a plain bf16 `torch.mm` of the same shape, also measured in the same run.
+
+Conventions: MoE FLOPs `6 * T*k * dim * inter` (three projections per routed slot); its "dense" peer is
+`[T*k, dim] @ [dim, 2*inter]` plus `[T*k, inter] @ [inter, dim]` as two torch matmuls. mHC bytes: `hc_pre`
+reads hc copies and writes one (bf16), `hc_post` reads hc copies plus f and writes hc copies; the
+backward of `hc_post` reads g, f and the copies and writes their gradients. Quantized GEMMs count
+`2*M*N*K`; their peer is the bf16 matmul of the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from .. import ops
+from ..config import ModelConfig
+from .kernels import _rel, _time_ms, measure_limits
+
+
+def _row(rows: list, op: str, backend: str, shape: str, ms: float, limits: dict, *,
+         flops: float | None = None, nbytes: float | None = None, peer_ms: float | None = None,
+         **extra) -> dict:
+    r = {"op": op, "backend": backend, "shape": shape, "ms": round(ms, 4)}
+    if flops is not None:
+        r["tflops"] = round(flops / ms / 1e9, 1)
+        r["of_matmul"] = round(r["tflops"] / limits["matmul_tflops"], 3)
+    if nbytes is not None:
+        r["gbs"] = round(nbytes / ms / 1e6, 0)
+        r["of_copy"] = round(r["gbs"] / limits["copy_gbs"], 3)
+    if peer_ms is not None:
+        r["of_same_shape_mm"] = round(peer_ms / ms, 3)
+    r.update(extra)
+    rows.append(r)
+    return r
+
+
+# ----------------------------------------------------------------------------- MoE
+def moe_inputs(t: int, cfg: ModelConfig, device, seed: int = 0, balanced: bool = False):
+    g = torch.Generator(device=device).manual_seed(seed)
+    e, d, i, k = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, cfg.n_activated_experts
+    dt = torch.bfloat16
+    x = torch.randn(t, d, device=device, generator=g).to(dt)
+    w1 = (torch.randn(e, i, d, device=device, generator=g) * d**-0.5).to(dt)
+    w3 = (torch.randn(e, i, d, device=device, generator=g) * d**-0.5).to(dt)
+    w2 = (torch.randn(e, d, i, device=device, generator=g) * i**-0.5).to(dt)
+    if balanced:
+        idx = (torch.arange(t * k, device=device) % e).view(t, k)
+    else:
+        idx = torch.rand(t, e, device=device, generator=g).topk(k, -1).indices
+    wts = torch.rand(t, k, device=device, generator=g).softmax(-1)
+    return x, wts, idx, w1, w2, w3
+
+
+def bench_moe(args, device, limits: dict, rows: list) -> None:
+    cfg = ModelConfig.preset(args.preset)
+    for routed in args.moe_routed:
+        _bench_moe_shape(args, cfg, routed // cfg.n_activated_experts, device, limits, rows)
+
+
+def _bench_moe_shape(args, cfg: ModelConfig, t: int, device, limits: dict, rows: list) -> None:
+    d, inter, k = cfg.dim, cfg.moe_inter_dim, cfg.n_activated_experts
+    x, wts, idx, w1, w2, w3 = moe_inputs(t, cfg, device)
+    m = t * k
+    flops = 6 * m * d * inter
+    shape = f"T={t} k={k} E={cfg.n_routed_experts} D={d} I={inter}"
+    a = torch.randn(m, d, device=device, dtype=torch.bfloat16)
+    b13 = torch.randn(d, 2 * inter, device=device, dtype=torch.bfloat16)
+    hh = torch.randn(m, inter, device=device, dtype=torch.bfloat16)
+    b2 = torch.randn(inter, d, device=device, dtype=torch.bfloat16)
+    dense_ms = _time_ms(lambda: (a @ b13, hh @ b2))
+    _row(rows, "moe_dense_peer", "torch.mm", shape, dense_ms, limits, flops=flops)
+    ref = None
+    if args.check or args.reference:
+        with torch.no_grad():
+            ref = ops.moe_experts(x, wts, idx, w1, w2, w3, cfg.swiglu_limit, backend="reference")
+    if args.reference:
+        with torch.no_grad():
+            ms = _time_ms(lambda: ops.moe_experts(x, wts, idx, w1, w2, w3, cfg.swiglu_limit,
+                                                  backend="reference"), reps=5, warmup=1)
+        _row(rows, "moe_experts", "reference", shape, ms, limits, flops=flops, peer_ms=dense_ms)
+    for be in ("grouped", "triton"):
+        try:
+            with torch.no_grad():
+                out = ops.moe_experts(x, wts, idx, w1, w2, w3, cfg.swiglu_limit, backend=be)
+        except ops.BackendUnavailable as err:
+            rows.append({"op": "moe_experts", "backend": be, "shape": shape, "skipped": str(err)})
+            continue
+        extra = {"rel": round(_rel(out, ref), 6)} if ref is not None else {}
+        with torch.no_grad():
+            ms = _time_ms(lambda be=be: ops.moe_experts(x, wts, idx, w1, w2, w3, cfg.swiglu_limit,
+                                                        backend=be))
+        _row(rows, "moe_experts", be, shape, ms, limits, flops=flops, peer_ms=dense_ms, **extra)
+        # forward + backward (training): 3x the forward FLOPs
+        leaves = [t_.detach().clone().requires_grad_() for t_ in (x, wts, w1, w2, w3)]
+        gout = torch.randn(t, d, device=device)
+
+        def fwd_bwd(be=be, leaves=leaves, gout=gout):
+            xx, ww, a1, a2, a3 = leaves
+            y = ops.moe_experts(xx, ww, idx, a1, a2, a3, cfg.swiglu_limit, backend=be)
+            torch.autograd.backward(y, gout)
+        ms = _time_ms(fwd_bwd, reps=10)
+        _row(rows, "moe_experts fwd+bwd", be, shape, ms, limits, flops=3 * flops, peer_ms=3 * dense_ms)
+
+
+# ----------------------------------------------------------------------------- mHC
+def hc_inputs(t: int, hc: int, d: int, device, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    mix = (2 + hc) * hc
+    x = torch.randn(1, t, hc, d, device=device, generator=g).bfloat16()
+    fn = torch.randn(mix, hc * d, device=device, generator=g) * (hc * d) ** -0.5
+    scale = torch.rand(3, device=device, generator=g) + 0.5
+    base = torch.randn(mix, device=device, generator=g) * 0.3
+    return x, fn, scale, base
+
+
+def bench_mhc(args, device, limits: dict, rows: list) -> None:
+    for d in args.hc_dims:
+        _bench_mhc_shape(args, args.hc_tokens, 4, d, device, limits, rows)
+
+
+def _bench_mhc_shape(args, t: int, hc: int, d: int, device, limits: dict, rows: list) -> None:
+    x, fn, scale, base = hc_inputs(t, hc, d, device)
+    shape = f"T={t} hc={hc} D={d}"
+    pre_bytes = t * hc * d * 2 + t * d * 2
+    post_bytes = t * hc * d * 2 * 2 + t * d * 2
+    f = torch.randn(1, t, d, device=device).bfloat16()
+    post = torch.rand(1, t, hc, device=device)
+    comb = torch.rand(1, t, hc, hc, device=device)
+    bes = (["reference"] if args.reference else []) + ["triton"]
+    ref_pre = ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20, backend="reference") if args.check else None
+    ref_post = ops.hc_post(f, x, post, comb, backend="reference") if args.check else None
+    for be in bes:
+        with torch.no_grad():
+            out = ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20, backend=be)
+            extra = {}
+            if ref_pre is not None:
+                extra = {"rel_y": round(_rel(out[0], ref_pre[0]), 6),
+                         "rel_comb": round(_rel(out[2], ref_pre[2]), 8)}
+            ms = _time_ms(lambda be=be: ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20, backend=be))
+            _row(rows, "hc_pre", be, shape, ms, limits, nbytes=pre_bytes, **extra)
+            out = ops.hc_post(f, x, post, comb, backend=be)
+            extra = {"rel": round(_rel(out, ref_post), 6)} if ref_post is not None else {}
+            ms = _time_ms(lambda be=be: ops.hc_post(f, x, post, comb, backend=be))
+            _row(rows, "hc_post", be, shape, ms, limits, nbytes=post_bytes, **extra)
+        # backward passes
+        lp = [t_.clone().requires_grad_() for t_ in (f, x, post, comb)]
+        yp = ops.hc_post(*lp, backend=be)
+        gp = torch.randn_like(yp)
+        ms = _time_ms(lambda yp=yp, gp=gp, lp=lp: torch.autograd.grad(yp, lp, gp, retain_graph=True))
+        _row(rows, "hc_post bwd", be, shape, ms, limits, nbytes=t * d * 2 * (hc * 4 + 2))
+        lx = [t_.clone().requires_grad_() for t_ in (x, fn, scale, base)]
+
+        def pre_fwd_bwd(be=be, lx=lx):
+            y, p_, c_ = ops.hc_pre(*lx, 1e-6, 1e-6, 20, backend=be)
+            torch.autograd.backward([y, p_, c_], [torch.ones_like(y), torch.ones_like(p_),
+                                                  torch.ones_like(c_)])
+        ms = _time_ms(pre_fwd_bwd, reps=10)
+        _row(rows, "hc_pre fwd+bwd", be, shape, ms, limits, nbytes=pre_bytes + t * d * 2 * (2 * hc + 1))
+
+
+# ----------------------------------------------------------------------------- quantized GEMMs
+def bench_quant(args, device, limits: dict, rows: list) -> None:
+    for n, k in args.quant_shapes:
+        _bench_quant_shape(args.quant_tokens, n, k, args.reference, device, limits, rows)
+
+
+def _bench_quant_shape(m: int, n: int, k: int, with_reference: bool, device, limits: dict,
+                       rows: list) -> None:
+    from .. import formats
+
+    x = torch.randn(m, k, device=device).bfloat16()
+    w = torch.randn(n, k, device=device) * k**-0.5
+    wb = w.bfloat16()
+    shape = f"M={m} N={n} K={k}"
+    flops = 2 * m * n * k
+    peer = _time_ms(lambda wb=wb: x @ wb.t())
+    _row(rows, "bf16 matmul peer", "torch.mm", shape, peer, limits, flops=flops)
+    q8, s8 = formats.quantize_fp8(w, scale_fmt="ue8m0")
+    p4, s4 = formats.quantize_mxfp4(w)
+    for op, wq, sq in (("fp8_linear", q8, s8), ("fp4_linear", p4, s4)):
+        ref = ops.call(op, x, wq, sq, backend="reference")
+        for be in (["reference"] if with_reference else []) + ["triton"]:
+            try:
+                y = ops.call(op, x, wq, sq, backend=be)
+            except ops.BackendUnavailable as err:
+                rows.append({"op": op, "backend": be, "shape": shape, "skipped": str(err)})
+                continue
+            ms = _time_ms(lambda op=op, wq=wq, sq=sq, be=be: ops.call(op, x, wq, sq, backend=be))
+            _row(rows, op, be, shape, ms, limits, flops=flops, peer_ms=peer, rel=round(_rel(y, ref), 6))
+
+
+class _Stream(list):
+    def append(self, row: dict) -> None:
+        super().append(row)
+        print(json.dumps(row), flush=True)
+
+
+def run_ops_bench(args: argparse.Namespace) -> int:
+    """Entry point of `dsv4 bench ops`."""
+    if not torch.cuda.is_available():
+        print("dsv4 bench ops: needs a CUDA device (none found)")
+        return 2
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    limits = measure_limits(device)
+    rows: list[dict] = _Stream() if args.jsonl else []
+    if args.jsonl:
+        rows.append({"limits": limits, "device": torch.cuda.get_device_name(device)})
+    t0 = time.time()
+    parts = set(args.only.split(",")) if args.only else {"moe", "mhc", "quant"}
+    if "moe" in parts:
+        bench_moe(args, device, limits, rows)
+    if "mhc" in parts:
+        bench_mhc(args, device, limits, rows)
+    if "quant" in parts:
+        bench_quant(args, device, limits, rows)
+    result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+              "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d"),
+              "limits": {k: round(v, 1) for k, v in limits.items()}, "rows": list(rows),
+              "seconds": round(time.time() - t0, 1)}
+    if args.jsonl:
+        return 0
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['device']}  torch {result['torch']}  triton {result['triton']}  {result['date']}")
+    print(f"measured: bf16 matmul {limits['matmul_tflops']:.0f} TFLOP/s, copy {limits['copy_gbs']:.0f} GB/s")
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['op']:22s} {r['backend']:10s} {r['shape']:40s} skipped: {r['skipped']}")
+            continue
+        rate = f"{r['tflops']:7.1f} TFLOP/s ({r['of_matmul']:.0%} of matmul)" if "tflops" in r else ""
+        bw = f"{r['gbs']:7.0f} GB/s ({r['of_copy']:.0%} of copy)" if "gbs" in r else ""
+        peer = f"  {r['of_same_shape_mm']:.0%} of same-shape mm" if "of_same_shape_mm" in r else ""
+        chk = {k_: v for k_, v in r.items() if k_.startswith("rel")}
+        print(f"{r['op']:22s} {r['backend']:10s} {r['shape']:40s} {r['ms']:9.3f} ms  {rate}{bw}{peer}"
+              f"{'  ' + str(chk) if chk else ''}")
+    return 0
+
+
+def _shape(s: str) -> tuple[int, int]:
+    n, k = s.lower().split("x")
+    return int(n), int(k)
+
+
+def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
+    """Adds `ops` to the `dsv4 bench` subcommands (sets `func=run_ops_bench`)."""
+    p = subparsers.add_parser("ops", help="time the MoE / mHC / quantized-GEMM backends vs measured limits")
+    p.add_argument("--preset", default="small", help="model preset whose MoE shapes are timed")
+    p.add_argument("--moe-routed", type=int, nargs="+", default=[8192, 32768],
+                   help="routed (token, expert) slots T*k per MoE call")
+    p.add_argument("--hc-tokens", type=int, default=8192)
+    p.add_argument("--hc-dims", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--quant-tokens", type=int, default=4096)
+    p.add_argument("--quant-shapes", type=_shape, nargs="+", default=[(4096, 4096), (2048, 7168)],
+                   help="weight shapes NxK")
+    p.add_argument("--only", default="", help="comma list: moe,mhc,quant")
+    p.add_argument("--reference", action="store_true", help="also time the torch reference")
+    p.add_argument("--check", action="store_true", help="compare with the reference at the bench shapes")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--jsonl", action="store_true", help="print each result as a JSON line as it is measured")
+    p.set_defaults(func=run_ops_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsv4 bench")
+    add_bench_parsers(parser.add_subparsers(dest="bench", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
