@@ -13,6 +13,7 @@ same source runs under both forms.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 LOG2E = 1.4426950408889634
 
@@ -41,10 +43,39 @@ class Kernel:
         if interpret_mode():
             if self._interp is None:
                 self._interp = InterpretedFunction(self.fn)
-            return self._interp[grid]
+            launch = self._interp[grid]
+
+            def run(*args, **kwargs):
+                with _interpretable_lang():
+                    return launch(*args, **kwargs)
+            return run
         if self._jit is None:
             self._jit = triton.jit(self.fn)
         return self._jit[grid]
+
+
+_LANG_SWAP: dict[str, InterpretedFunction] = {}
+
+
+@contextlib.contextmanager
+def _interpretable_lang():
+    """Temporarily make triton.language's own jit helpers (tl.zeros, tl.sum, tl.max, ...) interpretable.
+
+    When triton was imported without TRITON_INTERPRET=1 these helpers are compiled-only JITFunctions,
+    which the interpreter refuses to call. The swap lasts for one (synchronous) interpreted launch."""
+    if not _LANG_SWAP:
+        for name, obj in vars(tl).items():
+            if isinstance(obj, JITFunction):
+                _LANG_SWAP[name] = InterpretedFunction(obj.fn)
+    saved = {name: getattr(tl, name) for name in _LANG_SWAP}
+    try:
+        for name, fn in _LANG_SWAP.items():
+            if isinstance(saved[name], JITFunction):
+                setattr(tl, name, fn)
+        yield
+    finally:
+        for name, obj in saved.items():
+            setattr(tl, name, obj)
 
 
 def device_reason(*tensors: torch.Tensor) -> str | None:

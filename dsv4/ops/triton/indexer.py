@@ -33,7 +33,7 @@ from ._common import FLOAT_DTYPES, Kernel, device_reason, dot_precision, dot_typ
 
 
 # ----------------------------------------------------------------------------- kernels
-def _score_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, S, H, N, D, ratio, row_lo, n_rows,
+def _score_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, S, H, N, D, ratio, row_lo, n_rows, out_bstride,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   PREC: tl.constexpr, DOT_T: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -61,7 +61,7 @@ def _score_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, S, H, N, D, ratio, row_
         acc += tl.maximum(a, 0.0) * wh[:, None]
     vis = offs_n[None, :] < lim[:, None]
     out = tl.where(vis, acc, float("-inf"))
-    tl.store(out_ptr + (b * n_rows + offs_m[:, None]) * N + offs_n[None, :], out,
+    tl.store(out_ptr + b * out_bstride + offs_m[:, None] * N + offs_n[None, :], out,
              mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -159,16 +159,21 @@ def _block_d(d: int) -> int:
 # ----------------------------------------------------------------------------- forward / backward
 def _scores_rows(q, k, weights, positions, ratio: int, row_lo: int, n_rows: int,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """Scores of query rows [row_lo, row_lo + n_rows) -> [b, n_rows, n] fp32 (contiguous inputs)."""
+    """Scores of query rows [row_lo, row_lo + n_rows) -> [b, n_rows, n] fp32 (contiguous inputs).
+
+    `out` may be a view whose rows are contiguous (e.g. `buf[:, :rows]` of a [b, chunk, n] buffer)."""
     b, s, h, d = q.shape
     n = k.size(1)
     if out is None:
         out = torch.empty(b, n_rows, n, dtype=torch.float32, device=q.device)
+    if out.shape != (b, n_rows, n) or out.dtype != torch.float32 or (n_rows > 1 and out.stride(1) != n) or (
+            n > 1 and out.stride(2) != 1):
+        raise ValueError("out must be [b, rows, n] fp32 with contiguous rows")
     if b * n_rows * n == 0:
         return out
     cfg = _opts(SCORE_CONFIG)
     grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), b)
-    _score[grid](q, k, weights, positions, out, s, h, n, d, int(ratio), row_lo, n_rows,
+    _score[grid](q, k, weights, positions, out, s, h, n, d, int(ratio), row_lo, n_rows, out.stride(0),
                  BLOCK_D=_block_d(d), PREC=dot_precision(q.dtype), DOT_T=dot_type(q.dtype), **cfg)
     return out
 

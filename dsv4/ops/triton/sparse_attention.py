@@ -43,11 +43,11 @@ from ._common import (
 
 
 # ----------------------------------------------------------------------------- kernels
-def _fwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr,
+def _fwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr, olo_ptr,
                 pacc_ptr, pm_ptr, pl_ptr,
                 S, H, K, N, D, scale_log2, keys_per_split, n_splits,
                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                SPLIT: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+                SPLIT: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, STORE_LO: tl.constexpr):
     pid_q = tl.program_id(0).to(tl.int64)          # b * S + s
     pid_h = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -64,7 +64,8 @@ def _fwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr,
         k_lo = pid_k * keys_per_split
         k_hi = tl.minimum(k_lo + keys_per_split, K)
     else:
-        m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+        m = sink * 1.4426950408889634
         l_sum = tl.full([BLOCK_H], 1.0, tl.float32)
         k_lo = 0
         k_hi = K
@@ -90,21 +91,29 @@ def _fwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr,
         tl.store(pacc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
     else:
         o = acc / l_sum[:, None]
-        tl.store(o_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+        o_hi = o.to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :], o_hi,
                  mask=h_ok[:, None] & d_ok[None, :])
-        lse = (m + tl.log2(l_sum)) * 0.6931471805599453
+        if STORE_LO:  # rounding residual of o, so that backward's rowsum(o * do) is fp32-accurate
+            tl.store(olo_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :],
+                     (o - o_hi.to(tl.float32)).to(olo_ptr.dtype.element_ty),
+                     mask=h_ok[:, None] & d_ok[None, :])
+        # while the sink is still the maximum, lse = sink + log(l): exactly the sink when no key is valid
+        lse = tl.where(m == sink * 1.4426950408889634, sink + tl.log(l_sum),
+                       (m + tl.log2(l_sum)) * 0.6931471805599453)
         tl.store(lse_ptr + pid_q * H + offs_h, lse, mask=h_ok)
 
 
-def _combine_kernel(sink_ptr, pacc_ptr, pm_ptr, pl_ptr, o_ptr, lse_ptr, H, D, n_splits,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine_kernel(sink_ptr, pacc_ptr, pm_ptr, pl_ptr, o_ptr, lse_ptr, olo_ptr, H, D, n_splits,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LO: tl.constexpr):
     pid_q = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_ok = offs_h < H
     hd_ok = h_ok[:, None] & (offs_d < D)[None, :]
-    m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    m = sink * 1.4426950408889634
     l_sum = tl.full([BLOCK_H], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for i in range(0, n_splits):
@@ -119,16 +128,21 @@ def _combine_kernel(sink_ptr, pacc_ptr, pm_ptr, pl_ptr, o_ptr, lse_ptr, H, D, n_
         acc = acc * alpha[:, None] + ai * beta[:, None]
         m = m_new
     o = acc / l_sum[:, None]
-    tl.store(o_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=hd_ok)
-    tl.store(lse_ptr + pid_q * H + offs_h, (m + tl.log2(l_sum)) * 0.6931471805599453, mask=h_ok)
+    o_hi = o.to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :], o_hi, mask=hd_ok)
+    if STORE_LO:
+        tl.store(olo_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :],
+                 (o - o_hi.to(tl.float32)).to(olo_ptr.dtype.element_ty), mask=hd_ok)
+    lse = tl.where(m == sink * 1.4426950408889634, sink + tl.log(l_sum),
+                   (m + tl.log2(l_sum)) * 0.6931471805599453)
+    tl.store(lse_ptr + pid_q * H + offs_h, lse, mask=h_ok)
 
 
-def _bwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr,
+def _bwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, olo_ptr, do_ptr, lse_ptr,
                 dq_ptr, dkv_ptr, dsink_ptr, contrib_ptr,
                 S, H, K, N, D, scale, n_hblocks,
                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                DETERMINISTIC: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+                DETERMINISTIC: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, HAS_LO: tl.constexpr):
     pid_q = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     b = pid_q // S
@@ -140,8 +154,10 @@ def _bwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr,
     hd_off = (pid_q * H + offs_h[:, None]) * D + offs_d[None, :]
     q = tl.load(q_ptr + hd_off, mask=hd_ok, other=0.0)                               # [BH, BD]
     do = tl.load(do_ptr + hd_off, mask=hd_ok, other=0.0)                             # [BH, BD]
-    o = tl.load(o_ptr + hd_off, mask=hd_ok, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)                         # [BH]
+    o = tl.load(o_ptr + hd_off, mask=hd_ok, other=0.0).to(tl.float32)
+    if HAS_LO:
+        o += tl.load(olo_ptr + hd_off, mask=hd_ok, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do.to(tl.float32), 1)                                         # [BH]
     lse = tl.load(lse_ptr + pid_q * H + offs_h, mask=h_ok, other=0.0)                # [BH]
     sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     # d loss / d sink_h = -exp(sink_h - lse) * delta   (the sink is a key with a zero value)
@@ -227,25 +243,39 @@ def choose_splits(n_programs: int, k: int, device: torch.device) -> int:
 
 # ----------------------------------------------------------------------------- forward / backward
 def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                         scale: float, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward only (no autograd). `splits=None` chooses the decode split automatically."""
+                         scale: float, splits: int | None = None,
+                         out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         o_lo: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only (no autograd). `splits=None` chooses the decode split automatically; `out` = (o, lse)
+    contiguous buffers to write into; `o_lo` (like q) receives o's rounding residual for the backward."""
     b, s, h, d = q.shape
     n, k = kv.size(1), idx.size(2)
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.contiguous()
     sink = sink.float().contiguous()
-    o = torch.empty_like(q)
-    lse = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
+    if out is None:
+        o = torch.empty_like(q)
+        lse = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
+    else:
+        o, lse = out
+        if not (o.is_contiguous() and lse.is_contiguous() and o.shape == q.shape and lse.shape == (b, s, h)
+                and o.dtype == q.dtype and lse.dtype == torch.float32):
+            raise ValueError("out must be contiguous (o like q, lse [b, s, h] fp32)")
     if b * s == 0 or h == 0:
         return o, lse
-    bh, bd = _block_h(h), _block_d(d)
+    bh, bd = _block_h(h, 16 if interpret_mode() else 64), _block_d(d)
     n_hb = triton.cdiv(h, bh)
     if splits is None:
         splits = choose_splits(b * s * n_hb, k, q.device)
     prec, dot_t = dot_precision(q.dtype), dot_type(q.dtype)
+    has_lo = o_lo is not None
+    lo = o_lo if has_lo else o
+    if has_lo and not (o_lo.is_contiguous() and o_lo.shape == q.shape):
+        raise ValueError("o_lo must be a contiguous tensor shaped like q")
     scale_log2 = float(scale) * LOG2E
     if splits <= 1:
-        _fwd[(b * s, n_hb, 1)](q, kv, sink, idx, o, lse, o, lse, lse, s, h, k, n, d, scale_log2, k, 1,
-                               BLOCK_H=bh, BLOCK_D=bd, SPLIT=False, PREC=prec, DOT_T=dot_t,
+        _fwd[(b * s, n_hb, 1)](q, kv, sink, idx, o, lse, lo, o, lse, lse, s, h, k, n, d, scale_log2, k, 1,
+                               BLOCK_H=bh, BLOCK_D=bd, SPLIT=False, PREC=prec, DOT_T=dot_t, STORE_LO=has_lo,
                                **_launch_opts(FWD_CONFIG))
         return o, lse
     per = triton.cdiv(triton.cdiv(k, splits), 16) * 16
@@ -253,18 +283,21 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, 
     pacc = torch.empty(b * s, splits, h, d, dtype=torch.float32, device=q.device)
     pm = torch.empty(b * s, splits, h, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
-    _fwd[(b * s, n_hb, splits)](q, kv, sink, idx, o, lse, pacc, pm, pl, s, h, k, n, d, scale_log2, per,
+    _fwd[(b * s, n_hb, splits)](q, kv, sink, idx, o, lse, lo, pacc, pm, pl, s, h, k, n, d, scale_log2, per,
                                 splits, BLOCK_H=bh, BLOCK_D=bd, SPLIT=True, PREC=prec, DOT_T=dot_t,
+                                STORE_LO=False,
                                 **_launch_opts(SPLIT_CONFIG))
-    _combine[(b * s, n_hb)](sink, pacc, pm, pl, o, lse, h, d, splits, BLOCK_H=bh, BLOCK_D=bd,
+    _combine[(b * s, n_hb)](sink, pacc, pm, pl, o, lse, lo, h, d, splits, BLOCK_H=bh, BLOCK_D=bd,
+                            STORE_LO=has_lo,
                             **({} if interpret_mode() else {"num_warps": 8}))
     return o, lse
 
 
 def sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                          o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor, scale: float,
-                         deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dkv, dsink) for the forward above."""
+                         deterministic: bool, o_lo: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dkv, dsink) for the forward above (`o_lo`: o's rounding residual from the forward, if kept)."""
     b, s, h, d = q.shape
     n, k = kv.size(1), idx.size(2)
     q, kv, idx, o, do = q.contiguous(), kv.contiguous(), idx.contiguous(), o.contiguous(), do.contiguous()
@@ -275,14 +308,16 @@ def sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, 
     dsink_part = torch.zeros(b * s, h, dtype=torch.float32, device=q.device)
     if b * s == 0 or h == 0:
         return dq.zero_(), dkv32.to(kv.dtype), torch.zeros_like(sink)
-    bh, bd = _block_h(h, BWD_CONFIG.get("BLOCK_H", 64)), _block_d(d)
+    bh, bd = _block_h(h, 16 if interpret_mode() else BWD_CONFIG.get("BLOCK_H", 64)), _block_d(d)
     n_hb = triton.cdiv(h, bh)
     contrib = (torch.empty(b * s * n_hb * k, d, dtype=torch.float32, device=q.device) if deterministic
                else dkv32)
-    _bwd[(b * s, n_hb)](q, kv, sink32, idx, o, do, lse, dq, dkv32, dsink_part, contrib,
+    has_lo = o_lo is not None
+    _bwd[(b * s, n_hb)](q, kv, sink32, idx, o, o_lo.contiguous() if has_lo else o, do, lse, dq, dkv32,
+                        dsink_part, contrib,
                         s, h, k, n, d, float(scale), n_hb, BLOCK_H=bh, BLOCK_D=bd,
                         DETERMINISTIC=deterministic, PREC=dot_precision(q.dtype), DOT_T=dot_type(q.dtype),
-                        **_launch_opts(BWD_CONFIG))
+                        HAS_LO=has_lo, **_launch_opts(BWD_CONFIG))
     if deterministic and contrib.numel() and b * n:
         # target kv row of every (query, head block, slot) contribution; -1 slots go to a dropped row
         rows = idx.long() + (torch.arange(b, device=q.device) * n).view(b, 1, 1)          # [b, s, k]
@@ -299,8 +334,11 @@ def sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, sink, idx, scale):
-        o, lse = sparse_attention_fwd(q, kv, sink, idx, scale)
-        ctx.save_for_backward(q, kv, sink, idx, o, lse)
+        # half-precision o loses ~3 digits; keeping its residual makes the backward's rowsum(o * do) as
+        # accurate as the fp32 reference (without it, peaked softmaxes get ~5% error in dq)
+        o_lo = torch.empty_like(q) if q.dtype != torch.float32 else None
+        o, lse = sparse_attention_fwd(q, kv, sink, idx, scale, o_lo=o_lo)
+        ctx.save_for_backward(q, kv, sink, idx, o, lse, o_lo)
         ctx.scale = scale
         ctx.deterministic = _ops.is_deterministic()
         ctx.mark_non_differentiable(lse)
@@ -308,10 +346,11 @@ class _SparseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):  # the gradient for lse is ignored: lse is not differentiable
-        q, kv, sink, idx, o, lse = ctx.saved_tensors
+        q, kv, sink, idx, o, lse, o_lo = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dkv, dsink = sparse_attention_bwd(q, kv, sink, idx, o, lse, do, ctx.scale, ctx.deterministic)
+        dq, dkv, dsink = sparse_attention_bwd(q, kv, sink, idx, o, lse, do, ctx.scale, ctx.deterministic,
+                                              o_lo)
         return (dq if ctx.needs_input_grad[0] else None, dkv if ctx.needs_input_grad[1] else None,
                 dsink if ctx.needs_input_grad[2] else None, None, None)
 
