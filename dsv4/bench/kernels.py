@@ -130,13 +130,14 @@ def _attention_sweeps(args, device, rows: list, sa) -> None:
     q, kv, sink, idx = attention_inputs(1, args.seq, args.heads, args.dim, args.topk, args.seq, device)
     scale = args.dim**-0.5
     fwd_c = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
-             for bn, w, st in ((64, 8, 2), (64, 8, 1), (32, 8, 2), (32, 4, 2), (128, 8, 1))]
+             for bn, w, st in ((64, 8, 2), (32, 8, 3), (64, 4, 2))]
     _sweep("attn_fwd", sa.FWD_CONFIG, fwd_c, lambda: sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1),
            rows)
     o, lse = sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1)
     do = torch.randn_like(o)
-    bwd_c = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
-             for bn, w, st in ((32, 8, 1), (16, 8, 1), (32, 16, 1), (64, 16, 1))]
+    bwd_c = [{"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+             for bh, bn, w, st in ((32, 32, 8, 1), (32, 64, 8, 1), (32, 32, 4, 1), (32, 32, 8, 2),
+                                   (16, 64, 4, 1), (64, 16, 8, 1))]
     _sweep("attn_bwd", sa.BWD_CONFIG, bwd_c,
            lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False), rows)
     qd, kvd, sinkd, idxd = attention_inputs(args.decode_batch, 1, args.heads, args.dim, args.topk, args.seq,
