@@ -142,8 +142,10 @@ def grouped_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.T
     return combine_rows(out, plan)
 
 
+# Explicit use only (priority below the reference): on CPU torch._grouped_mm is a slow fallback loop, and
+# on CUDA the Triton backend is the default.
 register("moe_experts", "grouped", grouped_moe_experts, can_run=_grouped_can_run, deterministic=True,
-         priority=5)
+         priority=-1)
 
 
 # ----------------------------------------------------------------------------- quantized-weight linears

@@ -1,0 +1,248 @@
+"""`dsv4 bench prefill|decode|train`: end-to-end tokens/s of the model, fast backends vs the torch reference.
+
+Both paths run the same randomly initialised model in the same process: "reference" inside
+`dsv4.ops.use_backend("reference")` (every op its plain-torch definition), "fast" with the default backend
+of each op on the device (the ops that ran are listed from `dsv4.ops.calls()`, so a silent fallback shows).
+
+- prefill: `model.prefill(tokens [b, s], cache)`; tokens/s = b*s / time.
+- decode: after an untimed prompt, `model.decode_step` one token at a time; tokens/s = b*steps / time.
+  `--profile` adds, per step: CUDA kernels launched, GPU-busy time, and host syncs (the decode path's
+  limits: a launch-bound step is short on GPU time and long on the host).
+- train: forward + cross-entropy + backward on [b, s] tokens (no optimizer step); tokens/s = b*s / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..config import ModelConfig
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, reps: int, setup=None) -> float:
+    """Median wall seconds of fn(state) over reps (setup() builds a fresh state, untimed)."""
+    times = []
+    for _ in range(reps):
+        state = setup() if setup is not None else None
+        _sync(device)
+        t0 = time.perf_counter()
+        fn(state)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _path(name: str):
+    return ops.use_backend("reference") if name == "reference" else contextlib.nullcontext()
+
+
+def _backends_used() -> dict[str, list[str]]:
+    used: dict[str, list[str]] = {}
+    for (op, be), _n in sorted(ops.calls().items()):
+        used.setdefault(op, []).append(be)
+    return used
+
+
+def _count_syncs(fn) -> int:
+    """Host<->device synchronisations fn() triggers (CUDA sync debug mode)."""
+    if not torch.cuda.is_available():
+        return -1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def _profile_step(fn, steps: int) -> dict:
+    """Per call: CUDA kernels launched and their summed GPU time (ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    busy_us = sum(getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) for e in kernels)
+    return {"kernels_per_step": round(len(kernels) / steps, 1),
+            "gpu_busy_ms_per_step": round(busy_us / steps / 1e3, 3)}
+
+
+def build_model(preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    from ..model import DeepSeekV4
+
+    cfg = ModelConfig.preset(preset)
+    torch.manual_seed(seed)
+    return DeepSeekV4(cfg, dtype=dtype, device=device)
+
+
+def _tokens(cfg: ModelConfig, b: int, s: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, cfg.vocab_size, (b, s), generator=g).to(device)
+
+
+# ----------------------------------------------------------------------------- the three benchmarks
+def bench_prefill(model, args, device, path: str) -> dict:
+    tokens = _tokens(model.cfg, args.batch, args.seq, device)
+    max_len = args.seq + 8
+
+    def run(cache):
+        model.prefill(tokens, cache)
+
+    with _path(path), torch.no_grad():
+        run(model.new_cache(args.batch, max_len))                      # warm-up (compiles, autotunes)
+        ops.reset_calls()
+        sec = _timed(run, device, args.reps, setup=lambda: model.new_cache(args.batch, max_len))
+        used = _backends_used()
+    return {"bench": "prefill", "path": path, "batch": args.batch, "seq": args.seq, "s": round(sec, 4),
+            "tokens_per_s": round(args.batch * args.seq / sec, 1), "backends": used}
+
+
+def bench_decode(model, args, device, path: str) -> dict:
+    prompt = _tokens(model.cfg, args.batch, args.prompt, device)
+    max_len = args.prompt + args.steps * (args.reps + 2) + 8
+    with _path(path), torch.no_grad():
+        cache = model.new_cache(args.batch, max_len)
+        logits = model.prefill(prompt, cache)
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        model.decode_step(nxt, cache)                                  # warm-up
+        state = {"nxt": nxt}
+
+        def run(_):
+            for _ in range(args.steps):
+                state["nxt"] = model.decode_step(state["nxt"], cache)[:, -1].argmax(-1, keepdim=True)
+
+        ops.reset_calls()
+        sec = _timed(run, device, args.reps)
+        used = _backends_used()
+        row = {"bench": "decode", "path": path, "batch": args.batch, "prompt": args.prompt,
+               "steps": args.steps, "s": round(sec, 4), "tokens_per_s": round(args.batch * args.steps / sec, 2),
+               "ms_per_step": round(sec / args.steps * 1e3, 3), "backends": used}
+        if args.profile and device.type == "cuda":
+            def one():
+                state["nxt"] = model.decode_step(state["nxt"], cache)[:, -1].argmax(-1, keepdim=True)
+            row.update(_profile_step(one, 3))
+            row["host_syncs_per_step"] = _count_syncs(one)
+    return row
+
+
+def bench_train(model, args, device, path: str) -> dict:
+    tokens = _tokens(model.cfg, args.batch, args.seq, device)
+    model.train()
+
+    def run(_):
+        out = model(tokens)
+        logits = out.logits[:, :-1].float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    try:
+        with _path(path):
+            run(None)                                                  # warm-up
+            ops.reset_calls()
+            sec = _timed(run, device, args.reps)
+            used = _backends_used()
+    finally:
+        model.eval()
+    return {"bench": "train", "path": path, "batch": args.batch, "seq": args.seq, "s": round(sec, 4),
+            "tokens_per_s": round(args.batch * args.seq / sec, 1), "backends": used}
+
+
+_BENCHES = {"prefill": bench_prefill, "decode": bench_decode, "train": bench_train}
+_DEFAULTS = {"prefill": {"batch": 1, "seq": 4096}, "decode": {"batch": 1, "seq": 0},
+             "train": {"batch": 2, "seq": 2048}}
+
+
+def run_e2e_bench(args: argparse.Namespace) -> int:
+    """Entry point of `dsv4 bench prefill|decode|train`."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda" and not args.allow_cpu:
+        print(f"dsv4 bench {args.bench}: needs a CUDA device (none found); pass --device cpu --allow-cpu "
+              "for a smoke run")
+        return 2
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    for key, val in _DEFAULTS[args.bench].items():
+        if getattr(args, key) is None:
+            setattr(args, key, val)
+    t0 = time.time()
+    model = build_model(args.preset, device, dtype)
+    model.eval()
+    paths = ["fast", "reference"] if not args.no_reference else ["fast"]
+    rows = []
+    for path in paths:
+        row = _BENCHES[args.bench](model, args, device, path)
+        rows.append(row)
+        if args.jsonl:
+            print(json.dumps(row), flush=True)
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "preset": args.preset,
+              "dtype": args.dtype, "rows": rows, "seconds": round(time.time() - t0, 1)}
+    if len(rows) == 2:
+        result["speedup"] = round(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], 2)
+    if args.jsonl:
+        print(json.dumps({"speedup": result.get("speedup")}))
+        return 0
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['device']}  torch {result['torch']}  {result['date']}  preset {args.preset} "
+          f"{args.dtype}")
+    for r in rows:
+        extra = {k: r[k] for k in ("kernels_per_step", "gpu_busy_ms_per_step", "host_syncs_per_step") if k in r}
+        print(f"{r['bench']:8s} {r['path']:10s} {r['tokens_per_s']:12.1f} tokens/s  ({r['s']:.4f} s)"
+              f"{'  ' + str(extra) if extra else ''}")
+    print("fast path backends:", rows[0]["backends"])
+    if "speedup" in result:
+        print(f"speed-up fast / reference: {result['speedup']}x")
+    return 0
+
+
+def add_bench_parsers(subparsers) -> None:
+    """Adds `prefill`, `decode` and `train` to the `dsv4 bench` subcommands (func=run_e2e_bench)."""
+    helps = {"prefill": "prompt tokens/s (model.prefill), fast backends vs the torch reference",
+             "decode": "generated tokens/s (model.decode_step), fast backends vs the torch reference",
+             "train": "forward+backward tokens/s, fast backends vs the torch reference"}
+    for name, text in helps.items():
+        p = subparsers.add_parser(name, help=text)
+        p.add_argument("--preset", default="small")
+        p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+        p.add_argument("--batch", type=int, default=None)
+        p.add_argument("--seq", type=int, default=None, help="tokens per sequence (prefill, train)")
+        p.add_argument("--prompt", type=int, default=64, help="decode: untimed prompt length")
+        p.add_argument("--steps", type=int, default=32, help="decode: timed steps per rep")
+        p.add_argument("--reps", type=int, default=3)
+        p.add_argument("--profile", action="store_true", help="decode: kernels, GPU time, host syncs per step")
+        p.add_argument("--no-reference", action="store_true", help="skip the torch reference path")
+        p.add_argument("--device", default=None)
+        p.add_argument("--allow-cpu", action="store_true", help="run on CPU (smoke test, not a benchmark)")
+        p.add_argument("--json", action="store_true")
+        p.add_argument("--jsonl", action="store_true")
+        p.set_defaults(func=run_e2e_bench, bench=name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsv4 bench")
+    add_bench_parsers(parser.add_subparsers(dest="bench_cmd", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
