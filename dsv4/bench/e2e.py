@@ -132,7 +132,8 @@ def bench_decode(model, args, device, path: str) -> dict:
         sec = _timed(run, device, args.reps)
         used = _backends_used()
         row = {"bench": "decode", "path": path, "batch": args.batch, "prompt": args.prompt,
-               "steps": args.steps, "s": round(sec, 4), "tokens_per_s": round(args.batch * args.steps / sec, 2),
+               "steps": args.steps, "s": round(sec, 4),
+               "tokens_per_s": round(args.batch * args.steps / sec, 2),
                "ms_per_step": round(sec / args.steps * 1e3, 3), "backends": used}
         if args.profile and device.type == "cuda":
             def one():
@@ -205,7 +206,8 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     print(f"{result['device']}  torch {result['torch']}  {result['date']}  preset {args.preset} "
           f"{args.dtype}")
     for r in rows:
-        extra = {k: r[k] for k in ("kernels_per_step", "gpu_busy_ms_per_step", "host_syncs_per_step") if k in r}
+        keys = ("kernels_per_step", "gpu_busy_ms_per_step", "host_syncs_per_step")
+        extra = {k: r[k] for k in keys if k in r}
         print(f"{r['bench']:8s} {r['path']:10s} {r['tokens_per_s']:12.1f} tokens/s  ({r['s']:.4f} s)"
               f"{'  ' + str(extra) if extra else ''}")
     print("fast path backends:", rows[0]["backends"])
@@ -228,7 +230,7 @@ def add_bench_parsers(subparsers) -> None:
         p.add_argument("--prompt", type=int, default=64, help="decode: untimed prompt length")
         p.add_argument("--steps", type=int, default=32, help="decode: timed steps per rep")
         p.add_argument("--reps", type=int, default=3)
-        p.add_argument("--profile", action="store_true", help="decode: kernels, GPU time, host syncs per step")
+        p.add_argument("--profile", action="store_true", help="decode: kernels, GPU ms, syncs per step")
         p.add_argument("--no-reference", action="store_true", help="skip the torch reference path")
         p.add_argument("--device", default=None)
         p.add_argument("--allow-cpu", action="store_true", help="run on CPU (smoke test, not a benchmark)")
