@@ -161,6 +161,22 @@ def _hc_post_bwd_kernel(g_ptr, f_ptr, res_ptr, post_ptr, comb_ptr, gf_ptr, gres_
              mask=tmask[:, None, None])
 
 
+_PRE_CONFIGS = [triton.Config({"BT": bt, "BK": bk, "BD": bd}, num_warps=w)
+                for bt, bk, bd, w in ((16, 128, 128, 4), (32, 128, 256, 4), (32, 256, 256, 8),
+                                      (64, 128, 256, 8))]
+_POST_CONFIGS = [triton.Config({"BT": bt, "BD": bd}, num_warps=w)
+                 for bt, bd, w in ((2, 256, 4), (4, 256, 4), (8, 128, 4), (4, 512, 8))]
+_POST_BWD_CONFIGS = [triton.Config({"BT": bt, "BD": bd}, num_warps=w)
+                     for bt, bd, w in ((2, 128, 4), (4, 128, 4), (2, 256, 4), (8, 64, 4))]
+_pre_tuned = triton.autotune(_PRE_CONFIGS, key=["D", "HC", "HEAD"])(_hc_pre_fwd_kernel)
+_post_tuned = triton.autotune(_POST_CONFIGS, key=["D", "HC"])(_hc_post_fwd_kernel)
+_post_bwd_tuned = triton.autotune(_POST_BWD_CONFIGS, key=["D", "HC"])(_hc_post_bwd_kernel)
+
+
+def _rows_grid(t: int):
+    return lambda meta: (triton.cdiv(t, meta["BT"]),)
+
+
 # ----------------------------------------------------------------------------- launchers
 def _split3(w: torch.Tensor) -> torch.Tensor:
     """fp32 [..] -> [3, ..] bf16 with hi + mid + lo == w to fp32 precision."""
@@ -199,11 +215,13 @@ def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
     comb = torch.empty(b, s, hc, hc, dtype=torch.float32, device=dev)
     mix = torch.empty(t, (2 + hc) * hc, dtype=torch.float32, device=dev)
     rs = torch.empty(t, dtype=torch.float32, device=dev)
-    bt, bk, bd = 16, (32 if _INTERPRET else 128), (32 if _INTERPRET else 128)
-    _hc_pre_fwd_kernel[(triton.cdiv(t, bt),)](
-        x, fpp, fcb, scale.float().contiguous(), base.float().contiguous(), y, post, comb, mix, rs, t, d,
-        float(norm_eps), float(hc_eps), ITERS=int(iters), HC=hc, P1=_pp_width(hc), HEAD=head,
-        BT=bt, BK=bk, BD=bd, UPCAST=_INTERPRET, num_warps=4)
+    args = (x, fpp, fcb, scale.float().contiguous(), base.float().contiguous(), y, post, comb, mix, rs, t, d,
+            float(norm_eps), float(hc_eps))
+    meta = dict(ITERS=int(iters), HC=hc, P1=_pp_width(hc), HEAD=head, UPCAST=_INTERPRET)
+    if _INTERPRET:
+        _hc_pre_fwd_kernel[(triton.cdiv(t, 16),)](*args, **meta, BT=16, BK=32, BD=32)
+    else:
+        _pre_tuned[_rows_grid(t)](*args, **meta)
     return y, post, comb, mix, rs
 
 
@@ -252,10 +270,6 @@ class _HcPre(torch.autograd.Function):
                 g_bs.to(base.dtype), None, None, None)
 
 
-def _post_launch_cfg(d: int) -> tuple[int, int]:
-    return (2, 32) if _INTERPRET else (2, min(256, triton.next_power_of_2(d)))
-
-
 class _HcPost(torch.autograd.Function):
     @staticmethod
     def forward(ctx, f, residual, post, comb):
@@ -263,9 +277,13 @@ class _HcPost(torch.autograd.Function):
         f_, res_ = f.contiguous(), residual.contiguous()
         post_, comb_ = post.float().contiguous(), comb.float().contiguous()
         out = torch.empty(b, s, hc, d, dtype=f.dtype, device=f.device)
-        bt, bd = _post_launch_cfg(d)
-        _hc_post_fwd_kernel[(triton.cdiv(b * s, bt), triton.cdiv(d, bd))](
-            f_, res_, post_, comb_, out, b * s, d, HC=hc, BT=bt, BD=bd, UPCAST=_INTERPRET, num_warps=4)
+        t = b * s
+        if _INTERPRET:
+            _hc_post_fwd_kernel[(triton.cdiv(t, 2), triton.cdiv(d, 32))](
+                f_, res_, post_, comb_, out, t, d, HC=hc, BT=2, BD=32, UPCAST=True)
+        else:
+            _post_tuned[lambda meta: (triton.cdiv(t, meta["BT"]), triton.cdiv(d, meta["BD"]))](
+                f_, res_, post_, comb_, out, t, d, HC=hc, UPCAST=False)
         ctx.save_for_backward(f_, res_, post_, comb_)
         ctx.dtypes = (post.dtype, comb.dtype)
         return out
@@ -279,10 +297,11 @@ class _HcPost(torch.autograd.Function):
         gres = torch.empty_like(res)
         gpost = torch.empty(b, s, hc, dtype=torch.float32, device=f.device)
         gcomb = torch.empty(b, s, hc, hc, dtype=torch.float32, device=f.device)
-        bt, bd = _post_launch_cfg(d)
-        _hc_post_bwd_kernel[(triton.cdiv(b * s, bt),)](
-            g, f, res, post, comb, gf, gres, gpost, gcomb, b * s, d, HC=hc, BT=bt, BD=bd, UPCAST=_INTERPRET,
-            num_warps=4)
+        args = (g, f, res, post, comb, gf, gres, gpost, gcomb, b * s, d)
+        if _INTERPRET:
+            _hc_post_bwd_kernel[(triton.cdiv(b * s, 2),)](*args, HC=hc, BT=2, BD=32, UPCAST=True)
+        else:
+            _post_bwd_tuned[_rows_grid(b * s)](*args, HC=hc, UPCAST=False)
         return gf, gres, gpost.to(ctx.dtypes[0]), gcomb.to(ctx.dtypes[1])
 
 

@@ -118,11 +118,11 @@ def _gmm_wgrad_kernel(a_ptr, g_ptr, out_ptr, starts_ptr, ends_ptr, N, K,
 
 _GMM_CONFIGS = [
     triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s)
-    for bn, bk, w, s in ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (128, 32, 4, 4), (256, 64, 8, 3))
+    for bn, bk, w, s in ((128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3))
 ]
 _SWIGLU_CONFIGS = [
     triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s)
-    for bn, bk, w, s in ((64, 64, 4, 4), (64, 64, 8, 3), (128, 64, 8, 3), (128, 32, 8, 4))
+    for bn, bk, w, s in ((64, 64, 4, 4), (64, 64, 8, 3), (128, 64, 8, 3))
 ]
 _WGRAD_CONFIGS = [
     triton.Config({"BK": bk, "BN": bn, "BR": br}, num_warps=w, num_stages=s)
