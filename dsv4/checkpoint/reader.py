@@ -23,7 +23,7 @@ import torch
 from .. import formats as fm
 from ..config import ModelConfig
 from .layouts import detect_layout, find_files, load_config
-from .names import EXPERT, F32, FUSED, INT, Spec, canonical, expert_index, official_tensors, split_dim
+from .names import EXPERT, F32, INT, Spec, canonical, expert_index, official_tensors, split_dim
 from .safetensors_io import FLOAT_DTYPES, INT_DTYPES, CheckpointError, TensorInfo, read_header, read_tensor
 
 log = logging.getLogger("dsv4.checkpoint")

@@ -25,7 +25,19 @@ import torch
 from .. import formats as fm
 from ..config import ModelConfig
 from .layouts import CONFIG_FILES
-from .names import DENSE, EXPERT, F32, INT, LINEAR, Spec, hf_name, official_tensors, scale_name, split_dim, to_official
+from .names import (
+    DENSE,
+    EXPERT,
+    F32,
+    INT,
+    LINEAR,
+    Spec,
+    hf_name,
+    official_tensors,
+    scale_name,
+    split_dim,
+    to_official,
+)
 from .reader import Entry, Plan, Value, plan, stream
 from .safetensors_io import CheckpointError, st_dtype
 
@@ -69,7 +81,8 @@ def _same_bits(v: Value) -> bool:
 def encode(spec: Spec, name: str, v: Value, target: str, expert_dtype: str | None) -> dict[str, torch.Tensor]:
     """One official tensor -> {official stored name: tensor} in the target storage format.
 
-    target "bf16": floats as BF16 (F32-role tensors stay F32), nothing quantized.
+    target "bf16": floats as BF16 (F32-role tensors stay F32); only experts with expert_dtype "fp4"
+    are quantized (to MXFP4).
     target "fp8": linears FP8 E4M3 + E8M0 block scales; experts MXFP4 (expert_dtype "fp4") or FP8;
     already-quantized inputs in the same format are copied bit for bit.
     """
@@ -77,7 +90,7 @@ def encode(spec: Spec, name: str, v: Value, target: str, expert_dtype: str | Non
         return {name: v.data.to(torch.int32)}
     if spec.role == F32:
         return {name: v.dequantize(torch.float32)}
-    quant = target == "fp8" and spec.role in (LINEAR, EXPERT)
+    quant = (target == "fp8" and spec.role in (LINEAR, EXPERT)) or (spec.role == EXPERT and expert_dtype == "fp4")
     if not quant:
         return {name: v.dequantize(torch.bfloat16)}
     if spec.role == EXPERT and expert_dtype == "fp4":
@@ -348,11 +361,16 @@ def verify_checkpoint(root: Path, digests: dict[str, dict[str, str]], cfg: Model
 
 
 def convert(src: str | Path, dst: str | Path, to: str, mp: int = 1, layout: str | None = None,
-            expert_dtype: str | None = None, shard_bytes: int = 4 << 30, progress: bool | None = None) -> Path:
-    """`dsv4 convert`: read any layout, write the target one (see save)."""
+            expert_dtype: str | None = None, shard_bytes: int = 4 << 30, progress: bool | None = None,
+            force_expert_dtype: bool = False) -> Path:
+    """`dsv4 convert`: read any layout, write the target one (see save).
+
+    --to fp8: experts become MXFP4 when expert_dtype is "fp4", or (unless force_expert_dtype) when the
+    source experts or config are MXFP4; otherwise FP8.
+    """
     p = plan(src, layout=layout)
     cfg = p.cfg
-    if expert_dtype is None and to == "fp8":
+    if to == "fp8" and not force_expert_dtype and expert_dtype is None:
         expert_dtype = "fp4" if (cfg.expert_dtype == "fp4" or _experts_are_fp4(p)) else None
     return save(plan_values(p, progress), cfg, dst, to, mp, expert_dtype, shard_bytes, copy_from=src)
 

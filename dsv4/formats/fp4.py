@@ -16,6 +16,7 @@ HAS_FP4 = hasattr(torch, "float4_e2m1fn_x2")
 FP4_BLOCK = 32
 FP4_MAX = 6.0
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)                # between consecutive magnitudes
 
 
 def as_packed_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -63,11 +64,11 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     xf = x.detach().float()
     if bool(torch.isnan(xf).any()) or bool((xf.abs() > FP4_MAX).any()):
         raise ValueError("E2M1 encoding needs finite values in [-6, 6]")
-    grid = torch.tensor(FP4_VALUES[:8], dtype=torch.float32, device=xf.device)
-    dist = (xf.abs().unsqueeze(-1) - grid).abs()                               # [..., 8]
-    tied = dist == dist.amin(-1, keepdim=True)
-    odd = torch.arange(8, device=xf.device) % 2
-    mag = torch.where(tied, odd, 2).argmin(-1)                                  # smallest even among ties
+    mids = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=xf.device)
+    a = xf.abs()
+    mag = torch.searchsorted(mids, a)                                           # a == mids[k] -> k
+    tie = (mag < len(_MIDPOINTS)) & (a == mids[mag.clamp(max=len(_MIDPOINTS) - 1)])
+    mag = mag + (tie & (mag % 2 == 1)).long()                                   # ties go to the even code
     return (mag | (torch.signbit(xf).long() << 3)).to(torch.uint8)
 
 

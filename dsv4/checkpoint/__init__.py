@@ -1,0 +1,12 @@
+"""Checkpoints: the release, inference (model-parallel) and Hugging Face layouts; load, inspect, convert."""
+
+from .layouts import LAYOUTS, expected_tensors, parameter_totals
+from .load import load_into, load_pretrained
+from .names import canonical, official_tensors, to_model, to_official
+from .reader import Plan, Value, plan, stream
+from .safetensors_io import CheckpointError
+from .writer import TARGETS, convert, model_values, save
+
+__all__ = ["LAYOUTS", "TARGETS", "CheckpointError", "Plan", "Value", "canonical", "convert", "expected_tensors",
+           "load_into", "load_pretrained", "model_values", "official_tensors", "parameter_totals", "plan", "save",
+           "stream", "to_model", "to_official"]

@@ -1,0 +1,107 @@
+"""`dsv4 inspect` and `dsv4 convert`: parsers the main CLI adds, handlers that raise UserError."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..config import ConfigError, ModelConfig
+from ..errors import UserError
+from .layouts import LAYOUTS
+from .writer import TARGETS
+
+
+def _config(args: argparse.Namespace) -> ModelConfig | None:
+    try:
+        if getattr(args, "config", None):
+            return ModelConfig.from_json(args.config)
+        if getattr(args, "preset", None):
+            return ModelConfig.preset(args.preset)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+    return None
+
+
+def add_inspect_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("inspect", help="show a checkpoint's layout and tensors (headers only)",
+                              description="Read only the safetensors headers of DIR: layout, tensor inventory "
+                              "by dtype, bytes, and missing/unexpected/invalid tensors against the config. "
+                              "With --preset NAME --expected: the inventory a release checkpoint must hold.")
+    p.add_argument("dir", nargs="?", help="checkpoint directory")
+    p.add_argument("--preset", help="config preset (tiny, small, flash, pro) instead of DIR/config.json")
+    p.add_argument("--config", help="config.json to check DIR against (default: DIR/config.json)")
+    p.add_argument("--expected", action="store_true", help="print the inventory the config requires")
+    p.add_argument("--layout", choices=LAYOUTS, help="override the detected layout")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_inspect)
+    return p
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from .inspect import expected_report, format_report, inspect_dir
+
+    cfg = _config(args)
+    if args.expected:
+        if cfg is None:
+            raise UserError("--expected needs --preset NAME or --config FILE")
+        r = expected_report(cfg, args.layout or "release")
+        if not args.json:
+            print(format_report(r))
+            return 0
+        print(json.dumps(r))
+        return 0
+    if not args.dir:
+        raise UserError("inspect needs a checkpoint directory (or --preset NAME --expected)")
+    r = inspect_dir(args.dir, cfg, args.layout)
+    print(json.dumps(r) if args.json else format_report(r))
+    return 0 if r["ok"] else 1
+
+
+def add_convert_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("convert", help="convert a checkpoint between layouts and formats",
+                              description="Read SRC in any layout and write DST: bf16 / fp8 (release layout), "
+                              "hf (transformers names), inference (official model-parallel files). Written "
+                              "atomically (temporary directory + rename) and verified by reading it back.")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--to", required=True, choices=TARGETS)
+    p.add_argument("--mp", type=int, default=1, help="model-parallel ranks for --to inference")
+    p.add_argument("--layout", choices=LAYOUTS, help="override the detected layout of SRC")
+    p.add_argument("--expert-dtype", choices=("fp8", "fp4"), help="--to fp8: experts as FP8 or MXFP4 "
+                   "(default: as the source/config)")
+    p.add_argument("--shard-gb", type=float, default=4.0, help="shard size for release/hf outputs")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run_convert)
+    return p
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from .writer import convert
+
+    ed = None if args.expert_dtype in (None, "fp8") else "fp4"
+    if args.expert_dtype == "fp8":
+        ed = "fp8"
+    dst = convert(args.src, args.dst, args.to, mp=args.mp, layout=args.layout,
+                  expert_dtype=None if ed == "fp8" else ed, shard_bytes=int(args.shard_gb * (1 << 30)),
+                  progress=False if args.no_progress else None, force_expert_dtype=ed is not None)
+    print(f"wrote {dst} ({args.to})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m dsv4.checkpoint.cli`), same conventions as `dsv4`."""
+    parser = argparse.ArgumentParser(prog="dsv4")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    add_inspect_parser(sub)
+    add_convert_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""`load_pretrained(DIR)`: any layout -> a DeepSeekV4 model, validated before a byte of payload is used.
+
+Steps: read the config; plan (headers only: layout, names, shapes, dtypes, scales - every problem found
+up front); build the model on the target device without random init; stream tensor by tensor into the parameters (dequantized to the parameter dtype, or kept
+quantized); check that every parameter was written. Any error raises and no model is returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .names import to_model
+from .quantized import QuantExperts, QuantLinear
+from .reader import Plan, Value, plan, stream
+from .safetensors_io import CheckpointError
+
+log = logging.getLogger("dsv4.checkpoint")
+
+
+def load_pretrained(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                    layout: str | None = None, config: ModelConfig | None = None, keep_quantized: bool = False,
+                    progress: bool | None = None):
+    """Load a checkpoint directory (release, inference MP shards or HF transformers) into DeepSeekV4.
+
+    dtype: parameter dtype of the weights that are not fp32 by design (norms, mHC, head stay fp32).
+    keep_quantized: FP8 linears and FP8/MXFP4 experts stay quantized (per-block dequantization at
+    compute time) instead of being dequantized to `dtype` on load.
+    """
+    from ..model import DeepSeekV4
+
+    p = plan(path, config, layout)
+    for w in p.warnings:
+        log.warning(w)
+    device = torch.device(device)
+    with _no_init(DeepSeekV4):
+        model = DeepSeekV4(p.cfg, dtype=dtype, device=device)
+    load_into(model, p, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
+    model.checkpoint_plan = {"path": str(p.root), "layout": p.layout, "files": len(p.files), "mp": p.mp,
+                             "warnings": list(p.warnings)}
+    return model.eval()
+
+
+@torch.no_grad()
+def load_into(model: nn.Module, p: Plan, *, dtype: torch.dtype = torch.bfloat16, keep_quantized: bool = False,
+              progress: bool | None = None) -> None:
+    """Stream a validated plan into an existing model; every model tensor must be written exactly once."""
+    sd = model.state_dict(keep_vars=True)
+    want = set(sd)
+    names = {to_model(n)[0] for n in p.entries if not p.entries[n].parts}
+    for e in p.entries.values():
+        if e.parts:
+            names.update(f"{e.name.rsplit('.', 1)[0]}.{w}" for w in e.parts)
+    if names != want:
+        extra, lost = sorted(names - want), sorted(want - names)
+        raise RuntimeError(f"checkpoint names and model parameters disagree: not in the model {extra[:5]}, "
+                           f"not in the checkpoint {lost[:5]}")
+    written: dict[str, int] = {}
+    quant_experts: dict[str, QuantExperts] = {}
+    for e, v in stream(p, progress):
+        if e.parts:                                             # fused HF experts [E, 2I, D] / [E, D, I]
+            prefix = e.name.rsplit(".", 1)[0]
+            for w, chunk in zip(e.parts, v.data.chunk(len(e.parts), dim=1)):
+                sd[f"{prefix}.{w}"].copy_(chunk)
+                written[f"{prefix}.{w}"] = sd[f"{prefix}.{w}"].size(0)
+            continue
+        mname, j = to_model(e.name)
+        target = sd[mname]
+        if keep_quantized and v.fmt in ("fp8", "fp4"):
+            if j is None and _swap_linear(model, mname, v, dtype, target.device):
+                written[mname] = 1
+                continue
+            if j is not None:
+                qe = quant_experts.get(mname.rsplit(".", 1)[0])
+                if qe is None:
+                    qe = quant_experts[mname.rsplit(".", 1)[0]] = QuantExperts(
+                        model.get_submodule(mname.rsplit(".", 1)[0]), v.fmt, dtype)
+                if qe.fmt == v.fmt:
+                    qe.put(mname.rsplit(".", 1)[1], j, v, target.device)
+                    written[mname] = written.get(mname, 0) + 1
+                    continue
+                raise CheckpointError(f"{p.root}: experts of '{mname}' mix storage formats; "
+                                      "load without keep_quantized")
+        val = v.dequantize(torch.float32) if v.fmt != "int" else v.data
+        dst = target if j is None else target[j]
+        if tuple(dst.shape) != tuple(val.shape):
+            raise CheckpointError(f"tensor '{e.name}' has shape {list(val.shape)}, the model expects "
+                                  f"{list(dst.shape)}")
+        dst.copy_(val)
+        written[mname] = written.get(mname, 0) + 1
+    for path, qe in quant_experts.items():
+        qe.finish()
+        _set_module(model, path, qe)
+    for name, t in sd.items():
+        need = t.size(0) if name.endswith(("experts.w1", "experts.w2", "experts.w3")) and t.dim() == 3 else 1
+        if written.get(name, 0) != need:
+            raise CheckpointError(f"{p.root}: tensor '{name}' was not completely loaded "
+                                  f"({written.get(name, 0)} of {need} parts)")
+
+
+@contextlib.contextmanager
+def _no_init(model_cls: type) -> Iterator[None]:
+    """Build the model directly on its device without random init: every value is loaded afterwards.
+    (Not on the meta device: modules may cache tensors computed at construction.)"""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+             "trunc_normal_", "zeros_", "ones_", "constant_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    reset = model_cls.__dict__.get("reset_parameters")
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda t, *a, **k: t)
+        if reset is not None:
+            model_cls.reset_parameters = lambda self, *a, **k: None
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+        if reset is not None:
+            model_cls.reset_parameters = reset
+
+
+def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def _swap_linear(model: nn.Module, mname: str, v: Value, dtype: torch.dtype, device) -> bool:
+    """Replace the nn.Linear owning `mname` (an FP8/FP4 weight) by a QuantLinear; False if not a Linear."""
+    if not mname.endswith(".weight"):
+        return False
+    path = mname[: -len(".weight")]
+    mod = model.get_submodule(path)
+    if not isinstance(mod, nn.Linear):
+        return False
+    _set_module(model, path, QuantLinear(v, mod.weight.dtype if mod.weight.dtype == torch.float32 else dtype, device))
+    return True

@@ -1,0 +1,50 @@
+"""Shared helpers for the checkpoint tests: a tiny source model and checkpoints written from it."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.checkpoint import model_values, official_tensors, to_model
+from dsv4.checkpoint.names import EXPERT, F32, INT, LINEAR
+from dsv4.checkpoint.reader import Value
+from dsv4.checkpoint.writer import encode
+from dsv4.config import ModelConfig
+
+
+def tiny_model(seed: int = 0):
+    from dsv4.model import DeepSeekV4
+
+    return DeepSeekV4.from_config(ModelConfig.preset("tiny"), seed=seed, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def make_representable(model, target: str = "bf16", expert_dtype: str | None = None):
+    """Round the model's weights through the storage format in place, so that a checkpoint in that
+    format holds them exactly and loading it must reproduce the model's logits bit for bit."""
+    specs = official_tensors(model.cfg)
+    sd = model.state_dict()
+    for name, v in model_values(model):
+        spec = specs[name]
+        if spec.role in (F32, INT):
+            continue
+        stored = encode(spec, name, v, target, expert_dtype)
+        w = stored[name]
+        sc = stored.get(name[: -len(".weight")] + ".scale")
+        fmt = "float" if sc is None else ("fp4" if w.dtype == torch.int8 else "fp8")
+        val = Value(fmt, w, sc).dequantize(torch.float32)
+        mname, j = to_model(name)
+        (sd[mname] if j is None else sd[mname][j]).copy_(val)
+    return model
+
+
+def logits(model, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    with torch.no_grad():
+        out = model(tokens, mtp=model.cfg.n_mtp_layers > 0)
+    return out.logits, out.mtp_logits
+
+
+def tokens(n: int = 24, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 1024, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+__all__ = ["tiny_model", "make_representable", "logits", "tokens", "EXPERT", "LINEAR"]
