@@ -53,7 +53,7 @@ def measure_limits(device: torch.device) -> dict:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
+    a, b = a.detach().float(), b.detach().float()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
@@ -133,13 +133,14 @@ def _attention_sweeps(args, device, rows: list, sa) -> None:
              for bn, w, st in ((64, 8, 2), (32, 8, 3), (64, 4, 2))]
     _sweep("attn_fwd", sa.FWD_CONFIG, fwd_c, lambda: sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1),
            rows)
-    o, lse = sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1)
+    o_lo = torch.empty_like(q)
+    o, lse = sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1, o_lo=o_lo)
     do = torch.randn_like(o)
     bwd_c = [{"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
              for bh, bn, w, st in ((32, 32, 8, 1), (32, 64, 8, 1), (32, 32, 4, 1), (32, 32, 8, 2),
                                    (16, 64, 4, 1), (64, 16, 8, 1))]
     _sweep("attn_bwd", sa.BWD_CONFIG, bwd_c,
-           lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False), rows)
+           lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False, o_lo), rows)
     qd, kvd, sinkd, idxd = attention_inputs(args.decode_batch, 1, args.heads, args.dim, args.topk, args.seq,
                                             device)
     dec_c = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
@@ -177,7 +178,8 @@ def _bench_attention(args, device, limits: dict, rows: list) -> None:
     flops = 4 * b * s * h * k * d
     fwd = lambda: sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1)  # noqa: E731
     ms = _time_ms(fwd)
-    o, lse = fwd()
+    o_lo = torch.empty_like(q)
+    o, lse = sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1, o_lo=o_lo)
     do = torch.randn_like(o)
     ref_ms = ref_bwd_ms = None
     extra: dict = {}
@@ -190,12 +192,12 @@ def _bench_attention(args, device, limits: dict, rows: list) -> None:
         if args.check:
             ro, rl = ref_fwd()
             (ro.float() * do.float()).sum().backward()
-            dq, dkv, dsink = sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False)
+            dq, dkv, dsink = sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False, o_lo)
             extra = {"rel_o": _rel(o, ro), "max_lse": float((lse - rl).abs().max()),
                      "rel_dq": _rel(dq, qr.grad), "rel_dkv": _rel(dkv, kvr.grad),
                      "rel_dsink": _rel(dsink, sr.grad)}
-            dq2, dkv2, dsink2 = sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, True)
-            dq3, dkv3, dsink3 = sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, True)
+            dq2, dkv2, dsink2 = sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, True, o_lo)
+            dq3, dkv3, dsink3 = sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, True, o_lo)
             extra["det_repeat_identical"] = bool(torch.equal(dkv2, dkv3) and torch.equal(dq2, dq3)
                                                  and torch.equal(dsink2, dsink3))
             extra["rel_dkv_det"] = _rel(dkv2, kvr.grad)
@@ -207,9 +209,9 @@ def _bench_attention(args, device, limits: dict, rows: list) -> None:
                 ro.backward(do)
             ref_bwd_ms = _time_ms(ref_bwd, reps=3, warmup=1) - (ref_ms or 0.0)
     rows.append(_row("sparse_attn_fwd", shape, ms, limits, flops=flops, ref_ms=ref_ms, **extra))
-    bwd = lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False)  # noqa: E731
+    bwd = lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False, o_lo)  # noqa: E731
     rows.append(_row("sparse_attn_bwd", shape, _time_ms(bwd), limits, flops=2.5 * flops, ref_ms=ref_bwd_ms))
-    det = lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, True)  # noqa: E731
+    det = lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, True, o_lo)  # noqa: E731
     rows.append(_row("sparse_attn_bwd_deterministic", shape, _time_ms(det, reps=5), limits,
                      flops=2.5 * flops))
 
