@@ -206,7 +206,7 @@ def test_lse_gradient_is_ignored():
 
 
 def test_explicit_triton_request_that_cannot_run_raises(monkeypatch):
-    q, kv, sink, idx = attn_inputs(1, 2, 2, 32, 8, 3, torch.float32, "random")
+    q, kv, sink, idx = (x.to(DEV) for x in attn_inputs(1, 2, 2, 32, 8, 3, torch.float32, "random"))
     reason = sa.can_run(q, kv, sink, idx.float(), 0.1)
     assert reason and "idx" in reason
     if not CUDA:
