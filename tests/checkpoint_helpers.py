@@ -48,3 +48,33 @@ def tokens(n: int = 24, seed: int = 0) -> torch.Tensor:
 
 
 __all__ = ["tiny_model", "make_representable", "logits", "tokens", "EXPERT", "LINEAR"]
+
+
+def rewrite(src, dst, fn=None, extra: dict | None = None):
+    """Copy a checkpoint directory file by file, passing every tensor through fn(name, tensor) ->
+    {name: tensor} (empty dict drops it); `extra` tensors are added to the first file."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from dsv4.checkpoint.safetensors_io import iter_file, read_header, write_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True)
+    weight_map = {}
+    files = sorted(src.glob("*.safetensors"))
+    for k, f in enumerate(files):
+        infos, _ = read_header(f)
+        out = {}
+        for info, t in iter_file(infos):
+            out.update(fn(info.name, t) if fn else {info.name: t})
+        if k == 0 and extra:
+            out.update(extra)
+        write_file(dst / f.name, out)
+        weight_map.update({n: f.name for n in out})
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+            shutil.copyfile(f, dst / f.name)
+    if (src / "model.safetensors.index.json").exists():
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst

@@ -150,6 +150,7 @@ _HF_MODULES = {
     "attn.compressor.indexer.kv_proj": "attn.indexer.compressor.wkv",
     "attn.compressor.indexer.gate_proj": "attn.indexer.compressor.wgate",
     "attn.compressor.indexer.kv_norm": "attn.indexer.compressor.norm",
+    "attn.compressor.indexer.norm": "attn.indexer.compressor.norm",     # (same save, HF module path)
     "attn.compressor.indexer.q_b_proj": "attn.indexer.wq_b",
     "attn.compressor.indexer.scorer.weights_proj": "attn.indexer.weights_proj",
     "ffn.shared_experts.gate_proj": "ffn.shared_experts.w1",
@@ -171,7 +172,7 @@ _HF_TOP = {
 # fused Hugging Face expert tensors: [E, 2*inter, dim] = cat(w1, w3) and [E, dim, inter] = w2
 FUSED = {"ffn.experts.gate_up_proj": ("w1", "w3"), "ffn.experts.down_proj": ("w2",)}
 _BLOCK_RE = re.compile(r"^(?P<p>(?:layers|mtp)\.\d+)\.(?P<rest>.+)$")
-HF_MARKERS = ("embed_tokens", "lm_head", "self_attn.", "input_layernorm", "attn_hc.", "gate_up_proj",
+HF_MARKERS = ("embed_tokens", "lm_head", "input_layernorm", "attn_hc.", "gate_up_proj",
               "hc_head.hc_", ".sinks", "q_a_proj", "position_bias")
 
 
@@ -226,7 +227,7 @@ def hf_name(official: str) -> str:
         rest = inv_params[rest]
     else:
         module, _, leaf = rest.rpartition(".")
-        inv_mod = {v: k for k, v in _HF_MODULES.items() if k != "attn.norm"}
+        inv_mod = {v: k for k, v in _HF_MODULES.items() if k not in ("attn.norm", "attn.compressor.indexer.norm")}
         if module in inv_mod:
             rest = f"{inv_mod[module]}.{leaf}"
         if rest == "ffn.gate.bias":
