@@ -55,7 +55,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         raise UserError("inspect needs a checkpoint directory (or --preset NAME --expected)")
     r = inspect_dir(args.dir, cfg, args.layout)
     print(json.dumps(r) if args.json else format_report(r))
-    return 0 if r["ok"] else 1
+    return 0 if r["ok"] else 2
 
 
 def add_convert_parser(subparsers) -> argparse.ArgumentParser:
