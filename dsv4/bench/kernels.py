@@ -129,8 +129,8 @@ def _indexer_sweeps(args, device, rows: list, ix) -> None:
 def _attention_sweeps(args, device, rows: list, sa) -> None:
     q, kv, sink, idx = attention_inputs(1, args.seq, args.heads, args.dim, args.topk, args.seq, device)
     scale = args.dim**-0.5
-    fwd_c = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
-             for bn, w, st in ((64, 8, 2), (32, 8, 3), (64, 4, 2))]
+    fwd_c = [{"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+             for bh, bn, w, st in ((64, 64, 8, 2), (32, 64, 4, 3), (32, 64, 8, 2), (64, 32, 8, 3))]
     _sweep("attn_fwd", sa.FWD_CONFIG, fwd_c, lambda: sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1),
            rows)
     o_lo = torch.empty_like(q)
@@ -143,9 +143,10 @@ def _attention_sweeps(args, device, rows: list, sa) -> None:
            lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False, o_lo), rows)
     qd, kvd, sinkd, idxd = attention_inputs(args.decode_batch, 1, args.heads, args.dim, args.topk, args.seq,
                                             device)
-    dec_c = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
-             for bn, w, st in ((64, 8, 2), (32, 4, 2), (32, 8, 3))]
-    _sweep("attn_decode", sa.SPLIT_CONFIG, dec_c,
+    dec_c = [{"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "max_splits": ms}
+             for bh, bn, w, st, ms in ((16, 64, 4, 3, 1), (16, 32, 4, 3, 1), (32, 64, 4, 3, 1),
+                                       (64, 32, 8, 3, 1), (16, 64, 4, 3, 4), (64, 32, 8, 3, 16))]
+    _sweep("attn_decode", sa.DECODE_CONFIG, dec_c,
            lambda: sa.sparse_attention_fwd(qd, kvd, sinkd, idxd, scale), rows)
 
 
@@ -202,6 +203,14 @@ def _bench_attention(args, device, limits: dict, rows: list) -> None:
                                                  and torch.equal(dsink2, dsink3))
             extra["rel_dkv_det"] = _rel(dkv2, kvr.grad)
             del ro, rl
+            # the bf16 reference accumulates dkv through a bf16 gather backward: also compare both with
+            # the reference run in fp32 (same values upcast)
+            qf, kvf, sf = (x.detach().float().requires_grad_() for x in (q, kv, sink))
+            of, _ = ref.sparse_attention(qf, kvf, sf, idx, scale)
+            (of * do.float()).sum().backward()
+            extra.update(rel_dq_vs_fp32ref=_rel(dq, qf.grad), rel_dkv_vs_fp32ref=_rel(dkv, kvf.grad),
+                         bf16ref_dkv_vs_fp32ref=_rel(kvr.grad, kvf.grad))
+            del of, qf, kvf, sf
         if args.reference:
             def ref_bwd():
                 qr.grad = kvr.grad = sr.grad = None
@@ -221,9 +230,9 @@ def _bench_attention(args, device, limits: dict, rows: list) -> None:
     elem = q.element_size()
     nbytes = bd * k * d * elem + 2 * bd * h * d * elem
     dec = lambda: sa.sparse_attention_fwd(q, kv, sink, idx, scale)  # noqa: E731
-    splits = sa.choose_splits(bd * math.ceil(h / sa._block_h(h)), k, q.device)
+    bh_plan, splits, _ = sa.plan_forward(bd, 1, h, k, q.device)
     ref_ms = None
-    extra = {"splits": splits}
+    extra = {"splits": splits, "block_h": bh_plan}
     if args.reference:
         with torch.no_grad():
             ref_ms = _time_ms(lambda: ref.sparse_attention(q, kv, sink, idx, scale), reps=5)

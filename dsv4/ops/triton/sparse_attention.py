@@ -219,26 +219,40 @@ def _block_h(h: int, cap: int = 64) -> int:
 
 
 # (BLOCK_N, num_warps, num_stages) by phase; tuned on an H200 at d=512, 64 heads (see BENCHMARKS.md)
-FWD_CONFIG = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 BWD_CONFIG = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
-SPLIT_CONFIG = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+# few queries (decode): smaller head blocks first (more programs, KV re-read from L2), key splits only if
+# that still leaves the device idle ("max_splits"; partial accumulators cost h*d*4 bytes per split)
+DECODE_CONFIG = {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "max_splits": 1}
 
 
 def _launch_opts(cfg: dict) -> dict:
-    """Launch options without BLOCK_H (chosen per call from the head count)."""
+    """Launch options without the planning keys (BLOCK_H, max_splits)."""
     if interpret_mode():
         return {"BLOCK_N": 16}
-    return {k: v for k, v in cfg.items() if k != "BLOCK_H"}
+    return {k: v for k, v in cfg.items() if k not in ("BLOCK_H", "max_splits")}
 
 
-def choose_splits(n_programs: int, k: int, device: torch.device) -> int:
+def choose_splits(n_programs: int, k: int, device: torch.device, max_splits: int = 16) -> int:
     """Number of key splits per query so that the grid fills the device (1 = no split)."""
     if k <= 128:
         return 1
     target = 2 * num_sms(device)
     if n_programs >= target:
         return 1
-    return int(max(1, min(triton.cdiv(target, n_programs), triton.cdiv(k, 128), 16)))
+    return int(max(1, min(triton.cdiv(target, n_programs), triton.cdiv(k, 128), max_splits)))
+
+
+def plan_forward(b: int, s: int, h: int, k: int, device: torch.device) -> tuple[int, int, dict]:
+    """(BLOCK_H, key splits, launch config) for a forward over b*s queries of h heads and k keys."""
+    if interpret_mode():
+        return _block_h(h, 16), 1, FWD_CONFIG
+    bh = _block_h(h, FWD_CONFIG["BLOCK_H"])
+    if b * s * triton.cdiv(h, bh) >= 2 * num_sms(device):
+        return bh, 1, FWD_CONFIG
+    bh = _block_h(h, DECODE_CONFIG["BLOCK_H"])
+    splits = choose_splits(b * s * triton.cdiv(h, bh), k, device, DECODE_CONFIG["max_splits"])
+    return bh, splits, DECODE_CONFIG
 
 
 # ----------------------------------------------------------------------------- forward / backward
@@ -263,10 +277,11 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, 
             raise ValueError("out must be contiguous (o like q, lse [b, s, h] fp32)")
     if b * s == 0 or h == 0:
         return o, lse
-    bh, bd = _block_h(h, 16 if interpret_mode() else 64), _block_d(d)
-    n_hb = triton.cdiv(h, bh)
+    bh, auto_splits, cfg = plan_forward(b, s, h, k, q.device)
     if splits is None:
-        splits = choose_splits(b * s * n_hb, k, q.device)
+        splits = auto_splits
+    bd = _block_d(d)
+    n_hb = triton.cdiv(h, bh)
     prec, dot_t = dot_precision(q.dtype), dot_type(q.dtype)
     has_lo = o_lo is not None
     lo = o_lo if has_lo else o
@@ -276,7 +291,7 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, 
     if splits <= 1:
         _fwd[(b * s, n_hb, 1)](q, kv, sink, idx, o, lse, lo, o, lse, lse, s, h, k, n, d, scale_log2, k, 1,
                                BLOCK_H=bh, BLOCK_D=bd, SPLIT=False, PREC=prec, DOT_T=dot_t, STORE_LO=has_lo,
-                               **_launch_opts(FWD_CONFIG))
+                               **_launch_opts(cfg))
         return o, lse
     per = triton.cdiv(triton.cdiv(k, splits), 16) * 16
     splits = triton.cdiv(k, per)
@@ -285,8 +300,7 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, 
     pl = torch.empty_like(pm)
     _fwd[(b * s, n_hb, splits)](q, kv, sink, idx, o, lse, lo, pacc, pm, pl, s, h, k, n, d, scale_log2, per,
                                 splits, BLOCK_H=bh, BLOCK_D=bd, SPLIT=True, PREC=prec, DOT_T=dot_t,
-                                STORE_LO=False,
-                                **_launch_opts(SPLIT_CONFIG))
+                                STORE_LO=False, **_launch_opts(cfg))
     _combine[(b * s, n_hb)](sink, pacc, pm, pl, o, lse, lo, h, d, splits, BLOCK_H=bh, BLOCK_D=bd,
                             STORE_LO=has_lo,
                             **({} if interpret_mode() else {"num_warps": 8}))
