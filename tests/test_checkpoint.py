@@ -66,14 +66,16 @@ def test_release_fp8_e8m0_mxfp4(ckpts, source):
     h = headers(d)
     assert h["layers.1.attn.wq_b.weight"].dtype == "F8_E4M3"
     assert h["layers.1.attn.wq_b.scale"].dtype == "F8_E8M0" and h["layers.1.attn.wq_b.scale"].shape == (4, 1)
-    assert h["layers.1.ffn.experts.3.w1.weight"].dtype == "I8" and h["layers.1.ffn.experts.3.w1.weight"].shape == (64, 64)
+    assert h["layers.1.ffn.experts.3.w1.weight"].dtype == "I8" and h[
+        "layers.1.ffn.experts.3.w1.weight"
+    ].shape == (64, 64)
     assert h["layers.1.ffn.experts.3.w1.scale"].shape == (64, 4)
     assert h["head.weight"].dtype == "BF16" and "head.scale" not in h
     model = load_pretrained(d, dtype=torch.float32, progress=False)
     assert same(model, source[1])
     bf = load_pretrained(d, dtype=torch.bfloat16, progress=False)
-    assert bf.layers[1].attn.wq_b.weight.dtype == torch.bfloat16          # dtype argument honoured
-    assert bf.head.weight.dtype == torch.float32                           # fp32 by design
+    assert bf.layers[1].attn.wq_b.weight.dtype == torch.bfloat16  # dtype argument honoured
+    assert bf.head.weight.dtype == torch.float32  # fp32 by design
 
 
 def test_keep_quantized_matches_dequantized(ckpts, source):
@@ -82,7 +84,7 @@ def test_keep_quantized_matches_dequantized(ckpts, source):
     model = load_pretrained(ckpts["fp8"], dtype=torch.float32, keep_quantized=True, progress=False)
     assert isinstance(model.layers[1].attn.wq_b, QuantLinear) and model.layers[1].attn.wq_b.fmt == "fp8"
     assert isinstance(model.layers[1].ffn.experts, QuantExperts) and model.layers[1].ffn.experts.fmt == "fp4"
-    assert model.layers[1].ffn.experts.w1_q.dtype == torch.uint8           # bytes kept, not dequantized
+    assert model.layers[1].ffn.experts.w1_q.dtype == torch.uint8  # bytes kept, not dequantized
     assert same(model, source[1])
 
 
@@ -99,17 +101,21 @@ def test_scale_bytes_survive_load_and_save(ckpts, tmp_path, source):
         assert a[k][0] == b[k][0] and torch.equal(a[k][1], b[k][1]), k
     sc = a["layers.1.attn.wq_b.scale"][1]
     w = source[0].layers[1].attn.wq_b.weight
-    assert torch.equal(sc, fm.as_e8m0_bytes(fm.quantize_fp8(w)[1]))       # the bytes the format defines
+    assert torch.equal(sc, fm.as_e8m0_bytes(fm.quantize_fp8(w)[1]))  # the bytes the format defines
 
 
 def test_release_name_variants(ckpts, tmp_path, source):
     """`model.` prefix, self_attn/mlp, weight_scale_inv, e_score_correction_bias, MTP embed/head copies."""
+
     def rename(name, t):
         n = "model." + name.replace(".attn.", ".self_attn.").replace(".ffn.", ".mlp.")
         n = n.replace(".scale", ".weight_scale_inv").replace("gate.bias", "gate.e_score_correction_bias")
         return {n: t}
-    extra = {"mtp.0.emb.tok_emb.weight": torch.zeros(1024, 128, dtype=torch.bfloat16),
-             "mtp.0.head.weight": torch.zeros(1024, 128, dtype=torch.bfloat16)}
+
+    extra = {
+        "mtp.0.emb.tok_emb.weight": torch.zeros(1024, 128, dtype=torch.bfloat16),
+        "mtp.0.head.weight": torch.zeros(1024, 128, dtype=torch.bfloat16),
+    }
     d = rewrite(ckpts["fp8"], tmp_path / "variants", rename, extra)
     assert "model.layers.1.self_attn.wq_b.weight_scale_inv" in headers(d)
     r = inspect_dir(d)
@@ -138,7 +144,7 @@ def test_inference_layout_fp8_mp1(ckpts, tmp_path, source):
     assert h["layers.1.attn.wq_b.weight"].dtype == "F8_E4M3"
     assert h["layers.1.attn.wo_a.weight"].dtype == "BF16" and "layers.1.attn.wo_a.scale" not in h
     assert same(load_pretrained(d, dtype=torch.float32, progress=False), source[1])
-    back = convert(d, tmp_path / "back", "fp8", progress=False)            # inference -> release again
+    back = convert(d, tmp_path / "back", "fp8", progress=False)  # inference -> release again
     assert same(load_pretrained(back, dtype=torch.float32, progress=False), source[1])
 
 
@@ -149,12 +155,14 @@ def test_hf_layout_written_here(ckpts, tmp_path, source):
     assert "model.layers.1.attn_hc.fn" in h and "model.layers.1.self_attn.sinks" in h
     assert "model.layers.1.self_attn.compressor.position_bias" in h and "lm_head.weight" in h
     model = load_pretrained(d, dtype=torch.float32, progress=False)
-    assert model.cfg.n_mtp_layers == 0                                     # transformers has no MTP
+    assert model.cfg.n_mtp_layers == 0  # transformers has no MTP
     assert same(model, source[1], mtp=False)
 
 
 def test_hf_layout_written_by_transformers(ckpts, tmp_path, source):
-    transformers = pytest.importorskip("transformers", reason="optional dependency 'transformers' not installed")
+    transformers = pytest.importorskip(
+        "transformers", reason="optional dependency 'transformers' not installed"
+    )
     if not hasattr(transformers, "DeepseekV4ForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no DeepseekV4ForCausalLM")
     ours = convert(ckpts["bf16"], tmp_path / "hf_ours", "hf", progress=False)

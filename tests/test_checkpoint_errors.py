@@ -73,14 +73,23 @@ def test_corrupt_header(good, tmp_path):
 
 
 def test_wrong_dtype(good, tmp_path):
-    d = rewrite(good, tmp_path / "dtype", replaced("layers.0.attn.attn_sink", {
-        "layers.0.attn.attn_sink": torch.zeros(4, dtype=torch.int32)}))
+    d = rewrite(
+        good,
+        tmp_path / "dtype",
+        replaced("layers.0.attn.attn_sink", {"layers.0.attn.attn_sink": torch.zeros(4, dtype=torch.int32)}),
+    )
     refused(d, "layers.0.attn.attn_sink", FILE, "I32", "F32")
 
 
 def test_wrong_shape(good, tmp_path):
-    d = rewrite(good, tmp_path / "shape", replaced("layers.0.attn.kv_norm.weight", {
-        "layers.0.attn.kv_norm.weight": torch.ones(64, dtype=torch.bfloat16)}))
+    d = rewrite(
+        good,
+        tmp_path / "shape",
+        replaced(
+            "layers.0.attn.kv_norm.weight",
+            {"layers.0.attn.kv_norm.weight": torch.ones(64, dtype=torch.bfloat16)},
+        ),
+    )
     refused(d, "layers.0.attn.kv_norm.weight", FILE, "[64]", "[128]")
 
 
@@ -127,8 +136,14 @@ def test_non_finite_values_named(good, tmp_path, case):
 
 
 def test_nothing_half_written(good, tmp_path, capsys):
-    bad = rewrite(good, tmp_path / "bad", replaced("layers.1.ffn_norm.weight", {
-        "layers.1.ffn_norm.weight": torch.full((128,), float("inf"), dtype=torch.bfloat16)}))
+    bad = rewrite(
+        good,
+        tmp_path / "bad",
+        replaced(
+            "layers.1.ffn_norm.weight",
+            {"layers.1.ffn_norm.weight": torch.full((128,), float("inf"), dtype=torch.bfloat16)},
+        ),
+    )
     dst = tmp_path / "out" / "converted"
     with pytest.raises(CheckpointError, match="layers.1.ffn_norm.weight"):
         convert(bad, dst, "bf16", progress=False)
@@ -137,7 +152,7 @@ def test_nothing_half_written(good, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error: ") and "\n" not in err and "layers.1.ffn_norm.weight" in err
     assert not dst.exists() and list((tmp_path / "out").iterdir()) == []
-    with pytest.raises(CheckpointError, match="wo_b"):                     # tiny wo_b: 64 cols, not 2x128
+    with pytest.raises(CheckpointError, match="wo_b"):  # tiny wo_b: 64 cols, not 2x128
         convert(good, dst, "inference", mp=2, progress=False)
     assert list((tmp_path / "out").iterdir()) == []
 
@@ -161,7 +176,10 @@ def _planar_unpack(p: torch.Tensor) -> torch.Tensor:
 
 def test_z01_wrong_nibble_order_is_caught(good, source, tmp_path, monkeypatch):
     _, ref = source
-    assert torch.equal(logits(load_pretrained(good, dtype=torch.float32, progress=False), tokens())[0], ref[0])
+    assert torch.equal(
+        logits(load_pretrained(good, dtype=torch.float32, progress=False), tokens())[0], ref[0]
+    )
+
     # planted in the file: experts packed "all low nibbles, then all high" instead of interleaved
     def planar_pack(n, t):
         if t.dtype == torch.int8 and ".experts." in n:
@@ -169,21 +187,28 @@ def test_z01_wrong_nibble_order_is_caught(good, source, tmp_path, monkeypatch):
             half = codes.size(-1) // 2
             return {n: (codes[..., :half] | (codes[..., half:] << 4)).view(torch.int8)}
         return {n: t}
+
     d = rewrite(good, tmp_path / "z01", planar_pack)
-    assert not torch.equal(logits(load_pretrained(d, dtype=torch.float32, progress=False), tokens())[0], ref[0])
+    assert not torch.equal(
+        logits(load_pretrained(d, dtype=torch.float32, progress=False), tokens())[0], ref[0]
+    )
     # planted in the loader: the same mistake when unpacking
     monkeypatch.setattr(fp4, "unpack_fp4", _planar_unpack)
-    assert not torch.equal(logits(load_pretrained(good, dtype=torch.float32, progress=False), tokens())[0], ref[0])
+    assert not torch.equal(
+        logits(load_pretrained(good, dtype=torch.float32, progress=False), tokens())[0], ref[0]
+    )
 
 
 def test_z02_value_cast_scales_are_caught(good, source, tmp_path, monkeypatch):
     _, ref = source
     # planted in the file: scale bytes converted by value (uint8 -> float8_e8m0fnu) instead of as bits
     if fm.HAS_E8M0:
+
         def cast(n, t):
             if n.endswith(".scale"):
                 return {n: fm.as_e8m0_bytes(t).to(torch.float8_e8m0fnu)}
             return {n: t}
+
         d = rewrite(good, tmp_path / "z02", cast)
         got = logits(load_pretrained(d, dtype=torch.float32, progress=False), tokens())[0]
         assert not torch.equal(got, ref[0])
@@ -195,9 +220,11 @@ def test_z02_value_cast_scales_are_caught(good, source, tmp_path, monkeypatch):
 
 
 def test_z03_transposed_or_reshaped_scale_is_refused(good, tmp_path):
-    name = "layers.0.attn.wo_a.scale"                                      # wo_a [64, 256]: scale [1, 2]
-    for tag, bad in (("t", lambda t: t.view(torch.uint8).t().contiguous()),
-                     ("1", lambda t: t.view(torch.uint8).reshape(1, 1, 2))):
+    name = "layers.0.attn.wo_a.scale"  # wo_a [64, 256]: scale [1, 2]
+    for tag, bad in (
+        ("t", lambda t: t.view(torch.uint8).t().contiguous()),
+        ("1", lambda t: t.view(torch.uint8).reshape(1, 1, 2)),
+    ):
         d = rewrite(good, tmp_path / f"z03{tag}", lambda n, t, bad=bad: {n: bad(t) if n == name else t})
         msg = refused(d, name, FILE, "expected [1, 2]")
         assert "block scale" in msg
@@ -208,7 +235,8 @@ def test_z04_quantized_head_without_scale_is_refused(good, tmp_path):
         if n == "head.weight":
             return {n: fm.quantize_fp8(t.float())[0]}
         return {n: t}
+
     d = rewrite(good, tmp_path / "z04", fp8_head)
     refused(d, "head.weight", FILE, "F8_E4M3", "no block scale")
     with pytest.raises(CheckpointError):
-        plan(d)                                                            # caught from headers alone
+        plan(d)  # caught from headers alone

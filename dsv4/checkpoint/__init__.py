@@ -7,6 +7,23 @@ from .reader import Plan, Value, plan, stream
 from .safetensors_io import CheckpointError
 from .writer import TARGETS, convert, model_values, save
 
-__all__ = ["LAYOUTS", "TARGETS", "CheckpointError", "Plan", "Value", "canonical", "convert", "expected_tensors",
-           "load_into", "load_pretrained", "model_values", "official_tensors", "parameter_totals", "plan", "save",
-           "stream", "to_model", "to_official"]
+__all__ = [
+    "LAYOUTS",
+    "TARGETS",
+    "CheckpointError",
+    "Plan",
+    "Value",
+    "canonical",
+    "convert",
+    "expected_tensors",
+    "load_into",
+    "load_pretrained",
+    "model_values",
+    "official_tensors",
+    "parameter_totals",
+    "plan",
+    "save",
+    "stream",
+    "to_model",
+    "to_official",
+]

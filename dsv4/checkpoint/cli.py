@@ -24,10 +24,13 @@ def _config(args: argparse.Namespace) -> ModelConfig | None:
 
 
 def add_inspect_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("inspect", help="show a checkpoint's layout and tensors (headers only)",
-                              description="Read only the safetensors headers of DIR: layout, tensor inventory "
-                              "by dtype, bytes, and missing/unexpected/invalid tensors against the config. "
-                              "With --preset NAME --expected: the inventory a release checkpoint must hold.")
+    p = subparsers.add_parser(
+        "inspect",
+        help="show a checkpoint's layout and tensors (headers only)",
+        description="Read only the safetensors headers of DIR: layout, tensor inventory "
+        "by dtype, bytes, and missing/unexpected/invalid tensors against the config. "
+        "With --preset NAME --expected: the inventory a release checkpoint must hold.",
+    )
     p.add_argument("dir", nargs="?", help="checkpoint directory")
     p.add_argument("--preset", help="config preset (tiny, small, flash, pro) instead of DIR/config.json")
     p.add_argument("--config", help="config.json to check DIR against (default: DIR/config.json)")
@@ -59,17 +62,23 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def add_convert_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("convert", help="convert a checkpoint between layouts and formats",
-                              description="Read SRC in any layout and write DST: bf16 / fp8 (release layout), "
-                              "hf (transformers names), inference (official model-parallel files). Written "
-                              "atomically (temporary directory + rename) and verified by reading it back.")
+    p = subparsers.add_parser(
+        "convert",
+        help="convert a checkpoint between layouts and formats",
+        description="Read SRC in any layout and write DST: bf16 / fp8 (release layout), "
+        "hf (transformers names), inference (official model-parallel files). Written "
+        "atomically (temporary directory + rename) and verified by reading it back.",
+    )
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--to", required=True, choices=TARGETS)
     p.add_argument("--mp", type=int, default=1, help="model-parallel ranks for --to inference")
     p.add_argument("--layout", choices=LAYOUTS, help="override the detected layout of SRC")
-    p.add_argument("--expert-dtype", choices=("fp8", "fp4"), help="--to fp8: experts as FP8 or MXFP4 "
-                   "(default: as the source/config)")
+    p.add_argument(
+        "--expert-dtype",
+        choices=("fp8", "fp4"),
+        help="--to fp8: experts as FP8 or MXFP4 (default: as the source/config)",
+    )
     p.add_argument("--shard-gb", type=float, default=4.0, help="shard size for release/hf outputs")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_convert)
@@ -82,9 +91,17 @@ def run_convert(args: argparse.Namespace) -> int:
     ed = None if args.expert_dtype in (None, "fp8") else "fp4"
     if args.expert_dtype == "fp8":
         ed = "fp8"
-    dst = convert(args.src, args.dst, args.to, mp=args.mp, layout=args.layout,
-                  expert_dtype=None if ed == "fp8" else ed, shard_bytes=int(args.shard_gb * (1 << 30)),
-                  progress=False if args.no_progress else None, force_expert_dtype=ed is not None)
+    dst = convert(
+        args.src,
+        args.dst,
+        args.to,
+        mp=args.mp,
+        layout=args.layout,
+        expert_dtype=None if ed == "fp8" else ed,
+        shard_bytes=int(args.shard_gb * (1 << 30)),
+        progress=False if args.no_progress else None,
+        force_expert_dtype=ed is not None,
+    )
     print(f"wrote {dst} ({args.to})")
     return 0
 

@@ -25,10 +25,16 @@ def inspect_dir(path: str | Path, config: ModelConfig | None = None, layout: str
             bytes_by_dtype[info.dtype] += info.nbytes
             n_params += logical_numel(info.shape, info.dtype, info.name) if info.dtype != "F4" else info.numel
     report: dict = {
-        "path": str(root), "layout": layout or found, "files": [f.name for f in files], "mp": mp,
-        "tensors": sum(by_dtype.values()), "bytes": sum(bytes_by_dtype.values()),
+        "path": str(root),
+        "layout": layout or found,
+        "files": [f.name for f in files],
+        "mp": mp,
+        "tensors": sum(by_dtype.values()),
+        "bytes": sum(bytes_by_dtype.values()),
         "dtypes": {k: {"tensors": by_dtype[k], "bytes": bytes_by_dtype[k]} for k in sorted(by_dtype)},
-        "parameters": n_params, "problems": [], "warnings": [],
+        "parameters": n_params,
+        "problems": [],
+        "warnings": [],
     }
     try:
         p = plan(root, config, layout)
@@ -47,7 +53,9 @@ def expected_report(cfg: ModelConfig, layout: str = "release") -> dict:
     by_dtype: Counter = Counter(d for _, d in inv.values())
     totals = parameter_totals(inv)
     return {
-        "config": cfg.name, "layout": layout, "tensors": len(inv),
+        "config": cfg.name,
+        "layout": layout,
+        "tensors": len(inv),
         "dtypes": dict(sorted(by_dtype.items())),
         "parameters": totals,
         "parameters_billions": {k: round(v / 1e9, 2) for k, v in totals.items()},
@@ -57,13 +65,17 @@ def expected_report(cfg: ModelConfig, layout: str = "release") -> dict:
 
 def format_report(r: dict) -> str:
     if "inventory" in r:
-        lines = [f"expected {r['layout']} layout for config '{r['config']}': {r['tensors']} tensors",
-                 "  dtypes: " + ", ".join(f"{k} x{v}" for k, v in r["dtypes"].items()),
-                 "  parameters: " + ", ".join(f"{k} {v / 1e9:.2f}B" for k, v in r["parameters"].items())]
+        lines = [
+            f"expected {r['layout']} layout for config '{r['config']}': {r['tensors']} tensors",
+            "  dtypes: " + ", ".join(f"{k} x{v}" for k, v in r["dtypes"].items()),
+            "  parameters: " + ", ".join(f"{k} {v / 1e9:.2f}B" for k, v in r["parameters"].items()),
+        ]
         return "\n".join(lines)
-    lines = [f"{r['path']}: {r['layout']} layout, {len(r['files'])} file(s)"
-             + (f", mp={r['mp']}" if r["mp"] > 1 else "")
-             + f", {r['tensors']} tensors, {r['bytes'] / 1e9:.3f} GB, {r['parameters'] / 1e9:.3f}B parameters"]
+    lines = [
+        f"{r['path']}: {r['layout']} layout, {len(r['files'])} file(s)"
+        + (f", mp={r['mp']}" if r["mp"] > 1 else "")
+        + f", {r['tensors']} tensors, {r['bytes'] / 1e9:.3f} GB, {r['parameters'] / 1e9:.3f}B parameters"
+    ]
     for k, v in r["dtypes"].items():
         lines.append(f"  {k:8s} {v['tensors']:7d} tensors {v['bytes'] / 1e9:10.3f} GB")
     for w in r.get("warnings", []):

@@ -22,8 +22,15 @@ from .safetensors_io import CheckpointError
 
 LAYOUTS = ("release", "inference", "hf")
 _MP_RE = re.compile(r"^model(\d+)-mp(\d+)\.safetensors$")
-CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
+CONFIG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
 
 
 def find_files(path: str | Path) -> tuple[str, list[Path], int]:
@@ -43,8 +50,10 @@ def find_files(path: str | Path) -> tuple[str, list[Path], int]:
         n = sizes.pop()
         missing = [r for r in range(n) if r not in mp_files]
         if missing:
-            raise CheckpointError(f"{root}: missing shard {root / f'model{missing[0]}-mp{n}.safetensors'} "
-                                  f"({len(missing)} of {n} ranks absent)")
+            raise CheckpointError(
+                f"{root}: missing shard {root / f'model{missing[0]}-mp{n}.safetensors'} "
+                f"({len(missing)} of {n} ranks absent)"
+            )
         return "inference", [mp_files[r][1] for r in range(n)], n
     index = sorted(root.glob("*.safetensors.index.json"))
     if index:
@@ -73,9 +82,12 @@ def detect_layout(names: list[str], by_files: str) -> str:
 def load_config(path: str | Path) -> ModelConfig:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.exists():
-        raise CheckpointError(f"{cfg_path}: missing (a checkpoint directory needs its config.json; pass "
-                              "--config or a ModelConfig to use another)")
+        raise CheckpointError(
+            f"{cfg_path}: missing (a checkpoint directory needs its config.json; pass "
+            "--config or a ModelConfig to use another)"
+        )
     from ..config import ConfigError
+
     try:
         return ModelConfig.from_json(cfg_path)
     except ConfigError as e:
@@ -107,7 +119,10 @@ def expected_tensors(cfg: ModelConfig, layout: str = "release", mtp: bool = True
         for name, spec in official_tensors(cfg, mtp=False).items():
             if spec.role == EXPERT:
                 continue
-            out[hf_name(name)] = (spec.shape, "F32" if spec.role == F32 else "I64" if spec.role == INT else "BF16")
+            out[hf_name(name)] = (
+                spec.shape,
+                "F32" if spec.role == F32 else "I64" if spec.role == INT else "BF16",
+            )
         for i in range(cfg.n_layers):
             e, inter, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
             out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = ((e, 2 * inter, d), "BF16")
@@ -116,7 +131,7 @@ def expected_tensors(cfg: ModelConfig, layout: str = "release", mtp: bool = True
     for name, spec in official_tensors(cfg, mtp=mtp).items():
         st = _release_storage(cfg, name, spec.shape, spec.role)
         if layout == "inference" and name.endswith("attn.wo_a.weight"):
-            st = {name: (spec.shape, "BF16")}          # the official converter dequantizes wo_a
+            st = {name: (spec.shape, "BF16")}  # the official converter dequantizes wo_a
         out.update(st)
     return out
 
@@ -135,5 +150,13 @@ def parameter_totals(inventory: dict[str, tuple]) -> dict[str, int]:
     return {"backbone": back, "mtp": mtp, "total": back + mtp}
 
 
-__all__ = ["LAYOUTS", "CONFIG_FILES", "find_files", "detect_layout", "load_config", "expected_tensors",
-           "parameter_totals", "DENSE"]
+__all__ = [
+    "LAYOUTS",
+    "CONFIG_FILES",
+    "find_files",
+    "detect_layout",
+    "load_config",
+    "expected_tensors",
+    "parameter_totals",
+    "DENSE",
+]

@@ -1,8 +1,9 @@
 """`load_pretrained(DIR)`: any layout -> a DeepSeekV4 model, validated before a byte of payload is used.
 
 Steps: read the config; plan (headers only: layout, names, shapes, dtypes, scales - every problem found
-up front); build the model on the target device without random init; stream tensor by tensor into the parameters (dequantized to the parameter dtype, or kept
-quantized); check that every parameter was written. Any error raises and no model is returned.
+up front); build the model on the target device without random init; stream tensor by tensor into the
+parameters (dequantized to the parameter dtype, or kept quantized); check that every parameter was written.
+Any error raises and no model is returned.
 """
 
 from __future__ import annotations
@@ -24,9 +25,16 @@ from .safetensors_io import CheckpointError
 log = logging.getLogger("dsv4.checkpoint")
 
 
-def load_pretrained(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                    layout: str | None = None, config: ModelConfig | None = None, keep_quantized: bool = False,
-                    progress: bool | None = None):
+def load_pretrained(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    layout: str | None = None,
+    config: ModelConfig | None = None,
+    keep_quantized: bool = False,
+    progress: bool | None = None,
+):
     """Load a checkpoint directory (release, inference MP shards or HF transformers) into DeepSeekV4.
 
     dtype: parameter dtype of the weights that are not fp32 by design (norms, mHC, head stay fp32).
@@ -42,14 +50,25 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, de
     with _no_init(DeepSeekV4):
         model = DeepSeekV4(p.cfg, dtype=dtype, device=device)
     load_into(model, p, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
-    model.checkpoint_plan = {"path": str(p.root), "layout": p.layout, "files": len(p.files), "mp": p.mp,
-                             "warnings": list(p.warnings)}
+    model.checkpoint_plan = {
+        "path": str(p.root),
+        "layout": p.layout,
+        "files": len(p.files),
+        "mp": p.mp,
+        "warnings": list(p.warnings),
+    }
     return model.eval()
 
 
 @torch.no_grad()
-def load_into(model: nn.Module, p: Plan, *, dtype: torch.dtype = torch.bfloat16, keep_quantized: bool = False,
-              progress: bool | None = None) -> None:
+def load_into(
+    model: nn.Module,
+    p: Plan,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    keep_quantized: bool = False,
+    progress: bool | None = None,
+) -> None:
     """Stream a validated plan into an existing model; every model tensor must be written exactly once."""
     sd = model.state_dict(keep_vars=True)
     want = set(sd)
@@ -59,12 +78,14 @@ def load_into(model: nn.Module, p: Plan, *, dtype: torch.dtype = torch.bfloat16,
             names.update(f"{e.name.rsplit('.', 1)[0]}.{w}" for w in e.parts)
     if names != want:
         extra, lost = sorted(names - want), sorted(want - names)
-        raise RuntimeError(f"checkpoint names and model parameters disagree: not in the model {extra[:5]}, "
-                           f"not in the checkpoint {lost[:5]}")
+        raise RuntimeError(
+            f"checkpoint names and model parameters disagree: not in the model {extra[:5]}, "
+            f"not in the checkpoint {lost[:5]}"
+        )
     written: dict[str, int] = {}
     quant_experts: dict[str, QuantExperts] = {}
     for e, v in stream(p, progress):
-        if e.parts:                                             # fused HF experts [E, 2I, D] / [E, D, I]
+        if e.parts:  # fused HF experts [E, 2I, D] / [E, D, I]
             prefix = e.name.rsplit(".", 1)[0]
             for w, chunk in zip(e.parts, v.data.chunk(len(e.parts), dim=1)):
                 sd[f"{prefix}.{w}"].copy_(chunk)
@@ -80,18 +101,21 @@ def load_into(model: nn.Module, p: Plan, *, dtype: torch.dtype = torch.bfloat16,
                 qe = quant_experts.get(mname.rsplit(".", 1)[0])
                 if qe is None:
                     qe = quant_experts[mname.rsplit(".", 1)[0]] = QuantExperts(
-                        model.get_submodule(mname.rsplit(".", 1)[0]), v.fmt, dtype)
+                        model.get_submodule(mname.rsplit(".", 1)[0]), v.fmt, dtype
+                    )
                 if qe.fmt == v.fmt:
                     qe.put(mname.rsplit(".", 1)[1], j, v, target.device)
                     written[mname] = written.get(mname, 0) + 1
                     continue
-                raise CheckpointError(f"{p.root}: experts of '{mname}' mix storage formats; "
-                                      "load without keep_quantized")
+                raise CheckpointError(
+                    f"{p.root}: experts of '{mname}' mix storage formats; load without keep_quantized"
+                )
         val = v.dequantize(torch.float32) if v.fmt != "int" else v.data
         dst = target if j is None else target[j]
         if tuple(dst.shape) != tuple(val.shape):
-            raise CheckpointError(f"tensor '{e.name}' has shape {list(val.shape)}, the model expects "
-                                  f"{list(dst.shape)}")
+            raise CheckpointError(
+                f"tensor '{e.name}' has shape {list(val.shape)}, the model expects {list(dst.shape)}"
+            )
         dst.copy_(val)
         written[mname] = written.get(mname, 0) + 1
     for path, qe in quant_experts.items():
@@ -100,16 +124,28 @@ def load_into(model: nn.Module, p: Plan, *, dtype: torch.dtype = torch.bfloat16,
     for name, t in sd.items():
         need = t.size(0) if name.endswith(("experts.w1", "experts.w2", "experts.w3")) and t.dim() == 3 else 1
         if written.get(name, 0) != need:
-            raise CheckpointError(f"{p.root}: tensor '{name}' was not completely loaded "
-                                  f"({written.get(name, 0)} of {need} parts)")
+            raise CheckpointError(
+                f"{p.root}: tensor '{name}' was not completely loaded "
+                f"({written.get(name, 0)} of {need} parts)"
+            )
 
 
 @contextlib.contextmanager
 def _no_init(model_cls: type) -> Iterator[None]:
     """Build the model directly on its device without random init: every value is loaded afterwards.
     (Not on the meta device: modules may cache tensors computed at construction.)"""
-    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
-             "trunc_normal_", "zeros_", "ones_", "constant_")
+    names = (
+        "normal_",
+        "uniform_",
+        "kaiming_uniform_",
+        "kaiming_normal_",
+        "xavier_uniform_",
+        "xavier_normal_",
+        "trunc_normal_",
+        "zeros_",
+        "ones_",
+        "constant_",
+    )
     saved = {n: getattr(nn.init, n) for n in names}
     reset = model_cls.__dict__.get("reset_parameters")
     try:
@@ -138,5 +174,7 @@ def _swap_linear(model: nn.Module, mname: str, v: Value, dtype: torch.dtype, dev
     mod = model.get_submodule(path)
     if not isinstance(mod, nn.Linear):
         return False
-    _set_module(model, path, QuantLinear(v, mod.weight.dtype if mod.weight.dtype == torch.float32 else dtype, device))
+    _set_module(
+        model, path, QuantLinear(v, mod.weight.dtype if mod.weight.dtype == torch.float32 else dtype, device)
+    )
     return True

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 
 # roles: how a tensor is stored and may be quantized
-LINEAR = "linear"      # 2-D weight that the release stores as FP8 + block scale (or BF16 without one)
-EXPERT = "expert"      # routed expert weight: FP8 or MXFP4 (+ scale), or plain float
-DENSE = "dense"        # float weight that is never quantized (embeddings, head, norms, compressor, router)
-F32 = "f32"            # fp32 parameters (mHC, sinks, ape, router bias)
-INT = "int"            # integer table (tid2eid)
+LINEAR = "linear"  # 2-D weight that the release stores as FP8 + block scale (or BF16 without one)
+EXPERT = "expert"  # routed expert weight: FP8 or MXFP4 (+ scale), or plain float
+DENSE = "dense"  # float weight that is never quantized (embeddings, head, norms, compressor, router)
+F32 = "f32"  # fp32 parameters (mHC, sinks, ape, router bias)
+INT = "int"  # integer table (tid2eid)
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,14 @@ def _block_tensors(cfg: ModelConfig, layer_id: int) -> dict[str, Spec]:
     d, h, hd = cfg.dim, cfg.n_heads, cfg.head_dim
     mix, hcd = cfg.mix_hc, cfg.hc_mult * cfg.dim
     t: dict[str, Spec] = {
-        "attn_norm.weight": Spec((d,), DENSE), "ffn_norm.weight": Spec((d,), DENSE),
-        "hc_attn_fn": Spec((mix, hcd), F32), "hc_attn_base": Spec((mix,), F32), "hc_attn_scale": Spec((3,), F32),
-        "hc_ffn_fn": Spec((mix, hcd), F32), "hc_ffn_base": Spec((mix,), F32), "hc_ffn_scale": Spec((3,), F32),
+        "attn_norm.weight": Spec((d,), DENSE),
+        "ffn_norm.weight": Spec((d,), DENSE),
+        "hc_attn_fn": Spec((mix, hcd), F32),
+        "hc_attn_base": Spec((mix,), F32),
+        "hc_attn_scale": Spec((3,), F32),
+        "hc_ffn_fn": Spec((mix, hcd), F32),
+        "hc_ffn_base": Spec((mix,), F32),
+        "hc_ffn_scale": Spec((3,), F32),
         "attn.attn_sink": Spec((h,), F32),
         "attn.wq_a.weight": Spec((cfg.q_lora_rank, d), LINEAR),
         "attn.q_norm.weight": Spec((cfg.q_lora_rank,), DENSE),
@@ -99,19 +104,26 @@ def official_tensors(cfg: ModelConfig, mtp: bool = True) -> dict[str, Spec]:
         for k in range(cfg.n_mtp_layers):
             p = f"mtp.{k}"
             blk = _block_tensors(cfg, cfg.n_layers + k)
-            blk.update({
-                "e_proj.weight": Spec((d, d), LINEAR), "h_proj.weight": Spec((d, d), LINEAR),
-                "enorm.weight": Spec((d,), DENSE), "hnorm.weight": Spec((d,), DENSE),
-                "norm.weight": Spec((d,), DENSE),
-                "hc_head_fn": Spec((hc, hc * d), F32), "hc_head_base": Spec((hc,), F32),
-                "hc_head_scale": Spec((1,), F32),
-            })
+            blk.update(
+                {
+                    "e_proj.weight": Spec((d, d), LINEAR),
+                    "h_proj.weight": Spec((d, d), LINEAR),
+                    "enorm.weight": Spec((d,), DENSE),
+                    "hnorm.weight": Spec((d,), DENSE),
+                    "norm.weight": Spec((d,), DENSE),
+                    "hc_head_fn": Spec((hc, hc * d), F32),
+                    "hc_head_base": Spec((hc,), F32),
+                    "hc_head_scale": Spec((1,), F32),
+                }
+            )
             out.update({f"{p}.{k2}": v for k2, v in blk.items()})
     return out
 
 
 # ------------------------------------------------------------------------------ official <-> model
-_EXPERT_RE = re.compile(r"^(?P<p>(?:layers|mtp)\.\d+\.ffn\.experts)\.(?P<j>\d+)\.(?P<w>w[123])\.(?P<leaf>weight|scale)$")
+_EXPERT_RE = re.compile(
+    r"^(?P<p>(?:layers|mtp)\.\d+\.ffn\.experts)\.(?P<j>\d+)\.(?P<w>w[123])\.(?P<leaf>weight|scale)$"
+)
 
 
 def to_model(name: str) -> tuple[str, int | None]:
@@ -141,16 +153,22 @@ def scale_name(weight_name: str) -> str:
 # ------------------------------------------------------------------------------ aliases -> official
 # Hugging Face transformers module paths inside a block (after `self_attn`->`attn`, `mlp`->`ffn`)
 _HF_MODULES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "attn.q_a_proj": "attn.wq_a", "attn.q_a_norm": "attn.q_norm", "attn.q_b_proj": "attn.wq_b",
-    "attn.kv_proj": "attn.wkv", "attn.o_a_proj": "attn.wo_a", "attn.o_b_proj": "attn.wo_b",
-    "attn.norm": "attn.kv_norm",        # transformers' original-format save writes kv_norm as attn.norm
-    "attn.compressor.kv_proj": "attn.compressor.wkv", "attn.compressor.gate_proj": "attn.compressor.wgate",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "attn.q_a_proj": "attn.wq_a",
+    "attn.q_a_norm": "attn.q_norm",
+    "attn.q_b_proj": "attn.wq_b",
+    "attn.kv_proj": "attn.wkv",
+    "attn.o_a_proj": "attn.wo_a",
+    "attn.o_b_proj": "attn.wo_b",
+    "attn.norm": "attn.kv_norm",  # transformers' original-format save writes kv_norm as attn.norm
+    "attn.compressor.kv_proj": "attn.compressor.wkv",
+    "attn.compressor.gate_proj": "attn.compressor.wgate",
     "attn.compressor.kv_norm": "attn.compressor.norm",
     "attn.compressor.indexer.kv_proj": "attn.indexer.compressor.wkv",
     "attn.compressor.indexer.gate_proj": "attn.indexer.compressor.wgate",
     "attn.compressor.indexer.kv_norm": "attn.indexer.compressor.norm",
-    "attn.compressor.indexer.norm": "attn.indexer.compressor.norm",     # (same save, HF module path)
+    "attn.compressor.indexer.norm": "attn.indexer.compressor.norm",  # (same save, HF module path)
     "attn.compressor.indexer.q_b_proj": "attn.indexer.wq_b",
     "attn.compressor.indexer.scorer.weights_proj": "attn.indexer.weights_proj",
     "ffn.shared_experts.gate_proj": "ffn.shared_experts.w1",
@@ -159,34 +177,51 @@ _HF_MODULES = {
 }
 # Hugging Face parameters without a `.weight` leaf inside a block
 _HF_PARAMS = {
-    "attn_hc.fn": "hc_attn_fn", "attn_hc.base": "hc_attn_base", "attn_hc.scale": "hc_attn_scale",
-    "ffn_hc.fn": "hc_ffn_fn", "ffn_hc.base": "hc_ffn_base", "ffn_hc.scale": "hc_ffn_scale",
+    "attn_hc.fn": "hc_attn_fn",
+    "attn_hc.base": "hc_attn_base",
+    "attn_hc.scale": "hc_attn_scale",
+    "ffn_hc.fn": "hc_ffn_fn",
+    "ffn_hc.base": "hc_ffn_base",
+    "ffn_hc.scale": "hc_ffn_scale",
     "attn.sinks": "attn.attn_sink",
     "attn.compressor.position_bias": "attn.compressor.ape",
     "attn.compressor.indexer.position_bias": "attn.indexer.compressor.ape",
 }
 _HF_TOP = {
-    "embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
-    "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale",
+    "embed_tokens.weight": "embed.weight",
+    "lm_head.weight": "head.weight",
+    "hc_head.hc_fn": "hc_head_fn",
+    "hc_head.hc_base": "hc_head_base",
+    "hc_head.hc_scale": "hc_head_scale",
 }
 # fused Hugging Face expert tensors: [E, 2*inter, dim] = cat(w1, w3) and [E, dim, inter] = w2
 FUSED = {"ffn.experts.gate_up_proj": ("w1", "w3"), "ffn.experts.down_proj": ("w2",)}
 _BLOCK_RE = re.compile(r"^(?P<p>(?:layers|mtp)\.\d+)\.(?P<rest>.+)$")
-HF_MARKERS = ("embed_tokens", "lm_head", "input_layernorm", "attn_hc.", "gate_up_proj",
-              "hc_head.hc_", ".sinks", "q_a_proj", "position_bias")
+HF_MARKERS = (
+    "embed_tokens",
+    "lm_head",
+    "input_layernorm",
+    "attn_hc.",
+    "gate_up_proj",
+    "hc_head.hc_",
+    ".sinks",
+    "q_a_proj",
+    "position_bias",
+)
 
 
 @dataclass(frozen=True)
 class Canon:
     """What a stored tensor is: an official weight or scale, a fused HF expert tensor, or ignorable."""
-    name: str                  # official name (fused: `layers.i.ffn.experts.gate_up_proj`)
-    kind: str                  # "weight" | "scale" | "fused" | "ignored"
+
+    name: str  # official name (fused: `layers.i.ffn.experts.gate_up_proj`)
+    kind: str  # "weight" | "scale" | "fused" | "ignored"
     parts: tuple[str, ...] = ()
 
 
 def canonical(stored: str) -> Canon:
     """Map a stored tensor name in any supported layout to the official name space."""
-    n = stored[len("model."):] if stored.startswith("model.") else stored
+    n = stored[len("model.") :] if stored.startswith("model.") else stored
     n = n.replace(".self_attn.", ".attn.").replace(".mlp.", ".ffn.")
     if n.endswith(".weight_scale_inv"):
         n = n[: -len("_inv")].replace(".weight_scale", ".scale")
@@ -198,7 +233,7 @@ def canonical(stored: str) -> Canon:
         return Canon(n, "scale" if n.endswith(".scale") and n != "hc_head_scale" else "weight")
     p, rest = m["p"], m["rest"]
     if p.startswith("mtp.") and (rest.startswith("emb.") or rest == "head.weight"):
-        return Canon(n, "ignored")           # the MTP block shares the main model's embedding and head
+        return Canon(n, "ignored")  # the MTP block shares the main model's embedding and head
     if rest in FUSED:
         return Canon(f"{p}.{rest}", "fused", FUSED[rest])
     if rest in _HF_PARAMS:
@@ -206,8 +241,11 @@ def canonical(stored: str) -> Canon:
     module, _, leaf = rest.rpartition(".")
     if leaf in ("weight", "scale") and module in _HF_MODULES:
         rest = f"{_HF_MODULES[module]}.{leaf}"
-    kind = "scale" if leaf == "scale" and not rest.endswith(("hc_attn_scale", "hc_ffn_scale", "hc_head_scale")) \
+    kind = (
+        "scale"
+        if leaf == "scale" and not rest.endswith(("hc_attn_scale", "hc_ffn_scale", "hc_head_scale"))
         else "weight"
+    )
     return Canon(f"{p}.{rest}", kind)
 
 
@@ -227,7 +265,9 @@ def hf_name(official: str) -> str:
         rest = inv_params[rest]
     else:
         module, _, leaf = rest.rpartition(".")
-        inv_mod = {v: k for k, v in _HF_MODULES.items() if k not in ("attn.norm", "attn.compressor.indexer.norm")}
+        inv_mod = {
+            v: k for k, v in _HF_MODULES.items() if k not in ("attn.norm", "attn.compressor.indexer.norm")
+        }
         if module in inv_mod:
             rest = f"{inv_mod[module]}.{leaf}"
         if rest == "ffn.gate.bias":

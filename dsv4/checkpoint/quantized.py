@@ -66,7 +66,8 @@ class QuantExperts(nn.Module):
         self.swiglu_limit = getattr(template, "swiglu_limit", 0.0)
         self.n = template.w1.size(0)
         self._parts: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {
-            w: [None] * self.n for w in ("w1", "w2", "w3")}
+            w: [None] * self.n for w in ("w1", "w2", "w3")
+        }
 
     def put(self, w: str, j: int, value: Value, device) -> None:
         self._parts[w][j] = (_raw(self.fmt, value.data).to(device), _raw_scale(value.scale).to(device))
@@ -81,7 +82,9 @@ class QuantExperts(nn.Module):
         del self._parts
 
     def expert(self, w: str, j: int) -> torch.Tensor:
-        return _dequant(self.fmt, getattr(self, f"{w}_q")[j], getattr(self, f"{w}_scale")[j], self.compute_dtype)
+        return _dequant(
+            self.fmt, getattr(self, f"{w}_q")[j], getattr(self, f"{w}_scale")[j], self.compute_dtype
+        )
 
     @property
     def w1(self) -> torch.Tensor:

@@ -46,13 +46,14 @@ class Piece:
 @dataclass
 class Entry:
     """One official weight (or one fused HF expert tensor) and where its bytes are."""
+
     name: str
     spec: Spec
-    fmt: str                                   # "float" | "int" | "fp8" | "fp4"
+    fmt: str  # "float" | "int" | "fp8" | "fp4"
     weight: list[Piece]
     scale: list[Piece] = field(default_factory=list)
-    split: int | None = None                   # inference layout: pieces concatenated on this dim
-    parts: tuple[str, ...] = ()                # fused HF experts: ("w1", "w3") or ("w2",)
+    split: int | None = None  # inference layout: pieces concatenated on this dim
+    parts: tuple[str, ...] = ()  # fused HF experts: ("w1", "w3") or ("w2",)
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +63,7 @@ class Entry:
 @dataclass
 class Value:
     """A tensor as stored: float/int data, or quantized data with its block scale (bits untouched)."""
+
     fmt: str
     data: torch.Tensor
     scale: torch.Tensor | None = None
@@ -182,31 +184,41 @@ def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = 
     entries: dict[str, Entry] = {}
     covered: set[str] = set()
     for name, (piece, parts) in fused.items():
-        prefix = name.rsplit(".", 1)[0]                                # layers.i.ffn.experts
+        prefix = name.rsplit(".", 1)[0]  # layers.i.ffn.experts
         e, inter, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
         want = (e, 2 * inter, d) if parts == ("w1", "w3") else (e, d, inter)
         if f"{prefix}.0.w1.weight" not in expected:
-            probs.add(f"unexpected tensor {piece.where()}: no such layer in config.json "
-                      f"({cfg.n_layers} layers); do config and weights match?")
+            probs.add(
+                f"unexpected tensor {piece.where()}: no such layer in config.json "
+                f"({cfg.n_layers} layers); do config and weights match?"
+            )
             continue
         if piece.info.dtype not in FLOAT_DTYPES:
-            probs.add(f"{piece.info.file}: tensor '{piece.info.name}' has dtype {piece.info.dtype}, "
-                      "expected a float dtype (quantized fused experts are not supported)")
+            probs.add(
+                f"{piece.info.file}: tensor '{piece.info.name}' has dtype {piece.info.dtype}, "
+                "expected a float dtype (quantized fused experts are not supported)"
+            )
         if piece.info.shape != want:
-            probs.add(f"{piece.info.file}: tensor '{piece.info.name}' has shape {list(piece.info.shape)}, "
-                      f"expected {list(want)}")
+            probs.add(
+                f"{piece.info.file}: tensor '{piece.info.name}' has shape {list(piece.info.shape)}, "
+                f"expected {list(want)}"
+            )
         entries[name] = Entry(name, Spec(want, EXPERT), "float", [piece], parts=parts)
         covered.update(f"{prefix}.{j}.{w}.weight" for j in range(e) for w in parts)
 
     for name, spec in expected.items():
         if name in covered:
             if name in weights:
-                probs.add(f"tensor {weights[name][0].where()} is stored twice (also in a fused expert tensor)")
+                probs.add(
+                    f"tensor {weights[name][0].where()} is stored twice (also in a fused expert tensor)"
+                )
                 weights.pop(name)
             continue
         pieces = weights.pop(name, None)
         if not pieces:
-            probs.add(f"{root}: missing tensor '{name}' ({_describe(spec)}) - no file in the checkpoint has it")
+            probs.add(
+                f"{root}: missing tensor '{name}' ({_describe(spec)}) - no file in the checkpoint has it"
+            )
             continue
         sc = scales.pop(name[: -len(".weight")] + ".scale", []) if name.endswith(".weight") else []
         entry = _check_entry(name, spec, pieces, sc, layout, mp, probs)
@@ -217,7 +229,8 @@ def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = 
         p = pieces[0]
         hint = ""
         if name.startswith(("layers.", "mtp.")):
-            hint = f"; config.json has {cfg.n_layers} layers, {cfg.n_mtp_layers} MTP - do config and weights match?"
+            hint = (f"; config.json has {cfg.n_layers} layers, {cfg.n_mtp_layers} MTP - "
+                    "do config and weights match?")
         if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in expected:
             probs.add(f"unexpected tensor {p.where()}: a block scale for a weight that is not quantized")
         else:
@@ -231,8 +244,9 @@ def _describe(spec: Spec) -> str:
     return f"{kinds.get(spec.role, 'float or FP8 + scale')} {list(spec.shape)}"
 
 
-def _check_entry(name: str, spec: Spec, pieces: list[Piece], scales: list[Piece], layout: str, mp: int,
-                 probs: Problems) -> Entry | None:
+def _check_entry(
+    name: str, spec: Spec, pieces: list[Piece], scales: list[Piece], layout: str, mp: int, probs: Problems
+) -> Entry | None:
     n0 = len(probs.items)
     split = split_dim(name) if layout == "inference" else None
     if layout == "inference":
@@ -244,10 +258,12 @@ def _check_entry(name: str, spec: Spec, pieces: list[Piece], scales: list[Piece]
             probs.add(f"tensor {pieces[0].where()} is stored twice in one rank file")
         elif ranks != list(range(mp)):
             lost = sorted(set(range(mp)) - set(ranks))
-            probs.add(f"tensor '{name}' is missing from rank file(s) {lost} (model-parallel files must each "
-                      "hold their part of every non-expert tensor)")
+            probs.add(
+                f"tensor '{name}' is missing from rank file(s) {lost} (model-parallel files must each "
+                "hold their part of every non-expert tensor)"
+            )
         if split is None:
-            pieces = pieces[:1]                                       # replicated: rank 0's copy
+            pieces = pieces[:1]  # replicated: rank 0's copy
         if split is not None and spec.shape[split] % mp:
             probs.add(f"tensor '{name}' {list(spec.shape)} cannot be split into {mp} ranks on dim {split}")
     elif len(pieces) > 1:
@@ -265,7 +281,8 @@ def _check_entry(name: str, spec: Spec, pieces: list[Piece], scales: list[Piece]
     for p in pieces:
         dt, where = p.info.dtype, f"{p.info.file}: tensor '{p.info.name}'"
         ok = {INT: fmt == "int", F32: fmt == "float", EXPERT: fmt in ("float", "fp8", "fp4")}.get(
-            spec.role, fmt in ("float", "fp8"))
+            spec.role, fmt in ("float", "fp8")
+        )
         if not ok:
             probs.add(f"{where} has dtype {dt}, expected {_describe(spec)}")
             continue
@@ -281,30 +298,40 @@ def _check_entry(name: str, spec: Spec, pieces: list[Piece], scales: list[Piece]
     if fmt in ("fp8", "fp4"):
         if not scales:
             p = pieces[0]
-            probs.add(f"{p.info.file}: tensor '{p.info.name}' is {p.info.dtype} but has no block scale "
-                      f"'{name[:-len('.weight')]}.scale' (a quantized weight without its scale cannot be used)")
+            probs.add(
+                f"{p.info.file}: tensor '{p.info.name}' is {p.info.dtype} but has no block scale "
+                f"'{name[: -len('.weight')]}.scale' (a quantized weight without its scale cannot be used)"
+            )
             return None
         if len(scales) != len(pieces):
             probs.add(f"block scale of '{name}' has {len(scales)} pieces for {len(pieces)} weight pieces")
             return None
-        for w, s in zip(pieces, scales):
+        for s in scales:
             dt, where = s.info.dtype, f"{s.info.file}: tensor '{s.info.name}'"
             wshape = _piece_shape(spec.shape, split, mp)
             if fmt == "fp8":
                 want_s, ok_dt = fm.fp8_scale_shape(*wshape), dt in FP8_SCALE_DTYPES
                 if split is not None and mp > 1 and wshape[split] % fm.FP8_BLOCK:
-                    probs.add(f"{where}: FP8 weight piece {list(wshape)} is not split on a 128-block boundary")
+                    probs.add(
+                        f"{where}: FP8 weight piece {list(wshape)} is not split on a 128-block boundary"
+                    )
             else:
                 want_s, ok_dt = (wshape[0], wshape[1] // fm.FP4_BLOCK), dt in E8M0_DTYPES
             if not ok_dt:
-                probs.add(f"{where} has dtype {dt}, expected an E8M0 block scale (F8_E8M0)"
-                          + (" or F32" if fmt == "fp8" else ""))
+                probs.add(
+                    f"{where} has dtype {dt}, expected an E8M0 block scale (F8_E8M0)"
+                    + (" or F32" if fmt == "fp8" else "")
+                )
             elif s.info.shape != want_s:
-                probs.add(f"{where} has shape {list(s.info.shape)}, expected {list(want_s)} "
-                          f"(block scale of {fmt.upper()} weight {list(wshape)})")
+                probs.add(
+                    f"{where} has shape {list(s.info.shape)}, expected {list(want_s)} "
+                    f"(block scale of {fmt.upper()} weight {list(wshape)})"
+                )
     elif scales:
-        probs.add(f"unexpected tensor {scales[0].where()}: a block scale for '{name}', "
-                  f"which is stored unquantized ({pieces[0].info.dtype})")
+        probs.add(
+            f"unexpected tensor {scales[0].where()}: a block scale for '{name}', "
+            f"which is stored unquantized ({pieces[0].info.dtype})"
+        )
     if len(probs.items) > n0:
         return None
     return Entry(name, spec, fmt, pieces, scales, split)
@@ -347,11 +374,14 @@ def _check_finite(entry: Entry, v: Value) -> None:
 
 def stream(p: Plan, progress: bool | None = None) -> Iterator[tuple[Entry, Value]]:
     """Yield (entry, value) for every entry, ordered by file and offset; one tensor in flight."""
-    order = sorted(p.entries.values(), key=lambda e: (p.files.index(e.weight[0].info.file), e.weight[0].info.begin))
+    order = sorted(
+        p.entries.values(), key=lambda e: (p.files.index(e.weight[0].info.file), e.weight[0].info.begin)
+    )
     handles = _Handles()
     bar = None
     if progress or (progress is None and len(p.files) > 1):
         from tqdm import tqdm
+
         bar = tqdm(total=p.nbytes, unit="B", unit_scale=True, desc=f"loading {p.root.name}", leave=False)
     try:
         for e in order:

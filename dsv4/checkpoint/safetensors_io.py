@@ -23,11 +23,23 @@ from ..errors import UserError
 
 # safetensors dtype -> (bits per stored element, torch dtype name or None)
 DTYPES: dict[str, tuple[int, str | None]] = {
-    "F64": (64, "float64"), "F32": (32, "float32"), "F16": (16, "float16"), "BF16": (16, "bfloat16"),
-    "I64": (64, "int64"), "I32": (32, "int32"), "I16": (16, "int16"), "I8": (8, "int8"), "U8": (8, "uint8"),
-    "BOOL": (8, "bool"), "F8_E4M3": (8, "float8_e4m3fn"), "F8_E5M2": (8, "float8_e5m2"),
-    "F8_E8M0": (8, "float8_e8m0fnu"), "F4": (4, "float4_e2m1fn_x2"),
-    "U16": (16, "uint16"), "U32": (32, "uint32"), "U64": (64, "uint64"),
+    "F64": (64, "float64"),
+    "F32": (32, "float32"),
+    "F16": (16, "float16"),
+    "BF16": (16, "bfloat16"),
+    "I64": (64, "int64"),
+    "I32": (32, "int32"),
+    "I16": (16, "int16"),
+    "I8": (8, "int8"),
+    "U8": (8, "uint8"),
+    "BOOL": (8, "bool"),
+    "F8_E4M3": (8, "float8_e4m3fn"),
+    "F8_E5M2": (8, "float8_e5m2"),
+    "F8_E8M0": (8, "float8_e8m0fnu"),
+    "F4": (4, "float4_e2m1fn_x2"),
+    "U16": (16, "uint16"),
+    "U32": (32, "uint32"),
+    "U64": (64, "uint64"),
 }
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 INT_DTYPES = {"I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64"}
@@ -41,9 +53,9 @@ class CheckpointError(UserError):
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    dtype: str                 # safetensors dtype string
-    shape: tuple[int, ...]     # as stored in the header (F4: logical fp4 elements)
-    begin: int                 # absolute byte offsets in the file
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]  # as stored in the header (F4: logical fp4 elements)
+    begin: int  # absolute byte offsets in the file
     end: int
     file: Path
 
@@ -79,7 +91,9 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
                 raise CheckpointError(f"{path}: truncated or not a safetensors file ({size} bytes)")
             (n,) = struct.unpack("<Q", head)
             if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{path}: corrupt safetensors header (header length {n}, file size {size})")
+                raise CheckpointError(
+                    f"{path}: corrupt safetensors header (header length {n}, file size {size})"
+                )
             raw = f.read(n)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
@@ -102,15 +116,18 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
             raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {dt}")
         want = math.prod(shape) * DTYPES[dt][0]
         if not (0 <= b <= e) or (e - b) * 8 != want:
-            raise CheckpointError(f"{path}: tensor '{name}' ({dt} {list(shape)}) has {e - b} bytes, "
-                                  f"expected {want // 8}: corrupt file")
+            raise CheckpointError(
+                f"{path}: tensor '{name}' ({dt} {list(shape)}) has {e - b} bytes, "
+                f"expected {want // 8}: corrupt file"
+            )
         if base + e > size:
-            raise CheckpointError(f"{path}: truncated file: tensor '{name}' ends at byte {base + e}, "
-                                  f"file has {size} bytes")
+            raise CheckpointError(
+                f"{path}: truncated file: tensor '{name}' ends at byte {base + e}, file has {size} bytes"
+            )
         out[name] = TensorInfo(name, dt, shape, base + b, base + e, path)
         spans.append((b, e, name))
     spans.sort()
-    for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
+    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise CheckpointError(f"{path}: corrupt file: tensors '{n0}' and '{n1}' overlap")
     return out, meta
@@ -133,7 +150,7 @@ def read_tensor(info: TensorInfo, handle=None) -> torch.Tensor:
     if info.dtype == "F4":
         shape[-1] //= 2
     dt = torch_dtype(info.dtype)
-    if dt is None:                          # exotic dtype this torch lacks: the raw bytes
+    if dt is None:  # exotic dtype this torch lacks: the raw bytes
         return buf.view(shape) if DTYPES[info.dtype][0] <= 8 else buf
     return buf.view(dt).view(shape)
 
@@ -148,7 +165,9 @@ def iter_file(infos: dict[str, TensorInfo]) -> Iterator[tuple[TensorInfo, torch.
             yield info, read_tensor(info, f)
 
 
-def write_file(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+def write_file(
+    path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> int:
     """Write tensors (any dtype, exotic ones as their bits) to one safetensors file; returns bytes written."""
     header: dict[str, object] = {}
     if metadata:

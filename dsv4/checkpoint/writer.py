@@ -90,7 +90,9 @@ def encode(spec: Spec, name: str, v: Value, target: str, expert_dtype: str | Non
         return {name: v.data.to(torch.int32)}
     if spec.role == F32:
         return {name: v.dequantize(torch.float32)}
-    quant = (target == "fp8" and spec.role in (LINEAR, EXPERT)) or (spec.role == EXPERT and expert_dtype == "fp4")
+    quant = (target == "fp8" and spec.role in (LINEAR, EXPERT)) or (
+        spec.role == EXPERT and expert_dtype == "fp4"
+    )
     if not quant:
         return {name: v.dequantize(torch.bfloat16)}
     if spec.role == EXPERT and expert_dtype == "fp4":
@@ -125,7 +127,11 @@ class StreamingFile:
         raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
         mv = memoryview(raw.numpy())
         self.f.write(mv)
-        self.header[name] = {"dtype": dt, "shape": shape, "data_offsets": [self.offset, self.offset + len(mv)]}
+        self.header[name] = {
+            "dtype": dt,
+            "shape": shape,
+            "data_offsets": [self.offset, self.offset + len(mv)],
+        }
         self.offset += len(mv)
         self.digests[name] = hashlib.blake2b(mv, digest_size=16).hexdigest()
         return len(mv)
@@ -154,7 +160,9 @@ class ShardedWriter:
         self.cur: StreamingFile | None = None
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        if self.cur is None or (self.cur.offset and self.cur.offset + t.numel() * t.element_size() > self.limit):
+        if self.cur is None or (
+            self.cur.offset and self.cur.offset + t.numel() * t.element_size() > self.limit
+        ):
             if self.cur is not None:
                 self.done.append(self.cur)
             self.cur = StreamingFile(self.root / f"shard-{len(self.done):05d}.tmp")
@@ -166,7 +174,9 @@ class ShardedWriter:
         n = len(self.done)
         weight_map, digests, total = {}, {}, 0
         for i, sf in enumerate(self.done):
-            final = self.root / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+            final = self.root / (
+                "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            )
             sf.close()
             sf.path.rename(final)
             total += sf.offset
@@ -200,16 +210,29 @@ def output_config(cfg: ModelConfig, target: str, expert_dtype: str | None) -> di
         return cfg.to_inference_json()
     if target == "fp8":
         c = cfg.replace(dtype="fp8", expert_dtype=expert_dtype, scale_fmt="ue8m0").to_hf_json()
-        c["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}
+        c["quantization_config"] = {
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+            "scale_fmt": "ue8m0",
+        }
         if expert_dtype:
             c["expert_dtype"] = expert_dtype
         return c
     return cfg.replace(dtype="bf16", expert_dtype=None, scale_fmt=None).to_hf_json()
 
 
-def save(values: Iterable[tuple[str, Value]], cfg: ModelConfig, dst: str | Path, target: str = "bf16",
-         mp: int = 1, expert_dtype: str | None = None, shard_bytes: int = 4 << 30,
-         copy_from: str | Path | None = None, verify: bool = True, overwrite: bool = False) -> Path:
+def save(
+    values: Iterable[tuple[str, Value]],
+    cfg: ModelConfig,
+    dst: str | Path,
+    target: str = "bf16",
+    mp: int = 1,
+    expert_dtype: str | None = None,
+    shard_bytes: int = 4 << 30,
+    copy_from: str | Path | None = None,
+    verify: bool = True,
+    overwrite: bool = False,
+) -> Path:
     """Write (official name, Value) pairs as a checkpoint directory in the target layout/format.
 
     target: "bf16" / "fp8" (release layout), "hf" (transformers names, fused experts, BF16, no MTP),
@@ -250,8 +273,16 @@ def save(values: Iterable[tuple[str, Value]], cfg: ModelConfig, dst: str | Path,
     return dst
 
 
-def _write(values: Iterable[tuple[str, Value]], cfg: ModelConfig, specs: dict[str, Spec], root: Path, target: str,
-           mp: int, expert_dtype: str | None, shard_bytes: int) -> dict[str, dict[str, str]]:
+def _write(
+    values: Iterable[tuple[str, Value]],
+    cfg: ModelConfig,
+    specs: dict[str, Spec],
+    root: Path,
+    target: str,
+    mp: int,
+    expert_dtype: str | None,
+    shard_bytes: int,
+) -> dict[str, dict[str, str]]:
     fmt = "fp8" if target == "fp8" else "keep" if target == "inference" else "bf16"
     seen: set[str] = set()
     if target == "inference":
@@ -297,10 +328,16 @@ def _write(values: Iterable[tuple[str, Value]], cfg: ModelConfig, specs: dict[st
                     if dim is None:
                         out.add(r, sname, t)
                     else:
-                        if t.size(dim) % mp or (sname.endswith(".weight") and t.element_size() == 1 and mp > 1
-                                                and (t.size(dim) // mp) % fm.FP8_BLOCK):
-                            raise CheckpointError(f"tensor '{sname}' {list(t.shape)} cannot be split into {mp} "
-                                                  f"ranks on dim {dim}")
+                        if t.size(dim) % mp or (
+                            sname.endswith(".weight")
+                            and t.element_size() == 1
+                            and mp > 1
+                            and (t.size(dim) // mp) % fm.FP8_BLOCK
+                        ):
+                            raise CheckpointError(
+                                f"tensor '{sname}' {list(t.shape)} cannot be split into {mp} "
+                                f"ranks on dim {dim}"
+                            )
                         out.add(r, sname, t.chunk(mp, dim)[r].contiguous())
             else:
                 out.add(sname, t)
@@ -317,6 +354,7 @@ def _expert_parts(name: str) -> tuple[str, int, str]:
 
 def _expert_index(name: str) -> int | None:
     from .names import expert_index
+
     return expert_index(name)
 
 
@@ -348,6 +386,7 @@ def verify_checkpoint(root: Path, digests: dict[str, dict[str, str]], cfg: Model
     """Re-validate the written headers and compare every payload's digest with what was written."""
     p = plan(root, cfg)
     from .safetensors_io import iter_file, read_header
+
     for fname, want in digests.items():
         infos, _ = read_header(root / fname)
         if set(infos) != set(want):
@@ -355,14 +394,23 @@ def verify_checkpoint(root: Path, digests: dict[str, dict[str, str]], cfg: Model
         for info, t in iter_file(infos):
             raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
             if hashlib.blake2b(memoryview(raw.numpy()), digest_size=16).hexdigest() != want[info.name]:
-                raise CheckpointError(f"{root / fname}: verification failed: tensor '{info.name}' reads back "
-                                      "different bytes")
+                raise CheckpointError(
+                    f"{root / fname}: verification failed: tensor '{info.name}' reads back different bytes"
+                )
     del p
 
 
-def convert(src: str | Path, dst: str | Path, to: str, mp: int = 1, layout: str | None = None,
-            expert_dtype: str | None = None, shard_bytes: int = 4 << 30, progress: bool | None = None,
-            force_expert_dtype: bool = False) -> Path:
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    to: str,
+    mp: int = 1,
+    layout: str | None = None,
+    expert_dtype: str | None = None,
+    shard_bytes: int = 4 << 30,
+    progress: bool | None = None,
+    force_expert_dtype: bool = False,
+) -> Path:
     """`dsv4 convert`: read any layout, write the target one (see save).
 
     --to fp8: experts become MXFP4 when expert_dtype is "fp4", or (unless force_expert_dtype) when the
@@ -379,5 +427,14 @@ def _experts_are_fp4(p: Plan) -> bool:
     return any(e.fmt == "fp4" for e in p.entries.values())
 
 
-__all__ = ["TARGETS", "model_values", "plan_values", "encode", "save", "convert", "verify_checkpoint",
-           "Entry", "DENSE"]
+__all__ = [
+    "TARGETS",
+    "model_values",
+    "plan_values",
+    "encode",
+    "save",
+    "convert",
+    "verify_checkpoint",
+    "Entry",
+    "DENSE",
+]
