@@ -196,6 +196,140 @@ def _bench_quant_shape(m: int, n: int, k: int, with_reference: bool, device, lim
             _row(rows, op, be, shape, ms, limits, flops=flops, peer_ms=peer, rel=round(_rel(y, ref), 6))
 
 
+# ----------------------------------------------------------------------------- parity at real shapes
+def _count_syncs(fn) -> int:
+    """Host<->device synchronisations fn() triggers (CUDA sync debug mode)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def _rel64(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return round(float((a - b).norm() / b.norm().clamp_min(1e-30)), 6)
+
+
+def parity_moe(device, rows: list) -> None:
+    """Fwd + bwd of each MoE backend vs the reference: 16 local experts of 32 (half the slots belong to
+    other ranks), NaN-poisoned allocator, bitwise repeats, host syncs per call."""
+    from ..ops import reference as R
+
+    g = torch.Generator(device=device).manual_seed(0)
+    small = device.type != "cuda"        # CPU: a smoke run on the Triton interpreter
+    t, d, inter, e, k, off = (64, 64, 32, 16, 4, 8) if small else (2048, 1024, 512, 16, 4, 8)
+    x = torch.randn(t, d, device=device, generator=g).bfloat16()
+    w1 = (torch.randn(e, inter, d, device=device, generator=g) * d**-0.5 * 3).bfloat16()
+    w3 = (torch.randn(e, inter, d, device=device, generator=g) * d**-0.5 * 3).bfloat16()
+    w2 = (torch.randn(e, d, inter, device=device, generator=g) * inter**-0.5).bfloat16()
+    idx = torch.rand(t, 32, device=device, generator=g).topk(k, -1).indices
+    wts = torch.rand(t, k, device=device, generator=g)
+    gout = torch.randn(t, d, device=device, generator=g)
+
+    def grads(fn):
+        leaves = [t_.clone().requires_grad_() for t_ in (x, wts, w1, w2, w3)]
+        y = fn(leaves[0], leaves[1], idx, *leaves[2:], 10.0, off)
+        return [y.detach()] + list(torch.autograd.grad(y, leaves, gout))
+
+    ref = grads(R.moe_experts)
+    for be in ("triton", "grouped"):
+        try:
+            res = grads(lambda *a, be=be: ops.moe_experts(*a, backend=be))
+            ran = ops.last_backend("moe_experts")
+            res2 = grads(lambda *a, be=be: ops.moe_experts(*a, backend=be))
+            with torch.no_grad():
+                yn = ops.moe_experts(x, wts, idx, w1, w2, w3, 10.0, off, backend=be)
+                junk = torch.full((1 << (12 if small else 28),), float("nan"), device=device)
+                del junk                                                  # the next buffers reuse NaNs
+                yp = ops.moe_experts(x, wts, idx, w1, w2, w3, 10.0, off, backend=be)
+                n_sync = -1 if small else _count_syncs(
+                    lambda be=be: ops.moe_experts(x, wts, idx, w1, w2, w3, 10.0, off, backend=be))
+            rows.append({"parity": "moe_experts", "backend": be, "ran": ran,
+                         "rel": dict(zip(["y", "x", "weights", "w1", "w2", "w3"],
+                                         [_rel64(a, b) for a, b in zip(res, ref)])),
+                         "finite": all(bool(torch.isfinite(a).all()) for a in res),
+                         "bitwise_repeat": all(torch.equal(a, b) for a, b in zip(res, res2)),
+                         "nograd_rel": _rel64(yn, ref[0]), "poisoned_equal": bool(torch.equal(yp, yn)),
+                         "host_syncs_per_call": n_sync})
+        except ops.BackendUnavailable as err:
+            rows.append({"parity": "moe_experts", "backend": be, "skipped": str(err)})
+
+
+def parity_mhc(device, rows: list) -> None:
+    """hc_pre / hc_post fwd + bwd and hc_head vs the references at b=2, s=2048, hc=4, d=1024."""
+    from ..ops import reference as R
+
+    g = torch.Generator(device=device).manual_seed(1)
+    b, s, hc, d = (1, 16, 4, 64) if device.type != "cuda" else (2, 2048, 4, 1024)
+    xh = torch.randn(b, s, hc, d, device=device, generator=g).bfloat16()
+    fn = torch.randn(24, hc * d, device=device, generator=g) * 0.02
+    sc = torch.rand(3, device=device, generator=g) + 0.5
+    bs = torch.randn(24, device=device, generator=g) * 0.3
+    gy = [torch.randn(b, s, d, device=device, generator=g).bfloat16(),
+          torch.randn(b, s, hc, device=device, generator=g),
+          torch.randn(b, s, hc, hc, device=device, generator=g)]
+
+    def pre(fn_):
+        leaves = [t_.clone().requires_grad_() for t_ in (xh, fn, sc, bs)]
+        o = fn_(*leaves, 1e-6, 1e-6, 20)
+        return list(o) + list(torch.autograd.grad(o, leaves, gy))
+
+    r0 = pre(R.hc_pre)
+    r1 = pre(lambda *a: ops.hc_pre(*a, backend="triton"))
+    r2 = pre(lambda *a: ops.hc_pre(*a, backend="triton"))
+    rows.append({"parity": "hc_pre", "backend": "triton",
+                 "rel": dict(zip(["y", "post", "comb", "gx", "gfn", "gscale", "gbase"],
+                                 [_rel64(a, b_) for a, b_ in zip(r1, r0)])),
+                 "bitwise_repeat": all(torch.equal(a, b_) for a, b_ in zip(r1, r2))})
+    f = torch.randn(b, s, d, device=device, generator=g).bfloat16()
+    post = torch.rand(b, s, hc, device=device, generator=g) * 2
+    comb = torch.rand(b, s, hc, hc, device=device, generator=g)
+    go = torch.randn(b, s, hc, d, device=device, generator=g).bfloat16()
+
+    def post_(fn_):
+        leaves = [t_.clone().requires_grad_() for t_ in (f, xh, post, comb)]
+        o = fn_(*leaves)
+        return [o] + list(torch.autograd.grad(o, leaves, go))
+
+    p0 = post_(R.hc_post)
+    p1 = post_(lambda *a: ops.hc_post(*a, backend="triton"))
+    rows.append({"parity": "hc_post", "backend": "triton",
+                 "rel": dict(zip(["out", "gf", "gres", "gpost", "gcomb"],
+                                 [_rel64(a, b_) for a, b_ in zip(p1, p0)]))})
+    fnh = torch.randn(hc, hc * d, device=device, generator=g) * 0.02
+    with torch.no_grad():
+        h1 = ops.hc_head(xh, fnh, sc[:1], bs[:hc], 1e-6, 1e-6, backend="triton")
+        h0 = R.hc_head(xh, fnh, sc[:1], bs[:hc], 1e-6, 1e-6)
+    rows.append({"parity": "hc_head", "backend": "triton", "rel": _rel64(h1, h0)})
+
+
+def parity_quant(device, rows: list) -> None:
+    """fp8 (E8M0 and fp32 block scales) and MXFP4 GEMMs vs dequantize-then-bf16-matmul, M=512, 2048x7168."""
+    from .. import formats
+
+    g = torch.Generator(device=device).manual_seed(2)
+    m, n, k = (16, 64, 256) if device.type != "cuda" else (512, 2048, 7168)
+    xq = torch.randn(m, k, device=device, generator=g).bfloat16()
+    w = torch.randn(n, k, device=device, generator=g) * 0.02
+    for fmt in ("ue8m0", "fp32"):
+        q, sq = formats.quantize_fp8(w, scale_fmt=fmt)
+        y1 = ops.call("fp8_linear", xq, q, sq, backend="triton")
+        y0 = torch.nn.functional.linear(xq, formats.dequantize_fp8(q, sq).bfloat16())
+        rows.append({"parity": "fp8_linear", "scales": fmt, "rel": _rel64(y1, y0),
+                     "ran": ops.last_backend("fp8_linear")})
+    p4, s4 = formats.quantize_mxfp4(w)
+    y1 = ops.call("fp4_linear", xq, p4, s4, backend="triton")
+    y0 = torch.nn.functional.linear(xq, formats.dequantize_mxfp4(p4, s4).bfloat16())
+    rows.append({"parity": "fp4_linear", "scales": "ue8m0", "rel": _rel64(y1, y0),
+                 "ran": ops.last_backend("fp4_linear")})
+
+
 class _Stream(list):
     def append(self, row: dict) -> None:
         super().append(row)
@@ -215,6 +349,10 @@ def run_ops_bench(args: argparse.Namespace) -> int:
         rows.append({"limits": limits, "device": torch.cuda.get_device_name(device)})
     t0 = time.time()
     parts = set(args.only.split(",")) if args.only else {"moe", "mhc", "quant"}
+    if args.parity or "parity" in parts:
+        parity_moe(device, rows)
+        parity_mhc(device, rows)
+        parity_quant(device, rows)
     if "moe" in parts:
         bench_moe(args, device, limits, rows)
     if "mhc" in parts:
@@ -233,6 +371,9 @@ def run_ops_bench(args: argparse.Namespace) -> int:
     print(f"{result['device']}  torch {result['torch']}  triton {result['triton']}  {result['date']}")
     print(f"measured: bf16 matmul {limits['matmul_tflops']:.0f} TFLOP/s, copy {limits['copy_gbs']:.0f} GB/s")
     for r in rows:
+        if "parity" in r:
+            print("parity", json.dumps(r))
+            continue
         if "skipped" in r:
             print(f"{r['op']:22s} {r['backend']:10s} {r['shape']:40s} skipped: {r['skipped']}")
             continue
@@ -261,7 +402,10 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quant-tokens", type=int, default=4096)
     p.add_argument("--quant-shapes", type=_shape, nargs="+", default=[(4096, 4096), (2048, 7168)],
                    help="weight shapes NxK")
-    p.add_argument("--only", default="", help="comma list: moe,mhc,quant")
+    p.add_argument("--only", default="", help="comma list: moe,mhc,quant,parity")
+    p.add_argument("--parity", action="store_true",
+                   help="first check fwd+bwd parity vs the references at real shapes (poisoned memory, "
+                        "bitwise repeats, host syncs)")
     p.add_argument("--reference", action="store_true", help="also time the torch reference")
     p.add_argument("--check", action="store_true", help="compare with the reference at the bench shapes")
     p.add_argument("--json", action="store_true", help="print one JSON object")
