@@ -11,6 +11,7 @@ from checkpoint_helpers import logits, make_representable, rewrite, tiny_model, 
 from dsv4 import formats as fm
 from dsv4.checkpoint import convert, load_pretrained, model_values, save
 from dsv4.checkpoint.inspect import expected_report, inspect_dir
+from dsv4.checkpoint.layouts import expected_tensors
 from dsv4.checkpoint.safetensors_io import iter_file, read_header
 from dsv4.config import ModelConfig
 
@@ -51,6 +52,20 @@ def headers(path) -> dict:
     return out
 
 
+def inventory(path) -> dict:
+    return {k: (v.shape, v.dtype) for k, v in headers(path).items()}
+
+
+def test_written_inventories_are_the_expected_ones(ckpts, tmp_path):
+    cfg = ModelConfig.from_json(ckpts["fp8"] / "config.json")
+    assert cfg.dtype == "fp8" and cfg.expert_dtype == "fp4" and cfg.scale_fmt == "ue8m0"
+    assert inventory(ckpts["fp8"]) == expected_tensors(cfg, "release")
+    bf = ModelConfig.from_json(ckpts["bf16"] / "config.json")
+    assert bf.dtype == "bf16" and inventory(ckpts["bf16"]) == expected_tensors(bf, "release")
+    hf = convert(ckpts["bf16"], tmp_path / "hf", "hf", progress=False)
+    assert inventory(hf) == expected_tensors(bf, "hf")
+
+
 def test_release_bf16_sharded(ckpts, source):
     d = ckpts["bf16"]
     index = json.loads((d / "model.safetensors.index.json").read_text())
@@ -59,6 +74,9 @@ def test_release_bf16_sharded(ckpts, source):
     assert h["head.weight"].dtype == "BF16" and h["hc_head_fn"].dtype == "F32" and "head.scale" not in h
     assert not any(n.endswith(".scale") for n in h)
     assert same(load_pretrained(d, dtype=torch.float32, progress=False), source[1])
+    from dsv4.model import DeepSeekV4
+
+    assert same(DeepSeekV4.from_pretrained(d, dtype=torch.float32, progress=False), source[1])
 
 
 def test_release_fp8_e8m0_mxfp4(ckpts, source):

@@ -223,8 +223,8 @@ def canonical(stored: str) -> Canon:
     """Map a stored tensor name in any supported layout to the official name space."""
     n = stored[len("model.") :] if stored.startswith("model.") else stored
     n = n.replace(".self_attn.", ".attn.").replace(".mlp.", ".ffn.")
-    if n.endswith(".weight_scale_inv"):
-        n = n[: -len("_inv")].replace(".weight_scale", ".scale")
+    if n.endswith((".weight_scale_inv", ".weight_scale")):
+        n = n[: n.rindex(".weight_scale")] + ".scale"
     n = n.replace(".e_score_correction_bias", ".bias")
     if n in _HF_TOP:
         return Canon(_HF_TOP[n], "weight")

@@ -317,7 +317,7 @@ def _write(
             stored = encode(spec, name, v, fmt, expert_dtype)
         for sname, t in stored.items():
             if target == "hf":
-                out.add(hf_name(sname), t)
+                out.add(hf_name(sname), t.long() if spec.role == INT else t)    # transformers: int64 table
             elif target == "inference":
                 j = _expert_index(name)
                 if j is not None:
