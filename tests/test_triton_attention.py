@@ -140,8 +140,20 @@ def test_sparse_attention_matches_reference(b, s, h, d, n, k, dtype, kind):
         assert (dq[:, ::2] == 0).all()
 
 
-def test_unreferenced_kv_rows_get_no_gradient():
+@pytest.mark.parametrize("kind,dtype", [("padding", torch.float32), ("peaked", torch.bfloat16)])
+def test_fused_backward_matches_reference(kind, dtype, monkeypatch):
+    """The single-kernel backward (used above 64 heads) against the reference."""
+    monkeypatch.setitem(sa.BWD_CONFIG, "mode", "fused")
+    q, kv, sink, idx = attn_inputs(2, 4, 20, 64, 30, 17, dtype, kind)
+    (o, lse, dq, dkv, dsink), (ro, rl, rdq, rdkv, rdsink) = run_both(q, kv, sink, idx, 64**-0.5)
+    gtol = tol(dtype)[1]
+    assert rel(dq, rdq) < gtol and rel(dkv, rdkv) < gtol and rel(dsink, rdsink) < gtol
+
+
+@pytest.mark.parametrize("mode", ["two_pass", "fused"])
+def test_unreferenced_kv_rows_get_no_gradient(mode, monkeypatch):
     """Padding slots (-1) must not scatter into any row (e.g. row 0 or the previous batch's last row)."""
+    monkeypatch.setitem(sa.BWD_CONFIG, "mode", mode)
     q, kv, sink, idx = attn_inputs(2, 4, 4, 32, 16, 6, torch.float32, "random", seed=3)
     idx = torch.where(idx < 8, -1, idx)                      # rows 0..7 of each batch: never referenced
     for det in (False, True):
@@ -182,7 +194,9 @@ def test_outputs_do_not_write_outside_their_buffers(splits):
     assert rel(o_view, ro) < 1e-5
 
 
-def test_deterministic_mode_repeats_bit_identically():
+@pytest.mark.parametrize("mode", ["two_pass", "fused"])
+def test_deterministic_mode_repeats_bit_identically(mode, monkeypatch):
+    monkeypatch.setitem(sa.BWD_CONFIG, "mode", mode)
     q, kv, sink, idx = attn_inputs(2, 6, 4, 64, 12, 20, torch.bfloat16, "random", seed=7)  # many collisions
     ops.set_deterministic(True)
     runs = [run_both(q, kv, sink, idx, 0.125)[0] for _ in range(2)]

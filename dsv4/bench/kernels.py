@@ -136,9 +136,14 @@ def _attention_sweeps(args, device, rows: list, sa) -> None:
     o_lo = torch.empty_like(q)
     o, lse = sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1, o_lo=o_lo)
     do = torch.randn_like(o)
-    bwd_c = [{"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
-             for bh, bn, w, st in ((32, 32, 8, 1), (32, 64, 8, 1), (32, 32, 4, 1), (32, 32, 8, 2),
-                                   (16, 64, 4, 1), (64, 16, 8, 1))]
+    bwd = lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False, o_lo)  # noqa: E731
+    dkv_c = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
+             for bn, w, st in ((32, 8, 2), (64, 8, 2), (16, 4, 2), (32, 4, 3))]
+    _sweep("attn_bwd_dkv_pass", sa.DKV_CONFIG, dkv_c, bwd, rows)
+    bwd_c = [{"mode": mode, "BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+             for mode, bh, bn, w, st in (("two_pass", 32, 32, 8, 2), ("two_pass", 64, 32, 8, 1),
+                                         ("two_pass", 64, 16, 8, 2), ("two_pass", 64, 64, 8, 1),
+                                         ("two_pass", 32, 64, 4, 2), ("fused", 32, 32, 8, 2))]
     _sweep("attn_bwd", sa.BWD_CONFIG, bwd_c,
            lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False, o_lo), rows)
     qd, kvd, sinkd, idxd = attention_inputs(args.decode_batch, 1, args.heads, args.dim, args.topk, args.seq,

@@ -141,8 +141,8 @@ _bwd_q = Kernel(_bwd_q_kernel)
 _bwd_k = Kernel(_bwd_k_kernel)
 
 # tuned on an H200 at 64 heads x 128 dims (see BENCHMARKS.md)
-SCORE_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-BWD_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+SCORE_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+BWD_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 MAX_CHUNK_ENTRIES = 1 << 26  # top-k scores buffer bound (fp32 entries)
 
 

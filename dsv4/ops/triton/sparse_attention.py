@@ -15,9 +15,12 @@ Design
   second small kernel. Chosen automatically when one program per query would leave most SMs idle. A paged
   KV cache is served by the same op: flatten the pool to kv [1, slots, d], the decode queries to
   q [1, batch, h, d] and give physical slot ids in idx.
-- Backward (one program per query and head block, recomputing scores from the saved lse):
-  dq in registers (each program owns its rows); dsink per (query, head) summed by torch; dkv is a
-  scatter onto the gathered rows: fp32 atomics by default, or in deterministic mode
+- Backward, recomputing scores from the saved lse. "two_pass" (default for <= 64 heads): pass 1, one
+  program per (query, head block), computes dq (in registers: each program owns its rows) and dsink
+  and stores P and scale*dS [b*s, h, k]; pass 2, one program per query, forms each key's dkv row with
+  all heads reduced on tensor cores (P^T dO + dS^T Q, K = heads) and scatters it once. "fused" (any
+  head count): one kernel does both and scatters once per head block. dsink per (query, head) is summed
+  by torch. The dkv scatter onto the gathered rows uses fp32 atomics by default, or in deterministic mode
   (`dsv4.ops.is_deterministic()` at forward time) a two-pass reduction: every program writes its
   per-slot contribution, then a second kernel sums the contributions of each kv row in a fixed order
   (stable sort of the targets). Gradient for lse is accepted and ignored (lse is not differentiable).
@@ -189,6 +192,88 @@ def _bwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, olo_ptr, do_ptr, lse_pt
     tl.store(dq_ptr + hd_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=hd_ok)
 
 
+def _bwd_dq_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, olo_ptr, do_ptr, lse_ptr,
+                   dq_ptr, dsink_ptr, p_ptr, ds_ptr,
+                   S, H, K, N, D, scale,
+                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PREC: tl.constexpr, DOT_T: tl.constexpr, HAS_LO: tl.constexpr):
+    """Two-pass backward, pass 1: dq and dsink; saves P and scale*dS [b*s, h, k] for pass 2."""
+    pid_q = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    b = pid_q // S
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < H
+    d_ok = offs_d < D
+    hd_ok = h_ok[:, None] & d_ok[None, :]
+    hd_off = (pid_q * H + offs_h[:, None]) * D + offs_d[None, :]
+    q = tl.load(q_ptr + hd_off, mask=hd_ok, other=0.0)                               # [BH, BD]
+    do = tl.load(do_ptr + hd_off, mask=hd_ok, other=0.0)
+    o = tl.load(o_ptr + hd_off, mask=hd_ok, other=0.0).to(tl.float32)
+    if HAS_LO:
+        o += tl.load(olo_ptr + hd_off, mask=hd_ok, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do.to(tl.float32), 1)                                         # [BH]
+    lse = tl.load(lse_ptr + pid_q * H + offs_h, mask=h_ok, other=0.0)
+    sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    tl.store(dsink_ptr + pid_q * H + offs_h, -tl.exp(sink - lse) * delta, mask=h_ok)
+    lse2 = lse * 1.4426950408889634
+    scale_log2 = scale * 1.4426950408889634
+    dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(0, K, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < K
+        ids = tl.load(idx_ptr + pid_q * K + offs_n, mask=n_ok, other=-1).to(tl.int64)
+        valid = ids >= 0
+        kv = tl.load(kv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :],
+                     mask=valid[:, None] & d_ok[None, :], other=0.0)                # [BN, BD]
+        s = tl.dot(q.to(DOT_T), tl.trans(kv.to(DOT_T)), input_precision=PREC) * scale_log2
+        p = tl.exp2(s - lse2[:, None])
+        p = tl.where(valid[None, :] & h_ok[:, None], p, 0.0)                        # [BH, BN]
+        dp = tl.dot(do.to(DOT_T), tl.trans(kv.to(DOT_T)), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kv.dtype).to(DOT_T), kv.to(DOT_T), input_precision=PREC)
+        hk_off = (pid_q * H + offs_h[:, None]) * K + offs_n[None, :]
+        hk_ok = h_ok[:, None] & n_ok[None, :]
+        tl.store(p_ptr + hk_off, p.to(p_ptr.dtype.element_ty), mask=hk_ok)
+        tl.store(ds_ptr + hk_off, (ds * scale).to(ds_ptr.dtype.element_ty), mask=hk_ok)
+    tl.store(dq_ptr + hd_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=hd_ok)
+
+
+def _bwd_dkv_kernel(q_ptr, do_ptr, idx_ptr, p_ptr, ds_ptr, dkv_ptr, contrib_ptr, S, H, K, N, D,
+                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    DETERMINISTIC: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+    """Two-pass backward, pass 2: one query, all heads (H <= BLOCK_H) reduced on tensor cores:
+    dkv[idx_j] += P[:, j]^T dO + (scale dS)[:, j]^T Q, one scatter per (query, key)."""
+    pid_q = tl.program_id(0).to(tl.int64)
+    b = pid_q // S
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < H
+    d_ok = offs_d < D
+    hd_ok = h_ok[:, None] & d_ok[None, :]
+    hd_off = (pid_q * H + offs_h[:, None]) * D + offs_d[None, :]
+    q = tl.load(q_ptr + hd_off, mask=hd_ok, other=0.0)                               # [BH, BD]
+    do = tl.load(do_ptr + hd_off, mask=hd_ok, other=0.0)
+    for start in range(0, K, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < K
+        ids = tl.load(idx_ptr + pid_q * K + offs_n, mask=n_ok, other=-1).to(tl.int64)
+        valid = ids >= 0
+        hk_off = (pid_q * H + offs_h[:, None]) * K + offs_n[None, :]
+        hk_ok = h_ok[:, None] & n_ok[None, :]
+        p = tl.load(p_ptr + hk_off, mask=hk_ok, other=0.0)                           # [BH, BN]
+        ds = tl.load(ds_ptr + hk_off, mask=hk_ok, other=0.0)
+        dkv = tl.dot(tl.trans(p.to(DOT_T)), do.to(DOT_T), input_precision=PREC)     # [BN, BD]
+        dkv += tl.dot(tl.trans(ds.to(DOT_T)), q.to(DOT_T), input_precision=PREC)
+        if DETERMINISTIC:
+            slot = pid_q * K + offs_n
+            tl.store(contrib_ptr + slot[:, None] * D + offs_d[None, :], dkv,
+                     mask=n_ok[:, None] & d_ok[None, :])
+        else:
+            tl.atomic_add(dkv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :], dkv,
+                          mask=valid[:, None] & d_ok[None, :], sem="relaxed")
+
+
 def _scatter_reduce_kernel(contrib_ptr, perm_ptr, start_ptr, out_ptr, D, BLOCK_D: tl.constexpr):
     """out[r] = sum of contrib[perm[i]] for i in [start[r], start[r+1]), in that order."""
     r = tl.program_id(0).to(tl.int64)
@@ -206,6 +291,8 @@ def _scatter_reduce_kernel(contrib_ptr, perm_ptr, start_ptr, out_ptr, D, BLOCK_D
 _fwd = Kernel(_fwd_kernel)
 _combine = Kernel(_combine_kernel)
 _bwd = Kernel(_bwd_kernel)
+_bwd_dq = Kernel(_bwd_dq_kernel)
+_bwd_dkv = Kernel(_bwd_dkv_kernel)
 _scatter_reduce = Kernel(_scatter_reduce_kernel)
 
 
@@ -220,7 +307,10 @@ def _block_h(h: int, cap: int = 64) -> int:
 
 # (BLOCK_N, num_warps, num_stages) by phase; tuned on an H200 at d=512, 64 heads (see BENCHMARKS.md)
 FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-BWD_CONFIG = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
+# backward "two_pass" (heads <= 64): pass 1 (dq; BWD_CONFIG) stores P and dS, pass 2 (dkv; DKV_CONFIG)
+# reduces all heads per key on tensor cores before one scatter. "fused": one kernel, a scatter per head block.
+BWD_CONFIG = {"mode": "two_pass", "BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+DKV_CONFIG = {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 # few queries (decode): smaller head blocks first (more programs, KV re-read from L2), key splits only if
 # that still leaves the device idle ("max_splits"; partial accumulators cost h*d*4 bytes per split)
 DECODE_CONFIG = {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "max_splits": 1}
@@ -230,7 +320,7 @@ def _launch_opts(cfg: dict) -> dict:
     """Launch options without the planning keys (BLOCK_H, max_splits)."""
     if interpret_mode():
         return {"BLOCK_N": 16}
-    return {k: v for k, v in cfg.items() if k not in ("BLOCK_H", "max_splits")}
+    return {k: v for k, v in cfg.items() if k not in ("BLOCK_H", "max_splits", "mode")}
 
 
 def choose_splits(n_programs: int, k: int, device: torch.device, max_splits: int = 16) -> int:
@@ -324,14 +414,28 @@ def sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, 
         return dq.zero_(), dkv32.to(kv.dtype), torch.zeros_like(sink)
     bh, bd = _block_h(h, 16 if interpret_mode() else BWD_CONFIG.get("BLOCK_H", 64)), _block_d(d)
     n_hb = triton.cdiv(h, bh)
-    contrib = (torch.empty(b * s * n_hb * k, d, dtype=torch.float32, device=q.device) if deterministic
+    two_pass = BWD_CONFIG.get("mode", "fused") == "two_pass" and h <= 64
+    contrib_rows = b * s * k if two_pass else b * s * n_hb * k
+    contrib = (torch.empty(contrib_rows, d, dtype=torch.float32, device=q.device) if deterministic
                else dkv32)
     has_lo = o_lo is not None
-    _bwd[(b * s, n_hb)](q, kv, sink32, idx, o, o_lo.contiguous() if has_lo else o, do, lse, dq, dkv32,
-                        dsink_part, contrib,
-                        s, h, k, n, d, float(scale), n_hb, BLOCK_H=bh, BLOCK_D=bd,
-                        DETERMINISTIC=deterministic, PREC=dot_precision(q.dtype), DOT_T=dot_type(q.dtype),
-                        HAS_LO=has_lo, **_launch_opts(BWD_CONFIG))
+    lo = o_lo.contiguous() if has_lo else o
+    prec, dot_t = dot_precision(q.dtype), dot_type(q.dtype)
+    if two_pass:
+        p_buf = torch.empty(b * s, h, k, dtype=q.dtype, device=q.device)
+        ds_buf = torch.empty_like(p_buf)
+        _bwd_dq[(b * s, n_hb)](q, kv, sink32, idx, o, lo, do, lse, dq, dsink_part, p_buf, ds_buf,
+                               s, h, k, n, d, float(scale), BLOCK_H=bh, BLOCK_D=bd, PREC=prec, DOT_T=dot_t,
+                               HAS_LO=has_lo, **_launch_opts(BWD_CONFIG))
+        _bwd_dkv[(b * s,)](q, do, idx, p_buf, ds_buf, dkv32, contrib, s, h, k, n, d,
+                           BLOCK_H=_block_h(h), BLOCK_D=bd, DETERMINISTIC=deterministic, PREC=prec,
+                           DOT_T=dot_t, **_launch_opts(DKV_CONFIG))
+        n_hb = 1
+    else:
+        _bwd[(b * s, n_hb)](q, kv, sink32, idx, o, lo, do, lse, dq, dkv32, dsink_part, contrib,
+                            s, h, k, n, d, float(scale), n_hb, BLOCK_H=bh, BLOCK_D=bd,
+                            DETERMINISTIC=deterministic, PREC=prec, DOT_T=dot_t, HAS_LO=has_lo,
+                            **_launch_opts(BWD_CONFIG))
     if deterministic and contrib.numel() and b * n:
         # target kv row of every (query, head block, slot) contribution; -1 slots go to a dropped row
         rows = idx.long() + (torch.arange(b, device=q.device) * n).view(b, 1, 1)          # [b, s, k]
