@@ -221,3 +221,23 @@ def test_hc_pre_deterministic_and_refuses_fp32():
     assert all(torch.equal(a, b) for a, b in zip(*hashes))
     with pytest.raises(ops.BackendUnavailable, match="bf16"):
         ops.hc_pre(x.float(), fn, scale, base, 1e-6, 1e-6, 20, backend="triton")
+
+
+def test_moe_tile_table_covers_every_row_once():
+    """The device-built tile table: every row of every group (empty groups, the foreign bucket) exactly once."""
+    moe = importlib.import_module("dsv4.ops.triton.moe")
+    g = torch.Generator().manual_seed(7)
+    for n_groups, n_rows, bm in ((1, 0, 16), (3, 5, 16), (33, 250, 16), (8, 200, 64)):
+        key = torch.randint(0, n_groups + 1, (n_rows,), generator=g).sort().values
+        ends = torch.searchsorted(key, torch.arange(n_groups), right=True).int()
+        t = moe._Tiles(ends, n_rows, bm)
+        seen = torch.zeros(n_rows, dtype=torch.int64)
+        for grp, row, end in zip(t.group.tolist(), t.row.tolist(), t.end.tolist()):
+            if grp > n_groups:
+                assert end == 0
+                continue
+            lo = 0 if grp == 0 else int(ends[grp - 1])
+            hi = int(ends[grp]) if grp < n_groups else n_rows
+            assert end == hi and lo <= row < hi and (row - lo) % bm == 0
+            seen[row:min(row + bm, end)] += 1
+        assert torch.equal(seen, torch.ones_like(seen))

@@ -42,8 +42,7 @@ def moe_plan(weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_
     local = indices.reshape(-1).long() - expert_offset                     # [T*k]
     valid = (local >= 0) & (local < n_local)
     key = torch.where(valid, local, n_local)                               # foreign experts -> bucket E
-    order = torch.argsort(key, stable=True)                                # [T*k]
-    sorted_key = key[order]
+    sorted_key, order = torch.sort(key, stable=True)                       # [T*k]
     bounds = torch.arange(n_local, device=key.device, dtype=sorted_key.dtype)
     ends = torch.searchsorted(sorted_key, bounds, right=True).to(torch.int32)  # [E]
     return MoEPlan(order=order, token=order // k, valid=sorted_key < n_local,

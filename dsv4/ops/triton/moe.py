@@ -134,31 +134,49 @@ _wgrad_tuned = triton.autotune(_WGRAD_CONFIGS, key=["N", "K"])(_gmm_wgrad_kernel
 
 
 # ----------------------------------------------------------------------------- tile table (device side)
+@triton.jit
+def _tile_table_kernel(ends_ptr, group_ptr, row_ptr, end_ptr, n_rows, n_groups, n_tiles,
+                       BM: tl.constexpr, GP: tl.constexpr, TB: tl.constexpr):
+    """Tile t -> (group, first row, group end): groups 0..E-1 are the local experts, E the foreign bucket."""
+    gs = tl.arange(0, GP)
+    end_g = tl.load(ends_ptr + gs, mask=gs < n_groups, other=n_rows)                   # bucket E ends at M
+    start_g = tl.load(ends_ptr + gs - 1, mask=(gs >= 1) & (gs <= n_groups), other=0)
+    start_g = tl.where(gs > n_groups, n_rows, start_g)                                 # padding: no rows
+    tiles_g = (end_g - start_g + BM - 1) // BM
+    cum = tl.cumsum(tiles_g, 0)
+    first = cum - tiles_g
+    ts = tl.program_id(0) * TB + tl.arange(0, TB)
+    hit = (ts[:, None] >= first[None, :]) & (ts[:, None] < cum[None, :])               # [TB, GP] one-hot
+    found = tl.sum(hit.to(tl.int32), 1) > 0
+    g = tl.sum(tl.where(hit, gs[None, :], 0), 1)
+    row = ts * BM + tl.sum(tl.where(hit, (start_g - first * BM)[None, :], 0), 1)
+    end = tl.sum(tl.where(hit, end_g[None, :], 0), 1)
+    tmask = ts < n_tiles
+    tl.store(group_ptr + ts, tl.where(found, g, n_groups + 1), mask=tmask)
+    tl.store(row_ptr + ts, tl.where(found, row, 0), mask=tmask)
+    tl.store(end_ptr + ts, tl.where(found, end, 0), mask=tmask)
+
+
 class _Tiles:
-    """Row tiles of BM rows per group (local experts, then the foreign bucket), built without host sync."""
+    """Row tiles of BM rows per group (local experts, then the foreign bucket), built on the device in
+    one launch: no routing count reaches the host."""
 
     def __init__(self, ends: torch.Tensor, n_rows: int, bm: int):
         e = ends.numel()
-        dev = ends.device
-        ends64 = ends.long()
-        m = torch.full((1,), n_rows, dtype=torch.long, device=dev)
-        ends_all = torch.cat([ends64, m])                                          # [E+1]
-        starts_all = torch.cat([torch.zeros_like(m), ends64])                      # [E+1]
-        tiles = (ends_all - starts_all + bm - 1) // bm
-        cum = torch.cumsum(tiles, 0)
-        self.n_tiles = triton.cdiv(n_rows, bm) + e + 1                           # upper bound, static
-        tid = torch.arange(self.n_tiles, device=dev)
-        g = torch.searchsorted(cum, tid, right=True)                               # e+1 = no work
-        gc = g.clamp(max=e)
-        row = starts_all[gc] + (tid - (cum[gc] - tiles[gc])) * bm
-        end = torch.where(g > e, torch.zeros_like(row), ends_all[gc])
-        self.group = g.to(torch.int32)
-        self.row = row.to(torch.int32)
-        self.end = end.to(torch.int32)
-        self.starts = starts_all[:e].to(torch.int32).contiguous()
         self.ends = ends.to(torch.int32).contiguous()
+        self.n_tiles = triton.cdiv(n_rows, bm) + e + 1                           # upper bound, static
+        table = torch.empty(3, self.n_tiles, dtype=torch.int32, device=ends.device)
+        self.group, self.row, self.end = table[0], table[1], table[2]
+        tb = 32
+        _tile_table_kernel[(triton.cdiv(self.n_tiles, tb),)](
+            self.ends, self.group, self.row, self.end, n_rows, e, self.n_tiles,
+            BM=bm, GP=triton.next_power_of_2(e + 2), TB=tb)
         self.n_groups = e
         self.bm = bm
+
+    @property
+    def starts(self) -> torch.Tensor:
+        return torch.cat([self.ends.new_zeros(1), self.ends[:-1]])
 
 
 def _block_m(n_rows: int, n_groups: int) -> int:
@@ -242,7 +260,7 @@ def triton_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
                     w=plan.weight.contiguous(), limit=swiglu_limit)
         out = torch.empty(m, x.size(1), dtype=x.dtype, device=x.device)         # [T*k, D] slot order
         _launch_gmm(h, w2.transpose(1, 2), tiles, out, c_idx=plan.order)
-        return out.view(plan.n_tokens, plan.topk, -1).float().sum(1)
+        return out.view(plan.n_tokens, plan.topk, -1).sum(1, dtype=torch.float32)
     xs = gather_rows(x, plan)                                                    # [M, D]
     gate = _GroupedMM.apply(xs, w1.transpose(1, 2), tiles)                       # [M, I]
     up = _GroupedMM.apply(xs, w3.transpose(1, 2), tiles)
