@@ -224,7 +224,7 @@ def test_hc_pre_deterministic_and_refuses_fp32():
 
 
 def test_moe_tile_table_covers_every_row_once():
-    """The device-built tile table: every row of every group (empty groups, the foreign bucket) exactly once."""
+    """Device-built tile table: every row of every group (empty groups, foreign bucket) exactly once."""
     moe = importlib.import_module("dsv4.ops.triton.moe")
     g = torch.Generator().manual_seed(7)
     for n_groups, n_rows, bm in ((1, 0, 16), (3, 5, 16), (33, 250, 16), (8, 200, 64)):
