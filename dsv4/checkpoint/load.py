@@ -93,6 +93,7 @@ def load_into(
             continue
         mname, j = to_model(e.name)
         target = sd[mname]
+        v = Value(v.fmt, v.data.to(target.device), None if v.scale is None else v.scale.to(target.device))
         if keep_quantized and v.fmt in ("fp8", "fp4"):
             if j is None and _swap_linear(model, mname, v, dtype, target.device):
                 written[mname] = 1

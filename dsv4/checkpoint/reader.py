@@ -262,8 +262,6 @@ def _check_entry(
                 f"tensor '{name}' is missing from rank file(s) {lost} (model-parallel files must each "
                 "hold their part of every non-expert tensor)"
             )
-        if split is None:
-            pieces = pieces[:1]  # replicated: rank 0's copy
         if split is not None and spec.shape[split] % mp:
             probs.add(f"tensor '{name}' {list(spec.shape)} cannot be split into {mp} ranks on dim {split}")
     elif len(pieces) > 1:
@@ -273,7 +271,8 @@ def _check_entry(
         probs.add(f"tensor {scales[1].where()} is stored twice (also {scales[0].where()})")
     pieces = sorted(pieces, key=lambda p: p.rank)
     scales = sorted(scales, key=lambda p: p.rank)
-    if split is None:
+    replicated = layout == "inference" and split is None and expert_index(name) is None
+    if split is None and not replicated:
         scales = scales[:1]
     fmts = {_fmt_of(p.info.dtype) for p in pieces}
     fmt = fmts.pop() if len(fmts) == 1 else "mixed"
@@ -334,6 +333,8 @@ def _check_entry(
         )
     if len(probs.items) > n0:
         return None
+    if replicated:  # every rank holds a full copy (all checked above); rank 0's is read
+        pieces, scales = pieces[:1], scales[:1]
     return Entry(name, spec, fmt, pieces, scales, split)
 
 
