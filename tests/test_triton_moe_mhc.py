@@ -241,3 +241,16 @@ def test_moe_tile_table_covers_every_row_once():
             assert end == hi and lo <= row < hi and (row - lo) % bm == 0
             seen[row:min(row + bm, end)] += 1
         assert torch.equal(seen, torch.ones_like(seen))
+
+
+def test_hc_pre_sees_in_place_updates_of_fn():
+    """The split of fn is cached per parameter; an optimizer-style in-place update must invalidate it."""
+    x, fn, scale, base = _hc_inputs(seed=8, s=3)
+    fn = torch.nn.Parameter(fn)
+    with torch.no_grad():
+        ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20, backend="triton")
+        fn.mul_(3.0)
+        y1 = ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20, backend="triton")
+        y0 = R.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
+    assert torch.allclose(y1[2], y0[2], rtol=1e-5, atol=1e-6)
+    assert (y1[0].float() - y0[0].float()).abs().max() <= 2e-2 * y0[0].float().abs().max()

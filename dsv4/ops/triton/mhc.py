@@ -13,6 +13,8 @@ and computes the projection gradients with torch ops.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -191,7 +193,26 @@ def _pp_width(hc: int) -> int:
     return max(16, triton.next_power_of_2(2 * hc))
 
 
+_PACKED: dict[int, tuple] = {}   # id(fn) -> (weakref to fn, its version, head, packed parts)
+
+
 def _pack_fn(fn: torch.Tensor, hc: int, head: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_split_fn`, cached per parameter until it is modified (its version counter changes)."""
+    try:
+        version = fn._version
+    except RuntimeError:                     # inference tensors have no version counter: no caching
+        return _split_fn(fn, hc, head)
+    hit = _PACKED.get(id(fn))
+    if hit is not None and hit[0]() is fn and hit[1] == version and hit[2] == head:
+        return hit[3]
+    packed = _split_fn(fn, hc, head)
+    if len(_PACKED) > 256:
+        _PACKED.clear()
+    _PACKED[id(fn)] = (weakref.ref(fn), version, head, packed)
+    return packed
+
+
+def _split_fn(fn: torch.Tensor, hc: int, head: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fn [mix, hc*D] -> (pre|post columns [3, K, P1], comb columns [3, K, hc*hc]) as bf16 parts."""
     k = fn.size(1)
     p1 = _pp_width(hc)
