@@ -156,7 +156,13 @@ class ModelConfig:
     def to_hf_json(self) -> dict[str, Any]:
         """Hugging Face `config.json` keys (as `DeepseekV4Config` reads them)."""
         ratio_to_type = {v: k for k, v in LAYER_TYPE_TO_RATIO.items()}
-        return {
+        quant: dict[str, Any] = {}
+        if self.dtype == "fp8":
+            quant["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                            "scale_fmt": self.scale_fmt, "weight_block_size": [128, 128]}
+        if self.expert_dtype:
+            quant["expert_dtype"] = self.expert_dtype
+        return {**quant,
             "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
             "vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
             "num_attention_heads": self.n_heads, "num_key_value_heads": 1, "head_dim": self.head_dim,

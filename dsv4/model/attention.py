@@ -13,7 +13,8 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
-from .layers import RMSNorm, linear_fp32, record, rms_normalize
+from ..ops.precision import acc_dtype
+from .layers import Linear, RMSNorm, linear_fp32, record, rms_normalize
 from .rope import Rope, apply_rope_tail
 
 
@@ -54,8 +55,8 @@ class Compressor(nn.Module):
         self.rope_dim = cfg.rope_head_dim
         # computed in fp32: parameters are fp32
         self.ape = nn.Parameter(torch.zeros(ratio, self.coff * head_dim, dtype=torch.float32))
-        self.wkv = nn.Linear(cfg.dim, self.coff * head_dim, bias=False, dtype=torch.float32)
-        self.wgate = nn.Linear(cfg.dim, self.coff * head_dim, bias=False, dtype=torch.float32)
+        self.wkv = Linear(cfg.dim, self.coff * head_dim, dtype=torch.float32)
+        self.wgate = Linear(cfg.dim, self.coff * head_dim, dtype=torch.float32)
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +71,8 @@ class Compressor(nn.Module):
 
         prev_kv / prev_score [b, r, coff*c]: the group before the first one (overlap only).
         """
+        if kv.size(1) == 0:
+            return kv.new_zeros(kv.size(0), 0, self.head_dim)
         if self.overlap:
             c = self.head_dim
             if prev_kv is None:
@@ -157,8 +160,8 @@ class Indexer(nn.Module):
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.ratio = 4
         self.rope, self.fp4_sim = rope, cfg.fp4_indexer_sim
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = Linear(cfg.dim, self.n_heads)
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
         self.compressor = Compressor(cfg, self.ratio, self.head_dim, rope, rotate=True)
 
@@ -185,14 +188,13 @@ class Attention(nn.Module):
         self.rope = Rope(cfg, compressed=self.ratio > 0)
 
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
-        self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, self.eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wkv = nn.Linear(cfg.dim, self.head_dim, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.wkv = Linear(cfg.dim, self.head_dim)
         self.kv_norm = RMSNorm(self.head_dim, self.eps)
-        self.wo_a = nn.Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank,
-                              bias=False)
-        self.wo_b = nn.Linear(self.o_groups * self.o_lora_rank, cfg.dim, bias=False)
+        self.wo_a = Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank)
+        self.wo_b = Linear(self.o_groups * self.o_lora_rank, cfg.dim)
         self.compressor = Compressor(cfg, self.ratio, self.head_dim, self.rope, rotate=False) if self.ratio else None
         self.indexer = Indexer(cfg, self.rope) if self.ratio == 4 else None
         self.stage = f"layers.{layer_id}.attn"
@@ -215,7 +217,8 @@ class Attention(nn.Module):
         b, s = o.shape[:2]
         o = o.reshape(b, s, self.o_groups, -1)                                          # [b, s, g, h/g*d]
         wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)               # [g, R, h/g*d]
-        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        acc = acc_dtype() if o.dtype == torch.float32 else o.dtype
+        o = torch.einsum("bsgd,grd->bsgr", o.to(acc), wo_a.to(acc)).to(o.dtype)
         return record(f"{self.stage}.out", self.wo_b(o.flatten(2)))
 
     def _window_idx(self, s: int, device) -> torch.Tensor:

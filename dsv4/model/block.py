@@ -13,7 +13,7 @@ from torch import nn
 from .. import ops
 from ..config import ModelConfig
 from .attention import Attention, AttentionCache
-from .layers import RMSNorm, record
+from .layers import Linear, RMSNorm, record
 from .moe import MoE
 
 
@@ -65,8 +65,8 @@ class MTPBlock(Block):
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__(cfg, layer_id)
-        self.e_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.h_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.e_proj = Linear(cfg.dim, cfg.dim)
+        self.h_proj = Linear(cfg.dim, cfg.dim)
         self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)

@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import reference
+from ..ops.precision import is_exact
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 with an fp32 weight; output in the input dtype."""
@@ -31,9 +34,21 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear without bias whose matmul follows the reference's accumulation precision."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
+        super().__init__(in_features, out_features, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reference.linear(x, self.weight)
+
+
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T in fp32, also inside an autocast region (router, compressor, head)."""
     with torch.autocast(device_type=x.device.type, enabled=False):
+        if is_exact():
+            return F.linear(x.double(), weight.double()).float()
         return F.linear(x.float(), weight.float())
 
 

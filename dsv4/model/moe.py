@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
-from .layers import linear_fp32, record
+from .layers import Linear, linear_fp32, record
 
 
 class Gate(nn.Module):
@@ -76,9 +76,9 @@ class Expert(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.swiglu_limit = cfg.swiglu_limit
-        self.w1 = nn.Linear(cfg.dim, cfg.moe_inter_dim, bias=False)
-        self.w2 = nn.Linear(cfg.moe_inter_dim, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.moe_inter_dim, bias=False)
+        self.w1 = Linear(cfg.dim, cfg.moe_inter_dim)
+        self.w2 = Linear(cfg.moe_inter_dim, cfg.dim)
+        self.w3 = Linear(cfg.dim, cfg.moe_inter_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.reference.expert_ffn(x, self.w1.weight, self.w2.weight, self.w3.weight, self.swiglu_limit)

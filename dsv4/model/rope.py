@@ -19,7 +19,7 @@ from ..config import ModelConfig
 def inv_frequencies(dim: int, theta: float, factor: float, original_seq_len: int, beta_fast: int,
                     beta_slow: int) -> torch.Tensor:
     """[dim/2] fp32 inverse frequencies; YaRN-interpolated when original_seq_len > 0."""
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
     if original_seq_len > 0 and factor != 1:
         def correction_dim(rotations: float) -> float:
             return dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -28,7 +28,7 @@ def inv_frequencies(dim: int, theta: float, factor: float, original_seq_len: int
         high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
         if low == high:
             high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
         # ramp = 0: keep the original frequency (fast dims); ramp = 1: interpolate by `factor`
         freqs = freqs / factor * ramp + freqs * (1 - ramp)
     return freqs

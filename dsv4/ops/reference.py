@@ -11,6 +11,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .precision import acc_dtype
+
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
 # E2M1 magnitudes by code 0..7 (codes 8..15 are the negatives)
@@ -94,7 +96,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Normalized Walsh-Hadamard transform of the last dim: `x @ H / sqrt(n)` (computed in fp32)."""
     n = x.size(-1)
     h = _hadamard_matrix(n, str(x.device))
-    return (x.float() @ h * n**-0.5).to(x.dtype)
+    return (x.to(acc_dtype()) @ h.to(acc_dtype()) * n**-0.5).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- sparse attention
@@ -111,14 +113,15 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
     b, s, h, d = q.shape
     valid = idx >= 0                                                      # [b, s, k]
     batch = torch.arange(b, device=q.device).view(b, 1, 1)
-    kv_sel = kv[batch, idx.clamp_min(0).long()].float()                   # [b, s, k, d]
-    scores = torch.einsum("bshd,bskd->bshk", q.float(), kv_sel) * scale   # [b, s, h, k]
+    acc = acc_dtype()
+    kv_sel = kv[batch, idx.clamp_min(0).long()].to(acc)                   # [b, s, k, d]
+    scores = torch.einsum("bshd,bskd->bshk", q.to(acc), kv_sel) * scale   # [b, s, h, k]
     scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    sink_col = sink.float().view(1, 1, h, 1).expand(b, s, h, 1)
+    sink_col = sink.to(acc).view(1, 1, h, 1).expand(b, s, h, 1)
     lse = torch.logsumexp(torch.cat([scores, sink_col], -1), -1)          # [b, s, h]
     p = torch.exp(scores - lse.unsqueeze(-1))                              # [b, s, h, k]
     o = torch.einsum("bshk,bskd->bshd", p, kv_sel)
-    return o.to(q.dtype), lse.detach()
+    return o.to(q.dtype), lse.float().detach()
 
 
 # ----------------------------------------------------------------------------- lightning indexer
@@ -135,8 +138,9 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, posi
     q [b, s, h, d]; k [b, n, d]; weights [b, s, h]; positions [s] absolute query positions.
     Returns [b, s, n] fp32 with invisible entries (j >= (t+1)//ratio) set to -inf.
     """
-    dots = torch.einsum("bshd,bnd->bshn", q.float(), k.float()).relu()    # [b, s, h, n]
-    score = (dots * weights.float().unsqueeze(-1)).sum(2)                  # [b, s, n]
+    acc = acc_dtype()
+    dots = torch.einsum("bshd,bnd->bshn", q.to(acc), k.to(acc)).relu()    # [b, s, h, n]
+    score = (dots * weights.to(acc).unsqueeze(-1)).sum(2).float()          # [b, s, n]
     vis = compressed_visible(positions, k.size(1), ratio)                  # [s, n]
     return score.masked_fill(~vis, float("-inf"))
 
@@ -176,11 +180,12 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 
 
 def _hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    xf = x.flatten(-2).float()                                             # [b, s, hc*d]
+    acc = acc_dtype()
+    xf = x.flatten(-2).to(acc)                                             # [b, s, hc*d]
     rsqrt = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
     with torch.autocast(device_type=x.device.type, enabled=False):
-        mixes = F.linear(xf, fn.float()) * rsqrt                           # [b, s, mix]
-    return xf, mixes
+        mixes = F.linear(xf, fn.to(acc)) * rsqrt                           # [b, s, mix]
+    return xf, mixes.float()
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
@@ -198,8 +203,9 @@ def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
 
     f [b, s, d]; residual [b, s, hc, d]; post [b, s, hc]; comb [b, s, hc, hc]. Returns [b, s, hc, d].
     """
-    mixed = torch.einsum("bsij,bsid->bsjd", comb, residual.float())
-    y = post.unsqueeze(-1) * f.float().unsqueeze(-2) + mixed
+    acc = acc_dtype()
+    mixed = torch.einsum("bsij,bsid->bsjd", comb.to(acc), residual.to(acc))
+    y = post.to(acc).unsqueeze(-1) * f.to(acc).unsqueeze(-2) + mixed
     return y.to(f.dtype)
 
 
@@ -217,22 +223,30 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
 
     kv, score [..., slots, c] (fp32; -inf scores mark empty slots) -> [..., c].
     """
-    return (kv * score.softmax(-2)).sum(-2)
+    acc = acc_dtype()
+    return (kv.to(acc) * score.to(acc).softmax(-2)).sum(-2).to(kv.dtype)
 
 
 # ----------------------------------------------------------------------------- MoE
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T in x's dtype (accumulated in float64 under exact accumulation)."""
+    if acc_dtype() == torch.float64:
+        return F.linear(x.double(), w.double()).to(x.dtype)
+    return F.linear(x, w)
+
+
 def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float,
                weight: torch.Tensor | None = None) -> torch.Tensor:
     """Clamped SwiGLU: gate = w1 x, up = w3 x in fp32, clamp, silu(gate) * up (* routing weight), w2."""
-    gate = F.linear(x, w1).float()
-    up = F.linear(x, w3).float()
+    gate = linear(x, w1).float()
+    up = linear(x, w3).float()
     if swiglu_limit > 0:
         up = up.clamp(-swiglu_limit, swiglu_limit)
         gate = gate.clamp(max=swiglu_limit)
     h = F.silu(gate) * up
     if weight is not None:
         h = h * weight
-    return F.linear(h.to(x.dtype), w2)
+    return linear(h.to(x.dtype), w2)
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
