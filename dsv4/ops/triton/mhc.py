@@ -7,8 +7,8 @@ iterations in registers, then re-reads its own tile (L2-resident by then) for th
 `hc_post`: one pass over the residual copies, forward and backward (the backward also reduces the
 gradients of post and comb per token, in registers, in a fixed order).
 
-The `hc_pre` backward reruns the tiny Sinkhorn map through autograd on the saved mixes ([T, 24] numbers)
-and computes the projection gradients with torch ops.
+The `hc_pre` backward differentiates the Sinkhorn map per token in one kernel (replaying it from the
+saved mixes, [T, 24] numbers, in registers) and computes the projection gradients with torch ops.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import reference as _ref
 from .. import register
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason
@@ -163,6 +162,77 @@ def _hc_post_bwd_kernel(g_ptr, f_ptr, res_ptr, post_ptr, comb_ptr, gf_ptr, gres_
              mask=tmask[:, None, None])
 
 
+@triton.jit
+def _colnorm(c, eps):
+    return c / (tl.sum(c, axis=1)[:, None, :] + eps)
+
+
+@triton.jit
+def _rownorm(c, eps):
+    return c / (tl.sum(c, axis=2)[:, :, None] + eps)
+
+
+@triton.jit
+def _colnorm_bwd(dy, x, eps):
+    """y = x / (colsum(x) + eps) -> dx = (dy - colsum(dy * y)) / (colsum(x) + eps)."""
+    d = tl.sum(x, axis=1)[:, None, :] + eps
+    return (dy - tl.sum(dy * (x / d), axis=1)[:, None, :]) / d
+
+
+@triton.jit
+def _rownorm_bwd(dy, x, eps):
+    d = tl.sum(x, axis=2)[:, :, None] + eps
+    return (dy - tl.sum(dy * (x / d), axis=2)[:, :, None]) / d
+
+
+@triton.jit
+def _hc_split_bwd_kernel(mix_ptr, scale_ptr, base_ptr, gpre_ptr, gpost_ptr, gcomb_ptr, glogit_ptr, pre_ptr,
+                         T, hc_eps, ITERS: tl.constexpr, HC: tl.constexpr, BT: tl.constexpr):
+    """Gradient of hc_split_sinkhorn w.r.t. its logits (mixes * scale + base), per token, in registers.
+
+    The Sinkhorn is replayed from its start for each step taken backward (O(iters^2) tiny [hc, hc]
+    normalisations per token, no stored intermediates). Also writes pre (needed by the x gradient).
+    """
+    pid = tl.program_id(0)
+    ts = pid * BT + tl.arange(0, BT)
+    tmask = ts < T
+    ts64 = ts.to(tl.int64)
+    hcs = tl.arange(0, HC)
+    n_mix: tl.constexpr = (2 + HC) * HC
+    m1 = tmask[:, None]
+    m3 = tmask[:, None, None]
+    cc = hcs[:, None] * HC + hcs[None, :]                                              # [HC, HC]
+    # pre = sigmoid(l) + eps, post = 2 sigmoid(l): d l = g * sig * (1 - sig) (* 2)
+    lp = tl.load(mix_ptr + ts64[:, None] * n_mix + hcs[None, :], mask=m1, other=0.0) * tl.load(scale_ptr) \
+        + tl.load(base_ptr + hcs)[None, :]
+    sp = tl.sigmoid(lp)
+    tl.store(pre_ptr + ts64[:, None] * HC + hcs[None, :], sp + hc_eps, mask=m1)
+    g = tl.load(gpre_ptr + ts64[:, None] * HC + hcs[None, :], mask=m1, other=0.0)
+    tl.store(glogit_ptr + ts64[:, None] * n_mix + hcs[None, :], g * sp * (1.0 - sp), mask=m1)
+    lq = tl.load(mix_ptr + ts64[:, None] * n_mix + HC + hcs[None, :], mask=m1, other=0.0) \
+        * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + hcs)[None, :]
+    sq = tl.sigmoid(lq)
+    g = tl.load(gpost_ptr + ts64[:, None] * HC + hcs[None, :], mask=m1, other=0.0)
+    tl.store(glogit_ptr + ts64[:, None] * n_mix + HC + hcs[None, :], 2.0 * g * sq * (1.0 - sq), mask=m1)
+    # comb: softmax rows (+eps), a column normalisation, then ITERS-1 (row, column) pairs
+    z = tl.load(mix_ptr + ts64[:, None, None] * n_mix + 2 * HC + cc[None, :, :], mask=m3, other=0.0) \
+        * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + cc)[None, :, :]
+    p = tl.exp(z - tl.max(z, axis=2)[:, :, None])
+    p = p / tl.sum(p, axis=2)[:, :, None]
+    c0 = p + hc_eps
+    c1 = _colnorm(c0, hc_eps)
+    dc = tl.load(gcomb_ptr + ts64[:, None, None] * HC * HC + cc[None, :, :], mask=m3, other=0.0)
+    for pp in range(ITERS - 1):
+        x = c1
+        for _ in range(ITERS - 2 - pp):                                                  # replay to pair p
+            x = _colnorm(_rownorm(x, hc_eps), hc_eps)
+        r = _rownorm(x, hc_eps)
+        dc = _rownorm_bwd(_colnorm_bwd(dc, r, hc_eps), x, hc_eps)
+    dc = _colnorm_bwd(dc, c0, hc_eps)
+    dz = p * (dc - tl.sum(dc * p, axis=2)[:, :, None])
+    tl.store(glogit_ptr + ts64[:, None, None] * n_mix + 2 * HC + cc[None, :, :], dz, mask=m3)
+
+
 _PRE_CONFIGS = [triton.Config({"BT": bt, "BK": bk, "BD": bd}, num_warps=w)
                 for bt, bk, bd, w in ((16, 128, 128, 4), (32, 128, 256, 4), (32, 256, 256, 8),
                                       (64, 128, 256, 8))]
@@ -259,34 +329,35 @@ class _HcPre(torch.autograd.Function):
         x, fn, scale, base, mix, rs = ctx.saved_tensors
         hc_eps, iters = ctx.consts
         b, s, hc, d = x.shape
-        xf = x.reshape(b * s, hc * d).float()                                       # [T, K]
-        with torch.enable_grad():
-            m = mix.detach().requires_grad_()
-            sc = scale.detach().float().requires_grad_()
-            bs = base.detach().float().requires_grad_()
-            pre, post, comb = _ref.hc_split_sinkhorn(m, sc, bs, hc, iters, hc_eps)
-            outs, grads = [], []
-            if g_y is not None:
-                g_pre = torch.einsum("tid,td->ti", xf.view(-1, hc, d), g_y.reshape(-1, d).float())
-                outs.append(pre)
-                grads.append(g_pre)
-            if g_post is not None:
-                outs.append(post)
-                grads.append(g_post.reshape(-1, hc).float())
-            if g_comb is not None:
-                outs.append(comb)
-                grads.append(g_comb.reshape(-1, hc, hc).float())
-            g_m, g_sc, g_bs = torch.autograd.grad(outs, [m, sc, bs], grads, allow_unused=True)
-        g_m = g_m if g_m is not None else torch.zeros_like(mix)
+        t = b * s
+        xf = x.reshape(t, hc * d).float()                                            # [T, K]
+        dev = x.device
+        g_pre = (torch.einsum("tid,td->ti", xf.view(t, hc, d), g_y.reshape(t, d).float())
+                 if g_y is not None else torch.zeros(t, hc, device=dev))
+        g_post = (g_post.reshape(t, hc).float().contiguous() if g_post is not None
+                  else torch.zeros(t, hc, device=dev))
+        g_comb = (g_comb.reshape(t, hc, hc).float().contiguous() if g_comb is not None
+                  else torch.zeros(t, hc, hc, device=dev))
+        sc, bs = scale.detach().float().contiguous(), base.detach().float().contiguous()
+        glogit = torch.empty_like(mix)                                               # [T, mix]
+        pre = torch.empty(t, hc, device=dev)
+        bt = 4 if _INTERPRET else 16
+        _hc_split_bwd_kernel[(triton.cdiv(t, bt),)](
+            mix, sc, bs, g_pre.contiguous(), g_post, g_comb, glogit, pre, t, float(hc_eps),
+            ITERS=int(iters), HC=hc, BT=bt, num_warps=4)
+        # logits = mixes * scale[segment] + base: per-parameter sums over tokens (fixed order)
+        seg = torch.tensor([hc, hc, hc * hc], device=dev)
+        sc_vec = torch.repeat_interleave(sc, seg)                                    # [mix]
+        g_m = glogit * sc_vec
+        g_bs = glogit.sum(0)
+        g_sc = torch.stack([part.sum() for part in (glogit * mix).split([hc, hc, hc * hc], dim=1)])
         r = rs.unsqueeze(-1)                                                          # [T, 1]
         gmr = g_m * r                                                                 # d loss / d raw mixes
         g_r = (g_m * mix).sum(-1, keepdim=True) / r                                   # d loss / d rsqrt
         g_x = gmr @ fn.float() - g_r * r.pow(3) / (hc * d) * xf                       # [T, K]
         if g_y is not None:
-            g_x = g_x.view(-1, hc, d) + pre.detach().unsqueeze(-1) * g_y.reshape(-1, 1, d).float()
+            g_x = g_x.view(t, hc, d) + pre.unsqueeze(-1) * g_y.reshape(t, 1, d).float()
         g_fn = gmr.t() @ xf
-        g_sc = g_sc if g_sc is not None else torch.zeros_like(scale)
-        g_bs = g_bs if g_bs is not None else torch.zeros_like(base)
         return (g_x.reshape(x.shape).to(x.dtype), g_fn.to(fn.dtype), g_sc.to(scale.dtype),
                 g_bs.to(base.dtype), None, None, None)
 
