@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up dsv4 in the current Python environment (use a venv if you like: python3 -m venv .venv && . .venv/bin/activate).
+#   bash scripts/setup.sh          # the package and its runtime dependencies
+#   bash scripts/setup.sh --test   # plus the test dependencies (pytest, ruff, triton for the interpreter tests, transformers)
+# An existing torch (e.g. a CUDA build) is kept as it is; with no torch, the CPU build is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "setup: no torch found, installing the CPU build"
+  "$PY" -m pip install -q "torch==2.13.0" \
+    || "$PY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+else
+  echo "setup: keeping the installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
+fi
+
+extras=""
+if [ "${1:-}" = "--test" ]; then
+  extras="[test]"
+fi
+"$PY" -m pip install -q -e ".${extras}"
+echo "setup: done ($("$PY" -c 'import dsv4, torch; print("dsv4", dsv4.__version__, "torch", torch.__version__)'))"
