@@ -103,3 +103,21 @@ def test_quant_linear_refuses_bad_inputs():
         ops.call("fp8_linear", torch.randn(2, 128).bfloat16(), q, s[:, :0], backend="triton")
     with pytest.raises(ops.BackendUnavailable, match="bf16"):
         ops.call("fp8_linear", torch.randn(2, 128), q, s, backend="triton")
+
+
+@pytest.mark.parametrize("fmt", ["fp8-ue8m0", "fp8-fp32", "mxfp4"])
+def test_dequant_mm_backend_is_bit_identical_to_reference(fmt, monkeypatch):
+    """The chunked dequantize-then-matmul backend, with chunks forced small (3 chunks of 128 rows)."""
+    qg = importlib.import_module("dsv4.ops.triton.quant_gemm")
+    monkeypatch.setattr(qg, "_CHUNK_ELEMENTS", 128 * 256)
+    g = torch.Generator().manual_seed(3)
+    n, k = 300, 256
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, k)
+    if fmt == "mxfp4":
+        op, (q, s) = "fp4_linear", formats.quantize_mxfp4(w)
+    else:
+        op, (q, s) = "fp8_linear", formats.quantize_fp8(w, scale_fmt=fmt.split("-")[1])
+    x = torch.randn(2, 5, k, generator=g).bfloat16()
+    y = ops.call(op, x, q, s, backend="dequant_mm")
+    assert ops.last_backend(op) == "dequant_mm"
+    assert torch.equal(y, ops.call(op, x, q, s, backend="reference"))

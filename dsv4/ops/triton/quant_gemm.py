@@ -7,6 +7,10 @@ codes per byte ([N, K/2] int8, low nibble = element 2i) with one E8M0 scale per 
 fp32 and rounded to bf16 (exactly what "dequantize to bf16, then matmul" does), then fed to the tensor
 cores with fp32 accumulation. The weights are read from memory in their stored width (1 or 0.5 bytes per
 element), so a released checkpoint runs without first expanding to bf16.
+
+Backend "dequant_mm" instead dequantizes the weight in row chunks (at most 128 MiB of bf16 scratch) with a
+Triton kernel and multiplies each chunk with `torch.nn.functional.linear`: bit-identical to the reference
+definition, and the better choice when the token batch is large enough to amortise the chunk writes.
 """
 
 from __future__ import annotations
@@ -179,6 +183,90 @@ def triton_fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     return y.view(*x.shape[:-1], n)
 
 
+# ----------------------------------------------------------------------------- dequantize-then-matmul
+@triton.jit
+def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, n_rows, K, row0, s_cols, SCALE_E8M0: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+    """out[n - row0, k] = w[n, k] * scale[n // 128, k // 128] rounded to out's dtype."""
+    rn = row0 + tl.program_id(0) * BN + tl.arange(0, BN)
+    ks = tl.program_id(1) * BK + tl.arange(0, BK)
+    m = (rn < row0 + n_rows)[:, None] & (ks < K)[None, :]
+    w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + ks[None, :], mask=m, other=0.0).to(tl.float32)
+    s_off = (rn // 128)[:, None] * s_cols + (ks // 128)[None, :]
+    if SCALE_E8M0:
+        s = _e8m0(tl.load(s_ptr + s_off, mask=m, other=127).to(tl.int32))
+    else:
+        s = tl.load(s_ptr + s_off, mask=m, other=1.0)
+    o_ptrs = out_ptr + (rn - row0)[:, None].to(tl.int64) * K + ks[None, :]
+    tl.store(o_ptrs, _round_to(w * s, out_ptr.dtype.element_ty, UPCAST), mask=m)
+
+
+@triton.jit
+def _fp4_dequant_kernel(w_ptr, s_ptr, out_ptr, n_rows, K, row0, BN: tl.constexpr, BK: tl.constexpr,
+                        UPCAST: tl.constexpr):
+    """out[n - row0, :] = E2M1 codes of row n (low nibble first) times their per-32 E8M0 scales."""
+    rn = row0 + tl.program_id(0) * BN + tl.arange(0, BN)
+    kb = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
+    kss = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)
+    nmask = rn < row0 + n_rows
+    rn64 = rn.to(tl.int64)
+    p = tl.load(w_ptr + rn64[:, None] * (K // 2) + kb[None, :], mask=nmask[:, None] & (kb < K // 2)[None, :],
+                other=0).to(tl.int32) & 0xFF
+    w = tl.reshape(tl.join(_e2m1(p & 0xF), _e2m1(p >> 4)), (BN, BK))
+    smask = nmask[:, None] & (kss < K // 32)[None, :]
+    sb = tl.load(s_ptr + rn64[:, None] * (K // 32) + kss[None, :], mask=smask, other=127)
+    w = tl.reshape(tl.reshape(w, (BN, BK // 32, 32)) * _e8m0(sb.to(tl.int32) & 0xFF)[:, :, None], (BN, BK))
+    ks = tl.program_id(1) * BK + tl.arange(0, BK)
+    o_ptrs = out_ptr + (rn - row0)[:, None].to(tl.int64) * K + ks[None, :]
+    tl.store(o_ptrs, _round_to(w, out_ptr.dtype.element_ty, UPCAST), mask=nmask[:, None] & (ks < K)[None, :])
+
+
+_CHUNK_ELEMENTS = 1 << 26   # bf16 weight rows dequantized at a time (128 MiB)
+
+
+def _chunked_linear(x: torch.Tensor, n: int, k: int, dequant_rows) -> torch.Tensor:
+    """x @ W^T where W is materialised in bf16 one row chunk at a time by dequant_rows(row0, rows, out)."""
+    x2 = x.reshape(-1, k)
+    rows = max(128, (_CHUNK_ELEMENTS // max(k, 1)) // 128 * 128)
+    outs = []
+    buf = torch.empty(min(rows, n), k, dtype=x.dtype, device=x.device)
+    for row0 in range(0, n, rows):
+        r = min(rows, n - row0)
+        dequant_rows(row0, r, buf[:r])
+        outs.append(torch.nn.functional.linear(x2, buf[:r]))
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+    return y.view(*x.shape[:-1], n)
+
+
+def dequant_mm_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`fp8_linear` as a Triton dequantization of row chunks to bf16, each followed by a bf16 matmul."""
+    n, k = weight.shape
+    e8m0 = _is_e8m0(scale)
+    s = (scale.view(torch.uint8) if e8m0 else scale.float()).contiguous()
+    w = weight if weight.dtype == torch.float8_e4m3fn else weight.view(torch.float8_e4m3fn)
+    bn, bk = (32, 32) if _INTERPRET else (64, 128)
+
+    def rows(row0: int, r: int, out: torch.Tensor) -> None:
+        _fp8_dequant_kernel[(triton.cdiv(r, bn), triton.cdiv(k, bk))](
+            w, s, out, r, k, row0, s.size(1), SCALE_E8M0=e8m0, BN=bn, BK=bk, UPCAST=_INTERPRET)
+
+    return _chunked_linear(x, n, k, rows)
+
+
+def dequant_mm_fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`fp4_linear` as a Triton dequantization of row chunks to bf16, each followed by a bf16 matmul."""
+    n, k = weight.size(0), weight.size(1) * 2
+    w = weight.view(torch.uint8).contiguous()
+    s = scale.view(torch.uint8).contiguous()
+    bn, bk = (32, 64) if _INTERPRET else (64, 128)
+
+    def rows(row0: int, r: int, out: torch.Tensor) -> None:
+        _fp4_dequant_kernel[(triton.cdiv(r, bn), triton.cdiv(k, bk))](
+            w, s, out, r, k, row0, BN=bn, BK=bk, UPCAST=_INTERPRET)
+
+    return _chunked_linear(x, n, k, rows)
+
+
 def _common_reason(x: torch.Tensor) -> str | None:
     reason = device_reason(x)
     if reason:
@@ -216,3 +304,9 @@ def _fp4_can_run(x, weight, scale) -> str | None:
 
 register("fp8_linear", "triton", triton_fp8_linear, can_run=_fp8_can_run, deterministic=True, priority=10)
 register("fp4_linear", "triton", triton_fp4_linear, can_run=_fp4_can_run, deterministic=True, priority=10)
+# Dequantize-then-matmul (bounded bf16 scratch): for large token batches, where the fused kernel's per-tile
+# decode is repeated by every M tile. Explicit choice until measured against the fused kernel.
+register("fp8_linear", "dequant_mm", dequant_mm_fp8_linear, can_run=_fp8_can_run, deterministic=True,
+         priority=5)
+register("fp4_linear", "dequant_mm", dequant_mm_fp4_linear, can_run=_fp4_can_run, deterministic=True,
+         priority=5)
