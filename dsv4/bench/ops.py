@@ -186,7 +186,7 @@ def _bench_quant_shape(m: int, n: int, k: int, with_reference: bool, device, lim
     p4, s4 = formats.quantize_mxfp4(w)
     for op, wq, sq in (("fp8_linear", q8, s8), ("fp4_linear", p4, s4)):
         ref = ops.call(op, x, wq, sq, backend="reference")
-        for be in (["reference"] if with_reference else []) + ["triton"]:
+        for be in (["reference"] if with_reference else []) + ["triton", "dequant_mm"]:
             try:
                 y = ops.call(op, x, wq, sq, backend=be)
             except ops.BackendUnavailable as err:
