@@ -1,0 +1,45 @@
+import json
+import subprocess
+import sys
+
+from dsv4.cli import main
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_info_json_flash_and_pro_without_weights():
+    for preset, total, active in (("flash", 284.33e9, 13.80e9), ("pro", 1573.0e9, 49.78e9)):
+        res = _run("info", "--preset", preset, "--json")
+        assert res.returncode == 0, res.stderr
+        info = json.loads(res.stdout)
+        assert abs(info["total_params"] / total - 1) < 0.005
+        assert abs(info["active_params"] / active - 1) < 0.005
+        assert info["kv_bytes_1m"] > info["kv_bytes_1m_fp8"] > 0
+
+
+def test_user_errors_are_one_line_exit_2():
+    res = _run("info", "--preset", "nope")
+    assert res.returncode == 2 and res.stderr.strip().startswith("error: unknown preset")
+    assert "Traceback" not in res.stderr
+    res = _run("generate", "--preset", "tiny", "--prompt-ids", "1,x")
+    assert res.returncode == 2 and "comma-separated integers" in res.stderr
+
+
+def test_generate_json_is_deterministic(capsys):
+    args = ["generate", "--preset", "tiny", "--prompt-ids", "0,5,7", "--max-new-tokens", "5", "--json"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(args + ["--temperature", "0.9", "--top-p", "0.9", "--seed", "4"]) == 0
+    sampled = json.loads(capsys.readouterr().out)
+    assert main(args + ["--temperature", "0.9", "--top-p", "0.9", "--seed", "4"]) == 0
+    assert json.loads(capsys.readouterr().out) == sampled
+    assert len(first["ids"]) == 5 and first["prompt_ids"] == [0, 5, 7]
+
+
+def test_teacher_forcing_cli_exit_code(capsys):
+    assert main(["check", "teacher-forcing", "--preset", "tiny", "--tokens", "140", "--batch", "2", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["ok"] and rep["max_rel_error"] < 1e-4 and rep["tokens"] == 140
+    assert main(["check", "teacher-forcing", "--preset", "tiny", "--tokens", "10", "--prefill", "11"]) == 2
