@@ -1,0 +1,273 @@
+"""`dsv4 check {compare, determinism, nonfinite, conformance}`: argument parsing and printing only.
+
+`add_check_parsers(subparsers)` adds the subcommands; each sets `func(args) -> exit code`.
+Exit codes: 0 = the check passed, 1 = it found a divergence / drift / non-finite value / escaped mutant;
+user errors raise `dsv4.errors.UserError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+import torch
+
+from ..errors import UserError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", help="model preset for a random model (default: tiny)")
+    p.add_argument("--checkpoint", help="load this checkpoint directory instead of a random model")
+    p.add_argument("--seed", type=int, default=0, help="weights and tokens seed (default 0)")
+    p.add_argument("--batch", type=int, default=2, help="sequences per run (default 2)")
+    p.add_argument("--seq-len", type=int, default=40, help="tokens per sequence (default 40)")
+    p.add_argument("--full-size", action="store_true",
+                   help="keep the preset's window and compression ratio (default: shrink them to 16 so short "
+                        "sequences cross every boundary)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_check_parsers(sub) -> None:
+    """Add compare / determinism / nonfinite / conformance to the `dsv4 check` subparsers."""
+    p = sub.add_parser("compare", help="run two configurations stage by stage; name the first divergence",
+                       description="A is the run under test, B the reference. Give exactly one of the modes.")
+    _common(p)
+    mode = p.add_argument_group("modes (one)")
+    mode.add_argument("--backends", help="A,B ops backends, e.g. triton,reference")
+    mode.add_argument("--dtypes", help="A,B dtypes, e.g. bf16,fp32")
+    mode.add_argument("--compile", action="store_true", help="A = torch.compile(model), B = eager")
+    mode.add_argument("--checkpoints", help="A,B checkpoint directories")
+    mode.add_argument("--quantized", action="store_true",
+                      help="with --checkpoint: A keeps FP8/FP4 weights quantized, B dequantizes them at load")
+    mode.add_argument("--perturb", metavar="PARAM[:EPS]",
+                      help="A = a copy with one parameter nudged by EPS (default 1e-2) times its RMS")
+    mode.add_argument("--external", metavar="MODULE:CALLABLE",
+                      help="A = an external implementation: callable(model) -> runner(tokens) -> logits or "
+                           "(logits, stages); 'hf' = Hugging Face transformers' DeepseekV4ForCausalLM")
+    mode.add_argument("--plant", metavar="ZID", help="A = the model with bug-zoo mutant ZID planted (e.g. Z07)")
+    p.add_argument("--dtype", default="fp32", help="dtype of both sides when not comparing dtypes (default fp32)")
+    p.add_argument("--tolerance", help="exact | fp32 | bf16 | fp16 | a relative L2 bound (default: by dtype)")
+    p.add_argument("--no-force", action="store_true",
+                   help="let A take its own top-k / routing decisions (default: A takes B's and flips are counted)")
+    p.add_argument("--rows", type=int, default=12, help="stages shown around the first divergence")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("determinism", help="N runs of forward + backward: hashes of outputs, stages, gradients")
+    _common(p)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--backend", help="ops backend for every op that has it (default: per-op default)")
+    p.add_argument("--no-deterministic-mode", action="store_true",
+                   help="do not switch on dsv4 / torch deterministic mode")
+    p.add_argument("--plant", metavar="ZID", help="plant bug-zoo mutant ZID (e.g. Z18)")
+    p.set_defaults(func=cmd_determinism)
+
+    p = sub.add_parser("nonfinite", help="stop at the first op / module producing NaN or Inf and name it")
+    _common(p)
+    p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument("--no-aten", action="store_true", help="skip the per-aten-op NaN hook (faster)")
+    p.add_argument("--plant", metavar="ZID", help="plant bug-zoo mutant ZID")
+    p.set_defaults(func=cmd_nonfinite)
+
+    p = sub.add_parser("conformance", help="the bug zoo: every BUGZOO mutant and the check that catches it")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", help="comma-separated BUGZOO ids (default: all)")
+    p.add_argument("--full", action="store_true", help="also run the slow torch.compile checks")
+    p.add_argument("--compiler", default="aot_eager", help="torch.compile backend under test (default aot_eager)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_conformance)
+
+
+# ------------------------------------------------------------------------------ helpers
+def _emit(args, report, ok: bool) -> int:
+    if args.json:
+        print(json.dumps(report.to_dict(), default=str))
+    else:
+        print(report.render() if hasattr(report, "render") else report.summary())
+    return 0 if ok else 1
+
+
+def _cfg(args):
+    from .compare import build_model  # noqa: F401  (import check of the model package)
+    from .inputs import check_config
+
+    try:
+        from ..config import ModelConfig
+        cfg = ModelConfig.preset(args.preset)
+    except (KeyError, ValueError) as e:
+        raise UserError(f"unknown preset '{args.preset}': {e}") from None
+    return cfg if args.full_size else check_config(cfg)
+
+
+def _model(args, dtype=torch.float32, **cfg_changes):
+    from .compare import build_model
+
+    if args.checkpoint:
+        return build_model(checkpoint=args.checkpoint, dtype=dtype)
+    cfg = _cfg(args)
+    if cfg_changes:
+        cfg = cfg.replace(**cfg_changes)
+    return build_model(cfg=cfg, dtype=dtype, seed=args.seed)
+
+
+def _tokens(args, model):
+    from .inputs import random_tokens
+
+    if args.batch < 1 or args.seq_len < 2:
+        raise UserError("--batch must be >= 1 and --seq-len >= 2")
+    return random_tokens(model.cfg, args.batch, args.seq_len, args.seed)
+
+
+def _mutant(zid: str | None):
+    if zid is None:
+        return None
+    from .mutants import MUTANTS
+
+    by_id = {m.id: m for m in MUTANTS}
+    m = by_id.get(zid.upper())
+    if m is None:
+        raise UserError(f"unknown bug-zoo id '{zid}' (Z01..Z24)")
+    if m.pending:
+        raise UserError(f"{m.id} cannot be planted yet: {m.pending}")
+    return m
+
+
+def _plant_ctx(m, model, tokens):
+    if m is None:
+        return contextlib.nullcontext()
+    from .zoo import Context
+
+    return m.plant(Context(model.cfg, model, tokens))
+
+
+# ------------------------------------------------------------------------------ commands
+def cmd_compare(args) -> int:
+    from .compare import Side, backend_choice, build_model, compare, load_external, parse_dtype, \
+        parse_tolerance, perturbed
+
+    modes = [m for m in ("backends", "dtypes", "compile", "checkpoints", "quantized", "perturb", "external",
+                         "plant") if getattr(args, m)]
+    if len(modes) != 1:
+        raise UserError("give exactly one of --backends, --dtypes, --compile, --checkpoints, --quantized, "
+                        f"--perturb, --external, --plant (got {len(modes) or 'none'})")
+    mode = modes[0]
+    dtype = parse_dtype(args.dtype)
+    tol = parse_tolerance(args.tolerance)
+    notes: list[str] = []
+
+    if mode == "dtypes":
+        da, db = (parse_dtype(x) for x in _pair(args.dtypes, "--dtypes"))
+        a_model, b_model = _model(args, da), _model(args, db)
+        a, b = Side(f"model[{args.dtypes.split(',')[0]}]", a_model), Side(f"model[{args.dtypes.split(',')[1]}]",
+                                                                        b_model)
+    elif mode == "checkpoints":
+        pa, pb = _pair(args.checkpoints, "--checkpoints")
+        a, b = Side(pa, build_model(checkpoint=pa, dtype=dtype)), Side(pb, build_model(checkpoint=pb, dtype=dtype))
+    elif mode == "quantized":
+        if not args.checkpoint:
+            raise UserError("--quantized compares a quantized checkpoint with itself dequantized: give --checkpoint")
+        a = Side("quantized", build_model(checkpoint=args.checkpoint, dtype=dtype, keep_quantized=True))
+        b = Side("dequantized", build_model(checkpoint=args.checkpoint, dtype=dtype))
+    elif mode == "external":
+        model = _model(args, torch.float32, **({} if args.checkpoint else
+                                               {"fp8_kv_sim": False, "fp4_indexer_sim": False}))
+        if not args.checkpoint:
+            notes.append("dsv4 side built with fp8_kv_sim=False, fp4_indexer_sim=False (transformers simulates "
+                         "no QAT quantization)")
+        a, b = Side(args.external, external=load_external(args.external, model)), Side("dsv4", model)
+    else:
+        model = _model(args, dtype)
+        if mode == "backends":
+            na, nb = _pair(args.backends, "--backends")
+            (ca, miss_a), (cb, miss_b) = backend_choice(na), backend_choice(nb)
+            for name, miss in ((na, miss_a), (nb, miss_b)):
+                if miss:
+                    notes.append(f"ops without a '{name}' backend use their default: {', '.join(miss)}")
+            a, b = Side(na, model, backend=ca), Side(nb, model, backend=cb)
+        elif mode == "compile":
+            a, b = Side("compiled", model, compile=True), Side("eager", model)
+        elif mode == "perturb":
+            name, _, eps = args.perturb.partition(":")
+            try:
+                eps_v = float(eps) if eps else 1e-2
+            except ValueError:
+                raise UserError(f"--perturb wants PARAM[:EPS], got '{args.perturb}'") from None
+            a, b = Side(f"perturbed {name}", perturbed(model, name, eps_v, args.seed)), Side("reference", model)
+        else:  # plant
+            m = _mutant(args.plant)
+            a, b = Side(f"mutant {m.id} ({m.title})", model), Side("reference", model)
+    tokens = _tokens(args, b.model if b.model is not None else a.model)
+    if mode == "plant":
+        a.context = lambda: _plant_ctx(m, model, tokens)
+    report = compare(a, b, tokens, tol, force_decisions=not args.no_force)
+    report.notes += notes
+    if args.json:
+        print(json.dumps(report.to_dict(), default=str))
+    else:
+        print(report.render(args.rows))
+    return 0 if report.ok else 1
+
+
+def _pair(value: str, flag: str) -> tuple[str, str]:
+    parts = [v.strip() for v in value.split(",")]
+    if len(parts) != 2 or not all(parts):
+        raise UserError(f"{flag} wants two comma-separated values A,B, got '{value}'")
+    return parts[0], parts[1]
+
+
+def cmd_determinism(args) -> int:
+    from .compare import backend_choice
+    from .determinism import determinism
+
+    model = _model(args)
+    tokens = _tokens(args, model)
+    backend = backend_choice(args.backend)[0] if args.backend else None
+    if args.runs < 2:
+        raise UserError("--runs must be >= 2")
+    with _plant_ctx(_mutant(args.plant), model, tokens):
+        report = determinism(model, tokens, runs=args.runs, backend=backend,
+                             deterministic_mode=not args.no_deterministic_mode)
+    if args.backend:
+        report.backend = args.backend
+    return _emit(args, report, report.ok)
+
+
+def cmd_nonfinite(args) -> int:
+    from .nonfinite import find_nonfinite
+
+    model = _model(args)
+    tokens = _tokens(args, model)
+    with _plant_ctx(_mutant(args.plant), model, tokens):
+        report = find_nonfinite(model, tokens, backward=not args.no_backward, aten=not args.no_aten)
+    return _emit(args, report, report.ok)
+
+
+def cmd_conformance(args) -> int:
+    from .conformance import run_conformance
+
+    ids = [x.strip().upper() for x in args.only.split(",")] if args.only else None
+    try:
+        from ..config import ModelConfig
+        cfg = ModelConfig.preset(args.preset)
+    except (KeyError, ValueError) as e:
+        raise UserError(f"unknown preset '{args.preset}': {e}") from None
+    report = run_conformance(cfg, ids=ids, seed=args.seed, compiler=args.compiler, full=args.full)
+    return _emit(args, report, report.ok)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m dsv4.check.cli compare ...`), same behaviour as `dsv4 check`."""
+    parser = argparse.ArgumentParser(prog="dsv4 check")
+    add_check_parsers(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

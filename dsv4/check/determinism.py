@@ -1,0 +1,101 @@
+"""`dsv4 check determinism`: N identical runs of forward + backward; every output, stage and gradient
+must hash the same (BUGZOO Z09, Z18). Reports which tensors drift and by how much."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import ops
+from ..model import DeepSeekV4
+from .capture import capturing
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    """sha256 (16 hex digits) of a tensor's dtype, shape and bytes."""
+    t = t.detach().contiguous().cpu()
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class DeterminismReport:
+    ok: bool
+    runs: int
+    tensors: int
+    backend: str | None
+    drifting: list[dict] = field(default_factory=list)      # name, distinct hashes, max abs difference
+    implementations: dict[str, list[str]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def render(self) -> str:
+        lines = [f"determinism: {self.runs} runs of forward + backward, {self.tensors} tensors hashed "
+                 f"(backend: {self.backend or 'default'})"]
+        if self.implementations:
+            lines.append("  ran: " + ", ".join(f"{op}={'/'.join(b)}" for op, b in self.implementations.items()))
+        for d in self.drifting[:20]:
+            lines.append(f"  ! {d['name']:<40} {d['distinct']} distinct hashes, max abs diff {d['max_abs']:.3e}")
+        if len(self.drifting) > 20:
+            lines.append(f"  ... {len(self.drifting) - 20} more")
+        lines.append("OK: bit-identical" if self.ok else f"DRIFT: {len(self.drifting)} tensors differ between runs")
+        return "\n".join(lines)
+
+
+def _one_run(model: DeepSeekV4, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with capturing() as cap:
+        out = model(tokens, mtp=len(model.mtp) > 0)
+        loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        for lg in out.mtp_logits:
+            loss = loss + lg.float().logsumexp(-1).mean() * 0.1
+    loss.backward()
+    tensors = {"loss": loss.detach(), "logits": out.logits.detach()}
+    tensors.update({f"stage:{k}": v for k, v in cap.stages.items()})
+    tensors.update({f"grad:{n}": p.grad for n, p in model.named_parameters() if p.grad is not None})
+    return tensors
+
+
+def determinism(model: DeepSeekV4, tokens: torch.Tensor, runs: int = 3, backend: str | dict | None = None,
+                deterministic_mode: bool = True) -> DeterminismReport:
+    """Run forward + backward `runs` times on the same inputs; compare hashes of everything.
+
+    deterministic_mode: `dsv4.ops.set_deterministic(True)` and torch's deterministic algorithms (on CPU
+    with several threads, some torch backward kernels are not bit-reproducible without the latter).
+    """
+    if runs < 2:
+        raise ValueError("determinism needs at least 2 runs")
+    prev = ops.is_deterministic()
+    prev_torch = torch.are_deterministic_algorithms_enabled()
+    ops.set_deterministic(deterministic_mode)
+    if deterministic_mode:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    before = ops.calls()
+    ctx = ops.use_backend(backend) if backend is not None else contextlib.nullcontext()
+    try:
+        with ctx:
+            results = [_one_run(model, tokens) for _ in range(runs)]
+    finally:
+        ops.set_deterministic(prev)
+        torch.use_deterministic_algorithms(prev_torch)
+        model.zero_grad(set_to_none=True)
+    impl: dict[str, list[str]] = {}
+    for (op, be), n in ops.calls().items():
+        if n > before.get((op, be), 0):
+            impl.setdefault(op, []).append(be)
+    first = results[0]
+    drifting = []
+    for name, t0 in first.items():
+        hashes = {tensor_hash(r[name]) for r in results if name in r}
+        if len(hashes) > 1:
+            diff = max(float((r[name].double() - t0.double()).abs().nan_to_num(float("inf")).max())
+                       for r in results[1:])
+            drifting.append({"name": name, "distinct": len(hashes), "max_abs": diff})
+    return DeterminismReport(ok=not drifting, runs=runs, tensors=len(first),
+                             backend=backend if isinstance(backend, str) or backend is None else str(backend),
+                             drifting=drifting, implementations={k: sorted(v) for k, v in sorted(impl.items())})

@@ -1,0 +1,386 @@
+"""The bug zoo as mutants: each BUGZOO entry planted through a clean injection point, never by editing files.
+
+Injection points: an ops backend registered for the duration of a `with` block and selected with
+`ops.use_backend` (a buggy primitive), an attribute patched on a model instance or a module (restored on
+exit), a compiler backend handed to `torch.compile`. `plant(mutant, ctx)` is a context manager; the
+checks in `dsv4.check.zoo` run inside it and must fail, and pass outside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..ops import reference as ref
+
+
+# ------------------------------------------------------------------------------ injection helpers
+@contextlib.contextmanager
+def temporary_backend(op: str, name: str, fn: Callable, deterministic: bool = True) -> Iterator[None]:
+    """Register backend `name` for op and make it the default inside the block; unregister after."""
+    ops.register(op, name, fn, deterministic=deterministic, priority=-100)
+    try:
+        with ops.use_backend({op: name}):
+            yield
+    finally:
+        ops._REGISTRY[op].pop(name, None)
+
+
+@contextlib.contextmanager
+def patched(obj: object, **attrs) -> Iterator[None]:
+    """Set attributes on obj (module, class or instance) inside the block, restore them after."""
+    missing = object()
+    old = {k: obj.__dict__.get(k, missing) if isinstance(obj, torch.nn.Module) else getattr(obj, k, missing)
+           for k in attrs}
+    for k, v in attrs.items():
+        setattr(obj, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is missing:
+                delattr(obj, k)
+            else:
+                setattr(obj, k, v)
+
+
+# ------------------------------------------------------------------------------ sparse attention with a backward
+class _SparseAttention(torch.autograd.Function):
+    """Reference forward with an explicit backward; `mode` plants backward bugs (Z13, Z14, Z15, Z19)."""
+
+    @staticmethod
+    def forward(ctx, q, kv, sink, idx, scale, mode):
+        o, lse = ref.sparse_attention(q.detach(), kv.detach(), sink.detach(), idx, scale)
+        ctx.save_for_backward(q, kv, sink, idx, o, lse)
+        ctx.scale, ctx.mode = scale, mode
+        if mode == "lse_differentiable":
+            ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        q, kv, sink, idx, o, lse = ctx.saved_tensors
+        scale, mode = ctx.scale, ctx.mode
+        if mode == "lse_differentiable" and grad_lse is not None:
+            raise RuntimeError("sparse attention backward: grad_lse is not supported by this kernel")
+        b, s, h, d = q.shape
+        valid = idx >= 0
+        batch = torch.arange(b).view(b, 1, 1)
+        kv_sel = kv[batch, idx.clamp_min(0).long()].float()                     # [b, s, k, d]
+        scores = torch.einsum("bshd,bskd->bshk", q.float(), kv_sel) * scale
+        scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
+        if mode == "zero_lse":                                                   # Z14: stale / zero LSE
+            p = torch.exp(scores)
+        elif mode == "unstable_window_only" and kv.size(1) == s:                 # Z13: no compressed KV
+            p = torch.exp(scores) / torch.exp(lse).unsqueeze(-1)
+        else:
+            p = torch.exp(scores - lse.unsqueeze(-1))
+        go = grad_o.float()
+        dp = torch.einsum("bshd,bskd->bshk", go, kv_sel)
+        delta = (go * o.float()).sum(-1, keepdim=True)                           # [b, s, h, 1]
+        ds = p * (dp - delta)
+        dq = torch.einsum("bshk,bskd->bshd", ds, kv_sel) * scale
+        dsel = torch.einsum("bshk,bshd->bskd", p, go) + torch.einsum("bshk,bshd->bskd", ds, q.float()) * scale
+        dsel = dsel * valid.unsqueeze(-1)
+        n = kv.size(1)
+        if mode == "aliased_buffers":                                            # Z19: dKV shares dQ's buffer
+            buf = torch.zeros(b, s * h + n, d)
+            buf[:, : s * h] = dq.reshape(b, s * h, d)
+            dkv = buf[:, s * h - n // 2: s * h - n // 2 + n]
+        else:
+            dkv = torch.zeros(b, n, d)
+        dkv = dkv.index_put((batch.expand_as(idx), idx.clamp_min(0).long()), dsel, accumulate=True)
+        p_sink = torch.exp(sink.float().view(1, 1, h) - lse)                     # [b, s, h]
+        dsink = -(p_sink * delta.squeeze(-1)).sum((0, 1))
+        return dq.to(q.dtype), dkv.to(kv.dtype), dsink.to(sink.dtype), None, None, None
+
+
+def sparse_attention_with(mode: str) -> Callable:
+    def fn(q, kv, sink, idx, scale):
+        o, lse = _SparseAttention.apply(q, kv, sink, idx, scale, mode)
+        return (o, lse) if mode == "lse_differentiable" else (o, lse.detach())
+    return fn
+
+
+# ------------------------------------------------------------------------------ buggy primitives
+def moe_no_clamp(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0):
+    """Z05: the experts run without swiglu_limit."""
+    return ref.moe_experts(x, weights, indices, w1, w2, w3, 0.0, expert_offset)
+
+
+def moe_grouped_unmasked(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0):
+    """Z09: grouped GEMM whose rows past the last group (other ranks' slots) are never masked."""
+    from ..ops import torch_native as tn
+
+    plan = tn.moe_plan(weights, indices, w1.size(0), expert_offset)
+    xs = x[plan.token]
+    gate = torch._grouped_mm(xs, w1.transpose(1, 2), offs=plan.ends)
+    up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=plan.ends)
+    h = (tn.clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype)
+    out = torch._grouped_mm(h, w2.transpose(1, 2), offs=plan.ends).float()
+    slots = torch.empty_like(out).index_copy_(0, plan.order, out)
+    return slots.view(-1, plan.topk, out.size(1)).sum(1)
+
+
+def moe_host_split(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0):
+    """Z24: token counts per expert read back to the host to size the groups (a data-dependent size)."""
+    local = indices.reshape(-1) - expert_offset
+    counts = torch.bincount(local.clamp(0, w1.size(0) - 1), minlength=w1.size(0)).tolist()
+    order = torch.argsort(local, stable=True)
+    y = torch.zeros(x.shape, dtype=torch.float32)
+    tok_all, w_all = order // indices.size(1), weights.reshape(-1)[order]
+    start = 0
+    for e, c in enumerate(counts):
+        tok, w = tok_all[start:start + c], w_all[start:start + c]
+        start += c
+        if c:
+            y = y.index_add(0, tok, ref.expert_ffn(x[tok], w1[e], w2[e], w3[e], swiglu_limit, w.unsqueeze(-1)).float())
+    return y
+
+
+def indexer_topk_unpadded(q, k, weights, positions, ratio, topk):
+    """Z12: top-k padding slots hold whatever the sort left there instead of -1 (invisible entries leak)."""
+    score = ref.indexer_scores(q, k, weights, positions, ratio)
+    kk = min(topk, score.size(-1))
+    return torch.sort(score.nan_to_num(neginf=-3.0e38), dim=-1, descending=True, stable=True).indices[..., :kk]
+
+
+def sinkhorn_random_order(mixes, scale, base, hc, iters, eps):
+    """Z18: Sinkhorn whose row/column sums accumulate in a random order on every call."""
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = mixes[..., 2 * hc:].unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc)
+    comb = comb.softmax(-1) + eps
+
+    def rsum(t: torch.Tensor, dim: int) -> torch.Tensor:
+        perm = torch.randperm(hc)
+        parts = t.index_select(dim, perm).unbind(dim)
+        acc = parts[0]
+        for p in parts[1:]:
+            acc = acc + p
+        return acc.unsqueeze(dim)
+
+    comb = comb / (rsum(comb, -2) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (rsum(comb, -1) + eps)
+        comb = comb / (rsum(comb, -2) + eps)
+    return pre, post, comb
+
+
+def hc_pre_random_order(x, fn, scale, base, norm_eps, hc_eps, iters):
+    hc = x.size(-2)
+    _, mixes = ref._hc_mixes(x, fn, norm_eps)
+    pre, post, comb = sinkhorn_random_order(mixes, scale, base, hc, iters, hc_eps)
+    y = (pre.unsqueeze(-1) * x.float()).sum(-2)
+    return y.to(x.dtype), post, comb
+
+
+# ------------------------------------------------------------------------------ model-level plants
+def _hash_by_gate(gate):
+    """Z06: a hash layer that selects experts by the gate's top-k instead of tid2eid[token]."""
+    def forward(x, token_ids):
+        scores = gate.scores(x)
+        indices = scores.detach().topk(gate.topk, dim=-1).indices
+        weights = scores.gather(1, indices)
+        weights = weights / weights.sum(-1, keepdim=True)
+        return weights * gate.route_scale, indices, scores
+    return forward
+
+
+def _step_raw_slot(comp):
+    """Z11: the decode path writes compressed entries at the raw token position instead of the
+    compressed position (slot = pos mod capacity rather than the running entry count)."""
+    def step(x, pos, st):
+        r = comp.ratio
+        kv, score = comp.project(x, torch.tensor([pos], device=x.device))
+        st.cur_kv[:, pos % r], st.cur_score[:, pos % r] = kv[:, 0], score[:, 0]
+        if (pos + 1) % r:
+            return
+        pooled = comp.pool(st.cur_kv.unsqueeze(1), st.cur_score.unsqueeze(1), st.prev_kv, st.prev_score)
+        st.entries[:, pos % st.entries.size(1)] = comp.finish(pooled, pos // r, x.dtype)[:, 0]
+        st.count += 1
+        st.prev_kv, st.prev_score = st.cur_kv.clone(), st.cur_score.clone()
+    return step
+
+
+def sample_bool_mask(logits, temperature=0.0, top_p=1.0, top_k=0, generator=None):
+    """Z23: top-p filtering through boolean-mask indexing (a data-dependent shape)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = (logits.float() / temperature).softmax(-1)
+    out = []
+    for row in probs:
+        sorted_p, order = row.sort(descending=True)
+        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        kept, ids = sorted_p[keep], order[keep]
+        out.append(ids[torch.multinomial(kept / kept.sum(), 1, generator=generator)])
+    return torch.cat(out)
+
+
+@contextlib.contextmanager
+def _contexts(*cms) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for cm in cms:
+            stack.enter_context(cm)
+        yield
+
+
+# ------------------------------------------------------------------------------ compiler passes
+def compiler_drop_aliasing(gm: torch.fx.GraphModule, example_inputs):
+    """Z16: a 'fusion' that turns an in-place accumulator update into a fresh buffer: the aliased input
+    (the accumulator) is never written."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (operator.iadd, torch.Tensor.add_):
+            node.target = operator.add
+        elif node.op == "call_method" and node.target == "add_":
+            node.op, node.target = "call_function", operator.add
+    gm.recompile()
+    return gm.forward
+
+
+def compiler_drop_rounding(gm: torch.fx.GraphModule, example_inputs):
+    """Z17: a 'fusion' that removes an explicit bf16 rounding that is followed by a cast to fp32."""
+    for node in list(gm.graph.nodes):
+        is_bf16 = node.op == "call_method" and (
+            (node.target == "to" and torch.bfloat16 in node.args[1:]) or node.target == "bfloat16")
+        if is_bf16 and all(u.op == "call_method" and u.target in ("float", "to") for u in node.users):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm.forward
+
+
+# ------------------------------------------------------------------------------ the catalogue
+@dataclass
+class Mutant:
+    id: str
+    title: str
+    checks: list[str]                      # checks expected to catch it (all are run)
+    plant: Callable[..., contextlib.AbstractContextManager] | None = None
+    pending: str = ""                      # why it cannot be planted yet (code does not exist)
+    notes: list[str] = field(default_factory=list)
+
+
+def _gates(model):
+    return [layer.ffn.gate for layer in list(model.layers) + list(model.mtp)]
+
+
+def _plant_z05(ctx):
+    shared = [layer.ffn.shared_experts for layer in ctx.model.layers if layer.ffn.shared_experts is not None]
+    return _contexts(temporary_backend("moe_experts", "mutant_no_clamp", moe_no_clamp),
+                     *(patched(s, swiglu_limit=0.0) for s in shared))
+
+
+def _plant_z06(ctx):
+    return _contexts(*(patched(g, forward=_hash_by_gate(g)) for g in _gates(ctx.model) if g.hash))
+
+
+def _plant_z07(ctx):
+    return _contexts(*(patched(g, route_scale=g.route_scale ** 2) for g in _gates(ctx.model)))
+
+
+def _plant_z11(ctx):
+    comps = [layer.attn.compressor for layer in ctx.model.layers if layer.attn.compressor is not None]
+    return _contexts(*(patched(c, step=_step_raw_slot(c)) for c in comps))
+
+
+def _plant_z21(ctx):
+    from ..model import transformer
+
+    return patched(transformer, _default_dtype=lambda dtype: contextlib.nullcontext())
+
+
+def _plant_z22(ctx):
+    from ..model import attention
+
+    shim = types.ModuleType("dsv4.ops")
+    shim.__dict__.update({k: v for k, v in vars(ops).items() if not k.startswith("__")})
+    shim.sparse_attention = lambda *a, backend=None, **k: ref.sparse_attention(*a, **k)
+    return patched(attention, ops=shim)
+
+
+def _plant_z23(ctx):
+    from ..model import sampling
+
+    return patched(sampling, sample=sample_bool_mask)
+
+
+def _fp4_unpack_blocked(packed: torch.Tensor) -> torch.Tensor:
+    """Z01: all low nibbles of the row, then all high nibbles (instead of interleaved per byte)."""
+    from ..formats import fp4
+
+    b = fp4.as_packed_bytes(packed)
+    return torch.cat([b & 0x0F, b >> 4], dim=-1)
+
+
+def _e8m0_decode_by_value(t: torch.Tensor) -> torch.Tensor:
+    """Z02: scale bytes converted by value (uint8 -> float) instead of reinterpreted bit for bit."""
+    from ..formats import e8m0
+
+    return e8m0.as_e8m0_bytes(t).float().to(torch.float8_e4m3fn).float()
+
+
+def _plant_z01(ctx):
+    from ..formats import fp4
+
+    return patched(fp4, unpack_fp4=_fp4_unpack_blocked)
+
+
+def _plant_z02(ctx):
+    from ..formats import e8m0, fp8
+
+    return _contexts(patched(e8m0, e8m0_decode=_e8m0_decode_by_value),
+                     patched(fp8, e8m0_decode=_e8m0_decode_by_value))
+
+
+MUTANTS: list[Mutant] = [
+    Mutant("Z01", "MXFP4 nibbles unpacked blocked instead of interleaved", ["fp4-known-bytes"], _plant_z01),
+    Mutant("Z02", "E8M0 scale bytes cast by value", ["e8m0-bytes"], _plant_z02),
+    Mutant("Z03", "FP8 block scale stored transposed", [], pending="checkpoint scale-shape mutant not built yet"),
+    Mutant("Z04", "LM head loaded as FP8 without a scale", [], pending="checkpoint head-format mutant not built yet"),
+    Mutant("Z05", "swiglu_limit not applied (routed and shared experts)", ["swiglu-limit", "stage-compare"],
+           _plant_z05),
+    Mutant("Z06", "hash layers routed by the gate's top-k", ["router-contract", "stage-compare"], _plant_z06),
+    Mutant("Z07", "route_scale applied twice", ["router-contract", "stage-compare"], _plant_z07),
+    Mutant("Z08", "expert-parallel rank cached as 0", [], pending="expert-parallel code (dsv4/train/distributed.py) "
+           "does not exist yet"),
+    Mutant("Z09", "grouped GEMM rows past the last group not masked", ["poisoned-memory"],
+           lambda ctx: temporary_backend("moe_experts", "mutant_unmasked", moe_grouped_unmasked)),
+    Mutant("Z10", "paged cache: logical block ids used as physical ids", [],
+           pending="the serving engine's paged cache does not exist yet"),
+    Mutant("Z11", "compressed-KV slot = raw token position in decode", ["teacher-forcing"], _plant_z11),
+    Mutant("Z12", "indexer top-k padding slots not -1", ["indexer-padding", "stage-compare"],
+           lambda ctx: temporary_backend("indexer_topk", "mutant_unpadded", indexer_topk_unpadded)),
+    Mutant("Z13", "attention backward unstable only without compressed KV",
+           ["attention-backward-random", "attention-backward-structured"],
+           lambda ctx: temporary_backend("sparse_attention", "mutant_z13",
+                                         sparse_attention_with("unstable_window_only"))),
+    Mutant("Z14", "attention backward with a zero LSE", ["attention-backward-random"],
+           lambda ctx: temporary_backend("sparse_attention", "mutant_z14", sparse_attention_with("zero_lse"))),
+    Mutant("Z15", "LSE differentiable; kernel rejects grad_lse", ["lse-contract", "compile-attention"],
+           lambda ctx: temporary_backend("sparse_attention", "mutant_z15",
+                                         sparse_attention_with("lse_differentiable"))),
+    Mutant("Z16", "compiler drops the aliasing of an in-place accumulator", ["compile-parity"],
+           lambda ctx: patched(ctx, compiler=compiler_drop_aliasing)),
+    Mutant("Z17", "compiler removes an explicit bf16 rounding", ["compile-parity"],
+           lambda ctx: patched(ctx, compiler=compiler_drop_rounding)),
+    Mutant("Z18", "nondeterministic reduction order (Sinkhorn)", ["determinism"],
+           lambda ctx: temporary_backend("hc_pre", "mutant_random_order", hc_pre_random_order)),
+    Mutant("Z19", "attention backward: dKV aliases dQ's buffer", ["attention-backward-random"],
+           lambda ctx: temporary_backend("sparse_attention", "mutant_z19", sparse_attention_with("aliased_buffers"))),
+    Mutant("Z20", "draft uses token 0 / its own head", [], pending="DSpark draft code does not exist yet"),
+    Mutant("Z21", "fp32 model built when bf16 was asked", ["live-dtype"], _plant_z21),
+    Mutant("Z22", "backend flag accepted, another implementation ran", ["backend-evidence"], _plant_z22),
+    Mutant("Z23", "boolean-mask indexing in sampling", ["static-shapes"], _plant_z23),
+    Mutant("Z24", "host-side expert token counts (data-dependent size)", ["static-shapes", "compile-moe"],
+           lambda ctx: temporary_backend("moe_experts", "mutant_host_split", moe_host_split)),
+]
+
+__all__ = ["MUTANTS", "Mutant", "patched", "temporary_backend", "sparse_attention_with", "F"]

@@ -1,0 +1,498 @@
+"""The checks of the conformance suite. Each check passes on the correct code and fails on its mutants.
+
+A check takes the shared `Context` (a small check model, tokens and the clean run's stages) and returns
+a `CheckResult(ok, error, detail)`; `error` is the measured number that decided it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import ops
+from ..config import ModelConfig
+from ..model import DeepSeekV4
+from ..ops import reference as ref
+from .capture import Stages, capturing
+from .inputs import attention_inputs, indexer_inputs, moe_inputs, random_tokens
+from .metrics import TOLERANCES, compare_stages
+
+
+@dataclass
+class CheckResult:
+    ok: bool
+    error: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class Context:
+    cfg: ModelConfig
+    model: DeepSeekV4
+    tokens: torch.Tensor
+    clean: Stages = field(default_factory=dict)
+    compiler: Callable | str = "aot_eager"
+    seed: int = 0
+    current: Stages | None = None          # stages of the model as it is now (reset when a mutant is planted)
+
+    def stages(self) -> Stages:
+        if self.current is None:
+            self.current = run_stages(self.model, self.tokens)
+        return self.current
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, batch: int = 2, seq: int = 40, seed: int = 0) -> Context:
+        model = DeepSeekV4.from_config(cfg, seed=seed).eval()
+        ctx = cls(cfg, model, random_tokens(cfg, batch, seq, seed), seed=seed)
+        ctx.clean = run_stages(model, ctx.tokens)
+        ctx.current = ctx.clean
+        return ctx
+
+
+def run_stages(model: DeepSeekV4, tokens: torch.Tensor) -> Stages:
+    with torch.no_grad(), capturing() as cap:
+        model(tokens)
+    return cap.stages
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    if not bool(torch.isfinite(a).all()):
+        return math.inf
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------ model-level
+def stage_compare(ctx: Context) -> CheckResult:
+    """Every stage of a run vs the clean run of the same model (fp32 contract)."""
+    got = ctx.stages()
+    cmp = compare_stages(got, ctx.clean, TOLERANCES["fp32"])
+    if cmp.ok and not cmp.only_a and not cmp.only_b:
+        worst = max((d.rel_l2 for d in cmp.diffs), default=0.0)
+        return CheckResult(True, worst, "all stages within fp32 tolerance")
+    if cmp.first is None:
+        return CheckResult(False, None, f"stage sets differ: {cmp.only_a[:2]} / {cmp.only_b[:2]}")
+    f = cmp.first
+    err = f.index_frac if f.index_frac is not None else f.rel_l2
+    return CheckResult(False, err, f"first divergence {f.name}: {f.reason}")
+
+
+def router_contract(ctx: Context) -> CheckResult:
+    """Hash layers pick tid2eid[token]; routing weights of every token sum to route_scale exactly once."""
+    st = ctx.stages()
+    flat = ctx.tokens.reshape(-1)
+    worst = 0.0
+    for i, layer in enumerate(ctx.model.layers):
+        gate = layer.ffn.gate
+        idx, w = st[f"layers.{i}.ffn.router_indices"], st[f"layers.{i}.ffn.router_weights"]
+        if gate.hash and not torch.equal(idx, gate.tid2eid[flat].long()):
+            frac = float((idx != gate.tid2eid[flat].long()).float().mean())
+            return CheckResult(False, frac, f"layers.{i}: hash routing differs from tid2eid[token] ({frac:.1%})")
+        err = float((w.sum(-1) - ctx.cfg.route_scale).abs().max()) / ctx.cfg.route_scale
+        worst = max(worst, err)
+        if err > 1e-5:
+            return CheckResult(False, err, f"layers.{i}: routing weights sum to {float(w.sum(-1).mean()):.4f}, "
+                                           f"route_scale is {ctx.cfg.route_scale}")
+    return CheckResult(True, worst, "hash routing = tid2eid; weights sum to route_scale")
+
+
+def fast_moe_backend() -> str | None:
+    """The MoE backend a check exercises: the one requested in this block (`use_backend`), else the
+    static-shape grouped path where it is registered (the reference loops over experts with `where`)."""
+    requested = ops._requested("moe_experts", None)
+    if requested is not None:
+        return requested
+    return "grouped" if "grouped" in ops.backends("moe_experts") else None
+
+
+def swiglu_limit(ctx: Context) -> CheckResult:
+    """Experts (routed through dispatch, and the shared expert) vs the clamped formula, on inputs whose
+    pre-activations exceed swiglu_limit."""
+    inp = moe_inputs(ctx.cfg, tokens=16, scale=40.0, seed=ctx.seed)
+    got = ops.moe_experts(**inp)
+    want = ref.moe_experts(**inp)
+    err = rel_err(got, want)
+    if err > 1e-4:
+        return CheckResult(False, err, f"routed experts ({ops.last_backend('moe_experts')}) vs clamped reference")
+    shared = ctx.model.layers[0].ffn.shared_experts
+    if shared is not None:
+        x = inp["x"]
+        with torch.no_grad():
+            got_s = shared(x)
+        want_s = ref.expert_ffn(x, shared.w1.weight, shared.w2.weight, shared.w3.weight, ctx.cfg.swiglu_limit)
+        err_s = rel_err(got_s, want_s)
+        if err_s > 1e-4:
+            return CheckResult(False, err_s, "shared expert vs clamped reference")
+        err = max(err, err_s)
+    return CheckResult(True, err, "experts clamp at swiglu_limit")
+
+
+# ------------------------------------------------------------------------------ attention op
+def _attention_fwd_bwd(inp: dict, fn: Callable) -> tuple[torch.Tensor, ...]:
+    q = inp["q"].clone().requires_grad_(True)
+    kv = inp["kv"].clone().requires_grad_(True)
+    sink = inp["sink"].clone().requires_grad_(True)
+    o, _ = fn(q, kv, sink, inp["idx"], inp["scale"])
+    gen = torch.Generator().manual_seed(1)
+    (o * torch.randn(o.shape, generator=gen)).sum().backward()
+    return o.detach(), q.grad, kv.grad, sink.grad
+
+
+def _attention_backward(ctx: Context, kinds: list[str]) -> CheckResult:
+    worst, stages = 0.0, None
+    for kind in kinds:
+        for n_comp in (0, 4):                                                    # window-only and with compressed
+            if kind == "roped":
+                stages = stages or ctx.clean
+                inp = attention_inputs("roped", stages={k: v for k, v in stages.items()
+                                                        if k.startswith("layers.0.")}, window=ctx.cfg.window_size)
+                if n_comp:
+                    continue
+            else:
+                inp = attention_inputs(kind, n_comp=n_comp, seed=ctx.seed)
+            got = _attention_fwd_bwd(inp, ops.sparse_attention)
+            want = _attention_fwd_bwd(inp, ref.sparse_attention)
+            for name, g, w in zip(("o", "dq", "dkv", "dsink"), got, want):
+                err = rel_err(g, w) if w is not None and g is not None else (0.0 if g is w else math.inf)
+                worst = max(worst, err)
+                if err > 1e-4:
+                    where = "window-only" if not n_comp else f"{n_comp} compressed keys"
+                    return CheckResult(False, err, f"{name} on {kind} inputs ({where}) vs reference autograd")
+    return CheckResult(True, worst, f"forward and backward match on {', '.join(kinds)} inputs")
+
+
+def attention_backward_random(ctx: Context) -> CheckResult:
+    return _attention_backward(ctx, ["random"])
+
+
+def attention_backward_structured(ctx: Context) -> CheckResult:
+    return _attention_backward(ctx, ["roped", "peaked", "padding"])
+
+
+def lse_contract(ctx: Context) -> CheckResult:
+    """lse = log(sum exp(scores) + exp(sink)) over valid keys, returned detached (not differentiable)."""
+    inp = attention_inputs("random", n_comp=4, seed=ctx.seed)
+    q = inp["q"].clone().requires_grad_(True)
+    o, lse = ops.sparse_attention(q, inp["kv"], inp["sink"], inp["idx"], inp["scale"])
+    if lse.requires_grad:
+        return CheckResult(False, None, "lse requires grad: it must be returned detached")
+    _, want = ref.sparse_attention(inp["q"], inp["kv"], inp["sink"], inp["idx"], inp["scale"])
+    err = rel_err(lse, want)
+    return CheckResult(err <= 1e-5, err, "lse vs reference")
+
+
+def compile_attention(ctx: Context) -> CheckResult:
+    """fullgraph torch.compile of attention forward + backward (lse unused) must run and match eager."""
+    inp = attention_inputs("random", s=8, n_comp=2, seed=ctx.seed)
+    torch._dynamo.reset()
+    try:
+        fn = torch.compile(lambda *a: ops.sparse_attention(*a)[0], fullgraph=True, backend="aot_eager")
+        got = _attention_fwd_bwd(inp, lambda *a: (fn(*a), None))
+    except Exception as e:                                                       # noqa: BLE001
+        return CheckResult(False, None, f"compiled attention failed: {type(e).__name__}: {str(e)[:160]}")
+    finally:
+        torch._dynamo.reset()
+    want = _attention_fwd_bwd(inp, ref.sparse_attention)
+    err = max(rel_err(g, w) for g, w in zip(got, want))
+    return CheckResult(err <= 1e-5, err, "compiled attention fwd+bwd vs eager")
+
+
+# ------------------------------------------------------------------------------ compiler
+def _accumulate(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    acc += x.sum(-1)
+    return acc * 1.0
+
+
+def _explicit_rounding(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.float() @ w).to(torch.bfloat16).float() * 3.0
+
+
+def compile_parity(ctx: Context) -> CheckResult:
+    """Eager vs compiled (ctx.compiler) on in-place accumulator updates and explicit bf16 roundings."""
+    gen = torch.Generator().manual_seed(ctx.seed)
+    x, w = torch.randn(8, 64, generator=gen), torch.randn(64, 64, generator=gen)
+    worst = 0.0
+    try:
+        for name, fn, args in (("acc += x.sum()", _accumulate, lambda: (torch.ones(8), x)),
+                               ("explicit bf16 rounding", _explicit_rounding, lambda: (x, w))):
+            torch._dynamo.reset()
+            ea, ca = args(), args()
+            want = fn(*ea)
+            got = torch.compile(fn, backend=ctx.compiler, fullgraph=True)(*ca)
+            err = max(rel_err(got, want), rel_err(ca[0], ea[0]))
+            worst = max(worst, err)
+            if err > 0:
+                return CheckResult(False, err, f"{name}: compiled differs from eager (outputs or aliased input)")
+    finally:
+        torch._dynamo.reset()
+    return CheckResult(True, worst, "compiled == eager bit for bit")
+
+
+# ------------------------------------------------------------------------------ determinism / memory
+def determinism(ctx: Context) -> CheckResult:
+    from .determinism import determinism as run
+
+    rep = run(ctx.model, ctx.tokens[:1, :16], runs=2, deterministic_mode=True)
+    if rep.ok:
+        return CheckResult(True, 0.0, f"{rep.tensors} tensors identical over {rep.runs} runs")
+    d = rep.drifting[0]
+    return CheckResult(False, d["max_abs"], f"{len(rep.drifting)} tensors drift, first {d['name']}")
+
+
+@contextlib.contextmanager
+def poisoned_memory():
+    """torch.empty and other uninitialized allocations are filled with NaN inside the block."""
+    import torch.utils.deterministic as det
+
+    prev_alg, prev_fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev_alg)
+        det.fill_uninitialized_memory = prev_fill
+
+
+def poisoned_memory_check(ctx: Context) -> CheckResult:
+    """MoE experts split in two expert-parallel shards (each skips the other's experts) with poisoned
+    uninitialized memory: the shard sum must equal the reference, all finite."""
+    inp = moe_inputs(ctx.cfg, tokens=16, seed=ctx.seed)
+    e = inp["w1"].size(0)
+    half = e // 2
+    want = ref.moe_experts(**inp)
+    with poisoned_memory():
+        parts = []
+        for lo, hi in ((0, half), (half, e)):
+            shard = dict(inp, w1=inp["w1"][lo:hi], w2=inp["w2"][lo:hi], w3=inp["w3"][lo:hi], expert_offset=lo)
+            parts.append(ops.moe_experts(**shard, backend=fast_moe_backend()))
+    got = parts[0] + parts[1]
+    err = rel_err(got, want)
+    return CheckResult(err <= 1e-4, err, f"expert-parallel shards ({ops.last_backend('moe_experts')}) vs reference")
+
+
+# ------------------------------------------------------------------------------ decode / indexer
+def teacher_forcing(ctx: Context) -> CheckResult:
+    """Prefill + decode across compression boundaries vs one full prefill (uses dsv4.check.teacher_forcing)."""
+    from .teacher_forcing import teacher_forcing as tf
+
+    rep = tf(ctx.model, ctx.tokens[:1, :18], prefill=9)                         # decode crosses 4- and 16-groups
+    where = f" first at position {rep.first_position}" + (f", stage {rep.first_stage}" if rep.first_stage else "")
+    return CheckResult(rep.ok, rep.max_rel_error, "prefill vs decode logits" + ("" if rep.ok else where))
+
+
+def indexer_padding(ctx: Context) -> CheckResult:
+    """Top-k slots past the visible entries are -1; picked entries are visible (j < (t+1)//ratio)."""
+    inp = indexer_inputs(s=13, seed=ctx.seed)
+    got = ops.indexer_topk(**inp)
+    visible = (inp["positions"] + 1) // inp["ratio"]                             # [s]
+    n_vis = visible.view(1, -1, 1)
+    slot = torch.arange(got.size(-1)).view(1, 1, -1)
+    bad_pad = (slot >= n_vis) & (got != -1)
+    bad_pick = (slot < n_vis) & ((got < 0) | (got >= n_vis))
+    frac = float((bad_pad | bad_pick).float().mean())
+    if frac:
+        return CheckResult(False, frac, f"{int(bad_pad.sum())} padding slots not -1, {int(bad_pick.sum())} "
+                                        "picks invisible")
+    want = ref.indexer_topk(**inp)
+    return CheckResult(torch.equal(got, want), 0.0, "padding slots -1, picks visible, equal to reference")
+
+
+# ------------------------------------------------------------------------------ evidence / shapes / dtype
+def backend_evidence(ctx: Context) -> CheckResult:
+    """Ask for a 'probe' backend (the reference under another name) for every op; every op the model
+    must dispatch has to show up as having run on it (`dsv4.ops.calls()`)."""
+    cfg = ctx.cfg
+    must = {"sparse_attention", "hc_pre", "hc_post", "hc_head", "moe_experts"}
+    if any(cfg.compress_ratios[: cfg.n_layers]):
+        must.add("compress_pool")
+    if 4 in cfg.compress_ratios[: cfg.n_layers]:
+        must |= {"indexer_topk", "hadamard"}
+    for op in ops.ops():
+        ops.register(op, "probe", getattr(ref, op, None) or ops._REGISTRY[op]["reference"].fn, priority=-100)
+    before = ops.calls()
+    try:
+        with ops.use_backend("probe"), torch.no_grad():
+            ctx.model(ctx.tokens[:1, :16])
+    finally:
+        for op in ops.ops():
+            ops._REGISTRY[op].pop("probe", None)
+    ran: dict[str, set[str]] = {}
+    for (op, be), n in ops.calls().items():
+        if n > before.get((op, be), 0):
+            ran.setdefault(op, set()).add(be)
+    missing = sorted(op for op in must if "probe" not in ran.get(op, set()))
+    other = sorted(op for op, bes in ran.items() if bes - {"probe"})
+    if missing or other:
+        return CheckResult(False, float(len(missing) + len(other)),
+                           f"requested 'probe' but no evidence it ran for {missing}; other backends ran for {other}")
+    return CheckResult(True, 0.0, f"{len(ran)} ops reported the requested backend")
+
+
+DATA_DEPENDENT = ("nonzero", "masked_select", "_local_scalar_dense", "unique", "_unique2", "unique_consecutive",
+                  "masked_scatter", "repeat_interleave")
+
+
+class DataDependentOps(TorchDispatchMode):
+    """Records aten ops whose output shape or a host value depends on tensor data."""
+
+    def __init__(self):
+        super().__init__()
+        self.hits: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        bool_index = name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                             for i in (args[1] if len(args) > 1 else []) if i is not None)
+        if name in DATA_DEPENDENT or bool_index:
+            self.hits.append(name + ("[bool mask]" if bool_index else ""))
+        return func(*args, **(kwargs or {}))
+
+
+HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy")
+
+
+@contextlib.contextmanager
+def host_reads(hits: list[str]):
+    """Record reads of tensor values into Python (`.tolist()`, `.item()`, `bool(t)`, ...) inside the block."""
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def wrap(name, fn):
+        def reader(self, *a, **k):
+            hits.append(f"Tensor.{name}")
+            return fn(self, *a, **k)
+        return reader
+
+    for name, fn in saved.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def static_shapes(ctx: Context) -> CheckResult:
+    """Sampling, the MoE experts and a decode step's cache writes run with static shapes (no data-dependent
+    sizes, no host reads of tensor values)."""
+    from ..model import sampling
+
+    gen = torch.Generator().manual_seed(ctx.seed)
+    logits = torch.randn(2, ctx.cfg.vocab_size, generator=gen)
+    inp = moe_inputs(ctx.cfg, tokens=8, seed=ctx.seed)
+    model = ctx.model
+    cache = model.new_cache(1, max_len=16)
+    with torch.no_grad():
+        model.prefill(ctx.tokens[:1, :7], cache)
+        x = model._embed(ctx.tokens[:1, 7:8])
+    moe = fast_moe_backend()
+    spots = {
+        "sampling": lambda: sampling.sample(logits, temperature=0.8, top_p=0.9, top_k=50, generator=gen),
+        f"moe_experts[{moe}]": lambda: ops.moe_experts(**inp),
+        "decode step (cache writes)": lambda: model.layers[1](x, torch.tensor([7]), ctx.tokens[:1, 7:8],
+                                                              cache=cache.layers[1], pos=7),
+    }
+    for where, fn in spots.items():
+        reads: list[str] = []
+        with torch.no_grad(), ops.use_backend({"moe_experts": moe} if moe else None), DataDependentOps() as mode, \
+                host_reads(reads):
+            fn()
+        hits = mode.hits + reads
+        if hits:
+            return CheckResult(False, float(len(hits)), f"{where}: data-dependent ops / host reads {sorted(set(hits))}")
+    return CheckResult(True, 0.0, f"no data-dependent shapes or host reads (moe_experts backend {moe})")
+
+
+def compile_moe(ctx: Context) -> CheckResult:
+    """fullgraph torch.compile (dynamic shapes) of the MoE experts, called with two different routings and
+    token counts: no data-dependent size may force a guard or a graph break."""
+    moe = fast_moe_backend() or "reference"
+    gen_inp = [moe_inputs(ctx.cfg, tokens=8 + 4 * i, seed=ctx.seed + i) for i in range(2)]
+    bf = [{k: v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() and k != "weights" else v
+           for k, v in inp.items()} for inp in gen_inp]
+    fn = ops.resolve("moe_experts", moe, **bf[0]).fn
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(fn, fullgraph=True, backend="eager", dynamic=True)
+        errs = [rel_err(compiled(**inp), ref.moe_experts(**inp)) for inp in bf]
+    except Exception as e:                                                       # noqa: BLE001
+        return CheckResult(False, None, f"moe_experts[{moe}] does not compile: {type(e).__name__}: "
+                                        f"{str(e).splitlines()[0][:160]}")
+    finally:
+        torch._dynamo.reset()
+    return CheckResult(max(errs) <= 2e-2, max(errs), f"moe_experts[{moe}] compiled fullgraph, dynamic counts")
+
+
+def live_dtype(ctx: Context) -> CheckResult:
+    """A model built for bf16 holds bf16 weights (fp32 only where the design says so), read from the live
+    model, with the memory estimate that follows."""
+    model = DeepSeekV4(ctx.cfg, dtype=torch.bfloat16, device="meta")
+    by_dtype: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
+    total = sum(by_dtype.values())
+    bf16 = by_dtype.get(torch.bfloat16, 0) / max(total, 1)
+    gib = sum(n * d.itemsize for d, n in by_dtype.items()) / 2**30
+    ok = model.embed.weight.dtype == torch.bfloat16 and bf16 > 0.5
+    return CheckResult(ok, bf16, f"bf16 share of parameters {bf16:.1%}, weights {gib * 1024:.1f} MiB; "
+                                 f"embed {model.embed.weight.dtype}")
+
+
+# ------------------------------------------------------------------------------ formats
+def fp4_known_bytes(ctx: Context) -> CheckResult:
+    """Bytes 0x21, 0x43 are codes 1, 2, 3, 4 (low nibble first); dequantized values follow."""
+    from ..formats import fp4
+
+    packed = torch.tensor([[0x21, 0x43] + [0x00] * 14], dtype=torch.uint8).view(torch.int8)
+    codes = fp4.unpack_fp4(packed)
+    want = torch.tensor([1, 2, 3, 4] + [0] * 28, dtype=codes.dtype)
+    if not torch.equal(codes[0], want):
+        return CheckResult(False, float((codes[0] != want).float().mean()), f"decoded codes {codes[0, :6].tolist()}")
+    scale = torch.tensor([[127]], dtype=torch.uint8)                              # 2^0
+    deq = fp4.dequantize_mxfp4(packed, scale)
+    want_v = torch.tensor([0.5, 1.0, 1.5, 2.0] + [0.0] * 28)
+    err = float((deq[0] - want_v).abs().max())
+    return CheckResult(err == 0, err, "known bytes decode bit-exactly")
+
+
+def e8m0_bytes(ctx: Context) -> CheckResult:
+    """Every scale byte b decodes to 2^(b-127), and an FP8 block dequantizes with exactly that scale."""
+    from ..formats import e8m0, fp8
+
+    b = torch.arange(0, 255, dtype=torch.uint8)
+    got = e8m0.e8m0_decode(b)
+    want = torch.exp2(b.double() - 127)
+    err = float(((got.double() - want).abs() / want).max())
+    if err:
+        return CheckResult(False, err, f"byte 130 decodes to {float(got[130])}, want 8.0")
+    q = fp8.e4m3_encode(torch.ones(4, 4))
+    deq = fp8.dequantize_fp8(q, torch.tensor([[130]], dtype=torch.uint8))
+    err = float((deq - 8.0).abs().max())
+    return CheckResult(err == 0, err, "scale bytes decode bit for bit")
+
+
+CHECKS: dict[str, Callable[[Context], CheckResult]] = {
+    "stage-compare": stage_compare,
+    "router-contract": router_contract,
+    "swiglu-limit": swiglu_limit,
+    "attention-backward-random": attention_backward_random,
+    "attention-backward-structured": attention_backward_structured,
+    "lse-contract": lse_contract,
+    "compile-attention": compile_attention,
+    "compile-parity": compile_parity,
+    "determinism": determinism,
+    "poisoned-memory": poisoned_memory_check,
+    "teacher-forcing": teacher_forcing,
+    "indexer-padding": indexer_padding,
+    "backend-evidence": backend_evidence,
+    "static-shapes": static_shapes,
+    "compile-moe": compile_moe,
+    "live-dtype": live_dtype,
+    "fp4-known-bytes": fp4_known_bytes,
+    "e8m0-bytes": e8m0_bytes,
+}

@@ -1,0 +1,163 @@
+"""dsv4.check: stage capture, first divergence, determinism, non-finite hooks, the bug-zoo conformance suite."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from dsv4 import ops
+from dsv4.check import cli
+from dsv4.check.capture import capturing, layer_of
+from dsv4.check.compare import Side, backend_choice, build_model, compare, perturbed
+from dsv4.check.conformance import run_conformance
+from dsv4.check.determinism import determinism
+from dsv4.check.inputs import boundary_lengths, check_config, random_tokens
+from dsv4.check.metrics import TOLERANCES, diff, index_mismatch
+from dsv4.check.mutants import MUTANTS, temporary_backend
+from dsv4.check.nonfinite import find_nonfinite
+from dsv4.errors import UserError
+from dsv4.ops import reference as ref
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return check_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def model(cfg):
+    return build_model(cfg=cfg)
+
+
+@pytest.fixture(scope="module")
+def tokens(cfg):
+    return random_tokens(cfg, batch=1, seq=24)
+
+
+def test_capture_keeps_numbers_and_order(model, tokens):
+    with torch.no_grad():
+        plain = model(tokens).logits
+        with capturing() as cap:
+            captured = model(tokens).logits
+    assert torch.equal(plain, captured)
+    names = list(cap.stages)
+    assert names[0] == "embed" and names[-1] == "head.logits"
+    assert names.index("layers.1.attn.indexer.topk") < names.index("layers.1.attn.core")
+    assert "layers.2.attn.compressed_kv" in names and "layers.3.ffn.router_indices" in names
+    assert layer_of("layers.3.ffn.out") == "layers.3" and layer_of("head.logits") == "head"
+
+
+def test_metrics():
+    a = torch.tensor([[1, 2, 3], [4, 5, -1]])
+    assert index_mismatch(a, a.flip(-1)) == 0.0                    # order inside a row does not matter
+    assert index_mismatch(a, torch.tensor([[1, 2, 7], [4, 5, -1]])) == pytest.approx(1 / 6)
+    x = torch.randn(10)
+    d = diff("x", x * (1 + 1e-3), x, TOLERANCES["fp32"])
+    assert not d.ok and d.rel_l2 == pytest.approx(1e-3, rel=1e-3)
+    masked = torch.tensor([1.0, float("-inf")])
+    assert diff("m", masked, masked.clone(), TOLERANCES["exact"]).ok
+    assert not diff("m", torch.tensor([1.0, float("nan")]), masked, TOLERANCES["fp32"]).ok
+
+
+def test_boundary_lengths(cfg):
+    n = boundary_lengths(cfg)
+    assert {3, 4, 5, 15, 16, 17} <= set(n)
+
+
+def test_compare_names_the_perturbed_layer(model, tokens):
+    rep = compare(Side("perturbed", perturbed(model, "layers.2.attn.wq_b.weight", 1e-2)), Side("ref", model), tokens)
+    assert not rep.ok
+    assert rep.first_divergence == "layers.2.attn.q"
+    assert all(d.ok and d.rel_l2 == 0 for d in rep.stages.diffs if not d.name.startswith(("layers.2", "layers.3",
+                                                                                            "head")))
+    same = compare(Side("a", model), Side("b", model), tokens, TOLERANCES["exact"])
+    assert same.ok and same.first_divergence is None
+
+
+def test_compare_reports_the_backend_that_ran(model, tokens):
+    choice, missing = backend_choice("grouped")
+    assert choice == {"moe_experts": "grouped"} and "sparse_attention" in missing
+    rep = compare(Side("grouped", model, backend=choice), Side("reference", model, backend="reference"), tokens)
+    assert rep.implementations["grouped"]["moe_experts"] == ["grouped"]
+    assert rep.implementations["reference"]["moe_experts"] == ["reference"]
+    assert rep.ok, rep.render()
+    with pytest.raises(UserError):
+        backend_choice("no-such-backend")
+
+
+def test_determinism_reference_and_planted_drift(model, tokens):
+    t = tokens[:, :12]
+    assert determinism(model, t, runs=2).ok
+    z18 = next(m for m in MUTANTS if m.id == "Z18")
+    from dsv4.check.zoo import Context
+
+    with z18.plant(Context(model.cfg, model, t)):
+        rep = determinism(model, t, runs=2)
+    assert not rep.ok and any(d["name"].startswith(("grad:", "stage:")) for d in rep.drifting)
+    assert "mutant_random_order" in rep.implementations["hc_pre"]
+    assert "mutant_random_order" not in ops.backends("hc_pre")       # unregistered on exit
+
+
+def test_nonfinite_names_the_planted_op(model, tokens):
+    assert find_nonfinite(model, tokens[:, :12]).ok
+
+    def bad_hc_post(f, residual, post, comb):
+        y = ref.hc_post(f, residual, post, comb)
+        return y * torch.where(post[..., :1, None] > 0, torch.log(post[..., :1, None] - post[..., :1, None]), 1.0)
+
+    with temporary_backend("hc_post", "mutant_nan", bad_hc_post):
+        rep = find_nonfinite(model, tokens[:, :12], backward=False)
+    assert not rep.ok
+    assert rep.dsv4_op == "hc_post" or rep.name.startswith("hc_post")
+    assert rep.module == "layers.0"
+
+
+def test_conformance_tiny_catches_every_applicable_mutant(capsys):
+    rc = cli.main(["conformance", "--preset", "tiny", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0, out
+    ids = [r["id"] for r in out["mutants"]]
+    assert ids == [f"Z{i:02d}" for i in range(1, 25)]
+    for r in out["mutants"]:
+        assert r["status"] in ("caught", "pending")
+        if r["status"] == "caught":
+            assert r["check"] and r["detail"]
+    assert all(v["ok"] for v in out["baseline"].values())
+
+
+def test_conformance_reports_an_escaped_mutant(monkeypatch):
+    z07 = next(m for m in MUTANTS if m.id == "Z07")
+    monkeypatch.setattr(z07, "checks", ["swiglu-limit"])             # a check that cannot see route_scale
+    rep = run_conformance("tiny", ids=["Z07"])
+    assert not rep.ok and rep.rows[0].status == "escaped"
+
+
+def test_cli_compare_plant_and_user_errors(capsys):
+    rc = cli.main(["compare", "--plant", "Z07", "--seq-len", "16", "--batch", "1", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 1 and out["first_divergence"] == "layers.0.ffn.router_weights"
+    assert cli.main(["compare", "--seq-len", "16"]) == 2                 # no mode: one-line user error
+    assert "exactly one of" in capsys.readouterr().err
+    assert cli.main(["compare", "--plant", "Z10"]) == 2                   # pending mutant
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="transformers not installed (optional): pip install 'transformers>=5.5'")
+def test_external_hf_agrees_within_fp32(cfg):
+    from dsv4.check import hf
+
+    try:
+        hf._require_transformers()
+    except UserError as e:
+        pytest.skip(str(e))
+    m = build_model(cfg=cfg.replace(fp8_kv_sim=False, fp4_indexer_sim=False))
+    toks = random_tokens(m.cfg, batch=1, seq=24)
+    rep = compare(Side("transformers", external=hf.runner(m)), Side("dsv4", m), toks)
+    assert rep.ok, rep.render()
+    assert rep.logits.rel_l2 < 1e-5
+    assert len(rep.stages.diffs) > 20                                     # per-layer stages were compared
+    with pytest.raises(UserError, match="simulates no FP8"):
+        hf.runner(build_model(cfg=cfg))
