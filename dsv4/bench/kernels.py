@@ -129,8 +129,9 @@ def _indexer_sweeps(args, device, rows: list, ix) -> None:
 def _attention_sweeps(args, device, rows: list, sa) -> None:
     q, kv, sink, idx = attention_inputs(1, args.seq, args.heads, args.dim, args.topk, args.seq, device)
     scale = args.dim**-0.5
-    fwd_c = [{"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
-             for bh, bn, w, st in ((64, 64, 8, 2), (32, 64, 4, 3), (32, 64, 8, 2), (64, 32, 8, 3))]
+    fwd_c = [{"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "D_SPLIT": ds}
+             for bh, bn, w, st, ds in ((64, 64, 8, 2, 1), (64, 64, 8, 2, 2), (64, 64, 4, 2, 2),
+                                       (64, 32, 4, 3, 2), (64, 128, 8, 2, 2))]
     _sweep("attn_fwd", sa.FWD_CONFIG, fwd_c, lambda: sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1),
            rows)
     o_lo = torch.empty_like(q)
@@ -138,19 +139,18 @@ def _attention_sweeps(args, device, rows: list, sa) -> None:
     do = torch.randn_like(o)
     bwd = lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False, o_lo)  # noqa: E731
     dkv_c = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
-             for bn, w, st in ((32, 8, 2), (64, 8, 2), (16, 4, 2), (32, 4, 3))]
+             for bn, w, st in ((32, 8, 2), (32, 8, 1), (32, 16, 2))]
     _sweep("attn_bwd_dkv_pass", sa.DKV_CONFIG, dkv_c, bwd, rows)
     bwd_c = [{"mode": mode, "BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
-             for mode, bh, bn, w, st in (("two_pass", 32, 32, 8, 2), ("two_pass", 64, 32, 8, 1),
-                                         ("two_pass", 64, 16, 8, 2), ("two_pass", 64, 64, 8, 1),
-                                         ("two_pass", 32, 64, 4, 2), ("fused", 32, 32, 8, 2))]
+             for mode, bh, bn, w, st in (("two_pass", 64, 64, 8, 1), ("two_pass", 64, 128, 8, 1),
+                                         ("two_pass", 64, 64, 16, 1), ("two_pass", 64, 32, 8, 2))]
     _sweep("attn_bwd", sa.BWD_CONFIG, bwd_c,
            lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False, o_lo), rows)
     qd, kvd, sinkd, idxd = attention_inputs(args.decode_batch, 1, args.heads, args.dim, args.topk, args.seq,
                                             device)
-    dec_c = [{"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "max_splits": ms}
-             for bh, bn, w, st, ms in ((16, 64, 4, 3, 1), (16, 32, 4, 3, 1), (32, 64, 4, 3, 1),
-                                       (64, 32, 8, 3, 1), (16, 64, 4, 3, 4), (64, 32, 8, 3, 16))]
+    dec_c = [{"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "max_splits": ms, "D_SPLIT": ds}
+             for bh, bn, w, st, ms, ds in ((64, 32, 8, 3, 1, 1), (64, 32, 4, 3, 1, 2), (64, 32, 4, 3, 1, 4),
+                                           (64, 64, 4, 2, 1, 4), (64, 32, 4, 3, 4, 2))]
     _sweep("attn_decode", sa.DECODE_CONFIG, dec_c,
            lambda: sa.sparse_attention_fwd(qd, kvd, sinkd, idxd, scale), rows)
 
@@ -302,6 +302,32 @@ class _Stream(list):
         print(json.dumps(row), flush=True)
 
 
+def _diag_rows() -> list[dict]:
+    """Registers, spills, shared memory and tensor-core instruction kind of every compiled kernel."""
+    from dsv4.ops.triton import indexer as ix
+    from dsv4.ops.triton import sparse_attention as sa
+
+    out = []
+    for mod in (sa, ix):
+        for name, obj in vars(mod).items():
+            jit = getattr(obj, "_jit", None)
+            caches = getattr(jit, "device_caches", None) if jit is not None else None
+            if not caches:
+                continue
+            for entry in caches.values():
+                cache = entry[0] if isinstance(entry, tuple) else entry
+                for ck in getattr(cache, "values", lambda: [])():
+                    try:
+                        ptx = ck.asm.get("ptx", "")
+                        out.append({"diag": name, "n_regs": ck.n_regs, "n_spills": ck.n_spills,
+                                    "shared": ck.metadata.shared, "num_warps": ck.metadata.num_warps,
+                                    "wgmma": "wgmma" in ptx, "mma_sync": "mma.sync" in ptx,
+                                    "red_v": ".v4.f32" in ptx or ".v2.f32" in ptx})
+                    except Exception as e:  # metadata layout differs between triton versions
+                        out.append({"diag": name, "error": f"{type(e).__name__}: {e}"[:120]})
+    return out
+
+
 def run_kernel_bench(args: argparse.Namespace) -> int:
     """Entry point of `dsv4 bench kernels`."""
     if not torch.cuda.is_available():
@@ -327,6 +353,9 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
               "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d"),
               "limits": {k: round(v, 1) for k, v in limits.items()}, "rows": rows, "sweeps": sweep_rows,
               "seconds": round(time.time() - t0, 1)}
+    if args.diag:
+        for r in _diag_rows():
+            rows.append(r)
     if args.jsonl:
         return 0
     if args.json:
@@ -337,6 +366,9 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
     for r in sweep_rows:
         print("sweep", r)
     for r in rows:
+        if "kernel" not in r:
+            print(r)
+            continue
         rate = f"{r['tflops']:7.1f} TFLOP/s ({r['of_matmul']:.0%} of matmul)" if "tflops" in r else ""
         bw = f"  {r['gbs']:7.0f} GB/s ({r['of_copy']:.0%} of copy)" if "gbs" in r else ""
         sp = f"  x{r['speedup']} vs reference" if "speedup" in r else ""
@@ -365,6 +397,7 @@ def add_bench_kernels_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--reference", action="store_true", help="also time the torch reference (speed-up)")
     p.add_argument("--check", action="store_true", help="compare with the reference at the bench shapes")
     p.add_argument("--sweep", action="store_true", help="try launch configs first, keep the fastest")
+    p.add_argument("--diag", action="store_true", help="report registers / spills / smem of compiled kernels")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--jsonl", action="store_true", help="print each result as a JSON line as it is measured")
     p.set_defaults(func=run_kernel_bench)

@@ -50,15 +50,22 @@ def _fwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr, olo_ptr,
                 pacc_ptr, pm_ptr, pl_ptr,
                 S, H, K, N, D, scale_log2, keys_per_split, n_splits,
                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                SPLIT: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, STORE_LO: tl.constexpr):
+                SPLIT: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, STORE_LO: tl.constexpr,
+                D_SPLIT: tl.constexpr):
+    """D_SPLIT > 1: D_SPLIT programs share a (query, head block), each accumulating 1/D_SPLIT of the
+    output columns (scores are computed by each of them: less register pressure for more QK work)."""
     pid_q = tl.program_id(0).to(tl.int64)          # b * S + s
-    pid_h = tl.program_id(1)
+    pid_h = tl.program_id(1) // D_SPLIT
+    pid_dh = tl.program_id(1) % D_SPLIT
     pid_k = tl.program_id(2)
     b = pid_q // S
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_o = pid_dh * (BLOCK_D // D_SPLIT) + tl.arange(0, BLOCK_D // D_SPLIT)    # output columns
     h_ok = offs_h < H
     d_ok = offs_d < D
+    o_ok = offs_o < D
+    first = (tl.zeros([BLOCK_H], tl.int32) + pid_dh) == 0        # [BH]: this program stores m, l, lse
     q = tl.load(q_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)                     # [BH, BD]
     if SPLIT:
@@ -72,7 +79,7 @@ def _fwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr, olo_ptr,
         l_sum = tl.full([BLOCK_H], 1.0, tl.float32)
         k_lo = 0
         k_hi = K
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D // D_SPLIT], tl.float32)
     for start in range(k_lo, k_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         ids = tl.load(idx_ptr + pid_q * K + offs_n, mask=offs_n < k_hi, other=-1).to(tl.int64)
@@ -85,26 +92,30 @@ def _fwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr, olo_ptr,
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype).to(DOT_T), kv.to(DOT_T), input_precision=PREC)
+        if D_SPLIT == 1:
+            kv_o = kv
+        else:
+            kv_o = tl.load(kv_ptr + (b * N + ids[:, None]) * D + offs_o[None, :],
+                           mask=valid[:, None] & o_ok[None, :], other=0.0)          # [BN, BD/D_SPLIT]
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype).to(DOT_T), kv_o.to(DOT_T), input_precision=PREC)
         m = m_new
+    ho_ok = h_ok[:, None] & o_ok[None, :]
     if SPLIT:
         row = (pid_q * n_splits + pid_k) * H + offs_h                                # [BH]
-        tl.store(pm_ptr + row, m, mask=h_ok)
-        tl.store(pl_ptr + row, l_sum, mask=h_ok)
-        tl.store(pacc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(pm_ptr + row, m, mask=h_ok & first)
+        tl.store(pl_ptr + row, l_sum, mask=h_ok & first)
+        tl.store(pacc_ptr + row[:, None] * D + offs_o[None, :], acc, mask=ho_ok)
     else:
         o = acc / l_sum[:, None]
         o_hi = o.to(o_ptr.dtype.element_ty)
-        tl.store(o_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :], o_hi,
-                 mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(o_ptr + (pid_q * H + offs_h[:, None]) * D + offs_o[None, :], o_hi, mask=ho_ok)
         if STORE_LO:  # rounding residual of o, so that backward's rowsum(o * do) is fp32-accurate
-            tl.store(olo_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :],
-                     (o - o_hi.to(tl.float32)).to(olo_ptr.dtype.element_ty),
-                     mask=h_ok[:, None] & d_ok[None, :])
+            tl.store(olo_ptr + (pid_q * H + offs_h[:, None]) * D + offs_o[None, :],
+                     (o - o_hi.to(tl.float32)).to(olo_ptr.dtype.element_ty), mask=ho_ok)
         # while the sink is still the maximum, lse = sink + log(l): exactly the sink when no key is valid
         lse = tl.where(m == sink * 1.4426950408889634, sink + tl.log(l_sum),
                        (m + tl.log2(l_sum)) * 0.6931471805599453)
-        tl.store(lse_ptr + pid_q * H + offs_h, lse, mask=h_ok)
+        tl.store(lse_ptr + pid_q * H + offs_h, lse, mask=h_ok & first)
 
 
 def _combine_kernel(sink_ptr, pacc_ptr, pm_ptr, pl_ptr, o_ptr, lse_ptr, olo_ptr, H, D, n_splits,
@@ -306,20 +317,21 @@ def _block_h(h: int, cap: int = 64) -> int:
 
 
 # (BLOCK_N, num_warps, num_stages) by phase; tuned on an H200 at d=512, 64 heads (see BENCHMARKS.md)
-FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "D_SPLIT": 1}
 # backward "two_pass" (heads <= 64): pass 1 (dq; BWD_CONFIG) stores P and dS, pass 2 (dkv; DKV_CONFIG)
 # reduces all heads per key on tensor cores before one scatter. "fused": one kernel, a scatter per head block.
-BWD_CONFIG = {"mode": "two_pass", "BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+BWD_CONFIG = {"mode": "two_pass", "BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
 DKV_CONFIG = {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+FUSED_BWD_CONFIG = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}  # 64-head blocks overflow smem
 # few queries (decode): smaller head blocks first (more programs, KV re-read from L2), key splits only if
 # that still leaves the device idle ("max_splits"; partial accumulators cost h*d*4 bytes per split)
-DECODE_CONFIG = {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "max_splits": 1}
+DECODE_CONFIG = {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "max_splits": 1, "D_SPLIT": 1}
 
 
 def _launch_opts(cfg: dict) -> dict:
     """Launch options without the planning keys (BLOCK_H, max_splits)."""
     if interpret_mode():
-        return {"BLOCK_N": 16}
+        return {"BLOCK_N": 16, **({"D_SPLIT": cfg["D_SPLIT"]} if "D_SPLIT" in cfg else {})}
     return {k: v for k, v in cfg.items() if k not in ("BLOCK_H", "max_splits", "mode")}
 
 
@@ -378,19 +390,20 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, 
     if has_lo and not (o_lo.is_contiguous() and o_lo.shape == q.shape):
         raise ValueError("o_lo must be a contiguous tensor shaped like q")
     scale_log2 = float(scale) * LOG2E
+    dsplit = cfg.get("D_SPLIT", 1)
     if splits <= 1:
-        _fwd[(b * s, n_hb, 1)](q, kv, sink, idx, o, lse, lo, o, lse, lse, s, h, k, n, d, scale_log2, k, 1,
-                               BLOCK_H=bh, BLOCK_D=bd, SPLIT=False, PREC=prec, DOT_T=dot_t, STORE_LO=has_lo,
-                               **_launch_opts(cfg))
+        _fwd[(b * s, n_hb * dsplit, 1)](q, kv, sink, idx, o, lse, lo, o, lse, lse, s, h, k, n, d, scale_log2,
+                                        k, 1, BLOCK_H=bh, BLOCK_D=bd, SPLIT=False, PREC=prec, DOT_T=dot_t,
+                                        STORE_LO=has_lo, **_launch_opts(cfg))
         return o, lse
     per = triton.cdiv(triton.cdiv(k, splits), 16) * 16
     splits = triton.cdiv(k, per)
     pacc = torch.empty(b * s, splits, h, d, dtype=torch.float32, device=q.device)
     pm = torch.empty(b * s, splits, h, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
-    _fwd[(b * s, n_hb, splits)](q, kv, sink, idx, o, lse, lo, pacc, pm, pl, s, h, k, n, d, scale_log2, per,
-                                splits, BLOCK_H=bh, BLOCK_D=bd, SPLIT=True, PREC=prec, DOT_T=dot_t,
-                                STORE_LO=False, **_launch_opts(cfg))
+    _fwd[(b * s, n_hb * dsplit, splits)](q, kv, sink, idx, o, lse, lo, pacc, pm, pl, s, h, k, n, d,
+                                         scale_log2, per, splits, BLOCK_H=bh, BLOCK_D=bd, SPLIT=True,
+                                         PREC=prec, DOT_T=dot_t, STORE_LO=False, **_launch_opts(cfg))
     _combine[(b * s, n_hb)](sink, pacc, pm, pl, o, lse, lo, h, d, splits, BLOCK_H=bh, BLOCK_D=bd,
                             STORE_LO=has_lo,
                             **({} if interpret_mode() else {"num_warps": 8}))
@@ -412,9 +425,10 @@ def sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, 
     dsink_part = torch.zeros(b * s, h, dtype=torch.float32, device=q.device)
     if b * s == 0 or h == 0:
         return dq.zero_(), dkv32.to(kv.dtype), torch.zeros_like(sink)
-    bh, bd = _block_h(h, 16 if interpret_mode() else BWD_CONFIG.get("BLOCK_H", 64)), _block_d(d)
-    n_hb = triton.cdiv(h, bh)
     two_pass = BWD_CONFIG.get("mode", "fused") == "two_pass" and h <= 64
+    cfg = BWD_CONFIG if two_pass else FUSED_BWD_CONFIG
+    bh, bd = _block_h(h, 16 if interpret_mode() else cfg["BLOCK_H"]), _block_d(d)
+    n_hb = triton.cdiv(h, bh)
     contrib_rows = b * s * k if two_pass else b * s * n_hb * k
     contrib = (torch.empty(contrib_rows, d, dtype=torch.float32, device=q.device) if deterministic
                else dkv32)
@@ -435,7 +449,7 @@ def sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, 
         _bwd[(b * s, n_hb)](q, kv, sink32, idx, o, lo, do, lse, dq, dkv32, dsink_part, contrib,
                             s, h, k, n, d, float(scale), n_hb, BLOCK_H=bh, BLOCK_D=bd,
                             DETERMINISTIC=deterministic, PREC=prec, DOT_T=dot_t, HAS_LO=has_lo,
-                            **_launch_opts(BWD_CONFIG))
+                            **_launch_opts(FUSED_BWD_CONFIG))
     if deterministic and contrib.numel() and b * n:
         # target kv row of every (query, head block, slot) contribution; -1 slots go to a dropped row
         rows = idx.long() + (torch.arange(b, device=q.device) * n).view(b, 1, 1)          # [b, s, k]
