@@ -1,0 +1,186 @@
+"""FSDP2 data parallelism + expert parallelism on 2 gloo processes (CPU) against one process.
+
+One module-scoped launch runs every scenario in two real processes; each rank also trains a single-process
+replica on the whole global batch and reports the differences, which the tests below judge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dsv4.train import distributed as D
+
+WORLD = 2
+TIMEOUT_S = 420          # a mismatched collective hangs; fail instead of waiting forever
+N_MOE = 5                # tiny: 4 layers + 1 MTP block
+N_LOCAL = 4              # 8 routed experts over 2 ranks
+
+
+def _route_to_first_half(model: torch.nn.Module) -> None:
+    """Bias every learned router towards experts 0..E/2-1, so rank 1 receives no tokens in those layers."""
+    with torch.no_grad():
+        for moe in D.moe_layers(model):
+            if not moe.gate.hash:
+                moe.gate.bias[: moe.n_experts // 2] += 100.0
+
+
+def _helper_checks() -> dict:
+    """grad_norm / clip_grad_norm_, full state dict round trip and expert-load sync on a sharded model."""
+    from dsv4.model.transformer import DeepSeekV4
+
+    rank = torch.distributed.get_rank()
+    tokens = torch.randint(0, 1024, (4, 24), generator=torch.Generator().manual_seed(5))
+    local = tokens[rank * 2:rank * 2 + 2]
+    ref = DeepSeekV4.from_config("tiny", seed=3)
+    par = D.shard_model(DeepSeekV4.from_config("tiny", seed=3))
+    D._loss(ref(tokens, mtp=True), tokens).backward()
+    D._loss(par(local, mtp=True), local).backward()
+
+    loads = [load.clone() for load in D.all_reduce_expert_load(par)]
+    ref_loads = [m.load for m in D.moe_layers(ref)]
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    norm_ref = torch.nn.utils.get_total_norm(list(ref_grads.values()))
+    clipped_norm = D.clip_grad_norm_(par, max_norm=0.25 * float(norm_ref))
+    clipped = D.full_grads(par)
+    coef = 0.25 * norm_ref / (norm_ref + 1e-6)
+    clip_rel = D._max_rel(clipped, {n: g * coef for n, g in ref_grads.items()})[0]
+    after = float(D.grad_norm(par))
+
+    state = {k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(7)).to(v.dtype)
+             if v.is_floating_point() else v for k, v in ref.state_dict().items()}
+    D.load_full_state_dict(par, state)
+    back = D.full_state_dict(par)
+    return {
+        "load_equal": all(torch.equal(a, b) for a, b in zip(loads, ref_loads)) and len(loads) == N_MOE,
+        "norm_rel": abs(float(clipped_norm) - float(norm_ref)) / float(norm_ref),
+        "clip_rel": clip_rel,
+        "clipped_norm_rel": abs(after - 0.25 * float(norm_ref)) / (0.25 * float(norm_ref)),
+        "state_keys_equal": back.keys() == state.keys(),
+        "state_equal": all(torch.equal(back[k], state[k]) for k in state),
+        "expert_shapes": [tuple(p.shape) for n, p in par.named_parameters() if D.is_expert_param(p)][:3],
+    }
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    D.setup_distributed(timeout_s=TIMEOUT_S)
+    res = {
+        "sgd": D.parity_check(steps=3, optimizer="sgd", lr=0.1),
+        "adamw": D.parity_check(steps=2, optimizer="adamw", lr=1e-3),
+        "no_tokens": D.parity_check(steps=1, optimizer="sgd", lr=0.1, prepare=_route_to_first_half),
+        "infer": D.inference_check(modes=("all_reduce", "all_to_all")),
+        "helpers": _helper_checks(),
+    }
+    # BUGZOO Z08 mutant: the expert-parallel rank read as 0 in every process
+    live = D._ep_rank
+    D._ep_rank = lambda group: 0
+    try:
+        res["z08_mutant"] = D.parity_check(steps=1, optimizer="sgd", lr=0.1)
+    finally:
+        D._ep_rank = live
+    D.teardown_distributed()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("dist")
+    ctx = mp.start_processes(_worker, args=(WORLD, D._free_port(), str(out)), nprocs=WORLD, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ctx.join(timeout=2):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"distributed workers did not finish in {TIMEOUT_S} s")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_expert_ranges_follow_the_live_rank(ranks):
+    for r, res in enumerate(ranks):
+        want = [[r * N_LOCAL, (r + 1) * N_LOCAL]] * N_MOE
+        assert res["sgd"]["expert_ranges"] == want
+        assert res["infer"]["all_reduce"]["expert_ranges"] == want
+        assert res["infer"]["all_to_all"]["expert_ranges"] == want
+        assert res["helpers"]["expert_shapes"][0][0] == N_LOCAL
+
+
+def test_z08_mutant_rank_cached_as_zero_is_caught(ranks):
+    # the mutant serves experts 0..3 on both ranks: ranges say so and the logits are visibly wrong
+    assert all(res["z08_mutant"]["expert_ranges"] == [[0, N_LOCAL]] * N_MOE for res in ranks)
+    assert max(res["z08_mutant"]["forward_rel"] for res in ranks) > 1e-2
+    assert ranks[1]["z08_mutant"]["expert_ranges"] != ranks[1]["sgd"]["expert_ranges"]
+
+
+def test_ep_forward_equals_single_process(ranks):
+    for res in ranks:
+        assert res["sgd"]["forward_rel"] < 1e-6
+        assert res["no_tokens"]["forward_rel"] < 1e-6
+
+
+def test_sgd_training_matches_single_process(ranks):
+    for res in ranks:
+        t = res["sgd"]
+        assert len(t["loss_par"]) == 3
+        assert t["loss_rel"] < 1e-5, (t["loss_ref"], t["loss_par"])
+        assert t["grad_rel"][0] < 1e-4, t["grad_worst"]
+        # later steps: parameters already differ by rounding; near-zero gradients (mHC of identical
+        # copies) carry relative noise of the same size as a single-process 2-microbatch run
+        assert max(t["grad_rel"]) < 1e-2, t["grad_worst"]
+        assert t["param_rel"] < 1e-4
+        assert abs(t["grad_norm_par"] - t["grad_norm_ref"]) / t["grad_norm_ref"] < 1e-5
+    assert ranks[0]["sgd"]["loss_par"] == ranks[1]["sgd"]["loss_par"]
+
+
+def test_adamw_training_losses_match_single_process(ranks):
+    for res in ranks:
+        t = res["adamw"]
+        assert t["grad_rel"][0] < 1e-4, t["grad_worst"]
+        # AdamW normalizes near-zero gradients, magnifying rounding noise; losses stay close
+        assert t["loss_rel"] < 5e-4, (t["loss_ref"], t["loss_par"])
+
+
+def test_rank_that_receives_no_tokens(ranks):
+    for res in ranks:
+        t = res["no_tokens"]
+        assert t["loss_rel"] < 1e-5 and t["grad_rel"][0] < 1e-4, t["grad_worst"]
+
+
+@pytest.mark.parametrize("mode", ["all_reduce", "all_to_all"])
+def test_inference_experts_split_gives_same_logits(ranks, mode):
+    for res in ranks:
+        t = res["infer"][mode]
+        assert t["forward_rel"] < 1e-5 and t["decode_rel"] < 1e-5
+        assert t["greedy_equal"]
+
+
+def test_helpers_norm_clip_state_and_load(ranks):
+    for res in ranks:
+        h = res["helpers"]
+        assert h["norm_rel"] < 1e-5
+        assert h["clipped_norm_rel"] < 1e-5
+        assert h["clip_rel"] < 1e-3      # per tensor, norm-wise; tiny mHC gradients carry rounding noise
+        assert h["state_keys_equal"] and h["state_equal"]
+        assert h["load_equal"]
+
+
+def test_single_process_is_left_alone():
+    from dsv4.config import ModelConfig
+    from dsv4.model.transformer import DeepSeekV4
+
+    assert not D.is_distributed()
+    cfg = ModelConfig.preset("tiny")
+    model = DeepSeekV4(cfg, device="meta")
+    assert D.shard_model(model) is model
+    assert all(m.routed_override is None for m in D.moe_layers(model))
+    if "WORLD_SIZE" not in os.environ:
+        assert D.setup_distributed(device="cpu") == (0, 1, torch.device("cpu"))
