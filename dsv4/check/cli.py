@@ -144,8 +144,16 @@ def _plant_ctx(m, model, tokens):
 
 # ------------------------------------------------------------------------------ commands
 def cmd_compare(args) -> int:
-    from .compare import Side, backend_choice, build_model, compare, load_external, parse_dtype, \
-        parse_tolerance, perturbed
+    from .compare import (
+        Side,
+        backend_choice,
+        build_model,
+        compare,
+        load_external,
+        parse_dtype,
+        parse_tolerance,
+        perturbed,
+    )
 
     modes = [m for m in ("backends", "dtypes", "compile", "checkpoints", "quantized", "perturb", "external",
                          "plant") if getattr(args, m)]

@@ -340,17 +340,65 @@ def _plant_z02(ctx):
                      patched(fp8, e8m0_decode=_e8m0_decode_by_value))
 
 
+def _plant_writer(bad_names: Callable[[str], bool], fix: Callable) -> contextlib.AbstractContextManager:
+    from ..checkpoint import writer
+
+    original = writer.encode
+
+    def encode(spec, name, v, target, expert_dtype):
+        out = original(spec, name, v, target, expert_dtype)
+        return fix(name, v, out) if bad_names(name) else out
+    return patched(writer, encode=encode)
+
+
+def _plant_z03(ctx):
+    """Z03: wo_a's FP8 block scale written transposed."""
+    from ..checkpoint.names import scale_name
+
+    def fix(name, v, out):
+        s = scale_name(name)
+        if s in out:
+            out[s] = out[s].t().contiguous()
+        return out
+    return _plant_writer(lambda n: n.endswith("attn.wo_a.weight"), fix)
+
+
+def _plant_z04(ctx):
+    """Z04: the LM head stored as FP8 codes without its scale."""
+    from .. import formats as fm
+
+    def fix(name, v, out):
+        q, _ = fm.quantize_fp8(v.dequantize())
+        return {name: q}
+    return _plant_writer(lambda n: n == "head.weight", fix)
+
+
+def _plant_z08(ctx):
+    from ..train import distributed
+
+    return patched(distributed, _ep_rank=lambda group=None: 0)
+
+
+def _ep_pending() -> str:
+    try:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+        from ..train import distributed  # noqa: F401
+    except ImportError as e:
+        return f"expert-parallel code not importable: {e}"
+    return ""
+
+
 MUTANTS: list[Mutant] = [
     Mutant("Z01", "MXFP4 nibbles unpacked blocked instead of interleaved", ["fp4-known-bytes"], _plant_z01),
     Mutant("Z02", "E8M0 scale bytes cast by value", ["e8m0-bytes"], _plant_z02),
-    Mutant("Z03", "FP8 block scale stored transposed", [], pending="checkpoint scale-shape mutant not built yet"),
-    Mutant("Z04", "LM head loaded as FP8 without a scale", [], pending="checkpoint head-format mutant not built yet"),
+    Mutant("Z03", "FP8 block scale stored transposed (wo_a)", ["checkpoint-roundtrip"], _plant_z03),
+    Mutant("Z04", "LM head stored as FP8 without a scale", ["checkpoint-roundtrip"], _plant_z04),
     Mutant("Z05", "swiglu_limit not applied (routed and shared experts)", ["swiglu-limit", "stage-compare"],
            _plant_z05),
     Mutant("Z06", "hash layers routed by the gate's top-k", ["router-contract", "stage-compare"], _plant_z06),
     Mutant("Z07", "route_scale applied twice", ["router-contract", "stage-compare"], _plant_z07),
-    Mutant("Z08", "expert-parallel rank cached as 0", [], pending="expert-parallel code (dsv4/train/distributed.py) "
-           "does not exist yet"),
+    Mutant("Z08", "expert-parallel rank cached as 0", ["ep-ranges"], _plant_z08, pending=_ep_pending()),
     Mutant("Z09", "grouped GEMM rows past the last group not masked", ["poisoned-memory"],
            lambda ctx: temporary_backend("moe_experts", "mutant_unmasked", moe_grouped_unmasked)),
     Mutant("Z10", "paged cache: logical block ids used as physical ids", [],

@@ -476,7 +476,88 @@ def e8m0_bytes(ctx: Context) -> CheckResult:
     return CheckResult(err == 0, err, "scale bytes decode bit for bit")
 
 
+# ------------------------------------------------------------------------------ checkpoints
+def checkpoint_roundtrip(ctx: Context) -> CheckResult:
+    """Save a tiny model as an FP8 release checkpoint, load it back: the load validates every tensor's
+    shape and format (a refusal counts as caught), and every loaded weight equals what the format defines
+    (FP8 linears = dequant(quant(w)) with E8M0 block scales, BF16 dense weights, F32 exact)."""
+    import tempfile
+
+    from .. import formats as fm
+    from ..checkpoint import CheckpointError, load_pretrained, model_values, save
+    from ..checkpoint.names import EXPERT, F32, INT, LINEAR, official_tensors, to_model
+
+    cfg = ModelConfig.preset("tiny").replace(n_mtp_layers=0, compress_ratios=(0, 4, 128, 4))
+    src = DeepSeekV4.from_config(cfg, seed=ctx.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            save(model_values(src), cfg, tmp, target="fp8", overwrite=True)
+            loaded = load_pretrained(tmp, dtype=torch.float32)
+        except CheckpointError as e:
+            return CheckResult(False, None, f"load refused the checkpoint: {str(e)[:200]}")
+    want_sd, got_sd = src.state_dict(), loaded.state_dict()
+    worst, worst_name = 0.0, ""
+    for name, spec in official_tensors(cfg, mtp=False).items():
+        mname, j = to_model(name)
+        w, g = want_sd[mname], got_sd[mname]
+        if j is not None:
+            w, g = w[j], g[j]
+        if spec.role in (LINEAR, EXPERT):
+            q, sc = fm.quantize_fp8(w.float())
+            w = fm.dequantize_fp8(q, sc)
+        elif spec.role not in (F32, INT):
+            w = w.bfloat16()
+        err = rel_err(g.float(), w.float()) if w.is_floating_point() else float(not torch.equal(g, w))
+        if err > worst:
+            worst, worst_name = err, name
+    ok = worst <= 1e-6
+    return CheckResult(ok, worst, "loaded weights equal their stored format" if ok else
+                       f"loaded '{worst_name}' differs from its stored value (rel {worst:.3g})")
+
+
+def ep_ranges(ctx: Context) -> CheckResult:
+    """Expert parallelism in one process on a fake 2-rank group, as rank 1: the rank holds experts
+    [E/2, E) and its partial MoE output equals the reference restricted to them."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..train import distributed as ep
+
+    if dist.is_initialized():
+        return CheckResult(False, None, "a process group is already initialized in this process")
+    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    try:
+        model = copy.deepcopy(ctx.model)
+        ep.shard_experts(model, mode="all_reduce")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        inp = moe_inputs(ctx.cfg, tokens=8, seed=ctx.seed)
+        for i, layer in enumerate(model.layers):
+            full = ctx.model.layers[i].ffn.experts
+            e = full.w1.size(0)
+            lo, hi = rank * e // world, (rank + 1) * e // world
+            ex = layer.ffn.experts
+            if ex.offset != lo or not torch.equal(ex.w1, full.w1[lo:hi]):
+                return CheckResult(False, float(abs(ex.offset - lo)),
+                                   f"layers.{i}: rank {rank} holds experts from {ex.offset}, expected [{lo}, {hi})")
+            with torch.no_grad():
+                got = layer.ffn.routed_override(inp["x"], inp["weights"], inp["indices"])
+            want = ref.moe_experts(inp["x"], inp["weights"], inp["indices"], full.w1[lo:hi], full.w2[lo:hi],
+                                   full.w3[lo:hi], ctx.cfg.swiglu_limit, lo)
+            err = rel_err(got, want)
+            if err > 1e-5:
+                return CheckResult(False, err, f"layers.{i}: rank {rank}'s expert output vs reference")
+    except RuntimeError as e:
+        return CheckResult(False, None, f"expert parallelism refused: {str(e)[:160]}")
+    finally:
+        dist.destroy_process_group()
+    return CheckResult(True, 0.0, "rank 1 of 2 holds and serves experts [E/2, E) in every layer")
+
+
 CHECKS: dict[str, Callable[[Context], CheckResult]] = {
+    "checkpoint-roundtrip": checkpoint_roundtrip,
+    "ep-ranges": ep_ranges,
     "stage-compare": stage_compare,
     "router-contract": router_contract,
     "swiglu-limit": swiglu_limit,
