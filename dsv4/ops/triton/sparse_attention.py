@@ -325,7 +325,7 @@ DKV_CONFIG = {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 FUSED_BWD_CONFIG = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}  # 64-head blocks overflow smem
 # few queries (decode): smaller head blocks first (more programs, KV re-read from L2), key splits only if
 # that still leaves the device idle ("max_splits"; partial accumulators cost h*d*4 bytes per split)
-DECODE_CONFIG = {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "max_splits": 1, "D_SPLIT": 1}
+DECODE_CONFIG = {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "max_splits": 1, "D_SPLIT": 2}
 
 
 def _launch_opts(cfg: dict) -> dict:
@@ -347,12 +347,11 @@ def choose_splits(n_programs: int, k: int, device: torch.device, max_splits: int
 
 def plan_forward(b: int, s: int, h: int, k: int, device: torch.device) -> tuple[int, int, dict]:
     """(BLOCK_H, key splits, launch config) for a forward over b*s queries of h heads and k keys."""
-    if interpret_mode():
-        return _block_h(h, 16), 1, FWD_CONFIG
-    bh = _block_h(h, FWD_CONFIG["BLOCK_H"])
+    cap = 16 if interpret_mode() else None   # the CPU interpreter: small head blocks, same decisions
+    bh = _block_h(h, cap or FWD_CONFIG["BLOCK_H"])
     if b * s * triton.cdiv(h, bh) >= 2 * num_sms(device):
         return bh, 1, FWD_CONFIG
-    bh = _block_h(h, DECODE_CONFIG["BLOCK_H"])
+    bh = _block_h(h, cap or DECODE_CONFIG["BLOCK_H"])
     splits = choose_splits(b * s * triton.cdiv(h, bh), k, device, DECODE_CONFIG["max_splits"])
     return bh, splits, DECODE_CONFIG
 
