@@ -169,11 +169,6 @@ def test_cli_inspect_exit_codes(good, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------- bug zoo
-def _planar_unpack(p: torch.Tensor) -> torch.Tensor:
-    b = fm.as_packed_bytes(p)
-    return torch.cat([b & 0x0F, b >> 4], dim=-1)
-
-
 def test_z01_wrong_nibble_order_is_caught(good, source, tmp_path, monkeypatch):
     _, ref = source
     assert torch.equal(
@@ -192,8 +187,8 @@ def test_z01_wrong_nibble_order_is_caught(good, source, tmp_path, monkeypatch):
     assert not torch.equal(
         logits(load_pretrained(d, dtype=torch.float32, progress=False), tokens())[0], ref[0]
     )
-    # planted in the loader: the same mistake when unpacking
-    monkeypatch.setattr(fp4, "unpack_fp4", _planar_unpack)
+    # planted in the loader's decoder: the nibbles of each byte taken in the wrong order
+    monkeypatch.setattr(fp4, "_byte_table", lambda dev: fp4._byte_table_cpu().flip(-1).to(dev))
     assert not torch.equal(
         logits(load_pretrained(good, dtype=torch.float32, progress=False), tokens())[0], ref[0]
     )

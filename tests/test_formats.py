@@ -140,6 +140,15 @@ def test_fp4_known_bytes():
     assert fm.e2m1_decode(codes).tolist() == [0.5, 1.0, 1.5, 2.0]
     assert fm.e2m1_decode(torch.arange(16)).tolist() == list(fm.FP4_VALUES)
     assert fm.pack_fp4(torch.tensor([1, 2, 3, 4])).view(torch.uint8).tolist() == [0x21, 0x43]
+    one = fm.e8m0_from_bytes(torch.tensor([[127]], dtype=torch.uint8))
+    packed = torch.tensor([[0x21, 0x43] + [0x9F] * 14], dtype=torch.uint8).view(torch.int8)
+    assert fm.dequantize_mxfp4(packed, one)[0, :6].tolist() == [0.5, 1.0, 1.5, 2.0, -6.0, -0.5]
+
+
+def test_fp4_dequantize_agrees_with_unpack_for_every_byte():
+    b = torch.arange(256, dtype=torch.uint8).view(8, 32)
+    scale = fm.e8m0_from_bytes(torch.full((8, 2), 127, dtype=torch.uint8))
+    assert torch.equal(fm.dequantize_mxfp4(b, scale), fm.e2m1_decode(fm.unpack_fp4(b)))
 
 
 def test_fp4_planar_unpack_mutant_is_caught():

@@ -111,7 +111,7 @@ def load_into(
                 raise CheckpointError(
                     f"{p.root}: experts of '{mname}' mix storage formats; load without keep_quantized"
                 )
-        val = v.dequantize(torch.float32) if v.fmt != "int" else v.data
+        val = v.dequantize(target.dtype) if v.fmt != "int" else v.data
         dst = target if j is None else target[j]
         if tuple(dst.shape) != tuple(val.shape):
             raise CheckpointError(

@@ -8,6 +8,8 @@ float4_e2m1fn_x2, same bytes) with scale [out, in/32] E8M0.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .e8m0 import HAS_E8M0, e8m0_decode, e8m0_encode
@@ -54,6 +56,17 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     return (c[..., 0::2] | (c[..., 1::2] << 4)).view(torch.int8)
 
 
+@functools.cache
+def _byte_table_cpu() -> torch.Tensor:
+    """[256, 2]: the two values of every byte, element 2i (low nibble) first."""
+    b = torch.arange(256, dtype=torch.uint8)
+    return e2m1_decode(torch.stack([b & 0x0F, b >> 4], dim=-1))
+
+
+def _byte_table(device: torch.device) -> torch.Tensor:
+    return _byte_table_cpu().to(device)
+
+
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=codes.device)
     return table[codes.long()]
@@ -84,9 +97,10 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
                      block: int = FP4_BLOCK) -> torch.Tensor:
     """packed [..., out, in/2] + scale [..., out, in/32] (E8M0) -> [..., out, in]."""
     _check_scale(tuple(packed.shape), scale, block)
-    vals = e2m1_decode(unpack_fp4(packed))                                      # [..., out, in]
-    s = e8m0_decode(scale).to(vals.device).repeat_interleave(block, dim=-1)
-    return (vals * s).to(dtype)
+    b = as_packed_bytes(packed)
+    vals = _byte_table(b.device)[b.long()].flatten(-2)                          # [..., out, in]
+    s = e8m0_decode(scale).to(vals.device).unsqueeze(-1)                        # [..., out, in/32, 1]
+    return (vals.unflatten(-1, (-1, block)) * s).flatten(-2).to(dtype)
 
 
 def quantize_mxfp4(w: torch.Tensor, block: int = FP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

@@ -118,8 +118,12 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
         raise ValueError(f"FP8 block scale shape {tuple(scale.shape)} does not match weight "
                          f"{tuple(q.shape)}: "
                          f"expected {want} (one scale per {block}x{block} block)")
-    s = expand_blocks(_scale_values(scale).to(q.device), tuple(q.shape), (block, block))
-    return (e4m3_decode(q, native) * s).to(dtype)
+    s = _scale_values(scale).to(q.device)
+    v = e4m3_decode(q, native)
+    o, i = q.shape
+    if o % block == 0 and i % block == 0:                                       # broadcast per block
+        return (v.view(o // block, block, i // block, block) * s[:, None, :, None]).view(o, i).to(dtype)
+    return (v * expand_blocks(s, (o, i), (block, block))).to(dtype)             # ragged edges
 
 
 def quantize_fp8(w: torch.Tensor, block: int = FP8_BLOCK, scale_fmt: str = "ue8m0",
