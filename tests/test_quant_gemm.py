@@ -8,19 +8,41 @@ from __future__ import annotations
 import importlib
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import dsv4.ops as ops
+from dsv4 import formats
 
-import dsv4.ops as ops  # noqa: E402
-from dsv4 import formats  # noqa: E402
+pytest.importorskip("dsv4.ops.triton._mm_utils")
 
-triton_mm = pytest.importorskip("dsv4.ops.triton._mm_utils")
-if not triton_mm.INTERPRET:  # dsv4 was imported earlier without the interpreter: rebuild the kernels
-    importlib.reload(triton_mm)
-    for _name in ("moe", "mhc", "quant_gemm"):
-        importlib.reload(importlib.import_module(f"dsv4.ops.triton.{_name}"))
+
+def _rebuild_kernels(interpret: bool) -> None:
+    """Triton fixes interpreted vs compiled when a kernel is decorated: re-import the kernel modules with
+    TRITON_INTERPRET set accordingly (and leave the variable as it was)."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        for name in ("_mm_utils", "moe", "mhc", "quant_gemm"):
+            importlib.reload(importlib.import_module(f"dsv4.ops.triton.{name}"))
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreted_kernels():
+    """These tests run the kernels on the CPU interpreter; afterwards the compiled kernels come back."""
+    _rebuild_kernels(True)
+    yield
+    _rebuild_kernels(False)
+
+
+@pytest.fixture(autouse=True)
+def _interpret_env(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _bf16_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

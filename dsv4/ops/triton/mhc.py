@@ -22,6 +22,7 @@ import triton.language as tl
 from .. import register
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason
+from ._mm_utils import launch as _launch
 from ._mm_utils import mma as _mma
 from ._mm_utils import round_to as _round_to
 
@@ -310,7 +311,7 @@ def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
             float(norm_eps), float(hc_eps))
     meta = dict(ITERS=int(iters), HC=hc, P1=_pp_width(hc), HEAD=head, UPCAST=_INTERPRET)
     if _INTERPRET:
-        _hc_pre_fwd_kernel[(triton.cdiv(t, 16),)](*args, **meta, BT=16, BK=32, BD=32)
+        _launch(_hc_pre_fwd_kernel, (triton.cdiv(t, 16),), *args, **meta, BT=16, BK=32, BD=32)
     else:
         _pre_tuned[_rows_grid(t)](*args, **meta)
     return y, post, comb, mix, rs
@@ -342,7 +343,7 @@ class _HcPre(torch.autograd.Function):
         glogit = torch.empty_like(mix)                                               # [T, mix]
         pre = torch.empty(t, hc, device=dev)
         bt = 4 if _INTERPRET else 16
-        _hc_split_bwd_kernel[(triton.cdiv(t, bt),)](
+        _launch(_hc_split_bwd_kernel, (triton.cdiv(t, bt),),
             mix, sc, bs, g_pre.contiguous(), g_post, g_comb, glogit, pre, t, float(hc_eps),
             ITERS=int(iters), HC=hc, BT=bt, num_warps=4)
         # logits = mixes * scale[segment] + base: per-parameter sums over tokens (fixed order)
@@ -371,7 +372,7 @@ class _HcPost(torch.autograd.Function):
         out = torch.empty(b, s, hc, d, dtype=f.dtype, device=f.device)
         t = b * s
         if _INTERPRET:
-            _hc_post_fwd_kernel[(triton.cdiv(t, 2), triton.cdiv(d, 32))](
+            _launch(_hc_post_fwd_kernel, (triton.cdiv(t, 2), triton.cdiv(d, 32)),
                 f_, res_, post_, comb_, out, t, d, HC=hc, BT=2, BD=32, UPCAST=True)
         else:
             _post_tuned[lambda meta: (triton.cdiv(t, meta["BT"]), triton.cdiv(d, meta["BD"]))](
@@ -391,7 +392,7 @@ class _HcPost(torch.autograd.Function):
         gcomb = torch.empty(b, s, hc, hc, dtype=torch.float32, device=f.device)
         args = (g, f, res, post, comb, gf, gres, gpost, gcomb, b * s, d)
         if _INTERPRET:
-            _hc_post_bwd_kernel[(triton.cdiv(b * s, 2),)](*args, HC=hc, BT=2, BD=32, UPCAST=True)
+            _launch(_hc_post_bwd_kernel, (triton.cdiv(b * s, 2),), *args, HC=hc, BT=2, BD=32, UPCAST=True)
         else:
             _post_bwd_tuned[_rows_grid(b * s)](*args, HC=hc, UPCAST=False)
         return gf, gres, gpost.to(ctx.dtypes[0]), gcomb.to(ctx.dtypes[1])

@@ -24,6 +24,7 @@ from .. import register
 from ..torch_native import clamped_swiglu, combine_rows, gather_rows, mask_rows, moe_plan
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason
+from ._mm_utils import launch as _launch
 from ._mm_utils import mma as _mma
 from ._mm_utils import round_to as _round_to
 
@@ -168,7 +169,7 @@ class _Tiles:
         table = torch.empty(3, self.n_tiles, dtype=torch.int32, device=ends.device)
         self.group, self.row, self.end = table[0], table[1], table[2]
         tb = 32
-        _tile_table_kernel[(triton.cdiv(self.n_tiles, tb),)](
+        _launch(_tile_table_kernel, (triton.cdiv(self.n_tiles, tb),),
             self.ends, self.group, self.row, self.end, n_rows, e, self.n_tiles,
             BM=bm, GP=triton.next_power_of_2(e + 2), TB=tb)
         self.n_groups = e
@@ -199,7 +200,7 @@ def _launch_gmm(a: torch.Tensor, b: torch.Tensor, tiles: _Tiles, out: torch.Tens
             float(limit))
     flags = dict(GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, SWIGLU=swiglu, BM=tiles.bm)
     if _INTERPRET:
-        _gmm_kernel[(triton.cdiv(n, 32), tiles.n_tiles)](*args, **flags, BN=32, BK=32, UPCAST=True)
+        _launch(_gmm_kernel, (triton.cdiv(n, 32), tiles.n_tiles), *args, **flags, BN=32, BK=32, UPCAST=True)
         return
     kern = _swiglu_tuned if swiglu else _gmm_tuned
     kern[lambda meta: (triton.cdiv(n, meta["BN"]), tiles.n_tiles)](*args, **flags)
@@ -211,7 +212,7 @@ def _launch_wgrad(a: torch.Tensor, g: torch.Tensor, tiles: _Tiles, out: torch.Te
             out.stride(0), out.stride(1), out.stride(2))
     if _INTERPRET:
         grid = (triton.cdiv(n, 32), triton.cdiv(k, 32), tiles.n_groups)
-        _gmm_wgrad_kernel[grid](*args, BR=32, BK=32, BN=32, UPCAST=True)
+        _launch(_gmm_wgrad_kernel, grid, *args, BR=32, BK=32, BN=32, UPCAST=True)
         return
     _wgrad_tuned[lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(k, meta["BK"]), tiles.n_groups)](*args)
 

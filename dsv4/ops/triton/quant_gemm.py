@@ -22,6 +22,7 @@ import triton.language as tl
 from .. import register
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason
+from ._mm_utils import launch as _launch
 from ._mm_utils import mma as _mma
 from ._mm_utils import round_to as _round_to
 
@@ -157,7 +158,7 @@ def triton_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     w = weight if weight.dtype == torch.float8_e4m3fn else weight.view(torch.float8_e4m3fn)
     args = (x2, w, s, y, m, n, k, x2.stride(0), y.stride(0), s.size(1))
     if _INTERPRET:
-        _fp8_gemm_kernel[(triton.cdiv(m, 32) * triton.cdiv(n, 32),)](
+        _launch(_fp8_gemm_kernel, (triton.cdiv(m, 32) * triton.cdiv(n, 32),),
             *args, SCALE_E8M0=e8m0, BM=32, BN=32, BK=32, GROUP=4, UPCAST=True)
     else:
         _fp8_tuned[_grid(m, n)](*args, SCALE_E8M0=e8m0, UPCAST=False)
@@ -176,7 +177,7 @@ def triton_fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     s = scale.view(torch.uint8).contiguous()
     args = (x2, w, s, y, m, n, k, x2.stride(0), y.stride(0))
     if _INTERPRET:
-        _fp4_gemm_kernel[(triton.cdiv(m, 32) * triton.cdiv(n, 32),)](*args, BM=32, BN=32, BK=64, GROUP=4,
+        _launch(_fp4_gemm_kernel, (triton.cdiv(m, 32) * triton.cdiv(n, 32),), *args, BM=32, BN=32, BK=64, GROUP=4,
                                                                       UPCAST=True)
     else:
         _fp4_tuned[_grid(m, n)](*args, UPCAST=False)
@@ -247,7 +248,7 @@ def dequant_mm_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     bn, bk = (32, 32) if _INTERPRET else (64, 128)
 
     def rows(row0: int, r: int, out: torch.Tensor) -> None:
-        _fp8_dequant_kernel[(triton.cdiv(r, bn), triton.cdiv(k, bk))](
+        _launch(_fp8_dequant_kernel, (triton.cdiv(r, bn), triton.cdiv(k, bk)),
             w, s, out, r, k, row0, s.size(1), SCALE_E8M0=e8m0, BN=bn, BK=bk, UPCAST=_INTERPRET)
 
     return _chunked_linear(x, n, k, rows)
@@ -261,7 +262,7 @@ def dequant_mm_fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     bn, bk = (32, 64) if _INTERPRET else (64, 128)
 
     def rows(row0: int, r: int, out: torch.Tensor) -> None:
-        _fp4_dequant_kernel[(triton.cdiv(r, bn), triton.cdiv(k, bk))](
+        _launch(_fp4_dequant_kernel, (triton.cdiv(r, bn), triton.cdiv(k, bk)),
             w, s, out, r, k, row0, BN=bn, BK=bk, UPCAST=_INTERPRET)
 
     return _chunked_linear(x, n, k, rows)
