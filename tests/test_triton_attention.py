@@ -167,11 +167,11 @@ def test_unreferenced_kv_rows_get_no_gradient(mode, monkeypatch):
 def test_forward_column_split_matches_reference(d_split, monkeypatch):
     """D_SPLIT programs per (query, head block), each owning a slice of the output columns."""
     monkeypatch.setitem(sa.FWD_CONFIG, "D_SPLIT", d_split)
-    q, kv, sink, idx = attn_inputs(2, 3, 20, 48, 30, 17, torch.bfloat16, "padding")
+    q, kv, sink, idx = attn_inputs(2, 3, 6, 48, 30, 17, torch.bfloat16, "padding")
     (o, lse, dq, dkv, dsink), (ro, rl, rdq, rdkv, rdsink) = run_both(q, kv, sink, idx, 48**-0.5)
     assert rel(o, ro) < 1e-2 and (lse - rl).abs().max() < 1e-4
     assert rel(dq, rdq) < 2e-2 and rel(dkv, rdkv) < 2e-2
-    for splits in (1, 3):
+    for splits in (3,):
         o2, l2 = sa.sparse_attention_fwd(q.to(DEV), kv.to(DEV), sink.to(DEV), idx.to(DEV), 48**-0.5,
                                          splits=splits)
         assert rel(o2, ro) < 1e-2 and (l2 - rl).abs().max() < 1e-4
@@ -211,7 +211,7 @@ def test_outputs_do_not_write_outside_their_buffers(splits):
 @pytest.mark.parametrize("mode", ["two_pass", "fused"])
 def test_deterministic_mode_repeats_bit_identically(mode, monkeypatch):
     monkeypatch.setitem(sa.BWD_CONFIG, "mode", mode)
-    q, kv, sink, idx = attn_inputs(2, 6, 4, 64, 12, 20, torch.bfloat16, "random", seed=7)  # many collisions
+    q, kv, sink, idx = attn_inputs(2, 3, 4, 32, 8, 20, torch.bfloat16, "random", seed=7)  # many collisions
     ops.set_deterministic(True)
     runs = [run_both(q, kv, sink, idx, 0.125)[0] for _ in range(2)]
     for a, c in zip(runs[0], runs[1]):
