@@ -33,8 +33,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
-
 _EP_ATTR = "_dsv4_expert_parallel"
 
 
@@ -147,24 +145,24 @@ class ExpertParallel:
                                "changed after sharding")
         return lo, hi - lo
 
-    def _local(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-               offset: int) -> torch.Tensor:
-        ex = self.experts
-        return ops.moe_experts(x, weights, indices, ex.w1, ex.w2, ex.w3, ex.swiglu_limit, offset)
+    def _local(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        # the Experts module itself (so a replaced forward, e.g. FP4 fake-quant, still applies); its offset
+        # was just checked against the live rank, and ids outside its range are skipped
+        return self.experts(x, weights, indices)                                        # fp32 [T, dim]
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [T, dim], weights [T, k] fp32, indices [T, k] global expert ids -> fp32 [T, dim]."""
-        offset, n_local = self._live_offset()
+        _, n_local = self._live_offset()
         if self.mode == "all_reduce":
             if torch.is_grad_enabled() and (x.requires_grad or self.experts.w1.requires_grad):
                 raise RuntimeError("all_reduce expert parallelism is for inference: run under "
                                    "torch.no_grad(), or shard with mode='all_to_all' for training")
-            y = self._local(x, weights, indices, offset)                                # fp32 [T, dim]
+            y = self._local(x, weights, indices)                                        # fp32 [T, dim]
             dist.all_reduce(y, group=self.group)
             return y
-        return self._exchange(x, weights, indices, offset, n_local)
+        return self._exchange(x, weights, indices, n_local)
 
-    def _exchange(self, x, weights, indices, offset: int, n_local: int) -> torch.Tensor:
+    def _exchange(self, x, weights, indices, n_local: int) -> torch.Tensor:
         t, k = indices.shape
         world = dist.get_world_size(self.group)
         ids = indices.reshape(-1)                                                       # [T*k]
@@ -180,7 +178,7 @@ class ExpertParallel:
         ws = all_to_all(weights.reshape(-1)[order], recv, send, self.group)             # [M] fp32
         ids_in = ids.new_empty(sum(recv))
         dist.all_to_all_single(ids_in, ids[order].contiguous(), recv, send, group=self.group)
-        y = self._local(xs, ws.unsqueeze(-1), ids_in.unsqueeze(-1), offset)             # fp32 [M, dim]
+        y = self._local(xs, ws.unsqueeze(-1), ids_in.unsqueeze(-1))                     # fp32 [M, dim]
         # keep both exchanges in the graph even when nothing arrived here, so every rank runs the same
         # backward collectives (a sum over an empty slice is an exact zero, also next to inf/nan rows)
         y = y + (xs[:0].sum() + ws[:0].sum())
