@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from checkpoint_helpers import logits, make_representable, rewrite, tiny_model, tokens
+from test_checkpoint_helpers import logits, make_representable, rewrite, tiny_model, tokens
 
 from dsv4 import formats as fm
 from dsv4.checkpoint import convert, load_pretrained, model_values, save

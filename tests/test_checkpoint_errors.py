@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from checkpoint_helpers import logits, make_representable, rewrite, tiny_model, tokens
+from test_checkpoint_helpers import logits, make_representable, rewrite, tiny_model, tokens
 
 from dsv4 import formats as fm
 from dsv4.checkpoint import CheckpointError, convert, load_pretrained, model_values, plan, save

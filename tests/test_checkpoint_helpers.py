@@ -1,4 +1,4 @@
-"""Shared helpers for the checkpoint tests: a tiny source model and checkpoints written from it."""
+"""Shared helpers for the checkpoint tests (no tests here): a tiny source model, checkpoints from it."""
 
 from __future__ import annotations
 
