@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..config import ModelConfig
 from .layouts import expected_tensors, logical_numel, parameter_totals
-from .reader import Problems, plan, scan
+from .reader import plan, scan
 from .safetensors_io import CheckpointError
 
 
@@ -90,4 +90,4 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["inspect_dir", "expected_report", "format_report", "Problems"]
+__all__ = ["inspect_dir", "expected_report", "format_report"]

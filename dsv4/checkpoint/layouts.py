@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 from ..config import ModelConfig
-from .names import DENSE, EXPERT, F32, HF_MARKERS, INT, LINEAR, hf_name, official_tensors, scale_name
+from .names import EXPERT, F32, HF_MARKERS, INT, LINEAR, hf_name, official_tensors, scale_name
 from .safetensors_io import CheckpointError
 
 LAYOUTS = ("release", "inference", "hf")
@@ -158,5 +158,4 @@ __all__ = [
     "load_config",
     "expected_tensors",
     "parameter_totals",
-    "DENSE",
 ]

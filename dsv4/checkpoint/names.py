@@ -230,7 +230,7 @@ def canonical(stored: str) -> Canon:
         return Canon(_HF_TOP[n], "weight")
     m = _BLOCK_RE.match(n)
     if not m:
-        return Canon(n, "scale" if n.endswith(".scale") and n != "hc_head_scale" else "weight")
+        return Canon(n, "scale" if n.endswith(".scale") else "weight")
     p, rest = m["p"], m["rest"]
     if p.startswith("mtp.") and (rest.startswith("emb.") or rest == "head.weight"):
         return Canon(n, "ignored")  # the MTP block shares the main model's embedding and head
@@ -241,12 +241,7 @@ def canonical(stored: str) -> Canon:
     module, _, leaf = rest.rpartition(".")
     if leaf in ("weight", "scale") and module in _HF_MODULES:
         rest = f"{_HF_MODULES[module]}.{leaf}"
-    kind = (
-        "scale"
-        if leaf == "scale" and not rest.endswith(("hc_attn_scale", "hc_ffn_scale", "hc_head_scale"))
-        else "weight"
-    )
-    return Canon(f"{p}.{rest}", kind)
+    return Canon(f"{p}.{rest}", "scale" if leaf == "scale" else "weight")  # (hc_*_scale has no dot)
 
 
 # ------------------------------------------------------------------------------ official -> HF names

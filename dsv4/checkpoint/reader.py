@@ -13,7 +13,6 @@ naming the tensor and file.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +24,6 @@ from ..config import ModelConfig
 from .layouts import detect_layout, find_files, load_config
 from .names import EXPERT, F32, INT, Spec, canonical, expert_index, official_tensors, split_dim
 from .safetensors_io import FLOAT_DTYPES, INT_DTYPES, CheckpointError, TensorInfo, read_header, read_tensor
-
-log = logging.getLogger("dsv4.checkpoint")
 
 FP8_DTYPES = {"F8_E4M3"}
 FP4_DTYPES = {"I8", "U8", "F4"}

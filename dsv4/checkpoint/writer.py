@@ -26,7 +26,6 @@ from .. import formats as fm
 from ..config import ModelConfig
 from .layouts import CONFIG_FILES
 from .names import (
-    DENSE,
     EXPERT,
     F32,
     INT,
@@ -38,7 +37,7 @@ from .names import (
     split_dim,
     to_official,
 )
-from .reader import Entry, Plan, Value, plan, stream
+from .reader import Plan, Value, plan, stream
 from .safetensors_io import CheckpointError, st_dtype
 
 TARGETS = ("bf16", "fp8", "hf", "inference")
@@ -435,6 +434,4 @@ __all__ = [
     "save",
     "convert",
     "verify_checkpoint",
-    "Entry",
-    "DENSE",
 ]
