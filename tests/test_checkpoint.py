@@ -133,11 +133,12 @@ def test_release_name_variants(ckpts, tmp_path, source):
     extra = {
         "mtp.0.emb.tok_emb.weight": torch.zeros(1024, 128, dtype=torch.bfloat16),
         "mtp.0.head.weight": torch.zeros(1024, 128, dtype=torch.bfloat16),
+        "mtp.0.embed.weight": torch.zeros(1024, 128, dtype=torch.bfloat16),
     }
     d = rewrite(ckpts["fp8"], tmp_path / "variants", rename, extra)
     assert "model.layers.1.self_attn.wq_b.weight_scale_inv" in headers(d)
     r = inspect_dir(d)
-    assert r["ok"] and r["layout"] == "release" and len(r["ignored"]) == 2
+    assert r["ok"] and r["layout"] == "release" and len(r["ignored"]) == 3
     assert same(load_pretrained(d, dtype=torch.float32, progress=False), source[1])
 
 

@@ -232,7 +232,7 @@ def canonical(stored: str) -> Canon:
     if not m:
         return Canon(n, "scale" if n.endswith(".scale") else "weight")
     p, rest = m["p"], m["rest"]
-    if p.startswith("mtp.") and (rest.startswith("emb.") or rest == "head.weight"):
+    if p.startswith("mtp.") and ("emb" in rest.split(".")[0] or rest in ("head.weight", "lm_head.weight")):
         return Canon(n, "ignored")  # the MTP block shares the main model's embedding and head
     if rest in FUSED:
         return Canon(f"{p}.{rest}", "fused", FUSED[rest])
