@@ -1,0 +1,133 @@
+"""`dsv4 train`: argument parsing for the trainer (the top-level CLI registers it with add_train_parser)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from ..errors import UserError
+from .trainer import TrainConfig
+
+# flag -> TrainConfig field, for the flags whose names differ from the field
+_BOOL_FLAGS = ("activation_checkpointing", "compile", "deterministic", "fp4_experts")
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "train", help="train or continue-train a V4 model (Muon + AdamW, MTP, indexer and balance losses)",
+        description="Train a DeepSeek-V4 model. Default data: the Python standard library's .py files "
+                    "(offline). Settings come from --config (JSON or TOML) and then from flags.")
+    p.add_argument("--config", help="training config file (.json or .toml) with TrainConfig keys; "
+                                    "a [model] table overrides ModelConfig fields")
+    p.add_argument("--preset", help="model preset (tiny, small, flash, pro); default tiny")
+    p.add_argument("--model-config", help="model config.json to train from scratch instead of a preset")
+    p.add_argument("--init-from", help="checkpoint directory to continue training (fine-tune)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a ModelConfig field, e.g. --set n_layers=6 (repeatable; JSON values)")
+    p.add_argument("--data", nargs="+", help="text files or directories (default: the Python stdlib)")
+    p.add_argument("--max-docs", type=int, help="use at most this many documents, spread evenly (0 = all)")
+    p.add_argument("--tokenizer", help="tokenizer.json or its directory (default: train a byte-level BPE)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--batch-size", type=int, help="global batch size in sequences")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup", type=int)
+    p.add_argument("--schedule", choices=("cosine", "wsd", "constant"))
+    p.add_argument("--weight-decay", type=float)
+    p.add_argument("--grad-clip", type=float)
+    p.add_argument("--mtp-weight", type=float)
+    p.add_argument("--indexer-weight", type=float)
+    p.add_argument("--balance-alpha", type=float, help="sequence-wise balance loss weight (0 = off)")
+    p.add_argument("--bias-gamma", type=float, help="aux-loss-free router bias update speed (0 = off)")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"))
+    p.add_argument("--no-fp8-kv-sim", dest="fp8_kv_sim", action="store_const", const=False,
+                   help="turn off the FP8 round trip of KV (QAT)")
+    p.add_argument("--no-fp4-indexer-sim", dest="fp4_indexer_sim", action="store_const", const=False,
+                   help="turn off the FP4 round trip in the indexer (QAT)")
+    p.add_argument("--fp4-experts", action="store_true", default=None,
+                   help="FP4 fake-quant of routed expert weights (straight-through gradients)")
+    p.add_argument("--activation-checkpointing", action="store_true", default=None)
+    p.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
+    p.add_argument("--deterministic", action="store_true", default=None,
+                   help="bit-reproducible run (set before compilation); resume reproduces the losses")
+    p.add_argument("--backend", help="ops backend for every op (e.g. reference, triton)")
+    p.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--held-out-pct", type=float)
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--eval-windows", type=int)
+    p.add_argument("--diag-every", type=int, help="steps between mHC / Muon diagnostics (0 = off)")
+    p.add_argument("--save-every", type=int, help="checkpoint every N steps (0 = only at the end, -1 = never)")
+    p.add_argument("--out", help="run directory (metrics.jsonl, loss.png, checkpoints/); default runs/train")
+    p.add_argument("--resume", nargs="?", const="auto",
+                   help="resume from a checkpoint dir, or (no value) from the run directory's latest")
+    p.add_argument("--export", help="write a bf16 inference checkpoint with tokenizer here at the end")
+    p.add_argument("--sample-prompt", help="text to continue greedily at the end ('' = none)")
+    p.add_argument("--cache-dir", help="where tokenized data is cached (default <out>/cache)")
+    p.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: known GPUs)")
+    p.add_argument("--time-budget-s", type=float, help="shorten --steps so training fits this many seconds")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (0 = default)")
+    p.add_argument("--no-progress", dest="progress", action="store_const", const=False)
+    p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
+    p.set_defaults(func=run_train)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    over: dict[str, Any] = {}
+    for name in fields:
+        v = getattr(args, name, None)
+        if v is not None and name not in ("model",):
+            over[name] = v
+    if args.set:
+        model = {}
+        for item in args.set:
+            if "=" not in item:
+                raise UserError(f"--set expects FIELD=VALUE, got '{item}'")
+            k, v = item.split("=", 1)
+            try:
+                model[k.strip()] = json.loads(v)
+            except json.JSONDecodeError:
+                model[k.strip()] = v
+        over["model"] = model
+    if args.config:
+        cfg = TrainConfig.from_file(args.config)
+        if "model" in over:
+            over["model"] = {**cfg.model, **over["model"]}
+        return dataclasses.replace(cfg, **over)
+    return TrainConfig.from_dict(over)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from .trainer import train
+
+    cfg = config_from_args(args)
+    summary = train(cfg)
+    if getattr(args, "json", False):
+        print(json.dumps(summary))
+    else:
+        for k, v in summary.items():
+            print(f"{k}: {v}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (`python -m dsv4.train.cli ...`) for use before the top-level CLI wires it."""
+    import sys
+
+    parser = argparse.ArgumentParser(prog="dsv4")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_train_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

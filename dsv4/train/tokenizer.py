@@ -1,0 +1,113 @@
+"""Byte-level BPE tokenizer: train one with `tokenizers`, or load a checkpoint's `tokenizer.json`.
+
+Special tokens follow V4's names: id 0 is BOS `<｜begin▁of▁sentence｜>`, id 1 is EOS
+`<｜end▁of▁sentence｜>` when we train the tokenizer (they are the first special tokens added).
+Loading an existing `tokenizer.json` reads the ids of those names (or of `tokenizer_config.json`'s
+`bos_token` / `eos_token`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from ..errors import UserError
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+
+
+class Tokenizer:
+    """A thin wrapper over `tokenizers.Tokenizer` with BOS/EOS ids and batch encoding."""
+
+    def __init__(self, tok, bos_token: str = BOS, eos_token: str = EOS):
+        self.tok = tok
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_id = tok.token_to_id(bos_token)
+        self.eos_id = tok.token_to_id(eos_token)
+        if self.bos_id is None or self.eos_id is None:
+            raise UserError(f"tokenizer has no id for BOS '{bos_token}' or EOS '{eos_token}'")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2) -> Tokenizer:
+        """Train a byte-level BPE on an iterator of documents (deterministic for a fixed input order)."""
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < 258 + 2:
+            raise UserError(f"vocab_size must be at least 260 for a byte-level BPE, got {vocab_size}")
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[BOS, EOS],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        """Load `tokenizer.json` (path to the file or to a directory holding it)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.exists():
+            raise UserError(f"{file}: no tokenizer.json here; train one with `dsv4 train` or point to a "
+                            "checkpoint directory that has one")
+        try:
+            tok = HFTokenizer.from_file(str(file))
+        except Exception as e:  # the library raises a bare Exception for malformed files
+            raise UserError(f"{file}: not a valid tokenizer.json ({e})") from None
+        bos, eos = BOS, EOS
+        cfg_file = file.parent / "tokenizer_config.json"
+        if cfg_file.exists():
+            cfg = json.loads(cfg_file.read_text())
+            bos, eos = _token_str(cfg.get("bos_token"), bos), _token_str(cfg.get("eos_token"), eos)
+        return cls(tok, bos, eos)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write tokenizer.json and tokenizer_config.json into directory."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.tok.save(str(d / "tokenizer.json"))
+        (d / "tokenizer_config.json").write_text(json.dumps(
+            {"bos_token": self.bos_token, "eos_token": self.eos_token, "tokenizer_class": "PreTrainedTokenizerFast",
+             "add_bos_token": True, "add_eos_token": False}, indent=2, ensure_ascii=False) + "\n")
+        return d / "tokenizer.json"
+
+    # ------------------------------------------------------------------ use
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, ids: Iterable[int]) -> Iterator[str]:
+        """Yield text pieces as ids arrive (each piece is the newly completed text; handles UTF-8 that
+        spans several byte tokens)."""
+        seen: list[int] = []
+        printed = ""
+        for i in ids:
+            seen.append(int(i))
+            text = self.decode(seen)
+            if text.endswith("\ufffd"):
+                continue
+            yield text[len(printed):]
+            printed = text
+
+
+def _token_str(v, default: str) -> str:
+    if isinstance(v, dict):
+        return v.get("content", default)
+    return v if isinstance(v, str) else default

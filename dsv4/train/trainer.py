@@ -1,0 +1,540 @@
+"""The V4 training loop: data -> model -> losses -> Muon/AdamW -> bias balancing -> metrics/checkpoints.
+
+`Trainer(TrainConfig(...)).fit()` runs a whole job; `dsv4 train` is a thin front end over it.
+Under `torchrun` (WORLD_SIZE > 1) the model is sharded by `dsv4.train.distributed` (FSDP2 + expert
+parallelism) and each process takes its rows of every global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..config import ModelConfig
+from ..errors import UserError
+from . import balance, checkpoint, data, metrics
+from .losses import total_loss
+from .optim import MuonAdamW, OptimConfig, lr_factor, orthogonalization_error
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class TrainConfig:
+    # model
+    preset: str = "tiny"
+    model: dict[str, Any] = field(default_factory=dict)   # ModelConfig field overrides
+    model_config: str | None = None                        # a config.json instead of a preset
+    init_from: str | None = None                           # continue-train a checkpoint directory
+    # data
+    data: list[str] = field(default_factory=list)          # files/dirs; empty = the Python stdlib
+    tokenizer: str | None = None                           # tokenizer.json (or its dir); None = train one
+    tokenizer_docs: int = 300                              # documents sampled to train the tokenizer
+    max_docs: int = 500                                    # documents used (an even spread; 0 = all)
+    held_out_pct: float = 2.0
+    seq_len: int = 256
+    batch_size: int = 8
+    cache_dir: str | None = None
+    # optimization
+    steps: int = 200
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    schedule: str = "cosine"                               # cosine | wsd | constant
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    muon_momentum: float = 0.95
+    # losses
+    mtp_weight: float = 0.3
+    indexer_weight: float = 1.0
+    balance_alpha: float = 1e-4                            # sequence-wise balance loss (0 = off)
+    bias_gamma: float = 1e-3                               # aux-loss-free bias update speed (0 = off)
+    # precision / speed
+    precision: str = "auto"                                # auto | bf16 | fp32
+    fp8_kv_sim: bool | None = None                         # None = as in the model config
+    fp4_indexer_sim: bool | None = None
+    fp4_experts: bool = False                              # FP4 fake-quant of routed experts (STE)
+    activation_checkpointing: bool = False
+    compile: bool = False
+    deterministic: bool = False
+    backend: str | None = None                             # ops backend for every op (None = default)
+    device: str = "auto"
+    expert_parallel: bool = True
+    # bookkeeping
+    seed: int = 0
+    eval_every: int = 50
+    eval_windows: int = 32
+    diag_every: int = 1
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    out: str = "runs/train"
+    resume: str | None = None                              # a checkpoint dir / run dir, or "auto"
+    export: str | None = None                              # write an inference checkpoint here at the end
+    sample_prompt: str = "import os\n\ndef "
+    peak_tflops: float | None = None
+    time_budget_s: float = 0.0                             # >0: cut `steps` so training fits this wall time
+    threads: int = 0                                       # CPU threads for torch (0 = torch's default)
+    progress: bool = True
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
+        """Read a JSON or TOML file of TrainConfig keys ([model] holds ModelConfig overrides)."""
+        path = Path(path)
+        if not path.exists():
+            raise UserError(f"{path}: no such training config file")
+        try:
+            if path.suffix == ".toml":
+                import tomllib
+                raw = tomllib.loads(path.read_text())
+            else:
+                raw = json.loads(path.read_text())
+        except Exception as e:
+            raise UserError(f"{path}: cannot parse ({e})") from None
+        return cls.from_dict({**raw, **overrides}, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> TrainConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(raw) - names)
+        if bad:
+            raise UserError(f"{source}: unknown training setting(s) {bad}; known: {sorted(names)}")
+        return cls(**raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _distributed_module():
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    try:
+        from . import distributed
+    except ImportError as e:
+        raise UserError(f"launched with WORLD_SIZE>1 but dsv4.train.distributed is unavailable ({e})") from None
+    return distributed
+
+
+def _fp4_expert_forward(self, x, weights, indices):
+    """Experts.forward with FP4 (MXFP4-style) fake-quantized weights; gradients pass straight through."""
+    q = ops.fp4_round_trip
+    return ops.moe_experts(x, weights, indices, q(self.w1, 32), q(self.w2, 32), q(self.w3, 32),
+                           self.swiglu_limit, self.offset)
+
+
+def _checkpointed(block):
+    inner = block.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    return forward
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, log=print):
+        self.cfg = cfg
+        self.log = log
+        self.dist = _distributed_module()
+        self.rank, self.world = 0, 1
+        if self.dist is not None:
+            dev = None if cfg.device == "auto" else cfg.device
+            self.rank, self.world, _ = self.dist.setup_distributed(device=dev)
+        self.device = self._pick_device()
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        self.out = Path(cfg.out)
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+        if cfg.deterministic:                                     # before any compilation
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            ops.set_deterministic(True)
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(cfg.seed)
+        self._build_data()
+        self._build_model()
+        self.opt = MuonAdamW(self.model, OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                                     muon_momentum=cfg.muon_momentum))
+        self.step = 0
+        self.history: list[dict] = []
+        self.jsonl = metrics.JsonlLog(self.out / "metrics.jsonl" if self.rank == 0 else None,
+                                      append=cfg.resume is not None)
+        if cfg.resume:
+            self._resume(cfg.resume)
+        if cfg.compile:
+            for block in [*self.model.layers, *self.model.mtp]:
+                block.compile()
+
+    # ---------------------------------------------------------------- setup
+    def _pick_device(self) -> torch.device:
+        d = self.cfg.device
+        if d == "auto":
+            d = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(d)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        return dev
+
+    def _model_config(self) -> ModelConfig:
+        c = self.cfg
+        if c.init_from:
+            from ..checkpoint.layouts import load_config
+            mcfg = load_config(c.init_from)
+        elif c.model_config:
+            mcfg = ModelConfig.from_json(c.model_config)
+        else:
+            mcfg = ModelConfig.preset(c.preset)
+        if c.model:
+            try:
+                mcfg = mcfg.replace(**c.model)
+            except TypeError as e:
+                raise UserError(f"bad model override: {e}") from None
+        if c.fp8_kv_sim is not None:
+            mcfg = mcfg.replace(fp8_kv_sim=c.fp8_kv_sim)
+        if c.fp4_indexer_sim is not None:
+            mcfg = mcfg.replace(fp4_indexer_sim=c.fp4_indexer_sim)
+        return mcfg
+
+    def _build_data(self) -> None:
+        c = self.cfg
+        self.mcfg = self._model_config()
+        docs = data.spread(data.find_documents(c.data), c.max_docs)
+        if c.tokenizer:
+            tok = Tokenizer.from_file(c.tokenizer)
+        elif c.init_from and (Path(c.init_from) / "tokenizer.json").exists():
+            tok = Tokenizer.from_file(c.init_from)
+        else:
+            # a deterministic spread of documents (every n-th) so tokenizer training stays quick
+            sample = [d for d in data.spread(docs, c.tokenizer_docs) if not data.is_held_out(d[0], c.held_out_pct)]
+            tok = Tokenizer.train((data.read_text(p) for _, p in sample), vocab_size=self.mcfg.vocab_size)
+        self.tok = tok
+        if tok.vocab_size > self.mcfg.vocab_size or c.tokenizer:
+            if c.init_from and tok.vocab_size > self.mcfg.vocab_size:
+                raise UserError(f"tokenizer has {tok.vocab_size} tokens, the model {self.mcfg.vocab_size}")
+            if not c.init_from:
+                self.mcfg = self.mcfg.replace(vocab_size=tok.vocab_size)
+        self.mcfg = self.mcfg.replace(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+        self.mcfg.validate()
+        if self.rank == 0:
+            tok.save(self.out / "tokenizer")
+        cache = c.cache_dir or str(self.out / "cache")
+        train, held = data.tokenize_corpus(tok, docs, c.held_out_pct, cache if self.rank == 0 else None)
+        self.log(f"data: {data.corpus_summary(docs, train, held)}")
+        self.loader = data.PackedLoader(train, c.seq_len, c.batch_size, seed=c.seed, rank=self.rank,
+                                        world=self.world)
+        self.eval_tokens = data.eval_windows(held, c.seq_len, c.eval_windows)
+
+    def _build_model(self) -> None:
+        from ..model import DeepSeekV4
+
+        c = self.cfg
+        if c.init_from:
+            model = DeepSeekV4.from_pretrained(c.init_from, dtype=torch.float32, device=self.device)
+            model.cfg.fp8_kv_sim, model.cfg.fp4_indexer_sim = self.mcfg.fp8_kv_sim, self.mcfg.fp4_indexer_sim
+        else:
+            model = DeepSeekV4.from_config(self.mcfg, seed=c.seed, dtype=torch.float32, device=self.device)
+        model.train()
+        if c.fp4_experts:
+            for m in model.modules():
+                if type(m).__name__ == "Experts":
+                    m.forward = types.MethodType(_fp4_expert_forward, m)
+        if c.activation_checkpointing:
+            for block in [*model.layers, *model.mtp]:
+                block.forward = _checkpointed(block)
+        if self.dist is not None:
+            sharded = self.dist.shard_model(model, ep=c.expert_parallel)
+            model = sharded if sharded is not None else model
+        self.model = model
+        prec = c.precision
+        if prec == "auto":
+            prec = "bf16" if self.device.type == "cuda" else "fp32"
+        if prec not in ("bf16", "fp32"):
+            raise UserError(f"--precision must be auto, bf16 or fp32, got '{prec}'")
+        self.precision = prec
+
+    def _autocast(self):
+        if self.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _backend(self):
+        return ops.use_backend(self.cfg.backend) if self.cfg.backend else contextlib.nullcontext()
+
+    # ---------------------------------------------------------------- collectives
+    def _mean(self, x: float) -> float:
+        if self.world == 1:
+            return x
+        t = torch.tensor([x], device=self.device, dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return float(t) / self.world
+
+    # ---------------------------------------------------------------- one step
+    def train_step(self, tokens: torch.Tensor) -> dict[str, Any]:
+        c, m = self.cfg, self.model
+        tokens = tokens.to(self.device, non_blocking=True)
+        want_mtp = c.mtp_weight > 0 and self.mcfg.n_mtp_layers > 0
+        with self._backend(), self._autocast():
+            out = m(tokens, mtp=want_mtp, indexer_loss=c.indexer_weight > 0, balance_alpha=c.balance_alpha)
+            parts = total_loss(out, tokens, c.mtp_weight, c.indexer_weight)
+        parts.total.backward()
+        grads = [p.grad for p in m.parameters() if p.grad is not None]
+        nonfinite = int(sum(int((~torch.isfinite(g.to_local() if hasattr(g, "to_local") else g)).sum())
+                            for g in grads))
+        nonfinite = int(self._mean(float(nonfinite)) * self.world)
+        if self.dist is not None:
+            gnorm = self.dist.clip_grad_norm_(m, c.grad_clip if c.grad_clip > 0 else math.inf)
+        else:
+            gnorm = torch.nn.utils.clip_grad_norm_(m.parameters(), c.grad_clip if c.grad_clip > 0 else math.inf)
+        gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
+        row: dict[str, Any] = {}
+        if self._diag_now():
+            row["muon_ortho_err"] = self._muon_error()
+        lr = self.opt.set_lr_factor(lr_factor(self.step + 1, c.steps, c.warmup, c.schedule, c.min_lr_ratio))
+        if nonfinite == 0:
+            self.opt.step()
+            if self.dist is not None:
+                self.dist.all_reduce_expert_load(m)         # global loads, identical bias on every rank
+            balance.update_bias(m, c.bias_gamma)
+        self.opt.zero_grad()
+        self.step += 1
+        row.update({k: self._mean(v) for k, v in parts.floats().items()})
+        row.update(step=self.step, grad_norm=gnorm, lr=lr, nonfinite=nonfinite, skipped=nonfinite > 0,
+                   expert_load_max_min=balance.load_ratios(m))
+        if self._diag_now(before=False):
+            row["mhc_violation"] = self._mhc(tokens)
+        return row
+
+    def _diag_now(self, before: bool = True) -> bool:
+        k = self.cfg.diag_every
+        step = self.step + 1 if before else self.step
+        return k > 0 and (step % k == 0 or step == 1)
+
+    def _muon_error(self) -> float | None:
+        """Orthogonalization error of Muon's Newton-Schulz on the largest 2-D hidden matrix's gradient."""
+        ps = [p for p in self.opt.muon_params if p.grad is not None]
+        if not ps:
+            return None
+        g = max(ps, key=lambda p: p.numel()).grad
+        return orthogonalization_error(g.full_tensor() if hasattr(g, "full_tensor") else g)
+
+    def _mhc(self, tokens: torch.Tensor) -> float:
+        was = self.model.training
+        self.model.eval()
+        try:
+            with self._backend(), self._autocast():
+                return metrics.mhc_violation(self.model, tokens[:1, : min(tokens.size(1), 256)])
+        finally:
+            self.model.train(was)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean next-token cross-entropy over the fixed held-out windows."""
+        m = self.model
+        was = m.training
+        m.eval()
+        total, n = 0.0, 0
+        try:
+            for i in range(0, self.eval_tokens.size(0), self.cfg.batch_size):
+                x = self.eval_tokens[i:i + self.cfg.batch_size].to(self.device)
+                with self._backend(), self._autocast():
+                    logits = m(x).logits
+                loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
+                                       x[:, 1:].reshape(-1), reduction="sum")
+                total += float(loss)
+                n += x[:, 1:].numel()
+        finally:
+            m.train(was)
+        return total / n
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> Path | None:
+        if self.dist is not None:
+            tensors = {k: v.cpu() for k, v in self.dist.full_state_dict(self.model).items()}
+        else:
+            tensors = checkpoint.model_tensors(self.model)
+        if self.rank != 0:
+            return None
+        state = {"step": self.step, "loader": self.loader.state_dict(), "train_config": self.cfg.to_dict(),
+                 "model_config": self.mcfg.to_dict(), "history": self.history[-1000:]}
+        # optimizer state is saved for single-process runs; a multi-process resume restarts the moments
+        optim_state = self.opt.state_dict() if self.world == 1 else {}
+        return checkpoint.save(self.out / "checkpoints", self.step, tensors, optim_state, state,
+                               keep=self.cfg.keep_checkpoints)
+
+    def _resume(self, where: str) -> None:
+        path = self.out / "checkpoints" if where == "auto" else Path(where)
+        if where == "auto" and not (path / "latest").exists():
+            self.log("resume: no checkpoint yet, starting fresh")
+            return
+        ckpt, tensors, optim_state, state = checkpoint.load(path, map_location=self.device)
+        if state["model_config"] != self.mcfg.to_dict():
+            raise UserError(f"{ckpt}: checkpoint was written for a different model config")
+        want = set(self.model.state_dict())
+        if set(tensors) != want:
+            raise checkpoint.CorruptCheckpoint(f"{ckpt}: tensors do not match the model (missing "
+                                               f"{sorted(want - set(tensors))[:3]}, unexpected "
+                                               f"{sorted(set(tensors) - want)[:3]})")
+        if self.dist is not None:
+            self.dist.load_full_state_dict(self.model, tensors)
+        else:
+            self.model.load_state_dict(tensors)
+        try:
+            if optim_state:
+                self.opt.load_state_dict(optim_state)
+        except (ValueError, KeyError) as e:
+            raise checkpoint.CorruptCheckpoint(f"{ckpt}: optimizer state does not fit ({e})") from None
+        self.loader.load_state_dict(state["loader"])
+        self.step = int(state["step"])
+        self.history = list(state.get("history", []))
+        self.log(f"resumed from {ckpt} at step {self.step}")
+
+    # ---------------------------------------------------------------- the job
+    def describe(self) -> dict[str, Any]:
+        """Memory estimate and live dtypes before step 1 (BUGZOO Z21)."""
+        per = {n: 1 for n in self.opt.muon_names} | {n: 2 for n in self.opt.adamw_names}
+        est = metrics.memory_estimate(self.model, per)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        flops = metrics.train_flops_per_token(self.mcfg, self.cfg.seq_len, mtp=self.cfg.mtp_weight > 0)
+        return {"params": n_params, "muon_params": len(self.opt.muon_names),
+                "adamw_params": len(self.opt.adamw_names), "precision": self.precision,
+                "device": str(self.device), "world": self.world, "train_flops_per_token": flops, **est}
+
+    def fit(self) -> dict[str, Any]:
+        c = self.cfg
+        info = self.describe()
+        if self.rank == 0:
+            self.log("model: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in info.items()}))
+            self.log(f"live parameter dtypes: {info['param_dtypes']}; compute: "
+                     f"{'bf16 autocast' if self.precision == 'bf16' else 'fp32'}; estimated memory before step 1: "
+                     f"weights {info['weights_gib']:.3f} GiB + grads {info['grads_gib']:.3f} GiB + optimizer "
+                     f"{info['optimizer_gib']:.3f} GiB = {info['total_gib']:.3f} GiB")
+            self.jsonl.write({"event": "start", **{k: v for k, v in info.items()}, "config": c.to_dict(),
+                              "model_config": self.mcfg.to_dict()})
+        peak = metrics.peak_tflops(self.device, c.peak_tflops)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        bar = None
+        if c.progress and self.rank == 0:
+            from tqdm import tqdm
+            bar = tqdm(total=c.steps, initial=self.step, desc="train", dynamic_ncols=True)
+        global_tokens = c.batch_size * c.seq_len
+        last_eval = None
+        if self.step == 0 and c.eval_every > 0:
+            last_eval = self.evaluate()
+            self._record({"step": 0, "eval_loss": last_eval})
+        t_start = time.perf_counter()
+        tokens_done = 0
+        step_times: list[float] = []
+        first_step = self.step
+        while self.step < c.steps:
+            batch = self.loader.next_batch()
+            t0 = time.perf_counter()
+            row = self.train_step(batch)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            if c.time_budget_s > 0 and self.step - first_step == 12:
+                self._fit_budget(step_times[2:], time.perf_counter() - t_start, bar)
+            tokens_done += global_tokens
+            tps = global_tokens / dt
+            row.update(tokens_per_s=round(tps, 1), step_time_s=round(dt, 4),
+                       mfu=(info["train_flops_per_token"] * tps / (peak * 1e12 * self.world)) if peak else None,
+                       peak_mem_gib=round(metrics.peak_memory_gib(self.device), 4),
+                       epoch=self.loader.state.epoch)
+            if c.eval_every > 0 and (self.step % c.eval_every == 0 or self.step == c.steps):
+                last_eval = self.evaluate()
+                row["eval_loss"] = last_eval
+            self._record(row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", eval=f"{last_eval:.3f}" if last_eval else "-",
+                                tok_s=f"{tps:,.0f}")
+            elif self.rank == 0 and (self.step % 50 == 0 or self.step == 1):
+                self.log(f"step {self.step}/{c.steps} loss {row['loss']:.4f} lm {row['lm']:.4f} "
+                         f"eval {last_eval if last_eval is None else round(last_eval, 4)} "
+                         f"grad_norm {gnorm_fmt(row)} {tps:,.0f} tok/s")
+            if c.save_every > 0 and self.step % c.save_every == 0:
+                self.save_checkpoint()
+        if bar is not None:
+            bar.close()
+        wall = time.perf_counter() - t_start
+        summary = {"steps": self.step, "final_eval_loss": last_eval, "wall_s": round(wall, 1),
+                   "mean_tokens_per_s": round(tokens_done / wall, 1) if wall > 0 else None}
+        if c.save_every >= 0 and self.rank == 0:
+            summary["checkpoint"] = str(self.save_checkpoint())
+        elif c.save_every >= 0:
+            self.save_checkpoint()
+        if self.rank == 0:
+            png = metrics.plot_losses(self.history, self.out / "loss.png")
+            summary["plot"] = str(png) if png else None
+            if c.sample_prompt:
+                summary["sample"] = self.sample(c.sample_prompt)
+            if c.export:
+                summary["export"] = str(self.export(c.export))
+            self.jsonl.write({"event": "end", **summary})
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        return summary
+
+    def _fit_budget(self, times: list[float], elapsed: float, bar) -> None:
+        """Shorten the run so that it ends within time_budget_s (decided early, before the schedule decays)."""
+        c = self.cfg
+        per = self._mean(sum(times) / len(times))
+        evals = c.eval_windows / max(1, c.batch_size) * per / 3 / max(1, c.eval_every) if c.eval_every else 0
+        left = int(max(0.0, c.time_budget_s - self._mean(elapsed)) * 0.97 / (per + evals))
+        steps = max(self.step + 1, min(c.steps, self.step + left))
+        if steps < c.steps:
+            self.log(f"time budget {c.time_budget_s:.0f} s at {per:.3f} s/step: training {steps} steps "
+                     f"instead of {c.steps}")
+            c.steps = steps
+            if bar is not None:
+                bar.total = steps
+
+    def _record(self, row: dict) -> None:
+        self.history.append(row)
+        if self.rank == 0:
+            self.jsonl.write(row)
+
+    # ---------------------------------------------------------------- outputs
+    @torch.no_grad()
+    def sample(self, prompt: str, max_new_tokens: int = 48) -> str:
+        m = self.model
+        was = m.training
+        m.eval()
+        try:
+            with self._backend():
+                ids = m.generate([self.tok.encode(prompt, bos=True)], max_new_tokens=max_new_tokens)[0]
+        finally:
+            m.train(was)
+        return prompt + self.tok.decode(ids)
+
+    def export(self, dst: str | Path) -> Path:
+        """Write a bf16 inference checkpoint (release layout) with config and tokenizer files."""
+        from ..checkpoint.writer import model_values, save
+
+        self.tok.save(self.out / "tokenizer")
+        return save(model_values(self.model), self.mcfg, dst, target="bf16", copy_from=self.out / "tokenizer",
+                    shard_bytes=12 << 20, overwrite=True)
+
+
+def gnorm_fmt(row: dict) -> str:
+    return f"{row['grad_norm']:.3f}"
+
+
+def train(cfg: TrainConfig, log=print) -> dict[str, Any]:
+    return Trainer(cfg, log).fit()

@@ -1,0 +1,361 @@
+"""dsv4.train: losses by hand, indexer-only gradient, bias balancing, Muon's parameter set, tokenizer and
+data determinism, exact resume, corrupt-checkpoint refusal, CLI/config file. A micro V4 (every
+feature: window-only, CSA + indexer, HCA, hash layer, MTP) keeps each test well under a few seconds."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dsv4.config import ModelConfig
+from dsv4.model import DeepSeekV4
+from dsv4.train import balance, checkpoint, data, losses, optim
+from dsv4.train.tokenizer import Tokenizer
+from dsv4.train.trainer import TrainConfig, Trainer
+
+MICRO = dict(vocab_size=300, dim=32, n_layers=3, n_mtp_layers=1, n_hash_layers=1, n_heads=2, head_dim=80,
+             rope_head_dim=16, q_lora_rank=16, o_groups=1, o_lora_rank=16, window_size=8,
+             compress_ratios=(0, 4, 8, 0), index_n_heads=2, index_head_dim=32, index_topk=2,
+             n_routed_experts=4, n_shared_experts=1, n_activated_experts=2, moe_inter_dim=32, max_seq_len=256)
+
+
+def micro_cfg(**kw) -> ModelConfig:
+    return ModelConfig.preset("tiny").replace(**{**MICRO, **kw})
+
+
+def micro_model(seed: int = 0, **kw) -> DeepSeekV4:
+    return DeepSeekV4.from_config(micro_cfg(**kw), seed=seed, dtype=torch.float32).train()
+
+
+# ------------------------------------------------------------------------------------------ losses
+def test_next_token_and_mtp_losses_by_hand():
+    torch.manual_seed(1)
+    b, s, v = 2, 6, 5
+    tokens = torch.randint(0, v, (b, s))
+    logits = torch.randn(b, s, v)
+    want = 0.0
+    for i in range(b):
+        for t in range(s - 1):
+            want += -torch.log_softmax(logits[i, t], -1)[tokens[i, t + 1]]
+    assert losses.next_token_loss(logits, tokens).item() == pytest.approx(float(want) / (b * (s - 1)), rel=1e-6)
+
+    # depth k logits [b, s-1-k, V]: position t predicts tokens[t + k + 2]
+    mtp = [torch.randn(b, s - 1 - k, v) for k in range(2)]
+    per_depth = []
+    for k, lg in enumerate(mtp):
+        tot, n = 0.0, 0
+        for i in range(b):
+            for t in range(s - k - 2):
+                tot += -torch.log_softmax(lg[i, t], -1)[tokens[i, t + k + 2]]
+                n += 1
+        per_depth.append(float(tot) / n)
+    assert losses.mtp_loss(mtp, tokens).item() == pytest.approx(sum(per_depth) / 2, rel=1e-6)
+
+
+def test_total_loss_weights_parts():
+    class Out:
+        logits = torch.zeros(1, 4, 3)
+        mtp_logits = [torch.zeros(1, 3, 3)]
+        indexer_loss = torch.tensor(0.5)
+        balance_loss = torch.tensor(0.25)
+    parts = losses.total_loss(Out(), torch.tensor([[0, 1, 2, 0]]), mtp_weight=0.1, indexer_weight=2.0)
+    ln3 = math.log(3)
+    assert parts.total.item() == pytest.approx(ln3 + 0.1 * ln3 + 2 * 0.5 + 0.25, rel=1e-6)
+
+
+def test_balance_loss_by_hand():
+    m = micro_model()
+    moe = m.layers[1].ffn
+    moe.balance_alpha = 0.01
+    torch.manual_seed(2)
+    b, t, e, k = 2, 5, moe.n_experts, moe.topk
+    scores = torch.rand(b * t, e) + 0.1
+    indices = torch.stack([torch.randperm(e)[:k] for _ in range(b * t)])
+    got = moe._balance_loss(scores, indices, b).item()
+    want = 0.0
+    for i in range(b):
+        rows = range(i * t, (i + 1) * t)
+        for j in range(e):
+            f = e / (k * t) * sum(int((indices[r] == j).any()) for r in rows)
+            p = sum(float(scores[r, j] / scores[r].sum()) for r in rows) / t
+            want += f * p
+    assert got == pytest.approx(0.01 * want / b, rel=1e-5)
+
+
+def test_indexer_loss_by_hand():
+    """KL(target || indexer) over the selected entries, target = main attention's probabilities summed over
+    heads and renormalized; invalid (-1) slots excluded; rows without a valid slot ignored."""
+    m = micro_model()
+    attn = m.layers[1].attn
+    torch.manual_seed(3)
+    b, s, h, d, n = 1, 3, 2, 80, 4
+    q = torch.randn(b, s, h, d)
+    kv_all = torch.randn(b, s + n, d)
+    comp_idx = torch.tensor([[[-1, -1], [s + 0, -1], [s + 2, s + 1]]])     # [b, s, k], into kv_all
+    lse = torch.randn(b, s, h).abs() + 2.0
+    scores = torch.randn(b, s, n)
+    got = attn._indexer_loss(q, kv_all, comp_idx, lse, scores, s).item()
+    total, rows = 0.0, 0
+    for t in range(s):
+        sel = [j for j in comp_idx[0, t].tolist() if j >= 0]
+        if not sel:
+            continue
+        p = torch.tensor([sum(math.exp(float(q[0, t, hh] @ kv_all[0, j]) * attn.scale - float(lse[0, t, hh]))
+                              for hh in range(h)) for j in sel])
+        target = p / p.sum()
+        log_q = torch.log_softmax(torch.tensor([float(scores[0, t, j - s]) for j in sel]), -1)
+        total += float((target * (target.log() - log_q)).sum())
+        rows += 1
+    assert got == pytest.approx(total / rows, rel=1e-4)
+
+
+def test_indexer_loss_gradient_reaches_only_the_indexer():
+    m = micro_model()
+    tokens = torch.randint(0, 300, (2, 24))
+    out = m(tokens, indexer_loss=True)
+    assert out.indexer_loss is not None and out.indexer_loss.item() > 0
+    out.indexer_loss.backward()
+    touched = {n for n, p in m.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert touched, "the indexer loss produced no gradient at all"
+    assert all(".indexer." in n for n in touched), sorted(n for n in touched if ".indexer." not in n)
+    assert any(n.endswith("indexer.wq_b.weight") for n in touched)
+    assert any("indexer.compressor" in n for n in touched)
+
+
+# ------------------------------------------------------------------------------------------ balancing
+def test_bias_update_rule_and_convergence():
+    m = micro_model()
+    moe = m.layers[1].ffn
+    moe.load = torch.tensor([10, 0, 3, 7])
+    balance.update_bias(m, gamma=0.5)
+    assert moe.gate.bias.tolist() == [-0.5, 0.5, 0.5, -0.5]          # mean 5: overloaded down, under up
+    assert m.layers[0].ffn.gate.bias is None                          # hash layer: nothing to update
+
+    # a router heavily skewed towards expert 0: repeated updates must even out the load
+    gate = moe.gate
+    with torch.no_grad():
+        gate.bias.zero_()
+        gate.weight.zero_()
+        gate.weight[0] = 0.5
+        gate.weight[1] = 0.3
+    x = torch.randn(256, 32).abs()
+
+    def spread() -> float:
+        _, idx, _ = gate(x, torch.zeros(256, dtype=torch.long))
+        load = torch.bincount(idx.flatten(), minlength=4).float()
+        return float(load.max() - load.min())
+
+    before = spread()
+    for _ in range(200):
+        _, idx, _ = gate(x, torch.zeros(256, dtype=torch.long))
+        moe.load = torch.bincount(idx.flatten(), minlength=4)
+        balance.update_bias(m, gamma=0.01)
+    assert before >= 200 and spread() < 0.25 * before
+
+
+# ------------------------------------------------------------------------------------------ optimizers
+def test_muon_gets_exactly_the_hidden_matrices():
+    m = micro_model()
+    opt = optim.MuonAdamW(m, optim.OptimConfig())
+    muon, adamw = set(opt.muon_names), set(opt.adamw_names)
+    names = dict(m.named_parameters())
+    assert muon | adamw == set(names) and not muon & adamw
+    for n in muon:
+        leaf = n.rsplit(".", 1)[-1]
+        assert names[n].dim() >= 2 and not n.startswith(("embed", "head")) and not leaf.startswith("hc_")
+        assert leaf != "ape"
+    for must in ("layers.1.attn.wq_a.weight", "layers.1.attn.wo_b.weight", "layers.1.ffn.experts.w1",
+                 "layers.1.attn.indexer.wq_b.weight", "layers.1.attn.compressor.wkv.weight",
+                 "layers.0.ffn.shared_experts.w2.weight", "mtp.0.e_proj.weight", "layers.2.ffn.gate.weight"):
+        assert must in muon, must
+    for must in ("embed.weight", "head.weight", "norm.weight", "layers.1.attn.attn_sink", "layers.0.hc_attn_fn",
+                 "layers.1.attn.compressor.ape", "hc_head_base", "layers.0.attn.q_norm.weight"):
+        assert must in adamw, must
+    assert isinstance(opt.muon, torch.optim.Muon)
+    g = opt.muon.param_groups[0]
+    assert tuple(g["ns_coefficients"]) == (3.4445, -4.7750, 2.0315) and g["ns_steps"] == 5
+    assert all(p.dim() == 2 for p in opt.muon.param_groups[0]["params"])
+
+
+def test_stacked_experts_orthogonalized_per_expert():
+    """Muon on the stacked [E, out, in] experts == Muon on each expert as a separate matrix."""
+    m = micro_model()
+    w = m.layers[1].ffn.experts.w1
+    opt = optim.MuonAdamW(m, optim.OptimConfig(lr=0.02, weight_decay=0.0))
+    torch.manual_seed(4)
+    grad = torch.randn_like(w)
+    ref = [torch.nn.Parameter(w.detach()[e].clone()) for e in range(w.size(0))]
+    ref_opt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    w.grad = grad.clone()
+    for e, r in enumerate(ref):
+        r.grad = grad[e].clone()
+    before = w.detach().clone()
+    opt.step()
+    ref_opt.step()
+    assert not torch.equal(before, w.detach())
+    for e, r in enumerate(ref):
+        torch.testing.assert_close(w.detach()[e], r.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_schedules_and_orthogonalization_metric():
+    f = [optim.lr_factor(s, 100, 10, "cosine", 0.1) for s in range(1, 101)]
+    assert f[0] == pytest.approx(0.1) and f[9] == 1.0 and f[-1] == pytest.approx(0.1) and f[50] < f[20]
+    w = [optim.lr_factor(s, 100, 10, "wsd", 0.0, 0.2) for s in range(1, 101)]
+    assert w[50] == 1.0 and w[79] == 1.0 and w[-1] == pytest.approx(0.0) and w[89] < 1.0
+    g = torch.randn(16, 8)
+    err = optim.orthogonalization_error(g)
+    assert 0.0 < err < 0.5                       # the quintic NS stops short of exact orthogonality
+    q, _ = torch.linalg.qr(torch.randn(16, 8))
+    assert optim.orthogonalization_error(q) < err
+
+
+# ------------------------------------------------------------------------------------------ tokenizer, data
+def _corpus(tmp_path: Path, n: int = 40) -> Path:
+    root = tmp_path / "corpus"
+    if root.exists():
+        return root
+    root.mkdir()
+    for i in range(n):
+        body = "".join(f"def f{i}_{j}(x, y={j}):\n    return x * {i} + y  # step {j}\n\n" for j in range(30))
+        (root / f"mod_{i:03d}.py").write_text(f'"""Module {i}: ünïcode ok."""\nimport os\n\n' + body)
+    return root
+
+
+def test_tokenizer_round_trip_and_save(tmp_path):
+    root = _corpus(tmp_path, 6)
+    tok = Tokenizer.train((p.read_text() for p in sorted(root.iterdir())), vocab_size=300)
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (0, 1, 300)
+    text = "def g(x):\n    return x  # ü €\n"
+    ids = tok.encode(text, bos=True, eos=True)
+    assert ids[0] == 0 and ids[-1] == 1 and tok.decode(ids) == text
+    assert "".join(tok.decode_stream(ids)) == text
+    tok.save(tmp_path / "tk")
+    tok2 = Tokenizer.from_file(tmp_path / "tk")
+    assert tok2.encode(text) == tok.encode(text) and tok2.bos_id == 0 and tok2.eos_id == 1
+
+
+def test_packing_split_and_loader_resume(tmp_path):
+    root = _corpus(tmp_path, 30)
+    docs = data.find_documents([root])
+    tok = Tokenizer.train((p.read_text() for _, p in docs[:5]), vocab_size=300)
+    train, held = data.tokenize_corpus(tok, docs, held_out_pct=10.0)
+    held_names = [n for n, _ in docs if data.is_held_out(n, 10.0)]
+    assert held_names and len(held_names) < len(docs)
+    assert int((train == tok.bos_id).sum()) == len(docs) - len(held_names)    # one BOS per document
+    assert train[0] == tok.bos_id and int((held == tok.eos_id).sum()) == len(held_names)
+
+    a = data.PackedLoader(train, 16, 4, seed=3)
+    first = [a.next_batch() for _ in range(3)]
+    st = a.state_dict()
+    rest = [a.next_batch() for _ in range(3)]
+    b = data.PackedLoader(train, 16, 4, seed=3)
+    b.load_state_dict(st)
+    assert all(torch.equal(x, y) for x, y in zip(rest, [b.next_batch() for _ in range(3)]))
+    c = data.PackedLoader(train, 16, 4, seed=3)
+    assert torch.equal(c.next_batch(), first[0])
+    # two ranks see the two halves of the same global batch
+    r0, r1 = (data.PackedLoader(train, 16, 4, seed=3, rank=r, world=2) for r in (0, 1))
+    assert torch.equal(torch.cat([r0.next_batch(), r1.next_batch()]), first[0])
+    # each window is a contiguous slice of the stream
+    w = first[0][0].numpy()
+    starts = [i for i in range(0, len(train) - 16 + 1, 16) if np.array_equal(train[i:i + 16], w)]
+    assert starts
+
+
+# ------------------------------------------------------------------------------------------ trainer
+def _train_cfg(tmp_path: Path, **kw) -> TrainConfig:
+    base = dict(preset="tiny", model={k: list(v) if isinstance(v, tuple) else v for k, v in MICRO.items()},
+                data=[str(_corpus(tmp_path))], seq_len=32, batch_size=2, steps=4, warmup=1, lr=5e-3,
+                eval_every=2, eval_windows=2, diag_every=1, out=str(tmp_path / "run"), progress=False,
+                deterministic=True, sample_prompt="", held_out_pct=10.0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path):
+    full = Trainer(_train_cfg(tmp_path, save_every=2), log=lambda *_: None)
+    full.fit()
+    straight = [r["loss"] for r in full.history if "loss" in r]
+    final = {k: v.clone() for k, v in full.model.state_dict().items()}
+    ckpt = Path(full.out) / "checkpoints" / "step_00000002"
+    assert ckpt.exists()
+    resumed = Trainer(_train_cfg(tmp_path, save_every=-1, out=str(tmp_path / "run2"), resume=str(ckpt)),
+                      log=lambda *_: None)
+    assert resumed.step == 2
+    resumed.fit()
+    again = [r["loss"] for r in resumed.history if "loss" in r]
+    assert again == straight                    # steps 1-2 from the checkpoint's history, 3-4 recomputed
+    for k, v in resumed.model.state_dict().items():
+        assert torch.equal(v, final[k]), k
+    rows = [json.loads(line) for line in (Path(full.out) / "metrics.jsonl").read_text().splitlines()]
+    step_rows = [r for r in rows if "grad_norm" in r]
+    for key in ("lm", "mtp", "indexer", "balance", "grad_norm", "lr", "tokens_per_s", "peak_mem_gib",
+                "expert_load_max_min", "mhc_violation", "muon_ortho_err", "nonfinite"):
+        assert key in step_rows[0], key
+    assert step_rows[0]["nonfinite"] == 0 and 0 <= step_rows[0]["mhc_violation"] < 1e-2
+    assert rows[0]["event"] == "start" and rows[0]["param_dtypes"] == {"float32": rows[0]["params"]}
+
+
+def test_corrupt_checkpoint_is_refused(tmp_path):
+    t = Trainer(_train_cfg(tmp_path, steps=1, eval_every=0, diag_every=0), log=lambda *_: None)
+    t.fit()
+    ckpt = checkpoint.resolve(Path(t.out) / "checkpoints")
+    checkpoint.load(ckpt)                                                   # intact: loads
+    f = ckpt / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="SHA-256"):
+        checkpoint.load(ckpt)
+    (ckpt / "manifest.json").unlink()
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="incomplete"):
+        Trainer(_train_cfg(tmp_path, resume=str(ckpt)), log=lambda *_: None)
+
+
+def test_training_reduces_held_out_loss_and_qat_switches(tmp_path):
+    cfg = _train_cfg(tmp_path, steps=12, eval_every=12, lr=1e-2, diag_every=0, deterministic=False,
+                     fp4_experts=True, save_every=-1)
+    t = Trainer(cfg, log=lambda *_: None)
+    first = t.evaluate()
+    summary = t.fit()
+    assert summary["final_eval_loss"] < first - 0.3
+    assert t.mcfg.fp8_kv_sim and t.mcfg.fp4_indexer_sim
+
+
+def test_cli_and_config_file(tmp_path):
+    import argparse
+
+    from dsv4.train.cli import add_train_parser, config_from_args
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('steps = 7\nlr = 0.001\n[model]\ndim = 64\nn_layers = 2\n')
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["train", "--config", str(toml), "--steps", "9", "--set", "n_layers=3",
+                              "--deterministic", "--no-fp8-kv-sim"])
+    cfg = config_from_args(args)
+    assert cfg.steps == 9 and cfg.lr == 0.001 and cfg.deterministic and cfg.fp8_kv_sim is False
+    assert cfg.model == {"dim": 64, "n_layers": 3}
+    assert args.func.__name__ == "run_train"
+    from dsv4.errors import UserError
+
+    with pytest.raises(UserError, match="unknown training setting"):
+        TrainConfig.from_dict({"stepz": 3})
+
+
+def test_train_flops_counts_active_experts_only():
+    from dsv4.train.metrics import train_flops_per_token
+
+    c = micro_cfg()
+    more = c.replace(n_routed_experts=16)
+    wider = c.replace(n_activated_experts=3)
+    assert train_flops_per_token(more, 64) == pytest.approx(train_flops_per_token(c, 64)
+                                                            + 3 * 2 * 12 * c.dim * (c.n_layers + 1))
+    assert train_flops_per_token(wider, 64) > train_flops_per_token(c, 64)
