@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -195,12 +196,31 @@ def test_hf_layout_written_by_transformers(ckpts, tmp_path, source):
         assert same(model, source[1], mtp=False), original
 
 
+@functools.cache
+def _report(preset: str) -> dict:
+    return expected_report(ModelConfig.preset(preset))
+
+
 def test_inspect_expected_matches_parameter_totals():
-    r = expected_report(ModelConfig.preset("flash"))
-    flash, pro = r["parameters"], expected_report(ModelConfig.preset("pro"))["parameters"]
+    r = _report("flash")
+    flash, pro = r["parameters"], _report("pro")["parameters"]
     assert abs(flash["backbone"] / 284.33e9 - 1) < 0.005 and abs(flash["mtp"] / 6.61e9 - 1) < 0.005
     assert abs(pro["backbone"] / 1573.0e9 - 1) < 0.005 and abs(pro["mtp"] / 25.84e9 - 1) < 0.005
     assert r["inventory"]["head.weight"] == {"shape": [129280, 4096], "dtype": "BF16"}
     assert r["inventory"]["layers.5.ffn.experts.0.w1.weight"] == {"shape": [2048, 2048], "dtype": "I8"}
     assert r["inventory"]["layers.5.ffn.experts.0.w1.scale"] == {"shape": [2048, 128], "dtype": "F8_E8M0"}
     assert r["inventory"]["layers.5.attn.wq_b.scale"] == {"shape": [256, 8], "dtype": "F8_E8M0"}
+
+
+@pytest.mark.parametrize("preset", ["flash", "pro"])
+def test_expected_inventory_agrees_with_dsv4_info(preset):
+    info = pytest.importorskip("dsv4.info", reason="dsv4.info not available")
+    cfg = ModelConfig.preset(preset)
+    mine = _report(preset)["parameters"]
+    theirs = info.count_parameters(cfg)
+    # dsv4 info counts nn.Parameters; the checkpoint also stores the router's buffers
+    buffers = cfg.n_hash_layers * cfg.vocab_size * cfg.n_activated_experts
+    buffers += (cfg.n_layers - cfg.n_hash_layers) * cfg.n_routed_experts
+    assert mine["backbone"] - buffers == theirs["backbone"]
+    assert mine["mtp"] - cfg.n_mtp_layers * cfg.n_routed_experts == theirs["mtp"]
+    assert abs(mine["backbone"] / theirs["backbone"] - 1) < 0.005
