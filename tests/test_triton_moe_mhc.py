@@ -110,7 +110,7 @@ def _nan_empty(real):
 @pytest.mark.parametrize("backend", MOE_BACKENDS)
 def test_moe_poisoned_memory(backend, monkeypatch):
     """Every fresh buffer (and every grouped-GEMM row past the last group) starts as NaN (BUGZOO Z09)."""
-    inputs = _moe_inputs(seed=1)
+    inputs = _moe_inputs(seed=1, t=24)
     ref_y = R.moe_experts(*inputs, 10.0, 2)
     grad_out = torch.randn_like(ref_y)
     y0, g0 = _grads(lambda *a: ops.moe_experts(*a, 10.0, 2, backend=backend), inputs, grad_out)
@@ -136,8 +136,8 @@ def test_moe_poisoned_memory(backend, monkeypatch):
 
 @pytest.mark.parametrize("backend", MOE_BACKENDS)
 def test_moe_deterministic_repeats(backend):
-    inputs = _moe_inputs(seed=2, t=29)
-    grad_out = torch.randn(29, 64)
+    inputs = _moe_inputs(seed=2, t=16)
+    grad_out = torch.randn(16, 64)
     ops.set_deterministic(True)
     try:
         runs = [_grads(lambda *a: ops.moe_experts(*a, 10.0, 2, backend=backend), inputs, grad_out)
@@ -235,7 +235,7 @@ def test_hc_pre_deterministic_and_refuses_fp32():
     try:
         for _ in range(2):
             leaves = [t.clone().requires_grad_() for t in (x, fn, scale, base)]
-            out = ops.hc_pre(*leaves, 1e-6, 1e-6, 20, backend="triton")
+            out = ops.hc_pre(*leaves, 1e-6, 1e-6, 6, backend="triton")      # 6 Sinkhorn iterations
             grads = torch.autograd.grad(out[0].float().sum() + out[2].sum(), leaves)
             hashes.append([o.detach().clone() for o in out] + list(grads))
     finally:

@@ -342,7 +342,7 @@ class _HcPre(torch.autograd.Function):
         sc, bs = scale.detach().float().contiguous(), base.detach().float().contiguous()
         glogit = torch.empty_like(mix)                                               # [T, mix]
         pre = torch.empty(t, hc, device=dev)
-        bt = 4 if _INTERPRET else 16
+        bt = 16
         _launch(_hc_split_bwd_kernel, (triton.cdiv(t, bt),),
             mix, sc, bs, g_pre.contiguous(), g_post, g_comb, glogit, pre, t, float(hc_eps),
             ITERS=int(iters), HC=hc, BT=bt, num_warps=4)
