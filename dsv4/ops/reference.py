@@ -114,7 +114,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
     valid = idx >= 0                                                      # [b, s, k]
     batch = torch.arange(b, device=q.device).view(b, 1, 1)
     acc = acc_dtype()
-    kv_sel = kv[batch, idx.clamp_min(0).long()].to(acc)                   # [b, s, k, d]
+    # cast before the gather: its backward then accumulates dkv in fp32, not in kv's dtype
+    kv_sel = kv.to(acc)[batch, idx.clamp_min(0).long()]                   # [b, s, k, d]
     scores = torch.einsum("bshd,bskd->bshk", q.to(acc), kv_sel) * scale   # [b, s, h, k]
     scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
     sink_col = sink.to(acc).view(1, 1, h, 1).expand(b, s, h, 1)
