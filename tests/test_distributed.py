@@ -53,6 +53,17 @@ def _helper_checks() -> dict:
     clip_rel = D._max_rel(clipped, {n: g * coef for n, g in ref_grads.items()})[0]
     after = float(D.grad_norm(par))
 
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]
+    with torch.no_grad():                     # sharded model: FSDP gathers weights around prefill/decode
+        same_greedy = par.generate(prompts, max_new_tokens=3, stop_at_eos=False) == \
+            ref.generate(prompts, max_new_tokens=3, stop_at_eos=False)
+    plain = D.unsharded_copy(par)             # collective; then usable by one rank alone
+    if rank == 0:
+        with torch.no_grad():
+            same_greedy &= plain.generate(prompts, max_new_tokens=3, stop_at_eos=False) == \
+                ref.generate(prompts, max_new_tokens=3, stop_at_eos=False)
+            same_greedy &= not any(D._is_dtensor(p) or D.is_expert_param(p) for p in plain.parameters())
+
     state = {k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(7)).to(v.dtype)
              if v.is_floating_point() else v for k, v in ref.state_dict().items()}
     D.load_full_state_dict(par, state)
@@ -63,6 +74,7 @@ def _helper_checks() -> dict:
         "clip_rel": clip_rel,
         "clipped_norm_rel": abs(after - 0.25 * float(norm_ref)) / (0.25 * float(norm_ref)),
         "state_keys_equal": back.keys() == state.keys(),
+        "generate_equal": same_greedy,
         "state_equal": all(torch.equal(back[k], state[k]) for k in state),
         "expert_shapes": [tuple(p.shape) for n, p in par.named_parameters() if D.is_expert_param(p)][:3],
     }
@@ -171,6 +183,7 @@ def test_helpers_norm_clip_state_and_load(ranks):
         assert h["clip_rel"] < 1e-3      # per tensor, norm-wise; tiny mHC gradients carry rounding noise
         assert h["state_keys_equal"] and h["state_equal"]
         assert h["load_equal"]
+        assert h["generate_equal"]
 
 
 def test_single_process_is_left_alone():

@@ -225,7 +225,7 @@ def shard_model(model: nn.Module, ep: bool = True, dp_mesh=None, mp_policy=None,
     if not is_distributed():
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     if getattr(model, "_dsv4_sharded", False):
         raise RuntimeError("model is already sharded")
@@ -250,6 +250,12 @@ def shard_model(model: nn.Module, ep: bool = True, dp_mesh=None, mp_policy=None,
     for block in getattr(model, "layers", []):
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, **kw)
+    # incremental decoding (sampling during training, held-out generation) enters through these methods,
+    # not forward: let FSDP gather the root unit's weights around them too. Under expert parallelism every
+    # rank must decode the same number of steps (the exchange is collective).
+    for name in ("prefill", "decode_step"):
+        if hasattr(model, name):
+            register_fsdp_forward_method(model, name)
     model._dsv4_sharded = True
     return model
 
@@ -333,6 +339,19 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     group = _ep_group_of(model)
     experts = {n for n, p in model.named_parameters() if is_expert_param(p)}
     return {n: _full(t, n in experts, group).detach().clone() for n, t in model.state_dict().items()}
+
+
+@torch.no_grad()
+def unsharded_copy(model: nn.Module) -> nn.Module:
+    """A plain single-process replica of a sharded DeepSeekV4 with the full weights, on every rank.
+
+    A collective (call on all ranks); afterwards rank 0 may sample or evaluate with it alone, which the
+    sharded model cannot do (its FSDP gathers and expert exchanges need every rank)."""
+    from ..model.transformer import DeepSeekV4
+
+    copy = DeepSeekV4(model.cfg, device="meta")
+    copy.load_state_dict(full_state_dict(model), assign=True)
+    return copy.train(model.training)
 
 
 @torch.no_grad()
