@@ -127,7 +127,7 @@ def mhc_violation(model: nn.Module, tokens: torch.Tensor) -> float:
     worst = 0.0
     for i, layer in enumerate(model.layers):
         for kind, x in (("attn", x_prev), ("ffn", seen[f"layers.{i}.hc_attn_post"])):
-            fn, scale, base = (getattr(layer, f"hc_{kind}_{p}") for p in ("fn", "scale", "base"))
+            fn, scale, base = (_full(getattr(layer, f"hc_{kind}_{p}")) for p in ("fn", "scale", "base"))
             xf = x.flatten(-2).float()
             mixes = torch.nn.functional.linear(xf, fn.float()) * torch.rsqrt(
                 xf.square().mean(-1, keepdim=True) + cfg.norm_eps)
@@ -135,6 +135,11 @@ def mhc_violation(model: nn.Module, tokens: torch.Tensor) -> float:
             worst = max(worst, float((comb.sum(-1) - 1).abs().max()), float((comb.sum(-2) - 1).abs().max()))
         x_prev = seen[f"layers.{i}.hc_ffn_post"]
     return worst
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly FSDP-sharded) parameter; a collective for DTensors."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 # ------------------------------------------------------------------------------------------ logs
