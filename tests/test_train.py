@@ -321,12 +321,41 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
 
 def test_training_reduces_held_out_loss_and_qat_switches(tmp_path):
     cfg = _train_cfg(tmp_path, steps=12, eval_every=12, lr=1e-2, diag_every=0, deterministic=False,
-                     fp4_experts=True, save_every=-1)
+                     fp4_experts=True, activation_checkpointing=True, save_every=-1)
     t = Trainer(cfg, log=lambda *_: None)
     first = t.evaluate()
     summary = t.fit()
     assert summary["final_eval_loss"] < first - 0.3
     assert t.mcfg.fp8_kv_sim and t.mcfg.fp4_indexer_sim
+    assert all(r["nonfinite"] == 0 for r in t.history if "nonfinite" in r)
+
+
+def test_activation_checkpointing_and_fp4_experts_keep_gradients(tmp_path):
+    """Checkpointed blocks give the same gradients as plain ones; FP4 fake-quant passes gradients through."""
+    import types
+
+    from dsv4.train.trainer import _checkpointed, _fp4_expert_forward
+
+    tokens = torch.randint(0, 300, (2, 24))
+    grads = []
+    for ckpt in (False, True):
+        m = micro_model()
+        if ckpt:
+            for block in [*m.layers, *m.mtp]:
+                block.forward = _checkpointed(block)
+        out = m(tokens, mtp=True, indexer_loss=True, balance_alpha=1e-3)
+        losses.total_loss(out, tokens).total.backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7, msg=n)
+
+    m = micro_model()
+    ex = m.layers[1].ffn.experts
+    ex.forward = types.MethodType(_fp4_expert_forward, ex)
+    out = m(tokens)
+    out.logits.logsumexp(-1).mean().backward()
+    assert ex.w1.grad is not None and ex.w1.grad.abs().sum() > 0
 
 
 def test_cli_and_config_file(tmp_path):

@@ -408,7 +408,9 @@ class Trainer:
         """Memory estimate and live dtypes before step 1 (BUGZOO Z21)."""
         per = {n: 1 for n in self.opt.muon_names} | {n: 2 for n in self.opt.adamw_names}
         est = metrics.memory_estimate(self.model, per)
-        n_params = sum(p.numel() for p in self.model.parameters())
+        # DTensor.numel() is global; expert-parallel experts are rank-local slices of W equal parts
+        ep = getattr(self.dist, "is_expert_param", lambda p: False) if self.dist else (lambda p: False)
+        n_params = sum(p.numel() * (self.world if ep(p) else 1) for p in self.model.parameters())
         flops = metrics.train_flops_per_token(self.mcfg, self.cfg.seq_len, mtp=self.cfg.mtp_weight > 0)
         return {"params": n_params, "muon_params": len(self.opt.muon_names),
                 "adamw_params": len(self.opt.adamw_names), "precision": self.precision,
