@@ -38,6 +38,8 @@ def add_check_parsers(sub) -> None:
     mode.add_argument("--backends", help="A,B ops backends, e.g. triton,reference")
     mode.add_argument("--dtypes", help="A,B dtypes, e.g. bf16,fp32")
     mode.add_argument("--compile", action="store_true", help="A = torch.compile(model), B = eager")
+    p.add_argument("--compiler", default="inductor",
+                   help="torch.compile backend for --compile (default inductor; aot_eager is fast)")
     mode.add_argument("--checkpoints", help="A,B checkpoint directories")
     mode.add_argument("--quantized", action="store_true",
                       help="with --checkpoint: A keeps FP8/FP4 weights quantized, B dequantizes them at load")
@@ -184,7 +186,8 @@ def cmd_compare(args) -> int:
         if not args.checkpoint:
             notes.append("dsv4 side built with fp8_kv_sim=False, fp4_indexer_sim=False (transformers simulates "
                          "no QAT quantization)")
-        a, b = Side(args.external, external=load_external(args.external, model)), Side("dsv4", model)
+        label = "transformers" if args.external in ("hf", "transformers") else args.external
+        a, b = Side(label, external=load_external(args.external, model)), Side("dsv4", model)
     else:
         model = _model(args, dtype)
         if mode == "backends":
@@ -195,7 +198,7 @@ def cmd_compare(args) -> int:
                     notes.append(f"ops without a '{name}' backend use their default: {', '.join(miss)}")
             a, b = Side(na, model, backend=ca), Side(nb, model, backend=cb)
         elif mode == "compile":
-            a, b = Side("compiled", model, compile=True), Side("eager", model)
+            a, b = Side(f"compiled[{args.compiler}]", model, compile=args.compiler), Side("eager", model)
         elif mode == "perturb":
             name, _, eps = args.perturb.partition(":")
             try:

@@ -34,7 +34,7 @@ class Side:
     label: str
     model: nn.Module | None = None
     backend: str | dict[str, str] | None = None
-    compile: bool = False
+    compile: bool | str = False             # True = torch.compile default (inductor), or a backend name
     external: ExternalRunner | None = None
     inject: Injector | None = None
     context: Callable[[], contextlib.AbstractContextManager] | None = None   # e.g. a planted mutant
@@ -66,6 +66,18 @@ def backend_choice(name: str) -> tuple[dict[str, str], list[str]]:
     return have, missing
 
 
+def describe_implementations(impl: dict[str, list[str]]) -> str:
+    """`moe_experts=grouped; every other op (9) reference` - what actually ran, compactly."""
+    if not impl:
+        return "no dsv4 op ran"
+    names = {op: "/".join(b) for op, b in impl.items()}
+    common = max(set(names.values()), key=list(names.values()).count)
+    rest = [f"{op}={b}" for op, b in names.items() if b != common]
+    n_common = len(names) - len(rest)
+    tail = f"{'every other op' if rest else 'every op'} ({n_common}): {common}"
+    return "; ".join(rest + [tail])
+
+
 def _implementations(before: dict, after: dict) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for (op, be), n in after.items():
@@ -83,7 +95,10 @@ def run_side(side: Side, tokens: torch.Tensor) -> RunResult:
         stages.setdefault("head.logits", logits)
         return RunResult(side.label, logits.detach().float(), {k: v.detach() for k, v in stages.items()})
     model = side.model
-    fn = torch.compile(model) if side.compile else model
+    if side.compile:
+        fn = torch.compile(model) if side.compile is True else torch.compile(model, backend=side.compile)
+    else:
+        fn = model
     before = ops.calls()
     ctx = ops.use_backend(side.backend) if side.backend is not None else contextlib.nullcontext()
     extra = side.context() if side.context is not None else contextlib.nullcontext()
@@ -118,7 +133,7 @@ class CompareReport:
         lines = [f"compare: A = {self.a}   B = {self.b}   (tolerance: {self.tolerance})"]
         for label, impl in self.implementations.items():
             if impl:
-                lines.append(f"  ran on {label}: " + ", ".join(f"{op}={'/'.join(b)}" for op, b in impl.items()))
+                lines.append(f"  ran on {label}: {describe_implementations(impl)}")
         lines += [f"  note: {n}" for n in self.notes]
         diffs = self.stages.diffs
         if self.stages.first is None:

@@ -38,7 +38,9 @@ class DeterminismReport:
         lines = [f"determinism: {self.runs} runs of forward + backward, {self.tensors} tensors hashed "
                  f"(backend: {self.backend or 'default'})"]
         if self.implementations:
-            lines.append("  ran: " + ", ".join(f"{op}={'/'.join(b)}" for op, b in self.implementations.items()))
+            from .compare import describe_implementations
+
+            lines.append(f"  ran: {describe_implementations(self.implementations)}")
         for d in self.drifting[:20]:
             lines.append(f"  ! {d['name']:<40} {d['distinct']} distinct hashes, max abs diff {d['max_abs']:.3e}")
         if len(self.drifting) > 20:
