@@ -89,6 +89,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         "sgd": D.parity_check(steps=3, optimizer="sgd", lr=0.1),
         "adamw": D.parity_check(steps=2, optimizer="adamw", lr=1e-3),
         "no_tokens": D.parity_check(steps=1, optimizer="sgd", lr=0.1, prepare=_route_to_first_half),
+        "fsdp_only": D.parity_check(steps=1, optimizer="sgd", lr=0.1, ep=False),
         "infer": D.inference_check(modes=("all_reduce", "all_to_all")),
         "helpers": _helper_checks(),
     }
@@ -165,6 +166,13 @@ def test_rank_that_receives_no_tokens(ranks):
     for res in ranks:
         t = res["no_tokens"]
         assert t["loss_rel"] < 1e-5 and t["grad_rel"][0] < 1e-4, t["grad_worst"]
+
+
+def test_fsdp_without_expert_parallelism(ranks):
+    for res in ranks:
+        t = res["fsdp_only"]
+        assert t["expert_ranges"] == [[0, 8]] * N_MOE          # every rank sees all experts (FSDP-gathered)
+        assert t["forward_rel"] < 1e-6 and t["loss_rel"] < 1e-5 and t["grad_rel"][0] < 1e-4, t["grad_worst"]
 
 
 @pytest.mark.parametrize("mode", ["all_reduce", "all_to_all"])

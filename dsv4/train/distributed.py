@@ -421,10 +421,11 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[fl
 
 def parity_check(preset: str = "tiny", steps: int = 3, batch: int = 4, seq: int = 32, lr: float = 1e-3,
                  optimizer: str = "adamw", seed: int = 0, device: torch.device | None = None,
-                 prepare: Callable[[nn.Module], None] | None = None) -> dict:
+                 prepare: Callable[[nn.Module], None] | None = None, ep: bool = True) -> dict:
     """Train a single-process replica and the FSDP2 + expert-parallel model side by side on every rank.
 
-    Both start from the same seeded weights (`prepare(model)` may edit both before sharding); the replica
+    Both start from the same seeded weights (`prepare(model)` may edit both before sharding; ep=False
+    leaves the experts to FSDP like every other weight); the replica
     sees the whole global batch [batch, seq], each rank its slice. Reports per-step losses (the parallel
     one averaged over ranks), per-step worst norm-wise relative gradient difference over all parameters,
     the forward (logits) difference at step 0, the final parameter difference, the global grad norms of
@@ -449,7 +450,7 @@ def parity_check(preset: str = "tiny", steps: int = 3, batch: int = 4, seq: int 
     par = DeepSeekV4.from_config(cfg, seed=seed).to(device)
     if prepare is not None:
         prepare(ref), prepare(par)
-    par = shard_model(par, ep=True)
+    par = shard_model(par, ep=ep)
     ranges = [(int(m.experts.offset), int(m.experts.offset + m.experts.w1.size(0))) for m in moe_layers(par)]
 
     def make_opt(model: nn.Module) -> torch.optim.Optimizer:
