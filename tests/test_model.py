@@ -40,8 +40,8 @@ def test_teacher_forcing_names_a_planted_cache_bug(tiny, monkeypatch):
             in_step[0] = False
 
     monkeypatch.setattr(comp, "step", bad_step)
-    monkeypatch.setattr(comp, "finish", lambda pooled, first, dtype: finish(pooled, first * 4 if in_step[0] else first,
-                                                                         dtype))
+    monkeypatch.setattr(comp, "finish",
+                        lambda pooled, ids, dtype: finish(pooled, ids * 4 if in_step[0] else ids, dtype))
     tokens = torch.randint(0, tiny.cfg.vocab_size, (1, 40))
     rep = teacher_forcing(tiny, tokens, prefill=7)
     assert not rep.ok

@@ -196,17 +196,19 @@ def _hash_by_gate(gate):
 
 def _step_raw_slot(comp):
     """Z11: the decode path writes compressed entries at the raw token position instead of the
-    compressed position (slot = pos mod capacity rather than the running entry count)."""
+    compressed position (slot = pos mod capacity rather than pos // ratio)."""
     def step(x, pos, st):
         r = comp.ratio
-        kv, score = comp.project(x, torch.tensor([pos], device=x.device))
-        st.cur_kv[:, pos % r], st.cur_score[:, pos % r] = kv[:, 0], score[:, 0]
-        if (pos + 1) % r:
-            return
+        kv, score = comp.project(x, pos)
+        st.cur_kv.index_copy_(1, pos % r, kv)
+        st.cur_score.index_copy_(1, pos % r, score)
         pooled = comp.pool(st.cur_kv.unsqueeze(1), st.cur_score.unsqueeze(1), st.prev_kv, st.prev_score)
-        st.entries[:, pos % st.entries.size(1)] = comp.finish(pooled, pos // r, x.dtype)[:, 0]
-        st.count += 1
-        st.prev_kv, st.prev_score = st.cur_kv.clone(), st.cur_score.clone()
+        entry = comp.finish(pooled, pos // r, x.dtype)
+        done = ((pos + 1) % r == 0).view(1, 1, 1)
+        j = pos % st.entries.size(1)                          # the bug: a raw position as the entry slot
+        st.entries.index_copy_(1, j, torch.where(done, entry, st.entries.index_select(1, j)))
+        st.prev_kv.copy_(torch.where(done, st.cur_kv, st.prev_kv))
+        st.prev_score.copy_(torch.where(done, st.cur_score, st.prev_score))
     return step
 
 

@@ -395,7 +395,7 @@ def static_shapes(ctx: Context) -> CheckResult:
         "sampling": lambda: sampling.sample(logits, temperature=0.8, top_p=0.9, top_k=50, generator=gen),
         f"moe_experts[{moe}]": lambda: ops.moe_experts(**inp),
         "decode step (cache writes)": lambda: model.layers[1](x, torch.tensor([7]), ctx.tokens[:1, 7:8],
-                                                              cache=cache.layers[1], pos=7),
+                                                              cache=cache.layers[1], pos=torch.tensor([7])),
     }
     for where, fn in spots.items():
         reads: list[str] = []

@@ -21,18 +21,22 @@ from .rope import Rope, apply_rope_tail
 # ------------------------------------------------------------------------------------------ caches
 @dataclass
 class CompressorState:
-    """Decode state of one compressor: the pooled entries so far and the raw slots of open groups."""
+    """Decode state of one compressor: the pooled entries and the raw slots of the open groups.
+
+    All tensors have fixed shapes (no growing lists, no host-side counters), so a decode step can be
+    captured in a CUDA graph: which entries exist follows from the position alone (j < (t+1) // r).
+    """
     entries: torch.Tensor        # [b, capacity, c] compressed entries (after norm / rope / quant)
-    count: int                   # entries written
     cur_kv: torch.Tensor         # [b, ratio, coff*c] raw kv of the group being filled
     cur_score: torch.Tensor      # [b, ratio, coff*c] its gate scores (+ ape)
-    prev_kv: torch.Tensor | None = None     # last complete group (needed for overlap), or None
-    prev_score: torch.Tensor | None = None
+    prev_kv: torch.Tensor        # [b, ratio, coff*c] the last complete group (zeros before the first)
+    prev_score: torch.Tensor     # [b, ratio, coff*c] its scores (-inf before the first: an empty half)
 
 
 @dataclass
 class AttentionCache:
-    window: torch.Tensor                      # [b, window, d] ring buffer: position p at slot p % window
+    kv: torch.Tensor                          # [b, window + capacity, d]: ring buffer, then compressed entries
+    window: torch.Tensor                      # view kv[:, :window]; position p lives at slot p % window
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
 
@@ -84,12 +88,10 @@ class Compressor(nn.Module):
             score = torch.cat([before_score, score[..., c:]], 2)
         return ops.compress_pool(kv, score)
 
-    def finish(self, pooled: torch.Tensor, first: int, dtype: torch.dtype) -> torch.Tensor:
-        """Norm, rope at j*r, then (indexer) Hadamard + FP4 round trip or (attention) FP8 round trip."""
-        g = pooled.size(1)
+    def finish(self, pooled: torch.Tensor, entry_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Norm, rope at j*r for entry j, then (indexer) Hadamard + FP4 round trip or (attention) FP8."""
         entries = self.norm(pooled.to(dtype))
-        pos = (torch.arange(g, device=pooled.device) + first) * self.ratio
-        entries = apply_rope_tail(entries, self.rope, pos)
+        entries = apply_rope_tail(entries, self.rope, entry_ids * self.ratio)
         if self.rotate:
             entries = ops.hadamard(entries)
             if self.fp4_sim:
@@ -107,16 +109,17 @@ class Compressor(nn.Module):
         g = s // r
         groups_kv = kv[:, : g * r].unflatten(1, (g, r))
         groups_score = score[:, : g * r].unflatten(1, (g, r))
-        entries = self.finish(self.pool(groups_kv, groups_score), 0, x.dtype)
+        entries = self.finish(self.pool(groups_kv, groups_score), torch.arange(g, device=x.device), x.dtype)
         return entries, kv, score
 
     # ---------------------------------------------------------------- decode
-    def new_state(self, b: int, capacity: int, device, dtype) -> CompressorState:
-        w = self.coff * self.head_dim
-        return CompressorState(
-            entries=torch.zeros(b, capacity, self.head_dim, device=device, dtype=dtype), count=0,
-            cur_kv=torch.zeros(b, self.ratio, w, device=device),
-            cur_score=torch.full((b, self.ratio, w), float("-inf"), device=device))
+    def new_state(self, entries: torch.Tensor) -> CompressorState:
+        """Decode state writing its entries into `entries` [b, capacity, c] (a view of the layer's kv)."""
+        b, w = entries.size(0), self.coff * self.head_dim
+        zeros = entries.new_zeros(b, self.ratio, w, dtype=torch.float32)
+        empty = torch.full_like(zeros, float("-inf"))
+        return CompressorState(entries=entries, cur_kv=zeros, cur_score=empty.clone(), prev_kv=zeros.clone(),
+                               prev_score=empty)
 
     def fill_state(self, st: CompressorState, entries: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
         """After a prefill of s tokens: store the entries and the raw slots of the open groups."""
@@ -124,26 +127,32 @@ class Compressor(nn.Module):
         if g > st.entries.size(1):
             raise ValueError(f"prompt needs {g} compressed entries, cache holds {st.entries.size(1)}")
         st.entries[:, :g] = entries
-        st.count = g
         if g:
-            st.prev_kv, st.prev_score = kv[:, (g - 1) * r: g * r].clone(), score[:, (g - 1) * r: g * r].clone()
+            st.prev_kv.copy_(kv[:, (g - 1) * r: g * r])
+            st.prev_score.copy_(score[:, (g - 1) * r: g * r])
         rem = s - g * r
         st.cur_kv[:, :rem], st.cur_score[:, :rem] = kv[:, g * r:], score[:, g * r:]
 
-    def step(self, x: torch.Tensor, pos: int, st: CompressorState) -> None:
-        """Decode one token at position pos: x [b, 1, dim]; emits an entry when its group completes."""
+    def step(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState) -> None:
+        """Decode one token at position pos ([1] long tensor): x [b, 1, dim].
+
+        The entry of the current group is computed every step and written only when the group is
+        complete ((pos+1) % r == 0): a fixed sequence of kernels, no host synchronization.
+        """
         r = self.ratio
-        positions = torch.tensor([pos], device=x.device)
-        kv, score = self.project(x, positions)
-        st.cur_kv[:, pos % r], st.cur_score[:, pos % r] = kv[:, 0], score[:, 0]
-        if (pos + 1) % r:
+        kv, score = self.project(x, pos)                                                # [b, 1, coff*c]
+        st.cur_kv.index_copy_(1, pos % r, kv)
+        st.cur_score.index_copy_(1, pos % r, score)
+        if st.entries.size(1) == 0:                     # the cache is too short for any group to complete
             return
-        if st.count >= st.entries.size(1):
-            raise ValueError(f"compressed cache full ({st.count} entries): raise max_len of the cache")
         pooled = self.pool(st.cur_kv.unsqueeze(1), st.cur_score.unsqueeze(1), st.prev_kv, st.prev_score)
-        st.entries[:, st.count] = self.finish(pooled, pos // r, x.dtype)[:, 0]
-        st.count += 1
-        st.prev_kv, st.prev_score = st.cur_kv.clone(), st.cur_score.clone()
+        j = pos // r
+        entry = self.finish(pooled, j, x.dtype)                                         # [b, 1, c]
+        done = ((pos + 1) % r == 0).view(1, 1, 1)
+        j = j.clamp(max=st.entries.size(1) - 1)
+        st.entries.index_copy_(1, j, torch.where(done, entry, st.entries.index_select(1, j)))
+        st.prev_kv.copy_(torch.where(done, st.cur_kv, st.prev_kv))
+        st.prev_score.copy_(torch.where(done, st.cur_score, st.prev_score))
 
 
 # ------------------------------------------------------------------------------------------ indexer
@@ -297,34 +306,38 @@ class Attention(nn.Module):
 
     # ---------------------------------------------------------------- decode
     def new_cache(self, b: int, max_len: int, device, dtype) -> AttentionCache:
-        cache = AttentionCache(window=torch.zeros(b, self.window, self.head_dim, device=device, dtype=dtype))
+        capacity = max_len // self.ratio if self.ratio else 0
+        kv = torch.zeros(b, self.window + capacity, self.head_dim, device=device, dtype=dtype)
+        cache = AttentionCache(kv=kv, window=kv[:, : self.window])
         if self.ratio:
-            cache.compressor = self.compressor.new_state(b, max_len // self.ratio, device, dtype)
+            cache.compressor = self.compressor.new_state(kv[:, self.window:])
         if self.indexer is not None:
-            cache.indexer = self.indexer.compressor.new_state(b, max_len // self.ratio, device, dtype)
+            index_keys = torch.zeros(b, capacity, self.indexer.head_dim, device=device, dtype=dtype)
+            cache.indexer = self.indexer.compressor.new_state(index_keys)
         return cache
 
-    def decode(self, x: torch.Tensor, pos: int, cache: AttentionCache) -> torch.Tensor:
-        """One token per sequence at position pos: x [b, 1, dim]; cost O(window + visible entries)."""
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
+        """One token per sequence at position pos ([1] long tensor): x [b, 1, dim].
+
+        Keys: the window ring buffer plus the compressed entries visible at pos (all of them for HCA,
+        the indexer's top-k for CSA). Fixed shapes throughout (invisible slots are -1).
+        """
         b = x.size(0)
-        positions = torch.tensor([pos], device=x.device)
-        qr, q, kv = self._q_kv(x, positions)
+        qr, q, kv = self._q_kv(x, pos)
         w = self.window
-        cache.window[:, pos % w] = kv[:, 0]
+        cache.window.index_copy_(1, pos % w, kv)
         slots = torch.arange(w, device=x.device)
-        idx = torch.where(slots <= pos, slots, -1).view(1, 1, w).expand(b, 1, w)        # ring slots written
-        kv_all = cache.window
+        idx = torch.where(slots <= pos, slots, -1).view(1, 1, w).expand(b, 1, w)      # ring slots written
         if self.ratio:
             st = cache.compressor
             self.compressor.step(x, pos, st)
-            n = st.count
             if self.indexer is not None:
                 ist = cache.indexer
                 self.indexer.compressor.step(x.detach(), pos, ist)
-                sel = self._select(x, qr, positions, ist.entries[:, :n], {}) if n else idx.new_zeros(b, 1, 0)
+                sel = self._select(x, qr, pos, ist.entries, {})
             else:
-                sel = torch.arange(n, device=x.device).view(1, 1, n).expand(b, 1, n)
+                j = torch.arange(st.entries.size(1), device=x.device)
+                sel = torch.where(j < (pos + 1) // self.ratio, j, -1).view(1, 1, -1).expand(b, 1, -1)
             idx = torch.cat([idx, torch.where(sel >= 0, sel + w, -1)], -1)
-            kv_all = torch.cat([cache.window, st.entries[:, :n]], 1)
-        o, _ = ops.sparse_attention(q, kv_all, self.attn_sink, idx, self.scale)
-        return self._output(o, positions)
+        o, _ = ops.sparse_attention(q, cache.kv, self.attn_sink, idx, self.scale)
+        return self._output(o, pos)

@@ -39,8 +39,8 @@ class Block(nn.Module):
         return ops.hc_pre(x, fn, scale, base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor,
-                cache: AttentionCache | None = None, pos: int | None = None) -> torch.Tensor:
-        """x [b, s, hc, dim]. pos=None: full sequence (filling `cache` if given); else decode at pos."""
+                cache: AttentionCache | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b, s, hc, dim]. pos=None: full sequence (filling `cache` if given); else decode at pos [1]."""
         residual = x
         h, post, comb = self._hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         h = record(f"{self.stage}.hc_attn_pre", h)

@@ -106,7 +106,9 @@ class MoE(nn.Module):
         weights, indices, scores = self.gate(flat, token_ids.reshape(-1))
         indices = record(f"{self.stage}.router_indices", indices)
         weights = record(f"{self.stage}.router_weights", weights)
-        self.load = torch.bincount(indices.flatten(), minlength=self.n_experts).detach()
+        flat_idx = indices.flatten().detach()                                           # no host sync
+        self.load = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat_idx, torch.ones_like(flat_idx))
         if self.balance_alpha > 0 and self.training:
             self.balance_loss = self._balance_loss(scores, indices, shape[0])
         routed = self.routed_override or self.experts

@@ -37,7 +37,8 @@ class ModelOutput:
 class ModelCache:
     layers: list[AttentionCache]
     max_len: int
-    pos: int = 0
+    pos: int = 0                      # next position (host copy)
+    pos_t: torch.Tensor | None = None  # the same as a [1] long tensor on the device (read by decode steps)
 
 
 @contextlib.contextmanager
@@ -193,7 +194,7 @@ class DeepSeekV4(nn.Module):
     def new_cache(self, batch_size: int, max_len: int = 4096) -> ModelCache:
         p = self.embed.weight
         return ModelCache([layer.attn.new_cache(batch_size, max_len, p.device, p.dtype) for layer in self.layers],
-                          max_len=max_len)
+                          max_len=max_len, pos_t=torch.zeros(1, dtype=torch.long, device=p.device))
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, cache: ModelCache, last_only: bool = True) -> torch.Tensor:
@@ -209,23 +210,28 @@ class DeepSeekV4(nn.Module):
         for layer, lc in zip(self.layers, cache.layers):
             h = layer(h, positions, tokens, cache=lc)
         cache.pos = s
+        cache.pos_t.fill_(s)
         return self._head(h[:, -1:] if last_only else h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base,
                           self.norm)
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
-        """One new token per sequence, tokens [b, 1] at position cache.pos -> logits [b, 1, vocab]."""
-        self._check_tokens(tokens)
-        if tokens.size(1) != 1:
-            raise ValueError(f"decode_step takes one token per sequence, got {tokens.size(1)}")
-        pos = cache.pos
-        if pos >= cache.max_len:
+        """One new token per sequence, tokens [b, 1] at position cache.pos -> logits [b, 1, vocab].
+
+        A fixed sequence of kernels with no host synchronization (the position is read from
+        cache.pos_t on the device), so it can be captured in a CUDA graph (`dsv4.model.cuda_graph`).
+        Token ids are checked for shape and dtype only: a value check would synchronize.
+        """
+        if tokens.dim() != 2 or tokens.size(1) != 1 or tokens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"decode_step takes integer tokens [batch, 1], got {tuple(tokens.shape)} {tokens.dtype}")
+        if cache.pos >= cache.max_len:
             raise ValueError(f"cache is full at max_len={cache.max_len}")
-        positions = torch.tensor([pos], device=tokens.device)
+        pos = cache.pos_t
         h = self._embed(tokens)
         for layer, lc in zip(self.layers, cache.layers):
-            h = layer(h, positions, tokens, cache=lc, pos=pos)
-        cache.pos = pos + 1
+            h = layer(h, pos, tokens, cache=lc, pos=pos)
+        cache.pos += 1
+        cache.pos_t += 1
         return self._head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm)
 
     @torch.no_grad()
