@@ -123,10 +123,18 @@ def bench_decode(model, args, device, path: str) -> dict:
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         model.decode_step(nxt, cache)                                  # warm-up
         state = {"nxt": nxt}
+        graphed = path != "reference" and device.type == "cuda" and not getattr(args, "no_cuda_graph", False)
+        if graphed:
+            from ..model.cuda_graph import GraphedDecoder
+
+            step = GraphedDecoder(model, cache).step
+        else:
+            def step(tokens):
+                return model.decode_step(tokens, cache)
 
         def run(_):
             for _ in range(args.steps):
-                state["nxt"] = model.decode_step(state["nxt"], cache)[:, -1].argmax(-1, keepdim=True)
+                state["nxt"] = step(state["nxt"])[:, -1].argmax(-1, keepdim=True)
 
         ops.reset_calls()
         sec = _timed(run, device, args.reps)
@@ -134,10 +142,10 @@ def bench_decode(model, args, device, path: str) -> dict:
         row = {"bench": "decode", "path": path, "batch": args.batch, "prompt": args.prompt,
                "steps": args.steps, "s": round(sec, 4),
                "tokens_per_s": round(args.batch * args.steps / sec, 2),
-               "ms_per_step": round(sec / args.steps * 1e3, 3), "backends": used}
+               "ms_per_step": round(sec / args.steps * 1e3, 3), "cuda_graph": graphed, "backends": used}
         if args.profile and device.type == "cuda":
             def one():
-                state["nxt"] = model.decode_step(state["nxt"], cache)[:, -1].argmax(-1, keepdim=True)
+                state["nxt"] = step(state["nxt"])[:, -1].argmax(-1, keepdim=True)
             row.update(_profile_step(one, 3))
             row["host_syncs_per_step"] = _count_syncs(one)
     return row
@@ -232,6 +240,7 @@ def add_bench_parsers(subparsers) -> None:
         p.add_argument("--reps", type=int, default=3)
         p.add_argument("--profile", action="store_true", help="decode: kernels, GPU ms, syncs per step")
         p.add_argument("--no-reference", action="store_true", help="skip the torch reference path")
+        p.add_argument("--no-cuda-graph", action="store_true", help="decode: launch the step eagerly")
         p.add_argument("--device", default=None)
         p.add_argument("--allow-cpu", action="store_true", help="run on CPU (smoke test, not a benchmark)")
         p.add_argument("--json", action="store_true")

@@ -10,6 +10,7 @@ Parameter names are the official inference names, except that routed experts are
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -237,10 +238,11 @@ class DeepSeekV4(nn.Module):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_at_eos: bool = True,
-                 eos_token_id: int | None = None, on_token=None) -> list[list[int]]:
+                 eos_token_id: int | None = None, on_token=None, cuda_graph: bool | None = None) -> list[list[int]]:
         """Continue each prompt. temperature 0 = greedy. Prompts of equal length are batched together.
 
-        on_token(row, token) is called for every generated token (for streaming output).
+        on_token(row, token) is called for every generated token (for streaming output). On CUDA the
+        decode steps replay a CUDA graph (cuda_graph=None means: on CUDA, yes).
         """
         from .sampling import sample
 
@@ -258,6 +260,11 @@ class DeepSeekV4(nn.Module):
             tokens = torch.tensor([prompts[i] for i in rows], device=dev)
             cache = self.new_cache(len(rows), max_len=length + max_new_tokens)
             logits = self.prefill(tokens, cache)[:, -1]
+            step = functools.partial(self.decode_step, cache=cache)
+            if (dev.type == "cuda" if cuda_graph is None else cuda_graph) and max_new_tokens > 1:
+                from .cuda_graph import GraphedDecoder
+
+                step = GraphedDecoder(self, cache).step
             done = torch.zeros(len(rows), dtype=torch.bool, device=dev)
             for _ in range(max_new_tokens):
                 nxt = sample(logits, temperature, top_p, top_k, gen)                    # [n]
@@ -272,5 +279,5 @@ class DeepSeekV4(nn.Module):
                         break
                 if cache.pos >= cache.max_len:
                     break
-                logits = self.decode_step(nxt.unsqueeze(1), cache)[:, -1]
+                logits = step(nxt.unsqueeze(1))[:, -1]
         return results
