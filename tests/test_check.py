@@ -13,7 +13,7 @@ from dsv4.check import cli
 from dsv4.check.capture import capturing, layer_of
 from dsv4.check.compare import Side, backend_choice, build_model, compare, perturbed
 from dsv4.check.conformance import run_conformance
-from dsv4.check.determinism import determinism
+from dsv4.check.determinism import determinism, locate_nondeterminism
 from dsv4.check.inputs import boundary_lengths, check_config, random_tokens
 from dsv4.check.metrics import TOLERANCES, diff, index_mismatch
 from dsv4.check.mutants import MUTANTS, temporary_backend
@@ -96,6 +96,8 @@ def test_determinism_reference_and_planted_drift(model, tokens):
 
     with z18.plant(Context(model.cfg, model, t)):
         rep = determinism(model, t, runs=2)
+        first = locate_nondeterminism(model, t)
+    assert first is not None and first["op"] == "randperm" and first["phase"] == "forward"
     assert not rep.ok and any(d["name"].startswith(("grad:", "stage:")) for d in rep.drifting)
     assert "mutant_random_order" in rep.implementations["hc_pre"]
     assert "mutant_random_order" not in ops.backends("hc_pre")       # unregistered on exit

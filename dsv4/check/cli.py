@@ -63,6 +63,8 @@ def add_check_parsers(sub) -> None:
     p.add_argument("--no-deterministic-mode", action="store_true",
                    help="do not switch on dsv4 / torch deterministic mode")
     p.add_argument("--plant", metavar="ZID", help="plant bug-zoo mutant ZID (e.g. Z18)")
+    p.add_argument("--locate", action="store_true",
+                   help="on drift, trace every aten op of two runs and name the first nondeterministic one")
     p.set_defaults(func=cmd_determinism)
 
     p = sub.add_parser("nonfinite", help="stop at the first op / module producing NaN or Inf and name it")
@@ -240,6 +242,11 @@ def cmd_determinism(args) -> int:
     with _plant_ctx(_mutant(args.plant), model, tokens):
         report = determinism(model, tokens, runs=args.runs, backend=backend,
                              deterministic_mode=not args.no_deterministic_mode)
+        if not report.ok and args.locate:
+            from .determinism import locate_nondeterminism
+
+            report.first_op = locate_nondeterminism(model, tokens, backend,
+                                                    deterministic_mode=not args.no_deterministic_mode)
     if args.backend:
         report.backend = args.backend
     return _emit(args, report, report.ok)
