@@ -14,7 +14,7 @@ checked again on every call (BUGZOO Z08: a rank cached as 0 made every process s
 
 Entry points: `setup_distributed`, `shard_model` (training), `shard_experts(..., mode="all_reduce")`
 (inference with replicated tokens), `clip_grad_norm_`, `all_reduce_expert_load`, `full_state_dict` /
-`load_full_state_dict`, and `python -m dsv4.train.distributed --selftest` (parity against a
+`load_full_state_dict`, `unsharded_copy`, and `python -m dsv4.train.distributed --selftest` (parity against a
 single-process replica; runs under torchrun or spawns its own gloo processes).
 """
 
