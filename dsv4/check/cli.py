@@ -94,7 +94,6 @@ def _emit(args, report, ok: bool) -> int:
 
 
 def _cfg(args):
-    from .compare import build_model  # noqa: F401  (import check of the model package)
     from .inputs import check_config
 
     try:

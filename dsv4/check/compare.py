@@ -103,7 +103,10 @@ def run_side(side: Side, tokens: torch.Tensor) -> RunResult:
     ctx = ops.use_backend(side.backend) if side.backend is not None else contextlib.nullcontext()
     extra = side.context() if side.context is not None else contextlib.nullcontext()
     with torch.no_grad(), extra, ctx, capturing(inject=side.inject) as cap:
-        logits = fn(tokens).logits
+        try:
+            logits = fn(tokens).logits
+        except ops.BackendUnavailable as e:
+            raise UserError(f"{side.label}: {e}") from None
     return RunResult(side.label, logits.detach().float(), cap.stages, _implementations(before, ops.calls()))
 
 

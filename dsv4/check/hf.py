@@ -83,8 +83,8 @@ def build_hf_model(model: nn.Module) -> nn.Module:
     """transformers DeepseekV4ForCausalLM (fp32, eval) holding model's weights."""
     _, _, DeepseekV4ForCausalLM = _require_transformers()
     hc = hf_config(model.cfg)
-    torch.manual_seed(0)
-    hf = DeepseekV4ForCausalLM(hc).float().eval()
+    with torch.random.fork_rng():                     # its random init is overwritten; keep the caller's RNG
+        hf = DeepseekV4ForCausalLM(hc).float().eval()
     sd = hf_state_dict(model)
     own = hf.state_dict()
     missing = sorted(set(own) - set(sd))
