@@ -163,3 +163,22 @@ def test_external_hf_agrees_within_fp32(cfg):
     assert len(rep.stages.diffs) > 20                                     # per-layer stages were compared
     with pytest.raises(UserError, match="simulates no FP8"):
         hf.runner(build_model(cfg=cfg))
+
+
+def test_external_module_callable(tmp_path, monkeypatch, model, tokens):
+    from dsv4.check.compare import load_external
+
+    (tmp_path / "my_port.py").write_text(
+        "import torch\n"
+        "def build(model):\n"
+        "    def run(tokens):\n"
+        "        with torch.no_grad():\n"
+        "            return model(tokens).logits * 1.01\n"          # a port with a 1% logit scale bug
+        "    return run\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rep = compare(Side("my_port", external=load_external("my_port:build", model)), Side("dsv4", model), tokens)
+    assert not rep.ok and rep.first_divergence == "head.logits"
+    assert rep.logits.rel_l2 == pytest.approx(0.01, rel=1e-3)
+    for bad in ("no_colon", "no_such_module_xyz:f", "my_port:missing"):
+        with pytest.raises(UserError):
+            load_external(bad, model)
