@@ -118,8 +118,11 @@ def test_nonfinite_names_the_planted_op(model, tokens):
 
 
 def test_conformance_tiny_catches_every_applicable_mutant(capsys):
+    det_before = torch.are_deterministic_algorithms_enabled()
     rc = cli.main(["conformance", "--preset", "tiny", "--json"])
     out = json.loads(capsys.readouterr().out)
+    assert torch.are_deterministic_algorithms_enabled() == det_before      # global state restored
+    assert not any(b.startswith(("mutant_", "probe")) for op in ops.ops() for b in ops.backends(op))
     assert rc == 0, out
     ids = [r["id"] for r in out["mutants"]]
     assert ids == [f"Z{i:02d}" for i in range(1, 25)]

@@ -115,6 +115,7 @@ def determinism(model: DeepSeekV4, tokens: torch.Tensor, runs: int = 3, backend:
         raise ValueError("determinism needs at least 2 runs")
     prev = ops.is_deterministic()
     prev_torch = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     ops.set_deterministic(deterministic_mode)
     if deterministic_mode:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -125,7 +126,7 @@ def determinism(model: DeepSeekV4, tokens: torch.Tensor, runs: int = 3, backend:
             results = [_one_run(model, tokens) for _ in range(runs)]
     finally:
         ops.set_deterministic(prev)
-        torch.use_deterministic_algorithms(prev_torch)
+        torch.use_deterministic_algorithms(prev_torch, warn_only=prev_warn)
         model.zero_grad(set_to_none=True)
     impl: dict[str, list[str]] = {}
     for (op, be), n in ops.calls().items():
@@ -149,6 +150,7 @@ def locate_nondeterminism(model: DeepSeekV4, tokens: torch.Tensor, backend: str 
     """Trace every aten op of two runs; the first op whose inputs hash the same in both runs but whose
     outputs do not is the nondeterministic one (named with its phase and the stage or autograd node)."""
     prev, prev_torch = ops.is_deterministic(), torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     ops.set_deterministic(deterministic_mode)
     if deterministic_mode:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -162,7 +164,7 @@ def locate_nondeterminism(model: DeepSeekV4, tokens: torch.Tensor, backend: str 
                 traces.append(tr.ops)
     finally:
         ops.set_deterministic(prev)
-        torch.use_deterministic_algorithms(prev_torch)
+        torch.use_deterministic_algorithms(prev_torch, warn_only=prev_warn)
         model.zero_grad(set_to_none=True)
     for i, (a, b) in enumerate(zip(*traces)):
         if a[0] != b[0]:

@@ -250,12 +250,13 @@ def poisoned_memory():
     import torch.utils.deterministic as det
 
     prev_alg, prev_fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     det.fill_uninitialized_memory = True
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(prev_alg)
+        torch.use_deterministic_algorithms(prev_alg, warn_only=prev_warn)
         det.fill_uninitialized_memory = prev_fill
 
 
