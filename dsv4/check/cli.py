@@ -182,9 +182,19 @@ def cmd_compare(args) -> int:
         a = Side("quantized", build_model(checkpoint=args.checkpoint, dtype=dtype, keep_quantized=True))
         b = Side("dequantized", build_model(checkpoint=args.checkpoint, dtype=dtype))
     elif mode == "external":
-        model = _model(args, torch.float32, **({} if args.checkpoint else
-                                               {"fp8_kv_sim": False, "fp4_indexer_sim": False}))
-        if not args.checkpoint:
+        no_sim = {"fp8_kv_sim": False, "fp4_indexer_sim": False} if args.external in ("hf", "transformers") else {}
+        if args.checkpoint and no_sim:
+            from ..checkpoint import CheckpointError, load_pretrained
+            from ..checkpoint.layouts import load_config
+
+            try:
+                cfg = load_config(args.checkpoint).replace(**no_sim)
+                model = load_pretrained(args.checkpoint, dtype=torch.float32, config=cfg)
+            except (CheckpointError, FileNotFoundError) as e:
+                raise UserError(f"cannot load checkpoint '{args.checkpoint}': {e}") from None
+        else:
+            model = _model(args, torch.float32, **({} if args.checkpoint else no_sim))
+        if no_sim:
             notes.append("dsv4 side built with fp8_kv_sim=False, fp4_indexer_sim=False (transformers simulates "
                          "no QAT quantization)")
         label = "transformers" if args.external in ("hf", "transformers") else args.external
