@@ -30,7 +30,7 @@ def temporary_backend(op: str, name: str, fn: Callable, deterministic: bool = Tr
         with ops.use_backend({op: name}):
             yield
     finally:
-        ops._REGISTRY[op].pop(name, None)
+        ops.unregister(op, name)
 
 
 @contextlib.contextmanager

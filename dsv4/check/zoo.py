@@ -322,7 +322,7 @@ def backend_evidence(ctx: Context) -> CheckResult:
             ctx.model(ctx.tokens[:1, :16])
     finally:
         for op in ops.ops():
-            ops._REGISTRY[op].pop("probe", None)
+            ops.unregister(op, "probe")
     ran: dict[str, set[str]] = {}
     for (op, be), n in ops.calls().items():
         if n > before.get((op, be), 0):

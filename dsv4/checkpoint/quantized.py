@@ -12,10 +12,10 @@ Stored bytes are kept bit for bit (`weight_q`, `scale` buffers).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import formats as fm
+from .. import ops
 from .reader import Value
 
 
@@ -50,7 +50,8 @@ class QuantLinear(nn.Module):
         return _dequant(self.fmt, self.weight_q, self.scale, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype))
+        # through the ops dispatch: a fast backend dequantizes inside its GEMM, and the call is recorded
+        return ops.call("fp8_linear" if self.fmt == "fp8" else "fp4_linear", x, self.weight_q, self.scale)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.fmt}"

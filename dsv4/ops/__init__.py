@@ -54,6 +54,13 @@ def register(op: str, name: str, fn: Callable, can_run: Callable[..., str | None
                                                  deterministic, priority)
 
 
+def unregister(op: str, name: str) -> None:
+    """Remove a backend (the reference cannot be removed)."""
+    if name == "reference":
+        raise ValueError(f"op '{op}': the reference defines the op and cannot be unregistered")
+    _REGISTRY.get(op, {}).pop(name, None)
+
+
 def backends(op: str) -> list[str]:
     return sorted(_REGISTRY.get(op, {}))
 
@@ -180,9 +187,20 @@ def _load_optional_backends() -> None:
 
 _load_optional_backends()
 
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, backend: str | None = None):
+    """y = x @ dequant(FP8 E4M3 weight [N, K], 128x128 block scales)^T in x.dtype."""
+    return call("fp8_linear", x, weight, scale, backend=backend)
+
+
+def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, backend: str | None = None):
+    """y = x @ dequant(MXFP4 weight [N, K/2] packed, per-32 E8M0 scales)^T in x.dtype."""
+    return call("fp4_linear", x, weight, scale, backend=backend)
+
 __all__ = [
-    "BackendUnavailable", "register", "backends", "ops", "calls", "reset_calls", "last_backend",
+    "BackendUnavailable", "register", "unregister", "backends", "ops", "calls", "reset_calls", "last_backend",
     "use_backend", "set_deterministic", "is_deterministic", "resolve", "call",
     "sparse_attention", "indexer_scores", "indexer_topk", "hc_split_sinkhorn", "hc_pre", "hc_post",
     "hc_head", "compress_pool", "fp8_round_trip", "fp4_round_trip", "hadamard", "moe_experts",
+    "fp8_linear", "fp4_linear",
 ]
