@@ -380,6 +380,7 @@ def test_cli_and_config_file(tmp_path):
 
 
 def test_train_flops_counts_active_experts_only():
+    from dsv4.train import metrics
     from dsv4.train.metrics import train_flops_per_token
 
     c = micro_cfg()
@@ -388,3 +389,40 @@ def test_train_flops_counts_active_experts_only():
     assert train_flops_per_token(more, 64) == pytest.approx(train_flops_per_token(c, 64)
                                                             + 3 * 2 * 12 * c.dim * (c.n_layers + 1))
     assert train_flops_per_token(wider, 64) > train_flops_per_token(c, 64)
+    # the matmul part agrees with `dsv4 info`'s forward FLOPs (which also counts norm/mHC vectors)
+    from dsv4.info import model_info
+
+    small = ModelConfig.preset("small")
+    matmul = 3 * 2 * (sum(metrics._block_matmul_params(small, i) for i in range(small.n_layers))
+                      + small.dim * small.vocab_size)
+    assert matmul == pytest.approx(3 * model_info(small).flops_per_token, rel=0.01)
+
+
+def test_two_process_run_matches_one_process(tmp_path):
+    """`torchrun --nproc_per_node 2` (gloo, FSDP2 + expert parallelism through dsv4.train.distributed) trains
+    on the same global batches: the first loss agrees to fp32 rounding, later ones closely (Muon/AdamW
+    normalize tiny gradients, which magnifies summation-order differences)."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = _train_cfg(tmp_path, steps=2, eval_every=0, diag_every=1, save_every=-1, batch_size=4,
+                     deterministic=False, threads=1)
+    single = Trainer(cfg, log=lambda *_: None)
+    single.fit()
+    one = [r for r in single.history if "loss" in r]
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(json.dumps(cfg.to_dict() | {"out": str(tmp_path / "run2")}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", "-m", "dsv4.train.cli", "train", "--config", str(cfg_file)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["world"] == 2 and rows[0]["params"] == sum(p.numel() for p in single.model.parameters())
+    two = [r for r in rows if "loss" in r]
+    assert len(two) == len(one) == 2
+    assert two[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-5)
+    assert two[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-4)
+    assert two[1]["loss"] == pytest.approx(one[1]["loss"], rel=5e-3)
+    assert two[0]["mhc_violation"] == pytest.approx(one[0]["mhc_violation"], rel=1e-3, abs=1e-6)

@@ -218,10 +218,16 @@ class Trainer:
             tok = Tokenizer.from_file(c.tokenizer)
         elif c.init_from and (Path(c.init_from) / "tokenizer.json").exists():
             tok = Tokenizer.from_file(c.init_from)
+        elif self.rank > 0:                     # rank 0 trains the tokenizer; the others read its file
+            self._barrier()
+            tok = Tokenizer.from_file(self.out / "tokenizer")
         else:
             # a deterministic spread of documents (every n-th) so tokenizer training stays quick
             sample = [d for d in data.spread(docs, c.tokenizer_docs) if not data.is_held_out(d[0], c.held_out_pct)]
             tok = Tokenizer.train((data.read_text(p) for _, p in sample), vocab_size=self.mcfg.vocab_size)
+            tok.save(self.out / "tokenizer")
+            if self.world > 1:
+                self._barrier()
         self.tok = tok
         if tok.vocab_size > self.mcfg.vocab_size or c.tokenizer:
             if c.init_from and tok.vocab_size > self.mcfg.vocab_size:
@@ -230,10 +236,12 @@ class Trainer:
                 self.mcfg = self.mcfg.replace(vocab_size=tok.vocab_size)
         self.mcfg = self.mcfg.replace(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
         self.mcfg.validate()
-        if self.rank == 0:
-            tok.save(self.out / "tokenizer")
         cache = c.cache_dir or str(self.out / "cache")
-        train, held = data.tokenize_corpus(tok, docs, c.held_out_pct, cache if self.rank == 0 else None)
+        if self.rank > 0:                       # rank 0 tokenizes into the cache first; the others read it
+            self._barrier()
+        train, held = data.tokenize_corpus(tok, docs, c.held_out_pct, cache)
+        if self.rank == 0 and self.world > 1:
+            self._barrier()
         self.log(f"data: {data.corpus_summary(docs, train, held)}")
         self.loader = data.PackedLoader(train, c.seq_len, c.batch_size, seed=c.seed, rank=self.rank,
                                         world=self.world)
@@ -276,6 +284,10 @@ class Trainer:
         return ops.use_backend(self.cfg.backend) if self.cfg.backend else contextlib.nullcontext()
 
     # ---------------------------------------------------------------- collectives
+    def _barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
     def _mean(self, x: float) -> float:
         if self.world == 1:
             return x
