@@ -148,7 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(args.prompt)
     tokens = model.generate([ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_at_eos=not args.no_stop,
-                            on_token=on_token)[0]
+                            on_token=on_token, cuda_graph=args.cuda_graph)[0]
     text = tokenizer.decode(tokens) if tokenizer is not None else None
     if args.json:
         print(json.dumps({"model": desc, "prompt_ids": ids, "ids": tokens, "text": text}))
@@ -213,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--cuda-graph", action="store_true", help="replay decode steps from a CUDA graph (CUDA only)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--json", action="store_true")

@@ -44,9 +44,17 @@ class Rope:
                                             cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow)
         else:
             self.inv_freq = inv_frequencies(self.dim, cfg.rope_theta, 1.0, 0, cfg.beta_fast, cfg.beta_slow)
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def _freq_on(self, device: torch.device) -> torch.Tensor:
+        # one copy per device, made once: no host-to-device copy per call (CUDA-graph capturable)
+        cached = self._by_device.get(device)
+        if cached is None:
+            cached = self._by_device[device] = self.inv_freq.to(device)
+        return cached
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = torch.outer(positions.float(), self.inv_freq.to(positions.device))   # [s, dim/2]
+        angles = torch.outer(positions.float(), self._freq_on(positions.device))       # [s, dim/2]
         return angles.cos(), angles.sin()
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:

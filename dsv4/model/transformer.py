@@ -238,11 +238,11 @@ class DeepSeekV4(nn.Module):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_at_eos: bool = True,
-                 eos_token_id: int | None = None, on_token=None, cuda_graph: bool | None = None) -> list[list[int]]:
+                 eos_token_id: int | None = None, on_token=None, cuda_graph: bool = False) -> list[list[int]]:
         """Continue each prompt. temperature 0 = greedy. Prompts of equal length are batched together.
 
-        on_token(row, token) is called for every generated token (for streaming output). On CUDA the
-        decode steps replay a CUDA graph (cuda_graph=None means: on CUDA, yes).
+        on_token(row, token) is called for every generated token (for streaming output). With
+        cuda_graph=True (CUDA only) the decode steps replay one captured CUDA graph.
         """
         from .sampling import sample
 
@@ -261,7 +261,7 @@ class DeepSeekV4(nn.Module):
             cache = self.new_cache(len(rows), max_len=length + max_new_tokens)
             logits = self.prefill(tokens, cache)[:, -1]
             step = functools.partial(self.decode_step, cache=cache)
-            if (dev.type == "cuda" if cuda_graph is None else cuda_graph) and max_new_tokens > 1:
+            if cuda_graph and max_new_tokens > 1:
                 from .cuda_graph import GraphedDecoder
 
                 step = GraphedDecoder(self, cache).step

@@ -41,9 +41,14 @@ def _round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
     return v.to(torch.float8_e4m3fn).float()
 
 
+@functools.lru_cache(maxsize=8)
+def _e2m1_grid(device: str) -> torch.Tensor:
+    return torch.tensor(FP4_E2M1_GRID, dtype=torch.float32, device=device)
+
+
 def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
     """Round fp32 values in [-6, 6] to the nearest E2M1 value, ties to the even code."""
-    grid = torch.tensor(FP4_E2M1_GRID, dtype=torch.float32, device=v.device)
+    grid = _e2m1_grid(str(v.device))
     a = v.abs().unsqueeze(-1)                                   # [..., 1]
     dist = (a - grid).abs()                                     # [..., 8]
     tied = dist == dist.amin(-1, keepdim=True)
