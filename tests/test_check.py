@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from dsv4 import ops
-from dsv4.check import cli
 from dsv4.check.capture import capturing, layer_of
 from dsv4.check.compare import Side, backend_choice, build_model, compare, perturbed
 from dsv4.check.conformance import run_conformance
@@ -18,6 +17,7 @@ from dsv4.check.inputs import boundary_lengths, check_config, random_tokens
 from dsv4.check.metrics import TOLERANCES, diff, index_mismatch
 from dsv4.check.mutants import MUTANTS, temporary_backend
 from dsv4.check.nonfinite import find_nonfinite
+from dsv4.cli import main as dsv4_main
 from dsv4.errors import UserError
 from dsv4.ops import reference as ref
 
@@ -119,7 +119,7 @@ def test_nonfinite_names_the_planted_op(model, tokens):
 
 def test_conformance_tiny_catches_every_applicable_mutant(capsys):
     det_before = torch.are_deterministic_algorithms_enabled()
-    rc = cli.main(["conformance", "--preset", "tiny", "--json"])
+    rc = dsv4_main(["check", "conformance", "--preset", "tiny", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert torch.are_deterministic_algorithms_enabled() == det_before      # global state restored
     assert not any(b.startswith(("mutant_", "probe")) for op in ops.ops() for b in ops.backends(op))
@@ -141,12 +141,12 @@ def test_conformance_reports_an_escaped_mutant(monkeypatch):
 
 
 def test_cli_compare_plant_and_user_errors(capsys):
-    rc = cli.main(["compare", "--plant", "Z07", "--seq-len", "16", "--batch", "1", "--json"])
+    rc = dsv4_main(["check", "compare", "--plant", "Z07", "--seq-len", "16", "--batch", "1", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 1 and out["first_divergence"] == "layers.0.ffn.router_weights"
-    assert cli.main(["compare", "--seq-len", "16"]) == 2                 # no mode: one-line user error
+    assert dsv4_main(["check", "compare", "--seq-len", "16"]) == 2                 # no mode: one-line user error
     assert "exactly one of" in capsys.readouterr().err
-    assert cli.main(["compare", "--plant", "Z10"]) == 2                   # pending mutant
+    assert dsv4_main(["check", "compare", "--plant", "Z10"]) == 2                   # pending mutant
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None,

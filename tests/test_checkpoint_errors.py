@@ -11,7 +11,7 @@ from test_checkpoint_helpers import logits, make_representable, rewrite, tiny_mo
 
 from dsv4 import formats as fm
 from dsv4.checkpoint import CheckpointError, convert, load_pretrained, model_values, plan, save
-from dsv4.checkpoint.cli import main as cli
+from dsv4.cli import main as cli
 from dsv4.errors import UserError
 from dsv4.formats import fp4, fp8
 

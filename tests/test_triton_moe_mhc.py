@@ -6,7 +6,6 @@ Triton kernels run on the CPU interpreter (TRITON_INTERPRET=1) at small shapes.
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
@@ -16,33 +15,7 @@ from dsv4.ops import reference as R
 
 pytest.importorskip("dsv4.ops.triton._mm_utils")
 
-
-def _rebuild_kernels(interpret: bool) -> None:
-    """Triton fixes interpreted vs compiled when a kernel is decorated: re-import the kernel modules with
-    TRITON_INTERPRET set accordingly (and leave the variable as it was)."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    try:
-        for name in ("_mm_utils", "moe", "mhc", "quant_gemm"):
-            importlib.reload(importlib.import_module(f"dsv4.ops.triton.{name}"))
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreted_kernels():
-    """These tests run the kernels on the CPU interpreter; afterwards the compiled kernels come back."""
-    _rebuild_kernels(True)
-    yield
-    _rebuild_kernels(False)
-
-
-@pytest.fixture(autouse=True)
-def _interpret_env(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+from triton_interp import interpret_env, interpreted_kernels  # noqa: E402,F401  (autouse fixtures)
 
 MOE_BACKENDS = ["grouped", "triton"]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 
 import torch
 
@@ -282,19 +281,3 @@ def cmd_conformance(args) -> int:
         raise UserError(f"unknown preset '{args.preset}': {e}") from None
     report = run_conformance(cfg, ids=ids, seed=args.seed, compiler=args.compiler, full=args.full)
     return _emit(args, report, report.ok)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m dsv4.check.cli compare ...`), same behaviour as `dsv4 check`."""
-    parser = argparse.ArgumentParser(prog="dsv4 check")
-    add_check_parsers(parser.add_subparsers(dest="cmd", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

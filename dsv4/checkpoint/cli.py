@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from ..config import ConfigError, ModelConfig
 from ..errors import UserError
@@ -104,21 +103,3 @@ def run_convert(args: argparse.Namespace) -> int:
     )
     print(f"wrote {dst} ({args.to})")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m dsv4.checkpoint.cli`), same conventions as `dsv4`."""
-    parser = argparse.ArgumentParser(prog="dsv4")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    add_inspect_parser(sub)
-    add_convert_parser(sub)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Shared by the Triton backend tests: run kernels on the CPU interpreter (TRITON_INTERPRET=1).
+
+Triton fixes interpreted vs compiled when a kernel is decorated, so the kernel modules are re-imported
+with the variable set, and re-imported again afterwards so later tests see the compiled kernels.
+Import the two fixtures into a test module to use them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+MODULES = ("_mm_utils", "moe", "mhc", "quant_gemm")
+
+
+def rebuild_kernels(interpret: bool) -> None:
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        for name in MODULES:
+            importlib.reload(importlib.import_module(f"dsv4.ops.triton.{name}"))
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreted_kernels():
+    """The module's tests run the kernels on the CPU interpreter; afterwards the compiled ones come back."""
+    rebuild_kernels(True)
+    yield
+    rebuild_kernels(False)
+
+
+@pytest.fixture(autouse=True)
+def interpret_env(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
