@@ -246,14 +246,3 @@ def add_bench_parsers(subparsers) -> None:
         p.add_argument("--json", action="store_true")
         p.add_argument("--jsonl", action="store_true")
         p.set_defaults(func=run_e2e_bench, bench=name)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dsv4 bench")
-    add_bench_parsers(parser.add_subparsers(dest="bench_cmd", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -402,15 +402,3 @@ def add_bench_kernels_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--jsonl", action="store_true", help="print each result as a JSON line as it is measured")
     p.set_defaults(func=run_kernel_bench)
     return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dsv4 bench")
-    sub = parser.add_subparsers(dest="bench", required=True)
-    add_bench_kernels_parser(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

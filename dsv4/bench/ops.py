@@ -412,14 +412,3 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--jsonl", action="store_true", help="print each result as a JSON line as it is measured")
     p.set_defaults(func=run_ops_bench)
     return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dsv4 bench")
-    add_bench_parsers(parser.add_subparsers(dest="bench", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
