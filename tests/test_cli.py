@@ -43,3 +43,14 @@ def test_teacher_forcing_cli_exit_code(capsys):
     rep = json.loads(capsys.readouterr().out)
     assert rep["ok"] and rep["max_rel_error"] < 1e-4 and rep["tokens"] == 140
     assert main(["check", "teacher-forcing", "--preset", "tiny", "--tokens", "10", "--prefill", "11"]) == 2
+
+
+def test_shipped_model_is_the_default_and_generates_text(capsys):
+    from dsv4.cli import default_model_dir
+
+    shipped = default_model_dir()
+    assert shipped is not None and (shipped / "tokenizer.json").exists()
+    assert main(["generate", "def fibonacci(n):", "--max-new-tokens", "12", "--no-stop", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == str(shipped) and len(out["ids"]) == 12
+    assert out["text"] and out["prompt_ids"][0] == 0            # BOS, then the encoded prompt
