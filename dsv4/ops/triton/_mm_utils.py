@@ -8,40 +8,15 @@ decorated, so `INTERPRET` records the mode this module (and the kernels importin
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
+
+from ._common import _interpretable_lang
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-_LANG_INTERPRETED: dict[str, object] = {}
-
-
-@contextlib.contextmanager
-def _interpretable_lang():
-    """Make triton.language's own jit helpers (tl.zeros, tl.sum, tl.sigmoid, ...) callable by the
-    interpreter for one launch: when triton itself was imported without TRITON_INTERPRET=1 they are
-    compiled-only JITFunctions, which the interpreter refuses to call."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not _LANG_INTERPRETED:
-        for name, obj in vars(tl).items():
-            if isinstance(obj, JITFunction):
-                _LANG_INTERPRETED[name] = InterpretedFunction(obj.fn)
-    saved = {name: getattr(tl, name) for name in _LANG_INTERPRETED}
-    try:
-        for name, fn in _LANG_INTERPRETED.items():
-            if isinstance(saved[name], JITFunction):
-                setattr(tl, name, fn)
-        yield
-    finally:
-        for name, obj in saved.items():
-            setattr(tl, name, obj)
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
