@@ -21,6 +21,7 @@ import torch
 
 from .. import ops
 from ..config import ModelConfig
+from .e2e import _count_syncs
 from .kernels import _rel, _time_ms, measure_limits
 
 
@@ -197,20 +198,6 @@ def _bench_quant_shape(m: int, n: int, k: int, with_reference: bool, device, lim
 
 
 # ----------------------------------------------------------------------------- parity at real shapes
-def _count_syncs(fn) -> int:
-    """Host<->device synchronisations fn() triggers (CUDA sync debug mode)."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message).lower() for w in caught)
-
-
 def _rel64(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return round(float((a - b).norm() / b.norm().clamp_min(1e-30)), 6)
