@@ -22,6 +22,7 @@ from ..config import ModelConfig
 from .attention import AttentionCache
 from .block import Block, MTPBlock, hc_head
 from .layers import RMSNorm, linear_fp32, record
+from .moe import Gate
 
 
 @dataclass
@@ -114,12 +115,13 @@ class DeepSeekV4(nn.Module):
             else:
                 p.zero_()
         for mod in self.modules():
-            if getattr(mod, "tid2eid", None) is not None:
+            if not isinstance(mod, Gate):
+                continue
+            if mod.hash:
                 table = torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.n_activated_experts]
                                      for _ in range(cfg.vocab_size)])
                 mod.tid2eid.copy_(table.to(torch.int32))
-            if getattr(mod, "bias", None) is not None and isinstance(mod.bias, torch.Tensor) and \
-                    mod.__class__.__name__ == "Gate":
+            else:
                 mod.bias.zero_()
 
     def _init_hc_base(self, p: torch.Tensor) -> None:
