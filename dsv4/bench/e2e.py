@@ -8,7 +8,9 @@ of each op on the device (the ops that ran are listed from `dsv4.ops.calls()`, s
 - decode: after an untimed prompt, `model.decode_step` one token at a time; tokens/s = b*steps / time.
   `--profile` adds, per step: CUDA kernels launched, GPU-busy time, and host syncs (the decode path's
   limits: a launch-bound step is short on GPU time and long on the host).
-- train: forward + cross-entropy + backward on [b, s] tokens (no optimizer step); tokens/s = b*s / time.
+- train: forward + cross-entropy + backward on [b, s] tokens; with --optimizer the full training step of
+  `dsv4 train` (fp32 master weights, bf16 autocast, all losses, clipping, Muon + AdamW, bias update).
+  tokens/s = b*s / time; MFU from the config's active FLOPs per token (`dsv4.train.metrics`).
 """
 
 from __future__ import annotations
@@ -152,15 +154,38 @@ def bench_decode(model, args, device, path: str) -> dict:
 
 
 def bench_train(model, args, device, path: str) -> dict:
-    tokens = _tokens(model.cfg, args.batch, args.seq, device)
+    """Forward + cross-entropy + backward on a bf16 model, or with --optimizer the whole step of
+    `dsv4 train`: fp32 master weights under bf16 autocast, every loss the config has (MTP, indexer KL),
+    gradient clipping, the Muon + AdamW step and the router bias update."""
+    from ..train import balance
+    from ..train.losses import total_loss
+    from ..train.metrics import peak_tflops, train_flops_per_token
+    from ..train.optim import MuonAdamW, OptimConfig
+
+    cfg = model.cfg
+    tokens = _tokens(cfg, args.batch, args.seq, device)
     model.train()
+    full = bool(getattr(args, "optimizer", False))
+    mtp = full and cfg.n_mtp_layers > 0
+    opt = MuonAdamW(model, OptimConfig(lr=1e-4)) if full else None
+    autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if full
+                else contextlib.nullcontext())
 
     def run(_):
-        out = model(tokens)
-        logits = out.logits[:, :-1].float()
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+        with autocast:
+            if full:
+                loss = total_loss(model(tokens, mtp=mtp, indexer_loss=True), tokens).total
+            else:
+                logits = model(tokens).logits[:, :-1].float()
+                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
         loss.backward()
-        model.zero_grad(set_to_none=True)
+        if opt is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            balance.update_bias(model, 1e-3)
+            opt.zero_grad()
+        else:
+            model.zero_grad(set_to_none=True)
 
     try:
         with _path(path):
@@ -170,8 +195,16 @@ def bench_train(model, args, device, path: str) -> dict:
             used = _backends_used()
     finally:
         model.eval()
-    return {"bench": "train", "path": path, "batch": args.batch, "seq": args.seq, "s": round(sec, 4),
-            "tokens_per_s": round(args.batch * args.seq / sec, 1), "backends": used}
+    tok_s = args.batch * args.seq / sec
+    row = {"bench": "train", "path": path, "step": "full" if full else "fwd+bwd", "batch": args.batch,
+           "seq": args.seq, "s": round(sec, 4), "tokens_per_s": round(tok_s, 1), "backends": used}
+    peak = peak_tflops(device, getattr(args, "peak_tflops", None))
+    flops = train_flops_per_token(cfg, args.seq, mtp=mtp)
+    row["model_tflops"] = round(flops * tok_s / 1e12, 2)
+    if peak:
+        row["mfu"] = round(flops * tok_s / 1e12 / peak, 4)
+        row["peak_tflops"] = peak
+    return row
 
 
 _BENCHES = {"prefill": bench_prefill, "decode": bench_decode, "train": bench_train}
@@ -191,6 +224,8 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
         if getattr(args, key) is None:
             setattr(args, key, val)
     t0 = time.time()
+    if args.bench == "train" and args.optimizer:
+        dtype = torch.float32                                          # fp32 master weights, bf16 autocast
     model = build_model(args.preset, device, dtype)
     model.eval()
     paths = ["fast", "reference"] if not args.no_reference else ["fast"]
@@ -214,7 +249,7 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     print(f"{result['device']}  torch {result['torch']}  {result['date']}  preset {args.preset} "
           f"{args.dtype}")
     for r in rows:
-        keys = ("kernels_per_step", "gpu_busy_ms_per_step", "host_syncs_per_step")
+        keys = ("kernels_per_step", "gpu_busy_ms_per_step", "host_syncs_per_step", "model_tflops", "mfu")
         extra = {k: r[k] for k in keys if k in r}
         print(f"{r['bench']:8s} {r['path']:10s} {r['tokens_per_s']:12.1f} tokens/s  ({r['s']:.4f} s)"
               f"{'  ' + str(extra) if extra else ''}")
@@ -228,7 +263,8 @@ def add_bench_parsers(subparsers) -> None:
     """Adds `prefill`, `decode` and `train` to the `dsv4 bench` subcommands (func=run_e2e_bench)."""
     helps = {"prefill": "prompt tokens/s (model.prefill), fast backends vs the torch reference",
              "decode": "generated tokens/s (model.decode_step), fast backends vs the torch reference",
-             "train": "forward+backward tokens/s, fast backends vs the torch reference"}
+             "train": "training tokens/s and MFU (forward+backward; --optimizer: the full step), fast backends "
+                      "vs the torch reference"}
     for name, text in helps.items():
         p = subparsers.add_parser(name, help=text)
         p.add_argument("--preset", default="small")
@@ -241,6 +277,11 @@ def add_bench_parsers(subparsers) -> None:
         p.add_argument("--profile", action="store_true", help="decode: kernels, GPU ms, syncs per step")
         p.add_argument("--no-reference", action="store_true", help="skip the torch reference path")
         p.add_argument("--no-cuda-graph", action="store_true", help="decode: launch the step eagerly")
+        if name == "train":
+            p.add_argument("--optimizer", action="store_true",
+                           help="time the whole training step as `dsv4 train` runs it: fp32 master weights, "
+                                "bf16 autocast, all losses, clipping, Muon + AdamW step, router bias update")
+            p.add_argument("--peak-tflops", type=float, help="device bf16 peak for MFU (default: known GPUs)")
         p.add_argument("--device", default=None)
         p.add_argument("--allow-cpu", action="store_true", help="run on CPU (smoke test, not a benchmark)")
         p.add_argument("--json", action="store_true")
