@@ -1,0 +1,442 @@
+"""Row-local ops of the attention path (backends "triton"): `fp8_round_trip`, `fp4_round_trip`,
+`hadamard`, `compress_pool`. Each call is one kernel launch (backward: one more), with no host sync.
+
+Round trips: one program quantizes BM blocks of one row-major [rows, n] view (a row stride is passed, so
+the model's `kv[..., :-64]` slice is read in place). They are bit-identical to the reference: the scale
+is `2^ceil(log2(amax / qmax))` computed with the same correctly rounded division and the same `log2f`
+(libdevice, without FTZ, when compiled; numpy's under the interpreter, which rounds like torch's CPU
+kernel), the dequantized value is rounded to the E4M3 / E2M1 grid with exact integer-step arithmetic
+(round to nearest, ties to even: the reference's "even code" rule), and the sign of zero is kept. A block
+holding a NaN or an infinity becomes all NaN, as in the reference (there `0 * inf` appears).
+
+`hadamard`: an in-register fast Walsh-Hadamard transform (log2 n butterfly stages) of BR rows, then the
+same fp32 factor `n^-0.5`; summation order differs from a matmul, so results agree with the reference to
+fp32 rounding (a few ulp), or bit-for-bit up to float64 rounding under `exact_accumulation()`, where
+the kernel adds in float64 like the reference.
+
+`compress_pool`: one program per (group, channel tile) holds all slots of the tile: max, exp, sum,
+weights and the weighted sum in registers; the backward recomputes the softmax (nothing but the inputs is
+saved). fp32 within a few ulp of the reference (exp is libdevice `expf`, as in torch's CUDA kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .. import register
+from ..precision import acc_dtype
+from ..reference import FP4_E2M1_MAX, FP8_E4M3_MAX
+from ._common import Kernel, device_reason, interpret_mode
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HADAMARD = 4096
+SQRT_HALF_BITS = tl.constexpr(0x3FE6A09E667F3BCD)   # float64 bits of sqrt(0.5)
+
+# output allocator (tests swap in one that poisons the memory with NaN)
+_alloc = torch.empty
+
+
+# ----------------------------------------------------------------------------- kernels
+def _round_trip_kernel(x_ptr, out_ptr, G, nb, stride_x, stride_o, amax_floor, qmax,
+                       BLOCK: tl.constexpr, BM: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                       INTERP: tl.constexpr):
+    """Quantize -> dequantize BM blocks of BLOCK consecutive elements; block g is (row g // nb, g % nb)."""
+    pid = tl.program_id(0)
+    g = pid * BM + tl.arange(0, BM)                                         # [BM] block ids
+    gmask = g < G
+    row = (g // nb).to(tl.int64)
+    col = (g % nb) * BLOCK
+    offs = tl.arange(0, BLOCK)
+    m2 = gmask[:, None]
+    x = tl.load(x_ptr + row[:, None] * stride_x + col[:, None] + offs[None, :], mask=m2,
+                other=0.0).to(tl.float32)                                   # [BM, BLOCK]
+    ax = tl.abs(x)
+    finite = ax < float("inf")                                             # False for inf and NaN
+    # a NaN or an infinity makes the reference's whole block NaN (amax / scale become NaN or inf)
+    bad = tl.min(finite.to(tl.int32), axis=1) == 0
+    amax = tl.maximum(tl.max(tl.where(finite, ax, 0.0), axis=1), amax_floor)  # [BM]
+    y = tl.math.div_rn(amax, qmax)
+    if INTERP:
+        lg = tl.log2(y)
+    else:
+        lg = libdevice.log2(y)
+    c = tl.ceil(lg).to(tl.int32)
+    c = tl.minimum(tl.maximum(c, -126), 126)                               # finite blocks: inside
+    scale = ((c + 127) << 23).to(tl.float32, bitcast=True)                 # 2^c
+    inv = ((127 - c) << 23).to(tl.float32, bitcast=True)                   # 2^-c (c <= 126 here)
+    v = x * inv[:, None]                                                   # exact: power-of-two scaling
+    a = tl.minimum(tl.abs(v), qmax)
+    # round |v| to the grid: MBITS mantissa bits above 2^EMIN, a fixed step 2^(EMIN-MBITS) below
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, EMIN)
+    up = ((127 + MBITS - e) << 23).to(tl.float32, bitcast=True)            # 1 / step
+    step = ((127 - MBITS + e) << 23).to(tl.float32, bitcast=True)
+    t = a * up                                                             # < 2^(MBITS+1), exact
+    r = (t + 8388608.0) - 8388608.0                                        # round to integer, ties to even
+    qa = r * step
+    sign = x.to(tl.int32, bitcast=True) & -2147483648                      # 0x80000000
+    q = (qa.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    out = q * scale[:, None]
+    out = tl.where(bad[:, None], float("nan"), out)
+    tl.store(out_ptr + row[:, None] * stride_o + col[:, None] + offs[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m2)
+
+
+def _hadamard_kernel(x_ptr, out_ptr, R, stride_x, stride_o, scale,
+                     N: tl.constexpr, LOGN: tl.constexpr, BR: tl.constexpr, F64: tl.constexpr,
+                     ROUND_ODD: tl.constexpr, RNE_BF16: tl.constexpr):
+    """out = FWHT(x) * n^-0.5 for BR rows of N elements."""
+    pid = tl.program_id(0)
+    rows = pid * BR + tl.arange(0, BR)
+    rmask = rows < R
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, N)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=rmask[:, None], other=0.0)
+    if F64:
+        x = x.to(tl.float64)
+    else:
+        x = x.to(tl.float32)
+    for st in tl.static_range(LOGN):                    # butterfly on index bit st: (i, i + 2^st)
+        h: tl.constexpr = 1 << st
+        x4 = tl.permute(tl.reshape(x, (BR, N // (2 * h), 2, h)), (0, 1, 3, 2))   # [BR, N/2h, h, 2]
+        lo, hi = tl.split(x4)
+        x4 = tl.join(lo + hi, lo - hi)
+        x = tl.reshape(tl.permute(x4, (0, 1, 3, 2)), (BR, N))
+    if F64:
+        s = tl.full((1,), 1.0, tl.float64)
+        if LOGN % 2 == 1:                                # n^-0.5 in float64, as Python computes it
+            s = tl.full((1,), SQRT_HALF_BITS, tl.int64).to(tl.float64, bitcast=True)
+        p2 = ((tl.full((1,), 1023 - LOGN // 2, tl.int64)) << 52).to(tl.float64, bitcast=True)
+        x = x * (s * p2)[:, None]
+        y = x.to(tl.float32)
+        if ROUND_ODD:       # narrower output: fp64 -> fp32 rounds to odd, so the final rounding is single
+            mag = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            over = tl.abs(y.to(tl.float64)) > tl.abs(x)
+            mag = tl.where(over & (mag > 0), mag - 1, mag)
+            t = (mag | (y.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+            inexact = t.to(tl.float64) != x
+            mag = tl.where(inexact & (mag < 0x7F800000), mag | 1, mag)
+            y = (mag | (y.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+    else:
+        y = x * scale
+    if RNE_BF16:                                         # the interpreter truncates fp32 -> bf16
+        u = y.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        y = u.to(tl.float32, bitcast=True)
+    tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None])
+
+
+def _pool_kernel(kv_ptr, sc_ptr, g_ptr, out_ptr, dkv_ptr, dsc_ptr, C,
+                 skv_g, skv_s, ssc_g, ssc_s, sg_g, so_g, sdkv_g, sdkv_s, sdsc_g, sdsc_s,
+                 S: tl.constexpr, SP: tl.constexpr, BC: tl.constexpr, BACKWARD: tl.constexpr,
+                 F64: tl.constexpr, INTERP: tl.constexpr, RNE_BF16: tl.constexpr):
+    """Softmax over the S slots of score[g, :, c-tile], then the weighted sum of kv (or its gradients)."""
+    pid_g = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
+    ss = tl.arange(0, SP)
+    cs = pid_c * BC + tl.arange(0, BC)
+    cmask = cs < C
+    m2 = (ss < S)[:, None] & cmask[None, :]
+    sc = tl.load(sc_ptr + pid_g * ssc_g + ss[:, None] * ssc_s + cs[None, :], mask=m2, other=float("-inf"))
+    kv = tl.load(kv_ptr + pid_g * skv_g + ss[:, None] * skv_s + cs[None, :], mask=m2, other=0.0)
+    if F64:
+        sc = sc.to(tl.float64)
+        kv = kv.to(tl.float64)
+    else:
+        sc = sc.to(tl.float32)
+        kv = kv.to(tl.float32)
+    sc = tl.where(cmask[None, :], sc, 0.0)              # padded channels: finite, never stored
+    mx = tl.max(sc, axis=0)                                                 # [BC]
+    z = sc - mx[None, :]
+    if INTERP:
+        p = tl.exp(z)
+    else:
+        p = libdevice.exp(z)
+    w = p / tl.sum(p, axis=0)[None, :]                                      # [SP, BC] softmax weights
+    if BACKWARD:
+        g = tl.load(g_ptr + pid_g * sg_g + cs, mask=cmask, other=0.0)
+        if F64:
+            g = g.to(tl.float64)
+        else:
+            g = g.to(tl.float32)
+        dw = g[None, :] * kv                                                # d loss / d w
+        dsc = w * (dw - tl.sum(dw * w, axis=0)[None, :])
+        dkv = g[None, :] * w
+        if RNE_BF16:
+            u = dkv.to(tl.float32).to(tl.uint32, bitcast=True)
+            dkv = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            u = dsc.to(tl.float32).to(tl.uint32, bitcast=True)
+            dsc = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        tl.store(dkv_ptr + pid_g * sdkv_g + ss[:, None] * sdkv_s + cs[None, :],
+                 dkv.to(dkv_ptr.dtype.element_ty), mask=m2)
+        tl.store(dsc_ptr + pid_g * sdsc_g + ss[:, None] * sdsc_s + cs[None, :],
+                 dsc.to(dsc_ptr.dtype.element_ty), mask=m2)
+    else:
+        y = tl.sum(kv * w, axis=0)                                          # [BC]
+        if RNE_BF16:
+            u = y.to(tl.float32).to(tl.uint32, bitcast=True)
+            y = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        tl.store(out_ptr + pid_g * so_g + cs, y.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+_rt_k = Kernel(_round_trip_kernel)
+_had_k = Kernel(_hadamard_kernel)
+_pool_k = Kernel(_pool_kernel)
+
+
+def _launch_opts() -> dict:
+    """Compiled kernels link libdevice without flush-to-zero, like nvcc's (and torch's) log2f / expf."""
+    return {} if interpret_mode() else {"enable_reflect_ftz": False}
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] as a [rows, n] view with unit inner stride (copied only when no such view exists)."""
+    x2 = x.reshape(-1, x.size(-1))
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+# ----------------------------------------------------------------------------- round trips
+def _round_trip_forward(x: torch.Tensor, block: int, fp4: bool) -> torch.Tensor:
+    n = x.size(-1)
+    name = "fp4_round_trip" if fp4 else "fp8_round_trip"
+    if n % block:
+        raise ValueError(f"{name}: last dim {n} is not a multiple of block {block}")
+    out = _alloc(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    x2 = _rows(x.detach())
+    o2 = out.view(-1, n)
+    nb = n // block
+    blocks = x2.size(0) * nb
+    bm = max(1, min(2048 // block, triton.next_power_of_2(blocks)))
+    if fp4:
+        floor, qmax, mbits, emin = FP4_E2M1_MAX * 2.0**-126, FP4_E2M1_MAX, 1, 0
+    else:
+        floor, qmax, mbits, emin = 1e-4, FP8_E4M3_MAX, 3, -6
+    _rt_k[(triton.cdiv(blocks, bm),)](
+        x2, o2, blocks, nb, x2.stride(0), o2.stride(0), floor, qmax,
+        BLOCK=block, BM=bm, MBITS=mbits, EMIN=emin, INTERP=interpret_mode(), num_warps=4, **_launch_opts())
+    return out
+
+
+class _RoundTrip(torch.autograd.Function):
+    """Forward: the quantized value. Backward: the identity (straight-through, as the reference)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, block: int, fp4: bool) -> torch.Tensor:
+        return _round_trip_forward(x, block, fp4)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None
+
+
+def _round_trip(x: torch.Tensor, block: int, fp4: bool) -> torch.Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RoundTrip.apply(x, block, fp4)
+    return _round_trip_forward(x, block, fp4)
+
+
+def triton_fp8_round_trip(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    return _round_trip(x, block, False)
+
+
+def triton_fp4_round_trip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    return _round_trip(x, block, True)
+
+
+def _round_trip_can_run(x: torch.Tensor, block: int = 32) -> str | None:
+    reason = device_reason(x)
+    if reason:
+        return reason
+    if x.dtype not in DTYPES:
+        return f"dtype {x.dtype} (need fp32, bf16 or fp16)"
+    if x.dim() == 0:
+        return "a 0-d tensor has no last dim to block"
+    if block < 1 or block & (block - 1) or block > 4096:
+        return f"block {block} is not a power of two in [1, 4096]"
+    return None   # a last dim that is not a multiple of block raises the reference's ValueError
+
+
+def _fp8_can_run(x: torch.Tensor, block: int = 64) -> str | None:
+    return _round_trip_can_run(x, block)
+
+
+def _fp4_can_run(x: torch.Tensor, block: int = 32) -> str | None:
+    return _round_trip_can_run(x, block)
+
+
+# ----------------------------------------------------------------------------- hadamard
+def _hadamard_forward(x: torch.Tensor) -> torch.Tensor:
+    n = x.size(-1)
+    out = _alloc(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    x2 = _rows(x)
+    o2 = out.view(-1, n)
+    rows = x2.size(0)
+    f64 = acc_dtype() == torch.float64
+    br = max(1, min(max(1, 2048 // n), triton.next_power_of_2(rows)))
+    _had_k[(triton.cdiv(rows, br),)](
+        x2, o2, rows, x2.stride(0), o2.stride(0), n**-0.5, N=n, LOGN=n.bit_length() - 1, BR=br, F64=f64,
+        ROUND_ODD=f64 and x.dtype != torch.float32,
+        RNE_BF16=interpret_mode() and x.dtype == torch.bfloat16, num_warps=4)
+    return out
+
+
+class _Hadamard(torch.autograd.Function):
+    """Linear and symmetric: the gradient is the transform of the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return _hadamard_forward(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _hadamard_forward(grad)
+
+
+def triton_hadamard(x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Hadamard.apply(x)
+    return _hadamard_forward(x)
+
+
+def _hadamard_can_run(x: torch.Tensor) -> str | None:
+    reason = device_reason(x)
+    if reason:
+        return reason
+    if x.dtype not in DTYPES:
+        return f"dtype {x.dtype} (need fp32, bf16 or fp16)"
+    if x.dim() == 0:
+        return "a 0-d tensor has no last dim"
+    n = x.size(-1)
+    if n < 2 or n & (n - 1) or n > MAX_HADAMARD:
+        return f"size {n} is not a power of two in [2, {MAX_HADAMARD}]"
+    return None
+
+
+# ----------------------------------------------------------------------------- compress_pool
+def _pool_tiles(slots: int, c: int) -> tuple[int, int]:
+    sp = triton.next_power_of_2(slots)
+    bc = max(16, min(128, 4096 // sp, triton.next_power_of_2(c)))
+    return sp, bc
+
+
+def _grouped(t: torch.Tensor) -> torch.Tensor:
+    """[..., slots, c] as [groups, slots, c] with unit channel stride."""
+    t3 = t.reshape(-1, t.size(-2), t.size(-1))
+    return t3 if t3.stride(-1) == 1 else t3.contiguous()
+
+
+def _pool_launch(kv: torch.Tensor, score: torch.Tensor, grad: torch.Tensor | None):
+    slots, c = kv.shape[-2:]
+    kv3, sc3 = _grouped(kv), _grouped(score)
+    groups = kv3.size(0)
+    sp, bc = _pool_tiles(slots, c)
+    f64 = acc_dtype() == torch.float64
+    grid = (groups, triton.cdiv(c, bc))
+    interp = interpret_mode()
+    if grad is None:
+        out = _alloc(kv.shape[:-2] + (c,), dtype=kv.dtype, device=kv.device)
+        if out.numel() == 0:
+            return out
+        o2 = out.view(-1, c)
+        _pool_k[grid](kv3, sc3, o2, o2, o2, o2, c, kv3.stride(0), kv3.stride(1), sc3.stride(0), sc3.stride(1),
+                    0, o2.stride(0), 0, 0, 0, 0, S=slots, SP=sp, BC=bc, BACKWARD=False, F64=f64, INTERP=interp,
+                    RNE_BF16=interp and kv.dtype == torch.bfloat16, num_warps=4, **_launch_opts())
+        return out
+    dkv = _alloc(kv.shape, dtype=kv.dtype, device=kv.device)
+    dsc = _alloc(score.shape, dtype=score.dtype, device=score.device)
+    if dkv.numel() == 0:
+        return dkv, dsc
+    g2 = grad.reshape(-1, c)
+    g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
+    dkv3, dsc3 = dkv.view(-1, slots, c), dsc.view(-1, slots, c)
+    bf16 = interp and (kv.dtype == torch.bfloat16 or score.dtype == torch.bfloat16)
+    if bf16 and kv.dtype != score.dtype:
+        raise RuntimeError("compress_pool: mixed bf16 / non-bf16 inputs are not supported under the interpreter")
+    _pool_k[grid](kv3, sc3, g2, g2, dkv3, dsc3, c, kv3.stride(0), kv3.stride(1), sc3.stride(0), sc3.stride(1),
+                g2.stride(0), 0, dkv3.stride(0), dkv3.stride(1), dsc3.stride(0), dsc3.stride(1),
+                S=slots, SP=sp, BC=bc, BACKWARD=True, F64=f64, INTERP=interp, RNE_BF16=bf16, num_warps=4,
+                **_launch_opts())
+    return dkv, dsc
+
+
+class _CompressPool(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(kv, score)
+        return _pool_launch(kv, score, None)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        kv, score = ctx.saved_tensors
+        dkv, dsc = _pool_launch(kv, score, grad)
+        return (dkv if ctx.needs_input_grad[0] else None), (dsc if ctx.needs_input_grad[1] else None)
+
+
+def triton_compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and (kv.requires_grad or score.requires_grad):
+        return _CompressPool.apply(kv, score)
+    return _pool_launch(kv.detach(), score.detach(), None)
+
+
+def _pool_can_run(kv: torch.Tensor, score: torch.Tensor) -> str | None:
+    reason = device_reason(kv, score)
+    if reason:
+        return reason
+    if kv.dtype not in DTYPES or score.dtype not in DTYPES:
+        return f"dtypes kv={kv.dtype} score={score.dtype} (need fp32, bf16 or fp16)"
+    if kv.dim() < 2 or kv.shape != score.shape:
+        return f"kv {tuple(kv.shape)} and score {tuple(score.shape)} must both be [..., slots, c]"
+    if kv.size(-2) < 1 or kv.size(-2) > 1024:
+        return f"{kv.size(-2)} slots (need 1..1024)"
+    return None
+
+
+# ----------------------------------------------------------------------------- registration
+register("fp8_round_trip", "triton", triton_fp8_round_trip, can_run=_fp8_can_run, deterministic=True, priority=10)
+register("fp4_round_trip", "triton", triton_fp4_round_trip, can_run=_fp4_can_run, deterministic=True, priority=10)
+register("hadamard", "triton", triton_hadamard, can_run=_hadamard_can_run, deterministic=True, priority=10)
+register("compress_pool", "triton", triton_compress_pool, can_run=_pool_can_run, deterministic=True, priority=10)
+
+__all__ = ["triton_fp8_round_trip", "triton_fp4_round_trip", "triton_hadamard", "triton_compress_pool",
+           "bench_elementwise"]
+
+
+def bench_elementwise(device: str = "cuda", batch: int = 4, tokens: int = 4096) -> dict[str, dict[str, float]]:
+    """Median milliseconds of each op, reference vs triton, at the model's shapes (prefill and decode)."""
+    from triton.testing import do_bench
+
+    from .. import reference as ref
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=dev, generator=gen).to(dtype)
+
+    cases = {
+        "fp8_round_trip[kv 448 of 512]": (ref.fp8_round_trip, triton_fp8_round_trip,
+                                          lambda s: (rnd(batch, s, 512)[..., :448], 64)),
+        "fp4_round_trip[indexer q]": (ref.fp4_round_trip, triton_fp4_round_trip,
+                                      lambda s: (rnd(batch, s, 64, 128), 32)),
+        "hadamard[indexer q]": (ref.hadamard, triton_hadamard, lambda s: (rnd(batch, s, 64, 128),)),
+        "compress_pool[r4 overlap]": (ref.compress_pool, triton_compress_pool,
+                                      lambda s: (rnd(batch, max(1, s // 4), 8, 512, dtype=torch.float32),
+                                                 rnd(batch, max(1, s // 4), 8, 512, dtype=torch.float32))),
+        "compress_pool[r128]": (ref.compress_pool, triton_compress_pool,
+                                lambda s: (rnd(batch, max(1, s // 128), 128, 512, dtype=torch.float32),
+                                           rnd(batch, max(1, s // 128), 128, 512, dtype=torch.float32))),
+    }
+    res: dict[str, dict[str, float]] = {}
+    for name, (ref_fn, tri_fn, make) in cases.items():
+        for phase, s in (("prefill", tokens), ("decode", 1)):
+            args = make(s)
+            res[f"{name} {phase}"] = {"reference_ms": do_bench(lambda f=ref_fn, a=args: f(*a)),
+                                      "triton_ms": do_bench(lambda f=tri_fn, a=args: f(*a))}
+    return res
