@@ -151,3 +151,37 @@ def test_bf16_model_runs_and_keeps_fp32_islands():
     assert model.head.weight.dtype == torch.float32 and model.embed.weight.dtype == torch.bfloat16
     out = model(torch.randint(0, 1024, (1, 40)))
     assert out.logits.dtype == torch.float32 and torch.isfinite(out.logits).all()
+
+
+def test_mixed_precision_feeds_fused_ops_bf16_operands_and_keeps_fp32_gradients():
+    # Under autocast with fp32 master weights the fused kernels (mHC, grouped MoE) require bf16 operands;
+    # if the model handed them fp32 they would refuse and the reference would run instead. A spy backend
+    # records the dtypes each op receives.
+    from dsv4 import ops
+    from dsv4.ops import reference
+
+    seen: dict[str, set] = {"hc_pre": set(), "hc_post": set(), "moe_experts": set()}
+    operands = {"hc_pre": (0,), "hc_post": (0, 1), "moe_experts": (0, 3, 4, 5)}     # x; f, residual; x, w1-3
+
+    def spy(op):
+        def fn(*args, **kw):
+            seen[op].update(str(args[i].dtype) for i in operands[op])
+            return getattr(reference, op)(*args, **kw)
+        return fn
+
+    for op in seen:
+        ops.register(op, "spy", spy(op), priority=100)
+    try:
+        model = DeepSeekV4.from_config("tiny", seed=0).train()
+        tokens = torch.randint(0, model.cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(tokens)
+        out.logits.float().logsumexp(-1).mean().backward()
+    finally:
+        for op in seen:
+            ops.unregister(op, "spy")
+    assert seen["hc_pre"] == {"torch.bfloat16"} and seen["hc_post"] == {"torch.bfloat16"}
+    assert seen["moe_experts"] == {"torch.bfloat16"}, seen
+    w1 = model.layers[1].ffn.experts.w1
+    assert w1.dtype == torch.float32 and w1.grad is not None and w1.grad.dtype == torch.float32
+    assert bool(torch.isfinite(w1.grad).all()) and float(w1.grad.abs().sum()) > 0

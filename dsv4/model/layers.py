@@ -44,6 +44,19 @@ class Linear(nn.Linear):
         return reference.linear(x, self.weight)
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The low-precision dtype of an enclosing autocast region on this device type (None outside one).
+
+    Mixed-precision training keeps fp32 master weights and runs inside autocast. The model then carries
+    its activations (the residual copies of mHC included) in this dtype, as a bf16 model does, and casts
+    the stacked expert weights to it: the fused kernels (mHC, grouped-GEMM MoE) take bf16 operands, and
+    autocast itself only casts the inputs of matmul-like torch ops.
+    """
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T in fp32, also inside an autocast region (router, compressor, head)."""
     with torch.autocast(device_type=x.device.type, enabled=False):

@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
-from .layers import Linear, linear_fp32, record
+from .layers import Linear, autocast_dtype, linear_fp32, record
 
 
 class Gate(nn.Module):
@@ -67,7 +67,11 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> fp32 [T, dim] (sum over the token's experts held here)."""
-        return ops.moe_experts(x, weights, indices, self.w1, self.w2, self.w3, self.swiglu_limit, self.offset)
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        low = autocast_dtype(x.device.type)
+        if low is not None:             # mixed precision: the grouped GEMMs take bf16 operands, as autocast would
+            x, w1, w2, w3 = (t.to(low) for t in (x, w1, w2, w3))
+        return ops.moe_experts(x, weights, indices, w1, w2, w3, self.swiglu_limit, self.offset)
 
 
 class Expert(nn.Module):

@@ -21,7 +21,7 @@ from torch import nn
 from ..config import ModelConfig
 from .attention import AttentionCache
 from .block import Block, MTPBlock, hc_head
-from .layers import RMSNorm, linear_fp32, record
+from .layers import RMSNorm, autocast_dtype, linear_fp32, record
 from .moe import Gate
 
 
@@ -142,6 +142,9 @@ class DeepSeekV4(nn.Module):
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         e = record("embed", self.embed(tokens))                                         # [b, s, dim]
+        low = autocast_dtype(e.device.type)
+        if low is not None:                                 # mixed precision: bf16 activations, fp32 weights
+            e = e.to(low)
         return e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()        # [b, s, hc, dim]
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
