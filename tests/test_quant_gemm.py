@@ -116,3 +116,19 @@ def test_dequant_mm_backend_is_bit_identical_to_reference(fmt, monkeypatch):
     y = ops.call(op, x, q, s, backend="dequant_mm")
     assert ops.last_backend(op) == "dequant_mm"
     assert torch.equal(y, ops.call(op, x, q, s, backend="reference"))
+
+
+def test_default_backend_follows_token_batch_size(monkeypatch):
+    """Default dispatch: the fused kernel for few token rows (decode), dequantize-then-matmul from
+    DEQUANT_MM_MIN_TOKENS rows on (threshold lowered here to keep the interpreter fast); an explicit
+    request ignores the preference."""
+    qg = importlib.import_module("dsv4.ops.triton.quant_gemm")
+    monkeypatch.setattr(qg, "DEQUANT_MM_MIN_TOKENS", 8)
+    q, s = formats.quantize_fp8(torch.randn(128, 128))
+    few, many = torch.randn(1, 7, 128).bfloat16(), torch.randn(2, 4, 128).bfloat16()
+    ops.call("fp8_linear", few, q, s)
+    assert ops.last_backend("fp8_linear") == "triton"
+    ops.call("fp8_linear", many, q, s)
+    assert ops.last_backend("fp8_linear") == "dequant_mm"
+    ops.call("fp8_linear", few, q, s, backend="dequant_mm")
+    assert ops.last_backend("fp8_linear") == "dequant_mm"

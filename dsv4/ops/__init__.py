@@ -39,6 +39,9 @@ class Backend:
     can_run: Callable[..., str | None]
     deterministic: bool = True
     priority: int = 0  # higher wins when chosen by default
+    # default selection only: None, or returns whether these inputs suit this backend best (an explicit
+    # request ignores it; e.g. a GEMM backend that wins only for large token batches)
+    prefer: Callable[..., bool] | None = None
 
 
 _REGISTRY: dict[str, dict[str, Backend]] = {}
@@ -49,9 +52,9 @@ _DETERMINISTIC = [False]
 
 
 def register(op: str, name: str, fn: Callable, can_run: Callable[..., str | None] | None = None,
-             deterministic: bool = True, priority: int = 0) -> None:
+             deterministic: bool = True, priority: int = 0, prefer: Callable[..., bool] | None = None) -> None:
     _REGISTRY.setdefault(op, {})[name] = Backend(name, fn, can_run or (lambda *a, **k: None),
-                                                 deterministic, priority)
+                                                 deterministic, priority, prefer)
 
 
 def unregister(op: str, name: str) -> None:
@@ -138,7 +141,7 @@ def resolve(op: str, backend: str | None, *args, **kwargs) -> Backend:
     best = table["reference"]
     for be in table.values():
         if be.priority > best.priority and be.can_run(*args, **kwargs) is None and (
-                be.deterministic or not is_deterministic()):
+                be.deterministic or not is_deterministic()) and (be.prefer is None or be.prefer(*args, **kwargs)):
             best = be
     return best
 

@@ -305,9 +305,18 @@ def _fp4_can_run(x, weight, scale) -> str | None:
 
 register("fp8_linear", "triton", triton_fp8_linear, can_run=_fp8_can_run, deterministic=True, priority=10)
 register("fp4_linear", "triton", triton_fp4_linear, can_run=_fp4_can_run, deterministic=True, priority=10)
-# Dequantize-then-matmul (bounded bf16 scratch): for large token batches, where the fused kernel's per-tile
-# decode is repeated by every M tile. Explicit choice until measured against the fused kernel.
+# Dequantize-then-matmul (bounded bf16 scratch) is the default for large token batches, where the fused
+# kernel decodes each weight tile once per M tile. Measured on an H200 at M=4096 (BENCHMARKS.md): 54-69% of
+# the bf16 matmul rate against the fused kernels' 37-43% (FP8) and 17-19% (MXFP4). Below the threshold the
+# fused kernels read the weight once in its compact form.
+DEQUANT_MM_MIN_TOKENS = 1024
+
+
+def _large_batch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    return x.numel() // max(x.size(-1), 1) >= DEQUANT_MM_MIN_TOKENS
+
+
 register("fp8_linear", "dequant_mm", dequant_mm_fp8_linear, can_run=_fp8_can_run, deterministic=True,
-         priority=5)
+         priority=15, prefer=_large_batch)
 register("fp4_linear", "dequant_mm", dequant_mm_fp4_linear, can_run=_fp4_can_run, deterministic=True,
-         priority=5)
+         priority=15, prefer=_large_batch)
