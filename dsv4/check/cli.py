@@ -79,6 +79,16 @@ def add_check_parsers(sub) -> None:
     p.add_argument("--only", help="comma-separated BUGZOO ids (default: all)")
     p.add_argument("--full", action="store_true", help="also run the slow torch.compile checks")
     p.add_argument("--compiler", default="aot_eager", help="torch.compile backend under test (default aot_eager)")
+    p.add_argument("--device", default="cpu",
+                   help="where the model, the inputs and the checks run, e.g. cuda or cuda:1 (default cpu); each "
+                        "op runs its default backend there (Triton on CUDA)")
+    p.add_argument("--backend", help="prefer this ops backend for every op that has it (e.g. triton); an error "
+                                     "when it cannot run on --device")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="dtype of the check model (default auto: fp32, or bf16 where the fast mHC / MoE backends "
+                        "need it)")
+    p.add_argument("--checks", help="comma-separated checks to run (default: all); mutants none of whose checks "
+                                    "run are reported as skipped")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_conformance)
 
@@ -270,14 +280,36 @@ def cmd_nonfinite(args) -> int:
     return _emit(args, report, report.ok)
 
 
+def _device(name: str) -> torch.device:
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise UserError(f"unknown device '{name}': {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available in this process")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UserError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
 def cmd_conformance(args) -> int:
+    from .. import ops
     from .conformance import run_conformance
+    from .zoo import CHECKS
 
     ids = [x.strip().upper() for x in args.only.split(",")] if args.only else None
+    checks = [x.strip() for x in args.checks.split(",") if x.strip()] if args.checks else None
+    if checks is not None and set(checks) - set(CHECKS):
+        raise UserError(f"unknown checks {sorted(set(checks) - set(CHECKS))} (known: {', '.join(CHECKS)})")
     try:
         from ..config import ModelConfig
         cfg = ModelConfig.preset(args.preset)
     except (KeyError, ValueError) as e:
         raise UserError(f"unknown preset '{args.preset}': {e}") from None
-    report = run_conformance(cfg, ids=ids, seed=args.seed, compiler=args.compiler, full=args.full)
+    dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    try:
+        report = run_conformance(cfg, ids=ids, seed=args.seed, compiler=args.compiler, full=args.full,
+                                 device=_device(args.device), backend=args.backend, dtype=dtype, checks=checks)
+    except ops.BackendUnavailable as e:
+        raise UserError(str(e)) from None
     return _emit(args, report, report.ok)

@@ -35,9 +35,11 @@ def check_config(cfg: ModelConfig | str, window: int | None = CHECK_WINDOW,
     return cfg.replace(**changes) if changes else cfg
 
 
-def random_tokens(cfg: ModelConfig, batch: int = 2, seq: int = 40, seed: int = 0) -> torch.Tensor:
+def random_tokens(cfg: ModelConfig, batch: int = 2, seq: int = 40, seed: int = 0,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """[batch, seq] token ids; drawn on the CPU (the same ids on every device), then moved to `device`."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+    return torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device or "cpu")
 
 
 def boundary_lengths(cfg: ModelConfig) -> list[int]:
@@ -49,21 +51,24 @@ def boundary_lengths(cfg: ModelConfig) -> list[int]:
 
 
 # ------------------------------------------------------------------------------ sparse attention
-def window_idx(s: int, window: int, b: int = 1) -> torch.Tensor:
+def window_idx(s: int, window: int, b: int = 1, device: torch.device | str | None = None) -> torch.Tensor:
     """[b, s, w] causal window indices (-1 = none), the window-only layout (no compressed keys)."""
     w = min(s, window)
-    t = torch.arange(s).unsqueeze(1)
-    idx = t - w + 1 + torch.arange(w)
+    t = torch.arange(s, device=device).unsqueeze(1)
+    idx = t - w + 1 + torch.arange(w, device=device)
     return torch.where(idx >= 0, idx, -1).unsqueeze(0).expand(b, -1, -1).contiguous()
 
 
 def attention_inputs(kind: str, b: int = 1, s: int = 24, h: int = 4, d: int = 128, window: int = 8,
-                     n_comp: int = 0, seed: int = 0, stages: dict[str, torch.Tensor] | None = None) -> dict:
+                     n_comp: int = 0, seed: int = 0, stages: dict[str, torch.Tensor] | None = None,
+                     device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> dict:
     """Inputs for `ops.sparse_attention(q, kv, sink, idx, scale)`.
 
     kind: "random" (unit normal), "peaked" (logits of tens: softmax close to one-hot), "roped" (q and kv
     of a real forward pass, taken from `stages` of a window-only layer), "padding" (half of the rows have
     no valid key at all). n_comp > 0 appends that many compressed keys visible to every query.
+    Values are drawn on the CPU (the same numbers on every device), then moved to `device`; q and kv are
+    `dtype`, the sink fp32.
     """
     gen = torch.Generator().manual_seed(seed)
     if kind == "roped":
@@ -90,28 +95,42 @@ def attention_inputs(kind: str, b: int = 1, s: int = 24, h: int = 4, d: int = 12
     if kind == "padding":
         idx = idx.clone()
         idx[:, ::2] = -1
-    return {"q": q, "kv": kv, "sink": sink, "idx": idx, "scale": d ** -0.5}
+    dev = device or "cpu"
+    return {"q": q.to(dev, dtype), "kv": kv.to(dev, dtype), "sink": sink.to(dev), "idx": idx.to(dev),
+            "scale": d ** -0.5}
 
 
 # ------------------------------------------------------------------------------ indexer
-def indexer_inputs(b: int = 1, s: int = 12, h: int = 4, d: int = 128, ratio: int = 4, seed: int = 0) -> dict:
+def indexer_inputs(b: int = 1, s: int = 12, h: int = 4, d: int = 128, ratio: int = 4, seed: int = 0,
+                   device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> dict:
     """Inputs for `ops.indexer_topk`: the first ratio-1 queries see no complete group (all-padding rows)."""
     gen = torch.Generator().manual_seed(seed)
     n = s // ratio
-    return {"q": torch.randn(b, s, h, d, generator=gen), "k": torch.randn(b, n, d, generator=gen),
-            "weights": torch.randn(b, s, h, generator=gen), "positions": torch.arange(s), "ratio": ratio,
-            "topk": n}
+    dev = device or "cpu"
+    return {"q": torch.randn(b, s, h, d, generator=gen).to(dev, dtype),
+            "k": torch.randn(b, n, d, generator=gen).to(dev, dtype),
+            "weights": torch.randn(b, s, h, generator=gen).to(dev), "positions": torch.arange(s, device=dev),
+            "ratio": ratio, "topk": n}
 
 
-def moe_inputs(cfg: ModelConfig, tokens: int = 16, scale: float = 1.0, seed: int = 0) -> dict:
-    """Inputs for `ops.moe_experts`; scale > 1 pushes the SwiGLU pre-activations past swiglu_limit."""
+def moe_inputs(cfg: ModelConfig, tokens: int = 16, scale: float = 1.0, seed: int = 0,
+               device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> dict:
+    """Inputs for `ops.moe_experts`; scale > 1 pushes the SwiGLU pre-activations past swiglu_limit.
+
+    x and the expert weights are `dtype`, the routing weights fp32; drawn on the CPU, moved to `device`."""
     gen = torch.Generator().manual_seed(seed)
     e, k, dim, inter = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
     x = torch.randn(tokens, dim, generator=gen) * scale
     idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)])
     w = torch.rand(tokens, k, generator=gen)
-    return {"x": x, "weights": w / w.sum(-1, keepdim=True), "indices": idx,
-            "w1": torch.randn(e, inter, dim, generator=gen) * dim ** -0.5,
-            "w2": torch.randn(e, dim, inter, generator=gen) * inter ** -0.5,
-            "w3": torch.randn(e, inter, dim, generator=gen) * dim ** -0.5,
+    dev = device or "cpu"
+    return {"x": x.to(dev, dtype), "weights": (w / w.sum(-1, keepdim=True)).to(dev), "indices": idx.to(dev),
+            "w1": (torch.randn(e, inter, dim, generator=gen) * dim ** -0.5).to(dev, dtype),
+            "w2": (torch.randn(e, dim, inter, generator=gen) * inter ** -0.5).to(dev, dtype),
+            "w3": (torch.randn(e, inter, dim, generator=gen) * dim ** -0.5).to(dev, dtype),
             "swiglu_limit": cfg.swiglu_limit}
+
+
+def upcast(inp: dict) -> dict:
+    """The same inputs with every floating tensor in fp32 (for an fp32 reference of low-precision inputs)."""
+    return {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inp.items()}

@@ -24,10 +24,13 @@ from ..ops import reference as ref
 # ------------------------------------------------------------------------------ injection helpers
 @contextlib.contextmanager
 def temporary_backend(op: str, name: str, fn: Callable, deterministic: bool = True) -> Iterator[None]:
-    """Register backend `name` for op and make it the default inside the block; unregister after."""
+    """Register backend `name` for op and make it the default inside the block (on top of any choice in
+    force); unregister after. It replaces the fast backend too: the checks exercise the planted bug."""
+    prev = getattr(ops._STATE, "choice", None)
+    base = {o: prev for o in ops.ops()} if isinstance(prev, str) else dict(prev or {})
     ops.register(op, name, fn, deterministic=deterministic, priority=-100)
     try:
-        with ops.use_backend({op: name}):
+        with ops.use_backend({**base, op: name}):
             yield
     finally:
         ops.unregister(op, name)
@@ -71,8 +74,9 @@ class _SparseAttention(torch.autograd.Function):
         if mode == "lse_differentiable" and grad_lse is not None:
             raise RuntimeError("sparse attention backward: grad_lse is not supported by this kernel")
         b, s, h, d = q.shape
+        dev = q.device
         valid = idx >= 0
-        batch = torch.arange(b).view(b, 1, 1)
+        batch = torch.arange(b, device=dev).view(b, 1, 1)
         kv_sel = kv[batch, idx.clamp_min(0).long()].float()                     # [b, s, k, d]
         scores = torch.einsum("bshd,bskd->bshk", q.float(), kv_sel) * scale
         scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
@@ -91,11 +95,11 @@ class _SparseAttention(torch.autograd.Function):
         dsel = dsel * valid.unsqueeze(-1)
         n = kv.size(1)
         if mode == "aliased_buffers":                                            # Z19: dKV shares dQ's buffer
-            buf = torch.zeros(b, s * h + n, d)
+            buf = torch.zeros(b, s * h + n, d, device=dev)
             buf[:, : s * h] = dq.reshape(b, s * h, d)
             dkv = buf[:, s * h - n // 2: s * h - n // 2 + n]
         else:
-            dkv = torch.zeros(b, n, d)
+            dkv = torch.zeros(b, n, d, device=dev)
         dkv = dkv.index_put((batch.expand_as(idx), idx.clamp_min(0).long()), dsel, accumulate=True)
         p_sink = torch.exp(sink.float().view(1, 1, h) - lse)                     # [b, s, h]
         dsink = -(p_sink * delta.squeeze(-1)).sum((0, 1))
@@ -134,7 +138,7 @@ def moe_host_split(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=
     local = indices.reshape(-1) - expert_offset
     counts = torch.bincount(local.clamp(0, w1.size(0) - 1), minlength=w1.size(0)).tolist()
     order = torch.argsort(local, stable=True)
-    y = torch.zeros(x.shape, dtype=torch.float32)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     tok_all, w_all = order // indices.size(1), weights.reshape(-1)[order]
     start = 0
     for e, c in enumerate(counts):
@@ -160,7 +164,7 @@ def sinkhorn_random_order(mixes, scale, base, hc, iters, eps):
     comb = comb.softmax(-1) + eps
 
     def rsum(t: torch.Tensor, dim: int) -> torch.Tensor:
-        perm = torch.randperm(hc)
+        perm = torch.randperm(hc, device=t.device)
         parts = t.index_select(dim, perm).unbind(dim)
         acc = parts[0]
         for p in parts[1:]:
