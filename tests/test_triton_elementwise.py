@@ -308,3 +308,22 @@ def test_compressor_pool_matches_reference_in_the_model():
         got = comp(x, pos)[0]
     assert ops.calls().get(("compress_pool", "triton"), 0) >= 1
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("op", sorted(ROUND_TRIPS))
+def test_round_trip_every_scale_exponent(op):
+    """amax / qmax at and just around every power of two the scale can take: the ceil(log2) rounding
+    of the reference (which keeps 2^k for amax / qmax a few ulp above 2^k when |k| is large) is matched."""
+    block, qmax = ROUND_TRIPS[op], QMAX[op]
+    lo = -22 if op == "fp8_round_trip" else -126
+    k = torch.arange(lo, 120).repeat_interleave(12)
+    j = torch.tensor([0, 1, 2, 3, 5, 8, 13, 21, 22, 34, -1, -2]).repeat(len(k) // 12)
+    top = ((torch.exp2(k.float()) * qmax).view(torch.int32) + j).view(torch.float32)       # [m]
+    x = torch.zeros(len(top), block)
+    x[:, 0] = top
+    unit = top / qmax                              # ~ the scale: probes in the format's subnormal range,
+    x[:, 1] = -unit * 1.25 * 2.0**-9               # where a scale twice as large rounds differently
+    x[:, 2] = unit * 0.3
+    x[:, 3] = unit * 0.7
+    x = x.reshape(-1, 4 * block).to(DEV)
+    assert same_bits(run_op(op, x, block), getattr(ref, op)(x, block))

@@ -100,8 +100,7 @@ def _hadamard_kernel(x_ptr, out_ptr, R, stride_x, stride_o, scale,
     else:
         x = x.to(tl.float32)
     for st in tl.static_range(LOGN):                    # butterfly on index bit st: (i, i + 2^st)
-        h: tl.constexpr = 1 << st
-        x4 = tl.permute(tl.reshape(x, (BR, N // (2 * h), 2, h)), (0, 1, 3, 2))   # [BR, N/2h, h, 2]
+        x4 = tl.permute(tl.reshape(x, (BR, N >> (st + 1), 2, 1 << st)), (0, 1, 3, 2))   # [BR, N/2h, h, 2]
         lo, hi = tl.split(x4)
         x4 = tl.join(lo + hi, lo - hi)
         x = tl.reshape(tl.permute(x4, (0, 1, 3, 2)), (BR, N))
@@ -156,7 +155,10 @@ def _pool_kernel(kv_ptr, sc_ptr, g_ptr, out_ptr, dkv_ptr, dsc_ptr, C,
         p = tl.exp(z)
     else:
         p = libdevice.exp(z)
-    w = p / tl.sum(p, axis=0)[None, :]                                      # [SP, BC] softmax weights
+    if F64:
+        w = p / tl.sum(p, axis=0)[None, :]                                  # [SP, BC] softmax weights
+    else:
+        w = tl.math.div_rn(p, tl.sum(p, axis=0)[None, :])                   # (IEEE, not div.full)
     if BACKWARD:
         g = tl.load(g_ptr + pid_g * sg_g + cs, mask=cmask, other=0.0)
         if F64:
