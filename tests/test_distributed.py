@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_train import MICRO
 
 from dsv4.train import distributed as D
 
@@ -104,10 +105,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("dist")
-    ctx = mp.start_processes(_worker, args=(WORLD, D._free_port(), str(out)), nprocs=WORLD, join=False,
+def _launch(worker, out: Path) -> list[dict]:
+    """Run worker(rank, WORLD, port, out) in WORLD spawned processes; -> each rank's rank<r>.json."""
+    ctx = mp.start_processes(worker, args=(WORLD, D._free_port(), str(out)), nprocs=WORLD, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=2):
@@ -116,6 +116,11 @@ def ranks(tmp_path_factory) -> list[dict]:
                 proc.kill()
             pytest.fail(f"distributed workers did not finish in {TIMEOUT_S} s")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return _launch(_worker, tmp_path_factory.mktemp("dist"))
 
 
 def test_expert_ranges_follow_the_live_rank(ranks):
@@ -192,6 +197,93 @@ def test_helpers_norm_clip_state_and_load(ranks):
         assert h["state_keys_equal"] and h["state_equal"]
         assert h["load_equal"]
         assert h["generate_equal"]
+
+
+# ----------------------------------------------------------------------------- resume with N processes
+K, M = 2, 2              # steps before the checkpoint, steps after it
+
+
+def _resume_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """The trainer under 2 gloo processes (FSDP2 + expert parallelism, deterministic): K+M steps in one
+    go (checkpoint at K), then resumed from step K; plus a resume whose optimizer state is dropped."""
+    from safetensors.torch import load_file
+    from test_train import MICRO, _corpus
+
+    from dsv4.train.trainer import TrainConfig, Trainer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    D.setup_distributed(timeout_s=TIMEOUT_S)
+    root = Path(out_dir)
+    if rank == 0:
+        _corpus(root)
+    torch.distributed.barrier()
+    base = dict(preset="tiny", model={k: list(v) if isinstance(v, tuple) else v for k, v in MICRO.items()},
+                data=[str(root / "corpus")], seq_len=32, batch_size=4, steps=K + M, warmup=1, lr=5e-3,
+                eval_every=0, diag_every=0, progress=False, deterministic=True, sample_prompt="",
+                held_out_pct=10.0, cache_dir=str(root / "cache"))
+    quiet = {"log": lambda *_: None}
+
+    full = Trainer(TrainConfig(**base, out=str(root / "full"), save_every=K), **quiet)
+    full.fit()
+    ckpt = root / "full" / "checkpoints" / f"step_{K:08d}"
+    tok = str(root / "full" / "tokenizer")
+
+    def resume(name: str) -> Trainer:
+        return Trainer(TrainConfig(**base, out=str(root / name), save_every=-1, resume=str(ckpt), tokenizer=tok),
+                       **quiet)
+
+    resumed = resume("resumed")
+    restored = D.full_optimizer_state(resumed.opt, resumed.model)
+    saved = load_file(str(ckpt / "optimizer.safetensors"))
+    resumed.fit()
+
+    live = D.load_full_optimizer_state
+    D.load_full_optimizer_state = lambda *a, **k: None          # mutant: moments restart at zero
+    try:
+        dropped = resume("dropped")
+        dropped.fit()
+    finally:
+        D.load_full_optimizer_state = live
+    D.teardown_distributed()
+
+    losses = lambda t: [r["loss"] for r in t.history if "loss" in r]          # noqa: E731
+    moments = [k for k in saved if not k.endswith("/step")]
+    res = {
+        "straight": losses(full), "resumed": losses(resumed), "dropped": losses(dropped),
+        "start_step": resumed.step - M,
+        "keys_equal": restored.keys() == saved.keys(),
+        "moments_equal": all(torch.equal(restored[k], saved[k]) for k in saved),
+        "nonzero_moments": sum(int(saved[k].abs().sum() > 0) for k in moments), "n_moments": len(moments),
+        "adamw_steps": sorted({float(saved[k]) for k in saved if k.endswith("/step")}),
+        "expert_momentum_shape": list(saved["muon/layers.1.ffn.experts.w1/momentum_buffer"].shape),
+        "expert_local_shape": list(resumed.model.layers[1].ffn.experts.w1.shape),
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> list[dict]:
+    return _launch(_resume_worker, tmp_path_factory.mktemp("resume"))
+
+
+def test_two_process_resume_restores_optimizer_state(resumed):
+    for res in resumed:
+        assert res["start_step"] == K
+        # the whole file: every moment by name, full (unsharded) shapes; experts gathered over both ranks
+        assert res["keys_equal"] and res["moments_equal"]
+        assert res["expert_momentum_shape"] == [MICRO["n_routed_experts"], MICRO["moe_inter_dim"], MICRO["dim"]]
+        assert res["expert_local_shape"][0] == MICRO["n_routed_experts"] // WORLD
+        assert res["nonzero_moments"] > 0.9 * res["n_moments"]
+        assert res["adamw_steps"] == [float(K)]
+        # same losses as the uninterrupted run, exactly (deterministic mode, same world size)
+        assert len(res["straight"]) == K + M
+        assert res["resumed"] == res["straight"], (res["resumed"], res["straight"])
+        # without the optimizer state the step after the checkpoint changes the next loss
+        assert res["dropped"][:K + 1] == res["straight"][:K + 1]
+        assert res["dropped"][K + 1] != res["straight"][K + 1]
+    assert resumed[0]["resumed"] == resumed[1]["resumed"]
 
 
 def test_single_process_is_left_alone():

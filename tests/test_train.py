@@ -289,6 +289,14 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     resumed = Trainer(_train_cfg(tmp_path, save_every=-1, out=str(tmp_path / "run2"), resume=str(ckpt)),
                       log=lambda *_: None)
     assert resumed.step == 2
+    # Muon momenta and AdamW moments come back exactly, by parameter name
+    from safetensors.torch import load_file
+
+    saved = load_file(str(ckpt / "optimizer.safetensors"))
+    restored = checkpoint.optimizer_tensors(resumed.opt, resumed.model)
+    assert saved.keys() == restored.keys() and all(torch.equal(restored[k], saved[k]) for k in saved)
+    assert saved["muon/layers.1.ffn.experts.w1/momentum_buffer"].abs().sum() > 0
+    assert float(saved["adamw/embed.weight/step"]) == 2
     resumed.fit()
     again = [r["loss"] for r in resumed.history if "loss" in r]
     assert again == straight                    # steps 1-2 from the checkpoint's history, 3-4 recomputed

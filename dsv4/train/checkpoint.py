@@ -2,7 +2,9 @@
 
 A checkpoint is a directory `step_XXXXXXXX/` under the run's checkpoint folder holding
 - `model.safetensors`: every parameter and buffer (router biases, hash tables) in their live dtypes;
-- `optimizer.pt`: Muon and AdamW state (weights_only loadable);
+- `optimizer.safetensors`: Muon momentum and AdamW moments by parameter name, full (unsharded) tensors in
+  the single-process layout (`muon/<param>/momentum_buffer`, `adamw/<param>/exp_avg|exp_avg_sq|step`)
+  whatever the number of processes that wrote it (see `optimizer_tensors`);
 - `state.json`: step, data-loader position, metrics history needed to continue, the run's settings;
 - `manifest.json`: SHA-256 of each of the files above.
 It is written into a temporary sibling directory and renamed into place, then `latest` (a one-line
@@ -17,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,7 +27,11 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import UserError
 
-FILES = ("model.safetensors", "optimizer.pt", "state.json")
+FILES = ("model.safetensors", "optimizer.safetensors", "state.json")
+
+# (tensor shaped like parameter p, p) -> the full tensor / (full tensor, p) -> this process's part of it
+Gather = Callable[[torch.Tensor, torch.nn.Parameter], torch.Tensor]
+Scatter = Callable[[torch.Tensor, torch.nn.Parameter], torch.Tensor]
 
 
 class CorruptCheckpoint(UserError):
@@ -61,8 +68,103 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], optim_state: dict, state: dict,
-         keep: int = 2) -> Path:
+def _muon_views(opt, params: dict[str, torch.nn.Parameter]):
+    """(name, parameter, its 2-D Muon views) in MuonAdamW's order (a stacked [E, out, in] tensor has E views)."""
+    views = iter(opt.muon_params)
+    for name in opt.muon_names:
+        p = params[name]
+        n = 1 if p.dim() == 2 else p.shape[:-2].numel()
+        yield name, p, [next(views) for _ in range(n)]
+
+
+_ADAMW_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@torch.no_grad()
+def optimizer_tensors(opt, model: torch.nn.Module, full: Gather | None = None,
+                      keep: bool = True) -> dict[str, torch.Tensor]:
+    """MuonAdamW's state as full CPU tensors keyed by parameter name (the single-process layout).
+
+    `full(t, p)` turns a tensor shaped like parameter p (a sharded or rank-local moment) into the whole
+    tensor; under torch.distributed it is a collective, so every process must call this (in the same
+    order), and `keep=False` drops the gathered tensors on processes that do not write them.
+    State not created yet is stored as zeros (Muon: identical to a fresh buffer) and AdamW step 0 (skipped
+    when loading), so every process gathers the same list of tensors.
+    """
+    full = full or (lambda t, p: t)
+    params = dict(model.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+
+    def put(key: str, t: torch.Tensor, p: torch.nn.Parameter) -> None:
+        t = full(t, p)
+        if keep:
+            out[key] = t.detach().to("cpu", copy=True).contiguous()
+
+    if opt.muon is not None:
+        for name, p, views in _muon_views(opt, params):
+            bufs = [opt.muon.state.get(v, {}).get("momentum_buffer") for v in views]
+            bufs = [torch.zeros_like(v) if b is None else b for b, v in zip(bufs, views)]
+            put(f"muon/{name}/momentum_buffer", bufs[0] if p.dim() == 2 else torch.stack(bufs).reshape(p.shape), p)
+    for name in opt.adamw_names:
+        p = params[name]
+        st = opt.adamw.state.get(p, {})
+        for k in _ADAMW_KEYS:
+            put(f"adamw/{name}/{k}", st[k] if k in st else torch.zeros_like(p), p)
+        if keep:
+            out[f"adamw/{name}/step"] = torch.tensor(float(st.get("step", 0.0)), dtype=torch.float32)
+    return out
+
+
+@torch.no_grad()
+def load_optimizer_tensors(opt, model: torch.nn.Module, tensors: dict[str, torch.Tensor],
+                           local: Scatter | None = None) -> None:
+    """Restore MuonAdamW's state from `optimizer_tensors` output; `local(full, p)` cuts this process's part
+    (no communication). Raises ValueError when the names or shapes do not fit the optimizer."""
+    local = local or (lambda t, p: t)
+    params = dict(model.named_parameters())
+    want = set()
+    if opt.muon is not None:
+        want |= {f"muon/{n}/momentum_buffer" for n in opt.muon_names}
+    want |= {f"adamw/{n}/{k}" for n in opt.adamw_names for k in (*_ADAMW_KEYS, "step")}
+    if set(tensors) != want:
+        raise ValueError(f"optimizer state has {sorted(set(tensors) - want)[:3]} unexpected and "
+                         f"{sorted(want - set(tensors))[:3]} missing entries")
+
+    def part(key: str, p: torch.nn.Parameter, shape: torch.Size) -> torch.Tensor:
+        t = tensors[key]
+        if t.shape != shape:
+            raise ValueError(f"{key}: shape {tuple(t.shape)}, the model's parameter has {tuple(shape)}")
+        return local(t.to(device=p.device, dtype=p.dtype), p)
+
+    def index_of(o: torch.optim.Optimizer) -> dict[int, int]:
+        ps = [q for g in o.param_groups for q in g["params"]]
+        return {id(q): i for i, q in enumerate(ps)}
+
+    if opt.muon is not None:
+        idx, state = index_of(opt.muon), {}
+        for name, p, views in _muon_views(opt, params):
+            full_shape = tensors[f"muon/{name}/momentum_buffer"].shape
+            buf = part(f"muon/{name}/momentum_buffer", p, full_shape)                   # p's layout
+            bufs = [buf] if p.dim() == 2 else list(buf.reshape(-1, *p.shape[-2:]).unbind(0))
+            for v, b in zip(views, bufs, strict=True):
+                state[idx[id(v)]] = {"momentum_buffer": b.clone()}
+        sd = opt.muon.state_dict()
+        opt.muon.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+    idx, state = index_of(opt.adamw), {}
+    for name in opt.adamw_names:
+        p = params[name]
+        step = tensors[f"adamw/{name}/step"]
+        if float(step) == 0:                       # never stepped: leave the state to be created fresh
+            continue
+        state[idx[id(p)]] = {"step": step.float().cpu().clone(),
+                             **{k: part(f"adamw/{name}/{k}", p, tensors[f"adamw/{name}/{k}"].shape).clone()
+                                for k in _ADAMW_KEYS}}
+    sd = opt.adamw.state_dict()
+    opt.adamw.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+
+
+def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], optim_tensors: dict[str, torch.Tensor],
+         state: dict, keep: int = 2) -> Path:
     """Write step_<step>/ atomically and point `latest` at it; keep the newest `keep` checkpoints."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -70,7 +172,7 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], optim_st
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"step": str(step)})
-        torch.save(optim_state, tmp / "optimizer.pt")
+        save_file(optim_tensors, str(tmp / "optimizer.safetensors"), metadata={"step": str(step)})
         (tmp / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
         manifest = {name: _sha256(tmp / name) for name in FILES}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -112,6 +214,9 @@ def verify(ckpt: Path) -> None:
         manifest = json.loads(mf.read_text())
     except json.JSONDecodeError:
         raise CorruptCheckpoint(f"{ckpt}: manifest.json is not valid JSON") from None
+    if "optimizer.pt" in manifest:
+        raise CorruptCheckpoint(f"{ckpt}: written by an earlier version (optimizer.pt), which cannot be "
+                                "resumed")
     for name in FILES:
         f = ckpt / name
         if not f.exists():
@@ -122,12 +227,12 @@ def verify(ckpt: Path) -> None:
 
 
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[Path, dict, dict, dict]:
-    """-> (dir, model tensors, optimizer state, state.json) after verifying every file."""
+    """-> (dir, model tensors, optimizer tensors, state.json) after verifying every file."""
     ckpt = resolve(path)
     verify(ckpt)
     try:
         tensors = load_file(str(ckpt / "model.safetensors"), device=str(map_location))
-        optim = torch.load(ckpt / "optimizer.pt", map_location=map_location, weights_only=True)
+        optim = load_file(str(ckpt / "optimizer.safetensors"), device="cpu")
         state = json.loads((ckpt / "state.json").read_text())
     except Exception as e:  # hash matched but the content is unreadable (e.g. written by another version)
         raise CorruptCheckpoint(f"{ckpt}: cannot read the checkpoint ({e})") from None

@@ -14,8 +14,9 @@ checked again on every call (BUGZOO Z08: a rank cached as 0 made every process s
 
 Entry points: `setup_distributed`, `shard_model` (training), `shard_experts(..., mode="all_reduce")`
 (inference with replicated tokens), `clip_grad_norm_`, `all_reduce_expert_load`, `full_state_dict` /
-`load_full_state_dict`, `unsharded_copy`, and `python -m dsv4.train.distributed --selftest` (parity against a
-single-process replica; runs under torchrun or spawns its own gloo processes).
+`load_full_state_dict`, `full_optimizer_state` / `load_full_optimizer_state` (checkpoints hold both in
+the single-process layout), `unsharded_copy`, and `python -m dsv4.train.distributed --selftest` (parity
+against a single-process replica; runs under torchrun or spawns its own gloo processes).
 """
 
 from __future__ import annotations
@@ -369,26 +370,51 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def local_part(full: torch.Tensor, p: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's part of `full`, a whole tensor shaped like parameter p, in p's form: a DTensor with p's
+    mesh and placements (FSDP), the rank's expert slice (expert parallelism) or `full` itself. No comms."""
+    from torch.distributed.tensor import distribute_tensor
+
+    full = full.to(device=p.device, dtype=p.dtype)
+    if _is_dtensor(p):
+        return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)  # slice, no comms
+    if is_expert_param(p):
+        n_local = p.size(0)
+        lo = _ep_rank(group) * n_local
+        return full[lo:lo + n_local]
+    return full
+
+
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy a full (single-process layout) state dict into a sharded model: each rank takes its shard."""
-    from torch.distributed.tensor import distribute_tensor
-
     params = dict(model.named_parameters())
     group = _ep_group_of(model)
     for name, t in model.state_dict().items():
-        src = state[name]
         p = params.get(name, t)
-        if _is_dtensor(p):
-            local = distribute_tensor(src.to(p.device, p.dtype), p.device_mesh, p.placements,
-                                      src_data_rank=None)                               # slice, no comms
-            p.to_local().copy_(local.to_local())
-        elif is_expert_param(p):
-            n_local = p.size(0)
-            lo = _ep_rank(group) * n_local
-            p.copy_(src[lo:lo + n_local])
-        else:
-            t.copy_(src)
+        part = local_part(state[name], p, group)
+        (p.to_local() if _is_dtensor(p) else p if is_expert_param(p) else t).copy_(
+            part.to_local() if _is_dtensor(part) else part)
+
+
+@torch.no_grad()
+def full_optimizer_state(opt, model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The trainer's MuonAdamW state as full CPU tensors by parameter name (the single-process layout of
+    `checkpoint.optimizer_tensors`): FSDP-sharded moments gathered, expert-parallel momenta concatenated
+    over ranks. A collective (call on all ranks); keep=False returns {} on ranks that do not write it."""
+    from .checkpoint import optimizer_tensors
+
+    group = _ep_group_of(model)
+    return optimizer_tensors(opt, model, full=lambda t, p: _full(t, is_expert_param(p), group), keep=keep)
+
+
+@torch.no_grad()
+def load_full_optimizer_state(opt, model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Inverse of `full_optimizer_state`: every rank takes its shard of each moment. No comms."""
+    from .checkpoint import load_optimizer_tensors
+
+    group = _ep_group_of(model)
+    load_optimizer_tensors(opt, model, tensors, local=lambda t, p: local_part(t, p, group))
 
 
 # ----------------------------------------------------------------------------- parity check

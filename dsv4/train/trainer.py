@@ -375,17 +375,18 @@ class Trainer:
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path | None:
+        # collectives under torch.distributed: every rank gathers, rank 0 writes (the single-process layout)
         if self.dist is not None:
             tensors = {k: v.cpu() for k, v in self.dist.full_state_dict(self.model).items()}
+            optim_tensors = self.dist.full_optimizer_state(self.opt, self.model, keep=self.rank == 0)
         else:
             tensors = checkpoint.model_tensors(self.model)
+            optim_tensors = checkpoint.optimizer_tensors(self.opt, self.model)
         if self.rank != 0:
             return None
         state = {"step": self.step, "loader": self.loader.state_dict(), "train_config": self.cfg.to_dict(),
                  "model_config": self.mcfg.to_dict(), "history": self.history[-1000:]}
-        # optimizer state is saved for single-process runs; a multi-process resume restarts the moments
-        optim_state = self.opt.state_dict() if self.world == 1 else {}
-        return checkpoint.save(self.out / "checkpoints", self.step, tensors, optim_state, state,
+        return checkpoint.save(self.out / "checkpoints", self.step, tensors, optim_tensors, state,
                                keep=self.cfg.keep_checkpoints)
 
     def _resume(self, where: str) -> None:
@@ -401,13 +402,13 @@ class Trainer:
             raise checkpoint.CorruptCheckpoint(f"{ckpt}: tensors do not match the model (missing "
                                                f"{sorted(want - set(tensors))[:3]}, unexpected "
                                                f"{sorted(set(tensors) - want)[:3]})")
-        if self.dist is not None:
-            self.dist.load_full_state_dict(self.model, tensors)
-        else:
-            self.model.load_state_dict(tensors)
         try:
-            if optim_state:
-                self.opt.load_state_dict(optim_state)
+            if self.dist is not None:
+                self.dist.load_full_state_dict(self.model, tensors)
+                self.dist.load_full_optimizer_state(self.opt, self.model, optim_state)
+            else:
+                self.model.load_state_dict(tensors)
+                checkpoint.load_optimizer_tensors(self.opt, self.model, optim_state)
         except (ValueError, KeyError) as e:
             raise checkpoint.CorruptCheckpoint(f"{ckpt}: optimizer state does not fit ({e})") from None
         self.loader.load_state_dict(state["loader"])
