@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,7 +134,91 @@ def test_conformance_tiny_catches_every_applicable_mutant(capsys):
         assert r["status"] in ("caught", "pending")
         if r["status"] == "caught":
             assert r["check"] and r["detail"]
+            assert "backends" in r["results"][r["check"]]                   # what ran under the mutant
     assert all(v["ok"] for v in out["baseline"].values())
+    assert out["device"] == "cpu" and out["model_dtype"] == "float32" and out["backend"] is None
+    assert out["backends"]["poisoned-memory"] == {"moe_experts": ["grouped"]}
+    assert out["backends"]["stage-compare"]["sparse_attention"] == ["reference"]   # the clean run it judged
+    z18 = next(r for r in out["mutants"] if r["id"] == "Z18")
+    assert z18["results"]["determinism"]["backends"]["hc_pre"] == ["mutant_random_order"]
+
+
+def test_conformance_preferred_backend_bf16_model_on_cpu(capsys):
+    """A bf16 check model with one backend preferred everywhere: per-check backends show it ran (in the
+    model too), the mutants' planted backends replace it, a mutant none of whose checks ran is skipped."""
+    prio = ops._REGISTRY["moe_experts"]["grouped"].priority
+    rc = dsv4_main(["check", "conformance", "--device", "cpu", "--dtype", "bf16", "--backend", "grouped",
+                    "--only", "Z01,Z05,Z09,Z18,Z24",
+                    "--checks", "swiglu-limit,poisoned-memory,determinism,static-shapes", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert ops._REGISTRY["moe_experts"]["grouped"].priority == prio               # preference undone
+    assert rc == 0, out
+    assert out["model_dtype"] == "bfloat16" and out["backend"] == "grouped"
+    assert sorted(out["baseline"]) == ["determinism", "poisoned-memory", "static-shapes", "swiglu-limit"]
+    assert out["backends"]["determinism"]["moe_experts"] == ["grouped"]            # inside the model
+    assert out["backends"]["swiglu-limit"] == {"moe_experts": ["grouped"]}
+    status = {r["id"]: r for r in out["mutants"]}
+    assert status["Z01"]["status"] == "skipped" and out["counts"]["skipped"] == 1
+    planted = {"Z05": "mutant_no_clamp", "Z09": "mutant_unmasked", "Z24": "mutant_host_split"}
+    for zid, name in planted.items():
+        r = status[zid]
+        assert r["status"] == "caught", r
+        assert r["results"][r["check"]]["backends"]["moe_experts"] == [name]
+    assert status["Z18"]["status"] == "caught"
+
+
+def test_conformance_skipped_check_is_not_a_pass(monkeypatch):
+    from dsv4.check import zoo
+
+    monkeypatch.setitem(zoo.CHECKS, "fp4-known-bytes", lambda ctx: zoo.skipped("no packed FP4 here"))
+    rep = run_conformance("tiny", ids=["Z01", "Z02"])
+    rows = {r.id: r for r in rep.rows}
+    assert rows["Z01"].status == "skipped" and "no packed FP4 here" in rows["Z01"].detail
+    assert rows["Z02"].status == "caught"
+    assert rep.baseline["fp4-known-bytes"]["skipped"] and rep.counts() == {"skipped": 1, "caught": 1}
+    assert "SKIPPED" in rep.render() and "skipped on cpu: no packed FP4 here" in rep.render()
+
+
+def test_conformance_device_and_backend_errors(capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    base = ["check", "conformance", "--only", "Z05", "--checks", "swiglu-limit"]
+    assert dsv4_main(base + ["--backend", "no-such-backend"]) == 2
+    assert "no op has a backend named 'no-such-backend'" in capsys.readouterr().err
+    assert dsv4_main(base + ["--checks", "no-such-check"]) == 2
+    assert "unknown checks" in capsys.readouterr().err
+    if "triton" in ops.backends("sparse_attention"):
+        assert dsv4_main(base + ["--backend", "triton", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert "backend 'triton' cannot run on cpu" in err and "TRITON_INTERPRET" in err
+    if not torch.cuda.is_available():
+        assert dsv4_main(base + ["--device", "cuda"]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_conformance_triton_backends_on_the_interpreter():
+    """The op-level checks with the Triton backends (CPU interpreter, a fresh process so the kernels are
+    built for it): the report shows Triton ran on the clean code, and every mutant is still caught."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "dsv4", "check", "conformance", "--device", "cpu", "--backend", "triton",
+           "--only", "Z05,Z09,Z12,Z14,Z15,Z19",
+           "--checks", "swiglu-limit,poisoned-memory,indexer-padding,attention-backward-random,lse-contract",
+           "--json"]
+    p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert out["op_dtypes"]["moe_experts"] == "bfloat16" and out["op_dtypes"]["sparse_attention"] == "float32"
+    ran = out["backends"]
+    assert ran["attention-backward-random"] == {"sparse_attention": ["triton"]}
+    assert ran["lse-contract"] == {"sparse_attention": ["triton"]}
+    assert ran["indexer-padding"] == {"indexer_topk": ["triton"]}
+    assert "triton" in ran["swiglu-limit"]["moe_experts"] and "triton" in ran["poisoned-memory"]["moe_experts"]
+    assert all(v["ok"] for v in out["baseline"].values())
+    for r in out["mutants"]:
+        assert r["status"] == "caught", r
+        assert all(b.startswith("mutant_") for bes in r["results"][r["check"]]["backends"].values() for b in bes)
 
 
 def test_conformance_reports_an_escaped_mutant(monkeypatch):

@@ -145,15 +145,15 @@ def preferred_backend(name: str | None, cfg: ModelConfig, device: torch.device) 
     if refused:
         why = "; ".join(f"{op}: {r}" for op, r in refused.items())
         raise ops.BackendUnavailable(f"backend '{name}' cannot run on {device}: {why}")
-    saved = {op: ops._REGISTRY[op][name].priority for op in have}
+    saved = {op: (ops._REGISTRY[op][name].priority, ops._REGISTRY[op][name].prefer) for op in have}
     try:
         for op in have:
-            ops._REGISTRY[op][name].priority = 1_000
+            ops._REGISTRY[op][name].priority, ops._REGISTRY[op][name].prefer = 1_000, None
         yield
     finally:
-        for op, p in saved.items():
+        for op, (priority, prefer) in saved.items():
             if name in ops._REGISTRY.get(op, {}):
-                ops._REGISTRY[op][name].priority = p
+                ops._REGISTRY[op][name].priority, ops._REGISTRY[op][name].prefer = priority, prefer
 
 
 # slow checks (a torch.compile with autograd): run with full=True (`--full`)
