@@ -88,14 +88,14 @@ def attention_inputs(kind: str, b: int = 1, s: int = 24, h: int = 4, d: int = 12
     sink = torch.randn(h, generator=gen) * 0.5
     idx = window_idx(s, window, b)
     if n_comp:
-        comp = torch.randn(b, n_comp, d, generator=gen)
+        comp = torch.randn(b, n_comp, d, generator=gen).to(kv.device)      # roped kv lives where the stages do
         kv = torch.cat([kv, comp], 1)
         cidx = (torch.arange(n_comp) + s).view(1, 1, -1).expand(b, s, -1)
         idx = torch.cat([idx, cidx], -1)
     if kind == "padding":
         idx = idx.clone()
         idx[:, ::2] = -1
-    dev = device or "cpu"
+    dev = device or q.device
     return {"q": q.to(dev, dtype), "kv": kv.to(dev, dtype), "sink": sink.to(dev), "idx": idx.to(dev),
             "scale": d ** -0.5}
 
