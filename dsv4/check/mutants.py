@@ -4,6 +4,11 @@ Injection points: an ops backend registered for the duration of a `with` block a
 `ops.use_backend` (a buggy primitive), an attribute patched on a model instance or a module (restored on
 exit), a compiler backend handed to `torch.compile`. `plant(mutant, ctx)` is a context manager; the
 checks in `dsv4.check.zoo` run inside it and must fail, and pass outside it.
+
+On any device: a planted backend is requested explicitly, so it replaces the device's fast backend (on
+CUDA the checks then exercise the planted bug, not the Triton kernel; the clean code's run of the same
+check is what exercises Triton) and builds its tensors on its inputs' device. The report lists, per check
+and per mutant, the backends that ran.
 """
 
 from __future__ import annotations
