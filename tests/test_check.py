@@ -135,6 +135,7 @@ def test_conformance_tiny_catches_every_applicable_mutant(capsys):
         if r["status"] == "caught":
             assert r["check"] and r["detail"]
             assert "backends" in r["results"][r["check"]]                   # what ran under the mutant
+            assert not r["by_exception"], r                                 # caught by the check, not a crash
     assert all(v["ok"] for v in out["baseline"].values())
     assert out["device"] == "cpu" and out["model_dtype"] == "float32" and out["backend"] is None
     assert out["backends"]["poisoned-memory"] == {"moe_experts": ["grouped"]}
@@ -217,7 +218,7 @@ def test_conformance_triton_backends_on_the_interpreter():
     assert "triton" in ran["swiglu-limit"]["moe_experts"] and "triton" in ran["poisoned-memory"]["moe_experts"]
     assert all(v["ok"] for v in out["baseline"].values())
     for r in out["mutants"]:
-        assert r["status"] == "caught", r
+        assert r["status"] == "caught" and not r["by_exception"], r
         assert all(b.startswith("mutant_") for bes in r["results"][r["check"]]["backends"].values() for b in bes)
 
 

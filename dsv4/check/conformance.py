@@ -41,6 +41,7 @@ class Row:
     error: float | None = None                # its measured number
     detail: str = ""
     results: dict[str, dict] = field(default_factory=dict)
+    by_exception: bool = False                # caught because its check raised (read the detail)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -96,6 +97,8 @@ class ConformanceReport:
             lines.append(f"  {r.id}  {r.status:<8} {what:<30} {err:>10}  {r.title}")
             if r.status in ("caught", "escaped", "error", "skipped") and r.detail:
                 lines.append(f"        {r.detail}")
+            if r.by_exception:
+                lines.append("        (caught by an exception: make sure it is the planted bug that raised)")
             if r.check and r.check in r.results:
                 lines.append(f"        ran: {describe_implementations(r.results[r.check].get('backends', {}))}")
         c = self.counts()
@@ -227,6 +230,7 @@ def _mutant_row(m: Mutant, checks: list[str], ctx: Context, baseline: dict[str, 
                 row.results[c] = res.__dict__
                 if not res.ok and row.check is None:
                     row.status, row.check, row.error, row.detail = "caught", c, res.error, res.detail
+                    row.by_exception = res.detail.startswith("raised ")
     except Exception as e:                                                       # noqa: BLE001
         row.status, row.detail = "error", f"planting failed: {type(e).__name__}: {e}"
     finally:
