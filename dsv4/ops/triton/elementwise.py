@@ -192,7 +192,7 @@ _pool_k = Kernel(_pool_kernel)
 
 def _launch_opts() -> dict:
     """Compiled kernels link libdevice without flush-to-zero, like nvcc's (and torch's) log2f / expf."""
-    return {} if interpret_mode() else {"enable_reflect_ftz": False}
+    return {} if interpret_mode() or torch.version.hip else {"enable_reflect_ftz": False}
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
