@@ -11,8 +11,9 @@ holding a NaN or an infinity becomes all NaN, as in the reference (there `0 * in
 
 `hadamard`: an in-register fast Walsh-Hadamard transform (log2 n butterfly stages) of BR rows, then the
 same fp32 factor `n^-0.5`; summation order differs from a matmul, so results agree with the reference to
-fp32 rounding (a few ulp), or bit-for-bit up to float64 rounding under `exact_accumulation()`, where
-the kernel adds in float64 like the reference.
+fp32 rounding (a few ulp). Under `exact_accumulation()` the kernel adds in float64 like the reference and
+rounds once (to odd first for a bf16 / fp16 output), which matches it bit for bit whenever the float64
+sums are exact (+-1-weighted fp32 values spanning fewer than ~22 binades).
 
 `compress_pool`: one program per (group, channel tile) holds all slots of the tile: max, exp, sum,
 weights and the weighted sum in registers; the backward recomputes the softmax (nothing but the inputs is
