@@ -317,6 +317,49 @@ def parity_quant(device, rows: list) -> None:
                  "ran": ops.last_backend("fp4_linear")})
 
 
+def parity_elementwise(device, rows: list) -> None:
+    """Round trips (bit-identical expected), Hadamard and compressor pooling (fp32 rounding) vs the
+    reference at the model's shapes, on random inputs spread over many binades plus all-zero blocks."""
+    from ..ops import reference as ref
+
+    g = torch.Generator(device=device).manual_seed(3)
+    t = 2048 if device.type == "cuda" else 16
+
+    def spread(*shape, dtype=torch.bfloat16):
+        x = torch.randn(*shape, device=device, generator=g)
+        x = x * torch.exp2(torch.randint(-40, 40, shape[:-1] + (1,), device=device, generator=g).float())
+        x[..., :64] = 0.0                                                     # an all-zero block per row
+        return x.to(dtype)
+
+    cases = [("fp8_round_trip", (spread(t, 512)[:, :448], 64)), ("fp4_round_trip", (spread(t, 64, 128), 32)),
+             ("fp8_round_trip", (spread(t, 448, dtype=torch.float32), 64)),
+             ("hadamard", (spread(t, 64, 128),)),
+             ("compress_pool", (torch.randn(t // 4, 8, 512, device=device, generator=g),
+                                torch.randn(t // 4, 8, 512, device=device, generator=g) * 4))]
+    for op, args in cases:
+        want = getattr(ref, op)(*args)
+        got = ops.call(op, *args, backend="triton")
+        rows.append({"parity": op, "backend": "triton", "dtype": str(args[0].dtype).replace("torch.", ""),
+                     "shape": list(args[0].shape), "bit_identical": bool(torch.equal(got, want)),
+                     "rel": _rel64(got, want), "ran": ops.last_backend(op)})
+
+
+def bench_elementwise(args, device, limits: dict, rows: list) -> None:
+    """The quantization round trips, Hadamard and compressor pooling at prefill (4x4096 tokens) and decode
+    (1 token) shapes: triton vs the reference (bytes = input read + output written)."""
+    from ..ops.triton.elementwise import elementwise_cases
+
+    for name, op, make in elementwise_cases(device):
+        for phase, s in (("prefill", 4096), ("decode", 1)):
+            a = make(s)
+            out = ops.call(op, *a, backend="reference")
+            nbytes = out.numel() * out.element_size() + sum(
+                x.numel() * x.element_size() for x in a if isinstance(x, torch.Tensor))
+            for be in ("reference", "triton"):
+                ms = _time_ms(lambda be=be, a=a, op=op: ops.call(op, *a, backend=be))
+                _row(rows, op, be, f"{name} {phase} b=4 s={s}", ms, limits, nbytes=nbytes)
+
+
 class _Stream(list):
     def append(self, row: dict) -> None:
         super().append(row)
@@ -340,6 +383,9 @@ def run_ops_bench(args: argparse.Namespace) -> int:
         parity_moe(device, rows)
         parity_mhc(device, rows)
         parity_quant(device, rows)
+        parity_elementwise(device, rows)
+    if "elementwise" in parts:
+        bench_elementwise(args, device, limits, rows)
     if "moe" in parts:
         bench_moe(args, device, limits, rows)
     if "mhc" in parts:
@@ -389,7 +435,7 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quant-tokens", type=int, default=4096)
     p.add_argument("--quant-shapes", type=_shape, nargs="+", default=[(4096, 4096), (2048, 7168)],
                    help="weight shapes NxK")
-    p.add_argument("--only", default="", help="comma list: moe,mhc,quant,parity")
+    p.add_argument("--only", default="", help="comma list: moe,mhc,quant,elementwise,parity")
     p.add_argument("--parity", action="store_true",
                    help="first check fwd+bwd parity vs the references at real shapes (poisoned memory, "
                         "bitwise repeats, host syncs)")

@@ -22,6 +22,8 @@ saved). fp32 within a few ulp of the reference (exp is libdevice `expf`, as in t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -409,37 +411,25 @@ register("hadamard", "triton", triton_hadamard, can_run=_hadamard_can_run, deter
 register("compress_pool", "triton", triton_compress_pool, can_run=_pool_can_run, deterministic=True, priority=10)
 
 __all__ = ["triton_fp8_round_trip", "triton_fp4_round_trip", "triton_hadamard", "triton_compress_pool",
-           "bench_elementwise"]
+           "elementwise_cases"]
 
 
-def bench_elementwise(device: str = "cuda", batch: int = 4, tokens: int = 4096) -> dict[str, dict[str, float]]:
-    """Median milliseconds of each op, reference vs triton, at the model's shapes (prefill and decode)."""
-    from triton.testing import do_bench
-
-    from .. import reference as ref
+def elementwise_cases(device: torch.device | str, batch: int = 4) -> list[tuple[str, str, Callable]]:
+    """(case name, op, make(tokens) -> args) at the model's shapes, for `dsv4 bench ops --only elementwise`."""
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def rnd(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device=dev, generator=gen).to(dtype)
 
-    cases = {
-        "fp8_round_trip[kv 448 of 512]": (ref.fp8_round_trip, triton_fp8_round_trip,
-                                          lambda s: (rnd(batch, s, 512)[..., :448], 64)),
-        "fp4_round_trip[indexer q]": (ref.fp4_round_trip, triton_fp4_round_trip,
-                                      lambda s: (rnd(batch, s, 64, 128), 32)),
-        "hadamard[indexer q]": (ref.hadamard, triton_hadamard, lambda s: (rnd(batch, s, 64, 128),)),
-        "compress_pool[r4 overlap]": (ref.compress_pool, triton_compress_pool,
-                                      lambda s: (rnd(batch, max(1, s // 4), 8, 512, dtype=torch.float32),
-                                                 rnd(batch, max(1, s // 4), 8, 512, dtype=torch.float32))),
-        "compress_pool[r128]": (ref.compress_pool, triton_compress_pool,
-                                lambda s: (rnd(batch, max(1, s // 128), 128, 512, dtype=torch.float32),
-                                           rnd(batch, max(1, s // 128), 128, 512, dtype=torch.float32))),
-    }
-    res: dict[str, dict[str, float]] = {}
-    for name, (ref_fn, tri_fn, make) in cases.items():
-        for phase, s in (("prefill", tokens), ("decode", 1)):
-            args = make(s)
-            res[f"{name} {phase}"] = {"reference_ms": do_bench(lambda f=ref_fn, a=args: f(*a)),
-                                      "triton_ms": do_bench(lambda f=tri_fn, a=args: f(*a))}
-    return res
+    return [
+        ("kv 448 of 512", "fp8_round_trip", lambda s: (rnd(batch, s, 512)[..., :448], 64)),
+        ("indexer q", "fp4_round_trip", lambda s: (rnd(batch, s, 64, 128), 32)),
+        ("indexer q", "hadamard", lambda s: (rnd(batch, s, 64, 128),)),
+        ("ratio 4, overlapping", "compress_pool",
+         lambda s: (rnd(batch, max(1, s // 4), 8, 512, dtype=torch.float32),
+                    rnd(batch, max(1, s // 4), 8, 512, dtype=torch.float32))),
+        ("ratio 128", "compress_pool",
+         lambda s: (rnd(batch, max(1, s // 128), 128, 512, dtype=torch.float32),
+                    rnd(batch, max(1, s // 128), 128, 512, dtype=torch.float32))),
+    ]
