@@ -213,6 +213,7 @@ def test_conformance_triton_backends_on_the_interpreter():
     assert out["op_dtypes"]["moe_experts"] == "bfloat16" and out["op_dtypes"]["sparse_attention"] == "float32"
     ran = out["backends"]
     assert ran["attention-backward-random"] == {"sparse_attention": ["triton"]}
+    assert "(float32, bfloat16)" in out["baseline"]["attention-backward-random"]["detail"]   # the model's dtype too
     assert ran["lse-contract"] == {"sparse_attention": ["triton"]}
     assert ran["indexer-padding"] == {"indexer_topk": ["triton"]}
     assert "triton" in ran["swiglu-limit"]["moe_experts"] and "triton" in ran["poisoned-memory"]["moe_experts"]

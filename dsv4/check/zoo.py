@@ -285,29 +285,34 @@ def _attention_fwd_bwd(inp: dict, fn: Callable) -> tuple[torch.Tensor, ...]:
 
 
 def _attention_backward(ctx: Context, kinds: list[str]) -> CheckResult:
+    """Forward and backward vs the reference's autograd (fp32, same device) on each kind of inputs, in
+    the op-level dtype and, when the model runs another one (bf16 on CUDA), in that one too."""
     worst, stages = 0.0, None
-    dtype = ctx.dtype("sparse_attention")
-    tol = tolerance(dtype, 1e-4)
-    for kind in kinds:
-        for n_comp in (0, 4):                                                    # window-only and with compressed
-            if kind == "roped":
-                stages = stages or ctx.clean
-                inp = attention_inputs("roped", stages={k: v for k, v in stages.items()
-                                                        if k.startswith("layers.0.")}, window=ctx.cfg.window_size,
-                                       device=ctx.device, dtype=dtype)
-                if n_comp:
-                    continue
-            else:
-                inp = attention_inputs(kind, n_comp=n_comp, seed=ctx.seed, device=ctx.device, dtype=dtype)
-            got = _attention_fwd_bwd(inp, ops.sparse_attention)
-            want = _attention_fwd_bwd(upcast(inp), ref.sparse_attention)
-            for name, g, w in zip(("o", "dq", "dkv", "dsink"), got, want):
-                err = rel_err(g, w) if w is not None and g is not None else (0.0 if g is w else math.inf)
-                worst = max(worst, err)
-                if err > tol:
-                    where = "window-only" if not n_comp else f"{n_comp} compressed keys"
-                    return CheckResult(False, err, f"{name} on {kind} inputs ({where}) vs reference autograd")
-    return CheckResult(True, worst, f"forward and backward match on {', '.join(kinds)} inputs")
+    dtypes = list(dict.fromkeys([ctx.dtype("sparse_attention"), ctx.model_dtype]))
+    for dtype in dtypes:
+        tol = tolerance(dtype, 1e-4)
+        for kind in kinds:
+            for n_comp in (0, 4):                                                # window-only and with compressed
+                if kind == "roped":
+                    if n_comp:
+                        continue
+                    stages = stages or ctx.clean
+                    inp = attention_inputs("roped", stages={k: v for k, v in stages.items()
+                                                            if k.startswith("layers.0.")},
+                                           window=ctx.cfg.window_size, device=ctx.device, dtype=dtype)
+                else:
+                    inp = attention_inputs(kind, n_comp=n_comp, seed=ctx.seed, device=ctx.device, dtype=dtype)
+                got = _attention_fwd_bwd(inp, ops.sparse_attention)
+                want = _attention_fwd_bwd(upcast(inp), ref.sparse_attention)
+                for name, g, w in zip(("o", "dq", "dkv", "dsink"), got, want):
+                    err = rel_err(g, w) if w is not None and g is not None else (0.0 if g is w else math.inf)
+                    worst = max(worst, err)
+                    if err > tol:
+                        where = "window-only" if not n_comp else f"{n_comp} compressed keys"
+                        return CheckResult(False, err, f"{name} on {kind} {dtype} inputs ({where}) vs reference "
+                                                        "autograd")
+    names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+    return CheckResult(True, worst, f"forward and backward match on {', '.join(kinds)} inputs ({names})")
 
 
 def attention_backward_random(ctx: Context) -> CheckResult:
