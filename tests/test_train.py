@@ -183,25 +183,35 @@ def test_muon_gets_exactly_the_hidden_matrices():
 
 
 def test_stacked_experts_orthogonalized_per_expert():
-    """Muon on the stacked [E, out, in] experts == Muon on each expert as a separate matrix."""
+    """Muon on the stacked [E, out, in] experts (one batched step) == torch's Muon on each expert as a
+    separate matrix, over several steps (momentum), and after the state went through a checkpoint."""
     m = micro_model()
     w = m.layers[1].ffn.experts.w1
-    opt = optim.MuonAdamW(m, optim.OptimConfig(lr=0.02, weight_decay=0.0))
-    torch.manual_seed(4)
-    grad = torch.randn_like(w)
+    opt = optim.MuonAdamW(m, optim.OptimConfig(lr=0.02, weight_decay=0.1))
     ref = [torch.nn.Parameter(w.detach()[e].clone()) for e in range(w.size(0))]
-    ref_opt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
-    for p in m.parameters():
-        p.grad = torch.zeros_like(p)
-    w.grad = grad.clone()
+    ref_opt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    views = next(vs for p, vs in opt._stacked if p is w)
+    torch.manual_seed(4)
+    for step in range(3):
+        grad = torch.randn_like(w)
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+        w.grad = grad.clone()
+        for e, r in enumerate(ref):
+            r.grad = grad[e].clone()
+        before = w.detach().clone()
+        opt.step()
+        ref_opt.step()
+        assert not torch.equal(before, w.detach())
+        for e, r in enumerate(ref):
+            torch.testing.assert_close(w.detach()[e], r.detach(), rtol=1e-5, atol=1e-6)
+        if step == 1:                          # momentum restored as separate tensors, as a resume does
+            opt.load_state_dict(opt.state_dict())
+            for v in views:
+                opt.muon.state[v]["momentum_buffer"] = opt.muon.state[v]["momentum_buffer"].clone()
+    bufs = [opt.muon.state[v]["momentum_buffer"] for v in views]
     for e, r in enumerate(ref):
-        r.grad = grad[e].clone()
-    before = w.detach().clone()
-    opt.step()
-    ref_opt.step()
-    assert not torch.equal(before, w.detach())
-    for e, r in enumerate(ref):
-        torch.testing.assert_close(w.detach()[e], r.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(bufs[e], ref_opt.state[r]["momentum_buffer"], rtol=1e-6, atol=1e-7)
 
 
 def test_schedules_and_orthogonalization_metric():

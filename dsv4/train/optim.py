@@ -3,8 +3,12 @@
 Muon (`torch.optim.Muon`, Newton-Schulz coefficients (3.4445, -4.7750, 2.0315), 5 steps) takes the
 2-D projections of attention, compressors, indexer, router, shared experts and MTP projections, and the
 routed experts. The experts are stacked `[E, out, in]`; torch's Muon accepts 2-D matrices only, so each
-expert is handed to Muon as its own 2-D parameter that *aliases* its slice of the stacked tensor
-(momentum and orthogonalization per expert, exactly as if the experts were separate matrices).
+expert is registered with Muon as its own 2-D parameter that *aliases* its slice of the stacked tensor
+(momentum and orthogonalization per expert, exactly as if the experts were separate matrices). The
+stacked tensors are then stepped together by `stacked_muon_step`, torch's Muon update written over a batch
+of matrices (one batched Newton-Schulz for all E experts instead of E separate ones: a layer of 32 experts
+x 3 projections is ~20 launches instead of ~2000); their momentum buffers are slices of one stacked buffer,
+kept in Muon's own state under each expert's 2-D parameter.
 AdamW takes the embedding, the output head, RMSNorm weights, biases, attention sinks, compressor `ape`,
 every mHC parameter (`hc_*`) and any other 1-D tensor.
 
@@ -94,22 +98,34 @@ class MuonAdamW:
                 g["lr"] = g["base_lr"] * factor
         return self.cfg.lr * factor
 
-    def _share_grads(self) -> None:
-        for p, vs in self._stacked:
-            g = p.grad
-            if g is None:
-                for v in vs:
-                    v.grad = None
-                continue
-            g = g.reshape(-1, *p.shape[-2:])
-            for i, v in enumerate(vs):
-                v.grad = g[i]
+    def _stacked_buffer(self, p: nn.Parameter, views: list[nn.Parameter]) -> torch.Tensor:
+        """The [E, out, in] momentum buffer of stacked p; Muon's state holds its per-expert slices."""
+        state = self.muon.state
+        bufs = [state[v].get("momentum_buffer") if v in state else None for v in views]
+        stacked = getattr(p, "_muon_stacked_buffer", None)
+        if stacked is not None and all(b is not None and b.data_ptr() == stacked[i].data_ptr()
+                                       for i, b in enumerate(bufs)):
+            return stacked
+        # first step, or state loaded from a checkpoint as separate tensors: (re)build one stacked buffer
+        stacked = torch.stack([torch.zeros_like(v) if b is None else b for b, v in zip(bufs, views)])
+        for i, v in enumerate(views):
+            state[v]["momentum_buffer"] = stacked[i]
+        p._muon_stacked_buffer = stacked
+        return stacked
 
     @torch.no_grad()
     def step(self) -> None:
-        self._share_grads()
+        for _, views in self._stacked:         # stepped below, batched: torch's Muon skips grad-less views
+            for v in views:
+                v.grad = None
         for o in self.optimizers:
             o.step()
+        if self.muon is not None:
+            group = self.muon.param_groups[0]
+            for p, views in self._stacked:
+                if p.grad is not None:
+                    stacked_muon_step(p.data.view(-1, *p.shape[-2:]), p.grad.reshape(-1, *p.shape[-2:]),
+                                      self._stacked_buffer(p, views), group)
 
     def zero_grad(self) -> None:
         for o in self.optimizers:
@@ -142,6 +158,41 @@ def _make_muon(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Opti
         return torch.optim.Muon(params, adjust_lr_fn="match_rms_adamw", **kw)
     except TypeError:  # older torch without adjust_lr_fn: Keller's original scaling
         return torch.optim.Muon(params, **kw)
+
+
+def _adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """torch.optim.Muon's learning-rate adjustment for one [rows, cols] matrix."""
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    return lr
+
+
+@torch.no_grad()
+def batched_newton_schulz(g: torch.Tensor, coeffs, steps: int, eps: float) -> torch.Tensor:
+    """torch.optim.Muon's bf16 quintic Newton-Schulz on each matrix of g [E, m, n] at once."""
+    a, b, c = coeffs
+    x = g.bfloat16()
+    wide = g.size(-2) > g.size(-1)
+    if wide:
+        x = x.mT
+    x = x / x.float().norm(dim=(-2, -1), keepdim=True).bfloat16().clamp(min=eps)   # spectral norm <= 1
+    for _ in range(steps):
+        gram = x @ x.mT                                                                  # [E, m, m]
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if wide else x
+
+
+@torch.no_grad()
+def stacked_muon_step(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
+    """torch.optim.Muon's update applied to each matrix of w [E, out, in] (momentum buf [E, out, in])."""
+    lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+    buf.lerp_(grad, 1 - momentum)
+    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+    update = batched_newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    w.mul_(1 - lr * wd)
+    w.add_(update.to(w.dtype), alpha=-_adjust_lr(lr, group.get("adjust_lr_fn"), w.size(-2), w.size(-1)))
 
 
 # ------------------------------------------------------------------------------------------ schedule
