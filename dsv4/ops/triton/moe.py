@@ -1,7 +1,9 @@
 """Triton grouped GEMM for the routed experts (`moe_experts` backend "triton").
 
-All local experts run in one launch per projection. Slots are sorted by expert on the device
-(`dsv4.ops.torch_native.moe_plan`); a tile table, also built on the device, maps each program to
+All local experts run in one launch per projection. Slots are sorted by expert on the device by a
+counting sort in two launches (`triton_moe_plan`: per-chunk bucket counts, then prefix sums and a stable
+scatter; the same plan as `dsv4.ops.torch_native.moe_plan`, bit for bit, without its ~20 sort and
+index launches); the second launch also writes the tile table that maps each GEMM program to
 (expert, first row), so no routing count ever reaches the host. The grid is sized for the worst case
 (ceil(T*k / BM) + E + 1 row tiles); surplus programs exit at once. Slots of experts owned by other ranks
 form a last bucket whose rows the kernel writes as zeros, so no output row is left uninitialised
@@ -21,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import register
-from ..torch_native import clamped_swiglu, combine_rows, gather_rows, mask_rows, moe_plan
+from ..torch_native import MoEPlan, clamped_swiglu, combine_rows, gather_rows, mask_rows
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason
 from ._mm_utils import launch as _launch
@@ -136,17 +138,11 @@ _wgrad_tuned = triton.autotune(_WGRAD_CONFIGS, key=["N", "K"])(_gmm_wgrad_kernel
 
 # ----------------------------------------------------------------------------- tile table (device side)
 @triton.jit
-def _tile_table_kernel(ends_ptr, group_ptr, row_ptr, end_ptr, n_rows, n_groups, n_tiles,
-                       BM: tl.constexpr, GP: tl.constexpr, TB: tl.constexpr):
-    """Tile t -> (group, first row, group end): groups 0..E-1 are the local experts, E the foreign bucket."""
-    gs = tl.arange(0, GP)
-    end_g = tl.load(ends_ptr + gs, mask=gs < n_groups, other=n_rows)                   # bucket E ends at M
-    start_g = tl.load(ends_ptr + gs - 1, mask=(gs >= 1) & (gs <= n_groups), other=0)
-    start_g = tl.where(gs > n_groups, n_rows, start_g)                                 # padding: no rows
+def _store_tiles(group_ptr, row_ptr, end_ptr, ts, gs, start_g, end_g, n_groups, n_tiles, BM: tl.constexpr):
+    """Tiles ts -> (group, first row, group end), given each group's rows [start_g, end_g)."""
     tiles_g = (end_g - start_g + BM - 1) // BM
     cum = tl.cumsum(tiles_g, 0)
     first = cum - tiles_g
-    ts = tl.program_id(0) * TB + tl.arange(0, TB)
     hit = (ts[:, None] >= first[None, :]) & (ts[:, None] < cum[None, :])               # [TB, GP] one-hot
     found = tl.sum(hit.to(tl.int32), 1) > 0
     g = tl.sum(tl.where(hit, gs[None, :], 0), 1)
@@ -158,26 +154,161 @@ def _tile_table_kernel(ends_ptr, group_ptr, row_ptr, end_ptr, n_rows, n_groups, 
     tl.store(end_ptr + ts, tl.where(found, end, 0), mask=tmask)
 
 
+@triton.jit
+def _tile_table_kernel(ends_ptr, group_ptr, row_ptr, end_ptr, n_rows, n_groups, n_tiles,
+                       BM: tl.constexpr, GP: tl.constexpr, TB: tl.constexpr):
+    """Tile t -> (group, first row, group end): groups 0..E-1 are the local experts, E the foreign bucket."""
+    gs = tl.arange(0, GP)
+    end_g = tl.load(ends_ptr + gs, mask=gs < n_groups, other=n_rows)                   # bucket E ends at M
+    start_g = tl.load(ends_ptr + gs - 1, mask=(gs >= 1) & (gs <= n_groups), other=0)
+    start_g = tl.where(gs > n_groups, n_rows, start_g)                                 # padding: no rows
+    ts = tl.program_id(0) * TB + tl.arange(0, TB)
+    _store_tiles(group_ptr, row_ptr, end_ptr, ts, gs, start_g, end_g, n_groups, n_tiles, BM)
+
+
+_TILE_TB = 32         # tiles per block of the table
+
+
 class _Tiles:
     """Row tiles of BM rows per group (local experts, then the foreign bucket), built on the device in
-    one launch: no routing count reaches the host."""
+    one launch (or by the routing plan's last kernel, which passes `table`): no routing count reaches
+    the host."""
 
-    def __init__(self, ends: torch.Tensor, n_rows: int, bm: int):
+    def __init__(self, ends: torch.Tensor, n_rows: int, bm: int, table: torch.Tensor | None = None):
         e = ends.numel()
         self.ends = ends.to(torch.int32).contiguous()
-        self.n_tiles = triton.cdiv(n_rows, bm) + e + 1                           # upper bound, static
-        table = torch.empty(3, self.n_tiles, dtype=torch.int32, device=ends.device)
+        self.n_tiles = _n_tiles(n_rows, bm, e)
+        if table is None:
+            table = torch.empty(3, self.n_tiles, dtype=torch.int32, device=ends.device)
+            _launch(_tile_table_kernel, (triton.cdiv(self.n_tiles, _TILE_TB),),
+                    self.ends, table[0], table[1], table[2], n_rows, e, self.n_tiles,
+                    BM=bm, GP=triton.next_power_of_2(e + 2), TB=_TILE_TB)
         self.group, self.row, self.end = table[0], table[1], table[2]
-        tb = 32
-        _launch(_tile_table_kernel, (triton.cdiv(self.n_tiles, tb),),
-            self.ends, self.group, self.row, self.end, n_rows, e, self.n_tiles,
-            BM=bm, GP=triton.next_power_of_2(e + 2), TB=tb)
         self.n_groups = e
         self.bm = bm
 
     @property
     def starts(self) -> torch.Tensor:
         return torch.cat([self.ends.new_zeros(1), self.ends[:-1]])
+
+
+def _n_tiles(n_rows: int, bm: int, n_groups: int) -> int:
+    return triton.cdiv(n_rows, bm) + n_groups + 1                               # upper bound, static
+
+
+# ----------------------------------------------------------------------------- routing plan (device side)
+@triton.jit
+def _slot_keys(idx_ptr, slots, smask, n_local, expert_offset):
+    """Bucket of each slot: its local expert, or n_local for experts of other ranks (and padding)."""
+    local = tl.load(idx_ptr + slots, mask=smask, other=-1).to(tl.int64) - expert_offset
+    valid = (local >= 0) & (local < n_local) & smask
+    return tl.where(valid, local, n_local).to(tl.int32), valid
+
+
+@triton.jit
+def _plan_count_kernel(idx_ptr, counts_ptr, n_slots, n_local, expert_offset,
+                       CH: tl.constexpr, S: tl.constexpr, EP: tl.constexpr):
+    """counts[c, b] = number of slots of chunk c (CH slots) in bucket b (E + 1 buckets, padded to EP)."""
+    c = tl.program_id(0)
+    hist = tl.zeros((EP,), dtype=tl.int32)
+    for s0 in range(0, CH, S):
+        slots = c * CH + s0 + tl.arange(0, S)
+        smask = slots < n_slots
+        key, _ = _slot_keys(idx_ptr, slots, smask, n_local, expert_offset)
+        hist += tl.histogram(key, EP, mask=smask)
+    tl.store(counts_ptr + c * EP + tl.arange(0, EP), hist)
+
+
+@triton.jit
+def _plan_scatter_kernel(idx_ptr, w_ptr, counts_ptr, next_ptr, order_ptr, token_ptr, valid_ptr,
+                         weight_ptr, ends_ptr, group_ptr, row_ptr, tend_ptr,
+                         n_slots, n_chunks, n_local, expert_offset, topk, n_tiles,
+                         CH: tl.constexpr, S: tl.constexpr, EP: tl.constexpr, CT: tl.constexpr,
+                         TILES: tl.constexpr, BM: tl.constexpr, TB: tl.constexpr):
+    """Stable counting sort: chunk c writes its slots at base[b] + (slots of b in chunks < c) + rank.
+    TILES: the chunks also write the grouped GEMM's tile table (blocks c, c + n_chunks, ...)."""
+    c = tl.program_id(0)
+    bs = tl.arange(0, EP)
+    total = tl.zeros((EP,), dtype=tl.int32)
+    before = tl.zeros((EP,), dtype=tl.int32)
+    for c0 in range(0, n_chunks, CT):
+        rows = c0 + tl.arange(0, CT)
+        tile = tl.load(counts_ptr + rows[:, None] * EP + bs[None, :], mask=(rows < n_chunks)[:, None],
+                       other=0)                                                        # [CT, EP]
+        total += tl.sum(tile, 0)
+        before += tl.sum(tl.where((rows < c)[:, None], tile, 0), 0)
+    incl = tl.cumsum(total, 0)                                                         # [EP]
+    if c == 0:
+        tl.store(ends_ptr + bs, incl, mask=bs < n_local)
+    if TILES:  # bucket b holds rows [incl - total, incl); padding buckets are empty
+        for t0 in range(c * TB, n_tiles, n_chunks * TB):
+            _store_tiles(group_ptr, row_ptr, tend_ptr, t0 + tl.arange(0, TB), bs, incl - total, incl,
+                         n_local, n_tiles, BM)
+    # next[c, b]: the sorted position the chunk's next slot of bucket b goes to
+    nxt = next_ptr + c * EP
+    tl.store(nxt + bs, incl - total + before)
+    tl.debug_barrier()
+    ii = tl.arange(0, S)
+    earlier = ii[None, :] < ii[:, None]                                                # [S, S]: j < i
+    for s0 in range(0, CH, S):
+        slots = c * CH + s0 + ii
+        smask = slots < n_slots
+        key, valid = _slot_keys(idx_ptr, slots, smask, n_local, expert_offset)
+        same = (key[:, None] == key[None, :]) & smask[None, :]                         # [S, S]
+        rank = tl.sum((same & earlier).to(tl.int32), 1)                                # stable, in slot order
+        count = tl.sum(same.to(tl.int32), 1)
+        pos = tl.load(nxt + key, mask=smask, other=0) + rank
+        tl.debug_barrier()                                # every lane has read next[] before it moves on
+        tl.store(nxt + key, pos + 1, mask=smask & (rank == count - 1))
+        tl.store(order_ptr + pos, slots.to(tl.int64), mask=smask)
+        tl.store(token_ptr + pos, (slots // topk).to(tl.int64), mask=smask)
+        tl.store(valid_ptr + pos, valid.to(tl.uint8), mask=smask)
+        w = tl.load(w_ptr + slots, mask=smask, other=0.0).to(tl.float32)
+        tl.store(weight_ptr + pos, w, mask=smask)
+        tl.debug_barrier()
+
+
+_PLAN_S = 64          # slots ranked at once ([S, S] comparisons)
+_PLAN_CT = 8192       # elements of one [chunks, buckets] tile of counts read back
+
+
+def triton_moe_plan(weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_offset: int) -> MoEPlan:
+    """`moe_plan` as a counting sort in two launches: per-chunk bucket counts, then prefix sums and a
+    stable scatter. Same plan bit for bit; every buffer has T*k entries and nothing reaches the host."""
+    return _plan_and_tiles(weights, indices, n_local, expert_offset, None)[0]
+
+
+def _plan_and_tiles(weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_offset: int,
+                    bm: int | None) -> tuple[MoEPlan, _Tiles | None]:
+    """The plan, plus (bm given) the tile table of BM-row tiles, written by the same two launches."""
+    t, k = indices.shape
+    n = t * k
+    dev = indices.device
+    idx = indices.contiguous()
+    w = weights.contiguous()
+    ep = triton.next_power_of_2(n_local + 1)                 # buckets: local experts + the foreign one
+    # chunks: enough for parallelism, few enough that every chunk can re-read all counts cheaply
+    max_chunks = max(16, 16384 // ep)
+    ch = max(_PLAN_S, triton.cdiv(triton.cdiv(max(n, 1), max_chunks), _PLAN_S) * _PLAN_S)
+    n_chunks = max(1, triton.cdiv(n, ch))
+    counts = torch.empty(2, n_chunks, ep, dtype=torch.int32, device=dev)    # counts, next positions
+    order = torch.empty(n, dtype=torch.int64, device=dev)
+    token = torch.empty(n, dtype=torch.int64, device=dev)
+    valid = torch.empty(n, dtype=torch.uint8, device=dev)
+    weight = torch.empty(n, dtype=torch.float32, device=dev)
+    ends = torch.empty(n_local, dtype=torch.int32, device=dev)
+    n_tiles = _n_tiles(n, bm, n_local) if bm else 0
+    table = torch.empty(3, max(n_tiles, 1), dtype=torch.int32, device=dev)
+    _launch(_plan_count_kernel, (n_chunks,), idx, counts[0], n, n_local, expert_offset,
+            CH=ch, S=_PLAN_S, EP=ep)
+    _launch(_plan_scatter_kernel, (n_chunks,), idx, w, counts[0], counts[1], order, token, valid, weight,
+            ends, table[0], table[1], table[2], n, n_chunks, n_local, expert_offset, k, n_tiles,
+            CH=ch, S=_PLAN_S, EP=ep, CT=max(1, _PLAN_CT // ep), TILES=bool(bm), BM=bm or 1, TB=_TILE_TB)
+    if torch.is_grad_enabled() and weights.requires_grad:   # same values, but differentiable
+        weight = weights.reshape(-1).float()[order]
+    plan = MoEPlan(order=order, token=token, valid=valid.view(torch.bool), weight=weight, ends=ends,
+                   n_tokens=t, topk=k)
+    return plan, (_Tiles(ends, n, bm, table) if bm else None)
 
 
 def _block_m(n_rows: int, n_groups: int) -> int:
@@ -249,9 +380,8 @@ def triton_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
                        expert_offset: int = 0) -> torch.Tensor:
     """`moe_experts` as Triton grouped GEMMs over all local experts (see the module docstring)."""
     n_local = w1.size(0)
-    plan = moe_plan(weights, indices, n_local, expert_offset)
-    m = plan.order.numel()
-    tiles = _Tiles(plan.ends, m, _block_m(m, n_local))
+    m = indices.numel()
+    plan, tiles = _plan_and_tiles(weights, indices, n_local, expert_offset, _block_m(m, n_local))
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, weights, w1, w2, w3))
     if not needs_grad:
