@@ -232,7 +232,9 @@ def _hc_inputs(seed: int = 0, b: int = 2, s: int = 9, hc: int = 4, d: int = 64):
     return x, fn, scale, base
 
 
-def test_hc_pre_matches_reference_forward_and_backward():
+@pytest.mark.parametrize("split", [0, None])           # single kernel; automatic (split K at 18 tokens)
+def test_hc_pre_matches_reference_forward_and_backward(split, monkeypatch):
+    monkeypatch.setattr(_mhc(), "SPLIT_K", split)
     x, fn, scale, base = _hc_inputs()
     leaves0 = [t.clone().requires_grad_() for t in (x, fn, scale, base)]
     leaves1 = [t.clone().requires_grad_() for t in (x, fn, scale, base)]
@@ -335,3 +337,86 @@ def test_hc_pre_sees_in_place_updates_of_fn():
         y0 = R.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
     assert torch.allclose(y1[2], y0[2], rtol=1e-5, atol=1e-6)
     assert (y1[0].float() - y0[0].float()).abs().max() <= 2e-2 * y0[0].float().abs().max()
+
+
+def _pre_fwd_bwd(fwd, inputs, gs):
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = fwd(*leaves, 1e-6, 1e-6, 20)
+    grads = torch.autograd.grad(out, leaves, gs)
+    return [o.detach() for o in out], list(grads)
+
+
+@pytest.mark.parametrize("t, d, split", [(1, 256, None), (3, 256, 5), (17, 256, 3), (1, 1024, None)])
+def test_hc_pre_split_k_matches_reference_and_single_kernel(t, d, split, monkeypatch):
+    """Decode shapes (one token per sequence) through the split-K path: partial mixes over uneven K slices
+    summed in a second kernel, the weighted reduce shared out over column blocks."""
+    mhc = _mhc()
+    if d > 256:                                   # the compiled tile sizes (fewer interpreter steps)
+        monkeypatch.setattr(mhc, "_SPLIT_BK", 128)
+        monkeypatch.setattr(mhc, "_FINISH_BD", 128)
+    inputs = _hc_inputs(seed=10 + t, b=t, s=1, d=d)
+    x = inputs[0]
+    monkeypatch.setattr(mhc, "SPLIT_K", split)
+    assert mhc._split_plan(t, 4 * d, x.device)[0] > 1
+    g = torch.Generator().manual_seed(t)
+    gs = [torch.randn(t, 1, d, generator=g).bfloat16(), torch.randn(t, 1, 4, generator=g),
+          torch.randn(t, 1, 4, 4, generator=g)]
+    (y0, post0, comb0), g0 = _pre_fwd_bwd(R.hc_pre, inputs, gs)
+    (y1, post1, comb1), g1 = _pre_fwd_bwd(lambda *a: ops.hc_pre(*a, backend="triton"), inputs, gs)
+    assert ops.last_backend("hc_pre") == "triton"
+    assert (y1.float() - y0.float()).abs().max() <= 2e-2 * y0.float().abs().max()
+    assert torch.allclose(post1, post0, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(comb1, comb0, rtol=1e-5, atol=1e-6)
+    for name, a, b in zip(["x", "fn", "scale", "base"], g1, g0):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < (1e-2 if name == "x" else 1e-4), (name, rel(a, b))
+    if d > 256:
+        return
+    monkeypatch.setattr(mhc, "SPLIT_K", 0)        # the single kernel: equal up to fp32 summation order
+    (y2, post2, comb2), g2 = _pre_fwd_bwd(lambda *a: ops.hc_pre(*a, backend="triton"), inputs, gs)
+    assert ((y1.float() - y2.float()).abs() <= y2.float().abs() * 2.0 ** -7).all()   # <= 1 bf16 ulp
+    assert torch.allclose(post1, post2, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(comb1, comb2, rtol=1e-5, atol=1e-7)
+    for name, a, b in zip(["x", "fn", "scale", "base"], g1, g2):
+        assert rel(a, b) < 1e-5, (name, rel(a, b))
+
+
+def test_hc_pre_split_k_bitwise_repeats_on_poisoned_memory(monkeypatch):
+    """Split path: every workspace entry read is written (NaN-filled fresh buffers change nothing) and
+    the partials are summed in a fixed order (bit-identical repeats)."""
+    mhc = _mhc()
+    monkeypatch.setattr(mhc, "SPLIT_K", 3)
+    inputs = _hc_inputs(seed=12, b=5, s=1, d=64)
+    gs = [torch.randn(5, 1, 64).bfloat16(), torch.randn(5, 1, 4), torch.randn(5, 1, 4, 4)]
+    fwd = lambda *a: ops.hc_pre(*a, backend="triton")                                  # noqa: E731
+    runs = [_pre_fwd_bwd(fwd, inputs, gs)]
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", _nan_empty(torch.empty))
+        runs.append(_pre_fwd_bwd(fwd, inputs, gs))
+    runs.append(_pre_fwd_bwd(fwd, inputs, gs))
+    flat = [out + grads for out, grads in runs]
+    assert all(torch.isfinite(a).all() for a in flat[1])
+    for other in flat[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(flat[0], other))
+
+
+@pytest.mark.parametrize("t, d", [(1, 64), (17, 160)])
+def test_hc_head_split_k(t, d, monkeypatch):
+    """hc_head shares the launcher: split K (and 160 columns shared out unevenly) vs reference and vs
+    the single kernel."""
+    mhc = _mhc()
+    x, *_ = _hc_inputs(seed=13, b=t, s=1, d=d)
+    g = torch.Generator().manual_seed(14)
+    fn = torch.randn(4, 4 * d, generator=g) * 0.05
+    scale = torch.rand(1, generator=g) + 0.5
+    base = torch.randn(4, generator=g) * 0.3
+    outs = []
+    for split in (None, 0):
+        monkeypatch.setattr(mhc, "SPLIT_K", split)
+        assert (mhc._split_plan(t, 4 * d, x.device)[0] > 1) == (split is None)
+        with torch.no_grad():
+            outs.append(ops.hc_head(x, fn, scale, base, 1e-6, 1e-6, backend="triton"))
+        assert ops.last_backend("hc_head") == "triton"
+    y0 = R.hc_head(x, fn, scale, base, 1e-6, 1e-6)
+    assert (outs[0].float() - y0.float()).abs().max() <= 1e-2 * y0.float().abs().max()
+    assert ((outs[0].float() - outs[1].float()).abs() <= outs[1].float().abs() * 2.0 ** -7).all()

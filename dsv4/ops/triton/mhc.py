@@ -4,6 +4,10 @@
 projection (fp32-exact: the fp32 `fn` is split into three bf16 parts, each multiplied on tensor cores with
 fp32 accumulation, and x is bf16 already), applies the RMS scale, the sigmoids and the 20 Sinkhorn
 iterations in registers, then re-reads its own tile (L2-resident by then) for the weighted reduce.
+With few row tiles (decode: one token per sequence) that leaves most SMs idle behind a serial K = hc * D
+loop, so K is split instead: one program per (row tile, K slice) writes fp32 partial mixes and sums of
+squares to a workspace, and a second kernel adds them in slice order (deterministic, no atomics) and runs
+the same epilogue (`_hc_pre_epilogue`), its programs sharing out the columns of the weighted reduce.
 `hc_post`: one pass over the residual copies, forward and backward (the backward also reduces the
 gradients of post and comb per token, in registers, in a fixed order).
 
@@ -20,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import register
+from ._common import num_sms
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason
 from ._mm_utils import launch as _launch
@@ -28,24 +33,19 @@ from ._mm_utils import round_to as _round_to
 
 
 @triton.jit
-def _hc_pre_fwd_kernel(x_ptr, fpp_ptr, fcb_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, mix_ptr,
-                       rs_ptr, T, D, norm_eps, hc_eps,
-                       ITERS: tl.constexpr, HC: tl.constexpr, P1: tl.constexpr, HEAD: tl.constexpr,
-                       BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
-    pid = tl.program_id(0)
-    ts = pid * BT + tl.arange(0, BT)
-    tmask = ts < T
-    ts64 = ts.to(tl.int64)
-    K = HC * D
+def _hc_pre_mix(x_ptr, fpp_ptr, fcb_ptr, ts64, tmask, K, k_lo, k_hi,
+                HC: tl.constexpr, P1: tl.constexpr, HEAD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """Raw mixes and sum of squares of rows `ts` over the reduction slice [k_lo, k_hi) of K = hc * D."""
     P2: tl.constexpr = HC * HC
     c1 = tl.arange(0, P1)
     c2 = tl.arange(0, P2)
     acc_pp = tl.zeros((BT, P1), dtype=tl.float32)        # pre | post mixes (zero-padded columns)
     acc_cb = tl.zeros((BT, P2), dtype=tl.float32)        # comb mixes, row-major hc x hc
     ss = tl.zeros((BT,), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(k_lo, k_hi, BK):
         ks = k0 + tl.arange(0, BK)
-        kmask = ks < K
+        kmask = ks < k_hi
         xk = tl.load(x_ptr + ts64[:, None] * K + ks[None, :], mask=tmask[:, None] & kmask[None, :],
                      other=0.0)
         xf = xk.to(tl.float32)
@@ -58,6 +58,23 @@ def _hc_pre_fwd_kernel(x_ptr, fpp_ptr, fcb_ptr, scale_ptr, base_ptr, y_ptr, post
                 w2 = tl.load(fcb_ptr + part * K * P2 + ks[:, None] * P2 + c2[None, :], mask=kmask[:, None],
                              other=0.0)
                 acc_cb = _mma(xk, w2, acc_cb, UPCAST)
+    return acc_pp, acc_cb, ss
+
+
+@triton.jit
+def _hc_pre_epilogue(acc_pp, acc_cb, ss, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, mix_ptr,
+                     rs_ptr, ts64, tmask, smask, D, d_lo, d_hi, norm_eps, hc_eps,
+                     ITERS: tl.constexpr, HC: tl.constexpr, P1: tl.constexpr, HEAD: tl.constexpr,
+                     BT: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
+    """Everything after the projection, from the full raw mixes and sum of squares of rows `ts`.
+
+    RMS scale, sigmoids, Sinkhorn; post/comb/mix/rs are stored where `smask`; y is reduced over the
+    columns [d_lo, d_hi) only (the split path spreads the columns of y over several programs).
+    """
+    K = HC * D
+    P2: tl.constexpr = HC * HC
+    c1 = tl.arange(0, P1)
+    c2 = tl.arange(0, P2)
     r = 1.0 / tl.sqrt(ss / K + norm_eps)                # [BT]
     mpp = acc_pp * r[:, None]
     hcs = tl.arange(0, HC)
@@ -68,13 +85,13 @@ def _hc_pre_fwd_kernel(x_ptr, fpp_ptr, fcb_ptr, scale_ptr, base_ptr, y_ptr, post
     if not HEAD:
         mcb = acc_cb * r[:, None]
         n_mix = (2 + HC) * HC
-        tl.store(rs_ptr + ts, r, mask=tmask)
+        tl.store(rs_ptr + ts64, r, mask=smask)
         tl.store(mix_ptr + ts64[:, None] * n_mix + c1[None, :], mpp,
-                 mask=tmask[:, None] & (c1[None, :] < 2 * HC))
-        tl.store(mix_ptr + ts64[:, None] * n_mix + 2 * HC + c2[None, :], mcb, mask=tmask[:, None])
+                 mask=smask[:, None] & (c1[None, :] < 2 * HC))
+        tl.store(mix_ptr + ts64[:, None] * n_mix + 2 * HC + c2[None, :], mcb, mask=smask[:, None])
         post_m = tl.sum(tl.where(which == 1, pp3, 0.0), axis=1)
         post = 2.0 * tl.sigmoid(post_m * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + hcs)[None, :])
-        tl.store(post_ptr + ts64[:, None] * HC + hcs[None, :], post, mask=tmask[:, None])
+        tl.store(post_ptr + ts64[:, None] * HC + hcs[None, :], post, mask=smask[:, None])
         # Sinkhorn on [BT, hc, hc]: row softmax (+eps), column normalisation, then ITERS-1 (row, column)
         c = tl.reshape(mcb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + c2)[None, :], (BT, HC, HC))
         c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
@@ -83,17 +100,88 @@ def _hc_pre_fwd_kernel(x_ptr, fpp_ptr, fcb_ptr, scale_ptr, base_ptr, y_ptr, post
         for _ in range(ITERS - 1):
             c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
             c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-        tl.store(comb_ptr + ts64[:, None] * P2 + c2[None, :], tl.reshape(c, (BT, P2)), mask=tmask[:, None])
-    # weighted reduce of the copies (this program's tile is still in L2)
-    for d0 in range(0, D, BD):
+        tl.store(comb_ptr + ts64[:, None] * P2 + c2[None, :], tl.reshape(c, (BT, P2)), mask=smask[:, None])
+    # weighted reduce of the copies (the tile was read for the projection: still in L2)
+    for d0 in range(d_lo, d_hi, BD):
         ds = d0 + tl.arange(0, BD)
-        dmask = ds < D
+        dmask = ds < d_hi
         m3 = tmask[:, None, None] & dmask[None, None, :]
         x3 = tl.load(x_ptr + ts64[:, None, None] * K + hcs[None, :, None] * D + ds[None, None, :], mask=m3,
                      other=0.0).to(tl.float32)                                          # [BT, HC, BD]
         y = tl.sum(pre[:, :, None] * x3, axis=1)
         tl.store(y_ptr + ts64[:, None] * D + ds[None, :], _round_to(y, y_ptr.dtype.element_ty, UPCAST),
                  mask=tmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _hc_pre_fwd_kernel(x_ptr, fpp_ptr, fcb_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, mix_ptr,
+                       rs_ptr, T, D, norm_eps, hc_eps,
+                       ITERS: tl.constexpr, HC: tl.constexpr, P1: tl.constexpr, HEAD: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
+    """One program per BT tokens: the whole K reduction, then the epilogue."""
+    pid = tl.program_id(0)
+    ts = pid * BT + tl.arange(0, BT)
+    tmask = ts < T
+    ts64 = ts.to(tl.int64)
+    acc_pp, acc_cb, ss = _hc_pre_mix(x_ptr, fpp_ptr, fcb_ptr, ts64, tmask, HC * D, 0, HC * D,
+                                     HC, P1, HEAD, BT, BK, UPCAST)
+    _hc_pre_epilogue(acc_pp, acc_cb, ss, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, mix_ptr,
+                     rs_ptr, ts64, tmask, tmask, D, 0, D, norm_eps, hc_eps, ITERS, HC, P1, HEAD, BT, BD, UPCAST)
+
+
+@triton.jit
+def _hc_pre_part_kernel(x_ptr, fpp_ptr, fcb_ptr, wpp_ptr, wcb_ptr, wss_ptr, T, D, KS,
+                        HC: tl.constexpr, P1: tl.constexpr, HEAD: tl.constexpr, BT: tl.constexpr,
+                        BK: tl.constexpr, UPCAST: tl.constexpr):
+    """Split K, step 1: program (i, s) reduces K slice s of row tile i into fp32 partials [SPLIT, T, ..]."""
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    ts = pid_t * BT + tl.arange(0, BT)
+    tmask = ts < T
+    ts64 = ts.to(tl.int64)
+    K = HC * D
+    k_lo = pid_s * KS
+    k_hi = tl.minimum(k_lo + KS, K)
+    acc_pp, acc_cb, ss = _hc_pre_mix(x_ptr, fpp_ptr, fcb_ptr, ts64, tmask, K, k_lo, k_hi,
+                                     HC, P1, HEAD, BT, BK, UPCAST)
+    P2: tl.constexpr = HC * HC
+    row = pid_s.to(tl.int64) * T + ts64                                              # [BT]
+    tl.store(wpp_ptr + row[:, None] * P1 + tl.arange(0, P1)[None, :], acc_pp, mask=tmask[:, None])
+    if not HEAD:
+        tl.store(wcb_ptr + row[:, None] * P2 + tl.arange(0, P2)[None, :], acc_cb, mask=tmask[:, None])
+    tl.store(wss_ptr + row, ss, mask=tmask)
+
+
+@triton.jit
+def _hc_pre_finish_kernel(wpp_ptr, wcb_ptr, wss_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
+                          mix_ptr, rs_ptr, T, D, SPLIT, DS, norm_eps, hc_eps,
+                          ITERS: tl.constexpr, HC: tl.constexpr, P1: tl.constexpr, HEAD: tl.constexpr,
+                          BT: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
+    """Split K, step 2: program (i, j) sums the partials of row tile i in slice order (fixed: deterministic),
+    runs the epilogue and reduces the columns [j * DS, (j + 1) * DS) of y; program (i, 0) stores the rest."""
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    ts = pid_t * BT + tl.arange(0, BT)
+    tmask = ts < T
+    ts64 = ts.to(tl.int64)
+    P2: tl.constexpr = HC * HC
+    c1 = tl.arange(0, P1)
+    c2 = tl.arange(0, P2)
+    acc_pp = tl.zeros((BT, P1), dtype=tl.float32)
+    acc_cb = tl.zeros((BT, P2), dtype=tl.float32)
+    ss = tl.zeros((BT,), dtype=tl.float32)
+    for s in range(0, SPLIT):
+        row = s * T + ts64                                                           # [BT]
+        acc_pp += tl.load(wpp_ptr + row[:, None] * P1 + c1[None, :], mask=tmask[:, None], other=0.0)
+        if not HEAD:
+            acc_cb += tl.load(wcb_ptr + row[:, None] * P2 + c2[None, :], mask=tmask[:, None], other=0.0)
+        ss += tl.load(wss_ptr + row, mask=tmask, other=0.0)
+    d_lo = pid_d * DS
+    d_hi = tl.minimum(d_lo + DS, D)
+    smask = ts < tl.where(pid_d == 0, T, 0)                                          # stores: (i, 0) only
+    _hc_pre_epilogue(acc_pp, acc_cb, ss, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, mix_ptr,
+                     rs_ptr, ts64, tmask, smask, D, d_lo, d_hi, norm_eps, hc_eps,
+                     ITERS, HC, P1, HEAD, BT, BD, UPCAST)
 
 
 @triton.jit
@@ -295,6 +383,39 @@ def _split_fn(fn: torch.Tensor, hc: int, head: bool) -> tuple[torch.Tensor, torc
     return fpp, fcb
 
 
+# Split K (small T): below this many row tiles per SM the single kernel leaves most SMs idle while each
+# program runs the whole K = hc * D reduction serially (decode: 1 token per sequence).
+SPLIT_K: int | None = None       # None: automatic; 0 or 1: never split; n > 1: force about n K slices
+_SPLIT_BT = 16                   # rows per program of the partial kernel (tl.dot needs M >= 16)
+_SPLIT_BK = 32 if _INTERPRET else 128
+_FINISH_BD = 32 if _INTERPRET else 128
+_SMS: dict[torch.device, int] = {}
+
+
+def _sm_count(dev: torch.device) -> int:
+    if dev not in _SMS:
+        _SMS[dev] = num_sms(dev)
+    return _SMS[dev]
+
+
+def _split_plan(t: int, k: int, dev: torch.device) -> tuple[int, int]:
+    """(number of K slices, slice length in elements): (1, k) keeps the single-kernel path."""
+    rows = triton.cdiv(t, _SPLIT_BT)
+    if SPLIT_K is not None:
+        want = SPLIT_K
+    else:
+        sms = _sm_count(dev)
+        if 2 * rows >= sms:
+            return 1, k
+        want = sms // rows                   # about one wave of programs
+    steps = triton.cdiv(k, _SPLIT_BK)
+    want = max(1, min(want, steps))
+    if want == 1:
+        return 1, k
+    ks = triton.cdiv(steps, want) * _SPLIT_BK
+    return triton.cdiv(k, ks), ks
+
+
 def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
                 hc_eps: float, iters: int, head: bool):
     b, s, hc, d = x.shape
@@ -307,9 +428,27 @@ def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
     comb = torch.empty(b, s, hc, hc, dtype=torch.float32, device=dev)
     mix = torch.empty(t, (2 + hc) * hc, dtype=torch.float32, device=dev)
     rs = torch.empty(t, dtype=torch.float32, device=dev)
-    args = (x, fpp, fcb, scale.float().contiguous(), base.float().contiguous(), y, post, comb, mix, rs, t, d,
-            float(norm_eps), float(hc_eps))
-    meta = dict(ITERS=int(iters), HC=hc, P1=_pp_width(hc), HEAD=head, UPCAST=_INTERPRET)
+    sc, bs = scale.float().contiguous(), base.float().contiguous()
+    p1 = _pp_width(hc)
+    meta = dict(ITERS=int(iters), HC=hc, P1=p1, HEAD=head, UPCAST=_INTERPRET)
+    split, ks = _split_plan(t, hc * d, dev)
+    if split > 1:
+        # fp32 partials of every K slice, summed in slice order by the finishing kernel (no atomics)
+        wpp = torch.empty(split, t, p1, dtype=torch.float32, device=dev)
+        wcb = torch.empty(split, t, hc * hc, dtype=torch.float32, device=dev) if not head else wpp
+        wss = torch.empty(split, t, dtype=torch.float32, device=dev)
+        rows = triton.cdiv(t, _SPLIT_BT)
+        _launch(_hc_pre_part_kernel, (rows, split), x, fpp, fcb, wpp, wcb, wss, t, d, ks,
+                HC=hc, P1=p1, HEAD=head, BT=_SPLIT_BT, BK=_SPLIT_BK, UPCAST=_INTERPRET, num_warps=4)
+        bt = min(16, max(4, triton.next_power_of_2(t)))
+        rows = triton.cdiv(t, bt)
+        n_d = max(1, min(_sm_count(dev) // rows, triton.cdiv(d, _FINISH_BD)))
+        ds = triton.cdiv(triton.cdiv(d, _FINISH_BD), n_d) * _FINISH_BD
+        _launch(_hc_pre_finish_kernel, (rows, triton.cdiv(d, ds)), wpp, wcb, wss, x, sc, bs, y, post, comb,
+                mix, rs, t, d, split, ds, float(norm_eps), float(hc_eps), **meta, BT=bt, BD=_FINISH_BD,
+                num_warps=4)
+        return y, post, comb, mix, rs
+    args = (x, fpp, fcb, sc, bs, y, post, comb, mix, rs, t, d, float(norm_eps), float(hc_eps))
     if _INTERPRET:
         _launch(_hc_pre_fwd_kernel, (triton.cdiv(t, 16),), *args, **meta, BT=16, BK=32, BD=32)
     else:
