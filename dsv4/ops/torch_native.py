@@ -127,11 +127,23 @@ def _grouped_can_run(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offse
     return None
 
 
+def _plan(weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_offset: int) -> MoEPlan:
+    """On CUDA the same plan from the Triton counting sort (two launches instead of ~20); else the sort."""
+    if indices.is_cuda:
+        try:
+            from .triton import moe as triton_moe
+        except ImportError:
+            triton_moe = None
+        if triton_moe is not None and triton_moe.device_reason(indices) is None:
+            return triton_moe.triton_moe_plan(weights, indices, n_local, expert_offset)
+    return moe_plan(weights, indices, n_local, expert_offset)
+
+
 def grouped_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
                         w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float,
                         expert_offset: int = 0) -> torch.Tensor:
     """`moe_experts` with one `torch._grouped_mm` per projection over all local experts."""
-    plan = moe_plan(weights, indices, w1.size(0), expert_offset)
+    plan = _plan(weights, indices, w1.size(0), expert_offset)
     xs = gather_rows(x, plan)                                                    # [M, D]
     # rows past the last group are not computed: mask them before anything reads them (also in backward)
     gate = mask_rows(torch._grouped_mm(xs, w1.transpose(1, 2), offs=plan.ends), plan)   # [M, I]
