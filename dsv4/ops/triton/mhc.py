@@ -154,7 +154,7 @@ def _hc_pre_part_kernel(x_ptr, fpp_ptr, fcb_ptr, wpp_ptr, wcb_ptr, wss_ptr, T, D
 
 @triton.jit
 def _hc_pre_finish_kernel(wpp_ptr, wcb_ptr, wss_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
-                          mix_ptr, rs_ptr, T, D, SPLIT, DS, norm_eps, hc_eps,
+                          mix_ptr, rs_ptr, T, D, DS, norm_eps, hc_eps, SPLIT: tl.constexpr,
                           ITERS: tl.constexpr, HC: tl.constexpr, P1: tl.constexpr, HEAD: tl.constexpr,
                           BT: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
     """Split K, step 2: program (i, j) sums the partials of row tile i in slice order (fixed: deterministic),
@@ -170,7 +170,7 @@ def _hc_pre_finish_kernel(wpp_ptr, wcb_ptr, wss_ptr, x_ptr, scale_ptr, base_ptr,
     acc_pp = tl.zeros((BT, P1), dtype=tl.float32)
     acc_cb = tl.zeros((BT, P2), dtype=tl.float32)
     ss = tl.zeros((BT,), dtype=tl.float32)
-    for s in range(0, SPLIT):
+    for s in tl.static_range(SPLIT):                  # unrolled: every partial's load issued up front
         row = s * T + ts64                                                           # [BT]
         acc_pp += tl.load(wpp_ptr + row[:, None] * P1 + c1[None, :], mask=tmask[:, None], other=0.0)
         if not HEAD:
@@ -388,6 +388,7 @@ def _split_fn(fn: torch.Tensor, hc: int, head: bool) -> tuple[torch.Tensor, torc
 SPLIT_K: int | None = None       # None: automatic; 0 or 1: never split; n > 1: force about n K slices
 _SPLIT_BT = 16                   # rows per program of the partial kernel (tl.dot needs M >= 16)
 _SPLIT_BK = 32 if _INTERPRET else 128
+_MAX_SPLIT = 32                  # K slices at most (the finishing kernel unrolls its sum over them)
 _FINISH_BD = 32 if _INTERPRET else 128
 _SMS: dict[torch.device, int] = {}
 
@@ -409,7 +410,7 @@ def _split_plan(t: int, k: int, dev: torch.device) -> tuple[int, int]:
             return 1, k
         want = sms // rows                   # about one wave of programs
     steps = triton.cdiv(k, _SPLIT_BK)
-    want = max(1, min(want, steps))
+    want = max(1, min(want, steps, _MAX_SPLIT))
     if want == 1:
         return 1, k
     ks = triton.cdiv(steps, want) * _SPLIT_BK
@@ -445,8 +446,8 @@ def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
         n_d = max(1, min(_sm_count(dev) // rows, triton.cdiv(d, _FINISH_BD)))
         ds = triton.cdiv(triton.cdiv(d, _FINISH_BD), n_d) * _FINISH_BD
         _launch(_hc_pre_finish_kernel, (rows, triton.cdiv(d, ds)), wpp, wcb, wss, x, sc, bs, y, post, comb,
-                mix, rs, t, d, split, ds, float(norm_eps), float(hc_eps), **meta, BT=bt, BD=_FINISH_BD,
-                num_warps=4)
+                mix, rs, t, d, ds, float(norm_eps), float(hc_eps), SPLIT=split, **meta, BT=bt,
+                BD=_FINISH_BD, num_warps=4)
         return y, post, comb, mix, rs
     args = (x, fpp, fcb, sc, bs, y, post, comb, mix, rs, t, d, float(norm_eps), float(hc_eps))
     if _INTERPRET:
