@@ -189,6 +189,11 @@ def test_moe_triton_plan_many_chunks(monkeypatch):
         got = moe.triton_moe_plan(wts, idx, n_local, 1)
         for name in ("order", "token", "valid", "weight", "ends"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
+    # more experts than the kernels take: the sort plan, and the tile table still matches
+    monkeypatch.setattr(moe, "_PLAN_MAX_BUCKETS", 8)
+    got, tiles = moe._plan_and_tiles(wts, idx, n_local, 1, 16)
+    assert torch.equal(got.order, want.order) and torch.equal(got.ends, want.ends)
+    assert torch.equal(tiles.group, moe._Tiles(want.ends, want.order.numel(), 16).group)
 
 
 def test_moe_triton_output_unchanged_by_plan(monkeypatch):

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import register
-from ..torch_native import MoEPlan, clamped_swiglu, combine_rows, gather_rows, mask_rows
+from ..torch_native import MoEPlan, clamped_swiglu, combine_rows, gather_rows, mask_rows, moe_plan
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason
 from ._mm_utils import launch as _launch
@@ -268,8 +268,9 @@ def _plan_scatter_kernel(idx_ptr, w_ptr, counts_ptr, next_ptr, order_ptr, token_
         tl.debug_barrier()
 
 
-_PLAN_S = 64          # slots ranked at once ([S, S] comparisons)
-_PLAN_CT = 8192       # elements of one [chunks, buckets] tile of counts read back
+_PLAN_S = 64               # slots ranked at once ([S, S] comparisons)
+_PLAN_CT = 8192            # elements of one [chunks, buckets] tile of counts read back
+_PLAN_MAX_BUCKETS = 2048   # beyond this many local experts the [*, buckets] tiles get too wide: sort
 
 
 def triton_moe_plan(weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_offset: int) -> MoEPlan:
@@ -283,6 +284,9 @@ def _plan_and_tiles(weights: torch.Tensor, indices: torch.Tensor, n_local: int, 
     """The plan, plus (bm given) the tile table of BM-row tiles, written by the same two launches."""
     t, k = indices.shape
     n = t * k
+    if n_local + 1 > _PLAN_MAX_BUCKETS:
+        plan = moe_plan(weights, indices, n_local, expert_offset)
+        return plan, (_Tiles(plan.ends, n, bm) if bm else None)
     dev = indices.device
     idx = indices.contiguous()
     w = weights.contiguous()
@@ -300,10 +304,12 @@ def _plan_and_tiles(weights: torch.Tensor, indices: torch.Tensor, n_local: int, 
     n_tiles = _n_tiles(n, bm, n_local) if bm else 0
     table = torch.empty(3, max(n_tiles, 1), dtype=torch.int32, device=dev)
     _launch(_plan_count_kernel, (n_chunks,), idx, counts[0], n, n_local, expert_offset,
-            CH=ch, S=_PLAN_S, EP=ep)
+            CH=ch, S=_PLAN_S, EP=ep, num_warps=4)
     _launch(_plan_scatter_kernel, (n_chunks,), idx, w, counts[0], counts[1], order, token, valid, weight,
             ends, table[0], table[1], table[2], n, n_chunks, n_local, expert_offset, k, n_tiles,
-            CH=ch, S=_PLAN_S, EP=ep, CT=max(1, _PLAN_CT // ep), TILES=bool(bm), BM=bm or 1, TB=_TILE_TB)
+            CH=ch, S=_PLAN_S, EP=ep, CT=max(1, _PLAN_CT // ep), TILES=bool(bm), BM=bm or 1,
+            TB=max(4, min(32, 4096 // ep)),
+            num_warps=4, num_stages=1)   # no software pipelining: next[] is re-read after each block's stores
     if torch.is_grad_enabled() and weights.requires_grad:   # same values, but differentiable
         weight = weights.reshape(-1).float()[order]
     plan = MoEPlan(order=order, token=token, valid=valid.view(torch.bool), weight=weight, ends=ends,
