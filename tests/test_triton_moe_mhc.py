@@ -351,14 +351,14 @@ def _pre_fwd_bwd(fwd, inputs, gs):
     return [o.detach() for o in out], list(grads)
 
 
-@pytest.mark.parametrize("t, d, split", [(1, 256, None), (3, 256, 5), (17, 256, 3), (1, 1024, None)])
+@pytest.mark.parametrize("t, d, split", [(1, 256, None), (3, 256, 6), (17, 256, 3), (1, 1024, None)])
 def test_hc_pre_split_k_matches_reference_and_single_kernel(t, d, split, monkeypatch):
     """Decode shapes (one token per sequence) through the split-K path: partial mixes over uneven K slices
     summed in a second kernel, the weighted reduce shared out over column blocks."""
     mhc = _mhc()
-    if d > 256:                                   # the compiled tile sizes (fewer interpreter steps)
-        monkeypatch.setattr(mhc, "_SPLIT_BK", 128)
-        monkeypatch.setattr(mhc, "_FINISH_BD", 128)
+    tile = 128 if d > 256 else 64                 # fewer interpreter steps (128: the compiled tile sizes)
+    monkeypatch.setattr(mhc, "_SPLIT_BK", tile)
+    monkeypatch.setattr(mhc, "_FINISH_BD", tile)
     inputs = _hc_inputs(seed=10 + t, b=t, s=1, d=d)
     x = inputs[0]
     monkeypatch.setattr(mhc, "SPLIT_K", split)
@@ -378,12 +378,11 @@ def test_hc_pre_split_k_matches_reference_and_single_kernel(t, d, split, monkeyp
     if d > 256:
         return
     monkeypatch.setattr(mhc, "SPLIT_K", 0)        # the single kernel: equal up to fp32 summation order
-    (y2, post2, comb2), g2 = _pre_fwd_bwd(lambda *a: ops.hc_pre(*a, backend="triton"), inputs, gs)
+    with torch.no_grad():
+        y2, post2, comb2 = ops.hc_pre(*inputs, 1e-6, 1e-6, 20, backend="triton")
     assert ((y1.float() - y2.float()).abs() <= y2.float().abs() * 2.0 ** -7).all()   # <= 1 bf16 ulp
     assert torch.allclose(post1, post2, rtol=1e-6, atol=1e-7)
     assert torch.allclose(comb1, comb2, rtol=1e-5, atol=1e-7)
-    for name, a, b in zip(["x", "fn", "scale", "base"], g1, g2):
-        assert rel(a, b) < 1e-5, (name, rel(a, b))
 
 
 def test_hc_pre_split_k_bitwise_repeats_on_poisoned_memory(monkeypatch):
