@@ -402,6 +402,8 @@ def _sm_count(dev: torch.device) -> int:
 def _split_plan(t: int, k: int, dev: torch.device) -> tuple[int, int]:
     """(number of K slices, slice length in elements): (1, k) keeps the single-kernel path."""
     rows = triton.cdiv(t, _SPLIT_BT)
+    if rows == 0:
+        return 1, k
     if SPLIT_K is not None:
         want = SPLIT_K
     else:
