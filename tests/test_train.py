@@ -444,3 +444,20 @@ def test_two_process_run_matches_one_process(tmp_path):
     assert two[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-4)
     assert two[1]["loss"] == pytest.approx(one[1]["loss"], rel=5e-3)
     assert two[0]["mhc_violation"] == pytest.approx(one[0]["mhc_violation"], rel=1e-3, abs=1e-6)
+
+
+def test_defaults_depend_on_preset_and_device():
+    from dsv4.train.trainer import QUICK_CPU_DEFAULTS, STANDARD_DEFAULTS
+
+    assert QUICK_CPU_DEFAULTS.keys() == STANDARD_DEFAULTS.keys()
+    unset = TrainConfig()
+    assert all(getattr(unset, k) is None for k in STANDARD_DEFAULTS)
+    quick = unset.resolved("cpu")                                   # `dsv4 train` on a CPU: tiny, quick
+    assert {k: getattr(quick, k) for k in QUICK_CPU_DEFAULTS} == QUICK_CPU_DEFAULTS
+    for cfg in (unset.resolved("cuda"), TrainConfig(preset="small").resolved("cpu"),
+                TrainConfig(model_config="config.json").resolved("cpu")):
+        assert {k: getattr(cfg, k) for k in STANDARD_DEFAULTS} == STANDARD_DEFAULTS
+    mine = TrainConfig(steps=7, seq_len=64).resolved("cpu")         # given settings are kept
+    assert (mine.steps, mine.seq_len, mine.batch_size) == (7, 64, QUICK_CPU_DEFAULTS["batch_size"])
+    assert QUICK_CPU_DEFAULTS["steps"] * QUICK_CPU_DEFAULTS["batch_size"] * QUICK_CPU_DEFAULTS["seq_len"] < \
+        STANDARD_DEFAULTS["steps"] * STANDARD_DEFAULTS["batch_size"] * STANDARD_DEFAULTS["seq_len"]
