@@ -148,8 +148,11 @@ def resolve(op: str, backend: str | None, *args, **kwargs) -> Backend:
 
 def call(op: str, *args, backend: str | None = None, **kwargs):
     be = resolve(op, backend, *args, **kwargs)
-    _CALLS[(op, be.name)] += 1
-    _LAST[op] = be.name
+    if not torch.compiler.is_compiling():
+        # host bookkeeping, left out of torch.compile graphs: tracing it would guard on the counter's
+        # value and recompile at every call (compiled calls are therefore not counted)
+        _CALLS[(op, be.name)] += 1
+        _LAST[op] = be.name
     return be.fn(*args, **kwargs)
 
 

@@ -151,6 +151,7 @@ class ExpertParallel:
         # was just checked against the live rank, and ids outside its range are skipped
         return self.experts(x, weights, indices)                                        # fp32 [T, dim]
 
+    @torch.compiler.disable       # host-sized exchanges: stays eager inside a torch.compile'd block
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [T, dim], weights [T, k] fp32, indices [T, k] global expert ids -> fp32 [T, dim]."""
         _, n_local = self._live_offset()

@@ -165,6 +165,29 @@ def _checkpointed(block):
     return forward
 
 
+def compile_blocks(model: torch.nn.Module, device: torch.device) -> None:
+    """`--compile`: torch.compile (inductor) every main and MTP block. The routed experts stay eager: their
+    loop over experts is data-dependent (under expert parallelism the exchange sizes are host values too),
+    so tracing them would only add graph breaks and recompilations."""
+    import shutil
+
+    import torch._dynamo
+
+    if device.type == "cpu" and not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
+        raise UserError("--compile on a CPU needs a C++ compiler for inductor (g++ not found): install one, "
+                        "set CXX, or train without --compile")
+    blocks = [*model.layers, *model.mtp]
+    # all blocks share one code object, so each block is a separately guarded variant (and the rope
+    # cache's first fill adds one more): allow that many before dynamo falls back to eager
+    dyn = torch._dynamo.config
+    dyn.recompile_limit = max(dyn.recompile_limit, 4 * len(blocks))
+    for m in model.modules():
+        if type(m).__name__ == "Experts":
+            m.forward = torch.compiler.disable(m.forward)
+    for block in blocks:
+        block.compile()
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, log=print):
         self.cfg = cfg
@@ -197,8 +220,7 @@ class Trainer:
         if cfg.resume:
             self._resume(cfg.resume)
         if cfg.compile:
-            for block in [*self.model.layers, *self.model.mtp]:
-                block.compile()
+            compile_blocks(self.model, self.device)
 
     # ---------------------------------------------------------------- setup
     def _pick_device(self) -> torch.device:
