@@ -128,8 +128,10 @@ def _grouped_can_run(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offse
 
 
 def _plan(weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_offset: int) -> MoEPlan:
-    """On CUDA the same plan from the Triton counting sort (two launches instead of ~20); else the sort."""
-    if indices.is_cuda:
+    """On CUDA the same plan from the Triton counting sort (two launches instead of ~20); else the sort.
+    Inside torch.compile the sort is traced instead (measured on an H200: the graph that traced the Triton
+    plan kernels under dynamic shapes handed `_grouped_mm` mismatched offsets)."""
+    if indices.is_cuda and not torch.compiler.is_compiling():
         try:
             from .triton import moe as triton_moe
         except ImportError:
