@@ -165,15 +165,16 @@ def _checkpointed(block):
     return forward
 
 
-def compile_blocks(model: torch.nn.Module, device: torch.device) -> None:
-    """`--compile`: torch.compile (inductor) every main and MTP block. The routed experts stay eager: their
+def compile_blocks(model: torch.nn.Module, device: torch.device, backend: str = "inductor") -> None:
+    """`--compile`: torch.compile (inductor by default) every main and MTP block. The routed experts stay eager: their
     loop over experts is data-dependent (under expert parallelism the exchange sizes are host values too),
     so tracing them would only add graph breaks and recompilations."""
     import shutil
 
     import torch._dynamo
 
-    if device.type == "cpu" and not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
+    if backend == "inductor" and device.type == "cpu" and not (
+            os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
         raise UserError("--compile on a CPU needs a C++ compiler for inductor (g++ not found): install one, "
                         "set CXX, or train without --compile")
     blocks = [*model.layers, *model.mtp]
@@ -185,7 +186,7 @@ def compile_blocks(model: torch.nn.Module, device: torch.device) -> None:
         if type(m).__name__ == "Experts":
             m.forward = torch.compiler.disable(m.forward)
     for block in blocks:
-        block.compile()
+        block.compile(backend=backend)
 
 
 class Trainer:
