@@ -20,18 +20,12 @@ import torch
 import dsv4.ops as ops
 from dsv4.ops import reference as R
 
+from .kernels import capture_graph
+
 
 def graph_us(fn: Callable[[], object], reps: int = 200) -> float:
     """Microseconds per call of `fn` replayed from a CUDA graph (warmed up outside the capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

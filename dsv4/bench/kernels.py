@@ -39,6 +39,20 @@ def _time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float
     return times[len(times) // 2]
 
 
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn() captured in a CUDA graph, after three warm-up calls on a side stream (autotuning, allocator)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def measure_limits(device: torch.device) -> dict:
     """Measured bf16 matmul TFLOP/s (8192^3) and device copy bandwidth GB/s (1 GiB read + 1 GiB write)."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)

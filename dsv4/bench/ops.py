@@ -22,7 +22,7 @@ import torch
 from .. import ops
 from ..config import ModelConfig
 from .e2e import _count_syncs
-from .kernels import _rel, _time_ms, measure_limits
+from .kernels import _rel, _time_ms, capture_graph, measure_limits
 
 
 def _row(rows: list, op: str, backend: str, shape: str, ms: float, limits: dict, *,
@@ -46,16 +46,7 @@ def _row(rows: list, op: str, backend: str, shape: str, ms: float, limits: dict,
 def _graphed_ms(fn, reps: int = 20) -> float:
     """Median ms of replaying fn() captured in a CUDA graph: the kernels' own time, without the host's
     per-launch cost (the routing plan and GEMMs are ~40 launches, at ~25 us of Python each)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _time_ms(graph.replay, reps=reps)
+    return _time_ms(capture_graph(fn).replay, reps=reps)
 
 
 def moe_inputs(t: int, cfg: ModelConfig, device, seed: int = 0, balanced: bool = False):

@@ -254,14 +254,22 @@ def triton_fp4_round_trip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return _round_trip(x, block, True)
 
 
-def _round_trip_can_run(x: torch.Tensor, block: int = 32) -> str | None:
+def _vector_reason(x: torch.Tensor) -> str | None:
+    """Why a last-dim-wise kernel of this module cannot take x (None when it can)."""
     reason = device_reason(x)
     if reason:
         return reason
     if x.dtype not in DTYPES:
         return f"dtype {x.dtype} (need fp32, bf16 or fp16)"
     if x.dim() == 0:
-        return "a 0-d tensor has no last dim to block"
+        return "a 0-d tensor has no last dim"
+    return None
+
+
+def _round_trip_can_run(x: torch.Tensor, block: int = 32) -> str | None:
+    reason = _vector_reason(x)
+    if reason:
+        return reason
     if block < 1 or block & (block - 1) or block > 4096:
         return f"block {block} is not a power of two in [1, 4096]"
     return None   # a last dim that is not a multiple of block raises the reference's ValueError
@@ -312,13 +320,9 @@ def triton_hadamard(x: torch.Tensor) -> torch.Tensor:
 
 
 def _hadamard_can_run(x: torch.Tensor) -> str | None:
-    reason = device_reason(x)
+    reason = _vector_reason(x)
     if reason:
         return reason
-    if x.dtype not in DTYPES:
-        return f"dtype {x.dtype} (need fp32, bf16 or fp16)"
-    if x.dim() == 0:
-        return "a 0-d tensor has no last dim"
     n = x.size(-1)
     if n < 2 or n & (n - 1) or n > MAX_HADAMARD:
         return f"size {n} is not a power of two in [2, {MAX_HADAMARD}]"
