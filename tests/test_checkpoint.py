@@ -224,3 +224,28 @@ def test_expected_inventory_agrees_with_dsv4_info(preset):
     assert mine["backbone"] - buffers == theirs["backbone"]
     assert mine["mtp"] - cfg.n_mtp_layers * cfg.n_routed_experts == theirs["mtp"]
     assert abs(mine["backbone"] / theirs["backbone"] - 1) < 0.005
+
+
+def test_keep_quantized_experts_large_batch_path_matches_per_expert_path(ckpts, monkeypatch):
+    """From GROUPED_MIN_TOKENS on, MXFP4 experts are dequantized chunk by chunk and run through
+    ops.moe_experts (forced here with a low threshold and 3-expert chunks): same output as the per-expert
+    path, and the op dispatch records the call."""
+    from dsv4 import ops
+    from dsv4.checkpoint import quantized
+
+    model = load_pretrained(ckpts["fp8"], dtype=torch.float32, keep_quantized=True, progress=False)
+    experts = model.layers[1].ffn.experts
+    g = torch.Generator().manual_seed(5)
+    t, k = 24, model.cfg.n_activated_experts
+    x = torch.randn(t, model.cfg.dim, generator=g)
+    idx = torch.stack([torch.randperm(experts.n, generator=g)[:k] for _ in range(t)])
+    wts = torch.rand(t, k, generator=g)
+    want = experts._per_expert(x, wts, idx)
+    w1 = experts.stacked("w1", 0, experts.n)
+    monkeypatch.setattr(quantized, "GROUPED_MIN_TOKENS", 8)
+    monkeypatch.setattr(quantized, "CHUNK_BYTES", 3 * w1[0].numel() * 3 * x.element_size())
+    ops.reset_calls()
+    got = experts(x, wts, idx)
+    assert sum(n for (op, _), n in ops.calls().items() if op == "moe_experts") == -(-experts.n // 3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(w1[2], experts.expert("w1", 2))          # batched dequantization = per expert

@@ -4,8 +4,10 @@ A plain-torch reference for keep-quantized loading (fast kernels plug in later):
 - `QuantLinear` replaces an `nn.Linear` whose checkpoint weight is FP8 (128x128 E8M0/fp32 scales).
   `forward` dequantizes on the fly; `.weight` gives the dequantized weight, so code that reads the
   weight directly keeps working.
-- `QuantExperts` replaces the stacked routed experts of a layer stored as MXFP4 or FP8: only the
-  experts a batch routes to are dequantized, one at a time.
+- `QuantExperts` replaces the stacked routed experts of a layer stored as MXFP4 or FP8. Small batches
+  (decode) dequantize only the experts they route to, one at a time; from `GROUPED_MIN_TOKENS` tokens on
+  (prefill) the experts are dequantized a chunk at a time into a bounded scratch and each chunk runs
+  through `ops.moe_experts` (the grouped-GEMM backends on a GPU): static shapes, no host sync.
 Stored bytes are kept bit for bit (`weight_q`, `scale` buffers).
 """
 
@@ -57,6 +59,10 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {self.fmt}"
 
 
+GROUPED_MIN_TOKENS = 1024          # from this many tokens, experts run chunk by chunk through ops.moe_experts
+CHUNK_BYTES = 256 << 20            # dequantized scratch per chunk (w1 + w2 + w3 of its experts)
+
+
 class QuantExperts(nn.Module):
     """Stacked routed experts kept quantized: w{1,2,3}_q [E, o, i or i/2] + scales."""
 
@@ -99,8 +105,34 @@ class QuantExperts(nn.Module):
     def w3(self) -> torch.Tensor:
         return torch.stack([self.expert("w3", j) for j in range(self.n)])
 
+    def stacked(self, w: str, lo: int, hi: int) -> torch.Tensor:
+        """Experts [lo, hi) of projection w dequantized: [hi - lo, out, in] in the compute dtype."""
+        q, s = getattr(self, f"{w}_q")[lo:hi], getattr(self, f"{w}_scale")[lo:hi]
+        if self.fmt == "fp4":
+            return fm.dequantize_mxfp4(q, s, self.compute_dtype)                # batched over experts
+        return torch.stack([self.expert(w, j) for j in range(lo, hi)])
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """x [T, dim] -> fp32 [T, dim]: the routed experts' weighted sum, dequantizing only experts used."""
+        """x [T, dim] -> fp32 [T, dim]: the routed experts' weighted sum."""
+        if x.size(0) >= GROUPED_MIN_TOKENS:
+            return self._chunked(x, weights, indices)
+        return self._per_expert(x, weights, indices)
+
+    def _chunked(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Dequantize CHUNK_BYTES of experts at a time; each chunk is one `ops.moe_experts` call over the
+        expert range it holds (slots routed elsewhere add zero)."""
+        bytes_per_expert = sum(getattr(self, f"{w}_q")[0].numel() * (2 if self.fmt == "fp4" else 1)
+                               for w in ("w1", "w2", "w3")) * x.element_size()
+        chunk = max(1, CHUNK_BYTES // bytes_per_expert)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for lo in range(0, self.n, chunk):
+            hi = min(self.n, lo + chunk)
+            w1, w2, w3 = (self.stacked(w, lo, hi).to(x.dtype) for w in ("w1", "w2", "w3"))
+            y = y + ops.moe_experts(x, weights, indices, w1, w2, w3, self.swiglu_limit, self.offset + lo)
+        return y
+
+    def _per_expert(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Dequantize only the experts this batch routes to (one host read of the routed set)."""
         from ..ops import reference as ref
 
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
