@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 from .. import formats as fm
 from ..config import ModelConfig
+from .atomic import atomic_directory
 from .layouts import CONFIG_FILES
 from .names import (
     EXPERT,
@@ -247,9 +247,7 @@ def save(
         raise CheckpointError("--mp applies to --to inference only, and must be >= 1")
     if target == "inference" and cfg.n_routed_experts % mp:
         raise CheckpointError(f"--mp {mp} does not divide the {cfg.n_routed_experts} routed experts")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
+    with atomic_directory(dst) as tmp:
         specs = official_tensors(cfg)
         if target == "hf":
             specs = {k: v for k, v in specs.items() if not k.startswith("mtp.")}
@@ -263,12 +261,6 @@ def save(
                     shutil.copyfile(src, tmp / name)
         if verify:
             verify_checkpoint(tmp, digests, cfg if target != "hf" else None)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 

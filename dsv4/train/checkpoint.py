@@ -18,13 +18,13 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..checkpoint.atomic import atomic_directory, fsync_dir
 from ..errors import UserError
 
 FILES = ("model.safetensors", "optimizer.safetensors", "state.json")
@@ -46,17 +46,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -169,8 +158,7 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], optim_te
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    try:
+    with atomic_directory(final) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"step": str(step)})
         save_file(optim_tensors, str(tmp / "optimizer.safetensors"), metadata={"step": str(step)})
         (tmp / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
@@ -179,16 +167,10 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], optim_te
         for name in (*FILES, "manifest.json"):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     latest_tmp = root / ".latest.tmp"
     latest_tmp.write_text(final.name + "\n")
     os.replace(latest_tmp, root / "latest")
-    _fsync_dir(root)
+    fsync_dir(root)
     if keep > 0:
         old = sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]
         for p in old:
