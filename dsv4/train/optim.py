@@ -74,6 +74,7 @@ class MuonAdamW:
         self.muon_names = [n for n, _ in muon_named]
         self.adamw_names = [n for n, _ in adamw_named]
         self._stacked: list[tuple[nn.Parameter, list[nn.Parameter]]] = []
+        self._stacked_bufs: dict[nn.Parameter, torch.Tensor] = {}      # stacked p -> its [E, out, in] momentum
         views: list[nn.Parameter] = []
         for _, p in muon_named:
             vs = _matrix_views(p)
@@ -102,7 +103,7 @@ class MuonAdamW:
         """The [E, out, in] momentum buffer of stacked p; Muon's state holds its per-expert slices."""
         state = self.muon.state
         bufs = [state[v].get("momentum_buffer") if v in state else None for v in views]
-        stacked = getattr(p, "_muon_stacked_buffer", None)
+        stacked = self._stacked_bufs.get(p)
         if stacked is not None and all(b is not None and b.data_ptr() == stacked[i].data_ptr()
                                        for i, b in enumerate(bufs)):
             return stacked
@@ -110,7 +111,7 @@ class MuonAdamW:
         stacked = torch.stack([torch.zeros_like(v) if b is None else b for b, v in zip(bufs, views)])
         for i, v in enumerate(views):
             state[v]["momentum_buffer"] = stacked[i]
-        p._muon_stacked_buffer = stacked
+        self._stacked_bufs[p] = stacked
         return stacked
 
     @torch.no_grad()
