@@ -455,6 +455,7 @@ def test_ops_dispatch_does_not_recompile_under_torch_compile():
     from dsv4 import ops
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()              # the counters outlive reset(): count this test only
     f = torch.compile(lambda h, r, p, c: ops.hc_post(h, r, p, c), backend="eager")
     b, s, hc, d = 1, 3, 4, 8
     args = (torch.randn(b, s, d), torch.randn(b, s, hc, d), torch.rand(b, s, hc), torch.rand(b, s, hc, hc))
@@ -483,6 +484,7 @@ def test_compiled_training_step_matches_eager(backend):
     tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(9))
     results = []
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()              # frames compiled by earlier tests must not count here
     for compiled in (False, True):
         m = micro_model(**kw)
         if compiled:
