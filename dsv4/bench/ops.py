@@ -356,6 +356,38 @@ def parity_elementwise(device, rows: list) -> None:
         rows.append({"parity": op, "backend": "triton", "dtype": str(args[0].dtype).replace("torch.", ""),
                      "shape": list(args[0].shape), "bit_identical": bool(torch.equal(got, want)),
                      "rel": _rel64(got, want), "ran": ops.last_backend(op)})
+    parity_norm_rope(device, rows)
+
+
+def parity_norm_rope(device, rows: list) -> None:
+    """rms_norm and rope_tail fwd + bwd vs the reference at the small preset's shapes (bf16 activations,
+    spread magnitudes): bit-identical share of the outputs and relative error; weight gradients repeatable."""
+    from ..ops import reference as ref
+    from ..ops.triton.rownorm_rope import norm_rope_cases
+
+    s = 4096 if device.type == "cuda" else 8
+    g = torch.Generator(device=device).manual_seed(4)
+    for name, op, make in norm_rope_cases(device):
+        args = list(make(s))
+        x = args[0] * torch.exp2(torch.randint(-30, 30, args[0].shape[:-1] + (1,), device=device, generator=g)
+                                 ).to(args[0].dtype)
+        args[0] = x
+        grad = torch.randn(x.shape, device=device, generator=g).to(x.dtype)
+        res = {}
+        def fast(*a, op=op):
+            return ops.call(op, *a, backend="triton")
+
+        for be, fn in (("triton", fast), ("reference", getattr(ref, op))):
+            leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                      and a.dim() > 0 and (i == 0 or op == "rms_norm") else a for i, a in enumerate(args)]
+            y = fn(*leaves)
+            y.backward(grad)
+            res[be] = [y.detach()] + [t.grad for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        for part, got, want in zip(("out", "dx", "dw"), res["triton"], res["reference"]):
+            rows.append({"parity": op, "case": name, "part": part, "backend": "triton",
+                         "dtype": str(got.dtype).replace("torch.", ""), "shape": list(got.shape),
+                         "same_frac": round(float((got == want).float().mean()), 6),
+                         "max_abs": float((got.double() - want.double()).abs().max()), "rel": _rel64(got, want)})
 
 
 def bench_elementwise(args, device, limits: dict, rows: list) -> None:
@@ -372,6 +404,37 @@ def bench_elementwise(args, device, limits: dict, rows: list) -> None:
             for be in ("reference", "triton"):
                 ms = _time_ms(lambda be=be, a=a, op=op: ops.call(op, *a, backend=be))
                 _row(rows, op, be, f"{name} {phase} b=4 s={s}", ms, limits, nbytes=nbytes)
+    bench_norm_rope(device, limits, rows)
+
+
+def bench_norm_rope(device, limits: dict, rows: list) -> None:
+    """rms_norm and rope_tail at the small preset's shapes, prefill (4096 tokens) and decode (1 token):
+    forward, and forward + backward at prefill (bytes = inputs read + outputs written)."""
+    from ..ops.triton.rownorm_rope import norm_rope_cases
+
+    for name, op, make in norm_rope_cases(device):
+        for phase, s in (("prefill", 4096), ("decode", 1)):
+            a = make(s)
+            out = ops.call(op, *a, backend="reference")
+            tensors = [x for x in a if isinstance(x, torch.Tensor)]
+            nbytes = out.numel() * out.element_size() + sum(x.numel() * x.element_size() for x in tensors)
+            for be in ("reference", "triton"):
+                ms = _time_ms(lambda be=be, a=a, op=op: ops.call(op, *a, backend=be))
+                _row(rows, op, be, f"{name} {phase} s={s}", ms, limits, nbytes=nbytes)
+            if phase != "prefill":
+                continue
+            x = a[0].detach().requires_grad_()
+            grad = torch.randn_like(out)
+            rest = [t.detach().requires_grad_() if op == "rms_norm" and isinstance(t, torch.Tensor) else t
+                    for t in a[1:]]
+
+            def fwd_bwd(be: str, x=x, rest=rest, grad=grad, op=op) -> None:
+                ops.call(op, x, *rest, backend=be).backward(grad)
+
+            # backward reads x (rms_norm) and the gradient, writes dx: about twice the forward's bytes
+            for be in ("reference", "triton"):
+                ms = _time_ms(lambda be=be: fwd_bwd(be))
+                _row(rows, op, be, f"{name} fwd+bwd {phase} s={s}", ms, limits, nbytes=2 * nbytes)
 
 
 class _Stream(list):

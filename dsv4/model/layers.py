@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from ..ops import reference
 from ..ops.precision import is_exact
 
@@ -23,15 +24,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Weightless RMS normalization (per-head query normalization), in fp32."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return ops.rms_norm(x, None, eps)
 
 
 class Linear(nn.Linear):

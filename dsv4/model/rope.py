@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from .. import ops
 from ..config import ModelConfig
 
 
@@ -72,5 +73,4 @@ class Rope:
 
 def apply_rope_tail(x: torch.Tensor, rope: Rope, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate only the last `rope.dim` dims of x (the RoPE dims of a V4 head), leave the rest."""
-    nope, pe = x[..., : -rope.dim], x[..., -rope.dim:]
-    return torch.cat([nope, rope.apply(pe, positions, inverse)], dim=-1)
+    return ops.rope_tail(x, positions, rope._freq_on(positions.device), inverse)

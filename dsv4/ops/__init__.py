@@ -179,6 +179,8 @@ compress_pool = _make("compress_pool")
 fp8_round_trip = _make("fp8_round_trip")
 fp4_round_trip = _make("fp4_round_trip")
 hadamard = _make("hadamard")
+rms_norm = _make("rms_norm")
+rope_tail = _make("rope_tail")
 moe_experts = _make("moe_experts")
 
 
@@ -207,6 +209,7 @@ __all__ = [
     "BackendUnavailable", "register", "unregister", "backends", "ops", "calls", "reset_calls", "last_backend",
     "use_backend", "set_deterministic", "is_deterministic", "resolve", "call",
     "sparse_attention", "indexer_scores", "indexer_topk", "hc_split_sinkhorn", "hc_pre", "hc_post",
-    "hc_head", "compress_pool", "fp8_round_trip", "fp4_round_trip", "hadamard", "moe_experts",
+    "hc_head", "compress_pool", "fp8_round_trip", "fp4_round_trip", "hadamard", "rms_norm", "rope_tail",
+    "moe_experts",
     "fp8_linear", "fp4_linear",
 ]

@@ -104,6 +104,43 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return (x.to(acc_dtype()) @ h.to(acc_dtype()) * n**-0.5).to(x.dtype)
 
 
+# ----------------------------------------------------------------------------- norm and rotary embedding
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMS normalization of the last dim: x [..., n] (any float dtype), weight [n] fp32 or None.
+
+    In fp32: `y = x * rsqrt(mean(x^2) + eps)`, times `weight` when given; returned in x's dtype.
+    Differentiable in x and weight.
+    """
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = weight.float() * y
+    return y.to(x.dtype)
+
+
+def rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+              ) -> torch.Tensor:
+    """Rotary embedding of the last `r = 2 * inv_freq.numel()` dims of x, the first `d - r` unchanged.
+
+    x [b, s, d] or [b, s, h, d]; positions [s] integer (or [1] for every row: decode, s == 1); inv_freq
+    [r/2] fp32. Interleaved pairs: x0 = even, x1 = odd dims of the tail, angle = position * inv_freq:
+    `y0 = x0 cos - x1 sin`, `y1 = x0 sin + x1 cos` in fp32 (`inverse`: sin negated, the inverse rotation),
+    cast to x's dtype. Differentiable in x (the gradient is the inverse rotation; the rest passes through).
+    """
+    r = 2 * inv_freq.numel()
+    nope, pe = x[..., :-r], x[..., -r:]
+    angles = torch.outer(positions.float(), inv_freq)                       # [s, r/2]
+    cos, sin = angles.cos(), angles.sin()
+    if x.dim() == 4:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                        # [s, 1, r/2]
+    if inverse:
+        sin = -sin
+    pf = pe.float()
+    x0, x1 = pf[..., 0::2], pf[..., 1::2]
+    y = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+    return torch.cat([nope, y.to(x.dtype)], dim=-1)
+
+
 # ----------------------------------------------------------------------------- sparse attention
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
