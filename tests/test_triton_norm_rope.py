@@ -322,3 +322,18 @@ def test_model_wiring_reference_bit_identical_and_triton_close():
             got = model(tokens).logits.float()
     assert ops.calls()[("rms_norm", "triton")] > 10 and ops.calls()[("rope_tail", "triton")] > 4
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_bench_parity_rows():
+    """`dsv4 bench ops --only parity` rows for the two ops (8 tokens here, 4096 on a GPU): outputs and
+    gradients at the small preset's shapes agree with the reference."""
+    from dsv4.bench.ops import parity_norm_rope
+
+    rows: list[dict] = []
+    parity_norm_rope(DEV, rows)
+    parts = {(r["parity"], r["case"], r["part"]) for r in rows}
+    assert len(parts) == len(rows) == 9
+    for r in rows:
+        assert r["rel"] <= (1e-5 if r["dtype"] == "float32" else 1e-3), r
+        if r["part"] != "dw":                    # bf16: identical but for rare one-ulp differences
+            assert r["same_frac"] >= 0.99, r
