@@ -285,6 +285,22 @@ def test_rope_refusals(monkeypatch):
         assert ops.last_backend("rope_tail") == "reference"
 
 
+def test_fp16_inputs(poisoned):
+    """fp16 activations through both ops, forward and backward."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 6, 3, 128, generator=gen).half().to(DEV)
+    g = torch.randn(2, 6, 3, 128, generator=gen).half().to(DEV)
+    w = torch.randn(128, generator=gen).to(DEV)
+    (y1, dx1, dw1), (y0, dx0, dw0) = norm_pair(x, w, g)
+    check_close(y1, y0)
+    check_close(dx1, dx0)
+    assert torch.allclose(dw1, dw0, rtol=1e-5, atol=1e-5)
+    pos = torch.arange(6, device=DEV) * 5
+    (y1, dx1), (y0, dx0) = rope_pair(x, pos, freqs(64), False, g)
+    check_close(y1, y0)
+    check_close(dx1, dx0)
+
+
 # ----------------------------------------------------------------------------- in the model
 def test_model_wiring_reference_bit_identical_and_triton_close():
     """The model's norms and rotary embeddings go through the ops: with the reference backend the logits
