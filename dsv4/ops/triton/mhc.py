@@ -17,8 +17,6 @@ saved mixes, [T, 24] numbers, in registers) and computes the projection gradient
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import triton
 import triton.language as tl
@@ -26,10 +24,8 @@ import triton.language as tl
 from .. import register
 from ._common import num_sms
 from ._mm_utils import INTERPRET as _INTERPRET
-from ._mm_utils import device_reason
+from ._mm_utils import device_reason, mma, round_to
 from ._mm_utils import launch as _launch
-from ._mm_utils import mma as _mma
-from ._mm_utils import round_to as _round_to
 
 
 @triton.jit
@@ -53,11 +49,11 @@ def _hc_pre_mix(x_ptr, fpp_ptr, fcb_ptr, ts64, tmask, K, k_lo, k_hi,
         for part in tl.static_range(3):               # fn = hi + mid + lo, each exactly bf16
             w = tl.load(fpp_ptr + part * K * P1 + ks[:, None] * P1 + c1[None, :], mask=kmask[:, None],
                         other=0.0)
-            acc_pp = _mma(xk, w, acc_pp, UPCAST)
+            acc_pp = mma(xk, w, acc_pp, UPCAST)
             if not HEAD:
                 w2 = tl.load(fcb_ptr + part * K * P2 + ks[:, None] * P2 + c2[None, :], mask=kmask[:, None],
                              other=0.0)
-                acc_cb = _mma(xk, w2, acc_cb, UPCAST)
+                acc_cb = mma(xk, w2, acc_cb, UPCAST)
     return acc_pp, acc_cb, ss
 
 
@@ -109,7 +105,7 @@ def _hc_pre_epilogue(acc_pp, acc_cb, ss, x_ptr, scale_ptr, base_ptr, y_ptr, post
         x3 = tl.load(x_ptr + ts64[:, None, None] * K + hcs[None, :, None] * D + ds[None, None, :], mask=m3,
                      other=0.0).to(tl.float32)                                          # [BT, HC, BD]
         y = tl.sum(pre[:, :, None] * x3, axis=1)
-        tl.store(y_ptr + ts64[:, None] * D + ds[None, :], _round_to(y, y_ptr.dtype.element_ty, UPCAST),
+        tl.store(y_ptr + ts64[:, None] * D + ds[None, :], round_to(y, y_ptr.dtype.element_ty, UPCAST),
                  mask=tmask[:, None] & dmask[None, :])
 
 
@@ -207,13 +203,16 @@ def _hc_post_fwd_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, D,
                      other=0.0).to(tl.float32)                                                  # [BT, BD]
         out += ci[:, :, None] * ri[:, None, :]
     o_ptrs = out_ptr + ts64[:, None, None] * HC * D + hcs[None, :, None] * D + ds[None, None, :]
-    tl.store(o_ptrs, _round_to(out, out_ptr.dtype.element_ty, UPCAST), mask=m2[:, None, :])
+    tl.store(o_ptrs, round_to(out, out_ptr.dtype.element_ty, UPCAST), mask=m2[:, None, :])
 
 
 @triton.jit
 def _hc_post_bwd_kernel(g_ptr, f_ptr, res_ptr, post_ptr, comb_ptr, gf_ptr, gres_ptr, gpost_ptr, gcomb_ptr,
                         T, D, HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
-    """One pass over g, f, res: gf, gres per element; gpost, gcomb reduced over d in registers."""
+    """One pass over g, f, res: gf, gres per element; gpost, gcomb reduced over d in registers.
+
+    Copy i of the residual is loaded on its own as [BT, BD] (no [BT, HC, BD] tile filtered by a select per
+    copy: that cost HC times the arithmetic of the useful work)."""
     pid = tl.program_id(0)
     ts = pid * BT + tl.arange(0, BT)
     tmask = ts < T
@@ -232,18 +231,18 @@ def _hc_post_bwd_kernel(g_ptr, f_ptr, res_ptr, post_ptr, comb_ptr, gf_ptr, gres_
         off3 = ts64[:, None, None] * HC * D + hcs[None, :, None] * D + ds[None, None, :]
         g = tl.load(g_ptr + off3, mask=m3, other=0.0).to(tl.float32)                   # [BT, HC(j), BD]
         f = tl.load(f_ptr + ts64[:, None] * D + ds[None, :], mask=m2, other=0.0).to(tl.float32)
-        res = tl.load(res_ptr + off3, mask=m3, other=0.0).to(tl.float32)               # [BT, HC(i), BD]
         gf = tl.sum(post[:, :, None] * g, axis=1)
-        tl.store(gf_ptr + ts64[:, None] * D + ds[None, :], _round_to(gf, gf_ptr.dtype.element_ty, UPCAST),
+        tl.store(gf_ptr + ts64[:, None] * D + ds[None, :], round_to(gf, gf_ptr.dtype.element_ty, UPCAST),
                  mask=m2)
         gpost += tl.sum(g * f[:, None, :], axis=2)
         for i in tl.static_range(HC):
             sel = (hcs == i)[None, :, None]
             ci = tl.sum(tl.where(sel, comb, 0.0), axis=1)                                # [BT, HC(j)]
-            ri = tl.sum(tl.where(sel, res, 0.0), axis=1)                                 # [BT, BD]
+            ri = tl.load(res_ptr + ts64[:, None] * HC * D + i * D + ds[None, :], mask=m2,
+                         other=0.0).to(tl.float32)                                        # [BT, BD]
             gri = tl.sum(ci[:, :, None] * g, axis=1)                                      # [BT, BD]
             tl.store(gres_ptr + ts64[:, None] * HC * D + i * D + ds[None, :],
-                     _round_to(gri, gres_ptr.dtype.element_ty, UPCAST), mask=m2)
+                     round_to(gri, gres_ptr.dtype.element_ty, UPCAST), mask=m2)
             gci = tl.sum(g * ri[:, None, :], axis=2)                                      # [BT, HC(j)]
             gcomb += tl.where(sel, gci[:, None, :], 0.0)
     tl.store(gpost_ptr + ts64[:, None] * HC + hcs[None, :], gpost, mask=tmask[:, None])
@@ -322,13 +321,19 @@ def _hc_split_bwd_kernel(mix_ptr, scale_ptr, base_ptr, gpre_ptr, gpost_ptr, gcom
     tl.store(glogit_ptr + ts64[:, None, None] * n_mix + 2 * HC + cc[None, :, :], dz, mask=m3)
 
 
+# Each program re-reads the whole split fn (K x 48 bf16 values x 3 parts) once per row tile, so the fn
+# traffic is about 144 / BT times the x traffic: large row tiles (with narrow column chunks for the
+# [BT, HC, BD] weighted reduce) keep it small; small ones give more programs. Autotuned per shape.
 _PRE_CONFIGS = [triton.Config({"BT": bt, "BK": bk, "BD": bd}, num_warps=w)
                 for bt, bk, bd, w in ((16, 128, 128, 4), (32, 128, 256, 4), (32, 256, 256, 8),
-                                      (64, 128, 256, 8))]
+                                      (64, 128, 256, 8), (64, 64, 64, 4), (128, 64, 32, 8), (128, 32, 16, 4),
+                                      (256, 32, 16, 8))]
 _POST_CONFIGS = [triton.Config({"BT": bt, "BD": bd}, num_warps=w)
-                 for bt, bd, w in ((2, 256, 4), (4, 256, 4), (8, 128, 4), (4, 512, 8))]
+                 for bt, bd, w in ((2, 256, 4), (4, 256, 4), (8, 128, 4), (4, 512, 8), (8, 256, 8),
+                                   (16, 128, 8), (1, 1024, 8))]
 _POST_BWD_CONFIGS = [triton.Config({"BT": bt, "BD": bd}, num_warps=w)
-                     for bt, bd, w in ((2, 128, 4), (4, 128, 4), (2, 256, 4), (8, 64, 4))]
+                     for bt, bd, w in ((2, 128, 4), (4, 128, 4), (2, 256, 4), (8, 64, 4), (4, 256, 8),
+                                       (8, 128, 8), (16, 64, 4), (1, 512, 4))]
 _pre_tuned = triton.autotune(_PRE_CONFIGS, key=["D", "HC", "HEAD"])(_hc_pre_fwd_kernel)
 _post_tuned = triton.autotune(_POST_CONFIGS, key=["D", "HC"])(_hc_post_fwd_kernel)
 _post_bwd_tuned = triton.autotune(_POST_BWD_CONFIGS, key=["D", "HC"])(_hc_post_bwd_kernel)
@@ -340,7 +345,8 @@ def _rows_grid(t: int):
 
 # ----------------------------------------------------------------------------- launchers
 def _split3(w: torch.Tensor) -> torch.Tensor:
-    """fp32 [..] -> [3, ..] bf16 with hi + mid + lo == w to fp32 precision."""
+    """fp32 [..] -> [3, ..] bf16 with hi + mid + lo == w to fp32 precision (the definition `_split_fn_kernel`
+    computes; kept for tests)."""
     w = w.float()
     hi = w.to(torch.bfloat16)
     mid = (w - hi.float()).to(torch.bfloat16)
@@ -352,34 +358,50 @@ def _pp_width(hc: int) -> int:
     return max(16, triton.next_power_of_2(2 * hc))
 
 
-_PACKED: dict[int, tuple] = {}   # id(fn) -> (weakref to fn, its version, head, packed parts)
+@triton.jit
+def _split_parts_store(w, out_ptr, K, ks, cols, mask, NC: tl.constexpr, UPCAST: tl.constexpr):
+    """Stores w [BK, NC] fp32 as three exact bf16 parts at out[part, k, col] (out: [3, K, NC])."""
+    hi = round_to(w, tl.bfloat16, UPCAST)
+    r = w - hi.to(tl.float32)                        # exact in fp32
+    mid = round_to(r, tl.bfloat16, UPCAST)
+    lo = round_to(r - mid.to(tl.float32), tl.bfloat16, UPCAST)
+    offs = ks[:, None].to(tl.int64) * NC + cols[None, :]
+    tl.store(out_ptr + offs, hi, mask=mask)
+    tl.store(out_ptr + K * NC + offs, mid, mask=mask)
+    tl.store(out_ptr + 2 * K * NC + offs, lo, mask=mask)
 
 
-def _pack_fn(fn: torch.Tensor, hc: int, head: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_split_fn`, cached per parameter until it is modified (its version counter changes)."""
-    try:
-        version = fn._version
-    except RuntimeError:                     # inference tensors have no version counter: no caching
-        return _split_fn(fn, hc, head)
-    hit = _PACKED.get(id(fn))
-    if hit is not None and hit[0]() is fn and hit[1] == version and hit[2] == head:
-        return hit[3]
-    packed = _split_fn(fn, hc, head)
-    if len(_PACKED) > 256:
-        _PACKED.clear()
-    _PACKED[id(fn)] = (weakref.ref(fn), version, head, packed)
-    return packed
+@triton.jit
+def _split_fn_kernel(fn_ptr, fpp_ptr, fcb_ptr, K, N_PP: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+                     HEAD: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+    """fn [mix, K] fp32 -> fpp [3, K, P1] (pre | post columns, zero-padded), fcb [3, K, P2] (comb columns)."""
+    ks = tl.program_id(0) * BK + tl.arange(0, BK)
+    kmask = ks < K
+    c1 = tl.arange(0, P1)
+    w = tl.load(fn_ptr + c1[None, :].to(tl.int64) * K + ks[:, None], mask=kmask[:, None] & (c1[None, :] < N_PP),
+                other=0.0)
+    _split_parts_store(w, fpp_ptr, K, ks, c1, kmask[:, None], P1, UPCAST)
+    if not HEAD:
+        c2 = tl.arange(0, P2)
+        w2 = tl.load(fn_ptr + (N_PP + c2[None, :]).to(tl.int64) * K + ks[:, None], mask=kmask[:, None], other=0.0)
+        _split_parts_store(w2, fcb_ptr, K, ks, c2, kmask[:, None], P2, UPCAST)
 
 
 def _split_fn(fn: torch.Tensor, hc: int, head: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fn [mix, hc*D] -> (pre|post columns [3, K, P1], comb columns [3, K, hc*hc]) as bf16 parts."""
+    """fn [mix, hc*D] -> (pre|post columns [3, K, P1], comb columns [3, K, hc*hc]) as exact bf16 parts.
+
+    One launch per call, recomputed every time: nothing is cached across calls, so a CUDA graph that
+    captured this replays it against the parameter's current values (a cache keyed on the parameter
+    would hand a captured graph stale or freed parts once the weights are updated).
+    """
     k = fn.size(1)
     p1 = _pp_width(hc)
-    n_pp = hc if head else 2 * hc
-    parts = _split3(fn.t())                                                      # [3, K, mix]
-    fpp = torch.zeros(3, k, p1, dtype=torch.bfloat16, device=fn.device)
-    fpp[:, :, :n_pp] = parts[:, :, :n_pp]
-    fcb = parts[:, :, n_pp:].contiguous() if not head else fpp
+    fn = fn.detach().float().contiguous()
+    fpp = torch.empty(3, k, p1, dtype=torch.bfloat16, device=fn.device)
+    fcb = torch.empty(3, k, hc * hc, dtype=torch.bfloat16, device=fn.device) if not head else fpp
+    bk = 64
+    _launch(_split_fn_kernel, (triton.cdiv(k, bk),), fn, fpp, fcb, k, N_PP=hc if head else 2 * hc, P1=p1,
+            P2=hc * hc, HEAD=head, BK=bk, UPCAST=_INTERPRET, num_warps=4)
     return fpp, fcb
 
 
@@ -424,7 +446,7 @@ def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
     b, s, hc, d = x.shape
     t = b * s
     x = x.contiguous()
-    fpp, fcb = _pack_fn(fn, hc, head)
+    fpp, fcb = _split_fn(fn, hc, head)
     y = torch.empty(b, s, d, dtype=x.dtype, device=x.device)
     dev = x.device
     post = torch.empty(b, s, hc, dtype=torch.float32, device=dev)
@@ -489,8 +511,8 @@ class _HcPre(torch.autograd.Function):
             mix, sc, bs, g_pre.contiguous(), g_post, g_comb, glogit, pre, t, float(hc_eps),
             ITERS=int(iters), HC=hc, BT=bt, num_warps=4)
         # logits = mixes * scale[segment] + base: per-parameter sums over tokens (fixed order)
-        seg = torch.tensor([hc, hc, hc * hc], device=dev)
-        sc_vec = torch.repeat_interleave(sc, seg)                                    # [mix]
+        # scale per mix column: pre | post | comb (no host-built index tensor: graph-capturable)
+        sc_vec = torch.cat([sc[0].expand(hc), sc[1].expand(hc), sc[2].expand(hc * hc)])   # [mix]
         g_m = glogit * sc_vec
         g_bs = glogit.sum(0)
         g_sc = torch.stack([part.sum() for part in (glogit * mix).split([hc, hc, hc * hc], dim=1)])

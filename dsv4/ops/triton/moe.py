@@ -25,10 +25,8 @@ import triton.language as tl
 from .. import register
 from ..torch_native import MoEPlan, clamped_swiglu, combine_rows, gather_rows, mask_rows, moe_plan
 from ._mm_utils import INTERPRET as _INTERPRET
-from ._mm_utils import device_reason
+from ._mm_utils import device_reason, mma, round_to
 from ._mm_utils import launch as _launch
-from ._mm_utils import mma as _mma
-from ._mm_utils import round_to as _round_to
 
 
 @triton.jit
@@ -73,22 +71,22 @@ def _gmm_kernel(a_ptr, a_idx_ptr, b_ptr, b2_ptr, c_ptr, c_idx_ptr, w_ptr,
         kmask = (k0 + ks) < K
         a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_ptr + b_off, mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc = _mma(a, b, acc, UPCAST)
+        acc = mma(a, b, acc, UPCAST)
         if SWIGLU:
             b2 = tl.load(b2_ptr + b_off, mask=kmask[:, None] & cmask[None, :], other=0.0)
-            acc2 = _mma(a, b2, acc2, UPCAST)
+            acc2 = mma(a, b2, acc2, UPCAST)
         a_ptrs += BK * stride_ak
         b_off += BK * stride_bk
     if SWIGLU:
         # the projections round to the activation dtype first, as a plain linear layer would
-        gate = _round_to(acc, a_ptr.dtype.element_ty, UPCAST).to(tl.float32)
-        up = _round_to(acc2, a_ptr.dtype.element_ty, UPCAST).to(tl.float32)
+        gate = round_to(acc, a_ptr.dtype.element_ty, UPCAST).to(tl.float32)
+        up = round_to(acc2, a_ptr.dtype.element_ty, UPCAST).to(tl.float32)
         if limit > 0:
             up = tl.minimum(tl.maximum(up, -limit), limit)
             gate = tl.minimum(gate, limit)
         w = tl.load(w_ptr + rows, mask=rmask, other=0.0)
         acc = gate * tl.sigmoid(gate) * up * w[:, None]
-    tl.store(c_ptrs, _round_to(acc, c_ptr.dtype.element_ty, UPCAST), mask=smask)
+    tl.store(c_ptrs, round_to(acc, c_ptr.dtype.element_ty, UPCAST), mask=smask)
 
 
 @triton.jit
@@ -114,9 +112,9 @@ def _gmm_wgrad_kernel(a_ptr, g_ptr, out_ptr, starts_ptr, ends_ptr, N, K,
                     mask=rmask[:, None] & kmask[None, :], other=0.0)                       # [BR, BK]
         gr = tl.load(g_ptr + rs[:, None].to(tl.int64) * stride_gm + ns[None, :] * stride_gn,
                      mask=rmask[:, None] & nmask[None, :], other=0.0)                     # [BR, BN]
-        acc = _mma(tl.trans(a), gr, acc, UPCAST)
+        acc = mma(tl.trans(a), gr, acc, UPCAST)
     o_ptrs = out_ptr + e.to(tl.int64) * stride_oe + ks[:, None] * stride_ok + ns[None, :] * stride_on
-    tl.store(o_ptrs, _round_to(acc, out_ptr.dtype.element_ty, UPCAST), mask=kmask[:, None] & nmask[None, :])
+    tl.store(o_ptrs, round_to(acc, out_ptr.dtype.element_ty, UPCAST), mask=kmask[:, None] & nmask[None, :])
 
 
 _GMM_CONFIGS = [

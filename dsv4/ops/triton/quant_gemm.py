@@ -21,10 +21,8 @@ import triton.language as tl
 
 from .. import register
 from ._mm_utils import INTERPRET as _INTERPRET
-from ._mm_utils import device_reason
+from ._mm_utils import device_reason, mma, round_to
 from ._mm_utils import launch as _launch
-from ._mm_utils import mma as _mma
-from ._mm_utils import round_to as _round_to
 
 
 @triton.jit
@@ -72,12 +70,12 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym, 
             s = _e8m0(tl.load(s_ptr + s_row + k0 // 128, mask=nmask, other=127).to(tl.int32))
         else:
             s = tl.load(s_ptr + s_row + k0 // 128, mask=nmask, other=1.0)
-        wq = _round_to(w * s[None, :], x_ptr.dtype.element_ty, UPCAST)
-        acc = _mma(x, wq, acc, UPCAST)
+        wq = round_to(w * s[None, :], x_ptr.dtype.element_ty, UPCAST)
+        acc = mma(x, wq, acc, UPCAST)
         x_ptrs += BK
         w_ptrs += BK
     y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    tl.store(y_ptrs, _round_to(acc, y_ptr.dtype.element_ty, UPCAST), mask=mmask[:, None] & nmask[None, :])
+    tl.store(y_ptrs, round_to(acc, y_ptr.dtype.element_ty, UPCAST), mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -113,13 +111,13 @@ def _fp4_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
         sb = tl.load(s_ptrs, mask=nmask[:, None] & ((k0 // 32 + kss) < K // 32)[None, :], other=127)
         s = _e8m0(sb.to(tl.int32) & 0xFF)                                                # [BN, BK/32]
         w = tl.reshape(tl.reshape(w, (BN, BK // 32, 32)) * s[:, :, None], (BN, BK))
-        wq = _round_to(w, x_ptr.dtype.element_ty, UPCAST)
-        acc = _mma(x, tl.trans(wq), acc, UPCAST)
+        wq = round_to(w, x_ptr.dtype.element_ty, UPCAST)
+        acc = mma(x, tl.trans(wq), acc, UPCAST)
         x_ptrs += BK
         w_ptrs += BK // 2
         s_ptrs += BK // 32
     y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    tl.store(y_ptrs, _round_to(acc, y_ptr.dtype.element_ty, UPCAST), mask=mmask[:, None] & nmask[None, :])
+    tl.store(y_ptrs, round_to(acc, y_ptr.dtype.element_ty, UPCAST), mask=mmask[:, None] & nmask[None, :])
 
 
 _CONFIGS = [
@@ -199,7 +197,7 @@ def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, n_rows, K, row0, s_cols, SCALE_E8
     else:
         s = tl.load(s_ptr + s_off, mask=m, other=1.0)
     o_ptrs = out_ptr + (rn - row0)[:, None].to(tl.int64) * K + ks[None, :]
-    tl.store(o_ptrs, _round_to(w * s, out_ptr.dtype.element_ty, UPCAST), mask=m)
+    tl.store(o_ptrs, round_to(w * s, out_ptr.dtype.element_ty, UPCAST), mask=m)
 
 
 @triton.jit
@@ -219,7 +217,7 @@ def _fp4_dequant_kernel(w_ptr, s_ptr, out_ptr, n_rows, K, row0, BN: tl.constexpr
     w = tl.reshape(tl.reshape(w, (BN, BK // 32, 32)) * _e8m0(sb.to(tl.int32) & 0xFF)[:, :, None], (BN, BK))
     ks = tl.program_id(1) * BK + tl.arange(0, BK)
     o_ptrs = out_ptr + (rn - row0)[:, None].to(tl.int64) * K + ks[None, :]
-    tl.store(o_ptrs, _round_to(w, out_ptr.dtype.element_ty, UPCAST), mask=nmask[:, None] & (ks < K)[None, :])
+    tl.store(o_ptrs, round_to(w, out_ptr.dtype.element_ty, UPCAST), mask=nmask[:, None] & (ks < K)[None, :])
 
 
 _CHUNK_ELEMENTS = 1 << 26   # bf16 weight rows dequantized at a time (128 MiB)
