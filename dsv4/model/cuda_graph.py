@@ -1,8 +1,12 @@
-"""Decode steps replayed from a CUDA graph.
+"""Decode steps and fixed-shape prefills replayed from CUDA graphs.
 
 `DeepSeekV4.decode_step` is a fixed sequence of kernels that reads the position from `cache.pos_t` on the
 device and never synchronizes with the host, so one step can be captured once and replayed for every
 new token: the per-step cost drops from thousands of kernel launches from Python to one graph launch.
+
+`DeepSeekV4.prefill` is the same at a fixed [batch, seq] shape (the token-value check, the one host sync,
+is skipped while capturing and done by `GraphedPrefill.run` instead), so a server that pads prompts to a
+few bucket lengths can capture one graph per bucket.
 """
 
 from __future__ import annotations
@@ -64,4 +68,69 @@ class GraphedDecoder:
         self.tokens.copy_(tokens)
         self.graph.replay()
         self.cache.pos += 1
+        return self.logits
+
+
+def _initial_state(cache: ModelCache) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(tensor, snapshot) for every distinct storage of a fresh cache: snapshot None when it is all zeros."""
+    seen: set[int] = set()
+    out = []
+    for t in _cache_tensors(cache):
+        base = t if t._base is None else t._base
+        if id(base) in seen:
+            continue
+        seen.add(id(base))
+        out.append((base, None if not bool(base.any()) else base.clone()))
+    return out
+
+
+class GraphedPrefill:
+    """Captures `model.prefill(tokens [batch, seq], cache)` at one shape; `run(tokens)` replays it.
+
+    The graph owns its cache (`self.cache`, max_len tokens) and first restores it to the state of a new
+    cache, so every replay is a fresh prefill; after `run` the cache holds the prompt and decoding can go
+    on from it (e.g. with `GraphedDecoder`). The returned logits tensor is reused by every replay.
+    """
+
+    def __init__(self, model: DeepSeekV4, batch: int, seq: int, max_len: int | None = None,
+                 last_only: bool = True, warmup: int = 2):
+        dev = model.embed.weight.device
+        if dev.type != "cuda":
+            raise ValueError(f"CUDA graphs need a model on a CUDA device, this one is on {dev}")
+        max_len = seq if max_len is None else max_len
+        self.model, self.shape = model, (batch, seq)
+        self.cache = model.new_cache(batch, max_len)
+        self.tokens = torch.zeros(batch, seq, dtype=torch.long, device=dev)
+        self._initial = _initial_state(self.cache)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):                        # compile / autotune kernels outside the graph
+            for _ in range(warmup):
+                self._reset()
+                model.prefill(self.tokens, self.cache, last_only=last_only)
+                self.cache.pos = 0
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._reset()
+            self.logits = model.prefill(self.tokens, self.cache, last_only=last_only)
+        self.cache.pos = 0                                   # capture records, it does not run
+
+    def _reset(self) -> None:
+        for live, snapshot in self._initial:
+            if snapshot is None:
+                live.zero_()
+            else:
+                live.copy_(snapshot)
+
+    @torch.no_grad()
+    def run(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, seq] -> logits [batch, 1 or seq, vocab] (the graph's output buffer)."""
+        if tuple(tokens.shape) != self.shape or tokens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"this graph was captured for integer tokens of shape {list(self.shape)}, got "
+                             f"{list(tokens.shape)} {tokens.dtype}")
+        self.model._check_tokens(tokens)
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        self.cache.pos = self.shape[1]
         return self.logits

@@ -43,6 +43,11 @@ class ModelCache:
     pos_t: torch.Tensor | None = None  # the same as a [1] long tensor on the device (read by decode steps)
 
 
+def _capturing(device: torch.device) -> bool:
+    """True while the current CUDA stream is being captured into a graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     prev = torch.get_default_dtype()
@@ -151,6 +156,8 @@ class DeepSeekV4(nn.Module):
         if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"tokens must be an integer tensor [batch, seq], got {tuple(tokens.shape)} "
                              f"{tokens.dtype}")
+        if _capturing(tokens.device):
+            return                         # a value check would synchronize; graph wrappers check on entry
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}); got "
                              f"[{int(tokens.min())}, {int(tokens.max())}]")
