@@ -532,3 +532,22 @@ def test_compile_without_a_cxx_compiler_is_refused(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(UserError, match="C\\+\\+ compiler"):
         compile_blocks(micro_model(), torch.device("cpu"))
+
+
+def test_cuda_graph_training_is_refused_where_it_cannot_run(tmp_path, capsys):
+    """`--cuda-graph` on a CPU fails at once with the reason (before tokenizing or building anything), and
+    the graph wrappers refuse CPU tensors by name."""
+    from dsv4.cli import main
+    from dsv4.model.cuda_graph import GraphedPrefill
+    from dsv4.train.graphed import GraphedBackward
+
+    rc = main(["train", "--preset", "tiny", "--device", "cpu", "--cuda-graph", "--out", str(tmp_path / "run"),
+               "--no-progress"])
+    assert rc == 2
+    assert "--cuda-graph: it needs a CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "tokenizer").exists()
+    model = micro_model()
+    with pytest.raises(ValueError, match="CUDA graphs need"):
+        GraphedBackward(model, lambda x: {"loss": model(x).logits.sum()}, torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="CUDA graphs need"):
+        GraphedPrefill(model, 1, 4)

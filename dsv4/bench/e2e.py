@@ -100,20 +100,32 @@ def _tokens(cfg: ModelConfig, b: int, s: int, device: torch.device, seed: int = 
 
 
 # ----------------------------------------------------------------------------- the three benchmarks
+def _graphed(args, device: torch.device, path: str) -> bool:
+    return path != "reference" and device.type == "cuda" and not getattr(args, "no_cuda_graph", False)
+
+
 def bench_prefill(model, args, device, path: str) -> dict:
     tokens = _tokens(model.cfg, args.batch, args.seq, device)
     max_len = args.seq + 8
-
-    def run(cache):
-        model.prefill(tokens, cache)
-
+    graphed = _graphed(args, device, path)
     with _path(path), torch.no_grad():
-        run(model.new_cache(args.batch, max_len))                      # warm-up (compiles, autotunes)
-        ops.reset_calls()
-        sec = _timed(run, device, args.reps, setup=lambda: model.new_cache(args.batch, max_len))
-        used = _backends_used()
+        if graphed:
+            from ..model.cuda_graph import GraphedPrefill
+
+            ops.reset_calls()
+            prefill = GraphedPrefill(model, args.batch, args.seq, max_len)    # warm-up + capture
+            used = _backends_used()                                        # what the graph replays
+            sec = _timed(lambda _: prefill.run(tokens), device, args.reps)
+        else:
+            def run(cache):
+                model.prefill(tokens, cache)
+
+            run(model.new_cache(args.batch, max_len))                      # warm-up (compiles, autotunes)
+            ops.reset_calls()
+            sec = _timed(run, device, args.reps, setup=lambda: model.new_cache(args.batch, max_len))
+            used = _backends_used()
     return {"bench": "prefill", "path": path, "batch": args.batch, "seq": args.seq, "s": round(sec, 4),
-            "tokens_per_s": round(args.batch * args.seq / sec, 1), "backends": used}
+            "tokens_per_s": round(args.batch * args.seq / sec, 1), "cuda_graph": graphed, "backends": used}
 
 
 def bench_decode(model, args, device, path: str) -> dict:
@@ -125,11 +137,13 @@ def bench_decode(model, args, device, path: str) -> dict:
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         model.decode_step(nxt, cache)                                  # warm-up
         state = {"nxt": nxt}
-        graphed = path != "reference" and device.type == "cuda" and not getattr(args, "no_cuda_graph", False)
+        graphed = _graphed(args, device, path)
+        ops.reset_calls()
         if graphed:
             from ..model.cuda_graph import GraphedDecoder
 
             step = GraphedDecoder(model, cache).step
+            used = _backends_used()                                        # what the graph replays
         else:
             def step(tokens):
                 return model.decode_step(tokens, cache)
@@ -138,9 +152,9 @@ def bench_decode(model, args, device, path: str) -> dict:
             for _ in range(args.steps):
                 state["nxt"] = step(state["nxt"])[:, -1].argmax(-1, keepdim=True)
 
-        ops.reset_calls()
         sec = _timed(run, device, args.reps)
-        used = _backends_used()
+        if not graphed:
+            used = _backends_used()
         row = {"bench": "decode", "path": path, "batch": args.batch, "prompt": args.prompt,
                "steps": args.steps, "s": round(sec, 4),
                "tokens_per_s": round(args.batch * args.steps / sec, 2),
@@ -171,14 +185,13 @@ def bench_train(model, args, device, path: str) -> dict:
     autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if full
                 else contextlib.nullcontext())
 
-    def run(_):
-        with autocast:
-            if full:
-                loss = total_loss(model(tokens, mtp=mtp, indexer_loss=True), tokens).total
-            else:
-                logits = model(tokens).logits[:, :-1].float()
-                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
-        loss.backward()
+    def loss_fn(batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        if full:
+            return {"loss": total_loss(model(batch, mtp=mtp, indexer_loss=True), batch).total}
+        logits = model(batch).logits[:, :-1].float()
+        return {"loss": F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))}
+
+    def optimizer_step() -> None:
         if opt is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -187,17 +200,38 @@ def bench_train(model, args, device, path: str) -> dict:
         else:
             model.zero_grad(set_to_none=True)
 
+    def eager_step(_):
+        with autocast:
+            loss = loss_fn(tokens)["loss"]
+        loss.backward()
+        optimizer_step()
+
+    graphed = path != "reference" and device.type == "cuda" and bool(getattr(args, "cuda_graph", False))
     try:
         with _path(path):
-            run(None)                                                  # warm-up
-            ops.reset_calls()
-            sec = _timed(run, device, args.reps)
-            used = _backends_used()
+            if graphed:
+                from ..train.graphed import GraphedBackward
+
+                ops.reset_calls()
+                graph = GraphedBackward(model, loss_fn, tokens, torch.bfloat16 if full else None)
+                used = _backends_used()                                    # what the graph replays
+
+                def step(_):
+                    graph.run(tokens)
+                    optimizer_step()
+            else:
+                step = eager_step
+                step(None)                                                 # warm-up
+                ops.reset_calls()
+            sec = _timed(step, device, args.reps)
+            if not graphed:
+                used = _backends_used()
     finally:
         model.eval()
     tok_s = args.batch * args.seq / sec
     row = {"bench": "train", "path": path, "step": "full" if full else "fwd+bwd", "batch": args.batch,
-           "seq": args.seq, "s": round(sec, 4), "tokens_per_s": round(tok_s, 1), "backends": used}
+           "seq": args.seq, "s": round(sec, 4), "tokens_per_s": round(tok_s, 1), "cuda_graph": graphed,
+           "backends": used}
     peak = peak_tflops(device, getattr(args, "peak_tflops", None))
     flops = train_flops_per_token(cfg, args.seq, mtp=mtp)
     row["model_tflops"] = round(flops * tok_s / 1e12, 2)
@@ -275,9 +309,15 @@ def add_bench_parsers(subparsers) -> None:
         p.add_argument("--steps", type=int, default=32, help="decode: timed steps per rep")
         p.add_argument("--reps", type=int, default=3)
         p.add_argument("--profile", action="store_true", help="decode: kernels, GPU ms, syncs per step")
+        if name != "train":
+            p.add_argument("--no-cuda-graph", action="store_true",
+                           help=f"launch the {'step' if name == 'decode' else 'prefill'} eagerly instead of "
+                                "replaying it from a CUDA graph (the default on CUDA)")
         p.add_argument("--no-reference", action="store_true", help="skip the torch reference path")
-        p.add_argument("--no-cuda-graph", action="store_true", help="decode: launch the step eagerly")
         if name == "train":
+            p.add_argument("--cuda-graph", action="store_true",
+                           help="replay forward + losses + backward from one CUDA graph (the optimizer step stays "
+                                "eager): what `dsv4 train --cuda-graph` runs")
             p.add_argument("--optimizer", action="store_true",
                            help="time the whole training step as `dsv4 train` runs it: fp32 master weights, "
                                 "bf16 autocast, all losses, clipping, Muon + AdamW step, router bias update")

@@ -11,7 +11,7 @@ from ..errors import UserError
 from .trainer import QUICK_CPU_DEFAULTS, STANDARD_DEFAULTS, TrainConfig
 
 # flag -> TrainConfig field, for the flags whose names differ from the field
-_BOOL_FLAGS = ("activation_checkpointing", "compile", "deterministic", "fp4_experts")
+_BOOL_FLAGS = ("activation_checkpointing", "compile", "cuda_graph", "deterministic", "fp4_experts")
 
 
 def _default(name: str) -> str:
@@ -61,6 +61,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="FP4 fake-quant of routed expert weights (straight-through gradients)")
     p.add_argument("--activation-checkpointing", action="store_true", default=None)
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
+    p.add_argument("--cuda-graph", action="store_true", default=None,
+                   help="replay forward + losses + backward from one CUDA graph captured at the first step "
+                        "(one GPU, fixed batch shape; the optimizer step stays eager): removes the host's "
+                        "kernel-launch time, which dominates small models")
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="bit-reproducible run (set before compilation); resume reproduces the losses")
     p.add_argument("--backend", help="ops backend for every op (e.g. reference, triton)")

@@ -25,7 +25,7 @@ from .. import ops
 from ..config import ModelConfig
 from ..errors import UserError
 from . import balance, checkpoint, data, metrics
-from .losses import total_loss
+from .losses import LossParts, total_loss
 from .optim import MuonAdamW, OptimConfig, lr_factor, orthogonalization_error
 from .tokenizer import Tokenizer
 
@@ -67,6 +67,7 @@ class TrainConfig:
     fp4_experts: bool = False                              # FP4 fake-quant of routed experts (STE)
     activation_checkpointing: bool = False
     compile: bool = False
+    cuda_graph: bool = False                               # forward + backward replayed from a CUDA graph
     deterministic: bool = False
     backend: str | None = None                             # ops backend for every op (None = default)
     device: str = "auto"
@@ -200,6 +201,13 @@ class Trainer:
             self.rank, self.world, _ = self.dist.setup_distributed(device=dev)
         self.device = self._pick_device()
         self.cfg = cfg = cfg.resolved(self.device.type)          # defaults that depend on preset and device
+        self._graph = None
+        if cfg.cuda_graph:                                        # refused before any data or model work
+            why = ("it needs a CUDA device" if self.device.type != "cuda" else
+                   "it runs one process (use it without torchrun)" if self.world > 1 else
+                   "it does not combine with --compile" if cfg.compile else None)
+            if why:
+                raise UserError(f"--cuda-graph: {why}")
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
         self.out = Path(cfg.out)
@@ -344,11 +352,12 @@ class Trainer:
     def train_step(self, tokens: torch.Tensor) -> dict[str, Any]:
         c, m = self.cfg, self.model
         tokens = tokens.to(self.device, non_blocking=True)
-        want_mtp = c.mtp_weight > 0 and self.mcfg.n_mtp_layers > 0
-        with self._backend(), self._autocast():
-            out = m(tokens, mtp=want_mtp, indexer_loss=c.indexer_weight > 0, balance_alpha=c.balance_alpha)
-            parts = total_loss(out, tokens, c.mtp_weight, c.indexer_weight)
-        parts.total.backward()
+        if c.cuda_graph:
+            parts = self._graphed_forward_backward(tokens)
+        else:
+            with self._backend(), self._autocast():
+                parts = self._losses(tokens)
+            parts.total.backward()
         grads = [p.grad for p in m.parameters() if p.grad is not None]
         nonfinite = int(sum(int((~torch.isfinite(g.to_local() if hasattr(g, "to_local") else g)).sum())
                             for g in grads))
@@ -375,6 +384,39 @@ class Trainer:
         if self._diag_now(before=False):
             row["mhc_violation"] = self._mhc(tokens)
         return row
+
+    def _losses(self, tokens: torch.Tensor) -> LossParts:
+        c = self.cfg
+        want_mtp = c.mtp_weight > 0 and self.mcfg.n_mtp_layers > 0
+        out = self.model(tokens, mtp=want_mtp, indexer_loss=c.indexer_weight > 0, balance_alpha=c.balance_alpha)
+        return total_loss(out, tokens, c.mtp_weight, c.indexer_weight)
+
+    def _graphed_forward_backward(self, tokens: torch.Tensor) -> LossParts:
+        """`--cuda-graph`: forward, losses and backward replayed from one graph captured at the first call.
+
+        The graph's outputs are the loss parts and every MoE's expert load: the load attributes are
+        pointed back at the graph's buffers after each replay (an eager forward in between, e.g. the
+        held-out evaluation, replaces them), so the bias update reads this step's loads."""
+        moes = [mod for mod in self.model.modules() if hasattr(mod, "gate") and hasattr(mod, "load")]
+        names = ("total", "lm", "mtp", "indexer", "balance")
+        if self._graph is None:
+            from .graphed import GraphedBackward
+
+            def loss_fn(batch: torch.Tensor) -> dict[str, torch.Tensor]:
+                parts = self._losses(batch)
+                out = {"loss": parts.total, **{n: getattr(parts, n) for n in names[1:]
+                                              if getattr(parts, n) is not None}}
+                out.update({f"load.{i}": mod.load for i, mod in enumerate(moes) if mod.load is not None})
+                return out
+
+            with self._backend():
+                self._graph = GraphedBackward(self.model, loss_fn, tokens,
+                                              torch.bfloat16 if self.precision == "bf16" else None)
+        out = self._graph.run(tokens)
+        for i, mod in enumerate(moes):
+            mod.load = out.get(f"load.{i}", mod.load)
+        return LossParts(**{n: out["loss" if n == "total" else n] if (n == "total" or n in out) else None
+                            for n in names})
 
     def _diag_now(self, before: bool = True) -> bool:
         k = self.cfg.diag_every

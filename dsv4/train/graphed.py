@@ -1,0 +1,67 @@
+"""Forward + loss + backward replayed from one CUDA graph (fixed batch shape).
+
+A training step of a small model launches thousands of kernels from Python (norms, RoPE, mHC, routing,
+the losses and every one of their backward kernels); on a GPU that host work, not the kernels, sets the
+step time. The model's forward and backward never synchronize with the host, so at a fixed batch shape
+they can be captured once and replayed:
+
+    step = GraphedBackward(model, loss_fn, batch)        # loss_fn(batch) -> {"loss": scalar, ...}
+    out = step.run(new_batch)                            # writes every parameter's .grad in place
+    optimizer.step()                                     # eager, as before
+
+`run` copies the batch into the graph's input buffers and replays; the outputs (the loss and whatever else
+loss_fn returns) are the graph's buffers, overwritten by the next replay. The gradients are *set*, not
+accumulated (the capture starts from `.grad = None`), and re-attached after each replay, so an optimizer
+that sets them to None between steps keeps working. Under autocast the capture runs with autocast's weight
+cache off, as CUDA graphs require.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class GraphedBackward:
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+                 example: torch.Tensor, autocast_dtype: torch.dtype | None = None, warmup: int = 2):
+        dev = example.device
+        if dev.type != "cuda":
+            raise ValueError(f"CUDA graphs need CUDA tensors, this batch is on {dev}")
+        self.model, self.loss_fn, self.autocast_dtype = model, loss_fn, autocast_dtype
+        self.batch = example.clone()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):                        # compile / autotune kernels outside the graph
+            for _ in range(warmup):
+                self._forward_backward()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        for p in self.params:
+            p.grad = None
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = self._forward_backward()
+        self.grads = [p.grad for p in self.params]           # None where the loss does not reach
+
+    def _forward_backward(self) -> dict[str, torch.Tensor]:
+        if self.autocast_dtype is None:
+            out = self.loss_fn(self.batch)
+            out["loss"].backward()
+            return out
+        with torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False):
+            out = self.loss_fn(self.batch)
+        out["loss"].backward()
+        return out
+
+    def run(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Replays forward + backward on `batch` (same shape and dtype as the example); -> loss_fn's outputs."""
+        if batch.shape != self.batch.shape or batch.dtype != self.batch.dtype:
+            raise ValueError(f"this graph was captured for a {self.batch.dtype} batch of shape "
+                             f"{list(self.batch.shape)}, got {batch.dtype} {list(batch.shape)}")
+        self.batch.copy_(batch)
+        self.graph.replay()
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        return self.outputs
