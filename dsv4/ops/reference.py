@@ -41,7 +41,7 @@ def _round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
     return v.to(torch.float8_e4m3fn).float()
 
 
-@functools.lru_cache(maxsize=8)
+@functools.cache   # constants a captured CUDA graph may hold: never evicted
 def _e2m1_grid(device: str) -> torch.Tensor:
     return torch.tensor(FP4_E2M1_GRID, dtype=torch.float32, device=device)
 
@@ -87,7 +87,7 @@ def fp4_round_trip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return _StraightThrough.apply(x, q.flatten(-2).to(x.dtype))
 
 
-@functools.lru_cache(maxsize=8)
+@functools.cache   # constants a captured CUDA graph may hold: never evicted
 def _hadamard_matrix(n: int, device: str) -> torch.Tensor:
     if n & (n - 1):
         raise ValueError(f"hadamard: size {n} is not a power of two")
