@@ -250,3 +250,45 @@ def test_reference_is_differentiable_where_trained():
     o, _ = ops.sparse_attention(q, kv, sink, torch.tensor([[[0, 1], [2, -1], [3, 4]]]), 1 / math.sqrt(8))
     o.sum().backward()
     assert q.grad.abs().sum() > 0 and kv.grad[0, :5].abs().sum() > 0 and sink.grad.abs().sum() > 0
+
+
+def _wide_fp32(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape, generator=g).float())
+
+
+def test_linear_fp32_bf16x3_matches_fp32_forward_and_backward():
+    """bf16 activations times an fp32 weight through the three-way bf16 split: the same products as the
+    fp32 matmul (every part exact), so the result agrees to fp32 rounding; the backward is the reference's."""
+    from dsv4.ops.torch_native import split_bf16x3
+
+    w = _wide_fp32((50, 96), 0)
+    parts = split_bf16x3(w).float()                                            # [50, 3*96]
+    assert torch.equal(parts[:, :96] + parts[:, 96:192] + parts[:, 192:], w)   # the split is exact
+    x = _wide_fp32((3, 37, 96), 1).to(torch.bfloat16)
+    g = torch.randn(3, 37, 50)
+    outs = {}
+    for be in ("reference", "bf16x3"):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = ops.linear_fp32(xl, wl, backend=be)
+        y.backward(g)
+        outs[be] = (y.detach(), xl.grad, wl.grad)
+        assert ops.last_backend("linear_fp32") == be
+    (y0, gx0, gw0), (y1, gx1, gw1) = outs["reference"], outs["bf16x3"]
+    assert y1.dtype == torch.float32 and y1.shape == (3, 37, 50)
+    # each output is a sum of 96 exact products: only the summation order differs
+    bound = 96 * 2.0 ** -24 * (x.float().abs() @ w.abs().t())
+    assert ((y1 - y0).abs() <= bound).all()
+    assert torch.equal(gx1, gx0) and torch.equal(gw1, gw0)
+
+
+def test_linear_fp32_bf16x3_refuses_and_is_default_only_on_gpus():
+    from dsv4.ops import BackendUnavailable
+
+    w = torch.randn(8, 16)
+    with pytest.raises(BackendUnavailable, match="exact only for bf16"):
+        ops.linear_fp32(torch.randn(4, 16), w, backend="bf16x3")
+    with pytest.raises(BackendUnavailable, match="fp32 matrix"):
+        ops.linear_fp32(torch.randn(4, 16, dtype=torch.bfloat16), w.bfloat16(), backend="bf16x3")
+    ops.linear_fp32(torch.randn(128, 16, dtype=torch.bfloat16), w)           # CPU: the reference stays default
+    assert ops.last_backend("linear_fp32") == "reference"

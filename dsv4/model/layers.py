@@ -56,11 +56,11 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T in fp32, also inside an autocast region (router, compressor, head)."""
+    """x @ weight^T in fp32, also inside an autocast region (router, compressor, head): `ops.linear_fp32`."""
     with torch.autocast(device_type=x.device.type, enabled=False):
         if is_exact():
             return F.linear(x.double(), weight.double()).float()
-        return F.linear(x.float(), weight.float())
+        return ops.linear_fp32(x, weight)
 
 
 # ------------------------------------------------------------------------------------ stage capture

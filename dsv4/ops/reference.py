@@ -104,6 +104,15 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return (x.to(acc_dtype()) @ h.to(acc_dtype()) * n**-0.5).to(x.dtype)
 
 
+# ----------------------------------------------------------------------------- fp32 projections
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight^T` in fp32 (router, compressor and head projections, kept in fp32 by the spec).
+
+    x [..., K] any float dtype, weight [N, K] fp32 -> [..., N] fp32. Differentiable in both.
+    """
+    return F.linear(x.float(), weight.float())
+
+
 # ----------------------------------------------------------------------------- norm and rotary embedding
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMS normalization of the last dim: x [..., n] (any float dtype), weight [n] fp32 or None.

@@ -2,6 +2,12 @@
 
 - `moe_experts` backend "grouped": tokens sorted by expert, then `torch._grouped_mm` runs every local
   expert in one call per projection (CUTLASS grouped GEMM on sm90+ GPUs, a C++ loop on CPU).
+- `linear_fp32` backend "bf16x3": when x holds bf16 values (activations of a bf16 model or under bf16
+  autocast), `x @ W^T` with an fp32 W equals `x @ (W_hi + W_mid + W_lo)^T` for the exact three-way bf16
+  split of W; the three products are bf16 x bf16 (exact in fp32) and run as one tensor-core GEMM over
+  the concatenated K axis with fp32 accumulation and output. Same products as the fp32 matmul, other
+  summation order: agrees to fp32 rounding, at the bf16 GEMM rate instead of the fp32 SIMT rate.
+  The backward is the reference's (fp32 matmuls).
 - Quantized-weight linears `fp8_linear` / `fp4_linear`: their "reference" definition (dequantize the
   weight to bf16, then a bf16 matmul). The Triton backends in `dsv4.ops.triton.quant_gemm` dequantize
   inside the GEMM instead and are tested against these.
@@ -21,6 +27,7 @@ import torch.nn.functional as F
 
 from ..formats import dequantize_fp8, dequantize_mxfp4
 from . import register
+from .precision import is_exact
 
 
 # ----------------------------------------------------------------------------- MoE routing plan
@@ -176,3 +183,67 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
 
 register("fp8_linear", "reference", fp8_linear)
 register("fp4_linear", "reference", fp4_linear)
+
+
+# ----------------------------------------------------------------------------- fp32 projections
+BF16X3_MIN_ROWS = 64     # default selection from this many rows (a GEMV reads W's three parts: slower)
+
+
+def split_bf16x3(w: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] -> bf16 [N, 3K] = [hi | mid | lo] with hi + mid + lo == w (exact for normal fp32 values)."""
+    w = w.float()
+    hi = w.to(torch.bfloat16)
+    rest = w - hi.float()                                                 # exact in fp32
+    mid = rest.to(torch.bfloat16)
+    lo = (rest - mid.float()).to(torch.bfloat16)
+    return torch.cat([hi, mid, lo], dim=1)
+
+
+class _Bf16x3Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        k, n = x.size(-1), weight.size(0)
+        x2 = x.reshape(-1, k)                                             # [M, K] bf16
+        x3 = torch.cat([x2, x2, x2], dim=1)                               # [M, 3K]
+        w3 = split_bf16x3(weight.detach())                                # [N, 3K]
+        if x.is_cuda:
+            y = torch.mm(x3, w3.t(), out_dtype=torch.float32)             # tensor cores, fp32 accumulate + out
+        else:
+            y = torch.mm(x3.float(), w3.float().t())                      # the same products (CPU has no bf16->fp32 mm)
+        ctx.save_for_backward(x, weight)
+        return y.view(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g2 = g.reshape(-1, weight.size(0)).float()                        # [M, N]
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = (g2 @ weight.float()).view(x.shape).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = (g2.t() @ x.reshape(-1, x.size(-1)).float()).to(weight.dtype)
+        return gx, gw
+
+
+def bf16x3_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _Bf16x3Linear.apply(x, weight)
+
+
+def _bf16x3_can_run(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    if x.dtype != torch.bfloat16:
+        return f"x is {x.dtype}: the split is exact only for bf16 activations"
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        return f"weight must be a 2-D fp32 matrix, got {weight.dtype} {tuple(weight.shape)}"
+    if x.device != weight.device:
+        return f"x on {x.device}, weight on {weight.device}"
+    if is_exact():
+        return "exact_accumulation() asks for float64 sums"
+    return None
+
+
+def _bf16x3_prefer(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.is_cuda and x.numel() // x.size(-1) >= BF16X3_MIN_ROWS
+
+
+register("linear_fp32", "bf16x3", bf16x3_linear, can_run=_bf16x3_can_run, deterministic=True, priority=5,
+         prefer=_bf16x3_prefer)
