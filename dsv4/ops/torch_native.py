@@ -7,7 +7,8 @@
   split of W; the three products are bf16 x bf16 (exact in fp32) and run as one tensor-core GEMM over
   the concatenated K axis with fp32 accumulation and output. Same products as the fp32 matmul, other
   summation order: agrees to fp32 rounding, at the bf16 GEMM rate instead of the fp32 SIMT rate.
-  The backward is the reference's (fp32 matmuls).
+  The backward splits the fp32 output gradient three ways as well and keeps the six products of the two
+  splits that matter at fp32 precision (the other three are below 2^-24 relative).
 - Quantized-weight linears `fp8_linear` / `fp4_linear`: their "reference" definition (dequantize the
   weight to bf16, then a bf16 matmul). The Triton backends in `dsv4.ops.triton.quant_gemm` dequantize
   inside the GEMM instead and are tested against these.
@@ -189,14 +190,31 @@ register("fp4_linear", "reference", fp4_linear)
 BF16X3_MIN_ROWS = 64     # default selection from this many rows (a GEMV reads W's three parts: slower)
 
 
-def split_bf16x3(w: torch.Tensor) -> torch.Tensor:
-    """fp32 [N, K] -> bf16 [N, 3K] = [hi | mid | lo] with hi + mid + lo == w (exact for normal fp32 values)."""
-    w = w.float()
-    hi = w.to(torch.bfloat16)
-    rest = w - hi.float()                                                 # exact in fp32
+def bf16_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 -> (hi, mid, lo) bf16 with hi + mid + lo == t (exact for normal fp32 values)."""
+    t = t.float()
+    hi = t.to(torch.bfloat16)
+    rest = t - hi.float()                                                 # exact in fp32
     mid = rest.to(torch.bfloat16)
     lo = (rest - mid.float()).to(torch.bfloat16)
-    return torch.cat([hi, mid, lo], dim=1)
+    return hi, mid, lo
+
+
+def split_bf16x3(w: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] -> bf16 [N, 3K] = [hi | mid | lo] with hi + mid + lo == w (exact for normal fp32 values)."""
+    return torch.cat(bf16_parts(w), dim=1)
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bf16 a @ bf16 b with fp32 accumulation and output (tensor cores on CUDA; the same products on CPU)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+# the products of two three-way splits kept for fp32 accuracy: part i carries about 2^(-8 i) of the
+# value, so (i, j) with i + j <= 2 (six of nine) leave out terms below 2^-24 relative; smallest first
+_PAIRS = ((2, 0), (0, 2), (1, 1), (1, 0), (0, 1), (0, 0))
 
 
 class _Bf16x3Linear(torch.autograd.Function):
@@ -206,22 +224,30 @@ class _Bf16x3Linear(torch.autograd.Function):
         x2 = x.reshape(-1, k)                                             # [M, K] bf16
         x3 = torch.cat([x2, x2, x2], dim=1)                               # [M, 3K]
         w3 = split_bf16x3(weight.detach())                                # [N, 3K]
-        if x.is_cuda:
-            y = torch.mm(x3, w3.t(), out_dtype=torch.float32)             # tensor cores, fp32 accumulate + out
-        else:
-            y = torch.mm(x3.float(), w3.float().t())                      # the same products (CPU has no bf16->fp32 mm)
+        y = _mm_fp32_out(x3, w3.t())                                      # one GEMM over the concatenated K
         ctx.save_for_backward(x, weight)
         return y.view(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
+        """fp32 gradients from bf16 products: g [M, N] (fp32, not bf16-exact) is split three ways too."""
         x, weight = ctx.saved_tensors
-        g2 = g.reshape(-1, weight.size(0)).float()                        # [M, N]
+        gs = bf16_parts(g.reshape(-1, weight.size(0)))                    # 3 x [M, N]
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            gx = (g2 @ weight.float()).view(x.shape).to(x.dtype)
+            ws = bf16_parts(weight.detach())                              # 3 x [N, K]
+            acc = None
+            for i, j in _PAIRS:
+                term = _mm_fp32_out(gs[i], ws[j])
+                acc = term if acc is None else acc + term
+            gx = acc.view(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            gw = (g2.t() @ x.reshape(-1, x.size(-1)).float()).to(weight.dtype)
+            xb = x.reshape(-1, x.size(-1))                                # bf16: exact, one part
+            acc = None
+            for i in (2, 1, 0):
+                term = _mm_fp32_out(gs[i].t(), xb)
+                acc = term if acc is None else acc + term
+            gw = acc.to(weight.dtype)
         return gx, gw
 
 
