@@ -321,13 +321,9 @@ def _hc_split_bwd_kernel(mix_ptr, scale_ptr, base_ptr, gpre_ptr, gpost_ptr, gcom
     tl.store(glogit_ptr + ts64[:, None, None] * n_mix + 2 * HC + cc[None, :, :], dz, mask=m3)
 
 
-# Each program re-reads the whole split fn (K x 48 bf16 values x 3 parts) once per row tile, so the fn
-# traffic is about 144 / BT times the x traffic: large row tiles (with narrow column chunks for the
-# [BT, HC, BD] weighted reduce) keep it small; small ones give more programs. Autotuned per shape.
 _PRE_CONFIGS = [triton.Config({"BT": bt, "BK": bk, "BD": bd}, num_warps=w)
                 for bt, bk, bd, w in ((16, 128, 128, 4), (32, 128, 256, 4), (32, 256, 256, 8),
-                                      (64, 128, 256, 8), (64, 64, 64, 4), (128, 64, 32, 8), (128, 32, 16, 4),
-                                      (256, 32, 16, 8))]
+                                      (64, 128, 256, 8))]
 _POST_CONFIGS = [triton.Config({"BT": bt, "BD": bd}, num_warps=w)
                  for bt, bd, w in ((2, 256, 4), (4, 256, 4), (8, 128, 4), (4, 512, 8), (8, 256, 8),
                                    (16, 128, 8), (1, 1024, 8))]
