@@ -54,21 +54,10 @@ class Rope:
             cached = self._by_device[device] = self.inv_freq.to(device)
         return cached
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = torch.outer(positions.float(), self._freq_on(positions.device))       # [s, dim/2]
-        return angles.cos(), angles.sin()
-
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """x [b, s, (h,) dim] rotated at positions [s]; inverse=True undoes the rotation."""
-        cos, sin = self.cos_sin(positions)                                   # [s, dim/2]
-        if x.dim() == 4:
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                    # [s, 1, dim/2]
-        if inverse:
-            sin = -sin
-        xf = x.float()
-        x0, x1 = xf[..., 0::2], xf[..., 1::2]
-        y = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
-        return y.to(x.dtype)
+        """x [b, s, (h,) dim] rotated at positions [s]; inverse=True undoes the rotation (`ops.rope_tail`
+        with no unrotated part)."""
+        return ops.rope_tail(x, positions, self._freq_on(positions.device), inverse)
 
 
 def apply_rope_tail(x: torch.Tensor, rope: Rope, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
