@@ -398,13 +398,13 @@ class Trainer:
         pointed back at the graph's buffers after each replay (an eager forward in between, e.g. the
         held-out evaluation, replaces them), so the bias update reads this step's loads."""
         moes = [mod for mod in self.model.modules() if hasattr(mod, "gate") and hasattr(mod, "load")]
-        names = ("total", "lm", "mtp", "indexer", "balance")
+        names = ("lm", "mtp", "indexer", "balance")                # LossParts besides the total
         if self._graph is None:
             from .graphed import GraphedBackward
 
             def loss_fn(batch: torch.Tensor) -> dict[str, torch.Tensor]:
                 parts = self._losses(batch)
-                out = {"loss": parts.total, **{n: getattr(parts, n) for n in names[1:]
+                out = {"loss": parts.total, **{n: getattr(parts, n) for n in names
                                               if getattr(parts, n) is not None}}
                 out.update({f"load.{i}": mod.load for i, mod in enumerate(moes) if mod.load is not None})
                 return out
@@ -415,8 +415,7 @@ class Trainer:
         out = self._graph.run(tokens)
         for i, mod in enumerate(moes):
             mod.load = out.get(f"load.{i}", mod.load)
-        return LossParts(**{n: out["loss" if n == "total" else n] if (n == "total" or n in out) else None
-                            for n in names})
+        return LossParts(total=out["loss"], **{n: out.get(n) for n in names})
 
     def _diag_now(self, before: bool = True) -> bool:
         k = self.cfg.diag_every
