@@ -4,13 +4,21 @@ Both paths run the same randomly initialised model in the same process: "referen
 `dsv4.ops.use_backend("reference")` (every op its plain-torch definition), "fast" with the default backend
 of each op on the device (the ops that ran are listed from `dsv4.ops.calls()`, so a silent fallback shows).
 
-- prefill: `model.prefill(tokens [b, s], cache)`; tokens/s = b*s / time.
+- prefill: `model.prefill(tokens [b, s], cache)`; tokens/s = b*s / time. On CUDA the fast path replays
+  it from a CUDA graph (`GraphedPrefill`, a fresh cache restored inside the graph); `--no-cuda-graph`
+  launches it eagerly.
 - decode: after an untimed prompt, `model.decode_step` one token at a time; tokens/s = b*steps / time.
+  On CUDA the fast path replays the step from a CUDA graph (`GraphedDecoder`; `--no-cuda-graph`: eager).
   `--profile` adds, per step: CUDA kernels launched, GPU-busy time, and host syncs (the decode path's
   limits: a launch-bound step is short on GPU time and long on the host).
 - train: forward + cross-entropy + backward on [b, s] tokens; with --optimizer the full training step of
   `dsv4 train` (fp32 master weights, bf16 autocast, all losses, clipping, Muon + AdamW, bias update).
-  tokens/s = b*s / time; MFU from the config's active FLOPs per token (`dsv4.train.metrics`).
+  `--cuda-graph` replays forward + losses + backward from one graph (`GraphedBackward`), the optimizer
+  step staying eager, as `dsv4 train --cuda-graph` does. tokens/s = b*s / time; MFU from the config's
+  active FLOPs per token (`dsv4.train.metrics`).
+
+The reference path always runs eagerly. For graphed paths, the backends listed are those recorded while
+the graph was captured (a replay runs the captured kernels and records nothing).
 """
 
 from __future__ import annotations
