@@ -9,12 +9,12 @@ kernel launcher reads it at launch).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from triton_interp import DEV, interpret_unless_cuda, poison_allocator  # noqa: E402
 
 import dsv4.ops as ops  # noqa: E402
 from dsv4.ops import reference as ref  # noqa: E402
@@ -22,16 +22,13 @@ from dsv4.ops.precision import exact_accumulation  # noqa: E402
 
 ew = pytest.importorskip("dsv4.ops.triton.elementwise")
 
-CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-DEV = torch.device("cuda" if CUDA else "cpu")
 ROUND_TRIPS = {"fp8_round_trip": 64, "fp4_round_trip": 32}
 QMAX = {"fp8_round_trip": 448.0, "fp4_round_trip": 6.0}
 
 
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpret_unless_cuda(monkeypatch)
     ops.reset_calls()
     yield
 
@@ -39,9 +36,7 @@ def _interpret(monkeypatch):
 @pytest.fixture
 def poisoned(monkeypatch):
     """Outputs allocated by the backend start as NaN: every element must be written."""
-    def alloc(*shape, dtype=None, device=None):
-        return torch.full(*shape, float("nan"), dtype=dtype, device=device)
-    monkeypatch.setattr(ew, "_alloc", alloc)
+    poison_allocator(monkeypatch, ew)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -349,6 +349,8 @@ def test_hc_fn_split_kernel_is_exact(hc, head):
     """The kernel's three bf16 parts equal the torch definition bit for bit, and sum back to fn in fp32,
     on values spread over many binades with zeros, ties and bf16-exact entries mixed in (fp32 subnormals
     are left out: the CPU interpreter flushes them, and mixing weights never come near 1e-38)."""
+    from dsv4.ops.torch_native import bf16_parts
+
     mhc = importlib.import_module("dsv4.ops.triton.mhc")
     k, mix = 96, hc if head else (2 + hc) * hc
     g = torch.Generator().manual_seed(5)
@@ -356,7 +358,7 @@ def test_hc_fn_split_kernel_is_exact(hc, head):
     fn[0, :8] = 0.0
     fn[1, :8] = torch.tensor([1.0, -2.5, 3.0078125, 1 + 2 ** -8, 1 + 2 ** -9, 1 + 3 * 2 ** -9, 3e-30, -1e-20])
     fpp, fcb = mhc._split_fn(fn, hc, head)
-    parts = mhc._split3(fn.t())                                                  # [3, K, mix]
+    parts = torch.stack(bf16_parts(fn.t()))                                      # [3, K, mix]
     n_pp = hc if head else 2 * hc
     assert torch.equal(fpp[:, :, :n_pp].view(torch.int16), parts[:, :, :n_pp].view(torch.int16))
     assert not fpp[:, :, n_pp:].float().any()                                   # zero-padded columns

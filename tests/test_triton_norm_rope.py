@@ -8,27 +8,24 @@ only while these tests run; the kernel launcher reads it at launch).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from triton_interp import CUDA, DEV, interpret_unless_cuda, poison_allocator  # noqa: E402
 
 import dsv4.ops as ops  # noqa: E402
 from dsv4.ops import reference as ref  # noqa: E402
 
 nr = pytest.importorskip("dsv4.ops.triton.rownorm_rope")
 
-CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-DEV = torch.device("cuda" if CUDA else "cpu")
 EPS = 1e-6
 
 
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpret_unless_cuda(monkeypatch)
     ops.reset_calls()
     yield
 
@@ -36,9 +33,7 @@ def _interpret(monkeypatch):
 @pytest.fixture
 def poisoned(monkeypatch):
     """Outputs (and partial sums) allocated by the backend start as NaN: every element must be written."""
-    def alloc(*shape, dtype=None, device=None):
-        return torch.full(*shape, float("nan"), dtype=dtype, device=device)
-    monkeypatch.setattr(nr, "_alloc", alloc)
+    poison_allocator(monkeypatch, nr)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import importlib
 import os
 
 import pytest
+import torch
 
 MODULES = ("_mm_utils", "moe", "mhc", "quant_gemm")
 
@@ -39,3 +40,24 @@ def interpreted_kernels():
 @pytest.fixture(autouse=True)
 def interpret_env(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+# ----------------------------------------------------------------------------- launch-time kernels
+# Kernels launched through `dsv4.ops.triton._common.Kernel` choose interpreted or compiled at each launch,
+# so their tests only set the variable (no module reloads).
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+DEV = torch.device("cuda" if CUDA else "cpu")
+
+
+def interpret_unless_cuda(monkeypatch) -> None:
+    """Run launch-time kernels on the CPU interpreter for this test when there is no GPU."""
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def poison_allocator(monkeypatch, module) -> None:
+    """The backend module's output allocator (`module._alloc`) hands out NaN-filled memory: every element
+    a kernel should write must be written."""
+    def alloc(*shape, dtype=None, device=None):
+        return torch.full(*shape, float("nan"), dtype=dtype, device=device)
+    monkeypatch.setattr(module, "_alloc", alloc)

@@ -80,18 +80,31 @@ def _count_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
-def _profile_step(fn, steps: int) -> dict:
-    """Per call: CUDA kernels launched and their summed GPU time (ms)."""
+def kernel_table(fn, calls: int = 3) -> tuple[float, float, list[tuple[str, float, float]]]:
+    """Profile `calls` calls of fn (after one untimed call): (GPU-busy ms per call, kernels per call,
+    [(kernel name, ms per call, launches per call)] by GPU time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
             fn()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
-    busy_us = sum(getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) for e in kernels)
-    return {"kernels_per_step": round(len(kernels) / steps, 1),
-            "gpu_busy_ms_per_step": round(busy_us / steps / 1e3, 3)}
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time)
+    rows = sorted(((name, sum(t) / calls / 1e3, len(t) / calls) for name, t in by_name.items()),
+                  key=lambda r: -r[1])
+    busy = sum(e.device_time for e in kernels) / calls / 1e3
+    return busy, len(kernels) / calls, rows
+
+
+def _profile_step(fn, steps: int) -> dict:
+    """Per call: CUDA kernels launched and their summed GPU time (ms)."""
+    busy, n, _ = kernel_table(fn, steps)
+    return {"kernels_per_step": round(n, 1), "gpu_busy_ms_per_step": round(busy, 3)}
 
 
 def build_model(preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0):

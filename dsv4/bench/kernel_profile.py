@@ -18,27 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .e2e import build_model
-
-
-def kernel_table(fn: Callable[[], object], calls: int = 3) -> tuple[float, float, list[tuple[str, float, float]]]:
-    """(GPU-busy ms per call, kernels per call, [(kernel name, ms per call, launches per call)])."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.name, []).append(e.device_time)
-    rows = sorted(((name, sum(t) / calls / 1e3, len(t) / calls) for name, t in by_name.items()),
-                  key=lambda r: -r[1])
-    busy = sum(e.device_time for e in kernels) / calls / 1e3
-    return busy, len(kernels) / calls, rows
+from .e2e import build_model, kernel_table
 
 
 def _graphed_call(bench: str, args: argparse.Namespace, device: torch.device) -> Callable[[], object]:

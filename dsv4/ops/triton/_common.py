@@ -116,3 +116,9 @@ def dot_type(dtype: torch.dtype):
     the interpreter still sees the same rounding as the compiled kernel.
     """
     return tl.float32 if interpret_mode() else _TL_DTYPES[dtype]
+
+
+def rows_view(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] as a [rows, n] view with unit inner stride (copied only when no such view exists)."""
+    x2 = x.reshape(-1, x.size(-1))
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()

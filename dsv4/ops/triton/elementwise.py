@@ -33,6 +33,7 @@ from .. import register
 from ..precision import acc_dtype
 from ..reference import FP4_E2M1_MAX, FP8_E4M3_MAX
 from ._common import Kernel, device_reason, interpret_mode
+from ._common import rows_view as _rows
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HADAMARD = 4096
@@ -197,11 +198,6 @@ def _launch_opts() -> dict:
     """Compiled kernels link libdevice without flush-to-zero, like nvcc's (and torch's) log2f / expf."""
     return {} if interpret_mode() or torch.version.hip else {"enable_reflect_ftz": False}
 
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., n] as a [rows, n] view with unit inner stride (copied only when no such view exists)."""
-    x2 = x.reshape(-1, x.size(-1))
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 # ----------------------------------------------------------------------------- round trips

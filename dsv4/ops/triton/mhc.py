@@ -340,16 +340,6 @@ def _rows_grid(t: int):
 
 
 # ----------------------------------------------------------------------------- launchers
-def _split3(w: torch.Tensor) -> torch.Tensor:
-    """fp32 [..] -> [3, ..] bf16 with hi + mid + lo == w to fp32 precision (the definition `_split_fn_kernel`
-    computes; kept for tests)."""
-    w = w.float()
-    hi = w.to(torch.bfloat16)
-    mid = (w - hi.float()).to(torch.bfloat16)
-    lo = (w - hi.float() - mid.float()).to(torch.bfloat16)
-    return torch.stack([hi, mid, lo])
-
-
 def _pp_width(hc: int) -> int:
     return max(16, triton.next_power_of_2(2 * hc))
 

@@ -27,6 +27,7 @@ from triton.language.extra import libdevice
 
 from .. import register
 from ._common import Kernel, device_reason, interpret_mode, num_sms
+from ._common import rows_view as _rows
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_NORM = 16384          # widest row held in registers by one program
@@ -192,11 +193,6 @@ def _launch_opts() -> dict:
         opts["enable_reflect_ftz"] = False
     return opts
 
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., n] as a [rows, n] view with unit inner stride (copied only when no such view exists)."""
-    x2 = x.reshape(-1, x.size(-1))
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def _bf16_fix(dtype: torch.dtype) -> bool:
