@@ -128,6 +128,8 @@ def _encode_prompt(args, tokenizer, cfg) -> list[int]:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from .engine import generate
+
     torch.manual_seed(args.seed)
     model, tokenizer, desc = load_model(args)
     cfg = model.cfg
@@ -146,9 +148,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if stream:
         sys.stdout.write(args.prompt)
-    tokens = model.generate([ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_at_eos=not args.no_stop,
-                            on_token=on_token, cuda_graph=args.cuda_graph)[0]
+    tokens = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_at_eos=not args.no_stop,
+                      on_token=on_token, cuda_graph=args.cuda_graph)[0]
     text = tokenizer.decode(tokens) if tokenizer is not None else None
     if args.json:
         print(json.dumps({"model": desc, "prompt_ids": ids, "ids": tokens, "text": text}))

@@ -16,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 from test_train import MICRO
 
+from dsv4.engine import generate
 from dsv4.train import distributed as D
 
 WORLD = 2
@@ -56,13 +57,13 @@ def _helper_checks() -> dict:
 
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]
     with torch.no_grad():                     # sharded model: FSDP gathers weights around prefill/decode
-        same_greedy = par.generate(prompts, max_new_tokens=3, stop_at_eos=False) == \
-            ref.generate(prompts, max_new_tokens=3, stop_at_eos=False)
+        same_greedy = generate(par, prompts, max_new_tokens=3, stop_at_eos=False) == \
+            generate(ref, prompts, max_new_tokens=3, stop_at_eos=False)
     plain = D.unsharded_copy(par)             # collective; then usable by one rank alone
     if rank == 0:
         with torch.no_grad():
-            same_greedy &= plain.generate(prompts, max_new_tokens=3, stop_at_eos=False) == \
-                ref.generate(prompts, max_new_tokens=3, stop_at_eos=False)
+            same_greedy &= generate(plain, prompts, max_new_tokens=3, stop_at_eos=False) == \
+                generate(ref, prompts, max_new_tokens=3, stop_at_eos=False)
             same_greedy &= not any(D._is_dtensor(p) or D.is_expert_param(p) for p in plain.parameters())
 
     state = {k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(7)).to(v.dtype)

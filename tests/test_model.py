@@ -3,6 +3,7 @@ import torch
 
 from dsv4 import DeepSeekV4, ModelConfig
 from dsv4.check.teacher_forcing import teacher_forcing
+from dsv4.engine import generate
 
 
 @pytest.fixture(scope="module")
@@ -26,20 +27,20 @@ def test_teacher_forcing_with_long_prefill(tiny):
 
 
 def test_teacher_forcing_names_a_planted_cache_bug(tiny, monkeypatch):
-    # BUGZOO Z11-style: the decode path ropes a new compressed entry at its raw token position instead
-    # of its compressed index (the full path stays correct)
+    # BUGZOO Z11-style: the decode steps rope a new compressed entry at its raw token position instead of
+    # its compressed index (the full path and the prefill stay correct)
     comp = tiny.layers[1].attn.compressor
     in_step = [False]
-    step, finish = comp.step, comp.finish
+    append, finish = comp.append, comp.finish
 
-    def bad_step(x, pos, st):
-        in_step[0] = True
+    def bad_append(x, *args, **kw):
+        in_step[0] = x.size(1) == 1                          # one token: a decode step of batch 1
         try:
-            step(x, pos, st)
+            append(x, *args, **kw)
         finally:
             in_step[0] = False
 
-    monkeypatch.setattr(comp, "step", bad_step)
+    monkeypatch.setattr(comp, "append", bad_append)
     monkeypatch.setattr(comp, "finish",
                         lambda pooled, ids, dtype: finish(pooled, ids * 4 if in_step[0] else ids, dtype))
     tokens = torch.randint(0, tiny.cfg.vocab_size, (1, 40))
@@ -118,18 +119,18 @@ def test_parameter_names_map_one_to_one_onto_official_names(tiny):
 
 def test_generate_greedy_sampling_and_eos(tiny):
     prompt = [[0, 5, 9, 200], [0, 7]]
-    a = tiny.generate(prompt, max_new_tokens=6, stop_at_eos=False)
-    b = tiny.generate(prompt, max_new_tokens=6, stop_at_eos=False)
+    a = generate(tiny, prompt, max_new_tokens=6, stop_at_eos=False)
+    b = generate(tiny, prompt, max_new_tokens=6, stop_at_eos=False)
     assert a == b and [len(x) for x in a] == [6, 6]
     # greedy continuation equals argmax of the full forward
     seq = prompt[0] + a[0]
     logits = tiny(torch.tensor([seq])).logits[0]
     assert logits[len(prompt[0]) - 1:-1].argmax(-1).tolist() == a[0]
-    s1 = tiny.generate(prompt, max_new_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=3, stop_at_eos=False)
-    s2 = tiny.generate(prompt, max_new_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=3, stop_at_eos=False)
+    s1 = generate(tiny, prompt, max_new_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=3, stop_at_eos=False)
+    s2 = generate(tiny, prompt, max_new_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=3, stop_at_eos=False)
     assert s1 == s2
     eos = a[0][2]
-    stopped = tiny.generate(prompt[:1], max_new_tokens=6, eos_token_id=eos)
+    stopped = generate(tiny, prompt[:1], max_new_tokens=6, eos_token_id=eos)
     assert stopped[0] == a[0][: a[0].index(eos) + 1]
 
 
@@ -142,7 +143,7 @@ def test_bad_inputs_are_refused(tiny):
     with pytest.raises(ValueError, match="max_len"):
         tiny.prefill(torch.zeros(1, 9, dtype=torch.long), cache)
     with pytest.raises(ValueError, match="empty prompt"):
-        tiny.generate([[]])
+        generate(tiny, [[]])
 
 
 def test_bf16_model_runs_and_keeps_fp32_islands():

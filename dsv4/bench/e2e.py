@@ -131,7 +131,7 @@ def bench_prefill(model, args, device, path: str) -> dict:
     graphed = _graphed(args, device, path)
     with _path(path), torch.no_grad():
         if graphed:
-            from ..model.cuda_graph import GraphedPrefill
+            from ..engine.graphs import GraphedPrefill
 
             ops.reset_calls()
             prefill = GraphedPrefill(model, args.batch, args.seq, max_len)    # warm-up + capture
@@ -161,7 +161,7 @@ def bench_decode(model, args, device, path: str) -> dict:
         graphed = _graphed(args, device, path)
         ops.reset_calls()
         if graphed:
-            from ..model.cuda_graph import GraphedDecoder
+            from ..engine.graphs import GraphedDecoder
 
             step = GraphedDecoder(model, cache).step
             used = _backends_used()                                        # what the graph replays

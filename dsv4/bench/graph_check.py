@@ -25,8 +25,8 @@ import torch
 
 from .. import ops
 from ..config import ModelConfig
+from ..engine.graphs import GraphedDecoder, GraphedPrefill
 from ..model import DeepSeekV4
-from ..model.cuda_graph import GraphedDecoder, GraphedPrefill
 from ..train import balance
 from ..train.graphed import GraphedBackward
 from ..train.losses import total_loss

@@ -37,7 +37,7 @@ def _graphed_call(bench: str, args: argparse.Namespace, device: torch.device) ->
         graph = GraphedBackward(model, loss_fn, tokens)
         return lambda: graph.run(tokens)
     model.eval()
-    from ..model.cuda_graph import GraphedDecoder, GraphedPrefill
+    from ..engine.graphs import GraphedDecoder, GraphedPrefill
 
     with torch.no_grad():
         if bench == "prefill":

@@ -221,18 +221,15 @@ def _step_raw_slot(comp):
     return step
 
 
-def sample_bool_mask(logits, temperature=0.0, top_p=1.0, top_k=0, generator=None):
-    """Z23: top-p filtering through boolean-mask indexing (a data-dependent shape)."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = (logits.float() / temperature).softmax(-1)
-    out = []
-    for row in probs:
-        sorted_p, order = row.sort(descending=True)
-        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
-        kept, ids = sorted_p[keep], order[keep]
-        out.append(ids[torch.multinomial(kept / kept.sum(), 1, generator=generator)])
-    return torch.cat(out)
+def filter_bool_mask(scaled, params, col):
+    """Z23: top-p filtering through boolean-mask indexing (a data-dependent shape), row by row."""
+    out = torch.full_like(scaled, float("-inf"))
+    for i, row in enumerate(scaled):
+        sorted_x, order = row.sort(descending=True)
+        p = sorted_x.softmax(-1)
+        keep = (p.cumsum(-1) - p) < params[i].top_p
+        out[i, order[keep]] = sorted_x[keep]
+    return out
 
 
 @contextlib.contextmanager
@@ -318,9 +315,9 @@ def _plant_z22(ctx):
 
 
 def _plant_z23(ctx):
-    from ..model import sampling
+    from ..engine import sampling
 
-    return patched(sampling, sample=sample_bool_mask)
+    return patched(sampling.Sampler, _filter=staticmethod(filter_bool_mask))
 
 
 def _fp4_unpack_blocked(packed: torch.Tensor) -> torch.Tensor:

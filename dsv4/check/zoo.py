@@ -546,24 +546,22 @@ def host_reads(hits: list[str]):
 def static_shapes(ctx: Context) -> CheckResult:
     """Sampling, the MoE experts and a decode step's cache writes run with static shapes (no data-dependent
     sizes, no host reads of tensor values)."""
-    from ..model import sampling
+    from ..engine.sampling import Sampler, SamplingParams
 
     dev = ctx.device
     logits = torch.randn(2, ctx.cfg.vocab_size, generator=torch.Generator().manual_seed(ctx.seed)).to(dev)
-    gen = torch.Generator(device=dev).manual_seed(ctx.seed)                       # sampling draws on the device
     inp = moe_inputs(ctx.cfg, tokens=8, seed=ctx.seed, device=dev, dtype=ctx.dtype("moe_experts"))
     model = ctx.model
     cache = model.new_cache(1, max_len=16)
     with torch.no_grad():
         model.prefill(ctx.tokens[:1, :7], cache)
-        x = model._embed(ctx.tokens[:1, 7:8])
-    pos = torch.tensor([7], device=dev)
+        step_inputs = cache.step_inputs(ctx.tokens[:1, 7:8])                   # built before watching
     moes = moe_backends(inp)
-    spots = {"sampling": lambda: sampling.sample(logits, temperature=0.8, top_p=0.9, top_k=50, generator=gen)}
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01)] * 2
+    spots = {"sampling": lambda: Sampler()(logits, params, [ctx.seed, ctx.seed + 1], [0, 0])}
     for be in moes:
         spots[f"moe_experts[{be}]"] = lambda be=be: ops.moe_experts(**inp, backend=be)
-    spots["decode step (cache writes)"] = lambda: model.layers[1](x, pos, ctx.tokens[:1, 7:8],
-                                                                  cache=cache.layers[1], pos=pos)
+    spots["decode step (cache writes)"] = lambda: model.append(ctx.tokens[:1, 7:8], step_inputs, cache.kv)
     # the decode step's experts run on the first static-shape MoE backend (the reference loops with `where`)
     for where, fn in spots.items():
         reads: list[str] = []

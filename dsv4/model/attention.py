@@ -6,39 +6,15 @@ Every layer keeps a shared single-head KV (`wkv`, 512 dims) used as both key and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
 from ..ops.precision import acc_dtype
-from .layers import Linear, RMSNorm, linear_fp32, record, rms_normalize
+from .layers import Linear, RMSNorm, linear_fp32, record, record_as, rms_normalize
+from .paged import LayerPool, Plan, RatioPlan, Ring
 from .rope import Rope, apply_rope_tail
-
-
-# ------------------------------------------------------------------------------------------ caches
-@dataclass
-class CompressorState:
-    """Decode state of one compressor: the pooled entries and the raw slots of the open groups.
-
-    All tensors have fixed shapes (no growing lists, no host-side counters), so a decode step can be
-    captured in a CUDA graph: which entries exist follows from the position alone (j < (t+1) // r).
-    """
-    entries: torch.Tensor        # [b, capacity, c] compressed entries (after norm / rope / quant)
-    cur_kv: torch.Tensor         # [b, ratio, coff*c] raw kv of the group being filled
-    cur_score: torch.Tensor      # [b, ratio, coff*c] its gate scores (+ ape)
-    prev_kv: torch.Tensor        # [b, ratio, coff*c] the last complete group (zeros before the first)
-    prev_score: torch.Tensor     # [b, ratio, coff*c] its scores (-inf before the first: an empty half)
-
-
-@dataclass
-class AttentionCache:
-    kv: torch.Tensor                          # [b, window + capacity, d]: ring buffer, then compressed entries
-    window: torch.Tensor                      # view kv[:, :window]; position p lives at slot p % window
-    compressor: CompressorState | None = None
-    indexer: CompressorState | None = None
 
 
 # ------------------------------------------------------------------------------------------ compressor
@@ -112,48 +88,37 @@ class Compressor(nn.Module):
         entries = self.finish(self.pool(groups_kv, groups_score), torch.arange(g, device=x.device), x.dtype)
         return entries, kv, score
 
-    # ---------------------------------------------------------------- decode
-    def new_state(self, entries: torch.Tensor) -> CompressorState:
-        """Decode state writing its entries into `entries` [b, capacity, c] (a view of the layer's kv)."""
-        b, w = entries.size(0), self.coff * self.head_dim
-        zeros = entries.new_zeros(b, self.ratio, w, dtype=torch.float32)
-        empty = torch.full_like(zeros, float("-inf"))
-        return CompressorState(entries=entries, cur_kv=zeros, cur_score=empty.clone(), prev_kv=zeros.clone(),
-                               prev_score=empty)
+    # ---------------------------------------------------------------- incremental (paged)
+    def append(self, x: torch.Tensor, positions: torch.Tensor, rp: RatioPlan, entries: torch.Tensor, ring: Ring,
+               tail: Ring | None = None) -> None:
+        """Add T tokens x [1, T, dim] at positions [T] to the paged state; write the entries of the
+        groups they complete into `entries` (entry-region rows).
 
-    def fill_state(self, st: CompressorState, entries: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
-        """After a prefill of s tokens: store the entries and the raw slots of the open groups."""
-        r, s, g = self.ratio, kv.size(1), entries.size(1)
-        if g > st.entries.size(1):
-            raise ValueError(f"prompt needs {g} compressed entries, cache holds {st.entries.size(1)}")
-        st.entries[:, :g] = entries
-        if g:
-            st.prev_kv.copy_(kv[:, (g - 1) * r: g * r])
-            st.prev_score.copy_(score[:, (g - 1) * r: g * r])
-        rem = s - g * r
-        st.cur_kv[:, :rem], st.cur_score[:, :rem] = kv[:, g * r:], score[:, g * r:]
-
-    def step(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState) -> None:
-        """Decode one token at position pos ([1] long tensor): x [b, 1, dim].
-
-        The entry of the current group is computed every step and written only when the group is
-        complete ((pos+1) % r == 0): a fixed sequence of kernels, no host synchronization.
+        Each group's rows come from this step's tokens (`rp.group_new`) or from the ring (`rp.group_ring`,
+        written by earlier steps); the pooled entry is written only when the group is complete (else to
+        the trash row), so decode and verify steps keep static shapes.
         """
-        r = self.ratio
-        kv, score = self.project(x, pos)                                                # [b, 1, coff*c]
-        st.cur_kv.index_copy_(1, pos % r, kv)
-        st.cur_score.index_copy_(1, pos % r, score)
-        if st.entries.size(1) == 0:                     # the cache is too short for any group to complete
-            return
-        pooled = self.pool(st.cur_kv.unsqueeze(1), st.cur_score.unsqueeze(1), st.prev_kv, st.prev_score)
-        j = pos // r
-        entry = self.finish(pooled, j, x.dtype)                                         # [b, 1, c]
-        done = ((pos + 1) % r == 0).view(1, 1, 1)
-        j = j.clamp(max=st.entries.size(1) - 1)
-        st.entries.index_copy_(1, j, torch.where(done, entry, st.entries.index_select(1, j)))
-        st.prev_kv.copy_(torch.where(done, st.cur_kv, st.prev_kv))
-        st.prev_score.copy_(torch.where(done, st.cur_score, st.prev_score))
+        kv, score = self.project(x, positions)                                          # [1, T, coff*c] fp32
+        kv, score = kv[0], score[0]                                                     # [T, W]
+        new = rp.group_new
+        take_new = (new >= 0).unsqueeze(-1)                                             # [G, n, 1]
 
+        def rows(src: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+            return torch.where(take_new, src[new.clamp_min(0)], kept[rp.group_ring])   # [G, coff*r, W]
+
+        g_kv, g_score = rows(kv, ring.kv), rows(score, ring.score)
+        if self.overlap:                 # previous group's first half of channels, current group's second
+            c, r = self.head_dim, self.ratio
+            g_kv = torch.cat([g_kv[:, :r, :c], g_kv[:, r:, c:]], 1)                    # [G, 2r, c]
+            g_score = torch.cat([g_score[:, :r, :c], g_score[:, r:, c:]], 1)
+        pooled = ops.compress_pool(g_kv, g_score)                                       # [G, c]
+        out = self.finish(pooled.unsqueeze(0), rp.group_j, x.dtype).squeeze(0)
+        entries.index_copy_(0, rp.entry_write, out.to(entries.dtype))
+        ring.kv.index_copy_(0, rp.ring_write, kv)
+        ring.score.index_copy_(0, rp.ring_write, score)
+        if tail is not None and rp.tail_write is not None:
+            tail.kv.index_copy_(0, rp.tail_write, kv)
+            tail.score.index_copy_(0, rp.tail_write, score)
 
 # ------------------------------------------------------------------------------------------ indexer
 class Indexer(nn.Module):
@@ -211,24 +176,24 @@ class Attention(nn.Module):
         self.indexer_loss: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- shared pieces
-    def _q_kv(self, x: torch.Tensor, positions: torch.Tensor):
+    def _q_kv(self, x: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int] | None = None):
         qr = self.q_norm(self.wq_a(x))                                                  # [b, s, q_lora]
         q = rms_normalize(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), self.eps)
         q = apply_rope_tail(q, self.rope, positions)                                    # [b, s, h, d]
         kv = apply_rope_tail(self.kv_norm(self.wkv(x)), self.rope, positions)           # [b, s, d]
         if self.cfg.fp8_kv_sim:
             kv = torch.cat([ops.fp8_round_trip(kv[..., : -self.rope_dim], 64), kv[..., -self.rope_dim:]], -1)
-        return qr, record(f"{self.stage}.q", q), record(f"{self.stage}.kv", kv)
+        return qr, record_as(f"{self.stage}.q", q, shape), record_as(f"{self.stage}.kv", kv, shape)
 
-    def _output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _output(self, o: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int] | None = None) -> torch.Tensor:
         o = apply_rope_tail(o, self.rope, positions, inverse=True)                      # [b, s, h, d]
-        o = record(f"{self.stage}.core", o)
+        o = record_as(f"{self.stage}.core", o, shape)
         b, s = o.shape[:2]
         o = o.reshape(b, s, self.o_groups, -1)                                          # [b, s, g, h/g*d]
         wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)               # [g, R, h/g*d]
         acc = acc_dtype() if o.dtype == torch.float32 else o.dtype
         o = torch.einsum("bsgd,grd->bsgr", o.to(acc), wo_a.to(acc)).to(o.dtype)
-        return record(f"{self.stage}.out", self.wo_b(o.flatten(2)))
+        return record_as(f"{self.stage}.out", self.wo_b(o.flatten(2)), shape)
 
     def _window_idx(self, s: int, device) -> torch.Tensor:
         """[s, w] keys of the window for queries 0..s-1 (positions into the prefill kv), -1 = none."""
@@ -249,8 +214,8 @@ class Attention(nn.Module):
         return record(f"{self.stage}.indexer.topk", sel)
 
     # ---------------------------------------------------------------- full sequence (train / prefill)
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
-        """x [b, s, dim], positions = arange(s) (sequences start at 0). Fills `cache` when given."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The whole sequence: x [b, s, dim], positions = arange(s) (training, checks)."""
         b, s, _ = x.shape
         qr, q, kv = self._q_kv(x, positions)
         idx = self._window_idx(s, x.device).unsqueeze(0).expand(b, -1, -1)              # [b, s, w]
@@ -271,12 +236,6 @@ class Attention(nn.Module):
         if "scores" in q_ctx:
             self.indexer_loss = self._indexer_loss(q, kv_all, idx[..., -sel.size(-1):] if sel.size(-1) else None,
                                                    lse, q_ctx["scores"], s)
-        if cache is not None:
-            self._fill_cache(cache, kv, s)
-            if self.ratio:
-                self.compressor.fill_state(cache.compressor, comp, raw_kv, raw_score)
-                if self.indexer is not None:
-                    self.indexer.compressor.fill_state(cache.indexer, k_index, ik, isc)
         return self._output(o, positions)
 
     def _indexer_loss(self, q, kv_all, comp_idx, lse, scores, offset) -> torch.Tensor:
@@ -299,45 +258,54 @@ class Attention(nn.Module):
         kl = (target * (torch.log(target.clamp_min(1e-30)) - log_q)).masked_fill(~valid, 0).sum(-1)
         return (kl * rows).sum() / rows.sum().clamp_min(1)
 
-    def _fill_cache(self, cache: AttentionCache, kv: torch.Tensor, s: int) -> None:
-        w = self.window
-        last = torch.arange(max(0, s - w), s, device=kv.device)
-        cache.window[:, last % w] = kv[:, last]
+    # ---------------------------------------------------------------- incremental (paged)
+    def append(self, x: torch.Tensor, plan: Plan, pool: LayerPool) -> torch.Tensor:
+        """Tokens x [b, s, dim] laid out as the plan's flat list of T tokens; keys from the paged pool.
 
-    # ---------------------------------------------------------------- decode
-    def new_cache(self, b: int, max_len: int, device, dtype) -> AttentionCache:
-        capacity = max_len // self.ratio if self.ratio else 0
-        kv = torch.zeros(b, self.window + capacity, self.head_dim, device=device, dtype=dtype)
-        cache = AttentionCache(kv=kv, window=kv[:, : self.window])
-        if self.ratio:
-            cache.compressor = self.compressor.new_state(kv[:, self.window:])
-        if self.indexer is not None:
-            index_keys = torch.zeros(b, capacity, self.indexer.head_dim, device=device, dtype=dtype)
-            cache.indexer = self.indexer.compressor.new_state(index_keys)
-        return cache
-
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
-        """One token per sequence at position pos ([1] long tensor): x [b, 1, dim].
-
-        Keys: the window ring buffer plus the compressed entries visible at pos (all of them for HCA,
-        the indexer's top-k for CSA). Fixed shapes throughout (invisible slots are -1).
+        Writes this step's window rows and compressed entries first, then attends: a token sees the
+        window positions and the complete groups up to and including itself.
         """
-        b = x.size(0)
-        qr, q, kv = self._q_kv(x, pos)
-        w = self.window
-        cache.window.index_copy_(1, pos % w, kv)
-        slots = torch.arange(w, device=x.device)
-        idx = torch.where(slots <= pos, slots, -1).view(1, 1, w).expand(b, 1, w)      # ring slots written
+        shape = x.shape[:2]
+        positions = plan.inputs.positions                                               # [T]
+        T = positions.numel()
+        x = x.reshape(1, T, -1)                                                         # [1, T, dim]
+        qr, q, kv = self._q_kv(x, positions, shape)
+        pool.kv.index_copy_(0, plan.window_write, kv[0].to(pool.kv.dtype))
+        idx = plan.window_idx                                                           # [T, w]
         if self.ratio:
-            st = cache.compressor
-            self.compressor.step(x, pos, st)
+            rp = plan.ratios[self.ratio]
+            self.compressor.append(x, positions, rp, pool.kv[pool.entry_offset:], pool.rows, pool.tails)
             if self.indexer is not None:
-                ist = cache.indexer
-                self.indexer.compressor.step(x.detach(), pos, ist)
-                sel = self._select(x, qr, pos, ist.entries, {})
+                self.indexer.compressor.append(x, positions, rp, pool.index_keys, pool.index_rows,
+                                               pool.index_tails)
+                sel = self._select_paged(x, qr, plan, rp, pool.index_keys)             # [T, topk] entry slots
             else:
-                j = torch.arange(st.entries.size(1), device=x.device)
-                sel = torch.where(j < (pos + 1) // self.ratio, j, -1).view(1, 1, -1).expand(b, 1, -1)
-            idx = torch.cat([idx, torch.where(sel >= 0, sel + w, -1)], -1)
-        o, _ = ops.sparse_attention(q, cache.kv, self.attn_sink, idx, self.scale)
-        return self._output(o, pos)
+                sel = rp.visible                                                        # [T, n] entry slots
+            idx = torch.cat([idx, torch.where(sel >= 0, sel + pool.entry_offset, -1)], -1)
+        o, _ = ops.sparse_attention(q, pool.kv.unsqueeze(0), self.attn_sink, idx.unsqueeze(0), self.scale)
+        return self._output(o, positions, shape).view(*shape, -1)
+
+    def _select_paged(self, x: torch.Tensor, qr: torch.Tensor, plan: Plan, rp: RatioPlan,
+                      keys: torch.Tensor) -> torch.Tensor:
+        """Indexer top-k per token over its own sequence's entries -> [T, index_topk] entry slots, -1 none.
+
+        Tokens are scored in groups that share a dense layout (`plan.inputs.index_maps`): the decode rows
+        together, each prefill chunk on its own; candidates are the row's entries in entry order, so the
+        candidate index is the entry id and `positions` decides visibility.
+        """
+        inp = plan.inputs
+        T = inp.positions.numel()
+        q, w = self.indexer.queries(x, qr, inp.positions)                               # [1, T, H, D], [1, T, H]
+        q, w = q[0], w[0]
+        out = torch.full((T + 1, self.indexer.topk), -1, dtype=torch.long, device=x.device)
+        for qmap, cand in zip(inp.index_maps, rp.cand):
+            valid = qmap >= 0
+            tok = qmap.clamp_min(0)                                                     # [b_g, s_g]
+            pos = torch.where(valid, inp.positions[tok], -1)
+            sel = ops.indexer_topk(q[tok], keys[cand], w[tok], pos, self.ratio, self.indexer.topk)
+            sel = record(f"{self.stage}.indexer.topk", sel)                             # [b_g, s_g, k] entry ids
+            k = sel.size(-1)
+            phys = torch.where(sel >= 0, cand.gather(1, sel.clamp_min(0).flatten(1)).view_as(sel), -1)
+            dst = torch.where(valid, qmap, T).flatten()
+            out[:, :k].index_copy_(0, dst, phys.flatten(0, 1))
+        return out[:T]

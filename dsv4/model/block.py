@@ -12,9 +12,10 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
-from .attention import Attention, AttentionCache
+from .attention import Attention
 from .layers import Linear, RMSNorm, record
 from .moe import MoE
+from .paged import LayerPool, Plan
 
 
 class Block(nn.Module):
@@ -38,14 +39,15 @@ class Block(nn.Module):
         c = self.cfg
         return ops.hc_pre(x, fn, scale, base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor,
-                cache: AttentionCache | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
-        """x [b, s, hc, dim]. pos=None: full sequence (filling `cache` if given); else decode at pos [1]."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None, token_ids: torch.Tensor,
+                plan: Plan | None = None, pool: LayerPool | None = None) -> torch.Tensor:
+        """x [b, s, hc, dim]. Without a plan: the whole sequence at `positions`; with one: an incremental
+        step on the paged pool (positions come from the plan)."""
         residual = x
         h, post, comb = self._hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         h = record(f"{self.stage}.hc_attn_pre", h)
         h = self.attn_norm(h)
-        h = self.attn(h, positions, cache) if pos is None else self.attn.decode(h, pos, cache)
+        h = self.attn(h, positions) if plan is None else self.attn.append(h, plan, pool)
         x = record(f"{self.stage}.hc_attn_post", ops.hc_post(h, residual, post, comb))
 
         residual = x

@@ -80,6 +80,14 @@ def record(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor if out is None else out
 
 
+def record_as(name: str, tensor: torch.Tensor, shape: tuple[int, int] | None) -> torch.Tensor:
+    """`record` for a tensor in the flat token layout [1, T, ...] offered as [b, s, ...] (the caller's
+    layout, `shape` = (b, s)), so stages compare position by position with the full-sequence path."""
+    if shape is None or getattr(_RECORDER, "fn", None) is None:
+        return record(name, tensor)
+    return record(name, tensor.reshape(*shape, *tensor.shape[2:])).reshape(tensor.shape)
+
+
 @contextlib.contextmanager
 def recording(fn: Callable[[str, torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
     """Route every `record(name, tensor)` call in this thread to fn while the block runs."""

@@ -1,16 +1,17 @@
 """DeepSeek-V4: embed -> hc copies -> blocks -> HC head -> norm -> fp32 logits (+ MTP blocks).
 
 Two paths share every module:
-- `forward(tokens)`: the full sequence from position 0, differentiable (training, prefill, checks);
-- `new_cache` / `prefill` / `decode_step`: incremental decoding with per-layer caches (window ring buffer,
-  compressed entries, compressor and indexer states), one token per sequence per step.
+- `forward(tokens)`: the full sequence from position 0, differentiable (training, checks);
+- `append(tokens, inputs, cache)`: tokens of many sequences at their own positions on a paged cache
+  (`dsv4.model.paged`): prefill chunks, decode steps and speculative verifies alike. `prefill` and
+  `decode_step` wrap it for b sequences in lockstep (`new_cache`). Generation, sampling and serving
+  live in `dsv4.engine`; the model holds no request state.
 Parameter names are the official inference names, except that routed experts are stacked per layer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +20,10 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import AttentionCache
 from .block import Block, MTPBlock, hc_head
 from .layers import RMSNorm, autocast_dtype, linear_fp32, record
 from .moe import Gate
+from .paged import BatchCache, PagedKVCache, StepInputs, plan_step
 
 
 @dataclass
@@ -33,14 +34,6 @@ class ModelOutput:
     indexer_loss: torch.Tensor | None = None              # summed over CSA layers
     balance_loss: torch.Tensor | None = None              # summed over MoE layers (when alpha > 0)
     expert_load: list[torch.Tensor] = field(default_factory=list)  # per layer [E] token counts
-
-
-@dataclass
-class ModelCache:
-    layers: list[AttentionCache]
-    max_len: int
-    pos: int = 0                      # next position (host copy)
-    pos_t: torch.Tensor | None = None  # the same as a [1] long tensor on the device (read by decode steps)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -203,93 +196,67 @@ class DeepSeekV4(nn.Module):
             logits.append(self._head(h, block.hc_head_fn, block.hc_head_scale, block.hc_head_base, block.norm))
         return logits
 
-    # ------------------------------------------------------------------ incremental decoding
-    def new_cache(self, batch_size: int, max_len: int = 4096) -> ModelCache:
+    # ------------------------------------------------------------------ incremental
+    @torch.no_grad()
+    def append(self, tokens: torch.Tensor, inputs: StepInputs, cache: PagedKVCache,
+               return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Append tokens to many sequences at their own positions: the one incremental entry point.
+
+        tokens [b, s] (b rows of s tokens) or [1, T] (a ragged step) in the flat order `inputs` describes;
+        s = 1 is decode, s > 1 a prefill chunk, s = k + 1 a speculative verify. Writes every layer's
+        window rows, compressed entries and pending compressor rows into `cache`, then returns fp32 logits
+        [n, vocab] of the tokens `inputs.out` names (all T when None), and with return_hidden also the
+        hidden states [T, hc, dim] before the HC head (the MTP draft's input).
+
+        No host synchronization: every index is derived on the device from `inputs` (`plan_step`), so a
+        fixed-shape step can be captured in a CUDA graph.
+        """
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"tokens must be an integer tensor [b, s] or [1, T], got {tuple(tokens.shape)} "
+                             f"{tokens.dtype}")
+        plan = plan_step(inputs, cache.layout)
+        h = self._embed(tokens)                                                         # [b, s, hc, dim]
+        for layer, pool in zip(self.layers, cache.layers):
+            h = layer(h, None, tokens, plan=plan, pool=pool)
+        flat = h.flatten(0, 1)                                                          # [T, hc, dim]
+        sel = flat if inputs.out is None else flat[inputs.out]
+        logits = self._head(sel.unsqueeze(0), self.hc_head_fn, self.hc_head_scale, self.hc_head_base,
+                            self.norm)[0]                                               # [n, vocab]
+        return (logits, flat) if return_hidden else logits
+
+    def new_cache(self, batch_size: int, max_len: int = 4096) -> BatchCache:
+        """A cache for `batch_size` sequences decoded in lockstep (`prefill`, `decode_step`)."""
         p = self.embed.weight
-        return ModelCache([layer.attn.new_cache(batch_size, max_len, p.device, p.dtype) for layer in self.layers],
-                          max_len=max_len, pos_t=torch.zeros(1, dtype=torch.long, device=p.device))
+        return BatchCache(self.cfg, batch_size, max_len, p.device, p.dtype)
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, cache: ModelCache, last_only: bool = True) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, cache: BatchCache, last_only: bool = True) -> torch.Tensor:
         """Run the prompt tokens [b, s] from position 0 and fill the cache. -> logits [b, s or 1, vocab]."""
         self._check_tokens(tokens)
         if cache.pos != 0:
             raise ValueError("prefill starts a sequence: use a fresh cache (new_cache)")
-        s = tokens.size(1)
+        b, s = tokens.shape
         if s > cache.max_len:
             raise ValueError(f"prompt of {s} tokens exceeds the cache's max_len={cache.max_len}")
-        positions = torch.arange(s, device=tokens.device)
-        h = self._embed(tokens)
-        for layer, lc in zip(self.layers, cache.layers):
-            h = layer(h, positions, tokens, cache=lc)
-        cache.pos = s
-        cache.pos_t.fill_(s)
-        return self._head(h[:, -1:] if last_only else h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base,
-                          self.norm)
+        if b != cache.batch_size:
+            raise ValueError(f"the cache holds {cache.batch_size} sequences, got a batch of {b}")
+        inputs = cache.step_inputs(tokens, static_start=0, last_only=last_only)
+        logits = self.append(tokens, inputs, cache.kv)
+        cache.advance(s)
+        return logits.view(b, 1 if last_only else s, -1)
 
     @torch.no_grad()
-    def decode_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+    def decode_step(self, tokens: torch.Tensor, cache: BatchCache) -> torch.Tensor:
         """One new token per sequence, tokens [b, 1] at position cache.pos -> logits [b, 1, vocab].
 
         A fixed sequence of kernels with no host synchronization (the position is read from
-        cache.pos_t on the device), so it can be captured in a CUDA graph (`dsv4.model.cuda_graph`).
+        cache.pos_t on the device), so it can be captured in a CUDA graph (`dsv4.engine.graphs`).
         Token ids are checked for shape and dtype only: a value check would synchronize.
         """
         if tokens.dim() != 2 or tokens.size(1) != 1 or tokens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"decode_step takes integer tokens [batch, 1], got {tuple(tokens.shape)} {tokens.dtype}")
         if cache.pos >= cache.max_len:
             raise ValueError(f"cache is full at max_len={cache.max_len}")
-        pos = cache.pos_t
-        h = self._embed(tokens)
-        for layer, lc in zip(self.layers, cache.layers):
-            h = layer(h, pos, tokens, cache=lc, pos=pos)
-        cache.pos += 1
-        cache.pos_t += 1
-        return self._head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm)
-
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_at_eos: bool = True,
-                 eos_token_id: int | None = None, on_token=None, cuda_graph: bool = False) -> list[list[int]]:
-        """Continue each prompt. temperature 0 = greedy. Prompts of equal length are batched together.
-
-        on_token(row, token) is called for every generated token (for streaming output). With
-        cuda_graph=True (CUDA only) the decode steps replay one captured CUDA graph.
-        """
-        from .sampling import sample
-
-        eos = self.cfg.eos_token_id if eos_token_id is None else eos_token_id
-        gen = torch.Generator(device=self.embed.weight.device)
-        gen.manual_seed(0 if seed is None else seed)
-        results: list[list[int]] = [[] for _ in prompts]
-        by_len: dict[int, list[int]] = {}
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError("empty prompt: give at least one token (e.g. BOS)")
-            by_len.setdefault(len(p), []).append(i)
-        dev = self.embed.weight.device
-        for length, rows in by_len.items():
-            tokens = torch.tensor([prompts[i] for i in rows], device=dev)
-            cache = self.new_cache(len(rows), max_len=length + max_new_tokens)
-            logits = self.prefill(tokens, cache)[:, -1]
-            step = functools.partial(self.decode_step, cache=cache)
-            if cuda_graph and max_new_tokens > 1:
-                from .cuda_graph import GraphedDecoder
-
-                step = GraphedDecoder(self, cache).step
-            done = torch.zeros(len(rows), dtype=torch.bool, device=dev)
-            for _ in range(max_new_tokens):
-                nxt = sample(logits, temperature, top_p, top_k, gen)                    # [n]
-                for j, i in enumerate(rows):
-                    if not done[j]:
-                        results[i].append(int(nxt[j]))
-                        if on_token is not None:
-                            on_token(i, int(nxt[j]))
-                if stop_at_eos:
-                    done |= nxt == eos
-                    if bool(done.all()):
-                        break
-                if cache.pos >= cache.max_len:
-                    break
-                logits = step(nxt.unsqueeze(1))[:, -1]
-        return results
+        logits = self.append(tokens, cache.step_inputs(tokens), cache.kv)
+        cache.advance(1)
+        return logits.view(tokens.size(0), 1, -1)

@@ -178,17 +178,18 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
 
 # ----------------------------------------------------------------------------- lightning indexer
 def compressed_visible(positions: torch.Tensor, n: int, ratio: int) -> torch.Tensor:
-    """[s, n] bool: compressed entry j is visible to the query at position t iff j < (t+1) // ratio."""
+    """[s, n] (positions [s]) or [b, s, n] (positions [b, s]) bool: compressed entry j is visible to the
+    query at position t iff j < (t+1) // ratio (a position of -1 sees nothing)."""
     j = torch.arange(n, device=positions.device)
-    return j.unsqueeze(0) < ((positions + 1) // ratio).unsqueeze(1)
+    return j < torch.div(positions + 1, ratio, rounding_mode="floor").unsqueeze(-1)
 
 
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                    ratio: int) -> torch.Tensor:
     """Lightning Indexer scores: `score[t, j] = sum_h weights[t, h] * relu(q[t, h] . k[j])`.
 
-    q [b, s, h, d]; k [b, n, d]; weights [b, s, h]; positions [s] absolute query positions.
-    Returns [b, s, n] fp32 with invisible entries (j >= (t+1)//ratio) set to -inf.
+    q [b, s, h, d]; k [b, n, d]; weights [b, s, h]; positions [s] (shared by the rows) or [b, s] absolute
+    query positions. Returns [b, s, n] fp32 with invisible entries (j >= (t+1)//ratio) set to -inf.
     """
     acc = acc_dtype()
     dots = torch.einsum("bshd,bnd->bshn", q.to(acc), k.to(acc)).relu()    # [b, s, h, n]
@@ -218,8 +219,13 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     """Split mixes [..., (2+hc)*hc] into pre [..., hc], post [..., hc], comb [..., hc, hc].
 
     comb starts as a row softmax (+eps), then one column normalization and iters-1 (row, column)
-    normalizations, each dividing by (sum + eps): doubly stochastic in the limit.
+    normalizations, each dividing by (sum + eps): doubly stochastic in the limit. Computed in the
+    accumulation dtype (float64 under exact accumulation: then a token's values do not depend on how many
+    tokens share the call, which fp32 elementwise kernels do not promise for strided slices).
     """
+    out_dtype = mixes.dtype
+    acc = acc_dtype()
+    mixes, scale, base = mixes.to(acc), scale.to(acc), base.to(acc)
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = mixes[..., 2 * hc:].unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc)
@@ -228,7 +234,7 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     for _ in range(iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + eps)
         comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    return pre, post, comb
+    return pre.to(out_dtype), post.to(out_dtype), comb.to(out_dtype)
 
 
 def _hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -255,9 +255,9 @@ def shard_model(model: nn.Module, ep: bool = True, dp_mesh=None, mp_policy=None,
     # incremental decoding (sampling during training, held-out generation) enters through these methods,
     # not forward: let FSDP gather the root unit's weights around them too. Under expert parallelism every
     # rank must decode the same number of steps (the exchange is collective).
-    for name in ("prefill", "decode_step"):
-        if hasattr(model, name):
-            register_fsdp_forward_method(model, name)
+    # (prefill and decode_step call append)
+    if hasattr(model, "append"):
+        register_fsdp_forward_method(model, "append")
     model._dsv4_sharded = True
     return model
 
@@ -531,6 +531,7 @@ def inference_check(preset: str = "tiny", seed: int = 0, prompt_len: int = 24, n
     every greedy decode step) and `generate`'s greedy continuations. Every rank holds the same prompts.
     Returns {mode: {"forward_rel", "decode_rel", "greedy_equal", "expert_ranges"}}."""
     from ..config import ModelConfig
+    from ..engine import generate
     from ..model.transformer import DeepSeekV4
 
     device = device or torch.device("cpu")
@@ -547,7 +548,7 @@ def inference_check(preset: str = "tiny", seed: int = 0, prompt_len: int = 24, n
             steps.append(model.decode_step(steps[-1][:, -1].argmax(-1, keepdim=True), cache))
         # eager decode: the all-to-all exchange reads its split sizes on the host, so it cannot be captured
         # in a CUDA graph
-        greedy = model.generate(prompts.tolist(), max_new_tokens=new_tokens, stop_at_eos=False, cuda_graph=False)
+        greedy = generate(model, prompts.tolist(), max_new_tokens=new_tokens, stop_at_eos=False)
         return full, steps, greedy
 
     f_ref, s_ref, g_ref = run(DeepSeekV4.from_config(cfg, seed=seed).to(device).eval())

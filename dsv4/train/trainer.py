@@ -614,12 +614,15 @@ class Trainer:
     # ---------------------------------------------------------------- outputs
     @torch.no_grad()
     def sample(self, prompt: str, max_new_tokens: int = 48) -> str:
+        from ..engine import generate
+
+
         m = self.model
         was = m.training
         m.eval()
         try:
             with self._backend():
-                ids = m.generate([self.tok.encode(prompt, bos=True)], max_new_tokens=max_new_tokens)[0]
+                ids = generate(m, [self.tok.encode(prompt, bos=True)], max_new_tokens=max_new_tokens)[0]
         finally:
             m.train(was)
         return prompt + self.tok.decode(ids)

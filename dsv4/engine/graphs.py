@@ -5,29 +5,16 @@ device and never synchronizes with the host, so one step can be captured once an
 new token: the per-step cost drops from thousands of kernel launches from Python to one graph launch.
 
 `DeepSeekV4.prefill` is the same at a fixed [batch, seq] shape (the token-value check, the one host sync,
-is skipped while capturing and done by `GraphedPrefill.run` instead), so a server that pads prompts to a
-few bucket lengths can capture one graph per bucket.
+is skipped while capturing and done by `GraphedPrefill.run` instead), so a caller that pads prompts to a
+few bucket lengths can capture one graph per bucket. (The serving engine's own decode graphs, over the
+shared paged cache, are `dsv4.engine.runner.DecodeGraph`.)
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from .transformer import DeepSeekV4, ModelCache
-
-
-def _cache_tensors(cache: ModelCache) -> list[torch.Tensor]:
-    out = [cache.pos_t]
-    for layer in cache.layers:
-        for f in dataclasses.fields(layer):
-            v = getattr(layer, f.name)
-            if isinstance(v, torch.Tensor):
-                out.append(v)
-            elif v is not None:
-                out.extend(getattr(v, g.name) for g in dataclasses.fields(v))
-    return out
+from ..model import BatchCache, DeepSeekV4
 
 
 class GraphedDecoder:
@@ -37,14 +24,14 @@ class GraphedDecoder:
     replaced or resized afterwards; capture after the prefill.
     """
 
-    def __init__(self, model: DeepSeekV4, cache: ModelCache, warmup: int = 2):
+    def __init__(self, model: DeepSeekV4, cache: BatchCache, warmup: int = 2):
         dev = cache.pos_t.device
         if dev.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA cache, this one is on {dev}")
         self.model, self.cache = model, cache
-        batch = cache.layers[0].kv.size(0)
+        batch = cache.batch_size
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        state = [t.clone() for t in _cache_tensors(cache)]
+        state = [t.clone() for t in cache.tensors()]
         host_pos = cache.pos
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -53,7 +40,7 @@ class GraphedDecoder:
                 model.decode_step(self.tokens, cache)
                 cache.pos = host_pos
         torch.cuda.current_stream(dev).wait_stream(side)
-        for saved, live in zip(state, _cache_tensors(cache)):
+        for saved, live in zip(state, cache.tensors()):
             live.copy_(saved)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
@@ -71,11 +58,11 @@ class GraphedDecoder:
         return self.logits
 
 
-def _initial_state(cache: ModelCache) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def _initial_state(cache: BatchCache) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(tensor, snapshot) for every distinct storage of a fresh cache: snapshot None when it is all zeros."""
     seen: set[int] = set()
     out = []
-    for t in _cache_tensors(cache):
+    for t in cache.tensors():
         base = t if t._base is None else t._base
         if id(base) in seen:
             continue

@@ -1,0 +1,239 @@
+"""Host-side bookkeeping of the paged cache: page allocation, per-sequence page tables, prefix reuse.
+
+Two page kinds (see `dsv4.model.paged`): *window* pages hold every layer's window rows of `page_size`
+positions and are needed only while they are inside the window; *compressed* pages hold the compressed
+entries and indexer keys of `page_size` positions and are needed for the whole sequence. Pages are
+reference counted: a page can belong to several sequences (a shared prompt prefix) and to the prefix
+cache at once; it returns to the free list when its last reference goes.
+
+Prefix caching works at page granularity, the granularity the compressed caches allow: a page is
+reusable once all its positions are computed, because every compressed group inside it is then complete
+(page_size is a multiple of every compression ratio). A cached page k is keyed by a hash of all tokens
+up to its end; a new sequence whose prompt starts with the same tokens reuses compressed pages 0..m and
+the window pages covering the window before position (m+1)*P, and resumes there. The ratio-4
+compressors' pooling overlaps the previous group, so each compressed page also keeps its last group's
+raw rows (`page_tails`), which are copied into the new sequence's ring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ..model.paged import CacheLayout
+
+
+class PagePool:
+    """Free list and reference counts of one page kind; page 0 is reserved (the trash page)."""
+
+    def __init__(self, n_pages: int):
+        self.n_pages = n_pages
+        self.free: list[int] = list(range(n_pages - 1, 0, -1))     # pop() hands out low ids first
+        self.refs = [0] * n_pages
+
+    def alloc(self) -> int | None:
+        if not self.free:
+            return None
+        page = self.free.pop()
+        self.refs[page] = 1
+        return page
+
+    def incref(self, page: int) -> None:
+        self.refs[page] += 1
+
+    def decref(self, page: int) -> None:
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self.free.append(page)
+        elif self.refs[page] < 0:
+            raise RuntimeError(f"page {page} released more often than taken")
+
+    @property
+    def n_free(self) -> int:
+        return len(self.free)
+
+
+@dataclass
+class SeqPages:
+    """The pages and ring slot of one running sequence."""
+    state: int
+    wtable: list[int] = field(default_factory=list)      # logical page -> window page, -1 none
+    ctable: list[int] = field(default_factory=list)      # logical page -> compressed page, -1 none
+    hashes: list[bytes] = field(default_factory=list)    # chain hash of each complete page's tokens
+    registered: int = 0                                  # pages offered to the prefix cache so far
+
+
+def page_hashes(tokens: list[int], page_size: int, n_pages: int, parent: bytes = b"") -> list[bytes]:
+    """Chain hashes of the first n_pages pages of tokens: page k's hash covers tokens [0, (k+1)*P)."""
+    out = []
+    h = parent
+    for k in range(n_pages):
+        chunk = tokens[k * page_size:(k + 1) * page_size]
+        h = hashlib.blake2b(h + b"|" + ",".join(map(str, chunk)).encode(), digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+class CacheManager:
+    """Allocates pages and ring slots for sequences and runs the prefix cache (LRU eviction)."""
+
+    def __init__(self, layout: CacheLayout, prefix_caching: bool = True, has_compressed: bool = True):
+        self.layout = layout
+        self.P, self.window = layout.page_size, layout.window
+        self.wpool = PagePool(layout.n_window_pages)
+        self.cpool = PagePool(layout.n_comp_pages) if has_compressed else None
+        self.free_states = list(range(layout.n_states - 1, -1, -1))
+        self.prefix_caching = prefix_caching
+        # page hash -> page, least recently used first; each holds one reference on its page
+        self.cached_c: OrderedDict[bytes, int] = OrderedDict()
+        self.cached_w: OrderedDict[bytes, int] = OrderedDict()
+        self.hits = 0          # prompt tokens served from the prefix cache
+        self.queries = 0       # prompt tokens looked up
+
+    # ------------------------------------------------------------------ capacity
+    def free_pages(self) -> tuple[int, int]:
+        """(window, compressed) pages free or held only by the prefix cache (evictable)."""
+        w = self.wpool.n_free + sum(1 for p in self.cached_w.values() if self.wpool.refs[p] == 1)
+        if self.cpool is None:
+            return w, 1 << 30
+        c = self.cpool.n_free + sum(1 for p in self.cached_c.values() if self.cpool.refs[p] == 1)
+        return w, c
+
+    def usage(self) -> float:
+        """Fraction of pages in use by running sequences (cached-but-idle pages count as free)."""
+        w, c = self.free_pages()
+        fw = 1 - w / max(1, self.wpool.n_pages - 1)
+        if self.cpool is None:
+            return fw
+        return max(fw, 1 - c / max(1, self.cpool.n_pages - 1))
+
+    def pages_for(self, start: int, end: int) -> tuple[int, int]:
+        """New (window, compressed) pages a sequence at length `start` needs to append up to `end`."""
+        P = self.P
+        first_w = max(0, start - self.window + 1) // P
+        have_w = max(0, (start - 1) // P + 1) if start else 0
+        w = max(0, (end - 1) // P + 1 - max(first_w, have_w))
+        c = max(0, (end - 1) // P + 1 - have_w) if self.cpool is not None else 0
+        return w, c
+
+    def can_fit(self, start: int, end: int, reserve: tuple[int, int] = (0, 0)) -> bool:
+        w, c = self.pages_for(start, end)
+        fw, fc = self.free_pages()
+        return w + reserve[0] <= fw and c + reserve[1] <= fc
+
+    # ------------------------------------------------------------------ sequences
+    def new_sequence(self) -> SeqPages | None:
+        if not self.free_states:
+            return None
+        return SeqPages(state=self.free_states.pop())
+
+    def _alloc(self, pool: PagePool, cached: OrderedDict[bytes, int]) -> int | None:
+        page = pool.alloc()
+        while page is None:
+            victim = next((h for h, p in cached.items() if pool.refs[p] == 1), None)
+            if victim is None:
+                return None
+            pool.decref(cached.pop(victim))
+            page = pool.alloc()
+        return page
+
+    def allocate(self, seq: SeqPages, start: int, end: int) -> bool:
+        """Make sure pages exist for appending positions [start, end) (and the window before start).
+        False (nothing kept half-done matters: pages taken stay with the sequence) when memory is short."""
+        P = self.P
+        last = (end - 1) // P
+        for table, pool, cached, first in (
+                (seq.wtable, self.wpool, self.cached_w, max(0, start - self.window + 1) // P),
+                (seq.ctable, self.cpool, self.cached_c, 0)):
+            if pool is None:
+                continue
+            while len(table) <= last:
+                table.append(-1)
+            for k in range(first, last + 1):
+                if table[k] < 0:
+                    page = self._alloc(pool, cached)
+                    if page is None:
+                        return False
+                    table[k] = page
+        return True
+
+    def trim_window(self, seq: SeqPages, length: int) -> None:
+        """Release window pages no future token can see (all positions < length - window + 1)."""
+        keep_from = max(0, length - self.window + 1) // self.P
+        for k in range(min(keep_from, len(seq.wtable))):
+            if seq.wtable[k] > 0:
+                self.wpool.decref(seq.wtable[k])
+                seq.wtable[k] = -1
+
+    def release(self, seq: SeqPages) -> None:
+        for table, pool in ((seq.wtable, self.wpool), (seq.ctable, self.cpool)):
+            for k, page in enumerate(table):
+                if page > 0:
+                    pool.decref(page)
+                    table[k] = -1
+        self.free_states.append(seq.state)
+
+    # ------------------------------------------------------------------ prefix cache
+    def match(self, seq: SeqPages, tokens: list[int]) -> int:
+        """Reuse cached pages for the longest cached prefix of tokens that leaves at least one token to
+        compute. Returns the number of positions served (a multiple of page_size; 0 on a miss)."""
+        if not self.prefix_caching:
+            return 0
+        P = self.P
+        n_pages = (len(tokens) - 1) // P
+        self.queries += len(tokens)
+        hashes = page_hashes(tokens, P, n_pages)
+        best = -1
+        for k, h in enumerate(hashes):
+            if self.cpool is not None and h not in self.cached_c:
+                break
+            need = range(max(0, (k + 1) * P - self.window) // P, k + 1)
+            if all(hashes[i] in self.cached_w for i in need):
+                best = k
+        if best < 0:
+            return 0
+        m = best + 1                                                                     # pages reused
+        seq.ctable = [-1] * m
+        seq.wtable = [-1] * m
+        if self.cpool is not None:
+            for k in range(m):
+                page = self.cached_c[hashes[k]]
+                self.cached_c.move_to_end(hashes[k])
+                self.cpool.incref(page)
+                seq.ctable[k] = page
+        for k in range(max(0, m * P - self.window) // P, m):
+            page = self.cached_w[hashes[k]]
+            self.cached_w.move_to_end(hashes[k])
+            self.wpool.incref(page)
+            seq.wtable[k] = page
+        seq.hashes = hashes[:m]
+        seq.registered = m
+        self.hits += m * P
+        return m * P
+
+    def register(self, seq: SeqPages, tokens: list[int], computed: int) -> None:
+        """Offer the sequence's newly complete pages (all positions < computed) to the prefix cache."""
+        if not self.prefix_caching:
+            return
+        P = self.P
+        n = computed // P
+        if n <= seq.registered:
+            return
+        parent = seq.hashes[-1] if seq.hashes else b""
+        seq.hashes.extend(page_hashes(tokens[len(seq.hashes) * P:], P, n - len(seq.hashes), parent))
+        for k in range(seq.registered, n):
+            h = seq.hashes[k]
+            if self.cpool is not None and seq.ctable[k] > 0 and h not in self.cached_c:
+                self.cpool.incref(seq.ctable[k])
+                self.cached_c[h] = seq.ctable[k]
+            if k < len(seq.wtable) and seq.wtable[k] > 0 and h not in self.cached_w:
+                self.wpool.incref(seq.wtable[k])
+                self.cached_w[h] = seq.wtable[k]
+        seq.registered = n
+
+    def clear_prefix_cache(self) -> None:
+        for cached, pool in ((self.cached_c, self.cpool), (self.cached_w, self.wpool)):
+            for page in cached.values():
+                pool.decref(page)
+            cached.clear()

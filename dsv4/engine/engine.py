@@ -1,0 +1,394 @@
+"""The serving engine: requests in, tokens out, many sequences sharing one model and one paged cache.
+
+`Engine` is synchronous and single-threaded: `add_request`, `abort`, and `step()`, which schedules one
+step (continuous batching with chunked prefill under a token budget), runs the model once, samples, and
+returns what each request gained. `AsyncEngine` (dsv4.engine.async_engine) runs it in its own thread.
+
+Scheduling, per step:
+1. running sequences first, in arrival order: each decoding sequence gets one token; each sequence still
+   in its prompt gets a chunk of what the budget has left (a long prompt never stalls the streams);
+2. waiting sequences are admitted (prefix cache looked up first) while the budget, the running limit and
+   the free pages allow;
+3. when a running sequence needs a page and none is free, the most recently admitted sequence is
+   preempted: its pages are released and it is recomputed later from its tokens (prompt + output so far).
+A request never crashes the engine: what cannot fit waits or is refused up front with a reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from ..model import DeepSeekV4
+from ..model.paged import CacheLayout, PagedKVCache, default_page_size
+from ..ops.precision import exact_accumulation
+from .cache_manager import CacheManager, SeqPages
+from .detokenize import Detokenizer, StopChecker
+from .runner import Row, Runner
+from .sampling import Sampler, SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (too long, bad parameters); the message says why."""
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Sequence:
+    request: Request
+    index: int                                   # choice index within the request
+    tokens: list[int]                            # prompt + generated
+    seed: int
+    pages: SeqPages | None = None
+    computed: int = 0                            # positions whose cache entries are written
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    admitted_at: int = 0                         # admission order (preemption picks the latest)
+    cached_tokens: int = 0                       # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    detok: Detokenizer | None = None
+    stopper: StopChecker = field(default_factory=StopChecker)
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - self.request.prompt_len
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.tokens) - 1
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    n: int = 1
+    arrival: float = field(default_factory=time.monotonic)
+    sequences: list[Sequence] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is Status.FINISHED for s in self.sequences)
+
+
+@dataclass
+class StepOutput:
+    """What one sequence gained in a step."""
+    request_id: str
+    index: int
+    new_tokens: list[int]
+    new_logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    text: str = ""                                  # new text (with a tokenizer; stop strings applied)
+
+
+@dataclass
+class EngineConfig:
+    max_seqs: int = 32                      # sequences running at once
+    max_model_len: int | None = None        # prompt + output limit (default: the model's, at most 8192)
+    max_batch_tokens: int = 512             # tokens per step (prefill chunks + decodes)
+    page_size: int | None = None            # positions per page (default: see default_page_size)
+    cache_pages: int | None = None          # compressed pages (default: every running sequence at full length)
+    window_pages: int | None = None         # window pages (default: the window of every sequence, twice)
+    prefix_caching: bool = True
+    deterministic: bool = False             # batch-invariant numbers (float64 accumulation on the reference)
+    cuda_graphs: bool = True                # replay decode steps from CUDA graphs (CUDA only)
+    max_n: int = 16                         # choices per request
+
+
+class Engine:
+    def __init__(self, model: DeepSeekV4, config: EngineConfig | None = None, tokenizer=None,
+                 eos_token_id: int | None = None):
+        self.model = model.eval()
+        self.config = c = config or EngineConfig()
+        cfg = model.cfg
+        if c.max_seqs < 1 or c.max_batch_tokens < 1:
+            raise ValueError("max_seqs and max_batch_tokens must be >= 1")
+        self.max_model_len = min(c.max_model_len or min(cfg.max_seq_len, 8192), cfg.max_seq_len)
+        P = c.page_size or default_page_size(cfg)
+        per_seq = math.ceil(self.max_model_len / P)
+        n_c = c.cache_pages or c.max_seqs * per_seq
+        window_per_seq = math.ceil((cfg.window_size + c.max_batch_tokens) / P) + 1
+        n_w = c.window_pages or 2 * c.max_seqs * window_per_seq
+        self.layout = CacheLayout.for_model(cfg, n_w + 1, n_c + 1, c.max_seqs, self.max_model_len, P,
+                                            page_tails=c.prefix_caching)
+        p = model.embed.weight
+        self.cache = PagedKVCache(cfg, self.layout, p.device, p.dtype)
+        self.manager = CacheManager(self.layout, c.prefix_caching, has_compressed=bool(self.layout.ratios))
+        self.runner = Runner(model, self.cache, cuda_graphs=c.cuda_graphs and not c.deterministic,
+                             max_graph_batch=c.max_seqs)
+        self.sampler = Sampler()
+        self.tokenizer = tokenizer
+        if eos_token_id is None:
+            eos_token_id = getattr(tokenizer, "eos_id", None)
+        self.eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Request] = {}
+        self._admissions = itertools.count()
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
+        self.device = p.device
+        self.vocab = cfg.vocab_size
+
+    # ------------------------------------------------------------------ requests
+    def check_request(self, prompt: list[int], params: SamplingParams, n: int = 1) -> None:
+        """Raise RequestError when a request cannot be served (before it is queued)."""
+        if not prompt:
+            raise RequestError("the prompt is empty: give at least one token")
+        if any(not isinstance(t, int) or t < 0 or t >= self.vocab for t in prompt):
+            raise RequestError(f"prompt token ids must be integers in [0, {self.vocab})")
+        if not 1 <= n <= self.config.max_n:
+            raise RequestError(f"n must be in [1, {self.config.max_n}], got {n}")
+        if len(prompt) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt)} tokens; this server's context is "
+                               f"{self.max_model_len} tokens (prompt + output), so at most "
+                               f"{self.max_model_len - 1} prompt tokens fit")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer (this model has none): use stop_token_ids")
+        if any(t >= self.vocab for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be < the vocabulary size {self.vocab}")
+        w, c = self.manager.pages_for(0, min(self.max_model_len, len(prompt) + 1))
+        if w > self.layout.n_window_pages - 1 or c > self.layout.n_comp_pages - 1:
+            raise RequestError(f"the prompt of {len(prompt)} tokens needs more cache pages than this server "
+                               f"has in all")
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, n: int = 1) -> Request:
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self.check_request(prompt, params, n)
+        req = Request(request_id, list(prompt), params, n)
+        base = params.resolved_seed()
+        for i in range(n):
+            seed = base if i == 0 else (base * 1_000_003 + i) % 2**63
+            seq = Sequence(req, i, list(prompt), seed)
+            if self.tokenizer is not None:
+                seq.detok = Detokenizer.for_prompt(self.tokenizer, prompt)
+                seq.stopper = StopChecker(list(params.stop))
+            req.sequences.append(seq)
+            self.waiting.append(seq)
+        self.requests[request_id] = req
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its pages (a client that went away)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.sequences:
+            self._finish(seq, "abort")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ scheduling
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is Status.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.status is Status.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        if seq.pages is not None:
+            self.manager.release(seq.pages)
+            seq.pages = None
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.manager.release(seq.pages)
+        seq.pages, seq.computed, seq.status = None, 0, Status.WAITING
+        self.waiting.appendleft(seq)
+        self.stats["preemptions"] += 1
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        budget = self.config.max_batch_tokens
+        plan: list[tuple[Sequence, int]] = []
+        decoding = [s for s in self.running if not s.prefilling]
+        chunked = [s for s in self.running if s.prefilling]
+        for seq in decoding + chunked:
+            if budget <= 0:
+                break
+            if seq.status is not Status.RUNNING:            # preempted by an earlier one in this loop
+                continue
+            n = 1 if not seq.prefilling else min(budget, len(seq.tokens) - seq.computed)
+            while not self.manager.allocate(seq.pages, seq.computed, seq.computed + n):
+                victim = max((s for s in self.running if s not in [p for p, _ in plan]),
+                             key=lambda s: s.admitted_at)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            plan.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs:
+            seq = self.waiting[0]
+            if self._sibling_prefilling(seq):
+                break
+            pages = self.manager.new_sequence()
+            if pages is None:
+                break
+            cached = self.manager.match(pages, seq.tokens) if seq.computed == 0 else 0
+            n = min(budget, len(seq.tokens) - cached)
+            reserve = (len(self.running), len(self.running))    # a decode page for every running sequence
+            if not (self.manager.can_fit(cached, cached + n, reserve)
+                    and self.manager.allocate(pages, cached, cached + n)):
+                self.manager.release(pages)
+                if not self.running:
+                    raise RuntimeError("the cache cannot hold a single request's next chunk: give the "
+                                       "engine more cache pages or a smaller max_batch_tokens")
+                break
+            if cached:
+                self.cache.restore_tail(pages.state, pages.ctable[cached // self.layout.page_size - 1], cached)
+            self.waiting.popleft()
+            seq.pages, seq.computed, seq.cached_tokens = pages, cached, max(seq.cached_tokens, cached)
+            seq.status, seq.admitted_at = Status.RUNNING, next(self._admissions)
+            self.running.append(seq)
+            plan.append((seq, n))
+            budget -= n
+        return plan
+
+    def _sibling_prefilling(self, seq: Sequence) -> bool:
+        """With prefix caching, choices 1..n-1 wait until choice 0 has computed the shared prompt."""
+        if not self.config.prefix_caching or seq.index == 0:
+            return False
+        first = seq.request.sequences[0]
+        return first.status is not Status.FINISHED and first.computed < first.request.prompt_len
+
+    # ------------------------------------------------------------------ one step
+    @torch.no_grad()
+    def step(self) -> list[StepOutput]:
+        plan = self._schedule()
+        if not plan:
+            return []
+        order = [p for p in plan if p[1] == 1] + [p for p in plan if p[1] != 1]
+        rows = []
+        for seq, n in order:
+            s = seq.computed
+            rows.append(Row(seq.tokens[s:s + n], s, seq.pages.wtable, seq.pages.ctable, seq.pages.state,
+                            want_logits=s + n == len(seq.tokens)))
+        with exact_accumulation(self.config.deterministic):
+            logits = self.runner.run(rows)
+            samplers = [seq for (seq, n), row in zip(order, rows) if row.want_logits]
+            sampled = self._sample(logits, samplers) if samplers else None
+        self.stats["steps"] += 1
+        now = time.monotonic()
+        outputs: dict[int, StepOutput] = {}
+        seqs: dict[int, Sequence] = {}
+        j = 0
+        for (seq, n), row in zip(order, rows):
+            seq.computed += n
+            if seq.computed <= seq.request.prompt_len:
+                self.stats["prompt_tokens"] += n
+            if not row.want_logits:
+                continue
+            tok = int(sampled.tokens[j])
+            lp = None
+            if seq.request.params.logprobs is not None:
+                k = seq.request.params.logprobs
+                top = []
+                if k and sampled.top_ids is not None:
+                    top = list(zip(sampled.top_ids[j, :k].tolist(), sampled.top_logprobs[j, :k].tolist()))
+                lp = TokenLogprob(tok, float(sampled.logprobs[j]), top)
+            j += 1
+            seq.tokens.append(tok)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            self.stats["generated_tokens"] += 1
+            seq.first_token_time = seq.first_token_time or now
+            seq.last_token_time = now
+            reason = self._stop_reason(seq, tok)
+            out = outputs.setdefault(id(seq), self._output(seq))
+            seqs[id(seq)] = seq
+            out.new_tokens.append(tok)
+            if lp is not None:
+                out.new_logprobs.append(lp)
+            if seq.detok is not None:
+                delta = seq.detok.add(tok)
+                end = seq.stopper.check(seq.detok.text, len(delta)) if delta else None
+                if end is not None:
+                    seq.detok.text, reason = seq.detok.text[:end], "stop"
+                elif reason:
+                    seq.detok.flush()
+                out.text += seq.stopper.releasable(seq.detok.text, finished=reason is not None)
+            if reason:
+                self._finish(seq, reason)
+        for seq, _ in order:
+            if seq.status is Status.RUNNING:
+                self.manager.register(seq.pages, seq.tokens, seq.computed)
+                self.manager.trim_window(seq.pages, seq.computed)
+        result = []
+        for key, out in outputs.items():
+            seq = seqs[key]
+            out.finished, out.finish_reason = seq.status is Status.FINISHED, seq.finish_reason
+            out.completion_tokens = seq.n_generated
+            result.append(out)
+        for rid in [r for r, req in self.requests.items() if req.finished]:
+            del self.requests[rid]
+        return result
+
+    def _output(self, seq: Sequence) -> StepOutput:
+        return StepOutput(seq.request.request_id, seq.index, [], [], False, None, seq.request.prompt_len,
+                          seq.n_generated, seq.cached_tokens)
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.request.params
+        if tok in p.stop_token_ids or (tok == self.eos and not p.ignore_eos):
+            return "stop"
+        if seq.n_generated >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        params = [s.request.params for s in seqs]
+        counts = mask = None
+        if any(p.penalized for p in params):
+            V = logits.size(-1)
+            counts = torch.zeros(len(seqs), V, dtype=torch.long, device=logits.device)
+            mask = torch.zeros(len(seqs), V, dtype=torch.bool, device=logits.device)
+            for i, s in enumerate(seqs):
+                pl = s.request.prompt_len
+                if s.tokens[pl:]:
+                    counts[i].index_add_(0, torch.tensor(s.tokens[pl:], device=logits.device),
+                                         torch.ones(len(s.tokens) - pl, dtype=torch.long, device=logits.device))
+                mask[i, torch.tensor(s.tokens[:pl], device=logits.device)] = True
+        return self.sampler(logits.float(), params, [s.seed for s in seqs], [s.n_generated for s in seqs],
+                            counts, mask)
+
+    # ------------------------------------------------------------------ introspection
+    def metrics(self) -> dict:
+        return {"running": len(self.running), "waiting": len(self.waiting), "cache_usage": self.manager.usage(),
+                "prefix_hit_tokens": self.manager.hits, "prefix_query_tokens": self.manager.queries,
+                "graph_steps": self.runner.graph_steps, "eager_steps": self.runner.eager_steps, **self.stats}

@@ -1,0 +1,192 @@
+"""Per-request sampling, batched with static shapes (no boolean-mask indexing, no host reads: BUGZOO Z23).
+
+Every row of a batch carries its own settings (temperature, top-k, top-p, min-p, penalties, seed). A row's
+random numbers come from a counter-based hash of (seed, token index, vocabulary id), not from a shared
+generator, so a seeded request draws the same numbers whatever else is in the batch and whichever step
+it is in: same seed + same request = same text. Sampling is Gumbel-max (argmax of logits / T + Gumbel
+noise over the allowed tokens), an exact draw from the filtered softmax, computed in float64.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B                 # a 27-bit odd multiplier: x * _MIX stays below 2^59 in int64
+STREAM_SAMPLE = 0x2545F491       # separate streams for the token draw and speculative acceptance
+STREAM_ACCEPT = 0x1B873593
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer on int64 tensors holding values in [0, 2^32)."""
+    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
+    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, stream: int = STREAM_SAMPLE) -> torch.Tensor:
+    """[B, n] float64 uniforms in (0, 1), a pure function of (seed [B], counter [B], column, stream).
+
+    seed and counter are int64; only their low 32 bits (seed: low and high words) are used.
+    """
+    s_lo, s_hi = seed & _MASK32, (seed >> 32) & _MASK32
+    key = _hash32(_hash32(s_lo ^ stream) ^ s_hi)
+    key = _hash32(key ^ (counter & _MASK32))                                             # [B]
+    cols = torch.arange(n, device=seed.device, dtype=torch.int64)
+    x = _hash32((key.unsqueeze(1) + cols * 0x9E3779B1) & _MASK32)                        # [B, n]
+    return (x.double() + 0.5) / 2.0**32
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples. Validated on construction (ValueError with the field's name).
+
+    temperature 0 = greedy; top_k 0 = off; top_p 1 = off; min_p 0 = off. Penalties: repetition (> 0, 1 =
+    off; on prompt and output tokens, the convention of vLLM and transformers), frequency and presence
+    (OpenAI's, on output tokens, in [-2, 2]). `logprobs`: None, or the number of alternatives (0-20)
+    to return with each token's own log-probability (of the model's distribution before sampling
+    settings). `seed`: None draws one per request.
+    """
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"{name}: {msg}")
+
+        def finite(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+             f"must be an integer >= 1, got {self.max_tokens!r}")
+        need(finite(self.temperature) and 0 <= self.temperature <= 100, "temperature",
+             f"must be in [0, 100], got {self.temperature!r}")
+        need(finite(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", f"must be an integer >= 0, got {self.top_k!r}")
+        need(finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        need(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64), "seed",
+             f"must be an integer, got {self.seed!r}")
+        need(finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 100, "repetition_penalty",
+             f"must be in (0, 100], got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            need(finite(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
+        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
+             f"must be an integer in [0, 20], got {self.logprobs!r}")
+        need(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop",
+             "must be at most 16 non-empty strings")
+        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    def resolved_seed(self) -> int:
+        """The seed to use: the request's own, or a fresh random one."""
+        return self.seed % 2**63 if self.seed is not None else secrets.randbits(63)
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor                      # [B] long
+    logprobs: torch.Tensor | None = None      # [B] float: log p(token) under the model
+    top_ids: torch.Tensor | None = None       # [B, k]
+    top_logprobs: torch.Tensor | None = None  # [B, k]
+
+
+class Sampler:
+    """Samples a batch of rows, each with its own SamplingParams, in one fixed sequence of kernels."""
+
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
+                 counters: Sequence[int], output_counts: torch.Tensor | None = None,
+                 prompt_mask: torch.Tensor | None = None) -> SampleOutput:
+        """logits [B, V]; seeds / counters (tokens generated so far) per row; output_counts [B, V] and
+        prompt_mask [B, V] (bool) when some row is penalized."""
+        B, V = logits.shape
+        dev = logits.device
+        x = logits.double()
+        raw = x
+        want_lp = any(p.logprobs is not None for p in params)
+        if any(p.penalized for p in params):
+            if output_counts is None or prompt_mask is None:
+                raise ValueError("penalized sampling needs output_counts and prompt_mask")
+            x = self._penalize(x, params, output_counts, prompt_mask)
+
+        def col(values, dtype=torch.float64) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev).unsqueeze(1)
+
+        temp = col([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        greedy = col([p.greedy for p in params], torch.bool)
+        scaled = x / temp
+        if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params):
+            scaled = self._filter(scaled, params, col)
+        noise = -torch.log(-torch.log(uniform(torch.tensor(list(seeds), dtype=torch.int64, device=dev),
+                                              torch.tensor(list(counters), dtype=torch.int64, device=dev), V)))
+        choice = torch.where(greedy, x, scaled + noise).argmax(-1)                      # [B]
+        out = SampleOutput(tokens=choice)
+        if want_lp:
+            lp = torch.log_softmax(raw, -1)
+            out.logprobs = lp.gather(1, choice.unsqueeze(1)).squeeze(1).float()
+            k = max(p.logprobs or 0 for p in params)
+            if k:
+                top = lp.topk(min(k, V), dim=-1)
+                out.top_ids, out.top_logprobs = top.indices, top.values.float()
+        return out
+
+    @staticmethod
+    def _penalize(x: torch.Tensor, params: Sequence[SamplingParams], counts: torch.Tensor,
+                  prompt_mask: torch.Tensor) -> torch.Tensor:
+        dev = x.device
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float64, device=dev).unsqueeze(1)
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float64, device=dev).unsqueeze(1)
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float64, device=dev).unsqueeze(1)
+        c = counts.double()
+        seen = prompt_mask | (counts > 0)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        return x - freq * c - pres * (counts > 0).double()
+
+    @staticmethod
+    def _filter(scaled: torch.Tensor, params: Sequence[SamplingParams], col) -> torch.Tensor:
+        """Keep the top_k tokens, the smallest prefix of mass >= top_p, and tokens with p >= min_p * p_max
+        (each off at its neutral value); the most likely token always stays."""
+        V = scaled.size(-1)
+        top_k = col([p.top_k if p.top_k else V for p in params], torch.int64)
+        top_p = col([p.top_p for p in params])
+        min_p = col([p.min_p for p in params])
+        values, order = scaled.sort(dim=-1, descending=True, stable=True)              # [B, V]
+        probs = values.softmax(-1)
+        rank = torch.arange(V, device=scaled.device).unsqueeze(0)
+        drop = (rank >= top_k) | ((probs.cumsum(-1) - probs) >= top_p) | (probs < min_p * probs[:, :1])
+        drop[:, 0] = False
+        values = values.masked_fill(drop, float("-inf"))
+        return torch.full_like(scaled, float("-inf")).scatter(-1, order, values)
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+           seed: int = 0, counter: int = 0) -> torch.Tensor:
+    """One setting for every row: logits [B, V] -> token ids [B] (row i draws with seed + i)."""
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    B = logits.size(0)
+    return Sampler()(logits, [params] * B, [seed + i for i in range(B)], [counter] * B).tokens

@@ -1,0 +1,399 @@
+"""The model's runtime memory: a paged pool of hybrid caches, and the per-step plan that addresses it.
+
+One incremental entry point, `DeepSeekV4.append`, appends tokens to many sequences at once, each at its
+own positions (s = 1: decode; s > 1: a prefill chunk; s = k + 1: a speculative verify). Every token of a
+step is laid out in one flat list of T tokens; rows of the step are sequences, and each row's tokens are
+contiguous and at consecutive positions.
+
+What a V4 layer keeps between steps, and where it lives here:
+
+| state | per | storage |
+|---|---|---|
+| window KV (last `window` positions) | token | window pages (`page_size` positions each), every layer |
+| compressed entries (CSA 4, HCA 128) | group of r tokens | compressed pages (`page_size / r` entries each) |
+| indexer keys (CSA) | group of 4 tokens | compressed pages, the indexer's own pool |
+| compressor pending rows (raw kv, gate score) | token | a small ring per running sequence (`state` slot) |
+
+Pages are addressed through two tables per sequence, `wtable` (window) and `ctable` (compressed):
+logical page k holds positions [k*P, (k+1)*P). Page 0 of each pool and ring row 0 are reserved as
+*trash*: writes that must not land anywhere (padding tokens, groups that are not complete yet) go there,
+so every write has a static shape and needs no host synchronization. Reads never point at trash: a key
+that does not exist is -1.
+
+The compressor's pending rows are position-addressed (row of position p at ring slot p % R), so rolling a
+sequence back (a rejected speculative draft) needs no undo: rows, entries and window slots written for
+positions at or past the sequence's length are never read before they are written again.
+
+`plan_step` turns the small host-built `StepInputs` (tokens, positions, tables) into every index the
+layers need, on the device, with static shapes: a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ModelConfig
+
+TRASH = 0           # reserved page 0 / ring row 0: the target of writes that must not land
+EMPTY_ROW = 1       # ring row 1: never written; kv 0, score -inf (the "group before the first one")
+RING_BASE = 2       # ring rows of state slot s start at RING_BASE + s * ring_len
+SPEC_ROWS = 16      # ring rows beyond the compressor's history: tokens one step may add to a sequence
+                    # and still roll back (a speculative verify of up to SPEC_ROWS tokens)
+
+
+def overlap(ratio: int) -> bool:
+    """Ratio-4 compressors pool overlapping windows (the previous group's first-half channels)."""
+    return ratio == 4
+
+
+def default_page_size(cfg: ModelConfig) -> int:
+    """The smallest multiple of every compression ratio that is >= 64 and >= the window."""
+    ratios = [r for r in cfg.compress_ratios if r]
+    lcm = math.lcm(*ratios) if ratios else 1
+    want = max(64, cfg.window_size)
+    return lcm * math.ceil(want / lcm)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Sizes of a paged cache. `max_len` bounds one sequence (table widths, candidate lists)."""
+    page_size: int
+    window: int
+    ratios: tuple[int, ...]          # the distinct nonzero compression ratios
+    n_window_pages: int              # including the reserved trash page 0
+    n_comp_pages: int                # including the reserved trash page 0
+    n_states: int                    # sequences that can be running at once (ring slots)
+    max_len: int
+    page_tails: bool = False         # keep each page's last raw group (prefix caching, ratio-4 overlap)
+
+    def __post_init__(self) -> None:
+        for r in self.ratios:
+            if self.page_size % r:
+                raise ValueError(f"page_size {self.page_size} must be a multiple of every compression ratio "
+                                 f"(got ratio {r})")
+        if self.n_window_pages < 2 or self.n_states < 1 or self.max_len < 1:
+            raise ValueError("a cache needs at least one window page, one state slot and max_len >= 1")
+        if self.ratios and self.n_comp_pages < 2:
+            raise ValueError("a model with compressed layers needs at least one compressed page")
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, n_window_pages: int, n_comp_pages: int, n_states: int, max_len: int,
+                  page_size: int | None = None, page_tails: bool = False) -> CacheLayout:
+        ratios = tuple(sorted({r for r in cfg.compress_ratios if r}))
+        return cls(page_size or default_page_size(cfg), cfg.window_size, ratios, n_window_pages,
+                   n_comp_pages if ratios else 1, n_states, max_len, page_tails)
+
+    def table_width(self) -> int:
+        """Columns of a page table: logical pages of one sequence of max_len positions."""
+        return -(-self.max_len // self.page_size)
+
+    def entries_per_page(self, ratio: int) -> int:
+        return self.page_size // ratio
+
+    def max_entries(self, ratio: int) -> int:
+        """Compressed entries one sequence can hold (the width of candidate / visible lists)."""
+        return self.max_len // ratio
+
+    def ring_len(self, ratio: int) -> int:
+        return (2 if overlap(ratio) else 1) * ratio + SPEC_ROWS
+
+
+@dataclass
+class Ring:
+    """A compressor's raw rows by position: kv and gate score, fp32 [RING_BASE + n_states * R, W]."""
+    kv: torch.Tensor
+    score: torch.Tensor
+
+
+@dataclass
+class LayerPool:
+    """One attention layer's storage. `kv` rows: [window pages * P | compressed entries]; sparse
+    attention reads it directly, so window rows and compressed entries share one index space."""
+    kv: torch.Tensor                             # [n_window_pages * P + n_comp_pages * P / r, head_dim]
+    entry_offset: int                            # first compressed-entry row in kv
+    ratio: int = 0
+    rows: Ring | None = None                     # the attention compressor's pending rows
+    index_keys: torch.Tensor | None = None       # [n_comp_pages * P / 4, index_head_dim] (CSA)
+    index_rows: Ring | None = None               # the indexer compressor's pending rows
+    tails: Ring | None = None                    # [n_comp_pages * r, W]: each page's last group (overlap)
+    index_tails: Ring | None = None
+
+
+class PagedKVCache:
+    """Every layer's pools for one layout (the main layers, then the MTP layers)."""
+
+    def __init__(self, cfg: ModelConfig, layout: CacheLayout, device: torch.device | str, dtype: torch.dtype):
+        self.cfg, self.layout = cfg, layout
+        self.device, self.dtype = torch.device(device), dtype
+        P = layout.page_size
+        self.layers: list[LayerPool] = []
+        for ratio in cfg.compress_ratios:
+            n_win = layout.n_window_pages * P
+            n_ent = layout.n_comp_pages * (P // ratio) if ratio else 0
+            pool = LayerPool(kv=torch.zeros(n_win + n_ent, cfg.head_dim, device=device, dtype=dtype),
+                             entry_offset=n_win, ratio=ratio)
+            if ratio:
+                width = (2 if overlap(ratio) else 1) * cfg.head_dim
+                pool.rows = self._ring(ratio, width)
+                if layout.page_tails and overlap(ratio):
+                    pool.tails = self._tail(ratio, width)
+            if ratio == 4:
+                pool.index_keys = torch.zeros(n_ent, cfg.index_head_dim, device=device, dtype=dtype)
+                width = 2 * cfg.index_head_dim
+                pool.index_rows = self._ring(ratio, width)
+                if layout.page_tails:
+                    pool.index_tails = self._tail(ratio, width)
+            self.layers.append(pool)
+
+    def _ring(self, ratio: int, width: int) -> Ring:
+        n = RING_BASE + self.layout.n_states * self.layout.ring_len(ratio)
+        score = torch.zeros(n, width, device=self.device, dtype=torch.float32)
+        score[EMPTY_ROW] = float("-inf")
+        return Ring(torch.zeros(n, width, device=self.device, dtype=torch.float32), score)
+
+    def _tail(self, ratio: int, width: int) -> Ring:
+        n = self.layout.n_comp_pages * ratio
+        return Ring(torch.zeros(n, width, device=self.device, dtype=torch.float32),
+                    torch.zeros(n, width, device=self.device, dtype=torch.float32))
+
+    def nbytes(self) -> int:
+        total = 0
+        for pool in self.layers:
+            for t in (pool.kv, pool.index_keys):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+            for ring in (pool.rows, pool.index_rows, pool.tails, pool.index_tails):
+                if ring is not None:
+                    total += 2 * ring.kv.numel() * ring.kv.element_size()
+            # (reserved trash rows included)
+        return total
+
+    def restore_tail(self, state: int, cpage: int, end: int) -> None:
+        """Copy the raw rows of the group ending at position `end` (exclusive, a page boundary) from
+        compressed page `cpage`'s tail into ring slot `state` (a sequence resuming from a cached prefix)."""
+        for pool in self.layers:
+            for ring, tail in ((pool.rows, pool.tails), (pool.index_rows, pool.index_tails)):
+                if ring is None or tail is None:
+                    continue
+                r = pool.ratio
+                R = self.layout.ring_len(r)
+                pos = torch.arange(end - r, end)
+                dst = RING_BASE + state * R + pos % R
+                src = cpage * r + pos % r
+                ring.kv[dst.to(self.device)] = tail.kv[src.to(self.device)]
+                ring.score[dst.to(self.device)] = tail.score[src.to(self.device)]
+
+
+@dataclass
+class StepInputs:
+    """What one `append` call processes: T tokens in B rows. All tensors on the model's device.
+
+    Row b's tokens are flat[seg_start[b] : seg_start[b] + length[b] - start[b]] at positions
+    start[b] ... length[b] - 1. Padding rows have start = length = 0 and tables of -1.
+    """
+    tokens: torch.Tensor                 # [T] long
+    positions: torch.Tensor              # [T] long
+    rows: torch.Tensor                   # [T] long: the row of each token
+    seg_start: torch.Tensor              # [B] long: flat index of the row's first token
+    start: torch.Tensor                  # [B] long: position of the row's first token
+    length: torch.Tensor                 # [B] long: the row's length after this step
+    wtable: torch.Tensor                 # [B, table_width] long: window page ids (-1: none)
+    ctable: torch.Tensor                 # [B, table_width] long: compressed page ids (-1: none)
+    state: torch.Tensor                  # [B] long: ring slot of each row
+    # ratio -> [G] flat indices of the tokens that complete a group; None: every token may (decode and
+    # verify: completion is decided on the device)
+    groups: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    # indexer groups: token index maps [b_g, s_g] (-1: padding) and the row of each map row [b_g]
+    index_maps: list[torch.Tensor] = field(default_factory=list)
+    index_rows: list[torch.Tensor] = field(default_factory=list)
+    out: torch.Tensor | None = None      # [n_out] flat indices whose logits are wanted (None: all)
+    shape: tuple[int, int] | None = None  # (b, s) when the flat list is b rows of s tokens (row-major)
+
+
+@dataclass
+class RatioPlan:
+    """Indices for the layers of one compression ratio."""
+    ratio: int
+    n_visible: torch.Tensor              # [T] entries visible to each token: (pos + 1) // r
+    entry_slot_fn: object = None         # (rows [...], j [...]) -> entry slots (entry-region coordinates)
+    group_pos: torch.Tensor | None = None     # [G] position of each group's last token
+    group_j: torch.Tensor | None = None       # [G] entry id
+    group_new: torch.Tensor | None = None     # [G, coff*r] flat token index of each slot's row, or -1
+    group_ring: torch.Tensor | None = None    # [G, coff*r] ring row when not new (EMPTY_ROW: none)
+    entry_write: torch.Tensor | None = None   # [G] entry slot to write (TRASH unless complete)
+    ring_write: torch.Tensor | None = None    # [T] ring row for each token's raw row (TRASH: not kept)
+    tail_write: torch.Tensor | None = None    # [T] page-tail row (TRASH: not a page's last group)
+    visible: torch.Tensor | None = None       # [T, max_entries] entry slots visible (HCA), -1 none
+    cand: list[torch.Tensor] = field(default_factory=list)   # per indexer group [b_g, max_entries]
+
+
+@dataclass
+class Plan:
+    inputs: StepInputs
+    window_write: torch.Tensor           # [T] window slot for each token's kv
+    window_idx: torch.Tensor             # [T, window] window slots of the keys each token sees, -1 none
+    ratios: dict[int, RatioPlan]
+
+
+def _take(table: torch.Tensor, rows: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """table[rows, col] with col clamped into the table (out-of-range columns read -1 via the caller)."""
+    width = table.size(1)
+    page = table[rows, col.clamp(0, width - 1)]
+    return torch.where((col >= 0) & (col < width), page, -1)
+
+
+def plan_step(inp: StepInputs, layout: CacheLayout) -> Plan:
+    """Every index a step needs, computed on the device with shapes fixed by the inputs' shapes."""
+    P, w = layout.page_size, layout.window
+    pos, rows = inp.positions, inp.rows
+    dev = pos.device
+
+    def window_slot(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        page = _take(inp.wtable, r, torch.div(q, P, rounding_mode="floor"))
+        return torch.where((page > 0) & (q >= 0), page * P + q % P, -1)
+
+    wslot = window_slot(rows, pos)
+    window_write = torch.where(wslot >= 0, wslot, TRASH)
+    q = pos.unsqueeze(1) - w + 1 + torch.arange(w, device=dev)                         # [T, w]
+    window_idx = window_slot(rows.unsqueeze(1).expand_as(q), q)
+    ratios = {r: _ratio_plan(inp, layout, r) for r in layout.ratios}
+    return Plan(inp, window_write, window_idx, ratios)
+
+
+def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int) -> RatioPlan:
+    P = layout.page_size
+    E = P // r
+    pos, rows = inp.positions, inp.rows
+    dev = pos.device
+    T = pos.numel()
+
+    def entry_slot(rr: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        page = _take(inp.ctable, rr, torch.div(j * r, P, rounding_mode="floor"))
+        return torch.where(page > 0, page * E + j % E, -1)
+
+    plan = RatioPlan(r, n_visible=torch.div(pos + 1, r, rounding_mode="floor"), entry_slot_fn=entry_slot)
+    has_page = _take(inp.wtable, rows, torch.div(pos, P, rounding_mode="floor")) > 0   # a real token
+
+    # -- groups completing in this step
+    g = inp.groups.get(r)
+    g_tok = torch.arange(T, device=dev) if g is None else g
+    g_pos, g_row = pos[g_tok], rows[g_tok]
+    complete = ((g_pos + 1) % r == 0) & has_page[g_tok]
+    j = torch.div(g_pos, r, rounding_mode="floor")
+    coff = 2 if overlap(r) else 1
+    q = (j - coff + 1).unsqueeze(1) * r + torch.arange(coff * r, device=dev)           # [G, coff*r]
+    start, seg = inp.start[g_row].unsqueeze(1), inp.seg_start[g_row].unsqueeze(1)
+    R = layout.ring_len(r)
+    ring = RING_BASE + inp.state[g_row].unsqueeze(1) * R + q % R
+    is_new = (q >= start) & (q <= g_pos.unsqueeze(1))
+    plan.group_new = torch.where(is_new, seg + q - start, -1)
+    plan.group_ring = torch.where((q >= 0) & (q < start), ring, EMPTY_ROW)
+    plan.group_pos, plan.group_j = g_pos, j
+    slot = entry_slot(g_row, j)
+    plan.entry_write = torch.where(complete & (slot >= 0), slot, TRASH)
+
+    # -- raw rows kept for later steps: the last R positions of each row
+    keep = (pos >= inp.length[rows] - R) & has_page
+    plan.ring_write = torch.where(keep, RING_BASE + inp.state[rows] * R + pos % R, TRASH)
+    if layout.page_tails and overlap(r):
+        cpage = _take(inp.ctable, rows, torch.div(pos, P, rounding_mode="floor"))
+        last_group = (pos % P >= P - r) & (cpage > 0)
+        plan.tail_write = torch.where(last_group, cpage * r + pos % r, TRASH)
+
+    # -- what each token may read
+    n_max = layout.max_entries(r)
+    jj = torch.arange(n_max, device=dev)
+    if r != 4:
+        vis = jj.unsqueeze(0) < plan.n_visible.unsqueeze(1)                          # [T, n_max]
+        slots = entry_slot(rows.unsqueeze(1).expand(-1, n_max), jj.unsqueeze(0).expand(T, -1))
+        plan.visible = torch.where(vis & (slots >= 0), slots, -1)
+    else:
+        for g_rows in inp.index_rows:
+            c = entry_slot(g_rows.unsqueeze(1).expand(-1, n_max), jj.unsqueeze(0).expand(g_rows.numel(), -1))
+            plan.cand.append(torch.where(c >= 0, c, TRASH))
+    return plan
+
+
+# ------------------------------------------------------------------------------ simple batches
+def uniform_inputs(tokens: torch.Tensor, start: torch.Tensor, wtable: torch.Tensor, ctable: torch.Tensor,
+                   state: torch.Tensor, layout: CacheLayout, last_only: bool = False,
+                   static_start: int | None = None) -> StepInputs:
+    """Inputs for b rows of s tokens each, row b at positions start[b] ... start[b] + s - 1.
+
+    `static_start` (a host int equal to every start) lets the groups that complete be listed on the host
+    for s > 1 (a prefill); otherwise every token is a candidate (decode, verify: static shapes).
+    """
+    b, s = tokens.shape
+    dev = tokens.device
+    offs = torch.arange(s, device=dev)
+    positions = (start.view(b, 1) + offs).flatten()
+    rows = torch.arange(b, device=dev).repeat_interleave(s)
+    seg_start = torch.arange(b, device=dev) * s
+    groups: dict[int, torch.Tensor | None] = {}
+    for r in layout.ratios:
+        if static_start is None or s <= r:
+            groups[r] = None
+        else:
+            first = (r - 1 - static_start) % r                       # offsets i with (start + i + 1) % r == 0
+            idx = torch.arange(first, s, r, device=dev)             # a kernel, not a host copy (capturable)
+            groups[r] = (seg_start.view(b, 1) + idx).flatten()
+    out = seg_start + s - 1 if last_only else None
+    return StepInputs(tokens=tokens.flatten(), positions=positions, rows=rows, seg_start=seg_start,
+                      start=start.expand(b).clone(),
+                      length=start + s, wtable=wtable, ctable=ctable, state=state, groups=groups,
+                      index_maps=[torch.arange(b * s, device=dev).view(b, s)],
+                      index_rows=[torch.arange(b, device=dev)], out=out, shape=(b, s))
+
+
+class BatchCache:
+    """b sequences decoded in lockstep from position 0 (the `prefill` / `decode_step` API).
+
+    A paged pool whose tables are fixed: row b owns window and compressed pages 1 + b*n ... (b+1)*n for
+    the n = ceil(max_len / page_size) pages of max_len positions (page 0 is the trash page). Nothing is
+    freed or shared; the serving engine (`dsv4.engine`) allocates pages on demand instead. The position
+    lives on the host (`pos`) and on the device (`pos_t`, read by decode steps so that a step has no host
+    synchronization and can be replayed from a CUDA graph).
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device: torch.device | str,
+                 dtype: torch.dtype, page_size: int | None = None):
+        if batch_size < 1 or max_len < 1:
+            raise ValueError(f"a cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
+        ps = page_size or default_page_size(cfg)
+        n = -(-max_len // ps)
+        self.layout = CacheLayout.for_model(cfg, 1 + batch_size * n, 1 + batch_size * n, batch_size, max_len, ps)
+        self.kv = PagedKVCache(cfg, self.layout, device, dtype)
+        self.batch_size, self.max_len = batch_size, max_len
+        dev = self.kv.device
+        pages = 1 + torch.arange(batch_size * n, device=dev).view(batch_size, n)     # [b, n]
+        width = self.layout.table_width()
+        self.wtable = torch.full((batch_size, width), -1, dtype=torch.long, device=dev)
+        self.wtable[:, :n] = pages
+        self.ctable = self.wtable.clone()
+        self.state = torch.arange(batch_size, device=dev)
+        self.pos = 0
+        self.pos_t = torch.zeros(1, dtype=torch.long, device=dev)
+
+    def step_inputs(self, tokens: torch.Tensor, static_start: int | None = None,
+                    last_only: bool = False) -> StepInputs:
+        """Inputs for tokens [b, s] at positions pos ... pos + s - 1 (the start read from pos_t)."""
+        start = self.pos_t.expand(tokens.size(0))
+        return uniform_inputs(tokens, start, self.wtable, self.ctable, self.state, self.layout, last_only,
+                              static_start)
+
+    def advance(self, n: int) -> None:
+        self.pos += n
+        self.pos_t += n
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache owns (for graph capture: snapshot and restore)."""
+        out = [self.pos_t]
+        for pool in self.kv.layers:
+            out.extend(t for t in (pool.kv, pool.index_keys) if t is not None)
+            for ring in (pool.rows, pool.index_rows, pool.tails, pool.index_tails):
+                if ring is not None:
+                    out.extend((ring.kv, ring.score))
+        return out
