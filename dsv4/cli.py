@@ -71,7 +71,8 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None):
         raise UserError("no model given and no shipped model installed: pass --preset or --model DIR")
     if not path.is_dir():
         raise UserError(f"{path}: not a directory")
-    model = DeepSeekV4.from_pretrained(path, dtype=dtype, device=device).eval()
+    model = DeepSeekV4.from_pretrained(path, dtype=dtype, device=device,
+                                       keep_quantized=getattr(args, "keep_quantized", False)).eval()
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from .train.tokenizer import Tokenizer
@@ -244,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     _optional(lambda: __import__("dsv4.checkpoint.cli", fromlist=["x"]).add_inspect_parser(sub))
     _optional(lambda: __import__("dsv4.checkpoint.cli", fromlist=["x"]).add_convert_parser(sub))
     _optional(lambda: __import__("dsv4.train.cli", fromlist=["x"]).add_train_parser(sub))
+    from .serve.cli import add_serve_parsers
+
+    add_serve_parsers(sub)
 
     pb = sub.add_parser("bench", help="benchmarks that print ratios against measured limits")
     bsub = pb.add_subparsers(dest="bench_command", metavar="BENCH")

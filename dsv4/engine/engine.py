@@ -192,7 +192,8 @@ class Engine:
             seq = Sequence(req, i, list(prompt), seed)
             if self.tokenizer is not None:
                 seq.detok = Detokenizer.for_prompt(self.tokenizer, prompt)
-                seq.stopper = StopChecker(list(params.stop))
+                seq.detok.skip_special = params.skip_special_tokens
+                seq.stopper = StopChecker(list(params.stop), params.include_stop_str_in_output)
             req.sequences.append(seq)
             self.waiting.append(seq)
         self.requests[request_id] = req

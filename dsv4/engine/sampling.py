@@ -65,6 +65,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    skip_special_tokens: bool = True          # detokenization: drop special tokens from the text
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:

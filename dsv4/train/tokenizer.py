@@ -111,3 +111,22 @@ def _token_str(v, default: str) -> str:
     if isinstance(v, dict):
         return v.get("content", default)
     return v if isinstance(v, str) else default
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids, for models without a tokenizer (a preset with random weights).
+
+    Ids 0..255 are bytes; `bos_id` / `eos_id` (the config's) are special: skipped when decoding with
+    skip_special_tokens. Ids of 256 and above have no text.
+    """
+
+    def __init__(self, bos_id: int = 0, eos_id: int = 1):
+        self.bos_id, self.eos_id = bos_id, eos_id
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        special = {self.bos_id, self.eos_id} if skip_special_tokens else set()
+        return bytes(i for i in ids if i < 256 and i not in special).decode("utf-8", errors="replace")

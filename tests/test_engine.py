@@ -1,0 +1,162 @@
+"""The serving engine: continuous batching over the paged cache must not change what a request computes.
+
+Oracles: the full-sequence forward (a different code path: no cache at all) for greedy tokens and
+logprobs, and the same request run alone for batch invariance (deterministic mode: float64 accumulation,
+so a row's numbers do not depend on the rows around it). The tiny model is shrunk (window 16, heavy
+compression ratio 16) and pages hold 16 positions, so short sequences cross window, page, chunk and
+compression-group boundaries many times.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4 import DeepSeekV4
+from dsv4.check.inputs import check_config
+from dsv4.engine import Engine, EngineConfig, RequestError, SamplingParams
+from dsv4.ops.precision import exact_accumulation
+
+LENGTHS = (5, 40, 23, 70, 1, 17)
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def model() -> DeepSeekV4:
+    return DeepSeekV4.from_config(check_config("tiny"), seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(model) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(2, model.cfg.vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def run(model, prompts, params, arrivals=None, **config) -> tuple[list[list[int]], Engine, dict]:
+    """Drive an engine to completion; request i is added at step arrivals[i] (default: all at once)."""
+    cfg = dict(max_seqs=8, max_batch_tokens=64, page_size=16, deterministic=True)
+    cfg.update(config)
+    engine = Engine(model, EngineConfig(**cfg))
+    outs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    logprobs: dict[int, list] = {i: [] for i in range(len(prompts))}
+    pending = list(range(len(prompts)))
+    step = 0
+    while pending or engine.has_work():
+        for i in [i for i in pending if arrivals is None or arrivals[i] <= step]:
+            engine.add_request(str(i), prompts[i], params[i] if isinstance(params, list) else params)
+            pending.remove(i)
+        for out in engine.step():
+            outs[int(out.request_id)].extend(out.new_tokens)
+            logprobs[int(out.request_id)].extend(out.new_logprobs)
+        step += 1
+    return [outs[i] for i in range(len(prompts))], engine, logprobs
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, **kw)
+
+
+def full_logits(model, prompt, generated) -> torch.Tensor:
+    """Logits predicting each generated token, from one full-sequence forward (no cache)."""
+    with exact_accumulation(True), torch.no_grad():
+        seq = torch.tensor([prompt + generated])
+        return model(seq).logits[0, len(prompt) - 1: -1]                             # [NEW, V]
+
+
+def test_greedy_tokens_follow_the_full_forward(model, prompts):
+    outs, engine, lps = run(model, prompts, greedy(logprobs=3), max_batch_tokens=13)
+    assert engine.metrics()["steps"] > len(prompts)                    # prompts were chunked
+    for p, o, lp in zip(prompts, outs, lps.values()):
+        assert len(o) == NEW
+        logits = full_logits(model, p, o)
+        ref_lp = torch.log_softmax(logits.double(), -1)
+        for t, tok in enumerate(o):
+            # the engine's token is the full forward's argmax, up to a tie within the two paths' rounding
+            # (both accumulate in float64, rounded once to fp32: a few fp32 ulps of the logits)
+            best = logits[t].max()
+            assert logits[t, tok] >= best - 1e-5 * best.abs().clamp_min(1), (t, tok, int(logits[t].argmax()))
+            assert abs(lp[t].logprob - float(ref_lp[t, tok])) < 1e-4
+            assert [i for i, _ in lp[t].top] == ref_lp[t].topk(3).indices.tolist() or \
+                abs(lp[t].top[-1][1] - float(ref_lp[t].topk(3).values[-1])) < 1e-4
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_batching_does_not_change_tokens(model, prompts, sampled):
+    params = [SamplingParams(max_tokens=NEW, temperature=0.9, top_p=0.95, top_k=50, seed=100 + i, ignore_eos=True)
+              if sampled else greedy() for i in range(len(prompts))]
+    alone = [run(model, [p], [params[i]], max_seqs=1)[0][0] for i, p in enumerate(prompts)]
+    busy, engine, _ = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], max_batch_tokens=11)
+    other, _, _ = run(model, prompts[::-1], params[::-1], max_batch_tokens=37, page_size=32)
+    assert busy == alone
+    assert other[::-1] == alone
+    assert engine.manager.free_pages()[0] == engine.layout.n_window_pages - 1     # every page came back
+
+
+def test_prefix_cache_reuses_pages_and_changes_nothing(model):
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(2, model.cfg.vocab_size, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(2, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 20)]
+    plain, _, _ = run(model, prompts, greedy(), prefix_caching=False)
+    cached, engine, _ = run(model, prompts, greedy(), arrivals=[0, 4, 6], prefix_caching=True)
+    assert cached == plain
+    # 40 shared tokens = 2 complete pages of 16: requests 2 and 3 reuse 32 positions each
+    assert engine.manager.hits == 64
+
+
+def test_preemption_recomputes_the_same_tokens(model):
+    # four one-page prompts that each grow to three pages: 8 compressed pages hold the prompts, not the
+    # outputs, so running sequences get preempted, recomputed from their tokens, and must not notice
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, model.cfg.vocab_size, (15,), generator=g).tolist() for _ in range(4)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    plain, _, _ = run(model, prompts, params)
+    tight, engine, _ = run(model, prompts, params, cache_pages=8, prefix_caching=False)
+    assert engine.stats["preemptions"] > 0
+    assert tight == plain
+
+
+def test_abort_and_finish_free_every_page(model, prompts):
+    engine = Engine(model, EngineConfig(max_seqs=4, page_size=16, max_batch_tokens=32))
+    free = engine.manager.free_pages()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy())
+    for _ in range(3):
+        engine.step()
+    assert engine.running and engine.waiting
+    for i in range(len(prompts)):
+        engine.abort(str(i))
+    assert not engine.has_work() and not engine.requests
+    assert engine.manager.free_pages() == free and len(engine.manager.free_states) == 4
+
+
+def test_stops_and_choices(model, prompts):
+    outs, _, _ = run(model, prompts[:2], greedy())
+    stop_at = outs[0][3]
+    o, _, _ = run(model, prompts[:1], SamplingParams(max_tokens=NEW, temperature=0, stop_token_ids=[stop_at]))
+    assert o[0] == outs[0][:outs[0].index(stop_at) + 1]
+    engine = Engine(model, EngineConfig(max_seqs=4, page_size=16))
+    engine.add_request("r", prompts[1], SamplingParams(max_tokens=5, temperature=1.0, seed=7, ignore_eos=True), n=3)
+    got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    while engine.has_work():
+        for out in engine.step():
+            got[out.index].extend(out.new_tokens)
+    assert all(len(v) == 5 for v in got.values()) and len({tuple(v) for v in got.values()}) > 1
+
+
+def test_requests_that_cannot_be_served_are_refused(model):
+    engine = Engine(model, EngineConfig(max_seqs=2, max_model_len=64, page_size=16))
+    with pytest.raises(RequestError, match="context"):
+        engine.add_request("a", [5] * 64, greedy())
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request("b", [], greedy())
+    with pytest.raises(RequestError, match="vocabulary|token ids"):
+        engine.add_request("c", [model.cfg.vocab_size], greedy())
+    with pytest.raises(RequestError, match="n must be"):
+        engine.add_request("d", [5], greedy(), n=99)
+    with pytest.raises(RequestError, match="tokenizer"):
+        engine.add_request("e", [5], SamplingParams(stop=["x"]))
+    for bad in (dict(temperature=-1), dict(temperature=float("nan")), dict(top_p=0), dict(top_k=-1),
+                dict(max_tokens=0), dict(logprobs=99), dict(presence_penalty=3)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    assert not engine.has_work()
