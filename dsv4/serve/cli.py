@@ -1,0 +1,271 @@
+"""`dsv4 serve` (the OpenAI-compatible server) and `dsv4 chat` (a terminal chat, local or against a server)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    g.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
+                   help="weights and activations (default: bf16 on cuda, fp32 on cpu)")
+    g.add_argument("--keep-quantized", action="store_true", help="keep FP8/FP4 weights quantized in memory")
+    g.add_argument("--max-num-seqs", type=int, default=32, help="sequences running at once (default 32)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context per sequence, prompt + output (default: the model's, at most 8192)")
+    g.add_argument("--max-batch-tokens", type=int, default=512,
+                   help="tokens per engine step, shared by prefill chunks and decodes (default 512)")
+    g.add_argument("--page-size", type=int, default=None, help="positions per cache page (default: model-derived)")
+    g.add_argument("--cache-pages", type=int, default=None,
+                   help="compressed-cache pages (default: every running sequence at full length)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the cache of shared prefixes")
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numbers: a request's tokens do not depend on the other requests "
+                        "(float64 accumulation on the reference ops; slower)")
+    g.add_argument("--no-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA")
+
+
+def _load(args):
+    import torch
+
+    from ..cli import default_model_dir, load_model
+    from ..train.tokenizer import ByteTokenizer
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {args.device}: this torch has no CUDA device (torch {torch.__version__})")
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device.startswith("cuda") else "fp32"
+    model, tokenizer, desc = load_model(args)
+    if tokenizer is None:
+        tokenizer = ByteTokenizer(model.cfg.bos_token_id, model.cfg.eos_token_id)
+    if getattr(args, "served_model_name", None):
+        name = args.served_model_name
+    elif getattr(args, "preset", None):
+        name = args.preset
+    else:
+        name = Path(args.model).name if args.model else default_model_dir().name
+    return model, tokenizer, name, desc
+
+
+def _engine(args, model, tokenizer):
+    from ..engine import Engine, EngineConfig
+
+    for flag in ("max_num_seqs", "max_batch_tokens"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.max_model_len is not None and not 2 <= args.max_model_len <= model.cfg.max_seq_len:
+        raise UserError(f"--max-model-len must be in [2, {model.cfg.max_seq_len}] (the model's context)")
+    config = EngineConfig(max_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                          max_batch_tokens=args.max_batch_tokens, page_size=args.page_size,
+                          cache_pages=args.cache_pages, prefix_caching=not args.no_prefix_caching,
+                          deterministic=args.deterministic, cuda_graphs=not args.no_cuda_graph)
+    try:
+        return Engine(model, config, tokenizer=tokenizer)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from ..engine.async_engine import AsyncEngine
+    from .app import ServerState, create_app
+    from .metrics import ServerMetrics
+
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    model, tokenizer, name, desc = _load(args)
+    engine = _engine(args, model, tokenizer)
+    metrics = ServerMetrics(name)
+    aengine = AsyncEngine(engine, on_step=metrics.on_step)
+    state = ServerState(engine=aengine, tokenizer=tokenizer, model_name=name, max_model_len=engine.max_model_len,
+                        api_key=args.api_key, metrics=metrics, max_body_bytes=args.max_body_bytes)
+    app = create_app(state)
+    aengine.start()
+    port = sock.getsockname()[1]
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"dsv4 serve: {desc} as '{name}' on {engine.device}, {engine.max_model_len}-token context, "
+          f"{engine.config.max_seqs} sequences, cache {engine.cache.nbytes() / 2**20:.1f} MiB", flush=True)
+    print(f"ready: http://{host}:{port}/v1", flush=True)
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        aengine.shutdown()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ chat
+def _stream_from_server(url: str, api_key: str | None, model: str | None, messages: list[dict], max_tokens: int,
+                        temperature: float, thinking: bool):
+    """Yield (kind, text) deltas from a running server's streaming chat endpoint (kind: content/reasoning)."""
+    import urllib.error
+    import urllib.request
+
+    base = url.rstrip("/")
+    if not base.endswith("/v1"):
+        base += "/v1"
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    if model is None:
+        req = urllib.request.Request(f"{base}/models", headers=headers)
+        with urllib.request.urlopen(req, timeout=30) as r:
+            model = json.load(r)["data"][0]["id"]
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+            "stream": True, "thinking": {"type": "enabled" if thinking else "disabled"}}
+    req = urllib.request.Request(f"{base}/chat/completions", data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                line = line.decode("utf-8").strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices", []):
+                    delta = choice.get("delta", {})
+                    if delta.get("reasoning_content"):
+                        yield "reasoning", delta["reasoning_content"]
+                    if delta.get("content"):
+                        yield "content", delta["content"]
+                    for call in delta.get("tool_calls") or []:
+                        yield "content", f"[tool call {call['function']['name']}({call['function']['arguments']})]"
+    except urllib.error.HTTPError as e:
+        try:
+            msg = json.load(e)["error"]["message"]
+        except Exception:                                               # noqa: BLE001
+            msg = str(e)
+        raise UserError(f"the server refused the request: {msg}") from None
+    except urllib.error.URLError as e:
+        raise UserError(f"cannot reach {url}: {e.reason}") from None
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from . import chat_format
+
+    if args.url:
+        def reply(messages):
+            return _stream_from_server(args.url, args.api_key, args.served_model_name, messages, args.max_tokens,
+                                       args.temperature, args.thinking)
+    else:
+        from ..engine import SamplingParams
+
+        model, tokenizer, name, desc = _load(args)
+        engine = _engine(args, model, tokenizer)
+        print(f"chatting with {desc} on {engine.device} (Ctrl-D or /exit to leave, /reset to start over)",
+              file=sys.stderr)
+        counter = [0]
+
+        def reply(messages):
+            text = chat_format.encode_chat(messages, thinking=args.thinking)
+            prompt = tokenizer.encode(text, bos=False)
+            room = engine.max_model_len - len(prompt)
+            if room < 1:
+                raise UserError("the conversation no longer fits the context: /reset to start over")
+            counter[0] += 1
+            params = SamplingParams(max_tokens=min(args.max_tokens, room), temperature=args.temperature,
+                                    seed=args.seed + counter[0], skip_special_tokens=False)
+            engine.add_request(f"chat-{counter[0]}", prompt, params)
+            parser = chat_format.ChatStreamParser(thinking=args.thinking)
+            while engine.has_work():
+                for out in engine.step():
+                    for ev in parser.feed(out.text):
+                        yield from _event(ev)
+            for ev in parser.finish().flushed:
+                yield from _event(ev)
+
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("you> ") if interactive else sys.stdin.readline()
+        except EOFError:
+            break
+        if not interactive and line == "":
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        parts = {"content": [], "reasoning": []}
+        if interactive:
+            sys.stdout.write("model> ")
+        for kind, text in reply(messages):
+            parts[kind].append(text)
+            sys.stdout.write(text if kind == "content" else f"\x1b[2m{text}\x1b[0m" if interactive else text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        msg = {"role": "assistant", "content": "".join(parts["content"])}
+        if parts["reasoning"]:
+            msg["reasoning_content"] = "".join(parts["reasoning"])
+        messages.append(msg)
+    return 0
+
+
+def _event(ev):
+    from . import chat_format
+
+    if isinstance(ev, chat_format.ReasoningDelta):
+        yield "reasoning", ev.text
+    elif isinstance(ev, chat_format.ContentDelta):
+        yield "content", ev.text
+    else:
+        yield "content", f"[tool call {ev.call.name}({ev.call.arguments})]"
+
+
+# ------------------------------------------------------------------------------------------ parsers
+def add_serve_parsers(sub) -> None:
+    from ..cli import add_model_args
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, streaming)",
+                       description="Serve a model over the OpenAI API: POST /v1/chat/completions, /v1/completions; "
+                                   "GET /v1/models, /health, /metrics. With no arguments: the shipped model on "
+                                   "127.0.0.1:8000.")
+    add_model_args(p, "the shipped model")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest request body (default 8 MiB)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    _engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("chat", help="chat in the terminal with a model (loaded here, or a running server)")
+    add_model_args(p, "the shipped model")
+    p.add_argument("--url", default=None, help="a running dsv4 serve (or other OpenAI-compatible) server")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model-name", default=None, help="model id on the server (default: its first model)")
+    p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--thinking", action="store_true", help="thinking mode (reasoning shown dimmed)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=0)
+    _engine_args(p)
+    p.set_defaults(func=cmd_chat)

@@ -1,0 +1,65 @@
+"""Prometheus metrics of the server (`GET /metrics`), in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = ["model"]
+        self.running = Gauge("dsv4_requests_running", "sequences running in the engine", labels, registry=r)
+        self.waiting = Gauge("dsv4_requests_waiting", "sequences waiting for admission", labels, registry=r)
+        self.cache_usage = Gauge("dsv4_cache_usage_ratio", "fraction of cache pages held by running sequences",
+                                 labels, registry=r)
+        self.tokens_per_s = Gauge("dsv4_generation_tokens_per_second",
+                                  "output tokens per second over the last step", labels, registry=r)
+        self.prompt_tokens = Counter("dsv4_prompt_tokens", "prompt tokens computed", labels, registry=r)
+        self.generation_tokens = Counter("dsv4_generation_tokens", "tokens generated", labels, registry=r)
+        self.prefix_hits = Counter("dsv4_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
+                                   labels, registry=r)
+        self.preemptions = Counter("dsv4_preemptions", "sequences preempted for memory", labels, registry=r)
+        self.requests = Counter("dsv4_requests_finished", "finished sequences by reason", labels + ["reason"],
+                                registry=r)
+        self.ttft = Histogram("dsv4_time_to_first_token_seconds", "time from arrival to the first token", labels,
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("dsv4_inter_token_latency_seconds", "time between a sequence's tokens", labels,
+                             buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("dsv4_request_latency_seconds", "time from arrival to the last token", labels,
+                             buckets=_LATENCY, registry=r)
+        self.step = Histogram("dsv4_engine_step_seconds", "duration of one engine step", labels, buckets=_LATENCY,
+                              registry=r)
+        self.model = model_name
+        self._seen = {"prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0, "prefix_hit_tokens": 0}
+
+    def on_step(self, engine, outputs, seconds: float) -> None:
+        """Called by the engine thread after each step."""
+        m, lab = engine.metrics(), self.model
+        self.running.labels(lab).set(m["running"])
+        self.waiting.labels(lab).set(m["waiting"])
+        self.cache_usage.labels(lab).set(m["cache_usage"])
+        if seconds > 0:                                     # a step (0: only admissions / aborts)
+            self.step.labels(lab).observe(seconds)
+            self.tokens_per_s.labels(lab).set(sum(len(o.new_tokens) for o in outputs) / seconds)
+        for key, counter in (("prompt_tokens", self.prompt_tokens), ("generated_tokens", self.generation_tokens),
+                             ("preemptions", self.preemptions), ("prefix_hit_tokens", self.prefix_hits)):
+            delta = m[key] - self._seen[key]
+            if delta > 0:
+                counter.labels(lab).inc(delta)
+            self._seen[key] = m[key]
+        for o in outputs:
+            if o.finished:
+                self.requests.labels(lab, o.finish_reason or "unknown").inc()
+
+    def observe_request(self, ttft: float | None, itls: list[float], total: float) -> None:
+        if ttft is not None:
+            self.ttft.labels(self.model).observe(ttft)
+        for v in itls:
+            self.itl.labels(self.model).observe(v)
+        self.e2e.labels(self.model).observe(total)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,221 @@
+"""`dsv4 serve` as a real process on a loopback port, driven by the real `openai` client (and raw HTTP
+for what a client library would refuse to send). The server runs the tiny preset with random weights,
+bytes as tokens, in deterministic mode, so a request's text does not depend on the traffic around it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")        # a test dependency (pip install -e ".[test]")
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "dsv4", "serve", "--preset", "tiny", "--port", "0", "--api-key", KEY,
+           "--deterministic", "--max-num-seqs", "8", "--max-model-len", "2048", "--max-batch-tokens", "64",
+           "--max-body-bytes", "200000", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, lines = None, []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"ready: (http://\S+)", line)
+        if m:
+            url = m.group(1)
+            break
+    if url is None:
+        proc.kill()
+        pytest.fail("the server did not start:\n" + "".join(lines))
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server, api_key=KEY, max_retries=0, timeout=120)
+
+
+def raw(server: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, parsed JSON or text) of one raw HTTP request."""
+    host, port = server.split("//")[1].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
+    conn.request(method, path, body=body, headers=h)
+    r = conn.getresponse()
+    data = r.read().decode()
+    conn.close()
+    try:
+        return r.status, json.loads(data)
+    except json.JSONDecodeError:
+        return r.status, data
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    status, body = raw(server, "GET", "/health", headers={"Authorization": ""})
+    assert status == 200 and body["status"] == "ok"
+
+
+def test_completion_streaming_equals_non_streaming(client):
+    kw = dict(model=MODEL, prompt="def f(x):", max_tokens=12, temperature=0)
+    full = client.completions.create(**kw)
+    assert full.choices[0].finish_reason in ("length", "stop")
+    assert full.usage.prompt_tokens == 1 + len("def f(x):")          # BOS + bytes
+    assert full.usage.completion_tokens == 12 or full.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+
+
+def test_chat_streaming_equals_non_streaming(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0)
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and isinstance(msg.content, str)
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == msg.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_seeds_logprobs_and_choices(client):
+    kw = dict(model=MODEL, prompt="abc", max_tokens=8, temperature=1.0)
+    a = client.completions.create(**kw, seed=11)
+    b = client.completions.create(**kw, seed=11)
+    c = client.completions.create(**kw, seed=12, n=3)
+    assert a.choices[0].text == b.choices[0].text
+    assert len(c.choices) == 3 and sorted(ch.index for ch in c.choices) == [0, 1, 2]
+    lp = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, temperature=0, logprobs=2).choices[0]
+    assert len(lp.logprobs.token_logprobs) == 5
+    assert all(v <= 0 for v in lp.logprobs.token_logprobs)
+    # greedy: the chosen token is the most likely one (alternatives are keyed by text, which several
+    # byte-less ids share, so the best listed one may be another id of equal text)
+    assert all(v >= max(t.values()) - 1e-6 for t, v in zip(lp.logprobs.top_logprobs, lp.logprobs.token_logprobs))
+    ch = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                        temperature=0, logprobs=True, top_logprobs=2)
+    content = ch.choices[0].logprobs.content
+    assert len(content) == ch.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_stop_strings_end_the_text(client):
+    # random weights, bytes as tokens: about a quarter of the tokens are bytes, so 64 tokens give text
+    base = client.completions.create(model=MODEL, prompt="q", max_tokens=64, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert len(base) >= 4, repr(base)
+    stop = base[len(base) // 2: len(base) // 2 + 2]
+    for stream in (False, True):
+        kw = dict(model=MODEL, prompt="q", max_tokens=64, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(client.completions.create(**kw, stream=True))
+            text = "".join(c.choices[0].text for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            r = client.completions.create(**kw).choices[0]
+            text, reason = r.text, r.finish_reason
+        assert text == base[:base.index(stop)] and reason == "stop"
+
+
+def test_tool_messages_round_trip_through_the_chat_format(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}},
+                                                              "required": ["city"]}}}]
+    msgs = [{"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=6, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.usage.prompt_tokens > 300                       # the tool schema block is in the prompt
+    think = client.chat.completions.create(model=MODEL, messages=msgs[:1], max_tokens=6, temperature=0,
+                                           extra_body={"thinking": {"type": "enabled"}})
+    # in thinking mode, text before </think> is reasoning, never content
+    assert think.choices[0].message.content == "" or "reasoning_content" in think.choices[0].message.model_extra
+
+
+def test_concurrent_clients_get_their_own_answers(client):
+    prompts = [f"prompt number {i} " * (1 + i % 4) for i in range(8)]
+
+    def one(p: str) -> str:
+        return client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0).choices[0].text
+
+    alone = [one(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(one, prompts))
+    assert together == alone
+
+
+def test_errors_have_the_openai_shape(server, client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model=MODEL, prompt="x" * 2100, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="n must be"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=99)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server, api_key="wrong", max_retries=0).models.list()
+    cases = [
+        (b"{not json", 400), (b"[1, 2]", 400),
+        (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "many"}).encode(), 400),
+        (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": -3}).encode(), 400),
+        (b'{"model": "tiny", "prompt": "x", "top_p": NaN}', 400),
+        (json.dumps({"model": MODEL, "prompt": "x" * 300_000}).encode(), 413),
+        (json.dumps({"model": MODEL, "prompt": [5, 10 ** 9]}).encode(), 400),
+        (json.dumps({"model": MODEL, "prompt": "x", "echo": True}).encode(), 400),
+    ]
+    for body, status in cases:
+        got, err = raw(server, "POST", "/v1/completions", body)
+        assert got == status, (body[:80], got, err)
+        assert set(err["error"]) >= {"message", "type", "param", "code"}
+    got, err = raw(server, "GET", "/v1/nothing")
+    assert got == 404 and "error" in err
+
+
+def test_a_client_that_leaves_frees_its_sequence(server, client):
+    stream = client.completions.create(model=MODEL, prompt="long", max_tokens=400, temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(urllib.request.Request(
+                f"{server.rsplit('/v1', 1)[0]}/metrics", headers={"Authorization": f"Bearer {KEY}"})) as r:
+            text = r.read().decode()
+        running = float(re.search(r'dsv4_requests_running\{model="tiny"\} (\S+)', text).group(1))
+        if running == 0:
+            break
+        time.sleep(0.2)
+    assert running == 0
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).choices[0].finish_reason
