@@ -45,8 +45,9 @@ def temporary_backend(op: str, name: str, fn: Callable, deterministic: bool = Tr
 def patched(obj: object, **attrs) -> Iterator[None]:
     """Set attributes on obj (module, class or instance) inside the block, restore them after."""
     missing = object()
-    old = {k: obj.__dict__.get(k, missing) if isinstance(obj, torch.nn.Module) else getattr(obj, k, missing)
-           for k in attrs}
+    # modules and classes: the attribute as stored (a class's staticmethod stays a staticmethod)
+    stored = isinstance(obj, (torch.nn.Module, type))
+    old = {k: obj.__dict__.get(k, missing) if stored else getattr(obj, k, missing) for k in attrs}
     for k, v in attrs.items():
         setattr(obj, k, v)
     try:
@@ -203,22 +204,17 @@ def _hash_by_gate(gate):
     return forward
 
 
-def _step_raw_slot(comp):
-    """Z11: the decode path writes compressed entries at the raw token position instead of the
-    compressed position (slot = pos mod capacity rather than pos // ratio)."""
-    def step(x, pos, st):
-        r = comp.ratio
-        kv, score = comp.project(x, pos)
-        st.cur_kv.index_copy_(1, pos % r, kv)
-        st.cur_score.index_copy_(1, pos % r, score)
-        pooled = comp.pool(st.cur_kv.unsqueeze(1), st.cur_score.unsqueeze(1), st.prev_kv, st.prev_score)
-        entry = comp.finish(pooled, pos // r, x.dtype)
-        done = ((pos + 1) % r == 0).view(1, 1, 1)
-        j = pos % st.entries.size(1)                          # the bug: a raw position as the entry slot
-        st.entries.index_copy_(1, j, torch.where(done, entry, st.entries.index_select(1, j)))
-        st.prev_kv.copy_(torch.where(done, st.cur_kv, st.prev_kv))
-        st.prev_score.copy_(torch.where(done, st.cur_score, st.prev_score))
-    return step
+def entry_at_raw_position(pos: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Z11: a completed group's compressed entry written at the raw token position's slot instead of
+    entry pos // ratio."""
+    return pos
+
+
+def pages_by_logical_id(table: torch.Tensor, rows: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """Z10: logical page ids used as physical page ids (+1: page 0 is the trash page), ignoring the
+    sequence's page table. One sequence alone owning pages 1..n does not notice; sequences sharing the
+    pool overwrite each other."""
+    return torch.where((col >= 0) & (col < table.size(1)), col + 1, -1)
 
 
 def filter_bool_mask(scaled, params, col):
@@ -294,9 +290,16 @@ def _plant_z07(ctx):
     return _contexts(*(patched(g, route_scale=g.route_scale ** 2) for g in _gates(ctx.model)))
 
 
+def _plant_z10(ctx):
+    from ..model import paged
+
+    return patched(paged, lookup_page=pages_by_logical_id)
+
+
 def _plant_z11(ctx):
-    comps = [layer.attn.compressor for layer in ctx.model.layers if layer.attn.compressor is not None]
-    return _contexts(*(patched(c, step=_step_raw_slot(c)) for c in comps))
+    from ..model import paged
+
+    return patched(paged, entry_index=entry_at_raw_position)
 
 
 def _plant_z21(ctx):
@@ -409,9 +412,8 @@ MUTANTS: list[Mutant] = [
     Mutant("Z08", "expert-parallel rank cached as 0", ["ep-ranges"], _plant_z08, pending=_ep_pending()),
     Mutant("Z09", "grouped GEMM rows past the last group not masked", ["poisoned-memory"],
            lambda ctx: temporary_backend("moe_experts", "mutant_unmasked", moe_grouped_unmasked)),
-    Mutant("Z10", "paged cache: logical block ids used as physical ids", [],
-           pending="the serving engine's paged cache does not exist yet"),
-    Mutant("Z11", "compressed-KV slot = raw token position in decode", ["teacher-forcing"], _plant_z11),
+    Mutant("Z10", "paged cache: logical page ids used as physical ids", ["paged-batching"], _plant_z10),
+    Mutant("Z11", "compressed-KV slot = raw token position", ["teacher-forcing", "paged-batching"], _plant_z11),
     Mutant("Z12", "indexer top-k padding slots not -1", ["indexer-padding", "stage-compare"],
            lambda ctx: temporary_backend("indexer_topk", "mutant_unpadded", indexer_topk_unpadded)),
     Mutant("Z13", "attention backward unstable only without compressed KV",

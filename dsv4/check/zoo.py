@@ -18,6 +18,7 @@ from .. import ops
 from ..config import ModelConfig
 from ..model import DeepSeekV4
 from ..ops import reference as ref
+from ..ops.precision import exact_accumulation
 from .capture import Stages, capturing
 from .inputs import attention_inputs, indexer_inputs, moe_inputs, random_tokens, upcast
 from .metrics import DTYPE_NAMES, TOLERANCES, compare_stages
@@ -451,6 +452,39 @@ def teacher_forcing(ctx: Context) -> CheckResult:
                        + ("" if rep.ok else where))
 
 
+def paged_batching(ctx: Context) -> CheckResult:
+    """Three sequences of different lengths at once through the serving engine (prompts in chunks of 9
+    tokens, 16-position pages, so they cross page, window and compression-group boundaries side by side):
+    every greedy token is the full forward's choice, with the full forward's log-probability."""
+    from ..engine import Engine, EngineConfig, SamplingParams
+
+    flat = ctx.tokens.flatten().tolist()
+    prompts = [flat[:7], flat[7:40], flat[40:61]]
+    new = 6
+    choice = {op: ops._requested(op, None) or "reference" for op in ops.ops()}   # as teacher-forcing
+    with ops.use_backend(choice), exact_accumulation(True), torch.no_grad():
+        engine = Engine(ctx.model, EngineConfig(max_seqs=4, max_batch_tokens=9, page_size=16, deterministic=True,
+                                                prefix_caching=False, cuda_graphs=False))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, logprobs=0))
+        got: dict[int, list] = {i: [] for i in range(len(prompts))}
+        while engine.has_work():
+            for out in engine.step():
+                got[int(out.request_id)].extend(out.new_logprobs)
+        worst, bad = 0.0, []
+        for i, p in enumerate(prompts):
+            toks = [lp.token for lp in got[i]]
+            seq = torch.tensor([p + toks], device=ctx.device)
+            ref = torch.log_softmax(ctx.model(seq).logits[0, len(p) - 1:-1].double(), -1)   # [new, V]
+            for t, lp in enumerate(got[i]):
+                worst = max(worst, abs(lp.logprob - float(ref[t, lp.token])))
+                if float(ref[t, lp.token]) < float(ref[t].max()) - tolerance(ctx.model_dtype, 1e-5):
+                    bad.append((i, t))
+    ok = not bad and worst <= tolerance(ctx.model_dtype, 1e-4)
+    return CheckResult(ok, worst, "engine with 3 concurrent sequences vs the full forward (greedy tokens, "
+                                  "log-probabilities)" + (f"; non-greedy tokens at {bad[:3]}" if bad else ""))
+
+
 def indexer_padding(ctx: Context) -> CheckResult:
     """Top-k slots past the visible entries are -1; picked entries are visible (j < (t+1)//ratio)."""
     inp = indexer_inputs(s=13, seed=ctx.seed, device=ctx.device, dtype=ctx.dtype("indexer_topk"))
@@ -739,6 +773,7 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "determinism": determinism,
     "poisoned-memory": poisoned_memory_check,
     "teacher-forcing": teacher_forcing,
+    "paged-batching": paged_batching,
     "indexer-padding": indexer_padding,
     "backend-evidence": backend_evidence,
     "static-shapes": static_shapes,

@@ -238,11 +238,16 @@ class Plan:
     ratios: dict[int, RatioPlan]
 
 
-def _take(table: torch.Tensor, rows: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-    """table[rows, col] with col clamped into the table (out-of-range columns read -1 via the caller)."""
+def lookup_page(table: torch.Tensor, rows: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """The physical page of logical page `col` of each row: table[rows, col], -1 outside the table."""
     width = table.size(1)
     page = table[rows, col.clamp(0, width - 1)]
     return torch.where((col >= 0) & (col < width), page, -1)
+
+
+def entry_index(pos: torch.Tensor, ratio: int) -> torch.Tensor:
+    """The compressed entry that the group ending at token position `pos` becomes: pos // ratio."""
+    return torch.div(pos, ratio, rounding_mode="floor")
 
 
 def plan_step(inp: StepInputs, layout: CacheLayout) -> Plan:
@@ -252,7 +257,7 @@ def plan_step(inp: StepInputs, layout: CacheLayout) -> Plan:
     dev = pos.device
 
     def window_slot(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        page = _take(inp.wtable, r, torch.div(q, P, rounding_mode="floor"))
+        page = lookup_page(inp.wtable, r, torch.div(q, P, rounding_mode="floor"))
         return torch.where((page > 0) & (q >= 0), page * P + q % P, -1)
 
     wslot = window_slot(rows, pos)
@@ -271,18 +276,18 @@ def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int) -> RatioPlan:
     T = pos.numel()
 
     def entry_slot(rr: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        page = _take(inp.ctable, rr, torch.div(j * r, P, rounding_mode="floor"))
+        page = lookup_page(inp.ctable, rr, torch.div(j * r, P, rounding_mode="floor"))
         return torch.where(page > 0, page * E + j % E, -1)
 
     plan = RatioPlan(r, n_visible=torch.div(pos + 1, r, rounding_mode="floor"), entry_slot_fn=entry_slot)
-    has_page = _take(inp.wtable, rows, torch.div(pos, P, rounding_mode="floor")) > 0   # a real token
+    has_page = lookup_page(inp.wtable, rows, torch.div(pos, P, rounding_mode="floor")) > 0   # a real token
 
     # -- groups completing in this step
     g = inp.groups.get(r)
     g_tok = torch.arange(T, device=dev) if g is None else g
     g_pos, g_row = pos[g_tok], rows[g_tok]
     complete = ((g_pos + 1) % r == 0) & has_page[g_tok]
-    j = torch.div(g_pos, r, rounding_mode="floor")
+    j = torch.div(g_pos, r, rounding_mode="floor")                                  # entry id (rope position j*r)
     coff = 2 if overlap(r) else 1
     q = (j - coff + 1).unsqueeze(1) * r + torch.arange(coff * r, device=dev)           # [G, coff*r]
     start, seg = inp.start[g_row].unsqueeze(1), inp.seg_start[g_row].unsqueeze(1)
@@ -292,14 +297,14 @@ def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int) -> RatioPlan:
     plan.group_new = torch.where(is_new, seg + q - start, -1)
     plan.group_ring = torch.where((q >= 0) & (q < start), ring, EMPTY_ROW)
     plan.group_pos, plan.group_j = g_pos, j
-    slot = entry_slot(g_row, j)
+    slot = entry_slot(g_row, entry_index(g_pos, r))
     plan.entry_write = torch.where(complete & (slot >= 0), slot, TRASH)
 
     # -- raw rows kept for later steps: the last R positions of each row
     keep = (pos >= inp.length[rows] - R) & has_page
     plan.ring_write = torch.where(keep, RING_BASE + inp.state[rows] * R + pos % R, TRASH)
     if layout.page_tails and overlap(r):
-        cpage = _take(inp.ctable, rows, torch.div(pos, P, rounding_mode="floor"))
+        cpage = lookup_page(inp.ctable, rows, torch.div(pos, P, rounding_mode="floor"))
         last_group = (pos % P >= P - r) & (cpage > 0)
         plan.tail_write = torch.where(last_group, cpage * r + pos % r, TRASH)
 
