@@ -254,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     _optional(lambda: __import__("dsv4.bench.kernels", fromlist=["x"]).add_bench_kernels_parser(bsub))
     _optional(lambda: __import__("dsv4.bench.ops", fromlist=["x"]).add_bench_parsers(bsub))
     _optional(lambda: __import__("dsv4.bench.e2e", fromlist=["x"]).add_bench_parsers(bsub))
+    from .bench.serve import add_bench_serve_parser
+
+    add_bench_serve_parser(bsub)
     return parser
 
 

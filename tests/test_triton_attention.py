@@ -305,6 +305,23 @@ def test_indexer_topk_matches_reference(topk, monkeypatch):
     assert torch.equal((got >= 0).sum(-1), vis.clamp(max=min(topk, n)).expand(b, s))
 
 
+def test_indexer_topk_per_row_positions_matches_reference():
+    """Positions [b, s] (the serving engine's decode and verify groups: each row its own sequence, -1 rows
+    are padding and see nothing) give the reference's picks, row by row."""
+    b, s, h, d, n, ratio = 3, 4, 2, 32, 30, 4
+    q, k, w = (x.to(DEV) for x in indexer_inputs(b, s, h, d, n, torch.float32, seed=5))
+    pos = torch.tensor([[3, 4, 5, 6], [40, 41, 42, 43], [-1, -1, 0, 9]], device=DEV)
+    got = ops.indexer_topk(q, k, w, pos, ratio, 5, backend="triton")
+    assert ops.last_backend("indexer_topk") == "triton"
+    want = ref.indexer_topk(q, k, w, pos, ratio, 5)
+    assert torch.equal(got, want)
+    rows = [ref.indexer_topk(q[i:i + 1], k[i:i + 1], w[i:i + 1], pos[i], ratio, 5) for i in range(b)]
+    assert torch.equal(want, torch.cat(rows))                   # [b, s] positions = each row on its own
+    assert (want[2, :2] == -1).all()                            # padding rows pick nothing
+    with pytest.raises(ops.BackendUnavailable, match="top-k only"):
+        ops.indexer_scores(q, k, w, pos, ratio, backend="triton")
+
+
 def test_indexer_scores_canary():
     """Scores written into a view of a NaN-filled buffer leave the surroundings untouched (BUGZOO Z12)."""
     b, s, h, d, n = 2, 11, 2, 32, 19

@@ -308,6 +308,10 @@ class Engine:
         now = time.monotonic()
         outputs: dict[int, StepOutput] = {}
         seqs: dict[int, Sequence] = {}
+        tokens = sampled.tokens.tolist() if sampled is not None else []              # one device read
+        token_lp = sampled.logprobs.tolist() if sampled is not None and sampled.logprobs is not None else None
+        top_ids = sampled.top_ids.tolist() if sampled is not None and sampled.top_ids is not None else None
+        top_lp = sampled.top_logprobs.tolist() if top_ids is not None else None
         j = 0
         for (seq, n), row in zip(order, rows):
             seq.computed += n
@@ -315,14 +319,12 @@ class Engine:
                 self.stats["prompt_tokens"] += n
             if not row.want_logits:
                 continue
-            tok = int(sampled.tokens[j])
+            tok = tokens[j]
             lp = None
             if seq.request.params.logprobs is not None:
                 k = seq.request.params.logprobs
-                top = []
-                if k and sampled.top_ids is not None:
-                    top = list(zip(sampled.top_ids[j, :k].tolist(), sampled.top_logprobs[j, :k].tolist()))
-                lp = TokenLogprob(tok, float(sampled.logprobs[j]), top)
+                top = list(zip(top_ids[j][:k], top_lp[j][:k])) if k and top_ids is not None else []
+                lp = TokenLogprob(tok, token_lp[j], top)
             j += 1
             seq.tokens.append(tok)
             if lp is not None:

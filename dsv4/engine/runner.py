@@ -43,7 +43,7 @@ class _Packer:
     def to(self, device: torch.device) -> dict[str, torch.Tensor]:
         flat = np.concatenate([a for _, _, a in self.parts]) if self.parts else np.zeros(0, np.int64)
         host = torch.from_numpy(flat)
-        dev = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        dev = host.to(device) if device.type != "cpu" else host               # one transfer
         out, i = {}, 0
         for name, shape, a in self.parts:
             out[name] = dev[i:i + a.size].view(shape)

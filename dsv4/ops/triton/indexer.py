@@ -34,7 +34,7 @@ from ._common import FLOAT_DTYPES, Kernel, device_reason, dot_precision, dot_typ
 
 # ----------------------------------------------------------------------------- kernels
 def _score_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, S, H, N, D, ratio, row_lo, n_rows, out_bstride,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  pos_bstride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   PREC: tl.constexpr, DOT_T: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -46,8 +46,8 @@ def _score_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, S, H, N, D, ratio, row_
     n_ok = offs_n < N
     d_ok = offs_d < D
     t = (row_lo + offs_m).to(tl.int64)                          # query index in the sequence
-    pos = tl.load(pos_ptr + t, mask=m_ok, other=0)
-    lim = tl.where(m_ok, (pos + 1) // ratio, 0)                 # visible: j < lim
+    pos = tl.load(pos_ptr + b * pos_bstride + t, mask=m_ok, other=0)   # positions [s] (stride 0) or [b, s]
+    lim = tl.where(m_ok, tl.maximum(pos + 1, 0) // ratio, 0)   # visible: j < lim (position -1: none)
     n_heads = tl.where(pid_n * BLOCK_N < tl.max(lim, 0), H, 0)  # skip tiles no query can see
     kt = tl.load(k_ptr + (b * N + offs_n[:, None]) * D + offs_d[None, :],
                  mask=n_ok[:, None] & d_ok[None, :], other=0.0)                         # [BN, BD]
@@ -173,7 +173,8 @@ def _scores_rows(q, k, weights, positions, ratio: int, row_lo: int, n_rows: int,
         return out
     cfg = _opts(SCORE_CONFIG)
     grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), b)
-    _score[grid](q, k, weights, positions, out, s, h, n, d, int(ratio), row_lo, n_rows, out.stride(0),
+    pos_bstride = positions.stride(0) if positions.dim() == 2 else 0
+    _score[grid](q, k, weights, positions, out, s, h, n, d, int(ratio), row_lo, n_rows, out.stride(0), pos_bstride,
                  BLOCK_D=_block_d(d), PREC=dot_precision(q.dtype), DOT_T=dot_type(q.dtype), **cfg)
     return out
 
@@ -253,14 +254,16 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positi
         return out
 
 
-def _can_run(q, k, weights, positions, ratio, *_args) -> str | None:
+def _can_run(q, k, weights, positions, ratio, *_args, row_positions: bool = False) -> str | None:
     reason = device_reason(q, k, weights, positions)
     if reason:
         return reason
-    if q.dim() != 4 or k.dim() != 3 or weights.dim() != 3 or positions.dim() != 1:
-        return "expected q [b, s, h, d], k [b, n, d], weights [b, s, h], positions [s]"
+    if q.dim() != 4 or k.dim() != 3 or weights.dim() != 3 or positions.dim() not in ((1, 2) if row_positions else (1,)):
+        return ("expected q [b, s, h, d], k [b, n, d], weights [b, s, h], positions [s]"
+                + (" or [b, s]" if row_positions else " (per-row positions [b, s]: top-k only)"))
     b, s, h, d = q.shape
-    if k.size(0) != b or k.size(2) != d or weights.shape != (b, s, h) or positions.size(0) != s:
+    if k.size(0) != b or k.size(2) != d or weights.shape != (b, s, h) or positions.shape[-1] != s or (
+            positions.dim() == 2 and positions.size(0) != b):
         return "shape mismatch between q, k, weights and positions"
     if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or weights.dtype not in FLOAT_DTYPES:
         return f"dtypes q={q.dtype} k={k.dtype} weights={weights.dtype} (q, k: one of bf16/fp16/fp32)"
@@ -278,7 +281,7 @@ def can_run_scores(q, k, weights, positions, ratio) -> str | None:
 
 
 def can_run_topk(q, k, weights, positions, ratio, topk) -> str | None:
-    return _can_run(q, k, weights, positions, ratio)
+    return _can_run(q, k, weights, positions, ratio, row_positions=True)
 
 
 _ops.register("indexer_scores", "triton", indexer_scores, can_run=can_run_scores, deterministic=True,
