@@ -56,9 +56,8 @@ def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
 
 def load_model(args: argparse.Namespace, default_preset: str | None = None):
     """(model, tokenizer or None, description) from --preset / --model / --config / the shipped model."""
-    from .model import DeepSeekV4
-
     from . import defaults
+    from .model import DeepSeekV4
 
     dtype = defaults.resolve_dtype(getattr(args, "dtype", None))
     device = defaults.resolve_device(getattr(args, "device", None))
