@@ -10,11 +10,14 @@ output printed below it) and each `dsv4 ...` line of a plain block, and each ```
 - `bash scripts/setup.sh ... && CMD`: `.ci/run` runs the setup itself first, so CMD is run;
   `python3 -m pytest` is `.ci/run`'s own command;
 - a template (placeholders such as DIR, EPS or `[--flag]`): its subcommand and every flag it names must exist;
-- a command README marks "(needs a GPU ...)": skipped with that reason, never run here.
+- a command README marks "(needs a GPU ...)": skipped with that reason, never run here;
+- a python block that uses names it does not define (a sketch): its imports are run.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import os
 import re
 import shlex
@@ -127,6 +130,23 @@ def _shown_output_in_order(shown: list[str], printed: str) -> str | None:
     return None
 
 
+def _free_names(code: str) -> set[str]:
+    """Names a python block reads but never binds (and that are not builtins): non-empty for a sketch such
+    as `for piece in generated_text_pieces: ...`, whose imports are then all that can run."""
+    tree = ast.parse(code)
+    bound, read = set(dir(builtins)), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return read - bound
+
+
 def _template_check(line: str) -> None:
     """The subcommand and every --flag a template names exist in the CLI's parser."""
     from dsv4.cli import build_parser
@@ -152,7 +172,12 @@ def _template_check(line: str) -> None:
 def test_readme_command(cmd: Command, tmp_path):
     env = _dsv4_script_env(_env(), tmp_path)
     if cmd.python:
-        run = subprocess.run([sys.executable, "-c", cmd.line], cwd=tmp_path, env=env, capture_output=True,
+        code = cmd.line
+        free = _free_names(code)
+        if free:                                # a sketch: it uses names it leaves to the reader
+            imports = [n for n in ast.parse(code).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+            code = "\n".join(ast.unparse(n) for n in imports)
+        run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
                              text=True, timeout=TIMEOUT_S)
         assert run.returncode == 0, run.stderr[-3000:]
         return
