@@ -56,12 +56,11 @@ def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
 
 def load_model(args: argparse.Namespace, default_preset: str | None = None):
     """(model, tokenizer or None, description) from --preset / --model / --config / the shipped model."""
-    import torch
-
+    from . import defaults
     from .model import DeepSeekV4
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[getattr(args, "dtype", "fp32")]
-    device = getattr(args, "device", None) or "cpu"
+    dtype = defaults.resolve_dtype(getattr(args, "dtype", None))
+    device = defaults.resolve_device(getattr(args, "device", None))
     if getattr(args, "preset", None) or getattr(args, "config", None) or (default_preset and not args.model):
         cfg = resolve_config(args, default_preset)
         model = DeepSeekV4.from_config(cfg, seed=getattr(args, "seed", 0) or 0, dtype=dtype, device=device)
@@ -79,6 +78,17 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None):
 
         tokenizer = Tokenizer.from_file(path)
     return model, tokenizer, str(path)
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """--device and --dtype with the defaults the Python API uses too (`dsv4.defaults`)."""
+    from . import defaults
+
+    p.add_argument("--device", default=defaults.DEVICE,
+                   help="where the model runs: cpu, cuda, cuda:1 ... (default: %(default)s, also with a GPU present)")
+    p.add_argument("--dtype", choices=list(defaults.DTYPES), default=defaults.DTYPE,
+                   help="parameter dtype of the weights that are not fp32 by design (default: %(default)s, as "
+                        "DeepSeekV4.from_pretrained / from_config)")
 
 
 # ------------------------------------------------------------------------------------------ info
@@ -217,8 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--cuda-graph", action="store_true", help="replay decode steps from a CUDA graph (CUDA only)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    add_device_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
 
@@ -236,8 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let the decode path take its own top-k / routing decisions (near-ties may then flip)")
     p.add_argument("--fast-accumulation", action="store_true",
                    help="accumulate in the working precision instead of float64 (batching then changes rounding)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    add_device_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_teacher_forcing)
     _optional(lambda: __import__("dsv4.check.cli", fromlist=["x"]).add_check_parsers(csub))

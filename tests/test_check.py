@@ -193,7 +193,11 @@ def test_conformance_device_and_backend_errors(capsys, monkeypatch):
         assert "backend 'triton' cannot run on cpu" in err and "TRITON_INTERPRET" in err
     if not torch.cuda.is_available():
         assert dsv4_main(base + ["--device", "cuda"]) == 2
-        assert "CUDA is not available" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert err.startswith("error: --device cuda: ") and len(err.strip().splitlines()) == 1
+    assert dsv4_main(["check", "conformance", "--only", "Z99"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown bug-zoo ids ['Z99']" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -201,7 +205,9 @@ def test_conformance_triton_backends_on_the_interpreter():
     """The op-level checks with the Triton backends (CPU interpreter, a fresh process so the kernels are
     built for it): the report shows Triton ran on the clean code, and every mutant is still caught."""
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+    # the CPU interpreter on a process that sees no GPU, whatever the machine has: with CUDA visible the
+    # kernels are built for the GPU and the CPU inputs of --device cpu would not reach the interpreter
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "dsv4", "check", "conformance", "--device", "cpu", "--backend", "triton",
            "--only", "Z05,Z09,Z12,Z14,Z15,Z19",

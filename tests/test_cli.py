@@ -2,6 +2,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+import torch
+
+from dsv4 import DeepSeekV4
 from dsv4.cli import main
 
 
@@ -25,6 +29,29 @@ def test_user_errors_are_one_line_exit_2():
     assert "Traceback" not in res.stderr
     res = _run("generate", "--preset", "tiny", "--prompt-ids", "1,x")
     assert res.returncode == 2 and "comma-separated integers" in res.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: --device cuda is valid here")
+@pytest.mark.parametrize("argv", [["generate", "--preset", "tiny", "hi"], ["check", "teacher-forcing"],
+                                  ["train", "--preset", "tiny", "--steps", "1"], ["check", "conformance"]])
+def test_device_cuda_without_cuda_is_one_line(argv, capsys):
+    assert main(argv + ["--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --device cuda: ") and len(err.splitlines()) == 1, err
+
+
+def test_api_and_cli_share_the_defaults(capsys):
+    from dsv4 import defaults
+    from dsv4.cli import build_parser, default_model_dir
+
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["generate"].format_help().split())
+    assert f"(default: {defaults.DEVICE}" in help_text and f"(default: {defaults.DTYPE}" in help_text
+    model = DeepSeekV4.from_pretrained(default_model_dir(), progress=False)
+    assert model.embed.weight.dtype == defaults.default_dtype() and model.embed.weight.device.type == defaults.DEVICE
+    ids = model.generate([[0, 5, 7]], max_new_tokens=6, temperature=0.9, top_p=0.9, seed=3, stop_at_eos=False)[0]
+    assert main(["generate", "--prompt-ids", "0,5,7", "--max-new-tokens", "6", "--temperature", "0.9",
+                 "--top-p", "0.9", "--seed", "3", "--no-stop", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == ids
 
 
 def test_generate_json_is_deterministic(capsys):

@@ -2,6 +2,11 @@
 
 One module-scoped launch runs every scenario in two real processes; each rank also trains a single-process
 replica on the whole global batch and reports the differences, which the tests below judge.
+
+The processes run on the CPU with gloo whatever the machine has (a GPU present changes nothing here), and
+the parity scenarios run under `exact_accumulation()`: every reference matmul and reduction adds in float64
+and rounds once, so splitting the batch over ranks no longer changes how the per-token values round; what
+remains are the additions across ranks and of the loss terms, which the bounds below derive.
 """
 
 from __future__ import annotations
@@ -14,15 +19,27 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from bounds import U32, gamma
 from test_train import MICRO
 
 from dsv4.engine import generate
+from dsv4.ops.precision import exact_accumulation
 from dsv4.train import distributed as D
 
 WORLD = 2
 TIMEOUT_S = 420          # a mismatched collective hangs; fail instead of waiting forever
 N_MOE = 5                # tiny: 4 layers + 1 MTP block
 N_LOCAL = 4              # 8 routed experts over 2 ranks
+BATCH, SEQ = 4, 32       # parity_check's global batch
+# The loss is a sum of positive per-token terms (cross-entropy of the main and MTP heads, the indexer's KL,
+# the balance loss): 4 parts x BATCH*SEQ tokens. Each term is computed row by row, identically in both runs;
+# the sums differ only in order (one process vs a per-rank sum, then the mean over ranks), so by the
+# summation bound |L_par - L_ref| <= (2 gamma(N) + 2u) L with N the number of terms.
+LOSS_BOUND = 2 * gamma(4 * BATCH * SEQ) + 2 * U32
+# Logits: per row, the same operations in both runs, each sum accumulated in float64 and rounded once to
+# fp32; a float64 sum added in another order (another GEMM blocking for another row count) can move that
+# rounding by one fp32 ulp: norm-wise at most 2u.
+FORWARD_BOUND = 2 * U32
 
 
 def _route_to_first_half(model: torch.nn.Module) -> None:
@@ -86,20 +103,22 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    D.setup_distributed(timeout_s=TIMEOUT_S)
-    res = {
-        "sgd": D.parity_check(steps=3, optimizer="sgd", lr=0.1),
-        "adamw": D.parity_check(steps=2, optimizer="adamw", lr=1e-3),
-        "no_tokens": D.parity_check(steps=1, optimizer="sgd", lr=0.1, prepare=_route_to_first_half),
-        "fsdp_only": D.parity_check(steps=1, optimizer="sgd", lr=0.1, ep=False),
-        "infer": D.inference_check(modes=("all_reduce", "all_to_all")),
-        "helpers": _helper_checks(),
-    }
+    D.setup_distributed(device="cpu", timeout_s=TIMEOUT_S)            # gloo on the CPU, GPU or not
+    cpu = torch.device("cpu")
+    with exact_accumulation():
+        res = {
+            "sgd": D.parity_check(steps=3, optimizer="sgd", lr=0.1, device=cpu),
+            "adamw": D.parity_check(steps=2, optimizer="adamw", lr=1e-3, device=cpu),
+            "no_tokens": D.parity_check(steps=1, optimizer="sgd", lr=0.1, prepare=_route_to_first_half, device=cpu),
+            "fsdp_only": D.parity_check(steps=1, optimizer="sgd", lr=0.1, ep=False, device=cpu),
+            "infer": D.inference_check(modes=("all_reduce", "all_to_all"), device=cpu),
+        }
+    res["helpers"] = _helper_checks()
     # BUGZOO Z08 mutant: the expert-parallel rank read as 0 in every process
     live = D._ep_rank
     D._ep_rank = lambda group: 0
     try:
-        res["z08_mutant"] = D.parity_check(steps=1, optimizer="sgd", lr=0.1)
+        res["z08_mutant"] = D.parity_check(steps=1, optimizer="sgd", lr=0.1, device=cpu)
     finally:
         D._ep_rank = live
     D.teardown_distributed()
@@ -142,15 +161,17 @@ def test_z08_mutant_rank_cached_as_zero_is_caught(ranks):
 
 def test_ep_forward_equals_single_process(ranks):
     for res in ranks:
-        assert res["sgd"]["forward_rel"] < 1e-6
-        assert res["no_tokens"]["forward_rel"] < 1e-6
+        assert res["sgd"]["forward_rel"] <= FORWARD_BOUND
+        assert res["no_tokens"]["forward_rel"] <= FORWARD_BOUND
 
 
 def test_sgd_training_matches_single_process(ranks):
     for res in ranks:
         t = res["sgd"]
         assert len(t["loss_par"]) == 3
-        assert t["loss_rel"] < 1e-5, (t["loss_ref"], t["loss_par"])
+        # later steps start from parameters that differ by the rounding of one update (param_rel below, a few
+        # fp32 ulp): to first order a change of the same relative size in the loss, far inside LOSS_BOUND
+        assert t["loss_rel"] <= LOSS_BOUND, (t["loss_ref"], t["loss_par"])
         assert t["grad_rel"][0] < 1e-4, t["grad_worst"]
         # later steps: parameters already differ by rounding; near-zero gradients (mHC of identical
         # copies) carry relative noise of the same size as a single-process 2-microbatch run
@@ -171,14 +192,15 @@ def test_adamw_training_losses_match_single_process(ranks):
 def test_rank_that_receives_no_tokens(ranks):
     for res in ranks:
         t = res["no_tokens"]
-        assert t["loss_rel"] < 1e-5 and t["grad_rel"][0] < 1e-4, t["grad_worst"]
+        assert t["loss_rel"] <= LOSS_BOUND and t["grad_rel"][0] < 1e-4, t["grad_worst"]
 
 
 def test_fsdp_without_expert_parallelism(ranks):
     for res in ranks:
         t = res["fsdp_only"]
         assert t["expert_ranges"] == [[0, 8]] * N_MOE          # every rank sees all experts (FSDP-gathered)
-        assert t["forward_rel"] < 1e-6 and t["loss_rel"] < 1e-5 and t["grad_rel"][0] < 1e-4, t["grad_worst"]
+        assert t["forward_rel"] <= FORWARD_BOUND and t["loss_rel"] <= LOSS_BOUND
+        assert t["grad_rel"][0] < 1e-4, t["grad_worst"]
 
 
 @pytest.mark.parametrize("mode", ["all_reduce", "all_to_all"])
@@ -215,7 +237,7 @@ def _resume_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    D.setup_distributed(timeout_s=TIMEOUT_S)
+    D.setup_distributed(device="cpu", timeout_s=TIMEOUT_S)            # gloo on the CPU, GPU or not
     root = Path(out_dir)
     if rank == 0:
         _corpus(root)
@@ -223,7 +245,7 @@ def _resume_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     base = dict(preset="tiny", model={k: list(v) if isinstance(v, tuple) else v for k, v in MICRO.items()},
                 data=[str(root / "corpus")], seq_len=32, batch_size=4, steps=K + M, warmup=1, lr=5e-3,
                 eval_every=0, diag_every=0, progress=False, deterministic=True, sample_prompt="",
-                held_out_pct=10.0, cache_dir=str(root / "cache"))
+                held_out_pct=10.0, cache_dir=str(root / "cache"), device="cpu")
     quiet = {"log": lambda *_: None}
 
     full = Trainer(TrainConfig(**base, out=str(root / "full"), save_every=K), **quiet)

@@ -281,23 +281,24 @@ def cmd_nonfinite(args) -> int:
 
 
 def _device(name: str) -> torch.device:
-    try:
-        dev = torch.device(name)
-    except RuntimeError as e:
-        raise UserError(f"unknown device '{name}': {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: CUDA is not available in this process")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise UserError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
-    return dev
+    from ..defaults import resolve_device
+
+    return resolve_device(name)
 
 
 def cmd_conformance(args) -> int:
     from .. import ops
     from .conformance import run_conformance
+    from .mutants import MUTANTS
     from .zoo import CHECKS
 
-    ids = [x.strip().upper() for x in args.only.split(",")] if args.only else None
+    ids = [x.strip().upper() for x in args.only.split(",") if x.strip()] if args.only is not None else None
+    if ids is not None:
+        known = [m.id for m in MUTANTS]
+        if not ids:
+            raise UserError(f"--only: no bug-zoo id given (known: {', '.join(known)})")
+        if set(ids) - set(known):
+            raise UserError(f"--only: unknown bug-zoo ids {sorted(set(ids) - set(known))} (known: {', '.join(known)})")
     checks = [x.strip() for x in args.checks.split(",") if x.strip()] if args.checks else None
     if checks is not None and set(checks) - set(CHECKS):
         raise UserError(f"unknown checks {sorted(set(checks) - set(CHECKS))} (known: {', '.join(CHECKS)})")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import defaults
 from ..config import ModelConfig
 from .names import to_model
 from .quantized import QuantExperts, QuantLinear
@@ -28,8 +29,8 @@ log = logging.getLogger("dsv4.checkpoint")
 def load_pretrained(
     path: str | Path,
     *,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
     layout: str | None = None,
     config: ModelConfig | None = None,
     keep_quantized: bool = False,
@@ -37,7 +38,8 @@ def load_pretrained(
 ):
     """Load a checkpoint directory (release, inference MP shards or HF transformers) into DeepSeekV4.
 
-    dtype: parameter dtype of the weights that are not fp32 by design (norms, mHC, head stay fp32).
+    dtype: parameter dtype of the weights that are not fp32 by design (norms, mHC, head stay fp32);
+    dtype and device default to `dsv4.defaults` (fp32, cpu), as the command line's --dtype / --device.
     keep_quantized: FP8 linears and FP8/MXFP4 experts stay quantized (per-block dequantization at
     compute time) instead of being dequantized to `dtype` on load.
     """
@@ -46,7 +48,8 @@ def load_pretrained(
     p = plan(path, config, layout)
     for w in p.warnings:
         log.warning(w)
-    device = torch.device(device)
+    dtype = dtype or defaults.default_dtype()
+    device = torch.device(device or defaults.DEVICE)
     with _no_init(DeepSeekV4):
         model = DeepSeekV4(p.cfg, dtype=dtype, device=device)
     load_into(model, p, dtype=dtype, keep_quantized=keep_quantized, progress=progress)

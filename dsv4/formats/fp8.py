@@ -71,10 +71,14 @@ def e4m3_decode(t: torch.Tensor, native: bool | None = None) -> torch.Tensor:
 
 
 def e4m3_encode(x: torch.Tensor, native: bool | None = None) -> torch.Tensor:
-    """fp32 -> E4M3 bytes (uint8): round to nearest, ties to even; beyond +-448 (and +-inf) saturates
-    to +-448, NaN -> the NaN byte. (The behaviour of this torch's cast; quantizers clamp to +-448 first.)
+    """fp32 -> E4M3 bytes (uint8): clamp to +-448 (+-inf included), then round to nearest, ties to even;
+    NaN -> the NaN byte (sign kept).
+
+    The clamp comes first, as in the official quantizers, so the bytes never depend on what a torch
+    version's `float8_e4m3fn` cast does with values beyond 448 (some saturate, some give NaN): the native
+    cast and the byte-level path below produce the same bytes on every torch.
     """
-    xf = x.detach().float()
+    xf = x.detach().float().clamp(-FP8_MAX, FP8_MAX)                  # NaN stays NaN
     if _use_native(native):
         return xf.to(torch.float8_e4m3fn).view(torch.uint8)
     pos, mid = _e4m3_midpoints()
@@ -83,7 +87,6 @@ def e4m3_encode(x: torch.Tensor, native: bool | None = None) -> torch.Tensor:
     code = torch.searchsorted(mid, a)                                 # a == mid[k] -> k (lower neighbour)
     tie = (code < mid.numel()) & (a == mid[code.clamp(max=mid.numel() - 1)])
     code = code + (tie & (code % 2 == 1)).long()                      # ties go to the even code
-    code = code.clamp(max=_NAN_BYTE - 1)                              # saturate, inf included
     code = torch.where(torch.isnan(a), torch.full_like(code, _NAN_BYTE), code)
     sign = torch.signbit(xf).long() << 7
     return (code | sign).to(torch.uint8)

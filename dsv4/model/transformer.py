@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import defaults
 from ..config import ModelConfig
 from .block import Block, MTPBlock, hc_head
 from .layers import RMSNorm, autocast_dtype, linear_fp32, record
@@ -52,10 +53,13 @@ def _default_dtype(dtype: torch.dtype):
 
 
 class DeepSeekV4(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
+        """dtype / device default to `dsv4.defaults` (fp32, cpu), as the command line's --dtype / --device."""
         super().__init__()
         self.cfg = cfg
-        with _default_dtype(dtype), torch.device(device or "cpu"):
+        dtype = dtype or defaults.default_dtype()
+        device = device or defaults.DEVICE
+        with _default_dtype(dtype), torch.device(device):
             self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
             self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)

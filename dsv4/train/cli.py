@@ -119,10 +119,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from .trainer import train
+    from .trainer import Trainer
 
-    cfg = config_from_args(args)
-    summary = train(cfg)
+    trainer = Trainer(config_from_args(args))
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()                      # every rank leaves the process group together
+    if trainer.rank != 0:                    # under torchrun rank 0 alone reports
+        return 0
     if getattr(args, "json", False):
         print(json.dumps(summary))
     else:

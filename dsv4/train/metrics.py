@@ -157,8 +157,12 @@ class JsonlLog:
                 f.write(json.dumps(row) + "\n")
 
 
+PLOT_UNAVAILABLE = "matplotlib is not installed (pip install 'dsv4[plot]')"
+
+
 def plot_losses(rows: list[dict], path: str | Path) -> Path | None:
-    """PNG of training loss parts and held-out loss against step (None when matplotlib is missing)."""
+    """PNG of training loss parts and held-out loss against step (None when matplotlib is missing:
+    PLOT_UNAVAILABLE says so)."""
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..config import ModelConfig
+from ..defaults import resolve_device
 from ..errors import UserError
 from . import balance, checkpoint, data, metrics
 from .losses import LossParts, total_loss
@@ -194,6 +195,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, log=print):
         self.cfg = cfg
         self.log = log
+        if cfg.device != "auto":                                  # one line, not a traceback, for a bad device
+            resolve_device(cfg.device)
         self.dist = _distributed_module()
         self.rank, self.world = 0, 1
         if self.dist is not None:
@@ -520,10 +523,14 @@ class Trainer:
         info = self.describe()
         if self.rank == 0:
             self.log("model: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in info.items()}))
+            # weights, gradients and optimizer state only: the activations of a step come on top and usually
+            # dominate (the shipped recipe: 0.14 GiB of these, 24.7 GiB peak on the GPU), so no peak is
+            # predicted here; each step logs the measured peak (peak_mem_gib)
             self.log(f"live parameter dtypes: {info['param_dtypes']}; compute: "
-                     f"{'bf16 autocast' if self.precision == 'bf16' else 'fp32'}; estimated memory before step 1: "
+                     f"{'bf16 autocast' if self.precision == 'bf16' else 'fp32'}; parameter memory: "
                      f"weights {info['weights_gib']:.3f} GiB + grads {info['grads_gib']:.3f} GiB + optimizer "
-                     f"{info['optimizer_gib']:.3f} GiB = {info['total_gib']:.3f} GiB")
+                     f"{info['optimizer_gib']:.3f} GiB = {info['total_gib']:.3f} GiB, activations not included "
+                     f"(the measured peak is logged per step as peak_mem_gib)")
             self.jsonl.write({"event": "start", **{k: v for k, v in info.items()}, "config": c.to_dict(),
                               "model_config": self.mcfg.to_dict()})
         peak = metrics.peak_tflops(self.device, c.peak_tflops)
@@ -581,16 +588,31 @@ class Trainer:
             summary["checkpoint"] = str(self.save_checkpoint())
         elif c.save_every >= 0:
             self.save_checkpoint()
+        # After the last step every rank takes the same path: a sharded model cannot sample or export on one
+        # rank (its FSDP gathers and expert exchanges need every rank), so all ranks gather one plain copy
+        # (a collective), rank 0 alone samples / exports with it, and the others wait at a barrier.
+        plain = self.model
+        if self.world > 1 and (c.sample_prompt or c.export):
+            plain = self.dist.unsharded_copy(self.model)
         if self.rank == 0:
             png = metrics.plot_losses(self.history, self.out / "loss.png")
-            summary["plot"] = str(png) if png else None
+            summary["plot"] = str(png) if png else f"not written: {metrics.PLOT_UNAVAILABLE}"
             if c.sample_prompt:
-                summary["sample"] = self.sample(c.sample_prompt)
+                summary["sample"] = self.sample(c.sample_prompt, model=plain)
             if c.export:
-                summary["export"] = str(self.export(c.export))
+                summary["export"] = str(self.export(c.export, model=plain))
             self.jsonl.write({"event": "end", **summary})
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        del plain
+        self._barrier()
         return summary
+
+    def close(self) -> None:
+        """Leave the process group this trainer joined (every rank, after `fit`); nothing on one process."""
+        if self.world > 1:
+            self._barrier()
+            self.dist.teardown_distributed()
+            self.world = 1
 
     def _fit_budget(self, times: list[float], elapsed: float, bar) -> None:
         """Shorten the run so that it ends within time_budget_s (decided early, before the schedule decays)."""
@@ -613,11 +635,12 @@ class Trainer:
 
     # ---------------------------------------------------------------- outputs
     @torch.no_grad()
-    def sample(self, prompt: str, max_new_tokens: int = 48) -> str:
+    def sample(self, prompt: str, max_new_tokens: int = 48, model: torch.nn.Module | None = None) -> str:
+        """Greedy continuation of `prompt` by `model` (default: the trained model; under torch.distributed
+        pass an unsharded copy, which one rank can run alone)."""
         from ..engine import generate
 
-
-        m = self.model
+        m = self.model if model is None else model
         was = m.training
         m.eval()
         try:
@@ -627,13 +650,14 @@ class Trainer:
             m.train(was)
         return prompt + self.tok.decode(ids)
 
-    def export(self, dst: str | Path) -> Path:
-        """Write a bf16 inference checkpoint (release layout) with config and tokenizer files."""
+    def export(self, dst: str | Path, model: torch.nn.Module | None = None) -> Path:
+        """Write a bf16 inference checkpoint (release layout) with config and tokenizer files (`model`: as in
+        `sample`)."""
         from ..checkpoint.writer import model_values, save
 
         self.tok.save(self.out / "tokenizer")
-        return save(model_values(self.model), self.mcfg, dst, target="bf16", copy_from=self.out / "tokenizer",
-                    shard_bytes=12 << 20, overwrite=True)
+        return save(model_values(self.model if model is None else model), self.mcfg, dst, target="bf16",
+                    copy_from=self.out / "tokenizer", shard_bytes=12 << 20, overwrite=True)
 
 
 def gnorm_fmt(row: dict) -> str:
@@ -641,4 +665,8 @@ def gnorm_fmt(row: dict) -> str:
 
 
 def train(cfg: TrainConfig, log=print) -> dict[str, Any]:
-    return Trainer(cfg, log).fit()
+    trainer = Trainer(cfg, log)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The whole test suite on a machine with a CUDA GPU, plus the checks whose numbers the README quotes.
+#   OUT=/some/dir bash scripts/gpu_suite.sh
+# Writes under $OUT (default ./out/gpu-suite): junit.xml (every test with its outcome), summary.txt (machine,
+# versions, date, the pytest counts, the teacher-forcing numbers) and pytest.log. Exit code: pytest's.
+# The tests say which device they mean (the CPU interpreter, gloo on the CPU, or CUDA where a test is about
+# CUDA), so the same suite must pass with or without a GPU.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu-suite}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  "$PY" -c 'import torch, platform; print("python", platform.python_version(), "torch", torch.__version__,
+      "cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'
+  "$PY" -c 'import triton; print("triton", triton.__version__)' 2>/dev/null || echo "triton: not installed"
+  nproc | sed 's/^/cpu cores: /'
+} > "$OUT/summary.txt"
+
+start=$(date +%s)
+"$PY" -m pytest -p no:cacheprovider --junitxml="$OUT/junit.xml" -rfEs 2>&1 | tee "$OUT/pytest.log"
+rc=${PIPESTATUS[0]}
+{
+  echo "pytest exit code: $rc, $(( $(date +%s) - start )) s"
+  grep -E "^(=+ )?[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -1
+  echo "teacher forcing on tiny (CPU, the README's numbers):"
+  for flags in "" "--fast-accumulation"; do
+    "$PY" -m dsv4 check teacher-forcing --preset tiny $flags --json 2>&1 | tail -1 | sed "s/^/  ${flags:-default}: /"
+  done
+} >> "$OUT/summary.txt"
+cat "$OUT/summary.txt"
+exit "$rc"
