@@ -43,12 +43,13 @@ def test_device_cuda_without_cuda_is_one_line(argv, capsys):
 def test_api_and_cli_share_the_defaults(capsys):
     from dsv4 import defaults
     from dsv4.cli import build_parser, default_model_dir
+    from dsv4.engine import generate
 
     help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["generate"].format_help().split())
     assert f"(default: {defaults.DEVICE}" in help_text and f"(default: {defaults.DTYPE}" in help_text
     model = DeepSeekV4.from_pretrained(default_model_dir(), progress=False)
     assert model.embed.weight.dtype == defaults.default_dtype() and model.embed.weight.device.type == defaults.DEVICE
-    ids = model.generate([[0, 5, 7]], max_new_tokens=6, temperature=0.9, top_p=0.9, seed=3, stop_at_eos=False)[0]
+    ids = generate(model, [[0, 5, 7]], max_new_tokens=6, temperature=0.9, top_p=0.9, seed=3, stop_at_eos=False)[0]
     assert main(["generate", "--prompt-ids", "0,5,7", "--max-new-tokens", "6", "--temperature", "0.9",
                  "--top-p", "0.9", "--seed", "3", "--no-stop", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ids"] == ids

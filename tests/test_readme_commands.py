@@ -112,16 +112,35 @@ def _dsv4_script_env(env: dict[str, str], tmp: Path) -> dict[str, str]:
     return env
 
 
+_MEASURED = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:e[-+]?\d+)?")
+
+
+def _line_pattern(want: str) -> re.Pattern:
+    """A shown line as a pattern: '...' elides anything; a decimal number (a measured value: an error, a
+    time, a cosine) stands for any number, since its digits depend on the machine and torch; integers
+    (counts, ids, sizes) must match."""
+    parts = []
+    for piece in want.split("..."):
+        out, pos = [], 0
+        for m in _MEASURED.finditer(piece):
+            if "." in m.group() or "e" in m.group():
+                out.append(re.escape(piece[pos:m.start()]) + _MEASURED.pattern)
+                pos = m.end()
+        out.append(re.escape(piece[pos:]))
+        parts.append("".join(out))
+    return re.compile(".*".join(parts) + "$")
+
+
 def _shown_output_in_order(shown: list[str], printed: str) -> str | None:
-    """None when every shown line (whitespace-normalized, '...' skipped) appears in order, else the first
-    one that does not."""
+    """None when every shown line (whitespace-normalized, '...' skipped, measured decimals free) appears in
+    order, else the first one that does not."""
     got = [" ".join(x.split()) for x in printed.splitlines()]
     i = 0
     for line in shown:
         want = " ".join(line.split())
         if want in ("...", "[exit 1]") or not want:
             continue
-        pattern = re.compile(".*".join(map(re.escape, want.split("..."))) + "$")     # '...' inside: elided
+        pattern = _line_pattern(want)
         while i < len(got) and not pattern.match(got[i]):
             i += 1
         if i == len(got):
