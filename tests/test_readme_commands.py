@@ -11,7 +11,9 @@ output printed below it) and each `dsv4 ...` line of a plain block, and each ```
   `python3 -m pytest` is `.ci/run`'s own command;
 - a template (placeholders such as DIR, EPS or `[--flag]`): its subcommand and every flag it names must exist;
 - a command README marks "(needs a GPU ...)": skipped with that reason, never run here;
-- a python block that uses names it does not define (a sketch): its imports are run.
+- a python block that uses names it does not define (a sketch): its imports are run;
+- `dsv4 serve ...` runs until stopped: it is started in the background, and the commands after it that talk
+  to its address (127.0.0.1:8000) run against it, in order, before it is stopped.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Command:
     comment: str = ""
     output: list[str] = field(default_factory=list)
     python: bool = False
+    clients: list[Command] = field(default_factory=list)   # commands run against this server
 
     @property
     def id(self) -> str:
@@ -90,7 +93,24 @@ def _block_commands(lang: str, lines: list[str]) -> list[Command]:
     return out
 
 
-COMMANDS = readme_commands()
+SERVER_ADDRESS = "127.0.0.1:8000"
+
+
+def _attach_clients(cmds: list[Command]) -> list[Command]:
+    """Commands that talk to a `dsv4 serve` started earlier become that server's clients."""
+    out: list[Command] = []
+    server: Command | None = None
+    for c in cmds:
+        if not c.python and c.line.startswith("dsv4 serve") and not PLACEHOLDERS.search(c.line):
+            server = c
+        elif server is not None and SERVER_ADDRESS in c.line:
+            server.clients.append(c)
+            continue
+        out.append(c)
+    return out
+
+
+COMMANDS = _attach_clients(readme_commands())
 
 
 def _env() -> dict[str, str]:
@@ -187,18 +207,54 @@ def _template_check(line: str) -> None:
             assert w.split("=")[0] in flags, f"{line}: {sub.prog} has no {w}"
 
 
+def _run_python(cmd: Command, env: dict, cwd: Path) -> None:
+    code = cmd.line
+    free = _free_names(code)
+    if free:                                # a sketch: it uses names it leaves to the reader
+        imports = [n for n in ast.parse(code).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        code = "\n".join(ast.unparse(n) for n in imports)
+    run = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def _run_server(cmd: Command, env: dict, cwd: Path) -> None:
+    """Start the server command, wait until it is ready, run its clients, stop it."""
+    server = subprocess.Popen(["bash", "-c", f"exec {cmd.line}"], cwd=cwd, env={**env, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in server.stdout:
+            lines.append(line)
+            if "ready: " in line:
+                break
+        assert any("ready: " in x for x in lines), "".join(lines)
+        assert cmd.clients, f"{cmd.line}: README shows no command that uses it"
+        for client in cmd.clients:
+            if client.python:
+                _run_python(client, env, cwd)
+                continue
+            run = subprocess.run(["bash", "-c", client.line], cwd=cwd, env=env, capture_output=True, text=True,
+                                 timeout=TIMEOUT_S)
+            assert run.returncode == 0, f"{client.line}\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}"
+            missing = _shown_output_in_order(client.output, run.stdout)
+            assert missing is None, f"README shows {missing!r}, the command printed:\n{run.stdout}"
+    finally:
+        os.killpg(server.pid, 15)
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+
+
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[c.id for c in COMMANDS])
 def test_readme_command(cmd: Command, tmp_path):
     env = _dsv4_script_env(_env(), tmp_path)
+    if cmd.clients or (not cmd.python and cmd.line.startswith("dsv4 serve") and not PLACEHOLDERS.search(cmd.line)):
+        _run_server(cmd, env, tmp_path)
+        return
     if cmd.python:
-        code = cmd.line
-        free = _free_names(code)
-        if free:                                # a sketch: it uses names it leaves to the reader
-            imports = [n for n in ast.parse(code).body if isinstance(n, (ast.Import, ast.ImportFrom))]
-            code = "\n".join(ast.unparse(n) for n in imports)
-        run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=TIMEOUT_S)
-        assert run.returncode == 0, run.stderr[-3000:]
+        _run_python(cmd, env, tmp_path)
         return
     if GPU_MARK in cmd.comment:
         pytest.skip(f"README marks it as needing a GPU: {cmd.comment}")
@@ -221,5 +277,7 @@ def test_readme_command(cmd: Command, tmp_path):
 
 def test_readme_commands_are_found():
     lines = [c.line for c in COMMANDS]
+    serve = [c for c in COMMANDS if c.line.startswith("dsv4 serve")]
+    assert serve and serve[0].clients and any(c.python for c in serve[0].clients)
     assert any(x.startswith("torchrun --nproc-per-node 2 -m dsv4.train.cli train") for x in lines)
     assert sum(c.python for c in COMMANDS) >= 2 and sum(bool(c.output) for c in COMMANDS) >= 3

@@ -448,8 +448,12 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[fl
 
 def parity_check(preset: str = "tiny", steps: int = 3, batch: int = 4, seq: int = 32, lr: float = 1e-3,
                  optimizer: str = "adamw", seed: int = 0, device: torch.device | None = None,
-                 prepare: Callable[[nn.Module], None] | None = None, ep: bool = True) -> dict:
+                 prepare: Callable[[nn.Module], None] | None = None, ep: bool = True, qat: bool = True) -> dict:
     """Train a single-process replica and the FSDP2 + expert-parallel model side by side on every rank.
+
+    qat=False switches the FP8 / FP4 round trips off: they turn a rounding-sized difference (the order of
+    a sum changes with the batch split) into a whole quantization step, which can flip an indexer top-k
+    pick, after which the two runs differ by that discrete decision, not by rounding.
 
     Both start from the same seeded weights (`prepare(model)` may edit both before sharding; ep=False
     leaves the experts to FSDP like every other weight); the replica
@@ -466,6 +470,8 @@ def parity_check(preset: str = "tiny", steps: int = 3, batch: int = 4, seq: int 
 
     device = device or torch.device("cpu")
     cfg = ModelConfig.preset(preset)
+    if not qat:
+        cfg = cfg.replace(fp8_kv_sim=False, fp4_indexer_sim=False)
     rank, world = (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
     if batch % world:
         raise ValueError(f"global batch {batch} must split evenly over {world} ranks")
