@@ -366,7 +366,7 @@ def act_pow2(act: str | None) -> bool:
     return act == "ue8m0"
 
 
-def _swiglu(x: torch.Tensor, project: Callable[[torch.Tensor, int], torch.Tensor], swiglu_limit: float,
+def swiglu_ffn(x: torch.Tensor, project: Callable[[torch.Tensor, int], torch.Tensor], swiglu_limit: float,
             weight: torch.Tensor | None) -> torch.Tensor:
     """Clamped SwiGLU around three projections: project(t, i) = t @ W_i^T in t's dtype (i = 1, 2, 3)."""
     gate = project(x, 1).float()
@@ -391,7 +391,7 @@ def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
     def project(t: torch.Tensor, i: int) -> torch.Tensor:
         return linear(t if quant is None else quant(t), ws[i])
 
-    return _swiglu(x, project, swiglu_limit, weight)
+    return swiglu_ffn(x, project, swiglu_limit, weight)
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
@@ -445,6 +445,6 @@ def quantized_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch
             q, s = act_quant(t, ACT_BLOCK, pow2)
             return gemm(q, s, *wq[i], t.dtype)
 
-        out = _swiglu(x[tok], project, swiglu_limit, weights[tok, slot].unsqueeze(-1))
+        out = swiglu_ffn(x[tok], project, swiglu_limit, weights[tok, slot].unsqueeze(-1))
         y = y.index_add(0, tok, out.float())
     return y
