@@ -244,3 +244,26 @@ def test_kv_round_trip_follows_scale_fmt():
     finally:
         ops.unregister("fp8_round_trip", "spy")
     assert not torch.equal(out["ue8m0"], out[None])
+
+
+def test_cli_switch_and_compare_stage_by_stage(quantized, capsys):
+    """`--quant-mode` is in --help of the commands that load checkpoints; `dsv4 check compare --quant-modes`
+    shows the effect stage by stage, `--quantized` that kept-quantized equals dequantized under W8A8."""
+    from dsv4.cli import main
+
+    for cmd in (["generate"], ["check", "teacher-forcing"], ["check", "compare"]):
+        with pytest.raises(SystemExit):
+            main([*cmd, "--help"])
+        assert "--quant-mode" in capsys.readouterr().out, cmd
+    _, ckpt = quantized
+    args = ["check", "compare", "--checkpoint", str(ckpt), "--seq-len", "20", "--json"]
+    assert main([*args, "--quant-modes", "w8a8,w8a16"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["first_divergence"] == "layers.0.attn.q" and rep["a"] == "W8A8"
+    assert main([*args, "--quantized"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["ok"] and "both sides W8A8" in rep["notes"]
+    assert main([*args, "--quantized", "--quant-mode", "w8a16"]) == 0
+    assert "both sides W8A16" in json.loads(capsys.readouterr().out)["notes"]
+    assert main([*args, "--quant-modes", "w8a8,w4a4"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
