@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-MODULES = ("_mm_utils", "moe", "mhc", "quant_gemm")
+MODULES = ("_mm_utils", "moe", "mhc", "quant_gemm", "w8a8_gemm")
 
 
 def rebuild_kernels(interpret: bool) -> None:
