@@ -268,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     _optional(lambda: __import__("dsv4.bench.kernels", fromlist=["x"]).add_bench_kernels_parser(bsub))
     _optional(lambda: __import__("dsv4.bench.ops", fromlist=["x"]).add_bench_parsers(bsub))
     _optional(lambda: __import__("dsv4.bench.e2e", fromlist=["x"]).add_bench_parsers(bsub))
+    _optional(lambda: __import__("dsv4.bench.w8a8", fromlist=["x"]).add_bench_parsers(bsub))
     return parser
 
 

@@ -158,3 +158,28 @@ def test_scaled_mm_backend_says_why_it_cannot_run():
     wq, ws = formats.quantize_fp8(torch.randn(256, 256))
     with pytest.raises(ops.BackendUnavailable, match="CUDA"):
         ops.fp8_gemm(q, s, wq, ws, torch.bfloat16, backend="scaled_mm")
+
+
+def test_bench_w8a8_rows_and_summary_on_the_interpreter(monkeypatch):
+    """The bench's code paths at the tiny preset's shapes with the timer replaced (times are fixed: the
+    ratios then follow from the op counts), so a GPU run does not fail on a code path first."""
+    from dsv4.bench import w8a8 as bench
+    from dsv4.config import ModelConfig
+
+    monkeypatch.setattr(bench, "_time_ms", lambda fn, reps=20, warmup=3: (fn(), 2.0)[1])
+    monkeypatch.setattr(bench, "_graphed_ms", lambda fn, reps=20: (fn(), 4.0)[1])
+    cfg = ModelConfig.preset("tiny")
+    limits = {"matmul_tflops": 1.0, "copy_gbs": 1.0}
+    rows: list = []
+    for name, (n, k) in list(bench.flash_linears(cfg).items())[:2]:
+        bench.bench_gemm(8, n, k, name, torch.device("cpu"), limits, rows, "gemm")
+    bench.bench_experts(6, cfg, bench._expert_weights(cfg, torch.device("cpu")), torch.device("cpu"), limits, rows,
+                        "experts")
+    fp8 = [r for r in rows if r["op"] == "fp8_gemm" and "ms" in r]
+    assert {r["backend"] for r in fp8} == {"triton"} and all(r["x_bf16"] == 1.0 for r in fp8)
+    assert all(r["rel_l2"] < 1e-2 for r in fp8)
+    assert any(r.get("backend") == "scaled_mm" and "skipped" in r for r in rows)
+    moe = [r for r in rows if r["op"] == "quantized_moe_experts fp4" and "ms" in r]
+    assert moe and moe[0]["rel_l2"] < 1e-2 and moe[0]["x_bf16"] == 1.0
+    summary = bench.summarize(rows)
+    assert summary["gemm"]["met"] is False and summary["experts"]["met"] is True
