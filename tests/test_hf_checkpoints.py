@@ -3,7 +3,7 @@
 transformers simulates no quantization-aware training, so an "hf"-layout directory loads with both QAT
 simulations off; and any configuration transformers accepts loads, including dimensions those simulations
 could not block (a 16-dim rotary slice of a 128-dim head, the default rotary fraction 64/512; an indexer
-head as wide as the rotary slice). Plain `DeepSeekV4.from_pretrained(DIR)`: no flags, dtype as stored.
+head as wide as the rotary slice). Plain `DeepSeekV4.from_pretrained(DIR)`: no flags (the default dtype: fp32).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_transformers_checkpoint_loads_plainly_and_matches_its_logits(tmp_path, 
     cfg = model.cfg
     assert model.checkpoint_plan["layout"] == "hf"
     assert not cfg.fp8_kv_sim and not cfg.fp4_indexer_sim          # transformers' semantics
-    assert model.embed.weight.dtype == torch.float32               # stored F32 -> loaded fp32
+    assert model.embed.weight.dtype == torch.float32               # the default dtype
     assert cfg.rope_head_dim == hf.config.qk_rope_head_dim and cfg.compress_ratios[:3] == (0, 4, 8)
     toks = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
