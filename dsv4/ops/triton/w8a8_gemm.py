@@ -167,8 +167,10 @@ def _w8a8_gmm_kernel(a_ptr, as_ptr, a_idx_ptr, b_ptr, bs_ptr, c_ptr, c_idx_ptr,
 
 _CONFIGS = [
     triton.Config({"BM": bm, "BN": bn, "GROUP": 8}, num_warps=w, num_stages=s)
+    # row tiles of 64 at least (one Hopper warpgroup MMA); few-token calls are bound by the weight read, for
+    # which narrow column tiles give every SM a share
     for bm, bn, w, s in ((128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4),
-                         (64, 64, 4, 4), (16, 64, 4, 4), (16, 32, 4, 5), (32, 64, 4, 4), (16, 128, 4, 4))
+                         (64, 64, 4, 4), (64, 32, 4, 5), (64, 16, 4, 6))
 ]
 _GMM_CONFIGS = [
     triton.Config({"BN": bn}, num_warps=w, num_stages=s)
@@ -179,8 +181,8 @@ _w8a8_tuned = triton.autotune(_CONFIGS, key=["M_BUCKET", "N", "K", "FP4", "SCALE
 
 
 def _m_bucket(m: int) -> int:
-    """Token counts tuned separately: each up to 16, then powers of two up to 4096."""
-    return m if m <= 16 else min(triton.next_power_of_2(m), 4096)
+    """Token counts are tuned per power of two (up to 4096)."""
+    return min(triton.next_power_of_2(max(m, 1)), 4096)
 
 
 _gmm_tuned = triton.autotune(_GMM_CONFIGS, key=["N", "K", "BM", "FP4", "GATHER_A", "SCATTER_C"])(
@@ -307,8 +309,17 @@ def triton_quantized_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices
 
 
 # ----------------------------------------------------------------------------- can_run
+def _fp8_cores_reason(t: torch.Tensor) -> str | None:
+    """FP8 tensor-core dots need an sm89+ GPU (Ada, Hopper and later); elsewhere the reference runs."""
+    if t.is_cuda:
+        major, minor = torch.cuda.get_device_capability(t.device)
+        if (major, minor) < (8, 9):
+            return f"FP8 tensor cores need an sm89+ GPU, this one is sm{major}{minor}"
+    return None
+
+
 def _common_reason(q: torch.Tensor, s: torch.Tensor) -> str | None:
-    reason = device_reason(q)
+    reason = device_reason(q) or _fp8_cores_reason(q)
     if reason:
         return reason
     if q.element_size() != 1:
@@ -359,7 +370,7 @@ def _capture_safe_span(scale: torch.Tensor) -> bool:
 
 def _moe_can_run(x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expert_offset=0, fmt="fp8",
                  act="ue8m0") -> str | None:
-    reason = device_reason(x)
+    reason = device_reason(x) or _fp8_cores_reason(x)
     if reason:
         return reason
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dim() != 2:
