@@ -33,6 +33,15 @@ def add_model_args(p: argparse.ArgumentParser, default_hint: str) -> None:
     g.add_argument("--config", metavar="FILE", help="a config.json (official or Hugging Face keys)")
 
 
+QUANT_MODE_HELP = ("numerics of the weights a checkpoint stores as FP8 / FP4: w8a8 (default: the official "
+                   "code's, activations quantized to FP8 per token in blocks of 128 before every such weight) "
+                   "or w8a16 (activations kept in --dtype)")
+
+
+def add_quant_mode_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quant-mode", choices=("w8a8", "w8a16"), default=None, help=QUANT_MODE_HELP)
+
+
 def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
     from .config import ConfigError, ModelConfig
 
@@ -71,6 +80,7 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None):
     if not path.is_dir():
         raise UserError(f"{path}: not a directory")
     model = DeepSeekV4.from_pretrained(path, dtype=dtype, device=device,
+                                       quant_mode=getattr(args, "quant_mode", None),
                                        keep_quantized=getattr(args, "keep_quantized", False)).eval()
     tokenizer = None
     if (path / "tokenizer.json").exists():
@@ -228,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--cuda-graph", action="store_true", help="replay decode steps from a CUDA graph (CUDA only)")
     add_device_args(p)
+    add_quant_mode_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
 
@@ -246,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fast-accumulation", action="store_true",
                    help="accumulate in the working precision instead of float64 (batching then changes rounding)")
     add_device_args(p)
+    add_quant_mode_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_teacher_forcing)
     _optional(lambda: __import__("dsv4.check.cli", fromlist=["x"]).add_check_parsers(csub))
@@ -262,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     _optional(lambda: __import__("dsv4.bench.kernels", fromlist=["x"]).add_bench_kernels_parser(bsub))
     _optional(lambda: __import__("dsv4.bench.ops", fromlist=["x"]).add_bench_parsers(bsub))
     _optional(lambda: __import__("dsv4.bench.e2e", fromlist=["x"]).add_bench_parsers(bsub))
+    _optional(lambda: __import__("dsv4.bench.w8a8", fromlist=["x"]).add_bench_parsers(bsub))
     from .bench.serve import add_bench_serve_parser
 
     add_bench_serve_parser(bsub)

@@ -14,6 +14,10 @@ from pathlib import Path
 from typing import Any
 
 SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+# how weights stored as FP8 / FP4 compute: "w8a8" = the official numerics (every activation feeding such a
+# weight is quantized to FP8 per token in blocks of 128), "w8a16" = activations kept in the model dtype
+QUANT_MODES = ("w8a8", "w8a16")
+SCALE_FMTS = (None, "ue8m0")
 LAYER_TYPE_TO_RATIO = {
     "sliding_attention": 0,
     "compressed_sparse_attention": 4,
@@ -73,10 +77,14 @@ class ModelConfig:
     # quantization-aware-training simulations (on in the released models)
     fp8_kv_sim: bool = True
     fp4_indexer_sim: bool = True
-    # storage formats of a released checkpoint (informational; the model computes in bf16/fp32)
+    # storage formats of a released checkpoint (dtype "fp8": FP8 linears, expert_dtype "fp4": MXFP4 experts)
     dtype: str = "bf16"
     expert_dtype: str | None = None
-    scale_fmt: str | None = None
+    # activation (and FP8 KV) scales: "ue8m0" = powers of two, None = amax/448 in fp32 (the official default
+    # is "ue8m0"; a config says null to get fp32 scales)
+    scale_fmt: str | None = "ue8m0"
+    # numerics of the weights a checkpoint stores as FP8 / FP4: "w8a8" (official) or "w8a16"
+    quant_mode: str = "w8a8"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -106,20 +114,30 @@ class ModelConfig:
             need(r == 0 or r >= 2, "compress_ratios", f"entries must be 0 or >= 2, got {r}")
         need(all(r == 0 for r in self.compress_ratios[self.n_layers:]), "compress_ratios",
              "MTP layers (the entries after n_layers) must be window-only (0)")
-        need(0 < self.rope_head_dim < self.head_dim and self.rope_head_dim % 2 == 0, "rope_head_dim",
-             f"must be even and in (0, head_dim={self.head_dim}), got {self.rope_head_dim}")
-        need((self.head_dim - self.rope_head_dim) % 64 == 0, "head_dim",
-             "head_dim - rope_head_dim must be a multiple of 64 (FP8 KV simulation blocks)")
+        need(0 < self.rope_head_dim <= self.head_dim and self.rope_head_dim % 2 == 0, "rope_head_dim",
+             f"must be even and in (0, head_dim={self.head_dim}], got {self.rope_head_dim}")
+        if self.fp8_kv_sim:
+            nope = self.head_dim - self.rope_head_dim
+            need(nope % 64 == 0, "fp8_kv_sim",
+                 f"the FP8 KV simulation quantizes the head_dim - rope_head_dim = {nope} non-RoPE dims in blocks "
+                 f"of 64, and {nope} is not a multiple of 64; switch the simulation off (fp8_kv_sim=False, as "
+                 "transformers runs) or use other dims")
         need(self.n_heads % self.o_groups == 0, "o_groups",
              f"n_heads={self.n_heads} must be divisible by o_groups={self.o_groups}")
         need(self.n_activated_experts <= self.n_routed_experts, "n_activated_experts",
              f"{self.n_activated_experts} > n_routed_experts={self.n_routed_experts}")
         need(self.n_shared_experts in (0, 1), "n_shared_experts", "only 0 or 1 shared expert is defined")
         need(self.score_func in SCORE_FUNCS, "score_func", f"must be one of {SCORE_FUNCS}, got {self.score_func!r}")
-        need(self.index_head_dim > self.rope_head_dim, "index_head_dim",
-             f"must exceed rope_head_dim={self.rope_head_dim}")
-        need(self.index_head_dim & (self.index_head_dim - 1) == 0 and self.index_head_dim % 32 == 0,
-             "index_head_dim", "must be a power of two and a multiple of 32 (Hadamard, FP4 blocks)")
+        need(self.index_head_dim >= self.rope_head_dim, "index_head_dim",
+             f"must be at least rope_head_dim={self.rope_head_dim} (the indexer's RoPE dims)")
+        if self.fp4_indexer_sim:
+            ihd = self.index_head_dim
+            need(ihd & (ihd - 1) == 0 and ihd % 32 == 0, "fp4_indexer_sim",
+                 f"the FP4 indexer simulation rotates the index_head_dim = {ihd} dims with a Hadamard transform "
+                 "(a power of two) and quantizes them in blocks of 32; switch the simulation off "
+                 "(fp4_indexer_sim=False, as transformers runs) or use a power of two >= 32")
+        need(self.quant_mode in QUANT_MODES, "quant_mode", f"must be one of {QUANT_MODES}, got {self.quant_mode!r}")
+        need(self.scale_fmt in SCALE_FMTS, "scale_fmt", f"must be 'ue8m0' or null, got {self.scale_fmt!r}")
         need(self.swiglu_limit >= 0, "swiglu_limit", "must be >= 0 (0 disables the clamp)")
         need(self.route_scale > 0, "route_scale", "must be > 0")
         need(self.rope_factor >= 1, "rope_factor", "must be >= 1")
@@ -135,6 +153,19 @@ class ModelConfig:
     def nope_head_dim(self) -> int:
         return self.head_dim - self.rope_head_dim
 
+    @property
+    def act_format(self) -> str | None:
+        """How activations feeding an FP8 / FP4-stored weight are quantized: None (quant_mode "w8a16"), else
+        "ue8m0" (power-of-two scales) or "fp32" (amax/448 scales) from scale_fmt."""
+        if self.quant_mode == "w8a16":
+            return None
+        return "ue8m0" if self.scale_fmt == "ue8m0" else "fp32"
+
+    @property
+    def kv_scale_pow2(self) -> bool:
+        """The FP8 KV round trip's scales: powers of two for scale_fmt "ue8m0", amax/448 otherwise."""
+        return self.scale_fmt == "ue8m0"
+
     def layer_ratio(self, layer_id: int) -> int:
         return self.compress_ratios[layer_id]
 
@@ -149,14 +180,21 @@ class ModelConfig:
     def to_inference_json(self) -> dict[str, Any]:
         """The official inference `config.json` keys."""
         d = self.to_dict()
-        for k in ("name", "bos_token_id", "eos_token_id", "fp8_kv_sim", "fp4_indexer_sim"):
+        for k in ("name", "bos_token_id", "eos_token_id", "fp8_kv_sim", "fp4_indexer_sim", "quant_mode"):
             d.pop(k)
         return d
 
     def to_hf_json(self) -> dict[str, Any]:
         """Hugging Face `config.json` keys (as `DeepseekV4Config` reads them)."""
-        ratio_to_type = {v: k for k, v in LAYER_TYPE_TO_RATIO.items()}
+        heavy = sorted({r for r in self.compress_ratios[: self.n_layers] if r not in (0, 4)})
+        if len(heavy) > 1:
+            raise ConfigError(f"config key 'compress_ratios': a Hugging Face config has one heavy compression "
+                              f"rate, this one has {heavy}")
+        rate = heavy[0] if heavy else 128
+        ratio_to_type = {0: "sliding_attention", 4: "compressed_sparse_attention", rate: "heavily_compressed_attention"}
         quant: dict[str, Any] = {}
+        if rate != 128:
+            quant["compress_rates"] = {"compressed_sparse_attention": 4, "heavily_compressed_attention": rate}
         if self.dtype == "fp8":
             quant["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                             "scale_fmt": self.scale_fmt, "weight_block_size": [128, 128]}
@@ -188,12 +226,18 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ readers
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], name: str = "custom") -> ModelConfig:
-        """Read an official inference or Hugging Face config dict (auto-detected by its keys)."""
+    def from_dict(cls, raw: dict[str, Any], name: str = "custom",
+                  overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """Read an official inference or Hugging Face config dict (auto-detected by its keys). overrides:
+        fields set on top of the file's values before validation (e.g. the QAT simulations switched off)."""
         if not isinstance(raw, dict):
             raise ConfigError(f"config must be a JSON object, got {type(raw).__name__}")
         is_hf = "hidden_size" in raw or "num_hidden_layers" in raw or raw.get("model_type") == "deepseek_v4"
         kw = _from_hf(raw) if is_hf else _from_inference(raw)
+        for k, v in (overrides or {}).items():
+            if k not in _FIELDS:
+                raise ConfigError(f"unknown config field '{k}'")
+            kw[k] = v
         kw.setdefault("name", name)
         try:
             return cls(**kw)
@@ -201,7 +245,7 @@ class ModelConfig:
             raise ConfigError(str(e)) from None
 
     @classmethod
-    def from_json(cls, path: str | Path) -> ModelConfig:
+    def from_json(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
         path = Path(path)
         try:
             raw = json.loads(path.read_text())
@@ -209,7 +253,7 @@ class ModelConfig:
             raise ConfigError(f"{path}: no such config file") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(raw, name=path.parent.name or "custom")
+        return cls.from_dict(raw, name=path.parent.name or "custom", overrides=overrides)
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
@@ -221,7 +265,7 @@ class ModelConfig:
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
 # Official inference keys that do not change the math of this implementation.
-_INFERENCE_IGNORED = {"max_batch_size", "scale_dtype"}
+_INFERENCE_IGNORED = {"max_batch_size"}
 
 # Hugging Face key -> ModelConfig field
 _HF_RENAMES = {
@@ -242,16 +286,22 @@ _HF_FIXED: dict[str, Any] = {
     "architectures": None, "model_type": None, "transformers_version": None, "torch_dtype": None,
     "dtype": None, "initializer_range": None, "use_cache": None, "attention_dropout": None,
     "topk_method": None, "output_router_logits": None, "router_aux_loss_coef": None, "pad_token_id": None,
-    "router_jitter_noise": None, "partial_rotary_factor": None, "_name_or_path": None,
+    "router_jitter_noise": None, "_name_or_path": None,
     "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "num_key_value_heads": 1,
-    "norm_topk_prob": True, "tie_word_embeddings": False, "compress_rates": None,
+    "norm_topk_prob": True, "tie_word_embeddings": False,
 }
+# transformers' rotary fraction when a config gives none: qk_rope_head_dim 64 of a 512-dim head
+_HF_DEFAULT_ROTARY_FRACTION = 64 / 512
 
 
 def _from_inference(raw: dict[str, Any]) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     for k, v in raw.items():
         if k in _INFERENCE_IGNORED:
+            continue
+        if k == "scale_dtype":                 # the official code: E8M0 scale storage forces power-of-two scales
+            if v not in ("fp8", "fp32"):
+                raise ConfigError(f"config key 'scale_dtype': must be 'fp8' or 'fp32', got {v!r}")
             continue
         if k not in _FIELDS:
             raise ConfigError(f"unknown config key '{k}' (official inference config)")
@@ -261,12 +311,16 @@ def _from_inference(raw: dict[str, Any]) -> dict[str, Any]:
         kw.setdefault("n_mtp_layers", max(0, len(kw["compress_ratios"]) - n_layers))
     if kw.get("dtype") not in (None, "bf16", "fp8"):
         raise ConfigError(f"config key 'dtype': must be 'bf16' or 'fp8', got {kw['dtype']!r}")
+    if raw.get("scale_dtype") == "fp8":
+        kw["scale_fmt"] = "ue8m0"
     return kw
 
 
 def _from_hf(raw: dict[str, Any]) -> dict[str, Any]:
     kw: dict[str, Any] = {}
-    layer_types = mlp_types = compress_ratios = None
+    layer_types = mlp_types = compress_ratios = rotary_fraction = None
+    rates = dict(_HF_COMPRESS_RATES)
+    nested_fractions: dict[str, float] = {}
     for k, v in raw.items():
         if k in _HF_RENAMES:
             kw[_HF_RENAMES[k]] = v
@@ -280,9 +334,16 @@ def _from_hf(raw: dict[str, Any]) -> dict[str, Any]:
             mlp_types = v
         elif k == "compress_ratios":
             compress_ratios = v
+        elif k == "compress_rates":
+            rates.update(_read_rates(v))
+        elif k == "partial_rotary_factor":
+            rotary_fraction = v
         elif k == "rope_scaling":
             kw.update(_read_yarn(v, "rope_scaling"))
         elif k == "rope_parameters":
+            for sub in ("main", "compress"):
+                if isinstance(v, dict) and isinstance(v.get(sub), dict) and "partial_rotary_factor" in v[sub]:
+                    nested_fractions[f"rope_parameters.{sub}"] = v[sub]["partial_rotary_factor"]
             if isinstance(v, dict) and isinstance(v.get("compress"), dict):
                 kw.update(_read_yarn(v["compress"], "rope_parameters.compress"))
                 if "rope_theta" in v["compress"]:
@@ -302,11 +363,12 @@ def _from_hf(raw: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"unknown config key '{k}' (Hugging Face config)")
     n_layers = kw.get("n_layers", ModelConfig.n_layers)
     n_mtp = kw.get("n_mtp_layers", ModelConfig.n_mtp_layers)
+    _read_rotary(kw, rotary_fraction, nested_fractions)
     if layer_types is not None:
         bad = [t for t in layer_types if t not in LAYER_TYPE_TO_RATIO]
         if bad:
             raise ConfigError(f"config key 'layer_types': unknown entries {bad}")
-        ratios = [LAYER_TYPE_TO_RATIO[t] for t in layer_types]
+        ratios = [rates[t] for t in layer_types]
         if compress_ratios is not None and list(compress_ratios[: len(ratios)]) != ratios:
             raise ConfigError("config keys 'layer_types' and 'compress_ratios' disagree")
         if len(ratios) != n_layers:
@@ -330,6 +392,48 @@ def _from_hf(raw: dict[str, Any]) -> dict[str, Any]:
     if isinstance(kw.get("eos_token_id"), list):
         kw["eos_token_id"] = kw["eos_token_id"][0]
     return kw
+
+
+_HF_COMPRESS_RATES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+def _read_rates(v: Any) -> dict[str, int]:
+    """transformers' `compress_rates` {layer type: rate}: CSA is defined at rate 4 (overlapping windows and
+    the Lightning Indexer); the heavy rate is free."""
+    if not isinstance(v, dict):
+        raise ConfigError("config key 'compress_rates': must be an object {layer type: rate}")
+    out = {}
+    for t, r in v.items():
+        if t not in ("compressed_sparse_attention", "heavily_compressed_attention"):
+            raise ConfigError(f"config key 'compress_rates': unknown layer type {t!r}")
+        if not isinstance(r, int) or r < 2:
+            raise ConfigError(f"config key 'compress_rates.{t}': must be an integer >= 2, got {r!r}")
+        if t == "compressed_sparse_attention" and r != 4:
+            raise ConfigError(f"config key 'compress_rates.{t}': DeepSeek-V4's compressed sparse attention "
+                              f"is defined at rate 4 (overlapping windows, the indexer), got {r}")
+        out[t] = r
+    return out
+
+
+def _read_rotary(kw: dict[str, Any], fraction: Any, nested: dict[str, float]) -> None:
+    """RoPE dims of a Hugging Face config: `qk_rope_head_dim` when given, else int(head_dim *
+    partial_rotary_factor) as transformers computes it (default 64/512); every stated form must agree."""
+    head_dim = kw.get("head_dim", ModelConfig.head_dim)
+    stated = {}
+    if fraction is not None:
+        stated["partial_rotary_factor"] = fraction
+    stated.update(nested)
+    dims = {}
+    for key, f in stated.items():
+        if not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ConfigError(f"config key '{key}': must be a fraction in (0, 1], got {f!r}")
+        dims[key] = int(head_dim * f)
+    if "rope_head_dim" not in kw:
+        kw["rope_head_dim"] = next(iter(dims.values()), int(head_dim * _HF_DEFAULT_ROTARY_FRACTION))
+    for key, d in dims.items():
+        if d != kw["rope_head_dim"]:
+            raise ConfigError(f"config key '{key}': gives {d} RoPE dims of head_dim {head_dim}, but "
+                              f"qk_rope_head_dim is {kw['rope_head_dim']}")
 
 
 def _read_yarn(v: Any, key: str) -> dict[str, Any]:

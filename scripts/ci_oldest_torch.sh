@@ -20,4 +20,4 @@ PYTHON="$VENV/bin/python" bash scripts/setup.sh --test
 "$VENV/bin/python" -m pytest -p no:cacheprovider \
   tests/test_formats.py tests/test_ops_reference.py tests/test_config.py tests/test_checkpoint.py \
   tests/test_checkpoint_errors.py tests/test_checkpoint_helpers.py tests/test_train.py tests/test_distributed.py \
-  tests/test_triton_elementwise.py
+  tests/test_triton_elementwise.py tests/test_w8a8.py

@@ -38,6 +38,13 @@ def ckpts(tmp_path_factory, source):
     return out
 
 
+# The checkpoints hold the source model's weights exactly; compared with the float source model bit for bit,
+# they load with W8A16 numerics (W8A8 quantizes the activations: tests/test_w8a8.py).
+W8A16 = {"quant_mode": "w8a16"}
+# an HF-layout directory gets transformers' semantics unless asked; the source model simulates QAT
+OFFICIAL = {"fp8_kv_sim": True, "fp4_indexer_sim": True}
+
+
 def same(model, ref, mtp: bool = True) -> bool:
     got = logits(model, tokens())
     ok = torch.equal(got[0], ref[0])
@@ -90,7 +97,7 @@ def test_release_fp8_e8m0_mxfp4(ckpts, source):
     ].shape == (64, 64)
     assert h["layers.1.ffn.experts.3.w1.scale"].shape == (64, 4)
     assert h["head.weight"].dtype == "BF16" and "head.scale" not in h
-    model = load_pretrained(d, dtype=torch.float32, progress=False)
+    model = load_pretrained(d, dtype=torch.float32, progress=False, **W8A16)
     assert same(model, source[1])
     bf = load_pretrained(d, dtype=torch.bfloat16, progress=False)
     assert bf.layers[1].attn.wq_b.weight.dtype == torch.bfloat16  # dtype argument honoured
@@ -100,7 +107,7 @@ def test_release_fp8_e8m0_mxfp4(ckpts, source):
 def test_keep_quantized_matches_dequantized(ckpts, source):
     from dsv4.checkpoint.quantized import QuantExperts, QuantLinear
 
-    model = load_pretrained(ckpts["fp8"], dtype=torch.float32, keep_quantized=True, progress=False)
+    model = load_pretrained(ckpts["fp8"], dtype=torch.float32, keep_quantized=True, progress=False, **W8A16)
     assert isinstance(model.layers[1].attn.wq_b, QuantLinear) and model.layers[1].attn.wq_b.fmt == "fp8"
     assert isinstance(model.layers[1].ffn.experts, QuantExperts) and model.layers[1].ffn.experts.fmt == "fp4"
     assert model.layers[1].ffn.experts.w1_q.dtype == torch.uint8  # bytes kept, not dequantized
@@ -140,7 +147,7 @@ def test_release_name_variants(ckpts, tmp_path, source):
     assert "model.layers.1.self_attn.wq_b.weight_scale_inv" in headers(d)
     r = inspect_dir(d)
     assert r["ok"] and r["layout"] == "release" and len(r["ignored"]) == 3
-    assert same(load_pretrained(d, dtype=torch.float32, progress=False), source[1])
+    assert same(load_pretrained(d, dtype=torch.float32, progress=False, **W8A16), source[1])
 
 
 def test_inference_layout_mp2(ckpts, tmp_path, source):
@@ -155,7 +162,7 @@ def test_inference_layout_mp2(ckpts, tmp_path, source):
     if fm.HAS_FP4:
         assert r1["layers.0.ffn.experts.4.w1.weight"].dtype == "F4"
     assert inspect_dir(d)["ok"]
-    assert same(load_pretrained(d, dtype=torch.float32, progress=False), source[1])
+    assert same(load_pretrained(d, dtype=torch.float32, progress=False, **W8A16), source[1])
 
 
 def test_inference_layout_fp8_mp1(ckpts, tmp_path, source):
@@ -163,9 +170,9 @@ def test_inference_layout_fp8_mp1(ckpts, tmp_path, source):
     h = read_header(d / "model0-mp1.safetensors")[0]
     assert h["layers.1.attn.wq_b.weight"].dtype == "F8_E4M3"
     assert h["layers.1.attn.wo_a.weight"].dtype == "BF16" and "layers.1.attn.wo_a.scale" not in h
-    assert same(load_pretrained(d, dtype=torch.float32, progress=False), source[1])
+    assert same(load_pretrained(d, dtype=torch.float32, progress=False, **W8A16), source[1])
     back = convert(d, tmp_path / "back", "fp8", progress=False)  # inference -> release again
-    assert same(load_pretrained(back, dtype=torch.float32, progress=False), source[1])
+    assert same(load_pretrained(back, dtype=torch.float32, progress=False, **W8A16), source[1])
 
 
 def test_hf_layout_written_here(ckpts, tmp_path, source):
@@ -174,7 +181,7 @@ def test_hf_layout_written_here(ckpts, tmp_path, source):
     assert h["model.layers.1.mlp.experts.gate_up_proj"].shape == (8, 128, 128)
     assert "model.layers.1.attn_hc.fn" in h and "model.layers.1.self_attn.sinks" in h
     assert "model.layers.1.self_attn.compressor.position_bias" in h and "lm_head.weight" in h
-    model = load_pretrained(d, dtype=torch.float32, progress=False)
+    model = load_pretrained(d, dtype=torch.float32, progress=False, **OFFICIAL)
     assert model.cfg.n_mtp_layers == 0  # transformers has no MTP
     assert same(model, source[1], mtp=False)
 
@@ -192,7 +199,7 @@ def test_hf_layout_written_by_transformers(ckpts, tmp_path, source):
         hf.save_pretrained(d, save_original_format=original)
         r = inspect_dir(d)
         assert r["ok"] and r["layout"] == "hf", r["problems"][:3]
-        model = load_pretrained(d, dtype=torch.float32, progress=False)
+        model = load_pretrained(d, dtype=torch.float32, progress=False, **OFFICIAL)
         assert same(model, source[1], mtp=False), original
 
 
@@ -233,7 +240,7 @@ def test_keep_quantized_experts_large_batch_path_matches_per_expert_path(ckpts, 
     from dsv4 import ops
     from dsv4.checkpoint import quantized
 
-    model = load_pretrained(ckpts["fp8"], dtype=torch.float32, keep_quantized=True, progress=False)
+    model = load_pretrained(ckpts["fp8"], dtype=torch.float32, keep_quantized=True, progress=False, **W8A16)
     experts = model.layers[1].ffn.experts
     g = torch.Generator().manual_seed(5)
     t, k = 24, model.cfg.n_activated_experts

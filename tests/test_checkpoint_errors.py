@@ -172,7 +172,7 @@ def test_cli_inspect_exit_codes(good, tmp_path, capsys):
 def test_z01_wrong_nibble_order_is_caught(good, source, tmp_path, monkeypatch):
     _, ref = source
     assert torch.equal(
-        logits(load_pretrained(good, dtype=torch.float32, progress=False), tokens())[0], ref[0]
+        logits(load_pretrained(good, dtype=torch.float32, progress=False, quant_mode="w8a16"), tokens())[0], ref[0]
     )
 
     # planted in the file: experts packed "all low nibbles, then all high" instead of interleaved
@@ -185,12 +185,12 @@ def test_z01_wrong_nibble_order_is_caught(good, source, tmp_path, monkeypatch):
 
     d = rewrite(good, tmp_path / "z01", planar_pack)
     assert not torch.equal(
-        logits(load_pretrained(d, dtype=torch.float32, progress=False), tokens())[0], ref[0]
+        logits(load_pretrained(d, dtype=torch.float32, progress=False, quant_mode="w8a16"), tokens())[0], ref[0]
     )
     # planted in the loader's decoder: the nibbles of each byte taken in the wrong order
     monkeypatch.setattr(fp4, "_byte_table", lambda dev: fp4._byte_table_cpu().flip(-1).to(dev))
     assert not torch.equal(
-        logits(load_pretrained(good, dtype=torch.float32, progress=False), tokens())[0], ref[0]
+        logits(load_pretrained(good, dtype=torch.float32, progress=False, quant_mode="w8a16"), tokens())[0], ref[0]
     )
 
 
@@ -205,12 +205,12 @@ def test_z02_value_cast_scales_are_caught(good, source, tmp_path, monkeypatch):
             return {n: t}
 
         d = rewrite(good, tmp_path / "z02", cast)
-        got = logits(load_pretrained(d, dtype=torch.float32, progress=False), tokens())[0]
+        got = logits(load_pretrained(d, dtype=torch.float32, progress=False, quant_mode="w8a16"), tokens())[0]
         assert not torch.equal(got, ref[0])
     # planted in the loader: decoding scale bytes as integers
     monkeypatch.setattr(fp8, "e8m0_decode", lambda b: fm.as_e8m0_bytes(b).float())
     monkeypatch.setattr(fp4, "e8m0_decode", lambda b: fm.as_e8m0_bytes(b).float())
-    got = logits(load_pretrained(good, dtype=torch.float32, progress=False), tokens())[0]
+    got = logits(load_pretrained(good, dtype=torch.float32, progress=False, quant_mode="w8a16"), tokens())[0]
     assert not torch.equal(got, ref[0])
 
 

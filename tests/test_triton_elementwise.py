@@ -163,8 +163,12 @@ def test_round_trip_dispatch_and_refusals(op):
     ops.reset_calls()
     getattr(ops, op)(x, block)                          # default on a device the backend can run on
     assert ops.last_backend(op) == "triton" and ops.calls()[(op, "triton")] == 1
-    with pytest.raises(ValueError, match="not a multiple"):
-        run_op(op, torch.randn(2, block + 2, device=DEV), block)
+    ragged = torch.randn(2, block + 2, device=DEV)
+    if op == "fp4_round_trip":
+        with pytest.raises(ValueError, match="not a multiple"):
+            run_op(op, ragged, block)
+    else:                                               # FP8: the last block of a row holds the rest
+        assert same_bits(run_op(op, ragged, block), getattr(ref, op)(ragged, block))
     odd = torch.randn(2, 48, device=DEV)
     with pytest.raises(ops.BackendUnavailable, match="power of two"):
         run_op(op, odd, 48)                             # explicit request: no silent fallback
@@ -307,8 +311,8 @@ def test_compressor_pool_matches_reference_in_the_model():
 
 @pytest.mark.parametrize("op", sorted(ROUND_TRIPS))
 def test_round_trip_every_scale_exponent(op):
-    """amax / qmax at and just around every power of two the scale can take: the ceil(log2) rounding
-    of the reference (which keeps 2^k for amax / qmax a few ulp above 2^k when |k| is large) is matched."""
+    """amax / qmax at and just around every power of two the scale can take: the exact power-of-two
+    rounding up of amax * fp32(1/qmax) (one ulp above 2^k gives 2^(k+1)) is matched."""
     block, qmax = ROUND_TRIPS[op], QMAX[op]
     lo = -22 if op == "fp8_round_trip" else -126
     k = torch.arange(lo, 120).repeat_interleave(12)
@@ -322,3 +326,34 @@ def test_round_trip_every_scale_exponent(op):
     x[:, 3] = unit * 0.7
     x = x.reshape(-1, 4 * block).to(DEV)
     assert same_bits(run_op(op, x, block), getattr(ref, op)(x, block))
+
+
+# ----------------------------------------------------------------------------- act_quant / amax-scaled round trip
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_act_quant_codes_and_scales_bit_exact(pow2, dtype, poisoned):
+    """E4M3 bytes and fp32 scales of the W8A8 activation quantizer, blocks of 128 with a ragged last block
+    (n = 300), over structured corners (grid midpoints, every scale exponent, zeros, subnormals)."""
+    block = 128
+    rows = structured_blocks("fp8_round_trip", block)
+    rows = rows[torch.isfinite(rows).all(-1)]                          # NaN blocks: bytes are unspecified
+    x = torch.cat([rows, rows.flip(0), rows[:, :44]], -1).to(dtype).to(DEV)   # [r, 300]: 2 full blocks + 44
+    q, s = ops.act_quant(x, block, pow2, backend="triton")
+    wq, ws = ref.act_quant(x, block, pow2)
+    assert ops.last_backend("act_quant") == "triton"
+    assert q.dtype == wq.dtype == torch.float8_e4m3fn and s.shape == ws.shape == (x.size(0), 3)
+    assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
+    assert torch.equal(s, ws)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_round_trip_amax_scales_bit_exact(dtype):
+    """pow2=False (a checkpoint whose scale_fmt is null): scale amax * fp32(1/448) kept as it is, values
+    divided by it (correctly rounded) before rounding to E4M3."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 5, 192, generator=g) * torch.exp2(torch.randint(-20, 20, (6, 5, 1), generator=g).float())
+    x = x.to(dtype).to(DEV)
+    got = ops.fp8_round_trip(x, 64, False, backend="triton")
+    want = ref.fp8_round_trip(x, 64, False)
+    assert same_bits(got, want)
+    assert not same_bits(got, ref.fp8_round_trip(x, 64, True))       # the scale format matters

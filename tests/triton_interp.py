@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-MODULES = ("_mm_utils", "moe", "mhc", "quant_gemm")
+MODULES = ("_mm_utils", "moe", "mhc", "quant_gemm", "w8a8_gemm")
 
 
 def rebuild_kernels(interpret: bool) -> None:
@@ -56,8 +56,10 @@ def interpret_unless_cuda(monkeypatch) -> None:
 
 
 def poison_allocator(monkeypatch, module) -> None:
-    """The backend module's output allocator (`module._alloc`) hands out NaN-filled memory: every element
-    a kernel should write must be written."""
+    """The backend module's output allocator (`module._alloc`) hands out NaN-filled memory (integer outputs:
+    all bits set, the E4M3 NaN byte for FP8 codes): every element a kernel should write must be written."""
     def alloc(*shape, dtype=None, device=None):
-        return torch.full(*shape, float("nan"), dtype=dtype, device=device)
+        dtype = dtype or torch.get_default_dtype()
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
+        return torch.full(*shape, fill, dtype=dtype, device=device)
     monkeypatch.setattr(module, "_alloc", alloc)

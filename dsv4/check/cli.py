@@ -26,6 +26,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="keep the preset's window and compression ratio (default: shrink them to 16 so short "
                         "sequences cross every boundary)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quant-mode", choices=("w8a8", "w8a16"), default=None,
+                   help="with --checkpoint: numerics of the weights it stores as FP8 / FP4, w8a8 (default: the "
+                        "official code's, activations quantized to FP8 per token in blocks of 128) or w8a16")
 
 
 def add_check_parsers(sub) -> None:
@@ -41,7 +44,11 @@ def add_check_parsers(sub) -> None:
                    help="torch.compile backend for --compile (default inductor; aot_eager is fast)")
     mode.add_argument("--checkpoints", help="A,B checkpoint directories")
     mode.add_argument("--quantized", action="store_true",
-                      help="with --checkpoint: A keeps FP8/FP4 weights quantized, B dequantizes them at load")
+                      help="with --checkpoint: A keeps FP8/FP4 weights quantized, B dequantizes them at load "
+                           "(both with --quant-mode)")
+    mode.add_argument("--quant-modes", metavar="A,B",
+                      help="with --checkpoint: A,B numerics of its FP8/FP4 weights, e.g. w8a8,w8a16 (W8A8 = the "
+                           "official code's: FP8 activations; W8A16 = activations in --dtype)")
     mode.add_argument("--perturb", metavar="PARAM[:EPS]",
                       help="A = a copy with one parameter nudged by EPS (default 1e-2) times its RMS")
     mode.add_argument("--external", metavar="MODULE:CALLABLE",
@@ -117,7 +124,7 @@ def _model(args, dtype=torch.float32, **cfg_changes):
     from .compare import build_model
 
     if args.checkpoint:
-        return build_model(checkpoint=args.checkpoint, dtype=dtype)
+        return build_model(checkpoint=args.checkpoint, dtype=dtype, quant_mode=args.quant_mode)
     cfg = _cfg(args)
     if cfg_changes:
         cfg = cfg.replace(**cfg_changes)
@@ -167,11 +174,11 @@ def cmd_compare(args) -> int:
         perturbed,
     )
 
-    modes = [m for m in ("backends", "dtypes", "compile", "checkpoints", "quantized", "perturb", "external",
-                         "plant") if getattr(args, m)]
+    modes = [m for m in ("backends", "dtypes", "compile", "checkpoints", "quantized", "quant_modes", "perturb",
+                         "external", "plant") if getattr(args, m)]
     if len(modes) != 1:
         raise UserError("give exactly one of --backends, --dtypes, --compile, --checkpoints, --quantized, "
-                        f"--perturb, --external, --plant (got {len(modes) or 'none'})")
+                        f"--quant-modes, --perturb, --external, --plant (got {len(modes) or 'none'})")
     mode = modes[0]
     dtype = parse_dtype(args.dtype)
     tol = parse_tolerance(args.tolerance)
@@ -184,12 +191,32 @@ def cmd_compare(args) -> int:
                                                                         b_model)
     elif mode == "checkpoints":
         pa, pb = _pair(args.checkpoints, "--checkpoints")
-        a, b = Side(pa, build_model(checkpoint=pa, dtype=dtype)), Side(pb, build_model(checkpoint=pb, dtype=dtype))
+        qm = args.quant_mode
+        a = Side(pa, build_model(checkpoint=pa, dtype=dtype, quant_mode=qm))
+        b = Side(pb, build_model(checkpoint=pb, dtype=dtype, quant_mode=qm))
     elif mode == "quantized":
         if not args.checkpoint:
             raise UserError("--quantized compares a quantized checkpoint with itself dequantized: give --checkpoint")
-        a = Side("quantized", build_model(checkpoint=args.checkpoint, dtype=dtype, keep_quantized=True))
-        b = Side("dequantized", build_model(checkpoint=args.checkpoint, dtype=dtype))
+        qm = args.quant_mode
+        a = Side("quantized", build_model(checkpoint=args.checkpoint, dtype=dtype, keep_quantized=True, quant_mode=qm))
+        b = Side("dequantized", build_model(checkpoint=args.checkpoint, dtype=dtype, quant_mode=qm))
+        notes.append(f"both sides {a.model.cfg.quant_mode.upper()}")
+    elif mode == "quant_modes":
+        if not args.checkpoint:
+            raise UserError("--quant-modes compares the numerics of a checkpoint's FP8/FP4 weights: give --checkpoint")
+        qa, qb = _pair(args.quant_modes, "--quant-modes")
+        for q in (qa, qb):
+            if q not in ("w8a8", "w8a16"):
+                raise UserError(f"--quant-modes takes w8a8 / w8a16, got '{q}'")
+        a = Side(qa.upper(), build_model(checkpoint=args.checkpoint, dtype=dtype, quant_mode=qa))
+        b = Side(qb.upper(), build_model(checkpoint=args.checkpoint, dtype=dtype, quant_mode=qb))
+        from ..model.quant import quantized_modules
+
+        n = len(quantized_modules(a.model))
+        if n == 0:
+            notes.append("the checkpoint stores no FP8/FP4 weight: both sides compute the same")
+        else:
+            notes.append(f"{n} modules stored FP8/FP4; W8A8 quantizes their input activations, W8A16 does not")
     elif mode == "external":
         no_sim = {"fp8_kv_sim": False, "fp4_indexer_sim": False} if args.external in ("hf", "transformers") else {}
         if args.checkpoint and no_sim:
@@ -198,7 +225,7 @@ def cmd_compare(args) -> int:
 
             try:
                 cfg = load_config(args.checkpoint).replace(**no_sim)
-                model = load_pretrained(args.checkpoint, dtype=torch.float32, config=cfg)
+                model = load_pretrained(args.checkpoint, dtype=torch.float32, config=cfg, quant_mode=args.quant_mode)
             except (CheckpointError, FileNotFoundError) as e:
                 raise UserError(f"cannot load checkpoint '{args.checkpoint}': {e}") from None
         else:

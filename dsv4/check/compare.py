@@ -216,13 +216,16 @@ def compare(a: Side, b: Side, tokens: torch.Tensor, tol: Tolerance | None = None
 
 # ------------------------------------------------------------------------------ building sides
 def build_model(preset: str | None = None, checkpoint: str | None = None, dtype: torch.dtype = torch.float32,
-                seed: int = 0, cfg: ModelConfig | None = None, keep_quantized: bool = False) -> DeepSeekV4:
-    """A model from a checkpoint directory, else a random one (preset or cfg) with a fixed seed."""
+                seed: int = 0, cfg: ModelConfig | None = None, keep_quantized: bool = False,
+                quant_mode: str | None = None) -> DeepSeekV4:
+    """A model from a checkpoint directory (quant_mode: numerics of its FP8 / FP4 weights, default the
+    config's), else a random one (preset or cfg) with a fixed seed."""
     if checkpoint is not None:
         from ..checkpoint import CheckpointError
 
         try:
-            return DeepSeekV4.from_pretrained(checkpoint, dtype=dtype, keep_quantized=keep_quantized)
+            return DeepSeekV4.from_pretrained(checkpoint, dtype=dtype, keep_quantized=keep_quantized,
+                                              quant_mode=quant_mode)
         except (CheckpointError, FileNotFoundError) as e:
             raise UserError(f"cannot load checkpoint '{checkpoint}': {e}") from None
     if cfg is None:

@@ -79,7 +79,8 @@ def detect_layout(names: list[str], by_files: str) -> str:
     return "hf" if any(m in n for n in names for m in HF_MARKERS) else "release"
 
 
-def load_config(path: str | Path) -> ModelConfig:
+def load_config(path: str | Path, overrides: dict | None = None) -> ModelConfig:
+    """The directory's config.json, with `overrides` (ModelConfig fields) applied before validation."""
     cfg_path = Path(path) / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(
@@ -89,7 +90,7 @@ def load_config(path: str | Path) -> ModelConfig:
     from ..config import ConfigError
 
     try:
-        return ModelConfig.from_json(cfg_path)
+        return ModelConfig.from_json(cfg_path, overrides)
     except ConfigError as e:
         raise CheckpointError(f"{cfg_path}: {e}") from None
 

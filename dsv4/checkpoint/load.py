@@ -2,8 +2,14 @@
 
 Steps: read the config; plan (headers only: layout, names, shapes, dtypes, scales - every problem found
 up front); build the model on the target device without random init; stream tensor by tensor into the
-parameters (dequantized to the parameter dtype, or kept quantized); check that every parameter was written.
+parameters (dequantized to the parameter dtype, or kept quantized); check that every parameter was written;
+record which modules were stored FP8 / FP4 and apply the config's quant_mode to them (`dsv4.model.quant`).
 Any error raises and no model is returned.
+
+Semantics by layout: a Hugging Face transformers directory ("hf" layout) computes as transformers does,
+which simulates no quantization-aware training: fp8_kv_sim and fp4_indexer_sim default to off (and
+dimensions those simulations could not block then load). Every other layout gets the official model's
+semantics. Keyword arguments override either.
 """
 
 from __future__ import annotations
@@ -35,17 +41,26 @@ def load_pretrained(
     config: ModelConfig | None = None,
     keep_quantized: bool = False,
     progress: bool | None = None,
+    quant_mode: str | None = None,
+    fp8_kv_sim: bool | None = None,
+    fp4_indexer_sim: bool | None = None,
 ):
     """Load a checkpoint directory (release, inference MP shards or HF transformers) into DeepSeekV4.
 
     dtype: parameter dtype of the weights that are not fp32 by design (norms, mHC, head stay fp32);
     dtype and device default to `dsv4.defaults` (fp32, cpu), as the command line's --dtype / --device.
-    keep_quantized: FP8 linears and FP8/MXFP4 experts stay quantized (per-block dequantization at
-    compute time) instead of being dequantized to `dtype` on load.
+    keep_quantized: FP8 linears and FP8/MXFP4 experts stay quantized (dequantized per block at compute
+    time) instead of being dequantized to `dtype` on load.
+    quant_mode: "w8a8" (the official numerics, the default) or "w8a16" for the weights stored as FP8 /
+    FP4; fp8_kv_sim / fp4_indexer_sim: the QAT simulations. None = the config's value, or for a
+    transformers ("hf" layout) directory transformers' semantics (both simulations off).
     """
     from ..model import DeepSeekV4
+    from ..model.quant import set_quant_mode
 
-    p = plan(path, config, layout)
+    asked = {k: v for k, v in (("quant_mode", quant_mode), ("fp8_kv_sim", fp8_kv_sim),
+                               ("fp4_indexer_sim", fp4_indexer_sim)) if v is not None}
+    p = plan(path, config.replace(**asked) if config is not None and asked else config, layout, overrides=asked)
     for w in p.warnings:
         log.warning(w)
     dtype = dtype or defaults.default_dtype()
@@ -53,6 +68,10 @@ def load_pretrained(
     with _no_init(DeepSeekV4):
         model = DeepSeekV4(p.cfg, dtype=dtype, device=device)
     load_into(model, p, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
+    try:
+        set_quant_mode(model)
+    except ValueError as e:
+        raise CheckpointError(f"{p.root}: {e}") from None
     model.checkpoint_plan = {
         "path": str(p.root),
         "layout": p.layout,
@@ -87,6 +106,7 @@ def load_into(
         )
     written: dict[str, int] = {}
     quant_experts: dict[str, QuantExperts] = {}
+    stored: dict[str, set[str]] = {}  # module -> storage formats of the weights written into it
     for e, v in stream(p, progress):
         if e.parts:  # fused HF experts [E, 2I, D] / [E, D, I]
             prefix = e.name.rsplit(".", 1)[0]
@@ -95,6 +115,7 @@ def load_into(
                 written[f"{prefix}.{w}"] = sd[f"{prefix}.{w}"].size(0)
             continue
         mname, j = to_model(e.name)
+        stored.setdefault(mname.rsplit(".", 1)[0], set()).add(v.fmt)
         target = sd[mname]
         v = Value(v.fmt, v.data.to(target.device), None if v.scale is None else v.scale.to(target.device))
         if keep_quantized and v.fmt in ("fp8", "fp4"):
@@ -125,6 +146,10 @@ def load_into(
     for path, qe in quant_experts.items():
         qe.finish()
         _set_module(model, path, qe)
+    for path, fmts in stored.items():
+        quant = fmts & {"fp8", "fp4"}
+        if quant:
+            model.get_submodule(path).stored_format = fmts.pop() if len(fmts) == 1 else "mixed"
     for name, t in sd.items():
         need = t.size(0) if name.endswith(("experts.w1", "experts.w2", "experts.w3")) and t.dim() == 3 else 1
         if written.get(name, 0) != need:

@@ -1,13 +1,15 @@
 """Modules that keep checkpoint weights quantized and dequantize per block when computing.
 
-A plain-torch reference for keep-quantized loading (fast kernels plug in later):
-- `QuantLinear` replaces an `nn.Linear` whose checkpoint weight is FP8 (128x128 E8M0/fp32 scales).
-  `forward` dequantizes on the fly; `.weight` gives the dequantized weight, so code that reads the
-  weight directly keeps working.
-- `QuantExperts` replaces the stacked routed experts of a layer stored as MXFP4 or FP8. Small batches
-  (decode) dequantize only the experts they route to, one at a time; from `GROUPED_MIN_TOKENS` tokens on
-  (prefill) the experts are dequantized a chunk at a time into a bounded scratch and each chunk runs
-  through `ops.moe_experts` (the grouped-GEMM backends on a GPU): static shapes, no host sync.
+Both compute through `dsv4.ops` (fast backends where they can run, every call recorded):
+- `QuantLinear` replaces an `nn.Linear` whose checkpoint weight is FP8 (128x128 E8M0/fp32 scales) or
+  MXFP4. W8A8 (`act_format` set, the default): `ops.act_quant` then `ops.fp8_gemm` / `ops.fp4_gemm`, the
+  official numerics; W8A16: `ops.fp8_linear` / `ops.fp4_linear` (the weight dequantized to the activation
+  dtype). `.weight` gives the dequantized weight, so code that reads the weight directly keeps working
+  (the grouped output projection `wo_a`, which the official model also computes in bf16).
+- `QuantExperts` replaces the stacked routed experts of a layer stored as MXFP4 or FP8. W8A8: one
+  `ops.quantized_moe_experts` call. W8A16: small batches (decode) dequantize only the experts they route
+  to, one at a time; from `GROUPED_MIN_TOKENS` tokens on (prefill) the experts are dequantized a chunk at
+  a time into a bounded scratch and each chunk runs through `ops.moe_experts`: static shapes, no host sync.
 Stored bytes are kept bit for bit (`weight_q`, `scale` buffers).
 """
 
@@ -18,6 +20,7 @@ from torch import nn
 
 from .. import formats as fm
 from .. import ops
+from ..ops.reference import ACT_BLOCK, act_pow2
 from .reader import Value
 
 
@@ -36,7 +39,9 @@ def _raw_scale(s: torch.Tensor) -> torch.Tensor:
 
 
 class QuantLinear(nn.Module):
-    """y = x @ dequant(weight_q, scale)^T, dequantized per call in the compute dtype."""
+    """y = x @ dequant(weight_q, scale)^T: W8A8 (act_format "ue8m0" / "fp32") or W8A16 (act_format None)."""
+
+    act_format: str | None = None
 
     def __init__(self, value: Value, compute_dtype: torch.dtype, device: torch.device | str | None = None):
         super().__init__()
@@ -53,10 +58,14 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # through the ops dispatch: a fast backend dequantizes inside its GEMM, and the call is recorded
+        if self.act_format is not None:
+            q, s = ops.act_quant(x, ACT_BLOCK, act_pow2(self.act_format))
+            return ops.call("fp8_gemm" if self.fmt == "fp8" else "fp4_gemm", q, s, self.weight_q, self.scale,
+                            x.dtype)
         return ops.call("fp8_linear" if self.fmt == "fp8" else "fp4_linear", x, self.weight_q, self.scale)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, {self.fmt}"
+        return f"in={self.in_features}, out={self.out_features}, {self.fmt}, act={self.act_format}"
 
 
 GROUPED_MIN_TOKENS = 1024          # from this many tokens, experts run chunk by chunk through ops.moe_experts
@@ -65,6 +74,8 @@ CHUNK_BYTES = 256 << 20            # dequantized scratch per chunk (w1 + w2 + w3
 
 class QuantExperts(nn.Module):
     """Stacked routed experts kept quantized: w{1,2,3}_q [E, o, i or i/2] + scales."""
+
+    act_format: str | None = None
 
     def __init__(self, template: nn.Module, fmt: str, compute_dtype: torch.dtype):
         super().__init__()
@@ -114,6 +125,10 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> fp32 [T, dim]: the routed experts' weighted sum."""
+        if self.act_format is not None:
+            return ops.quantized_moe_experts(x, weights, indices, self.w1_q, self.w1_scale, self.w2_q,
+                                             self.w2_scale, self.w3_q, self.w3_scale, self.swiglu_limit,
+                                             self.offset, self.fmt, self.act_format)
         if x.size(0) >= GROUPED_MIN_TOKENS:
             return self._chunked(x, weights, indices)
         return self._per_expert(x, weights, indices)

@@ -142,8 +142,16 @@ def scan(path: str | Path) -> tuple[str, list[Path], int, dict[Path, dict[str, T
     return detect_layout(names, by_files), files, mp, headers
 
 
-def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = None) -> Plan:
-    """Validate a checkpoint directory against cfg from its headers alone; raise CheckpointError."""
+# what a layout's config means unless asked otherwise: transformers simulates no QAT
+LAYOUT_SEMANTICS = {"hf": {"fp8_kv_sim": False, "fp4_indexer_sim": False}}
+
+
+def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = None,
+         overrides: dict | None = None) -> Plan:
+    """Validate a checkpoint directory against cfg from its headers alone; raise CheckpointError.
+
+    Without cfg, the directory's config.json is read with the layout's semantics (`LAYOUT_SEMANTICS`) and
+    then `overrides` applied, before validation."""
     root = Path(path)
     found, files, mp, headers = scan(root)
     if layout is not None and layout != found:
@@ -151,7 +159,7 @@ def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = 
             raise CheckpointError(f"{root}: --layout {layout} given, but the files are a {found} checkpoint")
         found = layout
     layout = found
-    cfg = cfg or load_config(root)
+    cfg = cfg or load_config(root, {**LAYOUT_SEMANTICS.get(layout, {}), **(overrides or {})})
     probs = Problems()
     weights: dict[str, list[Piece]] = {}
     scales: dict[str, list[Piece]] = {}

@@ -32,6 +32,7 @@ class Compressor(nn.Module):
         self.overlap = ratio == 4
         self.coff = 2 if self.overlap else 1
         self.fp8_sim, self.fp4_sim = cfg.fp8_kv_sim, cfg.fp4_indexer_sim
+        self.kv_pow2 = cfg.kv_scale_pow2
         self.rope_dim = cfg.rope_head_dim
         # computed in fp32: parameters are fp32
         self.ape = nn.Parameter(torch.zeros(ratio, self.coff * head_dim, dtype=torch.float32))
@@ -65,15 +66,16 @@ class Compressor(nn.Module):
         return ops.compress_pool(kv, score)
 
     def finish(self, pooled: torch.Tensor, entry_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Norm, rope at j*r for entry j, then (indexer) Hadamard + FP4 round trip or (attention) FP8."""
+        """Norm, rope at j*r for entry j, then (indexer, FP4 simulation) Hadamard + FP4 round trip or
+        (attention) FP8. Without the FP4 round trip the rotation is skipped: orthogonal, it leaves every
+        indexer score unchanged."""
         entries = self.norm(pooled.to(dtype))
         entries = apply_rope_tail(entries, self.rope, entry_ids * self.ratio)
         if self.rotate:
-            entries = ops.hadamard(entries)
             if self.fp4_sim:
-                entries = ops.fp4_round_trip(entries, 32)
+                entries = ops.fp4_round_trip(ops.hadamard(entries), 32)
         elif self.fp8_sim:
-            entries = torch.cat([ops.fp8_round_trip(entries[..., : -self.rope_dim], 64),
+            entries = torch.cat([ops.fp8_round_trip(entries[..., : -self.rope_dim], 64, self.kv_pow2),
                                  entries[..., -self.rope_dim:]], -1)
         return entries
 
@@ -140,11 +142,11 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, self.ratio, self.head_dim, rope, rotate=True)
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> q [b, s, H, D] (rotated, FP4-simulated), head weights [b, s, H]."""
+        """-> q [b, s, H, D] (rotated and FP4-simulated, or neither), head weights [b, s, H]."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = ops.hadamard(apply_rope_tail(q, self.rope, positions))
+        q = apply_rope_tail(q, self.rope, positions)
         if self.fp4_sim:
-            q = ops.fp4_round_trip(q, 32)
+            q = ops.fp4_round_trip(ops.hadamard(q), 32)
         weights = self.weights_proj(x).float() * self.weight_scale
         return q, weights
 
@@ -182,7 +184,8 @@ class Attention(nn.Module):
         q = apply_rope_tail(q, self.rope, positions)                                    # [b, s, h, d]
         kv = apply_rope_tail(self.kv_norm(self.wkv(x)), self.rope, positions)           # [b, s, d]
         if self.cfg.fp8_kv_sim:
-            kv = torch.cat([ops.fp8_round_trip(kv[..., : -self.rope_dim], 64), kv[..., -self.rope_dim:]], -1)
+            kv = torch.cat([ops.fp8_round_trip(kv[..., : -self.rope_dim], 64, self.cfg.kv_scale_pow2),
+                            kv[..., -self.rope_dim:]], -1)
         return qr, record_as(f"{self.stage}.q", q, shape), record_as(f"{self.stage}.kv", kv, shape)
 
     def _output(self, o: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int] | None = None) -> torch.Tensor:

@@ -33,12 +33,21 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias whose matmul follows the reference's accumulation precision."""
+    """nn.Linear without bias whose matmul follows the reference's accumulation precision.
+
+    `act_format` (set by the checkpoint loader for a weight stored as FP8 / FP4, see `dsv4.model.quant`):
+    None, or W8A8 - the input goes through the FP8 round trip per token in blocks of 128 ("ue8m0":
+    power-of-two scales, "fp32": amax/448) before the matmul with the exact dequantized weight.
+    """
+
+    act_format: str | None = None
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_format is not None:
+            x = ops.fp8_round_trip(x, reference.ACT_BLOCK, reference.act_pow2(self.act_format))
         return reference.linear(x, self.weight)
 
 

@@ -60,7 +60,13 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts of one layer, stacked: w1, w3 [E, inter, dim]; w2 [E, dim, inter]."""
+    """The routed experts of one layer, stacked: w1, w3 [E, inter, dim]; w2 [E, dim, inter].
+
+    `act_format` (set by the checkpoint loader when the experts were stored as FP8 / FP4 and dequantized
+    at load): W8A8, the input of every projection is quantized as `ops.moe_experts(act=...)` describes.
+    """
+
+    act_format: str | None = None
 
     def __init__(self, cfg: ModelConfig, n_experts: int | None = None, offset: int = 0):
         super().__init__()
@@ -76,11 +82,16 @@ class Experts(nn.Module):
         low = autocast_dtype(x.device.type)
         if low is not None:             # mixed precision: the grouped GEMMs take bf16 operands, as autocast would
             x, w1, w2, w3 = (t.to(low) for t in (x, w1, w2, w3))
+        if self.act_format is not None:
+            return ops.moe_experts(x, weights, indices, w1, w2, w3, self.swiglu_limit, self.offset,
+                                   act=self.act_format)
         return ops.moe_experts(x, weights, indices, w1, w2, w3, self.swiglu_limit, self.offset)
 
 
 class Expert(nn.Module):
-    """One dense clamped-SwiGLU expert (the shared expert)."""
+    """One dense clamped-SwiGLU expert (the shared expert). Each projection is its module's forward, so a
+    weight stored as FP8 / FP4 computes with its own numerics (W8A8 or W8A16, dequantized or kept
+    quantized)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -90,7 +101,8 @@ class Expert(nn.Module):
         self.w3 = Linear(cfg.dim, cfg.moe_inter_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.reference.expert_ffn(x, self.w1.weight, self.w2.weight, self.w3.weight, self.swiglu_limit)
+        proj = {1: self.w1, 2: self.w2, 3: self.w3}
+        return ops.reference.swiglu_ffn(x, lambda t, i: proj[i](t), self.swiglu_limit, None)
 
 
 class MoE(nn.Module):

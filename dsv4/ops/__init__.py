@@ -183,6 +183,10 @@ linear_fp32 = _make("linear_fp32")
 rms_norm = _make("rms_norm")
 rope_tail = _make("rope_tail")
 moe_experts = _make("moe_experts")
+act_quant = _make("act_quant")
+fp8_gemm = _make("fp8_gemm")
+fp4_gemm = _make("fp4_gemm")
+quantized_moe_experts = _make("quantized_moe_experts")
 
 
 def _load_optional_backends() -> None:
@@ -211,6 +215,6 @@ __all__ = [
     "use_backend", "set_deterministic", "is_deterministic", "resolve", "call",
     "sparse_attention", "indexer_scores", "indexer_topk", "hc_split_sinkhorn", "hc_pre", "hc_post",
     "hc_head", "compress_pool", "fp8_round_trip", "fp4_round_trip", "hadamard", "rms_norm", "rope_tail",
-    "moe_experts",
+    "moe_experts", "act_quant", "fp8_gemm", "fp4_gemm", "quantized_moe_experts",
     "fp8_linear", "fp4_linear",
 ]

@@ -7,10 +7,12 @@ Written for clarity, not speed. Every function here is differentiable where the 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from .. import formats as fm
 from .precision import acc_dtype
 
 FP8_E4M3_MAX = 448.0
@@ -19,10 +21,58 @@ FP4_E2M1_MAX = 6.0
 FP4_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-# ----------------------------------------------------------------------------- quantization round trips
+# ----------------------------------------------------------------------------- activation quantization
+ACT_BLOCK = 128   # activations feeding an FP8 / FP4 weight are quantized per token in blocks of 128
+
+
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
-    """Smallest power of two >= x (x > 0): the UE8M0 scale rounding."""
-    return torch.exp2(torch.ceil(torch.log2(x)))
+    """Smallest power of two >= x for fp32 x > 0, exactly (from the bit fields: exponent + 1 when any
+    mantissa bit is set): the UE8M0 scale rounding. NaN and inf pass through."""
+    xf = x.float().contiguous()
+    bits = xf.view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    e = exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return torch.where(torch.isfinite(xf), (e << 23).view(torch.float32), xf)
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., n] -> fp32 [..., ceil(n/block), block], the last block zero-padded when n is ragged."""
+    n = x.size(-1)
+    nb = -(-n // block)
+    xf = x.detach().float()
+    if nb * block != n:
+        xf = F.pad(xf, (0, nb * block - n))
+    return xf.unflatten(-1, (nb, block))
+
+
+def _block_scale(amax: torch.Tensor, qmax: float, pow2: bool) -> torch.Tensor:
+    """amax times the fp32 reciprocal of qmax (as the official kernels compute it), rounded up to a power
+    of two when pow2 (UE8M0 scales)."""
+    s = amax * (1.0 / qmax)
+    return pow2_ceil(s) if pow2 else s
+
+
+def act_quant(x: torch.Tensor, block: int = ACT_BLOCK, pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 quantization of the last dim in blocks (per token): the official `act_quant`.
+
+    For each block: amax = max(|x|, 1e-4), scale s = amax * fp32(1/448), rounded up to a power of two
+    when pow2 (UE8M0, `scale_fmt == "ue8m0"`), else kept as that fp32 value; q = E4M3(clamp(x / s, +-448))
+    rounded to nearest, ties to even. When n is not a multiple of block the last block holds the rest.
+    x [..., n] any float dtype -> (q [..., n] float8_e4m3fn (uint8 bytes where torch lacks the dtype),
+    s [..., ceil(n/block)] fp32). x is read as its value: no gradient.
+    """
+    n = x.size(-1)
+    xb = _blocks(x, block)                                                 # [..., nb, block]
+    amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+    s = _block_scale(amax, FP8_E4M3_MAX, pow2)                             # [..., nb, 1]
+    codes = fm.e4m3_encode((xb / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+    return fm.fp8_from_bytes(codes.flatten(-2)[..., :n]), s.squeeze(-1)
+
+
+def act_dequant(q: torch.Tensor, s: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tensor:
+    """(q [..., n] E4M3, s [..., ceil(n/block)]) -> fp32 [..., n]: each code times its block's scale."""
+    n = q.size(-1)
+    return (fm.e4m3_decode(q) * s.float().repeat_interleave(block, -1)[..., :n])
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -35,10 +85,6 @@ class _StraightThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
-
-
-def _round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
-    return v.to(torch.float8_e4m3fn).float()
 
 
 @functools.cache   # constants a captured CUDA graph may hold: never evicted
@@ -57,23 +103,22 @@ def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
     return torch.copysign(grid[code], v)
 
 
-def fp8_round_trip(x: torch.Tensor, block: int = 64) -> torch.Tensor:
-    """FP8 E4M3 quantize -> dequantize along the last dim in blocks, power-of-two (UE8M0) scales.
+def fp8_round_trip(x: torch.Tensor, block: int = 64, pow2: bool = True) -> torch.Tensor:
+    """FP8 E4M3 quantize -> dequantize along the last dim in blocks: `act_dequant(act_quant(x))` in x's dtype
+    (the official `act_quant(..., inplace=True)`).
 
-    Simulates the FP8 storage the model was trained with (QAT). Gradient: straight-through.
+    Used for the FP8 storage the KV was trained with (QAT, block 64) and for the activations of W8A8
+    linears whose weights were dequantized at load (block 128). pow2: power-of-two (UE8M0) scales
+    (`scale_fmt == "ue8m0"`), else amax/448 fp32 scales. A ragged last block holds the rest of the dim.
+    Gradient: straight-through.
     """
-    n = x.size(-1)
-    if n % block:
-        raise ValueError(f"fp8_round_trip: last dim {n} is not a multiple of block {block}")
-    xb = x.detach().float().unflatten(-1, (n // block, block))         # [..., nb, block]
-    amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
-    scale = pow2_ceil(amax / FP8_E4M3_MAX)
-    q = _round_to_e4m3((xb / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)) * scale
-    return _StraightThrough.apply(x, q.flatten(-2).to(x.dtype))
+    q, s = act_quant(x, block, pow2)
+    return _StraightThrough.apply(x, act_dequant(q, s, block).to(x.dtype))
 
 
 def fp4_round_trip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """MXFP4 (E2M1) quantize -> dequantize along the last dim in blocks, power-of-two scales.
+    """MXFP4 (E2M1) quantize -> dequantize along the last dim in blocks, power-of-two scales
+    (amax * fp32(1/6), rounded up).
 
     Used by the Lightning Indexer's QAT simulation. Gradient: straight-through.
     """
@@ -82,9 +127,33 @@ def fp4_round_trip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
         raise ValueError(f"fp4_round_trip: last dim {n} is not a multiple of block {block}")
     xb = x.detach().float().unflatten(-1, (n // block, block))
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(FP4_E2M1_MAX * 2.0**-126)
-    scale = pow2_ceil(amax / FP4_E2M1_MAX)
+    scale = _block_scale(amax, FP4_E2M1_MAX, True)
     q = round_to_e2m1((xb / scale).clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX)) * scale
     return _StraightThrough.apply(x, q.flatten(-2).to(x.dtype))
+
+
+# ----------------------------------------------------------------------------- W8A8 GEMMs
+def fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """FP8 activations x FP8 weight (the official `fp8_gemm`): y[..., N] = sum over k of
+    act_dequant(q, s)[..., k] * dequant(weight)[N, k], in fp32 (float64 under exact accumulation),
+    returned in out_dtype.
+
+    q [..., K] E4M3 with s [..., ceil(K/128)] fp32 (from `act_quant`); weight [N, K] E4M3 with 128x128
+    block scales [ceil(N/128), ceil(K/128)] (E8M0 bytes or fp32). Not differentiable.
+    """
+    a = act_dequant(q, s, ACT_BLOCK)
+    w = fm.dequantize_fp8(weight, scale, torch.float32)
+    return linear(a, w).to(out_dtype)
+
+
+def fp4_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """FP8 activations x MXFP4 weight (the official `fp4_gemm`): as `fp8_gemm` with weight [N, K/2] packed
+    E2M1 (low nibble = element 2i) and one E8M0 scale per 32 elements of a row [N, K/32]."""
+    a = act_dequant(q, s, ACT_BLOCK)
+    w = fm.dequantize_mxfp4(weight, scale, torch.float32)
+    return linear(a, w).to(out_dtype)
 
 
 @functools.cache   # constants a captured CUDA graph may hold: never evicted
@@ -293,35 +362,95 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float,
-               weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Clamped SwiGLU: gate = w1 x, up = w3 x in fp32, clamp, silu(gate) * up (* routing weight), w2."""
-    gate = linear(x, w1).float()
-    up = linear(x, w3).float()
+ACT_FORMATS = (None, "ue8m0", "fp32")
+
+
+def act_pow2(act: str | None) -> bool:
+    """The activation quantization of W8A8 by name: "ue8m0" = power-of-two scales, "fp32" = amax/448."""
+    if act not in ACT_FORMATS or act is None:
+        raise ValueError(f"activation quantization must be 'ue8m0' or 'fp32', got {act!r}")
+    return act == "ue8m0"
+
+
+def swiglu_ffn(x: torch.Tensor, project: Callable[[torch.Tensor, int], torch.Tensor], swiglu_limit: float,
+            weight: torch.Tensor | None) -> torch.Tensor:
+    """Clamped SwiGLU around three projections: project(t, i) = t @ W_i^T in t's dtype (i = 1, 2, 3)."""
+    gate = project(x, 1).float()
+    up = project(x, 3).float()
     if swiglu_limit > 0:
         up = up.clamp(-swiglu_limit, swiglu_limit)
         gate = gate.clamp(max=swiglu_limit)
     h = F.silu(gate) * up
     if weight is not None:
         h = h * weight
-    return linear(h.to(x.dtype), w2)
+    return project(h.to(x.dtype), 2)
+
+
+def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float,
+               weight: torch.Tensor | None = None,
+               quant: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Clamped SwiGLU: gate = w1 x, up = w3 x in fp32, clamp, silu(gate) * up (* routing weight), rounded to
+    x's dtype, w2. quant: applied to the input of every projection (W8A8: the FP8 round trip of the
+    activations, after the routing weight and the rounding), None = the activations as they are."""
+    ws = {1: w1, 2: w2, 3: w3}
+
+    def project(t: torch.Tensor, i: int) -> torch.Tensor:
+        return linear(t if quant is None else quant(t), ws[i])
+
+    return swiglu_ffn(x, project, swiglu_limit, weight)
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
-                w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float, expert_offset: int = 0) -> torch.Tensor:
+                w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float, expert_offset: int = 0,
+                act: str | None = None) -> torch.Tensor:
     """Routed experts: y[t] = sum_k weights[t, k] * expert_{indices[t, k]}(x[t]) over the local experts.
 
     x [T, D]; weights [T, k] fp32; indices [T, k] global expert ids; w1, w3 [E, I, D], w2 [E, D, I] hold
     experts expert_offset .. expert_offset+E-1 (ids outside that range belong to other ranks and are
-    skipped). Returns [T, D] fp32.
+    skipped). act: None, or "ue8m0" / "fp32": W8A8, the input of every projection goes through
+    `fp8_round_trip` in blocks of ACT_BLOCK with those scales (the weights hold dequantized FP8/FP4
+    values). Returns [T, D] fp32.
     """
+    quant = None
+    if act is not None:
+        quant = functools.partial(fp8_round_trip, block=ACT_BLOCK, pow2=act_pow2(act))
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     local = indices - expert_offset
     for e in range(w1.size(0)):
         tok, slot = torch.where(local == e)
         if tok.numel() == 0:
             continue
-        out = expert_ffn(x[tok], w1[e], w2[e], w3[e], swiglu_limit, weights[tok, slot].unsqueeze(-1))
+        out = expert_ffn(x[tok], w1[e], w2[e], w3[e], swiglu_limit, weights[tok, slot].unsqueeze(-1), quant)
         y = y.index_add(0, tok, out.float())
     return y
 
+
+def quantized_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
+                          s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, w3: torch.Tensor,
+                          s3: torch.Tensor, swiglu_limit: float, expert_offset: int = 0, fmt: str = "fp8",
+                          act: str = "ue8m0") -> torch.Tensor:
+    """Routed experts on weights kept quantized, with W8A8 numerics (the official MoE on an FP8 / FP4
+    checkpoint): the input of every projection is quantized by `act_quant` (blocks of ACT_BLOCK, act =
+    "ue8m0" or "fp32" scales) and multiplied by `fp8_gemm` (fmt "fp8": w [E, O, I] E4M3 + s [E, ceil(O/128),
+    ceil(I/128)]) or `fp4_gemm` (fmt "fp4": w [E, O, I/2] packed E2M1 + s [E, O, I/32] E8M0), each projection
+    returned in x's dtype. Otherwise as `moe_experts`; returns [T, D] fp32. Not differentiable.
+    """
+    if fmt not in ("fp8", "fp4"):
+        raise ValueError(f"quantized experts are 'fp8' or 'fp4', got {fmt!r}")
+    gemm = fp8_gemm if fmt == "fp8" else fp4_gemm
+    pow2 = act_pow2(act)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    local = indices - expert_offset
+    for e in range(w1.size(0)):
+        tok, slot = torch.where(local == e)
+        if tok.numel() == 0:
+            continue
+        wq = {1: (w1[e], s1[e]), 2: (w2[e], s2[e]), 3: (w3[e], s3[e])}
+
+        def project(t: torch.Tensor, i: int, wq=wq) -> torch.Tensor:
+            q, s = act_quant(t, ACT_BLOCK, pow2)
+            return gemm(q, s, *wq[i], t.dtype)
+
+        out = swiglu_ffn(x[tok], project, swiglu_limit, weights[tok, slot].unsqueeze(-1))
+        y = y.index_add(0, tok, out.float())
+    return y

@@ -105,6 +105,17 @@ def combine_rows(out: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
     return _CombineRows.apply(out, plan.token, plan.order, plan.topk)
 
 
+def act_round_trip(t: torch.Tensor, act: str | None) -> torch.Tensor:
+    """W8A8 on dequantized weights: the FP8 round trip of a projection's input (dispatched, so the fast
+    backend runs where there is one), or t itself when act is None."""
+    if act is None:
+        return t
+    from . import fp8_round_trip
+    from .reference import ACT_BLOCK, act_pow2
+
+    return fp8_round_trip(t, ACT_BLOCK, act_pow2(act))
+
+
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 (limit 0 = no clamp)."""
     gate, up = gate.float(), up.float()
@@ -115,7 +126,7 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 # ----------------------------------------------------------------------------- grouped backend
-def _grouped_can_run(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0) -> str | None:
+def _grouped_can_run(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0, act=None) -> str | None:
     if not hasattr(torch, "_grouped_mm"):
         return "this torch has no torch._grouped_mm"
     if x.dim() != 2 or w1.dim() != 3:
@@ -151,15 +162,15 @@ def _plan(weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_off
 
 def grouped_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
                         w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float,
-                        expert_offset: int = 0) -> torch.Tensor:
+                        expert_offset: int = 0, act: str | None = None) -> torch.Tensor:
     """`moe_experts` with one `torch._grouped_mm` per projection over all local experts."""
     plan = _plan(weights, indices, w1.size(0), expert_offset)
-    xs = gather_rows(x, plan)                                                    # [M, D]
+    xs = gather_rows(act_round_trip(x, act), plan)                               # [M, D]
     # rows past the last group are not computed: mask them before anything reads them (also in backward)
     gate = mask_rows(torch._grouped_mm(xs, w1.transpose(1, 2), offs=plan.ends), plan)   # [M, I]
     up = mask_rows(torch._grouped_mm(xs, w3.transpose(1, 2), offs=plan.ends), plan)     # [M, I]
     h = mask_rows(clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1), plan).to(x.dtype)
-    out = torch._grouped_mm(h, w2.transpose(1, 2), offs=plan.ends)               # [M, D]
+    out = torch._grouped_mm(act_round_trip(h, act), w2.transpose(1, 2), offs=plan.ends)   # [M, D]
     return combine_rows(out, plan)
 
 

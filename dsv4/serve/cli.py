@@ -17,6 +17,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                    help="weights and activations (default: bf16 on cuda, fp32 on cpu)")
     g.add_argument("--keep-quantized", action="store_true", help="keep FP8/FP4 weights quantized in memory")
+    from ..cli import add_quant_mode_arg
+
+    add_quant_mode_arg(g)
     g.add_argument("--max-num-seqs", type=int, default=32, help="sequences running at once (default 32)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context per sequence, prompt + output (default: the model's, at most 8192)")

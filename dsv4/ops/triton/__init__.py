@@ -11,7 +11,7 @@ import importlib
 
 import triton  # noqa: F401  (ImportError here means: no triton backend; dsv4.ops then has none registered)
 
-_MODULES = ("sparse_attention", "indexer", "moe", "mhc", "quant_gemm", "elementwise", "rownorm_rope")
+_MODULES = ("sparse_attention", "indexer", "moe", "mhc", "quant_gemm", "w8a8_gemm", "elementwise", "rownorm_rope")
 
 for _name in _MODULES:
     try:

@@ -1,13 +1,14 @@
 """Row-local ops of the attention path (backends "triton"): `fp8_round_trip`, `fp4_round_trip`,
 `hadamard`, `compress_pool`. Each call is one kernel launch (backward: one more), with no host sync.
 
-Round trips: one program quantizes BM blocks of one row-major [rows, n] view (a row stride is passed, so
-the model's `kv[..., :-64]` slice is read in place). They are bit-identical to the reference: the scale
-is `2^ceil(log2(amax / qmax))` computed with the same correctly rounded division and the same `log2f`
-(libdevice, without FTZ, when compiled; numpy's under the interpreter, which rounds like torch's CPU
-kernel), the dequantized value is rounded to the E4M3 / E2M1 grid with exact integer-step arithmetic
-(round to nearest, ties to even: the reference's "even code" rule), and the sign of zero is kept. A block
-holding a NaN or an infinity becomes all NaN, as in the reference (there `0 * inf` appears).
+Round trips and `act_quant`: one program quantizes BM blocks of one row-major [rows, n] view (a row stride
+is passed, so the model's `kv[..., :-64]` slice is read in place; a ragged last block of a row is masked).
+They are bit-identical to the reference: the scale is `amax * fp32(1/qmax)`, rounded up to a power of two
+from its bit fields (or kept as it is: FP8 with amax/448 scales, then a correctly rounded division), the
+value is rounded to the E4M3 / E2M1 grid with exact integer-step arithmetic (round to nearest, ties to
+even: the reference's "even code" rule), and the sign of zero is kept. `act_quant` writes the E4M3 bytes
+assembled from the same integers. A block holding a NaN or an infinity becomes all NaN, as in the
+reference's round trip (there `0 * inf` appears).
 
 `hadamard`: an in-register fast Walsh-Hadamard transform (log2 n butterfly stages) of BR rows, then the
 same fp32 factor `n^-0.5`; summation order differs from a matmul, so results agree with the reference to
@@ -44,17 +45,19 @@ _alloc = torch.empty
 
 
 # ----------------------------------------------------------------------------- kernels
-def _round_trip_kernel(x_ptr, out_ptr, G, nb, stride_x, stride_o, amax_floor, qmax,
+def _round_trip_kernel(x_ptr, out_ptr, s_ptr, G, nb, n, stride_x, stride_o, stride_s, amax_floor, qmax, inv_qmax,
                        BLOCK: tl.constexpr, BM: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-                       INTERP: tl.constexpr):
-    """Quantize -> dequantize BM blocks of BLOCK consecutive elements; block g is (row g // nb, g % nb)."""
+                       POW2: tl.constexpr, CODES: tl.constexpr, RNE_BF16: tl.constexpr):
+    """Quantize BM blocks of BLOCK consecutive elements (the last block of a row may be ragged: n is the row
+    length); block g is (row g // nb, g % nb). CODES: store the E4M3 bytes and the fp32 block scales
+    (`act_quant`), else the dequantized values in out's dtype (the round trip)."""
     pid = tl.program_id(0)
     g = pid * BM + tl.arange(0, BM)                                         # [BM] block ids
     gmask = g < G
     row = (g // nb).to(tl.int64)
     col = (g % nb) * BLOCK
     offs = tl.arange(0, BLOCK)
-    m2 = gmask[:, None]
+    m2 = gmask[:, None] & ((col[:, None] + offs[None, :]) < n)
     x = tl.load(x_ptr + row[:, None] * stride_x + col[:, None] + offs[None, :], mask=m2,
                 other=0.0).to(tl.float32)                                   # [BM, BLOCK]
     ax = tl.abs(x)
@@ -62,16 +65,18 @@ def _round_trip_kernel(x_ptr, out_ptr, G, nb, stride_x, stride_o, amax_floor, qm
     # a NaN or an infinity makes the reference's whole block NaN (amax / scale become NaN or inf)
     bad = tl.min(finite.to(tl.int32), axis=1) == 0
     amax = tl.maximum(tl.max(tl.where(finite, ax, 0.0), axis=1), amax_floor)  # [BM]
-    y = tl.math.div_rn(amax, qmax)
-    if INTERP:
-        lg = tl.log2(y)
+    y = amax * inv_qmax                                                    # fp32, as the reference
+    if POW2:
+        # 2^ceil(log2 y) from the bit fields: exponent + 1 when any mantissa bit is set
+        yb = y.to(tl.int32, bitcast=True)
+        c = ((yb >> 23) & 0xFF) + ((yb & 0x7FFFFF) != 0).to(tl.int32) - 127
+        c = tl.minimum(tl.maximum(c, -126), 126)                           # finite blocks: inside
+        scale = ((c + 127) << 23).to(tl.float32, bitcast=True)             # 2^c
+        inv = ((127 - c) << 23).to(tl.float32, bitcast=True)               # 2^-c (c <= 126 here)
+        v = x * inv[:, None]                                               # exact: power-of-two scaling
     else:
-        lg = libdevice.log2(y)
-    c = tl.ceil(lg).to(tl.int32)
-    c = tl.minimum(tl.maximum(c, -126), 126)                               # finite blocks: inside
-    scale = ((c + 127) << 23).to(tl.float32, bitcast=True)                 # 2^c
-    inv = ((127 - c) << 23).to(tl.float32, bitcast=True)                   # 2^-c (c <= 126 here)
-    v = x * inv[:, None]                                                   # exact: power-of-two scaling
+        scale = y
+        v = tl.math.div_rn(x, scale[:, None])                              # correctly rounded, as torch
     a = tl.minimum(tl.abs(v), qmax)
     # round |v| to the grid: MBITS mantissa bits above 2^EMIN, a fixed step 2^(EMIN-MBITS) below
     e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
@@ -82,11 +87,28 @@ def _round_trip_kernel(x_ptr, out_ptr, G, nb, stride_x, stride_o, amax_floor, qm
     r = (t + 8388608.0) - 8388608.0                                        # round to integer, ties to even
     qa = r * step
     sign = x.to(tl.int32, bitcast=True) & -2147483648                      # 0x80000000
-    q = (qa.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    out = q * scale[:, None]
-    out = tl.where(bad[:, None], float("nan"), out)
-    tl.store(out_ptr + row[:, None] * stride_o + col[:, None] + offs[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m2)
+    if CODES:
+        # E4M3 byte of qa: normal (qa >= 2^-6) exponent field E + 7 and the top 3 mantissa bits, else the
+        # subnormal step count qa / 2^-9 (the same integer r when e == EMIN)
+        qb = qa.to(tl.int32, bitcast=True)
+        ef = ((qb >> 23) & 0xFF) - 127 + 7
+        normal = (ef > 0) & (qa > 0.0)
+        mag = tl.where(normal, (ef << 3) | ((qb >> 20) & 7), r.to(tl.int32))
+        code = mag | ((sign >> 24) & 0x80)
+        code = tl.where(bad[:, None], 0x7F, code)                          # the NaN byte
+        tl.store(out_ptr + row[:, None] * stride_o + col[:, None] + offs[None, :], code.to(tl.uint8), mask=m2)
+        sc = tl.where(bad, float("nan"), scale)
+        tl.store(s_ptr + row * stride_s + (g % nb), sc, mask=gmask)
+    else:
+        q = (qa.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        out = q * scale[:, None]
+        out = tl.where(bad[:, None], float("nan"), out)
+        if RNE_BF16:                     # amax/448 scales: q * s needs rounding; the interpreter truncates
+            u = out.to(tl.uint32, bitcast=True)
+            u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+            out = u.to(tl.float32, bitcast=True)
+        tl.store(out_ptr + row[:, None] * stride_o + col[:, None] + offs[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m2)
 
 
 def _hadamard_kernel(x_ptr, out_ptr, R, stride_x, stride_o, scale,
@@ -201,17 +223,22 @@ def _launch_opts() -> dict:
 
 
 # ----------------------------------------------------------------------------- round trips
-def _round_trip_forward(x: torch.Tensor, block: int, fp4: bool) -> torch.Tensor:
+def _quant_launch(x: torch.Tensor, block: int, fp4: bool, pow2: bool, codes: bool):
+    """Launch the block quantizer over the rows of x: the round trip (out in x's dtype), or (codes) the
+    E4M3 bytes [..., n] uint8 and the fp32 scales [..., ceil(n/block)]."""
     n = x.size(-1)
-    name = "fp4_round_trip" if fp4 else "fp8_round_trip"
-    if n % block:
-        raise ValueError(f"{name}: last dim {n} is not a multiple of block {block}")
-    out = _alloc(x.shape, dtype=x.dtype, device=x.device)
+    nb = -(-n // block)
+    if codes:
+        out = _alloc(x.shape, dtype=torch.uint8, device=x.device)
+        sc = _alloc(x.shape[:-1] + (nb,), dtype=torch.float32, device=x.device)
+    else:
+        out = _alloc(x.shape, dtype=x.dtype, device=x.device)
+        sc = out
     if x.numel() == 0:
-        return out
+        return (out, sc) if codes else out
     x2 = _rows(x.detach())
     o2 = out.view(-1, n)
-    nb = n // block
+    s2 = sc.view(-1, nb) if codes else o2
     blocks = x2.size(0) * nb
     bm = max(1, min(2048 // block, triton.next_power_of_2(blocks)))
     if fp4:
@@ -219,35 +246,48 @@ def _round_trip_forward(x: torch.Tensor, block: int, fp4: bool) -> torch.Tensor:
     else:
         floor, qmax, mbits, emin = 1e-4, FP8_E4M3_MAX, 3, -6
     _rt_k[(triton.cdiv(blocks, bm),)](
-        x2, o2, blocks, nb, x2.stride(0), o2.stride(0), floor, qmax,
-        BLOCK=block, BM=bm, MBITS=mbits, EMIN=emin, INTERP=interpret_mode(), num_warps=4, **_launch_opts())
-    return out
+        x2, o2, s2, blocks, nb, n, x2.stride(0), o2.stride(0), s2.stride(0), floor, qmax, 1.0 / qmax,
+        BLOCK=block, BM=bm, MBITS=mbits, EMIN=emin, POW2=pow2, CODES=codes,
+        RNE_BF16=interpret_mode() and x.dtype == torch.bfloat16 and not codes, num_warps=4, **_launch_opts())
+    return (out, sc) if codes else out
+
+
+def _round_trip_forward(x: torch.Tensor, block: int, fp4: bool, pow2: bool = True) -> torch.Tensor:
+    if fp4 and x.size(-1) % block:
+        raise ValueError(f"fp4_round_trip: last dim {x.size(-1)} is not a multiple of block {block}")
+    return _quant_launch(x, block, fp4, pow2, codes=False)
 
 
 class _RoundTrip(torch.autograd.Function):
     """Forward: the quantized value. Backward: the identity (straight-through, as the reference)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, block: int, fp4: bool) -> torch.Tensor:
-        return _round_trip_forward(x, block, fp4)
+    def forward(ctx, x: torch.Tensor, block: int, fp4: bool, pow2: bool) -> torch.Tensor:
+        return _round_trip_forward(x, block, fp4, pow2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None, None
+        return grad, None, None, None
 
 
-def _round_trip(x: torch.Tensor, block: int, fp4: bool) -> torch.Tensor:
+def _round_trip(x: torch.Tensor, block: int, fp4: bool, pow2: bool = True) -> torch.Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
-        return _RoundTrip.apply(x, block, fp4)
-    return _round_trip_forward(x, block, fp4)
+        return _RoundTrip.apply(x, block, fp4, pow2)
+    return _round_trip_forward(x, block, fp4, pow2)
 
 
-def triton_fp8_round_trip(x: torch.Tensor, block: int = 64) -> torch.Tensor:
-    return _round_trip(x, block, False)
+def triton_fp8_round_trip(x: torch.Tensor, block: int = 64, pow2: bool = True) -> torch.Tensor:
+    return _round_trip(x, block, False, pow2)
 
 
 def triton_fp4_round_trip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return _round_trip(x, block, True)
+
+
+def triton_act_quant(x: torch.Tensor, block: int = 128, pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """`act_quant` in one launch: E4M3 codes (as float8_e4m3fn) and fp32 block scales."""
+    codes, scale = _quant_launch(x, block, False, pow2, codes=True)
+    return codes.view(torch.float8_e4m3fn), scale
 
 
 def _vector_reason(x: torch.Tensor) -> str | None:
@@ -268,10 +308,16 @@ def _round_trip_can_run(x: torch.Tensor, block: int = 32) -> str | None:
         return reason
     if block < 1 or block & (block - 1) or block > 4096:
         return f"block {block} is not a power of two in [1, 4096]"
-    return None   # a last dim that is not a multiple of block raises the reference's ValueError
+    return None   # FP4: a last dim that is not a multiple of block raises the reference's ValueError
 
 
-def _fp8_can_run(x: torch.Tensor, block: int = 64) -> str | None:
+def _fp8_can_run(x: torch.Tensor, block: int = 64, pow2: bool = True) -> str | None:
+    return _round_trip_can_run(x, block)
+
+
+def _act_quant_can_run(x: torch.Tensor, block: int = 128, pow2: bool = True) -> str | None:
+    if not hasattr(torch, "float8_e4m3fn"):
+        return "this torch has no float8_e4m3fn dtype"
     return _round_trip_can_run(x, block)
 
 
@@ -407,6 +453,7 @@ def _pool_can_run(kv: torch.Tensor, score: torch.Tensor) -> str | None:
 # ----------------------------------------------------------------------------- registration
 register("fp8_round_trip", "triton", triton_fp8_round_trip, can_run=_fp8_can_run, deterministic=True, priority=10)
 register("fp4_round_trip", "triton", triton_fp4_round_trip, can_run=_fp4_can_run, deterministic=True, priority=10)
+register("act_quant", "triton", triton_act_quant, can_run=_act_quant_can_run, deterministic=True, priority=10)
 register("hadamard", "triton", triton_hadamard, can_run=_hadamard_can_run, deterministic=True, priority=10)
 register("compress_pool", "triton", triton_compress_pool, can_run=_pool_can_run, deterministic=True, priority=10)
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import register
-from ..torch_native import MoEPlan, clamped_swiglu, combine_rows, gather_rows, mask_rows, moe_plan
+from ..torch_native import MoEPlan, act_round_trip, clamped_swiglu, combine_rows, gather_rows, mask_rows, moe_plan
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason, mma, round_to
 from ._mm_utils import launch as _launch
@@ -381,9 +381,11 @@ class _GroupedMM(torch.autograd.Function):
 # ----------------------------------------------------------------------------- the op
 def triton_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
                        w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float,
-                       expert_offset: int = 0) -> torch.Tensor:
-    """`moe_experts` as Triton grouped GEMMs over all local experts (see the module docstring)."""
+                       expert_offset: int = 0, act: str | None = None) -> torch.Tensor:
+    """`moe_experts` as Triton grouped GEMMs over all local experts (see the module docstring). act (W8A8 on
+    dequantized weights): x and the SwiGLU output go through the FP8 round trip before their projections."""
     n_local = w1.size(0)
+    x = act_round_trip(x, act)
     m = indices.numel()
     plan, tiles = _plan_and_tiles(weights, indices, n_local, expert_offset, _block_m(m, n_local))
     needs_grad = torch.is_grad_enabled() and any(
@@ -394,17 +396,17 @@ def triton_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
         _launch_gmm(x, w1.transpose(1, 2), tiles, h, a_idx=plan.token, b2=w3.transpose(1, 2),
                     w=plan.weight.contiguous(), limit=swiglu_limit)
         out = torch.empty(m, x.size(1), dtype=x.dtype, device=x.device)         # [T*k, D] slot order
-        _launch_gmm(h, w2.transpose(1, 2), tiles, out, c_idx=plan.order)
+        _launch_gmm(act_round_trip(h, act), w2.transpose(1, 2), tiles, out, c_idx=plan.order)
         return out.view(plan.n_tokens, plan.topk, -1).sum(1, dtype=torch.float32)
     xs = gather_rows(x, plan)                                                    # [M, D]
     gate = _GroupedMM.apply(xs, w1.transpose(1, 2), tiles)                       # [M, I]
     up = _GroupedMM.apply(xs, w3.transpose(1, 2), tiles)
-    h = (clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype)
+    h = act_round_trip((clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype), act)
     out = mask_rows(_GroupedMM.apply(h, w2.transpose(1, 2), tiles), plan)         # [M, D]
     return combine_rows(out, plan)
 
 
-def _can_run(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0) -> str | None:
+def _can_run(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0, act=None) -> str | None:
     reason = device_reason(x)
     if reason:
         return reason

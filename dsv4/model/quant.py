@@ -1,0 +1,56 @@
+"""Numerics of the weights a checkpoint stores as FP8 / FP4: W8A8 (the official code's) or W8A16.
+
+The official inference code quantizes every activation that feeds an FP8 or FP4 weight - each linear
+stored as FP8, the routed experts (FP8 or MXFP4) and the shared expert - per token in blocks of 128 to
+FP8 E4M3 (`act_quant`: power-of-two scales when `scale_fmt` is "ue8m0", amax/448 otherwise) and
+multiplies FP8 x FP8 / FP8 x FP4. That is W8A8, the default here. W8A16 keeps the activations in the
+model dtype and multiplies them with the dequantized weights.
+
+The checkpoint loader records on each module the format its weights were stored in (`stored_format`:
+"fp8", "fp4", or "mixed" for a layer of routed experts stored partly quantized) and then calls
+`set_quant_mode`, which sets each such module's `act_format` from the config: None (W8A16), "ue8m0" or
+"fp32". The same numerics hold whether the weights were dequantized at load (then they are the exact
+dequantized values and only the activations are rounded: `ops.fp8_round_trip`) or kept quantized
+(`ops.act_quant` + `ops.fp8_gemm` / `ops.fp4_gemm` / `ops.quantized_moe_experts`).
+
+Not quantized, as in the official model: the grouped output projection `wo_a` (the release stores it as
+FP8; the official converter dequantizes it to bf16 and the attention multiplies bf16 activations), and
+every weight the release keeps in bf16 / fp32 (embeddings, head, router, compressors, indexer weights).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..config import QUANT_MODES
+
+# weights stored as FP8 whose official computation uses the dequantized weight and unquantized activations
+DEQUANTIZED_IN_OFFICIAL = (".attn.wo_a",)
+
+
+def quantized_modules(model: nn.Module) -> dict[str, str]:
+    """{module name: stored format} of every module the loader marked as stored FP8 / FP4."""
+    return {name: m.stored_format for name, m in model.named_modules()
+            if getattr(m, "stored_format", None) is not None}
+
+
+def set_quant_mode(model: nn.Module, mode: str | None = None) -> None:
+    """Apply `mode` ("w8a8" or "w8a16"; default: the model config's `quant_mode`) to every module whose
+    weights the checkpoint stored quantized, and record it in `model.cfg`. Raises ValueError for W8A8 on a
+    layer of routed experts stored partly quantized (W8A8 needs one format per layer)."""
+    if mode is not None:
+        if mode not in QUANT_MODES:
+            raise ValueError(f"quant_mode must be one of {QUANT_MODES}, got {mode!r}")
+        model.cfg = model.cfg.replace(quant_mode=mode)
+    act = model.cfg.act_format
+    for name, m in model.named_modules():
+        fmt = getattr(m, "stored_format", None)
+        if fmt is None or name.endswith(DEQUANTIZED_IN_OFFICIAL):
+            continue
+        if fmt == "mixed" and act is not None:
+            raise ValueError(f"{name}: some routed experts are stored quantized and others not; W8A8 needs one "
+                             "storage format per layer (load with quant_mode='w8a16')")
+        m.act_format = act
+
+
+__all__ = ["DEQUANTIZED_IN_OFFICIAL", "quantized_modules", "set_quant_mode"]
