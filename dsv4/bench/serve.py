@@ -201,6 +201,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     if not args.no_raw:
         result["raw_decode"] = _raw_decode_rate(model, args.clients, args.prompt_len, max(16, args.output_len), device)
     engine = _engine(args, model, tokenizer)
+    engine.warmup()
     aengine = AsyncEngine(engine)
     state = ServerState(engine=aengine, tokenizer=tokenizer, model_name=name, max_model_len=engine.max_model_len)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -390,6 +390,11 @@ class Engine:
         return self.sampler(logits.float(), params, [s.seed for s in seqs], [s.n_generated for s in seqs],
                             counts, mask)
 
+    def warmup(self) -> None:
+        """Capture the decode CUDA graphs (on CUDA; a no-op elsewhere) before the first request."""
+        with torch.no_grad(), exact_accumulation(self.config.deterministic):
+            self.runner.capture_graphs()
+
     # ------------------------------------------------------------------ introspection
     def metrics(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting), "cache_usage": self.manager.usage(),

@@ -162,6 +162,15 @@ class Runner:
         self.graph_steps = 0
         self.eager_steps = 0
 
+    def capture_graphs(self) -> int:
+        """Capture the decode graph of every bucket now (a server does it before it says it is ready, so
+        that no request waits for a capture). Returns the number of graphs."""
+        if self.cuda_graphs:
+            for bucket in self.buckets:
+                if bucket not in self.graphs:
+                    self.graphs[bucket] = DecodeGraph(self.model, self.cache, bucket)
+        return len(self.graphs)
+
     def run(self, rows: list[Row]) -> torch.Tensor:
         """Logits [n, vocab] of the rows that want them, in row order."""
         decode = all(len(r.tokens) == 1 and r.want_logits for r in rows)

@@ -101,6 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     state = ServerState(engine=aengine, tokenizer=tokenizer, model_name=name, max_model_len=engine.max_model_len,
                         api_key=args.api_key, metrics=metrics, max_body_bytes=args.max_body_bytes)
     app = create_app(state)
+    engine.warmup()
     aengine.start()
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
