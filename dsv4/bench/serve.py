@@ -1,6 +1,6 @@
 """`dsv4 bench serve`: a load generator against a real `dsv4 serve` HTTP server, in one process.
 
-The server (the same app, engine thread and uvicorn as `dsv4 serve`) listens on a loopback port; N
+The server (`dsv4 serve` itself, in a process of its own) listens on a loopback port; N
 concurrent clients send streaming /v1/completions requests (prompts of random token ids, lengths drawn
 from a fixed distribution with a fixed seed, a fixed number of requests, `ignore_eos` so every request
 produces its drawn length). Reported, all from the same run:
@@ -18,9 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
-import socket
+import re
+import signal
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -167,12 +171,52 @@ def _hf_rate(model, prompts: list[list[int]], new_tokens: int, batches: list[int
     return out
 
 
-def run_serve_bench(args: argparse.Namespace) -> int:
-    import uvicorn
+def _scrape(host: str, port: int) -> dict[str, float]:
+    """The server's counters of interest from /metrics (engine phase seconds, tokens, preemptions)."""
+    import urllib.request
 
-    from ..engine.async_engine import AsyncEngine
-    from ..serve.app import ServerState, create_app
-    from ..serve.cli import _engine, _load
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'dsv4_(engine_phase_seconds_total|generation_tokens_total|prompt_tokens_total|preemptions_total|'
+                     r'prefix_cache_hit_tokens_total)\{([^}]*)\} (\S+)', line)
+        if m:
+            phase = re.search(r'phase="(\w+)"', m.group(2))
+            out[m.group(1) + (f".{phase.group(1)}" if phase else "")] = float(m.group(3))
+    return out
+
+
+def _server_argv(args: argparse.Namespace) -> list[str]:
+    """`dsv4 serve` with this benchmark's model and engine settings, on a free loopback port."""
+    argv = [sys.executable, "-m", "dsv4", "serve", "--host", "127.0.0.1", "--port", "0"]
+    for flag in ("preset", "model", "config", "device", "dtype", "quant_mode", "max_num_seqs", "max_model_len",
+                 "max_batch_tokens", "page_size", "cache_pages"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(value)]
+    for flag in ("keep_quantized", "no_prefix_caching", "deterministic", "no_cuda_graph"):
+        if getattr(args, flag, False):
+            argv.append(f"--{flag.replace('_', '-')}")
+    return argv
+
+
+def _start_server(argv: list[str]) -> tuple[subprocess.Popen, str, int, str]:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        m = re.search(r"ready: http://([^:/]+):(\d+)/v1", line)
+        if m:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()      # keep the pipe drained
+            return proc, m.group(1), int(m.group(2)), "".join(lines)
+    proc.wait()
+    raise UserError("the server did not start:\n" + "".join(lines[-20:]))
+
+
+def run_serve_bench(args: argparse.Namespace) -> int:
+    from ..serve.cli import _load
 
     for name in ("clients", "requests", "prompt_len", "output_len"):
         if getattr(args, name) < 1:
@@ -180,7 +224,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     if not 0 <= args.spread < 1:
         raise UserError("--spread must be in [0, 1)")
     args.max_num_seqs = args.max_num_seqs or args.clients
-    model, tokenizer, name, desc = _load(args)
+    model, _tokenizer, name, desc = _load(args)
     device = model.embed.weight.device
     rng = random.Random(args.seed)
 
@@ -198,34 +242,33 @@ def run_serve_bench(args: argparse.Namespace) -> int:
                     "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "clients": args.clients,
                     "requests": args.requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
                     "spread": args.spread, "dtype": args.dtype}
+    # the peers first, in this process; then the server in its own process (its own interpreter: the load
+    # generator's Python must not share a lock with the server's)
     if not args.no_raw:
         result["raw_decode"] = _raw_decode_rate(model, args.clients, args.prompt_len, max(16, args.output_len), device)
-    engine = _engine(args, model, tokenizer)
-    engine.warmup()
-    aengine = AsyncEngine(engine)
-    state = ServerState(engine=aengine, tokenizer=tokenizer, model_name=name, max_model_len=engine.max_model_len)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="error"))
-    aengine.start()
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    if args.hf:
+        same = [p for p, _ in work[:args.clients]]
+        result["hf_generate"] = _hf_rate(model, same, args.output_len, args.hf, device)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    proc, host, port, banner = _start_server(_server_argv(args))
+    result["server"] = banner.strip().splitlines()[-2:]
     try:
-        # warm-up (graphs, kernels) and the idle time to first token
         idle = []
-        for i in range(3):
-            r = asyncio.run(_drive("127.0.0.1", port, name, [work[i % len(work)]], 1))[0][0]
+        for i in range(3):                                  # warm-up and the idle time to first token
+            r = asyncio.run(_drive(host, port, name, [work[i % len(work)]], 1))[0][0]
             if r.error:
                 raise UserError(f"the server refused a warm-up request: {r.error}")
             idle.append(r.ttft)
-        results, wall = asyncio.run(_drive("127.0.0.1", port, name, work, args.clients))
+        results, wall = asyncio.run(_drive(host, port, name, work, args.clients))
+        result["server_metrics"] = _scrape(host, port)
     finally:
-        server.should_exit = True
-        thread.join(10)
-        aengine.shutdown()
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
     errors = [r.error for r in results if r.error]
     ttft = [r.ttft for r in results if r.ttft is not None]
     gaps = [g for r in results for g in r.gaps]
@@ -234,14 +277,12 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         "errors": len(errors), "first_errors": errors[:3], "wall_s": wall, "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / wall, "ttft_idle_s": statistics.median(idle),
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "itl_p50_s": _pct(gaps, 50),
-        "itl_p99_s": _pct(gaps, 99), "engine": engine.metrics()})
+        "itl_p99_s": _pct(gaps, 99)})
     if result["ttft_p50_s"] and result["ttft_idle_s"]:
         result["ttft_load_over_idle"] = result["ttft_p50_s"] / result["ttft_idle_s"]
     if "raw_decode" in result:
         result["fraction_of_raw_decode"] = result["output_tokens_per_s"] / result["raw_decode"]["tokens_per_s"]
-    if args.hf:
-        same = [p for p, _ in work[:args.clients]]
-        result["hf_generate"] = _hf_rate(model, same, args.output_len, args.hf, device)
+    if "hf_generate" in result:
         best = max(v["tokens_per_s"] for v in result["hf_generate"].values())
         result["speedup_over_hf"] = result["output_tokens_per_s"] / best
     if args.json:
@@ -271,6 +312,12 @@ def _print(r: dict) -> None:
         for b, v in r["hf_generate"].items():
             print(f"  transformers generate, batch {b}: {v['tokens_per_s']:.1f} tokens/s")
         print(f"  dsv4 serve / best transformers: {r['speedup_over_hf']:.1f}x")
+    phases = {k.split(".", 1)[1]: v for k, v in r.get("server_metrics", {}).items()
+              if k.startswith("engine_phase") and "." in k}
+    if phases:
+        total = sum(phases.values())
+        print("  engine host time: " + ", ".join(f"{k} {v / total:.0%}" for k, v in phases.items())
+              + f" of {total:.1f} s")
     for e in r["first_errors"]:
         print(f"  error: {e}")
 

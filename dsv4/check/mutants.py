@@ -217,13 +217,13 @@ def pages_by_logical_id(table: torch.Tensor, rows: torch.Tensor, col: torch.Tens
     return torch.where((col >= 0) & (col < table.size(1)), col + 1, -1)
 
 
-def filter_bool_mask(scaled, params, col):
+def filter_bool_mask(scaled, top_k, top_p, min_p):
     """Z23: top-p filtering through boolean-mask indexing (a data-dependent shape), row by row."""
     out = torch.full_like(scaled, float("-inf"))
     for i, row in enumerate(scaled):
         sorted_x, order = row.sort(descending=True)
         p = sorted_x.softmax(-1)
-        keep = (p.cumsum(-1) - p) < params[i].top_p
+        keep = (p.cumsum(-1) - p) < top_p[i]
         out[i, order[keep]] = sorted_x[keep]
     return out
 

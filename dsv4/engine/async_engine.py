@@ -34,6 +34,11 @@ class _Stream:
     arrival: float = field(default_factory=time.monotonic)
 
 
+def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, on_step=None):
         self.engine = engine
@@ -108,6 +113,18 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):          # the client's loop is gone: nothing to tell
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
+    def _deliver_all(self, outputs: list[StepOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up per event loop, not one per output."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):          # the client's loop is gone: nothing to tell
+                loop.call_soon_threadsafe(_put_all, items)
+
     def _drain_inbox(self) -> bool:
         with self._lock:
             inbox, self._inbox = self._inbox, []
@@ -143,8 +160,7 @@ class AsyncEngine:
                 self._fail_all(e)
                 continue
             self._report(outputs, time.monotonic() - t0)
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_all(outputs)
 
     def _fail_all(self, error: Exception) -> None:
         rids = list(self.engine.requests)

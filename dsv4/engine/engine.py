@@ -57,6 +57,7 @@ class Sequence:
     index: int                                   # choice index within the request
     tokens: list[int]                            # prompt + generated
     seed: int
+    prompt_len: int = 0
     pages: SeqPages | None = None
     computed: int = 0                            # positions whose cache entries are written
     status: Status = Status.WAITING
@@ -71,7 +72,7 @@ class Sequence:
 
     @property
     def n_generated(self) -> int:
-        return len(self.tokens) - self.request.prompt_len
+        return len(self.tokens) - self.prompt_len
 
     @property
     def prefilling(self) -> bool:
@@ -156,6 +157,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._admissions = itertools.count()
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
+        # host seconds per phase of a step: scheduling, building inputs + launching the model and the sampler,
+        # waiting for the sampled tokens (the device's share), bookkeeping + detokenization
+        self.timing = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "post": 0.0}
         self.device = p.device
         self.vocab = cfg.vocab_size
 
@@ -189,7 +193,7 @@ class Engine:
         base = params.resolved_seed()
         for i in range(n):
             seed = base if i == 0 else (base * 1_000_003 + i) % 2**63
-            seq = Sequence(req, i, list(prompt), seed)
+            seq = Sequence(req, i, list(prompt), seed, prompt_len=len(prompt))
             if self.tokenizer is not None:
                 seq.detok = Detokenizer.for_prompt(self.tokenizer, prompt)
                 seq.detok.skip_special = params.skip_special_tokens
@@ -291,6 +295,7 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
         plan = self._schedule()
         if not plan:
             return []
@@ -300,22 +305,25 @@ class Engine:
             s = seq.computed
             rows.append(Row(seq.tokens[s:s + n], s, seq.pages.wtable, seq.pages.ctable, seq.pages.state,
                             want_logits=s + n == len(seq.tokens)))
+        t1 = time.perf_counter()
         with exact_accumulation(self.config.deterministic):
             logits = self.runner.run(rows)
             samplers = [seq for (seq, n), row in zip(order, rows) if row.want_logits]
             sampled = self._sample(logits, samplers) if samplers else None
+        t2 = time.perf_counter()
         self.stats["steps"] += 1
         now = time.monotonic()
         outputs: dict[int, StepOutput] = {}
         seqs: dict[int, Sequence] = {}
         tokens = sampled.tokens.tolist() if sampled is not None else []              # one device read
+        t3 = time.perf_counter()
         token_lp = sampled.logprobs.tolist() if sampled is not None and sampled.logprobs is not None else None
         top_ids = sampled.top_ids.tolist() if sampled is not None and sampled.top_ids is not None else None
         top_lp = sampled.top_logprobs.tolist() if top_ids is not None else None
         j = 0
         for (seq, n), row in zip(order, rows):
             seq.computed += n
-            if seq.computed <= seq.request.prompt_len:
+            if seq.computed <= seq.prompt_len:
                 self.stats["prompt_tokens"] += n
             if not row.want_logits:
                 continue
@@ -360,6 +368,9 @@ class Engine:
             result.append(out)
         for rid in [r for r, req in self.requests.items() if req.finished]:
             del self.requests[rid]
+        t4 = time.perf_counter()
+        for phase, dt in (("schedule", t1 - t0), ("launch", t2 - t1), ("wait", t3 - t2), ("post", t4 - t3)):
+            self.timing[phase] += dt
         return result
 
     def _output(self, seq: Sequence) -> StepOutput:
@@ -399,4 +410,5 @@ class Engine:
     def metrics(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting), "cache_usage": self.manager.usage(),
                 "prefix_hit_tokens": self.manager.hits, "prefix_query_tokens": self.manager.queries,
-                "graph_steps": self.runner.graph_steps, "eager_steps": self.runner.eager_steps, **self.stats}
+                "graph_steps": self.runner.graph_steps, "eager_steps": self.runner.eager_steps, **self.stats,
+                "step_seconds": dict(self.timing)}

@@ -135,17 +135,17 @@ class Sampler:
             if output_counts is None or prompt_mask is None:
                 raise ValueError("penalized sampling needs output_counts and prompt_mask")
             x = self._penalize(x, params, output_counts, prompt_mask)
-
-        def col(values, dtype=torch.float64) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev).unsqueeze(1)
-
-        temp = col([p.temperature if p.temperature > 0 else 1.0 for p in params])
-        greedy = col([p.greedy for p in params], torch.bool)
+        filtered = any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params)
+        # every per-row setting in two host arrays, two transfers
+        floats = torch.tensor([[p.temperature if p.temperature > 0 else 1.0, float(p.greedy), p.top_p, p.min_p]
+                               for p in params], dtype=torch.float64).to(dev)
+        ints = torch.tensor([[s for s in seeds], [c for c in counters], [p.top_k or V for p in params]],
+                            dtype=torch.int64).to(dev)
+        temp, greedy = floats[:, 0:1], floats[:, 1:2] > 0
         scaled = x / temp
-        if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params):
-            scaled = self._filter(scaled, params, col)
-        noise = -torch.log(-torch.log(uniform(torch.tensor(list(seeds), dtype=torch.int64, device=dev),
-                                              torch.tensor(list(counters), dtype=torch.int64, device=dev), V)))
+        if filtered:
+            scaled = self._filter(scaled, ints[2:3].T, floats[:, 2:3], floats[:, 3:4])
+        noise = -torch.log(-torch.log(uniform(ints[0], ints[1], V)))
         choice = torch.where(greedy, x, scaled + noise).argmax(-1)                      # [B]
         out = SampleOutput(tokens=choice)
         if want_lp:
@@ -170,13 +170,10 @@ class Sampler:
         return x - freq * c - pres * (counts > 0).double()
 
     @staticmethod
-    def _filter(scaled: torch.Tensor, params: Sequence[SamplingParams], col) -> torch.Tensor:
+    def _filter(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
         """Keep the top_k tokens, the smallest prefix of mass >= top_p, and tokens with p >= min_p * p_max
-        (each off at its neutral value); the most likely token always stays."""
+        (each off at its neutral value; per row: [B, 1] columns); the most likely token always stays."""
         V = scaled.size(-1)
-        top_k = col([p.top_k if p.top_k else V for p in params], torch.int64)
-        top_p = col([p.top_p for p in params])
-        min_p = col([p.min_p for p in params])
         values, order = scaled.sort(dim=-1, descending=True, stable=True)              # [B, V]
         probs = values.softmax(-1)
         rank = torch.arange(V, device=scaled.device).unsqueeze(0)

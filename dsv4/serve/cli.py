@@ -92,6 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.host, args.port))
+        sock.listen(2048)                   # connections queue from "ready" on, before uvicorn accepts them
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     model, tokenizer, name, desc = _load(args)

@@ -32,6 +32,9 @@ class ServerMetrics:
                              buckets=_LATENCY, registry=r)
         self.step = Histogram("dsv4_engine_step_seconds", "duration of one engine step", labels, buckets=_LATENCY,
                               registry=r)
+        self.phase = Counter("dsv4_engine_phase_seconds", "engine host time by step phase (schedule, launch, "
+                             "wait for the device, post-processing)", labels + ["phase"], registry=r)
+        self._phases: dict[str, float] = {}
         self.model = model_name
         self._seen = {"prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0, "prefix_hit_tokens": 0}
 
@@ -50,6 +53,11 @@ class ServerMetrics:
             if delta > 0:
                 counter.labels(lab).inc(delta)
             self._seen[key] = m[key]
+        for phase, total in m.get("step_seconds", {}).items():
+            delta = total - self._phases.get(phase, 0.0)
+            if delta > 0:
+                self.phase.labels(lab, phase).inc(delta)
+            self._phases[phase] = total
         for o in outputs:
             if o.finished:
                 self.requests.labels(lab, o.finish_reason or "unknown").inc()
