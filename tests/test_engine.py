@@ -160,3 +160,28 @@ def test_requests_that_cannot_be_served_are_refused(model):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     assert not engine.has_work()
+
+
+def test_overlapped_steps_give_the_same_tokens(model, prompts):
+    """overlap=True (the CUDA default: a step is launched before the last one's tokens are read, its
+    decode inputs taken from the device) changes nothing a request sees: tokens, stop tokens, choices,
+    preemption, and a request stopping one step earlier than the one launched after it."""
+    sampled = [SamplingParams(max_tokens=NEW, temperature=0.9, seed=100 + i, ignore_eos=True)
+               for i in range(len(prompts))]
+    for params in (greedy(), sampled):
+        sync, _, _ = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], max_batch_tokens=11)
+        over, engine, _ = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], max_batch_tokens=11,
+                              overlap=True)
+        assert over == sync
+        assert engine.manager.free_pages()[0] == engine.layout.n_window_pages - 1
+    stop_at = sync[1][2]
+    stopping = SamplingParams(max_tokens=NEW, temperature=0.9, seed=101, stop_token_ids=[stop_at])
+    a, _, _ = run(model, prompts[1:2], stopping)
+    b, _, _ = run(model, prompts[1:2], stopping, overlap=True)
+    assert a == b and a[0][-1] == stop_at and len(a[0]) <= NEW
+    g = torch.Generator().manual_seed(4)
+    tight = [torch.randint(2, model.cfg.vocab_size, (15,), generator=g).tolist() for _ in range(4)]
+    long = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    plain, _, _ = run(model, tight, long)
+    over, engine, _ = run(model, tight, long, cache_pages=8, prefix_caching=False, overlap=True)
+    assert engine.stats["preemptions"] > 0 and over == plain

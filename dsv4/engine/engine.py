@@ -16,6 +16,7 @@ A request never crashes the engine: what cannot fit waits or is refused up front
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -69,14 +70,21 @@ class Sequence:
     last_token_time: float | None = None
     detok: Detokenizer | None = None
     stopper: StopChecker = field(default_factory=StopChecker)
+    n_pending: int = 0                           # tokens sampled on the device, not read yet (overlap)
+    pending_index: int = -1                      # the latest one's row in its step's sampled tokens
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens known so far, those still on the device included."""
+        return len(self.tokens) + self.n_pending
 
     @property
     def n_generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
+        return self.n_tokens - self.prompt_len
 
     @property
     def prefilling(self) -> bool:
-        return self.computed < len(self.tokens) - 1
+        return self.computed < self.n_tokens - 1
 
 
 @dataclass
@@ -113,16 +121,31 @@ class StepOutput:
 
 
 @dataclass
+class _Step:
+    """A launched step: its rows, the sequences it samples for, and their sampled tokens (on the device)."""
+    order: list[tuple[Sequence, int]]
+    samplers: list[Sequence]
+    sampled: object
+
+
+@dataclass
 class EngineConfig:
     max_seqs: int = 32                      # sequences running at once
     max_model_len: int | None = None        # prompt + output limit (default: the model's, at most 8192)
-    max_batch_tokens: int = 512             # tokens per step (prefill chunks + decodes)
+    max_batch_tokens: int | None = None     # tokens per step, prefill chunks + decodes (default: 4096 on a
+                                            # GPU, where a step's cost is mostly kernel launches; 512 on a CPU)
+    # while sequences are decoding, new prompts are admitted in batches: when their tokens reach this many
+    # (default: half the step budget on a GPU, 0 = at once on a CPU) or the oldest has waited this long
+    prefill_batch_tokens: int | None = None
+    max_prefill_delay_s: float = 0.05
     page_size: int | None = None            # positions per page (default: see default_page_size)
     cache_pages: int | None = None          # compressed pages (default: every running sequence at full length)
     window_pages: int | None = None         # window pages (default: the window of every sequence, twice)
     prefix_caching: bool = True
     deterministic: bool = False             # batch-invariant numbers (float64 accumulation on the reference)
     cuda_graphs: bool = True                # replay decode steps from CUDA graphs (CUDA only)
+    overlap: bool | None = None             # launch a step before reading the last one's tokens (default:
+                                            # on CUDA, where the device runs while the host does bookkeeping)
     max_n: int = 16                         # choices per request
 
 
@@ -130,8 +153,14 @@ class Engine:
     def __init__(self, model: DeepSeekV4, config: EngineConfig | None = None, tokenizer=None,
                  eos_token_id: int | None = None):
         self.model = model.eval()
-        self.config = c = config or EngineConfig()
+        c = dataclasses.replace(config) if config is not None else EngineConfig()
         cfg = model.cfg
+        on_gpu = model.embed.weight.device.type == "cuda"
+        if c.max_batch_tokens is None:
+            c.max_batch_tokens = 4096 if on_gpu else 512
+        if c.prefill_batch_tokens is None:
+            c.prefill_batch_tokens = c.max_batch_tokens // 2 if on_gpu else 0
+        self.config = c
         if c.max_seqs < 1 or c.max_batch_tokens < 1:
             raise ValueError("max_seqs and max_batch_tokens must be >= 1")
         self.max_model_len = min(c.max_model_len or min(cfg.max_seq_len, 8192), cfg.max_seq_len)
@@ -148,6 +177,8 @@ class Engine:
         self.runner = Runner(model, self.cache, cuda_graphs=c.cuda_graphs and not c.deterministic,
                              max_graph_batch=c.max_seqs)
         self.sampler = Sampler()
+        self.overlap = on_gpu if c.overlap is None else c.overlap
+        self._inflight: _Step | None = None
         self.tokenizer = tokenizer
         if eos_token_id is None:
             eos_token_id = getattr(tokenizer, "eos_id", None)
@@ -212,7 +243,7 @@ class Engine:
             self._finish(seq, "abort")
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight is not None)
 
     # ------------------------------------------------------------------ scheduling
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -247,7 +278,10 @@ class Engine:
                 break
             if seq.status is not Status.RUNNING:            # preempted by an earlier one in this loop
                 continue
-            n = 1 if not seq.prefilling else min(budget, len(seq.tokens) - seq.computed)
+            if seq.n_pending and (seq.n_generated >= seq.request.params.max_tokens
+                                  or seq.n_tokens >= self.max_model_len):
+                continue                                    # its token on the device is its last
+            n = 1 if not seq.prefilling else min(budget, seq.n_tokens - seq.computed)
             while not self.manager.allocate(seq.pages, seq.computed, seq.computed + n):
                 victim = max((s for s in self.running if s not in [p for p, _ in plan]),
                              key=lambda s: s.admitted_at)
@@ -258,9 +292,9 @@ class Engine:
                 continue
             plan.append((seq, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs and self._admit_now():
             seq = self.waiting[0]
-            if self._sibling_prefilling(seq):
+            if self._sibling_prefilling(seq) or seq.n_pending:     # (a preempted one's token is on its way)
                 break
             pages = self.manager.new_sequence()
             if pages is None:
@@ -285,6 +319,16 @@ class Engine:
             budget -= n
         return plan
 
+    def _admit_now(self) -> bool:
+        """Admit waiting prompts now, or let them gather while the running sequences decode (a step with
+        prompt chunks runs eagerly and costs about as much for 100 tokens as for 2000 on a GPU)."""
+        c = self.config
+        if not self.running or c.prefill_batch_tokens <= 0 or any(s.prefilling for s in self.running):
+            return True
+        gathered = sum(len(s.tokens) - s.computed for s in self.waiting)
+        oldest = time.monotonic() - min(s.request.arrival for s in self.waiting)
+        return gathered >= c.prefill_batch_tokens or oldest >= c.max_prefill_delay_s
+
     def _sibling_prefilling(self, seq: Sequence) -> bool:
         """With prefix caching, choices 1..n-1 wait until choice 0 has computed the shared prompt."""
         if not self.config.prefix_caching or seq.index == 0:
@@ -295,37 +339,81 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
+        """Schedule and run one step; return what each request gained.
+
+        With `overlap` (on CUDA), a step is launched before the previous one's tokens are read: decoding
+        sequences take their input token from the device, and the host does the previous step's
+        bookkeeping while the device computes. A sequence that turns out finished then computed one token
+        too many, which is dropped.
+        """
         t0 = time.perf_counter()
+        prev, self._inflight = self._inflight, None
+        outputs: list[StepOutput] = []
+        if prev is not None and not self._overlap_ok():
+            outputs = self._collect(prev)
+            prev = None
         plan = self._schedule()
-        if not plan:
-            return []
+        t1 = time.perf_counter()
+        cur = self._launch(plan, prev) if plan else None
+        t2 = time.perf_counter()
+        if prev is not None:
+            outputs += self._collect(prev)
+        if cur is not None:
+            if self.overlap:
+                self._inflight = cur
+            else:
+                outputs += self._collect(cur)
+        self.timing["schedule"] += t1 - t0
+        self.timing["launch"] += t2 - t1
+        self.timing["post"] += time.perf_counter() - t2
+        return outputs
+
+    def _overlap_ok(self) -> bool:
+        """Penalties count the previous token: those steps wait for it."""
+        return self.overlap and not any(s.request.params.penalized for s in self.running)
+
+    def _launch(self, plan: list[tuple[Sequence, int]], prev: _Step | None) -> _Step:
         order = [p for p in plan if p[1] == 1] + [p for p in plan if p[1] != 1]
-        rows = []
+        rows, src = [], []
         for seq, n in order:
             s = seq.computed
-            rows.append(Row(seq.tokens[s:s + n], s, seq.pages.wtable, seq.pages.ctable, seq.pages.state,
-                            want_logits=s + n == len(seq.tokens)))
-        t1 = time.perf_counter()
+            if s >= len(seq.tokens):                        # its input token is still on the device
+                src.append((len(rows), seq.pending_index))
+                toks = [0]
+            else:
+                toks = seq.tokens[s:s + n]
+            rows.append(Row(toks, s, seq.pages.wtable, seq.pages.ctable, seq.pages.state,
+                            want_logits=s + n == seq.n_tokens))
         with exact_accumulation(self.config.deterministic):
-            logits = self.runner.run(rows)
+            feed = (prev.sampled.tokens, src) if src else None
+            logits = self.runner.run(rows, feed)
             samplers = [seq for (seq, n), row in zip(order, rows) if row.want_logits]
             sampled = self._sample(logits, samplers) if samplers else None
-        t2 = time.perf_counter()
-        self.stats["steps"] += 1
-        now = time.monotonic()
-        outputs: dict[int, StepOutput] = {}
-        seqs: dict[int, Sequence] = {}
-        tokens = sampled.tokens.tolist() if sampled is not None else []              # one device read
-        t3 = time.perf_counter()
-        token_lp = sampled.logprobs.tolist() if sampled is not None and sampled.logprobs is not None else None
-        top_ids = sampled.top_ids.tolist() if sampled is not None and sampled.top_ids is not None else None
-        top_lp = sampled.top_logprobs.tolist() if top_ids is not None else None
-        j = 0
-        for (seq, n), row in zip(order, rows):
+        for (seq, n), _row in zip(order, rows):
             seq.computed += n
             if seq.computed <= seq.prompt_len:
                 self.stats["prompt_tokens"] += n
-            if not row.want_logits:
+        for j, seq in enumerate(samplers):
+            seq.n_pending += 1
+            seq.pending_index = j
+        self.stats["steps"] += 1
+        return _Step(order, samplers, sampled)
+
+    def _collect(self, step: _Step) -> list[StepOutput]:
+        """Read a launched step's tokens and do the bookkeeping: stops, detokenization, pages."""
+        t0 = time.perf_counter()
+        sampled = step.sampled
+        tokens = sampled.tokens.tolist() if sampled is not None else []              # one device read
+        self.timing["wait"] += time.perf_counter() - t0
+        token_lp = sampled.logprobs.tolist() if sampled is not None and sampled.logprobs is not None else None
+        top_ids = sampled.top_ids.tolist() if sampled is not None and sampled.top_ids is not None else None
+        top_lp = sampled.top_logprobs.tolist() if top_ids is not None else None
+        now = time.monotonic()
+        outputs: dict[int, StepOutput] = {}
+        seqs: dict[int, Sequence] = {}
+        for j, seq in enumerate(step.samplers):
+            seq.n_pending -= 1
+            if seq.status is Status.FINISHED:               # finished (or aborted) since: a token too many
                 continue
             tok = tokens[j]
             lp = None
@@ -333,7 +421,6 @@ class Engine:
                 k = seq.request.params.logprobs
                 top = list(zip(top_ids[j][:k], top_lp[j][:k])) if k and top_ids is not None else []
                 lp = TokenLogprob(tok, token_lp[j], top)
-            j += 1
             seq.tokens.append(tok)
             if lp is not None:
                 seq.logprobs.append(lp)
@@ -356,21 +443,18 @@ class Engine:
                 out.text += seq.stopper.releasable(seq.detok.text, finished=reason is not None)
             if reason:
                 self._finish(seq, reason)
-        for seq, _ in order:
+        for seq, _ in step.order:
             if seq.status is Status.RUNNING:
-                self.manager.register(seq.pages, seq.tokens, seq.computed)
+                self.manager.register(seq.pages, seq.tokens, min(seq.computed, len(seq.tokens)))
                 self.manager.trim_window(seq.pages, seq.computed)
         result = []
         for key, out in outputs.items():
             seq = seqs[key]
             out.finished, out.finish_reason = seq.status is Status.FINISHED, seq.finish_reason
-            out.completion_tokens = seq.n_generated
+            out.completion_tokens = len(seq.tokens) - seq.prompt_len
             result.append(out)
         for rid in [r for r, req in self.requests.items() if req.finished]:
             del self.requests[rid]
-        t4 = time.perf_counter()
-        for phase, dt in (("schedule", t1 - t0), ("launch", t2 - t1), ("wait", t3 - t2), ("post", t4 - t3)):
-            self.timing[phase] += dt
         return result
 
     def _output(self, seq: Sequence) -> StepOutput:
@@ -381,8 +465,8 @@ class Engine:
         p = seq.request.params
         if tok in p.stop_token_ids or (tok == self.eos and not p.ignore_eos):
             return "stop"
-        if seq.n_generated >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
-            return "length"
+        if len(seq.tokens) - seq.prompt_len >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+            return "length"                                 # (counts tokens read: not the ones on the device)
         return None
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):

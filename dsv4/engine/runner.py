@@ -133,13 +133,25 @@ class DecodeGraph:
             self.logits = model.append(self.tokens, self.inputs, cache)
         # the warm-up steps wrote only to the trash page (padding rows): nothing to restore
 
-    def run(self, rows: list[Row]) -> torch.Tensor:
+    def run(self, rows: list[Row], feed=None) -> torch.Tensor:
         tokens, inputs = build_inputs(rows, self.cache.layout, self.cache.device, pad_to=self.batch)
         self.tokens.copy_(tokens)
+        _feed(self.tokens, rows, feed)
         for name in ("positions", "rows", "seg_start", "start", "length", "wtable", "ctable", "state"):
             getattr(self.inputs, name).copy_(getattr(inputs, name))
         self.graph.replay()
         return self.logits[:len(rows)]
+
+
+def _feed(tokens: torch.Tensor, rows: list[Row], feed) -> None:
+    """Write device-resident input tokens (an earlier step's samples) into the flat token buffer."""
+    if not feed:
+        return
+    sampled, src = feed
+    starts = np.concatenate([[0], np.cumsum([len(r.tokens) for r in rows])[:-1]])
+    dst = torch.tensor([int(starts[r]) for r, _ in src], dtype=torch.long).to(tokens.device)
+    idx = torch.tensor([j for _, j in src], dtype=torch.long).to(sampled.device)
+    tokens.view(-1).index_copy_(0, dst, sampled[idx].to(tokens.dtype))
 
 
 def _clone_inputs(inp: StepInputs) -> StepInputs:
@@ -171,8 +183,11 @@ class Runner:
                     self.graphs[bucket] = DecodeGraph(self.model, self.cache, bucket)
         return len(self.graphs)
 
-    def run(self, rows: list[Row]) -> torch.Tensor:
-        """Logits [n, vocab] of the rows that want them, in row order."""
+    def run(self, rows: list[Row], feed=None) -> torch.Tensor:
+        """Logits [n, vocab] of the rows that want them, in row order.
+
+        feed = (tokens on the device, [(row, index)]): those rows' (single) input token is tokens[index],
+        the token an earlier step sampled and the host has not read yet."""
         decode = all(len(r.tokens) == 1 and r.want_logits for r in rows)
         if self.cuda_graphs and decode and len(rows) <= self.buckets[-1]:
             bucket = next(b for b in self.buckets if b >= len(rows))
@@ -180,7 +195,8 @@ class Runner:
             if graph is None:
                 graph = self.graphs[bucket] = DecodeGraph(self.model, self.cache, bucket)
             self.graph_steps += 1
-            return graph.run(rows)
+            return graph.run(rows, feed)
         tokens, inputs = build_inputs(rows, self.cache.layout, self.cache.device)
+        _feed(tokens, rows, feed)
         self.eager_steps += 1
         return self.model.append(tokens, inputs, self.cache)

@@ -23,8 +23,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=32, help="sequences running at once (default 32)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context per sequence, prompt + output (default: the model's, at most 8192)")
-    g.add_argument("--max-batch-tokens", type=int, default=512,
-                   help="tokens per engine step, shared by prefill chunks and decodes (default 512)")
+    g.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="tokens per engine step, shared by prompt chunks and decodes (default: 4096 on a GPU, "
+                        "512 on a CPU)")
     g.add_argument("--page-size", type=int, default=None, help="positions per cache page (default: model-derived)")
     g.add_argument("--cache-pages", type=int, default=None,
                    help="compressed-cache pages (default: every running sequence at full length)")
@@ -63,7 +64,7 @@ def _engine(args, model, tokenizer):
     from ..engine import Engine, EngineConfig
 
     for flag in ("max_num_seqs", "max_batch_tokens"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.max_model_len is not None and not 2 <= args.max_model_len <= model.cfg.max_seq_len:
         raise UserError(f"--max-model-len must be in [2, {model.cfg.max_seq_len}] (the model's context)")
