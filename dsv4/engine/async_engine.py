@@ -142,7 +142,7 @@ class AsyncEngine:
     def _report(self, outputs: list, seconds: float) -> None:
         if self._on_step is not None:
             with contextlib.suppress(Exception):
-                self._on_step(self.engine, outputs, seconds)
+                self._on_step(self.engine.metrics(), outputs, seconds)
 
     def _loop(self) -> None:
         while not self._stop:

@@ -36,10 +36,44 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA")
 
 
+def _model_name(args) -> str:
+    from ..cli import default_model_dir
+
+    if getattr(args, "served_model_name", None):
+        return args.served_model_name
+    if getattr(args, "preset", None):
+        return args.preset
+    return Path(args.model).name if args.model else default_model_dir().name
+
+
+def _load_tokenizer(args):
+    """The tokenizer alone (the server process encodes prompts; the engine process holds the model)."""
+    from ..cli import default_model_dir, resolve_config
+    from ..train.tokenizer import ByteTokenizer, Tokenizer
+
+    if getattr(args, "model", None) or not (getattr(args, "preset", None) or getattr(args, "config", None)):
+        path = Path(args.model) if args.model else default_model_dir()
+        if path is not None and (path / "tokenizer.json").exists():
+            return Tokenizer.from_file(path)
+    cfg = resolve_config(args)
+    return ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id)
+
+
+def build_engine(options: dict):
+    """(engine, info) from `dsv4 serve`'s options: what the engine process runs first."""
+    args = argparse.Namespace(**options)
+    model, tokenizer, name, desc = _load(args)
+    engine = _engine(args, model, tokenizer)
+    engine.warmup()
+    info = {"desc": desc, "device": str(engine.device), "max_model_len": engine.max_model_len,
+            "max_seqs": engine.config.max_seqs, "cache_mib": engine.cache.nbytes() / 2**20}
+    return engine, info
+
+
 def _load(args):
     import torch
 
-    from ..cli import default_model_dir, load_model
+    from ..cli import load_model
     from ..train.tokenizer import ByteTokenizer
 
     if args.device is None:
@@ -51,13 +85,7 @@ def _load(args):
     model, tokenizer, desc = load_model(args)
     if tokenizer is None:
         tokenizer = ByteTokenizer(model.cfg.bos_token_id, model.cfg.eos_token_id)
-    if getattr(args, "served_model_name", None):
-        name = args.served_model_name
-    elif getattr(args, "preset", None):
-        name = args.preset
-    else:
-        name = Path(args.model).name if args.model else default_model_dir().name
-    return model, tokenizer, name, desc
+    return model, tokenizer, _model_name(args), desc
 
 
 def _engine(args, model, tokenizer):
@@ -83,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from ..engine.async_engine import AsyncEngine
+    from ..engine.engine_process import EngineProcess
     from .app import ServerState, create_app
     from .metrics import ServerMetrics
 
@@ -96,19 +124,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.listen(2048)                   # connections queue from "ready" on, before uvicorn accepts them
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
-    model, tokenizer, name, desc = _load(args)
-    engine = _engine(args, model, tokenizer)
+    import torch
+
+    if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {args.device}: this torch has no CUDA device (torch {torch.__version__})")
+    for flag in ("max_num_seqs", "max_batch_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
+    tokenizer = _load_tokenizer(args)
+    name = _model_name(args)
     metrics = ServerMetrics(name)
-    aengine = AsyncEngine(engine, on_step=metrics.on_step)
-    state = ServerState(engine=aengine, tokenizer=tokenizer, model_name=name, max_model_len=engine.max_model_len,
+    options = {k: v for k, v in vars(args).items() if k != "func"}
+    engine = EngineProcess(build_engine, (options,), on_step=metrics.on_step)
+    try:
+        info = engine.start()
+    except RuntimeError as e:
+        raise UserError(str(e)) from None
+    state = ServerState(engine=engine, tokenizer=tokenizer, model_name=name, max_model_len=info["max_model_len"],
                         api_key=args.api_key, metrics=metrics, max_body_bytes=args.max_body_bytes)
     app = create_app(state)
-    engine.warmup()
-    aengine.start()
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"dsv4 serve: {desc} as '{name}' on {engine.device}, {engine.max_model_len}-token context, "
-          f"{engine.config.max_seqs} sequences, cache {engine.cache.nbytes() / 2**20:.1f} MiB", flush=True)
+    print(f"dsv4 serve: {info['desc']} as '{name}' on {info['device']}, {info['max_model_len']}-token context, "
+          f"{info['max_seqs']} sequences, cache {info['cache_mib']:.1f} MiB", flush=True)
     print(f"ready: http://{host}:{port}/v1", flush=True)
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
@@ -117,7 +155,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[sock])
     finally:
-        aengine.shutdown()
+        engine.shutdown()
     return 0
 
 

@@ -38,9 +38,9 @@ class ServerMetrics:
         self.model = model_name
         self._seen = {"prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0, "prefix_hit_tokens": 0}
 
-    def on_step(self, engine, outputs, seconds: float) -> None:
-        """Called by the engine thread after each step."""
-        m, lab = engine.metrics(), self.model
+    def on_step(self, m: dict, outputs, seconds: float) -> None:
+        """Called after each engine step with the engine's metrics (`Engine.metrics()`) and its outputs."""
+        lab = self.model
         self.running.labels(lab).set(m["running"])
         self.waiting.labels(lab).set(m["waiting"])
         self.cache_usage.labels(lab).set(m["cache_usage"])
