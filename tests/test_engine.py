@@ -185,3 +185,14 @@ def test_overlapped_steps_give_the_same_tokens(model, prompts):
     plain, _, _ = run(model, tight, long)
     over, engine, _ = run(model, tight, long, cache_pages=8, prefix_caching=False, overlap=True)
     assert engine.stats["preemptions"] > 0 and over == plain
+
+
+def test_fixed_shape_prompt_steps_change_nothing(model, prompts):
+    """Whole prompts in fixed-shape slots (what a GPU replays from a CUDA graph: padding belongs to a row
+    without pages, every slot position that could end a group is listed) give the same tokens as the
+    ragged step; a longer prompt (no slot fits) and later chunks still run as before."""
+    plain, _, _ = run(model, prompts, greedy(), arrivals=[0, 2, 3, 0, 7, 5], max_batch_tokens=64)
+    padded, engine, _ = run(model, prompts, greedy(), arrivals=[0, 2, 3, 0, 7, 5], max_batch_tokens=64,
+                            pad_prefill=True)
+    assert padded == plain
+    assert engine.runner.prefill_steps >= 3 and engine.runner.eager_steps > engine.runner.prefill_steps

@@ -143,7 +143,8 @@ class EngineConfig:
     window_pages: int | None = None         # window pages (default: the window of every sequence, twice)
     prefix_caching: bool = True
     deterministic: bool = False             # batch-invariant numbers (float64 accumulation on the reference)
-    cuda_graphs: bool = True                # replay decode steps from CUDA graphs (CUDA only)
+    cuda_graphs: bool = True                # replay decode steps and whole-prompt steps from CUDA graphs
+    pad_prefill: bool = False               # whole-prompt steps at fixed shapes also without graphs (tests)
     overlap: bool | None = None             # launch a step before reading the last one's tokens (default:
                                             # on CUDA, where the device runs while the host does bookkeeping)
     max_n: int = 16                         # choices per request
@@ -175,7 +176,7 @@ class Engine:
         self.cache = PagedKVCache(cfg, self.layout, p.device, p.dtype)
         self.manager = CacheManager(self.layout, c.prefix_caching, has_compressed=bool(self.layout.ratios))
         self.runner = Runner(model, self.cache, cuda_graphs=c.cuda_graphs and not c.deterministic,
-                             max_graph_batch=c.max_seqs)
+                             max_graph_batch=c.max_seqs, pad_prefill=c.pad_prefill)
         self.sampler = Sampler()
         self.overlap = on_gpu if c.overlap is None else c.overlap
         self._inflight: _Step | None = None

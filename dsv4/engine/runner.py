@@ -113,6 +113,105 @@ def build_inputs(rows: list[Row], layout: CacheLayout, device: torch.device,
     return t["tokens"].view(1, -1), inputs
 
 
+PREFILL_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
+PREFILL_ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def build_prefill(rows: list[Row], layout: CacheLayout, device: torch.device, n_slots: int,
+                  length: int) -> tuple[torch.Tensor, StepInputs]:
+    """Inputs of fixed shape for whole prompts from position 0: `n_slots` slots of `length` tokens.
+
+    Slot b holds row b's tokens, then padding; the padding (and every empty slot) belongs to one extra
+    row with no pages, so its writes go to the trash page and it completes no group. The shapes (T =
+    n_slots * length, one indexer group [n_slots, length], the tokens that may complete a group) depend
+    only on (n_slots, length), so a step can be replayed from a CUDA graph captured for them."""
+    width = layout.table_width()
+    pad = n_slots                                        # the padding row
+    T = n_slots * length
+    tokens = np.zeros(T, np.int64)
+    positions = np.zeros(T, np.int64)
+    row_of = np.full(T, pad, np.int64)
+    seg = np.zeros(n_slots + 1, np.int64)
+    seg[:n_slots] = np.arange(n_slots) * length
+    start = np.zeros(n_slots + 1, np.int64)
+    lens = np.zeros(n_slots + 1, np.int64)
+    wtable = np.full((n_slots + 1, width), -1, np.int64)
+    ctable = np.full((n_slots + 1, width), -1, np.int64)
+    state = np.zeros(n_slots + 1, np.int64)
+    qmap = np.full((n_slots, length), -1, np.int64)
+    out = np.full(n_slots, T - 1, np.int64)
+    for b, r in enumerate(rows):
+        n = len(r.tokens)
+        if r.start != 0 or n > length:
+            raise ValueError("build_prefill takes whole prompts from position 0 that fit the slot")
+        lo = b * length
+        tokens[lo:lo + n] = r.tokens
+        positions[lo:lo + n] = np.arange(n)
+        row_of[lo:lo + n] = b
+        lens[b], state[b] = n, r.state
+        wtable[b, :len(r.wtable)] = r.wtable[:width]
+        ctable[b, :len(r.ctable)] = r.ctable[:width]
+        qmap[b, :n] = lo + np.arange(n)
+        out[b] = lo + n - 1
+    p = _Packer()
+    for name, arr in (("tokens", tokens), ("positions", positions), ("rows", row_of), ("seg_start", seg),
+                      ("start", start), ("length", lens), ("wtable", wtable), ("ctable", ctable),
+                      ("state", state), ("imap", qmap), ("irow", np.arange(n_slots)), ("out", out)):
+        p.add(name, arr)
+    offsets = np.arange(length)
+    for ratio in layout.ratios:                          # every slot position that could end a group
+        ends = offsets[(offsets + 1) % ratio == 0]
+        p.add(f"g{ratio}", (np.arange(n_slots)[:, None] * length + ends).reshape(-1))
+    t = p.to(device)
+    inputs = StepInputs(
+        tokens=t["tokens"], positions=t["positions"], rows=t["rows"], seg_start=t["seg_start"], start=t["start"],
+        length=t["length"], wtable=t["wtable"], ctable=t["ctable"], state=t["state"],
+        groups={r: t[f"g{r}"] for r in layout.ratios}, index_maps=[t["imap"]], index_rows=[t["irow"]],
+        out=t["out"])
+    return t["tokens"].view(1, -1), inputs
+
+
+def prefill_shape(rows: list[Row]) -> tuple[int, int] | None:
+    """(slots, length) buckets for a step of whole prompts from position 0, or None."""
+    if not rows or any(r.start != 0 or not r.want_logits for r in rows):
+        return None
+    longest = max(len(r.tokens) for r in rows)
+    length = next((n for n in PREFILL_LENGTHS if n >= longest), None)
+    slots = next((n for n in PREFILL_ROWS if n >= len(rows)), None)
+    if length is None or slots is None:
+        return None
+    return slots, length
+
+
+class PrefillGraph:
+    """A captured step of whole prompts in `slots` slots of `length` tokens (`build_prefill`)."""
+
+    _NAMES = ("tokens", "positions", "rows", "seg_start", "start", "length", "wtable", "ctable", "state", "out")
+
+    def __init__(self, model: DeepSeekV4, cache: PagedKVCache, slots: int, length: int, pool=None):
+        self.model, self.cache, self.shape = model, cache, (slots, length)
+        tokens, inputs = build_prefill([], cache.layout, cache.device, slots, length)
+        self.tokens, self.inputs = tokens.clone(), _clone_inputs(inputs, keep_out=True)
+        side = torch.cuda.Stream(cache.device)
+        side.wait_stream(torch.cuda.current_stream(cache.device))
+        with torch.cuda.stream(side):                     # compile / autotune outside the graph
+            for _ in range(2):
+                model.append(self.tokens, self.inputs, cache)
+        torch.cuda.current_stream(cache.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = model.append(self.tokens, self.inputs, cache)
+
+    def run(self, rows: list[Row]) -> torch.Tensor:
+        tokens, inputs = build_prefill(rows, self.cache.layout, self.cache.device, *self.shape)
+        self.tokens.copy_(tokens)
+        for name in self._NAMES[1:]:
+            getattr(self.inputs, name).copy_(getattr(inputs, name))
+        self.inputs.index_maps[0].copy_(inputs.index_maps[0])
+        self.graph.replay()
+        return self.logits[:len(rows)]
+
+
 class DecodeGraph:
     """A captured decode step for `batch` one-token rows; `run(rows)` copies the inputs and replays."""
 
@@ -154,25 +253,44 @@ def _feed(tokens: torch.Tensor, rows: list[Row], feed) -> None:
     tokens.view(-1).index_copy_(0, dst, sampled[idx].to(tokens.dtype))
 
 
-def _clone_inputs(inp: StepInputs) -> StepInputs:
+def _clone_inputs(inp: StepInputs, keep_out: bool = False) -> StepInputs:
     return StepInputs(tokens=inp.tokens.clone(), positions=inp.positions.clone(), rows=inp.rows.clone(),
                       seg_start=inp.seg_start.clone(), start=inp.start.clone(), length=inp.length.clone(),
                       wtable=inp.wtable.clone(), ctable=inp.ctable.clone(), state=inp.state.clone(),
-                      groups=dict(inp.groups), index_maps=[m.clone() for m in inp.index_maps],
-                      index_rows=[r.clone() for r in inp.index_rows], out=None)
+                      groups={r: (g.clone() if g is not None else None) for r, g in inp.groups.items()},
+                      index_maps=[m.clone() for m in inp.index_maps],
+                      index_rows=[r.clone() for r in inp.index_rows],
+                      out=inp.out.clone() if keep_out and inp.out is not None else None)
 
 
 class Runner:
     """Runs steps of the model on one paged cache."""
 
     def __init__(self, model: DeepSeekV4, cache: PagedKVCache, cuda_graphs: bool = False,
-                 max_graph_batch: int = 64):
+                 max_graph_batch: int = 64, pad_prefill: bool = False):
         self.model, self.cache = model, cache
         self.cuda_graphs = cuda_graphs and cache.device.type == "cuda"
+        self.pad_prefill = pad_prefill                  # fixed-shape prompt steps also without graphs (tests)
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None   # shared by prefill graphs
         self.buckets = [b for b in GRAPH_BUCKETS if b <= max_graph_batch]
         self.graphs: dict[int, DecodeGraph] = {}
+        self.prefill_graphs: dict[tuple[int, int], PrefillGraph] = {}
+        self.max_prefill_graph_tokens = 4096
         self.graph_steps = 0
         self.eager_steps = 0
+        self.prefill_steps = 0          # whole-prompt steps at a fixed shape (graphed on CUDA)
+
+    def _prefill(self, rows: list[Row], shape: tuple[int, int]) -> torch.Tensor:
+        self.prefill_steps += 1
+        if not self.cuda_graphs:                        # the same fixed-shape step, eagerly (tested on a CPU)
+            tokens, inputs = build_prefill(rows, self.cache.layout, self.cache.device, *shape)
+            self.eager_steps += 1
+            return self.model.append(tokens, inputs, self.cache)
+        graph = self.prefill_graphs.get(shape)
+        if graph is None:
+            graph = self.prefill_graphs[shape] = PrefillGraph(self.model, self.cache, *shape, pool=self._pool)
+        self.graph_steps += 1
+        return graph.run(rows)
 
     def capture_graphs(self) -> int:
         """Capture the decode graph of every bucket now (a server does it before it says it is ready, so
@@ -181,13 +299,31 @@ class Runner:
             for bucket in self.buckets:
                 if bucket not in self.graphs:
                     self.graphs[bucket] = DecodeGraph(self.model, self.cache, bucket)
-        return len(self.graphs)
+            for length in PREFILL_LENGTHS:                 # the common prompt shapes (others: on first use)
+                for slots in PREFILL_ROWS:
+                    if length <= 512 and slots * length <= self.max_prefill_graph_tokens and \
+                            (slots, length) not in self.prefill_graphs:
+                        self.prefill_graphs[(slots, length)] = PrefillGraph(self.model, self.cache, slots, length,
+                                                                            pool=self._pool)
+        return len(self.graphs) + len(self.prefill_graphs)
 
     def run(self, rows: list[Row], feed=None) -> torch.Tensor:
         """Logits [n, vocab] of the rows that want them, in row order.
 
         feed = (tokens on the device, [(row, index)]): those rows' (single) input token is tokens[index],
-        the token an earlier step sampled and the host has not read yet."""
+        the token an earlier step sampled and the host has not read yet.
+
+        On CUDA: decode rows replay a decode graph; a step whose other rows are all whole prompts (from
+        position 0, within the largest slot) replays a prefill graph for those (two replays, no eager
+        step); anything else runs eagerly."""
+        if self.cuda_graphs or self.pad_prefill:
+            k = next((i for i, r in enumerate(rows) if len(r.tokens) > 1), len(rows))
+            shape = prefill_shape(rows[k:])
+            if k < len(rows) and shape is not None and shape[0] * shape[1] <= self.max_prefill_graph_tokens and \
+                    all(len(r.tokens) == 1 and r.want_logits for r in rows[:k]):
+                parts = [self.run(rows[:k], feed)] if k else []
+                parts.append(self._prefill(rows[k:], shape))
+                return torch.cat(parts) if len(parts) > 1 else parts[0]
         decode = all(len(r.tokens) == 1 and r.want_logits for r in rows)
         if self.cuda_graphs and decode and len(rows) <= self.buckets[-1]:
             bucket = next(b for b in self.buckets if b >= len(rows))
