@@ -20,7 +20,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     from ..cli import add_quant_mode_arg
 
     add_quant_mode_arg(g)
-    g.add_argument("--max-num-seqs", type=int, default=32, help="sequences running at once (default 32)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences running at once (default 32; `bench serve`: its --clients)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context per sequence, prompt + output (default: the model's, at most 8192)")
     g.add_argument("--max-batch-tokens", type=int, default=None,
@@ -96,7 +97,7 @@ def _engine(args, model, tokenizer):
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.max_model_len is not None and not 2 <= args.max_model_len <= model.cfg.max_seq_len:
         raise UserError(f"--max-model-len must be in [2, {model.cfg.max_seq_len}] (the model's context)")
-    config = EngineConfig(max_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+    config = EngineConfig(max_seqs=args.max_num_seqs or 32, max_model_len=args.max_model_len,
                           max_batch_tokens=args.max_batch_tokens, page_size=args.page_size,
                           cache_pages=args.cache_pages, prefix_caching=not args.no_prefix_caching,
                           deterministic=args.deterministic, cuda_graphs=not args.no_cuda_graph)
