@@ -17,11 +17,12 @@ from dsv4.check.capture import capturing, layer_of
 from dsv4.check.compare import Side, backend_choice, build_model, compare, perturbed
 from dsv4.check.conformance import run_conformance
 from dsv4.check.determinism import determinism, locate_nondeterminism
-from dsv4.check.inputs import boundary_lengths, check_config, random_tokens
+from dsv4.check.inputs import boundary_lengths, check_config, moe_inputs, random_tokens
 from dsv4.check.metrics import TOLERANCES, diff, index_mismatch
 from dsv4.check.mutants import MUTANTS, temporary_backend
 from dsv4.check.nonfinite import find_nonfinite
 from dsv4.cli import main as dsv4_main
+from dsv4.config import ModelConfig
 from dsv4.errors import UserError
 from dsv4.ops import reference as ref
 
@@ -147,12 +148,13 @@ def test_conformance_tiny_catches_every_applicable_mutant(capsys):
 def test_conformance_preferred_backend_bf16_model_on_cpu(capsys):
     """A bf16 check model with one backend preferred everywhere: per-check backends show it ran (in the
     model too), the mutants' planted backends replace it, a mutant none of whose checks ran is skipped."""
-    prio = ops._REGISTRY["moe_experts"]["grouped"].priority
+    inp = moe_inputs(ModelConfig.preset("tiny"), tokens=4, dtype=torch.bfloat16)
+    default = ops.resolve("moe_experts", None, **inp).name
     rc = dsv4_main(["check", "conformance", "--device", "cpu", "--dtype", "bf16", "--backend", "grouped",
                     "--only", "Z01,Z05,Z09,Z18,Z24",
                     "--checks", "swiglu-limit,poisoned-memory,determinism,static-shapes", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert ops._REGISTRY["moe_experts"]["grouped"].priority == prio               # preference undone
+    assert ops.resolve("moe_experts", None, **inp).name == default == "reference"   # preference undone
     assert rc == 0, out
     assert out["model_dtype"] == "bfloat16" and out["backend"] == "grouped"
     assert sorted(out["baseline"]) == ["determinism", "poisoned-memory", "static-shapes", "swiglu-limit"]

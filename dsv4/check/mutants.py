@@ -31,11 +31,9 @@ from ..ops import reference as ref
 def temporary_backend(op: str, name: str, fn: Callable, deterministic: bool = True) -> Iterator[None]:
     """Register backend `name` for op and make it the default inside the block (on top of any choice in
     force); unregister after. It replaces the fast backend too: the checks exercise the planted bug."""
-    prev = getattr(ops._STATE, "choice", None)
-    base = {o: prev for o in ops.ops()} if isinstance(prev, str) else dict(prev or {})
     ops.register(op, name, fn, deterministic=deterministic, priority=-100)
     try:
-        with ops.use_backend({**base, op: name}):
+        with ops.use_backend({op: name}, inherit=True):
             yield
     finally:
         ops.unregister(op, name)
