@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from ..ops.torch_native import moe_plan
+from ..ops.moe_shared import moe_plan
 from ..ops.triton.moe import triton_moe_plan
 from .kernels import _time_ms
 from .ops import _graphed_ms

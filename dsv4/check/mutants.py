@@ -125,13 +125,13 @@ def moe_no_clamp(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0)
 
 def moe_grouped_unmasked(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0):
     """Z09: grouped GEMM whose rows past the last group (other ranks' slots) are never masked."""
-    from ..ops import torch_native as tn
+    from ..ops import moe_shared
 
-    plan = tn.moe_plan(weights, indices, w1.size(0), expert_offset)
+    plan = moe_shared.moe_plan(weights, indices, w1.size(0), expert_offset)
     xs = x[plan.token]
     gate = torch._grouped_mm(xs, w1.transpose(1, 2), offs=plan.ends)
     up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=plan.ends)
-    h = (tn.clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype)
+    h = (moe_shared.clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype)
     out = torch._grouped_mm(h, w2.transpose(1, 2), offs=plan.ends).float()
     slots = torch.empty_like(out).index_copy_(0, plan.order, out)
     return slots.view(-1, plan.topk, out.size(1)).sum(1)
