@@ -79,9 +79,10 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None):
         raise UserError("no model given and no shipped model installed: pass --preset or --model DIR")
     if not path.is_dir():
         raise UserError(f"{path}: not a directory")
-    model = DeepSeekV4.from_pretrained(path, dtype=dtype, device=device,
-                                       quant_mode=getattr(args, "quant_mode", None),
-                                       keep_quantized=getattr(args, "keep_quantized", False)).eval()
+    from .checkpoint import load_pretrained
+
+    model = load_pretrained(path, dtype=dtype, device=device, quant_mode=getattr(args, "quant_mode", None),
+                            keep_quantized=getattr(args, "keep_quantized", False)).eval()
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from .train.tokenizer import Tokenizer

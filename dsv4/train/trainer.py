@@ -308,9 +308,10 @@ class Trainer:
 
         c = self.cfg
         if c.init_from:
+            from ..checkpoint import load_pretrained
+
             # trained weights leave the FP8 / FP4 grid after the first step: a float model (W8A16 numerics)
-            model = DeepSeekV4.from_pretrained(c.init_from, dtype=torch.float32, device=self.device,
-                                               quant_mode="w8a16")
+            model = load_pretrained(c.init_from, dtype=torch.float32, device=self.device, quant_mode="w8a16")
             model.cfg.fp8_kv_sim, model.cfg.fp4_indexer_sim = self.mcfg.fp8_kv_sim, self.mcfg.fp4_indexer_sim
         else:
             model = DeepSeekV4.from_config(self.mcfg, seed=c.seed, dtype=torch.float32, device=self.device)
