@@ -363,7 +363,7 @@ def parity_norm_rope(device, rows: list) -> None:
     """rms_norm and rope_tail fwd + bwd vs the reference at the small preset's shapes (bf16 activations,
     spread magnitudes): bit-identical share of the outputs and relative error; weight gradients repeatable."""
     from ..ops import reference as ref
-    from ..ops.triton.rownorm_rope import norm_rope_cases
+    from .cases import norm_rope_cases
 
     s = 4096 if device.type == "cuda" else 8
     g = torch.Generator(device=device).manual_seed(4)
@@ -393,7 +393,7 @@ def parity_norm_rope(device, rows: list) -> None:
 def bench_elementwise(args, device, limits: dict, rows: list) -> None:
     """The quantization round trips, Hadamard and compressor pooling at prefill (4x4096 tokens) and decode
     (1 token) shapes: triton vs the reference (bytes = input read + output written)."""
-    from ..ops.triton.elementwise import elementwise_cases
+    from .cases import elementwise_cases
 
     for name, op, make in elementwise_cases(device):
         for phase, s in (("prefill", 4096), ("decode", 1)):
@@ -410,7 +410,7 @@ def bench_elementwise(args, device, limits: dict, rows: list) -> None:
 def bench_norm_rope(device, limits: dict, rows: list) -> None:
     """rms_norm and rope_tail at the small preset's shapes, prefill (4096 tokens) and decode (1 token):
     forward, and forward + backward at prefill (bytes = inputs read + outputs written)."""
-    from ..ops.triton.rownorm_rope import norm_rope_cases
+    from .cases import norm_rope_cases
 
     for name, op, make in norm_rope_cases(device):
         for phase, s in (("prefill", 4096), ("decode", 1)):
