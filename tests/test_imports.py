@@ -125,7 +125,8 @@ def test_no_cycle_between_subpackages():
     """config/formats -> ops -> model -> checkpoint -> train/check/bench/serve -> cli, never back up."""
     edges: dict[str, set[str]] = {}
     for m, targets in import_edges().items():
-        edges.setdefault(_subpackage(m), set()).update(_subpackage(t) for t in targets if _subpackage(t) != _subpackage(m))
+        here = _subpackage(m)
+        edges.setdefault(here, set()).update(_subpackage(t) for t in targets if _subpackage(t) != here)
     edges.pop("dsv4", None)                                   # the package root re-exports, nothing imports it
     for targets in edges.values():
         targets.discard("dsv4")
