@@ -19,8 +19,9 @@ from dsv4.check.conformance import run_conformance
 from dsv4.check.determinism import determinism, locate_nondeterminism
 from dsv4.check.inputs import boundary_lengths, check_config, moe_inputs, random_tokens
 from dsv4.check.metrics import TOLERANCES, diff, index_mismatch
-from dsv4.check.mutants import MUTANTS, temporary_backend
+from dsv4.check.mutants import MUTANTS, catalogue, temporary_backend
 from dsv4.check.nonfinite import find_nonfinite
+from dsv4.check.zoo import CHECKS
 from dsv4.cli import main as dsv4_main
 from dsv4.config import ModelConfig
 from dsv4.errors import UserError
@@ -120,6 +121,36 @@ def test_nonfinite_names_the_planted_op(model, tokens):
     assert not rep.ok
     assert rep.dsv4_op == "hc_post" or rep.name.startswith("hc_post")
     assert rep.module == "layers.0"
+
+
+def test_bug_zoo_list_is_the_table_in_docs(capsys):
+    """`dsv4 check conformance --list` prints the table generated from MUTANTS, and docs/bugzoo.md holds
+    exactly that table: the rows cannot drift from the code."""
+    assert dsv4_main(["check", "conformance", "--list"]) == 0
+    listed = capsys.readouterr().out.rstrip("\n")
+    assert listed == catalogue()
+    rows = listed.splitlines()
+    assert len(rows) == 2 + len(MUTANTS) == 26 and [r.split(" | ")[0] for r in rows[2:]] == [
+        f"| Z{i:02d}" for i in range(1, 25)]
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "bugzoo.md").read_text()
+    assert [line for line in doc.splitlines() if line.startswith("|")] == rows
+
+
+def test_bug_zoo_doc_describes_every_entry():
+    """Each entry has its section in docs/bugzoo.md (what happened, symptom, the checks by name, the
+    mutant), and its catalogue row says the symptom and how the mutant is planted (or why it is pending)."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "bugzoo.md").read_text()
+    sections = doc.split("\n### ")[1:]
+    assert [s.split(" - ")[0] for s in sections] == [m.id for m in MUTANTS]
+    for m, text in zip(MUTANTS, sections):
+        assert text.startswith(f"{m.id} - {m.title}")
+        for part in ("**What happened.**", "**Symptom.**", "**Caught by", "**Mutant"):
+            assert part in text, (m.id, part)
+        for check in m.checks:
+            assert f"`{check}`" in text, (m.id, check)
+        assert m.symptom and (m.mutant or m.pending), m.id
+        assert (m.plant is None) == (not m.mutant), m.id       # a described mutant is one that can be planted
+        assert all(c in CHECKS for c in m.checks), m.id
 
 
 def test_conformance_tiny_catches_every_applicable_mutant(capsys):

@@ -53,7 +53,7 @@ def _grads(fn, inputs, grad_out):
 @pytest.mark.parametrize("backend", MOE_BACKENDS)
 def test_moe_matches_reference_forward_and_backward(backend):
     inputs = _moe_inputs()
-    limit = 2.0  # well inside the activations' range: the clamp is exercised (BUGZOO Z05)
+    limit = 2.0  # well inside the activations' range: the clamp is exercised (docs/bugzoo.md Z05)
     ref_y = R.moe_experts(*inputs, limit, 2)
     grad_out = torch.randn_like(ref_y)
     y0, g0 = _grads(lambda *a: R.moe_experts(*a, limit, 2), inputs, grad_out)
@@ -83,7 +83,7 @@ def _nan_empty(real):
 
 @pytest.mark.parametrize("backend", MOE_BACKENDS)
 def test_moe_poisoned_memory(backend, monkeypatch):
-    """Every fresh buffer (and every grouped-GEMM row past the last group) starts as NaN (BUGZOO Z09)."""
+    """Every fresh buffer (and every grouped-GEMM row past the last group) starts as NaN (docs/bugzoo.md Z09)."""
     inputs = _moe_inputs(seed=1, t=24)
     ref_y = R.moe_experts(*inputs, 10.0, 2)
     grad_out = torch.randn_like(ref_y)

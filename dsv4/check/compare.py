@@ -2,7 +2,7 @@
 
 A *side* is a model plus how to run it: ops backends, dtype, eager or `torch.compile`, or an external
 implementation. Each run records its stages and the implementations that actually ran (`dsv4.ops.calls()`
-deltas), so a backend flag is never trusted without evidence (BUGZOO Z22).
+deltas), so a backend flag is never trusted without evidence (docs/bugzoo.md Z22).
 """
 
 from __future__ import annotations

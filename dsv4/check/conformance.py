@@ -1,4 +1,4 @@
-"""`dsv4 check conformance`: every BUGZOO entry as a mutant, and the checks that must catch it.
+"""`dsv4 check conformance`: every bug-zoo entry (docs/bugzoo.md) as a mutant, and the checks that must catch it.
 
 For each check: it must pass on the correct code (else the suite itself is broken). For each mutant:
 planted, its checks run; it is *caught* when at least one fails, *escaped* when all pass, *pending*

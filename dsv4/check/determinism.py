@@ -1,5 +1,5 @@
 """`dsv4 check determinism`: N identical runs of forward + backward; every output, stage and gradient
-must hash the same (BUGZOO Z09, Z18). Reports which tensors drift and by how much."""
+must hash the same (docs/bugzoo.md Z09, Z18). Reports which tensors drift and by how much."""
 
 from __future__ import annotations
 

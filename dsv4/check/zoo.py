@@ -449,7 +449,7 @@ def paged_batching(ctx: Context) -> CheckResult:
     flat = ctx.tokens.flatten().tolist()
     prompts = [flat[:7], flat[7:40], flat[40:61]]
     new = 6
-    choice = {op: ops._requested(op, None) or "reference" for op in ops.ops()}   # as teacher-forcing
+    choice = {op: ops.requested(op) or "reference" for op in ops.ops()}   # as teacher-forcing
     with ops.use_backend(choice), exact_accumulation(True), torch.no_grad():
         engine = Engine(ctx.model, EngineConfig(max_seqs=4, max_batch_tokens=9, page_size=16, deterministic=True,
                                                 prefix_caching=False, cuda_graphs=False))

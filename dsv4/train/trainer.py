@@ -510,7 +510,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- the job
     def describe(self) -> dict[str, Any]:
-        """Memory estimate and live dtypes before step 1 (BUGZOO Z21)."""
+        """Memory estimate and live dtypes before step 1 (docs/bugzoo.md Z21)."""
         per = {n: 1 for n in self.opt.muon_names} | {n: 2 for n in self.opt.adamw_names}
         est = metrics.memory_estimate(self.model, per)
         # DTensor.numel() is global; expert-parallel experts are rank-local slices of W equal parts
