@@ -93,3 +93,11 @@ def test_prefer_backend_leaves_the_registry_as_it_was(fake):
         pass
     assert {op: ops.backends(op) for op in ops.ops()} == before
     assert ops.resolve("hadamard", None, torch.randn(1, 2, 8)).name == "reference"
+
+
+def test_every_reference_lives_in_reference_py():
+    """The contract: each op's reference backend is the function of the same name in dsv4.ops.reference."""
+    assert {"fp8_linear", "fp4_linear", "moe_experts"} <= set(ops.ops())
+    for op in ops.ops():
+        assert ops.resolve(op, "reference").fn is getattr(ref, op), op
+        assert getattr(ops, op).__doc__ == getattr(ref, op).__doc__

@@ -502,7 +502,7 @@ def backend_evidence(ctx: Context) -> CheckResult:
     if 4 in cfg.compress_ratios[: cfg.n_layers]:
         must |= {"indexer_topk", "hadamard"}
     for op in ops.ops():
-        ops.register(op, "probe", ops.resolve(op, "reference").fn, priority=-100)
+        ops.register(op, "probe", getattr(ref, op), priority=-100)
     try:
         with ops.which_ran() as ran, ops.use_backend("probe"), torch.no_grad():
             ctx.model(ctx.tokens[:1, :16])

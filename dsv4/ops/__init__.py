@@ -231,6 +231,8 @@ act_quant = _make("act_quant")
 fp8_gemm = _make("fp8_gemm")
 fp4_gemm = _make("fp4_gemm")
 quantized_moe_experts = _make("quantized_moe_experts")
+fp8_linear = _make("fp8_linear")
+fp4_linear = _make("fp4_linear")
 
 
 def _load_optional_backends() -> None:
@@ -244,15 +246,6 @@ def _load_optional_backends() -> None:
 
 _load_optional_backends()
 
-
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, backend: str | None = None):
-    """y = x @ dequant(FP8 E4M3 weight [N, K], 128x128 block scales)^T in x.dtype."""
-    return call("fp8_linear", x, weight, scale, backend=backend)
-
-
-def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, backend: str | None = None):
-    """y = x @ dequant(MXFP4 weight [N, K/2] packed, per-32 E8M0 scales)^T in x.dtype."""
-    return call("fp4_linear", x, weight, scale, backend=backend)
 
 __all__ = [
     "BackendUnavailable", "register", "unregister", "backends", "ops", "calls", "reset_calls", "last_backend",

@@ -10,17 +10,12 @@
   summation order: agrees to fp32 rounding, at the bf16 GEMM rate instead of the fp32 SIMT rate.
   The backward splits the fp32 output gradient three ways as well and keeps the six products of the two
   splits that matter at fp32 precision (the other three are below 2^-24 relative).
-- Quantized-weight linears `fp8_linear` / `fp4_linear`: their "reference" definition (dequantize the
-  weight to bf16, then a bf16 matmul). The Triton backends in `dsv4.ops.triton.quant_gemm` dequantize
-  inside the GEMM instead and are tested against these.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..formats import dequantize_fp8, dequantize_mxfp4
 from . import register
 from .moe_shared import act_round_trip, build_plan, clamped_swiglu, combine_rows, gather_rows, mask_rows
 from .precision import is_exact
@@ -65,23 +60,6 @@ def grouped_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.T
 # on CUDA the Triton backend is the default.
 register("moe_experts", "grouped", grouped_moe_experts, can_run=_grouped_can_run, deterministic=True,
          priority=-1)
-
-
-# ----------------------------------------------------------------------------- quantized-weight linears
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y = x @ W^T with W = dequant(FP8 block-scaled weight) rounded to x.dtype. x [..., K] -> [..., N]."""
-    w = dequantize_fp8(weight, scale, dtype=torch.float32).to(x.dtype)
-    return F.linear(x, w)
-
-
-def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y = x @ W^T with W = dequant(MXFP4 weight) rounded to x.dtype. x [..., K] -> [..., N]."""
-    w = dequantize_mxfp4(weight, scale, dtype=torch.float32).to(x.dtype)
-    return F.linear(x, w)
-
-
-register("fp8_linear", "reference", fp8_linear)
-register("fp4_linear", "reference", fp4_linear)
 
 
 # ----------------------------------------------------------------------------- fp32 projections
