@@ -99,7 +99,7 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                    help="where the model runs: cpu, cuda, cuda:1 ... (default: %(default)s, also with a GPU present)")
     p.add_argument("--dtype", choices=list(defaults.DTYPES), default=defaults.DTYPE,
                    help="parameter dtype of the weights that are not fp32 by design (default: %(default)s, as "
-                        "DeepSeekV4.from_pretrained / from_config)")
+                        "DeepSeekV4.from_config and dsv4.checkpoint.load_pretrained)")
 
 
 # ------------------------------------------------------------------------------------------ info

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from dsv4 import DeepSeekV4
+from dsv4.checkpoint import load_pretrained
 from dsv4.cli import main
 
 
@@ -47,7 +47,7 @@ def test_api_and_cli_share_the_defaults(capsys):
 
     help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["generate"].format_help().split())
     assert f"(default: {defaults.DEVICE}" in help_text and f"(default: {defaults.DTYPE}" in help_text
-    model = DeepSeekV4.from_pretrained(default_model_dir(), progress=False)
+    model = load_pretrained(default_model_dir(), progress=False)
     assert model.embed.weight.dtype == defaults.default_dtype() and model.embed.weight.device.type == defaults.DEVICE
     ids = generate(model, [[0, 5, 7]], max_new_tokens=6, temperature=0.9, top_p=0.9, seed=3, stop_at_eos=False)[0]
     assert main(["generate", "--prompt-ids", "0,5,7", "--max-new-tokens", "6", "--temperature", "0.9",
