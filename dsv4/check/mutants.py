@@ -424,7 +424,7 @@ MUTANTS: list[Mutant] = [
            symptom="no error; the first layers' experts followed the router scores and the text was wrong",
            mutant="each hash layer's gate picks the top-k of its scores instead of `tid2eid[token]`"),
     Mutant("Z07", "route_scale applied twice", ["router-contract", "stage-compare"], _plant_z07,
-           symptom="every MoE output mis-scaled by 1.5, compounding over the layers; no error",
+           symptom="the shared expert's share of every MoE output off by 1.5, compounding over the layers",
            mutant="every gate's `route_scale` squared (the scale applied twice)"),
     Mutant("Z08", "expert-parallel rank cached as 0", ["ep-ranges"], _plant_z08, pending=_ep_pending(),
            symptom="every rank served experts 0..31; rank 0 took all the tokens and one layer's output exploded",
