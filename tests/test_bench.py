@@ -46,7 +46,7 @@ def test_bad_bench_options_exit_2(argv, capsys):
 
 
 # ------------------------------------------------------------------------------ refusals
-@pytest.mark.parametrize("bench", ["kernels", "ops", "prefill", "decode", "train"])
+@pytest.mark.parametrize("bench", ["kernels", "ops", "prefill", "decode", "train", "w8a8"])
 def test_gpu_benches_refuse_a_cpu_with_the_reason(bench, no_cuda, capsys):
     assert main(["bench", bench]) == 2
     out = capsys.readouterr()
