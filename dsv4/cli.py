@@ -79,9 +79,10 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None):
         raise UserError("no model given and no shipped model installed: pass --preset or --model DIR")
     if not path.is_dir():
         raise UserError(f"{path}: not a directory")
-    model = DeepSeekV4.from_pretrained(path, dtype=dtype, device=device,
-                                       quant_mode=getattr(args, "quant_mode", None),
-                                       keep_quantized=getattr(args, "keep_quantized", False)).eval()
+    from .checkpoint import load_pretrained
+
+    model = load_pretrained(path, dtype=dtype, device=device, quant_mode=getattr(args, "quant_mode", None),
+                            keep_quantized=getattr(args, "keep_quantized", False)).eval()
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from .train.tokenizer import Tokenizer
@@ -98,7 +99,7 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                    help="where the model runs: cpu, cuda, cuda:1 ... (default: %(default)s, also with a GPU present)")
     p.add_argument("--dtype", choices=list(defaults.DTYPES), default=defaults.DTYPE,
                    help="parameter dtype of the weights that are not fp32 by design (default: %(default)s, as "
-                        "DeepSeekV4.from_pretrained / from_config)")
+                        "DeepSeekV4.from_config and dsv4.checkpoint.load_pretrained)")
 
 
 # ------------------------------------------------------------------------------------------ info

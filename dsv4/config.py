@@ -150,10 +150,6 @@ class ModelConfig:
         return (2 + self.hc_mult) * self.hc_mult
 
     @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.rope_head_dim
-
-    @property
     def act_format(self) -> str | None:
         """How activations feeding an FP8 / FP4-stored weight are quantized: None (quant_mode "w8a16"), else
         "ue8m0" (power-of-two scales) or "fp32" (amax/448 scales) from scale_fmt."""
@@ -165,9 +161,6 @@ class ModelConfig:
     def kv_scale_pow2(self) -> bool:
         """The FP8 KV round trip's scales: powers of two for scale_fmt "ue8m0", amax/448 otherwise."""
         return self.scale_fmt == "ue8m0"
-
-    def layer_ratio(self, layer_id: int) -> int:
-        return self.compress_ratios[layer_id]
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -513,9 +506,4 @@ def _pro() -> ModelConfig:
 
 PRESETS = {"tiny": _tiny, "small": _small, "flash": _flash, "pro": _pro}
 
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-__all__ = ["ModelConfig", "ConfigError", "PRESETS", "ceil_div"]
+__all__ = ["ModelConfig", "ConfigError", "PRESETS"]

@@ -17,11 +17,13 @@ from dsv4.check.capture import capturing, layer_of
 from dsv4.check.compare import Side, backend_choice, build_model, compare, perturbed
 from dsv4.check.conformance import run_conformance
 from dsv4.check.determinism import determinism, locate_nondeterminism
-from dsv4.check.inputs import boundary_lengths, check_config, random_tokens
+from dsv4.check.inputs import boundary_lengths, check_config, moe_inputs, random_tokens
 from dsv4.check.metrics import TOLERANCES, diff, index_mismatch
-from dsv4.check.mutants import MUTANTS, temporary_backend
+from dsv4.check.mutants import MUTANTS, catalogue, temporary_backend
 from dsv4.check.nonfinite import find_nonfinite
+from dsv4.check.zoo import CHECKS
 from dsv4.cli import main as dsv4_main
+from dsv4.config import ModelConfig
 from dsv4.errors import UserError
 from dsv4.ops import reference as ref
 
@@ -121,6 +123,36 @@ def test_nonfinite_names_the_planted_op(model, tokens):
     assert rep.module == "layers.0"
 
 
+def test_bug_zoo_list_is_the_table_in_docs(capsys):
+    """`dsv4 check conformance --list` prints the table generated from MUTANTS, and docs/bugzoo.md holds
+    exactly that table: the rows cannot drift from the code."""
+    assert dsv4_main(["check", "conformance", "--list"]) == 0
+    listed = capsys.readouterr().out.rstrip("\n")
+    assert listed == catalogue()
+    rows = listed.splitlines()
+    assert len(rows) == 2 + len(MUTANTS) == 26 and [r.split(" | ")[0] for r in rows[2:]] == [
+        f"| Z{i:02d}" for i in range(1, 25)]
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "bugzoo.md").read_text()
+    assert [line for line in doc.splitlines() if line.startswith("|")] == rows
+
+
+def test_bug_zoo_doc_describes_every_entry():
+    """Each entry has its section in docs/bugzoo.md (what happened, symptom, the checks by name, the
+    mutant), and its catalogue row says the symptom and how the mutant is planted (or why it is pending)."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "bugzoo.md").read_text()
+    sections = doc.split("\n### ")[1:]
+    assert [s.split(" - ")[0] for s in sections] == [m.id for m in MUTANTS]
+    for m, text in zip(MUTANTS, sections):
+        assert text.startswith(f"{m.id} - {m.title}")
+        for part in ("**What happened.**", "**Symptom.**", "**Caught by", "**Mutant"):
+            assert part in text, (m.id, part)
+        for check in m.checks:
+            assert f"`{check}`" in text, (m.id, check)
+        assert m.symptom and (m.mutant or m.pending), m.id
+        assert (m.plant is None) == (not m.mutant), m.id       # a described mutant is one that can be planted
+        assert all(c in CHECKS for c in m.checks), m.id
+
+
 def test_conformance_tiny_catches_every_applicable_mutant(capsys):
     det_before = torch.are_deterministic_algorithms_enabled()
     rc = dsv4_main(["check", "conformance", "--preset", "tiny", "--json"])
@@ -147,12 +179,13 @@ def test_conformance_tiny_catches_every_applicable_mutant(capsys):
 def test_conformance_preferred_backend_bf16_model_on_cpu(capsys):
     """A bf16 check model with one backend preferred everywhere: per-check backends show it ran (in the
     model too), the mutants' planted backends replace it, a mutant none of whose checks ran is skipped."""
-    prio = ops._REGISTRY["moe_experts"]["grouped"].priority
+    inp = moe_inputs(ModelConfig.preset("tiny"), tokens=4, dtype=torch.bfloat16)
+    default = ops.resolve("moe_experts", None, **inp).name
     rc = dsv4_main(["check", "conformance", "--device", "cpu", "--dtype", "bf16", "--backend", "grouped",
                     "--only", "Z01,Z05,Z09,Z18,Z24",
                     "--checks", "swiglu-limit,poisoned-memory,determinism,static-shapes", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert ops._REGISTRY["moe_experts"]["grouped"].priority == prio               # preference undone
+    assert ops.resolve("moe_experts", None, **inp).name == default == "reference"   # preference undone
     assert rc == 0, out
     assert out["model_dtype"] == "bfloat16" and out["backend"] == "grouped"
     assert sorted(out["baseline"]) == ["determinism", "poisoned-memory", "static-shapes", "swiglu-limit"]

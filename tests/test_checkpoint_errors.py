@@ -1,5 +1,5 @@
 """Broken checkpoints are refused with one clear error naming tensor and file; planted format bugs
-(BUGZOO Z01-Z04) are caught by the loader or by comparing logits with the source model."""
+(docs/bugzoo.md Z01-Z04) are caught by the loader or by comparing logits with the source model."""
 
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             "infer": D.inference_check(modes=("all_reduce", "all_to_all"), device=cpu),
         }
     res["helpers"] = _helper_checks()
-    # BUGZOO Z08 mutant: the expert-parallel rank read as 0 in every process
+    # docs/bugzoo.md Z08 mutant: the expert-parallel rank read as 0 in every process
     live = D._ep_rank
     D._ep_rank = lambda group: 0
     try:

@@ -15,7 +15,7 @@ HAS_DTYPES = fm.HAS_E8M0 and fm.HAS_FP8 and fm.HAS_FP4
 
 # ------------------------------------------------------------------------------------------- E8M0
 def e8m0_decoder_ok(decode) -> bool:
-    """Known bytes -> known values; the check a value-casting decoder (BUGZOO Z02) fails."""
+    """Known bytes -> known values; the check a value-casting decoder (docs/bugzoo.md Z02) fails."""
     b = torch.tensor([127, 0, 1, 128, 254, 120], dtype=torch.uint8)
     want = torch.tensor([1.0, 2.0**-127, 2.0**-126, 2.0, 2.0**127, 2.0**-7], dtype=torch.float32)
     got = decode(b).float()
@@ -48,7 +48,7 @@ def test_e8m0_torch_dtype_is_a_bit_view():
 
 
 def test_e8m0_value_cast_mutant_is_caught():
-    # BUGZOO Z02: the scale bytes converted by *value* (uint8 -> float) instead of copied as bits
+    # docs/bugzoo.md Z02: the scale bytes converted by *value* (uint8 -> float) instead of copied as bits
     assert not e8m0_decoder_ok(lambda b: b.float())
     if fm.HAS_E8M0:
         assert not e8m0_decoder_ok(lambda b: b.to(torch.float8_e8m0fnu).float())
@@ -123,7 +123,7 @@ def test_fp8_quantization_error_is_bounded():
 
 
 def test_fp8_transposed_scale_is_rejected():
-    # BUGZOO Z03: a block scale stored transposed (or with a singleton leading dim)
+    # docs/bugzoo.md Z03: a block scale stored transposed (or with a singleton leading dim)
     w = representable_fp8(256, 384)
     q, s = fm.quantize_fp8(w)
     for bad in (s.view(torch.uint8).t().contiguous(), s.view(torch.uint8).reshape(1, -1)):
@@ -133,7 +133,7 @@ def test_fp8_transposed_scale_is_rejected():
 
 # ------------------------------------------------------------------------------------------- MXFP4
 def fp4_unpacker_ok(unpack) -> bool:
-    """Known bytes 0x21, 0x43 -> codes 1, 2, 3, 4 (the check BUGZOO Z01 fails)."""
+    """Known bytes 0x21, 0x43 -> codes 1, 2, 3, 4 (the check docs/bugzoo.md Z01 fails)."""
     b = torch.tensor([[0x21, 0x43], [0x0F, 0xF0]], dtype=torch.uint8).view(torch.int8)
     return unpack(b).tolist() == [[1, 2, 3, 4], [15, 0, 0, 15]]
 
@@ -156,7 +156,7 @@ def test_fp4_dequantize_agrees_with_unpack_for_every_byte():
 
 
 def test_fp4_planar_unpack_mutant_is_caught():
-    # BUGZOO Z01: all low nibbles first, then all high nibbles, instead of interleaved per byte
+    # docs/bugzoo.md Z01: all low nibbles first, then all high nibbles, instead of interleaved per byte
     def planar(p):
         b = p.view(torch.uint8)
         return torch.cat([b & 0x0F, b >> 4], dim=-1)

@@ -3,7 +3,7 @@
 transformers simulates no quantization-aware training, so an "hf"-layout directory loads with both QAT
 simulations off; and any configuration transformers accepts loads, including dimensions those simulations
 could not block (a 16-dim rotary slice of a 128-dim head, the default rotary fraction 64/512; an indexer
-head as wide as the rotary slice). Plain `DeepSeekV4.from_pretrained(DIR)`: no flags (the default dtype: fp32).
+head as wide as the rotary slice). Plain `load_pretrained(DIR)`: no flags (the default dtype: fp32).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
+from dsv4.checkpoint import load_pretrained
 from dsv4.config import ConfigError, ModelConfig
-from dsv4.model import DeepSeekV4
 
 transformers = pytest.importorskip("transformers", reason="optional dependency 'transformers' not installed")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
@@ -71,7 +71,7 @@ def hf_checkpoint(tmp_path, name: str):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_transformers_checkpoint_loads_plainly_and_matches_its_logits(tmp_path, name):
     hf, d = hf_checkpoint(tmp_path, name)
-    model = DeepSeekV4.from_pretrained(d)
+    model = load_pretrained(d)
     cfg = model.cfg
     assert model.checkpoint_plan["layout"] == "hf"
     assert not cfg.fp8_kv_sim and not cfg.fp4_indexer_sim          # transformers' semantics
@@ -88,7 +88,7 @@ def test_transformers_checkpoint_loads_plainly_and_matches_its_logits(tmp_path, 
 def test_simulations_that_cannot_block_say_which_and_why(tmp_path):
     _, d = hf_checkpoint(tmp_path, "default-rotary-fraction")
     with pytest.raises(Exception, match=r"fp8_kv_sim.*112.*multiple of 64"):
-        DeepSeekV4.from_pretrained(d, fp8_kv_sim=True)
+        load_pretrained(d, fp8_kv_sim=True)
     raw = ModelConfig.preset("tiny").replace(fp8_kv_sim=False, fp4_indexer_sim=False,
                                              index_head_dim=96).to_hf_json()
     assert ModelConfig.from_dict(raw, overrides={"fp4_indexer_sim": False}).index_head_dim == 96

@@ -28,8 +28,8 @@ def test_teacher_forcing_with_long_prefill(tiny):
 
 
 def test_teacher_forcing_names_a_planted_cache_bug(tiny, monkeypatch):
-    # BUGZOO Z11-style: the decode steps rope a new compressed entry at its raw token position instead of
-    # its compressed index (the full path and the prefill stay correct)
+    # docs/bugzoo.md Z11-style: the decode steps rope a new compressed entry at its raw token position
+    # instead of its compressed index (the full path and the prefill stay correct)
     comp = tiny.layers[1].attn.compressor
     in_step = [False]
     append, finish = comp.append, comp.finish

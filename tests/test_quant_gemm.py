@@ -54,8 +54,8 @@ def test_fp8_linear_reads_each_block_scale():
 
 
 def test_fp4_linear_known_bytes():
-    """Bytes 0x21, 0x43 are codes 1, 2, 3, 4 (low nibble first, BUGZOO Z01); scale bytes are read as bits
-    (BUGZOO Z02): byte 130 = 2^3."""
+    """Bytes 0x21, 0x43 are codes 1, 2, 3, 4 (low nibble first, docs/bugzoo.md Z01); scale bytes are read as bits
+    (docs/bugzoo.md Z02): byte 130 = 2^3."""
     n, k = 32, 64
     packed = torch.zeros(n, k // 2, dtype=torch.uint8)
     packed[0, 0], packed[0, 1] = 0x21, 0x43

@@ -116,7 +116,7 @@ ATTN_CASES = [
     (2, 4, 20, 32, 30, 17, torch.float32, "padding"),       # several head blocks, all-padding rows
     (1, 4, 4, 32, 24, 9, torch.float32, "big_sink"),        # sinks dominate or vanish
     (2, 5, 4, 128, 64, 24, torch.bfloat16, "peaked"),       # RoPE'd, peaked softmax
-    (1, 6, 4, 128, 40, 8, torch.bfloat16, "window_only"),   # BUGZOO Z13: no compressed keys
+    (1, 6, 4, 128, 40, 8, torch.bfloat16, "window_only"),   # docs/bugzoo.md Z13: no compressed keys
     (1, 6, 4, 128, 40, 8, torch.float32, "window_only"),
 ]
 
@@ -192,7 +192,7 @@ def test_decode_split_matches_reference(splits):
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_outputs_do_not_write_outside_their_buffers(splits):
-    """Canary (BUGZOO Z12): outputs are views into NaN-filled buffers; the surroundings stay NaN."""
+    """Canary (docs/bugzoo.md Z12): outputs are views into NaN-filled buffers; the surroundings stay NaN."""
     b, s, h, d, k = 2, 3, 4, 32, 40
     q, kv, sink, idx = (x.to(DEV) for x in attn_inputs(b, s, h, d, 50, k, torch.float32, "padding"))
     pad = 37
@@ -220,7 +220,7 @@ def test_deterministic_mode_repeats_bit_identically(mode, monkeypatch):
 
 
 def test_lse_gradient_is_ignored():
-    """BUGZOO Z14/Z15: lse is returned non-differentiable; a loss through it changes no gradient."""
+    """docs/bugzoo.md Z14/Z15: lse is returned non-differentiable; a loss through it changes no gradient."""
     q, kv, sink, idx = (x.to(DEV) for x in attn_inputs(1, 3, 2, 32, 10, 5, torch.float32, "random"))
     grads = []
     for with_lse in (False, True):
@@ -323,7 +323,7 @@ def test_indexer_topk_per_row_positions_matches_reference():
 
 
 def test_indexer_scores_canary():
-    """Scores written into a view of a NaN-filled buffer leave the surroundings untouched (BUGZOO Z12)."""
+    """Scores written into a view of a NaN-filled buffer leave the surroundings untouched (docs/bugzoo.md Z12)."""
     b, s, h, d, n = 2, 11, 2, 32, 19
     q, k, w = (x.to(DEV) for x in indexer_inputs(b, s, h, d, n, torch.float32))
     pos = torch.arange(s, device=DEV) * 3

@@ -53,7 +53,7 @@ def _grads(fn, inputs, grad_out):
 @pytest.mark.parametrize("backend", MOE_BACKENDS)
 def test_moe_matches_reference_forward_and_backward(backend):
     inputs = _moe_inputs()
-    limit = 2.0  # well inside the activations' range: the clamp is exercised (BUGZOO Z05)
+    limit = 2.0  # well inside the activations' range: the clamp is exercised (docs/bugzoo.md Z05)
     ref_y = R.moe_experts(*inputs, limit, 2)
     grad_out = torch.randn_like(ref_y)
     y0, g0 = _grads(lambda *a: R.moe_experts(*a, limit, 2), inputs, grad_out)
@@ -83,7 +83,7 @@ def _nan_empty(real):
 
 @pytest.mark.parametrize("backend", MOE_BACKENDS)
 def test_moe_poisoned_memory(backend, monkeypatch):
-    """Every fresh buffer (and every grouped-GEMM row past the last group) starts as NaN (BUGZOO Z09)."""
+    """Every fresh buffer (and every grouped-GEMM row past the last group) starts as NaN (docs/bugzoo.md Z09)."""
     inputs = _moe_inputs(seed=1, t=24)
     ref_y = R.moe_experts(*inputs, 10.0, 2)
     grad_out = torch.randn_like(ref_y)
@@ -163,7 +163,7 @@ PLAN_CASES = [  # case, T, k, n_local, expert_offset, n_global   (T*k never a mu
 def test_moe_triton_plan_equals_sort_plan(case, t, k, n_local, offset, n_global):
     """The counting-sort plan is `moe_plan` bit for bit (stable order, foreign slots last), and the
     tile table its last kernel writes is the one `_Tiles` builds from `ends`."""
-    from dsv4.ops.torch_native import moe_plan
+    from dsv4.ops.moe_shared import moe_plan
     moe = importlib.import_module("dsv4.ops.triton.moe")
     wts, idx = _routing(case, t, k, n_local, offset, n_global)
     for w, i in ((wts, idx), (wts.bfloat16(), idx.int())):
@@ -181,7 +181,7 @@ def test_moe_triton_plan_equals_sort_plan(case, t, k, n_local, offset, n_global)
 
 def test_moe_triton_plan_many_chunks(monkeypatch):
     """Several chunks of several 64-slot blocks each, and counts read back in several tiles."""
-    from dsv4.ops.torch_native import moe_plan
+    from dsv4.ops.moe_shared import moe_plan
     moe = importlib.import_module("dsv4.ops.triton.moe")
     monkeypatch.setattr(moe, "_PLAN_CT", 4 * 512)          # 4 chunks per tile of counts
     for t, n_local in ((555, 256), (161, 8)):               # 2220 slots in 18 chunks; 644 in 11
@@ -199,7 +199,7 @@ def test_moe_triton_plan_many_chunks(monkeypatch):
 
 def test_moe_triton_output_unchanged_by_plan(monkeypatch):
     """The Triton backend gives the same bits with the counting-sort plan as with the sort plan."""
-    from dsv4.ops.torch_native import moe_plan
+    from dsv4.ops.moe_shared import moe_plan
     moe = importlib.import_module("dsv4.ops.triton.moe")
     inputs = _moe_inputs(seed=4, t=21)
     grad_out = torch.randn(21, 64)

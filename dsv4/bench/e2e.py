@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..config import ModelConfig
+from .report import add_output_args, emit, require_cuda
 
 
 def _sync(device: torch.device) -> None:
@@ -271,9 +272,7 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     """Entry point of `dsv4 bench prefill|decode|train`."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda" and not args.allow_cpu:
-        print(f"dsv4 bench {args.bench}: needs a CUDA device (none found); pass --device cpu --allow-cpu "
-              "for a smoke run")
-        return 2
+        require_cuda(f"dsv4 bench {args.bench}", "pass --device cpu --allow-cpu for a smoke run (not a benchmark)")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     for key, val in _DEFAULTS[args.bench].items():
         if getattr(args, key) is None:
@@ -297,21 +296,24 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
         result["speedup"] = round(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], 2)
     if args.jsonl:
         print(json.dumps({"speedup": result.get("speedup")}))
-        return 0
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(f"{result['device']}  torch {result['torch']}  {result['date']}  preset {args.preset} "
-          f"{args.dtype}")
+    return emit(result, render, args.json, args.jsonl)
+
+
+def render(result: dict) -> str:
+    """The printed table of a run: header, tokens/s per path (with the profile numbers a row has), the
+    fast path's backends and the speed-up."""
+    rows = result["rows"]
+    lines = [f"{result['device']}  torch {result['torch']}  {result['date']}  preset {result['preset']} "
+             f"{result['dtype']}"]
     for r in rows:
         keys = ("kernels_per_step", "gpu_busy_ms_per_step", "host_syncs_per_step", "model_tflops", "mfu")
         extra = {k: r[k] for k in keys if k in r}
-        print(f"{r['bench']:8s} {r['path']:10s} {r['tokens_per_s']:12.1f} tokens/s  ({r['s']:.4f} s)"
-              f"{'  ' + str(extra) if extra else ''}")
-    print("fast path backends:", rows[0]["backends"])
+        lines.append(f"{r['bench']:8s} {r['path']:10s} {r['tokens_per_s']:12.1f} tokens/s  ({r['s']:.4f} s)"
+                     f"{'  ' + str(extra) if extra else ''}")
+    lines.append(f"fast path backends: {rows[0]['backends']}")
     if "speedup" in result:
-        print(f"speed-up fast / reference: {result['speedup']}x")
-    return 0
+        lines.append(f"speed-up fast / reference: {result['speedup']}x")
+    return "\n".join(lines)
 
 
 def add_bench_parsers(subparsers) -> None:
@@ -345,6 +347,5 @@ def add_bench_parsers(subparsers) -> None:
             p.add_argument("--peak-tflops", type=float, help="device bf16 peak for MFU (default: known GPUs)")
         p.add_argument("--device", default=None)
         p.add_argument("--allow-cpu", action="store_true", help="run on CPU (smoke test, not a benchmark)")
-        p.add_argument("--json", action="store_true")
-        p.add_argument("--jsonl", action="store_true")
+        add_output_args(p)
         p.set_defaults(func=run_e2e_bench, bench=name)

@@ -26,11 +26,13 @@ import torch
 from .. import ops
 from ..config import ModelConfig
 from ..engine.graphs import GraphedDecoder, GraphedPrefill
+from ..errors import UserError
 from ..model import DeepSeekV4
 from ..train import balance
 from ..train.graphed import GraphedBackward
 from ..train.losses import total_loss
 from ..train.optim import MuonAdamW, OptimConfig
+from .report import refused, require_cuda
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -115,10 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args(argv)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS starts: fixed GEMM order
-    if not torch.cuda.is_available():
-        print("graph_check: needs a CUDA device")
-        return 2
-    dev = torch.device("cuda")
+    try:
+        dev = require_cuda("python3 -m dsv4.bench.graph_check", "it compares CUDA-graph replays with eager runs")
+    except UserError as e:
+        return refused(e)
     ops.set_deterministic(True)                 # bit-repeatable backends where they offer it
     ok = True
     for preset in args.presets:

@@ -20,7 +20,7 @@ import torch
 import dsv4.ops as ops
 from dsv4.ops import reference as R
 
-from .kernels import capture_graph
+from .report import capture_graph
 
 
 def graph_us(fn: Callable[[], object], reps: int = 200) -> float:

@@ -18,7 +18,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserError
 from .e2e import build_model, kernel_table
+from .report import refused, require_cuda
 
 
 def _graphed_call(bench: str, args: argparse.Namespace, device: torch.device) -> Callable[[], object]:
@@ -57,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=None, help="default: 2048 (train), 4096 (prefill), 64 (decode)")
     p.add_argument("--top", type=int, default=28, help="kernels listed")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("dsv4.bench.kernel_profile: needs a CUDA device")
-        return 2
+    try:
+        device = require_cuda("python3 -m dsv4.bench.kernel_profile", "it profiles CUDA kernels")
+    except UserError as e:
+        return refused(e)
     args.batch = args.batch or (2 if args.bench == "train" else 1)
     args.seq = args.seq or {"train": 2048, "prefill": 4096, "decode": 64}[args.bench]
-    device = torch.device("cuda")
     torch.manual_seed(0)
     fn = _graphed_call(args.bench, args, device)
     calls = 3 if args.bench != "decode" else 1           # decode: one step per call, the cache advances

@@ -13,57 +13,14 @@ gathered (`b*s*k*d*elem`) plus q and o.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from collections.abc import Callable
 
 import torch
 
-
-# ----------------------------------------------------------------------------- timing and limits
-def _time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
-    """Median of per-call times in ms (CUDA events around each call)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """fn() captured in a CUDA graph, after three warm-up calls on a side stream (autotuning, allocator)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def measure_limits(device: torch.device) -> dict:
-    """Measured bf16 matmul TFLOP/s (8192^3) and device copy bandwidth GB/s (1 GiB read + 1 GiB write)."""
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    bm = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    ms = _time_ms(lambda: a @ bm, reps=20)
-    mm_tflops = 2 * 8192**3 / ms / 1e9
-    src = torch.empty(1 << 29, device=device, dtype=torch.int16)   # 1 GiB
-    dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), reps=20)
-    copy_gbs = 2 * src.numel() * 2 / ms / 1e6
-    return {"matmul_tflops": mm_tflops, "copy_gbs": copy_gbs}
+from .report import Stream, add_output_args, emit, header, rate_columns, rates, run_info, start_run
+from .report import time_ms as _time_ms
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -172,13 +129,7 @@ def _attention_sweeps(args, device, rows: list, sa) -> None:
 # ----------------------------------------------------------------------------- benchmarks
 def _row(name: str, shape: str, ms: float, limits: dict, flops: float | None = None,
          nbytes: float | None = None, ref_ms: float | None = None, **extra) -> dict:
-    r = {"kernel": name, "shape": shape, "ms": round(ms, 4)}
-    if flops:
-        r["tflops"] = round(flops / ms / 1e9, 1)
-        r["of_matmul"] = round(r["tflops"] / limits["matmul_tflops"], 3)
-    if nbytes:
-        r["gbs"] = round(nbytes / ms / 1e6, 1)
-        r["of_copy"] = round(r["gbs"] / limits["copy_gbs"], 3)
+    r = {"kernel": name, "shape": shape, "ms": round(ms, 4), **rates(ms, limits, flops or None, nbytes or None)}
     if ref_ms is not None:
         r["ref_ms"] = round(ref_ms, 3)
         r["speedup"] = round(ref_ms / ms, 1)
@@ -308,14 +259,6 @@ def _bench_indexer(args, device, limits: dict, rows: list) -> None:
                          **extra))
 
 
-class _Stream(list):
-    """A list that also prints each appended row as one JSON line (partial results survive a timeout)."""
-
-    def append(self, row: dict) -> None:
-        super().append(row)
-        print(json.dumps(row), flush=True)
-
-
 def _diag_rows() -> list[dict]:
     """Registers, spills, shared memory and tensor-core instruction kind of every compiled kernel."""
     from dsv4.ops.triton import indexer as ix
@@ -344,17 +287,9 @@ def _diag_rows() -> list[dict]:
 
 def run_kernel_bench(args: argparse.Namespace) -> int:
     """Entry point of `dsv4 bench kernels`."""
-    if not torch.cuda.is_available():
-        print("dsv4 bench kernels: needs a CUDA device (none found); the kernels' CPU path is the "
-              "Triton interpreter, which is for tests, not timing")
-        return 2
-    device = torch.device("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    limits = measure_limits(device)
-    rows: list[dict] = _Stream() if args.jsonl else []
-    sweep_rows: list[dict] = _Stream() if args.jsonl else []
-    if args.jsonl:
-        rows.append({"limits": limits, "device": torch.cuda.get_device_name(device)})
+    device, limits, rows = start_run("dsv4 bench kernels", "the kernels' CPU path is the Triton interpreter, "
+                                                           "which is for tests, not timing", args.jsonl)
+    sweep_rows: list[dict] = Stream() if args.jsonl else []
     t0 = time.time()
     parts = set(args.only.split(",")) if args.only else {"attention", "indexer"}
     if args.sweep:
@@ -363,35 +298,29 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
         _bench_attention(args, device, limits, rows)
     if "indexer" in parts:
         _bench_indexer(args, device, limits, rows)
-    result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d"),
-              "limits": {k: round(v, 1) for k, v in limits.items()}, "rows": rows, "sweeps": sweep_rows,
-              "seconds": round(time.time() - t0, 1)}
+    result = {**run_info(device, limits), "rows": rows, "sweeps": sweep_rows, "seconds": round(time.time() - t0, 1)}
     if args.diag:
         for r in _diag_rows():
             rows.append(r)
-    if args.jsonl:
-        return 0
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(f"{result['device']}  torch {result['torch']}  triton {result['triton']}  {result['date']}")
-    print(f"measured: bf16 matmul {limits['matmul_tflops']:.0f} TFLOP/s, copy {limits['copy_gbs']:.0f} GB/s")
-    for r in sweep_rows:
-        print("sweep", r)
-    for r in rows:
+    return emit(result, render, args.json, args.jsonl)
+
+
+def render(result: dict) -> str:
+    """The printed table of a run: header, sweeps, then per kernel and shape its time, rates and speed-up,
+    with the correctness numbers on the line below; rows that are not timings print as they are."""
+    lines = header(result)
+    lines += [f"sweep {r}" for r in result["sweeps"]]
+    for r in result["rows"]:
         if "kernel" not in r:
-            print(r)
+            lines.append(str(r))
             continue
-        rate = f"{r['tflops']:7.1f} TFLOP/s ({r['of_matmul']:.0%} of matmul)" if "tflops" in r else ""
-        bw = f"  {r['gbs']:7.0f} GB/s ({r['of_copy']:.0%} of copy)" if "gbs" in r else ""
         sp = f"  x{r['speedup']} vs reference" if "speedup" in r else ""
-        print(f"{r['kernel']:30s} {r['shape']:44s} {r['ms']:9.3f} ms  {rate}{bw}{sp}")
+        lines.append(f"{r['kernel']:30s} {r['shape']:44s} {r['ms']:9.3f} ms  {rate_columns(r)}{sp}")
         keys = ("rel", "max_", "det_", "same_", "splits", "visible")
         chk = {k: v for k, v in r.items() if k.startswith(keys)}
         if chk:
-            print(f"{'':30s} {chk}")
-    return 0
+            lines.append(f"{'':30s} {chk}")
+    return "\n".join(lines)
 
 
 def add_bench_kernels_parser(subparsers) -> argparse.ArgumentParser:
@@ -412,7 +341,6 @@ def add_bench_kernels_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="compare with the reference at the bench shapes")
     p.add_argument("--sweep", action="store_true", help="try launch configs first, keep the fastest")
     p.add_argument("--diag", action="store_true", help="report registers / spills / smem of compiled kernels")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--jsonl", action="store_true", help="print each result as a JSON line as it is measured")
+    add_output_args(p)
     p.set_defaults(func=run_kernel_bench)
     return p

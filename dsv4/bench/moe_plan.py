@@ -13,10 +13,11 @@ import json
 
 import torch
 
-from ..ops.torch_native import moe_plan
+from ..errors import UserError
+from ..ops.moe_shared import moe_plan
 from ..ops.triton.moe import triton_moe_plan
-from .kernels import _time_ms
 from .ops import _graphed_ms
+from .report import refused, require_cuda, time_ms
 
 FIELDS = ("order", "token", "valid", "weight", "ends")
 
@@ -73,7 +74,7 @@ def timings(t: int, device) -> list[dict]:
         for label, fn in (("sort (moe_plan)", moe_plan), ("triton counting sort", triton_moe_plan)):
             call = functools.partial(fn, wts, idx, n_local, offset)
             rows.append({"shape": name, "T": t, "k": k, "E": n_local, "plan": label,
-                         "ms_per_call": round(_time_ms(call, reps=50), 4),
+                         "ms_per_call": round(time_ms(call, reps=50), 4),
                          "ms_graphed": round(_graphed_ms(call, reps=50), 4),
                          "kernels_per_call": _kernels_per_call(call)})
     return rows
@@ -84,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    dev = torch.device("cuda")
+    try:
+        dev = require_cuda("python3 -m dsv4.bench.moe_plan", "it times the Triton counting sort on the GPU")
+    except UserError as e:
+        return refused(e)
     rows = check(args.tokens, dev)
     ok = all(r["equal"] for r in rows)
     rows += timings(args.tokens, dev)

@@ -22,19 +22,15 @@ import torch
 from .. import ops
 from ..config import ModelConfig
 from .e2e import _count_syncs
-from .kernels import _rel, _time_ms, capture_graph, measure_limits
+from .kernels import _rel
+from .report import add_output_args, capture_graph, emit, header, rate_columns, rates, run_info, start_run
+from .report import time_ms as _time_ms
 
 
 def _row(rows: list, op: str, backend: str, shape: str, ms: float, limits: dict, *,
          flops: float | None = None, nbytes: float | None = None, peer_ms: float | None = None,
          **extra) -> dict:
-    r = {"op": op, "backend": backend, "shape": shape, "ms": round(ms, 4)}
-    if flops is not None:
-        r["tflops"] = round(flops / ms / 1e9, 1)
-        r["of_matmul"] = round(r["tflops"] / limits["matmul_tflops"], 3)
-    if nbytes is not None:
-        r["gbs"] = round(nbytes / ms / 1e6, 0)
-        r["of_copy"] = round(r["gbs"] / limits["copy_gbs"], 3)
+    r = {"op": op, "backend": backend, "shape": shape, "ms": round(ms, 4), **rates(ms, limits, flops, nbytes)}
     if peer_ms is not None:
         r["of_same_shape_mm"] = round(peer_ms / ms, 3)
     r.update(extra)
@@ -363,7 +359,7 @@ def parity_norm_rope(device, rows: list) -> None:
     """rms_norm and rope_tail fwd + bwd vs the reference at the small preset's shapes (bf16 activations,
     spread magnitudes): bit-identical share of the outputs and relative error; weight gradients repeatable."""
     from ..ops import reference as ref
-    from ..ops.triton.rownorm_rope import norm_rope_cases
+    from .cases import norm_rope_cases
 
     s = 4096 if device.type == "cuda" else 8
     g = torch.Generator(device=device).manual_seed(4)
@@ -393,7 +389,7 @@ def parity_norm_rope(device, rows: list) -> None:
 def bench_elementwise(args, device, limits: dict, rows: list) -> None:
     """The quantization round trips, Hadamard and compressor pooling at prefill (4x4096 tokens) and decode
     (1 token) shapes: triton vs the reference (bytes = input read + output written)."""
-    from ..ops.triton.elementwise import elementwise_cases
+    from .cases import elementwise_cases
 
     for name, op, make in elementwise_cases(device):
         for phase, s in (("prefill", 4096), ("decode", 1)):
@@ -410,7 +406,7 @@ def bench_elementwise(args, device, limits: dict, rows: list) -> None:
 def bench_norm_rope(device, limits: dict, rows: list) -> None:
     """rms_norm and rope_tail at the small preset's shapes, prefill (4096 tokens) and decode (1 token):
     forward, and forward + backward at prefill (bytes = inputs read + outputs written)."""
-    from ..ops.triton.rownorm_rope import norm_rope_cases
+    from .cases import norm_rope_cases
 
     for name, op, make in norm_rope_cases(device):
         for phase, s in (("prefill", 4096), ("decode", 1)):
@@ -437,23 +433,10 @@ def bench_norm_rope(device, limits: dict, rows: list) -> None:
                 _row(rows, op, be, f"{name} fwd+bwd {phase} s={s}", ms, limits, nbytes=2 * nbytes)
 
 
-class _Stream(list):
-    def append(self, row: dict) -> None:
-        super().append(row)
-        print(json.dumps(row), flush=True)
-
-
 def run_ops_bench(args: argparse.Namespace) -> int:
     """Entry point of `dsv4 bench ops`."""
-    if not torch.cuda.is_available():
-        print("dsv4 bench ops: needs a CUDA device (none found)")
-        return 2
-    device = torch.device("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    limits = measure_limits(device)
-    rows: list[dict] = _Stream() if args.jsonl else []
-    if args.jsonl:
-        rows.append({"limits": limits, "device": torch.cuda.get_device_name(device)})
+    device, limits, rows = start_run("dsv4 bench ops", "the Triton backends' CPU path is the interpreter, which "
+                                                       "is for tests, not timing", args.jsonl)
     t0 = time.time()
     parts = set(args.only.split(",")) if args.only else {"moe", "mhc", "quant"}
     if args.parity or "parity" in parts:
@@ -469,31 +452,26 @@ def run_ops_bench(args: argparse.Namespace) -> int:
         bench_mhc(args, device, limits, rows)
     if "quant" in parts:
         bench_quant(args, device, limits, rows)
-    result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d"),
-              "limits": {k: round(v, 1) for k, v in limits.items()}, "rows": list(rows),
-              "seconds": round(time.time() - t0, 1)}
-    if args.jsonl:
-        return 0
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(f"{result['device']}  torch {result['torch']}  triton {result['triton']}  {result['date']}")
-    print(f"measured: bf16 matmul {limits['matmul_tflops']:.0f} TFLOP/s, copy {limits['copy_gbs']:.0f} GB/s")
-    for r in rows:
+    result = {**run_info(device, limits), "rows": list(rows), "seconds": round(time.time() - t0, 1)}
+    return emit(result, render, args.json, args.jsonl)
+
+
+def render(result: dict) -> str:
+    """The printed table of a run: header, then per op, backend and shape its time, rates, share of the
+    same-shape matmul and relative errors; parity rows as JSON, skipped rows with their reason."""
+    lines = header(result)
+    for r in result["rows"]:
         if "parity" in r:
-            print("parity", json.dumps(r))
+            lines.append("parity " + json.dumps(r))
             continue
         if "skipped" in r:
-            print(f"{r['op']:22s} {r['backend']:10s} {r['shape']:40s} skipped: {r['skipped']}")
+            lines.append(f"{r['op']:22s} {r['backend']:10s} {r['shape']:40s} skipped: {r['skipped']}")
             continue
-        rate = f"{r['tflops']:7.1f} TFLOP/s ({r['of_matmul']:.0%} of matmul)" if "tflops" in r else ""
-        bw = f"{r['gbs']:7.0f} GB/s ({r['of_copy']:.0%} of copy)" if "gbs" in r else ""
         peer = f"  {r['of_same_shape_mm']:.0%} of same-shape mm" if "of_same_shape_mm" in r else ""
         chk = {k_: v for k_, v in r.items() if k_.startswith("rel")}
-        print(f"{r['op']:22s} {r['backend']:10s} {r['shape']:40s} {r['ms']:9.3f} ms  {rate}{bw}{peer}"
-              f"{'  ' + str(chk) if chk else ''}")
-    return 0
+        lines.append(f"{r['op']:22s} {r['backend']:10s} {r['shape']:40s} {r['ms']:9.3f} ms  {rate_columns(r)}{peer}"
+                     f"{'  ' + str(chk) if chk else ''}")
+    return "\n".join(lines)
 
 
 def _shape(s: str) -> tuple[int, int]:
@@ -518,7 +496,6 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
                         "bitwise repeats, host syncs)")
     p.add_argument("--reference", action="store_true", help="also time the torch reference")
     p.add_argument("--check", action="store_true", help="compare with the reference at the bench shapes")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--jsonl", action="store_true", help="print each result as a JSON line as it is measured")
+    add_output_args(p)
     p.set_defaults(func=run_ops_bench)
     return p

@@ -31,7 +31,9 @@ import torch
 from .. import formats, ops
 from ..config import ModelConfig
 from ..ops import reference as R
-from .kernels import _rel, _time_ms, capture_graph, measure_limits
+from .kernels import _rel
+from .report import capture_graph, measure_limits, require_cuda, run_info
+from .report import time_ms as _time_ms
 
 GOALS = {"gemm": 1.4, "experts": 1.0, "decode": 0.6}
 
@@ -200,10 +202,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def run_w8a8_bench(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("dsv4 bench w8a8: needs a CUDA device (none found)")
-        return 2
-    device = torch.device("cuda")
+    device = require_cuda("dsv4 bench w8a8", "it times FP8 tensor-core GEMMs")
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = ModelConfig.preset(args.preset)
     parts = set(args.only.split(",")) if args.only else {"gemm", "experts", "decode"}
@@ -228,10 +227,7 @@ def run_w8a8_bench(args: argparse.Namespace) -> int:
             for t in args.decode_tokens:
                 bench_experts(t, cfg, experts, device, limits, rows, "decode")
         del experts
-    result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "cuda": torch.version.cuda, "triton": __import__("triton").__version__,
-              "date": time.strftime("%Y-%m-%d"), "preset": cfg.name,
-              "limits": {k: round(v, 1) for k, v in limits.items()}, "goals": GOALS,
+    result = {**run_info(device, limits), "cuda": torch.version.cuda, "preset": cfg.name, "goals": GOALS,
               "summary": summarize(rows), "rows": rows, "seconds": round(time.time() - t0, 1)}
     text = json.dumps(result, indent=1)
     if args.out:

@@ -51,13 +51,6 @@ def capturing(keep: Callable[[str], bool] | None = None, inject: Injector | None
         yield cap
 
 
-@contextlib.contextmanager
-def injecting(inject: Injector) -> Iterator[None]:
-    """Replace stages on their way through (no capture): `inject(name, t)` returns a tensor or None."""
-    with recording(inject):
-        yield
-
-
 def capture(fn: Callable[[], object], keep: Callable[[str], bool] | None = None,
             inject: Injector | None = None) -> tuple[object, Stages]:
     """Run fn() with stage capture -> (its result, stages)."""

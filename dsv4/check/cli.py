@@ -80,10 +80,13 @@ def add_check_parsers(sub) -> None:
     p.add_argument("--plant", metavar="ZID", help="plant bug-zoo mutant ZID")
     p.set_defaults(func=cmd_nonfinite)
 
-    p = sub.add_parser("conformance", help="the bug zoo: every BUGZOO mutant and the check that catches it")
+    p = sub.add_parser("conformance", help="the bug zoo (docs/bugzoo.md): every entry planted as a mutant, and "
+                                           "the checks that must catch it")
+    p.add_argument("--list", action="store_true",
+                   help="print the bug zoo table (bug, symptom, checks, mutant per entry) and run nothing")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", help="comma-separated BUGZOO ids (default: all)")
+    p.add_argument("--only", help="comma-separated bug-zoo ids (default: all)")
     p.add_argument("--full", action="store_true", help="also run the slow torch.compile checks")
     p.add_argument("--compiler", default="aot_eager", help="torch.compile backend under test (default aot_eager)")
     p.add_argument("--device", default="cpu",
@@ -316,9 +319,12 @@ def _device(name: str) -> torch.device:
 def cmd_conformance(args) -> int:
     from .. import ops
     from .conformance import run_conformance
-    from .mutants import MUTANTS
+    from .mutants import MUTANTS, catalogue
     from .zoo import CHECKS
 
+    if args.list:
+        print(catalogue())
+        return 0
     ids = [x.strip().upper() for x in args.only.split(",") if x.strip()] if args.only is not None else None
     if ids is not None:
         known = [m.id for m in MUTANTS]

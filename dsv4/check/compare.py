@@ -2,7 +2,7 @@
 
 A *side* is a model plus how to run it: ops backends, dtype, eager or `torch.compile`, or an external
 implementation. Each run records its stages and the implementations that actually ran (`dsv4.ops.calls()`
-deltas), so a backend flag is never trusted without evidence (BUGZOO Z22).
+deltas), so a backend flag is never trusted without evidence (docs/bugzoo.md Z22).
 """
 
 from __future__ import annotations
@@ -78,14 +78,6 @@ def describe_implementations(impl: dict[str, list[str]]) -> str:
     return "; ".join(rest + [tail])
 
 
-def _implementations(before: dict, after: dict) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for (op, be), n in after.items():
-        if n > before.get((op, be), 0):
-            out.setdefault(op, []).append(be)
-    return {op: sorted(v) for op, v in sorted(out.items())}
-
-
 def run_side(side: Side, tokens: torch.Tensor) -> RunResult:
     """One forward pass of a side with stage capture."""
     if side.external is not None:
@@ -99,15 +91,14 @@ def run_side(side: Side, tokens: torch.Tensor) -> RunResult:
         fn = torch.compile(model) if side.compile is True else torch.compile(model, backend=side.compile)
     else:
         fn = model
-    before = ops.calls()
     ctx = ops.use_backend(side.backend) if side.backend is not None else contextlib.nullcontext()
     extra = side.context() if side.context is not None else contextlib.nullcontext()
-    with torch.no_grad(), extra, ctx, capturing(inject=side.inject) as cap:
+    with ops.which_ran() as ran, torch.no_grad(), extra, ctx, capturing(inject=side.inject) as cap:
         try:
             logits = fn(tokens).logits
         except ops.BackendUnavailable as e:
             raise UserError(f"{side.label}: {e}") from None
-    return RunResult(side.label, logits.detach().float(), cap.stages, _implementations(before, ops.calls()))
+    return RunResult(side.label, logits.detach().float(), cap.stages, ran)
 
 
 @dataclass
@@ -221,11 +212,10 @@ def build_model(preset: str | None = None, checkpoint: str | None = None, dtype:
     """A model from a checkpoint directory (quant_mode: numerics of its FP8 / FP4 weights, default the
     config's), else a random one (preset or cfg) with a fixed seed."""
     if checkpoint is not None:
-        from ..checkpoint import CheckpointError
+        from ..checkpoint import CheckpointError, load_pretrained
 
         try:
-            return DeepSeekV4.from_pretrained(checkpoint, dtype=dtype, keep_quantized=keep_quantized,
-                                              quant_mode=quant_mode)
+            return load_pretrained(checkpoint, dtype=dtype, keep_quantized=keep_quantized, quant_mode=quant_mode)
         except (CheckpointError, FileNotFoundError) as e:
             raise UserError(f"cannot load checkpoint '{checkpoint}': {e}") from None
     if cfg is None:

@@ -1,4 +1,4 @@
-"""`dsv4 check conformance`: every BUGZOO entry as a mutant, and the checks that must catch it.
+"""`dsv4 check conformance`: every bug-zoo entry (docs/bugzoo.md) as a mutant, and the checks that must catch it.
 
 For each check: it must pass on the correct code (else the suite itself is broken). For each mutant:
 planted, its checks run; it is *caught* when at least one fails, *escaped* when all pass, *pending*
@@ -107,24 +107,16 @@ class ConformanceReport:
         return "\n".join(lines)
 
 
-def _ran_since(before: dict) -> dict[str, list[str]]:
-    out: dict[str, set[str]] = {}
-    for (op, be), n in ops.calls().items():
-        if n > before.get((op, be), 0):
-            out.setdefault(op, set()).add(be)
-    return {op: sorted(v) for op, v in sorted(out.items())}
-
-
 def _run(check: str, ctx: Context) -> CheckResult:
-    before = ops.calls()
-    try:
-        res = CHECKS[check](ctx)
-    except Exception as e:                                                       # noqa: BLE001
-        # a mutant that makes a check crash is caught by it; on the correct code it is a broken check
-        last = traceback.extract_tb(e.__traceback__)[-1]
-        res = CheckResult(False, None, f"raised {type(e).__name__}: {str(e)[:200]} "
-                                       f"({last.filename.rsplit('/', 1)[-1]}:{last.lineno})")
-    res.backends = _ran_since(before)
+    with ops.which_ran() as ran:
+        try:
+            res = CHECKS[check](ctx)
+        except Exception as e:                                                   # noqa: BLE001
+            # a mutant that makes a check crash is caught by it; on the correct code it is a broken check
+            last = traceback.extract_tb(e.__traceback__)[-1]
+            res = CheckResult(False, None, f"raised {type(e).__name__}: {str(e)[:200]} "
+                                           f"({last.filename.rsplit('/', 1)[-1]}:{last.lineno})")
+    res.backends = ran
     if check in READS_STAGES and not ctx.planted:                               # it judged the clean run
         for op, bes in ctx.clean_backends.items():
             res.backends[op] = sorted(set(res.backends.get(op, [])) | set(bes))
@@ -148,15 +140,8 @@ def preferred_backend(name: str | None, cfg: ModelConfig, device: torch.device) 
     if refused:
         why = "; ".join(f"{op}: {r}" for op, r in refused.items())
         raise ops.BackendUnavailable(f"backend '{name}' cannot run on {device}: {why}")
-    saved = {op: (ops._REGISTRY[op][name].priority, ops._REGISTRY[op][name].prefer) for op in have}
-    try:
-        for op in have:
-            ops._REGISTRY[op][name].priority, ops._REGISTRY[op][name].prefer = 1_000, None
+    with ops.prefer_backend(name):
         yield
-    finally:
-        for op, (priority, prefer) in saved.items():
-            if name in ops._REGISTRY.get(op, {}):
-                ops._REGISTRY[op][name].priority, ops._REGISTRY[op][name].prefer = priority, prefer
 
 
 # slow checks (a torch.compile with autograd): run with full=True (`--full`)

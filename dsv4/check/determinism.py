@@ -1,5 +1,5 @@
 """`dsv4 check determinism`: N identical runs of forward + backward; every output, stage and gradient
-must hash the same (BUGZOO Z09, Z18). Reports which tensors drift and by how much."""
+must hash the same (docs/bugzoo.md Z09, Z18). Reports which tensors drift and by how much."""
 
 from __future__ import annotations
 
@@ -119,19 +119,14 @@ def determinism(model: DeepSeekV4, tokens: torch.Tensor, runs: int = 3, backend:
     ops.set_deterministic(deterministic_mode)
     if deterministic_mode:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    before = ops.calls()
     ctx = ops.use_backend(backend) if backend is not None else contextlib.nullcontext()
     try:
-        with ctx:
+        with ops.which_ran() as impl, ctx:
             results = [_one_run(model, tokens) for _ in range(runs)]
     finally:
         ops.set_deterministic(prev)
         torch.use_deterministic_algorithms(prev_torch, warn_only=prev_warn)
         model.zero_grad(set_to_none=True)
-    impl: dict[str, list[str]] = {}
-    for (op, be), n in ops.calls().items():
-        if n > before.get((op, be), 0):
-            impl.setdefault(op, []).append(be)
     first = results[0]
     drifting = []
     for name, t0 in first.items():

@@ -1,4 +1,4 @@
-"""Inputs for checks: random, and structured - because some bugs only show on real structure (BUGZOO Z13).
+"""Inputs for checks: random, and structured - because some bugs only show on real structure (docs/bugzoo.md Z13).
 
 - token sequences (random, fixed seed) with lengths on window / compression boundaries;
 - sparse-attention inputs: random; RoPE'd q/kv captured from a real forward pass; peaked softmax (one key

@@ -1,4 +1,6 @@
-"""The bug zoo as mutants: each BUGZOO entry planted through a clean injection point, never by editing files.
+"""The bug zoo as mutants: each entry of docs/bugzoo.md planted through a clean injection point, never by
+editing files. `MUTANTS` is the catalogue: per entry the bug, its symptom, the checks that catch it and how
+the mutant plants it; `catalogue()` renders it as the table docs/bugzoo.md holds.
 
 Injection points: an ops backend registered for the duration of a `with` block and selected with
 `ops.use_backend` (a buggy primitive), an attribute patched on a model instance or a module (restored on
@@ -31,11 +33,9 @@ from ..ops import reference as ref
 def temporary_backend(op: str, name: str, fn: Callable, deterministic: bool = True) -> Iterator[None]:
     """Register backend `name` for op and make it the default inside the block (on top of any choice in
     force); unregister after. It replaces the fast backend too: the checks exercise the planted bug."""
-    prev = getattr(ops._STATE, "choice", None)
-    base = {o: prev for o in ops.ops()} if isinstance(prev, str) else dict(prev or {})
     ops.register(op, name, fn, deterministic=deterministic, priority=-100)
     try:
-        with ops.use_backend({**base, op: name}):
+        with ops.use_backend({op: name}, inherit=True):
             yield
     finally:
         ops.unregister(op, name)
@@ -127,13 +127,13 @@ def moe_no_clamp(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0)
 
 def moe_grouped_unmasked(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0):
     """Z09: grouped GEMM whose rows past the last group (other ranks' slots) are never masked."""
-    from ..ops import torch_native as tn
+    from ..ops import moe_shared
 
-    plan = tn.moe_plan(weights, indices, w1.size(0), expert_offset)
+    plan = moe_shared.moe_plan(weights, indices, w1.size(0), expert_offset)
     xs = x[plan.token]
     gate = torch._grouped_mm(xs, w1.transpose(1, 2), offs=plan.ends)
     up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=plan.ends)
-    h = (tn.clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype)
+    h = (moe_shared.clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype)
     out = torch._grouped_mm(h, w2.transpose(1, 2), offs=plan.ends).float()
     slots = torch.empty_like(out).index_copy_(0, plan.order, out)
     return slots.view(-1, plan.topk, out.size(1)).sum(1)
@@ -265,11 +265,13 @@ def compiler_drop_rounding(gm: torch.fx.GraphModule, example_inputs):
 @dataclass
 class Mutant:
     id: str
-    title: str
+    title: str                             # the bug, in a line
     checks: list[str]                      # checks expected to catch it (all are run)
     plant: Callable[..., contextlib.AbstractContextManager] | None = None
     pending: str = ""                      # why it cannot be planted yet (code does not exist)
     notes: list[str] = field(default_factory=list)
+    symptom: str = ""                      # what the people running the port where it happened saw
+    mutant: str = ""                       # how `plant` puts the bug into the correct code
 
 
 def _gates(model):
@@ -401,44 +403,114 @@ def _ep_pending() -> str:
 
 
 MUTANTS: list[Mutant] = [
-    Mutant("Z01", "MXFP4 nibbles unpacked blocked instead of interleaved", ["fp4-known-bytes"], _plant_z01),
-    Mutant("Z02", "E8M0 scale bytes cast by value", ["e8m0-bytes"], _plant_z02),
-    Mutant("Z03", "FP8 block scale stored transposed (wo_a)", ["checkpoint-roundtrip"], _plant_z03),
-    Mutant("Z04", "LM head stored as FP8 without a scale", ["checkpoint-roundtrip"], _plant_z04),
+    Mutant("Z01", "MXFP4 nibbles unpacked blocked instead of interleaved", ["fp4-known-bytes"], _plant_z01,
+           symptom="the model loaded and ran, then answered every prompt with one special token",
+           mutant="`formats.fp4.unpack_fp4` returns a row's low nibbles, then its high nibbles"),
+    Mutant("Z02", "E8M0 scale bytes cast by value", ["e8m0-bytes"], _plant_z02,
+           symptom="expert scales near 2^7 instead of 1e-3; the draft's second expert GEMM overflowed to NaN",
+           mutant="`e8m0_decode` converts each scale byte by value (uint8 -> float -> E4M3), not bit for bit"),
+    Mutant("Z03", "FP8 block scale stored transposed (wo_a)", ["checkpoint-roundtrip"], _plant_z03,
+           symptom="a K-mismatch error in the output projection, then, once forced to fit, wrong output",
+           mutant="the checkpoint writer stores `attn.wo_a`'s FP8 block scale transposed"),
+    Mutant("Z04", "LM head stored as FP8 without a scale", ["checkpoint-roundtrip"], _plant_z04,
+           symptom="hidden states fine, logits random: the head used a scale that was never loaded",
+           mutant="the checkpoint writer stores `head.weight` as FP8 codes with no scale tensor"),
     Mutant("Z05", "swiglu_limit not applied (routed and shared experts)", ["swiglu-limit", "stage-compare"],
-           _plant_z05),
-    Mutant("Z06", "hash layers routed by the gate's top-k", ["router-contract", "stage-compare"], _plant_z06),
-    Mutant("Z07", "route_scale applied twice", ["router-contract", "stage-compare"], _plant_z07),
-    Mutant("Z08", "expert-parallel rank cached as 0", ["ep-ranges"], _plant_z08, pending=_ep_pending()),
+           _plant_z05,
+           symptom="expert activations saturated at the FP16 maximum in the first layers; garbled text",
+           mutant="a `moe_experts` backend that runs the experts with limit 0, and the shared experts' limit "
+                  "set to 0"),
+    Mutant("Z06", "hash layers routed by the gate's top-k", ["router-contract", "stage-compare"], _plant_z06,
+           symptom="no error; the first layers' experts followed the router scores and the text was wrong",
+           mutant="each hash layer's gate picks the top-k of its scores instead of `tid2eid[token]`"),
+    Mutant("Z07", "route_scale applied twice", ["router-contract", "stage-compare"], _plant_z07,
+           symptom="the shared expert's share of every MoE output off by 1.5, compounding over the layers",
+           mutant="every gate's `route_scale` squared (the scale applied twice)"),
+    Mutant("Z08", "expert-parallel rank cached as 0", ["ep-ranges"], _plant_z08, pending=_ep_pending(),
+           symptom="every rank served experts 0..31; rank 0 took all the tokens and one layer's output exploded",
+           mutant="`train.distributed._ep_rank` answers 0 in every process"),
     Mutant("Z09", "grouped GEMM rows past the last group not masked", ["poisoned-memory"],
-           lambda ctx: temporary_backend("moe_experts", "mutant_unmasked", moe_grouped_unmasked)),
-    Mutant("Z10", "paged cache: logical page ids used as physical ids", ["paged-batching"], _plant_z10),
-    Mutant("Z11", "compressed-KV slot = raw token position", ["teacher-forcing", "paged-batching"], _plant_z11),
+           lambda ctx: temporary_backend("moe_experts", "mutant_unmasked", moe_grouped_unmasked),
+           symptom="six identical prompts, six different first tokens: garbage rows reached the combine",
+           mutant="a `moe_experts` backend whose grouped-GEMM rows past the last group are never masked"),
+    Mutant("Z10", "paged cache: logical page ids used as physical ids", ["paged-batching"], _plant_z10,
+           symptom="decode read the wrong cache blocks from the second block on; the draft later crashed "
+                   "on an out-of-range address",
+           mutant="`model.paged.lookup_page` takes a sequence's logical page id for the physical one, ignoring "
+                  "its page table"),
+    Mutant("Z11", "compressed-KV slot = raw token position", ["teacher-forcing", "paged-batching"], _plant_z11,
+           symptom="an index-out-of-range crash once a request passed 32 tokens",
+           mutant="`model.paged.entry_index` gives a finished compressed entry the raw token position's slot, "
+                  "not `pos // ratio`"),
     Mutant("Z12", "indexer top-k padding slots not -1", ["indexer-padding", "stage-compare"],
-           lambda ctx: temporary_backend("indexer_topk", "mutant_unpadded", indexer_topk_unpadded)),
+           lambda ctx: temporary_backend("indexer_topk", "mutant_unpadded", indexer_topk_unpadded),
+           symptom="loss NaN at step 1: inf written past the padding slots into a neighbouring parameter",
+           mutant="an `indexer_topk` backend whose padding slots keep the sort's indices instead of -1"),
     Mutant("Z13", "attention backward unstable only without compressed KV",
            ["attention-backward-random", "attention-backward-structured"],
            lambda ctx: temporary_backend("sparse_attention", "mutant_z13",
-                                         sparse_attention_with("unstable_window_only"))),
+                                         sparse_attention_with("unstable_window_only")),
+           symptom="gradients 4-45x too large in window-only layers on real inputs; random-input tests passed",
+           mutant="a `sparse_attention` backward that divides by exp(lse) instead of subtracting the LSE, "
+                  "only when there are no compressed keys"),
     Mutant("Z14", "attention backward with a zero LSE", ["attention-backward-random"],
-           lambda ctx: temporary_backend("sparse_attention", "mutant_z14", sparse_attention_with("zero_lse"))),
+           lambda ctx: temporary_backend("sparse_attention", "mutant_z14", sparse_attention_with("zero_lse")),
+           symptom="gradients near 9e9 and NaN at step 1",
+           mutant="a `sparse_attention` backward that takes exp(scores) as the probabilities (an LSE of 0)"),
     Mutant("Z15", "LSE differentiable; kernel rejects grad_lse", ["lse-contract", "compile-attention"],
            lambda ctx: temporary_backend("sparse_attention", "mutant_z15",
-                                         sparse_attention_with("lse_differentiable"))),
+                                         sparse_attention_with("lse_differentiable")),
+           symptom="a fullgraph compile of training failed inside the attention kernel's backward",
+           mutant="a `sparse_attention` whose LSE carries a gradient and whose backward raises when given one"),
     Mutant("Z16", "compiler drops the aliasing of an in-place accumulator", ["compile-parity"],
-           lambda ctx: patched(ctx, compiler=compiler_drop_aliasing)),
+           lambda ctx: patched(ctx, compiler=compiler_drop_aliasing),
+           symptom="a compiled metric off by about 1000x; no error anywhere",
+           mutant="a `torch.compile` backend that turns in-place adds into out-of-place ones"),
     Mutant("Z17", "compiler removes an explicit bf16 rounding", ["compile-parity"],
-           lambda ctx: patched(ctx, compiler=compiler_drop_rounding)),
+           lambda ctx: patched(ctx, compiler=compiler_drop_rounding),
+           symptom="the compiled indexer loss drifted from eager",
+           mutant="a `torch.compile` backend that deletes a bf16 cast followed by a cast to fp32"),
     Mutant("Z18", "nondeterministic reduction order (Sinkhorn)", ["determinism"],
-           lambda ctx: temporary_backend("hc_pre", "mutant_random_order", hc_pre_random_order)),
+           lambda ctx: temporary_backend("hc_pre", "mutant_random_order", hc_pre_random_order),
+           symptom="same input, same cotangent: a different gradient hash on every run",
+           mutant="an `hc_pre` backend whose Sinkhorn sums rows and columns in a fresh random order"),
     Mutant("Z19", "attention backward: dKV aliases dQ's buffer", ["attention-backward-random"],
-           lambda ctx: temporary_backend("sparse_attention", "mutant_z19", sparse_attention_with("aliased_buffers"))),
-    Mutant("Z20", "draft uses token 0 / its own head", [], pending="DSpark draft code does not exist yet"),
-    Mutant("Z21", "fp32 model built when bf16 was asked", ["live-dtype"], _plant_z21),
-    Mutant("Z22", "backend flag accepted, another implementation ran", ["backend-evidence"], _plant_z22),
-    Mutant("Z23", "boolean-mask indexing in sampling", ["static-shapes"], _plant_z23),
+           lambda ctx: temporary_backend("sparse_attention", "mutant_z19", sparse_attention_with("aliased_buffers")),
+           symptom="NaN dQ and dKV at the first backward; forward and rollout finite",
+           mutant="a `sparse_attention` backward whose dKV buffer overlaps dQ's"),
+    Mutant("Z20", "draft uses token 0 / its own head", [], pending="DSpark draft code does not exist yet",
+           symptom="speculative decoding accepted 1.4% of the drafted tokens"),
+    Mutant("Z21", "fp32 model built when bf16 was asked", ["live-dtype"], _plant_z21,
+           symptom="step 1 ran, step 2 ran out of memory once the optimizer state existed",
+           mutant="`model.transformer._default_dtype` does nothing, so a bf16 model is built in fp32"),
+    Mutant("Z22", "backend flag accepted, another implementation ran", ["backend-evidence"], _plant_z22,
+           symptom="a compiler backend option was accepted by a build without that backend; another one ran",
+           mutant="attention sees a `dsv4.ops` whose `sparse_attention` ignores `backend=` and runs the "
+                  "reference"),
+    Mutant("Z23", "boolean-mask indexing in sampling", ["static-shapes"], _plant_z23,
+           symptom="graph capture failed on the cache writes; a logprobs request killed the serving engine",
+           mutant="the engine's sampler (`engine.sampling.Sampler`) filters top-p with boolean-mask indexing"),
     Mutant("Z24", "host-side expert token counts (data-dependent size)", ["static-shapes", "compile-moe"],
-           lambda ctx: temporary_backend("moe_experts", "mutant_host_split", moe_host_split)),
+           lambda ctx: temporary_backend("moe_experts", "mutant_host_split", moe_host_split),
+           symptom="the compiler failed: it could not guard on a data-dependent expression",
+           mutant="a `moe_experts` backend that reads each expert's token count to the host to size its group"),
 ]
 
-__all__ = ["MUTANTS", "Mutant", "patched", "temporary_backend", "sparse_attention_with", "F"]
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def catalogue(mutants: list[Mutant] | None = None) -> str:
+    """The bug zoo as a Markdown table, one row per entry: the bug, its symptom where it happened, the
+    checks that catch it and the mutant that proves they do (`dsv4 check conformance --list`; the same
+    table stands in docs/bugzoo.md, and a test keeps the two equal)."""
+    rows = ["| id | bug | symptom where it happened | caught by | mutant |", "|---|---|---|---|---|"]
+    for m in mutants if mutants is not None else MUTANTS:
+        checks = ", ".join(f"`{c}`" for c in m.checks) or "-"
+        how = f"pending: {m.pending}" if m.pending else m.mutant
+        rows.append(f"| {m.id} | {_cell(m.title)} | {_cell(m.symptom)} | {checks} | {_cell(how)} |")
+    return "\n".join(rows)
+
+
+__all__ = ["MUTANTS", "Mutant", "catalogue", "patched", "temporary_backend", "sparse_attention_with", "F"]

@@ -6,7 +6,7 @@ can legitimately flip between the two paths at near-ties, because the paths roun
 1-ulp differences into bucket changes). So the decode path is *forced* to take the full path's decisions
 (through the stage recorder's replacement hook), and the flips it would have made are counted and
 reported separately with the size of the score gap they crossed. What remains is the cache machinery
-itself: window ring buffer, compressed entries, compressor and indexer state - where BUGZOO Z10/Z11 live.
+itself: window ring buffer, compressed entries, compressor and indexer state - where docs/bugzoo.md Z10/Z11 live.
 
 By default both paths also run under `dsv4.ops.precision.exact_accumulation()` (float64 accumulation,
 rounded once), which makes their numbers independent of batching, so that the quantization round trips

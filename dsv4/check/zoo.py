@@ -86,13 +86,12 @@ def backend_refusals(name: str, cfg: ModelConfig, device: torch.device) -> dict[
     fp32 nor bf16 (empty: it can run everywhere it is registered)."""
     out = {}
     for op in PROBED_OPS:
-        be = ops._REGISTRY.get(op, {}).get(name)
-        if be is None:
+        if name not in ops.backends(op):
             continue
         reasons = []
         for dtype in (torch.float32, LOW_PRECISION):
             args, kw = _probe_call(op, cfg, device, dtype)
-            reasons.append(be.can_run(*args, **kw))
+            reasons.append(ops.refusal(op, name, *args, **kw))
         if all(r is not None for r in reasons):
             out[op] = reasons[0] if reasons[0] == reasons[1] else "; ".join(dict.fromkeys(reasons))
     return out
@@ -123,13 +122,9 @@ class Context:
         if self._clean is None:
             if self.planted:
                 raise RuntimeError("the clean stages must be computed before a mutant is planted")
-            before = ops.calls()
-            self._clean = run_stages(self.model, self.tokens)
-            ran: dict[str, set[str]] = {}
-            for (op, be), n in ops.calls().items():
-                if n > before.get((op, be), 0):
-                    ran.setdefault(op, set()).add(be)
-            self.clean_backends = {op: sorted(v) for op, v in sorted(ran.items())}
+            with ops.which_ran() as ran:
+                self._clean = run_stages(self.model, self.tokens)
+            self.clean_backends = ran
         return self._clean
 
     def stages(self) -> Stages:
@@ -212,17 +207,10 @@ def router_contract(ctx: Context) -> CheckResult:
     return CheckResult(True, worst, "hash routing = tid2eid; weights sum to route_scale")
 
 
-def merged_choice(extra: dict[str, str]) -> dict[str, str]:
-    """The backend choice in force (`use_backend`) with `extra` on top, for a nested `use_backend`."""
-    prev = getattr(ops._STATE, "choice", None)
-    base = {op: prev for op in ops.ops()} if isinstance(prev, str) else dict(prev or {})
-    return {**base, **extra}
-
-
 def fast_moe_backend() -> str | None:
     """The MoE backend a check exercises: the one requested in this block (`use_backend`), else the
     static-shape grouped path where it is registered (the reference loops over experts with `where`)."""
-    requested = ops._requested("moe_experts", None)
+    requested = ops.requested("moe_experts")
     if requested is not None:
         return requested
     return "grouped" if "grouped" in ops.backends("moe_experts") else None
@@ -232,15 +220,15 @@ def moe_backends(inp: dict) -> list[str]:
     """The MoE backends a check exercises on these inputs: the one requested in this block (a mutant),
     else the default here (Triton on CUDA) and the static-shape grouped path where they can run; the
     reference only when neither does (it loops over experts with `where`)."""
-    requested = ops._requested("moe_experts", None)
+    requested = ops.requested("moe_experts")
     if requested is not None:
         return [requested]
     out = []
     default = ops.resolve("moe_experts", None, **inp).name
     if default != "reference":
         out.append(default)
-    grouped = ops._REGISTRY["moe_experts"].get("grouped")
-    if grouped is not None and "grouped" not in out and grouped.can_run(**inp) is None:
+    if "grouped" in ops.backends("moe_experts") and "grouped" not in out and \
+            ops.refusal("moe_experts", "grouped", **inp) is None:
         out.append("grouped")
     return out or ["reference"]
 
@@ -445,7 +433,7 @@ def teacher_forcing(ctx: Context) -> CheckResult:
     # the exact-accumulation contract (float64, rounded once) is the reference ops'; fast kernels accumulate
     # in their own order, which the FP8/FP4 round trips amplify: the cache machinery is checked on the
     # reference (a backend a mutant planted still runs)
-    with ops.use_backend({op: ops._requested(op, None) or "reference" for op in ops.ops()}):
+    with ops.use_backend({op: ops.requested(op) or "reference" for op in ops.ops()}):
         rep = tf(ctx.model, ctx.tokens[:1, :18], prefill=9)                     # decode crosses 4- and 16-groups
     where = f" first at position {rep.first_position}" + (f", stage {rep.first_stage}" if rep.first_stage else "")
     return CheckResult(rep.ok, rep.max_rel_error, "prefill vs decode logits (reference ops, exact accumulation)"
@@ -461,7 +449,7 @@ def paged_batching(ctx: Context) -> CheckResult:
     flat = ctx.tokens.flatten().tolist()
     prompts = [flat[:7], flat[7:40], flat[40:61]]
     new = 6
-    choice = {op: ops._requested(op, None) or "reference" for op in ops.ops()}   # as teacher-forcing
+    choice = {op: ops.requested(op) or "reference" for op in ops.ops()}   # as teacher-forcing
     with ops.use_backend(choice), exact_accumulation(True), torch.no_grad():
         engine = Engine(ctx.model, EngineConfig(max_seqs=4, max_batch_tokens=9, page_size=16, deterministic=True,
                                                 prefix_caching=False, cuda_graphs=False))
@@ -514,20 +502,15 @@ def backend_evidence(ctx: Context) -> CheckResult:
     if 4 in cfg.compress_ratios[: cfg.n_layers]:
         must |= {"indexer_topk", "hadamard"}
     for op in ops.ops():
-        ops.register(op, "probe", getattr(ref, op, None) or ops._REGISTRY[op]["reference"].fn, priority=-100)
-    before = ops.calls()
+        ops.register(op, "probe", getattr(ref, op), priority=-100)
     try:
-        with ops.use_backend("probe"), torch.no_grad():
+        with ops.which_ran() as ran, ops.use_backend("probe"), torch.no_grad():
             ctx.model(ctx.tokens[:1, :16])
     finally:
         for op in ops.ops():
             ops.unregister(op, "probe")
-    ran: dict[str, set[str]] = {}
-    for (op, be), n in ops.calls().items():
-        if n > before.get((op, be), 0):
-            ran.setdefault(op, set()).add(be)
-    missing = sorted(op for op in must if "probe" not in ran.get(op, set()))
-    other = sorted(op for op, bes in ran.items() if bes - {"probe"})
+    missing = sorted(op for op in must if "probe" not in ran.get(op, []))
+    other = sorted(op for op, bes in ran.items() if set(bes) - {"probe"})
     if missing or other:
         return CheckResult(False, float(len(missing) + len(other)),
                            f"requested 'probe' but no evidence it ran for {missing}; other backends ran for {other}")
@@ -599,7 +582,7 @@ def static_shapes(ctx: Context) -> CheckResult:
     # the decode step's experts run on the first static-shape MoE backend (the reference loops with `where`)
     for where, fn in spots.items():
         reads: list[str] = []
-        with torch.no_grad(), ops.use_backend(merged_choice({"moe_experts": moes[0]})), DataDependentOps() as mode, \
+        with torch.no_grad(), ops.use_backend({"moe_experts": moes[0]}, inherit=True), DataDependentOps() as mode, \
                 host_reads(reads):
             fn()
         hits = mode.hits + reads

@@ -1,4 +1,4 @@
-"""Per-request sampling, batched with static shapes (no boolean-mask indexing, no host reads: BUGZOO Z23).
+"""Per-request sampling, batched with static shapes (no boolean-mask indexing, no host reads: docs/bugzoo.md Z23).
 
 Every row of a batch carries its own settings (temperature, top-k, top-p, min-p, penalties, seed). A row's
 random numbers come from a counter-based hash of (seed, token index, vocabulary id), not from a shared

@@ -2,7 +2,7 @@
 
 Decoding builds the fp32 bit pattern directly (exponent field = b), so it is exact for every byte,
 including b = 0 (2^-127, an fp32 subnormal). Never decode with `.to(torch.float32)` on a uint8 tensor:
-that reads the byte as the integer b (the bug BUGZOO Z02 describes).
+that reads the byte as the integer b (the bug docs/bugzoo.md Z02 describes).
 """
 
 from __future__ import annotations

@@ -1,4 +1,12 @@
-"""Small building blocks: RMSNorm (fp32), fp32 linear, stage recording for `dsv4 check`."""
+"""Small building blocks: RMSNorm (fp32), fp32 linear, stage recording for `dsv4 check`.
+
+`Linear` (the model's bf16 / fp32 projections) calls `dsv4.ops.reference.linear` directly instead of going
+through `dsv4.ops` dispatch. Dispatch exists for ops that have several implementations to choose between
+and to report; a dense `x @ W^T` has one, torch's own GEMM on every device, and no dsv4 backend would
+replace it. What the reference adds is the accumulation precision: float64 under `exact_accumulation()`.
+The fp32 projections (router, compressor, head) do dispatch (`ops.linear_fp32`), since they have a fast
+backend ("bf16x3").
+"""
 
 from __future__ import annotations
 

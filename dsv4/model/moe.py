@@ -1,7 +1,10 @@
 """V4 MoE: sqrtsoftplus router with a selection-only bias, hash-routed first layers, clamped SwiGLU experts.
 
 Routed experts are stored stacked per layer (`experts.w1` [E, inter, dim] ...) so a grouped GEMM can
-run them at once; `dsv4.checkpoint` maps these to the official per-expert names.
+run them at once; `dsv4.checkpoint` maps these to the official per-expert names. They dispatch
+(`ops.moe_experts`). The shared expert does not: it is three dense matmuls and the clamp for every token
+(`dsv4.ops.reference.expert_ffn`), which torch's GEMMs already run at full speed - for the same reason
+`dsv4.model.layers.Linear` calls the reference directly.
 """
 
 from __future__ import annotations

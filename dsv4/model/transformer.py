@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -80,13 +79,6 @@ class DeepSeekV4(nn.Module):
         model = cls(cfg, **kw)
         model.reset_parameters(seed)
         return model
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **kw) -> DeepSeekV4:
-        """Load a checkpoint directory in any supported layout (release, inference MP shards, HF)."""
-        from ..checkpoint import load_pretrained
-
-        return load_pretrained(path, **kw)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:

@@ -8,8 +8,13 @@ backward. The contract:
   fastest registered backend that can run there, else the reference); a named backend that cannot run
   raises `BackendUnavailable` with the reason - never a silent fallback.
 - Every call records the implementation that actually ran: `dsv4.ops.calls()` returns
-  `{(op, backend): count}`; `dsv4.ops.last_backend(op)` the latest one.
-- `use_backend("reference")` (or `{op: backend}`) sets the default inside a `with` block.
+  `{(op, backend): count}`; `dsv4.ops.last_backend(op)` the latest one; `with which_ran() as ran:`
+  collects `{op: [backends]}` of the calls inside the block.
+- `use_backend("reference")` (or `{op: backend}`) sets the default inside a `with` block;
+  `requested(op)` is the backend such a block asks for. `prefer_backend(name)` makes `name` the default
+  wherever it can run (the op's next choice where it refuses).
+- `backends(op)` lists the registered backends; `refusal(op, name, *args)` says why one cannot run on
+  these inputs (None when it can) - the same reason an explicit request would raise.
 - `set_deterministic(True)` asks backends for bit-identical repeats (backends that cannot promise it
   refuse explicit requests in that mode).
 """
@@ -94,9 +99,14 @@ def is_deterministic() -> bool:
 
 
 @contextlib.contextmanager
-def use_backend(choice: str | dict[str, str] | None) -> Iterator[None]:
-    """Default backend inside the block: one name for every op, or `{op: name}`."""
+def use_backend(choice: str | dict[str, str | None] | None, inherit: bool = False) -> Iterator[None]:
+    """Default backend inside the block: one name for every op, or `{op: name}` (None: the op's default).
+
+    inherit: ops that `choice` does not name keep what an enclosing block asked for (without it the
+    block replaces the enclosing choice)."""
     prev = getattr(_STATE, "choice", None)
+    if inherit and isinstance(choice, dict):
+        choice = {**{op: requested(op) for op in _REGISTRY}, **choice}
     _STATE.choice = choice
     try:
         yield
@@ -104,20 +114,56 @@ def use_backend(choice: str | dict[str, str] | None) -> Iterator[None]:
         _STATE.choice = prev
 
 
-def _requested(op: str, backend: str | None) -> str | None:
-    if backend is not None:
-        return backend
+def requested(op: str) -> str | None:
+    """The backend the enclosing `use_backend` blocks ask for `op` (None: the op's default)."""
     choice = getattr(_STATE, "choice", None)
     if isinstance(choice, dict):
         return choice.get(op)
     return choice
 
 
-def _first_tensor(args, kwargs) -> torch.Tensor | None:
-    for a in list(args) + list(kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            return a
-    return None
+@contextlib.contextmanager
+def prefer_backend(name: str | None) -> Iterator[None]:
+    """Inside the block, backend `name` is the default of every op that has it, above every other backend
+    (its priority and its `prefer` hint aside) wherever it can run the call; where it refuses a call, the
+    op's usual default runs. An explicit request (`backend=`, `use_backend`) still wins. None: no change."""
+    prev = getattr(_STATE, "preferred", None)
+    _STATE.preferred = name
+    try:
+        yield
+    finally:
+        _STATE.preferred = prev
+
+
+def refusal(op: str, name: str, *args, **kwargs) -> str | None:
+    """Why backend `name` cannot run `op` on these inputs (None: it can), as an explicit request sees it:
+    not registered, its own `can_run` reason, or deterministic mode when it cannot promise repeats."""
+    table = _REGISTRY.get(op)
+    if not table:
+        raise KeyError(f"unknown op '{op}'")
+    be = table.get(name)
+    if be is None:
+        return f"op '{op}' has no backend '{name}' (registered: {sorted(table)})"
+    reason = be.can_run(*args, **kwargs)
+    if reason is None and is_deterministic() and not be.deterministic:
+        reason = "it is not deterministic and deterministic mode is on"
+    return reason
+
+
+@contextlib.contextmanager
+def which_ran() -> Iterator[dict[str, list[str]]]:
+    """`with which_ran() as ran:` -> after the block, `ran` is `{op: sorted backends}` of the calls made
+    inside it (from `calls()`; compiled calls are not counted)."""
+    before = calls()
+    ran: dict[str, list[str]] = {}
+    try:
+        yield ran
+    finally:
+        found: dict[str, set[str]] = {}
+        for (op, be), n in calls().items():
+            if n > before.get((op, be), 0):
+                found.setdefault(op, set()).add(be)
+        ran.update({op: sorted(bes) for op, bes in sorted(found.items())})
 
 
 def resolve(op: str, backend: str | None, *args, **kwargs) -> Backend:
@@ -125,19 +171,17 @@ def resolve(op: str, backend: str | None, *args, **kwargs) -> Backend:
     table = _REGISTRY.get(op)
     if not table:
         raise KeyError(f"unknown op '{op}'")
-    name = _requested(op, backend)
+    name = backend if backend is not None else requested(op)
     if name is not None:
+        reason = refusal(op, name, *args, **kwargs)
         if name not in table:
-            raise BackendUnavailable(
-                f"op '{op}' has no backend '{name}' (registered: {sorted(table)}); "
-                f"install its dependencies or choose another")
-        be = table[name]
-        reason = be.can_run(*args, **kwargs)
-        if reason is None and is_deterministic() and not be.deterministic:
-            reason = "it is not deterministic and deterministic mode is on"
+            raise BackendUnavailable(f"{reason}; install its dependencies or choose another")
         if reason is not None:
             raise BackendUnavailable(f"op '{op}': backend '{name}' cannot run here: {reason}")
-        return be
+        return table[name]
+    preferred = getattr(_STATE, "preferred", None)
+    if preferred in table and refusal(op, preferred, *args, **kwargs) is None:
+        return table[preferred]
     best = table["reference"]
     for be in table.values():
         if be.priority > best.priority and be.can_run(*args, **kwargs) is None and (
@@ -187,6 +231,8 @@ act_quant = _make("act_quant")
 fp8_gemm = _make("fp8_gemm")
 fp4_gemm = _make("fp4_gemm")
 quantized_moe_experts = _make("quantized_moe_experts")
+fp8_linear = _make("fp8_linear")
+fp4_linear = _make("fp4_linear")
 
 
 def _load_optional_backends() -> None:
@@ -201,18 +247,10 @@ def _load_optional_backends() -> None:
 _load_optional_backends()
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, backend: str | None = None):
-    """y = x @ dequant(FP8 E4M3 weight [N, K], 128x128 block scales)^T in x.dtype."""
-    return call("fp8_linear", x, weight, scale, backend=backend)
-
-
-def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, backend: str | None = None):
-    """y = x @ dequant(MXFP4 weight [N, K/2] packed, per-32 E8M0 scales)^T in x.dtype."""
-    return call("fp4_linear", x, weight, scale, backend=backend)
-
 __all__ = [
     "BackendUnavailable", "register", "unregister", "backends", "ops", "calls", "reset_calls", "last_backend",
-    "use_backend", "set_deterministic", "is_deterministic", "resolve", "call",
+    "use_backend", "requested", "prefer_backend", "refusal", "which_ran", "set_deterministic", "is_deterministic",
+    "resolve", "call",
     "sparse_attention", "indexer_scores", "indexer_topk", "hc_split_sinkhorn", "hc_pre", "hc_post",
     "hc_head", "compress_pool", "fp8_round_trip", "fp4_round_trip", "hadamard", "rms_norm", "rope_tail",
     "moe_experts", "act_quant", "fp8_gemm", "fp4_gemm", "quantized_moe_experts",

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import formats as fm
+from ..formats.fp4 import FP4_MAX as FP4_E2M1_MAX
+from ..formats.fp4 import FP4_VALUES
+from ..formats.fp8 import FP8_MAX as FP8_E4M3_MAX
 from .precision import acc_dtype
 
-FP8_E4M3_MAX = 448.0
-FP4_E2M1_MAX = 6.0
-# E2M1 magnitudes by code 0..7 (codes 8..15 are the negatives)
-FP4_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_E2M1_GRID = FP4_VALUES[:8]   # E2M1 magnitudes by code 0..7 (codes 8..15 are the negatives)
 
 
 # ----------------------------------------------------------------------------- activation quantization
@@ -171,6 +171,21 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     n = x.size(-1)
     h = _hadamard_matrix(n, str(x.device))
     return (x.to(acc_dtype()) @ h.to(acc_dtype()) * n**-0.5).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- quantized-weight linears
+# The definition: dequantize the weight, round it to x's dtype, a dense matmul. The Triton backends
+# (`dsv4.ops.triton.quant_gemm`) dequantize inside the GEMM instead and are tested against these.
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T with W = dequant(FP8 block-scaled weight) rounded to x.dtype. x [..., K] -> [..., N]."""
+    w = fm.dequantize_fp8(weight, scale, dtype=torch.float32).to(x.dtype)
+    return F.linear(x, w)
+
+
+def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T with W = dequant(MXFP4 weight) rounded to x.dtype. x [..., K] -> [..., N]."""
+    w = fm.dequantize_mxfp4(weight, scale, dtype=torch.float32).to(x.dtype)
+    return F.linear(x, w)
 
 
 # ----------------------------------------------------------------------------- fp32 projections

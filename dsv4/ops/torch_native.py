@@ -1,7 +1,8 @@
-"""Fast backends written with torch ops only (no Triton), plus the shared MoE routing plan.
+"""Fast backends written with torch ops only (no Triton).
 
-- `moe_experts` backend "grouped": tokens sorted by expert, then `torch._grouped_mm` runs every local
-  expert in one call per projection (CUTLASS grouped GEMM on sm90+ GPUs, a C++ loop on CPU).
+- `moe_experts` backend "grouped": tokens sorted by expert (the routing plan of `dsv4.ops.moe_shared`),
+  then `torch._grouped_mm` runs every local expert in one call per projection (CUTLASS grouped GEMM on
+  sm90+ GPUs, a C++ loop on CPU).
 - `linear_fp32` backend "bf16x3": when x holds bf16 values (activations of a bf16 model or under bf16
   autocast), `x @ W^T` with an fp32 W equals `x @ (W_hi + W_mid + W_lo)^T` for the exact three-way bf16
   split of W; the three products are bf16 x bf16 (exact in fp32) and run as one tensor-core GEMM over
@@ -9,120 +10,15 @@
   summation order: agrees to fp32 rounding, at the bf16 GEMM rate instead of the fp32 SIMT rate.
   The backward splits the fp32 output gradient three ways as well and keeps the six products of the two
   splits that matter at fp32 precision (the other three are below 2^-24 relative).
-- Quantized-weight linears `fp8_linear` / `fp4_linear`: their "reference" definition (dequantize the
-  weight to bf16, then a bf16 matmul). The Triton backends in `dsv4.ops.triton.quant_gemm` dequantize
-  inside the GEMM instead and are tested against these.
-
-The routing plan (`moe_plan`) is built with device-side ops only (stable argsort + searchsorted), so no
-data-dependent size reaches the host: every buffer has T*k rows, whatever the routing (BUGZOO Z23/Z24).
-Slots routed to experts outside this rank's range sort to the end; the rows they occupy are never
-computed by the grouped GEMM, so every consumer masks them with `torch.where` (BUGZOO Z09).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
-from ..formats import dequantize_fp8, dequantize_mxfp4
 from . import register
+from .moe_shared import act_round_trip, build_plan, clamped_swiglu, combine_rows, gather_rows, mask_rows
 from .precision import is_exact
-
-
-# ----------------------------------------------------------------------------- MoE routing plan
-@dataclass
-class MoEPlan:
-    """Slots (token, k) sorted by local expert; slots of other ranks' experts go last."""
-
-    order: torch.Tensor        # [T*k] int64: sorted position -> flat slot id (t*k + j)
-    token: torch.Tensor        # [T*k] int64: sorted position -> token
-    valid: torch.Tensor        # [T*k] bool: sorted position holds a local expert
-    weight: torch.Tensor       # [T*k] fp32: routing weight of each sorted slot
-    ends: torch.Tensor         # [E] int32: cumulative end row of each expert's group
-    n_tokens: int
-    topk: int
-
-
-def moe_plan(weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_offset: int) -> MoEPlan:
-    t, k = indices.shape
-    local = indices.reshape(-1).long() - expert_offset                     # [T*k]
-    valid = (local >= 0) & (local < n_local)
-    key = torch.where(valid, local, n_local)                               # foreign experts -> bucket E
-    sorted_key, order = torch.sort(key, stable=True)                       # [T*k]
-    bounds = torch.arange(n_local, device=key.device, dtype=sorted_key.dtype)
-    ends = torch.searchsorted(sorted_key, bounds, right=True).to(torch.int32)  # [E]
-    return MoEPlan(order=order, token=order // k, valid=sorted_key < n_local,
-                   weight=weights.reshape(-1).float()[order], ends=ends, n_tokens=t, topk=k)
-
-
-class _GatherRows(torch.autograd.Function):
-    """xs[i] = x[plan.token[i]]; backward sums each token's k slot gradients in slot order (no atomics)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, token: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
-        ctx.save_for_backward(order)
-        ctx.shape = (x.size(0), topk, x.size(1))
-        return x[token]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (order,) = ctx.saved_tensors
-        slots = torch.empty_like(grad).index_copy_(0, order, grad)        # [T*k, D] in slot order
-        return slots.view(ctx.shape).sum(1), None, None, None
-
-
-class _CombineRows(torch.autograd.Function):
-    """y[t] = sum_j out[sorted position of slot (t, j)], summed in slot order (deterministic)."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, token: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
-        ctx.save_for_backward(token)
-        slots = torch.empty_like(out).index_copy_(0, order, out)           # [T*k, D]
-        return slots.view(-1, topk, out.size(1)).sum(1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (token,) = ctx.saved_tensors
-        return grad[token], None, None, None
-
-
-def gather_rows(x: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
-    """[T, D] -> [T*k, D] in expert order; rows of foreign slots are zero (and pass zero gradient)."""
-    xs = _GatherRows.apply(x, plan.token, plan.order, plan.topk)
-    return torch.where(plan.valid.unsqueeze(-1), xs, torch.zeros((), dtype=xs.dtype, device=xs.device))
-
-
-def mask_rows(t: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
-    """Zero the rows of foreign slots (whatever they hold, even NaN); their gradient is zero too."""
-    return torch.where(plan.valid.unsqueeze(-1), t, torch.zeros((), dtype=t.dtype, device=t.device))
-
-
-def combine_rows(out: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
-    """[T*k, D] expert-ordered expert outputs -> [T, D] fp32 sums; foreign rows are masked, never read."""
-    out = torch.where(plan.valid.unsqueeze(-1), out.float(), torch.zeros((), device=out.device))
-    return _CombineRows.apply(out, plan.token, plan.order, plan.topk)
-
-
-def act_round_trip(t: torch.Tensor, act: str | None) -> torch.Tensor:
-    """W8A8 on dequantized weights: the FP8 round trip of a projection's input (dispatched, so the fast
-    backend runs where there is one), or t itself when act is None."""
-    if act is None:
-        return t
-    from . import fp8_round_trip
-    from .reference import ACT_BLOCK, act_pow2
-
-    return fp8_round_trip(t, ACT_BLOCK, act_pow2(act))
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 (limit 0 = no clamp)."""
-    gate, up = gate.float(), up.float()
-    if limit > 0:
-        up = up.clamp(-limit, limit)
-        gate = gate.clamp(max=limit)
-    return F.silu(gate) * up
 
 
 # ----------------------------------------------------------------------------- grouped backend
@@ -146,25 +42,11 @@ def _grouped_can_run(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offse
     return None
 
 
-def _plan(weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_offset: int) -> MoEPlan:
-    """On CUDA the same plan from the Triton counting sort (two launches instead of ~20); else the sort.
-    Inside torch.compile the sort is traced instead (measured on an H200: the graph that traced the Triton
-    plan kernels under dynamic shapes handed `_grouped_mm` mismatched offsets)."""
-    if indices.is_cuda and not torch.compiler.is_compiling():
-        try:
-            from .triton import moe as triton_moe
-        except ImportError:
-            triton_moe = None
-        if triton_moe is not None and triton_moe.device_reason(indices) is None:
-            return triton_moe.triton_moe_plan(weights, indices, n_local, expert_offset)
-    return moe_plan(weights, indices, n_local, expert_offset)
-
-
 def grouped_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
                         w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float,
                         expert_offset: int = 0, act: str | None = None) -> torch.Tensor:
     """`moe_experts` with one `torch._grouped_mm` per projection over all local experts."""
-    plan = _plan(weights, indices, w1.size(0), expert_offset)
+    plan = build_plan(weights, indices, w1.size(0), expert_offset)
     xs = gather_rows(act_round_trip(x, act), plan)                               # [M, D]
     # rows past the last group are not computed: mask them before anything reads them (also in backward)
     gate = mask_rows(torch._grouped_mm(xs, w1.transpose(1, 2), offs=plan.ends), plan)   # [M, I]
@@ -178,23 +60,6 @@ def grouped_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.T
 # on CUDA the Triton backend is the default.
 register("moe_experts", "grouped", grouped_moe_experts, can_run=_grouped_can_run, deterministic=True,
          priority=-1)
-
-
-# ----------------------------------------------------------------------------- quantized-weight linears
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y = x @ W^T with W = dequant(FP8 block-scaled weight) rounded to x.dtype. x [..., K] -> [..., N]."""
-    w = dequantize_fp8(weight, scale, dtype=torch.float32).to(x.dtype)
-    return F.linear(x, w)
-
-
-def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y = x @ W^T with W = dequant(MXFP4 weight) rounded to x.dtype. x [..., K] -> [..., N]."""
-    w = dequantize_mxfp4(weight, scale, dtype=torch.float32).to(x.dtype)
-    return F.linear(x, w)
-
-
-register("fp8_linear", "reference", fp8_linear)
-register("fp4_linear", "reference", fp4_linear)
 
 
 # ----------------------------------------------------------------------------- fp32 projections

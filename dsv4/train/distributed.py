@@ -10,7 +10,7 @@ Layout with W processes (launched by `torchrun`; gloo on CPU, NCCL on CUDA):
   sum every rank's tokens, so they are scaled by 1/W to match FSDP's data-parallel mean.
 
 The rank that decides a layer's expert range is read from the live process group at sharding time and
-checked again on every call (BUGZOO Z08: a rank cached as 0 made every process serve experts 0..E/W-1).
+checked again on every call (docs/bugzoo.md Z08: a rank cached as 0 made every process serve experts 0..E/W-1).
 
 Entry points: `setup_distributed`, `shard_model` (training), `shard_experts(..., mode="all_reduce")`
 (inference with replicated tokens), `clip_grad_norm_`, `all_reduce_expert_load`, `full_state_dict` /
@@ -596,7 +596,7 @@ def _selftest_ok(res: dict, tol: float) -> bool:
     infer = list(res["inference"].values())
     ranges = train["expert_ranges"] + [r for m in infer for r in m["expert_ranges"]]
     n_local = ranges[0][1] - ranges[0][0]
-    ranges_ok = all(tuple(r) == (rank * n_local, (rank + 1) * n_local) for r in ranges)     # BUGZOO Z08
+    ranges_ok = all(tuple(r) == (rank * n_local, (rank + 1) * n_local) for r in ranges)     # docs/bugzoo.md Z08
     train_ok = (train["grad_rel"][0] < tol and max(train["grad_rel"]) < 100 * tol
                 and max(train["loss_rel"], train["param_rel"], train["forward_rel"]) < tol)
     infer_ok = all(max(m["forward_rel"], m["decode_rel"]) < tol and m["greedy_equal"] for m in infer)

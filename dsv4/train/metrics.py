@@ -81,7 +81,7 @@ def peak_tflops(device: torch.device, override: float | None = None) -> float | 
 
 # ------------------------------------------------------------------------------------------ memory
 def memory_estimate(model: nn.Module, optimizer_state_per_param: dict[str, int]) -> dict[str, float]:
-    """Bytes (GiB) of weights, gradients and optimizer state before step 1 (BUGZOO Z21).
+    """Bytes (GiB) of weights, gradients and optimizer state before step 1 (docs/bugzoo.md Z21).
 
     optimizer_state_per_param: {param name: number of fp32 state tensors} (AdamW 2, Muon 1).
     """

@@ -147,10 +147,6 @@ class MuonAdamW:
             self.muon.load_state_dict(d["muon"])
         self.adamw.load_state_dict(d["adamw"])
 
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for o in self.optimizers for s in o.state.values()
-                   for t in s.values() if isinstance(t, torch.Tensor))
-
 
 def _make_muon(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True,

@@ -308,9 +308,10 @@ class Trainer:
 
         c = self.cfg
         if c.init_from:
+            from ..checkpoint import load_pretrained
+
             # trained weights leave the FP8 / FP4 grid after the first step: a float model (W8A16 numerics)
-            model = DeepSeekV4.from_pretrained(c.init_from, dtype=torch.float32, device=self.device,
-                                               quant_mode="w8a16")
+            model = load_pretrained(c.init_from, dtype=torch.float32, device=self.device, quant_mode="w8a16")
             model.cfg.fp8_kv_sim, model.cfg.fp4_indexer_sim = self.mcfg.fp8_kv_sim, self.mcfg.fp4_indexer_sim
         else:
             model = DeepSeekV4.from_config(self.mcfg, seed=c.seed, dtype=torch.float32, device=self.device)
@@ -509,7 +510,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- the job
     def describe(self) -> dict[str, Any]:
-        """Memory estimate and live dtypes before step 1 (BUGZOO Z21)."""
+        """Memory estimate and live dtypes before step 1 (docs/bugzoo.md Z21)."""
         per = {n: 1 for n in self.opt.muon_names} | {n: 2 for n in self.opt.adamw_names}
         est = metrics.memory_estimate(self.model, per)
         # DTensor.numel() is global; expert-parallel experts are rank-local slices of W equal parts

@@ -23,8 +23,6 @@ saved). fp32 within a few ulp of the reference (exp is libdevice `expf`, as in t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
@@ -457,26 +455,4 @@ register("act_quant", "triton", triton_act_quant, can_run=_act_quant_can_run, de
 register("hadamard", "triton", triton_hadamard, can_run=_hadamard_can_run, deterministic=True, priority=10)
 register("compress_pool", "triton", triton_compress_pool, can_run=_pool_can_run, deterministic=True, priority=10)
 
-__all__ = ["triton_fp8_round_trip", "triton_fp4_round_trip", "triton_hadamard", "triton_compress_pool",
-           "elementwise_cases"]
-
-
-def elementwise_cases(device: torch.device | str, batch: int = 4) -> list[tuple[str, str, Callable]]:
-    """(case name, op, make(tokens) -> args) at the model's shapes, for `dsv4 bench ops --only elementwise`."""
-    dev = torch.device(device)
-    gen = torch.Generator(device=dev).manual_seed(0)
-
-    def rnd(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, device=dev, generator=gen).to(dtype)
-
-    return [
-        ("kv 448 of 512", "fp8_round_trip", lambda s: (rnd(batch, s, 512)[..., :448], 64)),
-        ("indexer q", "fp4_round_trip", lambda s: (rnd(batch, s, 64, 128), 32)),
-        ("indexer q", "hadamard", lambda s: (rnd(batch, s, 64, 128),)),
-        ("ratio 4, overlapping", "compress_pool",
-         lambda s: (rnd(batch, max(1, s // 4), 8, 512, dtype=torch.float32),
-                    rnd(batch, max(1, s // 4), 8, 512, dtype=torch.float32))),
-        ("ratio 128", "compress_pool",
-         lambda s: (rnd(batch, max(1, s // 128), 128, 512, dtype=torch.float32),
-                    rnd(batch, max(1, s // 128), 128, 512, dtype=torch.float32))),
-    ]
+__all__ = ["triton_fp8_round_trip", "triton_fp4_round_trip", "triton_hadamard", "triton_compress_pool"]

@@ -2,12 +2,12 @@
 
 All local experts run in one launch per projection. Slots are sorted by expert on the device by a
 counting sort in two launches (`triton_moe_plan`: per-chunk bucket counts, then prefix sums and a stable
-scatter; the same plan as `dsv4.ops.torch_native.moe_plan`, bit for bit, without its ~20 sort and
+scatter; the same plan as `dsv4.ops.moe_shared.moe_plan`, bit for bit, without its ~20 sort and
 index launches); the second launch also writes the tile table that maps each GEMM program to
 (expert, first row), so no routing count ever reaches the host. The grid is sized for the worst case
 (ceil(T*k / BM) + E + 1 row tiles); surplus programs exit at once. Slots of experts owned by other ranks
 form a last bucket whose rows the kernel writes as zeros, so no output row is left uninitialised
-(BUGZOO Z09).
+(docs/bugzoo.md Z09).
 
 Inference (no gradient needed) runs two kernels: gate+up with the gather of token rows, the clamped
 SwiGLU and the routing weight fused in, then the down projection, which scatters each row back to its
@@ -23,7 +23,16 @@ import triton
 import triton.language as tl
 
 from .. import register
-from ..torch_native import MoEPlan, act_round_trip, clamped_swiglu, combine_rows, gather_rows, mask_rows, moe_plan
+from ..moe_shared import (
+    MoEPlan,
+    act_round_trip,
+    clamped_swiglu,
+    combine_rows,
+    gather_rows,
+    mask_rows,
+    moe_plan,
+    register_plan_builder,
+)
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason, mma, round_to
 from ._mm_utils import launch as _launch
@@ -418,3 +427,5 @@ def _can_run(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0, act
 
 
 register("moe_experts", "triton", triton_moe_experts, can_run=_can_run, deterministic=True, priority=10)
+# the grouped backend of dsv4.ops.torch_native builds its plan with the counting sort too on CUDA
+register_plan_builder("cuda", triton_moe_plan, device_reason)

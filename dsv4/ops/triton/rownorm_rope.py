@@ -18,8 +18,6 @@ inverse rotation applied to the incoming gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
@@ -370,32 +368,4 @@ def _rope_can_run(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tens
 register("rms_norm", "triton", triton_rms_norm, can_run=_norm_can_run, deterministic=True, priority=10)
 register("rope_tail", "triton", triton_rope_tail, can_run=_rope_can_run, deterministic=True, priority=10)
 
-__all__ = ["triton_rms_norm", "triton_rope_tail", "norm_rope_cases"]
-
-
-def norm_rope_cases(device: torch.device | str) -> list[tuple[str, str, Callable]]:
-    """(case name, op, make(tokens) -> args) at the small preset's shapes (dim 1024, 16 heads of 512 with a
-    64-dim rope tail), for `dsv4 bench ops --only elementwise`."""
-    from ...config import ModelConfig
-    from ...model.rope import Rope
-
-    dev = torch.device(device)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    cfg = ModelConfig.preset("small")
-    freq = Rope(cfg, compressed=True)._freq_on(dev)
-
-    def rnd(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, device=dev, generator=gen).to(dtype)
-
-    def pos(s: int) -> torch.Tensor:
-        return torch.arange(s, device=dev) + 1000
-
-    w = torch.randn(cfg.dim, device=dev, generator=gen)
-    return [
-        (f"x [1, s, {cfg.dim}]", "rms_norm", lambda s: (rnd(1, s, cfg.dim), w, cfg.norm_eps)),
-        (f"q [1, s, {cfg.n_heads}, {cfg.head_dim}] no weight", "rms_norm",
-         lambda s: (rnd(1, s, cfg.n_heads, cfg.head_dim), None, cfg.norm_eps)),
-        (f"q [1, s, {cfg.n_heads}, {cfg.head_dim}]", "rope_tail",
-         lambda s: (rnd(1, s, cfg.n_heads, cfg.head_dim), pos(s), freq)),
-        (f"kv [1, s, {cfg.head_dim}]", "rope_tail", lambda s: (rnd(1, s, cfg.head_dim), pos(s), freq)),
-    ]
+__all__ = ["triton_rms_norm", "triton_rope_tail"]

@@ -35,8 +35,8 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import register
+from ..moe_shared import clamped_swiglu
 from ..reference import ACT_BLOCK, act_pow2
-from ..torch_native import clamped_swiglu
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason, round_to
 from ._mm_utils import launch as _launch

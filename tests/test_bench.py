@@ -1,0 +1,153 @@
+"""dsv4 bench on a CPU: argument parsing, the printed tables and rates, and the refusals of the GPU-only
+benchmarks (one `error:` line naming the reason, exit status 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dsv4.bench import e2e, graph_check, kernel_profile, kernels, moe_plan, report
+from dsv4.bench import ops as bench_ops
+from dsv4.cli import build_parser, main
+from dsv4.errors import UserError
+
+LIMITS = {"matmul_tflops": 800.0, "copy_gbs": 4000.0}
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+# ------------------------------------------------------------------------------ parsing
+def test_bench_subcommands_parse_their_options():
+    parse = build_parser().parse_args
+    a = parse(["bench", "ops", "--quant-shapes", "4096x1024", "2048X7168", "--only", "moe,quant", "--jsonl"])
+    assert a.func is bench_ops.run_ops_bench and a.quant_shapes == [(4096, 1024), (2048, 7168)]
+    assert a.only == "moe,quant" and a.jsonl and not a.json and a.moe_routed == [8192, 32768]
+    a = parse(["bench", "kernels", "--seq", "128", "--topk", "64", "--sweep", "--json"])
+    assert a.func is kernels.run_kernel_bench and (a.seq, a.topk, a.heads) == (128, 64, 64) and a.sweep and a.json
+    for bench in ("prefill", "decode", "train"):
+        a = parse(["bench", bench, "--preset", "tiny", "--device", "cpu", "--allow-cpu"])
+        assert a.func is e2e.run_e2e_bench and a.bench == bench and a.dtype == "bf16" and a.batch is None
+    assert parse(["bench", "decode"]).steps == 32 and not parse(["bench", "train"]).optimizer
+
+
+@pytest.mark.parametrize("argv", [["bench", "ops", "--quant-shapes", "4096"],
+                                  ["bench", "ops", "--hc-tokens", "many"],
+                                  ["bench", "prefill", "--dtype", "fp8"],
+                                  ["bench", "kernels", "--nope"]])
+def test_bad_bench_options_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ refusals
+@pytest.mark.parametrize("bench", ["kernels", "ops", "prefill", "decode", "train", "w8a8"])
+def test_gpu_benches_refuse_a_cpu_with_the_reason(bench, no_cuda, capsys):
+    assert main(["bench", bench]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith(f"error: dsv4 bench {bench} needs a CUDA device and this process has none; ")
+    assert len(out.err.strip().splitlines()) == 1
+
+
+def test_e2e_bench_refuses_another_device_without_allow_cpu(capsys):
+    assert main(["bench", "prefill", "--device", "cpu"]) == 2
+    assert "pass --device cpu --allow-cpu for a smoke run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry, argv, name", [(graph_check.main, [], "graph_check"),
+                                               (kernel_profile.main, ["train"], "kernel_profile"),
+                                               (moe_plan.main, [], "moe_plan")])
+def test_module_entry_points_refuse_a_cpu_with_the_reason(entry, argv, name, no_cuda, capsys):
+    assert entry(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith(f"error: python3 -m dsv4.bench.{name} needs a CUDA device")
+
+
+def test_require_cuda_names_the_bench_and_the_reason(no_cuda):
+    with pytest.raises(UserError, match=r"^x needs a CUDA device and this process has none; because$"):
+        report.require_cuda("x", "because")
+    with pytest.raises(UserError, match=r"^x needs a CUDA device and this process has none$"):
+        report.require_cuda("x")
+
+
+# ------------------------------------------------------------------------------ rates and tables
+def test_rates_against_the_measured_limits():
+    r = report.rates(2.0, LIMITS, flops=2e12, nbytes=4e9)       # 2e12 FLOP in 2 ms, 4 GB in 2 ms
+    assert r == {"tflops": 1000.0, "of_matmul": 1.25, "gbs": 2000.0, "of_copy": 0.5}
+    assert report.rates(1.0, LIMITS) == {}
+    assert report.rate_columns(r) == " 1000.0 TFLOP/s (125% of matmul)     2000 GB/s (50% of copy)"
+    assert report.rate_columns({}) == ""
+
+
+def _result(rows: list[dict], **extra) -> dict:
+    return {"device": "Test GPU", "torch": "2.x", "triton": "3.y", "date": "2026-01-01",
+            "limits": LIMITS, "rows": rows, "seconds": 1.0, **extra}
+
+
+def test_kernels_table():
+    row = {"kernel": "sparse_attention fwd", "shape": "b=1 s=4096", "ms": 1.5, **report.rates(1.5, LIMITS, 6e11),
+           "ref_ms": 15.0, "speedup": 10.0, "rel_err": 1e-3}
+    text = kernels.render(_result([row, {"diag": "k", "regs": 96}], sweeps=[{"cfg": 1}]))
+    lines = text.splitlines()
+    assert lines[0] == "Test GPU  torch 2.x  triton 3.y  2026-01-01"
+    assert lines[1] == "measured: bf16 matmul 800 TFLOP/s, copy 4000 GB/s"
+    assert lines[2] == "sweep {'cfg': 1}"
+    assert lines[3].startswith("sparse_attention fwd") and "    1.500 ms" in lines[3]
+    assert "400.0 TFLOP/s (50% of matmul)" in lines[3] and lines[3].endswith("x10.0 vs reference")
+    assert lines[4].strip() == "{'rel_err': 0.001}"
+    assert lines[5] == "{'diag': 'k', 'regs': 96}"
+
+
+def test_ops_table():
+    rows = [{"op": "moe_experts", "backend": "triton", "shape": "T*k=8192", "ms": 2.0,
+             **report.rates(2.0, LIMITS, nbytes=4e9), "of_same_shape_mm": 0.8, "rel": 2e-3},
+            {"op": "fp8_linear", "backend": "triton", "shape": "4096x4096", "skipped": "no sm90"},
+            {"parity": "hc_pre", "case": "x", "same_frac": 1.0}]
+    lines = bench_ops.render(_result(rows)).splitlines()
+    assert lines[2].startswith("moe_experts            triton     T*k=8192")
+    assert "2000 GB/s (50% of copy)  80% of same-shape mm  {'rel': 0.002}" in lines[2]
+    assert lines[3].endswith("skipped: no sm90")
+    assert json.loads(lines[4].removeprefix("parity ")) == rows[2]
+
+
+def test_e2e_table():
+    rows = [{"bench": "prefill", "path": "fast", "tokens_per_s": 1234.5, "s": 0.5, "mfu": 0.4,
+             "backends": {"rms_norm": ["triton"]}},
+            {"bench": "prefill", "path": "reference", "tokens_per_s": 123.4, "s": 5.0, "backends": {}}]
+    lines = e2e.render(_result(rows, preset="small", dtype="bf16", speedup=10.0)).splitlines()
+    assert lines[0] == "Test GPU  torch 2.x  2026-01-01  preset small bf16"
+    assert lines[1] == "prefill  fast             1234.5 tokens/s  (0.5000 s)  {'mfu': 0.4}"
+    assert lines[2].startswith("prefill  reference         123.4 tokens/s")
+    assert lines[3] == "fast path backends: {'rms_norm': ['triton']}"
+    assert lines[4] == "speed-up fast / reference: 10.0x"
+
+
+def test_emit_prints_a_table_json_or_nothing(capsys):
+    result = {"rows": [1]}
+    assert report.emit(result, lambda r: "TABLE", as_json=False, as_jsonl=False) == 0
+    assert report.emit(result, lambda r: "TABLE", as_json=True, as_jsonl=False) == 0
+    assert report.emit(result, lambda r: "TABLE", as_json=False, as_jsonl=True) == 0
+    assert capsys.readouterr().out.splitlines() == ["TABLE", '{"rows": [1]}']
+
+
+def test_stream_prints_each_row_as_it_comes(capsys):
+    rows = report.Stream()
+    rows.append({"a": 1})
+    assert capsys.readouterr().out == '{"a": 1}\n' and rows == [{"a": 1}]
+
+
+def test_e2e_smoke_run_on_cpu(capsys):
+    """`--device cpu --allow-cpu`: both paths run the tiny model and the table follows."""
+    assert main(["bench", "prefill", "--preset", "tiny", "--device", "cpu", "--allow-cpu", "--dtype", "fp32",
+                 "--seq", "16", "--reps", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device"] == "cpu" and [r["path"] for r in out["rows"]] == ["fast", "reference"]
+    assert all(r["tokens_per_s"] > 0 for r in out["rows"]) and out["speedup"] > 0
+    assert out["rows"][1]["backends"] and set(b for bs in out["rows"][1]["backends"].values() for b in bs) == \
+        {"reference"}
