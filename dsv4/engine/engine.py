@@ -33,6 +33,7 @@ from .cache_manager import CacheManager, SeqPages
 from .detokenize import Detokenizer, StopChecker
 from .runner import Row, Runner
 from .sampling import Sampler, SamplingParams
+from .speculative import MAX_SPECULATIVE, Drafter, DraftRow, accept
 
 
 class RequestError(ValueError):
@@ -72,6 +73,8 @@ class Sequence:
     stopper: StopChecker = field(default_factory=StopChecker)
     n_pending: int = 0                           # tokens sampled on the device, not read yet (overlap)
     pending_index: int = -1                      # the latest one's row in its step's sampled tokens
+    drafts: list[int] = field(default_factory=list)   # speculative: tokens the MTP block proposes next
+    draft_q: torch.Tensor | None = None          # their draft distributions [len(drafts), vocab] float64
 
     @property
     def n_tokens(self) -> int:
@@ -148,6 +151,7 @@ class EngineConfig:
     overlap: bool | None = None             # launch a step before reading the last one's tokens (default:
                                             # on CUDA, where the device runs while the host does bookkeeping)
     max_n: int = 16                         # choices per request
+    speculative: int = 0                    # draft tokens per step from the MTP block (0: off)
 
 
 class Engine:
@@ -179,6 +183,13 @@ class Engine:
                              max_graph_batch=c.max_seqs, pad_prefill=c.pad_prefill)
         self.sampler = Sampler()
         self.overlap = on_gpu if c.overlap is None else c.overlap
+        self.drafter: Drafter | None = None
+        if c.speculative:
+            if not 0 < c.speculative <= MAX_SPECULATIVE:
+                raise ValueError(f"speculative must be in [0, {MAX_SPECULATIVE}] draft tokens, got {c.speculative}")
+            self.drafter = Drafter(model, self.cache, self.sampler)
+            self.overlap = False            # every step reads its acceptance before the next is planned
+        self.spec_stats = {"verify_steps": 0, "drafted": 0, "accepted": 0}
         self._inflight: _Step | None = None
         self.tokenizer = tokenizer
         if eos_token_id is None:
@@ -263,6 +274,7 @@ class Engine:
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.drafts, seq.draft_q = [], None
         self.running.remove(seq)
         self.manager.release(seq.pages)
         seq.pages, seq.computed, seq.status = None, 0, Status.WAITING
@@ -282,7 +294,7 @@ class Engine:
             if seq.n_pending and (seq.n_generated >= seq.request.params.max_tokens
                                   or seq.n_tokens >= self.max_model_len):
                 continue                                    # its token on the device is its last
-            n = 1 if not seq.prefilling else min(budget, seq.n_tokens - seq.computed)
+            n = 1 + len(seq.drafts) if not seq.prefilling else min(budget, seq.n_tokens - seq.computed)
             while not self.manager.allocate(seq.pages, seq.computed, seq.computed + n):
                 victim = max((s for s in self.running if s not in [p for p, _ in plan]),
                              key=lambda s: s.admitted_at)
@@ -347,6 +359,8 @@ class Engine:
         bookkeeping while the device computes. A sequence that turns out finished then computed one token
         too many, which is dropped.
         """
+        if self.drafter is not None:
+            return self._step_speculative()
         t0 = time.perf_counter()
         prev, self._inflight = self._inflight, None
         outputs: list[StepOutput] = []
@@ -368,6 +382,134 @@ class Engine:
         self.timing["launch"] += t2 - t1
         self.timing["post"] += time.perf_counter() - t2
         return outputs
+
+    # ------------------------------------------------------------------ speculative steps
+    def _step_speculative(self) -> list[StepOutput]:
+        """One step with MTP drafts (dsv4.engine.speculative): a sequence that carries drafts runs them as a
+        verify row [x_c, d_1, ..., d_k]; acceptance keeps a prefix and draws one more token; then the MTP
+        block catches up on the positions that are final and drafts the next k for each sequence."""
+        t0 = time.perf_counter()
+        plan = self._schedule()
+        t1 = time.perf_counter()
+        if not plan:
+            return []
+        rows: list[Row] = []
+        for seq, n in plan:
+            s = seq.computed
+            verify = not seq.prefilling and bool(seq.drafts)
+            toks = [seq.tokens[s]] + seq.drafts if verify else seq.tokens[s:s + n]
+            rows.append(Row(toks, s, seq.pages.wtable, seq.pages.ctable, seq.pages.state,
+                            want_logits=verify or s + n == seq.n_tokens, all_logits=verify))
+        with exact_accumulation(self.config.deterministic):
+            logits, hidden = self.runner.run_hidden(rows)
+            emitted = self._accept(plan, rows, logits)
+        t2 = time.perf_counter()
+        outputs: dict[int, tuple[Sequence, StepOutput]] = {}
+        for (seq, n), row in zip(plan, rows):
+            if seq.computed + n <= seq.prompt_len:
+                self.stats["prompt_tokens"] += n
+            seq.computed += len(row.tokens) if not row.all_logits else len(emitted[id(seq)][0])
+            seq.drafts, seq.draft_q = [], None
+            for tok, lp in zip(*emitted.get(id(seq), ((), ()))):
+                if seq.status is Status.FINISHED:
+                    break
+                self._emit(seq, tok, lp, outputs)
+        self.stats["steps"] += 1
+        with exact_accumulation(self.config.deterministic):
+            self._draft(plan, rows, hidden)
+        self.timing["schedule"] += t1 - t0
+        self.timing["launch"] += t2 - t1
+        self.timing["post"] += time.perf_counter() - t2
+        return self._finish_step([seq for seq, _ in plan], outputs)
+
+    def _accept(self, plan: list[tuple[Sequence, int]], rows: list[Row],
+                logits: torch.Tensor) -> dict[int, tuple[list[int], list[TokenLogprob | None]]]:
+        """Sample the rows that want logits: plain rows with the sampler, verify rows by acceptance.
+        -> per sequence id: (tokens to emit, their logprobs)."""
+        at, plain, spec = 0, [], []
+        for (seq, _), row in zip(plan, rows):
+            if not row.want_logits:
+                continue
+            width = len(row.tokens) if row.all_logits else 1
+            (spec if row.all_logits else plain).append((seq, at, width))
+            at += width
+        result: dict[int, tuple[list[int], list[TokenLogprob | None]]] = {}
+        if plain:
+            seqs = [seq for seq, _, _ in plain]
+            out = self._sample(logits[[a for _, a, _ in plain]], seqs)
+            toks = out.tokens.tolist()
+            lps = out.logprobs.tolist() if out.logprobs is not None else None
+            tops = (out.top_ids.tolist(), out.top_logprobs.tolist()) if out.top_ids is not None else None
+            for j, seq in enumerate(seqs):
+                k = seq.request.params.logprobs
+                lp = None
+                if k is not None:
+                    lp = TokenLogprob(toks[j], lps[j], list(zip(tops[0][j][:k], tops[1][j][:k])) if k and tops else [])
+                result[id(seq)] = ([toks[j]], [lp])
+        if spec:
+            dev, V = logits.device, logits.size(-1)
+            K = max(w for _, _, w in spec) - 1
+            B = len(spec)
+            target = torch.zeros(B, K + 1, V, dtype=torch.float64, device=dev)
+            q = torch.zeros(B, K, V, dtype=torch.float64, device=dev)
+            drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
+            for b, (seq, a, w) in enumerate(spec):
+                target[b, :w] = self.sampler.probabilities(logits[a:a + w], [seq.request.params] * w)
+                q[b, :w - 1] = seq.draft_q
+                drafts[b, :w - 1] = torch.tensor(seq.drafts, device=dev)
+            n_drafts = torch.tensor([w - 1 for _, _, w in spec], device=dev)
+            seeds = torch.tensor([seq.seed for seq, _, _ in spec], device=dev)
+            counters = torch.tensor([seq.n_generated for seq, _, _ in spec], device=dev)
+            kept, nxt = accept(target, q, drafts, n_drafts, seeds, counters)
+            kept, nxt = kept.tolist(), nxt.tolist()
+            for b, (seq, a, w) in enumerate(spec):
+                toks = seq.drafts[:kept[b]] + [nxt[b]]
+                self.spec_stats["verify_steps"] += 1
+                self.spec_stats["drafted"] += w - 1
+                self.spec_stats["accepted"] += kept[b]
+                lps: list[TokenLogprob | None] = [None] * len(toks)
+                k = seq.request.params.logprobs
+                if k is not None:
+                    lp = torch.log_softmax(logits[a:a + len(toks)].double(), -1)          # [n, V]
+                    own = lp.gather(1, torch.tensor(toks, device=dev).unsqueeze(1))[:, 0].tolist()
+                    top = lp.topk(k, -1) if k else None
+                    ids = top.indices.tolist() if top is not None else None
+                    vals = top.values.tolist() if top is not None else None
+                    lps = [TokenLogprob(t, own[i], list(zip(ids[i], vals[i])) if ids else [])
+                           for i, t in enumerate(toks)]
+                result[id(seq)] = (toks, lps)
+        return result
+
+    def _draft(self, plan: list[tuple[Sequence, int]], rows: list[Row], hidden: torch.Tensor) -> None:
+        """The MTP block catches up on every row's positions whose next token is now known, and proposes
+        the next drafts of each running sequence that speculates."""
+        k_max = self.config.speculative
+        draft_rows, owners = [], []
+        at = 0
+        for (seq, _), row in zip(plan, rows):
+            seg, at = at, at + len(row.tokens)
+            if seq.status is not Status.RUNNING or seq.request.params.penalized:
+                continue
+            s = row.start
+            m = min(len(row.tokens), len(seq.tokens) - 1 - s)
+            if m <= 0:
+                continue
+            end = s + m                                      # the next main input's position, when caught up
+            k = 0
+            if end == len(seq.tokens) - 1:
+                k = min(k_max, self.max_model_len - 1 - end,
+                        seq.request.params.max_tokens - seq.n_generated - 1)
+                if k > 0 and not self.manager.allocate(seq.pages, end, end + k + 1):
+                    k = 0                                    # no pages for the drafts: decode plainly
+            draft_rows.append(DraftRow(torch.arange(seg, seg + m, device=self.device), seq.tokens[s + 1:end + 1],
+                                       s, seq.pages.wtable, seq.pages.state, max(k, 0), seq.request.params,
+                                       seq.seed, seq.n_generated))
+            owners.append(seq)
+        if not draft_rows:
+            return
+        for seq, (toks, q) in zip(owners, self.drafter(hidden, draft_rows)):
+            if toks:
+                seq.drafts, seq.draft_q = toks, q
 
     def _overlap_ok(self) -> bool:
         """Penalties count the previous token: those steps wait for it."""
@@ -409,9 +551,7 @@ class Engine:
         token_lp = sampled.logprobs.tolist() if sampled is not None and sampled.logprobs is not None else None
         top_ids = sampled.top_ids.tolist() if sampled is not None and sampled.top_ids is not None else None
         top_lp = sampled.top_logprobs.tolist() if top_ids is not None else None
-        now = time.monotonic()
-        outputs: dict[int, StepOutput] = {}
-        seqs: dict[int, Sequence] = {}
+        outputs: dict[int, tuple[Sequence, StepOutput]] = {}
         for j, seq in enumerate(step.samplers):
             seq.n_pending -= 1
             if seq.status is Status.FINISHED:               # finished (or aborted) since: a token too many
@@ -422,35 +562,44 @@ class Engine:
                 k = seq.request.params.logprobs
                 top = list(zip(top_ids[j][:k], top_lp[j][:k])) if k and top_ids is not None else []
                 lp = TokenLogprob(tok, token_lp[j], top)
-            seq.tokens.append(tok)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            self.stats["generated_tokens"] += 1
-            seq.first_token_time = seq.first_token_time or now
-            seq.last_token_time = now
-            reason = self._stop_reason(seq, tok)
-            out = outputs.setdefault(id(seq), self._output(seq))
-            seqs[id(seq)] = seq
-            out.new_tokens.append(tok)
-            if lp is not None:
-                out.new_logprobs.append(lp)
-            if seq.detok is not None:
-                delta = seq.detok.add(tok)
-                end = seq.stopper.check(seq.detok.text, len(delta)) if delta else None
-                if end is not None:
-                    seq.detok.text, reason = seq.detok.text[:end], "stop"
-                elif reason:
-                    seq.detok.flush()
-                out.text += seq.stopper.releasable(seq.detok.text, finished=reason is not None)
-            if reason:
-                self._finish(seq, reason)
-        for seq, _ in step.order:
+            self._emit(seq, tok, lp, outputs)
+        return self._finish_step([seq for seq, _ in step.order], outputs)
+
+    def _emit(self, seq: Sequence, tok: int, lp: TokenLogprob | None,
+              outputs: dict[int, tuple[Sequence, StepOutput]]) -> None:
+        """One generated token: append it, detokenize, apply stops; finish the sequence when it ends."""
+        now = time.monotonic()
+        seq.tokens.append(tok)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        self.stats["generated_tokens"] += 1
+        seq.first_token_time = seq.first_token_time or now
+        seq.last_token_time = now
+        reason = self._stop_reason(seq, tok)
+        out = outputs.setdefault(id(seq), (seq, self._output(seq)))[1]
+        out.new_tokens.append(tok)
+        if lp is not None:
+            out.new_logprobs.append(lp)
+        if seq.detok is not None:
+            delta = seq.detok.add(tok)
+            end = seq.stopper.check(seq.detok.text, len(delta)) if delta else None
+            if end is not None:
+                seq.detok.text, reason = seq.detok.text[:end], "stop"
+            elif reason:
+                seq.detok.flush()
+            out.text += seq.stopper.releasable(seq.detok.text, finished=reason is not None)
+        if reason:
+            self._finish(seq, reason)
+
+    def _finish_step(self, stepped: list[Sequence],
+                     outputs: dict[int, tuple[Sequence, StepOutput]]) -> list[StepOutput]:
+        """After a step's tokens are emitted: prefix-cache registration, window trimming, the outputs."""
+        for seq in stepped:
             if seq.status is Status.RUNNING:
                 self.manager.register(seq.pages, seq.tokens, min(seq.computed, len(seq.tokens)))
                 self.manager.trim_window(seq.pages, seq.computed)
         result = []
-        for key, out in outputs.items():
-            seq = seqs[key]
+        for seq, out in outputs.values():
             out.finished, out.finish_reason = seq.status is Status.FINISHED, seq.finish_reason
             out.completion_tokens = len(seq.tokens) - seq.prompt_len
             result.append(out)
@@ -496,4 +645,5 @@ class Engine:
         return {"running": len(self.running), "waiting": len(self.waiting), "cache_usage": self.manager.usage(),
                 "prefix_hit_tokens": self.manager.hits, "prefix_query_tokens": self.manager.queries,
                 "graph_steps": self.runner.graph_steps, "eager_steps": self.runner.eager_steps, **self.stats,
+                "speculative": dict(self.spec_stats),
                 "step_seconds": dict(self.timing)}

@@ -28,6 +28,7 @@ class Row:
     ctable: list[int]
     state: int
     want_logits: bool
+    all_logits: bool = False        # logits at every position of the row (a speculative verify), not the last
 
 
 class _Packer:
@@ -78,7 +79,7 @@ def build_inputs(rows: list[Row], layout: CacheLayout, device: torch.device,
         wtable[b, :len(r.wtable)] = r.wtable[:width]
         ctable[b, :len(r.ctable)] = r.ctable[:width]
         if r.want_logits:
-            out.append(seg[b] + n - 1)
+            out.extend(seg[b] + np.arange(n) if r.all_logits else [seg[b] + n - 1])
     p = _Packer()
     for name, arr in (("tokens", tokens), ("positions", positions), ("rows", row_of), ("seg_start", seg),
                       ("start", start), ("length", length), ("wtable", wtable), ("ctable", ctable),
@@ -306,6 +307,13 @@ class Runner:
                         self.prefill_graphs[(slots, length)] = PrefillGraph(self.model, self.cache, slots, length,
                                                                             pool=self._pool)
         return len(self.graphs) + len(self.prefill_graphs)
+
+    def run_hidden(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """An eager step that also returns the hidden states [T, hc, dim] (the MTP draft's input):
+        (logits [n, vocab] of the rows that want them, hidden)."""
+        tokens, inputs = build_inputs(rows, self.cache.layout, self.cache.device)
+        self.eager_steps += 1
+        return self.model.append(tokens, inputs, self.cache, return_hidden=True)
 
     def run(self, rows: list[Row], feed=None) -> torch.Tensor:
         """Logits [n, vocab] of the rows that want them, in row order.

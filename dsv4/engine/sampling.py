@@ -18,8 +18,9 @@ import torch
 
 _MASK32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B                 # a 27-bit odd multiplier: x * _MIX stays below 2^59 in int64
-STREAM_SAMPLE = 0x2545F491       # separate streams for the token draw and speculative acceptance
+STREAM_SAMPLE = 0x2545F491       # separate streams: the token draw, speculative acceptance, the draft's draw
 STREAM_ACCEPT = 0x1B873593
+STREAM_DRAFT = 0x68E31DA4
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -157,6 +158,23 @@ class Sampler:
                 out.top_ids, out.top_logprobs = top.indices, top.values.float()
         return out
 
+    def probabilities(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """The distribution each row samples from, float64 [B, V]: softmax(logits / T) after top-k,
+        top-p and min-p (penalties are not applied here: penalized requests do not speculate). A greedy
+        row gets the one-hot of its argmax."""
+        B, V = logits.shape
+        dev = logits.device
+        x = logits.double()
+        floats = torch.tensor([[p.temperature if p.temperature > 0 else 1.0, float(p.greedy), p.top_p, p.min_p]
+                               for p in params], dtype=torch.float64).to(dev)
+        top_k = torch.tensor([[p.top_k or V] for p in params], dtype=torch.int64).to(dev)
+        scaled = x / floats[:, 0:1]
+        if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params):
+            scaled = self._filter(scaled, top_k, floats[:, 2:3], floats[:, 3:4])
+        probs = scaled.softmax(-1)
+        onehot = torch.nn.functional.one_hot(x.argmax(-1), V).double()
+        return torch.where(floats[:, 1:2] > 0, onehot, probs)
+
     @staticmethod
     def _penalize(x: torch.Tensor, params: Sequence[SamplingParams], counts: torch.Tensor,
                   prompt_mask: torch.Tensor) -> torch.Tensor:
@@ -181,6 +199,13 @@ class Sampler:
         drop[:, 0] = False
         values = values.masked_fill(drop, float("-inf"))
         return torch.full_like(scaled, float("-inf")).scatter(-1, order, values)
+
+
+def draw(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:
+    """One exact draw per row from probs [B, V] (float64, rows summing to 1; zeros never drawn), with the
+    counter-hash uniforms of (seed [B], counter [B], stream): Gumbel-max over log-probabilities."""
+    noise = -torch.log(-torch.log(uniform(seeds, counters, probs.size(-1), stream)))
+    return (torch.log(probs) + noise).argmax(-1)
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,

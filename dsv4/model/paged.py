@@ -250,8 +250,10 @@ def entry_index(pos: torch.Tensor, ratio: int) -> torch.Tensor:
     return torch.div(pos, ratio, rounding_mode="floor")
 
 
-def plan_step(inp: StepInputs, layout: CacheLayout) -> Plan:
-    """Every index a step needs, computed on the device with shapes fixed by the inputs' shapes."""
+def plan_step(inp: StepInputs, layout: CacheLayout, compressed: bool = True) -> Plan:
+    """Every index a step needs, computed on the device with shapes fixed by the inputs' shapes.
+
+    compressed=False plans the window only (the MTP block's window-only layer)."""
     P, w = layout.page_size, layout.window
     pos, rows = inp.positions, inp.rows
     dev = pos.device
@@ -264,7 +266,7 @@ def plan_step(inp: StepInputs, layout: CacheLayout) -> Plan:
     window_write = torch.where(wslot >= 0, wslot, TRASH)
     q = pos.unsqueeze(1) - w + 1 + torch.arange(w, device=dev)                         # [T, w]
     window_idx = window_slot(rows.unsqueeze(1).expand_as(q), q)
-    ratios = {r: _ratio_plan(inp, layout, r) for r in layout.ratios}
+    ratios = {r: _ratio_plan(inp, layout, r) for r in layout.ratios} if compressed else {}
     return Plan(inp, window_write, window_idx, ratios)
 
 

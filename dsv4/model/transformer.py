@@ -220,6 +220,28 @@ class DeepSeekV4(nn.Module):
                             self.norm)[0]                                               # [n, vocab]
         return (logits, flat) if return_hidden else logits
 
+    @torch.no_grad()
+    def draft(self, hidden: torch.Tensor, tokens: torch.Tensor, inputs: StepInputs, cache: PagedKVCache,
+              depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP block as a speculative draft, on the paged cache.
+
+        hidden [T, hc, dim]: the hidden state at each position of `inputs` (the main model's, from
+        `append(..., return_hidden=True)`, or this block's own output when drafts are chained); tokens
+        [1, T]: the token that follows each position. As in training (`forward(mtp=True)`), the block
+        combines the two, runs its window-only layer at the positions of `inputs` (writing its window
+        rows into the MTP layer's pool of `cache`), and predicts the token after the next with the main
+        model's embedding and head (docs/bugzoo.md Z20). -> (fp32 logits [n, vocab] of the tokens
+        `inputs.out` names, the block's output hidden [T, hc, dim] for the next link of a chain).
+        """
+        block = self.mtp[depth]
+        plan = plan_step(inputs, cache.layout, compressed=False)
+        x = block.combine(hidden.unsqueeze(0), self.embed(tokens))                     # [1, T, hc, dim]
+        h = block(x, None, tokens, plan=plan, pool=cache.layers[self.cfg.n_layers + depth])[0]   # [T, hc, dim]
+        sel = h if inputs.out is None else h[inputs.out]
+        logits = self._head(sel.unsqueeze(0), block.hc_head_fn, block.hc_head_scale, block.hc_head_base,
+                            block.norm)[0]                                              # [n, vocab]
+        return logits, h
+
     def new_cache(self, batch_size: int, max_len: int = 4096) -> BatchCache:
         """A cache for `batch_size` sequences decoded in lockstep (`prefill`, `decode_step`)."""
         p = self.embed.weight

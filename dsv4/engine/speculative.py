@@ -1,0 +1,132 @@
+"""Speculative decoding with the model's MTP block as the draft.
+
+Per step, a speculating sequence at position c (its last token x_c not yet in the cache) carrying drafts
+d_1 ... d_k runs the k + 1 tokens [x_c, d_1, ..., d_k] through the main model in one `append` (a verify).
+`accept` keeps the longest prefix of drafts the target accepts and draws one more token, so a step yields
+1 ... k + 1 tokens. Acceptance is rejection sampling (draft i is kept with probability
+min(1, p_i(d_i) / q_i(d_i)); on a rejection the token is drawn from normalize(max(p_i - q_i, 0)); after k
+acceptances a bonus token is drawn from p_k): the emitted tokens follow the target distribution exactly,
+whatever the draft proposes. A greedy request is the same rule on one-hot distributions: drafts equal to
+the target's argmax are kept, the first mismatch is replaced by the argmax, so its tokens are exactly
+those of plain greedy decoding.
+
+Rejected positions need no undo: every cache the verify wrote (window rows, compressed entries,
+compressor rows, indexer keys, the MTP window) is addressed by position, and positions at or past a
+sequence's length are written again before anything reads them (`dsv4.model.paged`).
+
+The draft (`Drafter`): after the verify, the MTP block catches up on the positions that are now final -
+position t combines the main model's hidden state at t with the embedding of x_{t+1} - and its output at
+the last one proposes d'_1; each further draft feeds the block its own output hidden and the draft just
+made (the chained application of the one MTP block). Random numbers are counter-hashed per sequence
+(`sampling.uniform`): a draft's draw, an acceptance test and a token's draw use separate streams keyed on
+the index of the token in the sequence, so results do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model import DeepSeekV4
+from ..model.paged import SPEC_ROWS, PagedKVCache
+from .runner import Row, build_inputs
+from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, Sampler, SamplingParams, draw, uniform
+
+MAX_SPECULATIVE = SPEC_ROWS - 1       # a verify of k + 1 tokens must fit the rows a sequence can roll back
+
+
+def accept(target: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, n_drafts: torch.Tensor,
+           seeds: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling for B rows of up to K drafts.
+
+    target [B, K + 1, V]: p at each verified position (float64, rows summing to 1); draft_probs [B, K, V]:
+    q of each draft; drafts [B, K]; n_drafts [B] (row b's drafts are the first n_drafts[b]); counters [B]:
+    the sequence index of the token each row's first draft proposes. -> (accepted [B]: drafts kept, the
+    next token [B] drawn at position `accepted`).
+    """
+    B, K1, V = target.shape
+    K = K1 - 1
+    dev = target.device
+    if K:
+        i = torch.arange(K, device=dev)
+        p_d = target[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2)                         # [B, K]
+        q_d = draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)                           # [B, K]
+        u = torch.stack([uniform(seeds, counters + j, 1, STREAM_ACCEPT)[:, 0] for j in range(K)], 1)  # [B, K]
+        ok = (u * q_d <= p_d) & (i.unsqueeze(0) < n_drafts.unsqueeze(1))
+        accepted = ok.long().cumprod(1).sum(1)                                                # [B]
+    else:
+        accepted = torch.zeros(B, dtype=torch.long, device=dev)
+    rows = torch.arange(B, device=dev)
+    p = target[rows, accepted]                                                                # [B, V]
+    q = torch.cat([draft_probs, torch.zeros(B, 1, V, dtype=draft_probs.dtype, device=dev)], 1)[rows, accepted]
+    q = torch.where((accepted < n_drafts).unsqueeze(1), q, 0)           # after the last draft: the bonus, from p
+    residual = (p - q).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-300), p)
+    return accepted, draw(residual, seeds, counters + accepted, STREAM_SAMPLE)
+
+
+@dataclass
+class DraftRow:
+    """One sequence's part of the draft: the MTP block catches up on positions start ... start + len(next)
+    - 1 (hidden[i] is the main model's hidden state at start + i, next[i] the token after it), then, when
+    `k` > 0, proposes k tokens."""
+    hidden: torch.Tensor          # [m] flat indices into the verify step's hidden states
+    next: list[int]
+    start: int
+    wtable: list[int]
+    state: int
+    k: int
+    params: SamplingParams
+    seed: int
+    counter: int                  # sequence index of the first proposed token
+
+
+class Drafter:
+    """Runs the MTP block over a step's rows: catch-up, then chained drafts."""
+
+    def __init__(self, model: DeepSeekV4, cache: PagedKVCache, sampler: Sampler):
+        if model.cfg.n_mtp_layers < 1:
+            raise ValueError("speculative decoding drafts with the model's MTP block, and this model has none "
+                             "(n_mtp_layers = 0)")
+        self.model, self.cache, self.sampler = model, cache, sampler
+        self.layout = cache.layout
+
+    def __call__(self, hidden: torch.Tensor, rows: list[DraftRow]) -> list[tuple[list[int], torch.Tensor]]:
+        """hidden [T, hc, dim] (the verify step's). -> per row: (drafts, their q [k, V] float64)."""
+        dev = hidden.device
+        layout = self.layout
+        mtp_rows = [Row(r.next, r.start, r.wtable, [], r.state, want_logits=r.k > 0) for r in rows]
+        tokens, inputs = build_inputs(mtp_rows, layout, dev)
+        logits, h = self.model.draft(hidden[torch.cat([r.hidden for r in rows])], tokens, inputs, self.cache)
+        live = [r for r in rows if r.k > 0]
+        out: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {id(r): ([], []) for r in live}
+        if not live:
+            return [([], torch.zeros(0)) for _ in rows]
+        seeds = torch.tensor([r.seed for r in live], dtype=torch.long, device=dev)
+        params = [r.params for r in live]
+        last = inputs.out                                                   # [n] flat index of each live row's end
+        pos = [r.start + len(r.next) for r in live]                         # position of the next link
+        for j in range(max(r.k for r in live)):
+            counters = torch.tensor([r.counter + j for r in live], dtype=torch.long, device=dev)
+            q = self.sampler.probabilities(logits, params)                                  # [n, V]
+            d = draw(q, seeds, counters, STREAM_DRAFT)                                       # [n]
+            for i, r in enumerate(live):
+                if j < r.k:
+                    out[id(r)][0].append(d[i])
+                    out[id(r)][1].append(q[i])
+            if j + 1 == max(r.k for r in live):
+                break
+            links = [Row([0], pos[i] + j, r.wtable, [], r.state, want_logits=True) for i, r in enumerate(live)]
+            _, inputs = build_inputs(links, layout, dev)
+            logits, h = self.model.draft(h[last], d.view(1, -1), inputs, self.cache)
+            last = inputs.out
+        result = []
+        for r in rows:
+            if r.k == 0:
+                result.append(([], torch.zeros(0)))
+                continue
+            toks, qs = out[id(r)]
+            result.append((torch.stack(toks).tolist(), torch.stack(qs)))
+        return result
