@@ -1,0 +1,173 @@
+"""Speculative decoding with the MTP draft must not change what a request computes.
+
+Oracles: plain decoding by the same engine with speculation off (greedy tokens equal, deterministic mode),
+the training path's MTP logits (a different code path: the full-sequence forward) for the draft, and the
+target distribution itself for sampled acceptance (a statistical test). The tiny model is shrunk as in
+test_engine.py (window 16, ratios 4 and 16, pages of 16 positions) so that verifies cross page, window and
+compression-group boundaries often; its random MTP block rejects nearly every draft, so an oracle draft
+that proposes the right tokens with planted errors exercises acceptance and rollback at chosen places.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from dsv4 import DeepSeekV4
+from dsv4.check.inputs import check_config
+from dsv4.engine import Engine, EngineConfig, SamplingParams
+from dsv4.engine.sampling import STREAM_DRAFT, draw
+from dsv4.engine.speculative import MAX_SPECULATIVE, Drafter, accept
+from dsv4.ops.precision import exact_accumulation
+
+LENGTHS = (5, 40, 23, 70, 1, 17)
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def model() -> DeepSeekV4:
+    return DeepSeekV4.from_config(check_config("tiny"), seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(model) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(2, model.cfg.vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def run(model, prompts, params, arrivals=None, drafter=None, **config) -> tuple[list[list[int]], Engine]:
+    cfg = dict(max_seqs=8, max_batch_tokens=64, page_size=16, deterministic=True)
+    cfg.update(config)
+    engine = Engine(model, EngineConfig(**cfg))
+    if drafter is not None:
+        engine.drafter = drafter(engine)
+    outs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    pending, step = list(range(len(prompts))), 0
+    while pending or engine.has_work():
+        for i in [i for i in pending if arrivals is None or arrivals[i] <= step]:
+            engine.add_request(str(i), prompts[i], params[i] if isinstance(params, list) else params)
+            pending.remove(i)
+        for out in engine.step():
+            outs[int(out.request_id)].extend(out.new_tokens)
+        step += 1
+    return [outs[i] for i in range(len(prompts))], engine
+
+
+def greedy(i: int = 0, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, seed=i, **kw)
+
+
+class OracleDrafter(Drafter):
+    """Proposes the known greedy continuation, wrong wherever `wrong(index)` says: the MTP block still runs
+    (its cache is written as in a real run), only the proposals are replaced."""
+
+    def __init__(self, engine: Engine, answers: list[list[int]], wrong):
+        super().__init__(engine.model, engine.cache, engine.sampler)
+        self.answers, self.wrong, self.vocab = answers, wrong, engine.vocab
+
+    def __call__(self, hidden, rows):
+        results = super().__call__(hidden, rows)
+        out = []
+        for r, (toks, _) in zip(rows, results):
+            want = self.answers[r.seed][r.counter:r.counter + r.k]
+            toks = [(t + 1) % self.vocab if self.wrong(r.counter + j) else t for j, t in enumerate(want)]
+            q = torch.nn.functional.one_hot(torch.tensor(toks, dtype=torch.long), self.vocab).double()
+            out.append((toks, q))
+        return out
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_speculation_gives_the_plain_tokens_with_drafts_accepted_and_rejected(model, prompts, k):
+    params = [greedy(i) for i in range(len(prompts))]
+    plain, _ = run(model, prompts, params)
+    # every third draft index wrong: full acceptances, rejections at every depth of a verify, and (with
+    # ratio 4 and 16 groups) rejected tokens that had completed a group or crossed a page
+    spec, engine = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], speculative=k,
+                       drafter=lambda e: OracleDrafter(e, plain, lambda i: i % 3 == 1))
+    assert spec == plain
+    st = engine.spec_stats
+    assert 0 < st["accepted"] < st["drafted"]
+    assert engine.stats["steps"] < max(len(o) for o in plain) + len(prompts) * 4     # steps were saved
+    assert engine.manager.free_pages()[0] == engine.layout.n_window_pages - 1        # every page came back
+
+
+def test_real_mtp_drafts_change_no_token(model, prompts):
+    params = [greedy(i) for i in range(len(prompts))]
+    plain, _ = run(model, prompts, params)
+    spec, engine = run(model, prompts, params, speculative=2, max_batch_tokens=13)
+    assert spec == plain
+    assert engine.spec_stats["drafted"] > 0
+
+
+def test_sampled_speculation_is_reproducible_and_batch_invariant(model, prompts):
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=50 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    alone = [run(model, [p], [params[i]], max_seqs=1, speculative=2)[0][0] for i, p in enumerate(prompts)]
+    busy, _ = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], speculative=2)
+    assert busy == alone
+
+
+def test_the_draft_is_the_training_mtp_head(model):
+    """`draft` on the paged cache computes what the training path's MTP block computes (forward(mtp=True))."""
+    g = torch.Generator().manual_seed(5)
+    s = 37
+    tokens = torch.randint(2, model.cfg.vocab_size, (1, s), generator=g)
+    with exact_accumulation(True), torch.no_grad():
+        want = model(tokens, mtp=True).mtp_logits[0][0]                              # [s-1, V] predicts t+2
+        cache = model.new_cache(1, 64)
+        _, hidden = model.append(tokens, cache.step_inputs(tokens, static_start=0), cache.kv, return_hidden=True)
+        head = tokens[:, :-1]
+        got, _ = model.draft(hidden[:s - 1], tokens[:, 1:], cache.step_inputs(head, static_start=0), cache.kv)
+    # both paths accumulate in float64 and round to fp32 once: a few fp32 ulps of the largest logit
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 16 * 2.0**-24 * max(scale, 1.0)
+
+
+def test_acceptance_keeps_the_target_distribution():
+    """Rejection sampling: whatever the draft distribution, the first emitted token follows p_0 and the
+    second (given the first draft was kept) follows p_1. 200k rows: a 1% bias in any probability is over
+    9 standard deviations (sd <= sqrt(0.25 / n)), the bound 4.5 sd."""
+    V, n = 6, 200_000
+    p = torch.tensor([[0.30, 0.25, 0.20, 0.15, 0.07, 0.03],
+                      [0.05, 0.05, 0.40, 0.10, 0.30, 0.10],
+                      [0.10, 0.20, 0.30, 0.20, 0.10, 0.10]], dtype=torch.float64)
+    q = torch.tensor([[0.05, 0.10, 0.15, 0.20, 0.25, 0.25],
+                      [0.40, 0.10, 0.10, 0.10, 0.10, 0.20]], dtype=torch.float64)
+    seeds = torch.arange(n, dtype=torch.long) * 7919 + 13
+    counters = torch.full((n,), 5, dtype=torch.long)
+    drafts = torch.stack([draw(q[j].expand(n, V), seeds, counters + j, STREAM_DRAFT) for j in range(2)], 1)
+    kept, nxt = accept(p.expand(n, 3, V), q.expand(n, 2, V), drafts, torch.full((n,), 2), seeds, counters)
+    first = torch.where(kept > 0, drafts[:, 0], nxt)
+    sd = math.sqrt(0.25 / n)
+    freq = torch.bincount(first, minlength=V).double() / n
+    assert (freq - p[0]).abs().max() < 4.5 * sd, (freq, p[0])
+    m = kept > 0
+    second = torch.where(kept[m] > 1, drafts[m, 1], nxt[m])
+    freq2 = torch.bincount(second, minlength=V).double() / m.sum()
+    assert (freq2 - p[1]).abs().max() < 4.5 * math.sqrt(0.25 / int(m.sum())), (freq2, p[1])
+    # the acceptance rate is sum_x min(p, q) per position, as the rule says
+    rate = float((kept > 0).double().mean())
+    assert abs(rate - float(torch.minimum(p[0], q[0]).sum())) < 4.5 * sd
+
+
+def test_greedy_acceptance_is_argmax_matching():
+    V = 8
+    target = torch.nn.functional.one_hot(torch.tensor([[3, 5, 1, 2]]), V).double()     # argmax per position
+    for drafts, kept_want, next_want in (([3, 5, 1], 3, 2), ([3, 4, 1], 1, 5), ([0, 5, 1], 0, 3)):
+        d = torch.tensor([drafts])
+        q = torch.nn.functional.one_hot(d, V).double()
+        kept, nxt = accept(target, q, d, torch.tensor([3]), torch.tensor([1]), torch.tensor([0]))
+        assert (int(kept), int(nxt)) == (kept_want, next_want)
+
+
+def test_speculation_refuses_what_it_cannot_do(model):
+    with pytest.raises(ValueError, match="speculative must be in"):
+        Engine(model, EngineConfig(speculative=MAX_SPECULATIVE + 1))
+    cfg = check_config("tiny")
+    no_mtp = DeepSeekV4.from_config(dataclasses.replace(cfg, n_mtp_layers=0,
+                                                        compress_ratios=cfg.compress_ratios[:cfg.n_layers]), seed=0)
+    with pytest.raises(ValueError, match="MTP block"):
+        Engine(no_mtp, EngineConfig(speculative=1))
