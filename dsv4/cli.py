@@ -151,10 +151,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from .engine import generate
+    from .engine.speculative import MAX_SPECULATIVE
 
+    if not 0 <= args.speculative <= MAX_SPECULATIVE:
+        raise UserError(f"--speculative must be in [0, {MAX_SPECULATIVE}] draft tokens, got {args.speculative}")
     torch.manual_seed(args.seed)
     model, tokenizer, desc = load_model(args)
     cfg = model.cfg
+    if args.speculative and cfg.n_mtp_layers < 1:
+        raise UserError("--speculative drafts with the model's MTP block, and this model has none")
     ids = _encode_prompt(args, tokenizer, cfg)
     stream = not args.json and tokenizer is not None
     printed = [""]
@@ -172,7 +177,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(args.prompt)
     tokens = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_at_eos=not args.no_stop,
-                      on_token=on_token, cuda_graph=args.cuda_graph)[0]
+                      on_token=on_token, cuda_graph=args.cuda_graph, speculative=args.speculative)[0]
     text = tokenizer.decode(tokens) if tokenizer is not None else None
     if args.json:
         print(json.dumps({"model": desc, "prompt_ids": ids, "ids": tokens, "text": text}))
@@ -238,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--cuda-graph", action="store_true", help="replay decode steps from a CUDA graph (CUDA only)")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="speculative decoding: the MTP block drafts K tokens per step, verified in one pass "
+                        "(same output; 0 = off, the default)")
     add_device_args(p)
     add_quant_mode_arg(p)
     p.add_argument("--json", action="store_true")

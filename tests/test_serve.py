@@ -24,12 +24,14 @@ KEY = "test-key"
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=["plain", "speculative"])
+def server(request):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "dsv4", "serve", "--preset", "tiny", "--port", "0", "--api-key", KEY,
            "--deterministic", "--max-num-seqs", "8", "--max-model-len", "2048", "--max-batch-tokens", "64",
            "--max-body-bytes", "200000", "--device", "cpu"]
+    if request.param == "speculative":                # every test again with MTP drafts verified each step
+        cmd += ["--speculative", "2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url, lines = None, []
     deadline = time.monotonic() + 120
@@ -219,3 +221,15 @@ def test_a_client_that_leaves_frees_its_sequence(server, client):
         time.sleep(0.2)
     assert running == 0
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).choices[0].finish_reason
+
+
+def test_speculation_is_reported_in_metrics(server, client, request):
+    client.completions.create(model=MODEL, prompt="def g(y):", max_tokens=16, temperature=0)
+    with urllib.request.urlopen(urllib.request.Request(
+            f"{server.rsplit('/v1', 1)[0]}/metrics", headers={"Authorization": f"Bearer {KEY}"})) as r:
+        text = r.read().decode()
+    drafted = re.search(r'dsv4_spec_draft_tokens_total\{model="tiny"\} (\S+)', text)
+    if request.node.callspec.params["server"] == "speculative":
+        assert drafted is not None and float(drafted.group(1)) > 0
+    else:
+        assert drafted is None or float(drafted.group(1)) == 0

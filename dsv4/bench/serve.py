@@ -180,7 +180,8 @@ def _scrape(host: str, port: int) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         m = re.match(r'dsv4_(engine_phase_seconds_total|generation_tokens_total|prompt_tokens_total|preemptions_total|'
-                     r'prefix_cache_hit_tokens_total)\{([^}]*)\} (\S+)', line)
+                     r'prefix_cache_hit_tokens_total|spec_draft_tokens_total|spec_accepted_tokens_total|'
+                     r'spec_acceptance_ratio|spec_tokens_per_verify)\{([^}]*)\} (\S+)', line)
         if m:
             phase = re.search(r'phase="(\w+)"', m.group(2))
             out[m.group(1) + (f".{phase.group(1)}" if phase else "")] = float(m.group(3))
@@ -191,9 +192,9 @@ def _server_argv(args: argparse.Namespace) -> list[str]:
     """`dsv4 serve` with this benchmark's model and engine settings, on a free loopback port."""
     argv = [sys.executable, "-m", "dsv4", "serve", "--host", "127.0.0.1", "--port", "0"]
     for flag in ("preset", "model", "config", "device", "dtype", "quant_mode", "max_num_seqs", "max_model_len",
-                 "max_batch_tokens", "page_size", "cache_pages"):
+                 "max_batch_tokens", "page_size", "cache_pages", "speculative"):
         value = getattr(args, flag, None)
-        if value is not None:
+        if value is not None and not (flag == "speculative" and not value):
             argv += [f"--{flag.replace('_', '-')}", str(value)]
     for flag in ("keep_quantized", "no_prefix_caching", "deterministic", "no_cuda_graph"):
         if getattr(args, flag, False):
@@ -312,6 +313,10 @@ def _print(r: dict) -> None:
         for b, v in r["hf_generate"].items():
             print(f"  transformers generate, batch {b}: {v['tokens_per_s']:.1f} tokens/s")
         print(f"  dsv4 serve / best transformers: {r['speedup_over_hf']:.1f}x")
+    sm = r.get("server_metrics", {})
+    if sm.get("spec_draft_tokens_total"):
+        print(f"  speculative     {sm.get('spec_acceptance_ratio', 0):.0%} of drafts accepted, "
+              f"{sm.get('spec_tokens_per_verify', 0):.2f} tokens per verify step")
     phases = {k.split(".", 1)[1]: v for k, v in r.get("server_metrics", {}).items()
               if k.startswith("engine_phase") and "." in k}
     if phases:

@@ -35,6 +35,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant numbers: a request's tokens do not depend on the other requests "
                         "(float64 accumulation on the reference ops; slower)")
     g.add_argument("--no-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA")
+    g.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="speculative decoding: the model's MTP block drafts K tokens per step and the model "
+                        "verifies them in one pass (output unchanged: greedy tokens are those of plain decoding, "
+                        "sampled tokens follow the same distribution); 0 = off (default). Steps run eagerly. "
+                        "Requests with repetition/frequency/presence penalties decode plainly")
 
 
 def _model_name(args) -> str:
@@ -100,7 +105,8 @@ def _engine(args, model, tokenizer):
     config = EngineConfig(max_seqs=args.max_num_seqs or 32, max_model_len=args.max_model_len,
                           max_batch_tokens=args.max_batch_tokens, page_size=args.page_size,
                           cache_pages=args.cache_pages, prefix_caching=not args.no_prefix_caching,
-                          deterministic=args.deterministic, cuda_graphs=not args.no_cuda_graph)
+                          deterministic=args.deterministic, cuda_graphs=not args.no_cuda_graph,
+                          speculative=getattr(args, "speculative", 0) or 0)
     try:
         return Engine(model, config, tokenizer=tokenizer)
     except ValueError as e:

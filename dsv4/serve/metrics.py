@@ -34,7 +34,18 @@ class ServerMetrics:
                               registry=r)
         self.phase = Counter("dsv4_engine_phase_seconds", "engine host time by step phase (schedule, launch, "
                              "wait for the device, post-processing)", labels + ["phase"], registry=r)
+        self.spec_drafted = Counter("dsv4_spec_draft_tokens", "draft tokens proposed by the MTP block and verified",
+                                    labels, registry=r)
+        self.spec_accepted = Counter("dsv4_spec_accepted_tokens", "draft tokens the target accepted", labels,
+                                     registry=r)
+        self.spec_verifies = Counter("dsv4_spec_verify_steps", "sequence-steps that verified drafts", labels,
+                                     registry=r)
+        self.spec_rate = Gauge("dsv4_spec_acceptance_ratio", "accepted / proposed draft tokens since start",
+                               labels, registry=r)
+        self.spec_per_step = Gauge("dsv4_spec_tokens_per_verify", "mean tokens a verify step yields (accepted "
+                                   "drafts + 1) since start", labels, registry=r)
         self._phases: dict[str, float] = {}
+        self._spec = {"verify_steps": 0, "drafted": 0, "accepted": 0}
         self.model = model_name
         self._seen = {"prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0, "prefix_hit_tokens": 0}
 
@@ -58,6 +69,16 @@ class ServerMetrics:
             if delta > 0:
                 self.phase.labels(lab, phase).inc(delta)
             self._phases[phase] = total
+        spec = m.get("speculative", {})
+        for key, counter in (("verify_steps", self.spec_verifies), ("drafted", self.spec_drafted),
+                             ("accepted", self.spec_accepted)):
+            delta = spec.get(key, 0) - self._spec[key]
+            if delta > 0:
+                counter.labels(lab).inc(delta)
+                self._spec[key] = spec[key]
+        if self._spec["drafted"]:
+            self.spec_rate.labels(lab).set(self._spec["accepted"] / self._spec["drafted"])
+            self.spec_per_step.labels(lab).set(1 + self._spec["accepted"] / self._spec["verify_steps"])
         for o in outputs:
             if o.finished:
                 self.requests.labels(lab, o.finish_reason or "unknown").inc()
