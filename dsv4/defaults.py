@@ -10,13 +10,24 @@ give the same text either way.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .errors import UserError
 
+ASSETS = Path(__file__).resolve().parent / "assets"
+
 DEVICE = "cpu"
 DTYPE = "fp32"
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def shipped_model_dir() -> Path | None:
+    """The model shipped inside the package (the default of generate / serve / chat), if present."""
+    if not ASSETS.is_dir():
+        return None
+    return next((d for d in sorted(ASSETS.iterdir()) if (d / "config.json").exists()), None)
 
 
 def default_dtype() -> torch.dtype:

@@ -275,7 +275,8 @@ def test_cli_compare_plant_and_user_errors(capsys):
     assert rc == 1 and out["first_divergence"] == "layers.0.ffn.router_weights"
     assert dsv4_main(["check", "compare", "--seq-len", "16"]) == 2                 # no mode: one-line user error
     assert "exactly one of" in capsys.readouterr().err
-    assert dsv4_main(["check", "compare", "--plant", "Z20"]) == 2                   # pending mutant
+    assert dsv4_main(["check", "compare", "--plant", "Z99"]) == 2                   # no such mutant
+    assert "Z99" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None,

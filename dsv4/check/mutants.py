@@ -304,6 +304,30 @@ def _plant_z11(ctx):
     return patched(paged, entry_index=entry_at_raw_position)
 
 
+def draft_from_token_zero_with_own_head(draft: Callable) -> Callable:
+    """Z20: the MTP draft fed token 0 instead of the token after each position, and predicting through a
+    head of its own (untrained, random) instead of the main model's."""
+    def mutant(self, hidden, tokens, inputs, cache, depth: int = 0):
+        g = torch.Generator().manual_seed(20)
+        w = self.head.weight
+        own = (torch.randn(w.shape, generator=g) * w.size(1) ** -0.5).to(w.device, w.dtype)
+        kept = w.detach().clone()
+        with torch.no_grad():
+            w.copy_(own)
+        try:
+            return draft(self, hidden, torch.zeros_like(tokens), inputs, cache, depth)
+        finally:
+            with torch.no_grad():
+                w.copy_(kept)
+    return mutant
+
+
+def _plant_z20(ctx):
+    from ..model import DeepSeekV4
+
+    return patched(DeepSeekV4, draft=draft_from_token_zero_with_own_head(DeepSeekV4.draft))
+
+
 def _plant_z21(ctx):
     from ..model import transformer
 
@@ -478,8 +502,10 @@ MUTANTS: list[Mutant] = [
            lambda ctx: temporary_backend("sparse_attention", "mutant_z19", sparse_attention_with("aliased_buffers")),
            symptom="NaN dQ and dKV at the first backward; forward and rollout finite",
            mutant="a `sparse_attention` backward whose dKV buffer overlaps dQ's"),
-    Mutant("Z20", "draft uses token 0 / its own head", [], pending="DSpark draft code does not exist yet",
-           symptom="speculative decoding accepted 1.4% of the drafted tokens"),
+    Mutant("Z20", "draft uses token 0 / its own head", ["draft-acceptance"], _plant_z20,
+           symptom="speculative decoding accepted 1.4% of the drafted tokens",
+           mutant="`DeepSeekV4.draft` embeds token 0 instead of the next token and predicts through a random "
+                  "head of its own"),
     Mutant("Z21", "fp32 model built when bf16 was asked", ["live-dtype"], _plant_z21,
            symptom="step 1 ran, step 2 ran out of memory once the optimizer state existed",
            mutant="`model.transformer._default_dtype` does nothing, so a bf16 model is built in fp32"),

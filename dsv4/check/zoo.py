@@ -473,6 +473,38 @@ def paged_batching(ctx: Context) -> CheckResult:
                                   "log-probabilities)" + (f"; non-greedy tokens at {bad[:3]}" if bad else ""))
 
 
+DRAFT_PROMPTS = ("def read_lines(path):\n    with open(path) as f:\n",
+                 "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+                 "import os\n\n\ndef walk(top):\n    for root, dirs, files in os.walk(top):\n")
+MIN_ACCEPTANCE = 0.25
+
+
+def draft_acceptance(ctx: Context) -> CheckResult:
+    """Speculative decoding with the shipped model (its MTP block is trained): greedy, 3 drafts per step,
+    48 tokens after each of three Python prompts; at least 25% of the drafts must be accepted (the correct
+    draft keeps 40-60% on such text; a draft fed the wrong token or a head of its own keeps about 1%)."""
+    from .. import defaults
+    from ..checkpoint.load import load_pretrained
+    from ..engine import Engine, EngineConfig, SamplingParams
+    from ..train.tokenizer import Tokenizer
+
+    path = defaults.shipped_model_dir()
+    if path is None:
+        return skipped("the shipped model is not installed with this package")
+    model = load_pretrained(path, device=ctx.device, progress=False).eval()
+    tok = Tokenizer.from_file(path)
+    engine = Engine(model, EngineConfig(max_seqs=4, speculative=3, cuda_graphs=False))
+    for i, text in enumerate(DRAFT_PROMPTS):
+        engine.add_request(str(i), [tok.bos_id] + tok.encode(text),
+                           SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    st = engine.spec_stats
+    rate = st["accepted"] / max(1, st["drafted"])
+    return CheckResult(rate >= MIN_ACCEPTANCE, rate, f"{st['accepted']} of {st['drafted']} drafted tokens accepted "
+                                                       f"(at least {MIN_ACCEPTANCE:.0%} needed)")
+
+
 def indexer_padding(ctx: Context) -> CheckResult:
     """Top-k slots past the visible entries are -1; picked entries are visible (j < (t+1)//ratio)."""
     inp = indexer_inputs(s=13, seed=ctx.seed, device=ctx.device, dtype=ctx.dtype("indexer_topk"))
@@ -757,6 +789,7 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "poisoned-memory": poisoned_memory_check,
     "teacher-forcing": teacher_forcing,
     "paged-batching": paged_batching,
+    "draft-acceptance": draft_acceptance,
     "indexer-padding": indexer_padding,
     "backend-evidence": backend_evidence,
     "static-shapes": static_shapes,
