@@ -171,3 +171,19 @@ def test_speculation_refuses_what_it_cannot_do(model):
                                                         compress_ratios=cfg.compress_ratios[:cfg.n_layers]), seed=0)
     with pytest.raises(ValueError, match="MTP block"):
         Engine(no_mtp, EngineConfig(speculative=1))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_fixed_shape_greedy_step_gives_the_plain_tokens(model, prompts, k):
+    """The whole greedy speculative step at a fixed shape (what a CUDA graph replays: verify, acceptance,
+    MTP catch-up and chained drafts on the device, one read per step), run eagerly here."""
+    params = [greedy(i) for i in range(len(prompts))]
+    plain, _ = run(model, prompts, params)
+    spec, engine = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], speculative=k, pad_prefill=True)
+    assert spec == plain
+    assert engine.spec_stats["fixed_steps"] > 0
+    # with oracle drafts (accepted except every third) the fixed-shape steps accept and roll back
+    spec, engine = run(model, prompts, params, speculative=k, pad_prefill=True,
+                       drafter=lambda e: OracleDrafter(e, plain, lambda i: i % 3 == 1))
+    assert spec == plain
+    assert engine.spec_stats["fixed_steps"] > 0

@@ -31,9 +31,9 @@ from ..model.paged import CacheLayout, PagedKVCache, default_page_size
 from ..ops.precision import exact_accumulation
 from .cache_manager import CacheManager, SeqPages
 from .detokenize import Detokenizer, StopChecker
-from .runner import Row, Runner
+from .runner import GRAPH_BUCKETS, Row, Runner
 from .sampling import Sampler, SamplingParams
-from .speculative import MAX_SPECULATIVE, Drafter, DraftRow, accept
+from .speculative import MAX_SPECULATIVE, Drafter, DraftRow, GreedySpecGraph, accept, greedy_spec_step
 
 
 class RequestError(ValueError):
@@ -189,7 +189,8 @@ class Engine:
                 raise ValueError(f"speculative must be in [0, {MAX_SPECULATIVE}] draft tokens, got {c.speculative}")
             self.drafter = Drafter(model, self.cache, self.sampler)
             self.overlap = False            # every step reads its acceptance before the next is planned
-        self.spec_stats = {"verify_steps": 0, "drafted": 0, "accepted": 0}
+        self.spec_stats = {"verify_steps": 0, "drafted": 0, "accepted": 0, "fixed_steps": 0}
+        self._spec_graphs: dict[int, GreedySpecGraph] = {}
         self._inflight: _Step | None = None
         self.tokenizer = tokenizer
         if eos_token_id is None:
@@ -393,6 +394,11 @@ class Engine:
         t1 = time.perf_counter()
         if not plan:
             return []
+        if self._fixed_spec_ok(plan):
+            outputs = self._step_greedy_fixed(plan)
+            self.timing["schedule"] += t1 - t0
+            self.timing["launch"] += time.perf_counter() - t1
+            return outputs
         rows: list[Row] = []
         for seq, n in plan:
             s = seq.computed
@@ -421,6 +427,63 @@ class Engine:
         self.timing["launch"] += t2 - t1
         self.timing["post"] += time.perf_counter() - t2
         return self._finish_step([seq for seq, _ in plan], outputs)
+
+    def _fixed_spec_ok(self, plan: list[tuple[Sequence, int]]) -> bool:
+        """A step that is only greedy verifies of exactly k drafts runs at a fixed shape, replayed from a
+        CUDA graph on a GPU (`greedy_spec_step`): the common case of speculative decode."""
+        k = self.config.speculative
+        if not (self.runner.cuda_graphs or self.config.pad_prefill) or len(plan) > self.config.max_seqs:
+            return False
+        for seq, _ in plan:
+            p = seq.request.params
+            if seq.prefilling or len(seq.drafts) != k or not p.greedy or p.logprobs is not None or p.penalized:
+                return False
+        return all(self.manager.allocate(seq.pages, seq.computed, min(seq.computed + 2 * k + 1, self.max_model_len))
+                   for seq, _ in plan)          # the next drafts' positions too (their MTP rows are written now)
+
+    def _step_greedy_fixed(self, plan: list[tuple[Sequence, int]]) -> list[StepOutput]:
+        k = self.config.speculative
+        seqs = [seq for seq, _ in plan]
+        args = ([[seq.tokens[seq.computed]] + seq.drafts for seq in seqs], [seq.computed for seq in seqs],
+                [seq.pages.wtable for seq in seqs], [seq.pages.ctable for seq in seqs],
+                [seq.pages.state for seq in seqs])
+        with exact_accumulation(self.config.deterministic):
+            if self.runner.cuda_graphs:
+                bucket = next(b for b in GRAPH_BUCKETS if b >= len(seqs))
+                graph = self._spec_graphs.get(bucket)
+                if graph is None:
+                    graph = self._spec_graphs[bucket] = GreedySpecGraph(self.model, self.cache, bucket, k)
+                accepted, bonus, drafts = graph.run(*args)
+            else:                                   # the same fixed-shape step, eagerly (tested on a CPU)
+                dev = self.device
+                t = [torch.tensor(a, dtype=torch.long, device=dev) for a in args[:2]]
+                width = self.layout.table_width()
+                tables = [torch.tensor([(tb + [-1] * width)[:width] for tb in args[i]], dtype=torch.long, device=dev)
+                          for i in (2, 3)]
+                accepted, bonus, drafts = greedy_spec_step(self.model, self.cache, t[0], t[1], *tables,
+                                                           torch.tensor(args[4], dtype=torch.long, device=dev))
+        host = torch.cat([accepted, bonus, drafts.flatten()]).tolist()                 # one device read
+        n = len(seqs)
+        outputs: dict[int, tuple[Sequence, StepOutput]] = {}
+        for b, seq in enumerate(seqs):
+            a = host[b]
+            emitted = seq.drafts[:a] + [host[n + b]]
+            self.spec_stats["verify_steps"] += 1
+            self.spec_stats["drafted"] += k
+            self.spec_stats["accepted"] += a
+            seq.computed += a + 1
+            seq.drafts, seq.draft_q = [], None
+            for tok in emitted:
+                if seq.status is Status.FINISHED:
+                    break
+                self._emit(seq, tok, None, outputs)
+            if seq.status is Status.RUNNING:
+                end = len(seq.tokens) - 1
+                keep = min(k, self.max_model_len - 1 - end, seq.request.params.max_tokens - seq.n_generated - 1)
+                seq.drafts = host[2 * n + b * k:2 * n + b * k + max(keep, 0)]
+        self.stats["steps"] += 1
+        self.spec_stats["fixed_steps"] += 1
+        return self._finish_step(seqs, outputs)
 
     def _accept(self, plan: list[tuple[Sequence, int]], rows: list[Row],
                 logits: torch.Tensor) -> dict[int, tuple[list[int], list[TokenLogprob | None]]]:
@@ -455,6 +518,8 @@ class Engine:
             drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
             for b, (seq, a, w) in enumerate(spec):
                 target[b, :w] = self.sampler.probabilities(logits[a:a + w], [seq.request.params] * w)
+                if seq.draft_q is None:             # drafts of a fixed-shape greedy step: one-hot
+                    seq.draft_q = torch.nn.functional.one_hot(torch.tensor(seq.drafts, device=dev), V).double()
                 q[b, :w - 1] = seq.draft_q
                 drafts[b, :w - 1] = torch.tensor(seq.drafts, device=dev)
             n_drafts = torch.tensor([w - 1 for _, _, w in spec], device=dev)

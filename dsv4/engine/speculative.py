@@ -130,3 +130,92 @@ class Drafter:
             toks, qs = out[id(r)]
             result.append((torch.stack(toks).tolist(), torch.stack(qs)))
         return result
+
+
+def greedy_spec_step(model: DeepSeekV4, cache: PagedKVCache, tokens: torch.Tensor, start: torch.Tensor,
+                     wtable: torch.Tensor, ctable: torch.Tensor, state: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A whole greedy speculative step for B sequences with k drafts each, on the device with no host
+    synchronization (so it can be captured in one CUDA graph).
+
+    tokens [B, k + 1]: each row's last token x_c and its drafts; start [B]: c. Verify, accept the longest
+    prefix of drafts equal to the target's argmax, take the argmax after it, let the MTP block catch up on
+    the positions now final and draft k tokens for the next step by its own argmax.
+    -> (accepted [B], next token [B], next drafts [B, k]).
+    """
+    from ..model.paged import uniform_inputs
+
+    B, k1 = tokens.shape
+    k = k1 - 1
+    dev = tokens.device
+    layout = cache.layout
+    inputs = uniform_inputs(tokens, start, wtable, ctable, state, layout)
+    logits, hidden = model.append(tokens, inputs, cache, return_hidden=True)            # [B(k+1), V]
+    target = logits.view(B, k1, -1).argmax(-1)                                           # [B, k+1]
+    i = torch.arange(k1, device=dev)
+    accepted = (tokens[:, 1:] == target[:, :k]).long().cumprod(1).sum(1)                 # [B]
+    bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)                           # [B]
+    # MTP catch-up at positions c .. c + k: the token after position c + i is draft i + 1 while accepted,
+    # then the bonus (positions past c + accepted are rewritten before anything reads them)
+    shifted = torch.cat([tokens[:, 1:], bonus.unsqueeze(1)], 1)                          # [B, k+1]
+    nxt = torch.where(i.unsqueeze(0) < accepted.unsqueeze(1), shifted, bonus.unsqueeze(1))
+    inputs.out = inputs.seg_start + accepted                                             # [B]
+    d_logits, h = model.draft(hidden, nxt.reshape(1, -1), inputs, cache)
+    drafts = [d_logits.argmax(-1)]
+    last = inputs.out
+    for j in range(1, k):
+        link = uniform_inputs(drafts[-1].view(B, 1), start + accepted + j, wtable, ctable, state, layout)
+        d_logits, h = model.draft(h[last], drafts[-1].view(1, B), link, cache)
+        drafts.append(d_logits.argmax(-1))
+        last = torch.arange(B, device=dev)
+    return accepted, bonus, torch.stack(drafts, 1)
+
+
+class GreedySpecGraph:
+    """`greedy_spec_step` for B rows of k drafts, captured in a CUDA graph; `run` copies the inputs in,
+    replays, and returns (accepted, next token, next drafts) on the device."""
+
+    def __init__(self, model: DeepSeekV4, cache: PagedKVCache, batch: int, k: int, pool=None):
+        dev, width = cache.device, cache.layout.table_width()
+        self.cache, self.shape = cache, (batch, k)
+        self.tokens = torch.zeros(batch, k + 1, dtype=torch.long, device=dev)
+        self.start = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.wtable = torch.full((batch, width), -1, dtype=torch.long, device=dev)   # -1: writes go to trash
+        self.ctable = torch.full((batch, width), -1, dtype=torch.long, device=dev)
+        self.state = torch.zeros(batch, dtype=torch.long, device=dev)
+        args = (model, cache, self.tokens, self.start, self.wtable, self.ctable, self.state)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):                     # compile / autotune outside the graph
+            for _ in range(2):
+                greedy_spec_step(*args)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = greedy_spec_step(*args)
+
+    def run(self, tokens: list[list[int]], start: list[int], wtable: list[list[int]], ctable: list[list[int]],
+            state: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = len(tokens)
+        B, k = self.shape
+        width = self.wtable.size(1)
+        host = torch.full((B, 3 + k + 2 * width), -1, dtype=torch.long)
+        host[:, :k + 1] = 0
+        host[:, k + 1] = 0
+        host[:, k + 2] = 0
+        for b in range(n):
+            host[b, :k + 1] = torch.tensor(tokens[b])
+            host[b, k + 1] = start[b]
+            host[b, k + 2] = state[b]
+            w, c = wtable[b][:width], ctable[b][:width]
+            host[b, k + 3:k + 3 + len(w)] = torch.tensor(w, dtype=torch.long)
+            host[b, k + 3 + width:k + 3 + width + len(c)] = torch.tensor(c, dtype=torch.long)
+        dev = host.to(self.tokens.device)                                                   # one transfer
+        self.tokens.copy_(dev[:, :k + 1])
+        self.start.copy_(dev[:, k + 1])
+        self.state.copy_(dev[:, k + 2])
+        self.wtable.copy_(dev[:, k + 3:k + 3 + width])
+        self.ctable.copy_(dev[:, k + 3 + width:])
+        self.graph.replay()
+        accepted, bonus, drafts = self.out
+        return accepted[:n], bonus[:n], drafts[:n]
