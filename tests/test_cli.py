@@ -42,8 +42,9 @@ def test_device_cuda_without_cuda_is_one_line(argv, capsys):
 
 def test_api_and_cli_share_the_defaults(capsys):
     from dsv4 import defaults
-    from dsv4.cli import build_parser, default_model_dir
+    from dsv4.cli import build_parser
     from dsv4.engine import generate
+    from dsv4.loading import default_model_dir
 
     help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["generate"].format_help().split())
     assert f"(default: {defaults.DEVICE}" in help_text and f"(default: {defaults.DTYPE}" in help_text
@@ -74,7 +75,7 @@ def test_teacher_forcing_cli_exit_code(capsys):
 
 
 def test_shipped_model_is_the_default_and_generates_text(capsys):
-    from dsv4.cli import default_model_dir
+    from dsv4.loading import default_model_dir
 
     shipped = default_model_dir()
     assert shipped is not None and (shipped / "tokenizer.json").exists()

@@ -323,7 +323,7 @@ def _print(r: dict) -> None:
 
 
 def add_bench_serve_parser(subparsers) -> None:
-    from ..cli import add_model_args
+    from ..loading import add_model_args
     from ..serve.cli import _engine_args
 
     p = subparsers.add_parser("serve", help="load-test a dsv4 serve HTTP server: throughput, TTFT, inter-token "

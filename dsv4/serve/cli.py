@@ -17,7 +17,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                    help="weights and activations (default: bf16 on cuda, fp32 on cpu)")
     g.add_argument("--keep-quantized", action="store_true", help="keep FP8/FP4 weights quantized in memory")
-    from ..cli import add_quant_mode_arg
+    from ..loading import add_quant_mode_arg
 
     add_quant_mode_arg(g)
     g.add_argument("--max-num-seqs", type=int, default=None,
@@ -38,7 +38,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _model_name(args) -> str:
-    from ..cli import default_model_dir
+    from ..loading import default_model_dir
 
     if getattr(args, "served_model_name", None):
         return args.served_model_name
@@ -49,7 +49,7 @@ def _model_name(args) -> str:
 
 def _load_tokenizer(args):
     """The tokenizer alone (the server process encodes prompts; the engine process holds the model)."""
-    from ..cli import default_model_dir, resolve_config
+    from ..loading import default_model_dir, resolve_config
     from ..train.tokenizer import ByteTokenizer, Tokenizer
 
     if getattr(args, "model", None) or not (getattr(args, "preset", None) or getattr(args, "config", None)):
@@ -74,7 +74,7 @@ def build_engine(options: dict):
 def _load(args):
     import torch
 
-    from ..cli import load_model
+    from ..loading import load_model
     from ..train.tokenizer import ByteTokenizer
 
     if args.device is None:
@@ -286,7 +286,7 @@ def _event(ev):
 
 # ------------------------------------------------------------------------------------------ parsers
 def add_serve_parsers(sub) -> None:
-    from ..cli import add_model_args
+    from ..loading import add_model_args
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, streaming)",
                        description="Serve a model over the OpenAI API: POST /v1/chat/completions, /v1/completions; "
