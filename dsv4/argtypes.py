@@ -122,7 +122,10 @@ def device(value: str) -> str:
     try:
         defaults.resolve_device(value)
     except UserError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--device {value}: ")) from None
+        why = str(e).removeprefix(f"--device {value}: ")
+        if why.startswith("not a device name"):
+            why = "not a device name (e.g. cpu, cuda, cuda:1, mps)"
+        raise argparse.ArgumentTypeError(why) from None
     return value
 
 

@@ -9,7 +9,10 @@ import argparse
 import json
 import sys
 
-from .errors import UserError
+from pathlib import Path
+
+from . import argtypes
+from .errors import UserError, describe_error
 from .loading import add_device_args, add_model_args, add_quant_mode_arg, load_model, resolve_config
 
 
@@ -41,21 +44,70 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------ generate
-def _encode_prompt(args, tokenizer, cfg) -> list[int]:
-    if args.prompt_ids:
-        try:
-            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise UserError("--prompt-ids takes comma-separated integers, e.g. 0,15,27") from None
+def _prompt_text(args) -> str:
+    """The prompt from the argument or --prompt-file (UTF-8, refused otherwise: one line, exit 2)."""
+    if args.prompt_file is None:
+        return args.prompt
+    if args.prompt:
+        raise UserError("give the prompt as an argument or with --prompt-file, not both")
+    try:
+        with open(args.prompt_file, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise UserError(f"--prompt-file {args.prompt_file}: cannot read it: {e.strerror}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompt-file {args.prompt_file}: not UTF-8 text (byte {e.start}: "
+                        f"{raw[e.start:e.start + 1]!r})") from None
+
+
+def _generate_tokenizer(args):
+    """The tokenizer of --model / the shipped model, without loading any weights (None: byte ids)."""
+    from .loading import default_model_dir
+
+    if getattr(args, "preset", None) or getattr(args, "config", None):
+        return None
+    path = Path(args.model) if args.model else default_model_dir()
+    if path is None or not (path / "tokenizer.json").is_file():
+        return None
+    from .train.tokenizer import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
+def _encode_prompt(args, text: str, tokenizer, cfg) -> list[int]:
+    if args.prompt_ids is not None:
+        ids = list(args.prompt_ids)
     elif tokenizer is not None:
-        ids = [tokenizer.bos_id] + tokenizer.encode(args.prompt)
+        ids = [tokenizer.bos_id] + tokenizer.encode(text)
     else:
         # no tokenizer (a preset with random weights): UTF-8 bytes as ids
-        ids = [cfg.bos_token_id] + [b % cfg.vocab_size for b in args.prompt.encode()]
+        ids = [cfg.bos_token_id] + [b % cfg.vocab_size for b in text.encode()]
     bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
     if bad:
         raise UserError(f"token ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
     return ids
+
+
+def fit_prompt(ids: list[int], max_new_tokens: int, context: int, limit_name: str, truncate: bool,
+               keep_first: int | None = None) -> list[int]:
+    """The prompt if it leaves room for max_new_tokens within `context` tokens; else its last tokens that
+    do (when `truncate`; the first token, BOS, is kept), else a UserError with the numbers."""
+    room = context - max_new_tokens
+    if len(ids) <= room:
+        return ids
+    if room < 1:
+        raise UserError(f"--max-new-tokens {max_new_tokens} does not fit {limit_name} of {context} tokens "
+                        f"(prompt + output): at most {context - 1} new tokens")
+    if not truncate:
+        raise UserError(f"the prompt has {len(ids)} tokens and --max-new-tokens asks for {max_new_tokens} more, "
+                        f"but {limit_name} is {context} tokens (prompt + output): at most {room} prompt tokens "
+                        f"fit. Shorten the prompt, lower --max-new-tokens, or pass --truncate-prompt to keep its "
+                        f"last {room} tokens")
+    if keep_first is not None and ids[0] == keep_first and room >= 2:
+        return [ids[0]] + ids[len(ids) - room + 1:]
+    return ids[len(ids) - room:]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -63,10 +115,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from .engine import generate
 
+    # everything the prompt needs is checked before the weights are read
+    cfg = resolve_config(args)
+    text = _prompt_text(args)
+    tokenizer = _generate_tokenizer(args)
+    ids = _encode_prompt(args, text, tokenizer, cfg)
+    context, limit_name = cfg.max_seq_len, "the model's context (max_position_embeddings)"
+    if args.max_model_len is not None:
+        if args.max_model_len > cfg.max_seq_len:
+            raise UserError(f"--max-model-len {args.max_model_len} exceeds the model's context "
+                            f"(max_position_embeddings) of {cfg.max_seq_len} tokens")
+        context, limit_name = args.max_model_len, "--max-model-len"
+    fitted = fit_prompt(ids, args.max_new_tokens, context, limit_name, args.truncate_prompt, cfg.bos_token_id)
+    if len(fitted) < len(ids):
+        print(f"note: the prompt was cut to its last {len(fitted)} of {len(ids)} tokens (--truncate-prompt)",
+              file=sys.stderr)
+        ids = fitted
+        text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else text
+
     torch.manual_seed(args.seed)
     model, tokenizer, desc = load_model(args)
-    cfg = model.cfg
-    ids = _encode_prompt(args, tokenizer, cfg)
     stream = not args.json and tokenizer is not None
     printed = [""]
     out_ids: list[int] = []
@@ -80,7 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             printed[0] = text
 
     if stream:
-        sys.stdout.write(args.prompt)
+        sys.stdout.write(text)
     tokens = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_at_eos=not args.no_stop,
                       on_token=on_token, cuda_graph=args.cuda_graph)[0]
@@ -127,10 +195,20 @@ def cmd_teacher_forcing(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------ parser
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (`dsv4 generate: error: argument --top-p: ...`)
+    and exit 2; the full usage is one `--help` away."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dsv4", description="Run, train, serve and verify DeepSeek-V4 models on any PyTorch device.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (also accepted after the command; or DSV4_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("info", help="config summary, parameters, KV-cache size (no weights allocated)")
@@ -140,13 +218,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="continue a prompt (greedy or sampled)")
     add_model_args(p, "the shipped model")
-    p.add_argument("prompt", nargs="?", default="", help="prompt text")
-    p.add_argument("--prompt-ids", help="comma-separated token ids instead of text")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("prompt", nargs="?", default="", type=argtypes.text, help="prompt text")
+    p.add_argument("--prompt-file", type=argtypes.path, help="read the prompt from this UTF-8 file")
+    p.add_argument("--prompt-ids", type=argtypes.comma_ints(0), help="comma-separated token ids instead of text")
+    p.add_argument("--max-new-tokens", type=argtypes.positive_int, default=64)
+    p.add_argument("--max-model-len", type=argtypes.int_in(2), default=None,
+                   help="context limit, prompt + output (default: the model's max_position_embeddings)")
+    p.add_argument("--truncate-prompt", action="store_true",
+                   help="keep the last tokens of a prompt that does not fit the context (default: refuse it)")
+    p.add_argument("--temperature", type=argtypes.temperature, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=argtypes.top_p, default=1.0, help="in (0, 1]; 1 = off")
+    p.add_argument("--top-k", type=argtypes.top_k, default=0, help="0 = off")
+    p.add_argument("--seed", type=argtypes.seed_int, default=0)
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--cuda-graph", action="store_true", help="replay decode steps from a CUDA graph (CUDA only)")
     add_device_args(p)
@@ -158,12 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
     csub = pc.add_subparsers(dest="check_command", metavar="CHECK")
     p = csub.add_parser("teacher-forcing", help="one prefill vs prefill + single-token decode steps")
     add_model_args(p, "the tiny preset")
-    p.add_argument("--tokens", type=int, default=300, help="sequence length (default 300: crosses the window, "
+    p.add_argument("--tokens", type=argtypes.int_in(2), default=300, help="sequence length (default 300: crosses the window, "
                    "several ratio-4 groups and two ratio-128 groups)")
-    p.add_argument("--prefill", type=int, default=7, help="tokens in the prefill before decoding")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tolerance", type=float, default=1e-4, help="max relative logit error")
+    p.add_argument("--prefill", type=argtypes.positive_int, default=7, help="tokens in the prefill before decoding")
+    p.add_argument("--batch", type=argtypes.positive_int, default=1)
+    p.add_argument("--seed", type=argtypes.seed_int, default=0)
+    p.add_argument("--tolerance", type=argtypes.positive_float, default=1e-4, help="max relative logit error")
     p.add_argument("--no-force", action="store_true",
                    help="let the decode path take its own top-k / routing decisions (near-ties may then flip)")
     p.add_argument("--fast-accumulation", action="store_true",
@@ -208,6 +291,9 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse, run, and turn every failure into one line on stderr and an exit code (see `dsv4.errors`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _take_debug(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -215,12 +301,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.command is None else 2
     try:
         return int(args.func(args) or 0)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:                                              # noqa: BLE001 - one line, not a traceback
+        if debug:
+            raise
+        code, line = describe_error(e)
+        print(f"error: {line}", file=sys.stderr)
+        return code
+
+
+def _take_debug(argv: list[str]) -> bool:
+    """--debug anywhere before a `--` (removed from argv: every command accepts it), or DSV4_DEBUG=1."""
+    import os
+
+    end = argv.index("--") if "--" in argv else len(argv)
+    found = "--debug" in argv[:end]
+    while "--debug" in argv[:end]:
+        argv.remove("--debug")
+        end -= 1
+    return found or os.environ.get("DSV4_DEBUG", "") not in ("", "0")
 
 
 if __name__ == "__main__":
