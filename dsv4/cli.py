@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
 from pathlib import Path
 
 from . import argtypes
@@ -196,11 +195,11 @@ def cmd_teacher_forcing(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------ parser
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line (`dsv4 generate: error: argument --top-p: ...`)
-    and exit 2; the full usage is one `--help` away."""
+    """An argument parser whose usage errors are one line (`error: argument --top-p: ...`) and exit 2, like
+    every other error of the CLI; the full usage is one `--help` away."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     csub = pc.add_subparsers(dest="check_command", metavar="CHECK")
     p = csub.add_parser("teacher-forcing", help="one prefill vs prefill + single-token decode steps")
     add_model_args(p, "the tiny preset")
-    p.add_argument("--tokens", type=argtypes.int_in(2), default=300, help="sequence length (default 300: crosses the window, "
-                   "several ratio-4 groups and two ratio-128 groups)")
+    p.add_argument("--tokens", type=argtypes.int_in(2), default=300,
+                   help="sequence length (default 300: crosses the window, several ratio-4 groups and two ratio-128 "
+                        "groups)")
     p.add_argument("--prefill", type=argtypes.positive_int, default=7, help="tokens in the prefill before decoding")
     p.add_argument("--batch", type=argtypes.positive_int, default=1)
     p.add_argument("--seed", type=argtypes.seed_int, default=0)
@@ -295,7 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _take_debug(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:                     # a usage error (2, its line printed) or --help / --version (0)
+        return e.code if isinstance(e.code, int) else 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 0 if args.command is None else 2

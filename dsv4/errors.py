@@ -50,7 +50,8 @@ def describe_error(e: BaseException) -> tuple[int, str]:
     if type(e).__name__ == "RequestError":           # the engine's refusal of a request (dsv4.engine.engine)
         return 2, str(e)
     if isinstance(e, OSError):
-        return 1, f"{describe_os_error(e)} (the output being written was not completed; earlier outputs are left as they were)"
+        return 1, (f"{describe_os_error(e)} (the output being written was not completed; earlier outputs are "
+                   f"left as they were)")
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
         return 1, f"out of memory: {str(e).splitlines()[0] if str(e) else 'an allocation failed'}"
     first = str(e).splitlines()[0] if str(e) else ""
