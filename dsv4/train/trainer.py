@@ -139,6 +139,18 @@ QUICK_CPU_DEFAULTS: dict[str, Any] = dict(
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def _follow_latest(root: Path) -> Path:
+    """The checkpoint that `root/latest` names. It must be a directory directly inside `root` (after
+    resolving symlinks): a pointer edited to name `../elsewhere` or an absolute path is refused before
+    anything there is opened."""
+    name = (root / "latest").read_text(encoding="utf-8", errors="replace").strip()
+    target = (root / name).resolve()
+    if not name or target.parent != root.resolve():
+        raise checkpoint.CorruptCheckpoint(f"{root / 'latest'} names {name!r}, which is not a checkpoint inside "
+                                           f"{root}: refused")
+    return target
+
+
 def _distributed_module():
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
@@ -231,6 +243,9 @@ class Trainer:
                                       append=cfg.resume is not None)
         if cfg.resume:
             self._resume(cfg.resume)
+            dropped = self.jsonl.truncate_after(self.step)
+            if dropped:
+                self.log(f"metrics.jsonl: {dropped} rows after step {self.step} dropped (replayed from here)")
         if cfg.compile:
             compile_blocks(self.model, self.device)
 
@@ -486,6 +501,8 @@ class Trainer:
         if where == "auto" and not (path / "latest").exists():
             self.log("resume: no checkpoint yet, starting fresh")
             return
+        if (path / "latest").exists():
+            path = _follow_latest(path)
         ckpt, tensors, optim_state, state = checkpoint.load(path, map_location=self.device)
         if state["model_config"] != self.mcfg.to_dict():
             raise UserError(f"{ckpt}: checkpoint was written for a different model config")
