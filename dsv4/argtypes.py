@@ -40,6 +40,7 @@ def int_in(lo: int | None = None, hi: int | None = None, what: str = "an integer
         return value
 
     parse.__name__ = "integer"
+    parse.bounds = (lo, hi)                              # read by the argument fuzzer of the test suite
     return parse
 
 
@@ -63,6 +64,7 @@ def float_in(lo: float | None = None, hi: float | None = None, lo_open: bool = F
         return value
 
     parse.__name__ = "number"
+    parse.bounds = (lo, hi, lo_open, hi_open)
     return parse
 
 

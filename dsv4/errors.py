@@ -8,7 +8,10 @@ Ctrl-C. A traceback is only shown with `--debug`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+from collections.abc import Iterator
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -22,12 +25,27 @@ _IO_CAUSES = {
     errno.EACCES: "permission denied",
     errno.EPERM: "operation not permitted",
     errno.ENOENT: "no such file or directory (or a symlink pointing nowhere)",
+    errno.EEXIST: "something else is already there (a file, or a symlink pointing nowhere)",
     errno.ENOTDIR: "a part of the path is not a directory",
     errno.EISDIR: "it is a directory",
     errno.ELOOP: "too many levels of symbolic links",
     errno.ENAMETOOLONG: "the name is too long",
     errno.EMFILE: "too many open files",
 }
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, kept: str | None = None) -> Iterator[None]:
+    """Name the destination and what is left intact on an I/O error raised inside (a failed write() of a
+    full disk carries no file name of its own); the error itself goes on unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        if kept is not None and not hasattr(e, "kept"):
+            e.kept = kept
+        raise
 
 
 def describe_os_error(e: OSError) -> str:
@@ -50,8 +68,8 @@ def describe_error(e: BaseException) -> tuple[int, str]:
     if type(e).__name__ == "RequestError":           # the engine's refusal of a request (dsv4.engine.engine)
         return 2, str(e)
     if isinstance(e, OSError):
-        return 1, (f"{describe_os_error(e)} (the output being written was not completed; earlier outputs are "
-                   f"left as they were)")
+        kept = getattr(e, "kept", None) or "earlier outputs are left as they were"
+        return 1, f"{describe_os_error(e)} (the output being written was not completed; {kept})"
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
         return 1, f"out of memory: {str(e).splitlines()[0] if str(e) else 'an allocation failed'}"
     first = str(e).splitlines()[0] if str(e) else ""

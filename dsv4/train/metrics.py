@@ -13,6 +13,7 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
+from ..errors import writing
 from ..model.layers import recording
 
 # dense bf16 peak (TFLOP/s) of known accelerators, for MFU; override with --peak-tflops
@@ -156,7 +157,7 @@ class JsonlLog:
 
     def write(self, row: dict) -> None:
         if self.path:
-            with open(self.path, "a") as f:
+            with writing(self.path, kept="the rows of earlier steps are kept"), open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
     def truncate_after(self, step: int) -> int:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..config import ModelConfig
 from ..defaults import resolve_device
-from ..errors import UserError
+from ..errors import UserError, writing
 from . import balance, checkpoint, data, metrics
 from .losses import LossParts, total_loss
 from .optim import MuonAdamW, OptimConfig, lr_factor, orthogonalization_error
@@ -493,8 +493,12 @@ class Trainer:
             return None
         state = {"step": self.step, "loader": self.loader.state_dict(), "train_config": self.cfg.to_dict(),
                  "model_config": self.mcfg.to_dict(), "history": self.history[-1000:]}
-        return checkpoint.save(self.out / "checkpoints", self.step, tensors, optim_tensors, state,
-                               keep=self.cfg.keep_checkpoints)
+        root = self.out / "checkpoints"
+        latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+        kept = f"the last complete checkpoint, {latest}, is kept" if latest else "no checkpoint was written yet"
+        with writing(root, kept=f"{kept}; metrics.jsonl has every step so far"):
+            return checkpoint.save(root, self.step, tensors, optim_tensors, state,
+                                   keep=self.cfg.keep_checkpoints)
 
     def _resume(self, where: str) -> None:
         path = self.out / "checkpoints" if where == "auto" else Path(where)
