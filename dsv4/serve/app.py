@@ -50,10 +50,17 @@ async def _json_body(request: Request) -> dict:
     raw = await request.body()
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON arrays / objects too deeply") from None
+    except ValueError as e:                  # not JSON, not UTF-8, an integer of more than 4300 digits
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    try:                                     # "\ud800" parses to a lone surrogate, which no text can hold
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body holds a string with a lone surrogate escape (not Unicode text)") \
+            from None
     return body
 
 
@@ -458,30 +465,31 @@ class _BodyLimit:
             except ValueError:
                 return await _send_error(send, APIError(400, "invalid Content-Length header"))
         seen = [0]
-        sent = [False]
+        over = [False]
+        answered = [False]
 
         async def limited_receive():
+            # past the limit the application gets an empty end of body (it then refuses the request), and
+            # its answer is replaced by the 413 below: raising here would surface through the HTTP
+            # middleware's task group as an unexpected error (a 500)
+            if over[0]:
+                return {"type": "http.request", "body": b"", "more_body": False}
             msg = await receive()
             if msg["type"] == "http.request":
                 seen[0] += len(msg.get("body", b""))
                 if seen[0] > self.limit:
-                    raise _TooLarge()
+                    over[0] = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
             return msg
 
-        async def tracking_send(msg):
-            if msg["type"] == "http.response.start":
-                sent[0] = True
-            await send(msg)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not sent[0]:
+        async def guarded_send(msg):
+            if not over[0]:
+                return await send(msg)
+            if msg["type"] == "http.response.start" and not answered[0]:
+                answered[0] = True
                 await _send_error(send, too_big)
 
-
-class _TooLarge(Exception):
-    pass
+        await self.app(scope, limited_receive, guarded_send)
 
 
 async def _send_error(send, e: APIError) -> None:
