@@ -353,8 +353,8 @@ def test_soak_no_server_errors_and_flat_memory(server):
     The bound: the warm-up's peak + 32 MiB. The cache is allocated at start, so what may still vary after
     warm-up is the allocator's free lists and Python's arenas, which settle at the largest step's working
     set (reached in warm-up: 32 clients keep the 16 sequences and the 128-token step budget full). A leak
-    of L bytes per request grows RSS by L x requests: the default soak (about 450 requests after warm-up
-    on two cores) catches 75 KiB per request, and a longer one (DSV4_SOAK_S) proportionally less.
+    of L bytes per request grows RSS by L x requests: the default soak (about 300 requests after warm-up
+    on two cores) catches 110 KiB per request, and a longer one (DSV4_SOAK_S) proportionally less.
     """
     soak_s = float(os.environ.get("DSV4_SOAK_S", "40"))
     n_clients = int(os.environ.get("DSV4_SOAK_CLIENTS", "32"))
