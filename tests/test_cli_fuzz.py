@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -233,3 +234,43 @@ def test_disk_full_is_named():
 def test_unexpected_errors_are_one_line_with_a_debug_hint():
     code, line = describe_error(ZeroDivisionError("division by zero\nsecond line"))
     assert code == 1 and line.count("\n") == 0 and "--debug" in line
+
+
+def test_a_prompt_longer_than_the_window_pool_is_computed_in_chunks():
+    """The engine admits a prompt whose window pages would not all fit at once: it computes it in chunks
+    and releases the window pages behind it, with the same greedy tokens as one whole-prompt pass."""
+    from dsv4.config import ModelConfig
+    from dsv4.engine import EngineConfig, generate
+    from dsv4.model import DeepSeekV4
+    from dsv4.model.paged import default_page_size
+
+    cfg = ModelConfig.preset("tiny")
+    model = DeepSeekV4.from_config(cfg, seed=0, dtype=torch.float32).eval()
+    P = default_page_size(cfg)
+    n = 12 * P + 5                                        # 13 window pages; the pool holds 6
+    prompt = [cfg.bos_token_id] + [(7 * i) % cfg.vocab_size for i in range(1, n)]
+    kw = dict(max_new_tokens=3, deterministic=True)
+    chunked = generate(model, [prompt], engine_config=EngineConfig(
+        max_seqs=1, max_model_len=n + 3, max_batch_tokens=64, prefix_caching=False, deterministic=True,
+        cuda_graphs=False), **kw)
+    whole = generate(model, [prompt], engine_config=EngineConfig(
+        max_seqs=1, max_model_len=n + 3, max_batch_tokens=n + 3, prefix_caching=False, deterministic=True,
+        cuda_graphs=False), **kw)
+    assert len(chunked[0]) == 3 and chunked == whole
+
+
+def test_chat_refuses_a_message_past_the_context_with_the_numbers_and_goes_on():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    stdin = "word " * 400 + "\nhello\n"
+    res = subprocess.run([sys.executable, "-m", "dsv4", "chat", "--max-model-len", "128", "--max-tokens", "3",
+                          "--temperature", "0", "--device", "cpu"], input=stdin, capture_output=True, text=True,
+                         timeout=300, env=env, cwd=ROOT)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and "Traceback" not in res.stderr, res.stderr
+    from dsv4.config import ModelConfig
+    from dsv4.loading import default_model_dir
+
+    ctx = ModelConfig.from_json(default_model_dir() / "config.json").max_seq_len
+    assert "the context is 128 tokens" in errors[0] and f"max_position_embeddings is {ctx}" in errors[0]
+    assert re.search(r"the conversation is \d{3,} tokens", errors[0])
+    assert res.stdout.strip() != ""                          # the second message was answered
