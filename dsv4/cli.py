@@ -297,8 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:                     # a usage error (2, its line printed) or --help / --version (0)
-        return e.code if isinstance(e.code, int) else 2
+    except SystemExit as e:
+        if e.code in (0, None):                 # --help / --version: printed, and exit as argparse does
+            raise
+        return e.code if isinstance(e.code, int) else 2       # a usage error: its one line is printed
     if not getattr(args, "func", None):
         parser.print_help()
         return 0 if args.command is None else 2
