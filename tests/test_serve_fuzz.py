@@ -84,6 +84,14 @@ def running(srv) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def generated(srv) -> float:
+    """Tokens the server has generated in all, from /metrics."""
+    _, text = request(srv, "GET", "/metrics")
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    m = re.search(r'dsv4_generation_tokens_total\{model="[^"]+"\} (\S+)', text)
+    return float(m.group(1)) if m else 0.0
+
+
 def wait_idle(srv, seconds: float = 30) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -310,6 +318,7 @@ def test_disconnect_mid_request_frees_the_sequence(server, path, stream):
     model = model_name(server)
     body = {"model": model, "max_tokens": CONTEXT - 64, "temperature": 0, "stream": stream, "ignore_eos": True}
     body.update({"prompt": "x"} if "chat" not in path else {"messages": [{"role": "user", "content": "x"}]})
+    before = generated(server)
     socks = [_post_raw(server, path, body) for _ in range(3)]
     deadline = time.monotonic() + 30
     while running(server) < 1 and time.monotonic() < deadline:
@@ -321,6 +330,8 @@ def test_disconnect_mid_request_frees_the_sequence(server, path, stream):
     for i, s in enumerate(socks):
         (_rst_close if i % 2 else socket.socket.close)(s)
     assert wait_idle(server), "sequences still running after their clients left"
+    # stopped, not run to their last token: far fewer tokens than they asked for were generated
+    assert generated(server) - before < len(socks) * body["max_tokens"] / 2
     status, _ = _valid_completion(server, model)
     assert status == 200
 

@@ -492,6 +492,25 @@ class _BodyLimit:
         await self.app(scope, limited_receive, guarded_send)
 
 
+class _APIKey:
+    """ASGI middleware: 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise).
+
+    Plain ASGI on purpose: behind starlette's BaseHTTPMiddleware (`@app.middleware("http")`) an endpoint's
+    `request.is_disconnected()` never sees the client leave, so a non-streaming request whose client
+    disconnected ran to its last token instead of being aborted."""
+
+    def __init__(self, app, key: str | None):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.key and scope.get("path") != "/health":
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            if auth != f"Bearer {self.key}":
+                return await _send_error(send, APIError(
+                    401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key"))
+        await self.app(scope, receive, send)
+
+
 async def _send_error(send, e: APIError) -> None:
     body = json.dumps(e.body()).encode()
     await send({"type": "http.response.start", "status": e.status,
@@ -516,15 +535,6 @@ def create_app(state: ServerState):
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, e: Exception):
         return _error(APIError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error"))
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path != "/health":
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {state.api_key}":
-                return _error(APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
-                                       code="invalid_api_key"))
-        return await call_next(request)
 
     @app.get("/health")
     async def health():
@@ -551,4 +561,4 @@ def create_app(state: ServerState):
     async def _chat(request: Request):
         return await chat_completions(state, request)
 
-    return _BodyLimit(app, state.max_body_bytes)
+    return _BodyLimit(_APIKey(app, state.api_key), state.max_body_bytes)
