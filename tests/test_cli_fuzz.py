@@ -259,14 +259,16 @@ def test_a_prompt_longer_than_the_window_pool_is_computed_in_chunks():
     assert len(chunked[0]) == 3 and chunked == whole
 
 
-def test_chat_refuses_a_message_past_the_context_with_the_numbers_and_goes_on():
+def test_chat_refuses_a_message_past_the_context_or_not_utf8_and_goes_on():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    stdin = "word " * 400 + "\nhello\n"
+    stdin = b"word " * 400 + b"\ncaf\xe9 \xff\nhello\n"                 # too long, not UTF-8, fine
     res = subprocess.run([sys.executable, "-m", "dsv4", "chat", "--max-model-len", "128", "--max-tokens", "3",
-                          "--temperature", "0", "--device", "cpu"], input=stdin, capture_output=True, text=True,
+                          "--temperature", "0", "--device", "cpu"], input=stdin, capture_output=True,
                          timeout=300, env=env, cwd=ROOT)
+    res.stdout, res.stderr = res.stdout.decode(), res.stderr.decode()
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-    assert res.returncode == 2 and len(errors) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert res.returncode == 2 and len(errors) == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "not valid UTF-8" in errors[1]
     from dsv4.config import ModelConfig
     from dsv4.loading import default_model_dir
 

@@ -248,6 +248,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
     refused = 0
+    if hasattr(sys.stdin, "reconfigure"):   # undecodable bytes as lone surrogates (refused per message
+        sys.stdin.reconfigure(errors="surrogateescape")       # below) in any locale, not a crash mid-chat
     while True:
         try:
             line = input("you> ") if interactive else sys.stdin.readline()
@@ -262,6 +264,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         if line == "/reset":
             messages = messages[:1] if args.system else []
+            continue
+        try:
+            line.encode("utf-8")            # undecodable input bytes arrive as lone surrogates
+        except UnicodeEncodeError as e:
+            print(f"error: the message is not valid UTF-8 text (character {e.start}): not sent", file=sys.stderr)
+            refused += 1
             continue
         messages.append({"role": "user", "content": line})
         parts = {"content": [], "reasoning": []}
