@@ -1,6 +1,9 @@
 """The `dsv4` command line: thin - it parses, calls the library, prints.
 
-User errors (bad flags, broken files, config mismatches) print one line `error: ...` and exit 2.
+Every failure is one line `error: ...` on stderr and an exit code, by one mechanism: argument values are
+checked while parsing by the types of `dsv4.argtypes` (exit 2, before anything is loaded), and `main`
+turns whatever a command raises into a line and a code with `dsv4.errors.describe_error` (2 for what the
+user can fix, 1 for I/O failures and the unexpected, 130 for Ctrl-C). `--debug` shows the traceback.
 """
 
 from __future__ import annotations
