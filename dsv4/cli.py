@@ -171,10 +171,13 @@ def cmd_teacher_forcing(args: argparse.Namespace) -> int:
 
     from .check.teacher_forcing import teacher_forcing
 
-    model, _, desc = load_model(args, default_preset="tiny")
     n, k = args.tokens, args.prefill
     if not 1 <= k <= n:
         raise UserError(f"--prefill must be in [1, --tokens={n}], got {k}")
+    ctx = resolve_config(args, default_preset="tiny").max_seq_len
+    if n > ctx:
+        raise UserError(f"--tokens {n} exceeds the model's context (max_position_embeddings) of {ctx} tokens")
+    model, _, desc = load_model(args, default_preset="tiny")
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, model.cfg.vocab_size, (args.batch, n), generator=gen)
     rep = teacher_forcing(model, tokens.to(model.embed.weight.device), k, tolerance=args.tolerance,

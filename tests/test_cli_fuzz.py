@@ -173,6 +173,9 @@ def test_prompt_longer_than_the_context_is_refused_with_the_numbers(capsys):
     assert "has 10 tokens" in err and "--max-model-len is 12 tokens" in err and "at most 8 prompt" in err
     assert main(["generate", "--preset", "tiny", "--prompt-ids", "0,5", "--max-model-len", str(ctx + 1)]) == 2
     assert f"exceeds the model's context (max_position_embeddings) of {ctx}" in capsys.readouterr().err
+    assert main(["check", "teacher-forcing", "--preset", "tiny", "--tokens", str(ctx + 1)]) == 2
+    assert f"--tokens {ctx + 1} exceeds the model's context (max_position_embeddings) of {ctx}" in \
+        capsys.readouterr().err
 
 
 def test_truncate_prompt_keeps_bos_and_the_last_tokens(capsys):
