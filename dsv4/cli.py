@@ -1,6 +1,9 @@
 """The `dsv4` command line: thin - it parses, calls the library, prints.
 
-User errors (bad flags, broken files, config mismatches) print one line `error: ...` and exit 2.
+Every failure is one line `error: ...` on stderr and an exit code, by one mechanism: argument values are
+checked while parsing by the types of `dsv4.argtypes` (exit 2, before anything is loaded), and `main`
+turns whatever a command raises into a line and a code with `dsv4.errors.describe_error` (2 for what the
+user can fix, 1 for I/O failures and the unexpected, 130 for Ctrl-C). `--debug` shows the traceback.
 """
 
 from __future__ import annotations
@@ -10,96 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import UserError
-
-ASSETS = Path(__file__).parent / "assets"
-
-
-# ------------------------------------------------------------------------------------------ models
-def default_model_dir() -> Path | None:
-    """The model shipped inside the package (the default of `generate`), if present."""
-    if not ASSETS.is_dir():
-        return None
-    for d in sorted(ASSETS.iterdir()):
-        if (d / "config.json").exists():
-            return d
-    return None
-
-
-def add_model_args(p: argparse.ArgumentParser, default_hint: str) -> None:
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--preset", help="a built-in architecture with random weights: tiny, small, flash, pro")
-    g.add_argument("--model", metavar="DIR", help=f"a checkpoint directory (default: {default_hint})")
-    g.add_argument("--config", metavar="FILE", help="a config.json (official or Hugging Face keys)")
-
-
-QUANT_MODE_HELP = ("numerics of the weights a checkpoint stores as FP8 / FP4: w8a8 (default: the official "
-                   "code's, activations quantized to FP8 per token in blocks of 128 before every such weight) "
-                   "or w8a16 (activations kept in --dtype)")
-
-
-def add_quant_mode_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quant-mode", choices=("w8a8", "w8a16"), default=None, help=QUANT_MODE_HELP)
-
-
-def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
-    from .config import ConfigError, ModelConfig
-
-    try:
-        if getattr(args, "preset", None):
-            return ModelConfig.preset(args.preset)
-        if getattr(args, "config", None):
-            return ModelConfig.from_json(args.config)
-        model_dir = getattr(args, "model", None)
-        if model_dir:
-            return ModelConfig.from_json(Path(model_dir) / "config.json")
-        if default_preset:
-            return ModelConfig.preset(default_preset)
-        shipped = default_model_dir()
-        if shipped is None:
-            raise UserError("no model given and no shipped model installed: pass --preset or --model DIR")
-        return ModelConfig.from_json(shipped / "config.json")
-    except ConfigError as e:
-        raise UserError(str(e)) from None
-
-
-def load_model(args: argparse.Namespace, default_preset: str | None = None):
-    """(model, tokenizer or None, description) from --preset / --model / --config / the shipped model."""
-    from . import defaults
-    from .model import DeepSeekV4
-
-    dtype = defaults.resolve_dtype(getattr(args, "dtype", None))
-    device = defaults.resolve_device(getattr(args, "device", None))
-    if getattr(args, "preset", None) or getattr(args, "config", None) or (default_preset and not args.model):
-        cfg = resolve_config(args, default_preset)
-        model = DeepSeekV4.from_config(cfg, seed=getattr(args, "seed", 0) or 0, dtype=dtype, device=device)
-        return model.eval(), None, f"{cfg.name} (random weights)"
-    path = Path(args.model) if getattr(args, "model", None) else default_model_dir()
-    if path is None:
-        raise UserError("no model given and no shipped model installed: pass --preset or --model DIR")
-    if not path.is_dir():
-        raise UserError(f"{path}: not a directory")
-    from .checkpoint import load_pretrained
-
-    model = load_pretrained(path, dtype=dtype, device=device, quant_mode=getattr(args, "quant_mode", None),
-                            keep_quantized=getattr(args, "keep_quantized", False)).eval()
-    tokenizer = None
-    if (path / "tokenizer.json").exists():
-        from .train.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.from_file(path)
-    return model, tokenizer, str(path)
-
-
-def add_device_args(p: argparse.ArgumentParser) -> None:
-    """--device and --dtype with the defaults the Python API uses too (`dsv4.defaults`)."""
-    from . import defaults
-
-    p.add_argument("--device", default=defaults.DEVICE,
-                   help="where the model runs: cpu, cuda, cuda:1 ... (default: %(default)s, also with a GPU present)")
-    p.add_argument("--dtype", choices=list(defaults.DTYPES), default=defaults.DTYPE,
-                   help="parameter dtype of the weights that are not fp32 by design (default: %(default)s, as "
-                        "DeepSeekV4.from_config and dsv4.checkpoint.load_pretrained)")
+from . import argtypes
+from .errors import UserError, describe_error
+from .loading import add_device_args, add_model_args, add_quant_mode_arg, load_model, resolve_config
 
 
 # ------------------------------------------------------------------------------------------ info
@@ -130,37 +46,99 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------ generate
-def _encode_prompt(args, tokenizer, cfg) -> list[int]:
-    if args.prompt_ids:
-        try:
-            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise UserError("--prompt-ids takes comma-separated integers, e.g. 0,15,27") from None
+def _prompt_text(args) -> str:
+    """The prompt from the argument or --prompt-file (UTF-8, refused otherwise: one line, exit 2)."""
+    if args.prompt_file is None:
+        return args.prompt
+    if args.prompt:
+        raise UserError("give the prompt as an argument or with --prompt-file, not both")
+    try:
+        with open(args.prompt_file, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise UserError(f"--prompt-file {args.prompt_file}: cannot read it: {e.strerror}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompt-file {args.prompt_file}: not UTF-8 text (byte {e.start}: "
+                        f"{raw[e.start:e.start + 1]!r})") from None
+
+
+def _generate_tokenizer(args):
+    """The tokenizer of --model / the shipped model, without loading any weights (None: byte ids)."""
+    from .loading import default_model_dir
+
+    if getattr(args, "preset", None) or getattr(args, "config", None):
+        return None
+    path = Path(args.model) if args.model else default_model_dir()
+    if path is None or not (path / "tokenizer.json").is_file():
+        return None
+    from .train.tokenizer import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
+def _encode_prompt(args, text: str, tokenizer, cfg) -> list[int]:
+    if args.prompt_ids is not None:
+        ids = list(args.prompt_ids)
     elif tokenizer is not None:
-        ids = [tokenizer.bos_id] + tokenizer.encode(args.prompt)
+        ids = [tokenizer.bos_id] + tokenizer.encode(text)
     else:
         # no tokenizer (a preset with random weights): UTF-8 bytes as ids
-        ids = [cfg.bos_token_id] + [b % cfg.vocab_size for b in args.prompt.encode()]
+        ids = [cfg.bos_token_id] + [b % cfg.vocab_size for b in text.encode()]
     bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
     if bad:
         raise UserError(f"token ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
     return ids
 
 
+def fit_prompt(ids: list[int], max_new_tokens: int, context: int, limit_name: str, truncate: bool,
+               keep_first: int | None = None) -> list[int]:
+    """The prompt if it leaves room for max_new_tokens within `context` tokens; else its last tokens that
+    do (when `truncate`; the first token, BOS, is kept), else a UserError with the numbers."""
+    room = context - max_new_tokens
+    if len(ids) <= room:
+        return ids
+    if room < 1:
+        raise UserError(f"--max-new-tokens {max_new_tokens} does not fit {limit_name} of {context} tokens "
+                        f"(prompt + output): at most {context - 1} new tokens")
+    if not truncate:
+        raise UserError(f"the prompt has {len(ids)} tokens and --max-new-tokens asks for {max_new_tokens} more, "
+                        f"but {limit_name} is {context} tokens (prompt + output): at most {room} prompt tokens "
+                        f"fit. Shorten the prompt, lower --max-new-tokens, or pass --truncate-prompt to keep its "
+                        f"last {room} tokens")
+    if keep_first is not None and ids[0] == keep_first and room >= 2:
+        return [ids[0]] + ids[len(ids) - room + 1:]
+    return ids[len(ids) - room:]
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from .engine import generate
-    from .engine.speculative import MAX_SPECULATIVE
 
-    if not 0 <= args.speculative <= MAX_SPECULATIVE:
-        raise UserError(f"--speculative must be in [0, {MAX_SPECULATIVE}] draft tokens, got {args.speculative}")
-    torch.manual_seed(args.seed)
-    model, tokenizer, desc = load_model(args)
-    cfg = model.cfg
+    # everything the prompt needs is checked before the weights are read
+    cfg = resolve_config(args)
     if args.speculative and cfg.n_mtp_layers < 1:
         raise UserError("--speculative drafts with the model's MTP block, and this model has none")
-    ids = _encode_prompt(args, tokenizer, cfg)
+    text = _prompt_text(args)
+    tokenizer = _generate_tokenizer(args)
+    ids = _encode_prompt(args, text, tokenizer, cfg)
+    context, limit_name = cfg.max_seq_len, "the model's context (max_position_embeddings)"
+    if args.max_model_len is not None:
+        if args.max_model_len > cfg.max_seq_len:
+            raise UserError(f"--max-model-len {args.max_model_len} exceeds the model's context "
+                            f"(max_position_embeddings) of {cfg.max_seq_len} tokens")
+        context, limit_name = args.max_model_len, "--max-model-len"
+    fitted = fit_prompt(ids, args.max_new_tokens, context, limit_name, args.truncate_prompt, cfg.bos_token_id)
+    if len(fitted) < len(ids):
+        print(f"note: the prompt was cut to its last {len(fitted)} of {len(ids)} tokens (--truncate-prompt)",
+              file=sys.stderr)
+        ids = fitted
+        text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else text
+
+    torch.manual_seed(args.seed)
+    model, tokenizer, desc = load_model(args)
     stream = not args.json and tokenizer is not None
     printed = [""]
     out_ids: list[int] = []
@@ -174,7 +152,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             printed[0] = text
 
     if stream:
-        sys.stdout.write(args.prompt)
+        sys.stdout.write(text)
     tokens = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_at_eos=not args.no_stop,
                       on_token=on_token, cuda_graph=args.cuda_graph, speculative=args.speculative)[0]
@@ -195,10 +173,13 @@ def cmd_teacher_forcing(args: argparse.Namespace) -> int:
 
     from .check.teacher_forcing import teacher_forcing
 
-    model, _, desc = load_model(args, default_preset="tiny")
     n, k = args.tokens, args.prefill
     if not 1 <= k <= n:
         raise UserError(f"--prefill must be in [1, --tokens={n}], got {k}")
+    ctx = resolve_config(args, default_preset="tiny").max_seq_len
+    if n > ctx:
+        raise UserError(f"--tokens {n} exceeds the model's context (max_position_embeddings) of {ctx} tokens")
+    model, _, desc = load_model(args, default_preset="tiny")
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, model.cfg.vocab_size, (args.batch, n), generator=gen)
     rep = teacher_forcing(model, tokens.to(model.embed.weight.device), k, tolerance=args.tolerance,
@@ -221,10 +202,20 @@ def cmd_teacher_forcing(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------ parser
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (`error: argument --top-p: ...`) and exit 2, like
+    every other error of the CLI; the full usage is one `--help` away."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dsv4", description="Run, train, serve and verify DeepSeek-V4 models on any PyTorch device.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (also accepted after the command; or DSV4_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("info", help="config summary, parameters, KV-cache size (no weights allocated)")
@@ -234,16 +225,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="continue a prompt (greedy or sampled)")
     add_model_args(p, "the shipped model")
-    p.add_argument("prompt", nargs="?", default="", help="prompt text")
-    p.add_argument("--prompt-ids", help="comma-separated token ids instead of text")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("prompt", nargs="?", default="", type=argtypes.text, help="prompt text")
+    p.add_argument("--prompt-file", type=argtypes.path, help="read the prompt from this UTF-8 file")
+    p.add_argument("--prompt-ids", type=argtypes.comma_ints(0), help="comma-separated token ids instead of text")
+    p.add_argument("--max-new-tokens", type=argtypes.positive_int, default=64)
+    p.add_argument("--max-model-len", type=argtypes.int_in(2), default=None,
+                   help="context limit, prompt + output (default: the model's max_position_embeddings)")
+    p.add_argument("--truncate-prompt", action="store_true",
+                   help="keep the last tokens of a prompt that does not fit the context (default: refuse it)")
+    p.add_argument("--temperature", type=argtypes.temperature, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=argtypes.top_p, default=1.0, help="in (0, 1]; 1 = off")
+    p.add_argument("--top-k", type=argtypes.top_k, default=0, help="0 = off")
+    p.add_argument("--seed", type=argtypes.seed_int, default=0)
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--cuda-graph", action="store_true", help="replay decode steps from a CUDA graph (CUDA only)")
-    p.add_argument("--speculative", type=int, default=0, metavar="K",
+    p.add_argument("--speculative", type=argtypes.int_in(0, 15), default=0, metavar="K",
                    help="speculative decoding: the MTP block drafts K tokens per step, verified in one pass "
                         "(same output; 0 = off, the default)")
     add_device_args(p)
@@ -255,12 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     csub = pc.add_subparsers(dest="check_command", metavar="CHECK")
     p = csub.add_parser("teacher-forcing", help="one prefill vs prefill + single-token decode steps")
     add_model_args(p, "the tiny preset")
-    p.add_argument("--tokens", type=int, default=300, help="sequence length (default 300: crosses the window, "
-                   "several ratio-4 groups and two ratio-128 groups)")
-    p.add_argument("--prefill", type=int, default=7, help="tokens in the prefill before decoding")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tolerance", type=float, default=1e-4, help="max relative logit error")
+    p.add_argument("--tokens", type=argtypes.int_in(2), default=300,
+                   help="sequence length (default 300: crosses the window, several ratio-4 groups and two ratio-128 "
+                        "groups)")
+    p.add_argument("--prefill", type=argtypes.positive_int, default=7, help="tokens in the prefill before decoding")
+    p.add_argument("--batch", type=argtypes.positive_int, default=1)
+    p.add_argument("--seed", type=argtypes.seed_int, default=0)
+    p.add_argument("--tolerance", type=argtypes.positive_float, default=1e-4, help="max relative logit error")
     p.add_argument("--no-force", action="store_true",
                    help="let the decode path take its own top-k / routing decisions (near-ties may then flip)")
     p.add_argument("--fast-accumulation", action="store_true",
@@ -305,19 +302,42 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse, run, and turn every failure into one line on stderr and an exit code (see `dsv4.errors`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _take_debug(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        if e.code in (0, None):                 # --help / --version: printed, and exit as argparse does
+            raise
+        return e.code if isinstance(e.code, int) else 2       # a usage error: its one line is printed
     if not getattr(args, "func", None):
         parser.print_help()
         return 0 if args.command is None else 2
     try:
         return int(args.func(args) or 0)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:                                              # noqa: BLE001 - one line, not a traceback
+        if debug:
+            raise
+        code, line = describe_error(e)
+        print(f"error: {line}", file=sys.stderr)
+        return code
+
+
+def _take_debug(argv: list[str]) -> bool:
+    """--debug anywhere before a `--` (removed from argv: every command accepts it), or DSV4_DEBUG=1."""
+    import os
+
+    end = argv.index("--") if "--" in argv else len(argv)
+    found = "--debug" in argv[:end]
+    while "--debug" in argv[:end]:
+        argv.remove("--debug")
+        end -= 1
+    return found or os.environ.get("DSV4_DEBUG", "") not in ("", "0")
 
 
 if __name__ == "__main__":

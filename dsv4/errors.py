@@ -1,5 +1,76 @@
-"""Errors the CLI reports as one line (`error: ...`, exit code 2) instead of a traceback."""
+"""Errors the CLI reports as one line (`error: ...`) instead of a traceback, and their exit codes.
+
+Exit codes: 2 for what the user can fix (a bad argument or input, a broken or mismatched file: `UserError`
+and the library's own value errors: config, request), 1 for a failure of the machine (I/O: disk full,
+read-only or missing destination, permission denied; memory) and for anything unexpected, 130 for
+Ctrl-C. A traceback is only shown with `--debug`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+from collections.abc import Iterator
+from pathlib import Path
 
 
 class UserError(Exception):
     """Something the user can fix: a bad argument, a missing or broken file, a config mismatch."""
+
+
+_IO_CAUSES = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exhausted",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOENT: "no such file or directory (or a symlink pointing nowhere)",
+    errno.EEXIST: "something else is already there (a file, or a symlink pointing nowhere)",
+    errno.ENOTDIR: "a part of the path is not a directory",
+    errno.EISDIR: "it is a directory",
+    errno.ELOOP: "too many levels of symbolic links",
+    errno.ENAMETOOLONG: "the name is too long",
+    errno.EMFILE: "too many open files",
+}
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, kept: str | None = None) -> Iterator[None]:
+    """Name the destination and what is left intact on an I/O error raised inside (a failed write() of a
+    full disk carries no file name of its own); the error itself goes on unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        if kept is not None and not hasattr(e, "kept"):
+            e.kept = kept
+        raise
+
+
+def describe_os_error(e: OSError) -> str:
+    """What failed, on which path, and why, in one line."""
+    cause = _IO_CAUSES.get(e.errno or -1, e.strerror or str(e))
+    where = e.filename if e.filename is not None else None
+    if where is not None and e.filename2 is not None:
+        where = f"{e.filename} -> {e.filename2}"
+    return f"{where}: {cause}" if where is not None else cause
+
+
+def describe_error(e: BaseException) -> tuple[int, str]:
+    """(exit code, one line) for an error that reached the top of a command."""
+    from .config import ConfigError
+
+    if isinstance(e, (UserError, ConfigError)):
+        return 2, str(e)
+    if isinstance(e, UnicodeError):
+        return 2, f"input is not valid UTF-8: {e}"
+    if type(e).__name__ == "RequestError":           # the engine's refusal of a request (dsv4.engine.engine)
+        return 2, str(e)
+    if isinstance(e, OSError):
+        kept = getattr(e, "kept", None) or "earlier outputs are left as they were"
+        return 1, f"{describe_os_error(e)} (the output being written was not completed; {kept})"
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return 1, f"out of memory: {str(e).splitlines()[0] if str(e) else 'an allocation failed'}"
+    first = str(e).splitlines()[0] if str(e) else ""
+    return 1, f"{type(e).__name__}: {first} (run with --debug for the traceback)"

@@ -227,7 +227,7 @@ def test_conformance_device_and_backend_errors(capsys, monkeypatch):
     if not torch.cuda.is_available():
         assert dsv4_main(base + ["--device", "cuda"]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("error: --device cuda: ") and len(err.strip().splitlines()) == 1
+        assert err.startswith("error: argument --device: ") and "CUDA" in err and len(err.strip().splitlines()) == 1
     assert dsv4_main(["check", "conformance", "--only", "Z99"]) == 2
     err = capsys.readouterr().err
     assert "unknown bug-zoo ids ['Z99']" in err and len(err.strip().splitlines()) == 1

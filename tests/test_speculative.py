@@ -187,3 +187,11 @@ def test_fixed_shape_greedy_step_gives_the_plain_tokens(model, prompts, k):
                        drafter=lambda e: OracleDrafter(e, plain, lambda i: i % 3 == 1))
     assert spec == plain
     assert engine.spec_stats["fixed_steps"] > 0
+
+
+def test_the_command_line_bound_is_the_engine_bound():
+    from dsv4.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "x", "--speculative", str(MAX_SPECULATIVE + 1)])
+    assert build_parser().parse_args(["generate", "x", "--speculative", str(MAX_SPECULATIVE)]).speculative == 15

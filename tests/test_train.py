@@ -551,3 +551,38 @@ def test_cuda_graph_training_is_refused_where_it_cannot_run(tmp_path, capsys):
         GraphedBackward(model, lambda x: {"loss": model(x).logits.sum()}, torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="CUDA graphs need"):
         GraphedPrefill(model, 1, 4)
+
+
+def test_resume_keeps_one_metrics_row_per_step_and_its_pointer_inside_the_run(tmp_path):
+    """A run killed after logging steps it had not checkpointed replays them on resume: their old rows go
+    (one row per step), a torn last line goes, and the `latest` pointer cannot lead outside the run."""
+    import shutil
+
+    run = tmp_path / "run"
+    Trainer(_train_cfg(tmp_path, save_every=2, eval_every=0), log=lambda *_: None).fit()
+    ckpts = run / "checkpoints"
+    # as if killed after logging steps 3-4 but before their checkpoint: latest still names step 2
+    (ckpts / "latest").write_text("step_00000002")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 1.')                                   # a torn write
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[:-1]]
+    assert [r["step"] for r in logged if "step" in r] == [1, 2, 3, 4]
+    resumed = Trainer(_train_cfg(tmp_path, save_every=-1, eval_every=0, resume="auto"), log=lambda *_: None)
+    assert resumed.step == 2
+    resumed.fit()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r] == [1, 2, 3, 4]
+    assert [r.get("event") for r in rows if "event" in r] == ["start", "start", "end"]
+
+    # the pointer names a real, intact checkpoint, but outside the run: refused before it is opened
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(ckpts / "step_00000002", elsewhere / "step_00000002")
+    for pointer in ("../../elsewhere/step_00000002", str(elsewhere / "step_00000002"), "", "."):
+        (ckpts / "latest").write_text(pointer)
+        with pytest.raises(checkpoint.CorruptCheckpoint, match="not a checkpoint inside"):
+            Trainer(_train_cfg(tmp_path, save_every=-1, resume="auto"), log=lambda *_: None)
+    (ckpts / "step_00000002").rename(ckpts / "moved")
+    (ckpts / "step_00000002").symlink_to(elsewhere / "step_00000002")  # inside by name, outside by link
+    (ckpts / "latest").write_text("step_00000002")
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="not a checkpoint inside"):
+        Trainer(_train_cfg(tmp_path, save_every=-1, resume="auto"), log=lambda *_: None)

@@ -32,7 +32,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .. import ops
+from .. import argtypes, ops
 from ..config import ModelConfig
 from .report import add_output_args, emit, require_cuda
 
@@ -324,13 +324,13 @@ def add_bench_parsers(subparsers) -> None:
                       "vs the torch reference"}
     for name, text in helps.items():
         p = subparsers.add_parser(name, help=text)
-        p.add_argument("--preset", default="small")
+        p.add_argument("--preset", default="small", type=argtypes.preset)
         p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-        p.add_argument("--batch", type=int, default=None)
-        p.add_argument("--seq", type=int, default=None, help="tokens per sequence (prefill, train)")
-        p.add_argument("--prompt", type=int, default=64, help="decode: untimed prompt length")
-        p.add_argument("--steps", type=int, default=32, help="decode: timed steps per rep")
-        p.add_argument("--reps", type=int, default=3)
+        p.add_argument("--batch", type=argtypes.positive_int, default=None)
+        p.add_argument("--seq", type=argtypes.positive_int, default=None, help="tokens per sequence (prefill, train)")
+        p.add_argument("--prompt", type=argtypes.positive_int, default=64, help="decode: untimed prompt length")
+        p.add_argument("--steps", type=argtypes.positive_int, default=32, help="decode: timed steps per rep")
+        p.add_argument("--reps", type=argtypes.positive_int, default=3)
         p.add_argument("--profile", action="store_true", help="decode: kernels, GPU ms, syncs per step")
         if name != "train":
             p.add_argument("--no-cuda-graph", action="store_true",
@@ -344,8 +344,9 @@ def add_bench_parsers(subparsers) -> None:
             p.add_argument("--optimizer", action="store_true",
                            help="time the whole training step as `dsv4 train` runs it: fp32 master weights, "
                                 "bf16 autocast, all losses, clipping, Muon + AdamW step, router bias update")
-            p.add_argument("--peak-tflops", type=float, help="device bf16 peak for MFU (default: known GPUs)")
-        p.add_argument("--device", default=None)
+            p.add_argument("--peak-tflops", type=argtypes.positive_float,
+                           help="device bf16 peak for MFU (default: known GPUs)")
+        p.add_argument("--device", default=None, type=argtypes.device)
         p.add_argument("--allow-cpu", action="store_true", help="run on CPU (smoke test, not a benchmark)")
         add_output_args(p)
         p.set_defaults(func=run_e2e_bench, bench=name)

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .. import ops
+from .. import argtypes, ops
 from ..config import ModelConfig
 from .e2e import _count_syncs
 from .kernels import _rel
@@ -475,19 +475,24 @@ def render(result: dict) -> str:
 
 
 def _shape(s: str) -> tuple[int, int]:
-    n, k = s.lower().split("x")
-    return int(n), int(k)
+    try:
+        n, k = (int(x) for x in s.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes NxK with positive integers, e.g. 4096x4096, got {s!r}") from None
+    if n < 1 or k < 1:
+        raise argparse.ArgumentTypeError(f"takes NxK with positive integers, e.g. 4096x4096, got {s!r}")
+    return n, k
 
 
 def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     """Adds `ops` to the `dsv4 bench` subcommands (sets `func=run_ops_bench`)."""
     p = subparsers.add_parser("ops", help="time the MoE / mHC / quantized-GEMM backends vs measured limits")
-    p.add_argument("--preset", default="small", help="model preset whose MoE shapes are timed")
-    p.add_argument("--moe-routed", type=int, nargs="+", default=[8192, 32768],
+    p.add_argument("--preset", default="small", type=argtypes.preset, help="model preset whose MoE shapes are timed")
+    p.add_argument("--moe-routed", type=argtypes.positive_int, nargs="+", default=[8192, 32768],
                    help="routed (token, expert) slots T*k per MoE call")
-    p.add_argument("--hc-tokens", type=int, default=8192)
-    p.add_argument("--hc-dims", type=int, nargs="+", default=[1024, 4096])
-    p.add_argument("--quant-tokens", type=int, default=4096)
+    p.add_argument("--hc-tokens", type=argtypes.positive_int, default=8192)
+    p.add_argument("--hc-dims", type=argtypes.positive_int, nargs="+", default=[1024, 4096])
+    p.add_argument("--quant-tokens", type=argtypes.positive_int, default=4096)
     p.add_argument("--quant-shapes", type=_shape, nargs="+", default=[(4096, 4096), (2048, 7168)],
                    help="weight shapes NxK")
     p.add_argument("--only", default="", help="comma list: moe,mhc,quant,elementwise,parity")

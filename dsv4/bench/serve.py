@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import argtypes
 from ..errors import UserError
 
 
@@ -328,20 +329,22 @@ def _print(r: dict) -> None:
 
 
 def add_bench_serve_parser(subparsers) -> None:
-    from ..cli import add_model_args
+    from ..loading import add_model_args
     from ..serve.cli import _engine_args
 
     p = subparsers.add_parser("serve", help="load-test a dsv4 serve HTTP server: throughput, TTFT, inter-token "
                                             "latency, against the raw batched decode rate (and transformers)")
     add_model_args(p, "the shipped model")
-    p.add_argument("--clients", type=int, default=16, help="concurrent streaming clients (default 16)")
-    p.add_argument("--requests", type=int, default=64, help="requests in all (default 64)")
-    p.add_argument("--prompt-len", type=int, default=128, help="mean prompt tokens (default 128)")
-    p.add_argument("--output-len", type=int, default=64, help="mean output tokens (default 64)")
-    p.add_argument("--spread", type=float, default=0.25, help="lengths uniform in mean*(1 +- spread) (default 0.25)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clients", type=argtypes.positive_int, default=16,
+                   help="concurrent streaming clients (default 16)")
+    p.add_argument("--requests", type=argtypes.positive_int, default=64, help="requests in all (default 64)")
+    p.add_argument("--prompt-len", type=argtypes.positive_int, default=128, help="mean prompt tokens (default 128)")
+    p.add_argument("--output-len", type=argtypes.positive_int, default=64, help="mean output tokens (default 64)")
+    p.add_argument("--spread", type=argtypes.float_in(0.0, 1.0, hi_open=True), default=0.25,
+                   help="lengths uniform in mean*(1 +- spread) (default 0.25)")
+    p.add_argument("--seed", type=argtypes.seed_int, default=0)
     p.add_argument("--no-raw", action="store_true", help="skip the raw batched decode measurement")
-    p.add_argument("--hf", type=int, nargs="*", default=None, metavar="BATCH",
+    p.add_argument("--hf", type=argtypes.positive_int, nargs="*", default=None, metavar="BATCH",
                    help="also time transformers' generate at these batch sizes (e.g. --hf 16 64)")
     p.add_argument("--json", action="store_true")
     _engine_args(p)

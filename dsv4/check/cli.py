@@ -13,15 +13,17 @@ import json
 
 import torch
 
+from .. import argtypes
 from ..errors import UserError
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", help="model preset for a random model (default: tiny)")
-    p.add_argument("--checkpoint", help="load this checkpoint directory instead of a random model")
-    p.add_argument("--seed", type=int, default=0, help="weights and tokens seed (default 0)")
-    p.add_argument("--batch", type=int, default=2, help="sequences per run (default 2)")
-    p.add_argument("--seq-len", type=int, default=40, help="tokens per sequence (default 40)")
+    p.add_argument("--preset", default="tiny", type=argtypes.preset,
+                   help="model preset for a random model (default: tiny)")
+    p.add_argument("--checkpoint", type=argtypes.path, help="load this checkpoint directory instead of a random model")
+    p.add_argument("--seed", type=argtypes.seed_int, default=0, help="weights and tokens seed (default 0)")
+    p.add_argument("--batch", type=argtypes.positive_int, default=2, help="sequences per run (default 2)")
+    p.add_argument("--seq-len", type=argtypes.int_in(2), default=40, help="tokens per sequence (default 40)")
     p.add_argument("--full-size", action="store_true",
                    help="keep the preset's window and compression ratio (default: shrink them to 16 so short "
                         "sequences cross every boundary)")
@@ -59,12 +61,12 @@ def add_check_parsers(sub) -> None:
     p.add_argument("--tolerance", help="exact | fp32 | bf16 | fp16 | a relative L2 bound (default: by dtype)")
     p.add_argument("--no-force", action="store_true",
                    help="let A take its own top-k / routing decisions (default: A takes B's and flips are counted)")
-    p.add_argument("--rows", type=int, default=12, help="stages shown around the first divergence")
+    p.add_argument("--rows", type=argtypes.positive_int, default=12, help="stages shown around the first divergence")
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("determinism", help="N runs of forward + backward: hashes of outputs, stages, gradients")
     _common(p)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=argtypes.int_in(2), default=3)
     p.add_argument("--backend", help="ops backend for every op that has it (default: per-op default)")
     p.add_argument("--no-deterministic-mode", action="store_true",
                    help="do not switch on dsv4 / torch deterministic mode")
@@ -84,12 +86,12 @@ def add_check_parsers(sub) -> None:
                                            "the checks that must catch it")
     p.add_argument("--list", action="store_true",
                    help="print the bug zoo table (bug, symptom, checks, mutant per entry) and run nothing")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="tiny", type=argtypes.preset)
+    p.add_argument("--seed", type=argtypes.seed_int, default=0)
     p.add_argument("--only", help="comma-separated bug-zoo ids (default: all)")
     p.add_argument("--full", action="store_true", help="also run the slow torch.compile checks")
     p.add_argument("--compiler", default="aot_eager", help="torch.compile backend under test (default aot_eager)")
-    p.add_argument("--device", default="cpu",
+    p.add_argument("--device", default="cpu", type=argtypes.device,
                    help="where the model, the inputs and the checks run, e.g. cuda or cuda:1 (default cpu); each "
                         "op runs its default backend there (Triton on CUDA)")
     p.add_argument("--backend", help="prefer this ops backend for every op that has it (e.g. triton); an error "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from .. import argtypes
 from ..config import ConfigError, ModelConfig
 from ..errors import UserError
 from .layouts import LAYOUTS
@@ -71,14 +72,14 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--to", required=True, choices=TARGETS)
-    p.add_argument("--mp", type=int, default=1, help="model-parallel ranks for --to inference")
+    p.add_argument("--mp", type=argtypes.positive_int, default=1, help="model-parallel ranks for --to inference")
     p.add_argument("--layout", choices=LAYOUTS, help="override the detected layout of SRC")
     p.add_argument(
         "--expert-dtype",
         choices=("fp8", "fp4"),
         help="--to fp8: experts as FP8 or MXFP4 (default: as the source/config)",
     )
-    p.add_argument("--shard-gb", type=float, default=4.0, help="shard size for release/hf outputs")
+    p.add_argument("--shard-gb", type=argtypes.positive_float, default=4.0, help="shard size for release/hf outputs")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_convert)
     return p

@@ -225,9 +225,13 @@ class Engine:
         if any(t >= self.vocab for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids must be < the vocabulary size {self.vocab}")
         w, c = self.manager.pages_for(0, min(self.max_model_len, len(prompt) + 1))
+        # the prompt is computed in chunks of at most max_batch_tokens and window pages behind the window
+        # are released after each, so a sequence never holds more than a window and a chunk of them
+        w = min(w, math.ceil((self.layout.window + self.config.max_batch_tokens) / self.layout.page_size) + 1)
         if w > self.layout.n_window_pages - 1 or c > self.layout.n_comp_pages - 1:
-            raise RequestError(f"the prompt of {len(prompt)} tokens needs more cache pages than this server "
-                               f"has in all")
+            raise RequestError(f"the prompt of {len(prompt)} tokens needs {w} window and {c} compressed cache "
+                               f"pages; this server has {self.layout.n_window_pages - 1} and "
+                               f"{self.layout.n_comp_pages - 1} in all (--cache-pages)")
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, n: int = 1) -> Request:
         if request_id in self.requests:

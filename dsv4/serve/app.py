@@ -50,10 +50,17 @@ async def _json_body(request: Request) -> dict:
     raw = await request.body()
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON arrays / objects too deeply") from None
+    except ValueError as e:                  # not JSON, not UTF-8, an integer of more than 4300 digits
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    try:                                     # "\ud800" parses to a lone surrogate, which no text can hold
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body holds a string with a lone surrogate escape (not Unicode text)") \
+            from None
     return body
 
 
@@ -458,30 +465,50 @@ class _BodyLimit:
             except ValueError:
                 return await _send_error(send, APIError(400, "invalid Content-Length header"))
         seen = [0]
-        sent = [False]
+        over = [False]
+        answered = [False]
 
         async def limited_receive():
+            # past the limit the application gets an empty end of body (it then refuses the request), and
+            # its answer is replaced by the 413 below: raising here would surface through the HTTP
+            # middleware's task group as an unexpected error (a 500)
+            if over[0]:
+                return {"type": "http.request", "body": b"", "more_body": False}
             msg = await receive()
             if msg["type"] == "http.request":
                 seen[0] += len(msg.get("body", b""))
                 if seen[0] > self.limit:
-                    raise _TooLarge()
+                    over[0] = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
             return msg
 
-        async def tracking_send(msg):
-            if msg["type"] == "http.response.start":
-                sent[0] = True
-            await send(msg)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not sent[0]:
+        async def guarded_send(msg):
+            if not over[0]:
+                return await send(msg)
+            if msg["type"] == "http.response.start" and not answered[0]:
+                answered[0] = True
                 await _send_error(send, too_big)
 
+        await self.app(scope, limited_receive, guarded_send)
 
-class _TooLarge(Exception):
-    pass
+
+class _APIKey:
+    """ASGI middleware: 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise).
+
+    Plain ASGI on purpose: behind starlette's BaseHTTPMiddleware (`@app.middleware("http")`) an endpoint's
+    `request.is_disconnected()` never sees the client leave, so a non-streaming request whose client
+    disconnected ran to its last token instead of being aborted."""
+
+    def __init__(self, app, key: str | None):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.key and scope.get("path") != "/health":
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            if auth != f"Bearer {self.key}":
+                return await _send_error(send, APIError(
+                    401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key"))
+        await self.app(scope, receive, send)
 
 
 async def _send_error(send, e: APIError) -> None:
@@ -509,15 +536,6 @@ def create_app(state: ServerState):
     async def _unexpected(_request: Request, e: Exception):
         return _error(APIError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error"))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path != "/health":
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {state.api_key}":
-                return _error(APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
-                                       code="invalid_api_key"))
-        return await call_next(request)
-
     @app.get("/health")
     async def health():
         if not state.engine.alive:
@@ -543,4 +561,4 @@ def create_app(state: ServerState):
     async def _chat(request: Request):
         return await chat_completions(state, request)
 
-    return _BodyLimit(app, state.max_body_bytes)
+    return _BodyLimit(_APIKey(app, state.api_key), state.max_body_bytes)

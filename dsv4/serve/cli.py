@@ -8,34 +8,37 @@ import socket
 import sys
 from pathlib import Path
 
+from .. import argtypes
 from ..errors import UserError
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    g.add_argument("--device", default=None, type=argtypes.device,
+                   help="torch device (default: cuda if available, else cpu)")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                    help="weights and activations (default: bf16 on cuda, fp32 on cpu)")
     g.add_argument("--keep-quantized", action="store_true", help="keep FP8/FP4 weights quantized in memory")
-    from ..cli import add_quant_mode_arg
+    from ..loading import add_quant_mode_arg
 
     add_quant_mode_arg(g)
-    g.add_argument("--max-num-seqs", type=int, default=None,
+    g.add_argument("--max-num-seqs", type=argtypes.positive_int, default=None,
                    help="sequences running at once (default 32; `bench serve`: its --clients)")
-    g.add_argument("--max-model-len", type=int, default=None,
+    g.add_argument("--max-model-len", type=argtypes.int_in(2), default=None,
                    help="context per sequence, prompt + output (default: the model's, at most 8192)")
-    g.add_argument("--max-batch-tokens", type=int, default=None,
+    g.add_argument("--max-batch-tokens", type=argtypes.positive_int, default=None,
                    help="tokens per engine step, shared by prompt chunks and decodes (default: 4096 on a GPU, "
                         "512 on a CPU)")
-    g.add_argument("--page-size", type=int, default=None, help="positions per cache page (default: model-derived)")
-    g.add_argument("--cache-pages", type=int, default=None,
+    g.add_argument("--page-size", type=argtypes.positive_int, default=None,
+                   help="positions per cache page (default: model-derived)")
+    g.add_argument("--cache-pages", type=argtypes.positive_int, default=None,
                    help="compressed-cache pages (default: every running sequence at full length)")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the cache of shared prefixes")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numbers: a request's tokens do not depend on the other requests "
                         "(float64 accumulation on the reference ops; slower)")
     g.add_argument("--no-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA")
-    g.add_argument("--speculative", type=int, default=0, metavar="K",
+    g.add_argument("--speculative", type=argtypes.int_in(0, 15), default=0, metavar="K",
                    help="speculative decoding: the model's MTP block drafts K tokens per step and the model "
                         "verifies them in one pass (output unchanged: greedy tokens are those of plain decoding, "
                         "sampled tokens follow the same distribution); 0 = off (default). Steps run eagerly. "
@@ -43,7 +46,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _model_name(args) -> str:
-    from ..cli import default_model_dir
+    from ..loading import default_model_dir
 
     if getattr(args, "served_model_name", None):
         return args.served_model_name
@@ -54,7 +57,7 @@ def _model_name(args) -> str:
 
 def _load_tokenizer(args):
     """The tokenizer alone (the server process encodes prompts; the engine process holds the model)."""
-    from ..cli import default_model_dir, resolve_config
+    from ..loading import default_model_dir, resolve_config
     from ..train.tokenizer import ByteTokenizer, Tokenizer
 
     if getattr(args, "model", None) or not (getattr(args, "preset", None) or getattr(args, "config", None)):
@@ -79,7 +82,7 @@ def build_engine(options: dict):
 def _load(args):
     import torch
 
-    from ..cli import load_model
+    from ..loading import load_model
     from ..train.tokenizer import ByteTokenizer
 
     if args.device is None:
@@ -231,7 +234,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             prompt = tokenizer.encode(text, bos=False)
             room = engine.max_model_len - len(prompt)
             if room < 1:
-                raise UserError("the conversation no longer fits the context: /reset to start over")
+                raise UserError(f"the conversation is {len(prompt)} tokens and the context is {engine.max_model_len} "
+                                f"tokens (prompt + output; the model's max_position_embeddings is "
+                                f"{model.cfg.max_seq_len}): /reset to start over, or raise --max-model-len")
             counter[0] += 1
             params = SamplingParams(max_tokens=min(args.max_tokens, room), temperature=args.temperature,
                                     seed=args.seed + counter[0], skip_special_tokens=False)
@@ -248,6 +253,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
+    refused = 0
+    if hasattr(sys.stdin, "reconfigure"):   # undecodable bytes as lone surrogates (refused per message
+        sys.stdin.reconfigure(errors="surrogateescape")       # below) in any locale, not a crash mid-chat
     while True:
         try:
             line = input("you> ") if interactive else sys.stdin.readline()
@@ -263,20 +271,33 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line == "/reset":
             messages = messages[:1] if args.system else []
             continue
+        try:
+            line.encode("utf-8")            # undecodable input bytes arrive as lone surrogates
+        except UnicodeEncodeError as e:
+            print(f"error: the message is not valid UTF-8 text (character {e.start}): not sent", file=sys.stderr)
+            refused += 1
+            continue
         messages.append({"role": "user", "content": line})
         parts = {"content": [], "reasoning": []}
         if interactive:
             sys.stdout.write("model> ")
-        for kind, text in reply(messages):
-            parts[kind].append(text)
-            sys.stdout.write(text if kind == "content" else f"\x1b[2m{text}\x1b[0m" if interactive else text)
-            sys.stdout.flush()
+        try:
+            for kind, text in reply(messages):
+                parts[kind].append(text)
+                sys.stdout.write(text if kind == "content" else f"\x1b[2m{text}\x1b[0m" if interactive else text)
+                sys.stdout.flush()
+        except UserError as e:              # this message is refused (too long ...): say why, keep chatting
+            sys.stdout.write("\n")
+            print(f"error: {e}", file=sys.stderr)
+            messages.pop()
+            refused += 1
+            continue
         sys.stdout.write("\n")
         msg = {"role": "assistant", "content": "".join(parts["content"])}
         if parts["reasoning"]:
             msg["reasoning_content"] = "".join(parts["reasoning"])
         messages.append(msg)
-    return 0
+    return 2 if refused else 0
 
 
 def _event(ev):
@@ -292,31 +313,37 @@ def _event(ev):
 
 # ------------------------------------------------------------------------------------------ parsers
 def add_serve_parsers(sub) -> None:
-    from ..cli import add_model_args
+    from ..loading import add_model_args
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, streaming)",
                        description="Serve a model over the OpenAI API: POST /v1/chat/completions, /v1/completions; "
                                    "GET /v1/models, /health, /metrics. With no arguments: the shipped model on "
                                    "127.0.0.1:8000.")
     add_model_args(p, "the shipped model")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: directory name)")
-    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest request body (default 8 MiB)")
+    p.add_argument("--host", default="127.0.0.1", type=argtypes.text,
+                   help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=argtypes.port, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=None, type=argtypes.text,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--served-model-name", default=None, type=argtypes.text,
+                   help="the model id clients send (default: directory name)")
+    p.add_argument("--max-body-bytes", type=argtypes.positive_int, default=8 * 2**20,
+                   help="largest request body (default 8 MiB)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     _engine_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("chat", help="chat in the terminal with a model (loaded here, or a running server)")
     add_model_args(p, "the shipped model")
-    p.add_argument("--url", default=None, help="a running dsv4 serve (or other OpenAI-compatible) server")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--served-model-name", default=None, help="model id on the server (default: its first model)")
-    p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--url", default=None, type=argtypes.text,
+                   help="a running dsv4 serve (or other OpenAI-compatible) server")
+    p.add_argument("--api-key", default=None, type=argtypes.text)
+    p.add_argument("--served-model-name", default=None, type=argtypes.text,
+                   help="model id on the server (default: its first model)")
+    p.add_argument("--system", default=None, type=argtypes.text, help="a system message")
     p.add_argument("--thinking", action="store_true", help="thinking mode (reasoning shown dimmed)")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=argtypes.positive_int, default=256)
+    p.add_argument("--temperature", type=argtypes.temperature, default=0.7)
+    p.add_argument("--seed", type=argtypes.seed_int, default=0)
     _engine_args(p)
     p.set_defaults(func=cmd_chat)

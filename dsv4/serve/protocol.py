@@ -32,7 +32,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
-    n: int = 1
+    n: int = Field(1, ge=1)                  # the upper limit is the engine's (max_n)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None

@@ -7,6 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
+from .. import argtypes
 from ..errors import UserError
 from .trainer import QUICK_CPU_DEFAULTS, STANDARD_DEFAULTS, TrainConfig
 
@@ -29,29 +30,31 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                     "other run the standard one (each flag below lists both).")
     p.add_argument("--config", help="training config file (.json or .toml) with TrainConfig keys; "
                                     "a [model] table overrides ModelConfig fields")
-    p.add_argument("--preset", help="model preset (tiny, small, flash, pro); default tiny")
+    p.add_argument("--preset", type=argtypes.preset, help="model preset (tiny, small, flash, pro); default tiny")
     p.add_argument("--model-config", help="model config.json to train from scratch instead of a preset")
     p.add_argument("--init-from", help="checkpoint directory to continue training (fine-tune)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a ModelConfig field, e.g. --set n_layers=6 (repeatable; JSON values)")
     p.add_argument("--data", nargs="+", help="text files or directories (default: the Python stdlib)")
-    p.add_argument("--max-docs", type=int,
+    p.add_argument("--max-docs", type=argtypes.positive_int,
                    help=f"use at most this many documents, spread evenly (0 = all; {_default('max_docs')})")
-    p.add_argument("--tokenizer-docs", type=int,
+    p.add_argument("--tokenizer-docs", type=argtypes.positive_int,
                    help=f"documents sampled to train the tokenizer ({_default('tokenizer_docs')})")
     p.add_argument("--tokenizer", help="tokenizer.json or its directory (default: train a byte-level BPE)")
-    p.add_argument("--steps", type=int, help=_default("steps"))
-    p.add_argument("--batch-size", type=int, help=f"global batch size in sequences ({_default('batch_size')})")
-    p.add_argument("--seq-len", type=int, help=_default("seq_len"))
-    p.add_argument("--lr", type=float, help=f"peak learning rate of Muon and AdamW ({_default('lr')})")
-    p.add_argument("--warmup", type=int, help=f"linear warmup steps ({_default('warmup')})")
+    p.add_argument("--steps", type=argtypes.positive_int, help=_default("steps"))
+    p.add_argument("--batch-size", type=argtypes.positive_int,
+                   help=f"global batch size in sequences ({_default('batch_size')})")
+    p.add_argument("--seq-len", type=argtypes.int_in(2), help=_default("seq_len"))
+    p.add_argument("--lr", type=argtypes.positive_float,
+                   help=f"peak learning rate of Muon and AdamW ({_default('lr')})")
+    p.add_argument("--warmup", type=argtypes.nonneg_int, help=f"linear warmup steps ({_default('warmup')})")
     p.add_argument("--schedule", choices=("cosine", "wsd", "constant"))
-    p.add_argument("--weight-decay", type=float)
-    p.add_argument("--grad-clip", type=float)
-    p.add_argument("--mtp-weight", type=float)
-    p.add_argument("--indexer-weight", type=float)
-    p.add_argument("--balance-alpha", type=float, help="sequence-wise balance loss weight (0 = off)")
-    p.add_argument("--bias-gamma", type=float, help="aux-loss-free router bias update speed (0 = off)")
+    p.add_argument("--weight-decay", type=argtypes.nonneg_float)
+    p.add_argument("--grad-clip", type=argtypes.nonneg_float, help="0 = off")
+    p.add_argument("--mtp-weight", type=argtypes.nonneg_float)
+    p.add_argument("--indexer-weight", type=argtypes.nonneg_float)
+    p.add_argument("--balance-alpha", type=argtypes.nonneg_float, help="sequence-wise balance loss weight (0 = off)")
+    p.add_argument("--bias-gamma", type=argtypes.nonneg_float, help="aux-loss-free router bias update speed (0 = off)")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"))
     p.add_argument("--no-fp8-kv-sim", dest="fp8_kv_sim", action="store_const", const=False,
                    help="turn off the FP8 round trip of KV (QAT)")
@@ -68,24 +71,29 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="bit-reproducible run (set before compilation); resume reproduces the losses")
     p.add_argument("--backend", help="ops backend for every op (e.g. reference, triton)")
-    p.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--held-out-pct", type=float)
-    p.add_argument("--eval-every", type=int, help=f"steps between held-out evaluations ({_default('eval_every')})")
-    p.add_argument("--eval-windows", type=int,
+    p.add_argument("--device", type=argtypes.device_or_auto, help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--seed", type=argtypes.seed_int)
+    p.add_argument("--held-out-pct", type=argtypes.float_in(0.0, 100.0, hi_open=True))
+    p.add_argument("--eval-every", type=argtypes.nonneg_int,
+                   help=f"steps between held-out evaluations ({_default('eval_every')})")
+    p.add_argument("--eval-windows", type=argtypes.positive_int,
                    help=f"held-out windows of --seq-len tokens per evaluation ({_default('eval_windows')})")
-    p.add_argument("--diag-every", type=int,
+    p.add_argument("--diag-every", type=argtypes.nonneg_int,
                    help=f"steps between mHC / Muon diagnostics (0 = off; {_default('diag_every')})")
-    p.add_argument("--save-every", type=int, help="checkpoint every N steps (0 = only at the end, -1 = never)")
-    p.add_argument("--out", help="run directory (metrics.jsonl, loss.png, checkpoints/); default runs/train")
+    p.add_argument("--save-every", type=argtypes.int_in(-1),
+                   help="checkpoint every N steps (0 = only at the end, -1 = never)")
+    p.add_argument("--out", type=argtypes.path,
+                   help="run directory (metrics.jsonl, loss.png, checkpoints/); default runs/train")
     p.add_argument("--resume", nargs="?", const="auto",
                    help="resume from a checkpoint dir, or (no value) from the run directory's latest")
-    p.add_argument("--export", help="write a bf16 inference checkpoint with tokenizer here at the end")
-    p.add_argument("--sample-prompt", help="text to continue greedily at the end ('' = none)")
-    p.add_argument("--cache-dir", help="where tokenized data is cached (default <out>/cache)")
-    p.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: known GPUs)")
-    p.add_argument("--time-budget-s", type=float, help="shorten --steps so training fits this many seconds")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (0 = default)")
+    p.add_argument("--export", type=argtypes.path,
+                   help="write a bf16 inference checkpoint with tokenizer here at the end")
+    p.add_argument("--sample-prompt", type=argtypes.text, help="text to continue greedily at the end ('' = none)")
+    p.add_argument("--cache-dir", type=argtypes.path, help="where tokenized data is cached (default <out>/cache)")
+    p.add_argument("--peak-tflops", type=argtypes.positive_float, help="device peak for MFU (default: known GPUs)")
+    p.add_argument("--time-budget-s", type=argtypes.positive_float,
+                   help="shorten --steps so training fits this many seconds")
+    p.add_argument("--threads", type=argtypes.nonneg_int, help="CPU threads for torch (0 = default)")
     p.add_argument("--no-progress", dest="progress", action="store_const", const=False)
     p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
     p.set_defaults(func=run_train)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
+from ..errors import writing
 from ..model.layers import recording
 
 # dense bf16 peak (TFLOP/s) of known accelerators, for MFU; override with --peak-tflops
@@ -144,6 +146,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------ logs
 class JsonlLog:
+    """metrics.jsonl: one JSON object per line, one row per training step (plus start / end events)."""
+
     def __init__(self, path: str | Path | None, append: bool = False):
         self.path = Path(path) if path else None
         if self.path:
@@ -153,8 +157,38 @@ class JsonlLog:
 
     def write(self, row: dict) -> None:
         if self.path:
-            with open(self.path, "a") as f:
+            with writing(self.path, kept="the rows of earlier steps are kept"), open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+
+    def truncate_after(self, step: int) -> int:
+        """Keep the log up to training step `step` and drop the rest (returns the rows dropped).
+
+        A resumed run replays the steps after its checkpoint; their rows from the interrupted run go, so
+        that every step has exactly one row. Everything from the first row of a later step on is dropped
+        (with the evaluations and events that followed it), and so is a torn last line of a killed run.
+        The file is replaced atomically: a crash here leaves the old log or the new one, never a mix.
+        """
+        if not self.path or not self.path.exists():
+            return 0
+        lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+        kept: list[str] = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break                                        # a torn write: nothing after it is trusted
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
+                break
+            kept.append(line)
+        if len(kept) == len(lines):
+            return 0
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        return len(lines) - len(kept)
 
 
 PLOT_UNAVAILABLE = "matplotlib is not installed (pip install 'dsv4[plot]')"

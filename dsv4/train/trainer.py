@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..config import ModelConfig
 from ..defaults import resolve_device
-from ..errors import UserError
+from ..errors import UserError, writing
 from . import balance, checkpoint, data, metrics
 from .losses import LossParts, total_loss
 from .optim import MuonAdamW, OptimConfig, lr_factor, orthogonalization_error
@@ -139,6 +139,18 @@ QUICK_CPU_DEFAULTS: dict[str, Any] = dict(
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def _follow_latest(root: Path) -> Path:
+    """The checkpoint that `root/latest` names. It must be a directory directly inside `root` (after
+    resolving symlinks): a pointer edited to name `../elsewhere` or an absolute path is refused before
+    anything there is opened."""
+    name = (root / "latest").read_text(encoding="utf-8", errors="replace").strip()
+    target = (root / name).resolve()
+    if not name or target.parent != root.resolve():
+        raise checkpoint.CorruptCheckpoint(f"{root / 'latest'} names {name!r}, which is not a checkpoint inside "
+                                           f"{root}: refused")
+    return target
+
+
 def _distributed_module():
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
@@ -231,6 +243,9 @@ class Trainer:
                                       append=cfg.resume is not None)
         if cfg.resume:
             self._resume(cfg.resume)
+            dropped = self.jsonl.truncate_after(self.step)
+            if dropped:
+                self.log(f"metrics.jsonl: {dropped} rows after step {self.step} dropped (replayed from here)")
         if cfg.compile:
             compile_blocks(self.model, self.device)
 
@@ -478,14 +493,20 @@ class Trainer:
             return None
         state = {"step": self.step, "loader": self.loader.state_dict(), "train_config": self.cfg.to_dict(),
                  "model_config": self.mcfg.to_dict(), "history": self.history[-1000:]}
-        return checkpoint.save(self.out / "checkpoints", self.step, tensors, optim_tensors, state,
-                               keep=self.cfg.keep_checkpoints)
+        root = self.out / "checkpoints"
+        latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+        kept = f"the last complete checkpoint, {latest}, is kept" if latest else "no checkpoint was written yet"
+        with writing(root, kept=f"{kept}; metrics.jsonl has every step so far"):
+            return checkpoint.save(root, self.step, tensors, optim_tensors, state,
+                                   keep=self.cfg.keep_checkpoints)
 
     def _resume(self, where: str) -> None:
         path = self.out / "checkpoints" if where == "auto" else Path(where)
         if where == "auto" and not (path / "latest").exists():
             self.log("resume: no checkpoint yet, starting fresh")
             return
+        if (path / "latest").exists():
+            path = _follow_latest(path)
         ckpt, tensors, optim_state, state = checkpoint.load(path, map_location=self.device)
         if state["model_config"] != self.mcfg.to_dict():
             raise UserError(f"{ckpt}: checkpoint was written for a different model config")
