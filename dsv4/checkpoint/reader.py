@@ -23,6 +23,7 @@ from .. import formats as fm
 from ..config import ModelConfig
 from .layouts import detect_layout, find_files, load_config
 from .names import EXPERT, F32, INT, Spec, canonical, expert_index, official_tensors, split_dim
+from .paths import open_regular
 from .safetensors_io import FLOAT_DTYPES, INT_DTYPES, CheckpointError, TensorInfo, read_header, read_tensor
 
 FP8_DTYPES = {"F8_E4M3"}
@@ -353,7 +354,7 @@ class _Handles:
         if f is None:
             if len(self.open) >= 8:
                 self.open.pop(next(iter(self.open))).close()
-            f = self.open[info.file] = open(info.file, "rb")
+            f = self.open[info.file] = open_regular(info.file)
         return read_tensor(info, f)
 
     def close(self) -> None:
