@@ -13,20 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
-# how weights stored as FP8 / FP4 compute: "w8a8" = the official numerics (every activation feeding such a
-# weight is quantized to FP8 per token in blocks of 128), "w8a16" = activations kept in the model dtype
-QUANT_MODES = ("w8a8", "w8a16")
-SCALE_FMTS = (None, "ue8m0")
+from .config_schema import QUANT_MODES, SCALE_FMTS, SCHEMA, SCORE_FUNCS, ConfigError, check, check_types
+from .errors import CheckpointError
+from .safe_paths import read_text
+
 LAYER_TYPE_TO_RATIO = {
     "sliding_attention": 0,
     "compressed_sparse_attention": 4,
     "heavily_compressed_attention": 128,
 }
-
-
-class ConfigError(ValueError):
-    """A config value is unknown, missing or inconsistent; the message names the key."""
 
 
 @dataclass
@@ -88,8 +83,6 @@ class ModelConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
-        from .config_schema import check_types
-
         check_types(self)  # before anything reads a value: a string or NaN must not reach int() or math
         self.compress_ratios = tuple(self.compress_ratios)
         if not self.compress_ratios:
@@ -100,8 +93,6 @@ class ModelConfig:
     def validate(self) -> None:
         """Check every field against `SCHEMA` (type and range) and then `RELATIONS` (how fields depend on
         each other); the first violation raises ConfigError naming the key, the value and the rule."""
-        from .config_schema import check
-
         check(self)
 
     # ------------------------------------------------------------------ derived
@@ -206,9 +197,6 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
-        from .checkpoint.paths import read_text
-        from .errors import CheckpointError
-
         path = Path(path)
         try:
             text = read_text(path)  # a regular file of bounded size: never blocks on a FIFO or device
@@ -368,8 +356,6 @@ def _from_hf(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _int_key(kw: dict[str, Any], field_name: str) -> int:
     """A field read during translation (before the schema runs): checked here so it cannot crash it."""
-    from .config_schema import SCHEMA
-
     v = kw.get(field_name, getattr(ModelConfig, field_name))
     problem = SCHEMA[field_name].problem(v)
     if problem:
@@ -508,4 +494,4 @@ def _pro() -> ModelConfig:
 
 PRESETS = {"tiny": _tiny, "small": _small, "flash": _flash, "pro": _pro}
 
-__all__ = ["ModelConfig", "ConfigError", "PRESETS"]
+__all__ = ["ModelConfig", "ConfigError", "PRESETS", "QUANT_MODES", "SCALE_FMTS", "SCORE_FUNCS"]

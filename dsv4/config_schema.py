@@ -18,7 +18,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import config as _config
+SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+# how weights stored as FP8 / FP4 compute: "w8a8" = the official numerics (every activation feeding such a
+# weight is quantized to FP8 per token in blocks of 128), "w8a16" = activations kept in the model dtype
+QUANT_MODES = ("w8a8", "w8a16")
+SCALE_FMTS = (None, "ue8m0")
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, missing or inconsistent; the message names the key."""
+
 
 K = 1024
 M = K * K
@@ -119,7 +128,7 @@ SCHEMA: dict[str, Any] = {
     "n_shared_experts": Int(0, 1),
     "n_activated_experts": Int(1, 64 * K),
     "moe_inter_dim": Int(1, M),
-    "score_func": Choice(_config.SCORE_FUNCS),
+    "score_func": Choice(SCORE_FUNCS),
     "route_scale": Float(0.0, 1e6, lo_open=True),
     "swiglu_limit": Float(0.0, 1e6),
     "hc_mult": Int(1, 64),
@@ -132,8 +141,8 @@ SCHEMA: dict[str, Any] = {
     "fp4_indexer_sim": Bool(),
     "dtype": Choice(("bf16", "fp8")),
     "expert_dtype": Choice((None, "fp8", "fp4")),
-    "scale_fmt": Choice(_config.SCALE_FMTS),
-    "quant_mode": Choice(_config.QUANT_MODES),
+    "scale_fmt": Choice(SCALE_FMTS),
+    "quant_mode": Choice(QUANT_MODES),
     "name": Text(),
 }
 
@@ -193,7 +202,7 @@ def _fail(key: str, value: Any, rule: str) -> None:
     shown = repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."
-    raise _config.ConfigError(f"config key '{key}' = {shown}: {rule}")
+    raise ConfigError(f"config key '{key}' = {shown}: {rule}")
 
 
 def check_types(c: Any) -> None:
@@ -213,4 +222,5 @@ def check(c: Any) -> None:
             _fail(key, getattr(c, key), rule(c))
 
 
-__all__ = ["SCHEMA", "RELATIONS", "MAX_PARAMETERS", "approx_parameters", "check", "check_types"]
+__all__ = ["ConfigError", "QUANT_MODES", "SCALE_FMTS", "SCORE_FUNCS", "SCHEMA", "RELATIONS", "MAX_PARAMETERS",
+           "approx_parameters", "check", "check_types"]

@@ -18,8 +18,8 @@ import re
 from pathlib import Path
 
 from ..config import ModelConfig
+from ..safe_paths import contained, read_text, regular_file
 from .names import EXPERT, F32, HF_MARKERS, INT, LINEAR, hf_name, official_tensors, scale_name
-from .paths import contained, read_text, regular_file
 from .safetensors_io import CheckpointError
 
 LAYOUTS = ("release", "inference", "hf")

@@ -22,9 +22,9 @@ import torch
 
 from .. import formats as fm
 from ..config import ModelConfig
+from ..safe_paths import open_regular
 from .layouts import detect_layout, find_files, load_config
 from .names import EXPERT, F32, INT, Spec, canonical, expert_index, official_tensors, split_dim
-from .paths import open_regular
 from .safetensors_io import FLOAT_DTYPES, INT_DTYPES, CheckpointError, TensorInfo, read_header, read_tensor
 
 FP8_DTYPES = {"F8_E4M3"}

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
+from ..safe_paths import open_regular
 
 # safetensors dtype -> (bits per stored element, torch dtype name or None)
 DTYPES: dict[str, tuple[int, str | None]] = {
@@ -82,8 +83,6 @@ def _is_count(x: object) -> bool:
 
 def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and check one file's header; returns ({name: TensorInfo}, metadata). Reads no payload."""
-    from .paths import open_regular
-
     path = Path(path)
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
@@ -147,8 +146,6 @@ def read_tensor(info: TensorInfo, handle=None) -> torch.Tensor:
     buf = torch.empty(info.nbytes, dtype=torch.uint8)
     own = handle is None
     if own:
-        from .paths import open_regular
-
         f = open_regular(info.file)
     else:
         f = handle
@@ -174,8 +171,6 @@ def iter_file(infos: dict[str, TensorInfo]) -> Iterator[tuple[TensorInfo, torch.
     items = sorted(infos.values(), key=lambda t: t.begin)
     if not items:
         return
-    from .paths import open_regular
-
     with open_regular(items[0].file) as f:
         for info in items:
             yield info, read_tensor(info, f)

@@ -24,6 +24,7 @@ import torch
 
 from .. import formats as fm
 from ..config import ModelConfig
+from ..safe_paths import contained, open_regular, regular_file
 from .atomic import atomic_directory
 from .layouts import CONFIG_FILES
 from .names import (
@@ -38,7 +39,6 @@ from .names import (
     split_dim,
     to_official,
 )
-from .paths import contained, open_regular, regular_file
 from .reader import Plan, Value, plan, stream
 from .safetensors_io import CheckpointError, st_dtype
 

@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.atomic import atomic_directory, fsync_dir
-from ..checkpoint.paths import contained, open_regular, read_text
 from ..errors import UserError
+from ..safe_paths import contained, open_regular, read_text
 
 FILES = ("model.safetensors", "optimizer.safetensors", "state.json")
 

@@ -57,7 +57,7 @@ class Tokenizer:
         if not file.exists():
             raise UserError(f"{file}: no tokenizer.json here; train one with `dsv4 train` or point to a "
                             "checkpoint directory that has one")
-        from ..checkpoint.paths import contained, read_text
+        from ..safe_paths import contained, read_text
 
         if path.is_dir():
             contained(path, "tokenizer.json", str(path))  # a checkpoint's files stay inside it

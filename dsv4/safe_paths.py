@@ -21,7 +21,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from .safetensors_io import CheckpointError
+from .errors import CheckpointError
 
 # config.json / index json / tokenizer_config.json are kilobytes to a few megabytes (a large index)
 MAX_TEXT_BYTES = 64 << 20
