@@ -13,20 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
-# how weights stored as FP8 / FP4 compute: "w8a8" = the official numerics (every activation feeding such a
-# weight is quantized to FP8 per token in blocks of 128), "w8a16" = activations kept in the model dtype
-QUANT_MODES = ("w8a8", "w8a16")
-SCALE_FMTS = (None, "ue8m0")
+from .config_schema import QUANT_MODES, SCALE_FMTS, SCHEMA, SCORE_FUNCS, ConfigError, check, check_types
+from .errors import CheckpointError
+from .safe_paths import read_text
+
 LAYER_TYPE_TO_RATIO = {
     "sliding_attention": 0,
     "compressed_sparse_attention": 4,
     "heavily_compressed_attention": 128,
 }
-
-
-class ConfigError(ValueError):
-    """A config value is unknown, missing or inconsistent; the message names the key."""
 
 
 @dataclass
@@ -88,61 +83,17 @@ class ModelConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
-        self.compress_ratios = tuple(int(r) for r in self.compress_ratios)
+        check_types(self)  # before anything reads a value: a string or NaN must not reach int() or math
+        self.compress_ratios = tuple(self.compress_ratios)
         if not self.compress_ratios:
             self.compress_ratios = (0,) * (self.n_layers + self.n_mtp_layers)
         self.validate()
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        def need(cond: bool, key: str, msg: str) -> None:
-            if not cond:
-                raise ConfigError(f"config key '{key}': {msg}")
-
-        for key in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
-                    "o_lora_rank", "window_size", "n_routed_experts", "n_activated_experts",
-                    "moe_inter_dim", "hc_mult", "hc_sinkhorn_iters", "index_n_heads", "index_head_dim",
-                    "index_topk"):
-            need(int(getattr(self, key)) > 0, key, f"must be a positive integer, got {getattr(self, key)!r}")
-        need(self.n_mtp_layers >= 0, "n_mtp_layers", "must be >= 0")
-        need(0 <= self.n_hash_layers <= self.n_layers, "n_hash_layers",
-             f"must be in [0, n_layers={self.n_layers}], got {self.n_hash_layers}")
-        need(len(self.compress_ratios) == self.n_layers + self.n_mtp_layers, "compress_ratios",
-             f"needs n_layers + n_mtp_layers = {self.n_layers + self.n_mtp_layers} entries, "
-             f"got {len(self.compress_ratios)}")
-        for r in self.compress_ratios:
-            need(r == 0 or r >= 2, "compress_ratios", f"entries must be 0 or >= 2, got {r}")
-        need(all(r == 0 for r in self.compress_ratios[self.n_layers:]), "compress_ratios",
-             "MTP layers (the entries after n_layers) must be window-only (0)")
-        need(0 < self.rope_head_dim <= self.head_dim and self.rope_head_dim % 2 == 0, "rope_head_dim",
-             f"must be even and in (0, head_dim={self.head_dim}], got {self.rope_head_dim}")
-        if self.fp8_kv_sim:
-            nope = self.head_dim - self.rope_head_dim
-            need(nope % 64 == 0, "fp8_kv_sim",
-                 f"the FP8 KV simulation quantizes the head_dim - rope_head_dim = {nope} non-RoPE dims in blocks "
-                 f"of 64, and {nope} is not a multiple of 64; switch the simulation off (fp8_kv_sim=False, as "
-                 "transformers runs) or use other dims")
-        need(self.n_heads % self.o_groups == 0, "o_groups",
-             f"n_heads={self.n_heads} must be divisible by o_groups={self.o_groups}")
-        need(self.n_activated_experts <= self.n_routed_experts, "n_activated_experts",
-             f"{self.n_activated_experts} > n_routed_experts={self.n_routed_experts}")
-        need(self.n_shared_experts in (0, 1), "n_shared_experts", "only 0 or 1 shared expert is defined")
-        need(self.score_func in SCORE_FUNCS, "score_func", f"must be one of {SCORE_FUNCS}, got {self.score_func!r}")
-        need(self.index_head_dim >= self.rope_head_dim, "index_head_dim",
-             f"must be at least rope_head_dim={self.rope_head_dim} (the indexer's RoPE dims)")
-        if self.fp4_indexer_sim:
-            ihd = self.index_head_dim
-            need(ihd & (ihd - 1) == 0 and ihd % 32 == 0, "fp4_indexer_sim",
-                 f"the FP4 indexer simulation rotates the index_head_dim = {ihd} dims with a Hadamard transform "
-                 "(a power of two) and quantizes them in blocks of 32; switch the simulation off "
-                 "(fp4_indexer_sim=False, as transformers runs) or use a power of two >= 32")
-        need(self.quant_mode in QUANT_MODES, "quant_mode", f"must be one of {QUANT_MODES}, got {self.quant_mode!r}")
-        need(self.scale_fmt in SCALE_FMTS, "scale_fmt", f"must be 'ue8m0' or null, got {self.scale_fmt!r}")
-        need(self.swiglu_limit >= 0, "swiglu_limit", "must be >= 0 (0 disables the clamp)")
-        need(self.route_scale > 0, "route_scale", "must be > 0")
-        need(self.rope_factor >= 1, "rope_factor", "must be >= 1")
-        need(0 <= self.bos_token_id < self.vocab_size, "bos_token_id", "must be a token id < vocab_size")
-        need(0 <= self.eos_token_id < self.vocab_size, "eos_token_id", "must be a token id < vocab_size")
+        """Check every field against `SCHEMA` (type and range) and then `RELATIONS` (how fields depend on
+        each other); the first violation raises ConfigError naming the key, the value and the rule."""
+        check(self)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -226,7 +177,14 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"config must be a JSON object, got {type(raw).__name__}")
         is_hf = "hidden_size" in raw or "num_hidden_layers" in raw or raw.get("model_type") == "deepseek_v4"
-        kw = _from_hf(raw) if is_hf else _from_inference(raw)
+        try:
+            kw = _from_hf(raw) if is_hf else _from_inference(raw)
+        except (TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            # a value of the wrong type met a translation step (the schema names keys once translated)
+            raise ConfigError(f"config has a value of the wrong type or shape ({type(e).__name__}: "
+                              f"{str(e)[:120]})") from None
         for k, v in (overrides or {}).items():
             if k not in _FIELDS:
                 raise ConfigError(f"unknown config field '{k}'")
@@ -241,11 +199,14 @@ class ModelConfig:
     def from_json(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+            text = read_text(path)  # a regular file of bounded size: never blocks on a FIFO or device
+        except CheckpointError as e:
+            msg = str(e)
+            raise ConfigError(f"{path}: no such config file" if msg.endswith("file not found") else msg) from None
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError and over-long integers
+            raise ConfigError(f"{path}: not valid JSON ({str(e)[:200]})") from None
         return cls.from_dict(raw, name=path.parent.name or "custom", overrides=overrides)
 
     @classmethod
@@ -300,7 +261,8 @@ def _from_inference(raw: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"unknown config key '{k}' (official inference config)")
         kw[k] = v
     if "compress_ratios" in kw:
-        n_layers = kw.get("n_layers", ModelConfig.n_layers)
+        n_layers = _int_key(kw, "n_layers")
+        _list_key(kw["compress_ratios"], "compress_ratios")
         kw.setdefault("n_mtp_layers", max(0, len(kw["compress_ratios"]) - n_layers))
     if kw.get("dtype") not in (None, "bf16", "fp8"):
         raise ConfigError(f"config key 'dtype': must be 'bf16' or 'fp8', got {kw['dtype']!r}")
@@ -354,9 +316,12 @@ def _from_hf(raw: dict[str, Any]) -> dict[str, Any]:
             kw["scale_fmt"] = v.get("scale_fmt")
         else:
             raise ConfigError(f"unknown config key '{k}' (Hugging Face config)")
-    n_layers = kw.get("n_layers", ModelConfig.n_layers)
-    n_mtp = kw.get("n_mtp_layers", ModelConfig.n_mtp_layers)
+    n_layers = _int_key(kw, "n_layers")
+    n_mtp = _int_key(kw, "n_mtp_layers")
     _read_rotary(kw, rotary_fraction, nested_fractions)
+    for key, v in (("layer_types", layer_types), ("mlp_layer_types", mlp_types), ("compress_ratios", compress_ratios)):
+        if v is not None:
+            _list_key(v, key)
     if layer_types is not None:
         bad = [t for t in layer_types if t not in LAYER_TYPE_TO_RATIO]
         if bad:
@@ -383,8 +348,31 @@ def _from_hf(raw: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError("config keys 'num_hash_layers' and 'mlp_layer_types' disagree")
         kw["n_hash_layers"] = n_hash
     if isinstance(kw.get("eos_token_id"), list):
+        if not kw["eos_token_id"]:
+            raise ConfigError("config key 'eos_token_id' = []: must be a token id or a non-empty list of them")
         kw["eos_token_id"] = kw["eos_token_id"][0]
     return kw
+
+
+def _int_key(kw: dict[str, Any], field_name: str) -> int:
+    """A field read during translation (before the schema runs): checked here so it cannot crash it."""
+    v = kw.get(field_name, getattr(ModelConfig, field_name))
+    problem = SCHEMA[field_name].problem(v)
+    if problem:
+        raise ConfigError(f"config key '{field_name}' = {v!r}: {problem}")
+    return v
+
+
+def _list_key(v: Any, key: str) -> None:
+    if not isinstance(v, (list, tuple)) or len(v) > 4096:
+        raise ConfigError(f"config key '{key}': must be a list (of at most 4096 entries), got {type(v).__name__}")
+    if any(isinstance(x, (list, dict)) for x in v):
+        raise ConfigError(f"config key '{key}': entries must be plain values, not lists or objects")
+
+
+def _whole(v: Any) -> Any:
+    """An integral float (32.0) as int; anything else unchanged, for the schema to judge."""
+    return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**53 else v
 
 
 _HF_COMPRESS_RATES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
@@ -446,13 +434,13 @@ def _read_yarn(v: Any, key: str) -> dict[str, Any]:
             raise ConfigError(f"unknown config key '{key}.{k}'")
     out = {}
     if "factor" in v:
-        out["rope_factor"] = float(v["factor"])
+        out["rope_factor"] = v["factor"]
     if "original_max_position_embeddings" in v:
-        out["original_seq_len"] = int(v["original_max_position_embeddings"])
+        out["original_seq_len"] = _whole(v["original_max_position_embeddings"])
     if "beta_fast" in v:
-        out["beta_fast"] = int(v["beta_fast"])
+        out["beta_fast"] = _whole(v["beta_fast"])
     if "beta_slow" in v:
-        out["beta_slow"] = int(v["beta_slow"])
+        out["beta_slow"] = _whole(v["beta_slow"])
     return out
 
 
@@ -506,4 +494,4 @@ def _pro() -> ModelConfig:
 
 PRESETS = {"tiny": _tiny, "small": _small, "flash": _flash, "pro": _pro}
 
-__all__ = ["ModelConfig", "ConfigError", "PRESETS"]
+__all__ = ["ModelConfig", "ConfigError", "PRESETS", "QUANT_MODES", "SCALE_FMTS", "SCORE_FUNCS"]

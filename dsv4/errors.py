@@ -18,6 +18,10 @@ class UserError(Exception):
     """Something the user can fix: a bad argument, a missing or broken file, a config mismatch."""
 
 
+class CheckpointError(UserError):
+    """A checkpoint file or tensor is missing, broken, unsafe to open or does not match the config."""
+
+
 _IO_CAUSES = {
     errno.ENOSPC: "the disk is full",
     errno.EDQUOT: "the disk quota is exhausted",
@@ -59,7 +63,7 @@ def describe_os_error(e: OSError) -> str:
 
 def describe_error(e: BaseException) -> tuple[int, str]:
     """(exit code, one line) for an error that reached the top of a command."""
-    from .config import ConfigError
+    from .config_schema import ConfigError
 
     if isinstance(e, (UserError, ConfigError)):
         return 2, str(e)

@@ -15,3 +15,8 @@ torch.set_num_threads(1)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-cases", type=int, default=None,
+                     help="cases of the checkpoint corruption fuzzer (default: DSV4_FUZZ_CASES or 300)")

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
 from ..config import ModelConfig
+from ..safe_paths import contained, read_text, regular_file
 from .names import EXPERT, F32, HF_MARKERS, INT, LINEAR, hf_name, official_tensors, scale_name
 from .safetensors_io import CheckpointError
 
@@ -42,7 +44,7 @@ def find_files(path: str | Path) -> tuple[str, list[Path], int]:
     for p in root.iterdir():
         m = _MP_RE.match(p.name)
         if m:
-            mp_files[int(m[1])] = (int(m[2]), p)
+            mp_files[int(m[1])] = (int(m[2]), _shard(root, p.name, root))
     if mp_files:
         sizes = {n for n, _ in mp_files.values()}
         if len(sizes) != 1:
@@ -57,20 +59,35 @@ def find_files(path: str | Path) -> tuple[str, list[Path], int]:
         return "inference", [mp_files[r][1] for r in range(n)], n
     index = sorted(root.glob("*.safetensors.index.json"))
     if index:
+        idx = _shard(root, index[0].name, root)
         try:
-            weight_map = json.loads(index[0].read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index[0]}: not a valid safetensors index ({e})") from None
-        names = sorted(set(weight_map.values()))
-        files = [root / n for n in names]
+            weight_map = json.loads(read_text(idx))["weight_map"]
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise TypeError("weight_map must be a non-empty object")
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CheckpointError(f"{idx}: not a valid safetensors index ({str(e)[:200]})") from None
+        for n in names:
+            if not isinstance(n, str) or not n.endswith(".safetensors"):
+                raise CheckpointError(f"{idx}: not a valid safetensors index (entry {str(n)[:80]!r} is not "
+                                      "a .safetensors file name)")
+        files = [_shard(root, n, idx) for n in names]
         for f in files:
             if not f.exists():
                 raise CheckpointError(f"{f}: missing shard (listed in {index[0].name})")
         return "sharded", files, 1
-    files = sorted(root.glob("*.safetensors"))
+    files = [_shard(root, f.name, root) for f in sorted(root.glob("*.safetensors"))]
     if not files:
         raise CheckpointError(f"{root}: no *.safetensors files")
     return "sharded", files, 1
+
+
+def _shard(root: Path, name: str, named_by: Path) -> Path:
+    """root/name, contained in root and a regular file if it exists (see `paths`)."""
+    path = contained(root, name, str(named_by))
+    if os.path.lexists(path):
+        regular_file(path)
+    return path
 
 
 def detect_layout(names: list[str], by_files: str) -> str:
@@ -82,11 +99,12 @@ def detect_layout(names: list[str], by_files: str) -> str:
 def load_config(path: str | Path, overrides: dict | None = None) -> ModelConfig:
     """The directory's config.json, with `overrides` (ModelConfig fields) applied before validation."""
     cfg_path = Path(path) / "config.json"
-    if not cfg_path.exists():
+    if not os.path.lexists(cfg_path):
         raise CheckpointError(
             f"{cfg_path}: missing (a checkpoint directory needs its config.json; pass "
             "--config or a ModelConfig to use another)"
         )
+    contained(path, "config.json", str(path))
     from ..config import ConfigError
 
     try:

@@ -7,8 +7,9 @@ and that nothing unexpected is left. All problems are collected; the first is th
 
 `stream()` then yields one official tensor at a time (weight + scale, inference pieces reassembled),
 reading each payload once, so at most one tensor is in flight besides what the consumer keeps.
-Non-finite values (NaN/inf floats, NaN FP8 codes, NaN E8M0 scales) stop the stream with an error
-naming the tensor and file.
+Non-finite values (NaN/inf floats, NaN FP8 codes, NaN E8M0 scales), block scales whose dequantized
+weights would overflow, and integer tables with out-of-range entries (a tid2eid expert id >=
+n_routed_experts) stop the stream with an error naming the tensor and file, before any compute.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from .. import formats as fm
 from ..config import ModelConfig
+from ..safe_paths import open_regular
 from .layouts import detect_layout, find_files, load_config
 from .names import EXPERT, F32, INT, Spec, canonical, expert_index, official_tensors, split_dim
 from .safetensors_io import FLOAT_DTYPES, INT_DTYPES, CheckpointError, TensorInfo, read_header, read_tensor
@@ -353,7 +355,7 @@ class _Handles:
         if f is None:
             if len(self.open) >= 8:
                 self.open.pop(next(iter(self.open))).close()
-            f = self.open[info.file] = open(info.file, "rb")
+            f = self.open[info.file] = open_regular(info.file)
         return read_tensor(info, f)
 
     def close(self) -> None:
@@ -376,6 +378,52 @@ def _check_finite(entry: Entry, v: Value) -> None:
                 raise CheckpointError(f"{swhere} has non-finite values")
         elif bool((fm.as_e8m0_bytes(v.scale) == fm.E8M0_NAN).any()):
             raise CheckpointError(f"{swhere} has E8M0 NaN bytes (255)")
+        _check_dequantized_range(where, swhere, v)
+
+
+# the largest magnitude a dequantized weight may have: bf16's (the narrowest load dtype), so the weights
+# stay finite in every dtype the model computes in
+WEIGHT_LIMIT = float(torch.finfo(torch.bfloat16).max)
+_CODE_MAX = {"fp8": fm.FP8_MAX, "fp4": 6.0}  # largest E4M3 / E2M1 magnitude
+
+
+def _scale_fp64(v: Value) -> torch.Tensor:
+    s = v.scale
+    if s.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return s.double()
+    return fm.e8m0_decode(s).double()
+
+
+def _check_dequantized_range(where: str, swhere: str, v: Value) -> None:
+    """Refuse block scales that turn weights into inf (or beyond bf16's range) when dequantized.
+
+    Only blocks whose scale times the format's largest code exceeds the limit can overflow; those
+    (none in a sane checkpoint) are dequantized exactly to see whether the stored codes reach it."""
+    worst = float(_scale_fp64(v).abs().max()) * _CODE_MAX[v.fmt] if v.scale.numel() else 0.0
+    if worst <= WEIGHT_LIMIT:
+        return
+    w = v.dequantize(torch.float32)
+    bad = ~torch.isfinite(w) | (w.abs() > WEIGHT_LIMIT)
+    if bool(bad.any()):
+        raise CheckpointError(
+            f"{swhere}: scales up to {float(_scale_fp64(v).abs().max()):.3g} make {int(bad.sum())} values of "
+            f"{where} overflow when dequantized (beyond {WEIGHT_LIMIT:.3g}); the scale bytes are corrupt"
+        )
+
+
+def _check_table(entry: Entry, v: Value, cfg: ModelConfig) -> None:
+    """Integer tables index other tensors: every tid2eid entry must name an existing routed expert."""
+    if not entry.name.endswith("tid2eid"):
+        return
+    t = v.data
+    n = cfg.n_routed_experts
+    bad = (t < 0) | (t >= n)
+    if bool(bad.any()):
+        first = int(t[bad].flatten()[0])
+        raise CheckpointError(
+            f"tensor '{entry.weight[0].info.name}' in {entry.weight[0].info.file} has {int(bad.sum())} "
+            f"expert ids outside [0, {n}) (n_routed_experts), e.g. {first}"
+        )
 
 
 def stream(p: Plan, progress: bool | None = None) -> Iterator[tuple[Entry, Value]]:
@@ -401,6 +449,8 @@ def stream(p: Plan, progress: bool | None = None) -> Iterator[tuple[Entry, Value
                 scale = [torch.cat(scale, e.split)] if scale else []
             v = Value(e.fmt, data[0], scale[0] if scale else None)
             _check_finite(e, v)
+            if e.fmt == "int":
+                _check_table(e, v, p.cfg)
             yield e, v
             if bar is not None:
                 bar.update(e.nbytes)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError
+from ..errors import CheckpointError
+from ..safe_paths import open_regular
 
 # safetensors dtype -> (bits per stored element, torch dtype name or None)
 DTYPES: dict[str, tuple[int, str | None]] = {
@@ -44,10 +45,6 @@ DTYPES: dict[str, tuple[int, str | None]] = {
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 INT_DTYPES = {"I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64"}
 _MAX_HEADER = 100 * 1024 * 1024
-
-
-class CheckpointError(UserError):
-    """A checkpoint file or tensor is missing, broken or does not match the config."""
 
 
 @dataclass(frozen=True)
@@ -80,40 +77,51 @@ def st_dtype(dtype: torch.dtype) -> str:
     raise ValueError(f"no safetensors dtype for {dtype}")
 
 
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and check one file's header; returns ({name: TensorInfo}, metadata). Reads no payload."""
     path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated or not a safetensors file ({size} bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(
-                    f"{path}: corrupt safetensors header (header length {n}, file size {size})"
-                )
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated or not a safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header (header length {n}, file size {size})"
+            )
+        raw = f.read(n)
     try:
         obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: also over-long integers
+        raise CheckpointError(f"{path}: corrupt safetensors header ({str(e)[:200]})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = obj.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ must map names to strings)")
     base = 8 + n
     out: dict[str, TensorInfo] = {}
     spans = []
     for name, v in obj.items():
         try:
-            dt, shape, (b, e) = v["dtype"], tuple(int(s) for s in v["shape"]), v["data_offsets"]
+            dt, shape, (b, e) = v["dtype"], tuple(v["shape"]), v["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt header entry for tensor '{name}'") from None
-        if dt not in DTYPES:
-            raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {dt}")
+        if not all(_is_count(x) for x in (*shape, b, e)):
+            raise CheckpointError(
+                f"{path}: corrupt header entry for tensor '{name}' (shape and data_offsets must be "
+                "non-negative integers)"
+            )
+        if not isinstance(dt, str) or dt not in DTYPES:
+            raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {str(dt)[:40]}")
+        if dt == "F4" and (not shape or shape[-1] % 2):
+            raise CheckpointError(f"{path}: tensor '{name}' is F4 with shape {list(shape)}: the last "
+                                  "dimension must be even (two values per byte)")
         want = math.prod(shape) * DTYPES[dt][0]
         if not (0 <= b <= e) or (e - b) * 8 != want:
             raise CheckpointError(
@@ -137,7 +145,10 @@ def read_tensor(info: TensorInfo, handle=None) -> torch.Tensor:
     """The tensor's stored bits, shaped as stored (F4 -> [.., n/2] float4_e2m1fn_x2 or uint8 bytes)."""
     buf = torch.empty(info.nbytes, dtype=torch.uint8)
     own = handle is None
-    f = open(info.file, "rb") if own else handle
+    if own:
+        f = open_regular(info.file)
+    else:
+        f = handle
     try:
         f.seek(info.begin)
         got = f.readinto(memoryview(buf.numpy()))
@@ -160,7 +171,7 @@ def iter_file(infos: dict[str, TensorInfo]) -> Iterator[tuple[TensorInfo, torch.
     items = sorted(infos.values(), key=lambda t: t.begin)
     if not items:
         return
-    with open(items[0].file, "rb") as f:
+    with open_regular(items[0].file) as f:
         for info in items:
             yield info, read_tensor(info, f)
 

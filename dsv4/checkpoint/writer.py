@@ -6,7 +6,8 @@ into a temporary directory next to the destination, shard by shard through `Stre
 memory: payloads go straight to disk, the header is written at the end), with an index json, the
 config and tokenizer files; then it re-reads every header through the loader's validation, re-reads
 every payload and compares its digest with what was written, and only then renames the directory into
-place. On any error the temporary directory is removed: nothing half-written is left.
+place. On any error the temporary directory is removed: nothing half-written is left. An existing
+destination, or one that appears while the writer runs, is never replaced (see `atomic`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from .. import formats as fm
 from ..config import ModelConfig
+from ..safe_paths import contained, open_regular, regular_file
 from .atomic import atomic_directory
 from .layouts import CONFIG_FILES
 from .names import (
@@ -241,27 +243,37 @@ def save(
     if target not in TARGETS:
         raise CheckpointError(f"unknown target '{target}'; choose one of {TARGETS}")
     dst = Path(dst)
-    if dst.exists() and not (overwrite and dst.is_dir()):
-        raise CheckpointError(f"{dst}: already exists; choose a new destination")
+    if os.path.lexists(dst) and not (overwrite and dst.is_dir() and not dst.is_symlink()):
+        raise CheckpointError(f"{dst}: already exists; choose a new destination (nothing was written)")
     if mp < 1 or (target != "inference" and mp != 1):
         raise CheckpointError("--mp applies to --to inference only, and must be >= 1")
     if target == "inference" and cfg.n_routed_experts % mp:
         raise CheckpointError(f"--mp {mp} does not divide the {cfg.n_routed_experts} routed experts")
-    with atomic_directory(dst) as tmp:
+    extra_files = _extra_files(copy_from) if copy_from is not None else []
+    with atomic_directory(dst, replace=overwrite) as tmp:
         specs = official_tensors(cfg)
         if target == "hf":
             specs = {k: v for k, v in specs.items() if not k.startswith("mtp.")}
         digests = _write(values, cfg, specs, tmp, target, mp, expert_dtype, shard_bytes)
         cfg_json = output_config(cfg, target, expert_dtype)
         (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
-        if copy_from is not None:
-            for name in CONFIG_FILES:
-                src = Path(copy_from) / name
-                if name != "config.json" and src.exists():
-                    shutil.copyfile(src, tmp / name)
+        for src in extra_files:
+            with open_regular(src) as f_in, open(tmp / src.name, "wb") as f_out:
+                shutil.copyfileobj(f_in, f_out, 16 << 20)
         if verify:
             verify_checkpoint(tmp, digests, cfg if target != "hf" else None)
     return dst
+
+
+def _extra_files(src: str | Path) -> list[Path]:
+    """The tokenizer / generation files of a source directory to copy along: regular files inside it."""
+    out = []
+    for name in CONFIG_FILES:
+        if name != "config.json" and os.path.lexists(Path(src) / name):
+            path = contained(src, name, str(src))
+            regular_file(path)
+            out.append(path)
+    return out
 
 
 def _write(

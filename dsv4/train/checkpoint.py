@@ -14,9 +14,11 @@ refused with a message instead of silently resuming from garbage.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoint.atomic import atomic_directory, fsync_dir
 from ..errors import UserError
+from ..safe_paths import contained, open_regular, read_text
 
 FILES = ("model.safetensors", "optimizer.safetensors", "state.json")
 
@@ -40,7 +43,7 @@ class CorruptCheckpoint(UserError):
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # a FIFO or device in a checkpoint must not block the resume
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -158,7 +161,7 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], optim_te
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
-    with atomic_directory(final) as tmp:
+    with atomic_directory(final, replace=True) as tmp:  # a step re-saved after a resume replaces its own
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"step": str(step)})
         save_file(optim_tensors, str(tmp / "optimizer.safetensors"), metadata={"step": str(step)})
         (tmp / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
@@ -167,15 +170,23 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], optim_te
         for name in (*FILES, "manifest.json"):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
-    latest_tmp = root / ".latest.tmp"
-    latest_tmp.write_text(final.name + "\n")
+    latest_tmp = root / f".latest.tmp-{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        latest_tmp.unlink()
+    fd = os.open(latest_tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(final.name + "\n")
     os.replace(latest_tmp, root / "latest")
     fsync_dir(root)
-    if keep > 0:
-        old = sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]
-        for p in old:
+    if keep > 0:  # only directories this writer makes: step_<8 digits> holding a manifest, never symlinks
+        ours = [p for p in root.iterdir() if _STEP_RE.match(p.name) and not p.is_symlink() and p.is_dir()
+                and (p / "manifest.json").exists()]
+        for p in sorted(ours)[:-keep]:
             shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+_STEP_RE = re.compile(r"^step_\d{8,}$")
 
 
 def resolve(path: str | Path) -> Path:
@@ -183,8 +194,15 @@ def resolve(path: str | Path) -> Path:
     p = Path(path)
     if (p / "manifest.json").exists() or (p / "model.safetensors").exists():
         return p
-    if (p / "latest").exists():
-        return p / (p / "latest").read_text().strip()
+    if os.path.lexists(p / "latest"):
+        name = read_text(p / "latest", limit=4096).strip()
+        if not _STEP_RE.match(name):
+            raise CorruptCheckpoint(f"{p / 'latest'}: names {name[:80]!r}, not a checkpoint of this run "
+                                    "(step_<number>)")
+        target = contained(p, name, str(p / "latest"))  # no symlink out of the run either
+        if not target.is_dir():
+            raise CorruptCheckpoint(f"{p / 'latest'}: points at {name}, which is missing")
+        return target
     raise UserError(f"{p}: no training checkpoint here (no manifest.json and no 'latest' file)")
 
 
@@ -193,8 +211,10 @@ def verify(ckpt: Path) -> None:
     if not mf.exists():
         raise CorruptCheckpoint(f"{ckpt}: manifest.json is missing; the checkpoint is incomplete")
     try:
-        manifest = json.loads(mf.read_text())
-    except json.JSONDecodeError:
+        manifest = json.loads(read_text(mf))
+        if not isinstance(manifest, dict):
+            raise ValueError("not an object")
+    except (ValueError, RecursionError):
         raise CorruptCheckpoint(f"{ckpt}: manifest.json is not valid JSON") from None
     if "optimizer.pt" in manifest:
         raise CorruptCheckpoint(f"{ckpt}: written by an earlier version (optimizer.pt), which cannot be "

@@ -57,15 +57,24 @@ class Tokenizer:
         if not file.exists():
             raise UserError(f"{file}: no tokenizer.json here; train one with `dsv4 train` or point to a "
                             "checkpoint directory that has one")
+        from ..safe_paths import contained, read_text
+
+        if path.is_dir():
+            contained(path, "tokenizer.json", str(path))  # a checkpoint's files stay inside it
         try:
-            tok = HFTokenizer.from_file(str(file))
+            tok = HFTokenizer.from_str(read_text(file))  # a regular file of bounded size: never blocks
+        except UserError:
+            raise
         except Exception as e:  # the library raises a bare Exception for malformed files
-            raise UserError(f"{file}: not a valid tokenizer.json ({e})") from None
+            raise UserError(f"{file}: not a valid tokenizer.json ({str(e)[:200]})") from None
         bos, eos = BOS, EOS
         cfg_file = file.parent / "tokenizer_config.json"
         if cfg_file.exists():
-            cfg = json.loads(cfg_file.read_text())
-            bos, eos = _token_str(cfg.get("bos_token"), bos), _token_str(cfg.get("eos_token"), eos)
+            try:
+                cfg = json.loads(read_text(cfg_file))
+                bos, eos = _token_str(cfg.get("bos_token"), bos), _token_str(cfg.get("eos_token"), eos)
+            except (ValueError, AttributeError, TypeError, RecursionError) as e:
+                raise UserError(f"{cfg_file}: not a valid tokenizer_config.json ({str(e)[:200]})") from None
         return cls(tok, bos, eos)
 
     def save(self, directory: str | Path) -> Path:

@@ -209,6 +209,8 @@ class Trainer:
         self.log = log
         if cfg.device != "auto":                                  # one line, not a traceback, for a bad device
             resolve_device(cfg.device)
+        if cfg.export and os.path.lexists(cfg.export):           # refused now, not after the whole run
+            raise UserError(f"--export {cfg.export}: already exists; choose a new destination")
         self.dist = _distributed_module()
         self.rank, self.world = 0, 1
         if self.dist is not None:
@@ -681,7 +683,7 @@ class Trainer:
 
         self.tok.save(self.out / "tokenizer")
         return save(model_values(self.model if model is None else model), self.mcfg, dst, target="bf16",
-                    copy_from=self.out / "tokenizer", shard_bytes=12 << 20, overwrite=True)
+                    copy_from=self.out / "tokenizer", shard_bytes=12 << 20)
 
 
 def gnorm_fmt(row: dict) -> str:
