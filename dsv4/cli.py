@@ -29,7 +29,8 @@ def default_model_dir() -> Path | None:
 def add_model_args(p: argparse.ArgumentParser, default_hint: str) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--preset", help="a built-in architecture with random weights: tiny, small, flash, pro")
-    g.add_argument("--model", metavar="DIR", help=f"a checkpoint directory (default: {default_hint})")
+    g.add_argument("--model", metavar="DIR|ID", help=f"a checkpoint directory or a Hugging Face Hub id org/name[@rev] "
+                   f"(default: {default_hint})")
     g.add_argument("--config", metavar="FILE", help="a config.json (official or Hugging Face keys)")
 
 
@@ -52,7 +53,9 @@ def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
             return ModelConfig.from_json(args.config)
         model_dir = getattr(args, "model", None)
         if model_dir:
-            return ModelConfig.from_json(Path(model_dir) / "config.json")
+            from .checkpoint.hub import resolve_model_path
+
+            return ModelConfig.from_json(resolve_model_path(model_dir, weights=False) / "config.json")
         if default_preset:
             return ModelConfig.preset(default_preset)
         shipped = default_model_dir()
@@ -77,9 +80,10 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None):
     path = Path(args.model) if getattr(args, "model", None) else default_model_dir()
     if path is None:
         raise UserError("no model given and no shipped model installed: pass --preset or --model DIR")
-    if not path.is_dir():
-        raise UserError(f"{path}: not a directory")
     from .checkpoint import load_pretrained
+    from .checkpoint.hub import resolve_model_path
+
+    path = resolve_model_path(args.model if getattr(args, "model", None) else path)
 
     model = load_pretrained(path, dtype=dtype, device=device, quant_mode=getattr(args, "quant_mode", None),
                             keep_quantized=getattr(args, "keep_quantized", False)).eval()
