@@ -38,7 +38,8 @@ def _blob_name(data: bytes, lfs: bool) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def add_snapshot(cache: Path, repo: str, commit: str, files: dict[str, bytes], refs: tuple[str, ...] = ("main",)) -> Path:
+def add_snapshot(cache: Path, repo: str, commit: str, files: dict[str, bytes],
+                 refs: tuple[str, ...] = ("main",)) -> Path:
     """Write `files` into the cache as huggingface_hub does after a download of `repo` at `commit`."""
     repo_dir = cache / f"models--{repo.replace('/', '--')}"
     snap = repo_dir / "snapshots" / commit
