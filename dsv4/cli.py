@@ -108,12 +108,13 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------------------------ info
 def cmd_info(args: argparse.Namespace) -> int:
-    from .info import human, model_info
+    from .info import format_memory, human, measure_memory, memory_requirements, model_info
 
     cfg = resolve_config(args)
     info = model_info(cfg)
     if args.json:
-        print(json.dumps({"config": cfg.to_dict(), **info.to_dict()}))
+        memory = memory_requirements(cfg, args).to_dict()
+        print(json.dumps({"config": cfg.to_dict(), **info.to_dict(), "memory": memory}))
         return 0
     c = cfg
     print(f"{c.name}: {c.n_layers} layers (window-only {info.layer_kinds['window_only']}, CSA ratio 4 "
@@ -130,6 +131,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"  KV cache: {info.kv_bytes_per_token:.1f} B/token + {human(info.kv_fixed_bytes, 'B')} window (bf16); "
           f"at 1M tokens {info.kv_bytes_1m / 2**30:.2f} GiB bf16, {info.kv_bytes_1m_fp8 / 2**30:.2f} GiB FP8")
     print(f"  forward matmul FLOPs per token: {human(info.flops_per_token)} (attention not included)")
+    for line in format_memory(memory_requirements(cfg, args)):
+        print(line)
+    if args.measure:
+        model_dir = None if args.preset or args.config else (args.model or default_model_dir())
+        for line in measure_memory(cfg, args, model_dir):
+            print(line)
     return 0
 
 
@@ -229,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="config summary, parameters, KV-cache size (no weights allocated)")
     add_model_args(p, "the shipped model")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    __import__("dsv4.info", fromlist=["x"]).add_memory_args(p)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="continue a prompt (greedy or sampled)")

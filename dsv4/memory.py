@@ -133,16 +133,30 @@ def cache_bytes(cfg: ModelConfig, context: int, batch: int, dtype_bytes: int = 2
 
 
 # ------------------------------------------------------------------------------------------ activations
-def _layer_step_bytes(cfg: ModelConfig, ratio: int, T: int, context: int, a: int) -> int:
-    """Peak transient bytes inside one layer for a step of T tokens over a `context`-position cache."""
+FUSED_INDEXER_ENTRIES = 64 * 2**20   # the Triton indexer scores at most this many [rows, entries] at a time
+
+
+def _layer_step_bytes(cfg: ModelConfig, ratio: int, T: int, context: int, a: int, fused: bool = False) -> int:
+    """Peak transient bytes inside one layer for a step of T tokens over a `context`-position cache.
+
+    fused=False: the reference ops (what a CPU runs): gathered keys, fp32 scores and the indexer's
+    [T, heads, entries] products exist in memory. fused=True: the Triton kernels (CUDA), which keep scores
+    in registers and score the indexer in bounded chunks (fp32 scores, then a sort: values + int64 ids)."""
     D, H, d = cfg.dim, cfg.n_heads, cfg.head_dim
     keys = min(cfg.window_size, context) + (min(cfg.index_topk, context // 4) if ratio == 4
                                             else context // ratio if ratio else 0)
-    attn = (T * (cfg.q_lora_rank + 3 * H * d) * a       # qr, q, o and its inverse-rope copy
-            + T * keys * d * 4                          # gathered keys (fp32)
-            + 3 * T * H * (keys + 1) * 4)               # scores, with the sink column, probabilities (fp32)
-    if ratio == 4:                                      # indexer: relu(q . k) [T, heads, entries], weighted copy
-        attn += 2 * T * cfg.index_n_heads * (context // 4) * 4 + T * cfg.index_n_heads * cfg.index_head_dim * a
+    attn = T * (cfg.q_lora_rank + 3 * H * d) * a        # qr, q, o and its inverse-rope copy
+    if fused:
+        attn += T * H * 4 + T * keys * 8                # lse; the key index list (int64)
+    else:
+        attn += T * keys * d * 4 + 3 * T * H * (keys + 1) * 4   # gathered keys; scores + sink, probabilities
+    if ratio == 4:
+        entries = context // 4
+        attn += T * cfg.index_n_heads * cfg.index_head_dim * a
+        if fused:
+            attn += min(T * entries, FUSED_INDEXER_ENTRIES) * (4 + 4 + 8)
+        else:                                           # relu(q . k) [T, heads, entries] and its weighted copy
+            attn += 2 * T * cfg.index_n_heads * entries * 4
     k, inter = cfg.n_activated_experts, cfg.moe_inter_dim
     moe = (T * cfg.n_routed_experts * 4                 # router scores
            + T * D * 4                                  # routed output (fp32)
@@ -151,16 +165,17 @@ def _layer_step_bytes(cfg: ModelConfig, ratio: int, T: int, context: int, a: int
     return max(attn, moe)
 
 
-def activation_bytes(cfg: ModelConfig, tokens: int, context: int, dtype_bytes: int = 2, logits_rows: int = 1) -> int:
+def activation_bytes(cfg: ModelConfig, tokens: int, context: int, dtype_bytes: int = 2, logits_rows: int = 1,
+                     fused: bool = False) -> int:
     """Peak activation bytes of one inference step of `tokens` tokens (a prefill chunk, or a decode batch)."""
     T, a = tokens, dtype_bytes
     streams = 3 * T * cfg.hc_mult * cfg.dim * a + T * cfg.hc_mult * cfg.dim * 4    # in, out, residual; fp32 mix
-    layer = max(_layer_step_bytes(cfg, r, T, context, a) for r in cfg.compress_ratios[: cfg.n_layers])
+    layer = max(_layer_step_bytes(cfg, r, T, context, a, fused) for r in cfg.compress_ratios[: cfg.n_layers])
     return streams + layer + logits_rows * cfg.vocab_size * 4
 
 
 def train_activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False,
-                           dtype_bytes: int = 2, mtp: bool = True) -> int:
+                           dtype_bytes: int = 2, mtp: bool = True, fused: bool = False) -> int:
     """Activation bytes at a training step's peak (early in backward): what the forward saved, plus the
     backward's working set for one layer (each fp32 attention tensor it saved gets a gradient of its size:
     the layer's forward transient once more).
@@ -170,7 +185,7 @@ def train_activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpoin
     stream = T * cfg.hc_mult * cfg.dim * a
 
     def transient(ratio: int) -> int:
-        return _layer_step_bytes(cfg, ratio, seq_len, seq_len, a) * batch
+        return _layer_step_bytes(cfg, ratio, seq_len, seq_len, a, fused) * batch
 
     def saved(ratio: int) -> int:
         # a layer's intermediates: streams and mHC mixes, the attention's (the sequence is its own context),
@@ -248,16 +263,18 @@ def training_gpus(cfg: ModelConfig, state: TrainState, activations: int, gpu_byt
 @dataclass
 class Requirements:
     weights: WeightBytes
-    cache: CacheBytes
-    activation_peak: int        # one prefill chunk
-    inference_total: int        # weights (dequantized) + cache + activation peak
-    inference_total_quantized: int
-    inference_gpus: int
+    cache: CacheBytes           # as `dsv4 serve` allocates it (prefix caching on)
+    cache_no_prefix: CacheBytes  # with --no-prefix-caching (no fp32 raw tail per compressed page)
+    activation_peak: int        # one prefill chunk, reference ops (a CPU)
+    activation_peak_fused: int  # the same with the fused CUDA kernels
+    inference_total: int        # on a GPU: weights dequantized + cache + fused activation peak
+    inference_total_quantized: int   # the same with keep_quantized weights
+    inference_gpus: int         # GPUs that would hold inference_total (dsv4 serves on one)
     inference_gpus_quantized: int
     train: TrainState
-    train_activations: int
+    train_activations: int      # per rank, fused kernels, no checkpointing
     train_activations_ckpt: int
-    train_gpus: int | None
+    train_gpus: int | None      # fewest FSDP2 + expert-parallel ranks (None: does not fit at any count)
     train_gpus_ckpt: int | None
     settings: dict
 
@@ -268,17 +285,21 @@ class Requirements:
 def requirements(cfg: ModelConfig, *, context: int = 8192, batch: int = 1, chunk: int = 4096,
                  gpu_memory: int = 141 * GB, dtype: torch.dtype = torch.bfloat16, train_batch: int = 1,
                  train_seq_len: int = 4096) -> Requirements:
+    """Everything `dsv4 info` reports about memory, for serving `batch` sequences of `context` positions in
+    prefill chunks of `chunk` tokens, and training `train_batch` x `train_seq_len` tokens per rank."""
     a = torch.finfo(dtype).bits // 8
     w = weight_bytes(cfg, dtype)
     cache = cache_bytes(cfg, context, batch, a, max_batch_tokens=chunk)
+    cache_no_prefix = cache_bytes(cfg, context, batch, a, max_batch_tokens=chunk, prefix_caching=False)
     act = activation_bytes(cfg, chunk, context, a, logits_rows=batch)
-    inf, inf_q = w.dequantized + cache.total + act, w.kept_quantized + cache.total + act
+    act_fused = activation_bytes(cfg, chunk, context, a, logits_rows=batch, fused=True)
+    inf, inf_q = w.dequantized + cache.total + act_fused, w.kept_quantized + cache.total + act_fused
     st = train_state_bytes(cfg)
-    ta = train_activation_bytes(cfg, train_batch, train_seq_len, False, a)
-    tc = train_activation_bytes(cfg, train_batch, train_seq_len, True, a)
+    ta = train_activation_bytes(cfg, train_batch, train_seq_len, False, a, fused=True)
+    tc = train_activation_bytes(cfg, train_batch, train_seq_len, True, a, fused=True)
     return Requirements(
-        w, cache, act, inf, inf_q, inference_gpus(inf, gpu_memory), inference_gpus(inf_q, gpu_memory), st, ta, tc,
-        training_gpus(cfg, st, ta, gpu_memory), training_gpus(cfg, st, tc, gpu_memory),
+        w, cache, cache_no_prefix, act, act_fused, inf, inf_q, inference_gpus(inf, gpu_memory),
+        inference_gpus(inf_q, gpu_memory), st, ta, tc, training_gpus(cfg, st, ta, gpu_memory), training_gpus(cfg, st, tc, gpu_memory),
         {"context": context, "batch": batch, "chunk": chunk, "gpu_memory": gpu_memory, "dtype": str(dtype),
          "train_batch": train_batch, "train_seq_len": train_seq_len, "usable_fraction": USABLE_FRACTION})
 
