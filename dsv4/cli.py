@@ -112,9 +112,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     cfg = resolve_config(args)
     info = model_info(cfg)
+    memory = memory_requirements(cfg, args)
     if args.json:
-        memory = memory_requirements(cfg, args).to_dict()
-        print(json.dumps({"config": cfg.to_dict(), **info.to_dict(), "memory": memory}))
+        print(json.dumps({"config": cfg.to_dict(), **info.to_dict(), "memory": memory.to_dict()}))
         return 0
     c = cfg
     print(f"{c.name}: {c.n_layers} layers (window-only {info.layer_kinds['window_only']}, CSA ratio 4 "
@@ -131,7 +131,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"  KV cache: {info.kv_bytes_per_token:.1f} B/token + {human(info.kv_fixed_bytes, 'B')} window (bf16); "
           f"at 1M tokens {info.kv_bytes_1m / 2**30:.2f} GiB bf16, {info.kv_bytes_1m_fp8 / 2**30:.2f} GiB FP8")
     print(f"  forward matmul FLOPs per token: {human(info.flops_per_token)} (attention not included)")
-    for line in format_memory(memory_requirements(cfg, args)):
+    for line in format_memory(memory):
         print(line)
     if args.measure:
         model_dir = None if args.preset or args.config else (args.model or default_model_dir())

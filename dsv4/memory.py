@@ -299,7 +299,8 @@ def requirements(cfg: ModelConfig, *, context: int = 8192, batch: int = 1, chunk
     tc = train_activation_bytes(cfg, train_batch, train_seq_len, True, a, fused=True)
     return Requirements(
         w, cache, cache_no_prefix, act, act_fused, inf, inf_q, inference_gpus(inf, gpu_memory),
-        inference_gpus(inf_q, gpu_memory), st, ta, tc, training_gpus(cfg, st, ta, gpu_memory), training_gpus(cfg, st, tc, gpu_memory),
+        inference_gpus(inf_q, gpu_memory), st, ta, tc, training_gpus(cfg, st, ta, gpu_memory),
+        training_gpus(cfg, st, tc, gpu_memory),
         {"context": context, "batch": batch, "chunk": chunk, "gpu_memory": gpu_memory, "dtype": str(dtype),
          "train_batch": train_batch, "train_seq_len": train_seq_len, "usable_fraction": USABLE_FRACTION})
 
