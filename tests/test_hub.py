@@ -118,7 +118,8 @@ def test_a_revision_not_cached(hub_cache):
 
 
 def test_a_repository_not_cached(hub_cache):
-    with pytest.raises(CheckpointError, match=r"^other/model: not in the Hugging Face cache .*HF_HUB_OFFLINE"):
+    with pytest.raises(CheckpointError,
+                       match=r"^other/model: not a directory, and not in the Hugging Face cache .*HF_HUB_OFFLINE"):
         resolve_model_path("other/model")
 
 
@@ -186,6 +187,19 @@ def test_cli_bad_hub_ids_are_one_error_line_exit_2(hub_cache):
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and want in lines[0], r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_hub_unreachable_falls_back_to_the_cache(hub_cache):
+    """Not offline, but the Hub does not answer (a closed local port as its endpoint): a cached repository
+    still resolves from the cache, an uncached one is one error line naming both causes."""
+    env = {"HF_HOME": str(hub_cache.parent), "HF_HUB_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    ok = _cli(["info", "--model", REPO, "--json"], env)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["config"]["dim"] == json.loads((SHIPPED / "config.json").read_text())["hidden_size"]
+    bad = _cli(["info", "--model", "other/model"], env)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"error: other/model: not a directory, and not in the Hugging Face cache {hub_cache} "
+        "and the Hub could not be reached"]
 
 
 def test_nothing_of_the_cache_is_changed(hub_cache):

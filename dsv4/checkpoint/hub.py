@@ -107,8 +107,8 @@ def _snapshot(repo: str, revision: str | None, patterns: list[str]) -> Path:
         raise CheckpointError(f"{repo}: a gated repository; accept its terms on the Hub and log in "
                               "(HF_TOKEN or `hf auth login`)") from None
     except hf_errors.RepositoryNotFoundError:
-        raise CheckpointError(f"{repo}: no such repository on the Hugging Face Hub (or it is private: set "
-                              "HF_TOKEN or run `hf auth login`)") from None
+        raise CheckpointError(f"{repo}: not a directory, and no such repository on the Hugging Face Hub (or it "
+                              "is private: set HF_TOKEN or run `hf auth login`)") from None
     except hf_errors.RevisionNotFoundError:
         raise CheckpointError(f"{_label(repo, revision)}: the repository has no revision '{revision}'") from None
     except (hf_errors.HfHubHTTPError, OSError) as e:
@@ -122,11 +122,12 @@ def _not_cached(repo: str, revision: str | None, cache: Path) -> str:
     repo_dir = cache / f"models--{repo.replace('/', '--')}"
     refs = sorted(p.name for p in (repo_dir / "refs").glob("*")) if (repo_dir / "refs").is_dir() else []
     snaps = sorted(p.name[:12] for p in (repo_dir / "snapshots").glob("*")) if repo_dir.is_dir() else []
+    why = _offline_hint() or " and the Hub could not be reached"
     if not repo_dir.is_dir():
-        return f"{repo}: not in the Hugging Face cache {cache}{_offline_hint() or ' (and the Hub is unreachable)'}"
+        return f"{repo}: not a directory, and not in the Hugging Face cache {cache}{why}"
     cached = ", ".join(refs + [s for s in snaps if s not in refs]) or "none"
     return (f"{_label(repo, revision)}: revision '{revision or 'main'}' is not in the Hugging Face cache {cache} "
-            f"(cached: {cached}){_offline_hint()}")
+            f"(cached: {cached}){why}")
 
 
 def _check_v4(repo: str, revision: str | None, root: Path) -> None:
