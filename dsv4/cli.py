@@ -55,7 +55,9 @@ def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
         if model_dir:
             from .checkpoint.hub import resolve_model_path
 
-            return ModelConfig.from_json(resolve_model_path(model_dir, weights=False) / "config.json")
+            path = resolve_model_path(model_dir, weights=False)
+            cfg = ModelConfig.from_json(path / "config.json")
+            return cfg if path == Path(model_dir) else cfg.replace(name=str(model_dir))   # a Hub id, not a hash
         if default_preset:
             return ModelConfig.preset(default_preset)
         shipped = default_model_dir()

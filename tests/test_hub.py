@@ -195,7 +195,9 @@ def test_hub_unreachable_falls_back_to_the_cache(hub_cache):
     env = {"HF_HOME": str(hub_cache.parent), "HF_HUB_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9"}
     ok = _cli(["info", "--model", REPO, "--json"], env)
     assert ok.returncode == 0, ok.stderr
-    assert json.loads(ok.stdout)["config"]["dim"] == json.loads((SHIPPED / "config.json").read_text())["hidden_size"]
+    cfg = json.loads(ok.stdout)["config"]
+    assert cfg["dim"] == json.loads((SHIPPED / "config.json").read_text())["hidden_size"]
+    assert cfg["name"] == REPO                              # named by its id, not by the snapshot's hash
     bad = _cli(["info", "--model", "other/model"], env)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         f"error: other/model: not a directory, and not in the Hugging Face cache {hub_cache} "
