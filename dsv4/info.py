@@ -1,5 +1,6 @@
 """Model facts computed from a config alone (no weights are allocated): parameters, active parameters
-per token, KV-cache bytes, per-token FLOPs."""
+per token, KV-cache bytes, per-token FLOPs, and what serving and training take in memory (`dsv4.memory`);
+with `--measure`, the peak this CPU measures beside the estimate."""
 
 from __future__ import annotations
 
