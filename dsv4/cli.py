@@ -85,7 +85,7 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None):
     from .checkpoint import load_pretrained
     from .checkpoint.hub import resolve_model_path
 
-    path = resolve_model_path(args.model if getattr(args, "model", None) else path)
+    path = resolve_model_path(path)         # a Hub id becomes its snapshot in the Hugging Face cache
 
     model = load_pretrained(path, dtype=dtype, device=device, quant_mode=getattr(args, "quant_mode", None),
                             keep_quantized=getattr(args, "keep_quantized", False)).eval()
@@ -238,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="config summary, parameters, KV-cache size (no weights allocated)")
     add_model_args(p, "the shipped model")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    __import__("dsv4.info", fromlist=["x"]).add_memory_args(p)
+    from .info import add_memory_args
+
+    add_memory_args(p)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="continue a prompt (greedy or sampled)")
