@@ -308,8 +308,11 @@ def requirements(cfg: ModelConfig, *, context: int = 8192, batch: int = 1, chunk
 # ------------------------------------------------------------------------------------------ measurement
 def allocation_peak(fn) -> tuple[object, int]:
     """(fn(), the largest running sum of torch's CPU allocation events while it ran, in bytes)."""
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
+    gc.collect()        # frees of earlier garbage inside the window would lower the running sum
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()

@@ -151,7 +151,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def test_info_reports_memory_and_refuses_bad_sizes():
+def test_info_reports_memory_and_refuses_bad_sizes(capsys):
     r = _cli("--preset", "flash", "--context", "65536", "--gpu-memory", "141GB", "--json")
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout)["memory"]
@@ -159,10 +159,13 @@ def test_info_reports_memory_and_refuses_bad_sizes():
     assert m["cache"]["total"] == mem.cache_bytes(cfg, 65536, 1, 2).total
     assert m["weights"]["kept_quantized"] < m["weights"]["dequantized"]
     assert m["inference_gpus_quantized"] >= 1 and m["train_gpus_ckpt"] is not None
-    text = _cli("--preset", "tiny").stdout
+    from dsv4.cli import main
+
+    assert main(["info", "--preset", "tiny"]) == 0
+    text = capsys.readouterr().out
     for want in ("weights:", "KV cache:", "prefill chunk", "inference on a GPU", "training GPUs of 141 GB"):
         assert want in text, text
     for bad, why in ((("--gpu-memory", "lots"), "--gpu-memory: not a size"), (("--context", "0"), "--context")):
-        r = _cli("--preset", "tiny", *bad)
-        assert r.returncode == 2 and r.stderr.startswith("error: ") and why in r.stderr, r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout
+        assert main(["info", "--preset", "tiny", *bad]) == 2
+        out, err = capsys.readouterr()
+        assert err.startswith("error: ") and why in err and len(err.strip().splitlines()) == 1 and not out, err
