@@ -166,8 +166,8 @@ def _train_gpus(n: int | None) -> str:
     return "does not fit at any rank count" if n is None else _gpus(n)
 
 
-def measure_memory(cfg: ModelConfig, args, model_dir=None) -> list[str]:
-    """`--measure`: the CPU measurement beside the estimate at the same settings (fp32, reference ops)."""
+def measure_memory(cfg: ModelConfig, args, model_dir=None) -> list[dict]:
+    """`--measure`: this CPU's measured peak beside the estimate at the same settings (fp32, reference ops)."""
     import torch
 
     from . import memory as mem
@@ -187,12 +187,10 @@ def measure_memory(cfg: ModelConfig, args, model_dir=None) -> list[str]:
         model = DeepSeekV4.from_config(cfg, dtype=torch.float32).eval()
     ctx, b, chunk = args.context, args.batch, args.chunk
     inf = mem.measure_inference(model, ctx, b, chunk)
-    est = (mem.weight_bytes(cfg, torch.float32).dequantized
-           + mem.cache_bytes(cfg, ctx, b, 4, max_batch_tokens=chunk * b, prefix_caching=False).total
+    est = (est_weights + mem.cache_bytes(cfg, ctx, b, 4, max_batch_tokens=chunk * b, prefix_caching=False).total
            + mem.activation_bytes(cfg, chunk * b, ctx, 4, logits_rows=b))
-    out = ["  measured on this CPU (fp32, reference ops; peak of torch's allocations):",
-           f"    serving {b} x {ctx} (prefill chunks of {chunk}, 2 decode steps): {_gb(inf['peak'])} measured, "
-           f"{_gb(est)} estimated ({est / inf['peak'] - 1:+.0%})"]
+    rows = [{"what": f"serving {b} x {ctx} (prefill chunks of {chunk}, 2 decode steps)", "measured": inf["peak"],
+             "estimated": est}]
     st = mem.train_state_bytes(cfg)
     state = st.weights + st.grads + st.optimizer
     for ckpt in (False, True):
@@ -200,6 +198,12 @@ def measure_memory(cfg: ModelConfig, args, model_dir=None) -> list[str]:
         m = mem.measure_training(cfg, args.train_batch, args.train_seq_len, ckpt, 0.0 if ckpt else 1e-4)
         e = state + mem.train_activation_bytes(cfg, args.train_batch, args.train_seq_len, ckpt, 4)
         what = "with checkpointing (balance loss off)" if ckpt else "without checkpointing"
-        out.append(f"    one training step {args.train_batch} x {args.train_seq_len} {what}: {_gb(m['peak'])} "
-                   f"measured, {_gb(e)} estimated ({e / m['peak'] - 1:+.0%})")
-    return out
+        rows.append({"what": f"one training step {args.train_batch} x {args.train_seq_len} {what}",
+                     "measured": m["peak"], "estimated": e})
+    return rows
+
+
+def format_measured(rows: list[dict]) -> list[str]:
+    return ["  measured on this CPU (fp32, reference ops; peak of torch's allocations):"] + [
+        f"    {r['what']}: {_gb(r['measured'])} measured, {_gb(r['estimated'])} estimated "
+        f"({r['estimated'] / r['measured'] - 1:+.0%})" for r in rows]

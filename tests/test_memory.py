@@ -169,3 +169,14 @@ def test_info_reports_memory_and_refuses_bad_sizes(capsys):
         assert main(["info", "--preset", "tiny", *bad]) == 2
         out, err = capsys.readouterr()
         assert err.startswith("error: ") and why in err and len(err.strip().splitlines()) == 1 and not out, err
+
+
+def test_info_measure_sets_the_cpu_peak_beside_the_estimate(capsys):
+    from dsv4.cli import main
+
+    assert main(["info", "--preset", "tiny", "--measure", "--context", "300", "--chunk", "128", "--train-batch", "1",
+                 "--train-seq-len", "128", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["measured"]
+    assert [r["what"].split(" ")[0] for r in rows] == ["serving", "one", "one"]
+    for r in rows:
+        _within(r["estimated"], r["measured"])
