@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("info", help="config summary, parameters, KV-cache size (no weights allocated)")
+    p = sub.add_parser("info", help="config summary, parameters, memory and GPUs needed to serve and train (no weights "
+                                    "allocated)")
     add_model_args(p, "the shipped model")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     from .info import add_memory_args
