@@ -64,7 +64,8 @@ def resolve_model_path(spec: str | Path, *, weights: bool = True) -> Path:
             if missing:
                 raise CheckpointError(
                     f"{_label(repo, revision)}: shard {missing[0]} ({len(missing)} of {len(shards)} named by the "
-                    f"index) is not in the Hugging Face cache {_cache_dir()}{_offline_hint()}")
+                    f"index) is not in the Hugging Face cache {_cache_dir()}"
+                    f"{_offline_hint() or ' after the download: the repository does not hold it'}")
     return root
 
 
