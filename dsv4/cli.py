@@ -15,17 +15,23 @@ from pathlib import Path
 
 from . import argtypes
 from .errors import UserError, describe_error
-from .loading import add_device_args, add_model_args, add_quant_mode_arg, load_model, resolve_config
+from .loading import add_device_args, add_model_args, add_quant_mode_arg, default_model_dir, load_model, resolve_config
 
 
 # ------------------------------------------------------------------------------------------ info
 def cmd_info(args: argparse.Namespace) -> int:
-    from .info import human, model_info
+    from .info import format_measured, format_memory, human, measure_memory, memory_requirements, model_info
 
     cfg = resolve_config(args)
     info = model_info(cfg)
+    memory = memory_requirements(cfg, args)
+    measured = None
+    if args.measure:
+        model_dir = None if args.preset or args.config else (args.model or default_model_dir())
+        measured = measure_memory(cfg, args, model_dir)
     if args.json:
-        print(json.dumps({"config": cfg.to_dict(), **info.to_dict()}))
+        print(json.dumps({"config": cfg.to_dict(), **info.to_dict(), "memory": memory.to_dict(),
+                          **({"measured": measured} if measured is not None else {})}))
         return 0
     c = cfg
     print(f"{c.name}: {c.n_layers} layers (window-only {info.layer_kinds['window_only']}, CSA ratio 4 "
@@ -42,6 +48,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"  KV cache: {info.kv_bytes_per_token:.1f} B/token + {human(info.kv_fixed_bytes, 'B')} window (bf16); "
           f"at 1M tokens {info.kv_bytes_1m / 2**30:.2f} GiB bf16, {info.kv_bytes_1m_fp8 / 2**30:.2f} GiB FP8")
     print(f"  forward matmul FLOPs per token: {human(info.flops_per_token)} (attention not included)")
+    for line in format_memory(memory) + (format_measured(measured) if measured is not None else []):
+        print(line)
     return 0
 
 
@@ -218,9 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the traceback of an error (also accepted after the command; or DSV4_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("info", help="config summary, parameters, KV-cache size (no weights allocated)")
+    p = sub.add_parser("info", help="config summary, parameters, memory and GPUs needed to serve and train (no weights "
+                                    "allocated)")
     add_model_args(p, "the shipped model")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    from .info import add_memory_args
+
+    add_memory_args(p)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="continue a prompt (greedy or sampled)")

@@ -1,5 +1,6 @@
 """Model facts computed from a config alone (no weights are allocated): parameters, active parameters
-per token, KV-cache bytes, per-token FLOPs."""
+per token, KV-cache bytes, per-token FLOPs, and what serving and training take in memory (`dsv4.memory`);
+with `--measure`, the peak this CPU measures beside the estimate."""
 
 from __future__ import annotations
 
@@ -86,3 +87,123 @@ def human(n: float, unit: str = "") -> str:
         if abs(n) >= div:
             return f"{n / div:.2f}{suffix}{unit}"
     return f"{n:.0f}{unit}"
+
+
+# ------------------------------------------------------------------------------------------ memory
+def add_memory_args(p) -> None:
+    """`dsv4 info` flags for what serving and training take (estimates from `dsv4.memory`)."""
+    g = p.add_argument_group("memory")
+    g.add_argument("--context", type=int, default=8192, help="positions per sequence for the KV cache (default 8192)")
+    g.add_argument("--batch", type=int, default=1, help="sequences served at once (default 1)")
+    g.add_argument("--chunk", type=int, default=4096,
+                   help="prefill chunk: tokens per engine step (default 4096, serve's default on a GPU)")
+    g.add_argument("--gpu-memory", default="141GB",
+                   help="memory of one GPU: 141GB, 80GB, 139.8GiB ... (GB = 10^9 bytes; default 141GB, an H200)")
+    g.add_argument("--train-seq-len", type=int, default=4096, help="training tokens per sequence (default 4096)")
+    g.add_argument("--train-batch", type=int, default=1, help="training sequences per rank (default 1)")
+    g.add_argument("--measure", action="store_true",
+                   help="also measure on this CPU (fp32, reference ops): one served sequence set and one training "
+                        "step at these settings, peak of torch's allocations beside the estimate (small models)")
+
+
+def memory_requirements(cfg: ModelConfig, args):
+    from .errors import UserError
+    from .memory import parse_size, requirements
+
+    for flag in ("context", "batch", "chunk", "train_seq_len", "train_batch"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
+    try:
+        gpu = parse_size(args.gpu_memory)
+    except ValueError:
+        raise UserError(f"--gpu-memory: not a size: '{args.gpu_memory}' (e.g. 141GB, 80GB, 139.8GiB)") from None
+    if gpu <= 0:
+        raise UserError("--gpu-memory must be positive")
+    return requirements(cfg, context=args.context, batch=args.batch, chunk=args.chunk, gpu_memory=gpu,
+                        train_batch=args.train_batch, train_seq_len=args.train_seq_len)
+
+
+def _gb(n: float) -> str:
+    """Decimal units, as GPU memory is sold (141 GB)."""
+    if n >= 1e8:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
+
+
+def format_memory(req) -> list[str]:
+    s, w, c = req.settings, req.weights, req.cache
+    gpu = f"{s['gpu_memory'] / 1e9:g} GB"
+    fmt = ", ".join(f"{k} {_gb(v)}" for k, v in sorted(w.by_format.items(), key=lambda kv: -kv[1]))
+    lines = [
+        f"  memory (bf16; {s['batch']} x {s['context']} positions, prefill chunks of {s['chunk']} tokens; GPUs of "
+        f"{gpu}, {s['usable_fraction']:.0%} usable):",
+        f"    weights: {_gb(w.dequantized)} dequantized to bf16, {_gb(w.kept_quantized)} kept quantized "
+        f"(--keep-quantized); on disk {_gb(w.stored)} in the release layout ({fmt})",
+        f"    KV cache: {c.per_token:.0f} B per position ({req.cache_no_prefix.per_token:.0f} B with "
+        f"--no-prefix-caching: no raw page tails) + {_gb(c.per_sequence_fixed)} per sequence (window pages, "
+        f"compressor rows); {_gb(c.total)} for {s['batch']} x {s['context']}",
+        f"    activations of one {s['chunk']}-token prefill chunk: {_gb(req.activation_peak_fused)} with the fused "
+        f"CUDA kernels, {_gb(req.activation_peak)} with the reference ops (CPU)",
+        f"    inference on a GPU: {_gb(req.inference_total)} dequantized, {_gb(req.inference_total_quantized)} kept "
+        f"quantized: {_gpus(req.inference_gpus)} / {_gpus(req.inference_gpus_quantized)} of {gpu}"
+        + ("" if req.inference_gpus_quantized == 1 else "; dsv4 serves on one device, so it does not run on these "
+           "GPUs today"),
+        f"    training (fp32 master weights and gradients, Muon momentum + AdamW moments): {_gb(req.train.weights)} + "
+        f"{_gb(req.train.grads)} + {_gb(req.train.optimizer)}; activations per rank for {s['train_batch']} x "
+        f"{s['train_seq_len']} tokens {_gb(req.train_activations)}, {_gb(req.train_activations_ckpt)} with "
+        f"--activation-checkpointing",
+        f"    training GPUs of {gpu} (FSDP2 + expert parallelism): {_train_gpus(req.train_gpus)} without "
+        f"checkpointing, {_train_gpus(req.train_gpus_ckpt)} with it",
+    ]
+    return lines
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" + ("" if n == 1 else "s")
+
+
+def _train_gpus(n: int | None) -> str:
+    return "does not fit at any rank count" if n is None else _gpus(n)
+
+
+def measure_memory(cfg: ModelConfig, args, model_dir=None) -> list[dict]:
+    """`--measure`: this CPU's measured peak beside the estimate at the same settings (fp32, reference ops)."""
+    import torch
+
+    from . import memory as mem
+    from .errors import UserError
+
+    est_weights = mem.weight_bytes(cfg, torch.float32).dequantized
+    if est_weights > 4e9:
+        raise UserError(f"--measure runs the model on this CPU: {cfg.name} has {_gb(est_weights)} of fp32 weights; "
+                        "measure tiny, small or a small checkpoint")
+    if model_dir is not None:
+        from .checkpoint import load_pretrained
+
+        model = load_pretrained(model_dir, dtype=torch.float32)
+    else:
+        from .model import DeepSeekV4
+
+        model = DeepSeekV4.from_config(cfg, dtype=torch.float32).eval()
+    ctx, b, chunk = args.context, args.batch, args.chunk
+    inf = mem.measure_inference(model, ctx, b, chunk)
+    est = (est_weights + mem.cache_bytes(cfg, ctx, b, 4, max_batch_tokens=chunk * b, prefix_caching=False).total
+           + mem.activation_bytes(cfg, chunk * b, ctx, 4, logits_rows=b))
+    rows = [{"what": f"serving {b} x {ctx} (prefill chunks of {chunk}, 2 decode steps)", "measured": inf["peak"],
+             "estimated": est}]
+    st = mem.train_state_bytes(cfg)
+    state = st.weights + st.grads + st.optimizer
+    for ckpt in (False, True):
+        # the balance loss is off with checkpointing: with it on, every layer is recomputed at once
+        m = mem.measure_training(cfg, args.train_batch, args.train_seq_len, ckpt, 0.0 if ckpt else 1e-4)
+        e = state + mem.train_activation_bytes(cfg, args.train_batch, args.train_seq_len, ckpt, 4)
+        what = "with checkpointing (balance loss off)" if ckpt else "without checkpointing"
+        rows.append({"what": f"one training step {args.train_batch} x {args.train_seq_len} {what}",
+                     "measured": m["peak"], "estimated": e})
+    return rows
+
+
+def format_measured(rows: list[dict]) -> list[str]:
+    return ["  measured on this CPU (fp32, reference ops; peak of torch's allocations):"] + [
+        f"    {r['what']}: {_gb(r['measured'])} measured, {_gb(r['estimated'])} estimated "
+        f"({r['estimated'] / r['measured'] - 1:+.0%})" for r in rows]

@@ -28,8 +28,8 @@ def add_model_args(p: argparse.ArgumentParser, default_hint: str) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--preset", type=argtypes.preset,
                    help="a built-in architecture with random weights: tiny, small, flash, pro")
-    g.add_argument("--model", metavar="DIR", type=argtypes.path,
-                   help=f"a checkpoint directory (default: {default_hint})")
+    g.add_argument("--model", metavar="DIR|ID", type=argtypes.path,
+                   help=f"a checkpoint directory or a Hugging Face Hub id org/name[@rev] (default: {default_hint})")
     g.add_argument("--config", metavar="FILE", type=argtypes.path,
                    help="a config.json (official or Hugging Face keys)")
 
@@ -53,7 +53,11 @@ def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
             return ModelConfig.from_json(args.config)
         model_dir = getattr(args, "model", None)
         if model_dir:
-            return ModelConfig.from_json(Path(model_dir) / "config.json")
+            from .checkpoint.hub import resolve_model_path
+
+            path = resolve_model_path(model_dir, weights=False)
+            cfg = ModelConfig.from_json(path / "config.json")
+            return cfg if path == Path(model_dir) else cfg.replace(name=str(model_dir))   # a Hub id, not a hash
         if default_preset:
             return ModelConfig.preset(default_preset)
         shipped = default_model_dir()
@@ -78,9 +82,10 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None):
     path = Path(args.model) if getattr(args, "model", None) else default_model_dir()
     if path is None:
         raise UserError("no model given and no shipped model installed: pass --preset or --model DIR")
-    if not path.is_dir():
-        raise UserError(f"{path}: not a directory")
     from .checkpoint import load_pretrained
+    from .checkpoint.hub import resolve_model_path
+
+    path = resolve_model_path(path)         # a Hub id becomes its snapshot in the Hugging Face cache
 
     model = load_pretrained(path, dtype=dtype, device=device, quant_mode=getattr(args, "quant_mode", None),
                             keep_quantized=getattr(args, "keep_quantized", False)).eval()

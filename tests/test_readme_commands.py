@@ -10,7 +10,8 @@ output printed below it) and each `dsv4 ...` line of a plain block, and each ```
 - `bash scripts/setup.sh ... && CMD`: `.ci/run` runs the setup itself first, so CMD is run;
   `python3 -m pytest` is `.ci/run`'s own command;
 - a template (placeholders such as DIR, EPS or `[--flag]`): its subcommand and every flag it names must exist;
-- a command README marks "(needs a GPU ...)": skipped with that reason, never run here;
+- a command README marks "(needs a GPU ...)" or "(needs the Hugging Face Hub ...)": skipped with that reason,
+  never run here (the Hub is not reachable from the test machines); a `dsv4 ...` one is checked as a template;
 - a python block that uses names it does not define (a sketch): its imports are run;
 - `dsv4 serve ...` runs until stopped: it is started in the background, and the commands after it that talk
   to its address (127.0.0.1:8000) run against it, in order, before it is stopped.
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PLACEHOLDERS = re.compile(r"\b(DIR|DIR_A|DIR_B|SRC|DST|EPS|ZID|N)\b|\[|\{|mypkg\.")
 GPU_MARK = "(needs a GPU"
+HUB_MARK = "(needs the Hugging Face Hub"
 TIMEOUT_S = 600
 
 
@@ -96,12 +98,19 @@ def _block_commands(lang: str, lines: list[str]) -> list[Command]:
 SERVER_ADDRESS = "127.0.0.1:8000"
 
 
+def _needs(cmd: Command) -> str | None:
+    """What a command README marks as needed and this machine lacks (a GPU, the Hub), else None."""
+    return next((m for m in (GPU_MARK, HUB_MARK) if m in cmd.comment), None)
+
+
 def _attach_clients(cmds: list[Command]) -> list[Command]:
     """Commands that talk to a `dsv4 serve` started earlier become that server's clients."""
     out: list[Command] = []
     server: Command | None = None
     for c in cmds:
-        if not c.python and c.line.startswith("dsv4 serve") and not PLACEHOLDERS.search(c.line):
+        if _needs(c):
+            pass
+        elif not c.python and c.line.startswith("dsv4 serve") and not PLACEHOLDERS.search(c.line):
             server = c
         elif server is not None and SERVER_ADDRESS in c.line:
             server.clients.append(c)
@@ -249,6 +258,10 @@ def _run_server(cmd: Command, env: dict, cwd: Path) -> None:
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[c.id for c in COMMANDS])
 def test_readme_command(cmd: Command, tmp_path):
+    if _needs(cmd):
+        if cmd.line.startswith("dsv4 "):
+            _template_check(cmd.line)           # not run here, but its subcommand and flags must exist
+        pytest.skip(f"README marks what it needs: {cmd.comment}")
     env = _dsv4_script_env(_env(), tmp_path)
     if cmd.clients or (not cmd.python and cmd.line.startswith("dsv4 serve") and not PLACEHOLDERS.search(cmd.line)):
         _run_server(cmd, env, tmp_path)
@@ -256,8 +269,6 @@ def test_readme_command(cmd: Command, tmp_path):
     if cmd.python:
         _run_python(cmd, env, tmp_path)
         return
-    if GPU_MARK in cmd.comment:
-        pytest.skip(f"README marks it as needing a GPU: {cmd.comment}")
     line = cmd.line
     setup = re.match(r"bash scripts/setup\.sh( --test)? && (.*)", line)
     if setup:
@@ -277,7 +288,7 @@ def test_readme_command(cmd: Command, tmp_path):
 
 def test_readme_commands_are_found():
     lines = [c.line for c in COMMANDS]
-    serve = [c for c in COMMANDS if c.line.startswith("dsv4 serve")]
+    serve = [c for c in COMMANDS if c.line.startswith("dsv4 serve") and not _needs(c)]
     assert serve and serve[0].clients and any(c.python for c in serve[0].clients)
     assert any(x.startswith("torchrun --nproc-per-node 2 -m dsv4.train.cli train") for x in lines)
     assert sum(c.python for c in COMMANDS) >= 2 and sum(bool(c.output) for c in COMMANDS) >= 3

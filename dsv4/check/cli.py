@@ -20,7 +20,8 @@ from ..errors import UserError
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", type=argtypes.preset,
                    help="model preset for a random model (default: tiny)")
-    p.add_argument("--checkpoint", type=argtypes.path, help="load this checkpoint directory instead of a random model")
+    p.add_argument("--checkpoint", type=argtypes.path,
+                   help="load this checkpoint directory (or Hub id org/name[@rev]) instead of a random model")
     p.add_argument("--seed", type=argtypes.seed_int, default=0, help="weights and tokens seed (default 0)")
     p.add_argument("--batch", type=argtypes.positive_int, default=2, help="sequences per run (default 2)")
     p.add_argument("--seq-len", type=argtypes.int_in(2), default=40, help="tokens per sequence (default 40)")
@@ -226,10 +227,11 @@ def cmd_compare(args) -> int:
         no_sim = {"fp8_kv_sim": False, "fp4_indexer_sim": False} if args.external in ("hf", "transformers") else {}
         if args.checkpoint and no_sim:
             from ..checkpoint import CheckpointError, load_pretrained
+            from ..checkpoint.hub import resolve_model_path
             from ..checkpoint.layouts import load_config
 
             try:
-                cfg = load_config(args.checkpoint).replace(**no_sim)
+                cfg = load_config(resolve_model_path(args.checkpoint, weights=False)).replace(**no_sim)
                 model = load_pretrained(args.checkpoint, dtype=torch.float32, config=cfg, quant_mode=args.quant_mode)
             except (CheckpointError, FileNotFoundError) as e:
                 raise UserError(f"cannot load checkpoint '{args.checkpoint}': {e}") from None

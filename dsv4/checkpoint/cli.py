@@ -31,7 +31,7 @@ def add_inspect_parser(subparsers) -> argparse.ArgumentParser:
         "by dtype, bytes, and missing/unexpected/invalid tensors against the config. "
         "With --preset NAME --expected: the inventory a release checkpoint must hold.",
     )
-    p.add_argument("dir", nargs="?", help="checkpoint directory")
+    p.add_argument("dir", nargs="?", help="checkpoint directory or Hugging Face Hub id org/name[@rev]")
     p.add_argument("--preset", help="config preset (tiny, small, flash, pro) instead of DIR/config.json")
     p.add_argument("--config", help="config.json to check DIR against (default: DIR/config.json)")
     p.add_argument("--expected", action="store_true", help="print the inventory the config requires")
@@ -56,7 +56,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         return 0
     if not args.dir:
         raise UserError("inspect needs a checkpoint directory (or --preset NAME --expected)")
-    r = inspect_dir(args.dir, cfg, args.layout)
+    from .hub import resolve_model_path
+
+    r = inspect_dir(resolve_model_path(args.dir), cfg, args.layout)
     print(json.dumps(r) if args.json else format_report(r))
     return 0 if r["ok"] else 2
 
@@ -69,7 +71,7 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
         "hf (transformers names), inference (official model-parallel files). Written "
         "atomically (temporary directory + rename) and verified by reading it back.",
     )
-    p.add_argument("src")
+    p.add_argument("src", help="checkpoint directory or Hugging Face Hub id org/name[@rev]")
     p.add_argument("dst")
     p.add_argument("--to", required=True, choices=TARGETS)
     p.add_argument("--mp", type=argtypes.positive_int, default=1, help="model-parallel ranks for --to inference")
@@ -91,8 +93,10 @@ def run_convert(args: argparse.Namespace) -> int:
     ed = None if args.expert_dtype in (None, "fp8") else "fp4"
     if args.expert_dtype == "fp8":
         ed = "fp8"
+    from .hub import resolve_model_path
+
     dst = convert(
-        args.src,
+        resolve_model_path(args.src),
         args.dst,
         args.to,
         mp=args.mp,

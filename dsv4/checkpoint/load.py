@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import defaults
 from ..config import ModelConfig
+from .hub import resolve_model_path
 from .names import to_model
 from .quantized import QuantExperts, QuantLinear
 from .reader import Plan, Value, plan, stream
@@ -47,6 +48,8 @@ def load_pretrained(
 ):
     """Load a checkpoint directory (release, inference MP shards or HF transformers) into DeepSeekV4.
 
+    path: a directory, or a Hugging Face Hub id `org/name[@revision]` (fetched into the Hub cache; see hub.py).
+
     dtype: parameter dtype of the weights that are not fp32 by design (norms, mHC, head stay fp32);
     dtype and device default to `dsv4.defaults` (fp32, cpu), as the command line's --dtype / --device.
     keep_quantized: FP8 linears and FP8/MXFP4 experts stay quantized (dequantized per block at compute
@@ -60,6 +63,7 @@ def load_pretrained(
 
     asked = {k: v for k, v in (("quant_mode", quant_mode), ("fp8_kv_sim", fp8_kv_sim),
                                ("fp4_indexer_sim", fp4_indexer_sim)) if v is not None}
+    path = resolve_model_path(path)
     p = plan(path, config.replace(**asked) if config is not None and asked else config, layout, overrides=asked)
     for w in p.warnings:
         log.warning(w)

@@ -61,7 +61,9 @@ def _load_tokenizer(args):
     from ..train.tokenizer import ByteTokenizer, Tokenizer
 
     if getattr(args, "model", None) or not (getattr(args, "preset", None) or getattr(args, "config", None)):
-        path = Path(args.model) if args.model else default_model_dir()
+        from ..checkpoint.hub import resolve_model_path
+
+        path = resolve_model_path(args.model, weights=False) if args.model else default_model_dir()
         if path is not None and (path / "tokenizer.json").exists():
             return Tokenizer.from_file(path)
     cfg = resolve_config(args)

@@ -32,7 +32,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                                     "a [model] table overrides ModelConfig fields")
     p.add_argument("--preset", type=argtypes.preset, help="model preset (tiny, small, flash, pro); default tiny")
     p.add_argument("--model-config", help="model config.json to train from scratch instead of a preset")
-    p.add_argument("--init-from", help="checkpoint directory to continue training (fine-tune)")
+    p.add_argument("--init-from", help="checkpoint directory or Hugging Face Hub id org/name[@rev] to continue "
+                                       "training (fine-tune)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a ModelConfig field, e.g. --set n_layers=6 (repeatable; JSON values)")
     p.add_argument("--data", nargs="+", help="text files or directories (default: the Python stdlib)")

@@ -37,7 +37,7 @@ class TrainConfig:
     preset: str = "tiny"
     model: dict[str, Any] = field(default_factory=dict)   # ModelConfig field overrides
     model_config: str | None = None                        # a config.json instead of a preset
-    init_from: str | None = None                           # continue-train a checkpoint directory
+    init_from: str | None = None                           # continue-train a checkpoint directory or Hub id
     # data
     data: list[str] = field(default_factory=list)          # files/dirs; empty = the Python stdlib
     tokenizer: str | None = None                           # tokenizer.json (or its dir); None = train one
@@ -266,7 +266,10 @@ class Trainer:
     def _model_config(self) -> ModelConfig:
         c = self.cfg
         if c.init_from:
+            from ..checkpoint.hub import resolve_model_path
             from ..checkpoint.layouts import load_config
+
+            c.init_from = str(resolve_model_path(c.init_from))   # a Hub id becomes its cache snapshot
             mcfg = load_config(c.init_from)
         elif c.model_config:
             mcfg = ModelConfig.from_json(c.model_config)

@@ -1,0 +1,377 @@
+"""What running and training a model takes in memory: estimates from the config, and a measurement to check them.
+
+Estimates need no weights (a model on the meta device gives the parameter shapes). They follow what the
+code stores, not a generic transformer formula:
+
+- weights: the model's parameters and buffers in the compute dtype (FP8 / FP4 checkpoint weights
+  dequantized at load), or with `keep_quantized` the FP8 linears and FP8 / MXFP4 experts left as stored
+  (data + block scales), every other tensor as loaded; on disk: the release layout's bytes.
+- KV cache: exactly what `Engine` allocates for `max_seqs` sequences of `max_model_len` positions
+  (`dsv4.model.paged.PagedKVCache`): per layer the window pages and compressed entries in the compute
+  dtype, CSA indexer keys in the compute dtype, the compressors' pending rows (fp32 rings per sequence)
+  and, with prefix caching, each compressed page's last raw group (fp32).
+- activations of one step of T tokens (a prefill chunk), as the reference ops compute it: the hidden
+  streams, then the largest of one layer's attention (gathered keys, fp32 scores and probabilities, the
+  CSA indexer's [T, heads, entries] fp32 scores) or its MoE (router scores, each routed token's expert
+  hidden, the shared expert), plus the logits of the rows that want them. The fused GPU kernels do not
+  materialize the score tensors, so on a GPU this is an upper bound.
+- training: fp32 master weights, fp32 gradients, optimizer state as `dsv4.train.optim.MuonAdamW` keeps it
+  (Muon: one fp32 momentum per hidden matrix; AdamW: two fp32 moments for the rest), and activations saved
+  for backward: every layer's (without checkpointing) or one block input per layer plus one layer
+  recomputed (with `activation_checkpointing`).
+
+Parallelism dsv4 supports: inference on one device; training with FSDP2 (dense weights, gradients and
+optimizer state sharded over W ranks) plus expert parallelism (routed experts split over the same W ranks;
+W must divide the expert count). A rank also holds one block's gathered weights while FSDP runs it.
+
+`measure_inference` / `measure_training` measure the peak of torch's CPU allocations: the bytes live when
+the measurement starts plus the largest running sum of the allocation events torch's profiler records
+(`profile_memory=True`, every allocation and free, in time order) during the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .config import ModelConfig
+
+GB = 10**9
+GIB = 2**30
+# the share of a GPU's memory tensors can use: the CUDA context, allocator slack and NCCL buffers take the rest
+USABLE_FRACTION = 0.92
+
+
+# ------------------------------------------------------------------------------------------ weights
+@dataclass
+class WeightBytes:
+    params: int                 # parameters (backbone + MTP)
+    dequantized: int            # in memory, every float weight in the compute dtype (fp32-by-design kept)
+    kept_quantized: int         # in memory with keep_quantized: FP8 / FP4 weights as stored
+    stored: int                 # on disk in the release layout (config's dtype / expert_dtype)
+    by_format: dict             # stored bytes by safetensors dtype
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> WeightBytes:
+    from .checkpoint.layouts import expected_tensors
+    from .model import DeepSeekV4
+
+    model = DeepSeekV4(cfg, dtype=dtype, device="meta")
+    tensors = list(model.parameters()) + list(model.buffers())
+    in_memory = sum(t.numel() * t.element_size() for t in tensors)
+    params = sum(p.numel() for p in model.parameters())
+    inventory = expected_tensors(cfg, "release", mtp=cfg.n_mtp_layers > 0)
+    by_format: dict[str, int] = {}
+    quant_logical = quant_stored = 0
+    for name, (shape, st_dtype) in inventory.items():
+        n = math.prod(shape) * _ST_BYTES[st_dtype]
+        by_format[st_dtype] = by_format.get(st_dtype, 0) + n
+        if st_dtype in ("F8_E4M3", "I8") or name.endswith(("weight_scale_inv", ".scale")):
+            quant_stored += n
+            if not name.endswith(("weight_scale_inv", ".scale")):
+                quant_logical += math.prod(shape) * (2 if st_dtype == "I8" else 1)
+    kept = in_memory - quant_logical * torch.finfo(dtype).bits // 8 + quant_stored
+    return WeightBytes(params, in_memory, kept, sum(by_format.values()), by_format)
+
+
+_ST_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
+
+
+# ------------------------------------------------------------------------------------------ KV cache
+@dataclass
+class CacheBytes:
+    total: int                  # what Engine allocates for max_seqs x max_model_len
+    per_token: float            # marginal bytes per cached position of one sequence (compressed entries,
+                                # indexer keys, page tails)
+    per_sequence_fixed: int     # window pages and compressor rings of one running sequence
+
+
+def engine_cache_layout(cfg: ModelConfig, max_seqs: int, max_model_len: int, max_batch_tokens: int = 4096,
+                        prefix_caching: bool = True):
+    """The CacheLayout `Engine` builds from these settings (its defaults: page size, pages per sequence)."""
+    from .model.paged import CacheLayout, default_page_size
+
+    P = default_page_size(cfg)
+    n_c = max_seqs * math.ceil(max_model_len / P)
+    n_w = 2 * max_seqs * (math.ceil((cfg.window_size + max_batch_tokens) / P) + 1)
+    return CacheLayout.for_model(cfg, n_w + 1, n_c + 1, max_seqs, max_model_len, P, page_tails=prefix_caching)
+
+
+def layout_bytes(cfg: ModelConfig, layout, dtype_bytes: int) -> int:
+    """Bytes of `PagedKVCache(cfg, layout, ...)` without allocating it (its tensors, reserved rows included)."""
+    from .model.paged import RING_BASE, overlap
+
+    P, total = layout.page_size, 0
+    for ratio in cfg.compress_ratios:
+        n_ent = layout.n_comp_pages * (P // ratio) if ratio else 0
+        total += (layout.n_window_pages * P + n_ent) * cfg.head_dim * dtype_bytes
+        if not ratio:
+            continue
+        widths = [(2 if overlap(ratio) else 1) * cfg.head_dim]
+        tails = [layout.page_tails and overlap(ratio)]
+        if ratio == 4:
+            total += n_ent * cfg.index_head_dim * dtype_bytes
+            widths.append(2 * cfg.index_head_dim)
+            tails.append(layout.page_tails)
+        for width, tail in zip(widths, tails):
+            total += 2 * (RING_BASE + layout.n_states * layout.ring_len(ratio)) * width * 4   # kv + score, fp32
+            if tail:
+                total += 2 * layout.n_comp_pages * ratio * width * 4
+    return total
+
+
+def cache_bytes(cfg: ModelConfig, context: int, batch: int, dtype_bytes: int = 2, max_batch_tokens: int = 4096,
+                prefix_caching: bool = True) -> CacheBytes:
+    total = layout_bytes(cfg, engine_cache_layout(cfg, batch, context, max_batch_tokens, prefix_caching),
+                         dtype_bytes)
+    one = layout_bytes(cfg, engine_cache_layout(cfg, 1, context, max_batch_tokens, prefix_caching), dtype_bytes)
+    two = layout_bytes(cfg, engine_cache_layout(cfg, 1, 2 * context, max_batch_tokens, prefix_caching), dtype_bytes)
+    per_token = (two - one) / context
+    return CacheBytes(total, per_token, int(one - per_token * context))
+
+
+# ------------------------------------------------------------------------------------------ activations
+FUSED_INDEXER_ENTRIES = 64 * 2**20   # the Triton indexer scores at most this many [rows, entries] at a time
+
+
+def _layer_step_bytes(cfg: ModelConfig, ratio: int, T: int, context: int, a: int, fused: bool = False) -> int:
+    """Peak transient bytes inside one layer for a step of T tokens over a `context`-position cache.
+
+    fused=False: the reference ops (what a CPU runs): gathered keys, fp32 scores and the indexer's
+    [T, heads, entries] products exist in memory. fused=True: the Triton kernels (CUDA), which keep scores
+    in registers and score the indexer in bounded chunks (fp32 scores, then a sort: values + int64 ids)."""
+    D, H, d = cfg.dim, cfg.n_heads, cfg.head_dim
+    keys = min(cfg.window_size, context) + (min(cfg.index_topk, context // 4) if ratio == 4
+                                            else context // ratio if ratio else 0)
+    attn = T * (cfg.q_lora_rank + 3 * H * d) * a        # qr, q, o and its inverse-rope copy
+    if fused:
+        attn += T * H * 4 + T * keys * 8                # lse; the key index list (int64)
+    else:
+        attn += T * keys * d * 4 + 3 * T * H * (keys + 1) * 4   # gathered keys; scores + sink, probabilities
+    if ratio == 4:
+        entries = context // 4
+        attn += T * cfg.index_n_heads * cfg.index_head_dim * a
+        if fused:
+            attn += min(T * entries, FUSED_INDEXER_ENTRIES) * (4 + 4 + 8)
+        else:                                           # relu(q . k) [T, heads, entries] and its weighted copy
+            attn += 2 * T * cfg.index_n_heads * entries * 4
+    k, inter = cfg.n_activated_experts, cfg.moe_inter_dim
+    moe = (T * cfg.n_routed_experts * 4                 # router scores
+           + T * D * 4                                  # routed output (fp32)
+           + 4 * T * k * inter * a // max(1, min(k, cfg.n_routed_experts))   # one expert's tokens at a time
+           + 3 * T * inter * a * cfg.n_shared_experts)  # shared expert
+    return max(attn, moe)
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, context: int, dtype_bytes: int = 2, logits_rows: int = 1,
+                     fused: bool = False) -> int:
+    """Peak activation bytes of one inference step of `tokens` tokens (a prefill chunk, or a decode batch)."""
+    T, a = tokens, dtype_bytes
+    streams = 3 * T * cfg.hc_mult * cfg.dim * a + T * cfg.hc_mult * cfg.dim * 4    # in, out, residual; fp32 mix
+    layer = max(_layer_step_bytes(cfg, r, T, context, a, fused) for r in cfg.compress_ratios[: cfg.n_layers])
+    return streams + layer + logits_rows * cfg.vocab_size * 4
+
+
+def train_activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False,
+                           dtype_bytes: int = 2, mtp: bool = True, fused: bool = False) -> int:
+    """Activation bytes at a training step's peak (early in backward): what the forward saved, plus the
+    backward's working set for one layer (each fp32 attention tensor it saved gets a gradient of its size:
+    the layer's forward transient once more).
+    With checkpointing only each block's input is saved, and one layer is recomputed at a time."""
+    T, a = batch * seq_len, dtype_bytes
+    L = cfg.n_layers + (cfg.n_mtp_layers if mtp else 0)
+    stream = T * cfg.hc_mult * cfg.dim * a
+
+    def transient(ratio: int) -> int:
+        return _layer_step_bytes(cfg, ratio, seq_len, seq_len, a, fused) * batch
+
+    def saved(ratio: int) -> int:
+        # a layer's intermediates: streams and mHC mixes, the attention's (the sequence is its own context),
+        # the LoRA / output projections and each routed token's expert input and hidden
+        return (4 * stream + transient(ratio)
+                + T * (cfg.q_lora_rank + cfg.o_groups * cfg.o_lora_rank + 2 * cfg.dim) * a
+                + T * cfg.n_activated_experts * (cfg.dim + 3 * cfg.moe_inter_dim) * a)
+
+    ratios = list(cfg.compress_ratios[:L])
+    logits = T * cfg.vocab_size * 4 * 2 * (1 + (cfg.n_mtp_layers if mtp else 0))   # logits + log-softmax
+    backward = max(transient(r) for r in ratios)
+    if checkpointing:
+        return L * stream + max(saved(r) for r in ratios) + backward + logits
+    return sum(saved(r) for r in ratios) + backward + logits
+
+
+# ------------------------------------------------------------------------------------------ training state
+@dataclass
+class TrainState:
+    weights: int                # fp32 master weights
+    grads: int                  # fp32
+    optimizer: int              # Muon momentum + AdamW moments, fp32
+    expert_share: float         # fraction of the three above in routed experts (expert parallelism splits it)
+    largest_block: int          # fp32 bytes of the largest block (what FSDP gathers to run it)
+
+
+def train_state_bytes(cfg: ModelConfig) -> TrainState:
+    from .model import DeepSeekV4
+    from .train.optim import uses_muon
+
+    model = DeepSeekV4(cfg, dtype=torch.float32, device="meta")
+    w = opt = experts = 0
+    for name, p in model.named_parameters():
+        n = p.numel() * 4
+        w += n
+        opt += n * (1 if uses_muon(name, p) else 2)
+        if ".experts.w" in name:
+            experts += n * (1 + 1 + 1)
+    blocks = [*model.layers, *model.mtp]
+    dense_block = max(sum(p.numel() * 4 for n, p in b.named_parameters() if ".experts.w" not in f".{n}")
+                      for b in blocks)
+    return TrainState(w, w, opt, experts / (w + w + opt), dense_block)
+
+
+# ------------------------------------------------------------------------------------------ GPU counts
+def parse_size(text: str) -> int:
+    """'141GB' / '80GiB' / '24G' / a number of bytes -> bytes (GB = 10^9, GiB = 2^30, G = 10^9)."""
+    t = text.strip().upper().replace(" ", "")
+    for suffix, mult in (("GIB", GIB), ("GB", GB), ("G", GB), ("MIB", 2**20), ("MB", 10**6), ("TB", 10**12),
+                         ("B", 1)):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(float(t))
+
+
+def inference_gpus(need: int, gpu_bytes: int) -> int:
+    """GPUs needed to hold `need` bytes. dsv4 serves on one device, so only 1 is runnable today."""
+    return max(1, math.ceil(need / (gpu_bytes * USABLE_FRACTION)))
+
+
+def training_gpus(cfg: ModelConfig, state: TrainState, activations: int, gpu_bytes: int,
+                  max_world: int = 4096) -> int | None:
+    """The fewest ranks W (dividing the expert count) for which FSDP2 + expert parallelism fits each GPU."""
+    total = state.weights + state.grads + state.optimizer
+    for world in range(1, max_world + 1):
+        if cfg.n_routed_experts % world:
+            continue
+        per_rank = total / world + activations + (state.largest_block if world > 1 else 0)
+        if per_rank <= gpu_bytes * USABLE_FRACTION:
+            return world
+    return None
+
+
+# ------------------------------------------------------------------------------------------ report
+@dataclass
+class Requirements:
+    weights: WeightBytes
+    cache: CacheBytes           # as `dsv4 serve` allocates it (prefix caching on)
+    cache_no_prefix: CacheBytes  # with --no-prefix-caching (no fp32 raw tail per compressed page)
+    activation_peak: int        # one prefill chunk, reference ops (a CPU)
+    activation_peak_fused: int  # the same with the fused CUDA kernels
+    inference_total: int        # on a GPU: weights dequantized + cache + fused activation peak
+    inference_total_quantized: int   # the same with keep_quantized weights
+    inference_gpus: int         # GPUs that would hold inference_total (dsv4 serves on one)
+    inference_gpus_quantized: int
+    train: TrainState
+    train_activations: int      # per rank, fused kernels, no checkpointing
+    train_activations_ckpt: int
+    train_gpus: int | None      # fewest FSDP2 + expert-parallel ranks (None: does not fit at any count)
+    train_gpus_ckpt: int | None
+    settings: dict
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def requirements(cfg: ModelConfig, *, context: int = 8192, batch: int = 1, chunk: int = 4096,
+                 gpu_memory: int = 141 * GB, dtype: torch.dtype = torch.bfloat16, train_batch: int = 1,
+                 train_seq_len: int = 4096) -> Requirements:
+    """Everything `dsv4 info` reports about memory, for serving `batch` sequences of `context` positions in
+    prefill chunks of `chunk` tokens, and training `train_batch` x `train_seq_len` tokens per rank."""
+    a = torch.finfo(dtype).bits // 8
+    w = weight_bytes(cfg, dtype)
+    cache = cache_bytes(cfg, context, batch, a, max_batch_tokens=chunk)
+    cache_no_prefix = cache_bytes(cfg, context, batch, a, max_batch_tokens=chunk, prefix_caching=False)
+    act = activation_bytes(cfg, chunk, context, a, logits_rows=batch)
+    act_fused = activation_bytes(cfg, chunk, context, a, logits_rows=batch, fused=True)
+    inf, inf_q = w.dequantized + cache.total + act_fused, w.kept_quantized + cache.total + act_fused
+    st = train_state_bytes(cfg)
+    ta = train_activation_bytes(cfg, train_batch, train_seq_len, False, a, fused=True)
+    tc = train_activation_bytes(cfg, train_batch, train_seq_len, True, a, fused=True)
+    return Requirements(
+        w, cache, cache_no_prefix, act, act_fused, inf, inf_q, inference_gpus(inf, gpu_memory),
+        inference_gpus(inf_q, gpu_memory), st, ta, tc, training_gpus(cfg, st, ta, gpu_memory),
+        training_gpus(cfg, st, tc, gpu_memory),
+        {"context": context, "batch": batch, "chunk": chunk, "gpu_memory": gpu_memory, "dtype": str(dtype),
+         "train_batch": train_batch, "train_seq_len": train_seq_len, "usable_fraction": USABLE_FRACTION})
+
+
+# ------------------------------------------------------------------------------------------ measurement
+def allocation_peak(fn) -> tuple[object, int]:
+    """(fn(), the largest running sum of torch's CPU allocation events while it ran, in bytes)."""
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()        # frees of earlier garbage inside the window would lower the running sum
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+    live = peak = 0
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    return result, peak
+
+
+def _tensor_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def measure_inference(model, context: int, batch: int, chunk: int, decode_steps: int = 2) -> dict:
+    """Peak CPU allocations of serving `batch` prompts of `context - decode_steps` tokens in prefill chunks
+    of `chunk` tokens, then `decode_steps` decode steps, through `Engine` (cache allocation included)."""
+    from .engine import Engine, EngineConfig, SamplingParams
+
+    cfg = model.cfg
+    prompt = [(7 * i + 3) % cfg.vocab_size for i in range(context - decode_steps)]
+
+    def run():
+        engine = Engine(model, EngineConfig(max_seqs=batch, max_model_len=context, max_batch_tokens=chunk * batch,
+                                            prefix_caching=False, cuda_graphs=False))
+        for i in range(batch):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=decode_steps, temperature=0.0,
+                                                              ignore_eos=True))
+        while engine.has_work():
+            engine.step()
+        return engine.cache.nbytes()
+
+    weights = _tensor_bytes(model)
+    cache, peak = allocation_peak(run)
+    return {"weights": weights, "cache": cache, "activation_peak": peak - cache, "peak": weights + peak}
+
+
+def measure_training(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False,
+                     balance_alpha: float = 1e-4) -> dict:
+    """Peak CPU allocations of one training step (forward with MTP and indexer losses, backward, MuonAdamW
+    step) of an fp32 model, as `dsv4 train` runs it on a CPU (balance_alpha: its default)."""
+    from .model import DeepSeekV4
+    from .train.losses import total_loss
+    from .train.optim import MuonAdamW, OptimConfig
+    from .train.trainer import _checkpointed
+
+    model = DeepSeekV4.from_config(cfg, seed=0, dtype=torch.float32).train()
+    if checkpointing:
+        for block in [*model.layers, *model.mtp]:
+            block.forward = _checkpointed(block)
+    opt = MuonAdamW(model, OptimConfig())
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        out = model(tokens, mtp=cfg.n_mtp_layers > 0, indexer_loss=True, balance_alpha=balance_alpha)
+        total_loss(out, tokens).total.backward()
+        opt.step()
+
+    weights = _tensor_bytes(model)
+    _, peak = allocation_peak(step)
+    return {"weights": weights, "peak": weights + peak}
