@@ -16,9 +16,8 @@ pytest.importorskip("triton", reason="triton is not installed: no triton backend
 from triton_interp import CUDA, DEV, interpret_unless_cuda, poison_allocator  # noqa: E402
 
 import dsv4.ops as ops  # noqa: E402
-from dsv4.ops import reference as ref  # noqa: E402
-
 import dsv4.ops.triton.rownorm_rope as nr  # noqa: E402  (a missing kernel module is an error, not a skip)
+from dsv4.ops import reference as ref  # noqa: E402
 
 EPS = 1e-6
 
