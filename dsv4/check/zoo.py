@@ -20,6 +20,7 @@ from ..model import DeepSeekV4
 from ..ops import reference as ref
 from ..ops.precision import exact_accumulation
 from .capture import Stages, capturing
+from .goldens import official_goldens
 from .inputs import attention_inputs, indexer_inputs, moe_inputs, random_tokens, upcast
 from .metrics import DTYPE_NAMES, TOLERANCES, compare_stages
 
@@ -764,4 +765,5 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "live-dtype": live_dtype,
     "fp4-known-bytes": fp4_known_bytes,
     "e8m0-bytes": e8m0_bytes,
+    "official-goldens": official_goldens,
 }
