@@ -211,3 +211,28 @@ def test_mxfp4_scale_bytes_from_the_formula():
         for b in range(3):
             m, e = math.frexp(float(w[r, b * 32:(b + 1) * 32].abs().max()) / 6.0)
             assert got[r][b] == 127 + (e - 1 if m == 0.5 else e), (r, b)
+
+
+def test_hc_sinkhorn_against_hand_written_iteration():
+    """mHC's comb matrix: row softmax (+eps), one column normalization, then iters-1 (row, column)
+    normalizations, each dividing by (sum + eps); pre = sigmoid(.) + eps, post = 2 sigmoid(.). Written out
+    here in float64 and run for 3 iterations on sharp logits (far from converged, so one iteration more or
+    less shows). Catches a wrong iteration count, a missing eps, pre / post swapped or unscaled."""
+    hc, iters, eps = 4, 3, 1e-6
+    g = torch.Generator().manual_seed(8)
+    mixes = torch.randn(5, (2 + hc) * hc, generator=g, dtype=torch.float64) * 4
+    scale = torch.tensor([0.7, 1.3, 2.0], dtype=torch.float64)
+    base = torch.randn((2 + hc) * hc, generator=g, dtype=torch.float64) * 0.5
+    pre, post, comb = ref.hc_split_sinkhorn(mixes, scale, base, hc, iters, eps)
+    want_pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
+    want_post = 2 * torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    c = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(5, hc, hc)
+    c = torch.exp(c - c.amax(-1, keepdim=True))
+    c = c / c.sum(-1, keepdim=True) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    # float64 in, float64 accumulation or fp32 (acc_dtype): 1e-6 covers fp32 rounding of values <= 2
+    for got, want in ((pre, want_pre), (post, want_post), (comb, c)):
+        assert (got.double() - want).abs().max() <= 1e-6
