@@ -13,11 +13,13 @@ tokens; every stage is compared with the official numbers, so a bug in the model
 ops it shares with every other check shows up here.
 
 Tolerances, as a fraction of the stage's largest magnitude: both sides compute in fp32 and differ only in
-summation order, a few ulp per op, amplified by at most the few layers in between: 1e-5 (2^-23 = 1.2e-7
-per ulp; the bf16 case agrees to ~1e-6). In the fp8-fp4 case every linear quantizes its input to E4M3 per
+summation order: a few ulp (2^-23 = 1.2e-7) per reduction, through a dozen reductions per layer (norms,
+projections of up to 1024 terms, softmaxes, Sinkhorn) over three layers: 4e-5, about 300 ulp (the bf16
+case agrees to 1e-6 - 7e-6 here; every planted semantic bug moves a stage by 1e-3 or more).
+In the fp8-fp4 case every linear quantizes its input to E4M3 per
 block of 128: once two fp32 summation orders put an activation on either side of an E4M3 rounding
 midpoint, that element moves by one E4M3 step (2^-3 of its magnitude) and the change propagates; layer 0
-(whose inputs are bit-identical) is held to 1e-5 and the later stages to 2^-4.
+(whose inputs are bit-identical) is held to 4e-5 and the later stages to 2^-4.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "assets" / "goldens"
 CASES = ("bf16", "fp8-fp4")
-FP32_TOL = 1e-5
+FP32_TOL = 4e-5
 W8A8_TOL = 2.0**-4
 
 
