@@ -15,7 +15,7 @@ ops it shares with every other check shows up here.
 Tolerances, as a fraction of the stage's largest magnitude: both sides compute in fp32 and differ only in
 summation order: a few ulp (2^-23 = 1.2e-7) per reduction, through a dozen reductions per layer (norms,
 projections of up to 1024 terms, softmaxes, Sinkhorn) over three layers: 4e-5, about 300 ulp (the bf16
-case agrees to 1e-6 - 7e-6 here; every planted semantic bug moves a stage by 1e-3 or more).
+case agrees to 1e-6 - 7e-6 here).
 In the fp8-fp4 case every linear quantizes its input to E4M3 per
 block of 128: once two fp32 summation orders put an activation on either side of an E4M3 rounding
 midpoint, that element moves by one E4M3 step (2^-3 of its magnitude) and the change propagates; layer 0
