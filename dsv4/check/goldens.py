@@ -76,18 +76,3 @@ def compare_case(case: str, device: str | torch.device = "cpu", model=None) -> l
         err = float((got.float().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-30))
         rows.append(StageError(case, name, err, tolerance(case, name)))
     return rows
-
-
-def official_goldens(ctx) -> object:
-    """Conformance check: every stage of every case within its tolerance of the official numbers."""
-    from .zoo import CheckResult
-
-    rows = [r for case in CASES for r in compare_case(case, ctx.device)]
-    worst = max(rows, key=lambda r: r.error / r.tol)
-    bad = [r for r in rows if not r.ok]
-    if bad:
-        first = bad[0]
-        return CheckResult(False, first.error, f"{len(bad)} of {len(rows)} stages off the official numbers; first: "
-                                               f"{first.case} {first.stage} {first.error:.3g} > {first.tol:.3g}")
-    return CheckResult(True, worst.error, f"{len(rows)} stages of {len(CASES)} official cases within tolerance "
-                                          f"(worst {worst.case} {worst.stage}: {worst.error:.2g} <= {worst.tol:.2g})")
