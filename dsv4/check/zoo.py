@@ -19,6 +19,7 @@ from ..config import ModelConfig
 from ..model import DeepSeekV4
 from ..ops import reference as ref
 from ..ops.precision import exact_accumulation
+from . import goldens
 from .capture import Stages, capturing
 from .inputs import attention_inputs, indexer_inputs, moe_inputs, random_tokens, upcast
 from .metrics import DTYPE_NAMES, TOLERANCES, compare_stages
@@ -774,6 +775,21 @@ def ep_ranges(ctx: Context) -> CheckResult:
     return CheckResult(True, 0.0, "rank 1 of 2 holds and serves experts [E/2, E) in every layer")
 
 
+def official_goldens(ctx: Context) -> CheckResult:
+    """Every stage of every golden case (`dsv4.check.goldens`) within its tolerance of the numbers the
+    official inference code produced."""
+    rows = [r for case in goldens.CASES for r in goldens.compare_case(case, ctx.device)]
+    worst = max(rows, key=lambda r: r.error / r.tol)
+    bad = [r for r in rows if not r.ok]
+    if bad:
+        first = bad[0]
+        return CheckResult(False, first.error, f"{len(bad)} of {len(rows)} stages off the official numbers; first: "
+                                               f"{first.case} {first.stage} {first.error:.3g} > {first.tol:.3g}")
+    return CheckResult(True, worst.error, f"{len(rows)} stages of {len(goldens.CASES)} official cases within "
+                                          f"tolerance (worst {worst.case} {worst.stage}: {worst.error:.2g} <= "
+                                          f"{worst.tol:.2g})")
+
+
 CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "checkpoint-roundtrip": checkpoint_roundtrip,
     "ep-ranges": ep_ranges,
@@ -797,4 +813,5 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "live-dtype": live_dtype,
     "fp4-known-bytes": fp4_known_bytes,
     "e8m0-bytes": e8m0_bytes,
+    "official-goldens": official_goldens,
 }

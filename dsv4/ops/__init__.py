@@ -236,12 +236,16 @@ fp4_linear = _make("fp4_linear")
 
 
 def _load_optional_backends() -> None:
-    """Fast backends register themselves on import; a missing dependency only means not registered."""
+    """Fast backends register themselves on import; a missing dependency only means not registered.
+
+    Only triton itself may be missing: a kernel module of ours that fails to import is a broken install
+    and raises, so it cannot pass as "no triton backend" (its tests would otherwise skip)."""
     from . import torch_native as _torch_native  # noqa: F401
     try:
-        from . import triton as _triton  # noqa: F401
+        import triton as _triton_dep  # noqa: F401
     except ImportError:
-        pass
+        return
+    from . import triton as _triton  # noqa: F401
 
 
 _load_optional_backends()

@@ -1,4 +1,4 @@
-"""Triton backends of `dsv4.ops`. Importing this package registers every kernel module found here.
+"""Triton backends of `dsv4.ops`. Importing this package registers every kernel module listed below.
 
 Each module registers its ops with `dsv4.ops.register(op, "triton", fn, can_run=..., priority=10)`.
 `can_run` refuses tensors that are not on CUDA unless `TRITON_INTERPRET=1` (the CPU interpreter, used by
@@ -13,9 +13,6 @@ import triton  # noqa: F401  (ImportError here means: no triton backend; dsv4.op
 
 _MODULES = ("sparse_attention", "indexer", "moe", "mhc", "quant_gemm", "w8a8_gemm", "elementwise", "rownorm_rope")
 
+# every module is imported unconditionally: a missing or broken one is an error, never a silently absent op
 for _name in _MODULES:
-    try:
-        importlib.import_module(f"{__name__}.{_name}")
-    except ModuleNotFoundError as _e:
-        if _e.name != f"{__name__}.{_name}":
-            raise
+    importlib.import_module(f"{__name__}.{_name}")

@@ -1,0 +1,57 @@
+"""The model against the official implementation's numbers (dsv4/assets/goldens, written by
+scripts/official_goldens.py from the official inference code): every stage of both cases within the
+tolerance `dsv4.check.goldens` derives, through the real checkpoint loader, and the conformance command
+runs the check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dsv4.check import goldens
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("case", goldens.CASES)
+def test_official_goldens_match(case):
+    rows = goldens.compare_case(case)
+    names = {r.stage for r in rows}
+    assert {"logits", "layers.0.attn.out", "layers.1.ffn.out", "layers.2.attn.out"} <= names
+    bad = [f"{r.stage}: {r.error:.3g} > {r.tol:.3g}" for r in rows if not r.ok]
+    assert not bad, bad
+
+
+@pytest.mark.skipif(not CUDA, reason="no CUDA device: the GPU run of the golden comparison needs one")
+def test_official_goldens_match_on_gpu():
+    for case in goldens.CASES:
+        bad = [r for r in goldens.compare_case(case, "cuda") if not r.ok]
+        assert not bad, bad
+
+
+def test_fixtures_are_in_the_official_layout():
+    """Official inference names and storage dtypes (FP8 E4M3 + E8M0 scales, packed FP4 experts, F32 sinks)."""
+    with safe_open(str(goldens.GOLDEN_DIR / "fp8-fp4" / "model0-mp1.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_slice("layers.1.attn.wq_b.weight").get_dtype() == "F8_E4M3"
+        assert f.get_slice("layers.1.attn.wq_b.scale").get_dtype() == "F8_E8M0"
+        assert f.get_slice("layers.1.ffn.experts.0.w1.weight").get_dtype() == "F4"
+        assert f.get_slice("layers.1.attn.attn_sink").get_dtype() == "F32"
+    assert {"layers.0.ffn.gate.tid2eid", "layers.1.attn.indexer.compressor.ape", "hc_head_fn"} <= keys
+    with safe_open(str(goldens.GOLDEN_DIR / "bf16" / "golden.safetensors"), "pt") as f:
+        assert len(f.metadata()["official_commit"]) == 40
+    cfg = json.loads((goldens.GOLDEN_DIR / "bf16" / "config.json").read_text())
+    assert cfg["compress_ratios"] == [0, 4, 128] and cfg["n_hash_layers"] == 1
+
+
+def test_conformance_runs_the_golden_check():
+    p = subprocess.run([sys.executable, "-m", "dsv4", "check", "conformance", "--preset", "tiny", "--checks",
+                        "official-goldens", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    report = json.loads(p.stdout)
+    assert report["baseline"]["official-goldens"]["ok"]
