@@ -22,6 +22,7 @@ against a single-process replica; runs under torchrun or spawns its own gloo pro
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import socket
@@ -490,9 +491,11 @@ def parity_check(preset: str = "tiny", steps: int = 3, batch: int = 4, seq: int 
     data = torch.randint(0, cfg.vocab_size, (steps, batch, seq), generator=gen).to(device)
     per = batch // world
 
+    # one seeded init, copied: the init draws every weight on the host, which at `small` costs more than
+    # the whole check on a GPU
     ref = DeepSeekV4.from_config(cfg, seed=seed).to(device)
-    par = DeepSeekV4.from_config(cfg, seed=seed).to(device)
-    alt = DeepSeekV4.from_config(cfg, seed=seed).to(device) if spread else None
+    par = copy.deepcopy(ref)
+    alt = copy.deepcopy(ref) if spread else None
     if prepare is not None:
         prepare(ref), prepare(par)
         if alt is not None:
@@ -589,10 +592,11 @@ def inference_check(preset: str = "tiny", seed: int = 0, prompt_len: int = 24, n
         greedy = generate(model, prompts.tolist(), max_new_tokens=new_tokens, stop_at_eos=False)
         return full, steps, greedy
 
-    f_ref, s_ref, g_ref = run(DeepSeekV4.from_config(cfg, seed=seed).to(device).eval())
+    base = DeepSeekV4.from_config(cfg, seed=seed).to(device).eval()
+    f_ref, s_ref, g_ref = run(base)
     report: dict = {}
     for mode in modes:
-        par = DeepSeekV4.from_config(cfg, seed=seed).to(device).eval()
+        par = copy.deepcopy(base)
         if is_distributed():
             shard_experts(par, dist.new_group(list(range(dist.get_world_size()))), mode=mode)
         f_par, s_par, g_par = run(par)
@@ -633,6 +637,8 @@ def _deterministic_mode() -> None:
 
 def _selftest(args: argparse.Namespace) -> dict:
     rank, world, dev = setup_distributed(device=args.device)
+    say = (lambda m: print(f"selftest: {m}", file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
+    say(f"{world} processes on {dev.type}, preset {args.preset}, training parity")
     if args.deterministic:
         _deterministic_mode()
     qat = args.qat == "on"
@@ -640,6 +646,7 @@ def _selftest(args: argparse.Namespace) -> dict:
     try:
         train = parity_check(args.preset, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
                              optimizer=args.optimizer, device=dev, qat=qat, spread=True)
+        say("inference parity")
         infer = inference_check(args.preset, device=dev)
     finally:
         teardown_distributed()
