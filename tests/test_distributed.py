@@ -334,8 +334,13 @@ def _resume_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory) -> list[dict]:
-    return _launch(_resume_worker, tmp_path_factory.mktemp("resume"))
+def resume_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("resume")
+
+
+@pytest.fixture(scope="module")
+def resumed(resume_dir) -> list[dict]:
+    return _launch(_resume_worker, resume_dir)
 
 
 def test_two_process_resume_restores_optimizer_state(resumed):
@@ -354,6 +359,39 @@ def test_two_process_resume_restores_optimizer_state(resumed):
         assert res["dropped"][:K + 1] == res["straight"][:K + 1]
         assert res["dropped"][K + 1] != res["straight"][K + 1]
     assert resumed[0]["resumed"] == resumed[1]["resumed"]
+
+
+def test_checkpoint_of_two_processes_resumes_in_one(resumed, resume_dir):
+    """The 2-process checkpoint (single-process layout) continues in one process with the same losses, up
+    to the rounding of a batch no longer split over ranks."""
+    from test_train import MICRO
+
+    from dsv4 import ops
+    from dsv4.train.trainer import TrainConfig, Trainer
+
+    base = dict(preset="tiny", model={k: list(v) if isinstance(v, tuple) else v for k, v in MICRO.items()},
+                data=[str(resume_dir / "corpus")], seq_len=32, batch_size=4, steps=K + M, warmup=1, lr=5e-3,
+                eval_every=0, diag_every=0, progress=False, deterministic=True, sample_prompt="",
+                held_out_pct=10.0, cache_dir=str(resume_dir / "cache"), device="cpu", save_every=-1,
+                tokenizer=str(resume_dir / "full" / "tokenizer"))
+    ckpt = resume_dir / "full" / "checkpoints" / f"step_{K:08d}"
+    try:
+        one = Trainer(TrainConfig(**base, out=str(resume_dir / "one"), resume=str(ckpt)), log=lambda *_: None)
+        one.fit()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        ops.set_deterministic(False)
+    losses = [r["loss"] for r in one.history if "loss" in r]
+    straight, dropped = resumed[0]["straight"], resumed[0]["dropped"]
+    assert len(losses) == K + M and losses[:K] == straight[:K]          # the checkpoint's own history
+    rel = [abs(a - b) / b for a, b in zip(losses[K:], straight[K:])]
+    # step K+1: the same weights on the same global batch; the 2-process loss is the mean of two half-batch
+    # means, the 1-process one a single mean: fp32 summation order alone (~1e-7 relative)
+    assert rel[0] < 1e-5, (losses, straight)
+    # later steps: the update after step K+1 saw gradients summed in another order (their bf16
+    # Newton-Schulz can round a few elements differently); losing the optimizer state moves it far more
+    assert max(rel) < 1e-3, (losses, straight)
+    assert abs(dropped[K + 1] - straight[K + 1]) / straight[K + 1] > 10 * max(rel), (dropped, losses)
 
 
 def test_single_process_is_left_alone():
