@@ -405,3 +405,25 @@ def test_single_process_is_left_alone():
     assert all(m.routed_override is None for m in D.moe_layers(model))
     if "WORLD_SIZE" not in os.environ:
         assert D.setup_distributed(device="cpu") == (0, 1, torch.device("cpu"))
+
+
+def _selftest_result(mode: str, grad_rel: list[float], spread_rel: list[float]) -> dict:
+    """A selftest result of rank 0 with the given gradient differences and everything else exact."""
+    train = {"rank": 0, "expert_ranges": [[0, 4]], "grad_rel": grad_rel, "spread_rel": spread_rel,
+             "grad_worst": ["w"] * len(grad_rel), "loss_rel": 0.0, "forward_rel": 0.0, "param_rel": 0.0,
+             "param_spread": 0.0, "loss_spread": 0.0}
+    infer = {"all_reduce": {"forward_rel": 0.0, "decode_rel": 0.0, "greedy_equal": True, "expert_ranges": [[0, 4]]}}
+    return {"mode": mode, "train": train, "inference": infer}
+
+
+def test_selftest_judges_tight_runs_by_tol_and_others_by_the_spread():
+    tol = 1e-4
+    # the first-step gradient difference of a GPU run with QAT and atomics: 4%
+    assert not D._selftest_ok(_selftest_result("tight", [0.04, 0.0, 0.0], [0.0] * 3), tol)
+    # the same run where one device's own micro-batched replica wanders by 1%: within SPREAD_FACTOR x
+    assert D._selftest_ok(_selftest_result("spread", [0.04, 0.0, 0.0], [0.01, 0.0, 0.0]), tol)
+    # a difference far above what rounding gives on one device (a missing reduction) still fails
+    assert not D._selftest_ok(_selftest_result("spread", [0.5, 0.0, 0.0], [1e-3, 0.0, 0.0]), tol)
+    # later steps may not exceed the largest spread seen so far by more than SPREAD_FACTOR either
+    assert not D._selftest_ok(_selftest_result("spread", [0.0, 0.0, 0.5], [1e-3, 1e-3, 1e-3]), tol)
+    assert D._selftest_ok(_selftest_result("tight", [5e-5, 5e-3, 5e-3], [0.0] * 3), tol)
