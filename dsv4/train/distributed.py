@@ -616,12 +616,13 @@ def _free_port() -> int:
 
 
 SPREAD_FACTOR = 10.0
-"""Default (non-deterministic) mode on a GPU: the parallel run may differ from the single-process replica
-by up to this many times the single-device spread (see `parity_check(spread=True)`). Both are rounding
-walks of the same size per step; the parallel one adds the reduce-scatter's and the expert exchange's
-summation orders, and the worst of thousands of parameters is taken on each side. A real fault (a missing
-reduction, a rank-local parameter, a mis-scaled gradient) moves gradients by tens of percent, far above
-this bound whenever the spread is small; the selftest prints the spread so a large one is seen."""
+"""Selftest mode "spread" (a GPU's default kernels, or the QAT round trips on): the parallel run may differ
+from the single-process replica by up to this many times the single-device spread (see
+`parity_check(spread=True)`). Both are rounding walks of the same size per step; the parallel one adds the
+reduce-scatter's and the expert exchange's summation orders, and the worst of thousands of parameters is
+taken on each side. A real fault (a missing reduction, a rank-local parameter, a mis-scaled gradient)
+moves gradients by tens of percent, far above this bound whenever the spread is small; the selftest prints
+the spread so a large one is seen."""
 
 
 def _deterministic_mode() -> None:
