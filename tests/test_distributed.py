@@ -99,6 +99,38 @@ def _helper_checks() -> dict:
     }
 
 
+def _muon_checks() -> dict:
+    """One MuonAdamW step on the sharded model vs one process: every 2-D weight's update (parameter change),
+    and for contrast Newton-Schulz run on this rank's rows alone (what a shard-local step would do)."""
+    from dsv4.model.transformer import DeepSeekV4
+    from dsv4.train.optim import MuonAdamW, OptimConfig, newton_schulz
+
+    rank = torch.distributed.get_rank()
+    tokens = torch.randint(0, 1024, (4, 24), generator=torch.Generator().manual_seed(6))
+    local = tokens[rank * 2:rank * 2 + 2]
+    ref = DeepSeekV4.from_config("tiny", seed=4)
+    par = D.shard_model(DeepSeekV4.from_config("tiny", seed=4))
+    before = {n: v.clone() for n, v in ref.state_dict().items()}
+    with exact_accumulation():
+        D._loss(ref(tokens, mtp=True), tokens).backward()
+        D._loss(par(local, mtp=True), local).backward()
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.0)
+    opt_ref, opt_par = MuonAdamW(ref, cfg), MuonAdamW(par, cfg)
+    sharded = [n for n, p in par.named_parameters() if D._is_dtensor(p) and n in opt_par.muon_names]
+    name = max(sharded, key=lambda n: dict(par.named_parameters())[n].numel())
+    g = dict(par.named_parameters())[name].grad
+    rows = g.to_local()
+    full_ns = newton_schulz(g.full_tensor())
+    lo = rank * -(-g.size(0) // 2)                                       # torch.chunk's rows of this rank
+    shard_rel = D._rel(newton_schulz(rows), full_ns[lo:lo + rows.size(0)])
+    opt_ref.step()
+    opt_par.step()
+    after = D.full_state_dict(par)
+    new = ref.state_dict()
+    update_rel = max(D._rel(after[n] - before[n], new[n] - before[n]) for n in opt_ref.muon_names)
+    return {"n_sharded": len(sharded), "update_rel": update_rel, "shard_ns_rel": shard_rel}
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -115,6 +147,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             "infer": D.inference_check(modes=("all_reduce", "all_to_all"), device=cpu),
         }
     res["helpers"] = _helper_checks()
+    res["muon"] = _muon_checks()
     # docs/bugzoo.md Z08 mutant: the expert-parallel rank read as 0 in every process
     live = D._ep_rank
     D._ep_rank = lambda group: 0
@@ -223,6 +256,19 @@ def test_helpers_norm_clip_state_and_load(ranks):
         assert h["generate_equal"]
 
 
+def test_muon_orthogonalizes_whole_matrices_under_fsdp(ranks):
+    for res in ranks:
+        m = res["muon"]
+        assert m["n_sharded"] > 10                 # the dense 2-D weights are FSDP shards
+        # both runs feed the same gradients (to fp32 rounding, exact accumulation) into a bf16 Newton-Schulz
+        # on the whole matrix: torch's Muon (addmm) in one process, the batched one (baddbmm) on the shards.
+        # The two round differently: 5 iterations x 3 bf16 products, each rounding by at most 2^-8 relative,
+        # bound the norm-wise difference by 15 * 2^-8 (to first order)
+        assert m["update_rel"] < 15 * 2.0 ** -8, m
+        # orthogonalizing a block of rows alone is a different map: the contrast the bound above separates
+        assert m["shard_ns_rel"] > 1e-1, m
+
+
 # ----------------------------------------------------------------------------- resume with N processes
 K, M = 2, 2              # steps before the checkpoint, steps after it
 
@@ -288,8 +334,13 @@ def _resume_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory) -> list[dict]:
-    return _launch(_resume_worker, tmp_path_factory.mktemp("resume"))
+def resume_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("resume")
+
+
+@pytest.fixture(scope="module")
+def resumed(resume_dir) -> list[dict]:
+    return _launch(_resume_worker, resume_dir)
 
 
 def test_two_process_resume_restores_optimizer_state(resumed):
@@ -310,6 +361,39 @@ def test_two_process_resume_restores_optimizer_state(resumed):
     assert resumed[0]["resumed"] == resumed[1]["resumed"]
 
 
+def test_checkpoint_of_two_processes_resumes_in_one(resumed, resume_dir):
+    """The 2-process checkpoint (single-process layout) continues in one process with the same losses, up
+    to the rounding of a batch no longer split over ranks."""
+    from test_train import MICRO
+
+    from dsv4 import ops
+    from dsv4.train.trainer import TrainConfig, Trainer
+
+    base = dict(preset="tiny", model={k: list(v) if isinstance(v, tuple) else v for k, v in MICRO.items()},
+                data=[str(resume_dir / "corpus")], seq_len=32, batch_size=4, steps=K + M, warmup=1, lr=5e-3,
+                eval_every=0, diag_every=0, progress=False, deterministic=True, sample_prompt="",
+                held_out_pct=10.0, cache_dir=str(resume_dir / "cache"), device="cpu", save_every=-1,
+                tokenizer=str(resume_dir / "full" / "tokenizer"))
+    ckpt = resume_dir / "full" / "checkpoints" / f"step_{K:08d}"
+    try:
+        one = Trainer(TrainConfig(**base, out=str(resume_dir / "one"), resume=str(ckpt)), log=lambda *_: None)
+        one.fit()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        ops.set_deterministic(False)
+    losses = [r["loss"] for r in one.history if "loss" in r]
+    straight, dropped = resumed[0]["straight"], resumed[0]["dropped"]
+    assert len(losses) == K + M and losses[:K] == straight[:K]          # the checkpoint's own history
+    rel = [abs(a - b) / b for a, b in zip(losses[K:], straight[K:])]
+    # step K+1: the same weights on the same global batch; the 2-process loss is the mean of two half-batch
+    # means, the 1-process one a single mean: fp32 summation order alone (~1e-7 relative)
+    assert rel[0] < 1e-5, (losses, straight)
+    # later steps: the update after step K+1 saw gradients summed in another order (their bf16
+    # Newton-Schulz can round a few elements differently); losing the optimizer state moves it far more
+    assert max(rel) < 1e-3, (losses, straight)
+    assert abs(dropped[K + 1] - straight[K + 1]) / straight[K + 1] > 10 * max(rel), (dropped, losses)
+
+
 def test_single_process_is_left_alone():
     from dsv4.config import ModelConfig
     from dsv4.model.transformer import DeepSeekV4
@@ -321,3 +405,25 @@ def test_single_process_is_left_alone():
     assert all(m.routed_override is None for m in D.moe_layers(model))
     if "WORLD_SIZE" not in os.environ:
         assert D.setup_distributed(device="cpu") == (0, 1, torch.device("cpu"))
+
+
+def _selftest_result(mode: str, grad_rel: list[float], spread_rel: list[float]) -> dict:
+    """A selftest result of rank 0 with the given gradient differences and everything else exact."""
+    train = {"rank": 0, "expert_ranges": [[0, 4]], "grad_rel": grad_rel, "spread_rel": spread_rel,
+             "grad_worst": ["w"] * len(grad_rel), "loss_rel": 0.0, "forward_rel": 0.0, "param_rel": 0.0,
+             "param_spread": 0.0, "loss_spread": 0.0}
+    infer = {"all_reduce": {"forward_rel": 0.0, "decode_rel": 0.0, "greedy_equal": True, "expert_ranges": [[0, 4]]}}
+    return {"mode": mode, "train": train, "inference": infer}
+
+
+def test_selftest_judges_tight_runs_by_tol_and_others_by_the_spread():
+    tol = 1e-4
+    # the first-step gradient difference of a GPU run with QAT and atomics: 4%
+    assert not D._selftest_ok(_selftest_result("tight", [0.04, 0.0, 0.0], [0.0] * 3), tol)
+    # the same run where one device's own micro-batched replica wanders by 1%: within SPREAD_FACTOR x
+    assert D._selftest_ok(_selftest_result("spread", [0.04, 0.0, 0.0], [0.01, 0.0, 0.0]), tol)
+    # a difference far above what rounding gives on one device (a missing reduction) still fails
+    assert not D._selftest_ok(_selftest_result("spread", [0.5, 0.0, 0.0], [1e-3, 0.0, 0.0]), tol)
+    # later steps may not exceed the largest spread seen so far by more than SPREAD_FACTOR either
+    assert not D._selftest_ok(_selftest_result("spread", [0.0, 0.0, 0.5], [1e-3, 1e-3, 1e-3]), tol)
+    assert D._selftest_ok(_selftest_result("tight", [5e-5, 5e-3, 5e-3], [0.0] * 3), tol)

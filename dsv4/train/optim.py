@@ -12,6 +12,13 @@ kept in Muon's own state under each expert's 2-D parameter.
 AdamW takes the embedding, the output head, RMSNorm weights, biases, attention sinks, compressor `ape`,
 every mHC parameter (`hc_*`) and any other 1-D tensor.
 
+Under FSDP2 (`dsv4.train.distributed`) a 2-D weight is a DTensor holding this rank's rows. Newton-Schulz
+must see the whole matrix (orthogonalizing a block of rows is a different map), and torch's Muon run on a
+DTensor does each of its ~40 small ops as a distributed op - correct, but seconds per step. Such weights
+are stepped by `sharded_muon_step`: momentum on the local rows (elementwise), one all-gather of the
+update, Newton-Schulz on the whole matrix (batched over weights of one shape, repeated on every rank),
+and each rank keeps its own rows. The momentum stays in torch's Muon state, so checkpoints see no change.
+
 Muon's update is rescaled to AdamW's RMS (`adjust_lr_fn="match_rms_adamw"`) so one learning rate and
 schedule serves both groups.
 """
@@ -83,6 +90,7 @@ class MuonAdamW:
             views.extend(vs)
         self.muon_params = views
         self.muon = _make_muon(views, cfg) if views else None
+        self._sharded = [v for v in views if _is_dtensor(v)]     # FSDP2 rows: stepped by sharded_muon_step
         no_decay = [p for n, p in adamw_named if p.dim() < 2 or n.startswith("embed.")]
         decay = [p for n, p in adamw_named if not (p.dim() < 2 or n.startswith("embed."))]
         groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
@@ -119,10 +127,15 @@ class MuonAdamW:
         for _, views in self._stacked:         # stepped below, batched: torch's Muon skips grad-less views
             for v in views:
                 v.grad = None
+        sharded = [(p, p.grad) for p in self._sharded if p.grad is not None]
+        for p, _ in sharded:                   # stepped below on whole matrices; torch's Muon skips them
+            p.grad = None
         for o in self.optimizers:
             o.step()
         if self.muon is not None:
             group = self.muon.param_groups[0]
+            if sharded:
+                sharded_muon_step([p for p, _ in sharded], [g for _, g in sharded], self.muon.state, group)
             for p, views in self._stacked:
                 if p.grad is not None:
                     stacked_muon_step(p.data.view(-1, *p.shape[-2:]), p.grad.reshape(-1, *p.shape[-2:]),
@@ -190,6 +203,39 @@ def stacked_muon_step(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, gr
     update = batched_newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
     w.mul_(1 - lr * wd)
     w.add_(update.to(w.dtype), alpha=-_adjust_lr(lr, group.get("adjust_lr_fn"), w.size(-2), w.size(-1)))
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+@torch.no_grad()
+def sharded_muon_step(params: list[torch.Tensor], grads: list[torch.Tensor], state: dict, group: dict) -> None:
+    """torch.optim.Muon's update for row-sharded DTensor matrices, with Newton-Schulz on whole matrices.
+
+    Every rank calls it with the same parameters in the same order (one all-gather each). The momentum
+    buffer `state[p]["momentum_buffer"]` is a DTensor like p, as torch's Muon would keep it."""
+    from torch.distributed.tensor import distribute_tensor
+
+    lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+    by_shape: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for p, g in zip(params, grads):
+        st = state[p]
+        if st.get("momentum_buffer") is None:
+            st["momentum_buffer"] = torch.zeros_like(g)
+        buf = st["momentum_buffer"]
+        buf.to_local().lerp_(g.to_local(), 1 - momentum)                  # elementwise: local rows suffice
+        update = g.lerp(buf, momentum) if group["nesterov"] else buf
+        by_shape.setdefault(tuple(p.shape), []).append((p, update.full_tensor()))
+    for (rows, cols), items in by_shape.items():
+        ortho = batched_newton_schulz(torch.stack([u for _, u in items]), group["ns_coefficients"],
+                                      group["ns_steps"], group["eps"])
+        step = _adjust_lr(lr, group.get("adjust_lr_fn"), rows, cols)
+        for (p, _), u in zip(items, ortho):
+            mine = distribute_tensor(u.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+            local = p.to_local()
+            local.mul_(1 - lr * wd)
+            local.add_(mine.to_local(), alpha=-step)
 
 
 # ------------------------------------------------------------------------------------------ schedule

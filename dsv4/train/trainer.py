@@ -602,7 +602,8 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", eval=f"{last_eval:.3f}" if last_eval else "-",
                                 tok_s=f"{tps:,.0f}")
-            elif self.rank == 0 and (self.step % 50 == 0 or self.step == 1):
+            elif self.rank == 0 and (self.step % 10 == 0 or self.step in (1, c.steps)):
+                # without a progress bar a line every 10 steps (and the last): a slow run never looks stalled
                 self.log(f"step {self.step}/{c.steps} loss {row['loss']:.4f} lm {row['lm']:.4f} "
                          f"eval {last_eval if last_eval is None else round(last_eval, 4)} "
                          f"grad_norm {gnorm_fmt(row)} {tps:,.0f} tok/s")
