@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from . import argtypes
 from .config import ModelConfig
 
 
@@ -93,14 +94,15 @@ def human(n: float, unit: str = "") -> str:
 def add_memory_args(p) -> None:
     """`dsv4 info` flags for what serving and training take (estimates from `dsv4.memory`)."""
     g = p.add_argument_group("memory")
-    g.add_argument("--context", type=int, default=8192, help="positions per sequence for the KV cache (default 8192)")
-    g.add_argument("--batch", type=int, default=1, help="sequences served at once (default 1)")
-    g.add_argument("--chunk", type=int, default=4096,
+    count = argtypes.positive_int
+    g.add_argument("--context", type=count, default=8192, help="positions per sequence for the KV cache (default 8192)")
+    g.add_argument("--batch", type=count, default=1, help="sequences served at once (default 1)")
+    g.add_argument("--chunk", type=count, default=4096,
                    help="prefill chunk: tokens per engine step (default 4096, serve's default on a GPU)")
     g.add_argument("--gpu-memory", default="141GB",
                    help="memory of one GPU: 141GB, 80GB, 139.8GiB ... (GB = 10^9 bytes; default 141GB, an H200)")
-    g.add_argument("--train-seq-len", type=int, default=4096, help="training tokens per sequence (default 4096)")
-    g.add_argument("--train-batch", type=int, default=1, help="training sequences per rank (default 1)")
+    g.add_argument("--train-seq-len", type=count, default=4096, help="training tokens per sequence (default 4096)")
+    g.add_argument("--train-batch", type=count, default=1, help="training sequences per rank (default 1)")
     g.add_argument("--measure", action="store_true",
                    help="also measure on this CPU (fp32, reference ops): one served sequence set and one training "
                         "step at these settings, peak of torch's allocations beside the estimate (small models)")

@@ -48,7 +48,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
     a = ap.parse_args()
     path = a.model or defaults.shipped_model_dir()
-    model = load_pretrained(path, device=a.device, progress=False).eval()
+    dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32     # the fused GPU kernels' dtype
+    model = load_pretrained(path, device=a.device, dtype=dtype, progress=False).eval()
     tok = Tokenizer.from_file(path)
     prompts = [[tok.bos_id] + tok.encode(p) for p in PROMPTS]
     graphs = a.device.startswith("cuda")

@@ -194,7 +194,8 @@ def run_suite(copy: Path, tests: Sequence[str], timeout: float) -> tuple[str, st
         return "killed", f"timed out after {timeout:.0f} s"
     # 1: tests failed (killed); 0: all passed; anything else (collection error, no tests): the run broke
     status = {0: "survived", 1: "killed"}.get(p.returncode, "error")
-    return status, _tail(p.stdout + p.stderr)
+    failed = [ln.strip() for ln in p.stdout.splitlines() if ln.startswith("FAILED tests/")]
+    return status, (" | ".join(failed[:3])[-300:] if failed else _tail(p.stdout + p.stderr))
 
 
 def run_conformance_cli(copy: Path, timeout: float) -> tuple[str, str]:
