@@ -142,6 +142,9 @@ def _tokens(args, model):
 
     if args.batch < 1 or args.seq_len < 2:
         raise UserError("--batch must be >= 1 and --seq-len >= 2")
+    if args.seq_len > model.cfg.max_seq_len:
+        raise UserError(f"--seq-len {args.seq_len} exceeds the model's context (max_position_embeddings) of "
+                        f"{model.cfg.max_seq_len} tokens")
     return random_tokens(model.cfg, args.batch, args.seq_len, args.seed)
 
 
