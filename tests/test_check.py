@@ -233,7 +233,14 @@ def test_conformance_device_and_backend_errors(capsys, monkeypatch):
     assert "unknown bug-zoo ids ['Z99']" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def _interpreter_defect() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton not installed"
+    from dsv4.ops.triton._common import interpreter_defect
+    return interpreter_defect()
+
+
+@pytest.mark.skipif(bool(_interpreter_defect()), reason=str(_interpreter_defect()))
 def test_conformance_triton_backends_on_the_interpreter():
     """The op-level checks with the Triton backends (CPU interpreter, a fresh process so the kernels are
     built for it): the report shows Triton ran on the clean code, and every mutant is still caught."""

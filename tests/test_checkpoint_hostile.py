@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from subproc import checkout_env
 from test_checkpoint_fuzz import micro_config, time_bound
 from test_checkpoint_helpers import make_representable, rewrite
 
@@ -133,7 +134,7 @@ def test_fifo_checkpoint_does_not_hang_the_command_line(ckpt, tmp_path):
     d = copy(ckpt, tmp_path / "c")
     (d / "model-00001-of-00004.safetensors").unlink()
     os.mkfifo(d / "model-00001-of-00004.safetensors")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = checkout_env()
     for args in (["inspect", str(d)], ["generate", "--model", str(d), "--prompt-ids", "0,1", "--max-new-tokens", "1"]):
         r = subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, timeout=120,
                            env=env)
@@ -306,7 +307,7 @@ except CheckpointError as e:
 
 def _writer(dst: Path, pause: float) -> subprocess.Popen:
     code = WRITER.format(tests=str(Path(__file__).parent))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = checkout_env()
     return subprocess.Popen([sys.executable, "-c", code, str(dst), str(pause)], stdout=subprocess.PIPE,
                             text=True, env=env)
 

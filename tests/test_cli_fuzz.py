@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from subproc import checkout_env
 
 from dsv4 import argtypes
 from dsv4.cli import build_parser, main
@@ -141,7 +142,7 @@ def test_invalid_argument_is_one_line_exit_2(path, flag, value, capsys):
 ])
 def test_real_process_prints_no_traceback(argv, needle):
     """The same through a real `python -m dsv4` process: exit 2, one line, no traceback."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = checkout_env()
     res = subprocess.run([sys.executable, "-m", "dsv4", *[os.fsencode(a) for a in argv]], capture_output=True,
                          timeout=120, env=env, cwd=ROOT)
     err = res.stderr.decode("utf-8", "replace").strip()
@@ -149,7 +150,7 @@ def test_real_process_prints_no_traceback(argv, needle):
 
 
 def test_debug_shows_the_traceback():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = checkout_env()
     res = subprocess.run([sys.executable, "-m", "dsv4", "generate", "--prompt-file", "/nonexistent/prompt.txt",
                           "--debug"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert res.returncode != 0 and "Traceback" in res.stderr and "prompt.txt" in res.stderr
@@ -263,7 +264,7 @@ def test_a_prompt_longer_than_the_window_pool_is_computed_in_chunks():
 
 
 def test_chat_refuses_a_message_past_the_context_or_not_utf8_and_goes_on():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = checkout_env(OMP_NUM_THREADS="1")
     stdin = b"word " * 400 + b"\ncaf\xe9 \xff\nhello\n"                 # too long, not UTF-8, fine
     res = subprocess.run([sys.executable, "-m", "dsv4", "chat", "--max-model-len", "128", "--max-tokens", "3",
                           "--temperature", "0", "--device", "cpu"], input=stdin, capture_output=True,

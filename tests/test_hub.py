@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from subproc import checkout_env
 
 from dsv4.checkpoint import CheckpointError, load_pretrained
 from dsv4.checkpoint.hub import META_PATTERNS, is_hub_id, parse_hub_id, resolve_model_path
@@ -159,7 +160,7 @@ def test_only_the_files_loading_reads_are_requested():
 
 
 def _cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    full = {**os.environ, **env, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    full = checkout_env(**env, CUDA_VISIBLE_DEVICES="")
     return subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, env=full,
                           timeout=300)
 

@@ -7,13 +7,13 @@ measured peak of torch's CPU allocations where it models transient tensors (acti
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from subproc import checkout_env
 
 from dsv4 import memory as mem
 from dsv4.checkpoint import load_pretrained, model_values, save
@@ -146,7 +146,7 @@ def test_gpu_counts():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    env = checkout_env(CUDA_VISIBLE_DEVICES="")
     return subprocess.run([sys.executable, "-m", "dsv4", "info", *args], capture_output=True, text=True, env=env,
                           timeout=300)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
-import os
 import re
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from subproc import checkout_env
 
 openai = pytest.importorskip("openai")        # a test dependency (pip install -e ".[test]")
 
@@ -26,7 +26,7 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module", params=["plain", "speculative"])
 def server(request):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = checkout_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "dsv4", "serve", "--preset", "tiny", "--port", "0", "--api-key", KEY,
            "--deterministic", "--max-num-seqs", "8", "--max-model-len", "2048", "--max-batch-tokens", "64",
            "--max-body-bytes", "200000", "--device", "cpu"]

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from subproc import checkout_env
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "fuzz-key"
@@ -32,7 +33,7 @@ CONTEXT = 512
 @pytest.fixture(scope="module")
 def server():
     """(host, port, pid) of a `dsv4 serve` of the shipped model."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = checkout_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "dsv4", "serve", "--port", "0", "--api-key", KEY, "--max-num-seqs", "16",
            "--max-model-len", str(CONTEXT), "--max-batch-tokens", "128", "--max-body-bytes", str(MAX_BODY),
            "--device", "cpu"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from subproc import checkout_env
 
 from dsv4.config import ModelConfig
 from dsv4.model import DeepSeekV4
@@ -422,18 +423,17 @@ def test_two_process_run_matches_one_process(tmp_path):
     """`torchrun --nproc_per_node 2` (gloo, FSDP2 + expert parallelism through dsv4.train.distributed) trains
     on the same global batches: the first loss agrees to fp32 rounding, later ones closely (Muon/AdamW
     normalize tiny gradients, which magnifies summation-order differences)."""
-    import os
     import subprocess
     import sys
 
     cfg = _train_cfg(tmp_path, steps=2, eval_every=0, diag_every=1, save_every=-1, batch_size=4,
-                     deterministic=False, threads=1)
+                     deterministic=False, threads=1, device="cpu")   # gloo, also on a GPU machine
     single = Trainer(cfg, log=lambda *_: None)
     single.fit()
     one = [r for r in single.history if "loss" in r]
     cfg_file = tmp_path / "cfg.json"
     cfg_file.write_text(json.dumps(cfg.to_dict() | {"out": str(tmp_path / "run2")}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = checkout_env(OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", "2", "-m", "dsv4.train.cli", "train", "--config", str(cfg_file)],
                           env=env, capture_output=True, text=True, timeout=300)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .. import argtypes, ops
 from ..config import ModelConfig
+from ..errors import UserError
 from .report import add_output_args, emit, require_cuda
 
 
@@ -272,6 +273,9 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     """Entry point of `dsv4 bench prefill|decode|train`."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda" and not args.allow_cpu:
+        if args.device:                    # asked for explicitly: refused also where a GPU is present
+            raise UserError(f"dsv4 bench {args.bench} measures a CUDA device, not {device.type}; "
+                            "pass --device cpu --allow-cpu for a smoke run (not a benchmark)")
         require_cuda(f"dsv4 bench {args.bench}", "pass --device cpu --allow-cpu for a smoke run (not a benchmark)")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     for key, val in _DEFAULTS[args.bench].items():

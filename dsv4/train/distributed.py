@@ -35,6 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import UserError
+
 _EP_ATTR = "_dsv4_expert_parallel"
 
 
@@ -53,6 +55,10 @@ def setup_distributed(backend: str | None = None, device: str | None = None,
     use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"process {local_rank} of this machine needs cuda:{local_rank}, and it has "
+                            f"{torch.cuda.device_count()} CUDA device(s): start at most that many processes per "
+                            "node, or pass --device cpu to train on the CPU (gloo)")
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if use_cuda else "gloo")

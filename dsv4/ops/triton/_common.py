@@ -14,9 +14,12 @@ same source runs under both forms.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +32,34 @@ LOG2E = 1.4426950408889634
 def interpret_mode() -> bool:
     """True when kernels run on the Triton CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def interpreter_defect() -> str | None:
+    """Why the Triton CPU interpreter of this environment cannot run kernels that use an integer argument
+    as a Python int (`range(0, K, BK)` over a runtime K), or None when it can.
+
+    The interpreter of triton 3.6 and earlier turns a scalar argument into a one-element numpy array and
+    converts it with `int(array)`; numpy 2.4 removed that conversion for arrays of one or more dimensions
+    (`TypeError: only 0-dimensional arrays can be converted to Python scalars`). Later triton releases
+    squeeze the array first. Kernels without such loops still interpret correctly, so this is reported,
+    not used to refuse the whole backend."""
+    try:
+        int(np.zeros(1, dtype=np.int32))
+        return None                                   # numpy still converts one-element arrays
+    except TypeError:
+        pass
+    from triton.runtime import interpreter
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    try:
+        source = inspect.getsource(patch) if patch is not None else ""
+    except (OSError, TypeError):
+        source = ""
+    if "int(self.handle.data))" not in source:
+        return None
+    return (f"the Triton {triton.__version__} CPU interpreter cannot run with numpy {np.__version__} "
+            "(it converts one-element arrays with int(), which numpy 2.4 removed); "
+            "use numpy<2.4 or a newer triton for TRITON_INTERPRET=1")
 
 
 class Kernel:
