@@ -137,7 +137,13 @@ FUSED_INDEXER_ENTRIES = 64 * 2**20   # the Triton indexer scores at most this ma
 
 
 def _layer_step_bytes(cfg: ModelConfig, ratio: int, T: int, context: int, a: int, fused: bool = False) -> int:
-    """Peak transient bytes inside one layer for a step of T tokens over a `context`-position cache.
+    """Peak transient bytes inside one layer for a step of T tokens over a `context`-position cache: the
+    attention's and the MoE's intermediates do not live at the same time (inference frees each)."""
+    return max(_layer_parts(cfg, ratio, T, context, a, fused))
+
+
+def _layer_parts(cfg: ModelConfig, ratio: int, T: int, context: int, a: int, fused: bool = False) -> tuple[int, int]:
+    """(attention, MoE) intermediate bytes of one layer for a step of T tokens over a `context`-position cache.
 
     fused=False: the reference ops (what a CPU runs): gathered keys, fp32 scores and the indexer's
     [T, heads, entries] products exist in memory. fused=True: the Triton kernels (CUDA), which keep scores
@@ -162,7 +168,7 @@ def _layer_step_bytes(cfg: ModelConfig, ratio: int, T: int, context: int, a: int
            + T * D * 4                                  # routed output (fp32)
            + 4 * T * k * inter * a // max(1, min(k, cfg.n_routed_experts))   # one expert's tokens at a time
            + 3 * T * inter * a * cfg.n_shared_experts)  # shared expert
-    return max(attn, moe)
+    return attn, moe
 
 
 def activation_bytes(cfg: ModelConfig, tokens: int, context: int, dtype_bytes: int = 2, logits_rows: int = 1,
@@ -188,9 +194,10 @@ def train_activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpoin
         return _layer_step_bytes(cfg, ratio, seq_len, seq_len, a, fused) * batch
 
     def saved(ratio: int) -> int:
-        # a layer's intermediates: streams and mHC mixes, the attention's (the sequence is its own context),
-        # the LoRA / output projections and each routed token's expert input and hidden
-        return (4 * stream + transient(ratio)
+        # a layer's intermediates: streams and mHC mixes, the attention's and the MoE's (both kept for the
+        # backward; the sequence is its own context), the LoRA / output projections and each routed token's
+        # expert input and hidden
+        return (4 * stream + sum(_layer_parts(cfg, ratio, seq_len, seq_len, a, fused)) * batch
                 + T * (cfg.q_lora_rank + cfg.o_groups * cfg.o_lora_rank + 2 * cfg.dim) * a
                 + T * cfg.n_activated_experts * (cfg.dim + 3 * cfg.moe_inter_dim) * a)
 
