@@ -1,7 +1,8 @@
 """Training data: documents -> tokens -> packed fixed-length windows, deterministic order, resumable.
 
-Corpus: text files (`--data` paths: files or directories, `*.py`/`*.txt`/`*.md` ... by suffix), by
-default the Python standard library's own `.py` sources, present wherever Python is.
+Corpus: text files (`--data` paths: files or directories, `*.py`/`*.txt`/`*.md` ... by suffix, or a corpus
+manifest written by `python3 -m dsv4.train.corpus`: the standard library and installed packages, hashed),
+by default the Python standard library's own `.py` sources, present wherever Python is.
 
 Documents and held-out split: each file is one document; a document goes to the held-out set when a
 stable hash of its path relative to its root falls in the first `held_out_pct` percent, so the split does
@@ -50,10 +51,15 @@ def find_documents(paths: list[str | Path] | None = None) -> list[tuple[str, Pat
         roots = [(stdlib_root(), (".py",))]
     else:
         roots = [(Path(p), TEXT_SUFFIXES) for p in paths]
+    from .corpus import is_manifest, read_manifest  # here: `python3 -m dsv4.train.corpus` runs it as __main__
+
     docs: list[tuple[str, Path]] = []
     for root, suffixes in roots:
         if not root.exists():
             raise UserError(f"--data {root}: no such file or directory")
+        if is_manifest(root):                  # a corpus manifest (dsv4.train.corpus): its files, hashes checked
+            docs.extend(read_manifest(root))
+            continue
         if root.is_file():
             docs.append((root.name, root))
             continue
