@@ -1,0 +1,1 @@
+"""Evaluations of a trained model: held-out loss (nats/token, bits/byte) and code-completion quality."""

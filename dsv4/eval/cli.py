@@ -1,0 +1,114 @@
+"""`dsv4 eval`: how good is a trained model? Held-out loss and code-completion quality, one command each.
+
+    dsv4 eval heldout      [--model DIR] [--data PATH ...] [--held-out-pct 2]
+    dsv4 eval completions  [--model DIR] [--data PATH ...] [--prompts 100] [--samples 5]
+
+Both default to the shipped model and its training corpus (the Python standard library, 2% held out),
+so the numbers in BENCHMARKS.md for the shipped model come from these two commands as written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from .. import argtypes
+from ..errors import UserError
+from ..loading import add_device_args, add_model_args, load_model
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    add_model_args(p, "the shipped model")
+    p.add_argument("--data", nargs="+", default=None, type=argtypes.path,
+                   help="the corpus the model was trained on: files or directories (default: the Python stdlib, "
+                        "as `dsv4 train`)")
+    p.add_argument("--held-out-pct", type=argtypes.positive_float, default=2.0,
+                   help="the training run's --held-out-pct (default: %(default)s, the shipped recipe's)")
+    add_device_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_eval_parser(sub) -> None:
+    pe = sub.add_parser("eval", help="held-out loss and code-completion quality of a trained model")
+    esub = pe.add_subparsers(dest="eval_command", metavar="EVAL")
+    p = esub.add_parser("heldout", help="held-out cross-entropy: nats per token and bits per byte")
+    _common(p)
+    p.add_argument("--seq-len", type=argtypes.int_in(2), default=512, help="window length (default %(default)s)")
+    p.add_argument("--max-tokens", type=argtypes.int_in(0), default=0,
+                   help="stop after about this many tokens, whole documents (0 = all, the default)")
+    p.set_defaults(func=cmd_heldout)
+    p = esub.add_parser("completions", help="does the model finish held-out functions with bodies that parse, "
+                                            "and well-known ones correctly")
+    _common(p)
+    p.add_argument("--prompts", type=argtypes.positive_int, default=100,
+                   help="held-out functions (signature + one-line docstring) to complete (default %(default)s)")
+    p.add_argument("--samples", type=argtypes.positive_int, default=5,
+                   help="samples per well-known function of the functional check (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=argtypes.positive_int, default=80)
+    p.add_argument("--temperature", type=argtypes.temperature, default=0.7)
+    p.add_argument("--top-p", type=argtypes.top_p, default=0.9)
+    p.add_argument("--seed", type=argtypes.seed_int, default=0, help="prompt i samples with seed + i")
+    p.add_argument("--show", type=argtypes.int_in(0), default=0, help="print this many written functions")
+    p.set_defaults(func=cmd_completions)
+
+
+def _documents(args: argparse.Namespace):
+    from ..train.data import find_documents
+    from .heldout import held_out_documents
+
+    held = held_out_documents(find_documents(args.data), args.held_out_pct)
+    if not held:
+        raise UserError(f"no held-out documents at --held-out-pct {args.held_out_pct}: raise it")
+    return held
+
+
+def _load(args: argparse.Namespace):
+    model, tokenizer, desc = load_model(args)
+    if tokenizer is None:
+        raise UserError("this model has no tokenizer.json: the evaluations read text (pass --model DIR with one)")
+    return model, tokenizer, desc
+
+
+def cmd_heldout(args: argparse.Namespace) -> int:
+    from .heldout import held_out_loss
+
+    docs = _documents(args)
+    model, tokenizer, desc = _load(args)
+    t0 = time.perf_counter()
+    r = held_out_loss(model, tokenizer, docs, seq_len=min(args.seq_len, model.cfg.max_seq_len),
+                      max_tokens=args.max_tokens)
+    out = {"model": desc, "documents": r.documents, "tokens": r.tokens, "bytes": r.bytes,
+           "nats_per_token": r.nats_per_token, "bits_per_byte": r.bits_per_byte,
+           "seconds": time.perf_counter() - t0}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"held-out loss of {desc}: {r.nats_per_token:.4f} nats/token, {r.bits_per_byte:.4f} bits/byte "
+              f"({r.documents} documents, {r.tokens} tokens, {r.bytes} bytes; {out['seconds']:.0f} s)")
+    return 0
+
+
+def cmd_completions(args: argparse.Namespace) -> int:
+    from .completions import evaluate_completions
+
+    docs = _documents(args)
+    model, tokenizer, desc = _load(args)
+    rep = evaluate_completions(model, tokenizer, docs, n_prompts=args.prompts, samples=args.samples,
+                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               top_p=args.top_p, seed=args.seed)
+    if args.json:
+        print(json.dumps({"model": desc, **rep.summary()}))
+        return 0
+    s = rep.summary()
+    print(f"completions of {desc} (temperature {args.temperature}, top-p {args.top_p}, "
+          f"{args.max_new_tokens} new tokens, seed {args.seed}):")
+    print(f"  held-out functions with a body that parses: {s['with_body']} of {s['prompts']} "
+          f"({100 * s['with_body_fraction']:.0f}%)")
+    print(f"  well-known functions right: {s['functional_right']} of {s['functional_samples']} samples "
+          f"({100 * s['functional_fraction']:.0f}%; {len(s['functional_by_task'])} functions x {args.samples})")
+    print("    " + ", ".join(f"{k} {v}/{args.samples}" for k, v in s["functional_by_task"].items()))
+    for fn in rep.written[:args.show]:
+        print("-" * 60)
+        print(fn, end="")
+    return 0
