@@ -134,3 +134,20 @@ def test_held_out_loss_equals_the_cross_entropy_of_every_token_after_the_first(t
     # batching three windows vs one at a time: fp32 sums of ~100 terms of size ~ln(vocab)
     assert r.nats == pytest.approx(nats, rel=1e-4)
     assert r.bits_per_byte == pytest.approx(r.nats / math.log(2) / r.bytes)
+
+
+def test_a_token_budget_takes_whole_documents_that_fit_and_refuses_when_none_does(tmp_path):
+    cfg = ModelConfig.preset("tiny")
+    model = DeepSeekV4.from_config(cfg, seed=0, dtype=torch.float32).eval()
+    tok = ByteTokenizer(bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id)
+    docs = []
+    for i, t in enumerate(["a" * 50, "b" * 10, "c" * 20]):
+        p = tmp_path / f"d{i}.py"
+        p.write_text(t, encoding="utf-8")
+        docs.append((p.name, p))
+    r = held_out_loss(model, tok, docs, seq_len=16, max_tokens=40)     # 52 tokens do not fit, 12 + 22 do
+    assert (r.documents, r.bytes, r.tokens) == (2, 30, 12 + 22 - 1)
+    from dsv4.errors import UserError
+
+    with pytest.raises(UserError, match="no held-out document fits in 5 tokens"):
+        held_out_loss(model, tok, docs, seq_len=16, max_tokens=5)

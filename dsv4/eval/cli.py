@@ -36,7 +36,8 @@ def add_eval_parser(sub) -> None:
     _common(p)
     p.add_argument("--seq-len", type=argtypes.int_in(2), default=512, help="window length (default %(default)s)")
     p.add_argument("--max-tokens", type=argtypes.int_in(0), default=0,
-                   help="stop after about this many tokens, whole documents (0 = all, the default)")
+                   help="only the held-out documents that fit in this many tokens, in order: a quick look, biased to "
+                        "short files (0 = all, the default)")
     p.set_defaults(func=cmd_heldout)
     p = esub.add_parser("completions", help="does the model finish held-out functions with bodies that parse, "
                                             "and well-known ones correctly")

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserError
 from ..train.data import is_held_out, read_text
 
 
@@ -43,19 +44,23 @@ def held_out_documents(docs: list[tuple[str, Path]], held_out_pct: float) -> lis
 @torch.no_grad()
 def held_out_loss(model, tokenizer, docs: list[tuple[str, Path]], seq_len: int = 512, batch_size: int = 8,
                   max_tokens: int = 0) -> HeldOutLoss:
-    """Score the documents (already the held-out ones) as one BOS..EOS stream; max_tokens > 0 stops after
-    about that many predicted tokens (whole documents: the byte count stays exact)."""
+    """Score the documents (already the held-out ones) as one BOS..EOS stream. max_tokens > 0: only the
+    documents that still fit in that many tokens, in order (whole documents, so the byte count stays exact;
+    a quick look, biased to short files)."""
     device = next(model.parameters()).device
     stream: list[int] = []
     n_bytes = 0
     used = 0
     for _, p in docs:
         text = read_text(p)
-        stream += [tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id]
+        ids = [tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id]
+        if max_tokens and len(stream) + len(ids) > max_tokens:
+            continue
+        stream += ids
         n_bytes += len(text.encode("utf-8"))
         used += 1
-        if max_tokens and len(stream) > max_tokens:
-            break
+    if len(stream) < 2:
+        raise UserError(f"no held-out document fits in {max_tokens} tokens: raise --max-tokens")
     ids = torch.tensor(stream, dtype=torch.long)
     starts = list(range(0, max(1, ids.numel() - 1), seq_len))
     total, count = 0.0, 0
