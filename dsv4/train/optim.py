@@ -21,6 +21,14 @@ and each rank keeps its own rows. The momentum stays in torch's Muon state, so c
 
 Muon's update is rescaled to AdamW's RMS (`adjust_lr_fn="match_rms_adamw"`) so one learning rate and
 schedule serves both groups.
+
+`OptimConfig(fast=True)` (the default) steps every whole matrix - each plain 2-D weight and the experts of
+every layer - through `batched_muon_step`: torch's Muon update with one bf16 Newton-Schulz per shape over all
+matrices of that shape (in chunks of at most `ns_batch_elems` elements), momentum, weight decay and update as
+foreach ops; the momentum still lives in torch's Muon state under each 2-D parameter, so checkpoints are
+unchanged. AdamW is then fused where the device has the kernel (else foreach). `fast=False` is the
+previous step: torch's Muon matrix by matrix (the stacked experts batched per tensor) and torch's default
+AdamW. Sharded weights take `sharded_muon_step` either way.
 """
 
 from __future__ import annotations
