@@ -271,7 +271,6 @@ def batched_muon_step(ws: list[torch.Tensor], grads: list[torch.Tensor], bufs: l
     The arithmetic per matrix is torch's: only the batching (the order of fp32 sums inside the kernels) differs."""
     lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
     torch._foreach_lerp_(bufs, grads, 1 - momentum)
-    updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
     if wd:
         torch._foreach_mul_(ws, 1 - lr * wd)
     by_shape: dict[tuple[int, int], list[int]] = {}
@@ -287,7 +286,10 @@ def batched_muon_step(ws: list[torch.Tensor], grads: list[torch.Tensor], bufs: l
                 n += ws[idx[end]].size(0)
                 end += 1
             chunk = idx[start:end]
-            stacked = updates[chunk[0]] if len(chunk) == 1 else torch.cat([updates[i] for i in chunk])
+            # the Nesterov mix per chunk: a transient copy of this chunk's updates, not of every gradient
+            updates = (torch._foreach_lerp([grads[i] for i in chunk], [bufs[i] for i in chunk], momentum)
+                       if group["nesterov"] else [bufs[i] for i in chunk])
+            stacked = updates[0] if len(chunk) == 1 else torch.cat(updates)
             ortho = batched_newton_schulz(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"])
             ortho = ortho.to(ws[chunk[0]].dtype)
             parts = ortho.split([ws[i].size(0) for i in chunk])
