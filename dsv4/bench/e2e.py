@@ -351,6 +351,8 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
                         "backward, which it does not run: pass one of them")
     if args.bench == "train" and (args.optimizer or only):
         dtype = torch.float32                                          # fp32 master weights, bf16 autocast
+    if only:
+        args.dtype = "fp32"                                            # the weights it steps (no forward runs)
     model = build_model(args.preset, device, dtype)
     model.eval()
     paths = ["fast", "old" if only else "reference"] if not args.no_reference else ["fast"]
