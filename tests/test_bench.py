@@ -33,12 +33,16 @@ def test_bench_subcommands_parse_their_options():
         a = parse(["bench", bench, "--preset", "tiny", "--device", "cpu", "--allow-cpu"])
         assert a.func is e2e.run_e2e_bench and a.bench == bench and a.dtype == "bf16" and a.batch is None
     assert parse(["bench", "decode"]).steps == 32 and not parse(["bench", "train"]).optimizer
+    a = parse(["bench", "train", "--optimizer-only", "--profile"])
+    assert a.optimizer_only and a.profile and not a.optimizer and not parse(["bench", "train"]).optimizer_only
 
 
 @pytest.mark.parametrize("argv", [["bench", "ops", "--quant-shapes", "4096"],
                                   ["bench", "ops", "--hc-tokens", "many"],
                                   ["bench", "prefill", "--dtype", "fp8"],
-                                  ["bench", "kernels", "--nope"]])
+                                  ["bench", "kernels", "--nope"],
+                                  ["bench", "train", "--optimizer", "--optimizer-only"],
+                                  ["bench", "prefill", "--optimizer-only"]])
 def test_bad_bench_options_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
@@ -53,6 +57,37 @@ def test_gpu_benches_refuse_a_cpu_with_the_reason(bench, no_cuda, capsys):
     assert out.out == ""
     assert out.err.startswith(f"error: dsv4 bench {bench} needs a CUDA device and this process has none; ")
     assert len(out.err.strip().splitlines()) == 1
+
+
+def test_optimizer_only_refuses_a_cpu_and_a_cuda_graph(no_cuda, capsys):
+    assert main(["bench", "train", "--optimizer-only"]) == 2
+    assert capsys.readouterr().err.startswith("error: dsv4 bench train needs a CUDA device")
+    assert main(["bench", "train", "--optimizer-only", "--cuda-graph", "--device", "cpu", "--allow-cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --optimizer-only times the eager optimizer step") and len(err.splitlines()) == 1
+
+
+def test_optimizer_only_times_both_paths_on_a_micro_model():
+    """bench_optimizer on a micro model on the CPU: both paths step every weight, report ms per step and
+    the AdamW implementation (fused on this CPU for the fast path, torch's default for the old one), and
+    leave no gradients behind."""
+    import argparse
+
+    from test_train import micro_model
+
+    m = micro_model()
+    args = argparse.Namespace(reps=1, profile=False)
+    rows = []
+    for path in ("fast", "old"):
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        rows.append(e2e.bench_optimizer(m, args, torch.device("cpu"), path))
+        assert all(not torch.equal(p, before[n]) for n, p in m.named_parameters() if p.dim() >= 2), path
+        assert all(p.grad is None for p in m.parameters())
+    assert [r["path"] for r in rows] == ["fast", "old"] and all(r["ms_per_step"] > 0 for r in rows)
+    assert [r["adamw"] for r in rows] == ["fused", "default"] and rows[0]["muon_matrices"] > 0
+    lines = e2e.render(_result(rows, preset="micro", dtype="fp32", speedup=1.5)).splitlines()
+    assert lines[1].startswith("train    fast") and "ms/optimizer step" in lines[1] and "'adamw': 'fused'" in lines[1]
+    assert lines[-1] == "speed-up fast / old: 1.5x" and not any("backends" in ln for ln in lines)
 
 
 def test_e2e_bench_refuses_another_device_without_allow_cpu(capsys):

@@ -16,6 +16,11 @@ of each op on the device (the ops that ran are listed from `dsv4.ops.calls()`, s
   `--cuda-graph` replays forward + losses + backward from one graph (`GraphedBackward`), the optimizer
   step staying eager, as `dsv4 train --cuda-graph` does. tokens/s = b*s / time; MFU from the config's
   active FLOPs per token (`dsv4.train.metrics`).
+  `--optimizer-only` times the optimizer part of that step alone, on random gradients and expert loads:
+  gradient norm and clipping, the non-finite check, Muon + AdamW and the router-bias update, as
+  `Trainer.train_step` runs them ("fast": `OptimConfig(fast=True)`, one device read) against the previous
+  step ("old": `fast=False`, torch's per-matrix Muon, torch's default AdamW, a host read per gradient);
+  ms per step.
 
 The reference path always runs eagerly. For graphed paths, the backends listed are those recorded while
 the graph was captured (a replay runs the captured kernels and records nothing).
@@ -264,6 +269,64 @@ def bench_train(model, args, device, path: str) -> dict:
     return row
 
 
+def _old_clip(model, max_norm: float) -> tuple[int, float]:
+    """The clipping of the previous training step: a non-finite count read per gradient, torch's clipping,
+    the norm read back."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    nonfinite = int(sum(int((~torch.isfinite(g)).sum()) for g in grads))
+    return nonfinite, float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+
+
+def _fast_clip(model, max_norm: float) -> tuple[int, float]:
+    """The clipping of `Trainer.train_step`: device norm and coefficient, one read of the norm."""
+    from ..train.trainer import _foreach_ok
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    total = torch.nn.utils.get_total_norm(grads, foreach=_foreach_ok(grads))
+    gnorm = float(total.to("cpu", copy=True))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=_foreach_ok(grads))
+    return (0 if gnorm == gnorm and abs(gnorm) != float("inf") else -1), gnorm
+
+
+def bench_optimizer(model, args, device, path: str) -> dict:
+    """The optimizer part of a training step alone (clipping, Muon + AdamW, router-bias update) on fixed
+    random gradients and expert loads: path "fast" is `OptimConfig(fast=True)` with the trainer's clipping,
+    "old" the previous step (`fast=False`, a host read per gradient)."""
+    from ..train import balance
+    from ..train.optim import MuonAdamW, OptimConfig
+
+    fast = path == "fast"
+    gen = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(device)
+    for m in model.modules():
+        if hasattr(m, "gate") and hasattr(m, "load") and hasattr(m, "n_experts"):
+            m.load = torch.randint(0, 1000, (m.n_experts,), generator=gen).to(device)
+    opt = MuonAdamW(model, OptimConfig(lr=1e-4, fast=fast))
+    clip = _fast_clip if fast else _old_clip
+
+    def step(_=None) -> None:
+        nonfinite, _norm = clip(model, 1.0)
+        if nonfinite == 0:
+            opt.step()
+            balance.update_bias(model, 1e-3)
+
+    step()                                                                 # warm-up: state, kernels
+    sec = _timed(step, device, args.reps)
+    n_muon = len(opt.muon_params)
+    row = {"bench": "train", "path": path, "step": "optimizer", "s": round(sec, 5),
+           "ms_per_step": round(sec * 1e3, 3), "muon_matrices": n_muon, "adamw_tensors": len(opt.adamw_names),
+           "adamw": "fused" if opt.adamw.defaults.get("fused") else
+                    "foreach" if opt.adamw.defaults.get("foreach") else "default", "backends": {}}
+    if args.profile and device.type == "cuda":
+        row.update(_profile_step(step, 3))
+        row["host_syncs_per_step"] = _count_syncs(step)
+    for p in model.parameters():
+        p.grad = None
+    return row
+
+
 _BENCHES = {"prefill": bench_prefill, "decode": bench_decode, "train": bench_train}
 _DEFAULTS = {"prefill": {"batch": 1, "seq": 4096}, "decode": {"batch": 1, "seq": 0},
              "train": {"batch": 2, "seq": 2048}}
@@ -282,14 +345,20 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
         if getattr(args, key) is None:
             setattr(args, key, val)
     t0 = time.time()
-    if args.bench == "train" and args.optimizer:
+    only = args.bench == "train" and getattr(args, "optimizer_only", False)
+    if only and args.cuda_graph:
+        raise UserError("--optimizer-only times the eager optimizer step; --cuda-graph replays forward + "
+                        "backward, which it does not run: pass one of them")
+    if args.bench == "train" and (args.optimizer or only):
         dtype = torch.float32                                          # fp32 master weights, bf16 autocast
+    if only:
+        args.dtype = "fp32"                                            # the weights it steps (no forward runs)
     model = build_model(args.preset, device, dtype)
     model.eval()
-    paths = ["fast", "reference"] if not args.no_reference else ["fast"]
+    paths = ["fast", "old" if only else "reference"] if not args.no_reference else ["fast"]
     rows = []
     for path in paths:
-        row = _BENCHES[args.bench](model, args, device, path)
+        row = (bench_optimizer if only else _BENCHES[args.bench])(model, args, device, path)
         rows.append(row)
         if args.jsonl:
             print(json.dumps(row), flush=True)
@@ -297,7 +366,8 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "preset": args.preset,
               "dtype": args.dtype, "rows": rows, "seconds": round(time.time() - t0, 1)}
     if len(rows) == 2:
-        result["speedup"] = round(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], 2)
+        result["speedup"] = (round(rows[1]["s"] / rows[0]["s"], 2) if only else
+                             round(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], 2))
     if args.jsonl:
         print(json.dumps({"speedup": result.get("speedup")}))
     return emit(result, render, args.json, args.jsonl)
@@ -309,14 +379,18 @@ def render(result: dict) -> str:
     rows = result["rows"]
     lines = [f"{result['device']}  torch {result['torch']}  {result['date']}  preset {result['preset']} "
              f"{result['dtype']}"]
+    optimizer = bool(rows) and rows[0].get("step") == "optimizer"
     for r in rows:
-        keys = ("kernels_per_step", "gpu_busy_ms_per_step", "host_syncs_per_step", "model_tflops", "mfu")
+        keys = ("kernels_per_step", "gpu_busy_ms_per_step", "host_syncs_per_step", "model_tflops", "mfu",
+                "adamw", "muon_matrices")
         extra = {k: r[k] for k in keys if k in r}
-        lines.append(f"{r['bench']:8s} {r['path']:10s} {r['tokens_per_s']:12.1f} tokens/s  ({r['s']:.4f} s)"
-                     f"{'  ' + str(extra) if extra else ''}")
-    lines.append(f"fast path backends: {rows[0]['backends']}")
+        rate = (f"{r['ms_per_step']:12.3f} ms/optimizer step" if optimizer else
+                f"{r['tokens_per_s']:12.1f} tokens/s  ({r['s']:.4f} s)")
+        lines.append(f"{r['bench']:8s} {r['path']:10s} {rate}{'  ' + str(extra) if extra else ''}")
+    if not optimizer:
+        lines.append(f"fast path backends: {rows[0]['backends']}")
     if "speedup" in result:
-        lines.append(f"speed-up fast / reference: {result['speedup']}x")
+        lines.append(f"speed-up fast / {'old' if optimizer else 'reference'}: {result['speedup']}x")
     return "\n".join(lines)
 
 
@@ -335,7 +409,8 @@ def add_bench_parsers(subparsers) -> None:
         p.add_argument("--prompt", type=argtypes.positive_int, default=64, help="decode: untimed prompt length")
         p.add_argument("--steps", type=argtypes.positive_int, default=32, help="decode: timed steps per rep")
         p.add_argument("--reps", type=argtypes.positive_int, default=3)
-        p.add_argument("--profile", action="store_true", help="decode: kernels, GPU ms, syncs per step")
+        p.add_argument("--profile", action="store_true",
+                       help="decode, train --optimizer-only: kernels, GPU ms, syncs per step")
         if name != "train":
             p.add_argument("--no-cuda-graph", action="store_true",
                            help=f"launch the {'step' if name == 'decode' else 'prefill'} eagerly instead of "
@@ -345,9 +420,14 @@ def add_bench_parsers(subparsers) -> None:
             p.add_argument("--cuda-graph", action="store_true",
                            help="replay forward + losses + backward from one CUDA graph (the optimizer step stays "
                                 "eager): what `dsv4 train --cuda-graph` runs")
-            p.add_argument("--optimizer", action="store_true",
-                           help="time the whole training step as `dsv4 train` runs it: fp32 master weights, "
-                                "bf16 autocast, all losses, clipping, Muon + AdamW step, router bias update")
+            which = p.add_mutually_exclusive_group()
+            which.add_argument("--optimizer", action="store_true",
+                               help="time the whole training step as `dsv4 train` runs it: fp32 master weights, "
+                                    "bf16 autocast, all losses, clipping, Muon + AdamW step, router bias update")
+            which.add_argument("--optimizer-only", action="store_true",
+                               help="time the optimizer part of the step alone (clipping, Muon + AdamW, router "
+                                    "bias) on random gradients, fast vs old path, ms per step (--profile: "
+                                    "kernels and host syncs per step)")
             p.add_argument("--peak-tflops", type=argtypes.positive_float,
                            help="device bf16 peak for MFU (default: known GPUs)")
         p.add_argument("--device", default=None, type=argtypes.device)

@@ -279,39 +279,56 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+@torch.no_grad()
 def grad_norm(model: nn.Module) -> torch.Tensor:
-    """Global L2 norm of all gradients (FSDP shards, rank-local experts, replicated tensors), fp32 scalar."""
+    """Global L2 norm of all gradients (FSDP shards, rank-local experts, replicated tensors), fp32 scalar on
+    the device: per-tensor norms in foreach kernels, one all-reduce, no host sync."""
     from torch.distributed.tensor import Shard
 
     params = [p for p in model.parameters() if p.grad is not None]
     dev = params[0].device if params else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=dev)
     world = dist.get_world_size() if is_distributed() else 1
+    own, shared = [], []               # summed over ranks as they are / replicated: counted once (1/world each)
     for p in params:
         g = p.grad
         if _is_dtensor(g):
             if all(isinstance(pl, Shard) for pl in g.placements):
-                sq = sq + g.to_local().float().square().sum()          # disjoint shards
+                own.append(g.to_local())                               # disjoint shards
             else:
-                sq = sq + g.full_tensor().float().square().sum() / world
+                shared.append(g.full_tensor())
         elif is_expert_param(p):
-            sq = sq + g.float().square().sum()                         # distinct experts per rank
+            own.append(g)                                              # distinct experts per rank
         else:
-            sq = sq + g.float().square().sum() / world                 # identical on every rank
+            shared.append(g)                                           # identical on every rank
+    sq = torch.zeros((), dtype=torch.float32, device=dev)
+    for ts, w in ((own, 1.0), (shared, 1.0 / world)):
+        ts = [t for t in ts if t.numel()]
+        if ts:
+            norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in ts])
+            sq = sq + torch.stack(norms).square().sum() * w
     if world > 1:
         dist.all_reduce(sq)
     return sq.sqrt()
 
 
 @torch.no_grad()
+def scale_grads_(model: nn.Module, max_norm: float, total: torch.Tensor, eps: float = 1e-6) -> None:
+    """Multiply every (local) gradient by min(1, max_norm / (total + eps)), total a device scalar: no host sync."""
+    coef = (max_norm / (total + eps)).clamp(max=1.0)
+    grads = [p.grad.to_local() if _is_dtensor(p.grad) else p.grad for p in model.parameters() if p.grad is not None]
+    by_dev: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        if g.numel():
+            by_dev.setdefault(g.device, []).append(g)
+    for d, gs in by_dev.items():
+        torch._foreach_mul_(gs, coef.to(d))
+
+
+@torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
     """Scale all gradients so the global norm is at most max_norm; returns the norm before clipping."""
     total = grad_norm(model)
-    coef = (max_norm / (total + eps)).clamp(max=1.0)
-    for p in model.parameters():
-        if p.grad is not None:
-            g = p.grad.to_local() if _is_dtensor(p.grad) else p.grad
-            g.mul_(coef.to(g.device))
+    scale_grads_(model, max_norm, total, eps)
     return total
 
 
@@ -320,9 +337,14 @@ def all_reduce_expert_load(model: nn.Module) -> list[torch.Tensor]:
     """Sum each MoE layer's measured expert load ([E] token counts) over the data-parallel ranks in place,
     so the load-balancing bias update sees the global batch and stays identical on every rank."""
     loads = [m.load for m in moe_layers(model) if m.load is not None]
-    if is_distributed():
-        for load in loads:
-            dist.all_reduce(load)
+    if is_distributed() and loads:
+        if len({(t.dtype, t.device) for t in loads}) == 1:       # one all-reduce over all layers' loads
+            flat = torch.cat([t.reshape(-1) for t in loads])
+            dist.all_reduce(flat)
+            torch._foreach_copy_(loads, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in loads]), loads)])
+        else:
+            for load in loads:
+                dist.all_reduce(load)
     return loads
 
 

@@ -25,10 +25,13 @@ class LossParts:
     indexer: torch.Tensor | None = None
     balance: torch.Tensor | None = None
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The parts that are present, by name (device tensors)."""
+        return {k: v for k, v in (("loss", self.total), ("lm", self.lm), ("mtp", self.mtp),
+                                  ("indexer", self.indexer), ("balance", self.balance)) if v is not None}
+
     def floats(self) -> dict[str, float]:
-        return {k: float(v.detach()) for k, v in
-                (("loss", self.total), ("lm", self.lm), ("mtp", self.mtp), ("indexer", self.indexer),
-                 ("balance", self.balance)) if v is not None}
+        return {k: float(v.detach()) for k, v in self.tensors().items()}
 
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

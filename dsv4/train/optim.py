@@ -21,6 +21,14 @@ and each rank keeps its own rows. The momentum stays in torch's Muon state, so c
 
 Muon's update is rescaled to AdamW's RMS (`adjust_lr_fn="match_rms_adamw"`) so one learning rate and
 schedule serves both groups.
+
+`OptimConfig(fast=True)` (the default) steps every whole matrix - each plain 2-D weight and the experts of
+every layer - through `batched_muon_step`: torch's Muon update with one bf16 Newton-Schulz per shape over all
+matrices of that shape (in chunks of at most `ns_batch_elems` elements), momentum, weight decay and update as
+foreach ops; the momentum still lives in torch's Muon state under each 2-D parameter, so checkpoints are
+unchanged. AdamW is then fused where the device has the kernel (else foreach). `fast=False` is the
+previous step: torch's Muon matrix by matrix (the stacked experts batched per tensor) and torch's default
+AdamW. Sharded weights take `sharded_muon_step` either way.
 """
 
 from __future__ import annotations
@@ -70,6 +78,12 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     muon_momentum: float = 0.95
+    # True: every Muon matrix of one shape (2-D weights and the experts of every layer) in one batched bf16
+    # Newton-Schulz, momentum and weight updates as foreach ops; AdamW fused where the device has the kernel
+    # (else foreach). False: the previous step, torch.optim.Muon matrix by matrix (experts batched per layer)
+    # and torch.optim.AdamW with its default implementation.
+    fast: bool = True
+    ns_batch_elems: int = 1 << 27      # fast: at most this many matrix elements per batched Newton-Schulz
 
 
 class MuonAdamW:
@@ -95,7 +109,12 @@ class MuonAdamW:
         decay = [p for n, p in adamw_named if not (p.dim() < 2 or n.startswith("embed."))]
         groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        self.adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        self.adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                       **(_adamw_impl([p for g in groups for p in g["params"]]) if cfg.fast else {}))
+        stacked_views = {id(v) for _, vs in self._stacked for v in vs}
+        sharded_ids = {id(v) for v in self._sharded}
+        # fast: plain (whole, unstacked) 2-D matrices stepped by batched_muon_step instead of torch's Muon
+        self._plain = [v for v in views if id(v) not in stacked_views and id(v) not in sharded_ids]
         self.optimizers = [o for o in (self.muon, self.adamw) if o is not None]
         for o in self.optimizers:
             for g in o.param_groups:
@@ -124,6 +143,9 @@ class MuonAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
+        if self.cfg.fast:
+            self._fast_step()
+            return
         for _, views in self._stacked:         # stepped below, batched: torch's Muon skips grad-less views
             for v in views:
                 v.grad = None
@@ -140,6 +162,35 @@ class MuonAdamW:
                 if p.grad is not None:
                     stacked_muon_step(p.data.view(-1, *p.shape[-2:]), p.grad.reshape(-1, *p.shape[-2:]),
                                       self._stacked_buffer(p, views), group)
+
+    def _fast_step(self) -> None:
+        """`fast=True`: AdamW as configured; every Muon matrix (plain 2-D weights and the experts of every
+        layer) through one `batched_muon_step`; FSDP2 row shards through `sharded_muon_step` as before."""
+        self.adamw.step()
+        if self.muon is None:
+            return
+        group = self.muon.param_groups[0]
+        state = self.muon.state
+        sharded = [p for p in self._sharded if p.grad is not None]
+        if sharded:
+            sharded_muon_step(sharded, [p.grad for p in sharded], state, group)
+        ws, gs, bufs = [], [], []
+        for p in self._plain:
+            if p.grad is None:
+                continue
+            st = state[p]
+            if st.get("momentum_buffer") is None:
+                st["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            ws.append(p.data.unsqueeze(0))
+            gs.append(p.grad.unsqueeze(0))
+            bufs.append(st["momentum_buffer"].unsqueeze(0))
+        for p, views in self._stacked:
+            if p.grad is not None:
+                ws.append(p.data.view(-1, *p.shape[-2:]))
+                gs.append(p.grad.reshape(-1, *p.shape[-2:]))
+                bufs.append(self._stacked_buffer(p, views))
+        if ws:
+            batched_muon_step(ws, gs, bufs, group, self.cfg.ns_batch_elems)
 
     def zero_grad(self) -> None:
         for o in self.optimizers:
@@ -189,9 +240,15 @@ def batched_newton_schulz(g: torch.Tensor, coeffs, steps: int, eps: float) -> to
         x = x.mT
     x = x / x.float().norm(dim=(-2, -1), keepdim=True).bfloat16().clamp(min=eps)   # spectral norm <= 1
     for _ in range(steps):
-        gram = x @ x.mT                                                                  # [E, m, m]
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        x = ns_iteration(x, a, b, c)
     return x.mT if wide else x
+
+
+def ns_iteration(x: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
+    """One quintic Newton-Schulz iteration on each matrix of x [E, m, n] (m <= n), in x's dtype:
+    G = x x^T, x <- a x + (b G + c G G) x (fp32 sums inside the matmuls, one rounding per product)."""
+    gram = x @ x.mT                                                                      # [E, m, m]
+    return torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
 
 
 @torch.no_grad()
@@ -203,6 +260,52 @@ def stacked_muon_step(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, gr
     update = batched_newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
     w.mul_(1 - lr * wd)
     w.add_(update.to(w.dtype), alpha=-_adjust_lr(lr, group.get("adjust_lr_fn"), w.size(-2), w.size(-1)))
+
+
+@torch.no_grad()
+def batched_muon_step(ws: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor], group: dict,
+                      max_elems: int = 1 << 27) -> None:
+    """torch.optim.Muon's update on every matrix of ws (each [k, out, in], a weight or a stack of experts; grads
+    and momentum bufs alike), with one bf16 Newton-Schulz per shape over all matrices of that shape (in chunks
+    of at most max_elems elements). Momentum, Nesterov mix, weight decay and the update are foreach ops.
+    The arithmetic per matrix is torch's: only the batching (the order of fp32 sums inside the kernels) differs."""
+    lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+    torch._foreach_lerp_(bufs, grads, 1 - momentum)
+    if wd:
+        torch._foreach_mul_(ws, 1 - lr * wd)
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, w in enumerate(ws):
+        by_shape.setdefault((w.size(-2), w.size(-1)), []).append(i)
+    for (rows, cols), idx in by_shape.items():
+        step = _adjust_lr(lr, group.get("adjust_lr_fn"), rows, cols)
+        per_chunk = max(1, max_elems // (rows * cols))
+        start = 0
+        while start < len(idx):             # whole tensors per chunk, at most per_chunk matrices (or one tensor)
+            end, n = start, 0
+            while end < len(idx) and (n == 0 or n + ws[idx[end]].size(0) <= per_chunk):
+                n += ws[idx[end]].size(0)
+                end += 1
+            chunk = idx[start:end]
+            # the Nesterov mix per chunk: a transient copy of this chunk's updates, not of every gradient
+            updates = (torch._foreach_lerp([grads[i] for i in chunk], [bufs[i] for i in chunk], momentum)
+                       if group["nesterov"] else [bufs[i] for i in chunk])
+            stacked = updates[0] if len(chunk) == 1 else torch.cat(updates)
+            ortho = batched_newton_schulz(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            ortho = ortho.to(ws[chunk[0]].dtype)
+            parts = ortho.split([ws[i].size(0) for i in chunk])
+            torch._foreach_add_([ws[i] for i in chunk], list(parts), alpha=-step)
+            start = end
+
+
+def _adamw_impl(params: list[torch.Tensor]) -> dict[str, bool]:
+    """AdamW's fused kernel where every parameter's device has one (and no parameter is a DTensor), else the
+    foreach implementation."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    plain = all(type(p) is torch.Tensor or type(p) is nn.Parameter for p in params)
+    fused_ok = plain and all(p.is_floating_point() and p.device.type in _get_fused_kernels_supported_devices()
+                             for p in params)
+    return {"fused": True} if fused_ok else {"foreach": True}
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

@@ -384,32 +384,70 @@ class Trainer:
             with self._backend(), self._autocast():
                 parts = self._losses(tokens)
             parts.total.backward()
-        grads = [p.grad for p in m.parameters() if p.grad is not None]
-        nonfinite = int(sum(int((~torch.isfinite(g.to_local() if hasattr(g, "to_local") else g)).sum())
-                            for g in grads))
-        nonfinite = int(self._mean(float(nonfinite)) * self.world)
-        if self.dist is not None:
-            gnorm = self.dist.clip_grad_norm_(m, c.grad_clip if c.grad_clip > 0 else math.inf)
-        else:
-            gnorm = torch.nn.utils.clip_grad_norm_(m.parameters(), c.grad_clip if c.grad_clip > 0 else math.inf)
-        gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
+        max_norm = c.grad_clip if c.grad_clip > 0 else math.inf
+        gnorm_t = self._grad_norm()                                 # on the device; clipping waits for it
+        if self.dist is not None:                                   # global loads: identical bias on every rank
+            self.dist.all_reduce_expert_load(m)
+        # the step's one device -> host read: grad norm, loss parts (mean over ranks), expert-load ratios
+        floats = parts.tensors()
+        names = list(floats)
+        vec = torch.stack([floats[k].detach().float().reshape(()) for k in names]) if names else None
+        if vec is not None and self.world > 1:
+            torch.distributed.all_reduce(vec)
+            vec = vec / self.world
+        ratios = balance.load_ratio_tensor(m)
+        host = _read_host(gnorm_t, vec, ratios)
+        gnorm = host[0]
+        losses_row = dict(zip(names, host[1:1 + len(names)]))
+        load_ratios = [round(v, 3) for v in host[1 + len(names):]]
+        # A finite norm means every gradient element is finite; only a non-finite norm needs the count (a
+        # float overflow of the squares can make the norm inf with finite elements: then the count is 0 and
+        # the step goes ahead with clipped gradients, as before).
+        nonfinite = 0 if math.isfinite(gnorm) else self._count_nonfinite()
+        self._clip(max_norm, gnorm_t)
         row: dict[str, Any] = {}
         if self._diag_now():
             row["muon_ortho_err"] = self._muon_error()
         lr = self.opt.set_lr_factor(lr_factor(self.step + 1, c.steps, c.warmup, c.schedule, c.min_lr_ratio))
         if nonfinite == 0:
             self.opt.step()
-            if self.dist is not None:
-                self.dist.all_reduce_expert_load(m)         # global loads, identical bias on every rank
             balance.update_bias(m, c.bias_gamma)
         self.opt.zero_grad()
         self.step += 1
-        row.update({k: self._mean(v) for k, v in parts.floats().items()})
+        row.update(losses_row)
         row.update(step=self.step, grad_norm=gnorm, lr=lr, nonfinite=nonfinite, skipped=nonfinite > 0,
-                   expert_load_max_min=balance.load_ratios(m))
+                   expert_load_max_min=load_ratios)
         if self._diag_now(before=False):
             row["mhc_violation"] = self._mhc(tokens)
         return row
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def _grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradients as a device scalar (no host sync): foreach norms, or under
+        torch.distributed the sharded/expert-parallel norm of `distributed.grad_norm`."""
+        if self.dist is not None:
+            return self.dist.grad_norm(self.model)
+        grads = self._grads()
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return torch.nn.utils.get_total_norm(grads, foreach=_foreach_ok(grads))
+
+    def _clip(self, max_norm: float, total: torch.Tensor) -> None:
+        """Scale every gradient by min(1, max_norm / (total + 1e-6)), a device scalar (no host sync)."""
+        if self.dist is not None:
+            self.dist.scale_grads_(self.model, max_norm, total)
+            return
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total,
+                                                 foreach=_foreach_ok([p.grad for p in params]))
+
+    def _count_nonfinite(self) -> int:
+        """Non-finite gradient elements over all ranks (host syncs: only called when the norm is not finite)."""
+        n = sum(int((~torch.isfinite(g.to_local() if hasattr(g, "to_local") else g)).sum()) for g in self._grads())
+        return int(self._mean(float(n)) * self.world)
 
     def _losses(self, tokens: torch.Tensor) -> LossParts:
         c = self.cfg
@@ -688,6 +726,19 @@ class Trainer:
         self.tok.save(self.out / "tokenizer")
         return save(model_values(self.model if model is None else model), self.mcfg, dst, target="bf16",
                     copy_from=self.out / "tokenizer", shard_bytes=12 << 20)
+
+
+def _foreach_ok(ts: list[torch.Tensor]) -> bool:
+    """Whether torch's foreach kernels take these tensors (plain tensors on a device that has them)."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    return all(type(t) is torch.Tensor and t.device.type in _get_foreach_kernels_supported_devices() for t in ts)
+
+
+def _read_host(*ts: torch.Tensor | None) -> list[float]:
+    """The values of the given device tensors (scalars or vectors; None skipped) in one device -> host copy."""
+    flat = [t.detach().float().reshape(-1) for t in ts if t is not None]
+    return torch.cat(flat).to("cpu", copy=True).tolist() if flat else []
 
 
 def gnorm_fmt(row: dict) -> str:
