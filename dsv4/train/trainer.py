@@ -13,7 +13,6 @@ import json
 import math
 import os
 import time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,24 +160,6 @@ def _distributed_module():
     return distributed
 
 
-def _fp4_expert_forward(self, x, weights, indices):
-    """Experts.forward with FP4 (MXFP4-style) fake-quantized weights; gradients pass straight through."""
-    q = ops.fp4_round_trip
-    return ops.moe_experts(x, weights, indices, q(self.w1, 32), q(self.w2, 32), q(self.w3, 32),
-                           self.swiglu_limit, self.offset)
-
-
-def _checkpointed(block):
-    inner = block.forward
-
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    return forward
-
-
 def compile_blocks(model: torch.nn.Module, device: torch.device, backend: str = "inductor") -> None:
     """`--compile`: torch.compile (inductor by default) every main and MTP block. The routed experts stay eager: their
     loop over experts is data-dependent (under expert parallelism the exchange sizes are host values too),
@@ -196,9 +177,7 @@ def compile_blocks(model: torch.nn.Module, device: torch.device, backend: str = 
     # cache's first fill adds one more): allow that many before dynamo falls back to eager
     dyn = torch._dynamo.config
     dyn.recompile_limit = max(dyn.recompile_limit, 4 * len(blocks))
-    for m in model.modules():
-        if type(m).__name__ == "Experts":
-            m.forward = torch.compiler.disable(m.forward)
+    model.set_options(eager_experts_under_compile=True)
     for block in blocks:
         block.compile(backend=backend)
 
@@ -336,13 +315,7 @@ class Trainer:
         else:
             model = DeepSeekV4.from_config(self.mcfg, seed=c.seed, dtype=torch.float32, device=self.device)
         model.train()
-        if c.fp4_experts:
-            for m in model.modules():
-                if type(m).__name__ == "Experts":
-                    m.forward = types.MethodType(_fp4_expert_forward, m)
-        if c.activation_checkpointing:
-            for block in [*model.layers, *model.mtp]:
-                block.forward = _checkpointed(block)
+        model.set_options(fp4_fake_quant=c.fp4_experts, activation_checkpointing=c.activation_checkpointing)
         if self.dist is not None:
             sharded = self.dist.shard_model(model, ep=c.expert_parallel)
             model = sharded if sharded is not None else model
