@@ -432,6 +432,31 @@ def test_eager_experts_option_keeps_the_experts_out_of_compiled_graphs():
     assert traced.graph_count >= 1 and eager.graph_count == 0
 
 
+def test_init_from_with_qat_switches_builds_model_and_config_in_agreement(tmp_path):
+    """`--init-from` plus the QAT switches (and model overrides): the switches are applied to the config
+    before the model is built, so the trainer's config, the model's and every module's agree (the loaded
+    model once kept the checkpoint's switches in the modules that copy them at construction)."""
+    import dataclasses
+
+    from dsv4.checkpoint import model_values, save
+    from dsv4.model.attention import Compressor, Indexer
+
+    src = micro_model()
+    ckpt = save(model_values(src), src.cfg, tmp_path / "src", "bf16")
+    assert src.cfg.fp8_kv_sim and src.cfg.fp4_indexer_sim
+    t = Trainer(_train_cfg(tmp_path, init_from=str(ckpt), fp8_kv_sim=False, fp4_indexer_sim=False,
+                           fp4_experts=True, steps=1, save_every=-1), log=lambda *_: None)
+    assert not t.mcfg.fp8_kv_sim and not t.mcfg.fp4_indexer_sim and t.mcfg.quant_mode == "w8a16"
+    assert t.model.cfg == t.mcfg
+    held = [m.cfg for m in t.model.modules() if isinstance(getattr(m, "cfg", None), ModelConfig)]
+    assert len(held) > 1 and all(c == t.mcfg for c in held)
+    copied = [m for m in t.model.modules() if isinstance(m, (Compressor, Indexer))]   # flags read at build
+    assert copied and all(not m.fp4_sim and not getattr(m, "fp8_sim", False) for m in copied)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.model.cfg.fp8_kv_sim = True               # type: ignore[misc]
+    t.fit()
+
+
 def test_cli_and_config_file(tmp_path):
     import argparse
 

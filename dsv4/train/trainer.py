@@ -245,11 +245,13 @@ class Trainer:
     def _model_config(self) -> ModelConfig:
         c = self.cfg
         if c.init_from:
+            from ..checkpoint import plan
             from ..checkpoint.hub import resolve_model_path
-            from ..checkpoint.layouts import load_config
 
             c.init_from = str(resolve_model_path(c.init_from))   # a Hub id becomes its cache snapshot
-            mcfg = load_config(c.init_from)
+            # the config the loader would build (the layout's semantics, e.g. no MTP in an HF directory);
+            # trained weights leave the FP8 / FP4 grid after the first step: a float model (W8A16 numerics)
+            mcfg = plan(c.init_from, overrides={"quant_mode": "w8a16"}).cfg
         elif c.model_config:
             mcfg = ModelConfig.from_json(c.model_config)
         else:
@@ -309,9 +311,8 @@ class Trainer:
         if c.init_from:
             from ..checkpoint import load_pretrained
 
-            # trained weights leave the FP8 / FP4 grid after the first step: a float model (W8A16 numerics)
-            model = load_pretrained(c.init_from, dtype=torch.float32, device=self.device, quant_mode="w8a16")
-            model.cfg.fp8_kv_sim, model.cfg.fp4_indexer_sim = self.mcfg.fp8_kv_sim, self.mcfg.fp4_indexer_sim
+            # built from the run's config (overrides and QAT switches applied before the build)
+            model = load_pretrained(c.init_from, dtype=torch.float32, device=self.device, config=self.mcfg)
         else:
             model = DeepSeekV4.from_config(self.mcfg, seed=c.seed, dtype=torch.float32, device=self.device)
         model.train()
