@@ -384,17 +384,23 @@ def test_activation_checkpointing_option_keeps_loss_and_gradients_and_saves_less
         torch.testing.assert_close(m(tokens).logits, micro_model()(tokens).logits)
 
 
-def test_fp4_fake_quant_option_computes_with_fp4_weights_and_passes_gradients():
-    """`set_options(fp4_fake_quant=True)`: the routed experts compute with their weights' FP4 round trip
-    (not the weights themselves), and gradients reach the full-precision weights."""
-    from dsv4 import ops
-
+def _routed_experts_and_inputs() -> tuple[DeepSeekV4, torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """A micro model, its layer-1 routed experts and inputs for them: x [10, dim], weights, indices [10, 2]."""
     m = micro_model()
     ex = m.layers[1].ffn.experts
     g = torch.Generator().manual_seed(1)
     x = torch.randn(10, ex.w1.size(-1), generator=g)
     weights = torch.rand(10, 2, generator=g)
     indices = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(10)])
+    return m, ex, (x, weights, indices)
+
+
+def test_fp4_fake_quant_option_computes_with_fp4_weights_and_passes_gradients():
+    """`set_options(fp4_fake_quant=True)`: the routed experts compute with their weights' FP4 round trip
+    (not the weights themselves), and gradients reach the full-precision weights."""
+    from dsv4 import ops
+
+    m, ex, (x, weights, indices) = _routed_experts_and_inputs()
     q = ops.fp4_round_trip
     with torch.no_grad():
         exact = ops.moe_experts(x, weights, indices, ex.w1, ex.w2, ex.w3, ex.swiglu_limit, ex.offset)
@@ -415,12 +421,7 @@ def test_eager_experts_option_keeps_the_experts_out_of_compiled_graphs():
     graph at the routed experts instead of tracing into them, and the output is unchanged."""
     import torch._dynamo
 
-    m = micro_model()
-    ex = m.layers[1].ffn.experts
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(10, ex.w1.size(-1), generator=g)
-    weights = torch.rand(10, 2, generator=g)
-    indices = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(10)])
+    m, ex, (x, weights, indices) = _routed_experts_and_inputs()
     with torch.no_grad():
         want = ex(x, weights, indices)
         torch._dynamo.reset()
