@@ -34,6 +34,31 @@ class _Stream:
     arrival: float = field(default_factory=time.monotonic)
 
 
+async def stream_outputs(owner, request_id: str, stream: _Stream,
+                         abort_on_error: bool = True) -> AsyncIterator[StepOutput]:
+    """Yield a request's outputs from its stream until each of its sequences finished, then forget the
+    stream (`owner._streams` under `owner._lock`). A consumer that leaves early (a client that disconnected)
+    calls `owner.abort(request_id)`; an error item is raised, after an abort too where abort_on_error.
+    Callers iterate it under `contextlib.aclosing`, so that leaving their own iteration closes (and aborts)
+    this one at once rather than when it is collected."""
+    finished = False
+    try:
+        while stream.n_open > 0:
+            item = await stream.queue.get()
+            if isinstance(item, BaseException):
+                finished = not abort_on_error
+                raise item
+            if item.finished:
+                stream.n_open -= 1
+            yield item
+        finished = True
+    finally:
+        if not finished:
+            owner.abort(request_id)
+        with owner._lock:
+            owner._streams.pop(request_id, None)
+
+
 def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
     for queue, out in items:
         queue.put_nowait(out)
@@ -84,21 +109,9 @@ class AsyncEngine:
             self._streams[request_id] = stream
             self._inbox.append(("add", request_id, prompt, params, n))
         self._wake.set()
-        finished = False
-        try:
-            while stream.n_open > 0:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    stream.n_open -= 1
+        async with contextlib.aclosing(stream_outputs(self, request_id, stream)) as items:
+            async for item in items:
                 yield item
-            finished = True
-        finally:
-            if not finished:
-                self.abort(request_id)
-            with self._lock:
-                self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
