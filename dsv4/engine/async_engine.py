@@ -64,6 +64,28 @@ def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
         queue.put_nowait(out)
 
 
+def deliver(owner, request_id: str, item: StepOutput | BaseException) -> None:
+    """Hand one item (an output, or the error that ends the request) to its stream in `owner._streams`."""
+    with owner._lock:
+        stream = owner._streams.get(request_id)
+    if stream is not None:
+        with contextlib.suppress(RuntimeError):          # the client's loop is gone: nothing to tell
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def deliver_all(owner, outputs: list[StepOutput]) -> None:
+    """Hand a step's outputs to their streams: one wake-up per event loop, not one per output."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
+    with owner._lock:
+        for out in outputs:
+            stream = owner._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):          # the client's loop is gone: nothing to tell
+            loop.call_soon_threadsafe(_put_all, items)
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, on_step=None):
         self.engine = engine
@@ -120,23 +142,10 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ the engine thread
     def _deliver(self, request_id: str, item) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            with contextlib.suppress(RuntimeError):          # the client's loop is gone: nothing to tell
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        deliver(self, request_id, item)
 
     def _deliver_all(self, outputs: list[StepOutput]) -> None:
-        """Hand a step's outputs to their streams: one wake-up per event loop, not one per output."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
-        with self._lock:
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream.queue, out))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):          # the client's loop is gone: nothing to tell
-                loop.call_soon_threadsafe(_put_all, items)
+        deliver_all(self, outputs)
 
     def _drain_inbox(self) -> bool:
         with self._lock:

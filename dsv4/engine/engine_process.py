@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from .async_engine import EngineDeadError, _Stream, stream_outputs
+from .async_engine import EngineDeadError, _Stream, deliver, deliver_all, stream_outputs
 from .engine import RequestError, StepOutput
 from .sampling import SamplingParams
 
@@ -170,24 +170,7 @@ class EngineProcess:
             self._fail(rid, EngineDeadError("the engine process stopped"))
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
-        with self._lock:
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream.queue, out))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_put_all, items)
+        deliver_all(self, outputs)
 
     def _fail(self, rid: str, error: BaseException) -> None:
-        with self._lock:
-            stream = self._streams.get(rid)
-        if stream is not None:
-            with contextlib.suppress(RuntimeError):
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
-
-
-def _put_all(items) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
+        deliver(self, rid, error)
