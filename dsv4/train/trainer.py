@@ -214,6 +214,10 @@ class Trainer:
             ops.set_deterministic(True)
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.seed)
+        if cfg.init_from:                                         # a Hub id becomes its cache snapshot
+            from ..checkpoint.hub import resolve_model_path
+
+            self.cfg = cfg = dataclasses.replace(cfg, init_from=str(resolve_model_path(cfg.init_from)))
         self._build_data()
         self._build_model()
         self.opt = MuonAdamW(self.model, OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -246,9 +250,7 @@ class Trainer:
         c = self.cfg
         if c.init_from:
             from ..checkpoint import plan
-            from ..checkpoint.hub import resolve_model_path
 
-            c.init_from = str(resolve_model_path(c.init_from))   # a Hub id becomes its cache snapshot
             # the config the loader would build (the layout's semantics, e.g. no MTP in an HF directory);
             # trained weights leave the FP8 / FP4 grid after the first step: a float model (W8A16 numerics)
             mcfg = plan(c.init_from, overrides={"quant_mode": "w8a16"}).cfg
