@@ -3,6 +3,9 @@
 Field names follow the official inference code's `config.json` (`dim`, `n_layers`, ...). `from_dict`
 also reads the Hugging Face `config.json` keys (`hidden_size`, `num_hidden_layers`, `layer_types`,
 `rope_scaling`, ...). Unknown keys and inconsistent values are rejected with a message naming the key.
+
+A ModelConfig is frozen: every module of a model reads the one it was built with, so a change is a new
+config (`replace`) applied before the model is built, never an edit of a built model's config.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ LAYER_TYPE_TO_RATIO = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 129280
     dim: int = 4096
@@ -84,9 +87,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_types(self)  # before anything reads a value: a string or NaN must not reach int() or math
-        self.compress_ratios = tuple(self.compress_ratios)
-        if not self.compress_ratios:
-            self.compress_ratios = (0,) * (self.n_layers + self.n_mtp_layers)
+        ratios = tuple(self.compress_ratios) or (0,) * (self.n_layers + self.n_mtp_layers)
+        object.__setattr__(self, "compress_ratios", ratios)   # normalized once, at construction
         self.validate()
 
     # ------------------------------------------------------------------ validation

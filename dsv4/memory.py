@@ -365,12 +365,9 @@ def measure_training(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: 
     from .model import DeepSeekV4
     from .train.losses import total_loss
     from .train.optim import MuonAdamW, OptimConfig
-    from .train.trainer import _checkpointed
 
     model = DeepSeekV4.from_config(cfg, seed=0, dtype=torch.float32).train()
-    if checkpointing:
-        for block in [*model.layers, *model.mtp]:
-            block.forward = _checkpointed(block)
+    model.set_options(activation_checkpointing=checkpointing)
     opt = MuonAdamW(model, OptimConfig())
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
 

@@ -11,6 +11,7 @@ import torch
 from dsv4.bench import e2e, graph_check, kernel_profile, kernels, moe_plan, report
 from dsv4.bench import ops as bench_ops
 from dsv4.cli import build_parser, main
+from dsv4.config import ModelConfig
 from dsv4.errors import UserError
 
 LIMITS = {"matmul_tflops": 800.0, "copy_gbs": 4000.0}
@@ -186,3 +187,76 @@ def test_e2e_smoke_run_on_cpu(capsys):
     assert all(r["tokens_per_s"] > 0 for r in out["rows"]) and out["speedup"] > 0
     assert out["rows"][1]["backends"] and set(b for bs in out["rows"][1]["backends"].values() for b in bs) == \
         {"reference"}
+
+
+# ------------------------------------------------------------------------------ bench serve and bench w8a8
+def test_serve_bench_parses_and_passes_its_engine_settings_to_the_server():
+    from dsv4.bench import serve as bench_serve
+
+    a = build_parser().parse_args(["bench", "serve", "--preset", "tiny", "--clients", "4", "--spread", "0.5",
+                                   "--no-prefix-caching", "--max-model-len", "512", "--json"])
+    assert a.func is bench_serve.run_serve_bench and (a.clients, a.spread, a.json) == (4, 0.5, True)
+    argv = bench_serve._server_argv(a)
+    assert argv[1:8] == ["-m", "dsv4", "serve", "--host", "127.0.0.1", "--port", "0"]
+    assert argv[argv.index("--preset") + 1] == "tiny" and argv[argv.index("--max-model-len") + 1] == "512"
+    assert "--no-prefix-caching" in argv
+    assert "--speculative" not in argv and "--deterministic" not in argv      # 0 / unset: left to the server
+
+
+@pytest.mark.parametrize("argv", [["bench", "serve", "--spread", "1"], ["bench", "serve", "--clients", "0"],
+                                  ["bench", "w8a8", "--tokens", "-3"], ["bench", "w8a8", "--preset", "huge"]])
+def test_bad_serve_and_w8a8_bench_options_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_serve_bench_refuses_bad_settings_before_loading_a_model():
+    from dsv4.bench import serve as bench_serve
+
+    for name, value, msg in (("clients", 0, "--clients must be >= 1"), ("output_len", 0, "--output-len must be"),
+                             ("spread", 1.5, "--spread must be in")):
+        a = build_parser().parse_args(["bench", "serve", "--preset", "tiny"])
+        setattr(a, name, value)
+        with pytest.raises(UserError, match=msg):
+            bench_serve.run_serve_bench(a)
+
+
+def test_serve_bench_percentiles_and_printed_report(capsys):
+    from dsv4.bench import serve as bench_serve
+
+    assert bench_serve._pct([], 50) is None
+    values = [float(i) for i in range(101)]
+    assert bench_serve._pct(values, 50) == 50.0 and bench_serve._pct(values, 99) == 99.0
+    assert bench_serve._pct([3.0, 1.0, 2.0], 0) == 1.0
+    r = {"device": "cpu", "torch": "2", "date": "d", "model": "tiny", "dtype": "fp32", "clients": 2, "requests": 4,
+         "prompt_len": 8, "output_len": 4, "spread": 0.25, "output_tokens_per_s": 12.5, "output_tokens": 16,
+         "wall_s": 1.28, "errors": 1, "ttft_p50_s": 0.01, "ttft_p99_s": None, "ttft_idle_s": 0.005,
+         "ttft_load_over_idle": 2.0, "itl_p50_s": 0.002, "itl_p99_s": 0.004,
+         "server_metrics": {"engine_phase_seconds.schedule": 1.0, "engine_phase_seconds.forward": 3.0},
+         "first_errors": ["TimeoutError: late"]}
+    bench_serve._print(r)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "cpu  torch 2  d  tiny  fp32"
+    assert "2 streaming clients, 4 requests, prompt ~8, output ~4 (+-25%)" in out[1]
+    assert "12.5 output tokens/s  (16 tokens in 1.3 s, 1 errors)" in out[2]
+    assert "p50 10.0 ms  p99 -  (idle 5.0 ms, 2.0x)" in out[3]
+    assert out[-2] == "  engine host time: schedule 25%, forward 75% of 4.0 s"
+    assert out[-1] == "  error: TimeoutError: late"
+
+
+def test_w8a8_summary_takes_each_shapes_best_backend_and_the_worst_shape():
+    from dsv4.bench import w8a8
+
+    rows = [{"part": "gemm", "shape": "a", "backend": "x", "x_bf16": 1.2},
+            {"part": "gemm", "shape": "a", "backend": "y", "x_bf16": 1.6},
+            {"part": "gemm", "shape": "b", "backend": "x", "x_bf16": 1.5},
+            {"part": "gemm", "shape": "b", "backend": "y", "skipped": "no"},
+            {"part": "decode", "shape": "c", "backend": "x", "of_copy": 0.5}]
+    s = w8a8.summarize(rows)
+    assert s["gemm"] == {"goal": w8a8.GOALS["gemm"], "metric": "x_bf16", "worst_best_backend": 1.5,
+                         "min": 1.2, "max": 1.6, "met": 1.5 >= w8a8.GOALS["gemm"]}
+    assert s["decode"]["worst_best_backend"] == 0.5 and s["decode"]["met"] is (0.5 >= w8a8.GOALS["decode"])
+    assert "experts" not in s
+    shapes = w8a8.flash_linears(ModelConfig.preset("flash"))
+    assert shapes["wq_a"] == (1024, 4096) and "wo_a" not in shapes      # wo_a runs in bf16 officially

@@ -351,32 +351,111 @@ def test_training_reduces_held_out_loss_and_qat_switches(tmp_path):
     assert all(r["nonfinite"] == 0 for r in t.history if "nonfinite" in r)
 
 
-def test_activation_checkpointing_and_fp4_experts_keep_gradients(tmp_path):
-    """Checkpointed blocks give the same gradients as plain ones; FP4 fake-quant passes gradients through."""
-    import types
+def _saved_tensors_and_grads(m: DeepSeekV4, tokens: torch.Tensor) -> tuple[int, float, dict[str, torch.Tensor]]:
+    """(tensors the forward saves for backward, loss, gradients) of one training step of `m`."""
+    saved = 0
 
-    from dsv4.train.trainer import _checkpointed, _fp4_expert_forward
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += 1
+        return t
 
-    tokens = torch.randint(0, 300, (2, 24))
-    grads = []
-    for ckpt in (False, True):
-        m = micro_model()
-        if ckpt:
-            for block in [*m.layers, *m.mtp]:
-                block.forward = _checkpointed(block)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = m(tokens, mtp=True, indexer_loss=True, balance_alpha=1e-3)
-        losses.total_loss(out, tokens).total.backward()
-        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys()
-    for n in grads[0]:
-        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7, msg=n)
+        loss = losses.total_loss(out, tokens).total
+    loss.backward()
+    return saved, loss.item(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
+
+def test_activation_checkpointing_option_keeps_loss_and_gradients_and_saves_less():
+    """`set_options(activation_checkpointing=True)`: every block recomputes in backward, so the forward
+    saves fewer tensors, while the loss and every gradient stay those of the plain model."""
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    plain = _saved_tensors_and_grads(micro_model(), tokens)
+    m = micro_model().set_options(activation_checkpointing=True)
+    assert all(b.activation_checkpointing for b in [*m.layers, *m.mtp])
+    ckpt = _saved_tensors_and_grads(m, tokens)
+    assert ckpt[0] < plain[0] / 2
+    assert ckpt[1] == pytest.approx(plain[1], rel=1e-6)
+    assert ckpt[2].keys() == plain[2].keys()
+    for n in plain[2]:
+        torch.testing.assert_close(ckpt[2][n], plain[2][n], rtol=1e-5, atol=1e-7, msg=n)
+    with torch.no_grad():                       # nothing to recompute for: the plain forward
+        torch.testing.assert_close(m(tokens).logits, micro_model()(tokens).logits)
+
+
+def _routed_experts_and_inputs() -> tuple[DeepSeekV4, torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """A micro model, its layer-1 routed experts and inputs for them: x [10, dim], weights, indices [10, 2]."""
     m = micro_model()
     ex = m.layers[1].ffn.experts
-    ex.forward = types.MethodType(_fp4_expert_forward, ex)
-    out = m(tokens)
-    out.logits.logsumexp(-1).mean().backward()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10, ex.w1.size(-1), generator=g)
+    weights = torch.rand(10, 2, generator=g)
+    indices = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(10)])
+    return m, ex, (x, weights, indices)
+
+
+def test_fp4_fake_quant_option_computes_with_fp4_weights_and_passes_gradients():
+    """`set_options(fp4_fake_quant=True)`: the routed experts compute with their weights' FP4 round trip
+    (not the weights themselves), and gradients reach the full-precision weights."""
+    from dsv4 import ops
+
+    m, ex, (x, weights, indices) = _routed_experts_and_inputs()
+    q = ops.fp4_round_trip
+    with torch.no_grad():
+        exact = ops.moe_experts(x, weights, indices, ex.w1, ex.w2, ex.w3, ex.swiglu_limit, ex.offset)
+        rounded = ops.moe_experts(x, weights, indices, q(ex.w1, 32), q(ex.w2, 32), q(ex.w3, 32),
+                                  ex.swiglu_limit, ex.offset)
+        assert not torch.allclose(exact, rounded)
+        torch.testing.assert_close(ex(x, weights, indices), exact)
+        m.set_options(fp4_fake_quant=True)
+        assert all(e.fp4_fake_quant for e in m.modules() if type(e).__name__ == "Experts")
+        torch.testing.assert_close(ex(x, weights, indices), rounded)
+    tokens = torch.randint(0, 300, (2, 24))
+    m(tokens).logits.logsumexp(-1).mean().backward()
     assert ex.w1.grad is not None and ex.w1.grad.abs().sum() > 0
+
+
+def test_eager_experts_option_keeps_the_experts_out_of_compiled_graphs():
+    """`set_options(eager_experts_under_compile=True)` (what `--compile` sets): tracing a block breaks the
+    graph at the routed experts instead of tracing into them, and the output is unchanged."""
+    import torch._dynamo
+
+    m, ex, (x, weights, indices) = _routed_experts_and_inputs()
+    with torch.no_grad():
+        want = ex(x, weights, indices)
+        torch._dynamo.reset()
+        traced = torch._dynamo.explain(ex)(x, weights, indices)
+        m.set_options(eager_experts_under_compile=True)
+        torch._dynamo.reset()
+        eager = torch._dynamo.explain(ex)(x, weights, indices)
+        torch.testing.assert_close(ex(x, weights, indices), want)
+    assert traced.graph_count >= 1 and eager.graph_count == 0
+
+
+def test_init_from_with_qat_switches_builds_model_and_config_in_agreement(tmp_path):
+    """`--init-from` plus the QAT switches (and model overrides): the switches are applied to the config
+    before the model is built, so the trainer's config, the model's and every module's agree (the loaded
+    model once kept the checkpoint's switches in the modules that copy them at construction)."""
+    import dataclasses
+
+    from dsv4.checkpoint import model_values, save
+    from dsv4.model.attention import Compressor, Indexer
+
+    src = micro_model()
+    ckpt = save(model_values(src), src.cfg, tmp_path / "src", "bf16")
+    assert src.cfg.fp8_kv_sim and src.cfg.fp4_indexer_sim
+    t = Trainer(_train_cfg(tmp_path, init_from=str(ckpt), fp8_kv_sim=False, fp4_indexer_sim=False,
+                           fp4_experts=True, steps=1, save_every=-1), log=lambda *_: None)
+    assert not t.mcfg.fp8_kv_sim and not t.mcfg.fp4_indexer_sim and t.mcfg.quant_mode == "w8a16"
+    assert t.model.cfg == t.mcfg
+    held = [m.cfg for m in t.model.modules() if isinstance(getattr(m, "cfg", None), ModelConfig)]
+    assert len(held) > 1 and all(c == t.mcfg for c in held)
+    copied = [m for m in t.model.modules() if isinstance(m, (Compressor, Indexer))]   # flags read at build
+    assert copied and all(not m.fp4_sim and not getattr(m, "fp8_sim", False) for m in copied)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.model.cfg.fp8_kv_sim = True               # type: ignore[misc]
+    t.fit()
 
 
 def test_cli_and_config_file(tmp_path):

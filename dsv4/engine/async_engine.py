@@ -34,9 +34,56 @@ class _Stream:
     arrival: float = field(default_factory=time.monotonic)
 
 
+async def stream_outputs(owner, request_id: str, stream: _Stream,
+                         abort_on_error: bool = True) -> AsyncIterator[StepOutput]:
+    """Yield a request's outputs from its stream until each of its sequences finished, then forget the
+    stream (`owner._streams` under `owner._lock`). A consumer that leaves early (a client that disconnected)
+    calls `owner.abort(request_id)`; an error item is raised, after an abort too where abort_on_error.
+    Callers iterate it under `contextlib.aclosing`, so that leaving their own iteration closes (and aborts)
+    this one at once rather than when it is collected."""
+    finished = False
+    try:
+        while stream.n_open > 0:
+            item = await stream.queue.get()
+            if isinstance(item, BaseException):
+                finished = not abort_on_error
+                raise item
+            if item.finished:
+                stream.n_open -= 1
+            yield item
+        finished = True
+    finally:
+        if not finished:
+            owner.abort(request_id)
+        with owner._lock:
+            owner._streams.pop(request_id, None)
+
+
 def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
     for queue, out in items:
         queue.put_nowait(out)
+
+
+def deliver(owner, request_id: str, item: StepOutput | BaseException) -> None:
+    """Hand one item (an output, or the error that ends the request) to its stream in `owner._streams`."""
+    with owner._lock:
+        stream = owner._streams.get(request_id)
+    if stream is not None:
+        with contextlib.suppress(RuntimeError):          # the client's loop is gone: nothing to tell
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def deliver_all(owner, outputs: list[StepOutput]) -> None:
+    """Hand a step's outputs to their streams: one wake-up per event loop, not one per output."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
+    with owner._lock:
+        for out in outputs:
+            stream = owner._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):          # the client's loop is gone: nothing to tell
+            loop.call_soon_threadsafe(_put_all, items)
 
 
 class AsyncEngine:
@@ -84,21 +131,9 @@ class AsyncEngine:
             self._streams[request_id] = stream
             self._inbox.append(("add", request_id, prompt, params, n))
         self._wake.set()
-        finished = False
-        try:
-            while stream.n_open > 0:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    stream.n_open -= 1
+        async with contextlib.aclosing(stream_outputs(self, request_id, stream)) as items:
+            async for item in items:
                 yield item
-            finished = True
-        finally:
-            if not finished:
-                self.abort(request_id)
-            with self._lock:
-                self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -107,23 +142,10 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ the engine thread
     def _deliver(self, request_id: str, item) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            with contextlib.suppress(RuntimeError):          # the client's loop is gone: nothing to tell
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        deliver(self, request_id, item)
 
     def _deliver_all(self, outputs: list[StepOutput]) -> None:
-        """Hand a step's outputs to their streams: one wake-up per event loop, not one per output."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
-        with self._lock:
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream.queue, out))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):          # the client's loop is gone: nothing to tell
-                loop.call_soon_threadsafe(_put_all, items)
+        deliver_all(self, outputs)
 
     def _drain_inbox(self) -> bool:
         with self._lock:

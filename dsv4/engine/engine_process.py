@@ -18,21 +18,12 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
-from .async_engine import EngineDeadError
+from .async_engine import EngineDeadError, _Stream, deliver, deliver_all, stream_outputs
 from .engine import RequestError, StepOutput
 from .sampling import SamplingParams
 
 log = logging.getLogger("dsv4.engine")
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    n_open: int
-    arrival: float = field(default_factory=time.monotonic)
 
 
 def _child(commands, results, build: Callable, build_args: tuple) -> None:
@@ -147,22 +138,10 @@ class EngineProcess:
         with self._lock:
             self._streams[request_id] = stream
         self._send(("add", request_id, prompt, params, n))
-        finished = False
-        try:
-            while stream.n_open > 0:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True                     # the engine already dropped it
-                    raise item
-                if item.finished:
-                    stream.n_open -= 1
+        # an error item: the engine already dropped the request, nothing to abort
+        async with contextlib.aclosing(stream_outputs(self, request_id, stream, abort_on_error=False)) as items:
+            async for item in items:
                 yield item
-            finished = True
-        finally:
-            if not finished:
-                self.abort(request_id)
-            with self._lock:
-                self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -191,24 +170,7 @@ class EngineProcess:
             self._fail(rid, EngineDeadError("the engine process stopped"))
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
-        with self._lock:
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream.queue, out))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_put_all, items)
+        deliver_all(self, outputs)
 
     def _fail(self, rid: str, error: BaseException) -> None:
-        with self._lock:
-            stream = self._streams.get(rid)
-        if stream is not None:
-            with contextlib.suppress(RuntimeError):
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
-
-
-def _put_all(items) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
+        deliver(self, rid, error)

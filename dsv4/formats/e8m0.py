@@ -14,14 +14,20 @@ E8M0_NAN = 255
 _RAW = (torch.uint8, torch.int8)
 
 
-def as_e8m0_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of an E8M0 tensor (uint8/int8/float8_e8m0fnu) as uint8, copied as bits."""
+def raw_bytes(t: torch.Tensor, native: str, refusal: str) -> torch.Tensor:
+    """t's bytes as uint8, viewed as bits: t is uint8, int8 or torch's dtype named `native` (where this torch
+    has it); any other dtype raises TypeError(refusal with {dtype} filled in)."""
     if t.dtype == torch.uint8:
         return t
-    if t.dtype == torch.int8 or (HAS_E8M0 and t.dtype == torch.float8_e8m0fnu):
+    if t.dtype == torch.int8 or t.dtype == getattr(torch, native, None):
         return t.view(torch.uint8)
-    raise TypeError(f"an E8M0 scale must be raw bytes (uint8, int8 or float8_e8m0fnu), got {t.dtype}; "
-                    "converting float values to E8M0 goes through e8m0_encode")
+    raise TypeError(refusal.format(dtype=t.dtype))
+
+
+def as_e8m0_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of an E8M0 tensor (uint8/int8/float8_e8m0fnu) as uint8, copied as bits."""
+    return raw_bytes(t, "float8_e8m0fnu", "an E8M0 scale must be raw bytes (uint8, int8 or float8_e8m0fnu), got "
+                     "{dtype}; converting float values to E8M0 goes through e8m0_encode")
 
 
 def e8m0_from_bytes(b: torch.Tensor) -> torch.Tensor:

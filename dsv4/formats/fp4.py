@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .e8m0 import HAS_E8M0, e8m0_decode, e8m0_encode
+from .e8m0 import HAS_E8M0, e8m0_decode, e8m0_encode, raw_bytes
 
 HAS_FP4 = hasattr(torch, "float4_e2m1fn_x2")
 FP4_BLOCK = 32
@@ -23,11 +23,7 @@ _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)                # between co
 
 def as_packed_bytes(t: torch.Tensor) -> torch.Tensor:
     """Packed FP4 bytes (int8/uint8/float4_e2m1fn_x2) as uint8, copied as bits."""
-    if t.dtype == torch.uint8:
-        return t
-    if t.dtype == torch.int8 or (HAS_FP4 and t.dtype == torch.float4_e2m1fn_x2):
-        return t.view(torch.uint8)
-    raise TypeError(f"packed FP4 must be int8, uint8 or float4_e2m1fn_x2, got {t.dtype}")
+    return raw_bytes(t, "float4_e2m1fn_x2", "packed FP4 must be int8, uint8 or float4_e2m1fn_x2, got {dtype}")
 
 
 def packed_from_bytes(b: torch.Tensor, as_int8: bool = True) -> torch.Tensor:

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .e8m0 import HAS_E8M0, as_e8m0_bytes, e8m0_decode, e8m0_encode
+from .e8m0 import HAS_E8M0, as_e8m0_bytes, e8m0_decode, e8m0_encode, raw_bytes
 
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")
 FP8_MAX = 448.0
@@ -49,11 +49,7 @@ def _e4m3_midpoints() -> tuple[torch.Tensor, torch.Tensor]:
 
 def as_fp8_bytes(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of an FP8 E4M3 tensor (uint8/int8/float8_e4m3fn) as uint8."""
-    if t.dtype == torch.uint8:
-        return t
-    if t.dtype == torch.int8 or (HAS_FP8 and t.dtype == torch.float8_e4m3fn):
-        return t.view(torch.uint8)
-    raise TypeError(f"an FP8 E4M3 tensor must be float8_e4m3fn or raw bytes, got {t.dtype}")
+    return raw_bytes(t, "float8_e4m3fn", "an FP8 E4M3 tensor must be float8_e4m3fn or raw bytes, got {dtype}")
 
 
 def fp8_from_bytes(b: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ back into every copy: copy_j = post_j * f(x) + sum_i comb[i, j] * copy_i.
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from .. import ops
@@ -19,6 +20,16 @@ from .paged import LayerPool, Plan
 
 
 class Block(nn.Module):
+    """One layer: mHC around attention, then mHC around the MoE.
+
+    `activation_checkpointing` (off by default; `DeepSeekV4.set_options` sets it): while gradients are
+    enabled, the block keeps only its inputs for backward and recomputes its forward there
+    (`torch.utils.checkpoint`, non-reentrant). The loss and gradients are the same; the memory of the
+    block's intermediates is traded for a second forward.
+    """
+
+    activation_checkpointing: bool = False
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
@@ -43,6 +54,13 @@ class Block(nn.Module):
                 plan: Plan | None = None, pool: LayerPool | None = None) -> torch.Tensor:
         """x [b, s, hc, dim]. Without a plan: the whole sequence at `positions`; with one: an incremental
         step on the paged pool (positions come from the plan)."""
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._forward, x, positions, token_ids, plan, pool,
+                                                     use_reentrant=False)
+        return self._forward(x, positions, token_ids, plan, pool)
+
+    def _forward(self, x: torch.Tensor, positions: torch.Tensor | None, token_ids: torch.Tensor,
+                 plan: Plan | None, pool: LayerPool | None) -> torch.Tensor:
         residual = x
         h, post, comb = self._hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         h = record(f"{self.stage}.hc_attn_pre", h)

@@ -21,6 +21,7 @@ from torch import nn
 from .. import ops
 from ..ops import reference
 from ..ops.precision import is_exact
+from ..scoped import scoped
 
 
 class RMSNorm(nn.Module):
@@ -108,9 +109,5 @@ def record_as(name: str, tensor: torch.Tensor, shape: tuple[int, int] | None) ->
 @contextlib.contextmanager
 def recording(fn: Callable[[str, torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
     """Route every `record(name, tensor)` call in this thread to fn while the block runs."""
-    prev = getattr(_RECORDER, "fn", None)
-    _RECORDER.fn = fn
-    try:
+    with scoped(_RECORDER, "fn", fn):
         yield
-    finally:
-        _RECORDER.fn = prev

@@ -67,9 +67,17 @@ class Experts(nn.Module):
 
     `act_format` (set by the checkpoint loader when the experts were stored as FP8 / FP4 and dequantized
     at load): W8A8, the input of every projection is quantized as `ops.moe_experts(act=...)` describes.
+
+    Training options (`DeepSeekV4.set_options` sets them):
+    - `fp4_fake_quant`: the experts compute with their weights rounded to FP4 (MXFP4-style, blocks of 32:
+      `ops.fp4_round_trip`) and gradients pass straight through to the full-precision weights;
+    - `eager_under_compile`: the experts stay eager inside a torch.compile'd block (their loop over
+      experts is data-dependent, so tracing it only adds graph breaks and recompilations).
     """
 
     act_format: str | None = None
+    fp4_fake_quant: bool = False
+    eager_under_compile: bool = False
 
     def __init__(self, cfg: ModelConfig, n_experts: int | None = None, offset: int = 0):
         super().__init__()
@@ -81,7 +89,16 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> fp32 [T, dim] (sum over the token's experts held here)."""
+        if self.eager_under_compile:
+            return _eager_experts(self, x, weights, indices)
+        return self._compute(x, weights, indices)
+
+    def _compute(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = self.w1, self.w2, self.w3
+        if self.fp4_fake_quant:
+            q = ops.fp4_round_trip
+            return ops.moe_experts(x, weights, indices, q(w1, 32), q(w2, 32), q(w3, 32), self.swiglu_limit,
+                                   self.offset)
         low = autocast_dtype(x.device.type)
         if low is not None:             # mixed precision: the grouped GEMMs take bf16 operands, as autocast would
             x, w1, w2, w3 = (t.to(low) for t in (x, w1, w2, w3))
@@ -89,6 +106,11 @@ class Experts(nn.Module):
             return ops.moe_experts(x, weights, indices, w1, w2, w3, self.swiglu_limit, self.offset,
                                    act=self.act_format)
         return ops.moe_experts(x, weights, indices, w1, w2, w3, self.swiglu_limit, self.offset)
+
+
+@torch.compiler.disable
+def _eager_experts(experts: Experts, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    return experts._compute(x, weights, indices)
 
 
 class Expert(nn.Module):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config import QUANT_MODES
+from ..config import QUANT_MODES, ModelConfig
 
 # weights stored as FP8 whose official computation uses the dequantized weight and unquantized activations
 DEQUANTIZED_IN_OFFICIAL = (".attn.wo_a",)
@@ -36,12 +36,16 @@ def quantized_modules(model: nn.Module) -> dict[str, str]:
 
 def set_quant_mode(model: nn.Module, mode: str | None = None) -> None:
     """Apply `mode` ("w8a8" or "w8a16"; default: the model config's `quant_mode`) to every module whose
-    weights the checkpoint stored quantized, and record it in `model.cfg`. Raises ValueError for W8A8 on a
-    layer of routed experts stored partly quantized (W8A8 needs one format per layer)."""
+    weights the checkpoint stored quantized, and record it in the config of the model and of every module
+    that holds one (a new config: configs are frozen). Raises ValueError for W8A8 on a layer of routed
+    experts stored partly quantized (W8A8 needs one format per layer)."""
     if mode is not None:
         if mode not in QUANT_MODES:
             raise ValueError(f"quant_mode must be one of {QUANT_MODES}, got {mode!r}")
-        model.cfg = model.cfg.replace(quant_mode=mode)
+        cfg = model.cfg.replace(quant_mode=mode)
+        for m in model.modules():
+            if isinstance(getattr(m, "cfg", None), ModelConfig):
+                m.cfg = cfg
     act = model.cfg.act_format
     for name, m in model.named_modules():
         fmt = getattr(m, "stored_format", None)

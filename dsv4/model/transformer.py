@@ -22,7 +22,7 @@ from .. import defaults
 from ..config import ModelConfig
 from .block import Block, MTPBlock, hc_head
 from .layers import RMSNorm, autocast_dtype, linear_fp32, record
-from .moe import Gate
+from .moe import Experts, Gate
 from .paged import BatchCache, PagedKVCache, StepInputs, plan_step
 
 
@@ -128,6 +128,27 @@ class DeepSeekV4(nn.Module):
         comb = torch.full((hc, hc), -4.0)
         comb.fill_diagonal_(4.0)                                  # comb ~ identity: keep each copy
         p[2 * hc:] = comb.flatten()
+
+    # ------------------------------------------------------------------ options
+    def set_options(self, *, activation_checkpointing: bool | None = None, fp4_fake_quant: bool | None = None,
+                    eager_experts_under_compile: bool | None = None) -> DeepSeekV4:
+        """Switch the model's run-time options (None leaves one as it is); returns the model.
+
+        activation_checkpointing: every main and MTP block recomputes its forward in backward
+        (`Block.activation_checkpointing`); fp4_fake_quant: the routed experts compute with FP4-rounded
+        weights, gradients straight through (`Experts.fp4_fake_quant`); eager_experts_under_compile: the
+        routed experts stay eager inside a torch.compile'd block (`Experts.eager_under_compile`).
+        """
+        if activation_checkpointing is not None:
+            for block in [*self.layers, *self.mtp]:
+                block.activation_checkpointing = activation_checkpointing
+        for m in self.modules():
+            if isinstance(m, Experts):
+                if fp4_fake_quant is not None:
+                    m.fp4_fake_quant = fp4_fake_quant
+                if eager_experts_under_compile is not None:
+                    m.eager_under_compile = eager_experts_under_compile
+        return self
 
     # ------------------------------------------------------------------ pieces
     def _head(self, h: torch.Tensor, fn, scale, base, norm: RMSNorm) -> torch.Tensor:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..scoped import scoped
 from . import reference as _ref
 
 
@@ -104,14 +105,10 @@ def use_backend(choice: str | dict[str, str | None] | None, inherit: bool = Fals
 
     inherit: ops that `choice` does not name keep what an enclosing block asked for (without it the
     block replaces the enclosing choice)."""
-    prev = getattr(_STATE, "choice", None)
     if inherit and isinstance(choice, dict):
         choice = {**{op: requested(op) for op in _REGISTRY}, **choice}
-    _STATE.choice = choice
-    try:
+    with scoped(_STATE, "choice", choice):
         yield
-    finally:
-        _STATE.choice = prev
 
 
 def requested(op: str) -> str | None:
@@ -127,12 +124,8 @@ def prefer_backend(name: str | None) -> Iterator[None]:
     """Inside the block, backend `name` is the default of every op that has it, above every other backend
     (its priority and its `prefer` hint aside) wherever it can run the call; where it refuses a call, the
     op's usual default runs. An explicit request (`backend=`, `use_backend`) still wins. None: no change."""
-    prev = getattr(_STATE, "preferred", None)
-    _STATE.preferred = name
-    try:
+    with scoped(_STATE, "preferred", name):
         yield
-    finally:
-        _STATE.preferred = prev
 
 
 def refusal(op: str, name: str, *args, **kwargs) -> str | None:

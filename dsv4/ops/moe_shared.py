@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .reference import ACT_BLOCK, act_pow2
+
 
 # ----------------------------------------------------------------------------- the routing plan
 @dataclass
@@ -116,15 +118,13 @@ def combine_rows(out: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
     return _CombineRows.apply(out, plan.token, plan.order, plan.topk)
 
 
-def act_round_trip(t: torch.Tensor, act: str | None) -> torch.Tensor:
-    """W8A8 on dequantized weights: the FP8 round trip of a projection's input (dispatched, so the fast
-    backend runs where there is one), or t itself when act is None."""
+def act_round_trip(t: torch.Tensor, act: str | None, round_trip: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """W8A8 on dequantized weights: the FP8 round trip of a projection's input, or t itself when act is None.
+    round_trip: the backend passes the dispatched `dsv4.ops.fp8_round_trip` (so the fast backend runs where
+    there is one); this module stays below the dispatcher."""
     if act is None:
         return t
-    from . import fp8_round_trip
-    from .reference import ACT_BLOCK, act_pow2
-
-    return fp8_round_trip(t, ACT_BLOCK, act_pow2(act))
+    return round_trip(t, ACT_BLOCK, act_pow2(act))
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -429,14 +429,25 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w
     quant = None
     if act is not None:
         quant = functools.partial(fp8_round_trip, block=ACT_BLOCK, pow2=act_pow2(act))
+
+    def expert(e: int, xe: torch.Tensor, we: torch.Tensor) -> torch.Tensor:
+        return expert_ffn(xe, w1[e], w2[e], w3[e], swiglu_limit, we, quant)
+
+    return _sum_over_experts(x, weights, indices, w1.size(0), expert_offset, expert)
+
+
+def _sum_over_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, n_experts: int,
+                      expert_offset: int,
+                      expert: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """fp32 [T, D]: for each local expert e, expert(e, its tokens' rows of x, their routing weights [n, 1])
+    added into the rows of its tokens; ids outside [expert_offset, expert_offset + n_experts) are skipped."""
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     local = indices - expert_offset
-    for e in range(w1.size(0)):
+    for e in range(n_experts):
         tok, slot = torch.where(local == e)
         if tok.numel() == 0:
             continue
-        out = expert_ffn(x[tok], w1[e], w2[e], w3[e], swiglu_limit, weights[tok, slot].unsqueeze(-1), quant)
-        y = y.index_add(0, tok, out.float())
+        y = y.index_add(0, tok, expert(e, x[tok], weights[tok, slot].unsqueeze(-1)).float())
     return y
 
 
@@ -454,18 +465,14 @@ def quantized_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch
         raise ValueError(f"quantized experts are 'fp8' or 'fp4', got {fmt!r}")
     gemm = fp8_gemm if fmt == "fp8" else fp4_gemm
     pow2 = act_pow2(act)
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    local = indices - expert_offset
-    for e in range(w1.size(0)):
-        tok, slot = torch.where(local == e)
-        if tok.numel() == 0:
-            continue
+
+    def expert(e: int, xe: torch.Tensor, we: torch.Tensor) -> torch.Tensor:
         wq = {1: (w1[e], s1[e]), 2: (w2[e], s2[e]), 3: (w3[e], s3[e])}
 
-        def project(t: torch.Tensor, i: int, wq=wq) -> torch.Tensor:
+        def project(t: torch.Tensor, i: int) -> torch.Tensor:
             q, s = act_quant(t, ACT_BLOCK, pow2)
             return gemm(q, s, *wq[i], t.dtype)
 
-        out = swiglu_ffn(x[tok], project, swiglu_limit, weights[tok, slot].unsqueeze(-1))
-        y = y.index_add(0, tok, out.float())
-    return y
+        return swiglu_ffn(xe, project, swiglu_limit, we)
+
+    return _sum_over_experts(x, weights, indices, w1.size(0), expert_offset, expert)

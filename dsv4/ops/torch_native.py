@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import register
+from . import fp8_round_trip, register
 from .moe_shared import act_round_trip, build_plan, clamped_swiglu, combine_rows, gather_rows, mask_rows
 from .precision import is_exact
 
@@ -47,12 +47,13 @@ def grouped_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.T
                         expert_offset: int = 0, act: str | None = None) -> torch.Tensor:
     """`moe_experts` with one `torch._grouped_mm` per projection over all local experts."""
     plan = build_plan(weights, indices, w1.size(0), expert_offset)
-    xs = gather_rows(act_round_trip(x, act), plan)                               # [M, D]
+    xs = gather_rows(act_round_trip(x, act, fp8_round_trip), plan)               # [M, D]
     # rows past the last group are not computed: mask them before anything reads them (also in backward)
     gate = mask_rows(torch._grouped_mm(xs, w1.transpose(1, 2), offs=plan.ends), plan)   # [M, I]
     up = mask_rows(torch._grouped_mm(xs, w3.transpose(1, 2), offs=plan.ends), plan)     # [M, I]
     h = mask_rows(clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1), plan).to(x.dtype)
-    out = torch._grouped_mm(act_round_trip(h, act), w2.transpose(1, 2), offs=plan.ends)   # [M, D]
+    out = torch._grouped_mm(act_round_trip(h, act, fp8_round_trip), w2.transpose(1, 2),
+                            offs=plan.ends)                                      # [M, D]
     return combine_rows(out, plan)
 
 

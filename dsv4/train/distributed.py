@@ -157,7 +157,7 @@ class ExpertParallel:
         return lo, hi - lo
 
     def _local(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        # the Experts module itself (so a replaced forward, e.g. FP4 fake-quant, still applies); its offset
+        # the Experts module itself (so its options, e.g. FP4 fake-quant, still apply); its offset
         # was just checked against the live rank, and ids outside its range are skipped
         return self.experts(x, weights, indices)                                        # fp32 [T, dim]
 

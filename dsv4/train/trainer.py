@@ -13,7 +13,6 @@ import json
 import math
 import os
 import time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,24 +160,6 @@ def _distributed_module():
     return distributed
 
 
-def _fp4_expert_forward(self, x, weights, indices):
-    """Experts.forward with FP4 (MXFP4-style) fake-quantized weights; gradients pass straight through."""
-    q = ops.fp4_round_trip
-    return ops.moe_experts(x, weights, indices, q(self.w1, 32), q(self.w2, 32), q(self.w3, 32),
-                           self.swiglu_limit, self.offset)
-
-
-def _checkpointed(block):
-    inner = block.forward
-
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    return forward
-
-
 def compile_blocks(model: torch.nn.Module, device: torch.device, backend: str = "inductor") -> None:
     """`--compile`: torch.compile (inductor by default) every main and MTP block. The routed experts stay eager: their
     loop over experts is data-dependent (under expert parallelism the exchange sizes are host values too),
@@ -196,9 +177,7 @@ def compile_blocks(model: torch.nn.Module, device: torch.device, backend: str = 
     # cache's first fill adds one more): allow that many before dynamo falls back to eager
     dyn = torch._dynamo.config
     dyn.recompile_limit = max(dyn.recompile_limit, 4 * len(blocks))
-    for m in model.modules():
-        if type(m).__name__ == "Experts":
-            m.forward = torch.compiler.disable(m.forward)
+    model.set_options(eager_experts_under_compile=True)
     for block in blocks:
         block.compile(backend=backend)
 
@@ -235,6 +214,10 @@ class Trainer:
             ops.set_deterministic(True)
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.seed)
+        if cfg.init_from:                                         # a Hub id becomes its cache snapshot
+            from ..checkpoint.hub import resolve_model_path
+
+            self.cfg = cfg = dataclasses.replace(cfg, init_from=str(resolve_model_path(cfg.init_from)))
         self._build_data()
         self._build_model()
         self.opt = MuonAdamW(self.model, OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -266,11 +249,11 @@ class Trainer:
     def _model_config(self) -> ModelConfig:
         c = self.cfg
         if c.init_from:
-            from ..checkpoint.hub import resolve_model_path
-            from ..checkpoint.layouts import load_config
+            from ..checkpoint import plan
 
-            c.init_from = str(resolve_model_path(c.init_from))   # a Hub id becomes its cache snapshot
-            mcfg = load_config(c.init_from)
+            # the config the loader would build (the layout's semantics, e.g. no MTP in an HF directory);
+            # trained weights leave the FP8 / FP4 grid after the first step: a float model (W8A16 numerics)
+            mcfg = plan(c.init_from, overrides={"quant_mode": "w8a16"}).cfg
         elif c.model_config:
             mcfg = ModelConfig.from_json(c.model_config)
         else:
@@ -330,19 +313,12 @@ class Trainer:
         if c.init_from:
             from ..checkpoint import load_pretrained
 
-            # trained weights leave the FP8 / FP4 grid after the first step: a float model (W8A16 numerics)
-            model = load_pretrained(c.init_from, dtype=torch.float32, device=self.device, quant_mode="w8a16")
-            model.cfg.fp8_kv_sim, model.cfg.fp4_indexer_sim = self.mcfg.fp8_kv_sim, self.mcfg.fp4_indexer_sim
+            # built from the run's config (overrides and QAT switches applied before the build)
+            model = load_pretrained(c.init_from, dtype=torch.float32, device=self.device, config=self.mcfg)
         else:
             model = DeepSeekV4.from_config(self.mcfg, seed=c.seed, dtype=torch.float32, device=self.device)
         model.train()
-        if c.fp4_experts:
-            for m in model.modules():
-                if type(m).__name__ == "Experts":
-                    m.forward = types.MethodType(_fp4_expert_forward, m)
-        if c.activation_checkpointing:
-            for block in [*model.layers, *model.mtp]:
-                block.forward = _checkpointed(block)
+        model.set_options(fp4_fake_quant=c.fp4_experts, activation_checkpointing=c.activation_checkpointing)
         if self.dist is not None:
             sharded = self.dist.shard_model(model, ep=c.expert_parallel)
             model = sharded if sharded is not None else model

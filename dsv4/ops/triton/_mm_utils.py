@@ -48,6 +48,19 @@ def mma(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def grouped_tile(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
+    """(row tile, column tile) of this program in grouped order: GROUP row tiles share each weight column
+    tile while it is in L2."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    per_group = GROUP * n_n
+    first_m = (pid // per_group) * GROUP
+    group_m = tl.minimum(n_m - first_m, GROUP)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
 def round_to(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
     """fp32 -> dtype, round to nearest even."""
     if UPCAST and dtype == tl.bfloat16:

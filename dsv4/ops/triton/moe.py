@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import register
+from .. import fp8_round_trip, register
 from ..moe_shared import (
     MoEPlan,
     act_round_trip,
@@ -394,7 +394,7 @@ def triton_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     """`moe_experts` as Triton grouped GEMMs over all local experts (see the module docstring). act (W8A8 on
     dequantized weights): x and the SwiGLU output go through the FP8 round trip before their projections."""
     n_local = w1.size(0)
-    x = act_round_trip(x, act)
+    x = act_round_trip(x, act, fp8_round_trip)
     m = indices.numel()
     plan, tiles = _plan_and_tiles(weights, indices, n_local, expert_offset, _block_m(m, n_local))
     needs_grad = torch.is_grad_enabled() and any(
@@ -405,12 +405,14 @@ def triton_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Te
         _launch_gmm(x, w1.transpose(1, 2), tiles, h, a_idx=plan.token, b2=w3.transpose(1, 2),
                     w=plan.weight.contiguous(), limit=swiglu_limit)
         out = torch.empty(m, x.size(1), dtype=x.dtype, device=x.device)         # [T*k, D] slot order
-        _launch_gmm(act_round_trip(h, act), w2.transpose(1, 2), tiles, out, c_idx=plan.order)
+        _launch_gmm(act_round_trip(h, act, fp8_round_trip), w2.transpose(1, 2), tiles, out,
+                    c_idx=plan.order)
         return out.view(plan.n_tokens, plan.topk, -1).sum(1, dtype=torch.float32)
     xs = gather_rows(x, plan)                                                    # [M, D]
     gate = _GroupedMM.apply(xs, w1.transpose(1, 2), tiles)                       # [M, I]
     up = _GroupedMM.apply(xs, w3.transpose(1, 2), tiles)
-    h = act_round_trip((clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype), act)
+    h = act_round_trip((clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype), act,
+                       fp8_round_trip)
     out = mask_rows(_GroupedMM.apply(h, w2.transpose(1, 2), tiles), plan)         # [M, D]
     return combine_rows(out, plan)
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .. import register
 from ._mm_utils import INTERPRET as _INTERPRET
-from ._mm_utils import device_reason, mma, round_to
+from ._mm_utils import device_reason, grouped_tile, mma, round_to
 from ._mm_utils import launch as _launch
 
 
@@ -44,15 +44,7 @@ def _e2m1(c):
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym, s_cols,
                      SCALE_E8M0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      GROUP: tl.constexpr, UPCAST: tl.constexpr):
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(M, BM)
-    n_n = tl.cdiv(N, BN)
-    # grouped ordering: GROUP row tiles share each weight column tile while it is in L2
-    per_group = GROUP * n_n
-    first_m = (pid // per_group) * GROUP
-    group_m = tl.minimum(n_m - first_m, GROUP)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = grouped_tile(M, N, BM, BN, GROUP)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     ks = tl.arange(0, BK)
@@ -82,14 +74,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym, 
 def _fp4_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                      UPCAST: tl.constexpr):
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(M, BM)
-    n_n = tl.cdiv(N, BN)
-    per_group = GROUP * n_n
-    first_m = (pid // per_group) * GROUP
-    group_m = tl.minimum(n_m - first_m, GROUP)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = grouped_tile(M, N, BM, BN, GROUP)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     ks = tl.arange(0, BK)

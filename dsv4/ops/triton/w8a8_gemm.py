@@ -38,7 +38,7 @@ from .. import register
 from ..moe_shared import clamped_swiglu
 from ..reference import ACT_BLOCK, act_pow2
 from ._mm_utils import INTERPRET as _INTERPRET
-from ._mm_utils import device_reason, round_to
+from ._mm_utils import device_reason, grouped_tile, round_to
 from ._mm_utils import launch as _launch
 from .moe import _block_m, _plan_and_tiles
 from .quant_gemm import _e2m1, _e8m0
@@ -91,14 +91,7 @@ def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride
                  stride_bn, stride_bsn, bs_cols, M_BUCKET, FP4: tl.constexpr, SCALE_E8M0: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr):
     """C [M, N] = sum over 128-blocks kb of (A_kb . W_kb^T) * (a_scale[:, kb] x w_scale[kb])."""
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(M, BM)
-    n_n = tl.cdiv(N, BN)
-    per_group = GROUP * n_n                       # GROUP row tiles share each weight column tile in L2
-    first_m = (pid // per_group) * GROUP
-    group_m = tl.minimum(n_m - first_m, GROUP)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = grouped_tile(M, N, BM, BN, GROUP)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     mmask = rm < M
