@@ -402,11 +402,13 @@ class Requirements:
     inference_gpus: int         # GPUs that would hold inference_total (dsv4 serves on one)
     inference_gpus_quantized: int
     train: TrainState
-    train_activations: int      # per rank, fused kernels, no checkpointing
+    train_activations: int      # per rank, fused kernels, no checkpointing (sum of train_terms)
     train_activations_ckpt: int
     train_gpus: int | None      # fewest FSDP2 + expert-parallel ranks (None: does not fit at any count)
     train_gpus_ckpt: int | None
     settings: dict
+    train_terms: dict | None = None        # train_activation_terms without / with checkpointing
+    train_terms_ckpt: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -425,14 +427,16 @@ def requirements(cfg: ModelConfig, *, context: int = 8192, batch: int = 1, chunk
     act_fused = activation_bytes(cfg, chunk, context, a, logits_rows=batch, fused=True)
     inf, inf_q = w.dequantized + cache.total + act_fused, w.kept_quantized + cache.total + act_fused
     st = train_state_bytes(cfg)
-    ta = train_activation_bytes(cfg, train_batch, train_seq_len, False, a, fused=True)
-    tc = train_activation_bytes(cfg, train_batch, train_seq_len, True, a, fused=True)
+    terms = train_activation_terms(cfg, train_batch, train_seq_len, False, a)
+    terms_ckpt = train_activation_terms(cfg, train_batch, train_seq_len, True, a)
+    ta, tc = sum(terms.values()), sum(terms_ckpt.values())
     return Requirements(
         w, cache, cache_no_prefix, act, act_fused, inf, inf_q, inference_gpus(inf, gpu_memory),
         inference_gpus(inf_q, gpu_memory), st, ta, tc, training_gpus(cfg, st, ta, gpu_memory),
         training_gpus(cfg, st, tc, gpu_memory, checkpointing=True),
         {"context": context, "batch": batch, "chunk": chunk, "gpu_memory": gpu_memory, "dtype": str(dtype),
-         "train_batch": train_batch, "train_seq_len": train_seq_len, "usable_fraction": USABLE_FRACTION})
+         "train_batch": train_batch, "train_seq_len": train_seq_len, "usable_fraction": USABLE_FRACTION},
+        terms, terms_ckpt)
 
 
 # ------------------------------------------------------------------------------------------ measurement
