@@ -235,16 +235,17 @@ def train_layer_saved(cfg: ModelConfig, ratio: int, batch: int, seq_len: int, dt
       query; window-only layers share one [seq, window] list across the batch); the output after the
       inverse rope [heads, head_dim] and wo_a's output [o_groups, o_lora_rank].
     - compressors: `_CompressPool` saves each compressor's kv and gate-score rows in fp32 ([2 head_dim]
-      each with ratio 4's overlapping windows, [head_dim] otherwise); ratio 4 also the indexer's own.
+      each with ratio 4's overlapping windows, [head_dim] otherwise); per compressed entry its pooled
+      value before the norm [head_dim]; ratio 4 also the indexer's own.
     - indexer (ratio 4): its roped query [index_heads, index_head_dim] and fp32 head weights (saved by
-      `_IndexerScores`); the indexer loss's gather index (int64), log-softmax and target (fp32) and masks
-      over the top-k entries.
+      `_IndexerScores`); its fp32 scores over every entry [seq / 4] (the loss's gather keeps them), the
+      loss's gather index (int64), log-softmax (fp32) and masks over the top-k entries.
     - router: fp32 logits and scores [experts] (softplus, sqrt), the chosen indices (int64) and weights.
     - moe: the normed input [dim]; each routed slot (token x top-k): its gathered input [dim] (saved by
       `_GroupedMM` for w1 and w3), the clamped SwiGLU's fp32 intermediates [inter] (gate and up upcast,
-      both clamped, silu, the product: six with a swiglu_limit, four without), the weighted hidden [inter]
-      (w2's input) and the plan's int64 slot order and token ids; the shared expert the same SwiGLU
-      intermediates and hidden per token.
+      both clamped, silu: five with a swiglu_limit, three without; and the product the routing weight
+      scales), the weighted hidden [inter] (w2's input) and the plan's int64 slot order and token ids; the
+      shared expert the same SwiGLU intermediates (no routing weight) and hidden per token.
     """
     b, s, a = batch, seq_len, dtype_bytes
     T = b * s
@@ -263,15 +264,15 @@ def train_layer_saved(cfg: ModelConfig, ratio: int, batch: int, seq_len: int, dt
             + T * (2 * H * d * a + H * 4) + idx
             + T * (H * d + cfg.o_groups * cfg.o_lora_rank) * a)
     coff = 2 if ratio == 4 else 1
-    comp = T * 2 * coff * d * 4 if ratio else 0
+    comp = b * n * d * a + T * 2 * coff * d * 4 if ratio else 0
     indexer = 0
     if ratio == 4:
-        comp += T * 2 * 2 * cfg.index_head_dim * 4
-        indexer = T * (cfg.index_n_heads * cfg.index_head_dim * a + cfg.index_n_heads * 4
-                       + picked * (8 + 4 + 4 + 3))
+        comp += b * n * cfg.index_head_dim * a + T * 2 * 2 * cfg.index_head_dim * 4
+        indexer = (T * (cfg.index_n_heads * cfg.index_head_dim * a + cfg.index_n_heads * 4 + picked * (8 + 4 + 3))
+                   + T * n * 4)
     router = T * (2 * E * 4 + k * (8 + 4) + 8)
-    swiglu = (6 if cfg.swiglu_limit > 0 else 4) * inter * 4
-    moe = (T * D * a + T * k * (D * a + swiglu + inter * a + 8 + 8 + 4)
+    swiglu = (5 if cfg.swiglu_limit > 0 else 3) * inter * 4     # + the product the routing weight scales
+    moe = (T * D * a + T * k * (D * a + swiglu + inter * 4 + inter * a + 8 + 8 + 4)
            + T * cfg.n_shared_experts * (swiglu + inter * a))
     return {"mhc": mhc, "attention": attn, "compressors": comp, "indexer": indexer, "router": router,
             "moe": moe}
