@@ -233,7 +233,8 @@ def train_layer_saved(cfg: ModelConfig, ratio: int, batch: int, seq_len: int, dt
       kv plus its compressed entries, [head_dim] each), its output o and o's low half `o_lo` [heads,
       head_dim] each, lse [heads] fp32 and the key index list (int64: window + selected entries per
       query; window-only layers share one [seq, window] list across the batch); the output after the
-      inverse rope [heads, head_dim] and wo_a's output [o_groups, o_lora_rank].
+      inverse rope, as the O-LoRA einsum's grouped copy [heads, head_dim], and wo_a's output [o_groups,
+      o_lora_rank] (wo_b's input).
     - compressors: `_CompressPool` saves each compressor's kv and gate-score rows in fp32 ([2 head_dim]
       each with ratio 4's overlapping windows, [head_dim] otherwise); per compressed entry its pooled
       value before the norm [head_dim]; ratio 4 also the indexer's own.
