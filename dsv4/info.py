@@ -151,13 +151,22 @@ def format_memory(req) -> list[str]:
         + ("" if req.inference_gpus_quantized == 1 else "; dsv4 serves on one device, so it does not run on these "
            "GPUs today"),
         f"    training (fp32 master weights and gradients, Muon momentum + AdamW moments): {_gb(req.train.weights)} + "
-        f"{_gb(req.train.grads)} + {_gb(req.train.optimizer)}; activations per rank for {s['train_batch']} x "
-        f"{s['train_seq_len']} tokens {_gb(req.train_activations)}, {_gb(req.train_activations_ckpt)} with "
-        f"--activation-checkpointing",
+        f"{_gb(req.train.grads)} + {_gb(req.train.optimizer)}; bf16 weight copies under autocast "
+        f"{_gb(req.train.dense_copies)} on every rank + {_gb(req.train.expert_copies)} of routed experts split "
+        f"over the ranks",
+        f"    training activations per rank for {s['train_batch']} x {s['train_seq_len']} tokens at the peak (early "
+        f"in backward): {_gb(req.train_activations)} ({_terms(req.train_terms)}), "
+        f"{_gb(req.train_activations_ckpt)} with --activation-checkpointing ({_terms(req.train_terms_ckpt)})",
         f"    training GPUs of {gpu} (FSDP2 + expert parallelism): {_train_gpus(req.train_gpus)} without "
         f"checkpointing, {_train_gpus(req.train_gpus_ckpt)} with it",
     ]
     return lines
+
+
+def _terms(terms: dict) -> str:
+    """train_activation_terms by name: blocks' saved tensors, the heads' saved tensors, the logits gradient."""
+    names = {"blocks": "blocks saved", "heads": "heads saved", "logits_grad": "logits gradient split"}
+    return ", ".join(f"{names.get(k, k)} {_gb(v)}" for k, v in terms.items())
 
 
 def _gpus(n: int) -> str:

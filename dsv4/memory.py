@@ -16,9 +16,15 @@ code stores, not a generic transformer formula:
   hidden, the shared expert), plus the logits of the rows that want them. The fused GPU kernels do not
   materialize the score tensors, so on a GPU this is an upper bound.
 - training: fp32 master weights, fp32 gradients, optimizer state as `dsv4.train.optim.MuonAdamW` keeps it
-  (Muon: one fp32 momentum per hidden matrix; AdamW: two fp32 moments for the rest), and activations saved
-  for backward: every layer's (without checkpointing) or one block input per layer plus one layer
-  recomputed (with `activation_checkpointing`).
+  (Muon: one fp32 momentum per hidden matrix; AdamW: two fp32 moments for the rest), the bf16 copies of the
+  weights that bf16 autocast casts (`TrainState.copies`), and what is alive at the step's peak, early in
+  the backward (`train_activation_terms`): the tensors every block saved for its backward, counted from
+  what each op and fused autograd Function saves (`train_layer_saved`; with `activation_checkpointing`
+  only each block's input), the heads' saved tensors (fp32 log-softmax over the vocabulary) and the first
+  head projection's backward splitting the fp32 logits gradient into bf16 parts. The optimizer step's
+  temporaries (Newton-Schulz iterates of one matrix) come after the backward has freed every activation,
+  so they do not add to this peak. The CPU reference path (fp32, no autocast) is estimated by the older
+  per-layer model in `train_activation_bytes(fused=False)`.
 
 Parallelism dsv4 supports: inference on one device; training with FSDP2 (dense weights, gradients and
 optimizer state sharded over W ranks) plus expert parallelism (routed experts split over the same W ranks;
@@ -182,22 +188,25 @@ def activation_bytes(cfg: ModelConfig, tokens: int, context: int, dtype_bytes: i
 
 def train_activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False,
                            dtype_bytes: int = 2, mtp: bool = True, fused: bool = False) -> int:
-    """Activation bytes at a training step's peak (early in backward): what the forward saved, plus the
-    backward's working set for one layer (each fp32 attention tensor it saved gets a gradient of its size:
-    the layer's forward transient once more).
-    With checkpointing only each block's input is saved, and one layer is recomputed at a time."""
+    """Activation bytes at a training step's peak. fused=True: the GPU path (bf16 autocast, the Triton
+    kernels), the sum of `train_activation_terms`. fused=False: the reference ops (a CPU, fp32): what the
+    forward saved, plus the backward's working set for one layer (each fp32 attention tensor it saved gets a
+    gradient of its size: the layer's forward transient once more); with checkpointing only each block's
+    input is saved, and one layer is recomputed at a time."""
+    if fused:
+        return sum(train_activation_terms(cfg, batch, seq_len, checkpointing, dtype_bytes, mtp).values())
     T, a = batch * seq_len, dtype_bytes
     L = cfg.n_layers + (cfg.n_mtp_layers if mtp else 0)
     stream = T * cfg.hc_mult * cfg.dim * a
 
     def transient(ratio: int) -> int:
-        return _layer_step_bytes(cfg, ratio, seq_len, seq_len, a, fused) * batch
+        return _layer_step_bytes(cfg, ratio, seq_len, seq_len, a) * batch
 
     def saved(ratio: int) -> int:
         # a layer's intermediates: streams and mHC mixes, the attention's and the MoE's (both kept for the
         # backward; the sequence is its own context), the LoRA / output projections and each routed token's
         # expert input and hidden
-        return (4 * stream + sum(_layer_parts(cfg, ratio, seq_len, seq_len, a, fused)) * batch
+        return (4 * stream + sum(_layer_parts(cfg, ratio, seq_len, seq_len, a)) * batch
                 + T * (cfg.q_lora_rank + cfg.o_groups * cfg.o_lora_rank + 2 * cfg.dim) * a
                 + T * cfg.n_activated_experts * (cfg.dim + 3 * cfg.moe_inter_dim) * a)
 
@@ -209,6 +218,97 @@ def train_activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpoin
     return sum(saved(r) for r in ratios) + backward + logits
 
 
+def train_layer_saved(cfg: ModelConfig, ratio: int, batch: int, seq_len: int, dtype_bytes: int = 2
+                      ) -> dict[str, int]:
+    """Bytes one block saves for its backward on the GPU path (bf16 autocast, fp32 master weights, the
+    Triton kernels), by what saves them. Per token unless said otherwise; a = the compute dtype's bytes.
+
+    - mhc: twice per block (before attention, before the MoE), `_HcPre` saves the residual stream
+      [hc, dim] (also `_HcPost`'s residual: one storage), the fp32 mixes [(2 + hc) hc] and rsqrt; `_HcPost`
+      saves post [hc] and comb [hc, hc] (fp32) and the sublayer output [dim]; the sublayer's RMSNorm saves
+      its input [dim].
+    - attention: the normed input [dim] (wq_a, wkv, the compressors, the indexer's head weights); wq_a's
+      output and qr [q_lora_rank] each; wq_b's output (the query norm's input) and the roped query
+      [heads, head_dim] each; wkv's output [head_dim]; the keys `_SparseAttention` reads (this sequence's
+      kv plus its compressed entries, [head_dim] each), its output o and o's low half `o_lo` [heads,
+      head_dim] each, lse [heads] fp32 and the key index list (int64: window + selected entries per
+      query; window-only layers share one [seq, window] list across the batch); the output after the
+      inverse rope, as the O-LoRA einsum's grouped copy [heads, head_dim], and wo_a's output [o_groups,
+      o_lora_rank] (wo_b's input).
+    - compressors: `_CompressPool` saves each compressor's kv and gate-score rows in fp32 ([2 head_dim]
+      each with ratio 4's overlapping windows, [head_dim] otherwise); per compressed entry its pooled
+      value before the norm [head_dim]; ratio 4 also the indexer's own.
+    - indexer (ratio 4): its roped query [index_heads, index_head_dim] and fp32 head weights (saved by
+      `_IndexerScores`); its fp32 scores over every entry [seq / 4] (the loss's gather keeps them), the
+      loss's gather index (int64), log-softmax (fp32) and masks over the top-k entries.
+    - router: fp32 logits and scores [experts] (softplus, sqrt), the chosen indices (int64) and weights.
+    - moe: the normed input [dim]; each routed slot (token x top-k): its gathered input [dim] (saved by
+      `_GroupedMM` for w1 and w3), the clamped SwiGLU's fp32 intermediates [inter] (gate and up upcast,
+      both clamped, silu: five with a swiglu_limit, three without; and the product the routing weight
+      scales), the weighted hidden [inter] (w2's input) and the plan's int64 slot order and token ids; the
+      shared expert the same SwiGLU intermediates (no routing weight) and hidden per token.
+    """
+    b, s, a = batch, seq_len, dtype_bytes
+    T = b * s
+    D, H, d, hc, E, k, inter = (cfg.dim, cfg.n_heads, cfg.head_dim, cfg.hc_mult, cfg.n_routed_experts,
+                                cfg.n_activated_experts, cfg.moe_inter_dim)
+    w = min(cfg.window_size, s)
+    n = s // ratio if ratio else 0
+    mhc = 2 * T * (hc * D * a + ((2 + hc) * hc + 1 + hc + hc * hc) * 4 + 2 * D * a)
+    if ratio == 4:
+        picked = min(cfg.index_topk, n)
+    else:
+        picked = n
+    idx = T * (w + picked) * 8 if ratio else s * w * 8
+    attn = (T * (D + 2 * cfg.q_lora_rank + 2 * H * d + d) * a
+            + b * (s + n) * d * a
+            + T * (2 * H * d * a + H * 4) + idx
+            + T * (H * d + cfg.o_groups * cfg.o_lora_rank) * a)
+    coff = 2 if ratio == 4 else 1
+    comp = b * n * d * a + T * 2 * coff * d * 4 if ratio else 0
+    indexer = 0
+    if ratio == 4:
+        comp += b * n * cfg.index_head_dim * a + T * 2 * 2 * cfg.index_head_dim * 4
+        indexer = (T * (cfg.index_n_heads * cfg.index_head_dim * a + cfg.index_n_heads * 4 + picked * (8 + 4 + 3))
+                   + T * n * 4)
+    router = T * (2 * E * 4 + k * (8 + 4) + 8)
+    swiglu = (5 if cfg.swiglu_limit > 0 else 3) * inter * 4     # + the product the routing weight scales
+    moe = (T * D * a + T * k * (D * a + swiglu + inter * 4 + inter * a + 8 + 8 + 4)
+           + T * cfg.n_shared_experts * (swiglu + inter * a))
+    return {"mhc": mhc, "attention": attn, "compressors": comp, "indexer": indexer, "router": router,
+            "moe": moe}
+
+
+def train_activation_terms(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False,
+                           dtype_bytes: int = 2, mtp: bool = True) -> dict[str, int]:
+    """What is alive at a GPU training step's peak besides the weights, gradients and optimizer state (and
+    the bf16 weight copies, `TrainState.copies`), by name. The peak is early in the backward, in the
+    first head's projection backward (the last MTP head's, or the main head's without MTP):
+
+    - blocks: every block's `train_layer_saved` (with checkpointing: each block's input stream, the only
+      tensor a checkpointed block saves; a block is recomputed later, when the heads' tensors are gone).
+    - heads: per head (the main one and each MTP block's), the reference hc_head's two fp32 copies of the
+      stream [hc, dim] and its fp32 mixes, the final norm's input and output [dim] and the cross-entropy's
+      fp32 log-softmax [vocab]; each MTP block's combine: the fp32 embedding and its bf16 cast [dim], the
+      hidden norm's input and output [hc, dim].
+    - logits_grad: the head projection's backward (`linear_fp32`'s bf16x3 backend) splits the fp32 logits
+      gradient [vocab] (which takes the place of that head's freed log-softmax) into three bf16 parts:
+      bf16 hi, fp32 rest, bf16 mid, its fp32 upcast and fp32 remainder coexist, 16 bytes per vocab entry.
+    """
+    b, s, a = batch, seq_len, dtype_bytes
+    T = b * s
+    D, hc, V = cfg.dim, cfg.hc_mult, cfg.vocab_size
+    n_mtp = cfg.n_mtp_layers if mtp else 0
+    ratios = list(cfg.compress_ratios[: cfg.n_layers + n_mtp])
+    if checkpointing:
+        blocks = len(ratios) * T * hc * D * a
+    else:
+        blocks = sum(sum(train_layer_saved(cfg, r, b, s, a).values()) for r in ratios)
+    head = T * (2 * hc * D * 4 + (hc + 2) * 4 + 2 * D * a + V * 4)
+    combine = T * (D * 4 + D * a + 2 * hc * D * a)
+    return {"blocks": blocks, "heads": (1 + n_mtp) * head + n_mtp * combine, "logits_grad": T * V * 16}
+
+
 # ------------------------------------------------------------------------------------------ training state
 @dataclass
 class TrainState:
@@ -217,10 +317,24 @@ class TrainState:
     optimizer: int              # Muon momentum + AdamW moments, fp32
     expert_share: float         # fraction of the three above in routed experts (expert parallelism splits it)
     largest_block: int          # fp32 bytes of the largest block (what FSDP gathers to run it)
+    dense_copies: int = 0       # bf16 copies of the weights bf16 autocast casts (every `Linear` computed in
+                                # bf16): kept in autocast's cache for the whole forward and saved for the
+                                # backward by the matmuls, on every rank (FSDP2 gathers them whole)
+    expert_copies: int = 0      # the routed experts' bf16 copies (`Experts.forward` casts them each step,
+                                # `_GroupedMM` saves them): split over the expert-parallel ranks
+    expert_copies_block: int = 0   # the largest block's share of expert_copies
+
+    def copies(self, world: int = 1, checkpointing: bool = False) -> int:
+        """bf16 weight copies alive at the training peak on one of `world` ranks. With checkpointing the
+        blocks save nothing: only one block's expert copies exist at a time (autocast's cache of the dense
+        ones lasts to the end of the forward, where every block's input is saved as well)."""
+        experts = self.expert_copies_block if checkpointing else self.expert_copies
+        return self.dense_copies + experts // world
 
 
-def train_state_bytes(cfg: ModelConfig) -> TrainState:
+def train_state_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> TrainState:
     from .model import DeepSeekV4
+    from .model.layers import Linear
     from .train.optim import uses_muon
 
     model = DeepSeekV4(cfg, dtype=torch.float32, device="meta")
@@ -234,7 +348,15 @@ def train_state_bytes(cfg: ModelConfig) -> TrainState:
     blocks = [*model.layers, *model.mtp]
     dense_block = max(sum(p.numel() * 4 for n, p in b.named_parameters() if ".experts.w" not in f".{n}")
                       for b in blocks)
-    return TrainState(w, w, opt, experts / (w + w + opt), dense_block)
+    # which weights autocast casts: those a bf16 model holds in bf16 and runs through F.linear / einsum
+    # (`Linear`; the compressors' fp32 projections, the router and the head go through linear_fp32)
+    low = torch.finfo(dtype).bits // 8
+    ref = DeepSeekV4(cfg, dtype=dtype, device="meta")
+    dense = sum(m.weight.numel() for m in ref.modules() if isinstance(m, Linear) and m.weight.dtype == dtype)
+    per_block = [sum(p.numel() for n, p in b.named_parameters() if ".experts.w" in f".{n}") for b in
+                 [*ref.layers, *ref.mtp]]
+    return TrainState(w, w, opt, experts / (w + w + opt), dense_block, dense * low, sum(per_block) * low,
+                      max(per_block) * low)
 
 
 # ------------------------------------------------------------------------------------------ GPU counts
@@ -254,13 +376,16 @@ def inference_gpus(need: int, gpu_bytes: int) -> int:
 
 
 def training_gpus(cfg: ModelConfig, state: TrainState, activations: int, gpu_bytes: int,
-                  max_world: int = 4096) -> int | None:
-    """The fewest ranks W (dividing the expert count) for which FSDP2 + expert parallelism fits each GPU."""
+                  max_world: int = 4096, checkpointing: bool = False) -> int | None:
+    """The fewest ranks W (dividing the expert count) for which FSDP2 + expert parallelism fits each GPU:
+    a 1/W share of the fp32 state, the bf16 weight copies (`TrainState.copies`), the activations, and
+    one gathered block beyond the own shard."""
     total = state.weights + state.grads + state.optimizer
     for world in range(1, max_world + 1):
         if cfg.n_routed_experts % world:
             continue
-        per_rank = total / world + activations + (state.largest_block if world > 1 else 0)
+        per_rank = (total / world + state.copies(world, checkpointing) + activations
+                    + (state.largest_block if world > 1 else 0))
         if per_rank <= gpu_bytes * USABLE_FRACTION:
             return world
     return None
@@ -279,11 +404,13 @@ class Requirements:
     inference_gpus: int         # GPUs that would hold inference_total (dsv4 serves on one)
     inference_gpus_quantized: int
     train: TrainState
-    train_activations: int      # per rank, fused kernels, no checkpointing
+    train_activations: int      # per rank, fused kernels, no checkpointing (sum of train_terms)
     train_activations_ckpt: int
     train_gpus: int | None      # fewest FSDP2 + expert-parallel ranks (None: does not fit at any count)
     train_gpus_ckpt: int | None
     settings: dict
+    train_terms: dict | None = None        # train_activation_terms without / with checkpointing
+    train_terms_ckpt: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -302,14 +429,16 @@ def requirements(cfg: ModelConfig, *, context: int = 8192, batch: int = 1, chunk
     act_fused = activation_bytes(cfg, chunk, context, a, logits_rows=batch, fused=True)
     inf, inf_q = w.dequantized + cache.total + act_fused, w.kept_quantized + cache.total + act_fused
     st = train_state_bytes(cfg)
-    ta = train_activation_bytes(cfg, train_batch, train_seq_len, False, a, fused=True)
-    tc = train_activation_bytes(cfg, train_batch, train_seq_len, True, a, fused=True)
+    terms = train_activation_terms(cfg, train_batch, train_seq_len, False, a)
+    terms_ckpt = train_activation_terms(cfg, train_batch, train_seq_len, True, a)
+    ta, tc = sum(terms.values()), sum(terms_ckpt.values())
     return Requirements(
         w, cache, cache_no_prefix, act, act_fused, inf, inf_q, inference_gpus(inf, gpu_memory),
         inference_gpus(inf_q, gpu_memory), st, ta, tc, training_gpus(cfg, st, ta, gpu_memory),
-        training_gpus(cfg, st, tc, gpu_memory),
+        training_gpus(cfg, st, tc, gpu_memory, checkpointing=True),
         {"context": context, "batch": batch, "chunk": chunk, "gpu_memory": gpu_memory, "dtype": str(dtype),
-         "train_batch": train_batch, "train_seq_len": train_seq_len, "usable_fraction": USABLE_FRACTION})
+         "train_batch": train_batch, "train_seq_len": train_seq_len, "usable_fraction": USABLE_FRACTION},
+        terms, terms_ckpt)
 
 
 # ------------------------------------------------------------------------------------------ measurement

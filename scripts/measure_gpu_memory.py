@@ -52,7 +52,10 @@ def train_estimate(batch: int, seq_len: int, ckpt: bool) -> dict:
     cfg = ModelConfig.preset(c.preset).replace(**c.model)
     st = mem.train_state_bytes(cfg)
     state = st.weights + st.grads + st.optimizer
-    return {f: state + mem.train_activation_bytes(cfg, batch, seq_len, ckpt, 2, fused=f) for f in (True, False)}
+    # the bf16 weight copies exist under autocast (the GPU run); the reference-op figure is the CPU's fp32 run
+    return {f: state + (st.copies(1, ckpt) if f else 0) + mem.train_activation_bytes(cfg, batch, seq_len, ckpt, 2,
+                                                                                      fused=f)
+            for f in (True, False)}
 
 
 def train_breakdown(batch: int, seq_len: int = 512) -> dict:

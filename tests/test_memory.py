@@ -136,9 +136,9 @@ def test_gpu_counts():
     n = mem.training_gpus(cfg, st, 10 * mem.GB, 141 * mem.GB)
     assert n is not None and cfg.n_routed_experts % n == 0
     usable = 141 * mem.GB * mem.USABLE_FRACTION
-    assert total / n + 10 * mem.GB + st.largest_block <= usable        # fits at n
+    assert total / n + st.copies(n) + 10 * mem.GB + st.largest_block <= usable        # fits at n
     smaller = [w for w in range(1, n) if cfg.n_routed_experts % w == 0]
-    assert all(total / w + 10 * mem.GB + st.largest_block > usable for w in smaller)
+    assert all(total / w + st.copies(w) + 10 * mem.GB + st.largest_block > usable for w in smaller)
     assert mem.training_gpus(cfg, st, 200 * mem.GB, 141 * mem.GB) is None   # activations alone overflow
     assert mem.inference_gpus(int(usable), 141 * mem.GB) == 1 and mem.inference_gpus(int(usable) + 1, 141 * mem.GB) == 2
     assert mem.parse_size("141GB") == 141 * 10**9 and mem.parse_size("80GiB") == 80 * 2**30
