@@ -57,9 +57,12 @@ def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
         model_dir = getattr(args, "model", None)
         if model_dir:
             from .checkpoint.hub import resolve_model_path
+            from .checkpoint.layouts import config_from_json, without_mtp
 
             path = resolve_model_path(model_dir, weights=False)
-            cfg = ModelConfig.from_json(path / "config.json")
+            cfg = config_from_json(path / "config.json")     # (a layout's own keys, e.g. dspark_*, left out)
+            if getattr(args, "no_mtp", False):
+                cfg = without_mtp(cfg)
             return cfg if path == Path(model_dir) else cfg.replace(name=str(model_dir))   # a Hub id, not a hash
         if default_preset:
             return ModelConfig.preset(default_preset)

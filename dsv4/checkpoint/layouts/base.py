@@ -46,8 +46,9 @@ CONFIG_FILES = (
 _LAYOUTS: dict[str, Layout] = {}
 
 
-__all__ = ["CONFIG_FILES", "Layout", "LayoutWriter", "detect", "find_files", "get", "load_config",
-           "logical_numel", "names", "parameter_totals", "register", "release_storage", "without_mtp"]
+__all__ = ["CONFIG_FILES", "Layout", "LayoutWriter", "config_from_json", "detect", "find_files", "get",
+           "load_config", "logical_numel", "names", "parameter_totals", "raw_config", "register",
+           "release_storage", "unregister", "without_mtp"]
 
 
 def register(cls: type[Layout]) -> type[Layout]:
@@ -56,6 +57,11 @@ def register(cls: type[Layout]) -> type[Layout]:
         raise ValueError(f"layout '{cls.name}' registered twice")
     _LAYOUTS[cls.name] = cls()
     return cls
+
+
+def unregister(name: str) -> None:
+    """Forget a layout (one registered for a while, e.g. by a test or a plugin being unloaded)."""
+    _LAYOUTS.pop(name, None)
 
 
 def names() -> tuple[str, ...]:
@@ -97,6 +103,11 @@ class Layout:
     def claims(self, stored_names: list[str]) -> bool:
         """Whether tensors with these stored names are a checkpoint of this layout."""
         return True
+
+    def config_keys(self, raw: dict[str, Any]) -> set[str]:
+        """Keys of a config.json that describe this layout's extras, not the model (`ModelConfig` does
+        not know them; the config is read without them)."""
+        return set()
 
     def load_config(self, root: Path, overrides: dict | None = None) -> ModelConfig:
         """The directory's config.json read with this layout's semantics, then `overrides` applied."""
@@ -272,9 +283,32 @@ def load_config(path: str | Path, overrides: dict | None = None) -> ModelConfig:
     from ...config import ConfigError
 
     try:
-        return ModelConfig.from_json(cfg_path, overrides)
+        return config_from_json(cfg_path, overrides)
     except ConfigError as e:
         raise CheckpointError(f"{cfg_path}: {e}") from None
+
+
+def config_from_json(cfg_path: str | Path, overrides: dict | None = None) -> ModelConfig:
+    """`ModelConfig.from_json`, without the keys a layout owns (e.g. a DSpark draft's `dspark_*`)."""
+    cfg_path = Path(cfg_path)
+    raw = raw_config(cfg_path)
+    own = {k for lay in _LAYOUTS.values() for k in lay.config_keys(raw)}
+    if not own:
+        return ModelConfig.from_json(cfg_path, overrides)
+    rest = {k: v for k, v in raw.items() if k not in own}
+    return ModelConfig.from_dict(rest, name=cfg_path.parent.name or "custom", overrides=overrides)
+
+
+def raw_config(cfg_path: Path) -> dict[str, Any]:
+    """A config.json as a dict, or {} when it is absent, unreadable or not a JSON object (the config
+    reader then reports why)."""
+    if not os.path.lexists(cfg_path):
+        return {}
+    try:
+        raw = json.loads(read_text(cfg_path))
+    except (ValueError, RecursionError, OSError, CheckpointError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
 
 
 # ------------------------------------------------------------------------------------------ storage

@@ -18,9 +18,7 @@ misshapen tensor) but does not run the draft: loading refuses it in one line (`U
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,10 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from ...config import ModelConfig
 from ...errors import Unsupported
-from ...safe_paths import read_text
 from ..names import DENSE, F32, LINEAR, Spec, block_tensors, canonical, official_tensors
 from ..safetensors_io import CheckpointError
-from .base import Layout, register
+from .base import Layout, raw_config, register
 
 if TYPE_CHECKING:
     from ..inventory import Plan
@@ -113,18 +110,6 @@ def draft_tensors(cfg: ModelConfig, p: DraftParams) -> dict[str, Spec]:
     return out
 
 
-def _raw_config(root: Path | None) -> dict[str, Any]:
-    """config.json as a dict, or {} when there is none or it is not a JSON object (the config reader
-    then reports why)."""
-    if root is None or not os.path.lexists(Path(root) / "config.json"):
-        return {}
-    try:
-        raw = json.loads(read_text(Path(root) / "config.json"))
-    except (ValueError, RecursionError, OSError, CheckpointError):
-        return {}
-    return raw if isinstance(raw, dict) else {}
-
-
 @register
 class DSparkLayout(Layout):
     name = "dspark"
@@ -135,21 +120,11 @@ class DSparkLayout(Layout):
     def claims(self, stored_names: list[str]) -> bool:
         return any(_DRAFT_HEADS.search(n) for n in stored_names)
 
-    def load_config(self, root: Path, overrides: dict | None = None) -> ModelConfig:
-        raw = _raw_config(root)
-        if not any(k.startswith(_KEY_PREFIX) for k in raw):
-            return super().load_config(root, overrides)
-        from ...config import ConfigError
-
-        rest = {k: v for k, v in raw.items() if not k.startswith(_KEY_PREFIX)}
-        try:
-            return ModelConfig.from_dict(rest, name=Path(root).name or "custom",
-                                         overrides={**self.semantics, **(overrides or {})})
-        except ConfigError as e:
-            raise CheckpointError(f"{Path(root) / 'config.json'}: {e}") from None
+    def config_keys(self, raw: dict[str, Any]) -> set[str]:
+        return {k for k in raw if k.startswith(_KEY_PREFIX)}
 
     def params(self, cfg: ModelConfig, root: Path | None = None) -> DraftParams:
-        return DraftParams.from_config(_raw_config(root), cfg)
+        return DraftParams.from_config(raw_config(Path(root) / "config.json") if root else {}, cfg)
 
     def tensors(self, cfg: ModelConfig, root: Path | None = None) -> dict[str, Spec]:
         return {**official_tensors(cfg, mtp=False), **draft_tensors(cfg, self.params(cfg, root))}
