@@ -51,10 +51,10 @@ class DraftParams:
 
     @classmethod
     def from_config(cls, raw: dict[str, Any], cfg: ModelConfig) -> DraftParams:
-        """From config.json's `dspark_*` keys; the stage count falls back to the config's MTP depth, the
-        target layers to the last three main layers."""
+        """From config.json's `dspark_*` keys; the stage count falls back to the config's MTP depth (to
+        Flash-0731's 3 without a config.json), the target layers to the last three main layers."""
         d = cls()
-        stages = raw.get("dspark_num_stages", cfg.n_mtp_layers or d.stages)
+        stages = raw.get("dspark_num_stages", (cfg.n_mtp_layers or d.stages) if raw else d.stages)
         targets = raw.get("dspark_target_layer_ids", [max(0, cfg.n_layers - 3 + i) for i in range(3)])
         p = cls(
             stages=stages,
