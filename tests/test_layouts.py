@@ -200,6 +200,12 @@ def test_dspark_cli_refuses_with_exit_1_and_one_line(source, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     assert main(["convert", str(tmp_path / "ds"), str(tmp_path / "out"), "--to", "bf16", "--no-mtp"]) == 0
     assert not any(n.startswith("mtp.") for f in (tmp_path / "out").glob("*.safetensors") for n in read_header(f)[0])
+    gen = ["generate", "--model", str(tmp_path / "ds"), "--prompt-ids", "1,2", "--max-new-tokens", "2"]
+    capsys.readouterr()
+    assert main(gen) == 1  # config.json's dspark_* keys are read around; the draft itself is refused
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "DSpark draft" in err[0] and "--no-mtp" in err[0]
+    assert main([*gen, "--no-mtp"]) == 0
 
 
 def test_the_draft_params_are_checked_against_the_config(source, tmp_path):
