@@ -2,8 +2,9 @@
 
 Exit codes: 2 for what the user can fix (a bad argument or input, a broken or mismatched file: `UserError`
 and the library's own value errors: config, request), 1 for a failure of the machine (I/O: disk full,
-read-only or missing destination, permission denied; memory) and for anything unexpected, 130 for
-Ctrl-C. A traceback is only shown with `--debug`.
+read-only or missing destination, permission denied; memory), for what dsv4 recognizes but does not
+implement (`Unsupported`: the input is valid, this package cannot run it) and for anything unexpected,
+130 for Ctrl-C. A traceback is only shown with `--debug`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ class UserError(Exception):
 
 class CheckpointError(UserError):
     """A checkpoint file or tensor is missing, broken, unsafe to open or does not match the config."""
+
+
+class Unsupported(CheckpointError):
+    """A valid input that dsv4 recognizes but does not implement (e.g. a DSpark draft); the line says how
+    to go on without it."""
 
 
 _IO_CAUSES = {
@@ -65,6 +71,8 @@ def describe_error(e: BaseException) -> tuple[int, str]:
     """(exit code, one line) for an error that reached the top of a command."""
     from .config_schema import ConfigError
 
+    if isinstance(e, Unsupported):
+        return 1, str(e)
     if isinstance(e, (UserError, ConfigError)):
         return 2, str(e)
     if isinstance(e, UnicodeError):

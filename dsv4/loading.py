@@ -32,6 +32,9 @@ def add_model_args(p: argparse.ArgumentParser, default_hint: str) -> None:
                    help=f"a checkpoint directory or a Hugging Face Hub id org/name[@rev] (default: {default_hint})")
     g.add_argument("--config", metavar="FILE", type=argtypes.path,
                    help="a config.json (official or Hugging Face keys)")
+    p.add_argument("--no-mtp", action="store_true",
+                   help="with --model: load the main model without its MTP block (a DSpark draft, which dsv4 "
+                        "does not run, is refused otherwise)")
 
 
 QUANT_MODE_HELP = ("numerics of the weights a checkpoint stores as FP8 / FP4: w8a8 (default: the official "
@@ -54,9 +57,12 @@ def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
         model_dir = getattr(args, "model", None)
         if model_dir:
             from .checkpoint.hub import resolve_model_path
+            from .checkpoint.layouts import config_from_json, without_mtp
 
             path = resolve_model_path(model_dir, weights=False)
-            cfg = ModelConfig.from_json(path / "config.json")
+            cfg = config_from_json(path / "config.json")     # (a layout's own keys, e.g. dspark_*, left out)
+            if getattr(args, "no_mtp", False):
+                cfg = without_mtp(cfg)
             return cfg if path == Path(model_dir) else cfg.replace(name=str(model_dir))   # a Hub id, not a hash
         if default_preset:
             return ModelConfig.preset(default_preset)
@@ -88,7 +94,8 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None):
     path = resolve_model_path(path)         # a Hub id becomes its snapshot in the Hugging Face cache
 
     model = load_pretrained(path, dtype=dtype, device=device, quant_mode=getattr(args, "quant_mode", None),
-                            keep_quantized=getattr(args, "keep_quantized", False)).eval()
+                            keep_quantized=getattr(args, "keep_quantized", False),
+                            mtp=not getattr(args, "no_mtp", False)).eval()
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from .train.tokenizer import Tokenizer

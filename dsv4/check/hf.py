@@ -58,25 +58,10 @@ def hf_config(cfg):
 
 @torch.no_grad()
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """dsv4 state dict (main model, no MTP) -> transformers parameter names."""
-    from ..checkpoint.names import hf_name
+    """dsv4 state dict (main model, no MTP) -> transformers parameter names (the HF layout's `to_hf`)."""
+    from ..checkpoint.layouts.hf import HFLayout
 
-    out: dict[str, torch.Tensor] = {}
-    sd = model.state_dict()
-    for name, t in sd.items():
-        if name.startswith("mtp."):
-            continue
-        if ".ffn.experts.w" in name:
-            prefix, w = name.rsplit(".", 1)
-            hp = f"model.{prefix.replace('.ffn.', '.mlp.')}"
-            if w == "w1":
-                out[f"{hp}.gate_up_proj"] = torch.cat([t, sd[f"{prefix}.w3"]], 1)
-            elif w == "w2":
-                out[f"{hp}.down_proj"] = t
-            continue
-        hn = hf_name(name)
-        out[hn] = t.long() if name.endswith("tid2eid") else t
-    return out
+    return HFLayout.to_hf(model.state_dict())
 
 
 def build_hf_model(model: nn.Module) -> nn.Module:

@@ -1,4 +1,5 @@
-"""Checkpoints: the release, inference (model-parallel) and Hugging Face layouts; load, inspect, convert."""
+"""Checkpoints: the release, inference (model-parallel) and Hugging Face layouts, and the DSpark draft
+recognized but not run (one module each in `layouts/`); load, inspect, convert."""
 
 from .layouts import LAYOUTS, expected_tensors, parameter_totals
 from .load import load_into, load_pretrained

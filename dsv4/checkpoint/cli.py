@@ -82,6 +82,8 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
         help="--to fp8: experts as FP8 or MXFP4 (default: as the source/config)",
     )
     p.add_argument("--shard-gb", type=argtypes.positive_float, default=4.0, help="shard size for release/hf outputs")
+    p.add_argument("--no-mtp", action="store_true",
+                   help="leave the MTP block out (needed for a source whose draft dsv4 does not run: DSpark)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_convert)
     return p
@@ -105,6 +107,7 @@ def run_convert(args: argparse.Namespace) -> int:
         shard_bytes=int(args.shard_gb * (1 << 30)),
         progress=False if args.no_progress else None,
         force_expert_dtype=ed is not None,
+        mtp=not args.no_mtp,
     )
     print(f"wrote {dst} ({args.to})")
     return 0

@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..config import ModelConfig
+from . import layouts
 from .layouts import expected_tensors, logical_numel, parameter_totals
 from .reader import plan, scan
 from .safetensors_io import CheckpointError
@@ -36,13 +37,22 @@ def inspect_dir(path: str | Path, config: ModelConfig | None = None, layout: str
         "problems": [],
         "warnings": [],
     }
+    lay = layouts.get(report["layout"])
+    cfg = config
     try:
         p = plan(root, config, layout)
+        cfg = p.cfg
         report["config"] = p.cfg.name
         report["warnings"] = p.warnings
         report["ignored"] = [t.name for t in p.ignored]
     except CheckpointError as e:
         report["problems"] = list(getattr(e, "problems", [str(e)]))
+        if cfg is None:
+            try:
+                cfg = lay.load_config(root)
+            except CheckpointError:
+                cfg = None
+    report.update(lay.details(root, [n for h in headers.values() for n in h], cfg))
     report["ok"] = not report["problems"]
     return report
 
@@ -78,6 +88,18 @@ def format_report(r: dict) -> str:
     ]
     for k, v in r["dtypes"].items():
         lines.append(f"  {k:8s} {v['tensors']:7d} tensors {v['bytes'] / 1e9:10.3f} GB")
+    d = r.get("draft")
+    if d:
+        stages = d.get("stages", len(d["stages_found"]))
+        line = f"  {d['kind']} draft under mtp.*: {stages} stages"
+        if "block_size" in d:
+            line += (f", block size {d['block_size']}, noise token {d['noise_token_id']}, target layers "
+                     f"{d['target_layers']}, Markov rank {d['markov_rank']}; {d['tensors']} tensors, "
+                     f"{d['parameters'] / 1e9:.3f}B parameters")
+        if d["stages_found"] != list(range(stages)):
+            line += f"; the files hold stages {d['stages_found']}"
+        lines.append(line)
+        lines.append("  note: dsv4 does not run this draft; load the main model with --no-mtp")
     for w in r.get("warnings", []):
         lines.append(f"  warning: {w}")
     if r["problems"]:

@@ -27,7 +27,7 @@ from ..config import ModelConfig
 from .hub import resolve_model_path
 from .names import to_model
 from .quantized import QuantExperts, QuantLinear
-from .reader import Plan, Value, plan, stream
+from .reader import Plan, Value, for_loading, plan, stream
 from .safetensors_io import CheckpointError
 
 log = logging.getLogger("dsv4.checkpoint")
@@ -45,6 +45,7 @@ def load_pretrained(
     quant_mode: str | None = None,
     fp8_kv_sim: bool | None = None,
     fp4_indexer_sim: bool | None = None,
+    mtp: bool = True,
 ):
     """Load a checkpoint directory (release, inference MP shards or HF transformers) into DeepSeekV4.
 
@@ -57,6 +58,8 @@ def load_pretrained(
     quant_mode: "w8a8" (the official numerics, the default) or "w8a16" for the weights stored as FP8 /
     FP4; fp8_kv_sim / fp4_indexer_sim: the QAT simulations. None = the config's value, or for a
     transformers ("hf" layout) directory transformers' semantics (both simulations off).
+    mtp: False builds the model without its MTP block and leaves the checkpoint's MTP tensors unread (the
+    way to load the main model of a checkpoint whose draft dsv4 does not implement: DSpark).
     """
     from ..model import DeepSeekV4
     from ..model.quant import set_quant_mode
@@ -65,6 +68,7 @@ def load_pretrained(
                                ("fp4_indexer_sim", fp4_indexer_sim)) if v is not None}
     path = resolve_model_path(path)
     p = plan(path, config.replace(**asked) if config is not None and asked else config, layout, overrides=asked)
+    p = for_loading(p, mtp)
     for w in p.warnings:
         log.warning(w)
     dtype = dtype or defaults.default_dtype()

@@ -80,6 +80,11 @@ def _block_tensors(cfg: ModelConfig, layer_id: int) -> dict[str, Spec]:
     return t
 
 
+def block_tensors(cfg: ModelConfig, layer_id: int) -> dict[str, Spec]:
+    """The tensors of block `layer_id` (main layers first, then MTP), names relative to the block."""
+    return _block_tensors(cfg, layer_id)
+
+
 def _compressor(prefix: str, cfg: ModelConfig, ratio: int, coff: int, hd: int) -> dict[str, Spec]:
     return {
         f"{prefix}.ape": Spec((ratio, coff * hd), F32),

@@ -15,7 +15,6 @@ n_routed_experts) stop the stream with an error naming the tensor and file, befo
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,90 +22,17 @@ import torch
 from .. import formats as fm
 from ..config import ModelConfig
 from ..safe_paths import open_regular
-from .layouts import detect_layout, find_files, load_config
-from .names import EXPERT, F32, INT, Spec, canonical, expert_index, official_tensors, split_dim
+from . import layouts
+from .inventory import Entry, Piece, Plan, Problems
+from .layouts import find_files, without_mtp
+from .names import EXPERT, F32, INT, Spec, canonical
 from .safetensors_io import FLOAT_DTYPES, INT_DTYPES, CheckpointError, TensorInfo, read_header, read_tensor
+from .storage import Value
 
 FP8_DTYPES = {"F8_E4M3"}
 FP4_DTYPES = {"I8", "U8", "F4"}
 E8M0_DTYPES = {"F8_E8M0", "U8"}
 FP8_SCALE_DTYPES = E8M0_DTYPES | {"F32", "BF16", "F16"}
-
-
-@dataclass
-class Piece:
-    info: TensorInfo
-    rank: int = 0
-
-    def where(self) -> str:
-        return f"'{self.info.name}' in {self.info.file}"
-
-
-@dataclass
-class Entry:
-    """One official weight (or one fused HF expert tensor) and where its bytes are."""
-
-    name: str
-    spec: Spec
-    fmt: str  # "float" | "int" | "fp8" | "fp4"
-    weight: list[Piece]
-    scale: list[Piece] = field(default_factory=list)
-    split: int | None = None  # inference layout: pieces concatenated on this dim
-    parts: tuple[str, ...] = ()  # fused HF experts: ("w1", "w3") or ("w2",)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.info.nbytes for p in self.weight + self.scale)
-
-
-@dataclass
-class Value:
-    """A tensor as stored: float/int data, or quantized data with its block scale (bits untouched)."""
-
-    fmt: str
-    data: torch.Tensor
-    scale: torch.Tensor | None = None
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if self.fmt == "fp8":
-            return fm.dequantize_fp8(self.data, self.scale, dtype)
-        if self.fmt == "fp4":
-            return fm.dequantize_mxfp4(self.data, self.scale, dtype)
-        if self.fmt == "int":
-            return self.data
-        return self.data.to(dtype)
-
-
-@dataclass
-class Plan:
-    root: Path
-    layout: str
-    cfg: ModelConfig
-    files: list[Path]
-    mp: int
-    entries: dict[str, Entry]
-    ignored: list[TensorInfo]
-    headers: dict[Path, dict[str, TensorInfo]]
-    warnings: list[str]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values())
-
-
-class Problems:
-    def __init__(self) -> None:
-        self.items: list[str] = []
-
-    def add(self, msg: str) -> None:
-        self.items.append(msg)
-
-    def raise_if_any(self) -> None:
-        if self.items:
-            more = f" (and {len(self.items) - 1} more problems)" if len(self.items) > 1 else ""
-            err = CheckpointError(self.items[0] + more)
-            err.problems = list(self.items)
-            raise err
 
 
 def _fmt_of(dtype: str) -> str:
@@ -137,40 +63,37 @@ def _piece_shape(full: tuple[int, ...], dim: int | None, mp: int) -> tuple[int, 
 
 
 def scan(path: str | Path) -> tuple[str, list[Path], int, dict[Path, dict[str, TensorInfo]]]:
-    """Headers of every file (no payloads) and the detected layout."""
-    by_files, files, mp = find_files(path)
+    """Headers of every file (no payloads) and the detected layout's name."""
+    rank_files, files, mp = find_files(path)
     headers = {f: read_header(f)[0] for f in files}
     names = [n for h in headers.values() for n in h]
-    return detect_layout(names, by_files), files, mp, headers
-
-
-# what a layout's config means unless asked otherwise: transformers simulates no QAT
-LAYOUT_SEMANTICS = {"hf": {"fp8_kv_sim": False, "fp4_indexer_sim": False}}
+    return layouts.detect(names, rank_files).name, files, mp, headers
 
 
 def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = None,
          overrides: dict | None = None) -> Plan:
     """Validate a checkpoint directory against cfg from its headers alone; raise CheckpointError.
 
-    Without cfg, the directory's config.json is read with the layout's semantics (`LAYOUT_SEMANTICS`) and
+    Without cfg, the directory's config.json is read with the layout's semantics (`Layout.semantics`) and
     then `overrides` applied, before validation."""
     root = Path(path)
     found, files, mp, headers = scan(root)
-    if layout is not None and layout != found:
-        if (layout == "inference") != (found == "inference"):
+    lay = layouts.get(found)
+    if layout is not None:
+        asked = layouts.get(layout)
+        if asked.rank_files != lay.rank_files:
             raise CheckpointError(f"{root}: --layout {layout} given, but the files are a {found} checkpoint")
-        found = layout
-    layout = found
-    cfg = cfg or load_config(root, {**LAYOUT_SEMANTICS.get(layout, {}), **(overrides or {})})
+        lay = asked
+    cfg = cfg or lay.load_config(root, overrides)
     probs = Problems()
     weights: dict[str, list[Piece]] = {}
     scales: dict[str, list[Piece]] = {}
     fused: dict[str, tuple[Piece, tuple[str, ...]]] = {}
     ignored: list[TensorInfo] = []
-    for rank, f in enumerate(files):
+    for index, f in enumerate(files):
         for info in sorted(headers[f].values(), key=lambda t: t.begin):
             c = canonical(info.name)
-            piece = Piece(info, rank if layout == "inference" else 0)
+            piece = Piece(info, lay.piece_rank(index))
             if c.kind == "ignored":
                 ignored.append(info)
             elif c.kind == "fused":
@@ -180,13 +103,14 @@ def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = 
             else:
                 (scales if c.kind == "scale" else weights).setdefault(c.name, []).append(piece)
 
-    expected = official_tensors(cfg)
+    expected = lay.tensors(cfg, root)
     warnings: list[str] = []
     has_mtp = any(n.startswith("mtp.") for n in weights)
-    if cfg.n_mtp_layers and not has_mtp and layout == "hf":
-        warnings.append(f"{root}: no MTP weights (transformers checkpoints carry none); MTP disabled")
-        cfg = cfg.replace(n_mtp_layers=0, compress_ratios=cfg.compress_ratios[: cfg.n_layers])
-        expected = official_tensors(cfg)
+    absent = lay.mtp_absent(root) if cfg.n_mtp_layers and not has_mtp else None
+    if absent is not None:
+        warnings.append(absent)
+        cfg = without_mtp(cfg)
+        expected = lay.tensors(cfg, root)
 
     entries: dict[str, Entry] = {}
     covered: set[str] = set()
@@ -228,7 +152,7 @@ def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = 
             )
             continue
         sc = scales.pop(name[: -len(".weight")] + ".scale", []) if name.endswith(".weight") else []
-        entry = _check_entry(name, spec, pieces, sc, layout, mp, probs)
+        entry = _check_entry(name, spec, pieces, sc, lay, mp, probs)
         if entry is not None:
             entries[name] = entry
 
@@ -243,7 +167,13 @@ def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = 
         else:
             probs.add(f"unexpected tensor {p.where()} (official name '{name}'){hint}")
     probs.raise_if_any()
-    return Plan(root, layout, cfg, files, mp, entries, ignored, headers, warnings)
+    return Plan(root, lay.name, cfg, files, mp, entries, ignored, headers, warnings)
+
+
+def for_loading(p: Plan, mtp: bool = True) -> Plan:
+    """The plan a model is built from: its layout may refuse what dsv4 cannot run (`Unsupported`);
+    mtp=False drops the MTP block and its tensors."""
+    return layouts.get(p.layout).prepare_load(p, mtp)
 
 
 def _describe(spec: Spec) -> str:
@@ -252,35 +182,13 @@ def _describe(spec: Spec) -> str:
 
 
 def _check_entry(
-    name: str, spec: Spec, pieces: list[Piece], scales: list[Piece], layout: str, mp: int, probs: Problems
+    name: str, spec: Spec, pieces: list[Piece], scales: list[Piece], lay: layouts.Layout, mp: int,
+    probs: Problems,
 ) -> Entry | None:
     n0 = len(probs.items)
-    split = split_dim(name) if layout == "inference" else None
-    if layout == "inference":
-        ranks = sorted(p.rank for p in pieces)
-        if expert_index(name) is not None:
-            if len(pieces) > 1:
-                probs.add(f"tensor {pieces[1].where()} is stored twice (also {pieces[0].where()})")
-        elif len(set(ranks)) != len(ranks):
-            probs.add(f"tensor {pieces[0].where()} is stored twice in one rank file")
-        elif ranks != list(range(mp)):
-            lost = sorted(set(range(mp)) - set(ranks))
-            probs.add(
-                f"tensor '{name}' is missing from rank file(s) {lost} (model-parallel files must each "
-                "hold their part of every non-expert tensor)"
-            )
-        if split is not None and spec.shape[split] % mp:
-            probs.add(f"tensor '{name}' {list(spec.shape)} cannot be split into {mp} ranks on dim {split}")
-    elif len(pieces) > 1:
-        probs.add(f"tensor {pieces[1].where()} is stored twice (also {pieces[0].where()})")
-        pieces = pieces[:1]
-    if len(scales) > len(pieces) and expert_index(name) is None and split is None and layout != "inference":
-        probs.add(f"tensor {scales[1].where()} is stored twice (also {scales[0].where()})")
-    pieces = sorted(pieces, key=lambda p: p.rank)
-    scales = sorted(scales, key=lambda p: p.rank)
-    replicated = layout == "inference" and split is None and expert_index(name) is None
-    if split is None and not replicated:
-        scales = scales[:1]
+    split = lay.split_dim(name)
+    pieces, scales = lay.gather(name, spec, pieces, scales, mp, probs)
+    replicated = lay.replicated(name)
     fmts = {_fmt_of(p.info.dtype) for p in pieces}
     fmt = fmts.pop() if len(fmts) == 1 else "mixed"
     want_piece = _piece_shape(spec.shape, split, mp)
