@@ -38,13 +38,20 @@ class C:
     def method(self):
         """Not top level."""
         return 1
+
+    def nested_only_doc(self):
+        """Only this."""
 '''
 
 
-def test_prompts_are_top_level_functions_with_a_one_line_docstring_and_a_body():
+def test_prompts_are_documented_functions_and_methods_with_a_body_cut_to_a_one_line_docstring():
     prompts = one_line_docstring_prompts("m.py", SOURCE)
-    assert [p.name for p in prompts] == ["add"]
+    assert [p.name for p in prompts] == ["add", "long_doc", "method"]
     assert prompts[0].prompt == 'def add(a, b):\n    """Return a + b."""\n'
+    assert prompts[1].prompt == 'def long_doc(x):\n    """First line."""\n'
+    assert prompts[2].prompt == 'def method(self):\n    """Not top level."""\n'      # dedented to column 0
+    multi = 'def f(a,\n      b):\n    """Doc."""\n    return a\n'
+    assert one_line_docstring_prompts("m.py", multi)[0].prompt == 'def f(a,\n      b):\n    """Doc."""\n'
     assert one_line_docstring_prompts("bad.py", "def f(:\n") == []
 
 

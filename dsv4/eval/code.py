@@ -1,8 +1,9 @@
 """Code-completion quality: does a model finish a Python function with a body that parses, and does it work?
 
 Prompts come from held-out source files (the documents `dsv4 train` keeps out of training, the same
-hash split: `dsv4.train.data.is_held_out`): every top-level function whose docstring is one line becomes
-a prompt made of its `def` line(s) and that docstring. The model continues it; the function it wrote is
+hash split: `dsv4.train.data.is_held_out`): every documented top-level function or method with more than
+its docstring becomes a prompt made of its `def` line(s), dedented to column 0, and the docstring's first
+line as a one-line docstring. The model continues it; the function it wrote is
 the prompt plus the completion up to the first non-blank line back at column 0, or the end of the
 completion. When the token budget ends inside the function, its last, unfinished line is dropped (a budget
 is not a syntax error). A completion *has a body* when that function parses (`ast.parse`) and holds at
@@ -30,23 +31,40 @@ class FunctionPrompt:
     prompt: str           # "def f(...):\n    \"\"\"One line.\"\"\"\n"
 
 
+def _functions(tree: ast.Module):
+    """Top-level functions and the methods of top-level classes (not functions nested in functions)."""
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+        elif isinstance(node, ast.ClassDef):
+            yield from (n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+
 def one_line_docstring_prompts(name: str, text: str) -> list[FunctionPrompt]:
-    """The top-level functions of one file whose docstring is a single line and whose body has more."""
+    """A prompt per documented function of one file whose body has more than its docstring: the `def`
+    line(s), dedented to column 0 (a method keeps its `self`), and the docstring's first line as a one-line
+    docstring."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
         return []
     lines = text.splitlines()
     out = []
-    for node in tree.body:
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(node.body) < 2:
+    for node in _functions(tree):
+        if len(node.body) < 2:
             continue
         doc = node.body[0]
         if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
             continue
-        if doc.lineno != doc.end_lineno or "\n" in doc.value.value.strip():
+        first = (doc.value.value.strip().splitlines() or [""])[0].strip()
+        if not first or '"""' in first or first.endswith("\\"):
             continue
-        out.append(FunctionPrompt(name, node.name, "\n".join(lines[node.lineno - 1:doc.end_lineno]) + "\n"))
+        header = lines[node.lineno - 1:doc.lineno - 1]
+        if any(line[:node.col_offset].strip() for line in header):
+            continue
+        header = [line[node.col_offset:] for line in header]
+        indent = " " * (doc.col_offset - node.col_offset)
+        out.append(FunctionPrompt(name, node.name, "\n".join(header) + f'\n{indent}"""{first}"""\n'))
     return out
 
 
