@@ -215,3 +215,19 @@ def test_the_draft_params_are_checked_against_the_config(source, tmp_path):
     (tmp_path / "ds" / "config.json").write_text(json.dumps(raw))
     r = inspect_dir(tmp_path / "ds")
     assert not r["ok"] and any("dspark_target_layer_ids" in m for m in r["problems"])
+
+
+def test_training_from_a_dspark_checkpoint_needs_no_mtp_and_then_runs_without_the_draft(source, tmp_path, capsys):
+    write_dspark(source, tmp_path / "ds")
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(8):                          # half of them held out, by the hash of their names
+        (data / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 20, encoding="utf-8")
+    train = ["train", "--init-from", str(tmp_path / "ds"), "--data", str(data), "--held-out-pct", "50",
+             "--steps", "1", "--batch-size", "1", "--seq-len", "16", "--eval-every", "0", "--sample-prompt", "",
+             "--no-progress", "--device", "cpu"]
+    capsys.readouterr()
+    assert main([*train, "--out", str(tmp_path / "run1")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "DSpark draft" in err[0] and "--no-mtp" in err[0]
+    assert main([*train, "--no-mtp", "--out", str(tmp_path / "run2")]) == 0

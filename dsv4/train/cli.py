@@ -34,6 +34,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model-config", help="model config.json to train from scratch instead of a preset")
     p.add_argument("--init-from", help="checkpoint directory or Hugging Face Hub id org/name[@rev] to continue "
                                        "training (fine-tune)")
+    p.add_argument("--no-mtp", dest="no_mtp", action="store_const", const=True,
+                   help="with --init-from: build the model without the checkpoint's MTP block and leave its "
+                        "tensors unread (a DSpark draft, which dsv4 does not run, is refused otherwise)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a ModelConfig field, e.g. --set n_layers=6 (repeatable; JSON values)")
     p.add_argument("--data", nargs="+", help="text files or directories (default: the Python stdlib)")

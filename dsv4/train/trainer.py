@@ -37,6 +37,7 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=dict)   # ModelConfig field overrides
     model_config: str | None = None                        # a config.json instead of a preset
     init_from: str | None = None                           # continue-train a checkpoint directory or Hub id
+    no_mtp: bool = False                                   # with init_from: leave the checkpoint's MTP block out
     # data
     data: list[str] = field(default_factory=list)          # files/dirs; empty = the Python stdlib
     tokenizer: str | None = None                           # tokenizer.json (or its dir); None = train one
@@ -254,6 +255,10 @@ class Trainer:
             # the config the loader would build (the layout's semantics, e.g. no MTP in an HF directory);
             # trained weights leave the FP8 / FP4 grid after the first step: a float model (W8A16 numerics)
             mcfg = plan(c.init_from, overrides={"quant_mode": "w8a16"}).cfg
+            if c.no_mtp:
+                from ..checkpoint.layouts import without_mtp
+
+                mcfg = without_mtp(mcfg)
         elif c.model_config:
             mcfg = ModelConfig.from_json(c.model_config)
         else:
@@ -314,7 +319,8 @@ class Trainer:
             from ..checkpoint import load_pretrained
 
             # built from the run's config (overrides and QAT switches applied before the build)
-            model = load_pretrained(c.init_from, dtype=torch.float32, device=self.device, config=self.mcfg)
+            model = load_pretrained(c.init_from, dtype=torch.float32, device=self.device, config=self.mcfg,
+                                    mtp=not c.no_mtp)
         else:
             model = DeepSeekV4.from_config(self.mcfg, seed=c.seed, dtype=torch.float32, device=self.device)
         model.train()
