@@ -47,15 +47,16 @@ class C:
 def test_prompts_are_documented_functions_and_methods_with_a_body_cut_to_a_one_line_docstring():
     prompts = one_line_docstring_prompts("m.py", SOURCE)
     assert [p.name for p in prompts] == ["add", "long_doc", "method"]
-    assert prompts[0].prompt == 'def add(a, b):\n    """Return a + b."""\n'
-    assert prompts[1].prompt == 'def long_doc(x):\n    """First line."""\n'
-    assert prompts[2].prompt == 'def method(self):\n    """Not top level."""\n'      # dedented to column 0
+    assert prompts[0].prompt == 'def add(a, b):\n    """Return a + b."""'
+    assert prompts[1].prompt == 'def long_doc(x):\n    """First line."""'
+    assert prompts[2].prompt == 'def method(self):\n    """Not top level."""'      # dedented to column 0
     multi = 'def f(a,\n      b):\n    """Doc."""\n    return a\n'
-    assert one_line_docstring_prompts("m.py", multi)[0].prompt == 'def f(a,\n      b):\n    """Doc."""\n'
+    assert one_line_docstring_prompts("m.py", multi)[0].prompt == 'def f(a,\n      b):\n    """Doc."""'
     assert one_line_docstring_prompts("bad.py", "def f(:\n") == []
 
 
 PROMPT = 'def add(a, b):\n    """Return a + b."""\n'
+BARE = 'def add(a, b):\n    """Return a + b."""'          # as prompts are given: no newline after the docstring
 
 
 @pytest.mark.parametrize("completion, finished, want_fn, want_body", [
@@ -78,6 +79,19 @@ def test_written_function_and_body(completion, finished, want_fn, want_body):
     assert has_body(fn) is want_body
 
 
+@pytest.mark.parametrize("completion, finished, want_body", [
+    ("\n    return a + b\n\ndef g():\n", False, True),
+    ("\n    return a + b", True, True),
+    ("\n    return a +", False, False),          # the unfinished line is the model's: dropped
+    ("  # trailing", False, False),               # no newline came: the docstring line stays, no body
+    ("\n\ndef g():\n    pass\n", False, False),   # back at column 0 right after the docstring
+])
+def test_prompts_without_a_final_newline(completion, finished, want_body):
+    fn = written_function(BARE, completion, finished)
+    assert fn.startswith(BARE)
+    assert has_body(fn) is want_body
+
+
 def test_has_body_without_docstring_counts_every_statement():
     assert has_body("def f():\n    pass\n")
     assert not has_body("x = 1\n")
@@ -89,13 +103,13 @@ def _task(name):
 
 def test_functional_runner_accepts_right_and_rejects_wrong_crashing_and_hanging_code():
     gcd = _task("gcd")
-    assert passes(gcd, gcd.prompt + "    while b:\n        a, b = b, a % b\n    return a\n")
-    assert not passes(gcd, gcd.prompt + "    return a * b\n")                 # wrong
-    assert not passes(gcd, gcd.prompt + "    return a / 0\n")                 # raises
-    assert not passes(gcd, gcd.prompt + "    while True:\n        pass\n", timeout_s=2.0)   # never returns
+    assert passes(gcd, gcd.prompt + "\n    while b:\n        a, b = b, a % b\n    return a\n")
+    assert not passes(gcd, gcd.prompt + "\n    return a * b\n")                 # wrong
+    assert not passes(gcd, gcd.prompt + "\n    return a / 0\n")                 # raises
+    assert not passes(gcd, gcd.prompt + "\n    while True:\n        pass\n", timeout_s=2.0)   # never returns
     assert not passes(gcd, "def gcd(a, b:\n")                                 # does not parse
     flatten = _task("flatten")
-    assert passes(flatten, flatten.prompt + "    return [x for xs in lists for x in xs]\n")
+    assert passes(flatten, flatten.prompt + "\n    return [x for xs in lists for x in xs]\n")
 
 
 def test_every_task_prompt_is_a_signature_and_docstring_that_a_right_answer_passes():
@@ -112,8 +126,8 @@ def test_every_task_prompt_is_a_signature_and_docstring_that_a_right_answer_pass
     }
     assert set(right) == {t.name for t in FUNCTIONAL_TASKS}
     for t in FUNCTIONAL_TASKS:
-        assert one_line_docstring_prompts("t.py", t.prompt + "    pass\n")[0].prompt == t.prompt
-        assert passes(t, t.prompt + "    " + right[t.name] + "\n"), t.name
+        assert one_line_docstring_prompts("t.py", t.prompt + "\n    pass\n")[0].prompt == t.prompt
+        assert passes(t, written_function(t.prompt, "\n    " + right[t.name] + "\n", finished=False)), t.name
 
 
 def test_held_out_loss_equals_the_cross_entropy_of_every_token_after_the_first(tmp_path):

@@ -28,7 +28,10 @@ from dataclasses import dataclass
 class FunctionPrompt:
     source: str           # the file the function comes from (its corpus-relative name)
     name: str
-    prompt: str           # "def f(...):\n    \"\"\"One line.\"\"\"\n"
+    # 'def f(...):\n    """One line."""' - no newline after the docstring: the tokenizer merges a newline
+    # with the next line's indentation, so a prompt cut after the newline would tell the model the next
+    # line starts at column 0 (and it ends the function there)
+    prompt: str
 
 
 def _functions(tree: ast.Module):
@@ -64,7 +67,7 @@ def one_line_docstring_prompts(name: str, text: str) -> list[FunctionPrompt]:
             continue
         header = [line[node.col_offset:] for line in header]
         indent = " " * (doc.col_offset - node.col_offset)
-        out.append(FunctionPrompt(name, node.name, "\n".join(header) + f'\n{indent}"""{first}"""\n'))
+        out.append(FunctionPrompt(name, node.name, "\n".join(header) + f'\n{indent}"""{first}"""'))
     return out
 
 
@@ -79,7 +82,7 @@ def written_function(prompt: str, completion: str, finished: bool) -> str:
         line = lines[i]
         if line.strip() and not line[0].isspace():
             return "\n".join(lines[:i]).rstrip() + "\n"
-    if not finished and len(lines) > n_prompt:
+    if not finished and (prompt.endswith("\n") or "\n" in completion):     # the last line is the model's
         lines = lines[:-1]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -107,7 +110,7 @@ class FunctionalTask:
 
 
 def _task(signature: str, doc: str, *cases: tuple[tuple, object]) -> FunctionalTask:
-    return FunctionalTask(signature.split("(")[0], f"def {signature}:\n    \"\"\"{doc}\"\"\"\n", cases)
+    return FunctionalTask(signature.split("(")[0], f"def {signature}:\n    \"\"\"{doc}\"\"\"", cases)
 
 
 FUNCTIONAL_TASKS: tuple[FunctionalTask, ...] = (
