@@ -55,3 +55,42 @@ def test_conformance_runs_the_golden_check():
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     report = json.loads(p.stdout)
     assert report["baseline"]["official-goldens"]["ok"]
+
+
+def _transformers_model(**kw):
+    from dsv4.checkpoint import load_pretrained
+
+    return load_pretrained(goldens.GOLDEN_DIR / goldens.TRANSFORMERS_CASE / "checkpoint", dtype=torch.float32, **kw)
+
+
+def test_transformers_goldens_match_and_record_the_version():
+    """The transformers fixture, loaded from transformers' checkpoint layout by dsv4's loader (QAT
+    simulations off: transformers' semantics), matches every stage within the fp32 tolerance."""
+    model = _transformers_model()
+    assert not model.cfg.fp8_kv_sim and not model.cfg.fp4_indexer_sim
+    assert model.cfg.compress_ratios[:3] == (0, 4, 128)
+    rows = goldens.compare_case(goldens.TRANSFORMERS_CASE, model=model)
+    assert {r.stage for r in rows} == {"logits", *(f"layers.{i}.{s}.out" for i in range(3) for s in ("attn", "ffn"))}
+    bad = [f"{r.stage}: {r.error:.3g} > {r.tol:.3g}" for r in rows if not r.ok]
+    assert not bad, bad
+    meta = goldens.fixture_metadata(goldens.TRANSFORMERS_CASE)
+    assert meta["transformers_version"].split(".")[0] >= "5" and meta["dtype"] == "float32"
+    with safe_open(str(goldens.GOLDEN_DIR / goldens.TRANSFORMERS_CASE / "checkpoint" / "model.safetensors"),
+                   "pt") as f:
+        keys = set(f.keys())
+    assert {"model.layers.1.attn.indexer.wq_b.weight", "model.layers.0.ffn.experts.3.w2.weight"} <= keys
+
+
+def test_transformers_goldens_fail_on_a_perturbed_model():
+    """Without the routed experts' SwiGLU clamp (the fixture's expert pre-activations pass the limit), or
+    with the official FP8 KV simulation that transformers does not run, the MoE / attention stages leave
+    the tolerance."""
+    model = _transformers_model()
+    for layer in model.layers:
+        layer.ffn.experts.swiglu_limit = 0.0
+    rows = {r.stage: r for r in goldens.compare_case(goldens.TRANSFORMERS_CASE, model=model)}
+    assert rows["layers.0.attn.out"].ok                                  # before the first MoE: unchanged
+    assert not rows["layers.0.ffn.out"].ok and not rows["logits"].ok
+    rows = {r.stage: r for r in goldens.compare_case(goldens.TRANSFORMERS_CASE,
+                                                     model=_transformers_model(fp8_kv_sim=True))}
+    assert not rows["layers.0.attn.out"].ok

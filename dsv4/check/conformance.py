@@ -155,8 +155,9 @@ def _pending_now(m: Mutant) -> str:
 
 # checks that run on the correct code whatever mutants are selected: independent oracles, which no planted
 # mutant is needed to make meaningful: the model against the official implementation's numbers
-# (`dsv4.check.goldens`), and every expert implementation against the clamped-SwiGLU formula
-ALWAYS = ("official-goldens", "swiglu-formula")
+# (`dsv4.check.goldens`) and transformers' numbers, and every expert implementation against the
+# clamped-SwiGLU formula
+ALWAYS = ("official-goldens", "transformers-goldens", "swiglu-formula")
 
 
 # checks that read the clean run's stages (computed once, before any check and any mutant)

@@ -20,6 +20,15 @@ In the fp8-fp4 case every linear quantizes its input to E4M3 per
 block of 128: once two fp32 summation orders put an activation on either side of an E4M3 rounding
 midpoint, that element moves by one E4M3 step (2^-3 of its magnitude) and the change propagates; layer 0
 (whose inputs are bit-identical) is held to 4e-5 and the later stages to 2^-4.
+
+`dsv4/assets/goldens/transformers/` holds the same kind of fixture from Hugging Face transformers'
+`DeepseekV4ForCausalLM` (`scripts/transformers_goldens.py`; the transformers version is in the golden
+file's metadata): `checkpoint/` in transformers' checkpoint layout (its `save_pretrained`: config keys of
+`DeepseekV4Config`, release tensor names under `model.`) and `golden.safetensors` (tokens, every layer's
+attention and MoE output, last-position logits), all computed in fp32. transformers simulates no QAT (no
+FP8 KV or FP4 indexer round trip, no indexer rotation) and builds no MTP block; dsv4's loader takes a
+transformers directory in those semantics, so everything the fixture holds is expected to match, with
+the fp32 tolerance above (measured: 5e-7 - 3e-6).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import torch
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "assets" / "goldens"
 CASES = ("bf16", "fp8-fp4")
+TRANSFORMERS_CASE = "transformers"
 FP32_TOL = 4e-5
 W8A8_TOL = 2.0**-4
 
@@ -48,7 +58,7 @@ class StageError:
 
 
 def tolerance(case: str, stage: str) -> float:
-    if case == "bf16" or stage.startswith("layers.0."):
+    if case in ("bf16", TRANSFORMERS_CASE) or stage.startswith("layers.0."):
         return FP32_TOL
     return W8A8_TOL
 
@@ -64,7 +74,8 @@ def compare_case(case: str, device: str | torch.device = "cpu", model=None) -> l
     d = GOLDEN_DIR / case
     golden = load_file(str(d / "golden.safetensors"))
     if model is None:
-        model = load_pretrained(d, dtype=torch.float32, device=device)
+        ckpt = d / "checkpoint" if case == TRANSFORMERS_CASE else d
+        model = load_pretrained(ckpt, dtype=torch.float32, device=device)
     tokens = golden["tokens"].to(device)
     with torch.no_grad():
         out, stages = capture(lambda: model(tokens))
@@ -76,3 +87,11 @@ def compare_case(case: str, device: str | torch.device = "cpu", model=None) -> l
         err = float((got.float().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-30))
         rows.append(StageError(case, name, err, tolerance(case, name)))
     return rows
+
+
+def fixture_metadata(case: str) -> dict[str, str]:
+    """The metadata of a case's golden file (for transformers: the versions that computed it)."""
+    from safetensors import safe_open
+
+    with safe_open(str(GOLDEN_DIR / case / "golden.safetensors"), "pt") as f:
+        return dict(f.metadata() or {})

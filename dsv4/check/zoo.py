@@ -904,6 +904,22 @@ def official_goldens(ctx: Context) -> CheckResult:
                                           f"{worst.tol:.2g})")
 
 
+def transformers_goldens(ctx: Context) -> CheckResult:
+    """Every stage of the transformers golden case within the fp32 tolerance of the numbers transformers'
+    `DeepseekV4ForCausalLM` produced, its checkpoint loaded through dsv4's loader (transformers layout)."""
+    case = goldens.TRANSFORMERS_CASE
+    rows = goldens.compare_case(case, ctx.device)
+    version = goldens.fixture_metadata(case).get("transformers_version", "?")
+    worst = max(rows, key=lambda r: r.error / r.tol)
+    bad = [r for r in rows if not r.ok]
+    if bad:
+        first = bad[0]
+        return CheckResult(False, first.error, f"{len(bad)} of {len(rows)} stages off transformers {version}'s "
+                                               f"numbers; first: {first.stage} {first.error:.3g} > {first.tol:.3g}")
+    return CheckResult(True, worst.error, f"{len(rows)} stages within tolerance of transformers {version} (worst "
+                                          f"{worst.stage}: {worst.error:.2g} <= {worst.tol:.2g})")
+
+
 CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "checkpoint-roundtrip": checkpoint_roundtrip,
     "ep-ranges": ep_ranges,
@@ -929,4 +945,5 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "fp4-known-bytes": fp4_known_bytes,
     "e8m0-bytes": e8m0_bytes,
     "official-goldens": official_goldens,
+    "transformers-goldens": transformers_goldens,
 }
