@@ -7,6 +7,10 @@ layout) and `golden.safetensors` (input tokens, each layer's attention and MoE o
 and the last position's logits). Cases: "bf16" (BF16 weights) and "fp8-fp4" (FP8 weights with UE8M0
 scales, MXFP4 experts, W8A8). Both: a hash-routed window-only layer, a CSA layer with the Lightning
 Indexer and an HCA layer, MoE with a shared expert, mHC, 132 tokens (window 16, one HCA entry).
+"mtp": the multi-token-prediction block, which the official forward does not run: one hash-routed
+window-only layer and one MTP block (BF16), the official `MTPBlock.forward` called on the main model's
+last hidden state at positions 0..130 with tokens 1..131; its attention and MoE outputs ("mtp.0.*") and
+its last-position logits against dsv4's `forward(mtp=True)` (measured: within 2e-6).
 
 The implementation under test loads the weights through its own checkpoint loader and runs the same
 tokens; every stage is compared with the official numbers, so a bug in the model *or* in the reference
@@ -39,7 +43,7 @@ from pathlib import Path
 import torch
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "assets" / "goldens"
-CASES = ("bf16", "fp8-fp4")
+CASES = ("bf16", "fp8-fp4", "mtp")
 TRANSFORMERS_CASE = "transformers"
 FP32_TOL = 4e-5
 W8A8_TOL = 2.0**-4
@@ -58,7 +62,7 @@ class StageError:
 
 
 def tolerance(case: str, stage: str) -> float:
-    if case in ("bf16", TRANSFORMERS_CASE) or stage.startswith("layers.0."):
+    if case != "fp8-fp4" or stage.startswith("layers.0."):
         return FP32_TOL
     return W8A8_TOL
 
@@ -77,13 +81,22 @@ def compare_case(case: str, device: str | torch.device = "cpu", model=None) -> l
         ckpt = d / "checkpoint" if case == TRANSFORMERS_CASE else d
         model = load_pretrained(ckpt, dtype=torch.float32, device=device)
     tokens = golden["tokens"].to(device)
+    mtp = any(k.startswith("mtp.") for k in golden)
     with torch.no_grad():
-        out, stages = capture(lambda: model(tokens))
+        out, stages = capture(lambda: model(tokens, mtp=mtp))
     rows = []
     for name, want in golden.items():
         if name == "tokens":
             continue
-        got = out.logits[:, -1] if name == "logits" else stages[name]
+        if name == "logits":
+            got = out.logits[:, -1]
+        elif name.startswith("mtp.") and name.endswith(".logits"):        # depth k: the last position
+            got = out.mtp_logits[int(name.split(".")[1])][:, -1]
+        elif name.startswith("mtp."):                  # MTP block k records as layer n_layers + k
+            k, rest = name.split(".", 2)[1:]
+            got = stages[f"layers.{model.cfg.n_layers + int(k)}.{rest}"]
+        else:
+            got = stages[name]
         err = float((got.float().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-30))
         rows.append(StageError(case, name, err, tolerance(case, name)))
     return rows
