@@ -368,3 +368,20 @@ def test_swiglu_formula_check_catches_the_shared_expert_without_a_lower_up_clamp
     bad = CHECKS["swiglu-formula"](ctx)
     assert not bad.ok and ("reference" in bad.detail or "shared" in bad.detail), bad.detail
     assert bad.error > 0.5                                             # the up value -4L read as -4L, not -L
+
+
+@pytest.mark.skipif(bool(_interpreter_defect()), reason=str(_interpreter_defect()))
+def test_swiglu_formula_runs_the_triton_experts_on_the_interpreter():
+    """Where the Triton MoE kernel can run (here: the CPU interpreter, in a fresh process that sees no GPU),
+    `swiglu-formula` runs it too, in bf16, within the bf16 bound the check derives."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    code = ("from dsv4.check.zoo import CHECKS, Context; from dsv4.check.inputs import check_config; "
+            "r = CHECKS['swiglu-formula'](Context.build(check_config('tiny'), batch=1, seq=8)); "
+            "print(r.ok, r.error); print(r.detail)")
+    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ok, err = p.stdout.splitlines()[0].split()
+    assert ok == "True" and float(err) <= 2.0 ** -8 + 2.0 ** -16, p.stdout
+    assert "triton (bfloat16)" in p.stdout and "grouped" in p.stdout

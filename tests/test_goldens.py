@@ -55,10 +55,14 @@ def test_fixtures_are_in_the_official_layout():
 
 def test_conformance_runs_the_golden_check():
     p = subprocess.run([sys.executable, "-m", "dsv4", "check", "conformance", "--preset", "tiny", "--checks",
-                        "official-goldens", "--json"], capture_output=True, text=True, timeout=300)
+                        "official-goldens,transformers-goldens,swiglu-formula", "--json"],
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     report = json.loads(p.stdout)
     assert report["baseline"]["official-goldens"]["ok"]
+    assert report["baseline"]["transformers-goldens"]["ok"]
+    assert "transformers 5." in report["baseline"]["transformers-goldens"]["detail"]
+    assert report["baseline"]["swiglu-formula"]["ok"]
 
 
 def _transformers_model(**kw):
