@@ -264,10 +264,9 @@ def swiglu_limit(ctx: Context) -> CheckResult:
     return CheckResult(True, err, f"experts clamp at swiglu_limit ({dtype}, tolerance {tol:g})")
 
 
-# ------------------------------------------------------------------------------ attention op
-# gate / up pre-activations straddling the clamp: far below -limit, just around -limit, inside, just around
-# +limit and far above it, in units of the limit; every value a multiple of 1/32 of a limit of at most
-# 2^7, so it is exact in bf16 (8 significant bits) as well as fp32
+# gate / up pre-activations straddling the clamp, in units of the limit: far below -limit, just around
+# -limit, inside, just around +limit and far above it; with a limit of few significant bits (10: 4) every
+# value is exact in bf16 (8 significant bits) as well as fp32 (the check verifies it)
 SWIGLU_GRID = (-4.0, -2.0, -1.25, -1.0625, -1.0, -0.9375, -0.5, -0.125, 0.0, 0.125, 0.5, 0.9375, 1.0, 1.0625,
                1.25, 2.0, 4.0)
 
@@ -313,7 +312,8 @@ def swiglu_formula(ctx: Context) -> CheckResult:
     lim, e, k, inter = cfg.swiglu_limit, cfg.n_routed_experts, cfg.n_activated_experts, cfg.moe_inter_dim
     if lim <= 0:
         return skipped("swiglu_limit is 0 in this config: no clamp to check")
-    if lim > 2 ** 7 or not float(lim * 32).is_integer():
+    grid = torch.tensor(SWIGLU_GRID) * lim
+    if not torch.equal(grid.bfloat16().float(), grid):
         return skipped(f"swiglu_limit {lim} does not make the probe values exact in bf16")
     tokens = min(cfg.dim, 2 * e)
     if inter > cfg.dim:
@@ -378,6 +378,7 @@ def swiglu_formula(ctx: Context) -> CheckResult:
                                     f"per element: {', '.join(ran)}{note}")
 
 
+# ------------------------------------------------------------------------------ attention op
 def _attention_fwd_bwd(inp: dict, fn: Callable) -> tuple[torch.Tensor, ...]:
     q = inp["q"].clone().requires_grad_(True)
     kv = inp["kv"].clone().requires_grad_(True)
