@@ -8,7 +8,8 @@ folder: `model.py` and the pure-torch `kernel.py`) and pass that folder:
     python3 scripts/official_goldens.py --official /path/to/DeepSeek-V4-Pro-code/inference
 
 For each case (a small model with window-only, CSA + indexer and HCA layers, a hash-routed layer, MoE
-and mHC; BF16 weights, and FP8 weights with MXFP4 experts) it builds the official
+and mHC; BF16 weights, and FP8 weights with MXFP4 experts; and a one-layer model with an MTP block, whose
+`MTPBlock.forward` the script calls on the main model's last hidden state) it builds the official
 `Transformer` on the CPU, fills its parameters from a fixed seed, runs one prefill and writes
 `dsv4/assets/goldens/<case>/`: `config.json` (inference keys), `model0-mp1.safetensors` (the weights in
 the official inference layout) and `golden.safetensors` (input tokens, the per-layer attention and MoE
@@ -53,7 +54,12 @@ ARGS = dict(vocab_size=256, dim=128, n_layers=3, n_hash_layers=1, n_mtp_layers=0
 CASES = {"bf16": dict(dtype="bf16", scale_fmt=None, expert_dtype=None, scale_dtype="fp32", moe_inter_dim=32,
                       q_lora_rank=64, o_lora_rank=32),
          "fp8-fp4": dict(dtype="fp8", scale_fmt="ue8m0", expert_dtype="fp4", scale_dtype="fp8", moe_inter_dim=128,
-                         q_lora_rank=128, o_lora_rank=64)}
+                         q_lora_rank=128, o_lora_rank=64),
+         # the multi-token-prediction block, which the official forward does not run: one hash-routed
+         # window-only main layer and one MTP block (window-only: its compress ratio is the list's last
+         # entry), BF16 weights; `MTPBlock.forward` is called on the main model's last hidden state
+         "mtp": dict(dtype="bf16", scale_fmt=None, expert_dtype=None, scale_dtype="fp32", moe_inter_dim=32,
+                     q_lora_rank=64, o_lora_rank=32, n_layers=1, n_mtp_layers=1, compress_ratios=(0, 0))}
 # stored in float32 in the release (everything else that is not FP8 / FP4 is BF16)
 F32_LEAVES = ("attn_sink", "ape", "bias")
 EXPERT_GAIN = 12.0          # routed experts' w1 / w3: pre-activations of several units, past +-10 at times
@@ -161,7 +167,7 @@ def run_case(official: Path, case: str, out: Path) -> None:
 
     install_shim(kernel, om)
     torch.manual_seed(0)
-    args = om.ModelArgs(**ARGS, **CASES[case])
+    args = om.ModelArgs(**{**ARGS, **CASES[case]})
     with om.set_dtype(torch.float32):
         net = om.Transformer(args)
     fill(net, seed=1)
@@ -176,9 +182,24 @@ def run_case(official: Path, case: str, out: Path) -> None:
         hooks.append(layer.ffn.register_forward_hook(
             lambda m, a, o, i=i: stages.__setitem__(f"layers.{i}.ffn.out", o.float().clone())))
     tokens = torch.randint(2, args.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    hidden: list[torch.Tensor] = []
+    hooks.append(net.head.register_forward_pre_hook(lambda m, a: hidden.append(a[0].clone())))
     logits = net(tokens)
     for h in hooks:
         h.remove()
+    for k, block in enumerate(net.mtp):
+        # depth k combines the hidden state at t with the embedding of token t+1 (its input_ids); the
+        # positions that have a next token: the first SEQ - 1 - k. Its head returns the last position's
+        # logits (the prediction of the token after the last input)
+        n = SEQ - 1 - k
+        h_in = hidden[-1][:, :n]
+        hooks = [block.attn.register_forward_hook(
+                     lambda m, a, o, k=k: stages.__setitem__(f"mtp.{k}.attn.out", o.float().clone())),
+                 block.ffn.register_forward_hook(
+                     lambda m, a, o, k=k: stages.__setitem__(f"mtp.{k}.ffn.out", o.float().clone()))]
+        stages[f"mtp.{k}.logits"] = block(h_in, 0, tokens[:, k + 1:]).float().clone()
+        for h in hooks:
+            h.remove()
     d = out / case
     d.mkdir(parents=True, exist_ok=True)
     # parameters only (no caches); the MTP block's embedding and head are the main model's (not stored)

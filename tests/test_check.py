@@ -322,3 +322,66 @@ def test_external_module_callable(tmp_path, monkeypatch, model, tokens):
     for bad in ("no_colon", "no_such_module_xyz:f", "my_port:missing"):
         with pytest.raises(UserError):
             load_external(bad, model)
+
+
+def _gate_clamped_below(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """The SwiGLU with the gate clamped from below too (the bug the formula check is for)."""
+    gate, up = gate.float(), up.float()
+    return torch.nn.functional.silu(gate.clamp(-limit, limit)) * up.clamp(-limit, limit)
+
+
+def test_swiglu_formula_check_per_element_and_catches_a_lower_gate_clamp(cfg, monkeypatch):
+    """`swiglu-formula` passes on the correct code with every backend that runs here, reports the ones
+    that cannot, and fails when only the grouped path clamps the gate from below (a change of ~4.5e-4 *
+    up on the elements whose gate is < -limit, invisible in a relative L2 of the whole output)."""
+    from dsv4.check import zoo
+    from dsv4.ops import torch_native
+
+    ctx = zoo.Context.build(cfg, batch=1, seq=8)
+    res = CHECKS["swiglu-formula"](ctx)
+    assert res.ok, res.detail
+    assert res.error <= 2.0 ** -20                                    # the fp32 bound the check states
+    assert "grouped (float32)" in res.detail and "reference (float32)" in res.detail
+    assert f"layers.{cfg.n_layers - 1}.shared" in res.detail
+    # the probe reaches both sides of both clamps
+    grid = torch.tensor(zoo.SWIGLU_GRID) * cfg.swiglu_limit
+    assert grid.min() < -cfg.swiglu_limit and grid.max() > cfg.swiglu_limit
+    monkeypatch.setattr(torch_native, "clamped_swiglu", _gate_clamped_below)
+    bad = CHECKS["swiglu-formula"](ctx)
+    assert not bad.ok and "grouped" in bad.detail, bad.detail
+    # the relative-L2 check on inputs past the limit does not see this bug: the reason for the new one
+    assert CHECKS["swiglu-limit"](ctx).ok
+
+
+def test_swiglu_formula_check_catches_the_shared_expert_without_a_lower_up_clamp(cfg, monkeypatch):
+    """The shared expert is checked through the model's own module: a reference SwiGLU whose up projection
+    is clamped from above only is caught there (and in the reference backend)."""
+    from dsv4.check import zoo
+
+    def up_clamped_above_only(x, project, swiglu_limit, weight):
+        gate, up = project(x, 1).float().clamp(max=swiglu_limit), project(x, 3).float().clamp(max=swiglu_limit)
+        h = torch.nn.functional.silu(gate) * up
+        return project((h if weight is None else h * weight).to(x.dtype), 2)
+
+    ctx = zoo.Context.build(cfg, batch=1, seq=8)
+    monkeypatch.setattr(ref, "swiglu_ffn", up_clamped_above_only)
+    bad = CHECKS["swiglu-formula"](ctx)
+    assert not bad.ok and ("reference" in bad.detail or "shared" in bad.detail), bad.detail
+    assert bad.error > 0.5                                             # the up value -4L read as -4L, not -L
+
+
+@pytest.mark.skipif(bool(_interpreter_defect()), reason=str(_interpreter_defect()))
+def test_swiglu_formula_runs_the_triton_experts_on_the_interpreter():
+    """Where the Triton MoE kernel can run (here: the CPU interpreter, in a fresh process that sees no GPU),
+    `swiglu-formula` runs it too, in bf16, within the bf16 bound the check derives."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    code = ("from dsv4.check.zoo import CHECKS, Context; from dsv4.check.inputs import check_config; "
+            "r = CHECKS['swiglu-formula'](Context.build(check_config('tiny'), batch=1, seq=8)); "
+            "print(r.ok, r.error); print(r.detail)")
+    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ok, err = p.stdout.splitlines()[0].split()
+    assert ok == "True" and float(err) <= 2.0 ** -8 + 2.0 ** -16, p.stdout
+    assert "triton (bfloat16)" in p.stdout and "grouped" in p.stdout

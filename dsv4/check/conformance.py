@@ -90,7 +90,7 @@ class ConformanceReport:
                 lines.append(f"        skipped on {self.device}: {v['skipped']}")
         broken = {k: v for k, v in self.baseline.items() if not v["ok"] and not v.get("skipped")}
         for k, v in broken.items():
-            what = "OFF THE OFFICIAL NUMBERS" if k in ALWAYS else "CHECK FAILS ON CORRECT CODE"
+            what = "OFF THE INDEPENDENT ORACLE" if k in ALWAYS else "CHECK FAILS ON CORRECT CODE"
             lines.append(f"  {what}: {k}: {v['detail']}")
         for r in self.rows:
             err = "" if r.error is None else f"{r.error:.3g}"
@@ -153,9 +153,11 @@ def _pending_now(m: Mutant) -> str:
     return m.pending
 
 
-# checks that run on the correct code whatever mutants are selected: the model against the official
-# implementation's numbers (`dsv4.check.goldens`), which no planted mutant is needed to make meaningful
-ALWAYS = ("official-goldens",)
+# checks that run on the correct code whatever mutants are selected: independent oracles, which no planted
+# mutant is needed to make meaningful: the model against the official implementation's numbers
+# (`dsv4.check.goldens`) and transformers' numbers, and every expert implementation against the
+# clamped-SwiGLU formula
+ALWAYS = ("official-goldens", "transformers-goldens", "swiglu-formula")
 
 
 # checks that read the clean run's stages (computed once, before any check and any mutant)

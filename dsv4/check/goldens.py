@@ -7,6 +7,10 @@ layout) and `golden.safetensors` (input tokens, each layer's attention and MoE o
 and the last position's logits). Cases: "bf16" (BF16 weights) and "fp8-fp4" (FP8 weights with UE8M0
 scales, MXFP4 experts, W8A8). Both: a hash-routed window-only layer, a CSA layer with the Lightning
 Indexer and an HCA layer, MoE with a shared expert, mHC, 132 tokens (window 16, one HCA entry).
+"mtp": the multi-token-prediction block, which the official forward does not run: one hash-routed
+window-only layer and one MTP block (BF16), the official `MTPBlock.forward` called on the main model's
+last hidden state at positions 0..130 with tokens 1..131; its attention and MoE outputs ("mtp.0.*") and
+its last-position logits against dsv4's `forward(mtp=True)` (measured: within 2e-6).
 
 The implementation under test loads the weights through its own checkpoint loader and runs the same
 tokens; every stage is compared with the official numbers, so a bug in the model *or* in the reference
@@ -20,6 +24,15 @@ In the fp8-fp4 case every linear quantizes its input to E4M3 per
 block of 128: once two fp32 summation orders put an activation on either side of an E4M3 rounding
 midpoint, that element moves by one E4M3 step (2^-3 of its magnitude) and the change propagates; layer 0
 (whose inputs are bit-identical) is held to 4e-5 and the later stages to 2^-4.
+
+`dsv4/assets/goldens/transformers/` holds the same kind of fixture from Hugging Face transformers'
+`DeepseekV4ForCausalLM` (`scripts/transformers_goldens.py`; the transformers version is in the golden
+file's metadata): `checkpoint/` in transformers' checkpoint layout (its `save_pretrained`: config keys of
+`DeepseekV4Config`, release tensor names under `model.`) and `golden.safetensors` (tokens, every layer's
+attention and MoE output, last-position logits), all computed in fp32. transformers simulates no QAT (no
+FP8 KV or FP4 indexer round trip, no indexer rotation) and builds no MTP block; dsv4's loader takes a
+transformers directory in those semantics, so everything the fixture holds is expected to match, with
+the fp32 tolerance above (measured: 5e-7 - 3e-6).
 """
 
 from __future__ import annotations
@@ -30,7 +43,8 @@ from pathlib import Path
 import torch
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "assets" / "goldens"
-CASES = ("bf16", "fp8-fp4")
+CASES = ("bf16", "fp8-fp4", "mtp")
+TRANSFORMERS_CASE = "transformers"
 FP32_TOL = 4e-5
 W8A8_TOL = 2.0**-4
 
@@ -48,7 +62,7 @@ class StageError:
 
 
 def tolerance(case: str, stage: str) -> float:
-    if case == "bf16" or stage.startswith("layers.0."):
+    if case != "fp8-fp4" or stage.startswith("layers.0."):
         return FP32_TOL
     return W8A8_TOL
 
@@ -64,15 +78,33 @@ def compare_case(case: str, device: str | torch.device = "cpu", model=None) -> l
     d = GOLDEN_DIR / case
     golden = load_file(str(d / "golden.safetensors"))
     if model is None:
-        model = load_pretrained(d, dtype=torch.float32, device=device)
+        ckpt = d / "checkpoint" if case == TRANSFORMERS_CASE else d
+        model = load_pretrained(ckpt, dtype=torch.float32, device=device)
     tokens = golden["tokens"].to(device)
+    mtp = any(k.startswith("mtp.") for k in golden)
     with torch.no_grad():
-        out, stages = capture(lambda: model(tokens))
+        out, stages = capture(lambda: model(tokens, mtp=mtp))
     rows = []
     for name, want in golden.items():
         if name == "tokens":
             continue
-        got = out.logits[:, -1] if name == "logits" else stages[name]
+        if name == "logits":
+            got = out.logits[:, -1]
+        elif name.startswith("mtp.") and name.endswith(".logits"):        # depth k: the last position
+            got = out.mtp_logits[int(name.split(".")[1])][:, -1]
+        elif name.startswith("mtp."):                  # MTP block k records as layer n_layers + k
+            k, rest = name.split(".", 2)[1:]
+            got = stages[f"layers.{model.cfg.n_layers + int(k)}.{rest}"]
+        else:
+            got = stages[name]
         err = float((got.float().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-30))
         rows.append(StageError(case, name, err, tolerance(case, name)))
     return rows
+
+
+def fixture_metadata(case: str) -> dict[str, str]:
+    """The metadata of a case's golden file (for transformers: the versions that computed it)."""
+    from safetensors import safe_open
+
+    with safe_open(str(GOLDEN_DIR / case / "golden.safetensors"), "pt") as f:
+        return dict(f.metadata() or {})

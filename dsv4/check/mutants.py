@@ -439,8 +439,8 @@ MUTANTS: list[Mutant] = [
     Mutant("Z04", "LM head stored as FP8 without a scale", ["checkpoint-roundtrip"], _plant_z04,
            symptom="hidden states fine, logits random: the head used a scale that was never loaded",
            mutant="the checkpoint writer stores `head.weight` as FP8 codes with no scale tensor"),
-    Mutant("Z05", "swiglu_limit not applied (routed and shared experts)", ["swiglu-limit", "stage-compare"],
-           _plant_z05,
+    Mutant("Z05", "swiglu_limit not applied (routed and shared experts)",
+           ["swiglu-limit", "swiglu-formula", "stage-compare"], _plant_z05,
            symptom="expert activations saturated at the FP16 maximum in the first layers; garbled text",
            mutant="a `moe_experts` backend that runs the experts with limit 0, and the shared experts' limit "
                   "set to 0"),

@@ -7,6 +7,7 @@ a `CheckResult(ok, error, detail)`; `error` is the measured number that decided 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -261,6 +262,120 @@ def swiglu_limit(ctx: Context) -> CheckResult:
             return CheckResult(False, err_s, "shared expert vs clamped reference")
         err = max(err, err_s)
     return CheckResult(True, err, f"experts clamp at swiglu_limit ({dtype}, tolerance {tol:g})")
+
+
+# gate / up pre-activations straddling the clamp, in units of the limit: far below -limit, just around
+# -limit, inside, just around +limit and far above it; with a limit of few significant bits (10: 4) every
+# value is exact in bf16 (8 significant bits) as well as fp32 (the check verifies it)
+SWIGLU_GRID = (-4.0, -2.0, -1.25, -1.0625, -1.0, -0.9375, -0.5, -0.125, 0.0, 0.125, 0.5, 0.9375, 1.0, 1.0625,
+               1.25, 2.0, 4.0)
+
+
+def swiglu_formula_expected(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """The official expert activation, written out in float64: the gate clamped from above only (no lower
+    clamp), the up projection to [-limit, limit], then gate * sigmoid(gate) * up."""
+    g = gate.double().clamp(max=limit)
+    u = up.double().clamp(min=-limit, max=limit)
+    return g * torch.sigmoid(g) * u
+
+
+def _swiglu_probe(cfg: ModelConfig, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert weights that make the gate and up pre-activations exactly the grid values: x is one-hot (token
+    t = unit vector t), so w1[e, :, t] / w3[e, :, t] *are* token t's gate / up of expert e, and w2 is the
+    identity on the first `inter` channels, so the expert output is the activation itself. Returns x,
+    w1, w2, w3 (fp32); token t goes to expert t % E."""
+    e, dim, inter, lim = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit
+    grid = torch.tensor(SWIGLU_GRID) * lim
+    n = len(SWIGLU_GRID)
+    pair = torch.arange(tokens * inter).view(tokens, inter)
+    gate, up = grid[pair % n], grid[(pair // n) % n]                      # every (gate, up) pair of the grid
+    x = torch.eye(tokens, dim)
+    w1, w3 = torch.zeros(e, inter, dim), torch.zeros(e, inter, dim)
+    for t in range(tokens):
+        w1[t % e, :, t], w3[t % e, :, t] = gate[t], up[t]
+    w2 = torch.zeros(e, dim, inter)
+    w2[:, :inter, :] = torch.eye(inter)
+    return x, w1, w2, w3
+
+
+def swiglu_formula(ctx: Context) -> CheckResult:
+    """Every expert implementation that can run here (each registered `moe_experts` backend, and every
+    layer's shared expert module) vs the official clamped SwiGLU written out in float64, per element, on
+    gate and up values below -limit, around -limit, inside, around +limit and above +limit.
+
+    The probe makes every product exact (one-hot x, identity w2, routing weights 1 and 0), so the only
+    rounding is the activation's own: in fp32 a few ulp (sigmoid, two products), bounded by 2^-20
+    relative; in bf16 the activation is rounded before w2 and w2's output may be rounded again, half a
+    bf16 ulp (2^-9) each: (1 + 2^-9)^2 (1 + 2^-20) - 1 < 2^-8 + 2^-16. A clamp on the wrong side moves an
+    element by far more: silu(-limit) * up against silu(-4 limit) * up differs by a factor ~e^(3 limit)."""
+    cfg, dev = ctx.cfg, ctx.device
+    lim, e, k, inter = cfg.swiglu_limit, cfg.n_routed_experts, cfg.n_activated_experts, cfg.moe_inter_dim
+    if lim <= 0:
+        return skipped("swiglu_limit is 0 in this config: no clamp to check")
+    grid = torch.tensor(SWIGLU_GRID) * lim
+    if not torch.equal(grid.bfloat16().float(), grid):
+        return skipped(f"swiglu_limit {lim} does not make the probe values exact in bf16")
+    tokens = min(cfg.dim, 2 * e)
+    if inter > cfg.dim:
+        return skipped(f"moe_inter_dim {inter} > dim {cfg.dim}: the identity w2 does not fit")
+    x, w1, w2, w3 = _swiglu_probe(cfg, tokens)
+    t_ids = torch.arange(tokens)
+    indices = torch.stack([(t_ids + j) % e for j in range(k)], dim=1)   # slot 0: the token's expert
+    weights = torch.zeros(tokens, k)
+    weights[:, 0] = 1.0
+    gate = torch.stack([w1[t % e, :, t] for t in range(tokens)])
+    up = torch.stack([w3[t % e, :, t] for t in range(tokens)])
+    want = torch.zeros(tokens, cfg.dim, dtype=torch.float64)
+    want[:, :inter] = swiglu_formula_expected(gate, up, lim)
+    tiny = torch.finfo(torch.float32).tiny
+
+    def judge(got: torch.Tensor, dtype: torch.dtype) -> tuple[float, int]:
+        rtol = 2.0 ** -20 if dtype == torch.float32 else 2.0 ** -8 + 2.0 ** -16
+        diff = (got.detach().double().cpu() - want).abs()
+        bad = diff > rtol * want.abs() + tiny
+        ratio = float((diff / (want.abs() + tiny)).max())
+        return ratio, int(bad.sum())
+
+    worst, ran, refused = 0.0, [], []
+    requested = ops.requested("moe_experts")
+    names = [requested] if requested is not None else ops.backends("moe_experts")
+    for be in names:
+        for dtype in (torch.float32, torch.bfloat16):
+            inp = {"x": x.to(dev, dtype), "weights": weights.to(dev), "indices": indices.to(dev),
+                   "w1": w1.to(dev, dtype), "w2": w2.to(dev, dtype), "w3": w3.to(dev, dtype),
+                   "swiglu_limit": lim}
+            why = ops.refusal("moe_experts", be, **inp)
+            if why is None:
+                break
+        if why is not None:
+            refused.append(f"{be}: {why}")
+            continue
+        ratio, bad = judge(ops.moe_experts(**inp, backend=be), dtype)
+        worst = max(worst, ratio)
+        ran.append(f"{be} ({str(dtype).removeprefix('torch.')})")
+        if bad:
+            return CheckResult(False, ratio, f"moe_experts backend {be} ({dtype}): {bad} of {want.numel()} "
+                                             f"elements off the clamped-SwiGLU formula (worst relative {ratio:.3g})")
+    for i, layer in enumerate(ctx.model.layers):
+        shared = getattr(layer.ffn, "shared_experts", None)
+        if shared is None:
+            continue
+        probe = copy.deepcopy(shared)
+        dtype = probe.w1.weight.dtype
+        with torch.no_grad():                # column t of each w is non-zero in one expert only: the sum
+            probe.w1.weight.copy_(w1.sum(0).to(dev, dtype))              # holds every token's values
+            probe.w3.weight.copy_(w3.sum(0).to(dev, dtype))
+            probe.w2.weight.copy_(w2[0].to(dev, dtype))
+            got = probe(x.to(dev, dtype))
+        ratio, bad = judge(got, dtype)
+        worst = max(worst, ratio)
+        if bad:
+            return CheckResult(False, ratio, f"layers.{i} shared expert ({dtype}): {bad} elements off the "
+                                             f"clamped-SwiGLU formula (worst relative {ratio:.3g})")
+        ran.append(f"layers.{i}.shared ({str(dtype).removeprefix('torch.')})")
+    note = f"; not run here: {'; '.join(refused)}" if refused else ""
+    return CheckResult(True, worst, f"{len(ran)} expert implementations match silu(min(g, L)) * clamp(u, -L, L) "
+                                    f"per element: {', '.join(ran)}{note}")
 
 
 # ------------------------------------------------------------------------------ attention op
@@ -790,12 +905,29 @@ def official_goldens(ctx: Context) -> CheckResult:
                                           f"{worst.tol:.2g})")
 
 
+def transformers_goldens(ctx: Context) -> CheckResult:
+    """Every stage of the transformers golden case within the fp32 tolerance of the numbers transformers'
+    `DeepseekV4ForCausalLM` produced, its checkpoint loaded through dsv4's loader (transformers layout)."""
+    case = goldens.TRANSFORMERS_CASE
+    rows = goldens.compare_case(case, ctx.device)
+    version = goldens.fixture_metadata(case).get("transformers_version", "?")
+    worst = max(rows, key=lambda r: r.error / r.tol)
+    bad = [r for r in rows if not r.ok]
+    if bad:
+        first = bad[0]
+        return CheckResult(False, first.error, f"{len(bad)} of {len(rows)} stages off transformers {version}'s "
+                                               f"numbers; first: {first.stage} {first.error:.3g} > {first.tol:.3g}")
+    return CheckResult(True, worst.error, f"{len(rows)} stages within tolerance of transformers {version} (worst "
+                                          f"{worst.stage}: {worst.error:.2g} <= {worst.tol:.2g})")
+
+
 CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "checkpoint-roundtrip": checkpoint_roundtrip,
     "ep-ranges": ep_ranges,
     "stage-compare": stage_compare,
     "router-contract": router_contract,
     "swiglu-limit": swiglu_limit,
+    "swiglu-formula": swiglu_formula,
     "attention-backward-random": attention_backward_random,
     "attention-backward-structured": attention_backward_structured,
     "lse-contract": lse_contract,
@@ -814,4 +946,5 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "fp4-known-bytes": fp4_known_bytes,
     "e8m0-bytes": e8m0_bytes,
     "official-goldens": official_goldens,
+    "transformers-goldens": transformers_goldens,
 }
