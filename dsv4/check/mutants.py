@@ -378,14 +378,14 @@ def _plant_z02(ctx):
 
 
 def _plant_writer(bad_names: Callable[[str], bool], fix: Callable) -> contextlib.AbstractContextManager:
-    from ..checkpoint import writer
+    from ..checkpoint.layouts import release        # the layout whose writer encodes each tensor
 
-    original = writer.encode
+    original = release.encode
 
     def encode(spec, name, v, target, expert_dtype):
         out = original(spec, name, v, target, expert_dtype)
         return fix(name, v, out) if bad_names(name) else out
-    return patched(writer, encode=encode)
+    return patched(release, encode=encode)
 
 
 def _plant_z03(ctx):
