@@ -378,7 +378,7 @@ def _plant_z02(ctx):
 
 
 def _plant_writer(bad_names: Callable[[str], bool], fix: Callable) -> contextlib.AbstractContextManager:
-    from ..checkpoint.layouts import release        # the layout whose writer encodes each tensor
+    from ..checkpoint.layouts import release  # the layout whose writer encodes each tensor
 
     original = release.encode
 

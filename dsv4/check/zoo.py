@@ -890,35 +890,31 @@ def ep_ranges(ctx: Context) -> CheckResult:
     return CheckResult(True, 0.0, "rank 1 of 2 holds and serves experts [E/2, E) in every layer")
 
 
-def official_goldens(ctx: Context) -> CheckResult:
-    """Every stage of every golden case (`dsv4.check.goldens`) within its tolerance of the numbers the
-    official inference code produced."""
-    rows = [r for case in goldens.CASES for r in goldens.compare_case(case, ctx.device)]
+def _golden_verdict(rows, against: str) -> CheckResult:
+    """One verdict over golden stage rows (`goldens.compare_case`): the first stage off, or the worst fit."""
     worst = max(rows, key=lambda r: r.error / r.tol)
     bad = [r for r in rows if not r.ok]
     if bad:
         first = bad[0]
-        return CheckResult(False, first.error, f"{len(bad)} of {len(rows)} stages off the official numbers; first: "
+        return CheckResult(False, first.error, f"{len(bad)} of {len(rows)} stages off {against}; first: "
                                                f"{first.case} {first.stage} {first.error:.3g} > {first.tol:.3g}")
-    return CheckResult(True, worst.error, f"{len(rows)} stages of {len(goldens.CASES)} official cases within "
-                                          f"tolerance (worst {worst.case} {worst.stage}: {worst.error:.2g} <= "
-                                          f"{worst.tol:.2g})")
+    return CheckResult(True, worst.error, f"{len(rows)} stages within tolerance of {against} (worst {worst.case} "
+                                          f"{worst.stage}: {worst.error:.2g} <= {worst.tol:.2g})")
+
+
+def official_goldens(ctx: Context) -> CheckResult:
+    """Every stage of every golden case (`dsv4.check.goldens`) within its tolerance of the numbers the
+    official inference code produced."""
+    rows = [r for case in goldens.CASES for r in goldens.compare_case(case, ctx.device)]
+    return _golden_verdict(rows, f"the official numbers ({len(goldens.CASES)} cases)")
 
 
 def transformers_goldens(ctx: Context) -> CheckResult:
     """Every stage of the transformers golden case within the fp32 tolerance of the numbers transformers'
     `DeepseekV4ForCausalLM` produced, its checkpoint loaded through dsv4's loader (transformers layout)."""
     case = goldens.TRANSFORMERS_CASE
-    rows = goldens.compare_case(case, ctx.device)
     version = goldens.fixture_metadata(case).get("transformers_version", "?")
-    worst = max(rows, key=lambda r: r.error / r.tol)
-    bad = [r for r in rows if not r.ok]
-    if bad:
-        first = bad[0]
-        return CheckResult(False, first.error, f"{len(bad)} of {len(rows)} stages off transformers {version}'s "
-                                               f"numbers; first: {first.stage} {first.error:.3g} > {first.tol:.3g}")
-    return CheckResult(True, worst.error, f"{len(rows)} stages within tolerance of transformers {version} (worst "
-                                          f"{worst.stage}: {worst.error:.2g} <= {worst.tol:.2g})")
+    return _golden_verdict(goldens.compare_case(case, ctx.device), f"transformers {version}'s numbers")
 
 
 CHECKS: dict[str, Callable[[Context], CheckResult]] = {
