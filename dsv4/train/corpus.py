@@ -21,10 +21,10 @@ import importlib.metadata as metadata
 import json
 import os
 import sys
+import sysconfig
 from pathlib import Path
 
 from ..errors import UserError
-from .data import find_documents
 
 MANIFEST_KEY = "dsv4_corpus"
 DOC_SUFFIXES = (".py", ".md", ".rst", ".txt")
@@ -45,6 +45,18 @@ def _licence(dist: metadata.Distribution) -> str:
             return v.strip()
     classifiers = [c.split("::")[-1].strip() for c in meta.get_all("Classifier") or [] if c.startswith("License")]
     return "; ".join(classifiers) or "unknown"
+
+
+def _stdlib_files() -> list[tuple[str, Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_PARTS and not d.startswith("."))
+        for f in sorted(filenames):
+            if f.endswith(".py"):
+                p = Path(dirpath) / f
+                out.append((str(p.relative_to(root)), p))
+    return out
 
 
 def _package_files(dist: metadata.Distribution) -> list[tuple[str, Path]]:
@@ -72,8 +84,8 @@ def build_manifest(packages: list[str] | None = None, stdlib: bool = True) -> di
             raise UserError(f"--packages: not installed here: {', '.join(missing)}")
         names = sorted({p.lower() for p in packages})
     groups: list[Group] = []
-    if stdlib:                                  # the default corpus's documents, under its names
-        groups.append(("python-stdlib", sys.version.split()[0], "PSF-2.0", find_documents(None)))
+    if stdlib:
+        groups.append(("python-stdlib", sys.version.split()[0], "PSF-2.0", _stdlib_files()))
     for n in names:
         d = dists[n]
         groups.append((n, d.version, _licence(d), [(f"{n}/{rel}", p) for rel, p in _package_files(d)]))
