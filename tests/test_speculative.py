@@ -65,7 +65,7 @@ class OracleDrafter(Drafter):
     (its cache is written as in a real run), only the proposals are replaced."""
 
     def __init__(self, engine: Engine, answers: list[list[int]], wrong):
-        super().__init__(engine.model, engine.cache, engine.sampler)
+        super().__init__(engine.model, engine.runner, engine.sampler)
         self.answers, self.wrong, self.vocab = answers, wrong, engine.vocab
 
     def __call__(self, hidden, rows):
@@ -179,11 +179,11 @@ def test_fixed_shape_greedy_step_gives_the_plain_tokens(model, prompts, k):
     MTP catch-up and chained drafts on the device, one read per step), run eagerly here."""
     params = [greedy(i) for i in range(len(prompts))]
     plain, _ = run(model, prompts, params)
-    spec, engine = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], speculative=k, pad_prefill=True)
+    spec, engine = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], speculative=k, pad_steps=True)
     assert spec == plain
     assert engine.spec_stats["fixed_steps"] > 0
     # with oracle drafts (accepted except every third) the fixed-shape steps accept and roll back
-    spec, engine = run(model, prompts, params, speculative=k, pad_prefill=True,
+    spec, engine = run(model, prompts, params, speculative=k, pad_steps=True,
                        drafter=lambda e: OracleDrafter(e, plain, lambda i: i % 3 == 1))
     assert spec == plain
     assert engine.spec_stats["fixed_steps"] > 0

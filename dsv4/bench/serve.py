@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -104,9 +105,11 @@ def _pct(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))]
 
 
-async def _drive(host: str, port: int, model: str, work: list[tuple[list[int], int]], clients: int) -> tuple:
-    queue = list(enumerate(work))
-    results: list[Result] = [Result() for _ in work]
+async def _drive(host: str, port: int, model: str, work: list[tuple[int, tuple[list[int], int]]],
+                 clients: int) -> tuple[list[Result], float]:
+    """`clients` closed-loop clients over the numbered work items. -> (results in work order, wall seconds)."""
+    queue = list(work)
+    results: dict[int, Result] = {}
 
     async def client() -> None:
         while queue:
@@ -119,8 +122,36 @@ async def _drive(host: str, port: int, model: str, work: list[tuple[list[int], i
                 results[i] = Result(error=f"{type(e).__name__}: {e}")
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    return results, time.perf_counter() - t0
+    await asyncio.gather(*(client() for _ in range(min(clients, len(work)))))
+    return [results[i] for i, _ in work], time.perf_counter() - t0
+
+
+def _drive_share(host: str, port: int, model: str, work, clients: int, start_at: float):
+    """One load-generator process: wait for the common start, drive its share. -> (results, end time)."""
+    time.sleep(max(0.0, start_at - time.time()))
+    results, _ = asyncio.run(_drive(host, port, model, work, clients))
+    return results, time.time()
+
+
+def drive(host: str, port: int, model: str, work: list[tuple[list[int], int]], clients: int,
+          procs: int = 1) -> tuple[list[Result], float]:
+    """The load, from `procs` processes (one Python process parses at most some ten thousand streamed events
+    a second: at high rates the load generator, not the server, would be measured). -> (results, wall s)."""
+    numbered = list(enumerate(work))
+    procs = max(1, min(procs, clients))
+    if procs == 1:
+        return asyncio.run(_drive(host, port, model, numbered, clients))
+    import concurrent.futures
+    import multiprocessing as mp
+
+    shares = [numbered[k::procs] for k in range(procs)]
+    per = [clients // procs + (k < clients % procs) for k in range(procs)]
+    start_at = time.time() + 2.0
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn")) as pool:
+        futs = [pool.submit(_drive_share, host, port, model, shares[k], per[k], start_at) for k in range(procs)]
+        parts = [f.result() for f in futs]
+    by_index = {i: r for (share, (res, _)) in zip(shares, parts) for (i, _), r in zip(share, res)}
+    return [by_index[i] for i in range(len(work))], max(end for _, end in parts) - start_at
 
 
 def _raw_decode_rate(model, batch: int, prompt_len: int, steps: int, device: torch.device) -> dict:
@@ -182,7 +213,9 @@ def _scrape(host: str, port: int) -> dict[str, float]:
     for line in text.splitlines():
         m = re.match(r'dsv4_(engine_phase_seconds_total|generation_tokens_total|prompt_tokens_total|preemptions_total|'
                      r'prefix_cache_hit_tokens_total|spec_draft_tokens_total|spec_accepted_tokens_total|'
-                     r'spec_acceptance_ratio|spec_tokens_per_verify)\{([^}]*)\} (\S+)', line)
+                     r'spec_acceptance_ratio|spec_tokens_per_verify|engine_graph_steps_total|'
+                     r'engine_eager_steps_total|kernel_compilations_after_ready|warmup_seconds|cuda_graphs)'
+                     r'\{([^}]*)\} (\S+)', line)
         if m:
             phase = re.search(r'phase="(\w+)"', m.group(2))
             out[m.group(1) + (f".{phase.group(1)}" if phase else "")] = float(m.group(3))
@@ -217,109 +250,173 @@ def _start_server(argv: list[str]) -> tuple[subprocess.Popen, str, int, str]:
     raise UserError("the server did not start:\n" + "".join(lines[-20:]))
 
 
-def run_serve_bench(args: argparse.Namespace) -> int:
-    from ..serve.cli import _load
+def _spread(values: list[float]) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
 
-    for name in ("clients", "requests", "prompt_len", "output_len"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-    if not 0 <= args.spread < 1:
-        raise UserError("--spread must be in [0, 1)")
-    args.max_num_seqs = args.max_num_seqs or args.clients
-    model, _tokenizer, name, desc = _load(args)
-    device = model.embed.weight.device
-    rng = random.Random(args.seed)
+
+def _work(vocab: int, n: int, args: argparse.Namespace, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
 
     def draw(mean: int) -> int:
         return max(1, round(mean * (1 + args.spread * (2 * rng.random() - 1))))
 
-    work = []
-    for _ in range(args.requests):
-        n = draw(args.prompt_len)
-        work.append(([rng.randrange(2, model.cfg.vocab_size) for _ in range(n)], draw(args.output_len)))
-    longest = max(len(p) + n for p, n in work)
-    if args.max_model_len is None:
-        args.max_model_len = min(model.cfg.max_seq_len, max(longest + 1, 256))
-    result: dict = {"model": desc, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "clients": args.clients,
-                    "requests": args.requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
-                    "spread": args.spread, "dtype": args.dtype}
-    # the peers first, in this process; then the server in its own process (its own interpreter: the load
-    # generator's Python must not share a lock with the server's)
-    if not args.no_raw:
-        result["raw_decode"] = _raw_decode_rate(model, args.clients, args.prompt_len, max(16, args.output_len), device)
-    if args.hf:
-        same = [p for p, _ in work[:args.clients]]
-        result["hf_generate"] = _hf_rate(model, same, args.output_len, args.hf, device)
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    proc, host, port, banner = _start_server(_server_argv(args))
-    result["server"] = banner.strip().splitlines()[-2:]
+    return [([rng.randrange(2, vocab) for _ in range(draw(args.prompt_len))], draw(args.output_len))
+            for _ in range(n)]
+
+
+def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -> dict:
+    """One server for `clients` clients: idle TTFT, then --repeats timed loads (fresh prompts each: the prefix
+    cache must not serve a repeat)."""
+    requests = args.requests or 4 * clients
+    procs = args.load_procs or min(8, -(-clients // 64))
+    runs_work = [_work(vocab, requests, args, args.seed + 1000 * r) for r in range(args.repeats)]
+    longest = max(len(p) + n for w in runs_work for p, n in w)
+    sargs = argparse.Namespace(**vars(args))
+    sargs.max_num_seqs = args.max_num_seqs or clients
+    sargs.max_model_len = args.max_model_len or max(longest + 1, 256)
+    proc, host, port, banner = _start_server(_server_argv(sargs))
+    row: dict = {"clients": clients, "requests": requests, "server": banner.strip().splitlines()[-2:]}
     try:
         idle = []
-        for i in range(3):                                  # warm-up and the idle time to first token
-            r = asyncio.run(_drive(host, port, name, [work[i % len(work)]], 1))[0][0]
+        warm = _work(vocab, 3, args, args.seed + 999)
+        for item in warm:                                  # warm-up, and the idle time to first token
+            r = drive(host, port, name, [item], 1)[0][0]
             if r.error:
                 raise UserError(f"the server refused a warm-up request: {r.error}")
             idle.append(r.ttft)
-        results, wall = asyncio.run(_drive(host, port, name, work, args.clients))
-        result["server_metrics"] = _scrape(host, port)
+        drive(host, port, name, _work(vocab, clients, args, args.seed + 998), clients, procs)
+        before = _scrape(host, port)
+        runs = []
+        for work in runs_work:
+            results, wall = drive(host, port, name, work, clients, procs)
+            runs.append((results, wall))
+        after = _scrape(host, port)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-    errors = [r.error for r in results if r.error]
-    ttft = [r.ttft for r in results if r.ttft is not None]
-    gaps = [g for r in results for g in r.gaps]
-    out_tokens = sum(r.tokens for r in results)
-    result.update({
-        "errors": len(errors), "first_errors": errors[:3], "wall_s": wall, "output_tokens": out_tokens,
-        "output_tokens_per_s": out_tokens / wall, "ttft_idle_s": statistics.median(idle),
-        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "itl_p50_s": _pct(gaps, 50),
-        "itl_p99_s": _pct(gaps, 99)})
-    if result["ttft_p50_s"] and result["ttft_idle_s"]:
-        result["ttft_load_over_idle"] = result["ttft_p50_s"] / result["ttft_idle_s"]
-    if "raw_decode" in result:
-        result["fraction_of_raw_decode"] = result["output_tokens_per_s"] / result["raw_decode"]["tokens_per_s"]
-    if "hf_generate" in result:
-        best = max(v["tokens_per_s"] for v in result["hf_generate"].values())
-        result["speedup_over_hf"] = result["output_tokens_per_s"] / best
+    errors = [r.error for results, _ in runs for r in results if r.error]
+    per_run = []
+    for results, wall in runs:
+        ttft = [r.ttft for r in results if r.ttft is not None]
+        gaps = [g for r in results for g in r.gaps]
+        per_run.append({"tokens_per_s": sum(r.tokens for r in results) / wall, "ttft_p50_s": _pct(ttft, 50),
+                        "ttft_p99_s": _pct(ttft, 99), "itl_p50_s": _pct(gaps, 50), "itl_p99_s": _pct(gaps, 99)})
+    row.update({k: _spread([x[k] for x in per_run]) for k in per_run[0]})
+    row["ttft_idle_s"] = statistics.median(idle)
+    row["ttft_p99_over_idle"] = row["ttft_p99_s"]["median"] / row["ttft_idle_s"] if row["ttft_p99_s"] else None
+    row["itl_p99_over_p50"] = (row["itl_p99_s"]["median"] / row["itl_p50_s"]["median"]
+                               if row["itl_p50_s"] and row["itl_p50_s"]["median"] else None)
+    row["errors"], row["first_errors"] = len(errors), errors[:3]
+    row["server_metrics"] = {k: v - before.get(k, 0.0) if k.endswith("_total") or "_total." in k else v
+                             for k, v in after.items()}
+    return row
+
+
+def run_serve_bench(args: argparse.Namespace) -> int:
+    from ..serve.cli import _load
+
+    for name in ("prompt_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.spread < 1:
+        raise UserError("--spread must be in [0, 1)")
+    if args.max_num_seqs is not None and args.max_num_seqs < max(args.clients):
+        raise UserError("--max-num-seqs must be at least the largest --clients (each client keeps one request "
+                        "in flight)")
+    model, _tokenizer, name, desc = _load(args)
+    device = model.embed.weight.device
+    result: dict = {"bench": "serve", "model": desc, "dtype": args.dtype, "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "prompt_len": args.prompt_len,
+                    "output_len": args.output_len, "spread": args.spread, "repeats": args.repeats,
+                    "runs": {}}
+    # the peers first, in this process; then each server in its own process (its own interpreter: the load
+    # generator's Python must not share a lock with the server's)
+    raw = {}
+    if not args.no_raw:
+        for clients in args.clients:
+            rates = [_raw_decode_rate(model, clients, args.prompt_len, max(16, args.output_len), device)
+                     for _ in range(args.repeats)]
+            raw[clients] = _spread([x["tokens_per_s"] for x in rates])
+    if args.hf:
+        same = [p for p, _ in _work(model.cfg.vocab_size, max(args.hf), args, args.seed)]
+        hf = {str(b): _spread([_hf_rate(model, same, args.output_len, [b], device)[str(b)]["tokens_per_s"]
+                               for _ in range(args.repeats)]) for b in args.hf}
+        result["hf_generate"] = hf
+        result["hf_best_tokens_per_s"] = max(v["median"] for v in hf.values())
+    vocab = model.cfg.vocab_size
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    errors = 0
+    for clients in args.clients:
+        row = _serve_runs(args, name, vocab, clients)
+        if clients in raw:
+            row["raw_decode_tokens_per_s"] = raw[clients]
+            row["fraction_of_raw_decode"] = row["tokens_per_s"]["median"] / raw[clients]["median"]
+        if "hf_best_tokens_per_s" in result:
+            row["speedup_over_hf_best"] = row["tokens_per_s"]["median"] / result["hf_best_tokens_per_s"]
+        errors += row["errors"]
+        result["runs"][str(clients)] = row
+        if not args.json:
+            _print(result, row)
+    if "hf_generate" in result and not args.json:
+        print("  transformers generate: " + ", ".join(f"batch {b} {_fmt(v)} tokens/s"
+                                                      for b, v in result["hf_generate"].items()))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
     if args.json:
         print(json.dumps(result))
-    else:
-        _print(result)
     return 1 if errors else 0
 
 
-def _print(r: dict) -> None:
-    def ms(v):
-        return "-" if v is None else f"{v * 1e3:.1f} ms"
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
-    print(f"{r['device']}  torch {r['torch']}  {r['date']}  {r['model']}  {r['dtype']}")
-    print(f"  load: {r['clients']} streaming clients, {r['requests']} requests, prompt ~{r['prompt_len']}, output "
-          f"~{r['output_len']} (+-{r['spread']:.0%})")
-    print(f"  throughput      {r['output_tokens_per_s']:10.1f} output tokens/s  ({r['output_tokens']} tokens in "
-          f"{r['wall_s']:.1f} s, {r['errors']} errors)")
-    print(f"  TTFT            p50 {ms(r['ttft_p50_s'])}  p99 {ms(r['ttft_p99_s'])}  (idle {ms(r['ttft_idle_s'])}"
-          + (f", {r['ttft_load_over_idle']:.1f}x" if "ttft_load_over_idle" in r else "") + ")")
-    print(f"  inter-token     p50 {ms(r['itl_p50_s'])}  p99 {ms(r['itl_p99_s'])}")
-    if "raw_decode" in r:
-        raw = r["raw_decode"]
-        print(f"  raw decode      {raw['tokens_per_s']:10.1f} tokens/s at batch {raw['batch']} "
-              f"({raw['ms_per_step']:.2f} ms/step): the server reaches {r['fraction_of_raw_decode']:.0%} of it")
-    if "hf_generate" in r:
-        for b, v in r["hf_generate"].items():
-            print(f"  transformers generate, batch {b}: {v['tokens_per_s']:.1f} tokens/s")
-        print(f"  dsv4 serve / best transformers: {r['speedup_over_hf']:.1f}x")
+
+def _fmt(s: dict | None, scale: float = 1.0, unit: str = "") -> str:
+    if s is None:
+        return "-"
+    return f"{s['median'] * scale:.1f}{unit} ({s['min'] * scale:.1f}-{s['max'] * scale:.1f})"
+
+
+def _print(result: dict, r: dict) -> None:
+    print(f"{result['device']}  torch {result['torch']}  {result['date']}  {result['model']}  {result['dtype']}  "
+          f"commit {result['commit']}")
+    print(f"  load: {r['clients']} streaming clients, {r['requests']} requests per run, "
+          f"prompt ~{result['prompt_len']}, "
+          f"output ~{result['output_len']} (+-{result['spread']:.0%}); median (min-max) of {result['repeats']} runs")
+    print(f"  throughput      {_fmt(r['tokens_per_s'])} output tokens/s  ({r['errors']} errors)")
+    print(f"  TTFT            p50 {_fmt(r['ttft_p50_s'], 1e3, ' ms')}  p99 {_fmt(r['ttft_p99_s'], 1e3, ' ms')}  "
+          f"(idle {r['ttft_idle_s'] * 1e3:.1f} ms"
+          + (f", p99 {r['ttft_p99_over_idle']:.1f}x idle" if r.get("ttft_p99_over_idle") else "") + ")")
+    print(f"  inter-token     p50 {_fmt(r['itl_p50_s'], 1e3, ' ms')}  p99 {_fmt(r['itl_p99_s'], 1e3, ' ms')}"
+          + (f"  (p99 {r['itl_p99_over_p50']:.1f}x p50)" if r.get("itl_p99_over_p50") else ""))
+    if "raw_decode_tokens_per_s" in r:
+        print(f"  raw decode      {_fmt(r['raw_decode_tokens_per_s'])} tokens/s at batch {r['clients']}: the server "
+              f"reaches {r['fraction_of_raw_decode']:.0%} of it")
+    if "speedup_over_hf_best" in r:
+        print(f"  dsv4 serve / best transformers generate: {r['speedup_over_hf_best']:.1f}x")
     sm = r.get("server_metrics", {})
     if sm.get("spec_draft_tokens_total"):
         print(f"  speculative     {sm.get('spec_acceptance_ratio', 0):.0%} of drafts accepted, "
               f"{sm.get('spec_tokens_per_verify', 0):.2f} tokens per verify step")
-    phases = {k.split(".", 1)[1]: v for k, v in r.get("server_metrics", {}).items()
-              if k.startswith("engine_phase") and "." in k}
+    if "engine_graph_steps_total" in sm:
+        print(f"  engine steps    {sm['engine_graph_steps_total']:.0f} from CUDA graphs, "
+              f"{sm.get('engine_eager_steps_total', 0):.0f} eager; "
+              f"{sm.get('kernel_compilations_after_ready', 0):.0f} kernel compilations after ready")
+    phases = {k.split(".", 1)[1]: v for k, v in sm.items() if k.startswith("engine_phase") and "." in k}
     if phases:
         total = sum(phases.values())
         print("  engine host time: " + ", ".join(f"{k} {v / total:.0%}" for k, v in phases.items())
@@ -335,9 +432,14 @@ def add_bench_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="load-test a dsv4 serve HTTP server: throughput, TTFT, inter-token "
                                             "latency, against the raw batched decode rate (and transformers)")
     add_model_args(p, "the shipped model")
-    p.add_argument("--clients", type=argtypes.positive_int, default=16,
-                   help="concurrent streaming clients (default 16)")
-    p.add_argument("--requests", type=argtypes.positive_int, default=64, help="requests in all (default 64)")
+    p.add_argument("--clients", type=argtypes.positive_int, nargs="+", default=[16],
+                   help="concurrent streaming clients; several values: one server each (default 16)")
+    p.add_argument("--requests", type=argtypes.positive_int, default=None,
+                   help="requests per timed run (default 4 x clients)")
+    p.add_argument("--repeats", type=argtypes.positive_int, default=3,
+                   help="timed runs per client count; figures are their median with min and max (default 3)")
+    p.add_argument("--load-procs", type=argtypes.positive_int, default=None,
+                   help="load-generator processes (default: one per 64 clients, at most 8)")
     p.add_argument("--prompt-len", type=argtypes.positive_int, default=128, help="mean prompt tokens (default 128)")
     p.add_argument("--output-len", type=argtypes.positive_int, default=64, help="mean output tokens (default 64)")
     p.add_argument("--spread", type=argtypes.float_in(0.0, 1.0, hi_open=True), default=0.25,
@@ -346,6 +448,7 @@ def add_bench_serve_parser(subparsers) -> None:
     p.add_argument("--no-raw", action="store_true", help="skip the raw batched decode measurement")
     p.add_argument("--hf", type=argtypes.positive_int, nargs="*", default=None, metavar="BATCH",
                    help="also time transformers' generate at these batch sizes (e.g. --hf 16 64)")
+    p.add_argument("--out", metavar="FILE", default=None, help="write the result as JSON")
     p.add_argument("--json", action="store_true")
     _engine_args(p)
     p.set_defaults(func=run_serve_bench)

@@ -21,16 +21,23 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..model.paged import CacheLayout
 
 
 class PagePool:
-    """Free list and reference counts of one page kind; page 0 is reserved (the trash page)."""
+    """Free list and reference counts of one page kind; page 0 is reserved (the trash page).
+
+    A page can also be held by the prefix cache (`cached`); `evictable` counts the cached pages that
+    nothing else holds, so the free capacity is known without scanning the cache."""
 
     def __init__(self, n_pages: int):
         self.n_pages = n_pages
         self.free: list[int] = list(range(n_pages - 1, 0, -1))     # pop() hands out low ids first
         self.refs = [0] * n_pages
+        self.cached = [False] * n_pages
+        self.evictable = 0
 
     def alloc(self) -> int | None:
         if not self.free:
@@ -40,28 +47,73 @@ class PagePool:
         return page
 
     def incref(self, page: int) -> None:
+        if self.cached[page] and self.refs[page] == 1:
+            self.evictable -= 1
         self.refs[page] += 1
 
     def decref(self, page: int) -> None:
         self.refs[page] -= 1
         if self.refs[page] == 0:
+            if self.cached[page]:
+                self.cached[page] = False
+                self.evictable -= 1
             self.free.append(page)
         elif self.refs[page] < 0:
             raise RuntimeError(f"page {page} released more often than taken")
+        elif self.refs[page] == 1 and self.cached[page]:
+            self.evictable += 1
+
+    def cache(self, page: int) -> None:
+        """The prefix cache takes a reference on the page."""
+        self.incref(page)
+        self.cached[page] = True
+
+    def uncache(self, page: int) -> None:
+        """The prefix cache drops its reference."""
+        if self.refs[page] == 1:
+            self.evictable -= 1
+        self.cached[page] = False
+        self.decref(page)
 
     @property
     def n_free(self) -> int:
         return len(self.free)
 
 
-@dataclass
+class BlockTables:
+    """The page tables of every ring slot: logical page -> physical page (-1: none), one row per slot of
+    `table_width` columns for the window and one for the compressed pages. Row `n_states` stays all -1
+    (the rows of padding). The host owns them; rows changed since the last `take_dirty` are what a
+    runner must copy to its device copy before the next step (a few rows per step, not the tables)."""
+
+    def __init__(self, n_states: int, width: int):
+        self.w = np.full((n_states + 1, width), -1, dtype=np.int64)
+        self.c = np.full((n_states + 1, width), -1, dtype=np.int64)
+        self.pad_row = n_states
+        self.dirty: set[int] = set()
+
+    def take_dirty(self) -> np.ndarray:
+        rows = np.fromiter(sorted(self.dirty), dtype=np.int64, count=len(self.dirty))
+        self.dirty.clear()
+        return rows
+
+
+@dataclass(eq=False)
 class SeqPages:
-    """The pages and ring slot of one running sequence."""
+    """The pages and ring slot of one running sequence; its table rows live in `BlockTables`."""
     state: int
-    wtable: list[int] = field(default_factory=list)      # logical page -> window page, -1 none
-    ctable: list[int] = field(default_factory=list)      # logical page -> compressed page, -1 none
+    tables: BlockTables
     hashes: list[bytes] = field(default_factory=list)    # chain hash of each complete page's tokens
     registered: int = 0                                  # pages offered to the prefix cache so far
+    trimmed: int = 0                                     # window pages before this one are released
+
+    @property
+    def wtable(self) -> np.ndarray:
+        return self.tables.w[self.state]
+
+    @property
+    def ctable(self) -> np.ndarray:
+        return self.tables.c[self.state]
 
 
 def page_hashes(tokens: list[int], page_size: int, n_pages: int, parent: bytes = b"") -> list[bytes]:
@@ -83,6 +135,7 @@ class CacheManager:
         self.P, self.window = layout.page_size, layout.window
         self.wpool = PagePool(layout.n_window_pages)
         self.cpool = PagePool(layout.n_comp_pages) if has_compressed else None
+        self.tables = BlockTables(layout.n_states, layout.table_width())
         self.free_states = list(range(layout.n_states - 1, -1, -1))
         self.prefix_caching = prefix_caching
         # page hash -> page, least recently used first; each holds one reference on its page
@@ -94,11 +147,10 @@ class CacheManager:
     # ------------------------------------------------------------------ capacity
     def free_pages(self) -> tuple[int, int]:
         """(window, compressed) pages free or held only by the prefix cache (evictable)."""
-        w = self.wpool.n_free + sum(1 for p in self.cached_w.values() if self.wpool.refs[p] == 1)
+        w = self.wpool.n_free + self.wpool.evictable
         if self.cpool is None:
             return w, 1 << 30
-        c = self.cpool.n_free + sum(1 for p in self.cached_c.values() if self.cpool.refs[p] == 1)
-        return w, c
+        return w, self.cpool.n_free + self.cpool.evictable
 
     def usage(self) -> float:
         """Fraction of pages in use by running sequences (cached-but-idle pages count as free)."""
@@ -126,15 +178,15 @@ class CacheManager:
     def new_sequence(self) -> SeqPages | None:
         if not self.free_states:
             return None
-        return SeqPages(state=self.free_states.pop())
+        return SeqPages(state=self.free_states.pop(), tables=self.tables)
 
     def _alloc(self, pool: PagePool, cached: OrderedDict[bytes, int]) -> int | None:
         page = pool.alloc()
         while page is None:
-            victim = next((h for h, p in cached.items() if pool.refs[p] == 1), None)
-            if victim is None:
+            if not pool.evictable:
                 return None
-            pool.decref(cached.pop(victim))
+            victim = next(h for h, p in cached.items() if pool.refs[p] == 1)
+            pool.uncache(cached.pop(victim))
             page = pool.alloc()
         return page
 
@@ -143,35 +195,44 @@ class CacheManager:
         False (nothing kept half-done matters: pages taken stay with the sequence) when memory is short."""
         P = self.P
         last = (end - 1) // P
+        if last >= self.tables.w.shape[1]:
+            raise ValueError(f"positions up to {end} do not fit a table of {self.tables.w.shape[1]} pages")
         for table, pool, cached, first in (
-                (seq.wtable, self.wpool, self.cached_w, max(0, start - self.window + 1) // P),
+                (seq.wtable, self.wpool, self.cached_w, max(max(0, start - self.window + 1) // P, seq.trimmed)),
                 (seq.ctable, self.cpool, self.cached_c, 0)):
             if pool is None:
                 continue
-            while len(table) <= last:
-                table.append(-1)
             for k in range(first, last + 1):
                 if table[k] < 0:
                     page = self._alloc(pool, cached)
                     if page is None:
                         return False
                     table[k] = page
+                    self.tables.dirty.add(seq.state)
         return True
 
     def trim_window(self, seq: SeqPages, length: int) -> None:
         """Release window pages no future token can see (all positions < length - window + 1)."""
-        keep_from = max(0, length - self.window + 1) // self.P
-        for k in range(min(keep_from, len(seq.wtable))):
-            if seq.wtable[k] > 0:
-                self.wpool.decref(seq.wtable[k])
-                seq.wtable[k] = -1
+        keep_from = min(max(0, length - self.window + 1) // self.P, self.tables.w.shape[1])
+        if keep_from <= seq.trimmed:
+            return
+        table = seq.wtable
+        for k in range(seq.trimmed, keep_from):
+            if table[k] > 0:
+                self.wpool.decref(int(table[k]))
+                table[k] = -1
+                self.tables.dirty.add(seq.state)
+        seq.trimmed = keep_from
 
     def release(self, seq: SeqPages) -> None:
         for table, pool in ((seq.wtable, self.wpool), (seq.ctable, self.cpool)):
-            for k, page in enumerate(table):
-                if page > 0:
-                    pool.decref(page)
-                    table[k] = -1
+            if pool is None:
+                continue
+            for page in table[table > 0].tolist():
+                pool.decref(page)
+            table[:] = -1
+        self.tables.dirty.add(seq.state)
+        seq.trimmed = 0
         self.free_states.append(seq.state)
 
     # ------------------------------------------------------------------ prefix cache
@@ -194,19 +255,20 @@ class CacheManager:
         if best < 0:
             return 0
         m = best + 1                                                                     # pages reused
-        seq.ctable = [-1] * m
-        seq.wtable = [-1] * m
         if self.cpool is not None:
             for k in range(m):
                 page = self.cached_c[hashes[k]]
                 self.cached_c.move_to_end(hashes[k])
                 self.cpool.incref(page)
                 seq.ctable[k] = page
-        for k in range(max(0, m * P - self.window) // P, m):
+        first = max(0, m * P - self.window) // P
+        for k in range(first, m):
             page = self.cached_w[hashes[k]]
             self.cached_w.move_to_end(hashes[k])
             self.wpool.incref(page)
             seq.wtable[k] = page
+        self.tables.dirty.add(seq.state)
+        seq.trimmed = first
         seq.hashes = hashes[:m]
         seq.registered = m
         self.hits += m * P
@@ -222,18 +284,19 @@ class CacheManager:
             return
         parent = seq.hashes[-1] if seq.hashes else b""
         seq.hashes.extend(page_hashes(tokens[len(seq.hashes) * P:], P, n - len(seq.hashes), parent))
+        wt, ct = seq.wtable, seq.ctable
         for k in range(seq.registered, n):
             h = seq.hashes[k]
-            if self.cpool is not None and seq.ctable[k] > 0 and h not in self.cached_c:
-                self.cpool.incref(seq.ctable[k])
-                self.cached_c[h] = seq.ctable[k]
-            if k < len(seq.wtable) and seq.wtable[k] > 0 and h not in self.cached_w:
-                self.wpool.incref(seq.wtable[k])
-                self.cached_w[h] = seq.wtable[k]
+            if self.cpool is not None and ct[k] > 0 and h not in self.cached_c:
+                self.cpool.cache(int(ct[k]))
+                self.cached_c[h] = int(ct[k])
+            if wt[k] > 0 and h not in self.cached_w:
+                self.wpool.cache(int(wt[k]))
+                self.cached_w[h] = int(wt[k])
         seq.registered = n
 
     def clear_prefix_cache(self) -> None:
         for cached, pool in ((self.cached_c, self.cpool), (self.cached_w, self.wpool)):
             for page in cached.values():
-                pool.decref(page)
+                pool.uncache(page)
             cached.clear()

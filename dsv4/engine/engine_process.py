@@ -1,12 +1,12 @@
-"""The engine in a process of its own, for the HTTP server.
+"""The engine in a process of its own, for the HTTP server (`EngineClient`).
 
 A server's event loop and the engine's step loop are both Python: in one process they share one
 interpreter lock, and every time the engine waits for the device the loop takes the lock for up to a
 switch interval (5 ms), which is a whole decode step. Here the engine runs in a child process (spawned,
-as CUDA requires) that owns the model and the cache; the server process sends it requests and aborts
-through one pipe and receives each step's outputs, with the engine's metrics, through another. The
-interface is `AsyncEngine`'s: `generate` (an async iterator of `StepOutput`), `abort`, `alive`,
-`shutdown`.
+as CUDA requires) that owns the model and the cache; the server process sends it typed commands
+(`dsv4.engine.client`) through one pipe and receives each step's token outputs, with the engine's metrics,
+through another. Text is made in the server process (`TextStreams`: detokenization and stop strings), so
+the engine's step loop never waits for it; a stop string aborts its sequence in the engine.
 """
 
 from __future__ import annotations
@@ -19,11 +19,35 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from .async_engine import EngineDeadError, _Stream, deliver, deliver_all, stream_outputs
-from .engine import RequestError, StepOutput
+from .client import (
+    Abort,
+    AddRequest,
+    EngineDeadError,
+    Failed,
+    Outputs,
+    Ready,
+    RequestFailed,
+    Stop,
+    Stream,
+    deliver,
+    stream_outputs,
+)
+from .output import TextStreams
 from .sampling import SamplingParams
+from .sequence import RequestError, StepOutput, TokenLogprob
 
 log = logging.getLogger("dsv4.engine")
+
+
+def pack_outputs(outputs: list[StepOutput]) -> list[tuple]:
+    """Plain tuples (several times faster to pickle than dataclasses: the pipe carries every step)."""
+    return [(o.request_id, o.index, o.new_tokens, [(lp.token, lp.logprob, lp.top) for lp in o.new_logprobs],
+             o.finished, o.finish_reason, o.prompt_tokens, o.completion_tokens, o.cached_tokens) for o in outputs]
+
+
+def unpack_outputs(rows: list[tuple]) -> list[StepOutput]:
+    return [StepOutput(rid, i, toks, [TokenLogprob(*lp) for lp in lps], fin, why, pt, ct, cached)
+            for rid, i, toks, lps, fin, why, pt, ct, cached in rows]
 
 
 def _child(commands, results, build: Callable, build_args: tuple) -> None:
@@ -31,9 +55,9 @@ def _child(commands, results, build: Callable, build_args: tuple) -> None:
     try:
         engine, info = build(*build_args)
     except BaseException as e:                                          # noqa: BLE001 - reported, then exit
-        results.send(("failed", f"{type(e).__name__}: {e}"))
+        results.send(Failed(f"{type(e).__name__}: {e}"))
         return
-    results.send(("ready", info))
+    results.send(Ready(info))
     while True:
         timeout = 0.0 if engine.has_work() else 0.5
         handled = False
@@ -43,20 +67,22 @@ def _child(commands, results, build: Callable, build_args: tuple) -> None:
                 cmd = commands.recv()
             except EOFError:                                            # the server is gone
                 return
-            if cmd[0] == "add":
-                _, rid, prompt, params, n = cmd
+            if isinstance(cmd, AddRequest):
                 try:
-                    engine.add_request(rid, prompt, params, n)
+                    engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.n)
                 except RequestError as e:
-                    results.send(("error", rid, "request", str(e)))
+                    results.send(RequestFailed(cmd.request_id, str(e), True))
                 except Exception as e:                                  # noqa: BLE001 - the caller's error
-                    results.send(("error", rid, "server", f"{type(e).__name__}: {e}"))
-            elif cmd[0] == "abort":
-                engine.abort(cmd[1])
-            elif cmd[0] == "stop":
+                    results.send(RequestFailed(cmd.request_id, f"{type(e).__name__}: {e}", False))
+            elif isinstance(cmd, Abort):
+                if cmd.index is None:
+                    engine.abort(cmd.request_id)
+                else:
+                    engine.abort_sequence(cmd.request_id, cmd.index)
+            elif isinstance(cmd, Stop):
                 return
         if handled:                                             # admissions and aborts move the gauges
-            results.send(("out", [], engine.metrics(), 0.0))
+            results.send(Outputs([], engine.metrics(), 0.0))
         if not engine.has_work():
             continue
         t0 = time.monotonic()
@@ -66,13 +92,15 @@ def _child(commands, results, build: Callable, build_args: tuple) -> None:
             log.exception("engine step failed")
             for rid in list(engine.requests):
                 engine.abort(rid)
-                results.send(("error", rid, "server", f"the engine failed while running this request: {e}"))
+                results.send(RequestFailed(rid, f"the engine failed while running this request: {e}", False))
             continue
-        results.send(("out", outputs, engine.metrics(), time.monotonic() - t0))
+        results.send(Outputs(pack_outputs(outputs), engine.metrics(), time.monotonic() - t0))
 
 
 class EngineProcess:
-    def __init__(self, build: Callable, build_args: tuple, on_step=None):
+    """`EngineClient` with the engine in a child process; text made here with `tokenizer`."""
+
+    def __init__(self, build: Callable, build_args: tuple, tokenizer=None, on_step=None):
         ctx = mp.get_context("spawn")
         self._cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
         self._res_recv, self._res_send = ctx.Pipe(duplex=False)
@@ -80,7 +108,8 @@ class EngineProcess:
                                  name="dsv4-engine", daemon=True)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
+        self._text = TextStreams(tokenizer, self._stop_sequence) if tokenizer is not None else None
         self._on_step = on_step
         self._reader: threading.Thread | None = None
         self._stopped = False
@@ -99,18 +128,18 @@ class EngineProcess:
                 raise RuntimeError(f"the engine process exited (code {self._proc.exitcode}) before it was ready")
             if time.monotonic() > deadline:
                 raise RuntimeError("the engine process was not ready in time")
-        kind, payload = self._res_recv.recv()
-        if kind != "ready":
-            raise RuntimeError(f"the engine could not start: {payload}")
-        self.info = payload
+        msg = self._res_recv.recv()
+        if not isinstance(msg, Ready):
+            raise RuntimeError(f"the engine could not start: {msg.message}")
+        self.info = msg.info
         self._reader = threading.Thread(target=self._read, name="dsv4-engine-reader", daemon=True)
         self._reader.start()
-        return payload
+        return self.info
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped = True
         with contextlib.suppress(OSError, ValueError):
-            self._send(("stop",))
+            self._send(Stop())
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.terminate()
@@ -124,7 +153,7 @@ class EngineProcess:
             self._ids += 1
             return f"{prefix}-{self._ids}-{int(time.time() * 1000)}"
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg) -> None:
         with self._send_lock:
             self._cmd_send.send(msg)
 
@@ -134,10 +163,12 @@ class EngineProcess:
         """Submit a request and yield its outputs; leaving early aborts it (frees its pages)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), n)
+        stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), n)
         with self._lock:
             self._streams[request_id] = stream
-        self._send(("add", request_id, prompt, params, n))
+            if self._text is not None:
+                self._text.add(request_id, prompt, params, n)
+        self._send(AddRequest(request_id, list(prompt), params, n))
         # an error item: the engine already dropped the request, nothing to abort
         async with contextlib.aclosing(stream_outputs(self, request_id, stream, abort_on_error=False)) as items:
             async for item in items:
@@ -145,7 +176,18 @@ class EngineProcess:
 
     def abort(self, request_id: str) -> None:
         with contextlib.suppress(OSError, ValueError):
-            self._send(("abort", request_id))
+            self._send(Abort(request_id))
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+            if self._text is not None:
+                self._text.drop(request_id)
+
+    def _stop_sequence(self, request_id: str, index: int) -> None:
+        """A stop string ended one choice: the engine stops computing it."""
+        with contextlib.suppress(OSError, ValueError):
+            self._send(Abort(request_id, index))
 
     # ------------------------------------------------------------------ outputs
     def _read(self) -> None:
@@ -154,23 +196,19 @@ class EngineProcess:
                 msg = self._res_recv.recv()
             except (EOFError, OSError):
                 break
-            if msg[0] == "out":
-                _, outputs, metrics, seconds = msg
+            if isinstance(msg, Outputs):
+                outputs = unpack_outputs(msg.outputs)
+                with self._lock:
+                    if self._text is not None:
+                        outputs = self._text.process(outputs)
+                    deliver(self._streams, [(o.request_id, o) for o in outputs])
                 if self._on_step is not None:
                     with contextlib.suppress(Exception):
-                        self._on_step(metrics, outputs, seconds)
-                self._deliver(outputs)
-            elif msg[0] == "error":
-                _, rid, kind, text = msg
-                self._fail(rid, RequestError(text) if kind == "request" else RuntimeError(text))
+                        self._on_step(msg.metrics, outputs, msg.seconds)
+            elif isinstance(msg, RequestFailed):
+                error = RequestError(msg.message) if msg.bad_request else RuntimeError(msg.message)
+                with self._lock:
+                    deliver(self._streams, [(msg.request_id, error)])
         self._stopped = True
         with self._lock:
-            rids = list(self._streams)
-        for rid in rids:
-            self._fail(rid, EngineDeadError("the engine process stopped"))
-
-    def _deliver(self, outputs: list[StepOutput]) -> None:
-        deliver_all(self, outputs)
-
-    def _fail(self, rid: str, error: BaseException) -> None:
-        deliver(self, rid, error)
+            deliver(self._streams, [(rid, EngineDeadError("the engine process stopped")) for rid in self._streams])

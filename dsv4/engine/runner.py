@@ -1,346 +1,336 @@
-"""The model runner: turns a scheduled step (rows of tokens at their positions) into `StepInputs` and
-runs `DeepSeekV4.append` on the paged cache, eagerly or, for pure decode steps on a GPU, by replaying a
-CUDA graph captured per batch-size bucket.
+"""The model runner: a scheduled step in, sampled tokens out, with the host off the device's critical path.
 
-Host inputs are packed into one int64 buffer and copied to the device in one transfer; every tensor of
-`StepInputs` is a view into it.
+Per step (`launch`), with no host synchronization:
+1. the host writes the step's integers (token ids, positions, rows, indexer groups, changed page-table rows,
+   sampling settings) into a pinned buffer (`batch`), and one asynchronous copy sends them to the device;
+2. the changed page-table rows are written into the device's tables;
+3. the model runs: a CUDA graph of the step's bucket is replayed (every bucket is captured at start-up), or,
+   where no bucket fits (or on a CPU), the same step runs eagerly;
+4. the sampler draws each row's token on the device; the tokens stay on the device for the next step's
+   input (`feed`) and are copied to another pinned buffer, after which an event is recorded.
+`InFlight.read` waits for that event. The engine launches step N+1 before reading step N's tokens, so the
+host's scheduling and bookkeeping of step N overlap the device's work on step N+1.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ..model import DeepSeekV4
-from ..model.paged import CacheLayout, PagedKVCache, StepInputs
+from ..model.paged import PagedKVCache, StepInputs
+from .batch import Bucket, Fields, Row, fill_bucket, ragged_fields, step_inputs
+from .cache_manager import BlockTables
+from .sampling import SampleOutput, Sampler, SamplingParams, SamplingTensors
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+GRAPH_BUCKETS = DECODE_BUCKETS             # batch sizes of the fixed-shape speculative step
+TOP_LOGPROBS = 20                          # the most alternatives a request may ask for
+
+
+def bucket_sizes(limit: int, sizes: tuple[int, ...]) -> list[int]:
+    """0, the sizes below limit, and limit itself."""
+    return [0] + [s for s in sizes if s < limit] + [limit]
 
 
 @dataclass
-class Row:
-    """One sequence's part of a step: tokens at positions start ... start + len(tokens) - 1."""
-    tokens: list[int]
-    start: int
-    wtable: list[int]
-    ctable: list[int]
-    state: int
-    want_logits: bool
-    all_logits: bool = False        # logits at every position of the row (a speculative verify), not the last
+class SampleRow:
+    """A row to sample: its logits row, settings, seed and counter (tokens generated so far)."""
+    params: SamplingParams
+    seed: int
+    counter: int
+    penalty: tuple[list[int], list[int]] | None = None    # (output tokens, prompt tokens) of a penalized row
 
 
-class _Packer:
-    """Builds named int64 arrays in one host buffer; `to(device)` gives device views of each."""
+class Staging:
+    """Host -> device transfer of a step's integers: pinned host buffers used in turn (the host fills one
+    while the copy from the other may still run) and one device buffer that the graphs read."""
 
-    def __init__(self):
-        self.parts: list[tuple[str, tuple[int, ...], np.ndarray]] = []
+    def __init__(self, n: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.dev = torch.zeros(n, dtype=torch.int64, device=device)
+        self.host = [torch.zeros(n, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
 
-    def add(self, name: str, arr) -> None:
-        a = np.asarray(arr, dtype=np.int64)
-        self.parts.append((name, a.shape, a.reshape(-1)))
+    def begin(self) -> np.ndarray:
+        """The host buffer to fill for the next `send` (free once its last copy is done)."""
+        ev = self.events[self.turn]
+        if ev is not None:
+            ev.synchronize()
+        return self.host[self.turn].numpy()
 
-    def to(self, device: torch.device) -> dict[str, torch.Tensor]:
-        flat = np.concatenate([a for _, _, a in self.parts]) if self.parts else np.zeros(0, np.int64)
-        host = torch.from_numpy(flat)
-        dev = host.to(device) if device.type != "cpu" else host               # one transfer
-        out, i = {}, 0
-        for name, shape, a in self.parts:
-            out[name] = dev[i:i + a.size].view(shape)
-            i += a.size
-        return out
-
-
-def build_inputs(rows: list[Row], layout: CacheLayout, device: torch.device,
-                 pad_to: int | None = None) -> tuple[torch.Tensor, StepInputs]:
-    """(tokens [1, T], StepInputs) for the rows, in order. Rows of one token come first in the index
-    groups (scored together); every longer row is its own indexer group. pad_to (decode graphs): pad to
-    that many one-token rows with padding rows (tables of -1: every write goes to the trash page)."""
-    width = layout.table_width()
-    n_rows = len(rows) if pad_to is None else pad_to
-    lens = [len(r.tokens) for r in rows] + [1] * (n_rows - len(rows))
-    seg = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
-    T = int(sum(lens))
-    tokens = np.zeros(T, np.int64)
-    positions = np.zeros(T, np.int64)
-    row_of = np.repeat(np.arange(n_rows), lens)
-    start = np.zeros(n_rows, np.int64)
-    length = np.zeros(n_rows, np.int64)
-    wtable = np.full((n_rows, width), -1, np.int64)
-    ctable = np.full((n_rows, width), -1, np.int64)
-    state = np.zeros(n_rows, np.int64)
-    out = []
-    for b, r in enumerate(rows):
-        n = len(r.tokens)
-        tokens[seg[b]:seg[b] + n] = r.tokens
-        positions[seg[b]:seg[b] + n] = np.arange(r.start, r.start + n)
-        start[b], length[b], state[b] = r.start, r.start + n, r.state
-        wtable[b, :len(r.wtable)] = r.wtable[:width]
-        ctable[b, :len(r.ctable)] = r.ctable[:width]
-        if r.want_logits:
-            out.extend(seg[b] + np.arange(n) if r.all_logits else [seg[b] + n - 1])
-    p = _Packer()
-    for name, arr in (("tokens", tokens), ("positions", positions), ("rows", row_of), ("seg_start", seg),
-                      ("start", start), ("length", length), ("wtable", wtable), ("ctable", ctable),
-                      ("state", state)):
-        p.add(name, arr)
-    single = [b for b in range(n_rows) if lens[b] == 1]
-    multi = [b for b in range(n_rows) if lens[b] > 1]
-    index_groups = []
-    if single:
-        p.add("imap0", seg[single].reshape(-1, 1))
-        p.add("irow0", single)
-        index_groups.append(("imap0", "irow0"))
-    for i, b in enumerate(multi):
-        p.add(f"imap{i + 1}", (seg[b] + np.arange(lens[b])).reshape(1, -1))
-        p.add(f"irow{i + 1}", [b])
-        index_groups.append((f"imap{i + 1}", f"irow{i + 1}"))
-    eager_groups = pad_to is None and bool(multi)
-    for ratio in layout.ratios:
-        if eager_groups:
-            done = [seg[b] + i for b in range(n_rows) for i in range(lens[b])
-                    if (positions[seg[b] + i] + 1) % ratio == 0]
-            p.add(f"g{ratio}", done)
-    if pad_to is None:
-        p.add("out", out)
-    t = p.to(device)
-    inputs = StepInputs(
-        tokens=t["tokens"], positions=t["positions"], rows=t["rows"], seg_start=t["seg_start"], start=t["start"],
-        length=t["length"], wtable=t["wtable"], ctable=t["ctable"], state=t["state"],
-        groups={r: (t[f"g{r}"] if eager_groups else None) for r in layout.ratios},
-        index_maps=[t[m] for m, _ in index_groups], index_rows=[t[r] for _, r in index_groups],
-        out=t["out"] if pad_to is None else None)
-    return t["tokens"].view(1, -1), inputs
+    def send(self, n: int) -> torch.Tensor:
+        """Copy the first n values of the filled buffer to the device (asynchronously on CUDA)."""
+        i = self.turn
+        self.dev[:n].copy_(self.host[i][:n], non_blocking=self.cuda)
+        if self.cuda:
+            ev = self.events[i] or torch.cuda.Event()
+            ev.record()
+            self.events[i] = ev
+        self.turn ^= 1
+        return self.dev[:n]
 
 
-PREFILL_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
-PREFILL_ROWS = (1, 2, 4, 8, 16, 32, 64)
+class Readback:
+    """Device -> host copies of a step's samples into pinned buffers used in turn."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        pin = self.cuda
+        self.ints = [torch.zeros(n * (1 + TOP_LOGPROBS), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.floats = [torch.zeros(n * (1 + TOP_LOGPROBS), dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self.turn = 0
+
+    def copy(self, out: SampleOutput) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        i, self.turn = self.turn, self.turn ^ 1
+        n = out.tokens.numel()
+        ints, floats = self.ints[i], self.floats[i]
+        ints[:n].copy_(out.tokens, non_blocking=self.cuda)
+        if out.logprobs is not None:
+            floats[:n].copy_(out.logprobs, non_blocking=self.cuda)
+        if out.top_ids is not None:
+            k = out.top_ids.size(1)
+            ints[n:n + n * k].copy_(out.top_ids.flatten(), non_blocking=self.cuda)
+            floats[n:n + n * k].copy_(out.top_logprobs.flatten(), non_blocking=self.cuda)
+        ev = None
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+        return ints, floats, ev
 
 
-def build_prefill(rows: list[Row], layout: CacheLayout, device: torch.device, n_slots: int,
-                  length: int) -> tuple[torch.Tensor, StepInputs]:
-    """Inputs of fixed shape for whole prompts from position 0: `n_slots` slots of `length` tokens.
+@dataclass
+class InFlight:
+    """A launched step: its sampled tokens are on their way to the host."""
+    n: int                                         # rows sampled
+    ints: torch.Tensor | None = None
+    floats: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+    logprobs: bool = False
+    top: int = 0
+    launched: float = field(default_factory=time.perf_counter)
 
-    Slot b holds row b's tokens, then padding; the padding (and every empty slot) belongs to one extra
-    row with no pages, so its writes go to the trash page and it completes no group. The shapes (T =
-    n_slots * length, one indexer group [n_slots, length], the tokens that may complete a group) depend
-    only on (n_slots, length), so a step can be replayed from a CUDA graph captured for them."""
-    width = layout.table_width()
-    pad = n_slots                                        # the padding row
-    T = n_slots * length
-    tokens = np.zeros(T, np.int64)
-    positions = np.zeros(T, np.int64)
-    row_of = np.full(T, pad, np.int64)
-    seg = np.zeros(n_slots + 1, np.int64)
-    seg[:n_slots] = np.arange(n_slots) * length
-    start = np.zeros(n_slots + 1, np.int64)
-    lens = np.zeros(n_slots + 1, np.int64)
-    wtable = np.full((n_slots + 1, width), -1, np.int64)
-    ctable = np.full((n_slots + 1, width), -1, np.int64)
-    state = np.zeros(n_slots + 1, np.int64)
-    qmap = np.full((n_slots, length), -1, np.int64)
-    out = np.full(n_slots, T - 1, np.int64)
-    for b, r in enumerate(rows):
-        n = len(r.tokens)
-        if r.start != 0 or n > length:
-            raise ValueError("build_prefill takes whole prompts from position 0 that fit the slot")
-        lo = b * length
-        tokens[lo:lo + n] = r.tokens
-        positions[lo:lo + n] = np.arange(n)
-        row_of[lo:lo + n] = b
-        lens[b], state[b] = n, r.state
-        wtable[b, :len(r.wtable)] = r.wtable[:width]
-        ctable[b, :len(r.ctable)] = r.ctable[:width]
-        qmap[b, :n] = lo + np.arange(n)
-        out[b] = lo + n - 1
-    p = _Packer()
-    for name, arr in (("tokens", tokens), ("positions", positions), ("rows", row_of), ("seg_start", seg),
-                      ("start", start), ("length", lens), ("wtable", wtable), ("ctable", ctable),
-                      ("state", state), ("imap", qmap), ("irow", np.arange(n_slots)), ("out", out)):
-        p.add(name, arr)
-    offsets = np.arange(length)
-    for ratio in layout.ratios:                          # every slot position that could end a group
-        ends = offsets[(offsets + 1) % ratio == 0]
-        p.add(f"g{ratio}", (np.arange(n_slots)[:, None] * length + ends).reshape(-1))
-    t = p.to(device)
-    inputs = StepInputs(
-        tokens=t["tokens"], positions=t["positions"], rows=t["rows"], seg_start=t["seg_start"], start=t["start"],
-        length=t["length"], wtable=t["wtable"], ctable=t["ctable"], state=t["state"],
-        groups={r: t[f"g{r}"] for r in layout.ratios}, index_maps=[t["imap"]], index_rows=[t["irow"]],
-        out=t["out"])
-    return t["tokens"].view(1, -1), inputs
+    def read(self) -> tuple[list[int], list[float] | None, list[list[int]] | None, list[list[float]] | None]:
+        """(tokens, their log-probabilities, top ids, top log-probabilities): waits for the device."""
+        if self.n == 0:
+            return [], None, None, None
+        if self.event is not None:
+            self.event.synchronize()
+        n, k = self.n, self.top
+        toks = self.ints[:n].tolist()
+        lps = self.floats[:n].tolist() if self.logprobs else None
+        top_ids = self.ints[n:n + n * k].view(n, k).tolist() if k else None
+        top_lps = self.floats[n:n + n * k].view(n, k).tolist() if k else None
+        return toks, lps, top_ids, top_lps
 
 
-def prefill_shape(rows: list[Row]) -> tuple[int, int] | None:
-    """(slots, length) buckets for a step of whole prompts from position 0, or None."""
-    if not rows or any(r.start != 0 or not r.want_logits for r in rows):
-        return None
-    longest = max(len(r.tokens) for r in rows)
-    length = next((n for n in PREFILL_LENGTHS if n >= longest), None)
-    slots = next((n for n in PREFILL_ROWS if n >= len(rows)), None)
-    if length is None or slots is None:
-        return None
-    return slots, length
+class BucketGraph:
+    """One bucket's step captured in a CUDA graph: reads its fields from the staging buffer, writes logits
+    [n_out, V] into the runner's logits buffer."""
 
-
-class PrefillGraph:
-    """A captured step of whole prompts in `slots` slots of `length` tokens (`build_prefill`)."""
-
-    _NAMES = ("tokens", "positions", "rows", "seg_start", "start", "length", "wtable", "ctable", "state", "out")
-
-    def __init__(self, model: DeepSeekV4, cache: PagedKVCache, slots: int, length: int, pool=None):
-        self.model, self.cache, self.shape = model, cache, (slots, length)
-        tokens, inputs = build_prefill([], cache.layout, cache.device, slots, length)
-        self.tokens, self.inputs = tokens.clone(), _clone_inputs(inputs, keep_out=True)
-        side = torch.cuda.Stream(cache.device)
-        side.wait_stream(torch.cuda.current_stream(cache.device))
-        with torch.cuda.stream(side):                     # compile / autotune outside the graph
-            for _ in range(2):
-                model.append(self.tokens, self.inputs, cache)
-        torch.cuda.current_stream(cache.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = model.append(self.tokens, self.inputs, cache)
-
-    def run(self, rows: list[Row]) -> torch.Tensor:
-        tokens, inputs = build_prefill(rows, self.cache.layout, self.cache.device, *self.shape)
-        self.tokens.copy_(tokens)
-        for name in self._NAMES[1:]:
-            getattr(self.inputs, name).copy_(getattr(inputs, name))
-        self.inputs.index_maps[0].copy_(inputs.index_maps[0])
-        self.graph.replay()
-        return self.logits[:len(rows)]
-
-
-class DecodeGraph:
-    """A captured decode step for `batch` one-token rows; `run(rows)` copies the inputs and replays."""
-
-    def __init__(self, model: DeepSeekV4, cache: PagedKVCache, batch: int):
-        self.model, self.cache, self.batch = model, cache, batch
-        dev = cache.device
-        rows = [Row([0], 0, [], [], 0, True)]
-        tokens, inputs = build_inputs(rows, cache.layout, dev, pad_to=batch)
-        self.tokens, self.inputs = tokens.clone(), _clone_inputs(inputs)
+    def __init__(self, runner: Runner, bucket: Bucket, pool):
+        self.bucket = bucket
+        self.fields = bucket.fields()
+        r = runner
+        host = np.zeros(self.fields.size, np.int64)
+        fill_bucket(bucket, [], [], self.fields.views(host), r.tables.pad_row)     # an empty step: all padding
+        r.staging.dev[:self.fields.size].copy_(torch.from_numpy(host))
+        t = self.fields.views(r.staging.dev)
+        dev = r.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):                     # compile / autotune kernels outside the graph
+        with torch.cuda.stream(side):                     # compile / autotune outside the graph
             for _ in range(2):
-                model.append(self.tokens, self.inputs, cache)
+                r.forward(t)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = model.append(self.tokens, self.inputs, cache)
+        with torch.cuda.graph(self.graph, pool=pool):
+            logits = r.forward(t)
+            r.logits_buf[:bucket.n_out].copy_(logits)
         # the warm-up steps wrote only to the trash page (padding rows): nothing to restore
 
-    def run(self, rows: list[Row], feed=None) -> torch.Tensor:
-        tokens, inputs = build_inputs(rows, self.cache.layout, self.cache.device, pad_to=self.batch)
-        self.tokens.copy_(tokens)
-        _feed(self.tokens, rows, feed)
-        for name in ("positions", "rows", "seg_start", "start", "length", "wtable", "ctable", "state"):
-            getattr(self.inputs, name).copy_(getattr(inputs, name))
+    def replay(self) -> None:
         self.graph.replay()
-        return self.logits[:len(rows)]
-
-
-def _feed(tokens: torch.Tensor, rows: list[Row], feed) -> None:
-    """Write device-resident input tokens (an earlier step's samples) into the flat token buffer."""
-    if not feed:
-        return
-    sampled, src = feed
-    starts = np.concatenate([[0], np.cumsum([len(r.tokens) for r in rows])[:-1]])
-    dst = torch.tensor([int(starts[r]) for r, _ in src], dtype=torch.long).to(tokens.device)
-    idx = torch.tensor([j for _, j in src], dtype=torch.long).to(sampled.device)
-    tokens.view(-1).index_copy_(0, dst, sampled[idx].to(tokens.dtype))
-
-
-def _clone_inputs(inp: StepInputs, keep_out: bool = False) -> StepInputs:
-    return StepInputs(tokens=inp.tokens.clone(), positions=inp.positions.clone(), rows=inp.rows.clone(),
-                      seg_start=inp.seg_start.clone(), start=inp.start.clone(), length=inp.length.clone(),
-                      wtable=inp.wtable.clone(), ctable=inp.ctable.clone(), state=inp.state.clone(),
-                      groups={r: (g.clone() if g is not None else None) for r, g in inp.groups.items()},
-                      index_maps=[m.clone() for m in inp.index_maps],
-                      index_rows=[r.clone() for r in inp.index_rows],
-                      out=inp.out.clone() if keep_out and inp.out is not None else None)
 
 
 class Runner:
-    """Runs steps of the model on one paged cache."""
+    """Runs steps of the model on one paged cache (see the module docstring)."""
 
-    def __init__(self, model: DeepSeekV4, cache: PagedKVCache, cuda_graphs: bool = False,
-                 max_graph_batch: int = 64, pad_prefill: bool = False):
-        self.model, self.cache = model, cache
-        self.cuda_graphs = cuda_graphs and cache.device.type == "cuda"
-        self.pad_prefill = pad_prefill                  # fixed-shape prompt steps also without graphs (tests)
-        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None   # shared by prefill graphs
-        self.buckets = [b for b in GRAPH_BUCKETS if b <= max_graph_batch]
-        self.graphs: dict[int, DecodeGraph] = {}
-        self.prefill_graphs: dict[tuple[int, int], PrefillGraph] = {}
-        self.max_prefill_graph_tokens = 4096
+    def __init__(self, model: DeepSeekV4, cache: PagedKVCache, tables: BlockTables, *, cuda_graphs: bool = False,
+                 max_decode: int = 64, max_slots: int = 0, slot_len: int = 64, pad: bool = False):
+        self.model, self.cache, self.tables = model, cache, tables
+        self.device = cache.device
+        self.ratios = cache.layout.ratios
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.pad = pad or self.cuda_graphs              # bucketed steps (eagerly where there are no graphs)
+        self.slot_len = slot_len
+        self.decode_sizes = bucket_sizes(max_decode, DECODE_BUCKETS)
+        self.slot_sizes = bucket_sizes(max_slots, SLOT_BUCKETS) if max_slots else [0]
+        self.buckets = [Bucket(d, c, slot_len, self.ratios) for d in self.decode_sizes for c in self.slot_sizes
+                        if d or c]
+        vocab = model.cfg.vocab_size
+        n_out = max_decode + max(self.slot_sizes)
+        width = tables.w.shape[1]
+        self.max_rows = max(n_out, max_decode * 17, 1)                     # sampled rows (verify rows: k + 1 each)
+        biggest = max((b.fields().size for b in self.buckets), default=0)
+        extras = (tables.w.shape[0]) * (1 + 2 * width) + self.max_rows * 5 + \
+            self.max_rows * (SamplingTensors.N_FLOAT + SamplingTensors.N_INT)
+        self.staging = Staging(biggest + extras + 1024, self.device)
+        self.readback = Readback(self.max_rows, self.device)
+        self.tables_w = torch.from_numpy(tables.w).to(self.device)
+        self.tables_c = torch.from_numpy(tables.c).to(self.device)
+        tables.dirty.clear()
+        self.sampled = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
+        self.logits_buf = torch.zeros(n_out, vocab, dtype=torch.float32, device=self.device) \
+            if self.cuda_graphs else None
+        self.sampler = Sampler()
+        self.graphs: dict[Bucket, BucketGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.graph_steps = 0
         self.eager_steps = 0
-        self.prefill_steps = 0          # whole-prompt steps at a fixed shape (graphed on CUDA)
+        self.padded_steps = 0
+        self.late_captures = 0                          # graphs captured on first use, not at start-up
+        self.warmup_seconds = 0.0
 
-    def _prefill(self, rows: list[Row], shape: tuple[int, int]) -> torch.Tensor:
-        self.prefill_steps += 1
-        if not self.cuda_graphs:                        # the same fixed-shape step, eagerly (tested on a CPU)
-            tokens, inputs = build_prefill(rows, self.cache.layout, self.cache.device, *shape)
-            self.eager_steps += 1
-            return self.model.append(tokens, inputs, self.cache)
-        graph = self.prefill_graphs.get(shape)
-        if graph is None:
-            graph = self.prefill_graphs[shape] = PrefillGraph(self.model, self.cache, *shape, pool=self._pool)
-        self.graph_steps += 1
-        return graph.run(rows)
+    # ------------------------------------------------------------------ graphs
+    def capture_graphs(self, progress=None) -> int:
+        """Capture every bucket's graph now (a server does it before it says it is ready, so that no
+        request waits for a capture or a kernel compilation). Returns the number of graphs."""
+        if not self.cuda_graphs:
+            return 0
+        t0 = time.perf_counter()
+        for i, b in enumerate(sorted(self.buckets, key=lambda b: -b.tokens)):     # largest first: pool sizes
+            if b not in self.graphs:
+                self.graphs[b] = BucketGraph(self, b, self._pool)
+            if progress is not None:
+                progress(i + 1, len(self.buckets))
+        torch.cuda.synchronize(self.device)
+        self.warmup_seconds += time.perf_counter() - t0
+        return len(self.graphs)
 
-    def capture_graphs(self) -> int:
-        """Capture the decode graph of every bucket now (a server does it before it says it is ready, so
-        that no request waits for a capture). Returns the number of graphs."""
-        if self.cuda_graphs:
-            for bucket in self.buckets:
-                if bucket not in self.graphs:
-                    self.graphs[bucket] = DecodeGraph(self.model, self.cache, bucket)
-            for length in PREFILL_LENGTHS:                 # the common prompt shapes (others: on first use)
-                for slots in PREFILL_ROWS:
-                    if length <= 512 and slots * length <= self.max_prefill_graph_tokens and \
-                            (slots, length) not in self.prefill_graphs:
-                        self.prefill_graphs[(slots, length)] = PrefillGraph(self.model, self.cache, slots, length,
-                                                                            pool=self._pool)
-        return len(self.graphs) + len(self.prefill_graphs)
+    def bucket_for(self, n_decode: int, n_slots: int) -> Bucket | None:
+        d = next((s for s in self.decode_sizes if s >= n_decode), None)
+        c = next((s for s in self.slot_sizes if s >= n_slots), None)
+        if d is None or c is None or not (d or c):
+            return None
+        return Bucket(d, c, self.slot_len, self.ratios)
 
-    def run_hidden(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """An eager step that also returns the hidden states [T, hc, dim] (the MTP draft's input):
-        (logits [n, vocab] of the rows that want them, hidden)."""
-        tokens, inputs = build_inputs(rows, self.cache.layout, self.cache.device)
-        self.eager_steps += 1
-        return self.model.append(tokens, inputs, self.cache, return_hidden=True)
-
-    def run(self, rows: list[Row], feed=None) -> torch.Tensor:
-        """Logits [n, vocab] of the rows that want them, in row order.
-
-        feed = (tokens on the device, [(row, index)]): those rows' (single) input token is tokens[index],
-        the token an earlier step sampled and the host has not read yet.
-
-        On CUDA: decode rows replay a decode graph; a step whose other rows are all whole prompts (from
-        position 0, within the largest slot) replays a prefill graph for those (two replays, no eager
-        step); anything else runs eagerly."""
-        if self.cuda_graphs or self.pad_prefill:
-            k = next((i for i, r in enumerate(rows) if len(r.tokens) > 1), len(rows))
-            shape = prefill_shape(rows[k:])
-            if k < len(rows) and shape is not None and shape[0] * shape[1] <= self.max_prefill_graph_tokens and \
-                    all(len(r.tokens) == 1 and r.want_logits for r in rows[:k]):
-                parts = [self.run(rows[:k], feed)] if k else []
-                parts.append(self._prefill(rows[k:], shape))
-                return torch.cat(parts) if len(parts) > 1 else parts[0]
-        decode = all(len(r.tokens) == 1 and r.want_logits for r in rows)
-        if self.cuda_graphs and decode and len(rows) <= self.buckets[-1]:
-            bucket = next(b for b in self.buckets if b >= len(rows))
-            graph = self.graphs.get(bucket)
-            if graph is None:
-                graph = self.graphs[bucket] = DecodeGraph(self.model, self.cache, bucket)
-            self.graph_steps += 1
-            return graph.run(rows, feed)
-        tokens, inputs = build_inputs(rows, self.cache.layout, self.cache.device)
-        _feed(tokens, rows, feed)
-        self.eager_steps += 1
+    # ------------------------------------------------------------------ one step
+    def forward(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model on device field views (eager, or recorded into a graph)."""
+        tokens, inputs = step_inputs(t, self.ratios, self.tables_w, self.tables_c, self.sampled)
         return self.model.append(tokens, inputs, self.cache)
+
+    def _sync_tables(self, host: np.ndarray, at: int) -> int:
+        """Pack the page-table rows changed since the last step after `at`; -> the new end."""
+        rows = self.tables.take_dirty()
+        n = len(rows)
+        if not n:
+            self._table_update = None
+            return at
+        width = self.tables.w.shape[1]
+        host[at:at + n] = rows
+        host[at + n:at + n + n * width] = self.tables.w[rows].reshape(-1)
+        host[at + n + n * width:at + n + 2 * n * width] = self.tables.c[rows].reshape(-1)
+        self._table_update = (at, n, width)
+        return at + n + 2 * n * width
+
+    def _apply_tables(self, dev: torch.Tensor) -> None:
+        if self._table_update is None:
+            return
+        at, n, width = self._table_update
+        rows = dev[at:at + n]
+        self.tables_w.index_copy_(0, rows, dev[at + n:at + n + n * width].view(n, width))
+        self.tables_c.index_copy_(0, rows, dev[at + n + n * width:at + n + 2 * n * width].view(n, width))
+
+    def sync_tables(self) -> None:
+        """Bring the device's page tables up to date now (steps that do not go through `launch`)."""
+        host = self.staging.begin()
+        end = self._sync_tables(host, 0)
+        if end:
+            self._apply_tables(self.staging.send(end))
+
+    def launch(self, decode: list[Row], chunks: list[Row], samples: list[tuple[int, SampleRow]]) -> InFlight:
+        """Run one step: decode rows (one token each) then prompt chunks; sample the rows listed in
+        `samples` as (index of the row in decode + chunks, settings). -> the step in flight."""
+        n_slots = sum(-(-len(r.tokens) // self.slot_len) for r in chunks)
+        bucket = self.bucket_for(len(decode), n_slots) if self.pad else None
+        if bucket is not None and self.cuda_graphs and bucket not in self.graphs:
+            self.graphs[bucket] = BucketGraph(self, bucket, self._pool)      # (a server captured them all)
+            self.late_captures += 1
+        host = self.staging.begin()
+        if bucket is not None:
+            fields = bucket.fields()
+            logits_rows = fill_bucket(bucket, decode, chunks, fields.views(host), self.tables.pad_row)
+        else:
+            rows = decode + chunks
+            fields, arr, logits_rows = ragged_fields(rows, self.ratios, self.tables.pad_row)
+            host[:fields.size] = arr
+        at = self._sync_tables(host, fields.size)
+        n = len(samples)
+        pick = at
+        host[pick:pick + n] = [logits_rows[i] for i, _ in samples]
+        at += n
+        sf, si = at, at + n * SamplingTensors.N_FLOAT
+        at = si + n * SamplingTensors.N_INT
+        params = [s.params for _, s in samples]
+        if n:
+            SamplingTensors.pack(params, [s.seed for _, s in samples], [s.counter for _, s in samples],
+                                 self.model.cfg.vocab_size, host[sf:si].view(np.float64).reshape(n, -1),
+                                 host[si:at].reshape(n, -1))
+        dev = self.staging.send(at)
+        self._apply_tables(dev)
+        if bucket is not None and bucket in self.graphs:
+            self.graphs[bucket].replay()
+            logits = self.logits_buf
+            self.graph_steps += 1
+        else:
+            logits = self.forward(fields.views(dev))
+            self.eager_steps += 1
+            self.padded_steps += bucket is not None
+        if not n:
+            return InFlight(0)
+        st = SamplingTensors.unpack(dev[sf:si].view(torch.float64).view(n, -1), dev[si:at].view(n, -1), params)
+        penalties = None
+        if any(p.penalized for p in params):
+            penalties = (params, *self._penalty_inputs([s for _, s in samples]))
+        out = self.sampler.sample(logits[dev[pick:pick + n]], st, penalties)
+        self.sampled[:n].copy_(out.tokens)
+        ints, floats, ev = self.readback.copy(out)
+        return InFlight(n, ints, floats, ev, out.logprobs is not None,
+                        out.top_ids.size(1) if out.top_ids is not None else 0)
+
+    def _penalty_inputs(self, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output-token counts and prompt-token masks [B, V] (penalized rows only; others stay zero)."""
+        V, dev = self.model.cfg.vocab_size, self.device
+        counts = np.zeros((len(rows), V), np.int64)
+        mask = np.zeros((len(rows), V), np.bool_)
+        for i, r in enumerate(rows):
+            if r.penalty is None:
+                continue
+            out, prompt = r.penalty
+            np.add.at(counts[i], np.asarray(out, np.int64), 1)
+            mask[i, np.asarray(prompt, np.int64)] = True
+        return torch.from_numpy(counts).to(dev), torch.from_numpy(mask).to(dev)
+
+    # ------------------------------------------------------------------ eager helpers (speculative decoding)
+    def inputs(self, rows: list[Row]) -> tuple[torch.Tensor, StepInputs, list[int]]:
+        """(tokens [1, T], StepInputs, logits row of each row (-1: none)) for ragged rows, eagerly."""
+        self.sync_tables()
+        fields, arr, logits_rows = ragged_fields(rows, self.ratios, self.tables.pad_row)
+        t = Fields.views(fields, torch.from_numpy(arr).to(self.device))
+        tokens, inputs = step_inputs(t, self.ratios, self.tables_w, self.tables_c, None)
+        return tokens, inputs, logits_rows
+
+    def run_hidden(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """An eager step that also returns the hidden states [T, hc, dim] (the MTP draft's input):
+        (logits [n, vocab] of the rows that want them, hidden, logits row of each such row)."""
+        tokens, inputs, logits_rows = self.inputs(rows)
+        self.eager_steps += 1
+        logits, hidden = self.model.append(tokens, inputs, self.cache, return_hidden=True)
+        return logits, hidden, logits_rows

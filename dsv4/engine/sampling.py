@@ -14,6 +14,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -119,6 +120,54 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None = None  # [B, k]
 
 
+@dataclass
+class SamplingTensors:
+    """Every row's settings as device tensors ([B, 1] columns, [B] seeds and counters) plus what the host
+    knows about the batch as a whole, which decides the kernels that run (so a step's sampling never reads
+    the device)."""
+    temperature: torch.Tensor                 # [B, 1] float64 (1 for greedy rows)
+    greedy: torch.Tensor                      # [B, 1] bool
+    top_p: torch.Tensor                       # [B, 1] float64
+    min_p: torch.Tensor                       # [B, 1] float64
+    top_k: torch.Tensor                       # [B, 1] int64 (V: off)
+    seeds: torch.Tensor                       # [B] int64
+    counters: torch.Tensor                    # [B] int64: tokens the row's sequence generated so far
+    filtered: bool                            # some row uses top-k, top-p or min-p
+    logprobs: int | None                      # None: no row wants log-probabilities; else the most alternatives
+
+    N_FLOAT, N_INT = 4, 4                     # per-row columns of `pack`
+
+    @staticmethod
+    def pack(params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int], vocab: int,
+             floats: np.ndarray, ints: np.ndarray) -> None:
+        """Write rows' settings into host arrays floats [B, 4] float64 and ints [B, 4] int64 (any memory:
+        the runner packs them into the one buffer it copies to the device)."""
+        floats[:, 0] = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+        floats[:, 1] = [p.top_p for p in params]
+        floats[:, 2] = [p.min_p for p in params]
+        floats[:, 3] = 0.0
+        ints[:, 0] = [p.top_k or vocab for p in params]
+        ints[:, 1] = [p.greedy for p in params]
+        ints[:, 2] = seeds
+        ints[:, 3] = counters
+
+    @classmethod
+    def unpack(cls, floats: torch.Tensor, ints: torch.Tensor, params: Sequence[SamplingParams]) -> SamplingTensors:
+        """From device views of `pack`'s arrays; params decide the host-side flags."""
+        return cls(temperature=floats[:, 0:1], greedy=ints[:, 1:2] > 0, top_p=floats[:, 1:2], min_p=floats[:, 2:3],
+                   top_k=ints[:, 0:1], seeds=ints[:, 2], counters=ints[:, 3],
+                   filtered=any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
+                   logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None))
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int], vocab: int,
+              device: torch.device) -> SamplingTensors:
+        B = len(params)
+        floats, ints = np.zeros((B, cls.N_FLOAT)), np.zeros((B, cls.N_INT), np.int64)
+        cls.pack(params, seeds, counters, vocab, floats, ints)
+        return cls.unpack(torch.from_numpy(floats).to(device), torch.from_numpy(ints).to(device), params)
+
+
 class Sampler:
     """Samples a batch of rows, each with its own SamplingParams, in one fixed sequence of kernels."""
 
@@ -127,34 +176,33 @@ class Sampler:
                  prompt_mask: torch.Tensor | None = None) -> SampleOutput:
         """logits [B, V]; seeds / counters (tokens generated so far) per row; output_counts [B, V] and
         prompt_mask [B, V] (bool) when some row is penalized."""
-        B, V = logits.shape
-        dev = logits.device
-        x = logits.double()
-        raw = x
-        want_lp = any(p.logprobs is not None for p in params)
+        st = SamplingTensors.build(params, seeds, counters, logits.size(-1), logits.device)
+        penalties = None
         if any(p.penalized for p in params):
             if output_counts is None or prompt_mask is None:
                 raise ValueError("penalized sampling needs output_counts and prompt_mask")
-            x = self._penalize(x, params, output_counts, prompt_mask)
-        filtered = any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params)
-        # every per-row setting in two host arrays, two transfers
-        floats = torch.tensor([[p.temperature if p.temperature > 0 else 1.0, float(p.greedy), p.top_p, p.min_p]
-                               for p in params], dtype=torch.float64).to(dev)
-        ints = torch.tensor([[s for s in seeds], [c for c in counters], [p.top_k or V for p in params]],
-                            dtype=torch.int64).to(dev)
-        temp, greedy = floats[:, 0:1], floats[:, 1:2] > 0
-        scaled = x / temp
-        if filtered:
-            scaled = self._filter(scaled, ints[2:3].T, floats[:, 2:3], floats[:, 3:4])
-        noise = -torch.log(-torch.log(uniform(ints[0], ints[1], V)))
-        choice = torch.where(greedy, x, scaled + noise).argmax(-1)                      # [B]
+            penalties = (params, output_counts, prompt_mask)
+        return self.sample(logits, st, penalties)
+
+    def sample(self, logits: torch.Tensor, st: SamplingTensors, penalties=None) -> SampleOutput:
+        """logits [B, V] -> one token per row with the settings of `st` (no host synchronization).
+        penalties: None, or (params, output_counts [B, V], prompt_mask [B, V])."""
+        V = logits.size(-1)
+        x = logits.double()
+        raw = x
+        if penalties is not None:
+            x = self._penalize(x, *penalties)
+        scaled = x / st.temperature
+        if st.filtered:
+            scaled = self._filter(scaled, st.top_k, st.top_p, st.min_p)
+        noise = -torch.log(-torch.log(uniform(st.seeds, st.counters, V)))
+        choice = torch.where(st.greedy, x, scaled + noise).argmax(-1)                     # [B]
         out = SampleOutput(tokens=choice)
-        if want_lp:
+        if st.logprobs is not None:
             lp = torch.log_softmax(raw, -1)
             out.logprobs = lp.gather(1, choice.unsqueeze(1)).squeeze(1).float()
-            k = max(p.logprobs or 0 for p in params)
-            if k:
-                top = lp.topk(min(k, V), dim=-1)
+            if st.logprobs:
+                top = lp.topk(min(st.logprobs, V), dim=-1)
                 out.top_ids, out.top_logprobs = top.indices, top.values.float()
         return out
 

@@ -30,7 +30,8 @@ import torch
 
 from ..model import DeepSeekV4
 from ..model.paged import SPEC_ROWS, PagedKVCache
-from .runner import Row, build_inputs
+from .batch import Row
+from .runner import Runner
 from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, Sampler, SamplingParams, draw, uniform
 
 MAX_SPECULATIVE = SPEC_ROWS - 1       # a verify of k + 1 tokens must fit the rows a sequence can roll back
@@ -75,8 +76,7 @@ class DraftRow:
     hidden: torch.Tensor          # [m] flat indices into the verify step's hidden states
     next: list[int]
     start: int
-    wtable: list[int]
-    state: int
+    state: int                    # ring slot (and page-table row)
     k: int
     params: SamplingParams
     seed: int
@@ -86,19 +86,18 @@ class DraftRow:
 class Drafter:
     """Runs the MTP block over a step's rows: catch-up, then chained drafts."""
 
-    def __init__(self, model: DeepSeekV4, cache: PagedKVCache, sampler: Sampler):
+    def __init__(self, model: DeepSeekV4, runner: Runner, sampler: Sampler):
         if model.cfg.n_mtp_layers < 1:
             raise ValueError("speculative decoding drafts with the model's MTP block, and this model has none "
                              "(n_mtp_layers = 0)")
-        self.model, self.cache, self.sampler = model, cache, sampler
-        self.layout = cache.layout
+        self.model, self.runner, self.sampler = model, runner, sampler
+        self.cache = runner.cache
 
     def __call__(self, hidden: torch.Tensor, rows: list[DraftRow]) -> list[tuple[list[int], torch.Tensor]]:
         """hidden [T, hc, dim] (the verify step's). -> per row: (drafts, their q [k, V] float64)."""
         dev = hidden.device
-        layout = self.layout
-        mtp_rows = [Row(r.next, r.start, r.wtable, [], r.state, want_logits=r.k > 0) for r in rows]
-        tokens, inputs = build_inputs(mtp_rows, layout, dev)
+        mtp_rows = [Row(r.next, r.start, r.state, want_logits=r.k > 0) for r in rows]
+        tokens, inputs, _ = self.runner.inputs(mtp_rows)
         logits, h = self.model.draft(hidden[torch.cat([r.hidden for r in rows])], tokens, inputs, self.cache)
         live = [r for r in rows if r.k > 0]
         out: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {id(r): ([], []) for r in live}
@@ -108,7 +107,8 @@ class Drafter:
         params = [r.params for r in live]
         last = inputs.out                                                   # [n] flat index of each live row's end
         pos = [r.start + len(r.next) for r in live]                         # position of the next link
-        for j in range(max(r.k for r in live)):
+        k_max = max(r.k for r in live)
+        for j in range(k_max):
             counters = torch.tensor([r.counter + j for r in live], dtype=torch.long, device=dev)
             q = self.sampler.probabilities(logits, params)                                  # [n, V]
             d = draw(q, seeds, counters, STREAM_DRAFT)                                       # [n]
@@ -116,10 +116,10 @@ class Drafter:
                 if j < r.k:
                     out[id(r)][0].append(d[i])
                     out[id(r)][1].append(q[i])
-            if j + 1 == max(r.k for r in live):
+            if j + 1 == k_max:
                 break
-            links = [Row([0], pos[i] + j, r.wtable, [], r.state, want_logits=True) for i, r in enumerate(live)]
-            _, inputs = build_inputs(links, layout, dev)
+            links = [Row([0], pos[i] + j, r.state, want_logits=True) for i, r in enumerate(live)]
+            _, inputs, _ = self.runner.inputs(links)
             logits, h = self.model.draft(h[last], d.view(1, -1), inputs, self.cache)
             last = inputs.out
         result = []
@@ -172,50 +172,43 @@ def greedy_spec_step(model: DeepSeekV4, cache: PagedKVCache, tokens: torch.Tenso
 
 
 class GreedySpecGraph:
-    """`greedy_spec_step` for B rows of k drafts, captured in a CUDA graph; `run` copies the inputs in,
-    replays, and returns (accepted, next token, next drafts) on the device."""
+    """`greedy_spec_step` for B rows of k drafts, captured in a CUDA graph with the page-table gather;
+    `run` copies the inputs in, replays, and returns (accepted, next token, next drafts) on the device."""
 
-    def __init__(self, model: DeepSeekV4, cache: PagedKVCache, batch: int, k: int, pool=None):
-        dev, width = cache.device, cache.layout.table_width()
-        self.cache, self.shape = cache, (batch, k)
-        self.tokens = torch.zeros(batch, k + 1, dtype=torch.long, device=dev)
-        self.start = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.wtable = torch.full((batch, width), -1, dtype=torch.long, device=dev)   # -1: writes go to trash
-        self.ctable = torch.full((batch, width), -1, dtype=torch.long, device=dev)
-        self.state = torch.zeros(batch, dtype=torch.long, device=dev)
-        args = (model, cache, self.tokens, self.start, self.wtable, self.ctable, self.state)
+    def __init__(self, model: DeepSeekV4, runner: Runner, batch: int, k: int, pool=None):
+        cache, dev = runner.cache, runner.device
+        self.runner, self.shape = runner, (batch, k)
+        self.host = torch.zeros(batch, k + 3, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.dev = torch.zeros(batch, k + 3, dtype=torch.long, device=dev)
+        self.dev[:, k + 2] = runner.tables.pad_row                         # padding rows: no pages
+
+        def step():
+            tokens, start, trow = self.dev[:, :k + 1], self.dev[:, k + 1], self.dev[:, k + 2]
+            state = torch.where(trow == runner.tables.pad_row, 0, trow)
+            return greedy_spec_step(model, cache, tokens, start, runner.tables_w[trow], runner.tables_c[trow], state)
+
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):                     # compile / autotune outside the graph
             for _ in range(2):
-                greedy_spec_step(*args)
+                step()
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.out = greedy_spec_step(*args)
+            self.out = step()
 
-    def run(self, tokens: list[list[int]], start: list[int], wtable: list[list[int]], ctable: list[list[int]],
-            state: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(self, tokens: list[list[int]], start: list[int], state: list[int]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = len(tokens)
         B, k = self.shape
-        width = self.wtable.size(1)
-        host = torch.full((B, 3 + k + 2 * width), -1, dtype=torch.long)
-        host[:, :k + 1] = 0
-        host[:, k + 1] = 0
-        host[:, k + 2] = 0
-        for b in range(n):
-            host[b, :k + 1] = torch.tensor(tokens[b])
-            host[b, k + 1] = start[b]
-            host[b, k + 2] = state[b]
-            w, c = wtable[b][:width], ctable[b][:width]
-            host[b, k + 3:k + 3 + len(w)] = torch.tensor(w, dtype=torch.long)
-            host[b, k + 3 + width:k + 3 + width + len(c)] = torch.tensor(c, dtype=torch.long)
-        dev = host.to(self.tokens.device)                                                   # one transfer
-        self.tokens.copy_(dev[:, :k + 1])
-        self.start.copy_(dev[:, k + 1])
-        self.state.copy_(dev[:, k + 2])
-        self.wtable.copy_(dev[:, k + 3:k + 3 + width])
-        self.ctable.copy_(dev[:, k + 3 + width:])
+        h = self.host.numpy()
+        h[:] = 0
+        h[:, k + 2] = self.runner.tables.pad_row
+        h[:n, :k + 1] = tokens
+        h[:n, k + 1] = start
+        h[:n, k + 2] = state
+        self.runner.sync_tables()
+        self.dev.copy_(self.host, non_blocking=True)
         self.graph.replay()
         accepted, bonus, drafts = self.out
         return accepted[:n], bonus[:n], drafts[:n]

@@ -21,9 +21,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.async_engine import AsyncEngine, EngineDeadError
-from ..engine.engine import RequestError, StepOutput
+from ..engine.client import EngineClient, EngineDeadError
 from ..engine.sampling import SamplingParams
+from ..engine.sequence import RequestError, StepOutput
 from . import chat_format
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, refuse_unsupported, thinking_requested
@@ -31,7 +31,7 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest, refuse
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient
     tokenizer: object                         # encode(text, bos=...) / decode(ids, skip_special_tokens=...)
     model_name: str
     max_model_len: int

@@ -74,10 +74,11 @@ def build_engine(options: dict):
     """(engine, info) from `dsv4 serve`'s options: what the engine process runs first."""
     args = argparse.Namespace(**options)
     model, tokenizer, name, desc = _load(args)
-    engine = _engine(args, model, tokenizer)
-    engine.warmup()
+    engine = _engine(args, model, tokenizer, detokenize=False)       # text is made in the server's process
+    graphs = engine.warmup()
     info = {"desc": desc, "device": str(engine.device), "max_model_len": engine.max_model_len,
-            "max_seqs": engine.config.max_seqs, "cache_mib": engine.cache.nbytes() / 2**20}
+            "max_seqs": engine.config.max_seqs, "cache_mib": engine.cache.nbytes() / 2**20,
+            "graphs": graphs, "warmup_s": engine.runner.warmup_seconds}
     return engine, info
 
 
@@ -99,7 +100,7 @@ def _load(args):
     return model, tokenizer, _model_name(args), desc
 
 
-def _engine(args, model, tokenizer):
+def _engine(args, model, tokenizer, detokenize: bool = True):
     from ..engine import Engine, EngineConfig
 
     for flag in ("max_num_seqs", "max_batch_tokens"):
@@ -113,7 +114,7 @@ def _engine(args, model, tokenizer):
                           deterministic=args.deterministic, cuda_graphs=not args.no_cuda_graph,
                           speculative=getattr(args, "speculative", 0) or 0)
     try:
-        return Engine(model, config, tokenizer=tokenizer)
+        return Engine(model, config, tokenizer=tokenizer, detokenize=detokenize)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -147,18 +148,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = _model_name(args)
     metrics = ServerMetrics(name)
     options = {k: v for k, v in vars(args).items() if k != "func"}
-    engine = EngineProcess(build_engine, (options,), on_step=metrics.on_step)
+    engine = EngineProcess(build_engine, (options,), tokenizer=tokenizer, on_step=metrics.on_step)
     try:
         info = engine.start()
     except RuntimeError as e:
         raise UserError(str(e)) from None
+    metrics.on_ready(info)
     state = ServerState(engine=engine, tokenizer=tokenizer, model_name=name, max_model_len=info["max_model_len"],
                         api_key=args.api_key, metrics=metrics, max_body_bytes=args.max_body_bytes)
     app = create_app(state)
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"dsv4 serve: {info['desc']} as '{name}' on {info['device']}, {info['max_model_len']}-token context, "
-          f"{info['max_seqs']} sequences, cache {info['cache_mib']:.1f} MiB", flush=True)
+          f"{info['max_seqs']} sequences, cache {info['cache_mib']:.1f} MiB"
+          + (f", {info['graphs']} CUDA graphs captured in {info['warmup_s']:.1f} s" if info.get("graphs") else ""),
+          flush=True)
     print(f"ready: http://{host}:{port}/v1", flush=True)
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",

@@ -44,10 +44,25 @@ class ServerMetrics:
                                labels, registry=r)
         self.spec_per_step = Gauge("dsv4_spec_tokens_per_verify", "mean tokens a verify step yields (accepted "
                                    "drafts + 1) since start", labels, registry=r)
+        self.graph_steps = Counter("dsv4_engine_graph_steps", "steps replayed from a CUDA graph", labels, registry=r)
+        self.eager_steps = Counter("dsv4_engine_eager_steps", "steps run eagerly (no graph fits them, or no CUDA)",
+                                   labels, registry=r)
+        self.compiles = Gauge("dsv4_kernel_compilations_after_ready", "Triton kernel compilations since the server "
+                              "said it was ready (0: every step shape was warmed at start-up)", labels, registry=r)
+        self.warmup = Gauge("dsv4_warmup_seconds", "start-up time spent capturing CUDA graphs and compiling kernels",
+                            labels, registry=r)
+        self.graphs = Gauge("dsv4_cuda_graphs", "CUDA graphs captured (one per step bucket)", labels, registry=r)
         self._phases: dict[str, float] = {}
         self._spec = {"verify_steps": 0, "drafted": 0, "accepted": 0}
         self.model = model_name
-        self._seen = {"prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0, "prefix_hit_tokens": 0}
+        self._seen = {"prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0, "prefix_hit_tokens": 0,
+                      "graph_steps": 0, "eager_steps": 0}
+
+    def on_ready(self, info: dict) -> None:
+        """The engine's start-up report (`build_engine`'s info)."""
+        self.warmup.labels(self.model).set(info.get("warmup_s", 0.0))
+        self.graphs.labels(self.model).set(info.get("graphs", 0))
+        self.compiles.labels(self.model).set(0)
 
     def on_step(self, m: dict, outputs, seconds: float) -> None:
         """Called after each engine step with the engine's metrics (`Engine.metrics()`) and its outputs."""
@@ -59,11 +74,14 @@ class ServerMetrics:
             self.step.labels(lab).observe(seconds)
             self.tokens_per_s.labels(lab).set(sum(len(o.new_tokens) for o in outputs) / seconds)
         for key, counter in (("prompt_tokens", self.prompt_tokens), ("generated_tokens", self.generation_tokens),
-                             ("preemptions", self.preemptions), ("prefix_hit_tokens", self.prefix_hits)):
+                             ("preemptions", self.preemptions), ("prefix_hit_tokens", self.prefix_hits),
+                             ("graph_steps", self.graph_steps), ("eager_steps", self.eager_steps)):
             delta = m[key] - self._seen[key]
             if delta > 0:
                 counter.labels(lab).inc(delta)
             self._seen[key] = m[key]
+        if m.get("kernel_compiles_after_ready") is not None:
+            self.compiles.labels(lab).set(m["kernel_compiles_after_ready"])
         for phase, total in m.get("step_seconds", {}).items():
             delta = total - self._phases.get(phase, 0.0)
             if delta > 0:

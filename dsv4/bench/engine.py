@@ -1,0 +1,242 @@
+"""`dsv4 bench engine`: the serving engine's own throughput, in this process, without HTTP.
+
+N clients each keep one request in flight (a closed loop, as `dsv4 bench serve` drives a server): prompts
+of random token ids, lengths drawn from a fixed distribution with a fixed seed, `ignore_eos`. Reported per
+client count, as the median (min, max) of --repeats runs after an untimed warm-up run:
+- output tokens/s, and as a fraction of the raw batched decode rate at the same batch measured here
+  (`model.decode_step` in lockstep, from a CUDA graph on CUDA);
+- engine steps/s, and the host's time per step by phase (schedule, launch, wait for the device,
+  post-processing): the host is off the critical path when "wait" dominates;
+- graph-replayed and eager steps, and Triton compilations after the warm-up (0 when every step shape was
+  warmed);
+- with --profile DIR, a torch profiler trace of 20 steps (Chrome format) and the fraction of that window
+  in which the GPU ran a kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .. import argtypes
+from ..errors import UserError
+
+
+def _work(vocab: int, n: int, prompt_len: int, output_len: int, spread: float,
+          seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+
+    def draw(mean: int) -> int:
+        return max(1, round(mean * (1 + spread * (2 * rng.random() - 1))))
+
+    return [([rng.randrange(2, vocab) for _ in range(draw(prompt_len))], draw(output_len)) for _ in range(n)]
+
+
+def drive(engine, work: list[tuple[list[int], int]], clients: int, tag: str = "r") -> dict:
+    """Run `work` through the engine with `clients` requests in flight. -> timings."""
+    from ..engine import SamplingParams
+
+    queue = list(enumerate(work))
+    active, tokens, steps = 0, 0, 0
+    added: dict[str, float] = {}
+    ttft: list[float] = []
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    t0 = time.perf_counter()
+    while queue or engine.has_work():
+        while queue and active < clients:
+            i, (prompt, n) = queue.pop(0)
+            rid = f"{tag}{i}"
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=1.0, seed=i, ignore_eos=True))
+            added[rid] = time.perf_counter()
+            active += 1
+        for out in engine.step():
+            if out.new_tokens and out.completion_tokens == len(out.new_tokens):
+                ttft.append(time.perf_counter() - added[out.request_id])
+            tokens += len(out.new_tokens)
+            active -= out.finished
+        steps += 1
+    wall = time.perf_counter() - t0
+    return {"tokens": tokens, "steps": steps, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "steps_per_s": steps / wall, "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99)}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))]
+
+
+def spread(values: list[float]) -> dict:
+    """median, min, max of a list of runs."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
+
+
+def gpu_busy(prof) -> float | None:
+    """Fraction of the profiled window during which some CUDA kernel ran (union of kernel intervals)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return None
+    busy, cur_s, cur_e = 0.0, *spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    return busy / (spans[-1][1] - spans[0][0])
+
+
+def _profile(engine, work, clients: int, out_dir: Path) -> dict:
+    """20 steps under the torch profiler, in the middle of a run (the batch full)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..engine import SamplingParams
+
+    for i, (prompt, n) in enumerate(work[:clients]):
+        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=max(n, 64), temperature=1.0, seed=i,
+                                                           ignore_eos=True))
+    for _ in range(8):                                     # prompts computed, decoding under way
+        engine.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(20):
+            engine.step()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    raw = out_dir / f"engine-{clients}-clients.json"
+    prof.export_chrome_trace(str(raw))
+    trace = raw.with_suffix(".json.gz")                    # (Perfetto and chrome://tracing read it as it is)
+    with raw.open("rb") as src, gzip.open(trace, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    while engine.has_work():
+        for rid in list(engine.requests):
+            engine.abort(rid)
+        engine.step()
+    return {"trace": str(trace), "gpu_busy": gpu_busy(prof)}
+
+
+def run_engine_bench(args: argparse.Namespace) -> int:
+    from ..bench.serve import _raw_decode_rate
+    from ..engine import Engine, EngineConfig
+    from ..ops import compiles
+    from ..serve.cli import _load
+
+    if not 0 <= args.spread < 1:
+        raise UserError("--spread must be in [0, 1)")
+    model, _tok, _name, desc = _load(args)
+    device = model.embed.weight.device
+    result: dict = {"bench": "engine", "model": desc, "dtype": args.dtype, "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "output_len": args.output_len,
+                    "spread": args.spread, "repeats": args.repeats, "runs": {}}
+    for clients in args.clients:
+        requests = args.requests or 4 * clients
+        work = _work(model.cfg.vocab_size, requests, args.prompt_len, args.output_len, args.spread, args.seed)
+        longest = max(len(p) + n for p, n in work)
+        config = EngineConfig(max_seqs=clients, max_model_len=min(model.cfg.max_seq_len, max(longest + 1, 256)),
+                              max_batch_tokens=args.max_batch_tokens, deterministic=args.deterministic,
+                              cuda_graphs=not args.no_cuda_graph, speculative=args.speculative)
+        engine = Engine(model, config)
+        t0 = time.perf_counter()
+        graphs = engine.warmup()
+        warm = time.perf_counter() - t0
+        drive(engine, work[:2 * clients], clients, "w")                 # untimed: caches, allocator, buckets
+        at_ready = compiles.count()
+        runs, phases = [], []
+        for r in range(args.repeats):
+            before = dict(engine.timing)
+            runs.append(drive(engine, work, clients, f"t{r}-"))
+            phases.append({k: (engine.timing[k] - before[k]) / runs[-1]["steps"] * 1e3 for k in before})
+        row = {"clients": clients, "requests": requests, "graphs": graphs, "warmup_s": warm,
+               "graph_steps": engine.runner.graph_steps, "eager_steps": engine.runner.eager_steps,
+               "late_captures": engine.runner.late_captures,
+               "compiles_after_warmup": None if at_ready is None else compiles.count() - at_ready,
+               "tokens_per_s": spread([x["tokens_per_s"] for x in runs]),
+               "steps_per_s": spread([x["steps_per_s"] for x in runs]),
+               "ttft_p50_s": spread([x["ttft_p50_s"] for x in runs]),
+               "ttft_p99_s": spread([x["ttft_p99_s"] for x in runs]),
+               "host_ms_per_step": {k: statistics.median(p[k] for p in phases) for k in phases[0]}}
+        if not args.no_raw:
+            raw = [_raw_decode_rate(model, clients, args.prompt_len, max(16, args.output_len), device)
+                   for _ in range(args.repeats)]
+            row["raw_decode_tokens_per_s"] = spread([x["tokens_per_s"] for x in raw])
+            row["fraction_of_raw_decode"] = row["tokens_per_s"]["median"] / row["raw_decode_tokens_per_s"]["median"]
+        if args.profile:
+            row["profile"] = _profile(engine, work, clients, Path(args.profile))
+        result["runs"][str(clients)] = row
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if not args.json:
+            _print_row(row)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _fmt(s: dict, scale: float = 1.0, unit: str = "") -> str:
+    return f"{s['median'] * scale:.1f}{unit} ({s['min'] * scale:.1f}-{s['max'] * scale:.1f})"
+
+
+def _print_row(r: dict) -> None:
+    print(f"{r['clients']} clients, {r['requests']} requests: {_fmt(r['tokens_per_s'])} output tokens/s, "
+          f"{_fmt(r['steps_per_s'])} steps/s (median of {r['tokens_per_s']['runs']}, min-max)")
+    if "raw_decode_tokens_per_s" in r:
+        print(f"  raw decode at batch {r['clients']}: {_fmt(r['raw_decode_tokens_per_s'])} tokens/s: the engine "
+              f"reaches {r['fraction_of_raw_decode']:.0%} of it")
+    print(f"  TTFT p50 {_fmt(r['ttft_p50_s'], 1e3, ' ms')}, p99 {_fmt(r['ttft_p99_s'], 1e3, ' ms')}")
+    print("  host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items()))
+    print(f"  {r['graphs']} graphs captured in {r['warmup_s']:.1f} s; {r['graph_steps']} graph steps, "
+          f"{r['eager_steps']} eager, {r['late_captures']} late captures, "
+          f"{r['compiles_after_warmup']} kernel compilations after the warm-up")
+    if "profile" in r:
+        busy = r["profile"]["gpu_busy"]
+        print(f"  profile of 20 steps: {r['profile']['trace']}"
+              + (f", GPU busy {busy:.1%} of the window" if busy is not None else ""))
+
+
+def add_bench_engine_parser(subparsers) -> None:
+    from ..loading import add_model_args
+
+    p = subparsers.add_parser("engine", help="the serving engine's throughput in this process (no HTTP): tokens/s "
+                                             "against the raw batched decode rate, host time per step")
+    add_model_args(p, "the shipped model")
+    p.add_argument("--device", type=argtypes.device, default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--clients", type=argtypes.positive_int, nargs="+", default=[16],
+                   help="requests in flight, one engine per value (default 16)")
+    p.add_argument("--requests", type=argtypes.positive_int, default=None,
+                   help="requests per run (default 4 x clients)")
+    p.add_argument("--prompt-len", type=argtypes.positive_int, default=128, help="mean prompt tokens (default 128)")
+    p.add_argument("--output-len", type=argtypes.positive_int, default=64, help="mean output tokens (default 64)")
+    p.add_argument("--spread", type=argtypes.float_in(0.0, 1.0, hi_open=True), default=0.25,
+                   help="lengths uniform in mean*(1 +- spread) (default 0.25)")
+    p.add_argument("--repeats", type=argtypes.positive_int, default=3, help="timed runs per client count (default 3)")
+    p.add_argument("--max-batch-tokens", type=argtypes.positive_int, default=None,
+                   help="tokens per engine step (default: the engine's)")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--speculative", type=argtypes.int_in(0, 15), default=0, metavar="K")
+    p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--no-raw", action="store_true", help="skip the raw batched decode measurement")
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="also write a profiler trace of 20 steps per client count and report GPU busy time")
+    p.add_argument("--seed", type=argtypes.seed_int, default=0)
+    p.add_argument("--out", metavar="FILE", default=None, help="write the result as JSON")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_engine_bench, keep_quantized=False, quant_mode=None, no_mtp=False)

@@ -1,0 +1,246 @@
+"""A step's rows laid out as the model's `StepInputs`: host arrays first, device tensors after one copy.
+
+Every integer a step needs is a named field of one flat int64 array (`Fields`), so the host fills numpy
+views and the device receives it in a single transfer. Two layouts:
+
+- **ragged** (`ragged_fields`): the rows exactly as scheduled, no padding; the shapes change every step, so
+  it runs eagerly (CPUs, and steps no bucket covers).
+- **bucketed** (`Bucket`, `fill_bucket`): D one-token rows, then C slots of L tokens for prompt chunks (a
+  chunk of n tokens fills ceil(n / L) consecutive slots), then one padding token. Every shape depends on
+  (D, C, L) only, so one CUDA graph per bucket replays any step that fits it. Padding tokens belong to a
+  row without pages: their writes go to the trash page and they complete no group, so the real rows
+  compute exactly what the ragged layout computes.
+
+Tables are not in the fields: each row names its table row (`trow`, the sequence's ring slot), and the
+device gathers the rows of the page tables it keeps (`BlockTables`, copied a few changed rows per step).
+A row's single input token can also come from the device (`feed`: an index into the previous step's
+sampled tokens), so a step can be launched before the host has read the last one's tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..model.paged import StepInputs
+
+
+@dataclass
+class Row:
+    """One sequence's part of a step: tokens at positions start ... start + len(tokens) - 1."""
+    tokens: list[int]
+    start: int
+    state: int                      # ring slot, which is also the row of the page tables
+    want_logits: bool
+    all_logits: bool = False        # logits at every position of the row (a speculative verify), not the last
+    feed: int = -1                  # >= 0: the (single) input token is the previous step's sampled token [feed]
+
+
+class Fields:
+    """Named int64 arrays in one flat buffer: spec [(name, shape)] -> views by name."""
+
+    def __init__(self, spec: list[tuple[str, tuple[int, ...]]]):
+        self.spec = spec
+        self.offsets: dict[str, tuple[int, tuple[int, ...]]] = {}
+        at = 0
+        for name, shape in spec:
+            self.offsets[name] = (at, shape)
+            at += math.prod(shape)
+        self.size = at
+
+    def views(self, flat):
+        """{name: view} of a flat numpy array or torch tensor of at least `size` elements."""
+        out = {}
+        for name, (at, shape) in self.offsets.items():
+            n = math.prod(shape)
+            v = flat[at:at + n]
+            out[name] = v.reshape(shape) if isinstance(v, np.ndarray) else v.view(shape)
+        return out
+
+
+_ROW_FIELDS = ("seg", "start", "length", "state", "trow")
+
+
+def _base_spec(T: int, B: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [("tok", (T,)), ("feed", (T,)), ("pos", (T,)), ("row", (T,))] + [(f, (B,)) for f in _ROW_FIELDS]
+
+
+# ------------------------------------------------------------------------------------------ bucketed
+@dataclass(frozen=True)
+class Bucket:
+    """A fixed step shape: `decode` one-token rows, `slots` chunk slots of `slot_len` tokens."""
+    decode: int
+    slots: int
+    slot_len: int
+    ratios: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        return self.decode + self.slots * self.slot_len + 1          # + the padding token
+
+    @property
+    def rows(self) -> int:
+        return self.decode + self.slots + 1                          # + the padding row
+
+    @property
+    def n_out(self) -> int:
+        return self.decode + self.slots
+
+    def group_len(self, ratio: int) -> int:
+        """Tokens that may complete a group of `ratio`: every decode token, ceil(L / ratio) per slot."""
+        return self.decode + self.slots * -(-self.slot_len // ratio)
+
+    def fields(self) -> Fields:
+        spec = _base_spec(self.tokens, self.rows)
+        spec += [(f"g{r}", (self.group_len(r),)) for r in self.ratios]
+        if self.decode:
+            spec += [("imap0", (self.decode, 1)), ("irow0", (self.decode,))]
+        if self.slots:
+            spec += [("imap1", (self.slots, self.slot_len)), ("irow1", (self.slots,))]
+        spec += [("out", (self.n_out,))]
+        return Fields(spec)
+
+    def fits(self, n_decode: int, n_slots: int) -> bool:
+        return n_decode <= self.decode and n_slots <= self.slots
+
+
+def fill_bucket(b: Bucket, decode: list[Row], chunks: list[Row], v: dict[str, np.ndarray],
+                pad_trow: int) -> list[int]:
+    """Write the rows into the field views `v` of bucket b. -> the logits row (index into `out`) of each
+    row in order (decode rows, then chunks)."""
+    D, L, T = b.decode, b.slot_len, b.tokens
+    pad = b.rows - 1
+    v["tok"][:] = 0
+    v["feed"][:] = -1
+    v["pos"][:] = 0
+    v["row"][:] = pad
+    v["seg"][:] = T - 1
+    v["start"][:] = 0
+    v["length"][:] = 0
+    v["state"][:] = 0
+    v["trow"][:] = pad_trow
+    nd = len(decode)
+    logits_rows = list(range(nd))
+    if nd:
+        start = np.fromiter((r.start for r in decode), np.int64, nd)
+        state = np.fromiter((r.state for r in decode), np.int64, nd)
+        v["tok"][:nd] = np.fromiter((r.tokens[0] for r in decode), np.int64, nd)
+        v["feed"][:nd] = np.fromiter((r.feed for r in decode), np.int64, nd)
+        v["pos"][:nd] = start
+        idx = np.arange(nd)
+        v["row"][:nd] = idx
+        v["seg"][:nd] = idx
+        v["start"][:nd] = start
+        v["length"][:nd] = start + 1
+        v["state"][:nd] = state
+        v["trow"][:nd] = state
+    if D:
+        v["imap0"][:, 0] = np.where(np.arange(D) < nd, np.arange(D), -1)
+        v["irow0"][:] = np.where(np.arange(D) < nd, np.arange(D), pad)
+    for r in b.ratios:
+        g = v[f"g{r}"]
+        g[:] = T - 1
+        g[:nd] = np.arange(nd)
+    out = v["out"]
+    out[:] = T - 1
+    out[:nd] = np.arange(nd)
+    if b.slots:
+        v["imap1"][:] = -1
+        v["irow1"][:] = pad
+    slot = 0
+    per_slot = {r: -(-L // r) for r in b.ratios}
+    for i, r in enumerate(chunks):
+        n = len(r.tokens)
+        k = -(-n // L)
+        row = D + i
+        lo = D + slot * L
+        pos = np.arange(r.start, r.start + n)
+        v["tok"][lo:lo + n] = r.tokens
+        v["pos"][lo:lo + n] = pos
+        v["row"][lo:lo + n] = row
+        v["seg"][row], v["start"][row], v["length"][row] = lo, r.start, r.start + n
+        v["state"][row] = v["trow"][row] = r.state
+        flat = np.full(k * L, -1, np.int64)
+        flat[:n] = lo + np.arange(n)
+        v["imap1"][slot:slot + k] = flat.reshape(k, L)
+        v["irow1"][slot:slot + k] = row
+        ends = np.minimum(np.arange(1, k + 1) * L, n) - 1                # each slot's last real token
+        out[D + slot:D + slot + k] = lo + ends
+        for ratio, m in per_slot.items():
+            done = lo + np.nonzero((pos + 1) % ratio == 0)[0]            # tokens completing a group
+            g = v[f"g{ratio}"]
+            for s in range(k):
+                mine = done[(done >= lo + s * L) & (done < lo + (s + 1) * L)]
+                at = D + (slot + s) * m
+                g[at:at + len(mine)] = mine
+        logits_rows.append(D + slot + k - 1)
+        slot += k
+    return logits_rows
+
+
+# ------------------------------------------------------------------------------------------ ragged
+def ragged_fields(rows: list[Row], ratios: tuple[int, ...], pad_trow: int) -> tuple[Fields, np.ndarray, list[int]]:
+    """The rows exactly (no padding). Rows of one token form one indexer group; every longer row is a group
+    of its own; only tokens that complete a group are listed. -> (fields, filled array, logits row of each
+    row, -1 where it wants none; for an all_logits row the first of its consecutive rows)."""
+    lens = [len(r.tokens) for r in rows]
+    B = len(rows)
+    seg = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64) if B else np.zeros(0, np.int64)
+    T = int(sum(lens))
+    pos = np.concatenate([np.arange(r.start, r.start + n) for r, n in zip(rows, lens)]) if B else np.zeros(0)
+    single = [b for b in range(B) if lens[b] == 1]
+    multi = [b for b in range(B) if lens[b] > 1]
+    done = {ratio: np.nonzero((pos + 1) % ratio == 0)[0] for ratio in ratios}
+    out, logits_rows = [], []
+    for b, r in enumerate(rows):
+        logits_rows.append(len(out) if r.want_logits else -1)
+        if r.want_logits:
+            out.extend(seg[b] + np.arange(lens[b]) if r.all_logits else [seg[b] + lens[b] - 1])
+    spec = _base_spec(T, B) + [(f"g{ratio}", (len(done[ratio]),)) for ratio in ratios]
+    groups = ([(single, (len(single), 1))] if single else []) + [([b], (1, lens[b])) for b in multi]
+    spec += [x for i, (_, shape) in enumerate(groups) for x in ((f"imap{i}", shape), (f"irow{i}", (shape[0],)))]
+    spec += [("out", (len(out),))]
+    fields = Fields(spec)
+    buf = np.empty(fields.size, np.int64)
+    v = fields.views(buf)
+    v["tok"][:] = [t for r in rows for t in r.tokens]
+    v["feed"][:] = [r.feed if n == 1 else -1 for r, n in zip(rows, lens) for _ in range(n)]
+    v["pos"][:] = pos
+    v["row"][:] = np.repeat(np.arange(B), lens)
+    v["seg"][:] = seg
+    v["start"][:] = [r.start for r in rows]
+    v["length"][:] = [r.start + n for r, n in zip(rows, lens)]
+    v["state"][:] = v["trow"][:] = [r.state for r in rows]
+    for ratio in ratios:
+        v[f"g{ratio}"][:] = done[ratio]
+    for i, (members, _) in enumerate(groups):
+        if len(members) == 1 and lens[members[0]] > 1:
+            b = members[0]
+            v[f"imap{i}"][0] = seg[b] + np.arange(lens[b])
+        else:
+            v[f"imap{i}"][:, 0] = seg[members]
+        v[f"irow{i}"][:] = members
+    v["out"][:] = out
+    del pad_trow                                        # ragged steps have no padding rows
+    return fields, buf, logits_rows
+
+
+# ------------------------------------------------------------------------------------------ on the device
+def step_inputs(t: dict[str, torch.Tensor], ratios: tuple[int, ...], tables_w: torch.Tensor,
+                tables_c: torch.Tensor, sampled: torch.Tensor | None) -> tuple[torch.Tensor, StepInputs]:
+    """(tokens [1, T], StepInputs) from device field views: fed tokens taken from `sampled`, page tables
+    gathered by table row. No host synchronization (capturable)."""
+    tok = t["tok"]
+    if sampled is not None:
+        feed = t["feed"]
+        tok = torch.where(feed >= 0, sampled[feed.clamp_min(0)], tok)
+    trow = t["trow"]
+    ids = sorted(int(name[4:]) for name in t if name.startswith("imap"))
+    maps, rows = [t[f"imap{i}"] for i in ids], [t[f"irow{i}"] for i in ids]
+    inputs = StepInputs(tokens=tok, positions=t["pos"], rows=t["row"], seg_start=t["seg"], start=t["start"],
+                        length=t["length"], wtable=tables_w[trow], ctable=tables_c[trow], state=t["state"],
+                        groups={r: t[f"g{r}"] for r in ratios}, index_maps=maps, index_rows=rows, out=t["out"])
+    return tok.view(1, -1), inputs

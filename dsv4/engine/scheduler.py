@@ -1,0 +1,191 @@
+"""What runs in the next step: admission, chunked prefill, preemption and finishing, on the host only.
+
+The scheduler knows sequences and pages (`CacheManager`), not the model, so it can be tested alone. Per step:
+1. running sequences first, in arrival order: each decoding sequence gets one row of one token (with its
+   speculative drafts: 1 + k tokens); each sequence still computing its prompt gets a chunk of what the
+   budget has left, so a long prompt never stalls the streams;
+2. waiting sequences are admitted (prefix cache looked up first) while the budget, the running limit and
+   the free pages allow;
+3. when a running sequence needs a page and none is free, the most recently admitted sequence that is not
+   in this step yet is preempted: its pages are released and it is recomputed later from its tokens.
+
+Prompt chunks are counted in slots of `chunk_len` tokens (a chunk of n tokens takes ceil(n / chunk_len)
+slots of the step's budget): a GPU step lays chunks out in fixed slots so that it can be replayed from a
+CUDA graph (`dsv4.engine.batch`), and the plan is the same whether or not the step is padded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .cache_manager import CacheManager
+from .sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_seqs: int                    # sequences running at once
+    max_model_len: int               # prompt + output
+    max_batch_tokens: int            # tokens per step: decode rows + prompt chunks
+    chunk_len: int = 1               # prompt chunks are taken in slots of this many tokens
+    prefix_caching: bool = True
+
+
+@dataclass(eq=False)
+class Scheduled:
+    """One row of a step: `n` tokens of `seq` from position seq.computed."""
+    seq: Sequence
+    n: int
+
+    @property
+    def verify(self) -> bool:
+        return bool(self.seq.drafts) and not self.seq.prefilling
+
+    @property
+    def want_logits(self) -> bool:
+        """The row ends at the last known token: its next token gets sampled (or its drafts verified)."""
+        return self.seq.computed + self.n == self.seq.n_tokens or self.verify
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, manager: CacheManager,
+                 on_prefix_hit: Callable[[Sequence, int], None] | None = None, stats: dict | None = None):
+        self.config = config
+        self.manager = manager
+        self.on_prefix_hit = on_prefix_hit         # (seq, positions served): restore its ring from the cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._admissions = itertools.count()
+        self.stats = stats if stats is not None else {}
+        self.stats.setdefault("preemptions", 0)
+
+    # ------------------------------------------------------------------ membership
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (stop, length, abort): it leaves the queues and its pages go back."""
+        if seq.finished:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        if seq.pages is not None:
+            self.manager.release(seq.pages)
+            seq.pages = None
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give a running sequence's pages back; it is recomputed from its tokens when readmitted."""
+        seq.drafts, seq.draft_q = [], None
+        self.running.remove(seq)
+        self.manager.release(seq.pages)
+        seq.pages, seq.computed, seq.status = None, 0, Status.WAITING
+        self.waiting.appendleft(seq)
+        self.stats["preemptions"] += 1
+
+    def after_step(self, stepped: list[Sequence]) -> None:
+        """Pages of the sequences a step advanced: offer complete ones to the prefix cache, release the
+        window pages that fell out of the window."""
+        for seq in stepped:
+            if seq.running:
+                self.manager.register(seq.pages, seq.tokens, min(seq.computed, len(seq.tokens)))
+                self.manager.trim_window(seq.pages, seq.computed)
+
+    # ------------------------------------------------------------------ one step
+    def _done(self, seq: Sequence) -> bool:
+        """Its token on the device is its last: nothing more to run for it."""
+        p = seq.params
+        return bool(seq.n_pending) and (seq.n_generated >= p.max_tokens or seq.n_tokens >= self.config.max_model_len)
+
+    def _slots(self, n: int) -> int:
+        return -(-n // self.config.chunk_len)
+
+    def schedule(self) -> list[Scheduled]:
+        """The rows of the next step: decoding sequences first, then prompt chunks (running, then new)."""
+        c = self.config
+        L = c.chunk_len
+        P = self.manager.P
+        budget = c.max_batch_tokens
+        plan: list[Scheduled] = []
+        planned: set[int] = set()
+        decoding = [s for s in self.running if not s.prefilling]
+        chunked = [s for s in self.running if s.prefilling]
+        for seq in decoding + chunked:
+            if budget <= 0:
+                break
+            if not seq.running or self._done(seq):          # (preempted by an earlier one in this loop)
+                continue
+            if seq.prefilling:
+                n = min(seq.n_tokens - seq.computed, (budget // L) * L)
+                if n <= 0:
+                    continue
+            else:
+                n = 1 + len(seq.drafts)
+            # (a one-token row inside a page it has already started needs no new page)
+            while (n > 1 or seq.computed % P == 0) and \
+                    not self.manager.allocate(seq.pages, seq.computed, seq.computed + n):
+                victim = max((s for s in self.running if id(s) not in planned), key=lambda s: s.admitted_at)
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if not seq.running:
+                continue
+            plan.append(Scheduled(seq, n))
+            planned.add(id(seq))
+            budget -= self._slots(n) * L if seq.prefilling else n
+        while self.waiting and budget >= L and len(self.running) < c.max_seqs:
+            seq = self.waiting[0]
+            if self._sibling_prefilling(seq) or seq.n_pending:     # (a preempted one's token is on its way)
+                break
+            pages = self.manager.new_sequence()
+            if pages is None:
+                break
+            cached = self.manager.match(pages, seq.tokens) if seq.computed == 0 else 0
+            n = min((budget // L) * L, len(seq.tokens) - cached)
+            reserve = (len(self.running), len(self.running))    # a decode page for every running sequence
+            if not (self.manager.can_fit(cached, cached + n, reserve)
+                    and self.manager.allocate(pages, cached, cached + n)):
+                self.manager.release(pages)
+                if not self.running:
+                    raise RuntimeError("the cache cannot hold a single request's next chunk: give the "
+                                       "engine more cache pages or a smaller max_batch_tokens")
+                break
+            if cached and self.on_prefix_hit is not None:
+                seq.pages = pages
+                self.on_prefix_hit(seq, cached)
+            self.waiting.popleft()
+            seq.pages, seq.computed, seq.cached_tokens = pages, cached, max(seq.cached_tokens, cached)
+            seq.status, seq.admitted_at = Status.RUNNING, next(self._admissions)
+            self.running.append(seq)
+            plan.append(Scheduled(seq, n))
+            planned.add(id(seq))
+            budget -= self._slots(n) * L
+        return plan
+
+    def _sibling_prefilling(self, seq: Sequence) -> bool:
+        """With prefix caching, choices 1..n-1 wait until choice 0 has computed the shared prompt."""
+        if not self.config.prefix_caching or seq.index == 0:
+            return False
+        first = seq.request.sequences[0]
+        return not first.finished and first.computed < first.request.prompt_len
+
+    # ------------------------------------------------------------------ limits
+    def window_pages_needed(self, prompt_len: int) -> tuple[int, int]:
+        """(window, compressed) pages a prompt needs at most at once: prompts are computed in chunks of at
+        most max_batch_tokens and window pages behind the window are released after each."""
+        lay = self.manager.layout
+        w, comp = self.manager.pages_for(0, min(self.config.max_model_len, prompt_len + 1))
+        w = min(w, math.ceil((lay.window + self.config.max_batch_tokens) / lay.page_size) + 1)
+        return w, comp

@@ -1,0 +1,146 @@
+"""The scheduler alone (no model): randomized arrivals, prompt and output lengths, cancellations and memory
+pressure. Each step the test plays the model's part - the scheduled positions become computed, a row
+that reaches its last known token gains one token - and checks the invariants after every step:
+
+- the plan fits the step budget (decode rows, prompt chunks counted in whole slots) and the running limit;
+- every scheduled row has pages for every position it appends and for the window before it;
+- the pools never hand out more pages than they have, reference counts match the holders (sequences and
+  the prefix cache), and no page is held by two sequences unless it came from the prefix cache;
+- no sequence starves: every request finishes, and none waits while a later arrival was admitted before
+  it (first come, first served, preempted sequences first);
+- at the end every page and ring slot is back.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dsv4.engine.cache_manager import CacheManager
+from dsv4.engine.sampling import SamplingParams
+from dsv4.engine.scheduler import Scheduler, SchedulerConfig
+from dsv4.engine.sequence import Request, Sequence
+from dsv4.model.paged import CacheLayout
+
+
+def make(n_window: int, n_comp: int, max_seqs: int, budget: int, chunk: int, prefix: bool, P: int = 16,
+         window: int = 16, max_len: int = 256) -> Scheduler:
+    layout = CacheLayout(P, window, (4, 16), n_window + 1, n_comp + 1, max_seqs, max_len, prefix)
+    return Scheduler(SchedulerConfig(max_seqs, max_len, budget, chunk, prefix), CacheManager(layout, prefix))
+
+
+def check_pages(s: Scheduler) -> None:
+    m = s.manager
+    for pool, table, cached in ((m.wpool, m.tables.w, m.cached_w), (m.cpool, m.tables.c, m.cached_c)):
+        held: dict[int, int] = {}
+        for seq in s.running:
+            for page in table[seq.pages.state][table[seq.pages.state] > 0].tolist():
+                held[page] = held.get(page, 0) + 1
+        for page in cached.values():
+            held[page] = held.get(page, 0) + 1
+        assert sum(1 for p in range(1, pool.n_pages) if pool.refs[p] > 0) + pool.n_free == pool.n_pages - 1
+        for page in range(1, pool.n_pages):
+            assert pool.refs[page] == held.get(page, 0), (page, pool.refs[page], held.get(page, 0))
+        assert set(pool.free).isdisjoint(held)
+        shared = [p for p, n in held.items() if n > 1]
+        assert all(p in cached.values() for p in shared)      # only prefix-cache pages are shared
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traffic_keeps_every_invariant(seed):
+    rng = random.Random(seed)
+    prefix = seed % 2 == 0
+    chunk = (1, 4, 8)[seed % 3]
+    s = make(n_window=rng.randint(8, 40), n_comp=rng.randint(12, 60), max_seqs=rng.randint(2, 6),
+             budget=rng.randint(16, 64), chunk=chunk, prefix=prefix)
+    P = s.manager.P
+    shared = [rng.randrange(2, 1000) for _ in range(40)]
+    pending = []
+    for i in range(40):
+        n = rng.choice([1, 3, 17, 40, 70])
+        prompt = (shared[:rng.choice([0, 16, 33])] + [rng.randrange(2, 1000) for _ in range(n)])[:200] or [5]
+        params = SamplingParams(max_tokens=rng.randint(1, 30), temperature=0)
+        req = Request(str(i), prompt, params, n=rng.choice([1, 1, 2]))
+        for k in range(req.n):
+            req.sequences.append(Sequence(req, k, list(prompt), seed=0, prompt_len=len(prompt)))
+        pending.append((rng.randint(0, 60), req))
+    pending.sort(key=lambda x: x[0])
+    arrived: list[Request] = []
+    order: dict[int, int] = {}                 # sequence -> arrival rank
+    ever_admitted: set[int] = set()
+    step = 0
+    while pending or s.has_work():
+        while pending and pending[0][0] <= step:
+            _, req = pending.pop(0)
+            arrived.append(req)
+            for seq in req.sequences:
+                order[id(seq)] = len(order)
+                s.add(seq)
+        if rng.random() < 0.05 and arrived:                                  # a client goes away
+            for seq in rng.choice(arrived).sequences:
+                s.finish(seq, "abort")
+        plan = s.schedule()
+        used = sum(-(-r.n // chunk) * chunk if r.seq.prefilling else r.n for r in plan)
+        assert used <= s.config.max_batch_tokens and len(s.running) <= s.config.max_seqs
+        assert len({id(r.seq) for r in plan}) == len(plan)
+        for r in plan:
+            seq = r.seq
+            assert seq.running
+            first_w = max(0, seq.computed - s.manager.window + 1) // P
+            for pos_page in range(seq.computed // P, (seq.computed + r.n - 1) // P + 1):
+                assert seq.pages.ctable[pos_page] > 0
+            for k in range(max(first_w, seq.pages.trimmed), (seq.computed + r.n - 1) // P + 1):
+                assert seq.pages.wtable[k] > 0
+        # first come, first served: no sequence was admitted while one that arrived earlier, and was never
+        # admitted, still waits
+        newly = [r.seq for r in plan if id(r.seq) not in ever_admitted]
+        for seq in newly:
+            ever_admitted.add(id(seq))
+        for seq in newly:
+            assert not [w for w in s.waiting if id(w) not in ever_admitted and order[id(w)] < order[id(seq)]]
+        stepped = []
+        for r in plan:                                                       # the model's part
+            seq, want = r.seq, r.want_logits
+            seq.computed += r.n
+            stepped.append(seq)
+            if want:
+                seq.tokens.append(rng.randrange(2, 1000))
+                if seq.n_generated >= seq.params.max_tokens or len(seq.tokens) >= s.config.max_model_len:
+                    s.finish(seq, "length")
+        s.after_step(stepped)
+        check_pages(s)
+        step += 1
+        assert step < 5000, "the traffic did not drain: some sequence starves"
+    assert all(req.finished for _, req in pending) and all(req.finished for req in arrived)
+    m = s.manager
+    m.clear_prefix_cache()
+    assert m.wpool.n_free == m.wpool.n_pages - 1 and m.cpool.n_free == m.cpool.n_pages - 1
+    assert sorted(m.free_states) == list(range(m.layout.n_states))
+    assert (m.tables.w == -1).all() and (m.tables.c == -1).all()
+
+
+def test_memory_pressure_preempts_the_latest_and_recomputes_it():
+    s = make(n_window=64, n_comp=6, max_seqs=4, budget=64, chunk=1, prefix=False)
+    reqs = []
+    for i in range(3):
+        req = Request(str(i), [7] * 15, SamplingParams(max_tokens=40, temperature=0))
+        req.sequences.append(Sequence(req, 0, [7] * 15, seed=0, prompt_len=15))
+        reqs.append(req)
+        s.add(req.sequences[0])
+    steps = 0
+    while s.has_work():
+        plan = s.schedule()
+        for r in plan:
+            want = r.want_logits
+            r.seq.computed += r.n
+            if want:
+                r.seq.tokens.append(3)
+                if r.seq.n_generated >= 40:
+                    s.finish(r.seq, "length")
+        s.after_step([r.seq for r in plan])
+        check_pages(s)
+        steps += 1
+        assert steps < 2000
+    assert s.stats["preemptions"] > 0
+    assert all(len(r.sequences[0].tokens) == 55 for r in reqs)
