@@ -189,14 +189,15 @@ def test_overlapped_steps_give_the_same_tokens(model, prompts):
     assert engine.stats["preemptions"] > 0 and over == plain
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_bucketed_steps_give_the_ragged_steps_numbers(model, prompts, sampled):
+@pytest.mark.parametrize("sampled,logprobs", [(False, 2), (True, 2), (True, None)])
+def test_bucketed_steps_give_the_ragged_steps_numbers(model, prompts, sampled, logprobs):
     """Steps padded to buckets - what a GPU replays from one CUDA graph per bucket: one-token rows, prompt
     chunks in fixed slots of chunk_len tokens, padding that belongs to a row without pages - give the
     ragged steps' tokens bit for bit (deterministic mode), across chunk, page and compression-group
-    boundaries, with rows arriving while others decode."""
-    params = [SamplingParams(max_tokens=NEW, temperature=0.9, seed=100 + i, ignore_eos=True, logprobs=2)
-              if sampled else greedy(logprobs=2) for i in range(len(prompts))]
+    boundaries, with rows arriving while others decode; with and without the plain draw that the bucket's
+    graph holds (no logprobs alternatives: every out row drawn in the step itself)."""
+    params = [SamplingParams(max_tokens=NEW, temperature=0.9, seed=100 + i, ignore_eos=True, logprobs=logprobs)
+              if sampled else greedy(logprobs=logprobs) for i in range(len(prompts))]
     kw = dict(arrivals=[0, 2, 3, 0, 7, 5], max_batch_tokens=40, chunk_len=8)
     plain, ragged, lp_plain = run(model, prompts, params, **kw)
     padded, engine, lp_padded = run(model, prompts, params, pad_steps=True, **kw)

@@ -54,10 +54,11 @@ def run(model, prompts, params, warm: bool, **config):
     return [outs[i] for i in range(len(prompts))], [lps[i] for i in range(len(prompts))], engine
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_graphed_steps_equal_the_eager_bucketed_steps(model, prompts, sampled):
+@pytest.mark.parametrize("sampled,logprobs", [(False, 2), (True, 2), (True, None), (False, 0)])
+def test_graphed_steps_equal_the_eager_bucketed_steps(model, prompts, sampled, logprobs):
+    """Alternatives (logprobs 2) are drawn eagerly after the graph; otherwise the graph draws every row."""
     params = [SamplingParams(max_tokens=NEW, temperature=0.8 if sampled else 0, seed=7 + i, ignore_eos=True,
-                             logprobs=2) for i in range(len(prompts))]
+                             logprobs=logprobs) for i in range(len(prompts))]
     eager, eager_lp, e0 = run(model, prompts, params, warm=False, cuda_graphs=False, pad_steps=True, overlap=False)
     graphed, graphed_lp, e1 = run(model, prompts, params, warm=True)
     assert graphed == eager and graphed_lp == eager_lp

@@ -101,6 +101,8 @@ class Bucket:
         if self.slots:
             spec += [("imap1", (self.slots, self.slot_len)), ("irow1", (self.slots,))]
         spec += [("out", (self.n_out,))]
+        # every out row is drawn in the graph with its settings (`SamplingTensors.pack`: floats as float64 bits)
+        spec += [("s_f", (self.n_out, 4)), ("s_i", (self.n_out, 4))]
         return Fields(spec)
 
     def fits(self, n_decode: int, n_slots: int) -> bool:

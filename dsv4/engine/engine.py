@@ -43,8 +43,8 @@ __all__ = ["Engine", "EngineConfig", "RequestError", "StepOutput", "TokenLogprob
 class EngineConfig:
     max_seqs: int = 32                      # sequences running at once
     max_model_len: int | None = None        # prompt + output limit (default: the model's, at most 8192)
-    max_batch_tokens: int | None = None     # tokens per step, decodes + prompt chunks (default: 1024 on a GPU,
-                                            # at least max_seqs + 256; 512 on a CPU)
+    max_batch_tokens: int | None = None     # tokens per step, decodes + prompt chunks (default: 2048 on a GPU,
+                                            # at least max_seqs + 512; 512 on a CPU)
     chunk_len: int | None = None            # prompt chunks fill slots of this many tokens (default: 64 where
                                             # steps are padded to buckets, else 1)
     page_size: int | None = None            # positions per page (default: see default_page_size)
@@ -74,7 +74,7 @@ class Engine:
         if c.max_seqs < 1 or (c.max_batch_tokens is not None and c.max_batch_tokens < 1):
             raise ValueError("max_seqs and max_batch_tokens must be >= 1")
         if c.max_batch_tokens is None:
-            c.max_batch_tokens = max(1024, c.max_seqs + 256) if on_gpu else 512
+            c.max_batch_tokens = max(2048, c.max_seqs + 512) if on_gpu else 512
         if c.chunk_len is None:
             c.chunk_len = 64 if (graphs or c.pad_steps) else 1
         c.chunk_len = max(1, min(c.chunk_len, c.max_batch_tokens))
@@ -261,7 +261,7 @@ class Engine:
                 self.stats["prompt_tokens"] += len(row.tokens)
         for j, seq in enumerate(samplers):
             seq.n_pending += 1
-            seq.pending_index = j
+            seq.pending_index = inflight.feed[j]
         self.stats["steps"] += 1
         return inflight, order, samplers
 

@@ -113,14 +113,21 @@ class InFlight:
     event: torch.cuda.Event | None = None
     logprobs: bool = False
     top: int = 0
+    pick: list[int] | None = None                  # sample j's index in the copied arrays (None: j)
+    feed: list[int] = field(default_factory=list)  # sample j's index in the device's sampled tokens
     launched: float = field(default_factory=time.perf_counter)
 
     def read(self) -> tuple[list[int], list[float] | None, list[list[int]] | None, list[list[float]] | None]:
-        """(tokens, their log-probabilities, top ids, top log-probabilities): waits for the device."""
+        """(tokens, their log-probabilities, top ids, top log-probabilities) in sample order: waits for the
+        device."""
         if self.n == 0:
             return [], None, None, None
         if self.event is not None:
             self.event.synchronize()
+        if self.pick is not None:                  # the graph drew every out row: take the sampled ones
+            m = max(self.pick) + 1
+            toks, lps = self.ints[:m].tolist(), self.floats[:m].tolist()
+            return [toks[i] for i in self.pick], [lps[i] for i in self.pick], None, None
         n, k = self.n, self.top
         toks = self.ints[:n].tolist()
         lps = self.floats[:n].tolist() if self.logprobs else None
@@ -138,7 +145,9 @@ class BucketGraph:
         self.fields = bucket.fields()
         r = runner
         host = np.zeros(self.fields.size, np.int64)
-        fill_bucket(bucket, [], [], self.fields.views(host), r.tables.pad_row)     # an empty step: all padding
+        v = self.fields.views(host)
+        fill_bucket(bucket, [], [], v, r.tables.pad_row)                           # an empty step: all padding
+        r.default_sampling(v)
         r.staging.dev[:self.fields.size].copy_(torch.from_numpy(host))
         t = self.fields.views(r.staging.dev)
         dev = r.device
@@ -146,12 +155,11 @@ class BucketGraph:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):                     # compile / autotune outside the graph
             for _ in range(2):
-                r.forward(t)
+                r.bucket_forward(t, bucket)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            logits = r.forward(t)
-            r.logits_buf[:bucket.n_out].copy_(logits)
+            r.bucket_forward(t, bucket)
         # the warm-up steps wrote only to the trash page (padding rows): nothing to restore
 
     def replay(self) -> None:
@@ -186,8 +194,8 @@ class Runner:
         self.tables_c = torch.from_numpy(tables.c).to(self.device)
         tables.dirty.clear()
         self.sampled = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
-        self.logits_buf = torch.zeros(n_out, vocab, dtype=torch.float32, device=self.device) \
-            if self.cuda_graphs else None
+        self.sample_lp = torch.zeros(self.max_rows, dtype=torch.float32, device=self.device)
+        self.logits_buf = torch.zeros(n_out, vocab, dtype=torch.float32, device=self.device) if self.pad else None
         self.sampler = Sampler()
         self.graphs: dict[Bucket, BucketGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
@@ -226,6 +234,23 @@ class Runner:
         tokens, inputs = step_inputs(t, self.ratios, self.tables_w, self.tables_c, self.sampled)
         return self.model.append(tokens, inputs, self.cache)
 
+    def bucket_forward(self, t: dict[str, torch.Tensor], bucket: Bucket) -> None:
+        """A bucket's step as its graph holds it: the model, its logits kept, and every out row drawn with
+        its settings (the plain draw); tokens into `sampled`, log-probabilities into `sample_lp`."""
+        n = bucket.n_out
+        logits = self.forward(t)
+        self.logits_buf[:n].copy_(logits)
+        st = SamplingTensors.unpack(t["s_f"].view(torch.float64), t["s_i"], None)
+        out = self.sampler.sample(logits, st)
+        self.sampled[:n].copy_(out.tokens)
+        self.sample_lp[:n].copy_(out.logprobs)
+
+    def default_sampling(self, v: dict[str, np.ndarray]) -> None:
+        """Neutral settings in every out row of a bucket's fields (rows nobody samples)."""
+        f = v["s_f"].view(np.float64)
+        f[:] = (1.0, 1.0, 0.0, 0.0)
+        v["s_i"][:] = (self.model.cfg.vocab_size, 0, 0, 0)
+
     def _sync_tables(self, host: np.ndarray, at: int) -> int:
         """Pack the page-table rows changed since the last step after `at`; -> the new end."""
         rows = self.tables.take_dirty()
@@ -263,47 +288,70 @@ class Runner:
         if bucket is not None and self.cuda_graphs and bucket not in self.graphs:
             self.graphs[bucket] = BucketGraph(self, bucket, self._pool)      # (a server captured them all)
             self.late_captures += 1
+        n = len(samples)
+        params = [s.params for _, s in samples]
+        vocab = self.model.cfg.vocab_size
         host = self.staging.begin()
         if bucket is not None:
             fields = bucket.fields()
-            logits_rows = fill_bucket(bucket, decode, chunks, fields.views(host), self.tables.pad_row)
+            v = fields.views(host)
+            logits_rows = fill_bucket(bucket, decode, chunks, v, self.tables.pad_row)
+            self.default_sampling(v)
+            out_rows = [logits_rows[i] for i, _ in samples]
+            if n:
+                f, g = np.empty((n, SamplingTensors.N_FLOAT)), np.empty((n, SamplingTensors.N_INT), np.int64)
+                SamplingTensors.pack(params, [s.seed for _, s in samples], [s.counter for _, s in samples], vocab, f, g)
+                v["s_f"].view(np.float64)[out_rows] = f
+                v["s_i"][out_rows] = g
         else:
-            rows = decode + chunks
-            fields, arr, logits_rows = ragged_fields(rows, self.ratios, self.tables.pad_row)
+            fields, arr, logits_rows = ragged_fields(decode + chunks, self.ratios, self.tables.pad_row)
             host[:fields.size] = arr
+            out_rows = [logits_rows[i] for i, _ in samples]
         at = self._sync_tables(host, fields.size)
-        n = len(samples)
-        pick = at
-        host[pick:pick + n] = [logits_rows[i] for i, _ in samples]
-        at += n
-        sf, si = at, at + n * SamplingTensors.N_FLOAT
-        at = si + n * SamplingTensors.N_INT
-        params = [s.params for _, s in samples]
-        if n:
-            SamplingTensors.pack(params, [s.seed for _, s in samples], [s.counter for _, s in samples],
-                                 self.model.cfg.vocab_size, host[sf:si].view(np.float64).reshape(n, -1),
-                                 host[si:at].reshape(n, -1))
+        plain = bucket is not None and SamplingTensors.plain(params)
+        pick = sf = si = None
+        if not plain and n:                    # rows drawn eagerly: their logits rows and settings
+            pick = at
+            host[pick:pick + n] = out_rows
+            sf, si = pick + n, pick + n + n * SamplingTensors.N_FLOAT
+            at = si + n * SamplingTensors.N_INT
+            SamplingTensors.pack(params, [s.seed for _, s in samples], [s.counter for _, s in samples], vocab,
+                                 host[sf:si].view(np.float64).reshape(n, -1), host[si:at].reshape(n, -1))
         dev = self.staging.send(at)
         self._apply_tables(dev)
-        if bucket is not None and bucket in self.graphs:
-            self.graphs[bucket].replay()
+        if bucket is not None:
+            if bucket in self.graphs:
+                self.graphs[bucket].replay()
+                self.graph_steps += 1
+            else:
+                self.bucket_forward(fields.views(dev), bucket)
+                self.eager_steps += 1
+                self.padded_steps += 1
             logits = self.logits_buf
-            self.graph_steps += 1
         else:
             logits = self.forward(fields.views(dev))
             self.eager_steps += 1
-            self.padded_steps += bucket is not None
         if not n:
             return InFlight(0)
+        if plain:                              # the graph drew them: copy every out row's token back
+            ints, floats, ev = self.readback.copy(SampleOutput(self.sampled[:bucket.n_out],
+                                                               self.sample_lp[:bucket.n_out]))
+            return InFlight(n, ints, floats, ev, True, 0, pick=out_rows, feed=out_rows)
+        rows = dev[pick:pick + n]
         st = SamplingTensors.unpack(dev[sf:si].view(torch.float64).view(n, -1), dev[si:at].view(n, -1), params)
         penalties = None
         if any(p.penalized for p in params):
             penalties = (params, *self._penalty_inputs([s for _, s in samples]))
-        out = self.sampler.sample(logits[dev[pick:pick + n]], st, penalties)
-        self.sampled[:n].copy_(out.tokens)
+        out = self.sampler.sample(logits[rows], st, penalties)
+        if bucket is not None:                 # sampled tokens live at their out rows, as the graph's do
+            self.sampled.index_copy_(0, rows, out.tokens)
+            feed = out_rows
+        else:
+            self.sampled[:n].copy_(out.tokens)
+            feed = list(range(n))
         ints, floats, ev = self.readback.copy(out)
         return InFlight(n, ints, floats, ev, out.logprobs is not None,
-                        out.top_ids.size(1) if out.top_ids is not None else 0)
+                        out.top_ids.size(1) if out.top_ids is not None else 0, feed=feed)
 
     def _penalty_inputs(self, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """Output-token counts and prompt-token masks [B, V] (penalized rows only; others stay zero)."""

@@ -152,12 +152,20 @@ class SamplingTensors:
         ints[:, 3] = counters
 
     @classmethod
-    def unpack(cls, floats: torch.Tensor, ints: torch.Tensor, params: Sequence[SamplingParams]) -> SamplingTensors:
-        """From device views of `pack`'s arrays; params decide the host-side flags."""
+    def unpack(cls, floats: torch.Tensor, ints: torch.Tensor,
+               params: Sequence[SamplingParams] | None) -> SamplingTensors:
+        """From device views of `pack`'s arrays; params decide the host-side flags (None: the plain draw
+        that a CUDA graph holds - no filtering, each row's own log-probability)."""
+        plain = params is None
         return cls(temperature=floats[:, 0:1], greedy=ints[:, 1:2] > 0, top_p=floats[:, 1:2], min_p=floats[:, 2:3],
                    top_k=ints[:, 0:1], seeds=ints[:, 2], counters=ints[:, 3],
-                   filtered=any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
-                   logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None))
+                   filtered=not plain and any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
+                   logprobs=0 if plain else max((p.logprobs for p in params if p.logprobs is not None), default=None))
+
+    @staticmethod
+    def plain(params: Sequence[SamplingParams]) -> bool:
+        """Whether the plain draw serves these rows: no filtering, no penalties, no alternatives."""
+        return not any(p.top_k or p.top_p < 1 or p.min_p > 0 or p.penalized or p.logprobs for p in params)
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int], vocab: int,
@@ -198,12 +206,12 @@ class Sampler:
         noise = -torch.log(-torch.log(uniform(st.seeds, st.counters, V)))
         choice = torch.where(st.greedy, x, scaled + noise).argmax(-1)                     # [B]
         out = SampleOutput(tokens=choice)
-        if st.logprobs is not None:
-            lp = torch.log_softmax(raw, -1)
-            out.logprobs = lp.gather(1, choice.unsqueeze(1)).squeeze(1).float()
+        if st.logprobs is not None:                     # log p = logit - logsumexp(logits), float64
+            lse = torch.logsumexp(raw, -1, keepdim=True)                                # [B, 1]
+            out.logprobs = (raw.gather(1, choice.unsqueeze(1)) - lse).squeeze(1).float()
             if st.logprobs:
-                top = lp.topk(min(st.logprobs, V), dim=-1)
-                out.top_ids, out.top_logprobs = top.indices, top.values.float()
+                top = raw.topk(min(st.logprobs, V), dim=-1)
+                out.top_ids, out.top_logprobs = top.indices, (top.values - lse).float()
         return out
 
     def probabilities(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

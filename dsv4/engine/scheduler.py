@@ -145,6 +145,11 @@ class Scheduler:
             plan.append(Scheduled(seq, n))
             planned.add(id(seq))
             budget -= self._slots(n) * L if seq.prefilling else n
+        # admission keeps a few pages free (1% of each pool, as vLLM's watermark) and one for each running
+        # sequence that starts a new page at its next token, so that admitting does not force a preemption
+        m = self.manager
+        watermark = (max(1, m.wpool.n_pages // 100), max(1, m.cpool.n_pages // 100) if m.cpool else 0)
+        at_edge = sum(1 for s in self.running if (s.computed + 1) % P == 0)
         while self.waiting and budget >= L and len(self.running) < c.max_seqs:
             seq = self.waiting[0]
             if self._sibling_prefilling(seq) or seq.n_pending:     # (a preempted one's token is on its way)
@@ -154,7 +159,7 @@ class Scheduler:
                 break
             cached = self.manager.match(pages, seq.tokens) if seq.computed == 0 else 0
             n = min((budget // L) * L, len(seq.tokens) - cached)
-            reserve = (len(self.running), len(self.running))    # a decode page for every running sequence
+            reserve = (watermark[0] + at_edge, watermark[1] + at_edge)    # pages the decodes take next
             if not (self.manager.can_fit(cached, cached + n, reserve)
                     and self.manager.allocate(pages, cached, cached + n)):
                 self.manager.release(pages)
