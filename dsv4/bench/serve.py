@@ -412,8 +412,8 @@ def _print(result: dict, r: dict) -> None:
     if sm.get("spec_draft_tokens_total"):
         print(f"  speculative     {sm.get('spec_acceptance_ratio', 0):.0%} of drafts accepted, "
               f"{sm.get('spec_tokens_per_verify', 0):.2f} tokens per verify step")
-    if "engine_graph_steps_total" in sm:
-        print(f"  engine steps    {sm['engine_graph_steps_total']:.0f} from CUDA graphs, "
+    if "engine_graph_steps_total" in sm or "engine_eager_steps_total" in sm:
+        print(f"  engine steps    {sm.get('engine_graph_steps_total', 0):.0f} from CUDA graphs, "
               f"{sm.get('engine_eager_steps_total', 0):.0f} eager; "
               f"{sm.get('kernel_compilations_after_ready', 0):.0f} kernel compilations after ready")
     phases = {k.split(".", 1)[1]: v for k, v in sm.items() if k.startswith("engine_phase") and "." in k}

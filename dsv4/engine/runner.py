@@ -137,8 +137,14 @@ class InFlight:
 
 
 class BucketGraph:
-    """One bucket's step captured in a CUDA graph: reads its fields from the staging buffer, writes logits
-    [n_out, V] into the runner's logits buffer."""
+    """One bucket's step captured in CUDA graphs: reads its fields from the staging buffer, leaves logits
+    [n_out, V] in the runner's logits buffer and every out row's draw in `sampled` / `sample_lp`.
+
+    Two executable graphs of the same step, replayed in turn: launching a graph while its previous launch
+    still runs makes the driver wait for it and then push every node again (milliseconds for a ~1500-node
+    step, the device idle meanwhile), while a graph that is not running launches in tens of microseconds.
+    The engine reads step N-1 before it launches step N+1, so the one launched is never still running.
+    Each is replayed once here, so that no request pays for its first upload."""
 
     def __init__(self, runner: Runner, bucket: Bucket, pool):
         self.bucket = bucket
@@ -157,13 +163,19 @@ class BucketGraph:
             for _ in range(2):
                 r.bucket_forward(t, bucket)
         torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            r.bucket_forward(t, bucket)
+        self.graphs = []
+        for _ in range(2):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                r.bucket_forward(t, bucket)
+            g.replay()                                    # uploads it (the empty step writes only to trash)
+            self.graphs.append(g)
+        self.turn = 0
         # the warm-up steps wrote only to the trash page (padding rows): nothing to restore
 
     def replay(self) -> None:
-        self.graph.replay()
+        self.graphs[self.turn].replay()
+        self.turn ^= 1
 
 
 class Runner:

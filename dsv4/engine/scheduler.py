@@ -159,7 +159,7 @@ class Scheduler:
                 break
             cached = self.manager.match(pages, seq.tokens) if seq.computed == 0 else 0
             n = min((budget // L) * L, len(seq.tokens) - cached)
-            reserve = (watermark[0] + at_edge, watermark[1] + at_edge)    # pages the decodes take next
+            reserve = (watermark[0] + at_edge, watermark[1] + at_edge) if self.running else (0, 0)
             if not (self.manager.can_fit(cached, cached + n, reserve)
                     and self.manager.allocate(pages, cached, cached + n)):
                 self.manager.release(pages)

@@ -196,6 +196,7 @@ class GreedySpecGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = step()
+        self.graph.replay()                                # uploads it (padding rows write only to trash)
 
     def run(self, tokens: list[list[int]], start: list[int], state: list[int]
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
