@@ -130,6 +130,8 @@ async def stream_outputs(owner, request_id: str, stream: Stream,
 def coalesce(outputs: list[StepOutput]) -> list[StepOutput]:
     """Outputs of the same choice merged, in order of first appearance (a stream whose reader fell behind
     sends fewer, larger chunks instead of falling further behind)."""
+    if len(outputs) == 1:
+        return outputs
     merged: dict[int, StepOutput] = {}
     for o in outputs:
         m = merged.get(o.index)

@@ -9,7 +9,6 @@ exactly k drafts runs at a fixed shape (`greedy_spec_step`), replayed from a CUD
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,12 +19,11 @@ from .scheduler import Scheduled
 from .sequence import Sequence, StepOutput, TokenLogprob
 from .speculative import Drafter, DraftRow, GreedySpecGraph, accept, greedy_spec_step
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
 
 class SpeculativeSteps:
-    def __init__(self, engine: Engine, k: int):
+    """The steps of one `Engine` (its scheduler, runner, output processor and counters) with k drafts."""
+
+    def __init__(self, engine, k: int):
         self.engine, self.k = engine, k
         self.drafter = Drafter(engine.model, engine.runner, engine.sampler)
         self.graphs: dict[int, GreedySpecGraph] = {}

@@ -1,0 +1,71 @@
+"""The server's side of the engine: outputs that pile up are merged per choice, in order, without losing
+a token, a log-probability, a piece of text or the finish; text is made from tokens with stop strings
+(`TextStreams`), and a stop string ends its choice and tells the engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+from dsv4.engine.client import Stream, coalesce, stream_outputs
+from dsv4.engine.output import TextStreams
+from dsv4.engine.sampling import SamplingParams
+from dsv4.engine.sequence import StepOutput, TokenLogprob
+from dsv4.train.tokenizer import ByteTokenizer
+
+
+def out(index: int, toks: list[int], text: str = "", finished: bool = False, reason=None) -> StepOutput:
+    return StepOutput("r", index, list(toks), [TokenLogprob(t, -float(t)) for t in toks], finished, reason, 3,
+                      0, text=text)
+
+
+def test_coalesce_keeps_order_and_the_last_finish():
+    items = [out(0, [1], "a"), out(1, [7], "x"), out(0, [2, 3], "bc"), out(1, [8], "y", True, "stop"),
+             out(0, [4], "d", True, "length")]
+    merged = coalesce(items)
+    assert [(m.index, m.new_tokens, m.text, m.finished, m.finish_reason) for m in merged] == [
+        (0, [1, 2, 3, 4], "abcd", True, "length"), (1, [7, 8], "xy", True, "stop")]
+    assert [lp.token for lp in merged[0].new_logprobs] == [1, 2, 3, 4]
+    assert items[0].new_tokens == [1]                       # the inputs are not changed
+    single = [out(0, [5])]
+    assert coalesce(single) == single
+
+
+def test_a_stream_that_fell_behind_gets_one_chunk_per_choice():
+    class Owner:
+        def __init__(self):
+            self.aborted, self.forgotten = [], []
+
+        def abort(self, rid):
+            self.aborted.append(rid)
+
+        def forget(self, rid):
+            self.forgotten.append(rid)
+
+    async def main():
+        owner = Owner()
+        stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), 1)
+        for item in (out(0, [1], "a"), out(0, [2], "b"), out(0, [3], "c", True, "stop")):
+            stream.queue.put_nowait(item)
+        got = [o async for o in stream_outputs(owner, "r", stream)]
+        return owner, got
+
+    owner, got = asyncio.run(main())
+    assert [(o.new_tokens, o.text, o.finished) for o in got] == [([1, 2, 3], "abc", True)]
+    assert owner.aborted == [] and owner.forgotten == ["r"]
+
+
+def test_text_streams_cut_at_a_stop_string_and_stop_the_choice():
+    tok = ByteTokenizer(0, 1)
+    stopped = []
+    text = TextStreams(tok, lambda rid, i: stopped.append((rid, i)))
+    prompt = [0] + list(b"say: ")
+    text.add("r", prompt, SamplingParams(max_tokens=20, stop=["END"]), 1)
+    first = text.process([StepOutput("r", 0, list(b"hello E"), [], False, None, len(prompt), 7)])
+    second = text.process([StepOutput("r", 0, list(b"ND more"), [], False, None, len(prompt), 14)])
+    late = text.process([StepOutput("r", 0, list(b"!"), [], False, None, len(prompt), 15)])
+    assert first[0].text + second[0].text == "hello "
+    assert second[0].finished and second[0].finish_reason == "stop" and second[0].new_tokens == list(b"ND")
+    assert second[0].completion_tokens == 9 and stopped == [("r", 0)]
+    assert late == []                                        # tokens still in flight are dropped
+    text.drop("r")
+    assert not text.streams
