@@ -68,4 +68,6 @@ def test_text_streams_cut_at_a_stop_string_and_stop_the_choice():
     assert second[0].completion_tokens == 9 and stopped == [("r", 0)]
     assert late == []                                        # tokens still in flight are dropped
     text.drop("r")
+    assert not text.streams and not text.requests
+    text.add("huge", prompt, SamplingParams(), 10**9)               # choices cost nothing before they speak
     assert not text.streams

@@ -88,25 +88,34 @@ class TextStreams:
 
     def __init__(self, tokenizer, on_stop: Callable[[str, int], None]):
         self.tokenizer, self.on_stop = tokenizer, on_stop
+        self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
         self.streams: dict[tuple[str, int], _Text] = {}
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams, n: int) -> None:
-        for i in range(n):
-            detok = Detokenizer.for_prompt(self.tokenizer, prompt)
-            detok.skip_special = params.skip_special_tokens
-            self.streams[(request_id, i)] = _Text(detok, StopChecker(list(params.stop),
-                                                                     params.include_stop_str_in_output))
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, n: int = 1) -> None:
+        """A request's prompt and settings; each choice's stream starts at its first output."""
+        self.requests[request_id] = (prompt, params)
 
     def drop(self, request_id: str) -> None:
+        if self.requests.pop(request_id, None) is None:
+            return
         for key in [k for k in self.streams if k[0] == request_id]:
             del self.streams[key]
+
+    def _stream(self, key: tuple[str, int]) -> _Text | None:
+        st = self.streams.get(key)
+        if st is None and key[0] in self.requests:
+            prompt, params = self.requests[key[0]]
+            detok = Detokenizer.for_prompt(self.tokenizer, prompt)
+            detok.skip_special = params.skip_special_tokens
+            st = self.streams[key] = _Text(detok, StopChecker(list(params.stop), params.include_stop_str_in_output))
+        return st
 
     def process(self, outputs: list[StepOutput]) -> list[StepOutput]:
         result = []
         for out in outputs:
             key = (out.request_id, out.index)
-            st = self.streams.get(key)
-            if st is None:                                   # a stream without text (or already stopped)
+            st = self._stream(key)
+            if st is None:                                   # a request this side does not make text for
                 result.append(out)
                 continue
             if st.done:
