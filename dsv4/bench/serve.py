@@ -271,7 +271,7 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
     """One server for `clients` clients: idle TTFT, then --repeats timed loads (fresh prompts each: the prefix
     cache must not serve a repeat)."""
     requests = args.requests or 4 * clients
-    procs = args.load_procs or min(8, -(-clients // 64))
+    procs = args.load_procs or min(8, -(-clients // 32))
     runs_work = [_work(vocab, requests, args, args.seed + 1000 * r) for r in range(args.repeats)]
     longest = max(len(p) + n for w in runs_work for p, n in w)
     sargs = argparse.Namespace(**vars(args))
@@ -439,7 +439,7 @@ def add_bench_serve_parser(subparsers) -> None:
     p.add_argument("--repeats", type=argtypes.positive_int, default=3,
                    help="timed runs per client count; figures are their median with min and max (default 3)")
     p.add_argument("--load-procs", type=argtypes.positive_int, default=None,
-                   help="load-generator processes (default: one per 64 clients, at most 8)")
+                   help="load-generator processes (default: one per 32 clients, at most 8)")
     p.add_argument("--prompt-len", type=argtypes.positive_int, default=128, help="mean prompt tokens (default 128)")
     p.add_argument("--output-len", type=argtypes.positive_int, default=64, help="mean output tokens (default 64)")
     p.add_argument("--spread", type=argtypes.float_in(0.0, 1.0, hi_open=True), default=0.25,
