@@ -379,7 +379,7 @@ def _from_hf(raw: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError("config keys 'layer_types' and 'compress_ratios' disagree")
         if len(ratios) != n_layers:
             raise ConfigError(f"config key 'layer_types': {len(ratios)} entries for num_hidden_layers={n_layers}")
-        compress_ratios = ratios
+        compress_ratios = ratios + ([] if compress_ratios is None else list(compress_ratios[len(ratios):]))
     if compress_ratios is not None:
         compress_ratios = list(compress_ratios)
         if len(compress_ratios) == n_layers:
