@@ -206,3 +206,29 @@ def test_the_draft_loss_trains_the_draft_and_never_the_main_model(tokens):
         losses.append(float(d.total))
         assert 1.0 <= float(d.tau) <= 1 + model.cfg.dspark_block_size
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_greedy_speculative_decoding_with_the_draft_is_plain_greedy(model, threshold):
+    """The draft's own blocks, with verify lengths from the confidence (threshold 0.5) or whole (0), and
+    blocks planted to hold the true continuation up to every depth then a wrong token: the tokens are plain
+    greedy decoding's (both in float64 accumulation, so no near-tie flips)."""
+    from dsv4.bench.dspark_accept import speculative_greedy
+    from dsv4.engine import generate
+    from dsv4.ops.precision import exact_accumulation
+
+    prompt, n, B = [5, 17, 300, 9, 44, 2, 71], 24, model.cfg.dspark_block_size
+    with exact_accumulation():
+        plain = generate(model, [prompt], max_new_tokens=n + B, stop_at_eos=False, deterministic=True)[0]
+        own = speculative_greedy(model, prompt, n, threshold=threshold)
+        depth = iter(range(10**6))
+
+        def plant(p: int, drafts: torch.Tensor) -> torch.Tensor:
+            good = next(depth) % (B + 1)                      # the first `good` drafts are right, then one wrong
+            truth = torch.tensor([plain[p - len(prompt) + 1: p - len(prompt) + 1 + B]])
+            return torch.where(torch.arange(B) < good, truth, (truth + 1) % model.cfg.vocab_size)
+        planted = speculative_greedy(model, prompt, n, threshold=threshold, plant=plant)
+    assert own.tokens == plain[:n] and planted.tokens == plain[:n]
+    assert (threshold == 0) == all(v == B for v in own.lengths + planted.lengths)
+    if threshold == 0:                            # every depth accepted once: fewer verify steps than tokens
+        assert planted.accepted > 0 and planted.verified > planted.accepted and planted.steps < n
