@@ -15,7 +15,15 @@ from pathlib import Path
 
 from . import argtypes
 from .errors import UserError, describe_error
-from .loading import add_device_args, add_model_args, add_quant_mode_arg, default_model_dir, load_model, resolve_config
+from .loading import (
+    add_device_args,
+    add_model_args,
+    add_quant_mode_arg,
+    default_model_dir,
+    load_model,
+    resolve_config,
+    speculative_problem,
+)
 
 
 # ------------------------------------------------------------------------------------------ info
@@ -127,8 +135,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     # everything the prompt needs is checked before the weights are read
     cfg = resolve_config(args)
-    if args.speculative and cfg.n_mtp_layers < 1:
-        raise UserError("--speculative drafts with the model's MTP block, and this model has none")
+    problem = speculative_problem(cfg, args.speculative)
+    if problem:
+        raise UserError(problem)
     text = _prompt_text(args)
     tokenizer = _generate_tokenizer(args)
     ids = _encode_prompt(args, text, tokenizer, cfg)

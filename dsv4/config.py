@@ -83,12 +83,21 @@ class ModelConfig:
     scale_fmt: str | None = "ue8m0"
     # numerics of the weights a checkpoint stores as FP8 / FP4: "w8a8" (official) or "w8a16"
     quant_mode: str = "w8a8"
+    # the speculative draft under mtp.*: 0 = the first release's MTP block(s); > 0 = a DSpark draft of
+    # n_mtp_layers window-only stages proposing this many tokens per step (Flash-0731: 5). The keys are the
+    # official inference code's (`ModelArgs.dspark_*` of the 0731 release).
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 0                  # the token filling the block after its anchor
+    dspark_target_layer_ids: tuple[int, ...] = ()   # main layers whose outputs the draft reads
+    dspark_markov_rank: int = 256                   # rank of the Markov head's token-transition bias
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
         check_types(self)  # before anything reads a value: a string or NaN must not reach int() or math
         ratios = tuple(self.compress_ratios) or (0,) * (self.n_layers + self.n_mtp_layers)
         object.__setattr__(self, "compress_ratios", ratios)   # normalized once, at construction
+        if isinstance(self.dspark_target_layer_ids, list):
+            object.__setattr__(self, "dspark_target_layer_ids", tuple(self.dspark_target_layer_ids))
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -101,6 +110,11 @@ class ModelConfig:
     @property
     def mix_hc(self) -> int:
         return (2 + self.hc_mult) * self.hc_mult
+
+    @property
+    def dspark(self) -> bool:
+        """Whether the MTP layers are a DSpark draft (else the first release's MTP blocks)."""
+        return self.dspark_block_size > 0 and self.n_mtp_layers > 0
 
     @property
     def act_format(self) -> str | None:
@@ -118,17 +132,47 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def with_draft(self, kind: str, *, stages: int = 3, block_size: int = 5,
+                   markov_rank: int | None = None) -> ModelConfig:
+        """This config with another speculative draft after the main layers: "none"; "mtp" (the first
+        release's single MTP block); "dspark" (Flash-0731's DSpark draft: `stages` window-only stages over
+        the last three main layers' outputs, a block of `block_size` tokens; the noise token is Flash-0731's
+        128799 where the vocabulary has it, else the last token id; Markov rank 256, or dim / 4 for models
+        narrower than 1024)."""
+        main = tuple(self.compress_ratios[: self.n_layers])
+        plain = dict(dspark_block_size=0, dspark_noise_token_id=0, dspark_target_layer_ids=())
+        if kind == "none":
+            return self.replace(n_mtp_layers=0, compress_ratios=main, **plain)
+        if kind == "mtp":
+            return self.replace(n_mtp_layers=1, compress_ratios=main + (0,), **plain)
+        if kind != "dspark":
+            raise ConfigError(f"draft must be 'none', 'mtp' or 'dspark', got {kind!r}")
+        targets = tuple(range(max(0, self.n_layers - 3), self.n_layers))
+        return self.replace(n_mtp_layers=stages, compress_ratios=main + (0,) * stages, dspark_block_size=block_size,
+                            dspark_noise_token_id=min(128799, self.vocab_size - 1), dspark_target_layer_ids=targets,
+                            dspark_markov_rank=markov_rank or (256 if self.dim >= 1024 else self.dim // 4))
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["compress_ratios"] = list(self.compress_ratios)
+        d["dspark_target_layer_ids"] = list(self.dspark_target_layer_ids)
         return d
+
+    def dspark_json(self) -> dict[str, Any]:
+        """The `dspark_*` keys of a config.json ({} for a model without a DSpark draft)."""
+        if not self.dspark:
+            return {}
+        return {"dspark_block_size": self.dspark_block_size, "dspark_noise_token_id": self.dspark_noise_token_id,
+                "dspark_target_layer_ids": list(self.dspark_target_layer_ids),
+                "dspark_markov_rank": self.dspark_markov_rank}
 
     def to_inference_json(self) -> dict[str, Any]:
         """The official inference `config.json` keys."""
         d = self.to_dict()
-        for k in ("name", "bos_token_id", "eos_token_id", "fp8_kv_sim", "fp4_indexer_sim", "quant_mode"):
+        for k in ("name", "bos_token_id", "eos_token_id", "fp8_kv_sim", "fp4_indexer_sim", "quant_mode",
+                  *(k for k in d if k.startswith("dspark_"))):
             d.pop(k)
-        return d
+        return {**d, **self.dspark_json()}
 
     def to_hf_json(self) -> dict[str, Any]:
         """Hugging Face `config.json` keys (as `DeepseekV4Config` reads them)."""
@@ -167,7 +211,7 @@ class ModelConfig:
             "hc_eps": self.hc_eps, "rms_norm_eps": self.norm_eps,
             "num_nextn_predict_layers": self.n_mtp_layers, "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id, "max_position_embeddings": self.max_seq_len,
-            "tie_word_embeddings": False, "hidden_act": "silu",
+            "tie_word_embeddings": False, "hidden_act": "silu", **self.dspark_json(),
         }
 
     # ------------------------------------------------------------------ readers
@@ -236,6 +280,8 @@ _HF_RENAMES = {
     "index_head_dim": "index_head_dim", "index_topk": "index_topk", "hc_mult": "hc_mult",
     "hc_sinkhorn_iters": "hc_sinkhorn_iters", "hc_eps": "hc_eps", "swiglu_limit": "swiglu_limit",
     "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "expert_dtype": "expert_dtype",
+    "dspark_block_size": "dspark_block_size", "dspark_noise_token_id": "dspark_noise_token_id",
+    "dspark_target_layer_ids": "dspark_target_layer_ids", "dspark_markov_rank": "dspark_markov_rank",
 }
 # Hugging Face keys accepted without effect on the math, with the value they must have (None = any).
 _HF_FIXED: dict[str, Any] = {
@@ -333,11 +379,15 @@ def _from_hf(raw: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError("config keys 'layer_types' and 'compress_ratios' disagree")
         if len(ratios) != n_layers:
             raise ConfigError(f"config key 'layer_types': {len(ratios)} entries for num_hidden_layers={n_layers}")
-        compress_ratios = ratios
+        compress_ratios = ratios + ([] if compress_ratios is None else list(compress_ratios[len(ratios):]))
     if compress_ratios is not None:
         compress_ratios = list(compress_ratios)
         if len(compress_ratios) == n_layers:
             compress_ratios += [0] * n_mtp
+        elif kw.get("dspark_block_size") and len(compress_ratios) > n_layers + n_mtp:
+            # Flash-0731's config.json says num_nextn_predict_layers 1 and lists one window-only entry
+            # per DSpark stage after the main layers: the entries count the stages
+            kw["n_mtp_layers"] = len(compress_ratios) - n_layers
         kw["compress_ratios"] = compress_ratios
     if mlp_types is not None:
         bad = [t for t in mlp_types if t not in ("hash_moe", "moe")]

@@ -143,6 +143,10 @@ SCHEMA: dict[str, Any] = {
     "expert_dtype": Choice((None, "fp8", "fp4")),
     "scale_fmt": Choice(SCALE_FMTS),
     "quant_mode": Choice(QUANT_MODES),
+    "dspark_block_size": Int(0, 64),
+    "dspark_noise_token_id": Int(0, 2 * M),
+    "dspark_target_layer_ids": IntList(Int(0, 1023), 64),
+    "dspark_markov_rank": Int(1, 64 * K),
     "name": Text(),
 }
 
@@ -150,10 +154,12 @@ SCHEMA: dict[str, Any] = {
 def approx_parameters(c: Any) -> int:
     """Parameters of a config, in closed form to within a few percent (embeddings, attention, experts)."""
     layers = c.n_layers + c.n_mtp_layers
+    draft = (c.dim * c.dim * len(c.dspark_target_layer_ids) + 2 * c.vocab_size * c.dspark_markov_rank
+             if c.dspark_block_size else 0)
     attn = (c.dim * c.q_lora_rank + c.q_lora_rank * c.n_heads * c.head_dim + c.dim * c.head_dim
             + c.n_heads * c.head_dim * c.o_lora_rank // max(c.o_groups, 1) + c.o_groups * c.o_lora_rank * c.dim)
     experts = (c.n_routed_experts + c.n_shared_experts) * 3 * c.dim * c.moe_inter_dim
-    return 2 * c.vocab_size * c.dim + layers * (attn + experts + c.n_routed_experts * c.dim)
+    return 2 * c.vocab_size * c.dim + layers * (attn + experts + c.n_routed_experts * c.dim) + draft
 
 
 def _nope_ok(c: Any) -> bool:
@@ -191,6 +197,15 @@ RELATIONS: list[tuple[str, Callable[[Any], str], Callable[[Any], bool]]] = [
      lambda c: c.bos_token_id < c.vocab_size),
     ("eos_token_id", lambda c: f"must be a token id < vocab_size ({c.vocab_size})",
      lambda c: c.eos_token_id < c.vocab_size),
+    ("dspark_target_layer_ids", lambda c: (f"a DSpark draft (dspark_block_size > 0) reads the outputs of main "
+                                           f"layers: give a non-empty, increasing list of layer indices below "
+                                           f"n_layers ({c.n_layers})"),
+     lambda c: not c.dspark_block_size or (len(c.dspark_target_layer_ids) > 0
+                                           and all(0 <= i < c.n_layers for i in c.dspark_target_layer_ids)
+                                           and list(c.dspark_target_layer_ids)
+                                           == sorted(set(c.dspark_target_layer_ids)))),
+    ("dspark_noise_token_id", lambda c: f"must be a token id < vocab_size ({c.vocab_size})",
+     lambda c: not c.dspark_block_size or c.dspark_noise_token_id < c.vocab_size),
     ("dim", lambda c: (f"the config describes about {approx_parameters(c):.3g} parameters, more than the "
                        f"limit of {MAX_PARAMETERS:.0e}; check the sizes (dim, n_layers, n_routed_experts, "
                        "moe_inter_dim, vocab_size)"),

@@ -24,8 +24,7 @@ class CheckpointError(UserError):
 
 
 class Unsupported(CheckpointError):
-    """A valid input that dsv4 recognizes but does not implement (e.g. a DSpark draft); the line says how
-    to go on without it."""
+    """A valid input that dsv4 recognizes but does not implement; the line says how to go on without it."""
 
 
 _IO_CAUSES = {

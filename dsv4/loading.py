@@ -33,8 +33,20 @@ def add_model_args(p: argparse.ArgumentParser, default_hint: str) -> None:
     g.add_argument("--config", metavar="FILE", type=argtypes.path,
                    help="a config.json (official or Hugging Face keys)")
     p.add_argument("--no-mtp", action="store_true",
-                   help="with --model: load the main model without its MTP block (a DSpark draft, which dsv4 "
-                        "does not run, is refused otherwise)")
+                   help="with --model: load the main model without its draft (the MTP block, or a DSpark draft)")
+
+
+def speculative_problem(cfg, k: int) -> str | None:
+    """Why `--speculative k` cannot run with a model of this config (None: it can)."""
+    if not k:
+        return None
+    if cfg.dspark:
+        return ("--speculative: this model's draft is a DSpark draft (Flash-0731); it loads and runs "
+                "(dsv4.model.dspark), but the serving engine drafts with the first release's MTP block only so "
+                "far: run without --speculative")
+    if cfg.n_mtp_layers < 1:
+        return "--speculative drafts with the model's MTP block, and this model has none"
+    return None
 
 
 QUANT_MODE_HELP = ("numerics of the weights a checkpoint stores as FP8 / FP4: w8a8 (default: the official "
@@ -60,7 +72,7 @@ def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
             from .checkpoint.layouts import config_from_json, without_mtp
 
             path = resolve_model_path(model_dir, weights=False)
-            cfg = config_from_json(path / "config.json")     # (a layout's own keys, e.g. dspark_*, left out)
+            cfg = config_from_json(path / "config.json")
             if getattr(args, "no_mtp", False):
                 cfg = without_mtp(cfg)
             return cfg if path == Path(model_dir) else cfg.replace(name=str(model_dir))   # a Hub id, not a hash

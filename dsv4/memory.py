@@ -501,7 +501,7 @@ def measure_training(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: 
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
 
     def step():
-        out = model(tokens, mtp=cfg.n_mtp_layers > 0, indexer_loss=True, balance_alpha=balance_alpha)
+        out = model(tokens, mtp=cfg.n_mtp_layers > 0 and not cfg.dspark, indexer_loss=True, balance_alpha=balance_alpha)
         total_loss(out, tokens).total.backward()
         opt.step()
 

@@ -116,3 +116,18 @@ def test_mtp_golden_fails_when_the_block_mixes_its_inputs_wrongly(monkeypatch):
     rows = {r.stage: r for r in goldens.compare_case("mtp")}
     assert rows["logits"].ok and rows["layers.0.ffn.out"].ok
     assert not rows["mtp.0.attn.out"].ok and not rows["mtp.0.logits"].ok
+
+
+def test_dspark_goldens_match_the_reference_code():
+    """The DSpark draft against the fixture from the official code's blocks and DeepSpec's heads: every
+    stage within the fp32 tolerance, the same greedy drafts and per-position verify lengths."""
+    rows = goldens.compare_dspark()
+    names = {r.stage for r in rows}
+    assert {"taps", "mtp.0.attn.out", "mtp.1.ffn.out", "dspark.base_logits", "dspark.logits", "dspark.confidence",
+            "dspark.tokens", "dspark.verify_length"} <= names
+    bad = [f"{r.stage}: {r.error:.3g} > {r.tol:.3g}" for r in rows if not r.ok]
+    assert not bad, bad
+    meta = goldens.fixture_metadata(goldens.DSPARK_CASE)
+    assert len(meta["official_commit"]) == 40 and len(meta["deepspec_commit"]) == 40
+    cfg = json.loads((goldens.GOLDEN_DIR / goldens.DSPARK_CASE / "config.json").read_text())
+    assert cfg["n_mtp_layers"] == 2 and cfg["dspark_block_size"] == 4 and cfg["dspark_target_layer_ids"] == [0, 1]

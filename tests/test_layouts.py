@@ -1,6 +1,6 @@
 """Checkpoint layouts as objects: every registered layout round-trips through its own files (write, detect,
-read back the same tensors), a layout added in one place is picked up everywhere, and the DSpark draft of
-Flash-0731 is recognized, validated and refused in one line."""
+read back the same tensors), a layout added in one place is picked up everywhere, and Flash-0731's release
+with its DSpark draft is recognized, validated, loaded, converted both ways and trained."""
 
 from __future__ import annotations
 
@@ -14,16 +14,17 @@ from test_checkpoint_helpers import make_representable, rewrite, tiny_model, tok
 from dsv4.checkpoint import layouts, load_pretrained, model_values, save
 from dsv4.checkpoint.inspect import format_report, inspect_dir
 from dsv4.checkpoint.layouts.base import Layout, register, unregister
-from dsv4.checkpoint.layouts.dspark import DraftParams, draft_tensors
-from dsv4.checkpoint.names import F32, INT, Spec
+from dsv4.checkpoint.names import F32, INT, Spec, dspark_tensors
 from dsv4.checkpoint.reader import plan, scan
 from dsv4.checkpoint.safetensors_io import read_header
 from dsv4.checkpoint.writer import plan_values
 from dsv4.cli import main
-from dsv4.errors import Unsupported
 
-# the draft of the synthetic DSpark checkpoints: Flash-0731's structure at the tiny preset's sizes
-DRAFT = DraftParams(stages=3, block_size=5, noise_token_id=7, target_layers=(1, 2, 3), markov_rank=8)
+
+def dspark_cfg(cfg):
+    """The draft of the synthetic DSpark checkpoints: Flash-0731's structure (3 stages over the last three
+    layers, blocks of 5) at the tiny preset's sizes."""
+    return cfg.with_draft("dspark", markov_rank=8).replace(dspark_noise_token_id=7)
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +46,19 @@ def _draft_value(name: str, spec: Spec, g: torch.Generator) -> torch.Tensor:
 
 def write_dspark(model, root: Path, edit=None) -> dict[str, torch.Tensor]:
     """A DSpark-layout checkpoint: the model's backbone as release BF16 shards, a 3-stage draft of random
-    tensors under mtp.*, and config.json with 3 MTP layers and the dspark_* keys. `edit(draft)` may change
-    the draft tensors before they are written. Returns the draft tensors as written."""
-    cfg = model.cfg
+    tensors under mtp.*, and config.json with the dspark_* keys and, as Flash-0731's says,
+    `num_nextn_predict_layers: 1` (the tensors count the stages). `edit(draft)` may change the draft tensors
+    before they are written. Returns the draft tensors as written."""
+    cfg = dspark_cfg(model.cfg)
     base = save(((n, v) for n, v in model_values(model) if not n.startswith("mtp.")),
                 layouts.without_mtp(cfg), root.parent / f"{root.name}-backbone", "bf16")
     g = torch.Generator().manual_seed(0)
-    specs = draft_tensors(cfg, DRAFT)
-    draft = {n: _draft_value(n, s, g) for n, s in specs.items()}
+    draft = {n: _draft_value(n, s, g) for n, s in dspark_tensors(cfg).items()}
     if edit is not None:
         edit(draft)
     rewrite(base, root, extra=draft)
     raw = json.loads((root / "config.json").read_text())
-    raw.update(num_nextn_predict_layers=DRAFT.stages, dspark_block_size=DRAFT.block_size,
-               dspark_noise_token_id=DRAFT.noise_token_id, dspark_target_layer_ids=list(DRAFT.target_layers),
-               dspark_markov_rank=DRAFT.markov_rank)
+    raw.update(num_nextn_predict_layers=1, **cfg.dspark_json())
     (root / "config.json").write_text(json.dumps(raw))
     return draft
 
@@ -150,10 +149,12 @@ def test_dspark_inspect_reports_the_draft(source, tmp_path):
     d = r["draft"]
     assert d["kind"] == "DSpark" and d["stages"] == 3 and d["stages_found"] == [0, 1, 2]
     assert d["tensors"] == len(draft) and d["markov_rank"] == 8 and d["target_layers"] == [1, 2, 3]
+    # config.json says 1 MTP layer, as Flash-0731's does: the tensors hold 3 stages, and they win
+    assert any("1 MTP layer(s)" in w and "3 DSpark stages" in w for w in r["warnings"])
     # window-only stages: the draft has no compressor and no indexer
     assert not any("compressor" in n or "indexer" in n for n in draft)
     text = format_report(r)
-    assert "DSpark draft under mtp.*: 3 stages" in text and "--no-mtp" in text
+    assert "DSpark draft under mtp.*: 3 stages, block size 5" in text and "--no-mtp" in text
     # no layout claims these files as the first release's MTP block
     assert layouts.get("release").claims(list(draft)) and layouts.detect(list(draft), False).name == "dspark"
 
@@ -175,37 +176,48 @@ def test_dspark_inventory_problems_are_each_named(source, tmp_path):
     assert "3 problem(s)" in format_report(r)
 
 
-def test_dspark_load_is_refused_in_one_line_and_runs_without_the_draft(source, tmp_path):
-    write_dspark(source, tmp_path / "ds")
-    with pytest.raises(Unsupported) as e:
-        load_pretrained(tmp_path / "ds")
-    msg = str(e.value)
-    assert "\n" not in msg and "DSpark draft" in msg and "3 stages" in msg
-    assert "--no-mtp" in msg and "mtp=False" in msg
-    m = load_pretrained(tmp_path / "ds", mtp=False, fp8_kv_sim=source.cfg.fp8_kv_sim,
-                        fp4_indexer_sim=source.cfg.fp4_indexer_sim)
-    assert m.cfg.n_mtp_layers == 0 and not any(n.startswith("mtp.") for n in m.state_dict())
-    assert any("DSpark draft (3 stages) not loaded" in w for w in m.checkpoint_plan["warnings"])
+def test_dspark_loads_with_its_draft_and_without_it(source, tmp_path):
+    draft = write_dspark(source, tmp_path / "ds")
+    qat = dict(fp8_kv_sim=source.cfg.fp8_kv_sim, fp4_indexer_sim=source.cfg.fp4_indexer_sim)
+    m = load_pretrained(tmp_path / "ds", **qat)
+    assert m.cfg.dspark and m.cfg.n_mtp_layers == 3 and m.cfg.dspark_block_size == 5
+    assert any("3 DSpark stages" in w for w in m.checkpoint_plan["warnings"])
+    got = official((n, v) for n, v in model_values(m) if n.startswith("mtp."))
+    assert got.keys() == draft.keys() and all(torch.equal(got[n], draft[n].float()) for n in draft)
     with torch.no_grad():
-        assert torch.equal(m(tokens()).logits, source(tokens()).logits)
+        assert torch.equal(m(tokens()).logits, source(tokens()).logits)        # the main model is untouched
+    m0 = load_pretrained(tmp_path / "ds", mtp=False, **qat)
+    assert m0.cfg.n_mtp_layers == 0 and not m0.cfg.dspark and not any(n.startswith("mtp.") for n in m0.state_dict())
+    with torch.no_grad():
+        assert torch.equal(m0(tokens()).logits, source(tokens()).logits)
 
 
-def test_dspark_cli_refuses_with_exit_1_and_one_line(source, tmp_path, capsys):
-    write_dspark(source, tmp_path / "ds")
+def test_dspark_cli_inspect_convert_both_ways_generate(source, tmp_path, capsys):
+    draft = write_dspark(source, tmp_path / "ds")
     assert main(["inspect", str(tmp_path / "ds")]) == 0
-    capsys.readouterr()
-    assert main(["convert", str(tmp_path / "ds"), str(tmp_path / "out"), "--to", "bf16"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "DSpark" in err[0] and "Traceback" not in err[0]
-    assert not (tmp_path / "out").exists()
-    assert main(["convert", str(tmp_path / "ds"), str(tmp_path / "out"), "--to", "bf16", "--no-mtp"]) == 0
-    assert not any(n.startswith("mtp.") for f in (tmp_path / "out").glob("*.safetensors") for n in read_header(f)[0])
+    # bf16 -> bf16 keeps the draft bit for bit; -> fp8 quantizes main_proj (and experts) like every linear
+    assert main(["convert", str(tmp_path / "ds"), str(tmp_path / "bf"), "--to", "bf16"]) == 0
+    assert main(["convert", str(tmp_path / "ds"), str(tmp_path / "f8"), "--to", "fp8", "--expert-dtype", "fp4"]) == 0
+    assert main(["convert", str(tmp_path / "f8"), str(tmp_path / "back"), "--to", "bf16"]) == 0
+    for d in ("bf", "f8", "back"):
+        r = inspect_dir(tmp_path / d)
+        assert r["layout"] == "dspark" and r["ok"] and r["draft"]["stages"] == 3, (d, r["problems"])
+    bf = official((n, v) for n, v in plan_values(plan(tmp_path / "bf")) if n.startswith("mtp."))
+    assert all(torch.equal(bf[n], draft[n].float()) for n in draft)
+    headers = {n: i for f in (tmp_path / "f8").glob("*.safetensors") for n, i in read_header(f)[0].items()}
+    assert headers["mtp.0.main_proj.weight"].dtype == "F8_E4M3" and "mtp.0.main_proj.scale" in headers
+    assert headers["mtp.2.markov_head.markov_w2.weight"].dtype == "BF16"     # never quantized
+    f8 = official(plan_values(plan(tmp_path / "f8")))
+    back = official(plan_values(plan(tmp_path / "back")))
+    assert f8.keys() == back.keys() and all(torch.equal(f8[n], back[n]) for n in f8)   # fp8 -> bf16 exact
+    assert main(["convert", str(tmp_path / "ds"), str(tmp_path / "main"), "--to", "bf16", "--no-mtp"]) == 0
+    assert not any(n.startswith("mtp.") for f in (tmp_path / "main").glob("*.safetensors") for n in read_header(f)[0])
     gen = ["generate", "--model", str(tmp_path / "ds"), "--prompt-ids", "1,2", "--max-new-tokens", "2"]
     capsys.readouterr()
-    assert main(gen) == 1  # config.json's dspark_* keys are read around; the draft itself is refused
+    assert main(gen) == 0
+    assert main([*gen, "--speculative", "2"]) == 2            # the engine does not drive a DSpark draft yet
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "DSpark draft" in err[0] and "--no-mtp" in err[0]
-    assert main([*gen, "--no-mtp"]) == 0
+    assert len(err) == 1 and err[0].startswith("error: --speculative") and "DSpark" in err[0]
 
 
 def test_the_draft_params_are_checked_against_the_config(source, tmp_path):
@@ -217,7 +229,7 @@ def test_the_draft_params_are_checked_against_the_config(source, tmp_path):
     assert not r["ok"] and any("dspark_target_layer_ids" in m for m in r["problems"])
 
 
-def test_training_from_a_dspark_checkpoint_needs_no_mtp_and_then_runs_without_the_draft(source, tmp_path, capsys):
+def test_training_the_draft_of_a_dspark_checkpoint_keeps_the_main_model(source, tmp_path, capsys):
     write_dspark(source, tmp_path / "ds")
     data = tmp_path / "data"
     data.mkdir()
@@ -225,9 +237,12 @@ def test_training_from_a_dspark_checkpoint_needs_no_mtp_and_then_runs_without_th
         (data / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 20, encoding="utf-8")
     train = ["train", "--init-from", str(tmp_path / "ds"), "--data", str(data), "--held-out-pct", "50",
              "--steps", "1", "--batch-size", "1", "--seq-len", "16", "--eval-every", "0", "--sample-prompt", "",
-             "--no-progress", "--device", "cpu"]
-    capsys.readouterr()
-    assert main([*train, "--out", str(tmp_path / "run1")]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "DSpark draft" in err[0] and "--no-mtp" in err[0]
-    assert main([*train, "--no-mtp", "--out", str(tmp_path / "run2")]) == 0
+             "--no-progress", "--device", "cpu", "--freeze-main", "--dspark-anchors", "4"]
+    assert main([*train, "--out", str(tmp_path / "run"), "--export", str(tmp_path / "exp")]) == 0
+    before = official(plan_values(plan(tmp_path / "ds")))
+    after = official(plan_values(plan(tmp_path / "exp")))
+    assert after.keys() == before.keys()
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed and all(n.startswith("mtp.") for n in changed), sorted(changed)[:5]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("dspark" in r and "dspark_tau" in r for r in rows)

@@ -704,3 +704,21 @@ def test_resume_keeps_one_metrics_row_per_step_and_its_pointer_inside_the_run(tm
     (ckpts / "latest").write_text("step_00000002")
     with pytest.raises(checkpoint.CorruptCheckpoint, match="not a checkpoint inside"):
         Trainer(_train_cfg(tmp_path, save_every=-1, resume="auto"), log=lambda *_: None)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_training_a_dspark_draft_with_or_without_the_main_model(tmp_path, frozen):
+    """--draft dspark: the draft's loss and tau are logged; with --freeze-main only the draft (and its
+    routers' bias) moves, without it the main model trains on its own losses as well."""
+    t = Trainer(_train_cfg(tmp_path, draft="dspark", freeze_main=frozen, dspark_anchors=4, steps=2, eval_every=0,
+                           diag_every=0, save_every=-1), log=lambda *_: None)
+    assert t.model.cfg.dspark and t.model.cfg.n_mtp_layers == 3
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    t.fit()
+    rows = [r for r in t.history if "loss" in r]
+    assert len(rows) == 2 and all(r["dspark"] > 0 and 1 <= r["dspark_tau"] <= 6 and "lm" in r for r in rows)
+    moved = {k for k, v in t.model.state_dict().items() if not torch.equal(v, before[k])}
+    assert any(k.startswith("mtp.") for k in moved)
+    assert any(not k.startswith("mtp.") for k in moved) != frozen, sorted(moved)[:5]
+    if frozen:
+        assert all(r["loss"] == r["dspark"] for r in rows)

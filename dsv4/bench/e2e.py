@@ -208,7 +208,7 @@ def bench_train(model, args, device, path: str) -> dict:
     tokens = _tokens(cfg, args.batch, args.seq, device)
     model.train()
     full = bool(getattr(args, "optimizer", False))
-    mtp = full and cfg.n_mtp_layers > 0
+    mtp = full and cfg.n_mtp_layers > 0 and not cfg.dspark
     opt = MuonAdamW(model, OptimConfig(lr=1e-4)) if full else None
     autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if full
                 else contextlib.nullcontext())

@@ -77,7 +77,7 @@ def check_training(cfg: ModelConfig, dev: torch.device, steps: int = 3, batch: i
         m.load_state_dict(models[0].state_dict())
     eager, eager2, graphed = models
     optims = [MuonAdamW(m, OptimConfig(lr=1e-3)) for m in models]
-    mtp = cfg.n_mtp_layers > 0
+    mtp = cfg.n_mtp_layers > 0 and not cfg.dspark          # (a DSpark draft trains through model.dspark)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(2, cfg.vocab_size, (batch, seq), generator=gen).to(dev) for _ in range(steps)]
 

@@ -91,7 +91,7 @@ def _one_run(model: DeepSeekV4, tokens: torch.Tensor, trace: _OpTrace | None = N
             trace.stage = f"after stage {name}"
 
     with capturing(inject=stage) as cap:
-        out = model(tokens, mtp=len(model.mtp) > 0)
+        out = model(tokens, mtp=len(model.mtp) > 0 and not model.cfg.dspark)
         loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
         for lg in out.mtp_logits:
             loss = loss + lg.float().logsumexp(-1).mean() * 0.1

@@ -33,6 +33,13 @@ attention and MoE output, last-position logits), all computed in fp32. transform
 FP8 KV or FP4 indexer round trip, no indexer rotation) and builds no MTP block; dsv4's loader takes a
 transformers directory in those semantics, so everything the fixture holds is expected to match, with
 the fp32 tolerance above (measured: 5e-7 - 3e-6).
+
+`dsv4/assets/goldens/dspark/` holds the DSpark draft of Flash-0731 (`scripts/dspark_goldens.py`): two
+window-only main layers and a two-stage draft in the official inference layout, computed with the official
+code's blocks (the draft's attention, taps and heads as the release defines them, written in the official
+primitives) and DeepSpec's Markov head, confidence head and per-position verify length; 40 tokens, five
+anchors whose context windows are partly and wholly filled (`compare_dspark`; measured: within 1.4e-5 at
+every stage, the same drafts and verify lengths).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import torch
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "assets" / "goldens"
 CASES = ("bf16", "fp8-fp4", "mtp")
 TRANSFORMERS_CASE = "transformers"
+DSPARK_CASE = "dspark"
 FP32_TOL = 4e-5
 W8A8_TOL = 2.0**-4
 
@@ -99,6 +107,58 @@ def compare_case(case: str, device: str | torch.device = "cpu", model=None) -> l
             got = stages[name]
         err = float((got.float().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-30))
         rows.append(StageError(case, name, err, tolerance(case, name)))
+    return rows
+
+
+def compare_dspark(device: str | torch.device = "cpu", model=None) -> list[StageError]:
+    """The DSpark fixture (`scripts/dspark_goldens.py`: the official code's blocks with Flash-0731's draft
+    written out in them, DeepSpec's Markov and confidence heads and per-position verify length): load it
+    with the checkpoint loader (unless `model` is given), run the draft over the fixture's anchors
+    (`DSparkDraft.sequence_blocks`, greedy `chain`) and compare the taps, every stage's attention and MoE
+    output, the base and Markov-corrected logits, the confidence logits (fp32 tolerance), the drafted
+    tokens and the verify length at the fixture's threshold (equal: error 0, else inf)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from ..checkpoint import load_pretrained
+    from ..model.dspark import verify_length
+    from .capture import capture
+
+    d = GOLDEN_DIR / DSPARK_CASE
+    golden = load_file(str(d / "golden.safetensors"))
+    with safe_open(str(d / "golden.safetensors"), "pt") as f:
+        threshold = float(f.metadata()["threshold"])
+    if model is None:
+        model = load_pretrained(d, dtype=torch.float32, device=device)
+    dev = model.embed.weight.device
+    tokens, anchors = golden["tokens"].to(dev), golden["anchors"].to(dev)
+    n, B = model.cfg.n_layers, model.cfg.dspark_block_size
+    with torch.no_grad():
+        out = model(tokens, taps=True)
+
+        def draft():
+            blocks = model.dspark.sequence_blocks(out.taps, tokens, anchors)
+            return model.dspark.chain(blocks, tokens[0, anchors[0]])
+        prop, stages = capture(draft)
+    got = {"logits": out.logits[:, -1], "taps": out.taps, "dspark.logits": prop.logits,
+           "dspark.confidence": prop.confidence,
+           "dspark.base_logits": stages[f"mtp.{model.cfg.n_mtp_layers - 1}.base_logits"].view(-1, B,
+                                                                                              model.cfg.vocab_size)}
+    for k in range(model.cfg.n_mtp_layers):
+        for part in ("attn.out", "ffn.out"):
+            got[f"mtp.{k}.{part}"] = stages[f"layers.{n + k}.{part}"].view(-1, B, model.cfg.dim)
+    rows = []
+    for name, want in golden.items():
+        if name in ("tokens", "anchors"):
+            continue
+        if name == "dspark.tokens":
+            err = 0.0 if torch.equal(prop.tokens.cpu(), want) else float("inf")
+        elif name == "dspark.verify_length":
+            mine = verify_length(prop.confidence, threshold, rule="per_position").cpu()
+            err = 0.0 if torch.equal(mine, want) else float("inf")
+        else:
+            err = float((got[name].float().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+        rows.append(StageError(DSPARK_CASE, name, err, FP32_TOL))
     return rows
 
 

@@ -416,6 +416,17 @@ def _plant_z08(ctx):
     return patched(distributed, _ep_rank=lambda group=None: 0)
 
 
+def _plant_z25(ctx):
+    """Z25: the DSpark block roped one position early (at p - 1 + i instead of the anchor's p + i)."""
+    from ..model.dspark import DSparkAttention
+
+    original = DSparkAttention.block
+
+    def block(self, x, positions, ctx_kv, ctx_idx, block_size):
+        return original(self, x, positions - 1, ctx_kv, ctx_idx, block_size)
+    return patched(DSparkAttention, block=block)
+
+
 def _ep_pending() -> str:
     try:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401
@@ -520,6 +531,11 @@ MUTANTS: list[Mutant] = [
            lambda ctx: temporary_backend("moe_experts", "mutant_host_split", moe_host_split),
            symptom="the compiler failed: it could not guard on a data-dependent expression",
            mutant="a `moe_experts` backend that reads each expert's token count to the host to size its group"),
+    Mutant("Z25", "DSpark block roped at the last context position", ["dspark-goldens"], _plant_z25,
+           symptom="a port's reference for the DSpark draft roped the block one position early; nothing "
+                   "failed, the drafts looked plausible and its parity test compared the device with itself",
+           mutant="`DSparkAttention.block` ropes the block's queries, keys and output at positions p - 1 + i "
+                  "instead of the anchor's p + i"),
 ]
 
 

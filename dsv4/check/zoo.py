@@ -917,6 +917,12 @@ def transformers_goldens(ctx: Context) -> CheckResult:
     return _golden_verdict(goldens.compare_case(case, ctx.device), f"transformers {version}'s numbers")
 
 
+def dspark_goldens(ctx: Context) -> CheckResult:
+    """The DSpark draft (`dsv4.model.dspark`) against the fixture the reference code produced: every
+    stage, the drafts, their confidence and the verify length (`goldens.compare_dspark`)."""
+    return _golden_verdict(goldens.compare_dspark(ctx.device), "the DSpark reference's numbers")
+
+
 CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "checkpoint-roundtrip": checkpoint_roundtrip,
     "ep-ranges": ep_ranges,
@@ -943,4 +949,5 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "e8m0-bytes": e8m0_bytes,
     "official-goldens": official_goldens,
     "transformers-goldens": transformers_goldens,
+    "dspark-goldens": dspark_goldens,
 }

@@ -1,9 +1,10 @@
-"""Checkpoints: the release, inference (model-parallel) and Hugging Face layouts, and the DSpark draft
-recognized but not run (one module each in `layouts/`); load, inspect, convert."""
+"""Checkpoints: the release, inference (model-parallel) and Hugging Face layouts, and Flash-0731's release
+with its DSpark draft (one module each in `layouts/`); load, inspect, convert, random-weight checkpoints."""
 
 from .layouts import LAYOUTS, expected_tensors, parameter_totals
 from .load import load_into, load_pretrained
 from .names import canonical, official_tensors, to_model, to_official
+from .random_weights import write_random
 from .reader import Plan, Value, plan, stream
 from .safetensors_io import CheckpointError
 from .writer import TARGETS, convert, model_values, save
@@ -27,4 +28,5 @@ __all__ = [
     "stream",
     "to_model",
     "to_official",
+    "write_random",
 ]

@@ -83,7 +83,7 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--shard-gb", type=argtypes.positive_float, default=4.0, help="shard size for release/hf outputs")
     p.add_argument("--no-mtp", action="store_true",
-                   help="leave the MTP block out (needed for a source whose draft dsv4 does not run: DSpark)")
+                   help="leave the draft out (the MTP block, or a DSpark draft)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_convert)
     return p

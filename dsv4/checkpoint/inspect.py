@@ -49,7 +49,7 @@ def inspect_dir(path: str | Path, config: ModelConfig | None = None, layout: str
         report["problems"] = list(getattr(e, "problems", [str(e)]))
         if cfg is None:
             try:
-                cfg = lay.load_config(root)
+                cfg = lay.configure(lay.load_config(root), [n for h in headers.values() for n in h], root)[0]
             except CheckpointError:
                 cfg = None
     report.update(lay.details(root, [n for h in headers.values() for n in h], cfg))
@@ -99,7 +99,7 @@ def format_report(r: dict) -> str:
         if d["stages_found"] != list(range(stages)):
             line += f"; the files hold stages {d['stages_found']}"
         lines.append(line)
-        lines.append("  note: dsv4 does not run this draft; load the main model with --no-mtp")
+        lines.append("  note: the draft loads with the model (dsv4.model.dspark); --no-mtp leaves it out")
     for w in r.get("warnings", []):
         lines.append(f"  warning: {w}")
     if r["problems"]:

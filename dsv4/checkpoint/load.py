@@ -58,8 +58,8 @@ def load_pretrained(
     quant_mode: "w8a8" (the official numerics, the default) or "w8a16" for the weights stored as FP8 /
     FP4; fp8_kv_sim / fp4_indexer_sim: the QAT simulations. None = the config's value, or for a
     transformers ("hf" layout) directory transformers' semantics (both simulations off).
-    mtp: False builds the model without its MTP block and leaves the checkpoint's MTP tensors unread (the
-    way to load the main model of a checkpoint whose draft dsv4 does not implement: DSpark).
+    mtp: False builds the model without its draft (the MTP block, or a DSpark draft) and leaves the
+    checkpoint's `mtp.*` tensors unread.
     """
     from ..model import DeepSeekV4
     from ..model.quant import set_quant_mode

@@ -105,7 +105,9 @@ def official_tensors(cfg: ModelConfig, mtp: bool = True) -> dict[str, Spec]:
     out["hc_head_fn"] = Spec((hc, hc * d), F32)
     out["hc_head_base"] = Spec((hc,), F32)
     out["hc_head_scale"] = Spec((1,), F32)
-    if mtp:
+    if mtp and cfg.dspark:
+        out.update(dspark_tensors(cfg))
+    elif mtp:
         for k in range(cfg.n_mtp_layers):
             p = f"mtp.{k}"
             blk = _block_tensors(cfg, cfg.n_layers + k)
@@ -122,6 +124,27 @@ def official_tensors(cfg: ModelConfig, mtp: bool = True) -> dict[str, Spec]:
                 }
             )
             out.update({f"{p}.{k2}": v for k2, v in blk.items()})
+    return out
+
+
+def dspark_tensors(cfg: ModelConfig) -> dict[str, Spec]:
+    """{official name: Spec} of a DSpark draft under `mtp.*` (Flash-0731): every stage a window-only
+    block; `main_proj` / `main_norm` on the first stage; the last stage's `norm`, HC head, Markov head
+    (`markov_w1` [vocab, rank] an embedding, `markov_w2` [vocab, rank] a projection) and confidence head
+    (`proj` [1, dim + rank], no bias). Embedding and head are the main model's."""
+    d, hc, last, r = cfg.dim, cfg.hc_mult, cfg.n_mtp_layers - 1, cfg.dspark_markov_rank
+    out: dict[str, Spec] = {}
+    for k in range(cfg.n_mtp_layers):
+        out.update({f"mtp.{k}.{n}": v for n, v in _block_tensors(cfg, cfg.n_layers + k).items()})
+    out["mtp.0.main_proj.weight"] = Spec((d, d * len(cfg.dspark_target_layer_ids)), LINEAR)
+    out["mtp.0.main_norm.weight"] = Spec((d,), DENSE)
+    out[f"mtp.{last}.norm.weight"] = Spec((d,), DENSE)
+    out[f"mtp.{last}.hc_head_fn"] = Spec((hc, hc * d), F32)
+    out[f"mtp.{last}.hc_head_base"] = Spec((hc,), F32)
+    out[f"mtp.{last}.hc_head_scale"] = Spec((1,), F32)
+    out[f"mtp.{last}.markov_head.markov_w1.weight"] = Spec((cfg.vocab_size, r), DENSE)
+    out[f"mtp.{last}.markov_head.markov_w2.weight"] = Spec((cfg.vocab_size, r), DENSE)
+    out[f"mtp.{last}.confidence_head.proj.weight"] = Spec((1, d + r), DENSE)
     return out
 
 
@@ -295,7 +318,7 @@ def split_dim(official: str) -> int | None:
     if not m:
         return None
     rest = m["rest"]
-    if rest in _SPLIT_DIM0:
+    if rest in _SPLIT_DIM0 or rest.startswith("markov_head."):   # the Markov head is vocab-parallel
         return 0
     if rest == "attn.wo_b":
         return 1

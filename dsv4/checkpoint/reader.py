@@ -84,7 +84,10 @@ def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = 
         if asked.rank_files != lay.rank_files:
             raise CheckpointError(f"{root}: --layout {layout} given, but the files are a {found} checkpoint")
         lay = asked
-    cfg = cfg or lay.load_config(root, overrides)
+    warnings: list[str] = []
+    if cfg is None:
+        cfg, warnings = lay.configure(lay.load_config(root, overrides), [n for h in headers.values() for n in h],
+                                      root)
     probs = Problems()
     weights: dict[str, list[Piece]] = {}
     scales: dict[str, list[Piece]] = {}
@@ -104,7 +107,6 @@ def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = 
                 (scales if c.kind == "scale" else weights).setdefault(c.name, []).append(piece)
 
     expected = lay.tensors(cfg, root)
-    warnings: list[str] = []
     has_mtp = any(n.startswith("mtp.") for n in weights)
     absent = lay.mtp_absent(root) if cfg.n_mtp_layers and not has_mtp else None
     if absent is not None:

@@ -173,8 +173,9 @@ def convert(
     """`dsv4 convert`: read any layout, write the target one (see save).
 
     --to fp8: experts become MXFP4 when expert_dtype is "fp4", or (unless force_expert_dtype) when the
-    source experts or config are MXFP4; otherwise FP8. mtp=False leaves the MTP block out; a source
-    whose layout dsv4 cannot run (a DSpark draft) is refused unless it is left out.
+    source experts or config are MXFP4; otherwise FP8. mtp=False leaves the draft out (the MTP block or a
+    DSpark draft); a DSpark draft is kept by --to bf16 / fp8 / inference (transformers has no draft: --to
+    hf leaves it out).
     """
     p = for_loading(plan(src, layout=layout), mtp)
     cfg = p.cfg

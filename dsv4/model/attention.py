@@ -182,11 +182,17 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))                                                  # [b, s, q_lora]
         q = rms_normalize(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), self.eps)
         q = apply_rope_tail(q, self.rope, positions)                                    # [b, s, h, d]
-        kv = apply_rope_tail(self.kv_norm(self.wkv(x)), self.rope, positions)           # [b, s, d]
+        kv = self._kv(x, positions)                                                     # [b, s, d]
+        return qr, record_as(f"{self.stage}.q", q, shape), record_as(f"{self.stage}.kv", kv, shape)
+
+    def _kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The shared key/value head of x [b, s, dim] at positions: norm, RoPE tail, FP8 round trip of the
+        non-RoPE dims (QAT) -> [b, s, d]."""
+        kv = apply_rope_tail(self.kv_norm(self.wkv(x)), self.rope, positions)
         if self.cfg.fp8_kv_sim:
             kv = torch.cat([ops.fp8_round_trip(kv[..., : -self.rope_dim], 64, self.cfg.kv_scale_pow2),
                             kv[..., -self.rope_dim:]], -1)
-        return qr, record_as(f"{self.stage}.q", q, shape), record_as(f"{self.stage}.kv", kv, shape)
+        return kv
 
     def _output(self, o: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int] | None = None) -> torch.Tensor:
         o = apply_rope_tail(o, self.rope, positions, inverse=True)                      # [b, s, h, d]

@@ -7,6 +7,8 @@ back into every copy: copy_j = post_j * f(x) + sum_i comb[i, j] * copy_i.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -29,11 +31,12 @@ class Block(nn.Module):
     """
 
     activation_checkpointing: bool = False
+    attention_cls: type[Attention] = Attention
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
-        self.attn = Attention(cfg, layer_id)
+        self.attn = self.attention_cls(cfg, layer_id)
         self.ffn = MoE(cfg, layer_id)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -61,11 +64,17 @@ class Block(nn.Module):
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor | None, token_ids: torch.Tensor,
                  plan: Plan | None, pool: LayerPool | None) -> torch.Tensor:
+        if plan is None:
+            return self._mix(x, lambda h: self.attn(h, positions), token_ids)
+        return self._mix(x, lambda h: self.attn.append(h, plan, pool), token_ids)
+
+    def _mix(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
+             token_ids: torch.Tensor) -> torch.Tensor:
+        """mHC around `attend` (normalized sublayer input [b, s, dim] -> output), then around the MoE."""
         residual = x
         h, post, comb = self._hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         h = record(f"{self.stage}.hc_attn_pre", h)
-        h = self.attn_norm(h)
-        h = self.attn(h, positions) if plan is None else self.attn.append(h, plan, pool)
+        h = attend(self.attn_norm(h))
         x = record(f"{self.stage}.hc_attn_post", ops.hc_post(h, residual, post, comb))
 
         residual = x

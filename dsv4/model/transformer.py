@@ -21,6 +21,7 @@ from torch import nn
 from .. import defaults
 from ..config import ModelConfig
 from .block import Block, MTPBlock, hc_head
+from .dspark import DSparkDraft, DSparkStage, draft_of
 from .layers import RMSNorm, autocast_dtype, linear_fp32, record
 from .moe import Experts, Gate
 from .paged import BatchCache, PagedKVCache, StepInputs, plan_step
@@ -34,6 +35,7 @@ class ModelOutput:
     indexer_loss: torch.Tensor | None = None              # summed over CSA layers
     balance_loss: torch.Tensor | None = None              # summed over MoE layers (when alpha > 0)
     expert_load: list[torch.Tensor] = field(default_factory=list)  # per layer [E] token counts
+    taps: torch.Tensor | None = None                      # [b, s, len(targets) * dim]: a DSpark draft's input
 
 
 def _capturing(device: torch.device) -> bool:
@@ -66,7 +68,10 @@ class DeepSeekV4(nn.Module):
             self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=torch.float32))
             self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32))
             self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
-            self.mtp = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + k) for k in range(cfg.n_mtp_layers))
+            if cfg.dspark:                      # Flash-0731: the DSpark draft's stages (dsv4.model.dspark)
+                self.mtp = nn.ModuleList(DSparkStage(cfg, k) for k in range(cfg.n_mtp_layers))
+            else:                               # the first release: MTP blocks
+                self.mtp = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + k) for k in range(cfg.n_mtp_layers))
         if str(device) != "meta":
             self.reset_parameters()
 
@@ -173,10 +178,29 @@ class DeepSeekV4(nn.Module):
                              f"[{int(tokens.min())}, {int(tokens.max())}]")
 
     # ------------------------------------------------------------------ full sequence
+    @property
+    def dspark(self) -> DSparkDraft | None:
+        """The DSpark draft (`dsv4.model.dspark.DSparkDraft`) when the MTP layers are DSpark stages."""
+        return draft_of(self)
+
+    def _taps(self, h: torch.Tensor, i: int, taps: list[torch.Tensor]) -> None:
+        """Keep the mean over the mHC copies of layer i's output h [..., hc, dim] when a DSpark draft reads
+        it (`dspark_target_layer_ids`)."""
+        if i in self.cfg.dspark_target_layer_ids:
+            taps.append(h.mean(-2))
+
     def forward(self, tokens: torch.Tensor, *, mtp: bool = False, indexer_loss: bool = False,
-                balance_alpha: float = 0.0, last_only: bool = False) -> ModelOutput:
-        """tokens [b, s] from position 0 -> ModelOutput (logits [b, s, vocab] fp32, or [b, 1, vocab])."""
+                balance_alpha: float = 0.0, last_only: bool = False, taps: bool = False) -> ModelOutput:
+        """tokens [b, s] from position 0 -> ModelOutput (logits [b, s, vocab] fp32, or [b, 1, vocab]).
+
+        mtp: the first release's MTP blocks' logits (`mtp_logits`); taps: the DSpark draft's input
+        (`taps`, see `dsv4.model.dspark`; a DSpark draft itself runs through `model.dspark`)."""
         self._check_tokens(tokens)
+        if mtp and self.cfg.dspark:
+            raise ValueError("this model's draft is DSpark, not MTP blocks: run it through model.dspark "
+                             "(forward(..., taps=True) gives its input)")
+        if taps and not self.cfg.dspark:
+            raise ValueError("taps are the input of a DSpark draft, and this model has none")
         s = tokens.size(1)
         positions = torch.arange(s, device=tokens.device)
         for layer in self.layers:
@@ -185,8 +209,11 @@ class DeepSeekV4(nn.Module):
             layer.ffn.balance_alpha = balance_alpha
             layer.ffn.balance_loss = None
         h = self._embed(tokens)
-        for layer in self.layers:
+        tapped: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
             h = layer(h, positions, tokens)
+            if taps:
+                self._taps(h, i, tapped)
         out = ModelOutput(
             logits=self._head(h[:, -1:] if last_only else h, self.hc_head_fn, self.hc_head_scale,
                               self.hc_head_base, self.norm),
@@ -199,6 +226,8 @@ class DeepSeekV4(nn.Module):
             out.balance_loss = torch.stack(parts).sum() if parts else None
         if mtp:
             out.mtp_logits = self._mtp(h, tokens, positions)
+        if taps:
+            out.taps = torch.cat(tapped, -1)
         return out
 
     def _mtp(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
@@ -216,14 +245,16 @@ class DeepSeekV4(nn.Module):
     # ------------------------------------------------------------------ incremental
     @torch.no_grad()
     def append(self, tokens: torch.Tensor, inputs: StepInputs, cache: PagedKVCache,
-               return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               return_hidden: bool = False, return_taps: bool = False
+               ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Append tokens to many sequences at their own positions: the one incremental entry point.
 
         tokens [b, s] (b rows of s tokens) or [1, T] (a ragged step) in the flat order `inputs` describes;
         s = 1 is decode, s > 1 a prefill chunk, s = k + 1 a speculative verify. Writes every layer's
         window rows, compressed entries and pending compressor rows into `cache`, then returns fp32 logits
         [n, vocab] of the tokens `inputs.out` names (all T when None), and with return_hidden also the
-        hidden states [T, hc, dim] before the HC head (the MTP draft's input).
+        hidden states [T, hc, dim] before the HC head (the MTP draft's input), with return_taps the DSpark
+        draft's input [T, len(targets) * dim] (`dsv4.model.dspark`; after the hidden states when both).
 
         No host synchronization: every index is derived on the device from `inputs` (`plan_step`), so a
         fixed-shape step can be captured in a CUDA graph.
@@ -232,14 +263,22 @@ class DeepSeekV4(nn.Module):
             raise ValueError(f"tokens must be an integer tensor [b, s] or [1, T], got {tuple(tokens.shape)} "
                              f"{tokens.dtype}")
         plan = plan_step(inputs, cache.layout)
+        if return_taps and not self.cfg.dspark:
+            raise ValueError("taps are the input of a DSpark draft, and this model has none")
         h = self._embed(tokens)                                                         # [b, s, hc, dim]
-        for layer, pool in zip(self.layers, cache.layers):
+        tapped: list[torch.Tensor] = []
+        for i, (layer, pool) in enumerate(zip(self.layers, cache.layers)):
             h = layer(h, None, tokens, plan=plan, pool=pool)
+            if return_taps:
+                self._taps(h, i, tapped)
         flat = h.flatten(0, 1)                                                          # [T, hc, dim]
         sel = flat if inputs.out is None else flat[inputs.out]
         logits = self._head(sel.unsqueeze(0), self.hc_head_fn, self.hc_head_scale, self.hc_head_base,
                             self.norm)[0]                                               # [n, vocab]
-        return (logits, flat) if return_hidden else logits
+        out = (logits, flat) if return_hidden else (logits,)
+        if return_taps:
+            out = (*out, torch.cat(tapped, -1).flatten(0, 1))                         # [T, len(targets)*dim]
+        return out if len(out) > 1 else logits
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, tokens: torch.Tensor, inputs: StepInputs, cache: PagedKVCache,
@@ -254,6 +293,9 @@ class DeepSeekV4(nn.Module):
         model's embedding and head (docs/bugzoo.md Z20). -> (fp32 logits [n, vocab] of the tokens
         `inputs.out` names, the block's output hidden [T, hc, dim] for the next link of a chain).
         """
+        if self.cfg.dspark:
+            raise ValueError("this model's draft is DSpark, not an MTP block: it drafts through "
+                             "model.dspark (write_context, propose)")
         block = self.mtp[depth]
         plan = plan_step(inputs, cache.layout, compressed=False)
         x = block.combine(hidden.unsqueeze(0), self.embed(tokens))                     # [1, T, hc, dim]

@@ -102,7 +102,11 @@ def _load(args):
 
 def _engine(args, model, tokenizer, detokenize: bool = True):
     from ..engine import Engine, EngineConfig
+    from ..loading import speculative_problem
 
+    problem = speculative_problem(model.cfg, getattr(args, "speculative", 0) or 0)
+    if problem:
+        raise UserError(problem)
     for flag in ("max_num_seqs", "max_batch_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
@@ -141,6 +145,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {args.device}: this torch has no CUDA device (torch {torch.__version__})")
+    from ..loading import resolve_config, speculative_problem
+
+    problem = speculative_problem(resolve_config(args), getattr(args, "speculative", 0) or 0)
+    if problem:                             # before the engine process loads any weights
+        raise UserError(problem)
     for flag in ("max_num_seqs", "max_batch_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")

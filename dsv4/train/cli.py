@@ -35,8 +35,16 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--init-from", help="checkpoint directory or Hugging Face Hub id org/name[@rev] to continue "
                                        "training (fine-tune)")
     p.add_argument("--no-mtp", dest="no_mtp", action="store_const", const=True,
-                   help="with --init-from: build the model without the checkpoint's MTP block and leave its "
-                        "tensors unread (a DSpark draft, which dsv4 does not run, is refused otherwise)")
+                   help="with --init-from: build the model without the checkpoint's draft (MTP block or DSpark) "
+                        "and leave its tensors unread")
+    p.add_argument("--draft", choices=("none", "mtp", "dspark"),
+                   help="the speculative draft to train: mtp (the first release's MTP block), dspark "
+                        "(Flash-0731's DSpark draft: 3 stages over the last three layers, blocks of 5) or none; "
+                        "default: the model's own (with --init-from, a draft the checkpoint lacks starts random)")
+    p.add_argument("--freeze-main", dest="freeze_main", action="store_const", const=True,
+                   help="train the draft alone: the main model's weights stay as they are")
+    p.add_argument("--dspark-anchors", type=argtypes.positive_int,
+                   help="DSpark blocks drawn per training sequence (default 16)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a ModelConfig field, e.g. --set n_layers=6 (repeatable; JSON values)")
     p.add_argument("--data", nargs="+", help="text files or directories (default: the Python stdlib)")
@@ -55,7 +63,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=("cosine", "wsd", "constant"))
     p.add_argument("--weight-decay", type=argtypes.nonneg_float)
     p.add_argument("--grad-clip", type=argtypes.nonneg_float, help="0 = off")
-    p.add_argument("--mtp-weight", type=argtypes.nonneg_float)
+    p.add_argument("--mtp-weight", type=argtypes.nonneg_float,
+                   help="weight of the draft's loss (MTP block or DSpark draft) next to the main model's")
     p.add_argument("--indexer-weight", type=argtypes.nonneg_float)
     p.add_argument("--balance-alpha", type=argtypes.nonneg_float, help="sequence-wise balance loss weight (0 = off)")
     p.add_argument("--bias-gamma", type=argtypes.nonneg_float, help="aux-loss-free router bias update speed (0 = off)")

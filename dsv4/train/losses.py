@@ -24,11 +24,14 @@ class LossParts:
     mtp: torch.Tensor | None = None
     indexer: torch.Tensor | None = None
     balance: torch.Tensor | None = None
+    dspark: torch.Tensor | None = None        # a DSpark draft's loss (dsv4.train.dspark_loss)
+    dspark_tau: torch.Tensor | None = None    # its expected tokens per verify of a whole block
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The parts that are present, by name (device tensors)."""
         return {k: v for k, v in (("loss", self.total), ("lm", self.lm), ("mtp", self.mtp),
-                                  ("indexer", self.indexer), ("balance", self.balance)) if v is not None}
+                                  ("indexer", self.indexer), ("balance", self.balance), ("dspark", self.dspark),
+                                  ("dspark_tau", self.dspark_tau)) if v is not None}
 
     def floats(self) -> dict[str, float]:
         return {k: float(v.detach()) for k, v in self.tensors().items()}

@@ -25,6 +25,7 @@ from ..config import ModelConfig
 from ..defaults import resolve_device
 from ..errors import UserError, writing
 from . import balance, checkpoint, data, metrics
+from .dspark_loss import DSparkLossConfig, dspark_loss, sample_anchors
 from .losses import LossParts, total_loss
 from .optim import MuonAdamW, OptimConfig, lr_factor, orthogonalization_error
 from .tokenizer import Tokenizer
@@ -38,6 +39,8 @@ class TrainConfig:
     model_config: str | None = None                        # a config.json instead of a preset
     init_from: str | None = None                           # continue-train a checkpoint directory or Hub id
     no_mtp: bool = False                                   # with init_from: leave the checkpoint's MTP block out
+    draft: str | None = None                               # "none" | "mtp" | "dspark": replace the model's draft
+    freeze_main: bool = False                              # train the draft only (the main model stays as loaded)
     # data
     data: list[str] = field(default_factory=list)          # files/dirs; empty = the Python stdlib
     tokenizer: str | None = None                           # tokenizer.json (or its dir); None = train one
@@ -57,7 +60,12 @@ class TrainConfig:
     grad_clip: float = 1.0
     muon_momentum: float = 0.95
     # losses
-    mtp_weight: float = 0.3
+    mtp_weight: float = 0.3                                # the draft's loss weight (MTP block or DSpark draft)
+    dspark_anchors: int = 16                               # DSpark blocks drawn per training sequence
+    dspark_ce_alpha: float = 0.1                           # DSpark loss terms (dsv4.train.dspark_loss)
+    dspark_l1_alpha: float = 0.9
+    dspark_confidence_alpha: float = 1.0
+    dspark_gamma: float = 4.0
     indexer_weight: float = 1.0
     balance_alpha: float = 1e-4                            # sequence-wise balance loss (0 = off)
     bias_gamma: float = 1e-3                               # aux-loss-free bias update speed (0 = off)
@@ -199,8 +207,11 @@ class Trainer:
         self.device = self._pick_device()
         self.cfg = cfg = cfg.resolved(self.device.type)          # defaults that depend on preset and device
         self._graph = None
+        if cfg.draft not in (None, "none", "mtp", "dspark"):
+            raise UserError(f"--draft must be none, mtp or dspark, got {cfg.draft!r}")
         if cfg.cuda_graph:                                        # refused before any data or model work
             why = ("it needs a CUDA device" if self.device.type != "cuda" else
+                   "it does not train a DSpark draft (its anchors are drawn per step)" if cfg.draft == "dspark" else
                    "it runs one process (use it without torchrun)" if self.world > 1 else
                    "it does not combine with --compile" if cfg.compile else None)
             if why:
@@ -255,10 +266,12 @@ class Trainer:
             # the config the loader would build (the layout's semantics, e.g. no MTP in an HF directory);
             # trained weights leave the FP8 / FP4 grid after the first step: a float model (W8A16 numerics)
             mcfg = plan(c.init_from, overrides={"quant_mode": "w8a16"}).cfg
+            self.init_draft = "dspark" if mcfg.dspark else "mtp" if mcfg.n_mtp_layers else "none"
             if c.no_mtp:
                 from ..checkpoint.layouts import without_mtp
 
                 mcfg = without_mtp(mcfg)
+                self.init_draft = "none"
         elif c.model_config:
             mcfg = ModelConfig.from_json(c.model_config)
         else:
@@ -268,6 +281,8 @@ class Trainer:
                 mcfg = mcfg.replace(**c.model)
             except TypeError as e:
                 raise UserError(f"bad model override: {e}") from None
+        if c.draft is not None:
+            mcfg = mcfg.with_draft(c.draft)
         if c.fp8_kv_sim is not None:
             mcfg = mcfg.replace(fp8_kv_sim=c.fp8_kv_sim)
         if c.fp4_indexer_sim is not None:
@@ -319,10 +334,27 @@ class Trainer:
             from ..checkpoint import load_pretrained
 
             # built from the run's config (overrides and QAT switches applied before the build)
-            model = load_pretrained(c.init_from, dtype=torch.float32, device=self.device, config=self.mcfg,
-                                    mtp=not c.no_mtp)
+            if c.draft is None or c.draft == self.init_draft:
+                model = load_pretrained(c.init_from, dtype=torch.float32, device=self.device, config=self.mcfg,
+                                        mtp=not c.no_mtp)
+            else:                           # a new draft for the checkpoint's main model: random, then trained
+                main = load_pretrained(c.init_from, dtype=torch.float32, device=self.device, mtp=False,
+                                       quant_mode="w8a16")
+                model = DeepSeekV4.from_config(self.mcfg, seed=c.seed, dtype=torch.float32, device=self.device)
+                missing = model.load_state_dict(main.state_dict(), strict=False).missing_keys
+                assert all(k.startswith("mtp.") for k in missing), missing
+                del main
         else:
             model = DeepSeekV4.from_config(self.mcfg, seed=c.seed, dtype=torch.float32, device=self.device)
+        if c.freeze_main:
+            if not self.mcfg.n_mtp_layers:
+                raise UserError("--freeze-main trains the draft alone, and this model has none (--draft mtp or "
+                                "--draft dspark adds one)")
+            for name, p in model.named_parameters():
+                p.requires_grad_(name.startswith("mtp."))
+        if self.mcfg.dspark and self.dist is not None:
+            raise UserError("a DSpark draft trains in one process for now (its blocks run outside the sharded "
+                            "forward): run without torchrun")
         model.train()
         model.set_options(fp4_fake_quant=c.fp4_experts, activation_checkpointing=c.activation_checkpointing)
         if self.dist is not None:
@@ -393,7 +425,7 @@ class Trainer:
         lr = self.opt.set_lr_factor(lr_factor(self.step + 1, c.steps, c.warmup, c.schedule, c.min_lr_ratio))
         if nonfinite == 0:
             self.opt.step()
-            balance.update_bias(m, c.bias_gamma)
+            balance.update_bias(m.mtp if c.freeze_main else m, c.bias_gamma)
         self.opt.zero_grad()
         self.step += 1
         row.update(losses_row)
@@ -433,9 +465,33 @@ class Trainer:
 
     def _losses(self, tokens: torch.Tensor) -> LossParts:
         c = self.cfg
+        if self.mcfg.dspark:
+            return self._dspark_losses(tokens)
         want_mtp = c.mtp_weight > 0 and self.mcfg.n_mtp_layers > 0
+        if c.freeze_main:                   # the MTP block alone: its loss is the objective (the main
+            out = self.model(tokens, mtp=True)  # model's parameters take no gradient)
+            parts = total_loss(out, tokens, 1.0, 0.0)
+            return LossParts(parts.mtp, parts.lm.detach(), parts.mtp)
         out = self.model(tokens, mtp=want_mtp, indexer_loss=c.indexer_weight > 0, balance_alpha=c.balance_alpha)
         return total_loss(out, tokens, c.mtp_weight, c.indexer_weight)
+
+    def _dspark_losses(self, tokens: torch.Tensor) -> LossParts:
+        """The main model's losses (none with --freeze-main: it runs without gradients) plus the DSpark
+        draft's (`dsv4.train.dspark_loss`), weighted by mtp_weight when both train."""
+        c = self.cfg
+        frozen = c.freeze_main
+        with torch.no_grad() if frozen else contextlib.nullcontext():
+            out = self.model(tokens, taps=True, indexer_loss=c.indexer_weight > 0 and not frozen,
+                             balance_alpha=0.0 if frozen else c.balance_alpha)
+        gen = torch.Generator().manual_seed(c.seed * 1_000_003 + self.step * 7919 + self.rank)
+        anchors = sample_anchors(tokens.size(0), tokens.size(1), c.dspark_anchors, gen, tokens.device)
+        d = dspark_loss(self.model, tokens, out.taps, out.logits, anchors,
+                        DSparkLossConfig(c.dspark_anchors, c.dspark_ce_alpha, c.dspark_l1_alpha,
+                                         c.dspark_confidence_alpha, c.dspark_gamma))
+        main = total_loss(out, tokens, 0.0, c.indexer_weight)
+        total = d.total if frozen else main.total + c.mtp_weight * d.total
+        return LossParts(total, main.lm.detach() if frozen else main.lm, indexer=main.indexer,
+                         balance=main.balance, dspark=d.total.detach(), dspark_tau=d.tau)
 
     def _graphed_forward_backward(self, tokens: torch.Tensor) -> LossParts:
         """`--cuda-graph`: forward, losses and backward replayed from one graph captured at the first call.

@@ -109,6 +109,11 @@ class Layout:
         not know them; the config is read without them)."""
         return set()
 
+    def configure(self, cfg: ModelConfig, stored_names: list[str], root: Path) -> tuple[ModelConfig, list[str]]:
+        """The config read from config.json, adjusted to what the tensor names show where this layout's
+        config.json is known to understate it, with a warning for each change (default: unchanged)."""
+        return cfg, []
+
     def load_config(self, root: Path, overrides: dict | None = None) -> ModelConfig:
         """The directory's config.json read with this layout's semantics, then `overrides` applied."""
         return load_config(root, {**self.semantics, **(overrides or {})})
