@@ -282,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _optional(lambda: __import__("dsv4.checkpoint.cli", fromlist=["x"]).add_inspect_parser(sub))
     _optional(lambda: __import__("dsv4.checkpoint.cli", fromlist=["x"]).add_convert_parser(sub))
+    _optional(lambda: __import__("dsv4.checkpoint.cli", fromlist=["x"]).add_init_parser(sub))
     _optional(lambda: __import__("dsv4.train.cli", fromlist=["x"]).add_train_parser(sub))
     from .eval.cli import add_eval_parser
 
