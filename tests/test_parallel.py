@@ -421,3 +421,65 @@ def test_a_stalled_or_dead_peer_raises_instead_of_hanging(tmp_path, how):
     if how == "hangs":
         assert res["waited"] >= 1.8, res
     assert procs[1].exitcode == (3 if how == "dies" else 0)
+
+
+# ----------------------------------------------------------------------------- one process
+def test_per_rank_loading_of_fused_experts_reads_only_their_rows(tmp_path):
+    """A transformers checkpoint stores each layer's experts fused ([E, 2I, D]): rank 1 of 2 reads rows
+    [4, 8) as one byte range and holds exactly the whole load's experts 4..7."""
+    from dsv4.checkpoint import convert
+
+    init_checkpoint(tmp_path / "rel", ModelConfig.preset("tiny"), seed=5)
+    convert(tmp_path / "rel", tmp_path / "hf", "hf")
+    whole = load_pretrained(tmp_path / "hf")
+    with _ReadLog() as log:
+        part = load_pretrained(tmp_path / "hf", rank=1, world_size=2)
+    for a, b in zip(P.moe_layers(part), P.moe_layers(whole)):
+        assert P.held(a.experts) == (4, 4)
+        assert all(torch.equal(getattr(a.experts, w), getattr(b.experts, w)[4:8]) for w in ("w1", "w2", "w3"))
+    assert part.checkpoint_plan["read"]["bytes"] < whole.checkpoint_plan["read"]["bytes"]
+    assert len(log.names) == whole.checkpoint_plan["read"]["tensors"]       # every tensor once, fused ones cut
+
+
+def test_bad_ranks_and_passes_are_refused_in_one_line(tmp_path):
+    from dsv4.checkpoint import CheckpointError
+    from dsv4.model import DeepSeekV4
+
+    init_checkpoint(tmp_path / "t", ModelConfig.preset("tiny"))
+    for rank, world, words in ((2, 2, "is not one of 2 ranks"), (0, 3, "cannot be split evenly over 3")):
+        with pytest.raises(CheckpointError, match=words):
+            load_pretrained(tmp_path / "t", rank=rank, world_size=world)
+    model = DeepSeekV4.from_config("tiny")
+    with pytest.raises(ValueError, match="by expert only"):
+        P.parallelize_for_serving(model, expert_parallel=False)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        P.parallelize_for_serving(model, attention="heads")
+    # outside a process group the pass leaves the model whole, and says so
+    assert P.parallelize_for_serving(model).serving_layout == P.ServingLayout(0, 1, "replicated", True)
+    assert all(m.routed_override is None for m in P.moe_layers(model))
+    with pytest.raises(ValueError, match="is not one of 2 workers"):
+        P.init_workers(2, 2, master_port=1)
+
+
+def test_info_states_gpus_and_memory_per_worker(capsys):
+    """`dsv4 info`: with N workers each holds the replicated weights and 1/N of the routed experts; at N = 1
+    that is the one-device figure exactly."""
+    from dsv4.cli import main
+    from dsv4.parallel.memory import expert_bytes, rank_bytes
+
+    assert main(["info", "--preset", "flash", "--context", "65536", "--gpu-memory", "141GB", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    par, m = info["serving_parallel"], info["memory"]
+    cfg = ModelConfig.preset("flash")
+    kw = {"context": 65536, "batch": 1, "chunk": 4096}
+    assert rank_bytes(cfg, 1, keep_quantized=True, **kw).total == m["inference_total_quantized"]
+    assert rank_bytes(cfg, 1, keep_quantized=False, **kw).total == m["inference_total"]
+    deq, kept = expert_bytes(cfg)
+    two = rank_bytes(cfg, 2, keep_quantized=True, **kw)
+    assert two.weights == m["weights"]["kept_quantized"] - kept // 2 and two.experts == kept // 2
+    assert par["per_gpu"]["2"]["kept_quantized"] == two.total
+    fewest = par["fewest"]["kept_quantized"]
+    # 165 GB does not fit one 141 GB GPU (92% usable); half the experts does
+    assert fewest["gpus"] == 2 and fewest["total"] <= 0.92 * 141e9 < m["inference_total_quantized"]
+    assert main(["info", "--preset", "tiny"]) == 0
+    assert "serving on N GPUs (--tensor-parallel-size N --enable-expert-parallel" in capsys.readouterr().out
