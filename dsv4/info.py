@@ -131,7 +131,7 @@ PARALLEL_WORLDS = (2, 4, 8)        # the worker counts `dsv4 info` lists (those 
 def parallel_serving(cfg: ModelConfig, req) -> dict:
     """Serving on N GPUs with the routed experts split over them (`dsv4.parallel`): the fewest GPUs of the
     given size, kept quantized and dequantized, and each listed N's memory per GPU (`rank_bytes`)."""
-    from .parallel.memory import rank_bytes, serving_gpus
+    from .memory import rank_bytes, serving_gpus
 
     s = req.settings
     kw = {"context": s["context"], "batch": s["batch"], "chunk": s["chunk"]}

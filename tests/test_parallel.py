@@ -267,10 +267,10 @@ def _broadcast(rank: int) -> dict:
 
 
 def _memory(rank: int) -> dict:
-    """Per-rank estimate (`dsv4.parallel.memory.rank_bytes`) vs the measured peak of one rank serving."""
+    """Per-rank estimate (`dsv4.memory.rank_bytes`) vs the measured peak of one rank serving."""
     from dsv4 import memory as mem
+    from dsv4.memory import rank_bytes
     from dsv4.model import DeepSeekV4
-    from dsv4.parallel.memory import rank_bytes
 
     model = P.parallelize_for_serving(DeepSeekV4.from_config("tiny", seed=0, dtype=torch.float32).eval())
     rows = []
@@ -465,7 +465,7 @@ def test_info_states_gpus_and_memory_per_worker(capsys):
     """`dsv4 info`: with N workers each holds the replicated weights and 1/N of the routed experts; at N = 1
     that is the one-device figure exactly."""
     from dsv4.cli import main
-    from dsv4.parallel.memory import expert_bytes, rank_bytes
+    from dsv4.memory import expert_bytes, rank_bytes
 
     assert main(["info", "--preset", "flash", "--context", "65536", "--gpu-memory", "141GB", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

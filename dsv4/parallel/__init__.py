@@ -1,7 +1,8 @@
 """Parallelism over torch.distributed, applied as passes over a built model (see README: "Serving across
 devices"): expert parallelism shared by training and serving (`expert`), the serving pass and the pieces a
-worker runs per step (`serving`), joining the worker group with a collective timeout (`workers`), and what
-a worker holds in memory (`memory`).
+worker runs per step (`serving`), and joining the worker group with a collective timeout (`workers`). What a
+worker holds in memory is `dsv4.memory.rank_bytes`; `python3 -m dsv4.bench.parallel` compares N workers
+with one process.
 
 The split, and why it suits V4
 ------------------------------
@@ -34,15 +35,13 @@ The API
 -------
 `init_workers` / `shutdown_workers` (workers), `load_pretrained(..., rank=, world_size=)` (each worker
 reads only its experts), `parallelize_for_serving` (the pass), `broadcast_step` and `idle_inputs` (per
-step), `rank_bytes` / `serving_gpus` (memory per worker).
+step); `dsv4.memory.rank_bytes` / `serving_gpus` (memory per worker).
 """
 
 from .expert import ExpertParallel, expert_range, held, is_expert_param, moe_layers, ordered_sum, shard_experts
-from .memory import RankMemory, rank_bytes, serving_gpus
 from .serving import ATTENTION, ServingLayout, broadcast_step, idle_inputs, parallelize_for_serving
 from .workers import DEFAULT_TIMEOUT_S, Workers, free_port, init_workers, shutdown_workers
 
-__all__ = ["ATTENTION", "DEFAULT_TIMEOUT_S", "ExpertParallel", "RankMemory", "ServingLayout", "Workers",
-           "broadcast_step", "expert_range", "free_port", "held", "idle_inputs", "init_workers", "is_expert_param",
-           "moe_layers", "ordered_sum", "parallelize_for_serving", "rank_bytes", "serving_gpus", "shard_experts",
-           "shutdown_workers"]
+__all__ = ["ATTENTION", "DEFAULT_TIMEOUT_S", "ExpertParallel", "ServingLayout", "Workers", "broadcast_step",
+           "expert_range", "free_port", "held", "idle_inputs", "init_workers", "is_expert_param", "moe_layers",
+           "ordered_sum", "parallelize_for_serving", "shard_experts", "shutdown_workers"]

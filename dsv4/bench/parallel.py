@@ -1,4 +1,4 @@
-"""`python3 -m dsv4.parallel.check`: serve a model across N worker processes and compare with one process.
+"""`python3 -m dsv4.bench.parallel`: serve a model across N worker processes and compare with one process.
 
 Each worker joins the group (`init_workers`: gloo on CPUs, NCCL on GPUs, worker r on cuda:r), loads its
 share (`load_pretrained(..., rank=r, world_size=N)`, or a preset's random weights cut by the pass),
@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from .. import defaults
-from . import memory as pmem
-from .serving import ATTENTION, parallelize_for_serving
-from .workers import free_port, init_workers, shutdown_workers
+from .. import memory as mem
+from ..parallel.serving import ATTENTION, parallelize_for_serving
+from ..parallel.workers import free_port, init_workers, shutdown_workers
 
 
 def _build(args, rank: int, world: int, device: torch.device, whole: bool):
@@ -113,7 +113,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
     with _numerics(args.deterministic):
         logits, toks, times = _run(model, prompts, args.chunk, args.decode, w.device)
     held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    est = pmem.rank_bytes(cfg, world, context=args.prompt_len + args.decode + 1, batch=args.batch, chunk=args.chunk,
+    est = mem.rank_bytes(cfg, world, context=args.prompt_len + args.decode + 1, batch=args.batch, chunk=args.chunk,
                           dtype=defaults.resolve_dtype(args.dtype), keep_quantized=args.keep_quantized,
                           attention=args.attention, fused=w.device.type == "cuda", prefix_caching=False)
     res = {"rank": rank, "device": str(w.device), "weights": held, "est_weights": est.weights,
@@ -152,7 +152,7 @@ def judge(ranks: list[dict], deterministic: bool, tol: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m dsv4.parallel.check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python3 -m dsv4.bench.parallel", description=__doc__.splitlines()[0])
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--preset", help="random weights of a preset (tiny, small, flash, pro)")
     g.add_argument("--model", help="a checkpoint directory (e.g. written by dsv4 init)")
