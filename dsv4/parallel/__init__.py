@@ -17,14 +17,16 @@ attention is:
 
 - one KV head of 512 dims shared by all 64 (Flash) or 128 (Pro) query heads, and compressed caches built
   from it (CSA entries and indexer keys, HCA entries, the compressors' pending rows): splitting the query
-  heads leaves every worker holding and reading the whole KV cache, so the cache, the part that grows with
-  the batch and the context, would not shrink at all, and the per-token KV reads a decode step is bound by
-  would be repeated on every worker;
+  heads leaves every worker holding and reading the whole KV cache, so the cache and its reads - what grows
+  with the batch and the context, and what a decode step is bound by - do not shrink. Only data-parallel
+  attention divides them; replicated attention keeps them whole too, in exchange for the simplest step;
 - the Lightning Indexer's top-k needs the sum over all its 64 heads, so head-split indexers would add an
   all-reduce of [tokens, entries] scores before every CSA layer's top-k, besides the one after `wo_b`;
-- the weights that a head split would divide are small: Flash's attention, shared expert, embedding and
-  head are 12 GB of its 161 GB kept quantized; the routed experts are the rest. Splitting the experts alone
-  already divides the memory almost by N (`dsv4 info` prints the per-worker figure).
+- the weights that a head split would divide are small next to the experts: Flash's attention, shared
+  expert, embedding and head are 10.7 GB of its 161 GB kept quantized, so splitting the experts alone
+  brings Flash to 2 GPUs of 141 GB (`dsv4 info` prints the per-worker figure). The price shows on Pro:
+  its 32.6 GB replicated per worker make it 12 GPUs of 141 GB (8 of 180 GB), where splitting attention
+  as well would fit 8; that pass is not written.
 
 Replicated attention is the simplest to drive (one scheduler, every worker runs the scheduler's step and
 computes the same logits); data-parallel attention divides the attention work and the KV cache by N as
