@@ -483,3 +483,25 @@ def test_info_states_gpus_and_memory_per_worker(capsys):
     assert fewest["gpus"] == 2 and fewest["total"] <= 0.92 * 141e9 < m["inference_total_quantized"]
     assert main(["info", "--preset", "tiny"]) == 0
     assert "serving on N GPUs (--tensor-parallel-size N --enable-expert-parallel" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("keep_quantized", [False, True])
+def test_per_rank_loading_holds_its_share_plus_one_tensor(tmp_path, keep_quantized):
+    """Peak host allocations while rank 1 of 2 loads = the model it ends with (its share) + what one tensor
+    costs in flight: its stored bytes, its fp32 dequantized copy and the finite-check's bool mask."""
+    from dsv4.checkpoint.reader import plan
+    from dsv4.memory import allocation_peak
+
+    src = SHIPPED
+    if keep_quantized:
+        src = tmp_path / "q"
+        init_checkpoint(src, ModelConfig.preset("tiny"), to="fp8", expert_dtype="fp4")
+
+    def nbytes(m) -> int:
+        return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+    model, peak = allocation_peak(lambda: load_pretrained(src, rank=1, world_size=2, keep_quantized=keep_quantized))
+    share = nbytes(model)
+    one = max(e.nbytes + 5 * torch.Size(e.spec.shape).numel() for e in plan(src).entries.values())
+    assert share <= peak <= share + one + (64 << 10), (peak, share, one)
+    assert share < nbytes(load_pretrained(src, keep_quantized=keep_quantized))
