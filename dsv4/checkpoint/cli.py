@@ -157,6 +157,6 @@ def run_init(args: argparse.Namespace) -> int:
         print(json.dumps({"dir": str(dst), "layout": p.layout, "files": len(p.files), "bytes": p.nbytes,
                           "tensors": len(p.entries), "config": p.cfg.to_dict()}))
     else:
-        print(f"wrote {dst}: {p.cfg.name} random weights (seed {args.seed}), {len(p.entries)} tensors in "
+        print(f"wrote {dst}: random weights of {cfg.name} (seed {args.seed}), {len(p.entries)} tensors in "
               f"{len(p.files)} file(s), {p.nbytes / 1e9:.2f} GB, {p.layout} layout")
     return 0
