@@ -28,18 +28,28 @@ from .loading import (
 
 # ------------------------------------------------------------------------------------------ info
 def cmd_info(args: argparse.Namespace) -> int:
-    from .info import format_measured, format_memory, human, measure_memory, memory_requirements, model_info
+    from .info import (
+        format_measured,
+        format_memory,
+        format_parallel,
+        human,
+        measure_memory,
+        memory_requirements,
+        model_info,
+        parallel_serving,
+    )
 
     cfg = resolve_config(args)
     info = model_info(cfg)
     memory = memory_requirements(cfg, args)
+    parallel = parallel_serving(cfg, memory)
     measured = None
     if args.measure:
         model_dir = None if args.preset or args.config else (args.model or default_model_dir())
         measured = measure_memory(cfg, args, model_dir)
     if args.json:
         print(json.dumps({"config": cfg.to_dict(), **info.to_dict(), "memory": memory.to_dict(),
-                          **({"measured": measured} if measured is not None else {})}))
+                          "serving_parallel": parallel, **({"measured": measured} if measured is not None else {})}))
         return 0
     c = cfg
     print(f"{c.name}: {c.n_layers} layers (window-only {info.layer_kinds['window_only']}, CSA ratio 4 "
@@ -56,7 +66,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"  KV cache: {info.kv_bytes_per_token:.1f} B/token + {human(info.kv_fixed_bytes, 'B')} window (bf16); "
           f"at 1M tokens {info.kv_bytes_1m / 2**30:.2f} GiB bf16, {info.kv_bytes_1m_fp8 / 2**30:.2f} GiB FP8")
     print(f"  forward matmul FLOPs per token: {human(info.flops_per_token)} (attention not included)")
-    for line in format_memory(memory) + (format_measured(measured) if measured is not None else []):
+    lines = format_memory(memory)
+    lines[5:5] = format_parallel(parallel, memory.settings["gpu_memory"])          # after the one-device line
+    for line in lines + (format_measured(measured) if measured is not None else []):
         print(line)
     return 0
 
@@ -291,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _optional(lambda: __import__("dsv4.checkpoint.cli", fromlist=["x"]).add_inspect_parser(sub))
     _optional(lambda: __import__("dsv4.checkpoint.cli", fromlist=["x"]).add_convert_parser(sub))
+    _optional(lambda: __import__("dsv4.checkpoint.cli", fromlist=["x"]).add_init_parser(sub))
     _optional(lambda: __import__("dsv4.train.cli", fromlist=["x"]).add_train_parser(sub))
     from .eval.cli import add_eval_parser
 

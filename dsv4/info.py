@@ -125,6 +125,50 @@ def memory_requirements(cfg: ModelConfig, args):
                         train_batch=args.train_batch, train_seq_len=args.train_seq_len)
 
 
+PARALLEL_WORLDS = (2, 4, 8)        # the worker counts `dsv4 info` lists (those dividing the expert count)
+
+
+def parallel_serving(cfg: ModelConfig, req) -> dict:
+    """Serving on N GPUs with the routed experts split over them (`dsv4.parallel`): the fewest GPUs of the
+    given size, kept quantized and dequantized, and each listed N's memory per GPU (`rank_bytes`)."""
+    from .memory import rank_bytes, serving_gpus
+
+    s = req.settings
+    kw = {"context": s["context"], "batch": s["batch"], "chunk": s["chunk"]}
+    out: dict = {"flags": "--tensor-parallel-size N --enable-expert-parallel", "fewest": {}, "per_gpu": {}}
+    for kept in (True, False):
+        found = serving_gpus(cfg, s["gpu_memory"], keep_quantized=kept, **kw)
+        out["fewest"]["kept_quantized" if kept else "dequantized"] = (
+            None if found is None else {"gpus": found[0], **found[1].to_dict()})
+    for n in PARALLEL_WORLDS:
+        if cfg.n_routed_experts % n == 0:
+            out["per_gpu"][n] = {"kept_quantized": rank_bytes(cfg, n, keep_quantized=True, **kw).total,
+                                 "dequantized": rank_bytes(cfg, n, keep_quantized=False, **kw).total}
+    return out
+
+
+def format_parallel(par: dict, gpu_memory: int) -> list[str]:
+    gpu = f"{gpu_memory / 1e9:g} GB"
+
+    def fewest(key: str, what: str) -> str:
+        f = par["fewest"][key]
+        if f is None:
+            return f"{what}: does not fit"
+        return (f"{what} {_gpus(f['gpus'])} ({_gb(f['total'])} per GPU: {_gb(f['weights'] - f['experts'])} "
+                f"replicated weights + {_gb(f['experts'])} of routed experts, {_gb(f['cache'])} KV cache, "
+                f"{_gb(f['activations'])} activations)")
+
+    lines = [f"    serving on N GPUs ({par['flags']}: the routed experts split over the N workers, everything else "
+             f"and the KV cache on each): {fewest('kept_quantized', 'kept quantized')}, "
+             f"{fewest('dequantized', 'dequantized')} of {gpu}"]
+    if par["per_gpu"]:
+        ns = " / ".join(str(n) for n in par["per_gpu"])
+        kept = " / ".join(_gb(v["kept_quantized"]).removesuffix(" GB") for v in par["per_gpu"].values())
+        deq = " / ".join(_gb(v["dequantized"]).removesuffix(" GB") for v in par["per_gpu"].values())
+        lines.append(f"    per GPU with N = {ns}: {kept} GB kept quantized, {deq} GB dequantized")
+    return lines
+
+
 def _gb(n: float) -> str:
     """Decimal units, as GPU memory is sold (141 GB)."""
     if n >= 1e8:
@@ -147,9 +191,8 @@ def format_memory(req) -> list[str]:
         f"    activations of one {s['chunk']}-token prefill chunk: {_gb(req.activation_peak_fused)} with the fused "
         f"CUDA kernels, {_gb(req.activation_peak)} with the reference ops (CPU)",
         f"    inference on a GPU: {_gb(req.inference_total)} dequantized, {_gb(req.inference_total_quantized)} kept "
-        f"quantized: {_gpus(req.inference_gpus)} / {_gpus(req.inference_gpus_quantized)} of {gpu}"
-        + ("" if req.inference_gpus_quantized == 1 else "; dsv4 serves on one device, so it does not run on these "
-           "GPUs today"),
+        f"quantized: {_gpus(req.inference_gpus)} / {_gpus(req.inference_gpus_quantized)} of {gpu} by size alone "
+        "(one device holds it all when 1; otherwise split as below)",
         f"    training (fp32 master weights and gradients, Muon momentum + AdamW moments): {_gb(req.train.weights)} + "
         f"{_gb(req.train.grads)} + {_gb(req.train.optimizer)}; bf16 weight copies under autocast "
         f"{_gb(req.train.dense_copies)} on every rank + {_gb(req.train.expert_copies)} of routed experts split "

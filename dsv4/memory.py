@@ -26,7 +26,8 @@ code stores, not a generic transformer formula:
   so they do not add to this peak. The CPU reference path (fp32, no autocast) is estimated by the older
   per-layer model in `train_activation_bytes(fused=False)`.
 
-Parallelism dsv4 supports: inference on one device; training with FSDP2 (dense weights, gradients and
+Parallelism dsv4 supports: inference on one device or on N workers with the routed experts split over
+them (`rank_bytes`, `serving_gpus`); training with FSDP2 (dense weights, gradients and
 optimizer state sharded over W ranks) plus expert parallelism (routed experts split over the same W ranks;
 W must divide the expert count). A rank also holds one block's gathered weights while FSDP runs it.
 
@@ -371,7 +372,7 @@ def parse_size(text: str) -> int:
 
 
 def inference_gpus(need: int, gpu_bytes: int) -> int:
-    """GPUs needed to hold `need` bytes. dsv4 serves on one device, so only 1 is runnable today."""
+    """GPUs needed to hold `need` bytes by size alone (`serving_gpus`: how dsv4 splits a model over them)."""
     return max(1, math.ceil(need / (gpu_bytes * USABLE_FRACTION)))
 
 
@@ -388,6 +389,95 @@ def training_gpus(cfg: ModelConfig, state: TrainState, activations: int, gpu_byt
                     + (state.largest_block if world > 1 else 0))
         if per_rank <= gpu_bytes * USABLE_FRACTION:
             return world
+    return None
+
+
+# ------------------------------------------------------------------------------------------ N workers
+# Serving on N workers with the routed experts split over them (`dsv4.parallel`), per worker:
+# - weights: everything but the routed experts whole (replicated), plus 1/N of the routed experts -
+#   dequantized to the compute dtype, or kept as stored (FP8 / MXFP4 bytes and their block scales);
+# - KV cache: what the worker's engine allocates - the whole batch with replicated attention (every worker
+#   runs every sequence), ceil(batch / N) sequences with data-parallel attention;
+# - activations of one step (a prefill chunk): the single-device peak, plus with data-parallel attention
+#   the expert exchange (every worker's tokens gathered, the partial outputs and the rows sent back: fp32),
+#   and in the ordered (bit-exact) combine each token's k slots as rows.
+
+def expert_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+    """(dequantized, kept quantized) bytes of all routed experts (every layer, MTP included): in the compute
+    dtype, and as the release layout stores them (data + block scales; float experts in bf16)."""
+    from .checkpoint.layouts import expected_tensors
+
+    a = torch.finfo(dtype).bits // 8
+    per_layer = 3 * cfg.n_routed_experts * cfg.moe_inter_dim * cfg.dim
+    deq = (cfg.n_layers + cfg.n_mtp_layers) * per_layer * a
+    inventory = expected_tensors(cfg, "release", mtp=cfg.n_mtp_layers > 0)
+    kept = 0
+    for name, (shape, dt) in inventory.items():
+        if ".ffn.experts." not in name:
+            continue
+        quantized = dt in ("F8_E4M3", "I8") or name.endswith(".scale")
+        kept += math.prod(shape) * (_ST_BYTES[dt] if quantized else a)       # float experts: loaded in dtype
+    return deq, kept
+
+
+@dataclass
+class RankMemory:
+    world_size: int
+    attention: str
+    weights: int                # this worker's weights (kept quantized or dequantized, as asked)
+    experts: int                # of which its routed experts
+    cache: int
+    activations: int
+    exchange: int               # of which the expert exchange's buffers
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.cache + self.activations
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def rank_bytes(cfg: ModelConfig, world: int, *, context: int, batch: int, chunk: int,
+               dtype: torch.dtype = torch.bfloat16, keep_quantized: bool = True, attention: str = "replicated",
+               fused: bool = True, ordered: bool = False, prefix_caching: bool = True) -> RankMemory:
+    """One worker's memory serving `batch` sequences of `context` positions in prefill chunks of `chunk`
+    tokens on `world` workers (experts split by expert: `world` must divide the expert count)."""
+    if cfg.n_routed_experts % world:
+        raise ValueError(f"{cfg.n_routed_experts} routed experts cannot be split evenly over {world} ranks")
+    a = torch.finfo(dtype).bits // 8
+    w = weight_bytes(cfg, dtype)
+    deq, kept = expert_bytes(cfg, dtype)
+    total, experts = (w.kept_quantized, kept) if keep_quantized else (w.dequantized, deq)
+    share = experts // world
+    seqs = batch if attention == "replicated" else -(-batch // world)
+    cache = cache_bytes(cfg, context, seqs, a, max_batch_tokens=chunk, prefix_caching=prefix_caching).total
+    T, k, D = chunk, cfg.n_activated_experts, cfg.dim
+    if attention == "replicated":
+        exchange = T * k * D * (a + 4 + 4) if ordered else 0         # slot rows, per-slot outputs, sorted copy
+    else:
+        # every worker's tokens gathered (x, fp32 weights, int64 ids; padded to the largest count), the
+        # fp32 partial outputs of them all and the rows sent back (per slot in the ordered combine)
+        out = 4 * D * (k if ordered else 1)
+        exchange = world * T * (D * a + k * 12) + 2 * world * T * out
+        if ordered:
+            exchange += world * T * k * D * (a + 4)                    # slot rows and the sorted copy
+    act = activation_bytes(cfg, chunk, context, a, logits_rows=seqs, fused=fused) + exchange
+    return RankMemory(world, attention, total - experts + share, share, cache, act, exchange)
+
+
+def serving_gpus(cfg: ModelConfig, gpu_bytes: int, *, context: int, batch: int, chunk: int,
+                 dtype: torch.dtype = torch.bfloat16, keep_quantized: bool = True, attention: str = "replicated",
+                 max_world: int = 64) -> tuple[int, RankMemory] | None:
+    """The fewest workers (dividing the expert count) whose per-worker memory fits one GPU of `gpu_bytes`
+    (USABLE_FRACTION of it), and that memory; None when no count up to max_world fits."""
+    for world in range(1, max_world + 1):
+        if cfg.n_routed_experts % world:
+            continue
+        r = rank_bytes(cfg, world, context=context, batch=batch, chunk=chunk, dtype=dtype,
+                       keep_quantized=keep_quantized, attention=attention)
+        if r.total <= gpu_bytes * USABLE_FRACTION:
+            return world, r
     return None
 
 

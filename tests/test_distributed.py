@@ -24,6 +24,7 @@ from test_train import MICRO
 
 from dsv4.engine import generate
 from dsv4.ops.precision import exact_accumulation
+from dsv4.parallel import expert as EP
 from dsv4.train import distributed as D
 
 WORLD = 2
@@ -149,12 +150,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     res["helpers"] = _helper_checks()
     res["muon"] = _muon_checks()
     # docs/bugzoo.md Z08 mutant: the expert-parallel rank read as 0 in every process
-    live = D._ep_rank
-    D._ep_rank = lambda group: 0
+    live = EP._ep_rank
+    EP._ep_rank = lambda group: 0
     try:
         res["z08_mutant"] = D.parity_check(steps=1, optimizer="sgd", lr=0.1, device=cpu)
     finally:
-        D._ep_rank = live
+        EP._ep_rank = live
     D.teardown_distributed()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
 

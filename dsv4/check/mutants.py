@@ -411,9 +411,9 @@ def _plant_z04(ctx):
 
 
 def _plant_z08(ctx):
-    from ..train import distributed
+    from ..parallel import expert
 
-    return patched(distributed, _ep_rank=lambda group=None: 0)
+    return patched(expert, _ep_rank=lambda group=None: 0)
 
 
 def _plant_z25(ctx):
@@ -463,7 +463,7 @@ MUTANTS: list[Mutant] = [
            mutant="every gate's `route_scale` squared (the scale applied twice)"),
     Mutant("Z08", "expert-parallel rank cached as 0", ["ep-ranges"], _plant_z08, pending=_ep_pending(),
            symptom="every rank served experts 0..31; rank 0 took all the tokens and one layer's output exploded",
-           mutant="`train.distributed._ep_rank` answers 0 in every process"),
+           mutant="`parallel.expert._ep_rank` answers 0 in every process"),
     Mutant("Z09", "grouped GEMM rows past the last group not masked", ["poisoned-memory"],
            lambda ctx: temporary_backend("moe_experts", "mutant_unmasked", moe_grouped_unmasked),
            symptom="six identical prompts, six different first tokens: garbage rows reached the combine",

@@ -111,3 +111,52 @@ def run_convert(args: argparse.Namespace) -> int:
     )
     print(f"wrote {dst} ({args.to})")
     return 0
+
+
+def add_init_parser(subparsers) -> argparse.ArgumentParser:
+    from .initialize import draft_names
+
+    p = subparsers.add_parser(
+        "init",
+        help="write a randomly initialized checkpoint of any preset or config (release layout)",
+        description="Write DIR: a randomly initialized checkpoint of --preset or --config (with --override "
+        "k=v ...) in the release layout - sharded safetensors, FP8 linears with --to fp8, MXFP4 experts with "
+        "--expert-dtype fp4 - streamed tensor by tensor (host memory: about the largest tensor), atomic "
+        "(temporary directory + rename) and verified by reading it back.",
+    )
+    p.add_argument("dir", type=argtypes.path, help="the directory to create (must not exist)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--preset", type=argtypes.preset, help="tiny, small, flash, pro")
+    g.add_argument("--config", type=argtypes.path, help="a config.json (official or Hugging Face keys)")
+    p.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="config fields to change, values as JSON (n_layers=4 n_routed_experts=16 "
+                        "compress_ratios=[4,128,0]); n_layers alone keeps the first layers' ratios")
+    p.add_argument("--draft", choices=draft_names(),
+                   help="the draft model: mtp (the MTP block) or none (default: as the config has it)")
+    p.add_argument("--to", choices=("bf16", "fp8"),
+                   help="storage of the linears: bf16 or fp8 with E8M0 block scales (default: the config's dtype)")
+    p.add_argument("--expert-dtype", choices=("fp4",), help="MXFP4 routed experts (default: the config's)")
+    p.add_argument("--seed", type=argtypes.seed_int, default=0)
+    p.add_argument("--shard-gb", type=argtypes.positive_float, default=4.0, help="shard size (default 4)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_init)
+    return p
+
+
+def run_init(args: argparse.Namespace) -> int:
+    from .initialize import apply_overrides, init_checkpoint, parse_overrides
+
+    cfg = _config(args)
+    cfg = apply_overrides(cfg, parse_overrides(args.override))
+    dst = init_checkpoint(args.dir, cfg, to=args.to, expert_dtype=args.expert_dtype, seed=args.seed,
+                          draft=args.draft, shard_bytes=int(args.shard_gb * (1 << 30)))
+    from .reader import plan
+
+    p = plan(dst)
+    if args.json:
+        print(json.dumps({"dir": str(dst), "layout": p.layout, "files": len(p.files), "bytes": p.nbytes,
+                          "tensors": len(p.entries), "config": p.cfg.to_dict()}))
+    else:
+        print(f"wrote {dst}: random weights of {cfg.name} (seed {args.seed}), {len(p.entries)} tensors in "
+              f"{len(p.files)} file(s), {p.nbytes / 1e9:.2f} GB, {p.layout} layout")
+    return 0

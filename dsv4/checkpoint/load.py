@@ -1,8 +1,10 @@
 """`load_pretrained(DIR)`: any layout -> a DeepSeekV4 model, validated before a byte of payload is used.
 
 Steps: read the config; plan (headers only: layout, names, shapes, dtypes, scales - every problem found
-up front); build the model on the target device without random init; stream tensor by tensor into the
-parameters (dequantized to the parameter dtype, or kept quantized); check that every parameter was written;
+up front); build the model on the meta device (only this rank's routed experts under expert parallelism;
+empty kept-quantized modules where weights stay FP8 / FP4) and materialize it once on the target device,
+without random init; stream tensor by tensor into the parameters (dequantized to the parameter dtype,
+or kept quantized); check that every parameter was written;
 record which modules were stored FP8 / FP4 and apply the config's quant_mode to them (`dsv4.model.quant`).
 Any error raises and no model is returned.
 
@@ -14,21 +16,21 @@ semantics. Keyword arguments override either.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .. import defaults
+from .. import formats as fm
 from ..config import ModelConfig
 from .hub import resolve_model_path
+from .inventory import Entry
 from .names import to_model
-from .quantized import QuantExperts, QuantLinear
-from .reader import Plan, Value, for_loading, plan, stream
-from .safetensors_io import CheckpointError
+from .quantized import QuantExperts, QuantLinear, Stored
+from .reader import Plan, Value, for_loading, plan, restrict_experts, stream
+from .safetensors_io import FLOAT_DTYPES, CheckpointError
 
 log = logging.getLogger("dsv4.checkpoint")
 
@@ -46,6 +48,8 @@ def load_pretrained(
     fp8_kv_sim: bool | None = None,
     fp4_indexer_sim: bool | None = None,
     mtp: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
 ):
     """Load a checkpoint directory (release, inference MP shards or HF transformers) into DeepSeekV4.
 
@@ -60,8 +64,17 @@ def load_pretrained(
     transformers ("hf" layout) directory transformers' semantics (both simulations off).
     mtp: False builds the model without its draft (the MTP block, or a DSpark draft) and leaves the
     checkpoint's `mtp.*` tensors unread.
+    rank, world_size: expert parallelism (`dsv4.parallel`). Every MoE layer of the model holds only the
+    routed experts [rank*E/N, (rank+1)*E/N) and only their tensors are read (of a transformers checkpoint's
+    fused expert tensors, only those rows); everything else is read whole. No process group is needed:
+    `dsv4.parallel.parallelize_for_serving` then connects the ranks.
+
+    The model is built on the meta device and materialized once at its final size (quantized weights as
+    their stored bytes, this rank's experts only), then filled tensor by tensor: host memory holds the
+    model's share plus one tensor in flight. `model.checkpoint_plan` records what was read.
     """
     from ..model import DeepSeekV4
+    from ..model.moe import expert_slice
     from ..model.quant import set_quant_mode
 
     asked = {k: v for k, v in (("quant_mode", quant_mode), ("fp8_kv_sim", fp8_kv_sim),
@@ -71,11 +84,22 @@ def load_pretrained(
     p = for_loading(p, mtp)
     for w in p.warnings:
         log.warning(w)
+    experts = None
+    if world_size != 1 or rank != 0:
+        try:
+            experts = expert_slice(p.cfg.n_routed_experts, rank, world_size)
+        except ValueError as e:
+            raise CheckpointError(f"{p.root}: {e}") from None
+        p = restrict_experts(p, *experts)
     dtype = dtype or defaults.default_dtype()
     device = torch.device(device or defaults.DEVICE)
-    with _no_init(DeepSeekV4):
-        model = DeepSeekV4(p.cfg, dtype=dtype, device=device)
-    load_into(model, p, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
+    model = DeepSeekV4(p.cfg, dtype=dtype, device="meta")
+    if experts is not None:
+        _narrow_experts(model, *experts, dtype)
+    if keep_quantized:
+        _place_quantized(model, p, dtype)
+    model.to_empty(device=device)
+    stats = load_into(model, p, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
     try:
         set_quant_mode(model)
     except ValueError as e:
@@ -86,8 +110,86 @@ def load_pretrained(
         "files": len(p.files),
         "mp": p.mp,
         "warnings": list(p.warnings),
+        "rank": rank,
+        "world_size": world_size,
+        "experts": list(experts) if experts is not None else [0, p.cfg.n_routed_experts],
+        "read": stats,
     }
     return model.eval()
+
+
+_QUANT = ("fp8", "fp4")
+
+
+def _narrow_experts(model: nn.Module, lo: int, hi: int, dtype: torch.dtype) -> None:
+    """On the meta model: every MoE layer's routed experts become experts [lo, hi) only."""
+    from ..model.moe import Experts, MoE
+
+    for moe in model.modules():
+        if isinstance(moe, MoE):
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                with torch.device("meta"):
+                    moe.experts = Experts(model.cfg, hi - lo, lo)
+            finally:
+                torch.set_default_dtype(prev)
+
+
+def _stored(e: Entry) -> Stored:
+    """The stored form of a quantized official weight, from its validated spec and scale header."""
+    o, i = e.spec.shape
+    q = (o, i) if e.fmt == "fp8" else (o, i // 2)
+    scale = fm.fp8_scale_shape(o, i) if e.fmt == "fp8" else (o, i // fm.FP4_BLOCK)
+    return Stored(e.fmt, q, tuple(scale), e.scale[0].info.dtype in FLOAT_DTYPES)
+
+
+def _place_quantized(model: nn.Module, p: Plan, dtype: torch.dtype) -> None:
+    """On the meta model: put an empty QuantLinear / QuantExperts where the checkpoint stores FP8 / FP4
+    weights, so that materializing allocates their stored bytes only (never a dequantized copy)."""
+    experts: dict[str, dict[str, set]] = {}
+    for e in p.entries.values():
+        if e.parts:
+            continue
+        mname, j = to_model(e.name)
+        path, _, leaf = mname.rpartition(".")
+        if j is not None:
+            experts.setdefault(path, {}).setdefault(leaf, set()).add(_stored(e) if e.fmt in _QUANT else e.fmt)
+        elif e.fmt in _QUANT and leaf == "weight":
+            mod = model.get_submodule(path)
+            if isinstance(mod, nn.Linear):
+                compute = mod.weight.dtype if mod.weight.dtype == torch.float32 else dtype
+                _set_module(model, path, QuantLinear(_stored(e), compute, "meta"))
+    for path, parts in experts.items():
+        kinds = {k for ks in parts.values() for k in ks}
+        if all(isinstance(k, str) for k in kinds):
+            continue                                            # stored as floats: a float layer
+        fmts = {k.fmt if isinstance(k, Stored) else k for k in kinds}
+        if len(fmts) > 1 or any(len(ks) > 1 for ks in parts.values()):
+            raise CheckpointError(f"{p.root}: experts of '{path}' mix storage formats or shapes; load "
+                                  "without keep_quantized")
+        stored = {w: next(iter(ks)) for w, ks in parts.items()}
+        _set_module(model, path, QuantExperts(model.get_submodule(path), fmts.pop(), dtype, stored, "meta"))
+
+
+def _float_names(model: nn.Module) -> dict[str, int]:
+    """{model tensor name as a checkpoint names it: parts to load} - a kept-quantized module counts as the
+    float weights it replaces; stacked routed experts take one part per expert held."""
+    out: dict[str, int] = {}
+    for path, mod in model.named_modules():
+        pre = f"{path}." if path else ""
+        if isinstance(mod, QuantLinear):
+            out[f"{pre}weight"] = 1
+            continue
+        if isinstance(mod, QuantExperts):
+            out.update({f"{pre}{w}": mod.n for w in ("w1", "w2", "w3")})
+            continue
+        for name, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+            if t is None:
+                continue
+            stacked = name in ("w1", "w2", "w3") and t.dim() == 3 and pre.endswith("experts.")
+            out[f"{pre}{name}"] = t.size(0) if stacked else 1
+    return out
 
 
 @torch.no_grad()
@@ -98,24 +200,32 @@ def load_into(
     dtype: torch.dtype = torch.bfloat16,
     keep_quantized: bool = False,
     progress: bool | None = None,
-) -> None:
-    """Stream a validated plan into an existing model; every model tensor must be written exactly once."""
-    sd = model.state_dict(keep_vars=True)
-    want = set(sd)
+) -> dict[str, int]:
+    """Stream a validated plan into an existing model; every model tensor must be written exactly once.
+
+    Kept-quantized modules already in the model (`load_pretrained` places them) are filled in place;
+    with keep_quantized, float modules whose weights are stored FP8 / FP4 are swapped for them here.
+    Routed experts go to the row of the expert's id minus the layer's `offset` (expert parallelism).
+    Returns what was read: {"tensors": official tensors, "bytes": stored bytes}."""
+    want = _float_names(model)
     names = {to_model(n)[0] for n in p.entries if not p.entries[n].parts}
     for e in p.entries.values():
         if e.parts:
             names.update(f"{e.name.rsplit('.', 1)[0]}.{w}" for w in e.parts)
-    if names != want:
-        extra, lost = sorted(names - want), sorted(want - names)
+    if names != set(want):
+        extra, lost = sorted(names - set(want)), sorted(set(want) - names)
         raise RuntimeError(
             f"checkpoint names and model parameters disagree: not in the model {extra[:5]}, "
             f"not in the checkpoint {lost[:5]}"
         )
+    sd = model.state_dict(keep_vars=True)
     written: dict[str, int] = {}
-    quant_experts: dict[str, QuantExperts] = {}
+    swapped: dict[str, QuantExperts] = {}
     stored: dict[str, set[str]] = {}  # module -> storage formats of the weights written into it
+    stats = {"tensors": 0, "bytes": 0}
     for e, v in stream(p, progress):
+        stats["tensors"] += 1
+        stats["bytes"] += e.nbytes
         if e.parts:  # fused HF experts [E, 2I, D] / [E, D, I]
             prefix = e.name.rsplit(".", 1)[0]
             for w, chunk in zip(e.parts, v.data.chunk(len(e.parts), dim=1)):
@@ -123,79 +233,56 @@ def load_into(
                 written[f"{prefix}.{w}"] = sd[f"{prefix}.{w}"].size(0)
             continue
         mname, j = to_model(e.name)
-        stored.setdefault(mname.rsplit(".", 1)[0], set()).add(v.fmt)
+        path, _, leaf = mname.rpartition(".")
+        stored.setdefault(path, set()).add(v.fmt)
+        mod = model.get_submodule(path)
+        if isinstance(mod, QuantLinear) and j is None:
+            mod.load_(v)
+            written[mname] = 1
+            continue
+        if isinstance(mod, QuantExperts) or (keep_quantized and j is not None and v.fmt in _QUANT):
+            qe = mod if isinstance(mod, QuantExperts) else swapped.get(path)
+            if qe is None:
+                qe = swapped[path] = QuantExperts(mod, v.fmt, dtype)
+            if qe.fmt != v.fmt:
+                raise CheckpointError(f"{p.root}: experts of '{mname}' mix storage formats; load without "
+                                      "keep_quantized")
+            qe.put(leaf, j - qe.offset, v, sd[mname].device if mname in sd else None)
+            written[mname] = written.get(mname, 0) + 1
+            continue
+        v = Value(v.fmt, v.data.to(sd[mname].device), None if v.scale is None else v.scale.to(sd[mname].device))
+        if keep_quantized and v.fmt in _QUANT and j is None and _swap_linear(model, mname, v, dtype, sd[mname].device):
+            written[mname] = 1
+            continue
         target = sd[mname]
-        v = Value(v.fmt, v.data.to(target.device), None if v.scale is None else v.scale.to(target.device))
-        if keep_quantized and v.fmt in ("fp8", "fp4"):
-            if j is None and _swap_linear(model, mname, v, dtype, target.device):
-                written[mname] = 1
-                continue
-            if j is not None:
-                qe = quant_experts.get(mname.rsplit(".", 1)[0])
-                if qe is None:
-                    qe = quant_experts[mname.rsplit(".", 1)[0]] = QuantExperts(
-                        model.get_submodule(mname.rsplit(".", 1)[0]), v.fmt, dtype
-                    )
-                if qe.fmt == v.fmt:
-                    qe.put(mname.rsplit(".", 1)[1], j, v, target.device)
-                    written[mname] = written.get(mname, 0) + 1
-                    continue
-                raise CheckpointError(
-                    f"{p.root}: experts of '{mname}' mix storage formats; load without keep_quantized"
-                )
         val = v.dequantize(target.dtype) if v.fmt != "int" else v.data
-        dst = target if j is None else target[j]
+        dst = target if j is None else target[j - getattr(mod, "offset", 0)]
         if tuple(dst.shape) != tuple(val.shape):
             raise CheckpointError(
                 f"tensor '{e.name}' has shape {list(val.shape)}, the model expects {list(dst.shape)}"
             )
         dst.copy_(val)
         written[mname] = written.get(mname, 0) + 1
-    for path, qe in quant_experts.items():
+    for path, qe in swapped.items():
         qe.finish()
         _set_module(model, path, qe)
+    for mod in model.modules():
+        if isinstance(mod, QuantExperts) and getattr(mod, "_filled", None) is not None:
+            try:
+                mod.finish()
+            except RuntimeError as err:
+                raise CheckpointError(f"{p.root}: {err}") from None
     for path, fmts in stored.items():
-        quant = fmts & {"fp8", "fp4"}
+        quant = fmts & set(_QUANT)
         if quant:
             model.get_submodule(path).stored_format = fmts.pop() if len(fmts) == 1 else "mixed"
-    for name, t in sd.items():
-        need = t.size(0) if name.endswith(("experts.w1", "experts.w2", "experts.w3")) and t.dim() == 3 else 1
+    for name, need in want.items():
         if written.get(name, 0) != need:
             raise CheckpointError(
                 f"{p.root}: tensor '{name}' was not completely loaded "
                 f"({written.get(name, 0)} of {need} parts)"
             )
-
-
-@contextlib.contextmanager
-def _no_init(model_cls: type) -> Iterator[None]:
-    """Build the model directly on its device without random init: every value is loaded afterwards.
-    (Not on the meta device: modules may cache tensors computed at construction.)"""
-    names = (
-        "normal_",
-        "uniform_",
-        "kaiming_uniform_",
-        "kaiming_normal_",
-        "xavier_uniform_",
-        "xavier_normal_",
-        "trunc_normal_",
-        "zeros_",
-        "ones_",
-        "constant_",
-    )
-    saved = {n: getattr(nn.init, n) for n in names}
-    reset = model_cls.__dict__.get("reset_parameters")
-    try:
-        for n in names:
-            setattr(nn.init, n, lambda t, *a, **k: t)
-        if reset is not None:
-            model_cls.reset_parameters = lambda self, *a, **k: None
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(nn.init, n, f)
-        if reset is not None:
-            model_cls.reset_parameters = reset
+    return stats
 
 
 def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:

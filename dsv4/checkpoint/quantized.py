@@ -11,9 +11,16 @@ Both compute through `dsv4.ops` (fast backends where they can run, every call re
   to, one at a time; from `GROUPED_MIN_TOKENS` tokens on (prefill) the experts are dequantized a chunk at
   a time into a bounded scratch and each chunk runs through `ops.moe_experts`: static shapes, no host sync.
 Stored bytes are kept bit for bit (`weight_q`, `scale` buffers).
+
+Both can be built empty from the shapes a checkpoint's headers give (`Stored`), on any device the meta
+device included, and filled tensor by tensor afterwards (`load_` / `put`): the loader materializes every
+buffer once, at its final size, and never holds a dequantized copy of a quantized weight. `narrow` keeps
+a range of experts (expert parallelism: each rank holds E/N of them).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -38,19 +45,60 @@ def _raw_scale(s: torch.Tensor) -> torch.Tensor:
     return s.float() if s.dtype in (torch.float32, torch.bfloat16, torch.float16) else fm.as_e8m0_bytes(s)
 
 
+@dataclass(frozen=True)
+class Stored:
+    """How one quantized weight is stored: format, packed data shape [out, in or in/2] (uint8 bytes) and
+    block-scale shape, the scale as fp32 values (scale_float) or E8M0 bytes."""
+
+    fmt: str
+    q_shape: tuple[int, ...]
+    scale_shape: tuple[int, ...]
+    scale_float: bool
+
+    @classmethod
+    def of(cls, value: Value) -> Stored:
+        return cls(value.fmt, tuple(value.data.shape), tuple(value.scale.shape),
+                   value.scale.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.float32 if self.scale_float else torch.uint8
+
+    def in_features(self) -> int:
+        return self.q_shape[-1] * (2 if self.fmt == "fp4" else 1)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+        raise RuntimeError(f"{what}: stored as {src.dtype} {list(src.shape)}, the module holds "
+                           f"{dst.dtype} {list(dst.shape)}")
+    dst.copy_(src)
+
+
 class QuantLinear(nn.Module):
     """y = x @ dequant(weight_q, scale)^T: W8A8 (act_format "ue8m0" / "fp32") or W8A16 (act_format None)."""
 
     act_format: str | None = None
 
-    def __init__(self, value: Value, compute_dtype: torch.dtype, device: torch.device | str | None = None):
+    def __init__(self, value: Value | Stored, compute_dtype: torch.dtype, device: torch.device | str | None = None):
+        """From a stored value (copied to `device`), or empty from its `Stored` shapes (fill with `load_`)."""
         super().__init__()
-        self.fmt = value.fmt
+        st = value if isinstance(value, Stored) else Stored.of(value)
+        self.fmt = st.fmt
         self.compute_dtype = compute_dtype
-        self.register_buffer("weight_q", _raw(value.fmt, value.data).to(device))
-        self.register_buffer("scale", _raw_scale(value.scale).to(device))
-        o, i = value.data.shape
-        self.out_features, self.in_features = o, (i * 2 if value.fmt == "fp4" else i)
+        self.register_buffer("weight_q", torch.empty(st.q_shape, dtype=torch.uint8, device=device))
+        self.register_buffer("scale", torch.empty(st.scale_shape, dtype=st.scale_dtype, device=device))
+        self.out_features, self.in_features = st.q_shape[0], st.in_features()
+        if isinstance(value, Value):
+            self.load_(value)
+
+    @torch.no_grad()
+    def load_(self, value: Value) -> None:
+        """Copy a stored value's bytes (and scale) into the buffers; shapes and formats must match."""
+        if value.fmt != self.fmt:
+            raise RuntimeError(f"quantized linear holds {self.fmt}, the value is {value.fmt}")
+        _copy_checked(self.weight_q, _raw(value.fmt, value.data).to(self.weight_q.device), "quantized weight")
+        _copy_checked(self.scale, _raw_scale(value.scale).to(self.scale.device), "block scale")
 
     @property
     def weight(self) -> torch.Tensor:
@@ -73,31 +121,66 @@ CHUNK_BYTES = 256 << 20            # dequantized scratch per chunk (w1 + w2 + w3
 
 
 class QuantExperts(nn.Module):
-    """Stacked routed experts kept quantized: w{1,2,3}_q [E, o, i or i/2] + scales."""
+    """Stacked routed experts kept quantized: w{1,2,3}_q [E, o, i or i/2] + scales, experts
+    offset .. offset + E - 1 of the layer."""
 
     act_format: str | None = None
 
-    def __init__(self, template: nn.Module, fmt: str, compute_dtype: torch.dtype):
+    def __init__(self, template: nn.Module, fmt: str, compute_dtype: torch.dtype,
+                 stored: dict[str, Stored] | None = None, device: torch.device | str | None = None):
+        """template: the float `Experts` this replaces (its expert count, offset and limit). With `stored`
+        ({"w1": Stored, ...}) the buffers are allocated at once on `device`; otherwise each projection's
+        on its first `put`."""
         super().__init__()
         self.fmt, self.compute_dtype = fmt, compute_dtype
         self.offset = getattr(template, "offset", 0)
         self.swiglu_limit = getattr(template, "swiglu_limit", 0.0)
         self.n = template.w1.size(0)
-        self._parts: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {
-            w: [None] * self.n for w in ("w1", "w2", "w3")
-        }
+        self._filled: dict[str, torch.Tensor] | None = {w: torch.zeros(self.n, dtype=torch.bool)
+                                                        for w in ("w1", "w2", "w3")}
+        for w, st in (stored or {}).items():
+            self._alloc(w, st, device)
 
-    def put(self, w: str, j: int, value: Value, device) -> None:
-        self._parts[w][j] = (_raw(self.fmt, value.data).to(device), _raw_scale(value.scale).to(device))
+    def _alloc(self, w: str, st: Stored, device) -> None:
+        self.register_buffer(f"{w}_q", torch.empty((self.n, *st.q_shape), dtype=torch.uint8, device=device))
+        self.register_buffer(f"{w}_scale", torch.empty((self.n, *st.scale_shape), dtype=st.scale_dtype,
+                                                       device=device))
+
+    @torch.no_grad()
+    def put(self, w: str, j: int, value: Value, device=None) -> None:
+        """Expert j (counted from this module's first expert) of projection w, copied in bit for bit."""
+        if self._filled is None:
+            raise RuntimeError("quantized experts: put after finish")
+        if not 0 <= j < self.n:
+            raise RuntimeError(f"quantized experts: expert {j + self.offset} is not held here "
+                               f"([{self.offset}, {self.offset + self.n}))")
+        if getattr(self, f"{w}_q", None) is None:
+            self._alloc(w, Stored.of(value), device if device is not None else value.data.device)
+        q, s = getattr(self, f"{w}_q"), getattr(self, f"{w}_scale")
+        _copy_checked(q[j], _raw(self.fmt, value.data).to(q.device), f"{w} of expert {j + self.offset}")
+        _copy_checked(s[j], _raw_scale(value.scale).to(s.device), f"{w} scale of expert {j + self.offset}")
+        self._filled[w][j] = True
 
     def finish(self) -> None:
-        for w, parts in self._parts.items():
-            missing = [j for j, p in enumerate(parts) if p is None]
-            if missing:
-                raise RuntimeError(f"quantized experts: {w} of expert {missing[0]} was never loaded")
-            self.register_buffer(f"{w}_q", torch.stack([p[0] for p in parts]))
-            self.register_buffer(f"{w}_scale", torch.stack([p[1] for p in parts]))
-        del self._parts
+        """Check that every expert of every projection was put."""
+        for w, filled in (self._filled or {}).items():
+            if not bool(filled.all()):
+                missing = int((~filled).nonzero()[0])
+                raise RuntimeError(f"quantized experts: {w} of expert {missing + self.offset} was never loaded")
+        self._filled = None
+
+    @torch.no_grad()
+    def narrow(self, lo: int, hi: int) -> QuantExperts:
+        """Keep only experts [lo, hi) of the layer (global ids; they must be held here). In place."""
+        a, b = lo - self.offset, hi - self.offset
+        if not 0 <= a < b <= self.n:
+            raise ValueError(f"experts [{lo}, {hi}) are not all held here ([{self.offset}, {self.offset + self.n}))")
+        for w in ("w1", "w2", "w3"):
+            for part in ("q", "scale"):
+                name = f"{w}_{part}"
+                setattr(self, name, getattr(self, name)[a:b].clone())
+        self.offset, self.n = lo, b - a
+        return self
 
     def expert(self, w: str, j: int) -> torch.Tensor:
         return _dequant(

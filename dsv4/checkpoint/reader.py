@@ -14,6 +14,7 @@ n_routed_experts) stop the stream with an error naming the tensor and file, befo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from ..safe_paths import open_regular
 from . import layouts
 from .inventory import Entry, Piece, Plan, Problems
 from .layouts import find_files, without_mtp
-from .names import EXPERT, F32, INT, Spec, canonical
+from .names import EXPERT, F32, INT, Spec, canonical, expert_index
 from .safetensors_io import FLOAT_DTYPES, INT_DTYPES, CheckpointError, TensorInfo, read_header, read_tensor
 from .storage import Value
 
@@ -176,6 +177,31 @@ def for_loading(p: Plan, mtp: bool = True) -> Plan:
     """The plan a model is built from: its layout may refuse what dsv4 cannot run (`Unsupported`);
     mtp=False drops the MTP block and its tensors."""
     return layouts.get(p.layout).prepare_load(p, mtp)
+
+
+def restrict_experts(p: Plan, lo: int, hi: int) -> Plan:
+    """The plan of one expert-parallel rank: every routed expert outside [lo, hi) left out (never read), a
+    fused expert tensor [E, ...] (transformers layout) narrowed to its rows [lo, hi) - a contiguous byte
+    range of the file, so only those bytes are read. Everything else unchanged."""
+    entries: dict[str, Entry] = {}
+    for name, e in p.entries.items():
+        if e.parts:
+            entries[name] = dataclasses.replace(e, spec=Spec((hi - lo, *e.spec.shape[1:]), e.spec.role),
+                                                weight=[_rows(pc, lo, hi) for pc in e.weight])
+            continue
+        j = expert_index(name)
+        if j is None or lo <= j < hi:
+            entries[name] = e
+    return dataclasses.replace(p, entries=entries)
+
+
+def _rows(piece: Piece, lo: int, hi: int) -> Piece:
+    """Rows [lo, hi) of a stored tensor along its first dim (row-major: one byte range)."""
+    info = piece.info
+    row = info.nbytes // info.shape[0]
+    part = dataclasses.replace(info, shape=(hi - lo, *info.shape[1:]), begin=info.begin + lo * row,
+                               end=info.begin + hi * row)
+    return dataclasses.replace(piece, info=part)
 
 
 def _describe(spec: Spec) -> str:

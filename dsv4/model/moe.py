@@ -19,6 +19,17 @@ from ..ops.precision import acc_dtype
 from .layers import Linear, autocast_dtype, linear_fp32, record
 
 
+def expert_slice(n_experts: int, rank: int, world: int) -> tuple[int, int]:
+    """[lo, hi): the routed experts rank `rank` of `world` holds under expert parallelism - contiguous
+    equal ranges, rank r holding [r*E/N, (r+1)*E/N) (as the official inference layout splits them)."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not one of {world} ranks")
+    if n_experts % world:
+        raise ValueError(f"{n_experts} routed experts cannot be split evenly over {world} ranks")
+    n = n_experts // world
+    return rank * n, (rank + 1) * n
+
+
 class Gate(nn.Module):
     """Router. scores = f(x W^T) in fp32; `bias` shifts scores for selection only; weights are the
     unbiased scores of the chosen experts, normalized to sum 1 (not for softmax), times route_scale once.

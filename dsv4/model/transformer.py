@@ -53,6 +53,20 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(prev)
 
 
+@torch.no_grad()
+def init_hc_base(p: torch.Tensor, hc: int) -> None:
+    """The initial mHC bias: pre ~ 1/hc (average the copies), comb ~ identity (keep each copy), post 0;
+    for the HC head (hc entries) pre ~ 1/hc."""
+    if p.numel() == hc:                       # HC head: pre = sigmoid(b) ~ 1/hc
+        p.fill_(math.log(1 / (hc - 1)) if hc > 1 else 0.0)
+        return
+    p.zero_()
+    p[:hc] = math.log(1 / (hc - 1)) if hc > 1 else 0.0
+    comb = torch.full((hc, hc), -4.0)
+    comb.fill_diagonal_(4.0)
+    p[2 * hc:] = comb.flatten()
+
+
 class DeepSeekV4(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
         """dtype / device default to `dsv4.defaults` (fp32, cpu), as the command line's --dtype / --device."""
@@ -106,7 +120,7 @@ class DeepSeekV4(nn.Module):
             elif "hc_" in leaf and leaf.endswith("_scale"):
                 p.fill_(1.0)
             elif "hc_" in leaf and leaf.endswith("_base"):
-                self._init_hc_base(p)
+                init_hc_base(p, cfg.hc_mult)
             elif name == "embed.weight":
                 normal_(p, 1.0)
             elif p.dim() >= 2:
@@ -122,17 +136,6 @@ class DeepSeekV4(nn.Module):
                 mod.tid2eid.copy_(table.to(torch.int32))
             else:
                 mod.bias.zero_()
-
-    def _init_hc_base(self, p: torch.Tensor) -> None:
-        hc = self.cfg.hc_mult
-        if p.numel() == hc:                       # HC head: pre = sigmoid(b) ~ 1/hc
-            p.fill_(math.log(1 / (hc - 1)) if hc > 1 else 0.0)
-            return
-        p.zero_()
-        p[:hc] = math.log(1 / (hc - 1)) if hc > 1 else 0.0       # pre ~ 1/hc: average the copies
-        comb = torch.full((hc, hc), -4.0)
-        comb.fill_diagonal_(4.0)                                  # comb ~ identity: keep each copy
-        p[2 * hc:] = comb.flatten()
 
     # ------------------------------------------------------------------ options
     def set_options(self, *, activation_checkpointing: bool | None = None, fp4_fake_quant: bool | None = None,

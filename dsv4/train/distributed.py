@@ -5,12 +5,14 @@ Layout with W processes (launched by `torchrun`; gloo on CPU, NCCL on CUDA):
   (`fully_shard`) over the data-parallel mesh; every rank trains on its own slice of the global batch;
 - the routed experts of every MoE layer are split into W contiguous ranges: rank r keeps experts
   [r*E/W, (r+1)*E/W). Each MoE layer gets a `routed_override` that sends every (token, expert) pair to
-  the rank holding the expert (all-to-all), runs the local experts there and sends the results back.
+  the rank holding the expert (all-to-all), runs the local experts there and sends the results back
+  (`dsv4.parallel.expert`, shared with serving, which moves the tokens by all-reduce or all-gather).
   Expert parameters are left out of FSDP (each rank owns distinct experts); their gradients already
   sum every rank's tokens, so they are scaled by 1/W to match FSDP's data-parallel mean.
 
 The rank that decides a layer's expert range is read from the live process group at sharding time and
-checked again on every call (docs/bugzoo.md Z08: a rank cached as 0 made every process serve experts 0..E/W-1).
+checked again on every call (docs/bugzoo.md Z08: a rank cached as 0 made every process serve experts 0..E/W-1;
+`dsv4.parallel.expert._ep_rank`).
 
 Entry points: `setup_distributed`, `shard_model` (training), `shard_experts(..., mode="all_reduce")`
 (inference with replicated tokens), `clip_grad_norm_`, `all_reduce_expert_load`, `full_state_dict` /
@@ -27,7 +29,7 @@ import json
 import os
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -36,8 +38,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
-
-_EP_ATTR = "_dsv4_expert_parallel"
+from ..parallel import expert as _ep
+from ..parallel.expert import (  # noqa: F401  (the expert-parallel core lives in dsv4.parallel; re-exported)
+    ExpertParallel,
+    all_to_all,
+    expert_range,
+    is_expert_param,
+    moe_layers,
+    shard_experts,
+)
 
 
 # ----------------------------------------------------------------------------- process group
@@ -78,149 +87,6 @@ def teardown_distributed() -> None:
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _ep_rank(group: dist.ProcessGroup | None) -> int:
-    """This process's rank in the expert-parallel group, read from the live group on every call."""
-    return dist.get_rank(group)
-
-
-def expert_range(n_experts: int, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """[lo, hi) of the global expert ids this rank holds."""
-    world = dist.get_world_size(group)
-    if n_experts % world:
-        raise ValueError(f"{n_experts} routed experts cannot be split evenly over {world} ranks")
-    n_local = n_experts // world
-    lo = _ep_rank(group) * n_local
-    return lo, lo + n_local
-
-
-def is_expert_param(p: torch.Tensor) -> bool:
-    """True for routed-expert parameters split by expert parallelism (distinct on every rank)."""
-    return bool(getattr(p, _EP_ATTR, False))
-
-
-def moe_layers(model: nn.Module) -> Iterator[nn.Module]:
-    """Every MoE feed-forward of the model (main layers and MTP blocks)."""
-    for mod in model.modules():
-        if hasattr(mod, "routed_override") and hasattr(mod, "experts"):
-            yield mod
-
-
-# ----------------------------------------------------------------------------- all-to-all
-class _AllToAll(torch.autograd.Function):
-    """Rows of x go to ranks by `send` counts; `recv` rows arrive. The backward sends gradients back."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
-        ctx.recv, ctx.send, ctx.group = recv, send, group
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        gx = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(gx, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return gx, None, None, None
-
-
-def all_to_all(x: torch.Tensor, recv: list[int], send: list[int], group=None) -> torch.Tensor:
-    """Differentiable variable-size all-to-all along dim 0: x [sum(send), ...] -> [sum(recv), ...]."""
-    return _AllToAll.apply(x, recv, send, group)
-
-
-class ExpertParallel:
-    """The `routed_override` of one MoE layer whose experts are split across the ranks of `group`.
-
-    mode="all_to_all" (training, tokens differ per rank): every (token, expert) pair travels to the rank
-    holding the expert, runs there, and its fp32 result travels back and is summed per token.
-    mode="all_reduce" (inference, every rank holds the same tokens): each rank runs its local experts on
-    all tokens and the partial sums are all-reduced; no gradient.
-
-    Deliberately a plain object, not an nn.Module, so it adds no parameters or state-dict entries.
-    """
-
-    def __init__(self, experts: nn.Module, n_experts: int, group: dist.ProcessGroup | None,
-                 mode: str = "all_to_all"):
-        if mode not in ("all_to_all", "all_reduce"):
-            raise ValueError(f"unknown expert-parallel mode {mode!r}")
-        self.experts, self.n_experts, self.group, self.mode = experts, n_experts, group, mode
-
-    def _live_offset(self) -> tuple[int, int]:
-        lo, hi = expert_range(self.n_experts, self.group)
-        held, start = self.experts.w1.size(0), self.experts.offset
-        if lo != start or hi - lo != held:
-            raise RuntimeError(f"expert-parallel rank {_ep_rank(self.group)} should hold "
-                               f"experts [{lo}, {hi}) but holds {held} from {start}: the process group "
-                               "changed after sharding")
-        return lo, hi - lo
-
-    def _local(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        # the Experts module itself (so its options, e.g. FP4 fake-quant, still apply); its offset
-        # was just checked against the live rank, and ids outside its range are skipped
-        return self.experts(x, weights, indices)                                        # fp32 [T, dim]
-
-    @torch.compiler.disable       # host-sized exchanges: stays eager inside a torch.compile'd block
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """x [T, dim], weights [T, k] fp32, indices [T, k] global expert ids -> fp32 [T, dim]."""
-        _, n_local = self._live_offset()
-        if self.mode == "all_reduce":
-            if torch.is_grad_enabled() and (x.requires_grad or self.experts.w1.requires_grad):
-                raise RuntimeError("all_reduce expert parallelism is for inference: run under "
-                                   "torch.no_grad(), or shard with mode='all_to_all' for training")
-            y = self._local(x, weights, indices)                                        # fp32 [T, dim]
-            dist.all_reduce(y, group=self.group)
-            return y
-        return self._exchange(x, weights, indices, n_local)
-
-    def _exchange(self, x, weights, indices, n_local: int) -> torch.Tensor:
-        t, k = indices.shape
-        world = dist.get_world_size(self.group)
-        ids = indices.reshape(-1)                                                       # [T*k]
-        dest = torch.div(ids, n_local, rounding_mode="floor")                           # owner rank per pair
-        order = torch.argsort(dest, stable=True)                                        # grouped by rank
-        send_counts = torch.bincount(dest, minlength=world)                             # [W]
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
-        tok = torch.div(order, k, rounding_mode="floor")                                # [N] pair -> token
-
-        xs = all_to_all(x[tok], recv, send, self.group)                                 # [M, dim]
-        ws = all_to_all(weights.reshape(-1)[order], recv, send, self.group)             # [M] fp32
-        ids_in = ids.new_empty(sum(recv))
-        dist.all_to_all_single(ids_in, ids[order].contiguous(), recv, send, group=self.group)
-        y = self._local(xs, ws.unsqueeze(-1), ids_in.unsqueeze(-1))                     # fp32 [M, dim]
-        # keep both exchanges in the graph even when nothing arrived here, so every rank runs the same
-        # backward collectives (a sum over an empty slice is an exact zero, also next to inf/nan rows)
-        y = y + (xs[:0].sum() + ws[:0].sum())
-        back = all_to_all(y, send, recv, self.group)                                    # fp32 [N, dim]
-        out = torch.zeros(t, x.size(-1), dtype=torch.float32, device=x.device)
-        return out.index_add(0, tok, back)                                              # fp32 [T, dim]
-
-
-# ----------------------------------------------------------------------------- sharding
-def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, mode: str = "all_to_all") -> int:
-    """Keep only this rank's routed experts in every MoE layer and install the expert-parallel override.
-
-    Works on a full model (every rank built the same weights). Returns the number of MoE layers sharded.
-    """
-    n = 0
-    for moe in moe_layers(model):
-        ex = moe.experts
-        if moe.routed_override is not None or is_expert_param(ex.w1):
-            raise RuntimeError("experts are already sharded")
-        lo, hi = expert_range(moe.n_experts, group)
-        with torch.no_grad():
-            for name in ("w1", "w2", "w3"):
-                full = getattr(ex, name)
-                local = nn.Parameter(full[lo:hi].clone(), requires_grad=full.requires_grad)  # [E/W, ...]
-                setattr(local, _EP_ATTR, True)
-                setattr(ex, name, local)
-        ex.offset = lo
-        moe.routed_override = ExpertParallel(ex, moe.n_experts, group, mode)
-        n += 1
-    return n
 
 
 def shard_model(model: nn.Module, ep: bool = True, dp_mesh=None, mp_policy=None,
@@ -413,7 +279,7 @@ def local_part(full: torch.Tensor, p: torch.Tensor, group=None) -> torch.Tensor:
         return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)  # slice, no comms
     if is_expert_param(p):
         n_local = p.size(0)
-        lo = _ep_rank(group) * n_local
+        lo = _ep._ep_rank(group) * n_local
         return full[lo:lo + n_local]
     return full
 
