@@ -76,11 +76,11 @@ def test_drafts_and_overrides(tmp_path, capsys):
     cfg = load_pretrained(tmp_path / "mtp").cfg
     assert (cfg.n_layers, cfg.n_mtp_layers, cfg.compress_ratios) == (3, 1, (0, 4, 128, 0))
     capsys.readouterr()
-    # DSpark is recognized, not written: one line, exit 1, nothing created
-    assert main(["init", str(tmp_path / "ds"), "--preset", "tiny", "--draft", "dspark"]) == 1
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--draft dspark" in err and "DSpark" in err
-    assert not (tmp_path / "ds").exists()
+    # Flash-0731's DSpark draft: written in its layout, inspected and loaded with the draft
+    assert main(["init", str(tmp_path / "ds"), "--preset", "tiny", "--draft", "dspark"]) == 0
+    model = load_pretrained(tmp_path / "ds")
+    assert model.cfg.dspark and model.dspark is not None
+    assert model.checkpoint_plan["layout"] == "dspark"
 
 
 @pytest.mark.parametrize("argv,words", [

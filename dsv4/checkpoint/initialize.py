@@ -19,9 +19,9 @@ scale per tensor that keeps 8 standard deviations in range; MXFP4 experts are un
 Memory: one tensor at a time (big ones drawn in row blocks straight into their storage dtype), so the
 host holds about the largest tensor: Flash's embedding and head, 1.06 GB each in bf16 - never the model.
 
-Drafts (`--draft`): "mtp" (the first release's MTP block, `n_mtp_layers` >= 1) or "none". A draft is an
-entry of `DRAFTS` (a config change and the layout the checkpoint is written in); Flash-0731's DSpark draft
-is recognized by `dsv4 inspect` but not written yet, and asking for it is refused in one line.
+Drafts (`--draft`): "mtp" (the first release's MTP block, `n_mtp_layers` >= 1), "dspark" (Flash-0731's
+DSpark draft, `ModelConfig.with_draft`: the release shards then hold it in `mtp.*`, the DSpark layout) or
+"none". A draft is an entry of `DRAFTS` (a config change and the layout the checkpoint is written in).
 """
 
 from __future__ import annotations
@@ -61,10 +61,10 @@ def _with_mtp(cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(n_mtp_layers=1, compress_ratios=(*cfg.compress_ratios[: cfg.n_layers], 0))
 
 
-DRAFTS: dict[str, Draft] = {"mtp": Draft("mtp", _with_mtp), "none": Draft("none", without_mtp)}
-# drafts dsv4 recognizes in checkpoints but cannot write yet: asking for one is refused with this reason
-NOT_WRITABLE = {"dspark": "the DSpark draft (Flash-0731's) is read and validated by `dsv4 inspect` but dsv4 does "
-                          "not write it yet; use --draft mtp or --draft none"}
+DRAFTS: dict[str, Draft] = {"mtp": Draft("mtp", _with_mtp), "none": Draft("none", without_mtp),
+                             "dspark": Draft("dspark", lambda cfg: cfg.with_draft("dspark"))}
+# drafts dsv4 recognizes in checkpoints but cannot write: asking for one is refused with this reason
+NOT_WRITABLE: dict[str, str] = {}
 
 
 def draft_names() -> tuple[str, ...]:
