@@ -86,8 +86,11 @@ def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
         raise UserError(str(e)) from None
 
 
-def load_model(args: argparse.Namespace, default_preset: str | None = None):
-    """(model, tokenizer or None, description) from --preset / --model / --config / the shipped model."""
+def load_model(args: argparse.Namespace, default_preset: str | None = None, rank: int = 0, world_size: int = 1):
+    """(model, tokenizer or None, description) from --preset / --model / --config / the shipped model.
+
+    rank, world_size: a worker of several (`dsv4.parallel`): a checkpoint is read for this rank's experts
+    only; a preset is built whole (every rank draws the same weights) and cut by the serving pass."""
     from . import defaults
     from .model import DeepSeekV4
 
@@ -107,7 +110,7 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None):
 
     model = load_pretrained(path, dtype=dtype, device=device, quant_mode=getattr(args, "quant_mode", None),
                             keep_quantized=getattr(args, "keep_quantized", False),
-                            mtp=not getattr(args, "no_mtp", False)).eval()
+                            mtp=not getattr(args, "no_mtp", False), rank=rank, world_size=world_size).eval()
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from .train.tokenizer import Tokenizer

@@ -226,11 +226,12 @@ def _server_argv(args: argparse.Namespace) -> list[str]:
     """`dsv4 serve` with this benchmark's model and engine settings, on a free loopback port."""
     argv = [sys.executable, "-m", "dsv4", "serve", "--host", "127.0.0.1", "--port", "0"]
     for flag in ("preset", "model", "config", "device", "dtype", "quant_mode", "max_num_seqs", "max_model_len",
-                 "max_batch_tokens", "page_size", "cache_pages", "speculative"):
+                 "max_batch_tokens", "page_size", "cache_pages", "speculative", "tensor_parallel_size",
+                 "worker_timeout"):
         value = getattr(args, flag, None)
         if value is not None and not (flag == "speculative" and not value):
             argv += [f"--{flag.replace('_', '-')}", str(value)]
-    for flag in ("keep_quantized", "no_prefix_caching", "deterministic", "no_cuda_graph"):
+    for flag in ("keep_quantized", "no_prefix_caching", "deterministic", "no_cuda_graph", "enable_expert_parallel"):
         if getattr(args, flag, False):
             argv.append(f"--{flag.replace('_', '-')}")
     return argv

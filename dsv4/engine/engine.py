@@ -27,6 +27,7 @@ from ..ops import compiles
 from ..ops.precision import exact_accumulation
 from .batch import Row
 from .cache_manager import CacheManager
+from .mirror import Mirror
 from .output import OutputProcessor, TextStreams
 from .runner import InFlight, Runner, SampleRow
 from .sampling import SamplingParams, SamplingTensors
@@ -62,9 +63,11 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model: DeepSeekV4, config: EngineConfig | None = None, tokenizer=None,
-                 eos_token_id: int | None = None, detokenize: bool = True):
+                 eos_token_id: int | None = None, detokenize: bool = True, mirror: Mirror | None = None):
         """tokenizer: its EOS id ends sequences and, with detokenize, outputs carry text (stop strings
-        applied here); detokenize=False leaves text to the caller (stop strings are then allowed)."""
+        applied here); detokenize=False leaves text to the caller (stop strings are then allowed).
+        mirror: the engine on several workers (`dsv4.engine.mirror`; every worker builds the same engine:
+        rank 0 serves, the others `follow`)."""
         self.model = model.eval()
         c = dataclasses.replace(config) if config is not None else EngineConfig()
         cfg = model.cfg
@@ -76,7 +79,7 @@ class Engine:
         if c.max_batch_tokens is None:
             c.max_batch_tokens = max(2048, c.max_seqs + 512) if on_gpu else 512
         if c.chunk_len is None:
-            c.chunk_len = 64 if (graphs or c.pad_steps) else 1
+            c.chunk_len = 64 if (graphs or c.pad_steps or mirror is not None) else 1
         c.chunk_len = max(1, min(c.chunk_len, c.max_batch_tokens))
         self.config = c
         self.max_model_len = min(c.max_model_len or min(cfg.max_seq_len, 8192), cfg.max_seq_len)
@@ -92,8 +95,12 @@ class Engine:
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
         self.scheduler = Scheduler(SchedulerConfig(c.max_seqs, self.max_model_len, c.max_batch_tokens, c.chunk_len,
                                                    c.prefix_caching), self.manager, self._restore_prefix, self.stats)
+        if mirror is not None and c.speculative:
+            raise ValueError("speculative decoding does not run on several workers yet: leave out --speculative "
+                             "or --tensor-parallel-size")
         self.runner = Runner(model, self.cache, self.manager.tables, cuda_graphs=graphs, max_decode=c.max_seqs,
-                             max_slots=c.max_batch_tokens // c.chunk_len, slot_len=c.chunk_len, pad=c.pad_steps)
+                             max_slots=c.max_batch_tokens // c.chunk_len, slot_len=c.chunk_len,
+                             pad=c.pad_steps or mirror is not None, mirror=mirror)
         self.sampler = self.runner.sampler
         self.overlap = on_gpu if c.overlap is None else c.overlap
         self.eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
@@ -194,6 +201,17 @@ class Engine:
         req = self.requests.get(request_id)
         if req is not None and 0 <= index < len(req.sequences):
             self.scheduler.finish(req.sequences[index], reason)
+
+    @torch.no_grad()
+    def follow(self) -> None:
+        """A worker other than rank 0 of a multi-worker engine: run rank 0's steps until it stops, with the
+        same numerics (`dsv4.engine.mirror`)."""
+        with exact_accumulation(self.config.deterministic):
+            self.runner.follow()
+
+    def close(self) -> None:
+        """The end of serving: the other workers of a multi-worker engine stop too."""
+        self.runner.stop_followers()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
@@ -317,7 +335,7 @@ class Engine:
 
     def _restore_prefix(self, seq: Sequence, cached: int) -> None:
         P = self.layout.page_size
-        self.cache.restore_tail(seq.pages.state, int(seq.pages.ctable[cached // P - 1]), cached)
+        self.runner.restore_tail(seq.pages.state, int(seq.pages.ctable[cached // P - 1]), cached)
 
     def warmup(self, progress=None) -> int:
         """Capture every step bucket's CUDA graph (on CUDA; a no-op elsewhere) before the first request, and

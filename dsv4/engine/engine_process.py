@@ -58,6 +58,13 @@ def _child(commands, results, build: Callable, build_args: tuple) -> None:
         results.send(Failed(f"{type(e).__name__}: {e}"))
         return
     results.send(Ready(info))
+    try:
+        _serve(engine, commands, results)
+    finally:
+        engine.close()
+
+
+def _serve(engine, commands, results) -> None:
     while True:
         timeout = 0.0 if engine.has_work() else 0.5
         handled = False
@@ -104,8 +111,10 @@ class EngineProcess:
         ctx = mp.get_context("spawn")
         self._cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
         self._res_recv, self._res_send = ctx.Pipe(duplex=False)
+        # not a daemon: an engine on several workers starts them as its own children (it ends when the
+        # server's pipe closes, whatever ended the server)
         self._proc = ctx.Process(target=_child, args=(self._cmd_recv, self._res_send, build, build_args),
-                                 name="dsv4-engine", daemon=True)
+                                 name="dsv4-engine", daemon=False)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._streams: dict[str, Stream] = {}
@@ -147,6 +156,10 @@ class EngineProcess:
     @property
     def alive(self) -> bool:
         return not self._stopped and self._proc.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._proc.exitcode
 
     def new_id(self, prefix: str) -> str:
         with self._lock:

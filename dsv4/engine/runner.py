@@ -24,6 +24,7 @@ from ..model import DeepSeekV4
 from ..model.paged import PagedKVCache, StepInputs
 from .batch import Bucket, Fields, Row, fill_bucket, ragged_fields, step_inputs
 from .cache_manager import BlockTables
+from .mirror import RESTORE, STEP, STOP, TABLES, Mirror
 from .sampling import SampleOutput, Sampler, SamplingParams, SamplingTensors
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -182,9 +183,14 @@ class Runner:
     """Runs steps of the model on one paged cache (see the module docstring)."""
 
     def __init__(self, model: DeepSeekV4, cache: PagedKVCache, tables: BlockTables, *, cuda_graphs: bool = False,
-                 max_decode: int = 64, max_slots: int = 0, slot_len: int = 64, pad: bool = False):
+                 max_decode: int = 64, max_slots: int = 0, slot_len: int = 64, pad: bool = False,
+                 mirror: Mirror | None = None):
+        """mirror: the engine on several workers (`dsv4.engine.mirror`): every step is bucketed, rank 0 sends
+        its device work to the other ranks, which run `follow`."""
         self.model, self.cache, self.tables = model, cache, tables
         self.device = cache.device
+        self.mirror = mirror
+        pad = pad or mirror is not None
         self.ratios = cache.layout.ratios
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.pad = pad or self.cuda_graphs              # bucketed steps (eagerly where there are no graphs)
@@ -290,14 +296,26 @@ class Runner:
         host = self.staging.begin()
         end = self._sync_tables(host, 0)
         if end:
-            self._apply_tables(self.staging.send(end))
+            dev = self.staging.send(end)
+            if self.mirror is not None:
+                self.mirror.send(TABLES, end, *self._table_update[:2])
+                self.mirror.tensor(dev)
+            self._apply_tables(dev)
+
+    def restore_tail(self, state: int, cpage: int, end: int) -> None:
+        """A prefix-cache hit: the sequence's ring rows from the page's tail (`PagedKVCache.restore_tail`)."""
+        if self.mirror is not None:
+            self.mirror.send(RESTORE, state, cpage, end)
+        self.cache.restore_tail(state, cpage, end)
 
     def launch(self, decode: list[Row], chunks: list[Row], samples: list[tuple[int, SampleRow]]) -> InFlight:
         """Run one step: decode rows (one token each) then prompt chunks; sample the rows listed in
         `samples` as (index of the row in decode + chunks, settings). -> the step in flight."""
         n_slots = sum(-(-len(r.tokens) // self.slot_len) for r in chunks)
         bucket = self.bucket_for(len(decode), n_slots) if self.pad else None
-        if bucket is not None and self.cuda_graphs and bucket not in self.graphs:
+        if self.mirror is not None and bucket is None:
+            raise RuntimeError(f"a step of {len(decode)} rows and {n_slots} chunk slots fits no bucket")
+        if bucket is not None and self.cuda_graphs and bucket not in self.graphs and self.mirror is None:
             self.graphs[bucket] = BucketGraph(self, bucket, self._pool)      # (a server captured them all)
             self.late_captures += 1
         n = len(samples)
@@ -330,6 +348,10 @@ class Runner:
             SamplingTensors.pack(params, [s.seed for _, s in samples], [s.counter for _, s in samples], vocab,
                                  host[sf:si].view(np.float64).reshape(n, -1), host[si:at].reshape(n, -1))
         dev = self.staging.send(at)
+        if self.mirror is not None:
+            update = self._table_update[:2] if self._table_update is not None else (0, 0)
+            self.mirror.send(STEP, at, bucket.decode, bucket.slots, *update)
+            self.mirror.tensor(dev)
         self._apply_tables(dev)
         if bucket is not None:
             if bucket in self.graphs:
@@ -344,8 +366,12 @@ class Runner:
             logits = self.forward(fields.views(dev))
             self.eager_steps += 1
         if not n:
+            if self.mirror is not None:
+                self.mirror.tensor(self.sampled[:bucket.n_out])
             return InFlight(0)
         if plain:                              # the graph drew them: copy every out row's token back
+            if self.mirror is not None:        # every worker's next step reads rank 0's tokens
+                self.mirror.tensor(self.sampled[:bucket.n_out])
             ints, floats, ev = self.readback.copy(SampleOutput(self.sampled[:bucket.n_out],
                                                                self.sample_lp[:bucket.n_out]))
             return InFlight(n, ints, floats, ev, True, 0, pick=out_rows, feed=out_rows)
@@ -358,12 +384,45 @@ class Runner:
         if bucket is not None:                 # sampled tokens live at their out rows, as the graph's do
             self.sampled.index_copy_(0, rows, out.tokens)
             feed = out_rows
+            if self.mirror is not None:
+                self.mirror.tensor(self.sampled[:bucket.n_out])
         else:
             self.sampled[:n].copy_(out.tokens)
             feed = list(range(n))
         ints, floats, ev = self.readback.copy(out)
         return InFlight(n, ints, floats, ev, out.logprobs is not None,
                         out.top_ids.size(1) if out.top_ids is not None else 0, feed=feed)
+
+    def follow(self) -> None:
+        """A worker other than rank 0: do rank 0's device work, message by message, until STOP."""
+        width = self.tables.w.shape[1]
+        while True:
+            kind, n, a, b, t_at, t_n, _, _ = self.mirror.recv()
+            if kind == STOP:
+                return
+            if kind == RESTORE:
+                self.cache.restore_tail(n, a, b)
+                continue
+            dev = self.staging.dev[:n]
+            self.mirror.tensor(dev)
+            if kind == TABLES:
+                t_at, t_n = a, b
+            self._table_update = (t_at, t_n, width) if t_n else None
+            self._apply_tables(dev)
+            if kind != STEP:
+                continue
+            bucket = Bucket(a, b, self.slot_len, self.ratios)
+            if bucket in self.graphs:
+                self.graphs[bucket].replay()
+                self.graph_steps += 1
+            else:
+                self.bucket_forward(bucket.fields().views(dev), bucket)
+                self.eager_steps += 1
+            self.mirror.tensor(self.sampled[:bucket.n_out])
+
+    def stop_followers(self) -> None:
+        if self.mirror is not None and self.mirror.leader:
+            self.mirror.send(STOP)
 
     def _penalty_inputs(self, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """Output-token counts and prompt-token masks [B, V] (penalized rows only; others stay zero)."""

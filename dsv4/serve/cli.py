@@ -6,6 +6,8 @@ import argparse
 import json
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 from .. import argtypes
@@ -38,6 +40,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant numbers: a request's tokens do not depend on the other requests "
                         "(float64 accumulation on the reference ops; slower)")
     g.add_argument("--no-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA")
+    g.add_argument("--tensor-parallel-size", type=argtypes.int_in(1, 64), default=1, metavar="N",
+                   help="serve on N worker processes, one per device (cuda:0 ... cuda:N-1, or N CPU processes with "
+                        "--device cpu): the routed experts are split by expert over them and attention is "
+                        "replicated (expert parallelism, the only split dsv4 has; --enable-expert-parallel is "
+                        "implied); one scheduler, every step on every worker (default 1)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="split the routed experts by expert over the --tensor-parallel-size workers (what dsv4 "
+                        "does with N > 1 anyway; accepted for vLLM's command lines)")
+    g.add_argument("--worker-timeout", type=argtypes.positive_float, default=300.0, metavar="S",
+                   help="with N > 1: seconds a worker waits for the others in a collective before it gives up "
+                        "(a dead or hung worker then stops the server) (default 300)")
     g.add_argument("--speculative", type=argtypes.int_in(0, 15), default=0, metavar="K",
                    help="speculative decoding: the model's MTP block drafts K tokens per step and the model "
                         "verifies them in one pass (output unchanged: greedy tokens are those of plain decoding, "
@@ -71,7 +84,12 @@ def _load_tokenizer(args):
 
 
 def build_engine(options: dict):
-    """(engine, info) from `dsv4 serve`'s options: what the engine process runs first."""
+    """(engine, info) from `dsv4 serve`'s options: what the engine process runs first (with
+    --tensor-parallel-size N > 1, after starting the other workers: `dsv4.serve.workers`)."""
+    if (options.get("tensor_parallel_size") or 1) > 1:
+        from .workers import build_workers
+
+        return build_workers(options)
     args = argparse.Namespace(**options)
     model, tokenizer, name, desc = _load(args)
     engine = _engine(args, model, tokenizer, detokenize=False)       # text is made in the server's process
@@ -82,7 +100,7 @@ def build_engine(options: dict):
     return engine, info
 
 
-def _load(args):
+def _load(args, rank: int = 0, world_size: int = 1):
     import torch
 
     from ..loading import load_model
@@ -94,13 +112,13 @@ def _load(args):
         raise UserError(f"--device {args.device}: this torch has no CUDA device (torch {torch.__version__})")
     if args.dtype is None:
         args.dtype = "bf16" if args.device.startswith("cuda") else "fp32"
-    model, tokenizer, desc = load_model(args)
+    model, tokenizer, desc = load_model(args, rank=rank, world_size=world_size)
     if tokenizer is None:
         tokenizer = ByteTokenizer(model.cfg.bos_token_id, model.cfg.eos_token_id)
     return model, tokenizer, _model_name(args), desc
 
 
-def _engine(args, model, tokenizer, detokenize: bool = True):
+def _engine(args, model, tokenizer, detokenize: bool = True, mirror=None):
     from ..engine import Engine, EngineConfig
     from ..loading import speculative_problem
 
@@ -118,7 +136,7 @@ def _engine(args, model, tokenizer, detokenize: bool = True):
                           deterministic=args.deterministic, cuda_graphs=not args.no_cuda_graph,
                           speculative=getattr(args, "speculative", 0) or 0)
     try:
-        return Engine(model, config, tokenizer=tokenizer, detokenize=detokenize)
+        return Engine(model, config, tokenizer=tokenizer, detokenize=detokenize, mirror=mirror)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -177,10 +195,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
+    died: list[str] = []
+
+    def watch() -> None:                    # an engine (or worker) that dies takes the server down
+        while not server.should_exit:
+            if not engine.alive:
+                died.append(f"dsv4 serve: the engine process stopped (exit code {engine.exitcode}): shutting down")
+                server.should_exit = True
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="dsv4-engine-watch", daemon=True).start()
     try:
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
+    if died:
+        print(died[0], file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

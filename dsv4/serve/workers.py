@@ -1,0 +1,91 @@
+"""The engine on N worker processes (`--tensor-parallel-size N`): one per device, one scheduler.
+
+Rank 0 is the engine process the server talks to; it starts ranks 1..N-1, and every rank joins the
+workers' group (`dsv4.parallel.init_workers`: gloo on CPUs, NCCL on GPUs, worker r on cuda:r), loads the
+model with only its share of the routed experts (`load_pretrained(..., rank=r, world_size=N)`; a preset is
+built whole and cut), applies `parallelize_for_serving` (experts split by expert, attention replicated:
+`dsv4.parallel`'s docstring says why that split suits V4) and builds the same engine. Rank 0 serves; the
+others follow its runner step by step (`dsv4.engine.mirror`). Every collective waits at most --worker-timeout
+seconds, and rank 0 watches the others: a worker that dies takes the engine process down with one line,
+and the server with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+
+log = logging.getLogger("dsv4.serve")
+
+
+def _join(options: dict, rank: int, world: int, port: int):
+    """This worker's group, model and engine (the same on every rank but for the experts it holds)."""
+    from ..engine.mirror import Mirror
+    from ..parallel import init_workers, parallelize_for_serving
+    from .cli import _engine, _load
+
+    args = argparse.Namespace(**options)
+    device = args.device or ("cuda" if _cuda() else "cpu")
+    w = init_workers(rank, world, master_port=port, device=device, timeout_s=args.worker_timeout)
+    args.device = str(w.device)
+    model, tokenizer, name, desc = _load(args, rank=rank, world_size=world)
+    parallelize_for_serving(model, w.group, attention="replicated")
+    engine = _engine(args, model, tokenizer, detokenize=False, mirror=Mirror(w.group, w.device))
+    return engine, desc
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _follower(options: dict, rank: int, world: int, port: int) -> None:
+    """Ranks 1..N-1: build, capture the same graphs as rank 0, then follow its runner until STOP."""
+    from ..parallel import shutdown_workers
+
+    try:
+        engine, _ = _join(options, rank, world, port)
+        engine.warmup()
+        engine.follow()
+    except Exception as e:                                              # noqa: BLE001 - one line, then exit
+        print(f"dsv4 serve: worker {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
+    shutdown_workers()
+
+
+def _watch(procs: list[mp.Process]) -> None:
+    """Rank 0: end the engine process when another worker exits (its collectives would fail or hang)."""
+    while True:
+        for rank, p in enumerate(procs, start=1):
+            if p.exitcode is not None:
+                print(f"dsv4 serve: worker {rank} exited (code {p.exitcode}): stopping the engine", file=sys.stderr,
+                      flush=True)
+                os._exit(3)
+        time.sleep(0.2)
+
+
+def build_workers(options: dict):
+    """Rank 0's (engine, info) with ranks 1..N-1 started and following: what the engine process runs first
+    when --tensor-parallel-size N > 1."""
+    from ..parallel import free_port
+
+    world = options["tensor_parallel_size"]
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_follower, args=(options, r, world, port), name=f"dsv4-worker-{r}", daemon=True)
+             for r in range(1, world)]
+    for p in procs:
+        p.start()
+    threading.Thread(target=_watch, args=(procs,), name="dsv4-worker-watch", daemon=True).start()
+    engine, desc = _join(options, 0, world, port)
+    graphs = engine.warmup()
+    info = {"desc": desc, "device": f"{engine.device} and {world - 1} more worker(s)", "workers": world,
+            "max_model_len": engine.max_model_len, "max_seqs": engine.config.max_seqs,
+            "cache_mib": engine.cache.nbytes() / 2**20, "graphs": graphs, "warmup_s": engine.runner.warmup_seconds}
+    return engine, info
