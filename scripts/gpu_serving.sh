@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The serving figures BENCHMARKS.md records, on one GPU, in stages that each fit a 10-minute command:
+#   OUT=/some/dir bash scripts/gpu_serving.sh engine     # dsv4 bench engine at 64 and 256 clients (+ profile)
+#   OUT=/some/dir bash scripts/gpu_serving.sh serve64    # dsv4 bench serve at 64 clients, with transformers
+#   OUT=/some/dir bash scripts/gpu_serving.sh serve256   # dsv4 bench serve at 256 clients
+#   OUT=/some/dir bash scripts/gpu_serving.sh spec       # speculative decoding: batch 1, and the server at 1-4 clients
+#   OUT=/some/dir bash scripts/gpu_serving.sh determ     # the price of --deterministic at 64 clients
+# Every figure is the median of 3 or more timed runs with min and max, written as JSON under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu-serving}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+COMMON=(--preset small --device cuda --prompt-len 128 --output-len 64)
+
+case "${1:-}" in
+  engine)
+    "$PY" -m dsv4 bench engine "${COMMON[@]}" --clients 64 256 --repeats 3 --profile "$OUT/prof" --out "$OUT/engine.json" ;;
+  serve64)
+    "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 64 --repeats 3 --hf 64 256 --out "$OUT/serve64.json" ;;
+  serve256)
+    "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 256 --repeats 3 --out "$OUT/serve256.json" ;;
+  spec)
+    "$PY" scripts/bench_speculative.py --device cuda --tokens 256 --k 2 3 --repeats 5 | tee "$OUT/spec.jsonl"
+    for k in 0 2; do
+      "$PY" -m dsv4 bench serve --device cuda --clients 1 4 --requests 8 --output-len 128 --repeats 3 --no-raw \
+        --speculative "$k" --out "$OUT/serve-spec$k.json"
+    done ;;
+  determ)
+    for flag in "" "--deterministic"; do
+      "$PY" -m dsv4 bench engine "${COMMON[@]}" --clients 64 --repeats 3 --no-raw $flag \
+        --out "$OUT/engine${flag:+-deterministic}.json"
+    done ;;
+  *)
+    sed -n 2,8p "$0"; exit 2 ;;
+esac
