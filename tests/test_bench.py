@@ -195,7 +195,8 @@ def test_serve_bench_parses_and_passes_its_engine_settings_to_the_server():
 
     a = build_parser().parse_args(["bench", "serve", "--preset", "tiny", "--clients", "4", "--spread", "0.5",
                                    "--no-prefix-caching", "--max-model-len", "512", "--json"])
-    assert a.func is bench_serve.run_serve_bench and (a.clients, a.spread, a.json) == (4, 0.5, True)
+    assert a.func is bench_serve.run_serve_bench and (a.clients, a.spread, a.json) == ([4], 0.5, True)
+    assert build_parser().parse_args(["bench", "serve", "--clients", "4", "64"]).clients == [4, 64]
     argv = bench_serve._server_argv(a)
     assert argv[1:8] == ["-m", "dsv4", "serve", "--host", "127.0.0.1", "--port", "0"]
     assert argv[argv.index("--preset") + 1] == "tiny" and argv[argv.index("--max-model-len") + 1] == "512"
@@ -214,9 +215,9 @@ def test_bad_serve_and_w8a8_bench_options_exit_2(argv, capsys):
 def test_serve_bench_refuses_bad_settings_before_loading_a_model():
     from dsv4.bench import serve as bench_serve
 
-    for name, value, msg in (("clients", 0, "--clients must be >= 1"), ("output_len", 0, "--output-len must be"),
-                             ("spread", 1.5, "--spread must be in")):
-        a = build_parser().parse_args(["bench", "serve", "--preset", "tiny"])
+    for name, value, msg in (("max_num_seqs", 2, "--max-num-seqs must be at least the largest --clients"),
+                             ("output_len", 0, "--output-len must be"), ("spread", 1.5, "--spread must be in")):
+        a = build_parser().parse_args(["bench", "serve", "--preset", "tiny", "--clients", "4"])
         setattr(a, name, value)
         with pytest.raises(UserError, match=msg):
             bench_serve.run_serve_bench(a)
@@ -229,18 +230,26 @@ def test_serve_bench_percentiles_and_printed_report(capsys):
     values = [float(i) for i in range(101)]
     assert bench_serve._pct(values, 50) == 50.0 and bench_serve._pct(values, 99) == 99.0
     assert bench_serve._pct([3.0, 1.0, 2.0], 0) == 1.0
-    r = {"device": "cpu", "torch": "2", "date": "d", "model": "tiny", "dtype": "fp32", "clients": 2, "requests": 4,
-         "prompt_len": 8, "output_len": 4, "spread": 0.25, "output_tokens_per_s": 12.5, "output_tokens": 16,
-         "wall_s": 1.28, "errors": 1, "ttft_p50_s": 0.01, "ttft_p99_s": None, "ttft_idle_s": 0.005,
-         "ttft_load_over_idle": 2.0, "itl_p50_s": 0.002, "itl_p99_s": 0.004,
+    def spread(*v):
+        return {"median": sorted(v)[len(v) // 2], "min": min(v), "max": max(v)}
+
+    result = {"device": "cpu", "torch": "2", "date": "d", "model": "tiny", "dtype": "fp32", "commit": "abc",
+              "prompt_len": 8, "output_len": 4, "spread": 0.25, "repeats": 3}
+    r = {"clients": 2, "requests": 4, "tokens_per_s": spread(12.0, 12.5, 13.0), "errors": 1,
+         "ttft_p50_s": spread(0.009, 0.01, 0.011), "ttft_p99_s": None, "ttft_idle_s": 0.005,
+         "ttft_p99_over_idle": None, "itl_p50_s": spread(0.002, 0.002, 0.003), "itl_p99_s": spread(0.004, 0.004, 0.004),
+         "itl_p99_over_p50": 2.0, "raw_decode_tokens_per_s": spread(20.0, 25.0, 30.0), "fraction_of_raw_decode": 0.5,
          "server_metrics": {"engine_phase_seconds.schedule": 1.0, "engine_phase_seconds.forward": 3.0},
          "first_errors": ["TimeoutError: late"]}
-    bench_serve._print(r)
+    bench_serve._print(result, r)
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "cpu  torch 2  d  tiny  fp32"
-    assert "2 streaming clients, 4 requests, prompt ~8, output ~4 (+-25%)" in out[1]
-    assert "12.5 output tokens/s  (16 tokens in 1.3 s, 1 errors)" in out[2]
-    assert "p50 10.0 ms  p99 -  (idle 5.0 ms, 2.0x)" in out[3]
+    assert out[0] == "cpu  torch 2  d  tiny  fp32  commit abc"
+    assert "2 streaming clients, 4 requests per run, prompt ~8, output ~4 (+-25%); median (min-max) of 3 runs" \
+        in out[1]
+    assert "12.5 (12.0-13.0) output tokens/s  (1 errors)" in out[2]
+    assert "p50 10.0 ms (9.0-11.0)  p99 -  (idle 5.0 ms)" in out[3]
+    assert "(p99 2.0x p50)" in out[4]
+    assert "25.0 (20.0-30.0) tokens/s at batch 2: the server reaches 50% of it" in out[5]
     assert out[-2] == "  engine host time: schedule 25%, forward 75% of 4.0 s"
     assert out[-1] == "  error: TimeoutError: late"
 
