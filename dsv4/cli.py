@@ -147,7 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     # everything the prompt needs is checked before the weights are read
     cfg = resolve_config(args)
-    problem = speculative_problem(cfg, args.speculative)
+    problem = speculative_problem(cfg, args.speculative, args.speculative_threshold)
     if problem:
         raise UserError(problem)
     text = _prompt_text(args)
@@ -184,7 +184,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     tokens = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_at_eos=not args.no_stop,
-                      on_token=on_token, cuda_graph=args.cuda_graph, speculative=args.speculative)[0]
+                      on_token=on_token, cuda_graph=args.cuda_graph, speculative=args.speculative,
+                      speculative_threshold=args.speculative_threshold)[0]
     text = tokenizer.decode(tokens) if tokenizer is not None else None
     if args.json:
         print(json.dumps({"model": desc, "prompt_ids": ids, "ids": tokens, "text": text}))
@@ -273,8 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--cuda-graph", action="store_true", help="replay decode steps from a CUDA graph (CUDA only)")
     p.add_argument("--speculative", type=argtypes.int_in(0, 15), default=0, metavar="K",
-                   help="speculative decoding: the MTP block drafts K tokens per step, verified in one pass "
-                        "(same output; 0 = off, the default)")
+                   help="speculative decoding: the model's draft (its MTP block, or a DSpark draft: K at most its "
+                        "block size) drafts K tokens per step, verified in one pass (same output; 0 = off, the "
+                        "default)")
+    p.add_argument("--speculative-threshold", type=argtypes.float_in(0.0, 1.0), default=0.0, metavar="T",
+                   help="DSpark draft: verify only the drafts whose survival probability (its confidence head's) "
+                        "is at least T; 0 = always K (default)")
     add_device_args(p)
     add_quant_mode_arg(p)
     p.add_argument("--json", action="store_true")

@@ -36,16 +36,23 @@ def add_model_args(p: argparse.ArgumentParser, default_hint: str) -> None:
                    help="with --model: load the main model without its draft (the MTP block, or a DSpark draft)")
 
 
-def speculative_problem(cfg, k: int) -> str | None:
-    """Why `--speculative k` cannot run with a model of this config (None: it can)."""
+def speculative_problem(cfg, k: int, threshold: float = 0.0) -> str | None:
+    """Why `--speculative k` (with `--speculative-threshold`) cannot run with a model of this config (None:
+    it can)."""
+    if threshold and not k:
+        return "--speculative-threshold: give --speculative K too (the threshold picks how many of K drafts to verify)"
     if not k:
         return None
     if cfg.dspark:
-        return ("--speculative: this model's draft is a DSpark draft (Flash-0731); it loads and runs "
-                "(dsv4.model.dspark), but the serving engine drafts with the first release's MTP block only so "
-                "far: run without --speculative")
+        if k > cfg.dspark_block_size:
+            return (f"--speculative {k}: this model's DSpark draft proposes blocks of {cfg.dspark_block_size} "
+                    f"tokens, so at most {cfg.dspark_block_size} drafts can be verified per step")
+        return None
     if cfg.n_mtp_layers < 1:
         return "--speculative drafts with the model's MTP block, and this model has none"
+    if threshold:
+        return ("--speculative-threshold applies to a DSpark draft's confidence head; this model drafts with "
+                "an MTP block, which has none")
     return None
 
 

@@ -1,11 +1,17 @@
-"""Batch-1 greedy decode with and without speculative decoding (the MTP draft), in one process.
+"""Batch-1 greedy decode with and without speculative decoding (the MTP draft, a DSpark draft), in one
+process.
 
     python3 scripts/bench_speculative.py [--device cuda] [--model DIR] [--tokens 256] [--k 1 2 3]
+                                         [--dspark DIR [--dspark-k 3 5] [--threshold 0 0.5]]
 
-Loads the model once (default: the shipped model); per setting (speculation off, k drafts) builds one
-engine, captures its graphs and runs every prompt once untimed (so no timed run captures a graph or
-compiles a kernel), then times --repeats runs over the prompts and prints the median tokens/s with min and
-max, acceptance, tokens per verify step, and whether the tokens equal plain decoding's.
+Loads the model once (default: the shipped model; its MTP block drafts for --k), and with --dspark a
+checkpoint of the same main model whose draft is DSpark (`dsv4 train --init-from DIR --draft dspark
+--freeze-main --export DST`), which drafts for every --dspark-k and --threshold (the confidence head's
+survival threshold, 0 = always k). Per setting (speculation off, k drafts) builds one engine, captures its
+graphs and runs every prompt once untimed (so no timed run captures a graph or compiles a kernel), then
+times --repeats runs over the prompts and prints the median tokens/s with min and max, the speed-up over
+plain decoding, acceptance, tokens per verify step, drafts verified per decode row, and whether the tokens
+equal plain decoding's (of the DSpark checkpoint's own main model for its settings).
 """
 
 from __future__ import annotations
@@ -41,7 +47,43 @@ def run(engine: Engine, prompt: list[int], tokens: int) -> tuple[list[int], floa
             out += o.new_tokens
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
-    return out, time.perf_counter() - t0, {k: engine.spec_stats[k] - before.get(k, 0) for k in engine.spec_stats}
+    after = engine.spec_stats
+    diff = {k: after[k] - before[k] for k in after if k != "verify_lengths"}
+    diff["verify_lengths"] = [a - b for a, b in zip(after["verify_lengths"], before["verify_lengths"])]
+    return out, time.perf_counter() - t0, diff
+
+
+def measure(model, prompts: list[list[int]], k: int, threshold: float, a: argparse.Namespace
+            ) -> tuple[dict, list[list[int]]]:
+    """One setting: (its row, the tokens of its last timed run)."""
+    graphs = a.device.startswith("cuda")
+    engine = Engine(model, EngineConfig(max_seqs=1, speculative=k, speculative_threshold=threshold,
+                                        cuda_graphs=graphs, prefix_caching=False,
+                                        max_model_len=max(map(len, prompts)) + a.tokens + 8))
+    engine.warmup()
+    for p in prompts:                                  # untimed: every graph and kernel shape of the run
+        run(engine, p, a.tokens)
+    rates, outs = [], []
+    stats = {"drafted": 0, "accepted": 0, "verify_steps": 0, "verify_lengths": [0] * 16}
+    for _ in range(a.repeats):
+        n, secs, outs = 0, 0.0, []
+        for p in prompts:
+            o, s, st = run(engine, p, a.tokens)
+            outs.append(o)
+            n, secs = n + len(o), secs + s
+            for key in ("drafted", "accepted", "verify_steps"):
+                stats[key] += st[key]
+            stats["verify_lengths"] = [x + y for x, y in zip(stats["verify_lengths"], st["verify_lengths"])]
+        rates.append(n / secs)
+    row = {"tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates)}
+    if k:
+        rows = max(1, sum(stats["verify_lengths"]))
+        row["acceptance"] = stats["accepted"] / max(1, stats["drafted"])
+        row["tokens_per_verify"] = 1 + stats["accepted"] / max(1, stats["verify_steps"])
+        row["drafts_verified_per_row"] = sum(i * c for i, c in enumerate(stats["verify_lengths"])) / rows
+        row["verify_lengths"] = {i: c for i, c in enumerate(stats["verify_lengths"]) if c}
+    del engine
+    return row, outs
 
 
 def main() -> None:
@@ -49,7 +91,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--k", type=int, nargs="*", default=[1, 2, 3], help="MTP drafts per step (none: skip MTP)")
+    ap.add_argument("--dspark", default=None, metavar="DIR", help="the same main model with a DSpark draft")
+    ap.add_argument("--dspark-k", type=int, nargs="+", default=[3], help="DSpark drafts per step at most")
+    ap.add_argument("--threshold", type=float, nargs="+", default=[0.0],
+                    help="DSpark survival thresholds of the verify length (0 = always k)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per setting (default 5): median, min, max")
     a = ap.parse_args()
     path = a.model or defaults.shipped_model_dir()
@@ -57,38 +103,30 @@ def main() -> None:
     model = load_pretrained(path, device=a.device, dtype=dtype, progress=False).eval()
     tok = Tokenizer.from_file(path)
     prompts = [[tok.bos_id] + tok.encode(p) for p in PROMPTS]
-    graphs = a.device.startswith("cuda")
-    result = {"device": torch.cuda.get_device_name() if graphs else "cpu", "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "tokens": a.tokens, "repeats": a.repeats, "settings": {}}
-    plain = None
-    for k in [0] + a.k:
-        engine = Engine(model, EngineConfig(max_seqs=1, speculative=k, cuda_graphs=graphs, prefix_caching=False,
-                                            max_model_len=max(map(len, prompts)) + a.tokens + 8))
-        engine.warmup()
-        for p in prompts:                                  # untimed: every graph and kernel shape of the run
-            run(engine, p, a.tokens)
-        rates, outs, stats = [], [], {"drafted": 0, "accepted": 0, "verify_steps": 0}
-        for _ in range(a.repeats):
-            n, secs, outs = 0, 0.0, []
-            for p in prompts:
-                o, s, st = run(engine, p, a.tokens)
-                outs.append(o)
-                n, secs = n + len(o), secs + s
-                for key in stats:
-                    stats[key] += st[key]
-            rates.append(n / secs)
-        plain = outs if k == 0 else plain
-        row = {"tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
-               "same_tokens": outs == plain}
-        if k:
-            row["acceptance"] = stats["accepted"] / max(1, stats["drafted"])
-            row["tokens_per_verify"] = 1 + stats["accepted"] / max(1, stats["verify_steps"])
-            base = result["settings"]["0"]
-            row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
-            row["speedup_min_max"] = [row["min"] / base["max"], row["max"] / base["min"]]
-        result["settings"][str(k)] = row
-        print(f"k={k}: " + json.dumps(row), flush=True)
-        del engine
+    result = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "tokens": a.tokens,
+              "repeats": a.repeats, "settings": {}}
+    settings = [("plain", model, 0, 0.0)] + [(f"mtp k={k}", model, k, 0.0) for k in a.k if k]
+    dspark = None
+    if a.dspark:
+        dspark = load_pretrained(a.dspark, device=a.device, dtype=dtype, progress=False).eval()
+        if not dspark.cfg.dspark:
+            raise SystemExit(f"error: {a.dspark}: the model's draft is not DSpark")
+        settings += [("dspark plain", dspark, 0, 0.0)] + [(f"dspark k={k} threshold={t}", dspark, k, t)
+                                                          for k in a.dspark_k for t in a.threshold]
+    plain: dict[int, list[list[int]]] = {}
+    for name, m, k, t in settings:
+        row, outs = measure(m, prompts, k, t, a)
+        if not k:
+            plain[id(m)] = outs
+        row["same_tokens"] = outs == plain[id(m)]
+        base = result["settings"]["plain"]["tokens_per_s"] if name != "plain" else row["tokens_per_s"]
+        row["speedup"] = row["tokens_per_s"] / base
+        if name != "plain":
+            row["speedup_min_max"] = [row["min"] / result["settings"]["plain"]["max"],
+                                      row["max"] / result["settings"]["plain"]["min"]]
+        result["settings"][name] = row
+        print(f"{name}: " + json.dumps(row), flush=True)
     print(json.dumps(result))
 
 

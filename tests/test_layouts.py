@@ -215,9 +215,12 @@ def test_dspark_cli_inspect_convert_both_ways_generate(source, tmp_path, capsys)
     gen = ["generate", "--model", str(tmp_path / "ds"), "--prompt-ids", "1,2", "--max-new-tokens", "2"]
     capsys.readouterr()
     assert main(gen) == 0
-    assert main([*gen, "--speculative", "2"]) == 2            # the engine does not drive a DSpark draft yet
+    capsys.readouterr()
+    assert main([*gen, "--speculative", "2", "--speculative-threshold", "0.5", "--json"]) == 0   # the DSpark draft
+    assert len(json.loads(capsys.readouterr().out)["ids"]) == 2
+    assert main([*gen, "--speculative", "6"]) == 2            # more than the draft's block of 5
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --speculative") and "DSpark" in err[0]
+    assert len(err) == 1 and err[0].startswith("error: --speculative 6") and "blocks of 5" in err[0]
 
 
 def test_the_draft_params_are_checked_against_the_config(source, tmp_path):

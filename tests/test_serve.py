@@ -24,14 +24,9 @@ KEY = "test-key"
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module", params=["plain", "speculative"])
-def server(request):
+def start_server(cmd: list[str]) -> tuple[subprocess.Popen, str]:
+    """Start `dsv4 serve` (cmd) and wait for its ready line: (the process, its /v1 URL)."""
     env = checkout_env(OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "dsv4", "serve", "--preset", "tiny", "--port", "0", "--api-key", KEY,
-           "--deterministic", "--max-num-seqs", "8", "--max-model-len", "2048", "--max-batch-tokens", "64",
-           "--max-body-bytes", "200000", "--device", "cpu"]
-    if request.param == "speculative":                # every test again with MTP drafts verified each step
-        cmd += ["--speculative", "2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url, lines = None, []
     deadline = time.monotonic() + 120
@@ -47,12 +42,27 @@ def server(request):
     if url is None:
         proc.kill()
         pytest.fail("the server did not start:\n" + "".join(lines))
-    yield url
+    return proc, url
+
+
+def stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module", params=["plain", "speculative"])
+def server(request):
+    cmd = [sys.executable, "-m", "dsv4", "serve", "--preset", "tiny", "--port", "0", "--api-key", KEY,
+           "--deterministic", "--max-num-seqs", "8", "--max-model-len", "2048", "--max-batch-tokens", "64",
+           "--max-body-bytes", "200000", "--device", "cpu"]
+    if request.param == "speculative":                # every test again with MTP drafts verified each step
+        cmd += ["--speculative", "2"]
+    proc, url = start_server(cmd)
+    yield url
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +243,47 @@ def test_speculation_is_reported_in_metrics(server, client, request):
         assert drafted is not None and float(drafted.group(1)) > 0
     else:
         assert drafted is None or float(drafted.group(1)) == 0
+
+
+def metrics_text(url: str) -> str:
+    with urllib.request.urlopen(urllib.request.Request(
+            f"{url.rsplit('/v1', 1)[0]}/metrics", headers={"Authorization": f"Bearer {KEY}"})) as r:
+        return r.read().decode()
+
+
+def test_a_dspark_checkpoint_serves_speculatively(tmp_path):
+    """`dsv4 serve --speculative 2` on a random checkpoint in Flash-0731's DSpark layout answers the openai
+    client with plain greedy decoding's text and log-probabilities (computed here by the engine without
+    speculation; the server's are float32, hence the tolerance), and /metrics reports the drafts, their
+    acceptance and the verify lengths the confidence head chose."""
+    from dsv4.checkpoint import load_pretrained, write_random
+    from dsv4.engine import Engine, EngineConfig, SamplingParams
+    from dsv4.train.tokenizer import ByteTokenizer
+
+    src = write_random(tmp_path / "tiny-dspark", "tiny", draft="dspark")
+    proc, url = start_server([sys.executable, "-m", "dsv4", "serve", "--model", str(src), "--port", "0",
+                              "--api-key", KEY, "--deterministic", "--max-num-seqs", "4", "--max-model-len", "256",
+                              "--device", "cpu", "--speculative", "2", "--speculative-threshold", "0.2"])
+    try:
+        client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
+        got = client.completions.create(model="tiny-dspark", prompt="def f(x):", max_tokens=12, temperature=0,
+                                        logprobs=1)
+        text = metrics_text(url)
+    finally:
+        stop_server(proc)
+    model = load_pretrained(src)
+    tok = ByteTokenizer(model.cfg.bos_token_id, model.cfg.eos_token_id)
+    engine = Engine(model, EngineConfig(max_seqs=1, max_model_len=256, deterministic=True), tokenizer=tok)
+    engine.add_request("0", tok.encode("def f(x):", bos=True), SamplingParams(max_tokens=12, temperature=0, logprobs=1))
+    want, lps = "", []
+    while engine.has_work():
+        for out in engine.step():
+            want, lps = want + out.text, lps + [lp.logprob for lp in out.new_logprobs]
+    assert (got.choices[0].text, got.usage.completion_tokens) == (want, len(lps))
+    assert got.choices[0].logprobs.token_logprobs == pytest.approx(lps, rel=1e-6)
+
+    def value(name: str) -> float:
+        return float(re.search(name + r'\{model="tiny-dspark"\} (\S+)', text).group(1))
+    assert value("dsv4_spec_draft_tokens_total") > 0
+    assert value("dsv4_spec_verify_length_count") >= value("dsv4_spec_verify_steps_total") > 0
+    assert value("dsv4_spec_verify_length_sum") == value("dsv4_spec_draft_tokens_total")

@@ -137,6 +137,11 @@ def run_engine_bench(args: argparse.Namespace) -> int:
 
     if not 0 <= args.spread < 1:
         raise UserError("--spread must be in [0, 1)")
+    from ..loading import resolve_config, speculative_problem
+
+    problem = speculative_problem(resolve_config(args), args.speculative, args.speculative_threshold)
+    if problem:                             # before any weights are read
+        raise UserError(problem)
     model, _tok, _name, desc = _load(args)
     device = model.embed.weight.device
     result: dict = {"bench": "engine", "model": desc, "dtype": args.dtype, "torch": torch.__version__,
@@ -149,7 +154,8 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         longest = max(len(p) + n for p, n in work)
         config = EngineConfig(max_seqs=clients, max_model_len=min(model.cfg.max_seq_len, max(longest + 1, 256)),
                               max_batch_tokens=args.max_batch_tokens, deterministic=args.deterministic,
-                              cuda_graphs=not args.no_cuda_graph, speculative=args.speculative)
+                              cuda_graphs=not args.no_cuda_graph, speculative=args.speculative,
+                              speculative_threshold=args.speculative_threshold)
         engine = Engine(model, config)
         t0 = time.perf_counter()
         graphs = engine.warmup()
@@ -170,6 +176,8 @@ def run_engine_bench(args: argparse.Namespace) -> int:
                "ttft_p50_s": spread([x["ttft_p50_s"] for x in runs]),
                "ttft_p99_s": spread([x["ttft_p99_s"] for x in runs]),
                "host_ms_per_step": {k: statistics.median(p[k] for p in phases) for k in phases[0]}}
+        if args.speculative:
+            row["speculative"] = engine.metrics()["speculative"]       # since the engine started (warm-up too)
         if not args.no_raw:
             raw = [_raw_decode_rate(model, clients, args.prompt_len, max(16, args.output_len), device)
                    for _ in range(args.repeats)]
@@ -205,6 +213,14 @@ def _print_row(r: dict) -> None:
     print(f"  {r['graphs']} graphs captured in {r['warmup_s']:.1f} s; {r['graph_steps']} graph steps, "
           f"{r['eager_steps']} eager, {r['late_captures']} late captures, "
           f"{r['compiles_after_warmup']} kernel compilations after the warm-up")
+    if "speculative" in r:
+        st = r["speculative"]
+        lengths = st["verify_lengths"]
+        rows = max(1, sum(lengths))
+        print(f"  speculative: {st['accepted']} of {st['drafted']} drafts accepted "
+              f"({st['accepted'] / max(1, st['drafted']):.0%}), {1 + st['accepted'] / max(1, st['verify_steps']):.2f} "
+              f"tokens per verify, {sum(n * c for n, c in enumerate(lengths)) / rows:.2f} drafts verified per "
+              f"decode row, {st['fixed_steps']} fixed-shape steps")
     if "profile" in r:
         busy = r["profile"]["gpu_busy"]
         print(f"  profile of 20 steps: {r['profile']['trace']}"
@@ -232,6 +248,8 @@ def add_bench_engine_parser(subparsers) -> None:
                    help="tokens per engine step (default: the engine's)")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--speculative", type=argtypes.int_in(0, 15), default=0, metavar="K")
+    p.add_argument("--speculative-threshold", type=argtypes.float_in(0.0, 1.0), default=0.0, metavar="T",
+                   help="DSpark draft: the survival probability a verified draft needs (0 = always K)")
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--no-raw", action="store_true", help="skip the raw batched decode measurement")
     p.add_argument("--profile", metavar="DIR", default=None,

@@ -213,7 +213,8 @@ def _scrape(host: str, port: int) -> dict[str, float]:
     for line in text.splitlines():
         m = re.match(r'dsv4_(engine_phase_seconds_total|generation_tokens_total|prompt_tokens_total|preemptions_total|'
                      r'prefix_cache_hit_tokens_total|spec_draft_tokens_total|spec_accepted_tokens_total|'
-                     r'spec_acceptance_ratio|spec_tokens_per_verify|engine_graph_steps_total|'
+                     r'spec_acceptance_ratio|spec_tokens_per_verify|spec_verify_length_sum|spec_verify_length_count|'
+                     r'engine_graph_steps_total|'
                      r'engine_eager_steps_total|kernel_compilations_after_ready|warmup_seconds|cuda_graphs)'
                      r'\{([^}]*)\} (\S+)', line)
         if m:
@@ -226,10 +227,10 @@ def _server_argv(args: argparse.Namespace) -> list[str]:
     """`dsv4 serve` with this benchmark's model and engine settings, on a free loopback port."""
     argv = [sys.executable, "-m", "dsv4", "serve", "--host", "127.0.0.1", "--port", "0"]
     for flag in ("preset", "model", "config", "device", "dtype", "quant_mode", "max_num_seqs", "max_model_len",
-                 "max_batch_tokens", "page_size", "cache_pages", "speculative", "tensor_parallel_size",
-                 "worker_timeout"):
+                 "max_batch_tokens", "page_size", "cache_pages", "speculative", "speculative_threshold",
+                 "tensor_parallel_size", "worker_timeout"):
         value = getattr(args, flag, None)
-        if value is not None and not (flag == "speculative" and not value):
+        if value is not None and not (flag.startswith("speculative") and not value):
             argv += [f"--{flag.replace('_', '-')}", str(value)]
     for flag in ("keep_quantized", "no_prefix_caching", "deterministic", "no_cuda_graph", "enable_expert_parallel"):
         if getattr(args, flag, False):
@@ -412,7 +413,9 @@ def _print(result: dict, r: dict) -> None:
     sm = r.get("server_metrics", {})
     if sm.get("spec_draft_tokens_total"):
         print(f"  speculative     {sm.get('spec_acceptance_ratio', 0):.0%} of drafts accepted, "
-              f"{sm.get('spec_tokens_per_verify', 0):.2f} tokens per verify step")
+              f"{sm.get('spec_tokens_per_verify', 0):.2f} tokens per verify step"
+              + (f", {sm['spec_verify_length_sum'] / sm['spec_verify_length_count']:.2f} drafts verified per "
+                 "decode row" if sm.get("spec_verify_length_count") else ""))
     if "engine_graph_steps_total" in sm or "engine_eager_steps_total" in sm:
         print(f"  engine steps    {sm.get('engine_graph_steps_total', 0):.0f} from CUDA graphs, "
               f"{sm.get('engine_eager_steps_total', 0):.0f} eager; "

@@ -27,13 +27,14 @@ from ..ops import compiles
 from ..ops.precision import exact_accumulation
 from .batch import Row
 from .cache_manager import CacheManager
+from .dspark_step import steps_for
 from .mirror import Mirror
 from .output import OutputProcessor, TextStreams
 from .runner import InFlight, Runner, SampleRow
 from .sampling import SamplingParams, SamplingTensors
 from .scheduler import Scheduled, Scheduler, SchedulerConfig
 from .sequence import Request, RequestError, Sequence, Status, StepOutput, TokenLogprob
-from .spec_step import SpeculativeSteps
+from .spec_step import SpeculativeSteps, new_stats
 from .speculative import MAX_SPECULATIVE
 
 __all__ = ["Engine", "EngineConfig", "RequestError", "StepOutput", "TokenLogprob", "Sequence", "Request",
@@ -58,7 +59,10 @@ class EngineConfig:
     overlap: bool | None = None             # launch a step before reading the last one's tokens (default:
                                             # on CUDA, where the device runs while the host does bookkeeping)
     max_n: int = 16                         # choices per request
-    speculative: int = 0                    # draft tokens per step from the MTP block (0: off)
+    speculative: int = 0                    # draft tokens per step, K (0: off): from the MTP block, or at
+                                            # most K from a DSpark draft (K <= its block size)
+    speculative_threshold: float = 0.0      # DSpark: verify the drafts whose survival probability (the
+                                            # confidence head's) is >= this; 0 = always K
 
 
 class Engine:
@@ -113,7 +117,12 @@ class Engine:
         if c.speculative:
             if not 0 < c.speculative <= MAX_SPECULATIVE:
                 raise ValueError(f"speculative must be in [0, {MAX_SPECULATIVE}] draft tokens, got {c.speculative}")
-            self.spec = SpeculativeSteps(self, c.speculative)
+            if not 0 <= c.speculative_threshold <= 1:
+                raise ValueError(f"speculative_threshold must be in [0, 1], got {c.speculative_threshold}")
+            if c.speculative_threshold and not cfg.dspark:
+                raise ValueError("speculative_threshold applies to a DSpark draft's confidence head; this "
+                                 "model drafts with an MTP block, which has none")
+            self.spec = steps_for(self, c.speculative)
             self.overlap = False            # every step reads its acceptance before the next is planned
         self._inflight: tuple[InFlight, list[Sequence], list[Sequence]] | None = None
         self.requests: dict[str, Request] = {}
@@ -134,8 +143,7 @@ class Engine:
 
     @property
     def spec_stats(self) -> dict:
-        return self.spec.stats if self.spec is not None else {"verify_steps": 0, "drafted": 0, "accepted": 0,
-                                                               "fixed_steps": 0}
+        return self.spec.stats if self.spec is not None else new_stats()
 
     @property
     def drafter(self):
@@ -354,7 +362,8 @@ class Engine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "cache_usage": self.manager.usage(), "prefix_hit_tokens": self.manager.hits,
                 "prefix_query_tokens": self.manager.queries, "graph_steps": self.runner.graph_steps,
-                "eager_steps": self.runner.eager_steps, **self.stats, "speculative": dict(self.spec_stats),
+                "eager_steps": self.runner.eager_steps, **self.stats,
+                "speculative": {**self.spec_stats, "verify_lengths": list(self.spec_stats["verify_lengths"])},
                 "step_seconds": dict(self.timing),
                 "kernel_compiles_after_ready": None if self._compiles_at_ready is None
                 else compiles.count() - self._compiles_at_ready}

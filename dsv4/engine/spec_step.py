@@ -4,6 +4,9 @@ A sequence that carries drafts runs them as a verify row [x_c, d_1, ..., d_k]; a
 draws one more token (`speculative.accept`); then the MTP block catches up on the positions that are final
 and drafts the next k for each sequence (`speculative.Drafter`). A step that is only greedy verifies of
 exactly k drafts runs at a fixed shape (`greedy_spec_step`), replayed from a CUDA graph on a GPU.
+
+The DSpark draft (`dspark_step.DSparkSteps`) is a subclass: the same verify and acceptance, another
+forward (`_forward`: the taps and the draft's context instead of the hidden states) and another draft.
 """
 
 from __future__ import annotations
@@ -17,7 +20,15 @@ from .batch import Row
 from .runner import GRAPH_BUCKETS
 from .scheduler import Scheduled
 from .sequence import Sequence, StepOutput, TokenLogprob
-from .speculative import Drafter, DraftRow, GreedySpecGraph, accept, greedy_spec_step
+from .speculative import MAX_SPECULATIVE, Drafter, DraftRow, GreedySpecGraph, accept, greedy_spec_step
+
+
+def new_stats() -> dict:
+    """Counters of speculative decoding: sequence-steps that verified drafts, drafts verified, drafts
+    accepted, fixed-shape steps, and `verify_lengths[n]`: decode rows of speculating sequences that
+    verified n drafts."""
+    return {"verify_steps": 0, "drafted": 0, "accepted": 0, "fixed_steps": 0,
+            "verify_lengths": [0] * (MAX_SPECULATIVE + 1)}
 
 
 class SpeculativeSteps:
@@ -25,9 +36,13 @@ class SpeculativeSteps:
 
     def __init__(self, engine, k: int):
         self.engine, self.k = engine, k
-        self.drafter = Drafter(engine.model, engine.runner, engine.sampler)
-        self.graphs: dict[int, GreedySpecGraph] = {}
-        self.stats = {"verify_steps": 0, "drafted": 0, "accepted": 0, "fixed_steps": 0}
+        self.drafter = self.new_drafter()
+        self.graphs: dict = {}
+        self.stats = new_stats()
+
+    def new_drafter(self) -> Drafter:
+        e = self.engine
+        return Drafter(e.model, e.runner, e.sampler)
 
     def step(self) -> list[StepOutput]:
         e = self.engine
@@ -49,7 +64,7 @@ class SpeculativeSteps:
             rows.append(Row(toks, s, seq.pages.state, want_logits=verify or s + n == seq.n_tokens,
                             all_logits=verify))
         with exact_accumulation(e.config.deterministic):
-            logits, hidden, _ = e.runner.run_hidden(rows)
+            logits, aux = self._forward(plan, rows)
             emitted = self._accept(plan, rows, logits)
         t2 = time.perf_counter()
         outputs: dict[int, StepOutput] = {}
@@ -65,11 +80,25 @@ class SpeculativeSteps:
                 e.output.emit(seq, tok, lp, outputs)
         e.stats["steps"] += 1
         with exact_accumulation(e.config.deterministic):
-            self._draft(plan, rows, hidden)
+            self._draft(plan, rows, aux)
         e.timing["schedule"] += t1 - t0
         e.timing["launch"] += t2 - t1
         e.timing["post"] += time.perf_counter() - t2
         return e.finish_step([sch.seq for sch in plan], outputs)
+
+    def _forward(self, plan: list[Scheduled], rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rows through the main model, eagerly: (logits [n, V], what `_draft` reads: the hidden
+        states [T, hc, dim])."""
+        logits, hidden, _ = self.engine.runner.run_hidden(rows)
+        return logits, hidden
+
+    def count_verify(self, drafted: int, accepted: int) -> None:
+        """One sequence-step that verified `drafted` drafts and kept `accepted`."""
+        st = self.stats
+        st["verify_steps"] += 1
+        st["drafted"] += drafted
+        st["accepted"] += accepted
+        st["verify_lengths"][drafted] += 1
 
     # ------------------------------------------------------------------ the fixed-shape greedy step
     def _fixed_ok(self, plan: list[Scheduled]) -> bool:
@@ -111,9 +140,7 @@ class SpeculativeSteps:
         for b, seq in enumerate(seqs):
             a = host[b]
             emitted = seq.drafts[:a] + [host[n + b]]
-            self.stats["verify_steps"] += 1
-            self.stats["drafted"] += k
-            self.stats["accepted"] += a
+            self.count_verify(k, a)
             seq.computed += a + 1
             seq.drafts, seq.draft_q = [], None
             for tok in emitted:
@@ -171,9 +198,7 @@ class SpeculativeSteps:
             kept, nxt = kept.tolist(), nxt.tolist()
             for b, (seq, a, w) in enumerate(spec):
                 toks = seq.drafts[:kept[b]] + [nxt[b]]
-                self.stats["verify_steps"] += 1
-                self.stats["drafted"] += w - 1
-                self.stats["accepted"] += kept[b]
+                self.count_verify(w - 1, kept[b])
                 lps: list[TokenLogprob | None] = [None] * len(toks)
                 k = seq.params.logprobs
                 if k is not None:

@@ -52,10 +52,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="with N > 1: seconds a worker waits for the others in a collective before it gives up "
                         "(a dead or hung worker then stops the server) (default 300)")
     g.add_argument("--speculative", type=argtypes.int_in(0, 15), default=0, metavar="K",
-                   help="speculative decoding: the model's MTP block drafts K tokens per step and the model "
-                        "verifies them in one pass (output unchanged: greedy tokens are those of plain decoding, "
-                        "sampled tokens follow the same distribution); 0 = off (default). Steps run eagerly. "
-                        "Requests with repetition/frequency/presence penalties decode plainly")
+                   help="speculative decoding: the model's draft (its MTP block, or a DSpark draft: K at most its "
+                        "block size) drafts K tokens per step and the model verifies them in one pass (output "
+                        "unchanged: greedy tokens are those of plain decoding, sampled tokens follow the same "
+                        "distribution); 0 = off (default). Requests with repetition/frequency/presence penalties "
+                        "decode plainly")
+    g.add_argument("--speculative-threshold", type=argtypes.float_in(0.0, 1.0), default=0.0, metavar="T",
+                   help="DSpark draft: verify only the drafts whose survival probability (its confidence head's) "
+                        "is at least T, at most K per step; 0 = always K (default)")
 
 
 def _model_name(args) -> str:
@@ -122,7 +126,8 @@ def _engine(args, model, tokenizer, detokenize: bool = True, mirror=None):
     from ..engine import Engine, EngineConfig
     from ..loading import speculative_problem
 
-    problem = speculative_problem(model.cfg, getattr(args, "speculative", 0) or 0)
+    problem = speculative_problem(model.cfg, getattr(args, "speculative", 0) or 0,
+                                  getattr(args, "speculative_threshold", 0.0) or 0.0)
     if problem:
         raise UserError(problem)
     for flag in ("max_num_seqs", "max_batch_tokens"):
@@ -134,7 +139,8 @@ def _engine(args, model, tokenizer, detokenize: bool = True, mirror=None):
                           max_batch_tokens=args.max_batch_tokens, page_size=args.page_size,
                           cache_pages=args.cache_pages, prefix_caching=not args.no_prefix_caching,
                           deterministic=args.deterministic, cuda_graphs=not args.no_cuda_graph,
-                          speculative=getattr(args, "speculative", 0) or 0)
+                          speculative=getattr(args, "speculative", 0) or 0,
+                          speculative_threshold=getattr(args, "speculative_threshold", 0.0) or 0.0)
     try:
         return Engine(model, config, tokenizer=tokenizer, detokenize=detokenize, mirror=mirror)
     except ValueError as e:
@@ -165,7 +171,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--device {args.device}: this torch has no CUDA device (torch {torch.__version__})")
     from ..loading import resolve_config, speculative_problem
 
-    problem = speculative_problem(resolve_config(args), getattr(args, "speculative", 0) or 0)
+    problem = speculative_problem(resolve_config(args), getattr(args, "speculative", 0) or 0,
+                                  getattr(args, "speculative_threshold", 0.0) or 0.0)
     if problem:                             # before the engine process loads any weights
         raise UserError(problem)
     for flag in ("max_num_seqs", "max_batch_tokens"):

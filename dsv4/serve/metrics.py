@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_VERIFY_LENGTHS = tuple(range(16))           # drafts one verify checks: 0 ... MAX_SPECULATIVE
 
 
 class ServerMetrics:
@@ -34,14 +35,17 @@ class ServerMetrics:
                               registry=r)
         self.phase = Counter("dsv4_engine_phase_seconds", "engine host time by step phase (schedule, launch, "
                              "wait for the device, post-processing)", labels + ["phase"], registry=r)
-        self.spec_drafted = Counter("dsv4_spec_draft_tokens", "draft tokens proposed by the MTP block and verified",
-                                    labels, registry=r)
+        self.spec_drafted = Counter("dsv4_spec_draft_tokens", "draft tokens verified (proposed by the MTP block "
+                                    "or the DSpark draft)", labels, registry=r)
         self.spec_accepted = Counter("dsv4_spec_accepted_tokens", "draft tokens the target accepted", labels,
                                      registry=r)
         self.spec_verifies = Counter("dsv4_spec_verify_steps", "sequence-steps that verified drafts", labels,
                                      registry=r)
         self.spec_rate = Gauge("dsv4_spec_acceptance_ratio", "accepted / proposed draft tokens since start",
                                labels, registry=r)
+        self.spec_lengths = Histogram("dsv4_spec_verify_length", "drafts verified per decode row of a speculating "
+                                      "sequence (DSpark: the confidence head's choice, at most K; 0: it decoded "
+                                      "plainly)", labels, buckets=_VERIFY_LENGTHS, registry=r)
         self.spec_per_step = Gauge("dsv4_spec_tokens_per_verify", "mean tokens a verify step yields (accepted "
                                    "drafts + 1) since start", labels, registry=r)
         self.graph_steps = Counter("dsv4_engine_graph_steps", "steps replayed from a CUDA graph", labels, registry=r)
@@ -54,6 +58,7 @@ class ServerMetrics:
         self.graphs = Gauge("dsv4_cuda_graphs", "CUDA graphs captured (one per step bucket)", labels, registry=r)
         self._phases: dict[str, float] = {}
         self._spec = {"verify_steps": 0, "drafted": 0, "accepted": 0}
+        self._spec_lengths: list[int] = []
         self.model = model_name
         self._seen = {"prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0, "prefix_hit_tokens": 0,
                       "graph_steps": 0, "eager_steps": 0}
@@ -94,6 +99,12 @@ class ServerMetrics:
             if delta > 0:
                 counter.labels(lab).inc(delta)
                 self._spec[key] = spec[key]
+        lengths = spec.get("verify_lengths", [])
+        for n, total in enumerate(lengths):
+            seen = self._spec_lengths[n] if n < len(self._spec_lengths) else 0
+            for _ in range(total - seen):
+                self.spec_lengths.labels(lab).observe(n)
+        self._spec_lengths = list(lengths)
         if self._spec["drafted"]:
             self.spec_rate.labels(lab).set(self._spec["accepted"] / self._spec["drafted"])
             self.spec_per_step.labels(lab).set(1 + self._spec["accepted"] / self._spec["verify_steps"])
