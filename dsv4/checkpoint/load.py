@@ -25,6 +25,7 @@ from torch import nn
 from .. import defaults
 from ..config import ModelConfig
 from .hub import resolve_model_path
+from .int8_load import Int8Requantizer
 from .names import to_model
 from .quantized import QuantExperts, QuantLinear
 from .reader import Plan, Value, for_loading, plan, stream
@@ -56,8 +57,10 @@ def load_pretrained(
     keep_quantized: FP8 linears and FP8/MXFP4 experts stay quantized (dequantized per block at compute
     time) instead of being dequantized to `dtype` on load.
     quant_mode: "w8a8" (the official numerics, the default) or "w8a16" for the weights stored as FP8 /
-    FP4; fp8_kv_sim / fp4_indexer_sim: the QAT simulations. None = the config's value, or for a
-    transformers ("hf" layout) directory transformers' semantics (both simulations off).
+    FP4, or "int8": every linear and routed expert a release stores quantized is requantized at load to
+    per-row INT8 and runs INT8 x INT8 (`dsv4.model.int8`; from any storage format, BF16 included).
+    fp8_kv_sim / fp4_indexer_sim: the QAT simulations. None = the config's value, or for a transformers
+    ("hf" layout) directory transformers' semantics (both simulations off).
     mtp: False builds the model without its MTP block and leaves the checkpoint's MTP tensors unread (the
     way to load the main model of a checkpoint whose draft dsv4 does not implement: DSpark).
     """
@@ -75,7 +78,8 @@ def load_pretrained(
     device = torch.device(device or defaults.DEVICE)
     with _no_init(DeepSeekV4):
         model = DeepSeekV4(p.cfg, dtype=dtype, device=device)
-    load_into(model, p, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
+    load_into(model, p, dtype=dtype, keep_quantized=keep_quantized, progress=progress,
+              int8=p.cfg.quant_mode == "int8")
     try:
         set_quant_mode(model)
     except ValueError as e:
@@ -98,8 +102,11 @@ def load_into(
     dtype: torch.dtype = torch.bfloat16,
     keep_quantized: bool = False,
     progress: bool | None = None,
+    int8: bool = False,
 ) -> None:
-    """Stream a validated plan into an existing model; every model tensor must be written exactly once."""
+    """Stream a validated plan into an existing model; every model tensor must be written exactly once.
+    int8: the weights INT8 mode covers are requantized to per-row INT8 as they stream in
+    (`dsv4.checkpoint.int8_load`)."""
     sd = model.state_dict(keep_vars=True)
     want = set(sd)
     names = {to_model(n)[0] for n in p.entries if not p.entries[n].parts}
@@ -115,17 +122,23 @@ def load_into(
     written: dict[str, int] = {}
     quant_experts: dict[str, QuantExperts] = {}
     stored: dict[str, set[str]] = {}  # module -> storage formats of the weights written into it
+    requant = Int8Requantizer(model) if int8 else None
     for e, v in stream(p, progress):
         if e.parts:  # fused HF experts [E, 2I, D] / [E, D, I]
             prefix = e.name.rsplit(".", 1)[0]
             for w, chunk in zip(e.parts, v.data.chunk(len(e.parts), dim=1)):
-                sd[f"{prefix}.{w}"].copy_(chunk)
-                written[f"{prefix}.{w}"] = sd[f"{prefix}.{w}"].size(0)
+                name = f"{prefix}.{w}"
+                if requant is None or not requant.take_stacked(name, chunk, v.fmt):
+                    sd[name].copy_(chunk)
+                written[name] = sd[name].size(0)
             continue
         mname, j = to_model(e.name)
         stored.setdefault(mname.rsplit(".", 1)[0], set()).add(v.fmt)
         target = sd[mname]
         v = Value(v.fmt, v.data.to(target.device), None if v.scale is None else v.scale.to(target.device))
+        if requant is not None and requant.take(mname, j, v):
+            written[mname] = written.get(mname, 0) + 1
+            continue
         if keep_quantized and v.fmt in ("fp8", "fp4"):
             if j is None and _swap_linear(model, mname, v, dtype, target.device):
                 written[mname] = 1
@@ -154,6 +167,8 @@ def load_into(
     for path, qe in quant_experts.items():
         qe.finish()
         _set_module(model, path, qe)
+    if requant is not None:
+        requant.finish()
     for path, fmts in stored.items():
         quant = fmts & {"fp8", "fp4"}
         if quant:
