@@ -174,3 +174,24 @@ def test_int8_cli(fp8_fp4, capsys):
     assert len(out["ids"]) == 4
     assert main(["generate", "--preset", "tiny", "--quant", "int9", "hi"]) == 2
     assert "invalid choice: 'int9'" in capsys.readouterr().err
+
+
+def test_int8_serving_engine_batching_does_not_change_tokens():
+    """`dsv4 serve --quant int8` builds its engine on the INT8 model; per-token activation scales and exact
+    INT32 sums keep a request's greedy tokens the same alone and among others (deterministic mode)."""
+    from test_engine import greedy, run
+
+    from dsv4.serve.cli import build_engine
+
+    opts = dict(preset="tiny", model=None, config=None, no_mtp=False, device="cpu", dtype="fp32", seed=0,
+                keep_quantized=False, quant_mode="int8", max_num_seqs=4, max_model_len=256, max_batch_tokens=None,
+                page_size=None, cache_pages=None, no_prefix_caching=False, deterministic=True, no_cuda_graph=True,
+                speculative=0)
+    engine, info = build_engine(opts)
+    model = engine.model
+    assert int8_modules(model) and info["device"] == "cpu"
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 30, 17)]
+    alone = [run(model, [p], [greedy()], max_seqs=1, page_size=128)[0][0] for p in prompts]
+    busy, _, _ = run(model, prompts, [greedy()] * 3, arrivals=[0, 2, 1], max_batch_tokens=11, page_size=128)
+    assert busy == alone

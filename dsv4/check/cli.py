@@ -156,7 +156,7 @@ def _mutant(zid: str | None):
     by_id = {m.id: m for m in MUTANTS}
     m = by_id.get(zid.upper())
     if m is None:
-        raise UserError(f"unknown bug-zoo id '{zid}' (Z01..Z24)")
+        raise UserError(f"unknown bug-zoo id '{zid}' ({MUTANTS[0].id}..{MUTANTS[-1].id})")
     if m.pending:
         raise UserError(f"{m.id} cannot be planted yet: {m.pending}")
     return m

@@ -24,22 +24,8 @@ from . import goldens
 from .capture import Stages, capturing
 from .inputs import attention_inputs, indexer_inputs, moe_inputs, random_tokens, upcast
 from .metrics import DTYPE_NAMES, TOLERANCES, compare_stages
-
-
-@dataclass
-class CheckResult:
-    ok: bool
-    error: float | None = None
-    detail: str = ""
-    skipped: str = ""                      # non-empty: the check did not run here, and why (never a pass)
-    device: str | None = None              # where it ran, when not the context's device (e.g. host-side I/O)
-    backends: dict[str, list[str]] = field(default_factory=dict)   # op -> backends that ran (filled by the runner)
-
-
-def skipped(reason: str) -> CheckResult:
-    """A check that cannot run on this device: reported as skipped, with the reason, not as a pass."""
-    return CheckResult(False, None, reason, skipped=reason)
-
+from .result import CheckResult, skipped
+from .zoo_int8 import int8_per_token, int8_weight_rows
 
 LOW_PRECISION = torch.bfloat16
 # relative-L2 bound of a bf16 fast kernel against an fp32 reference of the same (bf16-rounded) inputs
@@ -943,4 +929,6 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "e8m0-bytes": e8m0_bytes,
     "official-goldens": official_goldens,
     "transformers-goldens": transformers_goldens,
+    "int8-weight-rows": int8_weight_rows,
+    "int8-per-token": int8_per_token,
 }
