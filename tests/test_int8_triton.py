@@ -63,3 +63,16 @@ def test_int8_triton_refusals():
     case = moe_case(t=2)
     assert "inference-only" in ops.refusal("int8_moe_experts", "triton",
                                            **{**case, "x": case["x"].requires_grad_()})
+
+
+def test_triton_moe_fp16_keeps_gate_and_up_in_fp32():
+    """The bf16 / fp16 grouped-GEMM MoE kernel (dsv4.ops.triton.moe): for fp16 inputs gate and up are not
+    rounded to fp16 before the clamp, so a gate beyond -65504 stays finite (rounded, it would give NaN)."""
+    from test_fp16 import formula, overflow_case
+
+    case = overflow_case()
+    got = ops.moe_experts(**case, backend="triton")
+    assert ops.last_backend("moe_experts") == "triton" and bool(torch.isfinite(got).all())
+    want = formula(case)
+    w2_rows = sum(case["w2"][e].double().abs().sum(-1) for e in range(case["w1"].size(0)))
+    assert bool(((got.double() - want).abs() <= 2.0**-10 * 75 * w2_rows + 2.0**-10 * want.abs()).all())

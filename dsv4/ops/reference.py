@@ -448,12 +448,17 @@ def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
                weight: torch.Tensor | None = None,
                quant: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Clamped SwiGLU: gate = w1 x, up = w3 x in fp32, clamp, silu(gate) * up (* routing weight), rounded to
-    x's dtype, w2. quant: applied to the input of every projection (W8A8: the FP8 round trip of the
-    activations, after the routing weight and the rounding), None = the activations as they are."""
+    x's dtype, w2. gate and up are rounded to x's dtype first, except for fp16 x: then they leave their
+    matmul in fp32 (`dsv4.ops.moe_shared.gate_dtype` says why). quant: applied to the input of every
+    projection (W8A8: the FP8 round trip of the activations, after the routing weight and the rounding),
+    None = the activations as they are."""
     ws = {1: w1, 2: w2, 3: w3}
 
     def project(t: torch.Tensor, i: int) -> torch.Tensor:
-        return linear(t if quant is None else quant(t), ws[i])
+        t = t if quant is None else quant(t)
+        if i != 2 and t.dtype == torch.float16:           # gate / up of fp16 inputs in fp32 (`fp16_gate_up`)
+            return linear(t.float(), ws[i].float())
+        return linear(t, ws[i])
 
     return swiglu_ffn(x, project, swiglu_limit, weight)
 
@@ -514,7 +519,8 @@ def quantized_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch
 
         def project(t: torch.Tensor, i: int) -> torch.Tensor:
             q, s = act_quant(t, ACT_BLOCK, pow2)
-            return gemm(q, s, *wq[i], t.dtype)
+            wide = i != 2 and t.dtype == torch.float16          # gate / up of fp16 inputs in fp32
+            return gemm(q, s, *wq[i], torch.float32 if wide else t.dtype)
 
         return swiglu_ffn(xe, project, swiglu_limit, we)
 
