@@ -1,11 +1,12 @@
 """`dsv4 bench int8`: INT8 W8A8 (`--quant int8`) against bf16 / fp32 / fp16 and the official W8A8, on a
 CPU or a GPU: decode speed and memory, and accuracy.
 
-- `speed`: per mode and batch size, a fresh process loads the model (a checkpoint, or a preset's random
-  weights), prefills a prompt and times greedy decode steps, `--runs` times; tokens/s is the median of the
-  runs (with min and max). Memory: the model's weights as held (parameters + buffers), the decode cache,
-  and the process's peak resident memory (CPU) or torch's peak allocation (CUDA). On CUDA the steps replay
-  from a CUDA graph (as `dsv4 generate --cuda-graph`), compiled and captured outside the timing.
+- `speed`: in each of `--runs` rounds every mode runs once in a fresh process (the modes in alternating
+  order): it loads the model (a checkpoint, or a preset's random weights), prefills a prompt and times
+  greedy decode steps at each batch size; tokens/s is the median of the rounds (with min and max).
+  Memory: the model's weights as held (parameters + buffers), the decode cache, and the process's peak
+  resident memory (CPU) or torch's peak allocation (CUDA). On CUDA the steps replay from a CUDA graph (as
+  `dsv4 generate --cuda-graph`), compiled and captured outside the timing.
   Modes: `fp32`, `bf16`, `fp16` (the float model, W8A16 numerics of a quantized checkpoint), `int8:DTYPE`
   (INT8 weights and activations, the other ops in DTYPE), `w8a8:DTYPE` (the official FP8 numerics).
 - `accuracy`: on an FP8 + MXFP4 checkpoint (`--model`, or a preset's random weights written as one), the
@@ -90,9 +91,11 @@ def _rss_mib() -> float:
 # ----------------------------------------------------------------------------- one mode, in its own process
 @torch.no_grad()
 def speed_child(opts: dict) -> dict:
-    """Load one mode and time greedy decode at every batch size (runs inside a fresh process)."""
+    """Load one mode and time `steps` greedy decode steps at every batch size, once (a fresh process)."""
     from .. import ops
 
+    if opts.get("threads"):
+        torch.set_num_threads(opts["threads"])
     device = torch.device(opts["device"])
     torch.manual_seed(0)
     model = load(opts, opts["quant_mode"], opts["dtype"], opts["device"])
@@ -102,9 +105,9 @@ def speed_child(opts: dict) -> dict:
     for b in opts["batch"]:
         g = torch.Generator().manual_seed(b)
         prompt = torch.randint(2, model.cfg.vocab_size, (b, opts["prompt"]), generator=g).to(device)
-        max_len = opts["prompt"] + opts["steps"] * (opts["runs"] + 1) + 8
-        cache = model.new_cache(b, max_len)
+        cache = model.new_cache(b, opts["prompt"] + opts["steps"] + 8)
         nxt = model.prefill(prompt, cache)[:, -1].argmax(-1, keepdim=True)
+
         def step(t: torch.Tensor, cache=cache) -> torch.Tensor:
             return model.decode_step(t, cache)
 
@@ -115,19 +118,15 @@ def speed_child(opts: dict) -> dict:
 
             step = GraphedDecoder(model, cache).step
         ops.reset_calls()
-        times = []
-        for _ in range(opts["runs"]):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(opts["steps"]):
-                nxt = step(nxt)[:, -1].argmax(-1, keepdim=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        rates = sorted(b * opts["steps"] / t for t in times)
-        row = {"batch": b, "tokens_per_s": round(statistics.median(rates), 2), "min": round(rates[0], 2),
-               "max": round(rates[-1], 2), "cache_mib": round(_nbytes(cache.tensors()) / 2**20, 2),
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(opts["steps"]):
+            nxt = step(nxt)[:, -1].argmax(-1, keepdim=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        row = {"batch": b, "tokens_per_s": b * opts["steps"] / (time.perf_counter() - t0),
+               "cache_mib": round(_nbytes(cache.tensors()) / 2**20, 2),
                "backends": sorted({f"{op}={be}" for op, be in ops.calls() if op.startswith(("int8", "fp8", "act"))})}
         if device.type == "cuda":
             row["cuda_peak_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
@@ -136,21 +135,41 @@ def speed_child(opts: dict) -> dict:
     return out
 
 
-def run_speed(args: argparse.Namespace) -> list[dict]:
-    rows = []
+def _child(opts: dict) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                                        os.environ.get("PYTHONPATH", "")]))
-    for mode in args.modes:
-        label, quant_mode, dtype = parse_mode(mode, args.device)
-        opts = {"model": args.model, "preset": args.preset, "layers": args.layers, "seed": args.seed,
+    if opts.get("threads"):
+        env["OMP_NUM_THREADS"] = str(opts["threads"])
+    proc = subprocess.run([sys.executable, "-m", "dsv4.bench.int8", "--child", json.dumps(opts)],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"mode {opts['label']} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_speed(args: argparse.Namespace) -> list[dict]:
+    """`--runs` rounds; in each, every mode runs once in a fresh process, the modes in alternating order, so
+    that a change of the machine's load during the run reaches every mode alike. Per mode and batch size:
+    the median tokens/s of the rounds, with min and max."""
+    modes = [parse_mode(m, args.device) for m in args.modes]
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in modes}
+    for r in range(args.runs):
+        for label, quant_mode, dtype in (modes if r % 2 == 0 else modes[::-1]):
+            runs[label].append(_child({
+                "model": args.model, "preset": args.preset, "layers": args.layers, "seed": args.seed,
                 "device": args.device, "label": label, "quant_mode": quant_mode, "dtype": dtype,
-                "batch": args.batch, "prompt": args.prompt, "steps": args.steps, "runs": args.runs,
-                "cuda_graph": not args.no_cuda_graph}
-        proc = subprocess.run([sys.executable, "-m", "dsv4.bench.int8", "--child", json.dumps(opts)],
-                              capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            raise RuntimeError(f"mode {label} failed: {proc.stderr.strip().splitlines()[-1:]}")
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                "batch": args.batch, "prompt": args.prompt, "steps": args.steps, "threads": args.threads,
+                "cuda_graph": not args.no_cuda_graph}))
+    rows = []
+    for got in runs.values():
+        row = {k: got[0][k] for k in ("mode", "weights_mib", "rss_after_load_mib")}
+        row["peak_rss_mib"] = max(g["peak_rss_mib"] for g in got)
+        row["batches"] = []
+        for i, b in enumerate(got[0]["batches"]):
+            rates = sorted(g["batches"][i]["tokens_per_s"] for g in got)
+            row["batches"].append({**b, "tokens_per_s": round(statistics.median(rates), 2),
+                                   "min": round(rates[0], 2), "max": round(rates[-1], 2), "runs": len(rates)})
+        rows.append(row)
     return rows
 
 
@@ -224,8 +243,11 @@ def run_accuracy(args: argparse.Namespace) -> dict:
 
 # ----------------------------------------------------------------------------- entry points
 def render(result: dict) -> str:
-    lines = [f"dsv4 bench int8 on {result['device']} ({result['machine']}), torch {result['torch']}, "
-             f"{result['date']}: {result['model']}"]
+    lines = [f"dsv4 bench int8 on {result['device']} ({result['machine']}, {result['threads']} threads), torch "
+             f"{result['torch']}, {result['date']}: {result['model']}"]
+    if result.get("load_average"):
+        lines.append(f"  machine load average (1, 5, 15 min) at start {result['load_average']}, at the end "
+                     f"{result.get('load_average_end')}")
     for r in result.get("speed", []):
         for b in r["batches"]:
             mem = f"cuda peak {b['cuda_peak_mib']} MiB" if "cuda_peak_mib" in b else f"peak RSS {r['peak_rss_mib']} MiB"
@@ -262,11 +284,17 @@ def run_int8_bench(args: argparse.Namespace) -> int:
     result = {"device": args.device, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs" if args.device == "cpu"
               else torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "model": args.model or f"{args.preset} (random weights, seed {args.seed}"
-              + (f", {args.layers} layers)" if args.layers else ")"), "threads": torch.get_num_threads()}
+              + (f", {args.layers} layers)" if args.layers else ")"),
+              "threads": args.threads or torch.get_num_threads(),
+              "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if "speed" in parts:
         result["speed"] = run_speed(args)
     if "accuracy" in parts:
         result["accuracy"] = run_accuracy(args)
+    if hasattr(os, "getloadavg"):
+        result["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     if args.out:
         from .w8a8 import _write_atomic
 
@@ -292,7 +320,10 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=argtypes.positive_int, nargs="+", default=[1, 16], help="decode batch sizes")
     p.add_argument("--prompt", type=argtypes.positive_int, default=32, help="prompt tokens before decoding")
     p.add_argument("--steps", type=argtypes.positive_int, default=16, help="decode steps per run")
-    p.add_argument("--runs", type=argtypes.int_in(3), default=3, help="timed runs (the median is reported; >= 3)")
+    p.add_argument("--runs", type=argtypes.int_in(3), default=3,
+                   help="rounds: every mode runs once per round in a fresh process (the median is reported; >= 3)")
+    p.add_argument("--threads", type=argtypes.positive_int, default=None,
+                   help="torch threads of each run (default: torch's default, the machine's cores)")
     p.add_argument("--no-cuda-graph", action="store_true", help="on CUDA: decode eagerly")
     p.add_argument("--tokens", type=argtypes.positive_int, default=256, help="greedy tokens per accuracy prompt")
     p.add_argument("--prompts", type=argtypes.positive_int, default=2, help="accuracy prompts")
