@@ -323,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     _optional(lambda: __import__("dsv4.bench.ops", fromlist=["x"]).add_bench_parsers(bsub))
     _optional(lambda: __import__("dsv4.bench.e2e", fromlist=["x"]).add_bench_parsers(bsub))
     _optional(lambda: __import__("dsv4.bench.w8a8", fromlist=["x"]).add_bench_parsers(bsub))
+    _optional(lambda: __import__("dsv4.bench.int8", fromlist=["x"]).add_bench_parsers(bsub))
     from .bench.engine import add_bench_engine_parser
     from .bench.serve import add_bench_serve_parser
 

@@ -81,7 +81,8 @@ class ModelConfig:
     # activation (and FP8 KV) scales: "ue8m0" = powers of two, None = amax/448 in fp32 (the official default
     # is "ue8m0"; a config says null to get fp32 scales)
     scale_fmt: str | None = "ue8m0"
-    # numerics of the weights a checkpoint stores as FP8 / FP4: "w8a8" (official) or "w8a16"
+    # numerics of the weights a checkpoint stores as FP8 / FP4: "w8a8" (official), "w8a16", or "int8" (those
+    # weights requantized to per-row INT8 at load, INT8 activations per token: dsv4.model.int8)
     quant_mode: str = "w8a8"
     # the speculative draft under mtp.*: 0 = the first release's MTP block(s); > 0 = a DSpark draft of
     # n_mtp_layers window-only stages proposing this many tokens per step (Flash-0731: 5). The keys are the
@@ -118,9 +119,10 @@ class ModelConfig:
 
     @property
     def act_format(self) -> str | None:
-        """How activations feeding an FP8 / FP4-stored weight are quantized: None (quant_mode "w8a16"), else
+        """How activations feeding an FP8 / FP4-stored weight are quantized to FP8: None (quant_mode "w8a16",
+        and "int8", whose modules quantize to INT8 themselves), else
         "ue8m0" (power-of-two scales) or "fp32" (amax/448 scales) from scale_fmt."""
-        if self.quant_mode == "w8a16":
+        if self.quant_mode in ("w8a16", "int8"):     # int8: those weights are INT8 modules (dsv4.model.int8)
             return None
         return "ue8m0" if self.scale_fmt == "ue8m0" else "fp32"
 

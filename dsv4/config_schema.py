@@ -20,8 +20,9 @@ from typing import Any
 
 SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 # how weights stored as FP8 / FP4 compute: "w8a8" = the official numerics (every activation feeding such a
-# weight is quantized to FP8 per token in blocks of 128), "w8a16" = activations kept in the model dtype
-QUANT_MODES = ("w8a8", "w8a16")
+# weight is quantized to FP8 per token in blocks of 128), "w8a16" = activations kept in the model dtype,
+# "int8" = those weights (from any storage) requantized to per-row INT8, activations to INT8 per token
+QUANT_MODES = ("w8a8", "w8a16", "int8")
 SCALE_FMTS = (None, "ue8m0")
 
 

@@ -20,7 +20,8 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 
 DEVICE = "cpu"
 DTYPE = "fp32"
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# fp16: for hardware without bf16 math; the ops whose range needs it stay in fp32 (README, "FP16 compute")
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def shipped_model_dir() -> Path | None:
@@ -35,7 +36,7 @@ def default_dtype() -> torch.dtype:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
-    """A dtype name ("fp32", "bf16"), a torch dtype or None (the default) -> the torch dtype."""
+    """A dtype name ("fp32", "bf16", "fp16"), a torch dtype or None (the default) -> the torch dtype."""
     if dtype is None:
         return default_dtype()
     if isinstance(dtype, torch.dtype):

@@ -57,12 +57,15 @@ def speculative_problem(cfg, k: int, threshold: float = 0.0) -> str | None:
 
 
 QUANT_MODE_HELP = ("numerics of the weights a checkpoint stores as FP8 / FP4: w8a8 (default: the official "
-                   "code's, activations quantized to FP8 per token in blocks of 128 before every such weight) "
-                   "or w8a16 (activations kept in --dtype)")
+                   "code's, activations quantized to FP8 per token in blocks of 128 before every such weight), "
+                   "w8a16 (activations kept in --dtype), or int8 (for hardware without FP8: those weights, "
+                   "from any checkpoint or random weights, requantized at load to INT8 with one scale per "
+                   "output row, activations to INT8 per token, INT8 x INT8 GEMMs)")
 
 
 def add_quant_mode_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quant-mode", choices=("w8a8", "w8a16"), default=None, help=QUANT_MODE_HELP)
+    p.add_argument("--quant-mode", "--quant", dest="quant_mode", choices=("w8a8", "w8a16", "int8"), default=None,
+                   help=QUANT_MODE_HELP)
 
 
 def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
@@ -105,6 +108,8 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None, rank
     device = defaults.resolve_device(getattr(args, "device", None))
     if getattr(args, "preset", None) or getattr(args, "config", None) or (default_preset and not args.model):
         cfg = resolve_config(args, default_preset)
+        if getattr(args, "quant_mode", None) == "int8":            # random weights requantized like a checkpoint's
+            cfg = cfg.replace(quant_mode="int8")
         model = DeepSeekV4.from_config(cfg, seed=getattr(args, "seed", 0) or 0, dtype=dtype, device=device)
         return model.eval(), None, f"{cfg.name} (random weights)"
     path = Path(args.model) if getattr(args, "model", None) else default_model_dir()

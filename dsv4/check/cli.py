@@ -1,4 +1,4 @@
-"""`dsv4 check {compare, determinism, nonfinite, conformance}`: argument parsing and printing only.
+"""`dsv4 check {compare, determinism, nonfinite, ranges, conformance}`: argument parsing and printing only.
 
 `add_check_parsers(subparsers)` adds the subcommands; each sets `func(args) -> exit code`.
 Exit codes: 0 = the check passed, 1 = it found a divergence / drift / non-finite value / escaped mutant;
@@ -29,13 +29,14 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="keep the preset's window and compression ratio (default: shrink them to 16 so short "
                         "sequences cross every boundary)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--quant-mode", choices=("w8a8", "w8a16"), default=None,
+    p.add_argument("--quant-mode", choices=("w8a8", "w8a16", "int8"), default=None,
                    help="with --checkpoint: numerics of the weights it stores as FP8 / FP4, w8a8 (default: the "
-                        "official code's, activations quantized to FP8 per token in blocks of 128) or w8a16")
+                        "official code's, activations quantized to FP8 per token in blocks of 128), w8a16, or "
+                        "int8 (requantized to per-row INT8 at load, INT8 activations per token)")
 
 
 def add_check_parsers(sub) -> None:
-    """Add compare / determinism / nonfinite / conformance to the `dsv4 check` subparsers."""
+    """Add compare / determinism / nonfinite / ranges / conformance to the `dsv4 check` subparsers."""
     p = sub.add_parser("compare", help="run two configurations stage by stage; name the first divergence",
                        description="A is the run under test, B the reference. Give exactly one of the modes.")
     _common(p)
@@ -50,8 +51,9 @@ def add_check_parsers(sub) -> None:
                       help="with --checkpoint: A keeps FP8/FP4 weights quantized, B dequantizes them at load "
                            "(both with --quant-mode)")
     mode.add_argument("--quant-modes", metavar="A,B",
-                      help="with --checkpoint: A,B numerics of its FP8/FP4 weights, e.g. w8a8,w8a16 (W8A8 = the "
-                           "official code's: FP8 activations; W8A16 = activations in --dtype)")
+                      help="with --checkpoint: A,B numerics of its FP8/FP4 weights, e.g. w8a8,w8a16 or int8,w8a8 "
+                           "(W8A8 = the official code's: FP8 activations; W8A16 = activations in --dtype; INT8 = "
+                           "per-row INT8 weights, per-token INT8 activations)")
     mode.add_argument("--perturb", metavar="PARAM[:EPS]",
                       help="A = a copy with one parameter nudged by EPS (default 1e-2) times its RMS")
     mode.add_argument("--external", metavar="MODULE:CALLABLE",
@@ -83,6 +85,15 @@ def add_check_parsers(sub) -> None:
     p.add_argument("--plant", metavar="ZID", help="plant bug-zoo mutant ZID")
     p.set_defaults(func=cmd_nonfinite)
 
+    p = sub.add_parser("ranges", help="how large the activations get, op by op, against FP16's range (an fp32 "
+                                      "and an fp16 run of the same weights)")
+    _common(p)
+    p.add_argument("--text", type=argtypes.path,
+                   help="with a --checkpoint that has a tokenizer: this UTF-8 file's first --seq-len tokens (one "
+                        "sequence) instead of random tokens")
+    p.add_argument("--rows", type=argtypes.positive_int, default=25, help="fp16 rows shown (default 25)")
+    p.set_defaults(func=cmd_ranges)
+
     p = sub.add_parser("conformance", help="the bug zoo (docs/bugzoo.md): every entry planted as a mutant, and "
                                            "the checks that must catch it")
     p.add_argument("--list", action="store_true",
@@ -97,7 +108,7 @@ def add_check_parsers(sub) -> None:
                         "op runs its default backend there (Triton on CUDA)")
     p.add_argument("--backend", help="prefer this ops backend for every op that has it (e.g. triton); an error "
                                      "when it cannot run on --device")
-    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                    help="dtype of the check model (default auto: fp32, or bf16 where the fast mHC / MoE backends "
                         "need it)")
     p.add_argument("--checks", help="comma-separated checks to run (default: all); mutants none of whose checks "
@@ -156,7 +167,7 @@ def _mutant(zid: str | None):
     by_id = {m.id: m for m in MUTANTS}
     m = by_id.get(zid.upper())
     if m is None:
-        raise UserError(f"unknown bug-zoo id '{zid}' (Z01..Z24)")
+        raise UserError(f"unknown bug-zoo id '{zid}' ({MUTANTS[0].id}..{MUTANTS[-1].id})")
     if m.pending:
         raise UserError(f"{m.id} cannot be planted yet: {m.pending}")
     return m
@@ -215,8 +226,8 @@ def cmd_compare(args) -> int:
             raise UserError("--quant-modes compares the numerics of a checkpoint's FP8/FP4 weights: give --checkpoint")
         qa, qb = _pair(args.quant_modes, "--quant-modes")
         for q in (qa, qb):
-            if q not in ("w8a8", "w8a16"):
-                raise UserError(f"--quant-modes takes w8a8 / w8a16, got '{q}'")
+            if q not in ("w8a8", "w8a16", "int8"):
+                raise UserError(f"--quant-modes takes w8a8 / w8a16 / int8, got '{q}'")
         a = Side(qa.upper(), build_model(checkpoint=args.checkpoint, dtype=dtype, quant_mode=qa))
         b = Side(qb.upper(), build_model(checkpoint=args.checkpoint, dtype=dtype, quant_mode=qb))
         from ..model.quant import quantized_modules
@@ -317,6 +328,33 @@ def cmd_nonfinite(args) -> int:
     return _emit(args, report, report.ok)
 
 
+def cmd_ranges(args) -> int:
+    from .ranges import activation_ranges
+
+    model32, model16 = _model(args, torch.float32), _model(args, torch.float16)
+    if args.text is None:
+        tokens = _tokens(args, model32)
+    else:
+        from pathlib import Path
+
+        from ..train.tokenizer import Tokenizer
+
+        if not args.checkpoint or not (Path(args.checkpoint) / "tokenizer.json").is_file():
+            raise UserError("--text needs a --checkpoint directory with a tokenizer.json")
+        try:
+            text = Path(args.text).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--text {args.text}: cannot read it as UTF-8 text: {e}") from None
+        tok = Tokenizer.from_file(Path(args.checkpoint))
+        tokens = torch.tensor([([tok.bos_id] + tok.encode(text))[:args.seq_len]])
+    report = activation_ranges(model32, model16, tokens)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(report.render(args.rows))
+    return 0 if report.ok else 1
+
+
 def _device(name: str) -> torch.device:
     from ..defaults import resolve_device
 
@@ -347,7 +385,7 @@ def cmd_conformance(args) -> int:
         cfg = ModelConfig.preset(args.preset)
     except (KeyError, ValueError) as e:
         raise UserError(f"unknown preset '{args.preset}': {e}") from None
-    dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     try:
         report = run_conformance(cfg, ids=ids, seed=args.seed, compiler=args.compiler, full=args.full,
                                  device=_device(args.device), backend=args.backend, dtype=dtype, checks=checks)

@@ -427,6 +427,28 @@ def _plant_z25(ctx):
     return patched(DSparkAttention, block=block)
 
 
+def quantize_rows_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Z26: one INT8 scale for the whole weight (its largest element / 127), repeated for every row."""
+    wf = w.detach().float()
+    s = wf.abs().amax((-2, -1), keepdim=True).clamp_min(ref.INT8_AMAX_FLOOR) / ref.INT8_MAX     # [..., 1, 1]
+    q = torch.round(wf / s).clamp(-ref.INT8_MAX, ref.INT8_MAX).to(torch.int8)
+    return q, s.squeeze(-1).expand(wf.shape[:-1]).contiguous()
+
+
+def int8_quant_batch_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Z27: INT8 activations with one scale over the whole batch (all tokens), repeated for every token."""
+    xf = x.detach().float()
+    s = xf.abs().amax().clamp_min(ref.INT8_AMAX_FLOOR) / ref.INT8_MAX
+    q = torch.round(xf / s).clamp(-ref.INT8_MAX, ref.INT8_MAX).to(torch.int8)
+    return q, s.expand(*xf.shape[:-1], 1).contiguous()
+
+
+def _plant_z26(ctx):
+    from ..model import int8
+
+    return patched(int8, quantize_rows=quantize_rows_per_tensor)
+
+
 def _ep_pending() -> str:
     try:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401
@@ -536,6 +558,15 @@ MUTANTS: list[Mutant] = [
                    "failed, the drafts looked plausible and its parity test compared the device with itself",
            mutant="`DSparkAttention.block` ropes the block's queries, keys and output at positions p - 1 + i "
                   "instead of the anchor's p + i"),
+    Mutant("Z26", "INT8 weights with one scale per tensor, not per row", ["int8-weight-rows"], _plant_z26,
+           symptom="none seen in a port yet (planted with INT8 mode); on the shipped model, whose weight rows are "
+                   "of one size, no measurable change: it waits for a checkpoint whose rows are not",
+           mutant="`model.int8.quantize_rows` takes one scale over the whole weight and repeats it for every row"),
+    Mutant("Z27", "INT8 activation scale over the whole batch, not per token", ["int8-per-token"],
+           lambda ctx: temporary_backend("int8_quant", "mutant_batch_scale", int8_quant_batch_scale),
+           symptom="none seen in a port yet (planted with INT8 mode); on the shipped model a sequence's logits "
+                   "move 4.9% with three others in its batch, 8% of its greedy tokens change",
+           mutant="an `int8_quant` backend that takes one scale over all the tokens of the call"),
 ]
 
 

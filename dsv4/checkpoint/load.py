@@ -26,6 +26,7 @@ from .. import defaults
 from .. import formats as fm
 from ..config import ModelConfig
 from .hub import resolve_model_path
+from .int8_load import Int8Requantizer
 from .inventory import Entry
 from .names import to_model
 from .quantized import QuantExperts, QuantLinear, Stored
@@ -60,8 +61,11 @@ def load_pretrained(
     keep_quantized: FP8 linears and FP8/MXFP4 experts stay quantized (dequantized per block at compute
     time) instead of being dequantized to `dtype` on load.
     quant_mode: "w8a8" (the official numerics, the default) or "w8a16" for the weights stored as FP8 /
-    FP4; fp8_kv_sim / fp4_indexer_sim: the QAT simulations. None = the config's value, or for a
-    transformers ("hf" layout) directory transformers' semantics (both simulations off).
+    FP4, or "int8": every linear and routed expert a release stores quantized is requantized at load to
+    per-row INT8 and runs INT8 x INT8 (`dsv4.model.int8`; from any storage format, BF16 included; the
+    weights are not also kept quantized). fp8_kv_sim / fp4_indexer_sim: the QAT simulations. None = the
+    config's value, or for a transformers ("hf" layout) directory transformers' semantics (both
+    simulations off).
     mtp: False builds the model without its draft (the MTP block, or a DSpark draft) and leaves the
     checkpoint's `mtp.*` tensors unread.
     rank, world_size: expert parallelism (`dsv4.parallel`). Every MoE layer of the model holds only the
@@ -93,13 +97,15 @@ def load_pretrained(
         p = restrict_experts(p, *experts)
     dtype = dtype or defaults.default_dtype()
     device = torch.device(device or defaults.DEVICE)
+    int8 = p.cfg.quant_mode == "int8"
+    keep_quantized = keep_quantized and not int8
     model = DeepSeekV4(p.cfg, dtype=dtype, device="meta")
     if experts is not None:
         _narrow_experts(model, *experts, dtype)
     if keep_quantized:
         _place_quantized(model, p, dtype)
     model.to_empty(device=device)
-    stats = load_into(model, p, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
+    stats = load_into(model, p, dtype=dtype, keep_quantized=keep_quantized, progress=progress, int8=int8)
     try:
         set_quant_mode(model)
     except ValueError as e:
@@ -200,12 +206,15 @@ def load_into(
     dtype: torch.dtype = torch.bfloat16,
     keep_quantized: bool = False,
     progress: bool | None = None,
+    int8: bool = False,
 ) -> dict[str, int]:
     """Stream a validated plan into an existing model; every model tensor must be written exactly once.
 
     Kept-quantized modules already in the model (`load_pretrained` places them) are filled in place;
     with keep_quantized, float modules whose weights are stored FP8 / FP4 are swapped for them here.
     Routed experts go to the row of the expert's id minus the layer's `offset` (expert parallelism).
+    int8: the weights INT8 mode covers are requantized to per-row INT8 as they stream in
+    (`dsv4.checkpoint.int8_load`).
     Returns what was read: {"tensors": official tensors, "bytes": stored bytes}."""
     want = _float_names(model)
     names = {to_model(n)[0] for n in p.entries if not p.entries[n].parts}
@@ -223,14 +232,17 @@ def load_into(
     swapped: dict[str, QuantExperts] = {}
     stored: dict[str, set[str]] = {}  # module -> storage formats of the weights written into it
     stats = {"tensors": 0, "bytes": 0}
+    requant = Int8Requantizer(model) if int8 else None
     for e, v in stream(p, progress):
         stats["tensors"] += 1
         stats["bytes"] += e.nbytes
         if e.parts:  # fused HF experts [E, 2I, D] / [E, D, I]
             prefix = e.name.rsplit(".", 1)[0]
             for w, chunk in zip(e.parts, v.data.chunk(len(e.parts), dim=1)):
-                sd[f"{prefix}.{w}"].copy_(chunk)
-                written[f"{prefix}.{w}"] = sd[f"{prefix}.{w}"].size(0)
+                name = f"{prefix}.{w}"
+                if requant is None or not requant.take_stacked(name, chunk, v.fmt):
+                    sd[name].copy_(chunk)
+                written[name] = sd[name].size(0)
             continue
         mname, j = to_model(e.name)
         path, _, leaf = mname.rpartition(".")
@@ -251,6 +263,9 @@ def load_into(
             written[mname] = written.get(mname, 0) + 1
             continue
         v = Value(v.fmt, v.data.to(sd[mname].device), None if v.scale is None else v.scale.to(sd[mname].device))
+        if requant is not None and requant.take(mname, None if j is None else j - getattr(mod, "offset", 0), v):
+            written[mname] = written.get(mname, 0) + 1
+            continue
         if keep_quantized and v.fmt in _QUANT and j is None and _swap_linear(model, mname, v, dtype, sd[mname].device):
             written[mname] = 1
             continue
@@ -272,6 +287,8 @@ def load_into(
                 mod.finish()
             except RuntimeError as err:
                 raise CheckpointError(f"{p.root}: {err}") from None
+    if requant is not None:
+        requant.finish()
     for path, fmts in stored.items():
         quant = fmts & set(_QUANT)
         if quant:

@@ -104,12 +104,15 @@ class QuantLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         return _dequant(self.fmt, self.weight_q, self.scale, self.compute_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype, or in out_dtype (as `dsv4.model.layers.Linear`)."""
         # through the ops dispatch: a fast backend dequantizes inside its GEMM, and the call is recorded
         if self.act_format is not None:
             q, s = ops.act_quant(x, ACT_BLOCK, act_pow2(self.act_format))
             return ops.call("fp8_gemm" if self.fmt == "fp8" else "fp4_gemm", q, s, self.weight_q, self.scale,
-                            x.dtype)
+                            out_dtype or x.dtype)
+        if out_dtype is not None and out_dtype != x.dtype:
+            x = x.to(out_dtype)
         return ops.call("fp8_linear" if self.fmt == "fp8" else "fp4_linear", x, self.weight_q, self.scale)
 
     def extra_repr(self) -> str:

@@ -15,7 +15,7 @@ import time
 
 from .. import argtypes
 from ..errors import UserError
-from ..loading import add_device_args, add_model_args, load_model
+from ..loading import add_device_args, add_model_args, add_quant_mode_arg, load_model
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -26,6 +26,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--held-out-pct", type=argtypes.positive_float, default=2.0,
                    help="the training run's --held-out-pct (default: %(default)s, the shipped recipe's)")
     add_device_args(p)
+    add_quant_mode_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

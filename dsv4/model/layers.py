@@ -54,9 +54,13 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype, or in out_dtype (wider: x and the weight are multiplied in
+        it, exactly for fp16 operands in fp32, and the result is not rounded to x's dtype)."""
         if self.act_format is not None:
             x = ops.fp8_round_trip(x, reference.ACT_BLOCK, reference.act_pow2(self.act_format))
+        if out_dtype is not None and out_dtype != x.dtype:
+            return reference.linear(x.to(out_dtype), self.weight.to(out_dtype))
         return reference.linear(x, self.weight)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
+from ..ops.moe_shared import gate_dtype
 from ..ops.precision import acc_dtype
 from .layers import Linear, autocast_dtype, linear_fp32, record
 
@@ -138,7 +139,12 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         proj = {1: self.w1, 2: self.w2, 3: self.w3}
-        return ops.reference.swiglu_ffn(x, lambda t, i: proj[i](t), self.swiglu_limit, None)
+        wide = gate_dtype(x.dtype)           # fp16: gate and up leave their matmul in fp32 (moe_shared.gate_dtype)
+
+        def project(t: torch.Tensor, i: int) -> torch.Tensor:
+            return proj[i](t, out_dtype=wide) if i != 2 and wide != t.dtype else proj[i](t)
+
+        return ops.reference.swiglu_ffn(x, project, self.swiglu_limit, None)
 
 
 class MoE(nn.Module):

@@ -9,9 +9,10 @@ model dtype and multiplies them with the dequantized weights.
 The checkpoint loader records on each module the format its weights were stored in (`stored_format`:
 "fp8", "fp4", or "mixed" for a layer of routed experts stored partly quantized) and then calls
 `set_quant_mode`, which sets each such module's `act_format` from the config: None (W8A16), "ue8m0" or
-"fp32". The same numerics hold whether the weights were dequantized at load (then they are the exact
-dequantized values and only the activations are rounded: `ops.fp8_round_trip`) or kept quantized
-(`ops.act_quant` + `ops.fp8_gemm` / `ops.fp4_gemm` / `ops.quantized_moe_experts`).
+"fp32" (and None for "int8": those weights are INT8 modules then, `dsv4.model.int8`). The same numerics
+hold whether the weights were dequantized at load (then they are the exact dequantized values and only
+the activations are rounded: `ops.fp8_round_trip`) or kept quantized (`ops.act_quant` + `ops.fp8_gemm` /
+`ops.fp4_gemm` / `ops.quantized_moe_experts`).
 
 Not quantized, as in the official model: the grouped output projection `wo_a` (the release stores it as
 FP8; the official converter dequantizes it to bf16 and the attention multiplies bf16 activations), and
@@ -23,6 +24,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..config import QUANT_MODES, ModelConfig
+from .int8 import int8_modules, quantize_int8
 
 # weights stored as FP8 whose official computation uses the dequantized weight and unquantized activations
 DEQUANTIZED_IN_OFFICIAL = (".attn.wo_a",)
@@ -35,17 +37,24 @@ def quantized_modules(model: nn.Module) -> dict[str, str]:
 
 
 def set_quant_mode(model: nn.Module, mode: str | None = None) -> None:
-    """Apply `mode` ("w8a8" or "w8a16"; default: the model config's `quant_mode`) to every module whose
-    weights the checkpoint stored quantized, and record it in the config of the model and of every module
-    that holds one (a new config: configs are frozen). Raises ValueError for W8A8 on a layer of routed
-    experts stored partly quantized (W8A8 needs one format per layer)."""
+    """Apply `mode` ("w8a8", "w8a16" or "int8"; default: the model config's `quant_mode`) to every module
+    whose weights the checkpoint stored quantized, and record it in the config of the model and of every
+    module that holds one (a new config: configs are frozen). "int8" requantizes the weights INT8 mode
+    covers in place (`dsv4.model.int8.quantize_int8`, also on a float model); a model holding INT8 weights
+    cannot go back (their source values are gone: load it again). Raises ValueError for W8A8 on a layer of
+    routed experts stored partly quantized (W8A8 needs one format per layer)."""
     if mode is not None:
         if mode not in QUANT_MODES:
             raise ValueError(f"quant_mode must be one of {QUANT_MODES}, got {mode!r}")
+        if mode != "int8" and int8_modules(model):
+            raise ValueError(f"this model's weights were requantized to INT8; quant_mode {mode!r} needs the "
+                             "checkpoint loaded again")
         cfg = model.cfg.replace(quant_mode=mode)
         for m in model.modules():
             if isinstance(getattr(m, "cfg", None), ModelConfig):
                 m.cfg = cfg
+    if model.cfg.quant_mode == "int8":
+        quantize_int8(model)
     act = model.cfg.act_format
     for name, m in model.named_modules():
         fmt = getattr(m, "stored_format", None)

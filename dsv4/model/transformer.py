@@ -22,6 +22,7 @@ from .. import defaults
 from ..config import ModelConfig
 from .block import Block, MTPBlock, hc_head
 from .dspark import DSparkDraft, DSparkStage, draft_of
+from .int8 import quantize_int8
 from .layers import RMSNorm, autocast_dtype, linear_fp32, record
 from .moe import Experts, Gate
 from .paged import BatchCache, PagedKVCache, StepInputs, plan_step
@@ -92,11 +93,14 @@ class DeepSeekV4(nn.Module):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_config(cls, cfg: ModelConfig | str, seed: int = 0, **kw) -> DeepSeekV4:
-        """A randomly initialized model from a ModelConfig or a preset name."""
+        """A randomly initialized model from a ModelConfig or a preset name (with `quant_mode="int8"` its
+        linears and routed experts are then requantized to INT8, `dsv4.model.int8`)."""
         if isinstance(cfg, str):
             cfg = ModelConfig.preset(cfg)
         model = cls(cfg, **kw)
         model.reset_parameters(seed)
+        if cfg.quant_mode == "int8":
+            quantize_int8(model)
         return model
 
     @torch.no_grad()

@@ -226,6 +226,9 @@ fp4_gemm = _make("fp4_gemm")
 quantized_moe_experts = _make("quantized_moe_experts")
 fp8_linear = _make("fp8_linear")
 fp4_linear = _make("fp4_linear")
+int8_quant = _make("int8_quant")
+int8_gemm = _make("int8_gemm")
+int8_moe_experts = _make("int8_moe_experts")
 
 
 def _load_optional_backends() -> None:
@@ -233,6 +236,7 @@ def _load_optional_backends() -> None:
 
     Only triton itself may be missing: a kernel module of ours that fails to import is a broken install
     and raises, so it cannot pass as "no triton backend" (its tests would otherwise skip)."""
+    from . import int8_native as _int8_native  # noqa: F401
     from . import torch_native as _torch_native  # noqa: F401
     try:
         import triton as _triton_dep  # noqa: F401
@@ -251,5 +255,5 @@ __all__ = [
     "sparse_attention", "indexer_scores", "indexer_topk", "hc_split_sinkhorn", "hc_pre", "hc_post",
     "hc_head", "compress_pool", "fp8_round_trip", "fp4_round_trip", "hadamard", "rms_norm", "rope_tail",
     "moe_experts", "act_quant", "fp8_gemm", "fp4_gemm", "quantized_moe_experts",
-    "fp8_linear", "fp4_linear",
+    "fp8_linear", "fp4_linear", "int8_quant", "int8_gemm", "int8_moe_experts",
 ]

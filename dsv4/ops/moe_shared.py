@@ -127,6 +127,14 @@ def act_round_trip(t: torch.Tensor, act: str | None, round_trip: Callable[..., t
     return round_trip(t, ACT_BLOCK, act_pow2(act))
 
 
+def gate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the experts' gate and up projections leave their GEMM in: the input dtype, except fp32 for
+    fp16 inputs. The clamp at swiglu_limit exists because these pre-activations grow (in an FP16 port they
+    reached FP16's maximum, docs/bugzoo.md Z05); rounded to fp16 first, a gate beyond -65504 becomes -inf and
+    silu(-inf) = -inf * 0 = NaN. fp16 operands multiply exactly in fp32, so nothing else changes."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 (limit 0 = no clamp)."""
     gate, up = gate.float(), up.float()

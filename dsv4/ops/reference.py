@@ -156,6 +156,49 @@ def fp4_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torc
     return linear(a, w).to(out_dtype)
 
 
+# ----------------------------------------------------------------------------- INT8 W8A8
+# Weights quantized per output row, activations per token, both symmetric INT8 in [-127, 127]; the INT8 x
+# INT8 products are summed exactly (as INT32) and dequantized with the two scales.
+INT8_MAX = 127
+INT8_AMAX_FLOOR = 2.0**-100   # a zero row gets a normal fp32 scale (and codes 0), never a division by 0
+
+
+def int8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 quantization of the last dim with one scale per row (per token for activations,
+    per output row for a weight [N, K]).
+
+    In fp32: amax = max(|x|, INT8_AMAX_FLOOR) over the row, s = amax / 127 (one correctly rounded
+    division), q = clamp(round(x / s), -127, 127), rounded to nearest, ties to even. x [..., K] any float
+    dtype -> (q [..., K] int8, s [..., 1] fp32). x is read as its value: no gradient.
+    """
+    xf = x.detach().float()
+    amax = xf.abs().amax(-1, keepdim=True).clamp_min(INT8_AMAX_FLOOR)
+    s = amax / INT8_MAX
+    q = torch.round(xf / s).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, s
+
+
+def int8_dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """(q [..., K] int8, s [..., 1] or [...] fp32) -> fp32 [..., K]: each code times its row's scale."""
+    return q.float() * (s.float() if s.dim() == q.dim() else s.float().unsqueeze(-1))
+
+
+def int8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """INT8 activations x INT8 weight: y[..., n] = fp32(sum_k q[..., k] * weight[n, k]) * s[...] * scale[n].
+
+    The products are summed exactly (an INT32 result: |sum| <= K * 127^2; here in float64, exact for any K
+    below 2^39), converted to fp32 once (round to nearest even), then multiplied by the token's scale and
+    then by the row's scale, in fp32, in that order; returned in out_dtype. Every backend computes these
+    same operations, so they agree bit for bit.
+
+    q [..., K] int8 with s [..., 1] fp32 (`int8_quant` of the activations); weight [N, K] int8 with scale
+    [N] fp32 (`int8_quant` of the weight rows). Not differentiable.
+    """
+    acc = F.linear(q.double(), weight.double())                          # [..., N], exact integers
+    return (acc.float() * s.float() * scale.float()).to(out_dtype)
+
+
 @functools.cache   # constants a captured CUDA graph may hold: never evicted
 def _hadamard_matrix(n: int, device: str) -> torch.Tensor:
     if n & (n - 1):
@@ -405,12 +448,17 @@ def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
                weight: torch.Tensor | None = None,
                quant: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Clamped SwiGLU: gate = w1 x, up = w3 x in fp32, clamp, silu(gate) * up (* routing weight), rounded to
-    x's dtype, w2. quant: applied to the input of every projection (W8A8: the FP8 round trip of the
-    activations, after the routing weight and the rounding), None = the activations as they are."""
+    x's dtype, w2. gate and up are rounded to x's dtype first, except for fp16 x: then they leave their
+    matmul in fp32 (`dsv4.ops.moe_shared.gate_dtype` says why). quant: applied to the input of every
+    projection (W8A8: the FP8 round trip of the activations, after the routing weight and the rounding),
+    None = the activations as they are."""
     ws = {1: w1, 2: w2, 3: w3}
 
     def project(t: torch.Tensor, i: int) -> torch.Tensor:
-        return linear(t if quant is None else quant(t), ws[i])
+        t = t if quant is None else quant(t)
+        if i != 2 and t.dtype == torch.float16:           # gate / up of fp16 inputs in fp32 (`fp16_gate_up`)
+            return linear(t.float(), ws[i].float())
+        return linear(t, ws[i])
 
     return swiglu_ffn(x, project, swiglu_limit, weight)
 
@@ -471,8 +519,32 @@ def quantized_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch
 
         def project(t: torch.Tensor, i: int) -> torch.Tensor:
             q, s = act_quant(t, ACT_BLOCK, pow2)
-            return gemm(q, s, *wq[i], t.dtype)
+            wide = i != 2 and t.dtype == torch.float16          # gate / up of fp16 inputs in fp32
+            return gemm(q, s, *wq[i], torch.float32 if wide else t.dtype)
 
         return swiglu_ffn(xe, project, swiglu_limit, we)
+
+    return _sum_over_experts(x, weights, indices, w1.size(0), expert_offset, expert)
+
+
+def int8_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
+                     s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
+                     swiglu_limit: float, expert_offset: int = 0) -> torch.Tensor:
+    """Routed experts with INT8 weights (per output row) and INT8 activations (per token): each token's
+    input is quantized by `int8_quant`; gate = w1 x and up = w3 x by `int8_gemm` straight to fp32; the
+    clamped SwiGLU times the routing weight in fp32; that result quantized per token again and multiplied
+    by w2 (`int8_gemm`, fp32). w1, w3 [E, I, D] int8 with s1, s3 [E, I] fp32; w2 [E, D, I] int8 with s2
+    [E, D] fp32; otherwise as `moe_experts` (ids outside [expert_offset, expert_offset + E) are skipped).
+    Returns [T, D] fp32. Not differentiable.
+    """
+    def expert(e: int, xe: torch.Tensor, we: torch.Tensor) -> torch.Tensor:
+        q, s = int8_quant(xe)
+        gate = int8_gemm(q, s, w1[e], s1[e])                              # fp32 [n, I]
+        up = int8_gemm(q, s, w3[e], s3[e])
+        if swiglu_limit > 0:
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+        h = F.silu(gate) * up * we                                        # fp32 [n, I]
+        hq, hs = int8_quant(h)
+        return int8_gemm(hq, hs, w2[e], s2[e])
 
     return _sum_over_experts(x, weights, indices, w1.size(0), expert_offset, expert)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import fp8_round_trip, register
-from .moe_shared import act_round_trip, build_plan, clamped_swiglu, combine_rows, gather_rows, mask_rows
+from .moe_shared import act_round_trip, build_plan, clamped_swiglu, combine_rows, gate_dtype, gather_rows, mask_rows
 from .precision import is_exact
 
 
@@ -48,9 +48,11 @@ def grouped_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.T
     """`moe_experts` with one `torch._grouped_mm` per projection over all local experts."""
     plan = build_plan(weights, indices, w1.size(0), expert_offset)
     xs = gather_rows(act_round_trip(x, act, fp8_round_trip), plan)               # [M, D]
+    wide = gate_dtype(x.dtype)             # fp16: gate and up in fp32 (fp16 operands are exact there)
+    xg, w1g, w3g = (t.to(wide) for t in (xs, w1, w3))
     # rows past the last group are not computed: mask them before anything reads them (also in backward)
-    gate = mask_rows(torch._grouped_mm(xs, w1.transpose(1, 2), offs=plan.ends), plan)   # [M, I]
-    up = mask_rows(torch._grouped_mm(xs, w3.transpose(1, 2), offs=plan.ends), plan)     # [M, I]
+    gate = mask_rows(torch._grouped_mm(xg, w1g.transpose(1, 2), offs=plan.ends), plan)  # [M, I]
+    up = mask_rows(torch._grouped_mm(xg, w3g.transpose(1, 2), offs=plan.ends), plan)    # [M, I]
     h = mask_rows(clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1), plan).to(x.dtype)
     out = torch._grouped_mm(act_round_trip(h, act, fp8_round_trip), w2.transpose(1, 2),
                             offs=plan.ends)                                      # [M, D]

@@ -18,8 +18,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--device", default=None, type=argtypes.device,
                    help="torch device (default: cuda if available, else cpu)")
-    g.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
-                   help="weights and activations (default: bf16 on cuda, fp32 on cpu)")
+    g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="weights and activations (default: bf16 on cuda, fp32 on cpu; fp16 for hardware without "
+                        "bf16: the ops whose range needs it stay in fp32)")
     g.add_argument("--keep-quantized", action="store_true", help="keep FP8/FP4 weights quantized in memory")
     from ..loading import add_quant_mode_arg
 

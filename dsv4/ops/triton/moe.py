@@ -28,6 +28,7 @@ from ..moe_shared import (
     act_round_trip,
     clamped_swiglu,
     combine_rows,
+    gate_dtype,
     gather_rows,
     mask_rows,
     moe_plan,
@@ -45,8 +46,10 @@ def _gmm_kernel(a_ptr, a_idx_ptr, b_ptr, b2_ptr, c_ptr, c_idx_ptr, w_ptr,
                 stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                 limit,
                 GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SWIGLU: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr = False):
-    """C[r] = A[r] @ B[g] for the rows r of group g; SWIGLU: silu(min(A B, L)) * clamp(A B2, +-L) * w[r]."""
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr = False,
+                ROUND_GATE: tl.constexpr = True):
+    """C[r] = A[r] @ B[g] for the rows r of group g; SWIGLU: silu(min(A B, L)) * clamp(A B2, +-L) * w[r]
+    (gate and up rounded to A's dtype first when ROUND_GATE, kept in fp32 for fp16: `gate_dtype`)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     g = tl.load(tile_group_ptr + pid_m)
@@ -87,9 +90,13 @@ def _gmm_kernel(a_ptr, a_idx_ptr, b_ptr, b2_ptr, c_ptr, c_idx_ptr, w_ptr,
         a_ptrs += BK * stride_ak
         b_off += BK * stride_bk
     if SWIGLU:
-        # the projections round to the activation dtype first, as a plain linear layer would
-        gate = round_to(acc, a_ptr.dtype.element_ty, UPCAST).to(tl.float32)
-        up = round_to(acc2, a_ptr.dtype.element_ty, UPCAST).to(tl.float32)
+        # the projections round to the activation dtype first, as a plain linear layer would (bf16; fp16
+        # keeps them in fp32, see moe_shared.gate_dtype)
+        gate = acc
+        up = acc2
+        if ROUND_GATE:
+            gate = round_to(acc, a_ptr.dtype.element_ty, UPCAST).to(tl.float32)
+            up = round_to(acc2, a_ptr.dtype.element_ty, UPCAST).to(tl.float32)
         if limit > 0:
             up = tl.minimum(tl.maximum(up, -limit), limit)
             gate = tl.minimum(gate, limit)
@@ -342,7 +349,8 @@ def _launch_gmm(a: torch.Tensor, b: torch.Tensor, tiles: _Tiles, out: torch.Tens
             tiles.group, tiles.row, tiles.end, n, k, tiles.n_groups,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
             float(limit))
-    flags = dict(GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, SWIGLU=swiglu, BM=tiles.bm)
+    flags = dict(GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, SWIGLU=swiglu, BM=tiles.bm,
+                 ROUND_GATE=gate_dtype(a.dtype) == a.dtype)
     if _INTERPRET:
         _launch(_gmm_kernel, (triton.cdiv(n, 32), tiles.n_tiles), *args, **flags, BN=32, BK=32, UPCAST=True)
         return

@@ -35,7 +35,7 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import register
-from ..moe_shared import clamped_swiglu
+from ..moe_shared import clamped_swiglu, gate_dtype
 from ..reference import ACT_BLOCK, act_pow2
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason, grouped_tile, round_to
@@ -288,7 +288,7 @@ def triton_quantized_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices
     xq, xs = act_quant(x, ACT_BLOCK, pow2)                                        # once per token
     xq, xs = _fp8_view(xq).contiguous(), xs.contiguous()
     inter = w1.size(1)
-    gate = torch.empty(m, inter, dtype=x.dtype, device=x.device)                 # [M, I], sorted slots
+    gate = torch.empty(m, inter, dtype=gate_dtype(x.dtype), device=x.device)     # [M, I], sorted slots
     up = torch.empty_like(gate)
     wv = (lambda w: w.view(torch.uint8)) if fp4 else _fp8_view
     _launch_gmm(xq, xs, wv(w1), s1, gate, tiles, fp4=fp4, a_idx=plan.token)

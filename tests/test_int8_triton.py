@@ -1,0 +1,78 @@
+"""The Triton INT8 kernels (`int8_gemm`, grouped `int8_moe_experts`) vs the references, on the CPU
+interpreter (TRITON_INTERPRET=1) at small shapes.
+
+INT32 sums of INT8 products are exact and the kernels dequantize with the reference's fp32 operations in
+its order (fp32(acc) * token scale * row scale, then one rounding to the output dtype), so they must agree
+bit for bit; the experts' k = 2 slot sum is one commutative addition, exact as well.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_int8 import moe_case, quant_rows, rand_weight
+
+import dsv4.ops as ops
+from dsv4.ops import reference as R
+
+pytest.importorskip("triton", reason="triton is not installed: no triton backend to test")
+from triton_interp import interpret_env, interpreted_kernels  # noqa: E402,F401  (autouse fixtures)
+
+import dsv4.ops.triton.int8_gemm  # noqa: E402,F401  (a missing kernel module is an error, not a skip)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_int8_gemm_kernel_is_exact(out_dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    n, k = 72, 200                                       # ragged tiles in N and K
+    wq, ws = quant_rows(rand_weight(n, k, 5))
+    q, s = quant_rows(torch.randn(rows, k, generator=g) * 3)
+    ops.reset_calls()
+    got = ops.int8_gemm(q, s, wq, ws.squeeze(-1), out_dtype, backend="triton")
+    assert ops.last_backend("int8_gemm") == "triton" and got.dtype == out_dtype and got.shape == (rows, n)
+    assert torch.equal(got, R.int8_gemm(q, s, wq, ws.squeeze(-1), out_dtype))
+
+
+def test_int8_gemm_kernel_reads_every_row_scale():
+    """Identity activations read the weight back row by row, times each row's own scale."""
+    k = 96
+    wq = torch.randint(-127, 128, (40, k), dtype=torch.int8, generator=torch.Generator().manual_seed(6))
+    ws = torch.exp2(torch.arange(40, dtype=torch.float32) - 20)
+    q = torch.eye(k, dtype=torch.int8)
+    got = ops.int8_gemm(q, torch.ones(k, 1), wq, ws, backend="triton")
+    assert torch.equal(got, (wq.float() * ws.unsqueeze(1)).t())
+
+
+@pytest.mark.parametrize("offset", [0, 4])
+def test_int8_grouped_experts_kernel_is_exact(offset):
+    case = moe_case(t=9, k=2, seed=7, scale=6.0)
+    if offset:                                           # experts 4..7 here; slots of 0..3 belong elsewhere
+        case = {**case, **{w: case[w][4:] for w in ("w1", "s1", "w2", "s2", "w3", "s3")}}
+    ops.reset_calls()
+    got = ops.int8_moe_experts(**case, expert_offset=offset, backend="triton")
+    assert ops.last_backend("int8_moe_experts") == "triton"
+    assert torch.equal(got, R.int8_moe_experts(**case, expert_offset=offset))
+
+
+def test_int8_triton_refusals():
+    q, s = quant_rows(torch.randn(3, 64))
+    wq, ws = quant_rows(torch.randn(16, 64))
+    assert "int8" in ops.refusal("int8_gemm", "triton", q.float(), s, wq, ws.squeeze(-1))
+    assert "out_dtype" in ops.refusal("int8_gemm", "triton", q, s, wq, ws.squeeze(-1), torch.float64)
+    case = moe_case(t=2)
+    assert "inference-only" in ops.refusal("int8_moe_experts", "triton",
+                                           **{**case, "x": case["x"].requires_grad_()})
+
+
+def test_triton_moe_fp16_keeps_gate_and_up_in_fp32():
+    """The bf16 / fp16 grouped-GEMM MoE kernel (dsv4.ops.triton.moe): for fp16 inputs gate and up are not
+    rounded to fp16 before the clamp, so a gate beyond -65504 stays finite (rounded, it would give NaN)."""
+    from test_fp16 import formula, overflow_case
+
+    case = overflow_case()
+    got = ops.moe_experts(**case, backend="triton")
+    assert ops.last_backend("moe_experts") == "triton" and bool(torch.isfinite(got).all())
+    want = formula(case)
+    w2_rows = sum(case["w2"][e].double().abs().sum(-1) for e in range(case["w1"].size(0)))
+    assert bool(((got.double() - want).abs() <= 2.0**-10 * 75 * w2_rows + 2.0**-10 * want.abs()).all())
