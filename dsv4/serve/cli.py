@@ -72,12 +72,21 @@ def _load_tokenizer(args):
 
 def build_engine(options: dict):
     """(engine, info) from `dsv4 serve`'s options: what the engine process runs first."""
+    import signal
+
+    # Ctrl-C in a terminal reaches the whole process group: the HTTP process handles it (a graceful shutdown)
+    # and stops this one through its pipe
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = argparse.Namespace(**options)
     model, tokenizer, name, desc = _load(args)
     engine = _engine(args, model, tokenizer)
     engine.warmup()
+    from .capacity import longest_sequence
+
     info = {"desc": desc, "device": str(engine.device), "max_model_len": engine.max_model_len,
-            "max_seqs": engine.config.max_seqs, "cache_mib": engine.cache.nbytes() / 2**20}
+            "max_seqs": engine.config.max_seqs, "cache_mib": engine.cache.nbytes() / 2**20,
+            "vocab_size": engine.vocab, "max_n": engine.config.max_n,
+            "max_sequence_tokens": longest_sequence(engine)}
     return engine, info
 
 
@@ -125,7 +134,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from ..engine.engine_process import EngineProcess
     from .app import ServerState, create_app
+    from .http_guard import GracefulServer, connection_limit, guarded_protocol
     from .metrics import ServerMetrics
+    from .validate import Limits
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
@@ -152,23 +163,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
         info = engine.start()
     except RuntimeError as e:
         raise UserError(str(e)) from None
+    limits = Limits(vocab_size=info["vocab_size"], max_model_len=info["max_model_len"],
+                    max_sequence_tokens=info["max_sequence_tokens"], max_n=info["max_n"],
+                    max_seqs_per_request=args.max_seqs_per_request, max_messages=args.max_messages,
+                    max_prompt_chars=args.max_prompt_chars)
     state = ServerState(engine=engine, tokenizer=tokenizer, model_name=name, max_model_len=info["max_model_len"],
-                        api_key=args.api_key, metrics=metrics, max_body_bytes=args.max_body_bytes)
+                        api_key=args.api_key, metrics=metrics, max_body_bytes=args.max_body_bytes, limits=limits)
     app = create_app(state)
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
+    max_conn = connection_limit(args.max_connections)
     print(f"dsv4 serve: {info['desc']} as '{name}' on {info['device']}, {info['max_model_len']}-token context, "
-          f"{info['max_seqs']} sequences, cache {info['cache_mib']:.1f} MiB", flush=True)
+          f"{info['max_seqs']} sequences, cache {info['cache_mib']:.1f} MiB (at most "
+          f"{info['max_sequence_tokens']} positions per sequence), up to {max_conn} connections", flush=True)
     print(f"ready: http://{host}:{port}/v1", flush=True)
-    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    _log_to_stderr(args.log_level)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+                            http=guarded_protocol(args.header_timeout, args.body_timeout, max_conn),
+                            timeout_graceful_shutdown=args.shutdown_grace + 5)
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    server = GracefulServer(config, args.shutdown_grace, state.begin_drain, state.end_in_flight)
     try:
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
+        state.executor.shutdown(wait=False, cancel_futures=True)
+    print("dsv4 serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _log_to_stderr(level: str) -> None:
+    """dsv4's own server log lines (dsv4.serve, dsv4.engine) on stderr, one line each."""
+    import logging
+
+    logger = logging.getLogger("dsv4")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("dsv4 serve: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level.upper())
 
 
 # ------------------------------------------------------------------------------------------ chat
@@ -332,6 +366,24 @@ def add_serve_parsers(sub) -> None:
     p.add_argument("--max-body-bytes", type=argtypes.positive_int, default=8 * 2**20,
                    help="largest request body (default 8 MiB)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    g = p.add_argument_group("limits per request and per client")
+    g.add_argument("--max-messages", type=argtypes.positive_int, default=1024,
+                   help="chat messages per request (default 1024; more: a 400)")
+    g.add_argument("--max-prompt-chars", type=argtypes.positive_int, default=1 << 20,
+                   help="characters of text per prompt (a chat: its messages together), token ids per prompt "
+                        "(default 1048576; more: a 400)")
+    g.add_argument("--max-seqs-per-request", type=argtypes.positive_int, default=64,
+                   help="sequences one request may start: prompts x n (default 64; more: a 400)")
+    g.add_argument("--max-connections", type=argtypes.positive_int, default=1000,
+                   help="open connections; more are reset at once (default 1000, lowered to fit the "
+                        "descriptor limit, ulimit -n)")
+    g.add_argument("--header-timeout", type=argtypes.float_in(0.0, 3600.0, lo_open=True), default=10.0,
+                   help="seconds a client may take to send a request's headers (default 10; then 408)")
+    g.add_argument("--body-timeout", type=argtypes.float_in(0.0, 3600.0, lo_open=True), default=30.0,
+                   help="seconds a client may take to send a request's body (default 30; then 408)")
+    g.add_argument("--shutdown-grace", type=argtypes.float_in(0.0, 86400.0), default=30.0,
+                   help="on SIGTERM / Ctrl-C: seconds the requests in flight may still run before they are "
+                        "ended with finish_reason 'abort' (default 30; new requests get 503 at once)")
     _engine_args(p)
     p.set_defaults(func=cmd_serve)
 
