@@ -98,6 +98,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--time-budget-s", type=argtypes.positive_float,
                    help="shorten --steps so training fits this many seconds")
     p.add_argument("--threads", type=argtypes.nonneg_int, help="CPU threads for torch (0 = default)")
+    p.add_argument("--skip-nonfinite", action="store_true", default=None,
+                   help="skip a batch whose loss or gradients are NaN/Inf and go on (default: stop the run with "
+                        "exit 1 naming the step)")
     p.add_argument("--no-progress", dest="progress", action="store_const", const=False)
     p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
     p.set_defaults(func=run_train)
