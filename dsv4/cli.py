@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from . import argtypes
-from .errors import UserError, describe_error
+from .errors import RunFailed, UserError, describe_error
 from .loading import add_device_args, add_model_args, add_quant_mode_arg, default_model_dir, load_model, resolve_config
 
 
@@ -54,17 +54,16 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------ generate
+MAX_PROMPT_FILE_BYTES = 16 << 20           # far past any context; a larger file is refused, not read
 def _prompt_text(args) -> str:
     """The prompt from the argument or --prompt-file (UTF-8, refused otherwise: one line, exit 2)."""
     if args.prompt_file is None:
         return args.prompt
     if args.prompt:
         raise UserError("give the prompt as an argument or with --prompt-file, not both")
-    try:
-        with open(args.prompt_file, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise UserError(f"--prompt-file {args.prompt_file}: cannot read it: {e.strerror}") from None
+    from .safe_paths import read_bytes
+
+    raw = read_bytes(args.prompt_file, MAX_PROMPT_FILE_BYTES, f"--prompt-file {args.prompt_file}")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -127,6 +126,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     # everything the prompt needs is checked before the weights are read
     cfg = resolve_config(args)
+    if args.top_k > cfg.vocab_size:
+        raise UserError(f"--top-k {args.top_k} exceeds the model's vocabulary of {cfg.vocab_size} tokens "
+                        f"(0 = off)")
     if args.speculative and cfg.n_mtp_layers < 1:
         raise UserError("--speculative drafts with the model's MTP block, and this model has none")
     text = _prompt_text(args)
@@ -161,9 +163,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if stream:
         sys.stdout.write(text)
-    tokens = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_at_eos=not args.no_stop,
-                      on_token=on_token, cuda_graph=args.cuda_graph, speculative=args.speculative)[0]
+    from .check.finite_logits import NonFiniteLogits, first_nonfinite_module, watch_logits
+
+    try:
+        with watch_logits(model) as watch:
+            tokens = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_at_eos=not args.no_stop,
+                              on_token=on_token, cuda_graph=args.cuda_graph, speculative=args.speculative)[0]
+        bad = watch.seen()
+    except NonFiniteLogits:
+        bad, tokens = True, out_ids
+    if bad:                                  # say so, instead of printing what argmax(NaN) = token 0 gave
+        if stream:
+            print()
+        where = first_nonfinite_module(model, ids + tokens)
+        raise RunFailed(f"the model's logits turned non-finite (NaN/Inf) after {len(tokens)} generated tokens: "
+                        f"{where}; check the weights with `dsv4 check nonfinite`")
     text = tokenizer.decode(tokens) if tokenizer is not None else None
     if args.json:
         print(json.dumps({"model": desc, "prompt_ids": ids, "ids": tokens, "text": text}))
@@ -320,19 +335,21 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, run, and turn every failure into one line on stderr and an exit code (see `dsv4.errors`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _take_debug(argv)
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        if e.code in (0, None):                 # --help / --version: printed, and exit as argparse does
-            raise
-        return e.code if isinstance(e.code, int) else 2       # a usage error: its one line is printed
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 0 if args.command is None else 2
-    try:
+        parser = build_parser()                 # (Ctrl-C while the subcommands' modules load: 130 below)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:
+            if e.code in (0, None):             # --help / --version: printed, and exit as argparse does
+                raise
+            return e.code if isinstance(e.code, int) else 2   # a usage error: its one line is printed
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 0 if args.command is None else 2
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
+        if debug:
+            raise
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:                                              # noqa: BLE001 - one line, not a traceback

@@ -81,7 +81,8 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
         choices=("fp8", "fp4"),
         help="--to fp8: experts as FP8 or MXFP4 (default: as the source/config)",
     )
-    p.add_argument("--shard-gb", type=argtypes.positive_float, default=4.0, help="shard size for release/hf outputs")
+    p.add_argument("--shard-gb", type=argtypes.float_in(1 / 1024, 1024.0), default=4.0,
+                   help="shard size for release/hf outputs, in GiB (1 MiB to 1 TiB)")
     p.add_argument("--no-mtp", action="store_true",
                    help="leave the MTP block out (needed for a source whose draft dsv4 does not run: DSpark)")
     p.add_argument("--no-progress", action="store_true")
