@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from . import argtypes
+from . import options
 from .errors import UserError
 
 ASSETS = Path(__file__).parent / "assets"
@@ -25,25 +25,12 @@ def default_model_dir() -> Path | None:
 
 
 def add_model_args(p: argparse.ArgumentParser, default_hint: str) -> None:
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--preset", type=argtypes.preset,
-                   help="a built-in architecture with random weights: tiny, small, flash, pro")
-    g.add_argument("--model", metavar="DIR|ID", type=argtypes.path,
-                   help=f"a checkpoint directory or a Hugging Face Hub id org/name[@rev] (default: {default_hint})")
-    g.add_argument("--config", metavar="FILE", type=argtypes.path,
-                   help="a config.json (official or Hugging Face keys)")
-    p.add_argument("--no-mtp", action="store_true",
-                   help="with --model: load the main model without its MTP block (a DSpark draft, which dsv4 "
-                        "does not run, is refused otherwise)")
-
-
-QUANT_MODE_HELP = ("numerics of the weights a checkpoint stores as FP8 / FP4: w8a8 (default: the official "
-                   "code's, activations quantized to FP8 per token in blocks of 128 before every such weight) "
-                   "or w8a16 (activations kept in --dtype)")
+    """--preset / --model / --config and --no-mtp (the shared options of dsv4.options)."""
+    options.model_options(p, default_hint)
 
 
 def add_quant_mode_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quant-mode", choices=("w8a8", "w8a16"), default=None, help=QUANT_MODE_HELP)
+    options.add(p, "quant_mode")
 
 
 def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
@@ -79,8 +66,8 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None):
     from . import defaults
     from .model import DeepSeekV4
 
-    dtype = defaults.resolve_dtype(getattr(args, "dtype", None))
     device = defaults.resolve_device(getattr(args, "device", None))
+    dtype = defaults.resolve_dtype(getattr(args, "dtype", None), device)
     if getattr(args, "preset", None) or getattr(args, "config", None) or (default_preset and not args.model):
         cfg = resolve_config(args, default_preset)
         model = DeepSeekV4.from_config(cfg, seed=getattr(args, "seed", 0) or 0, dtype=dtype, device=device)
@@ -105,11 +92,5 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None):
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
-    """--device and --dtype with the defaults the Python API uses too (`dsv4.defaults`)."""
-    from . import defaults
-
-    p.add_argument("--device", default=defaults.DEVICE, type=argtypes.device,
-                   help="where the model runs: cpu, cuda, cuda:1 ... (default: %(default)s, also with a GPU present)")
-    p.add_argument("--dtype", choices=list(defaults.DTYPES), default=defaults.DTYPE,
-                   help="parameter dtype of the weights that are not fp32 by design (default: %(default)s, as "
-                        "DeepSeekV4.from_config and dsv4.checkpoint.load_pretrained)")
+    """--device, --dtype and --threads (the shared options of dsv4.options: the same defaults everywhere)."""
+    options.device_options(p)

@@ -175,8 +175,8 @@ def test_prompt_longer_than_the_context_is_refused_with_the_numbers(capsys):
     assert "has 10 tokens" in err and "--max-model-len is 12 tokens" in err and "at most 8 prompt" in err
     assert main(["generate", "--preset", "tiny", "--prompt-ids", "0,5", "--max-model-len", str(ctx + 1)]) == 2
     assert f"exceeds the model's context (max_position_embeddings) of {ctx}" in capsys.readouterr().err
-    assert main(["check", "teacher-forcing", "--preset", "tiny", "--tokens", str(ctx + 1)]) == 2
-    assert f"--tokens {ctx + 1} exceeds the model's context (max_position_embeddings) of {ctx}" in \
+    assert main(["check", "teacher-forcing", "--preset", "tiny", "--seq-len", str(ctx + 1)]) == 2
+    assert f"--seq-len {ctx + 1} exceeds the model's context (max_position_embeddings) of {ctx}" in \
         capsys.readouterr().err
 
 
@@ -267,7 +267,7 @@ def test_a_prompt_longer_than_the_window_pool_is_computed_in_chunks():
 def test_chat_refuses_a_message_past_the_context_or_not_utf8_and_goes_on():
     env = checkout_env(OMP_NUM_THREADS="1")
     stdin = b"word " * 400 + b"\ncaf\xe9 \xff\nhello\n"                 # too long, not UTF-8, fine
-    res = subprocess.run([sys.executable, "-m", "dsv4", "chat", "--max-model-len", "128", "--max-tokens", "3",
+    res = subprocess.run([sys.executable, "-m", "dsv4", "chat", "--max-model-len", "128", "--max-new-tokens", "3",
                           "--temperature", "0", "--device", "cpu"], input=stdin, capture_output=True,
                          timeout=300, env=env, cwd=ROOT)
     res.stdout, res.stderr = res.stdout.decode(), res.stderr.decode()
@@ -314,7 +314,7 @@ READS = [
     (["generate", "--config"], ["hi"]),
     (["info", "--config"], []),
     (["train", "--config"], ["--no-progress"]),
-    (["train", "--model-config"], ["--steps", "1", "--no-progress"]),
+    (["train", "--train-config"], ["--no-progress"]),
 ]
 
 
@@ -333,7 +333,7 @@ def test_a_hostile_file_is_one_line_at_once(argv, rest, kind, tmp_path, capsys):
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
     assert "Traceback" not in err and time.monotonic() - t0 < 30
-    if kind == "huge" and argv[-1] in ("--prompt-file", "--config"):
+    if kind == "huge" and argv[-1] in ("--prompt-file", "--config", "--train-config"):
         assert "larger than" in lines[0], lines[0]
 
 

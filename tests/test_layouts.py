@@ -192,13 +192,13 @@ def test_dspark_load_is_refused_in_one_line_and_runs_without_the_draft(source, t
 
 def test_dspark_cli_refuses_with_exit_1_and_one_line(source, tmp_path, capsys):
     write_dspark(source, tmp_path / "ds")
-    assert main(["inspect", str(tmp_path / "ds")]) == 0
+    assert main(["inspect", "--model", str(tmp_path / "ds")]) == 0
     capsys.readouterr()
-    assert main(["convert", str(tmp_path / "ds"), str(tmp_path / "out"), "--to", "bf16"]) == 1
+    assert main(["convert", "--model", str(tmp_path / "ds"), str(tmp_path / "out"), "--to", "bf16"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "DSpark" in err[0] and "Traceback" not in err[0]
     assert not (tmp_path / "out").exists()
-    assert main(["convert", str(tmp_path / "ds"), str(tmp_path / "out"), "--to", "bf16", "--no-mtp"]) == 0
+    assert main(["convert", "--model", str(tmp_path / "ds"), str(tmp_path / "out"), "--to", "bf16", "--no-mtp"]) == 0
     assert not any(n.startswith("mtp.") for f in (tmp_path / "out").glob("*.safetensors") for n in read_header(f)[0])
     gen = ["generate", "--model", str(tmp_path / "ds"), "--prompt-ids", "1,2", "--max-new-tokens", "2"]
     capsys.readouterr()
@@ -223,7 +223,7 @@ def test_training_from_a_dspark_checkpoint_needs_no_mtp_and_then_runs_without_th
     data.mkdir()
     for i in range(8):                          # half of them held out, by the hash of their names
         (data / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 20, encoding="utf-8")
-    train = ["train", "--init-from", str(tmp_path / "ds"), "--data", str(data), "--held-out-pct", "50",
+    train = ["train", "--model", str(tmp_path / "ds"), "--data", str(data), "--held-out-pct", "50",
              "--steps", "1", "--batch-size", "1", "--seq-len", "16", "--eval-every", "0", "--sample-prompt", "",
              "--no-progress", "--device", "cpu"]
     capsys.readouterr()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +35,8 @@ from .prepare import Prepared, prepare_chat, prepare_completion
 from .protocol import APIError
 from .streams import Endings, Tracker, Usage, chain, close_all, first, merge, until_disconnect
 from .validate import Limits
+
+log = logging.getLogger("dsv4.serve")
 
 
 @dataclass
@@ -124,16 +127,23 @@ def _completion_logprobs(state: ServerState, lps, offset: int) -> dict:
             "top_logprobs": [{_token_text(state, t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
 
 
+def _tally(request: Request, prep: Prepared) -> dict:
+    """The request's token counts, for its log line (`_RequestLog` reads them from the ASGI scope)."""
+    tally = request.scope.setdefault("dsv4.tally", {})
+    tally["prompt"] = sum(len(p) for p in prep.prompts)
+    return tally
+
+
 async def completions(state: ServerState, request: Request):
     raw = await _body(state, request)
     prep = await state.offload(prepare_completion, raw, state.limits, state.tokenizer, state.model_name)
-    return await until_disconnect(request, _completions(state, prep))
+    return await until_disconnect(request, _completions(state, prep, _tally(request, prep)))
 
 
-async def _completions(state: ServerState, prep: Prepared):
+async def _completions(state: ServerState, prep: Prepared, tally: dict):
     req = prep.req
     rid = f"cmpl-{uuid.uuid4().hex}"
-    tracker = Tracker(state.metrics)
+    tracker = Tracker(state.metrics, tally)
     streams, heads = await _submit(state, rid, prep, req.n, "prompt")
     created = int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
@@ -225,13 +235,13 @@ def _delta(event, call_ids: list[str]) -> dict:
 async def chat_completions(state: ServerState, request: Request):
     raw = await _body(state, request)
     prep = await state.offload(prepare_chat, raw, state.limits, state.tokenizer, state.model_name)
-    return await until_disconnect(request, _chat(state, prep))
+    return await until_disconnect(request, _chat(state, prep, _tally(request, prep)))
 
 
-async def _chat(state: ServerState, prep: Prepared):
+async def _chat(state: ServerState, prep: Prepared, tally: dict):
     req = prep.req
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    tracker = Tracker(state.metrics)
+    tracker = Tracker(state.metrics, tally)
     streams, heads = await _submit(state, rid, prep, req.n, "messages")
     created = int(time.time())
     parsers = [chat_format.ChatStreamParser(thinking=prep.thinking) for _ in range(req.n)]
@@ -367,6 +377,33 @@ class _BodyLimit:
         await self.app(scope, limited_receive, guarded_send)
 
 
+class _RequestLog:
+    """ASGI middleware: one line per request at level info (method, path, status, prompt + completion tokens,
+    seconds); /health and /metrics at debug (a monitor polls them)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.monotonic(), [499]
+
+        async def observed(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, observed)
+        finally:
+            tally = scope.get("dsv4.tally") or {}
+            tokens = f" {tally.get('prompt', 0)}+{tally.get('completion', 0)} tokens" if tally else ""
+            level = logging.DEBUG if scope.get("path") in ("/health", "/metrics") else logging.INFO
+            log.log(level, f"{scope.get('method')} {scope.get('path')} {status[0]}{tokens} "
+                           f"{time.monotonic() - t0:.2f} s")
+
+
 class _APIKey:
     """ASGI middleware: 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise).
 
@@ -438,4 +475,4 @@ def create_app(state: ServerState):
     async def _chat(request: Request):
         return await chat_completions(state, request)
 
-    return _BodyLimit(_APIKey(app, state.api_key), state.max_body_bytes)
+    return _RequestLog(_BodyLimit(_APIKey(app, state.api_key), state.max_body_bytes))

@@ -28,16 +28,17 @@ ENDED = object()                       # put into a merge's queue when the shutd
 class Tracker:
     """Per-request timing for the latency metrics (and the request's log line)."""
 
-    def __init__(self, metrics: ServerMetrics | None):
+    def __init__(self, metrics: ServerMetrics | None, tally: dict | None = None):
         self.metrics, self.t0 = metrics, time.monotonic()
         self.first: float | None = None
         self.last: float | None = None
         self.gaps: list[float] = []
-        self.tokens_out = 0
+        self.tally = tally if tally is not None else {}          # {"prompt": n, "completion": n}: the log line
+        self.tally.setdefault("completion", 0)
 
     def tokens(self, n: int) -> None:
         now = time.monotonic()
-        self.tokens_out += n
+        self.tally["completion"] += n
         if n:
             if self.first is None:
                 self.first = now

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,8 +208,9 @@ class Trainer:
                    "it does not combine with --compile" if cfg.compile else None)
             if why:
                 raise UserError(f"--cuda-graph: {why}")
-        if cfg.threads > 0:
-            torch.set_num_threads(cfg.threads)
+        from ..defaults import set_threads
+
+        set_threads(cfg.threads)
         self.out = Path(cfg.out)
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -589,9 +591,10 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         bar = None
-        if c.progress and self.rank == 0:
-            from tqdm import tqdm
-            bar = tqdm(total=c.steps, initial=self.step, desc="train", dynamic_ncols=True)
+        if c.progress and self.rank == 0 and sys.stderr.isatty():    # a bar on a terminal, else a line per 10 steps
+            from ..progress import bar as progress_bar
+
+            bar = progress_bar(c.steps, "train", unit="step", initial=self.step)
         global_tokens = c.batch_size * c.seq_len
         last_eval = None
         if self.step == 0 and c.eval_every > 0:
