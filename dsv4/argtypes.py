@@ -12,6 +12,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from .sampling_limits import RANGES
+
 
 def _interval(lo: float | None, hi: float | None, lo_open: bool = False, hi_open: bool = False) -> str:
     if lo is not None and hi is not None:
@@ -72,10 +74,11 @@ positive_int = int_in(1)                    # counts: tokens, steps, batch sizes
 nonneg_int = int_in(0)                      # counts where 0 means "off" or "default"
 seed_int = int_in(0, 2**63 - 1, "an integer seed")
 port = int_in(0, 65535, "a port")
-temperature = float_in(0.0)                 # 0 = greedy
-top_p = float_in(0.0, 1.0, lo_open=True)    # 1 = off
-top_k = nonneg_int                          # 0 = off
-min_p = float_in(0.0, 1.0)                  # 0 = off
+# sampling settings: the ranges of dsv4.sampling_limits, which the HTTP API checks too
+temperature = float_in(RANGES["temperature"].lo, RANGES["temperature"].hi)   # 0 = greedy
+top_p = float_in(RANGES["top_p"].lo, RANGES["top_p"].hi, lo_open=True)    # 1 = off
+top_k = int_in(0, 2**31 - 1)                # 0 = off; the model's vocabulary bounds it once its config is read
+min_p = float_in(RANGES["min_p"].lo, RANGES["min_p"].hi)                    # 0 = off
 positive_float = float_in(0.0, lo_open=True)
 nonneg_float = float_in(0.0)
 percent = float_in(0.0, 100.0)
@@ -121,6 +124,9 @@ def device(value: str) -> str:
     from . import defaults
     from .errors import UserError
 
+    if value.strip().lower().startswith("meta"):
+        raise argparse.ArgumentTypeError("the meta device holds shapes, not values: nothing can run on it "
+                                         "(use cpu, cuda, ...)")
     try:
         defaults.resolve_device(value)
     except UserError as e:

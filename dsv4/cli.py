@@ -13,17 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-from . import argtypes
-from .errors import UserError, describe_error
-from .loading import (
-    add_device_args,
-    add_model_args,
-    add_quant_mode_arg,
-    default_model_dir,
-    load_model,
-    resolve_config,
-    speculative_problem,
-)
+from . import argtypes, options
+from .errors import RunFailed, UserError, describe_error
+from .loading import default_model_dir, load_model, resolve_config, speculative_problem
 
 
 # ------------------------------------------------------------------------------------------ info
@@ -74,17 +66,16 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------ generate
+MAX_PROMPT_FILE_BYTES = 16 << 20           # far past any context; a larger file is refused, not read
 def _prompt_text(args) -> str:
     """The prompt from the argument or --prompt-file (UTF-8, refused otherwise: one line, exit 2)."""
     if args.prompt_file is None:
-        return args.prompt
+        return args.prompt or ""
     if args.prompt:
         raise UserError("give the prompt as an argument or with --prompt-file, not both")
-    try:
-        with open(args.prompt_file, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise UserError(f"--prompt-file {args.prompt_file}: cannot read it: {e.strerror}") from None
+    from .safe_paths import read_bytes
+
+    raw = read_bytes(args.prompt_file, MAX_PROMPT_FILE_BYTES, f"--prompt-file {args.prompt_file}")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -146,7 +137,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import generate
 
     # everything the prompt needs is checked before the weights are read
+    if args.prompt is None and args.prompt_file is None and args.prompt_ids is None:
+        raise UserError("generate needs a prompt: give it as an argument, with --prompt-file FILE or with "
+                        "--prompt-ids IDS")
     cfg = resolve_config(args)
+    if args.top_k > cfg.vocab_size:
+        raise UserError(f"--top-k {args.top_k} exceeds the model's vocabulary of {cfg.vocab_size} tokens "
+                        f"(0 = off)")
     problem = speculative_problem(cfg, args.speculative, args.speculative_threshold)
     if problem:
         raise UserError(problem)
@@ -166,8 +163,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = fitted
         text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else text
 
-    torch.manual_seed(args.seed)
-    model, tokenizer, desc = load_model(args)
+    # --seed is the sampling seed, or a fresh one (greedy decoding draws nothing); a preset's random weights
+    # are those of seed 0, so that the printed seed reproduces the text
+    import secrets
+
+    seed = args.seed if args.seed is not None else secrets.randbits(63) if args.temperature > 0 else 0
+    torch.manual_seed(seed)
+    model, tokenizer, desc = load_model(argparse.Namespace(**{**vars(args), "seed": 0}))
     stream = not args.json and tokenizer is not None
     printed = [""]
     out_ids: list[int] = []
@@ -182,13 +184,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if stream:
         sys.stdout.write(text)
-    tokens = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_at_eos=not args.no_stop,
-                      on_token=on_token, cuda_graph=args.cuda_graph, speculative=args.speculative,
-                      speculative_threshold=args.speculative_threshold)[0]
+    from .check.finite_logits import NonFiniteLogits, first_nonfinite_module, watch_logits
+
+    try:
+        with watch_logits(model) as watch:
+            tokens = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=seed, stop_at_eos=not args.no_stop,
+                              on_token=on_token,
+                              cuda_graph=args.cuda_graph and model.embed.weight.device.type == "cuda",
+                              speculative=args.speculative,
+                              speculative_threshold=args.speculative_threshold)[0]
+        bad = watch.seen()
+    except NonFiniteLogits:
+        bad, tokens = True, out_ids
+    if bad:                                  # say so, instead of printing what argmax(NaN) = token 0 gave
+        if stream:
+            print()
+        where = first_nonfinite_module(model, ids + tokens)
+        raise RunFailed(f"the model's logits turned non-finite (NaN/Inf) after {len(tokens)} generated tokens: "
+                        f"{where}; check the weights with `dsv4 check nonfinite`")
     text = tokenizer.decode(tokens) if tokenizer is not None else None
     if args.json:
-        print(json.dumps({"model": desc, "prompt_ids": ids, "ids": tokens, "text": text}))
+        print(json.dumps({"model": desc, "prompt_ids": ids, "ids": tokens, "text": text, "seed": seed}))
     elif stream:
         print()
     else:
@@ -203,17 +220,17 @@ def cmd_teacher_forcing(args: argparse.Namespace) -> int:
 
     from .check.teacher_forcing import teacher_forcing
 
-    n, k = args.tokens, args.prefill
+    n, k = args.seq_len, args.prefill
     if not 1 <= k <= n:
-        raise UserError(f"--prefill must be in [1, --tokens={n}], got {k}")
+        raise UserError(f"--prefill must be in [1, --seq-len={n}], got {k}")
     ctx = resolve_config(args, default_preset="tiny").max_seq_len
     if n > ctx:
-        raise UserError(f"--tokens {n} exceeds the model's context (max_position_embeddings) of {ctx} tokens")
+        raise UserError(f"--seq-len {n} exceeds the model's context (max_position_embeddings) of {ctx} tokens")
     model, _, desc = load_model(args, default_preset="tiny")
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, model.cfg.vocab_size, (args.batch, n), generator=gen)
     rep = teacher_forcing(model, tokens.to(model.embed.weight.device), k, tolerance=args.tolerance,
-                          force_decisions=not args.no_force, exact=not args.fast_accumulation)
+                          force_decisions=not args.no_force, exact=not args.fast_accumulation, progress=not args.json)
     if args.json:
         d = rep.to_dict()
         d.pop("per_position")
@@ -234,90 +251,96 @@ def cmd_teacher_forcing(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ parser
 class Parser(argparse.ArgumentParser):
     """An argument parser whose usage errors are one line (`error: argument --top-p: ...`) and exit 2, like
-    every other error of the CLI; the full usage is one `--help` away."""
+    every other error of the CLI; the full usage is one `--help` away. Every option's help shows its default
+    (`options.HelpFormatter`); subcommand parsers are of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", options.HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
-        prog="dsv4", description="Run, train, serve and verify DeepSeek-V4 models on any PyTorch device.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the traceback of an error (also accepted after the command; or DSV4_DEBUG=1)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+# one line per command: `dsv4 --help` lists these without importing any command's module (torch included)
+COMMANDS: dict[str, str] = {
+    "info": "config summary, parameters, memory and GPUs needed to serve and train (no weights allocated)",
+    "generate": "continue a prompt (greedy or sampled)",
+    "check": "verification: teacher forcing, compare, determinism, conformance, ...",
+    "inspect": "show a checkpoint's layout and tensors (headers only)",
+    "convert": "convert a checkpoint between layouts and formats",
+    "init": "write a checkpoint of random weights for any preset, in the release layout",
+    "train": "train or continue-train a V4 model (Muon + AdamW, MTP, indexer and balance losses)",
+    "eval": "held-out loss and code-completion quality of a trained model",
+    "serve": "an OpenAI-compatible HTTP server (continuous batching, streaming)",
+    "chat": "chat in the terminal with a model (loaded here, or a running server)",
+    "bench": "benchmarks that print ratios against measured limits",
+}
 
-    p = sub.add_parser("info", help="config summary, parameters, memory and GPUs needed to serve and train (no weights "
-                                    "allocated)")
-    add_model_args(p, "the shipped model")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+def _add_info(sub) -> None:
+    p = sub.add_parser("info", help=COMMANDS["info"], description=COMMANDS["info"] + ".")
+    options.model_options(p, "the shipped model")
+    options.add(p, "json")
+    options.add(p, "threads", note="for --measure")
     from .info import add_memory_args
 
     add_memory_args(p)
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("generate", help="continue a prompt (greedy or sampled)")
-    add_model_args(p, "the shipped model")
-    p.add_argument("prompt", nargs="?", default="", type=argtypes.text, help="prompt text")
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help=COMMANDS["generate"],
+                       description="Continue a prompt with a model: greedy by default, sampled with --temperature.")
+    options.model_options(p, "the shipped model")
+    p.add_argument("prompt", nargs="?", default=None, type=argtypes.text,
+                   help="prompt text (or --prompt-file / --prompt-ids; one of the three is needed)")
     p.add_argument("--prompt-file", type=argtypes.path, help="read the prompt from this UTF-8 file")
     p.add_argument("--prompt-ids", type=argtypes.comma_ints(0), help="comma-separated token ids instead of text")
-    p.add_argument("--max-new-tokens", type=argtypes.positive_int, default=64)
-    p.add_argument("--max-model-len", type=argtypes.int_in(2), default=None,
-                   help="context limit, prompt + output (default: the model's max_position_embeddings)")
+    options.add(p, "max_new_tokens")
+    options.add(p, "max_model_len")
     p.add_argument("--truncate-prompt", action="store_true",
                    help="keep the last tokens of a prompt that does not fit the context (default: refuse it)")
-    p.add_argument("--temperature", type=argtypes.temperature, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=argtypes.top_p, default=1.0, help="in (0, 1]; 1 = off")
-    p.add_argument("--top-k", type=argtypes.top_k, default=0, help="0 = off")
-    p.add_argument("--seed", type=argtypes.seed_int, default=0)
+    options.add(p, "temperature", default=0.0)
+    options.add(p, "top_p")
+    options.add(p, "top_k")
+    options.add(p, "seed", note="of the sampling (--temperature > 0); none = a fresh one, printed with --json")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
-    p.add_argument("--cuda-graph", action="store_true", help="replay decode steps from a CUDA graph (CUDA only)")
-    p.add_argument("--speculative", type=argtypes.int_in(0, 15), default=0, metavar="K",
-                   help="speculative decoding: the model's draft (its MTP block, or a DSpark draft: K at most its "
-                        "block size) drafts K tokens per step, verified in one pass (same output; 0 = off, the "
-                        "default)")
-    p.add_argument("--speculative-threshold", type=argtypes.float_in(0.0, 1.0), default=0.0, metavar="T",
-                   help="DSpark draft: verify only the drafts whose survival probability (its confidence head's) "
-                        "is at least T; 0 = always K (default)")
-    add_device_args(p)
-    add_quant_mode_arg(p)
-    p.add_argument("--json", action="store_true")
+    options.add(p, "cuda_graph")
+    options.add(p, "speculative")
+    options.add(p, "speculative_threshold")
+    options.device_options(p)
+    options.add(p, "quant_mode")
+    options.add(p, "json")
     p.set_defaults(func=cmd_generate)
 
-    pc = sub.add_parser("check", help="verification: teacher forcing, compare, determinism, conformance, ...")
+
+def _add_check(sub) -> None:
+    pc = sub.add_parser("check", help=COMMANDS["check"], description=COMMANDS["check"].capitalize() + ".")
     csub = pc.add_subparsers(dest="check_command", metavar="CHECK")
-    p = csub.add_parser("teacher-forcing", help="one prefill vs prefill + single-token decode steps")
-    add_model_args(p, "the tiny preset")
-    p.add_argument("--tokens", type=argtypes.int_in(2), default=300,
-                   help="sequence length (default 300: crosses the window, several ratio-4 groups and two ratio-128 "
-                        "groups)")
+    p = csub.add_parser("teacher-forcing", help="one prefill vs prefill + single-token decode steps",
+                        description="One prefill of N tokens against a prefill of k tokens followed by N-k "
+                                    "single-token decode steps: the logits must agree at every position.")
+    options.model_options(p, "the tiny preset")
+    options.add(p, "seq_len", default=300, note="300 crosses the window, several ratio-4 groups and two ratio-128 "
+                                                "groups")
     p.add_argument("--prefill", type=argtypes.positive_int, default=7, help="tokens in the prefill before decoding")
-    p.add_argument("--batch", type=argtypes.positive_int, default=1)
-    p.add_argument("--seed", type=argtypes.seed_int, default=0)
+    p.add_argument("--batch", type=argtypes.positive_int, default=1, help="sequences checked at once")
+    options.add(p, "seed", default=0, note="of the random tokens (and of a preset's random weights)")
     p.add_argument("--tolerance", type=argtypes.positive_float, default=1e-4, help="max relative logit error")
     p.add_argument("--no-force", action="store_true",
                    help="let the decode path take its own top-k / routing decisions (near-ties may then flip)")
     p.add_argument("--fast-accumulation", action="store_true",
                    help="accumulate in the working precision instead of float64 (batching then changes rounding)")
-    add_device_args(p)
-    add_quant_mode_arg(p)
-    p.add_argument("--json", action="store_true")
+    options.device_options(p)
+    options.add(p, "quant_mode")
+    options.add(p, "json")
     p.set_defaults(func=cmd_teacher_forcing)
     _optional(lambda: __import__("dsv4.check.cli", fromlist=["x"]).add_check_parsers(csub))
 
-    _optional(lambda: __import__("dsv4.checkpoint.cli", fromlist=["x"]).add_inspect_parser(sub))
-    _optional(lambda: __import__("dsv4.checkpoint.cli", fromlist=["x"]).add_convert_parser(sub))
-    _optional(lambda: __import__("dsv4.checkpoint.cli", fromlist=["x"]).add_init_parser(sub))
-    _optional(lambda: __import__("dsv4.train.cli", fromlist=["x"]).add_train_parser(sub))
-    from .eval.cli import add_eval_parser
 
-    add_eval_parser(sub)
-    from .serve.cli import add_serve_parsers
-
-    add_serve_parsers(sub)
-
-    pb = sub.add_parser("bench", help="benchmarks that print ratios against measured limits")
+def _add_bench(sub) -> None:
+    pb = sub.add_parser("bench", help=COMMANDS["bench"], description=COMMANDS["bench"].capitalize() + ".")
     bsub = pb.add_subparsers(dest="bench_command", metavar="BENCH")
     _optional(lambda: __import__("dsv4.bench.kernels", fromlist=["x"]).add_bench_kernels_parser(bsub))
     _optional(lambda: __import__("dsv4.bench.ops", fromlist=["x"]).add_bench_parsers(bsub))
@@ -329,6 +352,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_serve_parser(bsub)
     add_bench_engine_parser(bsub)
+
+
+def _from(module: str, fn: str):
+    return lambda sub: _optional(lambda: getattr(__import__(module, fromlist=["x"]), fn)(sub))
+
+
+BUILDERS = {"info": _add_info, "generate": _add_generate, "check": _add_check,
+            "inspect": _from("dsv4.checkpoint.cli", "add_inspect_parser"),
+            "convert": _from("dsv4.checkpoint.cli", "add_convert_parser"),
+            "init": _from("dsv4.checkpoint.cli", "add_init_parser"),
+            "train": _from("dsv4.train.cli", "add_train_parser"), "eval": _from("dsv4.eval.cli", "add_eval_parser"),
+            "serve": _from("dsv4.serve.cli", "add_serve_parser"),
+            "chat": _from("dsv4.serve.chat_cli", "add_chat_parser"),
+            "bench": _add_bench}
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line. With `argv`, only the command it names is built in full; the others are one-line
+    stubs, so that `dsv4 --help` imports none of the commands' modules (torch among them) and answers at
+    once. Without, the whole tree (for tests and documentation)."""
+    parser = Parser(prog="dsv4", description="Run, train, serve and verify DeepSeek-V4 models on any PyTorch "
+                                             "device.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (also accepted after the command; or DSV4_DEBUG=1)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
+    for name, summary in COMMANDS.items():
+        if wanted is None or wanted == name:
+            BUILDERS[name](sub)
+        if name not in sub.choices:
+            sub.add_parser(name, help=summary, add_help=False)     # a stub: `dsv4 NAME ...` builds it in full
     return parser
 
 
@@ -350,19 +405,25 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, run, and turn every failure into one line on stderr and an exit code (see `dsv4.errors`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _take_debug(argv)
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        if e.code in (0, None):                 # --help / --version: printed, and exit as argparse does
-            raise
-        return e.code if isinstance(e.code, int) else 2       # a usage error: its one line is printed
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 0 if args.command is None else 2
-    try:
+        parser = build_parser(argv)             # (Ctrl-C while the subcommands' modules load: 130 below)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:
+            if e.code in (0, None):             # --help / --version: printed, and exit as argparse does
+                raise
+            return e.code if isinstance(e.code, int) else 2   # a usage error: its one line is printed
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 0 if args.command is None else 2
+        if getattr(args, "threads", None) is not None:      # every command that computes takes --threads
+            from .defaults import set_threads
+
+            set_threads(args.threads)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
+        if debug:
+            raise
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:                                              # noqa: BLE001 - one line, not a traceback

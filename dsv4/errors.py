@@ -19,6 +19,11 @@ class UserError(Exception):
     """Something the user can fix: a bad argument, a missing or broken file, a config mismatch."""
 
 
+class RunFailed(Exception):
+    """A run that stopped for a reason its message states in full (e.g. a training loss that turned NaN,
+    logits that turned non-finite): exit code 1, the message as the line, no type name or --debug hint."""
+
+
 class CheckpointError(UserError):
     """A checkpoint file or tensor is missing, broken, unsafe to open or does not match the config."""
 
@@ -70,7 +75,7 @@ def describe_error(e: BaseException) -> tuple[int, str]:
     """(exit code, one line) for an error that reached the top of a command."""
     from .config_schema import ConfigError
 
-    if isinstance(e, Unsupported):
+    if isinstance(e, (Unsupported, RunFailed)):
         return 1, str(e)
     if isinstance(e, (UserError, ConfigError)):
         return 2, str(e)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from . import argtypes
+from . import options
 from .errors import UserError
 
 ASSETS = Path(__file__).parent / "assets"
@@ -25,15 +25,8 @@ def default_model_dir() -> Path | None:
 
 
 def add_model_args(p: argparse.ArgumentParser, default_hint: str) -> None:
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--preset", type=argtypes.preset,
-                   help="a built-in architecture with random weights: tiny, small, flash, pro")
-    g.add_argument("--model", metavar="DIR|ID", type=argtypes.path,
-                   help=f"a checkpoint directory or a Hugging Face Hub id org/name[@rev] (default: {default_hint})")
-    g.add_argument("--config", metavar="FILE", type=argtypes.path,
-                   help="a config.json (official or Hugging Face keys)")
-    p.add_argument("--no-mtp", action="store_true",
-                   help="with --model: load the main model without its draft (the MTP block, or a DSpark draft)")
+    """--preset / --model / --config and --no-mtp (the shared options of dsv4.options)."""
+    options.model_options(p, default_hint)
 
 
 def speculative_problem(cfg, k: int, threshold: float = 0.0) -> str | None:
@@ -56,16 +49,8 @@ def speculative_problem(cfg, k: int, threshold: float = 0.0) -> str | None:
     return None
 
 
-QUANT_MODE_HELP = ("numerics of the weights a checkpoint stores as FP8 / FP4: w8a8 (default: the official "
-                   "code's, activations quantized to FP8 per token in blocks of 128 before every such weight), "
-                   "w8a16 (activations kept in --dtype), or int8 (for hardware without FP8: those weights, "
-                   "from any checkpoint or random weights, requantized at load to INT8 with one scale per "
-                   "output row, activations to INT8 per token, INT8 x INT8 GEMMs)")
-
-
 def add_quant_mode_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quant-mode", "--quant", dest="quant_mode", choices=("w8a8", "w8a16", "int8"), default=None,
-                   help=QUANT_MODE_HELP)
+    options.add(p, "quant_mode")
 
 
 def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
@@ -104,8 +89,8 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None, rank
     from . import defaults
     from .model import DeepSeekV4
 
-    dtype = defaults.resolve_dtype(getattr(args, "dtype", None))
     device = defaults.resolve_device(getattr(args, "device", None))
+    dtype = defaults.resolve_dtype(getattr(args, "dtype", None), device)
     if getattr(args, "preset", None) or getattr(args, "config", None) or (default_preset and not args.model):
         cfg = resolve_config(args, default_preset)
         if getattr(args, "quant_mode", None) == "int8":            # random weights requantized like a checkpoint's
@@ -132,11 +117,5 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None, rank
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
-    """--device and --dtype with the defaults the Python API uses too (`dsv4.defaults`)."""
-    from . import defaults
-
-    p.add_argument("--device", default=defaults.DEVICE, type=argtypes.device,
-                   help="where the model runs: cpu, cuda, cuda:1 ... (default: %(default)s, also with a GPU present)")
-    p.add_argument("--dtype", choices=list(defaults.DTYPES), default=defaults.DTYPE,
-                   help="parameter dtype of the weights that are not fp32 by design (default: %(default)s, as "
-                        "DeepSeekV4.from_config and dsv4.checkpoint.load_pretrained)")
+    """--device, --dtype and --threads (the shared options of dsv4.options: the same defaults everywhere)."""
+    options.device_options(p)

@@ -94,6 +94,29 @@ def read_text(path: str | Path, limit: int = MAX_TEXT_BYTES) -> str:
         raise CheckpointError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def read_bytes(path: str | Path, limit: int, what: str | None = None) -> bytes:
+    """A whole file the user (or a run directory) names: a regular file (symlinks followed: a link to a
+    FIFO or a device is refused like the FIFO or device itself), opened without blocking, at most `limit`
+    bytes (refused, not cut, when larger). `what` prefixes the error (e.g. "--prompt-file FILE")."""
+    path = Path(path)
+    try:
+        with open_regular(path) as f:
+            raw = f.read(limit + 1)
+    except CheckpointError as e:
+        if what is None:
+            raise
+        raise CheckpointError(f"{what}: {str(e).removeprefix(f'{path}: ')}") from None
+    except OSError as e:                                   # EIO, EISDIR on exotic file systems ...
+        raise CheckpointError(f"{what or path}: cannot read it: {e.strerror or e}") from None
+    if len(raw) > limit:
+        raise CheckpointError(f"{what or path}: larger than {_size(limit)} (the limit for this file)")
+    return raw
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"
+
+
 def allowed_roots(root: str | Path) -> list[Path]:
     """The real directories a checkpoint's files may resolve into: the directory itself and, for a
     Hugging Face cache snapshot, the repository's `blobs/` folder."""
@@ -130,4 +153,4 @@ def contained(root: str | Path, name: str, what: str) -> Path:
     return path
 
 
-__all__ = ["MAX_TEXT_BYTES", "allowed_roots", "contained", "open_regular", "read_text", "regular_file"]
+__all__ = ["MAX_TEXT_BYTES", "allowed_roots", "contained", "open_regular", "read_bytes", "read_text", "regular_file"]

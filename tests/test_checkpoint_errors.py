@@ -148,7 +148,7 @@ def test_nothing_half_written(good, tmp_path, capsys):
     with pytest.raises(CheckpointError, match="layers.1.ffn_norm.weight"):
         convert(bad, dst, "bf16", progress=False)
     assert not dst.exists() and list((tmp_path / "out").iterdir()) == []
-    rc = cli(["convert", str(bad), str(dst), "--to", "bf16", "--no-progress"])
+    rc = cli(["convert", "--model", str(bad), str(dst), "--to", "bf16", "--no-progress"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error: ") and "\n" not in err and "layers.1.ffn_norm.weight" in err
     assert not dst.exists() and list((tmp_path / "out").iterdir()) == []
@@ -158,13 +158,13 @@ def test_nothing_half_written(good, tmp_path, capsys):
 
 
 def test_cli_inspect_exit_codes(good, tmp_path, capsys):
-    assert cli(["inspect", str(good)]) == 0
+    assert cli(["inspect", "--model", str(good)]) == 0
     assert "ok" in capsys.readouterr().out
     d = rewrite(good, tmp_path / "noscale", replaced("layers.2.attn.wq_a.scale", {}))
-    assert cli(["inspect", str(d), "--json"]) == 2
+    assert cli(["inspect", "--model", str(d), "--json"]) == 2
     r = json.loads(capsys.readouterr().out)
     assert not r["ok"] and "layers.2.attn.wq_a" in r["problems"][0]
-    assert cli(["inspect", str(tmp_path / "nowhere")]) == 2
+    assert cli(["inspect", "--model", str(tmp_path / "nowhere")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
 
 

@@ -76,7 +76,7 @@ def test_index_entries_that_leave_the_directory_are_refused_by_name(ckpt, tmp_pa
     entry = str(stolen) if entry == "ABS" else entry
     edit_index(d, lambda wm: wm.update({k: entry for k, v in wm.items() if v == "model-00001-of-00004.safetensors"}))
     refused(d, repr(entry))
-    assert cli(["inspect", str(d)]) == 2
+    assert cli(["inspect", "--model", str(d)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and repr(entry) in err
 
@@ -135,7 +135,8 @@ def test_fifo_checkpoint_does_not_hang_the_command_line(ckpt, tmp_path):
     (d / "model-00001-of-00004.safetensors").unlink()
     os.mkfifo(d / "model-00001-of-00004.safetensors")
     env = checkout_env()
-    for args in (["inspect", str(d)], ["generate", "--model", str(d), "--prompt-ids", "0,1", "--max-new-tokens", "1"]):
+    for args in (["inspect", "--model", str(d)],
+                 ["generate", "--model", str(d), "--prompt-ids", "0,1", "--max-new-tokens", "1"]):
         r = subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, timeout=120,
                            env=env)
         assert r.returncode == 2, (args, r.stderr)

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,7 @@ def _invalid_values(kind) -> list[str]:
     if kind is argtypes.preset:
         return ["huge", "TINY", ""]
     if kind in (argtypes.device, argtypes.device_or_auto):
-        bad = ["gpu0", "", "cuda:-1"]
+        bad = ["gpu0", "", "cuda:-1", "meta"]
         if not torch.cuda.is_available():
             bad += ["cuda", "cuda:0"]
         else:
@@ -174,8 +175,8 @@ def test_prompt_longer_than_the_context_is_refused_with_the_numbers(capsys):
     assert "has 10 tokens" in err and "--max-model-len is 12 tokens" in err and "at most 8 prompt" in err
     assert main(["generate", "--preset", "tiny", "--prompt-ids", "0,5", "--max-model-len", str(ctx + 1)]) == 2
     assert f"exceeds the model's context (max_position_embeddings) of {ctx}" in capsys.readouterr().err
-    assert main(["check", "teacher-forcing", "--preset", "tiny", "--tokens", str(ctx + 1)]) == 2
-    assert f"--tokens {ctx + 1} exceeds the model's context (max_position_embeddings) of {ctx}" in \
+    assert main(["check", "teacher-forcing", "--preset", "tiny", "--seq-len", str(ctx + 1)]) == 2
+    assert f"--seq-len {ctx + 1} exceeds the model's context (max_position_embeddings) of {ctx}" in \
         capsys.readouterr().err
 
 
@@ -199,7 +200,7 @@ def test_prompt_file_must_be_utf8(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: --prompt-file") and "not UTF-8" in err and len(err.splitlines()) == 1
     assert main(["generate", "--preset", "tiny", "--prompt-file", str(tmp_path / "missing.txt")]) == 2
-    assert "cannot read it" in capsys.readouterr().err
+    assert "file not found" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------ I/O failures
@@ -266,7 +267,7 @@ def test_a_prompt_longer_than_the_window_pool_is_computed_in_chunks():
 def test_chat_refuses_a_message_past_the_context_or_not_utf8_and_goes_on():
     env = checkout_env(OMP_NUM_THREADS="1")
     stdin = b"word " * 400 + b"\ncaf\xe9 \xff\nhello\n"                 # too long, not UTF-8, fine
-    res = subprocess.run([sys.executable, "-m", "dsv4", "chat", "--max-model-len", "128", "--max-tokens", "3",
+    res = subprocess.run([sys.executable, "-m", "dsv4", "chat", "--max-model-len", "128", "--max-new-tokens", "3",
                           "--temperature", "0", "--device", "cpu"], input=stdin, capture_output=True,
                          timeout=300, env=env, cwd=ROOT)
     res.stdout, res.stderr = res.stdout.decode(), res.stderr.decode()
@@ -280,3 +281,111 @@ def test_chat_refuses_a_message_past_the_context_or_not_utf8_and_goes_on():
     assert "the context is 128 tokens" in errors[0] and f"max_position_embeddings is {ctx}" in errors[0]
     assert re.search(r"the conversation is \d{3,} tokens", errors[0])
     assert res.stdout.strip() != ""                          # the second message was answered
+
+
+# ------------------------------------------------------------------------------------------ hostile files
+def _hostile(tmp_path: Path, kind: str) -> Path:
+    """A path where a file is expected: a FIFO, a device, symlinks to either, a symlink loop, a dangling
+    symlink, a directory, a file over the size limit (a sparse one: no disk used)."""
+    p = tmp_path / f"{kind}.json"
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "device":
+        os.symlink("/dev/zero", p)
+    elif kind == "link to fifo":
+        os.mkfifo(tmp_path / "f")
+        os.symlink(tmp_path / "f", p)
+    elif kind == "loop":
+        os.symlink(p, p)
+    elif kind == "dangling":
+        os.symlink(tmp_path / "nowhere", p)
+    elif kind == "directory":
+        p.mkdir()
+    elif kind == "huge":
+        with open(p, "wb") as f:
+            f.truncate(2**30)
+    return p
+
+
+HOSTILE = ["fifo", "device", "link to fifo", "loop", "dangling", "directory", "huge"]
+# every flag that names a file the command reads, with what else the command needs to get to reading it
+READS = [
+    (["generate", "--preset", "tiny", "--prompt-file"], []),
+    (["generate", "--config"], ["hi"]),
+    (["info", "--config"], []),
+    (["train", "--config"], ["--no-progress"]),
+    (["train", "--train-config"], ["--no-progress"]),
+]
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+@pytest.mark.parametrize("argv,rest", READS, ids=[" ".join(a) for a, _ in READS])
+def test_a_hostile_file_is_one_line_at_once(argv, rest, kind, tmp_path, capsys):
+    """No read blocks (FIFO), none runs until memory is gone (/dev/zero, a 1 GiB file): one line, exit 2."""
+    from test_checkpoint_fuzz import time_bound
+
+    path = _hostile(tmp_path, kind)
+    extra = ["--out", str(tmp_path / "run")] if argv[0] == "train" else []
+    t0 = time.monotonic()
+    with time_bound(30):
+        code = main([*argv, str(path), *rest, *extra])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
+    assert "Traceback" not in err and time.monotonic() - t0 < 30
+    if kind == "huge" and argv[-1] in ("--prompt-file", "--config", "--train-config"):
+        assert "larger than" in lines[0], lines[0]
+
+
+def test_parser_refuses_values_the_model_would_fail_on(capsys):
+    """Refused while parsing, before a model loads: exit 2 naming the flag."""
+    for argv, flag in [(["generate", "--temperature", "1e300", "hi"], "--temperature"),
+                       (["generate", "--temperature", "2.5", "hi"], "--temperature"),
+                       (["generate", "--device", "meta", "hi"], "--device"),
+                       (["generate", "--top-k", str(2**63), "hi"], "--top-k"),
+                       (["convert", "src", "dst", "--to", "hf", "--shard-gb", "1e300"], "--shard-gb")]:
+        t0 = time.monotonic()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"argument {flag}" in err, err
+        assert time.monotonic() - t0 < 5
+    # a top-k past the model's vocabulary: refused once the config is read, before the weights
+    assert main(["generate", "--preset", "tiny", "--top-k", "5000", "hi"]) == 2
+    assert "exceeds the model's vocabulary of 1024" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_starting_is_one_line_exit_130():
+    """SIGINT at several moments of start-up (while torch and the model load): exit 130, one line."""
+    import signal
+
+    interrupted = 0
+    for delay in (0.3, 1.0, 2.0):
+        p = subprocess.Popen([sys.executable, "-m", "dsv4", "generate", "--preset", "tiny", "hi"], cwd=ROOT,
+                             env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        if p.returncode in (0, -signal.SIGINT) and not err:
+            continue                         # done before the signal, or signalled before Python ran: silent
+        assert p.returncode == 130 and err.strip() == "interrupted", (delay, p.returncode, err[-2000:])
+        interrupted += 1
+    assert interrupted >= 1
+
+
+def test_non_finite_logits_stop_generate_naming_the_first_module(tmp_path, capsys):
+    """A finite but huge weight (3.39e38, a BF16 value) passes the load checks; the logits it leads to are
+    Inf/NaN: generate says so (exit 1) and names the first module that produced one, instead of printing
+    what argmax(NaN) = token 0 gives."""
+    from dsv4.checkpoint.writer import model_values, save
+    from dsv4.config import ModelConfig
+    from dsv4.model import DeepSeekV4
+
+    cfg = ModelConfig.preset("tiny")
+    model = DeepSeekV4.from_config(cfg, seed=0, dtype=torch.bfloat16)
+    with torch.no_grad():
+        dict(model.named_parameters())["layers.1.attn.wq_a.weight"].view(-1)[0] = 3.39e38
+    save(model_values(model), cfg, tmp_path / "m", target="bf16")
+    assert main(["generate", "--model", str(tmp_path / "m"), "--prompt-ids", "0,5,6", "--max-new-tokens", "4"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "non-finite" in err and "layers.1.attn.wq_a" in err, err

@@ -180,10 +180,10 @@ def test_cli_bad_hub_ids_are_one_error_line_exit_2(hub_cache):
     del files[shard]
     add_snapshot(hub_cache, "dsv4-test/partial", COMMIT, files)
     env = {"HF_HOME": str(hub_cache.parent), "HF_HUB_OFFLINE": "1"}
-    ok = _cli(["inspect", f"{REPO}@v1", "--json"], env)
+    ok = _cli(["inspect", "--model", f"{REPO}@v1", "--json"], env)
     assert ok.returncode == 0 and json.loads(ok.stdout)["ok"], ok.stderr
     cases = [(["info", "--model", f"{REPO}@v2"], "revision 'v2' is not in the Hugging Face cache"),
-             (["inspect", "dsv4-test/partial"], f"shard {shard}")]
+             (["inspect", "--model", "dsv4-test/partial"], f"shard {shard}")]
     for args, want in cases:
         r = _cli(args, env)
         assert r.returncode == 2, (args, r.stderr)

@@ -194,11 +194,12 @@ def test_dspark_loads_with_its_draft_and_without_it(source, tmp_path):
 
 def test_dspark_cli_inspect_convert_both_ways_generate(source, tmp_path, capsys):
     draft = write_dspark(source, tmp_path / "ds")
-    assert main(["inspect", str(tmp_path / "ds")]) == 0
+    assert main(["inspect", "--model", str(tmp_path / "ds")]) == 0
     # bf16 -> bf16 keeps the draft bit for bit; -> fp8 quantizes main_proj (and experts) like every linear
-    assert main(["convert", str(tmp_path / "ds"), str(tmp_path / "bf"), "--to", "bf16"]) == 0
-    assert main(["convert", str(tmp_path / "ds"), str(tmp_path / "f8"), "--to", "fp8", "--expert-dtype", "fp4"]) == 0
-    assert main(["convert", str(tmp_path / "f8"), str(tmp_path / "back"), "--to", "bf16"]) == 0
+    assert main(["convert", "--model", str(tmp_path / "ds"), str(tmp_path / "bf"), "--to", "bf16"]) == 0
+    assert main(["convert", "--model", str(tmp_path / "ds"), str(tmp_path / "f8"), "--to", "fp8",
+                 "--expert-dtype", "fp4"]) == 0
+    assert main(["convert", "--model", str(tmp_path / "f8"), str(tmp_path / "back"), "--to", "bf16"]) == 0
     for d in ("bf", "f8", "back"):
         r = inspect_dir(tmp_path / d)
         assert r["layout"] == "dspark" and r["ok"] and r["draft"]["stages"] == 3, (d, r["problems"])
@@ -210,7 +211,7 @@ def test_dspark_cli_inspect_convert_both_ways_generate(source, tmp_path, capsys)
     f8 = official(plan_values(plan(tmp_path / "f8")))
     back = official(plan_values(plan(tmp_path / "back")))
     assert f8.keys() == back.keys() and all(torch.equal(f8[n], back[n]) for n in f8)   # fp8 -> bf16 exact
-    assert main(["convert", str(tmp_path / "ds"), str(tmp_path / "main"), "--to", "bf16", "--no-mtp"]) == 0
+    assert main(["convert", "--model", str(tmp_path / "ds"), str(tmp_path / "main"), "--to", "bf16", "--no-mtp"]) == 0
     assert not any(n.startswith("mtp.") for f in (tmp_path / "main").glob("*.safetensors") for n in read_header(f)[0])
     gen = ["generate", "--model", str(tmp_path / "ds"), "--prompt-ids", "1,2", "--max-new-tokens", "2"]
     capsys.readouterr()
@@ -238,7 +239,7 @@ def test_training_the_draft_of_a_dspark_checkpoint_keeps_the_main_model(source, 
     data.mkdir()
     for i in range(8):                          # half of them held out, by the hash of their names
         (data / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 20, encoding="utf-8")
-    train = ["train", "--init-from", str(tmp_path / "ds"), "--data", str(data), "--held-out-pct", "50",
+    train = ["train", "--model", str(tmp_path / "ds"), "--data", str(data), "--held-out-pct", "50",
              "--steps", "1", "--batch-size", "1", "--seq-len", "16", "--eval-every", "0", "--sample-prompt", "",
              "--no-progress", "--device", "cpu", "--freeze-main", "--dspark-anchors", "4"]
     assert main([*train, "--out", str(tmp_path / "run"), "--export", str(tmp_path / "exp")]) == 0

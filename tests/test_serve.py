@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -21,6 +22,7 @@ openai = pytest.importorskip("openai")        # a test dependency (pip install -
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key"
+SERVER_LINES: dict[str, list[str]] = {}
 MODEL = "tiny"
 
 
@@ -42,6 +44,8 @@ def start_server(cmd: list[str]) -> tuple[subprocess.Popen, str]:
     if url is None:
         proc.kill()
         pytest.fail("the server did not start:\n" + "".join(lines))
+    threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()    # (drained)
+    SERVER_LINES[url] = lines
     return proc, url
 
 
@@ -287,3 +291,24 @@ def test_a_dspark_checkpoint_serves_speculatively(tmp_path):
     assert value("dsv4_spec_draft_tokens_total") > 0
     assert value("dsv4_spec_verify_length_count") >= value("dsv4_spec_verify_steps_total") > 0
     assert value("dsv4_spec_verify_length_sum") == value("dsv4_spec_draft_tokens_total")
+
+
+def test_one_log_line_per_request(server, client):
+    """The server logs method, path, status, prompt + completion tokens and seconds for each request."""
+    r = client.completions.create(model=MODEL, prompt="abcd", max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 10
+    want = re.compile(r"dsv4 serve: POST /v1/completions 200 5\+3 tokens \d+\.\d\d s")
+    while not any(want.search(x) for x in SERVER_LINES[server]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert r.usage.completion_tokens == 3 and any(want.search(x) for x in SERVER_LINES[server]), \
+        SERVER_LINES[server][-5:]
+    assert not any("GET /health" in x for x in SERVER_LINES[server])          # (at debug level only)
+
+
+def test_chat_with_a_running_server_prints_the_same_banner(server):
+    res = subprocess.run([sys.executable, "-m", "dsv4", "chat", "--url", server.rsplit("/v1", 1)[0], "--api-key", KEY,
+                          "--max-new-tokens", "4", "--temperature", "0"], input="hello\n/reset\n", text=True,
+                         capture_output=True, cwd=ROOT, env=checkout_env(), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert f"chatting with {MODEL} at {server}" in res.stderr and "(conversation reset)" in res.stderr

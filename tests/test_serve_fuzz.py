@@ -206,6 +206,28 @@ def _bad_bodies(model: str) -> list[tuple[str, str, bytes]]:
         "reasoning_effort number": j(CH, model=model, messages=msg, reasoning_effort=3),
         "conversation too long": j(CH, model=model, messages=[{"role": "user", "content": "word " * 2000}],
                                    max_tokens=2),
+        # integers past int64 and booleans where numbers go: refused at the API, never in an engine step
+        "top_k past int64": j(C, model=model, prompt="x", top_k=2 ** 63, temperature=1.0, max_tokens=4),
+        "top_k past the vocabulary": j(C, model=model, prompt="x", top_k=10 ** 6, max_tokens=4),
+        "top_k -2": j(C, model=model, prompt="x", top_k=-2),
+        "max_tokens true": j(C, model=model, prompt="x", max_tokens=True),
+        "n true": j(C, model=model, prompt="x", n=True),
+        "temperature false": j(C, model=model, prompt="x", temperature=False),
+        "temperature 2.5": j(C, model=model, prompt="x", temperature=2.5),
+        "temperature as string": j(C, model=model, prompt="x", temperature="0.5"),
+        "seed past uint64": j(C, model=model, prompt="x", seed=2 ** 64),
+        "seed as float": j(C, model=model, prompt="x", seed=1.5),
+        "ignore_eos 1": j(C, model=model, prompt="x", ignore_eos=1),
+        "logprobs true": j(C, model=model, prompt="x", logprobs=True),
+        "stop_token_ids past int64": j(C, model=model, prompt="x", stop_token_ids=[2 ** 63]),
+        "prompt id past int64": j(C, model=model, prompt=[2 ** 64]),
+        "300 prompts": j(C, model=model, prompt=["x"] * 300, n=16, max_tokens=1),
+        "17 stop strings": j(C, model=model, prompt="x", stop=[str(i) for i in range(17)]),
+        "empty stop string": j(C, model=model, prompt="x", stop=[""]),
+        "repetition_penalty 1e300": j(C, model=model, prompt="x", repetition_penalty=1e300),
+        "min_p -0.1": j(C, model=model, prompt="x", min_p=-0.1),
+        "chat logprobs 1": j(CH, model=model, messages=msg, logprobs=1),
+        "chat n 17": j(CH, model=model, messages=msg, n=17),
     }
     return [(name, path, body) for name, (path, body) in cases.items()]
 
@@ -221,6 +243,52 @@ def test_malformed_and_mistyped_requests_get_4xx_in_openai_shape(server):
             failures.append((name, status, str(reply)[:200]))
     assert failures == [], "\n".join(map(str, failures))
     assert request(server, "GET", "/health")[0] == 200
+
+
+# the field each of these names in its 400 (`param`)
+PARAMS = {"top_k past int64": "top_k", "top_k past the vocabulary": "top_k", "max_tokens true": "max_tokens",
+          "n true": "n", "temperature 2.5": "temperature", "seed past uint64": "seed", "n huge": "n",
+          "stop_token_ids past int64": "stop_token_ids", "prompt id past int64": "prompt", "300 prompts": "prompt",
+          "17 stop strings": "stop", "chat n 17": "n", "top_logprobs 99": "top_logprobs", "logprobs 100": "logprobs",
+          "temperature negative": "temperature", "top_p zero": "top_p", "presence_penalty 5": "presence_penalty",
+          "max_tokens past context": "max_tokens", "prompt too long": "prompt", "message role unknown": "messages"}
+
+
+def test_every_field_error_names_its_param(server):
+    model = model_name(server)
+    bodies = {name: (path, body) for name, path, body in _bad_bodies(model)}
+    wrong = []
+    for name, param in PARAMS.items():
+        status, reply = request(server, "POST", *bodies[name])
+        if status != 400 or reply["error"]["param"] != param:
+            wrong.append((name, status, reply))
+    assert wrong == []
+
+
+def test_malformed_requests_beside_a_running_stream_leave_it_whole(server):
+    """Every malformed request of the table, sent while another client's stream runs: that stream
+    completes (all its tokens, its finish_reason, [DONE]) and no request gets a 5xx."""
+    model = model_name(server)
+    n = CONTEXT - 32
+    body = {"model": model, "prompt": "def f(x):", "max_tokens": n, "temperature": 0.8, "seed": 1,
+            "ignore_eos": True}
+    conn = http.client.HTTPConnection(*server[:2], timeout=300)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = conn.getresponse()
+    lines = [r.readline()]                                   # the stream has begun
+    reader = threading.Thread(target=lambda: lines.extend(r.read().splitlines()))
+    reader.start()
+    statuses = [request(server, "POST", path, bad)[0] for _, path, bad in _bad_bodies(model)]
+    reader.join(300)
+    conn.close()
+    events = [json.loads(x[6:]) for x in lines if x.startswith(b"data: {")]
+    assert lines[-2:] == [b"data: [DONE]", b""] or lines[-1] == b"data: [DONE]", lines[-3:]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(400 <= st < 500 for st in statuses), statuses
+    alone = request(server, "POST", "/v1/completions", json.dumps(body).encode())[1]
+    assert alone["usage"]["completion_tokens"] == n
+    assert "".join(e["choices"][0]["text"] for e in events) == alone["choices"][0]["text"]
 
 
 def test_transport_level_abuse_gets_4xx(server):

@@ -256,7 +256,7 @@ def test_cli_switch_and_compare_stage_by_stage(quantized, capsys):
             main([*cmd, "--help"])
         assert "--quant-mode" in capsys.readouterr().out, cmd
     _, ckpt = quantized
-    args = ["check", "compare", "--checkpoint", str(ckpt), "--seq-len", "20", "--json"]
+    args = ["check", "compare", "--model", str(ckpt), "--seq-len", "20", "--json"]
     assert main([*args, "--quant-modes", "w8a8,w8a16"]) == 1
     rep = json.loads(capsys.readouterr().out)
     assert rep["first_divergence"] == "layers.0.attn.q" and rep["a"] == "W8A8"

@@ -37,7 +37,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .. import argtypes, ops
+from .. import argtypes, ops, options
 from ..config import ModelConfig
 from ..errors import UserError
 from .report import add_output_args, emit, require_cuda
@@ -129,7 +129,7 @@ def _tokens(cfg: ModelConfig, b: int, s: int, device: torch.device, seed: int = 
 
 # ----------------------------------------------------------------------------- the three benchmarks
 def _graphed(args, device: torch.device, path: str) -> bool:
-    return path != "reference" and device.type == "cuda" and not getattr(args, "no_cuda_graph", False)
+    return path != "reference" and device.type == "cuda" and getattr(args, "cuda_graph", True)
 
 
 def bench_prefill(model, args, device, path: str) -> dict:
@@ -334,9 +334,10 @@ _DEFAULTS = {"prefill": {"batch": 1, "seq": 4096}, "decode": {"batch": 1, "seq":
 
 def run_e2e_bench(args: argparse.Namespace) -> int:
     """Entry point of `dsv4 bench prefill|decode|train`."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    explicit = args.device not in (None, "auto")
+    device = torch.device(args.device if explicit else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda" and not args.allow_cpu:
-        if args.device:                    # asked for explicitly: refused also where a GPU is present
+        if explicit:                    # asked for explicitly: refused also where a GPU is present
             raise UserError(f"dsv4 bench {args.bench} measures a CUDA device, not {device.type}; "
                             "pass --device cpu --allow-cpu for a smoke run (not a benchmark)")
         require_cuda(f"dsv4 bench {args.bench}", "pass --device cpu --allow-cpu for a smoke run (not a benchmark)")
@@ -401,25 +402,23 @@ def add_bench_parsers(subparsers) -> None:
              "train": "training tokens/s and MFU (forward+backward; --optimizer: the full step), fast backends "
                       "vs the torch reference"}
     for name, text in helps.items():
-        p = subparsers.add_parser(name, help=text)
-        p.add_argument("--preset", default="small", type=argtypes.preset)
-        p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-        p.add_argument("--batch", type=argtypes.positive_int, default=None)
-        p.add_argument("--seq", type=argtypes.positive_int, default=None, help="tokens per sequence (prefill, train)")
+        p = subparsers.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        options.add(p, "preset", default="small")
+        options.add(p, "dtype", default="bf16", choices=("bf16", "fp32"))
+        p.add_argument("--batch", type=argtypes.positive_int, default=None, help="sequences (default: by bench)")
+        options.add(p, "seq_len", dest="seq", type=argtypes.positive_int, note="prefill, train; none = by bench")
         p.add_argument("--prompt", type=argtypes.positive_int, default=64, help="decode: untimed prompt length")
         p.add_argument("--steps", type=argtypes.positive_int, default=32, help="decode: timed steps per rep")
-        p.add_argument("--reps", type=argtypes.positive_int, default=3)
+        p.add_argument("--reps", type=argtypes.positive_int, default=3, help="timed repetitions (median, min, max)")
         p.add_argument("--profile", action="store_true",
                        help="decode, train --optimizer-only: kernels, GPU ms, syncs per step")
         if name != "train":
-            p.add_argument("--no-cuda-graph", action="store_true",
-                           help=f"launch the {'step' if name == 'decode' else 'prefill'} eagerly instead of "
-                                "replaying it from a CUDA graph (the default on CUDA)")
+            options.add(p, "cuda_graph", note=f"here the {'step' if name == 'decode' else 'prefill'}")
         p.add_argument("--no-reference", action="store_true", help="skip the torch reference path")
         if name == "train":
-            p.add_argument("--cuda-graph", action="store_true",
-                           help="replay forward + losses + backward from one CUDA graph (the optimizer step stays "
-                                "eager): what `dsv4 train --cuda-graph` runs")
+            options.add(p, "cuda_graph", default=False,
+                        note="here forward + losses + backward from one graph (the optimizer step stays eager): "
+                             "what `dsv4 train --cuda-graph` runs")
             which = p.add_mutually_exclusive_group()
             which.add_argument("--optimizer", action="store_true",
                                help="time the whole training step as `dsv4 train` runs it: fp32 master weights, "
@@ -430,7 +429,8 @@ def add_bench_parsers(subparsers) -> None:
                                     "kernels and host syncs per step)")
             p.add_argument("--peak-tflops", type=argtypes.positive_float,
                            help="device bf16 peak for MFU (default: known GPUs)")
-        p.add_argument("--device", default=None, type=argtypes.device)
+        options.add(p, "device")
+        options.add(p, "threads")
         p.add_argument("--allow-cpu", action="store_true", help="run on CPU (smoke test, not a benchmark)")
         add_output_args(p)
         p.set_defaults(func=run_e2e_bench, bench=name)

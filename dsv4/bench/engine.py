@@ -133,7 +133,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     from ..bench.serve import _raw_decode_rate
     from ..engine import Engine, EngineConfig
     from ..ops import compiles
-    from ..serve.cli import _load
+    from ..serve.startup import load as _load
 
     if not 0 <= args.spread < 1:
         raise UserError("--spread must be in [0, 1)")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import argtypes
+from .. import argtypes, options
 from .report import Stream, add_output_args, emit, header, rate_columns, rates, run_info, start_run
 from .report import time_ms as _time_ms
 
@@ -327,16 +327,18 @@ def render(result: dict) -> str:
 def add_bench_kernels_parser(subparsers) -> argparse.ArgumentParser:
     """Adds `kernels` to the `dsv4 bench` subcommands (sets `func=run_kernel_bench`)."""
     p = subparsers.add_parser("kernels", help="time the attention / indexer kernels against measured limits")
-    p.add_argument("--seq", type=argtypes.positive_int, default=4096, help="queries per sequence (prefill)")
-    p.add_argument("--heads", type=argtypes.positive_int, default=64)
-    p.add_argument("--dim", type=argtypes.positive_int, default=512)
+    options.add(p, "threads")
+    options.add(p, "seq_len", dest="seq", type=argtypes.positive_int, default=4096, note="queries per sequence "
+                                                                                         "(prefill)")
+    p.add_argument("--heads", type=argtypes.positive_int, default=64, help="attention heads")
+    p.add_argument("--dim", type=argtypes.positive_int, default=512, help="head dimension")
     p.add_argument("--topk", type=argtypes.positive_int, default=640, help="keys per query (window + compressed)")
-    p.add_argument("--decode-batch", type=argtypes.positive_int, default=64)
-    p.add_argument("--index-heads", type=argtypes.positive_int, default=64)
-    p.add_argument("--index-dim", type=argtypes.positive_int, default=128)
+    p.add_argument("--decode-batch", type=argtypes.positive_int, default=64, help="sequences in the decode shape")
+    p.add_argument("--index-heads", type=argtypes.positive_int, default=64, help="indexer heads")
+    p.add_argument("--index-dim", type=argtypes.positive_int, default=128, help="indexer head dimension")
     p.add_argument("--index-keys", type=argtypes.positive_int, default=1024, help="compressed keys")
-    p.add_argument("--index-topk", type=argtypes.positive_int, default=512)
-    p.add_argument("--ratio", type=argtypes.positive_int, default=4)
+    p.add_argument("--index-topk", type=argtypes.positive_int, default=512, help="compressed keys each query keeps")
+    p.add_argument("--ratio", type=argtypes.positive_int, default=4, help="compression ratio")
     p.add_argument("--only", default="", help="comma list: attention,indexer")
     p.add_argument("--reference", action="store_true", help="also time the torch reference (speed-up)")
     p.add_argument("--check", action="store_true", help="compare with the reference at the bench shapes")

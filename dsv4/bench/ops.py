@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .. import argtypes, ops
+from .. import argtypes, ops, options
 from ..config import ModelConfig
 from .e2e import _count_syncs
 from .kernels import _rel
@@ -487,12 +487,15 @@ def _shape(s: str) -> tuple[int, int]:
 def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     """Adds `ops` to the `dsv4 bench` subcommands (sets `func=run_ops_bench`)."""
     p = subparsers.add_parser("ops", help="time the MoE / mHC / quantized-GEMM backends vs measured limits")
-    p.add_argument("--preset", default="small", type=argtypes.preset, help="model preset whose MoE shapes are timed")
+    options.add(p, "preset", default="small", note="whose MoE shapes are timed")
+    options.add(p, "threads")
     p.add_argument("--moe-routed", type=argtypes.positive_int, nargs="+", default=[8192, 32768],
                    help="routed (token, expert) slots T*k per MoE call")
-    p.add_argument("--hc-tokens", type=argtypes.positive_int, default=8192)
-    p.add_argument("--hc-dims", type=argtypes.positive_int, nargs="+", default=[1024, 4096])
-    p.add_argument("--quant-tokens", type=argtypes.positive_int, default=4096)
+    p.add_argument("--hc-tokens", type=argtypes.positive_int, default=8192, help="tokens of the mHC shapes")
+    p.add_argument("--hc-dims", type=argtypes.positive_int, nargs="+", default=[1024, 4096],
+                   help="model dimensions of the mHC shapes")
+    p.add_argument("--quant-tokens", type=argtypes.positive_int, default=4096,
+                   help="tokens of the quantization shapes")
     p.add_argument("--quant-shapes", type=_shape, nargs="+", default=[(4096, 4096), (2048, 7168)],
                    help="weight shapes NxK")
     p.add_argument("--only", default="", help="comma list: moe,mhc,quant,elementwise,parity")

@@ -143,5 +143,7 @@ def emit(result: dict, render, as_json: bool, as_jsonl: bool) -> int:
 
 def add_output_args(p) -> None:
     """--json (one JSON object at the end) and --jsonl (each row as a JSON line as it is measured)."""
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    from .. import options
+
+    options.add(p, "json")
     p.add_argument("--jsonl", action="store_true", help="print each result as a JSON line as it is measured")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .. import argtypes
+from .. import argtypes, options
 from ..errors import UserError
 
 
@@ -228,13 +228,17 @@ def _server_argv(args: argparse.Namespace) -> list[str]:
     argv = [sys.executable, "-m", "dsv4", "serve", "--host", "127.0.0.1", "--port", "0"]
     for flag in ("preset", "model", "config", "device", "dtype", "quant_mode", "max_num_seqs", "max_model_len",
                  "max_batch_tokens", "page_size", "cache_pages", "speculative", "speculative_threshold",
-                 "tensor_parallel_size", "worker_timeout"):
+                 "tensor_parallel_size", "worker_timeout", "threads"):
         value = getattr(args, flag, None)
-        if value is not None and not (flag.startswith("speculative") and not value):
+        if value is not None and not (flag in ("speculative", "speculative_threshold", "threads") and not value):
             argv += [f"--{flag.replace('_', '-')}", str(value)]
-    for flag in ("keep_quantized", "no_prefix_caching", "deterministic", "no_cuda_graph", "enable_expert_parallel"):
+    if getattr(args, "cuda_graph", True) is False:
+        argv.append("--no-cuda-graph")
+    for flag in ("keep_quantized", "no_prefix_caching", "deterministic", "enable_expert_parallel"):
         if getattr(args, flag, False):
             argv.append(f"--{flag.replace('_', '-')}")
+    if not getattr(args, "cuda_graph", True):
+        argv.append("--no-cuda-graph")
     return argv
 
 
@@ -321,7 +325,7 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
-    from ..serve.cli import _load
+    from ..serve.startup import load as _load
 
     for name in ("prompt_len", "output_len"):
         if getattr(args, name) < 1:
@@ -431,7 +435,7 @@ def _print(result: dict, r: dict) -> None:
 
 def add_bench_serve_parser(subparsers) -> None:
     from ..loading import add_model_args
-    from ..serve.cli import _engine_args
+    from ..serve.cli import engine_args
 
     p = subparsers.add_parser("serve", help="load-test a dsv4 serve HTTP server: throughput, TTFT, inter-token "
                                             "latency, against the raw batched decode rate (and transformers)")
@@ -448,11 +452,11 @@ def add_bench_serve_parser(subparsers) -> None:
     p.add_argument("--output-len", type=argtypes.positive_int, default=64, help="mean output tokens (default 64)")
     p.add_argument("--spread", type=argtypes.float_in(0.0, 1.0, hi_open=True), default=0.25,
                    help="lengths uniform in mean*(1 +- spread) (default 0.25)")
-    p.add_argument("--seed", type=argtypes.seed_int, default=0)
+    options.add(p, "seed", default=0, note="of the drawn prompts and lengths")
     p.add_argument("--no-raw", action="store_true", help="skip the raw batched decode measurement")
     p.add_argument("--hf", type=argtypes.positive_int, nargs="*", default=None, metavar="BATCH",
                    help="also time transformers' generate at these batch sizes (e.g. --hf 16 64)")
     p.add_argument("--out", metavar="FILE", default=None, help="write the result as JSON")
-    p.add_argument("--json", action="store_true")
-    _engine_args(p)
+    options.add(p, "json")
+    engine_args(p)
     p.set_defaults(func=run_serve_bench)

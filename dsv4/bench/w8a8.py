@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .. import argtypes, formats, ops
+from .. import argtypes, formats, ops, options
 from ..config import ModelConfig
 from ..ops import reference as R
 from .kernels import _rel
@@ -260,8 +260,7 @@ def run_w8a8_bench(args: argparse.Namespace) -> int:
 def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     """Adds `w8a8` to the `dsv4 bench` subcommands."""
     p = subparsers.add_parser("w8a8", help="FP8 GEMMs vs bf16, MXFP4 experts vs bf16, decode bandwidth (one run)")
-    p.add_argument("--preset", default="flash", type=argtypes.preset,
-                   help="model preset whose shapes are timed (default flash)")
+    options.add(p, "preset", default="flash", note="whose shapes are timed")
     p.add_argument("--tokens", type=argtypes.positive_int, nargs="+", default=[1024, 4096, 8192],
                    help="token rows M of the dense GEMMs (default 1024 4096 8192)")
     p.add_argument("--expert-tokens", type=argtypes.positive_int, nargs="+", default=[1024, 4096],
@@ -270,6 +269,7 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
                    help="token rows at decode sizes (default 1 16 64)")
     p.add_argument("--only", default="", help="comma list: gemm,experts,decode (default all)")
     p.add_argument("--out", type=argtypes.path, help="write the JSON result to this file (atomically)")
-    p.add_argument("--json", action="store_true", help="print the JSON result")
+    options.add(p, "json")
+    options.add(p, "threads")
     p.set_defaults(func=run_w8a8_bench)
     return p

@@ -13,26 +13,23 @@ import json
 
 import torch
 
-from .. import argtypes
+from .. import argtypes, options
 from ..errors import UserError
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", type=argtypes.preset,
-                   help="model preset for a random model (default: tiny)")
-    p.add_argument("--checkpoint", type=argtypes.path,
-                   help="load this checkpoint directory (or Hub id org/name[@rev]) instead of a random model")
-    p.add_argument("--seed", type=argtypes.seed_int, default=0, help="weights and tokens seed (default 0)")
+    g = p.add_mutually_exclusive_group()
+    options.add(g, "preset", default="tiny", note="with random weights, the default")
+    options.add(g, "model", deprecated=("--checkpoint",), note="instead of a random model")
+    options.add(p, "seed", default=0, note="of the weights and tokens")
     p.add_argument("--batch", type=argtypes.positive_int, default=2, help="sequences per run (default 2)")
-    p.add_argument("--seq-len", type=argtypes.int_in(2), default=40, help="tokens per sequence (default 40)")
+    options.add(p, "seq_len", default=40)
     p.add_argument("--full-size", action="store_true",
                    help="keep the preset's window and compression ratio (default: shrink them to 16 so short "
                         "sequences cross every boundary)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--quant-mode", choices=("w8a8", "w8a16", "int8"), default=None,
-                   help="with --checkpoint: numerics of the weights it stores as FP8 / FP4, w8a8 (default: the "
-                        "official code's, activations quantized to FP8 per token in blocks of 128), w8a16, or "
-                        "int8 (requantized to per-row INT8 at load, INT8 activations per token)")
+    options.add(p, "json")
+    options.add(p, "quant_mode", note="with --model")
+    options.add(p, "threads")
 
 
 def add_check_parsers(sub) -> None:
@@ -48,10 +45,10 @@ def add_check_parsers(sub) -> None:
                    help="torch.compile backend for --compile (default inductor; aot_eager is fast)")
     mode.add_argument("--checkpoints", help="A,B checkpoint directories")
     mode.add_argument("--quantized", action="store_true",
-                      help="with --checkpoint: A keeps FP8/FP4 weights quantized, B dequantizes them at load "
+                      help="with --model: A keeps FP8/FP4 weights quantized, B dequantizes them at load "
                            "(both with --quant-mode)")
     mode.add_argument("--quant-modes", metavar="A,B",
-                      help="with --checkpoint: A,B numerics of its FP8/FP4 weights, e.g. w8a8,w8a16 or int8,w8a8 "
+                      help="with --model: A,B numerics of its FP8/FP4 weights, e.g. w8a8,w8a16 or int8,w8a8 "
                            "(W8A8 = the official code's: FP8 activations; W8A16 = activations in --dtype; INT8 = "
                            "per-row INT8 weights, per-token INT8 activations)")
     mode.add_argument("--perturb", metavar="PARAM[:EPS]",
@@ -60,7 +57,7 @@ def add_check_parsers(sub) -> None:
                       help="A = an external implementation: callable(model) -> runner(tokens) -> logits or "
                            "(logits, stages); 'hf' = Hugging Face transformers' DeepseekV4ForCausalLM")
     mode.add_argument("--plant", metavar="ZID", help="A = the model with bug-zoo mutant ZID planted (e.g. Z07)")
-    p.add_argument("--dtype", default="fp32", help="dtype of both sides when not comparing dtypes (default fp32)")
+    options.add(p, "dtype", default="fp32", choices=("fp32", "bf16"), note="of both sides when not comparing dtypes")
     p.add_argument("--tolerance", help="exact | fp32 | bf16 | fp16 | a relative L2 bound (default: by dtype)")
     p.add_argument("--no-force", action="store_true",
                    help="let A take its own top-k / routing decisions (default: A takes B's and flips are counted)")
@@ -69,7 +66,7 @@ def add_check_parsers(sub) -> None:
 
     p = sub.add_parser("determinism", help="N runs of forward + backward: hashes of outputs, stages, gradients")
     _common(p)
-    p.add_argument("--runs", type=argtypes.int_in(2), default=3)
+    p.add_argument("--runs", type=argtypes.int_in(2), default=3, help="runs whose hashes must agree")
     p.add_argument("--backend", help="ops backend for every op that has it (default: per-op default)")
     p.add_argument("--no-deterministic-mode", action="store_true",
                    help="do not switch on dsv4 / torch deterministic mode")
@@ -98,22 +95,21 @@ def add_check_parsers(sub) -> None:
                                            "the checks that must catch it")
     p.add_argument("--list", action="store_true",
                    help="print the bug zoo table (bug, symptom, checks, mutant per entry) and run nothing")
-    p.add_argument("--preset", default="tiny", type=argtypes.preset)
-    p.add_argument("--seed", type=argtypes.seed_int, default=0)
+    options.add(p, "preset", default="tiny")
+    options.add(p, "seed", default=0, note="of the check model and its inputs")
     p.add_argument("--only", help="comma-separated bug-zoo ids (default: all)")
     p.add_argument("--full", action="store_true", help="also run the slow torch.compile checks")
     p.add_argument("--compiler", default="aot_eager", help="torch.compile backend under test (default aot_eager)")
-    p.add_argument("--device", default="cpu", type=argtypes.device,
-                   help="where the model, the inputs and the checks run, e.g. cuda or cuda:1 (default cpu); each "
-                        "op runs its default backend there (Triton on CUDA)")
+    options.add(p, "device", note="the model, the inputs and the checks run there; each op runs its default "
+                                  "backend there (Triton on CUDA)")
+    options.add(p, "threads")
     p.add_argument("--backend", help="prefer this ops backend for every op that has it (e.g. triton); an error "
                                      "when it cannot run on --device")
-    p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                   help="dtype of the check model (default auto: fp32, or bf16 where the fast mHC / MoE backends "
-                        "need it)")
+    options.add(p, "dtype", note="of the check model; auto here: fp32, or bf16 where the fast mHC / MoE backends "
+                                 "need them")
     p.add_argument("--checks", help="comma-separated checks to run (default: all); mutants none of whose checks "
                                     "run are reported as skipped")
-    p.add_argument("--json", action="store_true")
+    options.add(p, "json")
     p.set_defaults(func=cmd_conformance)
 
 
@@ -140,8 +136,8 @@ def _cfg(args):
 def _model(args, dtype=torch.float32, **cfg_changes):
     from .compare import build_model
 
-    if args.checkpoint:
-        return build_model(checkpoint=args.checkpoint, dtype=dtype, quant_mode=args.quant_mode)
+    if args.model:
+        return build_model(checkpoint=args.model, dtype=dtype, quant_mode=args.quant_mode)
     cfg = _cfg(args)
     if cfg_changes:
         cfg = cfg.replace(**cfg_changes)
@@ -215,21 +211,21 @@ def cmd_compare(args) -> int:
         a = Side(pa, build_model(checkpoint=pa, dtype=dtype, quant_mode=qm))
         b = Side(pb, build_model(checkpoint=pb, dtype=dtype, quant_mode=qm))
     elif mode == "quantized":
-        if not args.checkpoint:
-            raise UserError("--quantized compares a quantized checkpoint with itself dequantized: give --checkpoint")
+        if not args.model:
+            raise UserError("--quantized compares a quantized checkpoint with itself dequantized: give --model")
         qm = args.quant_mode
-        a = Side("quantized", build_model(checkpoint=args.checkpoint, dtype=dtype, keep_quantized=True, quant_mode=qm))
-        b = Side("dequantized", build_model(checkpoint=args.checkpoint, dtype=dtype, quant_mode=qm))
+        a = Side("quantized", build_model(checkpoint=args.model, dtype=dtype, keep_quantized=True, quant_mode=qm))
+        b = Side("dequantized", build_model(checkpoint=args.model, dtype=dtype, quant_mode=qm))
         notes.append(f"both sides {a.model.cfg.quant_mode.upper()}")
     elif mode == "quant_modes":
-        if not args.checkpoint:
-            raise UserError("--quant-modes compares the numerics of a checkpoint's FP8/FP4 weights: give --checkpoint")
+        if not args.model:
+            raise UserError("--quant-modes compares the numerics of a checkpoint's FP8/FP4 weights: give --model")
         qa, qb = _pair(args.quant_modes, "--quant-modes")
         for q in (qa, qb):
             if q not in ("w8a8", "w8a16", "int8"):
                 raise UserError(f"--quant-modes takes w8a8 / w8a16 / int8, got '{q}'")
-        a = Side(qa.upper(), build_model(checkpoint=args.checkpoint, dtype=dtype, quant_mode=qa))
-        b = Side(qb.upper(), build_model(checkpoint=args.checkpoint, dtype=dtype, quant_mode=qb))
+        a = Side(qa.upper(), build_model(checkpoint=args.model, dtype=dtype, quant_mode=qa))
+        b = Side(qb.upper(), build_model(checkpoint=args.model, dtype=dtype, quant_mode=qb))
         from ..model.quant import quantized_modules
 
         n = len(quantized_modules(a.model))
@@ -239,18 +235,18 @@ def cmd_compare(args) -> int:
             notes.append(f"{n} modules stored FP8/FP4; W8A8 quantizes their input activations, W8A16 does not")
     elif mode == "external":
         no_sim = {"fp8_kv_sim": False, "fp4_indexer_sim": False} if args.external in ("hf", "transformers") else {}
-        if args.checkpoint and no_sim:
+        if args.model and no_sim:
             from ..checkpoint import CheckpointError, load_pretrained
             from ..checkpoint.hub import resolve_model_path
             from ..checkpoint.layouts import load_config
 
             try:
-                cfg = load_config(resolve_model_path(args.checkpoint, weights=False)).replace(**no_sim)
-                model = load_pretrained(args.checkpoint, dtype=torch.float32, config=cfg, quant_mode=args.quant_mode)
+                cfg = load_config(resolve_model_path(args.model, weights=False)).replace(**no_sim)
+                model = load_pretrained(args.model, dtype=torch.float32, config=cfg, quant_mode=args.quant_mode)
             except (CheckpointError, FileNotFoundError) as e:
-                raise UserError(f"cannot load checkpoint '{args.checkpoint}': {e}") from None
+                raise UserError(f"cannot load checkpoint '{args.model}': {e}") from None
         else:
-            model = _model(args, torch.float32, **({} if args.checkpoint else no_sim))
+            model = _model(args, torch.float32, **({} if args.model else no_sim))
         if no_sim:
             notes.append("dsv4 side built with fp8_kv_sim=False, fp4_indexer_sim=False (transformers simulates "
                          "no QAT quantization)")

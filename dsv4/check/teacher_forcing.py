@@ -52,14 +52,17 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def teacher_forcing(model: DeepSeekV4, tokens: torch.Tensor, prefill: int, tolerance: float = 1e-4,
-                    force_decisions: bool = True, exact: bool = True) -> TeacherForcingReport:
-    """Compare full-sequence logits with prefill(prefill) + decode steps for tokens [b, n]."""
+                    force_decisions: bool = True, exact: bool = True, progress: bool = False) -> TeacherForcingReport:
+    """Compare full-sequence logits with prefill(prefill) + decode steps for tokens [b, n]. `progress`: a bar of
+    the decode steps on a terminal (dsv4.progress)."""
     with exact_accumulation(exact):
-        return _teacher_forcing(model, tokens, prefill, tolerance, force_decisions)
+        return _teacher_forcing(model, tokens, prefill, tolerance, force_decisions, progress)
 
 
 def _teacher_forcing(model: DeepSeekV4, tokens: torch.Tensor, prefill: int, tolerance: float,
-                     force_decisions: bool) -> TeacherForcingReport:
+                     force_decisions: bool, progress: bool = False) -> TeacherForcingReport:
+    from ..progress import bar
+
     b, n = tokens.shape
     if not 1 <= prefill <= n:
         raise ValueError(f"prefill length must be in [1, {n}], got {prefill}")
@@ -98,9 +101,11 @@ def _teacher_forcing(model: DeepSeekV4, tokens: torch.Tensor, prefill: int, tole
     cache = model.new_cache(b, max_len=n)
     with recording(forcer(0, prefill)):
         outs = [model.prefill(tokens[:, :prefill], cache, last_only=False)]
-    for i in range(prefill, n):
-        with recording(forcer(i, i + 1)):
-            outs.append(model.decode_step(tokens[:, i:i + 1], cache))
+    with bar(n - prefill, "teacher forcing: decode steps", progress) as steps:
+        for i in range(prefill, n):
+            with recording(forcer(i, i + 1)):
+                outs.append(model.decode_step(tokens[:, i:i + 1], cache))
+            steps.update(1)
     inc = torch.cat(outs, 1)
 
     err = _rel_err(inc, full)                                                           # [b, n]

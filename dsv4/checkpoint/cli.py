@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .. import argtypes
+from .. import argtypes, options
 from ..config import ConfigError, ModelConfig
 from ..errors import UserError
 from .layouts import LAYOUTS
@@ -23,6 +23,17 @@ def _config(args: argparse.Namespace) -> ModelConfig | None:
     return None
 
 
+def _positional_model(model: str | None, positional: str | None, old: str, new: str) -> str | None:
+    """--model, or the positional of the old spelling (with a one-line note); both: an error."""
+    if model and positional:
+        raise UserError(f"give the checkpoint once: {new}")
+    if positional:
+        import sys
+
+        print(f"note: {old} is deprecated: use {new} (the old spelling goes in the next release)", file=sys.stderr)
+    return model or positional
+
+
 def add_inspect_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "inspect",
@@ -31,12 +42,15 @@ def add_inspect_parser(subparsers) -> argparse.ArgumentParser:
         "by dtype, bytes, and missing/unexpected/invalid tensors against the config. "
         "With --preset NAME --expected: the inventory a release checkpoint must hold.",
     )
-    p.add_argument("dir", nargs="?", help="checkpoint directory or Hugging Face Hub id org/name[@rev]")
-    p.add_argument("--preset", help="config preset (tiny, small, flash, pro) instead of DIR/config.json")
-    p.add_argument("--config", help="config.json to check DIR against (default: DIR/config.json)")
+    options.add(p, "model", note="the checkpoint to inspect")
+    p.add_argument("dir", nargs="?", metavar="DIR",
+                   help="the checkpoint as a positional argument: the old spelling of --model, for one release")
+    g = p.add_mutually_exclusive_group()
+    options.add(g, "preset", note="its config instead of the checkpoint's config.json")
+    options.add(g, "config", note="to check the checkpoint against; none = its own config.json")
     p.add_argument("--expected", action="store_true", help="print the inventory the config requires")
-    p.add_argument("--layout", choices=LAYOUTS, help="override the detected layout")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--layout", choices=LAYOUTS, help="override the detected layout (default: from the files)")
+    options.add(p, "json")
     p.set_defaults(func=run_inspect)
     return p
 
@@ -54,11 +68,12 @@ def run_inspect(args: argparse.Namespace) -> int:
             return 0
         print(json.dumps(r))
         return 0
-    if not args.dir:
-        raise UserError("inspect needs a checkpoint directory (or --preset NAME --expected)")
+    where = _positional_model(args.model, args.dir, "inspect DIR", "inspect --model DIR")
+    if not where:
+        raise UserError("inspect needs a checkpoint: --model DIR (or --preset NAME --expected)")
     from .hub import resolve_model_path
 
-    r = inspect_dir(resolve_model_path(args.dir), cfg, args.layout)
+    r = inspect_dir(resolve_model_path(where), cfg, args.layout)
     print(json.dumps(r) if args.json else format_report(r))
     return 0 if r["ok"] else 2
 
@@ -71,9 +86,13 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
         "hf (transformers names), inference (official model-parallel files). Written "
         "atomically (temporary directory + rename) and verified by reading it back.",
     )
-    p.add_argument("src", help="checkpoint directory or Hugging Face Hub id org/name[@rev]")
-    p.add_argument("dst")
-    p.add_argument("--to", required=True, choices=TARGETS)
+    options.add(p, "model", note="the source checkpoint")
+    p.add_argument("paths", nargs="*", metavar="DST",
+                   help="where to write the converted checkpoint (a new directory); the old form SRC DST is "
+                        "accepted for one release")
+    p.add_argument("--to", required=True, choices=TARGETS,
+                   help="bf16 / fp8: release layout; hf: transformers names; inference: official model-parallel "
+                        "files")
     p.add_argument("--mp", type=argtypes.positive_int, default=1, help="model-parallel ranks for --to inference")
     p.add_argument("--layout", choices=LAYOUTS, help="override the detected layout of SRC")
     p.add_argument(
@@ -81,10 +100,11 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
         choices=("fp8", "fp4"),
         help="--to fp8: experts as FP8 or MXFP4 (default: as the source/config)",
     )
-    p.add_argument("--shard-gb", type=argtypes.positive_float, default=4.0, help="shard size for release/hf outputs")
-    p.add_argument("--no-mtp", action="store_true",
-                   help="leave the draft out (the MTP block, or a DSpark draft)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--shard-gb", type=argtypes.float_in(1 / 1024, 1024.0), default=4.0,
+                   help="shard size for release/hf outputs, in GiB (1 MiB to 1 TiB)")
+    options.add(p, "no_mtp", note="convert without the draft (the MTP block, or a DSpark draft)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn off a terminal)")
+    options.add(p, "threads")
     p.set_defaults(func=run_convert)
     return p
 
@@ -97,9 +117,16 @@ def run_convert(args: argparse.Namespace) -> int:
         ed = "fp8"
     from .hub import resolve_model_path
 
+    if args.model and len(args.paths) == 1:
+        src, dst = args.model, args.paths[0]
+    elif not args.model and len(args.paths) == 2:
+        src = _positional_model(None, args.paths[0], "convert SRC DST", "convert --model SRC DST")
+        dst = args.paths[1]
+    else:
+        raise UserError("convert needs a source and a destination: dsv4 convert --model SRC DST --to ...")
     dst = convert(
-        resolve_model_path(args.src),
-        args.dst,
+        resolve_model_path(src),
+        dst,
         args.to,
         mp=args.mp,
         layout=args.layout,
@@ -109,7 +136,7 @@ def run_convert(args: argparse.Namespace) -> int:
         force_expert_dtype=ed is not None,
         mtp=not args.no_mtp,
     )
-    print(f"wrote {dst} ({args.to})")
+    print(f"wrote {dst} ({args.to}); verified: its headers and every tensor's bytes read back as written")
     return 0
 
 
@@ -126,19 +153,21 @@ def add_init_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("dir", type=argtypes.path, help="the directory to create (must not exist)")
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--preset", type=argtypes.preset, help="tiny, small, flash, pro")
-    g.add_argument("--config", type=argtypes.path, help="a config.json (official or Hugging Face keys)")
+    options.add(g, "preset")
+    options.add(g, "config")
     p.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
                    help="config fields to change, values as JSON (n_layers=4 n_routed_experts=16 "
                         "compress_ratios=[4,128,0]); n_layers alone keeps the first layers' ratios")
     p.add_argument("--draft", choices=draft_names(),
-                   help="the draft model: mtp (the MTP block) or none (default: as the config has it)")
+                   help="the draft model: mtp (the MTP block), dspark (Flash-0731's DSpark draft) or none "
+                        "(default: as the config has it)")
     p.add_argument("--to", choices=("bf16", "fp8"),
                    help="storage of the linears: bf16 or fp8 with E8M0 block scales (default: the config's dtype)")
     p.add_argument("--expert-dtype", choices=("fp4",), help="MXFP4 routed experts (default: the config's)")
-    p.add_argument("--seed", type=argtypes.seed_int, default=0)
-    p.add_argument("--shard-gb", type=argtypes.positive_float, default=4.0, help="shard size (default 4)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    options.add(p, "seed", default=0, note="of the random weights")
+    p.add_argument("--shard-gb", type=argtypes.float_in(1 / 1024, 1024.0), default=4.0,
+                   help="shard size in GiB (1 MiB to 1 TiB)")
+    options.add(p, "json")
     p.set_defaults(func=run_init)
     return p
 

@@ -370,9 +370,9 @@ def stream(p: Plan, progress: bool | None = None) -> Iterator[tuple[Entry, Value
     handles = _Handles()
     bar = None
     if progress or (progress is None and len(p.files) > 1):
-        from tqdm import tqdm
+        from ..progress import bar as progress_bar
 
-        bar = tqdm(total=p.nbytes, unit="B", unit_scale=True, desc=f"loading {p.root.name}", leave=False)
+        bar = progress_bar(p.nbytes, f"loading {p.root.name}", unit="B", unit_scale=True)   # (a terminal only)
     try:
         for e in order:
             data = [handles.read(w.info) for w in e.weight]

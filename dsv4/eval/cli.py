@@ -13,7 +13,7 @@ import argparse
 import json
 import time
 
-from .. import argtypes
+from .. import argtypes, options
 from ..errors import UserError
 from ..loading import add_device_args, add_model_args, add_quant_mode_arg, load_model
 
@@ -27,7 +27,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the training run's --held-out-pct (default: %(default)s, the shipped recipe's)")
     add_device_args(p)
     add_quant_mode_arg(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    options.add(p, "json")
 
 
 def add_eval_parser(sub) -> None:
@@ -35,10 +35,10 @@ def add_eval_parser(sub) -> None:
     esub = pe.add_subparsers(dest="eval_command", metavar="EVAL")
     p = esub.add_parser("heldout", help="held-out cross-entropy: nats per token and bits per byte")
     _common(p)
-    p.add_argument("--seq-len", type=argtypes.int_in(2), default=512, help="window length (default %(default)s)")
-    p.add_argument("--max-tokens", type=argtypes.int_in(0), default=0,
-                   help="only the held-out documents that fit in this many tokens, in order: a quick look, biased to "
-                        "short files (0 = all, the default)")
+    options.add(p, "seq_len", default=512, note="the scoring window")
+    options.renamed(p, "--token-budget", "--max-tokens", type=argtypes.int_in(0), default=0, dest="token_budget",
+                    help="only the held-out documents that fit in this many tokens, in order: a quick look, "
+                         "biased to short files (0 = all, the default)")
     p.set_defaults(func=cmd_heldout)
     p = esub.add_parser("completions", help="does the model finish held-out functions with bodies that parse, "
                                             "and well-known ones correctly")
@@ -47,10 +47,10 @@ def add_eval_parser(sub) -> None:
                    help="held-out functions (signature + one-line docstring) to complete (default %(default)s)")
     p.add_argument("--samples", type=argtypes.positive_int, default=5,
                    help="samples per well-known function of the functional check (default %(default)s)")
-    p.add_argument("--max-new-tokens", type=argtypes.positive_int, default=80)
-    p.add_argument("--temperature", type=argtypes.temperature, default=0.7)
-    p.add_argument("--top-p", type=argtypes.top_p, default=0.9)
-    p.add_argument("--seed", type=argtypes.seed_int, default=0, help="prompt i samples with seed + i")
+    options.add(p, "max_new_tokens", default=80, note="per completion")
+    options.add(p, "temperature", default=0.7)
+    options.add(p, "top_p", default=0.9)
+    options.add(p, "seed", default=0, note="prompt i samples with seed + i (fixed: the figures are reproducible)")
     p.add_argument("--show", type=argtypes.int_in(0), default=0, help="print this many written functions")
     p.set_defaults(func=cmd_completions)
 
@@ -79,7 +79,7 @@ def cmd_heldout(args: argparse.Namespace) -> int:
     model, tokenizer, desc = _load(args)
     t0 = time.perf_counter()
     r = held_out_loss(model, tokenizer, docs, seq_len=min(args.seq_len, model.cfg.max_seq_len),
-                      max_tokens=args.max_tokens)
+                      max_tokens=args.token_budget, progress=not args.json)
     out = {"model": desc, "documents": r.documents, "tokens": r.tokens, "bytes": r.bytes,
            "nats_per_token": r.nats_per_token, "bits_per_byte": r.bits_per_byte,
            "seconds": time.perf_counter() - t0}
@@ -98,7 +98,7 @@ def cmd_completions(args: argparse.Namespace) -> int:
     model, tokenizer, desc = _load(args)
     rep = evaluate_completions(model, tokenizer, docs, n_prompts=args.prompts, samples=args.samples,
                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_p=args.top_p, seed=args.seed)
+                               top_p=args.top_p, seed=args.seed, progress=not args.json)
     if args.json:
         print(json.dumps({"model": desc, **rep.summary()}))
         return 0

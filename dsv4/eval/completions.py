@@ -35,26 +35,38 @@ def held_out_prompts(docs: list[tuple[str, Path]], n: int) -> list[FunctionPromp
 
 
 def _complete(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float,
-              seed: int) -> list[tuple[str, bool]]:
-    """(completion text, ended by EOS) per prompt; prompt i samples with seed + i."""
+              seed: int, progress: bool = False, desc: str = "completions") -> list[tuple[str, bool]]:
+    """(completion text, ended by EOS) per prompt; prompt i samples with seed + i. `progress`: a bar of the
+    prompts finished (by EOS or length) on a terminal."""
+    from ..progress import bar
+
     ids = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in prompts]
-    outs = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                    eos_token_id=tokenizer.eos_id)
+    made = [0] * len(ids)
+    with bar(len(ids), desc, progress, unit="prompt") as done:
+        def on_token(i: int, tok: int) -> None:
+            made[i] += 1
+            if tok == tokenizer.eos_id or made[i] == max_new_tokens:
+                done.update(1)
+
+        outs = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                        eos_token_id=tokenizer.eos_id, on_token=on_token)
     return [(tokenizer.decode(o), bool(o) and o[-1] == tokenizer.eos_id) for o in outs]
 
 
 def evaluate_completions(model, tokenizer, docs: list[tuple[str, Path]], n_prompts: int = 100, samples: int = 5,
                          max_new_tokens: int = 80, temperature: float = 0.7, top_p: float = 0.9,
-                         seed: int = 0) -> CompletionReport:
+                         seed: int = 0, progress: bool = False) -> CompletionReport:
     rep = CompletionReport()
     prompts = held_out_prompts(docs, n_prompts)
     for fp, (text, finished) in zip(prompts, _complete(model, tokenizer, [fp.prompt for fp in prompts],
-                                                       max_new_tokens, temperature, top_p, seed)):
+                                                       max_new_tokens, temperature, top_p, seed, progress,
+                                                       "completions: held-out functions")):
         fn = written_function(fp.prompt, text, finished)
         rep.with_body.append(has_body(fn))
         rep.written.append(fn)
     tasks = [t for t in FUNCTIONAL_TASKS for _ in range(samples)]
-    done = _complete(model, tokenizer, [t.prompt for t in tasks], max_new_tokens, temperature, top_p, seed)
+    done = _complete(model, tokenizer, [t.prompt for t in tasks], max_new_tokens, temperature, top_p, seed,
+                     progress, "completions: well-known functions")
     for t, (text, finished) in zip(tasks, done):
         rep.functional.setdefault(t.name, []).append(passes(t, written_function(t.prompt, text, finished)))
     return rep

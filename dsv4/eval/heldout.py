@@ -43,7 +43,7 @@ def held_out_documents(docs: list[tuple[str, Path]], held_out_pct: float) -> lis
 
 @torch.no_grad()
 def held_out_loss(model, tokenizer, docs: list[tuple[str, Path]], seq_len: int = 512, batch_size: int = 8,
-                  max_tokens: int = 0) -> HeldOutLoss:
+                  max_tokens: int = 0, progress: bool = False) -> HeldOutLoss:
     """Score the documents (already the held-out ones) as one BOS..EOS stream. max_tokens > 0: only the
     documents that still fit in that many tokens, in order (whole documents, so the byte count stays exact;
     a quick look, biased to short files)."""
@@ -60,11 +60,15 @@ def held_out_loss(model, tokenizer, docs: list[tuple[str, Path]], seq_len: int =
         n_bytes += len(text.encode("utf-8"))
         used += 1
     if len(stream) < 2:
-        raise UserError(f"no held-out document fits in {max_tokens} tokens: raise --max-tokens")
+        raise UserError(f"no held-out document fits in {max_tokens} tokens: raise --token-budget")
     ids = torch.tensor(stream, dtype=torch.long)
     starts = list(range(0, max(1, ids.numel() - 1), seq_len))
     total, count = 0.0, 0
+    from ..progress import bar
+
+    steps = bar(len(starts), "held-out loss: windows", progress)
     for i in range(0, len(starts), batch_size):
+        steps.update(len(starts[i:i + batch_size]))
         windows = [ids[s:s + seq_len + 1] for s in starts[i:i + batch_size]]
         full = [w for w in windows if w.numel() == seq_len + 1]
         rest = [w for w in windows if w.numel() != seq_len + 1 and w.numel() > 1]    # the ragged last one
@@ -75,4 +79,5 @@ def held_out_loss(model, tokenizer, docs: list[tuple[str, Path]], seq_len: int =
                                    reduction="sum")
             total += float(loss)
             count += x[:, 1:].numel()
+    steps.close()
     return HeldOutLoss(documents=used, tokens=count, bytes=n_bytes, nats=total)

@@ -4,29 +4,39 @@ Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`
 `GET /metrics` (Prometheus). Streaming answers are server-sent events exactly as OpenAI streams them
 (`data: {chunk}` ... `data: [DONE]`). Every error is OpenAI's shape with a 4xx status; a client that
 goes away mid-request has its sequences aborted and their cache pages freed at once.
+
+A request's CPU work (parsing, validation, chat encoding, tokenization: `dsv4.serve.prepare`) runs in a
+worker thread, never on the event loop. On shutdown (`begin_drain`) new requests get 503 while those in
+flight go on; when the grace period is over (`end_in_flight`) each is ended with a final chunk whose
+`finish_reason` is "abort" (streams) or a 200 with what it has (non-streaming), never a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from ..engine.client import EngineClient, EngineDeadError
-from ..engine.sampling import SamplingParams
-from ..engine.sequence import RequestError, StepOutput
+from ..engine.client import EngineClient
+from ..engine.sequence import StepOutput
 from . import chat_format
 from .metrics import ServerMetrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, refuse_unsupported, thinking_requested
+from .prepare import Prepared, prepare_chat, prepare_completion
+from .protocol import APIError
+from .streams import Endings, Tracker, Usage, chain, close_all, first, merge, until_disconnect
+from .validate import Limits
+
+log = logging.getLogger("dsv4.serve")
 
 
 @dataclass
@@ -38,7 +48,29 @@ class ServerState:
     api_key: str | None = None
     max_body_bytes: int = 8 * 2**20
     metrics: ServerMetrics | None = None
+    limits: Limits | None = None              # default: from max_model_len, a 2^20-token vocabulary
     created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False                    # shutting down: new requests get 503
+    endings: Endings = field(default_factory=Endings)
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="dsv4-prepare"))
+
+    def __post_init__(self) -> None:
+        if self.limits is None:
+            self.limits = Limits(vocab_size=1 << 20, max_model_len=self.max_model_len,
+                                 max_sequence_tokens=self.max_model_len)
+
+    async def offload(self, fn: Callable, *args):
+        """fn(*args) in a worker thread (the event loop goes on meanwhile)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def begin_drain(self) -> None:
+        """Stop admitting requests (503); those in flight go on."""
+        self.draining = self.endings.draining = True
+
+    def end_in_flight(self) -> None:
+        """End every request still in flight now (a final chunk with finish_reason "abort")."""
+        self.endings.end_all()
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -46,168 +78,45 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
+async def _body(state: ServerState, request: Request) -> bytes:
+    if state.draining:
+        raise APIError(503, "the server is shutting down and takes no new requests", type_="server_error",
+                       code="server_shutting_down")
     try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise APIError(400, "the request body nests JSON arrays / objects too deeply") from None
-    except ValueError as e:                  # not JSON, not UTF-8, an integer of more than 4300 digits
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:                                     # "\ud800" parses to a lone surrogate, which no text can hold
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise APIError(400, "the request body holds a string with a lone surrogate escape (not Unicode text)") \
-            from None
-    return body
-
-
-def _validate(model_cls, body: dict):
-    try:
-        return model_cls.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first.get("loc", ())) or None
-        raise APIError(400, f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), param=loc) from None
-
-
-def _sampling(state: ServerState, req, max_tokens: int | None, prompt_len: int, logprobs: int | None,
-              chat: bool) -> SamplingParams:
-    room = state.max_model_len - prompt_len
-    if room < 1:
-        raise APIError(400, f"the prompt has {prompt_len} tokens; this server's context is {state.max_model_len} "
-                            f"tokens (prompt + output), so at most {state.max_model_len - 1} prompt tokens fit",
-                       param="messages" if chat else "prompt", code="context_length_exceeded")
-    if max_tokens is None:
-        max_tokens = room
-    elif max_tokens > room:
-        raise APIError(400, f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the context of "
-                            f"{state.max_model_len} tokens: at most {max(room, 0)} new tokens fit",
-                       param="max_tokens", code="context_length_exceeded")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
-            seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-            logprobs=logprobs, repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
-            skip_special_tokens=not chat, include_stop_str_in_output=req.include_stop_str_in_output)
-    except ValueError as e:
-        param = str(e).split(":", 1)[0]
-        raise APIError(400, str(e), param=param) from None
-
-
-def _check_model(state: ServerState, name: str) -> None:
-    if name != state.model_name:
-        raise APIError(404, f"The model `{name}` does not exist (this server serves `{state.model_name}`)",
-                       param="model", code="model_not_found")
+        return await request.body()
+    except ClientDisconnect:                 # gone mid-body (or cut off by the body timeout): nobody to answer
+        raise APIError(499, "the client disconnected before sending the whole request body") from None
 
 
 def _token_text(state: ServerState, tok: int) -> str:
     return state.tokenizer.decode([tok], skip_special_tokens=False)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-class _Tracker:
-    """Per-request timing for the latency metrics."""
-
-    def __init__(self, metrics: ServerMetrics | None):
-        self.metrics, self.t0 = metrics, time.monotonic()
-        self.first: float | None = None
-        self.last: float | None = None
-        self.gaps: list[float] = []
-
-    def tokens(self, n: int) -> None:
-        now = time.monotonic()
-        if n:
-            if self.first is None:
-                self.first = now
-            elif self.last is not None:
-                self.gaps.append((now - self.last) / n)
-            self.last = now
-
-    def done(self) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_request(None if self.first is None else self.first - self.t0, self.gaps,
-                                         time.monotonic() - self.t0)
+def _sse_error(e: BaseException) -> str:
+    err = e if isinstance(e, APIError) else APIError(500, f"the engine failed while running this request: {e}",
+                                                      type_="server_error")
+    return _sse(err.body())
 
 
-async def _merge(streams: list[AsyncIterator[StepOutput]]) -> AsyncIterator[tuple[int, StepOutput]]:
-    """Outputs of several engine requests as they come: (stream index, output)."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, it: AsyncIterator[StepOutput]) -> None:
-        try:
-            async for out in it:
-                await queue.put((i, out))
-        except BaseException as e:                     # noqa: BLE001 - handed to the consumer
-            await queue.put(e)
-        finally:
-            await queue.put(done)
-
-    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(streams)]
+async def _submit(state: ServerState, rid: str, prep: Prepared, n: int, param: str
+                  ) -> tuple[list[AsyncIterator[StepOutput]], list[StepOutput | None]]:
+    """Send every prompt of a request to the engine and wait for each one's first output, concurrently; a
+    refusal of any of them closes (aborts) all of them and answers the request with it."""
+    streams = [state.engine.generate(f"{rid}-{i}" if len(prep.prompts) > 1 else rid, p, sp, n)
+               for i, (p, sp) in enumerate(zip(prep.prompts, prep.params))]
     try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is done:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        for it in streams:
-            with contextlib.suppress(Exception):
-                await it.aclose()
-
-
-async def _until_disconnect(request: Request, work):
-    """Run `work` (a coroutine); cancel it when the client disconnects (frees its sequences)."""
-    task = asyncio.create_task(work)
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if not done and await request.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return Response(status_code=499)
-    return task.result()
+        heads = await asyncio.gather(*(first(it, param) for it in streams))
+    except BaseException:
+        await close_all(streams)
+        raise
+    return streams, list(heads)
 
 
 # ------------------------------------------------------------------------------------------ completions
-def _completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
-    p = req.prompt
-    if isinstance(p, str):
-        return [state.tokenizer.encode(p, bos=True)]
-    if not p:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    if all(isinstance(x, str) for x in p):
-        return [state.tokenizer.encode(x, bos=True) for x in p]
-    if all(isinstance(x, int) for x in p):
-        return [list(p)]
-    return [list(x) for x in p]
-
-
 def _completion_logprobs(state: ServerState, lps, offset: int) -> dict:
     tokens = [_token_text(state, lp.token) for lp in lps]
     offsets, pos = [], offset
@@ -218,34 +127,39 @@ def _completion_logprobs(state: ServerState, lps, offset: int) -> dict:
             "top_logprobs": [{_token_text(state, t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
 
 
+def _tally(request: Request, prep: Prepared) -> dict:
+    """The request's token counts, for its log line (`_RequestLog` reads them from the ASGI scope)."""
+    tally = request.scope.setdefault("dsv4.tally", {})
+    tally["prompt"] = sum(len(p) for p in prep.prompts)
+    return tally
+
+
 async def completions(state: ServerState, request: Request):
-    req = _validate(CompletionRequest, await _json_body(request))
-    _check_model(state, req.model)
-    refuse_unsupported(req)
-    prompts = _completion_prompts(state, req)
-    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-        raise APIError(400, "logprobs must be in [0, 20]", param="logprobs")
-    params = [_sampling(state, req, req.max_tokens, len(p), req.logprobs, chat=False) for p in prompts]
+    raw = await _body(state, request)
+    prep = await state.offload(prepare_completion, raw, state.limits, state.tokenizer, state.model_name)
+    return await until_disconnect(request, _completions(state, prep, _tally(request, prep)))
+
+
+async def _completions(state: ServerState, prep: Prepared, tally: dict):
+    req = prep.req
     rid = f"cmpl-{uuid.uuid4().hex}"
-    tracker = _Tracker(state.metrics)
-    streams = []
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        it = state.engine.generate(f"{rid}-{i}", p, sp, req.n)
-        streams.append(it)
-    # validate every prompt before any output (errors come before the first byte)
-    heads = [await _first(it) for it in streams]
+    tracker = Tracker(state.metrics, tally)
+    streams, heads = await _submit(state, rid, prep, req.n, "prompt")
     created = int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+    n_choices = len(prep.prompts) * req.n
 
     def choice_index(stream: int, out: StepOutput) -> int:
         return stream * req.n + out.index
 
+    outputs = merge([chain(h, it) for h, it in zip(heads, streams)], state.endings)
     if req.stream:
         async def events() -> AsyncIterator[str]:
-            usage = {"p": 0, "c": 0, "cached": 0}
+            usage = Usage()
             offsets: dict[int, int] = {}
+            finished: set[int] = set()
             try:
-                async for si, out in _merge([_chain(h, it) for h, it in zip(heads, streams)]):
+                async for si, out in outputs:
                     tracker.tokens(len(out.new_tokens))
                     idx = choice_index(si, out)
                     lp = None
@@ -256,65 +170,44 @@ async def completions(state: ServerState, request: Request):
                         reason = out.finish_reason if out.finished else None
                         yield _sse({**base, "choices": [{"index": idx, "text": out.text, "logprobs": lp,
                                                          "finish_reason": reason}]})
+                    usage.add(si, idx, out)
                     if out.finished:
-                        usage["p"] += out.prompt_tokens if out.index == 0 else 0
-                        usage["c"] += out.completion_tokens
-                        usage["cached"] += out.cached_tokens if out.index == 0 else 0
-                if req.stream_options and req.stream_options.include_usage:
-                    yield _sse({**base, "choices": [], "usage": _usage(usage["p"], usage["c"], usage["cached"])})
+                        finished.add(idx)
+            except Exception as e:                               # noqa: BLE001 - the stream ends in words
+                yield _sse_error(e)
                 yield "data: [DONE]\n\n"
+                return
             finally:
                 tracker.done()
+            for idx in range(n_choices):                         # ended by the shutdown: a proper last chunk
+                if idx not in finished:
+                    yield _sse({**base, "choices": [{"index": idx, "text": "", "logprobs": None,
+                                                     "finish_reason": "abort"}]})
+            if req.stream_options and req.stream_options.include_usage:
+                yield _sse({**base, "choices": [], "usage": usage.body()})
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    async def collect():
-        texts: dict[int, list[str]] = {}
-        lps: dict[int, list] = {}
-        reasons: dict[int, str | None] = {}
-        usage = [0, 0, 0]
-        async for si, out in _merge([_chain(h, it) for h, it in zip(heads, streams)]):
+    texts: dict[int, list[str]] = {i: [] for i in range(n_choices)}
+    lps: dict[int, list] = {i: [] for i in range(n_choices)}
+    reasons: dict[int, str | None] = {}
+    usage = Usage()
+    try:
+        async for si, out in outputs:
             tracker.tokens(len(out.new_tokens))
             idx = choice_index(si, out)
-            texts.setdefault(idx, []).append(out.text)
-            lps.setdefault(idx, []).extend(out.new_logprobs)
+            texts[idx].append(out.text)
+            lps[idx].extend(out.new_logprobs)
+            usage.add(si, idx, out)
             if out.finished:
                 reasons[idx] = out.finish_reason
-                usage[0] += out.prompt_tokens if out.index == 0 else 0
-                usage[1] += out.completion_tokens
-                usage[2] += out.cached_tokens if out.index == 0 else 0
-        tracker.done()
-        choices = [{"index": i, "text": "".join(texts[i]),
-                    "logprobs": _completion_logprobs(state, lps[i], 0) if req.logprobs is not None else None,
-                    "finish_reason": reasons.get(i)} for i in sorted(texts)]
-        return JSONResponse({**base, "choices": choices, "usage": _usage(*usage)})
-
-    return await _until_disconnect(request, collect())
-
-
-async def _first(it: AsyncIterator[StepOutput]) -> StepOutput | None:
-    """The first output of a request (raises the request's validation error now)."""
-    try:
-        return await it.__anext__()
-    except StopAsyncIteration:
-        return None
-    except RequestError as e:
-        code = "context_length_exceeded" if "context" in str(e) else None
-        raise APIError(400, str(e), code=code) from None
-    except EngineDeadError as e:
-        raise APIError(503, str(e), type_="server_error") from None
-
-
-async def _chain(head: StepOutput | None, it: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutput]:
-    """The head output, then the rest of the request's outputs."""
-    try:
-        if head is not None:
-            yield head
-            async for out in it:
-                yield out
     finally:
-        with contextlib.suppress(Exception):
-            await it.aclose()
+        tracker.done()
+    choices = [{"index": i, "text": "".join(texts[i]),
+                "logprobs": _completion_logprobs(state, lps[i], 0) if req.logprobs is not None else None,
+                "finish_reason": reasons.get(i, "abort")} for i in range(n_choices)]
+    return JSONResponse({**base, "choices": choices, "usage": usage.body()})
 
 
 # ------------------------------------------------------------------------------------------ chat
@@ -340,108 +233,100 @@ def _delta(event, call_ids: list[str]) -> dict:
 
 
 async def chat_completions(state: ServerState, request: Request):
-    req = _validate(ChatCompletionRequest, await _json_body(request))
-    _check_model(state, req.model)
-    refuse_unsupported(req)
-    thinking = thinking_requested(req)
-    tools = req.tools if req.tool_choice != "none" else None
-    try:
-        text = chat_format.encode_chat(req.messages, tools=tools, thinking=thinking,
-                                       reasoning_effort=req.reasoning_effort)
-    except chat_format.ChatFormatError as e:
-        raise APIError(400, str(e), param="messages") from None
-    prompt = state.tokenizer.encode(text, bos=False)
-    if req.top_logprobs is not None and not (req.logprobs and 0 <= req.top_logprobs <= 20):
-        raise APIError(400, "top_logprobs needs logprobs=true and a value in [0, 20]", param="top_logprobs")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = _sampling(state, req, max_tokens, len(prompt), (req.top_logprobs or 0) if req.logprobs else None,
-                       chat=True)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    tracker = _Tracker(state.metrics)
-    it = state.engine.generate(rid, prompt, params, req.n)
-    head = await _first(it)
-    created = int(time.time())
-    parsers = [chat_format.ChatStreamParser(thinking=thinking) for _ in range(req.n)]
-    base = {"id": rid, "created": created, "model": state.model_name}
+    raw = await _body(state, request)
+    prep = await state.offload(prepare_chat, raw, state.limits, state.tokenizer, state.model_name)
+    return await until_disconnect(request, _chat(state, prep, _tally(request, prep)))
 
-    def finish_reason(i: int, out: StepOutput, result) -> str:
+
+async def _chat(state: ServerState, prep: Prepared, tally: dict):
+    req = prep.req
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    tracker = Tracker(state.metrics, tally)
+    streams, heads = await _submit(state, rid, prep, req.n, "messages")
+    created = int(time.time())
+    parsers = [chat_format.ChatStreamParser(thinking=prep.thinking) for _ in range(req.n)]
+    base = {"id": rid, "created": created, "model": state.model_name}
+    outputs = merge([chain(heads[0], streams[0])], state.endings)
+
+    def finish_reason(out: StepOutput, result) -> str:
         if result.tool_calls:
             return "tool_calls"
         return out.finish_reason or "stop"
 
     if req.stream:
+        def chunk(i: int, delta: dict, reason: str | None = None, lp=None) -> str:
+            return _sse({**base, "object": "chat.completion.chunk",
+                         "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
+
         async def events() -> AsyncIterator[str]:
-            usage = [0, 0, 0]
+            usage = Usage()
             call_ids: list[str] = []
+            finished: set[int] = set()
             try:
                 for i in range(req.n):
-                    yield _sse({**base, "object": "chat.completion.chunk",
-                                "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
-                async for _, out in _merge([_chain(head, it)]):
+                    yield chunk(i, {"role": "assistant", "content": ""})
+                async for _, out in outputs:
                     tracker.tokens(len(out.new_tokens))
                     i = out.index
+                    usage.add(0, i, out)
                     evs = parsers[i].feed(out.text) if out.text else []
                     lp = {"content": _chat_logprobs(state, out.new_logprobs)} if req.logprobs else None
                     for ev in evs:
-                        yield _sse({**base, "object": "chat.completion.chunk",
-                                    "choices": [{"index": i, "delta": _delta(ev, call_ids), "logprobs": lp,
-                                                 "finish_reason": None}]})
+                        yield chunk(i, _delta(ev, call_ids), lp=lp)
                         lp = None
                     if lp and lp["content"]:
-                        yield _sse({**base, "object": "chat.completion.chunk",
-                                    "choices": [{"index": i, "delta": {}, "logprobs": lp, "finish_reason": None}]})
+                        yield chunk(i, {}, lp=lp)
                     if out.finished:
+                        finished.add(i)
                         result = parsers[i].finish()
                         for ev in result.flushed:
-                            yield _sse({**base, "object": "chat.completion.chunk",
-                                        "choices": [{"index": i, "delta": _delta(ev, call_ids), "logprobs": None,
-                                                     "finish_reason": None}]})
-                        yield _sse({**base, "object": "chat.completion.chunk",
-                                    "choices": [{"index": i, "delta": {}, "logprobs": None,
-                                                 "finish_reason": finish_reason(i, out, result)}]})
-                        usage[0] = out.prompt_tokens
-                        usage[1] += out.completion_tokens
-                        usage[2] = out.cached_tokens
-                if req.stream_options and req.stream_options.include_usage:
-                    yield _sse({**base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(*usage)})
+                            yield chunk(i, _delta(ev, call_ids))
+                        yield chunk(i, {}, finish_reason(out, result))
+            except Exception as e:                               # noqa: BLE001 - the stream ends in words
+                yield _sse_error(e)
                 yield "data: [DONE]\n\n"
+                return
             finally:
                 tracker.done()
+            for i in range(req.n):                               # ended by the shutdown: a proper last chunk
+                if i not in finished:
+                    for ev in parsers[i].finish().flushed:
+                        yield chunk(i, _delta(ev, call_ids))
+                    yield chunk(i, {}, "abort")
+            if req.stream_options and req.stream_options.include_usage:
+                yield _sse({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage.body()})
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    async def collect():
-        lps: dict[int, list] = {i: [] for i in range(req.n)}
-        finals: dict[int, StepOutput] = {}
-        usage = [0, 0, 0]
-        async for _, out in _merge([_chain(head, it)]):
+    lps: dict[int, list] = {i: [] for i in range(req.n)}
+    finals: dict[int, StepOutput] = {}
+    usage = Usage()
+    try:
+        async for _, out in outputs:
             tracker.tokens(len(out.new_tokens))
+            usage.add(0, out.index, out)
             if out.text:
                 parsers[out.index].feed(out.text)
             lps[out.index].extend(out.new_logprobs)
             if out.finished:
                 finals[out.index] = out
-                usage[0] = out.prompt_tokens
-                usage[1] += out.completion_tokens
-                usage[2] = out.cached_tokens
+    finally:
         tracker.done()
-        choices = []
-        for i in range(req.n):
-            result = parsers[i].finish()
-            msg: dict = {"role": "assistant", "content": result.content}
-            if result.reasoning_content is not None:
-                msg["reasoning_content"] = result.reasoning_content
-            if result.tool_calls:
-                msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}}
-                                     for c in result.tool_calls]
-            choices.append({"index": i, "message": msg,
-                            "logprobs": {"content": _chat_logprobs(state, lps[i])} if req.logprobs else None,
-                            "finish_reason": finish_reason(i, finals[i], result) if i in finals else "abort"})
-        return JSONResponse({**base, "object": "chat.completion", "choices": choices, "usage": _usage(*usage)})
-
-    return await _until_disconnect(request, collect())
+    choices = []
+    for i in range(req.n):
+        result = parsers[i].finish()
+        msg: dict = {"role": "assistant", "content": result.content}
+        if result.reasoning_content is not None:
+            msg["reasoning_content"] = result.reasoning_content
+        if result.tool_calls:
+            msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in result.tool_calls]
+        choices.append({"index": i, "message": msg,
+                        "logprobs": {"content": _chat_logprobs(state, lps[i])} if req.logprobs else None,
+                        "finish_reason": finish_reason(finals[i], result) if i in finals else "abort"})
+    return JSONResponse({**base, "object": "chat.completion", "choices": choices, "usage": usage.body()})
 
 
 # ------------------------------------------------------------------------------------------ the app
@@ -492,6 +377,33 @@ class _BodyLimit:
         await self.app(scope, limited_receive, guarded_send)
 
 
+class _RequestLog:
+    """ASGI middleware: one line per request at level info (method, path, status, prompt + completion tokens,
+    seconds); /health and /metrics at debug (a monitor polls them)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.monotonic(), [499]
+
+        async def observed(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, observed)
+        finally:
+            tally = scope.get("dsv4.tally") or {}
+            tokens = f" {tally.get('prompt', 0)}+{tally.get('completion', 0)} tokens" if tally else ""
+            level = logging.DEBUG if scope.get("path") in ("/health", "/metrics") else logging.INFO
+            log.log(level, f"{scope.get('method')} {scope.get('path')} {status[0]}{tokens} "
+                           f"{time.monotonic() - t0:.2f} s")
+
+
 class _APIKey:
     """ASGI middleware: 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise).
 
@@ -540,6 +452,8 @@ def create_app(state: ServerState):
     async def health():
         if not state.engine.alive:
             return JSONResponse({"status": "dead"}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -561,4 +475,4 @@ def create_app(state: ServerState):
     async def _chat(request: Request):
         return await chat_completions(state, request)
 
-    return _BodyLimit(_APIKey(app, state.api_key), state.max_body_bytes)
+    return _RequestLog(_BodyLimit(_APIKey(app, state.api_key), state.max_body_bytes))

@@ -7,9 +7,28 @@ silently ignored (e.g. `echo`, `suffix`, `logit_bias`, JSON response formats).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+
+
+def _integer(v: Any) -> Any:
+    """JSON integers only: `true` is not 1, "5" is not 5 (an integral float such as 16.0 is taken)."""
+    if isinstance(v, bool) or isinstance(v, str):
+        raise ValueError(f"must be an integer, got {type(v).__name__} {v!r}"[:120])
+    return v
+
+
+def _number(v: Any) -> Any:
+    """JSON numbers only: `true` is not 1.0, "0.5" is not 0.5."""
+    if isinstance(v, bool) or isinstance(v, str):
+        raise ValueError(f"must be a number, got {type(v).__name__} {v!r}"[:120])
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_integer)]
+Float = Annotated[float, BeforeValidator(_number)]
+Bool = StrictBool
 
 
 class APIError(Exception):
@@ -26,53 +45,53 @@ class APIError(Exception):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
-    n: int = Field(1, ge=1)                  # the upper limit is the engine's (max_n)
-    stream: bool = False
+    n: Int = 1                               # range: dsv4.serve.validate (the server's limit)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    seed: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions, as vLLM names them
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    ignore_eos: Bool = False
+    stop_token_ids: list[Int] | None = None
+    include_stop_str_in_output: Bool = False
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
+    echo: Bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Bool | None = None
     response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
-    thinking: dict[str, Any] | bool | None = None                 # DeepSeek's {"type": "enabled"}
+    thinking: dict[str, Any] | Bool | None = None                 # DeepSeek's {"type": "enabled"}
     chat_template_kwargs: dict[str, Any] | None = None            # {"thinking": true}, as vLLM passes it
 
 

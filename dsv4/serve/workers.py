@@ -25,32 +25,32 @@ log = logging.getLogger("dsv4.serve")
 
 def _join(options: dict, rank: int, world: int, port: int):
     """This worker's group, model and engine (the same on every rank but for the experts it holds)."""
+    from .. import defaults
     from ..engine.mirror import Mirror
     from ..parallel import init_workers, parallelize_for_serving
-    from .cli import _engine, _load
+    from .startup import load, make_engine
 
     args = argparse.Namespace(**options)
-    device = args.device or ("cuda" if _cuda() else "cpu")
+    device = defaults.resolve_device(getattr(args, "device", None) or "auto").type     # worker r takes cuda:r
+    if device == "cpu" and not getattr(args, "threads", 0):        # N processes share the cores (one for HTTP)
+        args.threads = max(1, (defaults.cores() - 1) // world)
+    threads = defaults.set_threads(getattr(args, "threads", 0), reserve=1)
     w = init_workers(rank, world, master_port=port, device=device, timeout_s=args.worker_timeout)
     args.device = str(w.device)
-    model, tokenizer, name, desc = _load(args, rank=rank, world_size=world)
+    model, tokenizer, name, desc = load(args, rank=rank, world_size=world)
     parallelize_for_serving(model, w.group, attention="replicated")
-    engine = _engine(args, model, tokenizer, detokenize=False, mirror=Mirror(w.group, w.device))
-    return engine, desc
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    engine = make_engine(args, model, tokenizer, detokenize=False, mirror=Mirror(w.group, w.device))
+    return engine, desc, threads
 
 
 def _follower(options: dict, rank: int, world: int, port: int) -> None:
     """Ranks 1..N-1: build, capture the same graphs as rank 0, then follow its runner until STOP."""
     from ..parallel import shutdown_workers
+    from .startup import ignore_interrupts
 
+    ignore_interrupts()
     try:
-        engine, _ = _join(options, rank, world, port)
+        engine, _, _ = _join(options, rank, world, port)
         engine.warmup()
         engine.follow()
     except Exception as e:                                              # noqa: BLE001 - one line, then exit
@@ -74,7 +74,9 @@ def build_workers(options: dict):
     """Rank 0's (engine, info) with ranks 1..N-1 started and following: what the engine process runs first
     when --tensor-parallel-size N > 1."""
     from ..parallel import free_port
+    from .startup import engine_info, ignore_interrupts
 
+    ignore_interrupts()
     world = options["tensor_parallel_size"]
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -83,9 +85,8 @@ def build_workers(options: dict):
     for p in procs:
         p.start()
     threading.Thread(target=_watch, args=(procs,), name="dsv4-worker-watch", daemon=True).start()
-    engine, desc = _join(options, 0, world, port)
+    engine, desc, threads = _join(options, 0, world, port)
     graphs = engine.warmup()
-    info = {"desc": desc, "device": f"{engine.device} and {world - 1} more worker(s)", "workers": world,
-            "max_model_len": engine.max_model_len, "max_seqs": engine.config.max_seqs,
-            "cache_mib": engine.cache.nbytes() / 2**20, "graphs": graphs, "warmup_s": engine.runner.warmup_seconds}
+    info = engine_info(engine, desc, threads, graphs)
+    info.update(device=f"{engine.device} and {world - 1} more worker(s)", workers=world)
     return engine, info

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.atomic import atomic_directory, fsync_dir
-from ..errors import UserError
+from ..errors import CheckpointError, UserError
 from ..safe_paths import contained, open_regular, read_text
 
 FILES = ("model.safetensors", "optimizer.safetensors", "state.json")
@@ -189,20 +189,50 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], optim_te
 _STEP_RE = re.compile(r"^step_\d{8,}$")
 
 
+def follow_latest(root: str | Path) -> Path:
+    """The checkpoint directory that `root/latest` names, opened like every checkpoint file: `latest` itself
+    must resolve inside the run (a symlink out of it is refused), be a regular file (a FIFO or device is
+    refused without blocking) of at most 4 KiB, and name `step_<number>`, a directory directly inside
+    `root` (symlinks followed). Its content is quoted in an error only as a short, escaped prefix."""
+    root = Path(root)
+    pointer = root / "latest"
+    try:
+        contained(root, "latest", str(pointer))
+        name = read_text(pointer, limit=4096).strip()
+    except CheckpointError as e:
+        raise CorruptCheckpoint(str(e).replace("outside the checkpoint directory", "not a checkpoint inside the "
+                                               "run directory")) from None
+    if not _STEP_RE.match(name):
+        raise CorruptCheckpoint(f"{pointer} names {name[:40]!r}{'...' if len(name) > 40 else ''}, which is not a "
+                                f"checkpoint inside {root} (step_<number>): refused")
+    try:
+        target = contained(root, name, str(pointer))
+    except CheckpointError:
+        raise CorruptCheckpoint(f"{pointer} names {name}, which is not a checkpoint inside {root} (a symlink out "
+                                "of the run): refused") from None
+    real = Path(os.path.realpath(target))
+    if real.parent != Path(os.path.realpath(root)):
+        raise CorruptCheckpoint(f"{pointer} names {name}, which is not a checkpoint inside {root}: refused")
+    if not target.is_dir():
+        raise CorruptCheckpoint(f"{pointer}: points at {name}, which is missing")
+    return target
+
+
+def latest_name(root: str | Path) -> str | None:
+    """The name of the run's latest checkpoint, for messages (None when there is none or it is unusable)."""
+    try:
+        return follow_latest(root).name if os.path.lexists(Path(root) / "latest") else None
+    except UserError:
+        return None
+
+
 def resolve(path: str | Path) -> Path:
     """A checkpoint directory, or a run's checkpoint folder (follows `latest`)."""
     p = Path(path)
     if (p / "manifest.json").exists() or (p / "model.safetensors").exists():
         return p
     if os.path.lexists(p / "latest"):
-        name = read_text(p / "latest", limit=4096).strip()
-        if not _STEP_RE.match(name):
-            raise CorruptCheckpoint(f"{p / 'latest'}: names {name[:80]!r}, not a checkpoint of this run "
-                                    "(step_<number>)")
-        target = contained(p, name, str(p / "latest"))  # no symlink out of the run either
-        if not target.is_dir():
-            raise CorruptCheckpoint(f"{p / 'latest'}: points at {name}, which is missing")
-        return target
+        return follow_latest(p)
     raise UserError(f"{p}: no training checkpoint here (no manifest.json and no 'latest' file)")
 
 
@@ -235,7 +265,19 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[Pa
     try:
         tensors = load_file(str(ckpt / "model.safetensors"), device=str(map_location))
         optim = load_file(str(ckpt / "optimizer.safetensors"), device="cpu")
-        state = json.loads((ckpt / "state.json").read_text())
+        state = json.loads(read_text(ckpt / "state.json"))
+    except CheckpointError:
+        raise
     except Exception as e:  # hash matched but the content is unreadable (e.g. written by another version)
-        raise CorruptCheckpoint(f"{ckpt}: cannot read the checkpoint ({e})") from None
+        raise CorruptCheckpoint(f"{ckpt}: cannot read the checkpoint ({str(e)[:200]})") from None
+    from .resume_checks import nonfinite_problem, state_problem
+
+    why = state_problem(state, ckpt)
+    if why:
+        raise CorruptCheckpoint(f"{ckpt / 'state.json'}: {why}")
+    for file, content in (("model.safetensors", tensors), ("optimizer.safetensors", optim)):
+        why = nonfinite_problem(content)
+        if why:
+            raise CorruptCheckpoint(f"{ckpt / file}: {why}; a run does not resume from non-finite weights or "
+                                    "optimizer state (resume from an earlier checkpoint)")
     return ckpt, tensors, optim, state

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
-from .. import argtypes
+from .. import argtypes, options
 from ..errors import UserError
 from .trainer import QUICK_CPU_DEFAULTS, STANDARD_DEFAULTS, TrainConfig
 
@@ -28,19 +28,19 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                     "given nowhere take defaults that depend on the run: the tiny preset on a CPU gets a "
                     "quick profile (a couple of minutes on two cores, a clear held-out loss drop), every "
                     "other run the standard one (each flag below lists both).")
-    p.add_argument("--config", help="training config file (.json or .toml) with TrainConfig keys; "
-                                    "a [model] table overrides ModelConfig fields")
-    p.add_argument("--preset", type=argtypes.preset, help="model preset (tiny, small, flash, pro); default tiny")
-    p.add_argument("--model-config", help="model config.json to train from scratch instead of a preset")
-    p.add_argument("--init-from", help="checkpoint directory or Hugging Face Hub id org/name[@rev] to continue "
-                                       "training (fine-tune)")
-    p.add_argument("--no-mtp", dest="no_mtp", action="store_const", const=True,
-                   help="with --init-from: build the model without the checkpoint's draft (MTP block or DSpark) "
-                        "and leave its tensors unread")
+    p.add_argument("--train-config", metavar="FILE", type=argtypes.path,
+                   help="training settings file (.json or .toml) with TrainConfig keys; a [model] table "
+                        "overrides ModelConfig fields (the old spelling --config, for one release, is told apart "
+                        "from a model config.json by its keys)")
+    g = p.add_mutually_exclusive_group()
+    options.add(g, "preset", note="trained from scratch; none = tiny")
+    options.add(g, "config", deprecated=("--model-config",), note="trained from scratch")
+    options.add(g, "model", deprecated=("--init-from",), note="continue-train (fine-tune) it")
+    options.add(p, "no_mtp", default=None)
     p.add_argument("--draft", choices=("none", "mtp", "dspark"),
                    help="the speculative draft to train: mtp (the first release's MTP block), dspark "
                         "(Flash-0731's DSpark draft: 3 stages over the last three layers, blocks of 5) or none; "
-                        "default: the model's own (with --init-from, a draft the checkpoint lacks starts random)")
+                        "default: the model's own (with --model, a draft the checkpoint lacks starts random)")
     p.add_argument("--freeze-main", dest="freeze_main", action="store_const", const=True,
                    help="train the draft alone: the main model's weights stay as they are")
     p.add_argument("--dspark-anchors", type=argtypes.positive_int,
@@ -56,37 +56,42 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=argtypes.positive_int, help=_default("steps"))
     p.add_argument("--batch-size", type=argtypes.positive_int,
                    help=f"global batch size in sequences ({_default('batch_size')})")
-    p.add_argument("--seq-len", type=argtypes.int_in(2), help=_default("seq_len"))
+    options.add(p, "seq_len", note=_default("seq_len"))
     p.add_argument("--lr", type=argtypes.positive_float,
                    help=f"peak learning rate of Muon and AdamW ({_default('lr')})")
     p.add_argument("--warmup", type=argtypes.nonneg_int, help=f"linear warmup steps ({_default('warmup')})")
-    p.add_argument("--schedule", choices=("cosine", "wsd", "constant"))
-    p.add_argument("--weight-decay", type=argtypes.nonneg_float)
+    p.add_argument("--schedule", choices=("cosine", "wsd", "constant"),
+                   help="learning-rate schedule after the warmup (default cosine)")
+    p.add_argument("--weight-decay", type=argtypes.nonneg_float, help="decoupled weight decay (default 0.1)")
     p.add_argument("--grad-clip", type=argtypes.nonneg_float, help="0 = off")
     p.add_argument("--mtp-weight", type=argtypes.nonneg_float,
-                   help="weight of the draft's loss (MTP block or DSpark draft) next to the main model's")
-    p.add_argument("--indexer-weight", type=argtypes.nonneg_float)
+                   help="weight of the draft's loss (MTP block or DSpark draft) next to the main model's (default 0.3)")
+    p.add_argument("--indexer-weight", type=argtypes.nonneg_float,
+                   help="weight of the Lightning Indexer's KL loss (default 1.0)")
     p.add_argument("--balance-alpha", type=argtypes.nonneg_float, help="sequence-wise balance loss weight (0 = off)")
     p.add_argument("--bias-gamma", type=argtypes.nonneg_float, help="aux-loss-free router bias update speed (0 = off)")
-    p.add_argument("--precision", choices=("auto", "bf16", "fp32"))
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"),
+                   help="compute precision: bf16 autocast or fp32 (default auto: bf16 on a GPU, fp32 on a CPU)")
     p.add_argument("--no-fp8-kv-sim", dest="fp8_kv_sim", action="store_const", const=False,
                    help="turn off the FP8 round trip of KV (QAT)")
     p.add_argument("--no-fp4-indexer-sim", dest="fp4_indexer_sim", action="store_const", const=False,
                    help="turn off the FP4 round trip in the indexer (QAT)")
     p.add_argument("--fp4-experts", action="store_true", default=None,
                    help="FP4 fake-quant of routed expert weights (straight-through gradients)")
-    p.add_argument("--activation-checkpointing", action="store_true", default=None)
+    p.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="recompute each block's activations in the backward pass (default off)")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
-    p.add_argument("--cuda-graph", action="store_true", default=None,
-                   help="replay forward + losses + backward from one CUDA graph captured at the first step "
-                        "(one GPU, fixed batch shape; the optimizer step stays eager): removes the host's "
-                        "kernel-launch time, which dominates small models")
+    options.add(p, "cuda_graph", default=None,
+                note="here forward + losses + backward from one graph captured at the first step (one GPU, fixed "
+                     "batch shape; the optimizer step stays eager): removes the host's kernel-launch time, which "
+                     "dominates small models; off by default")
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="bit-reproducible run (set before compilation); resume reproduces the losses")
     p.add_argument("--backend", help="ops backend for every op (e.g. reference, triton)")
-    p.add_argument("--device", type=argtypes.device_or_auto, help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--seed", type=argtypes.seed_int)
-    p.add_argument("--held-out-pct", type=argtypes.float_in(0.0, 100.0, hi_open=True))
+    options.add(p, "device")
+    options.add(p, "seed", note="of the weights, the data order and the tokenizer sample; none = 0")
+    p.add_argument("--held-out-pct", type=argtypes.float_in(0.0, 100.0, hi_open=True),
+                   help="percent of the documents held out for evaluation, by a hash of their names (default 2)")
     p.add_argument("--eval-every", type=argtypes.nonneg_int,
                    help=f"steps between held-out evaluations ({_default('eval_every')})")
     p.add_argument("--eval-windows", type=argtypes.positive_int,
@@ -106,20 +111,51 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=argtypes.positive_float, help="device peak for MFU (default: known GPUs)")
     p.add_argument("--time-budget-s", type=argtypes.positive_float,
                    help="shorten --steps so training fits this many seconds")
-    p.add_argument("--threads", type=argtypes.nonneg_int, help="CPU threads for torch (0 = default)")
-    p.add_argument("--no-progress", dest="progress", action="store_const", const=False)
-    p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
+    options.add(p, "threads", default=None)
+    p.add_argument("--skip-nonfinite", action="store_true", default=None,
+                   help="skip a batch whose loss or gradients are NaN/Inf and go on (default: stop the run with "
+                        "exit 1 naming the step)")
+    p.add_argument("--no-progress", dest="progress", action="store_const", const=False,
+                   help="no progress bar: a line every 10 steps instead (default: a bar on a terminal)")
+    options.add(p, "json", note="the final summary")
     p.set_defaults(func=run_train)
     return p
 
 
+def _training_settings(path: str) -> bool:
+    """Whether --config FILE is a training settings file (the old meaning of train's --config): TOML, or a
+    JSON object whose keys are all TrainConfig fields. Otherwise it is a model config.json."""
+    from ..safe_paths import MAX_TEXT_BYTES, read_bytes
+
+    if path.endswith(".toml"):
+        return True
+    try:
+        raw = json.loads(read_bytes(path, MAX_TEXT_BYTES, f"--config {path}"))
+    except ValueError:
+        return False                                  # the model config reader says what is wrong with it
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    return isinstance(raw, dict) and bool(raw) and set(raw) <= fields
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    import sys
+
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     over: dict[str, Any] = {}
     for name in fields:
         v = getattr(args, name, None)
-        if v is not None and name not in ("model",):
+        if v is not None and name not in ("model", "init_from", "model_config"):
             over[name] = v
+    if getattr(args, "model", None):
+        over["init_from"] = args.model
+    train_config = getattr(args, "train_config", None)
+    if getattr(args, "config", None):
+        if _training_settings(args.config) and not train_config:
+            print("note: --config for training settings is deprecated: use --train-config (--config is a model "
+                  "config.json on every command; the old meaning goes in the next release)", file=sys.stderr)
+            train_config = args.config
+        else:
+            over["model_config"] = args.config
     if args.set:
         model = {}
         for item in args.set:
@@ -131,8 +167,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             except json.JSONDecodeError:
                 model[k.strip()] = v
         over["model"] = model
-    if args.config:
-        cfg = TrainConfig.from_file(args.config)
+    if train_config:
+        cfg = TrainConfig.from_file(train_config)
         if "model" in over:
             over["model"] = {**cfg.model, **over["model"]}
         return dataclasses.replace(cfg, **over)

@@ -82,8 +82,15 @@ def spread(docs: list[tuple[str, Path]], n: int) -> list[tuple[str, Path]]:
     return [docs[i * len(docs) // n] for i in range(n)]
 
 
+MAX_DOCUMENT_BYTES = 64 << 20              # one training / evaluation document
+
+
 def read_text(path: Path) -> str:
-    return path.read_bytes().decode("utf-8", errors="replace")
+    """A document's text (undecodable bytes replaced): a regular file of at most MAX_DOCUMENT_BYTES,
+    opened without blocking (a FIFO or device among the documents is refused by name, not read)."""
+    from ..safe_paths import read_bytes
+
+    return read_bytes(path, MAX_DOCUMENT_BYTES, f"document {path}").decode("utf-8", errors="replace")
 
 
 def is_held_out(name: str, pct: float) -> bool:

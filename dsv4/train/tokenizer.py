@@ -96,6 +96,12 @@ class Tokenizer:
         ids = self.tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
+    def encode_releasing_gil(self, text: str, bos: bool = False) -> list[int]:
+        """`encode`, with the interpreter lock released while the Rust tokenizer runs (its batch entry point
+        does that; the single-text one does not), so that a server's event loop goes on meanwhile."""
+        ids = self.tok.encode_batch([text], add_special_tokens=False)[0].ids
+        return ([self.bos_id] if bos else []) + ids
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
@@ -135,6 +141,9 @@ class ByteTokenizer:
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         ids = list(text.encode("utf-8"))
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_releasing_gil(self, text: str, bos: bool = False) -> list[int]:
+        return self.encode(text, bos=bos)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         special = {self.bos_id, self.eos_id} if skip_special_tokens else set()

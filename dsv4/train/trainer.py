@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..config import ModelConfig
 from ..defaults import resolve_device
-from ..errors import UserError, writing
+from ..errors import RunFailed, UserError, writing
 from . import balance, checkpoint, data, metrics
 from .dspark_loss import DSparkLossConfig, dspark_loss, sample_anchors
 from .losses import LossParts, total_loss
@@ -96,21 +97,29 @@ class TrainConfig:
     time_budget_s: float = 0.0                             # >0: cut `steps` so training fits this wall time
     threads: int = 0                                       # CPU threads for torch (0 = torch's default)
     progress: bool = True
+    skip_nonfinite: bool = False                           # skip a step whose loss or gradients are NaN/Inf
+                                                           # (default: stop the run with exit 1 naming it)
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
         """Read a JSON or TOML file of TrainConfig keys ([model] holds ModelConfig overrides)."""
+        from ..safe_paths import MAX_TEXT_BYTES, read_bytes
+
         path = Path(path)
-        if not path.exists():
+        if not os.path.lexists(path):
             raise UserError(f"{path}: no such training config file")
+        data = read_bytes(path, MAX_TEXT_BYTES, f"--config {path}")     # a FIFO or device: refused, not read
         try:
+            text = data.decode("utf-8")
             if path.suffix == ".toml":
                 import tomllib
-                raw = tomllib.loads(path.read_text())
+                raw = tomllib.loads(text)
             else:
-                raw = json.loads(path.read_text())
-        except Exception as e:
-            raise UserError(f"{path}: cannot parse ({e})") from None
+                raw = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise UserError(f"{path}: cannot parse ({str(e)[:200]})") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"{path}: must hold an object of training settings, not {type(raw).__name__}")
         return cls.from_dict({**raw, **overrides}, source=str(path))
 
     @classmethod
@@ -148,15 +157,9 @@ QUICK_CPU_DEFAULTS: dict[str, Any] = dict(
 
 # ------------------------------------------------------------------------------------------ helpers
 def _follow_latest(root: Path) -> Path:
-    """The checkpoint that `root/latest` names. It must be a directory directly inside `root` (after
-    resolving symlinks): a pointer edited to name `../elsewhere` or an absolute path is refused before
-    anything there is opened."""
-    name = (root / "latest").read_text(encoding="utf-8", errors="replace").strip()
-    target = (root / name).resolve()
-    if not name or target.parent != root.resolve():
-        raise checkpoint.CorruptCheckpoint(f"{root / 'latest'} names {name!r}, which is not a checkpoint inside "
-                                           f"{root}: refused")
-    return target
+    """The checkpoint that `root/latest` names (`checkpoint.follow_latest`: opened like any checkpoint file,
+    and it must name a directory directly inside `root`)."""
+    return checkpoint.follow_latest(root)
 
 
 def _distributed_module():
@@ -216,8 +219,9 @@ class Trainer:
                    "it does not combine with --compile" if cfg.compile else None)
             if why:
                 raise UserError(f"--cuda-graph: {why}")
-        if cfg.threads > 0:
-            torch.set_num_threads(cfg.threads)
+        from ..defaults import set_threads
+
+        set_threads(cfg.threads)
         self.out = Path(cfg.out)
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -418,18 +422,19 @@ class Trainer:
         # float overflow of the squares can make the norm inf with finite elements: then the count is 0 and
         # the step goes ahead with clipped gradients, as before).
         nonfinite = 0 if math.isfinite(gnorm) else self._count_nonfinite()
+        bad_loss = not all(math.isfinite(v) for v in losses_row.values())
         self._clip(max_norm, gnorm_t)
         row: dict[str, Any] = {}
         if self._diag_now():
             row["muon_ortho_err"] = self._muon_error()
         lr = self.opt.set_lr_factor(lr_factor(self.step + 1, c.steps, c.warmup, c.schedule, c.min_lr_ratio))
-        if nonfinite == 0:
+        if nonfinite == 0 and not bad_loss:
             self.opt.step()
             balance.update_bias(m.mtp if c.freeze_main else m, c.bias_gamma)
         self.opt.zero_grad()
         self.step += 1
         row.update(losses_row)
-        row.update(step=self.step, grad_norm=gnorm, lr=lr, nonfinite=nonfinite, skipped=nonfinite > 0,
+        row.update(step=self.step, grad_norm=gnorm, lr=lr, nonfinite=nonfinite, skipped=nonfinite > 0 or bad_loss,
                    expert_load_max_min=load_ratios)
         if self._diag_now(before=False):
             row["mhc_violation"] = self._mhc(tokens)
@@ -575,7 +580,7 @@ class Trainer:
         state = {"step": self.step, "loader": self.loader.state_dict(), "train_config": self.cfg.to_dict(),
                  "model_config": self.mcfg.to_dict(), "history": self.history[-1000:]}
         root = self.out / "checkpoints"
-        latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+        latest = checkpoint.latest_name(root)
         kept = f"the last complete checkpoint, {latest}, is kept" if latest else "no checkpoint was written yet"
         with writing(root, kept=f"{kept}; metrics.jsonl has every step so far"):
             return checkpoint.save(root, self.step, tensors, optim_tensors, state,
@@ -583,10 +588,10 @@ class Trainer:
 
     def _resume(self, where: str) -> None:
         path = self.out / "checkpoints" if where == "auto" else Path(where)
-        if where == "auto" and not (path / "latest").exists():
+        if where == "auto" and not os.path.lexists(path / "latest"):
             self.log("resume: no checkpoint yet, starting fresh")
             return
-        if (path / "latest").exists():
+        if os.path.lexists(path / "latest"):
             path = _follow_latest(path)
         ckpt, tensors, optim_state, state = checkpoint.load(path, map_location=self.device)
         if state["model_config"] != self.mcfg.to_dict():
@@ -642,9 +647,10 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         bar = None
-        if c.progress and self.rank == 0:
-            from tqdm import tqdm
-            bar = tqdm(total=c.steps, initial=self.step, desc="train", dynamic_ncols=True)
+        if c.progress and self.rank == 0 and sys.stderr.isatty():    # a bar on a terminal, else a line per 10 steps
+            from ..progress import bar as progress_bar
+
+            bar = progress_bar(c.steps, "train", unit="step", initial=self.step)
         global_tokens = c.batch_size * c.seq_len
         last_eval = None
         if self.step == 0 and c.eval_every > 0:
@@ -674,6 +680,7 @@ class Trainer:
                 last_eval = self.evaluate()
                 row["eval_loss"] = last_eval
             self._record(row)
+            self._stop_if_nonfinite(row, bar)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", eval=f"{last_eval:.3f}" if last_eval else "-",
@@ -733,6 +740,25 @@ class Trainer:
             c.steps = steps
             if bar is not None:
                 bar.total = steps
+
+    def _stop_if_nonfinite(self, row: dict, bar) -> None:
+        """A step whose loss or gradients turned NaN/Inf stops the run (RunFailed: exit 1, naming the step and
+        what the last checkpoint is), unless --skip-nonfinite skips such batches; a non-finite held-out loss
+        (the weights themselves) stops it either way."""
+        bad_eval = "eval_loss" in row and not math.isfinite(row["eval_loss"])
+        if not (bad_eval or (row.get("skipped") and not self.cfg.skip_nonfinite)):
+            return
+        if bar is not None:
+            bar.close()
+        root = self.out / "checkpoints"
+        kept = checkpoint.latest_name(root)
+        what = (f"the held-out loss is {row['eval_loss']}" if bad_eval else
+                f"the loss is {row.get('loss')}" if not math.isfinite(row.get("loss", 0.0)) else
+                f"{row['nonfinite']} gradient elements are NaN/Inf")
+        hint = "" if bad_eval else "; --skip-nonfinite skips such batches instead"
+        raise RunFailed(f"training stopped at step {row['step']}: {what} (metrics.jsonl has every step so far; "
+                        f"{f'the last checkpoint, {kept}, is kept' if kept else 'no checkpoint was written'}"
+                        f"{hint})")
 
     def _record(self, row: dict) -> None:
         self.history.append(row)

@@ -1,0 +1,75 @@
+"""Generation that notices non-finite logits instead of sampling from them.
+
+The sampler takes the argmax of NaN logits as token 0, so a model whose weights overflow (a finite but
+huge BF16 weight passes every load check) would "generate" token 0 forever and exit 0. `watch_logits`
+wraps a model's incremental entry points (`append`, `draft`) for the duration of a generation and checks
+every logits tensor they return: on the CPU at once (NonFiniteLogits is raised out of the step), on a GPU
+into a device flag read once at the end (no host synchronization per step). `first_nonfinite_module`
+then replays the sequence through the full-sequence forward with `dsv4 check nonfinite`'s hooks to name
+the first module that produced NaN/Inf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from ..model import DeepSeekV4
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model returned NaN/Inf logits during generation."""
+
+
+class LogitsWatch:
+    def __init__(self, model: DeepSeekV4):
+        self.model = model
+        self.flag: torch.Tensor | None = None             # device bool: some logits were non-finite
+
+    def seen(self) -> bool:
+        """Whether any logits so far were non-finite (reads the device flag: one synchronization)."""
+        return self.flag is not None and bool(self.flag)
+
+    def _check(self, logits: torch.Tensor) -> None:
+        if logits.device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():   # a graph being captured: its replays go unchecked
+                return
+            bad = ~torch.isfinite(logits).all()
+            self.flag = bad if self.flag is None else self.flag | bad
+        elif not bool(torch.isfinite(logits).all()):
+            raise NonFiniteLogits("the model returned non-finite logits")
+
+    def _wrap(self, name: str):
+        original = getattr(self.model, name)
+
+        def checked(*args, **kwargs):
+            out = original(*args, **kwargs)
+            self._check(out[0] if isinstance(out, tuple) else out)
+            return out
+
+        return checked
+
+
+@contextlib.contextmanager
+def watch_logits(model: DeepSeekV4) -> Iterator[LogitsWatch]:
+    """While the block runs, every `model.append` / `model.draft` result is checked (see the module doc)."""
+    watch = LogitsWatch(model)
+    names = ("append", "draft")
+    for name in names:
+        object.__setattr__(model, name, watch._wrap(name))       # an instance attribute shadows the method
+    try:
+        yield watch
+    finally:
+        for name in names:
+            model.__dict__.pop(name, None)
+
+
+def first_nonfinite_module(model: DeepSeekV4, tokens: list[int]) -> str:
+    """The `dsv4 check nonfinite` summary for this sequence (full-sequence forward, module and op hooks)."""
+    from .nonfinite import find_nonfinite
+
+    ids = torch.tensor([tokens], dtype=torch.long, device=model.embed.weight.device)
+    report = find_nonfinite(model, ids, backward=False, aten=False)
+    return report.summary() if not report.ok else "the full-sequence forward of these tokens stays finite"

@@ -1,0 +1,105 @@
+"""A request body -> what the engine runs: parsed, bounded, validated, encoded and tokenized.
+
+This is the CPU work of a request, and it grows with the input (an 8 MB prompt, a 10,000-message chat),
+so the server runs it in a worker thread (`ServerState.offload`), never on the event loop: `/health`
+and the streams of other clients go on meanwhile. The tokenizer's batch entry point releases the
+interpreter lock while it runs; the chat encoder is Python, which yields the lock every switch interval.
+Errors are `APIError`s (400 with the field's `param`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..engine.sampling import SamplingParams
+from . import chat_format
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, refuse_unsupported, thinking_requested
+from .validate import Limits, check_fields, check_input_size, check_prompt_ids, sampling_params, validated
+
+
+@dataclass
+class Prepared:
+    req: CompletionRequest | ChatCompletionRequest
+    prompts: list[list[int]]                 # one per engine request (a completion may batch prompts)
+    params: list[SamplingParams]
+    thinking: bool = False
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON arrays / objects too deeply") from None
+    except ValueError as e:                  # not JSON, not UTF-8, an integer of more than 4300 digits
+        raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:                                     # "\ud800" parses to a lone surrogate, which no text can hold
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body holds a string with a lone surrogate escape (not Unicode text)") \
+            from None
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON arrays / objects too deeply") from None
+    return body
+
+
+def _check_model(name: str, served: str) -> None:
+    if name != served:
+        raise APIError(404, f"The model `{name}` does not exist (this server serves `{served}`)",
+                       param="model", code="model_not_found")
+
+
+def _encode(tokenizer, text: str, bos: bool) -> list[int]:
+    fast = getattr(tokenizer, "encode_releasing_gil", None)
+    return fast(text, bos=bos) if fast is not None else tokenizer.encode(text, bos=bos)
+
+
+def _completion_prompts(tokenizer, req: CompletionRequest) -> list[list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [_encode(tokenizer, p, bos=True)]
+    if not p:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(x, str) for x in p):
+        return [_encode(tokenizer, x, bos=True) for x in p]
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]
+    return [list(x) for x in p]
+
+
+def prepare_completion(raw: bytes, limits: Limits, tokenizer, model_name: str) -> Prepared:
+    body = parse_body(raw)
+    check_input_size(body, limits, chat=False)
+    req = validated(CompletionRequest, body)
+    _check_model(req.model, model_name)
+    refuse_unsupported(req)
+    check_fields(req, limits)
+    prompts = _completion_prompts(tokenizer, req)
+    check_prompt_ids(prompts, limits, "prompt")
+    params = [sampling_params(req, limits, req.max_tokens, len(p), req.logprobs, chat=False) for p in prompts]
+    return Prepared(req, prompts, params)
+
+
+def prepare_chat(raw: bytes, limits: Limits, tokenizer, model_name: str) -> Prepared:
+    body = parse_body(raw)
+    check_input_size(body, limits, chat=True)
+    req = validated(ChatCompletionRequest, body)
+    _check_model(req.model, model_name)
+    refuse_unsupported(req)
+    check_fields(req, limits)
+    thinking = thinking_requested(req)
+    tools = req.tools if req.tool_choice != "none" else None
+    try:
+        text = chat_format.encode_chat(req.messages, tools=tools, thinking=thinking,
+                                       reasoning_effort=req.reasoning_effort)
+    except chat_format.ChatFormatError as e:
+        raise APIError(400, str(e), param="messages") from None
+    except RecursionError:
+        raise APIError(400, "messages nest too deeply", param="messages") from None
+    prompt = _encode(tokenizer, text, bos=False)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, limits, max_tokens, len(prompt), (req.top_logprobs or 0) if req.logprobs else None,
+                             chat=True)
+    return Prepared(req, [prompt], [params], thinking)

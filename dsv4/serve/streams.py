@@ -1,0 +1,178 @@
+"""The engine's output streams of one HTTP request: merged, timed, ended early when the server's shutdown
+grace runs out, and abandoned (every sequence aborted) when the client leaves.
+
+A completion with several prompts is several engine requests; `merge` reads them all, and leaving it
+for any reason (the client went away, an error, the end of the grace period) closes every stream, which
+aborts every one of its sequences in the engine, batched prompts included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..engine.client import EngineDeadError
+from ..engine.sequence import RequestError, StepOutput
+from .metrics import ServerMetrics
+from .protocol import APIError
+
+_DONE = object()
+ENDED = object()                       # put into a merge's queue when the shutdown grace period is over
+
+
+class Tracker:
+    """Per-request timing for the latency metrics (and the request's log line)."""
+
+    def __init__(self, metrics: ServerMetrics | None, tally: dict | None = None):
+        self.metrics, self.t0 = metrics, time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.gaps: list[float] = []
+        self.tally = tally if tally is not None else {}          # {"prompt": n, "completion": n}: the log line
+        self.tally.setdefault("completion", 0)
+
+    def tokens(self, n: int) -> None:
+        now = time.monotonic()
+        self.tally["completion"] += n
+        if n:
+            if self.first is None:
+                self.first = now
+            elif self.last is not None:
+                self.gaps.append((now - self.last) / n)
+            self.last = now
+
+    def done(self) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_request(None if self.first is None else self.first - self.t0, self.gaps,
+                                         time.monotonic() - self.t0)
+
+
+class Usage:
+    """Token counts of a request as its outputs come (also for choices that never finished)."""
+
+    def __init__(self) -> None:
+        self.prompt: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+        self.completion: dict[int, int] = {}
+
+    def add(self, stream: int, choice: int, out: StepOutput) -> None:
+        self.prompt[stream] = out.prompt_tokens
+        self.cached[stream] = max(self.cached.get(stream, 0), out.cached_tokens)
+        self.completion[choice] = out.completion_tokens
+
+    def body(self) -> dict:
+        p, c = sum(self.prompt.values()), sum(self.completion.values())
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
+
+
+class Endings:
+    """The queues of the merges in flight, so that the end of the shutdown grace period reaches them all."""
+
+    def __init__(self) -> None:
+        self.queues: set[asyncio.Queue] = set()
+        self.ended = False
+        self.draining = False            # shutting down: an engine that stops ends the requests, not fails them
+
+    def end_all(self) -> None:
+        self.ended = True
+        for q in list(self.queues):
+            q.put_nowait(ENDED)
+
+
+async def merge(streams: list[AsyncIterator[StepOutput]], endings: Endings | None = None
+                ) -> AsyncIterator[tuple[int, StepOutput]]:
+    """Outputs of several engine requests as they come: (stream index, output). Stops early (closing, i.e.
+    aborting, every stream) when `endings.end_all()` is called; the caller then ends its unfinished choices."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator[StepOutput]) -> None:
+        try:
+            async for out in it:
+                await queue.put((i, out))
+        except BaseException as e:                     # noqa: BLE001 - handed to the consumer
+            await queue.put(e)
+        finally:
+            await queue.put(_DONE)
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(streams)]
+    if endings is not None:
+        endings.queues.add(queue)
+        if endings.ended:
+            queue.put_nowait(ENDED)
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is _DONE:
+                left -= 1
+            elif item is ENDED:
+                return
+            elif isinstance(item, EngineDeadError) and endings is not None and endings.draining:
+                return                   # (the engine got the signal too: the requests end, as at the grace's end)
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        if endings is not None:
+            endings.queues.discard(queue)
+        for t in tasks:
+            t.cancel()
+        for it in streams:
+            with contextlib.suppress(Exception):
+                await it.aclose()
+
+
+async def first(it: AsyncIterator[StepOutput], param: str) -> StepOutput | None:
+    """The first output of a request (raises the engine's refusal of it now, as a 400 naming `param`)."""
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None
+    except RequestError as e:
+        code = "context_length_exceeded" if "context" in str(e) or "cache" in str(e) else None
+        raise APIError(400, str(e), param=param, code=code) from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e), type_="server_error") from None
+
+
+async def chain(head: StepOutput | None, it: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutput]:
+    """The head output, then the rest of the request's outputs."""
+    try:
+        if head is not None:
+            yield head
+            async for out in it:
+                yield out
+    finally:
+        with contextlib.suppress(Exception):
+            await it.aclose()
+
+
+async def close_all(streams: list[AsyncIterator[StepOutput]]) -> None:
+    """Close (abort) every stream of a request, e.g. when one of its prompts is refused."""
+    for it in streams:
+        with contextlib.suppress(Exception):
+            await it.aclose()
+
+
+async def until_disconnect(request: Request, work: Awaitable):
+    """Run `work`; cancel it when the client disconnects (its streams close: its sequences are aborted)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                return Response(status_code=499)
+        return task.result()
+    finally:
+        if not task.done():                          # cancelled from outside (the server's last resort)
+            task.cancel()
