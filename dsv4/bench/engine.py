@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .. import argtypes
+from .. import argtypes, options
 from ..errors import UserError
 
 
@@ -142,6 +142,9 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     problem = speculative_problem(resolve_config(args), args.speculative, args.speculative_threshold)
     if problem:                             # before any weights are read
         raise UserError(problem)
+    from ..defaults import set_threads
+
+    set_threads(args.threads)
     model, _tok, _name, desc = _load(args)
     device = model.embed.weight.device
     result: dict = {"bench": "engine", "model": desc, "dtype": args.dtype, "torch": torch.__version__,
@@ -154,7 +157,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         longest = max(len(p) + n for p, n in work)
         config = EngineConfig(max_seqs=clients, max_model_len=min(model.cfg.max_seq_len, max(longest + 1, 256)),
                               max_batch_tokens=args.max_batch_tokens, deterministic=args.deterministic,
-                              cuda_graphs=not args.no_cuda_graph, speculative=args.speculative,
+                              cuda_graphs=args.cuda_graph, speculative=args.speculative,
                               speculative_threshold=args.speculative_threshold)
         engine = Engine(model, config)
         t0 = time.perf_counter()
@@ -233,8 +236,7 @@ def add_bench_engine_parser(subparsers) -> None:
     p = subparsers.add_parser("engine", help="the serving engine's throughput in this process (no HTTP): tokens/s "
                                              "against the raw batched decode rate, host time per step")
     add_model_args(p, "the shipped model")
-    p.add_argument("--device", type=argtypes.device, default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on cuda, fp32 on cpu")
+    options.device_options(p)
     p.add_argument("--clients", type=argtypes.positive_int, nargs="+", default=[16],
                    help="requests in flight, one engine per value (default 16)")
     p.add_argument("--requests", type=argtypes.positive_int, default=None,
@@ -246,15 +248,15 @@ def add_bench_engine_parser(subparsers) -> None:
     p.add_argument("--repeats", type=argtypes.positive_int, default=3, help="timed runs per client count (default 3)")
     p.add_argument("--max-batch-tokens", type=argtypes.positive_int, default=None,
                    help="tokens per engine step (default: the engine's)")
-    p.add_argument("--deterministic", action="store_true")
-    p.add_argument("--speculative", type=argtypes.int_in(0, 15), default=0, metavar="K")
-    p.add_argument("--speculative-threshold", type=argtypes.float_in(0.0, 1.0), default=0.0, metavar="T",
-                   help="DSpark draft: the survival probability a verified draft needs (0 = always K)")
-    p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numbers, as `dsv4 serve --deterministic` (its price is what this measures)")
+    options.add(p, "speculative")
+    options.add(p, "speculative_threshold")
+    options.add(p, "cuda_graph")
     p.add_argument("--no-raw", action="store_true", help="skip the raw batched decode measurement")
     p.add_argument("--profile", metavar="DIR", default=None,
                    help="also write a profiler trace of 20 steps per client count and report GPU busy time")
-    p.add_argument("--seed", type=argtypes.seed_int, default=0)
+    options.add(p, "seed", default=0, note="of the prompts and lengths")
     p.add_argument("--out", metavar="FILE", default=None, help="write the result as JSON")
-    p.add_argument("--json", action="store_true")
+    options.add(p, "json")
     p.set_defaults(func=run_engine_bench, keep_quantized=False, quant_mode=None, no_mtp=False)

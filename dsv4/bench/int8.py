@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .. import argtypes
+from .. import argtypes, options
 from ..errors import UserError
 
 MODES = ("fp32", "bf16", "fp16", "int8", "w8a8")
@@ -160,7 +160,7 @@ def run_speed(args: argparse.Namespace) -> list[dict]:
                 "model": args.model, "preset": args.preset, "layers": args.layers, "seed": args.seed,
                 "device": args.device, "label": label, "quant_mode": quant_mode, "dtype": dtype,
                 "batch": args.batch, "prompt": args.prompt, "steps": args.steps, "threads": args.threads,
-                "cuda_graph": not args.no_cuda_graph}))
+                "cuda_graph": args.cuda_graph}))
     rows = []
     for got in runs.values():
         row = {k: got[0][k] for k in ("mode", "weights_mib", "rss_after_load_mib")}
@@ -218,10 +218,10 @@ def run_accuracy(args: argparse.Namespace) -> dict:
     ref = models["w8a8"]
     stored = sorted(set(quantized_modules(ref).values()))
     result = {"checkpoint": args.model or f"{args.preset} random weights (seed {args.seed}, "
-              f"{ref.cfg.n_layers} layers) as FP8 + MXFP4", "stored_formats": stored, "tokens": args.tokens,
+              f"{ref.cfg.n_layers} layers) as FP8 + MXFP4", "stored_formats": stored, "tokens": args.max_new_tokens,
               "prompts": [], "device": dev}
     for prompt in _prompts(args.model, ref.cfg.vocab_size, args.prompts):
-        want = _greedy(ref, prompt, args.tokens)
+        want = _greedy(ref, prompt, args.max_new_tokens)
         seq = torch.tensor([prompt + want], device=dev)
         lo = len(prompt) - 1
         logits = {m: mod(seq).logits[0, lo:-1].double() for m, mod in models.items()}   # [tokens, vocab]
@@ -231,7 +231,7 @@ def run_accuracy(args: argparse.Namespace) -> dict:
             row[m] = {"logits_rel_l2": round(float((logits[m] - logits["w8a8"]).norm() / logits["w8a8"].norm()), 5),
                       "top1_agree": round(float((logits[m].argmax(-1) == target).double().mean()), 4)}
         for m in ("int8", "w8a16"):                 # each decoding on its own
-            same = [a == b for a, b in zip(_greedy(models[m], prompt, args.tokens), want)]
+            same = [a == b for a, b in zip(_greedy(models[m], prompt, args.max_new_tokens), want)]
             row[m]["greedy_same"] = round(sum(same) / len(same), 4)
             row[m]["first_difference"] = same.index(False) if False in same else None
         result["prompts"].append(row)
@@ -272,7 +272,7 @@ def render(result: dict) -> str:
 def run_int8_bench(args: argparse.Namespace) -> int:
     from ..defaults import resolve_device
 
-    resolve_device(args.device)
+    args.device = str(resolve_device(args.device))
     parts = set(args.only.split(",")) if args.only else {"speed", "accuracy"}
     if parts - {"speed", "accuracy"}:
         raise UserError(f"--only: speed and/or accuracy, got {args.only}")
@@ -311,12 +311,12 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("int8", help="INT8 W8A8 vs bf16 / fp32 / fp16 and the official W8A8: decode speed, "
                                            "memory, accuracy (CPU or GPU)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--model", metavar="DIR", type=argtypes.path, help="a checkpoint directory")
-    g.add_argument("--preset", type=argtypes.preset, help="a preset's random weights (e.g. small)")
+    options.add(g, "model", note="an FP8 / MXFP4 or float checkpoint")
+    options.add(g, "preset", note="e.g. small")
     p.add_argument("--layers", type=argtypes.positive_int, default=None,
                    help="with --preset: keep only the first N layers (a smaller model of the same shapes)")
-    p.add_argument("--seed", type=argtypes.seed_int, default=0)
-    p.add_argument("--device", default="cpu", type=argtypes.device, help="cpu (default) or cuda")
+    options.add(p, "seed", default=0, note="of a preset's random weights and the prompts")
+    options.add(p, "device", default="cpu", note="this benchmark's default is the CPU")
     p.add_argument("--only", default="", help="speed and/or accuracy (default both)")
     p.add_argument("--modes", default="", help="comma list of fp32, bf16, fp16, int8[:DTYPE], w8a8[:DTYPE] (default "
                                                "fp32,bf16,int8 on a CPU; bf16,int8:bf16,fp16,int8:fp16 on CUDA)")
@@ -325,13 +325,12 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=argtypes.positive_int, default=16, help="decode steps per run")
     p.add_argument("--runs", type=argtypes.int_in(3), default=3,
                    help="rounds: every mode runs once per round in a fresh process (the median is reported; >= 3)")
-    p.add_argument("--threads", type=argtypes.positive_int, default=None,
-                   help="torch threads of each run (default: torch's default, the machine's cores)")
-    p.add_argument("--no-cuda-graph", action="store_true", help="on CUDA: decode eagerly")
-    p.add_argument("--tokens", type=argtypes.positive_int, default=256, help="greedy tokens per accuracy prompt")
+    options.add(p, "threads", note="of each run")
+    options.add(p, "cuda_graph")
+    options.add(p, "max_new_tokens", default=256, note="greedy tokens per accuracy prompt")
     p.add_argument("--prompts", type=argtypes.positive_int, default=2, help="accuracy prompts")
     p.add_argument("--out", type=argtypes.path, help="write the JSON result to this file (atomically)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    options.add(p, "json")
     p.set_defaults(func=run_int8_bench)
     return p
 

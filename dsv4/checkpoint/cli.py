@@ -145,7 +145,7 @@ def add_init_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser(
         "init",
-        help="write a randomly initialized checkpoint of any preset or config (release layout)",
+        help="write a checkpoint of random weights for any preset, in the release layout",
         description="Write DIR: a randomly initialized checkpoint of --preset or --config (with --override "
         "k=v ...) in the release layout - sharded safetensors, FP8 linears with --to fp8, MXFP4 experts with "
         "--expert-dtype fp4 - streamed tensor by tensor (host memory: about the largest tensor), atomic "
