@@ -10,7 +10,8 @@ from dsv4.cli import main
 
 def test_bench_int8_speed_and_accuracy_rows(capsys):
     assert main(["bench", "int8", "--preset", "tiny", "--layers", "2", "--modes", "int8,bf16", "--batch", "1", "2",
-                 "--prompt", "4", "--steps", "2", "--runs", "3", "--max-new-tokens", "6", "--prompts", "1", "--json"]) == 0
+                 "--prompt", "4", "--steps", "2", "--runs", "3", "--max-new-tokens", "6", "--prompts", "1",
+                 "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     int8, bf16 = out["speed"]
     assert int8["mode"] == "int8:fp32" and bf16["mode"] == "bf16"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dsv4.errors import UserError
-from dsv4.serve.chat_format import (
+from dsv4.serve.chat import (
     ASSISTANT,
     BOS,
     DSML,

@@ -26,6 +26,7 @@ from dsv4.engine import generate
 from dsv4.ops.precision import exact_accumulation
 from dsv4.parallel import expert as EP
 from dsv4.train import distributed as D
+from dsv4.train import parity as P
 
 WORLD = 2
 TIMEOUT_S = 420          # a mismatched collective hangs; fail instead of waiting forever
@@ -60,8 +61,8 @@ def _helper_checks() -> dict:
     local = tokens[rank * 2:rank * 2 + 2]
     ref = DeepSeekV4.from_config("tiny", seed=3)
     par = D.shard_model(DeepSeekV4.from_config("tiny", seed=3))
-    D._loss(ref(tokens, mtp=True), tokens).backward()
-    D._loss(par(local, mtp=True), local).backward()
+    P._loss(ref(tokens, mtp=True), tokens).backward()
+    P._loss(par(local, mtp=True), local).backward()
 
     loads = [load.clone() for load in D.all_reduce_expert_load(par)]
     ref_loads = [m.load for m in D.moe_layers(ref)]
@@ -70,7 +71,7 @@ def _helper_checks() -> dict:
     clipped_norm = D.clip_grad_norm_(par, max_norm=0.25 * float(norm_ref))
     clipped = D.full_grads(par)
     coef = 0.25 * norm_ref / (norm_ref + 1e-6)
-    clip_rel = D._max_rel(clipped, {n: g * coef for n, g in ref_grads.items()})[0]
+    clip_rel = P._max_rel(clipped, {n: g * coef for n, g in ref_grads.items()})[0]
     after = float(D.grad_norm(par))
 
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]
@@ -113,8 +114,8 @@ def _muon_checks() -> dict:
     par = D.shard_model(DeepSeekV4.from_config("tiny", seed=4))
     before = {n: v.clone() for n, v in ref.state_dict().items()}
     with exact_accumulation():
-        D._loss(ref(tokens, mtp=True), tokens).backward()
-        D._loss(par(local, mtp=True), local).backward()
+        P._loss(ref(tokens, mtp=True), tokens).backward()
+        P._loss(par(local, mtp=True), local).backward()
     cfg = OptimConfig(lr=1e-2, weight_decay=0.0)
     opt_ref, opt_par = MuonAdamW(ref, cfg), MuonAdamW(par, cfg)
     sharded = [n for n, p in par.named_parameters() if D._is_dtensor(p) and n in opt_par.muon_names]
@@ -123,12 +124,12 @@ def _muon_checks() -> dict:
     rows = g.to_local()
     full_ns = newton_schulz(g.full_tensor())
     lo = rank * -(-g.size(0) // 2)                                       # torch.chunk's rows of this rank
-    shard_rel = D._rel(newton_schulz(rows), full_ns[lo:lo + rows.size(0)])
+    shard_rel = P._rel(newton_schulz(rows), full_ns[lo:lo + rows.size(0)])
     opt_ref.step()
     opt_par.step()
     after = D.full_state_dict(par)
     new = ref.state_dict()
-    update_rel = max(D._rel(after[n] - before[n], new[n] - before[n]) for n in opt_ref.muon_names)
+    update_rel = max(P._rel(after[n] - before[n], new[n] - before[n]) for n in opt_ref.muon_names)
     return {"n_sharded": len(sharded), "update_rel": update_rel, "shard_ns_rel": shard_rel}
 
 
@@ -141,11 +142,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     with exact_accumulation():
         res = {
             # several steps: without the QAT round trips, which amplify rounding into discrete top-k flips
-            "sgd": D.parity_check(steps=3, optimizer="sgd", lr=0.1, device=cpu, qat=False),
-            "adamw": D.parity_check(steps=2, optimizer="adamw", lr=1e-3, device=cpu, qat=False),
-            "no_tokens": D.parity_check(steps=1, optimizer="sgd", lr=0.1, prepare=_route_to_first_half, device=cpu),
-            "fsdp_only": D.parity_check(steps=1, optimizer="sgd", lr=0.1, ep=False, device=cpu),
-            "infer": D.inference_check(modes=("all_reduce", "all_to_all"), device=cpu),
+            "sgd": P.parity_check(steps=3, optimizer="sgd", lr=0.1, device=cpu, qat=False),
+            "adamw": P.parity_check(steps=2, optimizer="adamw", lr=1e-3, device=cpu, qat=False),
+            "no_tokens": P.parity_check(steps=1, optimizer="sgd", lr=0.1, prepare=_route_to_first_half, device=cpu),
+            "fsdp_only": P.parity_check(steps=1, optimizer="sgd", lr=0.1, ep=False, device=cpu),
+            "infer": P.inference_check(modes=("all_reduce", "all_to_all"), device=cpu),
         }
     res["helpers"] = _helper_checks()
     res["muon"] = _muon_checks()
@@ -153,7 +154,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     live = EP._ep_rank
     EP._ep_rank = lambda group: 0
     try:
-        res["z08_mutant"] = D.parity_check(steps=1, optimizer="sgd", lr=0.1, device=cpu)
+        res["z08_mutant"] = P.parity_check(steps=1, optimizer="sgd", lr=0.1, device=cpu)
     finally:
         EP._ep_rank = live
     D.teardown_distributed()
@@ -162,7 +163,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def _launch(worker, out: Path) -> list[dict]:
     """Run worker(rank, WORLD, port, out) in WORLD spawned processes; -> each rank's rank<r>.json."""
-    ctx = mp.start_processes(worker, args=(WORLD, D._free_port(), str(out)), nprocs=WORLD, join=False,
+    ctx = mp.start_processes(worker, args=(WORLD, P._free_port(), str(out)), nprocs=WORLD, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=2):
@@ -420,11 +421,11 @@ def _selftest_result(mode: str, grad_rel: list[float], spread_rel: list[float]) 
 def test_selftest_judges_tight_runs_by_tol_and_others_by_the_spread():
     tol = 1e-4
     # the first-step gradient difference of a GPU run with QAT and atomics: 4%
-    assert not D._selftest_ok(_selftest_result("tight", [0.04, 0.0, 0.0], [0.0] * 3), tol)
+    assert not P._selftest_ok(_selftest_result("tight", [0.04, 0.0, 0.0], [0.0] * 3), tol)
     # the same run where one device's own micro-batched replica wanders by 1%: within SPREAD_FACTOR x
-    assert D._selftest_ok(_selftest_result("spread", [0.04, 0.0, 0.0], [0.01, 0.0, 0.0]), tol)
+    assert P._selftest_ok(_selftest_result("spread", [0.04, 0.0, 0.0], [0.01, 0.0, 0.0]), tol)
     # a difference far above what rounding gives on one device (a missing reduction) still fails
-    assert not D._selftest_ok(_selftest_result("spread", [0.5, 0.0, 0.0], [1e-3, 0.0, 0.0]), tol)
+    assert not P._selftest_ok(_selftest_result("spread", [0.5, 0.0, 0.0], [1e-3, 0.0, 0.0]), tol)
     # later steps may not exceed the largest spread seen so far by more than SPREAD_FACTOR either
-    assert not D._selftest_ok(_selftest_result("spread", [0.0, 0.0, 0.5], [1e-3, 1e-3, 1e-3]), tol)
-    assert D._selftest_ok(_selftest_result("tight", [5e-5, 5e-3, 5e-3], [0.0] * 3), tol)
+    assert not P._selftest_ok(_selftest_result("spread", [0.0, 0.0, 0.5], [1e-3, 1e-3, 1e-3]), tol)
+    assert P._selftest_ok(_selftest_result("tight", [5e-5, 5e-3, 5e-3], [0.0] * 3), tol)

@@ -50,8 +50,8 @@ def test_int8_experts_compiled_are_exact(t):
 
 
 def test_int8_decode_step_replays_from_a_cuda_graph():
+    from dsv4.bench.graphs import GraphedDecoder
     from dsv4.check.inputs import check_config
-    from dsv4.engine.graphs import GraphedDecoder
     from dsv4.model import DeepSeekV4
 
     model = DeepSeekV4.from_config(check_config("tiny").replace(quant_mode="int8"), seed=0, dtype=torch.bfloat16,

@@ -114,8 +114,9 @@ def test_random_traffic_keeps_every_invariant(seed):
         assert step < 5000, "the traffic did not drain: some sequence starves"
     assert all(req.finished for _, req in pending) and all(req.finished for req in arrived)
     m = s.manager
-    m.clear_prefix_cache()
-    assert m.wpool.n_free == m.wpool.n_pages - 1 and m.cpool.n_free == m.cpool.n_pages - 1
+    for pool in (m.wpool, m.cpool):          # every page free, or held by the prefix cache alone (evictable)
+        assert pool.n_free + pool.evictable == pool.n_pages - 1
+        assert all(pool.refs[p] == (1 if pool.cached[p] else 0) for p in range(1, pool.n_pages))
     assert sorted(m.free_states) == list(range(m.layout.n_states))
     assert (m.tables.w == -1).all() and (m.tables.c == -1).all()
 

@@ -655,8 +655,8 @@ def test_compile_without_a_cxx_compiler_is_refused(monkeypatch):
 def test_cuda_graph_training_is_refused_where_it_cannot_run(tmp_path, capsys):
     """`--cuda-graph` on a CPU fails at once with the reason (before tokenizing or building anything), and
     the graph wrappers refuse CPU tensors by name."""
+    from dsv4.bench.graphs import GraphedPrefill
     from dsv4.cli import main
-    from dsv4.engine.graphs import GraphedPrefill
     from dsv4.train.graphed import GraphedBackward
 
     rc = main(["train", "--preset", "tiny", "--device", "cpu", "--cuda-graph", "--out", str(tmp_path / "run"),

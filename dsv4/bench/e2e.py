@@ -138,7 +138,7 @@ def bench_prefill(model, args, device, path: str) -> dict:
     graphed = _graphed(args, device, path)
     with _path(path), torch.no_grad():
         if graphed:
-            from ..engine.graphs import GraphedPrefill
+            from .graphs import GraphedPrefill
 
             ops.reset_calls()
             prefill = GraphedPrefill(model, args.batch, args.seq, max_len)    # warm-up + capture
@@ -168,7 +168,7 @@ def bench_decode(model, args, device, path: str) -> dict:
         graphed = _graphed(args, device, path)
         ops.reset_calls()
         if graphed:
-            from ..engine.graphs import GraphedDecoder
+            from .graphs import GraphedDecoder
 
             step = GraphedDecoder(model, cache).step
             used = _backends_used()                                        # what the graph replays

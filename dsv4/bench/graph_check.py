@@ -25,13 +25,13 @@ import torch
 
 from .. import ops
 from ..config import ModelConfig
-from ..engine.graphs import GraphedDecoder, GraphedPrefill
 from ..errors import UserError
 from ..model import DeepSeekV4
 from ..train import balance
 from ..train.graphed import GraphedBackward
 from ..train.losses import total_loss
 from ..train.optim import MuonAdamW, OptimConfig
+from .graphs import GraphedDecoder, GraphedPrefill
 from .report import refused, require_cuda
 
 

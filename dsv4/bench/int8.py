@@ -115,7 +115,7 @@ def speed_child(opts: dict) -> dict:
         for _ in range(2):                                             # warm-up (autotune, first-call costs)
             nxt = step(nxt)[:, -1].argmax(-1, keepdim=True)
         if device.type == "cuda" and opts["cuda_graph"]:
-            from ..engine.graphs import GraphedDecoder
+            from .graphs import GraphedDecoder
 
             step = GraphedDecoder(model, cache).step
         ops.reset_calls()

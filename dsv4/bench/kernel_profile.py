@@ -39,7 +39,7 @@ def _graphed_call(bench: str, args: argparse.Namespace, device: torch.device) ->
         graph = GraphedBackward(model, loss_fn, tokens)
         return lambda: graph.run(tokens)
     model.eval()
-    from ..engine.graphs import GraphedDecoder, GraphedPrefill
+    from .graphs import GraphedDecoder, GraphedPrefill
 
     with torch.no_grad():
         if bench == "prefill":

@@ -156,7 +156,7 @@ def drive(host: str, port: int, model: str, work: list[tuple[list[int], int]], c
 
 def _raw_decode_rate(model, batch: int, prompt_len: int, steps: int, device: torch.device) -> dict:
     """Tokens/s of model.decode_step on a lockstep cache of `batch` sequences (a CUDA graph on CUDA)."""
-    from ..engine.graphs import GraphedDecoder
+    from .graphs import GraphedDecoder
 
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(2, model.cfg.vocab_size, (batch, prompt_len), generator=g).to(device)

@@ -1,4 +1,4 @@
-"""What a conformance check returns (`dsv4.check.zoo`, `dsv4.check.zoo_int8`)."""
+"""What a conformance check returns (`dsv4.check.zoo`)."""
 
 from __future__ import annotations
 

@@ -294,9 +294,3 @@ class CacheManager:
                 self.wpool.cache(int(wt[k]))
                 self.cached_w[h] = int(wt[k])
         seq.registered = n
-
-    def clear_prefix_cache(self) -> None:
-        for cached, pool in ((self.cached_c, self.cpool), (self.cached_w, self.wpool)):
-            for page in cached.values():
-                pool.uncache(page)
-            cached.clear()

@@ -1,6 +1,6 @@
 """What the HTTP server sees of the engine: one interface, and the typed messages between the two.
 
-`EngineClient` is the interface (`generate` an async iterator of `StepOutput`, `abort`, `alive`, `new_id`,
+`EngineClient` is the interface (`generate` an async iterator of `StepOutput`, `abort`, `alive`,
 `shutdown`); `dsv4.engine.engine_process.EngineProcess` implements it with the engine in a process of its
 own. The messages are small dataclasses, one per kind, so that either side reads them by name:
 
@@ -80,7 +80,6 @@ class EngineClient(Protocol):
     @property
     def alive(self) -> bool: ...
 
-    def new_id(self, prefix: str) -> str: ...
 
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                  n: int = 1) -> AsyncIterator[StepOutput]: ...

@@ -122,7 +122,6 @@ class EngineProcess:
         self._on_step = on_step
         self._reader: threading.Thread | None = None
         self._stopped = False
-        self._ids = 0
         self.info: dict = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -160,11 +159,6 @@ class EngineProcess:
     @property
     def exitcode(self) -> int | None:
         return self._proc.exitcode
-
-    def new_id(self, prefix: str) -> str:
-        with self._lock:
-            self._ids += 1
-            return f"{prefix}-{self._ids}-{int(time.time() * 1000)}"
 
     def _send(self, msg) -> None:
         with self._send_lock:

@@ -338,7 +338,7 @@ class DeepSeekV4(nn.Module):
         """One new token per sequence, tokens [b, 1] at position cache.pos -> logits [b, 1, vocab].
 
         A fixed sequence of kernels with no host synchronization (the position is read from
-        cache.pos_t on the device), so it can be captured in a CUDA graph (`dsv4.engine.graphs`).
+        cache.pos_t on the device), so it can be captured in a CUDA graph (`dsv4.bench.graphs`).
         Token ids are checked for shape and dtype only: a value check would synchronize.
         """
         if tokens.dim() != 2 or tokens.size(1) != 1 or tokens.dtype not in (torch.int32, torch.int64):

@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 
 from ..engine.client import EngineClient
 from ..engine.sequence import StepOutput
-from . import chat_format
+from . import chat
 from .metrics import ServerMetrics
 from .prepare import Prepared, prepare_chat, prepare_completion
 from .protocol import APIError
@@ -222,9 +222,9 @@ def _chat_logprobs(state: ServerState, lps) -> list[dict]:
 
 
 def _delta(event, call_ids: list[str]) -> dict:
-    if isinstance(event, chat_format.ReasoningDelta):
+    if isinstance(event, chat.ReasoningDelta):
         return {"reasoning_content": event.text}
-    if isinstance(event, chat_format.ContentDelta):
+    if isinstance(event, chat.ContentDelta):
         return {"content": event.text}
     call_id = f"call_{uuid.uuid4().hex[:24]}"
     call_ids.append(call_id)
@@ -244,7 +244,7 @@ async def _chat(state: ServerState, prep: Prepared, tally: dict):
     tracker = Tracker(state.metrics, tally)
     streams, heads = await _submit(state, rid, prep, req.n, "messages")
     created = int(time.time())
-    parsers = [chat_format.ChatStreamParser(thinking=prep.thinking) for _ in range(req.n)]
+    parsers = [chat.ChatStreamParser(thinking=prep.thinking) for _ in range(req.n)]
     base = {"id": rid, "created": created, "model": state.model_name}
     outputs = merge([chain(heads[0], streams[0])], state.endings)
 

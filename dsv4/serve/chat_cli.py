@@ -78,11 +78,11 @@ def _stream_from_server(base: str, headers: dict, model: str, messages: list[dic
 
 
 def _event(ev) -> Iterator[tuple[str, str]]:
-    from . import chat_format
+    from . import chat
 
-    if isinstance(ev, chat_format.ReasoningDelta):
+    if isinstance(ev, chat.ReasoningDelta):
         yield "reasoning", ev.text
-    elif isinstance(ev, chat_format.ContentDelta):
+    elif isinstance(ev, chat.ContentDelta):
         yield "content", ev.text
     else:
         yield "content", f"[tool call {ev.call.name}({ev.call.arguments})]"
@@ -94,7 +94,7 @@ def _local_replier(args) -> tuple[Callable, str]:
 
     from ..defaults import set_threads
     from ..engine import SamplingParams
-    from . import chat_format
+    from . import chat
     from .startup import load, make_engine
 
     set_threads(args.threads)
@@ -104,7 +104,7 @@ def _local_replier(args) -> tuple[Callable, str]:
     counter = [0]
 
     def reply(messages):
-        text = chat_format.encode_chat(messages, thinking=args.thinking)
+        text = chat.encode_chat(messages, thinking=args.thinking)
         prompt = tokenizer.encode(text, bos=False)
         room = engine.max_model_len - len(prompt)
         if room < 1:
@@ -116,7 +116,7 @@ def _local_replier(args) -> tuple[Callable, str]:
         params = SamplingParams(max_tokens=min(args.max_new_tokens, room), temperature=args.temperature,
                                 seed=(seed + counter[0]) % 2**63, skip_special_tokens=False)
         engine.add_request(rid, prompt, params)
-        parser = chat_format.ChatStreamParser(thinking=args.thinking)
+        parser = chat.ChatStreamParser(thinking=args.thinking)
         try:
             while engine.has_work():
                 for out in engine.step():

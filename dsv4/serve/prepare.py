@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 
 from ..engine.sampling import SamplingParams
-from . import chat_format
+from . import chat
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, refuse_unsupported, thinking_requested
 from .validate import Limits, check_fields, check_input_size, check_prompt_ids, sampling_params, validated
 
@@ -92,9 +92,9 @@ def prepare_chat(raw: bytes, limits: Limits, tokenizer, model_name: str) -> Prep
     thinking = thinking_requested(req)
     tools = req.tools if req.tool_choice != "none" else None
     try:
-        text = chat_format.encode_chat(req.messages, tools=tools, thinking=thinking,
+        text = chat.encode_chat(req.messages, tools=tools, thinking=thinking,
                                        reasoning_effort=req.reasoning_effort)
-    except chat_format.ChatFormatError as e:
+    except chat.ChatFormatError as e:
         raise APIError(400, str(e), param="messages") from None
     except RecursionError:
         raise APIError(400, "messages nest too deeply", param="messages") from None

@@ -13,10 +13,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..config import ModelConfig
-from ..model.int8 import Int8Experts, Int8Linear, quantize_int8
-from .inputs import moe_inputs
-from .result import CheckResult
+from ...config import ModelConfig
+from ...model.int8 import Int8Experts, Int8Linear, quantize_int8
+from ..inputs import moe_inputs
+from ..result import CheckResult
 
 # |dequantized - weight| <= half a step of the row's own scale, amax_row / 127: the rounding to nearest,
 # plus fp32 rounding of the scale, of w / s and of q * s (a few 2^-24 relative, far below 2^-16)

@@ -11,9 +11,9 @@ working tree is modified.
 Each entry's `old` text must occur exactly once in its file: when the code moves, the entry fails loudly
 ("not found") instead of silently testing nothing, and the list is updated with the code.
 
-    python3 -m dsv4.check.mutate --list
-    python3 -m dsv4.check.mutate --only fp8-kv-sim-off,ns-4-steps --no-conformance
-    python3 -m dsv4.check.mutate                     # everything: ~2 min per mutation on 2 CPU cores
+    python3 tools/mutate.py --list
+    python3 tools/mutate.py --only fp8-kv-sim-off,ns-4-steps --no-conformance
+    python3 tools/mutate.py                     # everything: ~2 min per mutation on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 # the fast subset of the suite run on every mutation (in this order; -x stops at the first failure)
 FAST_SUITE = (
@@ -253,7 +253,7 @@ def kill_rates(outcomes: Sequence[Outcome]) -> dict[str, dict[str, str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m dsv4.check.mutate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python3 tools/mutate.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--list", action="store_true", help="list the mutations and exit")
     p.add_argument("--only", default="", help="comma-separated mutation ids (default: all)")
     p.add_argument("--no-suite", action="store_true", help="skip the test-suite side")
