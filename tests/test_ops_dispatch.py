@@ -101,3 +101,29 @@ def test_every_reference_lives_in_reference_py():
     for op in ops.ops():
         assert ops.resolve(op, "reference").fn is getattr(ref, op), op
         assert getattr(ops, op).__doc__ == getattr(ref, op).__doc__
+
+
+def test_exact_accumulation_and_backend_choice_are_both_per_thread():
+    """A thread in exact (float64) mode or with a backend chosen does not change what another thread
+    computes: both settings belong to the thread that set them."""
+    import threading
+
+    from dsv4.ops.precision import acc_dtype, exact_accumulation
+
+    seen: dict[str, object] = {}
+    inside, done = threading.Event(), threading.Event()
+
+    def other() -> None:
+        inside.wait()
+        seen["dtype"], seen["requested"] = acc_dtype(), ops.requested("hadamard")
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with exact_accumulation(True), ops.use_backend({"hadamard": "reference"}):
+        assert acc_dtype() == torch.float64
+        inside.set()
+        done.wait(30)
+    t.join(30)
+    assert seen == {"dtype": torch.float32, "requested": None}
+    assert acc_dtype() == torch.float32
