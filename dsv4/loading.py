@@ -6,6 +6,7 @@ behind them. It sits below dsv4.cli and dsv4.serve so that both can use it witho
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import options
@@ -53,24 +54,56 @@ def add_quant_mode_arg(p: argparse.ArgumentParser) -> None:
     options.add(p, "quant_mode")
 
 
-def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from and how to build it: what the command line's model options say, typed.
+
+    One of `preset` (random weights of a built-in architecture, drawn with `seed`), `config` (a config.json,
+    random weights), `model` (a checkpoint directory or Hub id); none of them = the shipped model (or
+    `default_preset` of `resolve_config` / `load_model`). The rest applies where it can: `no_mtp` (leave
+    the draft out), `quant_mode`, `keep_quantized`, `device` / `dtype` (names, "auto" or None)."""
+    preset: str | None = None
+    config: str | None = None
+    model: str | None = None
+    no_mtp: bool = False
+    quant_mode: str | None = None
+    keep_quantized: bool = False
+    device: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace | ModelSource) -> ModelSource:
+        """The source an argparse namespace names (options a command does not have take their defaults)."""
+        if isinstance(args, ModelSource):
+            return args
+        get = vars(args).get
+        return cls(preset=get("preset"), config=None if get("config") is None else str(get("config")),
+                   model=None if get("model") is None else str(get("model")), no_mtp=bool(get("no_mtp")),
+                   quant_mode=get("quant_mode"), keep_quantized=bool(get("keep_quantized")),
+                   device=None if get("device") is None else str(get("device")), dtype=get("dtype"),
+                   seed=get("seed") or 0)
+
+
+def resolve_config(args: argparse.Namespace | ModelSource, default_preset: str | None = None):
+    """The model config a source names (no weights read)."""
     from .config import ConfigError, ModelConfig
 
+    src = ModelSource.from_args(args)
     try:
-        if getattr(args, "preset", None):
-            return ModelConfig.preset(args.preset)
-        if getattr(args, "config", None):
-            return ModelConfig.from_json(args.config)
-        model_dir = getattr(args, "model", None)
-        if model_dir:
+        if src.preset:
+            return ModelConfig.preset(src.preset)
+        if src.config:
+            return ModelConfig.from_json(src.config)
+        if src.model:
             from .checkpoint.hub import resolve_model_path
             from .checkpoint.layouts import config_from_json, without_mtp
 
-            path = resolve_model_path(model_dir, weights=False)
+            path = resolve_model_path(src.model, weights=False)
             cfg = config_from_json(path / "config.json")
-            if getattr(args, "no_mtp", False):
+            if src.no_mtp:
                 cfg = without_mtp(cfg)
-            return cfg if path == Path(model_dir) else cfg.replace(name=str(model_dir))   # a Hub id, not a hash
+            return cfg if path == Path(src.model) else cfg.replace(name=src.model)   # a Hub id, not a hash
         if default_preset:
             return ModelConfig.preset(default_preset)
         shipped = default_model_dir()
@@ -81,23 +114,26 @@ def resolve_config(args: argparse.Namespace, default_preset: str | None = None):
         raise UserError(str(e)) from None
 
 
-def load_model(args: argparse.Namespace, default_preset: str | None = None, rank: int = 0, world_size: int = 1):
-    """(model, tokenizer or None, description) from --preset / --model / --config / the shipped model.
+def load_model(args: argparse.Namespace | ModelSource, default_preset: str | None = None, rank: int = 0,
+               world_size: int = 1):
+    """(model, tokenizer or None, description) from a `ModelSource` (or the namespace of a command's model
+    options): a preset or config with random weights, a checkpoint, or the shipped model.
 
     rank, world_size: a worker of several (`dsv4.parallel`): a checkpoint is read for this rank's experts
     only; a preset is built whole (every rank draws the same weights) and cut by the serving pass."""
     from . import defaults
     from .model import DeepSeekV4
 
-    device = defaults.resolve_device(getattr(args, "device", None))
-    dtype = defaults.resolve_dtype(getattr(args, "dtype", None), device)
-    if getattr(args, "preset", None) or getattr(args, "config", None) or (default_preset and not args.model):
-        cfg = resolve_config(args, default_preset)
-        if getattr(args, "quant_mode", None) == "int8":            # random weights requantized like a checkpoint's
+    src = ModelSource.from_args(args)
+    device = defaults.resolve_device(src.device)
+    dtype = defaults.resolve_dtype(src.dtype, device)
+    if src.preset or src.config or (default_preset and not src.model):
+        cfg = resolve_config(src, default_preset)
+        if src.quant_mode == "int8":            # random weights requantized like a checkpoint's
             cfg = cfg.replace(quant_mode="int8")
-        model = DeepSeekV4.from_config(cfg, seed=getattr(args, "seed", 0) or 0, dtype=dtype, device=device)
+        model = DeepSeekV4.from_config(cfg, seed=src.seed, dtype=dtype, device=device)
         return model.eval(), None, f"{cfg.name} (random weights)"
-    path = Path(args.model) if getattr(args, "model", None) else default_model_dir()
+    path = Path(src.model) if src.model else default_model_dir()
     if path is None:
         raise UserError("no model given and no shipped model installed: pass --preset or --model DIR")
     from .checkpoint import load_pretrained
@@ -105,9 +141,9 @@ def load_model(args: argparse.Namespace, default_preset: str | None = None, rank
 
     path = resolve_model_path(path)         # a Hub id becomes its snapshot in the Hugging Face cache
 
-    model = load_pretrained(path, dtype=dtype, device=device, quant_mode=getattr(args, "quant_mode", None),
-                            keep_quantized=getattr(args, "keep_quantized", False),
-                            mtp=not getattr(args, "no_mtp", False), rank=rank, world_size=world_size).eval()
+    model = load_pretrained(path, dtype=dtype, device=device, quant_mode=src.quant_mode,
+                            keep_quantized=src.keep_quantized, mtp=not src.no_mtp, rank=rank,
+                            world_size=world_size).eval()
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from .train.tokenizer import Tokenizer
