@@ -134,7 +134,6 @@ def fit_prompt(ids: list[int], max_new_tokens: int, context: int, limit_name: st
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from .engine import generate
 
     # everything the prompt needs is checked before the weights are read
     if args.prompt is None and args.prompt_file is None and args.prompt_ids is None:
@@ -169,7 +168,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     seed = args.seed if args.seed is not None else secrets.randbits(63) if args.temperature > 0 else 0
     torch.manual_seed(seed)
-    model, tokenizer, desc = load_model(argparse.Namespace(**{**vars(args), "seed": 0}))
+    engine = None
+    if args.tensor_parallel_size > 1:       # N worker processes, this one rank 0 (`dsv4.serve.workers`)
+        from .serve.workers import build_workers
+
+        opts = {**{k: v for k, v in vars(args).items() if k != "func"}, "seed": 0, "max_num_seqs": 1,
+                "max_model_len": min(len(ids) + args.max_new_tokens, context), "max_batch_tokens": None,
+                "page_size": None, "cache_pages": None, "no_prefix_caching": True,
+                "keep_quantized": vars(args).get("keep_quantized", False), "detokenize": False}
+        engine, info = build_workers(opts, own_process=False)
+        model, desc = engine.model, info["desc"]
+    else:
+        model, tokenizer, desc = load_model(argparse.Namespace(**{**vars(args), "seed": 0}))
+    try:
+        return _generate_and_print(args, model, tokenizer, desc, ids, text, seed, engine)
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def _generate_and_print(args, model, tokenizer, desc: str, ids: list[int], text: str | None, seed: int,
+                        engine=None) -> int:
+    from .engine import generate
+
     stream = not args.json and tokenizer is not None
     printed = [""]
     out_ids: list[int] = []
@@ -193,7 +214,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                               on_token=on_token,
                               cuda_graph=args.cuda_graph and model.embed.weight.device.type == "cuda",
                               speculative=args.speculative,
-                              speculative_threshold=args.speculative_threshold)[0]
+                              speculative_threshold=args.speculative_threshold, deterministic=args.deterministic,
+                              engine=engine)[0]
         bad = watch.seen()
     except NonFiniteLogits:
         bad, tokens = True, out_ids
@@ -311,6 +333,12 @@ def _add_generate(sub) -> None:
     options.add(p, "speculative_threshold")
     options.device_options(p)
     options.add(p, "quant_mode")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch- and split-invariant numbers (float64 accumulation on the reference ops; slower): "
+                        "the tokens do not depend on --tensor-parallel-size")
+    options.add(p, "tensor_parallel_size")
+    options.add(p, "enable_expert_parallel")
+    options.add(p, "worker_timeout")
     options.add(p, "json")
     p.set_defaults(func=cmd_generate)
 

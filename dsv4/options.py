@@ -86,6 +86,9 @@ SHARED: dict[str, Opt] = {o.flag.lstrip("-").replace("-", "_"): o for o in [
     Opt("--enable-expert-parallel", "split the routed experts by expert over the --tensor-parallel-size workers "
                                     "(the split dsv4 uses; accepted for vLLM's command lines)",
         dict(action="store_true")),
+    Opt("--worker-timeout", "with --tensor-parallel-size N > 1: seconds a worker waits for the others in a collective "
+                            "before it gives up (a dead or hung worker then stops the run)",
+        dict(type=argtypes.positive_float, default=300.0, metavar="S")),
     # output
     Opt("--json", "print one JSON object for machines (and no progress bars)", dict(action="store_true")),
 ]}

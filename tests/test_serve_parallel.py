@@ -5,6 +5,7 @@ chunks and compression groups); a worker that dies takes the server down with on
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -101,3 +102,24 @@ def test_a_dead_worker_stops_the_server_with_one_line():
         assert re.search(r"worker 1 exited|engine process stopped", rest), rest[-2000:]
     finally:
         stop(proc)
+
+
+def _run(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dsv4", *argv], cwd=ROOT, env=checkout_env(OMP_NUM_THREADS="1"),
+                          input=stdin, capture_output=True, text=True, timeout=300)
+
+
+def test_generate_and_chat_on_two_workers_give_one_process_tokens():
+    """`dsv4 generate` and `dsv4 chat` with --tensor-parallel-size 2 (gloo): in --deterministic mode the
+    tokens are those of one process (the expert-parallel sums are exact there), and the command returns
+    with its workers gone."""
+    gen = ["generate", "--preset", "tiny", "--device", "cpu", "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "8",
+           "--deterministic", "--json"]
+    one, two = _run(*gen), _run(*gen, "--tensor-parallel-size", "2")
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
+    assert json.loads(two.stdout.splitlines()[-1])["ids"] == json.loads(one.stdout.splitlines()[-1])["ids"]
+    chat = ["chat", "--preset", "tiny", "--device", "cpu", "--max-new-tokens", "6", "--temperature", "0",
+            "--deterministic"]
+    one, two = _run(*chat, stdin="hello\n"), _run(*chat, "--tensor-parallel-size", "2", stdin="hello\n")
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
+    assert two.stdout == one.stdout and two.stdout.strip()

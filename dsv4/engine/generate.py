@@ -18,7 +18,7 @@ def generate(model: DeepSeekV4, prompts: list[list[int]], max_new_tokens: int = 
              eos_token_id: int | None = None, on_token: Callable[[int, int], None] | None = None,
              cuda_graph: bool = False, deterministic: bool = False,
              engine_config: EngineConfig | None = None, speculative: int = 0,
-             speculative_threshold: float = 0.0) -> list[list[int]]:
+             speculative_threshold: float = 0.0, engine: Engine | None = None) -> list[list[int]]:
     """Continue each prompt (lists of token ids) -> the generated ids of each. temperature 0 = greedy.
 
     Prompt i samples with seed `seed + i` (seed None: 0), so a prompt's continuation does not depend on
@@ -26,18 +26,20 @@ def generate(model: DeepSeekV4, prompts: list[list[int]], max_new_tokens: int = 
     With cuda_graph=True (CUDA only), decode steps replay captured CUDA graphs. speculative=k drafts k tokens
     per step with the model's draft, its MTP block or a DSpark draft (the same tokens for greedy decoding;
     `dsv4.engine.speculative`, `dsv4.engine.dspark_step`); speculative_threshold: a DSpark draft verifies
-    the drafts whose survival probability is at least this (0: always k).
+    the drafts whose survival probability is at least this (0: always k). engine: run on this engine (one
+    the caller built, e.g. on several workers) instead of a new one; the settings of the engine apply.
     """
     if not prompts or any(not p for p in prompts):
         raise ValueError("empty prompt: give at least one token (e.g. BOS)")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    config = engine_config or EngineConfig(
-        max_seqs=min(len(prompts), 64), max_model_len=min(longest, model.cfg.max_seq_len),
-        cuda_graphs=cuda_graph, deterministic=deterministic, prefix_caching=False, speculative=speculative,
-        speculative_threshold=speculative_threshold)
-    engine = Engine(model, config, eos_token_id=eos_token_id)
+    if engine is None:
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        config = engine_config or EngineConfig(
+            max_seqs=min(len(prompts), 64), max_model_len=min(longest, model.cfg.max_seq_len),
+            cuda_graphs=cuda_graph, deterministic=deterministic, prefix_caching=False, speculative=speculative,
+            speculative_threshold=speculative_threshold)
+        engine = Engine(model, config, eos_token_id=eos_token_id)
     base = 0 if seed is None else seed
     for i, p in enumerate(prompts):
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -89,17 +89,28 @@ def _event(ev) -> Iterator[tuple[str, str]]:
 
 
 def _local_replier(args) -> tuple[Callable, str]:
-    """(reply(messages) -> (kind, text) iterator, banner) for a model loaded in this process."""
+    """(reply(messages) -> (kind, text) iterator, banner) for a model loaded in this process (with
+    --tensor-parallel-size N > 1: this process is worker 0 of N, `dsv4.serve.workers`; the others stop
+    when this one exits)."""
+    import atexit
     import secrets
 
     from ..defaults import set_threads
     from ..engine import SamplingParams
     from . import chat
-    from .startup import load, make_engine
+    from .startup import load, load_tokenizer, make_engine
 
-    set_threads(args.threads)
-    model, tokenizer, _name, desc = load(args)
-    engine = make_engine(args, model, tokenizer)
+    if (args.tensor_parallel_size or 1) > 1:
+        from .workers import build_workers
+
+        opts = {**{k: v for k, v in vars(args).items() if k != "func"}, "detokenize": True}
+        engine, info = build_workers(opts, own_process=False)
+        atexit.register(engine.close)
+        model, tokenizer, desc = engine.model, load_tokenizer(args), info["desc"]
+    else:
+        set_threads(args.threads)
+        model, tokenizer, _name, desc = load(args)
+        engine = make_engine(args, model, tokenizer)
     seed = args.seed if args.seed is not None else secrets.randbits(63)
     counter = [0]
 

@@ -38,9 +38,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     options.add(g, "speculative_threshold")
     options.add(g, "tensor_parallel_size", note="cuda:0 ... cuda:N-1, or N CPU processes with --device cpu")
     options.add(g, "enable_expert_parallel")
-    g.add_argument("--worker-timeout", type=argtypes.positive_float, default=300.0, metavar="S",
-                   help="with --tensor-parallel-size N > 1: seconds a worker waits for the others in a collective "
-                        "before it gives up (a dead or hung worker then stops the server) (default 300)")
+    options.add(g, "worker_timeout")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

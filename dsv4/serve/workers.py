@@ -39,7 +39,8 @@ def _join(options: dict, rank: int, world: int, port: int):
     args.device = str(w.device)
     model, tokenizer, name, desc = load(args, rank=rank, world_size=world)
     parallelize_for_serving(model, w.group, attention="replicated")
-    engine = make_engine(args, model, tokenizer, detokenize=False, mirror=Mirror(w.group, w.device))
+    engine = make_engine(args, model, tokenizer, detokenize=bool(options.get("detokenize", False)),
+                         mirror=Mirror(w.group, w.device))
     return engine, desc, threads
 
 
@@ -70,13 +71,16 @@ def _watch(procs: list[mp.Process]) -> None:
         time.sleep(0.2)
 
 
-def build_workers(options: dict):
+def build_workers(options: dict, own_process: bool = True):
     """Rank 0's (engine, info) with ranks 1..N-1 started and following: what the engine process runs first
-    when --tensor-parallel-size N > 1."""
+    when --tensor-parallel-size N > 1 (own_process), or what `dsv4 generate` and `dsv4 chat` run in their
+    own process (Ctrl-C stays theirs). `engine.close()` stops the other workers. options["detokenize"]:
+    the engine makes text (generate and chat; the server makes it in its HTTP process)."""
     from ..parallel import free_port
     from .startup import engine_info, ignore_interrupts
 
-    ignore_interrupts()
+    if own_process:
+        ignore_interrupts()
     world = options["tensor_parallel_size"]
     port = free_port()
     ctx = mp.get_context("spawn")
