@@ -94,7 +94,9 @@ def resolve_config(args: argparse.Namespace | ModelSource, default_preset: str |
         if src.preset:
             return ModelConfig.preset(src.preset)
         if src.config:
-            return ModelConfig.from_json(src.config)
+            from .checkpoint import read_config_file
+
+            return read_config_file(src.config)
         if src.model:
             from .checkpoint.hub import resolve_model_path
             from .checkpoint.layouts import config_from_json, without_mtp
@@ -109,7 +111,9 @@ def resolve_config(args: argparse.Namespace | ModelSource, default_preset: str |
         shipped = default_model_dir()
         if shipped is None:
             raise UserError("no model given and no shipped model installed: pass --preset or --model DIR")
-        return ModelConfig.from_json(shipped / "config.json")
+        from .checkpoint import read_config_file
+
+        return read_config_file(shipped / "config.json")
     except ConfigError as e:
         raise UserError(str(e)) from None
 

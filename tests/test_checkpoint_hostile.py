@@ -20,7 +20,7 @@ from test_checkpoint_fuzz import micro_config, time_bound
 from test_checkpoint_helpers import make_representable, rewrite
 
 from dsv4 import formats as fm
-from dsv4.checkpoint import CheckpointError, load_pretrained, model_values, save
+from dsv4.checkpoint import CheckpointError, load_pretrained, model_values, read_config, save, to_hf_json
 from dsv4.checkpoint.atomic import MARKER, stale_temporaries
 from dsv4.cli import main as cli
 from dsv4.config import ConfigError, ModelConfig
@@ -234,12 +234,12 @@ def test_config_schema_bounds_total_size_and_applies_to_hugging_face_keys(tmp_pa
     big = {**BASE, "dim": 60000, "moe_inter_dim": 900000, "n_routed_experts": 60000}
     with pytest.raises(ConfigError, match="parameters, more than the limit"):
         ModelConfig.from_dict(big)
-    hf = micro_config().to_hf_json()
+    hf = to_hf_json(micro_config())
     for key, value in (("rms_norm_eps", float("nan")), ("rope_scaling", {"type": "yarn", "factor": "x"}),
                        ("num_hidden_layers", "2"), ("eos_token_id", []), ("layer_types", 5),
                        ("rope_scaling", {"type": "yarn", "factor": 2, "beta_slow": 0})):
         with pytest.raises(ConfigError, match="config key"):
-            ModelConfig.from_dict({**hf, key: value})
+            read_config({**hf, key: value})
     for name in ("tiny", "small", "flash", "pro"):
         ModelConfig.preset(name)  # the limits leave every real config alone
     path = tmp_path / "config.json"

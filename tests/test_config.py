@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+from dsv4.checkpoint import read_config, to_hf_json
 from dsv4.config import ConfigError, ModelConfig
 from dsv4.info import model_info
 
@@ -15,22 +16,22 @@ def _ref(name: str) -> dict:
 
 
 def test_pro_preset_equals_both_released_configs():
-    assert ModelConfig.from_dict(_ref("config.json")) == ModelConfig.preset("pro")
+    assert read_config(_ref("config.json")) == ModelConfig.preset("pro")
     assert ModelConfig.from_dict(_ref("inference-config.json")) == ModelConfig.preset("pro")
 
 
 def test_hf_and_inference_round_trip():
     for name in ("tiny", "small", "flash", "pro"):
         cfg = ModelConfig.preset(name)
-        assert ModelConfig.from_dict(cfg.to_hf_json()) == cfg
+        assert read_config(to_hf_json(cfg)) == cfg
         assert ModelConfig.from_dict(cfg.to_inference_json()) == cfg
 
 
 def test_hf_layer_types_and_mlp_layer_types():
-    raw = ModelConfig.preset("small").to_hf_json()
+    raw = to_hf_json(ModelConfig.preset("small"))
     raw.pop("mlp_layer_types")
     raw["num_hash_layers"] = 2
-    cfg = ModelConfig.from_dict(raw)
+    cfg = read_config(raw)
     assert cfg.compress_ratios == (0, 4, 128, 4, 128, 4, 128, 4) and cfg.n_hash_layers == 2
 
 
@@ -45,10 +46,10 @@ def test_hf_layer_types_and_mlp_layer_types():
     ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling"),
 ])
 def test_hf_bad_values_name_the_key(change, key):
-    raw = ModelConfig.preset("small").to_hf_json()
+    raw = to_hf_json(ModelConfig.preset("small"))
     raw.update(change)
     with pytest.raises(ConfigError, match=key):
-        ModelConfig.from_dict(raw)
+        read_config(raw)
 
 
 def test_inference_unknown_key_and_bad_ratio_count():
@@ -81,3 +82,12 @@ def test_parameter_count_matches_a_real_model():
     info = model_info(cfg)
     model = DeepSeekV4(cfg)
     assert sum(p.numel() for p in model.parameters()) == info.total_params + info.mtp_params
+
+
+def test_the_config_knows_no_hugging_face_key_and_says_where_they_are_read():
+    """ModelConfig reads its own fields and the official inference keys; a Hugging Face config is the hf
+    layout's to translate (`dsv4.checkpoint.read_config`), and from_dict says so in one line."""
+    raw = to_hf_json(ModelConfig.preset("tiny"))
+    with pytest.raises(ConfigError, match="dsv4.checkpoint.read_config"):
+        ModelConfig.from_dict(raw)
+    assert read_config(raw) == ModelConfig.preset("tiny")

@@ -15,7 +15,7 @@ import torch
 
 from dsv4.check.capture import capture
 from dsv4.check.goldens import FP32_TOL
-from dsv4.checkpoint import load_pretrained, write_random
+from dsv4.checkpoint import load_pretrained, read_config, to_hf_json, write_random
 from dsv4.config import ConfigError, ModelConfig
 from dsv4.model import DeepSeekV4
 from dsv4.model.dspark import greedy, survival, verify_length
@@ -155,12 +155,12 @@ def test_verify_length_rules():
 
 def test_dspark_config_keys_and_their_checks():
     cfg = dspark_config()
-    raw = cfg.to_hf_json()
+    raw = to_hf_json(cfg)
     assert {k: raw[k] for k in raw if k.startswith("dspark_")} == cfg.dspark_json()
-    assert ModelConfig.from_dict(raw) == cfg
+    assert read_config(raw) == cfg
     # Flash-0731's config.json: num_nextn_predict_layers 1, one window-only entry per stage after the layers
     raw = {**raw, "num_nextn_predict_layers": 1, "compress_ratios": list(cfg.compress_ratios)}
-    assert ModelConfig.from_dict(raw).n_mtp_layers == 3
+    assert read_config(raw).n_mtp_layers == 3
     assert ModelConfig.from_dict(cfg.to_inference_json()) == cfg.replace(name="custom")
     with pytest.raises(ConfigError, match="dspark_noise_token_id"):
         cfg.replace(dspark_noise_token_id=1024)

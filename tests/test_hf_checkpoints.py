@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from dsv4.checkpoint import load_pretrained
+from dsv4.checkpoint import load_pretrained, read_config, to_hf_json
 from dsv4.config import ConfigError, ModelConfig
 
 transformers = pytest.importorskip("transformers", reason="optional dependency 'transformers' not installed")
@@ -89,8 +89,8 @@ def test_simulations_that_cannot_block_say_which_and_why(tmp_path):
     _, d = hf_checkpoint(tmp_path, "default-rotary-fraction")
     with pytest.raises(Exception, match=r"fp8_kv_sim.*112.*multiple of 64"):
         load_pretrained(d, fp8_kv_sim=True)
-    raw = ModelConfig.preset("tiny").replace(fp8_kv_sim=False, fp4_indexer_sim=False,
-                                             index_head_dim=96).to_hf_json()
-    assert ModelConfig.from_dict(raw, overrides={"fp4_indexer_sim": False}).index_head_dim == 96
+    raw = to_hf_json(ModelConfig.preset("tiny").replace(fp8_kv_sim=False, fp4_indexer_sim=False,
+                                                        index_head_dim=96))
+    assert read_config(raw, overrides={"fp4_indexer_sim": False}).index_head_dim == 96
     with pytest.raises(ConfigError, match=r"fp4_indexer_sim.*96.*Hadamard"):
-        ModelConfig.from_dict(raw)
+        read_config(raw)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..checkpoint.layouts.hf_config import to_hf_json
 from ..errors import UserError
 from .capture import Stages
 
@@ -42,9 +43,9 @@ def hf_config(cfg):
     heavy = sorted({r for r in cfg.compress_ratios[: cfg.n_layers] if r and r != 4})
     if len(heavy) > 1:
         raise UserError(f"transformers allows one heavy compression rate, the config has {heavy}")
-    raw = cfg.to_hf_json() if not heavy or heavy == [128] else None
+    raw = to_hf_json(cfg) if not heavy or heavy == [128] else None
     if raw is None:                                   # a shrunk check config: set the rates explicitly
-        raw = cfg.replace(compress_ratios=tuple(128 if r > 4 else r for r in cfg.compress_ratios)).to_hf_json()
+        raw = to_hf_json(cfg.replace(compress_ratios=tuple(128 if r > 4 else r for r in cfg.compress_ratios)))
     raw.pop("architectures", None)
     raw.pop("model_type", None)
     raw["num_nextn_predict_layers"] = 0

@@ -2,6 +2,7 @@
 with its DSpark draft (one module each in `layouts/`); load, inspect, convert, random-weight checkpoints."""
 
 from .layouts import LAYOUTS, expected_tensors, parameter_totals
+from .layouts.hf_config import read_config, read_config_file, to_hf_json
 from .load import load_into, load_pretrained
 from .names import canonical, official_tensors, to_model, to_official
 from .random_weights import write_random
@@ -24,8 +25,11 @@ __all__ = [
     "official_tensors",
     "parameter_totals",
     "plan",
+    "read_config",
+    "read_config_file",
     "save",
     "stream",
+    "to_hf_json",
     "to_model",
     "to_official",
     "write_random",

@@ -9,13 +9,14 @@ from .. import argtypes, options
 from ..config import ConfigError, ModelConfig
 from ..errors import UserError
 from .layouts import LAYOUTS
+from .layouts.hf_config import read_config_file
 from .writer import TARGETS
 
 
 def _config(args: argparse.Namespace) -> ModelConfig | None:
     try:
         if getattr(args, "config", None):
-            return ModelConfig.from_json(args.config)
+            return read_config_file(args.config)
         if getattr(args, "preset", None):
             return ModelConfig.preset(args.preset)
     except ConfigError as e:

@@ -277,7 +277,9 @@ class Trainer:
                 mcfg = without_mtp(mcfg)
                 self.init_draft = "none"
         elif c.model_config:
-            mcfg = ModelConfig.from_json(c.model_config)
+            from ..checkpoint import read_config_file
+
+            mcfg = read_config_file(c.model_config)
         else:
             mcfg = ModelConfig.preset(c.preset)
         if c.model:

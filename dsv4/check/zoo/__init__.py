@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..result import CheckResult
-from .context import Context
+from ..result import CheckResult, skipped
+from .context import Context, backend_refusals
 from .formats import (
     checkpoint_roundtrip,
     dspark_goldens,
@@ -37,6 +37,7 @@ from .kernels import (
     static_shapes,
 )
 from .model import (
+    SWIGLU_GRID,
     draft_acceptance,
     indexer_padding,
     paged_batching,
@@ -77,3 +78,5 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "int8-weight-rows": int8_weight_rows,
     "int8-per-token": int8_per_token,
 }
+
+__all__ = ["CHECKS", "SWIGLU_GRID", "CheckResult", "Context", "backend_refusals", "skipped"]

@@ -23,7 +23,7 @@ from .context import (
 # ------------------------------------------------------------------------------ formats
 def fp4_known_bytes(ctx: Context) -> CheckResult:
     """Bytes 0x21, 0x43 are codes 1, 2, 3, 4 (low nibble first); dequantized values follow."""
-    from ..formats import fp4
+    from ...formats import fp4
 
     dev = ctx.device
     packed = torch.tensor([[0x21, 0x43] + [0x00] * 14], dtype=torch.uint8, device=dev).view(torch.int8)
@@ -40,7 +40,7 @@ def fp4_known_bytes(ctx: Context) -> CheckResult:
 
 def e8m0_bytes(ctx: Context) -> CheckResult:
     """Every scale byte b decodes to 2^(b-127), and an FP8 block dequantizes with exactly that scale."""
-    from ..formats import e8m0, fp8
+    from ...formats import e8m0, fp8
 
     dev = ctx.device
     b = torch.arange(0, 255, dtype=torch.uint8, device=dev)
@@ -62,9 +62,9 @@ def checkpoint_roundtrip(ctx: Context) -> CheckResult:
     (FP8 linears = dequant(quant(w)) with E8M0 block scales, BF16 dense weights, F32 exact)."""
     import tempfile
 
-    from .. import formats as fm
-    from ..checkpoint import CheckpointError, load_pretrained, model_values, save
-    from ..checkpoint.names import EXPERT, F32, INT, LINEAR, official_tensors, to_model
+    from ... import formats as fm
+    from ...checkpoint import CheckpointError, load_pretrained, model_values, save
+    from ...checkpoint.names import EXPERT, F32, INT, LINEAR, official_tensors, to_model
 
     cfg = ModelConfig.preset("tiny").replace(n_mtp_layers=0, compress_ratios=(0, 4, 128, 4))
     src = DeepSeekV4.from_config(cfg, seed=ctx.seed)
@@ -102,7 +102,7 @@ def ep_ranges(ctx: Context) -> CheckResult:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ..train import distributed as ep
+    from ...train import distributed as ep
 
     if dist.is_initialized():
         return CheckResult(False, None, "a process group is already initialized in this process")

@@ -139,7 +139,7 @@ def compile_parity(ctx: Context) -> CheckResult:
 
 # ------------------------------------------------------------------------------ determinism / memory
 def determinism(ctx: Context) -> CheckResult:
-    from .determinism import determinism as run
+    from ..determinism import determinism as run
 
     rep = run(ctx.model, ctx.tokens[:1, :16], runs=2, deterministic_mode=True)
     if rep.ok:
@@ -260,7 +260,7 @@ def host_reads(hits: list[str]):
 def static_shapes(ctx: Context) -> CheckResult:
     """Sampling, the MoE experts and a decode step's cache writes run with static shapes (no data-dependent
     sizes, no host reads of tensor values)."""
-    from ..engine.sampling import Sampler, SamplingParams
+    from ...engine.sampling import Sampler, SamplingParams
 
     dev = ctx.device
     logits = torch.randn(2, ctx.cfg.vocab_size, generator=torch.Generator().manual_seed(ctx.seed)).to(dev)

@@ -207,7 +207,7 @@ def swiglu_formula(ctx: Context) -> CheckResult:
 # ------------------------------------------------------------------------------ decode / indexer
 def teacher_forcing(ctx: Context) -> CheckResult:
     """Prefill + decode across compression boundaries vs one full prefill (uses dsv4.check.teacher_forcing)."""
-    from .teacher_forcing import teacher_forcing as tf
+    from ..teacher_forcing import teacher_forcing as tf
 
     # the exact-accumulation contract (float64, rounded once) is the reference ops'; fast kernels accumulate
     # in their own order, which the FP8/FP4 round trips amplify: the cache machinery is checked on the
@@ -223,7 +223,7 @@ def paged_batching(ctx: Context) -> CheckResult:
     """Three sequences of different lengths at once through the serving engine (prompts in chunks of 9
     tokens, 16-position pages, so they cross page, window and compression-group boundaries side by side):
     every greedy token is the full forward's choice, with the full forward's log-probability."""
-    from ..engine import Engine, EngineConfig, SamplingParams
+    from ...engine import Engine, EngineConfig, SamplingParams
 
     flat = ctx.tokens.flatten().tolist()
     prompts = [flat[:7], flat[7:40], flat[40:61]]
@@ -262,10 +262,10 @@ def draft_acceptance(ctx: Context) -> CheckResult:
     """Speculative decoding with the shipped model (its MTP block is trained): greedy, 3 drafts per step,
     48 tokens after each of three Python prompts; at least 25% of the drafts must be accepted (the correct
     draft keeps 40-60% on such text; a draft fed the wrong token or a head of its own keeps about 1%)."""
-    from .. import defaults
-    from ..checkpoint.load import load_pretrained
-    from ..engine import Engine, EngineConfig, SamplingParams
-    from ..train.tokenizer import Tokenizer
+    from ... import defaults
+    from ...checkpoint.load import load_pretrained
+    from ...engine import Engine, EngineConfig, SamplingParams
+    from ...train.tokenizer import Tokenizer
 
     path = defaults.shipped_model_dir()
     if path is None:

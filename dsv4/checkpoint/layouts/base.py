@@ -192,8 +192,10 @@ class Layout:
 
     def output_config(self, cfg: ModelConfig, fmt: str, expert_dtype: str | None) -> dict:
         """The config.json written next to the weights."""
+        from .hf_config import to_hf_json
+
         if fmt == "fp8":
-            c = cfg.replace(dtype="fp8", expert_dtype=expert_dtype, scale_fmt="ue8m0").to_hf_json()
+            c = to_hf_json(cfg.replace(dtype="fp8", expert_dtype=expert_dtype, scale_fmt="ue8m0"))
             c["quantization_config"] = {
                 "quant_method": "fp8",
                 "weight_block_size": [128, 128],
@@ -202,7 +204,7 @@ class Layout:
             if expert_dtype:
                 c["expert_dtype"] = expert_dtype
             return c
-        return cfg.replace(dtype="bf16", expert_dtype=None, scale_fmt=None).to_hf_json()
+        return to_hf_json(cfg.replace(dtype="bf16", expert_dtype=None, scale_fmt=None))
 
     def verify_config(self, cfg: ModelConfig) -> ModelConfig | None:
         """The config a written directory is re-validated against (None: its own config.json)."""
@@ -294,14 +296,16 @@ def load_config(path: str | Path, overrides: dict | None = None) -> ModelConfig:
 
 
 def config_from_json(cfg_path: str | Path, overrides: dict | None = None) -> ModelConfig:
-    """`ModelConfig.from_json`, without the keys a layout owns (e.g. a DSpark draft's `dspark_*`)."""
+    """`read_config_file` (any format's keys), without the keys a layout owns (e.g. a DSpark draft's `dspark_*`)."""
     cfg_path = Path(cfg_path)
     raw = raw_config(cfg_path)
+    from .hf_config import read_config, read_config_file
+
     own = {k for lay in _LAYOUTS.values() for k in lay.config_keys(raw)}
     if not own:
-        return ModelConfig.from_json(cfg_path, overrides)
+        return read_config_file(cfg_path, overrides)
     rest = {k: v for k, v in raw.items() if k not in own}
-    return ModelConfig.from_dict(rest, name=cfg_path.parent.name or "custom", overrides=overrides)
+    return read_config(rest, name=cfg_path.parent.name or "custom", overrides=overrides)
 
 
 def raw_config(cfg_path: Path) -> dict[str, Any]:
