@@ -6,10 +6,8 @@ Module names such as `self_attn.q_a_proj`, `attn_hc.fn`, `self_attn.sinks`,
 [E, 2*inter, dim] = cat(w1, w3) and `mlp.experts.down_proj` [E, dim, inter], everything BF16, the hash
 table int64, no MTP block. Its config means transformers' semantics: no QAT simulation.
 
-The translation of the config.json keys (`ModelConfig.from_dict` / `to_hf_json` in `dsv4.config`) stays in
-the config module: every command reads Hugging Face configs through it (`--config`, presets, the trainer),
-and the config sits below the checkpoint package, which imports it; moving it here would make the config
-import the checkpoint layouts back, a cycle.
+The config.json keys are translated beside it, in `hf_config.py` (`read_config`, `read_config_file`,
+`to_hf_json`): the layout imports the config, the config knows no Hugging Face key.
 """
 
 from __future__ import annotations
