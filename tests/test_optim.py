@@ -342,8 +342,8 @@ def test_clipping_matches_torch_clip_grad_norm(tmp_path):
     gradients: the same per-tensor norms and coefficient, so within fp32 rounding of the norm (gamma(n))."""
     t = Trainer(_train_cfg(tmp_path, steps=1, eval_every=0, diag_every=0, grad_clip=0.01), log=lambda *_: None)
     gen = torch.Generator().manual_seed(0)
-    for p in t.model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen)
+    for p in t.model.parameters():              # drawn on the CPU, placed where the model is (CPU or a GPU)
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device)
     ref = [torch.nn.Parameter(p.detach().clone()) for p in t.model.parameters()]
     for r, p in zip(ref, t.model.parameters()):
         r.grad = p.grad.clone()
