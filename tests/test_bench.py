@@ -65,13 +65,14 @@ def test_optimizer_only_refuses_a_cpu_and_a_cuda_graph(no_cuda, capsys):
     assert capsys.readouterr().err.startswith("error: dsv4 bench train needs a CUDA device")
     assert main(["bench", "train", "--optimizer-only", "--cuda-graph", "--device", "cpu", "--allow-cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --optimizer-only times the eager optimizer step") and len(err.splitlines()) == 1
+    assert err.startswith("error: --optimizer-only --cuda-graph replays the update from a CUDA graph; this run "
+                          "is on cpu") and len(err.splitlines()) == 1
 
 
 def test_optimizer_only_times_both_paths_on_a_micro_model():
     """bench_optimizer on a micro model on the CPU: both paths step every weight, report ms per step and
-    the AdamW implementation (fused on this CPU for the fast path, torch's default for the old one), and
-    leave no gradients behind."""
+    the Muon and AdamW implementations (batched Muon and fused AdamW on this CPU for the fast path, torch's
+    per-matrix Muon and default AdamW for the old one), and leave no gradients behind."""
     import argparse
 
     from test_train import micro_model
@@ -86,6 +87,7 @@ def test_optimizer_only_times_both_paths_on_a_micro_model():
         assert all(p.grad is None for p in m.parameters())
     assert [r["path"] for r in rows] == ["fast", "old"] and all(r["ms_per_step"] > 0 for r in rows)
     assert [r["adamw"] for r in rows] == ["fused", "default"] and rows[0]["muon_matrices"] > 0
+    assert [r["muon"] for r in rows] == ["batched", "per-matrix"] and not any(r["cuda_graph"] for r in rows)
     lines = e2e.render(_result(rows, preset="micro", dtype="fp32", speedup=1.5)).splitlines()
     assert lines[1].startswith("train    fast") and "ms/optimizer step" in lines[1] and "'adamw': 'fused'" in lines[1]
     assert lines[-1] == "speed-up fast / old: 1.5x" and not any("backends" in ln for ln in lines)
