@@ -27,7 +27,7 @@ def default_model_dir() -> Path | None:
 def add_model_args(p: argparse.ArgumentParser, default_hint: str) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--preset", type=argtypes.preset,
-                   help="a built-in architecture with random weights: tiny, small, flash, pro")
+                   help="a built-in architecture with random weights: tiny, small, medium, flash, pro")
     g.add_argument("--model", metavar="DIR|ID", type=argtypes.path,
                    help=f"a checkpoint directory or a Hugging Face Hub id org/name[@rev] (default: {default_hint})")
     g.add_argument("--config", metavar="FILE", type=argtypes.path,

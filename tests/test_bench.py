@@ -271,3 +271,29 @@ def test_w8a8_summary_takes_each_shapes_best_backend_and_the_worst_shape():
     assert "experts" not in s
     shapes = w8a8.flash_linears(ModelConfig.preset("flash"))
     assert shapes["wq_a"] == (1024, 4096) and "wo_a" not in shapes      # wo_a runs in bf16 officially
+
+
+def test_gpu_train_bench_script_runs_its_commands_on_the_cpu(tmp_path):
+    """scripts/gpu_train_bench.sh --device cpu --preset tiny: the same three `dsv4 bench train` commands as on
+    a GPU (full step, optimizer only, full step with checkpointing) at tiny shapes, one timed step each;
+    prints the commit, the date and one line per figure with its median, min and max."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "REPS": "1", "OUT": str(tmp_path)}
+    res = subprocess.run(["bash", str(root / "scripts" / "gpu_train_bench.sh"), "--device", "cpu", "--preset", "tiny"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("commit: ") and lines[1].startswith("date: 20")
+    full, opt, mfu = lines[-3:]
+    assert full.startswith("full step, tiny 1 x 64: ") and "(min " in full and "'muon': 'batched'" in full
+    assert opt.startswith("optimizer only, tiny: ") and "muon batched, adamw fused" in opt and "% of the full" in opt
+    assert mfu.startswith("full step, tiny 1 x 64, activation checkpointing: ") and "tokens/s" in mfu
+    rows = [json.loads(ln) for ln in (tmp_path / "mfu.jsonl").read_text().splitlines() if '"path"' in ln]
+    assert rows[0]["activation_checkpointing"] is True and len(rows[0]["s_reps"]) == 1
+    res = subprocess.run(["bash", str(root / "scripts" / "gpu_train_bench.sh"), "--bogus"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert res.returncode == 2 and res.stderr.startswith("error: unknown argument --bogus")

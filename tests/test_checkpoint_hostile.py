@@ -239,7 +239,7 @@ def test_config_schema_bounds_total_size_and_applies_to_hugging_face_keys(tmp_pa
                        ("rope_scaling", {"type": "yarn", "factor": 2, "beta_slow": 0})):
         with pytest.raises(ConfigError, match="config key"):
             ModelConfig.from_dict({**hf, key: value})
-    for name in ("tiny", "small", "flash", "pro"):
+    for name in ("tiny", "small", "medium", "flash", "pro"):
         ModelConfig.preset(name)  # the limits leave every real config alone
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**hf, "rms_norm_eps": -1}))

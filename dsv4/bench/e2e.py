@@ -52,6 +52,12 @@ def _sync(device: torch.device) -> None:
 
 def _timed(fn, device: torch.device, reps: int, setup=None) -> float:
     """Median wall seconds of fn(state) over reps (setup() builds a fresh state, untimed)."""
+    times = _timed_reps(fn, device, reps, setup)
+    return times[len(times) // 2]
+
+
+def _timed_reps(fn, device: torch.device, reps: int, setup=None) -> list[float]:
+    """Wall seconds of each of reps calls of fn(state), sorted (setup() builds a fresh state, untimed)."""
     times = []
     for _ in range(reps):
         state = setup() if setup is not None else None
@@ -60,8 +66,7 @@ def _timed(fn, device: torch.device, reps: int, setup=None) -> float:
         fn(state)
         _sync(device)
         times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
+    return sorted(times)
 
 
 def _path(name: str):
@@ -209,6 +214,7 @@ def bench_train(model, args, device, path: str) -> dict:
     cfg = model.cfg
     tokens = _tokens(cfg, args.batch, args.seq, device)
     model.train()
+    model.set_options(activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)))
     full = bool(getattr(args, "optimizer", False))
     mtp = full and cfg.n_mtp_layers > 0 and not cfg.dspark
     opt = MuonAdamW(model, OptimConfig(lr=1e-4)) if full else None
@@ -266,15 +272,18 @@ def bench_train(model, args, device, path: str) -> dict:
                 step = eager_step
                 step(None)                                                 # warm-up
                 ops.reset_calls()
-            sec = _timed(step, device, args.reps)
+            reps = _timed_reps(step, device, args.reps)
+            sec = reps[len(reps) // 2]
             if not graphed:
                 used = _backends_used()
     finally:
         model.eval()
+        model.set_options(activation_checkpointing=False)
     tok_s = args.batch * args.seq / sec
     row = {"bench": "train", "path": path, "step": "full" if full else "fwd+bwd", "batch": args.batch,
            "seq": args.seq, "s": round(sec, 4), "tokens_per_s": round(tok_s, 1), "cuda_graph": graphed,
-           "backends": used}
+           "s_reps": [round(t, 5) for t in reps],
+           "activation_checkpointing": bool(getattr(args, "activation_checkpointing", False)), "backends": used}
     if opt is not None:
         row["optimizer"] = opt.implementation | {"graphed": graphed}
     peak = peak_tflops(device, getattr(args, "peak_tflops", None))
@@ -349,10 +358,12 @@ def bench_optimizer(model, args, device, path: str) -> dict:
             norm = float(total.to("cpu", copy=True))
             if norm == norm and abs(norm) != float("inf"):
                 captured()
-    sec = _timed(step, device, args.reps)
+    reps = _timed_reps(step, device, args.reps)
+    sec = reps[len(reps) // 2]
     n_muon = len(opt.muon_params)
     impl = opt.implementation
     row = {"bench": "train", "path": path, "step": "optimizer", "s": round(sec, 5),
+           "s_reps": [round(t, 5) for t in reps],
            "ms_per_step": round(sec * 1e3, 3), "muon_matrices": n_muon, "adamw_tensors": len(opt.adamw_names),
            "muon": impl["muon"], "adamw": impl["adamw"], "cuda_graph": graphed, "backends": {}}
     if args.profile and device.type == "cuda":
@@ -465,6 +476,9 @@ def add_bench_parsers(subparsers) -> None:
                                help="time the optimizer part of the step alone (clipping, Muon + AdamW, router "
                                     "bias) on random gradients, fast vs old path, ms per step (--profile: "
                                     "kernels and host syncs per step)")
+            p.add_argument("--activation-checkpointing", action="store_true",
+                           help="recompute each block's forward in backward (the MFU counts the model's FLOPs, "
+                                "not the recomputation): how `medium` fits one H200")
             p.add_argument("--peak-tflops", type=argtypes.positive_float,
                            help="device bf16 peak for MFU (default: known GPUs)")
         p.add_argument("--device", default=None, type=argtypes.device)

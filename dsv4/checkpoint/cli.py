@@ -32,7 +32,7 @@ def add_inspect_parser(subparsers) -> argparse.ArgumentParser:
         "With --preset NAME --expected: the inventory a release checkpoint must hold.",
     )
     p.add_argument("dir", nargs="?", help="checkpoint directory or Hugging Face Hub id org/name[@rev]")
-    p.add_argument("--preset", help="config preset (tiny, small, flash, pro) instead of DIR/config.json")
+    p.add_argument("--preset", help="config preset (tiny, small, medium, flash, pro) instead of DIR/config.json")
     p.add_argument("--config", help="config.json to check DIR against (default: DIR/config.json)")
     p.add_argument("--expected", action="store_true", help="print the inventory the config requires")
     p.add_argument("--layout", choices=LAYOUTS, help="override the detected layout")
@@ -126,7 +126,7 @@ def add_init_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("dir", type=argtypes.path, help="the directory to create (must not exist)")
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--preset", type=argtypes.preset, help="tiny, small, flash, pro")
+    g.add_argument("--preset", type=argtypes.preset, help="tiny, small, medium, flash, pro")
     g.add_argument("--config", type=argtypes.path, help="a config.json (official or Hugging Face keys)")
     p.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
                    help="config fields to change, values as JSON (n_layers=4 n_routed_experts=16 "

@@ -30,7 +30,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                     "other run the standard one (each flag below lists both).")
     p.add_argument("--config", help="training config file (.json or .toml) with TrainConfig keys; "
                                     "a [model] table overrides ModelConfig fields")
-    p.add_argument("--preset", type=argtypes.preset, help="model preset (tiny, small, flash, pro); default tiny")
+    p.add_argument("--preset", type=argtypes.preset,
+                   help="model preset (tiny, small, medium, flash, pro); default tiny")
     p.add_argument("--model-config", help="model config.json to train from scratch instead of a preset")
     p.add_argument("--init-from", help="checkpoint directory or Hugging Face Hub id org/name[@rev] to continue "
                                        "training (fine-tune)")
