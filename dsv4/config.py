@@ -317,6 +317,21 @@ def _small() -> ModelConfig:
     )
 
 
+def _medium() -> ModelConfig:
+    # One H200's training shape (between small and flash): 16 layers of flash's pattern (two window-only,
+    # then CSA / HCA alternating), 64 routed experts with 6 active, V4's vocabulary, one MTP block; fp32
+    # master weights, gradients and optimizer state plus checkpointed activations of 1 x 4096 tokens fit
+    # one 141 GB GPU (`dsv4 info --preset medium`).
+    return ModelConfig(
+        name="medium", vocab_size=129280, dim=2048, n_layers=16, n_mtp_layers=1, n_hash_layers=2,
+        n_heads=32, head_dim=512, rope_head_dim=64, q_lora_rank=768, o_groups=4, o_lora_rank=512,
+        window_size=128, compress_ratios=(0, 0) + (4, 128) * 7 + (0,),
+        index_n_heads=32, index_head_dim=128, index_topk=512,
+        n_routed_experts=64, n_shared_experts=1, n_activated_experts=6, moe_inter_dim=768,
+        route_scale=1.5, swiglu_limit=10.0, max_seq_len=65536,
+    )
+
+
 def _flash() -> ModelConfig:
     return ModelConfig(
         name="flash", vocab_size=129280, dim=4096, n_layers=43, n_mtp_layers=1, n_hash_layers=3,
@@ -340,6 +355,6 @@ def _pro() -> ModelConfig:
     )
 
 
-PRESETS = {"tiny": _tiny, "small": _small, "flash": _flash, "pro": _pro}
+PRESETS = {"tiny": _tiny, "small": _small, "medium": _medium, "flash": _flash, "pro": _pro}
 
 __all__ = ["ModelConfig", "ConfigError", "PRESETS", "QUANT_MODES", "SCALE_FMTS", "SCORE_FUNCS"]

@@ -39,7 +39,7 @@ class Opt:
 
 SHARED: dict[str, Opt] = {o.flag.lstrip("-").replace("-", "_"): o for o in [
     # the model
-    Opt("--preset", "a built-in architecture with random weights: tiny, small, flash, pro",
+    Opt("--preset", "a built-in architecture with random weights: tiny, small, medium, flash, pro",
         dict(type=argtypes.preset)),
     Opt("--model", "a checkpoint directory or a Hugging Face Hub id org/name[@rev]",
         dict(metavar="DIR|ID", type=argtypes.path)),

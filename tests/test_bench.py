@@ -65,13 +65,14 @@ def test_optimizer_only_refuses_a_cpu_and_a_cuda_graph(no_cuda, capsys):
     assert capsys.readouterr().err.startswith("error: dsv4 bench train needs a CUDA device")
     assert main(["bench", "train", "--optimizer-only", "--cuda-graph", "--device", "cpu", "--allow-cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --optimizer-only times the eager optimizer step") and len(err.splitlines()) == 1
+    assert err.startswith("error: --optimizer-only --cuda-graph replays the update from a CUDA graph; this run "
+                          "is on cpu") and len(err.splitlines()) == 1
 
 
 def test_optimizer_only_times_both_paths_on_a_micro_model():
     """bench_optimizer on a micro model on the CPU: both paths step every weight, report ms per step and
-    the AdamW implementation (fused on this CPU for the fast path, torch's default for the old one), and
-    leave no gradients behind."""
+    the Muon and AdamW implementations (batched Muon and fused AdamW on this CPU for the fast path, torch's
+    per-matrix Muon and default AdamW for the old one), and leave no gradients behind."""
     import argparse
 
     from test_train import micro_model
@@ -86,6 +87,7 @@ def test_optimizer_only_times_both_paths_on_a_micro_model():
         assert all(p.grad is None for p in m.parameters())
     assert [r["path"] for r in rows] == ["fast", "old"] and all(r["ms_per_step"] > 0 for r in rows)
     assert [r["adamw"] for r in rows] == ["fused", "default"] and rows[0]["muon_matrices"] > 0
+    assert [r["muon"] for r in rows] == ["batched", "per-matrix"] and not any(r["cuda_graph"] for r in rows)
     lines = e2e.render(_result(rows, preset="micro", dtype="fp32", speedup=1.5)).splitlines()
     assert lines[1].startswith("train    fast") and "ms/optimizer step" in lines[1] and "'adamw': 'fused'" in lines[1]
     assert lines[-1] == "speed-up fast / old: 1.5x" and not any("backends" in ln for ln in lines)
@@ -269,3 +271,29 @@ def test_w8a8_summary_takes_each_shapes_best_backend_and_the_worst_shape():
     assert "experts" not in s
     shapes = w8a8.flash_linears(ModelConfig.preset("flash"))
     assert shapes["wq_a"] == (1024, 4096) and "wo_a" not in shapes      # wo_a runs in bf16 officially
+
+
+def test_gpu_train_bench_script_runs_its_commands_on_the_cpu(tmp_path):
+    """scripts/gpu_train_bench.sh --device cpu --preset tiny: the same three `dsv4 bench train` commands as on
+    a GPU (full step, optimizer only, full step with checkpointing) at tiny shapes, one timed step each;
+    prints the commit, the date and one line per figure with its median, min and max."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "REPS": "1", "OUT": str(tmp_path)}
+    res = subprocess.run(["bash", str(root / "scripts" / "gpu_train_bench.sh"), "--device", "cpu", "--preset", "tiny"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("commit: ") and lines[1].startswith("date: 20")
+    full, opt, mfu = lines[-3:]
+    assert full.startswith("full step, tiny 1 x 64: ") and "(min " in full and "'muon': 'batched'" in full
+    assert opt.startswith("optimizer only, tiny: ") and "muon batched, adamw fused" in opt and "% of the full" in opt
+    assert mfu.startswith("full step, tiny 1 x 64, activation checkpointing: ") and "tokens/s" in mfu
+    rows = [json.loads(ln) for ln in (tmp_path / "mfu.jsonl").read_text().splitlines() if '"path"' in ln]
+    assert rows[0]["activation_checkpointing"] is True and len(rows[0]["s_reps"]) == 1
+    res = subprocess.run(["bash", str(root / "scripts" / "gpu_train_bench.sh"), "--bogus"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert res.returncode == 2 and res.stderr.startswith("error: unknown argument --bogus")

@@ -240,7 +240,7 @@ def test_config_schema_bounds_total_size_and_applies_to_hugging_face_keys(tmp_pa
                        ("rope_scaling", {"type": "yarn", "factor": 2, "beta_slow": 0})):
         with pytest.raises(ConfigError, match="config key"):
             read_config({**hf, key: value})
-    for name in ("tiny", "small", "flash", "pro"):
+    for name in ("tiny", "small", "medium", "flash", "pro"):
         ModelConfig.preset(name)  # the limits leave every real config alone
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**hf, "rms_norm_eps": -1}))
@@ -296,7 +296,10 @@ def slow():
     for i, nv in enumerate(model_values(m)):
         if i == 3:
             print("writing", flush=True)
-            time.sleep(float(sys.argv[2]))
+            if sys.argv[2] == "hold":      # held mid-write until the parent says go (a line on stdin)
+                sys.stdin.readline()
+            else:
+                time.sleep(float(sys.argv[2]))
         yield nv
 try:
     save(slow(), m.cfg, sys.argv[1], "bf16")
@@ -306,18 +309,26 @@ except CheckpointError as e:
 """
 
 
-def _writer(dst: Path, pause: float) -> subprocess.Popen:
+def _writer(dst: Path, pause: float | str) -> subprocess.Popen:
+    """A process that saves a checkpoint to dst and stops after its fourth tensor: for `pause` seconds, or
+    with pause="hold" until a line arrives on its stdin."""
     code = WRITER.format(tests=str(Path(__file__).parent))
     env = checkout_env()
-    return subprocess.Popen([sys.executable, "-c", code, str(dst), str(pause)], stdout=subprocess.PIPE,
-                            text=True, env=env)
+    return subprocess.Popen([sys.executable, "-c", code, str(dst), str(pause)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
 
 
 def test_two_concurrent_writers_exactly_one_succeeds(tmp_path):
+    """Two processes write the same destination; each is held after its fourth tensor until both have
+    got there, so both are provably mid-write at once whatever the machine's speed; then both go on."""
     dst = tmp_path / "dst"
-    procs = [_writer(dst, 1.0) for _ in range(2)]
+    procs = [_writer(dst, "hold") for _ in range(2)]
     for p in procs:
-        assert p.stdout.readline().strip() == "writing"  # both are writing at the same time
+        assert p.stdout.readline().strip() == "writing"  # held mid-write: both are writing at the same time
+    assert not dst.exists()
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.close()
     codes = sorted(p.wait(timeout=120) for p in procs)
     assert codes == [0, 2]
     load_pretrained(dst, dtype=torch.float32, progress=False)

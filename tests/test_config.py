@@ -21,10 +21,26 @@ def test_pro_preset_equals_both_released_configs():
 
 
 def test_hf_and_inference_round_trip():
-    for name in ("tiny", "small", "flash", "pro"):
+    for name in ("tiny", "small", "medium", "flash", "pro"):
         cfg = ModelConfig.preset(name)
         assert read_config(to_hf_json(cfg)) == cfg
         assert ModelConfig.from_dict(cfg.to_inference_json()) == cfg
+
+
+def test_medium_preset_trains_on_one_h200(capsys):
+    """`medium` (config and meta-device counts only: nothing allocated) sits between small and flash, has
+    3-8B parameters with a realistic expert count, and by `dsv4 info`'s estimate trains 1 x 4096 tokens on
+    one 141 GB GPU with activation checkpointing (fp32 master weights, gradients, Muon + AdamW state)."""
+    from dsv4.cli import main
+
+    assert main(["info", "--preset", "medium", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["name"] == "medium" and 3e9 <= info["total_params"] <= 8e9
+    cfg = ModelConfig.preset("medium")
+    assert cfg.n_routed_experts >= 64 and cfg.n_activated_experts >= 6 and cfg.max_seq_len >= 4096
+    assert ModelConfig.preset("small").dim < cfg.dim < ModelConfig.preset("flash").dim
+    mem = info["memory"]
+    assert mem["settings"]["train_seq_len"] == 4096 and mem["train_gpus_ckpt"] == 1, mem["settings"]
 
 
 def test_hf_layer_types_and_mlp_layer_types():

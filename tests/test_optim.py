@@ -145,36 +145,48 @@ def test_batched_ns_matches_fp64_and_torch_per_matrix(shape):
         assert diff <= 2 * float(bound[e]) + U32 * float(per_matrix.norm()), (e, diff, float(bound[e]))
 
 
-def test_batched_muon_step_chunks_and_mixes_stacks_and_matrices():
-    """batched_muon_step over a stack [4, m, n] and two [m, n] weights equals it over each tensor alone,
-    whatever the chunking (the batch entries are independent: chunking changes which matrices share a call,
-    not the arithmetic of any one): compared within the chain bound."""
+_GROUP = {"lr": 0.05, "weight_decay": 0.1, "momentum": 0.9, "nesterov": True,
+          "ns_coefficients": optim.NS_COEFFICIENTS, "ns_steps": optim.NS_STEPS, "eps": 1e-7,
+          "adjust_lr_fn": "match_rms_adamw"}
+
+
+def _plan_step(ws: list[torch.Tensor], gs: list[torch.Tensor], max_elems: int) -> list[torch.Tensor]:
+    """One MuonPlan step from zero momentum on copies of ws (each [k, m, n]); -> the new weights."""
+    w = [t.clone() for t in ws]
+    views = [[torch.nn.Parameter(t[i]) for i in range(t.size(0))] for t in w]
+    state: dict = {}
+    plan = optim.MuonPlan(w, views, state, _GROUP, max_elems)
+    plan.step([g.clone() for g in gs], torch.tensor(_GROUP["lr"]))
+    bufs = {ch.buf.data_ptr() for ch in plan.chunks}
+    for vs, g in zip(views, gs):                # the state keeps each matrix's momentum, (1 - 0.9) g, as a
+        for v, gi in zip(vs, g):                # slice of its chunk's buffer
+            mom = state[v]["momentum_buffer"]
+            torch.testing.assert_close(mom, 0.1 * gi, rtol=0, atol=0)
+            assert mom.untyped_storage().data_ptr() in bufs
+    return w
+
+
+def test_plan_chunks_and_mixes_stacks_and_matrices():
+    """A MuonPlan over a stack [4, m, n], two [m, n] weights and a [2, n, m] stack equals the per-matrix
+    reference (`reference_muon_step`, torch's Muon arithmetic) whatever the chunking (the batch entries
+    are independent: chunking changes which matrices share a call, not the arithmetic of any one), within
+    twice the chain bound of the update times the adjusted lr plus two fp32 roundings of the weight."""
     torch.manual_seed(0)
     shapes = [(4, 16, 24), (1, 16, 24), (1, 16, 24), (2, 24, 16)]
     ws = [torch.randn(s) for s in shapes]
     gs = [torch.randn(s) for s in shapes]
-    group = {"lr": 0.05, "weight_decay": 0.1, "momentum": 0.9, "nesterov": True,
-             "ns_coefficients": optim.NS_COEFFICIENTS, "ns_steps": optim.NS_STEPS, "eps": 1e-7,
-             "adjust_lr_fn": "match_rms_adamw"}
-    results = []
-    for max_elems in (1 << 20, 16 * 24 * 3, 1):
-        w = [t.clone() for t in ws]
-        bufs = [torch.zeros_like(t) for t in ws]
-        optim.batched_muon_step(w, [t.clone() for t in gs], bufs, group, max_elems)
-        results.append(w)
-        for b, g in zip(bufs, gs):
-            torch.testing.assert_close(b, 0.1 * g, rtol=0, atol=0)    # lerp from 0: exactly (1 - 0.9) g
-    alone = []
+    ref = []
     for t, g in zip(ws, gs):
-        w = [t.clone()]
-        optim.batched_muon_step(w, [g.clone()], [torch.zeros_like(t)], group)
-        alone.append(w[0])
-    for res in results:
-        for got, want, g in zip(res, alone, gs):
+        w = t.clone()
+        for i in range(t.size(0)):
+            optim.reference_muon_step(w[i], g[i], torch.zeros_like(g[i]), _GROUP)
+        ref.append(w)
+    for max_elems in (1 << 20, 16 * 24 * 3, 1):
+        for got, want, g in zip(_plan_step(ws, gs, max_elems), ref, gs):
             upd = g.lerp(0.1 * g, 0.9)
             adj = 0.05 * 0.2 * math.sqrt(max(g.shape[-2:]))
             bound = 2 * adj * _chain_bound(upd) + 2 * U32 * want.norm(dim=(-2, -1)).double()
-            assert ((got - want).double().norm(dim=(-2, -1)) <= bound).all()
+            assert ((got - want).double().norm(dim=(-2, -1)) <= bound).all(), max_elems
 
 
 # ------------------------------------------------------------------------------------------ AdamW
@@ -280,6 +292,188 @@ def test_fast_state_round_trips_and_keeps_torch_muon_state():
         assert torch.equal(runs[0][n], runs[1][n]), n
 
 
+# ------------------------------------------------------------------------------------------ several steps, structured
+class _Mixed(torch.nn.Module):
+    """Mixed shapes: a wide and a tall matrix, stacked experts [4, 16, 24], a [16, 24] matrix that shares
+    their Newton-Schulz batch, and AdamW tensors (embedding, norm)."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(11)
+        shapes = {"layers.0.attn.wide": (24, 48), "layers.0.attn.tall": (48, 24),
+                  "layers.0.ffn.experts": (4, 16, 24), "layers.0.ffn.zero": (16, 24),
+                  "embed.weight": (32, 16), "layers.0.norm.weight": (16,)}
+        for n, shape in shapes.items():
+            self.register_parameter(n.replace(".", "_"), torch.nn.Parameter(torch.randn(shape, generator=gen)))
+        self.names = {n.replace(".", "_"): n for n in shapes}
+
+    def named_parameters(self, *args, **kw):       # the dotted names MuonAdamW sorts by
+        for k, p in super().named_parameters(*args, **kw):
+            yield self.names[k], p
+
+
+def _mixed_grads(step: int, right: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Step `step`'s gradients: random for the wide matrix, experts and AdamW tensors; rank 3 for the tall
+    one (always the same right factor right["tall"], so every update lies in its row space); zero for
+    "zero"."""
+    gen = torch.Generator().manual_seed(100 + step)
+    m = _Mixed()
+    out = {}
+    for n, p in m.named_parameters():
+        if n.endswith("tall"):
+            out[n] = torch.randn(48, 3, generator=gen) @ right["tall"]
+        elif n.endswith("zero"):
+            out[n] = torch.zeros(p.shape)
+        else:
+            out[n] = torch.randn(p.shape, generator=gen) * torch.logspace(-1, 1, p.shape[-1])
+    return out
+
+
+def _reference_run(grads: list[dict[str, torch.Tensor]], cfg: optim.OptimConfig) -> dict[str, torch.Tensor]:
+    """The plain per-parameter reference: `reference_muon_step` on every 2-D matrix (each expert its own),
+    torch's default AdamW (single-tensor) on the rest, with MuonAdamW's groups and lr."""
+    m = _Mixed()
+    params = dict(m.named_parameters())
+    muon, adamw = optim.split_params(m)
+    group = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "momentum": cfg.muon_momentum, "nesterov": True,
+             "ns_coefficients": optim.NS_COEFFICIENTS, "ns_steps": optim.NS_STEPS, "eps": 1e-7,
+             "adjust_lr_fn": "match_rms_adamw"}
+    bufs = {n: torch.zeros_like(p) for n, p in muon}
+    decay = [p for n, p in adamw if p.dim() >= 2 and not n.startswith("embed.")]
+    no_decay = [p for n, p in adamw if not (p.dim() >= 2 and not n.startswith("embed."))]
+    opt = torch.optim.AdamW([g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]],
+                            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+    with torch.no_grad():
+        for g in grads:
+            for n, p in adamw:
+                p.grad = g[n].clone()
+            opt.step()
+            for n, p in muon:
+                w, gr, b = p.data.view(-1, *p.shape[-2:]), g[n].view(-1, *p.shape[-2:]), bufs[n].view(-1, *p.shape[-2:])
+                for i in range(w.size(0)):
+                    optim.reference_muon_step(w[i], gr[i], b[i], group)
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
+def test_batched_optimizer_matches_the_per_parameter_reference_over_steps_and_a_checkpoint(tmp_path):
+    """MuonAdamW(fast=True) over 4 steps, saved and restored through the training checkpoint's optimizer
+    tensors after step 2 (a fresh optimizer on a fresh model), against the per-parameter reference:
+
+    - the restored run equals the uninterrupted fast run bit for bit (same arithmetic, same order);
+    - Muon weights: per step, each update is within twice the chain bound of its Nesterov mix (times the
+      adjusted lr) of the reference's, and the weight products round twice (2 u32 |w|); the bounds add over
+      the steps (weight decay only shrinks an earlier difference), and their sum stays under half of what
+      the steps move the weight (so a wrong coefficient or iteration count shows). The rank-3 gradients of
+      the tall matrix are compared on their row space: bf16 rounding puts noise of order one into the null space, which
+      Newton-Schulz amplifies (3.44 per iteration at singular value 0) in both implementations
+      differently; on the row space the errors behave as for full rank;
+    - the zero-gradient matrix only decays: within 3 t u32 |w| (the factor 1 - lr wd is rounded differently);
+    - AdamW tensors within twice _adamw_error_bound of exact (fused vs single-tensor)."""
+    from dsv4.train import checkpoint
+
+    cfg = optim.OptimConfig(lr=0.02, weight_decay=0.1)
+    right = {"tall": torch.randn(3, 24, generator=torch.Generator().manual_seed(5))}
+    grads = [_mixed_grads(t, right) for t in range(4)]
+    runs = []
+    for restore in (False, True):
+        m = _Mixed()
+        opt = optim.MuonAdamW(m, cfg)
+        for t, g in enumerate(grads):
+            if restore and t == 2:
+                saved = checkpoint.optimizer_tensors(opt, m)
+                m2 = _Mixed()
+                m2.load_state_dict(m.state_dict())
+                m, opt = m2, optim.MuonAdamW(m2, cfg)
+                checkpoint.load_optimizer_tensors(opt, m, saved)
+            for n, p in m.named_parameters():
+                p.grad = g[n].clone()
+            opt.step()
+        runs.append({n: p.detach().clone() for n, p in m.named_parameters()})
+    for n in runs[0]:
+        assert torch.equal(runs[0][n], runs[1][n]), n
+    fast, ref = runs[0], _reference_run(grads, cfg)
+    init = dict(_Mixed().named_parameters())
+    muon_names = set(opt.muon_names)
+    v_tall = torch.linalg.svd(right["tall"].double(), full_matrices=False)[2].mT          # [24, 3] row space
+    for n in fast:
+        diff = (fast[n] - ref[n]).double()
+        if n not in muon_names:
+            bound = 2 * _adamw_error_bound([g[n] for g in grads], init[n].detach(), cfg.lr,
+                                           cfg.weight_decay if init[n].dim() >= 2 and not n.startswith("embed.")
+                                           else 0.0, cfg.betas, cfg.eps)
+            ok, msg = within(fast[n], ref[n], bound)
+            assert ok, f"{n}: {msg}"
+            continue
+        if n.endswith("zero"):
+            assert (diff.abs() <= 3 * 4 * U32 * init[n].detach().abs()).all()
+            continue
+        shape = (-1, *init[n].shape[-2:])
+        adj = cfg.lr * 0.2 * math.sqrt(max(init[n].shape[-2:]))
+        bound = torch.zeros(diff.view(shape).size(0), dtype=torch.float64)
+        moved = torch.zeros_like(bound)                  # sum of the steps' update norms (fp64 Newton-Schulz)
+        buf = torch.zeros_like(grads[0][n]).view(shape)
+        for g in grads:
+            g = g[n].view(shape)
+            buf = buf.lerp(g, 1 - cfg.muon_momentum)
+            upd = g.lerp(buf, cfg.muon_momentum)
+            bound += 2 * adj * _chain_bound(upd) + 2 * U32 * ref[n].view(shape).norm(dim=(-2, -1)).double()
+            moved += adj * ns_fp64(upd).norm(dim=(-2, -1))
+        if n.endswith("tall"):
+            diff = diff @ v_tall
+        err = diff.view(diff.size(0) if diff.dim() == 3 else 1, *diff.shape[-2:]).norm(dim=(-2, -1))
+        assert (err <= bound).all(), (n, err.tolist(), bound.tolist())
+        assert (bound < 0.5 * moved).all(), n             # the bound is well below what the steps move
+
+
+def test_fast_step_reads_nothing_on_the_host():
+    """The fast step (fused AdamW with a device lr, every Muon matrix through the plan) makes no scalar read
+    and no copy to the host, also after set_lr_factor (the lrs are device scalars, filled in place)."""
+    m = micro_model()
+    opt = optim.MuonAdamW(m, optim.OptimConfig(lr=0.01))
+    gen = torch.Generator().manual_seed(0)
+    for p in m.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()                                   # the first step builds the plan and the state
+    opt.set_lr_factor(0.5)
+    with _HostReads() as reads:
+        opt.step()
+    assert (reads.scalar, reads.to_cpu) == (0, 0)
+    assert opt.implementation == {"muon": "batched", "adamw": "fused"}
+    assert float(opt.adamw.param_groups[0]["lr"]) == pytest.approx(0.005)
+    assert float(opt._muon_lr) == pytest.approx(0.005)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA sync debug mode and graph capture need a GPU")
+def test_fast_step_on_cuda_has_no_sync_and_replays_from_a_graph():
+    """On a GPU: the step never raises under torch.cuda.set_sync_debug_mode("error") (no host sync); a CUDA
+    graph of it (graphed.GraphedUpdate, captured after one eager step), replayed, gives the eager steps'
+    weights bit for bit and follows set_lr_factor."""
+    from dsv4.train.graphed import GraphedUpdate
+
+    outs = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        m = micro_model().cuda()
+        opt = optim.MuonAdamW(m, optim.OptimConfig(lr=0.01))
+        gen = torch.Generator().manual_seed(0)
+        grads = [torch.randn(p.shape, generator=gen).cuda() for p in m.parameters()]
+        for p, g in zip(m.parameters(), grads):
+            p.grad = g
+        opt.step()
+        step = GraphedUpdate(opt.step) if graphed else opt.step
+        for k in range(3):
+            opt.set_lr_factor(1.0 / (k + 2))
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        outs.append([p.detach().clone() for p in m.parameters()])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------------------------ the training step
 class _HostReads(TorchDispatchMode):
     """Counts the ops that read a tensor on the host: .item()/float()/int()/bool() (aten._local_scalar_dense;
@@ -342,8 +536,8 @@ def test_clipping_matches_torch_clip_grad_norm(tmp_path):
     gradients: the same per-tensor norms and coefficient, so within fp32 rounding of the norm (gamma(n))."""
     t = Trainer(_train_cfg(tmp_path, steps=1, eval_every=0, diag_every=0, grad_clip=0.01), log=lambda *_: None)
     gen = torch.Generator().manual_seed(0)
-    for p in t.model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen)
+    for p in t.model.parameters():              # drawn on the CPU, placed where the model is (CPU or a GPU)
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device)
     ref = [torch.nn.Parameter(p.detach().clone()) for p in t.model.parameters()]
     for r, p in zip(ref, t.model.parameters()):
         r.grad = p.grad.clone()

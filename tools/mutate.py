@@ -123,7 +123,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "return (weights * self.route_scale).float(), indices, scores",
              "return weights.float(), indices, scores",
              "routing weights without route_scale", True),
-    Mutation("muon-coefficient", "optimizer", "dsv4/train/optim.py",
+    Mutation("muon-coefficient", "optimizer", "dsv4/train/muon_batched.py",
              "NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)", "NS_COEFFICIENTS = (3.4445, -4.7750, 2.0)",
              "a wrong Muon Newton-Schulz coefficient", False),
     Mutation("ns-4-steps", "optimizer", "dsv4/train/optim.py",

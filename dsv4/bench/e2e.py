@@ -13,14 +13,16 @@ of each op on the device (the ops that ran are listed from `dsv4.ops.calls()`, s
   limits: a launch-bound step is short on GPU time and long on the host).
 - train: forward + cross-entropy + backward on [b, s] tokens; with --optimizer the full training step of
   `dsv4 train` (fp32 master weights, bf16 autocast, all losses, clipping, Muon + AdamW, bias update).
-  `--cuda-graph` replays forward + losses + backward from one graph (`GraphedBackward`), the optimizer
-  step staying eager, as `dsv4 train --cuda-graph` does. tokens/s = b*s / time; MFU from the config's
+  `--cuda-graph` replays forward + losses + backward from one graph (`GraphedBackward`) and, with
+  --optimizer, the update (clipping, Muon + AdamW, router bias) from a second one captured at the second
+  step (`ReplayAfterFirst`), as `dsv4 train --cuda-graph` does. tokens/s = b*s / time; MFU from the config's
   active FLOPs per token (`dsv4.train.metrics`).
   `--optimizer-only` times the optimizer part of that step alone, on random gradients and expert loads:
   gradient norm and clipping, the non-finite check, Muon + AdamW and the router-bias update, as
-  `Trainer.train_step` runs them ("fast": `OptimConfig(fast=True)`, one device read) against the previous
-  step ("old": `fast=False`, torch's per-matrix Muon, torch's default AdamW, a host read per gradient);
-  ms per step.
+  `Trainer.train_step` runs them ("fast": `OptimConfig(fast=True)`, one device read; with --cuda-graph
+  the update replayed from a CUDA graph after the norm's read) against the previous step ("old":
+  `fast=False`, torch's per-matrix Muon, torch's default AdamW, a host read per gradient); ms per step,
+  and which Muon / AdamW implementation ran.
 
 The reference path always runs eagerly. For graphed paths, the backends listed are those recorded while
 the graph was captured (a replay runs the captured kernels and records nothing).
@@ -50,6 +52,12 @@ def _sync(device: torch.device) -> None:
 
 def _timed(fn, device: torch.device, reps: int, setup=None) -> float:
     """Median wall seconds of fn(state) over reps (setup() builds a fresh state, untimed)."""
+    times = _timed_reps(fn, device, reps, setup)
+    return times[len(times) // 2]
+
+
+def _timed_reps(fn, device: torch.device, reps: int, setup=None) -> list[float]:
+    """Wall seconds of each of reps calls of fn(state), sorted (setup() builds a fresh state, untimed)."""
     times = []
     for _ in range(reps):
         state = setup() if setup is not None else None
@@ -58,8 +66,7 @@ def _timed(fn, device: torch.device, reps: int, setup=None) -> float:
         fn(state)
         _sync(device)
         times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
+    return sorted(times)
 
 
 def _path(name: str):
@@ -207,6 +214,7 @@ def bench_train(model, args, device, path: str) -> dict:
     cfg = model.cfg
     tokens = _tokens(cfg, args.batch, args.seq, device)
     model.train()
+    model.set_options(activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)))
     full = bool(getattr(args, "optimizer", False))
     mtp = full and cfg.n_mtp_layers > 0 and not cfg.dspark
     opt = MuonAdamW(model, OptimConfig(lr=1e-4)) if full else None
@@ -219,11 +227,14 @@ def bench_train(model, args, device, path: str) -> dict:
         logits = model(batch).logits[:, :-1].float()
         return {"loss": F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))}
 
+    def update() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        balance.update_bias(model, 1e-3)
+
     def optimizer_step() -> None:
         if opt is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            balance.update_bias(model, 1e-3)
+            update()
             opt.zero_grad()
         else:
             model.zero_grad(set_to_none=True)
@@ -244,22 +255,37 @@ def bench_train(model, args, device, path: str) -> dict:
                 graph = GraphedBackward(model, loss_fn, tokens, torch.bfloat16 if full else None)
                 used = _backends_used()                                    # what the graph replays
 
+                if opt is not None:                 # the update replayed too, from the second call on
+                    from ..train.graphed import ReplayAfterFirst
+
+                    replay = ReplayAfterFirst(update)
+
                 def step(_):
                     graph.run(tokens)
-                    optimizer_step()
+                    if opt is not None:
+                        replay()
+                        opt.zero_grad()
+
+                step(None)                          # eager update (optimizer state), then the capture
+                step(None)
             else:
                 step = eager_step
                 step(None)                                                 # warm-up
                 ops.reset_calls()
-            sec = _timed(step, device, args.reps)
+            reps = _timed_reps(step, device, args.reps)
+            sec = reps[len(reps) // 2]
             if not graphed:
                 used = _backends_used()
     finally:
         model.eval()
+        model.set_options(activation_checkpointing=False)
     tok_s = args.batch * args.seq / sec
     row = {"bench": "train", "path": path, "step": "full" if full else "fwd+bwd", "batch": args.batch,
            "seq": args.seq, "s": round(sec, 4), "tokens_per_s": round(tok_s, 1), "cuda_graph": graphed,
-           "backends": used}
+           "s_reps": [round(t, 5) for t in reps],
+           "activation_checkpointing": bool(getattr(args, "activation_checkpointing", False)), "backends": used}
+    if opt is not None:
+        row["optimizer"] = opt.implementation | {"graphed": graphed}
     peak = peak_tflops(device, getattr(args, "peak_tflops", None))
     flops = train_flops_per_token(cfg, args.seq, mtp=mtp)
     row["model_tflops"] = round(flops * tok_s / 1e12, 2)
@@ -279,13 +305,12 @@ def _old_clip(model, max_norm: float) -> tuple[int, float]:
 
 def _fast_clip(model, max_norm: float) -> tuple[int, float]:
     """The clipping of `Trainer.train_step`: device norm and coefficient, one read of the norm."""
-    from ..train.trainer import _foreach_ok
+    from ..train import clipping
 
-    params = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
-    total = torch.nn.utils.get_total_norm(grads, foreach=_foreach_ok(grads))
+    params = list(model.parameters())
+    total = clipping.total_norm([p.grad for p in params if p.grad is not None], params[0].device)
     gnorm = float(total.to("cpu", copy=True))
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=_foreach_ok(grads))
+    clipping.clip_(params, max_norm, total)
     return (0 if gnorm == gnorm and abs(gnorm) != float("inf") else -1), gnorm
 
 
@@ -305,6 +330,7 @@ def bench_optimizer(model, args, device, path: str) -> dict:
             m.load = torch.randint(0, 1000, (m.n_experts,), generator=gen).to(device)
     opt = MuonAdamW(model, OptimConfig(lr=1e-4, fast=fast))
     clip = _fast_clip if fast else _old_clip
+    graphed = fast and device.type == "cuda" and bool(getattr(args, "cuda_graph", False))
 
     def step(_=None) -> None:
         nonfinite, _norm = clip(model, 1.0)
@@ -313,12 +339,33 @@ def bench_optimizer(model, args, device, path: str) -> dict:
             balance.update_bias(model, 1e-3)
 
     step()                                                                 # warm-up: state, kernels
-    sec = _timed(step, device, args.reps)
+    if graphed:                  # as `dsv4 train --cuda-graph` runs it: the norm read, then the captured update
+        from ..train import clipping
+        from ..train.graphed import GraphedUpdate
+
+        params = list(model.parameters())
+        total = clipping.total_norm([p.grad for p in params], device)
+
+        def update() -> None:
+            clipping.clip_(params, 1.0, total)
+            opt.step()
+            balance.update_bias(model, 1e-3)
+
+        captured = GraphedUpdate(update)
+
+        def step(_=None) -> None:       # noqa: F811  (the graphed step replaces the eager one)
+            total.copy_(clipping.total_norm([p.grad for p in params], device))
+            norm = float(total.to("cpu", copy=True))
+            if norm == norm and abs(norm) != float("inf"):
+                captured()
+    reps = _timed_reps(step, device, args.reps)
+    sec = reps[len(reps) // 2]
     n_muon = len(opt.muon_params)
+    impl = opt.implementation
     row = {"bench": "train", "path": path, "step": "optimizer", "s": round(sec, 5),
+           "s_reps": [round(t, 5) for t in reps],
            "ms_per_step": round(sec * 1e3, 3), "muon_matrices": n_muon, "adamw_tensors": len(opt.adamw_names),
-           "adamw": "fused" if opt.adamw.defaults.get("fused") else
-                    "foreach" if opt.adamw.defaults.get("foreach") else "default", "backends": {}}
+           "muon": impl["muon"], "adamw": impl["adamw"], "cuda_graph": graphed, "backends": {}}
     if args.profile and device.type == "cuda":
         row.update(_profile_step(step, 3))
         row["host_syncs_per_step"] = _count_syncs(step)
@@ -347,9 +394,9 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
             setattr(args, key, val)
     t0 = time.time()
     only = args.bench == "train" and getattr(args, "optimizer_only", False)
-    if only and args.cuda_graph:
-        raise UserError("--optimizer-only times the eager optimizer step; --cuda-graph replays forward + "
-                        "backward, which it does not run: pass one of them")
+    if only and args.cuda_graph and device.type != "cuda":
+        raise UserError(f"--optimizer-only --cuda-graph replays the update from a CUDA graph; this run is on "
+                        f"{device.type}: leave out --cuda-graph")
     if args.bench == "train" and (args.optimizer or only):
         dtype = torch.float32                                          # fp32 master weights, bf16 autocast
     if only:
@@ -383,7 +430,7 @@ def render(result: dict) -> str:
     optimizer = bool(rows) and rows[0].get("step") == "optimizer"
     for r in rows:
         keys = ("kernels_per_step", "gpu_busy_ms_per_step", "host_syncs_per_step", "model_tflops", "mfu",
-                "adamw", "muon_matrices")
+                "muon", "adamw", "cuda_graph", "muon_matrices", "optimizer")
         extra = {k: r[k] for k in keys if k in r}
         rate = (f"{r['ms_per_step']:12.3f} ms/optimizer step" if optimizer else
                 f"{r['tokens_per_s']:12.1f} tokens/s  ({r['s']:.4f} s)")
@@ -417,8 +464,9 @@ def add_bench_parsers(subparsers) -> None:
         p.add_argument("--no-reference", action="store_true", help="skip the torch reference path")
         if name == "train":
             options.add(p, "cuda_graph", default=False,
-                        note="here forward + losses + backward from one graph (the optimizer step stays eager): "
-                             "what `dsv4 train --cuda-graph` runs")
+                        note="replay forward + losses + backward from one CUDA graph and (with --optimizer) the "
+                             "update (clipping, Muon + AdamW, router bias) from another: what `dsv4 train "
+                             "--cuda-graph` runs; with --optimizer-only the update alone, replayed")
             which = p.add_mutually_exclusive_group()
             which.add_argument("--optimizer", action="store_true",
                                help="time the whole training step as `dsv4 train` runs it: fp32 master weights, "
@@ -427,6 +475,9 @@ def add_bench_parsers(subparsers) -> None:
                                help="time the optimizer part of the step alone (clipping, Muon + AdamW, router "
                                     "bias) on random gradients, fast vs old path, ms per step (--profile: "
                                     "kernels and host syncs per step)")
+            p.add_argument("--activation-checkpointing", action="store_true",
+                           help="recompute each block's forward in backward (the MFU counts the model's FLOPs, "
+                                "not the recomputation): how `medium` fits one H200")
             p.add_argument("--peak-tflops", type=argtypes.positive_float,
                            help="device bf16 peak for MFU (default: known GPUs)")
         options.add(p, "device")

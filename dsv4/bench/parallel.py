@@ -154,7 +154,7 @@ def judge(ranks: list[dict], deterministic: bool, tol: float) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m dsv4.bench.parallel", description=__doc__.splitlines()[0])
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--preset", help="random weights of a preset (tiny, small, flash, pro)")
+    g.add_argument("--preset", help="random weights of a preset (tiny, small, medium, flash, pro)")
     g.add_argument("--model", help="a checkpoint directory (e.g. written by dsv4 init)")
     p.add_argument("--nproc", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, worker r on cuda:r)")

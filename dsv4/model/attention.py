@@ -223,8 +223,11 @@ class Attention(nn.Module):
         return record(f"{self.stage}.indexer.topk", sel)
 
     # ---------------------------------------------------------------- full sequence (train / prefill)
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The whole sequence: x [b, s, dim], positions = arange(s) (training, checks)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                losses: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The whole sequence: x [b, s, dim], positions = arange(s) (training, checks). The indexer loss
+        (when on) goes into losses["indexer"] when a dict is given (a block's training forward), else onto
+        `indexer_loss`."""
         b, s, _ = x.shape
         qr, q, kv = self._q_kv(x, positions)
         idx = self._window_idx(s, x.device).unsqueeze(0).expand(b, -1, -1)              # [b, s, w]
@@ -243,8 +246,12 @@ class Attention(nn.Module):
             kv_all = torch.cat([kv, comp], 1)
         o, lse = ops.sparse_attention(q, kv_all, self.attn_sink, idx, self.scale)
         if "scores" in q_ctx:
-            self.indexer_loss = self._indexer_loss(q, kv_all, idx[..., -sel.size(-1):] if sel.size(-1) else None,
-                                                   lse, q_ctx["scores"], s)
+            loss = self._indexer_loss(q, kv_all, idx[..., -sel.size(-1):] if sel.size(-1) else None, lse,
+                                      q_ctx["scores"], s)
+            if losses is not None:
+                losses["indexer"] = loss
+            else:
+                self.indexer_loss = loss
         return self._output(o, positions)
 
     def _indexer_loss(self, q, kv_all, comp_idx, lse, scores, offset) -> torch.Tensor:

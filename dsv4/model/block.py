@@ -54,23 +54,34 @@ class Block(nn.Module):
         return ops.hc_pre(x, fn, scale, base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None, token_ids: torch.Tensor,
-                plan: Plan | None = None, pool: LayerPool | None = None) -> torch.Tensor:
+                plan: Plan | None = None, pool: LayerPool | None = None, *,
+                with_losses: bool = False) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """x [b, s, hc, dim]. Without a plan: the whole sequence at `positions`; with one: an incremental
-        step on the paged pool (positions come from the plan)."""
+        step on the paged pool (positions come from the plan).
+
+        with_losses (training): -> (x, losses), losses holding this block's auxiliary losses that are on
+        ("indexer": the Lightning Indexer's KL, "balance": the sequence-wise balance loss; 0-dim tensors).
+        They leave the block through its output, not through module attributes: under activation
+        checkpointing a recomputation in backward would otherwise write its own losses onto the modules,
+        and their graphs would keep every recomputed block's activations alive until the next forward."""
         if self.activation_checkpointing and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._forward, x, positions, token_ids, plan, pool,
-                                                     use_reentrant=False)
-        return self._forward(x, positions, token_ids, plan, pool)
+                                                     with_losses, use_reentrant=False)
+        return self._forward(x, positions, token_ids, plan, pool, with_losses)
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor | None, token_ids: torch.Tensor,
-                 plan: Plan | None, pool: LayerPool | None) -> torch.Tensor:
-        if plan is None:
-            return self._mix(x, lambda h: self.attn(h, positions), token_ids)
-        return self._mix(x, lambda h: self.attn.append(h, plan, pool), token_ids)
+                 plan: Plan | None, pool: LayerPool | None, with_losses: bool = False):
+        losses: dict[str, torch.Tensor] | None = {} if with_losses else None      # made here: a
+        if plan is None:                                                          # recomputation's own
+            out = self._mix(x, lambda h: self.attn(h, positions, losses=losses), token_ids, losses)
+        else:
+            out = self._mix(x, lambda h: self.attn.append(h, plan, pool), token_ids, losses)
+        return (out, losses) if with_losses else out
 
     def _mix(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
-             token_ids: torch.Tensor) -> torch.Tensor:
-        """mHC around `attend` (normalized sublayer input [b, s, dim] -> output), then around the MoE."""
+             token_ids: torch.Tensor, losses: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """mHC around `attend` (normalized sublayer input [b, s, dim] -> output), then around the MoE
+        (which puts its balance loss into `losses` when given)."""
         residual = x
         h, post, comb = self._hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         h = record(f"{self.stage}.hc_attn_pre", h)
@@ -80,7 +91,7 @@ class Block(nn.Module):
         residual = x
         h, post, comb = self._hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
         h = record(f"{self.stage}.hc_ffn_pre", h)
-        h = self.ffn(self.ffn_norm(h), token_ids)
+        h = self.ffn(self.ffn_norm(h), token_ids, losses)
         return record(f"{self.stage}.hc_ffn_post", ops.hc_post(h, residual, post, comb))
 
 

@@ -162,8 +162,10 @@ class MoE(nn.Module):
         # expert parallelism installs a callable (x, weights, indices) -> fp32 [T, dim] here
         self.routed_override = None
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """x [b, s, dim], token_ids [b, s] -> [b, s, dim]."""
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor,
+                losses: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [b, s, dim], token_ids [b, s] -> [b, s, dim]. The balance loss (when on) goes into
+        losses["balance"] when a dict is given (a block's training forward), else onto `balance_loss`."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])                                                 # [T, dim]
         weights, indices, scores = self.gate(flat, token_ids.reshape(-1))
@@ -173,7 +175,11 @@ class MoE(nn.Module):
         self.load = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, flat_idx, torch.ones_like(flat_idx))
         if self.balance_alpha > 0 and self.training:
-            self.balance_loss = self._balance_loss(scores, indices, shape[0])
+            loss = self._balance_loss(scores, indices, shape[0])
+            if losses is not None:
+                losses["balance"] = loss
+            else:
+                self.balance_loss = loss
         routed = self.routed_override or self.experts
         y = record(f"{self.stage}.routed", routed(flat, weights, indices))              # fp32 [T, dim]
         if self.shared_experts is not None:

@@ -217,8 +217,11 @@ class DeepSeekV4(nn.Module):
             layer.ffn.balance_loss = None
         h = self._embed(tokens)
         tapped: list[torch.Tensor] = []
+        parts: dict[str, list[torch.Tensor]] = {"indexer": [], "balance": []}
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, tokens)
+            h, losses = layer(h, positions, tokens, with_losses=True)   # the losses through the output
+            for k, v in losses.items():
+                parts[k].append(v)
             if taps:
                 self._taps(h, i, tapped)
         out = ModelOutput(
@@ -226,11 +229,9 @@ class DeepSeekV4(nn.Module):
                               self.hc_head_base, self.norm),
             hidden=h, expert_load=[layer.ffn.load for layer in self.layers])
         if indexer_loss:
-            parts = [layer.attn.indexer_loss for layer in self.layers if layer.attn.indexer_loss is not None]
-            out.indexer_loss = torch.stack(parts).sum() if parts else None
+            out.indexer_loss = torch.stack(parts["indexer"]).sum() if parts["indexer"] else None
         if balance_alpha > 0:
-            parts = [layer.ffn.balance_loss for layer in self.layers if layer.ffn.balance_loss is not None]
-            out.balance_loss = torch.stack(parts).sum() if parts else None
+            out.balance_loss = torch.stack(parts["balance"]).sum() if parts["balance"] else None
         if mtp:
             out.mtp_logits = self._mtp(h, tokens, positions)
         if taps:

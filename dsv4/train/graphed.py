@@ -65,3 +65,42 @@ class GraphedBackward:
         for p, g in zip(self.params, self.grads):
             p.grad = g
         return self.outputs
+
+
+class GraphedUpdate:
+    """A parameter update (e.g. clipping + `MuonAdamW.step` + the router-bias update) captured once as a
+    CUDA graph at construction, replayed by each call.
+
+    `fn` takes no arguments and must read only tensors that stay where they are between calls: the gradients
+    of `GraphedBackward` (the same buffers every replay), the optimizer's state and device learning rates,
+    and any input the caller copies into a buffer of its own before calling. Run `fn` eagerly once before
+    (the optimizer builds its state and the batched Muon plan on its first step; capture records kernels
+    without running them). Skipping a step is not calling this."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.fn = fn
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            fn()
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+
+class ReplayAfterFirst:
+    """Runs fn eagerly at the first call, captures it (`GraphedUpdate`) at the second and replays it from then
+    on: the first step builds the optimizer's state, which the graph then updates in place."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.fn = fn
+        self.graph: GraphedUpdate | None = None
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            self.fn()
+            return
+        if self.graph is None:
+            self.graph = GraphedUpdate(self.fn)
+        self.graph()

@@ -23,11 +23,13 @@ Muon's update is rescaled to AdamW's RMS (`adjust_lr_fn="match_rms_adamw"`) so o
 schedule serves both groups.
 
 `OptimConfig(fast=True)` (the default) steps every whole matrix - each plain 2-D weight and the experts of
-every layer - through `batched_muon_step`: torch's Muon update with one bf16 Newton-Schulz per shape over all
-matrices of that shape (in chunks of at most `ns_batch_elems` elements), momentum, weight decay and update as
-foreach ops; the momentum still lives in torch's Muon state under each 2-D parameter, so checkpoints are
-unchanged. AdamW is then fused where the device has the kernel (else foreach). `fast=False` is the
-previous step: torch's Muon matrix by matrix (the stacked experts batched per tensor) and torch's default
+every layer - through one `MuonPlan` (`muon_batched.py`): one bf16 Newton-Schulz per shape over all matrices
+of that shape (in chunks of at most `ns_batch_elems` elements), momentum, Nesterov mix, weight decay and update
+as foreach ops over contiguous per-chunk momentum buffers whose slices torch's Muon state keeps (checkpoints
+are unchanged). AdamW is fused where the device has the kernel (else foreach). The learning rates are device
+scalars (`set_lr_factor` fills them), so a fast step of unsharded weights reads nothing on the host and can
+be replayed from a CUDA graph (`graphed.GraphedUpdate`). `fast=False` is the previous step and the
+reference: torch's Muon matrix by matrix (the stacked experts batched per tensor) and torch's default
 AdamW. Sharded weights take `sharded_muon_step` either way.
 """
 
@@ -39,8 +41,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_STEPS = 5
+from .muon_batched import (  # noqa: F401  (re-exported)
+    NS_COEFFICIENTS,
+    NS_STEPS,
+    MuonPlan,
+    adjust_lr,
+    batched_newton_schulz,
+    ns_iteration,
+    reference_muon_step,
+)
 
 
 def uses_muon(name: str, p: torch.Tensor) -> bool:
@@ -109,21 +118,47 @@ class MuonAdamW:
         decay = [p for n, p in adamw_named if not (p.dim() < 2 or n.startswith("embed."))]
         groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        self.adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                       **(_adamw_impl([p for g in groups for p in g["params"]]) if cfg.fast else {}))
+        impl = _adamw_impl([p for g in groups for p in g["params"]]) if cfg.fast else {}
+        # fused AdamW takes its lr as a device scalar (capturable on CUDA): a step reads no Python float that
+        # changes, so a captured step follows set_lr_factor
+        self._adamw_lr: list[torch.Tensor] = []
+        if impl.get("fused"):
+            dev = groups[0]["params"][0].device
+            self._adamw_lr = [torch.tensor(cfg.lr, dtype=torch.float32, device=dev) for _ in groups]
+            for g, t in zip(groups, self._adamw_lr):
+                g["lr"] = t
+            impl["capturable"] = dev.type == "cuda"
+        self.adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **impl)
         stacked_views = {id(v) for _, vs in self._stacked for v in vs}
         sharded_ids = {id(v) for v in self._sharded}
-        # fast: plain (whole, unstacked) 2-D matrices stepped by batched_muon_step instead of torch's Muon
-        self._plain = [v for v in views if id(v) not in stacked_views and id(v) not in sharded_ids]
+        # fast: the whole (unsharded) Muon weights - plain 2-D matrices and stacked experts - with their 2-D views,
+        # stepped by one MuonPlan instead of torch's Muon
+        self._whole: list[tuple[nn.Parameter, list[nn.Parameter]]] = (
+            [(v, [v]) for v in views if id(v) not in stacked_views and id(v) not in sharded_ids]
+            + [(p, vs) for p, vs in self._stacked if not _is_dtensor(p)])
+        self._plan: MuonPlan | None = None
+        self._plan_key: tuple | None = None
+        self._plan_state: dict | None = None
+        self._muon_lr = (torch.tensor(cfg.lr, dtype=torch.float32, device=self._whole[0][0].device)
+                         if self._whole else None)
         self.optimizers = [o for o in (self.muon, self.adamw) if o is not None]
         for o in self.optimizers:
             for g in o.param_groups:
                 g["base_lr"] = cfg.lr
 
     def set_lr_factor(self, factor: float) -> float:
+        """Sets every group's lr to base * factor (device scalars are filled in place: no host sync, and a
+        captured step reads the new value); -> the base lr times factor."""
         for o in self.optimizers:
-            for g in o.param_groups:
-                g["lr"] = g["base_lr"] * factor
+            for i, g in enumerate(o.param_groups):
+                lr = g["base_lr"] * factor
+                if o is self.adamw and self._adamw_lr:
+                    self._adamw_lr[i].fill_(lr)
+                    g["lr"] = self._adamw_lr[i]        # the same tensor again after a load_state_dict
+                else:
+                    g["lr"] = lr
+        if self._muon_lr is not None:
+            self._muon_lr.fill_(self.cfg.lr * factor)
         return self.cfg.lr * factor
 
     def _stacked_buffer(self, p: nn.Parameter, views: list[nn.Parameter]) -> torch.Tensor:
@@ -164,33 +199,34 @@ class MuonAdamW:
                                       self._stacked_buffer(p, views), group)
 
     def _fast_step(self) -> None:
-        """`fast=True`: AdamW as configured; every Muon matrix (plain 2-D weights and the experts of every
-        layer) through one `batched_muon_step`; FSDP2 row shards through `sharded_muon_step` as before."""
+        """`fast=True`: AdamW as configured; every whole Muon weight (plain 2-D matrices and the experts of
+        every layer) through one `MuonPlan`; FSDP2 row shards through `sharded_muon_step` as before. With
+        unsharded weights nothing here reads the device from the host."""
         self.adamw.step()
         if self.muon is None:
             return
-        group = self.muon.param_groups[0]
         state = self.muon.state
         sharded = [p for p in self._sharded if p.grad is not None]
         if sharded:
-            sharded_muon_step(sharded, [p.grad for p in sharded], state, group)
-        ws, gs, bufs = [], [], []
-        for p in self._plain:
-            if p.grad is None:
-                continue
-            st = state[p]
-            if st.get("momentum_buffer") is None:
-                st["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            ws.append(p.data.unsqueeze(0))
-            gs.append(p.grad.unsqueeze(0))
-            bufs.append(st["momentum_buffer"].unsqueeze(0))
-        for p, views in self._stacked:
-            if p.grad is not None:
-                ws.append(p.data.view(-1, *p.shape[-2:]))
-                gs.append(p.grad.reshape(-1, *p.shape[-2:]))
-                bufs.append(self._stacked_buffer(p, views))
-        if ws:
-            batched_muon_step(ws, gs, bufs, group, self.cfg.ns_batch_elems)
+            sharded_muon_step(sharded, [p.grad for p in sharded], state, self.muon.param_groups[0])
+        whole = [(p, vs) for p, vs in self._whole if p.grad is not None]
+        if not whole:
+            return
+        key = tuple(id(p) for p, _ in whole)
+        if self._plan is None or key != self._plan_key or self._plan_state is not state:
+            # first step, another set of gradients, or the state replaced (a load_state_dict)
+            self._plan = MuonPlan([p.data.view(-1, *p.shape[-2:]) for p, _ in whole], [vs for _, vs in whole],
+                                  state, self.muon.param_groups[0], self.cfg.ns_batch_elems)
+            self._plan_key, self._plan_state = key, state
+        self._plan.step([p.grad.reshape(-1, *p.shape[-2:]) for p, _ in whole], self._muon_lr)
+
+    @property
+    def implementation(self) -> dict[str, str]:
+        """Which implementation each part of the step runs (reported by the benches)."""
+        adamw = ("fused" if self.adamw.defaults.get("fused") else
+                 "foreach" if self.adamw.defaults.get("foreach") else "default")
+        muon = "batched" if self.cfg.fast else "per-matrix"
+        return {"muon": muon + (" + sharded" if self._sharded else ""), "adamw": adamw}
 
     def zero_grad(self) -> None:
         for o in self.optimizers:
@@ -210,6 +246,7 @@ class MuonAdamW:
         if self.muon is not None:
             self.muon.load_state_dict(d["muon"])
         self.adamw.load_state_dict(d["adamw"])
+        self._plan = None                          # rebinds the momentum buffers at the next step
 
 
 def _make_muon(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -221,36 +258,6 @@ def _make_muon(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Opti
         return torch.optim.Muon(params, **kw)
 
 
-def _adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
-    """torch.optim.Muon's learning-rate adjustment for one [rows, cols] matrix."""
-    if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return lr * math.sqrt(max(1.0, rows / cols))
-    return lr
-
-
-@torch.no_grad()
-def batched_newton_schulz(g: torch.Tensor, coeffs, steps: int, eps: float) -> torch.Tensor:
-    """torch.optim.Muon's bf16 quintic Newton-Schulz on each matrix of g [E, m, n] at once."""
-    a, b, c = coeffs
-    x = g.bfloat16()
-    wide = g.size(-2) > g.size(-1)
-    if wide:
-        x = x.mT
-    x = x / x.float().norm(dim=(-2, -1), keepdim=True).bfloat16().clamp(min=eps)   # spectral norm <= 1
-    for _ in range(steps):
-        x = ns_iteration(x, a, b, c)
-    return x.mT if wide else x
-
-
-def ns_iteration(x: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
-    """One quintic Newton-Schulz iteration on each matrix of x [E, m, n] (m <= n), in x's dtype:
-    G = x x^T, x <- a x + (b G + c G G) x (fp32 sums inside the matmuls, one rounding per product)."""
-    gram = x @ x.mT                                                                      # [E, m, m]
-    return torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-
-
 @torch.no_grad()
 def stacked_muon_step(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
     """torch.optim.Muon's update applied to each matrix of w [E, out, in] (momentum buf [E, out, in])."""
@@ -259,42 +266,7 @@ def stacked_muon_step(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, gr
     update = grad.lerp(buf, momentum) if group["nesterov"] else buf
     update = batched_newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
     w.mul_(1 - lr * wd)
-    w.add_(update.to(w.dtype), alpha=-_adjust_lr(lr, group.get("adjust_lr_fn"), w.size(-2), w.size(-1)))
-
-
-@torch.no_grad()
-def batched_muon_step(ws: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor], group: dict,
-                      max_elems: int = 1 << 27) -> None:
-    """torch.optim.Muon's update on every matrix of ws (each [k, out, in], a weight or a stack of experts; grads
-    and momentum bufs alike), with one bf16 Newton-Schulz per shape over all matrices of that shape (in chunks
-    of at most max_elems elements). Momentum, Nesterov mix, weight decay and the update are foreach ops.
-    The arithmetic per matrix is torch's: only the batching (the order of fp32 sums inside the kernels) differs."""
-    lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
-    torch._foreach_lerp_(bufs, grads, 1 - momentum)
-    if wd:
-        torch._foreach_mul_(ws, 1 - lr * wd)
-    by_shape: dict[tuple[int, int], list[int]] = {}
-    for i, w in enumerate(ws):
-        by_shape.setdefault((w.size(-2), w.size(-1)), []).append(i)
-    for (rows, cols), idx in by_shape.items():
-        step = _adjust_lr(lr, group.get("adjust_lr_fn"), rows, cols)
-        per_chunk = max(1, max_elems // (rows * cols))
-        start = 0
-        while start < len(idx):             # whole tensors per chunk, at most per_chunk matrices (or one tensor)
-            end, n = start, 0
-            while end < len(idx) and (n == 0 or n + ws[idx[end]].size(0) <= per_chunk):
-                n += ws[idx[end]].size(0)
-                end += 1
-            chunk = idx[start:end]
-            # the Nesterov mix per chunk: a transient copy of this chunk's updates, not of every gradient
-            updates = (torch._foreach_lerp([grads[i] for i in chunk], [bufs[i] for i in chunk], momentum)
-                       if group["nesterov"] else [bufs[i] for i in chunk])
-            stacked = updates[0] if len(chunk) == 1 else torch.cat(updates)
-            ortho = batched_newton_schulz(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"])
-            ortho = ortho.to(ws[chunk[0]].dtype)
-            parts = ortho.split([ws[i].size(0) for i in chunk])
-            torch._foreach_add_([ws[i] for i in chunk], list(parts), alpha=-step)
-            start = end
+    w.add_(update.to(w.dtype), alpha=-adjust_lr(lr, group.get("adjust_lr_fn"), w.size(-2), w.size(-1)))
 
 
 def _adamw_impl(params: list[torch.Tensor]) -> dict[str, bool]:
@@ -333,7 +305,7 @@ def sharded_muon_step(params: list[torch.Tensor], grads: list[torch.Tensor], sta
     for (rows, cols), items in by_shape.items():
         ortho = batched_newton_schulz(torch.stack([u for _, u in items]), group["ns_coefficients"],
                                       group["ns_steps"], group["eps"])
-        step = _adjust_lr(lr, group.get("adjust_lr_fn"), rows, cols)
+        step = adjust_lr(lr, group.get("adjust_lr_fn"), rows, cols)
         for (p, _), u in zip(items, ortho):
             mine = distribute_tensor(u.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
             local = p.to_local()

@@ -25,8 +25,9 @@ from .. import ops
 from ..config import ModelConfig
 from ..defaults import resolve_device
 from ..errors import RunFailed, UserError, writing
-from . import balance, checkpoint, data, metrics
+from . import balance, checkpoint, clipping, data, metrics
 from .dspark_loss import DSparkLossConfig, dspark_loss, sample_anchors
+from .graphed import ReplayAfterFirst
 from .losses import LossParts, total_loss
 from .optim import MuonAdamW, OptimConfig, lr_factor, orthogonalization_error
 from .tokenizer import Tokenizer
@@ -210,6 +211,7 @@ class Trainer:
         self.device = self._pick_device()
         self.cfg = cfg = cfg.resolved(self.device.type)          # defaults that depend on preset and device
         self._graph = None
+        self._gnorm_in: torch.Tensor | None = None                # the norm the update clips by (_update)
         if cfg.draft not in (None, "none", "mtp", "dspark"):
             raise UserError(f"--draft must be none, mtp or dspark, got {cfg.draft!r}")
         if cfg.cuda_graph:                                        # refused before any data or model work
@@ -416,7 +418,7 @@ class Trainer:
             torch.distributed.all_reduce(vec)
             vec = vec / self.world
         ratios = balance.load_ratio_tensor(m)
-        host = _read_host(gnorm_t, vec, ratios)
+        host = clipping.read_host(gnorm_t, vec, ratios)
         gnorm = host[0]
         losses_row = dict(zip(names, host[1:1 + len(names)]))
         load_ratios = [round(v, 3) for v in host[1 + len(names):]]
@@ -425,14 +427,12 @@ class Trainer:
         # the step goes ahead with clipped gradients, as before).
         nonfinite = 0 if math.isfinite(gnorm) else self._count_nonfinite()
         bad_loss = not all(math.isfinite(v) for v in losses_row.values())
-        self._clip(max_norm, gnorm_t)
         row: dict[str, Any] = {}
-        if self._diag_now():
+        if self._diag_now():                                        # scale-free: read before clipping
             row["muon_ortho_err"] = self._muon_error()
         lr = self.opt.set_lr_factor(lr_factor(self.step + 1, c.steps, c.warmup, c.schedule, c.min_lr_ratio))
         if nonfinite == 0 and not bad_loss:
-            self.opt.step()
-            balance.update_bias(m.mtp if c.freeze_main else m, c.bias_gamma)
+            self._update(max_norm, gnorm_t)
         self.opt.zero_grad()
         self.step += 1
         row.update(losses_row)
@@ -442,6 +442,23 @@ class Trainer:
             row["mhc_violation"] = self._mhc(tokens)
         return row
 
+    def _update(self, max_norm: float, gnorm_t: torch.Tensor) -> None:
+        """Clipping by the device norm (copied into a buffer of the update's own), the optimizer step and the
+        router-bias update; under --cuda-graph replayed from a CUDA graph from the second step on
+        (`graphed.ReplayAfterFirst`: the gradients are GraphedBackward's buffers, the lrs device scalars)."""
+        if self._gnorm_in is None:
+            self._gnorm_in = gnorm_t.detach().clone()
+            target = self.model.mtp if self.cfg.freeze_main else self.model
+
+            def update() -> None:
+                self._clip(max_norm, self._gnorm_in)
+                self.opt.step()
+                balance.update_bias(target, self.cfg.bias_gamma)
+
+            self._updater = ReplayAfterFirst(update) if self.cfg.cuda_graph else update
+        self._gnorm_in.copy_(gnorm_t)
+        self._updater()
+
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
@@ -450,20 +467,14 @@ class Trainer:
         torch.distributed the sharded/expert-parallel norm of `distributed.grad_norm`."""
         if self.dist is not None:
             return self.dist.grad_norm(self.model)
-        grads = self._grads()
-        if not grads:
-            return torch.zeros((), device=self.device)
-        return torch.nn.utils.get_total_norm(grads, foreach=_foreach_ok(grads))
+        return clipping.total_norm(self._grads(), self.device)
 
     def _clip(self, max_norm: float, total: torch.Tensor) -> None:
         """Scale every gradient by min(1, max_norm / (total + 1e-6)), a device scalar (no host sync)."""
         if self.dist is not None:
             self.dist.scale_grads_(self.model, max_norm, total)
             return
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total,
-                                                 foreach=_foreach_ok([p.grad for p in params]))
+        clipping.clip_(list(self.model.parameters()), max_norm, total)
 
     def _count_nonfinite(self) -> int:
         """Non-finite gradient elements over all ranks (host syncs: only called when the norm is not finite)."""
@@ -792,19 +803,6 @@ class Trainer:
         self.tok.save(self.out / "tokenizer")
         return save(model_values(self.model if model is None else model), self.mcfg, dst, target="bf16",
                     copy_from=self.out / "tokenizer", shard_bytes=12 << 20)
-
-
-def _foreach_ok(ts: list[torch.Tensor]) -> bool:
-    """Whether torch's foreach kernels take these tensors (plain tensors on a device that has them)."""
-    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
-
-    return all(type(t) is torch.Tensor and t.device.type in _get_foreach_kernels_supported_devices() for t in ts)
-
-
-def _read_host(*ts: torch.Tensor | None) -> list[float]:
-    """The values of the given device tensors (scalars or vectors; None skipped) in one device -> host copy."""
-    flat = [t.detach().float().reshape(-1) for t in ts if t is not None]
-    return torch.cat(flat).to("cpu", copy=True).tolist() if flat else []
 
 
 def gnorm_fmt(row: dict) -> str:

@@ -1,0 +1,153 @@
+"""Muon over batches of same-shape matrices: the step of `MuonAdamW` with `OptimConfig(fast=True)`.
+
+`MuonPlan` is built once for the set of Muon matrices that have gradients (rebuilt only when that set or
+the optimizer's state object changes, e.g. after a checkpoint load). It groups every matrix by shape - plain
+2-D weights and the experts of every layer alike - into chunks of at most `max_elems` elements and gives
+each chunk one contiguous momentum buffer [N, rows, cols]; torch's Muon state keeps, under each 2-D
+parameter, the slice of that buffer, so checkpoints see the layout they always did. A step is then, per
+chunk: the momentum lerp and the Nesterov mix as foreach ops over the chunk's members, one batched bf16
+Newton-Schulz on the [N, rows, cols] stack, one scale and one foreach add into the weights; weight decay is
+one foreach multiply over every weight. The learning rate is a device scalar (`lr`), so the step reads
+nothing on the host, branches on no device value and can be captured in a CUDA graph (`graphed.py`).
+
+The arithmetic per matrix is torch.optim.Muon's (`reference_muon_step` is that per-matrix computation,
+written plainly); only the batching (the order of the fp32 sums inside the kernels) and the Nesterov mix
+(m buf + (1 - m) grad instead of a lerp: a few fp32 roundings, far below the bf16 of Newton-Schulz) differ.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """torch.optim.Muon's learning-rate adjustment for one [rows, cols] matrix."""
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    return lr
+
+
+@torch.no_grad()
+def batched_newton_schulz(g: torch.Tensor, coeffs, steps: int, eps: float) -> torch.Tensor:
+    """torch.optim.Muon's bf16 quintic Newton-Schulz on each matrix of g [E, m, n] at once -> bf16 [E, m, n]."""
+    a, b, c = coeffs
+    x = g.bfloat16()
+    wide = g.size(-2) > g.size(-1)
+    if wide:
+        x = x.mT
+    # the fp32 norm of the bf16 matrix (no fp32 copy of it), rounded to bf16 as torch's bf16 norm is
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    x = x / norm.bfloat16().clamp(min=eps)                                      # spectral norm <= 1
+    for _ in range(steps):
+        x = ns_iteration(x, a, b, c)
+    return x.mT if wide else x
+
+
+def ns_iteration(x: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
+    """One quintic Newton-Schulz iteration on each matrix of x [E, m, n] (m <= n), in x's dtype:
+    G = x x^T, x <- a x + (b G + c G G) x (fp32 sums inside the matmuls, one rounding per product)."""
+    gram = x @ x.mT                                                                      # [E, m, m]
+    return torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+
+
+@dataclass
+class _Chunk:
+    rows: int
+    cols: int
+    members: list[int]            # indices into the plan's weights, whole tensors
+    sizes: list[int]              # matrices of each member
+    buf: torch.Tensor             # [N, rows, cols] momentum of the chunk's matrices, N = sum(sizes)
+    adjust: float                 # adjust_lr(1, ...): the update's scale is lr * adjust
+
+
+class MuonPlan:
+    """The batched Muon step over fixed weights.
+
+    weights: each a [k, rows, cols] view of a Muon weight (k = 1 for a plain matrix, E for stacked experts);
+    views: for each weight, its k 2-D parameters registered with torch's Muon (whose state holds the
+    momentum slices); state: torch's Muon state; group: its param group (momentum, nesterov, coefficients,
+    steps, eps, adjust_lr_fn, weight_decay)."""
+
+    def __init__(self, weights: list[torch.Tensor], views: list[list[torch.nn.Parameter]], state: dict,
+                 group: dict, max_elems: int = 1 << 27):
+        self.weights = weights
+        self.group = group
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for i, w in enumerate(weights):
+            by_shape.setdefault((w.size(-2), w.size(-1)), []).append(i)
+        self.chunks: list[_Chunk] = []
+        for (rows, cols), idx in by_shape.items():
+            per_chunk = max(1, max_elems // (rows * cols))
+            start = 0
+            while start < len(idx):          # whole tensors per chunk, at most per_chunk matrices (or one tensor)
+                end, n = start, 0
+                while end < len(idx) and (n == 0 or n + weights[idx[end]].size(0) <= per_chunk):
+                    n += weights[idx[end]].size(0)
+                    end += 1
+                members = idx[start:end]
+                self.chunks.append(_Chunk(rows, cols, members, [weights[i].size(0) for i in members],
+                                          self._bind(members, views, state), adjust_lr(1.0, group.get(
+                                              "adjust_lr_fn"), rows, cols)))
+                start = end
+
+    def _bind(self, members: list[int], views: list[list[torch.nn.Parameter]], state: dict) -> torch.Tensor:
+        """One [N, rows, cols] buffer holding the chunk's momentum (the state's values, or zeros where none);
+        the state then keeps each 2-D parameter's slice of it."""
+        vs = [v for i in members for v in views[i]]
+        old = [state[v].get("momentum_buffer") if v in state else None for v in vs]
+        buf = torch.stack([torch.zeros_like(v) if b is None else b.reshape(v.shape) for b, v in zip(old, vs)])
+        for i, v in enumerate(vs):
+            state.setdefault(v, {})["momentum_buffer"] = buf[i]
+        return buf
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor], lr: torch.Tensor) -> None:
+        """One Muon step: grads like self.weights ([k, rows, cols] each), lr a 0-dim tensor on their device."""
+        g = self.group
+        momentum, wd = g["momentum"], g["weight_decay"]
+        if wd:
+            torch._foreach_mul_(self.weights, (lr * -wd).add_(1))
+        for ch in self.chunks:
+            ws = [self.weights[i] for i in ch.members]
+            gs = [grads[i] for i in ch.members]
+            bufs = list(ch.buf.split(ch.sizes))
+            torch._foreach_lerp_(bufs, gs, 1 - momentum)
+            if g["nesterov"]:
+                update = ch.buf * momentum                                        # [N, rows, cols]
+                torch._foreach_add_(list(update.split(ch.sizes)), gs, alpha=1 - momentum)
+            else:
+                update = ch.buf
+            ortho = batched_newton_schulz(update, g["ns_coefficients"], g["ns_steps"], g["eps"])
+            scaled = ortho.to(ws[0].dtype).mul_(lr * -ch.adjust)
+            torch._foreach_add_(ws, list(scaled.split(ch.sizes)))
+
+
+@torch.no_grad()
+def reference_muon_step(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
+    """The plain per-matrix Muon step (torch.optim.Muon's arithmetic) on one 2-D weight, in place:
+    buf <- lerp(buf, grad, 1 - m); u = lerp(grad, buf, m) (Nesterov) or buf; w <- w (1 - lr wd) -
+    lr' NS_bf16(u) with lr' = adjust_lr(lr). The reference the batched plan is tested against."""
+    lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+    buf.lerp_(grad, 1 - momentum)
+    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+    a, b, c = group["ns_coefficients"]
+    x = update.bfloat16()
+    wide = x.size(0) > x.size(1)
+    if wide:
+        x = x.T
+    x = x / x.norm().clamp(min=group["eps"])
+    for _ in range(group["ns_steps"]):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    if wide:
+        x = x.T
+    w.mul_(1 - lr * wd)
+    w.add_(x.to(w.dtype), alpha=-adjust_lr(lr, group.get("adjust_lr_fn"), w.size(0), w.size(1)))
