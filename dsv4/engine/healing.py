@@ -160,6 +160,8 @@ def heal(vocab: Vocabulary, ids: list[int]) -> Healed:
     MAX_HEALED_TOKENS, never the first token, never a special token), keeping the longest cut that starts
     on a character (so the removed text is whole UTF-8 text). Nothing is removed when the last token is
     not extendable."""
+    if not vocab.merges:
+        return Healed(list(ids))
     best, removed, k = 0, b"", 0
     while k < min(MAX_HEALED_TOKENS, len(ids) - 1):
         piece = vocab.piece(ids[-1 - k])
