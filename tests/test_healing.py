@@ -20,7 +20,7 @@ from dsv4.checkpoint import load_pretrained
 from dsv4.cli import main
 from dsv4.engine import Engine, EngineConfig, SamplingParams
 from dsv4.engine.generate import complete, generate
-from dsv4.engine.healing import MAX_HEALED_TOKENS, Healed, Vocabulary, heal
+from dsv4.engine.healing import MAX_HEALED_BYTES, MAX_HEALED_TOKENS, Healed, Vocabulary, heal
 from dsv4.loading import default_model_dir
 from dsv4.ops.precision import exact_accumulation
 from dsv4.train.tokenizer import ByteTokenizer, Tokenizer
@@ -112,8 +112,12 @@ def test_cuts_of_random_prompts(tok, vocab):
         assert h.removed <= MAX_HEALED_TOKENS and vocab.extendable(h.text.encode())
         longer = _bytes(vocab, ids[len(ids) - h.removed - 1:])
         assert h.removed == MAX_HEALED_TOKENS or not vocab.extendable(longer) or len(h.prompt) == 1 \
-            or longer[0] & 0xC0 == 0x80
+            or longer[0] & 0xC0 == 0x80 or len(longer) > MAX_HEALED_BYTES
     assert 20 < healed < 200                             # both kinds of ending occur
+    unicode = "naïve = 'café'  # → über ✓ 日本語のテキスト"
+    for end in range(1, len(unicode) + 1):              # cut at every character, across multi-byte tokens
+        h = heal(vocab, tok.encode(unicode[:end], bos=True))
+        assert tok.decode(h.prompt) + h.text == unicode[:end]    # the kept tokens end on a whole character
 
 
 def test_allowed_sets_are_every_spelling_of_what_is_left(vocab, tok):

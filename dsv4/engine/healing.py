@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_HEALED_TOKENS = 8                    # the most prompt tokens one prompt backs up
+MAX_HEALED_BYTES = 128                   # ... and the most bytes (SamplingParams.heal_text takes 256 characters)
 _CACHE_LIMIT = 4096                      # allowed sets kept per vocabulary (one per distinct text left)
 
 
@@ -157,15 +158,15 @@ def _char_start(b: int) -> bool:
 
 def heal(vocab: Vocabulary, ids: list[int]) -> Healed:
     """Back up the prompt's last tokens while their joined bytes are a proper prefix of some token (at most
-    MAX_HEALED_TOKENS, never the first token, never a special token), keeping the longest cut that starts
-    on a character (so the removed text is whole UTF-8 text). Nothing is removed when the last token is
-    not extendable."""
+    MAX_HEALED_TOKENS and MAX_HEALED_BYTES, never the first token, never a special token), keeping the
+    longest cut that starts on a character (so the removed text is whole UTF-8 text). Nothing is removed
+    when the last token is not extendable."""
     if not vocab.merges:
         return Healed(list(ids))
     best, removed, k = 0, b"", 0
     while k < min(MAX_HEALED_TOKENS, len(ids) - 1):
         piece = vocab.piece(ids[-1 - k])
-        if not piece or not vocab.extendable(piece + removed):
+        if not piece or len(piece) + len(removed) > MAX_HEALED_BYTES or not vocab.extendable(piece + removed):
             break
         removed, k = piece + removed, k + 1
         if _char_start(removed[0]):
