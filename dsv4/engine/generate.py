@@ -101,4 +101,3 @@ def complete(model: DeepSeekV4, tokenizer, prompts: list[str], token_healing: bo
     outs = generate(model, healed, tokenizer=tokenizer, **kwargs)
     return [Completion(h.prompt, o, h.completion(tokenizer.decode(o)), h.text, bool(o) and o[-1] == eos)
             for h, o in zip(healed, outs)]
-

@@ -12,8 +12,8 @@ token that crosses the boundary itself (`"\\n   "`), and the text is what it wou
 the prompt's text followed by the completion.
 
 Everything works on the tokens' bytes (UTF-8 is cut anywhere by byte-level tokens). A prompt whose last
-token no longer token extends is left as it is, so its tokens are exactly those without healing; a
-tokenizer with no token longer than one byte (`ByteTokenizer`) never heals.
+token is the start of no longer token is left as it is, so its tokens are exactly those without healing;
+a tokenizer with no token longer than one byte (`ByteTokenizer`) never heals.
 
 `Vocabulary.of(tokenizer)` is built once per tokenizer (each token's bytes, sorted for prefix look-ups);
 `heal(vocab, ids)` -> `Healed` (the prompt to run, the removed text); `Vocabulary.allowed(rest)` the ids a
