@@ -191,6 +191,7 @@ def _generate_and_print(args, model, tokenizer, desc: str, ids: list[int], text:
                         engine=None) -> int:
     from .engine import generate
 
+    healed = _heal(args, tokenizer, ids)
     stream = not args.json and tokenizer is not None
     printed = [""]
     out_ids: list[int] = []
@@ -198,7 +199,7 @@ def _generate_and_print(args, model, tokenizer, desc: str, ids: list[int], text:
     def on_token(_row: int, tok: int) -> None:
         out_ids.append(tok)
         if stream:
-            text = tokenizer.decode(out_ids)
+            text = healed.completion(tokenizer.decode(out_ids))
             sys.stdout.write(text[len(printed[0]):])
             sys.stdout.flush()
             printed[0] = text
@@ -209,31 +210,42 @@ def _generate_and_print(args, model, tokenizer, desc: str, ids: list[int], text:
 
     try:
         with watch_logits(model) as watch:
-            tokens = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            tokens = generate(model, [healed], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=seed, stop_at_eos=not args.no_stop,
                               on_token=on_token,
                               cuda_graph=args.cuda_graph and model.embed.weight.device.type == "cuda",
                               speculative=args.speculative,
                               speculative_threshold=args.speculative_threshold, deterministic=args.deterministic,
-                              engine=engine)[0]
+                              tokenizer=tokenizer, engine=engine)[0]
         bad = watch.seen()
     except NonFiniteLogits:
         bad, tokens = True, out_ids
     if bad:                                  # say so, instead of printing what argmax(NaN) = token 0 gave
         if stream:
             print()
-        where = first_nonfinite_module(model, ids + tokens)
+        where = first_nonfinite_module(model, healed.prompt + tokens)
         raise RunFailed(f"the model's logits turned non-finite (NaN/Inf) after {len(tokens)} generated tokens: "
                         f"{where}; check the weights with `dsv4 check nonfinite`")
-    text = tokenizer.decode(tokens) if tokenizer is not None else None
+    text = healed.completion(tokenizer.decode(tokens)) if tokenizer is not None else None
     if args.json:
-        print(json.dumps({"model": desc, "prompt_ids": ids, "ids": tokens, "text": text, "seed": seed}))
+        print(json.dumps({"model": desc, "prompt_ids": healed.prompt, "ids": tokens, "text": text,
+                          "healed_text": healed.text, "seed": seed}))
     elif stream:
         print()
     else:
         print(f"[{desc}: no tokenizer, token ids]")
         print(" ".join(map(str, tokens)))
     return 0
+
+
+def _heal(args, tokenizer, ids: list[int]):
+    """The prompt as the model reads it: a text prompt healed (`dsv4.engine.healing`) unless
+    --no-token-healing; --prompt-ids as given."""
+    from .engine.healing import Healed, Vocabulary, heal
+
+    if tokenizer is None or args.prompt_ids is not None or not args.token_healing:
+        return Healed(list(ids))
+    return heal(Vocabulary.of(tokenizer), ids)
 
 
 # ------------------------------------------------------------------------------------------ check
@@ -328,6 +340,7 @@ def _add_generate(sub) -> None:
     options.add(p, "top_k")
     options.add(p, "seed", note="of the sampling (--temperature > 0); none = a fresh one, printed with --json")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
+    options.add(p, "token_healing")
     options.add(p, "cuda_graph")
     options.add(p, "speculative")
     options.add(p, "speculative_threshold")

@@ -79,6 +79,11 @@ SHARED: dict[str, Opt] = {o.flag.lstrip("-").replace("-", "_"): o for o in [
     Opt("--speculative-threshold", "with a DSpark draft: verify only the drafts whose survival probability (its "
                                    "confidence head) is at least T; 0 = verify all K",
         dict(type=argtypes.float_in(0.0, 1.0), default=0.0, metavar="T")),
+    Opt("--token-healing", "token healing for text prompts: the prompt's last tokens that the tokenizer could "
+                           "merge with what follows (a final newline, space or half word) are backed up and the "
+                           "first generated tokens must spell them again, so a prompt may end at any character "
+                           "(--no-token-healing runs the prompt's tokens as they are)",
+        dict(action=argparse.BooleanOptionalAction, default=True)),
     # several devices
     Opt("--tensor-parallel-size", "worker processes, one per device (NCCL on GPUs, gloo on CPUs): routed experts "
                                   "split over them, attention replicated, one scheduler", dict(

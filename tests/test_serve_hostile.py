@@ -137,6 +137,30 @@ def test_requests_the_cache_can_never_hold_are_refused_at_admission(srv):
     assert status == 400 and body["error"]["param"] == "max_tokens" and "--cache-pages" in body["error"]["message"]
 
 
+def test_text_prompts_are_healed_and_token_id_prompts_are_not(srv):
+    """Token healing on /v1/completions with the shipped tokenizer: a prompt ending in a newline goes on
+    with an indented line; the re-spelled newline is the first logprobs token (text_offset -1) and not in
+    the text; usage counts the healed prompt (one token fewer than with `token_healing: false`); a stream
+    heals as well; the same prompt given as token ids runs as given."""
+    from dsv4.loading import default_model_dir
+    from dsv4.train.tokenizer import Tokenizer
+
+    gcd = 'def gcd(a, b):\n    """Greatest common divisor by Euclid\'s algorithm."""\n'
+    client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=300)
+    kw = dict(model=_model(srv), max_tokens=6, temperature=0)
+    on = client.completions.create(prompt=gcd, logprobs=1, **kw)
+    text = on.choices[0].text
+    assert text.split("\n")[0].startswith("    ") and text.strip(), text
+    lp = on.choices[0].logprobs
+    assert "".join(lp.tokens).startswith("\n" + text) and lp.text_offset[0] == -1
+    off = client.completions.create(prompt=gcd, extra_body={"token_healing": False}, **kw)
+    assert off.usage.prompt_tokens == on.usage.prompt_tokens + 1
+    streamed = "".join(c.choices[0].text for c in client.completions.create(prompt=gcd, stream=True, **kw))
+    assert streamed.split("\n")[0].startswith("    ") and streamed.strip(), streamed
+    ids = Tokenizer.from_file(default_model_dir()).encode(gcd, bos=True)
+    assert client.completions.create(prompt=ids, **kw).usage.prompt_tokens == len(ids) == off.usage.prompt_tokens
+
+
 def test_prompts_times_n_is_capped_and_every_400_names_its_param(srv):
     model = _model(srv)
     cases = [  # body, param, words the message must hold

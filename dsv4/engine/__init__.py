@@ -7,14 +7,15 @@
   `output.py` (stops, outputs, text), `cache_manager.py` (pages, tables, prefix cache);
 - `EngineClient` / `EngineProcess` (client.py, engine_process.py): the engine in its own process, for the
   HTTP server;
-- `generate` (generate.py): offline generation through the same engine;
+- `generate` / `complete` (generate.py): offline generation through the same engine (ids, or text with
+  token healing: healing.py);
 - `SamplingParams` / `Sampler` (sampling.py): per-request sampling with static shapes;
 - `graphs.py`: CUDA-graph replay of fixed-shape prefill and lockstep decode (benchmarks).
 """
 
 from .engine import Engine, EngineConfig
-from .generate import generate
+from .generate import complete, generate
 from .sampling import Sampler, SamplingParams
 from .sequence import RequestError, StepOutput
 
-__all__ = ["Engine", "EngineConfig", "RequestError", "StepOutput", "generate", "Sampler", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "RequestError", "StepOutput", "complete", "generate", "Sampler", "SamplingParams"]

@@ -227,8 +227,8 @@ class DSparkSteps(SpeculativeSteps):
         anchors, owners = [], []
         for sch in plan:
             seq = sch.seq
-            if not seq.running or seq.params.penalized or seq.prefilling:
-                continue
+            if not seq.running or seq.params.penalized or seq.prefilling or seq.heal:
+                continue                           # (a healing constraint: decodes plainly until it is spelled)
             k = self._limit(seq)
             if k > 0:
                 anchors.append(AnchorRow(seq.tokens[-1], seq.computed, seq.pages.state, k, seq.params, seq.seed,
@@ -249,7 +249,7 @@ class DSparkSteps(SpeculativeSteps):
             return False
         for sch in plan:
             seq, p = sch.seq, sch.seq.params
-            if seq.prefilling or not p.greedy or p.logprobs is not None or p.penalized:
+            if seq.prefilling or not p.greedy or p.logprobs is not None or p.penalized or seq.heal:
                 return False
         w = max(len(sch.seq.drafts) for sch in plan)
         return all(e.manager.allocate(sch.seq.pages, sch.seq.computed,

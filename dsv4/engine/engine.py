@@ -28,6 +28,7 @@ from ..ops.precision import exact_accumulation
 from .batch import Row
 from .cache_manager import CacheManager
 from .dspark_step import steps_for
+from .healing import Vocabulary
 from .mirror import Mirror
 from .output import OutputProcessor, TextStreams
 from .runner import InFlight, Runner, SampleRow
@@ -110,8 +111,9 @@ class Engine:
         self.eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
         if eos_token_id is None and getattr(tokenizer, "eos_id", None) is not None:
             self.eos = tokenizer.eos_id
-        self.output = OutputProcessor(self.scheduler.finish, self.eos, self.max_model_len, self.stats)
         self.tokenizer = tokenizer
+        self.output = OutputProcessor(self.scheduler.finish, self.eos, self.max_model_len, self.stats,
+                                      self.vocabulary)
         self.text = TextStreams(tokenizer, self.abort_sequence) if tokenizer is not None and detokenize else None
         self.spec: SpeculativeSteps | None = None
         if c.speculative:
@@ -153,6 +155,14 @@ class Engine:
     def drafter(self, value) -> None:
         self.spec.drafter = value
 
+    def vocabulary(self) -> Vocabulary:
+        """The tokenizer's token bytes, for token healing (built on the first healed request)."""
+        return Vocabulary.of(self.tokenizer)
+
+    def allowed(self, seq: Sequence):
+        """The ids a sequence may draw next: those of its token-healing constraint, or None (any)."""
+        return self.vocabulary().allowed(seq.heal) if seq.heal else None
+
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt: list[int], params: SamplingParams, n: int = 1) -> None:
         """Raise RequestError when a request cannot be served (before it is queued)."""
@@ -168,6 +178,8 @@ class Engine:
                                f"{self.max_model_len - 1} prompt tokens fit")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer (this model has none): use stop_token_ids")
+        if params.heal_text and self.tokenizer is None:
+            raise RequestError("token healing needs a tokenizer (this engine has none)")
         if any(t >= self.vocab for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids must be < the vocabulary size {self.vocab}")
         if params.top_k > self.vocab:
@@ -186,7 +198,7 @@ class Engine:
         base = params.resolved_seed()
         for i in range(n):
             seed = base if i == 0 else (base * 1_000_003 + i) % 2**63
-            seq = Sequence(req, i, list(prompt), seed, prompt_len=len(prompt))
+            seq = Sequence(req, i, list(prompt), seed, prompt_len=len(prompt), heal=params.heal_text.encode())
             req.sequences.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = req
@@ -252,8 +264,10 @@ class Engine:
         return self._text(outputs)
 
     def _overlap_ok(self) -> bool:
-        """Penalties count the previous token: those steps wait for it."""
-        return self.overlap and not any(s.params.penalized for s in self.scheduler.running)
+        """Penalties count the previous token, and a token-healing constraint's next allowed tokens depend
+        on it: those steps wait for it."""
+        return self.overlap and not any(s.params.penalized or (s.heal and s.n_pending)
+                                        for s in self.scheduler.running)
 
     def _launch(self, plan: list[Scheduled]) -> tuple[InFlight, list[Sequence], list[Sequence]]:
         decode: list[Row] = []
@@ -277,7 +291,7 @@ class Engine:
         for i, (seq, row) in enumerate(zip(order, decode + chunks)):
             if row.want_logits:
                 pen = (seq.tokens[seq.prompt_len:], seq.request.prompt) if seq.params.penalized else None
-                samples.append((i, SampleRow(seq.params, seq.seed, seq.n_generated, pen)))
+                samples.append((i, SampleRow(seq.params, seq.seed, seq.n_generated, pen, self.allowed(seq))))
                 samplers.append(seq)
         with exact_accumulation(self.config.deterministic):
             inflight = self.runner.launch(decode, chunks, samples)
@@ -339,7 +353,8 @@ class Engine:
             rows = [SampleRow(s.params, s.seed, s.n_generated, (s.tokens[s.prompt_len:], s.request.prompt))
                     for s in seqs]
             penalties = (params, *self.runner._penalty_inputs(rows))
-        return self.sampler.sample(logits.float(), st, penalties)
+        allowed = self.runner.allowed_mask([self.allowed(s) for s in seqs])
+        return self.sampler.sample(logits.float(), st, penalties, allowed)
 
     def _restore_prefix(self, seq: Sequence, cached: int) -> None:
         P = self.layout.page_size

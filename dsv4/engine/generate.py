@@ -7,18 +7,21 @@ produce the same tokens for the same prompt, settings and seed.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..model import DeepSeekV4
 from .engine import Engine, EngineConfig
+from .healing import Healed, Vocabulary, heal
 from .sampling import SamplingParams
 
 
-def generate(model: DeepSeekV4, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_at_eos: bool = True,
-             eos_token_id: int | None = None, on_token: Callable[[int, int], None] | None = None,
-             cuda_graph: bool = False, deterministic: bool = False,
-             engine_config: EngineConfig | None = None, speculative: int = 0,
-             speculative_threshold: float = 0.0, engine: Engine | None = None) -> list[list[int]]:
+def generate(model: DeepSeekV4, prompts: list[list[int]] | list[Healed], max_new_tokens: int = 64,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+             stop_at_eos: bool = True, eos_token_id: int | None = None,
+             on_token: Callable[[int, int], None] | None = None, cuda_graph: bool = False,
+             deterministic: bool = False, engine_config: EngineConfig | None = None, speculative: int = 0,
+             speculative_threshold: float = 0.0, tokenizer=None, token_healing: bool = True,
+             engine: Engine | None = None) -> list[list[int]]:
     """Continue each prompt (lists of token ids) -> the generated ids of each. temperature 0 = greedy.
 
     Prompt i samples with seed `seed + i` (seed None: 0), so a prompt's continuation does not depend on
@@ -26,26 +29,37 @@ def generate(model: DeepSeekV4, prompts: list[list[int]], max_new_tokens: int = 
     With cuda_graph=True (CUDA only), decode steps replay captured CUDA graphs. speculative=k drafts k tokens
     per step with the model's draft, its MTP block or a DSpark draft (the same tokens for greedy decoding;
     `dsv4.engine.speculative`, `dsv4.engine.dspark_step`); speculative_threshold: a DSpark draft verifies
-    the drafts whose survival probability is at least this (0: always k). engine: run on this engine (one
-    the caller built, e.g. on several workers) instead of a new one; the settings of the engine apply.
+    the drafts whose survival probability is at least this (0: always k).
+
+    Token healing (`dsv4.engine.healing`): with a `tokenizer` and token_healing, each id prompt is healed
+    (`heal(Vocabulary.of(tokenizer), ids)`): its last tokens that the tokenizer could merge with what
+    follows are removed and the first generated tokens must spell them again. A prompt may also be given
+    healed already (a `Healed`). The ids returned follow the healed prompt (`Healed.prompt`), so a healed
+    continuation starts with the removed text; `complete` returns the text after the prompt's instead.
+    A prompt whose last token nothing extends is run exactly as without healing.
+    engine: run on this engine (one the caller built, e.g. on several workers) instead of a new one; the
+    settings of the engine apply (it needs the tokenizer to run healed prompts).
     """
-    if not prompts or any(not p for p in prompts):
+    healed = _healed(prompts, tokenizer, token_healing)
+    if not healed or any(not h.prompt for h in healed):
         raise ValueError("empty prompt: give at least one token (e.g. BOS)")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if tokenizer is None and any(h.text for h in healed):
+        raise ValueError("healed prompts need the tokenizer they were healed with (tokenizer=...)")
     if engine is None:
-        longest = max(len(p) for p in prompts) + max_new_tokens
+        longest = max(len(h.prompt) for h in healed) + max_new_tokens
         config = engine_config or EngineConfig(
-            max_seqs=min(len(prompts), 64), max_model_len=min(longest, model.cfg.max_seq_len),
+            max_seqs=min(len(healed), 64), max_model_len=min(longest, model.cfg.max_seq_len),
             cuda_graphs=cuda_graph, deterministic=deterministic, prefix_caching=False, speculative=speculative,
             speculative_threshold=speculative_threshold)
-        engine = Engine(model, config, eos_token_id=eos_token_id)
+        engine = Engine(model, config, tokenizer=tokenizer, eos_token_id=eos_token_id, detokenize=False)
     base = 0 if seed is None else seed
-    for i, p in enumerate(prompts):
+    for i, h in enumerate(healed):
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=base + i, ignore_eos=not stop_at_eos)
-        engine.add_request(str(i), p, params)
-    results: list[list[int]] = [[] for _ in prompts]
+                                seed=base + i, ignore_eos=not stop_at_eos, heal_text=h.text)
+        engine.add_request(str(i), h.prompt, params)
+    results: list[list[int]] = [[] for _ in healed]
     while engine.has_work():
         for out in engine.step():
             i = int(out.request_id)
@@ -54,3 +68,40 @@ def generate(model: DeepSeekV4, prompts: list[list[int]], max_new_tokens: int = 
                 for t in out.new_tokens:
                     on_token(i, t)
     return results
+
+
+def _healed(prompts: list[list[int]] | list[Healed], tokenizer, token_healing: bool) -> list[Healed]:
+    vocab = Vocabulary.of(tokenizer) if tokenizer is not None and token_healing else None
+    out = []
+    for p in prompts:
+        if isinstance(p, Healed):
+            out.append(p)
+        else:
+            out.append(heal(vocab, list(p)) if vocab is not None else Healed(list(p)))
+    return out
+
+
+@dataclass
+class Completion:
+    """One prompt's continuation as text: `prompt_text + text` is the whole text (token healing or not)."""
+    prompt: list[int]                    # the ids the model read (healed: without the removed tokens)
+    tokens: list[int]                    # the generated ids, following `prompt`
+    text: str                            # the completion after the prompt's text
+    healed_text: str = ""                # the prompt's text that healing removed and `tokens` spell again
+    eos: bool = False                    # ended by the end-of-sequence token
+
+
+def complete(model: DeepSeekV4, tokenizer, prompts: list[str], token_healing: bool = True, bos: bool = True,
+             **kwargs) -> list[Completion]:
+    """Continue text prompts (encoded with BOS, healed unless token_healing=False) -> their `Completion`s;
+    kwargs are `generate`'s (sampling, on_token, ...)."""
+    vocab = Vocabulary.of(tokenizer)
+    healed = []
+    for text in prompts:
+        ids = ([tokenizer.bos_id] if bos else []) + tokenizer.encode(text)
+        healed.append(heal(vocab, ids) if token_healing else Healed(ids))
+    eos = kwargs.get("eos_token_id")
+    eos = tokenizer.eos_id if eos is None else eos
+    outs = generate(model, healed, tokenizer=tokenizer, **kwargs)
+    return [Completion(h.prompt, o, h.completion(tokenizer.decode(o)), h.text, bool(o) and o[-1] == eos)
+            for h, o in zip(healed, outs)]

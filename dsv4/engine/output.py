@@ -15,14 +15,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .detokenize import Detokenizer, StopChecker
+from .healing import Vocabulary
 from .sampling import SamplingParams
 from .sequence import Sequence, StepOutput, TokenLogprob
 
 
 class OutputProcessor:
-    def __init__(self, finish: Callable[[Sequence, str], None], eos: int, max_model_len: int, stats: dict):
+    def __init__(self, finish: Callable[[Sequence, str], None], eos: int, max_model_len: int, stats: dict,
+                 vocabulary: Callable[[], Vocabulary] | None = None):
         self.finish = finish                  # ends a sequence (the scheduler's finish)
         self.eos, self.max_model_len, self.stats = eos, max_model_len, stats
+        self.vocabulary = vocabulary          # the tokenizer's (token healing), built on first use
 
     def stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -36,6 +39,8 @@ class OutputProcessor:
         """One generated token: append it, apply the token-level stops, finish the sequence when it ends."""
         now = time.monotonic()
         seq.tokens.append(tok)
+        if seq.heal:                                        # a token-healing constraint: what is left of it
+            seq.heal = self.vocabulary().advance(seq.heal, tok)
         if lp is not None:
             seq.logprobs.append(lp)
         self.stats["generated_tokens"] += 1
@@ -58,6 +63,7 @@ class OutputProcessor:
         if k is None:
             return None
         top = list(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids is not None else []
+        top = [(t, v) for t, v in top if v != float("-inf")]     # (a healing step with fewer allowed tokens)
         return TokenLogprob(tok, lps[j], top)
 
     @staticmethod
@@ -77,6 +83,7 @@ class _Text:
     stopper: StopChecker
     completion: int = 0
     done: bool = False
+    skip: int = 0                          # token healing: characters of the prompt's text still to drop
 
 
 class TextStreams:
@@ -84,7 +91,9 @@ class TextStreams:
 
     `add` before a request's first output, `drop` when the request is over; `process` returns the outputs
     with `text` set, cut at the first stop string (that output then finishes with reason "stop", later
-    tokens dropped) and calls `on_stop(request_id, index)` so that the engine stops computing the sequence."""
+    tokens dropped) and calls `on_stop(request_id, index)` so that the engine stops computing the sequence.
+    A healed request's text starts after the user's prompt: the removed text (`SamplingParams.heal_text`)
+    that its first tokens spell again is dropped before stop strings are looked for."""
 
     def __init__(self, tokenizer, on_stop: Callable[[str, int], None]):
         self.tokenizer, self.on_stop = tokenizer, on_stop
@@ -107,8 +116,19 @@ class TextStreams:
             prompt, params = self.requests[key[0]]
             detok = Detokenizer.for_prompt(self.tokenizer, prompt)
             detok.skip_special = params.skip_special_tokens
-            st = self.streams[key] = _Text(detok, StopChecker(list(params.stop), params.include_stop_str_in_output))
+            st = self.streams[key] = _Text(detok, StopChecker(list(params.stop), params.include_stop_str_in_output),
+                                           skip=len(params.heal_text))
         return st
+
+    @staticmethod
+    def _skip(st: _Text, delta: str) -> str:
+        """Drop what is left of the removed prompt text from the start of the stream's text."""
+        if st.skip and delta:
+            k = min(st.skip, len(delta))
+            st.skip -= k
+            st.detok.text = st.detok.text[k:]
+            delta = delta[k:]
+        return delta
 
     def process(self, outputs: list[StepOutput]) -> list[StepOutput]:
         result = []
@@ -124,13 +144,13 @@ class TextStreams:
             for i, tok in enumerate(out.new_tokens):
                 kept = i + 1
                 st.completion += 1
-                delta = st.detok.add(tok)
+                delta = self._skip(st, st.detok.add(tok))
                 end = st.stopper.check(st.detok.text, len(delta)) if delta else None
                 last = out.finished and kept == len(out.new_tokens)
                 if end is not None:
                     st.detok.text, stopped = st.detok.text[:end], True
                 elif last:
-                    st.detok.flush()
+                    self._skip(st, st.detok.flush())
                 text += st.stopper.releasable(st.detok.text, finished=stopped or last)
                 if stopped:
                     break

@@ -45,6 +45,7 @@ class SampleRow:
     seed: int
     counter: int
     penalty: tuple[list[int], list[int]] | None = None    # (output tokens, prompt tokens) of a penalized row
+    allowed: np.ndarray | None = None     # token healing: the ids the row may draw (None: any; drawn eagerly)
 
 
 class Staging:
@@ -338,7 +339,8 @@ class Runner:
             host[:fields.size] = arr
             out_rows = [logits_rows[i] for i, _ in samples]
         at = self._sync_tables(host, fields.size)
-        plain = bucket is not None and SamplingTensors.plain(params)
+        constrained = [s.allowed for _, s in samples]
+        plain = bucket is not None and SamplingTensors.plain(params) and all(c is None for c in constrained)
         pick = sf = si = None
         if not plain and n:                    # rows drawn eagerly: their logits rows and settings
             pick = at
@@ -380,7 +382,7 @@ class Runner:
         penalties = None
         if any(p.penalized for p in params):
             penalties = (params, *self._penalty_inputs([s for _, s in samples]))
-        out = self.sampler.sample(logits[rows], st, penalties)
+        out = self.sampler.sample(logits[rows], st, penalties, self.allowed_mask(constrained))
         if bucket is not None:                 # sampled tokens live at their out rows, as the graph's do
             self.sampled.index_copy_(0, rows, out.tokens)
             feed = out_rows
@@ -423,6 +425,19 @@ class Runner:
     def stop_followers(self) -> None:
         if self.mirror is not None and self.mirror.leader:
             self.mirror.send(STOP)
+
+    def allowed_mask(self, allowed: list[np.ndarray | None]) -> torch.Tensor | None:
+        """[B, V] bool on the device, the tokens each row may draw (True everywhere for a row without a
+        constraint), or None when no row has one."""
+        if all(a is None for a in allowed):
+            return None
+        V = self.model.cfg.vocab_size
+        mask = np.ones((len(allowed), V), np.bool_)
+        for i, a in enumerate(allowed):
+            if a is not None:
+                mask[i] = False
+                mask[i, a[a < V]] = True
+        return torch.from_numpy(mask).to(self.device)
 
     def _penalty_inputs(self, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """Output-token counts and prompt-token masks [B, V] (penalized rows only; others stay zero)."""

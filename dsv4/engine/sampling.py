@@ -52,7 +52,9 @@ class SamplingParams:
     off; on prompt and output tokens, the convention of vLLM and transformers), frequency and presence
     (OpenAI's, on output tokens, in [-2, 2]). `logprobs`: None, or the number of alternatives (0-20)
     to return with each token's own log-probability (of the model's distribution before sampling
-    settings). `seed`: None draws one per request.
+    settings). `seed`: None draws one per request. `heal_text`: token healing (`dsv4.engine.healing`):
+    the text of the tokens removed from the prompt's end, which the first generated tokens must spell
+    again ("" = none; the engine needs the tokenizer then).
     """
     max_tokens: int = 16
     temperature: float = 1.0
@@ -69,6 +71,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     skip_special_tokens: bool = True          # detokenization: drop special tokens from the text
     include_stop_str_in_output: bool = False
+    heal_text: str = ""
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:
@@ -98,6 +101,8 @@ class SamplingParams:
              "must be at most 16 non-empty strings")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative integers")
+        need(isinstance(self.heal_text, str) and len(self.heal_text) <= 256, "heal_text",
+             "must be a string of at most 256 characters")
 
     @property
     def greedy(self) -> bool:
@@ -164,7 +169,8 @@ class SamplingTensors:
 
     @staticmethod
     def plain(params: Sequence[SamplingParams]) -> bool:
-        """Whether the plain draw serves these rows: no filtering, no penalties, no alternatives."""
+        """Whether the plain draw serves these rows: no filtering, no penalties, no alternatives (a row
+        with a token-healing constraint is not plain either: the runner checks its `SampleRow.allowed`)."""
         return not any(p.top_k or p.top_p < 1 or p.min_p > 0 or p.penalized or p.logprobs for p in params)
 
     @classmethod
@@ -181,22 +187,29 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
                  counters: Sequence[int], output_counts: torch.Tensor | None = None,
-                 prompt_mask: torch.Tensor | None = None) -> SampleOutput:
+                 prompt_mask: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> SampleOutput:
         """logits [B, V]; seeds / counters (tokens generated so far) per row; output_counts [B, V] and
-        prompt_mask [B, V] (bool) when some row is penalized."""
+        prompt_mask [B, V] (bool) when some row is penalized; allowed [B, V] (bool) as in `sample`."""
         st = SamplingTensors.build(params, seeds, counters, logits.size(-1), logits.device)
         penalties = None
         if any(p.penalized for p in params):
             if output_counts is None or prompt_mask is None:
                 raise ValueError("penalized sampling needs output_counts and prompt_mask")
             penalties = (params, output_counts, prompt_mask)
-        return self.sample(logits, st, penalties)
+        return self.sample(logits, st, penalties, allowed)
 
-    def sample(self, logits: torch.Tensor, st: SamplingTensors, penalties=None) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, st: SamplingTensors, penalties=None,
+               allowed: torch.Tensor | None = None) -> SampleOutput:
         """logits [B, V] -> one token per row with the settings of `st` (no host synchronization).
-        penalties: None, or (params, output_counts [B, V], prompt_mask [B, V])."""
+        penalties: None, or (params, output_counts [B, V], prompt_mask [B, V]). allowed: None, or [B, V]
+        bool, the tokens each row may draw (a token-healing constraint; a row of all True is free): the
+        others get logit -inf before anything else, so a constrained row's draw, greedy or sampled, and
+        its log-probabilities are those of the model's distribution renormalized over its allowed tokens
+        (its top alternatives are allowed tokens, -inf where it has fewer than asked)."""
         V = logits.size(-1)
         x = logits.double()
+        if allowed is not None:
+            x = x.masked_fill(~allowed, float("-inf"))
         raw = x
         if penalties is not None:
             x = self._penalize(x, *penalties)

@@ -55,6 +55,7 @@ class Sequence:
     pending_index: int = -1                      # the latest one's row in its step's sampled tokens
     drafts: list[int] = field(default_factory=list)   # speculative: tokens the MTP block proposes next
     draft_q: torch.Tensor | None = None          # their draft distributions [len(drafts), vocab] float64
+    heal: bytes = b""                            # token healing: what the next tokens must still spell (UTF-8)
 
     @property
     def params(self) -> SamplingParams:

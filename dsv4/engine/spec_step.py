@@ -108,7 +108,8 @@ class SpeculativeSteps:
             return False
         for sch in plan:
             seq, p = sch.seq, sch.seq.params
-            if seq.prefilling or len(seq.drafts) != self.k or not p.greedy or p.logprobs is not None or p.penalized:
+            if (seq.prefilling or len(seq.drafts) != self.k or not p.greedy or p.logprobs is not None or p.penalized
+                    or seq.heal):
                 return False
         return all(e.manager.allocate(sch.seq.pages, sch.seq.computed,
                                       min(sch.seq.computed + 2 * self.k + 1, e.max_model_len))
@@ -229,7 +230,7 @@ class SpeculativeSteps:
                 continue
             end = s + m                                      # the next main input's position, when caught up
             k = 0
-            if end == len(seq.tokens) - 1:
+            if end == len(seq.tokens) - 1 and not seq.heal:     # (a healing constraint: no drafts yet)
                 k = min(self.k, e.max_model_len - 1 - end, seq.params.max_tokens - seq.n_generated - 1)
                 if k > 0 and not e.manager.allocate(seq.pages, end, end + k + 1):
                     k = 0                                    # no pages for the drafts: decode plainly

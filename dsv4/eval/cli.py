@@ -52,6 +52,7 @@ def add_eval_parser(sub) -> None:
     options.add(p, "top_p", default=0.9)
     options.add(p, "seed", default=0, note="prompt i samples with seed + i (fixed: the figures are reproducible)")
     p.add_argument("--show", type=argtypes.int_in(0), default=0, help="print this many written functions")
+    options.add(p, "token_healing", note="every prompt")
     p.set_defaults(func=cmd_completions)
 
 
@@ -98,15 +99,19 @@ def cmd_completions(args: argparse.Namespace) -> int:
     model, tokenizer, desc = _load(args)
     rep = evaluate_completions(model, tokenizer, docs, n_prompts=args.prompts, samples=args.samples,
                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_p=args.top_p, seed=args.seed, progress=not args.json)
+                               top_p=args.top_p, seed=args.seed, progress=not args.json,
+                               token_healing=args.token_healing)
     if args.json:
-        print(json.dumps({"model": desc, **rep.summary()}))
+        print(json.dumps({"model": desc, "token_healing": args.token_healing, **rep.summary()}))
         return 0
     s = rep.summary()
     print(f"completions of {desc} (temperature {args.temperature}, top-p {args.top_p}, "
-          f"{args.max_new_tokens} new tokens, seed {args.seed}):")
+          f"{args.max_new_tokens} new tokens, seed {args.seed}, token healing "
+          f"{'on' if args.token_healing else 'off'}):")
     print(f"  held-out functions with a body that parses: {s['with_body']} of {s['prompts']} "
           f"({100 * s['with_body_fraction']:.0f}%)")
+    print(f"  the same prompts ending in a newline: {s['with_body_newline']} of {s['prompts']} "
+          f"({100 * s['with_body_newline_fraction']:.0f}%)")
     print(f"  well-known functions right: {s['functional_right']} of {s['functional_samples']} samples "
           f"({100 * s['functional_fraction']:.0f}%; {len(s['functional_by_task'])} functions x {args.samples})")
     print("    " + ", ".join(f"{k} {v}/{args.samples}" for k, v in s["functional_by_task"].items()))

@@ -118,6 +118,9 @@ async def _submit(state: ServerState, rid: str, prep: Prepared, n: int, param: s
 
 # ------------------------------------------------------------------------------------------ completions
 def _completion_logprobs(state: ServerState, lps, offset: int) -> dict:
+    """OpenAI's logprobs of a completion's tokens; text_offset counts from the start of the completion, so
+    the first tokens of a healed prompt (which spell the removed end of the prompt again) start before it
+    (`offset` = -len(the removed text))."""
     tokens = [_token_text(state, lp.token) for lp in lps]
     offsets, pos = [], offset
     for t in tokens:
@@ -164,7 +167,8 @@ async def _completions(state: ServerState, prep: Prepared, tally: dict):
                     idx = choice_index(si, out)
                     lp = None
                     if req.logprobs is not None and out.new_logprobs:
-                        lp = _completion_logprobs(state, out.new_logprobs, offsets.get(idx, 0))
+                        lp = _completion_logprobs(state, out.new_logprobs,
+                                                  offsets.get(idx, -len(prep.params[si].heal_text)))
                     offsets[idx] = offsets.get(idx, 0) + len(out.text)
                     if out.text or out.finished or lp:
                         reason = out.finish_reason if out.finished else None
@@ -205,7 +209,8 @@ async def _completions(state: ServerState, prep: Prepared, tally: dict):
     finally:
         tracker.done()
     choices = [{"index": i, "text": "".join(texts[i]),
-                "logprobs": _completion_logprobs(state, lps[i], 0) if req.logprobs is not None else None,
+                "logprobs": _completion_logprobs(state, lps[i], -len(prep.params[i // req.n].heal_text))
+                if req.logprobs is not None else None,
                 "finish_reason": reasons.get(i, "abort")} for i in range(n_choices)]
     return JSONResponse({**base, "choices": choices, "usage": usage.body()})
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ..engine.healing import Healed, Vocabulary, heal
 from ..engine.sampling import SamplingParams
 from . import chat
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, refuse_unsupported, thinking_requested
@@ -56,17 +57,20 @@ def _encode(tokenizer, text: str, bos: bool) -> list[int]:
     return fast(text, bos=bos) if fast is not None else tokenizer.encode(text, bos=bos)
 
 
-def _completion_prompts(tokenizer, req: CompletionRequest) -> list[list[int]]:
+def _completion_prompts(tokenizer, req: CompletionRequest) -> list[Healed]:
+    """The prompts as the engine runs them: text prompts encoded (with BOS) and, unless the request says
+    `token_healing: false`, healed; token-id prompts exactly as given."""
     p = req.prompt
-    if isinstance(p, str):
-        return [_encode(tokenizer, p, bos=True)]
+    texts = [p] if isinstance(p, str) else p if p and all(isinstance(x, str) for x in p) else None
+    if texts is not None:
+        vocab = Vocabulary.of(tokenizer) if req.token_healing else None
+        ids = [_encode(tokenizer, x, bos=True) for x in texts]
+        return [heal(vocab, x) if vocab is not None else Healed(x) for x in ids]
     if not p:
         raise APIError(400, "prompt must not be empty", param="prompt")
-    if all(isinstance(x, str) for x in p):
-        return [_encode(tokenizer, x, bos=True) for x in p]
     if all(isinstance(x, int) for x in p):
-        return [list(p)]
-    return [list(x) for x in p]
+        return [Healed(list(p))]
+    return [Healed(list(x)) for x in p]
 
 
 def prepare_completion(raw: bytes, limits: Limits, tokenizer, model_name: str) -> Prepared:
@@ -76,9 +80,11 @@ def prepare_completion(raw: bytes, limits: Limits, tokenizer, model_name: str) -
     _check_model(req.model, model_name)
     refuse_unsupported(req)
     check_fields(req, limits)
-    prompts = _completion_prompts(tokenizer, req)
+    healed = _completion_prompts(tokenizer, req)
+    prompts = [h.prompt for h in healed]
     check_prompt_ids(prompts, limits, "prompt")
-    params = [sampling_params(req, limits, req.max_tokens, len(p), req.logprobs, chat=False) for p in prompts]
+    params = [sampling_params(req, limits, req.max_tokens, len(h.prompt), req.logprobs, chat=False, heal_text=h.text)
+              for h in healed]
     return Prepared(req, prompts, params)
 
 

@@ -78,6 +78,7 @@ class CompletionRequest(_Sampling):
     echo: Bool = False
     suffix: str | None = None
     best_of: Int | None = None
+    token_healing: Bool = True               # extension: heal text prompts (`dsv4.engine.healing`)
 
 
 class ChatCompletionRequest(_Sampling):

@@ -142,8 +142,9 @@ def check_prompt_ids(prompts: list[list[int]], limits: Limits, param: str) -> No
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: Limits, max_tokens: int | None,
-                    prompt_len: int, logprobs: int | None, chat: bool) -> SamplingParams:
-    """The engine's settings for one prompt, after the context and the cache are known to hold it."""
+                    prompt_len: int, logprobs: int | None, chat: bool, heal_text: str = "") -> SamplingParams:
+    """The engine's settings for one prompt, after the context and the cache are known to hold it
+    (prompt_len: the prompt as the engine runs it, healed; heal_text: its token-healing constraint)."""
     prompt_param = "messages" if chat else "prompt"
     mt_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
     room = limits.max_model_len - prompt_len
@@ -174,7 +175,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: Limi
             seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
             logprobs=logprobs, repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
-            skip_special_tokens=not chat, include_stop_str_in_output=req.include_stop_str_in_output)
+            skip_special_tokens=not chat, include_stop_str_in_output=req.include_stop_str_in_output,
+            heal_text=heal_text)
     except ValueError as e:                    # (the ranges above are inside the engine's: not reached)
         param = str(e).split(":", 1)[0]
         raise APIError(400, str(e), param=param) from None

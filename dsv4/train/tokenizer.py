@@ -108,6 +108,22 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes (b"" for special tokens), for token healing (`dsv4.engine.healing`): a byte-level
+        tokenizer's tokens mapped back through its byte alphabet, any other's decoded one by one."""
+        n = self.vocab_size
+        special = set(self.tok.get_added_tokens_decoder())
+        if type(self.tok.decoder).__name__ == "ByteLevel":
+            to_byte = {c: b for b, c in _byte_alphabet().items()}
+            out = []
+            for i in range(n):
+                piece = self.tok.id_to_token(i)
+                ok = i not in special and piece is not None and all(c in to_byte for c in piece)
+                out.append(bytes(to_byte[c] for c in piece) if ok else b"")
+            return out
+        texts = [self.decode([i]) if i not in special else "" for i in range(n)]
+        return [b"" if "\ufffd" in t else t.encode("utf-8") for t in texts]
+
     def decode_stream(self, ids: Iterable[int]) -> Iterator[str]:
         """Yield text pieces as ids arrive (each piece is the newly completed text; handles UTF-8 that
         spans several byte tokens)."""
@@ -120,6 +136,20 @@ class Tokenizer:
                 continue
             yield text[len(printed):]
             printed = text
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """Byte-level BPE's printable stand-in of each byte: printable Latin-1 bytes stand for themselves, the
+    others (controls, space, soft hyphen, ...) are the characters from U+0100 on, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    out = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
 
 
 def _token_str(v, default: str) -> str:
@@ -144,6 +174,11 @@ class ByteTokenizer:
 
     def encode_releasing_gil(self, text: str, bos: bool = False) -> list[int]:
         return self.encode(text, bos=bos)
+
+    def token_bytes(self) -> list[bytes]:
+        """Ids 0..255 are one byte each (BOS and EOS: b""): no token extends another, so token healing
+        never removes one."""
+        return [b"" if i in (self.bos_id, self.eos_id) else bytes([i]) for i in range(256)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         special = {self.bos_id, self.eos_id} if skip_special_tokens else set()
