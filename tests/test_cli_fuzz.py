@@ -23,6 +23,7 @@ import torch
 from subproc import checkout_env
 
 from dsv4 import argtypes
+from dsv4.checkpoint import read_config_file
 from dsv4.cli import build_parser, main
 from dsv4.errors import describe_error
 
@@ -274,10 +275,9 @@ def test_chat_refuses_a_message_past_the_context_or_not_utf8_and_goes_on():
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert res.returncode == 2 and len(errors) == 2 and "Traceback" not in res.stderr, res.stderr
     assert "not valid UTF-8" in errors[1]
-    from dsv4.config import ModelConfig
     from dsv4.loading import default_model_dir
 
-    ctx = ModelConfig.from_json(default_model_dir() / "config.json").max_seq_len
+    ctx = read_config_file(default_model_dir() / "config.json").max_seq_len
     assert "the context is 128 tokens" in errors[0] and f"max_position_embeddings is {ctx}" in errors[0]
     assert re.search(r"the conversation is \d{3,} tokens", errors[0])
     assert res.stdout.strip() != ""                          # the second message was answered
