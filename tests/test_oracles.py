@@ -1,7 +1,7 @@
 """Model semantics held to oracles that share no code with the implementation: formulas written here and
 evaluated in float64, closed forms, and invariances the architecture guarantees.
 
-Each test names the one-line bug it exists to catch; `python3 -m dsv4.check.mutate` plants those bugs
+Each test names the one-line bug it exists to catch; `python3 tools/mutate.py` plants those bugs
 and shows which tests kill them.
 """
 
