@@ -9,7 +9,7 @@ from typing import Any
 
 from .. import argtypes, options
 from ..errors import UserError
-from .trainer import QUICK_CPU_DEFAULTS, STANDARD_DEFAULTS, TrainConfig
+from .settings import QUICK_CPU_DEFAULTS, STANDARD_DEFAULTS, TrainConfig
 
 # flag -> TrainConfig field, for the flags whose names differ from the field
 _BOOL_FLAGS = ("activation_checkpointing", "compile", "cuda_graph", "deterministic", "fp4_experts")
