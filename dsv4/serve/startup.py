@@ -103,13 +103,22 @@ def ignore_interrupts() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _http_reserve() -> int:
+    """Cores the engine leaves to the HTTP process: one, except on a machine of two cores or fewer, where the
+    engine's prefill needs them more (BENCHMARKS.md, the 2-core serving table: at 16 clients both cores gave
+    +21% tokens/s and a 40% shorter time to first token than one)."""
+    from ..defaults import cores
+
+    return 1 if cores() > 2 else 0
+
+
 def build_engine(opts: dict):
     """(engine, info) from `dsv4 serve`'s options: what the engine process runs first (one worker)."""
     from ..defaults import set_threads
 
     ignore_interrupts()
     args = argparse.Namespace(**opts)
-    threads = set_threads(args.threads, reserve=1)          # the compute threads; the HTTP process keeps one
+    threads = set_threads(args.threads, reserve=_http_reserve())   # the compute threads (--threads)
     model, tokenizer, _name, desc = load(args)
     engine = make_engine(args, model, tokenizer, detokenize=False)     # text is made in the server's process
     graphs = engine.warmup()
