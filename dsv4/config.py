@@ -186,7 +186,7 @@ class ModelConfig:
         formats are read where the format lives: a Hugging Face config by `dsv4.checkpoint.read_config`."""
         if not isinstance(raw, dict):
             raise ConfigError(f"config must be a JSON object, got {type(raw).__name__}")
-        if "hidden_size" in raw or "num_hidden_layers" in raw or raw.get("model_type") == "deepseek_v4":
+        if is_hf_config(raw):
             raise ConfigError("a Hugging Face config (hidden_size, num_hidden_layers, ...): read it with "
                               "dsv4.checkpoint.read_config, as every command's --config does")
         return cls.from_fields(translating(_from_inference, raw), name, overrides)
@@ -220,6 +220,12 @@ class ModelConfig:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def is_hf_config(raw: Any) -> bool:
+    """Whether a config dict is a Hugging Face one, by its keys (the hf layout translates those)."""
+    return isinstance(raw, dict) and ("hidden_size" in raw or "num_hidden_layers" in raw
+                                      or raw.get("model_type") == "deepseek_v4")
 
 
 def translating(read, raw: dict[str, Any]) -> dict[str, Any]:

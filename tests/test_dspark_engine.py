@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_speculative import run  # the engine driven step by step, arrivals staggered
 
 from dsv4 import DeepSeekV4
 from dsv4.check.goldens import FP32_TOL
@@ -36,24 +37,6 @@ def model() -> DeepSeekV4:
 def prompts(model) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     return [torch.randint(2, model.cfg.vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-def run(model, prompts, params, arrivals=None, drafter=None, **config) -> tuple[list[list[int]], Engine]:
-    cfg = dict(max_seqs=8, max_batch_tokens=64, page_size=16, deterministic=True)
-    cfg.update(config)
-    engine = Engine(model, EngineConfig(**cfg))
-    if drafter is not None:
-        engine.drafter = drafter(engine)
-    outs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    pending, step = list(range(len(prompts))), 0
-    while pending or engine.has_work():
-        for i in [i for i in pending if arrivals is None or arrivals[i] <= step]:
-            engine.add_request(str(i), prompts[i], params[i] if isinstance(params, list) else params)
-            pending.remove(i)
-        for out in engine.step():
-            outs[int(out.request_id)].extend(out.new_tokens)
-        step += 1
-    return [outs[i] for i in range(len(prompts))], engine
 
 
 def greedy(i: int) -> SamplingParams:

@@ -17,17 +17,12 @@ from ...config import (
     ConfigError,
     ModelConfig,
     int_key,
+    is_hf_config,
     list_key,
     read_config_json,
     translating,
     whole,
 )
-
-
-def is_hf_config(raw: Any) -> bool:
-    """Whether a config dict is a Hugging Face one (by its keys)."""
-    return isinstance(raw, dict) and ("hidden_size" in raw or "num_hidden_layers" in raw
-                                      or raw.get("model_type") == "deepseek_v4")
 
 
 def read_config(raw: Any, name: str = "custom", overrides: dict[str, Any] | None = None) -> ModelConfig:
