@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from . import argtypes, options
-from .errors import RunFailed, UserError, describe_error
+from .errors import RunFailed, UserError, describe_error, exit_process, interrupted, watch_interrupts
 from .loading import default_model_dir, load_model, resolve_config, speculative_problem
 
 
@@ -446,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, run, and turn every failure into one line on stderr and an exit code (see `dsv4.errors`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _take_debug(argv)
+    watch_interrupts()
     try:
         parser = build_parser(argv)             # (Ctrl-C while the subcommands' modules load: 130 below)
         try:
@@ -470,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:                                              # noqa: BLE001 - one line, not a traceback
         if debug:
             raise
+        if interrupted():                   # a Ctrl-C that a library turned into another error on its way up
+            print("interrupted", file=sys.stderr)
+            return 130
         code, line = describe_error(e)
         print(f"error: {line}", file=sys.stderr)
         return code
@@ -487,5 +491,10 @@ def _take_debug(argv: list[str]) -> bool:
     return found or os.environ.get("DSV4_DEBUG", "") not in ("", "0")
 
 
+def entry() -> None:
+    """The `dsv4` console script: `main`, then the exit (130 after Ctrl-C, see `dsv4.errors.exit_process`)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

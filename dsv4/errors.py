@@ -32,6 +32,51 @@ class Unsupported(CheckpointError):
     """A valid input that dsv4 recognizes but does not implement; the line says how to go on without it."""
 
 
+_interrupted = False
+
+
+def _on_sigint(signum, frame) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def watch_interrupts() -> None:
+    """Remember a Ctrl-C of this process, so that `interrupted()` can tell it behind whatever a library made
+    of the KeyboardInterrupt (one raised inside a C extension's import can come back as an ImportError on
+    the next import). Python's own handler keeps its behaviour; a handler someone else set is left alone."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+def interrupted() -> bool:
+    """True once this process has been sent a Ctrl-C it watched for (see `watch_interrupts`)."""
+    return _interrupted
+
+
+def exit_process(code: int) -> None:
+    """Leave the process with `code`. After a Ctrl-C, the exit handlers run and the streams are flushed, then
+    the process ends at once: a KeyboardInterrupt that reached C code running Python (torch's and numpy's
+    start-up do) leaves a flag that would make the interpreter kill itself with SIGINT on its way out, so
+    the shell would see a signal instead of the documented 130."""
+    import sys
+
+    if code == 130 and _interrupted:
+        import atexit
+        import os
+
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 _IO_CAUSES = {
     errno.ENOSPC: "the disk is full",
     errno.EDQUOT: "the disk quota is exhausted",
