@@ -191,6 +191,38 @@ def test_e2e_smoke_run_on_cpu(capsys):
         {"reference"}
 
 
+def test_decode_bench_times_a_checkpoint_kept_quantized_against_its_dequantized_weights(tmp_path, capsys):
+    """`bench decode --model DIR --keep-quantized --batch 1 2`: both models at both batches, the FP8/FP4 kernels
+    on the quantized one only, and a speed-up per batch that is the ratio of the rows it names."""
+    ckpt = str(tmp_path / "q")
+    assert main(["init", ckpt, "--preset", "tiny", "--to", "fp8", "--expert-dtype", "fp4"]) == 0
+    capsys.readouterr()
+    assert main(["bench", "decode", "--model", ckpt, "--keep-quantized", "--device", "cpu", "--allow-cpu",
+                 "--dtype", "fp32", "--batch", "1", "2", "--prompt", "4", "--steps", "1", "--reps", "1",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["variant"], r["batch"]) for r in out["rows"]] == [("quantized", 1), ("quantized", 2),
+                                                                  ("fp32", 1), ("fp32", 2)]
+    quant, plain = out["rows"][0]["backends"], out["rows"][2]["backends"]
+    assert "fp8_gemm" in quant and "quantized_moe_experts" in quant
+    assert "fp8_gemm" not in plain and "quantized_moe_experts" not in plain and "moe_experts" in plain
+    rate = {(r["variant"], r["batch"]): r["tokens_per_s"] for r in out["rows"]}
+    for b in (1, 2):
+        assert out["speedup_by_batch"][str(b)] == pytest.approx(rate["quantized", b] / rate["fp32", b], rel=0.01)
+
+
+def test_decode_bench_refuses_keep_quantized_without_quantized_weights(tmp_path, capsys):
+    assert main(["bench", "decode", "--keep-quantized", "--device", "cpu", "--allow-cpu"]) == 2
+    assert capsys.readouterr().err.startswith("error: --keep-quantized times a checkpoint's FP8/FP4 weights")
+    plain = str(tmp_path / "plain")
+    assert main(["init", plain, "--preset", "tiny"]) == 0
+    capsys.readouterr()
+    assert main(["bench", "decode", "--model", plain, "--keep-quantized", "--device", "cpu", "--allow-cpu",
+                 "--dtype", "fp32", "--prompt", "4", "--steps", "1", "--reps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stores no FP8 or FP4 weights" in err[0]
+
+
 # ------------------------------------------------------------------------------ bench serve and bench w8a8
 def test_serve_bench_parses_and_passes_its_engine_settings_to_the_server():
     from dsv4.bench import serve as bench_serve

@@ -401,6 +401,8 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
         dtype = torch.float32                                          # fp32 master weights, bf16 autocast
     if only:
         args.dtype = "fp32"                                            # the weights it steps (no forward runs)
+    if args.bench == "decode":
+        return _run_decode(args, device, dtype, t0)
     model = build_model(args.preset, device, dtype)
     model.eval()
     paths = ["fast", "old" if only else "reference"] if not args.no_reference else ["fast"]
@@ -421,6 +423,72 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     return emit(result, render, args.json, args.jsonl)
 
 
+def _load_checkpoint(path: str, device: torch.device, dtype: torch.dtype, keep_quantized: bool):
+    from ..checkpoint import load_pretrained
+    from ..checkpoint.quantized import QuantExperts, QuantLinear
+
+    model = load_pretrained(path, dtype=dtype, device=device, keep_quantized=keep_quantized, progress=False)
+    model.eval()
+    kept = sum(isinstance(m, (QuantLinear, QuantExperts)) for m in model.modules())
+    if keep_quantized and not kept:
+        raise UserError(f"{path} stores no FP8 or FP4 weights, so --keep-quantized would time the bf16 model "
+                        "twice; make one with `dsv4 init DIR --preset small --to fp8 --expert-dtype fp4`")
+    return model
+
+
+def _decode_variants(args, device: torch.device, dtype: torch.dtype) -> list[tuple[str, str, object]]:
+    """(label, ops path, model factory) of each timed variant, first the one the speed-up is of."""
+    if args.keep_quantized and not args.model:
+        raise UserError("--keep-quantized times a checkpoint's FP8/FP4 weights: give it with --model DIR "
+                        "(e.g. from `dsv4 init DIR --preset small --to fp8 --expert-dtype fp4`)")
+    if args.model and args.keep_quantized:         # the same weights kept quantized, then dequantized
+        return [("quantized", "fast", lambda: _load_checkpoint(args.model, device, dtype, True)),
+                (args.dtype, "fast", lambda: _load_checkpoint(args.model, device, dtype, False))]
+    def make():
+        if args.model:
+            return _load_checkpoint(args.model, device, dtype, False)
+        m = build_model(args.preset, device, dtype)
+        m.eval()
+        return m
+
+    return [("fast", "fast", make)] + ([] if args.no_reference else [("reference", "reference", make)])
+
+
+def _run_decode(args, device: torch.device, dtype: torch.dtype, t0: float) -> int:
+    """`dsv4 bench decode`: every variant at every --batch (each model built once, then freed)."""
+    import gc
+
+    batches = list(args.batch) if isinstance(args.batch, (list, tuple)) else [args.batch]
+    rows: list[dict] = []
+    model = None
+    for label, path, make in _decode_variants(args, device, dtype):
+        if model is None or args.keep_quantized:
+            model = None
+            gc.collect()
+            model = make()
+        for b in batches:
+            row = bench_decode(model, argparse.Namespace(**{**vars(args), "batch": b}), device, path)
+            row["variant"] = label
+            rows.append(row)
+            if args.jsonl:
+                print(json.dumps(row), flush=True)
+    labels = list(dict.fromkeys(r["variant"] for r in rows))
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "preset": args.model or args.preset, "dtype": args.dtype, "rows": rows,
+              "seconds": round(time.time() - t0, 1)}
+    if len(labels) == 2:
+        by = {(r["variant"], r["batch"]): r for r in rows}
+        result["speedup_of"] = f"{labels[0]} / {labels[1]}"
+        result["speedup_by_batch"] = {b: round(by[labels[0], b]["tokens_per_s"] / by[labels[1], b]["tokens_per_s"], 2)
+                                      for b in batches}
+        if len(batches) == 1:
+            result["speedup"] = result["speedup_by_batch"][batches[0]]
+    if args.jsonl:
+        print(json.dumps({"speedup": result.get("speedup_by_batch")}))
+    return emit(result, render, args.json, args.jsonl)
+
+
 def render(result: dict) -> str:
     """The printed table of a run: header, tokens/s per path (with the profile numbers a row has), the
     fast path's backends and the speed-up."""
@@ -434,10 +502,18 @@ def render(result: dict) -> str:
         extra = {k: r[k] for k in keys if k in r}
         rate = (f"{r['ms_per_step']:12.3f} ms/optimizer step" if optimizer else
                 f"{r['tokens_per_s']:12.1f} tokens/s  ({r['s']:.4f} s)")
-        lines.append(f"{r['bench']:8s} {r['path']:10s} {rate}{'  ' + str(extra) if extra else ''}")
-    if not optimizer:
+        name = r.get("variant", r["path"])
+        batch = f" batch {r['batch']:<4d}" if "variant" in r else ""
+        lines.append(f"{r['bench']:8s} {name:10s}{batch} {rate}{'  ' + str(extra) if extra else ''}")
+    if "speedup_by_batch" in result:              # two models: what each ran
+        for label in dict.fromkeys(r["variant"] for r in rows):
+            lines.append(f"{label} backends: {next(r['backends'] for r in rows if r['variant'] == label)}")
+    elif not optimizer:
         lines.append(f"fast path backends: {rows[0]['backends']}")
-    if "speedup" in result:
+    if "speedup_by_batch" in result:
+        per = ", ".join(f"batch {b}: {x}x" for b, x in result["speedup_by_batch"].items())
+        lines.append(f"speed-up {result['speedup_of']}: {per}")
+    elif "speedup" in result:
         lines.append(f"speed-up fast / {'old' if optimizer else 'reference'}: {result['speedup']}x")
     return "\n".join(lines)
 
@@ -452,7 +528,16 @@ def add_bench_parsers(subparsers) -> None:
         p = subparsers.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         options.add(p, "preset", default="small")
         options.add(p, "dtype", default="bf16", choices=("bf16", "fp32"))
-        p.add_argument("--batch", type=argtypes.positive_int, default=None, help="sequences (default: by bench)")
+        if name == "decode":
+            p.add_argument("--batch", type=argtypes.positive_int, nargs="+", default=None,
+                           help="sequences; several values time each (default: 1)")
+            options.add(p, "model", note="time this checkpoint instead of a --preset with random weights")
+            p.add_argument("--keep-quantized", action="store_true",
+                           help="with --model: time its FP8/FP4 weights kept quantized against the same weights "
+                                "dequantized to --dtype (the speed-up per batch)")
+        else:
+            p.add_argument("--batch", type=argtypes.positive_int, default=None,
+                           help="sequences (default: by bench)")
         options.add(p, "seq_len", dest="seq", type=argtypes.positive_int, note="prefill, train; none = by bench")
         p.add_argument("--prompt", type=argtypes.positive_int, default=64, help="decode: untimed prompt length")
         p.add_argument("--steps", type=argtypes.positive_int, default=32, help="decode: timed steps per rep")
