@@ -336,8 +336,9 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         raise UserError("--max-num-seqs must be at least the largest --clients (each client keeps one request "
                         "in flight)")
     spec = EngineSpec.from_args(args).resolved()
+    # the servers run on the device and dtype resolved here
     args = argparse.Namespace(**{**vars(args), "device": spec.source.device, "dtype": spec.source.dtype})
-    model, _tokenizer, name, desc = load(spec)               # (the servers run on the device and dtype resolved here)
+    model, _tokenizer, name, desc = load(spec)
     device = model.embed.weight.device
     result: dict = {"bench": "serve", "model": desc, "dtype": spec.source.dtype, "torch": torch.__version__,
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
