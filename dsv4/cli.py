@@ -9,13 +9,14 @@ user can fix, 1 for I/O failures and the unexpected, 130 for Ctrl-C). `--debug` 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from . import argtypes, options
 from .errors import RunFailed, UserError, describe_error, exit_process, interrupted, watch_interrupts
-from .loading import default_model_dir, load_model, resolve_config, speculative_problem
+from .loading import ModelSource, default_model_dir, load_model, resolve_config, speculative_problem
 
 
 # ------------------------------------------------------------------------------------------ info
@@ -169,17 +170,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else secrets.randbits(63) if args.temperature > 0 else 0
     torch.manual_seed(seed)
     engine = None
+    source = dataclasses.replace(ModelSource.from_args(args), seed=0)
     if args.tensor_parallel_size > 1:       # N worker processes, this one rank 0 (`dsv4.serve.workers`)
+        from .serve.startup import EngineSpec
         from .serve.workers import build_workers
 
-        opts = {**{k: v for k, v in vars(args).items() if k != "func"}, "seed": 0, "max_num_seqs": 1,
-                "max_model_len": min(len(ids) + args.max_new_tokens, context), "max_batch_tokens": None,
-                "page_size": None, "cache_pages": None, "no_prefix_caching": True,
-                "keep_quantized": vars(args).get("keep_quantized", False), "detokenize": False}
-        engine, info = build_workers(opts, own_process=False)
+        spec = EngineSpec.from_args(args, source=source, max_num_seqs=1,
+                                    max_model_len=min(len(ids) + args.max_new_tokens, context),
+                                    max_batch_tokens=None, page_size=None, cache_pages=None, prefix_caching=False,
+                                    detokenize=False)
+        engine, info = build_workers(spec, own_process=False)
         model, desc = engine.model, info["desc"]
     else:
-        model, tokenizer, desc = load_model(argparse.Namespace(**{**vars(args), "seed": 0}))
+        model, tokenizer, desc = load_model(source)
     try:
         return _generate_and_print(args, model, tokenizer, desc, ids, text, seed, engine)
     finally:

@@ -179,18 +179,15 @@ def test_int8_cli(fp8_fp4, capsys):
 def test_int8_serving_engine_batching_does_not_change_tokens():
     """`dsv4 serve --quant int8` builds its engine on the INT8 model; per-token activation scales and exact
     INT32 sums keep a request's greedy tokens the same alone and among others (deterministic mode)."""
-    import argparse
-
     from test_engine import greedy, run
 
-    from dsv4.serve.startup import load, make_engine
+    from dsv4.loading import ModelSource
+    from dsv4.serve.startup import EngineSpec, load, make_engine
 
-    args = argparse.Namespace(preset="tiny", model=None, config=None, no_mtp=False, device="cpu", dtype="fp32",
-                              seed=0, keep_quantized=False, quant_mode="int8", max_num_seqs=4, max_model_len=256,
-                              max_batch_tokens=None, page_size=None, cache_pages=None, no_prefix_caching=False,
-                              deterministic=True, cuda_graph=False, speculative=0)
-    model, tokenizer, _name, _desc = load(args)            # what the server's engine process loads and builds
-    engine = make_engine(args, model, tokenizer, detokenize=False)
+    spec = EngineSpec(ModelSource(preset="tiny", device="cpu", dtype="fp32", quant_mode="int8"), max_num_seqs=4,
+                      max_model_len=256, deterministic=True, cuda_graphs=False, detokenize=False)
+    model, tokenizer, _name, _desc = load(spec)            # what the server's engine process loads and builds
+    engine = make_engine(spec, model, tokenizer)
     assert engine.model is model and int8_modules(model) and str(engine.device) == "cpu"
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(2, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 30, 17)]

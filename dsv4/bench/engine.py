@@ -16,6 +16,7 @@ client count, as the median (min, max) of --repeats runs after an untimed warm-u
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import random
@@ -131,23 +132,22 @@ def _profile(engine, work, clients: int, out_dir: Path) -> dict:
 
 def run_engine_bench(args: argparse.Namespace) -> int:
     from ..bench.serve import _raw_decode_rate
-    from ..engine import Engine, EngineConfig
+    from ..engine import Engine
     from ..ops import compiles
-    from ..serve.startup import load as _load
+    from ..serve.startup import EngineSpec, check_engine_options, load
 
     if not 0 <= args.spread < 1:
         raise UserError("--spread must be in [0, 1)")
-    from ..loading import resolve_config, speculative_problem
+    from ..loading import resolve_config
 
-    problem = speculative_problem(resolve_config(args), args.speculative, args.speculative_threshold)
-    if problem:                             # before any weights are read
-        raise UserError(problem)
+    spec = EngineSpec.from_args(args).resolved()
+    check_engine_options(spec, resolve_config(spec.source))          # before any weights are read
     from ..defaults import set_threads
 
-    set_threads(args.threads)
-    model, _tok, _name, desc = _load(args)
+    set_threads(spec.threads)
+    model, _tok, _name, desc = load(spec)
     device = model.embed.weight.device
-    result: dict = {"bench": "engine", "model": desc, "dtype": args.dtype, "torch": torch.__version__,
+    result: dict = {"bench": "engine", "model": desc, "dtype": spec.source.dtype, "torch": torch.__version__,
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "output_len": args.output_len,
                     "spread": args.spread, "repeats": args.repeats, "runs": {}}
@@ -155,10 +155,8 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         requests = args.requests or 4 * clients
         work = _work(model.cfg.vocab_size, requests, args.prompt_len, args.output_len, args.spread, args.seed)
         longest = max(len(p) + n for p, n in work)
-        config = EngineConfig(max_seqs=clients, max_model_len=min(model.cfg.max_seq_len, max(longest + 1, 256)),
-                              max_batch_tokens=args.max_batch_tokens, deterministic=args.deterministic,
-                              cuda_graphs=args.cuda_graph, speculative=args.speculative,
-                              speculative_threshold=args.speculative_threshold)
+        config = dataclasses.replace(spec, max_num_seqs=clients,
+                                     max_model_len=min(model.cfg.max_seq_len, max(longest + 1, 256))).engine_config()
         engine = Engine(model, config)
         t0 = time.perf_counter()
         graphs = engine.warmup()

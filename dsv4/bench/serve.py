@@ -325,7 +325,7 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
-    from ..serve.startup import load as _load
+    from ..serve.startup import EngineSpec, load
 
     for name in ("prompt_len", "output_len"):
         if getattr(args, name) < 1:
@@ -335,9 +335,12 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     if args.max_num_seqs is not None and args.max_num_seqs < max(args.clients):
         raise UserError("--max-num-seqs must be at least the largest --clients (each client keeps one request "
                         "in flight)")
-    model, _tokenizer, name, desc = _load(args)
+    spec = EngineSpec.from_args(args).resolved()
+    # the servers run on the device and dtype resolved here
+    args = argparse.Namespace(**{**vars(args), "device": spec.source.device, "dtype": spec.source.dtype})
+    model, _tokenizer, name, desc = load(spec)
     device = model.embed.weight.device
-    result: dict = {"bench": "serve", "model": desc, "dtype": args.dtype, "torch": torch.__version__,
+    result: dict = {"bench": "serve", "model": desc, "dtype": spec.source.dtype, "torch": torch.__version__,
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "prompt_len": args.prompt_len,
                     "output_len": args.output_len, "spread": args.spread, "repeats": args.repeats,

@@ -98,19 +98,19 @@ def _local_replier(args) -> tuple[Callable, str]:
     from ..defaults import set_threads
     from ..engine import SamplingParams
     from . import chat
-    from .startup import load, load_tokenizer, make_engine
+    from .startup import EngineSpec, load, load_tokenizer, make_engine
 
-    if (args.tensor_parallel_size or 1) > 1:
+    spec = EngineSpec.from_args(args, detokenize=True)
+    if spec.tensor_parallel_size > 1:
         from .workers import build_workers
 
-        opts = {**{k: v for k, v in vars(args).items() if k != "func"}, "detokenize": True}
-        engine, info = build_workers(opts, own_process=False)
+        engine, info = build_workers(spec, own_process=False)
         atexit.register(engine.close)
-        model, tokenizer, desc = engine.model, load_tokenizer(args), info["desc"]
+        model, tokenizer, desc = engine.model, load_tokenizer(spec.source), info["desc"]
     else:
-        set_threads(args.threads)
-        model, tokenizer, _name, desc = load(args)
-        engine = make_engine(args, model, tokenizer)
+        set_threads(spec.threads)
+        model, tokenizer, _name, desc = load(spec)
+        engine = make_engine(spec, model, tokenizer)
     seed = args.seed if args.seed is not None else secrets.randbits(63)
     counter = [0]
 

@@ -51,7 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .app import ServerState, create_app
     from .http_guard import GracefulServer, connection_limit, guarded_protocol
     from .metrics import ServerMetrics
-    from .startup import build_engine, check_engine_options, load_tokenizer, model_name
+    from .startup import EngineSpec, build_engine, check_engine_options, load_tokenizer
     from .validate import Limits
     from .workers import build_workers
 
@@ -68,13 +68,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)                  # this process parses and streams; the engine process computes
     os.environ.setdefault("RAYON_NUM_THREADS", "1")          # (the tokenizer's thread pool too)
-    check_engine_options(args, resolve_config(args))       # before the engine process reads any weights
-    tokenizer = load_tokenizer(args)
-    name = model_name(args)
+    spec = EngineSpec.from_args(args, detokenize=False)      # text is made in this process
+    check_engine_options(spec, resolve_config(spec.source))   # before the engine process reads any weights
+    tokenizer = load_tokenizer(spec.source)
+    name = spec.served_name
     metrics = ServerMetrics(name)
-    opts = {k: v for k, v in vars(args).items() if k != "func"}
-    build = build_workers if (args.tensor_parallel_size or 1) > 1 else build_engine
-    engine = EngineProcess(build, (opts,), tokenizer=tokenizer, on_step=metrics.on_step)
+    build = build_workers if spec.tensor_parallel_size > 1 else build_engine
+    engine = EngineProcess(build, (spec,), tokenizer=tokenizer, on_step=metrics.on_step)
     try:
         info = engine.start()
     except RuntimeError as e:

@@ -1,5 +1,5 @@
-"""The engine's output streams of one HTTP request: merged, timed, ended early when the server's shutdown
-grace runs out, and abandoned (every sequence aborted) when the client leaves.
+"""The engine's output streams of one HTTP request: merged, ended early when the server's shutdown grace
+runs out, and abandoned (every sequence aborted) when the client leaves (their counting: `usage`).
 
 A completion with several prompts is several engine requests; `merge` reads them all, and leaving it
 for any reason (the client went away, an error, the end of the grace period) closes every stream, which
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable
 
 from starlette.requests import Request
@@ -18,57 +17,10 @@ from starlette.responses import Response
 
 from ..engine.client import EngineDeadError
 from ..engine.sequence import RequestError, StepOutput
-from .metrics import ServerMetrics
 from .protocol import APIError
 
 _DONE = object()
 ENDED = object()                       # put into a merge's queue when the shutdown grace period is over
-
-
-class Tracker:
-    """Per-request timing for the latency metrics (and the request's log line)."""
-
-    def __init__(self, metrics: ServerMetrics | None, tally: dict | None = None):
-        self.metrics, self.t0 = metrics, time.monotonic()
-        self.first: float | None = None
-        self.last: float | None = None
-        self.gaps: list[float] = []
-        self.tally = tally if tally is not None else {}          # {"prompt": n, "completion": n}: the log line
-        self.tally.setdefault("completion", 0)
-
-    def tokens(self, n: int) -> None:
-        now = time.monotonic()
-        self.tally["completion"] += n
-        if n:
-            if self.first is None:
-                self.first = now
-            elif self.last is not None:
-                self.gaps.append((now - self.last) / n)
-            self.last = now
-
-    def done(self) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_request(None if self.first is None else self.first - self.t0, self.gaps,
-                                         time.monotonic() - self.t0)
-
-
-class Usage:
-    """Token counts of a request as its outputs come (also for choices that never finished)."""
-
-    def __init__(self) -> None:
-        self.prompt: dict[int, int] = {}
-        self.cached: dict[int, int] = {}
-        self.completion: dict[int, int] = {}
-
-    def add(self, stream: int, choice: int, out: StepOutput) -> None:
-        self.prompt[stream] = out.prompt_tokens
-        self.cached[stream] = max(self.cached.get(stream, 0), out.cached_tokens)
-        self.completion[choice] = out.completion_tokens
-
-    def body(self) -> dict:
-        p, c = sum(self.prompt.values()), sum(self.completion.values())
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
 
 
 class Endings:

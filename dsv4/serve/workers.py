@@ -12,7 +12,6 @@ and the server with it.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import multiprocessing as mp
 import os
@@ -20,38 +19,37 @@ import sys
 import threading
 import time
 
+from .startup import EngineSpec, engine_info, ignore_interrupts, load, make_engine
+
 log = logging.getLogger("dsv4.serve")
 
 
-def _join(options: dict, rank: int, world: int, port: int):
+def _join(spec: EngineSpec, rank: int, world: int, port: int):
     """This worker's group, model and engine (the same on every rank but for the experts it holds)."""
     from .. import defaults
     from ..engine.mirror import Mirror
     from ..parallel import init_workers, parallelize_for_serving
-    from .startup import load, make_engine
 
-    args = argparse.Namespace(**options)
-    device = defaults.resolve_device(getattr(args, "device", None) or "auto").type     # worker r takes cuda:r
-    if device == "cpu" and not getattr(args, "threads", 0):        # N processes share the cores (one for HTTP)
-        args.threads = max(1, (defaults.cores() - 1) // world)
-    threads = defaults.set_threads(getattr(args, "threads", 0), reserve=1)
-    w = init_workers(rank, world, master_port=port, device=device, timeout_s=args.worker_timeout)
-    args.device = str(w.device)
-    model, tokenizer, name, desc = load(args, rank=rank, world_size=world)
+    device = defaults.resolve_device(spec.source.device or "auto").type          # worker r takes cuda:r
+    threads = spec.threads
+    if device == "cpu" and not threads:                         # N processes share the cores (one for HTTP)
+        threads = max(1, (defaults.cores() - 1) // world)
+    threads = defaults.set_threads(threads, reserve=1)
+    w = init_workers(rank, world, master_port=port, device=device, timeout_s=spec.worker_timeout)
+    spec = spec.on_device(str(w.device))
+    model, tokenizer, name, desc = load(spec, rank=rank, world_size=world)
     parallelize_for_serving(model, w.group, attention="replicated")
-    engine = make_engine(args, model, tokenizer, detokenize=bool(options.get("detokenize", False)),
-                         mirror=Mirror(w.group, w.device))
+    engine = make_engine(spec, model, tokenizer, mirror=Mirror(w.group, w.device))
     return engine, desc, threads
 
 
-def _follower(options: dict, rank: int, world: int, port: int) -> None:
+def _follower(spec: EngineSpec, rank: int, world: int, port: int) -> None:
     """Ranks 1..N-1: build, capture the same graphs as rank 0, then follow its runner until STOP."""
     from ..parallel import shutdown_workers
-    from .startup import ignore_interrupts
 
     ignore_interrupts()
     try:
-        engine, _, _ = _join(options, rank, world, port)
+        engine, _, _ = _join(spec, rank, world, port)
         engine.warmup()
         engine.follow()
     except Exception as e:                                              # noqa: BLE001 - one line, then exit
@@ -71,25 +69,25 @@ def _watch(procs: list[mp.Process]) -> None:
         time.sleep(0.2)
 
 
-def build_workers(options: dict, own_process: bool = True):
-    """Rank 0's (engine, info) with ranks 1..N-1 started and following: what the engine process runs first
-    when --tensor-parallel-size N > 1 (own_process), or what `dsv4 generate` and `dsv4 chat` run in their
-    own process (Ctrl-C stays theirs). `engine.close()` stops the other workers. options["detokenize"]:
-    the engine makes text (generate and chat; the server makes it in its HTTP process)."""
+def build_workers(spec: EngineSpec, own_process: bool = True):
+    """Rank 0's (engine, info) with ranks 1..N-1 (N = spec.tensor_parallel_size) started and following: what
+    the engine process runs first when N > 1 (own_process), or what `dsv4 generate` and `dsv4 chat` run in
+    their own process (Ctrl-C stays theirs). `engine.close()` stops the other workers. spec.detokenize: the
+    engine makes text (generate and chat; the server makes it in its HTTP process). The spec crosses the
+    spawn into every worker as it is."""
     from ..parallel import free_port
-    from .startup import engine_info, ignore_interrupts
 
     if own_process:
         ignore_interrupts()
-    world = options["tensor_parallel_size"]
+    world = spec.tensor_parallel_size
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_follower, args=(options, r, world, port), name=f"dsv4-worker-{r}", daemon=True)
+    procs = [ctx.Process(target=_follower, args=(spec, r, world, port), name=f"dsv4-worker-{r}", daemon=True)
              for r in range(1, world)]
     for p in procs:
         p.start()
     threading.Thread(target=_watch, args=(procs,), name="dsv4-worker-watch", daemon=True).start()
-    engine, desc, threads = _join(options, 0, world, port)
+    engine, desc, threads = _join(spec, 0, world, port)
     graphs = engine.warmup()
     info = engine_info(engine, desc, threads, graphs)
     info.update(device=f"{engine.device} and {world - 1} more worker(s)", workers=world)
