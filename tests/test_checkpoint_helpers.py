@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch import nn
 
 from dsv4.checkpoint import model_values, official_tensors, to_model
 from dsv4.checkpoint.names import EXPERT, F32, INT, LINEAR
 from dsv4.checkpoint.reader import Value
 from dsv4.checkpoint.writer import encode
 from dsv4.config import ModelConfig
+
+
+class RoutedBy(nn.Module):
+    """An experts module computing (x [T, dim], weights [T, k], indices [T, k]) -> fp32 [T, dim] with `fn`,
+    an independent reference: swapped in for a layer's experts (`model.set_submodule`)."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, weights, indices)
 
 
 def tiny_model(seed: int = 0):

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_checkpoint_helpers import make_representable, tiny_model, tokens
+from test_checkpoint_helpers import RoutedBy, make_representable, tiny_model, tokens
 from test_int8 import gemm_exact, quant_rows
 
 from dsv4 import ops
@@ -58,7 +58,7 @@ def independent(source):
                     y[t] += swiglu(x[t:t + 1], ex.w1[e], ex.w2[e], ex.w3[e], weights[t, k])[0]
             return y
 
-        layer.ffn.routed_override = routed
+        layer.ffn.set_submodule("experts", RoutedBy(routed))
         sh.forward = lambda x, sh=sh, swiglu=swiglu: swiglu(x, sh.w1.weight, sh.w2.weight, sh.w3.weight,
                                                             1.0).to(x.dtype)
     return model

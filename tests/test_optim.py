@@ -559,7 +559,7 @@ def test_stacked_bias_update_equals_the_per_router_rule():
     assert len(moes) >= 2
     gen = torch.Generator().manual_seed(0)
     for moe in moes:
-        moe.load = torch.randint(0, 50, (moe.gate.bias.numel(),), generator=gen)
+        moe.set_load(torch.randint(0, 50, (moe.gate.bias.numel(),), generator=gen))
         moe.gate.bias.data = torch.randn(moe.gate.bias.shape, generator=gen) * 1e-3
     want = [moe.gate.bias.detach().clone() + 0.01 * torch.sign(moe.load.float().mean() - moe.load.float())
             for moe in moes]

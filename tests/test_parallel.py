@@ -94,11 +94,11 @@ def _moe_checks(rank: int) -> dict:
             w, idx, _ = mf.gate(x, tok)
             with exact_accumulation():
                 want = mf.experts(x, w, idx)
-                got = mr.routed_override(x, w, idx)
-                res["unordered_equal"].append(torch.equal(mu.routed_override(x, w, idx), want))
+                got = mr.experts(x, w, idx)
+                res["unordered_equal"].append(torch.equal(mu.experts(x, w, idx), want))
             res["exact_equal"].append(torch.equal(got, want))
             want_f = mf.experts(x, w, idx)
-            got_f = mr.routed_override(x, w, idx)
+            got_f = mr.experts(x, w, idx)
             k = idx.size(1)
             terms = mf.experts(x.repeat_interleave(k, 0), w.reshape(-1, 1), idx.reshape(-1, 1)).view(t, k, d)
             bound = 2 * gamma(k) * terms.abs().sum(1)
@@ -110,9 +110,14 @@ def _moe_checks(rank: int) -> dict:
             tok2 = torch.randint(0, full.cfg.vocab_size, (t2,), generator=g2)
             w2, idx2, _ = mf.gate(x2, tok2)
             with exact_accumulation():
-                res["dp_exact_equal"].append(torch.equal(md.routed_override(x2, w2, idx2), mf.experts(x2, w2, idx2)))
+                res["dp_exact_equal"].append(torch.equal(md.experts(x2, w2, idx2), mf.experts(x2, w2, idx2)))
         res["layers"] += 1
     res["ranges"] = [list(P.held(m.experts)) for m in P.moe_layers(rep)]
+    # the pass swapped each layer's experts for their parallel form: same names, the model's options reach it
+    res["names_kept"] = list(rep.state_dict()) == list(full.state_dict())
+    res["swapped"] = sorted({type(m.experts).__name__ for m in P.moe_layers(rep)})
+    rep.set_options(fp4_fake_quant=True)
+    res["options_reach"] = all(m.experts.fp4_fake_quant for m in P.moe_layers(rep))
     return res
 
 
@@ -333,6 +338,7 @@ def test_expert_parallel_moe_equals_the_unsharded_moe_per_element(ranks):
         m = res["moe"]
         assert m["layers"] == 5                                      # tiny: 4 layers + the MTP block
         assert m["ranges"] == [[4 * r, 4]] * 5                       # rank r holds experts [4r, 4r + 4)
+        assert m["names_kept"] and m["swapped"] == ["ExpertParallelExperts"] and m["options_reach"]
         assert all(m["exact_equal"]) and all(m["dp_exact_equal"])
         assert max(m["fast_ratio"]) <= 1.0, m["fast_ratio"]
 
@@ -455,8 +461,11 @@ def test_bad_ranks_and_passes_are_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="attention must be one of"):
         P.parallelize_for_serving(model, attention="heads")
     # outside a process group the pass leaves the model whole, and says so
-    assert P.parallelize_for_serving(model).serving_layout == P.ServingLayout(0, 1, "replicated", True)
-    assert all(m.routed_override is None for m in P.moe_layers(model))
+    assert P.serving_layout(model) is None
+    assert P.serving_layout(P.parallelize_for_serving(model)) == P.ServingLayout(0, 1, "replicated", True)
+    assert not any(isinstance(m.experts, P.ExpertParallel) for m in P.moe_layers(model))
+    with pytest.raises(RuntimeError, match="already parallelized"):
+        P.parallelize_for_serving(model)
     with pytest.raises(ValueError, match="is not one of 2 workers"):
         P.init_workers(2, 2, master_port=1)
 

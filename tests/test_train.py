@@ -74,12 +74,11 @@ def test_total_loss_weights_parts():
 def test_balance_loss_by_hand():
     m = micro_model()
     moe = m.layers[1].ffn
-    moe.balance_alpha = 0.01
     torch.manual_seed(2)
     b, t, e, k = 2, 5, moe.n_experts, moe.topk
     scores = torch.rand(b * t, e) + 0.1
     indices = torch.stack([torch.randperm(e)[:k] for _ in range(b * t)])
-    got = moe._balance_loss(scores, indices, b).item()
+    got = moe._balance_loss(scores, indices, b, 0.01).item()
     want = 0.0
     for i in range(b):
         rows = range(i * t, (i + 1) * t)
@@ -134,7 +133,7 @@ def test_indexer_loss_gradient_reaches_only_the_indexer():
 def test_bias_update_rule_and_convergence():
     m = micro_model()
     moe = m.layers[1].ffn
-    moe.load = torch.tensor([10, 0, 3, 7])
+    moe.set_load(torch.tensor([10, 0, 3, 7]))
     balance.update_bias(m, gamma=0.5)
     assert moe.gate.bias.tolist() == [-0.5, 0.5, 0.5, -0.5]          # mean 5: overloaded down, under up
     assert m.layers[0].ffn.gate.bias is None                          # hash layer: nothing to update
@@ -156,7 +155,7 @@ def test_bias_update_rule_and_convergence():
     before = spread()
     for _ in range(200):
         _, idx, _ = gate(x, torch.zeros(256, dtype=torch.long))
-        moe.load = torch.bincount(idx.flatten(), minlength=4)
+        moe.set_load(torch.bincount(idx.flatten(), minlength=4))
         balance.update_bias(m, gamma=0.01)
     assert before >= 200 and spread() < 0.25 * before
 

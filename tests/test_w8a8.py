@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_checkpoint_helpers import make_representable, tiny_model, tokens
+from test_checkpoint_helpers import RoutedBy, make_representable, tiny_model, tokens
 
 from dsv4 import ops
 from dsv4.checkpoint import load_pretrained, model_values, save
@@ -111,7 +111,7 @@ def independent(source, ckpt, pow2: bool):
                     y[t] += lin(round_trip(h, pow2), ex.w2[e])[0].float()
             return y
 
-        layer.ffn.routed_override = routed
+        layer.ffn.set_submodule("experts", RoutedBy(routed))
     return model
 
 

@@ -327,7 +327,7 @@ def bench_optimizer(model, args, device, path: str) -> dict:
         p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(device)
     for m in model.modules():
         if hasattr(m, "gate") and hasattr(m, "load") and hasattr(m, "n_experts"):
-            m.load = torch.randint(0, 1000, (m.n_experts,), generator=gen).to(device)
+            m.set_load(torch.randint(0, 1000, (m.n_experts,), generator=gen).to(device))
     opt = MuonAdamW(model, OptimConfig(lr=1e-4, fast=fast))
     clip = _fast_clip if fast else _old_clip
     graphed = fast and device.type == "cuda" and bool(getattr(args, "cuda_graph", False))

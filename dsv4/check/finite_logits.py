@@ -2,9 +2,10 @@
 
 The sampler takes the argmax of NaN logits as token 0, so a model whose weights overflow (a finite but
 huge BF16 weight passes every load check) would "generate" token 0 forever and exit 0. `watch_logits`
-wraps a model's incremental entry points (`append`, `draft`) for the duration of a generation and checks
-every logits tensor they return: on the CPU at once (NonFiniteLogits is raised out of the step), on a GPU
-into a device flag read once at the end (no host synchronization per step). `first_nonfinite_module`
+hands the model a check (`DeepSeekV4.watching_logits`) for the duration of a generation, which sees every
+logits tensor its incremental entry points (`append`, `draft`) return: on the CPU at once (NonFiniteLogits
+is raised out of the step), on a GPU into a device flag read once at the end (no host synchronization per
+step). `first_nonfinite_module`
 then replays the sequence through the full-sequence forward with `dsv4 check nonfinite`'s hooks to name
 the first module that produced NaN/Inf.
 """
@@ -41,29 +42,13 @@ class LogitsWatch:
         elif not bool(torch.isfinite(logits).all()):
             raise NonFiniteLogits("the model returned non-finite logits")
 
-    def _wrap(self, name: str):
-        original = getattr(self.model, name)
-
-        def checked(*args, **kwargs):
-            out = original(*args, **kwargs)
-            self._check(out[0] if isinstance(out, tuple) else out)
-            return out
-
-        return checked
-
 
 @contextlib.contextmanager
 def watch_logits(model: DeepSeekV4) -> Iterator[LogitsWatch]:
     """While the block runs, every `model.append` / `model.draft` result is checked (see the module doc)."""
     watch = LogitsWatch(model)
-    names = ("append", "draft")
-    for name in names:
-        object.__setattr__(model, name, watch._wrap(name))       # an instance attribute shadows the method
-    try:
+    with model.watching_logits(watch._check):
         yield watch
-    finally:
-        for name in names:
-            model.__dict__.pop(name, None)
 
 
 def first_nonfinite_module(model: DeepSeekV4, tokens: list[int]) -> str:

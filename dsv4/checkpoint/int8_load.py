@@ -26,7 +26,7 @@ class Int8Requantizer:
         path, _, leaf = mname.rpartition(".")
         if j is None and leaf == "weight" and is_int8_linear(path):
             mod = Int8Linear.from_weight(v.dequantize(torch.float32), v.fmt)
-            _set_module(self.model, path, mod.to(self.model.get_submodule(path).weight.device))
+            self.model.set_submodule(path, mod.to(self.model.get_submodule(path).weight.device))
             return True
         if j is not None and is_int8_experts(path):
             self._put(path, leaf, j, *quantize_rows(v.dequantize(torch.float32)), v.fmt)
@@ -67,10 +67,5 @@ class Int8Requantizer:
             fmts = self.formats[path]
             new = Int8Experts(stacks, old.swiglu_limit, getattr(old, "offset", 0),
                               fmts.pop() if len(fmts) == 1 else "mixed")
-            _set_module(self.model, path, new.to(old.w1.device))
+            self.model.set_submodule(path, new.to(old.w1.device))
         share_experts(self.model)
-
-
-def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, leaf = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)

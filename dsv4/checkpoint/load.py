@@ -110,7 +110,7 @@ def load_pretrained(
         set_quant_mode(model)
     except ValueError as e:
         raise CheckpointError(f"{p.root}: {e}") from None
-    model.checkpoint_plan = {
+    model.loaded_from({
         "path": str(p.root),
         "layout": p.layout,
         "files": len(p.files),
@@ -120,7 +120,7 @@ def load_pretrained(
         "world_size": world_size,
         "experts": list(experts) if experts is not None else [0, p.cfg.n_routed_experts],
         "read": stats,
-    }
+    })
     return model.eval()
 
 
@@ -131,13 +131,13 @@ def _narrow_experts(model: nn.Module, lo: int, hi: int, dtype: torch.dtype) -> N
     """On the meta model: every MoE layer's routed experts become experts [lo, hi) only."""
     from ..model.moe import Experts, MoE
 
-    for moe in model.modules():
+    for path, moe in list(model.named_modules()):
         if isinstance(moe, MoE):
             prev = torch.get_default_dtype()
             torch.set_default_dtype(dtype)
             try:
                 with torch.device("meta"):
-                    moe.experts = Experts(model.cfg, hi - lo, lo)
+                    model.set_submodule(f"{path}.experts", Experts(model.cfg, hi - lo, lo))
             finally:
                 torch.set_default_dtype(prev)
 
@@ -165,7 +165,7 @@ def _place_quantized(model: nn.Module, p: Plan, dtype: torch.dtype) -> None:
             mod = model.get_submodule(path)
             if isinstance(mod, nn.Linear):
                 compute = mod.weight.dtype if mod.weight.dtype == torch.float32 else dtype
-                _set_module(model, path, QuantLinear(_stored(e), compute, "meta"))
+                model.set_submodule(path, QuantLinear(_stored(e), compute, "meta"))
     for path, parts in experts.items():
         kinds = {k for ks in parts.values() for k in ks}
         if all(isinstance(k, str) for k in kinds):
@@ -175,7 +175,7 @@ def _place_quantized(model: nn.Module, p: Plan, dtype: torch.dtype) -> None:
             raise CheckpointError(f"{p.root}: experts of '{path}' mix storage formats or shapes; load "
                                   "without keep_quantized")
         stored = {w: next(iter(ks)) for w, ks in parts.items()}
-        _set_module(model, path, QuantExperts(model.get_submodule(path), fmts.pop(), dtype, stored, "meta"))
+        model.set_submodule(path, QuantExperts(model.get_submodule(path), fmts.pop(), dtype, stored, "meta"))
 
 
 def _float_names(model: nn.Module) -> dict[str, int]:
@@ -215,7 +215,10 @@ def load_into(
     Routed experts go to the row of the expert's id minus the layer's `offset` (expert parallelism).
     int8: the weights INT8 mode covers are requantized to per-row INT8 as they stream in
     (`dsv4.checkpoint.int8_load`).
-    Returns what was read: {"tensors": official tensors, "bytes": stored bytes}."""
+    Records the storage format of every module a quantized weight was written into (`dsv4.model.quant.
+    mark_stored`). Returns what was read: {"tensors": official tensors, "bytes": stored bytes}."""
+    from ..model.quant import mark_stored
+
     want = _float_names(model)
     names = {to_model(n)[0] for n in p.entries if not p.entries[n].parts}
     for e in p.entries.values():
@@ -280,7 +283,7 @@ def load_into(
         written[mname] = written.get(mname, 0) + 1
     for path, qe in swapped.items():
         qe.finish()
-        _set_module(model, path, qe)
+        model.set_submodule(path, qe)
     for mod in model.modules():
         if isinstance(mod, QuantExperts) and getattr(mod, "_filled", None) is not None:
             try:
@@ -289,10 +292,8 @@ def load_into(
                 raise CheckpointError(f"{p.root}: {err}") from None
     if requant is not None:
         requant.finish()
-    for path, fmts in stored.items():
-        quant = fmts & set(_QUANT)
-        if quant:
-            model.get_submodule(path).stored_format = fmts.pop() if len(fmts) == 1 else "mixed"
+    mark_stored(model, {path: fmts.pop() if len(fmts) == 1 else "mixed"
+                        for path, fmts in stored.items() if fmts & set(_QUANT)})
     for name, need in want.items():
         if written.get(name, 0) != need:
             raise CheckpointError(
@@ -300,11 +301,6 @@ def load_into(
                 f"({written.get(name, 0)} of {need} parts)"
             )
     return stats
-
-
-def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, leaf = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
 def _swap_linear(model: nn.Module, mname: str, v: Value, dtype: torch.dtype, device) -> bool:
@@ -315,7 +311,7 @@ def _swap_linear(model: nn.Module, mname: str, v: Value, dtype: torch.dtype, dev
     mod = model.get_submodule(path)
     if not isinstance(mod, nn.Linear):
         return False
-    _set_module(
-        model, path, QuantLinear(v, mod.weight.dtype if mod.weight.dtype == torch.float32 else dtype, device)
+    model.set_submodule(
+        path, QuantLinear(v, mod.weight.dtype if mod.weight.dtype == torch.float32 else dtype, device)
     )
     return True

@@ -174,8 +174,6 @@ class Attention(nn.Module):
         self.compressor = Compressor(cfg, self.ratio, self.head_dim, self.rope, rotate=False) if self.ratio else None
         self.indexer = Indexer(cfg, self.rope) if self.ratio == 4 else None
         self.stage = f"layers.{layer_id}.attn"
-        self.want_indexer_loss = False
-        self.indexer_loss: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- shared pieces
     def _q_kv(self, x: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int] | None = None):
@@ -211,10 +209,11 @@ class Attention(nn.Module):
         idx = t - w + 1 + torch.arange(w, device=device)
         return torch.where(idx >= 0, idx, -1)
 
-    def _select(self, x, qr, positions, kv_index, q_ctx):
-        """Indexer top-k over its compressed keys kv_index [b, n, D] for queries at positions."""
+    def _select(self, x, qr, positions, kv_index, q_ctx, with_scores: bool = False):
+        """Indexer top-k over its compressed keys kv_index [b, n, D] for queries at positions; with_scores
+        also keeps the differentiable scores in q_ctx["scores"] (the indexer loss needs them)."""
         q, w = self.indexer.queries(x.detach(), qr.detach(), positions)
-        if self.want_indexer_loss and self.training:
+        if with_scores:
             scores = ops.indexer_scores(q, kv_index, w, positions, self.ratio)           # [b, s, n]
             sel = ops.reference.select_topk(scores.detach(), self.indexer.topk)
             q_ctx["scores"] = scores
@@ -223,11 +222,13 @@ class Attention(nn.Module):
         return record(f"{self.stage}.indexer.topk", sel)
 
     # ---------------------------------------------------------------- full sequence (train / prefill)
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                losses: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """The whole sequence: x [b, s, dim], positions = arange(s) (training, checks). The indexer loss
-        (when on) goes into losses["indexer"] when a dict is given (a block's training forward), else onto
-        `indexer_loss`."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, losses: dict[str, torch.Tensor] | None = None,
+                indexer_loss: bool = False) -> torch.Tensor:
+        """The whole sequence: x [b, s, dim], positions = arange(s) (training, checks). indexer_loss (in
+        training mode, on a layer with an indexer): the Lightning Indexer's KL goes into losses["indexer"]
+        (a dict the caller gives, a block's training forward; the module keeps nothing)."""
+        if indexer_loss and losses is None:
+            raise ValueError("indexer_loss=True needs a losses dict to put the loss into")
         b, s, _ = x.shape
         qr, q, kv = self._q_kv(x, positions)
         idx = self._window_idx(s, x.device).unsqueeze(0).expand(b, -1, -1)              # [b, s, w]
@@ -238,7 +239,8 @@ class Attention(nn.Module):
             n = comp.size(1)
             if self.indexer is not None:
                 k_index, ik, isc = self.indexer.compressor(x.detach(), positions)
-                sel = self._select(x, qr, positions, k_index, q_ctx) if n else idx.new_zeros(b, s, 0)
+                want = indexer_loss and self.training
+                sel = self._select(x, qr, positions, k_index, q_ctx, want) if n else idx.new_zeros(b, s, 0)
             else:
                 vis = ops.reference.compressed_visible(positions, n, self.ratio)        # [s, n]
                 sel = torch.where(vis, torch.arange(n, device=x.device), -1).expand(b, -1, -1)
@@ -246,12 +248,8 @@ class Attention(nn.Module):
             kv_all = torch.cat([kv, comp], 1)
         o, lse = ops.sparse_attention(q, kv_all, self.attn_sink, idx, self.scale)
         if "scores" in q_ctx:
-            loss = self._indexer_loss(q, kv_all, idx[..., -sel.size(-1):] if sel.size(-1) else None, lse,
-                                      q_ctx["scores"], s)
-            if losses is not None:
-                losses["indexer"] = loss
-            else:
-                self.indexer_loss = loss
+            losses["indexer"] = self._indexer_loss(q, kv_all, idx[..., -sel.size(-1):] if sel.size(-1) else None,
+                                                   lse, q_ctx["scores"], s)
         return self._output(o, positions)
 
     def _indexer_loss(self, q, kv_all, comp_idx, lse, scores, offset) -> torch.Tensor:

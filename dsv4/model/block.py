@@ -54,34 +54,41 @@ class Block(nn.Module):
         return ops.hc_pre(x, fn, scale, base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None, token_ids: torch.Tensor,
-                plan: Plan | None = None, pool: LayerPool | None = None, *,
-                with_losses: bool = False) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                plan: Plan | None = None, pool: LayerPool | None = None, *, with_losses: bool = False,
+                indexer_loss: bool = False, balance_alpha: float = 0.0
+                ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """x [b, s, hc, dim]. Without a plan: the whole sequence at `positions`; with one: an incremental
         step on the paged pool (positions come from the plan).
 
         with_losses (training): -> (x, losses), losses holding this block's auxiliary losses that are on
-        ("indexer": the Lightning Indexer's KL, "balance": the sequence-wise balance loss; 0-dim tensors).
-        They leave the block through its output, not through module attributes: under activation
-        checkpointing a recomputation in backward would otherwise write its own losses onto the modules,
-        and their graphs would keep every recomputed block's activations alive until the next forward."""
+        ("indexer": the Lightning Indexer's KL when indexer_loss, "balance": the sequence-wise balance loss
+        when balance_alpha > 0; 0-dim tensors, in training mode only). They leave the block through its
+        output, and what to compute comes in as arguments: the modules keep no per-call state, so a
+        recomputation in backward under activation checkpointing writes nothing onto them, and nothing
+        outside the backward keeps a recomputed block's activations alive."""
+        if (indexer_loss or balance_alpha > 0) and not with_losses:
+            raise ValueError("indexer_loss / balance_alpha need with_losses=True (the losses leave through the output)")
         if self.activation_checkpointing and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._forward, x, positions, token_ids, plan, pool,
-                                                     with_losses, use_reentrant=False)
-        return self._forward(x, positions, token_ids, plan, pool, with_losses)
+                                                     with_losses, indexer_loss, balance_alpha, use_reentrant=False)
+        return self._forward(x, positions, token_ids, plan, pool, with_losses, indexer_loss, balance_alpha)
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor | None, token_ids: torch.Tensor,
-                 plan: Plan | None, pool: LayerPool | None, with_losses: bool = False):
+                 plan: Plan | None, pool: LayerPool | None, with_losses: bool = False, indexer_loss: bool = False,
+                 balance_alpha: float = 0.0):
         losses: dict[str, torch.Tensor] | None = {} if with_losses else None      # made here: a
         if plan is None:                                                          # recomputation's own
-            out = self._mix(x, lambda h: self.attn(h, positions, losses=losses), token_ids, losses)
+            out = self._mix(x, lambda h: self.attn(h, positions, losses, indexer_loss), token_ids, losses,
+                            balance_alpha)
         else:
-            out = self._mix(x, lambda h: self.attn.append(h, plan, pool), token_ids, losses)
+            out = self._mix(x, lambda h: self.attn.append(h, plan, pool), token_ids, losses, balance_alpha)
         return (out, losses) if with_losses else out
 
     def _mix(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
-             token_ids: torch.Tensor, losses: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+             token_ids: torch.Tensor, losses: dict[str, torch.Tensor] | None = None,
+             balance_alpha: float = 0.0) -> torch.Tensor:
         """mHC around `attend` (normalized sublayer input [b, s, dim] -> output), then around the MoE
-        (which puts its balance loss into `losses` when given)."""
+        (which puts its balance loss into `losses` when balance_alpha > 0)."""
         residual = x
         h, post, comb = self._hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         h = record(f"{self.stage}.hc_attn_pre", h)
@@ -91,7 +98,7 @@ class Block(nn.Module):
         residual = x
         h, post, comb = self._hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
         h = record(f"{self.stage}.hc_ffn_pre", h)
-        h = self.ffn(self.ffn_norm(h), token_ids, losses)
+        h = self.ffn(self.ffn_norm(h), token_ids, losses, balance_alpha)
         return record(f"{self.stage}.hc_ffn_post", ops.hc_post(h, residual, post, comb))
 
 

@@ -146,11 +146,6 @@ def is_int8_experts(path: str) -> bool:
     return _ends(path, INT8_ROUTED)
 
 
-def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, leaf = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
 def _source(m: nn.Module) -> str:
     return getattr(m, "stored_format", None) or getattr(m, "source_format", None) or "float"
 
@@ -164,7 +159,7 @@ def share_experts(model: nn.Module) -> None:
             stored = getattr(m, "stored_format", None)
             if stored is not None:
                 shared.stored_format = stored
-            _set_module(model, path, shared)
+            model.set_submodule(path, shared)
 
 
 @torch.no_grad()
@@ -177,9 +172,9 @@ def quantize_int8(model: nn.Module) -> nn.Module:
             continue
         if is_int8_experts(path) and hasattr(m, "w1"):
             new = Int8Experts.from_weights(m.w1, m.w2, m.w3, m.swiglu_limit, getattr(m, "offset", 0), _source(m))
-            _set_module(model, path, new)
+            model.set_submodule(path, new)
         elif is_int8_linear(path) and hasattr(m, "weight"):
-            _set_module(model, path, Int8Linear.from_weight(m.weight, _source(m)))
+            model.set_submodule(path, Int8Linear.from_weight(m.weight, _source(m)))
     share_experts(model)
     return model
 

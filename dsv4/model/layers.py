@@ -44,11 +44,13 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 class Linear(nn.Linear):
     """nn.Linear without bias whose matmul follows the reference's accumulation precision.
 
-    `act_format` (set by the checkpoint loader for a weight stored as FP8 / FP4, see `dsv4.model.quant`):
-    None, or W8A8 - the input goes through the FP8 round trip per token in blocks of 128 ("ue8m0":
-    power-of-two scales, "fp32": amax/448) before the matmul with the exact dequantized weight.
+    `stored_format` / `act_format` (`dsv4.model.quant`: `mark_stored` records a weight a checkpoint stored
+    as FP8 / FP4, `set_quant_mode` chooses the numerics): None, or W8A8 - the input goes through the FP8
+    round trip per token in blocks of 128 ("ue8m0": power-of-two scales, "fp32": amax/448) before the
+    matmul with the exact dequantized weight.
     """
 
+    stored_format: str | None = None
     act_format: str | None = None
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):

@@ -75,10 +75,12 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts of one layer, stacked: w1, w3 [E, inter, dim]; w2 [E, dim, inter].
+    """The routed experts of one layer, stacked: w1, w3 [E, inter, dim]; w2 [E, dim, inter]; experts
+    offset .. offset + E - 1 of the layer (all of them, or one rank's range under expert parallelism).
 
-    `act_format` (set by the checkpoint loader when the experts were stored as FP8 / FP4 and dequantized
-    at load): W8A8, the input of every projection is quantized as `ops.moe_experts(act=...)` describes.
+    `stored_format` / `act_format` (`dsv4.model.quant`: `mark_stored` records how a checkpoint stored the
+    experts, `set_quant_mode` chooses the numerics): stored as FP8 / FP4 and dequantized at load, W8A8 -
+    the input of every projection is quantized as `ops.moe_experts(act=...)` describes.
 
     Training options (`DeepSeekV4.set_options` sets them):
     - `fp4_fake_quant`: the experts compute with their weights rounded to FP4 (MXFP4-style, blocks of 32:
@@ -87,6 +89,7 @@ class Experts(nn.Module):
       experts is data-dependent, so tracing it only adds graph breaks and recompilations).
     """
 
+    stored_format: str | None = None
     act_format: str | None = None
     fp4_fake_quant: bool = False
     eager_under_compile: bool = False
@@ -98,6 +101,20 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, cfg.moe_inter_dim, cfg.dim))
         self.w3 = nn.Parameter(torch.empty(e, cfg.moe_inter_dim, cfg.dim))
         self.w2 = nn.Parameter(torch.empty(e, cfg.dim, cfg.moe_inter_dim))
+
+    @torch.no_grad()
+    def narrow(self, lo: int, hi: int) -> Experts:
+        """Keep only experts [lo, hi) of the layer (global ids; they must be held here). In place: the
+        projections become new parameters [hi - lo, ...] (copies), with the same requires_grad."""
+        n = self.w1.size(0)
+        a, b = lo - self.offset, hi - self.offset
+        if not 0 <= a < b <= n:
+            raise ValueError(f"experts [{lo}, {hi}) are not all held here ([{self.offset}, {self.offset + n}))")
+        for name in ("w1", "w2", "w3"):
+            full = getattr(self, name)
+            setattr(self, name, nn.Parameter(full[a:b].clone(), requires_grad=full.requires_grad))  # [hi-lo, ...]
+        self.offset = lo
+        return self
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> fp32 [T, dim] (sum over the token's experts held here)."""
@@ -148,6 +165,13 @@ class Expert(nn.Module):
 
 
 class MoE(nn.Module):
+    """Router, routed experts and the optional shared expert of one layer.
+
+    `experts` is whatever computes the routed experts, (x [T, dim], weights [T, k], indices [T, k]) ->
+    fp32 [T, dim]: `Experts`, or a module a pass swapped in (kept quantized, INT8, or split over ranks by
+    expert parallelism, `dsv4.parallel.expert`). `load` is the expert load ([E] token counts) the last
+    forward measured; the load-balancing bias update reads it (`dsv4.train.balance`)."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.n_experts, self.topk = cfg.n_routed_experts, cfg.n_activated_experts
@@ -155,17 +179,22 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_experts = Expert(cfg) if cfg.n_shared_experts else None
         self.stage = f"layers.{layer_id}.ffn"
-        # set by the model for training: measured load and the optional sequence-wise balance loss
-        self.balance_alpha = 0.0
         self.load: torch.Tensor | None = None
-        self.balance_loss: torch.Tensor | None = None
-        # expert parallelism installs a callable (x, weights, indices) -> fp32 [T, dim] here
-        self.routed_override = None
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor,
-                losses: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """x [b, s, dim], token_ids [b, s] -> [b, s, dim]. The balance loss (when on) goes into
-        losses["balance"] when a dict is given (a block's training forward), else onto `balance_loss`."""
+    def set_load(self, load: torch.Tensor | None) -> None:
+        """Take `load` ([E] token counts) as the measured load, as the forward that produced it elsewhere
+        would have set it (a replayed CUDA graph's output; benchmarks of the bias update)."""
+        if load is not None and tuple(load.shape) != (self.n_experts,):
+            raise ValueError(f"an expert load has {self.n_experts} entries, got shape {tuple(load.shape)}")
+        self.load = load
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, losses: dict[str, torch.Tensor] | None = None,
+                balance_alpha: float = 0.0) -> torch.Tensor:
+        """x [b, s, dim], token_ids [b, s] -> [b, s, dim]. balance_alpha > 0 (in training mode): the
+        sequence-wise balance loss goes into losses["balance"] (a dict the caller gives, a block's training
+        forward; the module keeps nothing)."""
+        if balance_alpha > 0 and losses is None:
+            raise ValueError("balance_alpha > 0 needs a losses dict to put the balance loss into")
         shape = x.shape
         flat = x.reshape(-1, shape[-1])                                                 # [T, dim]
         weights, indices, scores = self.gate(flat, token_ids.reshape(-1))
@@ -174,19 +203,14 @@ class MoE(nn.Module):
         flat_idx = indices.flatten().detach()                                           # no host sync
         self.load = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, flat_idx, torch.ones_like(flat_idx))
-        if self.balance_alpha > 0 and self.training:
-            loss = self._balance_loss(scores, indices, shape[0])
-            if losses is not None:
-                losses["balance"] = loss
-            else:
-                self.balance_loss = loss
-        routed = self.routed_override or self.experts
-        y = record(f"{self.stage}.routed", routed(flat, weights, indices))              # fp32 [T, dim]
+        if balance_alpha > 0 and self.training:
+            losses["balance"] = self._balance_loss(scores, indices, shape[0], balance_alpha)
+        y = record(f"{self.stage}.routed", self.experts(flat, weights, indices))       # fp32 [T, dim]
         if self.shared_experts is not None:
             y = y + record(f"{self.stage}.shared", self.shared_experts(flat)).float()
         return record(f"{self.stage}.out", y.to(x.dtype).view(shape))
 
-    def _balance_loss(self, scores: torch.Tensor, indices: torch.Tensor, b: int) -> torch.Tensor:
+    def _balance_loss(self, scores: torch.Tensor, indices: torch.Tensor, b: int, alpha: float) -> torch.Tensor:
         """Sequence-wise balance loss: alpha * sum_i f_i * P_i per sequence, averaged over sequences.
 
         f_i = E/(k*s) * (tokens of the sequence routed to i); P_i = mean over the sequence of the
@@ -197,4 +221,4 @@ class MoE(nn.Module):
         probs = (scores / scores.sum(-1, keepdim=True)).view(b, t, e)
         counts = F.one_hot(indices.view(b, t * k), e).sum(1).float()                   # [b, E]
         f = counts * e / (k * t)
-        return self.balance_alpha * (f * probs.mean(1)).sum(-1).mean()
+        return alpha * (f * probs.mean(1)).sum(-1).mean()

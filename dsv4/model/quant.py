@@ -6,10 +6,11 @@ FP8 E4M3 (`act_quant`: power-of-two scales when `scale_fmt` is "ue8m0", amax/448
 multiplies FP8 x FP8 / FP8 x FP4. That is W8A8, the default here. W8A16 keeps the activations in the
 model dtype and multiplies them with the dequantized weights.
 
-The checkpoint loader records on each module the format its weights were stored in (`stored_format`:
-"fp8", "fp4", or "mixed" for a layer of routed experts stored partly quantized) and then calls
-`set_quant_mode`, which sets each such module's `act_format` from the config: None (W8A16), "ue8m0" or
-"fp32" (and None for "int8": those weights are INT8 modules then, `dsv4.model.int8`). The same numerics
+Two passes over a built model choose them, defined here so that the model's modules are set by the model
+alone: the checkpoint loader hands `mark_stored` the format each module's weights were stored in (its
+`stored_format`: "fp8", "fp4", or "mixed" for a layer of routed experts stored partly quantized) and then
+calls `set_quant_mode`, which sets each such module's `act_format` from the config: None (W8A16), "ue8m0"
+or "fp32" (and None for "int8": those weights are INT8 modules then, `dsv4.model.int8`). The same numerics
 hold whether the weights were dequantized at load (then they are the exact dequantized values and only
 the activations are rounded: `ops.fp8_round_trip`) or kept quantized (`ops.act_quant` + `ops.fp8_gemm` /
 `ops.fp4_gemm` / `ops.quantized_moe_experts`).
@@ -34,6 +35,23 @@ def quantized_modules(model: nn.Module) -> dict[str, str]:
     """{module name: stored format} of every module the loader marked as stored FP8 / FP4."""
     return {name: m.stored_format for name, m in model.named_modules()
             if getattr(m, "stored_format", None) is not None}
+
+
+STORED_FORMATS = ("fp8", "fp4", "mixed")
+
+
+def mark_stored(model: nn.Module, formats: dict[str, str]) -> None:
+    """Record how a checkpoint stored the weights of the modules named in `formats` ({module path: "fp8",
+    "fp4" or "mixed"}); `set_quant_mode` then gives them their numerics. Raises ValueError for a path
+    the model does not have or a format not in STORED_FORMATS."""
+    for path, fmt in formats.items():
+        if fmt not in STORED_FORMATS:
+            raise ValueError(f"{path}: stored format must be one of {STORED_FORMATS}, got {fmt!r}")
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            raise ValueError(f"the model has no module {path!r} to mark as stored {fmt}") from None
+        mod.stored_format = fmt
 
 
 def set_quant_mode(model: nn.Module, mode: str | None = None) -> None:
@@ -66,4 +84,4 @@ def set_quant_mode(model: nn.Module, mode: str | None = None) -> None:
         m.act_format = act
 
 
-__all__ = ["DEQUANTIZED_IN_OFFICIAL", "quantized_modules", "set_quant_mode"]
+__all__ = ["DEQUANTIZED_IN_OFFICIAL", "STORED_FORMATS", "mark_stored", "quantized_modules", "set_quant_mode"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,11 @@ def init_hc_base(p: torch.Tensor, hc: int) -> None:
 
 
 class DeepSeekV4(nn.Module):
+    # what a checkpoint loader read into this model (`loaded_from`); None for a model built or initialized here
+    checkpoint_plan: dict | None = None
+    # what every logits tensor of `append` / `draft` goes through first (`watching_logits`)
+    logits_watchers: tuple[Callable[[torch.Tensor], None], ...] = ()
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
         """dtype / device default to `dsv4.defaults` (fp32, cpu), as the command line's --dtype / --device."""
         super().__init__()
@@ -162,6 +168,28 @@ class DeepSeekV4(nn.Module):
                     m.eager_under_compile = eager_experts_under_compile
         return self
 
+    def loaded_from(self, plan: dict) -> DeepSeekV4:
+        """Record what a checkpoint loader read into this model as `checkpoint_plan` (`dsv4.checkpoint.
+        load_pretrained`: path, layout, files, the experts held, what was read); returns the model."""
+        self.checkpoint_plan = dict(plan)
+        return self
+
+    @contextlib.contextmanager
+    def watching_logits(self, fn: Callable[[torch.Tensor], None]) -> Iterator[None]:
+        """Inside the block, every fp32 logits tensor `append` and `draft` return goes through fn(logits)
+        first (a check that may raise, `dsv4.check.finite_logits.watch_logits`); nested blocks add theirs."""
+        prev = self.logits_watchers
+        self.logits_watchers = (*prev, fn)
+        try:
+            yield
+        finally:
+            self.logits_watchers = prev
+
+    def _watched(self, logits: torch.Tensor) -> torch.Tensor:
+        for fn in self.logits_watchers:
+            fn(logits)
+        return logits
+
     # ------------------------------------------------------------------ pieces
     def _head(self, h: torch.Tensor, fn, scale, base, norm: RMSNorm) -> torch.Tensor:
         x = norm(hc_head(h, fn, scale, base, self.cfg))
@@ -210,16 +238,12 @@ class DeepSeekV4(nn.Module):
             raise ValueError("taps are the input of a DSpark draft, and this model has none")
         s = tokens.size(1)
         positions = torch.arange(s, device=tokens.device)
-        for layer in self.layers:
-            layer.attn.want_indexer_loss = indexer_loss
-            layer.attn.indexer_loss = None
-            layer.ffn.balance_alpha = balance_alpha
-            layer.ffn.balance_loss = None
         h = self._embed(tokens)
         tapped: list[torch.Tensor] = []
         parts: dict[str, list[torch.Tensor]] = {"indexer": [], "balance": []}
         for i, layer in enumerate(self.layers):
-            h, losses = layer(h, positions, tokens, with_losses=True)   # the losses through the output
+            h, losses = layer(h, positions, tokens, with_losses=True, indexer_loss=indexer_loss,
+                              balance_alpha=balance_alpha)          # the losses through the output
             for k, v in losses.items():
                 parts[k].append(v)
             if taps:
@@ -283,6 +307,7 @@ class DeepSeekV4(nn.Module):
         sel = flat if inputs.out is None else flat[inputs.out]
         logits = self._head(sel.unsqueeze(0), self.hc_head_fn, self.hc_head_scale, self.hc_head_base,
                             self.norm)[0]                                               # [n, vocab]
+        logits = self._watched(logits)
         out = (logits, flat) if return_hidden else (logits,)
         if return_taps:
             out = (*out, torch.cat(tapped, -1).flatten(0, 1))                         # [T, len(targets)*dim]
@@ -311,7 +336,7 @@ class DeepSeekV4(nn.Module):
         sel = h if inputs.out is None else h[inputs.out]
         logits = self._head(sel.unsqueeze(0), block.hc_head_fn, block.hc_head_scale, block.hc_head_base,
                             block.norm)[0]                                              # [n, vocab]
-        return logits, h
+        return self._watched(logits), h
 
     def new_cache(self, batch_size: int, max_len: int = 4096) -> BatchCache:
         """A cache for `batch_size` sequences decoded in lockstep (`prefill`, `decode_step`)."""

@@ -1,8 +1,10 @@
 """Expert parallelism: the routed experts of every MoE layer split over the ranks of a process group.
 
-Rank r of N holds experts [r*E/N, (r+1)*E/N) (`expert_range`, `dsv4.model.moe.expert_slice`) and each MoE
-layer gets a `routed_override` (`ExpertParallel`) that brings every (token, expert) pair to the rank
-holding the expert and the results back. Three ways to move the tokens, one per situation:
+Rank r of N holds experts [r*E/N, (r+1)*E/N) (`expert_range`, `dsv4.model.moe.expert_slice`). `shard_experts`
+is a pass that swaps each MoE layer's experts module for its parallel form (`ExpertParallel`): the same
+module - the same parameters under the same names, the same options - whose forward brings every
+(token, expert) pair to the rank holding the expert and the results back; the MoE layer just calls its
+`experts`. Three ways to move the tokens, one per situation:
 
 - "all_to_all" (training: every rank holds its own tokens and gradients flow): each pair travels to the
   rank owning its expert, runs there, and its fp32 result travels back and is summed per token
@@ -32,13 +34,14 @@ checked again on every call (docs/bugzoo.md Z08: a rank cached as 0 made every p
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model.moe import expert_slice
+from ..model.moe import MoE, expert_slice
 from ..ops.precision import is_exact
 
 _EP_ATTR = "_dsv4_expert_parallel"
@@ -63,7 +66,7 @@ def is_expert_param(p: torch.Tensor) -> bool:
 def moe_layers(model: nn.Module) -> Iterator[nn.Module]:
     """Every MoE feed-forward of the model (main layers and MTP blocks)."""
     for mod in model.modules():
-        if hasattr(mod, "routed_override") and hasattr(mod, "experts"):
+        if isinstance(mod, MoE):
             yield mod
 
 
@@ -119,26 +122,52 @@ def ordered_sum(per_slot: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return y
 
 
-class ExpertParallel:
-    """The `routed_override` of one MoE layer whose experts are split across the ranks of `group`.
+class ExpertParallel(nn.Module):
+    """The routed experts of one MoE layer split across the ranks of `group`: an experts module in its
+    parallel form, built by `ExpertParallel.of(experts, ...)` (`shard_experts` swaps it in).
+
+    Its class derives from this one and from the experts module's own class (`dsv4.model.moe.Experts`,
+    `dsv4.checkpoint.quantized.QuantExperts`), as FSDP2 derives the class of a module it shards, and it
+    takes over that module's tensors and settings: parameter and buffer names (`...ffn.experts.w1`), the
+    parameter objects, and every option (FP4 fake-quant, act_format, eager under compile) stay as they
+    were. Its forward moves the (token, expert) pairs; the experts held here compute through the base
+    class's forward.
 
     mode: "all_to_all" (training), "all_reduce" (serving, replicated tokens), "all_gather" (serving,
     per-rank tokens); see the module docstring. ordered: combine per slot in expert order (bit-equal to
     one process), None = in exact mode only. The serving modes run under torch.no_grad().
-
-    Deliberately a plain object, not an nn.Module, so it adds no parameters or state-dict entries.
     """
 
-    def __init__(self, experts: nn.Module, n_experts: int, group: dist.ProcessGroup | None,
-                 mode: str = "all_to_all", ordered: bool | None = None):
+    n_experts: int
+    group: dist.ProcessGroup | None
+    mode: str
+    ordered: bool | None
+
+    @classmethod
+    def of(cls, experts: nn.Module, n_experts: int, group: dist.ProcessGroup | None, mode: str = "all_to_all",
+           ordered: bool | None = None) -> ExpertParallel:
+        """The parallel form of `experts` (a module holding experts [offset, offset + n) of a layer of
+        n_experts): a new module sharing its parameters and buffers; `experts` itself is left unchanged."""
         if mode not in MODES:
             raise ValueError(f"unknown expert-parallel mode {mode!r}; one of {MODES}")
-        self.experts, self.n_experts, self.group, self.mode = experts, n_experts, group, mode
-        self.ordered = ordered
+        if isinstance(experts, ExpertParallel):
+            raise RuntimeError("experts are already sharded")
+        kind = _parallel_class(type(experts))
+        new = kind.__new__(kind)
+        for k, v in vars(experts).items():       # containers copied (own dicts of parameters, hooks ...)
+            new.__dict__[k] = copy.copy(v) if isinstance(v, (dict, set)) else v
+        new._setup(n_experts, group, mode, ordered)
+        return new
+
+    def _setup(self, n_experts: int, group: dist.ProcessGroup | None, mode: str, ordered: bool | None) -> None:
+        self.n_experts, self.group, self.mode, self.ordered = n_experts, group, mode, ordered
+
+    def extra_repr(self) -> str:
+        return ", ".join(r for r in (super().extra_repr(), f"expert_parallel={self.mode}") if r)
 
     def _live_offset(self) -> tuple[int, int]:
         lo, hi = expert_range(self.n_experts, self.group)
-        start, n = held(self.experts)
+        start, n = held(self)
         if lo != start or hi - lo != n:
             raise RuntimeError(f"expert-parallel rank {_ep_rank(self.group)} should hold "
                                f"experts [{lo}, {hi}) but holds {n} from {start}: the process group "
@@ -146,9 +175,9 @@ class ExpertParallel:
         return lo, hi - lo
 
     def _local(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        # the experts module itself (so its options, e.g. FP4 fake-quant, still apply); its offset
+        # the experts class's own forward (so its options, e.g. FP4 fake-quant, still apply); the offset
         # was just checked against the live rank, and ids outside its range are skipped
-        return self.experts(x, weights, indices)                                        # fp32 [T, dim]
+        return super().forward(x, weights, indices)                                     # fp32 [T, dim]
 
     def _per_slot(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """fp32 [T, k, D]: each (token, slot) pair as its own row through the local experts (zero where
@@ -159,12 +188,12 @@ class ExpertParallel:
         return out.view(t, k, -1)
 
     @torch.compiler.disable       # host-sized exchanges: stays eager inside a torch.compile'd block
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [T, dim], weights [T, k] fp32, indices [T, k] global expert ids -> fp32 [T, dim]."""
         _, n_local = self._live_offset()
         if self.mode == "all_to_all":
             return self._exchange(x, weights, indices, n_local)
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.experts.parameters())):
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
             raise RuntimeError(f"{self.mode} expert parallelism is for inference: run under "
                                "torch.no_grad(), or shard with mode='all_to_all' for training")
         ordered = is_exact() if self.ordered is None else self.ordered
@@ -216,44 +245,56 @@ class ExpertParallel:
         return out.index_add(0, tok, back)                                              # fp32 [T, dim]
 
 
+_PARALLEL_CLASSES: dict[type, type] = {}
+
+
+def _parallel_class(base: type) -> type:
+    """The parallel form of an experts class: ExpertParallel first (its forward), then `base` (the state
+    and the local computation). One class per base, made on first use."""
+    cls = _PARALLEL_CLASSES.get(base)
+    if cls is None:
+        cls = _PARALLEL_CLASSES[base] = type(f"ExpertParallel{base.__name__}", (ExpertParallel, base),
+                                             {"__module__": __name__})
+    return cls
+
+
 # ----------------------------------------------------------------------------- sharding
-def _keep_experts(moe: nn.Module, lo: int, hi: int) -> None:
-    """Cut a layer holding all experts down to [lo, hi) (float parameters or kept-quantized buffers)."""
-    ex = moe.experts
-    if hasattr(ex, "narrow"):                                   # QuantExperts
-        ex.narrow(lo, hi)
-        return
-    with torch.no_grad():
-        for name in ("w1", "w2", "w3"):
-            full = getattr(ex, name)
-            setattr(ex, name, nn.Parameter(full[lo:hi].clone(), requires_grad=full.requires_grad))  # [E/W, ...]
-    ex.offset = lo
+def _keep_experts(ex: nn.Module, lo: int, hi: int) -> None:
+    """Cut experts holding a whole layer down to [lo, hi), through the module's own `narrow` (float
+    parameters: `dsv4.model.moe.Experts`; kept-quantized buffers: `QuantExperts`)."""
+    if not hasattr(ex, "narrow"):
+        raise TypeError(f"{type(ex).__name__} experts cannot be split over ranks (no narrow)")
+    ex.narrow(lo, hi)
 
 
 def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, mode: str = "all_to_all",
                   ordered: bool | None = None) -> int:
-    """Keep only this rank's routed experts in every MoE layer and install the expert-parallel override.
+    """Keep only this rank's routed experts in every MoE layer and swap each layer's experts module for
+    its parallel form (`ExpertParallel.of`; parameter names unchanged).
 
     Works on a full model (every rank built or loaded the same weights: each keeps its range) and on a model
     loaded per rank (`load_pretrained(..., rank=, world_size=)`: its range is checked against the live
     group's). Returns the number of MoE layers sharded.
     """
+    if mode not in MODES:
+        raise ValueError(f"unknown expert-parallel mode {mode!r}; one of {MODES}")
     n = 0
-    for moe in moe_layers(model):
+    for path, moe in [(p, m) for p, m in model.named_modules() if isinstance(m, MoE)]:
         ex = moe.experts
-        if moe.routed_override is not None or any(is_expert_param(p) for p in ex.parameters()):
+        if isinstance(ex, ExpertParallel) or any(is_expert_param(p) for p in ex.parameters()):
             raise RuntimeError("experts are already sharded")
         lo, hi = expert_range(moe.n_experts, group)
         start, count = held(ex)
         if (start, count) == (0, moe.n_experts):
-            _keep_experts(moe, lo, hi)
+            _keep_experts(ex, lo, hi)
         elif (start, count) != (lo, hi - lo):
             raise RuntimeError(f"a MoE layer holds experts [{start}, {start + count}), but rank "
                                f"{_ep_rank(group)} of {dist.get_world_size(group)} owns [{lo}, {hi}): load it "
                                "with this rank and world size")
         for t in [*ex.parameters(), *ex.buffers()]:
             setattr(t, _EP_ATTR, True)
-        moe.routed_override = ExpertParallel(ex, moe.n_experts, group, mode, ordered)
+        model.set_submodule(f"{path}.experts" if path else "experts",
+                            ExpertParallel.of(ex, moe.n_experts, group, mode, ordered))
         n += 1
     return n
 

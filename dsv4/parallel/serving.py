@@ -18,6 +18,7 @@ every MoE layer is a collective. What the step is depends on the attention split
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, fields
 
 import torch
@@ -32,12 +33,22 @@ ATTENTION = ("replicated", "data_parallel")
 
 @dataclass(frozen=True)
 class ServingLayout:
-    """How a model was parallelized for serving (`model.serving_layout`)."""
+    """How a model was parallelized for serving (`serving_layout(model)`)."""
 
     rank: int
     world_size: int
     attention: str
     expert_parallel: bool = True
+
+
+# the layout of every model this process parallelized, kept here rather than on the model (whose modules
+# are set by the model alone); weak keys: a model that is dropped leaves its entry with it
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, ServingLayout] = weakref.WeakKeyDictionary()
+
+
+def serving_layout(model: nn.Module) -> ServingLayout | None:
+    """How `parallelize_for_serving` parallelized `model` (None if it did not)."""
+    return _LAYOUTS.get(model)
 
 
 def parallelize_for_serving(model: nn.Module, group: dist.ProcessGroup | None = None, *, expert_parallel: bool = True,
@@ -59,14 +70,14 @@ def parallelize_for_serving(model: nn.Module, group: dist.ProcessGroup | None = 
                          "(--enable-expert-parallel)")
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
-    if getattr(model, "serving_layout", None) is not None:
+    if model in _LAYOUTS:
         raise RuntimeError("the model is already parallelized for serving")
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank(group) if world > 1 else 0
     if world > 1:
         shard_experts(model, group, mode="all_reduce" if attention == "replicated" else "all_gather",
                       ordered=ordered)
-    model.serving_layout = ServingLayout(rank, world, attention, expert_parallel)
+    _LAYOUTS[model] = ServingLayout(rank, world, attention, expert_parallel)
     return model.eval()
 
 

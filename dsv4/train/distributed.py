@@ -4,9 +4,10 @@ Layout with W processes (launched by `torchrun`; gloo on CPU, NCCL on CUDA):
 - dense parameters (attention, norms, router, shared expert, embedding, head, mHC) are sharded with FSDP2
   (`fully_shard`) over the data-parallel mesh; every rank trains on its own slice of the global batch;
 - the routed experts of every MoE layer are split into W contiguous ranges: rank r keeps experts
-  [r*E/W, (r+1)*E/W). Each MoE layer gets a `routed_override` that sends every (token, expert) pair to
-  the rank holding the expert (all-to-all), runs the local experts there and sends the results back
-  (`dsv4.parallel.expert`, shared with serving, which moves the tokens by all-reduce or all-gather).
+  [r*E/W, (r+1)*E/W). Each MoE layer's experts module is swapped for its expert-parallel form (same
+  parameter names), which sends every (token, expert) pair to the rank holding the expert (all-to-all),
+  runs the local experts there and sends the results back (`dsv4.parallel.expert`, shared with serving,
+  which moves the tokens by all-reduce or all-gather).
   Expert parameters are left out of FSDP (each rank owns distinct experts); their gradients already
   sum every rank's tokens, so they are scaled by 1/W to match FSDP's data-parallel mean.
 
@@ -96,9 +97,9 @@ def shard_model(model: nn.Module, ep: bool = True, dp_mesh=None, mp_policy=None,
     if not is_distributed():
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    if getattr(model, "_dsv4_sharded", False):
+    if isinstance(model, FSDPModule):               # fully_shard gave the model its FSDP class
         raise RuntimeError("model is already sharded")
     device_type = next(model.parameters()).device.type
     if dp_mesh is None:
@@ -127,7 +128,6 @@ def shard_model(model: nn.Module, ep: bool = True, dp_mesh=None, mp_policy=None,
     # (prefill and decode_step call append)
     if hasattr(model, "append"):
         register_fsdp_forward_method(model, "append")
-    model._dsv4_sharded = True
     return model
 
 
@@ -219,8 +219,8 @@ def _full(t: torch.Tensor, expert: bool, group) -> torch.Tensor:
 
 def _ep_group_of(model: nn.Module):
     for moe in moe_layers(model):
-        if isinstance(moe.routed_override, ExpertParallel):
-            return moe.routed_override.group
+        if isinstance(moe.experts, ExpertParallel):
+            return moe.experts.group
     return None
 
 

@@ -391,9 +391,9 @@ class Trainer:
     def _graphed_forward_backward(self, tokens: torch.Tensor) -> LossParts:
         """`--cuda-graph`: forward, losses and backward replayed from one graph captured at the first call.
 
-        The graph's outputs are the loss parts and every MoE's expert load: the load attributes are
-        pointed back at the graph's buffers after each replay (an eager forward in between, e.g. the
-        held-out evaluation, replaces them), so the bias update reads this step's loads."""
+        The graph's outputs are the loss parts and every MoE's expert load: each MoE is handed the graph's
+        load buffer after each replay (`MoE.set_load`; an eager forward in between, e.g. the held-out
+        evaluation, measures its own), so the bias update reads this step's loads."""
         moes = [mod for mod in self.model.modules() if hasattr(mod, "gate") and hasattr(mod, "load")]
         names = ("lm", "mtp", "indexer", "balance")                # LossParts besides the total
         if self._graph is None:
@@ -411,7 +411,7 @@ class Trainer:
                                               torch.bfloat16 if self.precision == "bf16" else None)
         out = self._graph.run(tokens)
         for i, mod in enumerate(moes):
-            mod.load = out.get(f"load.{i}", mod.load)
+            mod.set_load(out.get(f"load.{i}", mod.load))
         return LossParts(total=out["loss"], **{n: out.get(n) for n in names})
 
     def _diag_now(self, before: bool = True) -> bool:

@@ -122,7 +122,7 @@ def ep_ranges(ctx: Context) -> CheckResult:
                 return CheckResult(False, float(abs(ex.offset - lo)),
                                    f"layers.{i}: rank {rank} holds experts from {ex.offset}, expected [{lo}, {hi})")
             with torch.no_grad():
-                got = layer.ffn.routed_override(inp["x"], inp["weights"], inp["indices"])
+                got = layer.ffn.experts(inp["x"], inp["weights"], inp["indices"])
             want = ref.moe_experts(inp["x"].float(), inp["weights"], inp["indices"], full.w1[lo:hi].float(),
                                    full.w2[lo:hi].float(), full.w3[lo:hi].float(), ctx.cfg.swiglu_limit, lo)
             err = rel_err(got, want)
