@@ -31,6 +31,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..model import DeepSeekV4
@@ -38,11 +39,13 @@ from ..model.dspark import Proposal, verify_length
 from ..model.paged import PagedKVCache, uniform_inputs
 from ..ops.precision import exact_accumulation
 from .batch import Row
-from .runner import GRAPH_BUCKETS, Runner
+from .mirror import DRAFT
+from .runner import Runner
 from .sampling import STREAM_DRAFT, Sampler, SamplingParams, draw
 from .scheduler import Scheduled
 from .sequence import Sequence, StepOutput
 from .spec_step import SpeculativeSteps
+from .speculative import fixed_args, fixed_inputs
 
 
 @dataclass
@@ -92,6 +95,15 @@ class DSparkDrafter:
 
         return self.draft.propose(anchors, positions, r.tables_w[state], self.cache, choose), qs
 
+    def follow(self, rows: list[AnchorRow]) -> None:
+        """A follower of several workers: the blocks' device work (the stages' MoE are collectives) on rank
+        0's anchors; what it drafts is rank 0's to read, so it draws nothing."""
+        r = self.runner
+        n = len(rows)
+        ints = torch.tensor([[a.token, a.position, a.state] for a in rows], dtype=torch.long, device=r.device)
+        self.draft.propose(ints[:, 0], ints[:, 1], r.tables_w[ints[:, 2]], self.cache,
+                           lambda i, logits: torch.zeros(n, dtype=torch.long, device=logits.device))
+
     def __call__(self, rows: list[AnchorRow]) -> list[tuple[list[int], torch.Tensor | None]]:
         """-> per row: (the drafts to verify, their q [n, V] float64; None for a greedy row)."""
         prop, qs = self.propose(rows)
@@ -109,7 +121,7 @@ class DSparkDrafter:
 
 def dspark_greedy_step(model: DeepSeekV4, cache: PagedKVCache, tokens: torch.Tensor, n_drafts: torch.Tensor,
                        start: torch.Tensor, wtable: torch.Tensor, ctable: torch.Tensor, state: torch.Tensor,
-                       k: int, threshold: float
+                       k: int, threshold: float, share=None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A whole greedy DSpark step for B sequences, on the device with no host synchronization (so it can be
     captured in one CUDA graph).
@@ -117,8 +129,9 @@ def dspark_greedy_step(model: DeepSeekV4, cache: PagedKVCache, tokens: torch.Ten
     tokens [B, w + 1]: each row's last token x_c and its drafts, padded; n_drafts [B]: the row's own drafts
     (acceptance stops there); start [B]: c. Verify, accept the longest prefix of drafts equal to the
     target's argmax, take the argmax after it, write the draft's context, and propose the next block from
-    that token with its verify length. -> (accepted [B], next token [B], next drafts [B, k], their verify
-    length [B]).
+    that token with its verify length. share (several workers, `Runner.share`): rank 0's accepted lengths
+    and next tokens replace a follower's before the draft reads them. -> (accepted [B], next token [B], next
+    drafts [B, k], their verify length [B]).
     """
     B, w1 = tokens.shape
     w = w1 - 1
@@ -130,57 +143,11 @@ def dspark_greedy_step(model: DeepSeekV4, cache: PagedKVCache, tokens: torch.Ten
     own = torch.arange(w, device=dev).unsqueeze(0) < n_drafts.unsqueeze(1)                # [B, w]
     accepted = ((tokens[:, 1:] == target[:, :w]) & own).long().cumprod(1).sum(1)          # [B]
     bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)                           # [B]
+    if share is not None:
+        accepted, bonus = share(torch.stack([accepted, bonus])).unbind(0)
     draft.write_context(taps, inputs, cache)
     prop = draft.propose(bonus, start + accepted + 1, wtable, cache)                       # greedy
     return accepted, bonus, prop.tokens[:, :k], verify_length(prop.confidence, threshold, k)
-
-
-class DSparkGreedyGraph:
-    """`dspark_greedy_step` for B rows of width w, captured in a CUDA graph with the page-table gather;
-    `run` copies the inputs in, replays, and returns its outputs on the device."""
-
-    def __init__(self, model: DeepSeekV4, runner: Runner, batch: int, width: int, k: int, threshold: float,
-                 pool=None):
-        cache, dev = runner.cache, runner.device
-        pad = runner.tables.pad_row
-        self.runner, self.shape = runner, (batch, width)
-        self.host = torch.zeros(batch, width + 4, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self.dev = torch.zeros(batch, width + 4, dtype=torch.long, device=dev)
-        self.dev[:, width + 3] = pad                                       # padding rows: no pages
-
-        def step():
-            tokens, n, start, trow = (self.dev[:, :width + 1], self.dev[:, width + 1], self.dev[:, width + 2],
-                                      self.dev[:, width + 3])
-            state = torch.where(trow == pad, 0, trow)
-            return dspark_greedy_step(model, cache, tokens, n, start, runner.tables_w[trow], runner.tables_c[trow],
-                                      state, k, threshold)
-
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):                     # compile / autotune outside the graph
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = step()
-        self.graph.replay()                                # uploads it (padding rows write only to trash)
-
-    def run(self, tokens: list[list[int]], n_drafts: list[int], start: list[int], state: list[int]
-            ) -> tuple[torch.Tensor, ...]:
-        n = len(tokens)
-        B, w = self.shape
-        h = self.host.numpy()
-        h[:] = 0
-        h[:, w + 3] = self.runner.tables.pad_row
-        h[:n, :w + 1] = tokens
-        h[:n, w + 1] = n_drafts
-        h[:n, w + 2] = start
-        h[:n, w + 3] = state
-        self.runner.sync_tables()
-        self.dev.copy_(self.host, non_blocking=True)
-        self.graph.replay()
-        return tuple(t[:n] for t in self.out)
 
 
 class DSparkSteps(SpeculativeSteps):
@@ -209,8 +176,11 @@ class DSparkSteps(SpeculativeSteps):
     # ------------------------------------------------------------------ the general step
     def _forward(self, plan: list[Scheduled], rows: list[Row]) -> tuple[torch.Tensor, None]:
         """The rows through the main model with its taps, which become the draft's context here."""
-        e = self.engine
         self._count_unverified(plan)
+        return self._verify(rows)
+
+    def _verify(self, rows: list[Row]) -> tuple[torch.Tensor, None]:
+        e = self.engine
         tokens, inputs, _ = e.runner.inputs(rows)
         e.runner.eager_steps += 1
         logits, taps = e.model.append(tokens, inputs, e.cache, return_taps=True)
@@ -236,16 +206,21 @@ class DSparkSteps(SpeculativeSteps):
                 owners.append(seq)
         if not anchors:
             return
+        self.engine.runner.announce(DRAFT, [x for a in anchors for x in (a.token, a.position, a.state)])
         for seq, (toks, q) in zip(owners, self.drafter(anchors)):
             seq.drafts, seq.draft_q = toks, q
             if not toks:
                 self._unverified.add(seq)
 
+    def _follow_draft(self, ints: list[int]) -> None:
+        arr = np.asarray(ints, np.int64).reshape(-1, 3)
+        self.drafter.follow([AnchorRow(int(t), int(p), int(s), 0, SamplingParams(), 0, 0) for t, p, s in arr])
+
     # ------------------------------------------------------------------ the fixed-shape greedy step
     def _fixed_ok(self, plan: list[Scheduled]) -> bool:
         """Only greedy decodes (any verify lengths, the width is the largest)."""
         e = self.engine
-        if not (e.runner.cuda_graphs or e.config.pad_steps) or len(plan) > e.config.max_seqs:
+        if not e.runner.pad or len(plan) > e.config.max_seqs:
             return False
         for sch in plan:
             seq, p = sch.seq, sch.seq.params
@@ -261,26 +236,11 @@ class DSparkSteps(SpeculativeSteps):
         self._count_unverified(plan)
         seqs = [sch.seq for sch in plan]
         w = max(len(seq.drafts) for seq in seqs)
-        tokens = [[seq.tokens[seq.computed]] + seq.drafts + [0] * (w - len(seq.drafts)) for seq in seqs]
-        n_drafts = [len(seq.drafts) for seq in seqs]
-        start = [seq.computed for seq in seqs]
-        state = [seq.pages.state for seq in seqs]
+        ints = fixed_inputs([[seq.tokens[seq.computed]] + seq.drafts + [0] * (w - len(seq.drafts)) for seq in seqs],
+                            [len(seq.drafts) for seq in seqs], [seq.computed for seq in seqs],
+                            [seq.pages.state for seq in seqs])
         with exact_accumulation(e.config.deterministic):
-            if e.runner.cuda_graphs:
-                key = (next(b for b in GRAPH_BUCKETS if b >= len(seqs)), w)
-                graph = self.graphs.get(key)
-                if graph is None:
-                    graph = self.graphs[key] = DSparkGreedyGraph(e.model, e.runner, key[0], w, k, self.threshold)
-                out = graph.run(tokens, n_drafts, start, state)
-            else:                                   # the same fixed-shape step, eagerly (tested on a CPU)
-                r, dev = e.runner, e.device
-                r.sync_tables()
-                st = torch.tensor(state, dtype=torch.long, device=dev)
-
-                def ints(values: list) -> torch.Tensor:
-                    return torch.tensor(values, dtype=torch.long, device=dev)
-                out = dspark_greedy_step(e.model, e.cache, ints(tokens), ints(n_drafts), ints(start),
-                                         r.tables_w[st], r.tables_c[st], st, k, self.threshold)
+            out = self._fixed_run(ints)
         accepted, bonus, drafts, lengths = out
         host = torch.cat([accepted, bonus, lengths, drafts.flatten()]).tolist()       # one device read
         n = len(seqs)
@@ -305,6 +265,12 @@ class DSparkSteps(SpeculativeSteps):
         self.stats["fixed_steps"] += 1
         return e.finish_step(seqs, outputs)
 
+    def _fixed_step(self, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`dspark_greedy_step` on a fixed-shape step's integers on the device (capturable)."""
+        e = self.engine
+        return dspark_greedy_step(e.model, e.cache, *fixed_args(e.runner, ints), self.k, self.threshold,
+                                  self._share())
+
 
 def steps_for(engine, k: int) -> SpeculativeSteps:
     """The speculative steps of an engine whose config asks for k drafts: the model's own draft decides
@@ -312,4 +278,4 @@ def steps_for(engine, k: int) -> SpeculativeSteps:
     return DSparkSteps(engine, k) if engine.model.cfg.dspark else SpeculativeSteps(engine, k)
 
 
-__all__ = ["AnchorRow", "DSparkDrafter", "DSparkGreedyGraph", "DSparkSteps", "dspark_greedy_step", "steps_for"]
+__all__ = ["AnchorRow", "DSparkDrafter", "DSparkSteps", "dspark_greedy_step", "steps_for"]

@@ -100,9 +100,6 @@ class Engine:
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
         self.scheduler = Scheduler(SchedulerConfig(c.max_seqs, self.max_model_len, c.max_batch_tokens, c.chunk_len,
                                                    c.prefix_caching), self.manager, self._restore_prefix, self.stats)
-        if mirror is not None and c.speculative:
-            raise ValueError("speculative decoding does not run on several workers yet: leave out --speculative "
-                             "or --tensor-parallel-size")
         self.runner = Runner(model, self.cache, self.manager.tables, cuda_graphs=graphs, max_decode=c.max_seqs,
                              max_slots=c.max_batch_tokens // c.chunk_len, slot_len=c.chunk_len,
                              pad=c.pad_steps or mirror is not None, mirror=mirror)
@@ -227,7 +224,7 @@ class Engine:
         """A worker other than rank 0 of a multi-worker engine: run rank 0's steps until it stops, with the
         same numerics (`dsv4.engine.mirror`)."""
         with exact_accumulation(self.config.deterministic):
-            self.runner.follow()
+            self.runner.follow(self.spec.follow if self.spec is not None else None)
 
     def close(self) -> None:
         """The end of serving: the other workers of a multi-worker engine stop too."""

@@ -15,6 +15,7 @@ host's scheduling and bookkeeping of step N overlap the device's work on step N+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -293,7 +294,10 @@ class Runner:
         self.tables_c.index_copy_(0, rows, dev[at + n + n * width:at + n + 2 * n * width].view(n, width))
 
     def sync_tables(self) -> None:
-        """Bring the device's page tables up to date now (steps that do not go through `launch`)."""
+        """Bring the device's page tables up to date now (steps that do not go through `launch`). A
+        follower's tables change only by rank 0's messages: nothing to do there."""
+        if self.mirror is not None and not self.mirror.leader:
+            return
         host = self.staging.begin()
         end = self._sync_tables(host, 0)
         if end:
@@ -302,6 +306,20 @@ class Runner:
                 self.mirror.send(TABLES, end, *self._table_update[:2])
                 self.mirror.tensor(dev)
             self._apply_tables(dev)
+
+    def announce(self, kind: int, ints: list[int], *values: int) -> None:
+        """Rank 0 of several workers: the changed page-table rows, then a message of device work that the
+        followers do with it (`dsv4.engine.mirror`); nothing on one process."""
+        if self.mirror is not None:
+            self.sync_tables()
+            self.mirror.send_ints(kind, ints, *values)
+
+    def share(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's t in every worker's t (a value rank 0 decided, which the following device work reads on
+        every worker; capturable in a CUDA graph on NCCL). -> t."""
+        if self.mirror is not None:
+            self.mirror.tensor(t)
+        return t
 
     def restore_tail(self, state: int, cpage: int, end: int) -> None:
         """A prefix-cache hit: the sequence's ring rows from the page's tail (`PagedKVCache.restore_tail`)."""
@@ -395,15 +413,22 @@ class Runner:
         return InFlight(n, ints, floats, ev, out.logprobs is not None,
                         out.top_ids.size(1) if out.top_ids is not None else 0, feed=feed)
 
-    def follow(self) -> None:
-        """A worker other than rank 0: do rank 0's device work, message by message, until STOP."""
+    def follow(self, other: Callable[[int, list[int]], None] | None = None) -> None:
+        """A worker other than rank 0: do rank 0's device work, message by message, until STOP. other(kind,
+        header values) does the messages of speculative decoding (VERIFY, DRAFT, FIXED)."""
         width = self.tables.w.shape[1]
         while True:
-            kind, n, a, b, t_at, t_n, _, _ = self.mirror.recv()
+            header = self.mirror.recv()
+            kind, n, a, b, t_at, t_n, _, _ = header
             if kind == STOP:
                 return
             if kind == RESTORE:
                 self.cache.restore_tail(n, a, b)
+                continue
+            if kind not in (STEP, TABLES):
+                if other is None:
+                    raise RuntimeError(f"message {kind} from rank 0, and this engine does not speculate")
+                other(kind, header[1:])
                 continue
             dev = self.staging.dev[:n]
             self.mirror.tensor(dev)

@@ -3,7 +3,13 @@
 A sequence that carries drafts runs them as a verify row [x_c, d_1, ..., d_k]; acceptance keeps a prefix and
 draws one more token (`speculative.accept`); then the MTP block catches up on the positions that are final
 and drafts the next k for each sequence (`speculative.Drafter`). A step that is only greedy verifies of
-exactly k drafts runs at a fixed shape (`greedy_spec_step`), replayed from a CUDA graph on a GPU.
+exactly k drafts runs at a fixed shape (`greedy_spec_step`), replayed from a CUDA graph on a GPU (eagerly
+where steps are padded without graphs: `EngineConfig.pad_steps`, several workers on CPUs).
+
+On several workers (`dsv4.engine.mirror`) rank 0 runs these steps and the others `follow`: each step's
+rows (VERIFY), the draft's rows with the tokens rank 0 accepted (DRAFT) and the fixed-shape step's inputs
+(FIXED) reach them before the device work, and every value rank 0 decides inside it (a draft that feeds
+the next link, accepted lengths and next tokens) is broadcast before anything reads it (`Runner.share`).
 
 The DSpark draft (`dspark_step.DSparkSteps`) is a subclass: the same verify and acceptance, another
 forward (`_forward`: the taps and the draft's context instead of the hidden states) and another draft.
@@ -13,14 +19,27 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from ..ops.precision import exact_accumulation
 from .batch import Row
+from .mirror import DRAFT, FIXED, VERIFY, pack_rows, unpack_rows
 from .runner import GRAPH_BUCKETS
 from .scheduler import Scheduled
 from .sequence import Sequence, StepOutput, TokenLogprob
-from .speculative import MAX_SPECULATIVE, Drafter, DraftRow, GreedySpecGraph, accept, greedy_spec_step
+from .speculative import (
+    MAX_SPECULATIVE,
+    Drafter,
+    DraftRow,
+    FixedStepGraph,
+    accept,
+    fixed_args,
+    fixed_inputs,
+    greedy_spec_step,
+    pack_draft_rows,
+    unpack_draft_rows,
+)
 
 
 def new_stats() -> dict:
@@ -37,8 +56,9 @@ class SpeculativeSteps:
     def __init__(self, engine, k: int):
         self.engine, self.k = engine, k
         self.drafter = self.new_drafter()
-        self.graphs: dict = {}
+        self.graphs: dict[tuple[int, int], FixedStepGraph] = {}
         self.stats = new_stats()
+        self._aux = None                    # a follower: what the last VERIFY left for the DRAFT after it
 
     def new_drafter(self) -> Drafter:
         e = self.engine
@@ -63,6 +83,7 @@ class SpeculativeSteps:
             toks = [seq.tokens[s]] + seq.drafts if verify else seq.tokens[s:s + n]
             rows.append(Row(toks, s, seq.pages.state, want_logits=verify or s + n == seq.n_tokens,
                             all_logits=verify))
+        e.runner.announce(VERIFY, pack_rows(rows))
         with exact_accumulation(e.config.deterministic):
             logits, aux = self._forward(plan, rows)
             emitted = self._accept(plan, rows, logits)
@@ -87,10 +108,31 @@ class SpeculativeSteps:
         return e.finish_step([sch.seq for sch in plan], outputs)
 
     def _forward(self, plan: list[Scheduled], rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's rows through the main model, eagerly: (logits [n, V], what `_draft` reads: the hidden
-        states [T, hc, dim])."""
+        """The step's rows through the main model, eagerly: (logits [n, V], what `_draft` reads)."""
+        return self._verify(rows)
+
+    def _verify(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device work of `_forward` (a follower's VERIFY): (logits, the hidden states [T, hc, dim])."""
         logits, hidden, _ = self.engine.runner.run_hidden(rows)
         return logits, hidden
+
+    # ------------------------------------------------------------------ a follower of several workers
+    def follow(self, kind: int, values: list[int]) -> None:
+        """Rank 0's message `kind` (header values after the kind: the payload's length first): the same
+        device work on rank 0's values (`dsv4.engine.mirror`)."""
+        ints = self.engine.runner.mirror.recv_ints(values[0])
+        if kind == VERIFY:
+            self._aux = self._verify(unpack_rows(ints))[1]
+        elif kind == DRAFT:
+            self._follow_draft(ints)
+            self._aux = None
+        elif kind == FIXED:
+            self._follow_fixed(*values[1:4])
+        else:
+            raise RuntimeError(f"unknown message {kind} from rank 0")
+
+    def _follow_draft(self, ints: list[int]) -> None:
+        self.drafter.follow(self._aux, unpack_draft_rows(ints))
 
     def count_verify(self, drafted: int, accepted: int) -> None:
         """One sequence-step that verified `drafted` drafts and kept `accepted`."""
@@ -104,7 +146,7 @@ class SpeculativeSteps:
     def _fixed_ok(self, plan: list[Scheduled]) -> bool:
         """Only greedy verifies of exactly k drafts: the common case of speculative decode."""
         e = self.engine
-        if not (e.runner.cuda_graphs or e.config.pad_steps) or len(plan) > e.config.max_seqs:
+        if not e.runner.pad or len(plan) > e.config.max_seqs:
             return False
         for sch in plan:
             seq, p = sch.seq, sch.seq.params
@@ -118,23 +160,10 @@ class SpeculativeSteps:
     def _greedy_fixed(self, plan: list[Scheduled]) -> list[StepOutput]:
         e, k = self.engine, self.k
         seqs = [sch.seq for sch in plan]
-        tokens = [[seq.tokens[seq.computed]] + seq.drafts for seq in seqs]
-        start = [seq.computed for seq in seqs]
-        state = [seq.pages.state for seq in seqs]
+        ints = fixed_inputs([[seq.tokens[seq.computed]] + seq.drafts for seq in seqs], [k] * len(seqs),
+                            [seq.computed for seq in seqs], [seq.pages.state for seq in seqs])
         with exact_accumulation(e.config.deterministic):
-            if e.runner.cuda_graphs:
-                bucket = next(b for b in GRAPH_BUCKETS if b >= len(seqs))
-                graph = self.graphs.get(bucket)
-                if graph is None:
-                    graph = self.graphs[bucket] = GreedySpecGraph(e.model, e.runner, bucket, k)
-                accepted, bonus, drafts = graph.run(tokens, start, state)
-            else:                                   # the same fixed-shape step, eagerly (tested on a CPU)
-                r, dev = e.runner, e.device
-                r.sync_tables()
-                st = torch.tensor(state, dtype=torch.long, device=dev)
-                accepted, bonus, drafts = greedy_spec_step(
-                    e.model, e.cache, torch.tensor(tokens, dtype=torch.long, device=dev),
-                    torch.tensor(start, dtype=torch.long, device=dev), r.tables_w[st], r.tables_c[st], st)
+            accepted, bonus, drafts = self._fixed_run(ints)
         host = torch.cat([accepted, bonus, drafts.flatten()]).tolist()                 # one device read
         n = len(seqs)
         outputs: dict[int, StepOutput] = {}
@@ -155,6 +184,42 @@ class SpeculativeSteps:
         e.stats["steps"] += 1
         self.stats["fixed_steps"] += 1
         return e.finish_step(seqs, outputs)
+
+    def _fixed_run(self, ints: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """The fixed-shape step of n rows of width w (ints [n, w + 4], `fixed_inputs`): replayed from the
+        graph of its batch bucket and width (captured on first use), or eagerly. -> its outputs, n rows."""
+        r = self.engine.runner
+        n, w = ints.shape[0], ints.shape[1] - 4
+        batch = next(b for b in GRAPH_BUCKETS if b >= n) if r.cuda_graphs else n
+        r.sync_tables()
+        r.announce(FIXED, [], batch, w, n)             # before a capture: every worker captures here
+        if r.cuda_graphs:
+            return self._graph(batch, w).run(ints)
+        return self._fixed_step(r.share(torch.from_numpy(ints).to(r.device)))
+
+    def _follow_fixed(self, batch: int, w: int, n: int) -> None:
+        r = self.engine.runner
+        if r.cuda_graphs:
+            self._graph(batch, w).follow()
+        else:
+            self._fixed_step(r.share(torch.empty(n, w + 4, dtype=torch.long, device=r.device)))
+
+    def _graph(self, batch: int, w: int) -> FixedStepGraph:
+        graph = self.graphs.get((batch, w))
+        if graph is None:
+            graph = self.graphs[(batch, w)] = FixedStepGraph(self.engine.runner, batch, w, self._fixed_step)
+        return graph
+
+    def _fixed_step(self, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`greedy_spec_step` on a fixed-shape step's integers on the device (capturable)."""
+        e = self.engine
+        tokens, _, start, wtable, ctable, state = fixed_args(e.runner, ints)
+        return greedy_spec_step(e.model, e.cache, tokens, start, wtable, ctable, state, self._share())
+
+    def _share(self):
+        """`Runner.share` on several workers, else nothing to share."""
+        r = self.engine.runner
+        return r.share if r.mirror is not None else None
 
     # ------------------------------------------------------------------ the general step
     def _accept(self, plan: list[Scheduled], rows: list[Row],
@@ -234,11 +299,12 @@ class SpeculativeSteps:
                 k = min(self.k, e.max_model_len - 1 - end, seq.params.max_tokens - seq.n_generated - 1)
                 if k > 0 and not e.manager.allocate(seq.pages, end, end + k + 1):
                     k = 0                                    # no pages for the drafts: decode plainly
-            draft_rows.append(DraftRow(torch.arange(seg, seg + m, device=e.device), seq.tokens[s + 1:end + 1],
-                                       s, seq.pages.state, max(k, 0), seq.params, seq.seed, seq.n_generated))
+            draft_rows.append(DraftRow(seg, seq.tokens[s + 1:end + 1], s, seq.pages.state, max(k, 0), seq.params,
+                                       seq.seed, seq.n_generated))
             owners.append(seq)
         if not draft_rows:
             return
+        e.runner.announce(DRAFT, pack_draft_rows(draft_rows))
         for seq, (toks, q) in zip(owners, self.drafter(hidden, draft_rows)):
             if toks:
                 seq.drafts, seq.draft_q = toks, q

@@ -24,8 +24,10 @@ the index of the token in the sequence, so results do not depend on the rest of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..model import DeepSeekV4
@@ -71,9 +73,9 @@ def accept(target: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor
 @dataclass
 class DraftRow:
     """One sequence's part of the draft: the MTP block catches up on positions start ... start + len(next)
-    - 1 (hidden[i] is the main model's hidden state at start + i, next[i] the token after it), then, when
-    `k` > 0, proposes k tokens."""
-    hidden: torch.Tensor          # [m] flat indices into the verify step's hidden states
+    - 1 (the verify step's hidden state [seg + i] is the main model's at start + i, next[i] the token after
+    it), then, when `k` > 0, proposes k tokens."""
+    seg: int                      # flat index of the row's first position in the verify step's hidden states
     next: list[int]
     start: int
     state: int                    # ring slot (and page-table row)
@@ -96,51 +98,95 @@ class Drafter:
     def __call__(self, hidden: torch.Tensor, rows: list[DraftRow]) -> list[tuple[list[int], torch.Tensor]]:
         """hidden [T, hc, dim] (the verify step's). -> per row: (drafts, their q [k, V] float64)."""
         dev = hidden.device
-        mtp_rows = [Row(r.next, r.start, r.state, want_logits=r.k > 0) for r in rows]
-        tokens, inputs, _ = self.runner.inputs(mtp_rows)
-        logits, h = self.model.draft(hidden[torch.cat([r.hidden for r in rows])], tokens, inputs, self.cache)
         live = [r for r in rows if r.k > 0]
-        out: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {id(r): ([], []) for r in live}
-        if not live:
-            return [([], torch.zeros(0)) for _ in rows]
         seeds = torch.tensor([r.seed for r in live], dtype=torch.long, device=dev)
         params = [r.params for r in live]
-        last = inputs.out                                                   # [n] flat index of each live row's end
-        pos = [r.start + len(r.next) for r in live]                         # position of the next link
-        k_max = max(r.k for r in live)
-        for j in range(k_max):
+        qs: list[torch.Tensor] = []
+
+        def choose(j: int, logits: torch.Tensor) -> torch.Tensor:
             counters = torch.tensor([r.counter + j for r in live], dtype=torch.long, device=dev)
             q = self.sampler.probabilities(logits, params)                                  # [n, V]
-            d = draw(q, seeds, counters, STREAM_DRAFT)                                       # [n]
-            for i, r in enumerate(live):
-                if j < r.k:
-                    out[id(r)][0].append(d[i])
-                    out[id(r)][1].append(q[i])
-            if j + 1 == k_max:
-                break
-            links = [Row([0], pos[i] + j, r.state, want_logits=True) for i, r in enumerate(live)]
-            _, inputs, _ = self.runner.inputs(links)
-            logits, h = self.model.draft(h[last], d.view(1, -1), inputs, self.cache)
-            last = inputs.out
+            qs.append(q)
+            return draw(q, seeds, counters, STREAM_DRAFT)                                    # [n]
+
+        drafts = self.chain(hidden, rows, choose)
+        host = torch.stack(drafts, 1).tolist() if drafts else []                     # [n][k_max], one read
+        at = {id(r): i for i, r in enumerate(live)}
         result = []
         for r in rows:
             if r.k == 0:
                 result.append(([], torch.zeros(0)))
                 continue
-            toks, qs = out[id(r)]
-            result.append((torch.stack(toks).tolist(), torch.stack(qs)))
+            i = at[id(r)]
+            result.append((host[i][:r.k], torch.stack([q[i] for q in qs[:r.k]])))
         return result
+
+    def follow(self, hidden: torch.Tensor, rows: list[DraftRow]) -> None:
+        """A follower of several workers: the same device work as rank 0's `__call__`, on rank 0's drafts
+        (it draws nothing)."""
+        self.chain(hidden, rows, lambda j, logits: torch.empty(logits.size(0), dtype=torch.long,
+                                                               device=logits.device))
+
+    def chain(self, hidden: torch.Tensor, rows: list[DraftRow],
+              choose: Callable[[int, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        """The catch-up, then link j's drafts [n] of the live rows (k > 0) = choose(j, their logits [n, V]),
+        each shared from rank 0 (`Runner.share`) before the next link reads it. -> the links' drafts."""
+        mtp_rows = [Row(r.next, r.start, r.state, want_logits=r.k > 0) for r in rows]
+        tokens, inputs, _ = self.runner.inputs(mtp_rows)
+        idx = torch.tensor([r.seg + i for r in rows for i in range(len(r.next))], dtype=torch.long,
+                           device=hidden.device)
+        logits, h = self.model.draft(hidden[idx], tokens, inputs, self.cache)
+        live = [r for r in rows if r.k > 0]
+        if not live:
+            return []
+        last = inputs.out                                                   # [n] flat index of each live row's end
+        pos = [r.start + len(r.next) for r in live]                         # position of the next link
+        k_max = max(r.k for r in live)
+        drafts = []
+        for j in range(k_max):
+            d = choose(j, logits)                                                            # [n]
+            drafts.append(d)
+            if j + 1 == k_max:
+                break
+            self.runner.share(d)                       # every worker's next link reads rank 0's drafts
+            links = [Row([0], pos[i] + j, r.state, want_logits=True) for i, r in enumerate(live)]
+            _, inputs, _ = self.runner.inputs(links)
+            logits, h = self.model.draft(h[last], d.view(1, -1), inputs, self.cache)
+            last = inputs.out
+        return drafts
+
+
+def pack_draft_rows(rows: list[DraftRow]) -> list[int]:
+    """What a follower needs of a step's draft rows (`dsv4.engine.mirror`, DRAFT): per row its hidden
+    states' first index and count, start, table row, drafts k, then its next tokens."""
+    out: list[int] = []
+    for r in rows:
+        out += [r.seg, len(r.next), r.start, r.state, r.k, *r.next]
+    return out
+
+
+def unpack_draft_rows(ints: list[int]) -> list[DraftRow]:
+    """The rows of `pack_draft_rows` (sampling settings left neutral: a follower draws nothing)."""
+    rows, at = [], 0
+    while at < len(ints):
+        seg, m, start, state, k = ints[at:at + 5]
+        rows.append(DraftRow(seg, ints[at + 5:at + 5 + m], start, state, k, SamplingParams(), 0, 0))
+        at += 5 + m
+    return rows
 
 
 def greedy_spec_step(model: DeepSeekV4, cache: PagedKVCache, tokens: torch.Tensor, start: torch.Tensor,
-                     wtable: torch.Tensor, ctable: torch.Tensor, state: torch.Tensor
+                     wtable: torch.Tensor, ctable: torch.Tensor, state: torch.Tensor,
+                     share: Callable[[torch.Tensor], torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A whole greedy speculative step for B sequences with k drafts each, on the device with no host
     synchronization (so it can be captured in one CUDA graph).
 
     tokens [B, k + 1]: each row's last token x_c and its drafts; start [B]: c. Verify, accept the longest
     prefix of drafts equal to the target's argmax, take the argmax after it, let the MTP block catch up on
-    the positions now final and draft k tokens for the next step by its own argmax.
+    the positions now final and draft k tokens for the next step by its own argmax. share (several
+    workers, `Runner.share`): rank 0's accepted lengths, next tokens and drafts replace a follower's before
+    the draft reads them.
     -> (accepted [B], next token [B], next drafts [B, k]).
     """
     from ..model.paged import uniform_inputs
@@ -155,6 +201,8 @@ def greedy_spec_step(model: DeepSeekV4, cache: PagedKVCache, tokens: torch.Tenso
     i = torch.arange(k1, device=dev)
     accepted = (tokens[:, 1:] == target[:, :k]).long().cumprod(1).sum(1)                 # [B]
     bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)                           # [B]
+    if share is not None:
+        accepted, bonus = share(torch.stack([accepted, bonus])).unbind(0)
     # MTP catch-up at positions c .. c + k: the token after position c + i is draft i + 1 while accepted,
     # then the bonus (positions past c + accepted are rewritten before anything reads them)
     shifted = torch.cat([tokens[:, 1:], bonus.unsqueeze(1)], 1)                          # [B, k+1]
@@ -164,6 +212,8 @@ def greedy_spec_step(model: DeepSeekV4, cache: PagedKVCache, tokens: torch.Tenso
     drafts = [d_logits.argmax(-1)]
     last = inputs.out
     for j in range(1, k):
+        if share is not None:
+            share(drafts[-1])
         link = uniform_inputs(drafts[-1].view(B, 1), start + accepted + j, wtable, ctable, state, layout)
         d_logits, h = model.draft(h[last], drafts[-1].view(1, B), link, cache)
         drafts.append(d_logits.argmax(-1))
@@ -171,45 +221,60 @@ def greedy_spec_step(model: DeepSeekV4, cache: PagedKVCache, tokens: torch.Tenso
     return accepted, bonus, torch.stack(drafts, 1)
 
 
-class GreedySpecGraph:
-    """`greedy_spec_step` for B rows of k drafts, captured in a CUDA graph with the page-table gather;
-    `run` copies the inputs in, replays, and returns (accepted, next token, next drafts) on the device."""
+FixedStep = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
-    def __init__(self, model: DeepSeekV4, runner: Runner, batch: int, k: int, pool=None):
-        cache, dev = runner.cache, runner.device
-        self.runner, self.shape = runner, (batch, k)
-        self.host = torch.zeros(batch, k + 3, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self.dev = torch.zeros(batch, k + 3, dtype=torch.long, device=dev)
-        self.dev[:, k + 2] = runner.tables.pad_row                         # padding rows: no pages
 
-        def step():
-            tokens, start, trow = self.dev[:, :k + 1], self.dev[:, k + 1], self.dev[:, k + 2]
-            state = torch.where(trow == runner.tables.pad_row, 0, trow)
-            return greedy_spec_step(model, cache, tokens, start, runner.tables_w[trow], runner.tables_c[trow], state)
+def fixed_inputs(tokens: list[list[int]], n_drafts: list[int], start: list[int], state: list[int]) -> np.ndarray:
+    """The integers of a fixed-shape step of n rows of width w: [n, w + 4] = each row's w + 1 tokens (its
+    last token and drafts, padded), its own drafts, its start and its table row."""
+    return np.concatenate([np.asarray(tokens, np.int64).reshape(len(tokens), -1),
+                           np.asarray([n_drafts, start, state], np.int64).T.reshape(len(tokens), 3)], 1)
 
+
+def fixed_args(runner: Runner, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A fixed-shape step's integers [B, w + 4] (`fixed_inputs`) on the device -> (tokens [B, w + 1], n_drafts
+    [B], start [B], wtable, ctable, state [B]), the tables gathered (rows of the padding table row have no
+    pages). No host synchronization (capturable)."""
+    w = ints.size(1) - 4
+    trow = ints[:, w + 3]
+    state = torch.where(trow == runner.tables.pad_row, 0, trow)
+    return ints[:, :w + 1], ints[:, w + 1], ints[:, w + 2], runner.tables_w[trow], runner.tables_c[trow], state
+
+
+class FixedStepGraph:
+    """A fixed-shape step (ints [B, w + 4] -> its outputs) for B rows of width w, captured in a CUDA graph
+    with the page-table gather: `run` copies the integers in, replays, and returns its outputs on the
+    device; on several workers rank 0's integers are every worker's (`follow`), and every worker captures
+    it at the same point."""
+
+    def __init__(self, runner: Runner, batch: int, width: int, step: FixedStep, pool=None):
+        dev = runner.device
+        self.runner, self.shape = runner, (batch, width)
+        self.host = torch.zeros(batch, width + 4, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.dev = torch.zeros(batch, width + 4, dtype=torch.long, device=dev)
+        self.dev[:, width + 3] = runner.tables.pad_row                     # padding rows: no pages
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):                     # compile / autotune outside the graph
             for _ in range(2):
-                step()
+                step(self.dev)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.out = step()
+            self.out = step(self.dev)
         self.graph.replay()                                # uploads it (padding rows write only to trash)
 
-    def run(self, tokens: list[list[int]], start: list[int], state: list[int]
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n = len(tokens)
-        B, k = self.shape
+    def run(self, ints: np.ndarray) -> tuple[torch.Tensor, ...]:
+        n = ints.shape[0]
+        B, w = self.shape
         h = self.host.numpy()
         h[:] = 0
-        h[:, k + 2] = self.runner.tables.pad_row
-        h[:n, :k + 1] = tokens
-        h[:n, k + 1] = start
-        h[:n, k + 2] = state
-        self.runner.sync_tables()
+        h[:, w + 3] = self.runner.tables.pad_row
+        h[:n] = ints
         self.dev.copy_(self.host, non_blocking=True)
+        self.follow()
+        return tuple(t[:n] for t in self.out)
+
+    def follow(self) -> None:
+        self.runner.share(self.dev)
         self.graph.replay()
-        accepted, bonus, drafts = self.out
-        return accepted[:n], bonus[:n], drafts[:n]
