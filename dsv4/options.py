@@ -12,7 +12,7 @@ work adds (`--tensor-parallel-size`, `--enable-expert-parallel`, `--quant`, fp16
 entry here each (or one more item of `DTYPES`), added to the commands that run a model through
 `model_options`, `engine_options` or `sampling_options`. Importing this module loads no torch.
 
-Every help line shows its default (`HelpFormatter`); `tests/test_cli_options.py` walks every parser and
+Every help line shows its default (`HelpFormatter`); `tests/cli/test_cli_options.py` walks every parser and
 fails on an option without help, a shared name defined outside this table, or an old spelling that is
 not a declared alias.
 """

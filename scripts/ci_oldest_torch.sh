@@ -18,6 +18,6 @@ echo "oldest-torch: installing torch==$TORCH.* into $VENV"
 PYTHON="$VENV/bin/python" bash scripts/setup.sh --test
 "$VENV/bin/python" -c 'import torch; print("oldest-torch: torch", torch.__version__)'
 "$VENV/bin/python" -m pytest -p no:cacheprovider \
-  tests/test_formats.py tests/test_ops_reference.py tests/test_config.py tests/test_checkpoint.py \
-  tests/test_checkpoint_errors.py tests/test_checkpoint_helpers.py tests/test_train.py tests/test_distributed.py \
-  tests/test_triton_elementwise.py tests/test_w8a8.py
+  tests/formats/test_formats.py tests/ops/test_ops_reference.py tests/model/test_config.py tests/checkpoint/test_checkpoint.py \
+  tests/checkpoint/test_checkpoint_errors.py tests/checkpoint/test_checkpoint_helpers.py tests/train/test_train.py tests/train/test_distributed.py \
+  tests/ops/test_triton_elementwise.py tests/formats/test_w8a8.py

@@ -1,7 +1,19 @@
 """Test-wide settings: one intra-op thread per test process (tests use tiny shapes, and several test
-processes may share the CPU), deterministic seeds."""
+processes may share the CPU), deterministic seeds, the `gpu` and `slow` markers.
+
+The tests are grouped by the part of dsv4 they test (tests/model, tests/engine, tests/serve, ...); the
+shared helpers (subproc, bounds, triton_interp) sit in tests/, and a test module may import another part's
+helpers by name (`from test_checkpoint_helpers import tiny_model`): every part's folder is on the path.
+"""
 
 import os
+import sys
+from pathlib import Path
+
+_TESTS = Path(__file__).resolve().parent
+for _part in sorted(p for p in _TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))):
+    if str(_part) not in sys.path:
+        sys.path.append(str(_part))
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -20,3 +32,13 @@ def _seed():
 def pytest_addoption(parser):
     parser.addoption("--fuzz-cases", type=int, default=None,
                      help="cases of the checkpoint corruption fuzzer (default: DSV4_FUZZ_CASES or 300)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests are skipped, with that reason, where this process has no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)

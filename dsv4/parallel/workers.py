@@ -12,7 +12,7 @@ does not wait forever:
   exits, and whoever started the workers sees its exit code.
 
 Either way the job's parent (the server) must watch its workers and stop when one exits
-(`tests/test_parallel.py` kills a worker and times its peer).
+(`tests/parallel/test_parallel.py` kills a worker and times its peer).
 """
 
 from __future__ import annotations

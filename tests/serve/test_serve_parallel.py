@@ -26,7 +26,7 @@ from subproc import checkout_env
 
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--preset", "tiny", "--device", "cpu", "--deterministic", "--max-num-seqs", "4", "--max-model-len", "512",
         "--max-batch-tokens", "192"]
 

@@ -32,7 +32,7 @@ from dsv4.model import DeepSeekV4
 from dsv4.model.moe import MoE
 from dsv4.model.quant import mark_stored
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "dsv4" / "model"
 
 # Names the model's modules define that other objects carry too, each for a reason that has nothing to do

@@ -8,7 +8,7 @@ from dsv4.config import ConfigError, ModelConfig
 from dsv4.info import model_info
 
 # the released DeepSeek-V4-Pro config.json (Hugging Face keys) and inference/config.json, verbatim
-REF = Path(__file__).resolve().parent / "data" / "deepseek-v4-pro"
+REF = Path(__file__).resolve().parents[1] / "data" / "deepseek-v4-pro"
 
 
 def _ref(name: str) -> dict:

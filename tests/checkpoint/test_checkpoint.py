@@ -39,7 +39,7 @@ def ckpts(tmp_path_factory, source):
 
 
 # The checkpoints hold the source model's weights exactly; compared with the float source model bit for bit,
-# they load with W8A16 numerics (W8A8 quantizes the activations: tests/test_w8a8.py).
+# they load with W8A16 numerics (W8A8 quantizes the activations: tests/formats/test_w8a8.py).
 W8A16 = {"quant_mode": "w8a16"}
 # an HF-layout directory gets transformers' semantics unless asked; the source model simulates QAT
 OFFICIAL = {"fp8_kv_sim": True, "fp4_indexer_sim": True}

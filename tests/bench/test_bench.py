@@ -313,7 +313,7 @@ def test_gpu_train_bench_script_runs_its_commands_on_the_cpu(tmp_path):
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "REPS": "1", "OUT": str(tmp_path)}
     res = subprocess.run(["bash", str(root / "scripts" / "gpu_train_bench.sh"), "--device", "cpu", "--preset", "tiny"],
                          capture_output=True, text=True, timeout=600, env=env)

@@ -25,7 +25,7 @@ from dsv4.cli import default_model_dir
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = default_model_dir()
 REPO = "dsv4-test/stdlib-v4-mini"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

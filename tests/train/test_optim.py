@@ -444,7 +444,7 @@ def test_fast_step_reads_nothing_on_the_host():
     assert float(opt._muon_lr) == pytest.approx(0.005)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA sync debug mode and graph capture need a GPU")
+@pytest.mark.gpu                # CUDA sync debug mode and graph capture
 def test_fast_step_on_cuda_has_no_sync_and_replays_from_a_graph():
     """On a GPU: the step never raises under torch.cuda.set_sync_debug_mode("error") (no host sync); a CUDA
     graph of it (graphed.GraphedUpdate, captured after one eager step), replayed, gives the eager steps'

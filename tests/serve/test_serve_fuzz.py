@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from subproc import checkout_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "fuzz-key"
 MAX_BODY = 100_000
 CONTEXT = 512

@@ -312,7 +312,7 @@ except CheckpointError as e:
 def _writer(dst: Path, pause: float | str) -> subprocess.Popen:
     """A process that saves a checkpoint to dst and stops after its fourth tensor: for `pause` seconds, or
     with pause="hold" until a line arrives on its stdin."""
-    code = WRITER.format(tests=str(Path(__file__).parent))
+    code = WRITER.format(tests=str(Path(__file__).resolve().parent))
     env = checkout_env()
     return subprocess.Popen([sys.executable, "-c", code, str(dst), str(pause)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)

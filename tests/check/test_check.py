@@ -132,14 +132,14 @@ def test_bug_zoo_list_is_the_table_in_docs(capsys):
     rows = listed.splitlines()
     assert len(rows) == 2 + len(MUTANTS) == 29 and [r.split(" | ")[0] for r in rows[2:]] == [
         f"| Z{i:02d}" for i in range(1, 28)]
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "bugzoo.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "bugzoo.md").read_text()
     assert [line for line in doc.splitlines() if line.startswith("|")] == rows
 
 
 def test_bug_zoo_doc_describes_every_entry():
     """Each entry has its section in docs/bugzoo.md (what happened, symptom, the checks by name, the
     mutant), and its catalogue row says the symptom and how the mutant is planted (or why it is pending)."""
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "bugzoo.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "bugzoo.md").read_text()
     sections = doc.split("\n### ")[1:]
     assert [s.split(" - ")[0] for s in sections] == [m.id for m in MUTANTS]
     for m, text in zip(MUTANTS, sections):
@@ -244,7 +244,7 @@ def _interpreter_defect() -> str | None:
 def test_conformance_triton_backends_on_the_interpreter():
     """The op-level checks with the Triton backends (CPU interpreter, a fresh process so the kernels are
     built for it): the report shows Triton ran on the clean code, and every mutant is still caught."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     # the CPU interpreter on a process that sees no GPU, whatever the machine has: with CUDA visible the
     # kernels are built for the GPU and the CPU inputs of --device cpu would not reach the interpreter
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
@@ -374,7 +374,7 @@ def test_swiglu_formula_check_catches_the_shared_expert_without_a_lower_up_clamp
 def test_swiglu_formula_runs_the_triton_experts_on_the_interpreter():
     """Where the Triton MoE kernel can run (here: the CPU interpreter, in a fresh process that sees no GPU),
     `swiglu-formula` runs it too, in bf16, within the bf16 bound the check derives."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     code = ("from dsv4.check.zoo import CHECKS, Context; from dsv4.check.inputs import check_config; "

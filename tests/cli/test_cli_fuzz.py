@@ -27,7 +27,7 @@ from dsv4.checkpoint import read_config_file
 from dsv4.cli import build_parser, main
 from dsv4.errors import describe_error
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # what a command needs besides the flag under test for argparse to get that far (required positionals)
 REQUIRED = {("convert",): ["src", "dst", "--to", "hf"]}

@@ -2,7 +2,7 @@
 
 A graph replays the kernels that the same bucketed step runs eagerly, on the same shapes, so tokens and
 log-probabilities must be identical bit for bit (the eager bucketed steps are themselves checked against
-the ragged steps on the CPU, tests/test_engine.py). Also: the steps really replay (no eager step, no
+the ragged steps on the CPU, tests/engine/test_engine.py). Also: the steps really replay (no eager step, no
 capture after the warm-up, no kernel compilation after it), and launching a step before reading the last
 one (overlap) changes nothing.
 """
@@ -16,7 +16,7 @@ from dsv4 import DeepSeekV4
 from dsv4.check.inputs import check_config
 from dsv4.engine import Engine, EngineConfig, SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 
 LENGTHS = (5, 40, 23, 70, 1, 17, 130, 9)
 NEW = 12

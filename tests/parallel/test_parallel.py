@@ -389,7 +389,7 @@ def test_broadcast_step_rebuilds_the_schedulers_step(ranks):
 
 def test_rank_memory_estimate_within_25_percent_of_measured(ranks):
     """Weights and cache exactly (they mirror what a rank allocates), the peak within 25% as
-    tests/test_memory.py holds the single-device estimate."""
+    tests/model/test_memory.py holds the single-device estimate."""
     for res in ranks:
         for row in res["memory"]["rows"]:
             assert row["est_weights"] == row["weights"] and row["est_cache"] == row["cache"]

@@ -23,7 +23,7 @@ from dsv4.config import ModelConfig
 from dsv4.engine import Engine, EngineConfig
 from dsv4.model import DeepSeekV4
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = default_model_dir()
 TOLERANCE = 0.25
 
@@ -98,7 +98,7 @@ def test_inference_estimate_within_25_percent_of_measured(which, shipped_model):
 def test_training_estimate_within_25_percent_of_measured(which, checkpointing):
     cfg = ModelConfig.preset("tiny") if which == "tiny" else load_config(SHIPPED)
     # the balance loss on both ways (dsv4 train's default): with checkpointing the backward recomputes one
-    # block at a time (tests/test_checkpointing.py), so the estimate holds with it
+    # block at a time (tests/train/test_checkpointing.py), so the estimate holds with it
     got = mem.measure_training(cfg, 2, 256, checkpointing, balance_alpha=1e-4)
     st = mem.train_state_bytes(cfg)
     est = st.weights + st.grads + st.optimizer + mem.train_activation_bytes(cfg, 2, 256, checkpointing, 4)

@@ -38,8 +38,8 @@ from dsv4.serve.chat import (
     stop_strings,
 )
 
-DATA = Path(__file__).parent / "data" / "chat_encoding"
-ASSET_TOKENIZER = Path(__file__).parent.parent / "dsv4" / "assets" / "stdlib-v4-mini" / "tokenizer.json"
+DATA = Path(__file__).resolve().parents[1] / "data" / "chat_encoding"
+ASSET_TOKENIZER = Path(__file__).resolve().parents[2] / "dsv4" / "assets" / "stdlib-v4-mini" / "tokenizer.json"
 # How the official test harness encodes each vector (the mode is not stored in the files).
 THINKING = {1: True, 2: True, 3: True, 4: False}
 

@@ -20,7 +20,7 @@ from subproc import checkout_env
 
 openai = pytest.importorskip("openai")        # a test dependency (pip install -e ".[test]")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key"
 SERVER_LINES: dict[str, list[str]] = {}
 MODEL = "tiny"

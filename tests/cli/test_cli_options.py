@@ -28,7 +28,7 @@ from subproc import checkout_env
 from dsv4 import options
 from dsv4.cli import COMMANDS, build_parser, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # other names users would reach for, for a shared option: present only as declared aliases
 TWINS = {"--checkpoint": "--model", "--init-from": "--model", "--model-dir": "--model", "--model-config": "--config",

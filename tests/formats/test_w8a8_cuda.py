@@ -1,7 +1,7 @@
 """The compiled W8A8 kernels on a CUDA GPU (FP8 tensor cores where the GPU has them) vs the references.
 
 Skipped without a CUDA GPU (the CPU suite runs the same kernels on the Triton interpreter:
-tests/test_w8a8_gemm.py). Bound: the FP8 tensor cores accumulate the products of one 128-block with
+tests/ops/test_w8a8_gemm.py). Bound: the FP8 tensor cores accumulate the products of one 128-block with
 reduced precision (about 14 mantissa bits on Hopper) before each fp32 promotion, so a 128-term partial sum
 may be off by up to 128 * 2^-13 of its absolute sum: |got - want| <= 2^-6 * sum_k |a_k w_k| per output,
 plus one rounding of the output dtype. A misplaced scale or a transposed tile is off by O(1) of the result.
@@ -16,8 +16,9 @@ import dsv4.ops as ops
 from dsv4 import formats
 from dsv4.ops import reference as R
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                                reason="needs a CUDA GPU with FP8 tensor cores, sm89+ (compiled W8A8 kernels)")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                                reason="needs a CUDA GPU with FP8 tensor cores, sm89+ (compiled W8A8 kernels)")]
 pytest.importorskip("triton", reason="triton is not installed: no triton backend to test")
 import dsv4.ops.triton.w8a8_gemm  # noqa: E402,F401  (a missing kernel module is an error, not a skip)
 

@@ -2,7 +2,7 @@
 and an INT8 model's decode step replayed from a CUDA graph.
 
 Skipped without a CUDA GPU of sm80+ (the CPU suite runs the Triton kernels on the interpreter:
-tests/test_int8_triton.py). INT32 sums are exact and every backend dequantizes with the same fp32
+tests/formats/test_int8_triton.py). INT32 sums are exact and every backend dequantizes with the same fp32
 operations in the same order, so results must equal the reference bit for bit.
 """
 
@@ -14,8 +14,9 @@ import torch
 import dsv4.ops as ops
 from dsv4.ops import reference as R
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
-                                reason="needs a CUDA GPU with INT8 tensor cores usable by Triton, sm80+")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0),
+                                 reason="needs a CUDA GPU with INT8 tensor cores usable by Triton, sm80+")]
 pytest.importorskip("triton", reason="triton is not installed: no triton backend to test")
 import dsv4.ops.triton.int8_gemm  # noqa: E402,F401  (a missing kernel module is an error, not a skip)
 

@@ -23,7 +23,7 @@ from subproc import checkout_env
 
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = 512
 LIMITS = ["--max-messages", "50", "--max-prompt-chars", "300000", "--max-seqs-per-request", "8",
           "--header-timeout", "1.5", "--body-timeout", "2", "--max-connections", "64"]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PLACEHOLDERS = re.compile(r"\b(DIR|DIR_A|DIR_B|SRC|DST|EPS|ZID|N)\b|\[|\{|mypkg\.")
 GPU_MARK = "(needs a GPU"
