@@ -42,12 +42,13 @@ def int_in(lo: int | None = None, hi: int | None = None, what: str = "an integer
         return value
 
     parse.__name__ = "integer"
-    parse.bounds = (lo, hi)                              # read by the argument fuzzer of the test suite
+    parse.bounds = (lo, hi)  # read by the argument fuzzer of the test suite
     return parse
 
 
-def float_in(lo: float | None = None, hi: float | None = None, lo_open: bool = False,
-             hi_open: bool = False) -> Callable[[str], float]:
+def float_in(
+    lo: float | None = None, hi: float | None = None, lo_open: bool = False, hi_open: bool = False
+) -> Callable[[str], float]:
     """A finite float in the interval (open or closed at each end; either bound may be None)."""
     where = _interval(lo, hi, lo_open, hi_open)
 
@@ -70,15 +71,15 @@ def float_in(lo: float | None = None, hi: float | None = None, lo_open: bool = F
     return parse
 
 
-positive_int = int_in(1)                    # counts: tokens, steps, batch sizes, clients
-nonneg_int = int_in(0)                      # counts where 0 means "off" or "default"
+positive_int = int_in(1)  # counts: tokens, steps, batch sizes, clients
+nonneg_int = int_in(0)  # counts where 0 means "off" or "default"
 seed_int = int_in(0, 2**63 - 1, "an integer seed")
 port = int_in(0, 65535, "a port")
 # sampling settings: the ranges of dsv4.sampling_limits, which the HTTP API checks too
-temperature = float_in(RANGES["temperature"].lo, RANGES["temperature"].hi)   # 0 = greedy
-top_p = float_in(RANGES["top_p"].lo, RANGES["top_p"].hi, lo_open=True)    # 1 = off
-top_k = int_in(0, 2**31 - 1)                # 0 = off; the model's vocabulary bounds it once its config is read
-min_p = float_in(RANGES["min_p"].lo, RANGES["min_p"].hi)                    # 0 = off
+temperature = float_in(RANGES["temperature"].lo, RANGES["temperature"].hi)  # 0 = greedy
+top_p = float_in(RANGES["top_p"].lo, RANGES["top_p"].hi, lo_open=True)  # 1 = off
+top_k = int_in(0, 2**31 - 1)  # 0 = off; the model's vocabulary bounds it once its config is read
+min_p = float_in(RANGES["min_p"].lo, RANGES["min_p"].hi)  # 0 = off
 positive_float = float_in(0.0, lo_open=True)
 nonneg_float = float_in(0.0)
 percent = float_in(0.0, 100.0)
@@ -125,8 +126,9 @@ def device(value: str) -> str:
     from .errors import UserError
 
     if value.strip().lower().startswith("meta"):
-        raise argparse.ArgumentTypeError("the meta device holds shapes, not values: nothing can run on it "
-                                         "(use cpu, cuda, ...)")
+        raise argparse.ArgumentTypeError(
+            "the meta device holds shapes, not values: nothing can run on it (use cpu, cuda, ...)"
+        )
     try:
         defaults.resolve_device(value)
     except UserError as e:

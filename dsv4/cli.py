@@ -41,33 +41,54 @@ def cmd_info(args: argparse.Namespace) -> int:
         model_dir = None if args.preset or args.config else (args.model or default_model_dir())
         measured = measure_memory(cfg, args, model_dir)
     if args.json:
-        print(json.dumps({"config": cfg.to_dict(), **info.to_dict(), "memory": memory.to_dict(),
-                          "serving_parallel": parallel, **({"measured": measured} if measured is not None else {})}))
+        print(
+            json.dumps(
+                {
+                    "config": cfg.to_dict(),
+                    **info.to_dict(),
+                    "memory": memory.to_dict(),
+                    "serving_parallel": parallel,
+                    **({"measured": measured} if measured is not None else {}),
+                }
+            )
+        )
         return 0
     c = cfg
-    print(f"{c.name}: {c.n_layers} layers (window-only {info.layer_kinds['window_only']}, CSA ratio 4 "
-          f"{info.layer_kinds['csa']}, HCA ratio 128 {info.layer_kinds['hca']}) + {c.n_mtp_layers} MTP, dim {c.dim}, "
-          f"vocab {c.vocab_size}")
-    print(f"  attention: {c.n_heads} heads x {c.head_dim} (rope {c.rope_head_dim}), shared KV head, q_lora "
-          f"{c.q_lora_rank}, O-LoRA {c.o_groups} x {c.o_lora_rank}, window {c.window_size}, indexer "
-          f"{c.index_n_heads} x {c.index_head_dim} top-{c.index_topk}")
-    print(f"  MoE: {c.n_routed_experts} routed (top-{c.n_activated_experts}, {c.score_func}, route_scale "
-          f"{c.route_scale}) + {c.n_shared_experts} shared, inter {c.moe_inter_dim}, {c.n_hash_layers} hash layers, "
-          f"swiglu_limit {c.swiglu_limit}; mHC x{c.hc_mult}, {c.hc_sinkhorn_iters} Sinkhorn iterations")
-    print(f"  parameters: {human(info.total_params)} backbone (+{human(info.mtp_params)} MTP), "
-          f"{human(info.active_params)} active per token, {human(info.routed_expert_params)} in routed experts")
-    print(f"  KV cache: {info.kv_bytes_per_token:.1f} B/token + {human(info.kv_fixed_bytes, 'B')} window (bf16); "
-          f"at 1M tokens {info.kv_bytes_1m / 2**30:.2f} GiB bf16, {info.kv_bytes_1m_fp8 / 2**30:.2f} GiB FP8")
+    print(
+        f"{c.name}: {c.n_layers} layers (window-only {info.layer_kinds['window_only']}, CSA ratio 4 "
+        f"{info.layer_kinds['csa']}, HCA ratio 128 {info.layer_kinds['hca']}) + {c.n_mtp_layers} MTP, dim {c.dim}, "
+        f"vocab {c.vocab_size}"
+    )
+    print(
+        f"  attention: {c.n_heads} heads x {c.head_dim} (rope {c.rope_head_dim}), shared KV head, q_lora "
+        f"{c.q_lora_rank}, O-LoRA {c.o_groups} x {c.o_lora_rank}, window {c.window_size}, indexer "
+        f"{c.index_n_heads} x {c.index_head_dim} top-{c.index_topk}"
+    )
+    print(
+        f"  MoE: {c.n_routed_experts} routed (top-{c.n_activated_experts}, {c.score_func}, route_scale "
+        f"{c.route_scale}) + {c.n_shared_experts} shared, inter {c.moe_inter_dim}, {c.n_hash_layers} hash layers, "
+        f"swiglu_limit {c.swiglu_limit}; mHC x{c.hc_mult}, {c.hc_sinkhorn_iters} Sinkhorn iterations"
+    )
+    print(
+        f"  parameters: {human(info.total_params)} backbone (+{human(info.mtp_params)} MTP), "
+        f"{human(info.active_params)} active per token, {human(info.routed_expert_params)} in routed experts"
+    )
+    print(
+        f"  KV cache: {info.kv_bytes_per_token:.1f} B/token + {human(info.kv_fixed_bytes, 'B')} window (bf16); "
+        f"at 1M tokens {info.kv_bytes_1m / 2**30:.2f} GiB bf16, {info.kv_bytes_1m_fp8 / 2**30:.2f} GiB FP8"
+    )
     print(f"  forward matmul FLOPs per token: {human(info.flops_per_token)} (attention not included)")
     lines = format_memory(memory)
-    lines[5:5] = format_parallel(parallel, memory.settings["gpu_memory"])          # after the one-device line
+    lines[5:5] = format_parallel(parallel, memory.settings["gpu_memory"])  # after the one-device line
     for line in lines + (format_measured(measured) if measured is not None else []):
         print(line)
     return 0
 
 
 # ------------------------------------------------------------------------------------------ generate
-MAX_PROMPT_FILE_BYTES = 16 << 20           # far past any context; a larger file is refused, not read
+MAX_PROMPT_FILE_BYTES = 16 << 20  # far past any context; a larger file is refused, not read
+
+
 def _prompt_text(args) -> str:
     """The prompt from the argument or --prompt-file (UTF-8, refused otherwise: one line, exit 2)."""
     if args.prompt_file is None:
@@ -80,8 +101,9 @@ def _prompt_text(args) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"--prompt-file {args.prompt_file}: not UTF-8 text (byte {e.start}: "
-                        f"{raw[e.start:e.start + 1]!r})") from None
+        raise UserError(
+            f"--prompt-file {args.prompt_file}: not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 1]!r})"
+        ) from None
 
 
 def _generate_tokenizer(args):
@@ -112,38 +134,42 @@ def _encode_prompt(args, text: str, tokenizer, cfg) -> list[int]:
     return ids
 
 
-def fit_prompt(ids: list[int], max_new_tokens: int, context: int, limit_name: str, truncate: bool,
-               keep_first: int | None = None) -> list[int]:
+def fit_prompt(
+    ids: list[int], max_new_tokens: int, context: int, limit_name: str, truncate: bool, keep_first: int | None = None
+) -> list[int]:
     """The prompt if it leaves room for max_new_tokens within `context` tokens; else its last tokens that
     do (when `truncate`; the first token, BOS, is kept), else a UserError with the numbers."""
     room = context - max_new_tokens
     if len(ids) <= room:
         return ids
     if room < 1:
-        raise UserError(f"--max-new-tokens {max_new_tokens} does not fit {limit_name} of {context} tokens "
-                        f"(prompt + output): at most {context - 1} new tokens")
+        raise UserError(
+            f"--max-new-tokens {max_new_tokens} does not fit {limit_name} of {context} tokens "
+            f"(prompt + output): at most {context - 1} new tokens"
+        )
     if not truncate:
-        raise UserError(f"the prompt has {len(ids)} tokens and --max-new-tokens asks for {max_new_tokens} more, "
-                        f"but {limit_name} is {context} tokens (prompt + output): at most {room} prompt tokens "
-                        f"fit. Shorten the prompt, lower --max-new-tokens, or pass --truncate-prompt to keep its "
-                        f"last {room} tokens")
+        raise UserError(
+            f"the prompt has {len(ids)} tokens and --max-new-tokens asks for {max_new_tokens} more, "
+            f"but {limit_name} is {context} tokens (prompt + output): at most {room} prompt tokens "
+            f"fit. Shorten the prompt, lower --max-new-tokens, or pass --truncate-prompt to keep its "
+            f"last {room} tokens"
+        )
     if keep_first is not None and ids[0] == keep_first and room >= 2:
-        return [ids[0]] + ids[len(ids) - room + 1:]
-    return ids[len(ids) - room:]
+        return [ids[0]] + ids[len(ids) - room + 1 :]
+    return ids[len(ids) - room :]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-
     # everything the prompt needs is checked before the weights are read
     if args.prompt is None and args.prompt_file is None and args.prompt_ids is None:
-        raise UserError("generate needs a prompt: give it as an argument, with --prompt-file FILE or with "
-                        "--prompt-ids IDS")
+        raise UserError(
+            "generate needs a prompt: give it as an argument, with --prompt-file FILE or with --prompt-ids IDS"
+        )
     cfg = resolve_config(args)
     if args.top_k > cfg.vocab_size:
-        raise UserError(f"--top-k {args.top_k} exceeds the model's vocabulary of {cfg.vocab_size} tokens "
-                        f"(0 = off)")
+        raise UserError(f"--top-k {args.top_k} exceeds the model's vocabulary of {cfg.vocab_size} tokens (0 = off)")
     problem = speculative_problem(cfg, args.speculative, args.speculative_threshold)
     if problem:
         raise UserError(problem)
@@ -153,13 +179,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     context, limit_name = cfg.max_seq_len, "the model's context (max_position_embeddings)"
     if args.max_model_len is not None:
         if args.max_model_len > cfg.max_seq_len:
-            raise UserError(f"--max-model-len {args.max_model_len} exceeds the model's context "
-                            f"(max_position_embeddings) of {cfg.max_seq_len} tokens")
+            raise UserError(
+                f"--max-model-len {args.max_model_len} exceeds the model's context "
+                f"(max_position_embeddings) of {cfg.max_seq_len} tokens"
+            )
         context, limit_name = args.max_model_len, "--max-model-len"
     fitted = fit_prompt(ids, args.max_new_tokens, context, limit_name, args.truncate_prompt, cfg.bos_token_id)
     if len(fitted) < len(ids):
-        print(f"note: the prompt was cut to its last {len(fitted)} of {len(ids)} tokens (--truncate-prompt)",
-              file=sys.stderr)
+        print(
+            f"note: the prompt was cut to its last {len(fitted)} of {len(ids)} tokens (--truncate-prompt)",
+            file=sys.stderr,
+        )
         ids = fitted
         text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else text
 
@@ -171,14 +201,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     torch.manual_seed(seed)
     engine = None
     source = dataclasses.replace(ModelSource.from_args(args), seed=0)
-    if args.tensor_parallel_size > 1:       # N worker processes, this one rank 0 (`dsv4.serve.workers`)
+    if args.tensor_parallel_size > 1:  # N worker processes, this one rank 0 (`dsv4.serve.workers`)
         from .serve.startup import EngineSpec
         from .serve.workers import build_workers
 
-        spec = EngineSpec.from_args(args, source=source, max_num_seqs=1,
-                                    max_model_len=min(len(ids) + args.max_new_tokens, context),
-                                    max_batch_tokens=None, page_size=None, cache_pages=None, prefix_caching=False,
-                                    detokenize=False)
+        spec = EngineSpec.from_args(
+            args,
+            source=source,
+            max_num_seqs=1,
+            max_model_len=min(len(ids) + args.max_new_tokens, context),
+            max_batch_tokens=None,
+            page_size=None,
+            cache_pages=None,
+            prefix_caching=False,
+            detokenize=False,
+        )
         engine, info = build_workers(spec, own_process=False)
         model, desc = engine.model, info["desc"]
     else:
@@ -190,8 +227,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             engine.close()
 
 
-def _generate_and_print(args, model, tokenizer, desc: str, ids: list[int], text: str | None, seed: int,
-                        engine=None) -> int:
+def _generate_and_print(
+    args, model, tokenizer, desc: str, ids: list[int], text: str | None, seed: int, engine=None
+) -> int:
     from .engine import generate
 
     healed = _heal(args, tokenizer, ids)
@@ -203,7 +241,7 @@ def _generate_and_print(args, model, tokenizer, desc: str, ids: list[int], text:
         out_ids.append(tok)
         if stream:
             text = healed.completion(tokenizer.decode(out_ids))
-            sys.stdout.write(text[len(printed[0]):])
+            sys.stdout.write(text[len(printed[0]) :])
             sys.stdout.flush()
             printed[0] = text
 
@@ -213,26 +251,48 @@ def _generate_and_print(args, model, tokenizer, desc: str, ids: list[int], text:
 
     try:
         with watch_logits(model) as watch:
-            tokens = generate(model, [healed], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, seed=seed, stop_at_eos=not args.no_stop,
-                              on_token=on_token,
-                              cuda_graph=args.cuda_graph and model.embed.weight.device.type == "cuda",
-                              speculative=args.speculative,
-                              speculative_threshold=args.speculative_threshold, deterministic=args.deterministic,
-                              tokenizer=tokenizer, engine=engine)[0]
+            tokens = generate(
+                model,
+                [healed],
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=seed,
+                stop_at_eos=not args.no_stop,
+                on_token=on_token,
+                cuda_graph=args.cuda_graph and model.embed.weight.device.type == "cuda",
+                speculative=args.speculative,
+                speculative_threshold=args.speculative_threshold,
+                deterministic=args.deterministic,
+                tokenizer=tokenizer,
+                engine=engine,
+            )[0]
         bad = watch.seen()
     except NonFiniteLogits:
         bad, tokens = True, out_ids
-    if bad:                                  # say so, instead of printing what argmax(NaN) = token 0 gave
+    if bad:  # say so, instead of printing what argmax(NaN) = token 0 gave
         if stream:
             print()
         where = first_nonfinite_module(model, healed.prompt + tokens)
-        raise RunFailed(f"the model's logits turned non-finite (NaN/Inf) after {len(tokens)} generated tokens: "
-                        f"{where}; check the weights with `dsv4 check nonfinite`")
+        raise RunFailed(
+            f"the model's logits turned non-finite (NaN/Inf) after {len(tokens)} generated tokens: "
+            f"{where}; check the weights with `dsv4 check nonfinite`"
+        )
     text = healed.completion(tokenizer.decode(tokens)) if tokenizer is not None else None
     if args.json:
-        print(json.dumps({"model": desc, "prompt_ids": healed.prompt, "ids": tokens, "text": text,
-                          "healed_text": healed.text, "seed": seed}))
+        print(
+            json.dumps(
+                {
+                    "model": desc,
+                    "prompt_ids": healed.prompt,
+                    "ids": tokens,
+                    "text": text,
+                    "healed_text": healed.text,
+                    "seed": seed,
+                }
+            )
+        )
     elif stream:
         print()
     else:
@@ -266,22 +326,35 @@ def cmd_teacher_forcing(args: argparse.Namespace) -> int:
     model, _, desc = load_model(args, default_preset="tiny")
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, model.cfg.vocab_size, (args.batch, n), generator=gen)
-    rep = teacher_forcing(model, tokens.to(model.embed.weight.device), k, tolerance=args.tolerance,
-                          force_decisions=not args.no_force, exact=not args.fast_accumulation, progress=not args.json)
+    rep = teacher_forcing(
+        model,
+        tokens.to(model.embed.weight.device),
+        k,
+        tolerance=args.tolerance,
+        force_decisions=not args.no_force,
+        exact=not args.fast_accumulation,
+        progress=not args.json,
+    )
     if args.json:
         d = rep.to_dict()
         d.pop("per_position")
         print(json.dumps({"model": desc, **d}))
     else:
         verdict = "agree" if rep.ok else "DIVERGE"
-        print(f"teacher forcing on {desc}: {n} tokens x batch {args.batch}, prefill {k} + {n - k} decode steps: "
-              f"{verdict} (max relative logit error {rep.max_rel_error:.2e}, tolerance {rep.tolerance:.0e})")
+        print(
+            f"teacher forcing on {desc}: {n} tokens x batch {args.batch}, prefill {k} + {n - k} decode steps: "
+            f"{verdict} (max relative logit error {rep.max_rel_error:.2e}, tolerance {rep.tolerance:.0e})"
+        )
         if rep.forced_flips:
-            print(f"  near-tie decisions the decode path would have taken differently (forced to the prefill's): "
-                  f"{rep.forced_flips}")
+            print(
+                f"  near-tie decisions the decode path would have taken differently (forced to the prefill's): "
+                f"{rep.forced_flips}"
+            )
         if not rep.ok:
-            print(f"  first divergence: row {rep.first_row}, position {rep.first_position}, "
-                  f"stage {rep.first_stage or 'unknown'} (relative error {rep.stage_error or float('nan'):.2e})")
+            print(
+                f"  first divergence: row {rep.first_row}, position {rep.first_position}, "
+                f"stage {rep.first_stage or 'unknown'} (relative error {rep.stage_error or float('nan'):.2e})"
+            )
     return 0 if rep.ok else 1
 
 
@@ -327,17 +400,28 @@ def _add_info(sub) -> None:
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help=COMMANDS["generate"],
-                       description="Continue a prompt with a model: greedy by default, sampled with --temperature.")
+    p = sub.add_parser(
+        "generate",
+        help=COMMANDS["generate"],
+        description="Continue a prompt with a model: greedy by default, sampled with --temperature.",
+    )
     options.model_options(p, "the shipped model")
-    p.add_argument("prompt", nargs="?", default=None, type=argtypes.text,
-                   help="prompt text (or --prompt-file / --prompt-ids; one of the three is needed)")
+    p.add_argument(
+        "prompt",
+        nargs="?",
+        default=None,
+        type=argtypes.text,
+        help="prompt text (or --prompt-file / --prompt-ids; one of the three is needed)",
+    )
     p.add_argument("--prompt-file", type=argtypes.path, help="read the prompt from this UTF-8 file")
     p.add_argument("--prompt-ids", type=argtypes.comma_ints(0), help="comma-separated token ids instead of text")
     options.add(p, "max_new_tokens")
     options.add(p, "max_model_len")
-    p.add_argument("--truncate-prompt", action="store_true",
-                   help="keep the last tokens of a prompt that does not fit the context (default: refuse it)")
+    p.add_argument(
+        "--truncate-prompt",
+        action="store_true",
+        help="keep the last tokens of a prompt that does not fit the context (default: refuse it)",
+    )
     options.add(p, "temperature", default=0.0)
     options.add(p, "top_p")
     options.add(p, "top_k")
@@ -349,9 +433,12 @@ def _add_generate(sub) -> None:
     options.add(p, "speculative_threshold")
     options.device_options(p)
     options.add(p, "quant_mode")
-    p.add_argument("--deterministic", action="store_true",
-                   help="batch- and split-invariant numbers (float64 accumulation on the reference ops; slower): "
-                        "the tokens do not depend on --tensor-parallel-size")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch- and split-invariant numbers (float64 accumulation on the reference ops; slower): "
+        "the tokens do not depend on --tensor-parallel-size",
+    )
     options.add(p, "tensor_parallel_size")
     options.add(p, "enable_expert_parallel")
     options.add(p, "worker_timeout")
@@ -362,20 +449,30 @@ def _add_generate(sub) -> None:
 def _add_check(sub) -> None:
     pc = sub.add_parser("check", help=COMMANDS["check"], description=COMMANDS["check"].capitalize() + ".")
     csub = pc.add_subparsers(dest="check_command", metavar="CHECK")
-    p = csub.add_parser("teacher-forcing", help="one prefill vs prefill + single-token decode steps",
-                        description="One prefill of N tokens against a prefill of k tokens followed by N-k "
-                                    "single-token decode steps: the logits must agree at every position.")
+    p = csub.add_parser(
+        "teacher-forcing",
+        help="one prefill vs prefill + single-token decode steps",
+        description="One prefill of N tokens against a prefill of k tokens followed by N-k "
+        "single-token decode steps: the logits must agree at every position.",
+    )
     options.model_options(p, "the tiny preset")
-    options.add(p, "seq_len", default=300, note="300 crosses the window, several ratio-4 groups and two ratio-128 "
-                                                "groups")
+    options.add(
+        p, "seq_len", default=300, note="300 crosses the window, several ratio-4 groups and two ratio-128 groups"
+    )
     p.add_argument("--prefill", type=argtypes.positive_int, default=7, help="tokens in the prefill before decoding")
     p.add_argument("--batch", type=argtypes.positive_int, default=1, help="sequences checked at once")
     options.add(p, "seed", default=0, note="of the random tokens (and of a preset's random weights)")
     p.add_argument("--tolerance", type=argtypes.positive_float, default=1e-4, help="max relative logit error")
-    p.add_argument("--no-force", action="store_true",
-                   help="let the decode path take its own top-k / routing decisions (near-ties may then flip)")
-    p.add_argument("--fast-accumulation", action="store_true",
-                   help="accumulate in the working precision instead of float64 (batching then changes rounding)")
+    p.add_argument(
+        "--no-force",
+        action="store_true",
+        help="let the decode path take its own top-k / routing decisions (near-ties may then flip)",
+    )
+    p.add_argument(
+        "--fast-accumulation",
+        action="store_true",
+        help="accumulate in the working precision instead of float64 (batching then changes rounding)",
+    )
     options.device_options(p)
     options.add(p, "quant_mode")
     options.add(p, "json")
@@ -402,32 +499,39 @@ def _from(module: str, fn: str):
     return lambda sub: _optional(lambda: getattr(__import__(module, fromlist=["x"]), fn)(sub))
 
 
-BUILDERS = {"info": _add_info, "generate": _add_generate, "check": _add_check,
-            "inspect": _from("dsv4.checkpoint.cli", "add_inspect_parser"),
-            "convert": _from("dsv4.checkpoint.cli", "add_convert_parser"),
-            "init": _from("dsv4.checkpoint.cli", "add_init_parser"),
-            "train": _from("dsv4.train.cli", "add_train_parser"), "eval": _from("dsv4.eval.cli", "add_eval_parser"),
-            "serve": _from("dsv4.serve.cli", "add_serve_parser"),
-            "chat": _from("dsv4.serve.chat_cli", "add_chat_parser"),
-            "bench": _add_bench}
+BUILDERS = {
+    "info": _add_info,
+    "generate": _add_generate,
+    "check": _add_check,
+    "inspect": _from("dsv4.checkpoint.cli", "add_inspect_parser"),
+    "convert": _from("dsv4.checkpoint.cli", "add_convert_parser"),
+    "init": _from("dsv4.checkpoint.cli", "add_init_parser"),
+    "train": _from("dsv4.train.cli", "add_train_parser"),
+    "eval": _from("dsv4.eval.cli", "add_eval_parser"),
+    "serve": _from("dsv4.serve.cli", "add_serve_parser"),
+    "chat": _from("dsv4.serve.chat_cli", "add_chat_parser"),
+    "bench": _add_bench,
+}
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The command line. With `argv`, only the command it names is built in full; the others are one-line
     stubs, so that `dsv4 --help` imports none of the commands' modules (torch among them) and answers at
     once. Without, the whole tree (for tests and documentation)."""
-    parser = Parser(prog="dsv4", description="Run, train, serve and verify DeepSeek-V4 models on any PyTorch "
-                                             "device.")
+    parser = Parser(prog="dsv4", description="Run, train, serve and verify DeepSeek-V4 models on any PyTorch device.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the traceback of an error (also accepted after the command; or DSV4_DEBUG=1)")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of an error (also accepted after the command; or DSV4_DEBUG=1)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
     for name, summary in COMMANDS.items():
         if wanted is None or wanted == name:
             BUILDERS[name](sub)
         if name not in sub.choices:
-            sub.add_parser(name, help=summary, add_help=False)     # a stub: `dsv4 NAME ...` builds it in full
+            sub.add_parser(name, help=summary, add_help=False)  # a stub: `dsv4 NAME ...` builds it in full
     return parser
 
 
@@ -451,17 +555,17 @@ def main(argv: list[str] | None = None) -> int:
     debug = _take_debug(argv)
     watch_interrupts()
     try:
-        parser = build_parser(argv)             # (Ctrl-C while the subcommands' modules load: 130 below)
+        parser = build_parser(argv)  # (Ctrl-C while the subcommands' modules load: 130 below)
         try:
             args = parser.parse_args(argv)
         except SystemExit as e:
-            if e.code in (0, None):             # --help / --version: printed, and exit as argparse does
+            if e.code in (0, None):  # --help / --version: printed, and exit as argparse does
                 raise
-            return e.code if isinstance(e.code, int) else 2   # a usage error: its one line is printed
+            return e.code if isinstance(e.code, int) else 2  # a usage error: its one line is printed
         if not getattr(args, "func", None):
             parser.print_help()
             return 0 if args.command is None else 2
-        if getattr(args, "threads", None) is not None:      # every command that computes takes --threads
+        if getattr(args, "threads", None) is not None:  # every command that computes takes --threads
             from .defaults import set_threads
 
             set_threads(args.threads)
@@ -471,10 +575,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as e:                                              # noqa: BLE001 - one line, not a traceback
+    except Exception as e:  # noqa: BLE001 - one line, not a traceback
         if debug:
             raise
-        if interrupted():                   # a Ctrl-C that a library turned into another error on its way up
+        if interrupted():  # a Ctrl-C that a library turned into another error on its way up
             print("interrupted", file=sys.stderr)
             return 130
         code, line = describe_error(e)

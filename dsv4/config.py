@@ -90,15 +90,15 @@ class ModelConfig:
     # n_mtp_layers window-only stages proposing this many tokens per step (Flash-0731: 5). The keys are the
     # official inference code's (`ModelArgs.dspark_*` of the 0731 release).
     dspark_block_size: int = 0
-    dspark_noise_token_id: int = 0                  # the token filling the block after its anchor
-    dspark_target_layer_ids: tuple[int, ...] = ()   # main layers whose outputs the draft reads
-    dspark_markov_rank: int = 256                   # rank of the Markov head's token-transition bias
+    dspark_noise_token_id: int = 0  # the token filling the block after its anchor
+    dspark_target_layer_ids: tuple[int, ...] = ()  # main layers whose outputs the draft reads
+    dspark_markov_rank: int = 256  # rank of the Markov head's token-transition bias
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
         check_types(self)  # before anything reads a value: a string or NaN must not reach int() or math
         ratios = tuple(self.compress_ratios) or (0,) * (self.n_layers + self.n_mtp_layers)
-        object.__setattr__(self, "compress_ratios", ratios)   # normalized once, at construction
+        object.__setattr__(self, "compress_ratios", ratios)  # normalized once, at construction
         if isinstance(self.dspark_target_layer_ids, list):
             object.__setattr__(self, "dspark_target_layer_ids", tuple(self.dspark_target_layer_ids))
         self.validate()
@@ -124,7 +124,7 @@ class ModelConfig:
         """How activations feeding an FP8 / FP4-stored weight are quantized to FP8: None (quant_mode "w8a16",
         and "int8", whose modules quantize to INT8 themselves), else
         "ue8m0" (power-of-two scales) or "fp32" (amax/448 scales) from scale_fmt."""
-        if self.quant_mode in ("w8a16", "int8"):     # int8: those weights are INT8 modules (dsv4.model.int8)
+        if self.quant_mode in ("w8a16", "int8"):  # int8: those weights are INT8 modules (dsv4.model.int8)
             return None
         return "ue8m0" if self.scale_fmt == "ue8m0" else "fp32"
 
@@ -136,8 +136,9 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
-    def with_draft(self, kind: str, *, stages: int = 3, block_size: int = 5,
-                   markov_rank: int | None = None) -> ModelConfig:
+    def with_draft(
+        self, kind: str, *, stages: int = 3, block_size: int = 5, markov_rank: int | None = None
+    ) -> ModelConfig:
         """This config with another speculative draft after the main layers: "none"; "mtp" (the first
         release's single MTP block); "dspark" (Flash-0731's DSpark draft: `stages` window-only stages over
         the last three main layers' outputs, a block of `block_size` tokens; the noise token is Flash-0731's
@@ -152,9 +153,14 @@ class ModelConfig:
         if kind != "dspark":
             raise ConfigError(f"draft must be 'none', 'mtp' or 'dspark', got {kind!r}")
         targets = tuple(range(max(0, self.n_layers - 3), self.n_layers))
-        return self.replace(n_mtp_layers=stages, compress_ratios=main + (0,) * stages, dspark_block_size=block_size,
-                            dspark_noise_token_id=min(128799, self.vocab_size - 1), dspark_target_layer_ids=targets,
-                            dspark_markov_rank=markov_rank or (256 if self.dim >= 1024 else self.dim // 4))
+        return self.replace(
+            n_mtp_layers=stages,
+            compress_ratios=main + (0,) * stages,
+            dspark_block_size=block_size,
+            dspark_noise_token_id=min(128799, self.vocab_size - 1),
+            dspark_target_layer_ids=targets,
+            dspark_markov_rank=markov_rank or (256 if self.dim >= 1024 else self.dim // 4),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -166,34 +172,48 @@ class ModelConfig:
         """The `dspark_*` keys of a config.json ({} for a model without a DSpark draft)."""
         if not self.dspark:
             return {}
-        return {"dspark_block_size": self.dspark_block_size, "dspark_noise_token_id": self.dspark_noise_token_id,
-                "dspark_target_layer_ids": list(self.dspark_target_layer_ids),
-                "dspark_markov_rank": self.dspark_markov_rank}
+        return {
+            "dspark_block_size": self.dspark_block_size,
+            "dspark_noise_token_id": self.dspark_noise_token_id,
+            "dspark_target_layer_ids": list(self.dspark_target_layer_ids),
+            "dspark_markov_rank": self.dspark_markov_rank,
+        }
 
     def to_inference_json(self) -> dict[str, Any]:
         """The official inference `config.json` keys."""
         d = self.to_dict()
-        for k in ("name", "bos_token_id", "eos_token_id", "fp8_kv_sim", "fp4_indexer_sim", "quant_mode",
-                  *(k for k in d if k.startswith("dspark_"))):
+        for k in (
+            "name",
+            "bos_token_id",
+            "eos_token_id",
+            "fp8_kv_sim",
+            "fp4_indexer_sim",
+            "quant_mode",
+            *(k for k in d if k.startswith("dspark_")),
+        ):
             d.pop(k)
         return {**d, **self.dspark_json()}
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], name: str = "custom",
-                  overrides: dict[str, Any] | None = None) -> ModelConfig:
+    def from_dict(
+        cls, raw: dict[str, Any], name: str = "custom", overrides: dict[str, Any] | None = None
+    ) -> ModelConfig:
         """Read an official inference config dict (or ModelConfig's own fields). overrides: fields set on top
         of the file's values before validation (e.g. the QAT simulations switched off). The keys of other
         formats are read where the format lives: a Hugging Face config by `dsv4.checkpoint.read_config`."""
         if not isinstance(raw, dict):
             raise ConfigError(f"config must be a JSON object, got {type(raw).__name__}")
         if is_hf_config(raw):
-            raise ConfigError("a Hugging Face config (hidden_size, num_hidden_layers, ...): read it with "
-                              "dsv4.checkpoint.read_config, as every command's --config does")
+            raise ConfigError(
+                "a Hugging Face config (hidden_size, num_hidden_layers, ...): read it with "
+                "dsv4.checkpoint.read_config, as every command's --config does"
+            )
         return cls.from_fields(translating(_from_inference, raw), name, overrides)
 
     @classmethod
-    def from_fields(cls, kw: dict[str, Any], name: str = "custom",
-                    overrides: dict[str, Any] | None = None) -> ModelConfig:
+    def from_fields(
+        cls, kw: dict[str, Any], name: str = "custom", overrides: dict[str, Any] | None = None
+    ) -> ModelConfig:
         """ModelConfig's fields (as a format's reader translated them), overrides on top, validated."""
         kw = dict(kw)
         for k, v in (overrides or {}).items():
@@ -224,8 +244,9 @@ _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
 def is_hf_config(raw: Any) -> bool:
     """Whether a config dict is a Hugging Face one, by its keys (the hf layout translates those)."""
-    return isinstance(raw, dict) and ("hidden_size" in raw or "num_hidden_layers" in raw
-                                      or raw.get("model_type") == "deepseek_v4")
+    return isinstance(raw, dict) and (
+        "hidden_size" in raw or "num_hidden_layers" in raw or raw.get("model_type") == "deepseek_v4"
+    )
 
 
 def translating(read, raw: dict[str, Any]) -> dict[str, Any]:
@@ -236,8 +257,9 @@ def translating(read, raw: dict[str, Any]) -> dict[str, Any]:
     except (TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"config has a value of the wrong type or shape ({type(e).__name__}: "
-                          f"{str(e)[:120]})") from None
+        raise ConfigError(
+            f"config has a value of the wrong type or shape ({type(e).__name__}: {str(e)[:120]})"
+        ) from None
 
 
 def read_config_json(path: Path) -> Any:
@@ -252,15 +274,17 @@ def read_config_json(path: Path) -> Any:
     except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError and over-long integers
         raise ConfigError(f"{path}: not valid JSON ({str(e)[:200]})") from None
 
+
 # Official inference keys that do not change the math of this implementation.
 _INFERENCE_IGNORED = {"max_batch_size"}
+
 
 def _from_inference(raw: dict[str, Any]) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     for k, v in raw.items():
         if k in _INFERENCE_IGNORED:
             continue
-        if k == "scale_dtype":                 # the official code: E8M0 scale storage forces power-of-two scales
+        if k == "scale_dtype":  # the official code: E8M0 scale storage forces power-of-two scales
             if v not in ("fp8", "fp32"):
                 raise ConfigError(f"config key 'scale_dtype': must be 'fp8' or 'fp32', got {v!r}")
             continue
@@ -303,23 +327,59 @@ def _tiny() -> ModelConfig:
     # Under 5M parameters, every feature: window-only, CSA (ratio 4 + indexer), HCA (ratio 128),
     # a hash-routed layer, an MTP block. Window stays 128 so tests cross the real window size.
     return ModelConfig(
-        name="tiny", vocab_size=1024, dim=128, n_layers=4, n_mtp_layers=1, n_hash_layers=1,
-        n_heads=4, head_dim=128, rope_head_dim=64, q_lora_rank=64, o_groups=2, o_lora_rank=32,
-        window_size=128, compress_ratios=(0, 4, 128, 4, 0),
-        index_n_heads=4, index_head_dim=128, index_topk=8,
-        n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, moe_inter_dim=64,
-        route_scale=1.5, swiglu_limit=10.0, max_seq_len=4096,
+        name="tiny",
+        vocab_size=1024,
+        dim=128,
+        n_layers=4,
+        n_mtp_layers=1,
+        n_hash_layers=1,
+        n_heads=4,
+        head_dim=128,
+        rope_head_dim=64,
+        q_lora_rank=64,
+        o_groups=2,
+        o_lora_rank=32,
+        window_size=128,
+        compress_ratios=(0, 4, 128, 4, 0),
+        index_n_heads=4,
+        index_head_dim=128,
+        index_topk=8,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_activated_experts=2,
+        moe_inter_dim=64,
+        route_scale=1.5,
+        swiglu_limit=10.0,
+        max_seq_len=4096,
     )
 
 
 def _small() -> ModelConfig:
     return ModelConfig(
-        name="small", vocab_size=32768, dim=1024, n_layers=8, n_mtp_layers=0, n_hash_layers=2,
-        n_heads=16, head_dim=512, rope_head_dim=64, q_lora_rank=512, o_groups=4, o_lora_rank=256,
-        window_size=128, compress_ratios=(0, 4, 128, 4, 128, 4, 128, 4),
-        index_n_heads=16, index_head_dim=128, index_topk=256,
-        n_routed_experts=32, n_shared_experts=1, n_activated_experts=4, moe_inter_dim=512,
-        route_scale=1.5, swiglu_limit=10.0, max_seq_len=65536,
+        name="small",
+        vocab_size=32768,
+        dim=1024,
+        n_layers=8,
+        n_mtp_layers=0,
+        n_hash_layers=2,
+        n_heads=16,
+        head_dim=512,
+        rope_head_dim=64,
+        q_lora_rank=512,
+        o_groups=4,
+        o_lora_rank=256,
+        window_size=128,
+        compress_ratios=(0, 4, 128, 4, 128, 4, 128, 4),
+        index_n_heads=16,
+        index_head_dim=128,
+        index_topk=256,
+        n_routed_experts=32,
+        n_shared_experts=1,
+        n_activated_experts=4,
+        moe_inter_dim=512,
+        route_scale=1.5,
+        swiglu_limit=10.0,
+        max_seq_len=65536,
     )
 
 
@@ -329,35 +389,93 @@ def _medium() -> ModelConfig:
     # master weights, gradients and optimizer state plus checkpointed activations of 1 x 4096 tokens fit
     # one 141 GB GPU (`dsv4 info --preset medium`).
     return ModelConfig(
-        name="medium", vocab_size=129280, dim=2048, n_layers=16, n_mtp_layers=1, n_hash_layers=2,
-        n_heads=32, head_dim=512, rope_head_dim=64, q_lora_rank=768, o_groups=4, o_lora_rank=512,
-        window_size=128, compress_ratios=(0, 0) + (4, 128) * 7 + (0,),
-        index_n_heads=32, index_head_dim=128, index_topk=512,
-        n_routed_experts=64, n_shared_experts=1, n_activated_experts=6, moe_inter_dim=768,
-        route_scale=1.5, swiglu_limit=10.0, max_seq_len=65536,
+        name="medium",
+        vocab_size=129280,
+        dim=2048,
+        n_layers=16,
+        n_mtp_layers=1,
+        n_hash_layers=2,
+        n_heads=32,
+        head_dim=512,
+        rope_head_dim=64,
+        q_lora_rank=768,
+        o_groups=4,
+        o_lora_rank=512,
+        window_size=128,
+        compress_ratios=(0, 0) + (4, 128) * 7 + (0,),
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=512,
+        n_routed_experts=64,
+        n_shared_experts=1,
+        n_activated_experts=6,
+        moe_inter_dim=768,
+        route_scale=1.5,
+        swiglu_limit=10.0,
+        max_seq_len=65536,
     )
 
 
 def _flash() -> ModelConfig:
     return ModelConfig(
-        name="flash", vocab_size=129280, dim=4096, n_layers=43, n_mtp_layers=1, n_hash_layers=3,
-        n_heads=64, head_dim=512, rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
-        window_size=128, compress_ratios=(0, 0) + (4, 128) * 20 + (4,) + (0,),
-        index_n_heads=64, index_head_dim=128, index_topk=512,
-        n_routed_experts=256, n_shared_experts=1, n_activated_experts=6, moe_inter_dim=2048,
-        route_scale=1.5, swiglu_limit=10.0, dtype="fp8", expert_dtype="fp4", scale_fmt="ue8m0",
+        name="flash",
+        vocab_size=129280,
+        dim=4096,
+        n_layers=43,
+        n_mtp_layers=1,
+        n_hash_layers=3,
+        n_heads=64,
+        head_dim=512,
+        rope_head_dim=64,
+        q_lora_rank=1024,
+        o_groups=8,
+        o_lora_rank=1024,
+        window_size=128,
+        compress_ratios=(0, 0) + (4, 128) * 20 + (4,) + (0,),
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=512,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        n_activated_experts=6,
+        moe_inter_dim=2048,
+        route_scale=1.5,
+        swiglu_limit=10.0,
+        dtype="fp8",
+        expert_dtype="fp4",
+        scale_fmt="ue8m0",
     )
 
 
 def _pro() -> ModelConfig:
     # Identical to the released DeepSeek-V4-Pro config.json.
     return ModelConfig(
-        name="pro", vocab_size=129280, dim=7168, n_layers=61, n_mtp_layers=1, n_hash_layers=3,
-        n_heads=128, head_dim=512, rope_head_dim=64, q_lora_rank=1536, o_groups=16, o_lora_rank=1024,
-        window_size=128, compress_ratios=(128, 128) + (4, 128) * 29 + (4,) + (0,),
-        index_n_heads=64, index_head_dim=128, index_topk=1024,
-        n_routed_experts=384, n_shared_experts=1, n_activated_experts=6, moe_inter_dim=3072,
-        route_scale=2.5, swiglu_limit=10.0, dtype="fp8", expert_dtype="fp4", scale_fmt="ue8m0",
+        name="pro",
+        vocab_size=129280,
+        dim=7168,
+        n_layers=61,
+        n_mtp_layers=1,
+        n_hash_layers=3,
+        n_heads=128,
+        head_dim=512,
+        rope_head_dim=64,
+        q_lora_rank=1536,
+        o_groups=16,
+        o_lora_rank=1024,
+        window_size=128,
+        compress_ratios=(128, 128) + (4, 128) * 29 + (4,) + (0,),
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=1024,
+        n_routed_experts=384,
+        n_shared_experts=1,
+        n_activated_experts=6,
+        moe_inter_dim=3072,
+        route_scale=2.5,
+        swiglu_limit=10.0,
+        dtype="fp8",
+        expert_dtype="fp4",
+        scale_fmt="ue8m0",
     )
 
 

@@ -155,10 +155,18 @@ SCHEMA: dict[str, Any] = {
 def approx_parameters(c: Any) -> int:
     """Parameters of a config, in closed form to within a few percent (embeddings, attention, experts)."""
     layers = c.n_layers + c.n_mtp_layers
-    draft = (c.dim * c.dim * len(c.dspark_target_layer_ids) + 2 * c.vocab_size * c.dspark_markov_rank
-             if c.dspark_block_size else 0)
-    attn = (c.dim * c.q_lora_rank + c.q_lora_rank * c.n_heads * c.head_dim + c.dim * c.head_dim
-            + c.n_heads * c.head_dim * c.o_lora_rank // max(c.o_groups, 1) + c.o_groups * c.o_lora_rank * c.dim)
+    draft = (
+        c.dim * c.dim * len(c.dspark_target_layer_ids) + 2 * c.vocab_size * c.dspark_markov_rank
+        if c.dspark_block_size
+        else 0
+    )
+    attn = (
+        c.dim * c.q_lora_rank
+        + c.q_lora_rank * c.n_heads * c.head_dim
+        + c.dim * c.head_dim
+        + c.n_heads * c.head_dim * c.o_lora_rank // max(c.o_groups, 1)
+        + c.o_groups * c.o_lora_rank * c.dim
+    )
     experts = (c.n_routed_experts + c.n_shared_experts) * 3 * c.dim * c.moe_inter_dim
     return 2 * c.vocab_size * c.dim + layers * (attn + experts + c.n_routed_experts * c.dim) + draft
 
@@ -170,47 +178,97 @@ def _nope_ok(c: Any) -> bool:
 # (key the message names, rule in words, holds(config)) - checked in order once every field is in range
 RELATIONS: list[tuple[str, Callable[[Any], str], Callable[[Any], bool]]] = [
     ("n_hash_layers", lambda c: f"must be <= n_layers ({c.n_layers})", lambda c: c.n_hash_layers <= c.n_layers),
-    ("compress_ratios", lambda c: f"needs n_layers + n_mtp_layers = {c.n_layers + c.n_mtp_layers} entries",
-     lambda c: len(c.compress_ratios) == c.n_layers + c.n_mtp_layers),
+    (
+        "compress_ratios",
+        lambda c: f"needs n_layers + n_mtp_layers = {c.n_layers + c.n_mtp_layers} entries",
+        lambda c: len(c.compress_ratios) == c.n_layers + c.n_mtp_layers,
+    ),
     ("compress_ratios", lambda c: "entries must be 0 or >= 2", lambda c: all(r != 1 for r in c.compress_ratios)),
-    ("compress_ratios", lambda c: "MTP layers (the entries after n_layers) must be window-only (0)",
-     lambda c: all(r == 0 for r in c.compress_ratios[c.n_layers:])),
-    ("rope_head_dim", lambda c: f"must be even and <= head_dim ({c.head_dim})",
-     lambda c: c.rope_head_dim <= c.head_dim and c.rope_head_dim % 2 == 0),
-    ("fp8_kv_sim", lambda c: (
-        f"the FP8 KV simulation quantizes the head_dim - rope_head_dim = {c.head_dim - c.rope_head_dim} non-RoPE "
-        f"dims in blocks of 64, and {c.head_dim - c.rope_head_dim} is not a multiple of 64; switch the "
-        "simulation off (fp8_kv_sim=False, as transformers runs) or use other dims"),
-     lambda c: not c.fp8_kv_sim or _nope_ok(c)),
-    ("o_groups", lambda c: f"n_heads={c.n_heads} must be divisible by o_groups={c.o_groups}",
-     lambda c: c.n_heads % c.o_groups == 0),
-    ("n_activated_experts", lambda c: f"must be <= n_routed_experts ({c.n_routed_experts})",
-     lambda c: c.n_activated_experts <= c.n_routed_experts),
-    ("index_head_dim", lambda c: f"must be at least rope_head_dim={c.rope_head_dim} (the indexer's RoPE dims)",
-     lambda c: c.index_head_dim >= c.rope_head_dim),
-    ("fp4_indexer_sim", lambda c: (
-        f"the FP4 indexer simulation rotates the index_head_dim = {c.index_head_dim} dims with a Hadamard "
-        "transform (a power of two) and quantizes them in blocks of 32; switch the simulation off "
-        "(fp4_indexer_sim=False, as transformers runs) or use a power of two >= 32"),
-     lambda c: not c.fp4_indexer_sim or (c.index_head_dim & (c.index_head_dim - 1) == 0
-                                         and c.index_head_dim % 32 == 0)),
-    ("bos_token_id", lambda c: f"must be a token id < vocab_size ({c.vocab_size})",
-     lambda c: c.bos_token_id < c.vocab_size),
-    ("eos_token_id", lambda c: f"must be a token id < vocab_size ({c.vocab_size})",
-     lambda c: c.eos_token_id < c.vocab_size),
-    ("dspark_target_layer_ids", lambda c: (f"a DSpark draft (dspark_block_size > 0) reads the outputs of main "
-                                           f"layers: give a non-empty, increasing list of layer indices below "
-                                           f"n_layers ({c.n_layers})"),
-     lambda c: not c.dspark_block_size or (len(c.dspark_target_layer_ids) > 0
-                                           and all(0 <= i < c.n_layers for i in c.dspark_target_layer_ids)
-                                           and list(c.dspark_target_layer_ids)
-                                           == sorted(set(c.dspark_target_layer_ids)))),
-    ("dspark_noise_token_id", lambda c: f"must be a token id < vocab_size ({c.vocab_size})",
-     lambda c: not c.dspark_block_size or c.dspark_noise_token_id < c.vocab_size),
-    ("dim", lambda c: (f"the config describes about {approx_parameters(c):.3g} parameters, more than the "
-                       f"limit of {MAX_PARAMETERS:.0e}; check the sizes (dim, n_layers, n_routed_experts, "
-                       "moe_inter_dim, vocab_size)"),
-     lambda c: approx_parameters(c) <= MAX_PARAMETERS),
+    (
+        "compress_ratios",
+        lambda c: "MTP layers (the entries after n_layers) must be window-only (0)",
+        lambda c: all(r == 0 for r in c.compress_ratios[c.n_layers :]),
+    ),
+    (
+        "rope_head_dim",
+        lambda c: f"must be even and <= head_dim ({c.head_dim})",
+        lambda c: c.rope_head_dim <= c.head_dim and c.rope_head_dim % 2 == 0,
+    ),
+    (
+        "fp8_kv_sim",
+        lambda c: (
+            f"the FP8 KV simulation quantizes the head_dim - rope_head_dim = {c.head_dim - c.rope_head_dim} non-RoPE "
+            f"dims in blocks of 64, and {c.head_dim - c.rope_head_dim} is not a multiple of 64; switch the "
+            "simulation off (fp8_kv_sim=False, as transformers runs) or use other dims"
+        ),
+        lambda c: not c.fp8_kv_sim or _nope_ok(c),
+    ),
+    (
+        "o_groups",
+        lambda c: f"n_heads={c.n_heads} must be divisible by o_groups={c.o_groups}",
+        lambda c: c.n_heads % c.o_groups == 0,
+    ),
+    (
+        "n_activated_experts",
+        lambda c: f"must be <= n_routed_experts ({c.n_routed_experts})",
+        lambda c: c.n_activated_experts <= c.n_routed_experts,
+    ),
+    (
+        "index_head_dim",
+        lambda c: f"must be at least rope_head_dim={c.rope_head_dim} (the indexer's RoPE dims)",
+        lambda c: c.index_head_dim >= c.rope_head_dim,
+    ),
+    (
+        "fp4_indexer_sim",
+        lambda c: (
+            f"the FP4 indexer simulation rotates the index_head_dim = {c.index_head_dim} dims with a Hadamard "
+            "transform (a power of two) and quantizes them in blocks of 32; switch the simulation off "
+            "(fp4_indexer_sim=False, as transformers runs) or use a power of two >= 32"
+        ),
+        lambda c: (
+            not c.fp4_indexer_sim or (c.index_head_dim & (c.index_head_dim - 1) == 0 and c.index_head_dim % 32 == 0)
+        ),
+    ),
+    (
+        "bos_token_id",
+        lambda c: f"must be a token id < vocab_size ({c.vocab_size})",
+        lambda c: c.bos_token_id < c.vocab_size,
+    ),
+    (
+        "eos_token_id",
+        lambda c: f"must be a token id < vocab_size ({c.vocab_size})",
+        lambda c: c.eos_token_id < c.vocab_size,
+    ),
+    (
+        "dspark_target_layer_ids",
+        lambda c: (
+            f"a DSpark draft (dspark_block_size > 0) reads the outputs of main "
+            f"layers: give a non-empty, increasing list of layer indices below "
+            f"n_layers ({c.n_layers})"
+        ),
+        lambda c: (
+            not c.dspark_block_size
+            or (
+                len(c.dspark_target_layer_ids) > 0
+                and all(0 <= i < c.n_layers for i in c.dspark_target_layer_ids)
+                and list(c.dspark_target_layer_ids) == sorted(set(c.dspark_target_layer_ids))
+            )
+        ),
+    ),
+    (
+        "dspark_noise_token_id",
+        lambda c: f"must be a token id < vocab_size ({c.vocab_size})",
+        lambda c: not c.dspark_block_size or c.dspark_noise_token_id < c.vocab_size,
+    ),
+    (
+        "dim",
+        lambda c: (
+            f"the config describes about {approx_parameters(c):.3g} parameters, more than the "
+            f"limit of {MAX_PARAMETERS:.0e}; check the sizes (dim, n_layers, n_routed_experts, "
+            "moe_inter_dim, vocab_size)"
+        ),
+        lambda c: approx_parameters(c) <= MAX_PARAMETERS,
+    ),
 ]
 
 
@@ -238,5 +296,15 @@ def check(c: Any) -> None:
             _fail(key, getattr(c, key), rule(c))
 
 
-__all__ = ["ConfigError", "QUANT_MODES", "SCALE_FMTS", "SCORE_FUNCS", "SCHEMA", "RELATIONS", "MAX_PARAMETERS",
-           "approx_parameters", "check", "check_types"]
+__all__ = [
+    "ConfigError",
+    "QUANT_MODES",
+    "SCALE_FMTS",
+    "SCORE_FUNCS",
+    "SCHEMA",
+    "RELATIONS",
+    "MAX_PARAMETERS",
+    "approx_parameters",
+    "check",
+    "check_types",
+]

@@ -77,8 +77,10 @@ def resolve_device(name: str | torch.device | None, flag: str = "--device") -> t
         raise UserError(f"{flag} {name}: not a device name ({e})") from None
     if dev.type == "cuda":
         if torch.version.cuda is None:
-            raise UserError(f"{flag} {name}: this torch build ({torch.__version__}) has no CUDA support; "
-                            f"install a CUDA build of torch or use {flag} cpu")
+            raise UserError(
+                f"{flag} {name}: this torch build ({torch.__version__}) has no CUDA support; "
+                f"install a CUDA build of torch or use {flag} cpu"
+            )
         if not torch.cuda.is_available():
             raise UserError(f"{flag} {name}: no CUDA device is available to this process; use {flag} cpu")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
@@ -112,5 +114,15 @@ def _available(dev: torch.device) -> bool:
     return bool(is_available()) if callable(is_available) else False
 
 
-__all__ = ["DEVICE", "DTYPE", "DTYPES", "best_device", "cores", "default_dtype", "dtype_name", "resolve_device",
-           "resolve_dtype", "set_threads"]
+__all__ = [
+    "DEVICE",
+    "DTYPE",
+    "DTYPES",
+    "best_device",
+    "cores",
+    "default_dtype",
+    "dtype_name",
+    "resolve_device",
+    "resolve_dtype",
+    "set_threads",
+]

@@ -48,8 +48,10 @@ def watch_interrupts() -> None:
     import signal
     import threading
 
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
         signal.signal(signal.SIGINT, _on_sigint)
 
 
@@ -126,7 +128,7 @@ def describe_error(e: BaseException) -> tuple[int, str]:
         return 2, str(e)
     if isinstance(e, UnicodeError):
         return 2, f"input is not valid UTF-8: {e}"
-    if type(e).__name__ == "RequestError":           # the engine's refusal of a request (dsv4.engine.engine)
+    if type(e).__name__ == "RequestError":  # the engine's refusal of a request (dsv4.engine.engine)
         return 2, str(e)
     if isinstance(e, OSError):
         kept = getattr(e, "kept", None) or "earlier outputs are left as they were"

@@ -15,17 +15,17 @@ from .config import ModelConfig
 @dataclass
 class ModelInfo:
     name: str
-    total_params: int              # backbone: embedding, layers, final norm/HC head, LM head
-    mtp_params: int                # the MTP block(s), on top of the backbone
-    active_params: int             # per token: backbone minus the routed experts a token does not use
+    total_params: int  # backbone: embedding, layers, final norm/HC head, LM head
+    mtp_params: int  # the MTP block(s), on top of the backbone
+    active_params: int  # per token: backbone minus the routed experts a token does not use
     routed_expert_params: int
     embedding_params: int
-    kv_bytes_per_token: float      # compressed entries + indexer keys, amortized per token (bf16)
-    kv_fixed_bytes: int            # window ring buffers (independent of the context length)
-    kv_bytes_1m: float             # at a 1,048,576-token context (bf16)
+    kv_bytes_per_token: float  # compressed entries + indexer keys, amortized per token (bf16)
+    kv_fixed_bytes: int  # window ring buffers (independent of the context length)
+    kv_bytes_1m: float  # at a 1,048,576-token context (bf16)
     kv_bytes_per_token_fp8: float  # FP8 storage: 448 e4m3 + 64 bf16 rope dims + E8M0 scales; FP4 indexer keys
     kv_bytes_1m_fp8: float
-    flops_per_token: float         # forward matmul FLOPs per token (2 x active matmul params), no attention
+    flops_per_token: float  # forward matmul FLOPs per token (2 x active matmul params), no attention
     layers: int
     layer_kinds: dict
 
@@ -60,7 +60,7 @@ def model_info(cfg: ModelConfig) -> ModelInfo:
     kinds = {"window_only": 0, "csa": 0, "hca": 0}
     per_token = per_token_fp8 = 0.0
     d, r = cfg.head_dim, cfg.rope_head_dim
-    entry_fp8 = (d - r) + 2 * r + (d - r) // 64             # e4m3 nope + bf16 rope + one E8M0 byte per 64
+    entry_fp8 = (d - r) + 2 * r + (d - r) // 64  # e4m3 nope + bf16 rope + one E8M0 byte per 64
     index_fp4 = cfg.index_head_dim // 2 + cfg.index_head_dim // 32
     for ratio in cfg.compress_ratios[: cfg.n_layers]:
         if ratio == 0:
@@ -76,11 +76,21 @@ def model_info(cfg: ModelConfig) -> ModelInfo:
     fixed_fp8 = cfg.n_layers * cfg.window_size * entry_fp8
     one_m = 1 << 20
     return ModelInfo(
-        name=cfg.name, total_params=counts["backbone"], mtp_params=counts["mtp"], active_params=active,
-        routed_expert_params=counts["routed"], embedding_params=counts["embedding"],
-        kv_bytes_per_token=per_token, kv_fixed_bytes=fixed, kv_bytes_1m=fixed + per_token * one_m,
-        kv_bytes_per_token_fp8=per_token_fp8, kv_bytes_1m_fp8=fixed_fp8 + per_token_fp8 * one_m,
-        flops_per_token=2.0 * (active - counts["embedding"] // 2), layers=cfg.n_layers, layer_kinds=kinds)
+        name=cfg.name,
+        total_params=counts["backbone"],
+        mtp_params=counts["mtp"],
+        active_params=active,
+        routed_expert_params=counts["routed"],
+        embedding_params=counts["embedding"],
+        kv_bytes_per_token=per_token,
+        kv_fixed_bytes=fixed,
+        kv_bytes_1m=fixed + per_token * one_m,
+        kv_bytes_per_token_fp8=per_token_fp8,
+        kv_bytes_1m_fp8=fixed_fp8 + per_token_fp8 * one_m,
+        flops_per_token=2.0 * (active - counts["embedding"] // 2),
+        layers=cfg.n_layers,
+        layer_kinds=kinds,
+    )
 
 
 def human(n: float, unit: str = "") -> str:
@@ -97,15 +107,25 @@ def add_memory_args(p) -> None:
     count = argtypes.positive_int
     g.add_argument("--context", type=count, default=8192, help="positions per sequence for the KV cache (default 8192)")
     g.add_argument("--batch", type=count, default=1, help="sequences served at once (default 1)")
-    g.add_argument("--chunk", type=count, default=4096,
-                   help="prefill chunk: tokens per engine step (default 4096, serve's default on a GPU)")
-    g.add_argument("--gpu-memory", default="141GB",
-                   help="memory of one GPU: 141GB, 80GB, 139.8GiB ... (GB = 10^9 bytes; default 141GB, an H200)")
+    g.add_argument(
+        "--chunk",
+        type=count,
+        default=4096,
+        help="prefill chunk: tokens per engine step (default 4096, serve's default on a GPU)",
+    )
+    g.add_argument(
+        "--gpu-memory",
+        default="141GB",
+        help="memory of one GPU: 141GB, 80GB, 139.8GiB ... (GB = 10^9 bytes; default 141GB, an H200)",
+    )
     g.add_argument("--train-seq-len", type=count, default=4096, help="training tokens per sequence (default 4096)")
     g.add_argument("--train-batch", type=count, default=1, help="training sequences per rank (default 1)")
-    g.add_argument("--measure", action="store_true",
-                   help="also measure on this CPU (fp32, reference ops): one served sequence set and one training "
-                        "step at these settings, peak of torch's allocations beside the estimate (small models)")
+    g.add_argument(
+        "--measure",
+        action="store_true",
+        help="also measure on this CPU (fp32, reference ops): one served sequence set and one training "
+        "step at these settings, peak of torch's allocations beside the estimate (small models)",
+    )
 
 
 def memory_requirements(cfg: ModelConfig, args):
@@ -121,11 +141,18 @@ def memory_requirements(cfg: ModelConfig, args):
         raise UserError(f"--gpu-memory: not a size: '{args.gpu_memory}' (e.g. 141GB, 80GB, 139.8GiB)") from None
     if gpu <= 0:
         raise UserError("--gpu-memory must be positive")
-    return requirements(cfg, context=args.context, batch=args.batch, chunk=args.chunk, gpu_memory=gpu,
-                        train_batch=args.train_batch, train_seq_len=args.train_seq_len)
+    return requirements(
+        cfg,
+        context=args.context,
+        batch=args.batch,
+        chunk=args.chunk,
+        gpu_memory=gpu,
+        train_batch=args.train_batch,
+        train_seq_len=args.train_seq_len,
+    )
 
 
-PARALLEL_WORLDS = (2, 4, 8)        # the worker counts `dsv4 info` lists (those dividing the expert count)
+PARALLEL_WORLDS = (2, 4, 8)  # the worker counts `dsv4 info` lists (those dividing the expert count)
 
 
 def parallel_serving(cfg: ModelConfig, req) -> dict:
@@ -139,11 +166,14 @@ def parallel_serving(cfg: ModelConfig, req) -> dict:
     for kept in (True, False):
         found = serving_gpus(cfg, s["gpu_memory"], keep_quantized=kept, **kw)
         out["fewest"]["kept_quantized" if kept else "dequantized"] = (
-            None if found is None else {"gpus": found[0], **found[1].to_dict()})
+            None if found is None else {"gpus": found[0], **found[1].to_dict()}
+        )
     for n in PARALLEL_WORLDS:
         if cfg.n_routed_experts % n == 0:
-            out["per_gpu"][n] = {"kept_quantized": rank_bytes(cfg, n, keep_quantized=True, **kw).total,
-                                 "dequantized": rank_bytes(cfg, n, keep_quantized=False, **kw).total}
+            out["per_gpu"][n] = {
+                "kept_quantized": rank_bytes(cfg, n, keep_quantized=True, **kw).total,
+                "dequantized": rank_bytes(cfg, n, keep_quantized=False, **kw).total,
+            }
     return out
 
 
@@ -154,13 +184,17 @@ def format_parallel(par: dict, gpu_memory: int) -> list[str]:
         f = par["fewest"][key]
         if f is None:
             return f"{what}: does not fit"
-        return (f"{what} {_gpus(f['gpus'])} ({_gb(f['total'])} per GPU: {_gb(f['weights'] - f['experts'])} "
-                f"replicated weights + {_gb(f['experts'])} of routed experts, {_gb(f['cache'])} KV cache, "
-                f"{_gb(f['activations'])} activations)")
+        return (
+            f"{what} {_gpus(f['gpus'])} ({_gb(f['total'])} per GPU: {_gb(f['weights'] - f['experts'])} "
+            f"replicated weights + {_gb(f['experts'])} of routed experts, {_gb(f['cache'])} KV cache, "
+            f"{_gb(f['activations'])} activations)"
+        )
 
-    lines = [f"    serving on N GPUs ({par['flags']}: the routed experts split over the N workers, everything else "
-             f"and the KV cache on each): {fewest('kept_quantized', 'kept quantized')}, "
-             f"{fewest('dequantized', 'dequantized')} of {gpu}"]
+    lines = [
+        f"    serving on N GPUs ({par['flags']}: the routed experts split over the N workers, everything else "
+        f"and the KV cache on each): {fewest('kept_quantized', 'kept quantized')}, "
+        f"{fewest('dequantized', 'dequantized')} of {gpu}"
+    ]
     if par["per_gpu"]:
         ns = " / ".join(str(n) for n in par["per_gpu"])
         kept = " / ".join(_gb(v["kept_quantized"]).removesuffix(" GB") for v in par["per_gpu"].values())
@@ -229,8 +263,10 @@ def measure_memory(cfg: ModelConfig, args, model_dir=None) -> list[dict]:
 
     est_weights = mem.weight_bytes(cfg, torch.float32).dequantized
     if est_weights > 4e9:
-        raise UserError(f"--measure runs the model on this CPU: {cfg.name} has {_gb(est_weights)} of fp32 weights; "
-                        "measure tiny, small or a small checkpoint")
+        raise UserError(
+            f"--measure runs the model on this CPU: {cfg.name} has {_gb(est_weights)} of fp32 weights; "
+            "measure tiny, small or a small checkpoint"
+        )
     if model_dir is not None:
         from .checkpoint import load_pretrained
 
@@ -241,10 +277,18 @@ def measure_memory(cfg: ModelConfig, args, model_dir=None) -> list[dict]:
         model = DeepSeekV4.from_config(cfg, dtype=torch.float32).eval()
     ctx, b, chunk = args.context, args.batch, args.chunk
     inf = mem.measure_inference(model, ctx, b, chunk)
-    est = (est_weights + mem.cache_bytes(cfg, ctx, b, 4, max_batch_tokens=chunk * b, prefix_caching=False).total
-           + mem.activation_bytes(cfg, chunk * b, ctx, 4, logits_rows=b))
-    rows = [{"what": f"serving {b} x {ctx} (prefill chunks of {chunk}, 2 decode steps)", "measured": inf["peak"],
-             "estimated": est}]
+    est = (
+        est_weights
+        + mem.cache_bytes(cfg, ctx, b, 4, max_batch_tokens=chunk * b, prefix_caching=False).total
+        + mem.activation_bytes(cfg, chunk * b, ctx, 4, logits_rows=b)
+    )
+    rows = [
+        {
+            "what": f"serving {b} x {ctx} (prefill chunks of {chunk}, 2 decode steps)",
+            "measured": inf["peak"],
+            "estimated": est,
+        }
+    ]
     st = mem.train_state_bytes(cfg)
     state = st.weights + st.grads + st.optimizer
     for ckpt in (False, True):
@@ -252,12 +296,19 @@ def measure_memory(cfg: ModelConfig, args, model_dir=None) -> list[dict]:
         m = mem.measure_training(cfg, args.train_batch, args.train_seq_len, ckpt, 1e-4)
         e = state + mem.train_activation_bytes(cfg, args.train_batch, args.train_seq_len, ckpt, 4)
         what = "with checkpointing" if ckpt else "without checkpointing"
-        rows.append({"what": f"one training step {args.train_batch} x {args.train_seq_len} {what}",
-                     "measured": m["peak"], "estimated": e})
+        rows.append(
+            {
+                "what": f"one training step {args.train_batch} x {args.train_seq_len} {what}",
+                "measured": m["peak"],
+                "estimated": e,
+            }
+        )
     return rows
 
 
 def format_measured(rows: list[dict]) -> list[str]:
     return ["  measured on this CPU (fp32, reference ops; peak of torch's allocations):"] + [
         f"    {r['what']}: {_gb(r['measured'])} measured, {_gb(r['estimated'])} estimated "
-        f"({r['estimated'] / r['measured'] - 1:+.0%})" for r in rows]
+        f"({r['estimated'] / r['measured'] - 1:+.0%})"
+        for r in rows
+    ]

@@ -39,14 +39,18 @@ def speculative_problem(cfg, k: int, threshold: float = 0.0) -> str | None:
         return None
     if cfg.dspark:
         if k > cfg.dspark_block_size:
-            return (f"--speculative {k}: this model's DSpark draft proposes blocks of {cfg.dspark_block_size} "
-                    f"tokens, so at most {cfg.dspark_block_size} drafts can be verified per step")
+            return (
+                f"--speculative {k}: this model's DSpark draft proposes blocks of {cfg.dspark_block_size} "
+                f"tokens, so at most {cfg.dspark_block_size} drafts can be verified per step"
+            )
         return None
     if cfg.n_mtp_layers < 1:
         return "--speculative drafts with the model's MTP block, and this model has none"
     if threshold:
-        return ("--speculative-threshold applies to a DSpark draft's confidence head; this model drafts with "
-                "an MTP block, which has none")
+        return (
+            "--speculative-threshold applies to a DSpark draft's confidence head; this model drafts with "
+            "an MTP block, which has none"
+        )
     return None
 
 
@@ -62,6 +66,7 @@ class ModelSource:
     random weights), `model` (a checkpoint directory or Hub id); none of them = the shipped model (or
     `default_preset` of `resolve_config` / `load_model`). The rest applies where it can: `no_mtp` (leave
     the draft out), `quant_mode`, `keep_quantized`, `device` / `dtype` (names, "auto" or None)."""
+
     preset: str | None = None
     config: str | None = None
     model: str | None = None
@@ -78,11 +83,17 @@ class ModelSource:
         if isinstance(args, ModelSource):
             return args
         get = vars(args).get
-        return cls(preset=get("preset"), config=None if get("config") is None else str(get("config")),
-                   model=None if get("model") is None else str(get("model")), no_mtp=bool(get("no_mtp")),
-                   quant_mode=get("quant_mode"), keep_quantized=bool(get("keep_quantized")),
-                   device=None if get("device") is None else str(get("device")), dtype=get("dtype"),
-                   seed=get("seed") or 0)
+        return cls(
+            preset=get("preset"),
+            config=None if get("config") is None else str(get("config")),
+            model=None if get("model") is None else str(get("model")),
+            no_mtp=bool(get("no_mtp")),
+            quant_mode=get("quant_mode"),
+            keep_quantized=bool(get("keep_quantized")),
+            device=None if get("device") is None else str(get("device")),
+            dtype=get("dtype"),
+            seed=get("seed") or 0,
+        )
 
 
 def resolve_config(args: argparse.Namespace | ModelSource, default_preset: str | None = None):
@@ -105,7 +116,7 @@ def resolve_config(args: argparse.Namespace | ModelSource, default_preset: str |
             cfg = config_from_json(path / "config.json")
             if src.no_mtp:
                 cfg = without_mtp(cfg)
-            return cfg if path == Path(src.model) else cfg.replace(name=src.model)   # a Hub id, not a hash
+            return cfg if path == Path(src.model) else cfg.replace(name=src.model)  # a Hub id, not a hash
         if default_preset:
             return ModelConfig.preset(default_preset)
         shipped = default_model_dir()
@@ -118,8 +129,9 @@ def resolve_config(args: argparse.Namespace | ModelSource, default_preset: str |
         raise UserError(str(e)) from None
 
 
-def load_model(args: argparse.Namespace | ModelSource, default_preset: str | None = None, rank: int = 0,
-               world_size: int = 1):
+def load_model(
+    args: argparse.Namespace | ModelSource, default_preset: str | None = None, rank: int = 0, world_size: int = 1
+):
     """(model, tokenizer or None, description) from a `ModelSource` (or the namespace of a command's model
     options): a preset or config with random weights, a checkpoint, or the shipped model.
 
@@ -133,7 +145,7 @@ def load_model(args: argparse.Namespace | ModelSource, default_preset: str | Non
     dtype = defaults.resolve_dtype(src.dtype, device)
     if src.preset or src.config or (default_preset and not src.model):
         cfg = resolve_config(src, default_preset)
-        if src.quant_mode == "int8":            # random weights requantized like a checkpoint's
+        if src.quant_mode == "int8":  # random weights requantized like a checkpoint's
             cfg = cfg.replace(quant_mode="int8")
         model = DeepSeekV4.from_config(cfg, seed=src.seed, dtype=dtype, device=device)
         return model.eval(), None, f"{cfg.name} (random weights)"
@@ -143,11 +155,18 @@ def load_model(args: argparse.Namespace | ModelSource, default_preset: str | Non
     from .checkpoint import load_pretrained
     from .checkpoint.hub import resolve_model_path
 
-    path = resolve_model_path(path)         # a Hub id becomes its snapshot in the Hugging Face cache
+    path = resolve_model_path(path)  # a Hub id becomes its snapshot in the Hugging Face cache
 
-    model = load_pretrained(path, dtype=dtype, device=device, quant_mode=src.quant_mode,
-                            keep_quantized=src.keep_quantized, mtp=not src.no_mtp, rank=rank,
-                            world_size=world_size).eval()
+    model = load_pretrained(
+        path,
+        dtype=dtype,
+        device=device,
+        quant_mode=src.quant_mode,
+        keep_quantized=src.keep_quantized,
+        mtp=not src.no_mtp,
+        rank=rank,
+        world_size=world_size,
+    ).eval()
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from .train.tokenizer import Tokenizer

@@ -54,11 +54,11 @@ USABLE_FRACTION = 0.92
 # ------------------------------------------------------------------------------------------ weights
 @dataclass
 class WeightBytes:
-    params: int                 # parameters (backbone + MTP)
-    dequantized: int            # in memory, every float weight in the compute dtype (fp32-by-design kept)
-    kept_quantized: int         # in memory with keep_quantized: FP8 / FP4 weights as stored
-    stored: int                 # on disk in the release layout (config's dtype / expert_dtype)
-    by_format: dict             # stored bytes by safetensors dtype
+    params: int  # parameters (backbone + MTP)
+    dequantized: int  # in memory, every float weight in the compute dtype (fp32-by-design kept)
+    kept_quantized: int  # in memory with keep_quantized: FP8 / FP4 weights as stored
+    stored: int  # on disk in the release layout (config's dtype / expert_dtype)
+    by_format: dict  # stored bytes by safetensors dtype
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> WeightBytes:
@@ -89,14 +89,15 @@ _ST_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1,
 # ------------------------------------------------------------------------------------------ KV cache
 @dataclass
 class CacheBytes:
-    total: int                  # what Engine allocates for max_seqs x max_model_len
-    per_token: float            # marginal bytes per cached position of one sequence (compressed entries,
-                                # indexer keys, page tails)
-    per_sequence_fixed: int     # window pages and compressor rings of one running sequence
+    total: int  # what Engine allocates for max_seqs x max_model_len
+    per_token: float  # marginal bytes per cached position of one sequence (compressed entries,
+    # indexer keys, page tails)
+    per_sequence_fixed: int  # window pages and compressor rings of one running sequence
 
 
-def engine_cache_layout(cfg: ModelConfig, max_seqs: int, max_model_len: int, max_batch_tokens: int = 4096,
-                        prefix_caching: bool = True):
+def engine_cache_layout(
+    cfg: ModelConfig, max_seqs: int, max_model_len: int, max_batch_tokens: int = 4096, prefix_caching: bool = True
+):
     """The CacheLayout `Engine` builds from these settings (its defaults: page size, pages per sequence)."""
     from .model.paged import CacheLayout, default_page_size
 
@@ -123,16 +124,21 @@ def layout_bytes(cfg: ModelConfig, layout, dtype_bytes: int) -> int:
             widths.append(2 * cfg.index_head_dim)
             tails.append(layout.page_tails)
         for width, tail in zip(widths, tails):
-            total += 2 * (RING_BASE + layout.n_states * layout.ring_len(ratio)) * width * 4   # kv + score, fp32
+            total += 2 * (RING_BASE + layout.n_states * layout.ring_len(ratio)) * width * 4  # kv + score, fp32
             if tail:
                 total += 2 * layout.n_comp_pages * ratio * width * 4
     return total
 
 
-def cache_bytes(cfg: ModelConfig, context: int, batch: int, dtype_bytes: int = 2, max_batch_tokens: int = 4096,
-                prefix_caching: bool = True) -> CacheBytes:
-    total = layout_bytes(cfg, engine_cache_layout(cfg, batch, context, max_batch_tokens, prefix_caching),
-                         dtype_bytes)
+def cache_bytes(
+    cfg: ModelConfig,
+    context: int,
+    batch: int,
+    dtype_bytes: int = 2,
+    max_batch_tokens: int = 4096,
+    prefix_caching: bool = True,
+) -> CacheBytes:
+    total = layout_bytes(cfg, engine_cache_layout(cfg, batch, context, max_batch_tokens, prefix_caching), dtype_bytes)
     one = layout_bytes(cfg, engine_cache_layout(cfg, 1, context, max_batch_tokens, prefix_caching), dtype_bytes)
     two = layout_bytes(cfg, engine_cache_layout(cfg, 1, 2 * context, max_batch_tokens, prefix_caching), dtype_bytes)
     per_token = (two - one) / context
@@ -140,7 +146,7 @@ def cache_bytes(cfg: ModelConfig, context: int, batch: int, dtype_bytes: int = 2
 
 
 # ------------------------------------------------------------------------------------------ activations
-FUSED_INDEXER_ENTRIES = 64 * 2**20   # the Triton indexer scores at most this many [rows, entries] at a time
+FUSED_INDEXER_ENTRIES = 64 * 2**20  # the Triton indexer scores at most this many [rows, entries] at a time
 
 
 def _layer_step_bytes(cfg: ModelConfig, ratio: int, T: int, context: int, a: int, fused: bool = False) -> int:
@@ -156,39 +162,50 @@ def _layer_parts(cfg: ModelConfig, ratio: int, T: int, context: int, a: int, fus
     [T, heads, entries] products exist in memory. fused=True: the Triton kernels (CUDA), which keep scores
     in registers and score the indexer in bounded chunks (fp32 scores, then a sort: values + int64 ids)."""
     D, H, d = cfg.dim, cfg.n_heads, cfg.head_dim
-    keys = min(cfg.window_size, context) + (min(cfg.index_topk, context // 4) if ratio == 4
-                                            else context // ratio if ratio else 0)
-    attn = T * (cfg.q_lora_rank + 3 * H * d) * a        # qr, q, o and its inverse-rope copy
+    keys = min(cfg.window_size, context) + (
+        min(cfg.index_topk, context // 4) if ratio == 4 else context // ratio if ratio else 0
+    )
+    attn = T * (cfg.q_lora_rank + 3 * H * d) * a  # qr, q, o and its inverse-rope copy
     if fused:
-        attn += T * H * 4 + T * keys * 8                # lse; the key index list (int64)
+        attn += T * H * 4 + T * keys * 8  # lse; the key index list (int64)
     else:
-        attn += T * keys * d * 4 + 3 * T * H * (keys + 1) * 4   # gathered keys; scores + sink, probabilities
+        attn += T * keys * d * 4 + 3 * T * H * (keys + 1) * 4  # gathered keys; scores + sink, probabilities
     if ratio == 4:
         entries = context // 4
         attn += T * cfg.index_n_heads * cfg.index_head_dim * a
         if fused:
             attn += min(T * entries, FUSED_INDEXER_ENTRIES) * (4 + 4 + 8)
-        else:                                           # relu(q . k) [T, heads, entries] and its weighted copy
+        else:  # relu(q . k) [T, heads, entries] and its weighted copy
             attn += 2 * T * cfg.index_n_heads * entries * 4
     k, inter = cfg.n_activated_experts, cfg.moe_inter_dim
-    moe = (T * cfg.n_routed_experts * 4                 # router scores
-           + T * D * 4                                  # routed output (fp32)
-           + 4 * T * k * inter * a // max(1, min(k, cfg.n_routed_experts))   # one expert's tokens at a time
-           + 3 * T * inter * a * cfg.n_shared_experts)  # shared expert
+    moe = (
+        T * cfg.n_routed_experts * 4  # router scores
+        + T * D * 4  # routed output (fp32)
+        + 4 * T * k * inter * a // max(1, min(k, cfg.n_routed_experts))  # one expert's tokens at a time
+        + 3 * T * inter * a * cfg.n_shared_experts
+    )  # shared expert
     return attn, moe
 
 
-def activation_bytes(cfg: ModelConfig, tokens: int, context: int, dtype_bytes: int = 2, logits_rows: int = 1,
-                     fused: bool = False) -> int:
+def activation_bytes(
+    cfg: ModelConfig, tokens: int, context: int, dtype_bytes: int = 2, logits_rows: int = 1, fused: bool = False
+) -> int:
     """Peak activation bytes of one inference step of `tokens` tokens (a prefill chunk, or a decode batch)."""
     T, a = tokens, dtype_bytes
-    streams = 3 * T * cfg.hc_mult * cfg.dim * a + T * cfg.hc_mult * cfg.dim * 4    # in, out, residual; fp32 mix
+    streams = 3 * T * cfg.hc_mult * cfg.dim * a + T * cfg.hc_mult * cfg.dim * 4  # in, out, residual; fp32 mix
     layer = max(_layer_step_bytes(cfg, r, T, context, a, fused) for r in cfg.compress_ratios[: cfg.n_layers])
     return streams + layer + logits_rows * cfg.vocab_size * 4
 
 
-def train_activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False,
-                           dtype_bytes: int = 2, mtp: bool = True, fused: bool = False) -> int:
+def train_activation_bytes(
+    cfg: ModelConfig,
+    batch: int,
+    seq_len: int,
+    checkpointing: bool = False,
+    dtype_bytes: int = 2,
+    mtp: bool = True,
+    fused: bool = False,
+) -> int:
     """Activation bytes at a training step's peak. fused=True: the GPU path (bf16 autocast, the Triton
     kernels), the sum of `train_activation_terms`. fused=False: the reference ops (a CPU, fp32): what the
     forward saved, plus the backward's working set for one layer (each fp32 attention tensor it saved gets a
@@ -207,20 +224,22 @@ def train_activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpoin
         # a layer's intermediates: streams and mHC mixes, the attention's and the MoE's (both kept for the
         # backward; the sequence is its own context), the LoRA / output projections and each routed token's
         # expert input and hidden
-        return (4 * stream + sum(_layer_parts(cfg, ratio, seq_len, seq_len, a)) * batch
-                + T * (cfg.q_lora_rank + cfg.o_groups * cfg.o_lora_rank + 2 * cfg.dim) * a
-                + T * cfg.n_activated_experts * (cfg.dim + 3 * cfg.moe_inter_dim) * a)
+        return (
+            4 * stream
+            + sum(_layer_parts(cfg, ratio, seq_len, seq_len, a)) * batch
+            + T * (cfg.q_lora_rank + cfg.o_groups * cfg.o_lora_rank + 2 * cfg.dim) * a
+            + T * cfg.n_activated_experts * (cfg.dim + 3 * cfg.moe_inter_dim) * a
+        )
 
     ratios = list(cfg.compress_ratios[:L])
-    logits = T * cfg.vocab_size * 4 * 2 * (1 + (cfg.n_mtp_layers if mtp else 0))   # logits + log-softmax
+    logits = T * cfg.vocab_size * 4 * 2 * (1 + (cfg.n_mtp_layers if mtp else 0))  # logits + log-softmax
     backward = max(transient(r) for r in ratios)
     if checkpointing:
         return L * stream + max(saved(r) for r in ratios) + backward + logits
     return sum(saved(r) for r in ratios) + backward + logits
 
 
-def train_layer_saved(cfg: ModelConfig, ratio: int, batch: int, seq_len: int, dtype_bytes: int = 2
-                      ) -> dict[str, int]:
+def train_layer_saved(cfg: ModelConfig, ratio: int, batch: int, seq_len: int, dtype_bytes: int = 2) -> dict[str, int]:
     """Bytes one block saves for its backward on the GPU path (bf16 autocast, fp32 master weights, the
     Triton kernels), by what saves them. Per token unless said otherwise; a = the compute dtype's bytes.
 
@@ -251,8 +270,15 @@ def train_layer_saved(cfg: ModelConfig, ratio: int, batch: int, seq_len: int, dt
     """
     b, s, a = batch, seq_len, dtype_bytes
     T = b * s
-    D, H, d, hc, E, k, inter = (cfg.dim, cfg.n_heads, cfg.head_dim, cfg.hc_mult, cfg.n_routed_experts,
-                                cfg.n_activated_experts, cfg.moe_inter_dim)
+    D, H, d, hc, E, k, inter = (
+        cfg.dim,
+        cfg.n_heads,
+        cfg.head_dim,
+        cfg.hc_mult,
+        cfg.n_routed_experts,
+        cfg.n_activated_experts,
+        cfg.moe_inter_dim,
+    )
     w = min(cfg.window_size, s)
     n = s // ratio if ratio else 0
     mhc = 2 * T * (hc * D * a + ((2 + hc) * hc + 1 + hc + hc * hc) * 4 + 2 * D * a)
@@ -261,27 +287,34 @@ def train_layer_saved(cfg: ModelConfig, ratio: int, batch: int, seq_len: int, dt
     else:
         picked = n
     idx = T * (w + picked) * 8 if ratio else s * w * 8
-    attn = (T * (D + 2 * cfg.q_lora_rank + 2 * H * d + d) * a
-            + b * (s + n) * d * a
-            + T * (2 * H * d * a + H * 4) + idx
-            + T * (H * d + cfg.o_groups * cfg.o_lora_rank) * a)
+    attn = (
+        T * (D + 2 * cfg.q_lora_rank + 2 * H * d + d) * a
+        + b * (s + n) * d * a
+        + T * (2 * H * d * a + H * 4)
+        + idx
+        + T * (H * d + cfg.o_groups * cfg.o_lora_rank) * a
+    )
     coff = 2 if ratio == 4 else 1
     comp = b * n * d * a + T * 2 * coff * d * 4 if ratio else 0
     indexer = 0
     if ratio == 4:
         comp += b * n * cfg.index_head_dim * a + T * 2 * 2 * cfg.index_head_dim * 4
-        indexer = (T * (cfg.index_n_heads * cfg.index_head_dim * a + cfg.index_n_heads * 4 + picked * (8 + 4 + 3))
-                   + T * n * 4)
+        indexer = (
+            T * (cfg.index_n_heads * cfg.index_head_dim * a + cfg.index_n_heads * 4 + picked * (8 + 4 + 3)) + T * n * 4
+        )
     router = T * (2 * E * 4 + k * (8 + 4) + 8)
-    swiglu = (5 if cfg.swiglu_limit > 0 else 3) * inter * 4     # + the product the routing weight scales
-    moe = (T * D * a + T * k * (D * a + swiglu + inter * 4 + inter * a + 8 + 8 + 4)
-           + T * cfg.n_shared_experts * (swiglu + inter * a))
-    return {"mhc": mhc, "attention": attn, "compressors": comp, "indexer": indexer, "router": router,
-            "moe": moe}
+    swiglu = (5 if cfg.swiglu_limit > 0 else 3) * inter * 4  # + the product the routing weight scales
+    moe = (
+        T * D * a
+        + T * k * (D * a + swiglu + inter * 4 + inter * a + 8 + 8 + 4)
+        + T * cfg.n_shared_experts * (swiglu + inter * a)
+    )
+    return {"mhc": mhc, "attention": attn, "compressors": comp, "indexer": indexer, "router": router, "moe": moe}
 
 
-def train_activation_terms(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False,
-                           dtype_bytes: int = 2, mtp: bool = True) -> dict[str, int]:
+def train_activation_terms(
+    cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False, dtype_bytes: int = 2, mtp: bool = True
+) -> dict[str, int]:
     """What is alive at a GPU training step's peak besides the weights, gradients and optimizer state (and
     the bf16 weight copies, `TrainState.copies`), by name. The peak is early in the backward, in the
     first head's projection backward (the last MTP head's, or the main head's without MTP):
@@ -313,17 +346,17 @@ def train_activation_terms(cfg: ModelConfig, batch: int, seq_len: int, checkpoin
 # ------------------------------------------------------------------------------------------ training state
 @dataclass
 class TrainState:
-    weights: int                # fp32 master weights
-    grads: int                  # fp32
-    optimizer: int              # Muon momentum + AdamW moments, fp32
-    expert_share: float         # fraction of the three above in routed experts (expert parallelism splits it)
-    largest_block: int          # fp32 bytes of the largest block (what FSDP gathers to run it)
-    dense_copies: int = 0       # bf16 copies of the weights bf16 autocast casts (every `Linear` computed in
-                                # bf16): kept in autocast's cache for the whole forward and saved for the
-                                # backward by the matmuls, on every rank (FSDP2 gathers them whole)
-    expert_copies: int = 0      # the routed experts' bf16 copies (`Experts.forward` casts them each step,
-                                # `_GroupedMM` saves them): split over the expert-parallel ranks
-    expert_copies_block: int = 0   # the largest block's share of expert_copies
+    weights: int  # fp32 master weights
+    grads: int  # fp32
+    optimizer: int  # Muon momentum + AdamW moments, fp32
+    expert_share: float  # fraction of the three above in routed experts (expert parallelism splits it)
+    largest_block: int  # fp32 bytes of the largest block (what FSDP gathers to run it)
+    dense_copies: int = 0  # bf16 copies of the weights bf16 autocast casts (every `Linear` computed in
+    # bf16): kept in autocast's cache for the whole forward and saved for the
+    # backward by the matmuls, on every rank (FSDP2 gathers them whole)
+    expert_copies: int = 0  # the routed experts' bf16 copies (`Experts.forward` casts them each step,
+    # `_GroupedMM` saves them): split over the expert-parallel ranks
+    expert_copies_block: int = 0  # the largest block's share of expert_copies
 
     def copies(self, world: int = 1, checkpointing: bool = False) -> int:
         """bf16 weight copies alive at the training peak on one of `world` ranks. With checkpointing the
@@ -347,25 +380,27 @@ def train_state_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> 
         if ".experts.w" in name:
             experts += n * (1 + 1 + 1)
     blocks = [*model.layers, *model.mtp]
-    dense_block = max(sum(p.numel() * 4 for n, p in b.named_parameters() if ".experts.w" not in f".{n}")
-                      for b in blocks)
+    dense_block = max(
+        sum(p.numel() * 4 for n, p in b.named_parameters() if ".experts.w" not in f".{n}") for b in blocks
+    )
     # which weights autocast casts: those a bf16 model holds in bf16 and runs through F.linear / einsum
     # (`Linear`; the compressors' fp32 projections, the router and the head go through linear_fp32)
     low = torch.finfo(dtype).bits // 8
     ref = DeepSeekV4(cfg, dtype=dtype, device="meta")
     dense = sum(m.weight.numel() for m in ref.modules() if isinstance(m, Linear) and m.weight.dtype == dtype)
-    per_block = [sum(p.numel() for n, p in b.named_parameters() if ".experts.w" in f".{n}") for b in
-                 [*ref.layers, *ref.mtp]]
-    return TrainState(w, w, opt, experts / (w + w + opt), dense_block, dense * low, sum(per_block) * low,
-                      max(per_block) * low)
+    per_block = [
+        sum(p.numel() for n, p in b.named_parameters() if ".experts.w" in f".{n}") for b in [*ref.layers, *ref.mtp]
+    ]
+    return TrainState(
+        w, w, opt, experts / (w + w + opt), dense_block, dense * low, sum(per_block) * low, max(per_block) * low
+    )
 
 
 # ------------------------------------------------------------------------------------------ GPU counts
 def parse_size(text: str) -> int:
     """'141GB' / '80GiB' / '24G' / a number of bytes -> bytes (GB = 10^9, GiB = 2^30, G = 10^9)."""
     t = text.strip().upper().replace(" ", "")
-    for suffix, mult in (("GIB", GIB), ("GB", GB), ("G", GB), ("MIB", 2**20), ("MB", 10**6), ("TB", 10**12),
-                         ("B", 1)):
+    for suffix, mult in (("GIB", GIB), ("GB", GB), ("G", GB), ("MIB", 2**20), ("MB", 10**6), ("TB", 10**12), ("B", 1)):
         if t.endswith(suffix):
             return int(float(t[: -len(suffix)]) * mult)
     return int(float(t))
@@ -376,8 +411,14 @@ def inference_gpus(need: int, gpu_bytes: int) -> int:
     return max(1, math.ceil(need / (gpu_bytes * USABLE_FRACTION)))
 
 
-def training_gpus(cfg: ModelConfig, state: TrainState, activations: int, gpu_bytes: int,
-                  max_world: int = 4096, checkpointing: bool = False) -> int | None:
+def training_gpus(
+    cfg: ModelConfig,
+    state: TrainState,
+    activations: int,
+    gpu_bytes: int,
+    max_world: int = 4096,
+    checkpointing: bool = False,
+) -> int | None:
     """The fewest ranks W (dividing the expert count) for which FSDP2 + expert parallelism fits each GPU:
     a 1/W share of the fp32 state, the bf16 weight copies (`TrainState.copies`), the activations, and
     one gathered block beyond the own shard."""
@@ -385,8 +426,9 @@ def training_gpus(cfg: ModelConfig, state: TrainState, activations: int, gpu_byt
     for world in range(1, max_world + 1):
         if cfg.n_routed_experts % world:
             continue
-        per_rank = (total / world + state.copies(world, checkpointing) + activations
-                    + (state.largest_block if world > 1 else 0))
+        per_rank = (
+            total / world + state.copies(world, checkpointing) + activations + (state.largest_block if world > 1 else 0)
+        )
         if per_rank <= gpu_bytes * USABLE_FRACTION:
             return world
     return None
@@ -402,6 +444,7 @@ def training_gpus(cfg: ModelConfig, state: TrainState, activations: int, gpu_byt
 #   the expert exchange (every worker's tokens gathered, the partial outputs and the rows sent back: fp32),
 #   and in the ordered (bit-exact) combine each token's k slots as rows.
 
+
 def expert_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
     """(dequantized, kept quantized) bytes of all routed experts (every layer, MTP included): in the compute
     dtype, and as the release layout stores them (data + block scales; float experts in bf16)."""
@@ -416,7 +459,7 @@ def expert_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> tuple
         if ".ffn.experts." not in name:
             continue
         quantized = dt in ("F8_E4M3", "I8") or name.endswith(".scale")
-        kept += math.prod(shape) * (_ST_BYTES[dt] if quantized else a)       # float experts: loaded in dtype
+        kept += math.prod(shape) * (_ST_BYTES[dt] if quantized else a)  # float experts: loaded in dtype
     return deq, kept
 
 
@@ -424,11 +467,11 @@ def expert_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> tuple
 class RankMemory:
     world_size: int
     attention: str
-    weights: int                # this worker's weights (kept quantized or dequantized, as asked)
-    experts: int                # of which its routed experts
+    weights: int  # this worker's weights (kept quantized or dequantized, as asked)
+    experts: int  # of which its routed experts
     cache: int
     activations: int
-    exchange: int               # of which the expert exchange's buffers
+    exchange: int  # of which the expert exchange's buffers
 
     @property
     def total(self) -> int:
@@ -438,9 +481,20 @@ class RankMemory:
         return {**asdict(self), "total": self.total}
 
 
-def rank_bytes(cfg: ModelConfig, world: int, *, context: int, batch: int, chunk: int,
-               dtype: torch.dtype = torch.bfloat16, keep_quantized: bool = True, attention: str = "replicated",
-               fused: bool = True, ordered: bool = False, prefix_caching: bool = True) -> RankMemory:
+def rank_bytes(
+    cfg: ModelConfig,
+    world: int,
+    *,
+    context: int,
+    batch: int,
+    chunk: int,
+    dtype: torch.dtype = torch.bfloat16,
+    keep_quantized: bool = True,
+    attention: str = "replicated",
+    fused: bool = True,
+    ordered: bool = False,
+    prefix_caching: bool = True,
+) -> RankMemory:
     """One worker's memory serving `batch` sequences of `context` positions in prefill chunks of `chunk`
     tokens on `world` workers (experts split by expert: `world` must divide the expert count)."""
     if cfg.n_routed_experts % world:
@@ -454,28 +508,45 @@ def rank_bytes(cfg: ModelConfig, world: int, *, context: int, batch: int, chunk:
     cache = cache_bytes(cfg, context, seqs, a, max_batch_tokens=chunk, prefix_caching=prefix_caching).total
     T, k, D = chunk, cfg.n_activated_experts, cfg.dim
     if attention == "replicated":
-        exchange = T * k * D * (a + 4 + 4) if ordered else 0         # slot rows, per-slot outputs, sorted copy
+        exchange = T * k * D * (a + 4 + 4) if ordered else 0  # slot rows, per-slot outputs, sorted copy
     else:
         # every worker's tokens gathered (x, fp32 weights, int64 ids; padded to the largest count), the
         # fp32 partial outputs of them all and the rows sent back (per slot in the ordered combine)
         out = 4 * D * (k if ordered else 1)
         exchange = world * T * (D * a + k * 12) + 2 * world * T * out
         if ordered:
-            exchange += world * T * k * D * (a + 4)                    # slot rows and the sorted copy
+            exchange += world * T * k * D * (a + 4)  # slot rows and the sorted copy
     act = activation_bytes(cfg, chunk, context, a, logits_rows=seqs, fused=fused) + exchange
     return RankMemory(world, attention, total - experts + share, share, cache, act, exchange)
 
 
-def serving_gpus(cfg: ModelConfig, gpu_bytes: int, *, context: int, batch: int, chunk: int,
-                 dtype: torch.dtype = torch.bfloat16, keep_quantized: bool = True, attention: str = "replicated",
-                 max_world: int = 64) -> tuple[int, RankMemory] | None:
+def serving_gpus(
+    cfg: ModelConfig,
+    gpu_bytes: int,
+    *,
+    context: int,
+    batch: int,
+    chunk: int,
+    dtype: torch.dtype = torch.bfloat16,
+    keep_quantized: bool = True,
+    attention: str = "replicated",
+    max_world: int = 64,
+) -> tuple[int, RankMemory] | None:
     """The fewest workers (dividing the expert count) whose per-worker memory fits one GPU of `gpu_bytes`
     (USABLE_FRACTION of it), and that memory; None when no count up to max_world fits."""
     for world in range(1, max_world + 1):
         if cfg.n_routed_experts % world:
             continue
-        r = rank_bytes(cfg, world, context=context, batch=batch, chunk=chunk, dtype=dtype,
-                       keep_quantized=keep_quantized, attention=attention)
+        r = rank_bytes(
+            cfg,
+            world,
+            context=context,
+            batch=batch,
+            chunk=chunk,
+            dtype=dtype,
+            keep_quantized=keep_quantized,
+            attention=attention,
+        )
         if r.total <= gpu_bytes * USABLE_FRACTION:
             return world, r
     return None
@@ -485,30 +556,38 @@ def serving_gpus(cfg: ModelConfig, gpu_bytes: int, *, context: int, batch: int, 
 @dataclass
 class Requirements:
     weights: WeightBytes
-    cache: CacheBytes           # as `dsv4 serve` allocates it (prefix caching on)
+    cache: CacheBytes  # as `dsv4 serve` allocates it (prefix caching on)
     cache_no_prefix: CacheBytes  # with --no-prefix-caching (no fp32 raw tail per compressed page)
-    activation_peak: int        # one prefill chunk, reference ops (a CPU)
+    activation_peak: int  # one prefill chunk, reference ops (a CPU)
     activation_peak_fused: int  # the same with the fused CUDA kernels
-    inference_total: int        # on a GPU: weights dequantized + cache + fused activation peak
-    inference_total_quantized: int   # the same with keep_quantized weights
-    inference_gpus: int         # GPUs that would hold inference_total (dsv4 serves on one)
+    inference_total: int  # on a GPU: weights dequantized + cache + fused activation peak
+    inference_total_quantized: int  # the same with keep_quantized weights
+    inference_gpus: int  # GPUs that would hold inference_total (dsv4 serves on one)
     inference_gpus_quantized: int
     train: TrainState
-    train_activations: int      # per rank, fused kernels, no checkpointing (sum of train_terms)
+    train_activations: int  # per rank, fused kernels, no checkpointing (sum of train_terms)
     train_activations_ckpt: int
-    train_gpus: int | None      # fewest FSDP2 + expert-parallel ranks (None: does not fit at any count)
+    train_gpus: int | None  # fewest FSDP2 + expert-parallel ranks (None: does not fit at any count)
     train_gpus_ckpt: int | None
     settings: dict
-    train_terms: dict | None = None        # train_activation_terms without / with checkpointing
+    train_terms: dict | None = None  # train_activation_terms without / with checkpointing
     train_terms_ckpt: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def requirements(cfg: ModelConfig, *, context: int = 8192, batch: int = 1, chunk: int = 4096,
-                 gpu_memory: int = 141 * GB, dtype: torch.dtype = torch.bfloat16, train_batch: int = 1,
-                 train_seq_len: int = 4096) -> Requirements:
+def requirements(
+    cfg: ModelConfig,
+    *,
+    context: int = 8192,
+    batch: int = 1,
+    chunk: int = 4096,
+    gpu_memory: int = 141 * GB,
+    dtype: torch.dtype = torch.bfloat16,
+    train_batch: int = 1,
+    train_seq_len: int = 4096,
+) -> Requirements:
     """Everything `dsv4 info` reports about memory, for serving `batch` sequences of `context` positions in
     prefill chunks of `chunk` tokens, and training `train_batch` x `train_seq_len` tokens per rank."""
     a = torch.finfo(dtype).bits // 8
@@ -523,12 +602,33 @@ def requirements(cfg: ModelConfig, *, context: int = 8192, batch: int = 1, chunk
     terms_ckpt = train_activation_terms(cfg, train_batch, train_seq_len, True, a)
     ta, tc = sum(terms.values()), sum(terms_ckpt.values())
     return Requirements(
-        w, cache, cache_no_prefix, act, act_fused, inf, inf_q, inference_gpus(inf, gpu_memory),
-        inference_gpus(inf_q, gpu_memory), st, ta, tc, training_gpus(cfg, st, ta, gpu_memory),
+        w,
+        cache,
+        cache_no_prefix,
+        act,
+        act_fused,
+        inf,
+        inf_q,
+        inference_gpus(inf, gpu_memory),
+        inference_gpus(inf_q, gpu_memory),
+        st,
+        ta,
+        tc,
+        training_gpus(cfg, st, ta, gpu_memory),
         training_gpus(cfg, st, tc, gpu_memory, checkpointing=True),
-        {"context": context, "batch": batch, "chunk": chunk, "gpu_memory": gpu_memory, "dtype": str(dtype),
-         "train_batch": train_batch, "train_seq_len": train_seq_len, "usable_fraction": USABLE_FRACTION},
-        terms, terms_ckpt)
+        {
+            "context": context,
+            "batch": batch,
+            "chunk": chunk,
+            "gpu_memory": gpu_memory,
+            "dtype": str(dtype),
+            "train_batch": train_batch,
+            "train_seq_len": train_seq_len,
+            "usable_fraction": USABLE_FRACTION,
+        },
+        terms,
+        terms_ckpt,
+    )
 
 
 # ------------------------------------------------------------------------------------------ measurement
@@ -538,11 +638,14 @@ def allocation_peak(fn) -> tuple[object, int]:
 
     from torch.profiler import ProfilerActivity, profile
 
-    gc.collect()        # frees of earlier garbage inside the window would lower the running sum
+    gc.collect()  # frees of earlier garbage inside the window would lower the running sum
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+    )
     live = peak = 0
     for _, n in events:
         live += n
@@ -563,11 +666,20 @@ def measure_inference(model, context: int, batch: int, chunk: int, decode_steps:
     prompt = [(7 * i + 3) % cfg.vocab_size for i in range(context - decode_steps)]
 
     def run():
-        engine = Engine(model, EngineConfig(max_seqs=batch, max_model_len=context, max_batch_tokens=chunk * batch,
-                                            prefix_caching=False, cuda_graphs=False))
+        engine = Engine(
+            model,
+            EngineConfig(
+                max_seqs=batch,
+                max_model_len=context,
+                max_batch_tokens=chunk * batch,
+                prefix_caching=False,
+                cuda_graphs=False,
+            ),
+        )
         for i in range(batch):
-            engine.add_request(str(i), prompt, SamplingParams(max_tokens=decode_steps, temperature=0.0,
-                                                              ignore_eos=True))
+            engine.add_request(
+                str(i), prompt, SamplingParams(max_tokens=decode_steps, temperature=0.0, ignore_eos=True)
+            )
         while engine.has_work():
             engine.step()
         return engine.cache.nbytes()
@@ -577,8 +689,9 @@ def measure_inference(model, context: int, batch: int, chunk: int, decode_steps:
     return {"weights": weights, "cache": cache, "activation_peak": peak - cache, "peak": weights + peak}
 
 
-def measure_training(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False,
-                     balance_alpha: float = 1e-4) -> dict:
+def measure_training(
+    cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False, balance_alpha: float = 1e-4
+) -> dict:
     """Peak CPU allocations of one training step (forward with MTP and indexer losses, backward, MuonAdamW
     step) of an fp32 model, as `dsv4 train` runs it on a CPU (balance_alpha: its default)."""
     from .model import DeepSeekV4

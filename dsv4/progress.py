@@ -11,5 +11,13 @@ def bar(total: int | float | None, desc: str, enabled: bool = True, unit: str = 
     """A tqdm bar (a no-op one when not shown): `.update(n)`, `.close()`, a context manager."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True,
-                disable=True if not enabled else None, **kwargs)   # None: only on a terminal
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=sys.stderr,
+        leave=False,
+        dynamic_ncols=True,
+        disable=True if not enabled else None,
+        **kwargs,
+    )  # None: only on a terminal

@@ -106,7 +106,7 @@ def read_bytes(path: str | Path, limit: int, what: str | None = None) -> bytes:
         if what is None:
             raise
         raise CheckpointError(f"{what}: {str(e).removeprefix(f'{path}: ')}") from None
-    except OSError as e:                                   # EIO, EISDIR on exotic file systems ...
+    except OSError as e:  # EIO, EISDIR on exotic file systems ...
         raise CheckpointError(f"{what or path}: cannot read it: {e.strerror or e}") from None
     if len(raw) > limit:
         raise CheckpointError(f"{what or path}: larger than {_size(limit)} (the limit for this file)")
@@ -137,19 +137,20 @@ def contained(root: str | Path, name: str, what: str) -> Path:
         raise CheckpointError(f"{what}: invalid file name {name!r}")
     rel = Path(name)
     if rel.is_absolute() or name.startswith(("/", "\\")):
-        raise CheckpointError(f"{what}: file name {name!r} is an absolute path; only names inside "
-                              f"{root} are allowed")
+        raise CheckpointError(f"{what}: file name {name!r} is an absolute path; only names inside {root} are allowed")
     if ".." in rel.parts or ".." in name.replace("\\", "/").split("/"):
-        raise CheckpointError(f"{what}: file name {name!r} leaves the directory ('..'); only names "
-                              f"inside {root} are allowed")
+        raise CheckpointError(
+            f"{what}: file name {name!r} leaves the directory ('..'); only names inside {root} are allowed"
+        )
     path = root / rel
     try:
         real = Path(os.path.realpath(path, strict=False))
     except OSError as e:  # a symlink loop on some Pythons
         raise _stat_error(path, e) from None
     if not any(real == r or r in real.parents for r in allowed_roots(root)):
-        raise CheckpointError(f"{what}: {name!r} resolves to {real}, outside the checkpoint directory "
-                              f"{root} (a symlink out of it)")
+        raise CheckpointError(
+            f"{what}: {name!r} resolves to {real}, outside the checkpoint directory {root} (a symlink out of it)"
+        )
     return path
 
 

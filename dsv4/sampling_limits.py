@@ -17,6 +17,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Range:
     """A closed or half-open interval of a number; `integer` ones refuse floats and booleans."""
+
     lo: float | None
     hi: float | None
     lo_open: bool = False
@@ -47,8 +48,8 @@ class Range:
         return not (self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi))
 
 
-MAX_LOGPROBS = 20          # alternatives per token (`logprobs` of completions, `top_logprobs` of chat)
-MAX_STOP = 16              # stop strings per request
+MAX_LOGPROBS = 20  # alternatives per token (`logprobs` of completions, `top_logprobs` of chat)
+MAX_STOP = 16  # stop strings per request
 
 # name -> range. `top_k`'s upper bound is the model's vocabulary (see `top_k_range`).
 RANGES: dict[str, Range] = {
@@ -62,7 +63,7 @@ RANGES: dict[str, Range] = {
     "max_tokens": Range(1, None, integer=True),
     "logprobs": Range(0, MAX_LOGPROBS, integer=True),
     "top_logprobs": Range(0, MAX_LOGPROBS, integer=True),
-    "seed": Range(-2**63, 2**64 - 1, integer=True),
+    "seed": Range(-(2**63), 2**64 - 1, integer=True),
     "n": Range(1, None, integer=True),
 }
 
@@ -76,7 +77,7 @@ def top_k_range(vocab_size: int) -> Range:
 def refusal(name: str, value: object, rng: Range | None = None) -> str | None:
     """None when `value` is allowed for setting `name`, else the reason in words (no field name)."""
     rng = rng or RANGES[name]
-    if rng.contains(value):                                        # type: ignore[arg-type]
+    if rng.contains(value):  # type: ignore[arg-type]
         return None
     kind = "an integer" if rng.integer else "a number"
     kind += " in" if rng.lo is not None and rng.hi is not None else ""

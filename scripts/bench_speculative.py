@@ -28,16 +28,19 @@ from dsv4.checkpoint.load import load_pretrained
 from dsv4.engine import Engine, EngineConfig, SamplingParams
 from dsv4.train.tokenizer import Tokenizer
 
-PROMPTS = ("def read_lines(path):\n    with open(path) as f:\n",
-           "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-           "import os\n\n\ndef walk(top):\n    for root, dirs, files in os.walk(top):\n")
+PROMPTS = (
+    "def read_lines(path):\n    with open(path) as f:\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "import os\n\n\ndef walk(top):\n    for root, dirs, files in os.walk(top):\n",
+)
 
 
 def run(engine: Engine, prompt: list[int], tokens: int) -> tuple[list[int], float, dict]:
     """One prompt through a warm engine: (tokens, seconds, the engine's speculative counters of this run)."""
     before = dict(engine.spec_stats)
-    engine.add_request(f"r{time.perf_counter_ns()}", prompt,
-                       SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    engine.add_request(
+        f"r{time.perf_counter_ns()}", prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    )
     out = []
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
@@ -53,15 +56,24 @@ def run(engine: Engine, prompt: list[int], tokens: int) -> tuple[list[int], floa
     return out, time.perf_counter() - t0, diff
 
 
-def measure(model, prompts: list[list[int]], k: int, threshold: float, a: argparse.Namespace
-            ) -> tuple[dict, list[list[int]]]:
+def measure(
+    model, prompts: list[list[int]], k: int, threshold: float, a: argparse.Namespace
+) -> tuple[dict, list[list[int]]]:
     """One setting: (its row, the tokens of its last timed run)."""
     graphs = a.device.startswith("cuda")
-    engine = Engine(model, EngineConfig(max_seqs=1, speculative=k, speculative_threshold=threshold,
-                                        cuda_graphs=graphs, prefix_caching=False,
-                                        max_model_len=max(map(len, prompts)) + a.tokens + 8))
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_seqs=1,
+            speculative=k,
+            speculative_threshold=threshold,
+            cuda_graphs=graphs,
+            prefix_caching=False,
+            max_model_len=max(map(len, prompts)) + a.tokens + 8,
+        ),
+    )
     engine.warmup()
-    for p in prompts:                                  # untimed: every graph and kernel shape of the run
+    for p in prompts:  # untimed: every graph and kernel shape of the run
         run(engine, p, a.tokens)
     rates, outs = [], []
     stats = {"drafted": 0, "accepted": 0, "verify_steps": 0, "verify_lengths": [0] * 16}
@@ -94,26 +106,37 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="*", default=[1, 2, 3], help="MTP drafts per step (none: skip MTP)")
     ap.add_argument("--dspark", default=None, metavar="DIR", help="the same main model with a DSpark draft")
     ap.add_argument("--dspark-k", type=int, nargs="+", default=[3], help="DSpark drafts per step at most")
-    ap.add_argument("--threshold", type=float, nargs="+", default=[0.0],
-                    help="DSpark survival thresholds of the verify length (0 = always k)")
+    ap.add_argument(
+        "--threshold",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="DSpark survival thresholds of the verify length (0 = always k)",
+    )
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per setting (default 5): median, min, max")
     a = ap.parse_args()
     path = a.model or defaults.shipped_model_dir()
-    dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32     # the fused GPU kernels' dtype
+    dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32  # the fused GPU kernels' dtype
     model = load_pretrained(path, device=a.device, dtype=dtype, progress=False).eval()
     tok = Tokenizer.from_file(path)
     prompts = [[tok.bos_id] + tok.encode(p) for p in PROMPTS]
-    result = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "tokens": a.tokens,
-              "repeats": a.repeats, "settings": {}}
+    result = {
+        "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "tokens": a.tokens,
+        "repeats": a.repeats,
+        "settings": {},
+    }
     settings = [("plain", model, 0, 0.0)] + [(f"mtp k={k}", model, k, 0.0) for k in a.k if k]
     dspark = None
     if a.dspark:
         dspark = load_pretrained(a.dspark, device=a.device, dtype=dtype, progress=False).eval()
         if not dspark.cfg.dspark:
             raise SystemExit(f"error: {a.dspark}: the model's draft is not DSpark")
-        settings += [("dspark plain", dspark, 0, 0.0)] + [(f"dspark k={k} threshold={t}", dspark, k, t)
-                                                          for k in a.dspark_k for t in a.threshold]
+        settings += [("dspark plain", dspark, 0, 0.0)] + [
+            (f"dspark k={k} threshold={t}", dspark, k, t) for k in a.dspark_k for t in a.threshold
+        ]
     plain: dict[int, list[list[int]]] = {}
     for name, m, k, t in settings:
         row, outs = measure(m, prompts, k, t, a)
@@ -123,8 +146,10 @@ def main() -> None:
         base = result["settings"]["plain"]["tokens_per_s"] if name != "plain" else row["tokens_per_s"]
         row["speedup"] = row["tokens_per_s"] / base
         if name != "plain":
-            row["speedup_min_max"] = [row["min"] / result["settings"]["plain"]["max"],
-                                      row["max"] / result["settings"]["plain"]["min"]]
+            row["speedup_min_max"] = [
+                row["min"] / result["settings"]["plain"]["max"],
+                row["max"] / result["settings"]["plain"]["min"],
+            ]
         result["settings"][name] = row
         print(f"{name}: " + json.dumps(row), flush=True)
     print(json.dumps(result))

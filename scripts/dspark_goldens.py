@@ -51,18 +51,52 @@ from official_goldens import F32_LEAVES, OFFICIAL_COMMIT, fill, install_shim  # 
 
 # a hash-routed and a score-routed main layer (window-only: the draft reads outputs, not caches), two
 # draft stages, blocks of 4; window 16 over 40 tokens so blocks see partial and full windows
-ARGS = dict(vocab_size=256, dim=128, n_layers=2, n_hash_layers=1, n_mtp_layers=0, n_heads=2,
-            n_routed_experts=4, n_shared_experts=1, n_activated_experts=2, score_func="sqrtsoftplus",
-            route_scale=1.5, swiglu_limit=10.0, head_dim=128, rope_head_dim=64, norm_eps=1e-6, o_groups=2,
-            window_size=16, compress_ratios=(0, 0, 0, 0), compress_rope_theta=160000.0, original_seq_len=65536,
-            rope_theta=10000.0, rope_factor=16.0, beta_fast=32, beta_slow=1, index_n_heads=8,
-            index_head_dim=128, index_topk=8, hc_mult=4, hc_sinkhorn_iters=4, hc_eps=1e-6, max_batch_size=1,
-            max_seq_len=256, dtype="bf16", scale_fmt=None, expert_dtype=None, scale_dtype="fp32",
-            moe_inter_dim=32, q_lora_rank=64, o_lora_rank=32)
-DRAFT = dict(stages=2, dspark_block_size=4, dspark_noise_token_id=3, dspark_target_layer_ids=(0, 1),
-             dspark_markov_rank=16)
+ARGS = dict(
+    vocab_size=256,
+    dim=128,
+    n_layers=2,
+    n_hash_layers=1,
+    n_mtp_layers=0,
+    n_heads=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    n_activated_experts=2,
+    score_func="sqrtsoftplus",
+    route_scale=1.5,
+    swiglu_limit=10.0,
+    head_dim=128,
+    rope_head_dim=64,
+    norm_eps=1e-6,
+    o_groups=2,
+    window_size=16,
+    compress_ratios=(0, 0, 0, 0),
+    compress_rope_theta=160000.0,
+    original_seq_len=65536,
+    rope_theta=10000.0,
+    rope_factor=16.0,
+    beta_fast=32,
+    beta_slow=1,
+    index_n_heads=8,
+    index_head_dim=128,
+    index_topk=8,
+    hc_mult=4,
+    hc_sinkhorn_iters=4,
+    hc_eps=1e-6,
+    max_batch_size=1,
+    max_seq_len=256,
+    dtype="bf16",
+    scale_fmt=None,
+    expert_dtype=None,
+    scale_dtype="fp32",
+    moe_inter_dim=32,
+    q_lora_rank=64,
+    o_lora_rank=32,
+)
+DRAFT = dict(
+    stages=2, dspark_block_size=4, dspark_noise_token_id=3, dspark_target_layer_ids=(0, 1), dspark_markov_rank=16
+)
 SEQ = 40
-ANCHORS = (2, 9, 17, 30, 39)        # anchor positions p: context p-16 .. p-1 (partial windows first)
+ANCHORS = (2, 9, 17, 30, 39)  # anchor positions p: context p-16 .. p-1 (partial windows first)
 THRESHOLD = 0.5
 
 
@@ -83,9 +117,9 @@ def dspark_attention(om, attn, x, start_pos: int, main_x: torch.Tensor) -> torch
     win, rd = attn.window_size, attn.rope_head_dim
     ring = attn.kv_cache[:, :win]
     main_kv = attn.kv_norm(attn.wkv(main_x))
-    om.apply_rotary_emb(main_kv[..., -rd:], attn.freqs_cis[start_pos:start_pos + seqlen])
+    om.apply_rotary_emb(main_kv[..., -rd:], attn.freqs_cis[start_pos : start_pos + seqlen])
     om.act_quant(main_kv[..., :-rd], 64, om.scale_fmt, om.scale_dtype, True)
-    if start_pos == 0:                                          # prefill: fill the ring, no output
+    if start_pos == 0:  # prefill: fill the ring, no output
         if seqlen <= win:
             ring[:bsz, :seqlen] = main_kv
         else:
@@ -93,7 +127,7 @@ def dspark_attention(om, attn, x, start_pos: int, main_x: torch.Tensor) -> torch
             ring[:bsz, cutoff:win], ring[:bsz, :cutoff] = main_kv[:, -win:].split([win - cutoff, cutoff], dim=1)
         return x
     block = x.size(1)
-    freqs = attn.freqs_cis[start_pos + seqlen:start_pos + seqlen + block]
+    freqs = attn.freqs_cis[start_pos + seqlen : start_pos + seqlen + block]
     q = attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (attn.n_local_heads, attn.head_dim))
     q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + attn.eps)
     om.apply_rotary_emb(q[..., -rd:], freqs)
@@ -141,24 +175,26 @@ def run(official: Path, deepspec: Path, out: Path, deepspec_commit: str | None =
     fill(net, seed=1)
     fill(draft, seed=2)
     with torch.no_grad():
-        draft.confidence_head.proj.bias.zero_()                   # the V4 confidence head has no bias
-        draft.confidence_head.proj.weight.mul_(2.0**-6)           # logits of a few units: probabilities
-                                                                  # strictly inside (0, 1), so the verify
-                                                                  # length depends on them (exact in bf16)
-    for prm in [*net.parameters(), *draft.parameters()]:       # bf16 values, held and computed in fp32
+        draft.confidence_head.proj.bias.zero_()  # the V4 confidence head has no bias
+        draft.confidence_head.proj.weight.mul_(2.0**-6)  # logits of a few units: probabilities
+        # strictly inside (0, 1), so the verify
+        # length depends on them (exact in bf16)
+    for prm in [*net.parameters(), *draft.parameters()]:  # bf16 values, held and computed in fp32
         if prm.dtype == torch.bfloat16:
             prm.data = prm.data.float()
     tokens = torch.randint(4, args.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(3))
 
-    golden: dict[str, torch.Tensor] = {"tokens": tokens.to(torch.int64),
-                                       "anchors": torch.tensor([ANCHORS], dtype=torch.int64)}
+    golden: dict[str, torch.Tensor] = {
+        "tokens": tokens.to(torch.int64),
+        "anchors": torch.tensor([ANCHORS], dtype=torch.int64),
+    }
     with torch.inference_mode():
         h = net.embed(tokens).unsqueeze(2).repeat(1, 1, args.hc_mult, 1)
         taps = []
         for i, layer in enumerate(net.layers):
             h = layer(h, 0, tokens)
             if i in targets:
-                taps.append(h.mean(dim=2))                        # Flash-0731: the target layers' outputs
+                taps.append(h.mean(dim=2))  # Flash-0731: the target layers' outputs
         golden["logits"] = net.head(h, net.hc_head_fn, net.hc_head_scale, net.hc_head_base, net.norm).float()
         golden["taps"] = torch.cat(taps, -1).float()
         main_x = draft.main_norm(draft.main_proj(torch.cat(taps, -1)))
@@ -166,30 +202,41 @@ def run(official: Path, deepspec: Path, out: Path, deepspec_commit: str | None =
         for p in ANCHORS:
             for stage in draft.stages:
                 stage.attn.kv_cache.zero_()
-                dspark_attention(om, stage.attn, None, 0, main_x[:, : p - 1])   # ring: positions 0 .. p-2
+                dspark_attention(om, stage.attn, None, 0, main_x[:, : p - 1])  # ring: positions 0 .. p-2
             ids = torch.full((1, B), DRAFT["dspark_noise_token_id"], dtype=torch.long)
             ids[:, 0] = tokens[:, p]
             x = net.embed(ids).unsqueeze(2).repeat(1, 1, args.hc_mult, 1)
             for k, stage in enumerate(draft.stages):
-                stage.attn.forward = lambda y, start_pos, a=stage.attn, mx=main_x[:, p - 1:p]: dspark_attention(
-                    om, a, y, start_pos, mx)
-                hooks = [stage.attn.register_forward_hook(
-                             lambda m, a, o, k=k: rows.setdefault(f"mtp.{k}.attn.out", []).append(o.float())),
-                         stage.ffn.register_forward_hook(
-                             lambda m, a, o, k=k: rows.setdefault(f"mtp.{k}.ffn.out", []).append(o.float()))]
+                stage.attn.forward = lambda y, start_pos, a=stage.attn, mx=main_x[:, p - 1 : p]: dspark_attention(
+                    om, a, y, start_pos, mx
+                )
+                hooks = [
+                    stage.attn.register_forward_hook(
+                        lambda m, a, o, k=k: rows.setdefault(f"mtp.{k}.attn.out", []).append(o.float())
+                    ),
+                    stage.ffn.register_forward_hook(
+                        lambda m, a, o, k=k: rows.setdefault(f"mtp.{k}.ffn.out", []).append(o.float())
+                    ),
+                ]
                 x = stage(x, p - 1, ids)
                 for hk in hooks:
                     hk.remove()
             hid = net.head.hc_head(x, draft.hc_head_fn, draft.hc_head_scale, draft.hc_head_base)  # [1, B, dim]
             base = F.linear(draft.norm(hid).float(), net.head.weight)
-            drafts, logits = draft.markov_head.sample_block_tokens(base, first_prev_token_ids=ids[:, 0],
-                                                                   hidden_states=None, temperature=0.0)
+            drafts, logits = draft.markov_head.sample_block_tokens(
+                base, first_prev_token_ids=ids[:, 0], hidden_states=None, temperature=0.0
+            )
             prev = torch.cat([ids[:, :1], drafts[:, :-1]], 1)
             emb = draft.markov_head.get_prev_embeddings(prev)
             conf = draft.confidence_head(torch.cat([hid.float(), emb.float()], -1)).float()
             length = heads["_confident_prefix_length"](conf, block_size=B, threshold=THRESHOLD)
-            for name, t in (("dspark.base_logits", base), ("dspark.logits", logits), ("dspark.tokens", drafts),
-                            ("dspark.confidence", conf), ("dspark.verify_length", torch.tensor([length]))):
+            for name, t in (
+                ("dspark.base_logits", base),
+                ("dspark.logits", logits),
+                ("dspark.tokens", drafts),
+                ("dspark.confidence", conf),
+                ("dspark.verify_length", torch.tensor([length])),
+            ):
                 rows.setdefault(name, []).append(t)
         golden.update({k: torch.cat(v, 0).contiguous() for k, v in rows.items()})
 
@@ -202,7 +249,7 @@ def run(official: Path, deepspec: Path, out: Path, deepspec_commit: str | None =
     last = f"mtp.{S - 1}"
     for k, v in draft.named_parameters():
         if k.startswith("stages."):
-            i, rest = k[len("stages."):].split(".", 1)
+            i, rest = k[len("stages.") :].split(".", 1)
             name = f"mtp.{i}.{rest}"
         elif k.startswith("main_"):
             name = f"mtp.0.{k}"
@@ -214,17 +261,29 @@ def run(official: Path, deepspec: Path, out: Path, deepspec_commit: str | None =
     for k, v in list(state.items()):
         leaf = k.rsplit(".", 1)[-1]
         if v.dtype == torch.float32 and not (leaf in F32_LEAVES or leaf.startswith("hc_")):
-            v = v.bfloat16()                                       # exact: the values are bf16
+            v = v.bfloat16()  # exact: the values are bf16
         state[k] = v.detach().contiguous()
     save_file(state, str(d / "model0-mp1.safetensors"))
     cfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ARGS.items()}
-    cfg.update(n_mtp_layers=S, compress_ratios=[0] * (n + S), dspark_block_size=B,
-               dspark_noise_token_id=DRAFT["dspark_noise_token_id"], dspark_target_layer_ids=list(targets),
-               dspark_markov_rank=rank)
+    cfg.update(
+        n_mtp_layers=S,
+        compress_ratios=[0] * (n + S),
+        dspark_block_size=B,
+        dspark_noise_token_id=DRAFT["dspark_noise_token_id"],
+        dspark_target_layer_ids=list(targets),
+        dspark_markov_rank=rank,
+    )
     (d / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
-    save_file(golden, str(d / "golden.safetensors"),
-              metadata={"official_commit": OFFICIAL_COMMIT, "deepspec_commit": deepspec_commit or _commit(deepspec),
-                        "case": "dspark", "threshold": str(THRESHOLD)})
+    save_file(
+        golden,
+        str(d / "golden.safetensors"),
+        metadata={
+            "official_commit": OFFICIAL_COMMIT,
+            "deepspec_commit": deepspec_commit or _commit(deepspec),
+            "case": "dspark",
+            "threshold": str(THRESHOLD),
+        },
+    )
     sys.path.remove(str(official))
     for m in ("model", "kernel"):
         sys.modules.pop(m, None)
@@ -252,8 +311,10 @@ def main() -> int:
         print(f"error: {a.official} holds no model.py and kernel.py (the official inference/ folder)", file=sys.stderr)
         return 2
     if not (a.deepspec / "deepspec" / "modeling" / "dspark" / "markov_head.py").is_file():
-        print(f"error: {a.deepspec} is not a DeepSpec checkout (no deepspec/modeling/dspark/markov_head.py)",
-              file=sys.stderr)
+        print(
+            f"error: {a.deepspec} is not a DeepSpec checkout (no deepspec/modeling/dspark/markov_head.py)",
+            file=sys.stderr,
+        )
         return 2
     run(a.official, a.deepspec, a.out, a.deepspec_commit)
     print(f"wrote {a.out / 'dspark'}")

@@ -25,14 +25,35 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "dsv4/train/recipes/stdlib-mini.toml"
-sys.path.insert(0, str(ROOT))                  # this checkout's dsv4, also when it is not installed
+sys.path.insert(0, str(ROOT))  # this checkout's dsv4, also when it is not installed
 
 
 def train_peak(data: str, batch: int, ckpt: bool, steps: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "dsv4.train.cli", "train", "--config", str(RECIPE), "--data", data,
-               "--steps", str(steps), "--batch-size", str(batch), "--eval-every", "0", "--sample-prompt", "",
-               "--out", f"{tmp}/run", "--tokenizer-docs", "50", "--max-docs", "400"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dsv4.train.cli",
+            "train",
+            "--config",
+            str(RECIPE),
+            "--data",
+            data,
+            "--steps",
+            str(steps),
+            "--batch-size",
+            str(batch),
+            "--eval-every",
+            "0",
+            "--sample-prompt",
+            "",
+            "--out",
+            f"{tmp}/run",
+            "--tokenizer-docs",
+            "50",
+            "--max-docs",
+            "400",
+        ]
         if ckpt:
             cmd.append("--activation-checkpointing")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -40,7 +61,7 @@ def train_peak(data: str, batch: int, ckpt: bool, steps: int) -> float:
         if p.returncode != 0:
             raise SystemExit(f"training run failed:\n{p.stderr[-3000:]}")
         rows = [json.loads(x) for x in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
-        return max(r["peak_mem_gib"] for r in rows if "peak_mem_gib" in r) * 1024 ** 3
+        return max(r["peak_mem_gib"] for r in rows if "peak_mem_gib" in r) * 1024**3
 
 
 def train_estimate(batch: int, seq_len: int, ckpt: bool) -> dict:
@@ -53,9 +74,10 @@ def train_estimate(batch: int, seq_len: int, ckpt: bool) -> dict:
     st = mem.train_state_bytes(cfg)
     state = st.weights + st.grads + st.optimizer
     # the bf16 weight copies exist under autocast (the GPU run); the reference-op figure is the CPU's fp32 run
-    return {f: state + (st.copies(1, ckpt) if f else 0) + mem.train_activation_bytes(cfg, batch, seq_len, ckpt, 2,
-                                                                                      fused=f)
-            for f in (True, False)}
+    return {
+        f: state + (st.copies(1, ckpt) if f else 0) + mem.train_activation_bytes(cfg, batch, seq_len, ckpt, 2, fused=f)
+        for f in (True, False)
+    }
 
 
 def train_breakdown(batch: int, seq_len: int = 512) -> dict:
@@ -82,8 +104,14 @@ def train_breakdown(batch: int, seq_len: int = 512) -> dict:
     loss.backward()
     torch.cuda.synchronize()
     bwd_peak = torch.cuda.max_memory_allocated() - base
-    return {"batch": batch, "saved_per_token": saved / (batch * seq_len), "fwd_peak": fwd_peak, "saved": saved,
-            "bwd_peak": bwd_peak, "weights": sum(p.numel() * 4 for p in model.parameters())}
+    return {
+        "batch": batch,
+        "saved_per_token": saved / (batch * seq_len),
+        "fwd_peak": fwd_peak,
+        "saved": saved,
+        "bwd_peak": bwd_peak,
+        "weights": sum(p.numel() * 4 for p in model.parameters()),
+    }
 
 
 def serve_peak(batch: int, context: int, chunk: int) -> tuple[float, dict]:
@@ -97,18 +125,30 @@ def serve_peak(batch: int, context: int, chunk: int) -> tuple[float, dict]:
     prompt = [(7 * i + 3) % cfg.vocab_size for i in range(context - 2)]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    engine = Engine(model, EngineConfig(max_seqs=batch, max_model_len=context, max_batch_tokens=chunk * batch,
-                                        prefix_caching=False, cuda_graphs=False))
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_seqs=batch,
+            max_model_len=context,
+            max_batch_tokens=chunk * batch,
+            prefix_caching=False,
+            cuda_graphs=False,
+        ),
+    )
     for i in range(batch):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     while engine.has_work():
         engine.step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    fixed = (mem.weight_bytes(cfg, torch.bfloat16).dequantized
-             + mem.cache_bytes(cfg, context, batch, 2, max_batch_tokens=chunk * batch, prefix_caching=False).total)
-    est = {f: fixed + mem.activation_bytes(cfg, chunk * batch, context, 2, logits_rows=batch, fused=f)
-           for f in (True, False)}
+    fixed = (
+        mem.weight_bytes(cfg, torch.bfloat16).dequantized
+        + mem.cache_bytes(cfg, context, batch, 2, max_batch_tokens=chunk * batch, prefix_caching=False).total
+    )
+    est = {
+        f: fixed + mem.activation_bytes(cfg, chunk * batch, context, 2, logits_rows=batch, fused=f)
+        for f in (True, False)
+    }
     return peak, est
 
 
@@ -129,18 +169,32 @@ def main() -> int:
         for ckpt in (False, True):
             m = train_peak(args.data, b, ckpt, args.steps)
             e = train_estimate(b, 512, ckpt)
-            rows.append({"what": f"train stdlib-mini {b} x 512{' ckpt' if ckpt else ''}", "measured": m,
-                         "est_fused": e[True], "est_reference": e[False]})
+            rows.append(
+                {
+                    "what": f"train stdlib-mini {b} x 512{' ckpt' if ckpt else ''}",
+                    "measured": m,
+                    "est_fused": e[True],
+                    "est_reference": e[False],
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     for batch, context, chunk in ((1, 4096, 4096), (16, 2048, 512)):
         m, e = serve_peak(batch, context, chunk)
-        rows.append({"what": f"serve small bf16 {batch} x {context} chunks of {chunk}", "measured": m,
-                     "est_fused": e[True], "est_reference": e[False]})
+        rows.append(
+            {
+                "what": f"serve small bf16 {batch} x {context} chunks of {chunk}",
+                "measured": m,
+                "est_fused": e[True],
+                "est_reference": e[False],
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     for r in rows:
-        print(f"{r['what']}: measured {r['measured'] / 2**30:.2f} GiB, estimated {r['est_fused'] / 2**30:.2f} GiB "
-              f"(fused, {r['est_fused'] / r['measured'] - 1:+.0%}), {r['est_reference'] / 2**30:.2f} GiB "
-              f"(reference ops, {r['est_reference'] / r['measured'] - 1:+.0%})")
+        print(
+            f"{r['what']}: measured {r['measured'] / 2**30:.2f} GiB, estimated {r['est_fused'] / 2**30:.2f} GiB "
+            f"(fused, {r['est_fused'] / r['measured'] - 1:+.0%}), {r['est_reference'] / 2**30:.2f} GiB "
+            f"(reference ops, {r['est_reference'] / r['measured'] - 1:+.0%})"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

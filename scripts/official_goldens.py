@@ -42,28 +42,80 @@ OFFICIAL_COMMIT = "20746603cee2244bb42104dc0057b66bdaf656d2"
 # numbers; expert gate / up projections large enough that the SwiGLU clamp (10) acts on both sides.
 # small shapes with every component of the main model: layer 0 window-only (hash-routed), 1 CSA +
 # indexer, 2 HCA; MoE with a shared expert and mHC everywhere (the official forward runs no MTP block)
-ARGS = dict(vocab_size=256, dim=128, n_layers=3, n_hash_layers=1, n_mtp_layers=0,
-            n_heads=2, n_routed_experts=4, n_shared_experts=1, n_activated_experts=2,
-            score_func="sqrtsoftplus", route_scale=1.5, swiglu_limit=10.0, head_dim=128,
-            rope_head_dim=64, norm_eps=1e-6, o_groups=2, window_size=16,
-            compress_ratios=(0, 4, 128), compress_rope_theta=160000.0, original_seq_len=65536,
-            rope_theta=10000.0, rope_factor=16.0, beta_fast=32, beta_slow=1, index_n_heads=8,
-            index_head_dim=128, index_topk=8, hc_mult=4, hc_sinkhorn_iters=4, hc_eps=1e-6,
-            max_batch_size=1, max_seq_len=256)
+ARGS = dict(
+    vocab_size=256,
+    dim=128,
+    n_layers=3,
+    n_hash_layers=1,
+    n_mtp_layers=0,
+    n_heads=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    n_activated_experts=2,
+    score_func="sqrtsoftplus",
+    route_scale=1.5,
+    swiglu_limit=10.0,
+    head_dim=128,
+    rope_head_dim=64,
+    norm_eps=1e-6,
+    o_groups=2,
+    window_size=16,
+    compress_ratios=(0, 4, 128),
+    compress_rope_theta=160000.0,
+    original_seq_len=65536,
+    rope_theta=10000.0,
+    rope_factor=16.0,
+    beta_fast=32,
+    beta_slow=1,
+    index_n_heads=8,
+    index_head_dim=128,
+    index_topk=8,
+    hc_mult=4,
+    hc_sinkhorn_iters=4,
+    hc_eps=1e-6,
+    max_batch_size=1,
+    max_seq_len=256,
+)
 # FP8 activations are quantized in blocks of 128: every FP8 / FP4 GEMM input is a multiple of 128 wide
-CASES = {"bf16": dict(dtype="bf16", scale_fmt=None, expert_dtype=None, scale_dtype="fp32", moe_inter_dim=32,
-                      q_lora_rank=64, o_lora_rank=32),
-         "fp8-fp4": dict(dtype="fp8", scale_fmt="ue8m0", expert_dtype="fp4", scale_dtype="fp8", moe_inter_dim=128,
-                         q_lora_rank=128, o_lora_rank=64),
-         # the multi-token-prediction block, which the official forward does not run: one hash-routed
-         # window-only main layer and one MTP block (window-only: its compress ratio is the list's last
-         # entry), BF16 weights; `MTPBlock.forward` is called on the main model's last hidden state
-         "mtp": dict(dtype="bf16", scale_fmt=None, expert_dtype=None, scale_dtype="fp32", moe_inter_dim=32,
-                     q_lora_rank=64, o_lora_rank=32, n_layers=1, n_mtp_layers=1, compress_ratios=(0, 0))}
+CASES = {
+    "bf16": dict(
+        dtype="bf16",
+        scale_fmt=None,
+        expert_dtype=None,
+        scale_dtype="fp32",
+        moe_inter_dim=32,
+        q_lora_rank=64,
+        o_lora_rank=32,
+    ),
+    "fp8-fp4": dict(
+        dtype="fp8",
+        scale_fmt="ue8m0",
+        expert_dtype="fp4",
+        scale_dtype="fp8",
+        moe_inter_dim=128,
+        q_lora_rank=128,
+        o_lora_rank=64,
+    ),
+    # the multi-token-prediction block, which the official forward does not run: one hash-routed
+    # window-only main layer and one MTP block (window-only: its compress ratio is the list's last
+    # entry), BF16 weights; `MTPBlock.forward` is called on the main model's last hidden state
+    "mtp": dict(
+        dtype="bf16",
+        scale_fmt=None,
+        expert_dtype=None,
+        scale_dtype="fp32",
+        moe_inter_dim=32,
+        q_lora_rank=64,
+        o_lora_rank=32,
+        n_layers=1,
+        n_mtp_layers=1,
+        compress_ratios=(0, 0),
+    ),
+}
 # stored in float32 in the release (everything else that is not FP8 / FP4 is BF16)
 F32_LEAVES = ("attn_sink", "ape", "bias")
-EXPERT_GAIN = 12.0          # routed experts' w1 / w3: pre-activations of several units, past +-10 at times
-SEQ = 132                   # > 128: one HCA entry; 33 CSA groups; window 16
+EXPERT_GAIN = 12.0  # routed experts' w1 / w3: pre-activations of several units, past +-10 at times
+SEQ = 132  # > 128: one HCA entry; 33 CSA groups; window 16
 
 
 def round_e4m3(v: torch.Tensor) -> torch.Tensor:
@@ -76,7 +128,7 @@ def round_e2m1(v: torch.Tensor) -> torch.Tensor:
     a = v.abs().clamp(max=6.0)
     d = (a.unsqueeze(-1) - grid).abs()
     best = d.min(-1, keepdim=True).values
-    cand = (d == best)
+    cand = d == best
     # ties: the even code (codes 0, 2, 4, 6 -> grid indices with index % 2 == 0)
     even = cand & (torch.arange(8) % 2 == 0)
     idx = torch.where(even.any(-1), even.float().argmax(-1), cand.float().argmax(-1))
@@ -125,7 +177,7 @@ def fill(model, seed: int) -> None:
         for name, p in model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
             if p.dtype == torch.float8_e8m0fnu:
-                continue                                               # set with its weight
+                continue  # set with its weight
             if p.dtype == torch.int32:
                 e = ARGS["n_routed_experts"]
                 p.copy_(torch.stack([torch.randperm(e, generator=g)[: p.size(1)] for _ in range(p.size(0))]))
@@ -171,16 +223,22 @@ def run_case(official: Path, case: str, out: Path) -> None:
     with om.set_dtype(torch.float32):
         net = om.Transformer(args)
     fill(net, seed=1)
-    for prm in net.parameters():                  # bf16 values, held and computed in fp32
+    for prm in net.parameters():  # bf16 values, held and computed in fp32
         if prm.dtype == torch.bfloat16:
             prm.data = prm.data.float()
     stages: dict[str, torch.Tensor] = {}
     hooks = []
     for i, layer in enumerate(net.layers):
-        hooks.append(layer.attn.register_forward_hook(
-            lambda m, a, o, i=i: stages.__setitem__(f"layers.{i}.attn.out", o.float().clone())))
-        hooks.append(layer.ffn.register_forward_hook(
-            lambda m, a, o, i=i: stages.__setitem__(f"layers.{i}.ffn.out", o.float().clone())))
+        hooks.append(
+            layer.attn.register_forward_hook(
+                lambda m, a, o, i=i: stages.__setitem__(f"layers.{i}.attn.out", o.float().clone())
+            )
+        )
+        hooks.append(
+            layer.ffn.register_forward_hook(
+                lambda m, a, o, i=i: stages.__setitem__(f"layers.{i}.ffn.out", o.float().clone())
+            )
+        )
     tokens = torch.randint(2, args.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(2))
     hidden: list[torch.Tensor] = []
     hooks.append(net.head.register_forward_pre_hook(lambda m, a: hidden.append(a[0].clone())))
@@ -193,11 +251,15 @@ def run_case(official: Path, case: str, out: Path) -> None:
         # logits (the prediction of the token after the last input)
         n = SEQ - 1 - k
         h_in = hidden[-1][:, :n]
-        hooks = [block.attn.register_forward_hook(
-                     lambda m, a, o, k=k: stages.__setitem__(f"mtp.{k}.attn.out", o.float().clone())),
-                 block.ffn.register_forward_hook(
-                     lambda m, a, o, k=k: stages.__setitem__(f"mtp.{k}.ffn.out", o.float().clone()))]
-        stages[f"mtp.{k}.logits"] = block(h_in, 0, tokens[:, k + 1:]).float().clone()
+        hooks = [
+            block.attn.register_forward_hook(
+                lambda m, a, o, k=k: stages.__setitem__(f"mtp.{k}.attn.out", o.float().clone())
+            ),
+            block.ffn.register_forward_hook(
+                lambda m, a, o, k=k: stages.__setitem__(f"mtp.{k}.ffn.out", o.float().clone())
+            ),
+        ]
+        stages[f"mtp.{k}.logits"] = block(h_in, 0, tokens[:, k + 1 :]).float().clone()
         for h in hooks:
             h.remove()
     d = out / case
@@ -209,15 +271,14 @@ def run_case(official: Path, case: str, out: Path) -> None:
             continue
         leaf = k.rsplit(".", 1)[-1]
         if v.dtype == torch.float32 and not (leaf in F32_LEAVES or leaf.startswith("hc_")):
-            v = v.bfloat16()                                             # exact: the values are bf16
+            v = v.bfloat16()  # exact: the values are bf16
         state[k] = v.detach().contiguous()
     save_file(state, str(d / "model0-mp1.safetensors"))
     cfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in {**ARGS, **CASES[case]}.items()}
     (d / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     golden = {"tokens": tokens.to(torch.int64), "logits": logits.float().contiguous()}
     golden.update({k: v.contiguous() for k, v in stages.items()})
-    save_file(golden, str(d / "golden.safetensors"), metadata={"official_commit": OFFICIAL_COMMIT,
-                                                               "case": case})
+    save_file(golden, str(d / "golden.safetensors"), metadata={"official_commit": OFFICIAL_COMMIT, "case": case})
     sys.path.remove(str(official))
     for m in ("model", "kernel"):
         sys.modules.pop(m, None)
@@ -230,8 +291,7 @@ def main() -> int:
     p.add_argument("--cases", default=",".join(CASES))
     a = p.parse_args()
     if not (a.official / "model.py").is_file() or not (a.official / "kernel.py").is_file():
-        print(f"error: {a.official} holds no model.py and kernel.py (the official inference/ folder)",
-              file=sys.stderr)
+        print(f"error: {a.official} holds no model.py and kernel.py (the official inference/ folder)", file=sys.stderr)
         return 2
     for case in a.cases.split(","):
         run_case(a.official, case, a.out)

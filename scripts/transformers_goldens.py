@@ -35,18 +35,40 @@ from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 0
-SEQ = 132                   # > 128: one HCA entry; 33 CSA groups; window 16
-EXPERT_GAIN = 12.0          # routed experts' gate / up: pre-activations past the SwiGLU limit (10) at times
-CONFIG = dict(vocab_size=256, hidden_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-              num_attention_heads=2, head_dim=128, q_lora_rank=64, partial_rotary_factor=0.5,
-              num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1, scoring_func="sqrtsoftplus",
-              routed_scaling_factor=1.5, swiglu_limit=10.0,
-              layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
-              mlp_layer_types=["hash_moe", "moe", "moe"],
-              compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
-              hc_mult=4, hc_sinkhorn_iters=4, hc_eps=1e-6, sliding_window=16, o_groups=2, o_lora_rank=32,
-              index_n_heads=8, index_head_dim=128, index_topk=8, num_nextn_predict_layers=0,
-              max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=False)
+SEQ = 132  # > 128: one HCA entry; 33 CSA groups; window 16
+EXPERT_GAIN = 12.0  # routed experts' gate / up: pre-activations past the SwiGLU limit (10) at times
+CONFIG = dict(
+    vocab_size=256,
+    hidden_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    head_dim=128,
+    q_lora_rank=64,
+    partial_rotary_factor=0.5,
+    num_experts_per_tok=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    scoring_func="sqrtsoftplus",
+    routed_scaling_factor=1.5,
+    swiglu_limit=10.0,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+    mlp_layer_types=["hash_moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    hc_mult=4,
+    hc_sinkhorn_iters=4,
+    hc_eps=1e-6,
+    sliding_window=16,
+    o_groups=2,
+    o_lora_rank=32,
+    index_n_heads=8,
+    index_head_dim=128,
+    index_topk=8,
+    num_nextn_predict_layers=0,
+    max_position_embeddings=65536,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 
 
 def fill(model: torch.nn.Module, seed: int) -> None:
@@ -89,18 +111,28 @@ def run(out: Path) -> None:
     stages: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(model.model.layers):
         layer.self_attn.register_forward_hook(
-            lambda mod, inp, o, i=i: stages.__setitem__(f"layers.{i}.attn.out", o[0].detach().clone()))
+            lambda mod, inp, o, i=i: stages.__setitem__(f"layers.{i}.attn.out", o[0].detach().clone())
+        )
         layer.mlp.register_forward_hook(
-            lambda mod, inp, o, i=i: stages.__setitem__(f"layers.{i}.ffn.out", o.detach().clone()))
+            lambda mod, inp, o, i=i: stages.__setitem__(f"layers.{i}.ffn.out", o.detach().clone())
+        )
     tokens = torch.randint(0, CONFIG["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(SEED + 1))
     with torch.no_grad():
         logits = model(input_ids=tokens, use_cache=False).logits.float()
     out.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(out / "checkpoint")   # the values are bf16: exact
-    golden = {"tokens": tokens.to(torch.int32), "logits": logits[:, -1].contiguous(),
-              **{k: v.float().contiguous() for k, v in sorted(stages.items())}}
-    meta = {"transformers_version": transformers.__version__, "torch_version": torch.__version__.split("+")[0],
-            "seed": str(SEED), "dtype": "float32", "attn_implementation": "eager"}
+    model.to(torch.bfloat16).save_pretrained(out / "checkpoint")  # the values are bf16: exact
+    golden = {
+        "tokens": tokens.to(torch.int32),
+        "logits": logits[:, -1].contiguous(),
+        **{k: v.float().contiguous() for k, v in sorted(stages.items())},
+    }
+    meta = {
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__.split("+")[0],
+        "seed": str(SEED),
+        "dtype": "float32",
+        "attn_implementation": "eager",
+    }
     save_file(golden, str(out / "golden.safetensors"), metadata=meta)
     (out / "checkpoint" / "generation_config.json").unlink(missing_ok=True)
     for f in [*out.glob("*.*"), *(out / "checkpoint").glob("*.*")]:
@@ -116,8 +148,7 @@ def main() -> int:
         import transformers  # noqa: F401
         from transformers import DeepseekV4ForCausalLM  # noqa: F401
     except ImportError:
-        print("error: needs transformers with DeepSeek-V4 support (pip install 'transformers>=5.5')",
-              file=sys.stderr)
+        print("error: needs transformers with DeepSeek-V4 support (pip install 'transformers>=5.5')", file=sys.stderr)
         return 2
     run(a.out)
     print(f"wrote {a.out}")

@@ -40,8 +40,10 @@ def within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | float) -
     bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(diff)
     ratio = diff / bound.clamp_min(1e-300)
     i = int(ratio.flatten().argmax())
-    msg = (f"worst element {i}: |diff| {float(diff.flatten()[i]):.3e} vs bound {float(bound.flatten()[i]):.3e} "
-           f"({float(ratio.flatten()[i]):.2f} of it)")
+    msg = (
+        f"worst element {i}: |diff| {float(diff.flatten()[i]):.3e} vs bound {float(bound.flatten()[i]):.3e} "
+        f"({float(ratio.flatten()[i]):.2f} of it)"
+    )
     return bool((diff <= bound).all()), msg
 
 
@@ -52,17 +54,18 @@ def hc_mix_error(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> tuple[to
     Terms: the K = hc*d products summed (gamma(K) * r * sum |fn x|); the mean of squares, a sum of positive
     terms (relative gamma(K)), through rsqrt (relative half of it, plus FUNC_ULPS u); the final product (u).
     """
-    xf = x.double().flatten(-2)                                                  # [..., K]
+    xf = x.double().flatten(-2)  # [..., K]
     k = xf.size(-1)
-    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)              # [..., 1]
-    mixes = (xf @ fn.double().t()) * r                                            # [..., mix]
-    mag = (xf.abs() @ fn.double().abs().t()) * r                                 # r * sum |fn x|
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)  # [..., 1]
+    mixes = (xf @ fn.double().t()) * r  # [..., mix]
+    mag = (xf.abs() @ fn.double().abs().t()) * r  # r * sum |fn x|
     rel_r = gamma(k) / 2 + FUNC_ULPS * U32
     return mixes, (gamma(k) + rel_r + U32) * mag
 
 
-def hc_weighted_sum_error(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-                          norm_eps: float, hc_eps: float) -> torch.Tensor:
+def hc_weighted_sum_error(
+    x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float, hc_eps: float
+) -> torch.Tensor:
     """Bound on |v - exact| for v = sum_h pre_h x_h in fp32, pre_h = sigmoid(mix_h * scale + base_h) + eps
     (hc_pre's sublayer input and hc_head's output before their rounding to x.dtype) -> [..., d].
 
@@ -71,6 +74,6 @@ def hc_weighted_sum_error(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor
     """
     hc = x.size(-2)
     _, mix_err = hc_mix_error(x, fn, norm_eps)
-    pre_err = abs(float(scale[0])) / 4 * mix_err[..., :hc] + FUNC_ULPS * U32               # [..., hc]
-    xa = x.double().abs()                                                                  # [..., hc, d]
+    pre_err = abs(float(scale[0])) / 4 * mix_err[..., :hc] + FUNC_ULPS * U32  # [..., hc]
+    xa = x.double().abs()  # [..., hc, d]
     return (pre_err.unsqueeze(-1) * xa).sum(-2) + gamma(hc) * (1 + hc_eps) * xa.sum(-2)

@@ -30,8 +30,12 @@ def _seed():
 
 
 def pytest_addoption(parser):
-    parser.addoption("--fuzz-cases", type=int, default=None,
-                     help="cases of the checkpoint corruption fuzzer (default: DSV4_FUZZ_CASES or 300)")
+    parser.addoption(
+        "--fuzz-cases",
+        type=int,
+        default=None,
+        help="cases of the checkpoint corruption fuzzer (default: DSV4_FUZZ_CASES or 300)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -66,8 +66,10 @@ def interpret_unless_cuda(monkeypatch) -> None:
 def poison_allocator(monkeypatch, module) -> None:
     """The backend module's output allocator (`module._alloc`) hands out NaN-filled memory (integer outputs:
     all bits set, the E4M3 NaN byte for FP8 codes): every element a kernel should write must be written."""
+
     def alloc(*shape, dtype=None, device=None):
         dtype = dtype or torch.get_default_dtype()
         fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
         return torch.full(*shape, fill, dtype=dtype, device=device)
+
     monkeypatch.setattr(module, "_alloc", alloc)

@@ -63,90 +63,199 @@ class Mutation:
 
 
 MUTATIONS: tuple[Mutation, ...] = (
-    Mutation("sink-times-scale", "ops", "dsv4/ops/reference.py",
-             "sink_col = sink.to(acc).view(1, 1, h, 1).expand(b, s, h, 1)",
-             "sink_col = (sink.to(acc) * scale).view(1, 1, h, 1).expand(b, s, h, 1)",
-             "the attention sink logit multiplied by the softmax scale", True,
-             ("tests/model/test_oracles.py::test_sparse_attention_against_float64_softmax_with_sink",)),
-    Mutation("swiglu-gate-clamped-below", "ops", "dsv4/ops/reference.py",
-             "gate = gate.clamp(max=swiglu_limit)", "gate = gate.clamp(-swiglu_limit, swiglu_limit)",
-             "the SwiGLU gate clamped from below too (reference expert FFN)", True,
-             ("tests/model/test_oracles.py::test_clamped_swiglu_against_formula",)),
-    Mutation("swiglu-gate-clamped-below-shared", "ops", "dsv4/ops/moe_shared.py",
-             "gate = gate.clamp(max=limit)", "gate = gate.clamp(-limit, limit)",
-             "the SwiGLU gate clamped from below too (grouped / triton expert FFN)", True,
-             ("tests/model/test_oracles.py::test_clamped_swiglu_against_formula",)),
-    Mutation("swiglu-up-not-clamped-below-shared", "ops", "dsv4/ops/moe_shared.py",
-             "up = up.clamp(-limit, limit)", "up = up.clamp(max=limit)",
-             "the SwiGLU up projection clamped from above only (grouped / triton expert FFN)", True,
-             ("tests/model/test_oracles.py::test_clamped_swiglu_against_formula",)),
-    Mutation("mtp-embedding-not-normed", "model", "dsv4/model/block.py",
-             "return self.e_proj(self.enorm(e)).unsqueeze(2) + self.h_proj(self.hnorm(h))",
-             "return self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(h))",
-             "the MTP block's next-token embedding not RMS-normed before e_proj", True,
-             ("tests/model/test_goldens.py::test_official_goldens_match",)),
-    Mutation("output-rotated-forward", "model", "dsv4/model/attention.py",
-             "o = apply_rope_tail(o, self.rope, positions, inverse=True)",
-             "o = apply_rope_tail(o, self.rope, positions, inverse=False)",
-             "the attention output rotated forward instead of de-rotated", True,
-             ("tests/model/test_oracles.py::test_attention_is_translation_invariant",)),
-    Mutation("fp8-kv-sim-off", "model", "dsv4/model/attention.py",
-             "        if self.cfg.fp8_kv_sim:", "        if False:",
-             "the window-KV FP8 simulation silently off", True,
-             ("tests/model/test_oracles.py::test_fp8_kv_simulation_happens",)),
-    Mutation("compressed-fp8-sim-off", "model", "dsv4/model/attention.py",
-             "        elif self.fp8_sim:", "        elif False:",
-             "the compressed-KV FP8 simulation silently off", True,
-             ("tests/model/test_oracles.py::test_fp8_kv_simulation_happens",)),
-    Mutation("compressed-rope-position", "model", "dsv4/model/attention.py",
-             "entries = apply_rope_tail(entries, self.rope, entry_ids * self.ratio)",
-             "entries = apply_rope_tail(entries, self.rope, entry_ids)",
-             "compressed entry j roped at position j instead of j * ratio", True,
-             ("tests/model/test_goldens.py::test_official_goldens_match",)),
-    Mutation("rope-wrong-direction", "ops", "dsv4/ops/reference.py",
-             "y = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)",
-             "y = torch.stack([x0 * cos + x1 * sin, -x0 * sin + x1 * cos], dim=-1).flatten(-2)",
-             "rotary embedding turning the other way (forward and inverse swapped)", True),
-    Mutation("rms-norm-sum", "ops", "dsv4/ops/reference.py",
-             "y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)",
-             "y = xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)",
-             "RMS norm over the sum of squares instead of the mean", True),
-    Mutation("compressed-visible-early", "ops", "dsv4/ops/reference.py",
-             'return j < torch.div(positions + 1, ratio, rounding_mode="floor").unsqueeze(-1)',
-             'return j <= torch.div(positions + 1, ratio, rounding_mode="floor").unsqueeze(-1)',
-             "a compressed entry visible one group before it is complete (future leak)", True),
-    Mutation("sinkhorn-one-iteration-short", "ops", "dsv4/ops/reference.py",
-             "for _ in range(iters - 1):", "for _ in range(iters - 2):",
-             "mHC Sinkhorn one (row, column) normalization short", True,
-             ("tests/model/test_oracles.py::test_hc_sinkhorn_against_hand_written_iteration",)),
-    Mutation("route-scale-dropped", "model", "dsv4/model/moe.py",
-             "return (weights * self.route_scale).float(), indices, scores",
-             "return weights.float(), indices, scores",
-             "routing weights without route_scale", True),
-    Mutation("muon-coefficient", "optimizer", "dsv4/train/muon_batched.py",
-             "NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)", "NS_COEFFICIENTS = (3.4445, -4.7750, 2.0)",
-             "a wrong Muon Newton-Schulz coefficient", False),
-    Mutation("ns-4-steps", "optimizer", "dsv4/train/optim.py",
-             "def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS,",
-             "def newton_schulz(g: torch.Tensor, steps: int = 4,",
-             "the Newton-Schulz diagnostic running 4 steps instead of 5", False,
-             ("tests/model/test_oracles.py::test_newton_schulz_diagnostic_is_five_quintic_steps",)),
-    Mutation("loader-position-not-restored", "data", "dsv4/train/data.py",
-             'self.state = LoaderState(int(d["epoch"]), int(d["index"]))',
-             'self.state = LoaderState(int(d["epoch"]), 0)',
-             "the data-loader position not restored on resume", False),
-    Mutation("expert-scale-of-expert-0", "checkpoint", "dsv4/checkpoint/quantized.py",
-             'self.fmt, getattr(self, f"{w}_q")[j], getattr(self, f"{w}_scale")[j], self.compute_dtype',
-             'self.fmt, getattr(self, f"{w}_q")[j], getattr(self, f"{w}_scale")[0], self.compute_dtype',
-             "every quantized expert dequantized with expert 0's block scales", False),
-    Mutation("fp8-scale-floor", "formats", "dsv4/formats/fp8.py",
-             'sbytes = e8m0_encode(amax / FP8_MAX, "ceil")', 'sbytes = e8m0_encode(amax / FP8_MAX / 2, "ceil")',
-             "FP8 weight block scale one power of two too small (values clamp at 448)", False,
-             ("tests/model/test_oracles.py::test_fp8_scale_bytes_from_the_formula",)),
-    Mutation("mxfp4-scale-max", "formats", "dsv4/formats/fp4.py",
-             'sbytes = e8m0_encode(amax / FP4_MAX, "ceil")', 'sbytes = e8m0_encode(amax / 4.0, "ceil")',
-             "MXFP4 block scale from amax / 4 instead of amax / 6", False,
-             ("tests/model/test_oracles.py::test_mxfp4_scale_bytes_from_the_formula",)),
+    Mutation(
+        "sink-times-scale",
+        "ops",
+        "dsv4/ops/reference.py",
+        "sink_col = sink.to(acc).view(1, 1, h, 1).expand(b, s, h, 1)",
+        "sink_col = (sink.to(acc) * scale).view(1, 1, h, 1).expand(b, s, h, 1)",
+        "the attention sink logit multiplied by the softmax scale",
+        True,
+        ("tests/model/test_oracles.py::test_sparse_attention_against_float64_softmax_with_sink",),
+    ),
+    Mutation(
+        "swiglu-gate-clamped-below",
+        "ops",
+        "dsv4/ops/reference.py",
+        "gate = gate.clamp(max=swiglu_limit)",
+        "gate = gate.clamp(-swiglu_limit, swiglu_limit)",
+        "the SwiGLU gate clamped from below too (reference expert FFN)",
+        True,
+        ("tests/model/test_oracles.py::test_clamped_swiglu_against_formula",),
+    ),
+    Mutation(
+        "swiglu-gate-clamped-below-shared",
+        "ops",
+        "dsv4/ops/moe_shared.py",
+        "gate = gate.clamp(max=limit)",
+        "gate = gate.clamp(-limit, limit)",
+        "the SwiGLU gate clamped from below too (grouped / triton expert FFN)",
+        True,
+        ("tests/model/test_oracles.py::test_clamped_swiglu_against_formula",),
+    ),
+    Mutation(
+        "swiglu-up-not-clamped-below-shared",
+        "ops",
+        "dsv4/ops/moe_shared.py",
+        "up = up.clamp(-limit, limit)",
+        "up = up.clamp(max=limit)",
+        "the SwiGLU up projection clamped from above only (grouped / triton expert FFN)",
+        True,
+        ("tests/model/test_oracles.py::test_clamped_swiglu_against_formula",),
+    ),
+    Mutation(
+        "mtp-embedding-not-normed",
+        "model",
+        "dsv4/model/block.py",
+        "return self.e_proj(self.enorm(e)).unsqueeze(2) + self.h_proj(self.hnorm(h))",
+        "return self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(h))",
+        "the MTP block's next-token embedding not RMS-normed before e_proj",
+        True,
+        ("tests/model/test_goldens.py::test_official_goldens_match",),
+    ),
+    Mutation(
+        "output-rotated-forward",
+        "model",
+        "dsv4/model/attention.py",
+        "o = apply_rope_tail(o, self.rope, positions, inverse=True)",
+        "o = apply_rope_tail(o, self.rope, positions, inverse=False)",
+        "the attention output rotated forward instead of de-rotated",
+        True,
+        ("tests/model/test_oracles.py::test_attention_is_translation_invariant",),
+    ),
+    Mutation(
+        "fp8-kv-sim-off",
+        "model",
+        "dsv4/model/attention.py",
+        "        if self.cfg.fp8_kv_sim:",
+        "        if False:",
+        "the window-KV FP8 simulation silently off",
+        True,
+        ("tests/model/test_oracles.py::test_fp8_kv_simulation_happens",),
+    ),
+    Mutation(
+        "compressed-fp8-sim-off",
+        "model",
+        "dsv4/model/attention.py",
+        "        elif self.fp8_sim:",
+        "        elif False:",
+        "the compressed-KV FP8 simulation silently off",
+        True,
+        ("tests/model/test_oracles.py::test_fp8_kv_simulation_happens",),
+    ),
+    Mutation(
+        "compressed-rope-position",
+        "model",
+        "dsv4/model/attention.py",
+        "entries = apply_rope_tail(entries, self.rope, entry_ids * self.ratio)",
+        "entries = apply_rope_tail(entries, self.rope, entry_ids)",
+        "compressed entry j roped at position j instead of j * ratio",
+        True,
+        ("tests/model/test_goldens.py::test_official_goldens_match",),
+    ),
+    Mutation(
+        "rope-wrong-direction",
+        "ops",
+        "dsv4/ops/reference.py",
+        "y = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)",
+        "y = torch.stack([x0 * cos + x1 * sin, -x0 * sin + x1 * cos], dim=-1).flatten(-2)",
+        "rotary embedding turning the other way (forward and inverse swapped)",
+        True,
+    ),
+    Mutation(
+        "rms-norm-sum",
+        "ops",
+        "dsv4/ops/reference.py",
+        "y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)",
+        "y = xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)",
+        "RMS norm over the sum of squares instead of the mean",
+        True,
+    ),
+    Mutation(
+        "compressed-visible-early",
+        "ops",
+        "dsv4/ops/reference.py",
+        'return j < torch.div(positions + 1, ratio, rounding_mode="floor").unsqueeze(-1)',
+        'return j <= torch.div(positions + 1, ratio, rounding_mode="floor").unsqueeze(-1)',
+        "a compressed entry visible one group before it is complete (future leak)",
+        True,
+    ),
+    Mutation(
+        "sinkhorn-one-iteration-short",
+        "ops",
+        "dsv4/ops/reference.py",
+        "for _ in range(iters - 1):",
+        "for _ in range(iters - 2):",
+        "mHC Sinkhorn one (row, column) normalization short",
+        True,
+        ("tests/model/test_oracles.py::test_hc_sinkhorn_against_hand_written_iteration",),
+    ),
+    Mutation(
+        "route-scale-dropped",
+        "model",
+        "dsv4/model/moe.py",
+        "return (weights * self.route_scale).float(), indices, scores",
+        "return weights.float(), indices, scores",
+        "routing weights without route_scale",
+        True,
+    ),
+    Mutation(
+        "muon-coefficient",
+        "optimizer",
+        "dsv4/train/muon_batched.py",
+        "NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)",
+        "NS_COEFFICIENTS = (3.4445, -4.7750, 2.0)",
+        "a wrong Muon Newton-Schulz coefficient",
+        False,
+    ),
+    Mutation(
+        "ns-4-steps",
+        "optimizer",
+        "dsv4/train/optim.py",
+        "def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS,",
+        "def newton_schulz(g: torch.Tensor, steps: int = 4,",
+        "the Newton-Schulz diagnostic running 4 steps instead of 5",
+        False,
+        ("tests/model/test_oracles.py::test_newton_schulz_diagnostic_is_five_quintic_steps",),
+    ),
+    Mutation(
+        "loader-position-not-restored",
+        "data",
+        "dsv4/train/data.py",
+        'self.state = LoaderState(int(d["epoch"]), int(d["index"]))',
+        'self.state = LoaderState(int(d["epoch"]), 0)',
+        "the data-loader position not restored on resume",
+        False,
+    ),
+    Mutation(
+        "expert-scale-of-expert-0",
+        "checkpoint",
+        "dsv4/checkpoint/quantized.py",
+        'self.fmt, getattr(self, f"{w}_q")[j], getattr(self, f"{w}_scale")[j], self.compute_dtype',
+        'self.fmt, getattr(self, f"{w}_q")[j], getattr(self, f"{w}_scale")[0], self.compute_dtype',
+        "every quantized expert dequantized with expert 0's block scales",
+        False,
+    ),
+    Mutation(
+        "fp8-scale-floor",
+        "formats",
+        "dsv4/formats/fp8.py",
+        'sbytes = e8m0_encode(amax / FP8_MAX, "ceil")',
+        'sbytes = e8m0_encode(amax / FP8_MAX / 2, "ceil")',
+        "FP8 weight block scale one power of two too small (values clamp at 448)",
+        False,
+        ("tests/model/test_oracles.py::test_fp8_scale_bytes_from_the_formula",),
+    ),
+    Mutation(
+        "mxfp4-scale-max",
+        "formats",
+        "dsv4/formats/fp4.py",
+        'sbytes = e8m0_encode(amax / FP4_MAX, "ceil")',
+        'sbytes = e8m0_encode(amax / 4.0, "ceil")',
+        "MXFP4 block scale from amax / 4 instead of amax / 6",
+        False,
+        ("tests/model/test_oracles.py::test_mxfp4_scale_bytes_from_the_formula",),
+    ),
 )
 
 BY_ID = {m.id: m for m in MUTATIONS}
@@ -157,7 +266,7 @@ class Outcome:
     id: str
     area: str
     semantic: bool
-    suite: str = "not run"            # killed / survived / timeout / error / not run
+    suite: str = "not run"  # killed / survived / timeout / error / not run
     conformance: str = "not run"
     suite_detail: str = ""
     conformance_detail: str = ""
@@ -175,8 +284,10 @@ def mutated_copy(m: Mutation, dest: Path) -> Path:
     text = target.read_text()
     n = text.count(m.old)
     if n != 1:
-        raise ValueError(f"mutation {m.id}: the text to replace occurs {n} times in {m.path} (must be once): "
-                         f"update the entry with the code")
+        raise ValueError(
+            f"mutation {m.id}: the text to replace occurs {n} times in {m.path} (must be once): "
+            f"update the entry with the code"
+        )
     target.write_text(text.replace(m.old, m.new))
     return dest
 
@@ -219,8 +330,9 @@ def run_conformance_cli(copy: Path, timeout: float) -> tuple[str, str]:
     return ("survived" if p.returncode == 0 else "killed"), (" | ".join(failed[:3]) or _tail(p.stdout + p.stderr))
 
 
-def run_mutation(m: Mutation, suite: bool = True, conformance: bool = True, quick: bool = False,
-                 timeout: float = 900.0) -> Outcome:
+def run_mutation(
+    m: Mutation, suite: bool = True, conformance: bool = True, quick: bool = False, timeout: float = 900.0
+) -> Outcome:
     """Apply m to a temporary copy and run the selected sides. quick: only m's own `kills` tests."""
     out = Outcome(m.id, m.area, m.semantic)
     t0 = time.perf_counter()
@@ -275,8 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     outcomes = []
     for m in chosen:
         try:
-            o = run_mutation(m, suite=not args.no_suite, conformance=not args.no_conformance, quick=args.quick,
-                             timeout=args.timeout)
+            o = run_mutation(
+                m, suite=not args.no_suite, conformance=not args.no_conformance, quick=args.quick, timeout=args.timeout
+            )
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -292,8 +405,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"outcomes": [asdict(o) for o in outcomes], "rates": rates}, indent=1))
     # the goal: every mutation killed by the suite, every semantic one by conformance too
-    missed = any(o.suite in ("survived", "error", "timeout")
-                 or (o.semantic and o.conformance in ("survived", "timeout")) for o in outcomes)
+    missed = any(
+        o.suite in ("survived", "error", "timeout") or (o.semantic and o.conformance in ("survived", "timeout"))
+        for o in outcomes
+    )
     return 1 if missed else 0
 
 

@@ -27,12 +27,22 @@ def elementwise_cases(device: torch.device | str, batch: int = 4) -> list[Case]:
         ("kv 448 of 512", "fp8_round_trip", lambda s: (rnd(batch, s, 512)[..., :448], 64)),
         ("indexer q", "fp4_round_trip", lambda s: (rnd(batch, s, 64, 128), 32)),
         ("indexer q", "hadamard", lambda s: (rnd(batch, s, 64, 128),)),
-        ("ratio 4, overlapping", "compress_pool",
-         lambda s: (rnd(batch, max(1, s // 4), 8, 512, dtype=torch.float32),
-                    rnd(batch, max(1, s // 4), 8, 512, dtype=torch.float32))),
-        ("ratio 128", "compress_pool",
-         lambda s: (rnd(batch, max(1, s // 128), 128, 512, dtype=torch.float32),
-                    rnd(batch, max(1, s // 128), 128, 512, dtype=torch.float32))),
+        (
+            "ratio 4, overlapping",
+            "compress_pool",
+            lambda s: (
+                rnd(batch, max(1, s // 4), 8, 512, dtype=torch.float32),
+                rnd(batch, max(1, s // 4), 8, 512, dtype=torch.float32),
+            ),
+        ),
+        (
+            "ratio 128",
+            "compress_pool",
+            lambda s: (
+                rnd(batch, max(1, s // 128), 128, 512, dtype=torch.float32),
+                rnd(batch, max(1, s // 128), 128, 512, dtype=torch.float32),
+            ),
+        ),
     ]
 
 
@@ -53,9 +63,15 @@ def norm_rope_cases(device: torch.device | str) -> list[Case]:
     w = torch.randn(cfg.dim, device=dev, generator=gen)
     return [
         (f"x [1, s, {cfg.dim}]", "rms_norm", lambda s: (rnd(1, s, cfg.dim), w, cfg.norm_eps)),
-        (f"q [1, s, {cfg.n_heads}, {cfg.head_dim}] no weight", "rms_norm",
-         lambda s: (rnd(1, s, cfg.n_heads, cfg.head_dim), None, cfg.norm_eps)),
-        (f"q [1, s, {cfg.n_heads}, {cfg.head_dim}]", "rope_tail",
-         lambda s: (rnd(1, s, cfg.n_heads, cfg.head_dim), pos(s), freq)),
+        (
+            f"q [1, s, {cfg.n_heads}, {cfg.head_dim}] no weight",
+            "rms_norm",
+            lambda s: (rnd(1, s, cfg.n_heads, cfg.head_dim), None, cfg.norm_eps),
+        ),
+        (
+            f"q [1, s, {cfg.n_heads}, {cfg.head_dim}]",
+            "rope_tail",
+            lambda s: (rnd(1, s, cfg.n_heads, cfg.head_dim), pos(s), freq),
+        ),
         (f"kv [1, s, {cfg.head_dim}]", "rope_tail", lambda s: (rnd(1, s, cfg.head_dim), pos(s), freq)),
     ]

@@ -30,24 +30,33 @@ from ..ops.precision import exact_accumulation
 
 @dataclass
 class SpecResult:
-    tokens: list[int]                                   # the generated tokens (after the prompt)
-    steps: int = 0                                      # verify steps (one append each)
-    verified: int = 0                                   # drafts verified
-    accepted: int = 0                                   # drafts accepted
-    lengths: list[int] = field(default_factory=list)    # verify length per step
+    tokens: list[int]  # the generated tokens (after the prompt)
+    steps: int = 0  # verify steps (one append each)
+    verified: int = 0  # drafts verified
+    accepted: int = 0  # drafts accepted
+    lengths: list[int] = field(default_factory=list)  # verify length per step
 
     def summary(self) -> dict:
-        return {"tokens": len(self.tokens), "verify_steps": self.steps,
-                "tokens_per_step": round(len(self.tokens) / max(1, self.steps), 3),
-                "drafts_verified": self.verified, "drafts_accepted": self.accepted,
-                "acceptance": round(self.accepted / self.verified, 3) if self.verified else None,
-                "mean_verify_length": round(sum(self.lengths) / max(1, len(self.lengths)), 3)}
+        return {
+            "tokens": len(self.tokens),
+            "verify_steps": self.steps,
+            "tokens_per_step": round(len(self.tokens) / max(1, self.steps), 3),
+            "drafts_verified": self.verified,
+            "drafts_accepted": self.accepted,
+            "acceptance": round(self.accepted / self.verified, 3) if self.verified else None,
+            "mean_verify_length": round(sum(self.lengths) / max(1, len(self.lengths)), 3),
+        }
 
 
 @torch.no_grad()
-def speculative_greedy(model, prompt: list[int], max_new_tokens: int, k: int | None = None,
-                       threshold: float = 0.0,
-                       plant: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> SpecResult:
+def speculative_greedy(
+    model,
+    prompt: list[int],
+    max_new_tokens: int,
+    k: int | None = None,
+    threshold: float = 0.0,
+    plant: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+) -> SpecResult:
     """Greedy decoding of `max_new_tokens` after `prompt` with the model's DSpark draft (see the module
     docstring); k (default: the block size) caps the drafts verified per step. `plant(p, drafts [1, B])`
     (tests) may replace the drafts of the block anchored at position p."""
@@ -64,19 +73,20 @@ def speculative_greedy(model, prompt: list[int], max_new_tokens: int, k: int | N
     x = int(logits[-1].argmax())
     out = SpecResult([x])
     while len(out.tokens) < max_new_tokens:
-        p = cache.pos                                                                   # x's position
-        prop = draft.propose(torch.tensor([x], device=dev), torch.tensor([p], device=dev), cache.wtable,
-                             cache.kv, greedy)
+        p = cache.pos  # x's position
+        prop = draft.propose(
+            torch.tensor([x], device=dev), torch.tensor([p], device=dev), cache.wtable, cache.kv, greedy
+        )
         n = int(verify_length(prop.confidence, threshold, k)[0])
         drafts = prop.tokens if plant is None else plant(p, prop.tokens)
-        block = torch.cat([torch.tensor([[x]], device=dev), drafts[:, :n]], 1)             # [1, n + 1]
+        block = torch.cat([torch.tensor([[x]], device=dev), drafts[:, :n]], 1)  # [1, n + 1]
         inputs = cache.step_inputs(block)
         logits, taps = model.append(block, inputs, cache.kv, return_taps=True)
-        target = logits.argmax(-1)                                                      # [n + 1]
+        target = logits.argmax(-1)  # [n + 1]
         a = int((block[0, 1:] == target[:n]).long().cumprod(0).sum())
         draft.write_context(taps, inputs, cache.kv)
         cache.advance(a + 1)
-        out.tokens += block[0, 1:a + 1].tolist() + [int(target[a])]
+        out.tokens += block[0, 1 : a + 1].tolist() + [int(target[a])]
         out.steps, out.verified, out.accepted = out.steps + 1, out.verified + n, out.accepted + a
         out.lengths.append(n)
         x = out.tokens[-1]

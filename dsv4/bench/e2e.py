@@ -109,8 +109,7 @@ def kernel_table(fn, calls: int = 3) -> tuple[float, float, list[tuple[str, floa
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e.name, []).append(e.device_time)
-    rows = sorted(((name, sum(t) / calls / 1e3, len(t) / calls) for name, t in by_name.items()),
-                  key=lambda r: -r[1])
+    rows = sorted(((name, sum(t) / calls / 1e3, len(t) / calls) for name, t in by_name.items()), key=lambda r: -r[1])
     busy = sum(e.device_time for e in kernels) / calls / 1e3
     return busy, len(kernels) / calls, rows
 
@@ -148,19 +147,28 @@ def bench_prefill(model, args, device, path: str) -> dict:
             from .graphs import GraphedPrefill
 
             ops.reset_calls()
-            prefill = GraphedPrefill(model, args.batch, args.seq, max_len)    # warm-up + capture
-            used = _backends_used()                                        # what the graph replays
+            prefill = GraphedPrefill(model, args.batch, args.seq, max_len)  # warm-up + capture
+            used = _backends_used()  # what the graph replays
             sec = _timed(lambda _: prefill.run(tokens), device, args.reps)
         else:
+
             def run(cache):
                 model.prefill(tokens, cache)
 
-            run(model.new_cache(args.batch, max_len))                      # warm-up (compiles, autotunes)
+            run(model.new_cache(args.batch, max_len))  # warm-up (compiles, autotunes)
             ops.reset_calls()
             sec = _timed(run, device, args.reps, setup=lambda: model.new_cache(args.batch, max_len))
             used = _backends_used()
-    return {"bench": "prefill", "path": path, "batch": args.batch, "seq": args.seq, "s": round(sec, 4),
-            "tokens_per_s": round(args.batch * args.seq / sec, 1), "cuda_graph": graphed, "backends": used}
+    return {
+        "bench": "prefill",
+        "path": path,
+        "batch": args.batch,
+        "seq": args.seq,
+        "s": round(sec, 4),
+        "tokens_per_s": round(args.batch * args.seq / sec, 1),
+        "cuda_graph": graphed,
+        "backends": used,
+    }
 
 
 def bench_decode(model, args, device, path: str) -> dict:
@@ -170,7 +178,7 @@ def bench_decode(model, args, device, path: str) -> dict:
         cache = model.new_cache(args.batch, max_len)
         logits = model.prefill(prompt, cache)
         nxt = logits[:, -1].argmax(-1, keepdim=True)
-        model.decode_step(nxt, cache)                                  # warm-up
+        model.decode_step(nxt, cache)  # warm-up
         state = {"nxt": nxt}
         graphed = _graphed(args, device, path)
         ops.reset_calls()
@@ -178,8 +186,9 @@ def bench_decode(model, args, device, path: str) -> dict:
             from .graphs import GraphedDecoder
 
             step = GraphedDecoder(model, cache).step
-            used = _backends_used()                                        # what the graph replays
+            used = _backends_used()  # what the graph replays
         else:
+
             def step(tokens):
                 return model.decode_step(tokens, cache)
 
@@ -190,13 +199,23 @@ def bench_decode(model, args, device, path: str) -> dict:
         sec = _timed(run, device, args.reps)
         if not graphed:
             used = _backends_used()
-        row = {"bench": "decode", "path": path, "batch": args.batch, "prompt": args.prompt,
-               "steps": args.steps, "s": round(sec, 4),
-               "tokens_per_s": round(args.batch * args.steps / sec, 2),
-               "ms_per_step": round(sec / args.steps * 1e3, 3), "cuda_graph": graphed, "backends": used}
+        row = {
+            "bench": "decode",
+            "path": path,
+            "batch": args.batch,
+            "prompt": args.prompt,
+            "steps": args.steps,
+            "s": round(sec, 4),
+            "tokens_per_s": round(args.batch * args.steps / sec, 2),
+            "ms_per_step": round(sec / args.steps * 1e3, 3),
+            "cuda_graph": graphed,
+            "backends": used,
+        }
         if args.profile and device.type == "cuda":
+
             def one():
                 state["nxt"] = step(state["nxt"])[:, -1].argmax(-1, keepdim=True)
+
             row.update(_profile_step(one, 3))
             row["host_syncs_per_step"] = _count_syncs(one)
     return row
@@ -218,8 +237,7 @@ def bench_train(model, args, device, path: str) -> dict:
     full = bool(getattr(args, "optimizer", False))
     mtp = full and cfg.n_mtp_layers > 0 and not cfg.dspark
     opt = MuonAdamW(model, OptimConfig(lr=1e-4)) if full else None
-    autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if full
-                else contextlib.nullcontext())
+    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if full else contextlib.nullcontext()
 
     def loss_fn(batch: torch.Tensor) -> dict[str, torch.Tensor]:
         if full:
@@ -253,9 +271,9 @@ def bench_train(model, args, device, path: str) -> dict:
 
                 ops.reset_calls()
                 graph = GraphedBackward(model, loss_fn, tokens, torch.bfloat16 if full else None)
-                used = _backends_used()                                    # what the graph replays
+                used = _backends_used()  # what the graph replays
 
-                if opt is not None:                 # the update replayed too, from the second call on
+                if opt is not None:  # the update replayed too, from the second call on
                     from ..train.graphed import ReplayAfterFirst
 
                     replay = ReplayAfterFirst(update)
@@ -266,11 +284,11 @@ def bench_train(model, args, device, path: str) -> dict:
                         replay()
                         opt.zero_grad()
 
-                step(None)                          # eager update (optimizer state), then the capture
+                step(None)  # eager update (optimizer state), then the capture
                 step(None)
             else:
                 step = eager_step
-                step(None)                                                 # warm-up
+                step(None)  # warm-up
                 ops.reset_calls()
             reps = _timed_reps(step, device, args.reps)
             sec = reps[len(reps) // 2]
@@ -280,10 +298,19 @@ def bench_train(model, args, device, path: str) -> dict:
         model.eval()
         model.set_options(activation_checkpointing=False)
     tok_s = args.batch * args.seq / sec
-    row = {"bench": "train", "path": path, "step": "full" if full else "fwd+bwd", "batch": args.batch,
-           "seq": args.seq, "s": round(sec, 4), "tokens_per_s": round(tok_s, 1), "cuda_graph": graphed,
-           "s_reps": [round(t, 5) for t in reps],
-           "activation_checkpointing": bool(getattr(args, "activation_checkpointing", False)), "backends": used}
+    row = {
+        "bench": "train",
+        "path": path,
+        "step": "full" if full else "fwd+bwd",
+        "batch": args.batch,
+        "seq": args.seq,
+        "s": round(sec, 4),
+        "tokens_per_s": round(tok_s, 1),
+        "cuda_graph": graphed,
+        "s_reps": [round(t, 5) for t in reps],
+        "activation_checkpointing": bool(getattr(args, "activation_checkpointing", False)),
+        "backends": used,
+    }
     if opt is not None:
         row["optimizer"] = opt.implementation | {"graphed": graphed}
     peak = peak_tflops(device, getattr(args, "peak_tflops", None))
@@ -338,8 +365,8 @@ def bench_optimizer(model, args, device, path: str) -> dict:
             opt.step()
             balance.update_bias(model, 1e-3)
 
-    step()                                                                 # warm-up: state, kernels
-    if graphed:                  # as `dsv4 train --cuda-graph` runs it: the norm read, then the captured update
+    step()  # warm-up: state, kernels
+    if graphed:  # as `dsv4 train --cuda-graph` runs it: the norm read, then the captured update
         from ..train import clipping
         from ..train.graphed import GraphedUpdate
 
@@ -353,19 +380,30 @@ def bench_optimizer(model, args, device, path: str) -> dict:
 
         captured = GraphedUpdate(update)
 
-        def step(_=None) -> None:       # noqa: F811  (the graphed step replaces the eager one)
+        def step(_=None) -> None:  # noqa: F811  (the graphed step replaces the eager one)
             total.copy_(clipping.total_norm([p.grad for p in params], device))
             norm = float(total.to("cpu", copy=True))
             if norm == norm and abs(norm) != float("inf"):
                 captured()
+
     reps = _timed_reps(step, device, args.reps)
     sec = reps[len(reps) // 2]
     n_muon = len(opt.muon_params)
     impl = opt.implementation
-    row = {"bench": "train", "path": path, "step": "optimizer", "s": round(sec, 5),
-           "s_reps": [round(t, 5) for t in reps],
-           "ms_per_step": round(sec * 1e3, 3), "muon_matrices": n_muon, "adamw_tensors": len(opt.adamw_names),
-           "muon": impl["muon"], "adamw": impl["adamw"], "cuda_graph": graphed, "backends": {}}
+    row = {
+        "bench": "train",
+        "path": path,
+        "step": "optimizer",
+        "s": round(sec, 5),
+        "s_reps": [round(t, 5) for t in reps],
+        "ms_per_step": round(sec * 1e3, 3),
+        "muon_matrices": n_muon,
+        "adamw_tensors": len(opt.adamw_names),
+        "muon": impl["muon"],
+        "adamw": impl["adamw"],
+        "cuda_graph": graphed,
+        "backends": {},
+    }
     if args.profile and device.type == "cuda":
         row.update(_profile_step(step, 3))
         row["host_syncs_per_step"] = _count_syncs(step)
@@ -375,8 +413,7 @@ def bench_optimizer(model, args, device, path: str) -> dict:
 
 
 _BENCHES = {"prefill": bench_prefill, "decode": bench_decode, "train": bench_train}
-_DEFAULTS = {"prefill": {"batch": 1, "seq": 4096}, "decode": {"batch": 1, "seq": 0},
-             "train": {"batch": 2, "seq": 2048}}
+_DEFAULTS = {"prefill": {"batch": 1, "seq": 4096}, "decode": {"batch": 1, "seq": 0}, "train": {"batch": 2, "seq": 2048}}
 
 
 def run_e2e_bench(args: argparse.Namespace) -> int:
@@ -384,9 +421,11 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     explicit = args.device not in (None, "auto")
     device = torch.device(args.device if explicit else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda" and not args.allow_cpu:
-        if explicit:                    # asked for explicitly: refused also where a GPU is present
-            raise UserError(f"dsv4 bench {args.bench} measures a CUDA device, not {device.type}; "
-                            "pass --device cpu --allow-cpu for a smoke run (not a benchmark)")
+        if explicit:  # asked for explicitly: refused also where a GPU is present
+            raise UserError(
+                f"dsv4 bench {args.bench} measures a CUDA device, not {device.type}; "
+                "pass --device cpu --allow-cpu for a smoke run (not a benchmark)"
+            )
         require_cuda(f"dsv4 bench {args.bench}", "pass --device cpu --allow-cpu for a smoke run (not a benchmark)")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     for key, val in _DEFAULTS[args.bench].items():
@@ -395,12 +434,14 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     t0 = time.time()
     only = args.bench == "train" and getattr(args, "optimizer_only", False)
     if only and args.cuda_graph and device.type != "cuda":
-        raise UserError(f"--optimizer-only --cuda-graph replays the update from a CUDA graph; this run is on "
-                        f"{device.type}: leave out --cuda-graph")
+        raise UserError(
+            f"--optimizer-only --cuda-graph replays the update from a CUDA graph; this run is on "
+            f"{device.type}: leave out --cuda-graph"
+        )
     if args.bench == "train" and (args.optimizer or only):
-        dtype = torch.float32                                          # fp32 master weights, bf16 autocast
+        dtype = torch.float32  # fp32 master weights, bf16 autocast
     if only:
-        args.dtype = "fp32"                                            # the weights it steps (no forward runs)
+        args.dtype = "fp32"  # the weights it steps (no forward runs)
     if args.bench == "decode":
         return _run_decode(args, device, dtype, t0)
     model = build_model(args.preset, device, dtype)
@@ -412,12 +453,21 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
         rows.append(row)
         if args.jsonl:
             print(json.dumps(row), flush=True)
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "preset": args.preset,
-              "dtype": args.dtype, "rows": rows, "seconds": round(time.time() - t0, 1)}
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "preset": args.preset,
+        "dtype": args.dtype,
+        "rows": rows,
+        "seconds": round(time.time() - t0, 1),
+    }
     if len(rows) == 2:
-        result["speedup"] = (round(rows[1]["s"] / rows[0]["s"], 2) if only else
-                             round(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], 2))
+        result["speedup"] = (
+            round(rows[1]["s"] / rows[0]["s"], 2)
+            if only
+            else round(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], 2)
+        )
     if args.jsonl:
         print(json.dumps({"speedup": result.get("speedup")}))
     return emit(result, render, args.json, args.jsonl)
@@ -431,19 +481,26 @@ def _load_checkpoint(path: str, device: torch.device, dtype: torch.dtype, keep_q
     model.eval()
     kept = sum(isinstance(m, (QuantLinear, QuantExperts)) for m in model.modules())
     if keep_quantized and not kept:
-        raise UserError(f"{path} stores no FP8 or FP4 weights, so --keep-quantized would time the bf16 model "
-                        "twice; make one with `dsv4 init DIR --preset small --to fp8 --expert-dtype fp4`")
+        raise UserError(
+            f"{path} stores no FP8 or FP4 weights, so --keep-quantized would time the bf16 model "
+            "twice; make one with `dsv4 init DIR --preset small --to fp8 --expert-dtype fp4`"
+        )
     return model
 
 
 def _decode_variants(args, device: torch.device, dtype: torch.dtype) -> list[tuple[str, str, object]]:
     """(label, ops path, model factory) of each timed variant, first the one the speed-up is of."""
     if args.keep_quantized and not args.model:
-        raise UserError("--keep-quantized times a checkpoint's FP8/FP4 weights: give it with --model DIR "
-                        "(e.g. from `dsv4 init DIR --preset small --to fp8 --expert-dtype fp4`)")
-    if args.model and args.keep_quantized:         # the same weights kept quantized, then dequantized
-        return [("quantized", "fast", lambda: _load_checkpoint(args.model, device, dtype, True)),
-                (args.dtype, "fast", lambda: _load_checkpoint(args.model, device, dtype, False))]
+        raise UserError(
+            "--keep-quantized times a checkpoint's FP8/FP4 weights: give it with --model DIR "
+            "(e.g. from `dsv4 init DIR --preset small --to fp8 --expert-dtype fp4`)"
+        )
+    if args.model and args.keep_quantized:  # the same weights kept quantized, then dequantized
+        return [
+            ("quantized", "fast", lambda: _load_checkpoint(args.model, device, dtype, True)),
+            (args.dtype, "fast", lambda: _load_checkpoint(args.model, device, dtype, False)),
+        ]
+
     def make():
         if args.model:
             return _load_checkpoint(args.model, device, dtype, False)
@@ -473,15 +530,21 @@ def _run_decode(args, device: torch.device, dtype: torch.dtype, t0: float) -> in
             if args.jsonl:
                 print(json.dumps(row), flush=True)
     labels = list(dict.fromkeys(r["variant"] for r in rows))
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "preset": args.model or args.preset, "dtype": args.dtype, "rows": rows,
-              "seconds": round(time.time() - t0, 1)}
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "preset": args.model or args.preset,
+        "dtype": args.dtype,
+        "rows": rows,
+        "seconds": round(time.time() - t0, 1),
+    }
     if len(labels) == 2:
         by = {(r["variant"], r["batch"]): r for r in rows}
         result["speedup_of"] = f"{labels[0]} / {labels[1]}"
-        result["speedup_by_batch"] = {b: round(by[labels[0], b]["tokens_per_s"] / by[labels[1], b]["tokens_per_s"], 2)
-                                      for b in batches}
+        result["speedup_by_batch"] = {
+            b: round(by[labels[0], b]["tokens_per_s"] / by[labels[1], b]["tokens_per_s"], 2) for b in batches
+        }
         if len(batches) == 1:
             result["speedup"] = result["speedup_by_batch"][batches[0]]
     if args.jsonl:
@@ -493,19 +556,33 @@ def render(result: dict) -> str:
     """The printed table of a run: header, tokens/s per path (with the profile numbers a row has), the
     fast path's backends and the speed-up."""
     rows = result["rows"]
-    lines = [f"{result['device']}  torch {result['torch']}  {result['date']}  preset {result['preset']} "
-             f"{result['dtype']}"]
+    lines = [
+        f"{result['device']}  torch {result['torch']}  {result['date']}  preset {result['preset']} {result['dtype']}"
+    ]
     optimizer = bool(rows) and rows[0].get("step") == "optimizer"
     for r in rows:
-        keys = ("kernels_per_step", "gpu_busy_ms_per_step", "host_syncs_per_step", "model_tflops", "mfu",
-                "muon", "adamw", "cuda_graph", "muon_matrices", "optimizer")
+        keys = (
+            "kernels_per_step",
+            "gpu_busy_ms_per_step",
+            "host_syncs_per_step",
+            "model_tflops",
+            "mfu",
+            "muon",
+            "adamw",
+            "cuda_graph",
+            "muon_matrices",
+            "optimizer",
+        )
         extra = {k: r[k] for k in keys if k in r}
-        rate = (f"{r['ms_per_step']:12.3f} ms/optimizer step" if optimizer else
-                f"{r['tokens_per_s']:12.1f} tokens/s  ({r['s']:.4f} s)")
+        rate = (
+            f"{r['ms_per_step']:12.3f} ms/optimizer step"
+            if optimizer
+            else f"{r['tokens_per_s']:12.1f} tokens/s  ({r['s']:.4f} s)"
+        )
         name = r.get("variant", r["path"])
         batch = f" batch {r['batch']:<4d}" if "variant" in r else ""
         lines.append(f"{r['bench']:8s} {name:10s}{batch} {rate}{'  ' + str(extra) if extra else ''}")
-    if "speedup_by_batch" in result:              # two models: what each ran
+    if "speedup_by_batch" in result:  # two models: what each ran
         for label in dict.fromkeys(r["variant"] for r in rows):
             lines.append(f"{label} backends: {next(r['backends'] for r in rows if r['variant'] == label)}")
     elif not optimizer:
@@ -520,51 +597,75 @@ def render(result: dict) -> str:
 
 def add_bench_parsers(subparsers) -> None:
     """Adds `prefill`, `decode` and `train` to the `dsv4 bench` subcommands (func=run_e2e_bench)."""
-    helps = {"prefill": "prompt tokens/s (model.prefill), fast backends vs the torch reference",
-             "decode": "generated tokens/s (model.decode_step), fast backends vs the torch reference",
-             "train": "training tokens/s and MFU (forward+backward; --optimizer: the full step), fast backends "
-                      "vs the torch reference"}
+    helps = {
+        "prefill": "prompt tokens/s (model.prefill), fast backends vs the torch reference",
+        "decode": "generated tokens/s (model.decode_step), fast backends vs the torch reference",
+        "train": "training tokens/s and MFU (forward+backward; --optimizer: the full step), fast backends "
+        "vs the torch reference",
+    }
     for name, text in helps.items():
         p = subparsers.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         options.add(p, "preset", default="small")
         options.add(p, "dtype", default="bf16", choices=("bf16", "fp32"))
         if name == "decode":
-            p.add_argument("--batch", type=argtypes.positive_int, nargs="+", default=None,
-                           help="sequences; several values time each (default: 1)")
+            p.add_argument(
+                "--batch",
+                type=argtypes.positive_int,
+                nargs="+",
+                default=None,
+                help="sequences; several values time each (default: 1)",
+            )
             options.add(p, "model", note="time this checkpoint instead of a --preset with random weights")
-            p.add_argument("--keep-quantized", action="store_true",
-                           help="with --model: time its FP8/FP4 weights kept quantized against the same weights "
-                                "dequantized to --dtype (the speed-up per batch)")
+            p.add_argument(
+                "--keep-quantized",
+                action="store_true",
+                help="with --model: time its FP8/FP4 weights kept quantized against the same weights "
+                "dequantized to --dtype (the speed-up per batch)",
+            )
         else:
-            p.add_argument("--batch", type=argtypes.positive_int, default=None,
-                           help="sequences (default: by bench)")
+            p.add_argument("--batch", type=argtypes.positive_int, default=None, help="sequences (default: by bench)")
         options.add(p, "seq_len", dest="seq", type=argtypes.positive_int, note="prefill, train; none = by bench")
         p.add_argument("--prompt", type=argtypes.positive_int, default=64, help="decode: untimed prompt length")
         p.add_argument("--steps", type=argtypes.positive_int, default=32, help="decode: timed steps per rep")
         p.add_argument("--reps", type=argtypes.positive_int, default=3, help="timed repetitions (median, min, max)")
-        p.add_argument("--profile", action="store_true",
-                       help="decode, train --optimizer-only: kernels, GPU ms, syncs per step")
+        p.add_argument(
+            "--profile", action="store_true", help="decode, train --optimizer-only: kernels, GPU ms, syncs per step"
+        )
         if name != "train":
             options.add(p, "cuda_graph", note=f"here the {'step' if name == 'decode' else 'prefill'}")
         p.add_argument("--no-reference", action="store_true", help="skip the torch reference path")
         if name == "train":
-            options.add(p, "cuda_graph", default=False,
-                        note="replay forward + losses + backward from one CUDA graph and (with --optimizer) the "
-                             "update (clipping, Muon + AdamW, router bias) from another: what `dsv4 train "
-                             "--cuda-graph` runs; with --optimizer-only the update alone, replayed")
+            options.add(
+                p,
+                "cuda_graph",
+                default=False,
+                note="replay forward + losses + backward from one CUDA graph and (with --optimizer) the "
+                "update (clipping, Muon + AdamW, router bias) from another: what `dsv4 train "
+                "--cuda-graph` runs; with --optimizer-only the update alone, replayed",
+            )
             which = p.add_mutually_exclusive_group()
-            which.add_argument("--optimizer", action="store_true",
-                               help="time the whole training step as `dsv4 train` runs it: fp32 master weights, "
-                                    "bf16 autocast, all losses, clipping, Muon + AdamW step, router bias update")
-            which.add_argument("--optimizer-only", action="store_true",
-                               help="time the optimizer part of the step alone (clipping, Muon + AdamW, router "
-                                    "bias) on random gradients, fast vs old path, ms per step (--profile: "
-                                    "kernels and host syncs per step)")
-            p.add_argument("--activation-checkpointing", action="store_true",
-                           help="recompute each block's forward in backward (the MFU counts the model's FLOPs, "
-                                "not the recomputation): how `medium` fits one H200")
-            p.add_argument("--peak-tflops", type=argtypes.positive_float,
-                           help="device bf16 peak for MFU (default: known GPUs)")
+            which.add_argument(
+                "--optimizer",
+                action="store_true",
+                help="time the whole training step as `dsv4 train` runs it: fp32 master weights, "
+                "bf16 autocast, all losses, clipping, Muon + AdamW step, router bias update",
+            )
+            which.add_argument(
+                "--optimizer-only",
+                action="store_true",
+                help="time the optimizer part of the step alone (clipping, Muon + AdamW, router "
+                "bias) on random gradients, fast vs old path, ms per step (--profile: "
+                "kernels and host syncs per step)",
+            )
+            p.add_argument(
+                "--activation-checkpointing",
+                action="store_true",
+                help="recompute each block's forward in backward (the MFU counts the model's FLOPs, "
+                "not the recomputation): how `medium` fits one H200",
+            )
+            p.add_argument(
+                "--peak-tflops", type=argtypes.positive_float, help="device bf16 peak for MFU (default: known GPUs)"
+            )
         options.add(p, "device")
         options.add(p, "threads")
         p.add_argument("--allow-cpu", action="store_true", help="run on CPU (smoke test, not a benchmark)")

@@ -31,8 +31,9 @@ from .. import argtypes, options
 from ..errors import UserError
 
 
-def _work(vocab: int, n: int, prompt_len: int, output_len: int, spread: float,
-          seed: int) -> list[tuple[list[int], int]]:
+def _work(
+    vocab: int, n: int, prompt_len: int, output_len: int, spread: float, seed: int
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
 
     def draw(mean: int) -> int:
@@ -66,8 +67,15 @@ def drive(engine, work: list[tuple[list[int], int]], clients: int, tag: str = "r
             active -= out.finished
         steps += 1
     wall = time.perf_counter() - t0
-    return {"tokens": tokens, "steps": steps, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "steps_per_s": steps / wall, "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99)}
+    return {
+        "tokens": tokens,
+        "steps": steps,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "steps_per_s": steps / wall,
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+    }
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -84,8 +92,11 @@ def spread(values: list[float]) -> dict:
 
 def gpu_busy(prof) -> float | None:
     """Fraction of the profiled window during which some CUDA kernel ran (union of kernel intervals)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
     if not spans:
         return None
     busy, cur_s, cur_e = 0.0, *spans[0]
@@ -106,9 +117,10 @@ def _profile(engine, work, clients: int, out_dir: Path) -> dict:
     from ..engine import SamplingParams
 
     for i, (prompt, n) in enumerate(work[:clients]):
-        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=max(n, 64), temperature=1.0, seed=i,
-                                                           ignore_eos=True))
-    for _ in range(8):                                     # prompts computed, decoding under way
+        engine.add_request(
+            f"p{i}", prompt, SamplingParams(max_tokens=max(n, 64), temperature=1.0, seed=i, ignore_eos=True)
+        )
+    for _ in range(8):  # prompts computed, decoding under way
         engine.step()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     with profile(activities=acts) as prof:
@@ -119,7 +131,7 @@ def _profile(engine, work, clients: int, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = out_dir / f"engine-{clients}-clients.json"
     prof.export_chrome_trace(str(raw))
-    trace = raw.with_suffix(".json.gz")                    # (Perfetto and chrome://tracing read it as it is)
+    trace = raw.with_suffix(".json.gz")  # (Perfetto and chrome://tracing read it as it is)
     with raw.open("rb") as src, gzip.open(trace, "wb") as dst:
         shutil.copyfileobj(src, dst)
     raw.unlink()
@@ -141,47 +153,65 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     from ..loading import resolve_config
 
     spec = EngineSpec.from_args(args).resolved()
-    check_engine_options(spec, resolve_config(spec.source))          # before any weights are read
+    check_engine_options(spec, resolve_config(spec.source))  # before any weights are read
     from ..defaults import set_threads
 
     set_threads(spec.threads)
     model, _tok, _name, desc = load(spec)
     device = model.embed.weight.device
-    result: dict = {"bench": "engine", "model": desc, "dtype": spec.source.dtype, "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "output_len": args.output_len,
-                    "spread": args.spread, "repeats": args.repeats, "runs": {}}
+    result: dict = {
+        "bench": "engine",
+        "model": desc,
+        "dtype": spec.source.dtype,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "spread": args.spread,
+        "repeats": args.repeats,
+        "runs": {},
+    }
     for clients in args.clients:
         requests = args.requests or 4 * clients
         work = _work(model.cfg.vocab_size, requests, args.prompt_len, args.output_len, args.spread, args.seed)
         longest = max(len(p) + n for p, n in work)
-        config = dataclasses.replace(spec, max_num_seqs=clients,
-                                     max_model_len=min(model.cfg.max_seq_len, max(longest + 1, 256))).engine_config()
+        config = dataclasses.replace(
+            spec, max_num_seqs=clients, max_model_len=min(model.cfg.max_seq_len, max(longest + 1, 256))
+        ).engine_config()
         engine = Engine(model, config)
         t0 = time.perf_counter()
         graphs = engine.warmup()
         warm = time.perf_counter() - t0
-        drive(engine, work[:2 * clients], clients, "w")                 # untimed: caches, allocator, buckets
+        drive(engine, work[: 2 * clients], clients, "w")  # untimed: caches, allocator, buckets
         at_ready = compiles.count()
         runs, phases = [], []
         for r in range(args.repeats):
             before = dict(engine.timing)
             runs.append(drive(engine, work, clients, f"t{r}-"))
             phases.append({k: (engine.timing[k] - before[k]) / runs[-1]["steps"] * 1e3 for k in before})
-        row = {"clients": clients, "requests": requests, "graphs": graphs, "warmup_s": warm,
-               "graph_steps": engine.runner.graph_steps, "eager_steps": engine.runner.eager_steps,
-               "late_captures": engine.runner.late_captures,
-               "compiles_after_warmup": None if at_ready is None else compiles.count() - at_ready,
-               "tokens_per_s": spread([x["tokens_per_s"] for x in runs]),
-               "steps_per_s": spread([x["steps_per_s"] for x in runs]),
-               "ttft_p50_s": spread([x["ttft_p50_s"] for x in runs]),
-               "ttft_p99_s": spread([x["ttft_p99_s"] for x in runs]),
-               "host_ms_per_step": {k: statistics.median(p[k] for p in phases) for k in phases[0]}}
+        row = {
+            "clients": clients,
+            "requests": requests,
+            "graphs": graphs,
+            "warmup_s": warm,
+            "graph_steps": engine.runner.graph_steps,
+            "eager_steps": engine.runner.eager_steps,
+            "late_captures": engine.runner.late_captures,
+            "compiles_after_warmup": None if at_ready is None else compiles.count() - at_ready,
+            "tokens_per_s": spread([x["tokens_per_s"] for x in runs]),
+            "steps_per_s": spread([x["steps_per_s"] for x in runs]),
+            "ttft_p50_s": spread([x["ttft_p50_s"] for x in runs]),
+            "ttft_p99_s": spread([x["ttft_p99_s"] for x in runs]),
+            "host_ms_per_step": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
+        }
         if args.speculative:
-            row["speculative"] = engine.metrics()["speculative"]       # since the engine started (warm-up too)
+            row["speculative"] = engine.metrics()["speculative"]  # since the engine started (warm-up too)
         if not args.no_raw:
-            raw = [_raw_decode_rate(model, clients, args.prompt_len, max(16, args.output_len), device)
-                   for _ in range(args.repeats)]
+            raw = [
+                _raw_decode_rate(model, clients, args.prompt_len, max(16, args.output_len), device)
+                for _ in range(args.repeats)
+            ]
             row["raw_decode_tokens_per_s"] = spread([x["tokens_per_s"] for x in raw])
             row["fraction_of_raw_decode"] = row["tokens_per_s"]["median"] / row["raw_decode_tokens_per_s"]["median"]
         if args.profile:
@@ -204,56 +234,90 @@ def _fmt(s: dict, scale: float = 1.0, unit: str = "") -> str:
 
 
 def _print_row(r: dict) -> None:
-    print(f"{r['clients']} clients, {r['requests']} requests: {_fmt(r['tokens_per_s'])} output tokens/s, "
-          f"{_fmt(r['steps_per_s'])} steps/s (median of {r['tokens_per_s']['runs']}, min-max)")
+    print(
+        f"{r['clients']} clients, {r['requests']} requests: {_fmt(r['tokens_per_s'])} output tokens/s, "
+        f"{_fmt(r['steps_per_s'])} steps/s (median of {r['tokens_per_s']['runs']}, min-max)"
+    )
     if "raw_decode_tokens_per_s" in r:
-        print(f"  raw decode at batch {r['clients']}: {_fmt(r['raw_decode_tokens_per_s'])} tokens/s: the engine "
-              f"reaches {r['fraction_of_raw_decode']:.0%} of it")
+        print(
+            f"  raw decode at batch {r['clients']}: {_fmt(r['raw_decode_tokens_per_s'])} tokens/s: the engine "
+            f"reaches {r['fraction_of_raw_decode']:.0%} of it"
+        )
     print(f"  TTFT p50 {_fmt(r['ttft_p50_s'], 1e3, ' ms')}, p99 {_fmt(r['ttft_p99_s'], 1e3, ' ms')}")
     print("  host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items()))
-    print(f"  {r['graphs']} graphs captured in {r['warmup_s']:.1f} s; {r['graph_steps']} graph steps, "
-          f"{r['eager_steps']} eager, {r['late_captures']} late captures, "
-          f"{r['compiles_after_warmup']} kernel compilations after the warm-up")
+    print(
+        f"  {r['graphs']} graphs captured in {r['warmup_s']:.1f} s; {r['graph_steps']} graph steps, "
+        f"{r['eager_steps']} eager, {r['late_captures']} late captures, "
+        f"{r['compiles_after_warmup']} kernel compilations after the warm-up"
+    )
     if "speculative" in r:
         st = r["speculative"]
         lengths = st["verify_lengths"]
         rows = max(1, sum(lengths))
-        print(f"  speculative: {st['accepted']} of {st['drafted']} drafts accepted "
-              f"({st['accepted'] / max(1, st['drafted']):.0%}), {1 + st['accepted'] / max(1, st['verify_steps']):.2f} "
-              f"tokens per verify, {sum(n * c for n, c in enumerate(lengths)) / rows:.2f} drafts verified per "
-              f"decode row, {st['fixed_steps']} fixed-shape steps")
+        print(
+            f"  speculative: {st['accepted']} of {st['drafted']} drafts accepted "
+            f"({st['accepted'] / max(1, st['drafted']):.0%}), {1 + st['accepted'] / max(1, st['verify_steps']):.2f} "
+            f"tokens per verify, {sum(n * c for n, c in enumerate(lengths)) / rows:.2f} drafts verified per "
+            f"decode row, {st['fixed_steps']} fixed-shape steps"
+        )
     if "profile" in r:
         busy = r["profile"]["gpu_busy"]
-        print(f"  profile of 20 steps: {r['profile']['trace']}"
-              + (f", GPU busy {busy:.1%} of the window" if busy is not None else ""))
+        print(
+            f"  profile of 20 steps: {r['profile']['trace']}"
+            + (f", GPU busy {busy:.1%} of the window" if busy is not None else "")
+        )
 
 
 def add_bench_engine_parser(subparsers) -> None:
     from ..loading import add_model_args
 
-    p = subparsers.add_parser("engine", help="the serving engine's throughput in this process (no HTTP): tokens/s "
-                                             "against the raw batched decode rate, host time per step")
+    p = subparsers.add_parser(
+        "engine",
+        help="the serving engine's throughput in this process (no HTTP): tokens/s "
+        "against the raw batched decode rate, host time per step",
+    )
     add_model_args(p, "the shipped model")
     options.device_options(p)
-    p.add_argument("--clients", type=argtypes.positive_int, nargs="+", default=[16],
-                   help="requests in flight, one engine per value (default 16)")
-    p.add_argument("--requests", type=argtypes.positive_int, default=None,
-                   help="requests per run (default 4 x clients)")
+    p.add_argument(
+        "--clients",
+        type=argtypes.positive_int,
+        nargs="+",
+        default=[16],
+        help="requests in flight, one engine per value (default 16)",
+    )
+    p.add_argument(
+        "--requests", type=argtypes.positive_int, default=None, help="requests per run (default 4 x clients)"
+    )
     p.add_argument("--prompt-len", type=argtypes.positive_int, default=128, help="mean prompt tokens (default 128)")
     p.add_argument("--output-len", type=argtypes.positive_int, default=64, help="mean output tokens (default 64)")
-    p.add_argument("--spread", type=argtypes.float_in(0.0, 1.0, hi_open=True), default=0.25,
-                   help="lengths uniform in mean*(1 +- spread) (default 0.25)")
+    p.add_argument(
+        "--spread",
+        type=argtypes.float_in(0.0, 1.0, hi_open=True),
+        default=0.25,
+        help="lengths uniform in mean*(1 +- spread) (default 0.25)",
+    )
     p.add_argument("--repeats", type=argtypes.positive_int, default=3, help="timed runs per client count (default 3)")
-    p.add_argument("--max-batch-tokens", type=argtypes.positive_int, default=None,
-                   help="tokens per engine step (default: the engine's)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant numbers, as `dsv4 serve --deterministic` (its price is what this measures)")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=argtypes.positive_int,
+        default=None,
+        help="tokens per engine step (default: the engine's)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant numbers, as `dsv4 serve --deterministic` (its price is what this measures)",
+    )
     options.add(p, "speculative")
     options.add(p, "speculative_threshold")
     options.add(p, "cuda_graph")
     p.add_argument("--no-raw", action="store_true", help="skip the raw batched decode measurement")
-    p.add_argument("--profile", metavar="DIR", default=None,
-                   help="also write a profiler trace of 20 steps per client count and report GPU busy time")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="also write a profiler trace of 20 steps per client count and report GPU busy time",
+    )
     options.add(p, "seed", default=0, note="of the prompts and lengths")
     p.add_argument("--out", metavar="FILE", default=None, help="write the result as JSON")
     options.add(p, "json")

@@ -60,9 +60,12 @@ def check_inference(cfg: ModelConfig, dev: torch.device, seq: int = 256, new: in
         out_g.append(nxt_g)
     same_tokens = bool(torch.equal(torch.cat(out_e, 1), torch.cat(out_g, 1)))
     err = _rel(first, eager)
-    return {"prefill_rel_err": err, "prefill_replays_identical": bool(torch.equal(first, second)),
-            "decode_tokens_identical": same_tokens,
-            "ok": err <= 2e-2 and bool(torch.equal(first, second)) and same_tokens}
+    return {
+        "prefill_rel_err": err,
+        "prefill_replays_identical": bool(torch.equal(first, second)),
+        "decode_tokens_identical": same_tokens,
+        "ok": err <= 2e-2 and bool(torch.equal(first, second)) and same_tokens,
+    }
 
 
 def check_training(cfg: ModelConfig, dev: torch.device, steps: int = 3, batch: int = 2, seq: int = 512) -> dict:
@@ -77,7 +80,7 @@ def check_training(cfg: ModelConfig, dev: torch.device, steps: int = 3, batch: i
         m.load_state_dict(models[0].state_dict())
     eager, eager2, graphed = models
     optims = [MuonAdamW(m, OptimConfig(lr=1e-3)) for m in models]
-    mtp = cfg.n_mtp_layers > 0 and not cfg.dspark          # (a DSpark draft trains through model.dspark)
+    mtp = cfg.n_mtp_layers > 0 and not cfg.dspark  # (a DSpark draft trains through model.dspark)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(2, cfg.vocab_size, (batch, seq), generator=gen).to(dev) for _ in range(steps)]
 
@@ -91,16 +94,26 @@ def check_training(cfg: ModelConfig, dev: torch.device, steps: int = 3, batch: i
         return float(loss.detach())
 
     def grad_gap(a: DeepSeekV4, b: DeepSeekV4) -> float:
-        return max(_rel(pb.grad, pa.grad) for pa, pb in zip(a.parameters(), b.parameters())
-                   if pa.grad is not None and pa.grad.abs().max() > 0)
+        return max(
+            _rel(pb.grad, pa.grad)
+            for pa, pb in zip(a.parameters(), b.parameters())
+            if pa.grad is not None and pa.grad.abs().max() > 0
+        )
 
     step = GraphedBackward(graphed, loss_fn, batches[0], torch.bfloat16)
     rows = []
     for x in batches:
         le, le2 = eager_loss(eager, x), eager_loss(eager2, x)
         lg = float(step.run(x)["loss"])
-        rows.append({"loss_eager": le, "loss_eager2": le2, "loss_graph": lg,
-                     "grad_gap_eager2": grad_gap(eager, eager2), "grad_gap_graph": grad_gap(eager, graphed)})
+        rows.append(
+            {
+                "loss_eager": le,
+                "loss_eager2": le2,
+                "loss_graph": lg,
+                "grad_gap_eager2": grad_gap(eager, eager2),
+                "grad_gap_graph": grad_gap(eager, graphed),
+            }
+        )
         for m, opt in zip(models, optims):
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             opt.step()
@@ -116,12 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", nargs="+", default=["tiny", "small"])
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args(argv)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS starts: fixed GEMM order
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: fixed GEMM order
     try:
         dev = require_cuda("python3 -m dsv4.bench.graph_check", "it compares CUDA-graph replays with eager runs")
     except UserError as e:
         return refused(e)
-    ops.set_deterministic(True)                 # bit-repeatable backends where they offer it
+    ops.set_deterministic(True)  # bit-repeatable backends where they offer it
     ok = True
     for preset in args.presets:
         cfg = ModelConfig.preset(preset)

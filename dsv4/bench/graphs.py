@@ -35,7 +35,7 @@ class GraphedDecoder:
         host_pos = cache.pos
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):                        # compile / autotune kernels outside the graph
+        with torch.cuda.stream(side):  # compile / autotune kernels outside the graph
             for _ in range(warmup):
                 model.decode_step(self.tokens, cache)
                 cache.pos = host_pos
@@ -45,7 +45,7 @@ class GraphedDecoder:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = model.decode_step(self.tokens, cache)
-        cache.pos = host_pos                                 # capture records, it does not run
+        cache.pos = host_pos  # capture records, it does not run
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -79,8 +79,15 @@ class GraphedPrefill:
     on from it (e.g. with `GraphedDecoder`). The returned logits tensor is reused by every replay.
     """
 
-    def __init__(self, model: DeepSeekV4, batch: int, seq: int, max_len: int | None = None,
-                 last_only: bool = True, warmup: int = 2):
+    def __init__(
+        self,
+        model: DeepSeekV4,
+        batch: int,
+        seq: int,
+        max_len: int | None = None,
+        last_only: bool = True,
+        warmup: int = 2,
+    ):
         dev = model.embed.weight.device
         if dev.type != "cuda":
             raise ValueError(f"CUDA graphs need a model on a CUDA device, this one is on {dev}")
@@ -91,7 +98,7 @@ class GraphedPrefill:
         self._initial = _initial_state(self.cache)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):                        # compile / autotune kernels outside the graph
+        with torch.cuda.stream(side):  # compile / autotune kernels outside the graph
             for _ in range(warmup):
                 self._reset()
                 model.prefill(self.tokens, self.cache, last_only=last_only)
@@ -101,7 +108,7 @@ class GraphedPrefill:
         with torch.cuda.graph(self.graph):
             self._reset()
             self.logits = model.prefill(self.tokens, self.cache, last_only=last_only)
-        self.cache.pos = 0                                   # capture records, it does not run
+        self.cache.pos = 0  # capture records, it does not run
 
     def _reset(self) -> None:
         for live, snapshot in self._initial:
@@ -114,8 +121,10 @@ class GraphedPrefill:
     def run(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, 1 or seq, vocab] (the graph's output buffer)."""
         if tuple(tokens.shape) != self.shape or tokens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"this graph was captured for integer tokens of shape {list(self.shape)}, got "
-                             f"{list(tokens.shape)} {tokens.dtype}")
+            raise ValueError(
+                f"this graph was captured for integer tokens of shape {list(self.shape)}, got "
+                f"{list(tokens.shape)} {tokens.dtype}"
+            )
         self.model._check_tokens(tokens)
         self.tokens.copy_(tokens)
         self.graph.replay()

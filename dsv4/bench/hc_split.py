@@ -46,7 +46,7 @@ def check(t: int, d: int, device: torch.device, timing: bool) -> dict:
     mhc = importlib.import_module("dsv4.ops.triton.mhc")
     g = torch.Generator(device=device).manual_seed(t * 7 + d)
     hc, mix = 4, 24
-    x = torch.randn(t, 1, hc, d, device=device, generator=g).bfloat16()             # [b, s, hc, d]
+    x = torch.randn(t, 1, hc, d, device=device, generator=g).bfloat16()  # [b, s, hc, d]
     fn = torch.randn(mix, hc * d, device=device, generator=g) * (hc * d) ** -0.5
     scale = torch.rand(3, device=device, generator=g) + 0.5
     base = torch.randn(mix, device=device, generator=g) * 0.3
@@ -76,10 +76,18 @@ def check(t: int, d: int, device: torch.device, timing: bool) -> dict:
     finally:
         mhc.SPLIT_K = saved
     (sp, sh_), (si, si_h) = out["split"], out["single"]
-    row["split_vs_single"] = {"y": _max_rel(sp[0], si[0]), "post": _max_rel(sp[1], si[1]),
-                              "comb": _max_rel(sp[2], si[2]), "head": _max_rel(sh_, si_h)}
-    row["split_vs_ref"] = {"y": _max_rel(sp[0], ref[0]), "post": _max_rel(sp[1], ref[1]),
-                           "comb": _max_rel(sp[2], ref[2]), "head": _max_rel(sh_, ref_h)}
+    row["split_vs_single"] = {
+        "y": _max_rel(sp[0], si[0]),
+        "post": _max_rel(sp[1], si[1]),
+        "comb": _max_rel(sp[2], si[2]),
+        "head": _max_rel(sh_, si_h),
+    }
+    row["split_vs_ref"] = {
+        "y": _max_rel(sp[0], ref[0]),
+        "post": _max_rel(sp[1], ref[1]),
+        "comb": _max_rel(sp[2], ref[2]),
+        "head": _max_rel(sh_, ref_h),
+    }
     row["bitwise_repeat"] = all(torch.equal(a, b) for a, b in zip([*again[0], again[1]], [*sp, sh_]))
     return row
 

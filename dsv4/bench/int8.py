@@ -54,8 +54,9 @@ def _config(preset: str, layers: int | None):
 
     cfg = ModelConfig.preset(preset)
     if layers is not None and layers < cfg.n_layers:
-        cfg = cfg.replace(n_layers=layers, compress_ratios=cfg.compress_ratios[:layers]
-                          + cfg.compress_ratios[cfg.n_layers:])
+        cfg = cfg.replace(
+            n_layers=layers, compress_ratios=cfg.compress_ratios[:layers] + cfg.compress_ratios[cfg.n_layers :]
+        )
     return cfg
 
 
@@ -101,8 +102,12 @@ def speed_child(opts: dict) -> dict:
     torch.manual_seed(0)
     model = load(opts, opts["quant_mode"], opts["dtype"], opts["device"])
     weights = _nbytes(list(model.parameters()) + list(model.buffers()))
-    out = {"mode": opts["label"], "weights_mib": round(weights / 2**20, 2), "rss_after_load_mib": round(_rss_mib(), 1),
-           "batches": []}
+    out = {
+        "mode": opts["label"],
+        "weights_mib": round(weights / 2**20, 2),
+        "rss_after_load_mib": round(_rss_mib(), 1),
+        "batches": [],
+    }
     for b in opts["batch"]:
         g = torch.Generator().manual_seed(b)
         prompt = torch.randint(2, model.cfg.vocab_size, (b, opts["prompt"]), generator=g).to(device)
@@ -112,7 +117,7 @@ def speed_child(opts: dict) -> dict:
         def step(t: torch.Tensor, cache=cache) -> torch.Tensor:
             return model.decode_step(t, cache)
 
-        for _ in range(2):                                             # warm-up (autotune, first-call costs)
+        for _ in range(2):  # warm-up (autotune, first-call costs)
             nxt = step(nxt)[:, -1].argmax(-1, keepdim=True)
         if device.type == "cuda" and opts["cuda_graph"]:
             from .graphs import GraphedDecoder
@@ -126,9 +131,12 @@ def speed_child(opts: dict) -> dict:
             nxt = step(nxt)[:, -1].argmax(-1, keepdim=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        row = {"batch": b, "tokens_per_s": b * opts["steps"] / (time.perf_counter() - t0),
-               "cache_mib": round(_nbytes(cache.tensors()) / 2**20, 2),
-               "backends": sorted({f"{op}={be}" for op, be in ops.calls() if op.startswith(("int8", "fp8", "act"))})}
+        row = {
+            "batch": b,
+            "tokens_per_s": b * opts["steps"] / (time.perf_counter() - t0),
+            "cache_mib": round(_nbytes(cache.tensors()) / 2**20, 2),
+            "backends": sorted({f"{op}={be}" for op, be in ops.calls() if op.startswith(("int8", "fp8", "act"))}),
+        }
         if device.type == "cuda":
             row["cuda_peak_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
         out["batches"].append(row)
@@ -137,12 +145,15 @@ def speed_child(opts: dict) -> dict:
 
 
 def _child(opts: dict) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                       os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+    )
     if opts.get("threads"):
         env["OMP_NUM_THREADS"] = str(opts["threads"])
-    proc = subprocess.run([sys.executable, "-m", "dsv4.bench.int8", "--child", json.dumps(opts)],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsv4.bench.int8", "--child", json.dumps(opts)], capture_output=True, text=True, env=env
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"mode {opts['label']} failed: {proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -155,12 +166,26 @@ def run_speed(args: argparse.Namespace) -> list[dict]:
     modes = [parse_mode(m, args.device) for m in args.modes]
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in modes}
     for r in range(args.runs):
-        for label, quant_mode, dtype in (modes if r % 2 == 0 else modes[::-1]):
-            runs[label].append(_child({
-                "model": args.model, "preset": args.preset, "layers": args.layers, "seed": args.seed,
-                "device": args.device, "label": label, "quant_mode": quant_mode, "dtype": dtype,
-                "batch": args.batch, "prompt": args.prompt, "steps": args.steps, "threads": args.threads,
-                "cuda_graph": args.cuda_graph}))
+        for label, quant_mode, dtype in modes if r % 2 == 0 else modes[::-1]:
+            runs[label].append(
+                _child(
+                    {
+                        "model": args.model,
+                        "preset": args.preset,
+                        "layers": args.layers,
+                        "seed": args.seed,
+                        "device": args.device,
+                        "label": label,
+                        "quant_mode": quant_mode,
+                        "dtype": dtype,
+                        "batch": args.batch,
+                        "prompt": args.prompt,
+                        "steps": args.steps,
+                        "threads": args.threads,
+                        "cuda_graph": args.cuda_graph,
+                    }
+                )
+            )
     rows = []
     for got in runs.values():
         row = {k: got[0][k] for k in ("mode", "weights_mib", "rss_after_load_mib")}
@@ -168,8 +193,15 @@ def run_speed(args: argparse.Namespace) -> list[dict]:
         row["batches"] = []
         for i, b in enumerate(got[0]["batches"]):
             rates = sorted(g["batches"][i]["tokens_per_s"] for g in got)
-            row["batches"].append({**b, "tokens_per_s": round(statistics.median(rates), 2),
-                                   "min": round(rates[0], 2), "max": round(rates[-1], 2), "runs": len(rates)})
+            row["batches"].append(
+                {
+                    **b,
+                    "tokens_per_s": round(statistics.median(rates), 2),
+                    "min": round(rates[0], 2),
+                    "max": round(rates[-1], 2),
+                    "runs": len(rates),
+                }
+            )
         rows.append(row)
     return rows
 
@@ -208,29 +240,38 @@ def run_accuracy(args: argparse.Namespace) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.model
-        if ckpt is None:                                # random weights as an FP8 + MXFP4 release checkpoint
+        if ckpt is None:  # random weights as an FP8 + MXFP4 release checkpoint
             src = load({"preset": args.preset, "layers": args.layers, "seed": args.seed}, "w8a16", "fp32", "cpu")
             ckpt = str(save(model_values(src), src.cfg, Path(tmp) / "ckpt", "fp8", expert_dtype="fp4"))
             del src
         dev = args.device
-        models = {m: load_pretrained(ckpt, dtype=torch.float32, device=dev, quant_mode=m, progress=False)
-                  for m in ("w8a8", "int8", "w8a16")}
+        models = {
+            m: load_pretrained(ckpt, dtype=torch.float32, device=dev, quant_mode=m, progress=False)
+            for m in ("w8a8", "int8", "w8a16")
+        }
     ref = models["w8a8"]
     stored = sorted(set(quantized_modules(ref).values()))
-    result = {"checkpoint": args.model or f"{args.preset} random weights (seed {args.seed}, "
-              f"{ref.cfg.n_layers} layers) as FP8 + MXFP4", "stored_formats": stored, "tokens": args.max_new_tokens,
-              "prompts": [], "device": dev}
+    result = {
+        "checkpoint": args.model
+        or f"{args.preset} random weights (seed {args.seed}, {ref.cfg.n_layers} layers) as FP8 + MXFP4",
+        "stored_formats": stored,
+        "tokens": args.max_new_tokens,
+        "prompts": [],
+        "device": dev,
+    }
     for prompt in _prompts(args.model, ref.cfg.vocab_size, args.prompts):
         want = _greedy(ref, prompt, args.max_new_tokens)
         seq = torch.tensor([prompt + want], device=dev)
         lo = len(prompt) - 1
-        logits = {m: mod(seq).logits[0, lo:-1].double() for m, mod in models.items()}   # [tokens, vocab]
+        logits = {m: mod(seq).logits[0, lo:-1].double() for m, mod in models.items()}  # [tokens, vocab]
         target = torch.tensor(want, device=dev)
         row = {"prompt_tokens": len(prompt)}
         for m in ("int8", "w8a16", "w8a8"):
-            row[m] = {"logits_rel_l2": round(float((logits[m] - logits["w8a8"]).norm() / logits["w8a8"].norm()), 5),
-                      "top1_agree": round(float((logits[m].argmax(-1) == target).double().mean()), 4)}
-        for m in ("int8", "w8a16"):                 # each decoding on its own
+            row[m] = {
+                "logits_rel_l2": round(float((logits[m] - logits["w8a8"]).norm() / logits["w8a8"].norm()), 5),
+                "top1_agree": round(float((logits[m].argmax(-1) == target).double().mean()), 4),
+            }
+        for m in ("int8", "w8a16"):  # each decoding on its own
             same = [a == b for a, b in zip(_greedy(models[m], prompt, args.max_new_tokens), want)]
             row[m]["greedy_same"] = round(sum(same) / len(same), 4)
             row[m]["first_difference"] = same.index(False) if False in same else None
@@ -244,28 +285,40 @@ def run_accuracy(args: argparse.Namespace) -> dict:
 
 # ----------------------------------------------------------------------------- entry points
 def render(result: dict) -> str:
-    lines = [f"dsv4 bench int8 on {result['device']} ({result['machine']}, {result['threads']} threads), torch "
-             f"{result['torch']}, {result['date']}: {result['model']}"]
+    lines = [
+        f"dsv4 bench int8 on {result['device']} ({result['machine']}, {result['threads']} threads), torch "
+        f"{result['torch']}, {result['date']}: {result['model']}"
+    ]
     if result.get("load_average"):
-        lines.append(f"  machine load average (1, 5, 15 min) at start {result['load_average']}, at the end "
-                     f"{result.get('load_average_end')}")
+        lines.append(
+            f"  machine load average (1, 5, 15 min) at start {result['load_average']}, at the end "
+            f"{result.get('load_average_end')}"
+        )
     for r in result.get("speed", []):
         for b in r["batches"]:
             mem = f"cuda peak {b['cuda_peak_mib']} MiB" if "cuda_peak_mib" in b else f"peak RSS {r['peak_rss_mib']} MiB"
-            lines.append(f"  decode {r['mode']:<10} batch {b['batch']:>3}: {b['tokens_per_s']:>9.2f} tok/s "
-                         f"(min {b['min']}, max {b['max']})  weights {r['weights_mib']} MiB, cache {b['cache_mib']} "
-                         f"MiB, {mem}")
+            lines.append(
+                f"  decode {r['mode']:<10} batch {b['batch']:>3}: {b['tokens_per_s']:>9.2f} tok/s "
+                f"(min {b['min']}, max {b['max']})  weights {r['weights_mib']} MiB, cache {b['cache_mib']} "
+                f"MiB, {mem}"
+            )
     acc = result.get("accuracy")
     if acc:
-        lines.append(f"  accuracy vs the official W8A8 on {acc['checkpoint']} ({acc['tokens']} greedy tokens x "
-                     f"{len(acc['prompts'])} prompts):")
+        lines.append(
+            f"  accuracy vs the official W8A8 on {acc['checkpoint']} ({acc['tokens']} greedy tokens x "
+            f"{len(acc['prompts'])} prompts):"
+        )
         for m in ("int8", "w8a16"):
-            lines.append(f"    {m:<6} logits rel L2 {acc[f'{m}_logits_rel_l2']:.4f}, top-1 = W8A8's at "
-                         f"{acc[f'{m}_top1_agree']:.1%} of positions (teacher forced); decoding on its own "
-                         f"{acc[f'{m}_greedy_same']:.1%} of its tokens are W8A8's, the first difference at "
-                         f"{[p[m]['first_difference'] for p in acc['prompts']]}")
-        lines.append(f"    w8a8   its own full forward's top-1 = its decode's at {acc['w8a8_top1_agree']:.1%} of "
-                     "positions (the rounding of batched vs single-token matmuls: the floor of this measure)")
+            lines.append(
+                f"    {m:<6} logits rel L2 {acc[f'{m}_logits_rel_l2']:.4f}, top-1 = W8A8's at "
+                f"{acc[f'{m}_top1_agree']:.1%} of positions (teacher forced); decoding on its own "
+                f"{acc[f'{m}_greedy_same']:.1%} of its tokens are W8A8's, the first difference at "
+                f"{[p[m]['first_difference'] for p in acc['prompts']]}"
+            )
+        lines.append(
+            f"    w8a8   its own full forward's top-1 = its decode's at {acc['w8a8_top1_agree']:.1%} of "
+            "positions (the rounding of batched vs single-token matmuls: the floor of this measure)"
+        )
     return "\n".join(lines)
 
 
@@ -278,18 +331,29 @@ def run_int8_bench(args: argparse.Namespace) -> int:
         raise UserError(f"--only: speed and/or accuracy, got {args.only}")
     if args.model is None and args.preset is None:
         raise UserError("give --model DIR (a checkpoint) or --preset NAME (random weights)")
-    args.modes = args.modes.split(",") if args.modes else (
-        ["bf16", "int8:bf16", "fp16", "int8:fp16"] if args.device.startswith("cuda") else ["fp32", "bf16", "int8"])
+    args.modes = (
+        args.modes.split(",")
+        if args.modes
+        else (
+            ["bf16", "int8:bf16", "fp16", "int8:fp16"] if args.device.startswith("cuda") else ["fp32", "bf16", "int8"]
+        )
+    )
     for m in args.modes:
         parse_mode(m, args.device)
     import platform
 
-    result = {"device": args.device, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs" if args.device == "cpu"
-              else torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "model": args.model or f"{args.preset} (random weights, seed {args.seed}"
-              + (f", {args.layers} layers)" if args.layers else ")"),
-              "threads": args.threads or torch.get_num_threads(),
-              "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
+    result = {
+        "device": args.device,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"
+        if args.device == "cpu"
+        else torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "model": args.model
+        or f"{args.preset} (random weights, seed {args.seed}" + (f", {args.layers} layers)" if args.layers else ")"),
+        "threads": args.threads or torch.get_num_threads(),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+    }
     if args.threads:
         torch.set_num_threads(args.threads)
     if "speed" in parts:
@@ -308,23 +372,37 @@ def run_int8_bench(args: argparse.Namespace) -> int:
 
 def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     """Adds `int8` to the `dsv4 bench` subcommands."""
-    p = subparsers.add_parser("int8", help="INT8 W8A8 vs bf16 / fp32 / fp16 and the official W8A8: decode speed, "
-                                           "memory, accuracy (CPU or GPU)")
+    p = subparsers.add_parser(
+        "int8",
+        help="INT8 W8A8 vs bf16 / fp32 / fp16 and the official W8A8: decode speed, memory, accuracy (CPU or GPU)",
+    )
     g = p.add_mutually_exclusive_group()
     options.add(g, "model", note="an FP8 / MXFP4 or float checkpoint")
     options.add(g, "preset", note="e.g. small")
-    p.add_argument("--layers", type=argtypes.positive_int, default=None,
-                   help="with --preset: keep only the first N layers (a smaller model of the same shapes)")
+    p.add_argument(
+        "--layers",
+        type=argtypes.positive_int,
+        default=None,
+        help="with --preset: keep only the first N layers (a smaller model of the same shapes)",
+    )
     options.add(p, "seed", default=0, note="of a preset's random weights and the prompts")
     options.add(p, "device", default="cpu", note="this benchmark's default is the CPU")
     p.add_argument("--only", default="", help="speed and/or accuracy (default both)")
-    p.add_argument("--modes", default="", help="comma list of fp32, bf16, fp16, int8[:DTYPE], w8a8[:DTYPE] (default "
-                                               "fp32,bf16,int8 on a CPU; bf16,int8:bf16,fp16,int8:fp16 on CUDA)")
+    p.add_argument(
+        "--modes",
+        default="",
+        help="comma list of fp32, bf16, fp16, int8[:DTYPE], w8a8[:DTYPE] (default "
+        "fp32,bf16,int8 on a CPU; bf16,int8:bf16,fp16,int8:fp16 on CUDA)",
+    )
     p.add_argument("--batch", type=argtypes.positive_int, nargs="+", default=[1, 16], help="decode batch sizes")
     p.add_argument("--prompt", type=argtypes.positive_int, default=32, help="prompt tokens before decoding")
     p.add_argument("--steps", type=argtypes.positive_int, default=16, help="decode steps per run")
-    p.add_argument("--runs", type=argtypes.int_in(3), default=3,
-                   help="rounds: every mode runs once per round in a fresh process (the median is reported; >= 3)")
+    p.add_argument(
+        "--runs",
+        type=argtypes.int_in(3),
+        default=3,
+        help="rounds: every mode runs once per round in a fresh process (the median is reported; >= 3)",
+    )
     options.add(p, "threads", note="of each run")
     options.add(p, "cuda_graph")
     options.add(p, "max_new_tokens", default=256, note="greedy tokens per accuracy prompt")

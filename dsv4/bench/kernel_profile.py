@@ -67,10 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     args.seq = args.seq or {"train": 2048, "prefill": 4096, "decode": 64}[args.bench]
     torch.manual_seed(0)
     fn = _graphed_call(args.bench, args, device)
-    calls = 3 if args.bench != "decode" else 1           # decode: one step per call, the cache advances
+    calls = 3 if args.bench != "decode" else 1  # decode: one step per call, the cache advances
     busy, n, rows = kernel_table(fn, calls)
-    print(f"{args.bench} {args.preset} b={args.batch} s={args.seq} (CUDA graph): GPU busy {busy:.2f} ms per call, "
-          f"{n:.0f} kernels per call")
+    print(
+        f"{args.bench} {args.preset} b={args.batch} s={args.seq} (CUDA graph): GPU busy {busy:.2f} ms per call, "
+        f"{n:.0f} kernels per call"
+    )
     for name, ms, launches in rows[: args.top]:
         print(f"  {ms:8.3f} ms  {launches:6.1f}x  {name[:100]}")
     return 0

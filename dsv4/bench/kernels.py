@@ -30,8 +30,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ----------------------------------------------------------------------------- inputs
-def attention_inputs(b: int, s: int, h: int, d: int, k: int, n: int, device, dtype=torch.bfloat16,
-                     window: int = 128, seed: int = 0):
+def attention_inputs(
+    b: int, s: int, h: int, d: int, k: int, n: int, device, dtype=torch.bfloat16, window: int = 128, seed: int = 0
+):
     """q, kv, sink, idx like a V4 compressed layer: a causal window of `window` keys + random picks."""
     g = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(b, s, h, d, device=device, dtype=dtype, generator=g)
@@ -39,7 +40,7 @@ def attention_inputs(b: int, s: int, h: int, d: int, k: int, n: int, device, dty
     sink = torch.randn(h, device=device, generator=g)
     t = torch.arange(s, device=device).view(1, s, 1)
     w = min(window, k)
-    win = t - torch.arange(w, device=device).view(1, 1, w)                                # [1, s, w]
+    win = t - torch.arange(w, device=device).view(1, 1, w)  # [1, s, w]
     win = torch.where(win >= 0, win, -1).expand(b, s, w)
     rest = torch.randint(0, n, (b, s, k - w), device=device, generator=g)
     idx = torch.cat([win, rest], -1).contiguous()
@@ -87,49 +88,80 @@ def _sweeps(args, device, rows: list, parts: set[str]) -> None:
 def _indexer_sweeps(args, device, rows: list, ix) -> None:
     iq, ik, iw = indexer_inputs(1, args.seq, args.index_heads, args.index_dim, args.index_keys, device)
     pos = torch.arange(args.seq, device=device) + args.index_keys * args.ratio
-    sc_c = [{"BLOCK_M": m, "BLOCK_N": nn, "num_warps": w, "num_stages": st}
-            for m, nn, w, st in ((128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 256, 8, 3))]
-    _sweep("index_score", ix.SCORE_CONFIG, sc_c, lambda: ix.indexer_scores_fwd(iq, ik, iw, pos, args.ratio),
-           rows)
+    sc_c = [
+        {"BLOCK_M": m, "BLOCK_N": nn, "num_warps": w, "num_stages": st}
+        for m, nn, w, st in ((128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 256, 8, 3))
+    ]
+    _sweep("index_score", ix.SCORE_CONFIG, sc_c, lambda: ix.indexer_scores_fwd(iq, ik, iw, pos, args.ratio), rows)
     g = torch.randn(1, args.seq, args.index_keys, device=device)
-    bw_c = [{"BLOCK_M": m, "BLOCK_N": nn, "num_warps": w, "num_stages": st}
-            for m, nn, w, st in ((64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2))]
-    _sweep("index_bwd", ix.BWD_CONFIG, bw_c,
-           lambda: ix.indexer_scores_bwd(iq, ik, iw, pos, args.ratio, g), rows)
+    bw_c = [
+        {"BLOCK_M": m, "BLOCK_N": nn, "num_warps": w, "num_stages": st}
+        for m, nn, w, st in ((64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2))
+    ]
+    _sweep("index_bwd", ix.BWD_CONFIG, bw_c, lambda: ix.indexer_scores_bwd(iq, ik, iw, pos, args.ratio, g), rows)
 
 
 def _attention_sweeps(args, device, rows: list, sa) -> None:
     q, kv, sink, idx = attention_inputs(1, args.seq, args.heads, args.dim, args.topk, args.seq, device)
     scale = args.dim**-0.5
-    fwd_c = [{"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "D_SPLIT": ds}
-             for bh, bn, w, st, ds in ((64, 64, 8, 2, 1), (64, 64, 8, 2, 2), (64, 64, 4, 2, 2),
-                                       (64, 32, 4, 3, 2), (64, 128, 8, 2, 2))]
-    _sweep("attn_fwd", sa.FWD_CONFIG, fwd_c, lambda: sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1),
-           rows)
+    fwd_c = [
+        {"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "D_SPLIT": ds}
+        for bh, bn, w, st, ds in (
+            (64, 64, 8, 2, 1),
+            (64, 64, 8, 2, 2),
+            (64, 64, 4, 2, 2),
+            (64, 32, 4, 3, 2),
+            (64, 128, 8, 2, 2),
+        )
+    ]
+    _sweep("attn_fwd", sa.FWD_CONFIG, fwd_c, lambda: sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1), rows)
     o_lo = torch.empty_like(q)
     o, lse = sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1, o_lo=o_lo)
     do = torch.randn_like(o)
     bwd = lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False, o_lo)  # noqa: E731
-    dkv_c = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
-             for bn, w, st in ((32, 8, 2), (32, 8, 1), (32, 16, 2))]
+    dkv_c = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st} for bn, w, st in ((32, 8, 2), (32, 8, 1), (32, 16, 2))]
     _sweep("attn_bwd_dkv_pass", sa.DKV_CONFIG, dkv_c, bwd, rows)
-    bwd_c = [{"mode": mode, "BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
-             for mode, bh, bn, w, st in (("two_pass", 64, 64, 8, 1), ("two_pass", 64, 128, 8, 1),
-                                         ("two_pass", 64, 64, 16, 1), ("two_pass", 64, 32, 8, 2))]
-    _sweep("attn_bwd", sa.BWD_CONFIG, bwd_c,
-           lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False, o_lo), rows)
-    qd, kvd, sinkd, idxd = attention_inputs(args.decode_batch, 1, args.heads, args.dim, args.topk, args.seq,
-                                            device)
-    dec_c = [{"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "max_splits": ms, "D_SPLIT": ds}
-             for bh, bn, w, st, ms, ds in ((64, 32, 8, 3, 1, 1), (64, 32, 4, 3, 1, 2), (64, 32, 4, 3, 1, 4),
-                                           (64, 64, 4, 2, 1, 4), (64, 32, 4, 3, 4, 2))]
-    _sweep("attn_decode", sa.DECODE_CONFIG, dec_c,
-           lambda: sa.sparse_attention_fwd(qd, kvd, sinkd, idxd, scale), rows)
+    bwd_c = [
+        {"mode": mode, "BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+        for mode, bh, bn, w, st in (
+            ("two_pass", 64, 64, 8, 1),
+            ("two_pass", 64, 128, 8, 1),
+            ("two_pass", 64, 64, 16, 1),
+            ("two_pass", 64, 32, 8, 2),
+        )
+    ]
+    _sweep(
+        "attn_bwd",
+        sa.BWD_CONFIG,
+        bwd_c,
+        lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False, o_lo),
+        rows,
+    )
+    qd, kvd, sinkd, idxd = attention_inputs(args.decode_batch, 1, args.heads, args.dim, args.topk, args.seq, device)
+    dec_c = [
+        {"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "max_splits": ms, "D_SPLIT": ds}
+        for bh, bn, w, st, ms, ds in (
+            (64, 32, 8, 3, 1, 1),
+            (64, 32, 4, 3, 1, 2),
+            (64, 32, 4, 3, 1, 4),
+            (64, 64, 4, 2, 1, 4),
+            (64, 32, 4, 3, 4, 2),
+        )
+    ]
+    _sweep("attn_decode", sa.DECODE_CONFIG, dec_c, lambda: sa.sparse_attention_fwd(qd, kvd, sinkd, idxd, scale), rows)
 
 
 # ----------------------------------------------------------------------------- benchmarks
-def _row(name: str, shape: str, ms: float, limits: dict, flops: float | None = None,
-         nbytes: float | None = None, ref_ms: float | None = None, **extra) -> dict:
+def _row(
+    name: str,
+    shape: str,
+    ms: float,
+    limits: dict,
+    flops: float | None = None,
+    nbytes: float | None = None,
+    ref_ms: float | None = None,
+    **extra,
+) -> dict:
     r = {"kernel": name, "shape": shape, "ms": round(ms, 4), **rates(ms, limits, flops or None, nbytes or None)}
     if ref_ms is not None:
         r["ref_ms"] = round(ref_ms, 3)
@@ -165,13 +197,18 @@ def _bench_attention(args, device, limits: dict, rows: list) -> None:
             ro, rl = ref_fwd()
             (ro.float() * do.float()).sum().backward()
             dq, dkv, dsink = sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False, o_lo)
-            extra = {"rel_o": _rel(o, ro), "max_lse": float((lse - rl).abs().max()),
-                     "rel_dq": _rel(dq, qr.grad), "rel_dkv": _rel(dkv, kvr.grad),
-                     "rel_dsink": _rel(dsink, sr.grad)}
+            extra = {
+                "rel_o": _rel(o, ro),
+                "max_lse": float((lse - rl).abs().max()),
+                "rel_dq": _rel(dq, qr.grad),
+                "rel_dkv": _rel(dkv, kvr.grad),
+                "rel_dsink": _rel(dsink, sr.grad),
+            }
             dq2, dkv2, dsink2 = sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, True, o_lo)
             dq3, dkv3, dsink3 = sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, True, o_lo)
-            extra["det_repeat_identical"] = bool(torch.equal(dkv2, dkv3) and torch.equal(dq2, dq3)
-                                                 and torch.equal(dsink2, dsink3))
+            extra["det_repeat_identical"] = bool(
+                torch.equal(dkv2, dkv3) and torch.equal(dq2, dq3) and torch.equal(dsink2, dsink3)
+            )
             extra["rel_dkv_det"] = _rel(dkv2, kvr.grad)
             del ro, rl
             # the bf16 reference accumulates dkv through a bf16 gather backward: also compare both with
@@ -179,21 +216,25 @@ def _bench_attention(args, device, limits: dict, rows: list) -> None:
             qf, kvf, sf = (x.detach().float().requires_grad_() for x in (q, kv, sink))
             of, _ = ref.sparse_attention(qf, kvf, sf, idx, scale)
             (of * do.float()).sum().backward()
-            extra.update(rel_dq_vs_fp32ref=_rel(dq, qf.grad), rel_dkv_vs_fp32ref=_rel(dkv, kvf.grad),
-                         bf16ref_dkv_vs_fp32ref=_rel(kvr.grad, kvf.grad))
+            extra.update(
+                rel_dq_vs_fp32ref=_rel(dq, qf.grad),
+                rel_dkv_vs_fp32ref=_rel(dkv, kvf.grad),
+                bf16ref_dkv_vs_fp32ref=_rel(kvr.grad, kvf.grad),
+            )
             del of, qf, kvf, sf
         if args.reference:
+
             def ref_bwd():
                 qr.grad = kvr.grad = sr.grad = None
                 ro, _ = ref_fwd()
                 ro.backward(do)
+
             ref_bwd_ms = _time_ms(ref_bwd, reps=3, warmup=1) - (ref_ms or 0.0)
     rows.append(_row("sparse_attn_fwd", shape, ms, limits, flops=flops, ref_ms=ref_ms, **extra))
     bwd = lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, False, o_lo)  # noqa: E731
     rows.append(_row("sparse_attn_bwd", shape, _time_ms(bwd), limits, flops=2.5 * flops, ref_ms=ref_bwd_ms))
     det = lambda: sa.sparse_attention_bwd(q, kv, sink, idx, o, lse, do, scale, True, o_lo)  # noqa: E731
-    rows.append(_row("sparse_attn_bwd_deterministic", shape, _time_ms(det, reps=5), limits,
-                     flops=2.5 * flops))
+    rows.append(_row("sparse_attn_bwd_deterministic", shape, _time_ms(det, reps=5), limits, flops=2.5 * flops))
 
     # decode: one query per sequence, large batch, its own kv per sequence
     bd = args.decode_batch
@@ -211,11 +252,29 @@ def _bench_attention(args, device, limits: dict, rows: list) -> None:
         o, lse = dec()
         ro, rl = ref.sparse_attention(q, kv, sink, idx, scale)
         extra.update(rel_o=_rel(o, ro), max_lse=float((lse - rl).abs().max()))
-    rows.append(_row("sparse_attn_decode", f"b={bd} s=1 h={h} d={d} k={k}", _time_ms(dec, reps=50), limits,
-                     flops=4 * bd * h * k * d, nbytes=nbytes, ref_ms=ref_ms, **extra))
+    rows.append(
+        _row(
+            "sparse_attn_decode",
+            f"b={bd} s=1 h={h} d={d} k={k}",
+            _time_ms(dec, reps=50),
+            limits,
+            flops=4 * bd * h * k * d,
+            nbytes=nbytes,
+            ref_ms=ref_ms,
+            **extra,
+        )
+    )
     nosplit = lambda: sa.sparse_attention_fwd(q, kv, sink, idx, scale, 1)  # noqa: E731
-    rows.append(_row("sparse_attn_decode_nosplit", f"b={bd} s=1 h={h} d={d} k={k}",
-                     _time_ms(nosplit, reps=50), limits, flops=4 * bd * h * k * d, nbytes=nbytes))
+    rows.append(
+        _row(
+            "sparse_attn_decode_nosplit",
+            f"b={bd} s=1 h={h} d={d} k={k}",
+            _time_ms(nosplit, reps=50),
+            limits,
+            flops=4 * bd * h * k * d,
+            nbytes=nbytes,
+        )
+    )
 
 
 def _bench_indexer(args, device, limits: dict, rows: list) -> None:
@@ -225,8 +284,10 @@ def _bench_indexer(args, device, limits: dict, rows: list) -> None:
     s, h, d, n, r = args.seq, args.index_heads, args.index_dim, args.index_keys, args.ratio
     q, k, w = indexer_inputs(1, s, h, d, n, device)
     flops = 2 * s * n * h * d
-    for label, pos in (("all visible", torch.arange(s, device=device) + n * r),
-                       ("causal", torch.arange(s, device=device) * (n * r) // s)):
+    for label, pos in (
+        ("all visible", torch.arange(s, device=device) + n * r),
+        ("causal", torch.arange(s, device=device) * (n * r) // s),
+    ):
         shape = f"s={s} n={n} h={h} d={d} ({label})"
         visible = float(((pos + 1) // r).clamp(max=n).sum()) / (s * n)
         fn = lambda pos=pos: ix.indexer_scores_fwd(q, k, w, pos, r)  # noqa: E731
@@ -245,8 +306,9 @@ def _bench_indexer(args, device, limits: dict, rows: list) -> None:
         if args.reference:
             with torch.no_grad():
                 ref_ms = _time_ms(lambda pos=pos: ref.indexer_topk(q, k, w, pos, r, args.index_topk), reps=3)
-        rows.append(_row("indexer_topk", shape + f" topk={args.index_topk}", _time_ms(topk), limits,
-                         flops=flops, ref_ms=ref_ms))
+        rows.append(
+            _row("indexer_topk", shape + f" topk={args.index_topk}", _time_ms(topk), limits, flops=flops, ref_ms=ref_ms)
+        )
         g = torch.randn(1, s, n, device=device)
         bwd = lambda pos=pos, g=g: ix.indexer_scores_bwd(q, k, w, pos, r, g)  # noqa: E731
         extra = {}
@@ -256,8 +318,7 @@ def _bench_indexer(args, device, limits: dict, rows: list) -> None:
             sc.masked_fill(~torch.isfinite(sc), 0).mul(g).sum().backward()
             dq, dk, dw = bwd()
             extra = {"rel_dq": _rel(dq, qr.grad), "rel_dk": _rel(dk, kr.grad), "rel_dw": _rel(dw, wr.grad)}
-        rows.append(_row("indexer_scores_bwd", shape, _time_ms(bwd, reps=10), limits, flops=4 * flops,
-                         **extra))
+        rows.append(_row("indexer_scores_bwd", shape, _time_ms(bwd, reps=10), limits, flops=4 * flops, **extra))
 
 
 def _diag_rows() -> list[dict]:
@@ -277,10 +338,18 @@ def _diag_rows() -> list[dict]:
                 for ck in getattr(cache, "values", lambda: [])():
                     try:
                         ptx = ck.asm.get("ptx", "")
-                        out.append({"diag": name, "n_regs": ck.n_regs, "n_spills": ck.n_spills,
-                                    "shared": ck.metadata.shared, "num_warps": ck.metadata.num_warps,
-                                    "wgmma": "wgmma" in ptx, "mma_sync": "mma.sync" in ptx,
-                                    "red_v": ".v4.f32" in ptx or ".v2.f32" in ptx})
+                        out.append(
+                            {
+                                "diag": name,
+                                "n_regs": ck.n_regs,
+                                "n_spills": ck.n_spills,
+                                "shared": ck.metadata.shared,
+                                "num_warps": ck.metadata.num_warps,
+                                "wgmma": "wgmma" in ptx,
+                                "mma_sync": "mma.sync" in ptx,
+                                "red_v": ".v4.f32" in ptx or ".v2.f32" in ptx,
+                            }
+                        )
                     except Exception as e:  # metadata layout differs between triton versions
                         out.append({"diag": name, "error": f"{type(e).__name__}: {e}"[:120]})
     return out
@@ -288,8 +357,11 @@ def _diag_rows() -> list[dict]:
 
 def run_kernel_bench(args: argparse.Namespace) -> int:
     """Entry point of `dsv4 bench kernels`."""
-    device, limits, rows = start_run("dsv4 bench kernels", "the kernels' CPU path is the Triton interpreter, "
-                                                           "which is for tests, not timing", args.jsonl)
+    device, limits, rows = start_run(
+        "dsv4 bench kernels",
+        "the kernels' CPU path is the Triton interpreter, which is for tests, not timing",
+        args.jsonl,
+    )
     sweep_rows: list[dict] = Stream() if args.jsonl else []
     t0 = time.time()
     parts = set(args.only.split(",")) if args.only else {"attention", "indexer"}
@@ -328,8 +400,9 @@ def add_bench_kernels_parser(subparsers) -> argparse.ArgumentParser:
     """Adds `kernels` to the `dsv4 bench` subcommands (sets `func=run_kernel_bench`)."""
     p = subparsers.add_parser("kernels", help="time the attention / indexer kernels against measured limits")
     options.add(p, "threads")
-    options.add(p, "seq_len", dest="seq", type=argtypes.positive_int, default=4096, note="queries per sequence "
-                                                                                         "(prefill)")
+    options.add(
+        p, "seq_len", dest="seq", type=argtypes.positive_int, default=4096, note="queries per sequence (prefill)"
+    )
     p.add_argument("--heads", type=argtypes.positive_int, default=64, help="attention heads")
     p.add_argument("--dim", type=argtypes.positive_int, default=512, help="head dimension")
     p.add_argument("--topk", type=argtypes.positive_int, default=640, help="keys per query (window + compressed)")

@@ -32,12 +32,12 @@ SHAPES = [
 def _routing(kind: str, t: int, k: int, n_local: int, offset: int, n_global: int, device):
     g = torch.Generator(device=device).manual_seed(0)
     scores = torch.rand(t, n_global, device=device, generator=g)
-    if kind == "skewed":                         # a few hot experts, most nearly empty
+    if kind == "skewed":  # a few hot experts, most nearly empty
         scores = scores ** torch.linspace(8.0, 0.5, n_global, device=device)
     idx = scores.topk(k, dim=-1).indices
     if kind == "one_expert":
         idx = torch.full_like(idx, offset)
-    elif kind == "foreign":                      # every slot on another rank's expert
+    elif kind == "foreign":  # every slot on another rank's expert
         idx = idx + offset + n_local
     wts = torch.rand(t, k, device=device, generator=g)
     return wts, idx
@@ -60,10 +60,12 @@ def check(t: int, device) -> list[dict]:
             wts, idx = _routing(kind, t, k, n_local, offset, n_global, device)
             for w, i in ((wts, idx), (wts.bfloat16(), idx.int())):
                 a, b = moe_plan(w, i, n_local, offset), triton_moe_plan(w, i, n_local, offset)
-                bad = [f for f in FIELDS if not (getattr(a, f).dtype == getattr(b, f).dtype
-                                                 and torch.equal(getattr(a, f), getattr(b, f)))]
-                rows.append({"shape": name, "routing": kind, "idx": str(i.dtype), "equal": not bad,
-                             "differ": bad})
+                bad = [
+                    f
+                    for f in FIELDS
+                    if not (getattr(a, f).dtype == getattr(b, f).dtype and torch.equal(getattr(a, f), getattr(b, f)))
+                ]
+                rows.append({"shape": name, "routing": kind, "idx": str(i.dtype), "equal": not bad, "differ": bad})
     return rows
 
 
@@ -73,10 +75,18 @@ def timings(t: int, device) -> list[dict]:
         wts, idx = _routing("random", t, k, n_local, offset, n_global, device)
         for label, fn in (("sort (moe_plan)", moe_plan), ("triton counting sort", triton_moe_plan)):
             call = functools.partial(fn, wts, idx, n_local, offset)
-            rows.append({"shape": name, "T": t, "k": k, "E": n_local, "plan": label,
-                         "ms_per_call": round(time_ms(call, reps=50), 4),
-                         "ms_graphed": round(_graphed_ms(call, reps=50), 4),
-                         "kernels_per_call": _kernels_per_call(call)})
+            rows.append(
+                {
+                    "shape": name,
+                    "T": t,
+                    "k": k,
+                    "E": n_local,
+                    "plan": label,
+                    "ms_per_call": round(time_ms(call, reps=50), 4),
+                    "ms_graphed": round(_graphed_ms(call, reps=50), 4),
+                    "kernels_per_call": _kernels_per_call(call),
+                }
+            )
     return rows
 
 
@@ -99,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(rows, f, indent=1)
     print("all plans equal" if ok else "PLANS DIFFER")
     return 0 if ok else 1
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -27,9 +27,19 @@ from .report import add_output_args, capture_graph, emit, header, rate_columns, 
 from .report import time_ms as _time_ms
 
 
-def _row(rows: list, op: str, backend: str, shape: str, ms: float, limits: dict, *,
-         flops: float | None = None, nbytes: float | None = None, peer_ms: float | None = None,
-         **extra) -> dict:
+def _row(
+    rows: list,
+    op: str,
+    backend: str,
+    shape: str,
+    ms: float,
+    limits: dict,
+    *,
+    flops: float | None = None,
+    nbytes: float | None = None,
+    peer_ms: float | None = None,
+    **extra,
+) -> dict:
     r = {"op": op, "backend": backend, "shape": shape, "ms": round(ms, 4), **rates(ms, limits, flops, nbytes)}
     if peer_ms is not None:
         r["of_same_shape_mm"] = round(peer_ms / ms, 3)
@@ -85,8 +95,11 @@ def _bench_moe_shape(args, cfg: ModelConfig, t: int, device, limits: dict, rows:
             ref = ops.moe_experts(x, wts, idx, w1, w2, w3, cfg.swiglu_limit, backend="reference")
     if args.reference:
         with torch.no_grad():
-            ms = _time_ms(lambda: ops.moe_experts(x, wts, idx, w1, w2, w3, cfg.swiglu_limit,
-                                                  backend="reference"), reps=5, warmup=1)
+            ms = _time_ms(
+                lambda: ops.moe_experts(x, wts, idx, w1, w2, w3, cfg.swiglu_limit, backend="reference"),
+                reps=5,
+                warmup=1,
+            )
         _row(rows, "moe_experts", "reference", shape, ms, limits, flops=flops, peer_ms=dense_ms)
     for be in ("grouped", "triton"):
         try:
@@ -97,17 +110,21 @@ def _bench_moe_shape(args, cfg: ModelConfig, t: int, device, limits: dict, rows:
             continue
         extra = {"rel": round(_rel(out, ref), 6)} if ref is not None else {}
         with torch.no_grad():
-            ms = _time_ms(lambda be=be: ops.moe_experts(x, wts, idx, w1, w2, w3, cfg.swiglu_limit,
-                                                        backend=be))
+            ms = _time_ms(lambda be=be: ops.moe_experts(x, wts, idx, w1, w2, w3, cfg.swiglu_limit, backend=be))
         _row(rows, "moe_experts", be, shape, ms, limits, flops=flops, peer_ms=dense_ms, **extra)
         try:
             with torch.no_grad():
-                gms = _graphed_ms(lambda be=be: ops.moe_experts(x, wts, idx, w1, w2, w3, cfg.swiglu_limit,
-                                                                backend=be))
+                gms = _graphed_ms(lambda be=be: ops.moe_experts(x, wts, idx, w1, w2, w3, cfg.swiglu_limit, backend=be))
             _row(rows, "moe_experts (CUDA graph)", be, shape, gms, limits, flops=flops, peer_ms=dense_ms)
-        except RuntimeError as err:                        # a host sync inside the op cannot be captured
-            rows.append({"op": "moe_experts (CUDA graph)", "backend": be, "shape": shape,
-                         "skipped": f"capture failed: {str(err)[:120]}"})
+        except RuntimeError as err:  # a host sync inside the op cannot be captured
+            rows.append(
+                {
+                    "op": "moe_experts (CUDA graph)",
+                    "backend": be,
+                    "shape": shape,
+                    "skipped": f"capture failed: {str(err)[:120]}",
+                }
+            )
         # forward + backward (training): 3x the forward FLOPs
         leaves = [t_.detach().clone().requires_grad_() for t_ in (x, wts, w1, w2, w3)]
         gout = torch.randn(t, d, device=device)
@@ -116,6 +133,7 @@ def _bench_moe_shape(args, cfg: ModelConfig, t: int, device, limits: dict, rows:
             xx, ww, a1, a2, a3 = leaves
             y = ops.moe_experts(xx, ww, idx, a1, a2, a3, cfg.swiglu_limit, backend=be)
             torch.autograd.backward(y, gout)
+
         ms = _time_ms(fwd_bwd, reps=10)
         _row(rows, "moe_experts fwd+bwd", be, shape, ms, limits, flops=3 * flops, peer_ms=3 * dense_ms)
 
@@ -152,8 +170,7 @@ def _bench_mhc_shape(args, t: int, hc: int, d: int, device, limits: dict, rows: 
             out = ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20, backend=be)
             extra = {}
             if ref_pre is not None:
-                extra = {"rel_y": round(_rel(out[0], ref_pre[0]), 6),
-                         "rel_comb": round(_rel(out[2], ref_pre[2]), 8)}
+                extra = {"rel_y": round(_rel(out[0], ref_pre[0]), 6), "rel_comb": round(_rel(out[2], ref_pre[2]), 8)}
             ms = _time_ms(lambda be=be: ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20, backend=be))
             _row(rows, "hc_pre", be, shape, ms, limits, nbytes=pre_bytes, **extra)
             out = ops.hc_post(f, x, post, comb, backend=be)
@@ -170,8 +187,8 @@ def _bench_mhc_shape(args, t: int, hc: int, d: int, device, limits: dict, rows: 
 
         def pre_fwd_bwd(be=be, lx=lx):
             y, p_, c_ = ops.hc_pre(*lx, 1e-6, 1e-6, 20, backend=be)
-            torch.autograd.backward([y, p_, c_], [torch.ones_like(y), torch.ones_like(p_),
-                                                  torch.ones_like(c_)])
+            torch.autograd.backward([y, p_, c_], [torch.ones_like(y), torch.ones_like(p_), torch.ones_like(c_)])
+
         ms = _time_ms(pre_fwd_bwd, reps=10)
         _row(rows, "hc_pre fwd+bwd", be, shape, ms, limits, nbytes=pre_bytes + t * d * 2 * (2 * hc + 1))
 
@@ -182,8 +199,7 @@ def bench_quant(args, device, limits: dict, rows: list) -> None:
         _bench_quant_shape(args.quant_tokens, n, k, args.reference, device, limits, rows)
 
 
-def _bench_quant_shape(m: int, n: int, k: int, with_reference: bool, device, limits: dict,
-                       rows: list) -> None:
+def _bench_quant_shape(m: int, n: int, k: int, with_reference: bool, device, limits: dict, rows: list) -> None:
     from .. import formats
 
     x = torch.randn(m, k, device=device).bfloat16()
@@ -219,7 +235,7 @@ def parity_moe(device, rows: list) -> None:
     from ..ops import reference as R
 
     g = torch.Generator(device=device).manual_seed(0)
-    small = device.type != "cuda"        # CPU: a smoke run on the Triton interpreter
+    small = device.type != "cuda"  # CPU: a smoke run on the Triton interpreter
     t, d, inter, e, k, off = (64, 64, 32, 16, 4, 8) if small else (2048, 1024, 512, 16, 4, 8)
     x = torch.randn(t, d, device=device, generator=g).bfloat16()
     w1 = (torch.randn(e, inter, d, device=device, generator=g) * d**-0.5 * 3).bfloat16()
@@ -243,17 +259,26 @@ def parity_moe(device, rows: list) -> None:
             with torch.no_grad():
                 yn = ops.moe_experts(x, wts, idx, w1, w2, w3, 10.0, off, backend=be)
                 junk = torch.full((1 << (12 if small else 28),), float("nan"), device=device)
-                del junk                                                  # the next buffers reuse NaNs
+                del junk  # the next buffers reuse NaNs
                 yp = ops.moe_experts(x, wts, idx, w1, w2, w3, 10.0, off, backend=be)
-                n_sync = -1 if small else _count_syncs(
-                    lambda be=be: ops.moe_experts(x, wts, idx, w1, w2, w3, 10.0, off, backend=be))
-            rows.append({"parity": "moe_experts", "backend": be, "ran": ran,
-                         "rel": dict(zip(["y", "x", "weights", "w1", "w2", "w3"],
-                                         [_rel64(a, b) for a, b in zip(res, ref)])),
-                         "finite": all(bool(torch.isfinite(a).all()) for a in res),
-                         "bitwise_repeat": all(torch.equal(a, b) for a, b in zip(res, res2)),
-                         "nograd_rel": _rel64(yn, ref[0]), "poisoned_equal": bool(torch.equal(yp, yn)),
-                         "host_syncs_per_call": n_sync})
+                n_sync = (
+                    -1
+                    if small
+                    else _count_syncs(lambda be=be: ops.moe_experts(x, wts, idx, w1, w2, w3, 10.0, off, backend=be))
+                )
+            rows.append(
+                {
+                    "parity": "moe_experts",
+                    "backend": be,
+                    "ran": ran,
+                    "rel": dict(zip(["y", "x", "weights", "w1", "w2", "w3"], [_rel64(a, b) for a, b in zip(res, ref)])),
+                    "finite": all(bool(torch.isfinite(a).all()) for a in res),
+                    "bitwise_repeat": all(torch.equal(a, b) for a, b in zip(res, res2)),
+                    "nograd_rel": _rel64(yn, ref[0]),
+                    "poisoned_equal": bool(torch.equal(yp, yn)),
+                    "host_syncs_per_call": n_sync,
+                }
+            )
         except ops.BackendUnavailable as err:
             rows.append({"parity": "moe_experts", "backend": be, "skipped": str(err)})
 
@@ -268,9 +293,11 @@ def parity_mhc(device, rows: list) -> None:
     fn = torch.randn(24, hc * d, device=device, generator=g) * 0.02
     sc = torch.rand(3, device=device, generator=g) + 0.5
     bs = torch.randn(24, device=device, generator=g) * 0.3
-    gy = [torch.randn(b, s, d, device=device, generator=g).bfloat16(),
-          torch.randn(b, s, hc, device=device, generator=g),
-          torch.randn(b, s, hc, hc, device=device, generator=g)]
+    gy = [
+        torch.randn(b, s, d, device=device, generator=g).bfloat16(),
+        torch.randn(b, s, hc, device=device, generator=g),
+        torch.randn(b, s, hc, hc, device=device, generator=g),
+    ]
 
     def pre(fn_):
         leaves = [t_.clone().requires_grad_() for t_ in (xh, fn, sc, bs)]
@@ -280,10 +307,16 @@ def parity_mhc(device, rows: list) -> None:
     r0 = pre(R.hc_pre)
     r1 = pre(lambda *a: ops.hc_pre(*a, backend="triton"))
     r2 = pre(lambda *a: ops.hc_pre(*a, backend="triton"))
-    rows.append({"parity": "hc_pre", "backend": "triton",
-                 "rel": dict(zip(["y", "post", "comb", "gx", "gfn", "gscale", "gbase"],
-                                 [_rel64(a, b_) for a, b_ in zip(r1, r0)])),
-                 "bitwise_repeat": all(torch.equal(a, b_) for a, b_ in zip(r1, r2))})
+    rows.append(
+        {
+            "parity": "hc_pre",
+            "backend": "triton",
+            "rel": dict(
+                zip(["y", "post", "comb", "gx", "gfn", "gscale", "gbase"], [_rel64(a, b_) for a, b_ in zip(r1, r0)])
+            ),
+            "bitwise_repeat": all(torch.equal(a, b_) for a, b_ in zip(r1, r2)),
+        }
+    )
     f = torch.randn(b, s, d, device=device, generator=g).bfloat16()
     post = torch.rand(b, s, hc, device=device, generator=g) * 2
     comb = torch.rand(b, s, hc, hc, device=device, generator=g)
@@ -296,9 +329,13 @@ def parity_mhc(device, rows: list) -> None:
 
     p0 = post_(R.hc_post)
     p1 = post_(lambda *a: ops.hc_post(*a, backend="triton"))
-    rows.append({"parity": "hc_post", "backend": "triton",
-                 "rel": dict(zip(["out", "gf", "gres", "gpost", "gcomb"],
-                                 [_rel64(a, b_) for a, b_ in zip(p1, p0)]))})
+    rows.append(
+        {
+            "parity": "hc_post",
+            "backend": "triton",
+            "rel": dict(zip(["out", "gf", "gres", "gpost", "gcomb"], [_rel64(a, b_) for a, b_ in zip(p1, p0)])),
+        }
+    )
     fnh = torch.randn(hc, hc * d, device=device, generator=g) * 0.02
     with torch.no_grad():
         h1 = ops.hc_head(xh, fnh, sc[:1], bs[:hc], 1e-6, 1e-6, backend="triton")
@@ -318,13 +355,15 @@ def parity_quant(device, rows: list) -> None:
         q, sq = formats.quantize_fp8(w, scale_fmt=fmt)
         y1 = ops.call("fp8_linear", xq, q, sq, backend="triton")
         y0 = torch.nn.functional.linear(xq, formats.dequantize_fp8(q, sq).bfloat16())
-        rows.append({"parity": "fp8_linear", "scales": fmt, "rel": _rel64(y1, y0),
-                     "ran": ops.last_backend("fp8_linear")})
+        rows.append(
+            {"parity": "fp8_linear", "scales": fmt, "rel": _rel64(y1, y0), "ran": ops.last_backend("fp8_linear")}
+        )
     p4, s4 = formats.quantize_mxfp4(w)
     y1 = ops.call("fp4_linear", xq, p4, s4, backend="triton")
     y0 = torch.nn.functional.linear(xq, formats.dequantize_mxfp4(p4, s4).bfloat16())
-    rows.append({"parity": "fp4_linear", "scales": "ue8m0", "rel": _rel64(y1, y0),
-                 "ran": ops.last_backend("fp4_linear")})
+    rows.append(
+        {"parity": "fp4_linear", "scales": "ue8m0", "rel": _rel64(y1, y0), "ran": ops.last_backend("fp4_linear")}
+    )
 
 
 def parity_elementwise(device, rows: list) -> None:
@@ -338,20 +377,36 @@ def parity_elementwise(device, rows: list) -> None:
     def spread(*shape, dtype=torch.bfloat16):
         x = torch.randn(*shape, device=device, generator=g)
         x = x * torch.exp2(torch.randint(-40, 40, shape[:-1] + (1,), device=device, generator=g).float())
-        x[..., :64] = 0.0                                                     # an all-zero block per row
+        x[..., :64] = 0.0  # an all-zero block per row
         return x.to(dtype)
 
-    cases = [("fp8_round_trip", (spread(t, 512)[:, :448], 64)), ("fp4_round_trip", (spread(t, 64, 128), 32)),
-             ("fp8_round_trip", (spread(t, 448, dtype=torch.float32), 64)),
-             ("hadamard", (spread(t, 64, 128),)),
-             ("compress_pool", (torch.randn(t // 4, 8, 512, device=device, generator=g),
-                                torch.randn(t // 4, 8, 512, device=device, generator=g) * 4))]
+    cases = [
+        ("fp8_round_trip", (spread(t, 512)[:, :448], 64)),
+        ("fp4_round_trip", (spread(t, 64, 128), 32)),
+        ("fp8_round_trip", (spread(t, 448, dtype=torch.float32), 64)),
+        ("hadamard", (spread(t, 64, 128),)),
+        (
+            "compress_pool",
+            (
+                torch.randn(t // 4, 8, 512, device=device, generator=g),
+                torch.randn(t // 4, 8, 512, device=device, generator=g) * 4,
+            ),
+        ),
+    ]
     for op, args in cases:
         want = getattr(ref, op)(*args)
         got = ops.call(op, *args, backend="triton")
-        rows.append({"parity": op, "backend": "triton", "dtype": str(args[0].dtype).replace("torch.", ""),
-                     "shape": list(args[0].shape), "bit_identical": bool(torch.equal(got, want)),
-                     "rel": _rel64(got, want), "ran": ops.last_backend(op)})
+        rows.append(
+            {
+                "parity": op,
+                "backend": "triton",
+                "dtype": str(args[0].dtype).replace("torch.", ""),
+                "shape": list(args[0].shape),
+                "bit_identical": bool(torch.equal(got, want)),
+                "rel": _rel64(got, want),
+                "ran": ops.last_backend(op),
+            }
+        )
     parity_norm_rope(device, rows)
 
 
@@ -365,25 +420,43 @@ def parity_norm_rope(device, rows: list) -> None:
     g = torch.Generator(device=device).manual_seed(4)
     for name, op, make in norm_rope_cases(device):
         args = list(make(s))
-        x = args[0] * torch.exp2(torch.randint(-30, 30, args[0].shape[:-1] + (1,), device=device, generator=g)
-                                 ).to(args[0].dtype)
+        x = args[0] * torch.exp2(torch.randint(-30, 30, args[0].shape[:-1] + (1,), device=device, generator=g)).to(
+            args[0].dtype
+        )
         args[0] = x
         grad = torch.randn(x.shape, device=device, generator=g).to(x.dtype)
         res = {}
+
         def fast(*a, op=op):
             return ops.call(op, *a, backend="triton")
 
         for be, fn in (("triton", fast), ("reference", getattr(ref, op))):
-            leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
-                      and a.dim() > 0 and (i == 0 or op == "rms_norm") else a for i, a in enumerate(args)]
+            leaves = [
+                a.detach().clone().requires_grad_()
+                if isinstance(a, torch.Tensor)
+                and a.is_floating_point()
+                and a.dim() > 0
+                and (i == 0 or op == "rms_norm")
+                else a
+                for i, a in enumerate(args)
+            ]
             y = fn(*leaves)
             y.backward(grad)
             res[be] = [y.detach()] + [t.grad for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         for part, got, want in zip(("out", "dx", "dw"), res["triton"], res["reference"]):
-            rows.append({"parity": op, "case": name, "part": part, "backend": "triton",
-                         "dtype": str(got.dtype).replace("torch.", ""), "shape": list(got.shape),
-                         "same_frac": round(float((got == want).float().mean()), 6),
-                         "max_abs": float((got.double() - want.double()).abs().max()), "rel": _rel64(got, want)})
+            rows.append(
+                {
+                    "parity": op,
+                    "case": name,
+                    "part": part,
+                    "backend": "triton",
+                    "dtype": str(got.dtype).replace("torch.", ""),
+                    "shape": list(got.shape),
+                    "same_frac": round(float((got == want).float().mean()), 6),
+                    "max_abs": float((got.double() - want.double()).abs().max()),
+                    "rel": _rel64(got, want),
+                }
+            )
 
 
 def bench_elementwise(args, device, limits: dict, rows: list) -> None:
@@ -396,7 +469,8 @@ def bench_elementwise(args, device, limits: dict, rows: list) -> None:
             a = make(s)
             out = ops.call(op, *a, backend="reference")
             nbytes = out.numel() * out.element_size() + sum(
-                x.numel() * x.element_size() for x in a if isinstance(x, torch.Tensor))
+                x.numel() * x.element_size() for x in a if isinstance(x, torch.Tensor)
+            )
             for be in ("reference", "triton"):
                 ms = _time_ms(lambda be=be, a=a, op=op: ops.call(op, *a, backend=be))
                 _row(rows, op, be, f"{name} {phase} b=4 s={s}", ms, limits, nbytes=nbytes)
@@ -421,8 +495,9 @@ def bench_norm_rope(device, limits: dict, rows: list) -> None:
                 continue
             x = a[0].detach().requires_grad_()
             grad = torch.randn_like(out)
-            rest = [t.detach().requires_grad_() if op == "rms_norm" and isinstance(t, torch.Tensor) else t
-                    for t in a[1:]]
+            rest = [
+                t.detach().requires_grad_() if op == "rms_norm" and isinstance(t, torch.Tensor) else t for t in a[1:]
+            ]
 
             def fwd_bwd(be: str, x=x, rest=rest, grad=grad, op=op) -> None:
                 ops.call(op, x, *rest, backend=be).backward(grad)
@@ -435,8 +510,9 @@ def bench_norm_rope(device, limits: dict, rows: list) -> None:
 
 def run_ops_bench(args: argparse.Namespace) -> int:
     """Entry point of `dsv4 bench ops`."""
-    device, limits, rows = start_run("dsv4 bench ops", "the Triton backends' CPU path is the interpreter, which "
-                                                       "is for tests, not timing", args.jsonl)
+    device, limits, rows = start_run(
+        "dsv4 bench ops", "the Triton backends' CPU path is the interpreter, which is for tests, not timing", args.jsonl
+    )
     t0 = time.time()
     parts = set(args.only.split(",")) if args.only else {"moe", "mhc", "quant"}
     if args.parity or "parity" in parts:
@@ -469,8 +545,10 @@ def render(result: dict) -> str:
             continue
         peer = f"  {r['of_same_shape_mm']:.0%} of same-shape mm" if "of_same_shape_mm" in r else ""
         chk = {k_: v for k_, v in r.items() if k_.startswith("rel")}
-        lines.append(f"{r['op']:22s} {r['backend']:10s} {r['shape']:40s} {r['ms']:9.3f} ms  {rate_columns(r)}{peer}"
-                     f"{'  ' + str(chk) if chk else ''}")
+        lines.append(
+            f"{r['op']:22s} {r['backend']:10s} {r['shape']:40s} {r['ms']:9.3f} ms  {rate_columns(r)}{peer}"
+            f"{'  ' + str(chk) if chk else ''}"
+        )
     return "\n".join(lines)
 
 
@@ -489,19 +567,32 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("ops", help="time the MoE / mHC / quantized-GEMM backends vs measured limits")
     options.add(p, "preset", default="small", note="whose MoE shapes are timed")
     options.add(p, "threads")
-    p.add_argument("--moe-routed", type=argtypes.positive_int, nargs="+", default=[8192, 32768],
-                   help="routed (token, expert) slots T*k per MoE call")
+    p.add_argument(
+        "--moe-routed",
+        type=argtypes.positive_int,
+        nargs="+",
+        default=[8192, 32768],
+        help="routed (token, expert) slots T*k per MoE call",
+    )
     p.add_argument("--hc-tokens", type=argtypes.positive_int, default=8192, help="tokens of the mHC shapes")
-    p.add_argument("--hc-dims", type=argtypes.positive_int, nargs="+", default=[1024, 4096],
-                   help="model dimensions of the mHC shapes")
-    p.add_argument("--quant-tokens", type=argtypes.positive_int, default=4096,
-                   help="tokens of the quantization shapes")
-    p.add_argument("--quant-shapes", type=_shape, nargs="+", default=[(4096, 4096), (2048, 7168)],
-                   help="weight shapes NxK")
+    p.add_argument(
+        "--hc-dims",
+        type=argtypes.positive_int,
+        nargs="+",
+        default=[1024, 4096],
+        help="model dimensions of the mHC shapes",
+    )
+    p.add_argument("--quant-tokens", type=argtypes.positive_int, default=4096, help="tokens of the quantization shapes")
+    p.add_argument(
+        "--quant-shapes", type=_shape, nargs="+", default=[(4096, 4096), (2048, 7168)], help="weight shapes NxK"
+    )
     p.add_argument("--only", default="", help="comma list: moe,mhc,quant,elementwise,parity")
-    p.add_argument("--parity", action="store_true",
-                   help="first check fwd+bwd parity vs the references at real shapes (poisoned memory, "
-                        "bitwise repeats, host syncs)")
+    p.add_argument(
+        "--parity",
+        action="store_true",
+        help="first check fwd+bwd parity vs the references at real shapes (poisoned memory, "
+        "bitwise repeats, host syncs)",
+    )
     p.add_argument("--reference", action="store_true", help="also time the torch reference")
     p.add_argument("--check", action="store_true", help="compare with the reference at the bench shapes")
     add_output_args(p)

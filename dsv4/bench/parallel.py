@@ -42,8 +42,13 @@ def _build(args, rank: int, world: int, device: torch.device, whole: bool):
     else:
         from ..checkpoint import load_pretrained
 
-        model = load_pretrained(args.model, dtype=dtype, device=device, keep_quantized=args.keep_quantized,
-                                **({} if whole else {"rank": rank, "world_size": world}))
+        model = load_pretrained(
+            args.model,
+            dtype=dtype,
+            device=device,
+            keep_quantized=args.keep_quantized,
+            **({} if whole else {"rank": rank, "world_size": world}),
+        )
     return model.eval()
 
 
@@ -60,7 +65,7 @@ def _run(model, prompts: torch.Tensor, chunk: int, decode: int, device: torch.de
     with torch.no_grad():
         while pos < n:
             c = min(chunk, n - pos)
-            tok = prompts[:, pos:pos + c]
+            tok = prompts[:, pos : pos + c]
             _sync(device)
             t0 = time.perf_counter()
             out = model.append(tok, cache.step_inputs(tok, static_start=pos), cache.kv)
@@ -102,25 +107,41 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
     w = init_workers(rank, world, master_port=port, device=args.device, timeout_s=args.timeout)
     if w.device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    model = parallelize_for_serving(_build(args, rank, world, w.device, whole=bool(args.preset)),
-                                    attention=args.attention)
+    model = parallelize_for_serving(
+        _build(args, rank, world, w.device, whole=bool(args.preset)), attention=args.attention
+    )
     cfg = model.cfg
     seed = args.seed + (rank if args.attention == "data_parallel" else 0)
-    prompts = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len),
-                            generator=torch.Generator().manual_seed(seed)).to(w.device)
+    prompts = torch.randint(
+        0, cfg.vocab_size, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(seed)
+    ).to(w.device)
     if w.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(w.device)
     with _numerics(args.deterministic):
         logits, toks, times = _run(model, prompts, args.chunk, args.decode, w.device)
     held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    est = mem.rank_bytes(cfg, world, context=args.prompt_len + args.decode + 1, batch=args.batch, chunk=args.chunk,
-                          dtype=defaults.resolve_dtype(args.dtype), keep_quantized=args.keep_quantized,
-                          attention=args.attention, fused=w.device.type == "cuda", prefix_caching=False)
-    res = {"rank": rank, "device": str(w.device), "weights": held, "est_weights": est.weights,
-           "est_total": est.total,
-           "peak": torch.cuda.max_memory_allocated(w.device) if w.device.type == "cuda" else None,
-           "decode_s": statistics.median([t for k, t in times if k == "decode"] or [0.0]),
-           "prefill_s": [round(t, 6) for k, t in times if k == "prefill"]}
+    est = mem.rank_bytes(
+        cfg,
+        world,
+        context=args.prompt_len + args.decode + 1,
+        batch=args.batch,
+        chunk=args.chunk,
+        dtype=defaults.resolve_dtype(args.dtype),
+        keep_quantized=args.keep_quantized,
+        attention=args.attention,
+        fused=w.device.type == "cuda",
+        prefix_caching=False,
+    )
+    res = {
+        "rank": rank,
+        "device": str(w.device),
+        "weights": held,
+        "est_weights": est.weights,
+        "est_total": est.total,
+        "peak": torch.cuda.max_memory_allocated(w.device) if w.device.type == "cuda" else None,
+        "decode_s": statistics.median([t for k, t in times if k == "decode"] or [0.0]),
+        "prefill_s": [round(t, 6) for k, t in times if k == "prefill"],
+    }
     if args.reference:
         del model
         ref = _build(args, rank, world, w.device, whole=True)
@@ -177,22 +198,25 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         import torch.multiprocessing as mp
 
-        mp.start_processes(_spawned, args=(args.nproc, free_port(), args, tmp), nprocs=args.nproc,
-                           start_method="spawn")
+        mp.start_processes(_spawned, args=(args.nproc, free_port(), args, tmp), nprocs=args.nproc, start_method="spawn")
         ranks = json.loads(Path(tmp, "ranks.json").read_text())
     ok = judge(ranks, args.deterministic, args.tol)
     if args.json:
         print(json.dumps({"ok": ok, "ranks": ranks}))
     else:
         for r in ranks:
-            line = (f"rank {r['rank']} on {r['device']}: weights {r['weights'] / 1e9:.3f} GB (estimate "
-                    f"{r['est_weights'] / 1e9:.3f}), decode step {r['decode_s'] * 1e3:.1f} ms")
+            line = (
+                f"rank {r['rank']} on {r['device']}: weights {r['weights'] / 1e9:.3f} GB (estimate "
+                f"{r['est_weights'] / 1e9:.3f}), decode step {r['decode_s'] * 1e3:.1f} ms"
+            )
             if r["peak"] is not None:
                 line += f", peak {r['peak'] / 1e9:.2f} GB (estimate {r['est_total'] / 1e9:.2f})"
             if "worst_rel" in r:
-                line += (f"; vs one process: {r['equal_steps']}/{r['steps']} steps bit-equal, worst rel "
-                         f"{r['worst_rel']:.2e}, greedy tokens {'equal' if r['tokens_equal'] else 'DIFFER'}, "
-                         f"its decode step {r['ref_decode_s'] * 1e3:.1f} ms")
+                line += (
+                    f"; vs one process: {r['equal_steps']}/{r['steps']} steps bit-equal, worst rel "
+                    f"{r['worst_rel']:.2e}, greedy tokens {'equal' if r['tokens_equal'] else 'DIFFER'}, "
+                    f"its decode step {r['ref_decode_s'] * 1e3:.1f} ms"
+                )
             print(line)
         print("ok" if ok else "FAILED")
     return 0 if ok else 1

@@ -66,7 +66,7 @@ def measure_limits(device: torch.device) -> dict:
     bm = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     ms = time_ms(lambda: a @ bm, reps=20)
     mm_tflops = 2 * 8192**3 / ms / 1e9
-    src = torch.empty(1 << 29, device=device, dtype=torch.int16)   # 1 GiB
+    src = torch.empty(1 << 29, device=device, dtype=torch.int16)  # 1 GiB
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), reps=20)
     copy_gbs = 2 * src.numel() * 2 / ms / 1e6
@@ -119,17 +119,22 @@ class Stream(list):
 def run_info(device: torch.device, limits: dict) -> dict:
     """Where and with what a run was measured: device name, torch and triton versions, date, limits."""
     triton = importlib.util.find_spec("triton")
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
-            "torch": torch.__version__,
-            "triton": __import__("triton").__version__ if triton is not None else None,
-            "date": time.strftime("%Y-%m-%d"), "limits": {k: round(v, 1) for k, v in limits.items()}}
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__ if triton is not None else None,
+        "date": time.strftime("%Y-%m-%d"),
+        "limits": {k: round(v, 1) for k, v in limits.items()},
+    }
 
 
 def header(result: dict) -> list[str]:
     """The two lines a printed run starts with: the run info and the measured limits."""
     lim = result["limits"]
-    return [f"{result['device']}  torch {result['torch']}  triton {result['triton']}  {result['date']}",
-            f"measured: bf16 matmul {lim['matmul_tflops']:.0f} TFLOP/s, copy {lim['copy_gbs']:.0f} GB/s"]
+    return [
+        f"{result['device']}  torch {result['torch']}  triton {result['triton']}  {result['date']}",
+        f"measured: bf16 matmul {lim['matmul_tflops']:.0f} TFLOP/s, copy {lim['copy_gbs']:.0f} GB/s",
+    ]
 
 
 def emit(result: dict, render, as_json: bool, as_jsonl: bool) -> int:

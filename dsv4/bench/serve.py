@@ -50,8 +50,11 @@ async def _stream(host: str, port: int, body: dict) -> Result:
     t0 = time.perf_counter()
     reader, writer = await asyncio.open_connection(host, port)
     data = json.dumps(body).encode()
-    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+    writer.write(
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+        + data
+    )
     await writer.drain()
     try:
         status = (await reader.readline()).decode()
@@ -105,8 +108,9 @@ def _pct(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))]
 
 
-async def _drive(host: str, port: int, model: str, work: list[tuple[int, tuple[list[int], int]]],
-                 clients: int) -> tuple[list[Result], float]:
+async def _drive(
+    host: str, port: int, model: str, work: list[tuple[int, tuple[list[int], int]]], clients: int
+) -> tuple[list[Result], float]:
     """`clients` closed-loop clients over the numbered work items. -> (results in work order, wall seconds)."""
     queue = list(work)
     results: dict[int, Result] = {}
@@ -114,11 +118,19 @@ async def _drive(host: str, port: int, model: str, work: list[tuple[int, tuple[l
     async def client() -> None:
         while queue:
             i, (prompt, n) = queue.pop(0)
-            body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 1.0, "seed": i,
-                    "ignore_eos": True, "logprobs": 0, "stream": True}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": n,
+                "temperature": 1.0,
+                "seed": i,
+                "ignore_eos": True,
+                "logprobs": 0,
+                "stream": True,
+            }
             try:
                 results[i] = await _stream(host, port, body)
-            except Exception as e:                                               # noqa: BLE001 - counted
+            except Exception as e:  # noqa: BLE001 - counted
                 results[i] = Result(error=f"{type(e).__name__}: {e}")
 
     t0 = time.perf_counter()
@@ -133,8 +145,9 @@ def _drive_share(host: str, port: int, model: str, work, clients: int, start_at:
     return results, time.time()
 
 
-def drive(host: str, port: int, model: str, work: list[tuple[list[int], int]], clients: int,
-          procs: int = 1) -> tuple[list[Result], float]:
+def drive(
+    host: str, port: int, model: str, work: list[tuple[list[int], int]], clients: int, procs: int = 1
+) -> tuple[list[Result], float]:
     """The load, from `procs` processes (one Python process parses at most some ten thousand streamed events
     a second: at high rates the load generator, not the server, would be measured). -> (results, wall s)."""
     numbered = list(enumerate(work))
@@ -163,8 +176,7 @@ def _raw_decode_rate(model, batch: int, prompt_len: int, steps: int, device: tor
     with torch.no_grad():
         cache = model.new_cache(batch, prompt_len + 2 * steps + 8)
         nxt = model.prefill(prompt, cache)[:, -1].argmax(-1, keepdim=True)
-        step = GraphedDecoder(model, cache).step if device.type == "cuda" else (
-            lambda t: model.decode_step(t, cache))
+        step = GraphedDecoder(model, cache).step if device.type == "cuda" else (lambda t: model.decode_step(t, cache))
         for _ in range(3):
             nxt = step(nxt)[:, -1].argmax(-1, keepdim=True)
         if device.type == "cuda":
@@ -191,7 +203,7 @@ def _hf_rate(model, prompts: list[list[int]], new_tokens: int, batches: list[int
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=device)
         with torch.no_grad():
             kw = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-            hf.generate(ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=2, do_sample=False)   # warm-up
+            hf.generate(ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -211,12 +223,15 @@ def _scrape(host: str, port: int) -> dict[str, float]:
         text = r.read().decode()
     out = {}
     for line in text.splitlines():
-        m = re.match(r'dsv4_(engine_phase_seconds_total|generation_tokens_total|prompt_tokens_total|preemptions_total|'
-                     r'prefix_cache_hit_tokens_total|spec_draft_tokens_total|spec_accepted_tokens_total|'
-                     r'spec_acceptance_ratio|spec_tokens_per_verify|spec_verify_length_sum|spec_verify_length_count|'
-                     r'engine_graph_steps_total|'
-                     r'engine_eager_steps_total|kernel_compilations_after_ready|warmup_seconds|cuda_graphs)'
-                     r'\{([^}]*)\} (\S+)', line)
+        m = re.match(
+            r"dsv4_(engine_phase_seconds_total|generation_tokens_total|prompt_tokens_total|preemptions_total|"
+            r"prefix_cache_hit_tokens_total|spec_draft_tokens_total|spec_accepted_tokens_total|"
+            r"spec_acceptance_ratio|spec_tokens_per_verify|spec_verify_length_sum|spec_verify_length_count|"
+            r"engine_graph_steps_total|"
+            r"engine_eager_steps_total|kernel_compilations_after_ready|warmup_seconds|cuda_graphs)"
+            r"\{([^}]*)\} (\S+)",
+            line,
+        )
         if m:
             phase = re.search(r'phase="(\w+)"', m.group(2))
             out[m.group(1) + (f".{phase.group(1)}" if phase else "")] = float(m.group(3))
@@ -226,9 +241,24 @@ def _scrape(host: str, port: int) -> dict[str, float]:
 def _server_argv(args: argparse.Namespace) -> list[str]:
     """`dsv4 serve` with this benchmark's model and engine settings, on a free loopback port."""
     argv = [sys.executable, "-m", "dsv4", "serve", "--host", "127.0.0.1", "--port", "0"]
-    for flag in ("preset", "model", "config", "device", "dtype", "quant_mode", "max_num_seqs", "max_model_len",
-                 "max_batch_tokens", "page_size", "cache_pages", "speculative", "speculative_threshold",
-                 "tensor_parallel_size", "worker_timeout", "threads"):
+    for flag in (
+        "preset",
+        "model",
+        "config",
+        "device",
+        "dtype",
+        "quant_mode",
+        "max_num_seqs",
+        "max_model_len",
+        "max_batch_tokens",
+        "page_size",
+        "cache_pages",
+        "speculative",
+        "speculative_threshold",
+        "tensor_parallel_size",
+        "worker_timeout",
+        "threads",
+    ):
         value = getattr(args, flag, None)
         if value is not None and not (flag in ("speculative", "speculative_threshold", "threads") and not value):
             argv += [f"--{flag.replace('_', '-')}", str(value)]
@@ -243,14 +273,13 @@ def _server_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _start_server(argv: list[str]) -> tuple[subprocess.Popen, str, int, str]:
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
         m = re.search(r"ready: http://([^:/]+):(\d+)/v1", line)
         if m:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()      # keep the pipe drained
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
             return proc, m.group(1), int(m.group(2)), "".join(lines)
     proc.wait()
     raise UserError("the server did not start:\n" + "".join(lines[-20:]))
@@ -269,8 +298,7 @@ def _work(vocab: int, n: int, args: argparse.Namespace, seed: int) -> list[tuple
     def draw(mean: int) -> int:
         return max(1, round(mean * (1 + args.spread * (2 * rng.random() - 1))))
 
-    return [([rng.randrange(2, vocab) for _ in range(draw(args.prompt_len))], draw(args.output_len))
-            for _ in range(n)]
+    return [([rng.randrange(2, vocab) for _ in range(draw(args.prompt_len))], draw(args.output_len)) for _ in range(n)]
 
 
 def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -> dict:
@@ -288,7 +316,7 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
     try:
         idle = []
         warm = _work(vocab, 3, args, args.seed + 999)
-        for item in warm:                                  # warm-up, and the idle time to first token
+        for item in warm:  # warm-up, and the idle time to first token
             r = drive(host, port, name, [item], 1)[0][0]
             if r.error:
                 raise UserError(f"the server refused a warm-up request: {r.error}")
@@ -311,16 +339,27 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
     for results, wall in runs:
         ttft = [r.ttft for r in results if r.ttft is not None]
         gaps = [g for r in results for g in r.gaps]
-        per_run.append({"tokens_per_s": sum(r.tokens for r in results) / wall, "ttft_p50_s": _pct(ttft, 50),
-                        "ttft_p99_s": _pct(ttft, 99), "itl_p50_s": _pct(gaps, 50), "itl_p99_s": _pct(gaps, 99)})
+        per_run.append(
+            {
+                "tokens_per_s": sum(r.tokens for r in results) / wall,
+                "ttft_p50_s": _pct(ttft, 50),
+                "ttft_p99_s": _pct(ttft, 99),
+                "itl_p50_s": _pct(gaps, 50),
+                "itl_p99_s": _pct(gaps, 99),
+            }
+        )
     row.update({k: _spread([x[k] for x in per_run]) for k in per_run[0]})
     row["ttft_idle_s"] = statistics.median(idle)
     row["ttft_p99_over_idle"] = row["ttft_p99_s"]["median"] / row["ttft_idle_s"] if row["ttft_p99_s"] else None
-    row["itl_p99_over_p50"] = (row["itl_p99_s"]["median"] / row["itl_p50_s"]["median"]
-                               if row["itl_p50_s"] and row["itl_p50_s"]["median"] else None)
+    row["itl_p99_over_p50"] = (
+        row["itl_p99_s"]["median"] / row["itl_p50_s"]["median"]
+        if row["itl_p50_s"] and row["itl_p50_s"]["median"]
+        else None
+    )
     row["errors"], row["first_errors"] = len(errors), errors[:3]
-    row["server_metrics"] = {k: v - before.get(k, 0.0) if k.endswith("_total") or "_total." in k else v
-                             for k, v in after.items()}
+    row["server_metrics"] = {
+        k: v - before.get(k, 0.0) if k.endswith("_total") or "_total." in k else v for k, v in after.items()
+    }
     return row
 
 
@@ -333,30 +372,49 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     if not 0 <= args.spread < 1:
         raise UserError("--spread must be in [0, 1)")
     if args.max_num_seqs is not None and args.max_num_seqs < max(args.clients):
-        raise UserError("--max-num-seqs must be at least the largest --clients (each client keeps one request "
-                        "in flight)")
+        raise UserError(
+            "--max-num-seqs must be at least the largest --clients (each client keeps one request in flight)"
+        )
     spec = EngineSpec.from_args(args).resolved()
     # the servers run on the device and dtype resolved here
     args = argparse.Namespace(**{**vars(args), "device": spec.source.device, "dtype": spec.source.dtype})
     model, _tokenizer, name, desc = load(spec)
     device = model.embed.weight.device
-    result: dict = {"bench": "serve", "model": desc, "dtype": spec.source.dtype, "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "prompt_len": args.prompt_len,
-                    "output_len": args.output_len, "spread": args.spread, "repeats": args.repeats,
-                    "runs": {}}
+    result: dict = {
+        "bench": "serve",
+        "model": desc,
+        "dtype": spec.source.dtype,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": _commit(),
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "spread": args.spread,
+        "repeats": args.repeats,
+        "runs": {},
+    }
     # the peers first, in this process; then each server in its own process (its own interpreter: the load
     # generator's Python must not share a lock with the server's)
     raw = {}
     if not args.no_raw:
         for clients in args.clients:
-            rates = [_raw_decode_rate(model, clients, args.prompt_len, max(16, args.output_len), device)
-                     for _ in range(args.repeats)]
+            rates = [
+                _raw_decode_rate(model, clients, args.prompt_len, max(16, args.output_len), device)
+                for _ in range(args.repeats)
+            ]
             raw[clients] = _spread([x["tokens_per_s"] for x in rates])
     if args.hf:
         same = [p for p, _ in _work(model.cfg.vocab_size, max(args.hf), args, args.seed)]
-        hf = {str(b): _spread([_hf_rate(model, same, args.output_len, [b], device)[str(b)]["tokens_per_s"]
-                               for _ in range(args.repeats)]) for b in args.hf}
+        hf = {
+            str(b): _spread(
+                [
+                    _hf_rate(model, same, args.output_len, [b], device)[str(b)]["tokens_per_s"]
+                    for _ in range(args.repeats)
+                ]
+            )
+            for b in args.hf
+        }
         result["hf_generate"] = hf
         result["hf_best_tokens_per_s"] = max(v["median"] for v in hf.values())
     vocab = model.cfg.vocab_size
@@ -376,8 +434,10 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         if not args.json:
             _print(result, row)
     if "hf_generate" in result and not args.json:
-        print("  transformers generate: " + ", ".join(f"batch {b} {_fmt(v)} tokens/s"
-                                                      for b, v in result["hf_generate"].items()))
+        print(
+            "  transformers generate: "
+            + ", ".join(f"batch {b} {_fmt(v)} tokens/s" for b, v in result["hf_generate"].items())
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.json:
@@ -387,8 +447,13 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
 def _commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).resolve().parent,
+        )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -401,37 +466,56 @@ def _fmt(s: dict | None, scale: float = 1.0, unit: str = "") -> str:
 
 
 def _print(result: dict, r: dict) -> None:
-    print(f"{result['device']}  torch {result['torch']}  {result['date']}  {result['model']}  {result['dtype']}  "
-          f"commit {result['commit']}")
-    print(f"  load: {r['clients']} streaming clients, {r['requests']} requests per run, "
-          f"prompt ~{result['prompt_len']}, "
-          f"output ~{result['output_len']} (+-{result['spread']:.0%}); median (min-max) of {result['repeats']} runs")
+    print(
+        f"{result['device']}  torch {result['torch']}  {result['date']}  {result['model']}  {result['dtype']}  "
+        f"commit {result['commit']}"
+    )
+    print(
+        f"  load: {r['clients']} streaming clients, {r['requests']} requests per run, "
+        f"prompt ~{result['prompt_len']}, "
+        f"output ~{result['output_len']} (+-{result['spread']:.0%}); median (min-max) of {result['repeats']} runs"
+    )
     print(f"  throughput      {_fmt(r['tokens_per_s'])} output tokens/s  ({r['errors']} errors)")
-    print(f"  TTFT            p50 {_fmt(r['ttft_p50_s'], 1e3, ' ms')}  p99 {_fmt(r['ttft_p99_s'], 1e3, ' ms')}  "
-          f"(idle {r['ttft_idle_s'] * 1e3:.1f} ms"
-          + (f", p99 {r['ttft_p99_over_idle']:.1f}x idle" if r.get("ttft_p99_over_idle") else "") + ")")
-    print(f"  inter-token     p50 {_fmt(r['itl_p50_s'], 1e3, ' ms')}  p99 {_fmt(r['itl_p99_s'], 1e3, ' ms')}"
-          + (f"  (p99 {r['itl_p99_over_p50']:.1f}x p50)" if r.get("itl_p99_over_p50") else ""))
+    print(
+        f"  TTFT            p50 {_fmt(r['ttft_p50_s'], 1e3, ' ms')}  p99 {_fmt(r['ttft_p99_s'], 1e3, ' ms')}  "
+        f"(idle {r['ttft_idle_s'] * 1e3:.1f} ms"
+        + (f", p99 {r['ttft_p99_over_idle']:.1f}x idle" if r.get("ttft_p99_over_idle") else "")
+        + ")"
+    )
+    print(
+        f"  inter-token     p50 {_fmt(r['itl_p50_s'], 1e3, ' ms')}  p99 {_fmt(r['itl_p99_s'], 1e3, ' ms')}"
+        + (f"  (p99 {r['itl_p99_over_p50']:.1f}x p50)" if r.get("itl_p99_over_p50") else "")
+    )
     if "raw_decode_tokens_per_s" in r:
-        print(f"  raw decode      {_fmt(r['raw_decode_tokens_per_s'])} tokens/s at batch {r['clients']}: the server "
-              f"reaches {r['fraction_of_raw_decode']:.0%} of it")
+        print(
+            f"  raw decode      {_fmt(r['raw_decode_tokens_per_s'])} tokens/s at batch {r['clients']}: the server "
+            f"reaches {r['fraction_of_raw_decode']:.0%} of it"
+        )
     if "speedup_over_hf_best" in r:
         print(f"  dsv4 serve / best transformers generate: {r['speedup_over_hf_best']:.1f}x")
     sm = r.get("server_metrics", {})
     if sm.get("spec_draft_tokens_total"):
-        print(f"  speculative     {sm.get('spec_acceptance_ratio', 0):.0%} of drafts accepted, "
-              f"{sm.get('spec_tokens_per_verify', 0):.2f} tokens per verify step"
-              + (f", {sm['spec_verify_length_sum'] / sm['spec_verify_length_count']:.2f} drafts verified per "
-                 "decode row" if sm.get("spec_verify_length_count") else ""))
+        print(
+            f"  speculative     {sm.get('spec_acceptance_ratio', 0):.0%} of drafts accepted, "
+            f"{sm.get('spec_tokens_per_verify', 0):.2f} tokens per verify step"
+            + (
+                f", {sm['spec_verify_length_sum'] / sm['spec_verify_length_count']:.2f} drafts verified per decode row"
+                if sm.get("spec_verify_length_count")
+                else ""
+            )
+        )
     if "engine_graph_steps_total" in sm or "engine_eager_steps_total" in sm:
-        print(f"  engine steps    {sm.get('engine_graph_steps_total', 0):.0f} from CUDA graphs, "
-              f"{sm.get('engine_eager_steps_total', 0):.0f} eager; "
-              f"{sm.get('kernel_compilations_after_ready', 0):.0f} kernel compilations after ready")
+        print(
+            f"  engine steps    {sm.get('engine_graph_steps_total', 0):.0f} from CUDA graphs, "
+            f"{sm.get('engine_eager_steps_total', 0):.0f} eager; "
+            f"{sm.get('kernel_compilations_after_ready', 0):.0f} kernel compilations after ready"
+        )
     phases = {k.split(".", 1)[1]: v for k, v in sm.items() if k.startswith("engine_phase") and "." in k}
     if phases:
         total = sum(phases.values())
-        print("  engine host time: " + ", ".join(f"{k} {v / total:.0%}" for k, v in phases.items())
-              + f" of {total:.1f} s")
+        print(
+            "  engine host time: " + ", ".join(f"{k} {v / total:.0%}" for k, v in phases.items()) + f" of {total:.1f} s"
+        )
     for e in r["first_errors"]:
         print(f"  error: {e}")
 
@@ -440,25 +524,52 @@ def add_bench_serve_parser(subparsers) -> None:
     from ..loading import add_model_args
     from ..serve.cli import engine_args
 
-    p = subparsers.add_parser("serve", help="load-test a dsv4 serve HTTP server: throughput, TTFT, inter-token "
-                                            "latency, against the raw batched decode rate (and transformers)")
+    p = subparsers.add_parser(
+        "serve",
+        help="load-test a dsv4 serve HTTP server: throughput, TTFT, inter-token "
+        "latency, against the raw batched decode rate (and transformers)",
+    )
     add_model_args(p, "the shipped model")
-    p.add_argument("--clients", type=argtypes.positive_int, nargs="+", default=[16],
-                   help="concurrent streaming clients; several values: one server each (default 16)")
-    p.add_argument("--requests", type=argtypes.positive_int, default=None,
-                   help="requests per timed run (default 4 x clients)")
-    p.add_argument("--repeats", type=argtypes.positive_int, default=3,
-                   help="timed runs per client count; figures are their median with min and max (default 3)")
-    p.add_argument("--load-procs", type=argtypes.positive_int, default=None,
-                   help="load-generator processes (default: one per 32 clients, at most 8)")
+    p.add_argument(
+        "--clients",
+        type=argtypes.positive_int,
+        nargs="+",
+        default=[16],
+        help="concurrent streaming clients; several values: one server each (default 16)",
+    )
+    p.add_argument(
+        "--requests", type=argtypes.positive_int, default=None, help="requests per timed run (default 4 x clients)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=argtypes.positive_int,
+        default=3,
+        help="timed runs per client count; figures are their median with min and max (default 3)",
+    )
+    p.add_argument(
+        "--load-procs",
+        type=argtypes.positive_int,
+        default=None,
+        help="load-generator processes (default: one per 32 clients, at most 8)",
+    )
     p.add_argument("--prompt-len", type=argtypes.positive_int, default=128, help="mean prompt tokens (default 128)")
     p.add_argument("--output-len", type=argtypes.positive_int, default=64, help="mean output tokens (default 64)")
-    p.add_argument("--spread", type=argtypes.float_in(0.0, 1.0, hi_open=True), default=0.25,
-                   help="lengths uniform in mean*(1 +- spread) (default 0.25)")
+    p.add_argument(
+        "--spread",
+        type=argtypes.float_in(0.0, 1.0, hi_open=True),
+        default=0.25,
+        help="lengths uniform in mean*(1 +- spread) (default 0.25)",
+    )
     options.add(p, "seed", default=0, note="of the drawn prompts and lengths")
     p.add_argument("--no-raw", action="store_true", help="skip the raw batched decode measurement")
-    p.add_argument("--hf", type=argtypes.positive_int, nargs="*", default=None, metavar="BATCH",
-                   help="also time transformers' generate at these batch sizes (e.g. --hf 16 64)")
+    p.add_argument(
+        "--hf",
+        type=argtypes.positive_int,
+        nargs="*",
+        default=None,
+        metavar="BATCH",
+        help="also time transformers' generate at these batch sizes (e.g. --hf 16 64)",
+    )
     p.add_argument("--out", metavar="FILE", default=None, help="write the result as JSON")
     options.add(p, "json")
     engine_args(p)

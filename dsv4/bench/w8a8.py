@@ -54,9 +54,11 @@ def flash_linears(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 def _graphed_ms(fn, reps: int = 20, calls: int = 10) -> float:
     """Device time of one fn() call: `calls` calls captured in one CUDA graph (as the engine replays a step),
     the median replay over `calls`; no host launch overhead, which would hide a microsecond kernel."""
+
     def many():
         for _ in range(calls):
             fn()
+
     return _time_ms(capture_graph(many).replay, reps=reps) / calls
 
 
@@ -99,21 +101,36 @@ def bench_gemm(m: int, n: int, k: int, name: str, device, limits: dict, rows: li
     weight_bytes = n * k + ws.numel()
     peer = _graphed_ms(lambda: x @ wb.t())
     base = {"part": part, "shape": shape, "M": m, "N": n, "K": k}
-    rows.append({**base, "op": "bf16 torch.mm", "ms": round(peer, 4),
-                 "tflops": round(flops / peer / 1e9, 1), "of_matmul": round(flops / peer / 1e9 /
-                                                                          limits["matmul_tflops"], 3)})
+    rows.append(
+        {
+            **base,
+            "op": "bf16 torch.mm",
+            "ms": round(peer, 4),
+            "tflops": round(flops / peer / 1e9, 1),
+            "of_matmul": round(flops / peer / 1e9 / limits["matmul_tflops"], 3),
+        }
+    )
     want = R.fp8_gemm(q, s, wq, ws, torch.float32)
     for be in _backends("fp8_gemm", q, s, wq, ws, torch.bfloat16):
         y = ops.fp8_gemm(q, s, wq, ws, torch.bfloat16, backend=be)
         err = _rel(y, want)
         ms = _graphed_ms(lambda be=be: ops.fp8_gemm(q, s, wq, ws, torch.bfloat16, backend=be))
-        full = _graphed_ms(lambda be=be: ops.fp8_gemm(*ops.act_quant(x, R.ACT_BLOCK, True), wq, ws, torch.bfloat16,
-                                                   backend=be))
-        r = {**base, "op": "fp8_gemm", "backend": be, "ms": round(ms, 4), "rel_l2": round(err, 6),
-             "tflops": round(flops / ms / 1e9, 1), "x_bf16": round(peer / ms, 3),
-             "with_act_quant_ms": round(full, 4), "with_act_quant_x_bf16": round(peer / full, 3),
-             "weight_gbs": round(weight_bytes / ms / 1e6, 0), "of_copy": round(weight_bytes / ms / 1e6 /
-                                                                               limits["copy_gbs"], 3)}
+        full = _graphed_ms(
+            lambda be=be: ops.fp8_gemm(*ops.act_quant(x, R.ACT_BLOCK, True), wq, ws, torch.bfloat16, backend=be)
+        )
+        r = {
+            **base,
+            "op": "fp8_gemm",
+            "backend": be,
+            "ms": round(ms, 4),
+            "rel_l2": round(err, 6),
+            "tflops": round(flops / ms / 1e9, 1),
+            "x_bf16": round(peer / ms, 3),
+            "with_act_quant_ms": round(full, 4),
+            "with_act_quant_x_bf16": round(peer / full, 3),
+            "weight_gbs": round(weight_bytes / ms / 1e6, 0),
+            "of_copy": round(weight_bytes / ms / 1e6 / limits["copy_gbs"], 3),
+        }
         rows.append(r)
     for be, why in _skips("fp8_gemm", q, s, wq, ws, torch.bfloat16).items():
         rows.append({**base, "op": "fp8_gemm", "backend": be, "skipped": why})
@@ -126,7 +143,7 @@ def _expert_weights(cfg: ModelConfig, device, seed: int = 0):
     out = {}
     for name, shape in (("w1", (i, d)), ("w3", (i, d)), ("w2", (d, i))):
         bf, pk, sc = [], [], []
-        for _ in range(0, e, 16):                       # 16 experts at a time: bounded scratch
+        for _ in range(0, e, 16):  # 16 experts at a time: bounded scratch
             w = torch.randn(min(16, e - len(bf) * 16), *shape, device=device, generator=g) * shape[-1] ** -0.5
             packed, scale = formats.quantize_mxfp4(w)
             bf.append(w.bfloat16())
@@ -152,8 +169,9 @@ def bench_experts(t: int, cfg: ModelConfig, experts: dict, device, limits: dict,
     best_bf16 = None
     for be in _backends("moe_experts", x, wts, idx, b1, b2, b3, cfg.swiglu_limit):
         ms = _graphed_ms(lambda be=be: ops.moe_experts(x, wts, idx, b1, b2, b3, cfg.swiglu_limit, backend=be))
-        rows.append({**base, "op": "moe_experts bf16", "backend": be, "ms": round(ms, 4),
-                     "tflops": round(flops / ms / 1e9, 1)})
+        rows.append(
+            {**base, "op": "moe_experts bf16", "backend": be, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
+        )
         best_bf16 = ms if best_bf16 is None else min(best_bf16, ms)
     args = (x, wts, idx, p1, s1, p2, s2, p3, s3, cfg.swiglu_limit, 0, "fp4", "ue8m0")
     want = None
@@ -162,9 +180,15 @@ def bench_experts(t: int, cfg: ModelConfig, experts: dict, device, limits: dict,
     for be in _backends("quantized_moe_experts", *args):
         y = ops.quantized_moe_experts(*args, backend=be)
         ms = _graphed_ms(lambda be=be: ops.quantized_moe_experts(*args, backend=be))
-        r = {**base, "op": "quantized_moe_experts fp4", "backend": be, "ms": round(ms, 4),
-             "tflops": round(flops / ms / 1e9, 1), "weight_gbs": round(fp4_bytes / ms / 1e6, 0),
-             "of_copy": round(fp4_bytes / ms / 1e6 / limits["copy_gbs"], 3)}
+        r = {
+            **base,
+            "op": "quantized_moe_experts fp4",
+            "backend": be,
+            "ms": round(ms, 4),
+            "tflops": round(flops / ms / 1e9, 1),
+            "weight_gbs": round(fp4_bytes / ms / 1e6, 0),
+            "of_copy": round(fp4_bytes / ms / 1e6 / limits["copy_gbs"], 3),
+        }
         if best_bf16 is not None:
             r["x_bf16"] = round(best_bf16 / ms, 3)
         if want is not None:
@@ -181,8 +205,13 @@ def summarize(rows: list) -> dict:
     for part, key in (("gemm", "x_bf16"), ("experts", "x_bf16"), ("decode", "of_copy")):
         vals = [r[key] for r in rows if r.get("part") == part and key in r]
         if vals:
-            out[part] = {"goal": GOALS[part], "metric": key, "worst_best_backend": None,
-                         "min": min(vals), "max": max(vals)}
+            out[part] = {
+                "goal": GOALS[part],
+                "metric": key,
+                "worst_best_backend": None,
+                "min": min(vals),
+                "max": max(vals),
+            }
             # per shape, the best backend; then the worst shape
             by_shape: dict[str, float] = {}
             for r in rows:
@@ -232,28 +261,40 @@ def run_w8a8_bench(args: argparse.Namespace) -> int:
             for t in args.decode_tokens:
                 bench_experts(t, cfg, experts, device, limits, rows, "decode")
         del experts
-    result = {**run_info(device, limits), "cuda": torch.version.cuda, "preset": cfg.name, "goals": GOALS,
-              "summary": summarize(rows), "rows": rows, "seconds": round(time.time() - t0, 1)}
+    result = {
+        **run_info(device, limits),
+        "cuda": torch.version.cuda,
+        "preset": cfg.name,
+        "goals": GOALS,
+        "summary": summarize(rows),
+        "rows": rows,
+        "seconds": round(time.time() - t0, 1),
+    }
     text = json.dumps(result, indent=1)
     if args.out:
         _write_atomic(Path(args.out), text)
     if args.json:
         print(text)
         return 0
-    print(f"{result['device']}  torch {result['torch']} (CUDA {result['cuda']})  triton {result['triton']}  "
-          f"{result['date']}")
+    print(
+        f"{result['device']}  torch {result['torch']} (CUDA {result['cuda']})  triton {result['triton']}  "
+        f"{result['date']}"
+    )
     print(f"measured: bf16 matmul {limits['matmul_tflops']:.0f} TFLOP/s, copy {limits['copy_gbs']:.0f} GB/s")
     for r in rows:
         if "skipped" in r:
             print(f"{r['part']:8s} {r['op']:26s} {r.get('backend', ''):10s} {r['shape']:44s} skipped: {r['skipped']}")
             continue
-        extra = "  ".join(f"{k_}={r[k_]}" for k_ in ("tflops", "x_bf16", "with_act_quant_x_bf16", "of_copy",
-                                                     "rel_l2") if k_ in r)
+        extra = "  ".join(
+            f"{k_}={r[k_]}" for k_ in ("tflops", "x_bf16", "with_act_quant_x_bf16", "of_copy", "rel_l2") if k_ in r
+        )
         print(f"{r['part']:8s} {r['op']:26s} {r.get('backend', ''):10s} {r['shape']:44s} {r['ms']:9.3f} ms  {extra}")
     for part, sm in result["summary"].items():
         verdict = "met" if sm["met"] else "NOT met"
-        print(f"goal {part}: {sm['metric']} >= {sm['goal']}: worst shape (best backend) {sm['worst_best_backend']} "
-              f"-> {verdict}")
+        print(
+            f"goal {part}: {sm['metric']} >= {sm['goal']}: worst shape (best backend) {sm['worst_best_backend']} "
+            f"-> {verdict}"
+        )
     return 0
 
 
@@ -261,12 +302,27 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     """Adds `w8a8` to the `dsv4 bench` subcommands."""
     p = subparsers.add_parser("w8a8", help="FP8 GEMMs vs bf16, MXFP4 experts vs bf16, decode bandwidth (one run)")
     options.add(p, "preset", default="flash", note="whose shapes are timed")
-    p.add_argument("--tokens", type=argtypes.positive_int, nargs="+", default=[1024, 4096, 8192],
-                   help="token rows M of the dense GEMMs (default 1024 4096 8192)")
-    p.add_argument("--expert-tokens", type=argtypes.positive_int, nargs="+", default=[1024, 4096],
-                   help="tokens per routed-experts call (default 1024 4096; x top-k slots)")
-    p.add_argument("--decode-tokens", type=argtypes.positive_int, nargs="+", default=[1, 16, 64],
-                   help="token rows at decode sizes (default 1 16 64)")
+    p.add_argument(
+        "--tokens",
+        type=argtypes.positive_int,
+        nargs="+",
+        default=[1024, 4096, 8192],
+        help="token rows M of the dense GEMMs (default 1024 4096 8192)",
+    )
+    p.add_argument(
+        "--expert-tokens",
+        type=argtypes.positive_int,
+        nargs="+",
+        default=[1024, 4096],
+        help="tokens per routed-experts call (default 1024 4096; x top-k slots)",
+    )
+    p.add_argument(
+        "--decode-tokens",
+        type=argtypes.positive_int,
+        nargs="+",
+        default=[1, 16, 64],
+        help="token rows at decode sizes (default 1 16 64)",
+    )
     p.add_argument("--only", default="", help="comma list: gemm,experts,decode (default all)")
     p.add_argument("--out", type=argtypes.path, help="write the JSON result to this file (atomically)")
     options.add(p, "json")

@@ -51,8 +51,9 @@ def capturing(keep: Callable[[str], bool] | None = None, inject: Injector | None
         yield cap
 
 
-def capture(fn: Callable[[], object], keep: Callable[[str], bool] | None = None,
-            inject: Injector | None = None) -> tuple[object, Stages]:
+def capture(
+    fn: Callable[[], object], keep: Callable[[str], bool] | None = None, inject: Injector | None = None
+) -> tuple[object, Stages]:
     """Run fn() with stage capture -> (its result, stages)."""
     with capturing(keep, inject) as cap:
         result = fn()

@@ -24,9 +24,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     options.add(p, "seed", default=0, note="of the weights and tokens")
     p.add_argument("--batch", type=argtypes.positive_int, default=2, help="sequences per run (default 2)")
     options.add(p, "seq_len", default=40)
-    p.add_argument("--full-size", action="store_true",
-                   help="keep the preset's window and compression ratio (default: shrink them to 16 so short "
-                        "sequences cross every boundary)")
+    p.add_argument(
+        "--full-size",
+        action="store_true",
+        help="keep the preset's window and compression ratio (default: shrink them to 16 so short "
+        "sequences cross every boundary)",
+    )
     options.add(p, "json")
     options.add(p, "quant_mode", note="with --model")
     options.add(p, "threads")
@@ -34,33 +37,53 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def add_check_parsers(sub) -> None:
     """Add compare / determinism / nonfinite / ranges / conformance to the `dsv4 check` subparsers."""
-    p = sub.add_parser("compare", help="run two configurations stage by stage; name the first divergence",
-                       description="A is the run under test, B the reference. Give exactly one of the modes.")
+    p = sub.add_parser(
+        "compare",
+        help="run two configurations stage by stage; name the first divergence",
+        description="A is the run under test, B the reference. Give exactly one of the modes.",
+    )
     _common(p)
     mode = p.add_argument_group("modes (one)")
     mode.add_argument("--backends", help="A,B ops backends, e.g. triton,reference")
     mode.add_argument("--dtypes", help="A,B dtypes, e.g. bf16,fp32")
     mode.add_argument("--compile", action="store_true", help="A = torch.compile(model), B = eager")
-    p.add_argument("--compiler", default="inductor",
-                   help="torch.compile backend for --compile (default inductor; aot_eager is fast)")
+    p.add_argument(
+        "--compiler",
+        default="inductor",
+        help="torch.compile backend for --compile (default inductor; aot_eager is fast)",
+    )
     mode.add_argument("--checkpoints", help="A,B checkpoint directories")
-    mode.add_argument("--quantized", action="store_true",
-                      help="with --model: A keeps FP8/FP4 weights quantized, B dequantizes them at load "
-                           "(both with --quant-mode)")
-    mode.add_argument("--quant-modes", metavar="A,B",
-                      help="with --model: A,B numerics of its FP8/FP4 weights, e.g. w8a8,w8a16 or int8,w8a8 "
-                           "(W8A8 = the official code's: FP8 activations; W8A16 = activations in --dtype; INT8 = "
-                           "per-row INT8 weights, per-token INT8 activations)")
-    mode.add_argument("--perturb", metavar="PARAM[:EPS]",
-                      help="A = a copy with one parameter nudged by EPS (default 1e-2) times its RMS")
-    mode.add_argument("--external", metavar="MODULE:CALLABLE",
-                      help="A = an external implementation: callable(model) -> runner(tokens) -> logits or "
-                           "(logits, stages); 'hf' = Hugging Face transformers' DeepseekV4ForCausalLM")
+    mode.add_argument(
+        "--quantized",
+        action="store_true",
+        help="with --model: A keeps FP8/FP4 weights quantized, B dequantizes them at load (both with --quant-mode)",
+    )
+    mode.add_argument(
+        "--quant-modes",
+        metavar="A,B",
+        help="with --model: A,B numerics of its FP8/FP4 weights, e.g. w8a8,w8a16 or int8,w8a8 "
+        "(W8A8 = the official code's: FP8 activations; W8A16 = activations in --dtype; INT8 = "
+        "per-row INT8 weights, per-token INT8 activations)",
+    )
+    mode.add_argument(
+        "--perturb",
+        metavar="PARAM[:EPS]",
+        help="A = a copy with one parameter nudged by EPS (default 1e-2) times its RMS",
+    )
+    mode.add_argument(
+        "--external",
+        metavar="MODULE:CALLABLE",
+        help="A = an external implementation: callable(model) -> runner(tokens) -> logits or "
+        "(logits, stages); 'hf' = Hugging Face transformers' DeepseekV4ForCausalLM",
+    )
     mode.add_argument("--plant", metavar="ZID", help="A = the model with bug-zoo mutant ZID planted (e.g. Z07)")
     options.add(p, "dtype", default="fp32", choices=("fp32", "bf16"), note="of both sides when not comparing dtypes")
     p.add_argument("--tolerance", help="exact | fp32 | bf16 | fp16 | a relative L2 bound (default: by dtype)")
-    p.add_argument("--no-force", action="store_true",
-                   help="let A take its own top-k / routing decisions (default: A takes B's and flips are counted)")
+    p.add_argument(
+        "--no-force",
+        action="store_true",
+        help="let A take its own top-k / routing decisions (default: A takes B's and flips are counted)",
+    )
     p.add_argument("--rows", type=argtypes.positive_int, default=12, help="stages shown around the first divergence")
     p.set_defaults(func=cmd_compare)
 
@@ -68,11 +91,15 @@ def add_check_parsers(sub) -> None:
     _common(p)
     p.add_argument("--runs", type=argtypes.int_in(2), default=3, help="runs whose hashes must agree")
     p.add_argument("--backend", help="ops backend for every op that has it (default: per-op default)")
-    p.add_argument("--no-deterministic-mode", action="store_true",
-                   help="do not switch on dsv4 / torch deterministic mode")
+    p.add_argument(
+        "--no-deterministic-mode", action="store_true", help="do not switch on dsv4 / torch deterministic mode"
+    )
     p.add_argument("--plant", metavar="ZID", help="plant bug-zoo mutant ZID (e.g. Z18)")
-    p.add_argument("--locate", action="store_true",
-                   help="on drift, trace every aten op of two runs and name the first nondeterministic one")
+    p.add_argument(
+        "--locate",
+        action="store_true",
+        help="on drift, trace every aten op of two runs and name the first nondeterministic one",
+    )
     p.set_defaults(func=cmd_determinism)
 
     p = sub.add_parser("nonfinite", help="stop at the first op / module producing NaN or Inf and name it")
@@ -82,33 +109,52 @@ def add_check_parsers(sub) -> None:
     p.add_argument("--plant", metavar="ZID", help="plant bug-zoo mutant ZID")
     p.set_defaults(func=cmd_nonfinite)
 
-    p = sub.add_parser("ranges", help="how large the activations get, op by op, against FP16's range (an fp32 "
-                                      "and an fp16 run of the same weights)")
+    p = sub.add_parser(
+        "ranges",
+        help="how large the activations get, op by op, against FP16's range (an fp32 "
+        "and an fp16 run of the same weights)",
+    )
     _common(p)
-    p.add_argument("--text", type=argtypes.path,
-                   help="with a --checkpoint that has a tokenizer: this UTF-8 file's first --seq-len tokens (one "
-                        "sequence) instead of random tokens")
+    p.add_argument(
+        "--text",
+        type=argtypes.path,
+        help="with a --checkpoint that has a tokenizer: this UTF-8 file's first --seq-len tokens (one "
+        "sequence) instead of random tokens",
+    )
     p.add_argument("--rows", type=argtypes.positive_int, default=25, help="fp16 rows shown (default 25)")
     p.set_defaults(func=cmd_ranges)
 
-    p = sub.add_parser("conformance", help="the bug zoo (docs/bugzoo.md): every entry planted as a mutant, and "
-                                           "the checks that must catch it")
-    p.add_argument("--list", action="store_true",
-                   help="print the bug zoo table (bug, symptom, checks, mutant per entry) and run nothing")
+    p = sub.add_parser(
+        "conformance",
+        help="the bug zoo (docs/bugzoo.md): every entry planted as a mutant, and the checks that must catch it",
+    )
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="print the bug zoo table (bug, symptom, checks, mutant per entry) and run nothing",
+    )
     options.add(p, "preset", default="tiny")
     options.add(p, "seed", default=0, note="of the check model and its inputs")
     p.add_argument("--only", help="comma-separated bug-zoo ids (default: all)")
     p.add_argument("--full", action="store_true", help="also run the slow torch.compile checks")
     p.add_argument("--compiler", default="aot_eager", help="torch.compile backend under test (default aot_eager)")
-    options.add(p, "device", note="the model, the inputs and the checks run there; each op runs its default "
-                                  "backend there (Triton on CUDA)")
+    options.add(
+        p,
+        "device",
+        note="the model, the inputs and the checks run there; each op runs its default backend there (Triton on CUDA)",
+    )
     options.add(p, "threads")
-    p.add_argument("--backend", help="prefer this ops backend for every op that has it (e.g. triton); an error "
-                                     "when it cannot run on --device")
-    options.add(p, "dtype", note="of the check model; auto here: fp32, or bf16 where the fast mHC / MoE backends "
-                                 "need them")
-    p.add_argument("--checks", help="comma-separated checks to run (default: all); mutants none of whose checks "
-                                    "run are reported as skipped")
+    p.add_argument(
+        "--backend",
+        help="prefer this ops backend for every op that has it (e.g. triton); an error when it cannot run on --device",
+    )
+    options.add(
+        p, "dtype", note="of the check model; auto here: fp32, or bf16 where the fast mHC / MoE backends need them"
+    )
+    p.add_argument(
+        "--checks",
+        help="comma-separated checks to run (default: all); mutants none of whose checks run are reported as skipped",
+    )
     options.add(p, "json")
     p.set_defaults(func=cmd_conformance)
 
@@ -127,6 +173,7 @@ def _cfg(args):
 
     try:
         from ..config import ModelConfig
+
         cfg = ModelConfig.preset(args.preset)
     except (KeyError, ValueError) as e:
         raise UserError(f"unknown preset '{args.preset}': {e}") from None
@@ -150,8 +197,10 @@ def _tokens(args, model):
     if args.batch < 1 or args.seq_len < 2:
         raise UserError("--batch must be >= 1 and --seq-len >= 2")
     if args.seq_len > model.cfg.max_seq_len:
-        raise UserError(f"--seq-len {args.seq_len} exceeds the model's context (max_position_embeddings) of "
-                        f"{model.cfg.max_seq_len} tokens")
+        raise UserError(
+            f"--seq-len {args.seq_len} exceeds the model's context (max_position_embeddings) of "
+            f"{model.cfg.max_seq_len} tokens"
+        )
     return random_tokens(model.cfg, args.batch, args.seq_len, args.seed)
 
 
@@ -190,11 +239,26 @@ def cmd_compare(args) -> int:
         perturbed,
     )
 
-    modes = [m for m in ("backends", "dtypes", "compile", "checkpoints", "quantized", "quant_modes", "perturb",
-                         "external", "plant") if getattr(args, m)]
+    modes = [
+        m
+        for m in (
+            "backends",
+            "dtypes",
+            "compile",
+            "checkpoints",
+            "quantized",
+            "quant_modes",
+            "perturb",
+            "external",
+            "plant",
+        )
+        if getattr(args, m)
+    ]
     if len(modes) != 1:
-        raise UserError("give exactly one of --backends, --dtypes, --compile, --checkpoints, --quantized, "
-                        f"--quant-modes, --perturb, --external, --plant (got {len(modes) or 'none'})")
+        raise UserError(
+            "give exactly one of --backends, --dtypes, --compile, --checkpoints, --quantized, "
+            f"--quant-modes, --perturb, --external, --plant (got {len(modes) or 'none'})"
+        )
     mode = modes[0]
     dtype = parse_dtype(args.dtype)
     tol = parse_tolerance(args.tolerance)
@@ -203,8 +267,10 @@ def cmd_compare(args) -> int:
     if mode == "dtypes":
         da, db = (parse_dtype(x) for x in _pair(args.dtypes, "--dtypes"))
         a_model, b_model = _model(args, da), _model(args, db)
-        a, b = Side(f"model[{args.dtypes.split(',')[0]}]", a_model), Side(f"model[{args.dtypes.split(',')[1]}]",
-                                                                        b_model)
+        a, b = (
+            Side(f"model[{args.dtypes.split(',')[0]}]", a_model),
+            Side(f"model[{args.dtypes.split(',')[1]}]", b_model),
+        )
     elif mode == "checkpoints":
         pa, pb = _pair(args.checkpoints, "--checkpoints")
         qm = args.quant_mode
@@ -248,8 +314,10 @@ def cmd_compare(args) -> int:
         else:
             model = _model(args, torch.float32, **({} if args.model else no_sim))
         if no_sim:
-            notes.append("dsv4 side built with fp8_kv_sim=False, fp4_indexer_sim=False (transformers simulates "
-                         "no QAT quantization)")
+            notes.append(
+                "dsv4 side built with fp8_kv_sim=False, fp4_indexer_sim=False (transformers simulates "
+                "no QAT quantization)"
+            )
         label = "transformers" if args.external in ("hf", "transformers") else args.external
         a, b = Side(label, external=load_external(args.external, model)), Side("dsv4", model)
     else:
@@ -302,13 +370,15 @@ def cmd_determinism(args) -> int:
     if args.runs < 2:
         raise UserError("--runs must be >= 2")
     with _plant_ctx(_mutant(args.plant), model, tokens):
-        report = determinism(model, tokens, runs=args.runs, backend=backend,
-                             deterministic_mode=not args.no_deterministic_mode)
+        report = determinism(
+            model, tokens, runs=args.runs, backend=backend, deterministic_mode=not args.no_deterministic_mode
+        )
         if not report.ok and args.locate:
             from .determinism import locate_nondeterminism
 
-            report.first_op = locate_nondeterminism(model, tokens, backend,
-                                                    deterministic_mode=not args.no_deterministic_mode)
+            report.first_op = locate_nondeterminism(
+                model, tokens, backend, deterministic_mode=not args.no_deterministic_mode
+            )
     if args.backend:
         report.backend = args.backend
     return _emit(args, report, report.ok)
@@ -342,7 +412,7 @@ def cmd_ranges(args) -> int:
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"--text {args.text}: cannot read it as UTF-8 text: {e}") from None
         tok = Tokenizer.from_file(Path(args.checkpoint))
-        tokens = torch.tensor([([tok.bos_id] + tok.encode(text))[:args.seq_len]])
+        tokens = torch.tensor([([tok.bos_id] + tok.encode(text))[: args.seq_len]])
     report = activation_ranges(model32, model16, tokens)
     if args.json:
         print(json.dumps(report.to_dict()))
@@ -378,13 +448,23 @@ def cmd_conformance(args) -> int:
         raise UserError(f"unknown checks {sorted(set(checks) - set(CHECKS))} (known: {', '.join(CHECKS)})")
     try:
         from ..config import ModelConfig
+
         cfg = ModelConfig.preset(args.preset)
     except (KeyError, ValueError) as e:
         raise UserError(f"unknown preset '{args.preset}': {e}") from None
     dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     try:
-        report = run_conformance(cfg, ids=ids, seed=args.seed, compiler=args.compiler, full=args.full,
-                                 device=_device(args.device), backend=args.backend, dtype=dtype, checks=checks)
+        report = run_conformance(
+            cfg,
+            ids=ids,
+            seed=args.seed,
+            compiler=args.compiler,
+            full=args.full,
+            device=_device(args.device),
+            backend=args.backend,
+            dtype=dtype,
+            checks=checks,
+        )
     except ops.BackendUnavailable as e:
         raise UserError(str(e)) from None
     return _emit(args, report, report.ok)

@@ -23,8 +23,14 @@ from ..model import DeepSeekV4
 from .capture import Injector, Stages, capturing
 from .metrics import TOLERANCES, Diff, StageComparison, Tolerance, compare_stages, diff, tolerance_for
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 # An external runner: tokens [b, s] -> logits [b, s, V], or (logits, {stage name: tensor}).
 ExternalRunner = Callable[[torch.Tensor], "torch.Tensor | tuple[torch.Tensor, Stages]"]
 
@@ -34,10 +40,10 @@ class Side:
     label: str
     model: nn.Module | None = None
     backend: str | dict[str, str] | None = None
-    compile: bool | str = False             # True = torch.compile default (inductor), or a backend name
+    compile: bool | str = False  # True = torch.compile default (inductor), or a backend name
     external: ExternalRunner | None = None
     inject: Injector | None = None
-    context: Callable[[], contextlib.AbstractContextManager] | None = None   # e.g. a planted mutant
+    context: Callable[[], contextlib.AbstractContextManager] | None = None  # e.g. a planted mutant
 
 
 @dataclass
@@ -45,7 +51,7 @@ class RunResult:
     label: str
     logits: torch.Tensor
     stages: Stages
-    implementations: dict[str, list[str]] = field(default_factory=dict)   # op -> backends that ran
+    implementations: dict[str, list[str]] = field(default_factory=dict)  # op -> backends that ran
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -82,7 +88,7 @@ def run_side(side: Side, tokens: torch.Tensor) -> RunResult:
     """One forward pass of a side with stage capture."""
     if side.external is not None:
         out = side.external(tokens)
-        logits, stages = (out if isinstance(out, tuple) else (out, {}))
+        logits, stages = out if isinstance(out, tuple) else (out, {})
         stages = dict(stages)
         stages.setdefault("head.logits", logits)
         return RunResult(side.label, logits.detach().float(), {k: v.detach() for k, v in stages.items()})
@@ -117,11 +123,17 @@ class CompareReport:
         return self.stages.first_divergence
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "a": self.a, "b": self.b, "tolerance": self.tolerance,
-                "first_divergence": self.first_divergence, "logits": self.logits.to_dict(),
-                "implementations": self.implementations, "notes": self.notes, **{
-                    k: v for k, v in self.stages.to_dict().items() if k not in ("ok", "tolerance",
-                                                                               "first_divergence")}}
+        return {
+            "ok": self.ok,
+            "a": self.a,
+            "b": self.b,
+            "tolerance": self.tolerance,
+            "first_divergence": self.first_divergence,
+            "logits": self.logits.to_dict(),
+            "implementations": self.implementations,
+            "notes": self.notes,
+            **{k: v for k, v in self.stages.to_dict().items() if k not in ("ok", "tolerance", "first_divergence")},
+        }
 
     def render(self, max_rows: int = 12) -> str:
         lines = [f"compare: A = {self.a}   B = {self.b}   (tolerance: {self.tolerance})"]
@@ -134,7 +146,7 @@ class CompareReport:
             shown = diffs[-max_rows:] if len(diffs) > max_rows else diffs
         else:
             i = diffs.index(self.stages.first)
-            shown = diffs[max(0, i - 3): i + max_rows - 3]
+            shown = diffs[max(0, i - 3) : i + max_rows - 3]
         lines.append(f"  {len(diffs)} common stages; showing {len(shown)}:")
         for d in shown:
             lines.append(("  ! " if not d.ok else "    ") + d.summary())
@@ -171,11 +183,13 @@ def _forcing(ref: Stages, chosen: Stages, outer: Injector | None) -> Injector:
         chosen[key] = t.detach().clone()
         want = ref.get(key)
         return want if want is not None and want.shape == t.shape else t
+
     return fn
 
 
-def compare(a: Side, b: Side, tokens: torch.Tensor, tol: Tolerance | None = None,
-            force_decisions: bool = True) -> CompareReport:
+def compare(
+    a: Side, b: Side, tokens: torch.Tensor, tol: Tolerance | None = None, force_decisions: bool = True
+) -> CompareReport:
     """Run both sides on tokens and compare stage by stage (A = under test, B = reference).
 
     force_decisions: A takes B's top-k / routing decisions; the decisions A would have taken are still
@@ -184,10 +198,9 @@ def compare(a: Side, b: Side, tokens: torch.Tensor, tol: Tolerance | None = None
     rb = run_side(b, tokens)
     chosen: Stages = {}
     if force_decisions and a.external is None:
-        a = Side(a.label, a.model, a.backend, a.compile, a.external, _forcing(rb.stages, chosen, a.inject),
-                 a.context)
+        a = Side(a.label, a.model, a.backend, a.compile, a.external, _forcing(rb.stages, chosen, a.inject), a.context)
     elif force_decisions and hasattr(a.external, "force"):
-        a.external.force = rb.stages                    # an external runner that can take decisions
+        a.external.force = rb.stages  # an external runner that can take decisions
     ra = run_side(a, tokens)
     ra.stages.update(chosen)
     if tol is None:
@@ -200,15 +213,28 @@ def compare(a: Side, b: Side, tokens: torch.Tensor, tol: Tolerance | None = None
         notes.append("A ran with B's top-k and routing decisions; index stages show the decisions A would take")
     if a.external is not None or b.external is not None:
         notes.append("external side: only the stages it reports are compared")
-    return CompareReport(ok=stages.ok and logits.ok, a=a.label, b=b.label, tolerance=tol.name, stages=stages,
-                         logits=logits, implementations={a.label: ra.implementations, b.label: rb.implementations},
-                         notes=notes)
+    return CompareReport(
+        ok=stages.ok and logits.ok,
+        a=a.label,
+        b=b.label,
+        tolerance=tol.name,
+        stages=stages,
+        logits=logits,
+        implementations={a.label: ra.implementations, b.label: rb.implementations},
+        notes=notes,
+    )
 
 
 # ------------------------------------------------------------------------------ building sides
-def build_model(preset: str | None = None, checkpoint: str | None = None, dtype: torch.dtype = torch.float32,
-                seed: int = 0, cfg: ModelConfig | None = None, keep_quantized: bool = False,
-                quant_mode: str | None = None) -> DeepSeekV4:
+def build_model(
+    preset: str | None = None,
+    checkpoint: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    cfg: ModelConfig | None = None,
+    keep_quantized: bool = False,
+    quant_mode: str | None = None,
+) -> DeepSeekV4:
     """A model from a checkpoint directory (quant_mode: numerics of its FP8 / FP4 weights, default the
     config's), else a random one (preset or cfg) with a fixed seed."""
     if checkpoint is not None:

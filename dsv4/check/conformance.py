@@ -36,12 +36,12 @@ from .zoo import CHECKS, CheckResult, Context, backend_refusals
 class Row:
     id: str
     title: str
-    status: str                               # caught | escaped | pending | skipped | error
-    check: str | None = None                  # the first check that caught it
-    error: float | None = None                # its measured number
+    status: str  # caught | escaped | pending | skipped | error
+    check: str | None = None  # the first check that caught it
+    error: float | None = None  # its measured number
     detail: str = ""
     results: dict[str, dict] = field(default_factory=dict)
-    by_exception: bool = False                # caught because its check raised (read the detail)
+    by_exception: bool = False  # caught because its check raised (read the detail)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -53,9 +53,9 @@ class ConformanceReport:
     preset: str
     seconds: float
     rows: list[Row]
-    baseline: dict[str, dict]                 # check -> result on the correct code
+    baseline: dict[str, dict]  # check -> result on the correct code
     device: str = "cpu"
-    backend: str | None = None                # the backend preferred for every op (None: each op's default)
+    backend: str | None = None  # the backend preferred for every op (None: each op's default)
     model_dtype: str = "float32"
     op_dtypes: dict[str, str] = field(default_factory=dict)
 
@@ -70,18 +70,28 @@ class ConformanceReport:
         return {k: v.get("backends", {}) for k, v in self.baseline.items()}
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "preset": self.preset, "device": self.device, "backend": self.backend,
-                "model_dtype": self.model_dtype, "op_dtypes": self.op_dtypes, "seconds": round(self.seconds, 2),
-                "counts": self.counts(), "backends": self.backends(), "baseline": self.baseline,
-                "mutants": [r.to_dict() for r in self.rows]}
+        return {
+            "ok": self.ok,
+            "preset": self.preset,
+            "device": self.device,
+            "backend": self.backend,
+            "model_dtype": self.model_dtype,
+            "op_dtypes": self.op_dtypes,
+            "seconds": round(self.seconds, 2),
+            "counts": self.counts(),
+            "backends": self.backends(),
+            "baseline": self.baseline,
+            "mutants": [r.to_dict() for r in self.rows],
+        }
 
     def render(self) -> str:
         pref = f", preferred backend {self.backend}" if self.backend else ", default backends"
         dts = ", ".join(f"{op} {d}" for op, d in self.op_dtypes.items() if d != "float32")
-        lines = [f"conformance ({self.preset}) on {self.device}{pref}: {len(self.rows)} bug-zoo entries, "
-                 f"{len(self.baseline)} checks; model {self.model_dtype}"
-                 + (f"; op-level inputs {dts}" if dts else ""),
-                 "  checks on the correct code (backends that ran):"]
+        lines = [
+            f"conformance ({self.preset}) on {self.device}{pref}: {len(self.rows)} bug-zoo entries, "
+            f"{len(self.baseline)} checks; model {self.model_dtype}" + (f"; op-level inputs {dts}" if dts else ""),
+            "  checks on the correct code (backends that ran):",
+        ]
         for k, v in self.baseline.items():
             state = "SKIPPED" if v.get("skipped") else ("ok" if v["ok"] else "FAILS")
             where = f" [{v['device']}]" if v.get("device") else ""
@@ -112,13 +122,16 @@ def _run(check: str, ctx: Context) -> CheckResult:
     with ops.which_ran() as ran:
         try:
             res = CHECKS[check](ctx)
-        except Exception as e:                                                   # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             # a mutant that makes a check crash is caught by it; on the correct code it is a broken check
             last = traceback.extract_tb(e.__traceback__)[-1]
-            res = CheckResult(False, None, f"raised {type(e).__name__}: {str(e)[:200]} "
-                                           f"({last.filename.rsplit('/', 1)[-1]}:{last.lineno})")
+            res = CheckResult(
+                False,
+                None,
+                f"raised {type(e).__name__}: {str(e)[:200]} ({last.filename.rsplit('/', 1)[-1]}:{last.lineno})",
+            )
     res.backends = ran
-    if check in READS_STAGES and not ctx.planted:                               # it judged the clean run
+    if check in READS_STAGES and not ctx.planted:  # it judged the clean run
         for op, bes in ctx.clean_backends.items():
             res.backends[op] = sorted(set(res.backends.get(op, [])) | set(bes))
     return res
@@ -164,10 +177,17 @@ ALWAYS = ("official-goldens", "transformers-goldens", "swiglu-formula")
 READS_STAGES = {"stage-compare", "router-contract", "attention-backward-structured"}
 
 
-def run_conformance(cfg: ModelConfig | str = "tiny", ids: list[str] | None = None, seed: int = 0,
-                    compiler: str = "aot_eager", full: bool = False, device: str | torch.device = "cpu",
-                    backend: str | None = None, dtype: torch.dtype | None = None,
-                    checks: list[str] | None = None) -> ConformanceReport:
+def run_conformance(
+    cfg: ModelConfig | str = "tiny",
+    ids: list[str] | None = None,
+    seed: int = 0,
+    compiler: str = "aot_eager",
+    full: bool = False,
+    device: str | torch.device = "cpu",
+    backend: str | None = None,
+    dtype: torch.dtype | None = None,
+    checks: list[str] | None = None,
+) -> ConformanceReport:
     """Plant every selected mutant and run its checks on `device` (see the module docstring).
 
     backend: prefer this backend for every op that has it; dtype: the check model's dtype (default: fp32,
@@ -190,20 +210,31 @@ def run_conformance(cfg: ModelConfig | str = "tiny", ids: list[str] | None = Non
         def checks_of(m: Mutant) -> list[str]:
             return [c for c in m.checks if (full or c not in SLOW) and (checks is None or c in checks)]
 
-        needed = sorted({c for m in mutants if not _pending_now(m) for c in checks_of(m)}
-                        | {c for c in ALWAYS if checks is None or c in checks})
+        needed = sorted(
+            {c for m in mutants if not _pending_now(m) for c in checks_of(m)}
+            | {c for c in ALWAYS if checks is None or c in checks}
+        )
         if READS_STAGES & set(needed):
-            ctx.clean                                                            # noqa: B018
+            ctx.clean  # noqa: B018
         baseline = {}
         for c in needed:
             t = time.perf_counter()
             baseline[c] = dict(_run(c, ctx).__dict__, seconds=round(time.perf_counter() - t, 2))
         rows = [_mutant_row(m, checks_of(m), ctx, baseline) for m in mutants]
-    ok = (all(v["ok"] for v in baseline.values() if not v["skipped"])
-          and all(r.status in ("caught", "pending", "skipped") for r in rows))
-    return ConformanceReport(ok, preset, time.perf_counter() - t0, rows, baseline, device=str(device),
-                             backend=backend, model_dtype=str(ctx.model_dtype).removeprefix("torch."),
-                             op_dtypes={op: str(d).removeprefix("torch.") for op, d in ctx.dtypes.items()})
+    ok = all(v["ok"] for v in baseline.values() if not v["skipped"]) and all(
+        r.status in ("caught", "pending", "skipped") for r in rows
+    )
+    return ConformanceReport(
+        ok,
+        preset,
+        time.perf_counter() - t0,
+        rows,
+        baseline,
+        device=str(device),
+        backend=backend,
+        model_dtype=str(ctx.model_dtype).removeprefix("torch."),
+        op_dtypes={op: str(d).removeprefix("torch.") for op, d in ctx.dtypes.items()},
+    )
 
 
 def _mutant_row(m: Mutant, checks: list[str], ctx: Context, baseline: dict[str, dict]) -> Row:
@@ -225,7 +256,7 @@ def _mutant_row(m: Mutant, checks: list[str], ctx: Context, baseline: dict[str, 
                 if not res.ok and row.check is None:
                     row.status, row.check, row.error, row.detail = "caught", c, res.error, res.detail
                     row.by_exception = res.detail.startswith("raised ")
-    except Exception as e:                                                       # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         row.status, row.detail = "error", f"planting failed: {type(e).__name__}: {e}"
     finally:
         ctx.current = None

@@ -29,16 +29,18 @@ class DeterminismReport:
     runs: int
     tensors: int
     backend: str | None
-    drifting: list[dict] = field(default_factory=list)      # name, distinct hashes, max abs difference
+    drifting: list[dict] = field(default_factory=list)  # name, distinct hashes, max abs difference
     implementations: dict[str, list[str]] = field(default_factory=dict)
-    first_op: dict | None = None                              # see locate_nondeterminism
+    first_op: dict | None = None  # see locate_nondeterminism
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
     def render(self) -> str:
-        lines = [f"determinism: {self.runs} runs of forward + backward, {self.tensors} tensors hashed "
-                 f"(backend: {self.backend or 'default'})"]
+        lines = [
+            f"determinism: {self.runs} runs of forward + backward, {self.tensors} tensors hashed "
+            f"(backend: {self.backend or 'default'})"
+        ]
         if self.implementations:
             from .compare import describe_implementations
 
@@ -49,9 +51,12 @@ class DeterminismReport:
             lines.append(f"  ... {len(self.drifting) - 20} more")
         if self.first_op:
             f = self.first_op
-            lines.append(f"  first nondeterministic op: {f['op']} ({f['phase']}"
-                         + (f", in {f['where']}" if f.get("where") else "") + f"), op #{f['index']}: "
-                         + f['reason'])
+            lines.append(
+                f"  first nondeterministic op: {f['op']} ({f['phase']}"
+                + (f", in {f['where']}" if f.get("where") else "")
+                + f"), op #{f['index']}: "
+                + f["reason"]
+            )
         lines.append("OK: bit-identical" if self.ok else f"DRIFT: {len(self.drifting)} tensors differ between runs")
         return "\n".join(lines)
 
@@ -104,8 +109,13 @@ def _one_run(model: DeepSeekV4, tokens: torch.Tensor, trace: _OpTrace | None = N
     return tensors
 
 
-def determinism(model: DeepSeekV4, tokens: torch.Tensor, runs: int = 3, backend: str | dict | None = None,
-                deterministic_mode: bool = True) -> DeterminismReport:
+def determinism(
+    model: DeepSeekV4,
+    tokens: torch.Tensor,
+    runs: int = 3,
+    backend: str | dict | None = None,
+    deterministic_mode: bool = True,
+) -> DeterminismReport:
     """Run forward + backward `runs` times on the same inputs; compare hashes of everything.
 
     deterministic_mode: `dsv4.ops.set_deterministic(True)` and torch's deterministic algorithms (on CPU
@@ -132,16 +142,23 @@ def determinism(model: DeepSeekV4, tokens: torch.Tensor, runs: int = 3, backend:
     for name, t0 in first.items():
         hashes = {tensor_hash(r[name]) for r in results if name in r}
         if len(hashes) > 1:
-            diff = max(float((r[name].double() - t0.double()).abs().nan_to_num(float("inf")).max())
-                       for r in results[1:])
+            diff = max(
+                float((r[name].double() - t0.double()).abs().nan_to_num(float("inf")).max()) for r in results[1:]
+            )
             drifting.append({"name": name, "distinct": len(hashes), "max_abs": diff})
-    return DeterminismReport(ok=not drifting, runs=runs, tensors=len(first),
-                             backend=backend if isinstance(backend, str) or backend is None else str(backend),
-                             drifting=drifting, implementations={k: sorted(v) for k, v in sorted(impl.items())})
+    return DeterminismReport(
+        ok=not drifting,
+        runs=runs,
+        tensors=len(first),
+        backend=backend if isinstance(backend, str) or backend is None else str(backend),
+        drifting=drifting,
+        implementations={k: sorted(v) for k, v in sorted(impl.items())},
+    )
 
 
-def locate_nondeterminism(model: DeepSeekV4, tokens: torch.Tensor, backend: str | dict | None = None,
-                          deterministic_mode: bool = True) -> dict | None:
+def locate_nondeterminism(
+    model: DeepSeekV4, tokens: torch.Tensor, backend: str | dict | None = None, deterministic_mode: bool = True
+) -> dict | None:
     """Trace every aten op of two runs; the first op whose inputs hash the same in both runs but whose
     outputs do not is the nondeterministic one (named with its phase and the stage or autograd node)."""
     prev, prev_torch = ops.is_deterministic(), torch.are_deterministic_algorithms_enabled()
@@ -165,6 +182,5 @@ def locate_nondeterminism(model: DeepSeekV4, tokens: torch.Tensor, backend: str 
         if a[0] != b[0]:
             return {"index": i, "op": a[0], "phase": a[1], "where": a[2], "reason": f"op sequence differs ({b[0]})"}
         if a[3] == b[3] and a[4] != b[4]:
-            return {"index": i, "op": a[0], "phase": a[1], "where": a[2],
-                    "reason": "same inputs, different outputs"}
+            return {"index": i, "op": a[0], "phase": a[1], "where": a[2], "reason": "same inputs, different outputs"}
     return None

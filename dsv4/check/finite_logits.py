@@ -27,7 +27,7 @@ class NonFiniteLogits(RuntimeError):
 class LogitsWatch:
     def __init__(self, model: DeepSeekV4):
         self.model = model
-        self.flag: torch.Tensor | None = None             # device bool: some logits were non-finite
+        self.flag: torch.Tensor | None = None  # device bool: some logits were non-finite
 
     def seen(self) -> bool:
         """Whether any logits so far were non-finite (reads the device flag: one synchronization)."""
@@ -35,7 +35,7 @@ class LogitsWatch:
 
     def _check(self, logits: torch.Tensor) -> None:
         if logits.device.type == "cuda":
-            if torch.cuda.is_current_stream_capturing():   # a graph being captured: its replays go unchecked
+            if torch.cuda.is_current_stream_capturing():  # a graph being captured: its replays go unchecked
                 return
             bad = ~torch.isfinite(logits).all()
             self.flag = bad if self.flag is None else self.flag | bad

@@ -61,7 +61,7 @@ W8A8_TOL = 2.0**-4
 class StageError:
     case: str
     stage: str
-    error: float            # max |got - golden| / max |golden|
+    error: float  # max |got - golden| / max |golden|
     tol: float
 
     @property
@@ -98,9 +98,9 @@ def compare_case(case: str, device: str | torch.device = "cpu", model=None) -> l
             continue
         if name == "logits":
             got = out.logits[:, -1]
-        elif name.startswith("mtp.") and name.endswith(".logits"):        # depth k: the last position
+        elif name.startswith("mtp.") and name.endswith(".logits"):  # depth k: the last position
             got = out.mtp_logits[int(name.split(".")[1])][:, -1]
-        elif name.startswith("mtp."):                  # MTP block k records as layer n_layers + k
+        elif name.startswith("mtp."):  # MTP block k records as layer n_layers + k
             k, rest = name.split(".", 2)[1:]
             got = stages[f"layers.{model.cfg.n_layers + int(k)}.{rest}"]
         else:
@@ -139,11 +139,15 @@ def compare_dspark(device: str | torch.device = "cpu", model=None) -> list[Stage
         def draft():
             blocks = model.dspark.sequence_blocks(out.taps, tokens, anchors)
             return model.dspark.chain(blocks, tokens[0, anchors[0]])
+
         prop, stages = capture(draft)
-    got = {"logits": out.logits[:, -1], "taps": out.taps, "dspark.logits": prop.logits,
-           "dspark.confidence": prop.confidence,
-           "dspark.base_logits": stages[f"mtp.{model.cfg.n_mtp_layers - 1}.base_logits"].view(-1, B,
-                                                                                              model.cfg.vocab_size)}
+    got = {
+        "logits": out.logits[:, -1],
+        "taps": out.taps,
+        "dspark.logits": prop.logits,
+        "dspark.confidence": prop.confidence,
+        "dspark.base_logits": stages[f"mtp.{model.cfg.n_mtp_layers - 1}.base_logits"].view(-1, B, model.cfg.vocab_size),
+    }
     for k in range(model.cfg.n_mtp_layers):
         for part in ("attn.out", "ffn.out"):
             got[f"mtp.{k}.{part}"] = stages[f"layers.{n + k}.{part}"].view(-1, B, model.cfg.dim)

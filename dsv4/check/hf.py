@@ -32,8 +32,9 @@ def _require_transformers():
         import transformers
         from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     except ImportError:
-        raise UserError("the Hugging Face adapter needs transformers with DeepSeek-V4 support "
-                        "(`pip install 'transformers>=5.5'`)") from None
+        raise UserError(
+            "the Hugging Face adapter needs transformers with DeepSeek-V4 support (`pip install 'transformers>=5.5'`)"
+        ) from None
     return transformers, DeepseekV4Config, DeepseekV4ForCausalLM
 
 
@@ -44,13 +45,15 @@ def hf_config(cfg):
     if len(heavy) > 1:
         raise UserError(f"transformers allows one heavy compression rate, the config has {heavy}")
     raw = to_hf_json(cfg) if not heavy or heavy == [128] else None
-    if raw is None:                                   # a shrunk check config: set the rates explicitly
+    if raw is None:  # a shrunk check config: set the rates explicitly
         raw = to_hf_json(cfg.replace(compress_ratios=tuple(128 if r > 4 else r for r in cfg.compress_ratios)))
     raw.pop("architectures", None)
     raw.pop("model_type", None)
     raw["num_nextn_predict_layers"] = 0
-    raw["compress_rates"] = {"compressed_sparse_attention": 4,
-                             "heavily_compressed_attention": heavy[0] if heavy else 128}
+    raw["compress_rates"] = {
+        "compressed_sparse_attention": 4,
+        "heavily_compressed_attention": heavy[0] if heavy else 128,
+    }
     raw["max_position_embeddings"] = max(raw.get("max_position_embeddings", 0), cfg.original_seq_len)
     hc = DeepseekV4Config(**raw)
     hc._attn_implementation = "eager"
@@ -69,15 +72,16 @@ def build_hf_model(model: nn.Module) -> nn.Module:
     """transformers DeepseekV4ForCausalLM (fp32, eval) holding model's weights."""
     _, _, DeepseekV4ForCausalLM = _require_transformers()
     hc = hf_config(model.cfg)
-    with torch.random.fork_rng():                     # its random init is overwritten; keep the caller's RNG
+    with torch.random.fork_rng():  # its random init is overwritten; keep the caller's RNG
         hf = DeepseekV4ForCausalLM(hc).float().eval()
     sd = hf_state_dict(model)
     own = hf.state_dict()
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
     if missing or unexpected:
-        raise UserError(f"weight mapping to transformers incomplete: missing {missing[:5]}, "
-                        f"unexpected {unexpected[:5]}")
+        raise UserError(
+            f"weight mapping to transformers incomplete: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     for k, v in sd.items():
         if own[k].shape != v.shape:
             raise UserError(f"transformers tensor '{k}' has shape {list(own[k].shape)}, dsv4 gives {list(v.shape)}")
@@ -103,19 +107,21 @@ class HFRunner:
         m.embed_tokens.register_forward_hook(lambda mod, i, o: self._put("embed", o))
         for i, layer in enumerate(m.layers):
             p = f"layers.{i}"
-            layer.input_layernorm.register_forward_hook(
-                lambda mod, inp, o, p=p: self._put(f"{p}.hc_attn_pre", inp[0]))
+            layer.input_layernorm.register_forward_hook(lambda mod, inp, o, p=p: self._put(f"{p}.hc_attn_pre", inp[0]))
             layer.post_attention_layernorm.register_forward_hook(
-                lambda mod, inp, o, p=p: self._put(f"{p}.hc_ffn_pre", inp[0]))
+                lambda mod, inp, o, p=p: self._put(f"{p}.hc_ffn_pre", inp[0])
+            )
             layer.self_attn.register_forward_hook(lambda mod, inp, o, p=p: self._put(f"{p}.attn.out", o[0]))
             comp = layer.self_attn.compressor
             if comp is not None:
                 comp.register_forward_hook(
-                    lambda mod, inp, o, p=p: self._put(f"{p}.attn.compressed_kv", o[0].squeeze(1)))
+                    lambda mod, inp, o, p=p: self._put(f"{p}.attn.compressed_kv", o[0].squeeze(1))
+                )
                 if hasattr(comp, "indexer"):
                     comp.indexer.register_forward_hook(lambda mod, inp, o, p=p: self._indexer(p, o))
             layer.mlp.gate.register_forward_hook(
-                lambda mod, inp, o, p=p: self._router(p, o, hashed=hasattr(mod, "tid2eid")))
+                lambda mod, inp, o, p=p: self._router(p, o, hashed=hasattr(mod, "tid2eid"))
+            )
             layer.mlp.register_forward_hook(lambda mod, inp, o, p=p: self._put(f"{p}.ffn.out", o))
             layer.register_forward_hook(lambda mod, inp, o, p=p: self._put(f"{p}.hc_ffn_post", o))
 
@@ -129,7 +135,7 @@ class HFRunner:
 
     def _router(self, p: str, out, hashed: bool) -> None:
         _, weights, indices = out
-        if hashed:                                      # table order, as in dsv4
+        if hashed:  # table order, as in dsv4
             self._put(f"{p}.ffn.router_indices", indices)
             self._put(f"{p}.ffn.router_weights", weights)
             return
@@ -148,6 +154,8 @@ class HFRunner:
 def runner(model: nn.Module) -> HFRunner:
     """`--external hf`: transformers' DeepseekV4ForCausalLM on this model's weights."""
     if model.cfg.fp8_kv_sim or model.cfg.fp4_indexer_sim:
-        raise UserError("transformers' DeepSeek-V4 simulates no FP8 KV / FP4 indexer quantization: build the "
-                        "dsv4 side with fp8_kv_sim=False and fp4_indexer_sim=False")
+        raise UserError(
+            "transformers' DeepSeek-V4 simulates no FP8 KV / FP4 indexer quantization: build the "
+            "dsv4 side with fp8_kv_sim=False and fp4_indexer_sim=False"
+        )
     return HFRunner(build_hf_model(model))

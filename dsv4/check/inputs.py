@@ -17,8 +17,9 @@ CHECK_WINDOW = 16
 CHECK_HCA_RATIO = 16
 
 
-def check_config(cfg: ModelConfig | str, window: int | None = CHECK_WINDOW,
-                 hca_ratio: int | None = CHECK_HCA_RATIO) -> ModelConfig:
+def check_config(
+    cfg: ModelConfig | str, window: int | None = CHECK_WINDOW, hca_ratio: int | None = CHECK_HCA_RATIO
+) -> ModelConfig:
     """cfg with the window and the heavy compression ratio shrunk (None keeps them), for fast checks.
 
     A 40-token sequence then slides the window twice and completes groups of every compressed layer.
@@ -35,8 +36,9 @@ def check_config(cfg: ModelConfig | str, window: int | None = CHECK_WINDOW,
     return cfg.replace(**changes) if changes else cfg
 
 
-def random_tokens(cfg: ModelConfig, batch: int = 2, seq: int = 40, seed: int = 0,
-                  device: torch.device | str | None = None) -> torch.Tensor:
+def random_tokens(
+    cfg: ModelConfig, batch: int = 2, seq: int = 40, seed: int = 0, device: torch.device | str | None = None
+) -> torch.Tensor:
     """[batch, seq] token ids; drawn on the CPU (the same ids on every device), then moved to `device`."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device or "cpu")
@@ -59,9 +61,19 @@ def window_idx(s: int, window: int, b: int = 1, device: torch.device | str | Non
     return torch.where(idx >= 0, idx, -1).unsqueeze(0).expand(b, -1, -1).contiguous()
 
 
-def attention_inputs(kind: str, b: int = 1, s: int = 24, h: int = 4, d: int = 128, window: int = 8,
-                     n_comp: int = 0, seed: int = 0, stages: dict[str, torch.Tensor] | None = None,
-                     device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> dict:
+def attention_inputs(
+    kind: str,
+    b: int = 1,
+    s: int = 24,
+    h: int = 4,
+    d: int = 128,
+    window: int = 8,
+    n_comp: int = 0,
+    seed: int = 0,
+    stages: dict[str, torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
     """Inputs for `ops.sparse_attention(q, kv, sink, idx, scale)`.
 
     kind: "random" (unit normal), "peaked" (logits of tens: softmax close to one-hot), "roped" (q and kv
@@ -78,17 +90,17 @@ def attention_inputs(kind: str, b: int = 1, s: int = 24, h: int = 4, d: int = 12
         q = stages[q_name].float()
         kv = stages[q_name[: -len(".q")] + ".kv"].float()
         b, s, h, d = q.shape
-        q = q * 4.0                           # sharper, like trained attention: peaked real structure
+        q = q * 4.0  # sharper, like trained attention: peaked real structure
     else:
         q = torch.randn(b, s, h, d, generator=gen)
         kv = torch.randn(b, s, d, generator=gen)
-        if kind == "peaked":                  # logits with a spread of ~40: near one-hot softmax
+        if kind == "peaked":  # logits with a spread of ~40: near one-hot softmax
             q = q * 8.0
             kv = kv * 5.0
     sink = torch.randn(h, generator=gen) * 0.5
     idx = window_idx(s, window, b)
     if n_comp:
-        comp = torch.randn(b, n_comp, d, generator=gen).to(kv.device)      # roped kv lives where the stages do
+        comp = torch.randn(b, n_comp, d, generator=gen).to(kv.device)  # roped kv lives where the stages do
         kv = torch.cat([kv, comp], 1)
         cidx = (torch.arange(n_comp) + s).view(1, 1, -1).expand(b, s, -1)
         idx = torch.cat([idx, cidx], -1)
@@ -96,25 +108,42 @@ def attention_inputs(kind: str, b: int = 1, s: int = 24, h: int = 4, d: int = 12
         idx = idx.clone()
         idx[:, ::2] = -1
     dev = device or q.device
-    return {"q": q.to(dev, dtype), "kv": kv.to(dev, dtype), "sink": sink.to(dev), "idx": idx.to(dev),
-            "scale": d ** -0.5}
+    return {"q": q.to(dev, dtype), "kv": kv.to(dev, dtype), "sink": sink.to(dev), "idx": idx.to(dev), "scale": d**-0.5}
 
 
 # ------------------------------------------------------------------------------ indexer
-def indexer_inputs(b: int = 1, s: int = 12, h: int = 4, d: int = 128, ratio: int = 4, seed: int = 0,
-                   device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> dict:
+def indexer_inputs(
+    b: int = 1,
+    s: int = 12,
+    h: int = 4,
+    d: int = 128,
+    ratio: int = 4,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
     """Inputs for `ops.indexer_topk`: the first ratio-1 queries see no complete group (all-padding rows)."""
     gen = torch.Generator().manual_seed(seed)
     n = s // ratio
     dev = device or "cpu"
-    return {"q": torch.randn(b, s, h, d, generator=gen).to(dev, dtype),
-            "k": torch.randn(b, n, d, generator=gen).to(dev, dtype),
-            "weights": torch.randn(b, s, h, generator=gen).to(dev), "positions": torch.arange(s, device=dev),
-            "ratio": ratio, "topk": n}
+    return {
+        "q": torch.randn(b, s, h, d, generator=gen).to(dev, dtype),
+        "k": torch.randn(b, n, d, generator=gen).to(dev, dtype),
+        "weights": torch.randn(b, s, h, generator=gen).to(dev),
+        "positions": torch.arange(s, device=dev),
+        "ratio": ratio,
+        "topk": n,
+    }
 
 
-def moe_inputs(cfg: ModelConfig, tokens: int = 16, scale: float = 1.0, seed: int = 0,
-               device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> dict:
+def moe_inputs(
+    cfg: ModelConfig,
+    tokens: int = 16,
+    scale: float = 1.0,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
     """Inputs for `ops.moe_experts`; scale > 1 pushes the SwiGLU pre-activations past swiglu_limit.
 
     x and the expert weights are `dtype`, the routing weights fp32; drawn on the CPU, moved to `device`."""
@@ -124,11 +153,15 @@ def moe_inputs(cfg: ModelConfig, tokens: int = 16, scale: float = 1.0, seed: int
     idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)])
     w = torch.rand(tokens, k, generator=gen)
     dev = device or "cpu"
-    return {"x": x.to(dev, dtype), "weights": (w / w.sum(-1, keepdim=True)).to(dev), "indices": idx.to(dev),
-            "w1": (torch.randn(e, inter, dim, generator=gen) * dim ** -0.5).to(dev, dtype),
-            "w2": (torch.randn(e, dim, inter, generator=gen) * inter ** -0.5).to(dev, dtype),
-            "w3": (torch.randn(e, inter, dim, generator=gen) * dim ** -0.5).to(dev, dtype),
-            "swiglu_limit": cfg.swiglu_limit}
+    return {
+        "x": x.to(dev, dtype),
+        "weights": (w / w.sum(-1, keepdim=True)).to(dev),
+        "indices": idx.to(dev),
+        "w1": (torch.randn(e, inter, dim, generator=gen) * dim**-0.5).to(dev, dtype),
+        "w2": (torch.randn(e, dim, inter, generator=gen) * inter**-0.5).to(dev, dtype),
+        "w3": (torch.randn(e, inter, dim, generator=gen) * dim**-0.5).to(dev, dtype),
+        "swiglu_limit": cfg.swiglu_limit,
+    }
 
 
 def upcast(inp: dict) -> dict:

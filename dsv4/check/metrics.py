@@ -22,8 +22,8 @@ from .capture import Stages
 
 @dataclass(frozen=True)
 class Tolerance:
-    rel_l2: float              # max relative L2 error of float stages
-    index_frac: float          # max fraction of differing indices of integer stages
+    rel_l2: float  # max relative L2 error of float stages
+    index_frac: float  # max fraction of differing indices of integer stages
     name: str = ""
 
 
@@ -54,7 +54,7 @@ class Diff:
     cosine: float = 1.0
     nonfinite_a: int = 0
     nonfinite_b: int = 0
-    index_frac: float | None = None        # integer stages only
+    index_frac: float | None = None  # integer stages only
     ok: bool = True
     reason: str = ""
 
@@ -80,7 +80,7 @@ def index_mismatch(a: torch.Tensor, b: torch.Tensor) -> float:
     """Fraction of entries of a's rows that are not among the same row of b (rows = last dim)."""
     if a.numel() == 0:
         return 0.0
-    member = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1)                              # [..., k]
+    member = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1)  # [..., k]
     return float(1.0 - member.float().mean())
 
 
@@ -128,15 +128,27 @@ class StageComparison:
     only_b: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "tolerance": self.tolerance, "first_divergence": self.first_divergence,
-                "first": self.first.to_dict() if self.first else None,
-                "stages": [d.to_dict() for d in self.diffs], "only_a": self.only_a, "only_b": self.only_b}
+        return {
+            "ok": self.ok,
+            "tolerance": self.tolerance,
+            "first_divergence": self.first_divergence,
+            "first": self.first.to_dict() if self.first else None,
+            "stages": [d.to_dict() for d in self.diffs],
+            "only_a": self.only_a,
+            "only_b": self.only_b,
+        }
 
 
 def compare_stages(a: Stages, b: Stages, tol: Tolerance) -> StageComparison:
     """Stage by stage in a's order; the first stage out of tolerance is the first divergence."""
     diffs = [diff(name, t, b[name], tol) for name, t in a.items() if name in b]
     first = next((d for d in diffs if not d.ok), None)
-    return StageComparison(ok=first is None, tolerance=tol.name, first_divergence=first.name if first else None,
-                           first=first, diffs=diffs, only_a=[n for n in a if n not in b],
-                           only_b=[n for n in b if n not in a])
+    return StageComparison(
+        ok=first is None,
+        tolerance=tol.name,
+        first_divergence=first.name if first else None,
+        first=first,
+        diffs=diffs,
+        only_a=[n for n in a if n not in b],
+        only_b=[n for n in b if n not in a],
+    )

@@ -83,31 +83,31 @@ class _SparseAttention(torch.autograd.Function):
         dev = q.device
         valid = idx >= 0
         batch = torch.arange(b, device=dev).view(b, 1, 1)
-        kv_sel = kv[batch, idx.clamp_min(0).long()].float()                     # [b, s, k, d]
+        kv_sel = kv[batch, idx.clamp_min(0).long()].float()  # [b, s, k, d]
         scores = torch.einsum("bshd,bskd->bshk", q.float(), kv_sel) * scale
         scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
-        if mode == "zero_lse":                                                   # Z14: stale / zero LSE
+        if mode == "zero_lse":  # Z14: stale / zero LSE
             p = torch.exp(scores)
-        elif mode == "unstable_window_only" and kv.size(1) == s:                 # Z13: no compressed KV
+        elif mode == "unstable_window_only" and kv.size(1) == s:  # Z13: no compressed KV
             p = torch.exp(scores) / torch.exp(lse).unsqueeze(-1)
         else:
             p = torch.exp(scores - lse.unsqueeze(-1))
         go = grad_o.float()
         dp = torch.einsum("bshd,bskd->bshk", go, kv_sel)
-        delta = (go * o.float()).sum(-1, keepdim=True)                           # [b, s, h, 1]
+        delta = (go * o.float()).sum(-1, keepdim=True)  # [b, s, h, 1]
         ds = p * (dp - delta)
         dq = torch.einsum("bshk,bskd->bshd", ds, kv_sel) * scale
         dsel = torch.einsum("bshk,bshd->bskd", p, go) + torch.einsum("bshk,bshd->bskd", ds, q.float()) * scale
         dsel = dsel * valid.unsqueeze(-1)
         n = kv.size(1)
-        if mode == "aliased_buffers":                                            # Z19: dKV shares dQ's buffer
+        if mode == "aliased_buffers":  # Z19: dKV shares dQ's buffer
             buf = torch.zeros(b, s * h + n, d, device=dev)
             buf[:, : s * h] = dq.reshape(b, s * h, d)
-            dkv = buf[:, s * h - n // 2: s * h - n // 2 + n]
+            dkv = buf[:, s * h - n // 2 : s * h - n // 2 + n]
         else:
             dkv = torch.zeros(b, n, d, device=dev)
         dkv = dkv.index_put((batch.expand_as(idx), idx.clamp_min(0).long()), dsel, accumulate=True)
-        p_sink = torch.exp(sink.float().view(1, 1, h) - lse)                     # [b, s, h]
+        p_sink = torch.exp(sink.float().view(1, 1, h) - lse)  # [b, s, h]
         dsink = -(p_sink * delta.squeeze(-1)).sum((0, 1))
         return dq.to(q.dtype), dkv.to(kv.dtype), dsink.to(sink.dtype), None, None, None
 
@@ -116,6 +116,7 @@ def sparse_attention_with(mode: str) -> Callable:
     def fn(q, kv, sink, idx, scale):
         o, lse = _SparseAttention.apply(q, kv, sink, idx, scale, mode)
         return (o, lse) if mode == "lse_differentiable" else (o, lse.detach())
+
     return fn
 
 
@@ -148,7 +149,7 @@ def moe_host_split(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=
     tok_all, w_all = order // indices.size(1), weights.reshape(-1)[order]
     start = 0
     for e, c in enumerate(counts):
-        tok, w = tok_all[start:start + c], w_all[start:start + c]
+        tok, w = tok_all[start : start + c], w_all[start : start + c]
         start += c
         if c:
             y = y.index_add(0, tok, ref.expert_ffn(x[tok], w1[e], w2[e], w3[e], swiglu_limit, w.unsqueeze(-1)).float())
@@ -165,8 +166,8 @@ def indexer_topk_unpadded(q, k, weights, positions, ratio, topk):
 def sinkhorn_random_order(mixes, scale, base, hc, iters, eps):
     """Z18: Sinkhorn whose row/column sums accumulate in a random order on every call."""
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = mixes[..., 2 * hc:].unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc)
+    post = 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = mixes[..., 2 * hc :].unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc :].view(hc, hc)
     comb = comb.softmax(-1) + eps
 
     def rsum(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -195,12 +196,14 @@ def hc_pre_random_order(x, fn, scale, base, norm_eps, hc_eps, iters):
 # ------------------------------------------------------------------------------ model-level plants
 def _hash_by_gate(gate):
     """Z06: a hash layer that selects experts by the gate's top-k instead of tid2eid[token]."""
+
     def forward(x, token_ids):
         scores = gate.scores(x)
         indices = scores.detach().topk(gate.topk, dim=-1).indices
         weights = scores.gather(1, indices)
         weights = weights / weights.sum(-1, keepdim=True)
         return weights * gate.route_scale, indices, scores
+
     return forward
 
 
@@ -253,7 +256,8 @@ def compiler_drop_rounding(gm: torch.fx.GraphModule, example_inputs):
     """Z17: a 'fusion' that removes an explicit bf16 rounding that is followed by a cast to fp32."""
     for node in list(gm.graph.nodes):
         is_bf16 = node.op == "call_method" and (
-            (node.target == "to" and torch.bfloat16 in node.args[1:]) or node.target == "bfloat16")
+            (node.target == "to" and torch.bfloat16 in node.args[1:]) or node.target == "bfloat16"
+        )
         if is_bf16 and all(u.op == "call_method" and u.target in ("float", "to") for u in node.users):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
@@ -265,13 +269,13 @@ def compiler_drop_rounding(gm: torch.fx.GraphModule, example_inputs):
 @dataclass
 class Mutant:
     id: str
-    title: str                             # the bug, in a line
-    checks: list[str]                      # checks expected to catch it (all are run)
+    title: str  # the bug, in a line
+    checks: list[str]  # checks expected to catch it (all are run)
     plant: Callable[..., contextlib.AbstractContextManager] | None = None
-    pending: str = ""                      # why it cannot be planted yet (code does not exist)
+    pending: str = ""  # why it cannot be planted yet (code does not exist)
     notes: list[str] = field(default_factory=list)
-    symptom: str = ""                      # what the people running the port where it happened saw
-    mutant: str = ""                       # how `plant` puts the bug into the correct code
+    symptom: str = ""  # what the people running the port where it happened saw
+    mutant: str = ""  # how `plant` puts the bug into the correct code
 
 
 def _gates(model):
@@ -280,8 +284,10 @@ def _gates(model):
 
 def _plant_z05(ctx):
     shared = [layer.ffn.shared_experts for layer in ctx.model.layers if layer.ffn.shared_experts is not None]
-    return _contexts(temporary_backend("moe_experts", "mutant_no_clamp", moe_no_clamp),
-                     *(patched(s, swiglu_limit=0.0) for s in shared))
+    return _contexts(
+        temporary_backend("moe_experts", "mutant_no_clamp", moe_no_clamp),
+        *(patched(s, swiglu_limit=0.0) for s in shared),
+    )
 
 
 def _plant_z06(ctx):
@@ -289,7 +295,7 @@ def _plant_z06(ctx):
 
 
 def _plant_z07(ctx):
-    return _contexts(*(patched(g, route_scale=g.route_scale ** 2) for g in _gates(ctx.model)))
+    return _contexts(*(patched(g, route_scale=g.route_scale**2) for g in _gates(ctx.model)))
 
 
 def _plant_z10(ctx):
@@ -307,6 +313,7 @@ def _plant_z11(ctx):
 def draft_from_token_zero_with_own_head(draft: Callable) -> Callable:
     """Z20: the MTP draft fed token 0 instead of the token after each position, and predicting through a
     head of its own (untrained, random) instead of the main model's."""
+
     def mutant(self, hidden, tokens, inputs, cache, depth: int = 0):
         g = torch.Generator().manual_seed(20)
         w = self.head.weight
@@ -319,6 +326,7 @@ def draft_from_token_zero_with_own_head(draft: Callable) -> Callable:
         finally:
             with torch.no_grad():
                 w.copy_(kept)
+
     return mutant
 
 
@@ -373,8 +381,7 @@ def _plant_z01(ctx):
 def _plant_z02(ctx):
     from ..formats import e8m0, fp8
 
-    return _contexts(patched(e8m0, e8m0_decode=_e8m0_decode_by_value),
-                     patched(fp8, e8m0_decode=_e8m0_decode_by_value))
+    return _contexts(patched(e8m0, e8m0_decode=_e8m0_decode_by_value), patched(fp8, e8m0_decode=_e8m0_decode_by_value))
 
 
 def _plant_writer(bad_names: Callable[[str], bool], fix: Callable) -> contextlib.AbstractContextManager:
@@ -385,6 +392,7 @@ def _plant_writer(bad_names: Callable[[str], bool], fix: Callable) -> contextlib
     def encode(spec, name, v, target, expert_dtype):
         out = original(spec, name, v, target, expert_dtype)
         return fix(name, v, out) if bad_names(name) else out
+
     return patched(release, encode=encode)
 
 
@@ -397,6 +405,7 @@ def _plant_z03(ctx):
         if s in out:
             out[s] = out[s].t().contiguous()
         return out
+
     return _plant_writer(lambda n: n.endswith("attn.wo_a.weight"), fix)
 
 
@@ -407,6 +416,7 @@ def _plant_z04(ctx):
     def fix(name, v, out):
         q, _ = fm.quantize_fp8(v.dequantize())
         return {name: q}
+
     return _plant_writer(lambda n: n == "head.weight", fix)
 
 
@@ -424,13 +434,14 @@ def _plant_z25(ctx):
 
     def block(self, x, positions, ctx_kv, ctx_idx, block_size):
         return original(self, x, positions - 1, ctx_kv, ctx_idx, block_size)
+
     return patched(DSparkAttention, block=block)
 
 
 def quantize_rows_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Z26: one INT8 scale for the whole weight (its largest element / 127), repeated for every row."""
     wf = w.detach().float()
-    s = wf.abs().amax((-2, -1), keepdim=True).clamp_min(ref.INT8_AMAX_FLOOR) / ref.INT8_MAX     # [..., 1, 1]
+    s = wf.abs().amax((-2, -1), keepdim=True).clamp_min(ref.INT8_AMAX_FLOOR) / ref.INT8_MAX  # [..., 1, 1]
     q = torch.round(wf / s).clamp(-ref.INT8_MAX, ref.INT8_MAX).to(torch.int8)
     return q, s.squeeze(-1).expand(wf.shape[:-1]).contiguous()
 
@@ -460,113 +471,232 @@ def _ep_pending() -> str:
 
 
 MUTANTS: list[Mutant] = [
-    Mutant("Z01", "MXFP4 nibbles unpacked blocked instead of interleaved", ["fp4-known-bytes"], _plant_z01,
-           symptom="the model loaded and ran, then answered every prompt with one special token",
-           mutant="`formats.fp4.unpack_fp4` returns a row's low nibbles, then its high nibbles"),
-    Mutant("Z02", "E8M0 scale bytes cast by value", ["e8m0-bytes"], _plant_z02,
-           symptom="expert scales near 2^7 instead of 1e-3; the draft's second expert GEMM overflowed to NaN",
-           mutant="`e8m0_decode` converts each scale byte by value (uint8 -> float -> E4M3), not bit for bit"),
-    Mutant("Z03", "FP8 block scale stored transposed (wo_a)", ["checkpoint-roundtrip"], _plant_z03,
-           symptom="a K-mismatch error in the output projection, then, once forced to fit, wrong output",
-           mutant="the checkpoint writer stores `attn.wo_a`'s FP8 block scale transposed"),
-    Mutant("Z04", "LM head stored as FP8 without a scale", ["checkpoint-roundtrip"], _plant_z04,
-           symptom="hidden states fine, logits random: the head used a scale that was never loaded",
-           mutant="the checkpoint writer stores `head.weight` as FP8 codes with no scale tensor"),
-    Mutant("Z05", "swiglu_limit not applied (routed and shared experts)",
-           ["swiglu-limit", "swiglu-formula", "stage-compare"], _plant_z05,
-           symptom="expert activations saturated at the FP16 maximum in the first layers; garbled text",
-           mutant="a `moe_experts` backend that runs the experts with limit 0, and the shared experts' limit "
-                  "set to 0"),
-    Mutant("Z06", "hash layers routed by the gate's top-k", ["router-contract", "stage-compare"], _plant_z06,
-           symptom="no error; the first layers' experts followed the router scores and the text was wrong",
-           mutant="each hash layer's gate picks the top-k of its scores instead of `tid2eid[token]`"),
-    Mutant("Z07", "route_scale applied twice", ["router-contract", "stage-compare"], _plant_z07,
-           symptom="the shared expert's share of every MoE output off by 1.5, compounding over the layers",
-           mutant="every gate's `route_scale` squared (the scale applied twice)"),
-    Mutant("Z08", "expert-parallel rank cached as 0", ["ep-ranges"], _plant_z08, pending=_ep_pending(),
-           symptom="every rank served experts 0..31; rank 0 took all the tokens and one layer's output exploded",
-           mutant="`parallel.expert._ep_rank` answers 0 in every process"),
-    Mutant("Z09", "grouped GEMM rows past the last group not masked", ["poisoned-memory"],
-           lambda ctx: temporary_backend("moe_experts", "mutant_unmasked", moe_grouped_unmasked),
-           symptom="six identical prompts, six different first tokens: garbage rows reached the combine",
-           mutant="a `moe_experts` backend whose grouped-GEMM rows past the last group are never masked"),
-    Mutant("Z10", "paged cache: logical page ids used as physical ids", ["paged-batching"], _plant_z10,
-           symptom="decode read the wrong cache blocks from the second block on; the draft later crashed "
-                   "on an out-of-range address",
-           mutant="`model.paged.lookup_page` takes a sequence's logical page id for the physical one, ignoring "
-                  "its page table"),
-    Mutant("Z11", "compressed-KV slot = raw token position", ["teacher-forcing", "paged-batching"], _plant_z11,
-           symptom="an index-out-of-range crash once a request passed 32 tokens",
-           mutant="`model.paged.entry_index` gives a finished compressed entry the raw token position's slot, "
-                  "not `pos // ratio`"),
-    Mutant("Z12", "indexer top-k padding slots not -1", ["indexer-padding", "stage-compare"],
-           lambda ctx: temporary_backend("indexer_topk", "mutant_unpadded", indexer_topk_unpadded),
-           symptom="loss NaN at step 1: inf written past the padding slots into a neighbouring parameter",
-           mutant="an `indexer_topk` backend whose padding slots keep the sort's indices instead of -1"),
-    Mutant("Z13", "attention backward unstable only without compressed KV",
-           ["attention-backward-random", "attention-backward-structured"],
-           lambda ctx: temporary_backend("sparse_attention", "mutant_z13",
-                                         sparse_attention_with("unstable_window_only")),
-           symptom="gradients 4-45x too large in window-only layers on real inputs; random-input tests passed",
-           mutant="a `sparse_attention` backward that divides by exp(lse) instead of subtracting the LSE, "
-                  "only when there are no compressed keys"),
-    Mutant("Z14", "attention backward with a zero LSE", ["attention-backward-random"],
-           lambda ctx: temporary_backend("sparse_attention", "mutant_z14", sparse_attention_with("zero_lse")),
-           symptom="gradients near 9e9 and NaN at step 1",
-           mutant="a `sparse_attention` backward that takes exp(scores) as the probabilities (an LSE of 0)"),
-    Mutant("Z15", "LSE differentiable; kernel rejects grad_lse", ["lse-contract", "compile-attention"],
-           lambda ctx: temporary_backend("sparse_attention", "mutant_z15",
-                                         sparse_attention_with("lse_differentiable")),
-           symptom="a fullgraph compile of training failed inside the attention kernel's backward",
-           mutant="a `sparse_attention` whose LSE carries a gradient and whose backward raises when given one"),
-    Mutant("Z16", "compiler drops the aliasing of an in-place accumulator", ["compile-parity"],
-           lambda ctx: patched(ctx, compiler=compiler_drop_aliasing),
-           symptom="a compiled metric off by about 1000x; no error anywhere",
-           mutant="a `torch.compile` backend that turns in-place adds into out-of-place ones"),
-    Mutant("Z17", "compiler removes an explicit bf16 rounding", ["compile-parity"],
-           lambda ctx: patched(ctx, compiler=compiler_drop_rounding),
-           symptom="the compiled indexer loss drifted from eager",
-           mutant="a `torch.compile` backend that deletes a bf16 cast followed by a cast to fp32"),
-    Mutant("Z18", "nondeterministic reduction order (Sinkhorn)", ["determinism"],
-           lambda ctx: temporary_backend("hc_pre", "mutant_random_order", hc_pre_random_order),
-           symptom="same input, same cotangent: a different gradient hash on every run",
-           mutant="an `hc_pre` backend whose Sinkhorn sums rows and columns in a fresh random order"),
-    Mutant("Z19", "attention backward: dKV aliases dQ's buffer", ["attention-backward-random"],
-           lambda ctx: temporary_backend("sparse_attention", "mutant_z19", sparse_attention_with("aliased_buffers")),
-           symptom="NaN dQ and dKV at the first backward; forward and rollout finite",
-           mutant="a `sparse_attention` backward whose dKV buffer overlaps dQ's"),
-    Mutant("Z20", "draft uses token 0 / its own head", ["draft-acceptance"], _plant_z20,
-           symptom="speculative decoding accepted 1.4% of the drafted tokens",
-           mutant="`DeepSeekV4.draft` embeds token 0 instead of the next token and predicts through a random "
-                  "head of its own"),
-    Mutant("Z21", "fp32 model built when bf16 was asked", ["live-dtype"], _plant_z21,
-           symptom="step 1 ran, step 2 ran out of memory once the optimizer state existed",
-           mutant="`model.transformer._default_dtype` does nothing, so a bf16 model is built in fp32"),
-    Mutant("Z22", "backend flag accepted, another implementation ran", ["backend-evidence"], _plant_z22,
-           symptom="a compiler backend option was accepted by a build without that backend; another one ran",
-           mutant="attention sees a `dsv4.ops` whose `sparse_attention` ignores `backend=` and runs the "
-                  "reference"),
-    Mutant("Z23", "boolean-mask indexing in sampling", ["static-shapes"], _plant_z23,
-           symptom="graph capture failed on the cache writes; a logprobs request killed the serving engine",
-           mutant="the engine's sampler (`engine.sampling.Sampler`) filters top-p with boolean-mask indexing"),
-    Mutant("Z24", "host-side expert token counts (data-dependent size)", ["static-shapes", "compile-moe"],
-           lambda ctx: temporary_backend("moe_experts", "mutant_host_split", moe_host_split),
-           symptom="the compiler failed: it could not guard on a data-dependent expression",
-           mutant="a `moe_experts` backend that reads each expert's token count to the host to size its group"),
-    Mutant("Z25", "DSpark block roped at the last context position", ["dspark-goldens"], _plant_z25,
-           symptom="a port's reference for the DSpark draft roped the block one position early; nothing "
-                   "failed, the drafts looked plausible and its parity test compared the device with itself",
-           mutant="`DSparkAttention.block` ropes the block's queries, keys and output at positions p - 1 + i "
-                  "instead of the anchor's p + i"),
-    Mutant("Z26", "INT8 weights with one scale per tensor, not per row", ["int8-weight-rows"], _plant_z26,
-           symptom="none seen in a port yet (planted with INT8 mode); on the shipped model, whose weight rows are "
-                   "of one size, no measurable change: it waits for a checkpoint whose rows are not",
-           mutant="`model.int8.quantize_rows` takes one scale over the whole weight and repeats it for every row"),
-    Mutant("Z27", "INT8 activation scale over the whole batch, not per token", ["int8-per-token"],
-           lambda ctx: temporary_backend("int8_quant", "mutant_batch_scale", int8_quant_batch_scale),
-           symptom="none seen in a port yet (planted with INT8 mode); on the shipped model a sequence's logits "
-                   "move 4.9% with three others in its batch, 8% of its greedy tokens change",
-           mutant="an `int8_quant` backend that takes one scale over all the tokens of the call"),
+    Mutant(
+        "Z01",
+        "MXFP4 nibbles unpacked blocked instead of interleaved",
+        ["fp4-known-bytes"],
+        _plant_z01,
+        symptom="the model loaded and ran, then answered every prompt with one special token",
+        mutant="`formats.fp4.unpack_fp4` returns a row's low nibbles, then its high nibbles",
+    ),
+    Mutant(
+        "Z02",
+        "E8M0 scale bytes cast by value",
+        ["e8m0-bytes"],
+        _plant_z02,
+        symptom="expert scales near 2^7 instead of 1e-3; the draft's second expert GEMM overflowed to NaN",
+        mutant="`e8m0_decode` converts each scale byte by value (uint8 -> float -> E4M3), not bit for bit",
+    ),
+    Mutant(
+        "Z03",
+        "FP8 block scale stored transposed (wo_a)",
+        ["checkpoint-roundtrip"],
+        _plant_z03,
+        symptom="a K-mismatch error in the output projection, then, once forced to fit, wrong output",
+        mutant="the checkpoint writer stores `attn.wo_a`'s FP8 block scale transposed",
+    ),
+    Mutant(
+        "Z04",
+        "LM head stored as FP8 without a scale",
+        ["checkpoint-roundtrip"],
+        _plant_z04,
+        symptom="hidden states fine, logits random: the head used a scale that was never loaded",
+        mutant="the checkpoint writer stores `head.weight` as FP8 codes with no scale tensor",
+    ),
+    Mutant(
+        "Z05",
+        "swiglu_limit not applied (routed and shared experts)",
+        ["swiglu-limit", "swiglu-formula", "stage-compare"],
+        _plant_z05,
+        symptom="expert activations saturated at the FP16 maximum in the first layers; garbled text",
+        mutant="a `moe_experts` backend that runs the experts with limit 0, and the shared experts' limit set to 0",
+    ),
+    Mutant(
+        "Z06",
+        "hash layers routed by the gate's top-k",
+        ["router-contract", "stage-compare"],
+        _plant_z06,
+        symptom="no error; the first layers' experts followed the router scores and the text was wrong",
+        mutant="each hash layer's gate picks the top-k of its scores instead of `tid2eid[token]`",
+    ),
+    Mutant(
+        "Z07",
+        "route_scale applied twice",
+        ["router-contract", "stage-compare"],
+        _plant_z07,
+        symptom="the shared expert's share of every MoE output off by 1.5, compounding over the layers",
+        mutant="every gate's `route_scale` squared (the scale applied twice)",
+    ),
+    Mutant(
+        "Z08",
+        "expert-parallel rank cached as 0",
+        ["ep-ranges"],
+        _plant_z08,
+        pending=_ep_pending(),
+        symptom="every rank served experts 0..31; rank 0 took all the tokens and one layer's output exploded",
+        mutant="`parallel.expert._ep_rank` answers 0 in every process",
+    ),
+    Mutant(
+        "Z09",
+        "grouped GEMM rows past the last group not masked",
+        ["poisoned-memory"],
+        lambda ctx: temporary_backend("moe_experts", "mutant_unmasked", moe_grouped_unmasked),
+        symptom="six identical prompts, six different first tokens: garbage rows reached the combine",
+        mutant="a `moe_experts` backend whose grouped-GEMM rows past the last group are never masked",
+    ),
+    Mutant(
+        "Z10",
+        "paged cache: logical page ids used as physical ids",
+        ["paged-batching"],
+        _plant_z10,
+        symptom="decode read the wrong cache blocks from the second block on; the draft later crashed "
+        "on an out-of-range address",
+        mutant="`model.paged.lookup_page` takes a sequence's logical page id for the physical one, ignoring "
+        "its page table",
+    ),
+    Mutant(
+        "Z11",
+        "compressed-KV slot = raw token position",
+        ["teacher-forcing", "paged-batching"],
+        _plant_z11,
+        symptom="an index-out-of-range crash once a request passed 32 tokens",
+        mutant="`model.paged.entry_index` gives a finished compressed entry the raw token position's slot, "
+        "not `pos // ratio`",
+    ),
+    Mutant(
+        "Z12",
+        "indexer top-k padding slots not -1",
+        ["indexer-padding", "stage-compare"],
+        lambda ctx: temporary_backend("indexer_topk", "mutant_unpadded", indexer_topk_unpadded),
+        symptom="loss NaN at step 1: inf written past the padding slots into a neighbouring parameter",
+        mutant="an `indexer_topk` backend whose padding slots keep the sort's indices instead of -1",
+    ),
+    Mutant(
+        "Z13",
+        "attention backward unstable only without compressed KV",
+        ["attention-backward-random", "attention-backward-structured"],
+        lambda ctx: temporary_backend("sparse_attention", "mutant_z13", sparse_attention_with("unstable_window_only")),
+        symptom="gradients 4-45x too large in window-only layers on real inputs; random-input tests passed",
+        mutant="a `sparse_attention` backward that divides by exp(lse) instead of subtracting the LSE, "
+        "only when there are no compressed keys",
+    ),
+    Mutant(
+        "Z14",
+        "attention backward with a zero LSE",
+        ["attention-backward-random"],
+        lambda ctx: temporary_backend("sparse_attention", "mutant_z14", sparse_attention_with("zero_lse")),
+        symptom="gradients near 9e9 and NaN at step 1",
+        mutant="a `sparse_attention` backward that takes exp(scores) as the probabilities (an LSE of 0)",
+    ),
+    Mutant(
+        "Z15",
+        "LSE differentiable; kernel rejects grad_lse",
+        ["lse-contract", "compile-attention"],
+        lambda ctx: temporary_backend("sparse_attention", "mutant_z15", sparse_attention_with("lse_differentiable")),
+        symptom="a fullgraph compile of training failed inside the attention kernel's backward",
+        mutant="a `sparse_attention` whose LSE carries a gradient and whose backward raises when given one",
+    ),
+    Mutant(
+        "Z16",
+        "compiler drops the aliasing of an in-place accumulator",
+        ["compile-parity"],
+        lambda ctx: patched(ctx, compiler=compiler_drop_aliasing),
+        symptom="a compiled metric off by about 1000x; no error anywhere",
+        mutant="a `torch.compile` backend that turns in-place adds into out-of-place ones",
+    ),
+    Mutant(
+        "Z17",
+        "compiler removes an explicit bf16 rounding",
+        ["compile-parity"],
+        lambda ctx: patched(ctx, compiler=compiler_drop_rounding),
+        symptom="the compiled indexer loss drifted from eager",
+        mutant="a `torch.compile` backend that deletes a bf16 cast followed by a cast to fp32",
+    ),
+    Mutant(
+        "Z18",
+        "nondeterministic reduction order (Sinkhorn)",
+        ["determinism"],
+        lambda ctx: temporary_backend("hc_pre", "mutant_random_order", hc_pre_random_order),
+        symptom="same input, same cotangent: a different gradient hash on every run",
+        mutant="an `hc_pre` backend whose Sinkhorn sums rows and columns in a fresh random order",
+    ),
+    Mutant(
+        "Z19",
+        "attention backward: dKV aliases dQ's buffer",
+        ["attention-backward-random"],
+        lambda ctx: temporary_backend("sparse_attention", "mutant_z19", sparse_attention_with("aliased_buffers")),
+        symptom="NaN dQ and dKV at the first backward; forward and rollout finite",
+        mutant="a `sparse_attention` backward whose dKV buffer overlaps dQ's",
+    ),
+    Mutant(
+        "Z20",
+        "draft uses token 0 / its own head",
+        ["draft-acceptance"],
+        _plant_z20,
+        symptom="speculative decoding accepted 1.4% of the drafted tokens",
+        mutant="`DeepSeekV4.draft` embeds token 0 instead of the next token and predicts through a random "
+        "head of its own",
+    ),
+    Mutant(
+        "Z21",
+        "fp32 model built when bf16 was asked",
+        ["live-dtype"],
+        _plant_z21,
+        symptom="step 1 ran, step 2 ran out of memory once the optimizer state existed",
+        mutant="`model.transformer._default_dtype` does nothing, so a bf16 model is built in fp32",
+    ),
+    Mutant(
+        "Z22",
+        "backend flag accepted, another implementation ran",
+        ["backend-evidence"],
+        _plant_z22,
+        symptom="a compiler backend option was accepted by a build without that backend; another one ran",
+        mutant="attention sees a `dsv4.ops` whose `sparse_attention` ignores `backend=` and runs the reference",
+    ),
+    Mutant(
+        "Z23",
+        "boolean-mask indexing in sampling",
+        ["static-shapes"],
+        _plant_z23,
+        symptom="graph capture failed on the cache writes; a logprobs request killed the serving engine",
+        mutant="the engine's sampler (`engine.sampling.Sampler`) filters top-p with boolean-mask indexing",
+    ),
+    Mutant(
+        "Z24",
+        "host-side expert token counts (data-dependent size)",
+        ["static-shapes", "compile-moe"],
+        lambda ctx: temporary_backend("moe_experts", "mutant_host_split", moe_host_split),
+        symptom="the compiler failed: it could not guard on a data-dependent expression",
+        mutant="a `moe_experts` backend that reads each expert's token count to the host to size its group",
+    ),
+    Mutant(
+        "Z25",
+        "DSpark block roped at the last context position",
+        ["dspark-goldens"],
+        _plant_z25,
+        symptom="a port's reference for the DSpark draft roped the block one position early; nothing "
+        "failed, the drafts looked plausible and its parity test compared the device with itself",
+        mutant="`DSparkAttention.block` ropes the block's queries, keys and output at positions p - 1 + i "
+        "instead of the anchor's p + i",
+    ),
+    Mutant(
+        "Z26",
+        "INT8 weights with one scale per tensor, not per row",
+        ["int8-weight-rows"],
+        _plant_z26,
+        symptom="none seen in a port yet (planted with INT8 mode); on the shipped model, whose weight rows are "
+        "of one size, no measurable change: it waits for a checkpoint whose rows are not",
+        mutant="`model.int8.quantize_rows` takes one scale over the whole weight and repeats it for every row",
+    ),
+    Mutant(
+        "Z27",
+        "INT8 activation scale over the whole batch, not per token",
+        ["int8-per-token"],
+        lambda ctx: temporary_backend("int8_quant", "mutant_batch_scale", int8_quant_batch_scale),
+        symptom="none seen in a port yet (planted with INT8 mode); on the shipped model a sequence's logits "
+        "move 4.9% with three others in its batch, 8% of its greedy tokens change",
+        mutant="an `int8_quant` backend that takes one scale over all the tokens of the call",
+    ),
 ]
 
 

@@ -33,10 +33,10 @@ class NonFiniteFound(Exception):
 @dataclass
 class NonFiniteReport:
     ok: bool
-    level: str | None = None              # aten | op | stage | module
-    name: str | None = None               # aten op / dsv4 op / stage / module path
-    module: str | None = None             # innermost module running
-    dsv4_op: str | None = None            # dsv4 op running (if any)
+    level: str | None = None  # aten | op | stage | module
+    name: str | None = None  # aten op / dsv4 op / stage / module path
+    module: str | None = None  # innermost module running
+    dsv4_op: str | None = None  # dsv4 op running (if any)
     phase: str = "forward"
     nan: int = 0
     inf: int = 0
@@ -50,13 +50,15 @@ class NonFiniteReport:
             return "OK: no NaN/Inf produced"
         where = f" in module {self.module}" if self.module else ""
         inside = f" inside dsv4 op {self.dsv4_op}" if self.dsv4_op and self.level == "aten" else ""
-        return (f"first non-finite ({self.phase}): {self.level} '{self.name}'{inside}{where}: "
-                f"{self.nan} NaN, {self.inf} Inf in a tensor of shape {self.shape}")
+        return (
+            f"first non-finite ({self.phase}): {self.level} '{self.name}'{inside}{where}: "
+            f"{self.nan} NaN, {self.inf} Inf in a tensor of shape {self.shape}"
+        )
 
 
 def _counts(t) -> tuple[int, int]:
     if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.element_size() < 2:
-        return 0, 0                                   # fp8 storage is decoded before use and checked there
+        return 0, 0  # fp8 storage is decoded before use and checked there
     return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
 
 
@@ -77,8 +79,19 @@ class _Tracker:
         self.phase = "forward"
 
     def fail(self, level: str, name: str, t: torch.Tensor, nan: int, inf: int) -> None:
-        raise NonFiniteFound(NonFiniteReport(False, level, name, self.modules[-1] if self.modules else None,
-                                             self.op, self.phase, nan, inf, list(t.shape)))
+        raise NonFiniteFound(
+            NonFiniteReport(
+                False,
+                level,
+                name,
+                self.modules[-1] if self.modules else None,
+                self.op,
+                self.phase,
+                nan,
+                inf,
+                list(t.shape),
+            )
+        )
 
 
 class _NaNOps(TorchDispatchMode):
@@ -148,8 +161,9 @@ def _watch_modules(model: torch.nn.Module, tracker: _Tracker):
             h.remove()
 
 
-def find_nonfinite(model: DeepSeekV4, tokens: torch.Tensor, backward: bool = True,
-                   aten: bool = True) -> NonFiniteReport:
+def find_nonfinite(
+    model: DeepSeekV4, tokens: torch.Tensor, backward: bool = True, aten: bool = True
+) -> NonFiniteReport:
     """Forward (and backward) with every hook armed; the first producer of NaN/Inf is reported."""
     tracker = _Tracker()
 

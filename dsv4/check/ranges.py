@@ -21,19 +21,32 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 FP16_MAX = torch.finfo(torch.float16).max
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)     # (FP8 codes are not activations)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # (FP8 codes are not activations)
 _INDEX = re.compile(r"\b(layers|mtp)\.\d+")
 # views hold no new values (casts do: `_to_copy` into fp16 is where a value overflows)
-_SKIP = {"detach", "alias", "view", "_unsafe_view", "t", "transpose", "expand", "slice", "select", "unsqueeze",
-         "squeeze", "permute", "lift_fresh"}
+_SKIP = {
+    "detach",
+    "alias",
+    "view",
+    "_unsafe_view",
+    "t",
+    "transpose",
+    "expand",
+    "slice",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "permute",
+    "lift_fresh",
+}
 
 
 @dataclass
 class RangeRow:
     module: str
     op: str
-    amax: float                                 # largest finite |value| in either run
-    dtypes: list[str] = field(default_factory=list)   # dtypes of these tensors in the fp16 run
+    amax: float  # largest finite |value| in either run
+    dtypes: list[str] = field(default_factory=list)  # dtypes of these tensors in the fp16 run
 
     @property
     def in_fp16(self) -> bool:
@@ -49,24 +62,30 @@ class RangeRow:
 class RangeReport:
     rows: list[RangeRow]
     tokens: int
-    nonfinite_fp16: list[str]                   # (module, op) holding inf / NaN in the fp16 run only
+    nonfinite_fp16: list[str]  # (module, op) holding inf / NaN in the fp16 run only
 
     @property
     def ok(self) -> bool:
         return not self.nonfinite_fp16 and all(r.margin > 1 for r in self.rows if r.in_fp16)
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "tokens": self.tokens, "nonfinite_fp16": self.nonfinite_fp16,
-                "rows": [dict(r.__dict__, margin=r.margin, in_fp16=r.in_fp16) for r in self.rows]}
+        return {
+            "ok": self.ok,
+            "tokens": self.tokens,
+            "nonfinite_fp16": self.nonfinite_fp16,
+            "rows": [dict(r.__dict__, margin=r.margin, in_fp16=r.in_fp16) for r in self.rows],
+        }
 
     def render(self, top: int = 25) -> str:
         fp16 = sorted((r for r in self.rows if r.in_fp16), key=lambda r: -r.amax)
         fp32 = sorted((r for r in self.rows if not r.in_fp16 and r.dtypes), key=lambda r: -r.amax)
-        lines = [f"activation ranges over {self.tokens} tokens (largest |value| per module and op)",
-                 f"  held in fp16 by an fp16 model ({len(fp16)} module/op pairs; FP16 max {FP16_MAX:.0f}):"]
+        lines = [
+            f"activation ranges over {self.tokens} tokens (largest |value| per module and op)",
+            f"  held in fp16 by an fp16 model ({len(fp16)} module/op pairs; FP16 max {FP16_MAX:.0f}):",
+        ]
         lines += [f"    {r.module:<40} {r.op:<24} {r.amax:>12.4g}  margin {r.margin:>9.3g}x" for r in fp16[:top]]
         lines.append(f"  kept in fp32 by an fp16 model ({len(fp32)} pairs), the largest:")
-        lines += [f"    {r.module:<40} {r.op:<24} {r.amax:>12.4g}" for r in fp32[:min(top, 10)]]
+        lines += [f"    {r.module:<40} {r.op:<24} {r.amax:>12.4g}" for r in fp32[: min(top, 10)]]
         if self.nonfinite_fp16:
             lines.append(f"  NON-FINITE in the fp16 run: {', '.join(self.nonfinite_fp16[:10])}")
         lines.append("OK: every fp16 tensor within FP16's range" if self.ok else "FAILED: fp16 overflow")
@@ -103,7 +122,7 @@ def _tracking(model: nn.Module) -> Iterator[_Record]:
     where = ["model"]
     handles = []
 
-    def leave(mod: nn.Module, args, out) -> None:       # a hook that returns a value replaces the output
+    def leave(mod: nn.Module, args, out) -> None:  # a hook that returns a value replaces the output
         where.pop()
 
     for name, m in model.named_modules():
@@ -129,8 +148,12 @@ def activation_ranges(model32: nn.Module, model16: nn.Module, tokens: torch.Tens
     # casts into fp16 run in the fp16 model only: their finite values there are the range (an overflow is
     # reported as non-finite)
     keys = set(r32.amax) | set(r16.amax)
-    rows = [RangeRow(m, op, max(r32.amax.get((m, op), 0.0), r16.amax.get((m, op), 0.0)),
-                     sorted(r16.dtypes.get((m, op), ()))) for m, op in keys]
+    rows = [
+        RangeRow(
+            m, op, max(r32.amax.get((m, op), 0.0), r16.amax.get((m, op), 0.0)), sorted(r16.dtypes.get((m, op), ()))
+        )
+        for m, op in keys
+    ]
     # masks are -inf by design (in both runs); what only the fp16 run holds is an overflow
     bad = sorted(f"{m}:{op}" for m, op in r16.nonfinite - r32.nonfinite)
     return RangeReport(sorted(rows, key=lambda r: -r.amax), tokens.numel(), bad)

@@ -10,9 +10,9 @@ class CheckResult:
     ok: bool
     error: float | None = None
     detail: str = ""
-    skipped: str = ""                      # non-empty: the check did not run here, and why (never a pass)
-    device: str | None = None              # where it ran, when not the context's device (e.g. host-side I/O)
-    backends: dict[str, list[str]] = field(default_factory=dict)   # op -> backends that ran (filled by the runner)
+    skipped: str = ""  # non-empty: the check did not run here, and why (never a pass)
+    device: str | None = None  # where it ran, when not the context's device (e.g. host-side I/O)
+    backends: dict[str, list[str]] = field(default_factory=dict)  # op -> backends that ran (filled by the runner)
 
 
 def skipped(reason: str) -> CheckResult:

@@ -34,11 +34,11 @@ class TeacherForcingReport:
     batch: int
     max_rel_error: float
     tolerance: float
-    first_position: int | None = None          # first position whose logits diverge
+    first_position: int | None = None  # first position whose logits diverge
     first_row: int | None = None
-    first_stage: str | None = None             # first stage (module) that diverges at that position
+    first_stage: str | None = None  # first stage (module) that diverges at that position
     stage_error: float | None = None
-    forced_flips: dict[str, int] = field(default_factory=dict)   # decisions the decode path would change
+    forced_flips: dict[str, int] = field(default_factory=dict)  # decisions the decode path would change
     per_position: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -51,16 +51,29 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_forcing(model: DeepSeekV4, tokens: torch.Tensor, prefill: int, tolerance: float = 1e-4,
-                    force_decisions: bool = True, exact: bool = True, progress: bool = False) -> TeacherForcingReport:
+def teacher_forcing(
+    model: DeepSeekV4,
+    tokens: torch.Tensor,
+    prefill: int,
+    tolerance: float = 1e-4,
+    force_decisions: bool = True,
+    exact: bool = True,
+    progress: bool = False,
+) -> TeacherForcingReport:
     """Compare full-sequence logits with prefill(prefill) + decode steps for tokens [b, n]. `progress`: a bar of
     the decode steps on a terminal (dsv4.progress)."""
     with exact_accumulation(exact):
         return _teacher_forcing(model, tokens, prefill, tolerance, force_decisions, progress)
 
 
-def _teacher_forcing(model: DeepSeekV4, tokens: torch.Tensor, prefill: int, tolerance: float,
-                     force_decisions: bool, progress: bool = False) -> TeacherForcingReport:
+def _teacher_forcing(
+    model: DeepSeekV4,
+    tokens: torch.Tensor,
+    prefill: int,
+    tolerance: float,
+    force_decisions: bool,
+    progress: bool = False,
+) -> TeacherForcingReport:
     from ..progress import bar
 
     b, n = tokens.shape
@@ -74,11 +87,11 @@ def _teacher_forcing(model: DeepSeekV4, tokens: torch.Tensor, prefill: int, tole
             full_stages[name] = t.detach().clone()
 
     with recording(keep):
-        full = model(tokens).logits                                                     # [b, n, V]
+        full = model(tokens).logits  # [b, n, V]
 
     def token_slice(name: str, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         ref = full_stages[name]
-        if name.endswith(".router_indices"):                                            # flat [b*n, k]
+        if name.endswith(".router_indices"):  # flat [b*n, k]
             return ref.view(b, n, -1)[:, lo:hi].reshape(-1, ref.size(-1))
         return ref[:, lo:hi]
 
@@ -96,6 +109,7 @@ def _teacher_forcing(model: DeepSeekV4, tokens: torch.Tensor, prefill: int, tole
                         flips[name] = flips.get(name, 0) + int((want != t).any(-1).sum())
                     return want
             return None
+
         return fn
 
     cache = model.new_cache(b, max_len=n)
@@ -104,22 +118,29 @@ def _teacher_forcing(model: DeepSeekV4, tokens: torch.Tensor, prefill: int, tole
     with bar(n - prefill, "teacher forcing: decode steps", progress) as steps:
         for i in range(prefill, n):
             with recording(forcer(i, i + 1)):
-                outs.append(model.decode_step(tokens[:, i:i + 1], cache))
+                outs.append(model.decode_step(tokens[:, i : i + 1], cache))
             steps.update(1)
     inc = torch.cat(outs, 1)
 
-    err = _rel_err(inc, full)                                                           # [b, n]
+    err = _rel_err(inc, full)  # [b, n]
     per_pos = err.amax(0)
-    report = TeacherForcingReport(ok=bool((err <= tolerance).all()), tokens=n, prefill=prefill, batch=b,
-                                  max_rel_error=float(err.max()), tolerance=tolerance,
-                                  forced_flips=flips, per_position=[float(x) for x in per_pos])
+    report = TeacherForcingReport(
+        ok=bool((err <= tolerance).all()),
+        tokens=n,
+        prefill=prefill,
+        batch=b,
+        max_rel_error=float(err.max()),
+        tolerance=tolerance,
+        forced_flips=flips,
+        per_position=[float(x) for x in per_pos],
+    )
     if not report.ok:
         bad = (err > tolerance).nonzero()
         first = bad[bad[:, 1].argmin()]
         row, pos = int(first[0]), int(first[1])
         report.first_row, report.first_position = row, pos
         if pos >= prefill and pos in step_stages:
-            for name, t in step_stages[pos].items():                                  # stage order
+            for name, t in step_stages[pos].items():  # stage order
                 if name not in full_stages or name.endswith(DECISIONS):
                     continue
                 ref = full_stages[name][row, pos]

@@ -147,8 +147,9 @@ def atomic_directory(dst: str | Path, replace: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{TMP_TAG}", dir=dst.parent))
     old: Path | None = None
     try:
-        (tmp / MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                              "started": time.time()}))
+        (tmp / MARKER).write_text(
+            json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+        )
         yield tmp
         (tmp / MARKER).unlink()
         if replace and os.path.lexists(dst):

@@ -44,8 +44,12 @@ def add_inspect_parser(subparsers) -> argparse.ArgumentParser:
         "With --preset NAME --expected: the inventory a release checkpoint must hold.",
     )
     options.add(p, "model", note="the checkpoint to inspect")
-    p.add_argument("dir", nargs="?", metavar="DIR",
-                   help="the checkpoint as a positional argument: the old spelling of --model, for one release")
+    p.add_argument(
+        "dir",
+        nargs="?",
+        metavar="DIR",
+        help="the checkpoint as a positional argument: the old spelling of --model, for one release",
+    )
     g = p.add_mutually_exclusive_group()
     options.add(g, "preset", note="its config instead of the checkpoint's config.json")
     options.add(g, "config", note="to check the checkpoint against; none = its own config.json")
@@ -88,12 +92,19 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
         "atomically (temporary directory + rename) and verified by reading it back.",
     )
     options.add(p, "model", note="the source checkpoint")
-    p.add_argument("paths", nargs="*", metavar="DST",
-                   help="where to write the converted checkpoint (a new directory); the old form SRC DST is "
-                        "accepted for one release")
-    p.add_argument("--to", required=True, choices=TARGETS,
-                   help="bf16 / fp8: release layout; hf: transformers names; inference: official model-parallel "
-                        "files")
+    p.add_argument(
+        "paths",
+        nargs="*",
+        metavar="DST",
+        help="where to write the converted checkpoint (a new directory); the old form SRC DST is "
+        "accepted for one release",
+    )
+    p.add_argument(
+        "--to",
+        required=True,
+        choices=TARGETS,
+        help="bf16 / fp8: release layout; hf: transformers names; inference: official model-parallel files",
+    )
     p.add_argument("--mp", type=argtypes.positive_int, default=1, help="model-parallel ranks for --to inference")
     p.add_argument("--layout", choices=LAYOUTS, help="override the detected layout of SRC")
     p.add_argument(
@@ -101,8 +112,12 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
         choices=("fp8", "fp4"),
         help="--to fp8: experts as FP8 or MXFP4 (default: as the source/config)",
     )
-    p.add_argument("--shard-gb", type=argtypes.float_in(1 / 1024, 1024.0), default=4.0,
-                   help="shard size for release/hf outputs, in GiB (1 MiB to 1 TiB)")
+    p.add_argument(
+        "--shard-gb",
+        type=argtypes.float_in(1 / 1024, 1024.0),
+        default=4.0,
+        help="shard size for release/hf outputs, in GiB (1 MiB to 1 TiB)",
+    )
     options.add(p, "no_mtp", note="convert without the draft (the MTP block, or a DSpark draft)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn off a terminal)")
     options.add(p, "threads")
@@ -156,18 +171,30 @@ def add_init_parser(subparsers) -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group(required=True)
     options.add(g, "preset")
     options.add(g, "config")
-    p.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="config fields to change, values as JSON (n_layers=4 n_routed_experts=16 "
-                        "compress_ratios=[4,128,0]); n_layers alone keeps the first layers' ratios")
-    p.add_argument("--draft", choices=draft_names(),
-                   help="the draft model: mtp (the MTP block), dspark (Flash-0731's DSpark draft) or none "
-                        "(default: as the config has it)")
-    p.add_argument("--to", choices=("bf16", "fp8"),
-                   help="storage of the linears: bf16 or fp8 with E8M0 block scales (default: the config's dtype)")
+    p.add_argument(
+        "--override",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config fields to change, values as JSON (n_layers=4 n_routed_experts=16 "
+        "compress_ratios=[4,128,0]); n_layers alone keeps the first layers' ratios",
+    )
+    p.add_argument(
+        "--draft",
+        choices=draft_names(),
+        help="the draft model: mtp (the MTP block), dspark (Flash-0731's DSpark draft) or none "
+        "(default: as the config has it)",
+    )
+    p.add_argument(
+        "--to",
+        choices=("bf16", "fp8"),
+        help="storage of the linears: bf16 or fp8 with E8M0 block scales (default: the config's dtype)",
+    )
     p.add_argument("--expert-dtype", choices=("fp4",), help="MXFP4 routed experts (default: the config's)")
     options.add(p, "seed", default=0, note="of the random weights")
-    p.add_argument("--shard-gb", type=argtypes.float_in(1 / 1024, 1024.0), default=4.0,
-                   help="shard size in GiB (1 MiB to 1 TiB)")
+    p.add_argument(
+        "--shard-gb", type=argtypes.float_in(1 / 1024, 1024.0), default=4.0, help="shard size in GiB (1 MiB to 1 TiB)"
+    )
     options.add(p, "json")
     p.set_defaults(func=run_init)
     return p
@@ -178,15 +205,34 @@ def run_init(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     cfg = apply_overrides(cfg, parse_overrides(args.override))
-    dst = init_checkpoint(args.dir, cfg, to=args.to, expert_dtype=args.expert_dtype, seed=args.seed,
-                          draft=args.draft, shard_bytes=int(args.shard_gb * (1 << 30)))
+    dst = init_checkpoint(
+        args.dir,
+        cfg,
+        to=args.to,
+        expert_dtype=args.expert_dtype,
+        seed=args.seed,
+        draft=args.draft,
+        shard_bytes=int(args.shard_gb * (1 << 30)),
+    )
     from .reader import plan
 
     p = plan(dst)
     if args.json:
-        print(json.dumps({"dir": str(dst), "layout": p.layout, "files": len(p.files), "bytes": p.nbytes,
-                          "tensors": len(p.entries), "config": p.cfg.to_dict()}))
+        print(
+            json.dumps(
+                {
+                    "dir": str(dst),
+                    "layout": p.layout,
+                    "files": len(p.files),
+                    "bytes": p.nbytes,
+                    "tensors": len(p.entries),
+                    "config": p.cfg.to_dict(),
+                }
+            )
+        )
     else:
-        print(f"wrote {dst}: random weights of {cfg.name} (seed {args.seed}), {len(p.entries)} tensors in "
-              f"{len(p.files)} file(s), {p.nbytes / 1e9:.2f} GB, {p.layout} layout")
+        print(
+            f"wrote {dst}: random weights of {cfg.name} (seed {args.seed}), {len(p.entries)} tensors in "
+            f"{len(p.files)} file(s), {p.nbytes / 1e9:.2f} GB, {p.layout} layout"
+        )
     return 0

@@ -23,8 +23,10 @@ from .layouts import CONFIG_FILES
 from .safetensors_io import CheckpointError
 
 # owner/name as the Hub spells them, then an optional @revision (a branch, tag or commit hash)
-_HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)"
-                     r"(?:@(?P<rev>[A-Za-z0-9._/-]+))?$")
+_HUB_ID = re.compile(
+    r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)"
+    r"(?:@(?P<rev>[A-Za-z0-9._/-]+))?$"
+)
 META_PATTERNS = [*CONFIG_FILES, "*.safetensors.index.json"]
 V4_MODEL_TYPE = "deepseek_v4"
 
@@ -65,7 +67,8 @@ def resolve_model_path(spec: str | Path, *, weights: bool = True) -> Path:
                 raise CheckpointError(
                     f"{_label(repo, revision)}: shard {missing[0]} ({len(missing)} of {len(shards)} named by the "
                     f"index) is not in the Hugging Face cache {_cache_dir()}"
-                    f"{_offline_hint() or ' after the download: the repository does not hold it'}")
+                    f"{_offline_hint() or ' after the download: the repository does not hold it'}"
+                )
     return root
 
 
@@ -96,26 +99,35 @@ def _snapshot(repo: str, revision: str | None, patterns: list[str]) -> Path:
         from huggingface_hub import errors as hf_errors
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise CheckpointError(f"{repo}: a Hub id needs the huggingface_hub package (pip install huggingface_hub)"
-                              ) from None
+        raise CheckpointError(
+            f"{repo}: a Hub id needs the huggingface_hub package (pip install huggingface_hub)"
+        ) from None
     cache = _cache_dir()
     try:
-        return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns, cache_dir=cache,
-                                      local_files_only=_offline()))
+        return Path(
+            snapshot_download(
+                repo, revision=revision, allow_patterns=patterns, cache_dir=cache, local_files_only=_offline()
+            )
+        )
     except hf_errors.LocalEntryNotFoundError:
         raise CheckpointError(_not_cached(repo, revision, cache)) from None
     except hf_errors.GatedRepoError:
-        raise CheckpointError(f"{repo}: a gated repository; accept its terms on the Hub and log in "
-                              "(HF_TOKEN or `hf auth login`)") from None
+        raise CheckpointError(
+            f"{repo}: a gated repository; accept its terms on the Hub and log in (HF_TOKEN or `hf auth login`)"
+        ) from None
     except hf_errors.RepositoryNotFoundError:
-        raise CheckpointError(f"{repo}: not a directory, and no such repository on the Hugging Face Hub (or it "
-                              "is private: set HF_TOKEN or run `hf auth login`)") from None
+        raise CheckpointError(
+            f"{repo}: not a directory, and no such repository on the Hugging Face Hub (or it "
+            "is private: set HF_TOKEN or run `hf auth login`)"
+        ) from None
     except hf_errors.RevisionNotFoundError:
         raise CheckpointError(f"{_label(repo, revision)}: the repository has no revision '{revision}'") from None
     except (hf_errors.HfHubHTTPError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{_label(repo, revision)}: download from the Hugging Face Hub failed ({first}); "
-                              "an interrupted download resumes when run again") from None
+        raise CheckpointError(
+            f"{_label(repo, revision)}: download from the Hugging Face Hub failed ({first}); "
+            "an interrupted download resumes when run again"
+        ) from None
 
 
 def _not_cached(repo: str, revision: str | None, cache: Path) -> str:
@@ -127,8 +139,10 @@ def _not_cached(repo: str, revision: str | None, cache: Path) -> str:
     if not repo_dir.is_dir():
         return f"{repo}: not a directory, and not in the Hugging Face cache {cache}{why}"
     cached = ", ".join(refs + [s for s in snaps if s not in refs]) or "none"
-    return (f"{_label(repo, revision)}: revision '{revision or 'main'}' is not in the Hugging Face cache {cache} "
-            f"(cached: {cached}){why}")
+    return (
+        f"{_label(repo, revision)}: revision '{revision or 'main'}' is not in the Hugging Face cache {cache} "
+        f"(cached: {cached}){why}"
+    )
 
 
 def _check_v4(repo: str, revision: str | None, root: Path) -> None:
@@ -144,8 +158,10 @@ def _check_v4(repo: str, revision: str | None, root: Path) -> None:
     archs = raw.get("architectures") if isinstance(raw, dict) else None
     if model_type not in (None, V4_MODEL_TYPE) or (archs and not any("DeepseekV4" in str(a) for a in archs)):
         what = f"model_type '{model_type}'" + (f", architectures {', '.join(map(str, archs))}" if archs else "")
-        raise CheckpointError(f"{_label(repo, revision)}: not a DeepSeek-V4 model ({what}); dsv4 runs "
-                              f"model_type '{V4_MODEL_TYPE}' checkpoints")
+        raise CheckpointError(
+            f"{_label(repo, revision)}: not a DeepSeek-V4 model ({what}); dsv4 runs "
+            f"model_type '{V4_MODEL_TYPE}' checkpoints"
+        )
     from .layouts import load_config
 
     load_config(root)  # the same config validation as a local directory
@@ -160,8 +176,9 @@ def _indexed_shards(repo: str, revision: str | None, root: Path) -> list[str] | 
         weight_map = json.loads(index[0].read_text())["weight_map"]
         return sorted(set(weight_map.values()))
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{_label(repo, revision)}: {index[0].name} is not a valid safetensors index ({e})"
-                              ) from None
+        raise CheckpointError(
+            f"{_label(repo, revision)}: {index[0].name} is not a valid safetensors index ({e})"
+        ) from None
 
 
 __all__ = ["META_PATTERNS", "is_hub_id", "parse_hub_id", "resolve_model_path"]

@@ -42,7 +42,7 @@ from .names import EXPERT, F32, INT, LINEAR, Spec, official_tensors
 from .storage import Value
 from .writer import save
 
-BLOCK_ELEMENTS = 1 << 22          # a big tensor is drawn in row blocks of about this many fp32 values
+BLOCK_ELEMENTS = 1 << 22  # a big tensor is drawn in row blocks of about this many fp32 values
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,11 @@ def _with_mtp(cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(n_mtp_layers=1, compress_ratios=(*cfg.compress_ratios[: cfg.n_layers], 0))
 
 
-DRAFTS: dict[str, Draft] = {"mtp": Draft("mtp", _with_mtp), "none": Draft("none", without_mtp),
-                             "dspark": Draft("dspark", lambda cfg: cfg.with_draft("dspark"))}
+DRAFTS: dict[str, Draft] = {
+    "mtp": Draft("mtp", _with_mtp),
+    "none": Draft("none", without_mtp),
+    "dspark": Draft("dspark", lambda cfg: cfg.with_draft("dspark")),
+}
 # drafts dsv4 recognizes in checkpoints but cannot write: asking for one is refused with this reason
 NOT_WRITABLE: dict[str, str] = {}
 
@@ -101,12 +104,18 @@ def apply_overrides(cfg: ModelConfig, overrides: dict) -> ModelConfig:
     kw = dict(overrides)
     n = kw.get("n_layers", cfg.n_layers)
     m = kw.get("n_mtp_layers", cfg.n_mtp_layers)
-    if "compress_ratios" not in kw and ("n_layers" in kw or "n_mtp_layers" in kw) and isinstance(n, int) \
-            and isinstance(m, int):
+    if (
+        "compress_ratios" not in kw
+        and ("n_layers" in kw or "n_mtp_layers" in kw)
+        and isinstance(n, int)
+        and isinstance(m, int)
+    ):
         main = cfg.compress_ratios[: cfg.n_layers]
         if n > len(main):
-            raise UserError(f"--override n_layers={n}: the config has {len(main)} layers; give compress_ratios "
-                            f"for {n} layers and {m} MTP layers too")
+            raise UserError(
+                f"--override n_layers={n}: the config has {len(main)} layers; give compress_ratios "
+                f"for {n} layers and {m} MTP layers too"
+            )
         kw["compress_ratios"] = (*main[:n], *(0,) * m)
     if "n_hash_layers" not in kw and isinstance(n, int):
         kw["n_hash_layers"] = min(cfg.n_hash_layers, n)
@@ -139,7 +148,7 @@ def _normal(shape: tuple[int, ...], std: float, gen: torch.Generator, dtype: tor
     rows = out.view(shape[0], -1) if len(shape) > 1 else out.view(-1, 1)
     step = max(1, BLOCK_ELEMENTS // max(1, rows.size(1)))
     for i in range(0, rows.size(0), step):
-        block = rows[i:i + step]
+        block = rows[i : i + step]
         block.copy_(torch.randn(block.shape, generator=gen).mul_(std))
     return out
 
@@ -154,7 +163,7 @@ def _hash_table(vocab: int, n_experts: int, k: int, gen: torch.Generator) -> tor
     return out
 
 
-E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)   # of uniformly random codes
+E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # of uniformly random codes
 
 
 def _pow2_byte(value: float) -> int:
@@ -169,7 +178,7 @@ def _fp8_value(shape: tuple[int, int], std: float, gen: torch.Generator) -> Valu
     out = torch.empty(shape, dtype=torch.uint8)
     step = max(1, BLOCK_ELEMENTS // shape[1])
     for i in range(0, shape[0], step):
-        block = out[i:i + step]
+        block = out[i : i + step]
         x = torch.randn(block.shape, generator=gen).mul_(std * inv).clamp_(-fm.FP8_MAX, fm.FP8_MAX)
         block.copy_(fm.e4m3_encode(x) if not fm.HAS_FP8 else x.to(torch.float8_e4m3fn).view(torch.uint8))
     scale = torch.full(fm.fp8_scale_shape(*shape), b, dtype=torch.uint8)
@@ -183,8 +192,9 @@ def _fp4_value(shape: tuple[int, int], std: float, gen: torch.Generator) -> Valu
     return Value("fp4", fm.packed_from_bytes(packed), fm.e8m0_from_bytes(scale))
 
 
-def random_value(name: str, spec: Spec, cfg: ModelConfig, seed: int, to: str = "bf16",
-                 expert_dtype: str | None = None) -> Value:
+def random_value(
+    name: str, spec: Spec, cfg: ModelConfig, seed: int, to: str = "bf16", expert_dtype: str | None = None
+) -> Value:
     """One official tensor's random initial value: float tensors in bf16 (fp32 for the F32 role); with
     to="fp8" the linears (and experts) as FP8, with expert_dtype="fp4" the experts as MXFP4."""
     from ..model.transformer import init_hc_base
@@ -216,16 +226,25 @@ def random_value(name: str, spec: Spec, cfg: ModelConfig, seed: int, to: str = "
     return Value("float", t)
 
 
-def random_values(cfg: ModelConfig, seed: int = 0, to: str = "bf16",
-                  expert_dtype: str | None = None) -> Iterator[tuple[str, Value]]:
+def random_values(
+    cfg: ModelConfig, seed: int = 0, to: str = "bf16", expert_dtype: str | None = None
+) -> Iterator[tuple[str, Value]]:
     """Every official tensor of cfg with a random value, one at a time (drawn when asked for)."""
     for name, spec in official_tensors(cfg).items():
         yield name, random_value(name, spec, cfg, seed, to, expert_dtype)
 
 
 # ------------------------------------------------------------------------------------------ write
-def init_checkpoint(dst: str | Path, cfg: ModelConfig, *, to: str | None = None, expert_dtype: str | None = None,
-                    seed: int = 0, draft: str | None = None, shard_bytes: int = 4 << 30) -> Path:
+def init_checkpoint(
+    dst: str | Path,
+    cfg: ModelConfig,
+    *,
+    to: str | None = None,
+    expert_dtype: str | None = None,
+    seed: int = 0,
+    draft: str | None = None,
+    shard_bytes: int = 4 << 30,
+) -> Path:
     """Write a random checkpoint of cfg to `dst` (which must not exist) in the release layout.
 
     to: "bf16" or "fp8" (FP8 linears; default: the config's dtype); expert_dtype: "fp4" for MXFP4 experts
@@ -240,11 +259,28 @@ def init_checkpoint(dst: str | Path, cfg: ModelConfig, *, to: str | None = None,
         raise UserError(f"--expert-dtype {expert_dtype}: only fp4 (MXFP4 experts) can be asked for")
     expert_dtype = expert_dtype or cfg.expert_dtype
     if expert_dtype == "fp4" and cfg.dim % 32 + cfg.moe_inter_dim % 32:
-        raise UserError(f"--expert-dtype fp4: MXFP4 needs dim and moe_inter_dim to be multiples of 32, got "
-                        f"{cfg.dim} and {cfg.moe_inter_dim}")
-    return save(random_values(cfg, seed, to, expert_dtype), cfg, dst, target=to, expert_dtype=expert_dtype,
-                shard_bytes=shard_bytes)
+        raise UserError(
+            f"--expert-dtype fp4: MXFP4 needs dim and moe_inter_dim to be multiples of 32, got "
+            f"{cfg.dim} and {cfg.moe_inter_dim}"
+        )
+    return save(
+        random_values(cfg, seed, to, expert_dtype),
+        cfg,
+        dst,
+        target=to,
+        expert_dtype=expert_dtype,
+        shard_bytes=shard_bytes,
+    )
 
 
-__all__ = ["DRAFTS", "Draft", "apply_overrides", "draft_names", "init_checkpoint", "init_config", "parse_overrides",
-           "random_value", "random_values"]
+__all__ = [
+    "DRAFTS",
+    "Draft",
+    "apply_overrides",
+    "draft_names",
+    "init_checkpoint",
+    "init_config",
+    "parse_overrides",
+    "random_value",
+    "random_values",
+]

@@ -93,9 +93,11 @@ def format_report(r: dict) -> str:
         stages = d.get("stages", len(d["stages_found"]))
         line = f"  {d['kind']} draft under mtp.*: {stages} stages"
         if "block_size" in d:
-            line += (f", block size {d['block_size']}, noise token {d['noise_token_id']}, target layers "
-                     f"{d['target_layers']}, Markov rank {d['markov_rank']}; {d['tensors']} tensors, "
-                     f"{d['parameters'] / 1e9:.3f}B parameters")
+            line += (
+                f", block size {d['block_size']}, noise token {d['noise_token_id']}, target layers "
+                f"{d['target_layers']}, Markov rank {d['markov_rank']}; {d['tensors']} tensors, "
+                f"{d['parameters'] / 1e9:.3f}B parameters"
+            )
         if d["stages_found"] != list(range(stages)):
             line += f"; the files hold stages {d['stages_found']}"
         lines.append(line)

@@ -18,7 +18,7 @@ class Int8Requantizer:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.experts: dict[str, dict[str, list]] = {}      # module path -> w1/w2/w3 -> per expert (q, s)
+        self.experts: dict[str, dict[str, list]] = {}  # module path -> w1/w2/w3 -> per expert (q, s)
         self.formats: dict[str, set[str]] = {}
 
     def take(self, mname: str, j: int | None, v: Value) -> bool:
@@ -62,10 +62,13 @@ class Int8Requantizer:
                 missing = [j for j, p in enumerate(items) if p is None]
                 if missing:
                     raise RuntimeError(f"INT8 experts: {path}.{w} of expert {missing[0]} was never loaded")
-            stacks = {w: (torch.stack([q for q, _ in items]), torch.stack([s for _, s in items]))
-                      for w, items in parts.items()}
+            stacks = {
+                w: (torch.stack([q for q, _ in items]), torch.stack([s for _, s in items]))
+                for w, items in parts.items()
+            }
             fmts = self.formats[path]
-            new = Int8Experts(stacks, old.swiglu_limit, getattr(old, "offset", 0),
-                              fmts.pop() if len(fmts) == 1 else "mixed")
+            new = Int8Experts(
+                stacks, old.swiglu_limit, getattr(old, "offset", 0), fmts.pop() if len(fmts) == 1 else "mixed"
+            )
             self.model.set_submodule(path, new.to(old.w1.device))
         share_experts(self.model)

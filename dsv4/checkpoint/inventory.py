@@ -16,8 +16,13 @@ def without_mtp(cfg: ModelConfig) -> ModelConfig:
     """cfg with no MTP block and no DSpark draft (the compress ratios of the main layers kept)."""
     if not cfg.n_mtp_layers and not cfg.dspark_block_size:
         return cfg
-    return cfg.replace(n_mtp_layers=0, compress_ratios=cfg.compress_ratios[: cfg.n_layers], dspark_block_size=0,
-                       dspark_noise_token_id=0, dspark_target_layer_ids=())
+    return cfg.replace(
+        n_mtp_layers=0,
+        compress_ratios=cfg.compress_ratios[: cfg.n_layers],
+        dspark_block_size=0,
+        dspark_noise_token_id=0,
+        dspark_target_layer_ids=(),
+    )
 
 
 @dataclass

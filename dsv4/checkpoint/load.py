@@ -81,8 +81,11 @@ def load_pretrained(
     from ..model.moe import expert_slice
     from ..model.quant import set_quant_mode
 
-    asked = {k: v for k, v in (("quant_mode", quant_mode), ("fp8_kv_sim", fp8_kv_sim),
-                               ("fp4_indexer_sim", fp4_indexer_sim)) if v is not None}
+    asked = {
+        k: v
+        for k, v in (("quant_mode", quant_mode), ("fp8_kv_sim", fp8_kv_sim), ("fp4_indexer_sim", fp4_indexer_sim))
+        if v is not None
+    }
     path = resolve_model_path(path)
     p = plan(path, config.replace(**asked) if config is not None and asked else config, layout, overrides=asked)
     p = for_loading(p, mtp)
@@ -110,17 +113,19 @@ def load_pretrained(
         set_quant_mode(model)
     except ValueError as e:
         raise CheckpointError(f"{p.root}: {e}") from None
-    model.loaded_from({
-        "path": str(p.root),
-        "layout": p.layout,
-        "files": len(p.files),
-        "mp": p.mp,
-        "warnings": list(p.warnings),
-        "rank": rank,
-        "world_size": world_size,
-        "experts": list(experts) if experts is not None else [0, p.cfg.n_routed_experts],
-        "read": stats,
-    })
+    model.loaded_from(
+        {
+            "path": str(p.root),
+            "layout": p.layout,
+            "files": len(p.files),
+            "mp": p.mp,
+            "warnings": list(p.warnings),
+            "rank": rank,
+            "world_size": world_size,
+            "experts": list(experts) if experts is not None else [0, p.cfg.n_routed_experts],
+            "read": stats,
+        }
+    )
     return model.eval()
 
 
@@ -169,11 +174,12 @@ def _place_quantized(model: nn.Module, p: Plan, dtype: torch.dtype) -> None:
     for path, parts in experts.items():
         kinds = {k for ks in parts.values() for k in ks}
         if all(isinstance(k, str) for k in kinds):
-            continue                                            # stored as floats: a float layer
+            continue  # stored as floats: a float layer
         fmts = {k.fmt if isinstance(k, Stored) else k for k in kinds}
         if len(fmts) > 1 or any(len(ks) > 1 for ks in parts.values()):
-            raise CheckpointError(f"{p.root}: experts of '{path}' mix storage formats or shapes; load "
-                                  "without keep_quantized")
+            raise CheckpointError(
+                f"{p.root}: experts of '{path}' mix storage formats or shapes; load without keep_quantized"
+            )
         stored = {w: next(iter(ks)) for w, ks in parts.items()}
         model.set_submodule(path, QuantExperts(model.get_submodule(path), fmts.pop(), dtype, stored, "meta"))
 
@@ -260,8 +266,9 @@ def load_into(
             if qe is None:
                 qe = swapped[path] = QuantExperts(mod, v.fmt, dtype)
             if qe.fmt != v.fmt:
-                raise CheckpointError(f"{p.root}: experts of '{mname}' mix storage formats; load without "
-                                      "keep_quantized")
+                raise CheckpointError(
+                    f"{p.root}: experts of '{mname}' mix storage formats; load without keep_quantized"
+                )
             qe.put(leaf, j - qe.offset, v, sd[mname].device if mname in sd else None)
             written[mname] = written.get(mname, 0) + 1
             continue
@@ -276,9 +283,7 @@ def load_into(
         val = v.dequantize(target.dtype) if v.fmt != "int" else v.data
         dst = target if j is None else target[j - getattr(mod, "offset", 0)]
         if tuple(dst.shape) != tuple(val.shape):
-            raise CheckpointError(
-                f"tensor '{e.name}' has shape {list(val.shape)}, the model expects {list(dst.shape)}"
-            )
+            raise CheckpointError(f"tensor '{e.name}' has shape {list(val.shape)}, the model expects {list(dst.shape)}")
         dst.copy_(val)
         written[mname] = written.get(mname, 0) + 1
     for path, qe in swapped.items():
@@ -292,13 +297,13 @@ def load_into(
                 raise CheckpointError(f"{p.root}: {err}") from None
     if requant is not None:
         requant.finish()
-    mark_stored(model, {path: fmts.pop() if len(fmts) == 1 else "mixed"
-                        for path, fmts in stored.items() if fmts & set(_QUANT)})
+    mark_stored(
+        model, {path: fmts.pop() if len(fmts) == 1 else "mixed" for path, fmts in stored.items() if fmts & set(_QUANT)}
+    )
     for name, need in want.items():
         if written.get(name, 0) != need:
             raise CheckpointError(
-                f"{p.root}: tensor '{name}' was not completely loaded "
-                f"({written.get(name, 0)} of {need} parts)"
+                f"{p.root}: tensor '{name}' was not completely loaded ({written.get(name, 0)} of {need} parts)"
             )
     return stats
 
@@ -311,7 +316,5 @@ def _swap_linear(model: nn.Module, mname: str, v: Value, dtype: torch.dtype, dev
     mod = model.get_submodule(path)
     if not isinstance(mod, nn.Linear):
         return False
-    model.set_submodule(
-        path, QuantLinear(v, mod.weight.dtype if mod.weight.dtype == torch.float32 else dtype, device)
-    )
+    model.set_submodule(path, QuantLinear(v, mod.weight.dtype if mod.weight.dtype == torch.float32 else dtype, device))
     return True

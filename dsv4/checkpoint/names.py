@@ -288,9 +288,7 @@ def hf_name(official: str) -> str:
         rest = inv_params[rest]
     else:
         module, _, leaf = rest.rpartition(".")
-        inv_mod = {
-            v: k for k, v in _HF_MODULES.items() if k not in ("attn.norm", "attn.compressor.indexer.norm")
-        }
+        inv_mod = {v: k for k, v in _HF_MODULES.items() if k not in ("attn.norm", "attn.compressor.indexer.norm")}
         if module in inv_mod:
             rest = f"{inv_mod[module]}.{leaf}"
         if rest == "ffn.gate.bias":
@@ -318,7 +316,7 @@ def split_dim(official: str) -> int | None:
     if not m:
         return None
     rest = m["rest"]
-    if rest in _SPLIT_DIM0 or rest.startswith("markov_head."):   # the Markov head is vocab-parallel
+    if rest in _SPLIT_DIM0 or rest.startswith("markov_head."):  # the Markov head is vocab-parallel
         return 0
     if rest == "attn.wo_b":
         return 1

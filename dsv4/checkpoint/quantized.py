@@ -57,8 +57,12 @@ class Stored:
 
     @classmethod
     def of(cls, value: Value) -> Stored:
-        return cls(value.fmt, tuple(value.data.shape), tuple(value.scale.shape),
-                   value.scale.dtype in (torch.float32, torch.bfloat16, torch.float16))
+        return cls(
+            value.fmt,
+            tuple(value.data.shape),
+            tuple(value.scale.shape),
+            value.scale.dtype in (torch.float32, torch.bfloat16, torch.float16),
+        )
 
     @property
     def scale_dtype(self) -> torch.dtype:
@@ -70,8 +74,9 @@ class Stored:
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
-        raise RuntimeError(f"{what}: stored as {src.dtype} {list(src.shape)}, the module holds "
-                           f"{dst.dtype} {list(dst.shape)}")
+        raise RuntimeError(
+            f"{what}: stored as {src.dtype} {list(src.shape)}, the module holds {dst.dtype} {list(dst.shape)}"
+        )
     dst.copy_(src)
 
 
@@ -109,8 +114,9 @@ class QuantLinear(nn.Module):
         # through the ops dispatch: a fast backend dequantizes inside its GEMM, and the call is recorded
         if self.act_format is not None:
             q, s = ops.act_quant(x, ACT_BLOCK, act_pow2(self.act_format))
-            return ops.call("fp8_gemm" if self.fmt == "fp8" else "fp4_gemm", q, s, self.weight_q, self.scale,
-                            out_dtype or x.dtype)
+            return ops.call(
+                "fp8_gemm" if self.fmt == "fp8" else "fp4_gemm", q, s, self.weight_q, self.scale, out_dtype or x.dtype
+            )
         if out_dtype is not None and out_dtype != x.dtype:
             x = x.to(out_dtype)
         return ops.call("fp8_linear" if self.fmt == "fp8" else "fp4_linear", x, self.weight_q, self.scale)
@@ -119,8 +125,8 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {self.fmt}, act={self.act_format}"
 
 
-GROUPED_MIN_TOKENS = 1024          # from this many tokens, experts run chunk by chunk through ops.moe_experts
-CHUNK_BYTES = 256 << 20            # dequantized scratch per chunk (w1 + w2 + w3 of its experts)
+GROUPED_MIN_TOKENS = 1024  # from this many tokens, experts run chunk by chunk through ops.moe_experts
+CHUNK_BYTES = 256 << 20  # dequantized scratch per chunk (w1 + w2 + w3 of its experts)
 
 
 class QuantExperts(nn.Module):
@@ -129,8 +135,14 @@ class QuantExperts(nn.Module):
 
     act_format: str | None = None
 
-    def __init__(self, template: nn.Module, fmt: str, compute_dtype: torch.dtype,
-                 stored: dict[str, Stored] | None = None, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        template: nn.Module,
+        fmt: str,
+        compute_dtype: torch.dtype,
+        stored: dict[str, Stored] | None = None,
+        device: torch.device | str | None = None,
+    ):
         """template: the float `Experts` this replaces (its expert count, offset and limit). With `stored`
         ({"w1": Stored, ...}) the buffers are allocated at once on `device`; otherwise each projection's
         on its first `put`."""
@@ -139,15 +151,15 @@ class QuantExperts(nn.Module):
         self.offset = getattr(template, "offset", 0)
         self.swiglu_limit = getattr(template, "swiglu_limit", 0.0)
         self.n = template.w1.size(0)
-        self._filled: dict[str, torch.Tensor] | None = {w: torch.zeros(self.n, dtype=torch.bool)
-                                                        for w in ("w1", "w2", "w3")}
+        self._filled: dict[str, torch.Tensor] | None = {
+            w: torch.zeros(self.n, dtype=torch.bool) for w in ("w1", "w2", "w3")
+        }
         for w, st in (stored or {}).items():
             self._alloc(w, st, device)
 
     def _alloc(self, w: str, st: Stored, device) -> None:
         self.register_buffer(f"{w}_q", torch.empty((self.n, *st.q_shape), dtype=torch.uint8, device=device))
-        self.register_buffer(f"{w}_scale", torch.empty((self.n, *st.scale_shape), dtype=st.scale_dtype,
-                                                       device=device))
+        self.register_buffer(f"{w}_scale", torch.empty((self.n, *st.scale_shape), dtype=st.scale_dtype, device=device))
 
     @torch.no_grad()
     def put(self, w: str, j: int, value: Value, device=None) -> None:
@@ -155,8 +167,10 @@ class QuantExperts(nn.Module):
         if self._filled is None:
             raise RuntimeError("quantized experts: put after finish")
         if not 0 <= j < self.n:
-            raise RuntimeError(f"quantized experts: expert {j + self.offset} is not held here "
-                               f"([{self.offset}, {self.offset + self.n}))")
+            raise RuntimeError(
+                f"quantized experts: expert {j + self.offset} is not held here "
+                f"([{self.offset}, {self.offset + self.n}))"
+            )
         if getattr(self, f"{w}_q", None) is None:
             self._alloc(w, Stored.of(value), device if device is not None else value.data.device)
         q, s = getattr(self, f"{w}_q"), getattr(self, f"{w}_scale")
@@ -186,9 +200,7 @@ class QuantExperts(nn.Module):
         return self
 
     def expert(self, w: str, j: int) -> torch.Tensor:
-        return _dequant(
-            self.fmt, getattr(self, f"{w}_q")[j], getattr(self, f"{w}_scale")[j], self.compute_dtype
-        )
+        return _dequant(self.fmt, getattr(self, f"{w}_q")[j], getattr(self, f"{w}_scale")[j], self.compute_dtype)
 
     @property
     def w1(self) -> torch.Tensor:
@@ -206,15 +218,27 @@ class QuantExperts(nn.Module):
         """Experts [lo, hi) of projection w dequantized: [hi - lo, out, in] in the compute dtype."""
         q, s = getattr(self, f"{w}_q")[lo:hi], getattr(self, f"{w}_scale")[lo:hi]
         if self.fmt == "fp4":
-            return fm.dequantize_mxfp4(q, s, self.compute_dtype)                # batched over experts
+            return fm.dequantize_mxfp4(q, s, self.compute_dtype)  # batched over experts
         return torch.stack([self.expert(w, j) for j in range(lo, hi)])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> fp32 [T, dim]: the routed experts' weighted sum."""
         if self.act_format is not None:
-            return ops.quantized_moe_experts(x, weights, indices, self.w1_q, self.w1_scale, self.w2_q,
-                                             self.w2_scale, self.w3_q, self.w3_scale, self.swiglu_limit,
-                                             self.offset, self.fmt, self.act_format)
+            return ops.quantized_moe_experts(
+                x,
+                weights,
+                indices,
+                self.w1_q,
+                self.w1_scale,
+                self.w2_q,
+                self.w2_scale,
+                self.w3_q,
+                self.w3_scale,
+                self.swiglu_limit,
+                self.offset,
+                self.fmt,
+                self.act_format,
+            )
         if x.size(0) >= GROUPED_MIN_TOKENS:
             return self._chunked(x, weights, indices)
         return self._per_expert(x, weights, indices)
@@ -222,8 +246,10 @@ class QuantExperts(nn.Module):
     def _chunked(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Dequantize CHUNK_BYTES of experts at a time; each chunk is one `ops.moe_experts` call over the
         expert range it holds (slots routed elsewhere add zero)."""
-        bytes_per_expert = sum(getattr(self, f"{w}_q")[0].numel() * (2 if self.fmt == "fp4" else 1)
-                               for w in ("w1", "w2", "w3")) * x.element_size()
+        bytes_per_expert = (
+            sum(getattr(self, f"{w}_q")[0].numel() * (2 if self.fmt == "fp4" else 1) for w in ("w1", "w2", "w3"))
+            * x.element_size()
+        )
         chunk = max(1, CHUNK_BYTES // bytes_per_expert)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for lo in range(0, self.n, chunk):

@@ -11,8 +11,16 @@ from ..config import ModelConfig
 from .writer import model_values, save
 
 
-def write_random(dst: str | Path, cfg: ModelConfig | str, *, draft: str | None = None, target: str = "bf16",
-                 expert_dtype: str | None = None, seed: int = 0, shard_bytes: int = 4 << 30) -> Path:
+def write_random(
+    dst: str | Path,
+    cfg: ModelConfig | str,
+    *,
+    draft: str | None = None,
+    target: str = "bf16",
+    expert_dtype: str | None = None,
+    seed: int = 0,
+    shard_bytes: int = 4 << 30,
+) -> Path:
     """Write a random-weight checkpoint of cfg (a ModelConfig or a preset name) to the new directory dst.
 
     draft: None keeps cfg's own draft; "none", "mtp" (the first release's MTP block) or "dspark"

@@ -71,8 +71,9 @@ def scan(path: str | Path) -> tuple[str, list[Path], int, dict[Path, dict[str, T
     return layouts.detect(names, rank_files).name, files, mp, headers
 
 
-def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = None,
-         overrides: dict | None = None) -> Plan:
+def plan(
+    path: str | Path, cfg: ModelConfig | None = None, layout: str | None = None, overrides: dict | None = None
+) -> Plan:
     """Validate a checkpoint directory against cfg from its headers alone; raise CheckpointError.
 
     Without cfg, the directory's config.json is read with the layout's semantics (`Layout.semantics`) and
@@ -87,8 +88,7 @@ def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = 
         lay = asked
     warnings: list[str] = []
     if cfg is None:
-        cfg, warnings = lay.configure(lay.load_config(root, overrides), [n for h in headers.values() for n in h],
-                                      root)
+        cfg, warnings = lay.configure(lay.load_config(root, overrides), [n for h in headers.values() for n in h], root)
     probs = Problems()
     weights: dict[str, list[Piece]] = {}
     scales: dict[str, list[Piece]] = {}
@@ -143,16 +143,12 @@ def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = 
     for name, spec in expected.items():
         if name in covered:
             if name in weights:
-                probs.add(
-                    f"tensor {weights[name][0].where()} is stored twice (also in a fused expert tensor)"
-                )
+                probs.add(f"tensor {weights[name][0].where()} is stored twice (also in a fused expert tensor)")
                 weights.pop(name)
             continue
         pieces = weights.pop(name, None)
         if not pieces:
-            probs.add(
-                f"{root}: missing tensor '{name}' ({_describe(spec)}) - no file in the checkpoint has it"
-            )
+            probs.add(f"{root}: missing tensor '{name}' ({_describe(spec)}) - no file in the checkpoint has it")
             continue
         sc = scales.pop(name[: -len(".weight")] + ".scale", []) if name.endswith(".weight") else []
         entry = _check_entry(name, spec, pieces, sc, lay, mp, probs)
@@ -163,8 +159,7 @@ def plan(path: str | Path, cfg: ModelConfig | None = None, layout: str | None = 
         p = pieces[0]
         hint = ""
         if name.startswith(("layers.", "mtp.")):
-            hint = (f"; config.json has {cfg.n_layers} layers, {cfg.n_mtp_layers} MTP - "
-                    "do config and weights match?")
+            hint = f"; config.json has {cfg.n_layers} layers, {cfg.n_mtp_layers} MTP - do config and weights match?"
         if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in expected:
             probs.add(f"unexpected tensor {p.where()}: a block scale for a weight that is not quantized")
         else:
@@ -186,8 +181,9 @@ def restrict_experts(p: Plan, lo: int, hi: int) -> Plan:
     entries: dict[str, Entry] = {}
     for name, e in p.entries.items():
         if e.parts:
-            entries[name] = dataclasses.replace(e, spec=Spec((hi - lo, *e.spec.shape[1:]), e.spec.role),
-                                                weight=[_rows(pc, lo, hi) for pc in e.weight])
+            entries[name] = dataclasses.replace(
+                e, spec=Spec((hi - lo, *e.spec.shape[1:]), e.spec.role), weight=[_rows(pc, lo, hi) for pc in e.weight]
+            )
             continue
         j = expert_index(name)
         if j is None or lo <= j < hi:
@@ -199,8 +195,9 @@ def _rows(piece: Piece, lo: int, hi: int) -> Piece:
     """Rows [lo, hi) of a stored tensor along its first dim (row-major: one byte range)."""
     info = piece.info
     row = info.nbytes // info.shape[0]
-    part = dataclasses.replace(info, shape=(hi - lo, *info.shape[1:]), begin=info.begin + lo * row,
-                               end=info.begin + hi * row)
+    part = dataclasses.replace(
+        info, shape=(hi - lo, *info.shape[1:]), begin=info.begin + lo * row, end=info.begin + hi * row
+    )
     return dataclasses.replace(piece, info=part)
 
 
@@ -210,7 +207,12 @@ def _describe(spec: Spec) -> str:
 
 
 def _check_entry(
-    name: str, spec: Spec, pieces: list[Piece], scales: list[Piece], lay: layouts.Layout, mp: int,
+    name: str,
+    spec: Spec,
+    pieces: list[Piece],
+    scales: list[Piece],
+    lay: layouts.Layout,
+    mp: int,
     probs: Problems,
 ) -> Entry | None:
     n0 = len(probs.items)
@@ -254,9 +256,7 @@ def _check_entry(
             if fmt == "fp8":
                 want_s, ok_dt = fm.fp8_scale_shape(*wshape), dt in FP8_SCALE_DTYPES
                 if split is not None and mp > 1 and wshape[split] % fm.FP8_BLOCK:
-                    probs.add(
-                        f"{where}: FP8 weight piece {list(wshape)} is not split on a 128-block boundary"
-                    )
+                    probs.add(f"{where}: FP8 weight piece {list(wshape)} is not split on a 128-block boundary")
             else:
                 want_s, ok_dt = (wshape[0], wshape[1] // fm.FP4_BLOCK), dt in E8M0_DTYPES
             if not ok_dt:
@@ -364,15 +364,13 @@ def _check_table(entry: Entry, v: Value, cfg: ModelConfig) -> None:
 
 def stream(p: Plan, progress: bool | None = None) -> Iterator[tuple[Entry, Value]]:
     """Yield (entry, value) for every entry, ordered by file and offset; one tensor in flight."""
-    order = sorted(
-        p.entries.values(), key=lambda e: (p.files.index(e.weight[0].info.file), e.weight[0].info.begin)
-    )
+    order = sorted(p.entries.values(), key=lambda e: (p.files.index(e.weight[0].info.file), e.weight[0].info.begin))
     handles = _Handles()
     bar = None
     if progress or (progress is None and len(p.files) > 1):
         from ..progress import bar as progress_bar
 
-        bar = progress_bar(p.nbytes, f"loading {p.root.name}", unit="B", unit_scale=True)   # (a terminal only)
+        bar = progress_bar(p.nbytes, f"loading {p.root.name}", unit="B", unit_scale=True)  # (a terminal only)
     try:
         for e in order:
             data = [handles.read(w.info) for w in e.weight]

@@ -91,9 +91,7 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
             raise CheckpointError(f"{path}: truncated or not a safetensors file ({size} bytes)")
         (n,) = struct.unpack("<Q", head)
         if n > _MAX_HEADER or 8 + n > size:
-            raise CheckpointError(
-                f"{path}: corrupt safetensors header (header length {n}, file size {size})"
-            )
+            raise CheckpointError(f"{path}: corrupt safetensors header (header length {n}, file size {size})")
         raw = f.read(n)
     try:
         obj = json.loads(raw.decode("utf-8"))
@@ -120,13 +118,14 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
         if not isinstance(dt, str) or dt not in DTYPES:
             raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {str(dt)[:40]}")
         if dt == "F4" and (not shape or shape[-1] % 2):
-            raise CheckpointError(f"{path}: tensor '{name}' is F4 with shape {list(shape)}: the last "
-                                  "dimension must be even (two values per byte)")
+            raise CheckpointError(
+                f"{path}: tensor '{name}' is F4 with shape {list(shape)}: the last "
+                "dimension must be even (two values per byte)"
+            )
         want = math.prod(shape) * DTYPES[dt][0]
         if not (0 <= b <= e) or (e - b) * 8 != want:
             raise CheckpointError(
-                f"{path}: tensor '{name}' ({dt} {list(shape)}) has {e - b} bytes, "
-                f"expected {want // 8}: corrupt file"
+                f"{path}: tensor '{name}' ({dt} {list(shape)}) has {e - b} bytes, expected {want // 8}: corrupt file"
             )
         if base + e > size:
             raise CheckpointError(
@@ -176,9 +175,7 @@ def iter_file(infos: dict[str, TensorInfo]) -> Iterator[tuple[TensorInfo, torch.
             yield info, read_tensor(info, f)
 
 
-def write_file(
-    path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
-) -> int:
+def write_file(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
     """Write tensors (any dtype, exotic ones as their bits) to one safetensors file; returns bytes written."""
     header: dict[str, object] = {}
     if metadata:

@@ -39,7 +39,6 @@ class Value:
         return self.data.to(dtype)
 
 
-
 # ------------------------------------------------------------------------------------------ encode
 def _same_bits(v: Value) -> bool:
     return v.scale is not None and v.scale.dtype not in (torch.float32, torch.bfloat16, torch.float16)
@@ -57,9 +56,7 @@ def encode(spec: Spec, name: str, v: Value, target: str, expert_dtype: str | Non
         return {name: v.data.to(torch.int32)}
     if spec.role == F32:
         return {name: v.dequantize(torch.float32)}
-    quant = (target == "fp8" and spec.role in (LINEAR, EXPERT)) or (
-        spec.role == EXPERT and expert_dtype == "fp4"
-    )
+    quant = (target == "fp8" and spec.role in (LINEAR, EXPERT)) or (spec.role == EXPERT and expert_dtype == "fp4")
     if not quant:
         return {name: v.dequantize(torch.bfloat16)}
     if spec.role == EXPERT and expert_dtype == "fp4":
@@ -127,9 +124,7 @@ class ShardedWriter:
         self.cur: StreamingFile | None = None
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        if self.cur is None or (
-            self.cur.offset and self.cur.offset + t.numel() * t.element_size() > self.limit
-        ):
+        if self.cur is None or (self.cur.offset and self.cur.offset + t.numel() * t.element_size() > self.limit):
             if self.cur is not None:
                 self.done.append(self.cur)
             self.cur = StreamingFile(self.root / f"shard-{len(self.done):05d}.tmp")
@@ -141,9 +136,7 @@ class ShardedWriter:
         n = len(self.done)
         weight_map, digests, total = {}, {}, 0
         for i, sf in enumerate(self.done):
-            final = self.root / (
-                "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            )
+            final = self.root / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
             sf.close()
             sf.path.rename(final)
             total += sf.offset

@@ -33,8 +33,12 @@ from .storage import Value, encode
 
 TARGETS = ("bf16", "fp8", "hf", "inference")
 # `dsv4 convert --to`: target -> (layout, storage format: bf16, fp8, or "keep" the source's)
-_TARGET_LAYOUTS = {"bf16": ("release", "bf16"), "fp8": ("release", "fp8"), "hf": ("hf", "bf16"),
-                   "inference": ("inference", "keep")}
+_TARGET_LAYOUTS = {
+    "bf16": ("release", "bf16"),
+    "fp8": ("release", "fp8"),
+    "hf": ("hf", "bf16"),
+    "inference": ("inference", "keep"),
+}
 
 
 # ------------------------------------------------------------------------------------------ sources

@@ -31,12 +31,13 @@ from ..model.paged import StepInputs
 @dataclass
 class Row:
     """One sequence's part of a step: tokens at positions start ... start + len(tokens) - 1."""
+
     tokens: list[int]
     start: int
-    state: int                      # ring slot, which is also the row of the page tables
+    state: int  # ring slot, which is also the row of the page tables
     want_logits: bool
-    all_logits: bool = False        # logits at every position of the row (a speculative verify), not the last
-    feed: int = -1                  # >= 0: the (single) input token is the previous step's sampled token [feed]
+    all_logits: bool = False  # logits at every position of the row (a speculative verify), not the last
+    feed: int = -1  # >= 0: the (single) input token is the previous step's sampled token [feed]
 
 
 class Fields:
@@ -56,7 +57,7 @@ class Fields:
         out = {}
         for name, (at, shape) in self.offsets.items():
             n = math.prod(shape)
-            v = flat[at:at + n]
+            v = flat[at : at + n]
             out[name] = v.reshape(shape) if isinstance(v, np.ndarray) else v.view(shape)
         return out
 
@@ -72,6 +73,7 @@ def _base_spec(T: int, B: int) -> list[tuple[str, tuple[int, ...]]]:
 @dataclass(frozen=True)
 class Bucket:
     """A fixed step shape: `decode` one-token rows, `slots` chunk slots of `slot_len` tokens."""
+
     decode: int
     slots: int
     slot_len: int
@@ -79,11 +81,11 @@ class Bucket:
 
     @property
     def tokens(self) -> int:
-        return self.decode + self.slots * self.slot_len + 1          # + the padding token
+        return self.decode + self.slots * self.slot_len + 1  # + the padding token
 
     @property
     def rows(self) -> int:
-        return self.decode + self.slots + 1                          # + the padding row
+        return self.decode + self.slots + 1  # + the padding row
 
     @property
     def n_out(self) -> int:
@@ -109,8 +111,7 @@ class Bucket:
         return n_decode <= self.decode and n_slots <= self.slots
 
 
-def fill_bucket(b: Bucket, decode: list[Row], chunks: list[Row], v: dict[str, np.ndarray],
-                pad_trow: int) -> list[int]:
+def fill_bucket(b: Bucket, decode: list[Row], chunks: list[Row], v: dict[str, np.ndarray], pad_trow: int) -> list[int]:
     """Write the rows into the field views `v` of bucket b. -> the logits row (index into `out`) of each
     row in order (decode rows, then chunks)."""
     D, L, T = b.decode, b.slot_len, b.tokens
@@ -160,24 +161,24 @@ def fill_bucket(b: Bucket, decode: list[Row], chunks: list[Row], v: dict[str, np
         row = D + i
         lo = D + slot * L
         pos = np.arange(r.start, r.start + n)
-        v["tok"][lo:lo + n] = r.tokens
-        v["pos"][lo:lo + n] = pos
-        v["row"][lo:lo + n] = row
+        v["tok"][lo : lo + n] = r.tokens
+        v["pos"][lo : lo + n] = pos
+        v["row"][lo : lo + n] = row
         v["seg"][row], v["start"][row], v["length"][row] = lo, r.start, r.start + n
         v["state"][row] = v["trow"][row] = r.state
         flat = np.full(k * L, -1, np.int64)
         flat[:n] = lo + np.arange(n)
-        v["imap1"][slot:slot + k] = flat.reshape(k, L)
-        v["irow1"][slot:slot + k] = row
-        ends = np.minimum(np.arange(1, k + 1) * L, n) - 1                # each slot's last real token
-        out[D + slot:D + slot + k] = lo + ends
+        v["imap1"][slot : slot + k] = flat.reshape(k, L)
+        v["irow1"][slot : slot + k] = row
+        ends = np.minimum(np.arange(1, k + 1) * L, n) - 1  # each slot's last real token
+        out[D + slot : D + slot + k] = lo + ends
         for ratio, m in per_slot.items():
-            done = lo + np.nonzero((pos + 1) % ratio == 0)[0]            # tokens completing a group
+            done = lo + np.nonzero((pos + 1) % ratio == 0)[0]  # tokens completing a group
             g = v[f"g{ratio}"]
             for s in range(k):
                 mine = done[(done >= lo + s * L) & (done < lo + (s + 1) * L)]
                 at = D + (slot + s) * m
-                g[at:at + len(mine)] = mine
+                g[at : at + len(mine)] = mine
         logits_rows.append(D + slot + k - 1)
         slot += k
     return logits_rows
@@ -226,13 +227,18 @@ def ragged_fields(rows: list[Row], ratios: tuple[int, ...], pad_trow: int) -> tu
             v[f"imap{i}"][:, 0] = seg[members]
         v[f"irow{i}"][:] = members
     v["out"][:] = out
-    del pad_trow                                        # ragged steps have no padding rows
+    del pad_trow  # ragged steps have no padding rows
     return fields, buf, logits_rows
 
 
 # ------------------------------------------------------------------------------------------ on the device
-def step_inputs(t: dict[str, torch.Tensor], ratios: tuple[int, ...], tables_w: torch.Tensor,
-                tables_c: torch.Tensor, sampled: torch.Tensor | None) -> tuple[torch.Tensor, StepInputs]:
+def step_inputs(
+    t: dict[str, torch.Tensor],
+    ratios: tuple[int, ...],
+    tables_w: torch.Tensor,
+    tables_c: torch.Tensor,
+    sampled: torch.Tensor | None,
+) -> tuple[torch.Tensor, StepInputs]:
     """(tokens [1, T], StepInputs) from device field views: fed tokens taken from `sampled`, page tables
     gathered by table row. No host synchronization (capturable)."""
     tok = t["tok"]
@@ -242,7 +248,19 @@ def step_inputs(t: dict[str, torch.Tensor], ratios: tuple[int, ...], tables_w: t
     trow = t["trow"]
     ids = sorted(int(name[4:]) for name in t if name.startswith("imap"))
     maps, rows = [t[f"imap{i}"] for i in ids], [t[f"irow{i}"] for i in ids]
-    inputs = StepInputs(tokens=tok, positions=t["pos"], rows=t["row"], seg_start=t["seg"], start=t["start"],
-                        length=t["length"], wtable=tables_w[trow], ctable=tables_c[trow], state=t["state"],
-                        groups={r: t[f"g{r}"] for r in ratios}, index_maps=maps, index_rows=rows, out=t["out"])
+    inputs = StepInputs(
+        tokens=tok,
+        positions=t["pos"],
+        rows=t["row"],
+        seg_start=t["seg"],
+        start=t["start"],
+        length=t["length"],
+        wtable=tables_w[trow],
+        ctable=tables_c[trow],
+        state=t["state"],
+        groups={r: t[f"g{r}"] for r in ratios},
+        index_maps=maps,
+        index_rows=rows,
+        out=t["out"],
+    )
     return tok.view(1, -1), inputs

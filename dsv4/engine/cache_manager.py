@@ -34,7 +34,7 @@ class PagePool:
 
     def __init__(self, n_pages: int):
         self.n_pages = n_pages
-        self.free: list[int] = list(range(n_pages - 1, 0, -1))     # pop() hands out low ids first
+        self.free: list[int] = list(range(n_pages - 1, 0, -1))  # pop() hands out low ids first
         self.refs = [0] * n_pages
         self.cached = [False] * n_pages
         self.evictable = 0
@@ -101,11 +101,12 @@ class BlockTables:
 @dataclass(eq=False)
 class SeqPages:
     """The pages and ring slot of one running sequence; its table rows live in `BlockTables`."""
+
     state: int
     tables: BlockTables
-    hashes: list[bytes] = field(default_factory=list)    # chain hash of each complete page's tokens
-    registered: int = 0                                  # pages offered to the prefix cache so far
-    trimmed: int = 0                                     # window pages before this one are released
+    hashes: list[bytes] = field(default_factory=list)  # chain hash of each complete page's tokens
+    registered: int = 0  # pages offered to the prefix cache so far
+    trimmed: int = 0  # window pages before this one are released
 
     @property
     def wtable(self) -> np.ndarray:
@@ -121,7 +122,7 @@ def page_hashes(tokens: list[int], page_size: int, n_pages: int, parent: bytes =
     out = []
     h = parent
     for k in range(n_pages):
-        chunk = tokens[k * page_size:(k + 1) * page_size]
+        chunk = tokens[k * page_size : (k + 1) * page_size]
         h = hashlib.blake2b(h + b"|" + ",".join(map(str, chunk)).encode(), digest_size=16).digest()
         out.append(h)
     return out
@@ -141,8 +142,8 @@ class CacheManager:
         # page hash -> page, least recently used first; each holds one reference on its page
         self.cached_c: OrderedDict[bytes, int] = OrderedDict()
         self.cached_w: OrderedDict[bytes, int] = OrderedDict()
-        self.hits = 0          # prompt tokens served from the prefix cache
-        self.queries = 0       # prompt tokens looked up
+        self.hits = 0  # prompt tokens served from the prefix cache
+        self.queries = 0  # prompt tokens looked up
 
     # ------------------------------------------------------------------ capacity
     def free_pages(self) -> tuple[int, int]:
@@ -198,8 +199,9 @@ class CacheManager:
         if last >= self.tables.w.shape[1]:
             raise ValueError(f"positions up to {end} do not fit a table of {self.tables.w.shape[1]} pages")
         for table, pool, cached, first in (
-                (seq.wtable, self.wpool, self.cached_w, max(max(0, start - self.window + 1) // P, seq.trimmed)),
-                (seq.ctable, self.cpool, self.cached_c, 0)):
+            (seq.wtable, self.wpool, self.cached_w, max(max(0, start - self.window + 1) // P, seq.trimmed)),
+            (seq.ctable, self.cpool, self.cached_c, 0),
+        ):
             if pool is None:
                 continue
             for k in range(first, last + 1):
@@ -254,7 +256,7 @@ class CacheManager:
                 best = k
         if best < 0:
             return 0
-        m = best + 1                                                                     # pages reused
+        m = best + 1  # pages reused
         if self.cpool is not None:
             for k in range(m):
                 page = self.cached_c[hashes[k]]
@@ -283,7 +285,7 @@ class CacheManager:
         if n <= seq.registered:
             return
         parent = seq.hashes[-1] if seq.hashes else b""
-        seq.hashes.extend(page_hashes(tokens[len(seq.hashes) * P:], P, n - len(seq.hashes), parent))
+        seq.hashes.extend(page_hashes(tokens[len(seq.hashes) * P :], P, n - len(seq.hashes), parent))
         wt, ct = seq.wtable, seq.ctable
         for k in range(seq.registered, n):
             h = seq.hashes[k]

@@ -41,7 +41,7 @@ class AddRequest:
 @dataclass(frozen=True)
 class Abort:
     request_id: str
-    index: int | None = None            # None: every choice of the request; else that one (a stop string)
+    index: int | None = None  # None: every choice of the request; else that one (a stop string)
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Outputs:
 class RequestFailed:
     request_id: str
     message: str
-    bad_request: bool                   # the request's own fault (a 400), or the server's (a 500)
+    bad_request: bool  # the request's own fault (a 400), or the server's (a 500)
 
 
 # ------------------------------------------------------------------------------------------ interface
@@ -80,9 +80,9 @@ class EngineClient(Protocol):
     @property
     def alive(self) -> bool: ...
 
-
-    def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 n: int = 1) -> AsyncIterator[StepOutput]: ...
+    def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, n: int = 1
+    ) -> AsyncIterator[StepOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -98,8 +98,9 @@ class Stream:
     arrival: float = field(default_factory=time.monotonic)
 
 
-async def stream_outputs(owner, request_id: str, stream: Stream,
-                         abort_on_error: bool = True) -> AsyncIterator[StepOutput]:
+async def stream_outputs(
+    owner, request_id: str, stream: Stream, abort_on_error: bool = True
+) -> AsyncIterator[StepOutput]:
     """Yield a request's outputs from its stream until each of its sequences finished, then forget the
     stream (`owner.forget(request_id)`). A consumer that leaves early (a client that disconnected) calls
     `owner.abort(request_id)`; an error item is raised, after an abort too where abort_on_error.
@@ -110,7 +111,7 @@ async def stream_outputs(owner, request_id: str, stream: Stream,
         while stream.n_open > 0:
             items = [await stream.queue.get()]
             while not isinstance(items[-1], BaseException) and not stream.queue.empty():
-                items.append(stream.queue.get_nowait())          # a consumer that fell behind: one chunk
+                items.append(stream.queue.get_nowait())  # a consumer that fell behind: one chunk
             error = items.pop() if isinstance(items[-1], BaseException) else None
             for item in coalesce(items):
                 if item.finished:
@@ -135,8 +136,7 @@ def coalesce(outputs: list[StepOutput]) -> list[StepOutput]:
     for o in outputs:
         m = merged.get(o.index)
         if m is None:
-            merged[o.index] = dataclasses.replace(o, new_tokens=list(o.new_tokens),
-                                                  new_logprobs=list(o.new_logprobs))
+            merged[o.index] = dataclasses.replace(o, new_tokens=list(o.new_tokens), new_logprobs=list(o.new_logprobs))
             continue
         m.new_tokens += o.new_tokens
         m.new_logprobs += o.new_logprobs
@@ -159,5 +159,5 @@ def deliver(streams: dict[str, Stream], items: list[tuple[str, StepOutput | Base
         if stream is not None:
             by_loop.setdefault(stream.loop, []).append((stream.queue, item))
     for loop, batch in by_loop.items():
-        with contextlib.suppress(RuntimeError):          # the client's loop is gone: nothing to tell
+        with contextlib.suppress(RuntimeError):  # the client's loop is gone: nothing to tell
             loop.call_soon_threadsafe(_put_all, batch)

@@ -15,7 +15,7 @@ _REPLACEMENT = "\ufffd"
 
 @dataclass
 class Detokenizer:
-    tokenizer: object                      # has decode(ids, skip_special_tokens=...) -> str
+    tokenizer: object  # has decode(ids, skip_special_tokens=...) -> str
     ids: list[int]
     prefix_offset: int = 0
     read_offset: int = 0
@@ -33,10 +33,10 @@ class Detokenizer:
     def add(self, token: int) -> str:
         """Append one token; returns the text it completes (possibly empty)."""
         self.ids.append(token)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
-            delta = full[len(prefix):]
+            delta = full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             self.text += delta
             return delta
@@ -44,9 +44,9 @@ class Detokenizer:
 
     def flush(self) -> str:
         """At the end: whatever is still pending (an incomplete character decodes as U+FFFD)."""
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        delta = full[len(prefix):] if full.startswith(prefix) else ""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        delta = full[len(prefix) :] if full.startswith(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta
@@ -55,6 +55,7 @@ class Detokenizer:
 @dataclass
 class StopChecker:
     """Finds the first stop string in generated text; holds back text that may start one."""
+
     stops: list[str] = field(default_factory=list)
     include: bool = False
     emitted: int = 0
@@ -81,6 +82,6 @@ class StopChecker:
     def releasable(self, text: str, finished: bool) -> str:
         """The text not yet emitted that can be emitted now."""
         end = len(text) if finished else max(self.emitted, len(text) - self.holdback)
-        out = text[self.emitted:end]
+        out = text[self.emitted : end]
         self.emitted = end
         return out

@@ -51,13 +51,14 @@ from .speculative import fixed_args, fixed_inputs
 @dataclass
 class AnchorRow:
     """One sequence's block: drafted after `token` (the anchor, at `position`, not yet in the cache)."""
+
     token: int
     position: int
-    state: int                    # ring slot (and page-table row)
-    k: int                        # drafts the sequence may verify at most (K, or what its limits leave)
+    state: int  # ring slot (and page-table row)
+    k: int  # drafts the sequence may verify at most (K, or what its limits leave)
     params: SamplingParams
     seed: int
-    counter: int                  # sequence index of the first drafted token
+    counter: int  # sequence index of the first drafted token
 
 
 class DSparkDrafter:
@@ -80,16 +81,19 @@ class DSparkDrafter:
             return torch.tensor(values, dtype=torch.long, device=dev)
 
         anchors, positions = ints([a.token for a in rows]), ints([a.position for a in rows])
-        state, seeds, counters = ints([a.state for a in rows]), ints([a.seed for a in rows]), \
-            ints([a.counter for a in rows])
+        state, seeds, counters = (
+            ints([a.state for a in rows]),
+            ints([a.seed for a in rows]),
+            ints([a.counter for a in rows]),
+        )
         params = [a.params for a in rows]
         sampled = not all(p.greedy for p in params)
         qs: list[torch.Tensor] = []
 
         def choose(i: int, logits: torch.Tensor) -> torch.Tensor:
-            if i >= self.k or not sampled:          # (slots past k are never verified)
+            if i >= self.k or not sampled:  # (slots past k are never verified)
                 return logits.argmax(-1)
-            q = self.sampler.probabilities(logits, params)                               # [N, V] float64
+            q = self.sampler.probabilities(logits, params)  # [N, V] float64
             qs.append(q)
             return draw(q, seeds, counters + i, STREAM_DRAFT)
 
@@ -101,28 +105,42 @@ class DSparkDrafter:
         r = self.runner
         n = len(rows)
         ints = torch.tensor([[a.token, a.position, a.state] for a in rows], dtype=torch.long, device=r.device)
-        self.draft.propose(ints[:, 0], ints[:, 1], r.tables_w[ints[:, 2]], self.cache,
-                           lambda i, logits: torch.zeros(n, dtype=torch.long, device=logits.device))
+        self.draft.propose(
+            ints[:, 0],
+            ints[:, 1],
+            r.tables_w[ints[:, 2]],
+            self.cache,
+            lambda i, logits: torch.zeros(n, dtype=torch.long, device=logits.device),
+        )
 
     def __call__(self, rows: list[AnchorRow]) -> list[tuple[list[int], torch.Tensor | None]]:
         """-> per row: (the drafts to verify, their q [n, V] float64; None for a greedy row)."""
         prop, qs = self.propose(rows)
         N, k = len(rows), self.k
-        n = verify_length(prop.confidence, self.threshold, k)                              # [N]
-        host = torch.cat([n, prop.tokens[:, :k].flatten()]).tolist()                      # one device read
-        q = torch.stack(qs, 1) if qs else None                                             # [N, k, V]
+        n = verify_length(prop.confidence, self.threshold, k)  # [N]
+        host = torch.cat([n, prop.tokens[:, :k].flatten()]).tolist()  # one device read
+        q = torch.stack(qs, 1) if qs else None  # [N, k, V]
         out = []
         for b, a in enumerate(rows):
             m = max(0, min(host[b], a.k))
-            toks = host[N + b * k:N + b * k + m]
+            toks = host[N + b * k : N + b * k + m]
             out.append((toks, q[b, :m] if q is not None and not a.params.greedy else None))
         return out
 
 
-def dspark_greedy_step(model: DeepSeekV4, cache: PagedKVCache, tokens: torch.Tensor, n_drafts: torch.Tensor,
-                       start: torch.Tensor, wtable: torch.Tensor, ctable: torch.Tensor, state: torch.Tensor,
-                       k: int, threshold: float, share=None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def dspark_greedy_step(
+    model: DeepSeekV4,
+    cache: PagedKVCache,
+    tokens: torch.Tensor,
+    n_drafts: torch.Tensor,
+    start: torch.Tensor,
+    wtable: torch.Tensor,
+    ctable: torch.Tensor,
+    state: torch.Tensor,
+    k: int,
+    threshold: float,
+    share=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A whole greedy DSpark step for B sequences, on the device with no host synchronization (so it can be
     captured in one CUDA graph).
 
@@ -138,15 +156,15 @@ def dspark_greedy_step(model: DeepSeekV4, cache: PagedKVCache, tokens: torch.Ten
     dev = tokens.device
     draft = model.dspark
     inputs = uniform_inputs(tokens, start, wtable, ctable, state, cache.layout)
-    logits, taps = model.append(tokens, inputs, cache, return_taps=True)                  # [B(w+1), V]
-    target = logits.view(B, w1, -1).argmax(-1)                                           # [B, w+1]
-    own = torch.arange(w, device=dev).unsqueeze(0) < n_drafts.unsqueeze(1)                # [B, w]
-    accepted = ((tokens[:, 1:] == target[:, :w]) & own).long().cumprod(1).sum(1)          # [B]
-    bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)                           # [B]
+    logits, taps = model.append(tokens, inputs, cache, return_taps=True)  # [B(w+1), V]
+    target = logits.view(B, w1, -1).argmax(-1)  # [B, w+1]
+    own = torch.arange(w, device=dev).unsqueeze(0) < n_drafts.unsqueeze(1)  # [B, w]
+    accepted = ((tokens[:, 1:] == target[:, :w]) & own).long().cumprod(1).sum(1)  # [B]
+    bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)  # [B]
     if share is not None:
         accepted, bonus = share(torch.stack([accepted, bonus])).unbind(0)
     draft.write_context(taps, inputs, cache)
-    prop = draft.propose(bonus, start + accepted + 1, wtable, cache)                       # greedy
+    prop = draft.propose(bonus, start + accepted + 1, wtable, cache)  # greedy
     return accepted, bonus, prop.tokens[:, :k], verify_length(prop.confidence, threshold, k)
 
 
@@ -156,8 +174,10 @@ class DSparkSteps(SpeculativeSteps):
     def __init__(self, engine, k: int):
         cfg = engine.model.cfg
         if not 0 < k <= cfg.dspark_block_size:
-            raise ValueError(f"speculative must be in [1, {cfg.dspark_block_size}] with this model's DSpark "
-                             f"draft (its block size), got {k}")
+            raise ValueError(
+                f"speculative must be in [1, {cfg.dspark_block_size}] with this model's DSpark "
+                f"draft (its block size), got {k}"
+            )
         self.threshold = engine.config.speculative_threshold
         super().__init__(engine, k)
         # sequences whose last block verifies no draft (they decode plainly for a step): verify_lengths[0]
@@ -198,11 +218,12 @@ class DSparkSteps(SpeculativeSteps):
         for sch in plan:
             seq = sch.seq
             if not seq.running or seq.params.penalized or seq.prefilling or seq.heal:
-                continue                           # (a healing constraint: decodes plainly until it is spelled)
+                continue  # (a healing constraint: decodes plainly until it is spelled)
             k = self._limit(seq)
             if k > 0:
-                anchors.append(AnchorRow(seq.tokens[-1], seq.computed, seq.pages.state, k, seq.params, seq.seed,
-                                         seq.n_generated))
+                anchors.append(
+                    AnchorRow(seq.tokens[-1], seq.computed, seq.pages.state, k, seq.params, seq.seed, seq.n_generated)
+                )
                 owners.append(seq)
         if not anchors:
             return
@@ -227,22 +248,26 @@ class DSparkSteps(SpeculativeSteps):
             if seq.prefilling or not p.greedy or p.logprobs is not None or p.penalized or seq.heal:
                 return False
         w = max(len(sch.seq.drafts) for sch in plan)
-        return all(e.manager.allocate(sch.seq.pages, sch.seq.computed,
-                                      min(sch.seq.computed + w + 1, e.max_model_len))
-                   for sch in plan)          # a row's padding positions too
+        return all(
+            e.manager.allocate(sch.seq.pages, sch.seq.computed, min(sch.seq.computed + w + 1, e.max_model_len))
+            for sch in plan
+        )  # a row's padding positions too
 
     def _greedy_fixed(self, plan: list[Scheduled]) -> list[StepOutput]:
         e, k = self.engine, self.k
         self._count_unverified(plan)
         seqs = [sch.seq for sch in plan]
         w = max(len(seq.drafts) for seq in seqs)
-        ints = fixed_inputs([[seq.tokens[seq.computed]] + seq.drafts + [0] * (w - len(seq.drafts)) for seq in seqs],
-                            [len(seq.drafts) for seq in seqs], [seq.computed for seq in seqs],
-                            [seq.pages.state for seq in seqs])
+        ints = fixed_inputs(
+            [[seq.tokens[seq.computed]] + seq.drafts + [0] * (w - len(seq.drafts)) for seq in seqs],
+            [len(seq.drafts) for seq in seqs],
+            [seq.computed for seq in seqs],
+            [seq.pages.state for seq in seqs],
+        )
         with exact_accumulation(e.config.deterministic):
             out = self._fixed_run(ints)
         accepted, bonus, drafts, lengths = out
-        host = torch.cat([accepted, bonus, lengths, drafts.flatten()]).tolist()       # one device read
+        host = torch.cat([accepted, bonus, lengths, drafts.flatten()]).tolist()  # one device read
         n = len(seqs)
         outputs: dict[int, StepOutput] = {}
         for b, seq in enumerate(seqs):
@@ -258,7 +283,7 @@ class DSparkSteps(SpeculativeSteps):
                 e.output.emit(seq, tok, None, outputs)
             if seq.running:
                 m = max(0, min(host[2 * n + b], self._limit(seq)))
-                seq.drafts = host[3 * n + b * k:3 * n + b * k + m]
+                seq.drafts = host[3 * n + b * k : 3 * n + b * k + m]
                 if not seq.drafts and self._limit(seq) > 0:
                     self._unverified.add(seq)
         e.stats["steps"] += 1
@@ -268,8 +293,7 @@ class DSparkSteps(SpeculativeSteps):
     def _fixed_step(self, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`dspark_greedy_step` on a fixed-shape step's integers on the device (capturable)."""
         e = self.engine
-        return dspark_greedy_step(e.model, e.cache, *fixed_args(e.runner, ints), self.k, self.threshold,
-                                  self._share())
+        return dspark_greedy_step(e.model, e.cache, *fixed_args(e.runner, ints), self.k, self.threshold, self._share())
 
 
 def steps_for(engine, k: int) -> SpeculativeSteps:

@@ -38,37 +38,43 @@ from .sequence import Request, RequestError, Sequence, Status, StepOutput, Token
 from .spec_step import SpeculativeSteps, new_stats
 from .speculative import MAX_SPECULATIVE
 
-__all__ = ["Engine", "EngineConfig", "RequestError", "StepOutput", "TokenLogprob", "Sequence", "Request",
-           "Status"]
+__all__ = ["Engine", "EngineConfig", "RequestError", "StepOutput", "TokenLogprob", "Sequence", "Request", "Status"]
 
 
 @dataclass
 class EngineConfig:
-    max_seqs: int = 32                      # sequences running at once
-    max_model_len: int | None = None        # prompt + output limit (default: the model's, at most 8192)
-    max_batch_tokens: int | None = None     # tokens per step, decodes + prompt chunks (default: 2048 on a GPU,
-                                            # at least max_seqs + 512; 512 on a CPU)
-    chunk_len: int | None = None            # prompt chunks fill slots of this many tokens (default: 64 where
-                                            # steps are padded to buckets, else 1)
-    page_size: int | None = None            # positions per page (default: see default_page_size)
-    cache_pages: int | None = None          # compressed pages (default: every running sequence at full length)
-    window_pages: int | None = None         # window pages (default: the window of every sequence, twice)
+    max_seqs: int = 32  # sequences running at once
+    max_model_len: int | None = None  # prompt + output limit (default: the model's, at most 8192)
+    max_batch_tokens: int | None = None  # tokens per step, decodes + prompt chunks (default: 2048 on a GPU,
+    # at least max_seqs + 512; 512 on a CPU)
+    chunk_len: int | None = None  # prompt chunks fill slots of this many tokens (default: 64 where
+    # steps are padded to buckets, else 1)
+    page_size: int | None = None  # positions per page (default: see default_page_size)
+    cache_pages: int | None = None  # compressed pages (default: every running sequence at full length)
+    window_pages: int | None = None  # window pages (default: the window of every sequence, twice)
     prefix_caching: bool = True
-    deterministic: bool = False             # batch-invariant numbers (float64 accumulation on the reference)
-    cuda_graphs: bool = True                # replay every step from a CUDA graph of its bucket (CUDA only)
-    pad_steps: bool = False                 # bucketed (padded) steps also without graphs (tests)
-    overlap: bool | None = None             # launch a step before reading the last one's tokens (default:
-                                            # on CUDA, where the device runs while the host does bookkeeping)
-    max_n: int = 16                         # choices per request
-    speculative: int = 0                    # draft tokens per step, K (0: off): from the MTP block, or at
-                                            # most K from a DSpark draft (K <= its block size)
-    speculative_threshold: float = 0.0      # DSpark: verify the drafts whose survival probability (the
-                                            # confidence head's) is >= this; 0 = always K
+    deterministic: bool = False  # batch-invariant numbers (float64 accumulation on the reference)
+    cuda_graphs: bool = True  # replay every step from a CUDA graph of its bucket (CUDA only)
+    pad_steps: bool = False  # bucketed (padded) steps also without graphs (tests)
+    overlap: bool | None = None  # launch a step before reading the last one's tokens (default:
+    # on CUDA, where the device runs while the host does bookkeeping)
+    max_n: int = 16  # choices per request
+    speculative: int = 0  # draft tokens per step, K (0: off): from the MTP block, or at
+    # most K from a DSpark draft (K <= its block size)
+    speculative_threshold: float = 0.0  # DSpark: verify the drafts whose survival probability (the
+    # confidence head's) is >= this; 0 = always K
 
 
 class Engine:
-    def __init__(self, model: DeepSeekV4, config: EngineConfig | None = None, tokenizer=None,
-                 eos_token_id: int | None = None, detokenize: bool = True, mirror: Mirror | None = None):
+    def __init__(
+        self,
+        model: DeepSeekV4,
+        config: EngineConfig | None = None,
+        tokenizer=None,
+        eos_token_id: int | None = None,
+        detokenize: bool = True,
+        mirror: Mirror | None = None,
+    ):
         """tokenizer: its EOS id ends sequences and, with detokenize, outputs carry text (stop strings
         applied here); detokenize=False leaves text to the caller (stop strings are then allowed).
         mirror: the engine on several workers (`dsv4.engine.mirror`; every worker builds the same engine:
@@ -93,24 +99,36 @@ class Engine:
         n_c = c.cache_pages or c.max_seqs * per_seq
         window_per_seq = math.ceil((cfg.window_size + c.max_batch_tokens) / P) + 1
         n_w = c.window_pages or 2 * c.max_seqs * window_per_seq
-        self.layout = CacheLayout.for_model(cfg, n_w + 1, n_c + 1, c.max_seqs, self.max_model_len, P,
-                                            page_tails=c.prefix_caching)
+        self.layout = CacheLayout.for_model(
+            cfg, n_w + 1, n_c + 1, c.max_seqs, self.max_model_len, P, page_tails=c.prefix_caching
+        )
         self.cache = PagedKVCache(cfg, self.layout, p.device, p.dtype)
         self.manager = CacheManager(self.layout, c.prefix_caching, has_compressed=bool(self.layout.ratios))
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
-        self.scheduler = Scheduler(SchedulerConfig(c.max_seqs, self.max_model_len, c.max_batch_tokens, c.chunk_len,
-                                                   c.prefix_caching), self.manager, self._restore_prefix, self.stats)
-        self.runner = Runner(model, self.cache, self.manager.tables, cuda_graphs=graphs, max_decode=c.max_seqs,
-                             max_slots=c.max_batch_tokens // c.chunk_len, slot_len=c.chunk_len,
-                             pad=c.pad_steps or mirror is not None, mirror=mirror)
+        self.scheduler = Scheduler(
+            SchedulerConfig(c.max_seqs, self.max_model_len, c.max_batch_tokens, c.chunk_len, c.prefix_caching),
+            self.manager,
+            self._restore_prefix,
+            self.stats,
+        )
+        self.runner = Runner(
+            model,
+            self.cache,
+            self.manager.tables,
+            cuda_graphs=graphs,
+            max_decode=c.max_seqs,
+            max_slots=c.max_batch_tokens // c.chunk_len,
+            slot_len=c.chunk_len,
+            pad=c.pad_steps or mirror is not None,
+            mirror=mirror,
+        )
         self.sampler = self.runner.sampler
         self.overlap = on_gpu if c.overlap is None else c.overlap
         self.eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
         if eos_token_id is None and getattr(tokenizer, "eos_id", None) is not None:
             self.eos = tokenizer.eos_id
         self.tokenizer = tokenizer
-        self.output = OutputProcessor(self.scheduler.finish, self.eos, self.max_model_len, self.stats,
-                                      self.vocabulary)
+        self.output = OutputProcessor(self.scheduler.finish, self.eos, self.max_model_len, self.stats, self.vocabulary)
         self.text = TextStreams(tokenizer, self.abort_sequence) if tokenizer is not None and detokenize else None
         self.spec: SpeculativeSteps | None = None
         if c.speculative:
@@ -119,10 +137,12 @@ class Engine:
             if not 0 <= c.speculative_threshold <= 1:
                 raise ValueError(f"speculative_threshold must be in [0, 1], got {c.speculative_threshold}")
             if c.speculative_threshold and not cfg.dspark:
-                raise ValueError("speculative_threshold applies to a DSpark draft's confidence head; this "
-                                 "model drafts with an MTP block, which has none")
+                raise ValueError(
+                    "speculative_threshold applies to a DSpark draft's confidence head; this "
+                    "model drafts with an MTP block, which has none"
+                )
             self.spec = steps_for(self, c.speculative)
-            self.overlap = False            # every step reads its acceptance before the next is planned
+            self.overlap = False  # every step reads its acceptance before the next is planned
         self._inflight: tuple[InFlight, list[Sequence], list[Sequence]] | None = None
         self.requests: dict[str, Request] = {}
         # host seconds per phase of a step: scheduling, building inputs + launching the model and the sampler,
@@ -170,9 +190,11 @@ class Engine:
         if not 1 <= n <= self.config.max_n:
             raise RequestError(f"n must be in [1, {self.config.max_n}], got {n}")
         if len(prompt) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(prompt)} tokens; this server's context is "
-                               f"{self.max_model_len} tokens (prompt + output), so at most "
-                               f"{self.max_model_len - 1} prompt tokens fit")
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens; this server's context is "
+                f"{self.max_model_len} tokens (prompt + output), so at most "
+                f"{self.max_model_len - 1} prompt tokens fit"
+            )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer (this model has none): use stop_token_ids")
         if params.heal_text and self.tokenizer is None:
@@ -183,9 +205,11 @@ class Engine:
             raise RequestError(f"top_k must be at most the vocabulary size {self.vocab}, got {params.top_k}")
         w, c = self.scheduler.window_pages_needed(len(prompt))
         if w > self.layout.n_window_pages - 1 or c > self.layout.n_comp_pages - 1:
-            raise RequestError(f"the prompt of {len(prompt)} tokens needs {w} window and {c} compressed cache "
-                               f"pages; this server has {self.layout.n_window_pages - 1} and "
-                               f"{self.layout.n_comp_pages - 1} in all (--cache-pages)")
+            raise RequestError(
+                f"the prompt of {len(prompt)} tokens needs {w} window and {c} compressed cache "
+                f"pages; this server has {self.layout.n_window_pages - 1} and "
+                f"{self.layout.n_comp_pages - 1} in all (--cache-pages)"
+            )
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, n: int = 1) -> Request:
         if request_id in self.requests:
@@ -263,8 +287,7 @@ class Engine:
     def _overlap_ok(self) -> bool:
         """Penalties count the previous token, and a token-healing constraint's next allowed tokens depend
         on it: those steps wait for it."""
-        return self.overlap and not any(s.params.penalized or (s.heal and s.n_pending)
-                                        for s in self.scheduler.running)
+        return self.overlap and not any(s.params.penalized or (s.heal and s.n_pending) for s in self.scheduler.running)
 
     def _launch(self, plan: list[Scheduled]) -> tuple[InFlight, list[Sequence], list[Sequence]]:
         decode: list[Row] = []
@@ -273,10 +296,10 @@ class Engine:
         cseq: list[Sequence] = []
         for sch in plan:
             seq, n, s = sch.seq, sch.n, sch.seq.computed
-            if s >= len(seq.tokens):                        # its input token is still on the device
+            if s >= len(seq.tokens):  # its input token is still on the device
                 row = Row([0], s, seq.pages.state, True, feed=seq.pending_index)
             else:
-                row = Row(seq.tokens[s:s + n], s, seq.pages.state, s + n == seq.n_tokens)
+                row = Row(seq.tokens[s : s + n], s, seq.pages.state, s + n == seq.n_tokens)
             if n == 1:
                 decode.append(row)
                 dseq.append(seq)
@@ -287,7 +310,7 @@ class Engine:
         samples, samplers = [], []
         for i, (seq, row) in enumerate(zip(order, decode + chunks)):
             if row.want_logits:
-                pen = (seq.tokens[seq.prompt_len:], seq.request.prompt) if seq.params.penalized else None
+                pen = (seq.tokens[seq.prompt_len :], seq.request.prompt) if seq.params.penalized else None
                 samples.append((i, SampleRow(seq.params, seq.seed, seq.n_generated, pen, self.allowed(seq))))
                 samplers.append(seq)
         with exact_accumulation(self.config.deterministic):
@@ -306,13 +329,13 @@ class Engine:
         """Read a launched step's tokens and do the bookkeeping: stops, pages, outputs."""
         inflight, stepped, samplers = step
         t0 = time.perf_counter()
-        toks, lps, top_ids, top_lps = inflight.read()                                # one device read
+        toks, lps, top_ids, top_lps = inflight.read()  # one device read
         t1 = time.perf_counter()
         self.timing["wait"] += t1 - t0
         outputs: dict[int, StepOutput] = {}
         for j, seq in enumerate(samplers):
             seq.n_pending -= 1
-            if seq.finished:                                 # finished (or aborted) since: a token too many
+            if seq.finished:  # finished (or aborted) since: a token too many
                 continue
             self.output.emit(seq, toks[j], self.output.logprob(seq, toks[j], lps, top_ids, top_lps, j), outputs)
         result = self.finish_step(stepped, outputs)
@@ -343,12 +366,14 @@ class Engine:
     def sample_now(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Sample rows eagerly (speculative steps): logits [B, V] -> SampleOutput on the device."""
         params = [s.params for s in seqs]
-        st = SamplingTensors.build(params, [s.seed for s in seqs], [s.n_generated for s in seqs], self.vocab,
-                                   logits.device)
+        st = SamplingTensors.build(
+            params, [s.seed for s in seqs], [s.n_generated for s in seqs], self.vocab, logits.device
+        )
         penalties = None
         if any(p.penalized for p in params):
-            rows = [SampleRow(s.params, s.seed, s.n_generated, (s.tokens[s.prompt_len:], s.request.prompt))
-                    for s in seqs]
+            rows = [
+                SampleRow(s.params, s.seed, s.n_generated, (s.tokens[s.prompt_len :], s.request.prompt)) for s in seqs
+            ]
             penalties = (params, *self.runner._penalty_inputs(rows))
         allowed = self.runner.allowed_mask([self.allowed(s) for s in seqs])
         return self.sampler.sample(logits.float(), st, penalties, allowed)
@@ -371,11 +396,18 @@ class Engine:
 
     # ------------------------------------------------------------------ introspection
     def metrics(self) -> dict:
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "cache_usage": self.manager.usage(), "prefix_hit_tokens": self.manager.hits,
-                "prefix_query_tokens": self.manager.queries, "graph_steps": self.runner.graph_steps,
-                "eager_steps": self.runner.eager_steps, **self.stats,
-                "speculative": {**self.spec_stats, "verify_lengths": list(self.spec_stats["verify_lengths"])},
-                "step_seconds": dict(self.timing),
-                "kernel_compiles_after_ready": None if self._compiles_at_ready is None
-                else compiles.count() - self._compiles_at_ready}
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "cache_usage": self.manager.usage(),
+            "prefix_hit_tokens": self.manager.hits,
+            "prefix_query_tokens": self.manager.queries,
+            "graph_steps": self.runner.graph_steps,
+            "eager_steps": self.runner.eager_steps,
+            **self.stats,
+            "speculative": {**self.spec_stats, "verify_lengths": list(self.spec_stats["verify_lengths"])},
+            "step_seconds": dict(self.timing),
+            "kernel_compiles_after_ready": None
+            if self._compiles_at_ready is None
+            else compiles.count() - self._compiles_at_ready,
+        }

@@ -41,20 +41,34 @@ log = logging.getLogger("dsv4.engine")
 
 def pack_outputs(outputs: list[StepOutput]) -> list[tuple]:
     """Plain tuples (several times faster to pickle than dataclasses: the pipe carries every step)."""
-    return [(o.request_id, o.index, o.new_tokens, [(lp.token, lp.logprob, lp.top) for lp in o.new_logprobs],
-             o.finished, o.finish_reason, o.prompt_tokens, o.completion_tokens, o.cached_tokens) for o in outputs]
+    return [
+        (
+            o.request_id,
+            o.index,
+            o.new_tokens,
+            [(lp.token, lp.logprob, lp.top) for lp in o.new_logprobs],
+            o.finished,
+            o.finish_reason,
+            o.prompt_tokens,
+            o.completion_tokens,
+            o.cached_tokens,
+        )
+        for o in outputs
+    ]
 
 
 def unpack_outputs(rows: list[tuple]) -> list[StepOutput]:
-    return [StepOutput(rid, i, toks, [TokenLogprob(*lp) for lp in lps], fin, why, pt, ct, cached)
-            for rid, i, toks, lps, fin, why, pt, ct, cached in rows]
+    return [
+        StepOutput(rid, i, toks, [TokenLogprob(*lp) for lp in lps], fin, why, pt, ct, cached)
+        for rid, i, toks, lps, fin, why, pt, ct, cached in rows
+    ]
 
 
 def _child(commands, results, build: Callable, build_args: tuple) -> None:
     """The engine process: build the engine, say ready, then serve commands and steps until told to stop."""
     try:
         engine, info = build(*build_args)
-    except BaseException as e:                                          # noqa: BLE001 - reported, then exit
+    except BaseException as e:  # noqa: BLE001 - reported, then exit
         results.send(Failed(f"{type(e).__name__}: {e}"))
         return
     results.send(Ready(info))
@@ -72,14 +86,14 @@ def _serve(engine, commands, results) -> None:
             timeout, handled = 0.0, True
             try:
                 cmd = commands.recv()
-            except EOFError:                                            # the server is gone
+            except EOFError:  # the server is gone
                 return
             if isinstance(cmd, AddRequest):
                 try:
                     engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.n)
                 except RequestError as e:
                     results.send(RequestFailed(cmd.request_id, str(e), True))
-                except Exception as e:                                  # noqa: BLE001 - the caller's error
+                except Exception as e:  # noqa: BLE001 - the caller's error
                     results.send(RequestFailed(cmd.request_id, f"{type(e).__name__}: {e}", False))
             elif isinstance(cmd, Abort):
                 if cmd.index is None:
@@ -88,14 +102,14 @@ def _serve(engine, commands, results) -> None:
                     engine.abort_sequence(cmd.request_id, cmd.index)
             elif isinstance(cmd, Stop):
                 return
-        if handled:                                             # admissions and aborts move the gauges
+        if handled:  # admissions and aborts move the gauges
             results.send(Outputs([], engine.metrics(), 0.0))
         if not engine.has_work():
             continue
         t0 = time.monotonic()
         try:
             outputs = engine.step()
-        except Exception as e:                                          # noqa: BLE001 - fail its requests, go on
+        except Exception as e:  # noqa: BLE001 - fail its requests, go on
             log.exception("engine step failed")
             for rid in list(engine.requests):
                 engine.abort(rid)
@@ -113,8 +127,9 @@ class EngineProcess:
         self._res_recv, self._res_send = ctx.Pipe(duplex=False)
         # not a daemon: an engine on several workers starts them as its own children (it ends when the
         # server's pipe closes, whatever ended the server)
-        self._proc = ctx.Process(target=_child, args=(self._cmd_recv, self._res_send, build, build_args),
-                                 name="dsv4-engine", daemon=False)
+        self._proc = ctx.Process(
+            target=_child, args=(self._cmd_recv, self._res_send, build, build_args), name="dsv4-engine", daemon=False
+        )
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._streams: dict[str, Stream] = {}
@@ -128,7 +143,7 @@ class EngineProcess:
     def start(self, timeout: float = 1800.0) -> dict:
         """Spawn the engine process and wait until its engine is built (model loaded, graphs captured)."""
         self._proc.start()
-        self._res_send.close()                      # the child holds the writing end
+        self._res_send.close()  # the child holds the writing end
         self._cmd_recv.close()
         deadline = time.monotonic() + timeout
         while not self._res_recv.poll(1.0):
@@ -165,8 +180,9 @@ class EngineProcess:
             self._cmd_send.send(msg)
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       n: int = 1) -> AsyncIterator[StepOutput]:
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, n: int = 1
+    ) -> AsyncIterator[StepOutput]:
         """Submit a request and yield its outputs; leaving early aborts it (frees its pages)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")

@@ -15,13 +15,26 @@ from .healing import Healed, Vocabulary, heal
 from .sampling import SamplingParams
 
 
-def generate(model: DeepSeekV4, prompts: list[list[int]] | list[Healed], max_new_tokens: int = 64,
-             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-             stop_at_eos: bool = True, eos_token_id: int | None = None,
-             on_token: Callable[[int, int], None] | None = None, cuda_graph: bool = False,
-             deterministic: bool = False, engine_config: EngineConfig | None = None, speculative: int = 0,
-             speculative_threshold: float = 0.0, tokenizer=None, token_healing: bool = True,
-             engine: Engine | None = None) -> list[list[int]]:
+def generate(
+    model: DeepSeekV4,
+    prompts: list[list[int]] | list[Healed],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop_at_eos: bool = True,
+    eos_token_id: int | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+    cuda_graph: bool = False,
+    deterministic: bool = False,
+    engine_config: EngineConfig | None = None,
+    speculative: int = 0,
+    speculative_threshold: float = 0.0,
+    tokenizer=None,
+    token_healing: bool = True,
+    engine: Engine | None = None,
+) -> list[list[int]]:
     """Continue each prompt (lists of token ids) -> the generated ids of each. temperature 0 = greedy.
 
     Prompt i samples with seed `seed + i` (seed None: 0), so a prompt's continuation does not depend on
@@ -50,14 +63,26 @@ def generate(model: DeepSeekV4, prompts: list[list[int]] | list[Healed], max_new
     if engine is None:
         longest = max(len(h.prompt) for h in healed) + max_new_tokens
         config = engine_config or EngineConfig(
-            max_seqs=min(len(healed), 64), max_model_len=min(longest, model.cfg.max_seq_len),
-            cuda_graphs=cuda_graph, deterministic=deterministic, prefix_caching=False, speculative=speculative,
-            speculative_threshold=speculative_threshold)
+            max_seqs=min(len(healed), 64),
+            max_model_len=min(longest, model.cfg.max_seq_len),
+            cuda_graphs=cuda_graph,
+            deterministic=deterministic,
+            prefix_caching=False,
+            speculative=speculative,
+            speculative_threshold=speculative_threshold,
+        )
         engine = Engine(model, config, tokenizer=tokenizer, eos_token_id=eos_token_id, detokenize=False)
     base = 0 if seed is None else seed
     for i, h in enumerate(healed):
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=base + i, ignore_eos=not stop_at_eos, heal_text=h.text)
+        params = SamplingParams(
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=base + i,
+            ignore_eos=not stop_at_eos,
+            heal_text=h.text,
+        )
         engine.add_request(str(i), h.prompt, params)
     results: list[list[int]] = [[] for _ in healed]
     while engine.has_work():
@@ -84,15 +109,17 @@ def _healed(prompts: list[list[int]] | list[Healed], tokenizer, token_healing: b
 @dataclass
 class Completion:
     """One prompt's continuation as text: `prompt_text + text` is the whole text (token healing or not)."""
-    prompt: list[int]                    # the ids the model read (healed: without the removed tokens)
-    tokens: list[int]                    # the generated ids, following `prompt`
-    text: str                            # the completion after the prompt's text
-    healed_text: str = ""                # the prompt's text that healing removed and `tokens` spell again
-    eos: bool = False                    # ended by the end-of-sequence token
+
+    prompt: list[int]  # the ids the model read (healed: without the removed tokens)
+    tokens: list[int]  # the generated ids, following `prompt`
+    text: str  # the completion after the prompt's text
+    healed_text: str = ""  # the prompt's text that healing removed and `tokens` spell again
+    eos: bool = False  # ended by the end-of-sequence token
 
 
-def complete(model: DeepSeekV4, tokenizer, prompts: list[str], token_healing: bool = True, bos: bool = True,
-             **kwargs) -> list[Completion]:
+def complete(
+    model: DeepSeekV4, tokenizer, prompts: list[str], token_healing: bool = True, bos: bool = True, **kwargs
+) -> list[Completion]:
     """Continue text prompts (encoded with BOS, healed unless token_healing=False) -> their `Completion`s;
     kwargs are `generate`'s (sampling, on_token, ...)."""
     vocab = Vocabulary.of(tokenizer)
@@ -103,5 +130,7 @@ def complete(model: DeepSeekV4, tokenizer, prompts: list[str], token_healing: bo
     eos = kwargs.get("eos_token_id")
     eos = tokenizer.eos_id if eos is None else eos
     outs = generate(model, healed, tokenizer=tokenizer, **kwargs)
-    return [Completion(h.prompt, o, h.completion(tokenizer.decode(o)), h.text, bool(o) and o[-1] == eos)
-            for h, o in zip(healed, outs)]
+    return [
+        Completion(h.prompt, o, h.completion(tokenizer.decode(o)), h.text, bool(o) and o[-1] == eos)
+        for h, o in zip(healed, outs)
+    ]

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MAX_HEALED_TOKENS = 8                    # the most prompt tokens one prompt backs up
-MAX_HEALED_BYTES = 128                   # ... and the most bytes (SamplingParams.heal_text takes 256 characters)
-_CACHE_LIMIT = 4096                      # allowed sets kept per vocabulary (one per distinct text left)
+MAX_HEALED_TOKENS = 8  # the most prompt tokens one prompt backs up
+MAX_HEALED_BYTES = 128  # ... and the most bytes (SamplingParams.heal_text takes 256 characters)
+_CACHE_LIMIT = 4096  # allowed sets kept per vocabulary (one per distinct text left)
 
 
 def _successor(prefix: bytes) -> bytes | None:
@@ -64,7 +64,7 @@ class Vocabulary:
         self._exact: dict[bytes, list[int]] = {}
         for p, i in order:
             self._exact.setdefault(p, []).append(i)
-        self.merges = any(len(p) > 1 for p in pieces)          # False: healing never removes a token
+        self.merges = any(len(p) > 1 for p in pieces)  # False: healing never removes a token
         self._allowed: dict[bytes, np.ndarray] = {}
         self._spellable: dict[bytes, bool] = {}
 
@@ -75,8 +75,11 @@ class Vocabulary:
         with cls._lock:
             v = cls._by_tokenizer.get(tokenizer)
             if v is None:
-                pieces = tokenizer.token_bytes() if hasattr(tokenizer, "token_bytes") \
+                pieces = (
+                    tokenizer.token_bytes()
+                    if hasattr(tokenizer, "token_bytes")
                     else _fallback_pieces(tokenizer, tokenizer.vocab_size)
+                )
                 v = cls._by_tokenizer[tokenizer] = cls(pieces)
             return v
 
@@ -120,8 +123,11 @@ class Vocabulary:
         got = self._allowed.get(rest)
         if got is None:
             parts = [self.extensions(rest)]
-            parts += [np.asarray(self._exact[rest[:k]], np.int64) for k in range(1, len(rest))
-                      if rest[:k] in self._exact and self.spellable(rest[k:])]
+            parts += [
+                np.asarray(self._exact[rest[:k]], np.int64)
+                for k in range(1, len(rest))
+                if rest[:k] in self._exact and self.spellable(rest[k:])
+            ]
             got = np.unique(np.concatenate(parts))
             with self._lock:
                 if len(self._allowed) >= _CACHE_LIMIT:
@@ -133,7 +139,7 @@ class Vocabulary:
         """What is left to spell after drawing token (b"": the constraint is over)."""
         p = self.piece(token)
         if p and rest.startswith(p) and len(p) < len(rest):
-            return rest[len(p):]
+            return rest[len(p) :]
         return b""
 
 
@@ -141,9 +147,10 @@ class Vocabulary:
 class Healed:
     """A prompt after token healing: the tokens the model reads, and the text of the tokens removed from
     its end, which the first generated tokens spell again ("" when nothing was removed)."""
+
     prompt: list[int]
     text: str = ""
-    removed: int = 0                     # prompt tokens removed
+    removed: int = 0  # prompt tokens removed
 
     def completion(self, generated_text: str) -> str:
         """The completion after the user's prompt: the generated text without the removed text it starts
@@ -153,7 +160,7 @@ class Healed:
 
 
 def _char_start(b: int) -> bool:
-    return b & 0xC0 != 0x80              # not a UTF-8 continuation byte
+    return b & 0xC0 != 0x80  # not a UTF-8 continuation byte
 
 
 def heal(vocab: Vocabulary, ids: list[int]) -> Healed:
@@ -173,5 +180,5 @@ def heal(vocab: Vocabulary, ids: list[int]) -> Healed:
             best = k
     if best == 0:
         return Healed(list(ids))
-    text = b"".join(vocab.piece(t) for t in ids[len(ids) - best:]).decode("utf-8")
-    return Healed(list(ids[:len(ids) - best]), text, best)
+    text = b"".join(vocab.piece(t) for t in ids[len(ids) - best :]).decode("utf-8")
+    return Healed(list(ids[: len(ids) - best]), text, best)

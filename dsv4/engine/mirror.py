@@ -103,7 +103,7 @@ def pack_rows(rows: list[Row]) -> list[int]:
 def unpack_rows(ints: list[int]) -> list[Row]:
     rows, at = [], 0
     while at < len(ints):
-        n, start, state, flags, feed = ints[at:at + 5]
-        rows.append(Row(ints[at + 5:at + 5 + n], start, state, bool(flags & 1), bool(flags & 2), feed))
+        n, start, state, flags, feed = ints[at : at + 5]
+        rows.append(Row(ints[at + 5 : at + 5 + n], start, state, bool(flags & 1), bool(flags & 2), feed))
         at += 5 + n
     return rows

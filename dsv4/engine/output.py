@@ -21,25 +21,31 @@ from .sequence import Sequence, StepOutput, TokenLogprob
 
 
 class OutputProcessor:
-    def __init__(self, finish: Callable[[Sequence, str], None], eos: int, max_model_len: int, stats: dict,
-                 vocabulary: Callable[[], Vocabulary] | None = None):
-        self.finish = finish                  # ends a sequence (the scheduler's finish)
+    def __init__(
+        self,
+        finish: Callable[[Sequence, str], None],
+        eos: int,
+        max_model_len: int,
+        stats: dict,
+        vocabulary: Callable[[], Vocabulary] | None = None,
+    ):
+        self.finish = finish  # ends a sequence (the scheduler's finish)
         self.eos, self.max_model_len, self.stats = eos, max_model_len, stats
-        self.vocabulary = vocabulary          # the tokenizer's (token healing), built on first use
+        self.vocabulary = vocabulary  # the tokenizer's (token healing), built on first use
 
     def stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
         if tok in p.stop_token_ids or (tok == self.eos and not p.ignore_eos):
             return "stop"
         if len(seq.tokens) - seq.prompt_len >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
-            return "length"                                 # (counts tokens read: not the ones on the device)
+            return "length"  # (counts tokens read: not the ones on the device)
         return None
 
     def emit(self, seq: Sequence, tok: int, lp: TokenLogprob | None, outputs: dict[int, StepOutput]) -> None:
         """One generated token: append it, apply the token-level stops, finish the sequence when it ends."""
         now = time.monotonic()
         seq.tokens.append(tok)
-        if seq.heal:                                        # a token-healing constraint: what is left of it
+        if seq.heal:  # a token-healing constraint: what is left of it
             seq.heal = self.vocabulary().advance(seq.heal, tok)
         if lp is not None:
             seq.logprobs.append(lp)
@@ -48,8 +54,9 @@ class OutputProcessor:
         seq.last_token_time = now
         out = outputs.get(id(seq))
         if out is None:
-            out = outputs[id(seq)] = StepOutput(seq.request.request_id, seq.index, [], [], False, None,
-                                                seq.request.prompt_len, 0, seq.cached_tokens)
+            out = outputs[id(seq)] = StepOutput(
+                seq.request.request_id, seq.index, [], [], False, None, seq.request.prompt_len, 0, seq.cached_tokens
+            )
         out.new_tokens.append(tok)
         if lp is not None:
             out.new_logprobs.append(lp)
@@ -63,7 +70,7 @@ class OutputProcessor:
         if k is None:
             return None
         top = list(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids is not None else []
-        top = [(t, v) for t, v in top if v != float("-inf")]     # (a healing step with fewer allowed tokens)
+        top = [(t, v) for t, v in top if v != float("-inf")]  # (a healing step with fewer allowed tokens)
         return TokenLogprob(tok, lps[j], top)
 
     @staticmethod
@@ -83,7 +90,7 @@ class _Text:
     stopper: StopChecker
     completion: int = 0
     done: bool = False
-    skip: int = 0                          # token healing: characters of the prompt's text still to drop
+    skip: int = 0  # token healing: characters of the prompt's text still to drop
 
 
 class TextStreams:
@@ -116,8 +123,9 @@ class TextStreams:
             prompt, params = self.requests[key[0]]
             detok = Detokenizer.for_prompt(self.tokenizer, prompt)
             detok.skip_special = params.skip_special_tokens
-            st = self.streams[key] = _Text(detok, StopChecker(list(params.stop), params.include_stop_str_in_output),
-                                           skip=len(params.heal_text))
+            st = self.streams[key] = _Text(
+                detok, StopChecker(list(params.stop), params.include_stop_str_in_output), skip=len(params.heal_text)
+            )
         return st
 
     @staticmethod
@@ -135,7 +143,7 @@ class TextStreams:
         for out in outputs:
             key = (out.request_id, out.index)
             st = self._stream(key)
-            if st is None:                                   # a request this side does not make text for
+            if st is None:  # a request this side does not make text for
                 result.append(out)
                 continue
             if st.done:
@@ -162,7 +170,7 @@ class TextStreams:
                     out.finished = True
                     self.on_stop(out.request_id, out.index)
                 out.finish_reason = "stop"
-            if out.finished:                                 # later outputs (tokens in flight) are dropped
+            if out.finished:  # later outputs (tokens in flight) are dropped
                 st.done = True
             result.append(out)
         return result

@@ -30,8 +30,8 @@ from .sampling import SampleOutput, Sampler, SamplingParams, SamplingTensors
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-GRAPH_BUCKETS = DECODE_BUCKETS             # batch sizes of the fixed-shape speculative step
-TOP_LOGPROBS = 20                          # the most alternatives a request may ask for
+GRAPH_BUCKETS = DECODE_BUCKETS  # batch sizes of the fixed-shape speculative step
+TOP_LOGPROBS = 20  # the most alternatives a request may ask for
 
 
 def bucket_sizes(limit: int, sizes: tuple[int, ...]) -> list[int]:
@@ -42,11 +42,12 @@ def bucket_sizes(limit: int, sizes: tuple[int, ...]) -> list[int]:
 @dataclass
 class SampleRow:
     """A row to sample: its logits row, settings, seed and counter (tokens generated so far)."""
+
     params: SamplingParams
     seed: int
     counter: int
-    penalty: tuple[list[int], list[int]] | None = None    # (output tokens, prompt tokens) of a penalized row
-    allowed: np.ndarray | None = None     # token healing: the ids the row may draw (None: any; drawn eagerly)
+    penalty: tuple[list[int], list[int]] | None = None  # (output tokens, prompt tokens) of a penalized row
+    allowed: np.ndarray | None = None  # token healing: the ids the row may draw (None: any; drawn eagerly)
 
 
 class Staging:
@@ -98,8 +99,8 @@ class Readback:
             floats[:n].copy_(out.logprobs, non_blocking=self.cuda)
         if out.top_ids is not None:
             k = out.top_ids.size(1)
-            ints[n:n + n * k].copy_(out.top_ids.flatten(), non_blocking=self.cuda)
-            floats[n:n + n * k].copy_(out.top_logprobs.flatten(), non_blocking=self.cuda)
+            ints[n : n + n * k].copy_(out.top_ids.flatten(), non_blocking=self.cuda)
+            floats[n : n + n * k].copy_(out.top_logprobs.flatten(), non_blocking=self.cuda)
         ev = None
         if self.cuda:
             ev = torch.cuda.Event()
@@ -110,13 +111,14 @@ class Readback:
 @dataclass
 class InFlight:
     """A launched step: its sampled tokens are on their way to the host."""
-    n: int                                         # rows sampled
+
+    n: int  # rows sampled
     ints: torch.Tensor | None = None
     floats: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
     logprobs: bool = False
     top: int = 0
-    pick: list[int] | None = None                  # sample j's index in the copied arrays (None: j)
+    pick: list[int] | None = None  # sample j's index in the copied arrays (None: j)
     feed: list[int] = field(default_factory=list)  # sample j's index in the device's sampled tokens
     launched: float = field(default_factory=time.perf_counter)
 
@@ -127,15 +129,15 @@ class InFlight:
             return [], None, None, None
         if self.event is not None:
             self.event.synchronize()
-        if self.pick is not None:                  # the graph drew every out row: take the sampled ones
+        if self.pick is not None:  # the graph drew every out row: take the sampled ones
             m = max(self.pick) + 1
             toks, lps = self.ints[:m].tolist(), self.floats[:m].tolist()
             return [toks[i] for i in self.pick], [lps[i] for i in self.pick], None, None
         n, k = self.n, self.top
         toks = self.ints[:n].tolist()
         lps = self.floats[:n].tolist() if self.logprobs else None
-        top_ids = self.ints[n:n + n * k].view(n, k).tolist() if k else None
-        top_lps = self.floats[n:n + n * k].view(n, k).tolist() if k else None
+        top_ids = self.ints[n : n + n * k].view(n, k).tolist() if k else None
+        top_lps = self.floats[n : n + n * k].view(n, k).tolist() if k else None
         return toks, lps, top_ids, top_lps
 
 
@@ -155,14 +157,14 @@ class BucketGraph:
         r = runner
         host = np.zeros(self.fields.size, np.int64)
         v = self.fields.views(host)
-        fill_bucket(bucket, [], [], v, r.tables.pad_row)                           # an empty step: all padding
+        fill_bucket(bucket, [], [], v, r.tables.pad_row)  # an empty step: all padding
         r.default_sampling(v)
-        r.staging.dev[:self.fields.size].copy_(torch.from_numpy(host))
+        r.staging.dev[: self.fields.size].copy_(torch.from_numpy(host))
         t = self.fields.views(r.staging.dev)
         dev = r.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):                     # compile / autotune outside the graph
+        with torch.cuda.stream(side):  # compile / autotune outside the graph
             for _ in range(2):
                 r.bucket_forward(t, bucket)
         torch.cuda.current_stream(dev).wait_stream(side)
@@ -171,7 +173,7 @@ class BucketGraph:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 r.bucket_forward(t, bucket)
-            g.replay()                                    # uploads it (the empty step writes only to trash)
+            g.replay()  # uploads it (the empty step writes only to trash)
             self.graphs.append(g)
         self.turn = 0
         # the warm-up steps wrote only to the trash page (padding rows): nothing to restore
@@ -184,9 +186,19 @@ class BucketGraph:
 class Runner:
     """Runs steps of the model on one paged cache (see the module docstring)."""
 
-    def __init__(self, model: DeepSeekV4, cache: PagedKVCache, tables: BlockTables, *, cuda_graphs: bool = False,
-                 max_decode: int = 64, max_slots: int = 0, slot_len: int = 64, pad: bool = False,
-                 mirror: Mirror | None = None):
+    def __init__(
+        self,
+        model: DeepSeekV4,
+        cache: PagedKVCache,
+        tables: BlockTables,
+        *,
+        cuda_graphs: bool = False,
+        max_decode: int = 64,
+        max_slots: int = 0,
+        slot_len: int = 64,
+        pad: bool = False,
+        mirror: Mirror | None = None,
+    ):
         """mirror: the engine on several workers (`dsv4.engine.mirror`): every step is bucketed, rank 0 sends
         its device work to the other ranks, which run `follow`."""
         self.model, self.cache, self.tables = model, cache, tables
@@ -195,19 +207,23 @@ class Runner:
         pad = pad or mirror is not None
         self.ratios = cache.layout.ratios
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self.pad = pad or self.cuda_graphs              # bucketed steps (eagerly where there are no graphs)
+        self.pad = pad or self.cuda_graphs  # bucketed steps (eagerly where there are no graphs)
         self.slot_len = slot_len
         self.decode_sizes = bucket_sizes(max_decode, DECODE_BUCKETS)
         self.slot_sizes = bucket_sizes(max_slots, SLOT_BUCKETS) if max_slots else [0]
-        self.buckets = [Bucket(d, c, slot_len, self.ratios) for d in self.decode_sizes for c in self.slot_sizes
-                        if d or c]
+        self.buckets = [
+            Bucket(d, c, slot_len, self.ratios) for d in self.decode_sizes for c in self.slot_sizes if d or c
+        ]
         vocab = model.cfg.vocab_size
         n_out = max_decode + max(self.slot_sizes)
         width = tables.w.shape[1]
-        self.max_rows = max(n_out, max_decode * 17, 1)                     # sampled rows (verify rows: k + 1 each)
+        self.max_rows = max(n_out, max_decode * 17, 1)  # sampled rows (verify rows: k + 1 each)
         biggest = max((b.fields().size for b in self.buckets), default=0)
-        extras = (tables.w.shape[0]) * (1 + 2 * width) + self.max_rows * 5 + \
-            self.max_rows * (SamplingTensors.N_FLOAT + SamplingTensors.N_INT)
+        extras = (
+            (tables.w.shape[0]) * (1 + 2 * width)
+            + self.max_rows * 5
+            + self.max_rows * (SamplingTensors.N_FLOAT + SamplingTensors.N_INT)
+        )
         self.staging = Staging(biggest + extras + 1024, self.device)
         self.readback = Readback(self.max_rows, self.device)
         self.tables_w = torch.from_numpy(tables.w).to(self.device)
@@ -222,7 +238,7 @@ class Runner:
         self.graph_steps = 0
         self.eager_steps = 0
         self.padded_steps = 0
-        self.late_captures = 0                          # graphs captured on first use, not at start-up
+        self.late_captures = 0  # graphs captured on first use, not at start-up
         self.warmup_seconds = 0.0
 
     # ------------------------------------------------------------------ graphs
@@ -232,7 +248,7 @@ class Runner:
         if not self.cuda_graphs:
             return 0
         t0 = time.perf_counter()
-        for i, b in enumerate(sorted(self.buckets, key=lambda b: -b.tokens)):     # largest first: pool sizes
+        for i, b in enumerate(sorted(self.buckets, key=lambda b: -b.tokens)):  # largest first: pool sizes
             if b not in self.graphs:
                 self.graphs[b] = BucketGraph(self, b, self._pool)
             if progress is not None:
@@ -279,9 +295,9 @@ class Runner:
             self._table_update = None
             return at
         width = self.tables.w.shape[1]
-        host[at:at + n] = rows
-        host[at + n:at + n + n * width] = self.tables.w[rows].reshape(-1)
-        host[at + n + n * width:at + n + 2 * n * width] = self.tables.c[rows].reshape(-1)
+        host[at : at + n] = rows
+        host[at + n : at + n + n * width] = self.tables.w[rows].reshape(-1)
+        host[at + n + n * width : at + n + 2 * n * width] = self.tables.c[rows].reshape(-1)
         self._table_update = (at, n, width)
         return at + n + 2 * n * width
 
@@ -289,9 +305,9 @@ class Runner:
         if self._table_update is None:
             return
         at, n, width = self._table_update
-        rows = dev[at:at + n]
-        self.tables_w.index_copy_(0, rows, dev[at + n:at + n + n * width].view(n, width))
-        self.tables_c.index_copy_(0, rows, dev[at + n + n * width:at + n + 2 * n * width].view(n, width))
+        rows = dev[at : at + n]
+        self.tables_w.index_copy_(0, rows, dev[at + n : at + n + n * width].view(n, width))
+        self.tables_c.index_copy_(0, rows, dev[at + n + n * width : at + n + 2 * n * width].view(n, width))
 
     def sync_tables(self) -> None:
         """Bring the device's page tables up to date now (steps that do not go through `launch`). A
@@ -335,7 +351,7 @@ class Runner:
         if self.mirror is not None and bucket is None:
             raise RuntimeError(f"a step of {len(decode)} rows and {n_slots} chunk slots fits no bucket")
         if bucket is not None and self.cuda_graphs and bucket not in self.graphs and self.mirror is None:
-            self.graphs[bucket] = BucketGraph(self, bucket, self._pool)      # (a server captured them all)
+            self.graphs[bucket] = BucketGraph(self, bucket, self._pool)  # (a server captured them all)
             self.late_captures += 1
         n = len(samples)
         params = [s.params for _, s in samples]
@@ -354,19 +370,25 @@ class Runner:
                 v["s_i"][out_rows] = g
         else:
             fields, arr, logits_rows = ragged_fields(decode + chunks, self.ratios, self.tables.pad_row)
-            host[:fields.size] = arr
+            host[: fields.size] = arr
             out_rows = [logits_rows[i] for i, _ in samples]
         at = self._sync_tables(host, fields.size)
         constrained = [s.allowed for _, s in samples]
         plain = bucket is not None and SamplingTensors.plain(params) and all(c is None for c in constrained)
         pick = sf = si = None
-        if not plain and n:                    # rows drawn eagerly: their logits rows and settings
+        if not plain and n:  # rows drawn eagerly: their logits rows and settings
             pick = at
-            host[pick:pick + n] = out_rows
+            host[pick : pick + n] = out_rows
             sf, si = pick + n, pick + n + n * SamplingTensors.N_FLOAT
             at = si + n * SamplingTensors.N_INT
-            SamplingTensors.pack(params, [s.seed for _, s in samples], [s.counter for _, s in samples], vocab,
-                                 host[sf:si].view(np.float64).reshape(n, -1), host[si:at].reshape(n, -1))
+            SamplingTensors.pack(
+                params,
+                [s.seed for _, s in samples],
+                [s.counter for _, s in samples],
+                vocab,
+                host[sf:si].view(np.float64).reshape(n, -1),
+                host[si:at].reshape(n, -1),
+            )
         dev = self.staging.send(at)
         if self.mirror is not None:
             update = self._table_update[:2] if self._table_update is not None else (0, 0)
@@ -387,31 +409,39 @@ class Runner:
             self.eager_steps += 1
         if not n:
             if self.mirror is not None:
-                self.mirror.tensor(self.sampled[:bucket.n_out])
+                self.mirror.tensor(self.sampled[: bucket.n_out])
             return InFlight(0)
-        if plain:                              # the graph drew them: copy every out row's token back
-            if self.mirror is not None:        # every worker's next step reads rank 0's tokens
-                self.mirror.tensor(self.sampled[:bucket.n_out])
-            ints, floats, ev = self.readback.copy(SampleOutput(self.sampled[:bucket.n_out],
-                                                               self.sample_lp[:bucket.n_out]))
+        if plain:  # the graph drew them: copy every out row's token back
+            if self.mirror is not None:  # every worker's next step reads rank 0's tokens
+                self.mirror.tensor(self.sampled[: bucket.n_out])
+            ints, floats, ev = self.readback.copy(
+                SampleOutput(self.sampled[: bucket.n_out], self.sample_lp[: bucket.n_out])
+            )
             return InFlight(n, ints, floats, ev, True, 0, pick=out_rows, feed=out_rows)
-        rows = dev[pick:pick + n]
+        rows = dev[pick : pick + n]
         st = SamplingTensors.unpack(dev[sf:si].view(torch.float64).view(n, -1), dev[si:at].view(n, -1), params)
         penalties = None
         if any(p.penalized for p in params):
             penalties = (params, *self._penalty_inputs([s for _, s in samples]))
         out = self.sampler.sample(logits[rows], st, penalties, self.allowed_mask(constrained))
-        if bucket is not None:                 # sampled tokens live at their out rows, as the graph's do
+        if bucket is not None:  # sampled tokens live at their out rows, as the graph's do
             self.sampled.index_copy_(0, rows, out.tokens)
             feed = out_rows
             if self.mirror is not None:
-                self.mirror.tensor(self.sampled[:bucket.n_out])
+                self.mirror.tensor(self.sampled[: bucket.n_out])
         else:
             self.sampled[:n].copy_(out.tokens)
             feed = list(range(n))
         ints, floats, ev = self.readback.copy(out)
-        return InFlight(n, ints, floats, ev, out.logprobs is not None,
-                        out.top_ids.size(1) if out.top_ids is not None else 0, feed=feed)
+        return InFlight(
+            n,
+            ints,
+            floats,
+            ev,
+            out.logprobs is not None,
+            out.top_ids.size(1) if out.top_ids is not None else 0,
+            feed=feed,
+        )
 
     def follow(self, other: Callable[[int, list[int]], None] | None = None) -> None:
         """A worker other than rank 0: do rank 0's device work, message by message, until STOP. other(kind,
@@ -445,7 +475,7 @@ class Runner:
             else:
                 self.bucket_forward(bucket.fields().views(dev), bucket)
                 self.eager_steps += 1
-            self.mirror.tensor(self.sampled[:bucket.n_out])
+            self.mirror.tensor(self.sampled[: bucket.n_out])
 
     def stop_followers(self) -> None:
         if self.mirror is not None and self.mirror.leader:

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
-_MIX = 0x45D9F3B                 # a 27-bit odd multiplier: x * _MIX stays below 2^59 in int64
-STREAM_SAMPLE = 0x2545F491       # separate streams: the token draw, speculative acceptance, the draft's draw
+_MIX = 0x45D9F3B  # a 27-bit odd multiplier: x * _MIX stays below 2^59 in int64
+STREAM_SAMPLE = 0x2545F491  # separate streams: the token draw, speculative acceptance, the draft's draw
 STREAM_ACCEPT = 0x1B873593
 STREAM_DRAFT = 0x68E31DA4
 
@@ -38,9 +38,9 @@ def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, stream: int = STR
     """
     s_lo, s_hi = seed & _MASK32, (seed >> 32) & _MASK32
     key = _hash32(_hash32(s_lo ^ stream) ^ s_hi)
-    key = _hash32(key ^ (counter & _MASK32))                                             # [B]
+    key = _hash32(key ^ (counter & _MASK32))  # [B]
     cols = torch.arange(n, device=seed.device, dtype=torch.int64)
-    x = _hash32((key.unsqueeze(1) + cols * 0x9E3779B1) & _MASK32)                        # [B, n]
+    x = _hash32((key.unsqueeze(1) + cols * 0x9E3779B1) & _MASK32)  # [B, n]
     return (x.double() + 0.5) / 2.0**32
 
 
@@ -56,6 +56,7 @@ class SamplingParams:
     the text of the tokens removed from the prompt's end, which the first generated tokens must spell
     again ("" = none; the engine needs the tokenizer then).
     """
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -69,7 +70,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    skip_special_tokens: bool = True          # detokenization: drop special tokens from the text
+    skip_special_tokens: bool = True  # detokenization: drop special tokens from the text
     include_stop_str_in_output: bool = False
     heal_text: str = ""
 
@@ -81,28 +82,52 @@ class SamplingParams:
         def finite(v) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
-             f"must be an integer >= 1, got {self.max_tokens!r}")
-        need(finite(self.temperature) and 0 <= self.temperature <= 100, "temperature",
-             f"must be in [0, 100], got {self.temperature!r}")
+        need(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        need(
+            finite(self.temperature) and 0 <= self.temperature <= 100,
+            "temperature",
+            f"must be in [0, 100], got {self.temperature!r}",
+        )
         need(finite(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", f"must be an integer >= 0, got {self.top_k!r}")
         need(finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        need(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64), "seed",
-             f"must be an integer, got {self.seed!r}")
-        need(finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 100, "repetition_penalty",
-             f"must be in (0, 100], got {self.repetition_penalty!r}")
+        need(
+            self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64),
+            "seed",
+            f"must be an integer, got {self.seed!r}",
+        )
+        need(
+            finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 100,
+            "repetition_penalty",
+            f"must be in (0, 100], got {self.repetition_penalty!r}",
+        )
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             need(finite(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
-        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
-             f"must be an integer in [0, 20], got {self.logprobs!r}")
-        need(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop",
-             "must be at most 16 non-empty strings")
-        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             "must be non-negative integers")
-        need(isinstance(self.heal_text, str) and len(self.heal_text) <= 256, "heal_text",
-             "must be a string of at most 256 characters")
+        need(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            f"must be an integer in [0, 20], got {self.logprobs!r}",
+        )
+        need(
+            all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16,
+            "stop",
+            "must be at most 16 non-empty strings",
+        )
+        need(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative integers",
+        )
+        need(
+            isinstance(self.heal_text, str) and len(self.heal_text) <= 256,
+            "heal_text",
+            "must be a string of at most 256 characters",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -119,9 +144,9 @@ class SamplingParams:
 
 @dataclass
 class SampleOutput:
-    tokens: torch.Tensor                      # [B] long
-    logprobs: torch.Tensor | None = None      # [B] float: log p(token) under the model
-    top_ids: torch.Tensor | None = None       # [B, k]
+    tokens: torch.Tensor  # [B] long
+    logprobs: torch.Tensor | None = None  # [B] float: log p(token) under the model
+    top_ids: torch.Tensor | None = None  # [B, k]
     top_logprobs: torch.Tensor | None = None  # [B, k]
 
 
@@ -130,21 +155,28 @@ class SamplingTensors:
     """Every row's settings as device tensors ([B, 1] columns, [B] seeds and counters) plus what the host
     knows about the batch as a whole, which decides the kernels that run (so a step's sampling never reads
     the device)."""
-    temperature: torch.Tensor                 # [B, 1] float64 (1 for greedy rows)
-    greedy: torch.Tensor                      # [B, 1] bool
-    top_p: torch.Tensor                       # [B, 1] float64
-    min_p: torch.Tensor                       # [B, 1] float64
-    top_k: torch.Tensor                       # [B, 1] int64 (V: off)
-    seeds: torch.Tensor                       # [B] int64
-    counters: torch.Tensor                    # [B] int64: tokens the row's sequence generated so far
-    filtered: bool                            # some row uses top-k, top-p or min-p
-    logprobs: int | None                      # None: no row wants log-probabilities; else the most alternatives
 
-    N_FLOAT, N_INT = 4, 4                     # per-row columns of `pack`
+    temperature: torch.Tensor  # [B, 1] float64 (1 for greedy rows)
+    greedy: torch.Tensor  # [B, 1] bool
+    top_p: torch.Tensor  # [B, 1] float64
+    min_p: torch.Tensor  # [B, 1] float64
+    top_k: torch.Tensor  # [B, 1] int64 (V: off)
+    seeds: torch.Tensor  # [B] int64
+    counters: torch.Tensor  # [B] int64: tokens the row's sequence generated so far
+    filtered: bool  # some row uses top-k, top-p or min-p
+    logprobs: int | None  # None: no row wants log-probabilities; else the most alternatives
+
+    N_FLOAT, N_INT = 4, 4  # per-row columns of `pack`
 
     @staticmethod
-    def pack(params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int], vocab: int,
-             floats: np.ndarray, ints: np.ndarray) -> None:
+    def pack(
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        counters: Sequence[int],
+        vocab: int,
+        floats: np.ndarray,
+        ints: np.ndarray,
+    ) -> None:
         """Write rows' settings into host arrays floats [B, 4] float64 and ints [B, 4] int64 (any memory:
         the runner packs them into the one buffer it copies to the device)."""
         floats[:, 0] = [p.temperature if p.temperature > 0 else 1.0 for p in params]
@@ -157,15 +189,23 @@ class SamplingTensors:
         ints[:, 3] = counters
 
     @classmethod
-    def unpack(cls, floats: torch.Tensor, ints: torch.Tensor,
-               params: Sequence[SamplingParams] | None) -> SamplingTensors:
+    def unpack(
+        cls, floats: torch.Tensor, ints: torch.Tensor, params: Sequence[SamplingParams] | None
+    ) -> SamplingTensors:
         """From device views of `pack`'s arrays; params decide the host-side flags (None: the plain draw
         that a CUDA graph holds - no filtering, each row's own log-probability)."""
         plain = params is None
-        return cls(temperature=floats[:, 0:1], greedy=ints[:, 1:2] > 0, top_p=floats[:, 1:2], min_p=floats[:, 2:3],
-                   top_k=ints[:, 0:1], seeds=ints[:, 2], counters=ints[:, 3],
-                   filtered=not plain and any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
-                   logprobs=0 if plain else max((p.logprobs for p in params if p.logprobs is not None), default=None))
+        return cls(
+            temperature=floats[:, 0:1],
+            greedy=ints[:, 1:2] > 0,
+            top_p=floats[:, 1:2],
+            min_p=floats[:, 2:3],
+            top_k=ints[:, 0:1],
+            seeds=ints[:, 2],
+            counters=ints[:, 3],
+            filtered=not plain and any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
+            logprobs=0 if plain else max((p.logprobs for p in params if p.logprobs is not None), default=None),
+        )
 
     @staticmethod
     def plain(params: Sequence[SamplingParams]) -> bool:
@@ -174,8 +214,14 @@ class SamplingTensors:
         return not any(p.top_k or p.top_p < 1 or p.min_p > 0 or p.penalized or p.logprobs for p in params)
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int], vocab: int,
-              device: torch.device) -> SamplingTensors:
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        counters: Sequence[int],
+        vocab: int,
+        device: torch.device,
+    ) -> SamplingTensors:
         B = len(params)
         floats, ints = np.zeros((B, cls.N_FLOAT)), np.zeros((B, cls.N_INT), np.int64)
         cls.pack(params, seeds, counters, vocab, floats, ints)
@@ -185,9 +231,16 @@ class SamplingTensors:
 class Sampler:
     """Samples a batch of rows, each with its own SamplingParams, in one fixed sequence of kernels."""
 
-    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-                 counters: Sequence[int], output_counts: torch.Tensor | None = None,
-                 prompt_mask: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> SampleOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        counters: Sequence[int],
+        output_counts: torch.Tensor | None = None,
+        prompt_mask: torch.Tensor | None = None,
+        allowed: torch.Tensor | None = None,
+    ) -> SampleOutput:
         """logits [B, V]; seeds / counters (tokens generated so far) per row; output_counts [B, V] and
         prompt_mask [B, V] (bool) when some row is penalized; allowed [B, V] (bool) as in `sample`."""
         st = SamplingTensors.build(params, seeds, counters, logits.size(-1), logits.device)
@@ -198,8 +251,9 @@ class Sampler:
             penalties = (params, output_counts, prompt_mask)
         return self.sample(logits, st, penalties, allowed)
 
-    def sample(self, logits: torch.Tensor, st: SamplingTensors, penalties=None,
-               allowed: torch.Tensor | None = None) -> SampleOutput:
+    def sample(
+        self, logits: torch.Tensor, st: SamplingTensors, penalties=None, allowed: torch.Tensor | None = None
+    ) -> SampleOutput:
         """logits [B, V] -> one token per row with the settings of `st` (no host synchronization).
         penalties: None, or (params, output_counts [B, V], prompt_mask [B, V]). allowed: None, or [B, V]
         bool, the tokens each row may draw (a token-healing constraint; a row of all True is free): the
@@ -217,10 +271,10 @@ class Sampler:
         if st.filtered:
             scaled = self._filter(scaled, st.top_k, st.top_p, st.min_p)
         noise = -torch.log(-torch.log(uniform(st.seeds, st.counters, V)))
-        choice = torch.where(st.greedy, x, scaled + noise).argmax(-1)                     # [B]
+        choice = torch.where(st.greedy, x, scaled + noise).argmax(-1)  # [B]
         out = SampleOutput(tokens=choice)
-        if st.logprobs is not None:                     # log p = logit - logsumexp(logits), float64
-            lse = torch.logsumexp(raw, -1, keepdim=True)                                # [B, 1]
+        if st.logprobs is not None:  # log p = logit - logsumexp(logits), float64
+            lse = torch.logsumexp(raw, -1, keepdim=True)  # [B, 1]
             out.logprobs = (raw.gather(1, choice.unsqueeze(1)) - lse).squeeze(1).float()
             if st.logprobs:
                 top = raw.topk(min(st.logprobs, V), dim=-1)
@@ -234,8 +288,10 @@ class Sampler:
         B, V = logits.shape
         dev = logits.device
         x = logits.double()
-        floats = torch.tensor([[p.temperature if p.temperature > 0 else 1.0, float(p.greedy), p.top_p, p.min_p]
-                               for p in params], dtype=torch.float64).to(dev)
+        floats = torch.tensor(
+            [[p.temperature if p.temperature > 0 else 1.0, float(p.greedy), p.top_p, p.min_p] for p in params],
+            dtype=torch.float64,
+        ).to(dev)
         top_k = torch.tensor([[p.top_k or V] for p in params], dtype=torch.int64).to(dev)
         scaled = x / floats[:, 0:1]
         if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params):
@@ -245,8 +301,9 @@ class Sampler:
         return torch.where(floats[:, 1:2] > 0, onehot, probs)
 
     @staticmethod
-    def _penalize(x: torch.Tensor, params: Sequence[SamplingParams], counts: torch.Tensor,
-                  prompt_mask: torch.Tensor) -> torch.Tensor:
+    def _penalize(
+        x: torch.Tensor, params: Sequence[SamplingParams], counts: torch.Tensor, prompt_mask: torch.Tensor
+    ) -> torch.Tensor:
         dev = x.device
         rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float64, device=dev).unsqueeze(1)
         freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float64, device=dev).unsqueeze(1)
@@ -261,7 +318,7 @@ class Sampler:
         """Keep the top_k tokens, the smallest prefix of mass >= top_p, and tokens with p >= min_p * p_max
         (each off at its neutral value; per row: [B, 1] columns); the most likely token always stays."""
         V = scaled.size(-1)
-        values, order = scaled.sort(dim=-1, descending=True, stable=True)              # [B, V]
+        values, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
         probs = values.softmax(-1)
         rank = torch.arange(V, device=scaled.device).unsqueeze(0)
         drop = (rank >= top_k) | ((probs.cumsum(-1) - probs) >= top_p) | (probs < min_p * probs[:, :1])
@@ -277,8 +334,9 @@ def draw(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, strea
     return (torch.log(probs) + noise).argmax(-1)
 
 
-def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-           seed: int = 0, counter: int = 0) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, counter: int = 0
+) -> torch.Tensor:
     """One setting for every row: logits [B, V] -> token ids [B] (row i draws with seed + i)."""
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     B = logits.size(0)

@@ -28,16 +28,17 @@ from .sequence import Sequence, Status
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_seqs: int                    # sequences running at once
-    max_model_len: int               # prompt + output
-    max_batch_tokens: int            # tokens per step: decode rows + prompt chunks
-    chunk_len: int = 1               # prompt chunks are taken in slots of this many tokens
+    max_seqs: int  # sequences running at once
+    max_model_len: int  # prompt + output
+    max_batch_tokens: int  # tokens per step: decode rows + prompt chunks
+    chunk_len: int = 1  # prompt chunks are taken in slots of this many tokens
     prefix_caching: bool = True
 
 
 @dataclass(eq=False)
 class Scheduled:
     """One row of a step: `n` tokens of `seq` from position seq.computed."""
+
     seq: Sequence
     n: int
 
@@ -52,11 +53,16 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, manager: CacheManager,
-                 on_prefix_hit: Callable[[Sequence, int], None] | None = None, stats: dict | None = None):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        manager: CacheManager,
+        on_prefix_hit: Callable[[Sequence, int], None] | None = None,
+        stats: dict | None = None,
+    ):
         self.config = config
         self.manager = manager
-        self.on_prefix_hit = on_prefix_hit         # (seq, positions served): restore its ring from the cache
+        self.on_prefix_hit = on_prefix_hit  # (seq, positions served): restore its ring from the cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = itertools.count()
@@ -125,7 +131,7 @@ class Scheduler:
         for seq in decoding + chunked:
             if budget <= 0:
                 break
-            if not seq.running or self._done(seq):          # (preempted by an earlier one in this loop)
+            if not seq.running or self._done(seq):  # (preempted by an earlier one in this loop)
                 continue
             if seq.prefilling:
                 n = min(seq.n_tokens - seq.computed, (budget // L) * L)
@@ -134,8 +140,9 @@ class Scheduler:
             else:
                 n = 1 + len(seq.drafts)
             # (a one-token row inside a page it has already started needs no new page)
-            while (n > 1 or seq.computed % P == 0) and \
-                    not self.manager.allocate(seq.pages, seq.computed, seq.computed + n):
+            while (n > 1 or seq.computed % P == 0) and not self.manager.allocate(
+                seq.pages, seq.computed, seq.computed + n
+            ):
                 victim = max((s for s in self.running if id(s) not in planned), key=lambda s: s.admitted_at)
                 self.preempt(victim)
                 if victim is seq:
@@ -152,7 +159,7 @@ class Scheduler:
         at_edge = sum(1 for s in self.running if (s.computed + 1) % P == 0)
         while self.waiting and budget >= L and len(self.running) < c.max_seqs:
             seq = self.waiting[0]
-            if self._sibling_prefilling(seq) or seq.n_pending:     # (a preempted one's token is on its way)
+            if self._sibling_prefilling(seq) or seq.n_pending:  # (a preempted one's token is on its way)
                 break
             pages = self.manager.new_sequence()
             if pages is None:
@@ -160,12 +167,15 @@ class Scheduler:
             cached = self.manager.match(pages, seq.tokens) if seq.computed == 0 else 0
             n = min((budget // L) * L, len(seq.tokens) - cached)
             reserve = (watermark[0] + at_edge, watermark[1] + at_edge) if self.running else (0, 0)
-            if not (self.manager.can_fit(cached, cached + n, reserve)
-                    and self.manager.allocate(pages, cached, cached + n)):
+            if not (
+                self.manager.can_fit(cached, cached + n, reserve) and self.manager.allocate(pages, cached, cached + n)
+            ):
                 self.manager.release(pages)
                 if not self.running:
-                    raise RuntimeError("the cache cannot hold a single request's next chunk: give the "
-                                       "engine more cache pages or a smaller max_batch_tokens")
+                    raise RuntimeError(
+                        "the cache cannot hold a single request's next chunk: give the "
+                        "engine more cache pages or a smaller max_batch_tokens"
+                    )
                 break
             if cached and self.on_prefix_hit is not None:
                 seq.pages = pages

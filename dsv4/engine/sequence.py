@@ -36,26 +36,26 @@ class TokenLogprob:
 @dataclass(eq=False)
 class Sequence:
     request: Request
-    index: int                                   # choice index within the request
-    tokens: list[int]                            # prompt + generated (read back from the device)
+    index: int  # choice index within the request
+    tokens: list[int]  # prompt + generated (read back from the device)
     seed: int
     prompt_len: int = 0
     pages: SeqPages | None = None
-    computed: int = 0                            # positions whose cache entries are written (or launched)
+    computed: int = 0  # positions whose cache entries are written (or launched)
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    admitted_at: int = 0                         # admission order (preemption picks the latest)
-    cached_tokens: int = 0                       # prompt tokens served from the prefix cache
+    admitted_at: int = 0  # admission order (preemption picks the latest)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] = field(default_factory=list)
     first_token_time: float | None = None
     last_token_time: float | None = None
     detok: Detokenizer | None = None
     stopper: StopChecker = field(default_factory=StopChecker)
-    n_pending: int = 0                           # tokens sampled on the device, not read yet (overlap)
-    pending_index: int = -1                      # the latest one's row in its step's sampled tokens
-    drafts: list[int] = field(default_factory=list)   # speculative: tokens the MTP block proposes next
-    draft_q: torch.Tensor | None = None          # their draft distributions [len(drafts), vocab] float64
-    heal: bytes = b""                            # token healing: what the next tokens must still spell (UTF-8)
+    n_pending: int = 0  # tokens sampled on the device, not read yet (overlap)
+    pending_index: int = -1  # the latest one's row in its step's sampled tokens
+    drafts: list[int] = field(default_factory=list)  # speculative: tokens the MTP block proposes next
+    draft_q: torch.Tensor | None = None  # their draft distributions [len(drafts), vocab] float64
+    heal: bytes = b""  # token healing: what the next tokens must still spell (UTF-8)
 
     @property
     def params(self) -> SamplingParams:
@@ -105,6 +105,7 @@ class Request:
 @dataclass
 class StepOutput:
     """What one sequence gained in a step."""
+
     request_id: str
     index: int
     new_tokens: list[int]
@@ -114,4 +115,4 @@ class StepOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
-    text: str = ""                                  # new text (with a tokenizer; stop strings applied)
+    text: str = ""  # new text (with a tokenizer; stop strings applied)

@@ -46,8 +46,13 @@ def new_stats() -> dict:
     """Counters of speculative decoding: sequence-steps that verified drafts, drafts verified, drafts
     accepted, fixed-shape steps, and `verify_lengths[n]`: decode rows of speculating sequences that
     verified n drafts."""
-    return {"verify_steps": 0, "drafted": 0, "accepted": 0, "fixed_steps": 0,
-            "verify_lengths": [0] * (MAX_SPECULATIVE + 1)}
+    return {
+        "verify_steps": 0,
+        "drafted": 0,
+        "accepted": 0,
+        "fixed_steps": 0,
+        "verify_lengths": [0] * (MAX_SPECULATIVE + 1),
+    }
 
 
 class SpeculativeSteps:
@@ -58,7 +63,7 @@ class SpeculativeSteps:
         self.drafter = self.new_drafter()
         self.graphs: dict[tuple[int, int], FixedStepGraph] = {}
         self.stats = new_stats()
-        self._aux = None                    # a follower: what the last VERIFY left for the DRAFT after it
+        self._aux = None  # a follower: what the last VERIFY left for the DRAFT after it
 
     def new_drafter(self) -> Drafter:
         e = self.engine
@@ -80,9 +85,8 @@ class SpeculativeSteps:
         for sch in plan:
             seq, n, s = sch.seq, sch.n, sch.seq.computed
             verify = sch.verify
-            toks = [seq.tokens[s]] + seq.drafts if verify else seq.tokens[s:s + n]
-            rows.append(Row(toks, s, seq.pages.state, want_logits=verify or s + n == seq.n_tokens,
-                            all_logits=verify))
+            toks = [seq.tokens[s]] + seq.drafts if verify else seq.tokens[s : s + n]
+            rows.append(Row(toks, s, seq.pages.state, want_logits=verify or s + n == seq.n_tokens, all_logits=verify))
         e.runner.announce(VERIFY, pack_rows(rows))
         with exact_accumulation(e.config.deterministic):
             logits, aux = self._forward(plan, rows)
@@ -150,21 +154,32 @@ class SpeculativeSteps:
             return False
         for sch in plan:
             seq, p = sch.seq, sch.seq.params
-            if (seq.prefilling or len(seq.drafts) != self.k or not p.greedy or p.logprobs is not None or p.penalized
-                    or seq.heal):
+            if (
+                seq.prefilling
+                or len(seq.drafts) != self.k
+                or not p.greedy
+                or p.logprobs is not None
+                or p.penalized
+                or seq.heal
+            ):
                 return False
-        return all(e.manager.allocate(sch.seq.pages, sch.seq.computed,
-                                      min(sch.seq.computed + 2 * self.k + 1, e.max_model_len))
-                   for sch in plan)          # the next drafts' positions too (their MTP rows are written now)
+        return all(
+            e.manager.allocate(sch.seq.pages, sch.seq.computed, min(sch.seq.computed + 2 * self.k + 1, e.max_model_len))
+            for sch in plan
+        )  # the next drafts' positions too (their MTP rows are written now)
 
     def _greedy_fixed(self, plan: list[Scheduled]) -> list[StepOutput]:
         e, k = self.engine, self.k
         seqs = [sch.seq for sch in plan]
-        ints = fixed_inputs([[seq.tokens[seq.computed]] + seq.drafts for seq in seqs], [k] * len(seqs),
-                            [seq.computed for seq in seqs], [seq.pages.state for seq in seqs])
+        ints = fixed_inputs(
+            [[seq.tokens[seq.computed]] + seq.drafts for seq in seqs],
+            [k] * len(seqs),
+            [seq.computed for seq in seqs],
+            [seq.pages.state for seq in seqs],
+        )
         with exact_accumulation(e.config.deterministic):
             accepted, bonus, drafts = self._fixed_run(ints)
-        host = torch.cat([accepted, bonus, drafts.flatten()]).tolist()                 # one device read
+        host = torch.cat([accepted, bonus, drafts.flatten()]).tolist()  # one device read
         n = len(seqs)
         outputs: dict[int, StepOutput] = {}
         for b, seq in enumerate(seqs):
@@ -180,7 +195,7 @@ class SpeculativeSteps:
             if seq.running:
                 end = len(seq.tokens) - 1
                 keep = min(k, e.max_model_len - 1 - end, seq.params.max_tokens - seq.n_generated - 1)
-                seq.drafts = host[2 * n + b * k:2 * n + b * k + max(keep, 0)]
+                seq.drafts = host[2 * n + b * k : 2 * n + b * k + max(keep, 0)]
         e.stats["steps"] += 1
         self.stats["fixed_steps"] += 1
         return e.finish_step(seqs, outputs)
@@ -192,7 +207,7 @@ class SpeculativeSteps:
         n, w = ints.shape[0], ints.shape[1] - 4
         batch = next(b for b in GRAPH_BUCKETS if b >= n) if r.cuda_graphs else n
         r.sync_tables()
-        r.announce(FIXED, [], batch, w, n)             # before a capture: every worker captures here
+        r.announce(FIXED, [], batch, w, n)  # before a capture: every worker captures here
         if r.cuda_graphs:
             return self._graph(batch, w).run(ints)
         return self._fixed_step(r.share(torch.from_numpy(ints).to(r.device)))
@@ -222,8 +237,9 @@ class SpeculativeSteps:
         return r.share if r.mirror is not None else None
 
     # ------------------------------------------------------------------ the general step
-    def _accept(self, plan: list[Scheduled], rows: list[Row],
-                logits: torch.Tensor) -> dict[int, tuple[list[int], list[TokenLogprob | None]]]:
+    def _accept(
+        self, plan: list[Scheduled], rows: list[Row], logits: torch.Tensor
+    ) -> dict[int, tuple[list[int], list[TokenLogprob | None]]]:
         """Sample the rows that want logits: plain rows with the sampler, verify rows by acceptance.
         -> per sequence id: (tokens to emit, their logprobs)."""
         e = self.engine
@@ -252,29 +268,30 @@ class SpeculativeSteps:
             q = torch.zeros(B, K, V, dtype=torch.float64, device=dev)
             drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
             for b, (seq, a, w) in enumerate(spec):
-                target[b, :w] = e.sampler.probabilities(logits[a:a + w], [seq.params] * w)
-                if seq.draft_q is None:             # drafts of a fixed-shape greedy step: one-hot
+                target[b, :w] = e.sampler.probabilities(logits[a : a + w], [seq.params] * w)
+                if seq.draft_q is None:  # drafts of a fixed-shape greedy step: one-hot
                     seq.draft_q = torch.nn.functional.one_hot(torch.tensor(seq.drafts, device=dev), V).double()
-                q[b, :w - 1] = seq.draft_q
-                drafts[b, :w - 1] = torch.tensor(seq.drafts, device=dev)
+                q[b, : w - 1] = seq.draft_q
+                drafts[b, : w - 1] = torch.tensor(seq.drafts, device=dev)
             n_drafts = torch.tensor([w - 1 for _, _, w in spec], device=dev)
             seeds = torch.tensor([seq.seed for seq, _, _ in spec], device=dev)
             counters = torch.tensor([seq.n_generated for seq, _, _ in spec], device=dev)
             kept, nxt = accept(target, q, drafts, n_drafts, seeds, counters)
             kept, nxt = kept.tolist(), nxt.tolist()
             for b, (seq, a, w) in enumerate(spec):
-                toks = seq.drafts[:kept[b]] + [nxt[b]]
+                toks = seq.drafts[: kept[b]] + [nxt[b]]
                 self.count_verify(w - 1, kept[b])
                 lps: list[TokenLogprob | None] = [None] * len(toks)
                 k = seq.params.logprobs
                 if k is not None:
-                    lp = torch.log_softmax(logits[a:a + len(toks)].double(), -1)          # [n, V]
+                    lp = torch.log_softmax(logits[a : a + len(toks)].double(), -1)  # [n, V]
                     own = lp.gather(1, torch.tensor(toks, device=dev).unsqueeze(1))[:, 0].tolist()
                     top = lp.topk(k, -1) if k else None
                     ids = top.indices.tolist() if top is not None else None
                     vals = top.values.tolist() if top is not None else None
-                    lps = [TokenLogprob(t, own[i], list(zip(ids[i], vals[i])) if ids else [])
-                           for i, t in enumerate(toks)]
+                    lps = [
+                        TokenLogprob(t, own[i], list(zip(ids[i], vals[i])) if ids else []) for i, t in enumerate(toks)
+                    ]
                 result[id(seq)] = (toks, lps)
         return result
 
@@ -293,14 +310,24 @@ class SpeculativeSteps:
             m = min(len(row.tokens), len(seq.tokens) - 1 - s)
             if m <= 0:
                 continue
-            end = s + m                                      # the next main input's position, when caught up
+            end = s + m  # the next main input's position, when caught up
             k = 0
-            if end == len(seq.tokens) - 1 and not seq.heal:     # (a healing constraint: no drafts yet)
+            if end == len(seq.tokens) - 1 and not seq.heal:  # (a healing constraint: no drafts yet)
                 k = min(self.k, e.max_model_len - 1 - end, seq.params.max_tokens - seq.n_generated - 1)
                 if k > 0 and not e.manager.allocate(seq.pages, end, end + k + 1):
-                    k = 0                                    # no pages for the drafts: decode plainly
-            draft_rows.append(DraftRow(seg, seq.tokens[s + 1:end + 1], s, seq.pages.state, max(k, 0), seq.params,
-                                       seq.seed, seq.n_generated))
+                    k = 0  # no pages for the drafts: decode plainly
+            draft_rows.append(
+                DraftRow(
+                    seg,
+                    seq.tokens[s + 1 : end + 1],
+                    s,
+                    seq.pages.state,
+                    max(k, 0),
+                    seq.params,
+                    seq.seed,
+                    seq.n_generated,
+                )
+            )
             owners.append(seq)
         if not draft_rows:
             return

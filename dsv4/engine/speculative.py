@@ -36,11 +36,17 @@ from .batch import Row
 from .runner import Runner
 from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, Sampler, SamplingParams, draw, uniform
 
-MAX_SPECULATIVE = SPEC_ROWS - 1       # a verify of k + 1 tokens must fit the rows a sequence can roll back
+MAX_SPECULATIVE = SPEC_ROWS - 1  # a verify of k + 1 tokens must fit the rows a sequence can roll back
 
 
-def accept(target: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, n_drafts: torch.Tensor,
-           seeds: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept(
+    target: torch.Tensor,
+    draft_probs: torch.Tensor,
+    drafts: torch.Tensor,
+    n_drafts: torch.Tensor,
+    seeds: torch.Tensor,
+    counters: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling for B rows of up to K drafts.
 
     target [B, K + 1, V]: p at each verified position (float64, rows summing to 1); draft_probs [B, K, V]:
@@ -53,17 +59,17 @@ def accept(target: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor
     dev = target.device
     if K:
         i = torch.arange(K, device=dev)
-        p_d = target[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2)                         # [B, K]
-        q_d = draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)                           # [B, K]
+        p_d = target[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
+        q_d = draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
         u = torch.stack([uniform(seeds, counters + j, 1, STREAM_ACCEPT)[:, 0] for j in range(K)], 1)  # [B, K]
         ok = (u * q_d <= p_d) & (i.unsqueeze(0) < n_drafts.unsqueeze(1))
-        accepted = ok.long().cumprod(1).sum(1)                                                # [B]
+        accepted = ok.long().cumprod(1).sum(1)  # [B]
     else:
         accepted = torch.zeros(B, dtype=torch.long, device=dev)
     rows = torch.arange(B, device=dev)
-    p = target[rows, accepted]                                                                # [B, V]
+    p = target[rows, accepted]  # [B, V]
     q = torch.cat([draft_probs, torch.zeros(B, 1, V, dtype=draft_probs.dtype, device=dev)], 1)[rows, accepted]
-    q = torch.where((accepted < n_drafts).unsqueeze(1), q, 0)           # after the last draft: the bonus, from p
+    q = torch.where((accepted < n_drafts).unsqueeze(1), q, 0)  # after the last draft: the bonus, from p
     residual = (p - q).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-300), p)
@@ -75,14 +81,15 @@ class DraftRow:
     """One sequence's part of the draft: the MTP block catches up on positions start ... start + len(next)
     - 1 (the verify step's hidden state [seg + i] is the main model's at start + i, next[i] the token after
     it), then, when `k` > 0, proposes k tokens."""
-    seg: int                      # flat index of the row's first position in the verify step's hidden states
+
+    seg: int  # flat index of the row's first position in the verify step's hidden states
     next: list[int]
     start: int
-    state: int                    # ring slot (and page-table row)
+    state: int  # ring slot (and page-table row)
     k: int
     params: SamplingParams
     seed: int
-    counter: int                  # sequence index of the first proposed token
+    counter: int  # sequence index of the first proposed token
 
 
 class Drafter:
@@ -90,8 +97,9 @@ class Drafter:
 
     def __init__(self, model: DeepSeekV4, runner: Runner, sampler: Sampler):
         if model.cfg.n_mtp_layers < 1:
-            raise ValueError("speculative decoding drafts with the model's MTP block, and this model has none "
-                             "(n_mtp_layers = 0)")
+            raise ValueError(
+                "speculative decoding drafts with the model's MTP block, and this model has none (n_mtp_layers = 0)"
+            )
         self.model, self.runner, self.sampler = model, runner, sampler
         self.cache = runner.cache
 
@@ -105,12 +113,12 @@ class Drafter:
 
         def choose(j: int, logits: torch.Tensor) -> torch.Tensor:
             counters = torch.tensor([r.counter + j for r in live], dtype=torch.long, device=dev)
-            q = self.sampler.probabilities(logits, params)                                  # [n, V]
+            q = self.sampler.probabilities(logits, params)  # [n, V]
             qs.append(q)
-            return draw(q, seeds, counters, STREAM_DRAFT)                                    # [n]
+            return draw(q, seeds, counters, STREAM_DRAFT)  # [n]
 
         drafts = self.chain(hidden, rows, choose)
-        host = torch.stack(drafts, 1).tolist() if drafts else []                     # [n][k_max], one read
+        host = torch.stack(drafts, 1).tolist() if drafts else []  # [n][k_max], one read
         at = {id(r): i for i, r in enumerate(live)}
         result = []
         for r in rows:
@@ -118,37 +126,38 @@ class Drafter:
                 result.append(([], torch.zeros(0)))
                 continue
             i = at[id(r)]
-            result.append((host[i][:r.k], torch.stack([q[i] for q in qs[:r.k]])))
+            result.append((host[i][: r.k], torch.stack([q[i] for q in qs[: r.k]])))
         return result
 
     def follow(self, hidden: torch.Tensor, rows: list[DraftRow]) -> None:
         """A follower of several workers: the same device work as rank 0's `__call__`, on rank 0's drafts
         (it draws nothing)."""
-        self.chain(hidden, rows, lambda j, logits: torch.empty(logits.size(0), dtype=torch.long,
-                                                               device=logits.device))
+        self.chain(hidden, rows, lambda j, logits: torch.empty(logits.size(0), dtype=torch.long, device=logits.device))
 
-    def chain(self, hidden: torch.Tensor, rows: list[DraftRow],
-              choose: Callable[[int, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    def chain(
+        self, hidden: torch.Tensor, rows: list[DraftRow], choose: Callable[[int, torch.Tensor], torch.Tensor]
+    ) -> list[torch.Tensor]:
         """The catch-up, then link j's drafts [n] of the live rows (k > 0) = choose(j, their logits [n, V]),
         each shared from rank 0 (`Runner.share`) before the next link reads it. -> the links' drafts."""
         mtp_rows = [Row(r.next, r.start, r.state, want_logits=r.k > 0) for r in rows]
         tokens, inputs, _ = self.runner.inputs(mtp_rows)
-        idx = torch.tensor([r.seg + i for r in rows for i in range(len(r.next))], dtype=torch.long,
-                           device=hidden.device)
+        idx = torch.tensor(
+            [r.seg + i for r in rows for i in range(len(r.next))], dtype=torch.long, device=hidden.device
+        )
         logits, h = self.model.draft(hidden[idx], tokens, inputs, self.cache)
         live = [r for r in rows if r.k > 0]
         if not live:
             return []
-        last = inputs.out                                                   # [n] flat index of each live row's end
-        pos = [r.start + len(r.next) for r in live]                         # position of the next link
+        last = inputs.out  # [n] flat index of each live row's end
+        pos = [r.start + len(r.next) for r in live]  # position of the next link
         k_max = max(r.k for r in live)
         drafts = []
         for j in range(k_max):
-            d = choose(j, logits)                                                            # [n]
+            d = choose(j, logits)  # [n]
             drafts.append(d)
             if j + 1 == k_max:
                 break
-            self.runner.share(d)                       # every worker's next link reads rank 0's drafts
+            self.runner.share(d)  # every worker's next link reads rank 0's drafts
             links = [Row([0], pos[i] + j, r.state, want_logits=True) for i, r in enumerate(live)]
             _, inputs, _ = self.runner.inputs(links)
             logits, h = self.model.draft(h[last], d.view(1, -1), inputs, self.cache)
@@ -169,16 +178,22 @@ def unpack_draft_rows(ints: list[int]) -> list[DraftRow]:
     """The rows of `pack_draft_rows` (sampling settings left neutral: a follower draws nothing)."""
     rows, at = [], 0
     while at < len(ints):
-        seg, m, start, state, k = ints[at:at + 5]
-        rows.append(DraftRow(seg, ints[at + 5:at + 5 + m], start, state, k, SamplingParams(), 0, 0))
+        seg, m, start, state, k = ints[at : at + 5]
+        rows.append(DraftRow(seg, ints[at + 5 : at + 5 + m], start, state, k, SamplingParams(), 0, 0))
         at += 5 + m
     return rows
 
 
-def greedy_spec_step(model: DeepSeekV4, cache: PagedKVCache, tokens: torch.Tensor, start: torch.Tensor,
-                     wtable: torch.Tensor, ctable: torch.Tensor, state: torch.Tensor,
-                     share: Callable[[torch.Tensor], torch.Tensor] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def greedy_spec_step(
+    model: DeepSeekV4,
+    cache: PagedKVCache,
+    tokens: torch.Tensor,
+    start: torch.Tensor,
+    wtable: torch.Tensor,
+    ctable: torch.Tensor,
+    state: torch.Tensor,
+    share: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A whole greedy speculative step for B sequences with k drafts each, on the device with no host
     synchronization (so it can be captured in one CUDA graph).
 
@@ -196,18 +211,18 @@ def greedy_spec_step(model: DeepSeekV4, cache: PagedKVCache, tokens: torch.Tenso
     dev = tokens.device
     layout = cache.layout
     inputs = uniform_inputs(tokens, start, wtable, ctable, state, layout)
-    logits, hidden = model.append(tokens, inputs, cache, return_hidden=True)            # [B(k+1), V]
-    target = logits.view(B, k1, -1).argmax(-1)                                           # [B, k+1]
+    logits, hidden = model.append(tokens, inputs, cache, return_hidden=True)  # [B(k+1), V]
+    target = logits.view(B, k1, -1).argmax(-1)  # [B, k+1]
     i = torch.arange(k1, device=dev)
-    accepted = (tokens[:, 1:] == target[:, :k]).long().cumprod(1).sum(1)                 # [B]
-    bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)                           # [B]
+    accepted = (tokens[:, 1:] == target[:, :k]).long().cumprod(1).sum(1)  # [B]
+    bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)  # [B]
     if share is not None:
         accepted, bonus = share(torch.stack([accepted, bonus])).unbind(0)
     # MTP catch-up at positions c .. c + k: the token after position c + i is draft i + 1 while accepted,
     # then the bonus (positions past c + accepted are rewritten before anything reads them)
-    shifted = torch.cat([tokens[:, 1:], bonus.unsqueeze(1)], 1)                          # [B, k+1]
+    shifted = torch.cat([tokens[:, 1:], bonus.unsqueeze(1)], 1)  # [B, k+1]
     nxt = torch.where(i.unsqueeze(0) < accepted.unsqueeze(1), shifted, bonus.unsqueeze(1))
-    inputs.out = inputs.seg_start + accepted                                             # [B]
+    inputs.out = inputs.seg_start + accepted  # [B]
     d_logits, h = model.draft(hidden, nxt.reshape(1, -1), inputs, cache)
     drafts = [d_logits.argmax(-1)]
     last = inputs.out
@@ -227,8 +242,13 @@ FixedStep = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 def fixed_inputs(tokens: list[list[int]], n_drafts: list[int], start: list[int], state: list[int]) -> np.ndarray:
     """The integers of a fixed-shape step of n rows of width w: [n, w + 4] = each row's w + 1 tokens (its
     last token and drafts, padded), its own drafts, its start and its table row."""
-    return np.concatenate([np.asarray(tokens, np.int64).reshape(len(tokens), -1),
-                           np.asarray([n_drafts, start, state], np.int64).T.reshape(len(tokens), 3)], 1)
+    return np.concatenate(
+        [
+            np.asarray(tokens, np.int64).reshape(len(tokens), -1),
+            np.asarray([n_drafts, start, state], np.int64).T.reshape(len(tokens), 3),
+        ],
+        1,
+    )
 
 
 def fixed_args(runner: Runner, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -238,7 +258,7 @@ def fixed_args(runner: Runner, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
     w = ints.size(1) - 4
     trow = ints[:, w + 3]
     state = torch.where(trow == runner.tables.pad_row, 0, trow)
-    return ints[:, :w + 1], ints[:, w + 1], ints[:, w + 2], runner.tables_w[trow], runner.tables_c[trow], state
+    return ints[:, : w + 1], ints[:, w + 1], ints[:, w + 2], runner.tables_w[trow], runner.tables_c[trow], state
 
 
 class FixedStepGraph:
@@ -252,17 +272,17 @@ class FixedStepGraph:
         self.runner, self.shape = runner, (batch, width)
         self.host = torch.zeros(batch, width + 4, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.dev = torch.zeros(batch, width + 4, dtype=torch.long, device=dev)
-        self.dev[:, width + 3] = runner.tables.pad_row                     # padding rows: no pages
+        self.dev[:, width + 3] = runner.tables.pad_row  # padding rows: no pages
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):                     # compile / autotune outside the graph
+        with torch.cuda.stream(side):  # compile / autotune outside the graph
             for _ in range(2):
                 step(self.dev)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = step(self.dev)
-        self.graph.replay()                                # uploads it (padding rows write only to trash)
+        self.graph.replay()  # uploads it (padding rows write only to trash)
 
     def run(self, ints: np.ndarray) -> tuple[torch.Tensor, ...]:
         n = ints.shape[0]

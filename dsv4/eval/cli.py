@@ -20,11 +20,19 @@ from ..loading import add_device_args, add_model_args, add_quant_mode_arg, load_
 
 def _common(p: argparse.ArgumentParser) -> None:
     add_model_args(p, "the shipped model")
-    p.add_argument("--data", nargs="+", default=None, type=argtypes.path,
-                   help="the corpus the model was trained on: files or directories (default: the Python stdlib, "
-                        "as `dsv4 train`)")
-    p.add_argument("--held-out-pct", type=argtypes.positive_float, default=2.0,
-                   help="the training run's --held-out-pct (default: %(default)s, the shipped recipe's)")
+    p.add_argument(
+        "--data",
+        nargs="+",
+        default=None,
+        type=argtypes.path,
+        help="the corpus the model was trained on: files or directories (default: the Python stdlib, as `dsv4 train`)",
+    )
+    p.add_argument(
+        "--held-out-pct",
+        type=argtypes.positive_float,
+        default=2.0,
+        help="the training run's --held-out-pct (default: %(default)s, the shipped recipe's)",
+    )
     add_device_args(p)
     add_quant_mode_arg(p)
     options.add(p, "json")
@@ -36,17 +44,34 @@ def add_eval_parser(sub) -> None:
     p = esub.add_parser("heldout", help="held-out cross-entropy: nats per token and bits per byte")
     _common(p)
     options.add(p, "seq_len", default=512, note="the scoring window")
-    options.renamed(p, "--token-budget", "--max-tokens", type=argtypes.int_in(0), default=0, dest="token_budget",
-                    help="only the held-out documents that fit in this many tokens, in order: a quick look, "
-                         "biased to short files (0 = all, the default)")
+    options.renamed(
+        p,
+        "--token-budget",
+        "--max-tokens",
+        type=argtypes.int_in(0),
+        default=0,
+        dest="token_budget",
+        help="only the held-out documents that fit in this many tokens, in order: a quick look, "
+        "biased to short files (0 = all, the default)",
+    )
     p.set_defaults(func=cmd_heldout)
-    p = esub.add_parser("completions", help="does the model finish held-out functions with bodies that parse, "
-                                            "and well-known ones correctly")
+    p = esub.add_parser(
+        "completions",
+        help="does the model finish held-out functions with bodies that parse, and well-known ones correctly",
+    )
     _common(p)
-    p.add_argument("--prompts", type=argtypes.positive_int, default=100,
-                   help="held-out functions (signature + one-line docstring) to complete (default %(default)s)")
-    p.add_argument("--samples", type=argtypes.positive_int, default=5,
-                   help="samples per well-known function of the functional check (default %(default)s)")
+    p.add_argument(
+        "--prompts",
+        type=argtypes.positive_int,
+        default=100,
+        help="held-out functions (signature + one-line docstring) to complete (default %(default)s)",
+    )
+    p.add_argument(
+        "--samples",
+        type=argtypes.positive_int,
+        default=5,
+        help="samples per well-known function of the functional check (default %(default)s)",
+    )
     options.add(p, "max_new_tokens", default=80, note="per completion")
     options.add(p, "temperature", default=0.7)
     options.add(p, "top_p", default=0.9)
@@ -79,16 +104,30 @@ def cmd_heldout(args: argparse.Namespace) -> int:
     docs = _documents(args)
     model, tokenizer, desc = _load(args)
     t0 = time.perf_counter()
-    r = held_out_loss(model, tokenizer, docs, seq_len=min(args.seq_len, model.cfg.max_seq_len),
-                      max_tokens=args.token_budget, progress=not args.json)
-    out = {"model": desc, "documents": r.documents, "tokens": r.tokens, "bytes": r.bytes,
-           "nats_per_token": r.nats_per_token, "bits_per_byte": r.bits_per_byte,
-           "seconds": time.perf_counter() - t0}
+    r = held_out_loss(
+        model,
+        tokenizer,
+        docs,
+        seq_len=min(args.seq_len, model.cfg.max_seq_len),
+        max_tokens=args.token_budget,
+        progress=not args.json,
+    )
+    out = {
+        "model": desc,
+        "documents": r.documents,
+        "tokens": r.tokens,
+        "bytes": r.bytes,
+        "nats_per_token": r.nats_per_token,
+        "bits_per_byte": r.bits_per_byte,
+        "seconds": time.perf_counter() - t0,
+    }
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"held-out loss of {desc}: {r.nats_per_token:.4f} nats/token, {r.bits_per_byte:.4f} bits/byte "
-              f"({r.documents} documents, {r.tokens} tokens, {r.bytes} bytes; {out['seconds']:.0f} s)")
+        print(
+            f"held-out loss of {desc}: {r.nats_per_token:.4f} nats/token, {r.bits_per_byte:.4f} bits/byte "
+            f"({r.documents} documents, {r.tokens} tokens, {r.bytes} bytes; {out['seconds']:.0f} s)"
+        )
     return 0
 
 
@@ -97,25 +136,42 @@ def cmd_completions(args: argparse.Namespace) -> int:
 
     docs = _documents(args)
     model, tokenizer, desc = _load(args)
-    rep = evaluate_completions(model, tokenizer, docs, n_prompts=args.prompts, samples=args.samples,
-                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_p=args.top_p, seed=args.seed, progress=not args.json,
-                               token_healing=args.token_healing)
+    rep = evaluate_completions(
+        model,
+        tokenizer,
+        docs,
+        n_prompts=args.prompts,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        progress=not args.json,
+        token_healing=args.token_healing,
+    )
     if args.json:
         print(json.dumps({"model": desc, "token_healing": args.token_healing, **rep.summary()}))
         return 0
     s = rep.summary()
-    print(f"completions of {desc} (temperature {args.temperature}, top-p {args.top_p}, "
-          f"{args.max_new_tokens} new tokens, seed {args.seed}, token healing "
-          f"{'on' if args.token_healing else 'off'}):")
-    print(f"  held-out functions with a body that parses: {s['with_body']} of {s['prompts']} "
-          f"({100 * s['with_body_fraction']:.0f}%)")
-    print(f"  the same prompts ending in a newline: {s['with_body_newline']} of {s['prompts']} "
-          f"({100 * s['with_body_newline_fraction']:.0f}%)")
-    print(f"  well-known functions right: {s['functional_right']} of {s['functional_samples']} samples "
-          f"({100 * s['functional_fraction']:.0f}%; {len(s['functional_by_task'])} functions x {args.samples})")
+    print(
+        f"completions of {desc} (temperature {args.temperature}, top-p {args.top_p}, "
+        f"{args.max_new_tokens} new tokens, seed {args.seed}, token healing "
+        f"{'on' if args.token_healing else 'off'}):"
+    )
+    print(
+        f"  held-out functions with a body that parses: {s['with_body']} of {s['prompts']} "
+        f"({100 * s['with_body_fraction']:.0f}%)"
+    )
+    print(
+        f"  the same prompts ending in a newline: {s['with_body_newline']} of {s['prompts']} "
+        f"({100 * s['with_body_newline_fraction']:.0f}%)"
+    )
+    print(
+        f"  well-known functions right: {s['functional_right']} of {s['functional_samples']} samples "
+        f"({100 * s['functional_fraction']:.0f}%; {len(s['functional_by_task'])} functions x {args.samples})"
+    )
     print("    " + ", ".join(f"{k} {v}/{args.samples}" for k, v in s["functional_by_task"].items()))
-    for fn in rep.written[:args.show]:
+    for fn in rep.written[: args.show]:
         print("-" * 60)
         print(fn, end="")
     return 0

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class FunctionPrompt:
-    source: str           # the file the function comes from (its corpus-relative name)
+    source: str  # the file the function comes from (its corpus-relative name)
     name: str
     # 'def f(...):\n    """One line."""' - no newline after the docstring: the tokenizer merges a newline
     # with the next line's indentation, so a prompt cut after the newline would tell the model the next
@@ -62,10 +62,10 @@ def one_line_docstring_prompts(name: str, text: str) -> list[FunctionPrompt]:
         first = (doc.value.value.strip().splitlines() or [""])[0].strip()
         if not first or '"""' in first or first.endswith("\\"):
             continue
-        header = lines[node.lineno - 1:doc.lineno - 1]
-        if any(line[:node.col_offset].strip() for line in header):
+        header = lines[node.lineno - 1 : doc.lineno - 1]
+        if any(line[: node.col_offset].strip() for line in header):
             continue
-        header = [line[node.col_offset:] for line in header]
+        header = [line[node.col_offset :] for line in header]
         indent = " " * (doc.col_offset - node.col_offset)
         out.append(FunctionPrompt(name, node.name, "\n".join(header) + f'\n{indent}"""{first}"""'))
     return out
@@ -82,7 +82,7 @@ def written_function(prompt: str, completion: str, finished: bool) -> str:
         line = lines[i]
         if line.strip() and not line[0].isspace():
             return "\n".join(lines[:i]).rstrip() + "\n"
-    if not finished and (prompt.endswith("\n") or "\n" in completion):     # the last line is the model's
+    if not finished and (prompt.endswith("\n") or "\n" in completion):  # the last line is the model's
         lines = lines[:-1]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -97,8 +97,12 @@ def has_body(function_source: str) -> bool:
     if not funcs:
         return False
     body = funcs[0].body
-    has_doc = (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-               and isinstance(body[0].value.value, str))
+    has_doc = (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    )
     return len(body) > (1 if has_doc else 0)
 
 
@@ -106,38 +110,97 @@ def has_body(function_source: str) -> bool:
 class FunctionalTask:
     name: str
     prompt: str
-    cases: tuple[tuple[tuple, object], ...]     # (arguments, expected result)
+    cases: tuple[tuple[tuple, object], ...]  # (arguments, expected result)
 
 
 def _task(signature: str, doc: str, *cases: tuple[tuple, object]) -> FunctionalTask:
-    return FunctionalTask(signature.split("(")[0], f"def {signature}:\n    \"\"\"{doc}\"\"\"", cases)
+    return FunctionalTask(signature.split("(")[0], f'def {signature}:\n    """{doc}"""', cases)
 
 
 FUNCTIONAL_TASKS: tuple[FunctionalTask, ...] = (
-    _task("mean(values)", "Return the arithmetic mean of a non-empty list of numbers.",
-          (([1, 2, 3, 4],), 2.5), (([5],), 5), (([-1, 1],), 0)),
-    _task("gcd(a, b)", "Return the greatest common divisor of two non-negative integers.",
-          ((12, 18), 6), ((7, 5), 1), ((0, 9), 9), ((21, 14), 7)),
-    _task("clamp(x, lo, hi)", "Return x limited to the range [lo, hi].",
-          ((5, 0, 10), 5), ((-3, 0, 10), 0), ((12, 0, 10), 10)),
-    _task("flatten(lists)", "Return a single list with the items of a list of lists, in order.",
-          (([[1, 2], [3], []],), [1, 2, 3]), (([],), []), (([["a"], ["b", "c"]],), ["a", "b", "c"])),
-    _task("factorial(n)", "Return n! for a non-negative integer n.",
-          ((0,), 1), ((1,), 1), ((5,), 120), ((10,), 3628800)),
-    _task("is_palindrome(s)", "Return True if the string s reads the same forwards and backwards.",
-          (("abba",), True), (("abc",), False), (("",), True), (("racecar",), True)),
-    _task("is_prime(n)", "Return True if n is a prime number.",
-          ((2,), True), ((1,), False), ((9,), False), ((13,), True), ((97,), True)),
-    _task("fibonacci(n)", "Return the n-th Fibonacci number, with fibonacci(0) == 0 and fibonacci(1) == 1.",
-          ((0,), 0), ((1,), 1), ((10,), 55)),
-    _task("reverse_words(text)", "Return the words of text in reverse order, joined by single spaces.",
-          (("a b c",), "c b a"), (("hello world",), "world hello")),
-    _task("count_vowels(text)", "Return the number of vowels (a, e, i, o, u) in the lowercase string text.",
-          (("hello",), 2), (("xyz",), 0), (("aeiou",), 5)),
-    _task("maximum(values)", "Return the largest item of a non-empty list without using max().",
-          (([3, 1, 2],), 3), (([-5, -2],), -2), (([7],), 7)),
-    _task("unique(items)", "Return the items of a list without duplicates, keeping the first occurrence order.",
-          (([1, 2, 1, 3, 2],), [1, 2, 3]), (([],), []), ((["a", "a"],), ["a"])),
+    _task(
+        "mean(values)",
+        "Return the arithmetic mean of a non-empty list of numbers.",
+        (([1, 2, 3, 4],), 2.5),
+        (([5],), 5),
+        (([-1, 1],), 0),
+    ),
+    _task(
+        "gcd(a, b)",
+        "Return the greatest common divisor of two non-negative integers.",
+        ((12, 18), 6),
+        ((7, 5), 1),
+        ((0, 9), 9),
+        ((21, 14), 7),
+    ),
+    _task(
+        "clamp(x, lo, hi)",
+        "Return x limited to the range [lo, hi].",
+        ((5, 0, 10), 5),
+        ((-3, 0, 10), 0),
+        ((12, 0, 10), 10),
+    ),
+    _task(
+        "flatten(lists)",
+        "Return a single list with the items of a list of lists, in order.",
+        (([[1, 2], [3], []],), [1, 2, 3]),
+        (([],), []),
+        (([["a"], ["b", "c"]],), ["a", "b", "c"]),
+    ),
+    _task(
+        "factorial(n)", "Return n! for a non-negative integer n.", ((0,), 1), ((1,), 1), ((5,), 120), ((10,), 3628800)
+    ),
+    _task(
+        "is_palindrome(s)",
+        "Return True if the string s reads the same forwards and backwards.",
+        (("abba",), True),
+        (("abc",), False),
+        (("",), True),
+        (("racecar",), True),
+    ),
+    _task(
+        "is_prime(n)",
+        "Return True if n is a prime number.",
+        ((2,), True),
+        ((1,), False),
+        ((9,), False),
+        ((13,), True),
+        ((97,), True),
+    ),
+    _task(
+        "fibonacci(n)",
+        "Return the n-th Fibonacci number, with fibonacci(0) == 0 and fibonacci(1) == 1.",
+        ((0,), 0),
+        ((1,), 1),
+        ((10,), 55),
+    ),
+    _task(
+        "reverse_words(text)",
+        "Return the words of text in reverse order, joined by single spaces.",
+        (("a b c",), "c b a"),
+        (("hello world",), "world hello"),
+    ),
+    _task(
+        "count_vowels(text)",
+        "Return the number of vowels (a, e, i, o, u) in the lowercase string text.",
+        (("hello",), 2),
+        (("xyz",), 0),
+        (("aeiou",), 5),
+    ),
+    _task(
+        "maximum(values)",
+        "Return the largest item of a non-empty list without using max().",
+        (([3, 1, 2],), 3),
+        (([-5, -2],), -2),
+        (([7],), 7),
+    ),
+    _task(
+        "unique(items)",
+        "Return the items of a list without duplicates, keeping the first occurrence order.",
+        (([1, 2, 1, 3, 2],), [1, 2, 3]),
+        (([],), []),
+        ((["a", "a"],), ["a"]),
+    ),
 )
 
 _RUNNER = r"""
@@ -159,10 +222,16 @@ def passes(task: FunctionalTask, function_source: str, timeout_s: float = 5.0) -
     limit: True only when every case returns the expected value."""
     cases = [[list(args), want] for args, want in task.cases]
     payload = json.dumps([function_source, task.name, cases])
-    with tempfile.TemporaryDirectory(prefix="dsv4-eval-") as scratch:      # whatever it writes stays there
+    with tempfile.TemporaryDirectory(prefix="dsv4-eval-") as scratch:  # whatever it writes stays there
         try:
-            run = subprocess.run([sys.executable, "-I", "-c", _RUNNER], input=payload, capture_output=True,
-                                 text=True, timeout=timeout_s, cwd=scratch)
+            run = subprocess.run(
+                [sys.executable, "-I", "-c", _RUNNER],
+                input=payload,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                cwd=scratch,
+            )
         except subprocess.TimeoutExpired:
             return False
     return run.returncode == 0 and run.stdout.strip() == "true"

@@ -17,20 +17,24 @@ from .code import FUNCTIONAL_TASKS, FunctionPrompt, has_body, one_line_docstring
 @dataclass
 class CompletionReport:
     with_body: list[bool] = field(default_factory=list)
-    with_body_newline: list[bool] = field(default_factory=list)     # the same prompts, ending in a newline
+    with_body_newline: list[bool] = field(default_factory=list)  # the same prompts, ending in a newline
     functional: dict[str, list[bool]] = field(default_factory=dict)
     written: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
         right = sum(sum(v) for v in self.functional.values())
         samples = sum(len(v) for v in self.functional.values())
-        return {"prompts": len(self.with_body), "with_body": sum(self.with_body),
-                "with_body_fraction": sum(self.with_body) / max(1, len(self.with_body)),
-                "with_body_newline": sum(self.with_body_newline),
-                "with_body_newline_fraction": sum(self.with_body_newline) / max(1, len(self.with_body_newline)),
-                "functional_right": right, "functional_samples": samples,
-                "functional_fraction": right / max(1, samples),
-                "functional_by_task": {k: sum(v) for k, v in self.functional.items()}}
+        return {
+            "prompts": len(self.with_body),
+            "with_body": sum(self.with_body),
+            "with_body_fraction": sum(self.with_body) / max(1, len(self.with_body)),
+            "with_body_newline": sum(self.with_body_newline),
+            "with_body_newline_fraction": sum(self.with_body_newline) / max(1, len(self.with_body_newline)),
+            "functional_right": right,
+            "functional_samples": samples,
+            "functional_fraction": right / max(1, samples),
+            "functional_by_task": {k: sum(v) for k, v in self.functional.items()},
+        }
 
 
 def held_out_prompts(docs: list[tuple[str, Path]], n: int) -> list[FunctionPrompt]:
@@ -41,46 +45,108 @@ def held_out_prompts(docs: list[tuple[str, Path]], n: int) -> list[FunctionPromp
     return [pool[i * len(pool) // n] for i in range(n)]
 
 
-def _complete(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float,
-              seed: int, progress: bool = False, desc: str = "completions",
-              token_healing: bool = True) -> list[tuple[str, bool]]:
+def _complete(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    progress: bool = False,
+    desc: str = "completions",
+    token_healing: bool = True,
+) -> list[tuple[str, bool]]:
     """(completion text after the prompt, ended by EOS) per prompt; prompt i samples with seed + i.
     `progress`: a bar of the prompts finished (by EOS or length) on a terminal."""
     from ..progress import bar
 
     made = [0] * len(prompts)
     with bar(len(prompts), desc, progress, unit="prompt") as done:
+
         def on_token(i: int, tok: int) -> None:
             made[i] += 1
             if tok == tokenizer.eos_id or made[i] == max_new_tokens:
                 done.update(1)
 
-        outs = complete(model, tokenizer, prompts, token_healing=token_healing, max_new_tokens=max_new_tokens,
-                        temperature=temperature, top_p=top_p, seed=seed, eos_token_id=tokenizer.eos_id,
-                        on_token=on_token)
+        outs = complete(
+            model,
+            tokenizer,
+            prompts,
+            token_healing=token_healing,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=tokenizer.eos_id,
+            on_token=on_token,
+        )
     return [(c.text, c.eos) for c in outs]
 
 
-def evaluate_completions(model, tokenizer, docs: list[tuple[str, Path]], n_prompts: int = 100, samples: int = 5,
-                         max_new_tokens: int = 80, temperature: float = 0.7, top_p: float = 0.9,
-                         seed: int = 0, progress: bool = False, token_healing: bool = True) -> CompletionReport:
+def evaluate_completions(
+    model,
+    tokenizer,
+    docs: list[tuple[str, Path]],
+    n_prompts: int = 100,
+    samples: int = 5,
+    max_new_tokens: int = 80,
+    temperature: float = 0.7,
+    top_p: float = 0.9,
+    seed: int = 0,
+    progress: bool = False,
+    token_healing: bool = True,
+) -> CompletionReport:
     rep = CompletionReport()
     prompts = held_out_prompts(docs, n_prompts)
-    for fp, (text, finished) in zip(prompts, _complete(model, tokenizer, [fp.prompt for fp in prompts],
-                                                       max_new_tokens, temperature, top_p, seed, progress,
-                                                       "completions: held-out functions", token_healing)):
+    for fp, (text, finished) in zip(
+        prompts,
+        _complete(
+            model,
+            tokenizer,
+            [fp.prompt for fp in prompts],
+            max_new_tokens,
+            temperature,
+            top_p,
+            seed,
+            progress,
+            "completions: held-out functions",
+            token_healing,
+        ),
+    ):
         fn = written_function(fp.prompt, text, finished)
         rep.with_body.append(has_body(fn))
         rep.written.append(fn)
     newline = [fp.prompt + "\n" for fp in prompts]
-    for prompt, (text, finished) in zip(newline, _complete(model, tokenizer, newline, max_new_tokens, temperature,
-                                                           top_p, seed, progress,
-                                                           "completions: held-out functions + newline",
-                                                           token_healing)):
+    for prompt, (text, finished) in zip(
+        newline,
+        _complete(
+            model,
+            tokenizer,
+            newline,
+            max_new_tokens,
+            temperature,
+            top_p,
+            seed,
+            progress,
+            "completions: held-out functions + newline",
+            token_healing,
+        ),
+    ):
         rep.with_body_newline.append(has_body(written_function(prompt, text, finished)))
     tasks = [t for t in FUNCTIONAL_TASKS for _ in range(samples)]
-    done = _complete(model, tokenizer, [t.prompt for t in tasks], max_new_tokens, temperature, top_p, seed,
-                     progress, "completions: well-known functions", token_healing)
+    done = _complete(
+        model,
+        tokenizer,
+        [t.prompt for t in tasks],
+        max_new_tokens,
+        temperature,
+        top_p,
+        seed,
+        progress,
+        "completions: well-known functions",
+        token_healing,
+    )
     for t, (text, finished) in zip(tasks, done):
         rep.functional.setdefault(t.name, []).append(passes(t, written_function(t.prompt, text, finished)))
     return rep

@@ -24,9 +24,9 @@ from ..train.data import is_held_out, read_text
 @dataclass
 class HeldOutLoss:
     documents: int
-    tokens: int          # predicted tokens
-    bytes: int           # UTF-8 bytes of the documents
-    nats: float          # total cross-entropy
+    tokens: int  # predicted tokens
+    bytes: int  # UTF-8 bytes of the documents
+    nats: float  # total cross-entropy
 
     @property
     def nats_per_token(self) -> float:
@@ -42,8 +42,15 @@ def held_out_documents(docs: list[tuple[str, Path]], held_out_pct: float) -> lis
 
 
 @torch.no_grad()
-def held_out_loss(model, tokenizer, docs: list[tuple[str, Path]], seq_len: int = 512, batch_size: int = 8,
-                  max_tokens: int = 0, progress: bool = False) -> HeldOutLoss:
+def held_out_loss(
+    model,
+    tokenizer,
+    docs: list[tuple[str, Path]],
+    seq_len: int = 512,
+    batch_size: int = 8,
+    max_tokens: int = 0,
+    progress: bool = False,
+) -> HeldOutLoss:
     """Score the documents (already the held-out ones) as one BOS..EOS stream. max_tokens > 0: only the
     documents that still fit in that many tokens, in order (whole documents, so the byte count stays exact;
     a quick look, biased to short files)."""
@@ -68,15 +75,14 @@ def held_out_loss(model, tokenizer, docs: list[tuple[str, Path]], seq_len: int =
 
     steps = bar(len(starts), "held-out loss: windows", progress)
     for i in range(0, len(starts), batch_size):
-        steps.update(len(starts[i:i + batch_size]))
-        windows = [ids[s:s + seq_len + 1] for s in starts[i:i + batch_size]]
+        steps.update(len(starts[i : i + batch_size]))
+        windows = [ids[s : s + seq_len + 1] for s in starts[i : i + batch_size]]
         full = [w for w in windows if w.numel() == seq_len + 1]
-        rest = [w for w in windows if w.numel() != seq_len + 1 and w.numel() > 1]    # the ragged last one
+        rest = [w for w in windows if w.numel() != seq_len + 1 and w.numel() > 1]  # the ragged last one
         for group in ([torch.stack(full)] if full else []) + [w[None] for w in rest]:
-            x = group.to(device)                        # [b, L + 1]
-            logits = model(x[:, :-1]).logits            # [b, L, vocab] fp32
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), x[:, 1:].reshape(-1),
-                                   reduction="sum")
+            x = group.to(device)  # [b, L + 1]
+            logits = model(x[:, :-1]).logits  # [b, L, vocab] fp32
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), x[:, 1:].reshape(-1), reduction="sum")
             total += float(loss)
             count += x[:, 1:].numel()
     steps.close()

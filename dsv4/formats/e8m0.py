@@ -26,8 +26,12 @@ def raw_bytes(t: torch.Tensor, native: str, refusal: str) -> torch.Tensor:
 
 def as_e8m0_bytes(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of an E8M0 tensor (uint8/int8/float8_e8m0fnu) as uint8, copied as bits."""
-    return raw_bytes(t, "float8_e8m0fnu", "an E8M0 scale must be raw bytes (uint8, int8 or float8_e8m0fnu), got "
-                     "{dtype}; converting float values to E8M0 goes through e8m0_encode")
+    return raw_bytes(
+        t,
+        "float8_e8m0fnu",
+        "an E8M0 scale must be raw bytes (uint8, int8 or float8_e8m0fnu), got "
+        "{dtype}; converting float values to E8M0 goes through e8m0_encode",
+    )
 
 
 def e8m0_from_bytes(b: torch.Tensor) -> torch.Tensor:
@@ -39,7 +43,7 @@ def e8m0_from_bytes(b: torch.Tensor) -> torch.Tensor:
 def e8m0_decode(t: torch.Tensor) -> torch.Tensor:
     """E8M0 bytes -> fp32 values 2^(b-127) (NaN for 255), bit-exact."""
     b = as_e8m0_bytes(t).to(torch.int32)
-    bits = torch.where(b == 0, torch.full_like(b, 1 << 22), b << 23)      # 2^-127 is subnormal in fp32
+    bits = torch.where(b == 0, torch.full_like(b, 1 << 22), b << 23)  # 2^-127 is subnormal in fp32
     bits = torch.where(b == E8M0_NAN, torch.full_like(b, 0x7FC00000), bits)
     return bits.view(torch.float32)
 
@@ -61,7 +65,7 @@ def e8m0_encode(x: torch.Tensor, rounding: str = "exact") -> torch.Tensor:
     nan = torch.isnan(xf)
     if rounding == "exact":
         normal_pow2 = (exp > 0) & (exp < 255) & (man == 0)
-        sub_min = (exp == 0) & (man == (1 << 22))                      # 2^-127
+        sub_min = (exp == 0) & (man == (1 << 22))  # 2^-127
         ok = (~sign & (normal_pow2 | sub_min)) | nan
         if not bool(ok.all()):
             bad = xf[~ok].flatten()[:4].tolist()

@@ -18,7 +18,7 @@ HAS_FP4 = hasattr(torch, "float4_e2m1fn_x2")
 FP4_BLOCK = 32
 FP4_MAX = 6.0
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)                # between consecutive magnitudes
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between consecutive magnitudes
 
 
 def as_packed_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -75,9 +75,9 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("E2M1 encoding needs finite values in [-6, 6]")
     mids = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=xf.device)
     a = xf.abs()
-    mag = torch.searchsorted(mids, a)                                           # a == mids[k] -> k
+    mag = torch.searchsorted(mids, a)  # a == mids[k] -> k
     tie = (mag < len(_MIDPOINTS)) & (a == mids[mag.clamp(max=len(_MIDPOINTS) - 1)])
-    mag = mag + (tie & (mag % 2 == 1)).long()                                   # ties go to the even code
+    mag = mag + (tie & (mag % 2 == 1)).long()  # ties go to the even code
     return (mag | (torch.signbit(xf).long() << 3)).to(torch.uint8)
 
 
@@ -85,17 +85,20 @@ def _check_scale(packed_shape: tuple[int, ...], scale: torch.Tensor, block: int)
     n = packed_shape[-1] * 2
     want = (*packed_shape[:-1], n // block)
     if tuple(scale.shape) != want:
-        raise ValueError(f"MXFP4 scale shape {tuple(scale.shape)} does not match packed weight "
-                         f"{tuple(packed_shape)}: expected {want} (one scale per {block} elements of a row)")
+        raise ValueError(
+            f"MXFP4 scale shape {tuple(scale.shape)} does not match packed weight "
+            f"{tuple(packed_shape)}: expected {want} (one scale per {block} elements of a row)"
+        )
 
 
-def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
-                     block: int = FP4_BLOCK) -> torch.Tensor:
+def dequantize_mxfp4(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32, block: int = FP4_BLOCK
+) -> torch.Tensor:
     """packed [..., out, in/2] + scale [..., out, in/32] (E8M0) -> [..., out, in]."""
     _check_scale(tuple(packed.shape), scale, block)
     b = as_packed_bytes(packed)
-    vals = _byte_table(b.device)[b.long()].flatten(-2)                          # [..., out, in]
-    s = e8m0_decode(scale).to(vals.device).unsqueeze(-1)                        # [..., out, in/32, 1]
+    vals = _byte_table(b.device)[b.long()].flatten(-2)  # [..., out, in]
+    s = e8m0_decode(scale).to(vals.device).unsqueeze(-1)  # [..., out, in/32, 1]
     return (vals.unflatten(-1, (-1, block)) * s).flatten(-2).to(dtype)
 
 
@@ -111,8 +114,8 @@ def quantize_mxfp4(w: torch.Tensor, block: int = FP4_BLOCK) -> tuple[torch.Tenso
     wf = w.detach().float()
     if not bool(torch.isfinite(wf).all()):
         raise ValueError("cannot quantize a weight with non-finite values to MXFP4")
-    blocks = wf.unflatten(-1, (n // block, block))                              # [..., nb, 32]
-    amax = blocks.abs().amax(-1)                                                # [..., nb]
+    blocks = wf.unflatten(-1, (n // block, block))  # [..., nb, 32]
+    amax = blocks.abs().amax(-1)  # [..., nb]
     sbytes = e8m0_encode(amax / FP4_MAX, "ceil")
     svals = e8m0_decode(sbytes).unsqueeze(-1)
     codes = e2m1_encode((blocks / svals).clamp(-FP4_MAX, FP4_MAX)).flatten(-2)

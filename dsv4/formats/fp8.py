@@ -43,7 +43,7 @@ def _e4m3_table() -> torch.Tensor:
 
 @functools.cache
 def _e4m3_midpoints() -> tuple[torch.Tensor, torch.Tensor]:
-    pos = _e4m3_table()[:_NAN_BYTE].double()                          # 0 .. 448, increasing, codes 0..126
+    pos = _e4m3_table()[:_NAN_BYTE].double()  # 0 .. 448, increasing, codes 0..126
     return pos, (pos[1:] + pos[:-1]) / 2
 
 
@@ -74,15 +74,15 @@ def e4m3_encode(x: torch.Tensor, native: bool | None = None) -> torch.Tensor:
     version's `float8_e4m3fn` cast does with values beyond 448 (some saturate, some give NaN): the native
     cast and the byte-level path below produce the same bytes on every torch.
     """
-    xf = x.detach().float().clamp(-FP8_MAX, FP8_MAX)                  # NaN stays NaN
+    xf = x.detach().float().clamp(-FP8_MAX, FP8_MAX)  # NaN stays NaN
     if _use_native(native):
         return xf.to(torch.float8_e4m3fn).view(torch.uint8)
     pos, mid = _e4m3_midpoints()
     pos, mid = pos.to(xf.device), mid.to(xf.device)
     a = xf.abs().double()
-    code = torch.searchsorted(mid, a)                                 # a == mid[k] -> k (lower neighbour)
+    code = torch.searchsorted(mid, a)  # a == mid[k] -> k (lower neighbour)
     tie = (code < mid.numel()) & (a == mid[code.clamp(max=mid.numel() - 1)])
-    code = code + (tie & (code % 2 == 1)).long()                      # ties go to the even code
+    code = code + (tie & (code % 2 == 1)).long()  # ties go to the even code
     code = torch.where(torch.isnan(a), torch.full_like(code, _NAN_BYTE), code)
     sign = torch.signbit(xf).long() << 7
     return (code | sign).to(torch.uint8)
@@ -107,26 +107,34 @@ def expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int,
     return scale.repeat_interleave(block[0], 0)[:o].repeat_interleave(block[1], 1)[:, :i]
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
-                   block: int = FP8_BLOCK, native: bool | None = None) -> torch.Tensor:
+def dequantize_fp8(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    block: int = FP8_BLOCK,
+    native: bool | None = None,
+) -> torch.Tensor:
     """q [out, in] E4M3 + scale [ceil(out/128), ceil(in/128)] -> [out, in] in `dtype`."""
     if q.dim() != 2:
         raise ValueError(f"FP8 weight must be 2-D [out, in], got shape {tuple(q.shape)}")
     want = fp8_scale_shape(q.size(0), q.size(1), block)
     if tuple(scale.shape) != want:
-        raise ValueError(f"FP8 block scale shape {tuple(scale.shape)} does not match weight "
-                         f"{tuple(q.shape)}: "
-                         f"expected {want} (one scale per {block}x{block} block)")
+        raise ValueError(
+            f"FP8 block scale shape {tuple(scale.shape)} does not match weight "
+            f"{tuple(q.shape)}: "
+            f"expected {want} (one scale per {block}x{block} block)"
+        )
     s = _scale_values(scale).to(q.device)
     v = e4m3_decode(q, native)
     o, i = q.shape
-    if o % block == 0 and i % block == 0:                                       # broadcast per block
+    if o % block == 0 and i % block == 0:  # broadcast per block
         return (v.view(o // block, block, i // block, block) * s[:, None, :, None]).view(o, i).to(dtype)
-    return (v * expand_blocks(s, (o, i), (block, block))).to(dtype)             # ragged edges
+    return (v * expand_blocks(s, (o, i), (block, block))).to(dtype)  # ragged edges
 
 
-def quantize_fp8(w: torch.Tensor, block: int = FP8_BLOCK, scale_fmt: str = "ue8m0",
-                 native: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(
+    w: torch.Tensor, block: int = FP8_BLOCK, scale_fmt: str = "ue8m0", native: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] float -> (q [out, in] E4M3, scale [ceil(out/128), ceil(in/128)]).
 
     scale_fmt "ue8m0": power-of-two scales as E8M0 (float8_e8m0fnu view where available, else uint8);
@@ -142,7 +150,7 @@ def quantize_fp8(w: torch.Tensor, block: int = FP8_BLOCK, scale_fmt: str = "ue8m
     wf = w.detach().float()
     padded = torch.zeros(so * block, si * block, dtype=torch.float32, device=w.device)
     padded[:o, :i] = wf
-    amax = padded.view(so, block, si, block).abs().amax(dim=(1, 3))      # [so, si]
+    amax = padded.view(so, block, si, block).abs().amax(dim=(1, 3))  # [so, si]
     if not bool(torch.isfinite(amax).all()):
         raise ValueError("cannot quantize a weight with non-finite values to FP8")
     if scale_fmt == "ue8m0":
@@ -157,5 +165,17 @@ def quantize_fp8(w: torch.Tensor, block: int = FP8_BLOCK, scale_fmt: str = "ue8m
     return (q.view(torch.float8_e4m3fn) if HAS_FP8 else q), scale
 
 
-__all__ = ["HAS_FP8", "FP8_MAX", "FP8_BLOCK", "as_fp8_bytes", "fp8_from_bytes", "e4m3_decode", "e4m3_encode",
-           "fp8_scale_shape", "expand_blocks", "dequantize_fp8", "quantize_fp8", "as_e8m0_bytes"]
+__all__ = [
+    "HAS_FP8",
+    "FP8_MAX",
+    "FP8_BLOCK",
+    "as_fp8_bytes",
+    "fp8_from_bytes",
+    "e4m3_decode",
+    "e4m3_encode",
+    "fp8_scale_shape",
+    "expand_blocks",
+    "dequantize_fp8",
+    "quantize_fp8",
+    "as_e8m0_bytes",
+]

@@ -46,8 +46,13 @@ class Compressor(nn.Module):
         score = linear_fp32(x, self.wgate.weight) + self.ape[positions % self.ratio]
         return kv, score
 
-    def pool(self, kv: torch.Tensor, score: torch.Tensor, prev_kv: torch.Tensor | None = None,
-             prev_score: torch.Tensor | None = None) -> torch.Tensor:
+    def pool(
+        self,
+        kv: torch.Tensor,
+        score: torch.Tensor,
+        prev_kv: torch.Tensor | None = None,
+        prev_score: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Pool complete groups kv, score [b, g, r, coff*c] -> [b, g, c] (fp32).
 
         prev_kv / prev_score [b, r, coff*c]: the group before the first one (overlap only).
@@ -59,9 +64,9 @@ class Compressor(nn.Module):
             if prev_kv is None:
                 prev_kv = kv.new_zeros(kv[:, 0].shape)
                 prev_score = score.new_full(score[:, 0].shape, float("-inf"))
-            before_kv = torch.cat([prev_kv.unsqueeze(1), kv[:, :-1]], 1)[..., :c]      # [b, g, r, c]
+            before_kv = torch.cat([prev_kv.unsqueeze(1), kv[:, :-1]], 1)[..., :c]  # [b, g, r, c]
             before_score = torch.cat([prev_score.unsqueeze(1), score[:, :-1]], 1)[..., :c]
-            kv = torch.cat([before_kv, kv[..., c:]], 2)                                 # [b, g, 2r, c]
+            kv = torch.cat([before_kv, kv[..., c:]], 2)  # [b, g, 2r, c]
             score = torch.cat([before_score, score[..., c:]], 2)
         return ops.compress_pool(kv, score)
 
@@ -75,8 +80,10 @@ class Compressor(nn.Module):
             if self.fp4_sim:
                 entries = ops.fp4_round_trip(ops.hadamard(entries), 32)
         elif self.fp8_sim:
-            entries = torch.cat([ops.fp8_round_trip(entries[..., : -self.rope_dim], 64, self.kv_pow2),
-                                 entries[..., -self.rope_dim:]], -1)
+            entries = torch.cat(
+                [ops.fp8_round_trip(entries[..., : -self.rope_dim], 64, self.kv_pow2), entries[..., -self.rope_dim :]],
+                -1,
+            )
         return entries
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,8 +98,15 @@ class Compressor(nn.Module):
         return entries, kv, score
 
     # ---------------------------------------------------------------- incremental (paged)
-    def append(self, x: torch.Tensor, positions: torch.Tensor, rp: RatioPlan, entries: torch.Tensor, ring: Ring,
-               tail: Ring | None = None) -> None:
+    def append(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rp: RatioPlan,
+        entries: torch.Tensor,
+        ring: Ring,
+        tail: Ring | None = None,
+    ) -> None:
         """Add T tokens x [1, T, dim] at positions [T] to the paged state; write the entries of the
         groups they complete into `entries` (entry-region rows).
 
@@ -100,20 +114,20 @@ class Compressor(nn.Module):
         written by earlier steps); the pooled entry is written only when the group is complete (else to
         the trash row), so decode and verify steps keep static shapes.
         """
-        kv, score = self.project(x, positions)                                          # [1, T, coff*c] fp32
-        kv, score = kv[0], score[0]                                                     # [T, W]
+        kv, score = self.project(x, positions)  # [1, T, coff*c] fp32
+        kv, score = kv[0], score[0]  # [T, W]
         new = rp.group_new
-        take_new = (new >= 0).unsqueeze(-1)                                             # [G, n, 1]
+        take_new = (new >= 0).unsqueeze(-1)  # [G, n, 1]
 
         def rows(src: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-            return torch.where(take_new, src[new.clamp_min(0)], kept[rp.group_ring])   # [G, coff*r, W]
+            return torch.where(take_new, src[new.clamp_min(0)], kept[rp.group_ring])  # [G, coff*r, W]
 
         g_kv, g_score = rows(kv, ring.kv), rows(score, ring.score)
-        if self.overlap:                 # previous group's first half of channels, current group's second
+        if self.overlap:  # previous group's first half of channels, current group's second
             c, r = self.head_dim, self.ratio
-            g_kv = torch.cat([g_kv[:, :r, :c], g_kv[:, r:, c:]], 1)                    # [G, 2r, c]
+            g_kv = torch.cat([g_kv[:, :r, :c], g_kv[:, r:, c:]], 1)  # [G, 2r, c]
             g_score = torch.cat([g_score[:, :r, :c], g_score[:, r:, c:]], 1)
-        pooled = ops.compress_pool(g_kv, g_score)                                       # [G, c]
+        pooled = ops.compress_pool(g_kv, g_score)  # [G, c]
         out = self.finish(pooled.unsqueeze(0), rp.group_j, x.dtype).squeeze(0)
         entries.index_copy_(0, rp.entry_write, out.to(entries.dtype))
         ring.kv.index_copy_(0, rp.ring_write, kv)
@@ -121,6 +135,7 @@ class Compressor(nn.Module):
         if tail is not None and rp.tail_write is not None:
             tail.kv.index_copy_(0, rp.tail_write, kv)
             tail.score.index_copy_(0, rp.tail_write, score)
+
 
 # ------------------------------------------------------------------------------------------ indexer
 class Indexer(nn.Module):
@@ -138,7 +153,7 @@ class Indexer(nn.Module):
         self.rope, self.fp4_sim = rope, cfg.fp4_indexer_sim
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.weights_proj = Linear(cfg.dim, self.n_heads)
-        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
         self.compressor = Compressor(cfg, self.ratio, self.head_dim, rope, rotate=True)
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +175,7 @@ class Attention(nn.Module):
         self.n_heads, self.head_dim, self.rope_dim = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
         self.window, self.ratio, self.eps = cfg.window_size, cfg.compress_ratios[layer_id], cfg.norm_eps
         self.o_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.rope = Rope(cfg, compressed=self.ratio > 0)
 
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
@@ -177,10 +192,10 @@ class Attention(nn.Module):
 
     # ---------------------------------------------------------------- shared pieces
     def _q_kv(self, x: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int] | None = None):
-        qr = self.q_norm(self.wq_a(x))                                                  # [b, s, q_lora]
+        qr = self.q_norm(self.wq_a(x))  # [b, s, q_lora]
         q = rms_normalize(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), self.eps)
-        q = apply_rope_tail(q, self.rope, positions)                                    # [b, s, h, d]
-        kv = self._kv(x, positions)                                                     # [b, s, d]
+        q = apply_rope_tail(q, self.rope, positions)  # [b, s, h, d]
+        kv = self._kv(x, positions)  # [b, s, d]
         return qr, record_as(f"{self.stage}.q", q, shape), record_as(f"{self.stage}.kv", kv, shape)
 
     def _kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -188,16 +203,18 @@ class Attention(nn.Module):
         non-RoPE dims (QAT) -> [b, s, d]."""
         kv = apply_rope_tail(self.kv_norm(self.wkv(x)), self.rope, positions)
         if self.cfg.fp8_kv_sim:
-            kv = torch.cat([ops.fp8_round_trip(kv[..., : -self.rope_dim], 64, self.cfg.kv_scale_pow2),
-                            kv[..., -self.rope_dim:]], -1)
+            kv = torch.cat(
+                [ops.fp8_round_trip(kv[..., : -self.rope_dim], 64, self.cfg.kv_scale_pow2), kv[..., -self.rope_dim :]],
+                -1,
+            )
         return kv
 
     def _output(self, o: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int] | None = None) -> torch.Tensor:
-        o = apply_rope_tail(o, self.rope, positions, inverse=True)                      # [b, s, h, d]
+        o = apply_rope_tail(o, self.rope, positions, inverse=True)  # [b, s, h, d]
         o = record_as(f"{self.stage}.core", o, shape)
         b, s = o.shape[:2]
-        o = o.reshape(b, s, self.o_groups, -1)                                          # [b, s, g, h/g*d]
-        wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)               # [g, R, h/g*d]
+        o = o.reshape(b, s, self.o_groups, -1)  # [b, s, g, h/g*d]
+        wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)  # [g, R, h/g*d]
         acc = acc_dtype() if o.dtype == torch.float32 else o.dtype
         o = torch.einsum("bsgd,grd->bsgr", o.to(acc), wo_a.to(acc)).to(o.dtype)
         return record_as(f"{self.stage}.out", self.wo_b(o.flatten(2)), shape)
@@ -214,7 +231,7 @@ class Attention(nn.Module):
         also keeps the differentiable scores in q_ctx["scores"] (the indexer loss needs them)."""
         q, w = self.indexer.queries(x.detach(), qr.detach(), positions)
         if with_scores:
-            scores = ops.indexer_scores(q, kv_index, w, positions, self.ratio)           # [b, s, n]
+            scores = ops.indexer_scores(q, kv_index, w, positions, self.ratio)  # [b, s, n]
             sel = ops.reference.select_topk(scores.detach(), self.indexer.topk)
             q_ctx["scores"] = scores
         else:
@@ -222,8 +239,13 @@ class Attention(nn.Module):
         return record(f"{self.stage}.indexer.topk", sel)
 
     # ---------------------------------------------------------------- full sequence (train / prefill)
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, losses: dict[str, torch.Tensor] | None = None,
-                indexer_loss: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        losses: dict[str, torch.Tensor] | None = None,
+        indexer_loss: bool = False,
+    ) -> torch.Tensor:
         """The whole sequence: x [b, s, dim], positions = arange(s) (training, checks). indexer_loss (in
         training mode, on a layer with an indexer): the Lightning Indexer's KL goes into losses["indexer"]
         (a dict the caller gives, a block's training forward; the module keeps nothing)."""
@@ -231,10 +253,10 @@ class Attention(nn.Module):
             raise ValueError("indexer_loss=True needs a losses dict to put the loss into")
         b, s, _ = x.shape
         qr, q, kv = self._q_kv(x, positions)
-        idx = self._window_idx(s, x.device).unsqueeze(0).expand(b, -1, -1)              # [b, s, w]
+        idx = self._window_idx(s, x.device).unsqueeze(0).expand(b, -1, -1)  # [b, s, w]
         kv_all, q_ctx = kv, {}
         if self.ratio:
-            comp, raw_kv, raw_score = self.compressor(x, positions)                    # [b, s//r, d]
+            comp, raw_kv, raw_score = self.compressor(x, positions)  # [b, s//r, d]
             comp = record(f"{self.stage}.compressed_kv", comp)
             n = comp.size(1)
             if self.indexer is not None:
@@ -242,14 +264,15 @@ class Attention(nn.Module):
                 want = indexer_loss and self.training
                 sel = self._select(x, qr, positions, k_index, q_ctx, want) if n else idx.new_zeros(b, s, 0)
             else:
-                vis = ops.reference.compressed_visible(positions, n, self.ratio)        # [s, n]
+                vis = ops.reference.compressed_visible(positions, n, self.ratio)  # [s, n]
                 sel = torch.where(vis, torch.arange(n, device=x.device), -1).expand(b, -1, -1)
             idx = torch.cat([idx, torch.where(sel >= 0, sel + s, -1)], -1)
             kv_all = torch.cat([kv, comp], 1)
         o, lse = ops.sparse_attention(q, kv_all, self.attn_sink, idx, self.scale)
         if "scores" in q_ctx:
-            losses["indexer"] = self._indexer_loss(q, kv_all, idx[..., -sel.size(-1):] if sel.size(-1) else None,
-                                                   lse, q_ctx["scores"], s)
+            losses["indexer"] = self._indexer_loss(
+                q, kv_all, idx[..., -sel.size(-1) :] if sel.size(-1) else None, lse, q_ctx["scores"], s
+            )
         return self._output(o, positions)
 
     def _indexer_loss(self, q, kv_all, comp_idx, lse, scores, offset) -> torch.Tensor:
@@ -259,16 +282,16 @@ class Attention(nn.Module):
         """
         if comp_idx is None:
             return scores.sum() * 0
-        valid = comp_idx >= 0                                                           # [b, s, k]
+        valid = comp_idx >= 0  # [b, s, k]
         b = q.size(0)
         with torch.no_grad():
             keys = kv_all[torch.arange(b, device=q.device).view(b, 1, 1), comp_idx.clamp_min(0)].float()
             logits = torch.einsum("bshd,bskd->bshk", q.float(), keys) * self.scale
-            p = torch.exp(logits - lse.unsqueeze(-1)).masked_fill(~valid.unsqueeze(2), 0).sum(2)   # [b, s, k]
+            p = torch.exp(logits - lse.unsqueeze(-1)).masked_fill(~valid.unsqueeze(2), 0).sum(2)  # [b, s, k]
             target = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
         sel_scores = scores.gather(-1, (comp_idx - offset).clamp_min(0)).masked_fill(~valid, float("-inf"))
         log_q = torch.log_softmax(sel_scores, -1).masked_fill(~valid, 0)
-        rows = valid.any(-1)                                                            # [b, s]
+        rows = valid.any(-1)  # [b, s]
         kl = (target * (torch.log(target.clamp_min(1e-30)) - log_q)).masked_fill(~valid, 0).sum(-1)
         return (kl * rows).sum() / rows.sum().clamp_min(1)
 
@@ -280,27 +303,27 @@ class Attention(nn.Module):
         window positions and the complete groups up to and including itself.
         """
         shape = x.shape[:2]
-        positions = plan.inputs.positions                                               # [T]
+        positions = plan.inputs.positions  # [T]
         T = positions.numel()
-        x = x.reshape(1, T, -1)                                                         # [1, T, dim]
+        x = x.reshape(1, T, -1)  # [1, T, dim]
         qr, q, kv = self._q_kv(x, positions, shape)
         pool.kv.index_copy_(0, plan.window_write, kv[0].to(pool.kv.dtype))
-        idx = plan.window_idx                                                           # [T, w]
+        idx = plan.window_idx  # [T, w]
         if self.ratio:
             rp = plan.ratios[self.ratio]
-            self.compressor.append(x, positions, rp, pool.kv[pool.entry_offset:], pool.rows, pool.tails)
+            self.compressor.append(x, positions, rp, pool.kv[pool.entry_offset :], pool.rows, pool.tails)
             if self.indexer is not None:
-                self.indexer.compressor.append(x, positions, rp, pool.index_keys, pool.index_rows,
-                                               pool.index_tails)
-                sel = self._select_paged(x, qr, plan, rp, pool.index_keys)             # [T, topk] entry slots
+                self.indexer.compressor.append(x, positions, rp, pool.index_keys, pool.index_rows, pool.index_tails)
+                sel = self._select_paged(x, qr, plan, rp, pool.index_keys)  # [T, topk] entry slots
             else:
-                sel = rp.visible                                                        # [T, n] entry slots
+                sel = rp.visible  # [T, n] entry slots
             idx = torch.cat([idx, torch.where(sel >= 0, sel + pool.entry_offset, -1)], -1)
         o, _ = ops.sparse_attention(q, pool.kv.unsqueeze(0), self.attn_sink, idx.unsqueeze(0), self.scale)
         return self._output(o, positions, shape).view(*shape, -1)
 
-    def _select_paged(self, x: torch.Tensor, qr: torch.Tensor, plan: Plan, rp: RatioPlan,
-                      keys: torch.Tensor) -> torch.Tensor:
+    def _select_paged(
+        self, x: torch.Tensor, qr: torch.Tensor, plan: Plan, rp: RatioPlan, keys: torch.Tensor
+    ) -> torch.Tensor:
         """Indexer top-k per token over its own sequence's entries -> [T, index_topk] entry slots, -1 none.
 
         Tokens are scored in groups that share a dense layout (`plan.inputs.index_maps`): the decode rows
@@ -309,15 +332,15 @@ class Attention(nn.Module):
         """
         inp = plan.inputs
         T = inp.positions.numel()
-        q, w = self.indexer.queries(x, qr, inp.positions)                               # [1, T, H, D], [1, T, H]
+        q, w = self.indexer.queries(x, qr, inp.positions)  # [1, T, H, D], [1, T, H]
         q, w = q[0], w[0]
         out = torch.full((T + 1, self.indexer.topk), -1, dtype=torch.long, device=x.device)
         for qmap, cand in zip(inp.index_maps, rp.cand):
             valid = qmap >= 0
-            tok = qmap.clamp_min(0)                                                     # [b_g, s_g]
+            tok = qmap.clamp_min(0)  # [b_g, s_g]
             pos = torch.where(valid, inp.positions[tok], -1)
             sel = ops.indexer_topk(q[tok], keys[cand], w[tok], pos, self.ratio, self.indexer.topk)
-            sel = record(f"{self.stage}.indexer.topk", sel)                             # [b_g, s_g, k] entry ids
+            sel = record(f"{self.stage}.indexer.topk", sel)  # [b_g, s_g, k] entry ids
             k = sel.size(-1)
             phys = torch.where(sel >= 0, cand.gather(1, sel.clamp_min(0).flatten(1)).view_as(sel), -1)
             dst = torch.where(valid, qmap, T).flatten()

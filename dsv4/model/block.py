@@ -53,10 +53,18 @@ class Block(nn.Module):
         c = self.cfg
         return ops.hc_pre(x, fn, scale, base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None, token_ids: torch.Tensor,
-                plan: Plan | None = None, pool: LayerPool | None = None, *, with_losses: bool = False,
-                indexer_loss: bool = False, balance_alpha: float = 0.0
-                ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None,
+        token_ids: torch.Tensor,
+        plan: Plan | None = None,
+        pool: LayerPool | None = None,
+        *,
+        with_losses: bool = False,
+        indexer_loss: bool = False,
+        balance_alpha: float = 0.0,
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """x [b, s, hc, dim]. Without a plan: the whole sequence at `positions`; with one: an incremental
         step on the paged pool (positions come from the plan).
 
@@ -69,24 +77,48 @@ class Block(nn.Module):
         if (indexer_loss or balance_alpha > 0) and not with_losses:
             raise ValueError("indexer_loss / balance_alpha need with_losses=True (the losses leave through the output)")
         if self.activation_checkpointing and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self._forward, x, positions, token_ids, plan, pool,
-                                                     with_losses, indexer_loss, balance_alpha, use_reentrant=False)
+            return torch.utils.checkpoint.checkpoint(
+                self._forward,
+                x,
+                positions,
+                token_ids,
+                plan,
+                pool,
+                with_losses,
+                indexer_loss,
+                balance_alpha,
+                use_reentrant=False,
+            )
         return self._forward(x, positions, token_ids, plan, pool, with_losses, indexer_loss, balance_alpha)
 
-    def _forward(self, x: torch.Tensor, positions: torch.Tensor | None, token_ids: torch.Tensor,
-                 plan: Plan | None, pool: LayerPool | None, with_losses: bool = False, indexer_loss: bool = False,
-                 balance_alpha: float = 0.0):
-        losses: dict[str, torch.Tensor] | None = {} if with_losses else None      # made here: a
-        if plan is None:                                                          # recomputation's own
-            out = self._mix(x, lambda h: self.attn(h, positions, losses, indexer_loss), token_ids, losses,
-                            balance_alpha)
+    def _forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None,
+        token_ids: torch.Tensor,
+        plan: Plan | None,
+        pool: LayerPool | None,
+        with_losses: bool = False,
+        indexer_loss: bool = False,
+        balance_alpha: float = 0.0,
+    ):
+        losses: dict[str, torch.Tensor] | None = {} if with_losses else None  # made here: a
+        if plan is None:  # recomputation's own
+            out = self._mix(
+                x, lambda h: self.attn(h, positions, losses, indexer_loss), token_ids, losses, balance_alpha
+            )
         else:
             out = self._mix(x, lambda h: self.attn.append(h, plan, pool), token_ids, losses, balance_alpha)
         return (out, losses) if with_losses else out
 
-    def _mix(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
-             token_ids: torch.Tensor, losses: dict[str, torch.Tensor] | None = None,
-             balance_alpha: float = 0.0) -> torch.Tensor:
+    def _mix(
+        self,
+        x: torch.Tensor,
+        attend: Callable[[torch.Tensor], torch.Tensor],
+        token_ids: torch.Tensor,
+        losses: dict[str, torch.Tensor] | None = None,
+        balance_alpha: float = 0.0,
+    ) -> torch.Tensor:
         """mHC around `attend` (normalized sublayer input [b, s, dim] -> output), then around the MoE
         (which puts its balance loss into `losses` when balance_alpha > 0)."""
         residual = x

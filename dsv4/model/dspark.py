@@ -94,16 +94,17 @@ class DSparkAttention(Attention):
         """main_x [1, T, dim] at positions [T] -> context keys [1, T, head_dim] (the window rows)."""
         return self._kv(main_x, positions)
 
-    def block(self, x: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor, ctx_idx: torch.Tensor,
-              block_size: int) -> torch.Tensor:
+    def block(
+        self, x: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor, ctx_idx: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
         """x [1, N*B, dim]: N blocks of B tokens at positions [N*B]; ctx [1, M, head_dim] context keys and
         ctx_idx [N*B, W] the context rows each token sees (-1: none). Every token also sees the B keys of
         its own block, after the context. -> [1, N*B, dim]."""
-        _, q, kv = self._q_kv(x, positions)                                           # [1, T, h, d], [1, T, d]
+        _, q, kv = self._q_kv(x, positions)  # [1, T, h, d], [1, T, d]
         T = positions.numel()
         first = torch.div(torch.arange(T, device=x.device), block_size, rounding_mode="floor") * block_size
-        own = ctx.size(1) + first.unsqueeze(1) + torch.arange(block_size, device=x.device)   # [T, B]
-        idx = torch.cat([ctx_idx, own], -1).unsqueeze(0)                                  # [1, T, W + B]
+        own = ctx.size(1) + first.unsqueeze(1) + torch.arange(block_size, device=x.device)  # [T, B]
+        idx = torch.cat([ctx_idx, own], -1).unsqueeze(0)  # [1, T, W + B]
         o, _ = ops.sparse_attention(q, torch.cat([ctx, kv], 1), self.attn_sink, idx, self.scale)
         return self._output(o, positions)
 
@@ -154,8 +155,12 @@ class DSparkStage(Block):
             self.markov_head = MarkovHead(cfg)
             self.confidence_head = ConfidenceHead(cfg)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor,  # type: ignore[override]
-                attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        token_ids: torch.Tensor,  # type: ignore[override]
+        attend: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
         """x [1, T, hc, dim] the block's streams; `attend` the attention of this stage over its context."""
         if self.activation_checkpointing and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._mix, x, attend, token_ids, use_reentrant=False)
@@ -166,16 +171,18 @@ class DSparkStage(Block):
 @dataclass
 class DraftBlocks:
     """What the stages computed for N blocks (before the sequential Markov part)."""
-    hidden: torch.Tensor          # [N, B, dim] the HC head's output before the norm
-    base_logits: torch.Tensor     # [N, B, vocab] fp32: head(norm(hidden)), no Markov bias yet
+
+    hidden: torch.Tensor  # [N, B, dim] the HC head's output before the norm
+    base_logits: torch.Tensor  # [N, B, vocab] fp32: head(norm(hidden)), no Markov bias yet
 
 
 @dataclass
 class Proposal:
     """N drafted blocks: what an engine verifies."""
-    tokens: torch.Tensor          # [N, B] long: draft i predicts the token at position p + i + 1
-    logits: torch.Tensor          # [N, B, vocab] fp32: the distributions the drafts were drawn from
-    confidence: torch.Tensor      # [N, B] fp32 logits; sigmoid = P(draft i kept | drafts < i kept)
+
+    tokens: torch.Tensor  # [N, B] long: draft i predicts the token at position p + i + 1
+    logits: torch.Tensor  # [N, B, vocab] fp32: the distributions the drafts were drawn from
+    confidence: torch.Tensor  # [N, B] fp32 logits; sigmoid = P(draft i kept | drafts < i kept)
 
     @property
     def survival(self) -> torch.Tensor:
@@ -188,8 +195,9 @@ def survival(confidence: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(confidence.float()).cumprod(-1)
 
 
-def verify_length(confidence: torch.Tensor, threshold: float, k: int | None = None,
-                  rule: str = "survival") -> torch.Tensor:
+def verify_length(
+    confidence: torch.Tensor, threshold: float, k: int | None = None, rule: str = "survival"
+) -> torch.Tensor:
     """How many drafts of each block to verify: [..., B] confidence logits -> [...] long in [0, k].
 
     rule "survival" (vLLM's static threshold): the drafts whose survival probability is >= threshold (a
@@ -261,8 +269,9 @@ class DSparkDraft:
             e = e.to(low)
         return e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
 
-    def blocks(self, anchors: torch.Tensor, positions: torch.Tensor, ctx: list[torch.Tensor],
-               ctx_idx: torch.Tensor) -> DraftBlocks:
+    def blocks(
+        self, anchors: torch.Tensor, positions: torch.Tensor, ctx: list[torch.Tensor], ctx_idx: torch.Tensor
+    ) -> DraftBlocks:
         """N blocks: anchors [N] at positions [N]; ctx: each stage's context keys [M, head_dim]; ctx_idx
         [N, W] the context rows block n sees (-1: none), the same for every stage."""
         cfg, B = self.cfg, self.block_size
@@ -270,16 +279,18 @@ class DSparkDraft:
         dev = anchors.device
         tokens = torch.full((N, B), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
         tokens[:, 0] = anchors
-        pos = (positions.view(N, 1) + torch.arange(B, device=dev)).flatten()              # [N*B]
-        idx = ctx_idx.repeat_interleave(B, 0)                                             # [N*B, W]
+        pos = (positions.view(N, 1) + torch.arange(B, device=dev)).flatten()  # [N*B]
+        idx = ctx_idx.repeat_interleave(B, 0)  # [N*B, W]
         flat = tokens.view(1, N * B)
-        x = self._embed(flat)                                                             # [1, N*B, hc, dim]
+        x = self._embed(flat)  # [1, N*B, hc, dim]
         for stage, kv in zip(self.stages, ctx):
+
             def attend(h: torch.Tensor, stage: DSparkStage = stage, kv: torch.Tensor = kv) -> torch.Tensor:
                 return stage.attn.block(h, pos, kv.unsqueeze(0), idx, B)
+
             x = stage(x, flat, attend)
         last = self.stages[-1]
-        h = hc_head(x, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, cfg)    # [1, N*B, dim]
+        h = hc_head(x, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, cfg)  # [1, N*B, dim]
         base = record(f"{last.stage}.base_logits", linear_fp32(last.norm(h), self.model.head.weight.detach()))
         return DraftBlocks(h.view(N, B, -1), base.view(N, B, -1))
 
@@ -290,8 +301,9 @@ class DSparkDraft:
         bias, emb = last.markov_head(prev)
         return blocks.base_logits + bias, last.confidence_head(blocks.hidden, emb)
 
-    def chain(self, blocks: DraftBlocks, anchors: torch.Tensor,
-              choose: Callable[[int, torch.Tensor], torch.Tensor] = greedy) -> Proposal:
+    def chain(
+        self, blocks: DraftBlocks, anchors: torch.Tensor, choose: Callable[[int, torch.Tensor], torch.Tensor] = greedy
+    ) -> Proposal:
         """Draft the blocks' tokens slot by slot: slot i's logits are its base logits plus the Markov bias of
         the token before it, and `choose(i, logits [N, vocab]) -> tokens [N]` draws slot i's draft (the
         engine's sampler; `greedy` by default)."""
@@ -299,30 +311,47 @@ class DSparkDraft:
         prev, toks, logits, embs = anchors, [], [], []
         for i in range(self.block_size):
             bias, emb = last.markov_head(prev)
-            li = blocks.base_logits[:, i] + bias                                          # [N, vocab]
+            li = blocks.base_logits[:, i] + bias  # [N, vocab]
             prev = choose(i, li)
             toks.append(prev)
             logits.append(li)
             embs.append(emb)
         conf = last.confidence_head(blocks.hidden, torch.stack(embs, 1))
-        return Proposal(torch.stack(toks, 1), record(f"{last.stage}.logits", torch.stack(logits, 1)),
-                        record(f"{last.stage}.confidence", conf))
+        return Proposal(
+            torch.stack(toks, 1),
+            record(f"{last.stage}.logits", torch.stack(logits, 1)),
+            record(f"{last.stage}.confidence", conf),
+        )
 
     # ---------------------------------------------------------------- entry points
     @torch.no_grad()
-    def propose(self, anchors: torch.Tensor, positions: torch.Tensor, wtable: torch.Tensor,
-                cache: PagedKVCache, choose: Callable[[int, torch.Tensor], torch.Tensor] = greedy) -> Proposal:
+    def propose(
+        self,
+        anchors: torch.Tensor,
+        positions: torch.Tensor,
+        wtable: torch.Tensor,
+        cache: PagedKVCache,
+        choose: Callable[[int, torch.Tensor], torch.Tensor] = greedy,
+    ) -> Proposal:
         """The engine's draft step on the paged cache, no host synchronization: anchors [N] (each sequence's
         last sampled token), positions [N] (the anchor's position p: the sequence's context is positions
         < p, written by `write_context`), wtable [N, table_width] (each sequence's window pages)."""
         N = anchors.numel()
         dev = anchors.device
-        inp = StepInputs(tokens=anchors, positions=positions - 1, rows=torch.arange(N, device=dev),
-                         seg_start=torch.arange(N, device=dev), start=positions - 1, length=positions,
-                         wtable=wtable, ctable=wtable, state=torch.zeros(N, dtype=torch.long, device=dev))
-        slots = plan_step(inp, cache.layout, compressed=False).window_idx                # [N, W] of p-W .. p-1
+        inp = StepInputs(
+            tokens=anchors,
+            positions=positions - 1,
+            rows=torch.arange(N, device=dev),
+            seg_start=torch.arange(N, device=dev),
+            start=positions - 1,
+            length=positions,
+            wtable=wtable,
+            ctable=wtable,
+            state=torch.zeros(N, dtype=torch.long, device=dev),
+        )
+        slots = plan_step(inp, cache.layout, compressed=False).window_idx  # [N, W] of p-W .. p-1
         W = slots.size(1)
-        ctx = [cache.layers[s.layer_id].kv[slots.clamp_min(0).flatten()] for s in self.stages]   # [N*W, d]
+        ctx = [cache.layers[s.layer_id].kv[slots.clamp_min(0).flatten()] for s in self.stages]  # [N*W, d]
         rows = torch.arange(N * W, device=dev).view(N, W)
         blocks = self.blocks(anchors, positions, ctx, torch.where(slots >= 0, rows, -1))
         return self.chain(blocks, anchors, choose)
@@ -333,11 +362,11 @@ class DSparkDraft:
         the window of positions before p). -> DraftBlocks of the b*A blocks in row-major order."""
         b, S = tokens.shape
         dev = tokens.device
-        pos = torch.arange(S, device=dev).repeat(b)                                         # [b*S]
+        pos = torch.arange(S, device=dev).repeat(b)  # [b*S]
         ctx = self.context(taps.reshape(b * S, -1), pos)
-        q = anchors.unsqueeze(-1) - self.window + torch.arange(self.window, device=dev)     # [b, A, W]
+        q = anchors.unsqueeze(-1) - self.window + torch.arange(self.window, device=dev)  # [b, A, W]
         base = (torch.arange(b, device=dev) * S).view(b, 1, 1)
-        ctx_idx = torch.where(q >= 0, base + q, -1).flatten(0, 1)                           # [b*A, W]
+        ctx_idx = torch.where(q >= 0, base + q, -1).flatten(0, 1)  # [b*A, W]
         flat = anchors + base.view(b, 1)
         return self.blocks(tokens.flatten()[flat.flatten()], anchors.flatten(), ctx, ctx_idx)
 
@@ -347,5 +376,16 @@ def draft_of(model: nn.Module) -> DSparkDraft | None:
     return DSparkDraft(model) if model.cfg.dspark else None
 
 
-__all__ = ["ConfidenceHead", "DSparkAttention", "DSparkDraft", "DSparkStage", "DraftBlocks", "MarkovHead",
-           "Proposal", "draft_of", "greedy", "survival", "verify_length"]
+__all__ = [
+    "ConfidenceHead",
+    "DSparkAttention",
+    "DSparkDraft",
+    "DSparkStage",
+    "DraftBlocks",
+    "MarkovHead",
+    "Proposal",
+    "draft_of",
+    "greedy",
+    "survival",
+    "verify_length",
+]

@@ -90,8 +90,13 @@ class Int8Experts(nn.Module):
     int8 with per-row scales w{1,2,3}_scale [E, out] fp32; one `ops.int8_moe_experts` call.
     `w1` / `w2` / `w3` give the dequantized stacks (fp32)."""
 
-    def __init__(self, w: dict[str, tuple[torch.Tensor, torch.Tensor]], swiglu_limit: float, offset: int = 0,
-                 source_format: str = "float"):
+    def __init__(
+        self,
+        w: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        swiglu_limit: float,
+        offset: int = 0,
+        source_format: str = "float",
+    ):
         super().__init__()
         for name in ("w1", "w2", "w3"):
             q, s = w[name]
@@ -101,8 +106,15 @@ class Int8Experts(nn.Module):
         self.n = self.w1_q.size(0)
 
     @classmethod
-    def from_weights(cls, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float,
-                     offset: int = 0, source_format: str = "float") -> Int8Experts:
+    def from_weights(
+        cls,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        w3: torch.Tensor,
+        swiglu_limit: float,
+        offset: int = 0,
+        source_format: str = "float",
+    ) -> Int8Experts:
         ws = {"w1": quantize_rows(w1.detach()), "w2": quantize_rows(w2.detach()), "w3": quantize_rows(w3.detach())}
         return cls(ws, swiglu_limit, offset, source_format)
 
@@ -123,8 +135,19 @@ class Int8Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> fp32 [T, dim]: the routed experts' weighted sum."""
-        return ops.int8_moe_experts(x, weights, indices, self.w1_q, self.w1_scale, self.w2_q, self.w2_scale,
-                                    self.w3_q, self.w3_scale, self.swiglu_limit, self.offset)
+        return ops.int8_moe_experts(
+            x,
+            weights,
+            indices,
+            self.w1_q,
+            self.w1_scale,
+            self.w2_q,
+            self.w2_scale,
+            self.w3_q,
+            self.w3_scale,
+            self.swiglu_limit,
+            self.offset,
+        )
 
     def extra_repr(self) -> str:
         e, i, d = self.w1_q.shape
@@ -153,8 +176,11 @@ def _source(m: nn.Module) -> str:
 def share_experts(model: nn.Module) -> None:
     """Turn every shared expert whose three projections are Int8Linear into an `Int8SharedExpert`."""
     for path, m in list(model.named_modules()):
-        if path.endswith(INT8_SHARED) and not isinstance(m, Int8SharedExpert) and all(
-                isinstance(getattr(m, w, None), Int8Linear) for w in ("w1", "w2", "w3")):
+        if (
+            path.endswith(INT8_SHARED)
+            and not isinstance(m, Int8SharedExpert)
+            and all(isinstance(getattr(m, w, None), Int8Linear) for w in ("w1", "w2", "w3"))
+        ):
             shared = Int8SharedExpert(m.w1, m.w2, m.w3, m.swiglu_limit)
             stored = getattr(m, "stored_format", None)
             if stored is not None:
@@ -181,9 +207,18 @@ def quantize_int8(model: nn.Module) -> nn.Module:
 
 def int8_modules(model: nn.Module) -> dict[str, str]:
     """{module path: the format its INT8 weights were requantized from} of every INT8 module."""
-    return {path: m.source_format for path, m in model.named_modules()
-            if isinstance(m, (Int8Linear, Int8Experts))}
+    return {path: m.source_format for path, m in model.named_modules() if isinstance(m, (Int8Linear, Int8Experts))}
 
 
-__all__ = ["INT8_LINEARS", "Int8Experts", "Int8Linear", "Int8SharedExpert", "int8_modules", "is_int8_experts",
-           "is_int8_linear", "quantize_int8", "quantize_rows", "share_experts"]
+__all__ = [
+    "INT8_LINEARS",
+    "Int8Experts",
+    "Int8Linear",
+    "Int8SharedExpert",
+    "int8_modules",
+    "is_int8_experts",
+    "is_int8_linear",
+    "quantize_int8",
+    "quantize_rows",
+    "share_experts",
+]

@@ -51,7 +51,7 @@ class Gate(nn.Module):
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """[T, E] fp32 router scores (computed in float64 under exact accumulation: see `weights`)."""
-        logits = linear_fp32(x, self.weight).to(acc_dtype())                           # [T, E]
+        logits = linear_fp32(x, self.weight).to(acc_dtype())  # [T, E]
         if self.score_func == "softmax":
             return logits.softmax(-1).float()
         if self.score_func == "sigmoid":
@@ -126,14 +126,12 @@ class Experts(nn.Module):
         w1, w2, w3 = self.w1, self.w2, self.w3
         if self.fp4_fake_quant:
             q = ops.fp4_round_trip
-            return ops.moe_experts(x, weights, indices, q(w1, 32), q(w2, 32), q(w3, 32), self.swiglu_limit,
-                                   self.offset)
+            return ops.moe_experts(x, weights, indices, q(w1, 32), q(w2, 32), q(w3, 32), self.swiglu_limit, self.offset)
         low = autocast_dtype(x.device.type)
-        if low is not None:             # mixed precision: the grouped GEMMs take bf16 operands, as autocast would
+        if low is not None:  # mixed precision: the grouped GEMMs take bf16 operands, as autocast would
             x, w1, w2, w3 = (t.to(low) for t in (x, w1, w2, w3))
         if self.act_format is not None:
-            return ops.moe_experts(x, weights, indices, w1, w2, w3, self.swiglu_limit, self.offset,
-                                   act=self.act_format)
+            return ops.moe_experts(x, weights, indices, w1, w2, w3, self.swiglu_limit, self.offset, act=self.act_format)
         return ops.moe_experts(x, weights, indices, w1, w2, w3, self.swiglu_limit, self.offset)
 
 
@@ -156,7 +154,7 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         proj = {1: self.w1, 2: self.w2, 3: self.w3}
-        wide = gate_dtype(x.dtype)           # fp16: gate and up leave their matmul in fp32 (moe_shared.gate_dtype)
+        wide = gate_dtype(x.dtype)  # fp16: gate and up leave their matmul in fp32 (moe_shared.gate_dtype)
 
         def project(t: torch.Tensor, i: int) -> torch.Tensor:
             return proj[i](t, out_dtype=wide) if i != 2 and wide != t.dtype else proj[i](t)
@@ -188,24 +186,30 @@ class MoE(nn.Module):
             raise ValueError(f"an expert load has {self.n_experts} entries, got shape {tuple(load.shape)}")
         self.load = load
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, losses: dict[str, torch.Tensor] | None = None,
-                balance_alpha: float = 0.0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        token_ids: torch.Tensor,
+        losses: dict[str, torch.Tensor] | None = None,
+        balance_alpha: float = 0.0,
+    ) -> torch.Tensor:
         """x [b, s, dim], token_ids [b, s] -> [b, s, dim]. balance_alpha > 0 (in training mode): the
         sequence-wise balance loss goes into losses["balance"] (a dict the caller gives, a block's training
         forward; the module keeps nothing)."""
         if balance_alpha > 0 and losses is None:
             raise ValueError("balance_alpha > 0 needs a losses dict to put the balance loss into")
         shape = x.shape
-        flat = x.reshape(-1, shape[-1])                                                 # [T, dim]
+        flat = x.reshape(-1, shape[-1])  # [T, dim]
         weights, indices, scores = self.gate(flat, token_ids.reshape(-1))
         indices = record(f"{self.stage}.router_indices", indices)
         weights = record(f"{self.stage}.router_weights", weights)
-        flat_idx = indices.flatten().detach()                                           # no host sync
+        flat_idx = indices.flatten().detach()  # no host sync
         self.load = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, flat_idx, torch.ones_like(flat_idx))
+            0, flat_idx, torch.ones_like(flat_idx)
+        )
         if balance_alpha > 0 and self.training:
             losses["balance"] = self._balance_loss(scores, indices, shape[0], balance_alpha)
-        y = record(f"{self.stage}.routed", self.experts(flat, weights, indices))       # fp32 [T, dim]
+        y = record(f"{self.stage}.routed", self.experts(flat, weights, indices))  # fp32 [T, dim]
         if self.shared_experts is not None:
             y = y + record(f"{self.stage}.shared", self.shared_experts(flat)).float()
         return record(f"{self.stage}.out", y.to(x.dtype).view(shape))
@@ -219,6 +223,6 @@ class MoE(nn.Module):
         e, k = self.n_experts, self.topk
         t = scores.size(0) // b
         probs = (scores / scores.sum(-1, keepdim=True)).view(b, t, e)
-        counts = F.one_hot(indices.view(b, t * k), e).sum(1).float()                   # [b, E]
+        counts = F.one_hot(indices.view(b, t * k), e).sum(1).float()  # [b, E]
         f = counts * e / (k * t)
         return alpha * (f * probs.mean(1)).sum(-1).mean()

@@ -37,11 +37,11 @@ import torch
 
 from ..config import ModelConfig
 
-TRASH = 0           # reserved page 0 / ring row 0: the target of writes that must not land
-EMPTY_ROW = 1       # ring row 1: never written; kv 0, score -inf (the "group before the first one")
-RING_BASE = 2       # ring rows of state slot s start at RING_BASE + s * ring_len
-SPEC_ROWS = 16      # ring rows beyond the compressor's history: tokens one step may add to a sequence
-                    # and still roll back (a speculative verify of up to SPEC_ROWS tokens)
+TRASH = 0  # reserved page 0 / ring row 0: the target of writes that must not land
+EMPTY_ROW = 1  # ring row 1: never written; kv 0, score -inf (the "group before the first one")
+RING_BASE = 2  # ring rows of state slot s start at RING_BASE + s * ring_len
+SPEC_ROWS = 16  # ring rows beyond the compressor's history: tokens one step may add to a sequence
+# and still roll back (a speculative verify of up to SPEC_ROWS tokens)
 
 
 def overlap(ratio: int) -> bool:
@@ -60,31 +60,49 @@ def default_page_size(cfg: ModelConfig) -> int:
 @dataclass(frozen=True)
 class CacheLayout:
     """Sizes of a paged cache. `max_len` bounds one sequence (table widths, candidate lists)."""
+
     page_size: int
     window: int
-    ratios: tuple[int, ...]          # the distinct nonzero compression ratios
-    n_window_pages: int              # including the reserved trash page 0
-    n_comp_pages: int                # including the reserved trash page 0
-    n_states: int                    # sequences that can be running at once (ring slots)
+    ratios: tuple[int, ...]  # the distinct nonzero compression ratios
+    n_window_pages: int  # including the reserved trash page 0
+    n_comp_pages: int  # including the reserved trash page 0
+    n_states: int  # sequences that can be running at once (ring slots)
     max_len: int
-    page_tails: bool = False         # keep each page's last raw group (prefix caching, ratio-4 overlap)
+    page_tails: bool = False  # keep each page's last raw group (prefix caching, ratio-4 overlap)
 
     def __post_init__(self) -> None:
         for r in self.ratios:
             if self.page_size % r:
-                raise ValueError(f"page_size {self.page_size} must be a multiple of every compression ratio "
-                                 f"(got ratio {r})")
+                raise ValueError(
+                    f"page_size {self.page_size} must be a multiple of every compression ratio (got ratio {r})"
+                )
         if self.n_window_pages < 2 or self.n_states < 1 or self.max_len < 1:
             raise ValueError("a cache needs at least one window page, one state slot and max_len >= 1")
         if self.ratios and self.n_comp_pages < 2:
             raise ValueError("a model with compressed layers needs at least one compressed page")
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, n_window_pages: int, n_comp_pages: int, n_states: int, max_len: int,
-                  page_size: int | None = None, page_tails: bool = False) -> CacheLayout:
+    def for_model(
+        cls,
+        cfg: ModelConfig,
+        n_window_pages: int,
+        n_comp_pages: int,
+        n_states: int,
+        max_len: int,
+        page_size: int | None = None,
+        page_tails: bool = False,
+    ) -> CacheLayout:
         ratios = tuple(sorted({r for r in cfg.compress_ratios if r}))
-        return cls(page_size or default_page_size(cfg), cfg.window_size, ratios, n_window_pages,
-                   n_comp_pages if ratios else 1, n_states, max_len, page_tails)
+        return cls(
+            page_size or default_page_size(cfg),
+            cfg.window_size,
+            ratios,
+            n_window_pages,
+            n_comp_pages if ratios else 1,
+            n_states,
+            max_len,
+            page_tails,
+        )
 
     def table_width(self) -> int:
         """Columns of a page table: logical pages of one sequence of max_len positions."""
@@ -104,6 +122,7 @@ class CacheLayout:
 @dataclass
 class Ring:
     """A compressor's raw rows by position: kv and gate score, fp32 [RING_BASE + n_states * R, W]."""
+
     kv: torch.Tensor
     score: torch.Tensor
 
@@ -112,13 +131,14 @@ class Ring:
 class LayerPool:
     """One attention layer's storage. `kv` rows: [window pages * P | compressed entries]; sparse
     attention reads it directly, so window rows and compressed entries share one index space."""
-    kv: torch.Tensor                             # [n_window_pages * P + n_comp_pages * P / r, head_dim]
-    entry_offset: int                            # first compressed-entry row in kv
+
+    kv: torch.Tensor  # [n_window_pages * P + n_comp_pages * P / r, head_dim]
+    entry_offset: int  # first compressed-entry row in kv
     ratio: int = 0
-    rows: Ring | None = None                     # the attention compressor's pending rows
-    index_keys: torch.Tensor | None = None       # [n_comp_pages * P / 4, index_head_dim] (CSA)
-    index_rows: Ring | None = None               # the indexer compressor's pending rows
-    tails: Ring | None = None                    # [n_comp_pages * r, W]: each page's last group (overlap)
+    rows: Ring | None = None  # the attention compressor's pending rows
+    index_keys: torch.Tensor | None = None  # [n_comp_pages * P / 4, index_head_dim] (CSA)
+    index_rows: Ring | None = None  # the indexer compressor's pending rows
+    tails: Ring | None = None  # [n_comp_pages * r, W]: each page's last group (overlap)
     index_tails: Ring | None = None
 
 
@@ -133,8 +153,9 @@ class PagedKVCache:
         for ratio in cfg.compress_ratios:
             n_win = layout.n_window_pages * P
             n_ent = layout.n_comp_pages * (P // ratio) if ratio else 0
-            pool = LayerPool(kv=torch.zeros(n_win + n_ent, cfg.head_dim, device=device, dtype=dtype),
-                             entry_offset=n_win, ratio=ratio)
+            pool = LayerPool(
+                kv=torch.zeros(n_win + n_ent, cfg.head_dim, device=device, dtype=dtype), entry_offset=n_win, ratio=ratio
+            )
             if ratio:
                 width = (2 if overlap(ratio) else 1) * cfg.head_dim
                 pool.rows = self._ring(ratio, width)
@@ -156,8 +177,10 @@ class PagedKVCache:
 
     def _tail(self, ratio: int, width: int) -> Ring:
         n = self.layout.n_comp_pages * ratio
-        return Ring(torch.zeros(n, width, device=self.device, dtype=torch.float32),
-                    torch.zeros(n, width, device=self.device, dtype=torch.float32))
+        return Ring(
+            torch.zeros(n, width, device=self.device, dtype=torch.float32),
+            torch.zeros(n, width, device=self.device, dtype=torch.float32),
+        )
 
     def nbytes(self) -> int:
         total = 0
@@ -194,47 +217,49 @@ class StepInputs:
     Row b's tokens are flat[seg_start[b] : seg_start[b] + length[b] - start[b]] at positions
     start[b] ... length[b] - 1. Padding rows have start = length = 0 and tables of -1.
     """
-    tokens: torch.Tensor                 # [T] long
-    positions: torch.Tensor              # [T] long
-    rows: torch.Tensor                   # [T] long: the row of each token
-    seg_start: torch.Tensor              # [B] long: flat index of the row's first token
-    start: torch.Tensor                  # [B] long: position of the row's first token
-    length: torch.Tensor                 # [B] long: the row's length after this step
-    wtable: torch.Tensor                 # [B, table_width] long: window page ids (-1: none)
-    ctable: torch.Tensor                 # [B, table_width] long: compressed page ids (-1: none)
-    state: torch.Tensor                  # [B] long: ring slot of each row
+
+    tokens: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    rows: torch.Tensor  # [T] long: the row of each token
+    seg_start: torch.Tensor  # [B] long: flat index of the row's first token
+    start: torch.Tensor  # [B] long: position of the row's first token
+    length: torch.Tensor  # [B] long: the row's length after this step
+    wtable: torch.Tensor  # [B, table_width] long: window page ids (-1: none)
+    ctable: torch.Tensor  # [B, table_width] long: compressed page ids (-1: none)
+    state: torch.Tensor  # [B] long: ring slot of each row
     # ratio -> [G] flat indices of the tokens that complete a group; None: every token may (decode and
     # verify: completion is decided on the device)
     groups: dict[int, torch.Tensor | None] = field(default_factory=dict)
     # indexer groups: token index maps [b_g, s_g] (-1: padding) and the row of each map row [b_g]
     index_maps: list[torch.Tensor] = field(default_factory=list)
     index_rows: list[torch.Tensor] = field(default_factory=list)
-    out: torch.Tensor | None = None      # [n_out] flat indices whose logits are wanted (None: all)
+    out: torch.Tensor | None = None  # [n_out] flat indices whose logits are wanted (None: all)
     shape: tuple[int, int] | None = None  # (b, s) when the flat list is b rows of s tokens (row-major)
 
 
 @dataclass
 class RatioPlan:
     """Indices for the layers of one compression ratio."""
+
     ratio: int
-    n_visible: torch.Tensor              # [T] entries visible to each token: (pos + 1) // r
-    entry_slot_fn: object = None         # (rows [...], j [...]) -> entry slots (entry-region coordinates)
-    group_pos: torch.Tensor | None = None     # [G] position of each group's last token
-    group_j: torch.Tensor | None = None       # [G] entry id
-    group_new: torch.Tensor | None = None     # [G, coff*r] flat token index of each slot's row, or -1
-    group_ring: torch.Tensor | None = None    # [G, coff*r] ring row when not new (EMPTY_ROW: none)
-    entry_write: torch.Tensor | None = None   # [G] entry slot to write (TRASH unless complete)
-    ring_write: torch.Tensor | None = None    # [T] ring row for each token's raw row (TRASH: not kept)
-    tail_write: torch.Tensor | None = None    # [T] page-tail row (TRASH: not a page's last group)
-    visible: torch.Tensor | None = None       # [T, max_entries] entry slots visible (HCA), -1 none
-    cand: list[torch.Tensor] = field(default_factory=list)   # per indexer group [b_g, max_entries]
+    n_visible: torch.Tensor  # [T] entries visible to each token: (pos + 1) // r
+    entry_slot_fn: object = None  # (rows [...], j [...]) -> entry slots (entry-region coordinates)
+    group_pos: torch.Tensor | None = None  # [G] position of each group's last token
+    group_j: torch.Tensor | None = None  # [G] entry id
+    group_new: torch.Tensor | None = None  # [G, coff*r] flat token index of each slot's row, or -1
+    group_ring: torch.Tensor | None = None  # [G, coff*r] ring row when not new (EMPTY_ROW: none)
+    entry_write: torch.Tensor | None = None  # [G] entry slot to write (TRASH unless complete)
+    ring_write: torch.Tensor | None = None  # [T] ring row for each token's raw row (TRASH: not kept)
+    tail_write: torch.Tensor | None = None  # [T] page-tail row (TRASH: not a page's last group)
+    visible: torch.Tensor | None = None  # [T, max_entries] entry slots visible (HCA), -1 none
+    cand: list[torch.Tensor] = field(default_factory=list)  # per indexer group [b_g, max_entries]
 
 
 @dataclass
 class Plan:
     inputs: StepInputs
-    window_write: torch.Tensor           # [T] window slot for each token's kv
-    window_idx: torch.Tensor             # [T, window] window slots of the keys each token sees, -1 none
+    window_write: torch.Tensor  # [T] window slot for each token's kv
+    window_idx: torch.Tensor  # [T, window] window slots of the keys each token sees, -1 none
     ratios: dict[int, RatioPlan]
 
 
@@ -264,7 +289,7 @@ def plan_step(inp: StepInputs, layout: CacheLayout, compressed: bool = True) -> 
 
     wslot = window_slot(rows, pos)
     window_write = torch.where(wslot >= 0, wslot, TRASH)
-    q = pos.unsqueeze(1) - w + 1 + torch.arange(w, device=dev)                         # [T, w]
+    q = pos.unsqueeze(1) - w + 1 + torch.arange(w, device=dev)  # [T, w]
     window_idx = window_slot(rows.unsqueeze(1).expand_as(q), q)
     ratios = {r: _ratio_plan(inp, layout, r) for r in layout.ratios} if compressed else {}
     return Plan(inp, window_write, window_idx, ratios)
@@ -282,16 +307,16 @@ def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int) -> RatioPlan:
         return torch.where(page > 0, page * E + j % E, -1)
 
     plan = RatioPlan(r, n_visible=torch.div(pos + 1, r, rounding_mode="floor"), entry_slot_fn=entry_slot)
-    has_page = lookup_page(inp.wtable, rows, torch.div(pos, P, rounding_mode="floor")) > 0   # a real token
+    has_page = lookup_page(inp.wtable, rows, torch.div(pos, P, rounding_mode="floor")) > 0  # a real token
 
     # -- groups completing in this step
     g = inp.groups.get(r)
     g_tok = torch.arange(T, device=dev) if g is None else g
     g_pos, g_row = pos[g_tok], rows[g_tok]
     complete = ((g_pos + 1) % r == 0) & has_page[g_tok]
-    j = torch.div(g_pos, r, rounding_mode="floor")                                  # entry id (rope position j*r)
+    j = torch.div(g_pos, r, rounding_mode="floor")  # entry id (rope position j*r)
     coff = 2 if overlap(r) else 1
-    q = (j - coff + 1).unsqueeze(1) * r + torch.arange(coff * r, device=dev)           # [G, coff*r]
+    q = (j - coff + 1).unsqueeze(1) * r + torch.arange(coff * r, device=dev)  # [G, coff*r]
     start, seg = inp.start[g_row].unsqueeze(1), inp.seg_start[g_row].unsqueeze(1)
     R = layout.ring_len(r)
     ring = RING_BASE + inp.state[g_row].unsqueeze(1) * R + q % R
@@ -314,7 +339,7 @@ def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int) -> RatioPlan:
     n_max = layout.max_entries(r)
     jj = torch.arange(n_max, device=dev)
     if r != 4:
-        vis = jj.unsqueeze(0) < plan.n_visible.unsqueeze(1)                          # [T, n_max]
+        vis = jj.unsqueeze(0) < plan.n_visible.unsqueeze(1)  # [T, n_max]
         slots = entry_slot(rows.unsqueeze(1).expand(-1, n_max), jj.unsqueeze(0).expand(T, -1))
         plan.visible = torch.where(vis & (slots >= 0), slots, -1)
     else:
@@ -325,9 +350,16 @@ def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int) -> RatioPlan:
 
 
 # ------------------------------------------------------------------------------ simple batches
-def uniform_inputs(tokens: torch.Tensor, start: torch.Tensor, wtable: torch.Tensor, ctable: torch.Tensor,
-                   state: torch.Tensor, layout: CacheLayout, last_only: bool = False,
-                   static_start: int | None = None) -> StepInputs:
+def uniform_inputs(
+    tokens: torch.Tensor,
+    start: torch.Tensor,
+    wtable: torch.Tensor,
+    ctable: torch.Tensor,
+    state: torch.Tensor,
+    layout: CacheLayout,
+    last_only: bool = False,
+    static_start: int | None = None,
+) -> StepInputs:
     """Inputs for b rows of s tokens each, row b at positions start[b] ... start[b] + s - 1.
 
     `static_start` (a host int equal to every start) lets the groups that complete be listed on the host
@@ -344,15 +376,26 @@ def uniform_inputs(tokens: torch.Tensor, start: torch.Tensor, wtable: torch.Tens
         if static_start is None or s <= r:
             groups[r] = None
         else:
-            first = (r - 1 - static_start) % r                       # offsets i with (start + i + 1) % r == 0
-            idx = torch.arange(first, s, r, device=dev)             # a kernel, not a host copy (capturable)
+            first = (r - 1 - static_start) % r  # offsets i with (start + i + 1) % r == 0
+            idx = torch.arange(first, s, r, device=dev)  # a kernel, not a host copy (capturable)
             groups[r] = (seg_start.view(b, 1) + idx).flatten()
     out = seg_start + s - 1 if last_only else None
-    return StepInputs(tokens=tokens.flatten(), positions=positions, rows=rows, seg_start=seg_start,
-                      start=start.expand(b).clone(),
-                      length=start + s, wtable=wtable, ctable=ctable, state=state, groups=groups,
-                      index_maps=[torch.arange(b * s, device=dev).view(b, s)],
-                      index_rows=[torch.arange(b, device=dev)], out=out, shape=(b, s))
+    return StepInputs(
+        tokens=tokens.flatten(),
+        positions=positions,
+        rows=rows,
+        seg_start=seg_start,
+        start=start.expand(b).clone(),
+        length=start + s,
+        wtable=wtable,
+        ctable=ctable,
+        state=state,
+        groups=groups,
+        index_maps=[torch.arange(b * s, device=dev).view(b, s)],
+        index_rows=[torch.arange(b, device=dev)],
+        out=out,
+        shape=(b, s),
+    )
 
 
 class BatchCache:
@@ -365,8 +408,15 @@ class BatchCache:
     synchronization and can be replayed from a CUDA graph).
     """
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device: torch.device | str,
-                 dtype: torch.dtype, page_size: int | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        page_size: int | None = None,
+    ):
         if batch_size < 1 or max_len < 1:
             raise ValueError(f"a cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
         ps = page_size or default_page_size(cfg)
@@ -375,7 +425,7 @@ class BatchCache:
         self.kv = PagedKVCache(cfg, self.layout, device, dtype)
         self.batch_size, self.max_len = batch_size, max_len
         dev = self.kv.device
-        pages = 1 + torch.arange(batch_size * n, device=dev).view(batch_size, n)     # [b, n]
+        pages = 1 + torch.arange(batch_size * n, device=dev).view(batch_size, n)  # [b, n]
         width = self.layout.table_width()
         self.wtable = torch.full((batch_size, width), -1, dtype=torch.long, device=dev)
         self.wtable[:, :n] = pages
@@ -384,12 +434,10 @@ class BatchCache:
         self.pos = 0
         self.pos_t = torch.zeros(1, dtype=torch.long, device=dev)
 
-    def step_inputs(self, tokens: torch.Tensor, static_start: int | None = None,
-                    last_only: bool = False) -> StepInputs:
+    def step_inputs(self, tokens: torch.Tensor, static_start: int | None = None, last_only: bool = False) -> StepInputs:
         """Inputs for tokens [b, s] at positions pos ... pos + s - 1 (the start read from pos_t)."""
         start = self.pos_t.expand(tokens.size(0))
-        return uniform_inputs(tokens, start, self.wtable, self.ctable, self.state, self.layout, last_only,
-                              static_start)
+        return uniform_inputs(tokens, start, self.wtable, self.ctable, self.state, self.layout, last_only, static_start)
 
     def advance(self, n: int) -> None:
         self.pos += n

@@ -33,8 +33,7 @@ DEQUANTIZED_IN_OFFICIAL = (".attn.wo_a",)
 
 def quantized_modules(model: nn.Module) -> dict[str, str]:
     """{module name: stored format} of every module the loader marked as stored FP8 / FP4."""
-    return {name: m.stored_format for name, m in model.named_modules()
-            if getattr(m, "stored_format", None) is not None}
+    return {name: m.stored_format for name, m in model.named_modules() if getattr(m, "stored_format", None) is not None}
 
 
 STORED_FORMATS = ("fp8", "fp4", "mixed")
@@ -65,8 +64,9 @@ def set_quant_mode(model: nn.Module, mode: str | None = None) -> None:
         if mode not in QUANT_MODES:
             raise ValueError(f"quant_mode must be one of {QUANT_MODES}, got {mode!r}")
         if mode != "int8" and int8_modules(model):
-            raise ValueError(f"this model's weights were requantized to INT8; quant_mode {mode!r} needs the "
-                             "checkpoint loaded again")
+            raise ValueError(
+                f"this model's weights were requantized to INT8; quant_mode {mode!r} needs the checkpoint loaded again"
+            )
         cfg = model.cfg.replace(quant_mode=mode)
         for m in model.modules():
             if isinstance(getattr(m, "cfg", None), ModelConfig):
@@ -79,8 +79,10 @@ def set_quant_mode(model: nn.Module, mode: str | None = None) -> None:
         if fmt is None or name.endswith(DEQUANTIZED_IN_OFFICIAL):
             continue
         if fmt == "mixed" and act is not None:
-            raise ValueError(f"{name}: some routed experts are stored quantized and others not; W8A8 needs one "
-                             "storage format per layer (load with quant_mode='w8a16')")
+            raise ValueError(
+                f"{name}: some routed experts are stored quantized and others not; W8A8 needs one "
+                "storage format per layer (load with quant_mode='w8a16')"
+            )
         m.act_format = act
 
 

@@ -17,11 +17,13 @@ from ..config import ModelConfig
 
 
 @functools.lru_cache(maxsize=16)
-def inv_frequencies(dim: int, theta: float, factor: float, original_seq_len: int, beta_fast: int,
-                    beta_slow: int) -> torch.Tensor:
+def inv_frequencies(
+    dim: int, theta: float, factor: float, original_seq_len: int, beta_fast: int, beta_slow: int
+) -> torch.Tensor:
     """[dim/2] fp32 inverse frequencies; YaRN-interpolated when original_seq_len > 0."""
     freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
     if original_seq_len > 0 and factor != 1:
+
         def correction_dim(rotations: float) -> float:
             return dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
@@ -41,8 +43,9 @@ class Rope:
     def __init__(self, cfg: ModelConfig, compressed: bool):
         self.dim = cfg.rope_head_dim
         if compressed:
-            self.inv_freq = inv_frequencies(self.dim, cfg.compress_rope_theta, cfg.rope_factor,
-                                            cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow)
+            self.inv_freq = inv_frequencies(
+                self.dim, cfg.compress_rope_theta, cfg.rope_factor, cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow
+            )
         else:
             self.inv_freq = inv_frequencies(self.dim, cfg.rope_theta, 1.0, 0, cfg.beta_fast, cfg.beta_slow)
         self._by_device: dict[torch.device, torch.Tensor] = {}

@@ -31,13 +31,13 @@ from .paged import BatchCache, PagedKVCache, StepInputs, plan_step
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor                                  # [b, s, vocab] fp32
-    hidden: torch.Tensor | None = None                    # [b, s, hc, dim] before the HC head
-    mtp_logits: list[torch.Tensor] = field(default_factory=list)   # depth k: [b, s-1-k, vocab], predicts t+k+2
-    indexer_loss: torch.Tensor | None = None              # summed over CSA layers
-    balance_loss: torch.Tensor | None = None              # summed over MoE layers (when alpha > 0)
+    logits: torch.Tensor  # [b, s, vocab] fp32
+    hidden: torch.Tensor | None = None  # [b, s, hc, dim] before the HC head
+    mtp_logits: list[torch.Tensor] = field(default_factory=list)  # depth k: [b, s-1-k, vocab], predicts t+k+2
+    indexer_loss: torch.Tensor | None = None  # summed over CSA layers
+    balance_loss: torch.Tensor | None = None  # summed over MoE layers (when alpha > 0)
     expert_load: list[torch.Tensor] = field(default_factory=list)  # per layer [E] token counts
-    taps: torch.Tensor | None = None                      # [b, s, len(targets) * dim]: a DSpark draft's input
+    taps: torch.Tensor | None = None  # [b, s, len(targets) * dim]: a DSpark draft's input
 
 
 def _capturing(device: torch.device) -> bool:
@@ -59,14 +59,14 @@ def _default_dtype(dtype: torch.dtype):
 def init_hc_base(p: torch.Tensor, hc: int) -> None:
     """The initial mHC bias: pre ~ 1/hc (average the copies), comb ~ identity (keep each copy), post 0;
     for the HC head (hc entries) pre ~ 1/hc."""
-    if p.numel() == hc:                       # HC head: pre = sigmoid(b) ~ 1/hc
+    if p.numel() == hc:  # HC head: pre = sigmoid(b) ~ 1/hc
         p.fill_(math.log(1 / (hc - 1)) if hc > 1 else 0.0)
         return
     p.zero_()
     p[:hc] = math.log(1 / (hc - 1)) if hc > 1 else 0.0
     comb = torch.full((hc, hc), -4.0)
     comb.fill_diagonal_(4.0)
-    p[2 * hc:] = comb.flatten()
+    p[2 * hc :] = comb.flatten()
 
 
 class DeepSeekV4(nn.Module):
@@ -89,9 +89,9 @@ class DeepSeekV4(nn.Module):
             self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=torch.float32))
             self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32))
             self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
-            if cfg.dspark:                      # Flash-0731: the DSpark draft's stages (dsv4.model.dspark)
+            if cfg.dspark:  # Flash-0731: the DSpark draft's stages (dsv4.model.dspark)
                 self.mtp = nn.ModuleList(DSparkStage(cfg, k) for k in range(cfg.n_mtp_layers))
-            else:                               # the first release: MTP blocks
+            else:  # the first release: MTP blocks
                 self.mtp = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + k) for k in range(cfg.n_mtp_layers))
         if str(device) != "meta":
             self.reset_parameters()
@@ -141,15 +141,24 @@ class DeepSeekV4(nn.Module):
             if not isinstance(mod, Gate):
                 continue
             if mod.hash:
-                table = torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.n_activated_experts]
-                                     for _ in range(cfg.vocab_size)])
+                table = torch.stack(
+                    [
+                        torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.n_activated_experts]
+                        for _ in range(cfg.vocab_size)
+                    ]
+                )
                 mod.tid2eid.copy_(table.to(torch.int32))
             else:
                 mod.bias.zero_()
 
     # ------------------------------------------------------------------ options
-    def set_options(self, *, activation_checkpointing: bool | None = None, fp4_fake_quant: bool | None = None,
-                    eager_experts_under_compile: bool | None = None) -> DeepSeekV4:
+    def set_options(
+        self,
+        *,
+        activation_checkpointing: bool | None = None,
+        fp4_fake_quant: bool | None = None,
+        eager_experts_under_compile: bool | None = None,
+    ) -> DeepSeekV4:
         """Switch the model's run-time options (None leaves one as it is); returns the model.
 
         activation_checkpointing: every main and MTP block recomputes its forward in backward
@@ -196,21 +205,21 @@ class DeepSeekV4(nn.Module):
         return record("head.logits", linear_fp32(x, self.head.weight))
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        e = record("embed", self.embed(tokens))                                         # [b, s, dim]
+        e = record("embed", self.embed(tokens))  # [b, s, dim]
         low = autocast_dtype(e.device.type)
-        if low is not None:                                 # mixed precision: bf16 activations, fp32 weights
+        if low is not None:  # mixed precision: bf16 activations, fp32 weights
             e = e.to(low)
-        return e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()        # [b, s, hc, dim]
+        return e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()  # [b, s, hc, dim]
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"tokens must be an integer tensor [batch, seq], got {tuple(tokens.shape)} "
-                             f"{tokens.dtype}")
+            raise ValueError(f"tokens must be an integer tensor [batch, seq], got {tuple(tokens.shape)} {tokens.dtype}")
         if _capturing(tokens.device):
-            return                         # a value check would synchronize; graph wrappers check on entry
+            return  # a value check would synchronize; graph wrappers check on entry
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}); got "
-                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+            raise ValueError(
+                f"token ids must lie in [0, {self.cfg.vocab_size}); got [{int(tokens.min())}, {int(tokens.max())}]"
+            )
 
     # ------------------------------------------------------------------ full sequence
     @property
@@ -224,16 +233,26 @@ class DeepSeekV4(nn.Module):
         if i in self.cfg.dspark_target_layer_ids:
             taps.append(h.mean(-2))
 
-    def forward(self, tokens: torch.Tensor, *, mtp: bool = False, indexer_loss: bool = False,
-                balance_alpha: float = 0.0, last_only: bool = False, taps: bool = False) -> ModelOutput:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        mtp: bool = False,
+        indexer_loss: bool = False,
+        balance_alpha: float = 0.0,
+        last_only: bool = False,
+        taps: bool = False,
+    ) -> ModelOutput:
         """tokens [b, s] from position 0 -> ModelOutput (logits [b, s, vocab] fp32, or [b, 1, vocab]).
 
         mtp: the first release's MTP blocks' logits (`mtp_logits`); taps: the DSpark draft's input
         (`taps`, see `dsv4.model.dspark`; a DSpark draft itself runs through `model.dspark`)."""
         self._check_tokens(tokens)
         if mtp and self.cfg.dspark:
-            raise ValueError("this model's draft is DSpark, not MTP blocks: run it through model.dspark "
-                             "(forward(..., taps=True) gives its input)")
+            raise ValueError(
+                "this model's draft is DSpark, not MTP blocks: run it through model.dspark "
+                "(forward(..., taps=True) gives its input)"
+            )
         if taps and not self.cfg.dspark:
             raise ValueError("taps are the input of a DSpark draft, and this model has none")
         s = tokens.size(1)
@@ -242,16 +261,20 @@ class DeepSeekV4(nn.Module):
         tapped: list[torch.Tensor] = []
         parts: dict[str, list[torch.Tensor]] = {"indexer": [], "balance": []}
         for i, layer in enumerate(self.layers):
-            h, losses = layer(h, positions, tokens, with_losses=True, indexer_loss=indexer_loss,
-                              balance_alpha=balance_alpha)          # the losses through the output
+            h, losses = layer(
+                h, positions, tokens, with_losses=True, indexer_loss=indexer_loss, balance_alpha=balance_alpha
+            )  # the losses through the output
             for k, v in losses.items():
                 parts[k].append(v)
             if taps:
                 self._taps(h, i, tapped)
         out = ModelOutput(
-            logits=self._head(h[:, -1:] if last_only else h, self.hc_head_fn, self.hc_head_scale,
-                              self.hc_head_base, self.norm),
-            hidden=h, expert_load=[layer.ffn.load for layer in self.layers])
+            logits=self._head(
+                h[:, -1:] if last_only else h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm
+            ),
+            hidden=h,
+            expert_load=[layer.ffn.load for layer in self.layers],
+        )
         if indexer_loss:
             out.indexer_loss = torch.stack(parts["indexer"]).sum() if parts["indexer"] else None
         if balance_alpha > 0:
@@ -268,17 +291,22 @@ class DeepSeekV4(nn.Module):
             n = tokens.size(1) - 1 - k
             if n <= 0:
                 break
-            nxt = tokens[:, k + 1:]                                                      # [b, n]
-            x = block.combine(h[:, :n], self.embed(nxt))                                 # [b, n, hc, dim]
+            nxt = tokens[:, k + 1 :]  # [b, n]
+            x = block.combine(h[:, :n], self.embed(nxt))  # [b, n, hc, dim]
             h = block(x, positions[:n], nxt)
             logits.append(self._head(h, block.hc_head_fn, block.hc_head_scale, block.hc_head_base, block.norm))
         return logits
 
     # ------------------------------------------------------------------ incremental
     @torch.no_grad()
-    def append(self, tokens: torch.Tensor, inputs: StepInputs, cache: PagedKVCache,
-               return_hidden: bool = False, return_taps: bool = False
-               ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def append(
+        self,
+        tokens: torch.Tensor,
+        inputs: StepInputs,
+        cache: PagedKVCache,
+        return_hidden: bool = False,
+        return_taps: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Append tokens to many sequences at their own positions: the one incremental entry point.
 
         tokens [b, s] (b rows of s tokens) or [1, T] (a ragged step) in the flat order `inputs` describes;
@@ -292,30 +320,33 @@ class DeepSeekV4(nn.Module):
         fixed-shape step can be captured in a CUDA graph.
         """
         if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"tokens must be an integer tensor [b, s] or [1, T], got {tuple(tokens.shape)} "
-                             f"{tokens.dtype}")
+            raise ValueError(
+                f"tokens must be an integer tensor [b, s] or [1, T], got {tuple(tokens.shape)} {tokens.dtype}"
+            )
         plan = plan_step(inputs, cache.layout)
         if return_taps and not self.cfg.dspark:
             raise ValueError("taps are the input of a DSpark draft, and this model has none")
-        h = self._embed(tokens)                                                         # [b, s, hc, dim]
+        h = self._embed(tokens)  # [b, s, hc, dim]
         tapped: list[torch.Tensor] = []
         for i, (layer, pool) in enumerate(zip(self.layers, cache.layers)):
             h = layer(h, None, tokens, plan=plan, pool=pool)
             if return_taps:
                 self._taps(h, i, tapped)
-        flat = h.flatten(0, 1)                                                          # [T, hc, dim]
+        flat = h.flatten(0, 1)  # [T, hc, dim]
         sel = flat if inputs.out is None else flat[inputs.out]
-        logits = self._head(sel.unsqueeze(0), self.hc_head_fn, self.hc_head_scale, self.hc_head_base,
-                            self.norm)[0]                                               # [n, vocab]
+        logits = self._head(sel.unsqueeze(0), self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm)[
+            0
+        ]  # [n, vocab]
         logits = self._watched(logits)
         out = (logits, flat) if return_hidden else (logits,)
         if return_taps:
-            out = (*out, torch.cat(tapped, -1).flatten(0, 1))                         # [T, len(targets)*dim]
+            out = (*out, torch.cat(tapped, -1).flatten(0, 1))  # [T, len(targets)*dim]
         return out if len(out) > 1 else logits
 
     @torch.no_grad()
-    def draft(self, hidden: torch.Tensor, tokens: torch.Tensor, inputs: StepInputs, cache: PagedKVCache,
-              depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, inputs: StepInputs, cache: PagedKVCache, depth: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP block as a speculative draft, on the paged cache.
 
         hidden [T, hc, dim]: the hidden state at each position of `inputs` (the main model's, from
@@ -327,15 +358,18 @@ class DeepSeekV4(nn.Module):
         `inputs.out` names, the block's output hidden [T, hc, dim] for the next link of a chain).
         """
         if self.cfg.dspark:
-            raise ValueError("this model's draft is DSpark, not an MTP block: it drafts through "
-                             "model.dspark (write_context, propose)")
+            raise ValueError(
+                "this model's draft is DSpark, not an MTP block: it drafts through "
+                "model.dspark (write_context, propose)"
+            )
         block = self.mtp[depth]
         plan = plan_step(inputs, cache.layout, compressed=False)
-        x = block.combine(hidden.unsqueeze(0), self.embed(tokens))                     # [1, T, hc, dim]
-        h = block(x, None, tokens, plan=plan, pool=cache.layers[self.cfg.n_layers + depth])[0]   # [T, hc, dim]
+        x = block.combine(hidden.unsqueeze(0), self.embed(tokens))  # [1, T, hc, dim]
+        h = block(x, None, tokens, plan=plan, pool=cache.layers[self.cfg.n_layers + depth])[0]  # [T, hc, dim]
         sel = h if inputs.out is None else h[inputs.out]
-        logits = self._head(sel.unsqueeze(0), block.hc_head_fn, block.hc_head_scale, block.hc_head_base,
-                            block.norm)[0]                                              # [n, vocab]
+        logits = self._head(sel.unsqueeze(0), block.hc_head_fn, block.hc_head_scale, block.hc_head_base, block.norm)[
+            0
+        ]  # [n, vocab]
         return self._watched(logits), h
 
     def new_cache(self, batch_size: int, max_len: int = 4096) -> BatchCache:

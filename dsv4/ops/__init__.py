@@ -57,10 +57,18 @@ _STATE = threading.local()
 _DETERMINISTIC = [False]
 
 
-def register(op: str, name: str, fn: Callable, can_run: Callable[..., str | None] | None = None,
-             deterministic: bool = True, priority: int = 0, prefer: Callable[..., bool] | None = None) -> None:
-    _REGISTRY.setdefault(op, {})[name] = Backend(name, fn, can_run or (lambda *a, **k: None),
-                                                 deterministic, priority, prefer)
+def register(
+    op: str,
+    name: str,
+    fn: Callable,
+    can_run: Callable[..., str | None] | None = None,
+    deterministic: bool = True,
+    priority: int = 0,
+    prefer: Callable[..., bool] | None = None,
+) -> None:
+    _REGISTRY.setdefault(op, {})[name] = Backend(
+        name, fn, can_run or (lambda *a, **k: None), deterministic, priority, prefer
+    )
 
 
 def unregister(op: str, name: str) -> None:
@@ -177,8 +185,12 @@ def resolve(op: str, backend: str | None, *args, **kwargs) -> Backend:
         return table[preferred]
     best = table["reference"]
     for be in table.values():
-        if be.priority > best.priority and be.can_run(*args, **kwargs) is None and (
-                be.deterministic or not is_deterministic()) and (be.prefer is None or be.prefer(*args, **kwargs)):
+        if (
+            be.priority > best.priority
+            and be.can_run(*args, **kwargs) is None
+            and (be.deterministic or not is_deterministic())
+            and (be.prefer is None or be.prefer(*args, **kwargs))
+        ):
             best = be
     return best
 
@@ -238,6 +250,7 @@ def _load_optional_backends() -> None:
     and raises, so it cannot pass as "no triton backend" (its tests would otherwise skip)."""
     from . import int8_native as _int8_native  # noqa: F401
     from . import torch_native as _torch_native  # noqa: F401
+
     try:
         import triton as _triton_dep  # noqa: F401
     except ImportError:
@@ -249,11 +262,44 @@ _load_optional_backends()
 
 
 __all__ = [
-    "BackendUnavailable", "register", "unregister", "backends", "ops", "calls", "reset_calls", "last_backend",
-    "use_backend", "requested", "prefer_backend", "refusal", "which_ran", "set_deterministic", "is_deterministic",
-    "resolve", "call",
-    "sparse_attention", "indexer_scores", "indexer_topk", "hc_split_sinkhorn", "hc_pre", "hc_post",
-    "hc_head", "compress_pool", "fp8_round_trip", "fp4_round_trip", "hadamard", "rms_norm", "rope_tail",
-    "moe_experts", "act_quant", "fp8_gemm", "fp4_gemm", "quantized_moe_experts",
-    "fp8_linear", "fp4_linear", "int8_quant", "int8_gemm", "int8_moe_experts",
+    "BackendUnavailable",
+    "register",
+    "unregister",
+    "backends",
+    "ops",
+    "calls",
+    "reset_calls",
+    "last_backend",
+    "use_backend",
+    "requested",
+    "prefer_backend",
+    "refusal",
+    "which_ran",
+    "set_deterministic",
+    "is_deterministic",
+    "resolve",
+    "call",
+    "sparse_attention",
+    "indexer_scores",
+    "indexer_topk",
+    "hc_split_sinkhorn",
+    "hc_pre",
+    "hc_post",
+    "hc_head",
+    "compress_pool",
+    "fp8_round_trip",
+    "fp4_round_trip",
+    "hadamard",
+    "rms_norm",
+    "rope_tail",
+    "moe_experts",
+    "act_quant",
+    "fp8_gemm",
+    "fp4_gemm",
+    "quantized_moe_experts",
+    "fp8_linear",
+    "fp4_linear",
+    "int8_quant",
+    "int8_gemm",
+    "int8_moe_experts",
 ]

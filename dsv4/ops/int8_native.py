@@ -19,7 +19,7 @@ from . import int8_quant, register
 from .moe_shared import build_plan, clamped_swiglu, combine_rows
 
 INT32_MAX = 2**31 - 1
-CUDA_MIN_ROWS = 17            # cuBLASLt's INT8 GEMM behind torch._int_mm wants more than 16 rows
+CUDA_MIN_ROWS = 17  # cuBLASLt's INT8 GEMM behind torch._int_mm wants more than 16 rows
 INT_MM_MIN_TOKENS_CUDA = 256  # default selection on CUDA from this many token rows (fewer: the Triton kernel)
 
 
@@ -54,10 +54,11 @@ def _int_mm(a: torch.Tensor, w: torch.Tensor, pad: bool = False) -> torch.Tensor
 
 
 # ----------------------------------------------------------------------------- dense
-def int_mm_int8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def int_mm_int8_gemm(
+    q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     k, n = q.size(-1), weight.size(0)
-    acc = _int_mm(q.reshape(-1, k), weight)                                     # [M, N] int32
+    acc = _int_mm(q.reshape(-1, k), weight)  # [M, N] int32
     y = acc.float() * s.reshape(-1, 1).float() * scale.float()
     return y.to(out_dtype).view(*q.shape[:-1], n)
 
@@ -68,8 +69,10 @@ def _operands_reason(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, sca
     if weight.dim() != 2 or weight.size(1) != q.size(-1):
         return f"weight must be [N, K={q.size(-1)}], got {tuple(weight.shape)}"
     if tuple(s.shape) != (*q.shape[:-1], 1) or tuple(scale.shape) != (weight.size(0),):
-        return (f"scales must be one per token {(*q.shape[:-1], 1)} and one per weight row ({weight.size(0)},), "
-                f"got {tuple(s.shape)} and {tuple(scale.shape)}")
+        return (
+            f"scales must be one per token {(*q.shape[:-1], 1)} and one per weight row ({weight.size(0)},), "
+            f"got {tuple(s.shape)} and {tuple(scale.shape)}"
+        )
     if len({q.device, s.device, weight.device, scale.device}) != 1:
         return "operands on several devices"
     return None
@@ -89,25 +92,42 @@ def _dense_prefer(q, s, weight, scale, out_dtype=torch.float32) -> bool:
     return not q.is_cuda or q.numel() // max(q.size(-1), 1) >= INT_MM_MIN_TOKENS_CUDA
 
 
-register("int8_gemm", "int_mm", int_mm_int8_gemm, can_run=_dense_can_run, deterministic=True, priority=5,
-         prefer=_dense_prefer)
+register(
+    "int8_gemm",
+    "int_mm",
+    int_mm_int8_gemm,
+    can_run=_dense_can_run,
+    deterministic=True,
+    priority=5,
+    prefer=_dense_prefer,
+)
 
 
 # ----------------------------------------------------------------------------- routed experts
-def int_mm_int8_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
-                            s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, w3: torch.Tensor,
-                            s3: torch.Tensor, swiglu_limit: float, expert_offset: int = 0) -> torch.Tensor:
+def int_mm_int8_moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    w3: torch.Tensor,
+    s3: torch.Tensor,
+    swiglu_limit: float,
+    expert_offset: int = 0,
+) -> torch.Tensor:
     """`int8_moe_experts` with the slots sorted by expert (the routing plan) and one `torch._int_mm` per
     local expert and projection; a token's k slot outputs are summed in slot order."""
     plan = build_plan(weights, indices, w1.size(0), expert_offset)
-    xq, xs = int8_quant(x)                                                       # once per token
-    rows_q, rows_s = xq[plan.token], xs[plan.token]                              # [T*k, D], [T*k, 1]
+    xq, xs = int8_quant(x)  # once per token
+    rows_q, rows_s = xq[plan.token], xs[plan.token]  # [T*k, D], [T*k, 1]
     out = torch.zeros(plan.token.numel(), x.size(1), dtype=torch.float32, device=x.device)
     start = 0
-    for e, end in enumerate(plan.ends.tolist()):                                 # one host read
+    for e, end in enumerate(plan.ends.tolist()):  # one host read
         if end > start:
             q, s = rows_q[start:end], rows_s[start:end]
-            gate = _int_mm(q, w1[e], pad=True).float() * s * s1[e]              # fp32 [n, I]
+            gate = _int_mm(q, w1[e], pad=True).float() * s * s1[e]  # fp32 [n, I]
             up = _int_mm(q, w3[e], pad=True).float() * s * s3[e]
             h = clamped_swiglu(gate, up, swiglu_limit) * plan.weight[start:end].unsqueeze(-1)
             hq, hs = int8_quant(h)
@@ -127,5 +147,6 @@ def _experts_can_run(x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, 
     return int_mm_reason(None, d, i, x.device) or int_mm_reason(None, i, d, x.device)
 
 
-register("int8_moe_experts", "int_mm", int_mm_int8_moe_experts, can_run=_experts_can_run, deterministic=True,
-         priority=5)
+register(
+    "int8_moe_experts", "int_mm", int_mm_int8_moe_experts, can_run=_experts_can_run, deterministic=True, priority=5
+)

@@ -27,33 +27,39 @@ from .reference import ACT_BLOCK, act_pow2
 class MoEPlan:
     """Slots (token, k) sorted by local expert; slots of other ranks' experts go last."""
 
-    order: torch.Tensor        # [T*k] int64: sorted position -> flat slot id (t*k + j)
-    token: torch.Tensor        # [T*k] int64: sorted position -> token
-    valid: torch.Tensor        # [T*k] bool: sorted position holds a local expert
-    weight: torch.Tensor       # [T*k] fp32: routing weight of each sorted slot
-    ends: torch.Tensor         # [E] int32: cumulative end row of each expert's group
+    order: torch.Tensor  # [T*k] int64: sorted position -> flat slot id (t*k + j)
+    token: torch.Tensor  # [T*k] int64: sorted position -> token
+    valid: torch.Tensor  # [T*k] bool: sorted position holds a local expert
+    weight: torch.Tensor  # [T*k] fp32: routing weight of each sorted slot
+    ends: torch.Tensor  # [E] int32: cumulative end row of each expert's group
     n_tokens: int
     topk: int
 
 
 def moe_plan(weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_offset: int) -> MoEPlan:
     t, k = indices.shape
-    local = indices.reshape(-1).long() - expert_offset                     # [T*k]
+    local = indices.reshape(-1).long() - expert_offset  # [T*k]
     valid = (local >= 0) & (local < n_local)
-    key = torch.where(valid, local, n_local)                               # foreign experts -> bucket E
-    sorted_key, order = torch.sort(key, stable=True)                       # [T*k]
+    key = torch.where(valid, local, n_local)  # foreign experts -> bucket E
+    sorted_key, order = torch.sort(key, stable=True)  # [T*k]
     bounds = torch.arange(n_local, device=key.device, dtype=sorted_key.dtype)
     ends = torch.searchsorted(sorted_key, bounds, right=True).to(torch.int32)  # [E]
-    return MoEPlan(order=order, token=order // k, valid=sorted_key < n_local,
-                   weight=weights.reshape(-1).float()[order], ends=ends, n_tokens=t, topk=k)
+    return MoEPlan(
+        order=order,
+        token=order // k,
+        valid=sorted_key < n_local,
+        weight=weights.reshape(-1).float()[order],
+        ends=ends,
+        n_tokens=t,
+        topk=k,
+    )
 
 
 PlanBuilder = Callable[[torch.Tensor, torch.Tensor, int, int], MoEPlan]
 _BUILDERS: dict[str, tuple[PlanBuilder, Callable[[torch.Tensor], str | None]]] = {}
 
 
-def register_plan_builder(device_type: str, build: PlanBuilder, can_run: Callable[[torch.Tensor], str | None]
-                          ) -> None:
+def register_plan_builder(device_type: str, build: PlanBuilder, can_run: Callable[[torch.Tensor], str | None]) -> None:
     """Install `build(weights, indices, n_local, expert_offset)`, which must return `moe_plan`'s plan bit for
     bit, for indices on `device_type` where `can_run(indices)` is None."""
     _BUILDERS[device_type] = (build, can_run)
@@ -82,7 +88,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (order,) = ctx.saved_tensors
-        slots = torch.empty_like(grad).index_copy_(0, order, grad)        # [T*k, D] in slot order
+        slots = torch.empty_like(grad).index_copy_(0, order, grad)  # [T*k, D] in slot order
         return slots.view(ctx.shape).sum(1), None, None, None
 
 
@@ -92,7 +98,7 @@ class _CombineRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: torch.Tensor, token: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
         ctx.save_for_backward(token)
-        slots = torch.empty_like(out).index_copy_(0, order, out)           # [T*k, D]
+        slots = torch.empty_like(out).index_copy_(0, order, out)  # [T*k, D]
         return slots.view(-1, topk, out.size(1)).sum(1)
 
     @staticmethod

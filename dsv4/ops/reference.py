@@ -18,11 +18,11 @@ from ..formats.fp4 import FP4_VALUES
 from ..formats.fp8 import FP8_MAX as FP8_E4M3_MAX
 from .precision import acc_dtype
 
-FP4_E2M1_GRID = FP4_VALUES[:8]   # E2M1 magnitudes by code 0..7 (codes 8..15 are the negatives)
+FP4_E2M1_GRID = FP4_VALUES[:8]  # E2M1 magnitudes by code 0..7 (codes 8..15 are the negatives)
 
 
 # ----------------------------------------------------------------------------- activation quantization
-ACT_BLOCK = 128   # activations feeding an FP8 / FP4 weight are quantized per token in blocks of 128
+ACT_BLOCK = 128  # activations feeding an FP8 / FP4 weight are quantized per token in blocks of 128
 
 
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
@@ -62,9 +62,9 @@ def act_quant(x: torch.Tensor, block: int = ACT_BLOCK, pow2: bool = True) -> tup
     s [..., ceil(n/block)] fp32). x is read as its value: no gradient.
     """
     n = x.size(-1)
-    xb = _blocks(x, block)                                                 # [..., nb, block]
+    xb = _blocks(x, block)  # [..., nb, block]
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
-    s = _block_scale(amax, FP8_E4M3_MAX, pow2)                             # [..., nb, 1]
+    s = _block_scale(amax, FP8_E4M3_MAX, pow2)  # [..., nb, 1]
     codes = fm.e4m3_encode((xb / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
     return fm.fp8_from_bytes(codes.flatten(-2)[..., :n]), s.squeeze(-1)
 
@@ -72,7 +72,7 @@ def act_quant(x: torch.Tensor, block: int = ACT_BLOCK, pow2: bool = True) -> tup
 def act_dequant(q: torch.Tensor, s: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tensor:
     """(q [..., n] E4M3, s [..., ceil(n/block)]) -> fp32 [..., n]: each code times its block's scale."""
     n = q.size(-1)
-    return (fm.e4m3_decode(q) * s.float().repeat_interleave(block, -1)[..., :n])
+    return fm.e4m3_decode(q) * s.float().repeat_interleave(block, -1)[..., :n]
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -87,7 +87,7 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
-@functools.cache   # constants a captured CUDA graph may hold: never evicted
+@functools.cache  # constants a captured CUDA graph may hold: never evicted
 def _e2m1_grid(device: str) -> torch.Tensor:
     return torch.tensor(FP4_E2M1_GRID, dtype=torch.float32, device=device)
 
@@ -95,11 +95,11 @@ def _e2m1_grid(device: str) -> torch.Tensor:
 def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
     """Round fp32 values in [-6, 6] to the nearest E2M1 value, ties to the even code."""
     grid = _e2m1_grid(str(v.device))
-    a = v.abs().unsqueeze(-1)                                   # [..., 1]
-    dist = (a - grid).abs()                                     # [..., 8]
+    a = v.abs().unsqueeze(-1)  # [..., 1]
+    dist = (a - grid).abs()  # [..., 8]
     tied = dist == dist.amin(-1, keepdim=True)
-    odd = torch.arange(8, device=v.device) % 2                  # prefer even codes on ties
-    code = torch.where(tied, odd, 2).argmin(-1)                 # [...]
+    odd = torch.arange(8, device=v.device) % 2  # prefer even codes on ties
+    code = torch.where(tied, odd, 2).argmin(-1)  # [...]
     return torch.copysign(grid[code], v)
 
 
@@ -133,8 +133,9 @@ def fp4_round_trip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- W8A8 GEMMs
-def fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def fp8_gemm(
+    q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """FP8 activations x FP8 weight (the official `fp8_gemm`): y[..., N] = sum over k of
     act_dequant(q, s)[..., k] * dequant(weight)[N, k], in fp32 (float64 under exact accumulation),
     returned in out_dtype.
@@ -147,8 +148,9 @@ def fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torc
     return linear(a, w).to(out_dtype)
 
 
-def fp4_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def fp4_gemm(
+    q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """FP8 activations x MXFP4 weight (the official `fp4_gemm`): as `fp8_gemm` with weight [N, K/2] packed
     E2M1 (low nibble = element 2i) and one E8M0 scale per 32 elements of a row [N, K/32]."""
     a = act_dequant(q, s, ACT_BLOCK)
@@ -160,7 +162,7 @@ def fp4_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torc
 # Weights quantized per output row, activations per token, both symmetric INT8 in [-127, 127]; the INT8 x
 # INT8 products are summed exactly (as INT32) and dequantized with the two scales.
 INT8_MAX = 127
-INT8_AMAX_FLOOR = 2.0**-100   # a zero row gets a normal fp32 scale (and codes 0), never a division by 0
+INT8_AMAX_FLOOR = 2.0**-100  # a zero row gets a normal fp32 scale (and codes 0), never a division by 0
 
 
 def int8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,8 +185,9 @@ def int8_dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * (s.float() if s.dim() == q.dim() else s.float().unsqueeze(-1))
 
 
-def int8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def int8_gemm(
+    q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """INT8 activations x INT8 weight: y[..., n] = fp32(sum_k q[..., k] * weight[n, k]) * s[...] * scale[n].
 
     The products are summed exactly (an INT32 result: |sum| <= K * 127^2; here in float64, exact for any K
@@ -195,11 +198,11 @@ def int8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: tor
     q [..., K] int8 with s [..., 1] fp32 (`int8_quant` of the activations); weight [N, K] int8 with scale
     [N] fp32 (`int8_quant` of the weight rows). Not differentiable.
     """
-    acc = F.linear(q.double(), weight.double())                          # [..., N], exact integers
+    acc = F.linear(q.double(), weight.double())  # [..., N], exact integers
     return (acc.float() * s.float() * scale.float()).to(out_dtype)
 
 
-@functools.cache   # constants a captured CUDA graph may hold: never evicted
+@functools.cache  # constants a captured CUDA graph may hold: never evicted
 def _hadamard_matrix(n: int, device: str) -> torch.Tensor:
     if n & (n - 1):
         raise ValueError(f"hadamard: size {n} is not a power of two")
@@ -254,8 +257,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
-def rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
-              ) -> torch.Tensor:
+def rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotary embedding of the last `r = 2 * inv_freq.numel()` dims of x, the first `d - r` unchanged.
 
     x [b, s, d] or [b, s, h, d]; positions [s] integer (or [1] for every row: decode, s == 1); inv_freq
@@ -265,10 +267,10 @@ def rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, 
     """
     r = 2 * inv_freq.numel()
     nope, pe = x[..., :-r], x[..., -r:]
-    angles = torch.outer(positions.float(), inv_freq)                       # [s, r/2]
+    angles = torch.outer(positions.float(), inv_freq)  # [s, r/2]
     cos, sin = angles.cos(), angles.sin()
     if x.dim() == 4:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                        # [s, 1, r/2]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [s, 1, r/2]
     if inverse:
         sin = -sin
     pf = pe.float()
@@ -278,8 +280,9 @@ def rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, 
 
 
 # ----------------------------------------------------------------------------- sparse attention
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_attention(
+    q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over index-gathered keys with a per-head sink.
 
     q [b, s, h, d]; kv [b, n, d] (one shared head, used as key and value); sink [h] (fp32);
@@ -289,16 +292,16 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
     detached: it is not differentiable (backward through it is undefined by contract).
     """
     b, s, h, d = q.shape
-    valid = idx >= 0                                                      # [b, s, k]
+    valid = idx >= 0  # [b, s, k]
     batch = torch.arange(b, device=q.device).view(b, 1, 1)
     acc = acc_dtype()
     # cast before the gather: its backward then accumulates dkv in fp32, not in kv's dtype
-    kv_sel = kv.to(acc)[batch, idx.clamp_min(0).long()]                   # [b, s, k, d]
-    scores = torch.einsum("bshd,bskd->bshk", q.to(acc), kv_sel) * scale   # [b, s, h, k]
+    kv_sel = kv.to(acc)[batch, idx.clamp_min(0).long()]  # [b, s, k, d]
+    scores = torch.einsum("bshd,bskd->bshk", q.to(acc), kv_sel) * scale  # [b, s, h, k]
     scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
     sink_col = sink.to(acc).view(1, 1, h, 1).expand(b, s, h, 1)
-    lse = torch.logsumexp(torch.cat([scores, sink_col], -1), -1)          # [b, s, h]
-    p = torch.exp(scores - lse.unsqueeze(-1))                              # [b, s, h, k]
+    lse = torch.logsumexp(torch.cat([scores, sink_col], -1), -1)  # [b, s, h]
+    p = torch.exp(scores - lse.unsqueeze(-1))  # [b, s, h, k]
     o = torch.einsum("bshk,bskd->bshd", p, kv_sel)
     return o.to(q.dtype), lse.float().detach()
 
@@ -311,17 +314,18 @@ def compressed_visible(positions: torch.Tensor, n: int, ratio: int) -> torch.Ten
     return j < torch.div(positions + 1, ratio, rounding_mode="floor").unsqueeze(-1)
 
 
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
-                   ratio: int) -> torch.Tensor:
+def indexer_scores(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, ratio: int
+) -> torch.Tensor:
     """Lightning Indexer scores: `score[t, j] = sum_h weights[t, h] * relu(q[t, h] . k[j])`.
 
     q [b, s, h, d]; k [b, n, d]; weights [b, s, h]; positions [s] (shared by the rows) or [b, s] absolute
     query positions. Returns [b, s, n] fp32 with invisible entries (j >= (t+1)//ratio) set to -inf.
     """
     acc = acc_dtype()
-    dots = torch.einsum("bshd,bnd->bshn", q.to(acc), k.to(acc)).relu()    # [b, s, h, n]
-    score = (dots * weights.to(acc).unsqueeze(-1)).sum(2).float()          # [b, s, n]
-    vis = compressed_visible(positions, k.size(1), ratio)                  # [s, n]
+    dots = torch.einsum("bshd,bnd->bshn", q.to(acc), k.to(acc)).relu()  # [b, s, h, n]
+    score = (dots * weights.to(acc).unsqueeze(-1)).sum(2).float()  # [b, s, n]
+    vis = compressed_visible(positions, k.size(1), ratio)  # [s, n]
     return score.masked_fill(~vis, float("-inf"))
 
 
@@ -333,16 +337,18 @@ def select_topk(score: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(torch.isfinite(values[..., :k]), order[..., :k], -1)
 
 
-def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
-                 ratio: int, topk: int) -> torch.Tensor:
+def indexer_topk(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int
+) -> torch.Tensor:
     """Top-`min(topk, n)` visible compressed entries per query by indexer score (ties: lower index
     first); -1 pads the rest. Returns [b, s, min(topk, n)] int64."""
     return select_topk(indexer_scores(q, k, weights, positions, ratio), topk)
 
 
 # ----------------------------------------------------------------------------- mHC
-def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-                      iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_split_sinkhorn(
+    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split mixes [..., (2+hc)*hc] into pre [..., hc], post [..., hc], comb [..., hc, hc].
 
     comb starts as a row softmax (+eps), then one column normalization and iters-1 (row, column)
@@ -354,8 +360,8 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     acc = acc_dtype()
     mixes, scale, base = mixes.to(acc), scale.to(acc), base.to(acc)
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = mixes[..., 2 * hc:].unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc)
+    post = 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = mixes[..., 2 * hc :].unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc :].view(hc, hc)
     comb = comb.softmax(-1) + eps
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
@@ -366,20 +372,27 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 
 def _hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     acc = acc_dtype()
-    xf = x.flatten(-2).to(acc)                                             # [b, s, hc*d]
+    xf = x.flatten(-2).to(acc)  # [b, s, hc*d]
     rsqrt = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
     with torch.autocast(device_type=x.device.type, enabled=False):
-        mixes = F.linear(xf, fn.to(acc)) * rsqrt                           # [b, s, mix]
+        mixes = F.linear(xf, fn.to(acc)) * rsqrt  # [b, s, mix]
     return xf, mixes.float()
 
 
-def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
-           hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_pre(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC before a sublayer: x [b, s, hc, d] -> (sublayer input [b, s, d], post [b, s, hc], comb)."""
     hc = x.size(-2)
     _, mixes = _hc_mixes(x, fn, norm_eps)
     pre, post, comb = hc_split_sinkhorn(mixes, scale, base, hc, iters, hc_eps)
-    y = (pre.unsqueeze(-1) * x.float()).sum(-2)                            # [b, s, d]
+    y = (pre.unsqueeze(-1) * x.float()).sum(-2)  # [b, s, d]
     return y.to(x.dtype), post, comb
 
 
@@ -394,11 +407,12 @@ def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
     return y.to(f.dtype)
 
 
-def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
-            hc_eps: float) -> torch.Tensor:
+def hc_head(
+    x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float, hc_eps: float
+) -> torch.Tensor:
     """Final mHC reduce (no Sinkhorn): x [b, s, hc, d] -> [b, s, d]."""
     _, mixes = _hc_mixes(x, fn, norm_eps)
-    pre = torch.sigmoid(mixes * scale + base) + hc_eps                     # [b, s, hc]
+    pre = torch.sigmoid(mixes * scale + base) + hc_eps  # [b, s, hc]
     return (pre.unsqueeze(-1) * x.float()).sum(-2).to(x.dtype)
 
 
@@ -430,8 +444,12 @@ def act_pow2(act: str | None) -> bool:
     return act == "ue8m0"
 
 
-def swiglu_ffn(x: torch.Tensor, project: Callable[[torch.Tensor, int], torch.Tensor], swiglu_limit: float,
-            weight: torch.Tensor | None) -> torch.Tensor:
+def swiglu_ffn(
+    x: torch.Tensor,
+    project: Callable[[torch.Tensor, int], torch.Tensor],
+    swiglu_limit: float,
+    weight: torch.Tensor | None,
+) -> torch.Tensor:
     """Clamped SwiGLU around three projections: project(t, i) = t @ W_i^T in t's dtype (i = 1, 2, 3)."""
     gate = project(x, 1).float()
     up = project(x, 3).float()
@@ -444,9 +462,15 @@ def swiglu_ffn(x: torch.Tensor, project: Callable[[torch.Tensor, int], torch.Ten
     return project(h.to(x.dtype), 2)
 
 
-def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float,
-               weight: torch.Tensor | None = None,
-               quant: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def expert_ffn(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    swiglu_limit: float,
+    weight: torch.Tensor | None = None,
+    quant: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Clamped SwiGLU: gate = w1 x, up = w3 x in fp32, clamp, silu(gate) * up (* routing weight), rounded to
     x's dtype, w2. gate and up are rounded to x's dtype first, except for fp16 x: then they leave their
     matmul in fp32 (`dsv4.ops.moe_shared.gate_dtype` says why). quant: applied to the input of every
@@ -456,16 +480,24 @@ def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
 
     def project(t: torch.Tensor, i: int) -> torch.Tensor:
         t = t if quant is None else quant(t)
-        if i != 2 and t.dtype == torch.float16:           # gate / up of fp16 inputs in fp32 (`fp16_gate_up`)
+        if i != 2 and t.dtype == torch.float16:  # gate / up of fp16 inputs in fp32 (`fp16_gate_up`)
             return linear(t.float(), ws[i].float())
         return linear(t, ws[i])
 
     return swiglu_ffn(x, project, swiglu_limit, weight)
 
 
-def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
-                w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float, expert_offset: int = 0,
-                act: str | None = None) -> torch.Tensor:
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    swiglu_limit: float,
+    expert_offset: int = 0,
+    act: str | None = None,
+) -> torch.Tensor:
     """Routed experts: y[t] = sum_k weights[t, k] * expert_{indices[t, k]}(x[t]) over the local experts.
 
     x [T, D]; weights [T, k] fp32; indices [T, k] global expert ids; w1, w3 [E, I, D], w2 [E, D, I] hold
@@ -484,9 +516,14 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w
     return _sum_over_experts(x, weights, indices, w1.size(0), expert_offset, expert)
 
 
-def _sum_over_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, n_experts: int,
-                      expert_offset: int,
-                      expert: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def _sum_over_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    n_experts: int,
+    expert_offset: int,
+    expert: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     """fp32 [T, D]: for each local expert e, expert(e, its tokens' rows of x, their routing weights [n, 1])
     added into the rows of its tokens; ids outside [expert_offset, expert_offset + n_experts) are skipped."""
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -499,10 +536,21 @@ def _sum_over_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Ten
     return y
 
 
-def quantized_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
-                          s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, w3: torch.Tensor,
-                          s3: torch.Tensor, swiglu_limit: float, expert_offset: int = 0, fmt: str = "fp8",
-                          act: str = "ue8m0") -> torch.Tensor:
+def quantized_moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    w3: torch.Tensor,
+    s3: torch.Tensor,
+    swiglu_limit: float,
+    expert_offset: int = 0,
+    fmt: str = "fp8",
+    act: str = "ue8m0",
+) -> torch.Tensor:
     """Routed experts on weights kept quantized, with W8A8 numerics (the official MoE on an FP8 / FP4
     checkpoint): the input of every projection is quantized by `act_quant` (blocks of ACT_BLOCK, act =
     "ue8m0" or "fp32" scales) and multiplied by `fp8_gemm` (fmt "fp8": w [E, O, I] E4M3 + s [E, ceil(O/128),
@@ -519,7 +567,7 @@ def quantized_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch
 
         def project(t: torch.Tensor, i: int) -> torch.Tensor:
             q, s = act_quant(t, ACT_BLOCK, pow2)
-            wide = i != 2 and t.dtype == torch.float16          # gate / up of fp16 inputs in fp32
+            wide = i != 2 and t.dtype == torch.float16  # gate / up of fp16 inputs in fp32
             return gemm(q, s, *wq[i], torch.float32 if wide else t.dtype)
 
         return swiglu_ffn(xe, project, swiglu_limit, we)
@@ -527,9 +575,19 @@ def quantized_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch
     return _sum_over_experts(x, weights, indices, w1.size(0), expert_offset, expert)
 
 
-def int8_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
-                     s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
-                     swiglu_limit: float, expert_offset: int = 0) -> torch.Tensor:
+def int8_moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    w3: torch.Tensor,
+    s3: torch.Tensor,
+    swiglu_limit: float,
+    expert_offset: int = 0,
+) -> torch.Tensor:
     """Routed experts with INT8 weights (per output row) and INT8 activations (per token): each token's
     input is quantized by `int8_quant`; gate = w1 x and up = w3 x by `int8_gemm` straight to fp32; the
     clamped SwiGLU times the routing weight in fp32; that result quantized per token again and multiplied
@@ -537,13 +595,14 @@ def int8_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tens
     [E, D] fp32; otherwise as `moe_experts` (ids outside [expert_offset, expert_offset + E) are skipped).
     Returns [T, D] fp32. Not differentiable.
     """
+
     def expert(e: int, xe: torch.Tensor, we: torch.Tensor) -> torch.Tensor:
         q, s = int8_quant(xe)
-        gate = int8_gemm(q, s, w1[e], s1[e])                              # fp32 [n, I]
+        gate = int8_gemm(q, s, w1[e], s1[e])  # fp32 [n, I]
         up = int8_gemm(q, s, w3[e], s3[e])
         if swiglu_limit > 0:
             gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
-        h = F.silu(gate) * up * we                                        # fp32 [n, I]
+        h = F.silu(gate) * up * we  # fp32 [n, I]
         hq, hs = int8_quant(h)
         return int8_gemm(hq, hs, w2[e], s2[e])
 

@@ -42,38 +42,44 @@ def _grouped_can_run(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offse
     return None
 
 
-def grouped_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
-                        w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float,
-                        expert_offset: int = 0, act: str | None = None) -> torch.Tensor:
+def grouped_moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    swiglu_limit: float,
+    expert_offset: int = 0,
+    act: str | None = None,
+) -> torch.Tensor:
     """`moe_experts` with one `torch._grouped_mm` per projection over all local experts."""
     plan = build_plan(weights, indices, w1.size(0), expert_offset)
-    xs = gather_rows(act_round_trip(x, act, fp8_round_trip), plan)               # [M, D]
-    wide = gate_dtype(x.dtype)             # fp16: gate and up in fp32 (fp16 operands are exact there)
+    xs = gather_rows(act_round_trip(x, act, fp8_round_trip), plan)  # [M, D]
+    wide = gate_dtype(x.dtype)  # fp16: gate and up in fp32 (fp16 operands are exact there)
     xg, w1g, w3g = (t.to(wide) for t in (xs, w1, w3))
     # rows past the last group are not computed: mask them before anything reads them (also in backward)
     gate = mask_rows(torch._grouped_mm(xg, w1g.transpose(1, 2), offs=plan.ends), plan)  # [M, I]
-    up = mask_rows(torch._grouped_mm(xg, w3g.transpose(1, 2), offs=plan.ends), plan)    # [M, I]
+    up = mask_rows(torch._grouped_mm(xg, w3g.transpose(1, 2), offs=plan.ends), plan)  # [M, I]
     h = mask_rows(clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1), plan).to(x.dtype)
-    out = torch._grouped_mm(act_round_trip(h, act, fp8_round_trip), w2.transpose(1, 2),
-                            offs=plan.ends)                                      # [M, D]
+    out = torch._grouped_mm(act_round_trip(h, act, fp8_round_trip), w2.transpose(1, 2), offs=plan.ends)  # [M, D]
     return combine_rows(out, plan)
 
 
 # Explicit use only (priority below the reference): on CPU torch._grouped_mm is a slow fallback loop, and
 # on CUDA the Triton backend is the default.
-register("moe_experts", "grouped", grouped_moe_experts, can_run=_grouped_can_run, deterministic=True,
-         priority=-1)
+register("moe_experts", "grouped", grouped_moe_experts, can_run=_grouped_can_run, deterministic=True, priority=-1)
 
 
 # ----------------------------------------------------------------------------- fp32 projections
-BF16X3_MIN_ROWS = 64     # default selection from this many rows (a GEMV reads W's three parts: slower)
+BF16X3_MIN_ROWS = 64  # default selection from this many rows (a GEMV reads W's three parts: slower)
 
 
 def bf16_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 -> (hi, mid, lo) bf16 with hi + mid + lo == t (exact for normal fp32 values)."""
     t = t.float()
     hi = t.to(torch.bfloat16)
-    rest = t - hi.float()                                                 # exact in fp32
+    rest = t - hi.float()  # exact in fp32
     mid = rest.to(torch.bfloat16)
     lo = (rest - mid.float()).to(torch.bfloat16)
     return hi, mid, lo
@@ -100,10 +106,10 @@ class _Bf16x3Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         k, n = x.size(-1), weight.size(0)
-        x2 = x.reshape(-1, k)                                             # [M, K] bf16
-        x3 = torch.cat([x2, x2, x2], dim=1)                               # [M, 3K]
-        w3 = split_bf16x3(weight.detach())                                # [N, 3K]
-        y = _mm_fp32_out(x3, w3.t())                                      # one GEMM over the concatenated K
+        x2 = x.reshape(-1, k)  # [M, K] bf16
+        x3 = torch.cat([x2, x2, x2], dim=1)  # [M, 3K]
+        w3 = split_bf16x3(weight.detach())  # [N, 3K]
+        y = _mm_fp32_out(x3, w3.t())  # one GEMM over the concatenated K
         ctx.save_for_backward(x, weight)
         return y.view(*x.shape[:-1], n)
 
@@ -111,17 +117,17 @@ class _Bf16x3Linear(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         """fp32 gradients from bf16 products: g [M, N] (fp32, not bf16-exact) is split three ways too."""
         x, weight = ctx.saved_tensors
-        gs = bf16_parts(g.reshape(-1, weight.size(0)))                    # 3 x [M, N]
+        gs = bf16_parts(g.reshape(-1, weight.size(0)))  # 3 x [M, N]
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            ws = bf16_parts(weight.detach())                              # 3 x [N, K]
+            ws = bf16_parts(weight.detach())  # 3 x [N, K]
             acc = None
             for i, j in _PAIRS:
                 term = _mm_fp32_out(gs[i], ws[j])
                 acc = term if acc is None else acc + term
             gx = acc.view(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            xb = x.reshape(-1, x.size(-1))                                # bf16: exact, one part
+            xb = x.reshape(-1, x.size(-1))  # bf16: exact, one part
             acc = None
             for i in (2, 1, 0):
                 term = _mm_fp32_out(gs[i].t(), xb)
@@ -150,5 +156,12 @@ def _bf16x3_prefer(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and x.numel() // x.size(-1) >= BF16X3_MIN_ROWS
 
 
-register("linear_fp32", "bf16x3", bf16x3_linear, can_run=_bf16x3_can_run, deterministic=True, priority=5,
-         prefer=_bf16x3_prefer)
+register(
+    "linear_fp32",
+    "bf16x3",
+    bf16x3_linear,
+    can_run=_bf16x3_can_run,
+    deterministic=True,
+    priority=5,
+    prefer=_bf16x3_prefer,
+)

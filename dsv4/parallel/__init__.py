@@ -44,6 +44,23 @@ from .expert import ExpertParallel, expert_range, held, is_expert_param, moe_lay
 from .serving import ATTENTION, ServingLayout, broadcast_step, idle_inputs, parallelize_for_serving, serving_layout
 from .workers import DEFAULT_TIMEOUT_S, Workers, free_port, init_workers, shutdown_workers
 
-__all__ = ["ATTENTION", "DEFAULT_TIMEOUT_S", "ExpertParallel", "ServingLayout", "Workers", "broadcast_step",
-           "expert_range", "free_port", "held", "idle_inputs", "init_workers", "is_expert_param", "moe_layers",
-           "ordered_sum", "parallelize_for_serving", "serving_layout", "shard_experts", "shutdown_workers"]
+__all__ = [
+    "ATTENTION",
+    "DEFAULT_TIMEOUT_S",
+    "ExpertParallel",
+    "ServingLayout",
+    "Workers",
+    "broadcast_step",
+    "expert_range",
+    "free_port",
+    "held",
+    "idle_inputs",
+    "init_workers",
+    "is_expert_param",
+    "moe_layers",
+    "ordered_sum",
+    "parallelize_for_serving",
+    "serving_layout",
+    "shard_experts",
+    "shutdown_workers",
+]

@@ -114,7 +114,7 @@ def ordered_sum(per_slot: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """per_slot [T, k, D] fp32 (slot j of token t: its routed expert's weighted output) -> [T, D] fp32,
     each token's slots added one after the other in increasing expert id, from zero: the order in which
     `ops.reference.moe_experts` adds them in one process (ties in slot order)."""
-    order = indices.argsort(dim=1, stable=True)                                        # [T, k]
+    order = indices.argsort(dim=1, stable=True)  # [T, k]
     per_slot = per_slot.gather(1, order.unsqueeze(-1).expand_as(per_slot))
     y = torch.zeros(per_slot.shape[0], per_slot.shape[2], dtype=torch.float32, device=per_slot.device)
     for j in range(per_slot.size(1)):
@@ -144,8 +144,14 @@ class ExpertParallel(nn.Module):
     ordered: bool | None
 
     @classmethod
-    def of(cls, experts: nn.Module, n_experts: int, group: dist.ProcessGroup | None, mode: str = "all_to_all",
-           ordered: bool | None = None) -> ExpertParallel:
+    def of(
+        cls,
+        experts: nn.Module,
+        n_experts: int,
+        group: dist.ProcessGroup | None,
+        mode: str = "all_to_all",
+        ordered: bool | None = None,
+    ) -> ExpertParallel:
         """The parallel form of `experts` (a module holding experts [offset, offset + n) of a layer of
         n_experts): a new module sharing its parameters and buffers; `experts` itself is left unchanged."""
         if mode not in MODES:
@@ -154,7 +160,7 @@ class ExpertParallel(nn.Module):
             raise RuntimeError("experts are already sharded")
         kind = _parallel_class(type(experts))
         new = kind.__new__(kind)
-        for k, v in vars(experts).items():       # containers copied (own dicts of parameters, hooks ...)
+        for k, v in vars(experts).items():  # containers copied (own dicts of parameters, hooks ...)
             new.__dict__[k] = copy.copy(v) if isinstance(v, (dict, set)) else v
         new._setup(n_experts, group, mode, ordered)
         return new
@@ -169,33 +175,37 @@ class ExpertParallel(nn.Module):
         lo, hi = expert_range(self.n_experts, self.group)
         start, n = held(self)
         if lo != start or hi - lo != n:
-            raise RuntimeError(f"expert-parallel rank {_ep_rank(self.group)} should hold "
-                               f"experts [{lo}, {hi}) but holds {n} from {start}: the process group "
-                               "changed after sharding")
+            raise RuntimeError(
+                f"expert-parallel rank {_ep_rank(self.group)} should hold "
+                f"experts [{lo}, {hi}) but holds {n} from {start}: the process group "
+                "changed after sharding"
+            )
         return lo, hi - lo
 
     def _local(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         # the experts class's own forward (so its options, e.g. FP4 fake-quant, still apply); the offset
         # was just checked against the live rank, and ids outside its range are skipped
-        return super().forward(x, weights, indices)                                     # fp32 [T, dim]
+        return super().forward(x, weights, indices)  # fp32 [T, dim]
 
     def _per_slot(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """fp32 [T, k, D]: each (token, slot) pair as its own row through the local experts (zero where
         another rank holds the slot's expert)."""
         t, k = indices.shape
-        rows = x.unsqueeze(1).expand(t, k, x.size(-1)).reshape(t * k, -1)               # [T*k, D]
-        out = self._local(rows, weights.reshape(-1, 1), indices.reshape(-1, 1))         # [T*k, D]
+        rows = x.unsqueeze(1).expand(t, k, x.size(-1)).reshape(t * k, -1)  # [T*k, D]
+        out = self._local(rows, weights.reshape(-1, 1), indices.reshape(-1, 1))  # [T*k, D]
         return out.view(t, k, -1)
 
-    @torch.compiler.disable       # host-sized exchanges: stays eager inside a torch.compile'd block
+    @torch.compiler.disable  # host-sized exchanges: stays eager inside a torch.compile'd block
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [T, dim], weights [T, k] fp32, indices [T, k] global expert ids -> fp32 [T, dim]."""
         _, n_local = self._live_offset()
         if self.mode == "all_to_all":
             return self._exchange(x, weights, indices, n_local)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
-            raise RuntimeError(f"{self.mode} expert parallelism is for inference: run under "
-                               "torch.no_grad(), or shard with mode='all_to_all' for training")
+            raise RuntimeError(
+                f"{self.mode} expert parallelism is for inference: run under "
+                "torch.no_grad(), or shard with mode='all_to_all' for training"
+            )
         ordered = is_exact() if self.ordered is None else self.ordered
         if self.mode == "all_reduce":
             y = self._per_slot(x, weights, indices) if ordered else self._local(x, weights, indices)
@@ -209,40 +219,40 @@ class ExpertParallel(nn.Module):
         count = torch.tensor([t], dtype=torch.long, device=x.device)
         counts = [torch.empty_like(count) for _ in range(world)]
         dist.all_gather(counts, count, group=self.group)
-        counts = [int(c) for c in counts]                                               # host read
+        counts = [int(c) for c in counts]  # host read
         xa, wa, ia = (gather_rows(a, counts, self.group) for a in (x, weights, indices))  # [sum T, ...]
-        out = self._per_slot(xa, wa, ia) if ordered else self._local(xa, wa, ia)         # [sum T, (k,) D]
+        out = self._per_slot(xa, wa, ia) if ordered else self._local(xa, wa, ia)  # [sum T, (k,) D]
         back = out.new_empty((world * t, *out.shape[1:]))
         dist.all_to_all_single(back, out.contiguous(), [t] * world, counts, group=self.group)
-        parts = back.view(world, t, *out.shape[1:])                                     # every rank's share
+        parts = back.view(world, t, *out.shape[1:])  # every rank's share
         y = parts[0]
-        for r in range(1, world):                                                       # rank order: fixed
+        for r in range(1, world):  # rank order: fixed
             y = y + parts[r]
         return ordered_sum(y, indices) if ordered else y
 
     def _exchange(self, x, weights, indices, n_local: int) -> torch.Tensor:
         t, k = indices.shape
         world = dist.get_world_size(self.group)
-        ids = indices.reshape(-1)                                                       # [T*k]
-        dest = torch.div(ids, n_local, rounding_mode="floor")                           # owner rank per pair
-        order = torch.argsort(dest, stable=True)                                        # grouped by rank
-        send_counts = torch.bincount(dest, minlength=world)                             # [W]
+        ids = indices.reshape(-1)  # [T*k]
+        dest = torch.div(ids, n_local, rounding_mode="floor")  # owner rank per pair
+        order = torch.argsort(dest, stable=True)  # grouped by rank
+        send_counts = torch.bincount(dest, minlength=world)  # [W]
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send, recv = send_counts.tolist(), recv_counts.tolist()
-        tok = torch.div(order, k, rounding_mode="floor")                                # [N] pair -> token
+        tok = torch.div(order, k, rounding_mode="floor")  # [N] pair -> token
 
-        xs = all_to_all(x[tok], recv, send, self.group)                                 # [M, dim]
-        ws = all_to_all(weights.reshape(-1)[order], recv, send, self.group)             # [M] fp32
+        xs = all_to_all(x[tok], recv, send, self.group)  # [M, dim]
+        ws = all_to_all(weights.reshape(-1)[order], recv, send, self.group)  # [M] fp32
         ids_in = ids.new_empty(sum(recv))
         dist.all_to_all_single(ids_in, ids[order].contiguous(), recv, send, group=self.group)
-        y = self._local(xs, ws.unsqueeze(-1), ids_in.unsqueeze(-1))                     # fp32 [M, dim]
+        y = self._local(xs, ws.unsqueeze(-1), ids_in.unsqueeze(-1))  # fp32 [M, dim]
         # keep both exchanges in the graph even when nothing arrived here, so every rank runs the same
         # backward collectives (a sum over an empty slice is an exact zero, also next to inf/nan rows)
         y = y + (xs[:0].sum() + ws[:0].sum())
-        back = all_to_all(y, send, recv, self.group)                                    # fp32 [N, dim]
+        back = all_to_all(y, send, recv, self.group)  # fp32 [N, dim]
         out = torch.zeros(t, x.size(-1), dtype=torch.float32, device=x.device)
-        return out.index_add(0, tok, back)                                              # fp32 [T, dim]
+        return out.index_add(0, tok, back)  # fp32 [T, dim]
 
 
 _PARALLEL_CLASSES: dict[type, type] = {}
@@ -253,8 +263,9 @@ def _parallel_class(base: type) -> type:
     and the local computation). One class per base, made on first use."""
     cls = _PARALLEL_CLASSES.get(base)
     if cls is None:
-        cls = _PARALLEL_CLASSES[base] = type(f"ExpertParallel{base.__name__}", (ExpertParallel, base),
-                                             {"__module__": __name__})
+        cls = _PARALLEL_CLASSES[base] = type(
+            f"ExpertParallel{base.__name__}", (ExpertParallel, base), {"__module__": __name__}
+        )
     return cls
 
 
@@ -267,8 +278,9 @@ def _keep_experts(ex: nn.Module, lo: int, hi: int) -> None:
     ex.narrow(lo, hi)
 
 
-def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, mode: str = "all_to_all",
-                  ordered: bool | None = None) -> int:
+def shard_experts(
+    model: nn.Module, group: dist.ProcessGroup | None = None, mode: str = "all_to_all", ordered: bool | None = None
+) -> int:
     """Keep only this rank's routed experts in every MoE layer and swap each layer's experts module for
     its parallel form (`ExpertParallel.of`; parameter names unchanged).
 
@@ -288,16 +300,29 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, mode
         if (start, count) == (0, moe.n_experts):
             _keep_experts(ex, lo, hi)
         elif (start, count) != (lo, hi - lo):
-            raise RuntimeError(f"a MoE layer holds experts [{start}, {start + count}), but rank "
-                               f"{_ep_rank(group)} of {dist.get_world_size(group)} owns [{lo}, {hi}): load it "
-                               "with this rank and world size")
+            raise RuntimeError(
+                f"a MoE layer holds experts [{start}, {start + count}), but rank "
+                f"{_ep_rank(group)} of {dist.get_world_size(group)} owns [{lo}, {hi}): load it "
+                "with this rank and world size"
+            )
         for t in [*ex.parameters(), *ex.buffers()]:
             setattr(t, _EP_ATTR, True)
-        model.set_submodule(f"{path}.experts" if path else "experts",
-                            ExpertParallel.of(ex, moe.n_experts, group, mode, ordered))
+        model.set_submodule(
+            f"{path}.experts" if path else "experts", ExpertParallel.of(ex, moe.n_experts, group, mode, ordered)
+        )
         n += 1
     return n
 
 
-__all__ = ["MODES", "ExpertParallel", "all_to_all", "expert_range", "gather_rows", "held", "is_expert_param",
-           "moe_layers", "ordered_sum", "shard_experts"]
+__all__ = [
+    "MODES",
+    "ExpertParallel",
+    "all_to_all",
+    "expert_range",
+    "gather_rows",
+    "held",
+    "is_expert_param",
+    "moe_layers",
+    "ordered_sum",
+    "shard_experts",
+]

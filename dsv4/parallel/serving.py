@@ -51,8 +51,14 @@ def serving_layout(model: nn.Module) -> ServingLayout | None:
     return _LAYOUTS.get(model)
 
 
-def parallelize_for_serving(model: nn.Module, group: dist.ProcessGroup | None = None, *, expert_parallel: bool = True,
-                            attention: str = "replicated", ordered: bool | None = None) -> nn.Module:
+def parallelize_for_serving(
+    model: nn.Module,
+    group: dist.ProcessGroup | None = None,
+    *,
+    expert_parallel: bool = True,
+    attention: str = "replicated",
+    ordered: bool | None = None,
+) -> nn.Module:
     """Apply the serving passes to a built model, in place; returns it (in eval mode).
 
     expert_parallel: the routed experts are split by expert over the ranks of `group` (the default group
@@ -66,8 +72,9 @@ def parallelize_for_serving(model: nn.Module, group: dist.ProcessGroup | None = 
     Outside a process group, or in a group of one, the model is left as it is.
     """
     if not expert_parallel:
-        raise ValueError("dsv4 splits the routed experts by expert only: pass expert_parallel=True "
-                         "(--enable-expert-parallel)")
+        raise ValueError(
+            "dsv4 splits the routed experts by expert only: pass expert_parallel=True (--enable-expert-parallel)"
+        )
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
     if model in _LAYOUTS:
@@ -75,8 +82,7 @@ def parallelize_for_serving(model: nn.Module, group: dist.ProcessGroup | None = 
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank(group) if world > 1 else 0
     if world > 1:
-        shard_experts(model, group, mode="all_reduce" if attention == "replicated" else "all_gather",
-                      ordered=ordered)
+        shard_experts(model, group, mode="all_reduce" if attention == "replicated" else "all_gather", ordered=ordered)
     _LAYOUTS[model] = ServingLayout(rank, world, attention, expert_parallel)
     return model.eval()
 
@@ -115,8 +121,14 @@ def _build(desc, tensors: list[torch.Tensor]):
     return body
 
 
-def broadcast_step(tokens: torch.Tensor | None, inputs: StepInputs | None, *, device: torch.device | str,
-                   group: dist.ProcessGroup | None = None, src: int = 0) -> tuple[torch.Tensor, StepInputs]:
+def broadcast_step(
+    tokens: torch.Tensor | None,
+    inputs: StepInputs | None,
+    *,
+    device: torch.device | str,
+    group: dist.ProcessGroup | None = None,
+    src: int = 0,
+) -> tuple[torch.Tensor, StepInputs]:
     """The scheduler's step, from worker `src` to every worker: (tokens, inputs) on `device` everywhere.
 
     On `src` pass the step (its tensors on `device`); elsewhere pass None, None. One small object

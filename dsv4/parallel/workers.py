@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = 300.0      # a step of a large model can take tens of seconds; a dead peer less
+DEFAULT_TIMEOUT_S = 300.0  # a step of a large model can take tens of seconds; a dead peer less
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Workers:
     device: torch.device
     backend: str
     timeout_s: float
-    group: dist.ProcessGroup | None = None      # None: the default (world) group
+    group: dist.ProcessGroup | None = None  # None: the default (world) group
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,15 +56,24 @@ def worker_device(device: str, rank: int) -> torch.device:
             raise RuntimeError("--device cuda: this torch has no CUDA device")
         index = rank if dev.index is None else dev.index
         if index >= torch.cuda.device_count():
-            raise RuntimeError(f"worker {rank} needs cuda:{index}, and this host has {torch.cuda.device_count()} "
-                               "CUDA device(s): start at most that many workers")
+            raise RuntimeError(
+                f"worker {rank} needs cuda:{index}, and this host has {torch.cuda.device_count()} "
+                "CUDA device(s): start at most that many workers"
+            )
         return torch.device("cuda", index)
     return dev
 
 
-def init_workers(rank: int, world_size: int, *, master_port: int, master_addr: str = "127.0.0.1",
-                 device: str = "cpu", backend: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> Workers:
+def init_workers(
+    rank: int,
+    world_size: int,
+    *,
+    master_port: int,
+    master_addr: str = "127.0.0.1",
+    device: str = "cpu",
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Workers:
     """Join the process group of `world_size` workers as worker `rank` (each worker calls this once).
 
     Rendezvous at tcp://master_addr:master_port (the same on every worker; rank 0 listens there). device
@@ -83,8 +92,14 @@ def init_workers(rank: int, world_size: int, *, master_port: int, master_addr: s
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a process group")
     kw = {"device_id": dev} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s), **kw)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kw,
+    )
     return Workers(rank, world_size, dev, backend, float(timeout_s))
 
 

@@ -23,9 +23,9 @@ def fits_alone(engine, length: int) -> bool:
 def longest_sequence(engine) -> int:
     """The most positions (prompt + output) one sequence can reach in this engine's cache, at most its
     max_model_len (0 when not even one position fits)."""
-    extra = engine.config.speculative or 0                 # a verify step writes its drafts' positions too
+    extra = engine.config.speculative or 0  # a verify step writes its drafts' positions too
     lo, hi = 0, engine.max_model_len
-    while lo < hi:                                         # the largest L with fits_alone(L + extra)
+    while lo < hi:  # the largest L with fits_alone(L + extra)
         mid = (lo + hi + 1) // 2
         if fits_alone(engine, mid + extra):
             lo = mid

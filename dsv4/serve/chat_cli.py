@@ -41,15 +41,29 @@ def _server_model(base: str, headers: dict, model: str | None) -> str:
         raise UserError(f"{base}/models did not list a model: give --served-model-name") from None
 
 
-def _stream_from_server(base: str, headers: dict, model: str, messages: list[dict], max_tokens: int,
-                        temperature: float, seed: int | None, thinking: bool) -> Iterator[tuple[str, str]]:
+def _stream_from_server(
+    base: str,
+    headers: dict,
+    model: str,
+    messages: list[dict],
+    max_tokens: int,
+    temperature: float,
+    seed: int | None,
+    thinking: bool,
+) -> Iterator[tuple[str, str]]:
     """(kind, text) deltas of a running server's streaming chat endpoint (kind: content / reasoning). Closing
     the generator (Ctrl-C) closes the connection, which aborts the request on the server."""
     import urllib.error
     import urllib.request
 
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-            "stream": True, "thinking": {"type": "enabled" if thinking else "disabled"}}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "thinking": {"type": "enabled" if thinking else "disabled"},
+    }
     if seed is not None:
         body["seed"] = seed
     req = urllib.request.Request(f"{base}/chat/completions", data=json.dumps(body).encode(), headers=headers)
@@ -70,7 +84,7 @@ def _stream_from_server(base: str, headers: dict, model: str, messages: list[dic
     except urllib.error.HTTPError as e:
         try:
             msg = json.load(e)["error"]["message"]
-        except Exception:                                               # noqa: BLE001
+        except Exception:  # noqa: BLE001
             msg = str(e)
         raise UserError(f"the server refused the request: {msg}") from None
     except urllib.error.URLError as e:
@@ -119,13 +133,19 @@ def _local_replier(args) -> tuple[Callable, str]:
         prompt = tokenizer.encode(text, bos=False)
         room = engine.max_model_len - len(prompt)
         if room < 1:
-            raise UserError(f"the conversation is {len(prompt)} tokens and the context is {engine.max_model_len} "
-                            f"tokens (prompt + output; the model's max_position_embeddings is "
-                            f"{model.cfg.max_seq_len}): /reset to start over, or raise --max-model-len")
+            raise UserError(
+                f"the conversation is {len(prompt)} tokens and the context is {engine.max_model_len} "
+                f"tokens (prompt + output; the model's max_position_embeddings is "
+                f"{model.cfg.max_seq_len}): /reset to start over, or raise --max-model-len"
+            )
         counter[0] += 1
         rid = f"chat-{counter[0]}"
-        params = SamplingParams(max_tokens=min(args.max_new_tokens, room), temperature=args.temperature,
-                                seed=(seed + counter[0]) % 2**63, skip_special_tokens=False)
+        params = SamplingParams(
+            max_tokens=min(args.max_new_tokens, room),
+            temperature=args.temperature,
+            seed=(seed + counter[0]) % 2**63,
+            skip_special_tokens=False,
+        )
         engine.add_request(rid, prompt, params)
         parser = chat.ChatStreamParser(thinking=args.thinking)
         try:
@@ -136,8 +156,8 @@ def _local_replier(args) -> tuple[Callable, str]:
             for ev in parser.finish().flushed:
                 yield from _event(ev)
         finally:
-            engine.abort(rid)                              # a reply stopped by Ctrl-C frees its sequence
-            while engine.has_work():                       # (an overlapped step still in flight)
+            engine.abort(rid)  # a reply stopped by Ctrl-C frees its sequence
+            while engine.has_work():  # (an overlapped step still in flight)
                 engine.step()
 
     return reply, f"{desc} on {engine.device}"
@@ -153,8 +173,9 @@ def _url_replier(args) -> tuple[Callable, str]:
     model = _server_model(base, headers, args.served_model_name)
 
     def reply(messages):
-        return _stream_from_server(base, headers, model, messages, args.max_new_tokens, args.temperature,
-                                   args.seed, args.thinking)
+        return _stream_from_server(
+            base, headers, model, messages, args.max_new_tokens, args.temperature, args.seed, args.thinking
+        )
 
     return reply, f"{model} at {base}"
 
@@ -165,9 +186,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     print(f"chatting with {who} (/help for commands; Ctrl-D or /exit to leave)", file=sys.stderr)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     refused = 0
-    if hasattr(sys.stdin, "reconfigure"):   # undecodable bytes as lone surrogates (refused per message
-        sys.stdin.reconfigure(errors="surrogateescape")       # below) in any locale, not a crash mid-chat
-    armed = False                           # Ctrl-C once at the prompt: the next one leaves
+    if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes as lone surrogates (refused per message
+        sys.stdin.reconfigure(errors="surrogateescape")  # below) in any locale, not a crash mid-chat
+    armed = False  # Ctrl-C once at the prompt: the next one leaves
     while True:
         try:
             line = input("you> ") if interactive else sys.stdin.readline()
@@ -199,7 +220,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"error: unknown command {line} (/help lists them): not sent", file=sys.stderr)
             continue
         try:
-            line.encode("utf-8")            # undecodable input bytes arrive as lone surrogates
+            line.encode("utf-8")  # undecodable input bytes arrive as lone surrogates
         except UnicodeEncodeError as e:
             print(f"error: the message is not valid UTF-8 text (character {e.start}): not sent", file=sys.stderr)
             refused += 1
@@ -214,13 +235,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 parts[kind].append(text)
                 sys.stdout.write(text if kind == "content" else f"\x1b[2m{text}\x1b[0m" if interactive else text)
                 sys.stdout.flush()
-        except UserError as e:              # this message is refused (too long ...): say why, keep chatting
+        except UserError as e:  # this message is refused (too long ...): say why, keep chatting
             sys.stdout.write("\n")
             print(f"error: {e}", file=sys.stderr)
             messages.pop()
             refused += 1
             continue
-        except KeyboardInterrupt:           # stop this reply, keep what it wrote, back to the prompt
+        except KeyboardInterrupt:  # stop this reply, keep what it wrote, back to the prompt
             stream.close()
             if not interactive:
                 raise
@@ -235,15 +256,26 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def add_chat_parser(sub) -> None:
-    p = sub.add_parser("chat", help="chat in the terminal with a model (loaded here, or a running server)",
-                       description="Chat in the terminal with a model loaded in this process, or with a running "
-                                   "server (--url). /help lists the commands; Ctrl-C stops a reply.")
+    p = sub.add_parser(
+        "chat",
+        help="chat in the terminal with a model (loaded here, or a running server)",
+        description="Chat in the terminal with a model loaded in this process, or with a running "
+        "server (--url). /help lists the commands; Ctrl-C stops a reply.",
+    )
     options.model_options(p, "the shipped model")
-    p.add_argument("--url", default=None, type=argtypes.text,
-                   help="a running dsv4 serve (or other OpenAI-compatible) server, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--url",
+        default=None,
+        type=argtypes.text,
+        help="a running dsv4 serve (or other OpenAI-compatible) server, e.g. http://127.0.0.1:8000",
+    )
     p.add_argument("--api-key", default=None, type=argtypes.text, help="with --url: the server's API key")
-    p.add_argument("--served-model-name", default=None, type=argtypes.text,
-                   help="model id on the server (default: its first model)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        type=argtypes.text,
+        help="model id on the server (default: its first model)",
+    )
     p.add_argument("--system", default=None, type=argtypes.text, help="a system message")
     p.add_argument("--thinking", action="store_true", help="thinking mode (reasoning shown dimmed)")
     options.add(p, "max_new_tokens", default=256, note="per reply")

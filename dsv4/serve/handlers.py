@@ -43,8 +43,18 @@ async def health(state: ServerState):
 
 
 async def models(state: ServerState):
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                        "owned_by": "dsv4", "max_model_len": state.max_model_len}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.model_name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "dsv4",
+                "max_model_len": state.max_model_len,
+            }
+        ],
+    }
 
 
 async def metrics(state: ServerState):
@@ -56,11 +66,15 @@ async def metrics(state: ServerState):
 # ------------------------------------------------------------------------------------------ helpers
 async def _body(state: ServerState, request: Request) -> bytes:
     if state.draining:
-        raise APIError(503, "the server is shutting down and takes no new requests", type_="server_error",
-                       code="server_shutting_down")
+        raise APIError(
+            503,
+            "the server is shutting down and takes no new requests",
+            type_="server_error",
+            code="server_shutting_down",
+        )
     try:
         return await request.body()
-    except ClientDisconnect:                 # gone mid-body (or cut off by the body timeout): nobody to answer
+    except ClientDisconnect:  # gone mid-body (or cut off by the body timeout): nobody to answer
         raise APIError(499, "the client disconnected before sending the whole request body") from None
 
 
@@ -80,8 +94,11 @@ def _sse(obj: dict) -> str:
 
 
 def _sse_error(e: BaseException) -> str:
-    err = e if isinstance(e, APIError) else APIError(500, f"the engine failed while running this request: {e}",
-                                                      type_="server_error")
+    err = (
+        e
+        if isinstance(e, APIError)
+        else APIError(500, f"the engine failed while running this request: {e}", type_="server_error")
+    )
     return _sse(err.body())
 
 
@@ -91,12 +108,15 @@ def _usage_chunk(prep: Prepared, base: dict, acct: Accounting) -> list[str]:
     return [_sse({**base, "choices": [], "usage": acct.body()})] if opts and opts.include_usage else []
 
 
-async def _submit(state: ServerState, rid: str, prep: Prepared, param: str
-                  ) -> tuple[list[AsyncIterator[StepOutput]], list[StepOutput | None]]:
+async def _submit(
+    state: ServerState, rid: str, prep: Prepared, param: str
+) -> tuple[list[AsyncIterator[StepOutput]], list[StepOutput | None]]:
     """Send every prompt of a request to the engine and wait for each one's first output, concurrently; a
     refusal of any of them closes (aborts) all of them and answers the request with it."""
-    streams = [state.engine.generate(f"{rid}-{i}" if len(prep.prompts) > 1 else rid, p, sp, prep.req.n)
-               for i, (p, sp) in enumerate(zip(prep.prompts, prep.params))]
+    streams = [
+        state.engine.generate(f"{rid}-{i}" if len(prep.prompts) > 1 else rid, p, sp, prep.req.n)
+        for i, (p, sp) in enumerate(zip(prep.prompts, prep.params))
+    ]
     try:
         heads = await asyncio.gather(*(first(it, param) for it in streams))
     except BaseException:
@@ -115,8 +135,12 @@ def _completion_logprobs(state: ServerState, lps, offset: int) -> dict:
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{_token_text(state, t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{_token_text(state, t): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
 
 
 async def completions(state: ServerState, request: Request):
@@ -133,8 +157,9 @@ async def _completions(state: ServerState, prep: Prepared, acct: Accounting):
     n_choices = len(prep.prompts) * req.n
     outputs = merge([chain(h, it) for h, it in zip(heads, streams)], state.endings)
     if req.stream:
-        return StreamingResponse(_completion_events(state, prep, base, n_choices, acct, outputs),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _completion_events(state, prep, base, n_choices, acct, outputs), media_type="text/event-stream"
+        )
     texts: dict[int, list[str]] = {i: [] for i in range(n_choices)}
     lps: dict[int, list] = {i: [] for i in range(n_choices)}
     reasons: dict[int, str | None] = {}
@@ -144,15 +169,23 @@ async def _completions(state: ServerState, prep: Prepared, acct: Accounting):
             lps[idx].extend(out.new_logprobs)
             if out.finished:
                 reasons[idx] = out.finish_reason
-    choices = [{"index": i, "text": "".join(texts[i]),
-                "logprobs": _completion_logprobs(state, lps[i], -len(prep.params[i // req.n].heal_text))
-                if req.logprobs is not None else None,
-                "finish_reason": reasons.get(i, "abort")} for i in range(n_choices)]
+    choices = [
+        {
+            "index": i,
+            "text": "".join(texts[i]),
+            "logprobs": _completion_logprobs(state, lps[i], -len(prep.params[i // req.n].heal_text))
+            if req.logprobs is not None
+            else None,
+            "finish_reason": reasons.get(i, "abort"),
+        }
+        for i in range(n_choices)
+    ]
     return JSONResponse({**base, "choices": choices, "usage": acct.body()})
 
 
-async def _completion_events(state: ServerState, prep: Prepared, base: dict, n_choices: int, acct: Accounting,
-                             outputs) -> AsyncIterator[str]:
+async def _completion_events(
+    state: ServerState, prep: Prepared, base: dict, n_choices: int, acct: Accounting, outputs
+) -> AsyncIterator[str]:
     req = prep.req
     offsets: dict[int, int] = {}
     finished: set[int] = set()
@@ -161,20 +194,22 @@ async def _completion_events(state: ServerState, prep: Prepared, base: dict, n_c
             async for si, idx, out in counted:
                 lp = None
                 if req.logprobs is not None and out.new_logprobs:
-                    lp = _completion_logprobs(state, out.new_logprobs,
-                                              offsets.get(idx, -len(prep.params[si].heal_text)))
+                    lp = _completion_logprobs(
+                        state, out.new_logprobs, offsets.get(idx, -len(prep.params[si].heal_text))
+                    )
                 offsets[idx] = offsets.get(idx, 0) + len(out.text)
                 if out.text or out.finished or lp:
                     reason = out.finish_reason if out.finished else None
-                    yield _sse({**base, "choices": [{"index": idx, "text": out.text, "logprobs": lp,
-                                                     "finish_reason": reason}]})
+                    yield _sse(
+                        {**base, "choices": [{"index": idx, "text": out.text, "logprobs": lp, "finish_reason": reason}]}
+                    )
                 if out.finished:
                     finished.add(idx)
-    except Exception as e:                                       # noqa: BLE001 - the stream ends in words
+    except Exception as e:  # noqa: BLE001 - the stream ends in words
         yield _sse_error(e)
         yield DONE
         return
-    for idx in range(n_choices):                                 # ended by the shutdown: a proper last chunk
+    for idx in range(n_choices):  # ended by the shutdown: a proper last chunk
         if idx not in finished:
             yield _sse({**base, "choices": [{"index": idx, "text": "", "logprobs": None, "finish_reason": "abort"}]})
     for chunk in _usage_chunk(prep, base, acct):
@@ -187,9 +222,17 @@ def _chat_logprobs(state: ServerState, lps) -> list[dict]:
     out = []
     for lp in lps:
         tok = _token_text(state, lp.token)
-        out.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8")),
-                    "top_logprobs": [{"token": (t := _token_text(state, i)), "logprob": v,
-                                      "bytes": list(t.encode("utf-8"))} for i, v in lp.top]})
+        out.append(
+            {
+                "token": tok,
+                "logprob": lp.logprob,
+                "bytes": list(tok.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": (t := _token_text(state, i)), "logprob": v, "bytes": list(t.encode("utf-8"))}
+                    for i, v in lp.top
+                ],
+            }
+        )
     return out
 
 
@@ -200,8 +243,16 @@ def _delta(event, call_ids: list[str]) -> dict:
         return {"content": event.text}
     call_id = f"call_{uuid.uuid4().hex[:24]}"
     call_ids.append(call_id)
-    return {"tool_calls": [{"index": event.index, "id": call_id, "type": "function",
-                            "function": {"name": event.call.name, "arguments": event.call.arguments}}]}
+    return {
+        "tool_calls": [
+            {
+                "index": event.index,
+                "id": call_id,
+                "type": "function",
+                "function": {"name": event.call.name, "arguments": event.call.arguments},
+            }
+        ]
+    }
 
 
 def _chat_finish_reason(out: StepOutput, result) -> str:
@@ -224,8 +275,9 @@ async def _chat(state: ServerState, prep: Prepared, acct: Accounting):
     base = {"id": rid, "created": int(time.time()), "model": state.model_name}
     outputs = merge([chain(heads[0], streams[0])], state.endings)
     if req.stream:
-        return StreamingResponse(_chat_events(state, prep, base, parsers, acct, outputs),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _chat_events(state, prep, base, parsers, acct, outputs), media_type="text/event-stream"
+        )
     lps: dict[int, list] = {i: [] for i in range(req.n)}
     finals: dict[int, StepOutput] = {}
     async with acct.counted(outputs) as counted:
@@ -242,17 +294,28 @@ async def _chat(state: ServerState, prep: Prepared, acct: Accounting):
         if result.reasoning_content is not None:
             msg["reasoning_content"] = result.reasoning_content
         if result.tool_calls:
-            msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}}
-                                 for c in result.tool_calls]
-        choices.append({"index": i, "message": msg,
-                        "logprobs": {"content": _chat_logprobs(state, lps[i])} if req.logprobs else None,
-                        "finish_reason": _chat_finish_reason(finals[i], result) if i in finals else "abort"})
+            msg["tool_calls"] = [
+                {
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in result.tool_calls
+            ]
+        choices.append(
+            {
+                "index": i,
+                "message": msg,
+                "logprobs": {"content": _chat_logprobs(state, lps[i])} if req.logprobs else None,
+                "finish_reason": _chat_finish_reason(finals[i], result) if i in finals else "abort",
+            }
+        )
     return JSONResponse({**base, "object": "chat.completion", "choices": choices, "usage": acct.body()})
 
 
-async def _chat_events(state: ServerState, prep: Prepared, base: dict, parsers: list, acct: Accounting,
-                       outputs) -> AsyncIterator[str]:
+async def _chat_events(
+    state: ServerState, prep: Prepared, base: dict, parsers: list, acct: Accounting, outputs
+) -> AsyncIterator[str]:
     req = prep.req
     base = {**base, "object": "chat.completion.chunk"}
 
@@ -279,11 +342,11 @@ async def _chat_events(state: ServerState, prep: Prepared, base: dict, parsers: 
                     for ev in result.flushed:
                         yield chunk(i, _delta(ev, call_ids))
                     yield chunk(i, {}, _chat_finish_reason(out, result))
-    except Exception as e:                                       # noqa: BLE001 - the stream ends in words
+    except Exception as e:  # noqa: BLE001 - the stream ends in words
         yield _sse_error(e)
         yield DONE
         return
-    for i in range(req.n):                                       # ended by the shutdown: a proper last chunk
+    for i in range(req.n):  # ended by the shutdown: a proper last chunk
         if i not in finished:
             for ev in parsers[i].finish().flushed:
                 yield chunk(i, _delta(ev, call_ids))

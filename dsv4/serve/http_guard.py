@@ -72,13 +72,17 @@ def connection_limit(requested: int, reserve: int = 32) -> int:
     return max(1, min(requested, soft - used - reserve))
 
 
-_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                b"content-length: %d\r\n\r\n%s")
+_TIMEOUT_408 = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n%s"
+)
 
 
 def _timeout_reply(what: str, seconds: float) -> bytes:
-    body = (f'{{"error": {{"message": "the request {what} did not arrive within {seconds:g} s", '
-            f'"type": "invalid_request_error", "param": null, "code": "request_timeout"}}}}').encode()
+    body = (
+        f'{{"error": {{"message": "the request {what} did not arrive within {seconds:g} s", '
+        f'"type": "invalid_request_error", "param": null, "code": "request_timeout"}}}}'
+    ).encode()
     return _TIMEOUT_408 % (len(body), body)
 
 
@@ -91,13 +95,16 @@ def guarded_protocol(header_timeout: float, body_timeout: float, max_connections
 
         _opened = 0.0
 
-        def connection_made(self, transport) -> None:             # type: ignore[override]
+        def connection_made(self, transport) -> None:  # type: ignore[override]
             if len(self.connections) >= max_connections and not self._evict_one():
                 self.transport = transport
-                _TROUBLE.warning("limit", f"{len(self.connections)} connections open, each running a request "
-                                          f"(--max-connections {max_connections}): new ones are reset until "
-                                          "some close")
-                transport.abort()                                  # the descriptor is free at once
+                _TROUBLE.warning(
+                    "limit",
+                    f"{len(self.connections)} connections open, each running a request "
+                    f"(--max-connections {max_connections}): new ones are reset until "
+                    "some close",
+                )
+                transport.abort()  # the descriptor is free at once
                 return
             super().connection_made(transport)
             self._opened = time.monotonic()
@@ -107,28 +114,35 @@ def guarded_protocol(header_timeout: float, body_timeout: float, max_connections
             """At the limit, make room by closing the oldest connection that has not sent a whole request
             header (a slow or idle client): it has nothing running, and a client that sends its request at
             once is never the one waiting longest. False when every connection runs a request."""
-            idle = [c for c in self.connections
-                    if getattr(c, "conn", None) is not None and c.conn.their_state is h11.IDLE
-                    and not c.transport.is_closing()]
+            idle = [
+                c
+                for c in self.connections
+                if getattr(c, "conn", None) is not None
+                and c.conn.their_state is h11.IDLE
+                and not c.transport.is_closing()
+            ]
             if not idle:
                 return False
             oldest = min(idle, key=lambda c: c._opened)
-            _TROUBLE.warning("evict", f"{len(self.connections)} connections open (--max-connections "
-                                      f"{max_connections}): closing those that have not sent a request, oldest "
-                                      "first")
+            _TROUBLE.warning(
+                "evict",
+                f"{len(self.connections)} connections open (--max-connections "
+                f"{max_connections}): closing those that have not sent a request, oldest "
+                "first",
+            )
             oldest.connections.discard(oldest)
             oldest.transport.abort()
             return True
 
         def connection_lost(self, exc) -> None:
             self._cancel_timers()
-            if self.flow is None:                                  # reset by the connection limit
+            if self.flow is None:  # reset by the connection limit
                 self.connections.discard(self)
                 return
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if self._header_timer is None and self.conn.their_state is h11.IDLE:   # a new request begins
+            if self._header_timer is None and self.conn.their_state is h11.IDLE:  # a new request begins
                 self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
             super().data_received(data)
             state = self.conn.their_state
@@ -150,16 +164,19 @@ def guarded_protocol(header_timeout: float, body_timeout: float, max_connections
         def _headers_late(self) -> None:
             self._header_timer = None
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                _TROUBLE.warning("headers", f"closed a connection whose request headers took over "
-                                            f"{header_timeout:g} s (--header-timeout)")
+                _TROUBLE.warning(
+                    "headers",
+                    f"closed a connection whose request headers took over {header_timeout:g} s (--header-timeout)",
+                )
                 self.transport.write(_timeout_reply("headers", header_timeout))
                 self.transport.close()
 
         def _body_late(self) -> None:
             self._body_timer = None
             if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-                _TROUBLE.warning("body", f"closed a connection whose request body took over {body_timeout:g} s "
-                                         "(--body-timeout)")
+                _TROUBLE.warning(
+                    "body", f"closed a connection whose request body took over {body_timeout:g} s (--body-timeout)"
+                )
                 if self.cycle is None or not self.cycle.response_started:
                     self.transport.write(_timeout_reply("body", body_timeout))
                 self.transport.close()
@@ -171,8 +188,11 @@ def _loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict) -> N
     """Accept errors (descriptors or memory exhausted) as one rate-limited line; the rest as asyncio logs it."""
     exc = context.get("exception")
     if isinstance(exc, OSError) and "accept" in str(context.get("message", "")):
-        _TROUBLE.warning("accept", f"cannot accept connections: {exc.strerror or exc} (the server retries; "
-                                   "lower --max-connections or raise the descriptor limit, ulimit -n)")
+        _TROUBLE.warning(
+            "accept",
+            f"cannot accept connections: {exc.strerror or exc} (the server retries; "
+            "lower --max-connections or raise the descriptor limit, ulimit -n)",
+        )
         return
     loop.default_exception_handler(context)
 
@@ -205,13 +225,17 @@ class GracefulServer(uvicorn.Server):
 
     def _drain(self, name: str) -> None:
         in_flight = len(self.server_state.tasks)
-        log.warning(f"{name}: shutting down: no new requests; {in_flight} in flight get up to {self.grace:g} s "
-                    "(--shutdown-grace)")
+        log.warning(
+            f"{name}: shutting down: no new requests; {in_flight} in flight get up to {self.grace:g} s "
+            "(--shutdown-grace)"
+        )
         self.on_drain()
         self._loop.call_later(self.grace, self._grace_over)
 
     def _grace_over(self) -> None:
         if self.server_state.tasks:
-            log.warning(f"shutdown grace of {self.grace:g} s is over: ending {len(self.server_state.tasks)} "
-                        "requests still running (finish_reason 'abort')")
+            log.warning(
+                f"shutdown grace of {self.grace:g} s is over: ending {len(self.server_state.tasks)} "
+                "requests still running (finish_reason 'abort')"
+            )
         self.on_grace_over()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-_VERIFY_LENGTHS = tuple(range(16))           # drafts one verify checks: 0 ... MAX_SPECULATIVE
+_VERIFY_LENGTHS = tuple(range(16))  # drafts one verify checks: 0 ... MAX_SPECULATIVE
 
 
 class ServerMetrics:
@@ -14,54 +14,100 @@ class ServerMetrics:
         labels = ["model"]
         self.running = Gauge("dsv4_requests_running", "sequences running in the engine", labels, registry=r)
         self.waiting = Gauge("dsv4_requests_waiting", "sequences waiting for admission", labels, registry=r)
-        self.cache_usage = Gauge("dsv4_cache_usage_ratio", "fraction of cache pages held by running sequences",
-                                 labels, registry=r)
-        self.tokens_per_s = Gauge("dsv4_generation_tokens_per_second",
-                                  "output tokens per second over the last step", labels, registry=r)
+        self.cache_usage = Gauge(
+            "dsv4_cache_usage_ratio", "fraction of cache pages held by running sequences", labels, registry=r
+        )
+        self.tokens_per_s = Gauge(
+            "dsv4_generation_tokens_per_second", "output tokens per second over the last step", labels, registry=r
+        )
         self.prompt_tokens = Counter("dsv4_prompt_tokens", "prompt tokens computed", labels, registry=r)
         self.generation_tokens = Counter("dsv4_generation_tokens", "tokens generated", labels, registry=r)
-        self.prefix_hits = Counter("dsv4_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
-                                   labels, registry=r)
+        self.prefix_hits = Counter(
+            "dsv4_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", labels, registry=r
+        )
         self.preemptions = Counter("dsv4_preemptions", "sequences preempted for memory", labels, registry=r)
-        self.requests = Counter("dsv4_requests_finished", "finished sequences by reason", labels + ["reason"],
-                                registry=r)
-        self.ttft = Histogram("dsv4_time_to_first_token_seconds", "time from arrival to the first token", labels,
-                              buckets=_LATENCY, registry=r)
-        self.itl = Histogram("dsv4_inter_token_latency_seconds", "time between a sequence's tokens", labels,
-                             buckets=_LATENCY, registry=r)
-        self.e2e = Histogram("dsv4_request_latency_seconds", "time from arrival to the last token", labels,
-                             buckets=_LATENCY, registry=r)
-        self.step = Histogram("dsv4_engine_step_seconds", "duration of one engine step", labels, buckets=_LATENCY,
-                              registry=r)
-        self.phase = Counter("dsv4_engine_phase_seconds", "engine host time by step phase (schedule, launch, "
-                             "wait for the device, post-processing)", labels + ["phase"], registry=r)
-        self.spec_drafted = Counter("dsv4_spec_draft_tokens", "draft tokens verified (proposed by the MTP block "
-                                    "or the DSpark draft)", labels, registry=r)
-        self.spec_accepted = Counter("dsv4_spec_accepted_tokens", "draft tokens the target accepted", labels,
-                                     registry=r)
-        self.spec_verifies = Counter("dsv4_spec_verify_steps", "sequence-steps that verified drafts", labels,
-                                     registry=r)
-        self.spec_rate = Gauge("dsv4_spec_acceptance_ratio", "accepted / proposed draft tokens since start",
-                               labels, registry=r)
-        self.spec_lengths = Histogram("dsv4_spec_verify_length", "drafts verified per decode row of a speculating "
-                                      "sequence (DSpark: the confidence head's choice, at most K; 0: it decoded "
-                                      "plainly)", labels, buckets=_VERIFY_LENGTHS, registry=r)
-        self.spec_per_step = Gauge("dsv4_spec_tokens_per_verify", "mean tokens a verify step yields (accepted "
-                                   "drafts + 1) since start", labels, registry=r)
+        self.requests = Counter(
+            "dsv4_requests_finished", "finished sequences by reason", labels + ["reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "dsv4_time_to_first_token_seconds",
+            "time from arrival to the first token",
+            labels,
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "dsv4_inter_token_latency_seconds", "time between a sequence's tokens", labels, buckets=_LATENCY, registry=r
+        )
+        self.e2e = Histogram(
+            "dsv4_request_latency_seconds", "time from arrival to the last token", labels, buckets=_LATENCY, registry=r
+        )
+        self.step = Histogram(
+            "dsv4_engine_step_seconds", "duration of one engine step", labels, buckets=_LATENCY, registry=r
+        )
+        self.phase = Counter(
+            "dsv4_engine_phase_seconds",
+            "engine host time by step phase (schedule, launch, wait for the device, post-processing)",
+            labels + ["phase"],
+            registry=r,
+        )
+        self.spec_drafted = Counter(
+            "dsv4_spec_draft_tokens",
+            "draft tokens verified (proposed by the MTP block or the DSpark draft)",
+            labels,
+            registry=r,
+        )
+        self.spec_accepted = Counter(
+            "dsv4_spec_accepted_tokens", "draft tokens the target accepted", labels, registry=r
+        )
+        self.spec_verifies = Counter(
+            "dsv4_spec_verify_steps", "sequence-steps that verified drafts", labels, registry=r
+        )
+        self.spec_rate = Gauge(
+            "dsv4_spec_acceptance_ratio", "accepted / proposed draft tokens since start", labels, registry=r
+        )
+        self.spec_lengths = Histogram(
+            "dsv4_spec_verify_length",
+            "drafts verified per decode row of a speculating "
+            "sequence (DSpark: the confidence head's choice, at most K; 0: it decoded "
+            "plainly)",
+            labels,
+            buckets=_VERIFY_LENGTHS,
+            registry=r,
+        )
+        self.spec_per_step = Gauge(
+            "dsv4_spec_tokens_per_verify",
+            "mean tokens a verify step yields (accepted drafts + 1) since start",
+            labels,
+            registry=r,
+        )
         self.graph_steps = Counter("dsv4_engine_graph_steps", "steps replayed from a CUDA graph", labels, registry=r)
-        self.eager_steps = Counter("dsv4_engine_eager_steps", "steps run eagerly (no graph fits them, or no CUDA)",
-                                   labels, registry=r)
-        self.compiles = Gauge("dsv4_kernel_compilations_after_ready", "Triton kernel compilations since the server "
-                              "said it was ready (0: every step shape was warmed at start-up)", labels, registry=r)
-        self.warmup = Gauge("dsv4_warmup_seconds", "start-up time spent capturing CUDA graphs and compiling kernels",
-                            labels, registry=r)
+        self.eager_steps = Counter(
+            "dsv4_engine_eager_steps", "steps run eagerly (no graph fits them, or no CUDA)", labels, registry=r
+        )
+        self.compiles = Gauge(
+            "dsv4_kernel_compilations_after_ready",
+            "Triton kernel compilations since the server "
+            "said it was ready (0: every step shape was warmed at start-up)",
+            labels,
+            registry=r,
+        )
+        self.warmup = Gauge(
+            "dsv4_warmup_seconds", "start-up time spent capturing CUDA graphs and compiling kernels", labels, registry=r
+        )
         self.graphs = Gauge("dsv4_cuda_graphs", "CUDA graphs captured (one per step bucket)", labels, registry=r)
         self._phases: dict[str, float] = {}
         self._spec = {"verify_steps": 0, "drafted": 0, "accepted": 0}
         self._spec_lengths: list[int] = []
         self.model = model_name
-        self._seen = {"prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0, "prefix_hit_tokens": 0,
-                      "graph_steps": 0, "eager_steps": 0}
+        self._seen = {
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "preemptions": 0,
+            "prefix_hit_tokens": 0,
+            "graph_steps": 0,
+            "eager_steps": 0,
+        }
 
     def on_ready(self, info: dict) -> None:
         """The engine's start-up report (`build_engine`'s info)."""
@@ -75,12 +121,17 @@ class ServerMetrics:
         self.running.labels(lab).set(m["running"])
         self.waiting.labels(lab).set(m["waiting"])
         self.cache_usage.labels(lab).set(m["cache_usage"])
-        if seconds > 0:                                     # a step (0: only admissions / aborts)
+        if seconds > 0:  # a step (0: only admissions / aborts)
             self.step.labels(lab).observe(seconds)
             self.tokens_per_s.labels(lab).set(sum(len(o.new_tokens) for o in outputs) / seconds)
-        for key, counter in (("prompt_tokens", self.prompt_tokens), ("generated_tokens", self.generation_tokens),
-                             ("preemptions", self.preemptions), ("prefix_hit_tokens", self.prefix_hits),
-                             ("graph_steps", self.graph_steps), ("eager_steps", self.eager_steps)):
+        for key, counter in (
+            ("prompt_tokens", self.prompt_tokens),
+            ("generated_tokens", self.generation_tokens),
+            ("preemptions", self.preemptions),
+            ("prefix_hit_tokens", self.prefix_hits),
+            ("graph_steps", self.graph_steps),
+            ("eager_steps", self.eager_steps),
+        ):
             delta = m[key] - self._seen[key]
             if delta > 0:
                 counter.labels(lab).inc(delta)
@@ -93,8 +144,11 @@ class ServerMetrics:
                 self.phase.labels(lab, phase).inc(delta)
             self._phases[phase] = total
         spec = m.get("speculative", {})
-        for key, counter in (("verify_steps", self.spec_verifies), ("drafted", self.spec_drafted),
-                             ("accepted", self.spec_accepted)):
+        for key, counter in (
+            ("verify_steps", self.spec_verifies),
+            ("drafted", self.spec_drafted),
+            ("accepted", self.spec_accepted),
+        ):
             delta = spec.get(key, 0) - self._spec[key]
             if delta > 0:
                 counter.labels(lab).inc(delta)

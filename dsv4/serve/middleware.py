@@ -21,7 +21,7 @@ from .protocol import APIError
 
 log = logging.getLogger("dsv4.serve")
 
-TALLY = "dsv4.tally"                  # the ASGI scope's key of a request's token counts, for its log line
+TALLY = "dsv4.tally"  # the ASGI scope's key of a request's token counts, for its log line
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -32,8 +32,13 @@ def error_response(e: APIError) -> JSONResponse:
 async def send_error(send, e: APIError) -> None:
     """Answer with `e` at the ASGI level (before any application ran)."""
     body = json.dumps(e.body()).encode()
-    await send({"type": "http.response.start", "status": e.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": e.status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -67,8 +72,9 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
-        too_big = APIError(413, f"the request body exceeds this server's limit of {self.limit} bytes",
-                           code="request_too_large")
+        too_big = APIError(
+            413, f"the request body exceeds this server's limit of {self.limit} bytes", code="request_too_large"
+        )
         if declared is not None:
             try:
                 if int(declared) > self.limit:
@@ -127,8 +133,9 @@ class RequestLog:
             tally = scope.get(TALLY) or {}
             tokens = f" {tally.get('prompt', 0)}+{tally.get('completion', 0)} tokens" if tally else ""
             level = logging.DEBUG if scope.get("path") in ("/health", "/metrics") else logging.INFO
-            log.log(level, f"{scope.get('method')} {scope.get('path')} {status[0]}{tokens} "
-                           f"{time.monotonic() - t0:.2f} s")
+            log.log(
+                level, f"{scope.get('method')} {scope.get('path')} {status[0]}{tokens} {time.monotonic() - t0:.2f} s"
+            )
 
 
 class APIKey:
@@ -141,6 +148,10 @@ class APIKey:
         if scope["type"] == "http" and self.key and scope.get("path") != "/health":
             auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
             if auth != f"Bearer {self.key}":
-                return await send_error(send, APIError(
-                    401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key"))
+                return await send_error(
+                    send,
+                    APIError(
+                        401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key"
+                    ),
+                )
         await self.app(scope, receive, send)

@@ -22,7 +22,7 @@ from .validate import Limits, check_fields, check_input_size, check_prompt_ids, 
 @dataclass
 class Prepared:
     req: CompletionRequest | ChatCompletionRequest
-    prompts: list[list[int]]                 # one per engine request (a completion may batch prompts)
+    prompts: list[list[int]]  # one per engine request (a completion may batch prompts)
     params: list[SamplingParams]
     thinking: bool = False
 
@@ -32,15 +32,14 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except RecursionError:
         raise APIError(400, "the request body nests JSON arrays / objects too deeply") from None
-    except ValueError as e:                  # not JSON, not UTF-8, an integer of more than 4300 digits
+    except ValueError as e:  # not JSON, not UTF-8, an integer of more than 4300 digits
         raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    try:                                     # "\ud800" parses to a lone surrogate, which no text can hold
+    try:  # "\ud800" parses to a lone surrogate, which no text can hold
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        raise APIError(400, "the request body holds a string with a lone surrogate escape (not Unicode text)") \
-            from None
+        raise APIError(400, "the request body holds a string with a lone surrogate escape (not Unicode text)") from None
     except RecursionError:
         raise APIError(400, "the request body nests JSON arrays / objects too deeply") from None
     return body
@@ -48,8 +47,12 @@ def parse_body(raw: bytes) -> dict:
 
 def _check_model(name: str, served: str) -> None:
     if name != served:
-        raise APIError(404, f"The model `{name}` does not exist (this server serves `{served}`)",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model `{name}` does not exist (this server serves `{served}`)",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _encode(tokenizer, text: str, bos: bool) -> list[int]:
@@ -83,8 +86,10 @@ def prepare_completion(raw: bytes, limits: Limits, tokenizer, model_name: str) -
     healed = _completion_prompts(tokenizer, req)
     prompts = [h.prompt for h in healed]
     check_prompt_ids(prompts, limits, "prompt")
-    params = [sampling_params(req, limits, req.max_tokens, len(h.prompt), req.logprobs, chat=False, heal_text=h.text)
-              for h in healed]
+    params = [
+        sampling_params(req, limits, req.max_tokens, len(h.prompt), req.logprobs, chat=False, heal_text=h.text)
+        for h in healed
+    ]
     return Prepared(req, prompts, params)
 
 
@@ -98,14 +103,14 @@ def prepare_chat(raw: bytes, limits: Limits, tokenizer, model_name: str) -> Prep
     thinking = thinking_requested(req)
     tools = req.tools if req.tool_choice != "none" else None
     try:
-        text = chat.encode_chat(req.messages, tools=tools, thinking=thinking,
-                                       reasoning_effort=req.reasoning_effort)
+        text = chat.encode_chat(req.messages, tools=tools, thinking=thinking, reasoning_effort=req.reasoning_effort)
     except chat.ChatFormatError as e:
         raise APIError(400, str(e), param="messages") from None
     except RecursionError:
         raise APIError(400, "messages nest too deeply", param="messages") from None
     prompt = _encode(tokenizer, text, bos=False)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, limits, max_tokens, len(prompt), (req.top_logprobs or 0) if req.logprobs else None,
-                             chat=True)
+    params = sampling_params(
+        req, limits, max_tokens, len(prompt), (req.top_logprobs or 0) if req.logprobs else None, chat=True
+    )
     return Prepared(req, [prompt], [params], thinking)

@@ -34,8 +34,14 @@ Bool = StrictBool
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -51,7 +57,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
-    n: Int = 1                               # range: dsv4.serve.validate (the server's limit)
+    n: Int = 1  # range: dsv4.serve.validate (the server's limit)
     stream: Bool = False
     stream_options: StreamOptions | None = None
     temperature: Float | None = None
@@ -78,7 +84,7 @@ class CompletionRequest(_Sampling):
     echo: Bool = False
     suffix: str | None = None
     best_of: Int | None = None
-    token_healing: Bool = True               # extension: heal text prompts (`dsv4.engine.healing`)
+    token_healing: Bool = True  # extension: heal text prompts (`dsv4.engine.healing`)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -92,8 +98,8 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: Bool | None = None
     response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
-    thinking: dict[str, Any] | Bool | None = None                 # DeepSeek's {"type": "enabled"}
-    chat_template_kwargs: dict[str, Any] | None = None            # {"thinking": true}, as vLLM passes it
+    thinking: dict[str, Any] | Bool | None = None  # DeepSeek's {"type": "enabled"}
+    chat_template_kwargs: dict[str, Any] | None = None  # {"thinking": true}, as vLLM passes it
 
 
 def thinking_requested(req: ChatCompletionRequest) -> bool:
@@ -131,4 +137,3 @@ def refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
         tc = req.tool_choice
         if tc not in (None, "auto", "none"):
             raise APIError(400, "tool_choice: only 'auto' and 'none' are supported", param="tool_choice")
-

@@ -28,38 +28,48 @@ _WORKER_TIMEOUT: float = SHARED["worker_timeout"].kwargs["default"]
 class EngineSpec:
     """An engine to build: the model (`source`, with its device and dtype), the engine's settings (those of
     `dsv4.engine.EngineConfig`, as the command line names them) and where it runs."""
+
     source: ModelSource = field(default_factory=ModelSource)
-    served_model_name: str | None = None      # the model id clients send (default: see served_name)
+    served_model_name: str | None = None  # the model id clients send (default: see served_name)
     # the engine
-    max_num_seqs: int | None = None           # sequences running at once (None: 32)
-    max_model_len: int | None = None          # prompt + output per sequence (None: the engine's default)
-    max_batch_tokens: int | None = None       # tokens per step (None: the engine's default for the device)
+    max_num_seqs: int | None = None  # sequences running at once (None: 32)
+    max_model_len: int | None = None  # prompt + output per sequence (None: the engine's default)
+    max_batch_tokens: int | None = None  # tokens per step (None: the engine's default for the device)
     page_size: int | None = None
     cache_pages: int | None = None
     prefix_caching: bool = True
     deterministic: bool = False
     cuda_graphs: bool = True
-    speculative: int = 0                      # draft tokens verified per step (0: off)
+    speculative: int = 0  # draft tokens verified per step (0: off)
     speculative_threshold: float = 0.0
-    detokenize: bool = True                   # outputs carry text (False: the caller makes it, as the server does)
+    detokenize: bool = True  # outputs carry text (False: the caller makes it, as the server does)
     # where it runs
-    threads: int = 0                          # compute threads (0: the cores this process may use)
-    tensor_parallel_size: int = 1             # worker processes, one per device
-    worker_timeout: float = _WORKER_TIMEOUT   # seconds a worker waits for the others in a collective
+    threads: int = 0  # compute threads (0: the cores this process may use)
+    tensor_parallel_size: int = 1  # worker processes, one per device
+    worker_timeout: float = _WORKER_TIMEOUT  # seconds a worker waits for the others in a collective
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **changes) -> EngineSpec:
         """The spec a command's parsed options name (options the command does not have take their defaults),
         with `changes` (field=value) applied."""
         get = vars(args).get
-        spec = cls(source=ModelSource.from_args(args), served_model_name=get("served_model_name"),
-                   max_num_seqs=get("max_num_seqs"), max_model_len=get("max_model_len"),
-                   max_batch_tokens=get("max_batch_tokens"), page_size=get("page_size"),
-                   cache_pages=get("cache_pages"), prefix_caching=not get("no_prefix_caching"),
-                   deterministic=bool(get("deterministic")), cuda_graphs=bool(get("cuda_graph", True)),
-                   speculative=get("speculative") or 0, speculative_threshold=get("speculative_threshold") or 0.0,
-                   threads=get("threads") or 0, tensor_parallel_size=get("tensor_parallel_size") or 1,
-                   worker_timeout=get("worker_timeout") or _WORKER_TIMEOUT)
+        spec = cls(
+            source=ModelSource.from_args(args),
+            served_model_name=get("served_model_name"),
+            max_num_seqs=get("max_num_seqs"),
+            max_model_len=get("max_model_len"),
+            max_batch_tokens=get("max_batch_tokens"),
+            page_size=get("page_size"),
+            cache_pages=get("cache_pages"),
+            prefix_caching=not get("no_prefix_caching"),
+            deterministic=bool(get("deterministic")),
+            cuda_graphs=bool(get("cuda_graph", True)),
+            speculative=get("speculative") or 0,
+            speculative_threshold=get("speculative_threshold") or 0.0,
+            threads=get("threads") or 0,
+            tensor_parallel_size=get("tensor_parallel_size") or 1,
+            worker_timeout=get("worker_timeout") or _WORKER_TIMEOUT,
+        )
         return dataclasses.replace(spec, **changes)
 
     @property
@@ -90,11 +100,18 @@ class EngineSpec:
         """The `EngineConfig` of these settings."""
         from ..engine import EngineConfig
 
-        return EngineConfig(max_seqs=self.max_num_seqs or 32, max_model_len=self.max_model_len,
-                            max_batch_tokens=self.max_batch_tokens, page_size=self.page_size,
-                            cache_pages=self.cache_pages, prefix_caching=self.prefix_caching,
-                            deterministic=self.deterministic, cuda_graphs=self.cuda_graphs,
-                            speculative=self.speculative, speculative_threshold=self.speculative_threshold)
+        return EngineConfig(
+            max_seqs=self.max_num_seqs or 32,
+            max_model_len=self.max_model_len,
+            max_batch_tokens=self.max_batch_tokens,
+            page_size=self.page_size,
+            cache_pages=self.cache_pages,
+            prefix_caching=self.prefix_caching,
+            deterministic=self.deterministic,
+            cuda_graphs=self.cuda_graphs,
+            speculative=self.speculative,
+            speculative_threshold=self.speculative_threshold,
+        )
 
 
 def load_tokenizer(source: ModelSource):
@@ -152,11 +169,19 @@ def engine_info(engine, desc: str, threads: int | None, graphs: int) -> dict:
     """What the engine process reports at start-up: printed by the server, its limits, /metrics."""
     from .capacity import longest_sequence
 
-    return {"desc": desc, "device": str(engine.device), "max_model_len": engine.max_model_len,
-            "max_seqs": engine.config.max_seqs, "cache_mib": engine.cache.nbytes() / 2**20,
-            "vocab_size": engine.vocab, "max_n": engine.config.max_n,
-            "max_sequence_tokens": longest_sequence(engine), "threads": threads,
-            "graphs": graphs, "warmup_s": engine.runner.warmup_seconds}
+    return {
+        "desc": desc,
+        "device": str(engine.device),
+        "max_model_len": engine.max_model_len,
+        "max_seqs": engine.config.max_seqs,
+        "cache_mib": engine.cache.nbytes() / 2**20,
+        "vocab_size": engine.vocab,
+        "max_n": engine.config.max_n,
+        "max_sequence_tokens": longest_sequence(engine),
+        "threads": threads,
+        "graphs": graphs,
+        "warmup_s": engine.runner.warmup_seconds,
+    }
 
 
 def ignore_interrupts() -> None:
@@ -181,7 +206,7 @@ def build_engine(spec: EngineSpec):
     from ..defaults import set_threads
 
     ignore_interrupts()
-    threads = set_threads(spec.threads, reserve=_http_reserve())   # the compute threads (--threads)
+    threads = set_threads(spec.threads, reserve=_http_reserve())  # the compute threads (--threads)
     model, tokenizer, _name, desc = load(spec)
     engine = make_engine(spec, model, tokenizer)
     graphs = engine.warmup()

@@ -17,23 +17,25 @@ from .validate import Limits
 @dataclass
 class ServerState:
     engine: EngineClient
-    tokenizer: object                         # encode(text, bos=...) / decode(ids, skip_special_tokens=...)
+    tokenizer: object  # encode(text, bos=...) / decode(ids, skip_special_tokens=...)
     model_name: str
     max_model_len: int
     api_key: str | None = None
     max_body_bytes: int = 8 * 2**20
     metrics: ServerMetrics | None = None
-    limits: Limits | None = None              # default: from max_model_len, a 2^20-token vocabulary
+    limits: Limits | None = None  # default: from max_model_len, a 2^20-token vocabulary
     created: int = field(default_factory=lambda: int(time.time()))
-    draining: bool = False                    # shutting down: new requests get 503
+    draining: bool = False  # shutting down: new requests get 503
     endings: Endings = field(default_factory=Endings)
     executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="dsv4-prepare"))
+        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="dsv4-prepare")
+    )
 
     def __post_init__(self) -> None:
         if self.limits is None:
-            self.limits = Limits(vocab_size=1 << 20, max_model_len=self.max_model_len,
-                                 max_sequence_tokens=self.max_model_len)
+            self.limits = Limits(
+                vocab_size=1 << 20, max_model_len=self.max_model_len, max_sequence_tokens=self.max_model_len
+            )
 
     async def offload(self, fn: Callable, *args):
         """fn(*args) in a worker thread (the event loop goes on meanwhile)."""

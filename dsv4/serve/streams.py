@@ -20,7 +20,7 @@ from ..engine.sequence import RequestError, StepOutput
 from .protocol import APIError
 
 _DONE = object()
-ENDED = object()                       # put into a merge's queue when the shutdown grace period is over
+ENDED = object()  # put into a merge's queue when the shutdown grace period is over
 
 
 class Endings:
@@ -29,7 +29,7 @@ class Endings:
     def __init__(self) -> None:
         self.queues: set[asyncio.Queue] = set()
         self.ended = False
-        self.draining = False            # shutting down: an engine that stops ends the requests, not fails them
+        self.draining = False  # shutting down: an engine that stops ends the requests, not fails them
 
     def end_all(self) -> None:
         self.ended = True
@@ -37,8 +37,9 @@ class Endings:
             q.put_nowait(ENDED)
 
 
-async def merge(streams: list[AsyncIterator[StepOutput]], endings: Endings | None = None
-                ) -> AsyncIterator[tuple[int, StepOutput]]:
+async def merge(
+    streams: list[AsyncIterator[StepOutput]], endings: Endings | None = None
+) -> AsyncIterator[tuple[int, StepOutput]]:
     """Outputs of several engine requests as they come: (stream index, output). Stops early (closing, i.e.
     aborting, every stream) when `endings.end_all()` is called; the caller then ends its unfinished choices."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -47,7 +48,7 @@ async def merge(streams: list[AsyncIterator[StepOutput]], endings: Endings | Non
         try:
             async for out in it:
                 await queue.put((i, out))
-        except BaseException as e:                     # noqa: BLE001 - handed to the consumer
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
             await queue.put(e)
         finally:
             await queue.put(_DONE)
@@ -66,7 +67,7 @@ async def merge(streams: list[AsyncIterator[StepOutput]], endings: Endings | Non
             elif item is ENDED:
                 return
             elif isinstance(item, EngineDeadError) and endings is not None and endings.draining:
-                return                   # (the engine got the signal too: the requests end, as at the grace's end)
+                return  # (the engine got the signal too: the requests end, as at the grace's end)
             elif isinstance(item, BaseException):
                 raise item
             else:
@@ -126,5 +127,5 @@ async def until_disconnect(request: Request, work: Awaitable):
                 return Response(status_code=499)
         return task.result()
     finally:
-        if not task.done():                          # cancelled from outside (the server's last resort)
+        if not task.done():  # cancelled from outside (the server's last resort)
             task.cancel()

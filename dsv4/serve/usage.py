@@ -26,7 +26,7 @@ class Tracker:
         self.first: float | None = None
         self.last: float | None = None
         self.gaps: list[float] = []
-        self.tally = tally if tally is not None else {}          # {"prompt": n, "completion": n}: the log line
+        self.tally = tally if tally is not None else {}  # {"prompt": n, "completion": n}: the log line
         self.tally.setdefault("completion", 0)
 
     def tokens(self, n: int) -> None:
@@ -41,8 +41,9 @@ class Tracker:
 
     def done(self) -> None:
         if self.metrics is not None:
-            self.metrics.observe_request(None if self.first is None else self.first - self.t0, self.gaps,
-                                         time.monotonic() - self.t0)
+            self.metrics.observe_request(
+                None if self.first is None else self.first - self.t0, self.gaps, time.monotonic() - self.t0
+            )
 
 
 class Usage:
@@ -60,8 +61,12 @@ class Usage:
 
     def body(self) -> dict:
         p, c = sum(self.prompt.values()), sum(self.completion.values())
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": c,
+            "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
+        }
 
 
 class Accounting:
@@ -75,8 +80,9 @@ class Accounting:
         self.tracker = Tracker(metrics, tally)
 
     @contextlib.asynccontextmanager
-    async def counted(self, outputs: AsyncIterator[tuple[int, StepOutput]]
-                      ) -> AsyncIterator[AsyncIterator[tuple[int, int, StepOutput]]]:
+    async def counted(
+        self, outputs: AsyncIterator[tuple[int, StepOutput]]
+    ) -> AsyncIterator[AsyncIterator[tuple[int, int, StepOutput]]]:
         """The merged outputs (stream, output) as (stream, choice, output), each counted; leaving the block
         observes the request's latencies (once)."""
         items = self._count(outputs)
@@ -86,11 +92,12 @@ class Accounting:
             await items.aclose()
             self.tracker.done()
 
-    async def _count(self, outputs: AsyncIterator[tuple[int, StepOutput]]
-                     ) -> AsyncIterator[tuple[int, int, StepOutput]]:
+    async def _count(
+        self, outputs: AsyncIterator[tuple[int, StepOutput]]
+    ) -> AsyncIterator[tuple[int, int, StepOutput]]:
         async for stream, out in outputs:
             self.tracker.tokens(len(out.new_tokens))
-            choice = stream * self.n + out.index           # prompt-major: prompt s's choices are s*n ... s*n+n-1
+            choice = stream * self.n + out.index  # prompt-major: prompt s's choices are s*n ... s*n+n-1
             self.usage.add(stream, choice, out)
             yield stream, choice, out
 

@@ -24,14 +24,15 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 @dataclass(frozen=True)
 class Limits:
     """What this server can take (from its flags and its engine)."""
+
     vocab_size: int
-    max_model_len: int                       # prompt + output, per sequence
-    max_sequence_tokens: int                 # the longest sequence the cache holds alone (<= max_model_len)
-    max_n: int = 16                          # choices per prompt
-    max_seqs_per_request: int = 64           # prompts x n
-    max_messages: int = 1024                 # chat messages per request
-    max_prompt_chars: int = 1 << 20          # characters per prompt / per message content
-    cache_flag: str = "--cache-pages"        # what raises max_sequence_tokens
+    max_model_len: int  # prompt + output, per sequence
+    max_sequence_tokens: int  # the longest sequence the cache holds alone (<= max_model_len)
+    max_n: int = 16  # choices per prompt
+    max_seqs_per_request: int = 64  # prompts x n
+    max_messages: int = 1024  # chat messages per request
+    max_prompt_chars: int = 1 << 20  # characters per prompt / per message content
+    cache_flag: str = "--cache-pages"  # what raises max_sequence_tokens
 
 
 def validated(model_cls: type[BaseModel], body: dict) -> BaseModel:
@@ -64,28 +65,46 @@ def check_input_size(body: dict, limits: Limits, chat: bool) -> None:
         msgs = body.get("messages")
         if isinstance(msgs, list):
             if len(msgs) > limits.max_messages:
-                raise APIError(400, f"messages: {len(msgs)} messages; this server takes at most "
-                                    f"{limits.max_messages} per request (--max-messages)", param="messages")
+                raise APIError(
+                    400,
+                    f"messages: {len(msgs)} messages; this server takes at most "
+                    f"{limits.max_messages} per request (--max-messages)",
+                    param="messages",
+                )
             total = sum(_text_chars(m) for m in msgs)
             if total > limits.max_prompt_chars:
-                raise APIError(400, f"messages hold {total} characters of text; this server takes at most "
-                                    f"{limits.max_prompt_chars} per prompt (--max-prompt-chars)", param="messages")
+                raise APIError(
+                    400,
+                    f"messages hold {total} characters of text; this server takes at most "
+                    f"{limits.max_prompt_chars} per prompt (--max-prompt-chars)",
+                    param="messages",
+                )
         return
     prompt = body.get("prompt")
     texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
     for i, p in enumerate(texts):
         if isinstance(p, (str, list)) and len(p) > limits.max_prompt_chars:
             kind = "characters" if isinstance(p, str) else "token ids"
-            raise APIError(400, f"prompt{'' if isinstance(prompt, str) else f'[{i}]'} has {len(p)} {kind}; this "
-                                f"server takes at most {limits.max_prompt_chars} per prompt (--max-prompt-chars)",
-                           param="prompt")
+            raise APIError(
+                400,
+                f"prompt{'' if isinstance(prompt, str) else f'[{i}]'} has {len(p)} {kind}; this "
+                f"server takes at most {limits.max_prompt_chars} per prompt (--max-prompt-chars)",
+                param="prompt",
+            )
     n_prompts = len(texts) if isinstance(prompt, list) and texts and not isinstance(texts[0], int) else 1
     n = body.get("n", 1)
-    if (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= limits.max_n     # (else: n's own 400)
-            and n_prompts * n > limits.max_seqs_per_request):
-        raise APIError(400, f"{n_prompts} prompts x n={n} = {n_prompts * n} sequences; this server runs at most "
-                            f"{limits.max_seqs_per_request} per request (--max-seqs-per-request)",
-                       param="prompt" if n_prompts > 1 else "n")
+    if (
+        isinstance(n, int)
+        and not isinstance(n, bool)
+        and 1 <= n <= limits.max_n  # (else: n's own 400)
+        and n_prompts * n > limits.max_seqs_per_request
+    ):
+        raise APIError(
+            400,
+            f"{n_prompts} prompts x n={n} = {n_prompts * n} sequences; this server runs at most "
+            f"{limits.max_seqs_per_request} per request (--max-seqs-per-request)",
+            param="prompt" if n_prompts > 1 else "n",
+        )
 
 
 def _text_chars(message: object) -> int:
@@ -103,8 +122,15 @@ def _text_chars(message: object) -> int:
 
 def check_fields(req: CompletionRequest | ChatCompletionRequest, limits: Limits) -> None:
     """Every sampling field against its range (dsv4.sampling_limits), n against the server's limit."""
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                 "seed"):
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+    ):
         v = getattr(req, name)
         if v is not None:
             _check(name, v)
@@ -127,8 +153,11 @@ def check_fields(req: CompletionRequest | ChatCompletionRequest, limits: Limits)
         raise APIError(400, f"stop must be at most {MAX_STOP} non-empty strings", param="stop")
     bad = [t for t in req.stop_token_ids or [] if not 0 <= t < limits.vocab_size]
     if bad:
-        raise APIError(400, f"stop_token_ids must be token ids in [0, {limits.vocab_size}), got {_short(bad[0])}",
-                       param="stop_token_ids")
+        raise APIError(
+            400,
+            f"stop_token_ids must be token ids in [0, {limits.vocab_size}), got {_short(bad[0])}",
+            param="stop_token_ids",
+        )
 
 
 def check_prompt_ids(prompts: list[list[int]], limits: Limits, param: str) -> None:
@@ -137,47 +166,77 @@ def check_prompt_ids(prompts: list[list[int]], limits: Limits, param: str) -> No
             raise APIError(400, f"{param}: a prompt is empty (give at least one token)", param=param)
         bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
         if bad is not None:
-            raise APIError(400, f"{param}: token id {_short(bad)} is outside the vocabulary [0, "
-                                f"{limits.vocab_size})", param=param)
+            raise APIError(
+                400, f"{param}: token id {_short(bad)} is outside the vocabulary [0, {limits.vocab_size})", param=param
+            )
 
 
-def sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: Limits, max_tokens: int | None,
-                    prompt_len: int, logprobs: int | None, chat: bool, heal_text: str = "") -> SamplingParams:
+def sampling_params(
+    req: CompletionRequest | ChatCompletionRequest,
+    limits: Limits,
+    max_tokens: int | None,
+    prompt_len: int,
+    logprobs: int | None,
+    chat: bool,
+    heal_text: str = "",
+) -> SamplingParams:
     """The engine's settings for one prompt, after the context and the cache are known to hold it
     (prompt_len: the prompt as the engine runs it, healed; heal_text: its token-healing constraint)."""
     prompt_param = "messages" if chat else "prompt"
     mt_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
     room = limits.max_model_len - prompt_len
     if room < 1:
-        raise APIError(400, f"the prompt has {prompt_len} tokens; this server's context is {limits.max_model_len} "
-                            f"tokens (prompt + output), so at most {limits.max_model_len - 1} prompt tokens fit",
-                       param=prompt_param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt has {prompt_len} tokens; this server's context is {limits.max_model_len} "
+            f"tokens (prompt + output), so at most {limits.max_model_len - 1} prompt tokens fit",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     if max_tokens is None:
         max_tokens = room
     elif max_tokens > room:
-        raise APIError(400, f"{mt_param}={max_tokens} plus the prompt's {prompt_len} tokens exceeds the context "
-                            f"of {limits.max_model_len} tokens: at most {room} new tokens fit",
-                       param=mt_param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"{mt_param}={max_tokens} plus the prompt's {prompt_len} tokens exceeds the context "
+            f"of {limits.max_model_len} tokens: at most {room} new tokens fit",
+            param=mt_param,
+            code="context_length_exceeded",
+        )
     cap = limits.max_sequence_tokens
     if prompt_len + max_tokens > cap:
         fit = cap - prompt_len
-        raise APIError(400, f"the prompt's {prompt_len} tokens plus {mt_param}={max_tokens} need a cache of "
-                            f"{prompt_len + max_tokens} positions; this server's cache holds at most {cap} per "
-                            f"sequence ({limits.cache_flag}), so "
-                            + (f"at most {fit} new tokens fit" if fit >= 1 else "this prompt never fits"),
-                       param=mt_param if fit >= 1 else prompt_param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt's {prompt_len} tokens plus {mt_param}={max_tokens} need a cache of "
+            f"{prompt_len + max_tokens} positions; this server's cache holds at most {cap} per "
+            f"sequence ({limits.cache_flag}), so "
+            + (f"at most {fit} new tokens fit" if fit >= 1 else "this prompt never fits"),
+            param=mt_param if fit >= 1 else prompt_param,
+            code="context_length_exceeded",
+        )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     top_k = req.top_k or 0
     try:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(top_k, 0), min_p=req.min_p or 0.0,
-            seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-            logprobs=logprobs, repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
-            skip_special_tokens=not chat, include_stop_str_in_output=req.include_stop_str_in_output,
-            heal_text=heal_text)
-    except ValueError as e:                    # (the ranges above are inside the engine's: not reached)
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(top_k, 0),
+            min_p=req.min_p or 0.0,
+            seed=req.seed,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            skip_special_tokens=not chat,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            heal_text=heal_text,
+        )
+    except ValueError as e:  # (the ranges above are inside the engine's: not reached)
         param = str(e).split(":", 1)[0]
         raise APIError(400, str(e), param=param) from None
 

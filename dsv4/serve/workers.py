@@ -30,9 +30,9 @@ def _join(spec: EngineSpec, rank: int, world: int, port: int):
     from ..engine.mirror import Mirror
     from ..parallel import init_workers, parallelize_for_serving
 
-    device = defaults.resolve_device(spec.source.device or "auto").type          # worker r takes cuda:r
+    device = defaults.resolve_device(spec.source.device or "auto").type  # worker r takes cuda:r
     threads = spec.threads
-    if device == "cpu" and not threads:                         # N processes share the cores (one for HTTP)
+    if device == "cpu" and not threads:  # N processes share the cores (one for HTTP)
         threads = max(1, (defaults.cores() - 1) // world)
     threads = defaults.set_threads(threads, reserve=1)
     w = init_workers(rank, world, master_port=port, device=device, timeout_s=spec.worker_timeout)
@@ -52,7 +52,7 @@ def _follower(spec: EngineSpec, rank: int, world: int, port: int) -> None:
         engine, _, _ = _join(spec, rank, world, port)
         engine.warmup()
         engine.follow()
-    except Exception as e:                                              # noqa: BLE001 - one line, then exit
+    except Exception as e:  # noqa: BLE001 - one line, then exit
         print(f"dsv4 serve: worker {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(1)
     shutdown_workers()
@@ -63,8 +63,11 @@ def _watch(procs: list[mp.Process]) -> None:
     while True:
         for rank, p in enumerate(procs, start=1):
             if p.exitcode is not None:
-                print(f"dsv4 serve: worker {rank} exited (code {p.exitcode}): stopping the engine", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"dsv4 serve: worker {rank} exited (code {p.exitcode}): stopping the engine",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(3)
         time.sleep(0.2)
 
@@ -82,8 +85,10 @@ def build_workers(spec: EngineSpec, own_process: bool = True):
     world = spec.tensor_parallel_size
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_follower, args=(spec, r, world, port), name=f"dsv4-worker-{r}", daemon=True)
-             for r in range(1, world)]
+    procs = [
+        ctx.Process(target=_follower, args=(spec, r, world, port), name=f"dsv4-worker-{r}", daemon=True)
+        for r in range(1, world)
+    ]
     for p in procs:
         p.start()
     threading.Thread(target=_watch, args=(procs,), name="dsv4-worker-watch", daemon=True).start()

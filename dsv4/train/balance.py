@@ -17,13 +17,15 @@ from torch import nn
 
 def routers(model: nn.Module) -> list[nn.Module]:
     """Every MoE with a learned selection bias (main layers and MTP blocks), in module order."""
-    return [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "load")
-            and getattr(m.gate, "bias", None) is not None]
+    return [
+        m
+        for m in model.modules()
+        if hasattr(m, "gate") and hasattr(m, "load") and getattr(m.gate, "bias", None) is not None
+    ]
 
 
 @torch.no_grad()
-def update_bias(model: nn.Module, gamma: float,
-                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
+def update_bias(model: nn.Module, gamma: float, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
     """Apply one bias update from each router's last measured load. Returns the number of routers updated.
 
     The routers' loads are stacked ([layers, E], one stack per expert count, bias dtype and device) and the
@@ -37,7 +39,7 @@ def update_bias(model: nn.Module, gamma: float,
             b = moe.gate.bias
             groups.setdefault((b.numel(), b.dtype, b.device), []).append(moe)
     for (_, dtype, _), moes in groups.items():
-        loads = torch.stack([moe.load.detach() for moe in moes]).float()        # [layers, E]
+        loads = torch.stack([moe.load.detach() for moe in moes]).float()  # [layers, E]
         if reduce is not None:
             loads = reduce(loads)
         step = (gamma * torch.sign(loads.mean(-1, keepdim=True) - loads)).to(dtype)

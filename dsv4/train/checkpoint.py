@@ -49,12 +49,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-
-
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in model.state_dict().items():
-        if hasattr(v, "full_tensor"):          # DTensor (FSDP2): gather the full tensor
+        if hasattr(v, "full_tensor"):  # DTensor (FSDP2): gather the full tensor
             v = v.full_tensor()
         out[k] = v.detach().cpu().contiguous()
     return out
@@ -73,8 +71,9 @@ _ADAMW_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 @torch.no_grad()
-def optimizer_tensors(opt, model: torch.nn.Module, full: Gather | None = None,
-                      keep: bool = True) -> dict[str, torch.Tensor]:
+def optimizer_tensors(
+    opt, model: torch.nn.Module, full: Gather | None = None, keep: bool = True
+) -> dict[str, torch.Tensor]:
     """MuonAdamW's state as full CPU tensors keyed by parameter name (the single-process layout).
 
     `full(t, p)` turns a tensor shaped like parameter p (a sharded or rank-local moment) into the whole
@@ -108,8 +107,9 @@ def optimizer_tensors(opt, model: torch.nn.Module, full: Gather | None = None,
 
 
 @torch.no_grad()
-def load_optimizer_tensors(opt, model: torch.nn.Module, tensors: dict[str, torch.Tensor],
-                           local: Scatter | None = None) -> None:
+def load_optimizer_tensors(
+    opt, model: torch.nn.Module, tensors: dict[str, torch.Tensor], local: Scatter | None = None
+) -> None:
     """Restore MuonAdamW's state from `optimizer_tensors` output; `local(full, p)` cuts this process's part
     (no communication). Raises ValueError when the names or shapes do not fit the optimizer."""
     local = local or (lambda t, p: t)
@@ -119,8 +119,10 @@ def load_optimizer_tensors(opt, model: torch.nn.Module, tensors: dict[str, torch
         want |= {f"muon/{n}/momentum_buffer" for n in opt.muon_names}
     want |= {f"adamw/{n}/{k}" for n in opt.adamw_names for k in (*_ADAMW_KEYS, "step")}
     if set(tensors) != want:
-        raise ValueError(f"optimizer state has {sorted(set(tensors) - want)[:3]} unexpected and "
-                         f"{sorted(want - set(tensors))[:3]} missing entries")
+        raise ValueError(
+            f"optimizer state has {sorted(set(tensors) - want)[:3]} unexpected and "
+            f"{sorted(want - set(tensors))[:3]} missing entries"
+        )
 
     def part(key: str, p: torch.nn.Parameter, shape: torch.Size) -> torch.Tensor:
         t = tensors[key]
@@ -136,7 +138,7 @@ def load_optimizer_tensors(opt, model: torch.nn.Module, tensors: dict[str, torch
         idx, state = index_of(opt.muon), {}
         for name, p, views in _muon_views(opt, params):
             full_shape = tensors[f"muon/{name}/momentum_buffer"].shape
-            buf = part(f"muon/{name}/momentum_buffer", p, full_shape)                   # p's layout
+            buf = part(f"muon/{name}/momentum_buffer", p, full_shape)  # p's layout
             bufs = [buf] if p.dim() == 2 else list(buf.reshape(-1, *p.shape[-2:]).unbind(0))
             for v, b in zip(views, bufs, strict=True):
                 state[idx[id(v)]] = {"momentum_buffer": b.clone()}
@@ -146,17 +148,24 @@ def load_optimizer_tensors(opt, model: torch.nn.Module, tensors: dict[str, torch
     for name in opt.adamw_names:
         p = params[name]
         step = tensors[f"adamw/{name}/step"]
-        if float(step) == 0:                       # never stepped: leave the state to be created fresh
+        if float(step) == 0:  # never stepped: leave the state to be created fresh
             continue
-        state[idx[id(p)]] = {"step": step.float().cpu().clone(),
-                             **{k: part(f"adamw/{name}/{k}", p, tensors[f"adamw/{name}/{k}"].shape).clone()
-                                for k in _ADAMW_KEYS}}
+        state[idx[id(p)]] = {
+            "step": step.float().cpu().clone(),
+            **{k: part(f"adamw/{name}/{k}", p, tensors[f"adamw/{name}/{k}"].shape).clone() for k in _ADAMW_KEYS},
+        }
     sd = opt.adamw.state_dict()
     opt.adamw.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
 
 
-def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], optim_tensors: dict[str, torch.Tensor],
-         state: dict, keep: int = 2) -> Path:
+def save(
+    root: str | Path,
+    step: int,
+    tensors: dict[str, torch.Tensor],
+    optim_tensors: dict[str, torch.Tensor],
+    state: dict,
+    keep: int = 2,
+) -> Path:
     """Write step_<step>/ atomically and point `latest` at it; keep the newest `keep` checkpoints."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -179,8 +188,11 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], optim_te
     os.replace(latest_tmp, root / "latest")
     fsync_dir(root)
     if keep > 0:  # only directories this writer makes: step_<8 digits> holding a manifest, never symlinks
-        ours = [p for p in root.iterdir() if _STEP_RE.match(p.name) and not p.is_symlink() and p.is_dir()
-                and (p / "manifest.json").exists()]
+        ours = [
+            p
+            for p in root.iterdir()
+            if _STEP_RE.match(p.name) and not p.is_symlink() and p.is_dir() and (p / "manifest.json").exists()
+        ]
         for p in sorted(ours)[:-keep]:
             shutil.rmtree(p, ignore_errors=True)
     return final
@@ -200,16 +212,20 @@ def follow_latest(root: str | Path) -> Path:
         contained(root, "latest", str(pointer))
         name = read_text(pointer, limit=4096).strip()
     except CheckpointError as e:
-        raise CorruptCheckpoint(str(e).replace("outside the checkpoint directory", "not a checkpoint inside the "
-                                               "run directory")) from None
+        raise CorruptCheckpoint(
+            str(e).replace("outside the checkpoint directory", "not a checkpoint inside the run directory")
+        ) from None
     if not _STEP_RE.match(name):
-        raise CorruptCheckpoint(f"{pointer} names {name[:40]!r}{'...' if len(name) > 40 else ''}, which is not a "
-                                f"checkpoint inside {root} (step_<number>): refused")
+        raise CorruptCheckpoint(
+            f"{pointer} names {name[:40]!r}{'...' if len(name) > 40 else ''}, which is not a "
+            f"checkpoint inside {root} (step_<number>): refused"
+        )
     try:
         target = contained(root, name, str(pointer))
     except CheckpointError:
-        raise CorruptCheckpoint(f"{pointer} names {name}, which is not a checkpoint inside {root} (a symlink out "
-                                "of the run): refused") from None
+        raise CorruptCheckpoint(
+            f"{pointer} names {name}, which is not a checkpoint inside {root} (a symlink out of the run): refused"
+        ) from None
     real = Path(os.path.realpath(target))
     if real.parent != Path(os.path.realpath(root)):
         raise CorruptCheckpoint(f"{pointer} names {name}, which is not a checkpoint inside {root}: refused")
@@ -247,15 +263,16 @@ def verify(ckpt: Path) -> None:
     except (ValueError, RecursionError):
         raise CorruptCheckpoint(f"{ckpt}: manifest.json is not valid JSON") from None
     if "optimizer.pt" in manifest:
-        raise CorruptCheckpoint(f"{ckpt}: written by an earlier version (optimizer.pt), which cannot be "
-                                "resumed")
+        raise CorruptCheckpoint(f"{ckpt}: written by an earlier version (optimizer.pt), which cannot be resumed")
     for name in FILES:
         f = ckpt / name
         if not f.exists():
             raise CorruptCheckpoint(f"{ckpt}: {name} is missing")
         if _sha256(f) != manifest.get(name):
-            raise CorruptCheckpoint(f"{ckpt}: {name} does not match its recorded SHA-256 (corrupt or "
-                                    "modified); resume from an earlier checkpoint")
+            raise CorruptCheckpoint(
+                f"{ckpt}: {name} does not match its recorded SHA-256 (corrupt or "
+                "modified); resume from an earlier checkpoint"
+            )
 
 
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[Path, dict, dict, dict]:
@@ -278,6 +295,8 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[Pa
     for file, content in (("model.safetensors", tensors), ("optimizer.safetensors", optim)):
         why = nonfinite_problem(content)
         if why:
-            raise CorruptCheckpoint(f"{ckpt / file}: {why}; a run does not resume from non-finite weights or "
-                                    "optimizer state (resume from an earlier checkpoint)")
+            raise CorruptCheckpoint(
+                f"{ckpt / file}: {why}; a run does not resume from non-finite weights or "
+                "optimizer state (resume from an earlier checkpoint)"
+            )
     return ckpt, tensors, optim, state

@@ -29,8 +29,8 @@ from ..errors import UserError
 MANIFEST_KEY = "dsv4_corpus"
 DOC_SUFFIXES = (".py", ".md", ".rst", ".txt")
 SKIP_PARTS = {"__pycache__", "site-packages", "dist-packages"}
-MAX_FILE_BYTES = 400_000          # generated tables and minified data are not text to learn from
-Group = tuple[str, str, str, list[tuple[str, Path]]]      # package, version, licence, (name, path) of its files
+MAX_FILE_BYTES = 400_000  # generated tables and minified data are not text to learn from
+Group = tuple[str, str, str, list[tuple[str, Path]]]  # package, version, licence, (name, path) of its files
 
 
 def _sha256(path: Path) -> str:
@@ -111,8 +111,14 @@ def manifest_of(groups: list[Group]) -> dict:
             total += size
         if docs:
             entries.append({"package": name, "version": version, "licence": licence, "documents": docs})
-    return {MANIFEST_KEY: 1, "python": sys.version.split()[0], "packages": entries,
-            "documents": sum(len(e["documents"]) for e in entries), "bytes": total, "duplicates_dropped": dropped}
+    return {
+        MANIFEST_KEY: 1,
+        "python": sys.version.split()[0],
+        "packages": entries,
+        "documents": sum(len(e["documents"]) for e in entries),
+        "bytes": total,
+        "duplicates_dropped": dropped,
+    }
 
 
 def is_manifest(path: Path) -> bool:
@@ -140,8 +146,10 @@ def read_manifest(path: Path, verify: bool = True) -> list[tuple[str, Path]]:
             if not p.is_file():
                 raise UserError(f"--data {path}: {name} is missing ({p}); rebuild the manifest where it was written")
             if _sha256(p) != digest:
-                raise UserError(f"--data {path}: {name} changed since the manifest was written ({p}): the corpus "
-                                f"would not be the same; rebuild it with python3 -m dsv4.train.corpus")
+                raise UserError(
+                    f"--data {path}: {name} changed since the manifest was written ({p}): the corpus "
+                    f"would not be the same; rebuild it with python3 -m dsv4.train.corpus"
+                )
         out.append((name, p))
     return out
 
@@ -149,8 +157,12 @@ def read_manifest(path: Path, verify: bool = True) -> list[tuple[str, Path]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m dsv4.train.corpus", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="the manifest to write (JSON)")
-    ap.add_argument("--packages", nargs="*", default=None,
-                    help="installed distributions to include (default: all of them; none: --packages alone)")
+    ap.add_argument(
+        "--packages",
+        nargs="*",
+        default=None,
+        help="installed distributions to include (default: all of them; none: --packages alone)",
+    )
     ap.add_argument("--no-stdlib", action="store_true", help="leave out the Python standard library")
     args = ap.parse_args(argv)
     try:
@@ -158,15 +170,17 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(json.dumps(m, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, out)                    # atomic: a reader never sees half a manifest
+        os.replace(tmp, out)  # atomic: a reader never sees half a manifest
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:
         print(f"error: --out {args.out}: {e.strerror}", file=sys.stderr)
         return 1
-    print(f"{out}: {m['documents']} documents, {m['bytes'] / 1e6:.1f} MB from {len(m['packages'])} packages "
-          f"({m['duplicates_dropped']} duplicate files dropped)")
+    print(
+        f"{out}: {m['documents']} documents, {m['bytes'] / 1e6:.1f} MB from {len(m['packages'])} packages "
+        f"({m['duplicates_dropped']} duplicate files dropped)"
+    )
     return 0
 
 

@@ -57,15 +57,18 @@ def find_documents(paths: list[str | Path] | None = None) -> list[tuple[str, Pat
     for root, suffixes in roots:
         if not root.exists():
             raise UserError(f"--data {root}: no such file or directory")
-        if is_manifest(root):                  # a corpus manifest (dsv4.train.corpus): its files, hashes checked
+        if is_manifest(root):  # a corpus manifest (dsv4.train.corpus): its files, hashes checked
             docs.extend(read_manifest(root))
             continue
         if root.is_file():
             docs.append((root.name, root))
             continue
         for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")
-                                 and not d.startswith("."))
+            dirnames[:] = sorted(
+                d
+                for d in dirnames
+                if d not in ("site-packages", "dist-packages", "__pycache__") and not d.startswith(".")
+            )
             for f in sorted(filenames):
                 if f.endswith(suffixes):
                     p = Path(dirpath) / f
@@ -82,7 +85,7 @@ def spread(docs: list[tuple[str, Path]], n: int) -> list[tuple[str, Path]]:
     return [docs[i * len(docs) // n] for i in range(n)]
 
 
-MAX_DOCUMENT_BYTES = 64 << 20              # one training / evaluation document
+MAX_DOCUMENT_BYTES = 64 << 20  # one training / evaluation document
 
 
 def read_text(path: Path) -> str:
@@ -99,8 +102,9 @@ def is_held_out(name: str, pct: float) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ tokens
-def tokenize_corpus(tok: Tokenizer, docs: list[tuple[str, Path]], held_out_pct: float,
-                    cache_dir: str | Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_corpus(
+    tok: Tokenizer, docs: list[tuple[str, Path]], held_out_pct: float, cache_dir: str | Path | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """-> (train stream, held-out stream) of token ids, each document as BOS ... EOS.
 
     With cache_dir, the streams are stored as .npy files keyed by the tokenizer and the file list.
@@ -120,7 +124,7 @@ def tokenize_corpus(tok: Tokenizer, docs: list[tuple[str, Path]], held_out_pct: 
     parts: dict[bool, list[np.ndarray]] = {True: [], False: []}
     batch = 64
     for i in range(0, len(docs), batch):
-        chunk = docs[i:i + batch]
+        chunk = docs[i : i + batch]
         ids = tok.encode_batch([read_text(p) for _, p in chunk])
         for (name, _), seq in zip(chunk, ids):
             arr = np.empty(len(seq) + 2, dtype=dtype)
@@ -142,7 +146,7 @@ def tokenize_corpus(tok: Tokenizer, docs: list[tuple[str, Path]], held_out_pct: 
 @dataclass
 class LoaderState:
     epoch: int = 0
-    index: int = 0          # windows of the current epoch's permutation already consumed
+    index: int = 0  # windows of the current epoch's permutation already consumed
 
     def to_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}
@@ -151,8 +155,16 @@ class LoaderState:
 class PackedLoader:
     """Global batches [batch_size, seq_len] of packed windows; this rank's rows of each."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int = 0,
-                 rank: int = 0, world: int = 1, shuffle: bool = True):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        batch_size: int,
+        seed: int = 0,
+        rank: int = 0,
+        world: int = 1,
+        shuffle: bool = True,
+    ):
         if batch_size % world:
             raise UserError(f"--batch-size {batch_size} must be divisible by the {world} processes")
         self.tokens = torch.from_numpy(tokens.astype(np.int64))
@@ -160,8 +172,10 @@ class PackedLoader:
         self.rank, self.world, self.shuffle = rank, world, shuffle
         self.n_windows = len(tokens) // seq_len
         if self.n_windows < batch_size:
-            raise UserError(f"the data holds {self.n_windows} windows of {seq_len} tokens, fewer than one "
-                            f"batch of {batch_size}; use more data or a smaller --seq-len / --batch-size")
+            raise UserError(
+                f"the data holds {self.n_windows} windows of {seq_len} tokens, fewer than one "
+                f"batch of {batch_size}; use more data or a smaller --seq-len / --batch-size"
+            )
         self.state = LoaderState()
         self._perm_epoch = -1
         self._perm: torch.Tensor | None = None
@@ -179,24 +193,30 @@ class PackedLoader:
     def next_batch(self) -> torch.Tensor:
         """-> this rank's rows [batch_size / world, seq_len] int64 of the next global batch."""
         st = self.state
-        if st.index + self.batch_size > self.n_windows:          # drop the incomplete tail of an epoch
+        if st.index + self.batch_size > self.n_windows:  # drop the incomplete tail of an epoch
             st.epoch, st.index = st.epoch + 1, 0
-        ids = self._permutation(st.epoch)[st.index: st.index + self.batch_size]
+        ids = self._permutation(st.epoch)[st.index : st.index + self.batch_size]
         st.index += self.batch_size
         per = self.batch_size // self.world
-        ids = ids[self.rank * per: (self.rank + 1) * per]
+        ids = ids[self.rank * per : (self.rank + 1) * per]
         starts = ids * self.seq_len
         return self.tokens[starts.unsqueeze(1) + torch.arange(self.seq_len)]
 
     def state_dict(self) -> dict:
-        return self.state.to_dict() | {"seed": self.seed, "n_windows": self.n_windows, "seq_len": self.seq_len,
-                                       "batch_size": self.batch_size}
+        return self.state.to_dict() | {
+            "seed": self.seed,
+            "n_windows": self.n_windows,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+        }
 
     def load_state_dict(self, d: dict) -> None:
         for k in ("n_windows", "seq_len", "batch_size"):
             if d.get(k) != getattr(self, k):
-                raise UserError(f"checkpoint data-loader state has {k}={d.get(k)}, this run has "
-                                f"{getattr(self, k)}: resume with the same data, --seq-len and --batch-size")
+                raise UserError(
+                    f"checkpoint data-loader state has {k}={d.get(k)}, this run has "
+                    f"{getattr(self, k)}: resume with the same data, --seq-len and --batch-size"
+                )
         self.state = LoaderState(int(d["epoch"]), int(d["index"]))
 
 

@@ -44,8 +44,9 @@ from ..parallel.expert import (  # noqa: F401  (the expert-parallel core lives i
 
 
 # ----------------------------------------------------------------------------- process group
-def setup_distributed(backend: str | None = None, device: str | None = None,
-                      timeout_s: float = 1800.0) -> tuple[int, int, torch.device]:
+def setup_distributed(
+    backend: str | None = None, device: str | None = None, timeout_s: float = 1800.0
+) -> tuple[int, int, torch.device]:
     """Join the process group described by torchrun's environment -> (rank, world, device).
 
     Without torchrun variables (WORLD_SIZE unset or 1) nothing is initialized and (0, 1, device) is
@@ -59,9 +60,11 @@ def setup_distributed(backend: str | None = None, device: str | None = None,
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         if local_rank >= torch.cuda.device_count():
-            raise UserError(f"process {local_rank} of this machine needs cuda:{local_rank}, and it has "
-                            f"{torch.cuda.device_count()} CUDA device(s): start at most that many processes per "
-                            "node, or pass --device cpu to train on the CPU (gloo)")
+            raise UserError(
+                f"process {local_rank} of this machine needs cuda:{local_rank}, and it has "
+                f"{torch.cuda.device_count()} CUDA device(s): start at most that many processes per "
+                "node, or pass --device cpu to train on the CPU (gloo)"
+            )
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if use_cuda else "gloo")
@@ -83,8 +86,14 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def shard_model(model: nn.Module, ep: bool = True, dp_mesh=None, mp_policy=None,
-                reshard_after_forward: bool = True, ep_group: dist.ProcessGroup | None = None) -> nn.Module:
+def shard_model(
+    model: nn.Module,
+    ep: bool = True,
+    dp_mesh=None,
+    mp_policy=None,
+    reshard_after_forward: bool = True,
+    ep_group: dist.ProcessGroup | None = None,
+) -> nn.Module:
     """FSDP2 over the data-parallel mesh for dense weights, expert parallelism for the routed experts.
 
     Call on every rank with the same full model (e.g. `DeepSeekV4.from_config(cfg, seed=s)`), after moving
@@ -99,7 +108,7 @@ def shard_model(model: nn.Module, ep: bool = True, dp_mesh=None, mp_policy=None,
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    if isinstance(model, FSDPModule):               # fully_shard gave the model its FSDP class
+    if isinstance(model, FSDPModule):  # fully_shard gave the model its FSDP class
         raise RuntimeError("model is already sharded")
     device_type = next(model.parameters()).device.type
     if dp_mesh is None:
@@ -116,8 +125,11 @@ def shard_model(model: nn.Module, ep: bool = True, dp_mesh=None, mp_policy=None,
     for p in expert_params:
         # sum over every rank's tokens of d(local mean loss) -> the data-parallel mean, like FSDP's reduce
         p.register_hook(lambda g: g * scale)
-    kw = {"mesh": dp_mesh, "ignored_params": expert_params or None,
-          "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy()}
+    kw = {
+        "mesh": dp_mesh,
+        "ignored_params": expert_params or None,
+        "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
+    }
     # MTP blocks stay in the root unit: the model calls their `combine` outside the block's forward
     for block in getattr(model, "layers", []):
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
@@ -147,18 +159,18 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
     params = [p for p in model.parameters() if p.grad is not None]
     dev = params[0].device if params else torch.device("cpu")
     world = dist.get_world_size() if is_distributed() else 1
-    own, shared = [], []               # summed over ranks as they are / replicated: counted once (1/world each)
+    own, shared = [], []  # summed over ranks as they are / replicated: counted once (1/world each)
     for p in params:
         g = p.grad
         if _is_dtensor(g):
             if all(isinstance(pl, Shard) for pl in g.placements):
-                own.append(g.to_local())                               # disjoint shards
+                own.append(g.to_local())  # disjoint shards
             else:
                 shared.append(g.full_tensor())
         elif is_expert_param(p):
-            own.append(g)                                              # distinct experts per rank
+            own.append(g)  # distinct experts per rank
         else:
-            shared.append(g)                                           # identical on every rank
+            shared.append(g)  # identical on every rank
     sq = torch.zeros((), dtype=torch.float32, device=dev)
     for ts, w in ((own, 1.0), (shared, 1.0 / world)):
         ts = [t for t in ts if t.numel()]
@@ -197,7 +209,7 @@ def all_reduce_expert_load(model: nn.Module) -> list[torch.Tensor]:
     so the load-balancing bias update sees the global batch and stays identical on every rank."""
     loads = [m.load for m in moe_layers(model) if m.load is not None]
     if is_distributed() and loads:
-        if len({(t.dtype, t.device) for t in loads}) == 1:       # one all-reduce over all layers' loads
+        if len({(t.dtype, t.device) for t in loads}) == 1:  # one all-reduce over all layers' loads
             flat = torch.cat([t.reshape(-1) for t in loads])
             dist.all_reduce(flat)
             torch._foreach_copy_(loads, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in loads]), loads)])
@@ -273,7 +285,7 @@ def local_part(full: torch.Tensor, p: torch.Tensor, group=None) -> torch.Tensor:
     if is_expert_param(p):
         n_local = p.size(0)
         lo = _ep._ep_rank(group) * n_local
-        return full[lo:lo + n_local]
+        return full[lo : lo + n_local]
     return full
 
 
@@ -286,7 +298,8 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
         p = params.get(name, t)
         part = local_part(state[name], p, group)
         (p.to_local() if _is_dtensor(p) else p if is_expert_param(p) else t).copy_(
-            part.to_local() if _is_dtensor(part) else part)
+            part.to_local() if _is_dtensor(part) else part
+        )
 
 
 @torch.no_grad()

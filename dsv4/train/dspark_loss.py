@@ -38,11 +38,11 @@ class DSparkLossConfig:
 
 @dataclass
 class DSparkLoss:
-    total: torch.Tensor           # the weighted objective (differentiable in the draft's parameters)
+    total: torch.Tensor  # the weighted objective (differentiable in the draft's parameters)
     ce: torch.Tensor
     l1: torch.Tensor
     confidence: torch.Tensor
-    tau: torch.Tensor             # expected tokens per verify of a whole block (no gradient)
+    tau: torch.Tensor  # expected tokens per verify of a whole block (no gradient)
 
 
 def sample_anchors(b: int, S: int, n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -54,27 +54,33 @@ def sample_anchors(b: int, S: int, n: int, generator: torch.Generator, device: t
     return torch.stack(rows).to(device)
 
 
-def dspark_loss(model: nn.Module, tokens: torch.Tensor, taps: torch.Tensor, logits: torch.Tensor,
-                anchors: torch.Tensor, cfg: DSparkLossConfig) -> DSparkLoss:
+def dspark_loss(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    taps: torch.Tensor,
+    logits: torch.Tensor,
+    anchors: torch.Tensor,
+    cfg: DSparkLossConfig,
+) -> DSparkLoss:
     """tokens [b, S]; taps [b, S, ...] and logits [b, S, vocab] of the main model's forward over them;
     anchors [b, A] -> the draft's losses (see the module docstring)."""
     draft = model.dspark
     B = draft.block_size
     b, S = tokens.shape
     dev = tokens.device
-    blocks = draft.sequence_blocks(taps.detach(), tokens, anchors)                      # N = b*A blocks
+    blocks = draft.sequence_blocks(taps.detach(), tokens, anchors)  # N = b*A blocks
     slot = torch.arange(B, device=dev)
-    label = anchors.unsqueeze(-1) + 1 + slot                                             # [b, A, B]
+    label = anchors.unsqueeze(-1) + 1 + slot  # [b, A, B]
     valid = label < S
     rows = torch.arange(b, device=dev).view(b, 1, 1)
-    target = tokens[rows, label.clamp(max=S - 1)]                                        # [b, A, B]
+    target = tokens[rows, label.clamp(max=S - 1)]  # [b, A, B]
     prev = torch.cat([tokens[rows[..., 0], anchors].unsqueeze(-1), target[..., :-1]], -1)
-    q_logits, conf = draft.heads(blocks, prev.flatten(0, 1))                           # [N, B, V], [N, B]
-    p_logits = logits.detach()[rows, (label - 1).clamp(max=S - 1)].flatten(0, 1).float()   # the main model's
-    w = (valid * torch.exp(-slot / cfg.gamma)).flatten(0, 1).float()                    # [N, B]
+    q_logits, conf = draft.heads(blocks, prev.flatten(0, 1))  # [N, B, V], [N, B]
+    p_logits = logits.detach()[rows, (label - 1).clamp(max=S - 1)].flatten(0, 1).float()  # the main model's
+    w = (valid * torch.exp(-slot / cfg.gamma)).flatten(0, 1).float()  # [N, B]
     denom = w.sum().clamp_min(1e-6)
     ce = (F.cross_entropy(q_logits.flatten(0, 1), target.flatten(), reduction="none").view_as(w) * w).sum() / denom
-    dist = (q_logits.softmax(-1) - p_logits.softmax(-1)).abs().sum(-1)                 # [N, B] = 2 TV
+    dist = (q_logits.softmax(-1) - p_logits.softmax(-1)).abs().sum(-1)  # [N, B] = 2 TV
     l1 = (dist * w).sum() / denom
     accept = (1 - 0.5 * dist).clamp(0, 1).detach()
     bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")

@@ -24,8 +24,14 @@ import torch
 
 
 class GraphedBackward:
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.Tensor], dict[str, torch.Tensor]],
-                 example: torch.Tensor, autocast_dtype: torch.dtype | None = None, warmup: int = 2):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_fn: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+        example: torch.Tensor,
+        autocast_dtype: torch.dtype | None = None,
+        warmup: int = 2,
+    ):
         dev = example.device
         if dev.type != "cuda":
             raise ValueError(f"CUDA graphs need CUDA tensors, this batch is on {dev}")
@@ -34,7 +40,7 @@ class GraphedBackward:
         self.params = [p for p in model.parameters() if p.requires_grad]
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):                        # compile / autotune kernels outside the graph
+        with torch.cuda.stream(side):  # compile / autotune kernels outside the graph
             for _ in range(warmup):
                 self._forward_backward()
         torch.cuda.current_stream(dev).wait_stream(side)
@@ -43,7 +49,7 @@ class GraphedBackward:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.outputs = self._forward_backward()
-        self.grads = [p.grad for p in self.params]           # None where the loss does not reach
+        self.grads = [p.grad for p in self.params]  # None where the loss does not reach
 
     def _forward_backward(self) -> dict[str, torch.Tensor]:
         if self.autocast_dtype is None:
@@ -58,8 +64,10 @@ class GraphedBackward:
     def run(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
         """Replays forward + backward on `batch` (same shape and dtype as the example); -> loss_fn's outputs."""
         if batch.shape != self.batch.shape or batch.dtype != self.batch.dtype:
-            raise ValueError(f"this graph was captured for a {self.batch.dtype} batch of shape "
-                             f"{list(self.batch.shape)}, got {batch.dtype} {list(batch.shape)}")
+            raise ValueError(
+                f"this graph was captured for a {self.batch.dtype} batch of shape "
+                f"{list(self.batch.shape)}, got {batch.dtype} {list(batch.shape)}"
+            )
         self.batch.copy_(batch)
         self.graph.replay()
         for p, g in zip(self.params, self.grads):

@@ -24,14 +24,24 @@ class LossParts:
     mtp: torch.Tensor | None = None
     indexer: torch.Tensor | None = None
     balance: torch.Tensor | None = None
-    dspark: torch.Tensor | None = None        # a DSpark draft's loss (dsv4.train.dspark_loss)
-    dspark_tau: torch.Tensor | None = None    # its expected tokens per verify of a whole block
+    dspark: torch.Tensor | None = None  # a DSpark draft's loss (dsv4.train.dspark_loss)
+    dspark_tau: torch.Tensor | None = None  # its expected tokens per verify of a whole block
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The parts that are present, by name (device tensors)."""
-        return {k: v for k, v in (("loss", self.total), ("lm", self.lm), ("mtp", self.mtp),
-                                  ("indexer", self.indexer), ("balance", self.balance), ("dspark", self.dspark),
-                                  ("dspark_tau", self.dspark_tau)) if v is not None}
+        return {
+            k: v
+            for k, v in (
+                ("loss", self.total),
+                ("lm", self.lm),
+                ("mtp", self.mtp),
+                ("indexer", self.indexer),
+                ("balance", self.balance),
+                ("dspark", self.dspark),
+                ("dspark_tau", self.dspark_tau),
+            )
+            if v is not None
+        }
 
     def floats(self) -> dict[str, float]:
         return {k: float(v.detach()) for k, v in self.tensors().items()}
@@ -48,11 +58,11 @@ def mtp_loss(mtp_logits: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tens
     s = tokens.size(1)
     losses = []
     for k, lg in enumerate(mtp_logits):
-        n = s - k - 2                                     # positions whose target lies inside the window
+        n = s - k - 2  # positions whose target lies inside the window
         if n <= 0:
             break
         v = lg.size(-1)
-        losses.append(F.cross_entropy(lg[:, :n].reshape(-1, v).float(), tokens[:, k + 2:].reshape(-1)))
+        losses.append(F.cross_entropy(lg[:, :n].reshape(-1, v).float(), tokens[:, k + 2 :].reshape(-1)))
     return torch.stack(losses).mean() if losses else None
 
 

@@ -24,29 +24,29 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "4090
 def _block_matmul_params(cfg: ModelConfig, layer_id: int) -> int:
     """Weights one token multiplies through in one block (active experts only)."""
     d, h, hd = cfg.dim, cfg.n_heads, cfg.head_dim
-    n = d * cfg.q_lora_rank + cfg.q_lora_rank * h * hd + d * hd                      # wq_a, wq_b, wkv
-    n += h * hd * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * d                # wo_a (grouped), wo_b
+    n = d * cfg.q_lora_rank + cfg.q_lora_rank * h * hd + d * hd  # wq_a, wq_b, wkv
+    n += h * hd * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * d  # wo_a (grouped), wo_b
     r = cfg.compress_ratios[layer_id]
     if r:
         coff = 2 if r == 4 else 1
-        n += 2 * d * coff * hd                                                         # compressor wkv, wgate
+        n += 2 * d * coff * hd  # compressor wkv, wgate
     if r == 4:
         ih, idim = cfg.index_n_heads, cfg.index_head_dim
-        n += cfg.q_lora_rank * ih * idim + d * ih + 2 * d * 2 * idim                   # indexer
-    n += d * cfg.n_routed_experts                                                      # router
+        n += cfg.q_lora_rank * ih * idim + d * ih + 2 * d * 2 * idim  # indexer
+    n += d * cfg.n_routed_experts  # router
     n += (cfg.n_activated_experts + cfg.n_shared_experts) * 3 * d * cfg.moe_inter_dim
-    n += 2 * (2 + cfg.hc_mult) * cfg.hc_mult * cfg.hc_mult * d                         # mHC mixes
+    n += 2 * (2 + cfg.hc_mult) * cfg.hc_mult * cfg.hc_mult * d  # mHC mixes
     return n
 
 
 def _attention_flops(cfg: ModelConfig, layer_id: int, s: int) -> float:
     """Forward FLOPs per token of QK^T and PV over the keys a query sees (averaged over positions)."""
     w = min(cfg.window_size, s)
-    keys = w - w * (w - 1) / (2 * s)                                                   # causal window
+    keys = w - w * (w - 1) / (2 * s)  # causal window
     r = cfg.compress_ratios[layer_id]
     if r == 4:
         keys += min(cfg.index_topk, s / (2 * r))
-        keys_idx = s / (2 * r)                                                         # indexer scoring
+        keys_idx = s / (2 * r)  # indexer scoring
         extra = 2 * cfg.index_n_heads * cfg.index_head_dim * keys_idx
     elif r:
         keys += s / (2 * r)
@@ -65,7 +65,7 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, mtp: bool = True) -> f
     heads = 1 + (cfg.n_mtp_layers if mtp else 0)
     fwd += heads * 2 * cfg.dim * cfg.vocab_size
     if mtp:
-        fwd += cfg.n_mtp_layers * 2 * 2 * cfg.dim * cfg.dim                            # e_proj, h_proj
+        fwd += cfg.n_mtp_layers * 2 * 2 * cfg.dim * cfg.dim  # e_proj, h_proj
     return 3 * fwd
 
 
@@ -95,16 +95,21 @@ def memory_estimate(model: nn.Module, optimizer_state_per_param: dict[str, int])
         o += p.numel() * 4 * optimizer_state_per_param.get(name, 0)
         key = str(p.dtype).replace("torch.", "")
         dtypes[key] = dtypes.get(key, 0) + p.numel()
-    gib = 1024 ** 3
-    return {"weights_gib": w / gib, "grads_gib": g / gib, "optimizer_gib": o / gib,
-            "total_gib": (w + g + o) / gib, "param_dtypes": dtypes}
+    gib = 1024**3
+    return {
+        "weights_gib": w / gib,
+        "grads_gib": g / gib,
+        "optimizer_gib": o / gib,
+        "total_gib": (w + g + o) / gib,
+        "param_dtypes": dtypes,
+    }
 
 
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1024 ** 3
+        return torch.cuda.max_memory_allocated(device) / 1024**3
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (1024 ** 3 if sys.platform == "darwin" else 1024 ** 2)      # host peak RSS
+    return rss / (1024**3 if sys.platform == "darwin" else 1024**2)  # host peak RSS
 
 
 # ------------------------------------------------------------------------------------------ mHC
@@ -132,7 +137,8 @@ def mhc_violation(model: nn.Module, tokens: torch.Tensor) -> float:
             fn, scale, base = (_full(getattr(layer, f"hc_{kind}_{p}")) for p in ("fn", "scale", "base"))
             xf = x.flatten(-2).float()
             mixes = torch.nn.functional.linear(xf, fn.float()) * torch.rsqrt(
-                xf.square().mean(-1, keepdim=True) + cfg.norm_eps)
+                xf.square().mean(-1, keepdim=True) + cfg.norm_eps
+            )
             _, _, comb = ops.hc_split_sinkhorn(mixes, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
             worst = max(worst, float((comb.sum(-1) - 1).abs().max()), float((comb.sum(-2) - 1).abs().max()))
         x_prev = seen[f"layers.{i}.hc_ffn_post"]
@@ -176,7 +182,7 @@ class JsonlLog:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                break                                        # a torn write: nothing after it is trusted
+                break  # a torn write: nothing after it is trusted
             if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
                 break
             kept.append(line)
@@ -199,6 +205,7 @@ def plot_losses(rows: list[dict], path: str | Path) -> Path | None:
     PLOT_UNAVAILABLE says so)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

@@ -45,7 +45,7 @@ def batched_newton_schulz(g: torch.Tensor, coeffs, steps: int, eps: float) -> to
         x = x.mT
     # the fp32 norm of the bf16 matrix (no fp32 copy of it), rounded to bf16 as torch's bf16 norm is
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    x = x / norm.bfloat16().clamp(min=eps)                                      # spectral norm <= 1
+    x = x / norm.bfloat16().clamp(min=eps)  # spectral norm <= 1
     for _ in range(steps):
         x = ns_iteration(x, a, b, c)
     return x.mT if wide else x
@@ -54,7 +54,7 @@ def batched_newton_schulz(g: torch.Tensor, coeffs, steps: int, eps: float) -> to
 def ns_iteration(x: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
     """One quintic Newton-Schulz iteration on each matrix of x [E, m, n] (m <= n), in x's dtype:
     G = x x^T, x <- a x + (b G + c G G) x (fp32 sums inside the matmuls, one rounding per product)."""
-    gram = x @ x.mT                                                                      # [E, m, m]
+    gram = x @ x.mT  # [E, m, m]
     return torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
 
 
@@ -62,10 +62,10 @@ def ns_iteration(x: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
 class _Chunk:
     rows: int
     cols: int
-    members: list[int]            # indices into the plan's weights, whole tensors
-    sizes: list[int]              # matrices of each member
-    buf: torch.Tensor             # [N, rows, cols] momentum of the chunk's matrices, N = sum(sizes)
-    adjust: float                 # adjust_lr(1, ...): the update's scale is lr * adjust
+    members: list[int]  # indices into the plan's weights, whole tensors
+    sizes: list[int]  # matrices of each member
+    buf: torch.Tensor  # [N, rows, cols] momentum of the chunk's matrices, N = sum(sizes)
+    adjust: float  # adjust_lr(1, ...): the update's scale is lr * adjust
 
 
 class MuonPlan:
@@ -76,8 +76,14 @@ class MuonPlan:
     momentum slices); state: torch's Muon state; group: its param group (momentum, nesterov, coefficients,
     steps, eps, adjust_lr_fn, weight_decay)."""
 
-    def __init__(self, weights: list[torch.Tensor], views: list[list[torch.nn.Parameter]], state: dict,
-                 group: dict, max_elems: int = 1 << 27):
+    def __init__(
+        self,
+        weights: list[torch.Tensor],
+        views: list[list[torch.nn.Parameter]],
+        state: dict,
+        group: dict,
+        max_elems: int = 1 << 27,
+    ):
         self.weights = weights
         self.group = group
         by_shape: dict[tuple[int, int], list[int]] = {}
@@ -87,15 +93,22 @@ class MuonPlan:
         for (rows, cols), idx in by_shape.items():
             per_chunk = max(1, max_elems // (rows * cols))
             start = 0
-            while start < len(idx):          # whole tensors per chunk, at most per_chunk matrices (or one tensor)
+            while start < len(idx):  # whole tensors per chunk, at most per_chunk matrices (or one tensor)
                 end, n = start, 0
                 while end < len(idx) and (n == 0 or n + weights[idx[end]].size(0) <= per_chunk):
                     n += weights[idx[end]].size(0)
                     end += 1
                 members = idx[start:end]
-                self.chunks.append(_Chunk(rows, cols, members, [weights[i].size(0) for i in members],
-                                          self._bind(members, views, state), adjust_lr(1.0, group.get(
-                                              "adjust_lr_fn"), rows, cols)))
+                self.chunks.append(
+                    _Chunk(
+                        rows,
+                        cols,
+                        members,
+                        [weights[i].size(0) for i in members],
+                        self._bind(members, views, state),
+                        adjust_lr(1.0, group.get("adjust_lr_fn"), rows, cols),
+                    )
+                )
                 start = end
 
     def _bind(self, members: list[int], views: list[list[torch.nn.Parameter]], state: dict) -> torch.Tensor:
@@ -121,7 +134,7 @@ class MuonPlan:
             bufs = list(ch.buf.split(ch.sizes))
             torch._foreach_lerp_(bufs, gs, 1 - momentum)
             if g["nesterov"]:
-                update = ch.buf * momentum                                        # [N, rows, cols]
+                update = ch.buf * momentum  # [N, rows, cols]
                 torch._foreach_add_(list(update.split(ch.sizes)), gs, alpha=1 - momentum)
             else:
                 update = ch.buf

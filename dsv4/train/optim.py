@@ -92,7 +92,7 @@ class OptimConfig:
     # (else foreach). False: the previous step, torch.optim.Muon matrix by matrix (experts batched per layer)
     # and torch.optim.AdamW with its default implementation.
     fast: bool = True
-    ns_batch_elems: int = 1 << 27      # fast: at most this many matrix elements per batched Newton-Schulz
+    ns_batch_elems: int = 1 << 27  # fast: at most this many matrix elements per batched Newton-Schulz
 
 
 class MuonAdamW:
@@ -104,7 +104,7 @@ class MuonAdamW:
         self.muon_names = [n for n, _ in muon_named]
         self.adamw_names = [n for n, _ in adamw_named]
         self._stacked: list[tuple[nn.Parameter, list[nn.Parameter]]] = []
-        self._stacked_bufs: dict[nn.Parameter, torch.Tensor] = {}      # stacked p -> its [E, out, in] momentum
+        self._stacked_bufs: dict[nn.Parameter, torch.Tensor] = {}  # stacked p -> its [E, out, in] momentum
         views: list[nn.Parameter] = []
         for _, p in muon_named:
             vs = _matrix_views(p)
@@ -113,11 +113,14 @@ class MuonAdamW:
             views.extend(vs)
         self.muon_params = views
         self.muon = _make_muon(views, cfg) if views else None
-        self._sharded = [v for v in views if _is_dtensor(v)]     # FSDP2 rows: stepped by sharded_muon_step
+        self._sharded = [v for v in views if _is_dtensor(v)]  # FSDP2 rows: stepped by sharded_muon_step
         no_decay = [p for n, p in adamw_named if p.dim() < 2 or n.startswith("embed.")]
         decay = [p for n, p in adamw_named if not (p.dim() < 2 or n.startswith("embed."))]
-        groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        groups = [
+            g
+            for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+            if g["params"]
+        ]
         impl = _adamw_impl([p for g in groups for p in g["params"]]) if cfg.fast else {}
         # fused AdamW takes its lr as a device scalar (capturable on CUDA): a step reads no Python float that
         # changes, so a captured step follows set_lr_factor
@@ -133,14 +136,15 @@ class MuonAdamW:
         sharded_ids = {id(v) for v in self._sharded}
         # fast: the whole (unsharded) Muon weights - plain 2-D matrices and stacked experts - with their 2-D views,
         # stepped by one MuonPlan instead of torch's Muon
-        self._whole: list[tuple[nn.Parameter, list[nn.Parameter]]] = (
-            [(v, [v]) for v in views if id(v) not in stacked_views and id(v) not in sharded_ids]
-            + [(p, vs) for p, vs in self._stacked if not _is_dtensor(p)])
+        self._whole: list[tuple[nn.Parameter, list[nn.Parameter]]] = [
+            (v, [v]) for v in views if id(v) not in stacked_views and id(v) not in sharded_ids
+        ] + [(p, vs) for p, vs in self._stacked if not _is_dtensor(p)]
         self._plan: MuonPlan | None = None
         self._plan_key: tuple | None = None
         self._plan_state: dict | None = None
-        self._muon_lr = (torch.tensor(cfg.lr, dtype=torch.float32, device=self._whole[0][0].device)
-                         if self._whole else None)
+        self._muon_lr = (
+            torch.tensor(cfg.lr, dtype=torch.float32, device=self._whole[0][0].device) if self._whole else None
+        )
         self.optimizers = [o for o in (self.muon, self.adamw) if o is not None]
         for o in self.optimizers:
             for g in o.param_groups:
@@ -154,7 +158,7 @@ class MuonAdamW:
                 lr = g["base_lr"] * factor
                 if o is self.adamw and self._adamw_lr:
                     self._adamw_lr[i].fill_(lr)
-                    g["lr"] = self._adamw_lr[i]        # the same tensor again after a load_state_dict
+                    g["lr"] = self._adamw_lr[i]  # the same tensor again after a load_state_dict
                 else:
                     g["lr"] = lr
         if self._muon_lr is not None:
@@ -166,8 +170,9 @@ class MuonAdamW:
         state = self.muon.state
         bufs = [state[v].get("momentum_buffer") if v in state else None for v in views]
         stacked = self._stacked_bufs.get(p)
-        if stacked is not None and all(b is not None and b.data_ptr() == stacked[i].data_ptr()
-                                       for i, b in enumerate(bufs)):
+        if stacked is not None and all(
+            b is not None and b.data_ptr() == stacked[i].data_ptr() for i, b in enumerate(bufs)
+        ):
             return stacked
         # first step, or state loaded from a checkpoint as separate tensors: (re)build one stacked buffer
         stacked = torch.stack([torch.zeros_like(v) if b is None else b for b, v in zip(bufs, views)])
@@ -181,11 +186,11 @@ class MuonAdamW:
         if self.cfg.fast:
             self._fast_step()
             return
-        for _, views in self._stacked:         # stepped below, batched: torch's Muon skips grad-less views
+        for _, views in self._stacked:  # stepped below, batched: torch's Muon skips grad-less views
             for v in views:
                 v.grad = None
         sharded = [(p, p.grad) for p in self._sharded if p.grad is not None]
-        for p, _ in sharded:                   # stepped below on whole matrices; torch's Muon skips them
+        for p, _ in sharded:  # stepped below on whole matrices; torch's Muon skips them
             p.grad = None
         for o in self.optimizers:
             o.step()
@@ -195,8 +200,12 @@ class MuonAdamW:
                 sharded_muon_step([p for p, _ in sharded], [g for _, g in sharded], self.muon.state, group)
             for p, views in self._stacked:
                 if p.grad is not None:
-                    stacked_muon_step(p.data.view(-1, *p.shape[-2:]), p.grad.reshape(-1, *p.shape[-2:]),
-                                      self._stacked_buffer(p, views), group)
+                    stacked_muon_step(
+                        p.data.view(-1, *p.shape[-2:]),
+                        p.grad.reshape(-1, *p.shape[-2:]),
+                        self._stacked_buffer(p, views),
+                        group,
+                    )
 
     def _fast_step(self) -> None:
         """`fast=True`: AdamW as configured; every whole Muon weight (plain 2-D matrices and the experts of
@@ -215,30 +224,44 @@ class MuonAdamW:
         key = tuple(id(p) for p, _ in whole)
         if self._plan is None or key != self._plan_key or self._plan_state is not state:
             # first step, another set of gradients, or the state replaced (a load_state_dict)
-            self._plan = MuonPlan([p.data.view(-1, *p.shape[-2:]) for p, _ in whole], [vs for _, vs in whole],
-                                  state, self.muon.param_groups[0], self.cfg.ns_batch_elems)
+            self._plan = MuonPlan(
+                [p.data.view(-1, *p.shape[-2:]) for p, _ in whole],
+                [vs for _, vs in whole],
+                state,
+                self.muon.param_groups[0],
+                self.cfg.ns_batch_elems,
+            )
             self._plan_key, self._plan_state = key, state
         self._plan.step([p.grad.reshape(-1, *p.shape[-2:]) for p, _ in whole], self._muon_lr)
 
     @property
     def implementation(self) -> dict[str, str]:
         """Which implementation each part of the step runs (reported by the benches)."""
-        adamw = ("fused" if self.adamw.defaults.get("fused") else
-                 "foreach" if self.adamw.defaults.get("foreach") else "default")
+        adamw = (
+            "fused"
+            if self.adamw.defaults.get("fused")
+            else "foreach"
+            if self.adamw.defaults.get("foreach")
+            else "default"
+        )
         muon = "batched" if self.cfg.fast else "per-matrix"
         return {"muon": muon + (" + sharded" if self._sharded else ""), "adamw": adamw}
 
     def zero_grad(self) -> None:
         for o in self.optimizers:
             o.zero_grad(set_to_none=True)
-        for p, vs in self._stacked:          # the stacked tensor belongs to no torch optimizer: clear it here
+        for p, vs in self._stacked:  # the stacked tensor belongs to no torch optimizer: clear it here
             p.grad = None
             for v in vs:
                 v.grad = None
 
     def state_dict(self) -> dict:
-        return {"muon": self.muon.state_dict() if self.muon else None, "adamw": self.adamw.state_dict(),
-                "muon_names": self.muon_names, "adamw_names": self.adamw_names}
+        return {
+            "muon": self.muon.state_dict() if self.muon else None,
+            "adamw": self.adamw.state_dict(),
+            "muon_names": self.muon_names,
+            "adamw_names": self.adamw_names,
+        }
 
     def load_state_dict(self, d: dict) -> None:
         if d.get("muon_names") != self.muon_names or d.get("adamw_names") != self.adamw_names:
@@ -246,12 +269,18 @@ class MuonAdamW:
         if self.muon is not None:
             self.muon.load_state_dict(d["muon"])
         self.adamw.load_state_dict(d["adamw"])
-        self._plan = None                          # rebinds the momentum buffers at the next step
+        self._plan = None  # rebinds the momentum buffers at the next step
 
 
 def _make_muon(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True,
-              ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS)
+    kw = dict(
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        momentum=cfg.muon_momentum,
+        nesterov=True,
+        ns_coefficients=NS_COEFFICIENTS,
+        ns_steps=NS_STEPS,
+    )
     try:
         return torch.optim.Muon(params, adjust_lr_fn="match_rms_adamw", **kw)
     except TypeError:  # older torch without adjust_lr_fn: Keller's original scaling
@@ -275,8 +304,9 @@ def _adamw_impl(params: list[torch.Tensor]) -> dict[str, bool]:
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     plain = all(type(p) is torch.Tensor or type(p) is nn.Parameter for p in params)
-    fused_ok = plain and all(p.is_floating_point() and p.device.type in _get_fused_kernels_supported_devices()
-                             for p in params)
+    fused_ok = plain and all(
+        p.is_floating_point() and p.device.type in _get_fused_kernels_supported_devices() for p in params
+    )
     return {"fused": True} if fused_ok else {"foreach": True}
 
 
@@ -299,12 +329,13 @@ def sharded_muon_step(params: list[torch.Tensor], grads: list[torch.Tensor], sta
         if st.get("momentum_buffer") is None:
             st["momentum_buffer"] = torch.zeros_like(g)
         buf = st["momentum_buffer"]
-        buf.to_local().lerp_(g.to_local(), 1 - momentum)                  # elementwise: local rows suffice
+        buf.to_local().lerp_(g.to_local(), 1 - momentum)  # elementwise: local rows suffice
         update = g.lerp(buf, momentum) if group["nesterov"] else buf
         by_shape.setdefault(tuple(p.shape), []).append((p, update.full_tensor()))
     for (rows, cols), items in by_shape.items():
-        ortho = batched_newton_schulz(torch.stack([u for _, u in items]), group["ns_coefficients"],
-                                      group["ns_steps"], group["eps"])
+        ortho = batched_newton_schulz(
+            torch.stack([u for _, u in items]), group["ns_coefficients"], group["ns_steps"], group["eps"]
+        )
         step = adjust_lr(lr, group.get("adjust_lr_fn"), rows, cols)
         for (p, _), u in zip(items, ortho):
             mine = distribute_tensor(u.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
@@ -314,8 +345,9 @@ def sharded_muon_step(params: list[torch.Tensor], grads: list[torch.Tensor], sta
 
 
 # ------------------------------------------------------------------------------------------ schedule
-def lr_factor(step: int, total: int, warmup: int, schedule: str = "cosine", min_ratio: float = 0.1,
-              decay_frac: float = 0.2) -> float:
+def lr_factor(
+    step: int, total: int, warmup: int, schedule: str = "cosine", min_ratio: float = 0.1, decay_frac: float = 0.2
+) -> float:
     """Multiplier of the base lr at optimizer step `step` (1-based).
 
     cosine: linear warmup, then cosine from 1 to min_ratio at `total`.

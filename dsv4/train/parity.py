@@ -43,7 +43,7 @@ def _loss(out, tokens: torch.Tensor, mtp_weight: float = 0.3) -> torch.Tensor:
     v = out.logits.size(-1)
     loss = F.cross_entropy(out.logits[:, :-1].reshape(-1, v), tokens[:, 1:].reshape(-1))
     if out.mtp_logits:
-        m = out.mtp_logits[0]                                                           # predicts t+2
+        m = out.mtp_logits[0]  # predicts t+2
         loss = loss + mtp_weight * F.cross_entropy(m[:, :-1].reshape(-1, v), tokens[:, 2:].reshape(-1))
     for extra in (out.indexer_loss, out.balance_loss):
         if extra is not None:
@@ -65,10 +65,20 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[fl
     return worst
 
 
-def parity_check(preset: str = "tiny", steps: int = 3, batch: int = 4, seq: int = 32, lr: float = 1e-3,
-                 optimizer: str = "adamw", seed: int = 0, device: torch.device | None = None,
-                 prepare: Callable[[nn.Module], None] | None = None, ep: bool = True, qat: bool = True,
-                 spread: bool = False) -> dict:
+def parity_check(
+    preset: str = "tiny",
+    steps: int = 3,
+    batch: int = 4,
+    seq: int = 32,
+    lr: float = 1e-3,
+    optimizer: str = "adamw",
+    seed: int = 0,
+    device: torch.device | None = None,
+    prepare: Callable[[nn.Module], None] | None = None,
+    ep: bool = True,
+    qat: bool = True,
+    spread: bool = False,
+) -> dict:
     """Train a single-process replica and the FSDP2 + expert-parallel model side by side on every rank.
 
     qat=False switches the FP8 / FP4 round trips off: they turn a rounding-sized difference (the order of
@@ -130,16 +140,25 @@ def parity_check(preset: str = "tiny", steps: int = 3, batch: int = 4, seq: int 
     opt_ref, opt_par = make_opt(ref), make_opt(par)
     opt_alt = make_opt(alt) if alt is not None else None
     kw = {"mtp": True, "indexer_loss": True, "balance_alpha": 1e-3}
-    report: dict = {"rank": rank, "world": world, "expert_ranges": ranges, "loss_ref": [], "loss_par": [],
-                    "grad_rel": [], "grad_worst": [], "spread_rel": [], "spread_worst": []}
+    report: dict = {
+        "rank": rank,
+        "world": world,
+        "expert_ranges": ranges,
+        "loss_ref": [],
+        "loss_par": [],
+        "grad_rel": [],
+        "grad_worst": [],
+        "spread_rel": [],
+        "spread_worst": [],
+    }
     for step in range(steps):
         tokens = data[step]
-        local = tokens[rank * per:(rank + 1) * per]
+        local = tokens[rank * per : (rank + 1) * per]
         ref.train(), par.train()
         out_ref = ref(tokens, **kw)
         out_par = par(local, **kw)
         if step == 0:
-            report["forward_rel"] = _rel(out_par.logits, out_ref.logits[rank * per:(rank + 1) * per])
+            report["forward_rel"] = _rel(out_par.logits, out_ref.logits[rank * per : (rank + 1) * per])
         loss_ref, loss_par = _loss(out_ref, tokens), _loss(out_par, local)
         loss_ref.backward()
         loss_par.backward()
@@ -156,20 +175,22 @@ def parity_check(preset: str = "tiny", steps: int = 3, batch: int = 4, seq: int 
         if alt is not None:
             alt.train()
             loss_alt = 0.0
-            for r in range(world):                          # the ranks' slices, one after the other
-                part = tokens[r * per:(r + 1) * per]
+            for r in range(world):  # the ranks' slices, one after the other
+                part = tokens[r * per : (r + 1) * per]
                 mb = _loss(alt(part, **kw), part) / world
                 mb.backward()
                 loss_alt += float(mb.detach())
-            report["loss_spread"] = max(report.get("loss_spread", 0.0),
-                                        abs(loss_alt - report["loss_ref"][-1]) / abs(report["loss_ref"][-1]))
+            report["loss_spread"] = max(
+                report.get("loss_spread", 0.0), abs(loss_alt - report["loss_ref"][-1]) / abs(report["loss_ref"][-1])
+            )
             rel, name = _max_rel({n: p.grad for n, p in alt.named_parameters() if p.grad is not None}, ref_grads)
             report["spread_rel"].append(rel)
             report["spread_worst"].append(name)
             opt_alt.step()
             opt_alt.zero_grad(set_to_none=True)
-        report["grad_norm_ref"] = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()
-                                                                       if p.grad is not None]))
+        report["grad_norm_ref"] = float(
+            torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None])
+        )
         report["grad_norm_par"] = float(grad_norm(par))
         opt_ref.step(), opt_par.step()
         opt_ref.zero_grad(set_to_none=True), opt_par.zero_grad(set_to_none=True)
@@ -180,9 +201,14 @@ def parity_check(preset: str = "tiny", steps: int = 3, batch: int = 4, seq: int 
     return report
 
 
-def inference_check(preset: str = "tiny", seed: int = 0, prompt_len: int = 24, new_tokens: int = 4,
-                    modes: tuple[str, ...] = ("all_reduce", "all_to_all"),
-                    device: torch.device | None = None) -> dict:
+def inference_check(
+    preset: str = "tiny",
+    seed: int = 0,
+    prompt_len: int = 24,
+    new_tokens: int = 4,
+    modes: tuple[str, ...] = ("all_reduce", "all_to_all"),
+    device: torch.device | None = None,
+) -> dict:
     """Logits of a fixed prompt set from expert-split models vs a full replica (full forward, prefill and
     every greedy decode step) and `generate`'s greedy continuations. Every rank holds the same prompts.
     Returns {mode: {"forward_rel", "decode_rel", "greedy_equal", "expert_ranges"}}."""
@@ -197,9 +223,9 @@ def inference_check(preset: str = "tiny", seed: int = 0, prompt_len: int = 24, n
 
     @torch.no_grad()
     def run(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor], list[list[int]]]:
-        full = model(prompts).logits                                                    # [b, s, V]
+        full = model(prompts).logits  # [b, s, V]
         cache = model.new_cache(prompts.size(0), max_len=prompt_len + new_tokens)
-        steps = [model.prefill(prompts, cache)]                                         # [b, 1, V] each
+        steps = [model.prefill(prompts, cache)]  # [b, 1, V] each
         for _ in range(new_tokens - 1):
             steps.append(model.decode_step(steps[-1][:, -1].argmax(-1, keepdim=True), cache))
         # eager decode: the all-to-all exchange reads its split sizes on the host, so it cannot be captured
@@ -215,11 +241,14 @@ def inference_check(preset: str = "tiny", seed: int = 0, prompt_len: int = 24, n
         if is_distributed():
             shard_experts(par, dist.new_group(list(range(dist.get_world_size()))), mode=mode)
         f_par, s_par, g_par = run(par)
-        report[mode] = {"forward_rel": _rel(f_par, f_ref),
-                        "decode_rel": max(_rel(a, b) for a, b in zip(s_par, s_ref)),
-                        "greedy_equal": g_par == g_ref,
-                        "expert_ranges": [(int(m.experts.offset), int(m.experts.offset + m.experts.w1.size(0)))
-                                          for m in moe_layers(par)]}
+        report[mode] = {
+            "forward_rel": _rel(f_par, f_ref),
+            "decode_rel": max(_rel(a, b) for a, b in zip(s_par, s_ref)),
+            "greedy_equal": g_par == g_ref,
+            "expert_ranges": [
+                (int(m.experts.offset), int(m.experts.offset + m.experts.w1.size(0))) for m in moe_layers(par)
+            ],
+        }
     return report
 
 
@@ -260,16 +289,31 @@ def _selftest(args: argparse.Namespace) -> dict:
     qat = args.qat == "on"
     torch.manual_seed(0)
     try:
-        train = parity_check(args.preset, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
-                             optimizer=args.optimizer, device=dev, qat=qat, spread=True)
+        train = parity_check(
+            args.preset,
+            steps=args.steps,
+            batch=args.batch,
+            seq=args.seq,
+            lr=args.lr,
+            optimizer=args.optimizer,
+            device=dev,
+            qat=qat,
+            spread=True,
+        )
         say("inference parity")
         infer = inference_check(args.preset, device=dev)
     finally:
         teardown_distributed()
     exact = (dev.type == "cpu" or args.deterministic) and not qat
     mode = "tight" if exact else "spread"
-    return {"mode": mode, "device": dev.type, "deterministic": bool(args.deterministic), "qat": qat,
-            "train": train, "inference": infer}
+    return {
+        "mode": mode,
+        "device": dev.type,
+        "deterministic": bool(args.deterministic),
+        "qat": qat,
+        "train": train,
+        "inference": infer,
+    }
 
 
 def _allowed(res: dict, tol: float) -> dict:
@@ -297,12 +341,14 @@ def _selftest_ok(res: dict, tol: float) -> bool:
     infer = list(res["inference"].values())
     ranges = train["expert_ranges"] + [r for m in infer for r in m["expert_ranges"]]
     n_local = ranges[0][1] - ranges[0][0]
-    ranges_ok = all(tuple(r) == (rank * n_local, (rank + 1) * n_local) for r in ranges)     # docs/bugzoo.md Z08
+    ranges_ok = all(tuple(r) == (rank * n_local, (rank + 1) * n_local) for r in ranges)  # docs/bugzoo.md Z08
     allowed = _allowed(res, tol)
     res["allowed"] = allowed
-    train_ok = (all(g < a for g, a in zip(train["grad_rel"], allowed["grad_rel"]))
-                and train["param_rel"] < allowed["param_rel"]
-                and max(train["loss_rel"], train["forward_rel"]) < allowed["loss_rel"])
+    train_ok = (
+        all(g < a for g, a in zip(train["grad_rel"], allowed["grad_rel"]))
+        and train["param_rel"] < allowed["param_rel"]
+        and max(train["loss_rel"], train["forward_rel"]) < allowed["loss_rel"]
+    )
     infer_ok = all(max(m["forward_rel"], m["decode_rel"]) < tol and m["greedy_equal"] for m in infer)
     return ranges_ok and train_ok and infer_ok
 
@@ -310,18 +356,21 @@ def _selftest_ok(res: dict, tol: float) -> bool:
 def _summary(res: dict, ok: bool) -> str:
     """One line for a log: mode, worst differences, the spread and what was allowed."""
     t, a = res["train"], res.get("allowed", {})
-    fmt = lambda xs: "[" + ", ".join(f"{x:.2e}" for x in xs) + "]"         # noqa: E731
-    return (f"selftest {'ok' if ok else 'FAILED'} mode={res.get('mode')} device={res.get('device')} "
-            f"deterministic={res.get('deterministic')} qat={res.get('qat')} "
-            f"loss_rel={t['loss_rel']:.2e} forward_rel={t['forward_rel']:.2e} grad_rel={fmt(t['grad_rel'])} "
-            f"allowed={fmt(a.get('grad_rel', []))} spread={fmt(t.get('spread_rel', []))} "
-            f"param_rel={t['param_rel']:.2e} param_spread={t.get('param_spread', 0.0):.2e} "
-            f"worst={t['grad_worst']}")
+    fmt = lambda xs: "[" + ", ".join(f"{x:.2e}" for x in xs) + "]"  # noqa: E731
+    return (
+        f"selftest {'ok' if ok else 'FAILED'} mode={res.get('mode')} device={res.get('device')} "
+        f"deterministic={res.get('deterministic')} qat={res.get('qat')} "
+        f"loss_rel={t['loss_rel']:.2e} forward_rel={t['forward_rel']:.2e} grad_rel={fmt(t['grad_rel'])} "
+        f"allowed={fmt(a.get('grad_rel', []))} spread={fmt(t.get('spread_rel', []))} "
+        f"param_rel={t['param_rel']:.2e} param_spread={t.get('param_spread', 0.0):.2e} "
+        f"worst={t['grad_worst']}"
+    )
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     res = _selftest(args)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -329,10 +378,12 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dsv4.train.distributed",
-                                description="FSDP2 + expert-parallel parity self-test against a "
-                                            "single-process replica. Under torchrun it uses the launched "
-                                            "ranks; otherwise it spawns --nproc gloo processes on the CPU.")
+    p = argparse.ArgumentParser(
+        prog="python -m dsv4.train.distributed",
+        description="FSDP2 + expert-parallel parity self-test against a "
+        "single-process replica. Under torchrun it uses the launched "
+        "ranks; otherwise it spawns --nproc gloo processes on the CPU.",
+    )
     p.add_argument("--selftest", action="store_true", required=True)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--steps", type=int, default=3)
@@ -342,16 +393,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--nproc", type=int, default=2, help="processes to spawn when not under torchrun")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="deterministic kernels (no atomics): judged by --tol alone; without it a GPU run "
-                        "is judged against the single-device spread as well")
-    p.add_argument("--qat", choices=("on", "off"), default="off",
-                   help="FP8 / FP4 round trips in the parity run (default off: they turn a rounding-sized "
-                        "difference into a whole quantization step; 'on' is judged against the spread)")
-    p.add_argument("--tol", type=float, default=1e-4,
-                   help="max relative difference allowed in losses, logits and final parameters (and "
-                        "first-step gradients; later steps get 100x: near-zero gradients carry rounding "
-                        "noise)")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels (no atomics): judged by --tol alone; without it a GPU run "
+        "is judged against the single-device spread as well",
+    )
+    p.add_argument(
+        "--qat",
+        choices=("on", "off"),
+        default="off",
+        help="FP8 / FP4 round trips in the parity run (default off: they turn a rounding-sized "
+        "difference into a whole quantization step; 'on' is judged against the spread)",
+    )
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=1e-4,
+        help="max relative difference allowed in losses, logits and final parameters (and "
+        "first-step gradients; later steps get 100x: near-zero gradients carry rounding "
+        "noise)",
+    )
     args = p.parse_args(argv)
 
     if "WORLD_SIZE" in os.environ:

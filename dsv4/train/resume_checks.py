@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-_MAX_STEP = 2**53                 # steps, epochs, window counts: far past any run, exact in a JSON double
+_MAX_STEP = 2**53  # steps, epochs, window counts: far past any run, exact in a JSON double
 
 
 def _int(lo: int = 0, hi: int = _MAX_STEP) -> Callable[[object], str | None]:
@@ -25,6 +25,7 @@ def _int(lo: int = 0, hi: int = _MAX_STEP) -> Callable[[object], str | None]:
         if not lo <= v <= hi:
             return f"must be in [{lo}, {hi}], got {v}"
         return None
+
     return check
 
 
@@ -50,7 +51,11 @@ STATE_SCHEMA: dict[str, Callable[[object], str | None]] = {
     "history": _history,
 }
 LOADER_SCHEMA: dict[str, Callable[[object], str | None]] = {
-    "epoch": _int(), "index": _int(), "seed": _int(0, 2**64), "n_windows": _int(1), "seq_len": _int(1),
+    "epoch": _int(),
+    "index": _int(),
+    "seed": _int(0, 2**64),
+    "n_windows": _int(1),
+    "seq_len": _int(1),
     "batch_size": _int(1),
 }
 

@@ -18,17 +18,17 @@ from ..errors import UserError
 class TrainConfig:
     # model
     preset: str = "tiny"
-    model: dict[str, Any] = field(default_factory=dict)   # ModelConfig field overrides
-    model_config: str | None = None                        # a config.json instead of a preset
-    init_from: str | None = None                           # continue-train a checkpoint directory or Hub id
-    no_mtp: bool = False                                   # with init_from: leave the checkpoint's MTP block out
-    draft: str | None = None                               # "none" | "mtp" | "dspark": replace the model's draft
-    freeze_main: bool = False                              # train the draft only (the main model stays as loaded)
+    model: dict[str, Any] = field(default_factory=dict)  # ModelConfig field overrides
+    model_config: str | None = None  # a config.json instead of a preset
+    init_from: str | None = None  # continue-train a checkpoint directory or Hub id
+    no_mtp: bool = False  # with init_from: leave the checkpoint's MTP block out
+    draft: str | None = None  # "none" | "mtp" | "dspark": replace the model's draft
+    freeze_main: bool = False  # train the draft only (the main model stays as loaded)
     # data
-    data: list[str] = field(default_factory=list)          # files/dirs; empty = the Python stdlib
-    tokenizer: str | None = None                           # tokenizer.json (or its dir); None = train one
-    tokenizer_docs: int | None = None                      # documents sampled to train the tokenizer
-    max_docs: int | None = None                            # documents used (an even spread; 0 = all)
+    data: list[str] = field(default_factory=list)  # files/dirs; empty = the Python stdlib
+    tokenizer: str | None = None  # tokenizer.json (or its dir); None = train one
+    tokenizer_docs: int | None = None  # documents sampled to train the tokenizer
+    max_docs: int | None = None  # documents used (an even spread; 0 = all)
     held_out_pct: float = 2.0
     seq_len: int | None = None
     batch_size: int | None = None
@@ -38,30 +38,30 @@ class TrainConfig:
     lr: float | None = None
     min_lr_ratio: float = 0.1
     warmup: int | None = None
-    schedule: str = "cosine"                               # cosine | wsd | constant
+    schedule: str = "cosine"  # cosine | wsd | constant
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     muon_momentum: float = 0.95
     # losses
-    mtp_weight: float = 0.3                                # the draft's loss weight (MTP block or DSpark draft)
-    dspark_anchors: int = 16                               # DSpark blocks drawn per training sequence
-    dspark_ce_alpha: float = 0.1                           # DSpark loss terms (dsv4.train.dspark_loss)
+    mtp_weight: float = 0.3  # the draft's loss weight (MTP block or DSpark draft)
+    dspark_anchors: int = 16  # DSpark blocks drawn per training sequence
+    dspark_ce_alpha: float = 0.1  # DSpark loss terms (dsv4.train.dspark_loss)
     dspark_l1_alpha: float = 0.9
     dspark_confidence_alpha: float = 1.0
     dspark_gamma: float = 4.0
     indexer_weight: float = 1.0
-    balance_alpha: float = 1e-4                            # sequence-wise balance loss (0 = off)
-    bias_gamma: float = 1e-3                               # aux-loss-free bias update speed (0 = off)
+    balance_alpha: float = 1e-4  # sequence-wise balance loss (0 = off)
+    bias_gamma: float = 1e-3  # aux-loss-free bias update speed (0 = off)
     # precision / speed
-    precision: str = "auto"                                # auto | bf16 | fp32
-    fp8_kv_sim: bool | None = None                         # None = as in the model config
+    precision: str = "auto"  # auto | bf16 | fp32
+    fp8_kv_sim: bool | None = None  # None = as in the model config
     fp4_indexer_sim: bool | None = None
-    fp4_experts: bool = False                              # FP4 fake-quant of routed experts (STE)
+    fp4_experts: bool = False  # FP4 fake-quant of routed experts (STE)
     activation_checkpointing: bool = False
     compile: bool = False
-    cuda_graph: bool = False                               # forward + backward replayed from a CUDA graph
+    cuda_graph: bool = False  # forward + backward replayed from a CUDA graph
     deterministic: bool = False
-    backend: str | None = None                             # ops backend for every op (None = default)
+    backend: str | None = None  # ops backend for every op (None = default)
     device: str = "auto"
     expert_parallel: bool = True
     # bookkeeping
@@ -72,15 +72,15 @@ class TrainConfig:
     save_every: int = 0
     keep_checkpoints: int = 2
     out: str = "runs/train"
-    resume: str | None = None                              # a checkpoint dir / run dir, or "auto"
-    export: str | None = None                              # write an inference checkpoint here at the end
+    resume: str | None = None  # a checkpoint dir / run dir, or "auto"
+    export: str | None = None  # write an inference checkpoint here at the end
     sample_prompt: str = "import os\n\ndef "
     peak_tflops: float | None = None
-    time_budget_s: float = 0.0                             # >0: cut `steps` so training fits this wall time
-    threads: int = 0                                       # CPU threads for torch (0 = torch's default)
+    time_budget_s: float = 0.0  # >0: cut `steps` so training fits this wall time
+    threads: int = 0  # CPU threads for torch (0 = torch's default)
     progress: bool = True
-    skip_nonfinite: bool = False                           # skip a step whose loss or gradients are NaN/Inf
-                                                           # (default: stop the run with exit 1 naming it)
+    skip_nonfinite: bool = False  # skip a step whose loss or gradients are NaN/Inf
+    # (default: stop the run with exit 1 naming it)
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
@@ -90,11 +90,12 @@ class TrainConfig:
         path = Path(path)
         if not os.path.lexists(path):
             raise UserError(f"{path}: no such training config file")
-        data = read_bytes(path, MAX_TEXT_BYTES, f"--config {path}")     # a FIFO or device: refused, not read
+        data = read_bytes(path, MAX_TEXT_BYTES, f"--config {path}")  # a FIFO or device: refused, not read
         try:
             text = data.decode("utf-8")
             if path.suffix == ".toml":
                 import tomllib
+
                 raw = tomllib.loads(text)
             else:
                 raw = json.loads(text)
@@ -130,8 +131,26 @@ class TrainConfig:
 # bare `dsv4 train --preset tiny` (tokenizer, data, training, evaluation) ends within about two minutes
 # on two cores with a clear drop of the held-out loss.
 STANDARD_DEFAULTS: dict[str, Any] = dict(
-    tokenizer_docs=300, max_docs=500, seq_len=256, batch_size=8, steps=200, lr=3e-3, warmup=20,
-    eval_every=50, eval_windows=32, diag_every=1)
+    tokenizer_docs=300,
+    max_docs=500,
+    seq_len=256,
+    batch_size=8,
+    steps=200,
+    lr=3e-3,
+    warmup=20,
+    eval_every=50,
+    eval_windows=32,
+    diag_every=1,
+)
 QUICK_CPU_DEFAULTS: dict[str, Any] = dict(
-    tokenizer_docs=100, max_docs=150, seq_len=128, batch_size=4, steps=40, lr=5e-3, warmup=4,
-    eval_every=20, eval_windows=8, diag_every=10)
+    tokenizer_docs=100,
+    max_docs=150,
+    seq_len=128,
+    batch_size=4,
+    steps=40,
+    lr=5e-3,
+    warmup=4,
+    eval_every=20,
+    eval_windows=8,
+    diag_every=10,
+)

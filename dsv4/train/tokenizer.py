@@ -42,8 +42,12 @@ class Tokenizer:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[BOS, EOS],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=[BOS, EOS],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
         tok.train_from_iterator(texts, trainer=trainer)
         return cls(tok)
 
@@ -55,8 +59,10 @@ class Tokenizer:
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.exists():
-            raise UserError(f"{file}: no tokenizer.json here; train one with `dsv4 train` or point to a "
-                            "checkpoint directory that has one")
+            raise UserError(
+                f"{file}: no tokenizer.json here; train one with `dsv4 train` or point to a "
+                "checkpoint directory that has one"
+            )
         from ..safe_paths import contained, read_text
 
         if path.is_dir():
@@ -82,9 +88,20 @@ class Tokenizer:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self.tok.save(str(d / "tokenizer.json"))
-        (d / "tokenizer_config.json").write_text(json.dumps(
-            {"bos_token": self.bos_token, "eos_token": self.eos_token, "tokenizer_class": "PreTrainedTokenizerFast",
-             "add_bos_token": True, "add_eos_token": False}, indent=2, ensure_ascii=False) + "\n")
+        (d / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "bos_token": self.bos_token,
+                    "eos_token": self.eos_token,
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "add_bos_token": True,
+                    "add_eos_token": False,
+                },
+                indent=2,
+                ensure_ascii=False,
+            )
+            + "\n"
+        )
         return d / "tokenizer.json"
 
     # ------------------------------------------------------------------ use
@@ -134,15 +151,18 @@ class Tokenizer:
             text = self.decode(seen)
             if text.endswith("\ufffd"):
                 continue
-            yield text[len(printed):]
+            yield text[len(printed) :]
             printed = text
 
 
 def _byte_alphabet() -> dict[int, str]:
     """Byte-level BPE's printable stand-in of each byte: printable Latin-1 bytes stand for themselves, the
     others (controls, space, soft hyphen, ...) are the characters from U+0100 on, in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
     out = {b: chr(b) for b in keep}
     extra = 0
     for b in range(256):

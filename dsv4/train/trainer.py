@@ -58,10 +58,15 @@ def compile_blocks(model: torch.nn.Module, device: torch.device, backend: str = 
 
     import torch._dynamo
 
-    if backend == "inductor" and device.type == "cpu" and not (
-            os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
-        raise UserError("--compile on a CPU needs a C++ compiler for inductor (g++ not found): install one, "
-                        "set CXX, or train without --compile")
+    if (
+        backend == "inductor"
+        and device.type == "cpu"
+        and not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++"))
+    ):
+        raise UserError(
+            "--compile on a CPU needs a C++ compiler for inductor (g++ not found): install one, "
+            "set CXX, or train without --compile"
+        )
     blocks = [*model.layers, *model.mtp]
     # all blocks share one code object, so each block is a separately guarded variant (and the rope
     # cache's first fill adds one more): allow that many before dynamo falls back to eager
@@ -76,9 +81,9 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, log=print):
         self.cfg = cfg
         self.log = log
-        if cfg.device != "auto":                                  # one line, not a traceback, for a bad device
+        if cfg.device != "auto":  # one line, not a traceback, for a bad device
             resolve_device(cfg.device)
-        if cfg.export and os.path.lexists(cfg.export):           # refused now, not after the whole run
+        if cfg.export and os.path.lexists(cfg.export):  # refused now, not after the whole run
             raise UserError(f"--export {cfg.export}: already exists; choose a new destination")
         self.dist = _distributed_module()
         self.rank, self.world = 0, 1
@@ -86,16 +91,23 @@ class Trainer:
             dev = None if cfg.device == "auto" else cfg.device
             self.rank, self.world, _ = self.dist.setup_distributed(device=dev)
         self.device = self._pick_device()
-        self.cfg = cfg = cfg.resolved(self.device.type)          # defaults that depend on preset and device
+        self.cfg = cfg = cfg.resolved(self.device.type)  # defaults that depend on preset and device
         self._graph = None
-        self._gnorm_in: torch.Tensor | None = None                # the norm the update clips by (_update)
+        self._gnorm_in: torch.Tensor | None = None  # the norm the update clips by (_update)
         if cfg.draft not in (None, "none", "mtp", "dspark"):
             raise UserError(f"--draft must be none, mtp or dspark, got {cfg.draft!r}")
-        if cfg.cuda_graph:                                        # refused before any data or model work
-            why = ("it needs a CUDA device" if self.device.type != "cuda" else
-                   "it does not train a DSpark draft (its anchors are drawn per step)" if cfg.draft == "dspark" else
-                   "it runs one process (use it without torchrun)" if self.world > 1 else
-                   "it does not combine with --compile" if cfg.compile else None)
+        if cfg.cuda_graph:  # refused before any data or model work
+            why = (
+                "it needs a CUDA device"
+                if self.device.type != "cuda"
+                else "it does not train a DSpark draft (its anchors are drawn per step)"
+                if cfg.draft == "dspark"
+                else "it runs one process (use it without torchrun)"
+                if self.world > 1
+                else "it does not combine with --compile"
+                if cfg.compile
+                else None
+            )
             if why:
                 raise UserError(f"--cuda-graph: {why}")
         from ..defaults import set_threads
@@ -104,23 +116,25 @@ class Trainer:
         self.out = Path(cfg.out)
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-        if cfg.deterministic:                                     # before any compilation
+        if cfg.deterministic:  # before any compilation
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             ops.set_deterministic(True)
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.seed)
-        if cfg.init_from:                                         # a Hub id becomes its cache snapshot
+        if cfg.init_from:  # a Hub id becomes its cache snapshot
             from ..checkpoint.hub import resolve_model_path
 
             self.cfg = cfg = dataclasses.replace(cfg, init_from=str(resolve_model_path(cfg.init_from)))
         self._build_data()
         self._build_model()
-        self.opt = MuonAdamW(self.model, OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                                     muon_momentum=cfg.muon_momentum))
+        self.opt = MuonAdamW(
+            self.model, OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, muon_momentum=cfg.muon_momentum)
+        )
         self.step = 0
         self.history: list[dict] = []
-        self.jsonl = metrics.JsonlLog(self.out / "metrics.jsonl" if self.rank == 0 else None,
-                                      append=cfg.resume is not None)
+        self.jsonl = metrics.JsonlLog(
+            self.out / "metrics.jsonl" if self.rank == 0 else None, append=cfg.resume is not None
+        )
         if cfg.resume:
             self._resume(cfg.resume)
             dropped = self.jsonl.truncate_after(self.step)
@@ -182,7 +196,7 @@ class Trainer:
             tok = Tokenizer.from_file(c.tokenizer)
         elif c.init_from and (Path(c.init_from) / "tokenizer.json").exists():
             tok = Tokenizer.from_file(c.init_from)
-        elif self.rank > 0:                     # rank 0 trains the tokenizer; the others read its file
+        elif self.rank > 0:  # rank 0 trains the tokenizer; the others read its file
             self._barrier()
             tok = Tokenizer.from_file(self.out / "tokenizer")
         else:
@@ -201,14 +215,13 @@ class Trainer:
         self.mcfg = self.mcfg.replace(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
         self.mcfg.validate()
         cache = c.cache_dir or str(self.out / "cache")
-        if self.rank > 0:                       # rank 0 tokenizes into the cache first; the others read it
+        if self.rank > 0:  # rank 0 tokenizes into the cache first; the others read it
             self._barrier()
         train, held = data.tokenize_corpus(tok, docs, c.held_out_pct, cache)
         if self.rank == 0 and self.world > 1:
             self._barrier()
         self.log(f"data: {data.corpus_summary(docs, train, held)}")
-        self.loader = data.PackedLoader(train, c.seq_len, c.batch_size, seed=c.seed, rank=self.rank,
-                                        world=self.world)
+        self.loader = data.PackedLoader(train, c.seq_len, c.batch_size, seed=c.seed, rank=self.rank, world=self.world)
         self.eval_tokens = data.eval_windows(held, c.seq_len, c.eval_windows)
 
     def _build_model(self) -> None:
@@ -220,11 +233,13 @@ class Trainer:
 
             # built from the run's config (overrides and QAT switches applied before the build)
             if c.draft is None or c.draft == self.init_draft:
-                model = load_pretrained(c.init_from, dtype=torch.float32, device=self.device, config=self.mcfg,
-                                        mtp=not c.no_mtp)
-            else:                           # a new draft for the checkpoint's main model: random, then trained
-                main = load_pretrained(c.init_from, dtype=torch.float32, device=self.device, mtp=False,
-                                       quant_mode="w8a16")
+                model = load_pretrained(
+                    c.init_from, dtype=torch.float32, device=self.device, config=self.mcfg, mtp=not c.no_mtp
+                )
+            else:  # a new draft for the checkpoint's main model: random, then trained
+                main = load_pretrained(
+                    c.init_from, dtype=torch.float32, device=self.device, mtp=False, quant_mode="w8a16"
+                )
                 model = DeepSeekV4.from_config(self.mcfg, seed=c.seed, dtype=torch.float32, device=self.device)
                 missing = model.load_state_dict(main.state_dict(), strict=False).missing_keys
                 assert all(k.startswith("mtp.") for k in missing), missing
@@ -233,13 +248,17 @@ class Trainer:
             model = DeepSeekV4.from_config(self.mcfg, seed=c.seed, dtype=torch.float32, device=self.device)
         if c.freeze_main:
             if not self.mcfg.n_mtp_layers:
-                raise UserError("--freeze-main trains the draft alone, and this model has none (--draft mtp or "
-                                "--draft dspark adds one)")
+                raise UserError(
+                    "--freeze-main trains the draft alone, and this model has none (--draft mtp or "
+                    "--draft dspark adds one)"
+                )
             for name, p in model.named_parameters():
                 p.requires_grad_(name.startswith("mtp."))
         if self.mcfg.dspark and self.dist is not None:
-            raise UserError("a DSpark draft trains in one process for now (its blocks run outside the sharded "
-                            "forward): run without torchrun")
+            raise UserError(
+                "a DSpark draft trains in one process for now (its blocks run outside the sharded "
+                "forward): run without torchrun"
+            )
         model.train()
         model.set_options(fp4_fake_quant=c.fp4_experts, activation_checkpointing=c.activation_checkpointing)
         if self.dist is not None:
@@ -284,8 +303,8 @@ class Trainer:
                 parts = self._losses(tokens)
             parts.total.backward()
         max_norm = c.grad_clip if c.grad_clip > 0 else math.inf
-        gnorm_t = self._grad_norm()                                 # on the device; clipping waits for it
-        if self.dist is not None:                                   # global loads: identical bias on every rank
+        gnorm_t = self._grad_norm()  # on the device; clipping waits for it
+        if self.dist is not None:  # global loads: identical bias on every rank
             self.dist.all_reduce_expert_load(m)
         # the step's one device -> host read: grad norm, loss parts (mean over ranks), expert-load ratios
         floats = parts.tensors()
@@ -297,15 +316,15 @@ class Trainer:
         ratios = balance.load_ratio_tensor(m)
         host = clipping.read_host(gnorm_t, vec, ratios)
         gnorm = host[0]
-        losses_row = dict(zip(names, host[1:1 + len(names)]))
-        load_ratios = [round(v, 3) for v in host[1 + len(names):]]
+        losses_row = dict(zip(names, host[1 : 1 + len(names)]))
+        load_ratios = [round(v, 3) for v in host[1 + len(names) :]]
         # A finite norm means every gradient element is finite; only a non-finite norm needs the count (a
         # float overflow of the squares can make the norm inf with finite elements: then the count is 0 and
         # the step goes ahead with clipped gradients, as before).
         nonfinite = 0 if math.isfinite(gnorm) else self._count_nonfinite()
         bad_loss = not all(math.isfinite(v) for v in losses_row.values())
         row: dict[str, Any] = {}
-        if self._diag_now():                                        # scale-free: read before clipping
+        if self._diag_now():  # scale-free: read before clipping
             row["muon_ortho_err"] = self._muon_error()
         lr = self.opt.set_lr_factor(lr_factor(self.step + 1, c.steps, c.warmup, c.schedule, c.min_lr_ratio))
         if nonfinite == 0 and not bad_loss:
@@ -313,8 +332,14 @@ class Trainer:
         self.opt.zero_grad()
         self.step += 1
         row.update(losses_row)
-        row.update(step=self.step, grad_norm=gnorm, lr=lr, nonfinite=nonfinite, skipped=nonfinite > 0 or bad_loss,
-                   expert_load_max_min=load_ratios)
+        row.update(
+            step=self.step,
+            grad_norm=gnorm,
+            lr=lr,
+            nonfinite=nonfinite,
+            skipped=nonfinite > 0 or bad_loss,
+            expert_load_max_min=load_ratios,
+        )
         if self._diag_now(before=False):
             row["mhc_violation"] = self._mhc(tokens)
         return row
@@ -363,7 +388,7 @@ class Trainer:
         if self.mcfg.dspark:
             return self._dspark_losses(tokens)
         want_mtp = c.mtp_weight > 0 and self.mcfg.n_mtp_layers > 0
-        if c.freeze_main:                   # the MTP block alone: its loss is the objective (the main
+        if c.freeze_main:  # the MTP block alone: its loss is the objective (the main
             out = self.model(tokens, mtp=True)  # model's parameters take no gradient)
             parts = total_loss(out, tokens, 1.0, 0.0)
             return LossParts(parts.mtp, parts.lm.detach(), parts.mtp)
@@ -376,17 +401,34 @@ class Trainer:
         c = self.cfg
         frozen = c.freeze_main
         with torch.no_grad() if frozen else contextlib.nullcontext():
-            out = self.model(tokens, taps=True, indexer_loss=c.indexer_weight > 0 and not frozen,
-                             balance_alpha=0.0 if frozen else c.balance_alpha)
+            out = self.model(
+                tokens,
+                taps=True,
+                indexer_loss=c.indexer_weight > 0 and not frozen,
+                balance_alpha=0.0 if frozen else c.balance_alpha,
+            )
         gen = torch.Generator().manual_seed(c.seed * 1_000_003 + self.step * 7919 + self.rank)
         anchors = sample_anchors(tokens.size(0), tokens.size(1), c.dspark_anchors, gen, tokens.device)
-        d = dspark_loss(self.model, tokens, out.taps, out.logits, anchors,
-                        DSparkLossConfig(c.dspark_anchors, c.dspark_ce_alpha, c.dspark_l1_alpha,
-                                         c.dspark_confidence_alpha, c.dspark_gamma))
+        d = dspark_loss(
+            self.model,
+            tokens,
+            out.taps,
+            out.logits,
+            anchors,
+            DSparkLossConfig(
+                c.dspark_anchors, c.dspark_ce_alpha, c.dspark_l1_alpha, c.dspark_confidence_alpha, c.dspark_gamma
+            ),
+        )
         main = total_loss(out, tokens, 0.0, c.indexer_weight)
         total = d.total if frozen else main.total + c.mtp_weight * d.total
-        return LossParts(total, main.lm.detach() if frozen else main.lm, indexer=main.indexer,
-                         balance=main.balance, dspark=d.total.detach(), dspark_tau=d.tau)
+        return LossParts(
+            total,
+            main.lm.detach() if frozen else main.lm,
+            indexer=main.indexer,
+            balance=main.balance,
+            dspark=d.total.detach(),
+            dspark_tau=d.tau,
+        )
 
     def _graphed_forward_backward(self, tokens: torch.Tensor) -> LossParts:
         """`--cuda-graph`: forward, losses and backward replayed from one graph captured at the first call.
@@ -395,20 +437,20 @@ class Trainer:
         load buffer after each replay (`MoE.set_load`; an eager forward in between, e.g. the held-out
         evaluation, measures its own), so the bias update reads this step's loads."""
         moes = [mod for mod in self.model.modules() if hasattr(mod, "gate") and hasattr(mod, "load")]
-        names = ("lm", "mtp", "indexer", "balance")                # LossParts besides the total
+        names = ("lm", "mtp", "indexer", "balance")  # LossParts besides the total
         if self._graph is None:
             from .graphed import GraphedBackward
 
             def loss_fn(batch: torch.Tensor) -> dict[str, torch.Tensor]:
                 parts = self._losses(batch)
-                out = {"loss": parts.total, **{n: getattr(parts, n) for n in names
-                                              if getattr(parts, n) is not None}}
+                out = {"loss": parts.total, **{n: getattr(parts, n) for n in names if getattr(parts, n) is not None}}
                 out.update({f"load.{i}": mod.load for i, mod in enumerate(moes) if mod.load is not None})
                 return out
 
             with self._backend():
-                self._graph = GraphedBackward(self.model, loss_fn, tokens,
-                                              torch.bfloat16 if self.precision == "bf16" else None)
+                self._graph = GraphedBackward(
+                    self.model, loss_fn, tokens, torch.bfloat16 if self.precision == "bf16" else None
+                )
         out = self._graph.run(tokens)
         for i, mod in enumerate(moes):
             mod.set_load(out.get(f"load.{i}", mod.load))
@@ -445,11 +487,12 @@ class Trainer:
         total, n = 0.0, 0
         try:
             for i in range(0, self.eval_tokens.size(0), self.cfg.batch_size):
-                x = self.eval_tokens[i:i + self.cfg.batch_size].to(self.device)
+                x = self.eval_tokens[i : i + self.cfg.batch_size].to(self.device)
                 with self._backend(), self._autocast():
                     logits = m(x).logits
-                loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
-                                       x[:, 1:].reshape(-1), reduction="sum")
+                loss = F.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.size(-1)).float(), x[:, 1:].reshape(-1), reduction="sum"
+                )
                 total += float(loss)
                 n += x[:, 1:].numel()
         finally:
@@ -467,14 +510,18 @@ class Trainer:
             optim_tensors = checkpoint.optimizer_tensors(self.opt, self.model)
         if self.rank != 0:
             return None
-        state = {"step": self.step, "loader": self.loader.state_dict(), "train_config": self.cfg.to_dict(),
-                 "model_config": self.mcfg.to_dict(), "history": self.history[-1000:]}
+        state = {
+            "step": self.step,
+            "loader": self.loader.state_dict(),
+            "train_config": self.cfg.to_dict(),
+            "model_config": self.mcfg.to_dict(),
+            "history": self.history[-1000:],
+        }
         root = self.out / "checkpoints"
         latest = checkpoint.latest_name(root)
         kept = f"the last complete checkpoint, {latest}, is kept" if latest else "no checkpoint was written yet"
         with writing(root, kept=f"{kept}; metrics.jsonl has every step so far"):
-            return checkpoint.save(root, self.step, tensors, optim_tensors, state,
-                                   keep=self.cfg.keep_checkpoints)
+            return checkpoint.save(root, self.step, tensors, optim_tensors, state, keep=self.cfg.keep_checkpoints)
 
     def _resume(self, where: str) -> None:
         path = self.out / "checkpoints" if where == "auto" else Path(where)
@@ -488,9 +535,11 @@ class Trainer:
             raise UserError(f"{ckpt}: checkpoint was written for a different model config")
         want = set(self.model.state_dict())
         if set(tensors) != want:
-            raise checkpoint.CorruptCheckpoint(f"{ckpt}: tensors do not match the model (missing "
-                                               f"{sorted(want - set(tensors))[:3]}, unexpected "
-                                               f"{sorted(set(tensors) - want)[:3]})")
+            raise checkpoint.CorruptCheckpoint(
+                f"{ckpt}: tensors do not match the model (missing "
+                f"{sorted(want - set(tensors))[:3]}, unexpected "
+                f"{sorted(set(tensors) - want)[:3]})"
+            )
         try:
             if self.dist is not None:
                 self.dist.load_full_state_dict(self.model, tensors)
@@ -514,9 +563,16 @@ class Trainer:
         ep = getattr(self.dist, "is_expert_param", lambda p: False) if self.dist else (lambda p: False)
         n_params = sum(p.numel() * (self.world if ep(p) else 1) for p in self.model.parameters())
         flops = metrics.train_flops_per_token(self.mcfg, self.cfg.seq_len, mtp=self.cfg.mtp_weight > 0)
-        return {"params": n_params, "muon_params": len(self.opt.muon_names),
-                "adamw_params": len(self.opt.adamw_names), "precision": self.precision,
-                "device": str(self.device), "world": self.world, "train_flops_per_token": flops, **est}
+        return {
+            "params": n_params,
+            "muon_params": len(self.opt.muon_names),
+            "adamw_params": len(self.opt.adamw_names),
+            "precision": self.precision,
+            "device": str(self.device),
+            "world": self.world,
+            "train_flops_per_token": flops,
+            **est,
+        }
 
     def fit(self) -> dict[str, Any]:
         c = self.cfg
@@ -526,18 +582,26 @@ class Trainer:
             # weights, gradients and optimizer state only: the activations of a step come on top and usually
             # dominate (the shipped recipe: 0.14 GiB of these, 24.7 GiB peak on the GPU), so no peak is
             # predicted here; each step logs the measured peak (peak_mem_gib)
-            self.log(f"live parameter dtypes: {info['param_dtypes']}; compute: "
-                     f"{'bf16 autocast' if self.precision == 'bf16' else 'fp32'}; parameter memory: "
-                     f"weights {info['weights_gib']:.3f} GiB + grads {info['grads_gib']:.3f} GiB + optimizer "
-                     f"{info['optimizer_gib']:.3f} GiB = {info['total_gib']:.3f} GiB, activations not included "
-                     f"(the measured peak is logged per step as peak_mem_gib)")
-            self.jsonl.write({"event": "start", **{k: v for k, v in info.items()}, "config": c.to_dict(),
-                              "model_config": self.mcfg.to_dict()})
+            self.log(
+                f"live parameter dtypes: {info['param_dtypes']}; compute: "
+                f"{'bf16 autocast' if self.precision == 'bf16' else 'fp32'}; parameter memory: "
+                f"weights {info['weights_gib']:.3f} GiB + grads {info['grads_gib']:.3f} GiB + optimizer "
+                f"{info['optimizer_gib']:.3f} GiB = {info['total_gib']:.3f} GiB, activations not included "
+                f"(the measured peak is logged per step as peak_mem_gib)"
+            )
+            self.jsonl.write(
+                {
+                    "event": "start",
+                    **{k: v for k, v in info.items()},
+                    "config": c.to_dict(),
+                    "model_config": self.mcfg.to_dict(),
+                }
+            )
         peak = metrics.peak_tflops(self.device, c.peak_tflops)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         bar = None
-        if c.progress and self.rank == 0 and sys.stderr.isatty():    # a bar on a terminal, else a line per 10 steps
+        if c.progress and self.rank == 0 and sys.stderr.isatty():  # a bar on a terminal, else a line per 10 steps
             from ..progress import bar as progress_bar
 
             bar = progress_bar(c.steps, "train", unit="step", initial=self.step)
@@ -562,10 +626,13 @@ class Trainer:
                 self._fit_budget(step_times[2:], time.perf_counter() - t_start, bar)
             tokens_done += global_tokens
             tps = global_tokens / dt
-            row.update(tokens_per_s=round(tps, 1), step_time_s=round(dt, 4),
-                       mfu=(info["train_flops_per_token"] * tps / (peak * 1e12 * self.world)) if peak else None,
-                       peak_mem_gib=round(metrics.peak_memory_gib(self.device), 4),
-                       epoch=self.loader.state.epoch)
+            row.update(
+                tokens_per_s=round(tps, 1),
+                step_time_s=round(dt, 4),
+                mfu=(info["train_flops_per_token"] * tps / (peak * 1e12 * self.world)) if peak else None,
+                peak_mem_gib=round(metrics.peak_memory_gib(self.device), 4),
+                epoch=self.loader.state.epoch,
+            )
             if c.eval_every > 0 and (self.step % c.eval_every == 0 or self.step == c.steps):
                 last_eval = self.evaluate()
                 row["eval_loss"] = last_eval
@@ -573,20 +640,27 @@ class Trainer:
             self._stop_if_nonfinite(row, bar)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.3f}", eval=f"{last_eval:.3f}" if last_eval else "-",
-                                tok_s=f"{tps:,.0f}")
+                bar.set_postfix(
+                    loss=f"{row['loss']:.3f}", eval=f"{last_eval:.3f}" if last_eval else "-", tok_s=f"{tps:,.0f}"
+                )
             elif self.rank == 0 and (self.step % 10 == 0 or self.step in (1, c.steps)):
                 # without a progress bar a line every 10 steps (and the last): a slow run never looks stalled
-                self.log(f"step {self.step}/{c.steps} loss {row['loss']:.4f} lm {row['lm']:.4f} "
-                         f"eval {last_eval if last_eval is None else round(last_eval, 4)} "
-                         f"grad_norm {gnorm_fmt(row)} {tps:,.0f} tok/s")
+                self.log(
+                    f"step {self.step}/{c.steps} loss {row['loss']:.4f} lm {row['lm']:.4f} "
+                    f"eval {last_eval if last_eval is None else round(last_eval, 4)} "
+                    f"grad_norm {gnorm_fmt(row)} {tps:,.0f} tok/s"
+                )
             if c.save_every > 0 and self.step % c.save_every == 0:
                 self.save_checkpoint()
         if bar is not None:
             bar.close()
         wall = time.perf_counter() - t_start
-        summary = {"steps": self.step, "final_eval_loss": last_eval, "wall_s": round(wall, 1),
-                   "mean_tokens_per_s": round(tokens_done / wall, 1) if wall > 0 else None}
+        summary = {
+            "steps": self.step,
+            "final_eval_loss": last_eval,
+            "wall_s": round(wall, 1),
+            "mean_tokens_per_s": round(tokens_done / wall, 1) if wall > 0 else None,
+        }
         if c.save_every >= 0 and self.rank == 0:
             summary["checkpoint"] = str(self.save_checkpoint())
         elif c.save_every >= 0:
@@ -625,8 +699,9 @@ class Trainer:
         left = int(max(0.0, c.time_budget_s - self._mean(elapsed)) * 0.97 / (per + evals))
         steps = max(self.step + 1, min(c.steps, self.step + left))
         if steps < c.steps:
-            self.log(f"time budget {c.time_budget_s:.0f} s at {per:.3f} s/step: training {steps} steps "
-                     f"instead of {c.steps}")
+            self.log(
+                f"time budget {c.time_budget_s:.0f} s at {per:.3f} s/step: training {steps} steps instead of {c.steps}"
+            )
             c.steps = steps
             if bar is not None:
                 bar.total = steps
@@ -642,13 +717,19 @@ class Trainer:
             bar.close()
         root = self.out / "checkpoints"
         kept = checkpoint.latest_name(root)
-        what = (f"the held-out loss is {row['eval_loss']}" if bad_eval else
-                f"the loss is {row.get('loss')}" if not math.isfinite(row.get("loss", 0.0)) else
-                f"{row['nonfinite']} gradient elements are NaN/Inf")
+        what = (
+            f"the held-out loss is {row['eval_loss']}"
+            if bad_eval
+            else f"the loss is {row.get('loss')}"
+            if not math.isfinite(row.get("loss", 0.0))
+            else f"{row['nonfinite']} gradient elements are NaN/Inf"
+        )
         hint = "" if bad_eval else "; --skip-nonfinite skips such batches instead"
-        raise RunFailed(f"training stopped at step {row['step']}: {what} (metrics.jsonl has every step so far; "
-                        f"{f'the last checkpoint, {kept}, is kept' if kept else 'no checkpoint was written'}"
-                        f"{hint})")
+        raise RunFailed(
+            f"training stopped at step {row['step']}: {what} (metrics.jsonl has every step so far; "
+            f"{f'the last checkpoint, {kept}, is kept' if kept else 'no checkpoint was written'}"
+            f"{hint})"
+        )
 
     def _record(self, row: dict) -> None:
         self.history.append(row)
@@ -678,8 +759,14 @@ class Trainer:
         from ..checkpoint.writer import model_values, save
 
         self.tok.save(self.out / "tokenizer")
-        return save(model_values(self.model if model is None else model), self.mcfg, dst, target="bf16",
-                    copy_from=self.out / "tokenizer", shard_bytes=12 << 20)
+        return save(
+            model_values(self.model if model is None else model),
+            self.mcfg,
+            dst,
+            target="bf16",
+            copy_from=self.out / "tokenizer",
+            shard_bytes=12 << 20,
+        )
 
 
 def gnorm_fmt(row: dict) -> str:

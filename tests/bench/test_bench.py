@@ -38,12 +38,17 @@ def test_bench_subcommands_parse_their_options():
     assert a.optimizer_only and a.profile and not a.optimizer and not parse(["bench", "train"]).optimizer_only
 
 
-@pytest.mark.parametrize("argv", [["bench", "ops", "--quant-shapes", "4096"],
-                                  ["bench", "ops", "--hc-tokens", "many"],
-                                  ["bench", "prefill", "--dtype", "fp8"],
-                                  ["bench", "kernels", "--nope"],
-                                  ["bench", "train", "--optimizer", "--optimizer-only"],
-                                  ["bench", "prefill", "--optimizer-only"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "ops", "--quant-shapes", "4096"],
+        ["bench", "ops", "--hc-tokens", "many"],
+        ["bench", "prefill", "--dtype", "fp8"],
+        ["bench", "kernels", "--nope"],
+        ["bench", "train", "--optimizer", "--optimizer-only"],
+        ["bench", "prefill", "--optimizer-only"],
+    ],
+)
 def test_bad_bench_options_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
@@ -65,8 +70,10 @@ def test_optimizer_only_refuses_a_cpu_and_a_cuda_graph(no_cuda, capsys):
     assert capsys.readouterr().err.startswith("error: dsv4 bench train needs a CUDA device")
     assert main(["bench", "train", "--optimizer-only", "--cuda-graph", "--device", "cpu", "--allow-cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --optimizer-only --cuda-graph replays the update from a CUDA graph; this run "
-                          "is on cpu") and len(err.splitlines()) == 1
+    assert (
+        err.startswith("error: --optimizer-only --cuda-graph replays the update from a CUDA graph; this run is on cpu")
+        and len(err.splitlines()) == 1
+    )
 
 
 def test_optimizer_only_times_both_paths_on_a_micro_model():
@@ -98,9 +105,14 @@ def test_e2e_bench_refuses_another_device_without_allow_cpu(capsys):
     assert "pass --device cpu --allow-cpu for a smoke run" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("entry, argv, name", [(graph_check.main, [], "graph_check"),
-                                               (kernel_profile.main, ["train"], "kernel_profile"),
-                                               (moe_plan.main, [], "moe_plan")])
+@pytest.mark.parametrize(
+    "entry, argv, name",
+    [
+        (graph_check.main, [], "graph_check"),
+        (kernel_profile.main, ["train"], "kernel_profile"),
+        (moe_plan.main, [], "moe_plan"),
+    ],
+)
 def test_module_entry_points_refuse_a_cpu_with_the_reason(entry, argv, name, no_cuda, capsys):
     assert entry(argv) == 2
     out = capsys.readouterr()
@@ -116,7 +128,7 @@ def test_require_cuda_names_the_bench_and_the_reason(no_cuda):
 
 # ------------------------------------------------------------------------------ rates and tables
 def test_rates_against_the_measured_limits():
-    r = report.rates(2.0, LIMITS, flops=2e12, nbytes=4e9)       # 2e12 FLOP in 2 ms, 4 GB in 2 ms
+    r = report.rates(2.0, LIMITS, flops=2e12, nbytes=4e9)  # 2e12 FLOP in 2 ms, 4 GB in 2 ms
     assert r == {"tflops": 1000.0, "of_matmul": 1.25, "gbs": 2000.0, "of_copy": 0.5}
     assert report.rates(1.0, LIMITS) == {}
     assert report.rate_columns(r) == " 1000.0 TFLOP/s (125% of matmul)     2000 GB/s (50% of copy)"
@@ -124,13 +136,28 @@ def test_rates_against_the_measured_limits():
 
 
 def _result(rows: list[dict], **extra) -> dict:
-    return {"device": "Test GPU", "torch": "2.x", "triton": "3.y", "date": "2026-01-01",
-            "limits": LIMITS, "rows": rows, "seconds": 1.0, **extra}
+    return {
+        "device": "Test GPU",
+        "torch": "2.x",
+        "triton": "3.y",
+        "date": "2026-01-01",
+        "limits": LIMITS,
+        "rows": rows,
+        "seconds": 1.0,
+        **extra,
+    }
 
 
 def test_kernels_table():
-    row = {"kernel": "sparse_attention fwd", "shape": "b=1 s=4096", "ms": 1.5, **report.rates(1.5, LIMITS, 6e11),
-           "ref_ms": 15.0, "speedup": 10.0, "rel_err": 1e-3}
+    row = {
+        "kernel": "sparse_attention fwd",
+        "shape": "b=1 s=4096",
+        "ms": 1.5,
+        **report.rates(1.5, LIMITS, 6e11),
+        "ref_ms": 15.0,
+        "speedup": 10.0,
+        "rel_err": 1e-3,
+    }
     text = kernels.render(_result([row, {"diag": "k", "regs": 96}], sweeps=[{"cfg": 1}]))
     lines = text.splitlines()
     assert lines[0] == "Test GPU  torch 2.x  triton 3.y  2026-01-01"
@@ -143,10 +170,19 @@ def test_kernels_table():
 
 
 def test_ops_table():
-    rows = [{"op": "moe_experts", "backend": "triton", "shape": "T*k=8192", "ms": 2.0,
-             **report.rates(2.0, LIMITS, nbytes=4e9), "of_same_shape_mm": 0.8, "rel": 2e-3},
-            {"op": "fp8_linear", "backend": "triton", "shape": "4096x4096", "skipped": "no sm90"},
-            {"parity": "hc_pre", "case": "x", "same_frac": 1.0}]
+    rows = [
+        {
+            "op": "moe_experts",
+            "backend": "triton",
+            "shape": "T*k=8192",
+            "ms": 2.0,
+            **report.rates(2.0, LIMITS, nbytes=4e9),
+            "of_same_shape_mm": 0.8,
+            "rel": 2e-3,
+        },
+        {"op": "fp8_linear", "backend": "triton", "shape": "4096x4096", "skipped": "no sm90"},
+        {"parity": "hc_pre", "case": "x", "same_frac": 1.0},
+    ]
     lines = bench_ops.render(_result(rows)).splitlines()
     assert lines[2].startswith("moe_experts            triton     T*k=8192")
     assert "2000 GB/s (50% of copy)  80% of same-shape mm  {'rel': 0.002}" in lines[2]
@@ -155,9 +191,17 @@ def test_ops_table():
 
 
 def test_e2e_table():
-    rows = [{"bench": "prefill", "path": "fast", "tokens_per_s": 1234.5, "s": 0.5, "mfu": 0.4,
-             "backends": {"rms_norm": ["triton"]}},
-            {"bench": "prefill", "path": "reference", "tokens_per_s": 123.4, "s": 5.0, "backends": {}}]
+    rows = [
+        {
+            "bench": "prefill",
+            "path": "fast",
+            "tokens_per_s": 1234.5,
+            "s": 0.5,
+            "mfu": 0.4,
+            "backends": {"rms_norm": ["triton"]},
+        },
+        {"bench": "prefill", "path": "reference", "tokens_per_s": 123.4, "s": 5.0, "backends": {}},
+    ]
     lines = e2e.render(_result(rows, preset="small", dtype="bf16", speedup=10.0)).splitlines()
     assert lines[0] == "Test GPU  torch 2.x  2026-01-01  preset small bf16"
     assert lines[1] == "prefill  fast             1234.5 tokens/s  (0.5000 s)  {'mfu': 0.4}"
@@ -182,13 +226,33 @@ def test_stream_prints_each_row_as_it_comes(capsys):
 
 def test_e2e_smoke_run_on_cpu(capsys):
     """`--device cpu --allow-cpu`: both paths run the tiny model and the table follows."""
-    assert main(["bench", "prefill", "--preset", "tiny", "--device", "cpu", "--allow-cpu", "--dtype", "fp32",
-                 "--seq", "16", "--reps", "1", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "prefill",
+                "--preset",
+                "tiny",
+                "--device",
+                "cpu",
+                "--allow-cpu",
+                "--dtype",
+                "fp32",
+                "--seq",
+                "16",
+                "--reps",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["device"] == "cpu" and [r["path"] for r in out["rows"]] == ["fast", "reference"]
     assert all(r["tokens_per_s"] > 0 for r in out["rows"]) and out["speedup"] > 0
-    assert out["rows"][1]["backends"] and set(b for bs in out["rows"][1]["backends"].values() for b in bs) == \
-        {"reference"}
+    assert out["rows"][1]["backends"] and set(b for bs in out["rows"][1]["backends"].values() for b in bs) == {
+        "reference"
+    }
 
 
 def test_decode_bench_times_a_checkpoint_kept_quantized_against_its_dequantized_weights(tmp_path, capsys):
@@ -197,12 +261,40 @@ def test_decode_bench_times_a_checkpoint_kept_quantized_against_its_dequantized_
     ckpt = str(tmp_path / "q")
     assert main(["init", ckpt, "--preset", "tiny", "--to", "fp8", "--expert-dtype", "fp4"]) == 0
     capsys.readouterr()
-    assert main(["bench", "decode", "--model", ckpt, "--keep-quantized", "--device", "cpu", "--allow-cpu",
-                 "--dtype", "fp32", "--batch", "1", "2", "--prompt", "4", "--steps", "1", "--reps", "1",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "decode",
+                "--model",
+                ckpt,
+                "--keep-quantized",
+                "--device",
+                "cpu",
+                "--allow-cpu",
+                "--dtype",
+                "fp32",
+                "--batch",
+                "1",
+                "2",
+                "--prompt",
+                "4",
+                "--steps",
+                "1",
+                "--reps",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
-    assert [(r["variant"], r["batch"]) for r in out["rows"]] == [("quantized", 1), ("quantized", 2),
-                                                                  ("fp32", 1), ("fp32", 2)]
+    assert [(r["variant"], r["batch"]) for r in out["rows"]] == [
+        ("quantized", 1),
+        ("quantized", 2),
+        ("fp32", 1),
+        ("fp32", 2),
+    ]
     quant, plain = out["rows"][0]["backends"], out["rows"][2]["backends"]
     assert "fp8_gemm" in quant and "quantized_moe_experts" in quant
     assert "fp8_gemm" not in plain and "quantized_moe_experts" not in plain and "moe_experts" in plain
@@ -217,8 +309,29 @@ def test_decode_bench_refuses_keep_quantized_without_quantized_weights(tmp_path,
     plain = str(tmp_path / "plain")
     assert main(["init", plain, "--preset", "tiny"]) == 0
     capsys.readouterr()
-    assert main(["bench", "decode", "--model", plain, "--keep-quantized", "--device", "cpu", "--allow-cpu",
-                 "--dtype", "fp32", "--prompt", "4", "--steps", "1", "--reps", "1"]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "decode",
+                "--model",
+                plain,
+                "--keep-quantized",
+                "--device",
+                "cpu",
+                "--allow-cpu",
+                "--dtype",
+                "fp32",
+                "--prompt",
+                "4",
+                "--steps",
+                "1",
+                "--reps",
+                "1",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "stores no FP8 or FP4 weights" in err[0]
 
@@ -227,19 +340,40 @@ def test_decode_bench_refuses_keep_quantized_without_quantized_weights(tmp_path,
 def test_serve_bench_parses_and_passes_its_engine_settings_to_the_server():
     from dsv4.bench import serve as bench_serve
 
-    a = build_parser().parse_args(["bench", "serve", "--preset", "tiny", "--clients", "4", "--spread", "0.5",
-                                   "--no-prefix-caching", "--max-model-len", "512", "--json"])
+    a = build_parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--preset",
+            "tiny",
+            "--clients",
+            "4",
+            "--spread",
+            "0.5",
+            "--no-prefix-caching",
+            "--max-model-len",
+            "512",
+            "--json",
+        ]
+    )
     assert a.func is bench_serve.run_serve_bench and (a.clients, a.spread, a.json) == ([4], 0.5, True)
     assert build_parser().parse_args(["bench", "serve", "--clients", "4", "64"]).clients == [4, 64]
     argv = bench_serve._server_argv(a)
     assert argv[1:8] == ["-m", "dsv4", "serve", "--host", "127.0.0.1", "--port", "0"]
     assert argv[argv.index("--preset") + 1] == "tiny" and argv[argv.index("--max-model-len") + 1] == "512"
     assert "--no-prefix-caching" in argv
-    assert "--speculative" not in argv and "--deterministic" not in argv      # 0 / unset: left to the server
+    assert "--speculative" not in argv and "--deterministic" not in argv  # 0 / unset: left to the server
 
 
-@pytest.mark.parametrize("argv", [["bench", "serve", "--spread", "1"], ["bench", "serve", "--clients", "0"],
-                                  ["bench", "w8a8", "--tokens", "-3"], ["bench", "w8a8", "--preset", "huge"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "serve", "--spread", "1"],
+        ["bench", "serve", "--clients", "0"],
+        ["bench", "w8a8", "--tokens", "-3"],
+        ["bench", "w8a8", "--preset", "huge"],
+    ],
+)
 def test_bad_serve_and_w8a8_bench_options_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
@@ -249,8 +383,11 @@ def test_bad_serve_and_w8a8_bench_options_exit_2(argv, capsys):
 def test_serve_bench_refuses_bad_settings_before_loading_a_model():
     from dsv4.bench import serve as bench_serve
 
-    for name, value, msg in (("max_num_seqs", 2, "--max-num-seqs must be at least the largest --clients"),
-                             ("output_len", 0, "--output-len must be"), ("spread", 1.5, "--spread must be in")):
+    for name, value, msg in (
+        ("max_num_seqs", 2, "--max-num-seqs must be at least the largest --clients"),
+        ("output_len", 0, "--output-len must be"),
+        ("spread", 1.5, "--spread must be in"),
+    ):
         a = build_parser().parse_args(["bench", "serve", "--preset", "tiny", "--clients", "4"])
         setattr(a, name, value)
         with pytest.raises(UserError, match=msg):
@@ -264,22 +401,43 @@ def test_serve_bench_percentiles_and_printed_report(capsys):
     values = [float(i) for i in range(101)]
     assert bench_serve._pct(values, 50) == 50.0 and bench_serve._pct(values, 99) == 99.0
     assert bench_serve._pct([3.0, 1.0, 2.0], 0) == 1.0
+
     def spread(*v):
         return {"median": sorted(v)[len(v) // 2], "min": min(v), "max": max(v)}
 
-    result = {"device": "cpu", "torch": "2", "date": "d", "model": "tiny", "dtype": "fp32", "commit": "abc",
-              "prompt_len": 8, "output_len": 4, "spread": 0.25, "repeats": 3}
-    r = {"clients": 2, "requests": 4, "tokens_per_s": spread(12.0, 12.5, 13.0), "errors": 1,
-         "ttft_p50_s": spread(0.009, 0.01, 0.011), "ttft_p99_s": None, "ttft_idle_s": 0.005,
-         "ttft_p99_over_idle": None, "itl_p50_s": spread(0.002, 0.002, 0.003), "itl_p99_s": spread(0.004, 0.004, 0.004),
-         "itl_p99_over_p50": 2.0, "raw_decode_tokens_per_s": spread(20.0, 25.0, 30.0), "fraction_of_raw_decode": 0.5,
-         "server_metrics": {"engine_phase_seconds.schedule": 1.0, "engine_phase_seconds.forward": 3.0},
-         "first_errors": ["TimeoutError: late"]}
+    result = {
+        "device": "cpu",
+        "torch": "2",
+        "date": "d",
+        "model": "tiny",
+        "dtype": "fp32",
+        "commit": "abc",
+        "prompt_len": 8,
+        "output_len": 4,
+        "spread": 0.25,
+        "repeats": 3,
+    }
+    r = {
+        "clients": 2,
+        "requests": 4,
+        "tokens_per_s": spread(12.0, 12.5, 13.0),
+        "errors": 1,
+        "ttft_p50_s": spread(0.009, 0.01, 0.011),
+        "ttft_p99_s": None,
+        "ttft_idle_s": 0.005,
+        "ttft_p99_over_idle": None,
+        "itl_p50_s": spread(0.002, 0.002, 0.003),
+        "itl_p99_s": spread(0.004, 0.004, 0.004),
+        "itl_p99_over_p50": 2.0,
+        "raw_decode_tokens_per_s": spread(20.0, 25.0, 30.0),
+        "fraction_of_raw_decode": 0.5,
+        "server_metrics": {"engine_phase_seconds.schedule": 1.0, "engine_phase_seconds.forward": 3.0},
+        "first_errors": ["TimeoutError: late"],
+    }
     bench_serve._print(result, r)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "cpu  torch 2  d  tiny  fp32  commit abc"
-    assert "2 streaming clients, 4 requests per run, prompt ~8, output ~4 (+-25%); median (min-max) of 3 runs" \
-        in out[1]
+    assert "2 streaming clients, 4 requests per run, prompt ~8, output ~4 (+-25%); median (min-max) of 3 runs" in out[1]
     assert "12.5 (12.0-13.0) output tokens/s  (1 errors)" in out[2]
     assert "p50 10.0 ms (9.0-11.0)  p99 -  (idle 5.0 ms)" in out[3]
     assert "(p99 2.0x p50)" in out[4]
@@ -291,18 +449,26 @@ def test_serve_bench_percentiles_and_printed_report(capsys):
 def test_w8a8_summary_takes_each_shapes_best_backend_and_the_worst_shape():
     from dsv4.bench import w8a8
 
-    rows = [{"part": "gemm", "shape": "a", "backend": "x", "x_bf16": 1.2},
-            {"part": "gemm", "shape": "a", "backend": "y", "x_bf16": 1.6},
-            {"part": "gemm", "shape": "b", "backend": "x", "x_bf16": 1.5},
-            {"part": "gemm", "shape": "b", "backend": "y", "skipped": "no"},
-            {"part": "decode", "shape": "c", "backend": "x", "of_copy": 0.5}]
+    rows = [
+        {"part": "gemm", "shape": "a", "backend": "x", "x_bf16": 1.2},
+        {"part": "gemm", "shape": "a", "backend": "y", "x_bf16": 1.6},
+        {"part": "gemm", "shape": "b", "backend": "x", "x_bf16": 1.5},
+        {"part": "gemm", "shape": "b", "backend": "y", "skipped": "no"},
+        {"part": "decode", "shape": "c", "backend": "x", "of_copy": 0.5},
+    ]
     s = w8a8.summarize(rows)
-    assert s["gemm"] == {"goal": w8a8.GOALS["gemm"], "metric": "x_bf16", "worst_best_backend": 1.5,
-                         "min": 1.2, "max": 1.6, "met": 1.5 >= w8a8.GOALS["gemm"]}
+    assert s["gemm"] == {
+        "goal": w8a8.GOALS["gemm"],
+        "metric": "x_bf16",
+        "worst_best_backend": 1.5,
+        "min": 1.2,
+        "max": 1.6,
+        "met": 1.5 >= w8a8.GOALS["gemm"],
+    }
     assert s["decode"]["worst_best_backend"] == 0.5 and s["decode"]["met"] is (0.5 >= w8a8.GOALS["decode"])
     assert "experts" not in s
     shapes = w8a8.flash_linears(ModelConfig.preset("flash"))
-    assert shapes["wq_a"] == (1024, 4096) and "wo_a" not in shapes      # wo_a runs in bf16 officially
+    assert shapes["wq_a"] == (1024, 4096) and "wo_a" not in shapes  # wo_a runs in bf16 officially
 
 
 def test_gpu_train_bench_script_runs_its_commands_on_the_cpu(tmp_path):
@@ -315,8 +481,13 @@ def test_gpu_train_bench_script_runs_its_commands_on_the_cpu(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "REPS": "1", "OUT": str(tmp_path)}
-    res = subprocess.run(["bash", str(root / "scripts" / "gpu_train_bench.sh"), "--device", "cpu", "--preset", "tiny"],
-                         capture_output=True, text=True, timeout=600, env=env)
+    res = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_train_bench.sh"), "--device", "cpu", "--preset", "tiny"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.splitlines()
     assert lines[0].startswith("commit: ") and lines[1].startswith("date: 20")
@@ -326,6 +497,11 @@ def test_gpu_train_bench_script_runs_its_commands_on_the_cpu(tmp_path):
     assert mfu.startswith("full step, tiny 1 x 64, activation checkpointing: ") and "tokens/s" in mfu
     rows = [json.loads(ln) for ln in (tmp_path / "mfu.jsonl").read_text().splitlines() if '"path"' in ln]
     assert rows[0]["activation_checkpointing"] is True and len(rows[0]["s_reps"]) == 1
-    res = subprocess.run(["bash", str(root / "scripts" / "gpu_train_bench.sh"), "--bogus"], capture_output=True,
-                         text=True, timeout=60, env=env)
+    res = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_train_bench.sh"), "--bogus"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert res.returncode == 2 and res.stderr.startswith("error: unknown argument --bogus")

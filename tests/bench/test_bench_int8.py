@@ -9,9 +9,35 @@ from dsv4.cli import main
 
 
 def test_bench_int8_speed_and_accuracy_rows(capsys):
-    assert main(["bench", "int8", "--preset", "tiny", "--layers", "2", "--modes", "int8,bf16", "--batch", "1", "2",
-                 "--prompt", "4", "--steps", "2", "--runs", "3", "--max-new-tokens", "6", "--prompts", "1",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "int8",
+                "--preset",
+                "tiny",
+                "--layers",
+                "2",
+                "--modes",
+                "int8,bf16",
+                "--batch",
+                "1",
+                "2",
+                "--prompt",
+                "4",
+                "--steps",
+                "2",
+                "--runs",
+                "3",
+                "--max-new-tokens",
+                "6",
+                "--prompts",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     int8, bf16 = out["speed"]
     assert int8["mode"] == "int8:fp32" and bf16["mode"] == "bf16"
@@ -19,11 +45,11 @@ def test_bench_int8_speed_and_accuracy_rows(capsys):
     for b in int8["batches"]:
         assert b["min"] <= b["tokens_per_s"] <= b["max"] and b["tokens_per_s"] > 0
         assert "int8_gemm=int_mm" in b["backends"] and "int8_moe_experts=int_mm" in b["backends"]
-    assert int8["weights_mib"] < bf16["weights_mib"]                 # 1 byte per weight + row scales
+    assert int8["weights_mib"] < bf16["weights_mib"]  # 1 byte per weight + row scales
     acc = out["accuracy"]
     assert acc["stored_formats"] == ["fp4", "fp8"] and acc["tokens"] == 6
     p = acc["prompts"][0]
-    assert p["w8a8"]["logits_rel_l2"] == 0.0                        # the reference against itself
+    assert p["w8a8"]["logits_rel_l2"] == 0.0  # the reference against itself
     for m in ("int8", "w8a16"):
         assert 0 < p[m]["logits_rel_l2"] < 1 and 0 <= p[m]["greedy_same"] <= 1 and 0 <= p[m]["top1_agree"] <= 1
 

@@ -58,7 +58,7 @@ def test_capture_keeps_numbers_and_order(model, tokens):
 
 def test_metrics():
     a = torch.tensor([[1, 2, 3], [4, 5, -1]])
-    assert index_mismatch(a, a.flip(-1)) == 0.0                    # order inside a row does not matter
+    assert index_mismatch(a, a.flip(-1)) == 0.0  # order inside a row does not matter
     assert index_mismatch(a, torch.tensor([[1, 2, 7], [4, 5, -1]])) == pytest.approx(1 / 6)
     x = torch.randn(10)
     d = diff("x", x * (1 + 1e-3), x, TOLERANCES["fp32"])
@@ -77,8 +77,9 @@ def test_compare_names_the_perturbed_layer(model, tokens):
     rep = compare(Side("perturbed", perturbed(model, "layers.2.attn.wq_b.weight", 1e-2)), Side("ref", model), tokens)
     assert not rep.ok
     assert rep.first_divergence == "layers.2.attn.q"
-    assert all(d.ok and d.rel_l2 == 0 for d in rep.stages.diffs if not d.name.startswith(("layers.2", "layers.3",
-                                                                                            "head")))
+    assert all(
+        d.ok and d.rel_l2 == 0 for d in rep.stages.diffs if not d.name.startswith(("layers.2", "layers.3", "head"))
+    )
     same = compare(Side("a", model), Side("b", model), tokens, TOLERANCES["exact"])
     assert same.ok and same.first_divergence is None
 
@@ -106,7 +107,7 @@ def test_determinism_reference_and_planted_drift(model, tokens):
     assert first is not None and first["op"] == "randperm" and first["phase"] == "forward"
     assert not rep.ok and any(d["name"].startswith(("grad:", "stage:")) for d in rep.drifting)
     assert "mutant_random_order" in rep.implementations["hc_pre"]
-    assert "mutant_random_order" not in ops.backends("hc_pre")       # unregistered on exit
+    assert "mutant_random_order" not in ops.backends("hc_pre")  # unregistered on exit
 
 
 def test_nonfinite_names_the_planted_op(model, tokens):
@@ -131,7 +132,8 @@ def test_bug_zoo_list_is_the_table_in_docs(capsys):
     assert listed == catalogue()
     rows = listed.splitlines()
     assert len(rows) == 2 + len(MUTANTS) == 29 and [r.split(" | ")[0] for r in rows[2:]] == [
-        f"| Z{i:02d}" for i in range(1, 28)]
+        f"| Z{i:02d}" for i in range(1, 28)
+    ]
     doc = (Path(__file__).resolve().parents[2] / "docs" / "bugzoo.md").read_text()
     assert [line for line in doc.splitlines() if line.startswith("|")] == rows
 
@@ -149,7 +151,7 @@ def test_bug_zoo_doc_describes_every_entry():
         for check in m.checks:
             assert f"`{check}`" in text, (m.id, check)
         assert m.symptom and (m.mutant or m.pending), m.id
-        assert (m.plant is None) == (not m.mutant), m.id       # a described mutant is one that can be planted
+        assert (m.plant is None) == (not m.mutant), m.id  # a described mutant is one that can be planted
         assert all(c in CHECKS for c in m.checks), m.id
 
 
@@ -157,7 +159,7 @@ def test_conformance_tiny_catches_every_applicable_mutant(capsys):
     det_before = torch.are_deterministic_algorithms_enabled()
     rc = dsv4_main(["check", "conformance", "--preset", "tiny", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert torch.are_deterministic_algorithms_enabled() == det_before      # global state restored
+    assert torch.are_deterministic_algorithms_enabled() == det_before  # global state restored
     assert not any(b.startswith(("mutant_", "probe")) for op in ops.ops() for b in ops.backends(op))
     assert rc == 0, out
     ids = [r["id"] for r in out["mutants"]]
@@ -166,12 +168,12 @@ def test_conformance_tiny_catches_every_applicable_mutant(capsys):
         assert r["status"] in ("caught", "pending")
         if r["status"] == "caught":
             assert r["check"] and r["detail"]
-            assert "backends" in r["results"][r["check"]]                   # what ran under the mutant
-            assert not r["by_exception"], r                                 # caught by the check, not a crash
+            assert "backends" in r["results"][r["check"]]  # what ran under the mutant
+            assert not r["by_exception"], r  # caught by the check, not a crash
     assert all(v["ok"] for v in out["baseline"].values())
     assert out["device"] == "cpu" and out["model_dtype"] == "float32" and out["backend"] is None
     assert out["backends"]["poisoned-memory"] == {"moe_experts": ["grouped"]}
-    assert out["backends"]["stage-compare"]["sparse_attention"] == ["reference"]   # the clean run it judged
+    assert out["backends"]["stage-compare"]["sparse_attention"] == ["reference"]  # the clean run it judged
     z18 = next(r for r in out["mutants"] if r["id"] == "Z18")
     assert z18["results"]["determinism"]["backends"]["hc_pre"] == ["mutant_random_order"]
 
@@ -181,15 +183,29 @@ def test_conformance_preferred_backend_bf16_model_on_cpu(capsys):
     model too), the mutants' planted backends replace it, a mutant none of whose checks ran is skipped."""
     inp = moe_inputs(ModelConfig.preset("tiny"), tokens=4, dtype=torch.bfloat16)
     default = ops.resolve("moe_experts", None, **inp).name
-    rc = dsv4_main(["check", "conformance", "--device", "cpu", "--dtype", "bf16", "--backend", "grouped",
-                    "--only", "Z01,Z05,Z09,Z18,Z24",
-                    "--checks", "swiglu-limit,poisoned-memory,determinism,static-shapes", "--json"])
+    rc = dsv4_main(
+        [
+            "check",
+            "conformance",
+            "--device",
+            "cpu",
+            "--dtype",
+            "bf16",
+            "--backend",
+            "grouped",
+            "--only",
+            "Z01,Z05,Z09,Z18,Z24",
+            "--checks",
+            "swiglu-limit,poisoned-memory,determinism,static-shapes",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
-    assert ops.resolve("moe_experts", None, **inp).name == default == "reference"   # preference undone
+    assert ops.resolve("moe_experts", None, **inp).name == default == "reference"  # preference undone
     assert rc == 0, out
     assert out["model_dtype"] == "bfloat16" and out["backend"] == "grouped"
     assert sorted(out["baseline"]) == ["determinism", "poisoned-memory", "static-shapes", "swiglu-limit"]
-    assert out["backends"]["determinism"]["moe_experts"] == ["grouped"]            # inside the model
+    assert out["backends"]["determinism"]["moe_experts"] == ["grouped"]  # inside the model
     assert out["backends"]["swiglu-limit"] == {"moe_experts": ["grouped"]}
     status = {r["id"]: r for r in out["mutants"]}
     assert status["Z01"]["status"] == "skipped" and out["counts"]["skipped"] == 1
@@ -237,6 +253,7 @@ def _interpreter_defect() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton not installed"
     from dsv4.ops.triton._common import interpreter_defect
+
     return interpreter_defect()
 
 
@@ -247,19 +264,36 @@ def test_conformance_triton_backends_on_the_interpreter():
     root = Path(__file__).resolve().parents[2]
     # the CPU interpreter on a process that sees no GPU, whatever the machine has: with CUDA visible the
     # kernels are built for the GPU and the CPU inputs of --device cpu would not reach the interpreter
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "dsv4", "check", "conformance", "--device", "cpu", "--backend", "triton",
-           "--only", "Z05,Z09,Z12,Z14,Z15,Z19",
-           "--checks", "swiglu-limit,poisoned-memory,indexer-padding,attention-backward-random,lse-contract",
-           "--json"]
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsv4",
+        "check",
+        "conformance",
+        "--device",
+        "cpu",
+        "--backend",
+        "triton",
+        "--only",
+        "Z05,Z09,Z12,Z14,Z15,Z19",
+        "--checks",
+        "swiglu-limit,poisoned-memory,indexer-padding,attention-backward-random,lse-contract",
+        "--json",
+    ]
     p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     out = json.loads(p.stdout)
     assert out["op_dtypes"]["moe_experts"] == "bfloat16" and out["op_dtypes"]["sparse_attention"] == "float32"
     ran = out["backends"]
     assert ran["attention-backward-random"] == {"sparse_attention": ["triton"]}
-    assert "(float32, bfloat16)" in out["baseline"]["attention-backward-random"]["detail"]   # the model's dtype too
+    assert "(float32, bfloat16)" in out["baseline"]["attention-backward-random"]["detail"]  # the model's dtype too
     assert ran["lse-contract"] == {"sparse_attention": ["triton"]}
     assert ran["indexer-padding"] == {"indexer_topk": ["triton"]}
     assert "triton" in ran["swiglu-limit"]["moe_experts"] and "triton" in ran["poisoned-memory"]["moe_experts"]
@@ -271,7 +305,7 @@ def test_conformance_triton_backends_on_the_interpreter():
 
 def test_conformance_reports_an_escaped_mutant(monkeypatch):
     z07 = next(m for m in MUTANTS if m.id == "Z07")
-    monkeypatch.setattr(z07, "checks", ["swiglu-limit"])             # a check that cannot see route_scale
+    monkeypatch.setattr(z07, "checks", ["swiglu-limit"])  # a check that cannot see route_scale
     rep = run_conformance("tiny", ids=["Z07"])
     assert not rep.ok and rep.rows[0].status == "escaped"
 
@@ -280,14 +314,16 @@ def test_cli_compare_plant_and_user_errors(capsys):
     rc = dsv4_main(["check", "compare", "--plant", "Z07", "--seq-len", "16", "--batch", "1", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 1 and out["first_divergence"] == "layers.0.ffn.router_weights"
-    assert dsv4_main(["check", "compare", "--seq-len", "16"]) == 2                 # no mode: one-line user error
+    assert dsv4_main(["check", "compare", "--seq-len", "16"]) == 2  # no mode: one-line user error
     assert "exactly one of" in capsys.readouterr().err
-    assert dsv4_main(["check", "compare", "--plant", "Z99"]) == 2                   # no such mutant
+    assert dsv4_main(["check", "compare", "--plant", "Z99"]) == 2  # no such mutant
     assert "Z99" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                    reason="transformers not installed (optional): pip install 'transformers>=5.5'")
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers not installed (optional): pip install 'transformers>=5.5'",
+)
 def test_external_hf_agrees_within_fp32(cfg):
     from dsv4.check import hf
 
@@ -300,7 +336,7 @@ def test_external_hf_agrees_within_fp32(cfg):
     rep = compare(Side("transformers", external=hf.runner(m)), Side("dsv4", m), toks)
     assert rep.ok, rep.render()
     assert rep.logits.rel_l2 < 1e-5
-    assert len(rep.stages.diffs) > 20                                     # per-layer stages were compared
+    assert len(rep.stages.diffs) > 20  # per-layer stages were compared
     with pytest.raises(UserError, match="simulates no FP8"):
         hf.runner(build_model(cfg=cfg))
 
@@ -313,8 +349,9 @@ def test_external_module_callable(tmp_path, monkeypatch, model, tokens):
         "def build(model):\n"
         "    def run(tokens):\n"
         "        with torch.no_grad():\n"
-        "            return model(tokens).logits * 1.01\n"          # a port with a 1% logit scale bug
-        "    return run\n")
+        "            return model(tokens).logits * 1.01\n"  # a port with a 1% logit scale bug
+        "    return run\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     rep = compare(Side("my_port", external=load_external("my_port:build", model)), Side("dsv4", model), tokens)
     assert not rep.ok and rep.first_divergence == "head.logits"
@@ -340,7 +377,7 @@ def test_swiglu_formula_check_per_element_and_catches_a_lower_gate_clamp(cfg, mo
     ctx = zoo.Context.build(cfg, batch=1, seq=8)
     res = CHECKS["swiglu-formula"](ctx)
     assert res.ok, res.detail
-    assert res.error <= 2.0 ** -20                                    # the fp32 bound the check states
+    assert res.error <= 2.0**-20  # the fp32 bound the check states
     assert "grouped (float32)" in res.detail and "reference (float32)" in res.detail
     assert f"layers.{cfg.n_layers - 1}.shared" in res.detail
     # the probe reaches both sides of both clamps
@@ -367,7 +404,7 @@ def test_swiglu_formula_check_catches_the_shared_expert_without_a_lower_up_clamp
     monkeypatch.setattr(ref, "swiglu_ffn", up_clamped_above_only)
     bad = CHECKS["swiglu-formula"](ctx)
     assert not bad.ok and ("reference" in bad.detail or "shared" in bad.detail), bad.detail
-    assert bad.error > 0.5                                             # the up value -4L read as -4L, not -L
+    assert bad.error > 0.5  # the up value -4L read as -4L, not -L
 
 
 @pytest.mark.skipif(bool(_interpreter_defect()), reason=str(_interpreter_defect()))
@@ -375,13 +412,20 @@ def test_swiglu_formula_runs_the_triton_experts_on_the_interpreter():
     """Where the Triton MoE kernel can run (here: the CPU interpreter, in a fresh process that sees no GPU),
     `swiglu-formula` runs it too, in bf16, within the bf16 bound the check derives."""
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    code = ("from dsv4.check.zoo import CHECKS, Context; from dsv4.check.inputs import check_config; "
-            "r = CHECKS['swiglu-formula'](Context.build(check_config('tiny'), batch=1, seq=8)); "
-            "print(r.ok, r.error); print(r.detail)")
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    )
+    code = (
+        "from dsv4.check.zoo import CHECKS, Context; from dsv4.check.inputs import check_config; "
+        "r = CHECKS['swiglu-formula'](Context.build(check_config('tiny'), batch=1, seq=8)); "
+        "print(r.ok, r.error); print(r.detail)"
+    )
     p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     ok, err = p.stdout.splitlines()[0].split()
-    assert ok == "True" and float(err) <= 2.0 ** -8 + 2.0 ** -16, p.stdout
+    assert ok == "True" and float(err) <= 2.0**-8 + 2.0**-16, p.stdout
     assert "triton (bfloat16)" in p.stdout and "grouped" in p.stdout

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("mutate", ROOT / "tools" / "mutate.py")
 mutate = importlib.util.module_from_spec(_spec)
-sys.modules["mutate"] = mutate                    # (its dataclasses look their module up)
+sys.modules["mutate"] = mutate  # (its dataclasses look their module up)
 _spec.loader.exec_module(mutate)
 
 # one per area the oracles guard; each run is a pytest subprocess on a copy (a few seconds)
@@ -36,12 +36,13 @@ def test_mutation_is_killed_by_its_tests(mid):
     assert m.kills
     out = mutate.run_mutation(m, conformance=False, quick=True, timeout=120)
     assert out.suite == "killed", out.suite_detail
-    assert "FAILED tests/" in out.suite_detail                  # a test failed: not a collection error
+    assert "FAILED tests/" in out.suite_detail  # a test failed: not a collection error
 
 
 def test_cli_list_and_bad_id():
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "mutate.py"), "--list"], capture_output=True, text=True)
     assert p.returncode == 0 and len(p.stdout.splitlines()) == len(mutate.MUTATIONS)
-    p = subprocess.run([sys.executable, str(ROOT / "tools" / "mutate.py"), "--only", "no-such-bug"],
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "mutate.py"), "--only", "no-such-bug"], capture_output=True, text=True
+    )
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no-such-bug" in p.stderr

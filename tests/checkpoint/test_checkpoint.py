@@ -89,9 +89,10 @@ def test_release_fp8_e8m0_mxfp4(ckpts, source):
     h = headers(d)
     assert h["layers.1.attn.wq_b.weight"].dtype == "F8_E4M3"
     assert h["layers.1.attn.wq_b.scale"].dtype == "F8_E8M0" and h["layers.1.attn.wq_b.scale"].shape == (4, 1)
-    assert h["layers.1.ffn.experts.3.w1.weight"].dtype == "I8" and h[
-        "layers.1.ffn.experts.3.w1.weight"
-    ].shape == (64, 64)
+    assert h["layers.1.ffn.experts.3.w1.weight"].dtype == "I8" and h["layers.1.ffn.experts.3.w1.weight"].shape == (
+        64,
+        64,
+    )
     assert h["layers.1.ffn.experts.3.w1.scale"].shape == (64, 4)
     assert h["head.weight"].dtype == "BF16" and "head.scale" not in h
     model = load_pretrained(d, dtype=torch.float32, progress=False, **W8A16)
@@ -184,9 +185,7 @@ def test_hf_layout_written_here(ckpts, tmp_path, source):
 
 
 def test_hf_layout_written_by_transformers(ckpts, tmp_path, source):
-    transformers = pytest.importorskip(
-        "transformers", reason="optional dependency 'transformers' not installed"
-    )
+    transformers = pytest.importorskip("transformers", reason="optional dependency 'transformers' not installed")
     if not hasattr(transformers, "DeepseekV4ForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no DeepseekV4ForCausalLM")
     ours = convert(ckpts["bf16"], tmp_path / "hf_ours", "hf", progress=False)
@@ -253,4 +252,4 @@ def test_keep_quantized_experts_large_batch_path_matches_per_expert_path(ckpts, 
     got = experts(x, wts, idx)
     assert sum(n for (op, _), n in ops.calls().items() if op == "moe_experts") == -(-experts.n // 3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert torch.equal(w1[2], experts.expert("w1", 2))          # batched dequantization = per expert
+    assert torch.equal(w1[2], experts.expert("w1", 2))  # batched dequantization = per expert

@@ -244,10 +244,10 @@ def test_inference_rank_files_checked(source, tmp_path):
     src = save(model_values(m), m.cfg, tmp_path / "src", "bf16", expert_dtype="fp4")
     (src / "tokenizer.json").write_text("{}")
     d = convert(src, tmp_path / "mp2", "inference", mp=2, progress=False)
-    assert (d / "tokenizer.json").read_text() == "{}"                  # tokenizer files travel along
+    assert (d / "tokenizer.json").read_text() == "{}"  # tokenizer files travel along
     rank1 = d / "model1-mp2.safetensors"
     tensors = {i.name: t for i, t in iter_file(read_header(rank1)[0])}
-    tensors["layers.0.attn.kv_norm.weight"] = torch.ones(64, dtype=torch.bfloat16)   # a bad replica
+    tensors["layers.0.attn.kv_norm.weight"] = torch.ones(64, dtype=torch.bfloat16)  # a bad replica
     write_file(rank1, tensors)
     refused(d, "layers.0.attn.kv_norm.weight", "model1-mp2.safetensors", "[64]", "[128]")
     rank1.unlink()

@@ -41,10 +41,28 @@ def micro_config() -> ModelConfig:
     """Every storage format and feature of the release (FP8 linears, MXFP4 experts, a hash layer with
     its tid2eid table, a compressed layer with the indexer) at 0.2M parameters."""
     return ModelConfig(
-        name="micro", vocab_size=256, dim=64, n_layers=2, n_mtp_layers=0, n_hash_layers=1,
-        n_heads=2, head_dim=128, rope_head_dim=64, q_lora_rank=32, o_groups=1, o_lora_rank=32,
-        window_size=16, compress_ratios=(0, 4), index_n_heads=2, index_head_dim=64, index_topk=4,
-        n_routed_experts=4, n_shared_experts=1, n_activated_experts=2, moe_inter_dim=32, max_seq_len=256,
+        name="micro",
+        vocab_size=256,
+        dim=64,
+        n_layers=2,
+        n_mtp_layers=0,
+        n_hash_layers=1,
+        n_heads=2,
+        head_dim=128,
+        rope_head_dim=64,
+        q_lora_rank=32,
+        o_groups=1,
+        o_lora_rank=32,
+        window_size=16,
+        compress_ratios=(0, 4),
+        index_n_heads=2,
+        index_head_dim=64,
+        index_topk=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        n_activated_experts=2,
+        moe_inter_dim=32,
+        max_seq_len=256,
     )
 
 
@@ -83,8 +101,31 @@ def time_bound(seconds: float):
 
 
 # ------------------------------------------------------------------------------------------ mutations
-HOSTILE_VALUES = [None, True, False, "x", "", [], [1, 2], {}, {"a": 1}, 0, -1, 1, 2**31, 10**30, -(10**30),
-                  0.5, -0.0, 1e308, -1e308, float("nan"), float("inf"), float("-inf"), 1e-320]
+HOSTILE_VALUES = [
+    None,
+    True,
+    False,
+    "x",
+    "",
+    [],
+    [1, 2],
+    {},
+    {"a": 1},
+    0,
+    -1,
+    1,
+    2**31,
+    10**30,
+    -(10**30),
+    0.5,
+    -0.0,
+    1e308,
+    -1e308,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    1e-320,
+]
 
 
 def _pristine(outside: Path) -> Path:
@@ -181,8 +222,9 @@ def mut_header_json(d, rng, outside, touched):
         return f"{f.name} already broken"
     op = rng.randrange(9)
     if op == 0:
-        ent["dtype"] = rng.choice(["F32", "BF16", "F16", "I8", "U8", "I32", "I64", "F8_E4M3", "F8_E8M0", "F4",
-                                   "BOOL", "F64", "X9", 7, None])
+        ent["dtype"] = rng.choice(
+            ["F32", "BF16", "F16", "I8", "U8", "I32", "I64", "F8_E4M3", "F8_E8M0", "F4", "BOOL", "F64", "X9", 7, None]
+        )
     elif op == 1:
         shape = list(ent["shape"]) or [1]
         k = rng.randrange(len(shape))
@@ -190,8 +232,9 @@ def mut_header_json(d, rng, outside, touched):
         ent["shape"] = rng.choice([shape, shape[::-1], shape + [1], [math.prod(ent["shape"])]])
     elif op == 2:
         b, e = ent["data_offsets"]
-        ent["data_offsets"] = rng.choice([[b + 1, e + 1], [b, e + 8], [e, b], [-8, e - b - 8], [b], [b, e, e],
-                                          [0, e - b], "0", [b, 1e3]])
+        ent["data_offsets"] = rng.choice(
+            [[b + 1, e + 1], [b, e + 8], [e, b], [-8, e - b - 8], [b], [b, e, e], [0, e - b], "0", [b, 1e3]]
+        )
     elif op == 3:
         del header[name]
     elif op == 4:  # another tensor's name: a duplicate, or two tensors swapped (then both may differ)
@@ -230,8 +273,18 @@ def mut_index(d, rng, outside, touched):
             if v == shards[0]:
                 wm[k] = wm[key]
     elif op == 1:
-        wm[key] = rng.choice(["../../../../etc/passwd", "/etc/passwd", "/dev/zero", "nope.safetensors",
-                              "sub/../" + wm[key], "", ".", "config.json"])
+        wm[key] = rng.choice(
+            [
+                "../../../../etc/passwd",
+                "/etc/passwd",
+                "/dev/zero",
+                "nope.safetensors",
+                "sub/../" + wm[key],
+                "",
+                ".",
+                "config.json",
+            ]
+        )
     elif op == 2:
         wm[key] = rng.choice(HOSTILE_VALUES)
     elif op == 3:
@@ -244,7 +297,7 @@ def mut_index(d, rng, outside, touched):
         idx.write_bytes(idx.read_bytes()[: rng.randrange(max(idx.stat().st_size, 1))])
         return "truncated the index"
     else:
-        idx.write_text(rng.choice(["[]", "null", "1", "\"x\"", "[" * 100000, "{\"weight_map\": " + "[" * 5000]))
+        idx.write_text(rng.choice(["[]", "null", "1", '"x"', "[" * 100000, '{"weight_map": ' + "[" * 5000]))
         return "index not an object"
     idx.write_text(json.dumps(obj))
     return f"index edit {op} at '{key}'"
@@ -270,8 +323,7 @@ def mut_config(d, rng, outside, touched):
         path.write_bytes(path.read_bytes()[: rng.randrange(max(path.stat().st_size, 1))])
         return "truncated config.json"
     if op == 4:
-        path.write_bytes(rng.choice([b"\xff\xfe{}", b"[]", b"null", b"[" * 100000,
-                                     b"{\"dim\": 1" + b"0" * 5000 + b"}"]))
+        path.write_bytes(rng.choice([b"\xff\xfe{}", b"[]", b"null", b"[" * 100000, b'{"dim": 1' + b"0" * 5000 + b"}"]))
         return "config.json not a config object"
     key = rng.choice(keys)
     parent = obj
@@ -312,8 +364,17 @@ def mut_file_type(d, rng, outside, touched):
     return f"{victim.name} replaced by file type {kind}"
 
 
-MUTATIONS: list[Callable] = [mut_header_bytes, mut_header_length, mut_payload_bytes, mut_truncate, mut_append,
-                             mut_header_json, mut_index, mut_config, mut_file_type]
+MUTATIONS: list[Callable] = [
+    mut_header_bytes,
+    mut_header_length,
+    mut_payload_bytes,
+    mut_truncate,
+    mut_append,
+    mut_header_json,
+    mut_index,
+    mut_config,
+    mut_file_type,
+]
 
 
 # ------------------------------------------------------------------------------------------ the fuzzer
@@ -376,5 +437,6 @@ def test_corruption_fuzzer(base, tmp_path, request):
     print(f"fuzz outcomes over {cases} cases from seed {SEED}: {outcomes}")
     assert sum(outcomes.values()) == cases
     if cases >= 100:  # the mutations reach both outcomes: the fuzzer is not refusing everything blindly
-        assert outcomes.get("refused", 0) > cases // 4 and outcomes.get("same", 0) + outcomes.get(
-            "payload changed", 0) > 0, outcomes
+        assert (
+            outcomes.get("refused", 0) > cases // 4 and outcomes.get("same", 0) + outcomes.get("payload changed", 0) > 0
+        ), outcomes

@@ -91,7 +91,5 @@ def rewrite(src, dst, fn=None, extra: dict | None = None):
         if f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
             shutil.copyfile(f, dst / f.name)
     if (src / "model.safetensors.index.json").exists():
-        (dst / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": weight_map})
-        )
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return dst

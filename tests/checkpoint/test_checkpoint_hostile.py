@@ -32,15 +32,20 @@ BOUND = 20.0  # seconds; every refusal here is immediate, the bound only turns a
 def model():
     from dsv4.model import DeepSeekV4
 
-    return make_representable(DeepSeekV4.from_config(micro_config(), seed=5, dtype=torch.float32).eval(),
-                              "fp8", "fp4")
+    return make_representable(DeepSeekV4.from_config(micro_config(), seed=5, dtype=torch.float32).eval(), "fp8", "fp4")
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, model):
     """A four-shard FP8 + MXFP4 release checkpoint with an index."""
-    return save(model_values(model), model.cfg, tmp_path_factory.mktemp("h") / "ckpt", "fp8", expert_dtype="fp4",
-                shard_bytes=100_000)
+    return save(
+        model_values(model),
+        model.cfg,
+        tmp_path_factory.mktemp("h") / "ckpt",
+        "fp8",
+        expert_dtype="fp4",
+        shard_bytes=100_000,
+    )
 
 
 def refused(path, *needles):
@@ -66,8 +71,10 @@ def edit_index(d: Path, fn) -> None:
 
 
 # ------------------------------------------------------------------------------------------ containment
-@pytest.mark.parametrize("entry", ["../elsewhere/stolen.safetensors", "ABS", "../../../../etc/passwd",
-                                   "sub/../model-00001-of-00004.safetensors"])
+@pytest.mark.parametrize(
+    "entry",
+    ["../elsewhere/stolen.safetensors", "ABS", "../../../../etc/passwd", "sub/../model-00001-of-00004.safetensors"],
+)
 def test_index_entries_that_leave_the_directory_are_refused_by_name(ckpt, tmp_path, entry, capsys):
     d = copy(ckpt, tmp_path / "c")
     (tmp_path / "elsewhere").mkdir()
@@ -135,10 +142,11 @@ def test_fifo_checkpoint_does_not_hang_the_command_line(ckpt, tmp_path):
     (d / "model-00001-of-00004.safetensors").unlink()
     os.mkfifo(d / "model-00001-of-00004.safetensors")
     env = checkout_env()
-    for args in (["inspect", "--model", str(d)],
-                 ["generate", "--model", str(d), "--prompt-ids", "0,1", "--max-new-tokens", "1"]):
-        r = subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, timeout=120,
-                           env=env)
+    for args in (
+        ["inspect", "--model", str(d)],
+        ["generate", "--model", str(d), "--prompt-ids", "0,1", "--max-new-tokens", "1"],
+    ):
+        r = subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, timeout=120, env=env)
         assert r.returncode == 2, (args, r.stderr)
         err = r.stderr.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and "FIFO" in err[0], r.stderr
@@ -203,26 +211,29 @@ def test_tid2eid_out_of_range_is_refused(ckpt, tmp_path, bad):
 BASE = micro_config().to_inference_json()
 
 
-@pytest.mark.parametrize("key, value, rule", [
-    ("norm_eps", -1e-6, "(0.0, 1.0]"),
-    ("norm_eps", float("nan"), "finite"),
-    ("rope_theta", float("nan"), "finite"),
-    ("rope_theta", 1.0, "(1.0,"),
-    ("compress_rope_theta", float("inf"), "finite"),
-    ("hc_sinkhorn_iters", 10**9, "[1, 1000]"),
-    ("hc_eps", 0.0, "(0.0, 1.0]"),
-    ("dim", "64", "must be an integer, got str"),
-    ("n_layers", 2.5, "must be an integer"),
-    ("n_layers", True, "must be an integer, got bool"),
-    ("fp8_kv_sim", "yes", "true or false"),
-    ("n_activated_experts", 5, "n_routed_experts (4)"),
-    ("o_groups", 3, "divisible"),
-    ("vocab_size", 10**12, "must be an integer in"),
-    ("score_func", None, "must be one of"),
-    ("route_scale", -1, "(0.0,"),
-    ("compress_ratios", [0, "4"], "entries must be integers"),
-    ("max_seq_len", 2**40, "must be an integer in"),
-])
+@pytest.mark.parametrize(
+    "key, value, rule",
+    [
+        ("norm_eps", -1e-6, "(0.0, 1.0]"),
+        ("norm_eps", float("nan"), "finite"),
+        ("rope_theta", float("nan"), "finite"),
+        ("rope_theta", 1.0, "(1.0,"),
+        ("compress_rope_theta", float("inf"), "finite"),
+        ("hc_sinkhorn_iters", 10**9, "[1, 1000]"),
+        ("hc_eps", 0.0, "(0.0, 1.0]"),
+        ("dim", "64", "must be an integer, got str"),
+        ("n_layers", 2.5, "must be an integer"),
+        ("n_layers", True, "must be an integer, got bool"),
+        ("fp8_kv_sim", "yes", "true or false"),
+        ("n_activated_experts", 5, "n_routed_experts (4)"),
+        ("o_groups", 3, "divisible"),
+        ("vocab_size", 10**12, "must be an integer in"),
+        ("score_func", None, "must be one of"),
+        ("route_scale", -1, "(0.0,"),
+        ("compress_ratios", [0, "4"], "entries must be integers"),
+        ("max_seq_len", 2**40, "must be an integer in"),
+    ],
+)
 def test_config_schema_names_key_value_and_rule(key, value, rule):
     with pytest.raises(ConfigError) as ei:
         ModelConfig.from_dict({**BASE, key: value})
@@ -235,9 +246,14 @@ def test_config_schema_bounds_total_size_and_applies_to_hugging_face_keys(tmp_pa
     with pytest.raises(ConfigError, match="parameters, more than the limit"):
         ModelConfig.from_dict(big)
     hf = to_hf_json(micro_config())
-    for key, value in (("rms_norm_eps", float("nan")), ("rope_scaling", {"type": "yarn", "factor": "x"}),
-                       ("num_hidden_layers", "2"), ("eos_token_id", []), ("layer_types", 5),
-                       ("rope_scaling", {"type": "yarn", "factor": 2, "beta_slow": 0})):
+    for key, value in (
+        ("rms_norm_eps", float("nan")),
+        ("rope_scaling", {"type": "yarn", "factor": "x"}),
+        ("num_hidden_layers", "2"),
+        ("eos_token_id", []),
+        ("layer_types", 5),
+        ("rope_scaling", {"type": "yarn", "factor": 2, "beta_slow": 0}),
+    ):
         with pytest.raises(ConfigError, match="config key"):
             read_config({**hf, key: value})
     for name in ("tiny", "small", "medium", "flash", "pro"):
@@ -314,8 +330,13 @@ def _writer(dst: Path, pause: float | str) -> subprocess.Popen:
     with pause="hold" until a line arrives on its stdin."""
     code = WRITER.format(tests=str(Path(__file__).resolve().parent))
     env = checkout_env()
-    return subprocess.Popen([sys.executable, "-c", code, str(dst), str(pause)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(dst), str(pause)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def test_two_concurrent_writers_exactly_one_succeeds(tmp_path):

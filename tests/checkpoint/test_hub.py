@@ -39,8 +39,9 @@ def _blob_name(data: bytes, lfs: bool) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def add_snapshot(cache: Path, repo: str, commit: str, files: dict[str, bytes],
-                 refs: tuple[str, ...] = ("main",)) -> Path:
+def add_snapshot(
+    cache: Path, repo: str, commit: str, files: dict[str, bytes], refs: tuple[str, ...] = ("main",)
+) -> Path:
     """Write `files` into the cache as huggingface_hub does after a download of `repo` at `commit`."""
     repo_dir = cache / f"models--{repo.replace('/', '--')}"
     snap = repo_dir / "snapshots" / commit
@@ -92,7 +93,7 @@ def test_hub_id_shape_and_directory_precedence(tmp_path, monkeypatch):
         assert parse_hub_id(not_id) is None, not_id
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "name").mkdir(parents=True)
-    assert not is_hub_id("org/name")                       # an existing directory wins
+    assert not is_hub_id("org/name")  # an existing directory wins
     assert resolve_model_path("org/name") == Path("org/name")
     assert is_hub_id("org/other")
     with pytest.raises(CheckpointError, match="not a directory"):
@@ -119,8 +120,9 @@ def test_a_revision_not_cached(hub_cache):
 
 
 def test_a_repository_not_cached(hub_cache):
-    with pytest.raises(CheckpointError,
-                       match=r"^other/model: not a directory, and not in the Hugging Face cache .*HF_HUB_OFFLINE"):
+    with pytest.raises(
+        CheckpointError, match=r"^other/model: not a directory, and not in the Hugging Face cache .*HF_HUB_OFFLINE"
+    ):
         resolve_model_path("other/model")
 
 
@@ -131,19 +133,34 @@ def test_a_missing_shard_is_named_before_any_weight_is_read(hub_cache):
     assert len(shards) == 2
     del files[shards[1]]
     add_snapshot(hub_cache, "dsv4-test/partial", COMMIT, files)
-    with pytest.raises(CheckpointError, match=rf"dsv4-test/partial: shard {shards[1]} \(1 of 2 named by the index\) "
-                                              r"is not in the Hugging Face cache"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"dsv4-test/partial: shard {shards[1]} \(1 of 2 named by the index\) "
+        r"is not in the Hugging Face cache",
+    ):
         load_pretrained("dsv4-test/partial")
-    assert resolve_model_path("dsv4-test/partial", weights=False).is_dir()   # config and index are there
+    assert resolve_model_path("dsv4-test/partial", weights=False).is_dir()  # config and index are there
 
 
 def test_a_repository_that_is_not_deepseek_v4(hub_cache):
-    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-             "num_hidden_layers": 2, "vocab_size": 128}
-    add_snapshot(hub_cache, "meta-llama/tiny", COMMIT, {"config.json": json.dumps(llama).encode(),
-                                                        "model.safetensors": b"\0" * 16})
-    with pytest.raises(CheckpointError, match=r"meta-llama/tiny: not a DeepSeek-V4 model \(model_type 'llama', "
-                                              r"architectures LlamaForCausalLM\)"):
+    llama = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "vocab_size": 128,
+    }
+    add_snapshot(
+        hub_cache,
+        "meta-llama/tiny",
+        COMMIT,
+        {"config.json": json.dumps(llama).encode(), "model.safetensors": b"\0" * 16},
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"meta-llama/tiny: not a DeepSeek-V4 model \(model_type 'llama', "
+        r"architectures LlamaForCausalLM\)",
+    ):
         load_pretrained("meta-llama/tiny")
     add_snapshot(hub_cache, "someone/dataset-like", COMMIT, {"README.md": b"# not a model\n"})
     with pytest.raises(CheckpointError, match="no config.json in the repository"):
@@ -161,8 +178,7 @@ def test_only_the_files_loading_reads_are_requested():
 
 def _cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
     full = checkout_env(**env, CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, env=full,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, env=full, timeout=300)
 
 
 def test_cli_generate_with_a_hub_id_matches_the_directory(hub_cache):
@@ -182,8 +198,10 @@ def test_cli_bad_hub_ids_are_one_error_line_exit_2(hub_cache):
     env = {"HF_HOME": str(hub_cache.parent), "HF_HUB_OFFLINE": "1"}
     ok = _cli(["inspect", "--model", f"{REPO}@v1", "--json"], env)
     assert ok.returncode == 0 and json.loads(ok.stdout)["ok"], ok.stderr
-    cases = [(["info", "--model", f"{REPO}@v2"], "revision 'v2' is not in the Hugging Face cache"),
-             (["inspect", "--model", "dsv4-test/partial"], f"shard {shard}")]
+    cases = [
+        (["info", "--model", f"{REPO}@v2"], "revision 'v2' is not in the Hugging Face cache"),
+        (["inspect", "--model", "dsv4-test/partial"], f"shard {shard}"),
+    ]
     for args, want in cases:
         r = _cli(args, env)
         assert r.returncode == 2, (args, r.stderr)
@@ -200,11 +218,12 @@ def test_hub_unreachable_falls_back_to_the_cache(hub_cache):
     assert ok.returncode == 0, ok.stderr
     cfg = json.loads(ok.stdout)["config"]
     assert cfg["dim"] == json.loads((SHIPPED / "config.json").read_text())["hidden_size"]
-    assert cfg["name"] == REPO                              # named by its id, not by the snapshot's hash
+    assert cfg["name"] == REPO  # named by its id, not by the snapshot's hash
     bad = _cli(["info", "--model", "other/model"], env)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         f"error: other/model: not a directory, and not in the Hugging Face cache {hub_cache} "
-        "and the Hub could not be reached"]
+        "and the Hub could not be reached"
+    ]
 
 
 def test_nothing_of_the_cache_is_changed(hub_cache):

@@ -71,8 +71,22 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path):
 def test_drafts_and_overrides(tmp_path, capsys):
     assert main(["init", str(tmp_path / "nomtp"), "--preset", "tiny", "--draft", "none"]) == 0
     assert load_pretrained(tmp_path / "nomtp").cfg.n_mtp_layers == 0
-    assert main(["init", str(tmp_path / "mtp"), "--preset", "tiny", "--override", "n_mtp_layers=0", "n_layers=3",
-                 "--draft", "mtp"]) == 0
+    assert (
+        main(
+            [
+                "init",
+                str(tmp_path / "mtp"),
+                "--preset",
+                "tiny",
+                "--override",
+                "n_mtp_layers=0",
+                "n_layers=3",
+                "--draft",
+                "mtp",
+            ]
+        )
+        == 0
+    )
     cfg = load_pretrained(tmp_path / "mtp").cfg
     assert (cfg.n_layers, cfg.n_mtp_layers, cfg.compress_ratios) == (3, 1, (0, 4, 128, 0))
     capsys.readouterr()
@@ -83,13 +97,16 @@ def test_drafts_and_overrides(tmp_path, capsys):
     assert model.checkpoint_plan["layout"] == "dspark"
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--override", "nlayers=3"], "not a config field"),
-    (["--override", "n_layers"], "KEY=VALUE"),
-    (["--override", "n_layers=9"], "give compress_ratios"),
-    (["--override", "n_hash_layers=7"], "n_hash_layers"),
-    (["--override", "dim=100", "--expert-dtype", "fp4"], "multiples of 32"),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--override", "nlayers=3"], "not a config field"),
+        (["--override", "n_layers"], "KEY=VALUE"),
+        (["--override", "n_layers=9"], "give compress_ratios"),
+        (["--override", "n_hash_layers=7"], "n_hash_layers"),
+        (["--override", "dim=100", "--expert-dtype", "fp4"], "multiples of 32"),
+    ],
+)
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, words):
     dst = tmp_path / "x"
     capsys.readouterr()
@@ -122,22 +139,24 @@ def test_a_failure_midway_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(initialize, "random_value", failing)
     with pytest.raises(OSError):
         init_checkpoint(tmp_path / "half", ModelConfig.preset("tiny"))
-    assert os.listdir(tmp_path) == []                       # no destination, no temporary directory
+    assert os.listdir(tmp_path) == []  # no destination, no temporary directory
 
 
 def test_flash_shaped_checkpoint_kept_quantized_with_bounded_memory(tmp_path, capsys):
     """Flash's dimensions (dim 4096, 64 heads of 512, q_lora 1024, O-LoRA 8 x 1024, indexer 64 x 128, experts
     of 2048) with two layers (CSA and HCA), 8 experts and a 8192-token vocabulary: FP8 linears, MXFP4
     experts, written one tensor at a time."""
-    cfg = apply_overrides(ModelConfig.preset("flash"), {"n_layers": 2, "n_routed_experts": 8, "vocab_size": 8192,
-                                                        "compress_ratios": (4, 128, 0)})
+    cfg = apply_overrides(
+        ModelConfig.preset("flash"),
+        {"n_layers": 2, "n_routed_experts": 8, "vocab_size": 8192, "compress_ratios": (4, 128, 0)},
+    )
     dst = tmp_path / "flash2"
     _, peak = allocation_peak(lambda: init_checkpoint(dst, cfg, seed=0))
     rep = _inspect(dst, capsys)
     assert rep["ok"], rep
     assert set(rep["dtypes"]) == {"F8_E4M3", "F8_E8M0", "I8", "BF16", "F32", "I32"}, rep["dtypes"]
     total = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
-    largest = max(math.prod(s) * 2 for s in ((cfg.vocab_size, cfg.dim),))          # embedding / head in bf16
+    largest = max(math.prod(s) * 2 for s in ((cfg.vocab_size, cfg.dim),))  # embedding / head in bf16
     # alive at once: the tensor being written and the one being drawn (each at most the largest), and one
     # fp32 block of draws
     bound = 2 * largest + 4 * BLOCK_ELEMENTS + (1 << 20)

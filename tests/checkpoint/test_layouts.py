@@ -50,8 +50,12 @@ def write_dspark(model, root: Path, edit=None) -> dict[str, torch.Tensor]:
     `num_nextn_predict_layers: 1` (the tensors count the stages). `edit(draft)` may change the draft tensors
     before they are written. Returns the draft tensors as written."""
     cfg = dspark_cfg(model.cfg)
-    base = save(((n, v) for n, v in model_values(model) if not n.startswith("mtp.")),
-                layouts.without_mtp(cfg), root.parent / f"{root.name}-backbone", "bf16")
+    base = save(
+        ((n, v) for n, v in model_values(model) if not n.startswith("mtp.")),
+        layouts.without_mtp(cfg),
+        root.parent / f"{root.name}-backbone",
+        "bf16",
+    )
     g = torch.Generator().manual_seed(0)
     draft = {n: _draft_value(n, s, g) for n, s in dspark_tensors(cfg).items()}
     if edit is not None:
@@ -161,8 +165,8 @@ def test_dspark_inspect_reports_the_draft(source, tmp_path):
 
 def test_dspark_inventory_problems_are_each_named(source, tmp_path):
     def damage(draft):
-        del draft["mtp.1.attn.wkv.weight"]                                       # missing
-        draft["mtp.2.attn.compressor.ape"] = torch.zeros(4, 64)                  # extra: the draft has none
+        del draft["mtp.1.attn.wkv.weight"]  # missing
+        draft["mtp.2.attn.compressor.ape"] = torch.zeros(4, 64)  # extra: the draft has none
         draft["mtp.2.markov_head.markov_w1.weight"] = torch.zeros(1024, 9, dtype=torch.bfloat16)  # rank 9
 
     write_dspark(source, tmp_path / "bad", damage)
@@ -185,7 +189,7 @@ def test_dspark_loads_with_its_draft_and_without_it(source, tmp_path):
     got = official((n, v) for n, v in model_values(m) if n.startswith("mtp."))
     assert got.keys() == draft.keys() and all(torch.equal(got[n], draft[n].float()) for n in draft)
     with torch.no_grad():
-        assert torch.equal(m(tokens()).logits, source(tokens()).logits)        # the main model is untouched
+        assert torch.equal(m(tokens()).logits, source(tokens()).logits)  # the main model is untouched
     m0 = load_pretrained(tmp_path / "ds", mtp=False, **qat)
     assert m0.cfg.n_mtp_layers == 0 and not m0.cfg.dspark and not any(n.startswith("mtp.") for n in m0.state_dict())
     with torch.no_grad():
@@ -197,8 +201,10 @@ def test_dspark_cli_inspect_convert_both_ways_generate(source, tmp_path, capsys)
     assert main(["inspect", "--model", str(tmp_path / "ds")]) == 0
     # bf16 -> bf16 keeps the draft bit for bit; -> fp8 quantizes main_proj (and experts) like every linear
     assert main(["convert", "--model", str(tmp_path / "ds"), str(tmp_path / "bf"), "--to", "bf16"]) == 0
-    assert main(["convert", "--model", str(tmp_path / "ds"), str(tmp_path / "f8"), "--to", "fp8",
-                 "--expert-dtype", "fp4"]) == 0
+    assert (
+        main(["convert", "--model", str(tmp_path / "ds"), str(tmp_path / "f8"), "--to", "fp8", "--expert-dtype", "fp4"])
+        == 0
+    )
     assert main(["convert", "--model", str(tmp_path / "f8"), str(tmp_path / "back"), "--to", "bf16"]) == 0
     for d in ("bf", "f8", "back"):
         r = inspect_dir(tmp_path / d)
@@ -207,19 +213,19 @@ def test_dspark_cli_inspect_convert_both_ways_generate(source, tmp_path, capsys)
     assert all(torch.equal(bf[n], draft[n].float()) for n in draft)
     headers = {n: i for f in (tmp_path / "f8").glob("*.safetensors") for n, i in read_header(f)[0].items()}
     assert headers["mtp.0.main_proj.weight"].dtype == "F8_E4M3" and "mtp.0.main_proj.scale" in headers
-    assert headers["mtp.2.markov_head.markov_w2.weight"].dtype == "BF16"     # never quantized
+    assert headers["mtp.2.markov_head.markov_w2.weight"].dtype == "BF16"  # never quantized
     f8 = official(plan_values(plan(tmp_path / "f8")))
     back = official(plan_values(plan(tmp_path / "back")))
-    assert f8.keys() == back.keys() and all(torch.equal(f8[n], back[n]) for n in f8)   # fp8 -> bf16 exact
+    assert f8.keys() == back.keys() and all(torch.equal(f8[n], back[n]) for n in f8)  # fp8 -> bf16 exact
     assert main(["convert", "--model", str(tmp_path / "ds"), str(tmp_path / "main"), "--to", "bf16", "--no-mtp"]) == 0
     assert not any(n.startswith("mtp.") for f in (tmp_path / "main").glob("*.safetensors") for n in read_header(f)[0])
     gen = ["generate", "--model", str(tmp_path / "ds"), "--prompt-ids", "1,2", "--max-new-tokens", "2"]
     capsys.readouterr()
     assert main(gen) == 0
     capsys.readouterr()
-    assert main([*gen, "--speculative", "2", "--speculative-threshold", "0.5", "--json"]) == 0   # the DSpark draft
+    assert main([*gen, "--speculative", "2", "--speculative-threshold", "0.5", "--json"]) == 0  # the DSpark draft
     assert len(json.loads(capsys.readouterr().out)["ids"]) == 2
-    assert main([*gen, "--speculative", "6"]) == 2            # more than the draft's block of 5
+    assert main([*gen, "--speculative", "6"]) == 2  # more than the draft's block of 5
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --speculative 6") and "blocks of 5" in err[0]
 
@@ -237,11 +243,33 @@ def test_training_the_draft_of_a_dspark_checkpoint_keeps_the_main_model(source, 
     write_dspark(source, tmp_path / "ds")
     data = tmp_path / "data"
     data.mkdir()
-    for i in range(8):                          # half of them held out, by the hash of their names
+    for i in range(8):  # half of them held out, by the hash of their names
         (data / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 20, encoding="utf-8")
-    train = ["train", "--model", str(tmp_path / "ds"), "--data", str(data), "--held-out-pct", "50",
-             "--steps", "1", "--batch-size", "1", "--seq-len", "16", "--eval-every", "0", "--sample-prompt", "",
-             "--no-progress", "--device", "cpu", "--freeze-main", "--dspark-anchors", "4"]
+    train = [
+        "train",
+        "--model",
+        str(tmp_path / "ds"),
+        "--data",
+        str(data),
+        "--held-out-pct",
+        "50",
+        "--steps",
+        "1",
+        "--batch-size",
+        "1",
+        "--seq-len",
+        "16",
+        "--eval-every",
+        "0",
+        "--sample-prompt",
+        "",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--freeze-main",
+        "--dspark-anchors",
+        "4",
+    ]
     assert main([*train, "--out", str(tmp_path / "run"), "--export", str(tmp_path / "exp")]) == 0
     before = official(plan_values(plan(tmp_path / "ds")))
     after = official(plan_values(plan(tmp_path / "exp")))

@@ -32,8 +32,15 @@ def test_user_errors_are_one_line_exit_2():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: --device cuda is valid here")
-@pytest.mark.parametrize("argv", [["generate", "--preset", "tiny", "hi"], ["check", "teacher-forcing"],
-                                  ["train", "--preset", "tiny", "--steps", "1"], ["check", "conformance"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--preset", "tiny", "hi"],
+        ["check", "teacher-forcing"],
+        ["train", "--preset", "tiny", "--steps", "1"],
+        ["check", "conformance"],
+    ],
+)
 def test_device_cuda_without_cuda_is_one_line(argv, capsys):
     assert main(argv + ["--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip()
@@ -56,8 +63,26 @@ def test_api_and_cli_share_the_defaults(capsys):
     model = load_pretrained(default_model_dir(), progress=False)
     assert model.embed.weight.dtype == defaults.default_dtype() and model.embed.weight.device.type == defaults.DEVICE
     ids = generate(model, [[0, 5, 7]], max_new_tokens=6, temperature=0.9, top_p=0.9, seed=3, stop_at_eos=False)[0]
-    assert main(["generate", "--prompt-ids", "0,5,7", "--max-new-tokens", "6", "--temperature", "0.9",
-                 "--top-p", "0.9", "--seed", "3", "--no-stop", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--prompt-ids",
+                "0,5,7",
+                "--max-new-tokens",
+                "6",
+                "--temperature",
+                "0.9",
+                "--top-p",
+                "0.9",
+                "--seed",
+                "3",
+                "--no-stop",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["ids"] == ids
 
 
@@ -87,4 +112,4 @@ def test_shipped_model_is_the_default_and_generates_text(capsys):
     assert main(["generate", "def fibonacci(n):", "--max-new-tokens", "12", "--no-stop", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == str(shipped) and len(out["ids"]) == 12
-    assert out["text"] and out["prompt_ids"][0] == 0            # BOS, then the encoded prompt
+    assert out["text"] and out["prompt_ids"][0] == 0  # BOS, then the encoded prompt

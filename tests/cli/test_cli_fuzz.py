@@ -47,7 +47,7 @@ def _invalid_values(kind) -> list[str]:
     """Values a flag of this type must refuse."""
     bounds = getattr(kind, "bounds", None)
     if kind is argtypes.text:
-        return ["\udcff\udcfe", "ok\udc80"]                      # undecodable argv bytes (surrogateescape)
+        return ["\udcff\udcfe", "ok\udc80"]  # undecodable argv bytes (surrogateescape)
     if kind is argtypes.path:
         return ["", "a\0b"]
     if kind is argtypes.preset:
@@ -63,7 +63,7 @@ def _invalid_values(kind) -> list[str]:
         return ["1,x", "", "1.5", "-3"]
     if getattr(kind, "__name__", "") == "_shape":
         return ["4096", "0x5", "ax4", "-1x3"]
-    if bounds is not None and len(bounds) == 2:                   # argtypes.int_in
+    if bounds is not None and len(bounds) == 2:  # argtypes.int_in
         lo, hi = bounds
         bad = ["nan", "1.5", "", "x", "1e3", "0x10"]
         if lo is not None:
@@ -71,7 +71,7 @@ def _invalid_values(kind) -> list[str]:
         if hi is not None:
             bad.append(str(hi + 1))
         return bad
-    if bounds is not None:                                        # argtypes.float_in
+    if bounds is not None:  # argtypes.float_in
         lo, hi, lo_open, hi_open = bounds
         bad = ["nan", "NaN", "inf", "-inf", "1e999", "x", ""]
         if lo is not None:
@@ -92,7 +92,7 @@ def _table():
         for action in parser._actions:
             if action.type is None and not action.choices:
                 continue
-            if not action.option_strings:                         # positionals: the prompt text
+            if not action.option_strings:  # positionals: the prompt text
                 if action.type is argtypes.text:
                     rows += [(path, None, v) for v in _invalid_values(action.type)]
                 continue
@@ -110,17 +110,33 @@ TABLE = _table()
 def test_the_table_covers_every_command():
     """The walk finds every command of `dsv4 --help` and generates cases for each that takes values."""
     found = {p for p, _, _ in TABLE}
-    for cmd in [("generate",), ("chat",), ("serve",), ("train",), ("convert",), ("inspect",), ("info",),
-                ("check", "teacher-forcing"), ("check", "compare"), ("check", "conformance"),
-                ("bench", "serve"), ("bench", "kernels"), ("bench", "w8a8")]:
+    for cmd in [
+        ("generate",),
+        ("chat",),
+        ("serve",),
+        ("train",),
+        ("convert",),
+        ("inspect",),
+        ("info",),
+        ("check", "teacher-forcing"),
+        ("check", "compare"),
+        ("check", "conformance"),
+        ("bench", "serve"),
+        ("bench", "kernels"),
+        ("bench", "w8a8"),
+    ]:
         assert cmd in found, cmd
     assert len(TABLE) > 400
 
 
 def test_every_numeric_flag_is_range_checked():
     """No flag parses a number with plain int/float (which accept NaN, inf, negatives, zero)."""
-    plain = [(" ".join(path), a.option_strings) for path, parser in _commands(build_parser())
-             for a in parser._actions if a.type in (int, float)]
+    plain = [
+        (" ".join(path), a.option_strings)
+        for path, parser in _commands(build_parser())
+        for a in parser._actions
+        if a.type in (int, float)
+    ]
     assert plain == []
 
 
@@ -136,25 +152,39 @@ def test_invalid_argument_is_one_line_exit_2(path, flag, value, capsys):
         assert f"argument {flag}" in lines[0] or any(s in lines[0] for s in flag.split("/")), lines[0]
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["generate", "--top-p", "nan"], "--top-p"),
-    (["train", "--steps", "0"], "--steps"),
-    (["serve", "--port", "70000"], "--port"),
-    (["generate", b"caf\xe9".decode("utf-8", "surrogateescape")], "UTF-8"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["generate", "--top-p", "nan"], "--top-p"),
+        (["train", "--steps", "0"], "--steps"),
+        (["serve", "--port", "70000"], "--port"),
+        (["generate", b"caf\xe9".decode("utf-8", "surrogateescape")], "UTF-8"),
+    ],
+)
 def test_real_process_prints_no_traceback(argv, needle):
     """The same through a real `python -m dsv4` process: exit 2, one line, no traceback."""
     env = checkout_env()
-    res = subprocess.run([sys.executable, "-m", "dsv4", *[os.fsencode(a) for a in argv]], capture_output=True,
-                         timeout=120, env=env, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "dsv4", *[os.fsencode(a) for a in argv]],
+        capture_output=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
     err = res.stderr.decode("utf-8", "replace").strip()
     assert res.returncode == 2 and len(err.splitlines()) == 1 and needle in err and "Traceback" not in err, err
 
 
 def test_debug_shows_the_traceback():
     env = checkout_env()
-    res = subprocess.run([sys.executable, "-m", "dsv4", "generate", "--prompt-file", "/nonexistent/prompt.txt",
-                          "--debug"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "dsv4", "generate", "--prompt-file", "/nonexistent/prompt.txt", "--debug"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
     assert res.returncode != 0 and "Traceback" in res.stderr and "prompt.txt" in res.stderr
 
 
@@ -170,27 +200,54 @@ def test_prompt_longer_than_the_context_is_refused_with_the_numbers(capsys):
     assert f"has {ctx + 10} tokens" in err and f"is {ctx} tokens" in err and f"at most {ctx - 8} prompt" in err
     assert "max_position_embeddings" in err and "--truncate-prompt" in err
     # a configured limit below the model's context: its numbers
-    assert main(["generate", "--preset", "tiny", "--prompt-ids", "0,5,5,5,5,5,5,5,5,5", "--max-model-len", "12",
-                 "--max-new-tokens", "4"]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--preset",
+                "tiny",
+                "--prompt-ids",
+                "0,5,5,5,5,5,5,5,5,5",
+                "--max-model-len",
+                "12",
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "has 10 tokens" in err and "--max-model-len is 12 tokens" in err and "at most 8 prompt" in err
     assert main(["generate", "--preset", "tiny", "--prompt-ids", "0,5", "--max-model-len", str(ctx + 1)]) == 2
     assert f"exceeds the model's context (max_position_embeddings) of {ctx}" in capsys.readouterr().err
     assert main(["check", "teacher-forcing", "--preset", "tiny", "--seq-len", str(ctx + 1)]) == 2
-    assert f"--seq-len {ctx + 1} exceeds the model's context (max_position_embeddings) of {ctx}" in \
-        capsys.readouterr().err
+    assert (
+        f"--seq-len {ctx + 1} exceeds the model's context (max_position_embeddings) of {ctx}" in capsys.readouterr().err
+    )
 
 
 def test_truncate_prompt_keeps_bos_and_the_last_tokens(capsys):
     import json
 
-    prompt = [0] + list(range(10, 30))                           # BOS (tiny's is 0) + 20 tokens
-    argv = ["generate", "--preset", "tiny", "--prompt-ids", ",".join(map(str, prompt)), "--max-model-len", "12",
-            "--max-new-tokens", "4", "--truncate-prompt", "--json", "--no-stop"]
+    prompt = [0] + list(range(10, 30))  # BOS (tiny's is 0) + 20 tokens
+    argv = [
+        "generate",
+        "--preset",
+        "tiny",
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--max-model-len",
+        "12",
+        "--max-new-tokens",
+        "4",
+        "--truncate-prompt",
+        "--json",
+        "--no-stop",
+    ]
     assert main(argv) == 0
     out, err = capsys.readouterr()
     res = json.loads(out)
-    assert res["prompt_ids"] == [0] + list(range(23, 30))         # 8 = 12 - 4 tokens: BOS + the last 7
+    assert res["prompt_ids"] == [0] + list(range(23, 30))  # 8 = 12 - 4 tokens: BOS + the last 7
     assert len(res["ids"]) == 4 and "cut to its last 8 of 21 tokens" in err
 
 
@@ -253,24 +310,62 @@ def test_a_prompt_longer_than_the_window_pool_is_computed_in_chunks():
     cfg = ModelConfig.preset("tiny")
     model = DeepSeekV4.from_config(cfg, seed=0, dtype=torch.float32).eval()
     P = default_page_size(cfg)
-    n = 12 * P + 5                                        # 13 window pages; the pool holds 6
+    n = 12 * P + 5  # 13 window pages; the pool holds 6
     prompt = [cfg.bos_token_id] + [(7 * i) % cfg.vocab_size for i in range(1, n)]
     kw = dict(max_new_tokens=3, deterministic=True)
-    chunked = generate(model, [prompt], engine_config=EngineConfig(
-        max_seqs=1, max_model_len=n + 3, max_batch_tokens=64, prefix_caching=False, deterministic=True,
-        cuda_graphs=False), **kw)
-    whole = generate(model, [prompt], engine_config=EngineConfig(
-        max_seqs=1, max_model_len=n + 3, max_batch_tokens=n + 3, prefix_caching=False, deterministic=True,
-        cuda_graphs=False), **kw)
+    chunked = generate(
+        model,
+        [prompt],
+        engine_config=EngineConfig(
+            max_seqs=1,
+            max_model_len=n + 3,
+            max_batch_tokens=64,
+            prefix_caching=False,
+            deterministic=True,
+            cuda_graphs=False,
+        ),
+        **kw,
+    )
+    whole = generate(
+        model,
+        [prompt],
+        engine_config=EngineConfig(
+            max_seqs=1,
+            max_model_len=n + 3,
+            max_batch_tokens=n + 3,
+            prefix_caching=False,
+            deterministic=True,
+            cuda_graphs=False,
+        ),
+        **kw,
+    )
     assert len(chunked[0]) == 3 and chunked == whole
 
 
 def test_chat_refuses_a_message_past_the_context_or_not_utf8_and_goes_on():
     env = checkout_env(OMP_NUM_THREADS="1")
-    stdin = b"word " * 400 + b"\ncaf\xe9 \xff\nhello\n"                 # too long, not UTF-8, fine
-    res = subprocess.run([sys.executable, "-m", "dsv4", "chat", "--max-model-len", "128", "--max-new-tokens", "3",
-                          "--temperature", "0", "--device", "cpu"], input=stdin, capture_output=True,
-                         timeout=300, env=env, cwd=ROOT)
+    stdin = b"word " * 400 + b"\ncaf\xe9 \xff\nhello\n"  # too long, not UTF-8, fine
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv4",
+            "chat",
+            "--max-model-len",
+            "128",
+            "--max-new-tokens",
+            "3",
+            "--temperature",
+            "0",
+            "--device",
+            "cpu",
+        ],
+        input=stdin,
+        capture_output=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
     res.stdout, res.stderr = res.stdout.decode(), res.stderr.decode()
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert res.returncode == 2 and len(errors) == 2 and "Traceback" not in res.stderr, res.stderr
@@ -280,7 +375,7 @@ def test_chat_refuses_a_message_past_the_context_or_not_utf8_and_goes_on():
     ctx = read_config_file(default_model_dir() / "config.json").max_seq_len
     assert "the context is 128 tokens" in errors[0] and f"max_position_embeddings is {ctx}" in errors[0]
     assert re.search(r"the conversation is \d{3,} tokens", errors[0])
-    assert res.stdout.strip() != ""                          # the second message was answered
+    assert res.stdout.strip() != ""  # the second message was answered
 
 
 # ------------------------------------------------------------------------------------------ hostile files
@@ -339,11 +434,13 @@ def test_a_hostile_file_is_one_line_at_once(argv, rest, kind, tmp_path, capsys):
 
 def test_parser_refuses_values_the_model_would_fail_on(capsys):
     """Refused while parsing, before a model loads: exit 2 naming the flag."""
-    for argv, flag in [(["generate", "--temperature", "1e300", "hi"], "--temperature"),
-                       (["generate", "--temperature", "2.5", "hi"], "--temperature"),
-                       (["generate", "--device", "meta", "hi"], "--device"),
-                       (["generate", "--top-k", str(2**63), "hi"], "--top-k"),
-                       (["convert", "src", "dst", "--to", "hf", "--shard-gb", "1e300"], "--shard-gb")]:
+    for argv, flag in [
+        (["generate", "--temperature", "1e300", "hi"], "--temperature"),
+        (["generate", "--temperature", "2.5", "hi"], "--temperature"),
+        (["generate", "--device", "meta", "hi"], "--device"),
+        (["generate", "--top-k", str(2**63), "hi"], "--top-k"),
+        (["convert", "src", "dst", "--to", "hf", "--shard-gb", "1e300"], "--shard-gb"),
+    ]:
         t0 = time.monotonic()
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
@@ -360,14 +457,20 @@ def test_ctrl_c_while_starting_is_one_line_exit_130():
 
     interrupted = 0
     for delay in (0.3, 1.0, 2.0):
-        p = subprocess.Popen([sys.executable, "-m", "dsv4", "generate", "--preset", "tiny", "hi"], cwd=ROOT,
-                             env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        p = subprocess.Popen(
+            [sys.executable, "-m", "dsv4", "generate", "--preset", "tiny", "hi"],
+            cwd=ROOT,
+            env=checkout_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=60)
         if p.returncode in (0, -signal.SIGINT) and not err:
-            continue                         # done before the signal, or signalled before Python ran: silent
+            continue  # done before the signal, or signalled before Python ran: silent
         assert p.returncode == 130 and err.strip() == "interrupted", (delay, p.returncode, err[-2000:])
         interrupted += 1
     assert interrupted >= 1

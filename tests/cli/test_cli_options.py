@@ -31,10 +31,19 @@ from dsv4.cli import COMMANDS, build_parser, main
 ROOT = Path(__file__).resolve().parents[2]
 
 # other names users would reach for, for a shared option: present only as declared aliases
-TWINS = {"--checkpoint": "--model", "--init-from": "--model", "--model-dir": "--model", "--model-config": "--config",
-         "--max-tokens": "--max-new-tokens", "--tokens": "--seq-len", "--seq": "--seq-len",
-         "--sequence-length": "--seq-len", "--num-threads": "--threads", "--random-seed": "--seed",
-         "--no-graph": "--cuda-graph"}
+TWINS = {
+    "--checkpoint": "--model",
+    "--init-from": "--model",
+    "--model-dir": "--model",
+    "--model-config": "--config",
+    "--max-tokens": "--max-new-tokens",
+    "--tokens": "--seq-len",
+    "--seq": "--seq-len",
+    "--sequence-length": "--seq-len",
+    "--num-threads": "--threads",
+    "--random-seed": "--seed",
+    "--no-graph": "--cuda-graph",
+}
 # a name of TWINS with a meaning of its own in one command (said here, with why)
 OWN_MEANING = {(("bench", "w8a8"), "--tokens"): "rows of the timed GEMMs, not a sequence length"}
 
@@ -53,8 +62,21 @@ LEAVES = list(_leaves(build_parser()))
 
 def test_the_walk_finds_every_command():
     names = {" ".join(p) for p, _ in LEAVES}
-    for cmd in ("info", "generate", "chat", "serve", "train", "convert", "inspect", "check teacher-forcing",
-                "check compare", "check conformance", "eval heldout", "eval completions", "bench serve"):
+    for cmd in (
+        "info",
+        "generate",
+        "chat",
+        "serve",
+        "train",
+        "convert",
+        "inspect",
+        "check teacher-forcing",
+        "check compare",
+        "check conformance",
+        "eval heldout",
+        "eval completions",
+        "bench serve",
+    ):
         assert cmd in names, cmd
 
 
@@ -100,12 +122,15 @@ def test_one_help_line_per_command_matches_its_parser():
 def test_top_level_help_loads_no_torch_and_is_quick():
     """`dsv4 --help` imports none of the commands' modules: no torch. Timed in CPU seconds (user + system) of
     the child, which a loaded machine does not inflate: under 1 s."""
-    code = ("import runpy, sys\nsys.argv = ['dsv4', '--help']\ntry:\n"
-            "    runpy.run_module('dsv4', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    code = (
+        "import runpy, sys\nsys.argv = ['dsv4', '--help']\ntry:\n"
+        "    runpy.run_module('dsv4', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    )
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=checkout_env(), cwd=ROOT,
-                         timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=checkout_env(), cwd=ROOT, timeout=60
+    )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert res.returncode == 0 and "usage: dsv4" in res.stdout and res.stdout.strip().endswith("NO-TORCH"), res
@@ -125,17 +150,51 @@ def test_old_spellings_work_with_a_one_line_note(capsys):
 def test_sampling_without_a_seed_draws_a_fresh_one_and_prints_it(capsys):
     runs = []
     for _ in range(2):
-        assert main(["generate", "--preset", "tiny", "--prompt-ids", "0,5,7", "--max-new-tokens", "8",
-                     "--temperature", "1.0", "--json", "--no-stop"]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--preset",
+                    "tiny",
+                    "--prompt-ids",
+                    "0,5,7",
+                    "--max-new-tokens",
+                    "8",
+                    "--temperature",
+                    "1.0",
+                    "--json",
+                    "--no-stop",
+                ]
+            )
+            == 0
+        )
         runs.append(json.loads(capsys.readouterr().out))
     assert runs[0]["seed"] != runs[1]["seed"]
     again = []
-    for r in runs:                                 # the printed seed reproduces the text
-        assert main(["generate", "--preset", "tiny", "--prompt-ids", "0,5,7", "--max-new-tokens", "8",
-                     "--temperature", "1.0", "--json", "--no-stop", "--seed", str(r["seed"])]) == 0
+    for r in runs:  # the printed seed reproduces the text
+        assert (
+            main(
+                [
+                    "generate",
+                    "--preset",
+                    "tiny",
+                    "--prompt-ids",
+                    "0,5,7",
+                    "--max-new-tokens",
+                    "8",
+                    "--temperature",
+                    "1.0",
+                    "--json",
+                    "--no-stop",
+                    "--seed",
+                    str(r["seed"]),
+                ]
+            )
+            == 0
+        )
         again.append(json.loads(capsys.readouterr().out)["ids"])
     assert again == [r["ids"] for r in runs]
-    assert main(["generate", "--preset", "tiny", "--json"]) == 2        # no prompt: an error, not a generation
+    assert main(["generate", "--preset", "tiny", "--json"]) == 2  # no prompt: an error, not a generation
     assert "generate needs a prompt" in capsys.readouterr().err
 
 
@@ -143,12 +202,12 @@ def _pty_run(argv: list[str], feed: list[tuple[str, bytes, float]] = (), timeout
     """Run `python -m dsv4 ARGV` on a pseudo-terminal (stdin, stdout and stderr); `feed`: (text to wait for in
     what came since the last keys, seconds to wait more, keys to type then). -> (exit code, all it printed)."""
     pid, fd = pty.fork()
-    if pid == 0:                                                   # the child
+    if pid == 0:  # the child
         os.environ.update(checkout_env(OMP_NUM_THREADS="1", COLUMNS="100"))
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.chdir(ROOT)
         os.execv(sys.executable, [sys.executable, "-m", "dsv4", *argv])
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))   # a terminal of 100 columns
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal of 100 columns
     out, todo, mark, deadline = b"", list(feed), 0, time.monotonic() + timeout
     while time.monotonic() < deadline:
         if todo and todo[0][0].encode() in out[mark:]:
@@ -174,8 +233,14 @@ def test_progress_bar_on_a_terminal_only():
     argv = ["check", "teacher-forcing", "--preset", "tiny", "--seq-len", "60", "--prefill", "4"]
     code, out = _pty_run(argv)
     assert code == 0 and "teacher forcing: decode steps" in out and "agree" in out, out[-2000:]
-    res = subprocess.run([sys.executable, "-m", "dsv4", *argv], capture_output=True, text=True, cwd=ROOT,
-                         env=checkout_env(OMP_NUM_THREADS="1"), timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "dsv4", *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=checkout_env(OMP_NUM_THREADS="1"),
+        timeout=300,
+    )
     assert res.returncode == 0 and res.stderr == "" and "\r" not in res.stdout and "agree" in res.stdout
     code, out = _pty_run([*argv, "--json"])
     assert code == 0 and "decode steps" not in out
@@ -184,11 +249,20 @@ def test_progress_bar_on_a_terminal_only():
 def test_chat_ctrl_c_stops_a_reply_and_twice_at_the_prompt_leaves():
     """On a terminal: a long reply is stopped by Ctrl-C (back at the prompt, the chat goes on), /help and
     /reset answer, and two Ctrl-C at the prompt leave with exit 0."""
-    feed = [("you> ", 0, b"/help\r"), ("Ctrl-C ", 0, b"hello\r"), ("model> ", 3.0, b"\x03"),
-            ("(reply stopped)", 0, b"/reset\r"), ("(conversation reset)", 0, b"\x03"), ("again", 0, b"\x03")]
-    code, out = _pty_run(["chat", "--preset", "tiny", "--max-new-tokens", "3000", "--max-model-len", "4096",
-                          "--temperature", "0"], feed, timeout=240)
-    assert "/reset" in out and "/exit, /quit" in out, out[-2000:]                       # /help
+    feed = [
+        ("you> ", 0, b"/help\r"),
+        ("Ctrl-C ", 0, b"hello\r"),
+        ("model> ", 3.0, b"\x03"),
+        ("(reply stopped)", 0, b"/reset\r"),
+        ("(conversation reset)", 0, b"\x03"),
+        ("again", 0, b"\x03"),
+    ]
+    code, out = _pty_run(
+        ["chat", "--preset", "tiny", "--max-new-tokens", "3000", "--max-model-len", "4096", "--temperature", "0"],
+        feed,
+        timeout=240,
+    )
+    assert "/reset" in out and "/exit, /quit" in out, out[-2000:]  # /help
     assert "(reply stopped)" in out and "(conversation reset)" in out, out[-2000:]
     assert "Ctrl-C again" in out and code == 0 and "Traceback" not in out, (code, out[-2000:])
 

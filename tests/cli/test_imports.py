@@ -62,7 +62,7 @@ def import_edges() -> dict[str, set[str]]:
                     target = ".".join(base + ([node.module] if node.module else []))
                 else:
                     target = node.module or ""
-                for alias in node.names:                       # `from pkg import module` names a module
+                for alias in node.names:  # `from pkg import module` names a module
                     sub = f"{target}.{alias.name}"
                     out.add(sub if sub in mods else target)
             elif isinstance(node, ast.Import):
@@ -110,8 +110,14 @@ def test_every_module_imports_on_its_own():
     names = sorted(modules())
     assert "dsv4.ops.moe_shared" in names and "dsv4.check.zoo" in names
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(names)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, json.dumps(names)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     failures = json.loads(out.stdout.strip().splitlines()[-1])
     assert not failures, "\n".join(f"{m}:\n{tb}" for m, tb in failures.items())
@@ -134,7 +140,7 @@ def test_no_cycle_between_subpackages():
     for m, targets in import_edges().items():
         here = _subpackage(m)
         edges.setdefault(here, set()).update(_subpackage(t) for t in targets if _subpackage(t) != here)
-    edges.pop("dsv4", None)                                   # the package root re-exports, nothing imports it
+    edges.pop("dsv4", None)  # the package root re-exports, nothing imports it
     for targets in edges.values():
         targets.discard("dsv4")
     assert [c for c in cycles(edges) if c not in KNOWN_SUBPACKAGE_CYCLES] == []
@@ -143,8 +149,10 @@ def test_no_cycle_between_subpackages():
 def _registers(module: str) -> bool:
     """Whether the module calls `register(...)`: a backend adding itself to a dispatcher's registry."""
     tree = ast.parse(modules()[module].read_text())
-    return any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "register"
-               for n in ast.walk(tree))
+    return any(
+        isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "register"
+        for n in ast.walk(tree)
+    )
 
 
 # a backend module registering into its own package (`from .. import register`) is the registration
@@ -166,17 +174,18 @@ def test_only_registering_backends_import_their_package():
     edges = import_edges()
     assert "dsv4.ops" in edges["dsv4.ops.torch_native"] and _registers("dsv4.ops.torch_native")
     assert not _registers("dsv4.ops.moe_shared")
-    assert not any(t == "dsv4.ops" or t.startswith("dsv4.ops.triton") or t == "dsv4.ops.torch_native"
-                   for t in edges["dsv4.ops.moe_shared"])
+    assert not any(
+        t == "dsv4.ops" or t.startswith("dsv4.ops.triton") or t == "dsv4.ops.torch_native"
+        for t in edges["dsv4.ops.moe_shared"]
+    )
 
 
 def test_the_graph_sees_deferred_imports():
     """The edges include imports inside functions (the kind that hid the model <-> checkpoint cycle)."""
     edges = import_edges()
-    assert "dsv4.model" in edges["dsv4.checkpoint.load"]            # inside load_pretrained
+    assert "dsv4.model" in edges["dsv4.checkpoint.load"]  # inside load_pretrained
     assert "dsv4.ops.moe_shared" in edges["dsv4.ops.triton.moe"]
-    assert not any(t.startswith("dsv4.checkpoint") for m, ts in edges.items() if m.startswith("dsv4.model")
-                   for t in ts)
+    assert not any(t.startswith("dsv4.checkpoint") for m, ts in edges.items() if m.startswith("dsv4.model") for t in ts)
     assert "dsv4.ops.torch_native" not in edges["dsv4.ops.triton.moe"]
     assert not any(t.startswith("dsv4.ops.triton") for t in edges["dsv4.ops.torch_native"])
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

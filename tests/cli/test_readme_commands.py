@@ -41,11 +41,11 @@ TIMEOUT_S = 600
 
 @dataclass
 class Command:
-    line: str                               # as README writes it (comment removed)
+    line: str  # as README writes it (comment removed)
     comment: str = ""
     output: list[str] = field(default_factory=list)
     python: bool = False
-    clients: list[Command] = field(default_factory=list)   # commands run against this server
+    clients: list[Command] = field(default_factory=list)  # commands run against this server
 
     @property
     def id(self) -> str:
@@ -59,7 +59,7 @@ def _split_comment(line: str) -> tuple[str, str]:
         if ch in "'\"" and quote in (None, ch):
             quote = None if quote else ch
         elif ch == "#" and quote is None and (i == 0 or line[i - 1].isspace()):
-            return line[:i].rstrip(), line[i + 1:].strip()
+            return line[:i].rstrip(), line[i + 1 :].strip()
     return line.rstrip(), ""
 
 
@@ -125,8 +125,8 @@ COMMANDS = _attach_clients(readme_commands())
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.pop("TRITON_INTERPRET", None)           # a command that needs it says so itself
-    env["CUDA_VISIBLE_DEVICES"] = ""            # CPU commands mean the CPU, also on a GPU machine
+    env.pop("TRITON_INTERPRET", None)  # a command that needs it says so itself
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU commands mean the CPU, also on a GPU machine
     return env
 
 
@@ -135,7 +135,7 @@ def _dsv4_script_env(env: dict[str, str], tmp: Path) -> dict[str, str]:
     bin_dir = tmp / "bin"
     bin_dir.mkdir(exist_ok=True)
     script = bin_dir / "dsv4"
-    script.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m dsv4 \"$@\"\n")
+    script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m dsv4 "$@"\n')
     script.chmod(0o755)
     env["PATH"] = f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
@@ -153,7 +153,7 @@ def _line_pattern(want: str) -> re.Pattern:
         out, pos = [], 0
         for m in _MEASURED.finditer(piece):
             if "." in m.group() or "e" in m.group():
-                out.append(re.escape(piece[pos:m.start()]) + _MEASURED.pattern)
+                out.append(re.escape(piece[pos : m.start()]) + _MEASURED.pattern)
                 pos = m.end()
         out.append(re.escape(piece[pos:]))
         parts.append("".join(out))
@@ -219,18 +219,26 @@ def _template_check(line: str) -> None:
 def _run_python(cmd: Command, env: dict, cwd: Path) -> None:
     code = cmd.line
     free = _free_names(code)
-    if free:                                # a sketch: it uses names it leaves to the reader
+    if free:  # a sketch: it uses names it leaves to the reader
         imports = [n for n in ast.parse(code).body if isinstance(n, (ast.Import, ast.ImportFrom))]
         code = "\n".join(ast.unparse(n) for n in imports)
-    run = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                         timeout=TIMEOUT_S)
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     assert run.returncode == 0, run.stderr[-3000:]
 
 
 def _run_server(cmd: Command, env: dict, cwd: Path) -> None:
     """Start the server command, wait until it is ready, run its clients, stop it."""
-    server = subprocess.Popen(["bash", "-c", f"exec {cmd.line}"], cwd=cwd, env={**env, "OMP_NUM_THREADS": "1"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    server = subprocess.Popen(
+        ["bash", "-c", f"exec {cmd.line}"],
+        cwd=cwd,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         lines = []
         for line in server.stdout:
@@ -243,8 +251,9 @@ def _run_server(cmd: Command, env: dict, cwd: Path) -> None:
             if client.python:
                 _run_python(client, env, cwd)
                 continue
-            run = subprocess.run(["bash", "-c", client.line], cwd=cwd, env=env, capture_output=True, text=True,
-                                 timeout=TIMEOUT_S)
+            run = subprocess.run(
+                ["bash", "-c", client.line], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+            )
             assert run.returncode == 0, f"{client.line}\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}"
             missing = _shown_output_in_order(client.output, run.stdout)
             assert missing is None, f"README shows {missing!r}, the command printed:\n{run.stdout}"
@@ -260,7 +269,7 @@ def _run_server(cmd: Command, env: dict, cwd: Path) -> None:
 def test_readme_command(cmd: Command, tmp_path):
     if _needs(cmd):
         if cmd.line.startswith("dsv4 "):
-            _template_check(cmd.line)           # not run here, but its subcommand and flags must exist
+            _template_check(cmd.line)  # not run here, but its subcommand and flags must exist
         pytest.skip(f"README marks what it needs: {cmd.comment}")
     env = _dsv4_script_env(_env(), tmp_path)
     if cmd.clients or (not cmd.python and cmd.line.startswith("dsv4 serve") and not PLACEHOLDERS.search(cmd.line)):
@@ -272,7 +281,7 @@ def test_readme_command(cmd: Command, tmp_path):
     line = cmd.line
     setup = re.match(r"bash scripts/setup\.sh( --test)? && (.*)", line)
     if setup:
-        line = setup.group(2)                   # .ci/run ran the setup already
+        line = setup.group(2)  # .ci/run ran the setup already
     if line.strip() == "python3 -m pytest":
         pytest.skip("this is .ci/run's own test command")
     if PLACEHOLDERS.search(line):
@@ -280,10 +289,10 @@ def test_readme_command(cmd: Command, tmp_path):
         return
     if line.startswith("TRITON_INTERPRET=1 "):
         from dsv4.ops.triton._common import interpreter_defect
+
         if interpreter_defect():
             pytest.skip(f"README's interpreter command, and {interpreter_defect()}")
-    run = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=TIMEOUT_S)
+    run = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     want_rc = 1 if "[exit 1]" in cmd.output or "exits 1" in cmd.comment else 0
     assert run.returncode == want_rc, f"{line}\n--- stdout\n{run.stdout[-3000:]}\n--- stderr\n{run.stderr[-3000:]}"
     missing = _shown_output_in_order(cmd.output, run.stdout)

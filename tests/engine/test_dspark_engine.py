@@ -63,7 +63,7 @@ class OracleDrafter(DSparkDrafter):
         out = []
         for r in rows:
             n = min(r.k, self.length(r.counter))
-            want = self.answers[r.seed][r.counter:r.counter + n]
+            want = self.answers[r.seed][r.counter : r.counter + n]
             out.append(([(t + 1) % self.vocab if self.wrong(r.counter + j) else t for j, t in enumerate(want)], None))
         return out
 
@@ -73,16 +73,23 @@ def test_greedy_dspark_gives_the_plain_tokens_with_drafts_accepted_and_rejected(
     of one step verifying different numbers of drafts (or none), rejected tokens that had completed a
     group or crossed a page, in a busy batch with arrivals and prompt chunks beside the verifies."""
     params = [greedy(i) for i in range(len(prompts))]
-    spec, engine = run(model, prompts, params, arrivals=[0, 2, 3, 1], speculative=3, max_batch_tokens=24,
-                       drafter=lambda e: OracleDrafter(e, plain, lambda i: i % 3 == 1, lambda i: (3, 1, 0, 2)[i % 4]))
+    spec, engine = run(
+        model,
+        prompts,
+        params,
+        arrivals=[0, 2, 3, 1],
+        speculative=3,
+        max_batch_tokens=24,
+        drafter=lambda e: OracleDrafter(e, plain, lambda i: i % 3 == 1, lambda i: (3, 1, 0, 2)[i % 4]),
+    )
     assert spec == plain
     st = engine.spec_stats
     assert 0 < st["accepted"] < st["drafted"]
     assert [n for n in range(4) if st["verify_lengths"][n]] == [0, 1, 2, 3]
     assert sum(st["verify_lengths"][1:]) == st["verify_steps"]
     assert sum(n * c for n, c in enumerate(st["verify_lengths"])) == st["drafted"]
-    assert engine.stats["steps"] < NEW + len(prompts) * 4                          # steps were saved
-    assert engine.manager.free_pages()[0] == engine.layout.n_window_pages - 1        # every page came back
+    assert engine.stats["steps"] < NEW + len(prompts) * 4  # steps were saved
+    assert engine.manager.free_pages()[0] == engine.layout.n_window_pages - 1  # every page came back
 
 
 def test_fixed_shape_steps_with_the_confidence_head_give_the_plain_tokens(model, prompts, plain):
@@ -91,7 +98,7 @@ def test_fixed_shape_steps_with_the_confidence_head_give_the_plain_tokens(model,
     confidence head picks the verify lengths of the blocks drafted on the device, the oracle those of the
     eager steps (with prompt chunks); a step's width is its longest verify and shorter rows are padded."""
     params = [greedy(i) for i in range(len(prompts))]
-    fixed: list[tuple[list[int], int]] = []           # per fixed step: its rows' verify lengths, drafts accepted
+    fixed: list[tuple[list[int], int]] = []  # per fixed step: its rows' verify lengths, drafts accepted
 
     def spy(engine: Engine) -> OracleDrafter:
         steps = engine.spec
@@ -103,15 +110,25 @@ def test_fixed_shape_steps_with_the_confidence_head_give_the_plain_tokens(model,
             out = inner(plan)
             fixed.append((lengths, steps.stats["accepted"] - before))
             return out
+
         steps._greedy_fixed = greedy_fixed
         return OracleDrafter(engine, plain, lambda i: i % 3 == 2, lambda i: 4 - i % 3)
 
-    spec, engine = run(model, prompts, params, arrivals=[0, 2, 3, 1], speculative=4, speculative_threshold=0.3,
-                       pad_steps=True, chunk_len=16, drafter=spy)
+    spec, engine = run(
+        model,
+        prompts,
+        params,
+        arrivals=[0, 2, 3, 1],
+        speculative=4,
+        speculative_threshold=0.3,
+        pad_steps=True,
+        chunk_len=16,
+        drafter=spy,
+    )
     assert spec == plain
     assert len(fixed) == engine.spec_stats["fixed_steps"] > 0
-    assert sum(a for _, a in fixed) > 0                                             # fixed steps kept drafts
-    assert any(len(set(lengths)) > 1 for lengths, _ in fixed)                      # rows padded to the widest
+    assert sum(a for _, a in fixed) > 0  # fixed steps kept drafts
+    assert any(len(set(lengths)) > 1 for lengths, _ in fixed)  # rows padded to the widest
     assert len({n for lengths, _ in fixed for n in lengths}) >= 3
 
 
@@ -146,7 +163,7 @@ def test_the_engine_drafts_what_the_whole_sequence_draft_drafts(model, prompts, 
     device) are checked by their tokens."""
     which = (1, 3)
     log: list = []
-    seen: list = []                                    # fixed steps: (position, request, drafts kept)
+    seen: list = []  # fixed steps: (position, request, drafts kept)
 
     def record(engine: Engine) -> RecordingDrafter:
         steps = engine.spec
@@ -156,16 +173,25 @@ def test_the_engine_drafts_what_the_whole_sequence_draft_drafts(model, prompts, 
             out = inner(plan)
             seen.extend((sch.seq.computed, sch.seq.seed, list(sch.seq.drafts)) for sch in plan if sch.seq.running)
             return out
+
         steps._greedy_fixed = greedy_fixed
         return RecordingDrafter(engine, log)
 
     params = [greedy(i) for i in which]
-    run(model, [prompts[i] for i in which], params, speculative=5, max_batch_tokens=24, pad_steps=fixed,
-        chunk_len=16, drafter=record)
+    run(
+        model,
+        [prompts[i] for i in which],
+        params,
+        speculative=5,
+        max_batch_tokens=24,
+        pad_steps=fixed,
+        chunk_len=16,
+        drafter=record,
+    )
     assert log and (seen or not fixed)
     d = model.dspark
     for i in which:
-        full = torch.tensor([prompts[i] + plain[i]])                                   # [1, S]
+        full = torch.tensor([prompts[i] + plain[i]])  # [1, S]
         mine = [x for x in log if x[1] == i]
         assert mine
         at = sorted({x[0] for x in mine} | {x[0] for x in seen if x[1] == i})
@@ -181,34 +207,41 @@ def test_the_engine_drafts_what_the_whole_sequence_draft_drafts(model, prompts, 
             assert (conf - want.confidence[j]).abs().max() <= FP32_TOL * want.confidence[j].abs().max().clamp_min(1)
             assert torch.equal(toks, want.tokens[j]), p
         for p, _, drafts in (x for x in seen if x[1] == i):
-            assert drafts == want.tokens[ref[p], :len(drafts)].tolist(), p
+            assert drafts == want.tokens[ref[p], : len(drafts)].tolist(), p
 
 
 def test_sampled_dspark_is_reproducible_and_batch_invariant(model, prompts):
-    params = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=50 + i, ignore_eos=True)
-              for i in range(3)]
+    params = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=50 + i, ignore_eos=True) for i in range(3)]
     params[1] = SamplingParams(max_tokens=8, temperature=1.0, top_k=40, seed=51, ignore_eos=True, logprobs=2)
-    alone = [run(model, [prompts[i]], [params[i]], max_seqs=1, speculative=3, speculative_threshold=0.2)[0][0]
-             for i in range(3)]
+    alone = [
+        run(model, [prompts[i]], [params[i]], max_seqs=1, speculative=3, speculative_threshold=0.2)[0][0]
+        for i in range(3)
+    ]
     busy, engine = run(model, prompts[:3], params, arrivals=[0, 2, 1], speculative=3, speculative_threshold=0.2)
     assert busy == alone
     st = engine.spec_stats
-    assert 0 < st["accepted"] < st["drafted"]          # sampled drafts of a random model: some kept, some not
+    assert 0 < st["accepted"] < st["drafted"]  # sampled drafts of a random model: some kept, some not
 
 
 def test_the_drafter_verifies_what_it_drew_from_the_sampler(model, prompts):
     """q of each draft is the engine sampler's distribution of the draft's logits with the request's
     settings (what rejection sampling needs), each draft has q > 0 there, and the verify length is the
     confidence head's (capped by the sequence's limit)."""
-    engine = Engine(model, EngineConfig(max_seqs=2, max_batch_tokens=64, page_size=16, deterministic=True,
-                                        speculative=4, speculative_threshold=0.3))
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_seqs=2, max_batch_tokens=64, page_size=16, deterministic=True, speculative=4, speculative_threshold=0.3
+        ),
+    )
     sampled = SamplingParams(max_tokens=8, temperature=0.8, top_k=50, seed=3)
     for i, (p, params) in enumerate(zip(prompts[1:3], (sampled, greedy(1)))):
         engine.add_request(str(i), p, params)
-    engine.step()                                       # both prompts computed: the drafter ran
+    engine.step()  # both prompts computed: the drafter ran
     seqs = engine.running
-    rows = [AnchorRow(s.tokens[-1], s.computed, s.pages.state, 4 - 2 * i, s.params, s.seed, s.n_generated)
-            for i, s in enumerate(seqs)]
+    rows = [
+        AnchorRow(s.tokens[-1], s.computed, s.pages.state, 4 - 2 * i, s.params, s.seed, s.n_generated)
+        for i, s in enumerate(seqs)
+    ]
     drafter = engine.drafter
     with exact_accumulation(True):
         prop, qs = drafter.propose(rows)
@@ -216,14 +249,14 @@ def test_the_drafter_verifies_what_it_drew_from_the_sampler(model, prompts):
     n = verify_length(prop.confidence, 0.3, 4).tolist()
     for b, (toks, q) in enumerate(got):
         assert len(toks) == min(n[b], rows[b].k)
-        assert toks == prop.tokens[b, :len(toks)].tolist()
+        assert toks == prop.tokens[b, : len(toks)].tolist()
         if rows[b].params.greedy:
-            assert q is None and toks == prop.logits[b, :len(toks)].argmax(-1).tolist()
+            assert q is None and toks == prop.logits[b, : len(toks)].argmax(-1).tolist()
         else:
-            want = engine.sampler.probabilities(prop.logits[b, :len(toks)], [rows[b].params] * len(toks))
+            want = engine.sampler.probabilities(prop.logits[b, : len(toks)], [rows[b].params] * len(toks))
             assert torch.equal(q, want) and (q.gather(1, torch.tensor(toks).unsqueeze(1)) > 0).all()
             assert torch.allclose(q.sum(-1), torch.ones(len(toks), dtype=torch.float64))
-    assert len(qs) == 4                                 # the first k slots' q, drawn from the sampler
+    assert len(qs) == 4  # the first k slots' q, drawn from the sampler
 
 
 def test_dspark_refuses_what_it_cannot_do(model):

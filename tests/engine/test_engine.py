@@ -62,12 +62,12 @@ def full_logits(model, prompt, generated) -> torch.Tensor:
     """Logits predicting each generated token, from one full-sequence forward (no cache)."""
     with exact_accumulation(True), torch.no_grad():
         seq = torch.tensor([prompt + generated])
-        return model(seq).logits[0, len(prompt) - 1: -1]                             # [NEW, V]
+        return model(seq).logits[0, len(prompt) - 1 : -1]  # [NEW, V]
 
 
 def test_greedy_tokens_follow_the_full_forward(model, prompts):
     outs, engine, lps = run(model, prompts, greedy(logprobs=3), max_batch_tokens=13)
-    assert engine.metrics()["steps"] > len(prompts)                    # prompts were chunked
+    assert engine.metrics()["steps"] > len(prompts)  # prompts were chunked
     for p, o, lp in zip(prompts, outs, lps.values()):
         assert len(o) == NEW
         logits = full_logits(model, p, o)
@@ -78,20 +78,25 @@ def test_greedy_tokens_follow_the_full_forward(model, prompts):
             best = logits[t].max()
             assert logits[t, tok] >= best - 1e-5 * best.abs().clamp_min(1), (t, tok, int(logits[t].argmax()))
             assert abs(lp[t].logprob - float(ref_lp[t, tok])) < 1e-4
-            assert [i for i, _ in lp[t].top] == ref_lp[t].topk(3).indices.tolist() or \
-                abs(lp[t].top[-1][1] - float(ref_lp[t].topk(3).values[-1])) < 1e-4
+            assert [i for i, _ in lp[t].top] == ref_lp[t].topk(3).indices.tolist() or abs(
+                lp[t].top[-1][1] - float(ref_lp[t].topk(3).values[-1])
+            ) < 1e-4
 
 
 @pytest.mark.parametrize("sampled", [False, True])
 def test_batching_does_not_change_tokens(model, prompts, sampled):
-    params = [SamplingParams(max_tokens=NEW, temperature=0.9, top_p=0.95, top_k=50, seed=100 + i, ignore_eos=True)
-              if sampled else greedy() for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=NEW, temperature=0.9, top_p=0.95, top_k=50, seed=100 + i, ignore_eos=True)
+        if sampled
+        else greedy()
+        for i in range(len(prompts))
+    ]
     alone = [run(model, [p], [params[i]], max_seqs=1)[0][0] for i, p in enumerate(prompts)]
     busy, engine, _ = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], max_batch_tokens=11)
     other, _, _ = run(model, prompts[::-1], params[::-1], max_batch_tokens=37, page_size=32)
     assert busy == alone
     assert other[::-1] == alone
-    assert engine.manager.free_pages()[0] == engine.layout.n_window_pages - 1     # every page came back
+    assert engine.manager.free_pages()[0] == engine.layout.n_window_pages - 1  # every page came back
 
 
 def test_prefix_cache_reuses_pages_and_changes_nothing(model):
@@ -135,7 +140,7 @@ def test_stops_and_choices(model, prompts):
     outs, _, _ = run(model, prompts[:2], greedy())
     stop_at = outs[0][3]
     o, _, _ = run(model, prompts[:1], SamplingParams(max_tokens=NEW, temperature=0, stop_token_ids=[stop_at]))
-    assert o[0] == outs[0][:outs[0].index(stop_at) + 1]
+    assert o[0] == outs[0][: outs[0].index(stop_at) + 1]
     engine = Engine(model, EngineConfig(max_seqs=4, page_size=16))
     engine.add_request("r", prompts[1], SamplingParams(max_tokens=5, temperature=1.0, seed=7, ignore_eos=True), n=3)
     got: dict[int, list[int]] = {0: [], 1: [], 2: []}
@@ -157,8 +162,15 @@ def test_requests_that_cannot_be_served_are_refused(model):
         engine.add_request("d", [5], greedy(), n=99)
     with pytest.raises(RequestError, match="tokenizer"):
         engine.add_request("e", [5], SamplingParams(stop=["x"]))
-    for bad in (dict(temperature=-1), dict(temperature=float("nan")), dict(top_p=0), dict(top_k=-1),
-                dict(max_tokens=0), dict(logprobs=99), dict(presence_penalty=3)):
+    for bad in (
+        dict(temperature=-1),
+        dict(temperature=float("nan")),
+        dict(top_p=0),
+        dict(top_k=-1),
+        dict(max_tokens=0),
+        dict(logprobs=99),
+        dict(presence_penalty=3),
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     assert not engine.has_work()
@@ -168,12 +180,12 @@ def test_overlapped_steps_give_the_same_tokens(model, prompts):
     """overlap=True (the CUDA default: a step is launched before the last one's tokens are read, its
     decode inputs taken from the device) changes nothing a request sees: tokens, stop tokens, choices,
     preemption, and a request stopping one step earlier than the one launched after it."""
-    sampled = [SamplingParams(max_tokens=NEW, temperature=0.9, seed=100 + i, ignore_eos=True)
-               for i in range(len(prompts))]
+    sampled = [
+        SamplingParams(max_tokens=NEW, temperature=0.9, seed=100 + i, ignore_eos=True) for i in range(len(prompts))
+    ]
     for params in (greedy(), sampled):
         sync, _, _ = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], max_batch_tokens=11)
-        over, engine, _ = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], max_batch_tokens=11,
-                              overlap=True)
+        over, engine, _ = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], max_batch_tokens=11, overlap=True)
         assert over == sync
         assert engine.manager.free_pages()[0] == engine.layout.n_window_pages - 1
     stop_at = sync[1][2]
@@ -196,8 +208,12 @@ def test_bucketed_steps_give_the_ragged_steps_numbers(model, prompts, sampled, l
     ragged steps' tokens bit for bit (deterministic mode), across chunk, page and compression-group
     boundaries, with rows arriving while others decode; with and without the plain draw that the bucket's
     graph holds (no logprobs alternatives: every out row drawn in the step itself)."""
-    params = [SamplingParams(max_tokens=NEW, temperature=0.9, seed=100 + i, ignore_eos=True, logprobs=logprobs)
-              if sampled else greedy(logprobs=logprobs) for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=NEW, temperature=0.9, seed=100 + i, ignore_eos=True, logprobs=logprobs)
+        if sampled
+        else greedy(logprobs=logprobs)
+        for i in range(len(prompts))
+    ]
     kw = dict(arrivals=[0, 2, 3, 0, 7, 5], max_batch_tokens=40, chunk_len=8)
     plain, ragged, lp_plain = run(model, prompts, params, **kw)
     padded, engine, lp_padded = run(model, prompts, params, pad_steps=True, **kw)
@@ -213,4 +229,4 @@ def test_bucketed_steps_give_the_ragged_steps_numbers(model, prompts, sampled, l
                 tol = bound * (abs(u) + math.log(model.cfg.vocab_size) + 1)
                 assert (i == j or abs(u - v) <= tol) and abs(u - v) <= tol
     assert engine.runner.padded_steps == engine.stats["steps"] and ragged.runner.padded_steps == 0
-    assert engine.stats["steps"] == ragged.stats["steps"]                 # the same plan, padded
+    assert engine.stats["steps"] == ragged.stats["steps"]  # the same plan, padded

@@ -14,18 +14,26 @@ from dsv4.train.tokenizer import ByteTokenizer
 
 
 def out(index: int, toks: list[int], text: str = "", finished: bool = False, reason=None) -> StepOutput:
-    return StepOutput("r", index, list(toks), [TokenLogprob(t, -float(t)) for t in toks], finished, reason, 3,
-                      0, text=text)
+    return StepOutput(
+        "r", index, list(toks), [TokenLogprob(t, -float(t)) for t in toks], finished, reason, 3, 0, text=text
+    )
 
 
 def test_coalesce_keeps_order_and_the_last_finish():
-    items = [out(0, [1], "a"), out(1, [7], "x"), out(0, [2, 3], "bc"), out(1, [8], "y", True, "stop"),
-             out(0, [4], "d", True, "length")]
+    items = [
+        out(0, [1], "a"),
+        out(1, [7], "x"),
+        out(0, [2, 3], "bc"),
+        out(1, [8], "y", True, "stop"),
+        out(0, [4], "d", True, "length"),
+    ]
     merged = coalesce(items)
     assert [(m.index, m.new_tokens, m.text, m.finished, m.finish_reason) for m in merged] == [
-        (0, [1, 2, 3, 4], "abcd", True, "length"), (1, [7, 8], "xy", True, "stop")]
+        (0, [1, 2, 3, 4], "abcd", True, "length"),
+        (1, [7, 8], "xy", True, "stop"),
+    ]
     assert [lp.token for lp in merged[0].new_logprobs] == [1, 2, 3, 4]
-    assert items[0].new_tokens == [1]                       # the inputs are not changed
+    assert items[0].new_tokens == [1]  # the inputs are not changed
     single = [out(0, [5])]
     assert coalesce(single) == single
 
@@ -66,8 +74,8 @@ def test_text_streams_cut_at_a_stop_string_and_stop_the_choice():
     assert first[0].text + second[0].text == "hello "
     assert second[0].finished and second[0].finish_reason == "stop" and second[0].new_tokens == list(b"ND")
     assert second[0].completion_tokens == 9 and stopped == [("r", 0)]
-    assert late == []                                        # tokens still in flight are dropped
+    assert late == []  # tokens still in flight are dropped
     text.drop("r")
     assert not text.streams and not text.requests
-    text.add("huge", prompt, SamplingParams(), 10**9)               # choices cost nothing before they speak
+    text.add("huge", prompt, SamplingParams(), 10**9)  # choices cost nothing before they speak
     assert not text.streams

@@ -57,8 +57,12 @@ def run(model, prompts, params, warm: bool, **config):
 @pytest.mark.parametrize("sampled,logprobs", [(False, 2), (True, 2), (True, None), (False, 0)])
 def test_graphed_steps_equal_the_eager_bucketed_steps(model, prompts, sampled, logprobs):
     """Alternatives (logprobs 2) are drawn eagerly after the graph; otherwise the graph draws every row."""
-    params = [SamplingParams(max_tokens=NEW, temperature=0.8 if sampled else 0, seed=7 + i, ignore_eos=True,
-                             logprobs=logprobs) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            max_tokens=NEW, temperature=0.8 if sampled else 0, seed=7 + i, ignore_eos=True, logprobs=logprobs
+        )
+        for i in range(len(prompts))
+    ]
     eager, eager_lp, e0 = run(model, prompts, params, warm=False, cuda_graphs=False, pad_steps=True, overlap=False)
     graphed, graphed_lp, e1 = run(model, prompts, params, warm=True)
     assert graphed == eager and graphed_lp == eager_lp
@@ -67,4 +71,4 @@ def test_graphed_steps_equal_the_eager_bucketed_steps(model, prompts, sampled, l
     assert e1.runner.late_captures == 0
     m = e1.metrics()
     assert m["kernel_compiles_after_ready"] in (0, None)
-    assert e1.manager.free_pages()[0] == e1.layout.n_window_pages - 1          # every page came back
+    assert e1.manager.free_pages()[0] == e1.layout.n_window_pages - 1  # every page came back

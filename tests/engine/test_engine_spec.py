@@ -16,11 +16,43 @@ from dsv4.errors import UserError
 from dsv4.loading import ModelSource, resolve_config
 from dsv4.serve.startup import EngineSpec, check_engine_options
 
-SERVE = ["serve", "--preset", "tiny", "--served-model-name", "mine", "--device", "cpu", "--dtype", "fp32",
-         "--quant-mode", "int8", "--keep-quantized", "--max-num-seqs", "5", "--max-model-len", "300",
-         "--max-batch-tokens", "40", "--page-size", "16", "--cache-pages", "9", "--no-prefix-caching",
-         "--deterministic", "--no-cuda-graph", "--speculative", "2", "--threads", "3", "--tensor-parallel-size", "2",
-         "--worker-timeout", "12.5", "--api-key", "k"]
+SERVE = [
+    "serve",
+    "--preset",
+    "tiny",
+    "--served-model-name",
+    "mine",
+    "--device",
+    "cpu",
+    "--dtype",
+    "fp32",
+    "--quant-mode",
+    "int8",
+    "--keep-quantized",
+    "--max-num-seqs",
+    "5",
+    "--max-model-len",
+    "300",
+    "--max-batch-tokens",
+    "40",
+    "--page-size",
+    "16",
+    "--cache-pages",
+    "9",
+    "--no-prefix-caching",
+    "--deterministic",
+    "--no-cuda-graph",
+    "--speculative",
+    "2",
+    "--threads",
+    "3",
+    "--tensor-parallel-size",
+    "2",
+    "--worker-timeout",
+    "12.5",
+    "--api-key",
+    "k",
+]
 
 
 def parse(argv: list[str]):
@@ -31,9 +63,22 @@ def test_serve_options_become_the_spec_fields():
     spec = EngineSpec.from_args(parse(SERVE), detokenize=False)
     assert spec == EngineSpec(
         source=ModelSource(preset="tiny", device="cpu", dtype="fp32", quant_mode="int8", keep_quantized=True),
-        served_model_name="mine", max_num_seqs=5, max_model_len=300, max_batch_tokens=40, page_size=16,
-        cache_pages=9, prefix_caching=False, deterministic=True, cuda_graphs=False, speculative=2,
-        speculative_threshold=0.0, detokenize=False, threads=3, tensor_parallel_size=2, worker_timeout=12.5)
+        served_model_name="mine",
+        max_num_seqs=5,
+        max_model_len=300,
+        max_batch_tokens=40,
+        page_size=16,
+        cache_pages=9,
+        prefix_caching=False,
+        deterministic=True,
+        cuda_graphs=False,
+        speculative=2,
+        speculative_threshold=0.0,
+        detokenize=False,
+        threads=3,
+        tensor_parallel_size=2,
+        worker_timeout=12.5,
+    )
     assert spec.served_name == "mine"
     assert dataclasses.replace(spec, served_model_name=None).served_name == "tiny"
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -47,8 +92,16 @@ def test_a_command_without_engine_options_gets_the_defaults():
     spec = EngineSpec.from_args(args, max_num_seqs=1, prefix_caching=False)
     default = EngineSpec()
     assert (spec.max_num_seqs, spec.prefix_caching, spec.speculative) == (1, False, 1)
-    for f in ("max_model_len", "max_batch_tokens", "page_size", "cache_pages", "tensor_parallel_size",
-              "worker_timeout", "deterministic", "cuda_graphs"):
+    for f in (
+        "max_model_len",
+        "max_batch_tokens",
+        "page_size",
+        "cache_pages",
+        "tensor_parallel_size",
+        "worker_timeout",
+        "deterministic",
+        "cuda_graphs",
+    ):
         assert getattr(spec, f) == getattr(default, f), f
     assert default.worker_timeout == build_parser(["serve"]).parse_args(["serve"]).worker_timeout
 
@@ -56,10 +109,19 @@ def test_a_command_without_engine_options_gets_the_defaults():
 def test_the_engine_config_is_the_specs():
     spec = EngineSpec.from_args(parse(SERVE))
     config = spec.engine_config()
-    assert config == EngineConfig(max_seqs=5, max_model_len=300, max_batch_tokens=40, page_size=16, cache_pages=9,
-                                  prefix_caching=False, deterministic=True, cuda_graphs=False, speculative=2,
-                                  speculative_threshold=0.0)
-    assert EngineSpec().engine_config().max_seqs == EngineConfig().max_seqs    # no --max-num-seqs: the engine's
+    assert config == EngineConfig(
+        max_seqs=5,
+        max_model_len=300,
+        max_batch_tokens=40,
+        page_size=16,
+        cache_pages=9,
+        prefix_caching=False,
+        deterministic=True,
+        cuda_graphs=False,
+        speculative=2,
+        speculative_threshold=0.0,
+    )
+    assert EngineSpec().engine_config().max_seqs == EngineConfig().max_seqs  # no --max-num-seqs: the engine's
 
 
 def _fields(spec: EngineSpec, queue) -> None:
@@ -69,7 +131,7 @@ def _fields(spec: EngineSpec, queue) -> None:
 def test_the_spec_crosses_a_spawn_unchanged():
     spec = EngineSpec.from_args(parse(SERVE), detokenize=False)
     assert pickle.loads(pickle.dumps(spec)) == spec
-    ctx = mp.get_context("spawn")                      # as the engine process and the workers are started
+    ctx = mp.get_context("spawn")  # as the engine process and the workers are started
     queue = ctx.Queue()
     p = ctx.Process(target=_fields, args=(spec, queue))
     p.start()
@@ -80,17 +142,20 @@ def test_the_spec_crosses_a_spawn_unchanged():
 
 def test_resolved_names_the_device_and_dtype():
     spec = EngineSpec(ModelSource(preset="tiny", device="cpu", dtype="auto")).resolved()
-    assert (spec.source.device, spec.source.dtype) == ("cpu", "fp32")          # auto on a CPU: fp32
+    assert (spec.source.device, spec.source.dtype) == ("cpu", "fp32")  # auto on a CPU: fp32
     assert spec.resolved() == spec
     assert spec.on_device("cpu").source == spec.source
 
 
-@pytest.mark.parametrize("change,words", [
-    ({"max_model_len": 10**6}, "--max-model-len must be in [2, "),
-    ({"max_num_seqs": 0}, "--max-num-seqs must be >= 1"),
-    ({"max_batch_tokens": 0}, "--max-batch-tokens must be >= 1"),
-    ({"speculative_threshold": 0.5}, "--speculative-threshold"),
-])
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        ({"max_model_len": 10**6}, "--max-model-len must be in [2, "),
+        ({"max_num_seqs": 0}, "--max-num-seqs must be >= 1"),
+        ({"max_batch_tokens": 0}, "--max-batch-tokens must be >= 1"),
+        ({"speculative_threshold": 0.5}, "--speculative-threshold"),
+    ],
+)
 def test_options_the_model_cannot_run_are_refused_in_one_line(change, words):
     spec = dataclasses.replace(EngineSpec.from_args(parse(["serve", "--preset", "tiny"])), **change)
     with pytest.raises(UserError) as e:

@@ -50,7 +50,7 @@ def random_prompts(n: int, seed: int) -> list[str]:
     out = []
     for _ in range(n):
         start = rng.randrange(0, len(source) - 400)
-        out.append(source[start:start + rng.randrange(20, 300)])
+        out.append(source[start : start + rng.randrange(20, 300)])
     return out
 
 
@@ -64,7 +64,7 @@ def test_token_bytes_are_what_the_tokenizer_decodes(tok, vocab):
     assert vocab.piece(tok.bos_id) == vocab.piece(tok.eos_id) == b""
     for i, piece in enumerate(vocab.pieces):
         if i not in (tok.bos_id, tok.eos_id):
-            assert piece, i                           # every other token stands for some bytes
+            assert piece, i  # every other token stands for some bytes
             text = piece.decode("utf-8", errors="replace")
             assert "\ufffd" in text or text == tok.decode([i]), i
     for text in random_prompts(20, seed=0) + ["héllo wörld → ✓"]:
@@ -85,7 +85,7 @@ def test_the_issue_prompt_backs_up_its_newline(tok, vocab):
     ids = tok.encode(GCD, bos=True)
     h = heal(vocab, ids)
     assert h.text == "\n" and h.removed == 1 and h.prompt == ids[:-1]
-    assert vocab.extendable(b"\n")                        # "\n   " (newline + indentation) is a token
+    assert vocab.extendable(b"\n")  # "\n   " (newline + indentation) is a token
 
 
 def test_a_prompt_ending_mid_word_backs_up_the_word_piece(tok, vocab):
@@ -103,21 +103,26 @@ def test_cuts_of_random_prompts(tok, vocab):
     for text in random_prompts(200, seed=1):
         ids = tok.encode(text, bos=True)
         h = heal(vocab, ids)
-        assert h.prompt == ids[:len(ids) - h.removed] and h.prompt
+        assert h.prompt == ids[: len(ids) - h.removed] and h.prompt
         assert _bytes(vocab, h.prompt) + h.text.encode() == text.encode()
         if h.removed == 0:
             assert not vocab.extendable(vocab.piece(ids[-1]))
             continue
         healed += 1
         assert h.removed <= MAX_HEALED_TOKENS and vocab.extendable(h.text.encode())
-        longer = _bytes(vocab, ids[len(ids) - h.removed - 1:])
-        assert h.removed == MAX_HEALED_TOKENS or not vocab.extendable(longer) or len(h.prompt) == 1 \
-            or longer[0] & 0xC0 == 0x80 or len(longer) > MAX_HEALED_BYTES
-    assert 20 < healed < 200                             # both kinds of ending occur
+        longer = _bytes(vocab, ids[len(ids) - h.removed - 1 :])
+        assert (
+            h.removed == MAX_HEALED_TOKENS
+            or not vocab.extendable(longer)
+            or len(h.prompt) == 1
+            or longer[0] & 0xC0 == 0x80
+            or len(longer) > MAX_HEALED_BYTES
+        )
+    assert 20 < healed < 200  # both kinds of ending occur
     unicode = "naïve = 'café'  # → über ✓ 日本語のテキスト"
-    for end in range(1, len(unicode) + 1):              # cut at every character, across multi-byte tokens
+    for end in range(1, len(unicode) + 1):  # cut at every character, across multi-byte tokens
         h = heal(vocab, tok.encode(unicode[:end], bos=True))
-        assert tok.decode(h.prompt) + h.text == unicode[:end]    # the kept tokens end on a whole character
+        assert tok.decode(h.prompt) + h.text == unicode[:end]  # the kept tokens end on a whole character
 
 
 def test_allowed_sets_are_every_spelling_of_what_is_left(vocab, tok):
@@ -130,7 +135,7 @@ def test_allowed_sets_are_every_spelling_of_what_is_left(vocab, tok):
     for rest in sorted(rests):
         want = sorted(i for i, p in enumerate(vocab.pieces) if p and (p.startswith(rest) or rest.startswith(p)))
         assert vocab.allowed(rest).tolist() == want, rest
-        for _ in range(5):                               # random walks of allowed draws
+        for _ in range(5):  # random walks of allowed draws
             left, spelled = rest, b""
             while left:
                 t = int(rng.choice(vocab.allowed(left)))
@@ -143,7 +148,7 @@ def test_allowed_sets_are_every_spelling_of_what_is_left(vocab, tok):
 def test_the_issue_prompt_gets_an_indented_body(model, tok):
     """Greedy, the shipped model: the function goes on with an indented line (without healing it sees the
     lone newline token and takes the function as over)."""
-    c, = complete(model, tok, [GCD], max_new_tokens=6)
+    (c,) = complete(model, tok, [GCD], max_new_tokens=6)
     assert c.healed_text == "\n"
     first = c.text.split("\n")[0]
     assert first.startswith("    ") and first.strip(), c.text
@@ -159,8 +164,9 @@ def test_the_constraint_holds_on_random_prompts(model, tok, vocab, mode):
     prompts = [p for p in random_prompts(40, seed=4) if heal(vocab, tok.encode(p, bos=True)).removed][:6]
     kw = dict(max_new_tokens=3, temperature=0.0 if mode == "greedy" else 2.0, seed=7)
     if mode == "sampled-bucketed":
-        kw["engine_config"] = EngineConfig(max_seqs=8, max_model_len=512, pad_steps=True, prefix_caching=False,
-                                           overlap=True)           # (and steps launched before the last is read)
+        kw["engine_config"] = EngineConfig(
+            max_seqs=8, max_model_len=512, pad_steps=True, prefix_caching=False, overlap=True
+        )  # (and steps launched before the last is read)
     outs = complete(model, tok, prompts + ["def fibonacci(n):"], **kw)
     for p, c in zip(prompts, outs):
         removed, got = c.healed_text.encode(), _bytes(vocab, c.tokens)
@@ -206,7 +212,7 @@ def test_a_healed_tokens_logprob_is_renormalized_over_the_allowed_tokens(model, 
     ref[allowed] = torch.log_softmax(logits[allowed], -1)
     first = lps[0]
     assert first.token in allowed.tolist() and first.token == int(ref.argmax())
-    assert abs(first.logprob - float(ref[first.token])) < 1e-4          # fp32 logits, a few ulps apart
+    assert abs(first.logprob - float(ref[first.token])) < 1e-4  # fp32 logits, a few ulps apart
     assert [t for t, _ in first.top] == ref.topk(3).indices.tolist()
     assert all(abs(v - float(ref[t])) < 1e-4 for t, v in first.top)
 

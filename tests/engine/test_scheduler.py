@@ -24,8 +24,17 @@ from dsv4.engine.sequence import Request, Sequence
 from dsv4.model.paged import CacheLayout
 
 
-def make(n_window: int, n_comp: int, max_seqs: int, budget: int, chunk: int, prefix: bool, P: int = 16,
-         window: int = 16, max_len: int = 256) -> Scheduler:
+def make(
+    n_window: int,
+    n_comp: int,
+    max_seqs: int,
+    budget: int,
+    chunk: int,
+    prefix: bool,
+    P: int = 16,
+    window: int = 16,
+    max_len: int = 256,
+) -> Scheduler:
     layout = CacheLayout(P, window, (4, 16), n_window + 1, n_comp + 1, max_seqs, max_len, prefix)
     return Scheduler(SchedulerConfig(max_seqs, max_len, budget, chunk, prefix), CacheManager(layout, prefix))
 
@@ -44,7 +53,7 @@ def check_pages(s: Scheduler) -> None:
             assert pool.refs[page] == held.get(page, 0), (page, pool.refs[page], held.get(page, 0))
         assert set(pool.free).isdisjoint(held)
         shared = [p for p, n in held.items() if n > 1]
-        assert all(p in cached.values() for p in shared)      # only prefix-cache pages are shared
+        assert all(p in cached.values() for p in shared)  # only prefix-cache pages are shared
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -52,14 +61,20 @@ def test_random_traffic_keeps_every_invariant(seed):
     rng = random.Random(seed)
     prefix = seed % 2 == 0
     chunk = (1, 4, 8)[seed % 3]
-    s = make(n_window=rng.randint(8, 40), n_comp=rng.randint(12, 60), max_seqs=rng.randint(2, 6),
-             budget=rng.randint(16, 64), chunk=chunk, prefix=prefix)
+    s = make(
+        n_window=rng.randint(8, 40),
+        n_comp=rng.randint(12, 60),
+        max_seqs=rng.randint(2, 6),
+        budget=rng.randint(16, 64),
+        chunk=chunk,
+        prefix=prefix,
+    )
     P = s.manager.P
     shared = [rng.randrange(2, 1000) for _ in range(40)]
     pending = []
     for i in range(40):
         n = rng.choice([1, 3, 17, 40, 70])
-        prompt = (shared[:rng.choice([0, 16, 33])] + [rng.randrange(2, 1000) for _ in range(n)])[:200] or [5]
+        prompt = (shared[: rng.choice([0, 16, 33])] + [rng.randrange(2, 1000) for _ in range(n)])[:200] or [5]
         params = SamplingParams(max_tokens=rng.randint(1, 30), temperature=0)
         req = Request(str(i), prompt, params, n=rng.choice([1, 1, 2]))
         for k in range(req.n):
@@ -67,7 +82,7 @@ def test_random_traffic_keeps_every_invariant(seed):
         pending.append((rng.randint(0, 60), req))
     pending.sort(key=lambda x: x[0])
     arrived: list[Request] = []
-    order: dict[int, int] = {}                 # sequence -> arrival rank
+    order: dict[int, int] = {}  # sequence -> arrival rank
     ever_admitted: set[int] = set()
     step = 0
     while pending or s.has_work():
@@ -77,7 +92,7 @@ def test_random_traffic_keeps_every_invariant(seed):
             for seq in req.sequences:
                 order[id(seq)] = len(order)
                 s.add(seq)
-        if rng.random() < 0.05 and arrived:                                  # a client goes away
+        if rng.random() < 0.05 and arrived:  # a client goes away
             for seq in rng.choice(arrived).sequences:
                 s.finish(seq, "abort")
         plan = s.schedule()
@@ -100,7 +115,7 @@ def test_random_traffic_keeps_every_invariant(seed):
         for seq in newly:
             assert not [w for w in s.waiting if id(w) not in ever_admitted and order[id(w)] < order[id(seq)]]
         stepped = []
-        for r in plan:                                                       # the model's part
+        for r in plan:  # the model's part
             seq, want = r.seq, r.want_logits
             seq.computed += r.n
             stepped.append(seq)
@@ -114,7 +129,7 @@ def test_random_traffic_keeps_every_invariant(seed):
         assert step < 5000, "the traffic did not drain: some sequence starves"
     assert all(req.finished for _, req in pending) and all(req.finished for req in arrived)
     m = s.manager
-    for pool in (m.wpool, m.cpool):          # every page free, or held by the prefix cache alone (evictable)
+    for pool in (m.wpool, m.cpool):  # every page free, or held by the prefix cache alone (evictable)
         assert pool.n_free + pool.evictable == pool.n_pages - 1
         assert all(pool.refs[p] == (1 if pool.cached[p] else 0) for p in range(1, pool.n_pages))
     assert sorted(m.free_states) == list(range(m.layout.n_states))

@@ -72,7 +72,7 @@ class OracleDrafter(Drafter):
         results = super().__call__(hidden, rows)
         out = []
         for r, (toks, _) in zip(rows, results):
-            want = self.answers[r.seed][r.counter:r.counter + r.k]
+            want = self.answers[r.seed][r.counter : r.counter + r.k]
             toks = [(t + 1) % self.vocab if self.wrong(r.counter + j) else t for j, t in enumerate(want)]
             q = torch.nn.functional.one_hot(torch.tensor(toks, dtype=torch.long), self.vocab).double()
             out.append((toks, q))
@@ -85,13 +85,19 @@ def test_greedy_speculation_gives_the_plain_tokens_with_drafts_accepted_and_reje
     plain, _ = run(model, prompts, params)
     # every third draft index wrong: full acceptances, rejections at every depth of a verify, and (with
     # ratio 4 and 16 groups) rejected tokens that had completed a group or crossed a page
-    spec, engine = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], speculative=k,
-                       drafter=lambda e: OracleDrafter(e, plain, lambda i: i % 3 == 1))
+    spec, engine = run(
+        model,
+        prompts,
+        params,
+        arrivals=[0, 2, 3, 0, 7, 5],
+        speculative=k,
+        drafter=lambda e: OracleDrafter(e, plain, lambda i: i % 3 == 1),
+    )
     assert spec == plain
     st = engine.spec_stats
     assert 0 < st["accepted"] < st["drafted"]
-    assert engine.stats["steps"] < max(len(o) for o in plain) + len(prompts) * 4     # steps were saved
-    assert engine.manager.free_pages()[0] == engine.layout.n_window_pages - 1        # every page came back
+    assert engine.stats["steps"] < max(len(o) for o in plain) + len(prompts) * 4  # steps were saved
+    assert engine.manager.free_pages()[0] == engine.layout.n_window_pages - 1  # every page came back
 
 
 def test_real_mtp_drafts_change_no_token(model, prompts):
@@ -103,8 +109,10 @@ def test_real_mtp_drafts_change_no_token(model, prompts):
 
 
 def test_sampled_speculation_is_reproducible_and_batch_invariant(model, prompts):
-    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=50 + i, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=50 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     alone = [run(model, [p], [params[i]], max_seqs=1, speculative=2)[0][0] for i, p in enumerate(prompts)]
     busy, _ = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], speculative=2)
     assert busy == alone
@@ -116,11 +124,11 @@ def test_the_draft_is_the_training_mtp_head(model):
     s = 37
     tokens = torch.randint(2, model.cfg.vocab_size, (1, s), generator=g)
     with exact_accumulation(True), torch.no_grad():
-        want = model(tokens, mtp=True).mtp_logits[0][0]                              # [s-1, V] predicts t+2
+        want = model(tokens, mtp=True).mtp_logits[0][0]  # [s-1, V] predicts t+2
         cache = model.new_cache(1, 64)
         _, hidden = model.append(tokens, cache.step_inputs(tokens, static_start=0), cache.kv, return_hidden=True)
         head = tokens[:, :-1]
-        got, _ = model.draft(hidden[:s - 1], tokens[:, 1:], cache.step_inputs(head, static_start=0), cache.kv)
+        got, _ = model.draft(hidden[: s - 1], tokens[:, 1:], cache.step_inputs(head, static_start=0), cache.kv)
     # both paths accumulate in float64 and round to fp32 once: a few fp32 ulps of the largest logit
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() <= 16 * 2.0**-24 * max(scale, 1.0)
@@ -131,11 +139,15 @@ def test_acceptance_keeps_the_target_distribution():
     second (given the first draft was kept) follows p_1. 200k rows: a 1% bias in any probability is over
     9 standard deviations (sd <= sqrt(0.25 / n)), the bound 4.5 sd."""
     V, n = 6, 200_000
-    p = torch.tensor([[0.30, 0.25, 0.20, 0.15, 0.07, 0.03],
-                      [0.05, 0.05, 0.40, 0.10, 0.30, 0.10],
-                      [0.10, 0.20, 0.30, 0.20, 0.10, 0.10]], dtype=torch.float64)
-    q = torch.tensor([[0.05, 0.10, 0.15, 0.20, 0.25, 0.25],
-                      [0.40, 0.10, 0.10, 0.10, 0.10, 0.20]], dtype=torch.float64)
+    p = torch.tensor(
+        [
+            [0.30, 0.25, 0.20, 0.15, 0.07, 0.03],
+            [0.05, 0.05, 0.40, 0.10, 0.30, 0.10],
+            [0.10, 0.20, 0.30, 0.20, 0.10, 0.10],
+        ],
+        dtype=torch.float64,
+    )
+    q = torch.tensor([[0.05, 0.10, 0.15, 0.20, 0.25, 0.25], [0.40, 0.10, 0.10, 0.10, 0.10, 0.20]], dtype=torch.float64)
     seeds = torch.arange(n, dtype=torch.long) * 7919 + 13
     counters = torch.full((n,), 5, dtype=torch.long)
     drafts = torch.stack([draw(q[j].expand(n, V), seeds, counters + j, STREAM_DRAFT) for j in range(2)], 1)
@@ -155,7 +167,7 @@ def test_acceptance_keeps_the_target_distribution():
 
 def test_greedy_acceptance_is_argmax_matching():
     V = 8
-    target = torch.nn.functional.one_hot(torch.tensor([[3, 5, 1, 2]]), V).double()     # argmax per position
+    target = torch.nn.functional.one_hot(torch.tensor([[3, 5, 1, 2]]), V).double()  # argmax per position
     for drafts, kept_want, next_want in (([3, 5, 1], 3, 2), ([3, 4, 1], 1, 5), ([0, 5, 1], 0, 3)):
         d = torch.tensor([drafts])
         q = torch.nn.functional.one_hot(d, V).double()
@@ -167,8 +179,9 @@ def test_speculation_refuses_what_it_cannot_do(model):
     with pytest.raises(ValueError, match="speculative must be in"):
         Engine(model, EngineConfig(speculative=MAX_SPECULATIVE + 1))
     cfg = check_config("tiny")
-    no_mtp = DeepSeekV4.from_config(dataclasses.replace(cfg, n_mtp_layers=0,
-                                                        compress_ratios=cfg.compress_ratios[:cfg.n_layers]), seed=0)
+    no_mtp = DeepSeekV4.from_config(
+        dataclasses.replace(cfg, n_mtp_layers=0, compress_ratios=cfg.compress_ratios[: cfg.n_layers]), seed=0
+    )
     with pytest.raises(ValueError, match="MTP block"):
         Engine(no_mtp, EngineConfig(speculative=1))
 
@@ -183,8 +196,14 @@ def test_fixed_shape_greedy_step_gives_the_plain_tokens(model, prompts, k):
     assert spec == plain
     assert engine.spec_stats["fixed_steps"] > 0
     # with oracle drafts (accepted except every third) the fixed-shape steps accept and roll back
-    spec, engine = run(model, prompts, params, speculative=k, pad_steps=True,
-                       drafter=lambda e: OracleDrafter(e, plain, lambda i: i % 3 == 1))
+    spec, engine = run(
+        model,
+        prompts,
+        params,
+        speculative=k,
+        pad_steps=True,
+        drafter=lambda e: OracleDrafter(e, plain, lambda i: i % 3 == 1),
+    )
     assert spec == plain
     assert engine.spec_stats["fixed_steps"] > 0
 

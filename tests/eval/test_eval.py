@@ -49,43 +49,49 @@ def test_prompts_are_documented_functions_and_methods_with_a_body_cut_to_a_one_l
     assert [p.name for p in prompts] == ["add", "long_doc", "method"]
     assert prompts[0].prompt == 'def add(a, b):\n    """Return a + b."""'
     assert prompts[1].prompt == 'def long_doc(x):\n    """First line."""'
-    assert prompts[2].prompt == 'def method(self):\n    """Not top level."""'      # dedented to column 0
+    assert prompts[2].prompt == 'def method(self):\n    """Not top level."""'  # dedented to column 0
     multi = 'def f(a,\n      b):\n    """Doc."""\n    return a\n'
     assert one_line_docstring_prompts("m.py", multi)[0].prompt == 'def f(a,\n      b):\n    """Doc."""'
     assert one_line_docstring_prompts("bad.py", "def f(:\n") == []
 
 
 PROMPT = 'def add(a, b):\n    """Return a + b."""\n'
-BARE = 'def add(a, b):\n    """Return a + b."""'          # as prompts are given: no newline after the docstring
+BARE = 'def add(a, b):\n    """Return a + b."""'  # as prompts are given: no newline after the docstring
 
 
-@pytest.mark.parametrize("completion, finished, want_fn, want_body", [
-    # the function ends at the first non-blank line back at column 0
-    ("    return a + b\n\n\ndef other():\n    pass\n", False, PROMPT + "    return a + b\n", True),
-    # ended by end-of-sequence inside the function: all of it counts
-    ("    return a + b", True, PROMPT + "    return a + b\n", True),
-    # the budget ended mid-line: the unfinished line is dropped, what is left is the docstring only
-    ("    return a +", False, PROMPT, False),
-    # the budget ended after whole lines: the last piece is the unfinished (empty) line
-    ("    x = a\n    return x\n", False, PROMPT + "    x = a\n    return x\n", True),
-    # wandering into a top-level comment ends the function with no body
-    ("# a comment\nimport sys\n", False, PROMPT, False),
-    # a body that does not parse
-    ("    return (a +\n\nx = 1\n", False, PROMPT + "    return (a +\n", False),
-])
+@pytest.mark.parametrize(
+    "completion, finished, want_fn, want_body",
+    [
+        # the function ends at the first non-blank line back at column 0
+        ("    return a + b\n\n\ndef other():\n    pass\n", False, PROMPT + "    return a + b\n", True),
+        # ended by end-of-sequence inside the function: all of it counts
+        ("    return a + b", True, PROMPT + "    return a + b\n", True),
+        # the budget ended mid-line: the unfinished line is dropped, what is left is the docstring only
+        ("    return a +", False, PROMPT, False),
+        # the budget ended after whole lines: the last piece is the unfinished (empty) line
+        ("    x = a\n    return x\n", False, PROMPT + "    x = a\n    return x\n", True),
+        # wandering into a top-level comment ends the function with no body
+        ("# a comment\nimport sys\n", False, PROMPT, False),
+        # a body that does not parse
+        ("    return (a +\n\nx = 1\n", False, PROMPT + "    return (a +\n", False),
+    ],
+)
 def test_written_function_and_body(completion, finished, want_fn, want_body):
     fn = written_function(PROMPT, completion, finished)
     assert fn == want_fn
     assert has_body(fn) is want_body
 
 
-@pytest.mark.parametrize("completion, finished, want_body", [
-    ("\n    return a + b\n\ndef g():\n", False, True),
-    ("\n    return a + b", True, True),
-    ("\n    return a +", False, False),          # the unfinished line is the model's: dropped
-    ("  # trailing", False, False),               # no newline came: the docstring line stays, no body
-    ("\n\ndef g():\n    pass\n", False, False),   # back at column 0 right after the docstring
-])
+@pytest.mark.parametrize(
+    "completion, finished, want_body",
+    [
+        ("\n    return a + b\n\ndef g():\n", False, True),
+        ("\n    return a + b", True, True),
+        ("\n    return a +", False, False),  # the unfinished line is the model's: dropped
+        ("  # trailing", False, False),  # no newline came: the docstring line stays, no body
+        ("\n\ndef g():\n    pass\n", False, False),  # back at column 0 right after the docstring
+    ],
+)
 def test_prompts_without_a_final_newline(completion, finished, want_body):
     fn = written_function(BARE, completion, finished)
     assert fn.startswith(BARE)
@@ -104,19 +110,22 @@ def _task(name):
 def test_functional_runner_accepts_right_and_rejects_wrong_crashing_and_hanging_code():
     gcd = _task("gcd")
     assert passes(gcd, gcd.prompt + "\n    while b:\n        a, b = b, a % b\n    return a\n")
-    assert not passes(gcd, gcd.prompt + "\n    return a * b\n")                 # wrong
-    assert not passes(gcd, gcd.prompt + "\n    return a / 0\n")                 # raises
-    assert not passes(gcd, gcd.prompt + "\n    while True:\n        pass\n", timeout_s=2.0)   # never returns
-    assert not passes(gcd, "def gcd(a, b:\n")                                 # does not parse
+    assert not passes(gcd, gcd.prompt + "\n    return a * b\n")  # wrong
+    assert not passes(gcd, gcd.prompt + "\n    return a / 0\n")  # raises
+    assert not passes(gcd, gcd.prompt + "\n    while True:\n        pass\n", timeout_s=2.0)  # never returns
+    assert not passes(gcd, "def gcd(a, b:\n")  # does not parse
     flatten = _task("flatten")
     assert passes(flatten, flatten.prompt + "\n    return [x for xs in lists for x in xs]\n")
 
 
 def test_every_task_prompt_is_a_signature_and_docstring_that_a_right_answer_passes():
     right = {
-        "mean": "return sum(values) / len(values)", "gcd": "import math; return math.gcd(a, b)",
-        "clamp": "return max(lo, min(x, hi))", "flatten": "return [x for xs in lists for x in xs]",
-        "factorial": "import math; return math.factorial(n)", "is_palindrome": "return s == s[::-1]",
+        "mean": "return sum(values) / len(values)",
+        "gcd": "import math; return math.gcd(a, b)",
+        "clamp": "return max(lo, min(x, hi))",
+        "flatten": "return [x for xs in lists for x in xs]",
+        "factorial": "import math; return math.factorial(n)",
+        "is_palindrome": "return s == s[::-1]",
         "is_prime": "return n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1))",
         "fibonacci": "a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
         "reverse_words": "return ' '.join(reversed(text.split()))",
@@ -146,7 +155,7 @@ def test_held_out_loss_equals_the_cross_entropy_of_every_token_after_the_first(t
     # the same windows scored one at a time, here: every token after the first predicted once
     nats = 0.0
     for s in range(0, len(stream) - 1, seq_len):
-        w = torch.tensor(stream[s:s + seq_len + 1])[None]
+        w = torch.tensor(stream[s : s + seq_len + 1])[None]
         with torch.no_grad():
             logits = model(w[:, :-1]).logits
         nats += float(F.cross_entropy(logits[0].float(), w[0, 1:], reduction="sum"))
@@ -166,7 +175,7 @@ def test_a_token_budget_takes_whole_documents_that_fit_and_refuses_when_none_doe
         p = tmp_path / f"d{i}.py"
         p.write_text(t, encoding="utf-8")
         docs.append((p.name, p))
-    r = held_out_loss(model, tok, docs, seq_len=16, max_tokens=40)     # 52 tokens do not fit, 12 + 22 do
+    r = held_out_loss(model, tok, docs, seq_len=16, max_tokens=40)  # 52 tokens do not fit, 12 + 22 do
     assert (r.documents, r.bytes, r.tokens) == (2, 30, 12 + 22 - 1)
     from dsv4.errors import UserError
 

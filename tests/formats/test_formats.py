@@ -53,22 +53,21 @@ def test_e8m0_value_cast_mutant_is_caught():
     if fm.HAS_E8M0:
         assert not e8m0_decoder_ok(lambda b: b.to(torch.float8_e8m0fnu).float())
     with pytest.raises(TypeError):
-        fm.as_e8m0_bytes(torch.ones(3))                  # a float tensor is never reinterpreted
+        fm.as_e8m0_bytes(torch.ones(3))  # a float tensor is never reinterpreted
 
 
 def test_e8m0_encode_rules():
     x = torch.tensor([0.75, 1.0, 1.0001, 0.0, 3e-39])
     assert fm.e8m0_encode(x, "ceil").tolist() == [127, 127, 128, 0, 0]
     with pytest.raises(ValueError):
-        fm.e8m0_encode(torch.tensor([3.0]))              # not a power of two
+        fm.e8m0_encode(torch.tensor([3.0]))  # not a power of two
     with pytest.raises(ValueError):
         fm.e8m0_encode(torch.tensor([-2.0]), "ceil")
 
 
 # ------------------------------------------------------------------------------------------- FP8
 def test_e4m3_decode_byte_level_matches_known_values():
-    d = fm.e4m3_decode(torch.tensor([0x00, 0x01, 0x08, 0x38, 0x7E, 0xFE, 0x7F, 0x80], dtype=torch.uint8),
-                       native=False)
+    d = fm.e4m3_decode(torch.tensor([0x00, 0x01, 0x08, 0x38, 0x7E, 0xFE, 0x7F, 0x80], dtype=torch.uint8), native=False)
     assert d[:6].tolist() == [0.0, 2.0**-9, 2.0**-6, 1.0, 448.0, -448.0]
     assert math.isnan(d[6].item()) and d[7].item() == 0.0 and math.copysign(1, d[7].item()) < 0
 
@@ -79,7 +78,7 @@ def test_e4m3_byte_level_equals_torch_dtype():
     n, s = fm.e4m3_decode(b, native=True), fm.e4m3_decode(b, native=False)
     assert torch.equal(n.isnan(), s.isnan()) and torch.equal(n[~n.isnan()], s[~s.isnan()])
     vals = s[~s.isnan()].unique()
-    mids = (vals[1:] + vals[:-1]) / 2                    # exact ties: round half to even
+    mids = (vals[1:] + vals[:-1]) / 2  # exact ties: round half to even
     g = torch.Generator().manual_seed(0)
     rand = torch.randn(20000, generator=g) * torch.exp2(torch.randint(-12, 10, (20000,), generator=g).float())
     # past 448 (464 is where an unclamped cast would round up to a code that does not exist; torch versions
@@ -109,7 +108,7 @@ def test_fp8_round_trip_exact_with_ragged_blocks(native, scale_fmt):
     q, s = fm.quantize_fp8(w, scale_fmt=scale_fmt, native=native)
     assert tuple(s.shape) == (2, 3) and tuple(q.shape) == (200, 300)
     assert torch.equal(fm.dequantize_fp8(q, s, native=native), w)
-    if scale_fmt == "ue8m0":                             # bytes survive a second quantization unchanged
+    if scale_fmt == "ue8m0":  # bytes survive a second quantization unchanged
         q2, s2 = fm.quantize_fp8(fm.dequantize_fp8(q, s), native=native)
         assert torch.equal(fm.as_fp8_bytes(q2), fm.as_fp8_bytes(q))
         assert torch.equal(fm.as_e8m0_bytes(s2), fm.as_e8m0_bytes(s))
@@ -160,6 +159,7 @@ def test_fp4_planar_unpack_mutant_is_caught():
     def planar(p):
         b = p.view(torch.uint8)
         return torch.cat([b & 0x0F, b >> 4], dim=-1)
+
     assert not fp4_unpacker_ok(planar)
     w = fm.e2m1_decode(torch.randint(0, 16, (4, 64), generator=torch.Generator().manual_seed(0)))
     packed, scale = fm.quantize_mxfp4(w)
@@ -180,7 +180,7 @@ def test_e2m1_encode_ties_to_even():
 
 def test_mxfp4_round_trip_exact_on_representable_values():
     g = torch.Generator().manual_seed(3)
-    vals = fm.e2m1_decode(torch.randint(0, 16, (3, 48, 128), generator=g))       # stacked experts
+    vals = fm.e2m1_decode(torch.randint(0, 16, (3, 48, 128), generator=g))  # stacked experts
     scale = torch.exp2(torch.randint(-30, 8, (3, 48, 4), generator=g).float())
     w = vals * scale.repeat_interleave(32, -1)
     packed, s = fm.quantize_mxfp4(w)
@@ -207,5 +207,6 @@ def test_formats_run_on_plain_bytes():
     assert qb.dtype == sb.dtype == torch.uint8
     assert torch.equal(fp8.dequantize_fp8(qb, sb, native=False), w)
     packed, s4 = fp4.quantize_mxfp4(torch.randn(4, 64))
-    assert torch.equal(fm.dequantize_mxfp4(packed.view(torch.uint8), fm.as_e8m0_bytes(s4)),
-                       fm.dequantize_mxfp4(packed, s4))
+    assert torch.equal(
+        fm.dequantize_mxfp4(packed.view(torch.uint8), fm.as_e8m0_bytes(s4)), fm.dequantize_mxfp4(packed, s4)
+    )

@@ -61,7 +61,7 @@ def test_fp16_experts_gate_beyond_fp16_range_stays_finite(backend):
     # the activation h (|h| <= silu(10) * 10 * 0.75 < 75) may round to a neighbouring fp16 value (2^-10
     # relative) on either side, and w2's fp16 output rounds once more (2^-11 relative): per element at most
     # 2^-10 * 75 * sum_j |w2_ij| over the token's two experts, plus 2^-10 |y|
-    w2_rows = sum(case["w2"][e].double().abs().sum(-1) for e in range(case["w1"].size(0)))      # [d], >= 2 slots
+    w2_rows = sum(case["w2"][e].double().abs().sum(-1) for e in range(case["w1"].size(0)))  # [d], >= 2 slots
     bound = 2.0**-10 * 75 * w2_rows + 2.0**-10 * want.abs()
     assert bool(((got.double() - want).abs() <= bound).all())
     # the same GEMMs rounded to fp16 first (what the guard prevents) give NaN
@@ -85,8 +85,18 @@ def test_fp16_shared_expert_and_w8a8_experts_keep_gate_in_fp32():
 
     q = {w: [formats.quantize_fp8(case[w][e].float()) for e in range(4)] for w in ("w1", "w2", "w3")}
     stack = {w: (torch.stack([a for a, _ in q[w]]), torch.stack([b for _, b in q[w]])) for w in q}
-    got = R.quantized_moe_experts(case["x"], case["weights"], case["indices"], stack["w1"][0], stack["w1"][1],
-                                  stack["w2"][0], stack["w2"][1], stack["w3"][0], stack["w3"][1], 10.0)
+    got = R.quantized_moe_experts(
+        case["x"],
+        case["weights"],
+        case["indices"],
+        stack["w1"][0],
+        stack["w1"][1],
+        stack["w2"][0],
+        stack["w2"][1],
+        stack["w3"][0],
+        stack["w3"][1],
+        10.0,
+    )
     assert bool(torch.isfinite(got).all())
 
 
@@ -108,13 +118,13 @@ def test_check_ranges_reports_and_fails_on_overflow(capsys):
     fp16 = [r for r in out["rows"] if r["in_fp16"]]
     assert out["ok"] and fp16 and all(r["margin"] > 1 for r in fp16)
     assert any(r["module"] == "layers.*.attn.wq_b" and r["op"] == "mm" for r in fp16)
-    assert any(r["module"] == "layers.*.attn_norm" and not r["in_fp16"] for r in out["rows"])   # fp32 island
+    assert any(r["module"] == "layers.*.attn_norm" and not r["in_fp16"] for r in out["rows"])  # fp32 island
 
     from dsv4.check.ranges import activation_ranges
 
     m32 = DeepSeekV4.from_config(check_config("tiny"), seed=0).eval()
     with torch.no_grad():
-        m32.layers[1].attn_norm.weight.mul_(1e5)             # fp32 weight: its fp16 output overflows
+        m32.layers[1].attn_norm.weight.mul_(1e5)  # fp32 weight: its fp16 output overflows
     m16 = copy.deepcopy(m32).half()
     for name, p in m16.named_parameters():
         if dict(m32.named_parameters())[name].dtype == torch.float32 and "norm" in name:

@@ -39,9 +39,13 @@ def rand_weight(n, k, seed, spread=2.0):
 
 # ----------------------------------------------------------------------------- int8_quant
 def test_int8_quant_rounds_to_nearest_even_per_row():
-    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5],         # scale exactly 1: ties
-                      [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],                # zero row: codes 0, a normal scale
-                      [-254.0, 1.0, 3.0, -3.0, 253.0, 0.0, 2.0]])         # scale 2: 1 -> 0, 3 -> 2 (ties even)
+    x = torch.tensor(
+        [
+            [127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5],  # scale exactly 1: ties
+            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # zero row: codes 0, a normal scale
+            [-254.0, 1.0, 3.0, -3.0, 253.0, 0.0, 2.0],
+        ]
+    )  # scale 2: 1 -> 0, 3 -> 2 (ties even)
     q, s = ops.int8_quant(x)
     assert ops.last_backend("int8_quant") == "reference"
     assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (3, 1)
@@ -58,28 +62,29 @@ def test_int8_quant_matches_the_definition_and_its_error_bound():
         q, s = R.int8_quant(xd)
         wq, ws = quant_rows(xd)
         assert torch.equal(q, wq) and torch.equal(s, ws), dtype
-        assert bool((q.abs().amax(-1) == 127).all())                       # the row's amax maps to 127
+        assert bool((q.abs().amax(-1) == 127).all())  # the row's amax maps to 127
         err = (R.int8_dequant(q, s) - xd.float()).abs()
-        assert bool((err <= s * (0.5 + 2.0**-20)).all())                   # round to nearest (+ fp32 x/s)
+        assert bool((err <= s * (0.5 + 2.0**-20)).all())  # round to nearest (+ fp32 x/s)
 
 
 # ----------------------------------------------------------------------------- int8_gemm
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int8_gemm_reference_and_int_mm_are_exact(out_dtype):
     g = torch.Generator().manual_seed(1)
-    n, k = 200, 333                                       # ragged: no multiple of 8 or 128
+    n, k = 200, 333  # ragged: no multiple of 8 or 128
     wq, ws = quant_rows(rand_weight(n, k, 2))
     x = torch.randn(3, 5, k, generator=g) * torch.logspace(0, -2, k)
     q, s = quant_rows(x)
     want = gemm_exact(q, s, wq, ws.squeeze(-1)).to(out_dtype)
     assert torch.equal(R.int8_gemm(q, s, wq, ws.squeeze(-1), out_dtype), want)
     ops.reset_calls()
-    got = ops.int8_gemm(q, s, wq, ws.squeeze(-1), out_dtype)               # the default on a CPU
+    got = ops.int8_gemm(q, s, wq, ws.squeeze(-1), out_dtype)  # the default on a CPU
     assert ops.last_backend("int8_gemm") == "int_mm" and got.shape == (3, 5, n) and got.dtype == out_dtype
     assert torch.equal(got, want)
-    assert torch.equal(ops.int8_gemm(q[:1, :1], s[:1, :1], wq, ws.squeeze(-1), out_dtype, backend="int_mm"),
-                       want[:1, :1])                                       # one token (decode)
-    assert not torch.equal(got, ops.int8_gemm(q, s * 2, wq, ws.squeeze(-1), out_dtype))   # the scale is read
+    assert torch.equal(
+        ops.int8_gemm(q[:1, :1], s[:1, :1], wq, ws.squeeze(-1), out_dtype, backend="int_mm"), want[:1, :1]
+    )  # one token (decode)
+    assert not torch.equal(got, ops.int8_gemm(q, s * 2, wq, ws.squeeze(-1), out_dtype))  # the scale is read
 
 
 def test_int8_gemm_large_sums_stay_exact():
@@ -89,10 +94,10 @@ def test_int8_gemm_large_sums_stay_exact():
     q = torch.full((2, k), 127, dtype=torch.int8)
     q[1, ::3] = -127
     w = torch.full((8, k), 127, dtype=torch.int8)
-    w[:, 1] = 2                                            # a sum that is odd and above 2^24: rounds in fp32
+    w[:, 1] = 2  # a sum that is odd and above 2^24: rounds in fp32
     s, sw = torch.ones(2, 1), torch.ones(8)
     want = gemm_exact(q, s, w, sw)
-    assert float(want[0, 0]) != float(q[0].long() @ w[0].long())           # fp32 rounded it
+    assert float(want[0, 0]) != float(q[0].long() @ w[0].long())  # fp32 rounded it
     assert torch.equal(R.int8_gemm(q, s, w, sw), want)
     assert torch.equal(ops.int8_gemm(q, s, w, sw, backend="int_mm"), want)
 
@@ -100,8 +105,10 @@ def test_int8_gemm_large_sums_stay_exact():
 def test_int_mm_says_why_it_cannot_run(monkeypatch):
     q, s = quant_rows(torch.randn(4, 64))
     wq, ws = quant_rows(torch.randn(32, 64))
-    assert ops.refusal("int8_gemm", "int_mm", q.float(), s, wq, ws.squeeze(-1)) == \
-        "q and weight must be int8, got torch.float32 and torch.int8"
+    assert (
+        ops.refusal("int8_gemm", "int_mm", q.float(), s, wq, ws.squeeze(-1))
+        == "q and weight must be int8, got torch.float32 and torch.int8"
+    )
     assert "[N, K=64]" in ops.refusal("int8_gemm", "int_mm", q, s, wq[:, :32], ws.squeeze(-1))
     assert "one per token" in ops.refusal("int8_gemm", "int_mm", q, s.squeeze(-1), wq, ws.squeeze(-1))
     with pytest.raises(ops.BackendUnavailable, match="int_mm"):
@@ -112,7 +119,7 @@ def test_int_mm_says_why_it_cannot_run(monkeypatch):
     assert "more than 16 rows, got 16" in int8_native.int_mm_reason(16, 64, 64, cuda)
     assert "multiples of 8, got K=60" in int8_native.int_mm_reason(17, 60, 64, cuda)
     assert int8_native.int_mm_reason(17, 64, 64, cuda) is None
-    assert int8_native.int_mm_reason(None, 64, 64, cuda) is None          # the experts pad their rows
+    assert int8_native.int_mm_reason(None, 64, 64, cuda) is None  # the experts pad their rows
     assert "overflow" in int8_native.int_mm_reason(17, 2**20, 64, cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 0))
     assert "sm75+" in int8_native.int_mm_reason(32, 64, 64, cuda)
@@ -128,7 +135,7 @@ def experts_by_definition(x, weights, indices, w1, s1, w2, s2, w3, s3, limit, of
             e = int(indices[t, j]) - offset
             if not 0 <= e < w1.size(0):
                 continue
-            q, s = quant_rows(x[t:t + 1])
+            q, s = quant_rows(x[t : t + 1])
             gate = gemm_exact(q, s, w1[e], s1[e]).clamp(max=limit)
             up = gemm_exact(q, s, w3[e], s3[e]).clamp(-limit, limit)
             h = F.silu(gate) * up * weights[t, j]
@@ -148,23 +155,22 @@ def moe_case(t=13, d=64, inter=96, e=8, k=2, seed=3, scale=1.0):
         return q, s.squeeze(-1)
 
     (w1, s1), (w3, s3), (w2, s2) = stack(inter, d), stack(inter, d), stack(d, inter)
-    return dict(x=x, weights=weights, indices=indices, w1=w1, s1=s1, w2=w2, s2=s2, w3=w3, s3=s3,
-                swiglu_limit=10.0)
+    return dict(x=x, weights=weights, indices=indices, w1=w1, s1=s1, w2=w2, s2=s2, w3=w3, s3=s3, swiglu_limit=10.0)
 
 
 def test_int8_experts_reference_matches_the_definition():
-    case = moe_case(scale=8.0)                          # pre-activations past the clamp
+    case = moe_case(scale=8.0)  # pre-activations past the clamp
     want = experts_by_definition(*case.values())
     got = R.int8_moe_experts(**case)
-    assert torch.equal(got, want)                       # k = 2: the slot sum is one (commutative) addition
+    assert torch.equal(got, want)  # k = 2: the slot sum is one (commutative) addition
     gate = gemm_exact(*quant_rows(case["x"]), case["w1"][0], case["s1"][0])
-    assert float(gate.abs().max()) > 10.0               # the clamp is exercised
+    assert float(gate.abs().max()) > 10.0  # the clamp is exercised
 
 
 @pytest.mark.parametrize("k,offset", [(2, 0), (3, 0), (2, 4)])
 def test_int_mm_experts_match_the_reference(k, offset):
     case = moe_case(k=k, seed=4 + k)
-    if offset:                                           # this rank holds experts 4..7 only
+    if offset:  # this rank holds experts 4..7 only
         case = {**case, **{w: case[w][4:] for w in ("w1", "s1", "w2", "s2", "w3", "s3")}}
     want = R.int8_moe_experts(**case, expert_offset=offset)
     ops.reset_calls()
@@ -172,11 +178,15 @@ def test_int_mm_experts_match_the_reference(k, offset):
     assert ops.last_backend("int8_moe_experts") == "int_mm"
     if k == 2:
         assert torch.equal(got, want)
-    else:                      # two summation orders of k slots: each within (k - 1) 2^-24 sum |slot|
-        slots = sum(R.int8_moe_experts(**{**case, "weights": case["weights"] * (torch.arange(k) == j)},
-                                       expert_offset=offset).abs() for j in range(k))
+    else:  # two summation orders of k slots: each within (k - 1) 2^-24 sum |slot|
+        slots = sum(
+            R.int8_moe_experts(
+                **{**case, "weights": case["weights"] * (torch.arange(k) == j)}, expert_offset=offset
+            ).abs()
+            for j in range(k)
+        )
         assert bool(((got - want).abs() <= 2 * (k - 1) * 2.0**-24 * slots).all())
-        assert not torch.equal(slots, want.abs())        # the slots really are summed
+        assert not torch.equal(slots, want.abs())  # the slots really are summed
     if offset:
         local = (case["indices"] >= 4).any(-1)
         assert bool((got[~local] == 0).all()) and bool((got[local] != 0).all())

@@ -14,9 +14,13 @@ import torch
 import dsv4.ops as ops
 from dsv4.ops import reference as R
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0),
-                                 reason="needs a CUDA GPU with INT8 tensor cores usable by Triton, sm80+")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0),
+        reason="needs a CUDA GPU with INT8 tensor cores usable by Triton, sm80+",
+    ),
+]
 pytest.importorskip("triton", reason="triton is not installed: no triton backend to test")
 import dsv4.ops.triton.int8_gemm  # noqa: E402,F401  (a missing kernel module is an error, not a skip)
 
@@ -55,8 +59,9 @@ def test_int8_decode_step_replays_from_a_cuda_graph():
     from dsv4.check.inputs import check_config
     from dsv4.model import DeepSeekV4
 
-    model = DeepSeekV4.from_config(check_config("tiny").replace(quant_mode="int8"), seed=0, dtype=torch.bfloat16,
-                                   device=DEV).eval()
+    model = DeepSeekV4.from_config(
+        check_config("tiny").replace(quant_mode="int8"), seed=0, dtype=torch.bfloat16, device=DEV
+    ).eval()
     prompt = torch.randint(2, 1024, (2, 20), device=DEV, generator=torch.Generator(device=DEV).manual_seed(0))
     eager, graphed = model.new_cache(2, 64), model.new_cache(2, 64)
     with torch.no_grad():

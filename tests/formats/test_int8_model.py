@@ -36,8 +36,11 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> tor
 def independent(source):
     """The float model with INT8 W8A8 placed on every weight a release stores quantized except wo_a."""
     model = copy.deepcopy(source)
-    covered = {n[: -len(".weight")] for n, spec in official_tensors(model.cfg).items()
-               if spec.role == LINEAR and not n.endswith("attn.wo_a.weight")}
+    covered = {
+        n[: -len(".weight")]
+        for n, spec in official_tensors(model.cfg).items()
+        if spec.role == LINEAR and not n.endswith("attn.wo_a.weight")
+    }
     for name in sorted(covered):
         mod = model.get_submodule(name)
         mod.forward = lambda x, w=mod.weight: int8_linear(x, w, x.dtype)
@@ -55,12 +58,13 @@ def independent(source):
             for t in range(x.size(0)):
                 for k in range(indices.size(1)):
                     e = int(indices[t, k])
-                    y[t] += swiglu(x[t:t + 1], ex.w1[e], ex.w2[e], ex.w3[e], weights[t, k])[0]
+                    y[t] += swiglu(x[t : t + 1], ex.w1[e], ex.w2[e], ex.w3[e], weights[t, k])[0]
             return y
 
         layer.ffn.set_submodule("experts", RoutedBy(routed))
-        sh.forward = lambda x, sh=sh, swiglu=swiglu: swiglu(x, sh.w1.weight, sh.w2.weight, sh.w3.weight,
-                                                            1.0).to(x.dtype)
+        sh.forward = lambda x, sh=sh, swiglu=swiglu: swiglu(x, sh.w1.weight, sh.w2.weight, sh.w3.weight, 1.0).to(
+            x.dtype
+        )
     return model
 
 
@@ -78,15 +82,16 @@ def rel(a, b) -> float:
 def test_int8_covers_what_a_release_stores_quantized_but_wo_a():
     model = DeepSeekV4.from_config(tiny_model().cfg.replace(quant_mode="int8"), seed=0)
     specs = official_tensors(model.cfg)
-    linears = {n[: -len(".weight")] for n, s in specs.items() if s.role == LINEAR} - \
-        {n for n in (m[: -len(".weight")] for m in specs) if n.endswith("attn.wo_a")}
+    linears = {n[: -len(".weight")] for n, s in specs.items() if s.role == LINEAR} - {
+        n for n in (m[: -len(".weight")] for m in specs) if n.endswith("attn.wo_a")
+    }
     experts = {n.split(".experts.")[0] + ".experts" for n, s in specs.items() if s.role == EXPERT}
     got = int8_modules(model)
     assert set(got) == linears | experts
     assert all(isinstance(model.get_submodule(n), Int8Linear) for n in linears)
     assert all(isinstance(model.get_submodule(n), Int8Experts) for n in experts)
     assert type(model.layers[1].attn.wo_a).__name__ == "Linear"
-    for m in model.modules():                     # one byte per weight, one fp32 scale per output row
+    for m in model.modules():  # one byte per weight, one fp32 scale per output row
         if isinstance(m, Int8Linear):
             assert m.weight_q.dtype == torch.int8 and m.scale.shape == (m.out_features,)
         if isinstance(m, Int8Experts):
@@ -95,8 +100,11 @@ def test_int8_covers_what_a_release_stores_quantized_but_wo_a():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_model_matches_independent_computation(dtype):
-    src = tiny_model(seed=5).to(dtype) if dtype == torch.float32 else \
-        DeepSeekV4.from_config(tiny_model().cfg, seed=5, dtype=dtype).eval()
+    src = (
+        tiny_model(seed=5).to(dtype)
+        if dtype == torch.float32
+        else DeepSeekV4.from_config(tiny_model().cfg, seed=5, dtype=dtype).eval()
+    )
     toks = tokens(24, seed=2)
     want = run(independent(src), toks)
     ops.reset_calls()
@@ -105,7 +113,7 @@ def test_int8_model_matches_independent_computation(dtype):
     calls = {op for op, _ in ops.calls()}
     assert {"int8_quant", "int8_gemm", "int8_moe_experts"} <= calls and "fp8_gemm" not in calls
     assert torch.equal(got, want)
-    assert rel(run(src, toks), want) > 1e-3               # the INT8 rounding is really there
+    assert rel(run(src, toks), want) > 1e-3  # the INT8 rounding is really there
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -138,14 +146,19 @@ def test_int8_load_from_bf16_and_memory(fp8_fp4, tmp_path):
     model = load_pretrained(d, quant_mode="int8", progress=False)
     assert set(int8_modules(model).values()) == {"float"}
     assert torch.equal(run(model, tokens(16)), run(quantize_int8(copy.deepcopy(bf16)), tokens(16)))
-    float_bytes = sum(p.numel() * p.element_size() for n, p in bf16.named_parameters()
-                      if n in {f"{m}.weight" for m in int8_modules(model)} or ".experts.w" in n)
-    int8_bytes = sum(b.numel() * b.element_size() for m in int8_modules(model)
-                     for b in model.get_submodule(m).buffers())
+    float_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in bf16.named_parameters()
+        if n in {f"{m}.weight" for m in int8_modules(model)} or ".experts.w" in n
+    )
+    int8_bytes = sum(
+        b.numel() * b.element_size() for m in int8_modules(model) for b in model.get_submodule(m).buffers()
+    )
     n_weights = float_bytes // 4
-    rows = sum(b.numel() for m in int8_modules(model) for n, b in model.get_submodule(m).named_buffers()
-               if "scale" in n)
-    assert int8_bytes == n_weights + 4 * rows                   # 1 byte per weight + an fp32 per row
+    rows = sum(
+        b.numel() for m in int8_modules(model) for n, b in model.get_submodule(m).named_buffers() if "scale" in n
+    )
+    assert int8_bytes == n_weights + 4 * rows  # 1 byte per weight + an fp32 per row
 
 
 def test_int8_teacher_forcing_and_random_weights():
@@ -168,8 +181,23 @@ def test_int8_cli(fp8_fp4, capsys):
         with pytest.raises(SystemExit):
             main([*cmd, "--help"])
         assert "--quant {w8a8,w8a16,int8}" in capsys.readouterr().out, cmd
-    assert main(["generate", "--model", str(ckpt), "--quant", "int8", "--prompt-ids", "0,5,9",
-                 "--max-new-tokens", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(ckpt),
+                "--quant",
+                "int8",
+                "--prompt-ids",
+                "0,5,9",
+                "--max-new-tokens",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert len(out["ids"]) == 4
     assert main(["generate", "--preset", "tiny", "--quant", "int9", "hi"]) == 2
@@ -184,9 +212,15 @@ def test_int8_serving_engine_batching_does_not_change_tokens():
     from dsv4.loading import ModelSource
     from dsv4.serve.startup import EngineSpec, load, make_engine
 
-    spec = EngineSpec(ModelSource(preset="tiny", device="cpu", dtype="fp32", quant_mode="int8"), max_num_seqs=4,
-                      max_model_len=256, deterministic=True, cuda_graphs=False, detokenize=False)
-    model, tokenizer, _name, _desc = load(spec)            # what the server's engine process loads and builds
+    spec = EngineSpec(
+        ModelSource(preset="tiny", device="cpu", dtype="fp32", quant_mode="int8"),
+        max_num_seqs=4,
+        max_model_len=256,
+        deterministic=True,
+        cuda_graphs=False,
+        detokenize=False,
+    )
+    model, tokenizer, _name, _desc = load(spec)  # what the server's engine process loads and builds
     engine = make_engine(spec, model, tokenizer)
     assert engine.model is model and int8_modules(model) and str(engine.device) == "cpu"
     g = torch.Generator().manual_seed(2)

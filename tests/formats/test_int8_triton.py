@@ -25,7 +25,7 @@ import dsv4.ops.triton.int8_gemm  # noqa: E402,F401  (a missing kernel module is
 @pytest.mark.parametrize("rows", [1, 37])
 def test_int8_gemm_kernel_is_exact(out_dtype, rows):
     g = torch.Generator().manual_seed(rows)
-    n, k = 72, 200                                       # ragged tiles in N and K
+    n, k = 72, 200  # ragged tiles in N and K
     wq, ws = quant_rows(rand_weight(n, k, 5))
     q, s = quant_rows(torch.randn(rows, k, generator=g) * 3)
     ops.reset_calls()
@@ -47,7 +47,7 @@ def test_int8_gemm_kernel_reads_every_row_scale():
 @pytest.mark.parametrize("offset", [0, 4])
 def test_int8_grouped_experts_kernel_is_exact(offset):
     case = moe_case(t=9, k=2, seed=7, scale=6.0)
-    if offset:                                           # experts 4..7 here; slots of 0..3 belong elsewhere
+    if offset:  # experts 4..7 here; slots of 0..3 belong elsewhere
         case = {**case, **{w: case[w][4:] for w in ("w1", "s1", "w2", "s2", "w3", "s3")}}
     ops.reset_calls()
     got = ops.int8_moe_experts(**case, expert_offset=offset, backend="triton")
@@ -61,8 +61,7 @@ def test_int8_triton_refusals():
     assert "int8" in ops.refusal("int8_gemm", "triton", q.float(), s, wq, ws.squeeze(-1))
     assert "out_dtype" in ops.refusal("int8_gemm", "triton", q, s, wq, ws.squeeze(-1), torch.float64)
     case = moe_case(t=2)
-    assert "inference-only" in ops.refusal("int8_moe_experts", "triton",
-                                           **{**case, "x": case["x"].requires_grad_()})
+    assert "inference-only" in ops.refusal("int8_moe_experts", "triton", **{**case, "x": case["x"].requires_grad_()})
 
 
 def test_triton_moe_fp16_keeps_gate_and_up_in_fp32():

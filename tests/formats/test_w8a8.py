@@ -48,7 +48,7 @@ def to_e4m3(v: torch.Tensor) -> torch.Tensor:
     best = dist.min(-1, keepdim=True).values
     tied = dist == best
     codes = torch.arange(GRID.numel())
-    code = torch.where(tied, codes + 1000 * (codes % 2), 10**6).argmin(-1)      # lowest even among ties
+    code = torch.where(tied, codes + 1000 * (codes % 2), 10**6).argmin(-1)  # lowest even among ties
     return torch.copysign(GRID[code], v.double())
 
 
@@ -59,13 +59,13 @@ def round_trip(x: torch.Tensor, pow2: bool) -> torch.Tensor:
     out = torch.empty_like(x)
     inv = torch.tensor(1 / 448, dtype=torch.float32)
     for lo in range(0, n, BLOCK):
-        blk = x[..., lo:lo + BLOCK].float()
+        blk = x[..., lo : lo + BLOCK].float()
         s = blk.abs().amax(-1, keepdim=True).clamp_min(1e-4) * inv
         if pow2:
-            m, e = torch.frexp(s)                    # s = m * 2^e, m in [0.5, 1)
+            m, e = torch.frexp(s)  # s = m * 2^e, m in [0.5, 1)
             s = torch.where(m == 0.5, 2.0 ** (e - 1).double(), 2.0 ** e.double()).float()
         q = to_e4m3((blk / s).clamp(-448, 448))
-        out[..., lo:lo + BLOCK] = (q * s.double()).to(x.dtype)
+        out[..., lo : lo + BLOCK] = (q * s.double()).to(x.dtype)
     return out
 
 
@@ -89,7 +89,7 @@ def independent(source, ckpt, pow2: bool):
 
     for name in sorted(quant):
         if ".experts." in name and ".shared_experts." not in name or name.endswith(".attn.wo_a"):
-            continue                                          # routed experts below; wo_a runs in bf16
+            continue  # routed experts below; wo_a runs in bf16
         mod = model.get_submodule(name)
         mod.forward = lambda x, w=mod.weight: lin(round_trip(x, pow2), w)
     for i, layer in enumerate(list(model.layers) + list(model.mtp)):
@@ -104,7 +104,7 @@ def independent(source, ckpt, pow2: bool):
             for t in range(x.size(0)):
                 for k in range(indices.size(1)):
                     e = int(indices[t, k])
-                    xq = round_trip(x[t:t + 1], pow2)
+                    xq = round_trip(x[t : t + 1], pow2)
                     gate = lin(xq, ex.w1[e]).float().clamp(max=limit)
                     up = lin(xq, ex.w3[e]).float().clamp(-limit, limit)
                     h = (F.silu(gate) * up * weights[t, k]).to(x.dtype)
@@ -121,8 +121,13 @@ def quantized(request, tmp_path_factory):
     """(source model, checkpoint dir): FP8 linears + FP8 or MXFP4 experts holding the source exactly."""
     experts = request.param
     src = make_representable(tiny_model(seed=3), "fp8", experts)
-    d = save(model_values(src), src.cfg, tmp_path_factory.mktemp(f"w8a8_{experts}") / "ckpt", "fp8",
-             expert_dtype=experts if experts == "fp4" else None)
+    d = save(
+        model_values(src),
+        src.cfg,
+        tmp_path_factory.mktemp(f"w8a8_{experts}") / "ckpt",
+        "fp8",
+        expert_dtype=experts if experts == "fp4" else None,
+    )
     return src, d
 
 
@@ -152,9 +157,9 @@ def rel(a, b) -> float:
 def test_act_quant_matches_the_format_definition():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 300, generator=g) * torch.exp2(torch.randint(-12, 12, (5, 1), generator=g).float())
-    x[0, :128] = 0.0                                    # amax floor
+    x[0, :128] = 0.0  # amax floor
     x[1, :128] = torch.randn(128, generator=g) * 0.01
-    x[1, 5] = 448.0 * 2.0**-3 * (1 + 2.0**-20)          # amax / 448 just above a power of two
+    x[1, 5] = 448.0 * 2.0**-3 * (1 + 2.0**-20)  # amax / 448 just above a power of two
     for pow2 in (True, False):
         q, s = ops.act_quant(x, BLOCK, pow2)
         assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 3)
@@ -183,8 +188,8 @@ def test_w8a8_checkpoint_matches_independent_computation(quantized, keep, fmt, t
     want = run(independent(src_fmt, ckpt, pow2=fmt == "ue8m0"), toks)
     w8a16 = run(src_fmt, toks)
     err, effect = rel(got, want), rel(w8a16, want)
-    assert err <= 1e-6, (err, effect)                  # fp32 rounding (both sides round once per stage)
-    assert effect > 1e-3, effect                       # the activation quantization is really there
+    assert err <= 1e-6, (err, effect)  # fp32 rounding (both sides round once per stage)
+    assert effect > 1e-3, effect  # the activation quantization is really there
 
 
 def _with_cfg(model, **changes):
@@ -212,12 +217,12 @@ def test_w8a16_switch_and_what_is_marked(quantized):
     src, ckpt = quantized
     toks = tokens(24, seed=1)
     model = load_pretrained(ckpt, dtype=torch.float32, progress=False, quant_mode="w8a16")
-    assert torch.equal(run(model, toks), run(src, toks))        # W8A16 = the float model exactly
+    assert torch.equal(run(model, toks), run(src, toks))  # W8A16 = the float model exactly
     marked = quantized_modules(model)
     assert marked["layers.1.attn.wq_b"] == "fp8" and marked["layers.1.ffn.shared_experts.w2"] == "fp8"
     assert marked["layers.1.ffn.experts"] == ("fp4" if "fp4" in str(ckpt) else "fp8")
     assert "layers.1.ffn.gate" not in marked and "head" not in marked
-    assert model.layers[1].attn.wo_a.act_format is None          # stored FP8, computed in bf16 officially
+    assert model.layers[1].attn.wo_a.act_format is None  # stored FP8, computed in bf16 officially
     set_quant_mode(model, "w8a8")
     assert model.cfg.quant_mode == "w8a8" and model.layers[1].attn.wq_b.act_format == "ue8m0"
     assert not torch.equal(run(model, toks), run(src, toks))

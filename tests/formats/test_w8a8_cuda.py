@@ -16,9 +16,13 @@ import dsv4.ops as ops
 from dsv4 import formats
 from dsv4.ops import reference as R
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
-                                reason="needs a CUDA GPU with FP8 tensor cores, sm89+ (compiled W8A8 kernels)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+        reason="needs a CUDA GPU with FP8 tensor cores, sm89+ (compiled W8A8 kernels)",
+    ),
+]
 pytest.importorskip("triton", reason="triton is not installed: no triton backend to test")
 import dsv4.ops.triton.w8a8_gemm  # noqa: E402,F401  (a missing kernel module is an error, not a skip)
 
@@ -52,7 +56,7 @@ def test_dense_w8a8_compiled(m, fmt):
         try:
             got = ops.call(op, q, s, wq, ws, torch.bfloat16, backend=be)
         except ops.BackendUnavailable as e:
-            if be == "scaled_mm":                        # optional: torch / CUDA / GPU may lack it (reported)
+            if be == "scaled_mm":  # optional: torch / CUDA / GPU may lack it (reported)
                 print(f"{op} {be}: {e}")
                 continue
             raise
@@ -73,7 +77,7 @@ def test_quantized_moe_experts_compiled(fmt):
             q, sc = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
         ws[name] = (q.view(torch.uint8), sc.view(torch.uint8))
     x = torch.randn(t, d, device=DEV, generator=g).bfloat16()
-    idx = torch.rand(t, 20, device=DEV, generator=g).topk(k, -1).indices        # 4 of 20: some foreign
+    idx = torch.rand(t, 20, device=DEV, generator=g).topk(k, -1).indices  # 4 of 20: some foreign
     wts = torch.rand(t, k, device=DEV, generator=g)
     args = (x, wts, idx, *ws["w1"], *ws["w2"], *ws["w3"], 8.0, 2, fmt, "ue8m0")
     want = R.quantized_moe_experts(*args)

@@ -51,16 +51,19 @@ def test_hf_layer_types_and_mlp_layer_types():
     assert cfg.compress_ratios == (0, 4, 128, 4, 128, 4, 128, 4) and cfg.n_hash_layers == 2
 
 
-@pytest.mark.parametrize("change, key", [
-    ({"hidden_sizee": 5}, "hidden_sizee"),
-    ({"num_key_value_heads": 8}, "num_key_value_heads"),
-    ({"layer_types": ["sliding_attention"] * 3}, "layer_types"),
-    ({"mlp_layer_types": ["moe", "hash_moe"] + ["moe"] * 6}, "mlp_layer_types"),
-    ({"num_hash_layers": 3}, "mlp_layer_types"),
-    ({"scoring_func": "relu"}, "score_func"),
-    ({"o_groups": 3}, "o_groups"),
-    ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling"),
-])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"hidden_sizee": 5}, "hidden_sizee"),
+        ({"num_key_value_heads": 8}, "num_key_value_heads"),
+        ({"layer_types": ["sliding_attention"] * 3}, "layer_types"),
+        ({"mlp_layer_types": ["moe", "hash_moe"] + ["moe"] * 6}, "mlp_layer_types"),
+        ({"num_hash_layers": 3}, "mlp_layer_types"),
+        ({"scoring_func": "relu"}, "score_func"),
+        ({"o_groups": 3}, "o_groups"),
+        ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling"),
+    ],
+)
 def test_hf_bad_values_name_the_key(change, key):
     raw = to_hf_json(ModelConfig.preset("small"))
     raw.update(change)

@@ -21,7 +21,7 @@ from dsv4.model import DeepSeekV4
 from dsv4.model.dspark import greedy, survival, verify_length
 from dsv4.train.dspark_loss import DSparkLossConfig, dspark_loss, sample_anchors
 
-WINDOW = 16                  # so that 40 tokens give blocks with empty, partial and full context windows
+WINDOW = 16  # so that 40 tokens give blocks with empty, partial and full context windows
 S = 40
 
 
@@ -50,12 +50,28 @@ def anchor_tokens(tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
 def test_a_dspark_config_builds_the_release_structure(model):
     c = model.cfg
     assert c.dspark and c.n_mtp_layers == 3 and c.dspark_block_size == 5
-    assert c.dspark_target_layer_ids == (1, 2, 3) and c.compress_ratios[c.n_layers:] == (0, 0, 0)
-    heads = {n for n, _ in model.named_parameters() if n.startswith("mtp.") and ".attn." not in n and ".ffn." not in n
-             and "hc_attn" not in n and "hc_ffn" not in n and not n.endswith(("attn_norm.weight", "ffn_norm.weight"))}
-    assert heads == {"mtp.0.main_proj.weight", "mtp.0.main_norm.weight", "mtp.2.norm.weight", "mtp.2.hc_head_fn",
-                     "mtp.2.hc_head_base", "mtp.2.hc_head_scale", "mtp.2.markov_head.markov_w1.weight",
-                     "mtp.2.markov_head.markov_w2.weight", "mtp.2.confidence_head.proj.weight"}
+    assert c.dspark_target_layer_ids == (1, 2, 3) and c.compress_ratios[c.n_layers :] == (0, 0, 0)
+    heads = {
+        n
+        for n, _ in model.named_parameters()
+        if n.startswith("mtp.")
+        and ".attn." not in n
+        and ".ffn." not in n
+        and "hc_attn" not in n
+        and "hc_ffn" not in n
+        and not n.endswith(("attn_norm.weight", "ffn_norm.weight"))
+    }
+    assert heads == {
+        "mtp.0.main_proj.weight",
+        "mtp.0.main_norm.weight",
+        "mtp.2.norm.weight",
+        "mtp.2.hc_head_fn",
+        "mtp.2.hc_head_base",
+        "mtp.2.hc_head_scale",
+        "mtp.2.markov_head.markov_w1.weight",
+        "mtp.2.markov_head.markov_w2.weight",
+        "mtp.2.confidence_head.proj.weight",
+    }
     assert not any("compressor" in n or "indexer" in n for n, _ in model.named_parameters() if n.startswith("mtp."))
     with pytest.raises(ValueError, match="DSpark"):
         model(torch.zeros(1, 4, dtype=torch.long), mtp=True)
@@ -101,7 +117,8 @@ def test_a_block_sees_the_window_before_its_anchor_and_nothing_else(model, token
             t = taps.clone()
             t[:, pos] += 1.0
             return not torch.equal(d.sequence_blocks(t, tokens, anchors).base_logits, base)
-        assert moved(p - 1) and moved(p - W)                      # the window: p - W ... p - 1
+
+        assert moved(p - 1) and moved(p - W)  # the window: p - W ... p - 1
         assert not moved(p) and not moved(p + 3) and not moved(p - W - 1)
 
 
@@ -129,7 +146,7 @@ def test_the_chain_is_the_heads_on_its_own_drafts(model, tokens):
         prev = torch.cat([a.unsqueeze(1), prop.tokens[:, :-1]], 1)
         logits, conf = d.heads(blocks, prev)
         last = d.stages[-1].markov_head
-        bias = (last.markov_w1.weight[prev].double() @ last.markov_w2.weight.double().T)
+        bias = last.markov_w1.weight[prev].double() @ last.markov_w2.weight.double().T
     assert torch.equal(prop.logits, logits) and torch.equal(prop.confidence, conf)
     assert torch.equal(prop.tokens, prop.logits.argmax(-1))
     assert rel(logits.double() - blocks.base_logits.double(), bias) <= FP32_TOL
@@ -142,7 +159,7 @@ def test_verify_length_rules():
     assert torch.allclose(surv, p.cumprod(-1)) and (surv[:, 1:] <= surv[:, :-1]).all()
     for tau in (0.05, 0.3, 0.5, 0.7, 0.9):
         n = verify_length(c, tau)
-        assert torch.equal(n, (surv >= tau).sum(-1))                    # a prefix: survival never increases
+        assert torch.equal(n, (surv >= tau).sum(-1))  # a prefix: survival never increases
         assert torch.equal(verify_length(c, tau, rule="per_position"), (p >= tau).long().cumprod(-1).sum(-1))
         assert (n <= verify_length(c, tau, rule="per_position")).all()  # a product is below each factor
     assert verify_length(c, 0.5).tolist() == [2, 0] and verify_length(c, 0.5, rule="per_position").tolist() == [4, 0]
@@ -168,9 +185,12 @@ def test_dspark_config_keys_and_their_checks():
         cfg.replace(dspark_target_layer_ids=(2, 1))
     assert not cfg.with_draft("mtp").dspark and cfg.with_draft("mtp").n_mtp_layers == 1
     assert cfg.with_draft("none").n_mtp_layers == 0 and not ModelConfig.preset("tiny").dspark_json()
-    flash = ModelConfig.preset("flash").with_draft("dspark")       # Flash-0731's own numbers
+    flash = ModelConfig.preset("flash").with_draft("dspark")  # Flash-0731's own numbers
     assert (flash.dspark_target_layer_ids, flash.dspark_noise_token_id, flash.dspark_markov_rank) == (
-        (40, 41, 42), 128799, 256)
+        (40, 41, 42),
+        128799,
+        256,
+    )
 
 
 def test_a_random_fp8_dspark_checkpoint_loads_kept_quantized(tmp_path, tokens):
@@ -224,11 +244,12 @@ def test_greedy_speculative_decoding_with_the_draft_is_plain_greedy(model, thres
         depth = iter(range(10**6))
 
         def plant(p: int, drafts: torch.Tensor) -> torch.Tensor:
-            good = next(depth) % (B + 1)                      # the first `good` drafts are right, then one wrong
-            truth = torch.tensor([plain[p - len(prompt) + 1: p - len(prompt) + 1 + B]])
+            good = next(depth) % (B + 1)  # the first `good` drafts are right, then one wrong
+            truth = torch.tensor([plain[p - len(prompt) + 1 : p - len(prompt) + 1 + B]])
             return torch.where(torch.arange(B) < good, truth, (truth + 1) % model.cfg.vocab_size)
+
         planted = speculative_greedy(model, prompt, n, threshold=threshold, plant=plant)
     assert own.tokens == plain[:n] and planted.tokens == plain[:n]
     assert (threshold == 0) == all(v == B for v in own.lengths + planted.lengths)
-    if threshold == 0:                            # every depth accepted once: fewer verify steps than tokens
+    if threshold == 0:  # every depth accepted once: fewer verify steps than tokens
         assert planted.accepted > 0 and planted.verified > planted.accepted and planted.steps < n

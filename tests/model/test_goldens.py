@@ -22,9 +22,15 @@ CUDA = torch.cuda.is_available()
 def test_official_goldens_match(case):
     rows = goldens.compare_case(case)
     names = {r.stage for r in rows}
-    if case == "mtp":                   # the block the official forward does not run, called on its own
-        assert names == {"logits", "layers.0.attn.out", "layers.0.ffn.out", "mtp.0.attn.out", "mtp.0.ffn.out",
-                         "mtp.0.logits"}
+    if case == "mtp":  # the block the official forward does not run, called on its own
+        assert names == {
+            "logits",
+            "layers.0.attn.out",
+            "layers.0.ffn.out",
+            "mtp.0.attn.out",
+            "mtp.0.ffn.out",
+            "mtp.0.logits",
+        }
     else:
         assert {"logits", "layers.0.attn.out", "layers.1.ffn.out", "layers.2.attn.out"} <= names
     bad = [f"{r.stage}: {r.error:.3g} > {r.tol:.3g}" for r in rows if not r.ok]
@@ -54,9 +60,23 @@ def test_fixtures_are_in_the_official_layout():
 
 
 def test_conformance_runs_the_golden_check():
-    p = subprocess.run([sys.executable, "-m", "dsv4", "check", "conformance", "--preset", "tiny", "--checks",
-                        "official-goldens,transformers-goldens,swiglu-formula", "--json"],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv4",
+            "check",
+            "conformance",
+            "--preset",
+            "tiny",
+            "--checks",
+            "official-goldens,transformers-goldens,swiglu-formula",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     report = json.loads(p.stdout)
     assert report["baseline"]["official-goldens"]["ok"]
@@ -83,8 +103,7 @@ def test_transformers_goldens_match_and_record_the_version():
     assert not bad, bad
     meta = goldens.fixture_metadata(goldens.TRANSFORMERS_CASE)
     assert meta["transformers_version"].split(".")[0] >= "5" and meta["dtype"] == "float32"
-    with safe_open(str(goldens.GOLDEN_DIR / goldens.TRANSFORMERS_CASE / "checkpoint" / "model.safetensors"),
-                   "pt") as f:
+    with safe_open(str(goldens.GOLDEN_DIR / goldens.TRANSFORMERS_CASE / "checkpoint" / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert {"model.layers.1.attn.indexer.wq_b.weight", "model.layers.0.ffn.experts.3.w2.weight"} <= keys
 
@@ -97,10 +116,11 @@ def test_transformers_goldens_fail_on_a_perturbed_model():
     for layer in model.layers:
         layer.ffn.experts.swiglu_limit = 0.0
     rows = {r.stage: r for r in goldens.compare_case(goldens.TRANSFORMERS_CASE, model=model)}
-    assert rows["layers.0.attn.out"].ok                                  # before the first MoE: unchanged
+    assert rows["layers.0.attn.out"].ok  # before the first MoE: unchanged
     assert not rows["layers.0.ffn.out"].ok and not rows["logits"].ok
-    rows = {r.stage: r for r in goldens.compare_case(goldens.TRANSFORMERS_CASE,
-                                                     model=_transformers_model(fp8_kv_sim=True))}
+    rows = {
+        r.stage: r for r in goldens.compare_case(goldens.TRANSFORMERS_CASE, model=_transformers_model(fp8_kv_sim=True))
+    }
     assert not rows["layers.0.attn.out"].ok
 
 
@@ -123,8 +143,16 @@ def test_dspark_goldens_match_the_reference_code():
     stage within the fp32 tolerance, the same greedy drafts and per-position verify lengths."""
     rows = goldens.compare_dspark()
     names = {r.stage for r in rows}
-    assert {"taps", "mtp.0.attn.out", "mtp.1.ffn.out", "dspark.base_logits", "dspark.logits", "dspark.confidence",
-            "dspark.tokens", "dspark.verify_length"} <= names
+    assert {
+        "taps",
+        "mtp.0.attn.out",
+        "mtp.1.ffn.out",
+        "dspark.base_logits",
+        "dspark.logits",
+        "dspark.confidence",
+        "dspark.tokens",
+        "dspark.verify_length",
+    } <= names
     bad = [f"{r.stage}: {r.error:.3g} > {r.tol:.3g}" for r in rows if not r.ok]
     assert not bad, bad
     meta = goldens.fixture_metadata(goldens.DSPARK_CASE)

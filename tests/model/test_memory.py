@@ -41,8 +41,16 @@ def shipped_model():
 @pytest.mark.parametrize("seqs,context,chunk", [(1, 300, 64), (3, 1000, 512)])
 def test_cache_estimate_is_what_the_engine_allocates(seqs, context, chunk, prefix_caching):
     model = DeepSeekV4.from_config(ModelConfig.preset("tiny"), dtype=torch.bfloat16)
-    engine = Engine(model, EngineConfig(max_seqs=seqs, max_model_len=context, max_batch_tokens=chunk,
-                                        prefix_caching=prefix_caching, cuda_graphs=False))
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_seqs=seqs,
+            max_model_len=context,
+            max_batch_tokens=chunk,
+            prefix_caching=prefix_caching,
+            cuda_graphs=False,
+        ),
+    )
     est = mem.cache_bytes(model.cfg, context, seqs, 2, max_batch_tokens=chunk, prefix_caching=prefix_caching)
     assert est.total == engine.cache.nbytes()
 
@@ -74,7 +82,7 @@ def test_weight_estimate_is_what_loading_allocates(shipped_model, tmp_path):
     assert est.kept_quantized == _bytes(kept)
     assert est.kept_quantized < est.dequantized
     payload = sum(p.stat().st_size for p in (tmp_path / "fp8").glob("*.safetensors"))
-    assert est.stored <= payload < est.stored * 1.01 + 2**16   # payload + the JSON headers
+    assert est.stored <= payload < est.stored * 1.01 + 2**16  # payload + the JSON headers
 
 
 def _within(est: float, measured: float) -> None:
@@ -83,8 +91,11 @@ def _within(est: float, measured: float) -> None:
 
 @pytest.mark.parametrize("which", ["tiny", "shipped"])
 def test_inference_estimate_within_25_percent_of_measured(which, shipped_model):
-    model = shipped_model if which == "shipped" else DeepSeekV4.from_config(ModelConfig.preset("tiny"),
-                                                                            dtype=torch.float32).eval()
+    model = (
+        shipped_model
+        if which == "shipped"
+        else DeepSeekV4.from_config(ModelConfig.preset("tiny"), dtype=torch.float32).eval()
+    )
     cfg = model.cfg
     for context, batch, chunk in ((512, 1, 256), (768, 2, 384)):
         got = mem.measure_inference(model, context, batch, chunk)
@@ -116,10 +127,15 @@ def test_training_state_follows_the_optimizer():
     opt = MuonAdamW(model, OptimConfig())
     tokens = torch.randint(0, cfg.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
     total_loss(model(tokens, mtp=True, indexer_loss=True), tokens).total.backward()
-    assert all(p.grad is not None for p in model.parameters())      # state is created for every parameter
+    assert all(p.grad is not None for p in model.parameters())  # state is created for every parameter
     opt.step()
-    state = sum(t.numel() * t.element_size() for o in (opt.muon, opt.adamw) for s in o.state.values()
-                for k, t in s.items() if k in ("momentum_buffer", "exp_avg", "exp_avg_sq"))
+    state = sum(
+        t.numel() * t.element_size()
+        for o in (opt.muon, opt.adamw)
+        for s in o.state.values()
+        for k, t in s.items()
+        if k in ("momentum_buffer", "exp_avg", "exp_avg_sq")
+    )
     est = mem.train_state_bytes(cfg)
     assert est.weights == est.grads == _bytes_params(model)
     assert est.optimizer == state
@@ -136,10 +152,10 @@ def test_gpu_counts():
     n = mem.training_gpus(cfg, st, 10 * mem.GB, 141 * mem.GB)
     assert n is not None and cfg.n_routed_experts % n == 0
     usable = 141 * mem.GB * mem.USABLE_FRACTION
-    assert total / n + st.copies(n) + 10 * mem.GB + st.largest_block <= usable        # fits at n
+    assert total / n + st.copies(n) + 10 * mem.GB + st.largest_block <= usable  # fits at n
     smaller = [w for w in range(1, n) if cfg.n_routed_experts % w == 0]
     assert all(total / w + st.copies(w) + 10 * mem.GB + st.largest_block > usable for w in smaller)
-    assert mem.training_gpus(cfg, st, 200 * mem.GB, 141 * mem.GB) is None   # activations alone overflow
+    assert mem.training_gpus(cfg, st, 200 * mem.GB, 141 * mem.GB) is None  # activations alone overflow
     assert mem.inference_gpus(int(usable), 141 * mem.GB) == 1 and mem.inference_gpus(int(usable) + 1, 141 * mem.GB) == 2
     assert mem.parse_size("141GB") == 141 * 10**9 and mem.parse_size("80GiB") == 80 * 2**30
     assert mem.parse_size("1.5G") == 1_500_000_000 and mem.parse_size("4096") == 4096
@@ -147,8 +163,9 @@ def test_gpu_counts():
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = checkout_env(CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "dsv4", "info", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dsv4", "info", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_info_reports_memory_and_refuses_bad_sizes(capsys):
@@ -174,8 +191,26 @@ def test_info_reports_memory_and_refuses_bad_sizes(capsys):
 def test_info_measure_sets_the_cpu_peak_beside_the_estimate(capsys):
     from dsv4.cli import main
 
-    assert main(["info", "--preset", "tiny", "--measure", "--context", "300", "--chunk", "128", "--train-batch", "1",
-                 "--train-seq-len", "128", "--json"]) == 0
+    assert (
+        main(
+            [
+                "info",
+                "--preset",
+                "tiny",
+                "--measure",
+                "--context",
+                "300",
+                "--chunk",
+                "128",
+                "--train-batch",
+                "1",
+                "--train-seq-len",
+                "128",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)["measured"]
     assert [r["what"].split(" ")[0] for r in rows] == ["serving", "one", "one"]
     for r in rows:

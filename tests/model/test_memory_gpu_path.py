@@ -46,7 +46,7 @@ def test_moe_saves_what_the_estimate_counts():
     cfg = ModelConfig.preset("tiny").replace(dim=96, moe_inter_dim=80)
     model = DeepSeekV4.from_config(cfg, seed=0, dtype=torch.float32).train()
     moe = model.layers[1].ffn
-    b, s = 2, 22         # token and slot counts unlike any weight dimension (the copies are told by shape)
+    b, s = 2, 22  # token and slot counts unlike any weight dimension (the copies are told by shape)
     x = torch.randn(b, s, cfg.dim).to(torch.bfloat16).requires_grad_()
     tokens = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     # the router's fp32 projection as CUDA runs it from 64 rows on: bf16x3 (saves the bf16 input itself)
@@ -56,5 +56,5 @@ def test_moe_saves_what_the_estimate_counts():
     terms = mem.train_layer_saved(cfg, 4, b, s)
     # the block's MoE input (the normed stream) is counted there, and x here is that input
     want = terms["router"] + terms["moe"]
-    assert abs(saved / want - 1) < 0.01, (saved, want)     # int64 / bool bookkeeping of a few bytes aside
+    assert abs(saved / want - 1) < 0.01, (saved, want)  # int64 / bool bookkeeping of a few bytes aside
     assert copies == sum(p.numel() * 2 for n, p in moe.named_parameters() if n.startswith(("experts.", "shared")))

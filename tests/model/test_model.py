@@ -23,7 +23,7 @@ def test_teacher_forcing_crosses_window_and_compression_groups(tiny, batch):
 
 def test_teacher_forcing_with_long_prefill(tiny):
     tokens = torch.randint(0, tiny.cfg.vocab_size, (2, 270))
-    rep = teacher_forcing(tiny, tokens, prefill=258)        # prefill ends inside open groups of both ratios
+    rep = teacher_forcing(tiny, tokens, prefill=258)  # prefill ends inside open groups of both ratios
     assert rep.ok, rep
 
 
@@ -35,19 +35,20 @@ def test_teacher_forcing_names_a_planted_cache_bug(tiny, monkeypatch):
     append, finish = comp.append, comp.finish
 
     def bad_append(x, *args, **kw):
-        in_step[0] = x.size(1) == 1                          # one token: a decode step of batch 1
+        in_step[0] = x.size(1) == 1  # one token: a decode step of batch 1
         try:
             append(x, *args, **kw)
         finally:
             in_step[0] = False
 
     monkeypatch.setattr(comp, "append", bad_append)
-    monkeypatch.setattr(comp, "finish",
-                        lambda pooled, ids, dtype: finish(pooled, ids * 4 if in_step[0] else ids, dtype))
+    monkeypatch.setattr(
+        comp, "finish", lambda pooled, ids, dtype: finish(pooled, ids * 4 if in_step[0] else ids, dtype)
+    )
     tokens = torch.randint(0, tiny.cfg.vocab_size, (1, 40))
     rep = teacher_forcing(tiny, tokens, prefill=7)
     assert not rep.ok
-    assert rep.first_position == 7                            # group 1 (tokens 4..7) completes in decode
+    assert rep.first_position == 7  # group 1 (tokens 4..7) completes in decode
     assert rep.first_stage.startswith("layers.1.attn")
 
 
@@ -78,10 +79,25 @@ def _official_names(cfg: ModelConfig) -> set[str]:
     names = {"embed.weight", "norm.weight", "head.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"}
 
     def block(p: str, layer: int) -> None:
-        for n in ("attn_norm.weight", "ffn_norm.weight", "hc_attn_fn", "hc_ffn_fn", "hc_attn_base", "hc_ffn_base",
-                  "hc_attn_scale", "hc_ffn_scale", "attn.attn_sink", "attn.wq_a.weight", "attn.q_norm.weight",
-                  "attn.wq_b.weight", "attn.wkv.weight", "attn.kv_norm.weight", "attn.wo_a.weight",
-                  "attn.wo_b.weight", "ffn.gate.weight"):
+        for n in (
+            "attn_norm.weight",
+            "ffn_norm.weight",
+            "hc_attn_fn",
+            "hc_ffn_fn",
+            "hc_attn_base",
+            "hc_ffn_base",
+            "hc_attn_scale",
+            "hc_ffn_scale",
+            "attn.attn_sink",
+            "attn.wq_a.weight",
+            "attn.q_norm.weight",
+            "attn.wq_b.weight",
+            "attn.wkv.weight",
+            "attn.kv_norm.weight",
+            "attn.wo_a.weight",
+            "attn.wo_b.weight",
+            "ffn.gate.weight",
+        ):
             names.add(f"{p}.{n}")
         ratio = cfg.compress_ratios[layer]
         comp = ("ape", "wkv.weight", "wgate.weight", "norm.weight")
@@ -99,8 +115,19 @@ def _official_names(cfg: ModelConfig) -> set[str]:
         block(f"layers.{i}", i)
     for k in range(cfg.n_mtp_layers):
         block(f"mtp.{k}", cfg.n_layers + k)
-        names.update(f"mtp.{k}.{n}" for n in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight",
-                                               "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"))
+        names.update(
+            f"mtp.{k}.{n}"
+            for n in (
+                "e_proj.weight",
+                "h_proj.weight",
+                "enorm.weight",
+                "hnorm.weight",
+                "norm.weight",
+                "hc_head_fn",
+                "hc_head_base",
+                "hc_head_scale",
+            )
+        )
     return names
 
 
@@ -126,7 +153,7 @@ def test_generate_greedy_sampling_and_eos(tiny):
     # greedy continuation equals argmax of the full forward
     seq = prompt[0] + a[0]
     logits = tiny(torch.tensor([seq])).logits[0]
-    assert logits[len(prompt[0]) - 1:-1].argmax(-1).tolist() == a[0]
+    assert logits[len(prompt[0]) - 1 : -1].argmax(-1).tolist() == a[0]
     s1 = generate(tiny, prompt, max_new_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=3, stop_at_eos=False)
     s2 = generate(tiny, prompt, max_new_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=3, stop_at_eos=False)
     assert s1 == s2
@@ -163,12 +190,13 @@ def test_mixed_precision_feeds_fused_ops_bf16_operands_and_keeps_fp32_gradients(
     from dsv4.ops import reference
 
     seen: dict[str, set] = {"hc_pre": set(), "hc_post": set(), "moe_experts": set()}
-    operands = {"hc_pre": (0,), "hc_post": (0, 1), "moe_experts": (0, 3, 4, 5)}     # x; f, residual; x, w1-3
+    operands = {"hc_pre": (0,), "hc_post": (0, 1), "moe_experts": (0, 3, 4, 5)}  # x; f, residual; x, w1-3
 
     def spy(op):
         def fn(*args, **kw):
             seen[op].update(str(args[i].dtype) for i in operands[op])
             return getattr(reference, op)(*args, **kw)
+
         return fn
 
     for op in seen:

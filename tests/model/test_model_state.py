@@ -71,8 +71,9 @@ def _model_classes() -> dict[str, ast.ClassDef]:
     def is_module(name: str, seen: frozenset[str] = frozenset()) -> bool:
         if name not in classes:
             return name in _TORCH_MODULES
-        return any(is_module(b, seen | {name}) for b in map(_base_name, classes[name].bases)
-                   if b is not None and b not in seen)
+        return any(
+            is_module(b, seen | {name}) for b in map(_base_name, classes[name].bases) if b is not None and b not in seen
+        )
 
     return {n: c for n, c in classes.items() if is_module(n)}
 
@@ -113,8 +114,12 @@ def model_attributes() -> tuple[frozenset[str], frozenset[str]]:
                                 v = v.body
                             if isinstance(v, ast.Call) and _base_name(v.func) in module_calls:
                                 submodules.add(e.attr)
-            if (isinstance(node, ast.Call) and _base_name(node.func) in ("register_buffer", "register_parameter")
-                    and node.args and isinstance(node.args[0], ast.Constant)):
+            if (
+                isinstance(node, ast.Call)
+                and _base_name(node.func) in ("register_buffer", "register_parameter")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
                 names.add(node.args[0].value)
     return frozenset(names), frozenset(submodules)
 
@@ -213,11 +218,20 @@ def _outside_model() -> Iterator[Path]:
 def test_the_names_come_from_the_model_source():
     """The scan's names are read from dsv4/model: options, measured state and submodules of its modules,
     also those declared at class level or registered as buffers."""
-    for name in ("act_format", "stored_format", "fp4_fake_quant", "activation_checkpointing", "load", "offset",
-                 "checkpoint_plan", "tid2eid", "swiglu_limit"):
+    for name in (
+        "act_format",
+        "stored_format",
+        "fp4_fake_quant",
+        "activation_checkpointing",
+        "load",
+        "offset",
+        "checkpoint_plan",
+        "tid2eid",
+        "swiglu_limit",
+    ):
         assert name in NAMES, name
     assert {"attn", "ffn", "experts", "gate", "shared_experts", "layers", "mtp", "indexer"} <= SUBMODULES
-    assert not {"load", "offset", "act_format", "tid2eid"} & SUBMODULES     # tensors and plain values
+    assert not {"load", "offset", "act_format", "tid2eid"} & SUBMODULES  # tensors and plain values
     # the per-call flags and results of the training forward are arguments and outputs now
     assert not {"want_indexer_loss", "indexer_loss", "balance_loss", "balance_alpha", "routed_override"} & NAMES
 
@@ -230,7 +244,7 @@ def test_no_code_outside_the_model_sets_a_model_module():
 def test_the_scan_catches_a_module_attribute_set_from_outside():
     """Each of these set a model module's attribute (several are what the code did before); each is found."""
     planted = [
-        "layer.attn.want_indexer_loss = True",                  # a name the model does not define
+        "layer.attn.want_indexer_loss = True",  # a name the model does not define
         "for moe in model.modules():\n    moe.routed_override = ExpertParallel(moe.experts)",
         "for name, m in model.named_modules():\n    m.act_format = act",
         "m.act_format = act",
@@ -243,7 +257,7 @@ def test_the_scan_catches_a_module_attribute_set_from_outside():
         "a, layer.ffn.balance_alpha = 1, 0.5",
         "m.load += 1",
         "setattr(layer.ffn, 'routed_override', f)",
-        "ex = layer.ffn.experts\nsetattr(ex, name, nn.Parameter(w))",   # a name known only at run time
+        "ex = layer.ffn.experts\nsetattr(ex, name, nn.Parameter(w))",  # a name known only at run time
         "for blk in [b for b in self.model.layers]:\n    blk.note = 1",
         "for i, layer in enumerate(model.layers):\n    layer.note = i",
         "(model.get_submodule(parent) if parent else model).note = 1",
@@ -264,11 +278,20 @@ def test_the_scan_catches_a_line_planted_in_real_code():
 
 def test_unrelated_objects_are_left_alone():
     """Attribute names that unrelated objects share with model modules, or their own attributes, pass."""
-    for source in ("ctx.scale, ctx.mode = scale, mode", "trace.stage = 'after'", "p.grad = g", "args.device = 'cpu'",
-                   "self.load = 3", "self.offset = 0", "out.indexer_loss = loss", "seq.pages = []",
-                   "model.layers[0].attn.wq_a.weight.data = w", "setattr(t, _EP_ATTR, True)",
-                   "for p in model.parameters():\n    p.note = 1",
-                   "for name, p in model.named_parameters():\n    p.x = 1"):
+    for source in (
+        "ctx.scale, ctx.mode = scale, mode",
+        "trace.stage = 'after'",
+        "p.grad = g",
+        "args.device = 'cpu'",
+        "self.load = 3",
+        "self.offset = 0",
+        "out.indexer_loss = loss",
+        "seq.pages = []",
+        "model.layers[0].attn.wq_a.weight.data = w",
+        "setattr(t, _EP_ATTR, True)",
+        "for p in model.parameters():\n    p.note = 1",
+        "for name, p in model.named_parameters():\n    p.x = 1",
+    ):
         assert offenders(source) == [], source
 
 
@@ -285,14 +308,14 @@ def test_a_training_forward_leaves_the_modules_as_they_were():
     for n, m in model.named_modules():
         now = vars(m)
         changed = {k for k in set(now) | set(before[n]) if now.get(k, missing) is not before[n].get(k, missing)}
-        assert changed == ({"load"} if isinstance(m, MoE) else set()), (n, changed)      # MTP blocks' too
+        assert changed == ({"load"} if isinstance(m, MoE) else set()), (n, changed)  # MTP blocks' too
     assert all(a is layer.ffn.load for a, layer in zip(out.expert_load, model.layers, strict=True))
 
 
 def test_what_has_nowhere_to_go_is_refused_in_one_line():
     model = DeepSeekV4.from_config(ModelConfig.preset("tiny"), seed=0).train()
     layer = model.layers[1]
-    assert layer.attn.indexer is not None                               # tiny: layer 1 is a CSA layer
+    assert layer.attn.indexer is not None  # tiny: layer 1 is a CSA layer
     x = torch.randn(1, 8, model.cfg.dim)
     tok = torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="needs a losses dict"):

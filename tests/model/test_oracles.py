@@ -29,7 +29,7 @@ E4M3_MAX = 448.0
 def e4m3_grid() -> torch.Tensor:
     """Every finite non-negative E4M3 value, from its definition (1 sign, 4 exponent bits with bias 7,
     3 mantissa bits, subnormals at exponent 0, no infinities, 0x7F NaN)."""
-    vals = [m / 8 * 2.0**-6 for m in range(8)]                              # subnormals and zero
+    vals = [m / 8 * 2.0**-6 for m in range(8)]  # subnormals and zero
     vals += [(1 + m / 8) * 2.0 ** (e - 7) for e in range(1, 16) for m in range(8) if not (e == 15 and m == 7)]
     return torch.tensor(sorted(vals), dtype=torch.float64)
 
@@ -74,7 +74,7 @@ def test_sparse_attention_against_float64_softmax_with_sink():
     q, kv = torch.randn(b, s, h, d, generator=g), torch.randn(b, n, d, generator=g)
     sink = torch.tensor([1.5, -0.7])
     idx = torch.tensor([[[0, 1, 4], [2, -1, 3], [-1, -1, 0]]])
-    scale = d ** -0.5
+    scale = d**-0.5
     o, lse = ref.sparse_attention(q, kv, sink, idx, scale)
     o64, lse64 = attention_f64(q, kv, sink, idx, scale)
     # fp32: dot products of 16 terms and a softmax over 4 logits: a few ulp of the magnitudes involved
@@ -126,7 +126,7 @@ def test_fp8_kv_simulation_happens():
     assert any(k.endswith("compressed_kv") for k in kv_stages) and len(kv_stages) >= cfg.n_layers
     for k in kv_stages:
         assert on_fp8_grid_pow2(on[k][..., :nope], 64).all(), k
-        assert not on_fp8_grid_pow2(on[k][..., nope:], 64).all(), k            # rope dims: not rounded
+        assert not on_fp8_grid_pow2(on[k][..., nope:], 64).all(), k  # rope dims: not rounded
     layer0 = off["layers.0.attn.kv"][..., :nope]
     assert not on_fp8_grid_pow2(layer0, 64).any()
     # the first layer's KV differs by the FP8 rounding alone: at most half an E4M3 step (2^-4 relative)
@@ -194,8 +194,8 @@ def test_fp8_scale_bytes_from_the_formula():
     got = fm.as_e8m0_bytes(s).tolist()
     for bi in range(2):
         for bj in range(3):
-            amax = float(w[bi * 128:(bi + 1) * 128, bj * 128:(bj + 1) * 128].abs().max())
-            m, e = math.frexp(amax / E4M3_MAX)                         # amax/448 = m * 2^e, m in [0.5, 1)
+            amax = float(w[bi * 128 : (bi + 1) * 128, bj * 128 : (bj + 1) * 128].abs().max())
+            m, e = math.frexp(amax / E4M3_MAX)  # amax/448 = m * 2^e, m in [0.5, 1)
             want = 127 + (e - 1 if m == 0.5 else e)
             assert got[bi][bj] == want, (bi, bj)
             assert float(s32[bi, bj]) == pytest.approx(amax / E4M3_MAX, rel=2.0**-23)
@@ -209,7 +209,7 @@ def test_mxfp4_scale_bytes_from_the_formula():
     got = fm.as_e8m0_bytes(s).tolist()
     for r in range(4):
         for b in range(3):
-            m, e = math.frexp(float(w[r, b * 32:(b + 1) * 32].abs().max()) / 6.0)
+            m, e = math.frexp(float(w[r, b * 32 : (b + 1) * 32].abs().max()) / 6.0)
             assert got[r][b] == 127 + (e - 1 if m == 0.5 else e), (r, b)
 
 
@@ -225,8 +225,8 @@ def test_hc_sinkhorn_against_hand_written_iteration():
     base = torch.randn((2 + hc) * hc, generator=g, dtype=torch.float64) * 0.5
     pre, post, comb = ref.hc_split_sinkhorn(mixes, scale, base, hc, iters, eps)
     want_pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
-    want_post = 2 * torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    c = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(5, hc, hc)
+    want_post = 2 * torch.sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    c = (mixes[:, 2 * hc :] * scale[2] + base[2 * hc :]).view(5, hc, hc)
     c = torch.exp(c - c.amax(-1, keepdim=True))
     c = c / c.sum(-1, keepdim=True) + eps
     c = c / (c.sum(-2, keepdim=True) + eps)

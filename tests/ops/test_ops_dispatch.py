@@ -48,12 +48,12 @@ def test_refusal_in_deterministic_mode():
 
 def test_which_ran_collects_the_calls_of_the_block(fake):
     x3 = torch.randn(1, 2, 8)
-    ops.hadamard(x3)                                                  # before the block: not counted
+    ops.hadamard(x3)  # before the block: not counted
     with ops.which_ran() as ran:
         ops.hadamard(x3, backend="fake")
         ops.hadamard(x3)
         ops.rms_norm(x3, None, 1e-6)
-        assert ran == {}                                              # filled when the block ends
+        assert ran == {}  # filled when the block ends
     assert ran == {"hadamard": ["fake", "reference"], "rms_norm": ["reference"]}
     with ops.which_ran() as none:
         pass
@@ -64,9 +64,9 @@ def test_requested_and_inherited_choices():
     assert ops.requested("hadamard") is None
     with ops.use_backend("reference"):
         assert ops.requested("hadamard") == ops.requested("rms_norm") == "reference"
-        with ops.use_backend({"hadamard": "fake"}):                   # replaces the enclosing choice
+        with ops.use_backend({"hadamard": "fake"}):  # replaces the enclosing choice
             assert ops.requested("hadamard") == "fake" and ops.requested("rms_norm") is None
-        with ops.use_backend({"hadamard": "fake"}, inherit=True):     # keeps it for the other ops
+        with ops.use_backend({"hadamard": "fake"}, inherit=True):  # keeps it for the other ops
             assert ops.requested("hadamard") == "fake" and ops.requested("rms_norm") == "reference"
         assert ops.requested("hadamard") == "reference"
     assert ops.requested("hadamard") is None
@@ -74,13 +74,13 @@ def test_requested_and_inherited_choices():
 
 def test_prefer_backend_wins_the_default_where_it_can_run(fake):
     x2, x3 = torch.randn(2, 8), torch.randn(1, 2, 8)
-    assert ops.resolve("hadamard", None, x3).name == "reference"      # priority -5: never the default
+    assert ops.resolve("hadamard", None, x3).name == "reference"  # priority -5: never the default
     with ops.prefer_backend("fake"):
         assert ops.resolve("hadamard", None, x3).name == "fake"
         assert torch.equal(ops.hadamard(x3), 2 * ref.hadamard(x3)) and ops.last_backend("hadamard") == "fake"
         assert ops.resolve("hadamard", None, x2).name == "reference"  # refused: the usual default runs
-        assert ops.resolve("rms_norm", None, x3, None, 1e-6).name != "fake"   # ops without it: unchanged
-        with ops.use_backend("reference"):                            # an explicit choice still wins
+        assert ops.resolve("rms_norm", None, x3, None, 1e-6).name != "fake"  # ops without it: unchanged
+        with ops.use_backend("reference"):  # an explicit choice still wins
             assert ops.resolve("hadamard", None, x3).name == "reference"
     assert ops.resolve("hadamard", None, x3).name == "reference"
     with ops.prefer_backend(None):

@@ -50,7 +50,7 @@ def test_overlap_pooling_by_hand():
         for ch in range(c):
             vals = [kv[0, gi, s, c + ch] for s in range(r)]
             scs = [score[0, gi, s, c + ch] for s in range(r)]
-            if gi > 0:      # previous group's first-half channels join as r more slots
+            if gi > 0:  # previous group's first-half channels join as r more slots
                 vals = [kv[0, gi - 1, s, ch] for s in range(r)] + vals
                 scs = [score[0, gi - 1, s, ch] for s in range(r)] + scs
             w = torch.softmax(torch.stack(scs), 0)
@@ -68,7 +68,7 @@ def test_sink_joins_denominator_only():
     q, kv = torch.randn(b, s, h, d), torch.randn(b, n, d)
     sink = torch.tensor([0.5, -1.0, 3.0])
     idx = torch.randint(0, n, (b, s, 4))
-    idx[0, 0] = -1                      # a query with no key at all
+    idx[0, 0] = -1  # a query with no key at all
     idx[1, 2, :2] = -1
     o, lse = ops.sparse_attention(q, kv, sink, idx, 0.25)
     for bi in range(b):
@@ -88,7 +88,7 @@ def test_sink_joins_denominator_only():
 
 def test_sinkhorn_doubly_stochastic_after_20_iterations():
     hc = 4
-    mixes = torch.randn(256, (2 + hc) * hc) * 0.5     # moderate spread of the comb logits
+    mixes = torch.randn(256, (2 + hc) * hc) * 0.5  # moderate spread of the comb logits
     pre, post, comb = ops.hc_split_sinkhorn(mixes, torch.ones(3), torch.randn(24) * 0.5, hc, 20, 1e-6)
     assert (comb.sum(-1) - 1).abs().max() < 1e-5 and (comb.sum(-2) - 1).abs().max() < 1e-5
     assert ((post > 0) & (post < 2)).all() and (pre > 0).all()
@@ -105,7 +105,7 @@ def test_hc_pre_post_by_hand():
     assert torch.allclose(y, (pre.unsqueeze(-1) * x).sum(2), atol=1e-5)
     out = ops.hc_post(f, x, post, comb)
     for j in range(hc):
-        want = post[..., j:j + 1] * f + sum(comb[..., i, j:j + 1] * x[:, :, i] for i in range(hc))
+        want = post[..., j : j + 1] * f + sum(comb[..., i, j : j + 1] * x[:, :, i] for i in range(hc))
         assert torch.allclose(out[:, :, j], want, atol=1e-5)
 
 
@@ -134,14 +134,14 @@ def test_route_scale_applied_once_and_bias_selects_only():
     x = torch.randn(32, 128)
     weights, indices, scores = gate(x, torch.zeros(32, dtype=torch.long))
     assert torch.allclose(weights.sum(-1), torch.full((32,), 1.5))
-    gate.bias[3] = 100.0                             # expert 3 always selected, weights unbiased
+    gate.bias[3] = 100.0  # expert 3 always selected, weights unbiased
     weights, indices, scores = gate(x, torch.zeros(32, dtype=torch.long))
     assert (indices == 3).any(-1).all()
     w = scores.gather(1, indices)
     assert torch.allclose(weights, w / w.sum(-1, keepdim=True) * 1.5)
     softmax_gate = _gate(1, score_func="softmax")
     weights, _, scores = softmax_gate(x, torch.zeros(32, dtype=torch.long))
-    assert torch.allclose(weights, scores.gather(1, scores.topk(2).indices) * 1.5)   # not renormalized
+    assert torch.allclose(weights, scores.gather(1, scores.topk(2).indices) * 1.5)  # not renormalized
 
 
 def test_swiglu_clamp_beyond_limit():
@@ -149,8 +149,8 @@ def test_swiglu_clamp_beyond_limit():
     w1, w3, w2 = torch.eye(inter, d), torch.eye(inter, d), torch.eye(d, inter)
     x = torch.tensor([[30.0, -30.0, 2.0, 0.0]])
     out = ref.expert_ffn(x, w1, w2, w3, 10.0)
-    gate = torch.tensor([10.0, -30.0, 2.0])           # clamped from above only
-    up = torch.tensor([10.0, -10.0, 2.0])             # clamped both ways
+    gate = torch.tensor([10.0, -30.0, 2.0])  # clamped from above only
+    up = torch.tensor([10.0, -10.0, 2.0])  # clamped both ways
     assert torch.allclose(out[0, :3], F.silu(gate) * up, atol=1e-5)
     unclamped = ref.expert_ffn(x, w1, w2, w3, 0.0)
     assert unclamped[0, 0] > 29 * 29
@@ -164,13 +164,16 @@ def test_moe_experts_equals_dense_sum():
     wts = torch.rand(t, k)
     y = ops.moe_experts(x, wts, idx, w1, w2, w3, 10.0)
     for ti in range(t):
-        want = sum(ref.expert_ffn(x[ti:ti + 1], w1[j], w2[j], w3[j], 10.0, wts[ti, s]) for s, j in enumerate(idx[ti]))
+        want = sum(ref.expert_ffn(x[ti : ti + 1], w1[j], w2[j], w3[j], 10.0, wts[ti, s]) for s, j in enumerate(idx[ti]))
         assert torch.allclose(y[ti], want[0], atol=1e-4)
     # expert parallel view: only the experts held locally contribute
     part = ops.moe_experts(x, wts, idx, w1[2:4], w2[2:4], w3[2:4], 10.0, expert_offset=2)
     for ti in range(t):
-        want = sum(ref.expert_ffn(x[ti:ti + 1], w1[j], w2[j], w3[j], 10.0, wts[ti, s])
-                   for s, j in enumerate(idx[ti]) if 2 <= j < 4)
+        want = sum(
+            ref.expert_ffn(x[ti : ti + 1], w1[j], w2[j], w3[j], 10.0, wts[ti, s])
+            for s, j in enumerate(idx[ti])
+            if 2 <= j < 4
+        )
         assert torch.allclose(part[ti], want[0] if torch.is_tensor(want) else torch.zeros(d), atol=1e-4)
 
 
@@ -197,8 +200,8 @@ def test_yarn_frequencies():
     base = 1 / (10000 ** (torch.arange(0, 64, 2) / 64))
     assert torch.allclose(plain, base)
     raw = 1 / (160000 ** (torch.arange(0, 64, 2) / 64))
-    assert torch.isclose(yarn[0], raw[0])                      # fastest dims untouched
-    assert torch.isclose(yarn[-1], raw[-1] / 16)               # slowest dims interpolated by the factor
+    assert torch.isclose(yarn[0], raw[0])  # fastest dims untouched
+    assert torch.isclose(yarn[-1], raw[-1] / 16)  # slowest dims interpolated by the factor
 
 
 def test_fp8_round_trip_exact_on_representable_values():
@@ -209,13 +212,13 @@ def test_fp8_round_trip_exact_on_representable_values():
     assert ((y - x).abs() <= x.abs() * 2**-4 + 1e-6).all() and not torch.equal(x, y)
     x.requires_grad_(True)
     ops.fp8_round_trip(x, 64).sum().backward()
-    assert torch.equal(x.grad, torch.ones_like(x))             # straight-through
+    assert torch.equal(x.grad, torch.ones_like(x))  # straight-through
 
 
 def test_fp4_rounding_grid_and_ties_to_even():
     v = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.3, 6.0, 2.9])
     assert ref.round_to_e2m1(v).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.5, 6.0, 3.0]
-    block = torch.tensor([6.0, 4.0, -3.0, 0.5] * 8)            # representable with scale 1
+    block = torch.tensor([6.0, 4.0, -3.0, 0.5] * 8)  # representable with scale 1
     assert torch.equal(ops.fp4_round_trip(block, 32), block)
 
 
@@ -237,10 +240,10 @@ def test_indexer_scores_topk_padding_and_ties():
     assert torch.allclose(sc[0][vis], want[0][vis], atol=1e-5) and torch.isinf(sc[0][~vis]).all()
     top = ops.indexer_topk(q, k, w, pos, ratio, topk=2)
     assert top.shape == (1, 12, 2)
-    assert (top[0, :3] == -1).all()                            # nothing visible before token 3
-    assert top[0, 3].tolist() == [0, -1]                       # one visible entry, one padding slot
+    assert (top[0, :3] == -1).all()  # nothing visible before token 3
+    assert top[0, 3].tolist() == [0, -1]  # one visible entry, one padding slot
     tied = ref.select_topk(torch.tensor([[0.0, 1.0, 0.0, 0.0, float("-inf")]]), 3)
-    assert tied.tolist() == [[1, 0, 2]]                        # ties go to the lower index
+    assert tied.tolist() == [[1, 0, 2]]  # ties go to the lower index
 
 
 def test_reference_is_differentiable_where_trained():
@@ -263,10 +266,10 @@ def test_linear_fp32_bf16x3_matches_fp32_forward_and_backward():
     from dsv4.ops.torch_native import split_bf16x3
 
     w = _wide_fp32((50, 96), 0)
-    parts = split_bf16x3(w).float()                                            # [50, 3*96]
-    assert torch.equal(parts[:, :96] + parts[:, 96:192] + parts[:, 192:], w)   # the split is exact
+    parts = split_bf16x3(w).float()  # [50, 3*96]
+    assert torch.equal(parts[:, :96] + parts[:, 96:192] + parts[:, 192:], w)  # the split is exact
     x = _wide_fp32((3, 37, 96), 1).to(torch.bfloat16)
-    g = _wide_fp32((3, 37, 50), 2)                                             # not bf16-exact: split too
+    g = _wide_fp32((3, 37, 50), 2)  # not bf16-exact: split too
     outs = {}
     for be in ("reference", "bf16x3"):
         xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -277,13 +280,13 @@ def test_linear_fp32_bf16x3_matches_fp32_forward_and_backward():
     (y0, gx0, gw0), (y1, gx1, gw1) = outs["reference"], outs["bf16x3"]
     assert y1.dtype == torch.float32 and y1.shape == (3, 37, 50)
     # each output is a sum of 96 exact products: only the summation order differs
-    bound = 96 * 2.0 ** -24 * (x.float().abs() @ w.abs().t())
+    bound = 96 * 2.0**-24 * (x.float().abs() @ w.abs().t())
     assert ((y1 - y0).abs() <= bound).all()
     # backward: sums of 50 (dx) and 111 (dw) products, three of nine split terms left out (< 2^-24 each)
     ga = g.abs().reshape(-1, 50)
-    bound_x = (50 + 4) * 2.0 ** -24 * (ga @ w.abs()).view(gx0.shape) + 2.0 ** -8 * gx0.float().abs()
-    assert ((gx1.float() - gx0.float()).abs() <= bound_x).all()                # dx is bf16: one ulp of room
-    bound_w = (111 + 4) * 2.0 ** -24 * (ga.t() @ x.float().abs().reshape(-1, 96))
+    bound_x = (50 + 4) * 2.0**-24 * (ga @ w.abs()).view(gx0.shape) + 2.0**-8 * gx0.float().abs()
+    assert ((gx1.float() - gx0.float()).abs() <= bound_x).all()  # dx is bf16: one ulp of room
+    bound_w = (111 + 4) * 2.0**-24 * (ga.t() @ x.float().abs().reshape(-1, 96))
     assert ((gw1 - gw0).abs() <= bound_w).all()
 
 
@@ -295,5 +298,5 @@ def test_linear_fp32_bf16x3_refuses_and_is_default_only_on_gpus():
         ops.linear_fp32(torch.randn(4, 16), w, backend="bf16x3")
     with pytest.raises(BackendUnavailable, match="fp32 matrix"):
         ops.linear_fp32(torch.randn(4, 16, dtype=torch.bfloat16), w.bfloat16(), backend="bf16x3")
-    ops.linear_fp32(torch.randn(128, 16, dtype=torch.bfloat16), w)           # CPU: the reference stays default
+    ops.linear_fp32(torch.randn(128, 16, dtype=torch.bfloat16), w)  # CPU: the reference stays default
     assert ops.last_backend("linear_fp32") == "reference"

@@ -26,8 +26,8 @@ def _bf16_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
 def test_fp8_linear_matches_dequantized_matmul(scale_fmt):
     g = torch.Generator().manual_seed(0)
-    n, k = 200, 320                                     # neither a multiple of the 128 block
-    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, k)   # block scales differ along k
+    n, k = 200, 320  # neither a multiple of the 128 block
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, k)  # block scales differ along k
     q, s = formats.quantize_fp8(w, scale_fmt=scale_fmt)
     x = torch.randn(3, 11, k, generator=g).bfloat16()
     ops.reset_calls()
@@ -46,11 +46,12 @@ def test_fp8_linear_reads_each_block_scale():
     n, k = 256, 256
     codes = torch.randint(0, 126, (n, k), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
     q = formats.fp8_from_bytes(codes)
-    scale_bytes = torch.tensor([[120, 127], [131, 124]], dtype=torch.uint8)   # 2^-7, 1, 2^4, 2^-3
+    scale_bytes = torch.tensor([[120, 127], [131, 124]], dtype=torch.uint8)  # 2^-7, 1, 2^4, 2^-3
     s = formats.e8m0_from_bytes(scale_bytes)
-    y = ops.call("fp8_linear", torch.eye(k).bfloat16(), q, s, backend="triton")   # [k, n] = W^T
+    y = ops.call("fp8_linear", torch.eye(k).bfloat16(), q, s, backend="triton")  # [k, n] = W^T
     want = formats.e4m3_decode(codes) * torch.tensor([[2.0**-7, 1.0], [2.0**4, 2.0**-3]]).repeat_interleave(
-        128, 0).repeat_interleave(128, 1)
+        128, 0
+    ).repeat_interleave(128, 1)
     assert torch.equal(y.t().float(), want.bfloat16().float())
 
 
@@ -60,13 +61,14 @@ def test_fp4_linear_known_bytes():
     n, k = 32, 64
     packed = torch.zeros(n, k // 2, dtype=torch.uint8)
     packed[0, 0], packed[0, 1] = 0x21, 0x43
-    packed[1, 0] = 0xF9                                  # codes 9 (-0.5) then 15 (-6)
+    packed[1, 0] = 0xF9  # codes 9 (-0.5) then 15 (-6)
     scale = torch.full((n, k // 32), 127, dtype=torch.uint8)
     scale[0, 0] = 130
     scale[1, 1] = 125
-    packed[1, 16] = 0x07                                 # element 32 of row 1: code 7 (6.0) * 2^-2
-    y = ops.call("fp4_linear", torch.eye(k).bfloat16(), packed.view(torch.int8),
-                 formats.e8m0_from_bytes(scale), backend="triton")                  # [k, n] = W^T
+    packed[1, 16] = 0x07  # element 32 of row 1: code 7 (6.0) * 2^-2
+    y = ops.call(
+        "fp4_linear", torch.eye(k).bfloat16(), packed.view(torch.int8), formats.e8m0_from_bytes(scale), backend="triton"
+    )  # [k, n] = W^T
     w = y.t().float()
     assert w[0, :4].tolist() == [0.5 * 8, 1.0 * 8, 1.5 * 8, 2.0 * 8]
     assert w[1, :2].tolist() == [-0.5, -6.0]

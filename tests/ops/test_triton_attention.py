@@ -45,8 +45,8 @@ def tol(dtype: torch.dtype) -> tuple[float, float]:
 
 def rope(x: torch.Tensor, pos: torch.Tensor, rd: int) -> torch.Tensor:
     """Interleaved RoPE on the last `rd` dims of x [b, t, d] at positions pos [t] (theta 10000)."""
-    inv = 10000.0 ** (-torch.arange(0, rd, 2, dtype=torch.float32) / rd)                  # [rd/2]
-    ang = pos.float().unsqueeze(-1) * inv                                                  # [t, rd/2]
+    inv = 10000.0 ** (-torch.arange(0, rd, 2, dtype=torch.float32) / rd)  # [rd/2]
+    ang = pos.float().unsqueeze(-1) * inv  # [t, rd/2]
     cos, sin = ang.cos(), ang.sin()
     xr = x[..., -rd:].float().unflatten(-1, (rd // 2, 2))
     a, b = xr[..., 0], xr[..., 1]
@@ -62,9 +62,9 @@ def attn_inputs(b, s, h, d, n, k, dtype, kind="random", seed=0):
         q = torch.randn(b, s, h, d, generator=g)
         kv = torch.randn(b, n, d, generator=g)
         idx = torch.randint(0, n, (b, s, k), generator=g)
-        idx = torch.where(torch.rand(b, s, k, generator=g) < 0.2, -1, idx)               # scattered padding
+        idx = torch.where(torch.rand(b, s, k, generator=g) < 0.2, -1, idx)  # scattered padding
         if kind == "padding":
-            idx[:, ::2] = -1                                                               # all-padding rows
+            idx[:, ::2] = -1  # all-padding rows
         if kind == "big_sink":
             sink = torch.tensor([8.0, -8.0, 30.0, -30.0] * h)[:h]
     elif kind in ("peaked", "window_only"):
@@ -72,15 +72,15 @@ def attn_inputs(b, s, h, d, n, k, dtype, kind="random", seed=0):
         pos = torch.arange(n)
         x = torch.randn(b, n, d, generator=g)
         kv = rope(x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6), pos, min(64, d // 2))
-        tq = torch.arange(s) + (n - s)                                                     # last s positions
+        tq = torch.arange(s) + (n - s)  # last s positions
         if kind == "window_only":
             # no compressed keys: each query sees the causal window of its last k positions only
             win = tq.view(s, 1) - torch.arange(k).view(1, k)
             idx = torch.where(win >= 0, win, -1).expand(b, s, k).clone()
         else:
             idx = torch.randint(0, n, (b, s, k), generator=g)
-            idx[..., 0] = tq.view(1, s)                                                     # own key first
-        own = kv[:, tq].unsqueeze(2)                                                       # [b, s, 1, d]
+            idx[..., 0] = tq.view(1, s)  # own key first
+        own = kv[:, tq].unsqueeze(2)  # [b, s, 1, d]
         # logit gap ~ 0.6 * sqrt(d): the own key takes most of the mass (max p ~ 0.9-0.999), yet the
         # softmax is not saturated to where every gradient is rounding noise (in the reference too)
         q = 0.6 * own + 0.3 * torch.randn(b, s, h, d, generator=g)
@@ -108,14 +108,14 @@ def run_both(q, kv, sink, idx, scale, grad_seed=1):
 
 ATTN_CASES = [
     # b, s, h, d, n, k, dtype, kind
-    (1, 3, 1, 32, 9, 1, torch.float32, "random"),           # one head, one key
-    (2, 5, 3, 48, 20, 13, torch.float32, "random"),         # d and k not multiples of the blocks
+    (1, 3, 1, 32, 9, 1, torch.float32, "random"),  # one head, one key
+    (2, 5, 3, 48, 20, 13, torch.float32, "random"),  # d and k not multiples of the blocks
     (2, 4, 8, 64, 40, 37, torch.bfloat16, "random"),
-    (1, 2, 4, 32, 400, 300, torch.bfloat16, "random"),      # many keys per query
-    (2, 4, 20, 32, 30, 17, torch.float32, "padding"),       # several head blocks, all-padding rows
-    (1, 4, 4, 32, 24, 9, torch.float32, "big_sink"),        # sinks dominate or vanish
-    (2, 5, 4, 128, 64, 24, torch.bfloat16, "peaked"),       # RoPE'd, peaked softmax
-    (1, 6, 4, 128, 40, 8, torch.bfloat16, "window_only"),   # docs/bugzoo.md Z13: no compressed keys
+    (1, 2, 4, 32, 400, 300, torch.bfloat16, "random"),  # many keys per query
+    (2, 4, 20, 32, 30, 17, torch.float32, "padding"),  # several head blocks, all-padding rows
+    (1, 4, 4, 32, 24, 9, torch.float32, "big_sink"),  # sinks dominate or vanish
+    (2, 5, 4, 128, 64, 24, torch.bfloat16, "peaked"),  # RoPE'd, peaked softmax
+    (1, 6, 4, 128, 40, 8, torch.bfloat16, "window_only"),  # docs/bugzoo.md Z13: no compressed keys
     (1, 6, 4, 128, 40, 8, torch.float32, "window_only"),
 ]
 
@@ -133,7 +133,7 @@ def test_sparse_attention_matches_reference(b, s, h, d, n, k, dtype, kind):
     assert rel(dq, rdq) < gtol
     assert rel(dkv, rdkv) < gtol
     assert rel(dsink, rdsink) < gtol
-    if kind == "padding":   # a query with no key: o = 0 and lse = sink exactly, no gradient to q
+    if kind == "padding":  # a query with no key: o = 0 and lse = sink exactly, no gradient to q
         assert (o[:, ::2] == 0).all()
         assert torch.equal(lse[:, ::2], sink.to(DEV).expand_as(lse[:, ::2]))
         assert (dq[:, ::2] == 0).all()
@@ -154,7 +154,7 @@ def test_unreferenced_kv_rows_get_no_gradient(mode, monkeypatch):
     """Padding slots (-1) must not scatter into any row (e.g. row 0 or the previous batch's last row)."""
     monkeypatch.setitem(sa.BWD_CONFIG, "mode", mode)
     q, kv, sink, idx = attn_inputs(2, 4, 4, 32, 16, 6, torch.float32, "random", seed=3)
-    idx = torch.where(idx < 8, -1, idx)                      # rows 0..7 of each batch: never referenced
+    idx = torch.where(idx < 8, -1, idx)  # rows 0..7 of each batch: never referenced
     for det in (False, True):
         ops.set_deterministic(det)
         (_, _, _, dkv, _), (_, _, _, rdkv, _) = run_both(q, kv, sink, idx, 32**-0.5)
@@ -171,15 +171,14 @@ def test_forward_column_split_matches_reference(d_split, monkeypatch):
     assert rel(o, ro) < 1e-2 and (lse - rl).abs().max() < 1e-4
     assert rel(dq, rdq) < 2e-2 and rel(dkv, rdkv) < 2e-2
     for splits in (3,):
-        o2, l2 = sa.sparse_attention_fwd(q.to(DEV), kv.to(DEV), sink.to(DEV), idx.to(DEV), 48**-0.5,
-                                         splits=splits)
+        o2, l2 = sa.sparse_attention_fwd(q.to(DEV), kv.to(DEV), sink.to(DEV), idx.to(DEV), 48**-0.5, splits=splits)
         assert rel(o2, ro) < 1e-2 and (l2 - rl).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("splits", [2, 3, None])
 def test_decode_split_matches_reference(splits):
     q, kv, sink, idx = attn_inputs(3, 1, 4, 64, 90, 70, torch.bfloat16, "random", seed=5)
-    idx[1] = -1                                               # one sequence with no key at all
+    idx[1] = -1  # one sequence with no key at all
     q, kv, sink, idx = (x.to(DEV) for x in (q, kv, sink, idx))
     o, lse = sa.sparse_attention_fwd(q, kv, sink, idx, 0.125, splits=splits)
     ro, rl = ref.sparse_attention(q, kv, sink, idx, 0.125)
@@ -197,8 +196,8 @@ def test_outputs_do_not_write_outside_their_buffers(splits):
     pad = 37
     obuf = torch.full((q.numel() + 2 * pad,), float("nan"), device=DEV)
     lbuf = torch.full((b * s * h + 2 * pad,), float("nan"), device=DEV)
-    o_view = obuf[pad:pad + q.numel()].view(q.shape)
-    l_view = lbuf[pad:pad + b * s * h].view(b, s, h)
+    o_view = obuf[pad : pad + q.numel()].view(q.shape)
+    l_view = lbuf[pad : pad + b * s * h].view(b, s, h)
     sa.sparse_attention_fwd(q, kv, sink, idx, d**-0.5, splits=splits, out=(o_view, l_view))
     assert obuf[:pad].isnan().all() and obuf[-pad:].isnan().all()
     assert lbuf[:pad].isnan().all() and lbuf[-pad:].isnan().all()
@@ -241,7 +240,7 @@ def test_explicit_triton_request_that_cannot_run_raises(monkeypatch):
         assert "CUDA" in sa.can_run(q, kv, sink, idx, 0.1)
         with pytest.raises(ops.BackendUnavailable):
             ops.sparse_attention(q, kv, sink, idx, 0.1, backend="triton")
-        ops.sparse_attention(q, kv, sink, idx, 0.1)            # default: the reference runs instead
+        ops.sparse_attention(q, kv, sink, idx, 0.1)  # default: the reference runs instead
         assert ops.last_backend("sparse_attention") == "reference"
 
 
@@ -257,10 +256,10 @@ def indexer_inputs(b, s, h, d, n, dtype, seed=0):
 INDEX_CASES = [
     # b, s, h, d, n, ratio, first position, dtype
     (1, 9, 1, 32, 5, 1, 0, torch.float32),
-    (2, 21, 3, 32, 9, 2, 0, torch.float32),                   # causal, lengths off the block sizes
+    (2, 21, 3, 32, 9, 2, 0, torch.float32),  # causal, lengths off the block sizes
     (2, 17, 4, 64, 12, 4, 30, torch.bfloat16),
-    (1, 19, 8, 64, 37, 4, 0, torch.bfloat16),                 # early rows see nothing (all -inf)
-    (1, 6, 2, 32, 20, 4, 1000, torch.float32),                # everything visible
+    (1, 19, 8, 64, 37, 4, 0, torch.bfloat16),  # early rows see nothing (all -inf)
+    (1, 6, 2, 32, 20, 4, 1000, torch.float32),  # everything visible
 ]
 
 
@@ -300,7 +299,7 @@ def test_indexer_topk_matches_reference(topk, monkeypatch):
     want = ref.indexer_topk(q, k, w, pos, ratio, topk)
     assert got.shape == want.shape == (b, s, min(topk, n)) and got.dtype == torch.int64
     assert torch.equal(got, want)
-    vis = (pos + 1) // ratio                                   # padding exactly where nothing is left
+    vis = (pos + 1) // ratio  # padding exactly where nothing is left
     assert torch.equal((got >= 0).sum(-1), vis.clamp(max=min(topk, n)).expand(b, s))
 
 
@@ -314,9 +313,9 @@ def test_indexer_topk_per_row_positions_matches_reference():
     assert ops.last_backend("indexer_topk") == "triton"
     want = ref.indexer_topk(q, k, w, pos, ratio, 5)
     assert torch.equal(got, want)
-    rows = [ref.indexer_topk(q[i:i + 1], k[i:i + 1], w[i:i + 1], pos[i], ratio, 5) for i in range(b)]
-    assert torch.equal(want, torch.cat(rows))                   # [b, s] positions = each row on its own
-    assert (want[2, :2] == -1).all()                            # padding rows pick nothing
+    rows = [ref.indexer_topk(q[i : i + 1], k[i : i + 1], w[i : i + 1], pos[i], ratio, 5) for i in range(b)]
+    assert torch.equal(want, torch.cat(rows))  # [b, s] positions = each row on its own
+    assert (want[2, :2] == -1).all()  # padding rows pick nothing
     with pytest.raises(ops.BackendUnavailable, match="top-k only"):
         ops.indexer_scores(q, k, w, pos, ratio, backend="triton")
 
@@ -327,9 +326,9 @@ def test_indexer_scores_canary():
     q, k, w = (x.to(DEV) for x in indexer_inputs(b, s, h, d, n, torch.float32))
     pos = torch.arange(s, device=DEV) * 3
     buf = torch.full((b, s + 5, n), float("nan"), device=DEV)
-    view = buf[:, 2:2 + s]
+    view = buf[:, 2 : 2 + s]
     ix._scores_rows(q, k, w, pos, 4, 0, s, out=view)
-    assert buf[:, :2].isnan().all() and buf[:, 2 + s:].isnan().all()
+    assert buf[:, :2].isnan().all() and buf[:, 2 + s :].isnan().all()
     assert not view.isnan().any()
     want = ref.indexer_scores(q, k, w, pos, 4)
     assert torch.equal(torch.isfinite(view), torch.isfinite(want))

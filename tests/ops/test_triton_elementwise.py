@@ -59,37 +59,37 @@ def structured_blocks(op: str, block: int) -> torch.Tensor:
     qmax = QMAX[op]
     g = torch.Generator().manual_seed(1)
     rows = []
-    if op == "fp8_round_trip":   # E4M3: 3 mantissa bits, subnormal step 2^-9
+    if op == "fp8_round_trip":  # E4M3: 3 mantissa bits, subnormal step 2^-9
         grid_mid = [(m + 0.5) * 2.0 ** (e - 3) for e in range(-6, 9) for m in range(8, 16)][:200]
         grid_mid += [(j + 0.5) * 2.0**-9 for j in range(8)]
-    else:                        # E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6; the ties
+    else:  # E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6; the ties
         grid_mid = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.5, 3.0, 0.1, 5.9]
     mids = torch.tensor(grid_mid)
-    for k in (-100, -20, -7, 0, 3, 20, 100):     # scale exactly 2^k: amax = qmax * 2^k
+    for k in (-100, -20, -7, 0, 3, 20, 100):  # scale exactly 2^k: amax = qmax * 2^k
         for sgn in (1.0, -1.0):
             vals = mids[torch.randint(len(mids), (block,), generator=g)] * sgn
             vals[0] = qmax
             rows.append(vals * 2.0**k)
-    for k in (-120, -60, -20, -8, -3, 9, 20, 60, 110):   # amax / qmax just above / below a power of two
+    for k in (-120, -60, -20, -8, -3, 9, 20, 60, 110):  # amax / qmax just above / below a power of two
         for ulps in (1, 2, 3, 5, 9, 17, 22, -1, -3):
             top = torch.tensor(qmax * 2.0**k, dtype=torch.float32)
             top = (top.view(torch.int32) + ulps).view(torch.float32)
             vals = torch.randn(block, generator=g) * 2.0 ** (k - 8) * qmax
             vals[3] = top
-            vals[5] = 2.0 ** (k - 9) * qmax      # lands near the subnormal range of the format
+            vals[5] = 2.0 ** (k - 9) * qmax  # lands near the subnormal range of the format
             rows.append(vals)
-    rows.append(torch.zeros(block))                                      # all-zero block
-    rows.append(-torch.zeros(block))                                     # negative zeros
-    rows.append(torch.full((block,), 1e-30))                             # tiny (below the amax floor)
-    rows.append(torch.full((block,), 1e-45))                             # fp32 subnormals
-    rows.append(torch.full((block,), 3e38) * torch.sign(torch.randn(block, generator=g)))   # near fp32 max
+    rows.append(torch.zeros(block))  # all-zero block
+    rows.append(-torch.zeros(block))  # negative zeros
+    rows.append(torch.full((block,), 1e-30))  # tiny (below the amax floor)
+    rows.append(torch.full((block,), 1e-45))  # fp32 subnormals
+    rows.append(torch.full((block,), 3e38) * torch.sign(torch.randn(block, generator=g)))  # near fp32 max
     rows.append(torch.randn(block, generator=g) * 1e-3)
     poisoned_row = torch.randn(block, generator=g)
     poisoned_row[1] = float("nan")
-    rows.append(poisoned_row)                                            # NaN: whole block NaN
+    rows.append(poisoned_row)  # NaN: whole block NaN
     inf_row = torch.randn(block, generator=g)
     inf_row[2] = float("-inf")
-    rows.append(inf_row)                                                 # inf: whole block NaN
+    rows.append(inf_row)  # inf: whole block NaN
     mixed = torch.randn(block, generator=g) * 1e-5
     mixed[: block // 2] = -0.0
     rows.append(mixed)
@@ -114,8 +114,9 @@ def test_round_trip_bit_exact_random(op, dtype):
     block = ROUND_TRIPS[op]
     g = torch.Generator().manual_seed(2)
     # magnitudes spread over many binades so every scale exponent and the subnormal range are hit
-    x = torch.randn(3, 5, 4 * block, generator=g) * torch.exp2(torch.randint(-30, 30, (3, 5, 4, 1), generator=g)
-                                                               ).repeat_interleave(block, -1).flatten(-2)
+    x = torch.randn(3, 5, 4 * block, generator=g) * torch.exp2(
+        torch.randint(-30, 30, (3, 5, 4, 1), generator=g)
+    ).repeat_interleave(block, -1).flatten(-2)
     x = (x * torch.exp2(torch.randint(-6, 2, x.shape, generator=g).float())).to(dtype).to(DEV)
     assert same_bits(run_op(op, x, block), getattr(ref, op)(x, block))
 
@@ -126,16 +127,16 @@ def test_round_trip_shapes_strides_and_blocks(op):
     g = torch.Generator().manual_seed(3)
     full = torch.randn(2, 3, 1, 2 * block + 64, generator=g).to(DEV)
     cases = [
-        full[..., : 2 * block],                        # the model's `kv[..., :-rope]`: row-strided view
-        full[..., : 2 * block].transpose(0, 1),         # odd leading strides
-        torch.randn(block, generator=g).to(DEV),        # 1-D
+        full[..., : 2 * block],  # the model's `kv[..., :-rope]`: row-strided view
+        full[..., : 2 * block].transpose(0, 1),  # odd leading strides
+        torch.randn(block, generator=g).to(DEV),  # 1-D
         torch.randn(7, 1, 3 * block, generator=g).to(DEV),
-        torch.randn(2 * block, 3, generator=g).to(DEV).t(),   # last dim strided: copied
-        torch.randn(0, block, generator=g).to(DEV),     # empty
+        torch.randn(2 * block, 3, generator=g).to(DEV).t(),  # last dim strided: copied
+        torch.randn(0, block, generator=g).to(DEV),  # empty
     ]
     for x in cases:
         assert same_bits(run_op(op, x, block), getattr(ref, op)(x, block)), tuple(x.shape)
-    for other in (16, 128):                             # other power-of-two blocks
+    for other in (16, 128):  # other power-of-two blocks
         x = torch.randn(3, 256, generator=g).to(DEV) * 100
         assert same_bits(run_op(op, x, other), getattr(ref, op)(x, other))
 
@@ -160,19 +161,19 @@ def test_round_trip_dispatch_and_refusals(op):
     block = ROUND_TRIPS[op]
     x = torch.randn(4, 2 * block, device=DEV)
     ops.reset_calls()
-    getattr(ops, op)(x, block)                          # default on a device the backend can run on
+    getattr(ops, op)(x, block)  # default on a device the backend can run on
     assert ops.last_backend(op) == "triton" and ops.calls()[(op, "triton")] == 1
     ragged = torch.randn(2, block + 2, device=DEV)
     if op == "fp4_round_trip":
         with pytest.raises(ValueError, match="not a multiple"):
             run_op(op, ragged, block)
-    else:                                               # FP8: the last block of a row holds the rest
+    else:  # FP8: the last block of a row holds the rest
         assert same_bits(run_op(op, ragged, block), getattr(ref, op)(ragged, block))
     odd = torch.randn(2, 48, device=DEV)
     with pytest.raises(ops.BackendUnavailable, match="power of two"):
-        run_op(op, odd, 48)                             # explicit request: no silent fallback
+        run_op(op, odd, 48)  # explicit request: no silent fallback
     assert same_bits(getattr(ops, op)(odd, 48), getattr(ref, op)(odd, 48))
-    assert ops.last_backend(op) == "reference"          # the default falls back to the reference
+    assert ops.last_backend(op) == "reference"  # the default falls back to the reference
     with pytest.raises(ops.BackendUnavailable, match="dtype"):
         run_op(op, x.double(), block)
 
@@ -201,7 +202,7 @@ def test_hadamard_forward(n, dtype, poisoned):
     x = (torch.randn(3, 1, 5, n, generator=g) * 3).to(dtype).to(DEV)
     x[0, 0, 0] = 0.0
     x[1, 0, 1] = 0.0
-    x[1, 0, 1, 0] = 1.0                                 # a delta: a row of the matrix, exactly
+    x[1, 0, 1, 0] = 1.0  # a delta: a row of the matrix, exactly
     got, want = run_op("hadamard", x), ref.hadamard(x)
     assert ops.last_backend("hadamard") == "triton"
     assert ulp_close(got, want, 8 if dtype == torch.float32 else 1.0)
@@ -225,7 +226,7 @@ def test_hadamard_bit_exact_under_exact_accumulation():
 def test_hadamard_strided_backward_and_refusals():
     g = torch.Generator().manual_seed(6)
     base = torch.randn(4, 3, 160, generator=g).to(DEV)
-    x = base[..., 16:144].transpose(0, 1)               # non-contiguous [3, 4, 128]
+    x = base[..., 16:144].transpose(0, 1)  # non-contiguous [3, 4, 128]
     assert ulp_close(run_op("hadamard", x), ref.hadamard(x), 8)
     xr = x.detach().clone().requires_grad_(True)
     xt = x.detach().clone().requires_grad_(True)
@@ -243,8 +244,8 @@ def pool_inputs(lead, slots, c, seed=7, dtype=torch.float32):
     kv = torch.randn(*lead, slots, c, generator=g) * 2
     score = torch.randn(*lead, slots, c, generator=g) * 3
     flat = score.view(-1, slots, c)
-    flat[0, : slots // 2] = float("-inf")                # empty slots (the first group's missing half)
-    flat[-1, :, 0] = 40.0                                # a peaked softmax: one slot takes everything
+    flat[0, : slots // 2] = float("-inf")  # empty slots (the first group's missing half)
+    flat[-1, :, 0] = 40.0  # a peaked softmax: one slot takes everything
     flat[-1, 0, 0] = 80.0
     return kv.to(dtype).to(DEV), score.to(dtype).to(DEV)
 
@@ -268,17 +269,25 @@ def test_compress_pool_forward_backward(slots, c, poisoned):
 
 def test_compress_pool_special_values_and_layouts():
     kv, score = pool_inputs((3,), 8, 24, seed=9)
-    score[1, :, 3] = float("-inf")                       # a channel with no slot: NaN, as the reference
+    score[1, :, 3] = float("-inf")  # a channel with no slot: NaN, as the reference
     got, want = run_op("compress_pool", kv, score), ref.compress_pool(kv, score)
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(want[1, 3])
     ok = ~torch.isnan(want)
     assert torch.allclose(got[ok], want[ok], rtol=2e-6, atol=2e-6)
     big_kv, big_score = pool_inputs((2, 2), 8, 32, seed=10)
-    kv_t, score_t = big_kv.transpose(0, 1), big_score[..., :20]       # strided views
-    assert torch.allclose(run_op("compress_pool", kv_t, big_score.transpose(0, 1)),
-                          ref.compress_pool(kv_t, big_score.transpose(0, 1)), rtol=2e-6, atol=2e-6)
-    assert torch.allclose(run_op("compress_pool", big_kv[..., :20], score_t),
-                          ref.compress_pool(big_kv[..., :20], score_t), rtol=2e-6, atol=2e-6)
+    kv_t, score_t = big_kv.transpose(0, 1), big_score[..., :20]  # strided views
+    assert torch.allclose(
+        run_op("compress_pool", kv_t, big_score.transpose(0, 1)),
+        ref.compress_pool(kv_t, big_score.transpose(0, 1)),
+        rtol=2e-6,
+        atol=2e-6,
+    )
+    assert torch.allclose(
+        run_op("compress_pool", big_kv[..., :20], score_t),
+        ref.compress_pool(big_kv[..., :20], score_t),
+        rtol=2e-6,
+        atol=2e-6,
+    )
     with exact_accumulation():
         a, b = run_op("compress_pool", big_kv, big_score), ref.compress_pool(big_kv, big_score)
     assert torch.allclose(a, b, rtol=1e-7, atol=1e-7)
@@ -316,11 +325,11 @@ def test_round_trip_every_scale_exponent(op):
     lo = -22 if op == "fp8_round_trip" else -126
     k = torch.arange(lo, 120).repeat_interleave(12)
     j = torch.tensor([0, 1, 2, 3, 5, 8, 13, 21, 22, 34, -1, -2]).repeat(len(k) // 12)
-    top = ((torch.exp2(k.float()) * qmax).view(torch.int32) + j).view(torch.float32)       # [m]
+    top = ((torch.exp2(k.float()) * qmax).view(torch.int32) + j).view(torch.float32)  # [m]
     x = torch.zeros(len(top), block)
     x[:, 0] = top
-    unit = top / qmax                              # ~ the scale: probes in the format's subnormal range,
-    x[:, 1] = -unit * 1.25 * 2.0**-9               # where a scale twice as large rounds differently
+    unit = top / qmax  # ~ the scale: probes in the format's subnormal range,
+    x[:, 1] = -unit * 1.25 * 2.0**-9  # where a scale twice as large rounds differently
     x[:, 2] = unit * 0.3
     x[:, 3] = unit * 0.7
     x = x.reshape(-1, 4 * block).to(DEV)
@@ -335,8 +344,8 @@ def test_act_quant_codes_and_scales_bit_exact(pow2, dtype, poisoned):
     (n = 300), over structured corners (grid midpoints, every scale exponent, zeros, subnormals)."""
     block = 128
     rows = structured_blocks("fp8_round_trip", block)
-    rows = rows[torch.isfinite(rows).all(-1)]                          # NaN blocks: bytes are unspecified
-    x = torch.cat([rows, rows.flip(0), rows[:, :44]], -1).to(dtype).to(DEV)   # [r, 300]: 2 full blocks + 44
+    rows = rows[torch.isfinite(rows).all(-1)]  # NaN blocks: bytes are unspecified
+    x = torch.cat([rows, rows.flip(0), rows[:, :44]], -1).to(dtype).to(DEV)  # [r, 300]: 2 full blocks + 44
     q, s = ops.act_quant(x, block, pow2, backend="triton")
     wq, ws = ref.act_quant(x, block, pow2)
     assert ops.last_backend("act_quant") == "triton"
@@ -355,4 +364,4 @@ def test_fp8_round_trip_amax_scales_bit_exact(dtype):
     got = ops.fp8_round_trip(x, 64, False, backend="triton")
     want = ref.fp8_round_trip(x, 64, False)
     assert same_bits(got, want)
-    assert not same_bits(got, ref.fp8_round_trip(x, 64, True))       # the scale format matters
+    assert not same_bits(got, ref.fp8_round_trip(x, 64, True))  # the scale format matters

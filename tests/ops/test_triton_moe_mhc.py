@@ -28,8 +28,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ----------------------------------------------------------------------------- MoE
-def _moe_inputs(seed: int = 0, t: int = 37, d: int = 64, inter: int = 32, e: int = 8, k: int = 3,
-                n_global: int = 12, offset: int = 2):
+def _moe_inputs(
+    seed: int = 0,
+    t: int = 37,
+    d: int = 64,
+    inter: int = 32,
+    e: int = 8,
+    k: int = 3,
+    n_global: int = 12,
+    offset: int = 2,
+):
     g = torch.Generator().manual_seed(seed)
     dt = torch.bfloat16
     x = (torch.randn(t, d, generator=g) * 2).to(dt)
@@ -37,7 +45,7 @@ def _moe_inputs(seed: int = 0, t: int = 37, d: int = 64, inter: int = 32, e: int
     w3 = (torch.randn(e, inter, d, generator=g) * 0.25).to(dt)
     w2 = (torch.randn(e, d, inter, generator=g) * 0.2).to(dt)
     idx = torch.stack([torch.randperm(n_global, generator=g)[:k] for _ in range(t)])  # distinct per token
-    idx[0] = torch.tensor([0, 1, n_global - 1])[:k]       # token 0: only other ranks' experts
+    idx[0] = torch.tensor([0, 1, n_global - 1])[:k]  # token 0: only other ranks' experts
     idx[1] = torch.tensor([offset, offset + 1, offset + 2])[:k]
     wts = torch.rand(t, k, generator=g) + 0.1
     return x, wts, idx, w1, w2, w3
@@ -62,7 +70,7 @@ def test_moe_matches_reference_forward_and_backward(backend):
     y1, g1 = _grads(lambda *a: ops.moe_experts(*a, limit, 2, backend=backend), inputs, grad_out)
     assert ops.last_backend("moe_experts") == backend
     assert y1.dtype == torch.float32 and y1.shape == y0.shape
-    assert torch.equal(y1[0], torch.zeros_like(y1[0]))      # all experts foreign -> exactly zero
+    assert torch.equal(y1[0], torch.zeros_like(y1[0]))  # all experts foreign -> exactly zero
     assert rel(y1, y0) < 5e-3, rel(y1, y0)
     for name, a, b in zip(["x", "weights", "w1", "w2", "w3"], g1, g0):
         assert torch.isfinite(a).all(), name
@@ -79,6 +87,7 @@ def _nan_empty(real):
         if t.is_floating_point():
             t.fill_(float("nan"))
         return t
+
     return empty
 
 
@@ -94,7 +103,7 @@ def test_moe_poisoned_memory(backend, monkeypatch):
 
     def poisoned_gmm(a, b, offs=None, **kw):
         out = real_gmm(a, b, offs=offs, **kw)
-        out[offs[-1]:] = float("nan")
+        out[offs[-1] :] = float("nan")
         return out
 
     monkeypatch.setattr(torch, "empty", _nan_empty(torch.empty))
@@ -115,8 +124,7 @@ def test_moe_deterministic_repeats(backend):
     grad_out = torch.randn(16, 64)
     ops.set_deterministic(True)
     try:
-        runs = [_grads(lambda *a: ops.moe_experts(*a, 10.0, 2, backend=backend), inputs, grad_out)
-                for _ in range(2)]
+        runs = [_grads(lambda *a: ops.moe_experts(*a, 10.0, 2, backend=backend), inputs, grad_out) for _ in range(2)]
     finally:
         ops.set_deterministic(False)
     (ya, ga), (yb, gb) = runs
@@ -128,10 +136,9 @@ def test_moe_default_backend_and_refusal():
     """The default is the highest-priority backend that can run; an impossible explicit request raises."""
     inputs = _moe_inputs(seed=3, t=5)
     ops.moe_experts(*inputs, 10.0, 2)
-    assert ops.last_backend("moe_experts") == "triton"      # interpreter mode: triton can run on CPU
+    assert ops.last_backend("moe_experts") == "triton"  # interpreter mode: triton can run on CPU
     with pytest.raises(ops.BackendUnavailable, match="must all be bf16"):
-        ops.moe_experts(inputs[0].float(), *inputs[1:3], *(w.float() for w in inputs[3:]), 10.0, 2,
-                        backend="triton")
+        ops.moe_experts(inputs[0].float(), *inputs[1:3], *(w.float() for w in inputs[3:]), 10.0, 2, backend="triton")
 
 
 def _routing(case: str, t: int, k: int, n_local: int, offset: int, n_global: int, seed: int = 0):
@@ -139,7 +146,7 @@ def _routing(case: str, t: int, k: int, n_local: int, offset: int, n_global: int
     idx = torch.randint(0, n_global, (t, k), generator=g)
     if case == "one_expert":
         idx.fill_(offset + n_local - 1)
-    elif case == "sparse":                   # most experts empty, plus a few foreign slots
+    elif case == "sparse":  # most experts empty, plus a few foreign slots
         idx = offset + 2 * torch.randint(0, 3, (t, k), generator=g)
         idx[::5, 0] = offset + n_local
     elif case == "foreign":
@@ -165,6 +172,7 @@ def test_moe_triton_plan_equals_sort_plan(case, t, k, n_local, offset, n_global)
     """The counting-sort plan is `moe_plan` bit for bit (stable order, foreign slots last), and the
     tile table its last kernel writes is the one `_Tiles` builds from `ends`."""
     from dsv4.ops.moe_shared import moe_plan
+
     moe = importlib.import_module("dsv4.ops.triton.moe")
     wts, idx = _routing(case, t, k, n_local, offset, n_global)
     for w, i in ((wts, idx), (wts.bfloat16(), idx.int())):
@@ -183,9 +191,10 @@ def test_moe_triton_plan_equals_sort_plan(case, t, k, n_local, offset, n_global)
 def test_moe_triton_plan_many_chunks(monkeypatch):
     """Several chunks of several 64-slot blocks each, and counts read back in several tiles."""
     from dsv4.ops.moe_shared import moe_plan
+
     moe = importlib.import_module("dsv4.ops.triton.moe")
-    monkeypatch.setattr(moe, "_PLAN_CT", 4 * 512)          # 4 chunks per tile of counts
-    for t, n_local in ((555, 256), (161, 8)):               # 2220 slots in 18 chunks; 644 in 11
+    monkeypatch.setattr(moe, "_PLAN_CT", 4 * 512)  # 4 chunks per tile of counts
+    for t, n_local in ((555, 256), (161, 8)):  # 2220 slots in 18 chunks; 644 in 11
         wts, idx = _routing("random", t, 4, n_local, 1, n_local + 4, seed=t)
         want = moe_plan(wts, idx, n_local, 1)
         got = moe.triton_moe_plan(wts, idx, n_local, 1)
@@ -201,6 +210,7 @@ def test_moe_triton_plan_many_chunks(monkeypatch):
 def test_moe_triton_output_unchanged_by_plan(monkeypatch):
     """The Triton backend gives the same bits with the counting-sort plan as with the sort plan."""
     from dsv4.ops.moe_shared import moe_plan
+
     moe = importlib.import_module("dsv4.ops.triton.moe")
     inputs = _moe_inputs(seed=4, t=21)
     grad_out = torch.randn(21, 64)
@@ -229,9 +239,9 @@ def _hc_inputs(seed: int = 0, b: int = 2, s: int = 9, hc: int = 4, d: int = 64):
     g = torch.Generator().manual_seed(seed)
     mix = (2 + hc) * hc
     x = torch.randn(b, s, hc, d, generator=g)
-    x[0, 0] *= 30.0                                      # one token with a large residual
+    x[0, 0] *= 30.0  # one token with a large residual
     if b > 1 and s > 2:
-        x[1, 2, 1] = 0.0                                 # one all-zero copy
+        x[1, 2, 1] = 0.0  # one all-zero copy
     x = x.to(torch.bfloat16)
     fn = torch.randn(mix, hc * d, generator=g) * 0.05
     scale = torch.rand(3, generator=g) + 0.5
@@ -239,7 +249,7 @@ def _hc_inputs(seed: int = 0, b: int = 2, s: int = 9, hc: int = 4, d: int = 64):
     return x, fn, scale, base
 
 
-@pytest.mark.parametrize("split", [0, None])           # single kernel; automatic (split K at 18 tokens)
+@pytest.mark.parametrize("split", [0, None])  # single kernel; automatic (split K at 18 tokens)
 def test_hc_pre_matches_reference_forward_and_backward(split, monkeypatch):
     monkeypatch.setattr(_mhc(), "SPLIT_K", split)
     x, fn, scale, base = _hc_inputs()
@@ -278,8 +288,9 @@ def test_hc_post_matches_reference_forward_and_backward():
     assert o1.dtype == o0.dtype
     assert torch.equal(o1, o0) or (o1.float() - o0.float()).abs().max() <= 1e-2
     go = torch.randn_like(o0.float()).bfloat16()
-    for name, a, bb in zip(["f", "res", "post", "comb"], torch.autograd.grad(o1, l1, go),
-                           torch.autograd.grad(o0, l0, go)):
+    for name, a, bb in zip(
+        ["f", "res", "post", "comb"], torch.autograd.grad(o1, l1, go), torch.autograd.grad(o0, l0, go)
+    ):
         assert rel(a, bb) < 5e-3, (name, rel(a, bb))
 
 
@@ -303,7 +314,7 @@ def test_hc_pre_deterministic_and_refuses_fp32():
     try:
         for _ in range(2):
             leaves = [t.clone().requires_grad_() for t in (x, fn, scale, base)]
-            out = ops.hc_pre(*leaves, 1e-6, 1e-6, 6, backend="triton")      # 6 Sinkhorn iterations
+            out = ops.hc_pre(*leaves, 1e-6, 1e-6, 6, backend="triton")  # 6 Sinkhorn iterations
             grads = torch.autograd.grad(out[0].float().sum() + out[2].sum(), leaves)
             hashes.append([o.detach().clone() for o in out] + list(grads))
     finally:
@@ -329,7 +340,7 @@ def test_moe_tile_table_covers_every_row_once():
             lo = 0 if grp == 0 else int(ends[grp - 1])
             hi = int(ends[grp]) if grp < n_groups else n_rows
             assert end == hi and lo <= row < hi and (row - lo) % bm == 0
-            seen[row:min(row + bm, end)] += 1
+            seen[row : min(row + bm, end)] += 1
         assert torch.equal(seen, torch.ones_like(seen))
 
 
@@ -358,18 +369,18 @@ def test_hc_fn_split_kernel_is_exact(hc, head):
     g = torch.Generator().manual_seed(5)
     fn = torch.randn(mix, k, generator=g) * torch.exp2(torch.randint(-40, 40, (mix, k), generator=g).float())
     fn[0, :8] = 0.0
-    fn[1, :8] = torch.tensor([1.0, -2.5, 3.0078125, 1 + 2 ** -8, 1 + 2 ** -9, 1 + 3 * 2 ** -9, 3e-30, -1e-20])
+    fn[1, :8] = torch.tensor([1.0, -2.5, 3.0078125, 1 + 2**-8, 1 + 2**-9, 1 + 3 * 2**-9, 3e-30, -1e-20])
     fpp, fcb = mhc._split_fn(fn, hc, head)
-    parts = torch.stack(bf16_parts(fn.t()))                                      # [3, K, mix]
+    parts = torch.stack(bf16_parts(fn.t()))  # [3, K, mix]
     n_pp = hc if head else 2 * hc
     assert torch.equal(fpp[:, :, :n_pp].view(torch.int16), parts[:, :, :n_pp].view(torch.int16))
-    assert not fpp[:, :, n_pp:].float().any()                                   # zero-padded columns
+    assert not fpp[:, :, n_pp:].float().any()  # zero-padded columns
     if not head:
         assert torch.equal(fcb.view(torch.int16), parts[:, :, n_pp:].contiguous().view(torch.int16))
     whole = torch.cat([fpp[:, :, :n_pp], fcb], dim=2) if not head else fpp[:, :, :n_pp]
     back = whole[0].float() + whole[1].float() + whole[2].float()
     rel = ((back - fn.t()).abs() / fn.t().abs().clamp_min(1e-30)).max()
-    assert rel <= 2.0 ** -24
+    assert rel <= 2.0**-24
 
 
 def _pre_fwd_bwd(fwd, inputs, gs):
@@ -384,7 +395,7 @@ def test_hc_pre_split_k_matches_reference_and_single_kernel(t, d, split, monkeyp
     """Decode shapes (one token per sequence) through the split-K path: partial mixes over uneven K slices
     summed in a second kernel, the weighted reduce shared out over column blocks."""
     mhc = _mhc()
-    tile = 128 if d > 256 else 64                 # fewer interpreter steps (128: the compiled tile sizes)
+    tile = 128 if d > 256 else 64  # fewer interpreter steps (128: the compiled tile sizes)
     monkeypatch.setattr(mhc, "_SPLIT_BK", tile)
     monkeypatch.setattr(mhc, "_FINISH_BD", tile)
     inputs = _hc_inputs(seed=10 + t, b=t, s=1, d=d)
@@ -392,8 +403,11 @@ def test_hc_pre_split_k_matches_reference_and_single_kernel(t, d, split, monkeyp
     monkeypatch.setattr(mhc, "SPLIT_K", split)
     assert mhc._split_plan(t, 4 * d, x.device)[0] > 1
     g = torch.Generator().manual_seed(t)
-    gs = [torch.randn(t, 1, d, generator=g).bfloat16(), torch.randn(t, 1, 4, generator=g),
-          torch.randn(t, 1, 4, 4, generator=g)]
+    gs = [
+        torch.randn(t, 1, d, generator=g).bfloat16(),
+        torch.randn(t, 1, 4, generator=g),
+        torch.randn(t, 1, 4, 4, generator=g),
+    ]
     (y0, post0, comb0), g0 = _pre_fwd_bwd(R.hc_pre, inputs, gs)
     (y1, post1, comb1), g1 = _pre_fwd_bwd(lambda *a: ops.hc_pre(*a, backend="triton"), inputs, gs)
     assert ops.last_backend("hc_pre") == "triton"
@@ -405,14 +419,14 @@ def test_hc_pre_split_k_matches_reference_and_single_kernel(t, d, split, monkeyp
         assert rel(a, b) < (1e-2 if name == "x" else 1e-4), (name, rel(a, b))
     if d > 256:
         return
-    monkeypatch.setattr(mhc, "SPLIT_K", 0)        # the single kernel: equal up to fp32 summation order
+    monkeypatch.setattr(mhc, "SPLIT_K", 0)  # the single kernel: equal up to fp32 summation order
     with torch.no_grad():
         y2, post2, comb2 = ops.hc_pre(*inputs, 1e-6, 1e-6, 20, backend="triton")
     # y: two fp32 evaluations of sum_h pre_h x_h (each within hc_weighted_sum_error of the exact value, the
     # mixes summed in another order), each rounded once to bf16: not "1 bf16 ulp of y", since y can be
     # much smaller than the terms it sums
     x, fn, scale, base = inputs
-    v_err = bounds.hc_weighted_sum_error(x, fn, scale, base, 1e-6, 1e-6)                      # [t, 1, d]
+    v_err = bounds.hc_weighted_sum_error(x, fn, scale, base, 1e-6, 1e-6)  # [t, 1, d]
     ok, msg = bounds.within(y1, y2, 2 * v_err + bounds.rounding_pair(y1, y2))
     assert ok, msg
     # post = 2 sigmoid(mix * scale + base): sigmoid' <= 1/4, each side off by |scale| / 4 * mix error
@@ -430,7 +444,7 @@ def test_hc_pre_split_k_bitwise_repeats_on_poisoned_memory(monkeypatch):
     monkeypatch.setattr(mhc, "SPLIT_K", 3)
     inputs = _hc_inputs(seed=12, b=5, s=1, d=64)
     gs = [torch.randn(5, 1, 64).bfloat16(), torch.randn(5, 1, 4), torch.randn(5, 1, 4, 4)]
-    fwd = lambda *a: ops.hc_pre(*a, backend="triton")                                  # noqa: E731
+    fwd = lambda *a: ops.hc_pre(*a, backend="triton")  # noqa: E731
     runs = [_pre_fwd_bwd(fwd, inputs, gs)]
     with monkeypatch.context() as m:
         m.setattr(torch, "empty", _nan_empty(torch.empty))

@@ -52,7 +52,7 @@ def check_close(got: torch.Tensor, want: torch.Tensor, ulps: float = 8.0, bf16_f
         bad = diff > ulps * 2.0**-23 * row
         assert not bad.any(), f"max diff {diff.max().item():.3g} (row scale {row.max().item():.3g})"
         return
-    mant = torch.finfo(want.dtype).eps                                    # 2^-7 (bf16) / 2^-10 (fp16)
+    mant = torch.finfo(want.dtype).eps  # 2^-7 (bf16) / 2^-10 (fp16)
     mag = torch.maximum(w.abs(), 2.0**-8 * row)
     ulp = torch.exp2(torch.floor(torch.log2(mag.clamp_min(1e-300)))) * mant
     assert (diff <= ulp).all(), f"max diff {diff.max().item():.3g} exceeds one ulp"
@@ -109,7 +109,7 @@ def test_rms_norm_forward_backward(dtype, shape, weighted, poisoned):
         assert dw1 is None and dw0 is None
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")     # x^2 overflows, on purpose
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # x^2 overflows, on purpose
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_structured_rows(dtype, poisoned):
     """All-zero rows, huge (x^2 overflows) and tiny (x^2 underflows) magnitudes, a single spike."""
@@ -171,7 +171,7 @@ def test_rms_norm_refusals(monkeypatch):
     wide = torch.randn(1, nr.MAX_NORM + 1, device=DEV)
     with pytest.raises(ops.BackendUnavailable, match="row width"):
         ops.rms_norm(wide, None, EPS, backend="triton")
-    ops.rms_norm(wide, None, EPS)                                # the default falls back to the reference
+    ops.rms_norm(wide, None, EPS)  # the default falls back to the reference
     assert ops.last_backend("rms_norm") == "reference"
     if not CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -206,7 +206,7 @@ def test_rope_forward_backward(dtype, shape, r, inverse, poisoned):
     (y1, dx1), (y0, dx0) = rope_pair(x, pos, f, inverse, g)
     assert ops.calls()[("rope_tail", "triton")] == 1
     nope = shape[-1] - r
-    assert torch.equal(bits(y1[..., :nope]), bits(x[..., :nope]))       # copied, same bits
+    assert torch.equal(bits(y1[..., :nope]), bits(x[..., :nope]))  # copied, same bits
     assert torch.equal(bits(dx1[..., :nope]), bits(g[..., :nope]))
     check_close(y1, y0)
     check_close(dx1, dx0)
@@ -308,7 +308,7 @@ def rope_f64(x: torch.Tensor, positions: torch.Tensor, theta: float, r: int, inv
     complex number x[2i] + j x[2i+1], multiplied by exp(+-j * position * theta^(-2i/r))."""
     xd = x.double()
     freq = theta ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
-    ang = positions.double().cpu().unsqueeze(-1) * freq                         # [s, r/2]
+    ang = positions.double().cpu().unsqueeze(-1) * freq  # [s, r/2]
     if x.dim() == 4:
         ang = ang.unsqueeze(1)
     rot = torch.polar(torch.ones_like(ang), -ang if inverse else ang).to(x.device)
@@ -342,18 +342,18 @@ def test_model_norm_and_rope_against_float64_formulas():
             scale = rms_norm_f64(inp, None, eps).abs().amax(-1, keepdim=True) * (1.0 if w is None else w.abs().max())
             assert got.dtype == torch.float32
             assert ((got.double() - want).abs() <= 16 * 2.0**-23 * scale).all()
-        rope = Rope(cfg, compressed=False)                   # window layers: theta = rope_theta, no YaRN
+        rope = Rope(cfg, compressed=False)  # window layers: theta = rope_theta, no YaRN
         for inverse in (False, True):
             got = apply_rope_tail(q, rope, pos, inverse=inverse)
             want = rope_f64(q, pos, cfg.rope_theta, cfg.rope_head_dim, inverse)
             nope = cfg.head_dim - cfg.rope_head_dim
             assert torch.equal(got[..., :nope], q[..., :nope])
             assert (got.double() - want).abs().max() <= 2.0**-16 * float(q.abs().max()) * 2
-            pe = rope.apply(q[..., -rope.dim:], pos, inverse=inverse)
+            pe = rope.apply(q[..., -rope.dim :], pos, inverse=inverse)
             assert (pe.double() - want[..., nope:]).abs().max() <= 2.0**-16 * float(q.abs().max()) * 2
         # closed forms: position 0 is the identity; inv_freq[0] = theta^0 = 1, so the first pair at
         # position p turns by exactly p radians
-        tail = q[..., -rope.dim:]
+        tail = q[..., -rope.dim :]
         assert torch.equal(rope.apply(tail, torch.zeros(5, dtype=torch.long, device=DEV)), tail)
         assert rope.inv_freq[0].item() == 1.0
         turned = rope.apply(tail, pos)[..., :2].double()
@@ -397,5 +397,5 @@ def test_bench_parity_rows():
     assert len(parts) == len(rows) == 9
     for r in rows:
         assert r["rel"] <= (1e-5 if r["dtype"] == "float32" else 1e-3), r
-        if r["part"] != "dw":                    # bf16: identical but for rare one-ulp differences
+        if r["part"] != "dw":  # bf16: identical but for rare one-ulp differences
             assert r["same_frac"] >= 0.99, r

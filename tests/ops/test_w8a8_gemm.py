@@ -22,8 +22,9 @@ from triton_interp import interpret_env, interpreted_kernels  # noqa: E402,F401 
 import dsv4.ops.triton._mm_utils  # noqa: E402,F401  (a missing kernel module is an error, not a skip)
 
 
-def within_fp32_sum_bound(got: torch.Tensor, want: torch.Tensor, abs_products: torch.Tensor, k: int,
-                          out_dtype: torch.dtype) -> bool:
+def within_fp32_sum_bound(
+    got: torch.Tensor, want: torch.Tensor, abs_products: torch.Tensor, k: int, out_dtype: torch.dtype
+) -> bool:
     """|got - want| <= k eps32 sum|a w| (+ one rounding of the output dtype on |want|)."""
     eps_out = torch.finfo(out_dtype).eps
     bound = k * 2.0**-24 * abs_products + eps_out * want.abs().double()
@@ -39,7 +40,7 @@ def abs_products(q, s, w_deq) -> torch.Tensor:
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_fp8_gemm_matches_reference(scale_fmt, out_dtype):
     g = torch.Generator().manual_seed(0)
-    n, k = 200, 320                                      # neither a multiple of 128 (ragged blocks)
+    n, k = 200, 320  # neither a multiple of 128 (ragged blocks)
     w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, k)
     wq, ws = formats.quantize_fp8(w, scale_fmt=scale_fmt)
     x = torch.randn(3, 11, k, generator=g) * torch.logspace(0, -2, k)
@@ -49,7 +50,7 @@ def test_fp8_gemm_matches_reference(scale_fmt, out_dtype):
     assert ops.last_backend("fp8_gemm") == "triton" and got.shape == (3, 11, n) and got.dtype == out_dtype
     want = R.fp8_gemm(q, s, wq, ws, out_dtype)
     assert within_fp32_sum_bound(got, want, abs_products(q, s, formats.dequantize_fp8(wq, ws)), k, out_dtype)
-    assert not torch.equal(got, R.fp8_gemm(q, s * 2, wq, ws, out_dtype))       # the activation scale is read
+    assert not torch.equal(got, R.fp8_gemm(q, s * 2, wq, ws, out_dtype))  # the activation scale is read
 
 
 def test_fp8_gemm_reads_each_block_scale():
@@ -58,9 +59,9 @@ def test_fp8_gemm_reads_each_block_scale():
     codes = torch.randint(0, 126, (n, k), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
     wq = formats.fp8_from_bytes(codes)
     ws = formats.e8m0_from_bytes(torch.tensor([[120, 127], [131, 124]], dtype=torch.uint8))
-    q, s = R.act_quant(torch.eye(k), 128, True)        # scale 2^-8 per block with a 1 in it, else the floor
+    q, s = R.act_quant(torch.eye(k), 128, True)  # scale 2^-8 per block with a 1 in it, else the floor
     got = ops.fp8_gemm(q, s, wq, ws, torch.float32, backend="triton")
-    assert torch.equal(got, R.fp8_gemm(q, s, wq, ws, torch.float32))            # one non-zero product each
+    assert torch.equal(got, R.fp8_gemm(q, s, wq, ws, torch.float32))  # one non-zero product each
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
@@ -86,7 +87,7 @@ def test_fp4_tiles_exact_and_refusal():
     wp, ws = formats.quantize_mxfp4(torch.randn(n, k, generator=g))
     assert wg.fp4_tiles_exact(ws)
     wide = formats.as_e8m0_bytes(ws).clone()
-    wide[5, 2] = wide[5, :4].max() - 15                 # one group 2^15 below its block's largest
+    wide[5, 2] = wide[5, :4].max() - 15  # one group 2^15 below its block's largest
     wide = formats.e8m0_from_bytes(wide)
     assert not wg.fp4_tiles_exact(wide)
     q, s = R.act_quant(torch.randn(4, k, generator=g), 128, True)
@@ -100,8 +101,7 @@ def test_fp4_tiles_exact_and_refusal():
     edge = formats.e8m0_from_bytes(edge)
     got = ops.fp4_gemm(q, s, wp, edge, torch.float32, backend="triton")
     want = R.fp4_gemm(q, s, wp, edge, torch.float32)
-    assert within_fp32_sum_bound(got, want, abs_products(q, s, formats.dequantize_mxfp4(wp, edge)), k,
-                                 torch.float32)
+    assert within_fp32_sum_bound(got, want, abs_products(q, s, formats.dequantize_mxfp4(wp, edge)), k, torch.float32)
 
 
 def _experts(fmt: str, e: int, inter: int, d: int, g):
@@ -113,8 +113,7 @@ def _experts(fmt: str, e: int, inter: int, d: int, g):
         else:
             pairs = [formats.quantize_fp8(w[j]) for j in range(e)]
             q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-        out[name] = (formats.as_fp8_bytes(q) if fmt == "fp8" else formats.as_packed_bytes(q),
-                     formats.as_e8m0_bytes(s))
+        out[name] = (formats.as_fp8_bytes(q) if fmt == "fp8" else formats.as_packed_bytes(q), formats.as_e8m0_bytes(s))
     return out
 
 
@@ -140,7 +139,7 @@ def test_quantized_moe_experts_matches_reference(fmt, act):
     # relative error of order 2^-4 of that element, far above this bound
     err = float((got - want).norm() / want.norm())
     assert err < 1e-5, err
-    assert torch.equal(got[0] == 0, want[0] == 0)       # a token routed only to foreign experts: zero
+    assert torch.equal(got[0] == 0, want[0] == 0)  # a token routed only to foreign experts: zero
 
 
 def test_fp4_to_fp8_tile_rescaling_is_exact_within_the_span():
@@ -174,8 +173,9 @@ def test_bench_w8a8_rows_and_summary_on_the_interpreter(monkeypatch):
     rows: list = []
     for name, (n, k) in list(bench.flash_linears(cfg).items())[:2]:
         bench.bench_gemm(8, n, k, name, torch.device("cpu"), limits, rows, "gemm")
-    bench.bench_experts(6, cfg, bench._expert_weights(cfg, torch.device("cpu")), torch.device("cpu"), limits, rows,
-                        "experts")
+    bench.bench_experts(
+        6, cfg, bench._expert_weights(cfg, torch.device("cpu")), torch.device("cpu"), limits, rows, "experts"
+    )
     fp8 = [r for r in rows if r["op"] == "fp8_gemm" and "ms" in r]
     assert {r["backend"] for r in fp8} == {"triton"} and all(r["x_bf16"] == 1.0 for r in fp8)
     assert all(r["rel_l2"] < 1e-2 for r in fp8)

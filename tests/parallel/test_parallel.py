@@ -33,7 +33,7 @@ from dsv4.loading import default_model_dir
 from dsv4.ops.precision import exact_accumulation
 
 WORLD = 2
-TIMEOUT_S = 420           # a mismatched collective would hang: the launcher fails the test instead
+TIMEOUT_S = 420  # a mismatched collective would hang: the launcher fails the test instead
 SHIPPED = default_model_dir()
 
 
@@ -51,7 +51,7 @@ def _paged_run(model, prompts: torch.Tensor, chunks: tuple[int, ...], decode: in
     out, pos = [], 0
     with torch.no_grad():
         for c in chunks:
-            tok = prompts[:, pos:pos + c]
+            tok = prompts[:, pos : pos + c]
             out.append(model.append(tok, cache.step_inputs(tok, static_start=pos), cache.kv))
             cache.advance(c)
             pos += c
@@ -88,7 +88,7 @@ def _moe_checks(rank: int) -> dict:
     for i, (mf, mr, md, mu) in enumerate(zip(*(P.moe_layers(m) for m in (full, rep, dp, unordered)))):
         gen = torch.Generator().manual_seed(i)
         t, d = 37, full.cfg.dim
-        x = torch.randn(t, d, generator=gen)                                            # same on both ranks
+        x = torch.randn(t, d, generator=gen)  # same on both ranks
         tok = torch.randint(0, full.cfg.vocab_size, (t,), generator=gen)
         with torch.no_grad():
             w, idx, _ = mf.gate(x, tok)
@@ -150,7 +150,7 @@ def _data_parallel(rank: int) -> dict:
                     tok, inp = P.idle_inputs(cache.layout, "cpu")
                     par.append(tok, inp, cache.kv)
                 elif kind == "chunk":
-                    tok = prompts[:, pos:pos + c]
+                    tok = prompts[:, pos : pos + c]
                     got.append(par.append(tok, cache.step_inputs(tok, static_start=pos), cache.kv))
                     cache.advance(c)
                     pos += c
@@ -195,12 +195,22 @@ def _shipped(rank: int) -> dict:
     lo, hi = rank * n // WORLD, (rank + 1) * n // WORLD
     whole = plan(SHIPPED)
     stored = [name for h in whole.headers.values() for name in h]
-    owned = sorted(pc.info.name for e in whole.entries.values() for pc in e.weight + e.scale
-                   if (j := expert_index(e.name)) is None or lo <= j < hi)
-    res = {"read_equal_owned": sorted(log.names) == owned, "read": len(log.names), "stored": len(stored),
-           "foreign_read": [s for s in log.names if (j := expert_index(canonical(s).name)) is not None
-                            and not lo <= j < hi],
-           "plan_read": par.checkpoint_plan["read"]["tensors"], "experts": par.checkpoint_plan["experts"]}
+    owned = sorted(
+        pc.info.name
+        for e in whole.entries.values()
+        for pc in e.weight + e.scale
+        if (j := expert_index(e.name)) is None or lo <= j < hi
+    )
+    res = {
+        "read_equal_owned": sorted(log.names) == owned,
+        "read": len(log.names),
+        "stored": len(stored),
+        "foreign_read": [
+            s for s in log.names if (j := expert_index(canonical(s).name)) is not None and not lo <= j < hi
+        ],
+        "plan_read": par.checkpoint_plan["read"]["tensors"],
+        "experts": par.checkpoint_plan["experts"],
+    }
     P.parallelize_for_serving(par, attention="replicated")
     gen = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, full.cfg.vocab_size, (2, 140), generator=gen)
@@ -208,10 +218,21 @@ def _shipped(rank: int) -> dict:
         res["append_equal"] = _equal(_paged_run(par, prompts, (96, 44), 4), _paged_run(full, prompts, (96, 44), 4))
 
     def serve(model) -> dict:
-        engine = Engine(model, EngineConfig(max_seqs=4, deterministic=True, cuda_graphs=False, speculative=2,
-                                            max_batch_tokens=64, prefix_caching=False))
-        reqs = {"greedy": SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                "seeded": SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)}
+        engine = Engine(
+            model,
+            EngineConfig(
+                max_seqs=4,
+                deterministic=True,
+                cuda_graphs=False,
+                speculative=2,
+                max_batch_tokens=64,
+                prefix_caching=False,
+            ),
+        )
+        reqs = {
+            "greedy": SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+            "seeded": SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
+        }
         for j, (name, sp) in enumerate(reqs.items()):
             engine.add_request(name, prompts[j, : 70 + 30 * j].tolist(), sp)
         toks: dict[str, list[int]] = {name: [] for name in reqs}
@@ -244,10 +265,17 @@ def _quantized(rank: int, qdir: str) -> dict:
         return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
 
     experts = sum(nbytes(m.experts) for m in P.moe_layers(full))
-    return {"equal_per_rank": eq_rank, "equal_cut": eq_cut, "quant_experts": isinstance(ex, QuantExperts),
-            "quant_linear": isinstance(per_rank.layers[1].attn.wq_b, QuantLinear), "held": list(P.held(ex)),
-            "bytes_full": nbytes(full), "bytes_rank": nbytes(per_rank), "bytes_cut": nbytes(cut),
-            "bytes_experts": experts}
+    return {
+        "equal_per_rank": eq_rank,
+        "equal_cut": eq_cut,
+        "quant_experts": isinstance(ex, QuantExperts),
+        "quant_linear": isinstance(per_rank.layers[1].attn.wq_b, QuantLinear),
+        "held": list(P.held(ex)),
+        "bytes_full": nbytes(full),
+        "bytes_rank": nbytes(per_rank),
+        "bytes_cut": nbytes(cut),
+        "bytes_experts": experts,
+    }
 
 
 def _broadcast(rank: int) -> dict:
@@ -281,10 +309,27 @@ def _memory(rank: int) -> dict:
     rows = []
     for context, batch, chunk in ((768, 2, 384),):
         got = mem.measure_inference(model, context, batch, chunk)
-        est = rank_bytes(model.cfg, WORLD, context=context, batch=batch, chunk=chunk * batch, dtype=torch.float32,
-                         keep_quantized=False, fused=False, prefix_caching=False)
-        rows.append({"measured": got["peak"], "estimated": est.total, "weights": got["weights"],
-                     "est_weights": est.weights, "cache": got["cache"], "est_cache": est.cache})
+        est = rank_bytes(
+            model.cfg,
+            WORLD,
+            context=context,
+            batch=batch,
+            chunk=chunk * batch,
+            dtype=torch.float32,
+            keep_quantized=False,
+            fused=False,
+            prefix_caching=False,
+        )
+        rows.append(
+            {
+                "measured": got["peak"],
+                "estimated": est.total,
+                "weights": got["weights"],
+                "est_weights": est.weights,
+                "cache": got["cache"],
+                "est_cache": est.cache,
+            }
+        )
     return {"rows": rows}
 
 
@@ -310,8 +355,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, qdir: str) -> None:
 
 def _launch(worker, out: Path, *args, timeout_s: float = TIMEOUT_S) -> list[mp.Process]:
     """Run worker(rank, WORLD, port, out, *args) in WORLD spawned processes; kill them past timeout_s."""
-    ctx = mp.start_processes(worker, args=(WORLD, P.free_port(), str(out), *args), nprocs=WORLD, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        worker, args=(WORLD, P.free_port(), str(out), *args), nprocs=WORLD, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout_s
     while any(p.is_alive() for p in ctx.processes):
         if time.monotonic() > deadline:
@@ -336,8 +382,8 @@ def ranks(tmp_path_factory) -> list[dict]:
 def test_expert_parallel_moe_equals_the_unsharded_moe_per_element(ranks):
     for r, res in enumerate(ranks):
         m = res["moe"]
-        assert m["layers"] == 5                                      # tiny: 4 layers + the MTP block
-        assert m["ranges"] == [[4 * r, 4]] * 5                       # rank r holds experts [4r, 4r + 4)
+        assert m["layers"] == 5  # tiny: 4 layers + the MTP block
+        assert m["ranges"] == [[4 * r, 4]] * 5  # rank r holds experts [4r, 4r + 4)
         assert m["names_kept"] and m["swapped"] == ["ExpertParallelExperts"] and m["options_reach"]
         assert all(m["exact_equal"]) and all(m["dp_exact_equal"])
         assert max(m["fast_ratio"]) <= 1.0, m["fast_ratio"]
@@ -404,7 +450,7 @@ def _stall_worker(rank: int, world: int, port: int, out_dir: str, how: str) -> N
     if rank == 1:
         if how == "dies":
             os._exit(3)
-        time.sleep(8)                    # alive, but never joins the collective
+        time.sleep(8)  # alive, but never joins the collective
         os._exit(0)
     t0 = time.monotonic()
     try:
@@ -413,7 +459,7 @@ def _stall_worker(rank: int, world: int, port: int, out_dir: str, how: str) -> N
     except RuntimeError as e:
         err = str(e).splitlines()[0][:200]
     Path(out_dir, "rank0.json").write_text(json.dumps({"error": err, "waited": time.monotonic() - t0}))
-    os._exit(0)                          # the group is broken: no orderly teardown
+    os._exit(0)  # the group is broken: no orderly teardown
 
 
 @pytest.mark.parametrize("how", ["hangs", "dies"])
@@ -444,7 +490,7 @@ def test_per_rank_loading_of_fused_experts_reads_only_their_rows(tmp_path):
         assert P.held(a.experts) == (4, 4)
         assert all(torch.equal(getattr(a.experts, w), getattr(b.experts, w)[4:8]) for w in ("w1", "w2", "w3"))
     assert part.checkpoint_plan["read"]["bytes"] < whole.checkpoint_plan["read"]["bytes"]
-    assert len(log.names) == whole.checkpoint_plan["read"]["tensors"]       # every tensor once, fused ones cut
+    assert len(log.names) == whole.checkpoint_plan["read"]["tensors"]  # every tensor once, fused ones cut
 
 
 def test_bad_ranks_and_passes_are_refused_in_one_line(tmp_path):

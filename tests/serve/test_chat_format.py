@@ -44,8 +44,14 @@ ASSET_TOKENIZER = Path(__file__).resolve().parents[2] / "dsv4" / "assets" / "std
 THINKING = {1: True, 2: True, 3: True, 4: False}
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
     {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
 ]
 
@@ -69,7 +75,7 @@ def completion(messages: list, **kw) -> str:
     """The text the model generates for the last (assistant) message: the full encoding minus the prompt."""
     prompt, full = encode_chat(messages[:-1], **kw), encode_chat(messages, **kw)
     assert full.startswith(prompt)
-    return full[len(prompt):]
+    return full[len(prompt) :]
 
 
 def coalesce(events: list) -> list:
@@ -115,15 +121,16 @@ def test_reference_vector_1_turns_parse_back():
     _, _, gold = vector(1)
     opener = ASSISTANT + THINK_START
     first = gold.index(opener) + len(opener)
-    turn = gold[first:gold.index(USER, first)]
+    turn = gold[first : gold.index(USER, first)]
     parsed = parse_completion(turn, thinking=True)
-    assert parsed.reasoning_content == ("The user wants to know the weather in Beijing. "
-                                        "I should use the get_weather tool.")
+    assert parsed.reasoning_content == (
+        "The user wants to know the weather in Beijing. I should use the get_weather tool."
+    )
     assert parsed.content == ""
     assert [c.name for c in parsed.tool_calls] == ["get_weather"]
     assert json.loads(parsed.tool_calls[0].arguments) == {"location": "Beijing", "unit": "celsius"}
     assert parsed.finish_reason == "tool_calls"
-    last = parse_completion(gold[gold.rindex(opener) + len(opener):], thinking=True)
+    last = parse_completion(gold[gold.rindex(opener) + len(opener) :], thinking=True)
     assert last.reasoning_content == "Got the weather data. Let me format a nice response."
     assert "22°C" in last.content and last.tool_calls == [] and last.finish_reason == "stop"
 
@@ -132,9 +139,12 @@ def test_reference_vector_2_drops_earlier_reasoning_and_parses_back():
     messages, _, gold = vector(2)
     assert "The user said hello" not in gold
     opener = ASSISTANT + THINK_START
-    parsed = parse_completion(gold[gold.rindex(opener) + len(opener):], thinking=True)
-    assert parsed.to_message() == {"role": "assistant", "content": messages[-1]["content"],
-                                   "reasoning_content": messages[-1]["reasoning_content"]}
+    parsed = parse_completion(gold[gold.rindex(opener) + len(opener) :], thinking=True)
+    assert parsed.to_message() == {
+        "role": "assistant",
+        "content": messages[-1]["content"],
+        "reasoning_content": messages[-1]["reasoning_content"],
+    }
 
 
 # ---------------------------------------------------------------- encoding: conversation rules
@@ -165,23 +175,29 @@ CONVERSATION = [
 
 def test_thinking_mode_drops_reasoning_before_the_last_user_turn():
     assert encode_chat(CONVERSATION, thinking=True) == (
-        f"{BOS}S{USER}u1{ASSISTANT}{THINK_END}a1{EOS}{USER}u2{ASSISTANT}{THINK_START}r2{THINK_END}a2{EOS}")
+        f"{BOS}S{USER}u1{ASSISTANT}{THINK_END}a1{EOS}{USER}u2{ASSISTANT}{THINK_START}r2{THINK_END}a2{EOS}"
+    )
 
 
 def test_drop_thinking_off_keeps_every_turns_reasoning():
-    kept = (f"{BOS}S{USER}u1{ASSISTANT}{THINK_START}r1{THINK_END}a1{EOS}"
-            f"{USER}u2{ASSISTANT}{THINK_START}r2{THINK_END}a2{EOS}")
+    kept = (
+        f"{BOS}S{USER}u1{ASSISTANT}{THINK_START}r1{THINK_END}a1{EOS}"
+        f"{USER}u2{ASSISTANT}{THINK_START}r2{THINK_END}a2{EOS}"
+    )
     assert encode_chat(CONVERSATION, thinking=True, drop_thinking=False) == kept
     # tools anywhere in the conversation keep the reasoning too (drop_thinking is ignored)
     with_tools = encode_chat(CONVERSATION, tools=TOOLS[:1], thinking=True)
-    tools_block = with_tools[len(f"{BOS}S"):with_tools.index(USER)]
+    tools_block = with_tools[len(f"{BOS}S") : with_tools.index(USER)]
     assert tools_block.startswith("\n\n## Tools\n")
     assert with_tools.replace(tools_block, "") == kept
 
 
 def test_developer_turns_before_the_last_user_are_removed_in_thinking_mode():
-    msgs = [{"role": "developer", "content": "D"}, {"role": "assistant", "content": "A", "reasoning_content": "R"},
-            {"role": "user", "content": "U"}]
+    msgs = [
+        {"role": "developer", "content": "D"},
+        {"role": "assistant", "content": "A", "reasoning_content": "R"},
+        {"role": "user", "content": "U"},
+    ]
     # the removed developer turn took the assistant turn's opener with it (as in the official encoder)
     assert encode_chat(msgs, thinking=True) == f"{BOS}A{EOS}{USER}U{ASSISTANT}{THINK_START}"
     assert encode_chat(msgs) == f"{BOS}{USER}D{ASSISTANT}{THINK_END}A{EOS}{USER}U{ASSISTANT}{THINK_END}"
@@ -194,19 +210,26 @@ def test_tool_results_merge_into_one_user_turn_in_call_order():
         {"role": "user", "content": "Q"},
         {"role": "assistant", "content": "", "tool_calls": [call("add", {"a": 1}, "c1"), call("add", {"a": 2}, "c2")]},
         {"role": "tool", "tool_call_id": "c2", "content": "two"},
-        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "one"},
-                                                           {"type": "image_url", "image_url": {"url": "x"}}]},
+        {
+            "role": "tool",
+            "tool_call_id": "c1",
+            "content": [{"type": "text", "text": "one"}, {"type": "image_url", "image_url": {"url": "x"}}],
+        },
         {"role": "user", "content": "and?"},
     ]
     prompt = encode_chat(msgs)
-    assert prompt.endswith(f"{EOS}{USER}<tool_result>one\n\n[Unsupported image_url]</tool_result>\n\n"
-                           f"<tool_result>two</tool_result>\n\nand?{ASSISTANT}{THINK_END}")
+    assert prompt.endswith(
+        f"{EOS}{USER}<tool_result>one\n\n[Unsupported image_url]</tool_result>\n\n"
+        f"<tool_result>two</tool_result>\n\nand?{ASSISTANT}{THINK_END}"
+    )
     assert prompt.count(USER) == 2
 
 
 def test_consecutive_user_messages_join_unless_the_first_has_a_task():
-    msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"},
-                                                                          {"type": "text", "text": "c"}]}]
+    msgs = [
+        {"role": "user", "content": "a"},
+        {"role": "user", "content": [{"type": "text", "text": "b"}, {"type": "text", "text": "c"}]},
+    ]
     assert encode_chat(msgs) == f"{BOS}{USER}a\n\nb\nc{ASSISTANT}{THINK_END}"
     msgs[0]["task"] = "query"
     assert encode_chat(msgs) == f"{BOS}{USER}a{USER}b\nc{ASSISTANT}{THINK_END}"
@@ -216,7 +239,7 @@ def test_request_tools_attach_to_the_leading_system_message_or_a_new_one():
     user = {"role": "user", "content": "Q"}
     with_system = encode_chat([{"role": "system", "content": "S"}, user], tools=TOOLS)
     assert with_system == encode_chat([{"role": "system", "content": "S", "tools": TOOLS}, user])
-    block = with_system[len(BOS) + 1:with_system.index(USER)]
+    block = with_system[len(BOS) + 1 : with_system.index(USER)]
     assert block.startswith("\n\n## Tools\n\n") and block.endswith("invoke tool calls.\n")
     schemas = block.split("### Available Tool Schemas\n\n")[1].split("\n\nYou MUST")[0].split("\n")
     assert [json.loads(s) for s in schemas] == [t["function"] for t in TOOLS]
@@ -227,9 +250,11 @@ def test_request_tools_attach_to_the_leading_system_message_or_a_new_one():
 
 
 def test_tool_calls_render_as_dsml():
-    args = {"city": "Paris \"old\"\n", "days": 3, "opts": {"a": [1, None]}, "on": True, "x": 1.5}
-    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "ok",
-                                                "tool_calls": [call("get_weather", args), call("add", {})]}]
+    args = {"city": 'Paris "old"\n', "days": 3, "opts": {"a": [1, None]}, "on": True, "x": 1.5}
+    msgs = [
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "ok", "tool_calls": [call("get_weather", args), call("add", {})]},
+    ]
     assert completion(msgs) == (
         f"ok\n\n{TOOL_CALLS_START}\n"
         f'{INVOKE_START} name="get_weather">\n'
@@ -240,12 +265,15 @@ def test_tool_calls_render_as_dsml():
         f'{PARAMETER_START} name="x" string="false">1.5{PARAMETER_END}\n'
         f"{INVOKE_END}\n"
         f'{INVOKE_START} name="add">\n\n{INVOKE_END}\n'
-        f"{TOOL_CALLS_END}{EOS}")
+        f"{TOOL_CALLS_END}{EOS}"
+    )
 
 
 def test_arguments_that_are_not_json_become_one_string_parameter():
-    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "tool_calls": [
-        {"type": "function", "function": {"name": "f", "arguments": "not json"}}]}]
+    msgs = [
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "not json"}}]},
+    ]
     assert f'{PARAMETER_START} name="arguments" string="true">not json{PARAMETER_END}' in completion(msgs)
 
 
@@ -264,8 +292,11 @@ def test_task_tokens():
 
 
 def test_latest_reminder_sits_between_turns():
-    msgs = [{"role": "user", "content": "Q"}, {"role": "latest_reminder", "content": "today"},
-            {"role": "assistant", "content": "A"}]
+    msgs = [
+        {"role": "user", "content": "Q"},
+        {"role": "latest_reminder", "content": "today"},
+        {"role": "assistant", "content": "A"},
+    ]
     assert encode_chat(msgs) == f"{BOS}{USER}Q{ASSISTANT}{THINK_END}{LATEST_REMINDER}todayA{EOS}"
 
 
@@ -274,7 +305,7 @@ def test_reasoning_effort_max_prefixes_thinking_prompts_only():
     plain = encode_chat(msgs, thinking=True)
     maxed = encode_chat(msgs, thinking=True, reasoning_effort="max")
     assert maxed.startswith(BOS + "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n")
-    assert maxed.endswith("no assumption is left unchecked.\n\n" + plain[len(BOS):])
+    assert maxed.endswith("no assumption is left unchecked.\n\n" + plain[len(BOS) :])
     for effort in ("low", "medium", "high", None):
         assert encode_chat(msgs, thinking=True, reasoning_effort=effort) == plain
     assert encode_chat(msgs, reasoning_effort="max") == encode_chat(msgs)
@@ -283,8 +314,10 @@ def test_reasoning_effort_max_prefixes_thinking_prompts_only():
 def test_response_format_block():
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
-    expected = (f"{BOS}S\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
-                f"{json.dumps(fmt)}{USER}Q{ASSISTANT}{THINK_END}")
+    expected = (
+        f"{BOS}S\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+        f"{json.dumps(fmt)}{USER}Q{ASSISTANT}{THINK_END}"
+    )
     assert encode_chat(msgs, response_format=fmt) == expected
     assert encode_chat([{**msgs[0], "response_format": fmt}, msgs[1]]) == expected
     assert encode_chat(msgs, response_format={"type": "text"}) == encode_chat(msgs)
@@ -296,8 +329,11 @@ def test_wo_eos_leaves_the_assistant_turn_open():
 
 
 def test_context_renders_only_the_new_messages():
-    ctx = [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
-           {"role": "assistant", "content": "a1", "reasoning_content": "r1"}]
+    ctx = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+    ]
     new = [{"role": "user", "content": "u2"}]
     # chat mode: the rendering of the context does not depend on what follows
     assert encode_chat(ctx) + encode_chat(new, context=ctx) == encode_chat(ctx + new)
@@ -320,8 +356,10 @@ BAD_INPUTS = [
     ({"messages": [{"content": "x"}]}, "messages[0].role: unknown role None"),
     ({"messages": [{"role": "user"}]}, "messages[0].content: missing content"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content: must be a string or a list"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content[0]: only text parts"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages[0].content[0]: only text parts",
+    ),
     ({"messages": [{"role": "developer", "content": ""}]}, "messages[0].content: a developer message must not"),
     ({"messages": [{"role": "tool", "tool_call_id": "c"}]}, "messages[0].content: missing content"),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 3}]}, "messages[0].tool_call_id"),
@@ -331,26 +369,40 @@ BAD_INPUTS = [
     ({"messages": [{"role": "assistant", "content": "x", "wo_eos": "yes"}]}, "messages[0].wo_eos"),
     ({"messages": [{"role": "user", "content": "x", "tools": TOOLS}]}, "messages[0].tools: only a system"),
     ({"messages": [{"role": "assistant", "tool_calls": {"a": 1}}]}, "messages[0].tool_calls: must be a list"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "", "arguments": "{}"}}]}]},
-     "messages[0].tool_calls[0].function.name"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}]},
-     "messages[0].tool_calls[0].function.arguments: must be a JSON string"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]},
-     "messages[0].tool_calls[0].function.arguments: must encode a JSON object"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "f"}}]}]},
-     "messages[0].tool_calls[0].type"),
+    (
+        {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "", "arguments": "{}"}}]}]},
+        "messages[0].tool_calls[0].function.name",
+    ),
+    (
+        {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}]},
+        "messages[0].tool_calls[0].function.arguments: must be a JSON string",
+    ),
+    (
+        {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]},
+        "messages[0].tool_calls[0].function.arguments: must encode a JSON object",
+    ),
+    (
+        {"messages": [{"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "f"}}]}]},
+        "messages[0].tool_calls[0].type",
+    ),
     ({"tools": {"name": "f"}}, "tools: must be a list"),
     ({"tools": [{"type": "function"}]}, "tools[0].function: must be an object"),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type: must be 'function'"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
-     "tools[0].function.parameters: must be a JSON Schema object"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"enum": {1, 2}}}}]},
-     "tools[0].function: not JSON-serializable"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+        "tools[0].function.parameters: must be a JSON Schema object",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"enum": {1, 2}}}}]},
+        "tools[0].function: not JSON-serializable",
+    ),
     ({"reasoning_effort": "extreme"}, "reasoning_effort: unknown value 'extreme'"),
     ({"response_format": "json"}, "response_format: must be an object"),
-    ({"messages": [{"role": "system", "content": "S", "response_format": ["x"]}]},
-     "messages[0].response_format: must be an object"),
+    (
+        {"messages": [{"role": "system", "content": "S", "response_format": ["x"]}]},
+        "messages[0].response_format: must be an object",
+    ),
     ({"thinking": "yes"}, "thinking: must be true or false"),
     ({"context": [{"role": "user"}]}, "context[0].content: missing content"),
 ]
@@ -380,9 +432,38 @@ def test_special_strings():
 
 # ---------------------------------------------------------------- parsing: round trips
 
-PIECES = ["a", "Z", " ", "\n", "\n\n", "<", ">", "/", '"', "=", "｜", "é", "中", "{", "}", "\\", "DSML", DSML,
-          "<｜DSML", "｜DSML｜tool", "tool_calls", "</think", "<think>", "think>", "<｜end▁of", "sentence｜>",
-          "parameter", 'string="true"', INVOKE_END, THINK_START]
+PIECES = [
+    "a",
+    "Z",
+    " ",
+    "\n",
+    "\n\n",
+    "<",
+    ">",
+    "/",
+    '"',
+    "=",
+    "｜",
+    "é",
+    "中",
+    "{",
+    "}",
+    "\\",
+    "DSML",
+    DSML,
+    "<｜DSML",
+    "｜DSML｜tool",
+    "tool_calls",
+    "</think",
+    "<think>",
+    "think>",
+    "<｜end▁of",
+    "sentence｜>",
+    "parameter",
+    'string="true"',
+    INVOKE_END,
+    THINK_START,
+]
 
 
 def rand_text(rng: random.Random, forbidden: tuple[str, ...], n: int = 10) -> str:
@@ -400,7 +481,7 @@ def rand_value(rng: random.Random, depth: int = 0):
     if r < 0.4:
         return rand_text(rng, VALUE_FORBIDDEN)
     if r < 0.55:
-        return rng.randint(-10**6, 10**6)
+        return rng.randint(-(10**6), 10**6)
     if r < 0.62:
         return rng.uniform(-1e3, 1e3)
     if r < 0.7:
@@ -438,8 +519,11 @@ def test_round_trip_random_messages():
         # and through a stream cut at random places
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 12))))
         events, streamed = stream(text, cuts, thinking)
-        assert (streamed.content, streamed.reasoning_content, streamed.tool_calls) == \
-            (result.content, result.reasoning_content, result.tool_calls)
+        assert (streamed.content, streamed.reasoning_content, streamed.tool_calls) == (
+            result.content,
+            result.reasoning_content,
+            result.tool_calls,
+        )
         # the parsed message encodes back to the same text
         assert completion([conv[0], result.to_message()], thinking=thinking, tools=TOOLS) == text
 
@@ -461,17 +545,63 @@ def test_content_containing_a_false_block_start_round_trips():
 # ---------------------------------------------------------------- parsing: streaming
 
 REASONING_AND_ANSWER = "Think <b>ab</thin k\n</think>Answer <think> \n\n<｜DS x" + EOS + "ignored"
-TOOL_TURN = ("r</think>Let me check.\n\n" + TOOL_CALLS_START + "\n"
-             + INVOKE_START + ' name="get_weather">\n'
-             + PARAMETER_START + ' name="city" string="true">Pa"ris' + PARAMETER_END + "\n"
-             + PARAMETER_START + ' name="days" string="false">[1, 2]' + PARAMETER_END + "\n"
-             + INVOKE_END + "\n" + INVOKE_START + ' name="add">\n\n' + INVOKE_END + "\n" + TOOL_CALLS_END + EOS)
-BROKEN_THEN_VALID = ("A\n\n" + TOOL_CALLS_START + "\n" + INVOKE_START + ' nme="f">\n' + INVOKE_END + "\n"
-                     + TOOL_CALLS_END + " B\n\n" + TOOL_CALLS_START + "\n" + INVOKE_START + ' name="f">\n\n'
-                     + INVOKE_END + "\n" + TOOL_CALLS_END + "\n<｜end▁of▁")
-LONG_VALUE = ("\n\n" + TOOL_CALLS_START + "\n" + INVOKE_START + ' name="run_code">\n' + PARAMETER_START
-              + ' name="code" string="true">' + "for i in range(3):\n    print(i < 2)  # ｜x\n" * 3 + PARAMETER_END
-              + "\n" + INVOKE_END + "\n" + TOOL_CALLS_END)  # the stream stops right after the block
+TOOL_TURN = (
+    "r</think>Let me check.\n\n"
+    + TOOL_CALLS_START
+    + "\n"
+    + INVOKE_START
+    + ' name="get_weather">\n'
+    + PARAMETER_START
+    + ' name="city" string="true">Pa"ris'
+    + PARAMETER_END
+    + "\n"
+    + PARAMETER_START
+    + ' name="days" string="false">[1, 2]'
+    + PARAMETER_END
+    + "\n"
+    + INVOKE_END
+    + "\n"
+    + INVOKE_START
+    + ' name="add">\n\n'
+    + INVOKE_END
+    + "\n"
+    + TOOL_CALLS_END
+    + EOS
+)
+BROKEN_THEN_VALID = (
+    "A\n\n"
+    + TOOL_CALLS_START
+    + "\n"
+    + INVOKE_START
+    + ' nme="f">\n'
+    + INVOKE_END
+    + "\n"
+    + TOOL_CALLS_END
+    + " B\n\n"
+    + TOOL_CALLS_START
+    + "\n"
+    + INVOKE_START
+    + ' name="f">\n\n'
+    + INVOKE_END
+    + "\n"
+    + TOOL_CALLS_END
+    + "\n<｜end▁of▁"
+)
+LONG_VALUE = (
+    "\n\n"
+    + TOOL_CALLS_START
+    + "\n"
+    + INVOKE_START
+    + ' name="run_code">\n'
+    + PARAMETER_START
+    + ' name="code" string="true">'
+    + "for i in range(3):\n    print(i < 2)  # ｜x\n" * 3
+    + PARAMETER_END
+    + "\n"
+    + INVOKE_END
+    + "\n"
+    + TOOL_CALLS_END
+)  # the stream stops right after the block
 STREAM_CASES = [(REASONING_AND_ANSWER, True), (TOOL_TURN, True), (BROKEN_THEN_VALID, False), (LONG_VALUE, False)]
 
 
@@ -491,18 +621,22 @@ def test_every_chunking_gives_the_same_events(text, thinking):
 
 def test_stream_cases_parse_as_intended():
     r = parse_completion(REASONING_AND_ANSWER, thinking=True)
-    assert (r.reasoning_content, r.content, r.finish_reason) == ("Think <b>ab</thin k\n",
-                                                                 "Answer <think> \n\n<｜DS x", "stop")
+    assert (r.reasoning_content, r.content, r.finish_reason) == (
+        "Think <b>ab</thin k\n",
+        "Answer <think> \n\n<｜DS x",
+        "stop",
+    )
     r = parse_completion(TOOL_TURN, thinking=True)
     assert (r.reasoning_content, r.content) == ("r", "Let me check.")
     assert r.tool_calls == [ToolCall("get_weather", '{"city": "Pa\\"ris", "days": [1, 2]}'), ToolCall("add", "{}")]
     events, _ = stream(TOOL_TURN, [], True)
-    assert [e for e in events if isinstance(e, ToolCallEvent)] == [ToolCallEvent(i, c) for i, c in
-                                                                    enumerate(r.tool_calls)]
+    assert [e for e in events if isinstance(e, ToolCallEvent)] == [
+        ToolCallEvent(i, c) for i, c in enumerate(r.tool_calls)
+    ]
     r = parse_completion(LONG_VALUE)
     assert r.content == "" and [json.loads(c.arguments)["code"].count("print") for c in r.tool_calls] == [3]
     r = parse_completion(BROKEN_THEN_VALID)
-    broken = BROKEN_THEN_VALID[:BROKEN_THEN_VALID.index(" B") + 2]
+    broken = BROKEN_THEN_VALID[: BROKEN_THEN_VALID.index(" B") + 2]
     assert (r.content, r.tool_calls, r.finish_reason) == (broken + "\n<｜end▁of▁", [ToolCall("f", "{}")], "tool_calls")
 
 
@@ -525,7 +659,8 @@ def test_text_that_may_start_a_marker_is_held_back():
 def test_a_block_that_breaks_the_grammar_is_released_at_once():
     p = ChatStreamParser()
     assert coalesce(p.feed(f"A\n\n{TOOL_CALLS_START}\n{INVOKE_START} nme")) == [
-        ContentDelta(f"A\n\n{TOOL_CALLS_START}\n{INVOKE_START} nme")]
+        ContentDelta(f"A\n\n{TOOL_CALLS_START}\n{INVOKE_START} nme")
+    ]
     assert p.feed("x") == [ContentDelta("x")]
 
 
@@ -559,16 +694,20 @@ def test_parser_for_prompt_follows_the_prompts_mode():
 
 
 def test_block_without_blank_line_before_it_still_parses():
-    block = f"{TOOL_CALLS_START}\n{INVOKE_START} name=\"f\">\n\n{INVOKE_END}\n{TOOL_CALLS_END}"
+    block = f'{TOOL_CALLS_START}\n{INVOKE_START} name="f">\n\n{INVOKE_END}\n{TOOL_CALLS_END}'
     assert parse_completion("x\n" + block).to_message() == {
-        "role": "assistant", "content": "x\n", "tool_calls": [{"type": "function",
-                                                                "function": {"name": "f", "arguments": "{}"}}]}
+        "role": "assistant",
+        "content": "x\n",
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
     assert parse_completion("x" + block + EOS).content == "x"
 
 
 def test_string_false_values_are_copied_as_written():
-    body = (f'{INVOKE_START} name="f">\n{PARAMETER_START} name="a" string="false">[1,2 ]{PARAMETER_END}\n'
-            f'{PARAMETER_START} name="b" string="true">line\n"q"{PARAMETER_END}\n{INVOKE_END}\n')
+    body = (
+        f'{INVOKE_START} name="f">\n{PARAMETER_START} name="a" string="false">[1,2 ]{PARAMETER_END}\n'
+        f'{PARAMETER_START} name="b" string="true">line\n"q"{PARAMETER_END}\n{INVOKE_END}\n'
+    )
     r = parse_completion(f"\n\n{TOOL_CALLS_START}\n{body}{TOOL_CALLS_END}{EOS}")
     assert r.tool_calls == [ToolCall("f", '{"a": [1,2 ], "b": "line\\n\\"q\\""}')]
 
@@ -579,17 +718,19 @@ def block(body: str) -> str:
 
 GOOD_PARAM = f'{PARAMETER_START} name="a" string="true">1{PARAMETER_END}\n'
 MALFORMED = {
-    "bad string flag": block(f'{INVOKE_START} name="f">\n{PARAMETER_START} name="a" string="maybe">1'
-                             f'{PARAMETER_END}\n{INVOKE_END}\n') + EOS,
-    "no newline after open": f"\n\n{TOOL_CALLS_START}{INVOKE_START} name=\"f\">\n\n{INVOKE_END}\n{TOOL_CALLS_END}",
+    "bad string flag": block(
+        f'{INVOKE_START} name="f">\n{PARAMETER_START} name="a" string="maybe">1{PARAMETER_END}\n{INVOKE_END}\n'
+    )
+    + EOS,
+    "no newline after open": f'\n\n{TOOL_CALLS_START}{INVOKE_START} name="f">\n\n{INVOKE_END}\n{TOOL_CALLS_END}',
     "duplicate parameter": block(f'{INVOKE_START} name="f">\n{GOOD_PARAM}{GOOD_PARAM}{INVOKE_END}\n') + EOS,
     "no name": block(f"{INVOKE_START}>\n\n{INVOKE_END}\n") + EOS,
     "text between invokes": block(f'{INVOKE_START} name="f">\n\n{INVOKE_END}\nthen\n') + EOS,
     "text after parameter": block(f'{INVOKE_START} name="f">\n{GOOD_PARAM[:-1]} x\n{INVOKE_END}\n') + EOS,
-    "cut off before the end": f"ok\n\n{TOOL_CALLS_START}\n{INVOKE_START} name=\"f\">\n{GOOD_PARAM}" + EOS,
-    "truncated stream": f"ok\n\n{TOOL_CALLS_START}\n{INVOKE_START} name=\"f\">\n{GOOD_PARAM[:30]}",
-    "EOS inside a value": f"\n\n{TOOL_CALLS_START}\n{INVOKE_START} name=\"f\">\n{PARAMETER_START} name=\"a\" "
-                          f"string=\"true\">x{EOS}y{PARAMETER_END}\n{INVOKE_END}\n{TOOL_CALLS_END}",
+    "cut off before the end": f'ok\n\n{TOOL_CALLS_START}\n{INVOKE_START} name="f">\n{GOOD_PARAM}' + EOS,
+    "truncated stream": f'ok\n\n{TOOL_CALLS_START}\n{INVOKE_START} name="f">\n{GOOD_PARAM[:30]}',
+    "EOS inside a value": f'\n\n{TOOL_CALLS_START}\n{INVOKE_START} name="f">\n{PARAMETER_START} name="a" '
+    f'string="true">x{EOS}y{PARAMETER_END}\n{INVOKE_END}\n{TOOL_CALLS_END}',
     "stray closing tags": f"{TOOL_CALLS_END}{INVOKE_END}{PARAMETER_END} text" + EOS,
     "invoke outside a block": f'x\n\n{INVOKE_START} name="f">\n\n{INVOKE_END}\n' + EOS,
 }
@@ -606,7 +747,7 @@ def test_malformed_markup_is_returned_as_content(text):
 
 
 def test_malformed_markup_in_reasoning_is_reasoning():
-    text = "see " + block(f"{INVOKE_START} name=\"f\">\n\n{INVOKE_END}\n") + THINK_END + "A" + EOS
+    text = "see " + block(f'{INVOKE_START} name="f">\n\n{INVOKE_END}\n') + THINK_END + "A" + EOS
     r = parse_completion(text, thinking=True)
     assert (r.reasoning_content, r.content, r.tool_calls) == (text.split(THINK_END)[0], "A", [])
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from subproc import checkout_env
 
-openai = pytest.importorskip("openai")        # a test dependency (pip install -e ".[test]")
+openai = pytest.importorskip("openai")  # a test dependency (pip install -e ".[test]")
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key"
@@ -44,7 +44,7 @@ def start_server(cmd: list[str]) -> tuple[subprocess.Popen, str]:
     if url is None:
         proc.kill()
         pytest.fail("the server did not start:\n" + "".join(lines))
-    threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()    # (drained)
+    threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()  # (drained)
     SERVER_LINES[url] = lines
     return proc, url
 
@@ -59,10 +59,30 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module", params=["plain", "speculative"])
 def server(request):
-    cmd = [sys.executable, "-m", "dsv4", "serve", "--preset", "tiny", "--port", "0", "--api-key", KEY,
-           "--deterministic", "--max-num-seqs", "8", "--max-model-len", "2048", "--max-batch-tokens", "64",
-           "--max-body-bytes", "200000", "--device", "cpu"]
-    if request.param == "speculative":                # every test again with MTP drafts verified each step
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsv4",
+        "serve",
+        "--preset",
+        "tiny",
+        "--port",
+        "0",
+        "--api-key",
+        KEY,
+        "--deterministic",
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "2048",
+        "--max-batch-tokens",
+        "64",
+        "--max-body-bytes",
+        "200000",
+        "--device",
+        "cpu",
+    ]
+    if request.param == "speculative":  # every test again with MTP drafts verified each step
         cmd += ["--speculative", "2"]
     proc, url = start_server(cmd)
     yield url
@@ -99,7 +119,7 @@ def test_completion_streaming_equals_non_streaming(client):
     kw = dict(model=MODEL, prompt="def f(x):", max_tokens=12, temperature=0)
     full = client.completions.create(**kw)
     assert full.choices[0].finish_reason in ("length", "stop")
-    assert full.usage.prompt_tokens == 1 + len("def f(x):")          # BOS + bytes
+    assert full.usage.prompt_tokens == 1 + len("def f(x):")  # BOS + bytes
     assert full.usage.completion_tokens == 12 or full.choices[0].finish_reason == "stop"
     chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -133,18 +153,29 @@ def test_seeds_logprobs_and_choices(client):
     # greedy: the chosen token is the most likely one (alternatives are keyed by text, which several
     # byte-less ids share, so the best listed one may be another id of equal text)
     assert all(v >= max(t.values()) - 1e-6 for t, v in zip(lp.logprobs.top_logprobs, lp.logprobs.token_logprobs))
-    ch = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
-                                        temperature=0, logprobs=True, top_logprobs=2)
+    ch = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = ch.choices[0].logprobs.content
     assert len(content) == ch.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
 
 
 def test_stop_strings_end_the_text(client):
     # random weights, bytes as tokens: about a quarter of the tokens are bytes, so 64 tokens give text
-    base = client.completions.create(model=MODEL, prompt="q", max_tokens=64, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    base = (
+        client.completions.create(
+            model=MODEL, prompt="q", max_tokens=64, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     assert len(base) >= 4, repr(base)
-    stop = base[len(base) // 2: len(base) // 2 + 2]
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
     for stream in (False, True):
         kw = dict(model=MODEL, prompt="q", max_tokens=64, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
         if stream:
@@ -154,24 +185,41 @@ def test_stop_strings_end_the_text(client):
         else:
             r = client.completions.create(**kw).choices[0]
             text, reason = r.text, r.finish_reason
-        assert text == base[:base.index(stop)] and reason == "stop"
+        assert text == base[: base.index(stop)] and reason == "stop"
 
 
 def test_tool_messages_round_trip_through_the_chat_format(client):
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                               "parameters": {"type": "object",
-                                                              "properties": {"city": {"type": "string"}},
-                                                              "required": ["city"]}}}]
-    msgs = [{"role": "user", "content": "weather in Paris?"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "call_1", "type": "function",
-                 "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather of a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ]
+    msgs = [
+        {"role": "user", "content": "weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"},
+    ]
     r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=6, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    assert r.usage.prompt_tokens > 300                       # the tool schema block is in the prompt
-    think = client.chat.completions.create(model=MODEL, messages=msgs[:1], max_tokens=6, temperature=0,
-                                           extra_body={"thinking": {"type": "enabled"}})
+    assert r.usage.prompt_tokens > 300  # the tool schema block is in the prompt
+    think = client.chat.completions.create(
+        model=MODEL, messages=msgs[:1], max_tokens=6, temperature=0, extra_body={"thinking": {"type": "enabled"}}
+    )
     # in thinking mode, text before </think> is reasoning, never content
     assert think.choices[0].message.content == "" or "reasoning_content" in think.choices[0].message.model_extra
 
@@ -202,12 +250,13 @@ def test_errors_have_the_openai_shape(server, client):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server, api_key="wrong", max_retries=0).models.list()
     cases = [
-        (b"{not json", 400), (b"[1, 2]", 400),
+        (b"{not json", 400),
+        (b"[1, 2]", 400),
         (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "many"}).encode(), 400),
         (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": -3}).encode(), 400),
         (b'{"model": "tiny", "prompt": "x", "top_p": NaN}', 400),
         (json.dumps({"model": MODEL, "prompt": "x" * 300_000}).encode(), 413),
-        (json.dumps({"model": MODEL, "prompt": [5, 10 ** 9]}).encode(), 400),
+        (json.dumps({"model": MODEL, "prompt": [5, 10**9]}).encode(), 400),
         (json.dumps({"model": MODEL, "prompt": "x", "echo": True}).encode(), 400),
     ]
     for body, status in cases:
@@ -226,8 +275,9 @@ def test_a_client_that_leaves_frees_its_sequence(server, client):
     stream.close()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(urllib.request.Request(
-                f"{server.rsplit('/v1', 1)[0]}/metrics", headers={"Authorization": f"Bearer {KEY}"})) as r:
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{server.rsplit('/v1', 1)[0]}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        ) as r:
             text = r.read().decode()
         running = float(re.search(r'dsv4_requests_running\{model="tiny"\} (\S+)', text).group(1))
         if running == 0:
@@ -239,8 +289,9 @@ def test_a_client_that_leaves_frees_its_sequence(server, client):
 
 def test_speculation_is_reported_in_metrics(server, client, request):
     client.completions.create(model=MODEL, prompt="def g(y):", max_tokens=16, temperature=0)
-    with urllib.request.urlopen(urllib.request.Request(
-            f"{server.rsplit('/v1', 1)[0]}/metrics", headers={"Authorization": f"Bearer {KEY}"})) as r:
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{server.rsplit('/v1', 1)[0]}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    ) as r:
         text = r.read().decode()
     drafted = re.search(r'dsv4_spec_draft_tokens_total\{model="tiny"\} (\S+)', text)
     if request.node.callspec.params["server"] == "speculative":
@@ -250,8 +301,9 @@ def test_speculation_is_reported_in_metrics(server, client, request):
 
 
 def metrics_text(url: str) -> str:
-    with urllib.request.urlopen(urllib.request.Request(
-            f"{url.rsplit('/v1', 1)[0]}/metrics", headers={"Authorization": f"Bearer {KEY}"})) as r:
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{url.rsplit('/v1', 1)[0]}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    ) as r:
         return r.read().decode()
 
 
@@ -265,13 +317,36 @@ def test_a_dspark_checkpoint_serves_speculatively(tmp_path):
     from dsv4.train.tokenizer import ByteTokenizer
 
     src = write_random(tmp_path / "tiny-dspark", "tiny", draft="dspark")
-    proc, url = start_server([sys.executable, "-m", "dsv4", "serve", "--model", str(src), "--port", "0",
-                              "--api-key", KEY, "--deterministic", "--max-num-seqs", "4", "--max-model-len", "256",
-                              "--device", "cpu", "--speculative", "2", "--speculative-threshold", "0.2"])
+    proc, url = start_server(
+        [
+            sys.executable,
+            "-m",
+            "dsv4",
+            "serve",
+            "--model",
+            str(src),
+            "--port",
+            "0",
+            "--api-key",
+            KEY,
+            "--deterministic",
+            "--max-num-seqs",
+            "4",
+            "--max-model-len",
+            "256",
+            "--device",
+            "cpu",
+            "--speculative",
+            "2",
+            "--speculative-threshold",
+            "0.2",
+        ]
+    )
     try:
         client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
-        got = client.completions.create(model="tiny-dspark", prompt="def f(x):", max_tokens=12, temperature=0,
-                                        logprobs=1)
+        got = client.completions.create(
+            model="tiny-dspark", prompt="def f(x):", max_tokens=12, temperature=0, logprobs=1
+        )
         text = metrics_text(url)
     finally:
         stop_server(proc)
@@ -288,6 +363,7 @@ def test_a_dspark_checkpoint_serves_speculatively(tmp_path):
 
     def value(name: str) -> float:
         return float(re.search(name + r'\{model="tiny-dspark"\} (\S+)', text).group(1))
+
     assert value("dsv4_spec_draft_tokens_total") > 0
     assert value("dsv4_spec_verify_length_count") >= value("dsv4_spec_verify_steps_total") > 0
     assert value("dsv4_spec_verify_length_sum") == value("dsv4_spec_draft_tokens_total")
@@ -295,20 +371,41 @@ def test_a_dspark_checkpoint_serves_speculatively(tmp_path):
 
 def test_one_log_line_per_request(server, client):
     """The server logs method, path, status, prompt + completion tokens and seconds for each request."""
-    r = client.completions.create(model=MODEL, prompt="abcd", max_tokens=3, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt="abcd", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     deadline = time.monotonic() + 10
     want = re.compile(r"dsv4 serve: POST /v1/completions 200 5\+3 tokens \d+\.\d\d s")
     while not any(want.search(x) for x in SERVER_LINES[server]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert r.usage.completion_tokens == 3 and any(want.search(x) for x in SERVER_LINES[server]), \
-        SERVER_LINES[server][-5:]
-    assert not any("GET /health" in x for x in SERVER_LINES[server])          # (at debug level only)
+    assert r.usage.completion_tokens == 3 and any(want.search(x) for x in SERVER_LINES[server]), SERVER_LINES[server][
+        -5:
+    ]
+    assert not any("GET /health" in x for x in SERVER_LINES[server])  # (at debug level only)
 
 
 def test_chat_with_a_running_server_prints_the_same_banner(server):
-    res = subprocess.run([sys.executable, "-m", "dsv4", "chat", "--url", server.rsplit("/v1", 1)[0], "--api-key", KEY,
-                          "--max-new-tokens", "4", "--temperature", "0"], input="hello\n/reset\n", text=True,
-                         capture_output=True, cwd=ROOT, env=checkout_env(), timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv4",
+            "chat",
+            "--url",
+            server.rsplit("/v1", 1)[0],
+            "--api-key",
+            KEY,
+            "--max-new-tokens",
+            "4",
+            "--temperature",
+            "0",
+        ],
+        input="hello\n/reset\n",
+        text=True,
+        capture_output=True,
+        cwd=ROOT,
+        env=checkout_env(),
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert f"chatting with {MODEL} at {server}" in res.stderr and "(conversation reset)" in res.stderr

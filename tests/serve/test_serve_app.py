@@ -27,12 +27,13 @@ from dsv4.train.tokenizer import ByteTokenizer
 
 KEY = "sk-app-test"
 NAME = "fake-model"
-PER_OUTPUT = 2                                  # tokens per output of one choice (the last one may have fewer)
+PER_OUTPUT = 2  # tokens per output of one choice (the last one may have fewer)
 
 
 @dataclass
 class Sent:
     """One engine request as the fake saw it, and every output it yielded for it."""
+
     prompt: list[int]
     params: SamplingParams
     n: int
@@ -49,11 +50,20 @@ class FakeEngine:
         self.alive = True
         self.info: dict = {}
         self.sent: dict[str, Sent] = {}
-        self.refuse: str | None = None            # refuse every request with this (the engine's RequestError)
-        self.fail_after: int | None = None        # raise after yielding this many outputs of a request
-        self.after_first = None                   # called once a request's first output was taken
-        self.totals = {"running": 0, "waiting": 0, "cache_usage": 0.0, "prompt_tokens": 0, "generated_tokens": 0,
-                       "preemptions": 0, "prefix_hit_tokens": 0, "graph_steps": 0, "eager_steps": 0}
+        self.refuse: str | None = None  # refuse every request with this (the engine's RequestError)
+        self.fail_after: int | None = None  # raise after yielding this many outputs of a request
+        self.after_first = None  # called once a request's first output was taken
+        self.totals = {
+            "running": 0,
+            "waiting": 0,
+            "cache_usage": 0.0,
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "preemptions": 0,
+            "prefix_hit_tokens": 0,
+            "graph_steps": 0,
+            "eager_steps": 0,
+        }
 
     @staticmethod
     def plan(prompt: list[int], i: int, max_tokens: int) -> list[int]:
@@ -65,19 +75,33 @@ class FakeEngine:
 
     @staticmethod
     def logprob(k: int) -> float:
-        return -0.25 * (k + 1)                  # token k of a choice
+        return -0.25 * (k + 1)  # token k of a choice
 
     def _output(self, rid: str, sent: Sent, i: int, plan: list[int], start: int) -> StepOutput:
-        new = plan[start:start + PER_OUTPUT]
+        new = plan[start : start + PER_OUTPUT]
         done = start + len(new)
         finished = done == len(plan)
         reason = ("length" if len(plan) == sent.params.max_tokens else "stop") if finished else None
         lps = []
         if sent.params.logprobs is not None:
-            lps = [TokenLogprob(t, self.logprob(start + j), [(t, self.logprob(start + j)), (t + 1, -9.0)]
-                                [:sent.params.logprobs]) for j, t in enumerate(new)]
-        return StepOutput(rid, i, new, lps, finished, reason, len(sent.prompt), done, self.cached(sent.prompt),
-                          text=self.tokenizer.decode(new))
+            lps = [
+                TokenLogprob(
+                    t, self.logprob(start + j), [(t, self.logprob(start + j)), (t + 1, -9.0)][: sent.params.logprobs]
+                )
+                for j, t in enumerate(new)
+            ]
+        return StepOutput(
+            rid,
+            i,
+            new,
+            lps,
+            finished,
+            reason,
+            len(sent.prompt),
+            done,
+            self.cached(sent.prompt),
+            text=self.tokenizer.decode(new),
+        )
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, n: int = 1):
         if self.refuse is not None:
@@ -132,8 +156,15 @@ def build(api_key: str | None = KEY, max_body_bytes: int = 1 << 16, **client_kw)
     tokenizer = ByteTokenizer(0, 1)
     metrics = ServerMetrics(NAME)
     engine = FakeEngine(tokenizer, on_step=metrics.on_step)
-    state = ServerState(engine=engine, tokenizer=tokenizer, model_name=NAME, max_model_len=512, api_key=api_key,
-                        metrics=metrics, max_body_bytes=max_body_bytes)
+    state = ServerState(
+        engine=engine,
+        tokenizer=tokenizer,
+        model_name=NAME,
+        max_model_len=512,
+        api_key=api_key,
+        metrics=metrics,
+        max_body_bytes=max_body_bytes,
+    )
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return Served(TestClient(create_app(state), headers=headers, **client_kw), engine, state, tokenizer)
 
@@ -165,10 +196,14 @@ def choice_plans(sents: list[Sent]) -> list[list[int]]:
 
 
 def expected_usage(sents: list[Sent]) -> dict:
-    prompt = sum(len(s.prompt) for s in sents)                 # each prompt once, whatever n
+    prompt = sum(len(s.prompt) for s in sents)  # each prompt once, whatever n
     completion = sum(len(p) for p in choice_plans(sents))
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(FakeEngine.cached(s.prompt) for s in sents)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(FakeEngine.cached(s.prompt) for s in sents)},
+    }
 
 
 def finish_reason(plan: list[int], max_tokens: int) -> str:
@@ -183,10 +218,11 @@ def test_completion_text_usage_and_shape(srv):
     assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
     assert body["object"] == "text_completion" and body["model"] == NAME and body["id"].startswith("cmpl-")
     (sent,) = engine_requests(srv, body["id"], 1)
-    assert sent.prompt == srv.tokenizer.encode("hello there", bos=True)       # BOS + the prompt's bytes
+    assert sent.prompt == srv.tokenizer.encode("hello there", bos=True)  # BOS + the prompt's bytes
     (plan,) = choice_plans([sent])
-    assert body["choices"] == [{"index": 0, "text": srv.tokenizer.decode(plan), "logprobs": None,
-                                "finish_reason": finish_reason(plan, 5)}]
+    assert body["choices"] == [
+        {"index": 0, "text": srv.tokenizer.decode(plan), "logprobs": None, "finish_reason": finish_reason(plan, 5)}
+    ]
     assert body["usage"] == expected_usage([sent])
 
 
@@ -198,7 +234,7 @@ def test_completion_n_and_batched_prompts_count_each_prompt_once(srv):
     assert [c["index"] for c in body["choices"]] == list(range(6))
     assert [c["text"] for c in body["choices"]] == [srv.tokenizer.decode(p) for p in plans]
     assert [c["finish_reason"] for c in body["choices"]] == [finish_reason(p, 4) for p in plans]
-    assert len({len(p) for p in plans}) > 1                  # the choices differ, so the sum is a real check
+    assert len({len(p) for p in plans}) > 1  # the choices differ, so the sum is a real check
     assert body["usage"] == expected_usage(sents)
 
 
@@ -216,7 +252,7 @@ def test_completion_stream_says_what_the_whole_answer_says(srv, include_usage):
     reasons: dict[int, str] = {}
     for c in chunks:
         for ch in c["choices"]:
-            assert reasons.get(ch["index"]) is None                    # nothing after a choice's finish
+            assert reasons.get(ch["index"]) is None  # nothing after a choice's finish
             text[ch["index"]] = text.get(ch["index"], "") + ch["text"]
             reasons[ch["index"]] = ch["finish_reason"]
     assert text == {c["index"]: c["text"] for c in full["choices"]}
@@ -231,14 +267,15 @@ def test_completion_stream_says_what_the_whole_answer_says(srv, include_usage):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_completion_logprobs_are_the_engines(srv, stream):
-    r = srv.post("/v1/completions", {"model": NAME, "prompt": "lp", "max_tokens": 5, "logprobs": 1,
-                                     "stream": stream})
+    r = srv.post("/v1/completions", {"model": NAME, "prompt": "lp", "max_tokens": 5, "logprobs": 1, "stream": stream})
     if stream:
         chunks = events(r.text)[:-1]
         rid = chunks[0]["id"]
         lps = [c["choices"][0]["logprobs"] for c in chunks]
-        got = {k: [v for lp in lps if lp for v in lp[k]] for k in ("tokens", "token_logprobs", "top_logprobs",
-                                                                   "text_offset")}
+        got = {
+            k: [v for lp in lps if lp for v in lp[k]]
+            for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        }
     else:
         rid, got = r.json()["id"], r.json()["choices"][0]["logprobs"]
     (sent,) = engine_requests(srv, rid, 1)
@@ -256,8 +293,10 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
 
 
 def test_chat_message_usage_and_shape(srv):
-    r = srv.post("/v1/chat/completions", {"model": NAME, "messages": MESSAGES, "n": 2, "max_tokens": 6,
-                                          "logprobs": True, "top_logprobs": 2})
+    r = srv.post(
+        "/v1/chat/completions",
+        {"model": NAME, "messages": MESSAGES, "n": 2, "max_tokens": 6, "logprobs": True, "top_logprobs": 2},
+    )
     body = r.json()
     assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
@@ -312,8 +351,11 @@ def test_the_openai_client_reads_the_answers():
         sents = engine_requests(s, full.id, 1)
         assert [c.text for c in full.choices] == [s.tokenizer.decode(p) for p in choice_plans(sents)]
         assert full.usage.model_dump(exclude_none=True) == expected_usage(sents)
-        chunks = list(client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=3, stream=True,
-                                                     stream_options={"include_usage": True}))
+        chunks = list(
+            client.chat.completions.create(
+                model=NAME, messages=MESSAGES, max_tokens=3, stream=True, stream_options={"include_usage": True}
+            )
+        )
         (plan,) = choice_plans(engine_requests(s, chunks[0].id, 1))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == s.tokenizer.decode(plan)
         assert chunks[-1].usage.completion_tokens == len(plan)
@@ -325,7 +367,7 @@ def test_the_openai_client_reads_the_answers():
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_requests_ended_by_the_shutdown_finish_with_abort_and_count_what_they_got(srv, path, stream):
-    srv.engine.after_first = srv.state.end_in_flight          # the grace period ends after one output
+    srv.engine.after_first = srv.state.end_in_flight  # the grace period ends after one output
     body = {"model": NAME, "n": 2, "max_tokens": 8, "stream": stream, "stream_options": {"include_usage": True}}
     body.update({"prompt": "grace"} if path == "/v1/completions" else {"messages": MESSAGES})
     r = srv.post(path, body)
@@ -338,11 +380,14 @@ def test_requests_ended_by_the_shutdown_finish_with_abort_and_count_what_they_go
         rid, usage = r.json()["id"], r.json()["usage"]
         reasons = {c["index"]: c["finish_reason"] for c in r.json()["choices"]}
     (sent,) = engine_requests(srv, rid, 1)
-    first = sent.outputs[0]                                    # the one output the request took
+    first = sent.outputs[0]  # the one output the request took
     assert reasons == {0: "abort", 1: "abort"}
-    assert usage == {"prompt_tokens": len(sent.prompt), "completion_tokens": len(first.new_tokens),
-                     "total_tokens": len(sent.prompt) + len(first.new_tokens),
-                     "prompt_tokens_details": {"cached_tokens": FakeEngine.cached(sent.prompt)}}
+    assert usage == {
+        "prompt_tokens": len(sent.prompt),
+        "completion_tokens": len(first.new_tokens),
+        "total_tokens": len(sent.prompt) + len(first.new_tokens),
+        "prompt_tokens_details": {"cached_tokens": FakeEngine.cached(sent.prompt)},
+    }
 
 
 def test_draining_refuses_new_requests_and_health_says_so(srv):
@@ -366,15 +411,19 @@ def error_of(r, status: int) -> dict:
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_bodies_get_400_in_openai_shape(srv, path):
     good = {"model": NAME, "prompt": "x"} if path == "/v1/completions" else {"model": NAME, "messages": MESSAGES}
-    for body, param in [(b"{not json", None), (b"[1, 2]", None), ({k: v for k, v in good.items() if k != "model"},
-                                                                   "model"),
-                        ({**good, "max_tokens": "many"}, "max_tokens"), ({**good, "temperature": -1}, "temperature"),
-                        ({**good, "n": 0}, "n")]:
+    for body, param in [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        ({k: v for k, v in good.items() if k != "model"}, "model"),
+        ({**good, "max_tokens": "many"}, "max_tokens"),
+        ({**good, "temperature": -1}, "temperature"),
+        ({**good, "n": 0}, "n"),
+    ]:
         e = error_of(srv.post(path, body), 400)
         assert e["type"] == "invalid_request_error" and e["param"] == param, (body, e)
     e = error_of(srv.post(path, {**good, "model": "nope"}), 404)
     assert e["code"] == "model_not_found" and e["param"] == "model" and "nope" in e["message"]
-    assert srv.engine.sent == {}                               # none of them reached the engine
+    assert srv.engine.sent == {}  # none of them reached the engine
 
 
 def test_too_large_bodies_and_unknown_paths(srv):
@@ -392,8 +441,12 @@ def test_an_engine_refusal_is_a_400_naming_the_prompt(srv, path, param):
     srv.engine.refuse = "the prompt needs 900 cache positions; the cache holds 512"
     body = {"model": NAME, "prompt": "x"} if param == "prompt" else {"model": NAME, "messages": MESSAGES}
     e = error_of(srv.post(path, body), 400)
-    assert e == {"message": srv.engine.refuse, "type": "invalid_request_error", "param": param,
-                 "code": "context_length_exceeded"}
+    assert e == {
+        "message": srv.engine.refuse,
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "context_length_exceeded",
+    }
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -413,12 +466,19 @@ def test_an_engine_failure_mid_request(path):
 
 def test_the_api_key_guards_every_endpoint_but_health():
     s = build()
-    bare = TestClient(s.client.app)                 # no Authorization header
+    bare = TestClient(s.client.app)  # no Authorization header
     with s.client, bare:
-        for client, headers in [(bare, {}), (s.client, {"Authorization": "Bearer wrong"}),
-                                (s.client, {"Authorization": KEY})]:
-            for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
-                                 ("POST", "/v1/chat/completions")]:
+        for client, headers in [
+            (bare, {}),
+            (s.client, {"Authorization": "Bearer wrong"}),
+            (s.client, {"Authorization": KEY}),
+        ]:
+            for method, path in [
+                ("GET", "/v1/models"),
+                ("GET", "/metrics"),
+                ("POST", "/v1/completions"),
+                ("POST", "/v1/chat/completions"),
+            ]:
                 e = error_of(client.request(method, path, headers=headers), 401)
                 assert e["code"] == "invalid_api_key"
         assert bare.get("/health").json() == {"status": "ok"}
@@ -434,8 +494,18 @@ def test_the_api_key_guards_every_endpoint_but_health():
 # ------------------------------------------------------------------------------------------ the rest
 def test_models_and_health(srv):
     body = srv.client.get("/v1/models").json()
-    assert body == {"object": "list", "data": [{"id": NAME, "object": "model", "created": srv.state.created,
-                                                "owned_by": "dsv4", "max_model_len": srv.state.max_model_len}]}
+    assert body == {
+        "object": "list",
+        "data": [
+            {
+                "id": NAME,
+                "object": "model",
+                "created": srv.state.created,
+                "owned_by": "dsv4",
+                "max_model_len": srv.state.max_model_len,
+            }
+        ],
+    }
     assert srv.client.get("/health").json() == {"status": "ok"}
 
 
@@ -443,9 +513,14 @@ def test_metrics_count_the_requests_and_their_tokens(srv):
     m = f'{{model="{NAME}"}}'
     before = srv.metrics()
     assert before.get(f"dsv4_request_latency_seconds_count{m}", 0.0) == 0.0
-    ids = [srv.post("/v1/completions", {"model": NAME, "prompt": "metrics", "n": 2, "max_tokens": 5}).json()["id"],
-           events(srv.post("/v1/chat/completions", {"model": NAME, "messages": MESSAGES, "max_tokens": 3,
-                                                    "stream": True}).text)[0]["id"]]
+    ids = [
+        srv.post("/v1/completions", {"model": NAME, "prompt": "metrics", "n": 2, "max_tokens": 5}).json()["id"],
+        events(
+            srv.post(
+                "/v1/chat/completions", {"model": NAME, "messages": MESSAGES, "max_tokens": 3, "stream": True}
+            ).text
+        )[0]["id"],
+    ]
     sents = [srv.engine.sent[rid] for rid in ids]
     after = srv.metrics()
     assert after[f"dsv4_request_latency_seconds_count{m}"] == len(ids)
@@ -457,8 +532,11 @@ def test_metrics_count_the_requests_and_their_tokens(srv):
     assert after[f"dsv4_prompt_tokens_total{m}"] == sum(len(s.prompt) - FakeEngine.cached(s.prompt) for s in sents)
     assert after[f"dsv4_prefix_cache_hit_tokens_total{m}"] == sum(FakeEngine.cached(s.prompt) for s in sents)
     for reason in ("length", "stop"):
-        want = sum(finish_reason(FakeEngine.plan(s.prompt, i, s.params.max_tokens), s.params.max_tokens) == reason
-                   for s in sents for i in range(s.n))
+        want = sum(
+            finish_reason(FakeEngine.plan(s.prompt, i, s.params.max_tokens), s.params.max_tokens) == reason
+            for s in sents
+            for i in range(s.n)
+        )
         assert after.get(f'dsv4_requests_finished_total{{model="{NAME}",reason="{reason}"}}', 0.0) == want
 
 
@@ -473,6 +551,7 @@ def test_one_log_line_per_request_with_its_tokens(srv, caplog):
     assert len(lines) == 3
     assert lines[0][0] == logging.INFO and re.fullmatch(
         rf"POST /v1/completions 200 {usage['prompt_tokens']}\+{usage['completion_tokens']} tokens \d+\.\d\d s",
-        lines[0][1])
+        lines[0][1],
+    )
     assert lines[1][0] == logging.DEBUG and lines[1][1].startswith("GET /health 200 ")
     assert lines[2][0] == logging.INFO and re.fullmatch(r"POST /v1/completions 400 \d+\.\d\d s", lines[2][1])

@@ -34,9 +34,26 @@ CONTEXT = 512
 def server():
     """(host, port, pid) of a `dsv4 serve` of the shipped model."""
     env = checkout_env(OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "dsv4", "serve", "--port", "0", "--api-key", KEY, "--max-num-seqs", "16",
-           "--max-model-len", str(CONTEXT), "--max-batch-tokens", "128", "--max-body-bytes", str(MAX_BODY),
-           "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsv4",
+        "serve",
+        "--port",
+        "0",
+        "--api-key",
+        KEY,
+        "--max-num-seqs",
+        "16",
+        "--max-model-len",
+        str(CONTEXT),
+        "--max-batch-tokens",
+        "128",
+        "--max-body-bytes",
+        str(MAX_BODY),
+        "--device",
+        "cpu",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     addr = None
@@ -63,8 +80,9 @@ def server():
         proc.kill()
 
 
-def request(srv, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-            timeout: float = 120) -> tuple[int, object]:
+def request(
+    srv, method: str, path: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 120
+) -> tuple[int, object]:
     host, port = srv[0], srv[1]
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
@@ -107,8 +125,12 @@ def model_name(srv) -> str:
 
 
 def is_openai_error(body) -> bool:
-    return (isinstance(body, dict) and isinstance(body.get("error"), dict)
-            and {"message", "type", "param", "code"} <= set(body["error"]) and body["error"]["message"])
+    return (
+        isinstance(body, dict)
+        and isinstance(body.get("error"), dict)
+        and {"message", "type", "param", "code"} <= set(body["error"])
+        and body["error"]["message"]
+    )
 
 
 # ------------------------------------------------------------------------------------------ fuzz cases
@@ -130,15 +152,20 @@ def _bad_bodies(model: str) -> list[tuple[str, str, bytes]]:
         "deep nesting": (C, b"[" * 40_000 + b"]" * 40_000),
         "deep nesting in a field": (CH, b'{"model": "m", "messages": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"),
         "lone surrogate prompt": (C, b'{"model": "' + model.encode() + b'", "prompt": "a\\ud800b", "max_tokens": 2}'),
-        "lone surrogate message": (CH, b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", '
-                                       b'"content": "\\udfff"}], "max_tokens": 2}'),
+        "lone surrogate message": (
+            CH,
+            b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", '
+            b'"content": "\\udfff"}], "max_tokens": 2}',
+        ),
         "NaN top_p": (C, b'{"model": "' + model.encode() + b'", "prompt": "x", "top_p": NaN}'),
         "Infinity temperature": (C, b'{"model": "' + model.encode() + b'", "prompt": "x", "temperature": Infinity}'),
-        "-Infinity temperature": (CH, b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", '
-                                      b'"content": "x"}], "temperature": -Infinity}'),
+        "-Infinity temperature": (
+            CH,
+            b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", '
+            b'"content": "x"}], "temperature": -Infinity}',
+        ),
         "huge exponent": (C, b'{"model": "' + model.encode() + b'", "prompt": "x", "max_tokens": 1e400}'),
-        "huge integer": (C, b'{"model": "' + model.encode() + b'", "prompt": "x", "max_tokens": '
-                            + b"9" * 5000 + b"}"),
+        "huge integer": (C, b'{"model": "' + model.encode() + b'", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"),
         "model missing": j(C, prompt="x"),
         "model wrong type": j(C, model=5, prompt="x"),
         "unknown model": j(C, model="nope", prompt="x"),
@@ -147,7 +174,7 @@ def _bad_bodies(model: str) -> list[tuple[str, str, bytes]]:
         "prompt empty inner list": j(C, model=model, prompt=[[]]),
         "prompt negative id": j(C, model=model, prompt=[-1]),
         "prompt float ids": j(C, model=model, prompt=[1.5, 2]),
-        "prompt id too large": j(C, model=model, prompt=[10 ** 12]),
+        "prompt id too large": j(C, model=model, prompt=[10**12]),
         "prompt mixed list": j(C, model=model, prompt=["a", 1]),
         "prompt too long": j(C, model=model, prompt=[5] * (CONTEXT + 5), max_tokens=2),
         "max_tokens past context": j(C, model=model, prompt="x", max_tokens=CONTEXT * 4),
@@ -166,12 +193,12 @@ def _bad_bodies(model: str) -> list[tuple[str, str, bytes]]:
         "presence_penalty 5": j(C, model=model, prompt="x", presence_penalty=5),
         "frequency_penalty -9": j(C, model=model, prompt="x", frequency_penalty=-9),
         "n zero": j(C, model=model, prompt="x", n=0),
-        "n huge": j(C, model=model, prompt="x", n=10 ** 9),
-        "seed 2^70": j(C, model=model, prompt="x", seed=2 ** 70, max_tokens=2),
+        "n huge": j(C, model=model, prompt="x", n=10**9),
+        "seed 2^70": j(C, model=model, prompt="x", seed=2**70, max_tokens=2),
         "stop number": j(C, model=model, prompt="x", stop=5),
         "stop list of numbers": j(C, model=model, prompt="x", stop=[1, 2]),
         "stop_token_ids negative": j(C, model=model, prompt="x", stop_token_ids=[-1]),
-        "stop_token_ids too large": j(C, model=model, prompt="x", stop_token_ids=[10 ** 9]),
+        "stop_token_ids too large": j(C, model=model, prompt="x", stop_token_ids=[10**9]),
         "logprobs 100": j(C, model=model, prompt="x", logprobs=100),
         "logprobs negative": j(C, model=model, prompt="x", logprobs=-1),
         "stream string": j(C, model=model, prompt="x", stream="yes please"),
@@ -188,8 +215,11 @@ def _bad_bodies(model: str) -> list[tuple[str, str, bytes]]:
         "message without role": j(CH, model=model, messages=[{"content": "x"}]),
         "message content number": j(CH, model=model, messages=[{"role": "user", "content": 5}]),
         "message content parts garbage": j(CH, model=model, messages=[{"role": "user", "content": [{"x": 1}]}]),
-        "message content image part": j(CH, model=model, messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://x"}}]}]),
+        "message content image part": j(
+            CH,
+            model=model,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
+        ),
         "assistant tool_calls garbage": j(CH, model=model, messages=[{"role": "assistant", "tool_calls": "x"}]),
         "tools string": j(CH, model=model, messages=msg, tools="all"),
         "tools list of numbers": j(CH, model=model, messages=msg, tools=[1]),
@@ -198,29 +228,31 @@ def _bad_bodies(model: str) -> list[tuple[str, str, bytes]]:
         "response_format json": j(CH, model=model, messages=msg, response_format={"type": "json_object"}),
         "response_format string": j(CH, model=model, messages=msg, response_format="json"),
         "thinking type bad": j(CH, model=model, messages=msg, thinking={"type": "maybe"}),
-        "chat_template_kwargs thinking string": j(CH, model=model, messages=msg,
-                                                  chat_template_kwargs={"thinking": "yes"}),
+        "chat_template_kwargs thinking string": j(
+            CH, model=model, messages=msg, chat_template_kwargs={"thinking": "yes"}
+        ),
         "top_logprobs without logprobs": j(CH, model=model, messages=msg, top_logprobs=3),
         "top_logprobs 99": j(CH, model=model, messages=msg, logprobs=True, top_logprobs=99),
         "max_completion_tokens negative": j(CH, model=model, messages=msg, max_completion_tokens=-2),
         "reasoning_effort number": j(CH, model=model, messages=msg, reasoning_effort=3),
-        "conversation too long": j(CH, model=model, messages=[{"role": "user", "content": "word " * 2000}],
-                                   max_tokens=2),
+        "conversation too long": j(
+            CH, model=model, messages=[{"role": "user", "content": "word " * 2000}], max_tokens=2
+        ),
         # integers past int64 and booleans where numbers go: refused at the API, never in an engine step
-        "top_k past int64": j(C, model=model, prompt="x", top_k=2 ** 63, temperature=1.0, max_tokens=4),
-        "top_k past the vocabulary": j(C, model=model, prompt="x", top_k=10 ** 6, max_tokens=4),
+        "top_k past int64": j(C, model=model, prompt="x", top_k=2**63, temperature=1.0, max_tokens=4),
+        "top_k past the vocabulary": j(C, model=model, prompt="x", top_k=10**6, max_tokens=4),
         "top_k -2": j(C, model=model, prompt="x", top_k=-2),
         "max_tokens true": j(C, model=model, prompt="x", max_tokens=True),
         "n true": j(C, model=model, prompt="x", n=True),
         "temperature false": j(C, model=model, prompt="x", temperature=False),
         "temperature 2.5": j(C, model=model, prompt="x", temperature=2.5),
         "temperature as string": j(C, model=model, prompt="x", temperature="0.5"),
-        "seed past uint64": j(C, model=model, prompt="x", seed=2 ** 64),
+        "seed past uint64": j(C, model=model, prompt="x", seed=2**64),
         "seed as float": j(C, model=model, prompt="x", seed=1.5),
         "ignore_eos 1": j(C, model=model, prompt="x", ignore_eos=1),
         "logprobs true": j(C, model=model, prompt="x", logprobs=True),
-        "stop_token_ids past int64": j(C, model=model, prompt="x", stop_token_ids=[2 ** 63]),
-        "prompt id past int64": j(C, model=model, prompt=[2 ** 64]),
+        "stop_token_ids past int64": j(C, model=model, prompt="x", stop_token_ids=[2**63]),
+        "prompt id past int64": j(C, model=model, prompt=[2**64]),
         "300 prompts": j(C, model=model, prompt=["x"] * 300, n=16, max_tokens=1),
         "17 stop strings": j(C, model=model, prompt="x", stop=[str(i) for i in range(17)]),
         "empty stop string": j(C, model=model, prompt="x", stop=[""]),
@@ -246,12 +278,28 @@ def test_malformed_and_mistyped_requests_get_4xx_in_openai_shape(server):
 
 
 # the field each of these names in its 400 (`param`)
-PARAMS = {"top_k past int64": "top_k", "top_k past the vocabulary": "top_k", "max_tokens true": "max_tokens",
-          "n true": "n", "temperature 2.5": "temperature", "seed past uint64": "seed", "n huge": "n",
-          "stop_token_ids past int64": "stop_token_ids", "prompt id past int64": "prompt", "300 prompts": "prompt",
-          "17 stop strings": "stop", "chat n 17": "n", "top_logprobs 99": "top_logprobs", "logprobs 100": "logprobs",
-          "temperature negative": "temperature", "top_p zero": "top_p", "presence_penalty 5": "presence_penalty",
-          "max_tokens past context": "max_tokens", "prompt too long": "prompt", "message role unknown": "messages"}
+PARAMS = {
+    "top_k past int64": "top_k",
+    "top_k past the vocabulary": "top_k",
+    "max_tokens true": "max_tokens",
+    "n true": "n",
+    "temperature 2.5": "temperature",
+    "seed past uint64": "seed",
+    "n huge": "n",
+    "stop_token_ids past int64": "stop_token_ids",
+    "prompt id past int64": "prompt",
+    "300 prompts": "prompt",
+    "17 stop strings": "stop",
+    "chat n 17": "n",
+    "top_logprobs 99": "top_logprobs",
+    "logprobs 100": "logprobs",
+    "temperature negative": "temperature",
+    "top_p zero": "top_p",
+    "presence_penalty 5": "presence_penalty",
+    "max_tokens past context": "max_tokens",
+    "prompt too long": "prompt",
+    "message role unknown": "messages",
+}
 
 
 def test_every_field_error_names_its_param(server):
@@ -270,13 +318,16 @@ def test_malformed_requests_beside_a_running_stream_leave_it_whole(server):
     completes (all its tokens, its finish_reason, [DONE]) and no request gets a 5xx."""
     model = model_name(server)
     n = CONTEXT - 32
-    body = {"model": model, "prompt": "def f(x):", "max_tokens": n, "temperature": 0.8, "seed": 1,
-            "ignore_eos": True}
+    body = {"model": model, "prompt": "def f(x):", "max_tokens": n, "temperature": 0.8, "seed": 1, "ignore_eos": True}
     conn = http.client.HTTPConnection(*server[:2], timeout=300)
-    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
-                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps({**body, "stream": True}),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     r = conn.getresponse()
-    lines = [r.readline()]                                   # the stream has begun
+    lines = [r.readline()]  # the stream has begun
     reader = threading.Thread(target=lambda: lines.extend(r.read().splitlines()))
     reader.start()
     statuses = [request(server, "POST", path, bad)[0] for _, path, bad in _bad_bodies(model)]
@@ -296,8 +347,7 @@ def test_transport_level_abuse_gets_4xx(server):
     body = json.dumps({"model": model, "prompt": "x", "max_tokens": 1}).encode()
     cases = [
         ("body over the limit", "POST", "/v1/completions", b'{"model": "' + b"x" * (MAX_BODY + 10) + b'"}', {}),
-        ("content-length over the limit", "POST", "/v1/completions", body,
-         {"Content-Length": str(10 ** 12)}),
+        ("content-length over the limit", "POST", "/v1/completions", body, {"Content-Length": str(10**12)}),
         ("wrong method", "GET", "/v1/completions", None, {}),
         ("wrong method chat", "PUT", "/v1/chat/completions", body, {}),
         ("unknown path", "POST", "/v1/engines", body, {}),
@@ -309,7 +359,7 @@ def test_transport_level_abuse_gets_4xx(server):
     for name, method, path, data, headers in cases:
         try:
             status, reply = request(server, method, path, data, headers)
-        except (ConnectionError, http.client.HTTPException) as e:   # a refusal at the HTTP layer is fine
+        except (ConnectionError, http.client.HTTPException) as e:  # a refusal at the HTTP layer is fine
             status, reply = 400, {"error": {"message": str(e), "type": "", "param": None, "code": None}}
         if not (400 <= status < 500 and is_openai_error(reply)):
             failures.append((name, status, str(reply)[:200]))
@@ -321,15 +371,18 @@ def test_transport_level_abuse_gets_4xx(server):
     s.close()
     # a chunked body larger than the limit (no Content-Length to refuse it by)
     s = socket.create_connection(server[:2], timeout=30)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
-              + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + KEY.encode()
+        + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     chunk = b"x" * 32_768
     try:
         for _ in range(MAX_BODY // len(chunk) + 2):
             s.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
         s.sendall(b"0\r\n\r\n")
     except OSError:
-        pass                                                      # the server may answer and close early
+        pass  # the server may answer and close early
     head = s.recv(65536).decode("latin-1")
     s.close()
     assert head.startswith("HTTP/1.1 413"), head[:200]
@@ -337,9 +390,13 @@ def test_transport_level_abuse_gets_4xx(server):
 
 def _valid_completion(srv, model: str, timeout: float = 60) -> tuple[int, float]:
     t0 = time.monotonic()
-    status, _ = request(srv, "POST", "/v1/completions",
-                        json.dumps({"model": model, "prompt": "def f(x):", "max_tokens": 4,
-                                    "temperature": 0}).encode(), timeout=timeout)
+    status, _ = request(
+        srv,
+        "POST",
+        "/v1/completions",
+        json.dumps({"model": model, "prompt": "def f(x):", "max_tokens": 4, "temperature": 0}).encode(),
+        timeout=timeout,
+    )
     return status, time.monotonic() - t0
 
 
@@ -354,8 +411,11 @@ def test_slow_clients_do_not_block_others(server):
         if i % 2:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
         else:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
-                      + b"\r\nContent-Length: 5000\r\n\r\n{\"model\": \"")
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                + KEY.encode()
+                + b'\r\nContent-Length: 5000\r\n\r\n{"model": "'
+            )
         stalled.append(s)
     try:
         for _ in range(3):
@@ -376,13 +436,23 @@ def _rst_close(s: socket.socket) -> None:
 def _post_raw(srv, path: str, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     s = socket.create_connection(srv[:2], timeout=60)
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json"
-              f"\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return s
 
 
-@pytest.mark.parametrize("path,stream", [("/v1/completions", True), ("/v1/chat/completions", True),
-                                         ("/v1/completions", False), ("/v1/chat/completions", False)])
+@pytest.mark.parametrize(
+    "path,stream",
+    [
+        ("/v1/completions", True),
+        ("/v1/chat/completions", True),
+        ("/v1/completions", False),
+        ("/v1/chat/completions", False),
+    ],
+)
 def test_disconnect_mid_request_frees_the_sequence(server, path, stream):
     model = model_name(server)
     body = {"model": model, "max_tokens": CONTEXT - 64, "temperature": 0, "stream": stream, "ignore_eos": True}
@@ -395,7 +465,7 @@ def test_disconnect_mid_request_frees_the_sequence(server, path, stream):
     assert running(server) >= 1
     if stream:
         for s in socks:
-            s.recv(1024)                                            # the stream has begun
+            s.recv(1024)  # the stream has begun
     for i, s in enumerate(socks):
         (_rst_close if i % 2 else socket.socket.close)(s)
     assert wait_idle(server), "sequences still running after their clients left"
@@ -452,8 +522,11 @@ def test_soak_no_server_errors_and_flat_memory(server):
             kind = rng.random()
             try:
                 if kind < 0.15:
-                    s = _post_raw(server, "/v1/completions", {"model": model, "prompt": "y" * rng.randint(1, 300),
-                                                              "max_tokens": 64, "stream": True})
+                    s = _post_raw(
+                        server,
+                        "/v1/completions",
+                        {"model": model, "prompt": "y" * rng.randint(1, 300), "max_tokens": 64, "stream": True},
+                    )
                     s.recv(256)
                     (_rst_close if rng.random() < 0.5 else socket.socket.close)(s)
                     key = "abandoned"
@@ -462,15 +535,25 @@ def test_soak_no_server_errors_and_flat_memory(server):
                     key = f"{status // 100}xx"
                 else:
                     chat = rng.random() < 0.5
-                    body = {"model": model, "max_tokens": rng.randint(1, 24), "temperature": rng.choice([0, 0.8]),
-                            "stream": rng.random() < 0.5, "seed": rng.randint(0, 100)}
+                    body = {
+                        "model": model,
+                        "max_tokens": rng.randint(1, 24),
+                        "temperature": rng.choice([0, 0.8]),
+                        "stream": rng.random() < 0.5,
+                        "seed": rng.randint(0, 100),
+                    }
                     text = "".join(rng.choice("abc def\n()") for _ in range(rng.randint(1, 400)))
                     if chat:
                         body["messages"] = [{"role": "user", "content": text}]
                     else:
                         body["prompt"] = text
-                    status, _ = request(server, "POST", "/v1/chat/completions" if chat else "/v1/completions",
-                                        json.dumps(body).encode(), timeout=120)
+                    status, _ = request(
+                        server,
+                        "POST",
+                        "/v1/chat/completions" if chat else "/v1/completions",
+                        json.dumps(body).encode(),
+                        timeout=120,
+                    )
                     key = f"{status // 100}xx"
             except (OSError, http.client.HTTPException) as e:
                 key = "unanswered"
@@ -496,8 +579,10 @@ def test_soak_no_server_errors_and_flat_memory(server):
     warm = [kib for t, kib in samples if t <= soak_s / 3]
     after = [kib for t, kib in samples if t > soak_s / 3]
     bound = max(warm) + 32 * 1024
-    print(f"soak {soak_s:.0f} s x {n_clients} clients: {counts}; RSS warm max {max(warm) / 1024:.0f} MiB, "
-          f"warm end {warm[-1] / 1024:.0f} MiB, "
-          f"after max {max(after) / 1024:.0f} MiB, end {samples[-1][1] / 1024:.0f} MiB (bound "
-          f"{bound / 1024:.0f} MiB)")
+    print(
+        f"soak {soak_s:.0f} s x {n_clients} clients: {counts}; RSS warm max {max(warm) / 1024:.0f} MiB, "
+        f"warm end {warm[-1] / 1024:.0f} MiB, "
+        f"after max {max(after) / 1024:.0f} MiB, end {samples[-1][1] / 1024:.0f} MiB (bound "
+        f"{bound / 1024:.0f} MiB)"
+    )
     assert max(after) <= bound, (max(warm), max(after))

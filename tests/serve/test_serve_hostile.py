@@ -25,8 +25,20 @@ openai = pytest.importorskip("openai")
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = 512
-LIMITS = ["--max-messages", "50", "--max-prompt-chars", "300000", "--max-seqs-per-request", "8",
-          "--header-timeout", "1.5", "--body-timeout", "2", "--max-connections", "64"]
+LIMITS = [
+    "--max-messages",
+    "50",
+    "--max-prompt-chars",
+    "300000",
+    "--max-seqs-per-request",
+    "8",
+    "--header-timeout",
+    "1.5",
+    "--body-timeout",
+    "2",
+    "--max-connections",
+    "64",
+]
 
 
 class Server:
@@ -37,11 +49,19 @@ class Server:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             if rlimit_nofile is not None:
                 import resource
+
                 resource.setrlimit(resource.RLIMIT_NOFILE, (rlimit_nofile, rlimit_nofile))
 
         cmd = [sys.executable, "-m", "dsv4", "serve", "--port", "0", "--device", "cpu", *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=checkout_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, preexec_fn=limits)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=checkout_env(OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=limits,
+        )
         self.lines: list[str] = []
         deadline = time.monotonic() + startup_s
         self.host = self.port = None
@@ -96,8 +116,19 @@ class Server:
 
 @pytest.fixture(scope="module")
 def srv():
-    s = Server(["--max-model-len", str(CONTEXT), "--max-num-seqs", "8", "--max-batch-tokens", "128",
-                "--cache-pages", "2", *LIMITS])
+    s = Server(
+        [
+            "--max-model-len",
+            str(CONTEXT),
+            "--max-num-seqs",
+            "8",
+            "--max-batch-tokens",
+            "128",
+            "--cache-pages",
+            "2",
+            *LIMITS,
+        ]
+    )
     yield s
     s.stop()
 
@@ -128,12 +159,16 @@ def test_requests_the_cache_can_never_hold_are_refused_at_admission(srv):
     assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
     assert f"at most {limit} per sequence" in err["message"] and "--cache-pages" in err["message"]
     assert f"at most {limit - n_prompt} new tokens fit" in err["message"]
-    done = client.completions.create(model=model, prompt=prompt, max_tokens=limit - n_prompt,
-                                     extra_body={"ignore_eos": True})
+    done = client.completions.create(
+        model=model, prompt=prompt, max_tokens=limit - n_prompt, extra_body={"ignore_eos": True}
+    )
     assert done.usage.completion_tokens == limit - n_prompt and done.choices[0].finish_reason == "length"
     assert srv.metric("dsv4_requests_running") == 0 and srv.metric("dsv4_cache_usage_ratio") == 0
-    status, body = srv.request("POST", "/v1/chat/completions", {
-        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": limit})
+    status, body = srv.request(
+        "POST",
+        "/v1/chat/completions",
+        {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": limit},
+    )
     assert status == 400 and body["error"]["param"] == "max_tokens" and "--cache-pages" in body["error"]["message"]
 
 
@@ -164,7 +199,7 @@ def test_text_prompts_are_healed_and_token_id_prompts_are_not(srv):
 def test_prompts_times_n_is_capped_and_every_400_names_its_param(srv):
     model = _model(srv)
     cases = [  # body, param, words the message must hold
-        ({"prompt": ["x"] * 300, "n": 17, "max_tokens": 1}, "n", "[1, 16]"),         # n past the server's 16
+        ({"prompt": ["x"] * 300, "n": 17, "max_tokens": 1}, "n", "[1, 16]"),  # n past the server's 16
         ({"prompt": ["x"] * 300, "n": 16, "max_tokens": 1}, "prompt", "4800 sequences"),
         ({"prompt": ["x"] * 300, "n": 1, "max_tokens": 1}, "prompt", "--max-seqs-per-request"),
         ({"prompt": "x", "n": 9, "max_tokens": 1}, "n", "--max-seqs-per-request"),
@@ -192,11 +227,12 @@ def test_prompts_times_n_is_capped_and_every_400_names_its_param(srv):
         assert err["param"] == param, (str(body)[:80], err)
         assert words is None or words in err["message"], (str(body)[:80], err)
     msg = {"role": "user", "content": "hi"}
-    for body, param, words in [({"messages": [msg] * 51}, "messages", "--max-messages"),
-                               ({"messages": [msg], "top_logprobs": 3}, "top_logprobs", "logprobs"),
-                               ({"messages": [msg], "max_completion_tokens": 0}, "max_completion_tokens", None),
-                               ({"messages": [{"role": "user", "content": "y" * 300_001}]}, "messages",
-                                "--max-prompt-chars")]:
+    for body, param, words in [
+        ({"messages": [msg] * 51}, "messages", "--max-messages"),
+        ({"messages": [msg], "top_logprobs": 3}, "top_logprobs", "logprobs"),
+        ({"messages": [msg], "max_completion_tokens": 0}, "max_completion_tokens", None),
+        ({"messages": [{"role": "user", "content": "y" * 300_001}]}, "messages", "--max-prompt-chars"),
+    ]:
         status, reply = srv.request("POST", "/v1/chat/completions", {"model": model, **body})
         assert status == 400 and reply["error"]["param"] == param, (param, reply)
         assert words is None or words in reply["error"]["message"], reply
@@ -216,13 +252,13 @@ def test_large_inputs_do_not_stall_the_event_loop(srv, kind):
     """While a large input is parsed, tokenized or encoded (in a worker thread), /health keeps answering:
     its slowest answer is far below the time the large request took."""
     model = _model(srv)
-    if kind == "long prompt":                     # under --max-prompt-chars: tokenized, then past the context
+    if kind == "long prompt":  # under --max-prompt-chars: tokenized, then past the context
         body = {"model": model, "prompt": "def f(x):\n    return x\n" * 12_000, "max_tokens": 1}
         path, want = "/v1/completions", "context"
-    elif kind == "many messages":                 # 10,000 messages: refused by count
+    elif kind == "many messages":  # 10,000 messages: refused by count
         body = {"model": model, "messages": [{"role": "user", "content": "hello"}] * 10_000}
         path, want = "/v1/chat/completions", "--max-messages"
-    else:                                         # 8 MB of text in a body under the 8 MiB limit
+    else:  # 8 MB of text in a body under the 8 MiB limit
         body = {"model": model, "prompt": "z" * 8_000_000}
         path, want = "/v1/completions", "--max-prompt-chars"
     stop, gaps = threading.Event(), []
@@ -265,10 +301,12 @@ def test_slow_and_half_sent_requests_are_timed_out_and_cost_no_descriptors(srv):
     body = []
     for _ in range(20):
         s = socket.create_connection((srv.host, srv.port), timeout=10)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 5000\r\n\r\n{\"model\": ")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 5000\r\n\r\n{"model": '
+        )
         body.append(s)
-    time.sleep(0.5)                                     # (these 20 hold connections before the 300 come)
+    time.sleep(0.5)  # (these 20 hold connections before the 300 come)
     socks = []
     for i in range(300):
         try:
@@ -277,7 +315,7 @@ def test_slow_and_half_sent_requests_are_timed_out_and_cost_no_descriptors(srv):
             continue
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"")
         socks.append(s)
-    time.sleep(2.5)                                     # past both timeouts
+    time.sleep(2.5)  # past both timeouts
     heads = [s.recv(4096) for s in body]
     assert all(h.startswith(b"HTTP/1.1 408") and b"request body did not arrive" in h for h in heads), heads[:2]
     assert all(_ended_by_server(s) for s in body)
@@ -287,7 +325,7 @@ def test_slow_and_half_sent_requests_are_timed_out_and_cost_no_descriptors(srv):
     # 30 clients that leave mid-body
     for _ in range(30):
         s = socket.create_connection((srv.host, srv.port), timeout=10)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 900\r\n\r\n{\"model\": \"")
+        s.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 900\r\n\r\n{"model": "')
         s.close()
     time.sleep(1.0)
     assert srv.request("GET", "/health")[0] == 200
@@ -297,7 +335,7 @@ def test_slow_and_half_sent_requests_are_timed_out_and_cost_no_descriptors(srv):
     assert srv.open_fds() <= before + 4
     out = srv.output()
     assert "Traceback" not in out and "Exception in ASGI" not in out, out[-3000:]
-    assert out.count("--max-connections") <= 3 and out.count("--header-timeout") <= 3   # rate-limited lines
+    assert out.count("--max-connections") <= 3 and out.count("--header-timeout") <= 3  # rate-limited lines
 
 
 def test_a_low_descriptor_limit_is_not_a_log_flood(tmp_path):
@@ -305,8 +343,10 @@ def test_a_low_descriptor_limit_is_not_a_log_flood(tmp_path):
     (its connection limit fits under the limit, said on its first line), writes a handful of log lines
     instead of one per failed accept, and a normal request is answered meanwhile (the oldest silent
     connection makes room for it)."""
-    s = Server(["--preset", "tiny", "--max-model-len", "256", "--max-num-seqs", "2", "--header-timeout", "30"],
-               rlimit_nofile=128)
+    s = Server(
+        ["--preset", "tiny", "--max-model-len", "256", "--max-num-seqs", "2", "--header-timeout", "30"],
+        rlimit_nofile=128,
+    )
     try:
         m = re.search(r"up to (\d+) connections", s.output())
         assert m and int(m.group(1)) < 128 - 14, s.output()
@@ -333,11 +373,22 @@ def test_batched_prompts_of_a_client_that_leaves_are_all_aborted(srv):
     fewer tokens generated than asked), none keeps running."""
     model = _model(srv)
     before = srv.metric("dsv4_generation_tokens_total")
-    body = json.dumps({"model": model, "prompt": [f"def f{i}(x):" for i in range(8)], "max_tokens": 200,
-                       "ignore_eos": True, "temperature": 0}).encode()
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": [f"def f{i}(x):" for i in range(8)],
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+    ).encode()
     s = socket.create_connection((srv.host, srv.port), timeout=30)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
-              + str(len(body)).encode() + b"\r\n\r\n" + body)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     deadline = time.monotonic() + 60
     while srv.metric("dsv4_generation_tokens_total") - before < 20 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -361,13 +412,17 @@ def test_sigterm_drains_then_ends_every_request_properly():
     results: dict[str, object] = {}
 
     def stream() -> None:
-        chunks = list(client.completions.create(model="tiny", prompt="a", max_tokens=4000, stream=True,
-                                                extra_body={"ignore_eos": True}))
+        chunks = list(
+            client.completions.create(
+                model="tiny", prompt="a", max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
+            )
+        )
         results["stream"] = chunks
 
     def whole() -> None:
-        results["whole"] = client.completions.create(model="tiny", prompt="b", max_tokens=4000,
-                                                     extra_body={"ignore_eos": True})
+        results["whole"] = client.completions.create(
+            model="tiny", prompt="b", max_tokens=4000, extra_body={"ignore_eos": True}
+        )
 
     def short() -> None:
         results["short"] = client.completions.create(model="tiny", prompt="c", max_tokens=3)
@@ -386,7 +441,7 @@ def test_sigterm_drains_then_ends_every_request_properly():
         t_term = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        with pytest.raises(ConnectionRefusedError):     # no longer accepting
+        with pytest.raises(ConnectionRefusedError):  # no longer accepting
             socket.create_connection((s.host, s.port), timeout=5)
         for t in [*threads, late]:
             t.join(60)
@@ -420,15 +475,24 @@ def test_accept_errors_are_one_line_per_interval(caplog):
         http_guard._TROUBLE._last.clear()
         with caplog.at_level(logging.WARNING, logger="dsv4.serve"):
             for _ in range(2000):
-                http_guard._loop_exception_handler(loop, {
-                    "message": "socket.accept() out of system resource",
-                    "exception": OSError(errno.EMFILE, "Too many open files")})
+                http_guard._loop_exception_handler(
+                    loop,
+                    {
+                        "message": "socket.accept() out of system resource",
+                        "exception": OSError(errno.EMFILE, "Too many open files"),
+                    },
+                )
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 1 and "Too many open files" in lines[0] and "ulimit -n" in lines[0]
-        http_guard._TROUBLE._last["accept"] -= 11                  # 11 s later: the next line counts the rest
+        http_guard._TROUBLE._last["accept"] -= 11  # 11 s later: the next line counts the rest
         with caplog.at_level(logging.WARNING, logger="dsv4.serve"):
-            http_guard._loop_exception_handler(loop, {"message": "socket.accept() out of system resource",
-                                                      "exception": OSError(errno.EMFILE, "Too many open files")})
+            http_guard._loop_exception_handler(
+                loop,
+                {
+                    "message": "socket.accept() out of system resource",
+                    "exception": OSError(errno.EMFILE, "Too many open files"),
+                },
+            )
         assert "(1999 more like it in the last 10 s)" in caplog.records[-1].getMessage()
     finally:
         loop.close()

@@ -27,14 +27,32 @@ from subproc import checkout_env
 openai = pytest.importorskip("openai")
 
 ROOT = Path(__file__).resolve().parents[2]
-ARGS = ["--preset", "tiny", "--device", "cpu", "--deterministic", "--max-num-seqs", "4", "--max-model-len", "512",
-        "--max-batch-tokens", "192"]
+ARGS = [
+    "--preset",
+    "tiny",
+    "--device",
+    "cpu",
+    "--deterministic",
+    "--max-num-seqs",
+    "4",
+    "--max-model-len",
+    "512",
+    "--max-batch-tokens",
+    "192",
+]
 
 
 def start(*extra: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "dsv4", "serve", "--port", "0", *ARGS, *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=checkout_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=checkout_env(OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines = []
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -60,13 +78,14 @@ def stop(proc: subprocess.Popen) -> None:
 
 def answers(url: str) -> list:
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
-    prompt = "the quick brown fox jumps over the lazy dog " * 4                     # 176 byte tokens: 3 chunks
+    prompt = "the quick brown fox jumps over the lazy dog " * 4  # 176 byte tokens: 3 chunks
     out = []
     for kw in (dict(temperature=0), dict(temperature=0.9, top_p=0.9, seed=11), dict(temperature=1.0, seed=3, n=2)):
         r = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, logprobs=1, **kw)
         out.append([(c.text, c.logprobs.token_logprobs) for c in r.choices])
-    chat = client.chat.completions.create(model="tiny", max_tokens=12, temperature=0,
-                                          messages=[{"role": "user", "content": "hello"}])
+    chat = client.chat.completions.create(
+        model="tiny", max_tokens=12, temperature=0, messages=[{"role": "user", "content": "hello"}]
+    )
     out.append(chat.choices[0].message.content)
     return out
 
@@ -95,15 +114,16 @@ def _children(pid: int) -> list[int]:
 def test_a_dead_worker_stops_the_server_with_one_line():
     proc, url = start("--tensor-parallel-size", "2", "--worker-timeout", "20")
     try:
-        engine = _children(proc.pid)                    # the server's engine process (rank 0) ...
-        workers = [c for e in engine for c in _children(e)
-                   if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]   # (not a resource tracker)
+        engine = _children(proc.pid)  # the server's engine process (rank 0) ...
+        workers = [
+            c for e in engine for c in _children(e) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()
+        ]  # (not a resource tracker)
         assert len(workers) == 1, workers
-        os.kill(workers[0], signal.SIGKILL)             # ... and its worker 1
+        os.kill(workers[0], signal.SIGKILL)  # ... and its worker 1
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
         with pytest.raises(openai.APIError):
             client.completions.create(model="tiny", prompt="hello", max_tokens=8)
-        proc.wait(60)                                   # not a hang
+        proc.wait(60)  # not a hang
         rest = proc.stdout.read()
         assert proc.returncode != 0
         assert re.search(r"worker 1 exited|engine process stopped", rest), rest[-2000:]
@@ -112,21 +132,49 @@ def test_a_dead_worker_stops_the_server_with_one_line():
 
 
 def _run(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsv4", *argv], cwd=ROOT, env=checkout_env(OMP_NUM_THREADS="1"),
-                          input=stdin, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dsv4", *argv],
+        cwd=ROOT,
+        env=checkout_env(OMP_NUM_THREADS="1"),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_generate_and_chat_on_two_workers_give_one_process_tokens():
     """`dsv4 generate` and `dsv4 chat` with --tensor-parallel-size 2 (gloo): in --deterministic mode the
     tokens are those of one process (the expert-parallel sums are exact there), and the command returns
     with its workers gone."""
-    gen = ["generate", "--preset", "tiny", "--device", "cpu", "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "8",
-           "--deterministic", "--json"]
+    gen = [
+        "generate",
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--prompt-ids",
+        "1,2,3,4,5",
+        "--max-new-tokens",
+        "8",
+        "--deterministic",
+        "--json",
+    ]
     one, two = _run(*gen), _run(*gen, "--tensor-parallel-size", "2")
     assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
     assert json.loads(two.stdout.splitlines()[-1])["ids"] == json.loads(one.stdout.splitlines()[-1])["ids"]
-    chat = ["chat", "--preset", "tiny", "--device", "cpu", "--max-new-tokens", "6", "--temperature", "0",
-            "--deterministic"]
+    chat = [
+        "chat",
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0",
+        "--deterministic",
+    ]
     one, two = _run(*chat, stdin="hello\n"), _run(*chat, "--tensor-parallel-size", "2", stdin="hello\n")
     assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
     assert two.stdout == one.stdout and two.stdout.strip()
@@ -137,8 +185,20 @@ def test_speculative_generate_on_two_workers_gives_one_process_tokens():
     process's with speculation, seeded ones one process's with speculation. The 150-token prompt runs in
     chunks of 64, crosses the 128-token window and completes groups of 4 and of 128."""
     ids = ",".join(str((37 * i + 11) % 1000 + 2) for i in range(150))
-    gen = ["generate", "--preset", "tiny", "--device", "cpu", "--prompt-ids", ids, "--max-new-tokens", "12",
-           "--deterministic", "--json", "--no-stop"]
+    gen = [
+        "generate",
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--prompt-ids",
+        ids,
+        "--max-new-tokens",
+        "12",
+        "--deterministic",
+        "--json",
+        "--no-stop",
+    ]
 
     def tokens(*extra: str) -> list[int]:
         r = _run(*gen, *extra)
@@ -174,10 +234,12 @@ def _spec_case(draft: str) -> tuple[object, list[tuple[str, list[int], object, i
     cfg = cfg.with_draft("dspark") if draft == "dspark" else cfg
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
-    params = [SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, seed=0),
-              SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, seed=1),
-              SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
-              SamplingParams(max_tokens=6, temperature=0.8, seed=7, frequency_penalty=0.5, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, seed=0),
+        SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, seed=1),
+        SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.8, seed=7, frequency_penalty=0.5, ignore_eos=True),
+    ]
     names = ["greedy0", "greedy1", "seeded", "penalized"]
     spec = dict(speculative=3, speculative_threshold=0.3) if draft == "dspark" else dict(speculative=2)
     return cfg, list(zip(names, prompts, params, (0, 2, 1, 3))), spec
@@ -194,7 +256,7 @@ def _oracle(engine, answers: dict[str, list[int]]):
     vocab = engine.vocab
 
     def planted(r, n: int) -> list[int]:
-        want = by_seed[r.seed][r.counter:r.counter + n]
+        want = by_seed[r.seed][r.counter : r.counter + n]
         return [(t + 1) % vocab if (r.counter + j) % 3 == 1 else t for j, t in enumerate(want)]
 
     class Oracle(Drafter):
@@ -236,8 +298,13 @@ def _spec_serve(engine, requests, answers=None) -> dict:
         drafts.append(sorted([s.request.request_id, s.n_generated, s.drafts] for s in engine.running))
         step += 1
     st = engine.spec_stats
-    return {"tokens": out, "drafts": drafts, "fixed_steps": st["fixed_steps"], "accepted": st["accepted"],
-            "verify_steps": st["verify_steps"]}
+    return {
+        "tokens": out,
+        "drafts": drafts,
+        "fixed_steps": st["fixed_steps"],
+        "accepted": st["accepted"],
+        "verify_steps": st["verify_steps"],
+    }
 
 
 def _spec_engine(cfg, spec: dict, mirror=None, group=None, pad_steps: bool = False):
@@ -271,6 +338,7 @@ def _spec_worker(rank: int, world: int, port: int, out_dir: str, answers: dict) 
         def count(kind: int, values: list[int], inner=inner, seen=seen) -> None:
             seen[kind] = seen.get(kind, 0) + 1
             inner(kind, values)
+
         engine.spec.follow = count
         engine.follow()
         res[draft] = seen
@@ -288,12 +356,15 @@ def speculative_runs(tmp_path_factory) -> dict:
     for draft in ("mtp", "dspark"):
         cfg, requests, spec = _spec_case(draft)
         plain = _spec_serve(_spec_engine(cfg, {}), requests)
-        one[draft] = {"plain": plain, "spec": _spec_serve(_spec_engine(cfg, spec, pad_steps=True), requests,
-                                                          plain["tokens"])}
+        one[draft] = {
+            "plain": plain,
+            "spec": _spec_serve(_spec_engine(cfg, spec, pad_steps=True), requests, plain["tokens"]),
+        }
     out = tmp_path_factory.mktemp("spec_parallel")
     answers = {draft: one[draft]["plain"]["tokens"] for draft in one}
-    ctx = mp.start_processes(_spec_worker, args=(2, free_port(), str(out), answers),
-                             nprocs=2, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _spec_worker, args=(2, free_port(), str(out), answers), nprocs=2, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + SPEC_TIMEOUT_S
     while any(p.is_alive() for p in ctx.processes):
         if time.monotonic() > deadline:
@@ -322,7 +393,7 @@ def test_speculative_engine_on_two_workers_gives_one_process_tokens(speculative_
     plain = one["plain"]["tokens"]
     assert all(two["tokens"][n] == plain[n] for n in ("greedy0", "greedy1"))
     assert [len(two["tokens"][n]) for n in ("greedy0", "greedy1", "seeded", "penalized")] == [NEW, NEW, 6, 6]
-    assert two["tokens"]["penalized"] == plain["penalized"]           # penalized rows decode plainly
+    assert two["tokens"]["penalized"] == plain["penalized"]  # penalized rows decode plainly
     assert two["fixed_steps"] > 0 and two["accepted"] > 0 and two["verify_steps"] > 0
     seen = {int(k): v for k, v in speculative_runs["follower"][draft].items()}
     assert seen[FIXED] == two["fixed_steps"]

@@ -38,14 +38,16 @@ def _step(checkpointing: bool, probe: bool = False) -> tuple[dict[str, torch.Ten
 
     def recomputed(i: int):
         def hook(module, args):
-            if in_backward:                  # the block's recomputation reaches its MoE
+            if in_backward:  # the block's recomputation reaches its MoE
                 order.append(i)
                 alive.append(sorted(j for j, r in refs.items() if not r.expired()))
                 refs[i] = StorageWeakRef(args[0].untyped_storage())
+
         return hook
 
-    handles = [layer.ffn.register_forward_pre_hook(recomputed(i)) for i, layer in enumerate(model.layers)] \
-        if probe else []
+    handles = (
+        [layer.ffn.register_forward_pre_hook(recomputed(i)) for i, layer in enumerate(model.layers)] if probe else []
+    )
     out = model(tokens, mtp=True, indexer_loss=True, balance_alpha=1e-2)
     assert out.balance_loss is not None and out.indexer_loss is not None
     loss = total_loss(out, tokens).total
@@ -59,13 +61,13 @@ def _step(checkpointing: bool, probe: bool = False) -> tuple[dict[str, torch.Ten
 
 def test_backward_recomputes_one_block_at_a_time_with_the_balance_loss_on():
     _, order, alive = _step(True, probe=True)
-    assert order == list(range(CFG.n_layers))[::-1]         # each block once, the last first
-    assert alive == [[]] * (CFG.n_layers + 1), alive        # no earlier recomputation alive; none after
+    assert order == list(range(CFG.n_layers))[::-1]  # each block once, the last first
+    assert alive == [[]] * (CFG.n_layers + 1), alive  # no earlier recomputation alive; none after
 
 
 def test_checkpointing_leaves_the_gradients_unchanged():
     plain, order, _ = _step(False, probe=True)
-    assert order == []                                      # nothing recomputed without checkpointing
+    assert order == []  # nothing recomputed without checkpointing
     ckpt, _, _ = _step(True)
     assert plain.keys() == ckpt.keys() and len(plain) > 0
     for n in plain:

@@ -21,13 +21,14 @@ def _write(path, text):
 
 def _manifest(tmp_path):
     a = _write(tmp_path / "pkg_a" / "mod.py", "def f():\n    return 1\n")
-    dup = _write(tmp_path / "pkg_b" / "vendored.py", "def f():\n    return 1\n")      # the same bytes as a
+    dup = _write(tmp_path / "pkg_b" / "vendored.py", "def f():\n    return 1\n")  # the same bytes as a
     b = _write(tmp_path / "pkg_b" / "README.md", "# b\n")
     empty = _write(tmp_path / "pkg_b" / "empty.py", "")
     big = _write(tmp_path / "pkg_b" / "table.py", "x" * (corpus.MAX_FILE_BYTES + 1))
-    groups = [("a", "1.0", "MIT", [("a/mod.py", a)]),
-              ("b", "2.0", "BSD", [("b/vendored.py", dup), ("b/README.md", b), ("b/empty.py", empty),
-                                   ("b/table.py", big)])]
+    groups = [
+        ("a", "1.0", "MIT", [("a/mod.py", a)]),
+        ("b", "2.0", "BSD", [("b/vendored.py", dup), ("b/README.md", b), ("b/empty.py", empty), ("b/table.py", big)]),
+    ]
     m = corpus.manifest_of(groups)
     out = tmp_path / "corpus.json"
     out.write_text(json.dumps(m), encoding="utf-8")
@@ -36,10 +37,12 @@ def _manifest(tmp_path):
 
 def test_manifest_records_versions_licences_hashes_and_keeps_repeated_bytes_once(tmp_path):
     m, _, a, b = _manifest(tmp_path)
-    assert [(e["package"], e["version"], e["licence"]) for e in m["packages"]] == [("a", "1.0", "MIT"),
-                                                                                     ("b", "2.0", "BSD")]
+    assert [(e["package"], e["version"], e["licence"]) for e in m["packages"]] == [
+        ("a", "1.0", "MIT"),
+        ("b", "2.0", "BSD"),
+    ]
     names = [d["name"] for e in m["packages"] for d in e["documents"]]
-    assert names == ["a/mod.py", "b/README.md"]          # the duplicate, the empty and the oversized file left out
+    assert names == ["a/mod.py", "b/README.md"]  # the duplicate, the empty and the oversized file left out
     assert m["duplicates_dropped"] == 1
     docs = {d["name"]: d for e in m["packages"] for d in e["documents"]}
     assert docs["a/mod.py"]["sha256"] == hashlib.sha256(a.read_bytes()).hexdigest()
@@ -66,7 +69,7 @@ def test_stdlib_documents_keep_the_default_corpus_names_so_the_held_out_split_is
     assert [e["package"] for e in m["packages"]] == ["python-stdlib"]
     names = {d["name"] for d in m["packages"][0]["documents"]}
     default = {name for name, _ in find_documents(None)}
-    assert names <= default and len(names) > 0.9 * len(default)     # minus empty, oversized and repeated files
+    assert names <= default and len(names) > 0.9 * len(default)  # minus empty, oversized and repeated files
 
 
 def test_an_installed_package_is_listed_with_its_metadata_and_an_unknown_one_is_refused():

@@ -29,10 +29,10 @@ from dsv4.train import distributed as D
 from dsv4.train import parity as P
 
 WORLD = 2
-TIMEOUT_S = 420          # a mismatched collective hangs; fail instead of waiting forever
-N_MOE = 5                # tiny: 4 layers + 1 MTP block
-N_LOCAL = 4              # 8 routed experts over 2 ranks
-BATCH, SEQ = 4, 32       # parity_check's global batch
+TIMEOUT_S = 420  # a mismatched collective hangs; fail instead of waiting forever
+N_MOE = 5  # tiny: 4 layers + 1 MTP block
+N_LOCAL = 4  # 8 routed experts over 2 ranks
+BATCH, SEQ = 4, 32  # parity_check's global batch
 # The loss is a sum of positive per-token terms (cross-entropy of the main and MTP heads, the indexer's KL,
 # the balance loss): 4 parts x BATCH*SEQ tokens. Each term is computed row by row, identically in both runs;
 # the sums differ only in order (one process vs a per-rank sum, then the mean over ranks), so by the
@@ -58,7 +58,7 @@ def _helper_checks() -> dict:
 
     rank = torch.distributed.get_rank()
     tokens = torch.randint(0, 1024, (4, 24), generator=torch.Generator().manual_seed(5))
-    local = tokens[rank * 2:rank * 2 + 2]
+    local = tokens[rank * 2 : rank * 2 + 2]
     ref = DeepSeekV4.from_config("tiny", seed=3)
     par = D.shard_model(DeepSeekV4.from_config("tiny", seed=3))
     P._loss(ref(tokens, mtp=True), tokens).backward()
@@ -75,18 +75,24 @@ def _helper_checks() -> dict:
     after = float(D.grad_norm(par))
 
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]
-    with torch.no_grad():                     # sharded model: FSDP gathers weights around prefill/decode
-        same_greedy = generate(par, prompts, max_new_tokens=3, stop_at_eos=False) == \
-            generate(ref, prompts, max_new_tokens=3, stop_at_eos=False)
-    plain = D.unsharded_copy(par)             # collective; then usable by one rank alone
+    with torch.no_grad():  # sharded model: FSDP gathers weights around prefill/decode
+        same_greedy = generate(par, prompts, max_new_tokens=3, stop_at_eos=False) == generate(
+            ref, prompts, max_new_tokens=3, stop_at_eos=False
+        )
+    plain = D.unsharded_copy(par)  # collective; then usable by one rank alone
     if rank == 0:
         with torch.no_grad():
-            same_greedy &= generate(plain, prompts, max_new_tokens=3, stop_at_eos=False) == \
-                generate(ref, prompts, max_new_tokens=3, stop_at_eos=False)
+            same_greedy &= generate(plain, prompts, max_new_tokens=3, stop_at_eos=False) == generate(
+                ref, prompts, max_new_tokens=3, stop_at_eos=False
+            )
             same_greedy &= not any(D._is_dtensor(p) or D.is_expert_param(p) for p in plain.parameters())
 
-    state = {k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(7)).to(v.dtype)
-             if v.is_floating_point() else v for k, v in ref.state_dict().items()}
+    state = {
+        k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(7)).to(v.dtype)
+        if v.is_floating_point()
+        else v
+        for k, v in ref.state_dict().items()
+    }
     D.load_full_state_dict(par, state)
     back = D.full_state_dict(par)
     return {
@@ -109,7 +115,7 @@ def _muon_checks() -> dict:
 
     rank = torch.distributed.get_rank()
     tokens = torch.randint(0, 1024, (4, 24), generator=torch.Generator().manual_seed(6))
-    local = tokens[rank * 2:rank * 2 + 2]
+    local = tokens[rank * 2 : rank * 2 + 2]
     ref = DeepSeekV4.from_config("tiny", seed=4)
     par = D.shard_model(DeepSeekV4.from_config("tiny", seed=4))
     before = {n: v.clone() for n, v in ref.state_dict().items()}
@@ -123,8 +129,8 @@ def _muon_checks() -> dict:
     g = dict(par.named_parameters())[name].grad
     rows = g.to_local()
     full_ns = newton_schulz(g.full_tensor())
-    lo = rank * -(-g.size(0) // 2)                                       # torch.chunk's rows of this rank
-    shard_rel = P._rel(newton_schulz(rows), full_ns[lo:lo + rows.size(0)])
+    lo = rank * -(-g.size(0) // 2)  # torch.chunk's rows of this rank
+    shard_rel = P._rel(newton_schulz(rows), full_ns[lo : lo + rows.size(0)])
     opt_ref.step()
     opt_par.step()
     after = D.full_state_dict(par)
@@ -134,10 +140,11 @@ def _muon_checks() -> dict:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
-    D.setup_distributed(device="cpu", timeout_s=TIMEOUT_S)            # gloo on the CPU, GPU or not
+    D.setup_distributed(device="cpu", timeout_s=TIMEOUT_S)  # gloo on the CPU, GPU or not
     cpu = torch.device("cpu")
     with exact_accumulation():
         res = {
@@ -163,8 +170,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def _launch(worker, out: Path) -> list[dict]:
     """Run worker(rank, WORLD, port, out) in WORLD spawned processes; -> each rank's rank<r>.json."""
-    ctx = mp.start_processes(worker, args=(WORLD, P._free_port(), str(out)), nprocs=WORLD, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        worker, args=(WORLD, P._free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=2):
         if time.monotonic() > deadline:
@@ -234,7 +242,7 @@ def test_rank_that_receives_no_tokens(ranks):
 def test_fsdp_without_expert_parallelism(ranks):
     for res in ranks:
         t = res["fsdp_only"]
-        assert t["expert_ranges"] == [[0, 8]] * N_MOE          # every rank sees all experts (FSDP-gathered)
+        assert t["expert_ranges"] == [[0, 8]] * N_MOE  # every rank sees all experts (FSDP-gathered)
         assert t["forward_rel"] <= FORWARD_BOUND and t["loss_rel"] <= LOSS_BOUND
         assert t["grad_rel"][0] < 1e-4, t["grad_worst"]
 
@@ -252,7 +260,7 @@ def test_helpers_norm_clip_state_and_load(ranks):
         h = res["helpers"]
         assert h["norm_rel"] < 1e-5
         assert h["clipped_norm_rel"] < 1e-5
-        assert h["clip_rel"] < 1e-3      # per tensor, norm-wise; tiny mHC gradients carry rounding noise
+        assert h["clip_rel"] < 1e-3  # per tensor, norm-wise; tiny mHC gradients carry rounding noise
         assert h["state_keys_equal"] and h["state_equal"]
         assert h["load_equal"]
         assert h["generate_equal"]
@@ -261,18 +269,18 @@ def test_helpers_norm_clip_state_and_load(ranks):
 def test_muon_orthogonalizes_whole_matrices_under_fsdp(ranks):
     for res in ranks:
         m = res["muon"]
-        assert m["n_sharded"] > 10                 # the dense 2-D weights are FSDP shards
+        assert m["n_sharded"] > 10  # the dense 2-D weights are FSDP shards
         # both runs feed the same gradients (to fp32 rounding, exact accumulation) into a bf16 Newton-Schulz
         # on the whole matrix: torch's Muon (addmm) in one process, the batched one (baddbmm) on the shards.
         # The two round differently: 5 iterations x 3 bf16 products, each rounding by at most 2^-8 relative,
         # bound the norm-wise difference by 15 * 2^-8 (to first order)
-        assert m["update_rel"] < 15 * 2.0 ** -8, m
+        assert m["update_rel"] < 15 * 2.0**-8, m
         # orthogonalizing a block of rows alone is a different map: the contrast the bound above separates
         assert m["shard_ns_rel"] > 1e-1, m
 
 
 # ----------------------------------------------------------------------------- resume with N processes
-K, M = 2, 2              # steps before the checkpoint, steps after it
+K, M = 2, 2  # steps before the checkpoint, steps after it
 
 
 def _resume_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -283,18 +291,33 @@ def _resume_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
     from dsv4.train.trainer import TrainConfig, Trainer
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
-    D.setup_distributed(device="cpu", timeout_s=TIMEOUT_S)            # gloo on the CPU, GPU or not
+    D.setup_distributed(device="cpu", timeout_s=TIMEOUT_S)  # gloo on the CPU, GPU or not
     root = Path(out_dir)
     if rank == 0:
         _corpus(root)
     torch.distributed.barrier()
-    base = dict(preset="tiny", model={k: list(v) if isinstance(v, tuple) else v for k, v in MICRO.items()},
-                data=[str(root / "corpus")], seq_len=32, batch_size=4, steps=K + M, warmup=1, lr=5e-3,
-                eval_every=0, diag_every=0, progress=False, deterministic=True, sample_prompt="",
-                held_out_pct=10.0, cache_dir=str(root / "cache"), device="cpu")
+    base = dict(
+        preset="tiny",
+        model={k: list(v) if isinstance(v, tuple) else v for k, v in MICRO.items()},
+        data=[str(root / "corpus")],
+        seq_len=32,
+        batch_size=4,
+        steps=K + M,
+        warmup=1,
+        lr=5e-3,
+        eval_every=0,
+        diag_every=0,
+        progress=False,
+        deterministic=True,
+        sample_prompt="",
+        held_out_pct=10.0,
+        cache_dir=str(root / "cache"),
+        device="cpu",
+    )
     quiet = {"log": lambda *_: None}
 
     full = Trainer(TrainConfig(**base, out=str(root / "full"), save_every=K), **quiet)
@@ -303,8 +326,9 @@ def _resume_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     tok = str(root / "full" / "tokenizer")
 
     def resume(name: str) -> Trainer:
-        return Trainer(TrainConfig(**base, out=str(root / name), save_every=-1, resume=str(ckpt), tokenizer=tok),
-                       **quiet)
+        return Trainer(
+            TrainConfig(**base, out=str(root / name), save_every=-1, resume=str(ckpt), tokenizer=tok), **quiet
+        )
 
     resumed = resume("resumed")
     restored = D.full_optimizer_state(resumed.opt, resumed.model)
@@ -312,7 +336,7 @@ def _resume_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     resumed.fit()
 
     live = D.load_full_optimizer_state
-    D.load_full_optimizer_state = lambda *a, **k: None          # mutant: moments restart at zero
+    D.load_full_optimizer_state = lambda *a, **k: None  # mutant: moments restart at zero
     try:
         dropped = resume("dropped")
         dropped.fit()
@@ -320,14 +344,17 @@ def _resume_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         D.load_full_optimizer_state = live
     D.teardown_distributed()
 
-    losses = lambda t: [r["loss"] for r in t.history if "loss" in r]          # noqa: E731
+    losses = lambda t: [r["loss"] for r in t.history if "loss" in r]  # noqa: E731
     moments = [k for k in saved if not k.endswith("/step")]
     res = {
-        "straight": losses(full), "resumed": losses(resumed), "dropped": losses(dropped),
+        "straight": losses(full),
+        "resumed": losses(resumed),
+        "dropped": losses(dropped),
         "start_step": resumed.step - M,
         "keys_equal": restored.keys() == saved.keys(),
         "moments_equal": all(torch.equal(restored[k], saved[k]) for k in saved),
-        "nonzero_moments": sum(int(saved[k].abs().sum() > 0) for k in moments), "n_moments": len(moments),
+        "nonzero_moments": sum(int(saved[k].abs().sum() > 0) for k in moments),
+        "n_moments": len(moments),
         "adamw_steps": sorted({float(saved[k]) for k in saved if k.endswith("/step")}),
         "expert_momentum_shape": list(saved["muon/layers.1.ffn.experts.w1/momentum_buffer"].shape),
         "expert_local_shape": list(resumed.model.layers[1].ffn.experts.w1.shape),
@@ -358,7 +385,7 @@ def test_two_process_resume_restores_optimizer_state(resumed):
         assert len(res["straight"]) == K + M
         assert res["resumed"] == res["straight"], (res["resumed"], res["straight"])
         # without the optimizer state the step after the checkpoint changes the next loss
-        assert res["dropped"][:K + 1] == res["straight"][:K + 1]
+        assert res["dropped"][: K + 1] == res["straight"][: K + 1]
         assert res["dropped"][K + 1] != res["straight"][K + 1]
     assert resumed[0]["resumed"] == resumed[1]["resumed"]
 
@@ -371,11 +398,26 @@ def test_checkpoint_of_two_processes_resumes_in_one(resumed, resume_dir):
     from dsv4 import ops
     from dsv4.train.trainer import TrainConfig, Trainer
 
-    base = dict(preset="tiny", model={k: list(v) if isinstance(v, tuple) else v for k, v in MICRO.items()},
-                data=[str(resume_dir / "corpus")], seq_len=32, batch_size=4, steps=K + M, warmup=1, lr=5e-3,
-                eval_every=0, diag_every=0, progress=False, deterministic=True, sample_prompt="",
-                held_out_pct=10.0, cache_dir=str(resume_dir / "cache"), device="cpu", save_every=-1,
-                tokenizer=str(resume_dir / "full" / "tokenizer"))
+    base = dict(
+        preset="tiny",
+        model={k: list(v) if isinstance(v, tuple) else v for k, v in MICRO.items()},
+        data=[str(resume_dir / "corpus")],
+        seq_len=32,
+        batch_size=4,
+        steps=K + M,
+        warmup=1,
+        lr=5e-3,
+        eval_every=0,
+        diag_every=0,
+        progress=False,
+        deterministic=True,
+        sample_prompt="",
+        held_out_pct=10.0,
+        cache_dir=str(resume_dir / "cache"),
+        device="cpu",
+        save_every=-1,
+        tokenizer=str(resume_dir / "full" / "tokenizer"),
+    )
     ckpt = resume_dir / "full" / "checkpoints" / f"step_{K:08d}"
     try:
         one = Trainer(TrainConfig(**base, out=str(resume_dir / "one"), resume=str(ckpt)), log=lambda *_: None)
@@ -385,7 +427,7 @@ def test_checkpoint_of_two_processes_resumes_in_one(resumed, resume_dir):
         ops.set_deterministic(False)
     losses = [r["loss"] for r in one.history if "loss" in r]
     straight, dropped = resumed[0]["straight"], resumed[0]["dropped"]
-    assert len(losses) == K + M and losses[:K] == straight[:K]          # the checkpoint's own history
+    assert len(losses) == K + M and losses[:K] == straight[:K]  # the checkpoint's own history
     rel = [abs(a - b) / b for a, b in zip(losses[K:], straight[K:])]
     # step K+1: the same weights on the same global batch; the 2-process loss is the mean of two half-batch
     # means, the 1-process one a single mean: fp32 summation order alone (~1e-7 relative)
@@ -411,9 +453,18 @@ def test_single_process_is_left_alone():
 
 def _selftest_result(mode: str, grad_rel: list[float], spread_rel: list[float]) -> dict:
     """A selftest result of rank 0 with the given gradient differences and everything else exact."""
-    train = {"rank": 0, "expert_ranges": [[0, 4]], "grad_rel": grad_rel, "spread_rel": spread_rel,
-             "grad_worst": ["w"] * len(grad_rel), "loss_rel": 0.0, "forward_rel": 0.0, "param_rel": 0.0,
-             "param_spread": 0.0, "loss_spread": 0.0}
+    train = {
+        "rank": 0,
+        "expert_ranges": [[0, 4]],
+        "grad_rel": grad_rel,
+        "spread_rel": spread_rel,
+        "grad_worst": ["w"] * len(grad_rel),
+        "loss_rel": 0.0,
+        "forward_rel": 0.0,
+        "param_rel": 0.0,
+        "param_spread": 0.0,
+        "loss_spread": 0.0,
+    }
     infer = {"all_reduce": {"forward_rel": 0.0, "decode_rel": 0.0, "greedy_equal": True, "expert_ranges": [[0, 4]]}}
     return {"mode": mode, "train": train, "inference": infer}
 

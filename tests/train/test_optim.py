@@ -39,12 +39,12 @@ def ns_iteration_bound(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (beta * input + alpha * product) adds at most one rounding per term, and the result is rounded to bf16
     (u = 2^-8 of its magnitude). The rounding of G carries into b G + c G G (and of that into x'), bounded with
     absolute values: |dGG| <= |dG| |G| + |G| |dG| + |dG| |dG|."""
-    k = x.size(-2) + 3                           # m products + input + two epilogue roundings
+    k = x.size(-2) + 3  # m products + input + two epilogue roundings
     X = x.double()
     Xa = X.abs()
     G = X @ X.mT
     dG = U * G.abs() + (1 + U) * gamma(x.size(-1)) * (Xa @ Xa.mT)
-    Ga = G.abs() + dG                            # |G| and |computed G| are below this
+    Ga = G.abs() + dG  # |G| and |computed G| are below this
     Bx = B * G + C * G @ G
     prop = abs(B) * dG + abs(C) * (dG @ Ga + G.abs() @ dG)
     acc = (gamma(k) + U) * (abs(B) * Ga + abs(C) * Ga @ Ga)
@@ -137,17 +137,25 @@ def test_batched_ns_matches_fp64_and_torch_per_matrix(shape):
     for e in range(g.size(0)):
         w = torch.nn.Parameter(torch.zeros(g.shape[1:]))
         w.grad = g[e].clone()
-        torch.optim.Muon([w], lr=lr, weight_decay=0.0, momentum=0.0, nesterov=False,
-                         adjust_lr_fn="match_rms_adamw").step()
+        torch.optim.Muon(
+            [w], lr=lr, weight_decay=0.0, momentum=0.0, nesterov=False, adjust_lr_fn="match_rms_adamw"
+        ).step()
         adj = lr * 0.2 * math.sqrt(max(g.shape[1:]))
         per_matrix = -w.detach().double() / adj
         diff = float((per_matrix - fast[e]).norm())
         assert diff <= 2 * float(bound[e]) + U32 * float(per_matrix.norm()), (e, diff, float(bound[e]))
 
 
-_GROUP = {"lr": 0.05, "weight_decay": 0.1, "momentum": 0.9, "nesterov": True,
-          "ns_coefficients": optim.NS_COEFFICIENTS, "ns_steps": optim.NS_STEPS, "eps": 1e-7,
-          "adjust_lr_fn": "match_rms_adamw"}
+_GROUP = {
+    "lr": 0.05,
+    "weight_decay": 0.1,
+    "momentum": 0.9,
+    "nesterov": True,
+    "ns_coefficients": optim.NS_COEFFICIENTS,
+    "ns_steps": optim.NS_STEPS,
+    "eps": 1e-7,
+    "adjust_lr_fn": "match_rms_adamw",
+}
 
 
 def _plan_step(ws: list[torch.Tensor], gs: list[torch.Tensor], max_elems: int) -> list[torch.Tensor]:
@@ -158,8 +166,8 @@ def _plan_step(ws: list[torch.Tensor], gs: list[torch.Tensor], max_elems: int) -
     plan = optim.MuonPlan(w, views, state, _GROUP, max_elems)
     plan.step([g.clone() for g in gs], torch.tensor(_GROUP["lr"]))
     bufs = {ch.buf.data_ptr() for ch in plan.chunks}
-    for vs, g in zip(views, gs):                # the state keeps each matrix's momentum, (1 - 0.9) g, as a
-        for v, gi in zip(vs, g):                # slice of its chunk's buffer
+    for vs, g in zip(views, gs):  # the state keeps each matrix's momentum, (1 - 0.9) g, as a
+        for v, gi in zip(vs, g):  # slice of its chunk's buffer
             mom = state[v]["momentum_buffer"]
             torch.testing.assert_close(mom, 0.1 * gi, rtol=0, atol=0)
             assert mom.untyped_storage().data_ptr() in bufs
@@ -190,8 +198,9 @@ def test_plan_chunks_and_mixes_stacks_and_matrices():
 
 
 # ------------------------------------------------------------------------------------------ AdamW
-def _adamw_error_bound(grads: list[torch.Tensor], p0: torch.Tensor, lr: float, wd: float,
-                       betas: tuple[float, float], eps: float) -> torch.Tensor:
+def _adamw_error_bound(
+    grads: list[torch.Tensor], p0: torch.Tensor, lr: float, wd: float, betas: tuple[float, float], eps: float
+) -> torch.Tensor:
     """Elementwise bound on |fp32 AdamW after len(grads) steps - exact|, for fixed gradients (they do not
     depend on the weights, so no error feeds back through them).
 
@@ -206,7 +215,7 @@ def _adamw_error_bound(grads: list[torch.Tensor], p0: torch.Tensor, lr: float, w
     for t, g in enumerate(grads, start=1):
         g = g.double()
         m, v, M = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g, b1 * M + (1 - b1) * g.abs()
-        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
         denom = (v / bc2).sqrt() + eps
         step = lr / bc1 * m / denom
         d_step = lr / bc1 * (3 * t * U32 * M + m.abs() * (1.5 * t + 10) * U32) / denom
@@ -256,13 +265,19 @@ def test_muonadamw_fast_matches_old_step():
         outs.append((opt, {n: p.detach().clone() for n, p in m.named_parameters()}))
     (opt, fast), (_, old) = outs
     for n in opt.adamw_names:
-        bound = 2 * _adamw_error_bound([grads[n]], before[n], 0.02, 0.1 if before[n].dim() >= 2 and
-                                       not n.startswith("embed.") else 0.0, (0.9, 0.95), 1e-8)
+        bound = 2 * _adamw_error_bound(
+            [grads[n]],
+            before[n],
+            0.02,
+            0.1 if before[n].dim() >= 2 and not n.startswith("embed.") else 0.0,
+            (0.9, 0.95),
+            1e-8,
+        )
         ok, msg = within(fast[n], old[n], bound)
         assert ok, f"{n}: {msg}"
     for n in opt.muon_names:
         g = grads[n].reshape(-1, *grads[n].shape[-2:])
-        upd = g.lerp(0.05 * g, 0.95)                   # Nesterov mix of the first step's momentum
+        upd = g.lerp(0.05 * g, 0.95)  # Nesterov mix of the first step's momentum
         adj = 0.02 * 0.2 * math.sqrt(max(g.shape[-2:]))
         bound = 2 * adj * _chain_bound(upd) + 2 * U32 * fast[n].reshape(g.shape).norm(dim=(-2, -1)).double()
         diff = (fast[n] - old[n]).reshape(g.shape).double().norm(dim=(-2, -1))
@@ -300,14 +315,19 @@ class _Mixed(torch.nn.Module):
     def __init__(self):
         super().__init__()
         gen = torch.Generator().manual_seed(11)
-        shapes = {"layers.0.attn.wide": (24, 48), "layers.0.attn.tall": (48, 24),
-                  "layers.0.ffn.experts": (4, 16, 24), "layers.0.ffn.zero": (16, 24),
-                  "embed.weight": (32, 16), "layers.0.norm.weight": (16,)}
+        shapes = {
+            "layers.0.attn.wide": (24, 48),
+            "layers.0.attn.tall": (48, 24),
+            "layers.0.ffn.experts": (4, 16, 24),
+            "layers.0.ffn.zero": (16, 24),
+            "embed.weight": (32, 16),
+            "layers.0.norm.weight": (16,),
+        }
         for n, shape in shapes.items():
             self.register_parameter(n.replace(".", "_"), torch.nn.Parameter(torch.randn(shape, generator=gen)))
         self.names = {n.replace(".", "_"): n for n in shapes}
 
-    def named_parameters(self, *args, **kw):       # the dotted names MuonAdamW sorts by
+    def named_parameters(self, *args, **kw):  # the dotted names MuonAdamW sorts by
         for k, p in super().named_parameters(*args, **kw):
             yield self.names[k], p
 
@@ -335,15 +355,30 @@ def _reference_run(grads: list[dict[str, torch.Tensor]], cfg: optim.OptimConfig)
     m = _Mixed()
     params = dict(m.named_parameters())
     muon, adamw = optim.split_params(m)
-    group = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "momentum": cfg.muon_momentum, "nesterov": True,
-             "ns_coefficients": optim.NS_COEFFICIENTS, "ns_steps": optim.NS_STEPS, "eps": 1e-7,
-             "adjust_lr_fn": "match_rms_adamw"}
+    group = {
+        "lr": cfg.lr,
+        "weight_decay": cfg.weight_decay,
+        "momentum": cfg.muon_momentum,
+        "nesterov": True,
+        "ns_coefficients": optim.NS_COEFFICIENTS,
+        "ns_steps": optim.NS_STEPS,
+        "eps": 1e-7,
+        "adjust_lr_fn": "match_rms_adamw",
+    }
     bufs = {n: torch.zeros_like(p) for n, p in muon}
     decay = [p for n, p in adamw if p.dim() >= 2 and not n.startswith("embed.")]
     no_decay = [p for n, p in adamw if not (p.dim() >= 2 and not n.startswith("embed."))]
-    opt = torch.optim.AdamW([g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
-                                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]],
-                            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+    opt = torch.optim.AdamW(
+        [
+            g
+            for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+            if g["params"]
+        ],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        foreach=False,
+    )
     with torch.no_grad():
         for g in grads:
             for n, p in adamw:
@@ -395,13 +430,18 @@ def test_batched_optimizer_matches_the_per_parameter_reference_over_steps_and_a_
     fast, ref = runs[0], _reference_run(grads, cfg)
     init = dict(_Mixed().named_parameters())
     muon_names = set(opt.muon_names)
-    v_tall = torch.linalg.svd(right["tall"].double(), full_matrices=False)[2].mT          # [24, 3] row space
+    v_tall = torch.linalg.svd(right["tall"].double(), full_matrices=False)[2].mT  # [24, 3] row space
     for n in fast:
         diff = (fast[n] - ref[n]).double()
         if n not in muon_names:
-            bound = 2 * _adamw_error_bound([g[n] for g in grads], init[n].detach(), cfg.lr,
-                                           cfg.weight_decay if init[n].dim() >= 2 and not n.startswith("embed.")
-                                           else 0.0, cfg.betas, cfg.eps)
+            bound = 2 * _adamw_error_bound(
+                [g[n] for g in grads],
+                init[n].detach(),
+                cfg.lr,
+                cfg.weight_decay if init[n].dim() >= 2 and not n.startswith("embed.") else 0.0,
+                cfg.betas,
+                cfg.eps,
+            )
             ok, msg = within(fast[n], ref[n], bound)
             assert ok, f"{n}: {msg}"
             continue
@@ -411,7 +451,7 @@ def test_batched_optimizer_matches_the_per_parameter_reference_over_steps_and_a_
         shape = (-1, *init[n].shape[-2:])
         adj = cfg.lr * 0.2 * math.sqrt(max(init[n].shape[-2:]))
         bound = torch.zeros(diff.view(shape).size(0), dtype=torch.float64)
-        moved = torch.zeros_like(bound)                  # sum of the steps' update norms (fp64 Newton-Schulz)
+        moved = torch.zeros_like(bound)  # sum of the steps' update norms (fp64 Newton-Schulz)
         buf = torch.zeros_like(grads[0][n]).view(shape)
         for g in grads:
             g = g[n].view(shape)
@@ -423,7 +463,7 @@ def test_batched_optimizer_matches_the_per_parameter_reference_over_steps_and_a_
             diff = diff @ v_tall
         err = diff.view(diff.size(0) if diff.dim() == 3 else 1, *diff.shape[-2:]).norm(dim=(-2, -1))
         assert (err <= bound).all(), (n, err.tolist(), bound.tolist())
-        assert (bound < 0.5 * moved).all(), n             # the bound is well below what the steps move
+        assert (bound < 0.5 * moved).all(), n  # the bound is well below what the steps move
 
 
 def test_fast_step_reads_nothing_on_the_host():
@@ -434,7 +474,7 @@ def test_fast_step_reads_nothing_on_the_host():
     gen = torch.Generator().manual_seed(0)
     for p in m.parameters():
         p.grad = torch.randn(p.shape, generator=gen)
-    opt.step()                                   # the first step builds the plan and the state
+    opt.step()  # the first step builds the plan and the state
     opt.set_lr_factor(0.5)
     with _HostReads() as reads:
         opt.step()
@@ -444,7 +484,7 @@ def test_fast_step_reads_nothing_on_the_host():
     assert float(opt._muon_lr) == pytest.approx(0.005)
 
 
-@pytest.mark.gpu                # CUDA sync debug mode and graph capture
+@pytest.mark.gpu  # CUDA sync debug mode and graph capture
 def test_fast_step_on_cuda_has_no_sync_and_replays_from_a_graph():
     """On a GPU: the step never raises under torch.cuda.set_sync_debug_mode("error") (no host sync); a CUDA
     graph of it (graphed.GraphedUpdate, captured after one eager step), replayed, gives the eager steps'
@@ -499,7 +539,7 @@ def test_train_step_reads_the_device_once(tmp_path):
     gradient for the non-finite count, the norm, one per loss part and one per MoE layer)."""
     t = Trainer(_train_cfg(tmp_path, steps=2, eval_every=0, diag_every=0), log=lambda *_: None)
     batch = t.loader.next_batch()
-    with _HostReads() as fwd_bwd:            # the model's own reads (token-range checks, one_hot): not counted
+    with _HostReads() as fwd_bwd:  # the model's own reads (token-range checks, one_hot): not counted
         t._losses(batch.to(t.device)).total.backward()
     t.opt.zero_grad()
     with _HostReads() as reads:
@@ -507,7 +547,7 @@ def test_train_step_reads_the_device_once(tmp_path):
     assert (reads.scalar - fwd_bwd.scalar, reads.to_cpu - fwd_bwd.to_cpu) == (0, 1)
     assert row["nonfinite"] == 0 and not row["skipped"] and math.isfinite(row["grad_norm"])
     assert row["expert_load_max_min"] == balance.load_ratios(t.model) and len(row["expert_load_max_min"]) == 4
-    assert all(r >= 1 for r in row["expert_load_max_min"])                # 3 layers + the MTP block
+    assert all(r >= 1 for r in row["expert_load_max_min"])  # 3 layers + the MTP block
 
 
 def test_train_step_skips_a_non_finite_step_and_counts_it(tmp_path):
@@ -536,7 +576,7 @@ def test_clipping_matches_torch_clip_grad_norm(tmp_path):
     gradients: the same per-tensor norms and coefficient, so within fp32 rounding of the norm (gamma(n))."""
     t = Trainer(_train_cfg(tmp_path, steps=1, eval_every=0, diag_every=0, grad_clip=0.01), log=lambda *_: None)
     gen = torch.Generator().manual_seed(0)
-    for p in t.model.parameters():              # drawn on the CPU, placed where the model is (CPU or a GPU)
+    for p in t.model.parameters():  # drawn on the CPU, placed where the model is (CPU or a GPU)
         p.grad = torch.randn(p.shape, generator=gen).to(p.device)
     ref = [torch.nn.Parameter(p.detach().clone()) for p in t.model.parameters()]
     for r, p in zip(ref, t.model.parameters()):
@@ -561,8 +601,9 @@ def test_stacked_bias_update_equals_the_per_router_rule():
     for moe in moes:
         moe.set_load(torch.randint(0, 50, (moe.gate.bias.numel(),), generator=gen))
         moe.gate.bias.data = torch.randn(moe.gate.bias.shape, generator=gen) * 1e-3
-    want = [moe.gate.bias.detach().clone() + 0.01 * torch.sign(moe.load.float().mean() - moe.load.float())
-            for moe in moes]
+    want = [
+        moe.gate.bias.detach().clone() + 0.01 * torch.sign(moe.load.float().mean() - moe.load.float()) for moe in moes
+    ]
     assert balance.update_bias(m, 0.01) == len(moes)
     for moe, w in zip(moes, want):
         assert torch.equal(moe.gate.bias.detach(), w)

@@ -21,10 +21,29 @@ from dsv4.train import balance, checkpoint, data, losses, optim
 from dsv4.train.tokenizer import Tokenizer
 from dsv4.train.trainer import TrainConfig, Trainer
 
-MICRO = dict(vocab_size=300, dim=32, n_layers=3, n_mtp_layers=1, n_hash_layers=1, n_heads=2, head_dim=80,
-             rope_head_dim=16, q_lora_rank=16, o_groups=1, o_lora_rank=16, window_size=8,
-             compress_ratios=(0, 4, 8, 0), index_n_heads=2, index_head_dim=32, index_topk=2,
-             n_routed_experts=4, n_shared_experts=1, n_activated_experts=2, moe_inter_dim=32, max_seq_len=256)
+MICRO = dict(
+    vocab_size=300,
+    dim=32,
+    n_layers=3,
+    n_mtp_layers=1,
+    n_hash_layers=1,
+    n_heads=2,
+    head_dim=80,
+    rope_head_dim=16,
+    q_lora_rank=16,
+    o_groups=1,
+    o_lora_rank=16,
+    window_size=8,
+    compress_ratios=(0, 4, 8, 0),
+    index_n_heads=2,
+    index_head_dim=32,
+    index_topk=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    n_activated_experts=2,
+    moe_inter_dim=32,
+    max_seq_len=256,
+)
 
 
 def micro_cfg(**kw) -> ModelConfig:
@@ -66,6 +85,7 @@ def test_total_loss_weights_parts():
         mtp_logits = [torch.zeros(1, 3, 3)]
         indexer_loss = torch.tensor(0.5)
         balance_loss = torch.tensor(0.25)
+
     parts = losses.total_loss(Out(), torch.tensor([[0, 1, 2, 0]]), mtp_weight=0.1, indexer_weight=2.0)
     ln3 = math.log(3)
     assert parts.total.item() == pytest.approx(ln3 + 0.1 * ln3 + 2 * 0.5 + 0.25, rel=1e-6)
@@ -98,7 +118,7 @@ def test_indexer_loss_by_hand():
     b, s, h, d, n = 1, 3, 2, 80, 4
     q = torch.randn(b, s, h, d)
     kv_all = torch.randn(b, s + n, d)
-    comp_idx = torch.tensor([[[-1, -1], [s + 0, -1], [s + 2, s + 1]]])     # [b, s, k], into kv_all
+    comp_idx = torch.tensor([[[-1, -1], [s + 0, -1], [s + 2, s + 1]]])  # [b, s, k], into kv_all
     lse = torch.randn(b, s, h).abs() + 2.0
     scores = torch.randn(b, s, n)
     got = attn._indexer_loss(q, kv_all, comp_idx, lse, scores, s).item()
@@ -107,8 +127,12 @@ def test_indexer_loss_by_hand():
         sel = [j for j in comp_idx[0, t].tolist() if j >= 0]
         if not sel:
             continue
-        p = torch.tensor([sum(math.exp(float(q[0, t, hh] @ kv_all[0, j]) * attn.scale - float(lse[0, t, hh]))
-                              for hh in range(h)) for j in sel])
+        p = torch.tensor(
+            [
+                sum(math.exp(float(q[0, t, hh] @ kv_all[0, j]) * attn.scale - float(lse[0, t, hh])) for hh in range(h))
+                for j in sel
+            ]
+        )
         target = p / p.sum()
         log_q = torch.log_softmax(torch.tensor([float(scores[0, t, j - s]) for j in sel]), -1)
         total += float((target * (target.log() - log_q)).sum())
@@ -135,8 +159,8 @@ def test_bias_update_rule_and_convergence():
     moe = m.layers[1].ffn
     moe.set_load(torch.tensor([10, 0, 3, 7]))
     balance.update_bias(m, gamma=0.5)
-    assert moe.gate.bias.tolist() == [-0.5, 0.5, 0.5, -0.5]          # mean 5: overloaded down, under up
-    assert m.layers[0].ffn.gate.bias is None                          # hash layer: nothing to update
+    assert moe.gate.bias.tolist() == [-0.5, 0.5, 0.5, -0.5]  # mean 5: overloaded down, under up
+    assert m.layers[0].ffn.gate.bias is None  # hash layer: nothing to update
 
     # a router heavily skewed towards expert 0: repeated updates must even out the load
     gate = moe.gate
@@ -171,12 +195,27 @@ def test_muon_gets_exactly_the_hidden_matrices():
         leaf = n.rsplit(".", 1)[-1]
         assert names[n].dim() >= 2 and not n.startswith(("embed", "head")) and not leaf.startswith("hc_")
         assert leaf != "ape"
-    for must in ("layers.1.attn.wq_a.weight", "layers.1.attn.wo_b.weight", "layers.1.ffn.experts.w1",
-                 "layers.1.attn.indexer.wq_b.weight", "layers.1.attn.compressor.wkv.weight",
-                 "layers.0.ffn.shared_experts.w2.weight", "mtp.0.e_proj.weight", "layers.2.ffn.gate.weight"):
+    for must in (
+        "layers.1.attn.wq_a.weight",
+        "layers.1.attn.wo_b.weight",
+        "layers.1.ffn.experts.w1",
+        "layers.1.attn.indexer.wq_b.weight",
+        "layers.1.attn.compressor.wkv.weight",
+        "layers.0.ffn.shared_experts.w2.weight",
+        "mtp.0.e_proj.weight",
+        "layers.2.ffn.gate.weight",
+    ):
         assert must in muon, must
-    for must in ("embed.weight", "head.weight", "norm.weight", "layers.1.attn.attn_sink", "layers.0.hc_attn_fn",
-                 "layers.1.attn.compressor.ape", "hc_head_base", "layers.0.attn.q_norm.weight"):
+    for must in (
+        "embed.weight",
+        "head.weight",
+        "norm.weight",
+        "layers.1.attn.attn_sink",
+        "layers.0.hc_attn_fn",
+        "layers.1.attn.compressor.ape",
+        "hc_head_base",
+        "layers.0.attn.q_norm.weight",
+    ):
         assert must in adamw, must
     assert isinstance(opt.muon, torch.optim.Muon)
     g = opt.muon.param_groups[0]
@@ -207,7 +246,7 @@ def test_stacked_experts_orthogonalized_per_expert():
         assert not torch.equal(before, w.detach())
         for e, r in enumerate(ref):
             torch.testing.assert_close(w.detach()[e], r.detach(), rtol=1e-5, atol=1e-6)
-        if step == 1:                          # momentum restored as separate tensors, as a resume does
+        if step == 1:  # momentum restored as separate tensors, as a resume does
             opt.load_state_dict(opt.state_dict())
             for v in views:
                 opt.muon.state[v]["momentum_buffer"] = opt.muon.state[v]["momentum_buffer"].clone()
@@ -223,7 +262,7 @@ def test_schedules_and_orthogonalization_metric():
     assert w[50] == 1.0 and w[79] == 1.0 and w[-1] == pytest.approx(0.0) and w[89] < 1.0
     g = torch.randn(16, 8)
     err = optim.orthogonalization_error(g)
-    assert 0.0 < err < 0.5                       # the quintic NS stops short of exact orthogonality
+    assert 0.0 < err < 0.5  # the quintic NS stops short of exact orthogonality
     q, _ = torch.linalg.qr(torch.randn(16, 8))
     assert optim.orthogonalization_error(q) < err
 
@@ -260,7 +299,7 @@ def test_packing_split_and_loader_resume(tmp_path):
     train, held = data.tokenize_corpus(tok, docs, held_out_pct=10.0)
     held_names = [n for n, _ in docs if data.is_held_out(n, 10.0)]
     assert held_names and len(held_names) < len(docs)
-    assert int((train == tok.bos_id).sum()) == len(docs) - len(held_names)    # one BOS per document
+    assert int((train == tok.bos_id).sum()) == len(docs) - len(held_names)  # one BOS per document
     assert train[0] == tok.bos_id and int((held == tok.eos_id).sum()) == len(held_names)
 
     a = data.PackedLoader(train, 16, 4, seed=3)
@@ -277,16 +316,30 @@ def test_packing_split_and_loader_resume(tmp_path):
     assert torch.equal(torch.cat([r0.next_batch(), r1.next_batch()]), first[0])
     # each window is a contiguous slice of the stream
     w = first[0][0].numpy()
-    starts = [i for i in range(0, len(train) - 16 + 1, 16) if np.array_equal(train[i:i + 16], w)]
+    starts = [i for i in range(0, len(train) - 16 + 1, 16) if np.array_equal(train[i : i + 16], w)]
     assert starts
 
 
 # ------------------------------------------------------------------------------------------ trainer
 def _train_cfg(tmp_path: Path, **kw) -> TrainConfig:
-    base = dict(preset="tiny", model={k: list(v) if isinstance(v, tuple) else v for k, v in MICRO.items()},
-                data=[str(_corpus(tmp_path))], seq_len=32, batch_size=2, steps=4, warmup=1, lr=5e-3,
-                eval_every=2, eval_windows=2, diag_every=1, out=str(tmp_path / "run"), progress=False,
-                deterministic=True, sample_prompt="", held_out_pct=10.0)
+    base = dict(
+        preset="tiny",
+        model={k: list(v) if isinstance(v, tuple) else v for k, v in MICRO.items()},
+        data=[str(_corpus(tmp_path))],
+        seq_len=32,
+        batch_size=2,
+        steps=4,
+        warmup=1,
+        lr=5e-3,
+        eval_every=2,
+        eval_windows=2,
+        diag_every=1,
+        out=str(tmp_path / "run"),
+        progress=False,
+        deterministic=True,
+        sample_prompt="",
+        held_out_pct=10.0,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -298,8 +351,9 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     final = {k: v.clone() for k, v in full.model.state_dict().items()}
     ckpt = Path(full.out) / "checkpoints" / "step_00000002"
     assert ckpt.exists()
-    resumed = Trainer(_train_cfg(tmp_path, save_every=-1, out=str(tmp_path / "run2"), resume=str(ckpt)),
-                      log=lambda *_: None)
+    resumed = Trainer(
+        _train_cfg(tmp_path, save_every=-1, out=str(tmp_path / "run2"), resume=str(ckpt)), log=lambda *_: None
+    )
     assert resumed.step == 2
     # Muon momenta and AdamW moments come back exactly, by parameter name
     from safetensors.torch import load_file
@@ -311,13 +365,25 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert float(saved["adamw/embed.weight/step"]) == 2
     resumed.fit()
     again = [r["loss"] for r in resumed.history if "loss" in r]
-    assert again == straight                    # steps 1-2 from the checkpoint's history, 3-4 recomputed
+    assert again == straight  # steps 1-2 from the checkpoint's history, 3-4 recomputed
     for k, v in resumed.model.state_dict().items():
         assert torch.equal(v, final[k]), k
     rows = [json.loads(line) for line in (Path(full.out) / "metrics.jsonl").read_text().splitlines()]
     step_rows = [r for r in rows if "grad_norm" in r]
-    for key in ("lm", "mtp", "indexer", "balance", "grad_norm", "lr", "tokens_per_s", "peak_mem_gib",
-                "expert_load_max_min", "mhc_violation", "muon_ortho_err", "nonfinite"):
+    for key in (
+        "lm",
+        "mtp",
+        "indexer",
+        "balance",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "peak_mem_gib",
+        "expert_load_max_min",
+        "mhc_violation",
+        "muon_ortho_err",
+        "nonfinite",
+    ):
         assert key in step_rows[0], key
     assert step_rows[0]["nonfinite"] == 0 and 0 <= step_rows[0]["mhc_violation"] < 1e-2
     assert rows[0]["event"] == "start" and rows[0]["param_dtypes"] == {"float32": rows[0]["params"]}
@@ -327,7 +393,7 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
     t = Trainer(_train_cfg(tmp_path, steps=1, eval_every=0, diag_every=0), log=lambda *_: None)
     t.fit()
     ckpt = checkpoint.resolve(Path(t.out) / "checkpoints")
-    checkpoint.load(ckpt)                                                   # intact: loads
+    checkpoint.load(ckpt)  # intact: loads
     f = ckpt / "model.safetensors"
     raw = bytearray(f.read_bytes())
     raw[-3] ^= 0xFF
@@ -340,8 +406,17 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
 
 
 def test_training_reduces_held_out_loss_and_qat_switches(tmp_path):
-    cfg = _train_cfg(tmp_path, steps=12, eval_every=12, lr=1e-2, diag_every=0, deterministic=False,
-                     fp4_experts=True, activation_checkpointing=True, save_every=-1)
+    cfg = _train_cfg(
+        tmp_path,
+        steps=12,
+        eval_every=12,
+        lr=1e-2,
+        diag_every=0,
+        deterministic=False,
+        fp4_experts=True,
+        activation_checkpointing=True,
+        save_every=-1,
+    )
     t = Trainer(cfg, log=lambda *_: None)
     first = t.evaluate()
     summary = t.fit()
@@ -379,7 +454,7 @@ def test_activation_checkpointing_option_keeps_loss_and_gradients_and_saves_less
     assert ckpt[2].keys() == plain[2].keys()
     for n in plain[2]:
         torch.testing.assert_close(ckpt[2][n], plain[2][n], rtol=1e-5, atol=1e-7, msg=n)
-    with torch.no_grad():                       # nothing to recompute for: the plain forward
+    with torch.no_grad():  # nothing to recompute for: the plain forward
         torch.testing.assert_close(m(tokens).logits, micro_model()(tokens).logits)
 
 
@@ -403,8 +478,9 @@ def test_fp4_fake_quant_option_computes_with_fp4_weights_and_passes_gradients():
     q = ops.fp4_round_trip
     with torch.no_grad():
         exact = ops.moe_experts(x, weights, indices, ex.w1, ex.w2, ex.w3, ex.swiglu_limit, ex.offset)
-        rounded = ops.moe_experts(x, weights, indices, q(ex.w1, 32), q(ex.w2, 32), q(ex.w3, 32),
-                                  ex.swiglu_limit, ex.offset)
+        rounded = ops.moe_experts(
+            x, weights, indices, q(ex.w1, 32), q(ex.w2, 32), q(ex.w3, 32), ex.swiglu_limit, ex.offset
+        )
         assert not torch.allclose(exact, rounded)
         torch.testing.assert_close(ex(x, weights, indices), exact)
         m.set_options(fp4_fake_quant=True)
@@ -444,16 +520,26 @@ def test_init_from_with_qat_switches_builds_model_and_config_in_agreement(tmp_pa
     src = micro_model()
     ckpt = save(model_values(src), src.cfg, tmp_path / "src", "bf16")
     assert src.cfg.fp8_kv_sim and src.cfg.fp4_indexer_sim
-    t = Trainer(_train_cfg(tmp_path, init_from=str(ckpt), fp8_kv_sim=False, fp4_indexer_sim=False,
-                           fp4_experts=True, steps=1, save_every=-1), log=lambda *_: None)
+    t = Trainer(
+        _train_cfg(
+            tmp_path,
+            init_from=str(ckpt),
+            fp8_kv_sim=False,
+            fp4_indexer_sim=False,
+            fp4_experts=True,
+            steps=1,
+            save_every=-1,
+        ),
+        log=lambda *_: None,
+    )
     assert not t.mcfg.fp8_kv_sim and not t.mcfg.fp4_indexer_sim and t.mcfg.quant_mode == "w8a16"
     assert t.model.cfg == t.mcfg
     held = [m.cfg for m in t.model.modules() if isinstance(getattr(m, "cfg", None), ModelConfig)]
     assert len(held) > 1 and all(c == t.mcfg for c in held)
-    copied = [m for m in t.model.modules() if isinstance(m, (Compressor, Indexer))]   # flags read at build
+    copied = [m for m in t.model.modules() if isinstance(m, (Compressor, Indexer))]  # flags read at build
     assert copied and all(not m.fp4_sim and not getattr(m, "fp8_sim", False) for m in copied)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        t.model.cfg.fp8_kv_sim = True               # type: ignore[misc]
+        t.model.cfg.fp8_kv_sim = True  # type: ignore[misc]
     t.fit()
 
 
@@ -463,11 +549,12 @@ def test_cli_and_config_file(tmp_path):
     from dsv4.train.cli import add_train_parser, config_from_args
 
     toml = tmp_path / "run.toml"
-    toml.write_text('steps = 7\nlr = 0.001\n[model]\ndim = 64\nn_layers = 2\n')
+    toml.write_text("steps = 7\nlr = 0.001\n[model]\ndim = 64\nn_layers = 2\n")
     parser = argparse.ArgumentParser()
     add_train_parser(parser.add_subparsers(dest="cmd"))
-    args = parser.parse_args(["train", "--config", str(toml), "--steps", "9", "--set", "n_layers=3",
-                              "--deterministic", "--no-fp8-kv-sim"])
+    args = parser.parse_args(
+        ["train", "--config", str(toml), "--steps", "9", "--set", "n_layers=3", "--deterministic", "--no-fp8-kv-sim"]
+    )
     cfg = config_from_args(args)
     assert cfg.steps == 9 and cfg.lr == 0.001 and cfg.deterministic and cfg.fp8_kv_sim is False
     assert cfg.model == {"dim": 64, "n_layers": 3}
@@ -485,15 +572,19 @@ def test_train_flops_counts_active_experts_only():
     c = micro_cfg()
     more = c.replace(n_routed_experts=16)
     wider = c.replace(n_activated_experts=3)
-    assert train_flops_per_token(more, 64) == pytest.approx(train_flops_per_token(c, 64)
-                                                            + 3 * 2 * 12 * c.dim * (c.n_layers + 1))
+    assert train_flops_per_token(more, 64) == pytest.approx(
+        train_flops_per_token(c, 64) + 3 * 2 * 12 * c.dim * (c.n_layers + 1)
+    )
     assert train_flops_per_token(wider, 64) > train_flops_per_token(c, 64)
     # the matmul part agrees with `dsv4 info`'s forward FLOPs (which also counts norm/mHC vectors)
     from dsv4.info import model_info
 
     small = ModelConfig.preset("small")
-    matmul = 3 * 2 * (sum(metrics._block_matmul_params(small, i) for i in range(small.n_layers))
-                      + small.dim * small.vocab_size)
+    matmul = (
+        3
+        * 2
+        * (sum(metrics._block_matmul_params(small, i) for i in range(small.n_layers)) + small.dim * small.vocab_size)
+    )
     assert matmul == pytest.approx(3 * model_info(small).flops_per_token, rel=0.01)
 
 
@@ -504,17 +595,42 @@ def test_two_process_run_matches_one_process(tmp_path):
     import subprocess
     import sys
 
-    cfg = _train_cfg(tmp_path, steps=2, eval_every=0, diag_every=1, save_every=-1, batch_size=4,
-                     deterministic=False, threads=1, device="cpu")   # gloo, also on a GPU machine
+    cfg = _train_cfg(
+        tmp_path,
+        steps=2,
+        eval_every=0,
+        diag_every=1,
+        save_every=-1,
+        batch_size=4,
+        deterministic=False,
+        threads=1,
+        device="cpu",
+    )  # gloo, also on a GPU machine
     single = Trainer(cfg, log=lambda *_: None)
     single.fit()
     one = [r for r in single.history if "loss" in r]
     cfg_file = tmp_path / "cfg.json"
     cfg_file.write_text(json.dumps(cfg.to_dict() | {"out": str(tmp_path / "run2")}))
     env = checkout_env(OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", "-m", "dsv4.train.cli", "train", "--config", str(cfg_file)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "dsv4.train.cli",
+            "train",
+            "--config",
+            str(cfg_file),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["world"] == 2 and rows[0]["params"] == sum(p.numel() for p in single.model.parameters())
@@ -534,7 +650,7 @@ def test_ops_dispatch_does_not_recompile_under_torch_compile():
     from dsv4 import ops
 
     torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()              # the counters outlive reset(): count this test only
+    torch._dynamo.utils.counters.clear()  # the counters outlive reset(): count this test only
     f = torch.compile(lambda h, r, p, c: ops.hc_post(h, r, p, c), backend="eager")
     b, s, hc, d = 1, 3, 4, 8
     args = (torch.randn(b, s, d), torch.randn(b, s, hc, d), torch.rand(b, s, hc), torch.rand(b, s, hc, hc))
@@ -557,15 +673,17 @@ def cpp_compiler() -> str | None:
         from torch._inductor import cpp_builder
 
         return shutil.which(cpp_builder.get_cpp_compiler())
-    except Exception:                                                   # noqa: BLE001  (torch internals vary)
+    except Exception:  # noqa: BLE001  (torch internals vary)
         import torch._inductor.config as inductor_config
 
         names = [os.environ.get("CXX")] + [c for c in inductor_config.cpp.cxx if c]
         return next((shutil.which(c) for c in names if c and shutil.which(c)), None)
 
 
-@pytest.mark.skipif(cpp_compiler() is None, reason="no C++ compiler found: inductor cannot build CPU kernels "
-                                                   "(install g++ to run the real --compile path)")
+@pytest.mark.skipif(
+    cpp_compiler() is None,
+    reason="no C++ compiler found: inductor cannot build CPU kernels (install g++ to run the real --compile path)",
+)
 def test_inductor_compiled_block_forward_matches_eager():
     """The real inductor through `compile_blocks` (the `--compile` path): generated C++ kernels, built and
     run on a one-block window-only model, give the eager logits to fp32 reassociation error (inductor fuses
@@ -601,7 +719,7 @@ def test_compiled_training_step_matches_eager(backend):
     tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(9))
     results = []
     torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()              # frames compiled by earlier tests must not count here
+    torch._dynamo.utils.counters.clear()  # frames compiled by earlier tests must not count here
     for compiled in (False, True):
         m = micro_model(**kw)
         if compiled:
@@ -614,7 +732,7 @@ def test_compiled_training_step_matches_eager(backend):
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     (eager_loss, eager), (comp_loss, comp) = results
-    assert frames > 0                                   # the block was compiled, not run eagerly
+    assert frames > 0  # the block was compiled, not run eagerly
     assert comp_loss == pytest.approx(eager_loss, rel=1e-5)
     assert comp.keys() == eager.keys()
     for n, g in comp.items():
@@ -628,15 +746,20 @@ def test_defaults_depend_on_preset_and_device():
     assert QUICK_CPU_DEFAULTS.keys() == STANDARD_DEFAULTS.keys()
     unset = TrainConfig()
     assert all(getattr(unset, k) is None for k in STANDARD_DEFAULTS)
-    quick = unset.resolved("cpu")                                   # `dsv4 train` on a CPU: tiny, quick
+    quick = unset.resolved("cpu")  # `dsv4 train` on a CPU: tiny, quick
     assert {k: getattr(quick, k) for k in QUICK_CPU_DEFAULTS} == QUICK_CPU_DEFAULTS
-    for cfg in (unset.resolved("cuda"), TrainConfig(preset="small").resolved("cpu"),
-                TrainConfig(model_config="config.json").resolved("cpu")):
+    for cfg in (
+        unset.resolved("cuda"),
+        TrainConfig(preset="small").resolved("cpu"),
+        TrainConfig(model_config="config.json").resolved("cpu"),
+    ):
         assert {k: getattr(cfg, k) for k in STANDARD_DEFAULTS} == STANDARD_DEFAULTS
-    mine = TrainConfig(steps=7, seq_len=64).resolved("cpu")         # given settings are kept
+    mine = TrainConfig(steps=7, seq_len=64).resolved("cpu")  # given settings are kept
     assert (mine.steps, mine.seq_len, mine.batch_size) == (7, 64, QUICK_CPU_DEFAULTS["batch_size"])
-    assert QUICK_CPU_DEFAULTS["steps"] * QUICK_CPU_DEFAULTS["batch_size"] * QUICK_CPU_DEFAULTS["seq_len"] < \
-        STANDARD_DEFAULTS["steps"] * STANDARD_DEFAULTS["batch_size"] * STANDARD_DEFAULTS["seq_len"]
+    assert (
+        QUICK_CPU_DEFAULTS["steps"] * QUICK_CPU_DEFAULTS["batch_size"] * QUICK_CPU_DEFAULTS["seq_len"]
+        < STANDARD_DEFAULTS["steps"] * STANDARD_DEFAULTS["batch_size"] * STANDARD_DEFAULTS["seq_len"]
+    )
 
 
 def test_compile_without_a_cxx_compiler_is_refused(monkeypatch):
@@ -658,8 +781,19 @@ def test_cuda_graph_training_is_refused_where_it_cannot_run(tmp_path, capsys):
     from dsv4.cli import main
     from dsv4.train.graphed import GraphedBackward
 
-    rc = main(["train", "--preset", "tiny", "--device", "cpu", "--cuda-graph", "--out", str(tmp_path / "run"),
-               "--no-progress"])
+    rc = main(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--cuda-graph",
+            "--out",
+            str(tmp_path / "run"),
+            "--no-progress",
+        ]
+    )
     assert rc == 2
     assert "--cuda-graph: it needs a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "run" / "tokenizer").exists()
@@ -681,7 +815,7 @@ def test_resume_keeps_one_metrics_row_per_step_and_its_pointer_inside_the_run(tm
     # as if killed after logging steps 3-4 but before their checkpoint: latest still names step 2
     (ckpts / "latest").write_text("step_00000002")
     with open(run / "metrics.jsonl", "a") as f:
-        f.write('{"step": 5, "loss": 1.')                                   # a torn write
+        f.write('{"step": 5, "loss": 1.')  # a torn write
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[:-1]]
     assert [r["step"] for r in logged if "step" in r] == [1, 2, 3, 4]
     resumed = Trainer(_train_cfg(tmp_path, save_every=-1, eval_every=0, resume="auto"), log=lambda *_: None)
@@ -709,8 +843,19 @@ def test_resume_keeps_one_metrics_row_per_step_and_its_pointer_inside_the_run(tm
 def test_training_a_dspark_draft_with_or_without_the_main_model(tmp_path, frozen):
     """--draft dspark: the draft's loss and tau are logged; with --freeze-main only the draft (and its
     routers' bias) moves, without it the main model trains on its own losses as well."""
-    t = Trainer(_train_cfg(tmp_path, draft="dspark", freeze_main=frozen, dspark_anchors=4, steps=2, eval_every=0,
-                           diag_every=0, save_every=-1), log=lambda *_: None)
+    t = Trainer(
+        _train_cfg(
+            tmp_path,
+            draft="dspark",
+            freeze_main=frozen,
+            dspark_anchors=4,
+            steps=2,
+            eval_every=0,
+            diag_every=0,
+            save_every=-1,
+        ),
+        log=lambda *_: None,
+    )
     assert t.model.cfg.dspark and t.model.cfg.n_mtp_layers == 3
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
     t.fit()

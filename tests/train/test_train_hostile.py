@@ -26,7 +26,7 @@ from dsv4.errors import RunFailed, UserError
 from dsv4.train import checkpoint
 from dsv4.train.trainer import Trainer
 
-BOUND = 20.0                                   # seconds: every refusal is immediate; a hang fails
+BOUND = 20.0  # seconds: every refusal is immediate; a hang fails
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,7 @@ def _copy(run: Path, dst: Path) -> Path:
 
 
 def _resume(tmp: Path, **kw):
-    return Trainer(_train_cfg(tmp, save_every=-1, eval_every=0, diag_every=0, resume="auto", **kw),
-                   log=lambda *_: None)
+    return Trainer(_train_cfg(tmp, save_every=-1, eval_every=0, diag_every=0, resume="auto", **kw), log=lambda *_: None)
 
 
 def _rehash(ckpt: Path) -> None:
@@ -78,17 +77,20 @@ def test_a_hostile_latest_pointer_is_refused_at_once(run, tmp_path, kind):
     assert "latest" in msg and len(msg) < 400 and "root:x" not in msg and "\x00" not in msg, msg
 
 
-@pytest.mark.parametrize("key,value,words", [
-    ("loader", None, "'loader' must be an object"),
-    ("loader", [1, 2], "'loader' must be an object"),
-    ("step", -5, "'step' must be in [0, "),
-    ("step", True, "'step' must be an integer"),
-    ("step", 3, "'step' is 3 but the checkpoint is step_00000002"),
-    ("history", {"a": 1}, "'history' must be a list"),
-    ("loader.index", 10**9, "'loader.index' 1000000000 is past the data's"),
-    ("loader.epoch", "1", "'loader.epoch' must be an integer"),
-    ("model_config", None, None),
-])
+@pytest.mark.parametrize(
+    "key,value,words",
+    [
+        ("loader", None, "'loader' must be an object"),
+        ("loader", [1, 2], "'loader' must be an object"),
+        ("step", -5, "'step' must be in [0, "),
+        ("step", True, "'step' must be an integer"),
+        ("step", 3, "'step' is 3 but the checkpoint is step_00000002"),
+        ("history", {"a": 1}, "'history' must be a list"),
+        ("loader.index", 10**9, "'loader.index' 1000000000 is past the data's"),
+        ("loader.epoch", "1", "'loader.epoch' must be an integer"),
+        ("model_config", None, None),
+    ],
+)
 def test_a_crafted_state_json_is_refused_by_its_schema(run, tmp_path, key, value, words):
     tmp = _copy(run, tmp_path / "t")
     ckpt = tmp / "run" / "checkpoints" / "step_00000002"
@@ -108,8 +110,9 @@ def test_a_crafted_state_json_is_refused_by_its_schema(run, tmp_path, key, value
     assert "state.json" in str(info.value) and words in str(info.value), str(info.value)
 
 
-@pytest.mark.parametrize("file,name", [("model.safetensors", "layers.1.attn.wq_a.weight"),
-                                       ("optimizer.safetensors", None)])
+@pytest.mark.parametrize(
+    "file,name", [("model.safetensors", "layers.1.attn.wq_a.weight"), ("optimizer.safetensors", None)]
+)
 def test_non_finite_weights_or_optimizer_state_are_not_resumed(run, tmp_path, file, name):
     tmp = _copy(run, tmp_path / "t")
     ckpt = tmp / "run" / "checkpoints" / "step_00000002"
@@ -144,8 +147,10 @@ def test_a_loss_that_turns_non_finite_stops_the_run_naming_the_step(tmp_path, ca
     msg = str(info.value)
     assert "step 3" in msg and "nan" in msg and "step_00000002" in msg and "--skip-nonfinite" in msg, msg
     (tmp_path / "b").mkdir()
-    t2 = Trainer(_train_cfg(tmp_path / "b", steps=4, save_every=-1, eval_every=0, diag_every=0,
-                            skip_nonfinite=True), log=lambda *_: None)
+    t2 = Trainer(
+        _train_cfg(tmp_path / "b", steps=4, save_every=-1, eval_every=0, diag_every=0, skip_nonfinite=True),
+        log=lambda *_: None,
+    )
     w2 = dict(t2.model.named_parameters())["layers.1.attn.wq_a.weight"]
     with torch.no_grad():
         w2.view(-1)[0] = math.nan
@@ -160,9 +165,33 @@ def test_the_command_line_exits_1_naming_the_step(tmp_path, capsys):
     one line and exit 1."""
     from test_train import _corpus
 
-    code = main(["train", "--preset", "tiny", "--data", str(_corpus(tmp_path)),
-                 "--seq-len", "32", "--batch-size", "2", "--steps", "6", "--lr", "1e30", "--warmup", "0",
-                 "--eval-every", "0", "--save-every", "-1", "--out", str(tmp_path / "run"), "--no-progress",
-                 "--held-out-pct", "10"])
+    code = main(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--data",
+            str(_corpus(tmp_path)),
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "2",
+            "--steps",
+            "6",
+            "--lr",
+            "1e30",
+            "--warmup",
+            "0",
+            "--eval-every",
+            "0",
+            "--save-every",
+            "-1",
+            "--out",
+            str(tmp_path / "run"),
+            "--no-progress",
+            "--held-out-pct",
+            "10",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and err[0].startswith("error: training stopped at step "), err

@@ -33,11 +33,18 @@ def _probe_call(op: str, cfg: ModelConfig, device: torch.device, dtype: torch.dt
     if op == "moe_experts":
         return (), moe_inputs(cfg, tokens=2, device=device, dtype=dtype)
     hc, dim = cfg.hc_mult, cfg.dim
-    x = torch.zeros(1, 1, hc, dim, device=device, dtype=dtype)                  # [b, s, hc, d]
+    x = torch.zeros(1, 1, hc, dim, device=device, dtype=dtype)  # [b, s, hc, d]
     mix = torch.zeros(1, 1, hc, device=device)
     if op == "hc_pre":
-        return (x, torch.zeros(2 * hc + hc * hc, hc * dim, device=device), torch.ones(3, device=device),
-                torch.zeros(2 * hc + hc * hc, device=device), cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters), {}
+        return (
+            x,
+            torch.zeros(2 * hc + hc * hc, hc * dim, device=device),
+            torch.ones(3, device=device),
+            torch.zeros(2 * hc + hc * hc, device=device),
+            cfg.norm_eps,
+            cfg.hc_eps,
+            cfg.hc_sinkhorn_iters,
+        ), {}
     if op == "hc_post":
         return (x[:, :, 0], x, mix, mix.unsqueeze(-1).expand(1, 1, hc, hc)), {}
     raise KeyError(op)
@@ -80,11 +87,11 @@ class Context:
     tokens: torch.Tensor
     compiler: Callable | str = "aot_eager"
     seed: int = 0
-    current: Stages | None = None          # stages of the model as it is now (reset when a mutant is planted)
-    device: torch.device | None = None     # where the model, the tokens and every check's inputs live
-    dtypes: dict[str, torch.dtype] = field(default_factory=dict)   # op-level input dtype per op (op_dtypes)
-    planted: bool = False                  # a mutant is planted: `clean` must already exist
-    clean_backends: dict[str, list[str]] = field(default_factory=dict)   # op -> backends of the clean run
+    current: Stages | None = None  # stages of the model as it is now (reset when a mutant is planted)
+    device: torch.device | None = None  # where the model, the tokens and every check's inputs live
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # op-level input dtype per op (op_dtypes)
+    planted: bool = False  # a mutant is planted: `clean` must already exist
+    clean_backends: dict[str, list[str]] = field(default_factory=dict)  # op -> backends of the clean run
     _clean: Stages | None = None
 
     def __post_init__(self) -> None:
@@ -117,8 +124,15 @@ class Context:
         return self.dtypes.get(op, torch.float32)
 
     @classmethod
-    def build(cls, cfg: ModelConfig, batch: int = 2, seq: int = 40, seed: int = 0,
-              device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Context:
+    def build(
+        cls,
+        cfg: ModelConfig,
+        batch: int = 2,
+        seq: int = 40,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> Context:
         """The check model on `device`: in `dtype`, by default fp32 unless the device's fast backends for
         the model's mHC / MoE ops need bf16 (CUDA with Triton), so that the checks exercise them."""
         device = torch.device(device)
@@ -126,8 +140,9 @@ class Context:
         if dtype is None:
             dtype = LOW_PRECISION if any(dtypes[op] != torch.float32 for op in MODEL_DTYPE_OPS) else torch.float32
         model = DeepSeekV4.from_config(cfg, seed=seed, dtype=dtype, device=device).eval()
-        return cls(cfg, model, random_tokens(cfg, batch, seq, seed, device=device), seed=seed, device=device,
-                   dtypes=dtypes)
+        return cls(
+            cfg, model, random_tokens(cfg, batch, seq, seed, device=device), seed=seed, device=device, dtypes=dtypes
+        )
 
 
 def tolerance(dtype: torch.dtype, fp32: float) -> float:
@@ -168,7 +183,10 @@ def moe_backends(inp: dict) -> list[str]:
     default = ops.resolve("moe_experts", None, **inp).name
     if default != "reference":
         out.append(default)
-    if "grouped" in ops.backends("moe_experts") and "grouped" not in out and \
-            ops.refusal("moe_experts", "grouped", **inp) is None:
+    if (
+        "grouped" in ops.backends("moe_experts")
+        and "grouped" not in out
+        and ops.refusal("moe_experts", "grouped", **inp) is None
+    ):
         out.append("grouped")
     return out or ["reference"]

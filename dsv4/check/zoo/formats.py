@@ -31,7 +31,7 @@ def fp4_known_bytes(ctx: Context) -> CheckResult:
     want = torch.tensor([1, 2, 3, 4] + [0] * 28, dtype=codes.dtype, device=dev)
     if not torch.equal(codes[0], want):
         return CheckResult(False, float((codes[0] != want).float().mean()), f"decoded codes {codes[0, :6].tolist()}")
-    scale = torch.tensor([[127]], dtype=torch.uint8, device=dev)                  # 2^0
+    scale = torch.tensor([[127]], dtype=torch.uint8, device=dev)  # 2^0
     deq = fp4.dequantize_mxfp4(packed, scale)
     want_v = torch.tensor([0.5, 1.0, 1.5, 2.0] + [0.0] * 28, device=dev)
     err = float((deq[0] - want_v).abs().max())
@@ -90,9 +90,14 @@ def checkpoint_roundtrip(ctx: Context) -> CheckResult:
         if err > worst:
             worst, worst_name = err, name
     ok = worst <= 1e-6
-    return CheckResult(ok, worst, "loaded weights equal their stored format" if ok else
-                       f"loaded '{worst_name}' differs from its stored value (rel {worst:.3g})",
-                       device="cpu (checkpoint files are written and read on the host)")
+    return CheckResult(
+        ok,
+        worst,
+        "loaded weights equal their stored format"
+        if ok
+        else f"loaded '{worst_name}' differs from its stored value (rel {worst:.3g})",
+        device="cpu (checkpoint files are written and read on the host)",
+    )
 
 
 def ep_ranges(ctx: Context) -> CheckResult:
@@ -119,12 +124,23 @@ def ep_ranges(ctx: Context) -> CheckResult:
             lo, hi = rank * e // world, (rank + 1) * e // world
             ex = layer.ffn.experts
             if ex.offset != lo or not torch.equal(ex.w1, full.w1[lo:hi]):
-                return CheckResult(False, float(abs(ex.offset - lo)),
-                                   f"layers.{i}: rank {rank} holds experts from {ex.offset}, expected [{lo}, {hi})")
+                return CheckResult(
+                    False,
+                    float(abs(ex.offset - lo)),
+                    f"layers.{i}: rank {rank} holds experts from {ex.offset}, expected [{lo}, {hi})",
+                )
             with torch.no_grad():
                 got = layer.ffn.experts(inp["x"], inp["weights"], inp["indices"])
-            want = ref.moe_experts(inp["x"].float(), inp["weights"], inp["indices"], full.w1[lo:hi].float(),
-                                   full.w2[lo:hi].float(), full.w3[lo:hi].float(), ctx.cfg.swiglu_limit, lo)
+            want = ref.moe_experts(
+                inp["x"].float(),
+                inp["weights"],
+                inp["indices"],
+                full.w1[lo:hi].float(),
+                full.w2[lo:hi].float(),
+                full.w3[lo:hi].float(),
+                ctx.cfg.swiglu_limit,
+                lo,
+            )
             err = rel_err(got, want)
             if err > tol:
                 return CheckResult(False, err, f"layers.{i}: rank {rank}'s expert output vs reference")
@@ -141,10 +157,18 @@ def _golden_verdict(rows, against: str) -> CheckResult:
     bad = [r for r in rows if not r.ok]
     if bad:
         first = bad[0]
-        return CheckResult(False, first.error, f"{len(bad)} of {len(rows)} stages off {against}; first: "
-                                               f"{first.case} {first.stage} {first.error:.3g} > {first.tol:.3g}")
-    return CheckResult(True, worst.error, f"{len(rows)} stages within tolerance of {against} (worst {worst.case} "
-                                          f"{worst.stage}: {worst.error:.2g} <= {worst.tol:.2g})")
+        return CheckResult(
+            False,
+            first.error,
+            f"{len(bad)} of {len(rows)} stages off {against}; first: "
+            f"{first.case} {first.stage} {first.error:.3g} > {first.tol:.3g}",
+        )
+    return CheckResult(
+        True,
+        worst.error,
+        f"{len(rows)} stages within tolerance of {against} (worst {worst.case} "
+        f"{worst.stage}: {worst.error:.2g} <= {worst.tol:.2g})",
+    )
 
 
 def official_goldens(ctx: Context) -> CheckResult:

@@ -23,7 +23,7 @@ from ..result import CheckResult
 HALF_STEP = 0.5 + 2.0**-16
 
 
-class _Context(Protocol):                 # what these checks read of `dsv4.check.zoo.Context`
+class _Context(Protocol):  # what these checks read of `dsv4.check.zoo.Context`
     cfg: ModelConfig
     model: nn.Module
     seed: int
@@ -54,8 +54,10 @@ def int8_weight_rows(ctx: _Context) -> CheckResult:
         if isinstance(m, Int8Linear) and path in src:
             pairs.append((path, src[path].weight, m.weight_q, m.scale))
         elif isinstance(m, Int8Experts):
-            pairs += [(f"{path}.{w}", getattr(src[path], w), getattr(m, f"{w}_q"), getattr(m, f"{w}_scale"))
-                      for w in ("w1", "w2", "w3")]
+            pairs += [
+                (f"{path}.{w}", getattr(src[path], w), getattr(m, f"{w}_q"), getattr(m, f"{w}_scale"))
+                for w in ("w1", "w2", "w3")
+            ]
     worst, where = 0.0, ""
     for name, w, q, s in pairs:
         if tuple(s.shape) != tuple(q.shape[:-1]):
@@ -64,8 +66,12 @@ def int8_weight_rows(ctx: _Context) -> CheckResult:
         if err > worst:
             worst, where = err, name
     if worst > HALF_STEP:
-        return CheckResult(False, worst, f"{where}: a row is off by {worst:.3g} steps of its own scale (at most "
-                                         f"{HALF_STEP:.5f}): its scale is not its own")
+        return CheckResult(
+            False,
+            worst,
+            f"{where}: a row is off by {worst:.3g} steps of its own scale (at most "
+            f"{HALF_STEP:.5f}): its scale is not its own",
+        )
     return CheckResult(True, worst, f"{len(pairs)} weights: every row within {worst:.4f} of a step of its own scale")
 
 
@@ -84,19 +90,24 @@ def int8_per_token(ctx: _Context) -> CheckResult:
     cfg, dev, dtype = ctx.cfg, ctx.device, ctx.model_dtype
     mags = torch.logspace(-2, 2, 8)
     inp = moe_inputs(cfg, tokens=8, seed=ctx.seed, device=dev, dtype=dtype)
-    x = inp["x"] * mags.to(dev, dtype).unsqueeze(1)                                    # [8, dim]
+    x = inp["x"] * mags.to(dev, dtype).unsqueeze(1)  # [8, dim]
     lin = Int8Linear.from_weight(inp["w1"][0])
     experts = Int8Experts.from_weights(inp["w1"], inp["w2"], inp["w3"], cfg.swiglu_limit)
     w, idx = inp["weights"], inp["indices"]
     gaps = {
-        "INT8 linear": _bitwise_gap(torch.cat([lin(x[i:i + 1]) for i in range(8)]), lin(x)),
-        "INT8 experts": _bitwise_gap(torch.cat([experts(x[i:i + 1], w[i:i + 1], idx[i:i + 1]) for i in range(8)]),
-                                     experts(x, w, idx)),
+        "INT8 linear": _bitwise_gap(torch.cat([lin(x[i : i + 1]) for i in range(8)]), lin(x)),
+        "INT8 experts": _bitwise_gap(
+            torch.cat([experts(x[i : i + 1], w[i : i + 1], idx[i : i + 1]) for i in range(8)]), experts(x, w, idx)
+        ),
     }
     what, gap = max(gaps.items(), key=lambda kv: kv[1])
     if gap > 0:
-        return CheckResult(False, gap, f"{what}: a token's output changes with the batch it runs in "
-                                       f"(relative {gap:.3g}): its activation scale is not its own")
+        return CheckResult(
+            False,
+            gap,
+            f"{what}: a token's output changes with the batch it runs in "
+            f"(relative {gap:.3g}): its activation scale is not its own",
+        )
     return CheckResult(True, 0.0, "INT8 linear and experts: every token's output is the same alone and in a batch")
 
 

@@ -43,14 +43,18 @@ def _attention_backward(ctx: Context, kinds: list[str]) -> CheckResult:
     for dtype in dtypes:
         tol = tolerance(dtype, 1e-4)
         for kind in kinds:
-            for n_comp in (0, 4):                                                # window-only and with compressed
+            for n_comp in (0, 4):  # window-only and with compressed
                 if kind == "roped":
                     if n_comp:
                         continue
                     stages = stages or ctx.clean
-                    inp = attention_inputs("roped", stages={k: v for k, v in stages.items()
-                                                            if k.startswith("layers.0.")},
-                                           window=ctx.cfg.window_size, device=ctx.device, dtype=dtype)
+                    inp = attention_inputs(
+                        "roped",
+                        stages={k: v for k, v in stages.items() if k.startswith("layers.0.")},
+                        window=ctx.cfg.window_size,
+                        device=ctx.device,
+                        dtype=dtype,
+                    )
                 else:
                     inp = attention_inputs(kind, n_comp=n_comp, seed=ctx.seed, device=ctx.device, dtype=dtype)
                 got = _attention_fwd_bwd(inp, ops.sparse_attention)
@@ -60,8 +64,9 @@ def _attention_backward(ctx: Context, kinds: list[str]) -> CheckResult:
                     worst = max(worst, err)
                     if err > tol:
                         where = "window-only" if not n_comp else f"{n_comp} compressed keys"
-                        return CheckResult(False, err, f"{name} on {kind} {dtype} inputs ({where}) vs reference "
-                                                        "autograd")
+                        return CheckResult(
+                            False, err, f"{name} on {kind} {dtype} inputs ({where}) vs reference autograd"
+                        )
     names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
     return CheckResult(True, worst, f"forward and backward match on {', '.join(kinds)} inputs ({names})")
 
@@ -90,20 +95,22 @@ def lse_contract(ctx: Context) -> CheckResult:
 
 def compile_attention(ctx: Context) -> CheckResult:
     """fullgraph torch.compile of attention forward + backward (lse unused) must run and match eager."""
-    inp = attention_inputs("random", s=8, n_comp=2, seed=ctx.seed, device=ctx.device,
-                           dtype=ctx.dtype("sparse_attention"))
+    inp = attention_inputs(
+        "random", s=8, n_comp=2, seed=ctx.seed, device=ctx.device, dtype=ctx.dtype("sparse_attention")
+    )
     torch._dynamo.reset()
     try:
         fn = torch.compile(lambda *a: ops.sparse_attention(*a)[0], fullgraph=True, backend="aot_eager")
         got = _attention_fwd_bwd(inp, lambda *a: (fn(*a), None))
-    except Exception as e:                                                       # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         return CheckResult(False, None, f"compiled attention failed: {type(e).__name__}: {str(e)[:160]}")
     finally:
         torch._dynamo.reset()
     want = _attention_fwd_bwd(upcast(inp), ref.sparse_attention)
     err = max(rel_err(g, w) for g, w in zip(got, want))
-    return CheckResult(err <= tolerance(ctx.dtype("sparse_attention"), 1e-5), err,
-                       "compiled attention fwd+bwd vs eager")
+    return CheckResult(
+        err <= tolerance(ctx.dtype("sparse_attention"), 1e-5), err, "compiled attention fwd+bwd vs eager"
+    )
 
 
 # ------------------------------------------------------------------------------ compiler
@@ -122,8 +129,10 @@ def compile_parity(ctx: Context) -> CheckResult:
     x, w = torch.randn(8, 64, generator=gen).to(ctx.device), torch.randn(64, 64, generator=gen).to(ctx.device)
     worst = 0.0
     try:
-        for name, fn, args in (("acc += x.sum()", _accumulate, lambda: (torch.ones(8, device=ctx.device), x)),
-                               ("explicit bf16 rounding", _explicit_rounding, lambda: (x, w))):
+        for name, fn, args in (
+            ("acc += x.sum()", _accumulate, lambda: (torch.ones(8, device=ctx.device), x)),
+            ("explicit bf16 rounding", _explicit_rounding, lambda: (x, w)),
+        ):
             torch._dynamo.reset()
             ea, ca = args(), args()
             want = fn(*ea)
@@ -182,10 +191,10 @@ def poisoned_memory_check(ctx: Context) -> CheckResult:
         err = rel_err(parts[0] + parts[1], want)
         worst = max(worst, err)
         if not err <= tol:
-            return CheckResult(False, err, f"expert-parallel shards ({ops.last_backend('moe_experts')}, {dtype}) "
-                                           "vs reference")
+            return CheckResult(
+                False, err, f"expert-parallel shards ({ops.last_backend('moe_experts')}, {dtype}) vs reference"
+            )
     return CheckResult(True, worst, f"expert-parallel shards ({', '.join(moe_backends(inp))}, {dtype}) vs reference")
-
 
 
 # ------------------------------------------------------------------------------ evidence / shapes / dtype
@@ -209,13 +218,24 @@ def backend_evidence(ctx: Context) -> CheckResult:
     missing = sorted(op for op in must if "probe" not in ran.get(op, []))
     other = sorted(op for op, bes in ran.items() if set(bes) - {"probe"})
     if missing or other:
-        return CheckResult(False, float(len(missing) + len(other)),
-                           f"requested 'probe' but no evidence it ran for {missing}; other backends ran for {other}")
+        return CheckResult(
+            False,
+            float(len(missing) + len(other)),
+            f"requested 'probe' but no evidence it ran for {missing}; other backends ran for {other}",
+        )
     return CheckResult(True, 0.0, f"{len(ran)} ops reported the requested backend")
 
 
-DATA_DEPENDENT = ("nonzero", "masked_select", "_local_scalar_dense", "unique", "_unique2", "unique_consecutive",
-                  "masked_scatter", "repeat_interleave")
+DATA_DEPENDENT = (
+    "nonzero",
+    "masked_select",
+    "_local_scalar_dense",
+    "unique",
+    "_unique2",
+    "unique_consecutive",
+    "masked_scatter",
+    "repeat_interleave",
+)
 
 
 class DataDependentOps(TorchDispatchMode):
@@ -227,8 +247,11 @@ class DataDependentOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        bool_index = name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                             for i in (args[1] if len(args) > 1 else []) if i is not None)
+        bool_index = name == "index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if len(args) > 1 else [])
+            if i is not None
+        )
         if name in DATA_DEPENDENT or bool_index:
             self.hits.append(name + ("[bool mask]" if bool_index else ""))
         return func(*args, **(kwargs or {}))
@@ -246,6 +269,7 @@ def host_reads(hits: list[str]):
         def reader(self, *a, **k):
             hits.append(f"Tensor.{name}")
             return fn(self, *a, **k)
+
         return reader
 
     for name, fn in saved.items():
@@ -269,7 +293,7 @@ def static_shapes(ctx: Context) -> CheckResult:
     cache = model.new_cache(1, max_len=16)
     with torch.no_grad():
         model.prefill(ctx.tokens[:1, :7], cache)
-        step_inputs = cache.step_inputs(ctx.tokens[:1, 7:8])                   # built before watching
+        step_inputs = cache.step_inputs(ctx.tokens[:1, 7:8])  # built before watching
     moes = moe_backends(inp)
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01)] * 2
     spots = {"sampling": lambda: Sampler()(logits, params, [ctx.seed, ctx.seed + 1], [0, 0])}
@@ -279,8 +303,12 @@ def static_shapes(ctx: Context) -> CheckResult:
     # the decode step's experts run on the first static-shape MoE backend (the reference loops with `where`)
     for where, fn in spots.items():
         reads: list[str] = []
-        with torch.no_grad(), ops.use_backend({"moe_experts": moes[0]}, inherit=True), DataDependentOps() as mode, \
-                host_reads(reads):
+        with (
+            torch.no_grad(),
+            ops.use_backend({"moe_experts": moes[0]}, inherit=True),
+            DataDependentOps() as mode,
+            host_reads(reads),
+        ):
             fn()
         hits = mode.hits + reads
         if hits:
@@ -293,16 +321,22 @@ def compile_moe(ctx: Context) -> CheckResult:
     token counts: no data-dependent size may force a guard or a graph break."""
     moe = fast_moe_backend() or "reference"
     gen_inp = [moe_inputs(ctx.cfg, tokens=8 + 4 * i, seed=ctx.seed + i, device=ctx.device) for i in range(2)]
-    bf = [{k: v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() and k != "weights" else v
-           for k, v in inp.items()} for inp in gen_inp]
+    bf = [
+        {
+            k: v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() and k != "weights" else v
+            for k, v in inp.items()
+        }
+        for inp in gen_inp
+    ]
     fn = ops.resolve("moe_experts", moe, **bf[0]).fn
     torch._dynamo.reset()
     try:
         compiled = torch.compile(fn, fullgraph=True, backend="eager", dynamic=True)
         errs = [rel_err(compiled(**inp), ref.moe_experts(**upcast(inp))) for inp in bf]
-    except Exception as e:                                                       # noqa: BLE001
-        return CheckResult(False, None, f"moe_experts[{moe}] does not compile: {type(e).__name__}: "
-                                        f"{str(e).splitlines()[0][:160]}")
+    except Exception as e:  # noqa: BLE001
+        return CheckResult(
+            False, None, f"moe_experts[{moe}] does not compile: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        )
     finally:
         torch._dynamo.reset()
     return CheckResult(max(errs) <= 2e-2, max(errs), f"moe_experts[{moe}] compiled fullgraph, dynamic counts")
@@ -319,5 +353,9 @@ def live_dtype(ctx: Context) -> CheckResult:
     bf16 = by_dtype.get(torch.bfloat16, 0) / max(total, 1)
     gib = sum(n * d.itemsize for d, n in by_dtype.items()) / 2**30
     ok = model.embed.weight.dtype == torch.bfloat16 and bf16 > 0.5
-    return CheckResult(ok, bf16, f"bf16 share of parameters {bf16:.1%}, weights {gib * 1024:.1f} MiB; "
-                                 f"embed {model.embed.weight.dtype}", device="meta")
+    return CheckResult(
+        ok,
+        bf16,
+        f"bf16 share of parameters {bf16:.1%}, weights {gib * 1024:.1f} MiB; embed {model.embed.weight.dtype}",
+        device="meta",
+    )

@@ -52,8 +52,12 @@ def router_contract(ctx: Context) -> CheckResult:
         err = float((w.float().sum(-1) - ctx.cfg.route_scale).abs().max()) / ctx.cfg.route_scale
         worst = max(worst, err)
         if err > (1e-5 if w.dtype == torch.float32 else 1e-2):
-            return CheckResult(False, err, f"layers.{i}: routing weights sum to {float(w.sum(-1).mean()):.4f}, "
-                                           f"route_scale is {ctx.cfg.route_scale}")
+            return CheckResult(
+                False,
+                err,
+                f"layers.{i}: routing weights sum to {float(w.sum(-1).mean()):.4f}, "
+                f"route_scale is {ctx.cfg.route_scale}",
+            )
     return CheckResult(True, worst, "hash routing = tid2eid; weights sum to route_scale")
 
 
@@ -70,15 +74,21 @@ def swiglu_limit(ctx: Context) -> CheckResult:
         e = rel_err(got, want)
         err = max(err, e)
         if e > tol:
-            return CheckResult(False, e, f"routed experts ({ops.last_backend('moe_experts')}, {dtype}) vs clamped "
-                                         f"fp32 reference")
+            return CheckResult(
+                False, e, f"routed experts ({ops.last_backend('moe_experts')}, {dtype}) vs clamped fp32 reference"
+            )
     shared = ctx.model.layers[0].ffn.shared_experts
     if shared is not None:
         x = inp["x"].to(ctx.model_dtype)
         with torch.no_grad():
             got_s = shared(x)
-        want_s = ref.expert_ffn(x.float(), shared.w1.weight.float(), shared.w2.weight.float(),
-                                shared.w3.weight.float(), ctx.cfg.swiglu_limit)
+        want_s = ref.expert_ffn(
+            x.float(),
+            shared.w1.weight.float(),
+            shared.w2.weight.float(),
+            shared.w3.weight.float(),
+            ctx.cfg.swiglu_limit,
+        )
         err_s = rel_err(got_s, want_s)
         if err_s > tolerance(ctx.model_dtype, 1e-4):
             return CheckResult(False, err_s, "shared expert vs clamped reference")
@@ -89,8 +99,25 @@ def swiglu_limit(ctx: Context) -> CheckResult:
 # gate / up pre-activations straddling the clamp, in units of the limit: far below -limit, just around
 # -limit, inside, just around +limit and far above it; with a limit of few significant bits (10: 4) every
 # value is exact in bf16 (8 significant bits) as well as fp32 (the check verifies it)
-SWIGLU_GRID = (-4.0, -2.0, -1.25, -1.0625, -1.0, -0.9375, -0.5, -0.125, 0.0, 0.125, 0.5, 0.9375, 1.0, 1.0625,
-               1.25, 2.0, 4.0)
+SWIGLU_GRID = (
+    -4.0,
+    -2.0,
+    -1.25,
+    -1.0625,
+    -1.0,
+    -0.9375,
+    -0.5,
+    -0.125,
+    0.0,
+    0.125,
+    0.5,
+    0.9375,
+    1.0,
+    1.0625,
+    1.25,
+    2.0,
+    4.0,
+)
 
 
 def swiglu_formula_expected(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -110,7 +137,7 @@ def _swiglu_probe(cfg: ModelConfig, tokens: int) -> tuple[torch.Tensor, torch.Te
     grid = torch.tensor(SWIGLU_GRID) * lim
     n = len(SWIGLU_GRID)
     pair = torch.arange(tokens * inter).view(tokens, inter)
-    gate, up = grid[pair % n], grid[(pair // n) % n]                      # every (gate, up) pair of the grid
+    gate, up = grid[pair % n], grid[(pair // n) % n]  # every (gate, up) pair of the grid
     x = torch.eye(tokens, dim)
     w1, w3 = torch.zeros(e, inter, dim), torch.zeros(e, inter, dim)
     for t in range(tokens):
@@ -142,7 +169,7 @@ def swiglu_formula(ctx: Context) -> CheckResult:
         return skipped(f"moe_inter_dim {inter} > dim {cfg.dim}: the identity w2 does not fit")
     x, w1, w2, w3 = _swiglu_probe(cfg, tokens)
     t_ids = torch.arange(tokens)
-    indices = torch.stack([(t_ids + j) % e for j in range(k)], dim=1)   # slot 0: the token's expert
+    indices = torch.stack([(t_ids + j) % e for j in range(k)], dim=1)  # slot 0: the token's expert
     weights = torch.zeros(tokens, k)
     weights[:, 0] = 1.0
     gate = torch.stack([w1[t % e, :, t] for t in range(tokens)])
@@ -154,8 +181,8 @@ def swiglu_formula(ctx: Context) -> CheckResult:
     def judge(got: torch.Tensor, dtype: torch.dtype) -> tuple[float, int]:
         # fp16: half an ulp (2^-11) per rounding as above, and below its normal range (2^-14) values round
         # to multiples of 2^-24: half of that per rounding, twice (silu(-4 L) * u underflows to 0)
-        rtol = {torch.float32: 2.0 ** -20, torch.float16: 2.0 ** -10 + 2.0 ** -16}.get(dtype, 2.0 ** -8 + 2.0 ** -16)
-        atol = 2.0 ** -24 if dtype == torch.float16 else tiny
+        rtol = {torch.float32: 2.0**-20, torch.float16: 2.0**-10 + 2.0**-16}.get(dtype, 2.0**-8 + 2.0**-16)
+        atol = 2.0**-24 if dtype == torch.float16 else tiny
         diff = (got.detach().double().cpu() - want).abs()
         bad = diff > rtol * want.abs() + atol
         ratio = float((diff / (want.abs() + atol)).max())
@@ -166,9 +193,15 @@ def swiglu_formula(ctx: Context) -> CheckResult:
     names = [requested] if requested is not None else ops.backends("moe_experts")
     for be in names:
         for dtype in (torch.float32, torch.bfloat16):
-            inp = {"x": x.to(dev, dtype), "weights": weights.to(dev), "indices": indices.to(dev),
-                   "w1": w1.to(dev, dtype), "w2": w2.to(dev, dtype), "w3": w3.to(dev, dtype),
-                   "swiglu_limit": lim}
+            inp = {
+                "x": x.to(dev, dtype),
+                "weights": weights.to(dev),
+                "indices": indices.to(dev),
+                "w1": w1.to(dev, dtype),
+                "w2": w2.to(dev, dtype),
+                "w3": w3.to(dev, dtype),
+                "swiglu_limit": lim,
+            }
             why = ops.refusal("moe_experts", be, **inp)
             if why is None:
                 break
@@ -179,29 +212,40 @@ def swiglu_formula(ctx: Context) -> CheckResult:
         worst = max(worst, ratio)
         ran.append(f"{be} ({str(dtype).removeprefix('torch.')})")
         if bad:
-            return CheckResult(False, ratio, f"moe_experts backend {be} ({dtype}): {bad} of {want.numel()} "
-                                             f"elements off the clamped-SwiGLU formula (worst relative {ratio:.3g})")
+            return CheckResult(
+                False,
+                ratio,
+                f"moe_experts backend {be} ({dtype}): {bad} of {want.numel()} "
+                f"elements off the clamped-SwiGLU formula (worst relative {ratio:.3g})",
+            )
     for i, layer in enumerate(ctx.model.layers):
         shared = getattr(layer.ffn, "shared_experts", None)
         if shared is None:
             continue
         probe = copy.deepcopy(shared)
         dtype = probe.w1.weight.dtype
-        with torch.no_grad():                # column t of each w is non-zero in one expert only: the sum
-            probe.w1.weight.copy_(w1.sum(0).to(dev, dtype))              # holds every token's values
+        with torch.no_grad():  # column t of each w is non-zero in one expert only: the sum
+            probe.w1.weight.copy_(w1.sum(0).to(dev, dtype))  # holds every token's values
             probe.w3.weight.copy_(w3.sum(0).to(dev, dtype))
             probe.w2.weight.copy_(w2[0].to(dev, dtype))
             got = probe(x.to(dev, dtype))
         ratio, bad = judge(got, dtype)
         worst = max(worst, ratio)
         if bad:
-            return CheckResult(False, ratio, f"layers.{i} shared expert ({dtype}): {bad} elements off the "
-                                             f"clamped-SwiGLU formula (worst relative {ratio:.3g})")
+            return CheckResult(
+                False,
+                ratio,
+                f"layers.{i} shared expert ({dtype}): {bad} elements off the "
+                f"clamped-SwiGLU formula (worst relative {ratio:.3g})",
+            )
         ran.append(f"layers.{i}.shared ({str(dtype).removeprefix('torch.')})")
     note = f"; not run here: {'; '.join(refused)}" if refused else ""
-    return CheckResult(True, worst, f"{len(ran)} expert implementations match silu(min(g, L)) * clamp(u, -L, L) "
-                                    f"per element: {', '.join(ran)}{note}")
-
+    return CheckResult(
+        True,
+        worst,
+        f"{len(ran)} expert implementations match silu(min(g, L)) * clamp(u, -L, L) "
+        f"per element: {', '.join(ran)}{note}",
+    )
 
 
 # ------------------------------------------------------------------------------ decode / indexer
@@ -213,10 +257,13 @@ def teacher_forcing(ctx: Context) -> CheckResult:
     # in their own order, which the FP8/FP4 round trips amplify: the cache machinery is checked on the
     # reference (a backend a mutant planted still runs)
     with ops.use_backend({op: ops.requested(op) or "reference" for op in ops.ops()}):
-        rep = tf(ctx.model, ctx.tokens[:1, :18], prefill=9)                     # decode crosses 4- and 16-groups
+        rep = tf(ctx.model, ctx.tokens[:1, :18], prefill=9)  # decode crosses 4- and 16-groups
     where = f" first at position {rep.first_position}" + (f", stage {rep.first_stage}" if rep.first_stage else "")
-    return CheckResult(rep.ok, rep.max_rel_error, "prefill vs decode logits (reference ops, exact accumulation)"
-                       + ("" if rep.ok else where))
+    return CheckResult(
+        rep.ok,
+        rep.max_rel_error,
+        "prefill vs decode logits (reference ops, exact accumulation)" + ("" if rep.ok else where),
+    )
 
 
 def paged_batching(ctx: Context) -> CheckResult:
@@ -228,10 +275,19 @@ def paged_batching(ctx: Context) -> CheckResult:
     flat = ctx.tokens.flatten().tolist()
     prompts = [flat[:7], flat[7:40], flat[40:61]]
     new = 6
-    choice = {op: ops.requested(op) or "reference" for op in ops.ops()}   # as teacher-forcing
+    choice = {op: ops.requested(op) or "reference" for op in ops.ops()}  # as teacher-forcing
     with ops.use_backend(choice), exact_accumulation(True), torch.no_grad():
-        engine = Engine(ctx.model, EngineConfig(max_seqs=4, max_batch_tokens=9, page_size=16, deterministic=True,
-                                                prefix_caching=False, cuda_graphs=False))
+        engine = Engine(
+            ctx.model,
+            EngineConfig(
+                max_seqs=4,
+                max_batch_tokens=9,
+                page_size=16,
+                deterministic=True,
+                prefix_caching=False,
+                cuda_graphs=False,
+            ),
+        )
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, logprobs=0))
         got: dict[int, list] = {i: [] for i in range(len(prompts))}
@@ -242,19 +298,25 @@ def paged_batching(ctx: Context) -> CheckResult:
         for i, p in enumerate(prompts):
             toks = [lp.token for lp in got[i]]
             seq = torch.tensor([p + toks], device=ctx.device)
-            ref = torch.log_softmax(ctx.model(seq).logits[0, len(p) - 1:-1].double(), -1)   # [new, V]
+            ref = torch.log_softmax(ctx.model(seq).logits[0, len(p) - 1 : -1].double(), -1)  # [new, V]
             for t, lp in enumerate(got[i]):
                 worst = max(worst, abs(lp.logprob - float(ref[t, lp.token])))
                 if float(ref[t, lp.token]) < float(ref[t].max()) - tolerance(ctx.model_dtype, 1e-5):
                     bad.append((i, t))
     ok = not bad and worst <= tolerance(ctx.model_dtype, 1e-4)
-    return CheckResult(ok, worst, "engine with 3 concurrent sequences vs the full forward (greedy tokens, "
-                                  "log-probabilities)" + (f"; non-greedy tokens at {bad[:3]}" if bad else ""))
+    return CheckResult(
+        ok,
+        worst,
+        "engine with 3 concurrent sequences vs the full forward (greedy tokens, "
+        "log-probabilities)" + (f"; non-greedy tokens at {bad[:3]}" if bad else ""),
+    )
 
 
-DRAFT_PROMPTS = ("def read_lines(path):\n    with open(path) as f:\n",
-                 "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-                 "import os\n\n\ndef walk(top):\n    for root, dirs, files in os.walk(top):\n")
+DRAFT_PROMPTS = (
+    "def read_lines(path):\n    with open(path) as f:\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "import os\n\n\ndef walk(top):\n    for root, dirs, files in os.walk(top):\n",
+)
 MIN_ACCEPTANCE = 0.25
 
 
@@ -274,29 +336,34 @@ def draft_acceptance(ctx: Context) -> CheckResult:
     tok = Tokenizer.from_file(path)
     engine = Engine(model, EngineConfig(max_seqs=4, speculative=3, cuda_graphs=False))
     for i, text in enumerate(DRAFT_PROMPTS):
-        engine.add_request(str(i), [tok.bos_id] + tok.encode(text),
-                           SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+        engine.add_request(
+            str(i), [tok.bos_id] + tok.encode(text), SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+        )
     while engine.has_work():
         engine.step()
     st = engine.spec_stats
     rate = st["accepted"] / max(1, st["drafted"])
-    return CheckResult(rate >= MIN_ACCEPTANCE, rate, f"{st['accepted']} of {st['drafted']} drafted tokens accepted "
-                                                       f"(at least {MIN_ACCEPTANCE:.0%} needed)")
+    return CheckResult(
+        rate >= MIN_ACCEPTANCE,
+        rate,
+        f"{st['accepted']} of {st['drafted']} drafted tokens accepted (at least {MIN_ACCEPTANCE:.0%} needed)",
+    )
 
 
 def indexer_padding(ctx: Context) -> CheckResult:
     """Top-k slots past the visible entries are -1; picked entries are visible (j < (t+1)//ratio)."""
     inp = indexer_inputs(s=13, seed=ctx.seed, device=ctx.device, dtype=ctx.dtype("indexer_topk"))
     got = ops.indexer_topk(**inp)
-    visible = (inp["positions"] + 1) // inp["ratio"]                             # [s]
+    visible = (inp["positions"] + 1) // inp["ratio"]  # [s]
     n_vis = visible.view(1, -1, 1)
     slot = torch.arange(got.size(-1), device=got.device).view(1, 1, -1)
     bad_pad = (slot >= n_vis) & (got != -1)
     bad_pick = (slot < n_vis) & ((got < 0) | (got >= n_vis))
     frac = float((bad_pad | bad_pick).float().mean())
     if frac:
-        return CheckResult(False, frac, f"{int(bad_pad.sum())} padding slots not -1, {int(bad_pick.sum())} "
-                                        "picks invisible")
+        return CheckResult(
+            False, frac, f"{int(bad_pad.sum())} padding slots not -1, {int(bad_pick.sum())} picks invisible"
+        )
     want = ref.indexer_topk(**upcast(inp))
-    same = torch.equal(got.sort(-1).values, want.sort(-1).values)                # the order inside a row is free
+    same = torch.equal(got.sort(-1).values, want.sort(-1).values)  # the order inside a row is free
     return CheckResult(same, 0.0, "padding slots -1, picks visible, the reference's picks")

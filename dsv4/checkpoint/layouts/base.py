@@ -46,9 +46,24 @@ CONFIG_FILES = (
 _LAYOUTS: dict[str, Layout] = {}
 
 
-__all__ = ["CONFIG_FILES", "Layout", "LayoutWriter", "config_from_json", "detect", "find_files", "get",
-           "load_config", "logical_numel", "names", "parameter_totals", "raw_config", "register",
-           "release_storage", "unregister", "without_mtp"]
+__all__ = [
+    "CONFIG_FILES",
+    "Layout",
+    "LayoutWriter",
+    "config_from_json",
+    "detect",
+    "find_files",
+    "get",
+    "load_config",
+    "logical_numel",
+    "names",
+    "parameter_totals",
+    "raw_config",
+    "register",
+    "release_storage",
+    "unregister",
+    "without_mtp",
+]
 
 
 def register(cls: type[Layout]) -> type[Layout]:
@@ -149,8 +164,9 @@ class Layout:
         """Whether every rank file holds a full copy of this tensor (only rank 0's is read)."""
         return False
 
-    def gather(self, name: str, spec: Spec, pieces: list[Piece], scales: list[Piece], mp: int,
-               probs: Problems) -> tuple[list[Piece], list[Piece]]:
+    def gather(
+        self, name: str, spec: Spec, pieces: list[Piece], scales: list[Piece], mp: int, probs: Problems
+    ) -> tuple[list[Piece], list[Piece]]:
         """The stored pieces of one official weight and of its block scale, checked for duplicates and
         completeness, in the order they are read."""
         if len(pieces) > 1:
@@ -186,8 +202,9 @@ class Layout:
         """Whether a source tensor that this layout does not hold is dropped silently when writing."""
         return False
 
-    def writer(self, root: Path, cfg: ModelConfig, mp: int, fmt: str, expert_dtype: str | None,
-               shard_bytes: int) -> LayoutWriter:
+    def writer(
+        self, root: Path, cfg: ModelConfig, mp: int, fmt: str, expert_dtype: str | None, shard_bytes: int
+    ) -> LayoutWriter:
         raise CheckpointError(f"dsv4 cannot write the {self.name} layout")
 
     def output_config(self, cfg: ModelConfig, fmt: str, expert_dtype: str | None) -> dict:
@@ -257,8 +274,9 @@ def find_files(path: str | Path) -> tuple[bool, list[Path], int]:
             raise CheckpointError(f"{idx}: not a valid safetensors index ({str(e)[:200]})") from None
         for n in names_:
             if not isinstance(n, str) or not n.endswith(".safetensors"):
-                raise CheckpointError(f"{idx}: not a valid safetensors index (entry {str(n)[:80]!r} is not "
-                                      "a .safetensors file name)")
+                raise CheckpointError(
+                    f"{idx}: not a valid safetensors index (entry {str(n)[:80]!r} is not a .safetensors file name)"
+                )
         files = [_shard(root, n, idx) for n in names_]
         for f in files:
             if not f.exists():

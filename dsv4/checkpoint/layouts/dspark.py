@@ -60,22 +60,27 @@ class DSparkLayout(Layout):
     def configure(self, cfg: ModelConfig, stored_names: list[str], root: Path) -> tuple[ModelConfig, list[str]]:
         found = stages_found(stored_names)
         if not cfg.dspark_block_size:
-            raise CheckpointError(f"{root}: the tensors are a DSpark draft ({len(found)} stages under mtp.*) "
-                                  "but config.json has no dspark_block_size (and the other dspark_* keys)")
+            raise CheckpointError(
+                f"{root}: the tensors are a DSpark draft ({len(found)} stages under mtp.*) "
+                "but config.json has no dspark_block_size (and the other dspark_* keys)"
+            )
         if found and found == list(range(len(found))) and len(found) != cfg.n_mtp_layers:
             try:
                 fixed = with_stages(cfg, len(found))
             except ConfigError as e:
                 raise CheckpointError(f"{root}: {e}") from None
-            return fixed, [f"{root}: config.json describes {cfg.n_mtp_layers} MTP layer(s), the checkpoint "
-                           f"holds {len(found)} DSpark stages: using {len(found)}"]
+            return fixed, [
+                f"{root}: config.json describes {cfg.n_mtp_layers} MTP layer(s), the checkpoint "
+                f"holds {len(found)} DSpark stages: using {len(found)}"
+            ]
         return cfg, []
 
     def tensors(self, cfg: ModelConfig, root: Path | None = None) -> dict:
         return official_tensors(cfg)
 
-    def writer(self, root: Path, cfg: ModelConfig, mp: int, fmt: str, expert_dtype: str | None,
-               shard_bytes: int) -> LayoutWriter:
+    def writer(
+        self, root: Path, cfg: ModelConfig, mp: int, fmt: str, expert_dtype: str | None, shard_bytes: int
+    ) -> LayoutWriter:
         from .release import ReleaseWriter
 
         return ReleaseWriter(root, fmt, expert_dtype, shard_bytes)
@@ -84,10 +89,15 @@ class DSparkLayout(Layout):
         draft: dict[str, Any] = {"kind": "DSpark", "stages_found": stages_found(stored_names)}
         if cfg is not None and cfg.dspark:
             specs = dspark_tensors(cfg)
-            draft.update(stages=cfg.n_mtp_layers, block_size=cfg.dspark_block_size,
-                         noise_token_id=cfg.dspark_noise_token_id,
-                         target_layers=list(cfg.dspark_target_layer_ids), markov_rank=cfg.dspark_markov_rank,
-                         tensors=len(specs), parameters=sum(math.prod(s.shape) for s in specs.values()))
+            draft.update(
+                stages=cfg.n_mtp_layers,
+                block_size=cfg.dspark_block_size,
+                noise_token_id=cfg.dspark_noise_token_id,
+                target_layers=list(cfg.dspark_target_layer_ids),
+                markov_rank=cfg.dspark_markov_rank,
+                tensors=len(specs),
+                parameters=sum(math.prod(s.shape) for s in specs.values()),
+            )
         return {"draft": draft}
 
     def prepare_load(self, p: Plan, mtp: bool = True) -> Plan:

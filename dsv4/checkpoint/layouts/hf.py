@@ -57,8 +57,9 @@ class HFLayout(Layout):
     def skips(self, official: str) -> bool:
         return official.startswith("mtp.")
 
-    def writer(self, root: Path, cfg: ModelConfig, mp: int, fmt: str, expert_dtype: str | None,
-               shard_bytes: int) -> LayoutWriter:
+    def writer(
+        self, root: Path, cfg: ModelConfig, mp: int, fmt: str, expert_dtype: str | None, shard_bytes: int
+    ) -> LayoutWriter:
         return HFWriter(root, cfg, shard_bytes)
 
     def verify_config(self, cfg: ModelConfig) -> ModelConfig | None:

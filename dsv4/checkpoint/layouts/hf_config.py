@@ -40,31 +40,68 @@ def read_config_file(path: str | Path, overrides: dict[str, Any] | None = None) 
 
 # Hugging Face key -> ModelConfig field
 _HF_RENAMES = {
-    "hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
-    "moe_intermediate_size": "moe_inter_dim", "num_experts_per_tok": "n_activated_experts",
-    "scoring_func": "score_func", "routed_scaling_factor": "route_scale", "qk_rope_head_dim": "rope_head_dim",
-    "rms_norm_eps": "norm_eps", "sliding_window": "window_size", "num_hash_layers": "n_hash_layers",
-    "num_nextn_predict_layers": "n_mtp_layers", "max_position_embeddings": "max_seq_len",
-    "vocab_size": "vocab_size", "n_routed_experts": "n_routed_experts", "n_shared_experts": "n_shared_experts",
-    "head_dim": "head_dim", "q_lora_rank": "q_lora_rank", "o_groups": "o_groups", "o_lora_rank": "o_lora_rank",
-    "compress_rope_theta": "compress_rope_theta", "rope_theta": "rope_theta", "index_n_heads": "index_n_heads",
-    "index_head_dim": "index_head_dim", "index_topk": "index_topk", "hc_mult": "hc_mult",
-    "hc_sinkhorn_iters": "hc_sinkhorn_iters", "hc_eps": "hc_eps", "swiglu_limit": "swiglu_limit",
-    "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "expert_dtype": "expert_dtype",
-    "dspark_block_size": "dspark_block_size", "dspark_noise_token_id": "dspark_noise_token_id",
-    "dspark_target_layer_ids": "dspark_target_layer_ids", "dspark_markov_rank": "dspark_markov_rank",
+    "hidden_size": "dim",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "moe_intermediate_size": "moe_inter_dim",
+    "num_experts_per_tok": "n_activated_experts",
+    "scoring_func": "score_func",
+    "routed_scaling_factor": "route_scale",
+    "qk_rope_head_dim": "rope_head_dim",
+    "rms_norm_eps": "norm_eps",
+    "sliding_window": "window_size",
+    "num_hash_layers": "n_hash_layers",
+    "num_nextn_predict_layers": "n_mtp_layers",
+    "max_position_embeddings": "max_seq_len",
+    "vocab_size": "vocab_size",
+    "n_routed_experts": "n_routed_experts",
+    "n_shared_experts": "n_shared_experts",
+    "head_dim": "head_dim",
+    "q_lora_rank": "q_lora_rank",
+    "o_groups": "o_groups",
+    "o_lora_rank": "o_lora_rank",
+    "compress_rope_theta": "compress_rope_theta",
+    "rope_theta": "rope_theta",
+    "index_n_heads": "index_n_heads",
+    "index_head_dim": "index_head_dim",
+    "index_topk": "index_topk",
+    "hc_mult": "hc_mult",
+    "hc_sinkhorn_iters": "hc_sinkhorn_iters",
+    "hc_eps": "hc_eps",
+    "swiglu_limit": "swiglu_limit",
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "expert_dtype": "expert_dtype",
+    "dspark_block_size": "dspark_block_size",
+    "dspark_noise_token_id": "dspark_noise_token_id",
+    "dspark_target_layer_ids": "dspark_target_layer_ids",
+    "dspark_markov_rank": "dspark_markov_rank",
 }
 # Hugging Face keys accepted without effect on the math, with the value they must have (None = any).
 
 
 # Hugging Face keys accepted without effect on the math, with the value they must have (None = any).
 _HF_FIXED: dict[str, Any] = {
-    "architectures": None, "model_type": None, "transformers_version": None, "torch_dtype": None,
-    "dtype": None, "initializer_range": None, "use_cache": None, "attention_dropout": None,
-    "topk_method": None, "output_router_logits": None, "router_aux_loss_coef": None, "pad_token_id": None,
-    "router_jitter_noise": None, "_name_or_path": None,
-    "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "num_key_value_heads": 1,
-    "norm_topk_prob": True, "tie_word_embeddings": False,
+    "architectures": None,
+    "model_type": None,
+    "transformers_version": None,
+    "torch_dtype": None,
+    "dtype": None,
+    "initializer_range": None,
+    "use_cache": None,
+    "attention_dropout": None,
+    "topk_method": None,
+    "output_router_logits": None,
+    "router_aux_loss_coef": None,
+    "pad_token_id": None,
+    "router_jitter_noise": None,
+    "_name_or_path": None,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+    "num_key_value_heads": 1,
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
 }
 # transformers' rotary fraction when a config gives none: qk_rope_head_dim 64 of a 512-dim head
 
@@ -133,7 +170,7 @@ def from_hf(raw: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError("config keys 'layer_types' and 'compress_ratios' disagree")
         if len(ratios) != n_layers:
             raise ConfigError(f"config key 'layer_types': {len(ratios)} entries for num_hidden_layers={n_layers}")
-        compress_ratios = ratios + ([] if compress_ratios is None else list(compress_ratios[len(ratios):]))
+        compress_ratios = ratios + ([] if compress_ratios is None else list(compress_ratios[len(ratios) :]))
     if compress_ratios is not None:
         compress_ratios = list(compress_ratios)
         if len(compress_ratios) == n_layers:
@@ -175,8 +212,10 @@ def _read_rates(v: Any) -> dict[str, int]:
         if not isinstance(r, int) or r < 2:
             raise ConfigError(f"config key 'compress_rates.{t}': must be an integer >= 2, got {r!r}")
         if t == "compressed_sparse_attention" and r != 4:
-            raise ConfigError(f"config key 'compress_rates.{t}': DeepSeek-V4's compressed sparse attention "
-                              f"is defined at rate 4 (overlapping windows, the indexer), got {r}")
+            raise ConfigError(
+                f"config key 'compress_rates.{t}': DeepSeek-V4's compressed sparse attention "
+                f"is defined at rate 4 (overlapping windows, the indexer), got {r}"
+            )
         out[t] = r
     return out
 
@@ -198,8 +237,10 @@ def _read_rotary(kw: dict[str, Any], fraction: Any, nested: dict[str, float]) ->
         kw["rope_head_dim"] = next(iter(dims.values()), int(head_dim * _HF_DEFAULT_ROTARY_FRACTION))
     for key, d in dims.items():
         if d != kw["rope_head_dim"]:
-            raise ConfigError(f"config key '{key}': gives {d} RoPE dims of head_dim {head_dim}, but "
-                              f"qk_rope_head_dim is {kw['rope_head_dim']}")
+            raise ConfigError(
+                f"config key '{key}': gives {d} RoPE dims of head_dim {head_dim}, but "
+                f"qk_rope_head_dim is {kw['rope_head_dim']}"
+            )
 
 
 def _read_yarn(v: Any, key: str) -> dict[str, Any]:
@@ -212,8 +253,19 @@ def _read_yarn(v: Any, key: str) -> dict[str, Any]:
         raise ConfigError(f"config key '{key}': only 'yarn' scaling is defined for DeepSeek-V4, got {kind!r}")
     if kind == "default":
         return {"rope_factor": 1.0, "original_seq_len": 0}
-    known = {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
-             "attention_factor", "mscale", "mscale_all_dim", "rope_theta", "partial_rotary_factor"}
+    known = {
+        "type",
+        "rope_type",
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
+        "rope_theta",
+        "partial_rotary_factor",
+    }
     for k in v:
         if k not in known:
             raise ConfigError(f"unknown config key '{key}.{k}'")
@@ -236,40 +288,73 @@ def to_hf_json(cfg: ModelConfig) -> dict[str, Any]:
     """Hugging Face `config.json` keys (as `DeepseekV4Config` reads them)."""
     heavy = sorted({r for r in cfg.compress_ratios[: cfg.n_layers] if r not in (0, 4)})
     if len(heavy) > 1:
-        raise ConfigError(f"config key 'compress_ratios': a Hugging Face config has one heavy compression "
-                          f"rate, this one has {heavy}")
+        raise ConfigError(
+            f"config key 'compress_ratios': a Hugging Face config has one heavy compression rate, this one has {heavy}"
+        )
     rate = heavy[0] if heavy else 128
     ratio_to_type = {0: "sliding_attention", 4: "compressed_sparse_attention", rate: "heavily_compressed_attention"}
     quant: dict[str, Any] = {}
     if rate != 128:
         quant["compress_rates"] = {"compressed_sparse_attention": 4, "heavily_compressed_attention": rate}
     if cfg.dtype == "fp8":
-        quant["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                        "scale_fmt": cfg.scale_fmt, "weight_block_size": [128, 128]}
+        quant["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "scale_fmt": cfg.scale_fmt,
+            "weight_block_size": [128, 128],
+        }
     if cfg.expert_dtype:
         quant["expert_dtype"] = cfg.expert_dtype
-    return {**quant,
-        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": 1, "head_dim": cfg.head_dim,
-        "qk_rope_head_dim": cfg.rope_head_dim, "q_lora_rank": cfg.q_lora_rank,
-        "o_groups": cfg.o_groups, "o_lora_rank": cfg.o_lora_rank, "sliding_window": cfg.window_size,
+    return {
+        **quant,
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": 1,
+        "head_dim": cfg.head_dim,
+        "qk_rope_head_dim": cfg.rope_head_dim,
+        "q_lora_rank": cfg.q_lora_rank,
+        "o_groups": cfg.o_groups,
+        "o_lora_rank": cfg.o_lora_rank,
+        "sliding_window": cfg.window_size,
         "layer_types": [ratio_to_type[r] for r in cfg.compress_ratios[: cfg.n_layers]],
         "mlp_layer_types": ["hash_moe" if i < cfg.n_hash_layers else "moe" for i in range(cfg.n_layers)],
-        "compress_rope_theta": cfg.compress_rope_theta, "rope_theta": cfg.rope_theta,
-        "rope_scaling": {"type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.beta_fast,
-                         "beta_slow": cfg.beta_slow,
-                         "original_max_position_embeddings": cfg.original_seq_len},
-        "index_n_heads": cfg.index_n_heads, "index_head_dim": cfg.index_head_dim,
-        "index_topk": cfg.index_topk, "n_routed_experts": cfg.n_routed_experts,
-        "n_shared_experts": cfg.n_shared_experts, "num_experts_per_tok": cfg.n_activated_experts,
-        "moe_intermediate_size": cfg.moe_inter_dim, "scoring_func": cfg.score_func,
-        "routed_scaling_factor": cfg.route_scale, "swiglu_limit": cfg.swiglu_limit,
-        "norm_topk_prob": True, "hc_mult": cfg.hc_mult, "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters,
-        "hc_eps": cfg.hc_eps, "rms_norm_eps": cfg.norm_eps,
-        "num_nextn_predict_layers": cfg.n_mtp_layers, "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id, "max_position_embeddings": cfg.max_seq_len,
-        "tie_word_embeddings": False, "hidden_act": "silu", **cfg.dspark_json(),
+        "compress_rope_theta": cfg.compress_rope_theta,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": cfg.rope_factor,
+            "beta_fast": cfg.beta_fast,
+            "beta_slow": cfg.beta_slow,
+            "original_max_position_embeddings": cfg.original_seq_len,
+        },
+        "index_n_heads": cfg.index_n_heads,
+        "index_head_dim": cfg.index_head_dim,
+        "index_topk": cfg.index_topk,
+        "n_routed_experts": cfg.n_routed_experts,
+        "n_shared_experts": cfg.n_shared_experts,
+        "num_experts_per_tok": cfg.n_activated_experts,
+        "moe_intermediate_size": cfg.moe_inter_dim,
+        "scoring_func": cfg.score_func,
+        "routed_scaling_factor": cfg.route_scale,
+        "swiglu_limit": cfg.swiglu_limit,
+        "norm_topk_prob": True,
+        "hc_mult": cfg.hc_mult,
+        "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters,
+        "hc_eps": cfg.hc_eps,
+        "rms_norm_eps": cfg.norm_eps,
+        "num_nextn_predict_layers": cfg.n_mtp_layers,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        **cfg.dspark_json(),
     }
+
 
 # ------------------------------------------------------------------ readers

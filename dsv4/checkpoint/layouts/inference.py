@@ -50,8 +50,9 @@ class InferenceLayout(Layout):
     def replicated(self, official: str) -> bool:
         return official_split_dim(official) is None and expert_index(official) is None
 
-    def gather(self, name: str, spec: Spec, pieces: list[Piece], scales: list[Piece], mp: int,
-               probs: Problems) -> tuple[list[Piece], list[Piece]]:
+    def gather(
+        self, name: str, spec: Spec, pieces: list[Piece], scales: list[Piece], mp: int, probs: Problems
+    ) -> tuple[list[Piece], list[Piece]]:
         split = self.split_dim(name)
         ranks = sorted(p.rank for p in pieces)
         if expert_index(name) is not None:
@@ -79,8 +80,9 @@ class InferenceLayout(Layout):
         if cfg.n_routed_experts % mp:
             raise CheckpointError(f"--mp {mp} does not divide the {cfg.n_routed_experts} routed experts")
 
-    def writer(self, root: Path, cfg: ModelConfig, mp: int, fmt: str, expert_dtype: str | None,
-               shard_bytes: int) -> LayoutWriter:
+    def writer(
+        self, root: Path, cfg: ModelConfig, mp: int, fmt: str, expert_dtype: str | None, shard_bytes: int
+    ) -> LayoutWriter:
         return InferenceWriter(root, cfg, mp)
 
     def output_config(self, cfg: ModelConfig, fmt: str, expert_dtype: str | None) -> dict:
@@ -107,7 +109,9 @@ class InferenceWriter(LayoutWriter):
                     self.out.add(r, sname, t)
                     continue
                 if t.size(dim) % mp or (
-                    sname.endswith(".weight") and t.element_size() == 1 and mp > 1
+                    sname.endswith(".weight")
+                    and t.element_size() == 1
+                    and mp > 1
                     and (t.size(dim) // mp) % fm.FP8_BLOCK
                 ):
                     raise CheckpointError(

@@ -21,8 +21,9 @@ class ReleaseLayout(Layout):
     name = "release"
     description = "release shards (official names, FP8 + E8M0 scales, MXFP4 experts)"
 
-    def writer(self, root: Path, cfg: ModelConfig, mp: int, fmt: str, expert_dtype: str | None,
-               shard_bytes: int) -> LayoutWriter:
+    def writer(
+        self, root: Path, cfg: ModelConfig, mp: int, fmt: str, expert_dtype: str | None, shard_bytes: int
+    ) -> LayoutWriter:
         return ReleaseWriter(root, fmt, expert_dtype, shard_bytes)
 
 

@@ -11,8 +11,17 @@ import importlib
 
 import triton  # noqa: F401  (ImportError here means: no triton backend; dsv4.ops then has none registered)
 
-_MODULES = ("sparse_attention", "indexer", "moe", "mhc", "quant_gemm", "w8a8_gemm", "int8_gemm", "elementwise",
-            "rownorm_rope")
+_MODULES = (
+    "sparse_attention",
+    "indexer",
+    "moe",
+    "mhc",
+    "quant_gemm",
+    "w8a8_gemm",
+    "int8_gemm",
+    "elementwise",
+    "rownorm_rope",
+)
 
 # every module is imported unconditionally: a missing or broken one is an error, never a silently absent op
 for _name in _MODULES:

@@ -46,10 +46,11 @@ def interpreter_defect() -> str | None:
     not used to refuse the whole backend."""
     try:
         int(np.zeros(1, dtype=np.int32))
-        return None                                   # numpy still converts one-element arrays
+        return None  # numpy still converts one-element arrays
     except TypeError:
         pass
     from triton.runtime import interpreter
+
     patch = getattr(interpreter, "_patch_lang_tensor", None)
     try:
         source = inspect.getsource(patch) if patch is not None else ""
@@ -57,9 +58,11 @@ def interpreter_defect() -> str | None:
         source = ""
     if "int(self.handle.data))" not in source:
         return None
-    return (f"the Triton {triton.__version__} CPU interpreter cannot run with numpy {np.__version__} "
-            "(it converts one-element arrays with int(), which numpy 2.4 removed); "
-            "use numpy<2.4 or a newer triton for TRITON_INTERPRET=1")
+    return (
+        f"the Triton {triton.__version__} CPU interpreter cannot run with numpy {np.__version__} "
+        "(it converts one-element arrays with int(), which numpy 2.4 removed); "
+        "use numpy<2.4 or a newer triton for TRITON_INTERPRET=1"
+    )
 
 
 class Kernel:
@@ -79,6 +82,7 @@ class Kernel:
             def run(*args, **kwargs):
                 with _interpretable_lang():
                     return launch(*args, **kwargs)
+
             return run
         if self._jit is None:
             self._jit = triton.jit(self.fn)

@@ -35,8 +35,10 @@ def device_reason(t: torch.Tensor) -> str | None:
         return None if not INTERPRET else "kernels were built for the CPU interpreter (TRITON_INTERPRET=1)"
     if t.device.type == "cpu" and INTERPRET and now:
         return None
-    return (f"tensors are on {t.device.type}; the triton backend needs CUDA (or CPU with TRITON_INTERPRET=1 "
-            f"set before dsv4 is imported)")
+    return (
+        f"tensors are on {t.device.type}; the triton backend needs CUDA (or CPU with TRITON_INTERPRET=1 "
+        f"set before dsv4 is imported)"
+    )
 
 
 @triton.jit

@@ -36,55 +36,74 @@ from ._common import rows_view as _rows
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HADAMARD = 4096
-SQRT_HALF_BITS = tl.constexpr(0x3FE6A09E667F3BCD)   # float64 bits of sqrt(0.5)
+SQRT_HALF_BITS = tl.constexpr(0x3FE6A09E667F3BCD)  # float64 bits of sqrt(0.5)
 
 # output allocator (tests swap in one that poisons the memory with NaN)
 _alloc = torch.empty
 
 
 # ----------------------------------------------------------------------------- kernels
-def _round_trip_kernel(x_ptr, out_ptr, s_ptr, G, nb, n, stride_x, stride_o, stride_s, amax_floor, qmax, inv_qmax,
-                       BLOCK: tl.constexpr, BM: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-                       POW2: tl.constexpr, CODES: tl.constexpr, RNE_BF16: tl.constexpr):
+def _round_trip_kernel(
+    x_ptr,
+    out_ptr,
+    s_ptr,
+    G,
+    nb,
+    n,
+    stride_x,
+    stride_o,
+    stride_s,
+    amax_floor,
+    qmax,
+    inv_qmax,
+    BLOCK: tl.constexpr,
+    BM: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    POW2: tl.constexpr,
+    CODES: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
     """Quantize BM blocks of BLOCK consecutive elements (the last block of a row may be ragged: n is the row
     length); block g is (row g // nb, g % nb). CODES: store the E4M3 bytes and the fp32 block scales
     (`act_quant`), else the dequantized values in out's dtype (the round trip)."""
     pid = tl.program_id(0)
-    g = pid * BM + tl.arange(0, BM)                                         # [BM] block ids
+    g = pid * BM + tl.arange(0, BM)  # [BM] block ids
     gmask = g < G
     row = (g // nb).to(tl.int64)
     col = (g % nb) * BLOCK
     offs = tl.arange(0, BLOCK)
     m2 = gmask[:, None] & ((col[:, None] + offs[None, :]) < n)
-    x = tl.load(x_ptr + row[:, None] * stride_x + col[:, None] + offs[None, :], mask=m2,
-                other=0.0).to(tl.float32)                                   # [BM, BLOCK]
+    x = tl.load(x_ptr + row[:, None] * stride_x + col[:, None] + offs[None, :], mask=m2, other=0.0).to(
+        tl.float32
+    )  # [BM, BLOCK]
     ax = tl.abs(x)
-    finite = ax < float("inf")                                             # False for inf and NaN
+    finite = ax < float("inf")  # False for inf and NaN
     # a NaN or an infinity makes the reference's whole block NaN (amax / scale become NaN or inf)
     bad = tl.min(finite.to(tl.int32), axis=1) == 0
     amax = tl.maximum(tl.max(tl.where(finite, ax, 0.0), axis=1), amax_floor)  # [BM]
-    y = amax * inv_qmax                                                    # fp32, as the reference
+    y = amax * inv_qmax  # fp32, as the reference
     if POW2:
         # 2^ceil(log2 y) from the bit fields: exponent + 1 when any mantissa bit is set
         yb = y.to(tl.int32, bitcast=True)
         c = ((yb >> 23) & 0xFF) + ((yb & 0x7FFFFF) != 0).to(tl.int32) - 127
-        c = tl.minimum(tl.maximum(c, -126), 126)                           # finite blocks: inside
-        scale = ((c + 127) << 23).to(tl.float32, bitcast=True)             # 2^c
-        inv = ((127 - c) << 23).to(tl.float32, bitcast=True)               # 2^-c (c <= 126 here)
-        v = x * inv[:, None]                                               # exact: power-of-two scaling
+        c = tl.minimum(tl.maximum(c, -126), 126)  # finite blocks: inside
+        scale = ((c + 127) << 23).to(tl.float32, bitcast=True)  # 2^c
+        inv = ((127 - c) << 23).to(tl.float32, bitcast=True)  # 2^-c (c <= 126 here)
+        v = x * inv[:, None]  # exact: power-of-two scaling
     else:
         scale = y
-        v = tl.math.div_rn(x, scale[:, None])                              # correctly rounded, as torch
+        v = tl.math.div_rn(x, scale[:, None])  # correctly rounded, as torch
     a = tl.minimum(tl.abs(v), qmax)
     # round |v| to the grid: MBITS mantissa bits above 2^EMIN, a fixed step 2^(EMIN-MBITS) below
     e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     e = tl.maximum(e, EMIN)
-    up = ((127 + MBITS - e) << 23).to(tl.float32, bitcast=True)            # 1 / step
+    up = ((127 + MBITS - e) << 23).to(tl.float32, bitcast=True)  # 1 / step
     step = ((127 - MBITS + e) << 23).to(tl.float32, bitcast=True)
-    t = a * up                                                             # < 2^(MBITS+1), exact
-    r = (t + 8388608.0) - 8388608.0                                        # round to integer, ties to even
+    t = a * up  # < 2^(MBITS+1), exact
+    r = (t + 8388608.0) - 8388608.0  # round to integer, ties to even
     qa = r * step
-    sign = x.to(tl.int32, bitcast=True) & -2147483648                      # 0x80000000
+    sign = x.to(tl.int32, bitcast=True) & -2147483648  # 0x80000000
     if CODES:
         # E4M3 byte of qa: normal (qa >= 2^-6) exponent field E + 7 and the top 3 mantissa bits, else the
         # subnormal step count qa / 2^-9 (the same integer r when e == EMIN)
@@ -93,7 +112,7 @@ def _round_trip_kernel(x_ptr, out_ptr, s_ptr, G, nb, n, stride_x, stride_o, stri
         normal = (ef > 0) & (qa > 0.0)
         mag = tl.where(normal, (ef << 3) | ((qb >> 20) & 7), r.to(tl.int32))
         code = mag | ((sign >> 24) & 0x80)
-        code = tl.where(bad[:, None], 0x7F, code)                          # the NaN byte
+        code = tl.where(bad[:, None], 0x7F, code)  # the NaN byte
         tl.store(out_ptr + row[:, None] * stride_o + col[:, None] + offs[None, :], code.to(tl.uint8), mask=m2)
         sc = tl.where(bad, float("nan"), scale)
         tl.store(s_ptr + row * stride_s + (g % nb), sc, mask=gmask)
@@ -101,17 +120,29 @@ def _round_trip_kernel(x_ptr, out_ptr, s_ptr, G, nb, n, stride_x, stride_o, stri
         q = (qa.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
         out = q * scale[:, None]
         out = tl.where(bad[:, None], float("nan"), out)
-        if RNE_BF16:                     # amax/448 scales: q * s needs rounding; the interpreter truncates
+        if RNE_BF16:  # amax/448 scales: q * s needs rounding; the interpreter truncates
             u = out.to(tl.uint32, bitcast=True)
             u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
             out = u.to(tl.float32, bitcast=True)
-        tl.store(out_ptr + row[:, None] * stride_o + col[:, None] + offs[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=m2)
+        tl.store(
+            out_ptr + row[:, None] * stride_o + col[:, None] + offs[None, :], out.to(out_ptr.dtype.element_ty), mask=m2
+        )
 
 
-def _hadamard_kernel(x_ptr, out_ptr, R, stride_x, stride_o, scale,
-                     N: tl.constexpr, LOGN: tl.constexpr, BR: tl.constexpr, F64: tl.constexpr,
-                     ROUND_ODD: tl.constexpr, RNE_BF16: tl.constexpr):
+def _hadamard_kernel(
+    x_ptr,
+    out_ptr,
+    R,
+    stride_x,
+    stride_o,
+    scale,
+    N: tl.constexpr,
+    LOGN: tl.constexpr,
+    BR: tl.constexpr,
+    F64: tl.constexpr,
+    ROUND_ODD: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
     """out = FWHT(x) * n^-0.5 for BR rows of N elements."""
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)
@@ -123,19 +154,19 @@ def _hadamard_kernel(x_ptr, out_ptr, R, stride_x, stride_o, scale,
         x = x.to(tl.float64)
     else:
         x = x.to(tl.float32)
-    for st in tl.static_range(LOGN):                    # butterfly on index bit st: (i, i + 2^st)
-        x4 = tl.permute(tl.reshape(x, (BR, N >> (st + 1), 2, 1 << st)), (0, 1, 3, 2))   # [BR, N/2h, h, 2]
+    for st in tl.static_range(LOGN):  # butterfly on index bit st: (i, i + 2^st)
+        x4 = tl.permute(tl.reshape(x, (BR, N >> (st + 1), 2, 1 << st)), (0, 1, 3, 2))  # [BR, N/2h, h, 2]
         lo, hi = tl.split(x4)
         x4 = tl.join(lo + hi, lo - hi)
         x = tl.reshape(tl.permute(x4, (0, 1, 3, 2)), (BR, N))
     if F64:
         s = tl.full((1,), 1.0, tl.float64)
-        if LOGN % 2 == 1:                                # n^-0.5 in float64, as Python computes it
+        if LOGN % 2 == 1:  # n^-0.5 in float64, as Python computes it
             s = tl.full((1,), SQRT_HALF_BITS, tl.int64).to(tl.float64, bitcast=True)
         p2 = ((tl.full((1,), 1023 - LOGN // 2, tl.int64)) << 52).to(tl.float64, bitcast=True)
         x = x * (s * p2)[:, None]
         y = x.to(tl.float32)
-        if ROUND_ODD:       # narrower output: fp64 -> fp32 rounds to odd, so the final rounding is single
+        if ROUND_ODD:  # narrower output: fp64 -> fp32 rounds to odd, so the final rounding is single
             mag = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
             over = tl.abs(y.to(tl.float64)) > tl.abs(x)
             mag = tl.where(over & (mag > 0), mag - 1, mag)
@@ -145,18 +176,39 @@ def _hadamard_kernel(x_ptr, out_ptr, R, stride_x, stride_o, scale,
             y = (mag | (y.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
     else:
         y = x * scale
-    if RNE_BF16:                                         # the interpreter truncates fp32 -> bf16
+    if RNE_BF16:  # the interpreter truncates fp32 -> bf16
         u = y.to(tl.uint32, bitcast=True)
         u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
         y = u.to(tl.float32, bitcast=True)
-    tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=rmask[:, None])
+    tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
-def _pool_kernel(kv_ptr, sc_ptr, g_ptr, out_ptr, dkv_ptr, dsc_ptr, C,
-                 skv_g, skv_s, ssc_g, ssc_s, sg_g, so_g, sdkv_g, sdkv_s, sdsc_g, sdsc_s,
-                 S: tl.constexpr, SP: tl.constexpr, BC: tl.constexpr, BACKWARD: tl.constexpr,
-                 F64: tl.constexpr, INTERP: tl.constexpr, RNE_BF16: tl.constexpr):
+def _pool_kernel(
+    kv_ptr,
+    sc_ptr,
+    g_ptr,
+    out_ptr,
+    dkv_ptr,
+    dsc_ptr,
+    C,
+    skv_g,
+    skv_s,
+    ssc_g,
+    ssc_s,
+    sg_g,
+    so_g,
+    sdkv_g,
+    sdkv_s,
+    sdsc_g,
+    sdsc_s,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    BC: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    F64: tl.constexpr,
+    INTERP: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
     """Softmax over the S slots of score[g, :, c-tile], then the weighted sum of kv (or its gradients)."""
     pid_g = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
@@ -172,24 +224,24 @@ def _pool_kernel(kv_ptr, sc_ptr, g_ptr, out_ptr, dkv_ptr, dsc_ptr, C,
     else:
         sc = sc.to(tl.float32)
         kv = kv.to(tl.float32)
-    sc = tl.where(cmask[None, :], sc, 0.0)              # padded channels: finite, never stored
-    mx = tl.max(sc, axis=0)                                                 # [BC]
+    sc = tl.where(cmask[None, :], sc, 0.0)  # padded channels: finite, never stored
+    mx = tl.max(sc, axis=0)  # [BC]
     z = sc - mx[None, :]
     if INTERP:
         p = tl.exp(z)
     else:
         p = libdevice.exp(z)
     if F64:
-        w = p / tl.sum(p, axis=0)[None, :]                                  # [SP, BC] softmax weights
+        w = p / tl.sum(p, axis=0)[None, :]  # [SP, BC] softmax weights
     else:
-        w = tl.math.div_rn(p, tl.sum(p, axis=0)[None, :])                   # (IEEE, not div.full)
+        w = tl.math.div_rn(p, tl.sum(p, axis=0)[None, :])  # (IEEE, not div.full)
     if BACKWARD:
         g = tl.load(g_ptr + pid_g * sg_g + cs, mask=cmask, other=0.0)
         if F64:
             g = g.to(tl.float64)
         else:
             g = g.to(tl.float32)
-        dw = g[None, :] * kv                                                # d loss / d w
+        dw = g[None, :] * kv  # d loss / d w
         dsc = w * (dw - tl.sum(dw * w, axis=0)[None, :])
         dkv = g[None, :] * w
         if RNE_BF16:
@@ -197,12 +249,14 @@ def _pool_kernel(kv_ptr, sc_ptr, g_ptr, out_ptr, dkv_ptr, dsc_ptr, C,
             dkv = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
             u = dsc.to(tl.float32).to(tl.uint32, bitcast=True)
             dsc = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-        tl.store(dkv_ptr + pid_g * sdkv_g + ss[:, None] * sdkv_s + cs[None, :],
-                 dkv.to(dkv_ptr.dtype.element_ty), mask=m2)
-        tl.store(dsc_ptr + pid_g * sdsc_g + ss[:, None] * sdsc_s + cs[None, :],
-                 dsc.to(dsc_ptr.dtype.element_ty), mask=m2)
+        tl.store(
+            dkv_ptr + pid_g * sdkv_g + ss[:, None] * sdkv_s + cs[None, :], dkv.to(dkv_ptr.dtype.element_ty), mask=m2
+        )
+        tl.store(
+            dsc_ptr + pid_g * sdsc_g + ss[:, None] * sdsc_s + cs[None, :], dsc.to(dsc_ptr.dtype.element_ty), mask=m2
+        )
     else:
-        y = tl.sum(kv * w, axis=0)                                          # [BC]
+        y = tl.sum(kv * w, axis=0)  # [BC]
         if RNE_BF16:
             u = y.to(tl.float32).to(tl.uint32, bitcast=True)
             y = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
@@ -217,7 +271,6 @@ _pool_k = Kernel(_pool_kernel)
 def _launch_opts() -> dict:
     """Compiled kernels link libdevice without flush-to-zero, like nvcc's (and torch's) log2f / expf."""
     return {} if interpret_mode() or torch.version.hip else {"enable_reflect_ftz": False}
-
 
 
 # ----------------------------------------------------------------------------- round trips
@@ -244,9 +297,28 @@ def _quant_launch(x: torch.Tensor, block: int, fp4: bool, pow2: bool, codes: boo
     else:
         floor, qmax, mbits, emin = 1e-4, FP8_E4M3_MAX, 3, -6
     _rt_k[(triton.cdiv(blocks, bm),)](
-        x2, o2, s2, blocks, nb, n, x2.stride(0), o2.stride(0), s2.stride(0), floor, qmax, 1.0 / qmax,
-        BLOCK=block, BM=bm, MBITS=mbits, EMIN=emin, POW2=pow2, CODES=codes,
-        RNE_BF16=interpret_mode() and x.dtype == torch.bfloat16 and not codes, num_warps=4, **_launch_opts())
+        x2,
+        o2,
+        s2,
+        blocks,
+        nb,
+        n,
+        x2.stride(0),
+        o2.stride(0),
+        s2.stride(0),
+        floor,
+        qmax,
+        1.0 / qmax,
+        BLOCK=block,
+        BM=bm,
+        MBITS=mbits,
+        EMIN=emin,
+        POW2=pow2,
+        CODES=codes,
+        RNE_BF16=interpret_mode() and x.dtype == torch.bfloat16 and not codes,
+        num_warps=4,
+        **_launch_opts(),
+    )
     return (out, sc) if codes else out
 
 
@@ -306,7 +378,7 @@ def _round_trip_can_run(x: torch.Tensor, block: int = 32) -> str | None:
         return reason
     if block < 1 or block & (block - 1) or block > 4096:
         return f"block {block} is not a power of two in [1, 4096]"
-    return None   # FP4: a last dim that is not a multiple of block raises the reference's ValueError
+    return None  # FP4: a last dim that is not a multiple of block raises the reference's ValueError
 
 
 def _fp8_can_run(x: torch.Tensor, block: int = 64, pow2: bool = True) -> str | None:
@@ -335,9 +407,20 @@ def _hadamard_forward(x: torch.Tensor) -> torch.Tensor:
     f64 = acc_dtype() == torch.float64
     br = max(1, min(max(1, 2048 // n), triton.next_power_of_2(rows)))
     _had_k[(triton.cdiv(rows, br),)](
-        x2, o2, rows, x2.stride(0), o2.stride(0), n**-0.5, N=n, LOGN=n.bit_length() - 1, BR=br, F64=f64,
+        x2,
+        o2,
+        rows,
+        x2.stride(0),
+        o2.stride(0),
+        n**-0.5,
+        N=n,
+        LOGN=n.bit_length() - 1,
+        BR=br,
+        F64=f64,
         ROUND_ODD=f64 and x.dtype != torch.float32,
-        RNE_BF16=interpret_mode() and x.dtype == torch.bfloat16, num_warps=4)
+        RNE_BF16=interpret_mode() and x.dtype == torch.bfloat16,
+        num_warps=4,
+    )
     return out
 
 
@@ -395,9 +478,34 @@ def _pool_launch(kv: torch.Tensor, score: torch.Tensor, grad: torch.Tensor | Non
         if out.numel() == 0:
             return out
         o2 = out.view(-1, c)
-        _pool_k[grid](kv3, sc3, o2, o2, o2, o2, c, kv3.stride(0), kv3.stride(1), sc3.stride(0), sc3.stride(1),
-                    0, o2.stride(0), 0, 0, 0, 0, S=slots, SP=sp, BC=bc, BACKWARD=False, F64=f64, INTERP=interp,
-                    RNE_BF16=interp and kv.dtype == torch.bfloat16, num_warps=4, **_launch_opts())
+        _pool_k[grid](
+            kv3,
+            sc3,
+            o2,
+            o2,
+            o2,
+            o2,
+            c,
+            kv3.stride(0),
+            kv3.stride(1),
+            sc3.stride(0),
+            sc3.stride(1),
+            0,
+            o2.stride(0),
+            0,
+            0,
+            0,
+            0,
+            S=slots,
+            SP=sp,
+            BC=bc,
+            BACKWARD=False,
+            F64=f64,
+            INTERP=interp,
+            RNE_BF16=interp and kv.dtype == torch.bfloat16,
+            num_warps=4,
+            **_launch_opts(),
+        )
         return out
     dkv = _alloc(kv.shape, dtype=kv.dtype, device=kv.device)
     dsc = _alloc(score.shape, dtype=score.dtype, device=score.device)
@@ -409,10 +517,34 @@ def _pool_launch(kv: torch.Tensor, score: torch.Tensor, grad: torch.Tensor | Non
     bf16 = interp and (kv.dtype == torch.bfloat16 or score.dtype == torch.bfloat16)
     if bf16 and kv.dtype != score.dtype:
         raise RuntimeError("compress_pool: mixed bf16 / non-bf16 inputs are not supported under the interpreter")
-    _pool_k[grid](kv3, sc3, g2, g2, dkv3, dsc3, c, kv3.stride(0), kv3.stride(1), sc3.stride(0), sc3.stride(1),
-                g2.stride(0), 0, dkv3.stride(0), dkv3.stride(1), dsc3.stride(0), dsc3.stride(1),
-                S=slots, SP=sp, BC=bc, BACKWARD=True, F64=f64, INTERP=interp, RNE_BF16=bf16, num_warps=4,
-                **_launch_opts())
+    _pool_k[grid](
+        kv3,
+        sc3,
+        g2,
+        g2,
+        dkv3,
+        dsc3,
+        c,
+        kv3.stride(0),
+        kv3.stride(1),
+        sc3.stride(0),
+        sc3.stride(1),
+        g2.stride(0),
+        0,
+        dkv3.stride(0),
+        dkv3.stride(1),
+        dsc3.stride(0),
+        dsc3.stride(1),
+        S=slots,
+        SP=sp,
+        BC=bc,
+        BACKWARD=True,
+        F64=f64,
+        INTERP=interp,
+        RNE_BF16=bf16,
+        num_warps=4,
+        **_launch_opts(),
+    )
     return dkv, dsc
 
 

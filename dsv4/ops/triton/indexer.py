@@ -33,41 +33,76 @@ from ._common import FLOAT_DTYPES, Kernel, device_reason, dot_precision, dot_typ
 
 
 # ----------------------------------------------------------------------------- kernels
-def _score_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, S, H, N, D, ratio, row_lo, n_rows, out_bstride,
-                  pos_bstride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  PREC: tl.constexpr, DOT_T: tl.constexpr):
+def _score_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    pos_ptr,
+    out_ptr,
+    S,
+    H,
+    N,
+    D,
+    ratio,
+    row_lo,
+    n_rows,
+    out_bstride,
+    pos_bstride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr,
+    DOT_T: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)            # rows of this chunk
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of this chunk
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < n_rows
     n_ok = offs_n < N
     d_ok = offs_d < D
-    t = (row_lo + offs_m).to(tl.int64)                          # query index in the sequence
-    pos = tl.load(pos_ptr + b * pos_bstride + t, mask=m_ok, other=0)   # positions [s] (stride 0) or [b, s]
-    lim = tl.where(m_ok, tl.maximum(pos + 1, 0) // ratio, 0)   # visible: j < lim (position -1: none)
+    t = (row_lo + offs_m).to(tl.int64)  # query index in the sequence
+    pos = tl.load(pos_ptr + b * pos_bstride + t, mask=m_ok, other=0)  # positions [s] (stride 0) or [b, s]
+    lim = tl.where(m_ok, tl.maximum(pos + 1, 0) // ratio, 0)  # visible: j < lim (position -1: none)
     n_heads = tl.where(pid_n * BLOCK_N < tl.max(lim, 0), H, 0)  # skip tiles no query can see
-    kt = tl.load(k_ptr + (b * N + offs_n[:, None]) * D + offs_d[None, :],
-                 mask=n_ok[:, None] & d_ok[None, :], other=0.0)                         # [BN, BD]
+    kt = tl.load(
+        k_ptr + (b * N + offs_n[:, None]) * D + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
+    )  # [BN, BD]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    row = (b * S + t) * H                                                                # [BM]
+    row = (b * S + t) * H  # [BM]
     for hh in range(0, n_heads):
-        qh = tl.load(q_ptr + (row[:, None] + hh) * D + offs_d[None, :],
-                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)                      # [BM, BD]
-        wh = tl.load(w_ptr + row + hh, mask=m_ok, other=0.0).to(tl.float32)             # [BM]
-        a = tl.dot(qh.to(DOT_T), tl.trans(kt.to(DOT_T)), input_precision=PREC)          # [BM, BN]
+        qh = tl.load(
+            q_ptr + (row[:, None] + hh) * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0
+        )  # [BM, BD]
+        wh = tl.load(w_ptr + row + hh, mask=m_ok, other=0.0).to(tl.float32)  # [BM]
+        a = tl.dot(qh.to(DOT_T), tl.trans(kt.to(DOT_T)), input_precision=PREC)  # [BM, BN]
         acc += tl.maximum(a, 0.0) * wh[:, None]
     vis = offs_n[None, :] < lim[:, None]
     out = tl.where(vis, acc, float("-inf"))
-    tl.store(out_ptr + b * out_bstride + offs_m[:, None] * N + offs_n[None, :], out,
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptr + b * out_bstride + offs_m[:, None] * N + offs_n[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _bwd_q_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, g_ptr, dq_ptr, dw_ptr, S, H, N, D, ratio,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  PREC: tl.constexpr, DOT_T: tl.constexpr):
+def _bwd_q_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    pos_ptr,
+    g_ptr,
+    dq_ptr,
+    dw_ptr,
+    S,
+    H,
+    N,
+    D,
+    ratio,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr,
+    DOT_T: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     hh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -78,7 +113,7 @@ def _bwd_q_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, g_ptr, dq_ptr, dw_ptr, S, H, N, 
     t = offs_m.to(tl.int64)
     pos = tl.load(pos_ptr + t, mask=m_ok, other=0)
     lim = tl.where(m_ok, tl.minimum((pos + 1) // ratio, N), 0)
-    row = (b * S + t) * H + hh                                                           # [BM]
+    row = (b * S + t) * H + hh  # [BM]
     qh = tl.load(q_ptr + row[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     wh = tl.load(w_ptr + row, mask=m_ok, other=0.0).to(tl.float32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -86,22 +121,41 @@ def _bwd_q_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, g_ptr, dq_ptr, dw_ptr, S, H, N, 
     for start in range(0, tl.max(lim, 0), BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        kt = tl.load(k_ptr + (b * N + offs_n[:, None]) * D + offs_d[None, :],
-                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)                     # [BN, BD]
+        kt = tl.load(
+            k_ptr + (b * N + offs_n[:, None]) * D + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
+        )  # [BN, BD]
         vis = offs_n[None, :] < lim[:, None]
         g = tl.load(g_ptr + (b * S + t[:, None]) * N + offs_n[None, :], mask=vis, other=0.0)  # [BM, BN]
         a = tl.dot(qh.to(DOT_T), tl.trans(kt.to(DOT_T)), input_precision=PREC)
         dw += tl.sum(g * tl.maximum(a, 0.0), 1)
         ga = tl.where(a > 0.0, g * wh[:, None], 0.0)
         dq += tl.dot(ga.to(kt.dtype).to(DOT_T), kt.to(DOT_T), input_precision=PREC)
-    tl.store(dq_ptr + row[:, None] * D + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(
+        dq_ptr + row[:, None] * D + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :]
+    )
     tl.store(dw_ptr + row, dw.to(dw_ptr.dtype.element_ty), mask=m_ok)
 
 
-def _bwd_k_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, g_ptr, dk_ptr, S, H, N, D, ratio, B, rows_per_split,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  PREC: tl.constexpr, DOT_T: tl.constexpr):
+def _bwd_k_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    pos_ptr,
+    g_ptr,
+    dk_ptr,
+    S,
+    H,
+    N,
+    D,
+    ratio,
+    B,
+    rows_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr,
+    DOT_T: tl.constexpr,
+):
     """Partial dk of key tile pid_n from the queries of split pid_split -> dk_ptr[pid_split, b] (fp32)."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -112,8 +166,9 @@ def _bwd_k_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, g_ptr, dk_ptr, S, H, N, D, ratio
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < N
     d_ok = offs_d < D
-    kt = tl.load(k_ptr + (b * N + offs_n[:, None]) * D + offs_d[None, :],
-                 mask=n_ok[:, None] & d_ok[None, :], other=0.0)                         # [BN, BD]
+    kt = tl.load(
+        k_ptr + (b * N + offs_n[:, None]) * D + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
+    )  # [BN, BD]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for mstart in range(m_lo, m_hi, BLOCK_M):
         offs_m = mstart + tl.arange(0, BLOCK_M)
@@ -126,14 +181,18 @@ def _bwd_k_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, g_ptr, dk_ptr, S, H, N, D, ratio
         n_heads = tl.where(pid_n * BLOCK_N < tl.max(lim, 0), H, 0)
         for hh in range(0, n_heads):
             row = (b * S + t) * H + hh
-            qh = tl.load(q_ptr + row[:, None] * D + offs_d[None, :],
-                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)                 # [BM, BD]
+            qh = tl.load(
+                q_ptr + row[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0
+            )  # [BM, BD]
             wh = tl.load(w_ptr + row, mask=m_ok, other=0.0).to(tl.float32)
-            a = tl.dot(qh.to(DOT_T), tl.trans(kt.to(DOT_T)), input_precision=PREC)      # [BM, BN]
+            a = tl.dot(qh.to(DOT_T), tl.trans(kt.to(DOT_T)), input_precision=PREC)  # [BM, BN]
             ga = tl.where(a > 0.0, g * wh[:, None], 0.0)
             dk += tl.dot(tl.trans(ga.to(qh.dtype).to(DOT_T)), qh.to(DOT_T), input_precision=PREC)
-    tl.store(dk_ptr + ((pid_split * B + b) * N + offs_n[:, None]) * D + offs_d[None, :], dk,
-             mask=n_ok[:, None] & d_ok[None, :])
+    tl.store(
+        dk_ptr + ((pid_split * B + b) * N + offs_n[:, None]) * D + offs_d[None, :],
+        dk,
+        mask=n_ok[:, None] & d_ok[None, :],
+    )
 
 
 _score = Kernel(_score_kernel)
@@ -157,8 +216,9 @@ def _block_d(d: int) -> int:
 
 
 # ----------------------------------------------------------------------------- forward / backward
-def _scores_rows(q, k, weights, positions, ratio: int, row_lo: int, n_rows: int,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+def _scores_rows(
+    q, k, weights, positions, ratio: int, row_lo: int, n_rows: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Scores of query rows [row_lo, row_lo + n_rows) -> [b, n_rows, n] fp32 (contiguous inputs).
 
     `out` may be a view whose rows are contiguous (e.g. `buf[:, :rows]` of a [b, chunk, n] buffer)."""
@@ -166,16 +226,38 @@ def _scores_rows(q, k, weights, positions, ratio: int, row_lo: int, n_rows: int,
     n = k.size(1)
     if out is None:
         out = torch.empty(b, n_rows, n, dtype=torch.float32, device=q.device)
-    if out.shape != (b, n_rows, n) or out.dtype != torch.float32 or (n_rows > 1 and out.stride(1) != n) or (
-            n > 1 and out.stride(2) != 1):
+    if (
+        out.shape != (b, n_rows, n)
+        or out.dtype != torch.float32
+        or (n_rows > 1 and out.stride(1) != n)
+        or (n > 1 and out.stride(2) != 1)
+    ):
         raise ValueError("out must be [b, rows, n] fp32 with contiguous rows")
     if b * n_rows * n == 0:
         return out
     cfg = _opts(SCORE_CONFIG)
     grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), b)
     pos_bstride = positions.stride(0) if positions.dim() == 2 else 0
-    _score[grid](q, k, weights, positions, out, s, h, n, d, int(ratio), row_lo, n_rows, out.stride(0), pos_bstride,
-                 BLOCK_D=_block_d(d), PREC=dot_precision(q.dtype), DOT_T=dot_type(q.dtype), **cfg)
+    _score[grid](
+        q,
+        k,
+        weights,
+        positions,
+        out,
+        s,
+        h,
+        n,
+        d,
+        int(ratio),
+        row_lo,
+        n_rows,
+        out.stride(0),
+        pos_bstride,
+        BLOCK_D=_block_d(d),
+        PREC=dot_precision(q.dtype),
+        DOT_T=dot_type(q.dtype),
+        **cfg,
+    )
     return out
 
 
@@ -196,16 +278,18 @@ def indexer_scores_bwd(q, k, weights, positions, ratio: int, g: torch.Tensor):
         return dq.zero_(), torch.zeros_like(k), dw.zero_()
     cfg = _opts(BWD_CONFIG)
     common = {"BLOCK_D": _block_d(d), "PREC": dot_precision(q.dtype), "DOT_T": dot_type(q.dtype), **cfg}
-    _bwd_q[(triton.cdiv(s, cfg["BLOCK_M"]), h, b)](q, k, weights, positions, g, dq, dw, s, h, n, d,
-                                                    int(ratio), **common)
+    _bwd_q[(triton.cdiv(s, cfg["BLOCK_M"]), h, b)](
+        q, k, weights, positions, g, dq, dw, s, h, n, d, int(ratio), **common
+    )
     # key tiles alone are too few programs to fill the device: split the queries too and sum the parts
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"]) * b
     splits = max(1, min(triton.cdiv(2 * num_sms(q.device), n_tiles), triton.cdiv(s, cfg["BLOCK_M"])))
     rows = triton.cdiv(triton.cdiv(s, splits), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
     splits = triton.cdiv(s, rows)
     dk_part = torch.empty(splits, b, n, d, dtype=torch.float32, device=q.device)
-    _bwd_k[(triton.cdiv(n, cfg["BLOCK_N"]), b, splits)](q, k, weights, positions, g, dk_part, s, h, n, d,
-                                                        int(ratio), b, rows, **common)
+    _bwd_k[(triton.cdiv(n, cfg["BLOCK_N"]), b, splits)](
+        q, k, weights, positions, g, dk_part, s, h, n, d, int(ratio), b, rows, **common
+    )
     dk = dk_part.sum(0).to(k.dtype)
     return dq, dk, dw
 
@@ -225,16 +309,18 @@ class _IndexerScores(torch.autograd.Function):
         return dq if need[0] else None, dk if need[1] else None, dw if need[2] else None, None, None
 
 
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
-                   ratio: int) -> torch.Tensor:
+def indexer_scores(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, ratio: int
+) -> torch.Tensor:
     """Triton backend of `dsv4.ops.indexer_scores` (differentiable in q, k and weights)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or weights.requires_grad):
         return _IndexerScores.apply(q, k, weights, positions, ratio)
     return indexer_scores_fwd(q, k, weights, positions, ratio)
 
 
-def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
-                 ratio: int, topk: int) -> torch.Tensor:
+def indexer_topk(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int
+) -> torch.Tensor:
     """Triton backend of `dsv4.ops.indexer_topk`: chunked fused scoring, then per-row top-k."""
     with torch.no_grad():
         q, k, weights = q.contiguous(), k.contiguous(), weights.contiguous()
@@ -250,7 +336,7 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positi
         for lo in range(0, s, chunk):
             rows = min(chunk, s - lo)
             score = _scores_rows(q, k, weights, positions, ratio, lo, rows, out=buf[:, :rows])
-            out[:, lo:lo + rows] = _ref.select_topk(score, kk)
+            out[:, lo : lo + rows] = _ref.select_topk(score, kk)
         return out
 
 
@@ -259,11 +345,17 @@ def _can_run(q, k, weights, positions, ratio, *_args, row_positions: bool = Fals
     if reason:
         return reason
     if q.dim() != 4 or k.dim() != 3 or weights.dim() != 3 or positions.dim() not in ((1, 2) if row_positions else (1,)):
-        return ("expected q [b, s, h, d], k [b, n, d], weights [b, s, h], positions [s]"
-                + (" or [b, s]" if row_positions else " (per-row positions [b, s]: top-k only)"))
+        return "expected q [b, s, h, d], k [b, n, d], weights [b, s, h], positions [s]" + (
+            " or [b, s]" if row_positions else " (per-row positions [b, s]: top-k only)"
+        )
     b, s, h, d = q.shape
-    if k.size(0) != b or k.size(2) != d or weights.shape != (b, s, h) or positions.shape[-1] != s or (
-            positions.dim() == 2 and positions.size(0) != b):
+    if (
+        k.size(0) != b
+        or k.size(2) != d
+        or weights.shape != (b, s, h)
+        or positions.shape[-1] != s
+        or (positions.dim() == 2 and positions.size(0) != b)
+    ):
         return "shape mismatch between q, k, weights and positions"
     if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or weights.dtype not in FLOAT_DTYPES:
         return f"dtypes q={q.dtype} k={k.dtype} weights={weights.dtype} (q, k: one of bf16/fp16/fp32)"
@@ -284,6 +376,5 @@ def can_run_topk(q, k, weights, positions, ratio, topk) -> str | None:
     return _can_run(q, k, weights, positions, ratio, row_positions=True)
 
 
-_ops.register("indexer_scores", "triton", indexer_scores, can_run=can_run_scores, deterministic=True,
-              priority=10)
+_ops.register("indexer_scores", "triton", indexer_scores, can_run=can_run_scores, deterministic=True, priority=10)
 _ops.register("indexer_topk", "triton", indexer_topk, can_run=can_run_topk, deterministic=True, priority=10)

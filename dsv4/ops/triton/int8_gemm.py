@@ -35,9 +35,25 @@ OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _int8_mm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm, M_BUCKET,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                    UPCAST: tl.constexpr):
+def _int8_mm_kernel(
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    M_BUCKET,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """C [M, N] = fp32(A . B^T as INT32) * a_scale[m] * b_scale[n]; A [M, K], B [N, K] int8."""
     pid_m, pid_n = grouped_tile(M, N, BM, BN, GROUP)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -48,24 +64,47 @@ def _int8_mm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, str
     acc = tl.zeros((BM, BN), dtype=tl.int32)
     for k0 in range(0, K, BK):
         kmask = (k0 + ks) < K
-        a = tl.load(a_ptr + rm[:, None] * stride_am + (k0 + ks)[None, :], mask=mmask[:, None] & kmask[None, :],
-                    other=0)
-        b = tl.load(b_ptr + rn[None, :] * stride_bn + (k0 + ks)[:, None], mask=kmask[:, None] & nmask[None, :],
-                    other=0)                                                          # [BK, BN]
+        a = tl.load(a_ptr + rm[:, None] * stride_am + (k0 + ks)[None, :], mask=mmask[:, None] & kmask[None, :], other=0)
+        b = tl.load(
+            b_ptr + rn[None, :] * stride_bn + (k0 + ks)[:, None], mask=kmask[:, None] & nmask[None, :], other=0
+        )  # [BK, BN]
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
     sa = tl.load(as_ptr + rm, mask=mmask, other=0.0)
     sb = tl.load(bs_ptr + rn, mask=nmask, other=0.0)
     y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], round_to(y, c_ptr.dtype.element_ty, UPCAST),
-             mask=mmask[:, None] & nmask[None, :])
+    tl.store(
+        c_ptr + rm[:, None] * stride_cm + rn[None, :],
+        round_to(y, c_ptr.dtype.element_ty, UPCAST),
+        mask=mmask[:, None] & nmask[None, :],
+    )
 
 
 @triton.jit
-def _int8_gmm_kernel(a_ptr, as_ptr, a_idx_ptr, b_ptr, bs_ptr, c_ptr, c_idx_ptr,
-                     tile_group_ptr, tile_row_ptr, tile_end_ptr, N, K, n_groups,
-                     stride_am, stride_be, stride_bn, stride_bse, stride_cm,
-                     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _int8_gmm_kernel(
+    a_ptr,
+    as_ptr,
+    a_idx_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    c_idx_ptr,
+    tile_group_ptr,
+    tile_row_ptr,
+    tile_end_ptr,
+    N,
+    K,
+    n_groups,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_bse,
+    stride_cm,
+    GATHER_A: tl.constexpr,
+    SCATTER_C: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     """C[r] = fp32(A[r] . W[g]^T as INT32) * a_scale[r] * w_scale[g, n] for the rows r of group g (fp32
     output); rows of the foreign bucket (g >= n_groups) are written as zeros."""
     pid_n = tl.program_id(0)
@@ -85,7 +124,7 @@ def _int8_gmm_kernel(a_ptr, as_ptr, a_idx_ptr, b_ptr, bs_ptr, c_ptr, c_idx_ptr,
         out_rows = rows.to(tl.int64)
     c_ptrs = c_ptr + out_rows[:, None] * stride_cm + rn[None, :]
     smask = rmask[:, None] & nmask[None, :]
-    if g >= n_groups:                           # slots of other ranks' experts: defined zeros
+    if g >= n_groups:  # slots of other ranks' experts: defined zeros
         tl.store(c_ptrs, tl.zeros((BM, BN), dtype=tl.float32), mask=smask)
         return
     if GATHER_A:
@@ -97,10 +136,12 @@ def _int8_gmm_kernel(a_ptr, as_ptr, a_idx_ptr, b_ptr, bs_ptr, c_ptr, c_idx_ptr,
     acc = tl.zeros((BM, BN), dtype=tl.int32)
     for k0 in range(0, K, BK):
         kmask = (k0 + ks) < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :],
-                    mask=rmask[:, None] & kmask[None, :], other=0)
-        b = tl.load(b_base + rn[None, :] * stride_bn + (k0 + ks)[:, None], mask=kmask[:, None] & nmask[None, :],
-                    other=0)
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :], other=0
+        )
+        b = tl.load(
+            b_base + rn[None, :] * stride_bn + (k0 + ks)[:, None], mask=kmask[:, None] & nmask[None, :], other=0
+        )
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
     sa = tl.load(as_ptr + a_rows, mask=rmask, other=0.0)
     sb = tl.load(bs_ptr + g.to(tl.int64) * stride_bse + rn, mask=nmask, other=0.0)
@@ -111,9 +152,16 @@ _CONFIGS = [
     triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP": 8}, num_warps=w, num_stages=s)
     # row tiles of 16 for decode (weight-bound: narrow column tiles spread the weight over the SMs), larger
     # tiles for prefill
-    for bm, bn, bk, w, s in ((16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (16, 128, 128, 4, 4), (32, 64, 256, 4, 4),
-                             (64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 128, 128, 8, 3),
-                             (128, 256, 128, 8, 3))
+    for bm, bn, bk, w, s in (
+        (16, 32, 256, 4, 4),
+        (16, 64, 256, 4, 4),
+        (16, 128, 128, 4, 4),
+        (32, 64, 256, 4, 4),
+        (64, 64, 128, 4, 4),
+        (64, 128, 128, 4, 4),
+        (128, 128, 128, 8, 3),
+        (128, 256, 128, 8, 3),
+    )
 ]
 _GMM_CONFIGS = [
     triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s)
@@ -129,8 +177,9 @@ def _m_bucket(m: int) -> int:
 
 
 # ----------------------------------------------------------------------------- dense
-def triton_int8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def triton_int8_gemm(
+    q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     k, n = q.size(-1), weight.size(0)
     a = q.reshape(-1, k).contiguous()
     sa = s.reshape(-1).float().contiguous()
@@ -142,8 +191,16 @@ def triton_int8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, sca
     sb = scale.float().contiguous()
     args = (a, sa, w, sb, c, m, n, k, a.stride(0), w.stride(0), c.stride(0), _m_bucket(m))
     if _INTERPRET:
-        _launch(_int8_mm_kernel, (triton.cdiv(m, 16) * triton.cdiv(n, 32),), *args, BM=16, BN=32, BK=64,
-                GROUP=4, UPCAST=True)
+        _launch(
+            _int8_mm_kernel,
+            (triton.cdiv(m, 16) * triton.cdiv(n, 32),),
+            *args,
+            BM=16,
+            BN=32,
+            BK=64,
+            GROUP=4,
+            UPCAST=True,
+        )
     else:
         _mm_tuned[lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)](*args, UPCAST=False)
     return c.view(*q.shape[:-1], n)
@@ -166,8 +223,7 @@ def _dense_can_run(q, s, weight, scale, out_dtype=torch.float32) -> str | None:
     if weight.dim() != 2 or weight.size(1) != q.size(-1):
         return f"weight must be [N, K={q.size(-1)}], got {tuple(weight.shape)}"
     if tuple(s.shape) != (*q.shape[:-1], 1) or tuple(scale.shape) != (weight.size(0),):
-        return (f"scales must be one per token and one per weight row, got {tuple(s.shape)} and "
-                f"{tuple(scale.shape)}")
+        return f"scales must be one per token and one per weight row, got {tuple(s.shape)} and {tuple(scale.shape)}"
     if out_dtype not in OUT_DTYPES:
         return f"out_dtype must be one of fp32, bf16, fp16, got {out_dtype}"
     if q.size(-1) * 127 * 127 > INT32_MAX:
@@ -180,8 +236,15 @@ def _dense_prefer(q, s, weight, scale, out_dtype=torch.float32) -> bool:
     return not q.is_cuda or q.numel() // max(q.size(-1), 1) < INT_MM_MIN_TOKENS_CUDA
 
 
-register("int8_gemm", "triton", triton_int8_gemm, can_run=_dense_can_run, deterministic=True, priority=10,
-         prefer=_dense_prefer)
+register(
+    "int8_gemm",
+    "triton",
+    triton_int8_gemm,
+    can_run=_dense_can_run,
+    deterministic=True,
+    priority=10,
+    prefer=_dense_prefer,
+)
 
 
 # ----------------------------------------------------------------------------- grouped experts
@@ -197,9 +260,26 @@ def _launch_gmm(a, sa, b, bs, out, tiles, *, a_idx=None, c_idx=None) -> None:
     """out[rows of g] = int8 GEMM(a[rows], b[g]) in fp32; b [E, N, K] int8, bs [E, N] fp32."""
     n, k = b.size(1), a.size(1)
     dummy = tiles.group
-    args = (a, sa, a_idx if a_idx is not None else dummy, b, bs, out, c_idx if c_idx is not None else dummy,
-            tiles.group, tiles.row, tiles.end, n, k, tiles.n_groups,
-            a.stride(0), b.stride(0), b.stride(1), bs.stride(0), out.stride(0))
+    args = (
+        a,
+        sa,
+        a_idx if a_idx is not None else dummy,
+        b,
+        bs,
+        out,
+        c_idx if c_idx is not None else dummy,
+        tiles.group,
+        tiles.row,
+        tiles.end,
+        n,
+        k,
+        tiles.n_groups,
+        a.stride(0),
+        b.stride(0),
+        b.stride(1),
+        bs.stride(0),
+        out.stride(0),
+    )
     flags = dict(GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, BM=tiles.bm)
     if _INTERPRET:
         _launch(_int8_gmm_kernel, (triton.cdiv(n, 32), tiles.n_tiles), *args, **flags, BN=32, BK=64)
@@ -207,25 +287,35 @@ def _launch_gmm(a, sa, b, bs, out, tiles, *, a_idx=None, c_idx=None) -> None:
     _gmm_tuned[lambda meta: (triton.cdiv(n, meta["BN"]), tiles.n_tiles)](*args, **flags)
 
 
-def triton_int8_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
-                            s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, w3: torch.Tensor,
-                            s3: torch.Tensor, swiglu_limit: float, expert_offset: int = 0) -> torch.Tensor:
+def triton_int8_moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    w3: torch.Tensor,
+    s3: torch.Tensor,
+    swiglu_limit: float,
+    expert_offset: int = 0,
+) -> torch.Tensor:
     """`int8_moe_experts` as grouped INT8 GEMMs over all local experts (see the module docstring)."""
     n_local = w1.size(0)
     m = indices.numel()
     plan, tiles = _plan_and_tiles(weights, indices, n_local, expert_offset, _block_m(m, n_local))
-    xq, xs = int8_quant(x)                                                      # once per token
+    xq, xs = int8_quant(x)  # once per token
     xq, xs = xq.contiguous(), xs.reshape(-1).contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
     s1, s2, s3 = (t.float().contiguous() for t in (s1, s2, s3))
     inter = w1.size(1)
-    gate = torch.empty(m, inter, dtype=torch.float32, device=x.device)         # [M, I], sorted slots
+    gate = torch.empty(m, inter, dtype=torch.float32, device=x.device)  # [M, I], sorted slots
     up = torch.empty_like(gate)
     _launch_gmm(xq, xs, w1, s1, gate, tiles, a_idx=plan.token)
     _launch_gmm(xq, xs, w3, s3, up, tiles, a_idx=plan.token)
-    h = clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)     # fp32 [M, I]
+    h = clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)  # fp32 [M, I]
     hq, hs = int8_quant(h)
-    out = torch.empty(m, x.size(1), dtype=torch.float32, device=x.device)      # [T*k, D] slot order
+    out = torch.empty(m, x.size(1), dtype=torch.float32, device=x.device)  # [T*k, D] slot order
     _launch_gmm(hq.contiguous(), hs.reshape(-1).contiguous(), w2, s2, out, tiles, c_idx=plan.order)
     return out.view(plan.n_tokens, plan.topk, -1).sum(1)
 
@@ -245,5 +335,6 @@ def _experts_can_run(x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, 
     return None
 
 
-register("int8_moe_experts", "triton", triton_int8_moe_experts, can_run=_experts_can_run, deterministic=True,
-         priority=10)
+register(
+    "int8_moe_experts", "triton", triton_int8_moe_experts, can_run=_experts_can_run, deterministic=True, priority=10
+)

@@ -29,39 +29,73 @@ from ._mm_utils import launch as _launch
 
 
 @triton.jit
-def _hc_pre_mix(x_ptr, fpp_ptr, fcb_ptr, ts64, tmask, K, k_lo, k_hi,
-                HC: tl.constexpr, P1: tl.constexpr, HEAD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                UPCAST: tl.constexpr):
+def _hc_pre_mix(
+    x_ptr,
+    fpp_ptr,
+    fcb_ptr,
+    ts64,
+    tmask,
+    K,
+    k_lo,
+    k_hi,
+    HC: tl.constexpr,
+    P1: tl.constexpr,
+    HEAD: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Raw mixes and sum of squares of rows `ts` over the reduction slice [k_lo, k_hi) of K = hc * D."""
     P2: tl.constexpr = HC * HC
     c1 = tl.arange(0, P1)
     c2 = tl.arange(0, P2)
-    acc_pp = tl.zeros((BT, P1), dtype=tl.float32)        # pre | post mixes (zero-padded columns)
-    acc_cb = tl.zeros((BT, P2), dtype=tl.float32)        # comb mixes, row-major hc x hc
+    acc_pp = tl.zeros((BT, P1), dtype=tl.float32)  # pre | post mixes (zero-padded columns)
+    acc_cb = tl.zeros((BT, P2), dtype=tl.float32)  # comb mixes, row-major hc x hc
     ss = tl.zeros((BT,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         ks = k0 + tl.arange(0, BK)
         kmask = ks < k_hi
-        xk = tl.load(x_ptr + ts64[:, None] * K + ks[None, :], mask=tmask[:, None] & kmask[None, :],
-                     other=0.0)
+        xk = tl.load(x_ptr + ts64[:, None] * K + ks[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
         xf = xk.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
-        for part in tl.static_range(3):               # fn = hi + mid + lo, each exactly bf16
-            w = tl.load(fpp_ptr + part * K * P1 + ks[:, None] * P1 + c1[None, :], mask=kmask[:, None],
-                        other=0.0)
+        for part in tl.static_range(3):  # fn = hi + mid + lo, each exactly bf16
+            w = tl.load(fpp_ptr + part * K * P1 + ks[:, None] * P1 + c1[None, :], mask=kmask[:, None], other=0.0)
             acc_pp = mma(xk, w, acc_pp, UPCAST)
             if not HEAD:
-                w2 = tl.load(fcb_ptr + part * K * P2 + ks[:, None] * P2 + c2[None, :], mask=kmask[:, None],
-                             other=0.0)
+                w2 = tl.load(fcb_ptr + part * K * P2 + ks[:, None] * P2 + c2[None, :], mask=kmask[:, None], other=0.0)
                 acc_cb = mma(xk, w2, acc_cb, UPCAST)
     return acc_pp, acc_cb, ss
 
 
 @triton.jit
-def _hc_pre_epilogue(acc_pp, acc_cb, ss, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, mix_ptr,
-                     rs_ptr, ts64, tmask, smask, D, d_lo, d_hi, norm_eps, hc_eps,
-                     ITERS: tl.constexpr, HC: tl.constexpr, P1: tl.constexpr, HEAD: tl.constexpr,
-                     BT: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
+def _hc_pre_epilogue(
+    acc_pp,
+    acc_cb,
+    ss,
+    x_ptr,
+    scale_ptr,
+    base_ptr,
+    y_ptr,
+    post_ptr,
+    comb_ptr,
+    mix_ptr,
+    rs_ptr,
+    ts64,
+    tmask,
+    smask,
+    D,
+    d_lo,
+    d_hi,
+    norm_eps,
+    hc_eps,
+    ITERS: tl.constexpr,
+    HC: tl.constexpr,
+    P1: tl.constexpr,
+    HEAD: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Everything after the projection, from the full raw mixes and sum of squares of rows `ts`.
 
     RMS scale, sigmoids, Sinkhorn; post/comb/mix/rs are stored where `smask`; y is reduced over the
@@ -71,19 +105,18 @@ def _hc_pre_epilogue(acc_pp, acc_cb, ss, x_ptr, scale_ptr, base_ptr, y_ptr, post
     P2: tl.constexpr = HC * HC
     c1 = tl.arange(0, P1)
     c2 = tl.arange(0, P2)
-    r = 1.0 / tl.sqrt(ss / K + norm_eps)                # [BT]
+    r = 1.0 / tl.sqrt(ss / K + norm_eps)  # [BT]
     mpp = acc_pp * r[:, None]
     hcs = tl.arange(0, HC)
     pp3 = tl.reshape(mpp, (BT, P1 // HC, HC))
     which = tl.arange(0, P1 // HC)[None, :, None]
-    pre_m = tl.sum(tl.where(which == 0, pp3, 0.0), axis=1)                          # [BT, HC]
+    pre_m = tl.sum(tl.where(which == 0, pp3, 0.0), axis=1)  # [BT, HC]
     pre = tl.sigmoid(pre_m * tl.load(scale_ptr) + tl.load(base_ptr + hcs)[None, :]) + hc_eps
     if not HEAD:
         mcb = acc_cb * r[:, None]
         n_mix = (2 + HC) * HC
         tl.store(rs_ptr + ts64, r, mask=smask)
-        tl.store(mix_ptr + ts64[:, None] * n_mix + c1[None, :], mpp,
-                 mask=smask[:, None] & (c1[None, :] < 2 * HC))
+        tl.store(mix_ptr + ts64[:, None] * n_mix + c1[None, :], mpp, mask=smask[:, None] & (c1[None, :] < 2 * HC))
         tl.store(mix_ptr + ts64[:, None] * n_mix + 2 * HC + c2[None, :], mcb, mask=smask[:, None])
         post_m = tl.sum(tl.where(which == 1, pp3, 0.0), axis=1)
         post = 2.0 * tl.sigmoid(post_m * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + hcs)[None, :])
@@ -102,33 +135,98 @@ def _hc_pre_epilogue(acc_pp, acc_cb, ss, x_ptr, scale_ptr, base_ptr, y_ptr, post
         ds = d0 + tl.arange(0, BD)
         dmask = ds < d_hi
         m3 = tmask[:, None, None] & dmask[None, None, :]
-        x3 = tl.load(x_ptr + ts64[:, None, None] * K + hcs[None, :, None] * D + ds[None, None, :], mask=m3,
-                     other=0.0).to(tl.float32)                                          # [BT, HC, BD]
+        x3 = tl.load(
+            x_ptr + ts64[:, None, None] * K + hcs[None, :, None] * D + ds[None, None, :], mask=m3, other=0.0
+        ).to(tl.float32)  # [BT, HC, BD]
         y = tl.sum(pre[:, :, None] * x3, axis=1)
-        tl.store(y_ptr + ts64[:, None] * D + ds[None, :], round_to(y, y_ptr.dtype.element_ty, UPCAST),
-                 mask=tmask[:, None] & dmask[None, :])
+        tl.store(
+            y_ptr + ts64[:, None] * D + ds[None, :],
+            round_to(y, y_ptr.dtype.element_ty, UPCAST),
+            mask=tmask[:, None] & dmask[None, :],
+        )
 
 
 @triton.jit
-def _hc_pre_fwd_kernel(x_ptr, fpp_ptr, fcb_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, mix_ptr,
-                       rs_ptr, T, D, norm_eps, hc_eps,
-                       ITERS: tl.constexpr, HC: tl.constexpr, P1: tl.constexpr, HEAD: tl.constexpr,
-                       BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
+def _hc_pre_fwd_kernel(
+    x_ptr,
+    fpp_ptr,
+    fcb_ptr,
+    scale_ptr,
+    base_ptr,
+    y_ptr,
+    post_ptr,
+    comb_ptr,
+    mix_ptr,
+    rs_ptr,
+    T,
+    D,
+    norm_eps,
+    hc_eps,
+    ITERS: tl.constexpr,
+    HC: tl.constexpr,
+    P1: tl.constexpr,
+    HEAD: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """One program per BT tokens: the whole K reduction, then the epilogue."""
     pid = tl.program_id(0)
     ts = pid * BT + tl.arange(0, BT)
     tmask = ts < T
     ts64 = ts.to(tl.int64)
-    acc_pp, acc_cb, ss = _hc_pre_mix(x_ptr, fpp_ptr, fcb_ptr, ts64, tmask, HC * D, 0, HC * D,
-                                     HC, P1, HEAD, BT, BK, UPCAST)
-    _hc_pre_epilogue(acc_pp, acc_cb, ss, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, mix_ptr,
-                     rs_ptr, ts64, tmask, tmask, D, 0, D, norm_eps, hc_eps, ITERS, HC, P1, HEAD, BT, BD, UPCAST)
+    acc_pp, acc_cb, ss = _hc_pre_mix(
+        x_ptr, fpp_ptr, fcb_ptr, ts64, tmask, HC * D, 0, HC * D, HC, P1, HEAD, BT, BK, UPCAST
+    )
+    _hc_pre_epilogue(
+        acc_pp,
+        acc_cb,
+        ss,
+        x_ptr,
+        scale_ptr,
+        base_ptr,
+        y_ptr,
+        post_ptr,
+        comb_ptr,
+        mix_ptr,
+        rs_ptr,
+        ts64,
+        tmask,
+        tmask,
+        D,
+        0,
+        D,
+        norm_eps,
+        hc_eps,
+        ITERS,
+        HC,
+        P1,
+        HEAD,
+        BT,
+        BD,
+        UPCAST,
+    )
 
 
 @triton.jit
-def _hc_pre_part_kernel(x_ptr, fpp_ptr, fcb_ptr, wpp_ptr, wcb_ptr, wss_ptr, T, D, KS,
-                        HC: tl.constexpr, P1: tl.constexpr, HEAD: tl.constexpr, BT: tl.constexpr,
-                        BK: tl.constexpr, UPCAST: tl.constexpr):
+def _hc_pre_part_kernel(
+    x_ptr,
+    fpp_ptr,
+    fcb_ptr,
+    wpp_ptr,
+    wcb_ptr,
+    wss_ptr,
+    T,
+    D,
+    KS,
+    HC: tl.constexpr,
+    P1: tl.constexpr,
+    HEAD: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Split K, step 1: program (i, s) reduces K slice s of row tile i into fp32 partials [SPLIT, T, ..]."""
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -138,10 +236,9 @@ def _hc_pre_part_kernel(x_ptr, fpp_ptr, fcb_ptr, wpp_ptr, wcb_ptr, wss_ptr, T, D
     K = HC * D
     k_lo = pid_s * KS
     k_hi = tl.minimum(k_lo + KS, K)
-    acc_pp, acc_cb, ss = _hc_pre_mix(x_ptr, fpp_ptr, fcb_ptr, ts64, tmask, K, k_lo, k_hi,
-                                     HC, P1, HEAD, BT, BK, UPCAST)
+    acc_pp, acc_cb, ss = _hc_pre_mix(x_ptr, fpp_ptr, fcb_ptr, ts64, tmask, K, k_lo, k_hi, HC, P1, HEAD, BT, BK, UPCAST)
     P2: tl.constexpr = HC * HC
-    row = pid_s.to(tl.int64) * T + ts64                                              # [BT]
+    row = pid_s.to(tl.int64) * T + ts64  # [BT]
     tl.store(wpp_ptr + row[:, None] * P1 + tl.arange(0, P1)[None, :], acc_pp, mask=tmask[:, None])
     if not HEAD:
         tl.store(wcb_ptr + row[:, None] * P2 + tl.arange(0, P2)[None, :], acc_cb, mask=tmask[:, None])
@@ -149,10 +246,32 @@ def _hc_pre_part_kernel(x_ptr, fpp_ptr, fcb_ptr, wpp_ptr, wcb_ptr, wss_ptr, T, D
 
 
 @triton.jit
-def _hc_pre_finish_kernel(wpp_ptr, wcb_ptr, wss_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
-                          mix_ptr, rs_ptr, T, D, DS, norm_eps, hc_eps, SPLIT: tl.constexpr,
-                          ITERS: tl.constexpr, HC: tl.constexpr, P1: tl.constexpr, HEAD: tl.constexpr,
-                          BT: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
+def _hc_pre_finish_kernel(
+    wpp_ptr,
+    wcb_ptr,
+    wss_ptr,
+    x_ptr,
+    scale_ptr,
+    base_ptr,
+    y_ptr,
+    post_ptr,
+    comb_ptr,
+    mix_ptr,
+    rs_ptr,
+    T,
+    D,
+    DS,
+    norm_eps,
+    hc_eps,
+    SPLIT: tl.constexpr,
+    ITERS: tl.constexpr,
+    HC: tl.constexpr,
+    P1: tl.constexpr,
+    HEAD: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Split K, step 2: program (i, j) sums the partials of row tile i in slice order (fixed: deterministic),
     runs the epilogue and reduces the columns [j * DS, (j + 1) * DS) of y; program (i, 0) stores the rest."""
     pid_t = tl.program_id(0)
@@ -166,23 +285,59 @@ def _hc_pre_finish_kernel(wpp_ptr, wcb_ptr, wss_ptr, x_ptr, scale_ptr, base_ptr,
     acc_pp = tl.zeros((BT, P1), dtype=tl.float32)
     acc_cb = tl.zeros((BT, P2), dtype=tl.float32)
     ss = tl.zeros((BT,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):                  # unrolled: every partial's load issued up front
-        row = s * T + ts64                                                           # [BT]
+    for s in tl.static_range(SPLIT):  # unrolled: every partial's load issued up front
+        row = s * T + ts64  # [BT]
         acc_pp += tl.load(wpp_ptr + row[:, None] * P1 + c1[None, :], mask=tmask[:, None], other=0.0)
         if not HEAD:
             acc_cb += tl.load(wcb_ptr + row[:, None] * P2 + c2[None, :], mask=tmask[:, None], other=0.0)
         ss += tl.load(wss_ptr + row, mask=tmask, other=0.0)
     d_lo = pid_d * DS
     d_hi = tl.minimum(d_lo + DS, D)
-    smask = ts < tl.where(pid_d == 0, T, 0)                                          # stores: (i, 0) only
-    _hc_pre_epilogue(acc_pp, acc_cb, ss, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, mix_ptr,
-                     rs_ptr, ts64, tmask, smask, D, d_lo, d_hi, norm_eps, hc_eps,
-                     ITERS, HC, P1, HEAD, BT, BD, UPCAST)
+    smask = ts < tl.where(pid_d == 0, T, 0)  # stores: (i, 0) only
+    _hc_pre_epilogue(
+        acc_pp,
+        acc_cb,
+        ss,
+        x_ptr,
+        scale_ptr,
+        base_ptr,
+        y_ptr,
+        post_ptr,
+        comb_ptr,
+        mix_ptr,
+        rs_ptr,
+        ts64,
+        tmask,
+        smask,
+        D,
+        d_lo,
+        d_hi,
+        norm_eps,
+        hc_eps,
+        ITERS,
+        HC,
+        P1,
+        HEAD,
+        BT,
+        BD,
+        UPCAST,
+    )
 
 
 @triton.jit
-def _hc_post_fwd_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, D,
-                        HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
+def _hc_post_fwd_kernel(
+    f_ptr,
+    res_ptr,
+    post_ptr,
+    comb_ptr,
+    out_ptr,
+    T,
+    D,
+    HC: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """out[t, j] = post[t, j] * f[t] + sum_i comb[t, i, j] * res[t, i]."""
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -195,20 +350,37 @@ def _hc_post_fwd_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, D,
     m2 = tmask[:, None] & dmask[None, :]
     post = tl.load(post_ptr + ts64[:, None] * HC + hcs[None, :], mask=tmask[:, None], other=0.0)  # [BT, HC]
     f = tl.load(f_ptr + ts64[:, None] * D + ds[None, :], mask=m2, other=0.0).to(tl.float32)
-    out = post[:, :, None] * f[:, None, :]                                                 # [BT, HC, BD]
+    out = post[:, :, None] * f[:, None, :]  # [BT, HC, BD]
     for i in tl.static_range(HC):
-        ci = tl.load(comb_ptr + ts64[:, None] * HC * HC + i * HC + hcs[None, :], mask=tmask[:, None],
-                     other=0.0)                                                                 # [BT, HC]
-        ri = tl.load(res_ptr + ts64[:, None] * HC * D + i * D + ds[None, :], mask=m2,
-                     other=0.0).to(tl.float32)                                                  # [BT, BD]
+        ci = tl.load(
+            comb_ptr + ts64[:, None] * HC * HC + i * HC + hcs[None, :], mask=tmask[:, None], other=0.0
+        )  # [BT, HC]
+        ri = tl.load(res_ptr + ts64[:, None] * HC * D + i * D + ds[None, :], mask=m2, other=0.0).to(
+            tl.float32
+        )  # [BT, BD]
         out += ci[:, :, None] * ri[:, None, :]
     o_ptrs = out_ptr + ts64[:, None, None] * HC * D + hcs[None, :, None] * D + ds[None, None, :]
     tl.store(o_ptrs, round_to(out, out_ptr.dtype.element_ty, UPCAST), mask=m2[:, None, :])
 
 
 @triton.jit
-def _hc_post_bwd_kernel(g_ptr, f_ptr, res_ptr, post_ptr, comb_ptr, gf_ptr, gres_ptr, gpost_ptr, gcomb_ptr,
-                        T, D, HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
+def _hc_post_bwd_kernel(
+    g_ptr,
+    f_ptr,
+    res_ptr,
+    post_ptr,
+    comb_ptr,
+    gf_ptr,
+    gres_ptr,
+    gpost_ptr,
+    gcomb_ptr,
+    T,
+    D,
+    HC: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """One pass over g, f, res: gf, gres per element; gpost, gcomb reduced over d in registers.
 
     Copy i of the residual is loaded on its own as [BT, BD] (no [BT, HC, BD] tile filtered by a select per
@@ -219,8 +391,11 @@ def _hc_post_bwd_kernel(g_ptr, f_ptr, res_ptr, post_ptr, comb_ptr, gf_ptr, gres_
     ts64 = ts.to(tl.int64)
     hcs = tl.arange(0, HC)
     post = tl.load(post_ptr + ts64[:, None] * HC + hcs[None, :], mask=tmask[:, None], other=0.0)  # [BT, HC]
-    comb = tl.load(comb_ptr + ts64[:, None, None] * HC * HC + hcs[None, :, None] * HC + hcs[None, None, :],
-                   mask=tmask[:, None, None], other=0.0)                                 # [BT, HC(i), HC(j)]
+    comb = tl.load(
+        comb_ptr + ts64[:, None, None] * HC * HC + hcs[None, :, None] * HC + hcs[None, None, :],
+        mask=tmask[:, None, None],
+        other=0.0,
+    )  # [BT, HC(i), HC(j)]
     gpost = tl.zeros((BT, HC), dtype=tl.float32)
     gcomb = tl.zeros((BT, HC, HC), dtype=tl.float32)
     for d0 in range(0, D, BD):
@@ -229,25 +404,31 @@ def _hc_post_bwd_kernel(g_ptr, f_ptr, res_ptr, post_ptr, comb_ptr, gf_ptr, gres_
         m2 = tmask[:, None] & dmask[None, :]
         m3 = m2[:, None, :]
         off3 = ts64[:, None, None] * HC * D + hcs[None, :, None] * D + ds[None, None, :]
-        g = tl.load(g_ptr + off3, mask=m3, other=0.0).to(tl.float32)                   # [BT, HC(j), BD]
+        g = tl.load(g_ptr + off3, mask=m3, other=0.0).to(tl.float32)  # [BT, HC(j), BD]
         f = tl.load(f_ptr + ts64[:, None] * D + ds[None, :], mask=m2, other=0.0).to(tl.float32)
         gf = tl.sum(post[:, :, None] * g, axis=1)
-        tl.store(gf_ptr + ts64[:, None] * D + ds[None, :], round_to(gf, gf_ptr.dtype.element_ty, UPCAST),
-                 mask=m2)
+        tl.store(gf_ptr + ts64[:, None] * D + ds[None, :], round_to(gf, gf_ptr.dtype.element_ty, UPCAST), mask=m2)
         gpost += tl.sum(g * f[:, None, :], axis=2)
         for i in tl.static_range(HC):
             sel = (hcs == i)[None, :, None]
-            ci = tl.sum(tl.where(sel, comb, 0.0), axis=1)                                # [BT, HC(j)]
-            ri = tl.load(res_ptr + ts64[:, None] * HC * D + i * D + ds[None, :], mask=m2,
-                         other=0.0).to(tl.float32)                                        # [BT, BD]
-            gri = tl.sum(ci[:, :, None] * g, axis=1)                                      # [BT, BD]
-            tl.store(gres_ptr + ts64[:, None] * HC * D + i * D + ds[None, :],
-                     round_to(gri, gres_ptr.dtype.element_ty, UPCAST), mask=m2)
-            gci = tl.sum(g * ri[:, None, :], axis=2)                                      # [BT, HC(j)]
+            ci = tl.sum(tl.where(sel, comb, 0.0), axis=1)  # [BT, HC(j)]
+            ri = tl.load(res_ptr + ts64[:, None] * HC * D + i * D + ds[None, :], mask=m2, other=0.0).to(
+                tl.float32
+            )  # [BT, BD]
+            gri = tl.sum(ci[:, :, None] * g, axis=1)  # [BT, BD]
+            tl.store(
+                gres_ptr + ts64[:, None] * HC * D + i * D + ds[None, :],
+                round_to(gri, gres_ptr.dtype.element_ty, UPCAST),
+                mask=m2,
+            )
+            gci = tl.sum(g * ri[:, None, :], axis=2)  # [BT, HC(j)]
             gcomb += tl.where(sel, gci[:, None, :], 0.0)
     tl.store(gpost_ptr + ts64[:, None] * HC + hcs[None, :], gpost, mask=tmask[:, None])
-    tl.store(gcomb_ptr + ts64[:, None, None] * HC * HC + hcs[None, :, None] * HC + hcs[None, None, :], gcomb,
-             mask=tmask[:, None, None])
+    tl.store(
+        gcomb_ptr + ts64[:, None, None] * HC * HC + hcs[None, :, None] * HC + hcs[None, None, :],
+        gcomb,
+        mask=tmask[:, None, None],
+    )
 
 
 @triton.jit
@@ -274,8 +455,21 @@ def _rownorm_bwd(dy, x, eps):
 
 
 @triton.jit
-def _hc_split_bwd_kernel(mix_ptr, scale_ptr, base_ptr, gpre_ptr, gpost_ptr, gcomb_ptr, glogit_ptr, pre_ptr,
-                         T, hc_eps, ITERS: tl.constexpr, HC: tl.constexpr, BT: tl.constexpr):
+def _hc_split_bwd_kernel(
+    mix_ptr,
+    scale_ptr,
+    base_ptr,
+    gpre_ptr,
+    gpost_ptr,
+    gcomb_ptr,
+    glogit_ptr,
+    pre_ptr,
+    T,
+    hc_eps,
+    ITERS: tl.constexpr,
+    HC: tl.constexpr,
+    BT: tl.constexpr,
+):
     """Gradient of hc_split_sinkhorn w.r.t. its logits (mixes * scale + base), per token, in registers.
 
     The Sinkhorn is replayed from its start for each step taken backward (O(iters^2) tiny [hc, hc]
@@ -289,22 +483,29 @@ def _hc_split_bwd_kernel(mix_ptr, scale_ptr, base_ptr, gpre_ptr, gpost_ptr, gcom
     n_mix: tl.constexpr = (2 + HC) * HC
     m1 = tmask[:, None]
     m3 = tmask[:, None, None]
-    cc = hcs[:, None] * HC + hcs[None, :]                                              # [HC, HC]
+    cc = hcs[:, None] * HC + hcs[None, :]  # [HC, HC]
     # pre = sigmoid(l) + eps, post = 2 sigmoid(l): d l = g * sig * (1 - sig) (* 2)
-    lp = tl.load(mix_ptr + ts64[:, None] * n_mix + hcs[None, :], mask=m1, other=0.0) * tl.load(scale_ptr) \
+    lp = (
+        tl.load(mix_ptr + ts64[:, None] * n_mix + hcs[None, :], mask=m1, other=0.0) * tl.load(scale_ptr)
         + tl.load(base_ptr + hcs)[None, :]
+    )
     sp = tl.sigmoid(lp)
     tl.store(pre_ptr + ts64[:, None] * HC + hcs[None, :], sp + hc_eps, mask=m1)
     g = tl.load(gpre_ptr + ts64[:, None] * HC + hcs[None, :], mask=m1, other=0.0)
     tl.store(glogit_ptr + ts64[:, None] * n_mix + hcs[None, :], g * sp * (1.0 - sp), mask=m1)
-    lq = tl.load(mix_ptr + ts64[:, None] * n_mix + HC + hcs[None, :], mask=m1, other=0.0) \
-        * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + hcs)[None, :]
+    lq = (
+        tl.load(mix_ptr + ts64[:, None] * n_mix + HC + hcs[None, :], mask=m1, other=0.0) * tl.load(scale_ptr + 1)
+        + tl.load(base_ptr + HC + hcs)[None, :]
+    )
     sq = tl.sigmoid(lq)
     g = tl.load(gpost_ptr + ts64[:, None] * HC + hcs[None, :], mask=m1, other=0.0)
     tl.store(glogit_ptr + ts64[:, None] * n_mix + HC + hcs[None, :], 2.0 * g * sq * (1.0 - sq), mask=m1)
     # comb: softmax rows (+eps), a column normalisation, then ITERS-1 (row, column) pairs
-    z = tl.load(mix_ptr + ts64[:, None, None] * n_mix + 2 * HC + cc[None, :, :], mask=m3, other=0.0) \
-        * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + cc)[None, :, :]
+    z = (
+        tl.load(mix_ptr + ts64[:, None, None] * n_mix + 2 * HC + cc[None, :, :], mask=m3, other=0.0)
+        * tl.load(scale_ptr + 2)
+        + tl.load(base_ptr + 2 * HC + cc)[None, :, :]
+    )
     p = tl.exp(z - tl.max(z, axis=2)[:, :, None])
     p = p / tl.sum(p, axis=2)[:, :, None]
     c0 = p + hc_eps
@@ -312,7 +513,7 @@ def _hc_split_bwd_kernel(mix_ptr, scale_ptr, base_ptr, gpre_ptr, gpost_ptr, gcom
     dc = tl.load(gcomb_ptr + ts64[:, None, None] * HC * HC + cc[None, :, :], mask=m3, other=0.0)
     for pp in range(ITERS - 1):
         x = c1
-        for _ in range(ITERS - 2 - pp):                                                  # replay to pair p
+        for _ in range(ITERS - 2 - pp):  # replay to pair p
             x = _colnorm(_rownorm(x, hc_eps), hc_eps)
         r = _rownorm(x, hc_eps)
         dc = _rownorm_bwd(_colnorm_bwd(dc, r, hc_eps), x, hc_eps)
@@ -321,15 +522,27 @@ def _hc_split_bwd_kernel(mix_ptr, scale_ptr, base_ptr, gpre_ptr, gpost_ptr, gcom
     tl.store(glogit_ptr + ts64[:, None, None] * n_mix + 2 * HC + cc[None, :, :], dz, mask=m3)
 
 
-_PRE_CONFIGS = [triton.Config({"BT": bt, "BK": bk, "BD": bd}, num_warps=w)
-                for bt, bk, bd, w in ((16, 128, 128, 4), (32, 128, 256, 4), (32, 256, 256, 8),
-                                      (64, 128, 256, 8))]
-_POST_CONFIGS = [triton.Config({"BT": bt, "BD": bd}, num_warps=w)
-                 for bt, bd, w in ((2, 256, 4), (4, 256, 4), (8, 128, 4), (4, 512, 8), (8, 256, 8),
-                                   (16, 128, 8), (1, 1024, 8))]
-_POST_BWD_CONFIGS = [triton.Config({"BT": bt, "BD": bd}, num_warps=w)
-                     for bt, bd, w in ((2, 128, 4), (4, 128, 4), (2, 256, 4), (8, 64, 4), (4, 256, 8),
-                                       (8, 128, 8), (16, 64, 4), (1, 512, 4))]
+_PRE_CONFIGS = [
+    triton.Config({"BT": bt, "BK": bk, "BD": bd}, num_warps=w)
+    for bt, bk, bd, w in ((16, 128, 128, 4), (32, 128, 256, 4), (32, 256, 256, 8), (64, 128, 256, 8))
+]
+_POST_CONFIGS = [
+    triton.Config({"BT": bt, "BD": bd}, num_warps=w)
+    for bt, bd, w in ((2, 256, 4), (4, 256, 4), (8, 128, 4), (4, 512, 8), (8, 256, 8), (16, 128, 8), (1, 1024, 8))
+]
+_POST_BWD_CONFIGS = [
+    triton.Config({"BT": bt, "BD": bd}, num_warps=w)
+    for bt, bd, w in (
+        (2, 128, 4),
+        (4, 128, 4),
+        (2, 256, 4),
+        (8, 64, 4),
+        (4, 256, 8),
+        (8, 128, 8),
+        (16, 64, 4),
+        (1, 512, 4),
+    )
+]
 _pre_tuned = triton.autotune(_PRE_CONFIGS, key=["D", "HC", "HEAD"])(_hc_pre_fwd_kernel)
 _post_tuned = triton.autotune(_POST_CONFIGS, key=["D", "HC"])(_hc_post_fwd_kernel)
 _post_bwd_tuned = triton.autotune(_POST_BWD_CONFIGS, key=["D", "HC"])(_hc_post_bwd_kernel)
@@ -348,7 +561,7 @@ def _pp_width(hc: int) -> int:
 def _split_parts_store(w, out_ptr, K, ks, cols, mask, NC: tl.constexpr, UPCAST: tl.constexpr):
     """Stores w [BK, NC] fp32 as three exact bf16 parts at out[part, k, col] (out: [3, K, NC])."""
     hi = round_to(w, tl.bfloat16, UPCAST)
-    r = w - hi.to(tl.float32)                        # exact in fp32
+    r = w - hi.to(tl.float32)  # exact in fp32
     mid = round_to(r, tl.bfloat16, UPCAST)
     lo = round_to(r - mid.to(tl.float32), tl.bfloat16, UPCAST)
     offs = ks[:, None].to(tl.int64) * NC + cols[None, :]
@@ -358,14 +571,25 @@ def _split_parts_store(w, out_ptr, K, ks, cols, mask, NC: tl.constexpr, UPCAST: 
 
 
 @triton.jit
-def _split_fn_kernel(fn_ptr, fpp_ptr, fcb_ptr, K, N_PP: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-                     HEAD: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+def _split_fn_kernel(
+    fn_ptr,
+    fpp_ptr,
+    fcb_ptr,
+    K,
+    N_PP: tl.constexpr,
+    P1: tl.constexpr,
+    P2: tl.constexpr,
+    HEAD: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """fn [mix, K] fp32 -> fpp [3, K, P1] (pre | post columns, zero-padded), fcb [3, K, P2] (comb columns)."""
     ks = tl.program_id(0) * BK + tl.arange(0, BK)
     kmask = ks < K
     c1 = tl.arange(0, P1)
-    w = tl.load(fn_ptr + c1[None, :].to(tl.int64) * K + ks[:, None], mask=kmask[:, None] & (c1[None, :] < N_PP),
-                other=0.0)
+    w = tl.load(
+        fn_ptr + c1[None, :].to(tl.int64) * K + ks[:, None], mask=kmask[:, None] & (c1[None, :] < N_PP), other=0.0
+    )
     _split_parts_store(w, fpp_ptr, K, ks, c1, kmask[:, None], P1, UPCAST)
     if not HEAD:
         c2 = tl.arange(0, P2)
@@ -386,17 +610,30 @@ def _split_fn(fn: torch.Tensor, hc: int, head: bool) -> tuple[torch.Tensor, torc
     fpp = torch.empty(3, k, p1, dtype=torch.bfloat16, device=fn.device)
     fcb = torch.empty(3, k, hc * hc, dtype=torch.bfloat16, device=fn.device) if not head else fpp
     bk = 64
-    _launch(_split_fn_kernel, (triton.cdiv(k, bk),), fn, fpp, fcb, k, N_PP=hc if head else 2 * hc, P1=p1,
-            P2=hc * hc, HEAD=head, BK=bk, UPCAST=_INTERPRET, num_warps=4)
+    _launch(
+        _split_fn_kernel,
+        (triton.cdiv(k, bk),),
+        fn,
+        fpp,
+        fcb,
+        k,
+        N_PP=hc if head else 2 * hc,
+        P1=p1,
+        P2=hc * hc,
+        HEAD=head,
+        BK=bk,
+        UPCAST=_INTERPRET,
+        num_warps=4,
+    )
     return fpp, fcb
 
 
 # Split K (small T): below this many row tiles per SM the single kernel leaves most SMs idle while each
 # program runs the whole K = hc * D reduction serially (decode: 1 token per sequence).
-SPLIT_K: int | None = None       # None: automatic; 0 or 1: never split; n > 1: force about n K slices
-_SPLIT_BT = 16                   # rows per program of the partial kernel (tl.dot needs M >= 16)
+SPLIT_K: int | None = None  # None: automatic; 0 or 1: never split; n > 1: force about n K slices
+_SPLIT_BT = 16  # rows per program of the partial kernel (tl.dot needs M >= 16)
 _SPLIT_BK = 32 if _INTERPRET else 128
-_MAX_SPLIT = 32                  # K slices at most (the finishing kernel unrolls its sum over them)
+_MAX_SPLIT = 32  # K slices at most (the finishing kernel unrolls its sum over them)
 _FINISH_BD = 32 if _INTERPRET else 128
 _SMS: dict[torch.device, int] = {}
 
@@ -418,7 +655,7 @@ def _split_plan(t: int, k: int, dev: torch.device) -> tuple[int, int]:
         sms = _sm_count(dev)
         if 2 * rows >= sms:
             return 1, k
-        want = sms // rows                   # about one wave of programs
+        want = sms // rows  # about one wave of programs
     steps = triton.cdiv(k, _SPLIT_BK)
     want = max(1, min(want, steps, _MAX_SPLIT))
     if want == 1:
@@ -427,8 +664,16 @@ def _split_plan(t: int, k: int, dev: torch.device) -> tuple[int, int]:
     return triton.cdiv(k, ks), ks
 
 
-def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
-                hc_eps: float, iters: int, head: bool):
+def _launch_pre(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    iters: int,
+    head: bool,
+):
     b, s, hc, d = x.shape
     t = b * s
     x = x.contiguous()
@@ -449,15 +694,55 @@ def _launch_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
         wcb = torch.empty(split, t, hc * hc, dtype=torch.float32, device=dev) if not head else wpp
         wss = torch.empty(split, t, dtype=torch.float32, device=dev)
         rows = triton.cdiv(t, _SPLIT_BT)
-        _launch(_hc_pre_part_kernel, (rows, split), x, fpp, fcb, wpp, wcb, wss, t, d, ks,
-                HC=hc, P1=p1, HEAD=head, BT=_SPLIT_BT, BK=_SPLIT_BK, UPCAST=_INTERPRET, num_warps=4)
+        _launch(
+            _hc_pre_part_kernel,
+            (rows, split),
+            x,
+            fpp,
+            fcb,
+            wpp,
+            wcb,
+            wss,
+            t,
+            d,
+            ks,
+            HC=hc,
+            P1=p1,
+            HEAD=head,
+            BT=_SPLIT_BT,
+            BK=_SPLIT_BK,
+            UPCAST=_INTERPRET,
+            num_warps=4,
+        )
         bt = min(16, max(4, triton.next_power_of_2(t)))
         rows = triton.cdiv(t, bt)
         n_d = max(1, min(_sm_count(dev) // rows, triton.cdiv(d, _FINISH_BD)))
         ds = triton.cdiv(triton.cdiv(d, _FINISH_BD), n_d) * _FINISH_BD
-        _launch(_hc_pre_finish_kernel, (rows, triton.cdiv(d, ds)), wpp, wcb, wss, x, sc, bs, y, post, comb,
-                mix, rs, t, d, ds, float(norm_eps), float(hc_eps), SPLIT=split, **meta, BT=bt,
-                BD=_FINISH_BD, num_warps=4)
+        _launch(
+            _hc_pre_finish_kernel,
+            (rows, triton.cdiv(d, ds)),
+            wpp,
+            wcb,
+            wss,
+            x,
+            sc,
+            bs,
+            y,
+            post,
+            comb,
+            mix,
+            rs,
+            t,
+            d,
+            ds,
+            float(norm_eps),
+            float(hc_eps),
+            SPLIT=split,
+            **meta,
+            BT=bt,
+            BD=_FINISH_BD,
+            num_warps=4,
+        )
         return y, post, comb, mix, rs
     args = (x, fpp, fcb, sc, bs, y, post, comb, mix, rs, t, d, float(norm_eps), float(hc_eps))
     if _INTERPRET:
@@ -481,36 +766,61 @@ class _HcPre(torch.autograd.Function):
         hc_eps, iters = ctx.consts
         b, s, hc, d = x.shape
         t = b * s
-        xf = x.reshape(t, hc * d).float()                                            # [T, K]
+        xf = x.reshape(t, hc * d).float()  # [T, K]
         dev = x.device
-        g_pre = (torch.einsum("tid,td->ti", xf.view(t, hc, d), g_y.reshape(t, d).float())
-                 if g_y is not None else torch.zeros(t, hc, device=dev))
-        g_post = (g_post.reshape(t, hc).float().contiguous() if g_post is not None
-                  else torch.zeros(t, hc, device=dev))
-        g_comb = (g_comb.reshape(t, hc, hc).float().contiguous() if g_comb is not None
-                  else torch.zeros(t, hc, hc, device=dev))
+        g_pre = (
+            torch.einsum("tid,td->ti", xf.view(t, hc, d), g_y.reshape(t, d).float())
+            if g_y is not None
+            else torch.zeros(t, hc, device=dev)
+        )
+        g_post = g_post.reshape(t, hc).float().contiguous() if g_post is not None else torch.zeros(t, hc, device=dev)
+        g_comb = (
+            g_comb.reshape(t, hc, hc).float().contiguous() if g_comb is not None else torch.zeros(t, hc, hc, device=dev)
+        )
         sc, bs = scale.detach().float().contiguous(), base.detach().float().contiguous()
-        glogit = torch.empty_like(mix)                                               # [T, mix]
+        glogit = torch.empty_like(mix)  # [T, mix]
         pre = torch.empty(t, hc, device=dev)
         bt = 16
-        _launch(_hc_split_bwd_kernel, (triton.cdiv(t, bt),),
-            mix, sc, bs, g_pre.contiguous(), g_post, g_comb, glogit, pre, t, float(hc_eps),
-            ITERS=int(iters), HC=hc, BT=bt, num_warps=4)
+        _launch(
+            _hc_split_bwd_kernel,
+            (triton.cdiv(t, bt),),
+            mix,
+            sc,
+            bs,
+            g_pre.contiguous(),
+            g_post,
+            g_comb,
+            glogit,
+            pre,
+            t,
+            float(hc_eps),
+            ITERS=int(iters),
+            HC=hc,
+            BT=bt,
+            num_warps=4,
+        )
         # logits = mixes * scale[segment] + base: per-parameter sums over tokens (fixed order)
         # scale per mix column: pre | post | comb (no host-built index tensor: graph-capturable)
-        sc_vec = torch.cat([sc[0].expand(hc), sc[1].expand(hc), sc[2].expand(hc * hc)])   # [mix]
+        sc_vec = torch.cat([sc[0].expand(hc), sc[1].expand(hc), sc[2].expand(hc * hc)])  # [mix]
         g_m = glogit * sc_vec
         g_bs = glogit.sum(0)
         g_sc = torch.stack([part.sum() for part in (glogit * mix).split([hc, hc, hc * hc], dim=1)])
-        r = rs.unsqueeze(-1)                                                          # [T, 1]
-        gmr = g_m * r                                                                 # d loss / d raw mixes
-        g_r = (g_m * mix).sum(-1, keepdim=True) / r                                   # d loss / d rsqrt
-        g_x = gmr @ fn.float() - g_r * r.pow(3) / (hc * d) * xf                       # [T, K]
+        r = rs.unsqueeze(-1)  # [T, 1]
+        gmr = g_m * r  # d loss / d raw mixes
+        g_r = (g_m * mix).sum(-1, keepdim=True) / r  # d loss / d rsqrt
+        g_x = gmr @ fn.float() - g_r * r.pow(3) / (hc * d) * xf  # [T, K]
         if g_y is not None:
             g_x = g_x.view(t, hc, d) + pre.unsqueeze(-1) * g_y.reshape(t, 1, d).float()
         g_fn = gmr.t() @ xf
-        return (g_x.reshape(x.shape).to(x.dtype), g_fn.to(fn.dtype), g_sc.to(scale.dtype),
-                g_bs.to(base.dtype), None, None, None)
+        return (
+            g_x.reshape(x.shape).to(x.dtype),
+            g_fn.to(fn.dtype),
+            g_sc.to(scale.dtype),
+            g_bs.to(base.dtype),
+            None,
+            None,
+            None,
+        )
 
 
 class _HcPost(torch.autograd.Function):
@@ -522,11 +832,25 @@ class _HcPost(torch.autograd.Function):
         out = torch.empty(b, s, hc, d, dtype=f.dtype, device=f.device)
         t = b * s
         if _INTERPRET:
-            _launch(_hc_post_fwd_kernel, (triton.cdiv(t, 2), triton.cdiv(d, 32)),
-                f_, res_, post_, comb_, out, t, d, HC=hc, BT=2, BD=32, UPCAST=True)
+            _launch(
+                _hc_post_fwd_kernel,
+                (triton.cdiv(t, 2), triton.cdiv(d, 32)),
+                f_,
+                res_,
+                post_,
+                comb_,
+                out,
+                t,
+                d,
+                HC=hc,
+                BT=2,
+                BD=32,
+                UPCAST=True,
+            )
         else:
             _post_tuned[lambda meta: (triton.cdiv(t, meta["BT"]), triton.cdiv(d, meta["BD"]))](
-                f_, res_, post_, comb_, out, t, d, HC=hc, UPCAST=False)
+                f_, res_, post_, comb_, out, t, d, HC=hc, UPCAST=False
+            )
         ctx.save_for_backward(f_, res_, post_, comb_)
         ctx.dtypes = (post.dtype, comb.dtype)
         return out

@@ -40,14 +40,37 @@ from ._mm_utils import launch as _launch
 
 
 @triton.jit
-def _gmm_kernel(a_ptr, a_idx_ptr, b_ptr, b2_ptr, c_ptr, c_idx_ptr, w_ptr,
-                tile_group_ptr, tile_row_ptr, tile_end_ptr,
-                N, K, n_groups,
-                stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-                limit,
-                GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SWIGLU: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr = False,
-                ROUND_GATE: tl.constexpr = True):
+def _gmm_kernel(
+    a_ptr,
+    a_idx_ptr,
+    b_ptr,
+    b2_ptr,
+    c_ptr,
+    c_idx_ptr,
+    w_ptr,
+    tile_group_ptr,
+    tile_row_ptr,
+    tile_end_ptr,
+    N,
+    K,
+    n_groups,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    limit,
+    GATHER_A: tl.constexpr,
+    SCATTER_C: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr = False,
+    ROUND_GATE: tl.constexpr = True,
+):
     """C[r] = A[r] @ B[g] for the rows r of group g; SWIGLU: silu(min(A B, L)) * clamp(A B2, +-L) * w[r]
     (gate and up rounded to A's dtype first when ROUND_GATE, kept in fp32 for fp16: `gate_dtype`)."""
     pid_n = tl.program_id(0)
@@ -106,10 +129,26 @@ def _gmm_kernel(a_ptr, a_idx_ptr, b_ptr, b2_ptr, c_ptr, c_idx_ptr, w_ptr,
 
 
 @triton.jit
-def _gmm_wgrad_kernel(a_ptr, g_ptr, out_ptr, starts_ptr, ends_ptr, N, K,
-                      stride_am, stride_ak, stride_gm, stride_gn, stride_oe, stride_ok, stride_on,
-                      BR: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                      UPCAST: tl.constexpr = False):
+def _gmm_wgrad_kernel(
+    a_ptr,
+    g_ptr,
+    out_ptr,
+    starts_ptr,
+    ends_ptr,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_gm,
+    stride_gn,
+    stride_oe,
+    stride_ok,
+    stride_on,
+    BR: tl.constexpr,
+    BK: tl.constexpr,
+    BN: tl.constexpr,
+    UPCAST: tl.constexpr = False,
+):
     """out[e] = A[rows of e]^T @ G[rows of e], rows reduced serially (deterministic)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -124,10 +163,16 @@ def _gmm_wgrad_kernel(a_ptr, g_ptr, out_ptr, starts_ptr, ends_ptr, N, K,
     for r0 in range(start, end, BR):
         rs = r0 + tl.arange(0, BR)
         rmask = rs < end
-        a = tl.load(a_ptr + rs[:, None].to(tl.int64) * stride_am + ks[None, :] * stride_ak,
-                    mask=rmask[:, None] & kmask[None, :], other=0.0)                       # [BR, BK]
-        gr = tl.load(g_ptr + rs[:, None].to(tl.int64) * stride_gm + ns[None, :] * stride_gn,
-                     mask=rmask[:, None] & nmask[None, :], other=0.0)                     # [BR, BN]
+        a = tl.load(
+            a_ptr + rs[:, None].to(tl.int64) * stride_am + ks[None, :] * stride_ak,
+            mask=rmask[:, None] & kmask[None, :],
+            other=0.0,
+        )  # [BR, BK]
+        gr = tl.load(
+            g_ptr + rs[:, None].to(tl.int64) * stride_gm + ns[None, :] * stride_gn,
+            mask=rmask[:, None] & nmask[None, :],
+            other=0.0,
+        )  # [BR, BN]
         acc = mma(tl.trans(a), gr, acc, UPCAST)
     o_ptrs = out_ptr + e.to(tl.int64) * stride_oe + ks[:, None] * stride_ok + ns[None, :] * stride_on
     tl.store(o_ptrs, round_to(acc, out_ptr.dtype.element_ty, UPCAST), mask=kmask[:, None] & nmask[None, :])
@@ -157,7 +202,7 @@ def _store_tiles(group_ptr, row_ptr, end_ptr, ts, gs, start_g, end_g, n_groups, 
     tiles_g = (end_g - start_g + BM - 1) // BM
     cum = tl.cumsum(tiles_g, 0)
     first = cum - tiles_g
-    hit = (ts[:, None] >= first[None, :]) & (ts[:, None] < cum[None, :])               # [TB, GP] one-hot
+    hit = (ts[:, None] >= first[None, :]) & (ts[:, None] < cum[None, :])  # [TB, GP] one-hot
     found = tl.sum(hit.to(tl.int32), 1) > 0
     g = tl.sum(tl.where(hit, gs[None, :], 0), 1)
     row = ts * BM + tl.sum(tl.where(hit, (start_g - first * BM)[None, :], 0), 1)
@@ -169,18 +214,28 @@ def _store_tiles(group_ptr, row_ptr, end_ptr, ts, gs, start_g, end_g, n_groups, 
 
 
 @triton.jit
-def _tile_table_kernel(ends_ptr, group_ptr, row_ptr, end_ptr, n_rows, n_groups, n_tiles,
-                       BM: tl.constexpr, GP: tl.constexpr, TB: tl.constexpr):
+def _tile_table_kernel(
+    ends_ptr,
+    group_ptr,
+    row_ptr,
+    end_ptr,
+    n_rows,
+    n_groups,
+    n_tiles,
+    BM: tl.constexpr,
+    GP: tl.constexpr,
+    TB: tl.constexpr,
+):
     """Tile t -> (group, first row, group end): groups 0..E-1 are the local experts, E the foreign bucket."""
     gs = tl.arange(0, GP)
-    end_g = tl.load(ends_ptr + gs, mask=gs < n_groups, other=n_rows)                   # bucket E ends at M
+    end_g = tl.load(ends_ptr + gs, mask=gs < n_groups, other=n_rows)  # bucket E ends at M
     start_g = tl.load(ends_ptr + gs - 1, mask=(gs >= 1) & (gs <= n_groups), other=0)
-    start_g = tl.where(gs > n_groups, n_rows, start_g)                                 # padding: no rows
+    start_g = tl.where(gs > n_groups, n_rows, start_g)  # padding: no rows
     ts = tl.program_id(0) * TB + tl.arange(0, TB)
     _store_tiles(group_ptr, row_ptr, end_ptr, ts, gs, start_g, end_g, n_groups, n_tiles, BM)
 
 
-_TILE_TB = 32         # tiles per block of the table
+_TILE_TB = 32  # tiles per block of the table
 
 
 class _Tiles:
@@ -194,9 +249,20 @@ class _Tiles:
         self.n_tiles = _n_tiles(n_rows, bm, e)
         if table is None:
             table = torch.empty(3, self.n_tiles, dtype=torch.int32, device=ends.device)
-            _launch(_tile_table_kernel, (triton.cdiv(self.n_tiles, _TILE_TB),),
-                    self.ends, table[0], table[1], table[2], n_rows, e, self.n_tiles,
-                    BM=bm, GP=triton.next_power_of_2(e + 2), TB=_TILE_TB)
+            _launch(
+                _tile_table_kernel,
+                (triton.cdiv(self.n_tiles, _TILE_TB),),
+                self.ends,
+                table[0],
+                table[1],
+                table[2],
+                n_rows,
+                e,
+                self.n_tiles,
+                BM=bm,
+                GP=triton.next_power_of_2(e + 2),
+                TB=_TILE_TB,
+            )
         self.group, self.row, self.end = table[0], table[1], table[2]
         self.n_groups = e
         self.bm = bm
@@ -207,7 +273,7 @@ class _Tiles:
 
 
 def _n_tiles(n_rows: int, bm: int, n_groups: int) -> int:
-    return triton.cdiv(n_rows, bm) + n_groups + 1                               # upper bound, static
+    return triton.cdiv(n_rows, bm) + n_groups + 1  # upper bound, static
 
 
 # ----------------------------------------------------------------------------- routing plan (device side)
@@ -220,8 +286,9 @@ def _slot_keys(idx_ptr, slots, smask, n_local, expert_offset):
 
 
 @triton.jit
-def _plan_count_kernel(idx_ptr, counts_ptr, n_slots, n_local, expert_offset,
-                       CH: tl.constexpr, S: tl.constexpr, EP: tl.constexpr):
+def _plan_count_kernel(
+    idx_ptr, counts_ptr, n_slots, n_local, expert_offset, CH: tl.constexpr, S: tl.constexpr, EP: tl.constexpr
+):
     """counts[c, b] = number of slots of chunk c (CH slots) in bucket b (E + 1 buckets, padded to EP)."""
     c = tl.program_id(0)
     hist = tl.zeros((EP,), dtype=tl.int32)
@@ -234,11 +301,33 @@ def _plan_count_kernel(idx_ptr, counts_ptr, n_slots, n_local, expert_offset,
 
 
 @triton.jit
-def _plan_scatter_kernel(idx_ptr, w_ptr, counts_ptr, next_ptr, order_ptr, token_ptr, valid_ptr,
-                         weight_ptr, ends_ptr, group_ptr, row_ptr, tend_ptr,
-                         n_slots, n_chunks, n_local, expert_offset, topk, n_tiles,
-                         CH: tl.constexpr, S: tl.constexpr, EP: tl.constexpr, CT: tl.constexpr,
-                         TILES: tl.constexpr, BM: tl.constexpr, TB: tl.constexpr):
+def _plan_scatter_kernel(
+    idx_ptr,
+    w_ptr,
+    counts_ptr,
+    next_ptr,
+    order_ptr,
+    token_ptr,
+    valid_ptr,
+    weight_ptr,
+    ends_ptr,
+    group_ptr,
+    row_ptr,
+    tend_ptr,
+    n_slots,
+    n_chunks,
+    n_local,
+    expert_offset,
+    topk,
+    n_tiles,
+    CH: tl.constexpr,
+    S: tl.constexpr,
+    EP: tl.constexpr,
+    CT: tl.constexpr,
+    TILES: tl.constexpr,
+    BM: tl.constexpr,
+    TB: tl.constexpr,
+):
     """Stable counting sort: chunk c writes its slots at base[b] + (slots of b in chunks < c) + rank.
     TILES: the chunks also write the grouped GEMM's tile table (blocks c, c + n_chunks, ...)."""
     c = tl.program_id(0)
@@ -247,32 +336,34 @@ def _plan_scatter_kernel(idx_ptr, w_ptr, counts_ptr, next_ptr, order_ptr, token_
     before = tl.zeros((EP,), dtype=tl.int32)
     for c0 in range(0, n_chunks, CT):
         rows = c0 + tl.arange(0, CT)
-        tile = tl.load(counts_ptr + rows[:, None] * EP + bs[None, :], mask=(rows < n_chunks)[:, None],
-                       other=0)                                                        # [CT, EP]
+        tile = tl.load(
+            counts_ptr + rows[:, None] * EP + bs[None, :], mask=(rows < n_chunks)[:, None], other=0
+        )  # [CT, EP]
         total += tl.sum(tile, 0)
         before += tl.sum(tl.where((rows < c)[:, None], tile, 0), 0)
-    incl = tl.cumsum(total, 0)                                                         # [EP]
+    incl = tl.cumsum(total, 0)  # [EP]
     if c == 0:
         tl.store(ends_ptr + bs, incl, mask=bs < n_local)
     if TILES:  # bucket b holds rows [incl - total, incl); padding buckets are empty
         for t0 in range(c * TB, n_tiles, n_chunks * TB):
-            _store_tiles(group_ptr, row_ptr, tend_ptr, t0 + tl.arange(0, TB), bs, incl - total, incl,
-                         n_local, n_tiles, BM)
+            _store_tiles(
+                group_ptr, row_ptr, tend_ptr, t0 + tl.arange(0, TB), bs, incl - total, incl, n_local, n_tiles, BM
+            )
     # next[c, b]: the sorted position the chunk's next slot of bucket b goes to
     nxt = next_ptr + c * EP
     tl.store(nxt + bs, incl - total + before)
     tl.debug_barrier()
     ii = tl.arange(0, S)
-    earlier = ii[None, :] < ii[:, None]                                                # [S, S]: j < i
+    earlier = ii[None, :] < ii[:, None]  # [S, S]: j < i
     for s0 in range(0, CH, S):
         slots = c * CH + s0 + ii
         smask = slots < n_slots
         key, valid = _slot_keys(idx_ptr, slots, smask, n_local, expert_offset)
-        same = (key[:, None] == key[None, :]) & smask[None, :]                         # [S, S]
-        rank = tl.sum((same & earlier).to(tl.int32), 1)                                # stable, in slot order
+        same = (key[:, None] == key[None, :]) & smask[None, :]  # [S, S]
+        rank = tl.sum((same & earlier).to(tl.int32), 1)  # stable, in slot order
         count = tl.sum(same.to(tl.int32), 1)
         pos = tl.load(nxt + key, mask=smask, other=0) + rank
-        tl.debug_barrier()                                # every lane has read next[] before it moves on
+        tl.debug_barrier()  # every lane has read next[] before it moves on
         tl.store(nxt + key, pos + 1, mask=smask & (rank == count - 1))
         tl.store(order_ptr + pos, slots.to(tl.int64), mask=smask)
         tl.store(token_ptr + pos, (slots // topk).to(tl.int64), mask=smask)
@@ -282,9 +373,9 @@ def _plan_scatter_kernel(idx_ptr, w_ptr, counts_ptr, next_ptr, order_ptr, token_
         tl.debug_barrier()
 
 
-_PLAN_S = 64               # slots ranked at once ([S, S] comparisons)
-_PLAN_CT = 8192            # elements of one [chunks, buckets] tile of counts read back
-_PLAN_MAX_BUCKETS = 2048   # beyond this many local experts the [*, buckets] tiles get too wide: sort
+_PLAN_S = 64  # slots ranked at once ([S, S] comparisons)
+_PLAN_CT = 8192  # elements of one [chunks, buckets] tile of counts read back
+_PLAN_MAX_BUCKETS = 2048  # beyond this many local experts the [*, buckets] tiles get too wide: sort
 
 
 def triton_moe_plan(weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_offset: int) -> MoEPlan:
@@ -293,8 +384,9 @@ def triton_moe_plan(weights: torch.Tensor, indices: torch.Tensor, n_local: int, 
     return _plan_and_tiles(weights, indices, n_local, expert_offset, None)[0]
 
 
-def _plan_and_tiles(weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_offset: int,
-                    bm: int | None) -> tuple[MoEPlan, _Tiles | None]:
+def _plan_and_tiles(
+    weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_offset: int, bm: int | None
+) -> tuple[MoEPlan, _Tiles | None]:
     """The plan, plus (bm given) the tile table of BM-row tiles, written by the same two launches."""
     t, k = indices.shape
     n = t * k
@@ -304,12 +396,12 @@ def _plan_and_tiles(weights: torch.Tensor, indices: torch.Tensor, n_local: int, 
     dev = indices.device
     idx = indices.contiguous()
     w = weights.contiguous()
-    ep = triton.next_power_of_2(n_local + 1)                 # buckets: local experts + the foreign one
+    ep = triton.next_power_of_2(n_local + 1)  # buckets: local experts + the foreign one
     # chunks: enough for parallelism, few enough that every chunk can re-read all counts cheaply
     max_chunks = max(16, 16384 // ep)
     ch = max(_PLAN_S, triton.cdiv(triton.cdiv(max(n, 1), max_chunks), _PLAN_S) * _PLAN_S)
     n_chunks = max(1, triton.cdiv(n, ch))
-    counts = torch.empty(2, n_chunks, ep, dtype=torch.int32, device=dev)    # counts, next positions
+    counts = torch.empty(2, n_chunks, ep, dtype=torch.int32, device=dev)  # counts, next positions
     order = torch.empty(n, dtype=torch.int64, device=dev)
     token = torch.empty(n, dtype=torch.int64, device=dev)
     valid = torch.empty(n, dtype=torch.uint8, device=dev)
@@ -317,17 +409,43 @@ def _plan_and_tiles(weights: torch.Tensor, indices: torch.Tensor, n_local: int, 
     ends = torch.empty(n_local, dtype=torch.int32, device=dev)
     n_tiles = _n_tiles(n, bm, n_local) if bm else 0
     table = torch.empty(3, max(n_tiles, 1), dtype=torch.int32, device=dev)
-    _launch(_plan_count_kernel, (n_chunks,), idx, counts[0], n, n_local, expert_offset,
-            CH=ch, S=_PLAN_S, EP=ep, num_warps=4)
-    _launch(_plan_scatter_kernel, (n_chunks,), idx, w, counts[0], counts[1], order, token, valid, weight,
-            ends, table[0], table[1], table[2], n, n_chunks, n_local, expert_offset, k, n_tiles,
-            CH=ch, S=_PLAN_S, EP=ep, CT=max(1, _PLAN_CT // ep), TILES=bool(bm), BM=bm or 1,
-            TB=max(4, min(32, 4096 // ep)),
-            num_warps=4, num_stages=1)   # no software pipelining: next[] is re-read after each block's stores
-    if torch.is_grad_enabled() and weights.requires_grad:   # same values, but differentiable
+    _launch(
+        _plan_count_kernel, (n_chunks,), idx, counts[0], n, n_local, expert_offset, CH=ch, S=_PLAN_S, EP=ep, num_warps=4
+    )
+    _launch(
+        _plan_scatter_kernel,
+        (n_chunks,),
+        idx,
+        w,
+        counts[0],
+        counts[1],
+        order,
+        token,
+        valid,
+        weight,
+        ends,
+        table[0],
+        table[1],
+        table[2],
+        n,
+        n_chunks,
+        n_local,
+        expert_offset,
+        k,
+        n_tiles,
+        CH=ch,
+        S=_PLAN_S,
+        EP=ep,
+        CT=max(1, _PLAN_CT // ep),
+        TILES=bool(bm),
+        BM=bm or 1,
+        TB=max(4, min(32, 4096 // ep)),
+        num_warps=4,
+        num_stages=1,
+    )  # no software pipelining: next[] is re-read after each block's stores
+    if torch.is_grad_enabled() and weights.requires_grad:  # same values, but differentiable
         weight = weights.reshape(-1).float()[order]
-    plan = MoEPlan(order=order, token=token, valid=valid.view(torch.bool), weight=weight, ends=ends,
-                   n_tokens=t, topk=k)
+    plan = MoEPlan(order=order, token=token, valid=valid.view(torch.bool), weight=weight, ends=ends, n_tokens=t, topk=k)
     return plan, (_Tiles(ends, n, bm, table) if bm else None)
 
 
@@ -335,22 +453,54 @@ def _block_m(n_rows: int, n_groups: int) -> int:
     return 64 if n_rows < 128 * n_groups or _INTERPRET else 128
 
 
-def _launch_gmm(a: torch.Tensor, b: torch.Tensor, tiles: _Tiles, out: torch.Tensor, *,
-                a_idx: torch.Tensor | None = None, c_idx: torch.Tensor | None = None,
-                b2: torch.Tensor | None = None, w: torch.Tensor | None = None, limit: float = 0.0) -> None:
+def _launch_gmm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tiles: _Tiles,
+    out: torch.Tensor,
+    *,
+    a_idx: torch.Tensor | None = None,
+    c_idx: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    w: torch.Tensor | None = None,
+    limit: float = 0.0,
+) -> None:
     """out[rows of g] = a[rows] @ b[g] (b [E, K, N], any strides), or the fused SwiGLU when b2 is given."""
     k, n = b.shape[1], b.shape[2]
     swiglu = b2 is not None
     if swiglu:
         assert b2.stride() == b.stride()
     dummy = tiles.group
-    args = (a, a_idx if a_idx is not None else dummy, b, b2 if swiglu else b, out,
-            c_idx if c_idx is not None else dummy, w if w is not None else a,
-            tiles.group, tiles.row, tiles.end, n, k, tiles.n_groups,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-            float(limit))
-    flags = dict(GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, SWIGLU=swiglu, BM=tiles.bm,
-                 ROUND_GATE=gate_dtype(a.dtype) == a.dtype)
+    args = (
+        a,
+        a_idx if a_idx is not None else dummy,
+        b,
+        b2 if swiglu else b,
+        out,
+        c_idx if c_idx is not None else dummy,
+        w if w is not None else a,
+        tiles.group,
+        tiles.row,
+        tiles.end,
+        n,
+        k,
+        tiles.n_groups,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        out.stride(0),
+        out.stride(1),
+        float(limit),
+    )
+    flags = dict(
+        GATHER_A=a_idx is not None,
+        SCATTER_C=c_idx is not None,
+        SWIGLU=swiglu,
+        BM=tiles.bm,
+        ROUND_GATE=gate_dtype(a.dtype) == a.dtype,
+    )
     if _INTERPRET:
         _launch(_gmm_kernel, (triton.cdiv(n, 32), tiles.n_tiles), *args, **flags, BN=32, BK=32, UPCAST=True)
         return
@@ -360,8 +510,22 @@ def _launch_gmm(a: torch.Tensor, b: torch.Tensor, tiles: _Tiles, out: torch.Tens
 
 def _launch_wgrad(a: torch.Tensor, g: torch.Tensor, tiles: _Tiles, out: torch.Tensor) -> None:
     k, n = a.size(1), g.size(1)
-    args = (a, g, out, tiles.starts, tiles.ends, n, k, a.stride(0), a.stride(1), g.stride(0), g.stride(1),
-            out.stride(0), out.stride(1), out.stride(2))
+    args = (
+        a,
+        g,
+        out,
+        tiles.starts,
+        tiles.ends,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        g.stride(0),
+        g.stride(1),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+    )
     if _INTERPRET:
         grid = (triton.cdiv(n, 32), triton.cdiv(k, 32), tiles.n_groups)
         _launch(_gmm_wgrad_kernel, grid, *args, BR=32, BK=32, BN=32, UPCAST=True)
@@ -396,32 +560,47 @@ class _GroupedMM(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- the op
-def triton_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
-                       w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float,
-                       expert_offset: int = 0, act: str | None = None) -> torch.Tensor:
+def triton_moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    swiglu_limit: float,
+    expert_offset: int = 0,
+    act: str | None = None,
+) -> torch.Tensor:
     """`moe_experts` as Triton grouped GEMMs over all local experts (see the module docstring). act (W8A8 on
     dequantized weights): x and the SwiGLU output go through the FP8 round trip before their projections."""
     n_local = w1.size(0)
     x = act_round_trip(x, act, fp8_round_trip)
     m = indices.numel()
     plan, tiles = _plan_and_tiles(weights, indices, n_local, expert_offset, _block_m(m, n_local))
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, weights, w1, w2, w3))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w1, w2, w3))
     if not needs_grad:
         x = x.contiguous()
-        h = torch.empty(m, w1.size(1), dtype=x.dtype, device=x.device)           # [M, I]
-        _launch_gmm(x, w1.transpose(1, 2), tiles, h, a_idx=plan.token, b2=w3.transpose(1, 2),
-                    w=plan.weight.contiguous(), limit=swiglu_limit)
-        out = torch.empty(m, x.size(1), dtype=x.dtype, device=x.device)         # [T*k, D] slot order
-        _launch_gmm(act_round_trip(h, act, fp8_round_trip), w2.transpose(1, 2), tiles, out,
-                    c_idx=plan.order)
+        h = torch.empty(m, w1.size(1), dtype=x.dtype, device=x.device)  # [M, I]
+        _launch_gmm(
+            x,
+            w1.transpose(1, 2),
+            tiles,
+            h,
+            a_idx=plan.token,
+            b2=w3.transpose(1, 2),
+            w=plan.weight.contiguous(),
+            limit=swiglu_limit,
+        )
+        out = torch.empty(m, x.size(1), dtype=x.dtype, device=x.device)  # [T*k, D] slot order
+        _launch_gmm(act_round_trip(h, act, fp8_round_trip), w2.transpose(1, 2), tiles, out, c_idx=plan.order)
         return out.view(plan.n_tokens, plan.topk, -1).sum(1, dtype=torch.float32)
-    xs = gather_rows(x, plan)                                                    # [M, D]
-    gate = _GroupedMM.apply(xs, w1.transpose(1, 2), tiles)                       # [M, I]
+    xs = gather_rows(x, plan)  # [M, D]
+    gate = _GroupedMM.apply(xs, w1.transpose(1, 2), tiles)  # [M, I]
     up = _GroupedMM.apply(xs, w3.transpose(1, 2), tiles)
-    h = act_round_trip((clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype), act,
-                       fp8_round_trip)
-    out = mask_rows(_GroupedMM.apply(h, w2.transpose(1, 2), tiles), plan)         # [M, D]
+    h = act_round_trip(
+        (clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype), act, fp8_round_trip
+    )
+    out = mask_rows(_GroupedMM.apply(h, w2.transpose(1, 2), tiles), plan)  # [M, D]
     return combine_rows(out, plan)
 
 

@@ -41,9 +41,24 @@ def _e2m1(c):
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym, s_cols,
-                     SCALE_E8M0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     GROUP: tl.constexpr, UPCAST: tl.constexpr):
+def _fp8_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    s_cols,
+    SCALE_E8M0: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     pid_m, pid_n = grouped_tile(M, N, BM, BN, GROUP)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -51,7 +66,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym, 
     mmask = rm < M
     nmask = rn < N
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + ks[None, :]
-    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * K + ks[:, None]                          # [BK, BN] view
+    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * K + ks[:, None]  # [BK, BN] view
     s_row = (rn // 128) * s_cols
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -71,9 +86,22 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym, 
 
 
 @triton.jit
-def _fp4_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                     UPCAST: tl.constexpr):
+def _fp4_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     pid_m, pid_n = grouped_tile(M, N, BM, BN, GROUP)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -84,8 +112,8 @@ def _fp4_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
     nmask = rn < N
     rn64 = rn.to(tl.int64)
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + ks[None, :]
-    w_ptrs = w_ptr + rn64[:, None] * (K // 2) + kb[None, :]                             # [BN, BK/2]
-    s_ptrs = s_ptr + rn64[:, None] * (K // 32) + kss[None, :]                           # [BN, BK/32]
+    w_ptrs = w_ptr + rn64[:, None] * (K // 2) + kb[None, :]  # [BN, BK/2]
+    s_ptrs = s_ptr + rn64[:, None] * (K // 32) + kss[None, :]  # [BN, BK/32]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         kmask = (k0 + ks) < K
@@ -94,7 +122,7 @@ def _fp4_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
         p = tl.load(w_ptrs, mask=pmask, other=0).to(tl.int32) & 0xFF
         w = tl.reshape(tl.join(_e2m1(p & 0xF), _e2m1(p >> 4)), (BN, BK))  # element 2i = low nibble
         sb = tl.load(s_ptrs, mask=nmask[:, None] & ((k0 // 32 + kss) < K // 32)[None, :], other=127)
-        s = _e8m0(sb.to(tl.int32) & 0xFF)                                                # [BN, BK/32]
+        s = _e8m0(sb.to(tl.int32) & 0xFF)  # [BN, BK/32]
         w = tl.reshape(tl.reshape(w, (BN, BK // 32, 32)) * s[:, :, None], (BN, BK))
         wq = round_to(w, x_ptr.dtype.element_ty, UPCAST)
         acc = mma(x, tl.trans(wq), acc, UPCAST)
@@ -107,13 +135,23 @@ def _fp4_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
 
 _CONFIGS = [
     triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP": 8}, num_warps=w, num_stages=s)
-    for bm, bn, bk, w, s in ((128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
-                             (64, 128, 128, 4, 4), (64, 64, 128, 4, 3))
+    for bm, bn, bk, w, s in (
+        (128, 128, 128, 8, 3),
+        (128, 256, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (64, 128, 128, 4, 4),
+        (64, 64, 128, 4, 3),
+    )
 ]
 _FP4_CONFIGS = [
     triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP": 8}, num_warps=w, num_stages=s)
-    for bm, bn, bk, w, s in ((128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
-                             (64, 128, 128, 4, 4), (64, 64, 128, 4, 3))
+    for bm, bn, bk, w, s in (
+        (128, 128, 128, 8, 3),
+        (128, 256, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (64, 128, 128, 4, 4),
+        (64, 64, 128, 4, 3),
+    )
 ]
 _fp8_tuned = triton.autotune(_CONFIGS, key=["M", "N", "K", "SCALE_E8M0"])(_fp8_gemm_kernel)
 _fp4_tuned = triton.autotune(_FP4_CONFIGS, key=["M", "N", "K"])(_fp4_gemm_kernel)
@@ -141,8 +179,17 @@ def triton_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     w = weight if weight.dtype == torch.float8_e4m3fn else weight.view(torch.float8_e4m3fn)
     args = (x2, w, s, y, m, n, k, x2.stride(0), y.stride(0), s.size(1))
     if _INTERPRET:
-        _launch(_fp8_gemm_kernel, (triton.cdiv(m, 32) * triton.cdiv(n, 32),),
-            *args, SCALE_E8M0=e8m0, BM=32, BN=32, BK=32, GROUP=4, UPCAST=True)
+        _launch(
+            _fp8_gemm_kernel,
+            (triton.cdiv(m, 32) * triton.cdiv(n, 32),),
+            *args,
+            SCALE_E8M0=e8m0,
+            BM=32,
+            BN=32,
+            BK=32,
+            GROUP=4,
+            UPCAST=True,
+        )
     else:
         _fp8_tuned[_grid(m, n)](*args, SCALE_E8M0=e8m0, UPCAST=False)
     return y.view(*x.shape[:-1], n)
@@ -160,8 +207,16 @@ def triton_fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     s = scale.view(torch.uint8).contiguous()
     args = (x2, w, s, y, m, n, k, x2.stride(0), y.stride(0))
     if _INTERPRET:
-        _launch(_fp4_gemm_kernel, (triton.cdiv(m, 32) * triton.cdiv(n, 32),), *args, BM=32, BN=32, BK=64, GROUP=4,
-                                                                      UPCAST=True)
+        _launch(
+            _fp4_gemm_kernel,
+            (triton.cdiv(m, 32) * triton.cdiv(n, 32),),
+            *args,
+            BM=32,
+            BN=32,
+            BK=64,
+            GROUP=4,
+            UPCAST=True,
+        )
     else:
         _fp4_tuned[_grid(m, n)](*args, UPCAST=False)
     return y.view(*x.shape[:-1], n)
@@ -169,8 +224,19 @@ def triton_fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 
 # ----------------------------------------------------------------------------- dequantize-then-matmul
 @triton.jit
-def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, n_rows, K, row0, s_cols, SCALE_E8M0: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+def _fp8_dequant_kernel(
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    n_rows,
+    K,
+    row0,
+    s_cols,
+    SCALE_E8M0: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """out[n - row0, k] = w[n, k] * scale[n // 128, k // 128] rounded to out's dtype."""
     rn = row0 + tl.program_id(0) * BN + tl.arange(0, BN)
     ks = tl.program_id(1) * BK + tl.arange(0, BK)
@@ -186,16 +252,21 @@ def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, n_rows, K, row0, s_cols, SCALE_E8
 
 
 @triton.jit
-def _fp4_dequant_kernel(w_ptr, s_ptr, out_ptr, n_rows, K, row0, BN: tl.constexpr, BK: tl.constexpr,
-                        UPCAST: tl.constexpr):
+def _fp4_dequant_kernel(
+    w_ptr, s_ptr, out_ptr, n_rows, K, row0, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr
+):
     """out[n - row0, :] = E2M1 codes of row n (low nibble first) times their per-32 E8M0 scales."""
     rn = row0 + tl.program_id(0) * BN + tl.arange(0, BN)
     kb = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
     kss = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)
     nmask = rn < row0 + n_rows
     rn64 = rn.to(tl.int64)
-    p = tl.load(w_ptr + rn64[:, None] * (K // 2) + kb[None, :], mask=nmask[:, None] & (kb < K // 2)[None, :],
-                other=0).to(tl.int32) & 0xFF
+    p = (
+        tl.load(
+            w_ptr + rn64[:, None] * (K // 2) + kb[None, :], mask=nmask[:, None] & (kb < K // 2)[None, :], other=0
+        ).to(tl.int32)
+        & 0xFF
+    )
     w = tl.reshape(tl.join(_e2m1(p & 0xF), _e2m1(p >> 4)), (BN, BK))
     smask = nmask[:, None] & (kss < K // 32)[None, :]
     sb = tl.load(s_ptr + rn64[:, None] * (K // 32) + kss[None, :], mask=smask, other=127)
@@ -205,7 +276,7 @@ def _fp4_dequant_kernel(w_ptr, s_ptr, out_ptr, n_rows, K, row0, BN: tl.constexpr
     tl.store(o_ptrs, round_to(w, out_ptr.dtype.element_ty, UPCAST), mask=nmask[:, None] & (ks < K)[None, :])
 
 
-_CHUNK_ELEMENTS = 1 << 26   # bf16 weight rows dequantized at a time (128 MiB)
+_CHUNK_ELEMENTS = 1 << 26  # bf16 weight rows dequantized at a time (128 MiB)
 
 
 def _chunked_linear(x: torch.Tensor, n: int, k: int, dequant_rows) -> torch.Tensor:
@@ -231,8 +302,21 @@ def dequant_mm_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     bn, bk = (32, 32) if _INTERPRET else (64, 128)
 
     def rows(row0: int, r: int, out: torch.Tensor) -> None:
-        _launch(_fp8_dequant_kernel, (triton.cdiv(r, bn), triton.cdiv(k, bk)),
-            w, s, out, r, k, row0, s.size(1), SCALE_E8M0=e8m0, BN=bn, BK=bk, UPCAST=_INTERPRET)
+        _launch(
+            _fp8_dequant_kernel,
+            (triton.cdiv(r, bn), triton.cdiv(k, bk)),
+            w,
+            s,
+            out,
+            r,
+            k,
+            row0,
+            s.size(1),
+            SCALE_E8M0=e8m0,
+            BN=bn,
+            BK=bk,
+            UPCAST=_INTERPRET,
+        )
 
     return _chunked_linear(x, n, k, rows)
 
@@ -245,8 +329,19 @@ def dequant_mm_fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     bn, bk = (32, 64) if _INTERPRET else (64, 128)
 
     def rows(row0: int, r: int, out: torch.Tensor) -> None:
-        _launch(_fp4_dequant_kernel, (triton.cdiv(r, bn), triton.cdiv(k, bk)),
-            w, s, out, r, k, row0, BN=bn, BK=bk, UPCAST=_INTERPRET)
+        _launch(
+            _fp4_dequant_kernel,
+            (triton.cdiv(r, bn), triton.cdiv(k, bk)),
+            w,
+            s,
+            out,
+            r,
+            k,
+            row0,
+            BN=bn,
+            BK=bk,
+            UPCAST=_INTERPRET,
+        )
 
     return _chunked_linear(x, n, k, rows)
 
@@ -299,7 +394,21 @@ def _large_batch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> 
     return x.numel() // max(x.size(-1), 1) >= DEQUANT_MM_MIN_TOKENS
 
 
-register("fp8_linear", "dequant_mm", dequant_mm_fp8_linear, can_run=_fp8_can_run, deterministic=True,
-         priority=15, prefer=_large_batch)
-register("fp4_linear", "dequant_mm", dequant_mm_fp4_linear, can_run=_fp4_can_run, deterministic=True,
-         priority=15, prefer=_large_batch)
+register(
+    "fp8_linear",
+    "dequant_mm",
+    dequant_mm_fp8_linear,
+    can_run=_fp8_can_run,
+    deterministic=True,
+    priority=15,
+    prefer=_large_batch,
+)
+register(
+    "fp4_linear",
+    "dequant_mm",
+    dequant_mm_fp4_linear,
+    can_run=_fp4_can_run,
+    deterministic=True,
+    priority=15,
+    prefer=_large_batch,
+)

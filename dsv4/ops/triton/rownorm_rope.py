@@ -28,7 +28,7 @@ from ._common import Kernel, device_reason, interpret_mode, num_sms
 from ._common import rows_view as _rows
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_NORM = 16384          # widest row held in registers by one program
+MAX_NORM = 16384  # widest row held in registers by one program
 MAX_ROPE_DIM = 16384
 
 # output allocator (tests swap in one that poisons the memory with NaN)
@@ -36,9 +36,22 @@ _alloc = torch.empty
 
 
 # ----------------------------------------------------------------------------- kernels
-def _norm_fwd_kernel(x_ptr, w_ptr, out_ptr, R, N, stride_x, stride_o, inv_n, eps,
-                     BN: tl.constexpr, BR: tl.constexpr, HAS_W: tl.constexpr, INTERP: tl.constexpr,
-                     RNE_BF16: tl.constexpr):
+def _norm_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    R,
+    N,
+    stride_x,
+    stride_o,
+    inv_n,
+    eps,
+    BN: tl.constexpr,
+    BR: tl.constexpr,
+    HAS_W: tl.constexpr,
+    INTERP: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
     """out = (w *) x * rsqrt(mean(x^2) + eps) for BR rows of N elements, in fp32."""
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)
@@ -48,7 +61,7 @@ def _norm_fwd_kernel(x_ptr, w_ptr, out_ptr, R, N, stride_x, stride_o, inv_n, eps
     cmask = cols < N
     m2 = rmask[:, None] & cmask[None, :]
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    ms = tl.sum(x * x, axis=1) * inv_n + eps                                # [BR]
+    ms = tl.sum(x * x, axis=1) * inv_n + eps  # [BR]
     if INTERP:
         r = tl.rsqrt(ms)
     else:
@@ -57,17 +70,33 @@ def _norm_fwd_kernel(x_ptr, w_ptr, out_ptr, R, N, stride_x, stride_o, inv_n, eps
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         y = w[None, :] * y
-    if RNE_BF16:                                         # the interpreter truncates fp32 -> bf16
+    if RNE_BF16:  # the interpreter truncates fp32 -> bf16
         u = y.to(tl.uint32, bitcast=True)
         u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
         y = u.to(tl.float32, bitcast=True)
     tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m2)
 
 
-def _norm_bwd_kernel(x_ptr, w_ptr, g_ptr, dx_ptr, dwp_ptr, R, N, rows_per_prog, stride_x, stride_g,
-                     stride_dx, inv_n, eps,
-                     BN: tl.constexpr, BR: tl.constexpr, HAS_W: tl.constexpr, INTERP: tl.constexpr,
-                     RNE_BF16: tl.constexpr):
+def _norm_bwd_kernel(
+    x_ptr,
+    w_ptr,
+    g_ptr,
+    dx_ptr,
+    dwp_ptr,
+    R,
+    N,
+    rows_per_prog,
+    stride_x,
+    stride_g,
+    stride_dx,
+    inv_n,
+    eps,
+    BN: tl.constexpr,
+    BR: tl.constexpr,
+    HAS_W: tl.constexpr,
+    INTERP: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
     """dx for rows [pid * rows_per_prog, ...) in chunks of BR, and (HAS_W) this program's partial
     weight gradient sum(g * x_hat) over those rows into row pid of dwp [programs, N] (fp32)."""
     pid = tl.program_id(0)
@@ -91,11 +120,11 @@ def _norm_bwd_kernel(x_ptr, w_ptr, g_ptr, dx_ptr, dwp_ptr, R, N, rows_per_prog, 
             r = libdevice.rsqrt(ms)
         if HAS_W:
             dw += tl.sum(g * (x * r[:, None]), axis=0)
-            gx = g * w[None, :]                                             # d loss / d x_hat
+            gx = g * w[None, :]  # d loss / d x_hat
         else:
             gx = g
         # d/dx [x r] = r g - x r^3 mean(g x)
-        dot = tl.sum(gx * x, axis=1)                                        # [BR]
+        dot = tl.sum(gx * x, axis=1)  # [BR]
         c = -(dot * (r * r * r)) * inv_n
         dx = gx * r[:, None] + x * c[:, None]
         if RNE_BF16:
@@ -124,9 +153,30 @@ def _col_sum_kernel(p_ptr, out_ptr, P, N, BP: tl.constexpr, BC: tl.constexpr, RN
     tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-def _rope_kernel(x_ptr, pos_ptr, f_ptr, out_ptr, R, S, H, sxb, sxs, sxh, sob, sos, soh, pos_stride,
-                 NOPE: tl.constexpr, BNOPE: tl.constexpr, RH: tl.constexpr, BRH: tl.constexpr,
-                 BR: tl.constexpr, INVERSE: tl.constexpr, INTERP: tl.constexpr, RNE_BF16: tl.constexpr):
+def _rope_kernel(
+    x_ptr,
+    pos_ptr,
+    f_ptr,
+    out_ptr,
+    R,
+    S,
+    H,
+    sxb,
+    sxs,
+    sxh,
+    sob,
+    sos,
+    soh,
+    pos_stride,
+    NOPE: tl.constexpr,
+    BNOPE: tl.constexpr,
+    RH: tl.constexpr,
+    BRH: tl.constexpr,
+    BR: tl.constexpr,
+    INVERSE: tl.constexpr,
+    INTERP: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
     """BR rows (b, s, h) of x: copy the first NOPE dims, rotate the RH interleaved pairs after them."""
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)
@@ -135,7 +185,7 @@ def _rope_kernel(x_ptr, pos_ptr, f_ptr, out_ptr, R, S, H, sxb, sxs, sxh, sob, so
     hi = rows64 % H
     si = (rows64 // H) % S
     bi = rows64 // (H * S)
-    xrow = x_ptr + bi * sxb + si * sxs + hi * sxh                           # [BR] pointers
+    xrow = x_ptr + bi * sxb + si * sxs + hi * sxh  # [BR] pointers
     orow = out_ptr + bi * sob + si * sos + hi * soh
     if NOPE > 0:
         c = tl.arange(0, BNOPE)
@@ -146,10 +196,10 @@ def _rope_kernel(x_ptr, pos_ptr, f_ptr, out_ptr, R, S, H, sxb, sxs, sxh, sob, so
     jmask = j < RH
     m2 = rmask[:, None] & jmask[None, :]
     ev = NOPE + 2 * j
-    x0 = tl.load(xrow[:, None] + ev[None, :], mask=m2, other=0.0).to(tl.float32)      # [BR, BRH]
+    x0 = tl.load(xrow[:, None] + ev[None, :], mask=m2, other=0.0).to(tl.float32)  # [BR, BRH]
     x1 = tl.load(xrow[:, None] + ev[None, :] + 1, mask=m2, other=0.0).to(tl.float32)
-    pos = tl.load(pos_ptr + si * pos_stride, mask=rmask, other=0).to(tl.float32)        # [BR]
-    f = tl.load(f_ptr + j, mask=jmask, other=0.0).to(tl.float32)                       # [BRH]
+    pos = tl.load(pos_ptr + si * pos_stride, mask=rmask, other=0).to(tl.float32)  # [BR]
+    f = tl.load(f_ptr + j, mask=jmask, other=0.0).to(tl.float32)  # [BRH]
     ang = pos[:, None] * f[None, :]
     if INTERP:
         cs = tl.cos(ang)
@@ -192,7 +242,6 @@ def _launch_opts() -> dict:
     return opts
 
 
-
 def _bf16_fix(dtype: torch.dtype) -> bool:
     return interpret_mode() and dtype == torch.bfloat16
 
@@ -216,14 +265,29 @@ def _norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     bn, br, warps = _norm_tiles(n, rows)
     w = weight if weight is not None else x2
     _norm_fwd_k[(triton.cdiv(rows, br),)](
-        x2, w, o2, rows, n, x2.stride(0), o2.stride(0), 1.0 / n, eps,
-        BN=bn, BR=br, HAS_W=weight is not None, INTERP=interpret_mode(), RNE_BF16=_bf16_fix(x.dtype),
-        num_warps=warps, **_launch_opts())
+        x2,
+        w,
+        o2,
+        rows,
+        n,
+        x2.stride(0),
+        o2.stride(0),
+        1.0 / n,
+        eps,
+        BN=bn,
+        BR=br,
+        HAS_W=weight is not None,
+        INTERP=interpret_mode(),
+        RNE_BF16=_bf16_fix(x.dtype),
+        num_warps=warps,
+        **_launch_opts(),
+    )
     return out
 
 
-def _norm_backward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, grad: torch.Tensor,
-                   need_w: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _norm_backward(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, grad: torch.Tensor, need_w: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     n = x.size(-1)
     dx = _alloc(x.shape, dtype=x.dtype, device=x.device)
     has_w = weight is not None
@@ -240,15 +304,34 @@ def _norm_backward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, gra
     partial = _alloc((progs, n), dtype=torch.float32, device=x.device) if has_w else d2
     w = weight if has_w else x2
     _norm_bwd_k[(progs,)](
-        x2, w, g2, d2, partial, rows, n, per, x2.stride(0), g2.stride(0), d2.stride(0), 1.0 / n, eps,
-        BN=bn, BR=br, HAS_W=has_w, INTERP=interpret_mode(), RNE_BF16=_bf16_fix(x.dtype),
-        num_warps=warps, **_launch_opts())
+        x2,
+        w,
+        g2,
+        d2,
+        partial,
+        rows,
+        n,
+        per,
+        x2.stride(0),
+        g2.stride(0),
+        d2.stride(0),
+        1.0 / n,
+        eps,
+        BN=bn,
+        BR=br,
+        HAS_W=has_w,
+        INTERP=interpret_mode(),
+        RNE_BF16=_bf16_fix(x.dtype),
+        num_warps=warps,
+        **_launch_opts(),
+    )
     if not (has_w and need_w):
         return dx, None
     dw = _alloc((n,), dtype=weight.dtype, device=x.device)
     bc = min(32, triton.next_power_of_2(n))
-    _col_sum_k[(triton.cdiv(n, bc),)](partial, dw, progs, n, BP=32, BC=bc, RNE_BF16=_bf16_fix(weight.dtype),
-                                      num_warps=4, **_launch_opts())
+    _col_sum_k[(triton.cdiv(n, bc),)](
+        partial, dw, progs, n, BP=32, BC=bc, RNE_BF16=_bf16_fix(weight.dtype), num_warps=4, **_launch_opts()
+    )
     return dx, dw
 
 
@@ -295,8 +378,7 @@ def _norm_can_run(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> s
 
 
 # ----------------------------------------------------------------------------- rope_tail
-def _rope_launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool
-                 ) -> torch.Tensor:
+def _rope_launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool) -> torch.Tensor:
     s, d = x.size(1), x.size(-1)
     rh = inv_freq.numel()
     if positions.numel() not in (1, s):
@@ -305,21 +387,41 @@ def _rope_launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     if x.numel() == 0:
         return out
     xv = x if x.stride(-1) == 1 else x.contiguous()
-    x4 = xv.unsqueeze(2) if xv.dim() == 3 else xv                            # [b, s, h, d]
+    x4 = xv.unsqueeze(2) if xv.dim() == 3 else xv  # [b, s, h, d]
     o4 = out.unsqueeze(2) if out.dim() == 3 else out
     b, _, h, _ = x4.shape
     rows = b * s * h
     nope = d - 2 * rh
     brh = triton.next_power_of_2(rh)
-    br = max(1, min(max(1, 4096 // max(brh, triton.next_power_of_2(max(nope, 1)))),
-                    triton.next_power_of_2(rows)))
+    br = max(1, min(max(1, 4096 // max(brh, triton.next_power_of_2(max(nope, 1)))), triton.next_power_of_2(rows)))
     pos = positions if positions.stride(0) == 1 or positions.numel() == 1 else positions.contiguous()
     freq = inv_freq if inv_freq.stride(0) == 1 else inv_freq.contiguous()
     _rope_k[(triton.cdiv(rows, br),)](
-        x4, pos, freq, o4, rows, s, h, x4.stride(0), x4.stride(1), x4.stride(2),
-        o4.stride(0), o4.stride(1), o4.stride(2), 0 if positions.numel() == 1 else pos.stride(0),
-        NOPE=nope, BNOPE=triton.next_power_of_2(max(nope, 1)), RH=rh, BRH=brh, BR=br, INVERSE=inverse,
-        INTERP=interpret_mode(), RNE_BF16=_bf16_fix(x.dtype), num_warps=4, **_launch_opts())
+        x4,
+        pos,
+        freq,
+        o4,
+        rows,
+        s,
+        h,
+        x4.stride(0),
+        x4.stride(1),
+        x4.stride(2),
+        o4.stride(0),
+        o4.stride(1),
+        o4.stride(2),
+        0 if positions.numel() == 1 else pos.stride(0),
+        NOPE=nope,
+        BNOPE=triton.next_power_of_2(max(nope, 1)),
+        RH=rh,
+        BRH=brh,
+        BR=br,
+        INVERSE=inverse,
+        INTERP=interpret_mode(),
+        RNE_BF16=_bf16_fix(x.dtype),
+        num_warps=4,
+        **_launch_opts(),
+    )
     return out
 
 
@@ -338,15 +440,17 @@ class _RopeTail(torch.autograd.Function):
         return _rope_launch(grad, positions, inv_freq, not ctx.inverse), None, None, None
 
 
-def triton_rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                     inverse: bool = False) -> torch.Tensor:
+def triton_rope_tail(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return _RopeTail.apply(x, positions, inv_freq, inverse)
     return _rope_launch(x.detach(), positions, inv_freq, inverse)
 
 
-def _rope_can_run(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                  inverse: bool = False) -> str | None:
+def _rope_can_run(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+) -> str | None:
     reason = device_reason(x, positions, inv_freq)
     if reason:
         return reason

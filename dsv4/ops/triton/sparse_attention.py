@@ -46,28 +46,51 @@ from ._common import (
 
 
 # ----------------------------------------------------------------------------- kernels
-def _fwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr, olo_ptr,
-                pacc_ptr, pm_ptr, pl_ptr,
-                S, H, K, N, D, scale_log2, keys_per_split, n_splits,
-                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                SPLIT: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, STORE_LO: tl.constexpr,
-                D_SPLIT: tl.constexpr):
+def _fwd_kernel(
+    q_ptr,
+    kv_ptr,
+    sink_ptr,
+    idx_ptr,
+    o_ptr,
+    lse_ptr,
+    olo_ptr,
+    pacc_ptr,
+    pm_ptr,
+    pl_ptr,
+    S,
+    H,
+    K,
+    N,
+    D,
+    scale_log2,
+    keys_per_split,
+    n_splits,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREC: tl.constexpr,
+    DOT_T: tl.constexpr,
+    STORE_LO: tl.constexpr,
+    D_SPLIT: tl.constexpr,
+):
     """D_SPLIT > 1: D_SPLIT programs share a (query, head block), each accumulating 1/D_SPLIT of the
     output columns (scores are computed by each of them: less register pressure for more QK work)."""
-    pid_q = tl.program_id(0).to(tl.int64)          # b * S + s
+    pid_q = tl.program_id(0).to(tl.int64)  # b * S + s
     pid_h = tl.program_id(1) // D_SPLIT
     pid_dh = tl.program_id(1) % D_SPLIT
     pid_k = tl.program_id(2)
     b = pid_q // S
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_o = pid_dh * (BLOCK_D // D_SPLIT) + tl.arange(0, BLOCK_D // D_SPLIT)    # output columns
+    offs_o = pid_dh * (BLOCK_D // D_SPLIT) + tl.arange(0, BLOCK_D // D_SPLIT)  # output columns
     h_ok = offs_h < H
     d_ok = offs_d < D
     o_ok = offs_o < D
-    first = (tl.zeros([BLOCK_H], tl.int32) + pid_dh) == 0        # [BH]: this program stores m, l, lse
-    q = tl.load(q_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :],
-                mask=h_ok[:, None] & d_ok[None, :], other=0.0)                     # [BH, BD]
+    first = (tl.zeros([BLOCK_H], tl.int32) + pid_dh) == 0  # [BH]: this program stores m, l, lse
+    q = tl.load(
+        q_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0
+    )  # [BH, BD]
     if SPLIT:
         m = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: no inf - inf
         l_sum = tl.zeros([BLOCK_H], tl.float32)
@@ -84,8 +107,9 @@ def _fwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr, olo_ptr,
         offs_n = start + tl.arange(0, BLOCK_N)
         ids = tl.load(idx_ptr + pid_q * K + offs_n, mask=offs_n < k_hi, other=-1).to(tl.int64)
         valid = ids >= 0
-        kv = tl.load(kv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :],
-                     mask=valid[:, None] & d_ok[None, :], other=0.0)                # [BN, BD]
+        kv = tl.load(
+            kv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0
+        )  # [BN, BD]
         s = tl.dot(q.to(DOT_T), tl.trans(kv.to(DOT_T)), input_precision=PREC) * scale_log2  # [BH, BN]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -95,13 +119,14 @@ def _fwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr, olo_ptr,
         if D_SPLIT == 1:
             kv_o = kv
         else:
-            kv_o = tl.load(kv_ptr + (b * N + ids[:, None]) * D + offs_o[None, :],
-                           mask=valid[:, None] & o_ok[None, :], other=0.0)          # [BN, BD/D_SPLIT]
+            kv_o = tl.load(
+                kv_ptr + (b * N + ids[:, None]) * D + offs_o[None, :], mask=valid[:, None] & o_ok[None, :], other=0.0
+            )  # [BN, BD/D_SPLIT]
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype).to(DOT_T), kv_o.to(DOT_T), input_precision=PREC)
         m = m_new
     ho_ok = h_ok[:, None] & o_ok[None, :]
     if SPLIT:
-        row = (pid_q * n_splits + pid_k) * H + offs_h                                # [BH]
+        row = (pid_q * n_splits + pid_k) * H + offs_h  # [BH]
         tl.store(pm_ptr + row, m, mask=h_ok & first)
         tl.store(pl_ptr + row, l_sum, mask=h_ok & first)
         tl.store(pacc_ptr + row[:, None] * D + offs_o[None, :], acc, mask=ho_ok)
@@ -110,16 +135,31 @@ def _fwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr, olo_ptr,
         o_hi = o.to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + (pid_q * H + offs_h[:, None]) * D + offs_o[None, :], o_hi, mask=ho_ok)
         if STORE_LO:  # rounding residual of o, so that backward's rowsum(o * do) is fp32-accurate
-            tl.store(olo_ptr + (pid_q * H + offs_h[:, None]) * D + offs_o[None, :],
-                     (o - o_hi.to(tl.float32)).to(olo_ptr.dtype.element_ty), mask=ho_ok)
+            tl.store(
+                olo_ptr + (pid_q * H + offs_h[:, None]) * D + offs_o[None, :],
+                (o - o_hi.to(tl.float32)).to(olo_ptr.dtype.element_ty),
+                mask=ho_ok,
+            )
         # while the sink is still the maximum, lse = sink + log(l): exactly the sink when no key is valid
-        lse = tl.where(m == sink * 1.4426950408889634, sink + tl.log(l_sum),
-                       (m + tl.log2(l_sum)) * 0.6931471805599453)
+        lse = tl.where(m == sink * 1.4426950408889634, sink + tl.log(l_sum), (m + tl.log2(l_sum)) * 0.6931471805599453)
         tl.store(lse_ptr + pid_q * H + offs_h, lse, mask=h_ok & first)
 
 
-def _combine_kernel(sink_ptr, pacc_ptr, pm_ptr, pl_ptr, o_ptr, lse_ptr, olo_ptr, H, D, n_splits,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LO: tl.constexpr):
+def _combine_kernel(
+    sink_ptr,
+    pacc_ptr,
+    pm_ptr,
+    pl_ptr,
+    o_ptr,
+    lse_ptr,
+    olo_ptr,
+    H,
+    D,
+    n_splits,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    STORE_LO: tl.constexpr,
+):
     pid_q = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -145,18 +185,43 @@ def _combine_kernel(sink_ptr, pacc_ptr, pm_ptr, pl_ptr, o_ptr, lse_ptr, olo_ptr,
     o_hi = o.to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :], o_hi, mask=hd_ok)
     if STORE_LO:
-        tl.store(olo_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :],
-                 (o - o_hi.to(tl.float32)).to(olo_ptr.dtype.element_ty), mask=hd_ok)
-    lse = tl.where(m == sink * 1.4426950408889634, sink + tl.log(l_sum),
-                   (m + tl.log2(l_sum)) * 0.6931471805599453)
+        tl.store(
+            olo_ptr + (pid_q * H + offs_h[:, None]) * D + offs_d[None, :],
+            (o - o_hi.to(tl.float32)).to(olo_ptr.dtype.element_ty),
+            mask=hd_ok,
+        )
+    lse = tl.where(m == sink * 1.4426950408889634, sink + tl.log(l_sum), (m + tl.log2(l_sum)) * 0.6931471805599453)
     tl.store(lse_ptr + pid_q * H + offs_h, lse, mask=h_ok)
 
 
-def _bwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, olo_ptr, do_ptr, lse_ptr,
-                dq_ptr, dkv_ptr, dsink_ptr, contrib_ptr,
-                S, H, K, N, D, scale, n_hblocks,
-                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                DETERMINISTIC: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr, HAS_LO: tl.constexpr):
+def _bwd_kernel(
+    q_ptr,
+    kv_ptr,
+    sink_ptr,
+    idx_ptr,
+    o_ptr,
+    olo_ptr,
+    do_ptr,
+    lse_ptr,
+    dq_ptr,
+    dkv_ptr,
+    dsink_ptr,
+    contrib_ptr,
+    S,
+    H,
+    K,
+    N,
+    D,
+    scale,
+    n_hblocks,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,
+    PREC: tl.constexpr,
+    DOT_T: tl.constexpr,
+    HAS_LO: tl.constexpr,
+):
     pid_q = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     b = pid_q // S
@@ -166,13 +231,13 @@ def _bwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, olo_ptr, do_ptr, lse_pt
     d_ok = offs_d < D
     hd_ok = h_ok[:, None] & d_ok[None, :]
     hd_off = (pid_q * H + offs_h[:, None]) * D + offs_d[None, :]
-    q = tl.load(q_ptr + hd_off, mask=hd_ok, other=0.0)                               # [BH, BD]
-    do = tl.load(do_ptr + hd_off, mask=hd_ok, other=0.0)                             # [BH, BD]
+    q = tl.load(q_ptr + hd_off, mask=hd_ok, other=0.0)  # [BH, BD]
+    do = tl.load(do_ptr + hd_off, mask=hd_ok, other=0.0)  # [BH, BD]
     o = tl.load(o_ptr + hd_off, mask=hd_ok, other=0.0).to(tl.float32)
     if HAS_LO:
         o += tl.load(olo_ptr + hd_off, mask=hd_ok, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do.to(tl.float32), 1)                                         # [BH]
-    lse = tl.load(lse_ptr + pid_q * H + offs_h, mask=h_ok, other=0.0)                # [BH]
+    delta = tl.sum(o * do.to(tl.float32), 1)  # [BH]
+    lse = tl.load(lse_ptr + pid_q * H + offs_h, mask=h_ok, other=0.0)  # [BH]
     sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     # d loss / d sink_h = -exp(sink_h - lse) * delta   (the sink is a key with a zero value)
     tl.store(dsink_ptr + pid_q * H + offs_h, -tl.exp(sink - lse) * delta, mask=h_ok)
@@ -183,31 +248,56 @@ def _bwd_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, olo_ptr, do_ptr, lse_pt
         offs_n = start + tl.arange(0, BLOCK_N)
         ids = tl.load(idx_ptr + pid_q * K + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
         valid = ids >= 0
-        kv = tl.load(kv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :],
-                     mask=valid[:, None] & d_ok[None, :], other=0.0)                # [BN, BD]
+        kv = tl.load(
+            kv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0
+        )  # [BN, BD]
         s = tl.dot(q.to(DOT_T), tl.trans(kv.to(DOT_T)), input_precision=PREC) * scale_log2  # [BH, BN]
         p = tl.exp2(s - lse2[:, None])
         p = tl.where(valid[None, :] & h_ok[:, None], p, 0.0)
-        dp = tl.dot(do.to(DOT_T), tl.trans(kv.to(DOT_T)), input_precision=PREC)     # [BH, BN]
-        ds = p * (dp - delta[:, None])                                               # d loss / d (q.k)
+        dp = tl.dot(do.to(DOT_T), tl.trans(kv.to(DOT_T)), input_precision=PREC)  # [BH, BN]
+        ds = p * (dp - delta[:, None])  # d loss / d (q.k)
         dq += tl.dot(ds.to(kv.dtype).to(DOT_T), kv.to(DOT_T), input_precision=PREC)
         dkv = tl.dot(tl.trans(p.to(do.dtype).to(DOT_T)), do.to(DOT_T), input_precision=PREC)  # value [BN, BD]
         dkv += tl.dot(tl.trans((ds * scale).to(q.dtype).to(DOT_T)), q.to(DOT_T), input_precision=PREC)  # key
         if DETERMINISTIC:
-            slot = (pid_q * n_hblocks + pid_h) * K + offs_n                          # [BN]
-            tl.store(contrib_ptr + slot[:, None] * D + offs_d[None, :], dkv,
-                     mask=(offs_n < K)[:, None] & d_ok[None, :])
+            slot = (pid_q * n_hblocks + pid_h) * K + offs_n  # [BN]
+            tl.store(contrib_ptr + slot[:, None] * D + offs_d[None, :], dkv, mask=(offs_n < K)[:, None] & d_ok[None, :])
         else:
-            tl.atomic_add(dkv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :], dkv,
-                          mask=valid[:, None] & d_ok[None, :], sem="relaxed")
+            tl.atomic_add(
+                dkv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :],
+                dkv,
+                mask=valid[:, None] & d_ok[None, :],
+                sem="relaxed",
+            )
     tl.store(dq_ptr + hd_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=hd_ok)
 
 
-def _bwd_dq_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, olo_ptr, do_ptr, lse_ptr,
-                   dq_ptr, dsink_ptr, p_ptr, ds_ptr,
-                   S, H, K, N, D, scale,
-                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PREC: tl.constexpr, DOT_T: tl.constexpr, HAS_LO: tl.constexpr):
+def _bwd_dq_kernel(
+    q_ptr,
+    kv_ptr,
+    sink_ptr,
+    idx_ptr,
+    o_ptr,
+    olo_ptr,
+    do_ptr,
+    lse_ptr,
+    dq_ptr,
+    dsink_ptr,
+    p_ptr,
+    ds_ptr,
+    S,
+    H,
+    K,
+    N,
+    D,
+    scale,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr,
+    DOT_T: tl.constexpr,
+    HAS_LO: tl.constexpr,
+):
     """Two-pass backward, pass 1: dq and dsink; saves P and scale*dS [b*s, h, k] for pass 2."""
     pid_q = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -218,12 +308,12 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, olo_ptr, do_ptr, lse
     d_ok = offs_d < D
     hd_ok = h_ok[:, None] & d_ok[None, :]
     hd_off = (pid_q * H + offs_h[:, None]) * D + offs_d[None, :]
-    q = tl.load(q_ptr + hd_off, mask=hd_ok, other=0.0)                               # [BH, BD]
+    q = tl.load(q_ptr + hd_off, mask=hd_ok, other=0.0)  # [BH, BD]
     do = tl.load(do_ptr + hd_off, mask=hd_ok, other=0.0)
     o = tl.load(o_ptr + hd_off, mask=hd_ok, other=0.0).to(tl.float32)
     if HAS_LO:
         o += tl.load(olo_ptr + hd_off, mask=hd_ok, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do.to(tl.float32), 1)                                         # [BH]
+    delta = tl.sum(o * do.to(tl.float32), 1)  # [BH]
     lse = tl.load(lse_ptr + pid_q * H + offs_h, mask=h_ok, other=0.0)
     sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     tl.store(dsink_ptr + pid_q * H + offs_h, -tl.exp(sink - lse) * delta, mask=h_ok)
@@ -235,11 +325,12 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, olo_ptr, do_ptr, lse
         n_ok = offs_n < K
         ids = tl.load(idx_ptr + pid_q * K + offs_n, mask=n_ok, other=-1).to(tl.int64)
         valid = ids >= 0
-        kv = tl.load(kv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :],
-                     mask=valid[:, None] & d_ok[None, :], other=0.0)                # [BN, BD]
+        kv = tl.load(
+            kv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0
+        )  # [BN, BD]
         s = tl.dot(q.to(DOT_T), tl.trans(kv.to(DOT_T)), input_precision=PREC) * scale_log2
         p = tl.exp2(s - lse2[:, None])
-        p = tl.where(valid[None, :] & h_ok[:, None], p, 0.0)                        # [BH, BN]
+        p = tl.where(valid[None, :] & h_ok[:, None], p, 0.0)  # [BH, BN]
         dp = tl.dot(do.to(DOT_T), tl.trans(kv.to(DOT_T)), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kv.dtype).to(DOT_T), kv.to(DOT_T), input_precision=PREC)
@@ -250,9 +341,26 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, olo_ptr, do_ptr, lse
     tl.store(dq_ptr + hd_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=hd_ok)
 
 
-def _bwd_dkv_kernel(q_ptr, do_ptr, idx_ptr, p_ptr, ds_ptr, dkv_ptr, contrib_ptr, S, H, K, N, D,
-                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DETERMINISTIC: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
+def _bwd_dkv_kernel(
+    q_ptr,
+    do_ptr,
+    idx_ptr,
+    p_ptr,
+    ds_ptr,
+    dkv_ptr,
+    contrib_ptr,
+    S,
+    H,
+    K,
+    N,
+    D,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,
+    PREC: tl.constexpr,
+    DOT_T: tl.constexpr,
+):
     """Two-pass backward, pass 2: one query, all heads (H <= BLOCK_H) reduced on tensor cores:
     dkv[idx_j] += P[:, j]^T dO + (scale dS)[:, j]^T Q, one scatter per (query, key)."""
     pid_q = tl.program_id(0).to(tl.int64)
@@ -263,7 +371,7 @@ def _bwd_dkv_kernel(q_ptr, do_ptr, idx_ptr, p_ptr, ds_ptr, dkv_ptr, contrib_ptr,
     d_ok = offs_d < D
     hd_ok = h_ok[:, None] & d_ok[None, :]
     hd_off = (pid_q * H + offs_h[:, None]) * D + offs_d[None, :]
-    q = tl.load(q_ptr + hd_off, mask=hd_ok, other=0.0)                               # [BH, BD]
+    q = tl.load(q_ptr + hd_off, mask=hd_ok, other=0.0)  # [BH, BD]
     do = tl.load(do_ptr + hd_off, mask=hd_ok, other=0.0)
     for start in range(0, K, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -272,17 +380,20 @@ def _bwd_dkv_kernel(q_ptr, do_ptr, idx_ptr, p_ptr, ds_ptr, dkv_ptr, contrib_ptr,
         valid = ids >= 0
         hk_off = (pid_q * H + offs_h[:, None]) * K + offs_n[None, :]
         hk_ok = h_ok[:, None] & n_ok[None, :]
-        p = tl.load(p_ptr + hk_off, mask=hk_ok, other=0.0)                           # [BH, BN]
+        p = tl.load(p_ptr + hk_off, mask=hk_ok, other=0.0)  # [BH, BN]
         ds = tl.load(ds_ptr + hk_off, mask=hk_ok, other=0.0)
-        dkv = tl.dot(tl.trans(p.to(DOT_T)), do.to(DOT_T), input_precision=PREC)     # [BN, BD]
+        dkv = tl.dot(tl.trans(p.to(DOT_T)), do.to(DOT_T), input_precision=PREC)  # [BN, BD]
         dkv += tl.dot(tl.trans(ds.to(DOT_T)), q.to(DOT_T), input_precision=PREC)
         if DETERMINISTIC:
             slot = pid_q * K + offs_n
-            tl.store(contrib_ptr + slot[:, None] * D + offs_d[None, :], dkv,
-                     mask=n_ok[:, None] & d_ok[None, :])
+            tl.store(contrib_ptr + slot[:, None] * D + offs_d[None, :], dkv, mask=n_ok[:, None] & d_ok[None, :])
         else:
-            tl.atomic_add(dkv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :], dkv,
-                          mask=valid[:, None] & d_ok[None, :], sem="relaxed")
+            tl.atomic_add(
+                dkv_ptr + (b * N + ids[:, None]) * D + offs_d[None, :],
+                dkv,
+                mask=valid[:, None] & d_ok[None, :],
+                sem="relaxed",
+            )
 
 
 def _scatter_reduce_kernel(contrib_ptr, perm_ptr, start_ptr, out_ptr, D, BLOCK_D: tl.constexpr):
@@ -347,7 +458,7 @@ def choose_splits(n_programs: int, k: int, device: torch.device, max_splits: int
 
 def plan_forward(b: int, s: int, h: int, k: int, device: torch.device) -> tuple[int, int, dict]:
     """(BLOCK_H, key splits, launch config) for a forward over b*s queries of h heads and k keys."""
-    cap = 16 if interpret_mode() else None   # the CPU interpreter: small head blocks, same decisions
+    cap = 16 if interpret_mode() else None  # the CPU interpreter: small head blocks, same decisions
     bh = _block_h(h, cap or FWD_CONFIG["BLOCK_H"])
     if b * s * triton.cdiv(h, bh) >= 2 * num_sms(device):
         return bh, 1, FWD_CONFIG
@@ -357,11 +468,16 @@ def plan_forward(b: int, s: int, h: int, k: int, device: torch.device) -> tuple[
 
 
 # ----------------------------------------------------------------------------- forward / backward
-def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                         scale: float, splits: int | None = None,
-                         out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         o_lo: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_attention_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    sink: torch.Tensor,
+    idx: torch.Tensor,
+    scale: float,
+    splits: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    o_lo: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only (no autograd). `splits=None` chooses the decode split automatically; `out` = (o, lse)
     contiguous buffers to write into; `o_lo` (like q) receives o's rounding residual for the backward."""
     b, s, h, d = q.shape
@@ -373,8 +489,14 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, 
         lse = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
     else:
         o, lse = out
-        if not (o.is_contiguous() and lse.is_contiguous() and o.shape == q.shape and lse.shape == (b, s, h)
-                and o.dtype == q.dtype and lse.dtype == torch.float32):
+        if not (
+            o.is_contiguous()
+            and lse.is_contiguous()
+            and o.shape == q.shape
+            and lse.shape == (b, s, h)
+            and o.dtype == q.dtype
+            and lse.dtype == torch.float32
+        ):
             raise ValueError("out must be contiguous (o like q, lse [b, s, h] fp32)")
     if b * s == 0 or h == 0:
         return o, lse
@@ -391,28 +513,97 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, 
     scale_log2 = float(scale) * LOG2E
     dsplit = cfg.get("D_SPLIT", 1)
     if splits <= 1:
-        _fwd[(b * s, n_hb * dsplit, 1)](q, kv, sink, idx, o, lse, lo, o, lse, lse, s, h, k, n, d, scale_log2,
-                                        k, 1, BLOCK_H=bh, BLOCK_D=bd, SPLIT=False, PREC=prec, DOT_T=dot_t,
-                                        STORE_LO=has_lo, **_launch_opts(cfg))
+        _fwd[(b * s, n_hb * dsplit, 1)](
+            q,
+            kv,
+            sink,
+            idx,
+            o,
+            lse,
+            lo,
+            o,
+            lse,
+            lse,
+            s,
+            h,
+            k,
+            n,
+            d,
+            scale_log2,
+            k,
+            1,
+            BLOCK_H=bh,
+            BLOCK_D=bd,
+            SPLIT=False,
+            PREC=prec,
+            DOT_T=dot_t,
+            STORE_LO=has_lo,
+            **_launch_opts(cfg),
+        )
         return o, lse
     per = triton.cdiv(triton.cdiv(k, splits), 16) * 16
     splits = triton.cdiv(k, per)
     pacc = torch.empty(b * s, splits, h, d, dtype=torch.float32, device=q.device)
     pm = torch.empty(b * s, splits, h, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
-    _fwd[(b * s, n_hb * dsplit, splits)](q, kv, sink, idx, o, lse, lo, pacc, pm, pl, s, h, k, n, d,
-                                         scale_log2, per, splits, BLOCK_H=bh, BLOCK_D=bd, SPLIT=True,
-                                         PREC=prec, DOT_T=dot_t, STORE_LO=False, **_launch_opts(cfg))
-    _combine[(b * s, n_hb)](sink, pacc, pm, pl, o, lse, lo, h, d, splits, BLOCK_H=bh, BLOCK_D=bd,
-                            STORE_LO=has_lo,
-                            **({} if interpret_mode() else {"num_warps": 8}))
+    _fwd[(b * s, n_hb * dsplit, splits)](
+        q,
+        kv,
+        sink,
+        idx,
+        o,
+        lse,
+        lo,
+        pacc,
+        pm,
+        pl,
+        s,
+        h,
+        k,
+        n,
+        d,
+        scale_log2,
+        per,
+        splits,
+        BLOCK_H=bh,
+        BLOCK_D=bd,
+        SPLIT=True,
+        PREC=prec,
+        DOT_T=dot_t,
+        STORE_LO=False,
+        **_launch_opts(cfg),
+    )
+    _combine[(b * s, n_hb)](
+        sink,
+        pacc,
+        pm,
+        pl,
+        o,
+        lse,
+        lo,
+        h,
+        d,
+        splits,
+        BLOCK_H=bh,
+        BLOCK_D=bd,
+        STORE_LO=has_lo,
+        **({} if interpret_mode() else {"num_warps": 8}),
+    )
     return o, lse
 
 
-def sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                         o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor, scale: float,
-                         deterministic: bool, o_lo: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sparse_attention_bwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    sink: torch.Tensor,
+    idx: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    scale: float,
+    deterministic: bool,
+    o_lo: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dkv, dsink) for the forward above (`o_lo`: o's rounding residual from the forward, if kept)."""
     b, s, h, d = q.shape
     n, k = kv.size(1), idx.size(2)
@@ -429,29 +620,92 @@ def sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, 
     bh, bd = _block_h(h, 16 if interpret_mode() else cfg["BLOCK_H"]), _block_d(d)
     n_hb = triton.cdiv(h, bh)
     contrib_rows = b * s * k if two_pass else b * s * n_hb * k
-    contrib = (torch.empty(contrib_rows, d, dtype=torch.float32, device=q.device) if deterministic
-               else dkv32)
+    contrib = torch.empty(contrib_rows, d, dtype=torch.float32, device=q.device) if deterministic else dkv32
     has_lo = o_lo is not None
     lo = o_lo.contiguous() if has_lo else o
     prec, dot_t = dot_precision(q.dtype), dot_type(q.dtype)
     if two_pass:
         p_buf = torch.empty(b * s, h, k, dtype=q.dtype, device=q.device)
         ds_buf = torch.empty_like(p_buf)
-        _bwd_dq[(b * s, n_hb)](q, kv, sink32, idx, o, lo, do, lse, dq, dsink_part, p_buf, ds_buf,
-                               s, h, k, n, d, float(scale), BLOCK_H=bh, BLOCK_D=bd, PREC=prec, DOT_T=dot_t,
-                               HAS_LO=has_lo, **_launch_opts(BWD_CONFIG))
-        _bwd_dkv[(b * s,)](q, do, idx, p_buf, ds_buf, dkv32, contrib, s, h, k, n, d,
-                           BLOCK_H=_block_h(h), BLOCK_D=bd, DETERMINISTIC=deterministic, PREC=prec,
-                           DOT_T=dot_t, **_launch_opts(DKV_CONFIG))
+        _bwd_dq[(b * s, n_hb)](
+            q,
+            kv,
+            sink32,
+            idx,
+            o,
+            lo,
+            do,
+            lse,
+            dq,
+            dsink_part,
+            p_buf,
+            ds_buf,
+            s,
+            h,
+            k,
+            n,
+            d,
+            float(scale),
+            BLOCK_H=bh,
+            BLOCK_D=bd,
+            PREC=prec,
+            DOT_T=dot_t,
+            HAS_LO=has_lo,
+            **_launch_opts(BWD_CONFIG),
+        )
+        _bwd_dkv[(b * s,)](
+            q,
+            do,
+            idx,
+            p_buf,
+            ds_buf,
+            dkv32,
+            contrib,
+            s,
+            h,
+            k,
+            n,
+            d,
+            BLOCK_H=_block_h(h),
+            BLOCK_D=bd,
+            DETERMINISTIC=deterministic,
+            PREC=prec,
+            DOT_T=dot_t,
+            **_launch_opts(DKV_CONFIG),
+        )
         n_hb = 1
     else:
-        _bwd[(b * s, n_hb)](q, kv, sink32, idx, o, lo, do, lse, dq, dkv32, dsink_part, contrib,
-                            s, h, k, n, d, float(scale), n_hb, BLOCK_H=bh, BLOCK_D=bd,
-                            DETERMINISTIC=deterministic, PREC=prec, DOT_T=dot_t, HAS_LO=has_lo,
-                            **_launch_opts(FUSED_BWD_CONFIG))
+        _bwd[(b * s, n_hb)](
+            q,
+            kv,
+            sink32,
+            idx,
+            o,
+            lo,
+            do,
+            lse,
+            dq,
+            dkv32,
+            dsink_part,
+            contrib,
+            s,
+            h,
+            k,
+            n,
+            d,
+            float(scale),
+            n_hb,
+            BLOCK_H=bh,
+            BLOCK_D=bd,
+            DETERMINISTIC=deterministic,
+            PREC=prec,
+            DOT_T=dot_t,
+            HAS_LO=has_lo,
+            **_launch_opts(FUSED_BWD_CONFIG),
+        )
     if deterministic and contrib.numel() and b * n:
         # target kv row of every (query, head block, slot) contribution; -1 slots go to a dropped row
-        rows = idx.long() + (torch.arange(b, device=q.device) * n).view(b, 1, 1)          # [b, s, k]
+        rows = idx.long() + (torch.arange(b, device=q.device) * n).view(b, 1, 1)  # [b, s, k]
         rows = torch.where(idx >= 0, rows, b * n)
         rows = rows.view(b * s, 1, k).expand(b * s, n_hb, k).reshape(-1)
         sorted_rows, perm = torch.sort(rows, stable=True)
@@ -480,22 +734,26 @@ class _SparseAttention(torch.autograd.Function):
         q, kv, sink, idx, o, lse, o_lo = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dkv, dsink = sparse_attention_bwd(q, kv, sink, idx, o, lse, do, ctx.scale, ctx.deterministic,
-                                              o_lo)
-        return (dq if ctx.needs_input_grad[0] else None, dkv if ctx.needs_input_grad[1] else None,
-                dsink if ctx.needs_input_grad[2] else None, None, None)
+        dq, dkv, dsink = sparse_attention_bwd(q, kv, sink, idx, o, lse, do, ctx.scale, ctx.deterministic, o_lo)
+        return (
+            dq if ctx.needs_input_grad[0] else None,
+            dkv if ctx.needs_input_grad[1] else None,
+            dsink if ctx.needs_input_grad[2] else None,
+            None,
+            None,
+        )
 
 
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_attention(
+    q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton backend of `dsv4.ops.sparse_attention` (differentiable in q, kv and sink)."""
     if torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or sink.requires_grad):
         return _SparseAttention.apply(q, kv, sink, idx, scale)
     return sparse_attention_fwd(q, kv, sink, idx, scale)
 
 
-def can_run(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-            scale: float) -> str | None:
+def can_run(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float) -> str | None:
     reason = device_reason(q, kv, sink, idx)
     if reason:
         return reason
@@ -513,5 +771,4 @@ def can_run(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Te
     return None
 
 
-_ops.register("sparse_attention", "triton", sparse_attention, can_run=can_run, deterministic=True,
-              priority=10)
+_ops.register("sparse_attention", "triton", sparse_attention, can_run=can_run, deterministic=True, priority=10)

@@ -45,29 +45,49 @@ from .quant_gemm import _e2m1, _e8m0
 
 
 @triton.jit
-def _b_tile(b_ptr, bs_ptr, rn, nmask, k0, K, stride_bn, stride_bsn, bs_cols,
-            FP4: tl.constexpr, SCALE_E8M0: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-            UPCAST: tl.constexpr):
+def _b_tile(
+    b_ptr,
+    bs_ptr,
+    rn,
+    nmask,
+    k0,
+    K,
+    stride_bn,
+    stride_bsn,
+    bs_cols,
+    FP4: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """The weight tile of K block k0 as FP8 values [BN, BK] (fp32 under UPCAST) and its column scale [BN]."""
     if FP4:
         kb = k0 // 2 + tl.arange(0, BK // 2)
-        p = tl.load(b_ptr + rn[:, None] * stride_bn + kb[None, :],
-                    mask=nmask[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32) & 0xFF
-        v = tl.reshape(tl.join(_e2m1(p & 0xF), _e2m1(p >> 4)), (BN, BK))      # element 2i = low nibble
+        p = (
+            tl.load(
+                b_ptr + rn[:, None] * stride_bn + kb[None, :], mask=nmask[:, None] & (kb < K // 2)[None, :], other=0
+            ).to(tl.int32)
+            & 0xFF
+        )
+        v = tl.reshape(tl.join(_e2m1(p & 0xF), _e2m1(p >> 4)), (BN, BK))  # element 2i = low nibble
         gs = k0 // 32 + tl.arange(0, BK // 32)
-        eg = tl.load(bs_ptr + rn[:, None] * stride_bsn + gs[None, :],
-                     mask=nmask[:, None] & (gs < K // 32)[None, :], other=0).to(tl.int32) & 0xFF   # [BN, BK/32]
-        r = tl.max(eg, axis=1)                                                   # [BN]
-        f = (tl.maximum(eg - r[:, None] + 133, 0) << 23).to(tl.float32, bitcast=True)   # 2^(e_g - r + 6)
+        eg = (
+            tl.load(
+                bs_ptr + rn[:, None] * stride_bsn + gs[None, :], mask=nmask[:, None] & (gs < K // 32)[None, :], other=0
+            ).to(tl.int32)
+            & 0xFF
+        )  # [BN, BK/32]
+        r = tl.max(eg, axis=1)  # [BN]
+        f = (tl.maximum(eg - r[:, None] + 133, 0) << 23).to(tl.float32, bitcast=True)  # 2^(e_g - r + 6)
         w = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * f[:, :, None], (BN, BK))
-        col = _e8m0(r) * 0.015625                                               # 2^(r - 127 - 6)
+        col = _e8m0(r) * 0.015625  # 2^(r - 127 - 6)
         if not UPCAST:
-            w = w.to(tl.float8e4nv)                                             # exact (see the docstring)
+            w = w.to(tl.float8e4nv)  # exact (see the docstring)
         return w, col
     else:
         ks = k0 + tl.arange(0, BK)
-        w = tl.load(b_ptr + rn[:, None] * stride_bn + ks[None, :], mask=nmask[:, None] & (ks < K)[None, :],
-                    other=0.0)
+        w = tl.load(b_ptr + rn[:, None] * stride_bn + ks[None, :], mask=nmask[:, None] & (ks < K)[None, :], other=0.0)
         if UPCAST:
             w = w.to(tl.float32)
         s_off = (rn // 128) * bs_cols + k0 // 128
@@ -87,9 +107,30 @@ def _block_dot(a, w, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_cm,
-                 stride_bn, stride_bsn, bs_cols, M_BUCKET, FP4: tl.constexpr, SCALE_E8M0: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr):
+def _w8a8_kernel(
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_cm,
+    stride_bn,
+    stride_bsn,
+    bs_cols,
+    M_BUCKET,
+    FP4: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """C [M, N] = sum over 128-blocks kb of (A_kb . W_kb^T) * (a_scale[:, kb] x w_scale[kb])."""
     pid_m, pid_n = grouped_tile(M, N, BM, BN, GROUP)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -101,23 +142,52 @@ def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride
     ks = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        a = tl.load(a_ptr + rm64[:, None] * stride_am + (k0 + ks)[None, :],
-                    mask=mmask[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+        a = tl.load(
+            a_ptr + rm64[:, None] * stride_am + (k0 + ks)[None, :],
+            mask=mmask[:, None] & ((k0 + ks) < K)[None, :],
+            other=0.0,
+        )
         sa = tl.load(as_ptr + rm64 * stride_asm + k0 // BK, mask=mmask, other=0.0)
-        w, sw = _b_tile(b_ptr, bs_ptr, rn64, nmask, k0, K, stride_bn, stride_bsn, bs_cols,
-                        FP4, SCALE_E8M0, BN, BK, UPCAST)
+        w, sw = _b_tile(
+            b_ptr, bs_ptr, rn64, nmask, k0, K, stride_bn, stride_bsn, bs_cols, FP4, SCALE_E8M0, BN, BK, UPCAST
+        )
         acc += _block_dot(a, w, UPCAST) * (sa[:, None] * sw[None, :])
     c_ptrs = c_ptr + rm64[:, None] * stride_cm + rn[None, :]
     tl.store(c_ptrs, round_to(acc, c_ptr.dtype.element_ty, UPCAST), mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
-def _w8a8_gmm_kernel(a_ptr, as_ptr, a_idx_ptr, b_ptr, bs_ptr, c_ptr, c_idx_ptr,
-                     tile_group_ptr, tile_row_ptr, tile_end_ptr, N, K, n_groups,
-                     stride_am, stride_asm, stride_be, stride_bse, stride_bn, stride_bsn, stride_cm, bs_cols,
-                     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, FP4: tl.constexpr,
-                     SCALE_E8M0: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     UPCAST: tl.constexpr):
+def _w8a8_gmm_kernel(
+    a_ptr,
+    as_ptr,
+    a_idx_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    c_idx_ptr,
+    tile_group_ptr,
+    tile_row_ptr,
+    tile_end_ptr,
+    N,
+    K,
+    n_groups,
+    stride_am,
+    stride_asm,
+    stride_be,
+    stride_bse,
+    stride_bn,
+    stride_bsn,
+    stride_cm,
+    bs_cols,
+    GATHER_A: tl.constexpr,
+    SCATTER_C: tl.constexpr,
+    FP4: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """C[r] = A[r] @ W[g]^T (W8A8) for the rows r of group g; rows of foreign groups are written as zeros."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -136,7 +206,7 @@ def _w8a8_gmm_kernel(a_ptr, as_ptr, a_idx_ptr, b_ptr, bs_ptr, c_ptr, c_idx_ptr,
         out_rows = rows.to(tl.int64)
     c_ptrs = c_ptr + out_rows[:, None] * stride_cm + rn[None, :]
     smask = rmask[:, None] & nmask[None, :]
-    if g >= n_groups:                           # slots of other ranks' experts: defined zeros
+    if g >= n_groups:  # slots of other ranks' experts: defined zeros
         tl.store(c_ptrs, tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty), mask=smask)
         return
     if GATHER_A:
@@ -149,11 +219,15 @@ def _w8a8_gmm_kernel(a_ptr, as_ptr, a_idx_ptr, b_ptr, bs_ptr, c_ptr, c_idx_ptr,
     ks = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :],
-                    mask=rmask[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :],
+            mask=rmask[:, None] & ((k0 + ks) < K)[None, :],
+            other=0.0,
+        )
         sa = tl.load(as_ptr + a_rows * stride_asm + k0 // BK, mask=rmask, other=0.0)
-        w, sw = _b_tile(b_base, bs_base, rn64, nmask, k0, K, stride_bn, stride_bsn, bs_cols,
-                        FP4, SCALE_E8M0, BN, BK, UPCAST)
+        w, sw = _b_tile(
+            b_base, bs_base, rn64, nmask, k0, K, stride_bn, stride_bsn, bs_cols, FP4, SCALE_E8M0, BN, BK, UPCAST
+        )
         acc += _block_dot(a, w, UPCAST) * (sa[:, None] * sw[None, :])
     tl.store(c_ptrs, round_to(acc, c_ptr.dtype.element_ty, UPCAST), mask=smask)
 
@@ -162,8 +236,15 @@ _CONFIGS = [
     triton.Config({"BM": bm, "BN": bn, "GROUP": 8}, num_warps=w, num_stages=s)
     # row tiles of 64 at least (one Hopper warpgroup MMA); few-token calls are bound by the weight read, for
     # which narrow column tiles give every SM a share
-    for bm, bn, w, s in ((128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4),
-                         (64, 64, 4, 4), (64, 32, 4, 5), (64, 16, 4, 6))
+    for bm, bn, w, s in (
+        (128, 128, 8, 4),
+        (128, 256, 8, 3),
+        (64, 128, 4, 4),
+        (128, 64, 4, 4),
+        (64, 64, 4, 4),
+        (64, 32, 4, 5),
+        (64, 16, 4, 6),
+    )
 ]
 _GMM_CONFIGS = [
     triton.Config({"BN": bn}, num_warps=w, num_stages=s)
@@ -178,8 +259,7 @@ def _m_bucket(m: int) -> int:
     return min(triton.next_power_of_2(max(m, 1)), 4096)
 
 
-_gmm_tuned = triton.autotune(_GMM_CONFIGS, key=["N", "K", "BM", "FP4", "GATHER_A", "SCATTER_C"])(
-    _w8a8_gmm_kernel)
+_gmm_tuned = triton.autotune(_GMM_CONFIGS, key=["N", "K", "BM", "FP4", "GATHER_A", "SCATTER_C"])(_w8a8_gmm_kernel)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -196,8 +276,9 @@ def _fp8_view(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float8_e4m3fn else t.view(torch.uint8).view(torch.float8_e4m3fn)
 
 
-def _dense(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
-           fp4: bool) -> torch.Tensor:
+def _dense(
+    q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, fp4: bool
+) -> torch.Tensor:
     k = q.size(-1)
     n = weight.size(0)
     a = _fp8_view(q).reshape(-1, k).contiguous()
@@ -208,30 +289,58 @@ def _dense(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.
         return c.view(*q.shape[:-1], n)
     w = weight.view(torch.uint8).contiguous() if fp4 else _fp8_view(weight).contiguous()
     bs, e8m0 = _scale_arg(scale)
-    args = (a, sa, w, bs, c, m, n, k, a.stride(0), sa.stride(0), c.stride(0), w.stride(0), bs.stride(0),
-            bs.size(-1), _m_bucket(m))
+    args = (
+        a,
+        sa,
+        w,
+        bs,
+        c,
+        m,
+        n,
+        k,
+        a.stride(0),
+        sa.stride(0),
+        c.stride(0),
+        w.stride(0),
+        bs.stride(0),
+        bs.size(-1),
+        _m_bucket(m),
+    )
     if _INTERPRET:
-        _launch(_w8a8_kernel, (triton.cdiv(m, 16) * triton.cdiv(n, 32),), *args, FP4=fp4, SCALE_E8M0=e8m0,
-                BM=16, BN=32, BK=ACT_BLOCK, GROUP=4, UPCAST=True)
+        _launch(
+            _w8a8_kernel,
+            (triton.cdiv(m, 16) * triton.cdiv(n, 32),),
+            *args,
+            FP4=fp4,
+            SCALE_E8M0=e8m0,
+            BM=16,
+            BN=32,
+            BK=ACT_BLOCK,
+            GROUP=4,
+            UPCAST=True,
+        )
     else:
         _w8a8_tuned[lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)](
-            *args, FP4=fp4, SCALE_E8M0=e8m0, BK=ACT_BLOCK, UPCAST=False)
+            *args, FP4=fp4, SCALE_E8M0=e8m0, BK=ACT_BLOCK, UPCAST=False
+        )
     return c.view(*q.shape[:-1], n)
 
 
-def triton_fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def triton_fp8_gemm(
+    q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     return _dense(q, s, weight, scale, out_dtype, fp4=False)
 
 
-def triton_fp4_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def triton_fp4_gemm(
+    q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     return _dense(q, s, weight, scale, out_dtype, fp4=True)
 
 
 # ----------------------------------------------------------------------------- MXFP4 tiles as FP8
-FP4_SPAN_MAX = 14     # E8M0 exponent spread within a column's 128-block that the FP8 tile holds exactly
-_SPAN_OK: WeakIdKeyDictionary = WeakIdKeyDictionary()   # scale tensor -> (its version, answer)
+FP4_SPAN_MAX = 14  # E8M0 exponent spread within a column's 128-block that the FP8 tile holds exactly
+_SPAN_OK: WeakIdKeyDictionary = WeakIdKeyDictionary()  # scale tensor -> (its version, answer)
 
 
 def fp4_tiles_exact(scale: torch.Tensor) -> bool:
@@ -245,7 +354,7 @@ def fp4_tiles_exact(scale: torch.Tensor) -> bool:
     g = b.size(-1)
     pad = (-g) % 4
     if pad:
-        b = torch.nn.functional.pad(b, (0, pad), value=-1)       # padding never the max, never the min
+        b = torch.nn.functional.pad(b, (0, pad), value=-1)  # padding never the max, never the min
     blocks = b.unflatten(-1, (-1, 4))
     top = blocks.amax(-1, keepdim=True)
     low = torch.where(blocks < 0, top, blocks).amin(-1, keepdim=True)
@@ -261,22 +370,53 @@ def _launch_gmm(a, sa, b, bs, out, tiles, *, fp4: bool, a_idx=None, c_idx=None) 
     k = a.size(1)
     bsv, e8m0 = _scale_arg(bs)
     dummy = tiles.group
-    args = (a, sa, a_idx if a_idx is not None else dummy, b, bsv, out, c_idx if c_idx is not None else dummy,
-            tiles.group, tiles.row, tiles.end, n, k, tiles.n_groups,
-            a.stride(0), sa.stride(0), b.stride(0), bsv.stride(0), b.stride(1), bsv.stride(1), out.stride(0),
-            bsv.size(-1))
-    flags = dict(GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, FP4=fp4, SCALE_E8M0=e8m0,
-                 BM=tiles.bm, BK=ACT_BLOCK)
+    args = (
+        a,
+        sa,
+        a_idx if a_idx is not None else dummy,
+        b,
+        bsv,
+        out,
+        c_idx if c_idx is not None else dummy,
+        tiles.group,
+        tiles.row,
+        tiles.end,
+        n,
+        k,
+        tiles.n_groups,
+        a.stride(0),
+        sa.stride(0),
+        b.stride(0),
+        bsv.stride(0),
+        b.stride(1),
+        bsv.stride(1),
+        out.stride(0),
+        bsv.size(-1),
+    )
+    flags = dict(
+        GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, FP4=fp4, SCALE_E8M0=e8m0, BM=tiles.bm, BK=ACT_BLOCK
+    )
     if _INTERPRET:
         _launch(_w8a8_gmm_kernel, (triton.cdiv(n, 32), tiles.n_tiles), *args, **flags, BN=32, UPCAST=True)
         return
     _gmm_tuned[lambda meta: (triton.cdiv(n, meta["BN"]), tiles.n_tiles)](*args, **flags, UPCAST=False)
 
 
-def triton_quantized_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
-                                 s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, w3: torch.Tensor,
-                                 s3: torch.Tensor, swiglu_limit: float, expert_offset: int = 0, fmt: str = "fp8",
-                                 act: str = "ue8m0") -> torch.Tensor:
+def triton_quantized_moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    w3: torch.Tensor,
+    s3: torch.Tensor,
+    swiglu_limit: float,
+    expert_offset: int = 0,
+    fmt: str = "fp8",
+    act: str = "ue8m0",
+) -> torch.Tensor:
     """`quantized_moe_experts` as W8A8 grouped GEMMs over all local experts (see the module docstring)."""
     from .. import act_quant
 
@@ -285,19 +425,18 @@ def triton_quantized_moe_experts(x: torch.Tensor, weights: torch.Tensor, indices
     n_local = w1.size(0)
     m = indices.numel()
     plan, tiles = _plan_and_tiles(weights, indices, n_local, expert_offset, _block_m(m, n_local))
-    xq, xs = act_quant(x, ACT_BLOCK, pow2)                                        # once per token
+    xq, xs = act_quant(x, ACT_BLOCK, pow2)  # once per token
     xq, xs = _fp8_view(xq).contiguous(), xs.contiguous()
     inter = w1.size(1)
-    gate = torch.empty(m, inter, dtype=gate_dtype(x.dtype), device=x.device)     # [M, I], sorted slots
+    gate = torch.empty(m, inter, dtype=gate_dtype(x.dtype), device=x.device)  # [M, I], sorted slots
     up = torch.empty_like(gate)
     wv = (lambda w: w.view(torch.uint8)) if fp4 else _fp8_view
     _launch_gmm(xq, xs, wv(w1), s1, gate, tiles, fp4=fp4, a_idx=plan.token)
     _launch_gmm(xq, xs, wv(w3), s3, up, tiles, fp4=fp4, a_idx=plan.token)
     h = (clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype)
     hq, hs = act_quant(h, ACT_BLOCK, pow2)
-    out = torch.empty(m, x.size(1), dtype=x.dtype, device=x.device)              # [T*k, D] slot order
-    _launch_gmm(_fp8_view(hq).contiguous(), hs.contiguous(), wv(w2), s2, out, tiles, fp4=fp4,
-                c_idx=plan.order)
+    out = torch.empty(m, x.size(1), dtype=x.dtype, device=x.device)  # [T*k, D] slot order
+    _launch_gmm(_fp8_view(hq).contiguous(), hs.contiguous(), wv(w2), s2, out, tiles, fp4=fp4, c_idx=plan.order)
     return out.view(plan.n_tokens, plan.topk, -1).sum(1, dtype=torch.float32)
 
 
@@ -347,8 +486,10 @@ def _fp4_can_run(q, s, weight, scale, out_dtype=torch.bfloat16) -> str | None:
     if tuple(scale.shape) != (n, k // 32) or scale.element_size() != 1:
         return f"scale must be E8M0 [N, K/32] = {(n, k // 32)}, got {scale.dtype} {tuple(scale.shape)}"
     if not _capture_safe_span(scale):
-        return (f"the MXFP4 block exponents of a 128-column block span more than 2^{FP4_SPAN_MAX}: an FP8 tile "
-                "would round them")
+        return (
+            f"the MXFP4 block exponents of a 128-column block span more than 2^{FP4_SPAN_MAX}: an FP8 tile "
+            "would round them"
+        )
     return None
 
 
@@ -361,8 +502,9 @@ def _capture_safe_span(scale: torch.Tensor) -> bool:
     return fp4_tiles_exact(scale)
 
 
-def _moe_can_run(x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expert_offset=0, fmt="fp8",
-                 act="ue8m0") -> str | None:
+def _moe_can_run(
+    x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expert_offset=0, fmt="fp8", act="ue8m0"
+) -> str | None:
     reason = device_reason(x) or _fp8_cores_reason(x)
     if reason:
         return reason
@@ -376,24 +518,33 @@ def _moe_can_run(x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expe
         if x.size(1) % 32 or w1.size(1) % 32:
             return "MXFP4 experts need dim and inter dim multiples of 32"
         if not all(_capture_safe_span(s) for s in (s1, s2, s3)):
-            return (f"the MXFP4 block exponents of a 128-column block span more than 2^{FP4_SPAN_MAX}: an FP8 "
-                    "tile would round them")
+            return (
+                f"the MXFP4 block exponents of a 128-column block span more than 2^{FP4_SPAN_MAX}: an FP8 "
+                "tile would round them"
+            )
     return None
 
 
 register("fp8_gemm", "triton", triton_fp8_gemm, can_run=_fp8_can_run, deterministic=True, priority=10)
 register("fp4_gemm", "triton", triton_fp4_gemm, can_run=_fp4_can_run, deterministic=True, priority=10)
-register("quantized_moe_experts", "triton", triton_quantized_moe_experts, can_run=_moe_can_run, deterministic=True,
-         priority=10)
+register(
+    "quantized_moe_experts",
+    "triton",
+    triton_quantized_moe_experts,
+    can_run=_moe_can_run,
+    deterministic=True,
+    priority=10,
+)
 
 
 # ----------------------------------------------------------------------------- torch's block-scaled matmul
-SCALED_MM_MIN_TOKENS = 256     # default selection from this many token rows (decode sizes: the Triton kernel)
+SCALED_MM_MIN_TOKENS = 256  # default selection from this many token rows (decode sizes: the Triton kernel)
 _PROBED: dict[int, str | None] = {}
 
 
-def _scaled_mm_call(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                    out_dtype: torch.dtype) -> torch.Tensor:
+def _scaled_mm_call(
+    q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     """`torch.nn.functional.scaled_mm` with BlockWise1x128 activation scales (outer-dim-major, rows padded
     to a multiple of 4) and BlockWise128x128 weight scales (K blocks padded to a multiple of 4), as cuBLAS
     wants them."""
@@ -415,9 +566,16 @@ def _scaled_mm_call(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scal
         sb = F.pad(sb, (0, -kb % 4), value=1.0)
     b = _fp8_view(weight).t()
     if hasattr(F, "scaled_mm"):
-        y = F.scaled_mm(a.contiguous(), b, sa, F.ScalingType.BlockWise1x128, sb.t(),
-                        F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
-    else:                             # older torch: the block scaling is inferred from the scale shapes
+        y = F.scaled_mm(
+            a.contiguous(),
+            b,
+            sa,
+            F.ScalingType.BlockWise1x128,
+            sb.t(),
+            F.ScalingType.BlockWise128x128,
+            output_dtype=out_dtype,
+        )
+    else:  # older torch: the block scaling is inferred from the scale shapes
         y = torch._scaled_mm(a.contiguous(), b, scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype)
     return y[:m].view(*q.shape[:-1], n)
 
@@ -469,8 +627,9 @@ def _scaled_mm_device_reason(device: torch.device) -> str | None:
     return reason
 
 
-def scaled_mm_fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def scaled_mm_fp8_gemm(
+    q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     return _scaled_mm_call(q, s, weight, scale, out_dtype)
 
 
@@ -492,5 +651,12 @@ def _many_tokens(q, s, weight, scale, out_dtype=torch.bfloat16) -> bool:
     return q.numel() // max(q.size(-1), 1) >= SCALED_MM_MIN_TOKENS
 
 
-register("fp8_gemm", "scaled_mm", scaled_mm_fp8_gemm, can_run=_scaled_mm_can_run, deterministic=True, priority=12,
-         prefer=_many_tokens)
+register(
+    "fp8_gemm",
+    "scaled_mm",
+    scaled_mm_fp8_gemm,
+    can_run=_scaled_mm_can_run,
+    deterministic=True,
+    priority=12,
+    prefer=_many_tokens,
+)

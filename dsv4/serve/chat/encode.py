@@ -39,7 +39,8 @@ from .tokens import (
 @dataclass
 class _Block:
     """One part of a user turn: text, or a tool result (with the id of the call it answers)."""
-    kind: str              # "text" | "tool_result"
+
+    kind: str  # "text" | "tool_result"
     text: str
     call_id: str = ""
 
@@ -47,14 +48,15 @@ class _Block:
 @dataclass
 class _Turn:
     """A validated message. `blocks` is used by user turns, `content` by every other role."""
+
     role: str
     content: str = ""
     blocks: list[_Block] = field(default_factory=list)
-    tools: list[dict] | None = None                       # function schemas (the "function" objects)
+    tools: list[dict] | None = None  # function schemas (the "function" objects)
     response_format: Any = None
     reasoning: str | None = None
     tool_calls: list[tuple[str, str, dict]] = field(default_factory=list)  # (id, name, arguments)
-    call_id: str = ""                                     # tool messages: the call they answer
+    call_id: str = ""  # tool messages: the call they answer
     task: str | None = None
     wo_eos: bool = False
 
@@ -78,8 +80,7 @@ def _text(value: Any, where: str, *, required: bool) -> str | None:
         texts = []
         for j, part in enumerate(value):
             if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ChatFormatError(f"{where}[{j}]: only text parts ({{'type': 'text', 'text': str}}) are "
-                                      "supported")
+                raise ChatFormatError(f"{where}[{j}]: only text parts ({{'type': 'text', 'text': str}}) are supported")
             texts.append(part["text"])
         return "\n".join(texts)
     raise ChatFormatError(f"{where}: must be a string or a list of text parts, not {type(value).__name__}")
@@ -288,8 +289,9 @@ def _dsml_tool_calls(calls: list[tuple[str, str, dict]]) -> str:
         for key, value in arguments.items():
             is_str = isinstance(value, str)
             text = value if is_str else json.dumps(value, ensure_ascii=False)
-            params.append(f'{PARAMETER_START} name="{key}" string="{"true" if is_str else "false"}">{text}'
-                          f'{PARAMETER_END}')
+            params.append(
+                f'{PARAMETER_START} name="{key}" string="{"true" if is_str else "false"}">{text}{PARAMETER_END}'
+            )
         invokes.append(f'{INVOKE_START} name="{name}">\n' + "\n".join(params) + f"\n{INVOKE_END}")
     return f"\n\n{TOOL_CALLS_START}\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_END}"
 
@@ -316,7 +318,8 @@ def _render(i: int, turns: list[_Turn], thinking: bool, drop_thinking: bool, eff
         out += USER + t.content + _instructions(t)
     elif t.role == "user":
         out += USER + "\n\n".join(
-            b.text if b.kind == "text" else f"{TOOL_RESULT_START}{b.text}{TOOL_RESULT_END}" for b in t.blocks)
+            b.text if b.kind == "text" else f"{TOOL_RESULT_START}{b.text}{TOOL_RESULT_END}" for b in t.blocks
+        )
     elif t.role == "latest_reminder":
         out += LATEST_REMINDER + t.content
     else:  # assistant
@@ -348,10 +351,17 @@ def _turns(messages: Any, where: str) -> list[_Turn]:
     return [_turn(m, f"{where}[{i}]") for i, m in enumerate(messages)]
 
 
-def encode_chat(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-                thinking: bool = False, *, response_format: Mapping[str, Any] | None = None,
-                reasoning_effort: str | None = None, drop_thinking: bool = True,
-                context: Sequence[Mapping[str, Any]] | None = None, add_bos: bool = True) -> str:
+def encode_chat(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    thinking: bool = False,
+    *,
+    response_format: Mapping[str, Any] | None = None,
+    reasoning_effort: str | None = None,
+    drop_thinking: bool = True,
+    context: Sequence[Mapping[str, Any]] | None = None,
+    add_bos: bool = True,
+) -> str:
     """Encode OpenAI-style chat messages into a DeepSeek-V4 prompt, exactly as the official encoder does.
 
     messages: dicts with a `role` (system, user, assistant, tool, developer, latest_reminder) and
@@ -379,8 +389,9 @@ def encode_chat(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[s
     if not isinstance(thinking, bool):
         raise ChatFormatError("thinking: must be true or false")
     if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS:
-        raise ChatFormatError(f"reasoning_effort: unknown value {reasoning_effort!r} "
-                              f"(expected one of {', '.join(REASONING_EFFORTS)})")
+        raise ChatFormatError(
+            f"reasoning_effort: unknown value {reasoning_effort!r} (expected one of {', '.join(REASONING_EFFORTS)})"
+        )
     turns = _turns(messages, "messages")
     if not turns:
         raise ChatFormatError("messages: must not be empty")

@@ -26,6 +26,7 @@ from .tokens import (
 @dataclass(frozen=True)
 class ToolCall:
     """A tool call read from the model's output: `arguments` is a JSON object as text."""
+
     name: str
     arguments: str
 
@@ -33,18 +34,21 @@ class ToolCall:
 @dataclass(frozen=True)
 class ReasoningDelta:
     """More text of the thinking section."""
+
     text: str
 
 
 @dataclass(frozen=True)
 class ContentDelta:
     """More text of the answer."""
+
     text: str
 
 
 @dataclass(frozen=True)
 class ToolCallEvent:
     """A complete tool call; `index` counts the calls of this message from 0."""
+
     index: int
     call: ToolCall
 
@@ -63,6 +67,7 @@ class ChatResult:
     it began a marker, or an unfinished tool-call block returned as content); a streaming server must
     still send them.
     """
+
     content: str
     reasoning_content: str | None
     tool_calls: list[ToolCall]
@@ -75,18 +80,19 @@ class ChatResult:
         if self.reasoning_content is not None:
             msg["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
-            msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                 for c in self.tool_calls]
+            msg["tool_calls"] = [
+                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in self.tool_calls
+            ]
         return msg
 
 
 # ---------------------------------------------------------------- decoding: the tool-call block
 
 
-_NAME_RE = re.compile(r'\s*name="(.*?)">\n\n?', re.DOTALL)                                # after INVOKE_START
-_PARAM_RE = re.compile(r' name="(.*?)" string="(true|false)">(.*?)<\n?', re.DOTALL)    # up to "/｜DSML｜parameter"
-_INVOKE_CLOSE = INVOKE_END[:-1]         # "</｜DSML｜invoke": the ">" belongs to the next separator
-_PARAM_CLOSE = PARAMETER_END[1:-1]      # "/｜DSML｜parameter": the "<" ends the value, the ">" is a separator
+_NAME_RE = re.compile(r'\s*name="(.*?)">\n\n?', re.DOTALL)  # after INVOKE_START
+_PARAM_RE = re.compile(r' name="(.*?)" string="(true|false)">(.*?)<\n?', re.DOTALL)  # up to "/｜DSML｜parameter"
+_INVOKE_CLOSE = INVOKE_END[:-1]  # "</｜DSML｜invoke": the ">" belongs to the next separator
+_PARAM_CLOSE = PARAMETER_END[1:-1]  # "/｜DSML｜parameter": the "<" ends the value, the ">" is a separator
 
 # stage -> (the markers that end its segment, the exact text the segment must be, or None)
 _STAGES: dict[str, tuple[tuple[str, ...], str | None]] = {
@@ -103,8 +109,10 @@ _VIABILITY_WINDOW = 64  # a segment's first characters, enough to tell whether i
 def _arguments_json(params: dict[str, tuple[str, str]]) -> str:
     """DSML parameters -> the arguments JSON text: a string="true" value is quoted as a JSON string, a
     string="false" value is JSON already and is copied as written."""
-    items = (f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False) if s == 'true' else v}"
-             for k, (v, s) in params.items())
+    items = (
+        f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False) if s == 'true' else v}"
+        for k, (v, s) in params.items()
+    )
     return "{" + ", ".join(items) + "}"
 
 
@@ -119,14 +127,14 @@ class _ToolBlockReader:
 
     def __init__(self) -> None:
         self.stage = "open"
-        self.text = ""          # received text from the start of the segment being read
-        self.pending: list[str] = []   # pieces received since `text` was last extended
-        self.tail = ""          # the last characters received: a marker may straddle two pieces
-        self.search = 0         # in `text`: where the search for the segment's end marker resumes
+        self.text = ""  # received text from the start of the segment being read
+        self.pending: list[str] = []  # pieces received since `text` was last extended
+        self.tail = ""  # the last characters received: a marker may straddle two pieces
+        self.search = 0  # in `text`: where the search for the segment's end marker resumes
         self.name = ""
         self.params: dict[str, tuple[str, str]] = {}
         self.calls: list[ToolCall] = []
-        self.rest = ""          # once complete: the text after TOOL_CALLS_END
+        self.rest = ""  # once complete: the text after TOOL_CALLS_END
 
     def _viable(self, seg: str) -> bool:
         """Could a segment that starts with `seg` (its first characters; no end marker found yet) still
@@ -135,7 +143,7 @@ class _ToolBlockReader:
         if exact is not None:
             if len(seg) <= len(exact):
                 return exact.startswith(seg)
-            rest = seg[len(exact):]
+            rest = seg[len(exact) :]
             return seg.startswith(exact) and any(s.startswith(rest) for s in stops)
         if self.stage == "name":
             seg = seg.lstrip()
@@ -182,8 +190,12 @@ class _ToolBlockReader:
             if stop == TOOL_CALLS_END:
                 self.rest = text[pos:]
                 return "complete"
-            self.stage = {INVOKE_START: "name", PARAMETER_START: "param", _PARAM_CLOSE: "after_param",
-                          _INVOKE_CLOSE: "after_invoke"}[stop]
+            self.stage = {
+                INVOKE_START: "name",
+                PARAMETER_START: "param",
+                _PARAM_CLOSE: "after_param",
+                _INVOKE_CLOSE: "after_invoke",
+            }[stop]
 
 
 # ---------------------------------------------------------------- decoding: the stream parser
@@ -230,10 +242,10 @@ class ChatStreamParser:
 
     def __init__(self, thinking: bool = False) -> None:
         self.thinking = thinking
-        self._state = "reasoning" if thinking else "content"   # or "tools", "done"
-        self._buf = ""                  # text received and not yet emitted or consumed (given to the block)
+        self._state = "reasoning" if thinking else "content"  # or "tools", "done"
+        self._buf = ""  # text received and not yet emitted or consumed (given to the block)
         self._block: _ToolBlockReader | None = None
-        self._block_prefix = ""         # "\n\n" + TOOL_CALLS_START, or TOOL_CALLS_START, of the open block
+        self._block_prefix = ""  # "\n\n" + TOOL_CALLS_START, or TOOL_CALLS_START, of the open block
         self._block_text: list[str] = []  # everything after the open block's start, kept to re-read it
         self._reasoning: list[str] = []
         self._content: list[str] = []
@@ -267,7 +279,8 @@ class ChatStreamParser:
             reasoning_content="".join(self._reasoning) if self.thinking else None,
             tool_calls=list(self._calls),
             finish_reason="tool_calls" if self._calls else ("stop" if self._saw_eos else None),
-            flushed=events)
+            flushed=events,
+        )
         return self._result
 
     def _emit(self, events: list[ChatEvent], kind: type, text: str) -> None:
@@ -285,14 +298,13 @@ class ChatStreamParser:
             kind = ReasoningDelta if reasoning else ContentDelta
             at, marker = _find_first(self._buf, _REASONING_MARKERS if reasoning else _CONTENT_MARKERS)
             if marker is None:
-                held = 0 if final else _held_length(self._buf, _CONTENT_HELD if not reasoning else
-                                                    _REASONING_MARKERS)
-                self._emit(events, kind, self._buf[:len(self._buf) - held])
-                self._buf = self._buf[len(self._buf) - held:]
+                held = 0 if final else _held_length(self._buf, _CONTENT_HELD if not reasoning else _REASONING_MARKERS)
+                self._emit(events, kind, self._buf[: len(self._buf) - held])
+                self._buf = self._buf[len(self._buf) - held :]
                 if final:
                     self._state = "done"
                 return
-            before, self._buf = self._buf[:at], self._buf[at + len(marker):]
+            before, self._buf = self._buf[:at], self._buf[at + len(marker) :]
             if marker == EOS:
                 self._emit(events, kind, before)
                 self._saw_eos, self._state = True, "done"
@@ -301,7 +313,7 @@ class ChatStreamParser:
                 self._state = "content"
             else:  # a tool-call block starts
                 gap = "\n\n" if before.endswith("\n\n") else ""
-                self._emit(events, kind, before[:len(before) - len(gap)])
+                self._emit(events, kind, before[: len(before) - len(gap)])
                 self._block_prefix = gap + TOOL_CALLS_START
                 self._block, self._block_text, self._state = _ToolBlockReader(), [], "tools"
 

@@ -16,9 +16,9 @@ THINK_END = "</think>"
 DSML = "｜DSML｜"
 TOOL_CALLS_START = f"<{DSML}tool_calls>"
 TOOL_CALLS_END = f"</{DSML}tool_calls>"
-INVOKE_START = f"<{DSML}invoke"          # followed by ' name="...">'
+INVOKE_START = f"<{DSML}invoke"  # followed by ' name="...">'
 INVOKE_END = f"</{DSML}invoke>"
-PARAMETER_START = f"<{DSML}parameter"    # followed by ' name="..." string="true|false">'
+PARAMETER_START = f"<{DSML}parameter"  # followed by ' name="..." string="true|false">'
 PARAMETER_END = f"</{DSML}parameter>"
 TOOL_RESULT_START = "<tool_result>"
 TOOL_RESULT_END = "</tool_result>"
@@ -35,7 +35,16 @@ TASK_TOKENS: dict[str, str] = {
 
 # The marker strings a tokenizer should encode as single (special) tokens when it has them.
 TOKENIZER_SPECIAL_STRINGS: tuple[str, ...] = (
-    BOS, EOS, USER, ASSISTANT, LATEST_REMINDER, THINK_START, THINK_END, DSML, *TASK_TOKENS.values())
+    BOS,
+    EOS,
+    USER,
+    ASSISTANT,
+    LATEST_REMINDER,
+    THINK_START,
+    THINK_END,
+    DSML,
+    *TASK_TOKENS.values(),
+)
 
 ROLES = ("system", "user", "assistant", "tool", "developer", "latest_reminder")
 # OpenAI's reasoning_effort values; only "max" changes the prompt (the format has one effort prefix,
