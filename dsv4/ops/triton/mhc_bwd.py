@@ -1,0 +1,169 @@
+"""The backward kernels of the fused hyper-connections (`dsv4.ops.triton.mhc`, whose docstring describes
+them): `hc_post`'s (the gradients of the residual copies and of post and comb, reduced per token in registers
+in a fixed order) and the Sinkhorn map's of `hc_pre` (replayed per token from the saved mixes)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._mm_utils import round_to
+
+
+@triton.jit
+def _hc_post_bwd_kernel(
+    g_ptr,
+    f_ptr,
+    res_ptr,
+    post_ptr,
+    comb_ptr,
+    gf_ptr,
+    gres_ptr,
+    gpost_ptr,
+    gcomb_ptr,
+    T,
+    D,
+    HC: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One pass over g, f, res: gf, gres per element; gpost, gcomb reduced over d in registers.
+
+    Copy i of the residual is loaded on its own as [BT, BD] (no [BT, HC, BD] tile filtered by a select per
+    copy: that cost HC times the arithmetic of the useful work)."""
+    pid = tl.program_id(0)
+    ts = pid * BT + tl.arange(0, BT)
+    tmask = ts < T
+    ts64 = ts.to(tl.int64)
+    hcs = tl.arange(0, HC)
+    post = tl.load(post_ptr + ts64[:, None] * HC + hcs[None, :], mask=tmask[:, None], other=0.0)  # [BT, HC]
+    comb = tl.load(
+        comb_ptr + ts64[:, None, None] * HC * HC + hcs[None, :, None] * HC + hcs[None, None, :],
+        mask=tmask[:, None, None],
+        other=0.0,
+    )  # [BT, HC(i), HC(j)]
+    gpost = tl.zeros((BT, HC), dtype=tl.float32)
+    gcomb = tl.zeros((BT, HC, HC), dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        ds = d0 + tl.arange(0, BD)
+        dmask = ds < D
+        m2 = tmask[:, None] & dmask[None, :]
+        m3 = m2[:, None, :]
+        off3 = ts64[:, None, None] * HC * D + hcs[None, :, None] * D + ds[None, None, :]
+        g = tl.load(g_ptr + off3, mask=m3, other=0.0).to(tl.float32)  # [BT, HC(j), BD]
+        f = tl.load(f_ptr + ts64[:, None] * D + ds[None, :], mask=m2, other=0.0).to(tl.float32)
+        gf = tl.sum(post[:, :, None] * g, axis=1)
+        tl.store(gf_ptr + ts64[:, None] * D + ds[None, :], round_to(gf, gf_ptr.dtype.element_ty, UPCAST), mask=m2)
+        gpost += tl.sum(g * f[:, None, :], axis=2)
+        for i in tl.static_range(HC):
+            sel = (hcs == i)[None, :, None]
+            ci = tl.sum(tl.where(sel, comb, 0.0), axis=1)  # [BT, HC(j)]
+            ri = tl.load(res_ptr + ts64[:, None] * HC * D + i * D + ds[None, :], mask=m2, other=0.0).to(
+                tl.float32
+            )  # [BT, BD]
+            gri = tl.sum(ci[:, :, None] * g, axis=1)  # [BT, BD]
+            tl.store(
+                gres_ptr + ts64[:, None] * HC * D + i * D + ds[None, :],
+                round_to(gri, gres_ptr.dtype.element_ty, UPCAST),
+                mask=m2,
+            )
+            gci = tl.sum(g * ri[:, None, :], axis=2)  # [BT, HC(j)]
+            gcomb += tl.where(sel, gci[:, None, :], 0.0)
+    tl.store(gpost_ptr + ts64[:, None] * HC + hcs[None, :], gpost, mask=tmask[:, None])
+    tl.store(
+        gcomb_ptr + ts64[:, None, None] * HC * HC + hcs[None, :, None] * HC + hcs[None, None, :],
+        gcomb,
+        mask=tmask[:, None, None],
+    )
+
+
+@triton.jit
+def _colnorm(c, eps):
+    return c / (tl.sum(c, axis=1)[:, None, :] + eps)
+
+
+@triton.jit
+def _rownorm(c, eps):
+    return c / (tl.sum(c, axis=2)[:, :, None] + eps)
+
+
+@triton.jit
+def _colnorm_bwd(dy, x, eps):
+    """y = x / (colsum(x) + eps) -> dx = (dy - colsum(dy * y)) / (colsum(x) + eps)."""
+    d = tl.sum(x, axis=1)[:, None, :] + eps
+    return (dy - tl.sum(dy * (x / d), axis=1)[:, None, :]) / d
+
+
+@triton.jit
+def _rownorm_bwd(dy, x, eps):
+    d = tl.sum(x, axis=2)[:, :, None] + eps
+    return (dy - tl.sum(dy * (x / d), axis=2)[:, :, None]) / d
+
+
+@triton.jit
+def _hc_split_bwd_kernel(
+    mix_ptr,
+    scale_ptr,
+    base_ptr,
+    gpre_ptr,
+    gpost_ptr,
+    gcomb_ptr,
+    glogit_ptr,
+    pre_ptr,
+    T,
+    hc_eps,
+    ITERS: tl.constexpr,
+    HC: tl.constexpr,
+    BT: tl.constexpr,
+):
+    """Gradient of hc_split_sinkhorn w.r.t. its logits (mixes * scale + base), per token, in registers.
+
+    The Sinkhorn is replayed from its start for each step taken backward (O(iters^2) tiny [hc, hc]
+    normalisations per token, no stored intermediates). Also writes pre (needed by the x gradient).
+    """
+    pid = tl.program_id(0)
+    ts = pid * BT + tl.arange(0, BT)
+    tmask = ts < T
+    ts64 = ts.to(tl.int64)
+    hcs = tl.arange(0, HC)
+    n_mix: tl.constexpr = (2 + HC) * HC
+    m1 = tmask[:, None]
+    m3 = tmask[:, None, None]
+    cc = hcs[:, None] * HC + hcs[None, :]  # [HC, HC]
+    # pre = sigmoid(l) + eps, post = 2 sigmoid(l): d l = g * sig * (1 - sig) (* 2)
+    lp = (
+        tl.load(mix_ptr + ts64[:, None] * n_mix + hcs[None, :], mask=m1, other=0.0) * tl.load(scale_ptr)
+        + tl.load(base_ptr + hcs)[None, :]
+    )
+    sp = tl.sigmoid(lp)
+    tl.store(pre_ptr + ts64[:, None] * HC + hcs[None, :], sp + hc_eps, mask=m1)
+    g = tl.load(gpre_ptr + ts64[:, None] * HC + hcs[None, :], mask=m1, other=0.0)
+    tl.store(glogit_ptr + ts64[:, None] * n_mix + hcs[None, :], g * sp * (1.0 - sp), mask=m1)
+    lq = (
+        tl.load(mix_ptr + ts64[:, None] * n_mix + HC + hcs[None, :], mask=m1, other=0.0) * tl.load(scale_ptr + 1)
+        + tl.load(base_ptr + HC + hcs)[None, :]
+    )
+    sq = tl.sigmoid(lq)
+    g = tl.load(gpost_ptr + ts64[:, None] * HC + hcs[None, :], mask=m1, other=0.0)
+    tl.store(glogit_ptr + ts64[:, None] * n_mix + HC + hcs[None, :], 2.0 * g * sq * (1.0 - sq), mask=m1)
+    # comb: softmax rows (+eps), a column normalisation, then ITERS-1 (row, column) pairs
+    z = (
+        tl.load(mix_ptr + ts64[:, None, None] * n_mix + 2 * HC + cc[None, :, :], mask=m3, other=0.0)
+        * tl.load(scale_ptr + 2)
+        + tl.load(base_ptr + 2 * HC + cc)[None, :, :]
+    )
+    p = tl.exp(z - tl.max(z, axis=2)[:, :, None])
+    p = p / tl.sum(p, axis=2)[:, :, None]
+    c0 = p + hc_eps
+    c1 = _colnorm(c0, hc_eps)
+    dc = tl.load(gcomb_ptr + ts64[:, None, None] * HC * HC + cc[None, :, :], mask=m3, other=0.0)
+    for pp in range(ITERS - 1):
+        x = c1
+        for _ in range(ITERS - 2 - pp):  # replay to pair p
+            x = _colnorm(_rownorm(x, hc_eps), hc_eps)
+        r = _rownorm(x, hc_eps)
+        dc = _rownorm_bwd(_colnorm_bwd(dc, r, hc_eps), x, hc_eps)
+    dc = _colnorm_bwd(dc, c0, hc_eps)
+    dz = p * (dc - tl.sum(dc * p, axis=2)[:, :, None])
+    tl.store(glogit_ptr + ts64[:, None, None] * n_mix + 2 * HC + cc[None, :, :], dz, mask=m3)
