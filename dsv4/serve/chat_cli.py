@@ -190,8 +190,33 @@ def cmd_chat(args: argparse.Namespace) -> int:
         sys.stdin.reconfigure(errors="surrogateescape")  # below) in any locale, not a crash mid-chat
     armed = False  # Ctrl-C once at the prompt: the next one leaves
     while True:
-        try:
+        try:  # the prompt and the commands: a Ctrl-C anywhere here is one at the prompt
             line = input("you> ") if interactive else sys.stdin.readline()
+            armed = False
+            if not interactive and line == "":
+                break
+            line = line.strip()
+            if not line:
+                continue
+            if line in ("/exit", "/quit"):
+                break
+            if line == "/help":
+                print(HELP, file=sys.stderr)
+                continue
+            if line == "/reset":
+                messages = messages[:1] if args.system else []
+                kept = ": the system message is kept)" if args.system else ")"
+                print("(conversation reset" + kept, file=sys.stderr)
+                continue
+            if line.startswith("/") and " " not in line:
+                print(f"error: unknown command {line} (/help lists them): not sent", file=sys.stderr)
+                continue
+            try:
+                line.encode("utf-8")  # undecodable input bytes arrive as lone surrogates
+            except UnicodeEncodeError as e:
+                print(f"error: the message is not valid UTF-8 text (character {e.start}): not sent", file=sys.stderr)
+                refused += 1
+                continue
         except EOFError:
             break
         except KeyboardInterrupt:
@@ -200,30 +225,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 break
             armed = True
             print("\n(Ctrl-C again, Ctrl-D or /exit to leave)", file=sys.stderr)
-            continue
-        armed = False
-        if not interactive and line == "":
-            break
-        line = line.strip()
-        if not line:
-            continue
-        if line in ("/exit", "/quit"):
-            break
-        if line == "/help":
-            print(HELP, file=sys.stderr)
-            continue
-        if line == "/reset":
-            messages = messages[:1] if args.system else []
-            print("(conversation reset" + (": the system message is kept)" if args.system else ")"), file=sys.stderr)
-            continue
-        if line.startswith("/") and " " not in line:
-            print(f"error: unknown command {line} (/help lists them): not sent", file=sys.stderr)
-            continue
-        try:
-            line.encode("utf-8")  # undecodable input bytes arrive as lone surrogates
-        except UnicodeEncodeError as e:
-            print(f"error: the message is not valid UTF-8 text (character {e.start}): not sent", file=sys.stderr)
-            refused += 1
             continue
         messages.append({"role": "user", "content": line})
         parts: dict[str, list[str]] = {"content": [], "reasoning": []}
