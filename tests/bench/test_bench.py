@@ -471,6 +471,7 @@ def test_w8a8_summary_takes_each_shapes_best_backend_and_the_worst_shape():
     assert shapes["wq_a"] == (1024, 4096) and "wo_a" not in shapes  # wo_a runs in bf16 officially
 
 
+@pytest.mark.slow
 def test_gpu_train_bench_script_runs_its_commands_on_the_cpu(tmp_path):
     """scripts/gpu_train_bench.sh --device cpu --preset tiny: the same three `dsv4 bench train` commands as on
     a GPU (full step, optimizer only, full step with checkpointing) at tiny shapes, one timed step each;

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dsv4.cli import main
 
 
+@pytest.mark.slow
 def test_bench_int8_speed_and_accuracy_rows(capsys):
     assert (
         main(

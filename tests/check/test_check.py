@@ -155,6 +155,7 @@ def test_bug_zoo_doc_describes_every_entry():
         assert all(c in CHECKS for c in m.checks), m.id
 
 
+@pytest.mark.slow
 def test_conformance_tiny_catches_every_applicable_mutant(capsys):
     det_before = torch.are_deterministic_algorithms_enabled()
     rc = dsv4_main(["check", "conformance", "--preset", "tiny", "--json"])
@@ -257,6 +258,7 @@ def _interpreter_defect() -> str | None:
     return interpreter_defect()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(_interpreter_defect()), reason=str(_interpreter_defect()))
 def test_conformance_triton_backends_on_the_interpreter():
     """The op-level checks with the Triton backends (CPU interpreter, a fresh process so the kernels are

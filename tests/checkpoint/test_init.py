@@ -142,6 +142,7 @@ def test_a_failure_midway_leaves_nothing(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []  # no destination, no temporary directory
 
 
+@pytest.mark.slow
 def test_flash_shaped_checkpoint_kept_quantized_with_bounded_memory(tmp_path, capsys):
     """Flash's dimensions (dim 4096, 64 heads of 512, q_lora 1024, O-LoRA 8 x 1024, indexer 64 x 128, experts
     of 2048) with two layers (CSA and HCA), 8 experts and a 8192-token vocabulary: FP8 linears, MXFP4

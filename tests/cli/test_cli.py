@@ -13,6 +13,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_info_json_flash_and_pro_without_weights():
     for preset, total, active in (("flash", 284.33e9, 13.80e9), ("pro", 1573.0e9, 49.78e9)):
         res = _run("info", "--preset", preset, "--json")

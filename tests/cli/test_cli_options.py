@@ -229,6 +229,7 @@ def _pty_run(argv: list[str], feed: list[tuple[str, bytes, float]] = (), timeout
     return os.waitstatus_to_exitcode(status), out.decode("utf-8", "replace")
 
 
+@pytest.mark.slow
 def test_progress_bar_on_a_terminal_only():
     argv = ["check", "teacher-forcing", "--preset", "tiny", "--seq-len", "60", "--prefill", "4"]
     code, out = _pty_run(argv)

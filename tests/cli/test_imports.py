@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "dsv4"
 
@@ -106,6 +108,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+@pytest.mark.slow
 def test_every_module_imports_on_its_own():
     names = sorted(modules())
     assert "dsv4.ops.moe_shared" in names and "dsv4.check.zoo" in names

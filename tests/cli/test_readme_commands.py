@@ -265,6 +265,7 @@ def _run_server(cmd: Command, env: dict, cwd: Path) -> None:
             os.killpg(server.pid, 9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[c.id for c in COMMANDS])
 def test_readme_command(cmd: Command, tmp_path):
     if _needs(cmd):

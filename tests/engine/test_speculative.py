@@ -186,6 +186,7 @@ def test_speculation_refuses_what_it_cannot_do(model):
         Engine(no_mtp, EngineConfig(speculative=1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3])
 def test_fixed_shape_greedy_step_gives_the_plain_tokens(model, prompts, k):
     """The whole greedy speculative step at a fixed shape (what a CUDA graph replays: verify, acceptance,

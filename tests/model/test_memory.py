@@ -105,6 +105,7 @@ def test_inference_estimate_within_25_percent_of_measured(which, shipped_model):
         _within(est, got["peak"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which,checkpointing", [("tiny", False), ("tiny", True), ("shipped", False)])
 def test_training_estimate_within_25_percent_of_measured(which, checkpointing):
     cfg = ModelConfig.preset("tiny") if which == "tiny" else load_config(SHIPPED)
@@ -168,6 +169,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_info_reports_memory_and_refuses_bad_sizes(capsys):
     r = _cli("--preset", "flash", "--context", "65536", "--gpu-memory", "141GB", "--json")
     assert r.returncode == 0, r.stderr
@@ -188,6 +190,7 @@ def test_info_reports_memory_and_refuses_bad_sizes(capsys):
         assert err.startswith("error: ") and why in err and len(err.strip().splitlines()) == 1 and not out, err
 
 
+@pytest.mark.slow
 def test_info_measure_sets_the_cpu_peak_beside_the_estimate(capsys):
     from dsv4.cli import main
 

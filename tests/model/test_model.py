@@ -12,6 +12,7 @@ def tiny() -> DeepSeekV4:
 
 
 # batch 3: the README's `dsv4 check teacher-forcing` command (tests/cli/test_readme_commands.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1])
 def test_teacher_forcing_crosses_window_and_compression_groups(tiny, batch):
     # 300 tokens: past the 128 window, 75 ratio-4 groups, two complete ratio-128 groups

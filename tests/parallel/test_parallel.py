@@ -32,6 +32,8 @@ from dsv4.config import ModelConfig
 from dsv4.loading import default_model_dir
 from dsv4.ops.precision import exact_accumulation
 
+pytestmark = pytest.mark.slow  # several processes, each with a model
+
 WORLD = 2
 TIMEOUT_S = 420  # a mismatched collective would hang: the launcher fails the test instead
 SHIPPED = default_model_dir()

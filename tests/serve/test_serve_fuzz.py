@@ -313,6 +313,7 @@ def test_every_field_error_names_its_param(server):
     assert wrong == []
 
 
+@pytest.mark.slow
 def test_malformed_requests_beside_a_running_stream_leave_it_whole(server):
     """Every malformed request of the table, sent while another client's stream runs: that stream
     completes (all its tokens, its finish_reason, [DONE]) and no request gets a 5xx."""
@@ -495,6 +496,7 @@ def _rss_kib(pid: int) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_soak_no_server_errors_and_flat_memory(server):
     """SOAK_CLIENTS clients for SOAK_S seconds: valid requests (streamed or not, completion or chat),
     invalid ones and abandoned ones, at random. Every request is answered 2xx or 4xx (never 5xx, never

@@ -24,6 +24,8 @@ import torch
 import torch.multiprocessing as mp
 from subproc import checkout_env
 
+pytestmark = pytest.mark.slow  # several processes, each with a model
+
 openai = pytest.importorskip("openai")
 
 ROOT = Path(__file__).resolve().parents[2]

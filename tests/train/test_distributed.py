@@ -28,6 +28,8 @@ from dsv4.parallel import expert as EP
 from dsv4.train import distributed as D
 from dsv4.train import parity as P
 
+pytestmark = pytest.mark.slow  # several processes, each with a model
+
 WORLD = 2
 TIMEOUT_S = 420  # a mismatched collective hangs; fail instead of waiting forever
 N_MOE = 5  # tiny: 4 layers + 1 MTP block

@@ -588,6 +588,7 @@ def test_train_flops_counts_active_experts_only():
     assert matmul == pytest.approx(3 * model_info(small).flops_per_token, rel=0.01)
 
 
+@pytest.mark.slow
 def test_two_process_run_matches_one_process(tmp_path):
     """`torchrun --nproc_per_node 2` (gloo, FSDP2 + expert parallelism through dsv4.train.distributed) trains
     on the same global batches: the first loss agrees to fp32 rounding, later ones closely (Muon/AdamW
@@ -684,6 +685,7 @@ def cpp_compiler() -> str | None:
     cpp_compiler() is None,
     reason="no C++ compiler found: inductor cannot build CPU kernels (install g++ to run the real --compile path)",
 )
+@pytest.mark.slow
 def test_inductor_compiled_block_forward_matches_eager():
     """The real inductor through `compile_blocks` (the `--compile` path): generated C++ kernels, built and
     run on a one-block window-only model, give the eager logits to fp32 reassociation error (inductor fuses
@@ -706,6 +708,7 @@ def test_inductor_compiled_block_forward_matches_eager():
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", _COMPILERS)
 def test_compiled_training_step_matches_eager(backend):
     """`--compile` on a one-block model with every block feature but MTP (CSA + Lightning Indexer, mHC,
