@@ -224,7 +224,13 @@ def _pty_run(argv: list[str], feed: list[tuple[str, bytes, float]] = (), timeout
             if not data:
                 break
             out += data
-    _, status = os.waitpid(pid, 0)
+    done, status = os.waitpid(pid, os.WNOHANG) if time.monotonic() >= deadline else (0, 0)
+    if not done:
+        if time.monotonic() >= deadline:  # the deadline passed with the child still running: end it, say so
+            os.kill(pid, signal.SIGKILL)
+            waited = todo[0][0] if todo else "the exit"
+            out += f"\n[still running after {timeout:.0f} s: killed; it was waiting for {waited!r}]".encode()
+        _, status = os.waitpid(pid, 0)
     os.close(fd)
     return os.waitstatus_to_exitcode(status), out.decode("utf-8", "replace")
 
