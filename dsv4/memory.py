@@ -38,8 +38,9 @@ the measurement starts plus the largest running sum of the allocation events tor
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -62,6 +63,12 @@ class WeightBytes:
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> WeightBytes:
+    w = _weight_bytes(cfg, dtype)
+    return replace(w, by_format=dict(w.by_format))
+
+
+@functools.lru_cache(maxsize=16)  # a config's inventory is millions of names at Pro's size: count it once
+def _weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> WeightBytes:
     from .checkpoint.layouts import expected_tensors
     from .model import DeepSeekV4
 
@@ -445,6 +452,7 @@ def training_gpus(
 #   and in the ordered (bit-exact) combine each token's k slots as rows.
 
 
+@functools.lru_cache(maxsize=16)
 def expert_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
     """(dequantized, kept quantized) bytes of all routed experts (every layer, MTP included): in the compute
     dtype, and as the release layout stores them (data + block scales; float experts in bf16)."""

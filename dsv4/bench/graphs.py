@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..model import BatchCache, DeepSeekV4
+from ..ops.cuda_graphs import capturing
 
 
 class GraphedDecoder:
@@ -43,7 +44,7 @@ class GraphedDecoder:
         for saved, live in zip(state, cache.tensors()):
             live.copy_(saved)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with capturing(self.graph):
             self.logits = model.decode_step(self.tokens, cache)
         cache.pos = host_pos  # capture records, it does not run
 
@@ -105,7 +106,7 @@ class GraphedPrefill:
                 self.cache.pos = 0
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with capturing(self.graph):
             self._reset()
             self.logits = model.prefill(self.tokens, self.cache, last_only=last_only)
         self.cache.pos = 0  # capture records, it does not run

@@ -155,7 +155,9 @@ def _child(opts: dict) -> dict:
         [sys.executable, "-m", "dsv4.bench.int8", "--child", json.dumps(opts)], capture_output=True, text=True, env=env
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"mode {opts['label']} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        # the child's own last lines: a compiler's error ends with its source excerpt, not its message
+        tail = "\n  ".join(proc.stderr.strip().splitlines()[-20:])
+        raise RuntimeError(f"mode {opts['label']} failed (exit {proc.returncode}):\n  {tail}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import UserError
+from ..ops.cuda_graphs import capturing
 
 
 def require_cuda(bench: str, why: str = "") -> torch.device:
@@ -55,7 +56,7 @@ def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph):
         fn()
     return graph
 

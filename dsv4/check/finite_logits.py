@@ -5,7 +5,8 @@ huge BF16 weight passes every load check) would "generate" token 0 forever and e
 hands the model a check (`DeepSeekV4.watching_logits`) for the duration of a generation, which sees every
 logits tensor its incremental entry points (`append`, `draft`) return: on the CPU at once (NonFiniteLogits
 is raised out of the step), on a GPU into a device flag read once at the end (no host synchronization per
-step). `first_nonfinite_module`
+step). The flag is updated in place, so a CUDA graph captured inside the block checks every replay too
+(the engine's steps are graph replays: a check skipped during capture would never run). `first_nonfinite_module`
 then replays the sequence through the full-sequence forward with `dsv4 check nonfinite`'s hooks to name
 the first module that produced NaN/Inf.
 """
@@ -27,18 +28,17 @@ class NonFiniteLogits(RuntimeError):
 class LogitsWatch:
     def __init__(self, model: DeepSeekV4):
         self.model = model
-        self.flag: torch.Tensor | None = None  # device bool: some logits were non-finite
+        device = model.embed.weight.device
+        # device bool, made before any capture: some logits were non-finite (graph replays set it too)
+        self.flag = torch.zeros((), dtype=torch.bool, device=device) if device.type == "cuda" else None
 
     def seen(self) -> bool:
         """Whether any logits so far were non-finite (reads the device flag: one synchronization)."""
         return self.flag is not None and bool(self.flag)
 
     def _check(self, logits: torch.Tensor) -> None:
-        if logits.device.type == "cuda":
-            if torch.cuda.is_current_stream_capturing():  # a graph being captured: its replays go unchecked
-                return
-            bad = ~torch.isfinite(logits).all()
-            self.flag = bad if self.flag is None else self.flag | bad
+        if logits.device.type == "cuda" and self.flag is not None and logits.device == self.flag.device:
+            self.flag.logical_or_(~torch.isfinite(logits).all())  # in place: no sync, and graph-capturable
         elif not bool(torch.isfinite(logits).all()):
             raise NonFiniteLogits("the model returned non-finite logits")
 

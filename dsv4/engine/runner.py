@@ -23,6 +23,7 @@ import torch
 
 from ..model import DeepSeekV4
 from ..model.paged import PagedKVCache, StepInputs
+from ..ops.cuda_graphs import capturing
 from .batch import Bucket, Fields, Row, fill_bucket, ragged_fields, step_inputs
 from .cache_manager import BlockTables
 from .mirror import RESTORE, STEP, STOP, TABLES, Mirror
@@ -171,7 +172,7 @@ class BucketGraph:
         self.graphs = []
         for _ in range(2):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with capturing(g, pool=pool):
                 r.bucket_forward(t, bucket)
             g.replay()  # uploads it (the empty step writes only to trash)
             self.graphs.append(g)

@@ -32,6 +32,7 @@ import torch
 
 from ..model import DeepSeekV4
 from ..model.paged import SPEC_ROWS, PagedKVCache
+from ..ops.cuda_graphs import capturing
 from .batch import Row
 from .runner import Runner
 from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, Sampler, SamplingParams, draw, uniform
@@ -280,7 +281,7 @@ class FixedStepGraph:
                 step(self.dev)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with capturing(self.graph, pool=pool):
             self.out = step(self.dev)
         self.graph.replay()  # uploads it (padding rows write only to trash)
 

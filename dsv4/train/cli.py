@@ -152,7 +152,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         help="bit-reproducible run (set before compilation); resume reproduces the losses",
     )
     p.add_argument("--backend", help="ops backend for every op (e.g. reference, triton)")
-    options.add(p, "device")
+    options.add(p, "device", default=None, note="default: the --train-config file's, else auto")
     options.add(p, "seed", note="of the weights, the data order and the tokenizer sample; none = 0")
     p.add_argument(
         "--held-out-pct",

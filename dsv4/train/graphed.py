@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..ops.cuda_graphs import capturing
+
 
 class GraphedBackward:
     def __init__(
@@ -47,7 +49,7 @@ class GraphedBackward:
         for p in self.params:
             p.grad = None
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with capturing(self.graph):
             self.outputs = self._forward_backward()
         self.grads = [p.grad for p in self.params]  # None where the loss does not reach
 
@@ -88,7 +90,7 @@ class GraphedUpdate:
     def __init__(self, fn: Callable[[], object]):
         self.fn = fn
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with capturing(self.graph):
             fn()
 
     def __call__(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -447,7 +448,10 @@ def test_rank_memory_estimate_within_25_percent_of_measured(ranks):
 # ----------------------------------------------------------------------------- a worker that dies or hangs
 def _stall_worker(rank: int, world: int, port: int, out_dir: str, how: str) -> None:
     torch.set_num_threads(1)
-    P.init_workers(rank, world, master_port=port, device="cpu", timeout_s=2.0)
+    # a rendezvous as long as a loaded machine needs to start both processes; the collective under test
+    # runs in a group whose timeout is 2 s
+    P.init_workers(rank, world, master_port=port, device="cpu", timeout_s=60.0)
+    group = dist.new_group(timeout=timedelta(seconds=2.0))
     dist.barrier()
     if rank == 1:
         if how == "dies":
@@ -456,7 +460,7 @@ def _stall_worker(rank: int, world: int, port: int, out_dir: str, how: str) -> N
         os._exit(0)
     t0 = time.monotonic()
     try:
-        dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4), group=group)
         err = ""
     except RuntimeError as e:
         err = str(e).splitlines()[0][:200]

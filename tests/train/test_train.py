@@ -559,6 +559,13 @@ def test_cli_and_config_file(tmp_path):
     assert cfg.steps == 9 and cfg.lr == 0.001 and cfg.deterministic and cfg.fp8_kv_sim is False
     assert cfg.model == {"dim": 64, "n_layers": 3}
     assert args.func.__name__ == "run_train"
+    # a setting the file makes is kept unless the command line gives it: no option's default overrides it
+    toml.write_text('steps = 7\ndevice = "cuda"\n')
+    assert config_from_args(parser.parse_args(["train", "--train-config", str(toml)])).device == "cuda"
+    assert (
+        config_from_args(parser.parse_args(["train", "--train-config", str(toml), "--device", "cpu"])).device == "cpu"
+    )
+    assert config_from_args(parser.parse_args(["train"])).device == "auto"
     from dsv4.errors import UserError
 
     with pytest.raises(UserError, match="unknown training setting"):

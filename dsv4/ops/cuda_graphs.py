@@ -1,0 +1,30 @@
+"""Capturing CUDA graphs safely: every capture in dsv4 goes through `capturing`.
+
+While a graph is captured, CUDA forbids destroying another graph. Python's cycle collector can run at any
+allocation and may free an object that holds an older `torch.cuda.CUDAGraph` (an engine that went out of
+scope, say): its destructor then runs inside the capture, which CUDA refuses ("operation not permitted when
+stream is capturing"), and the capture fails. torch no longer collects before a capture by default, so a
+process that builds a second engine (a second `generate` call, a test) hit that at random. `capturing` keeps
+the collector off for the duration of the capture; what it would have freed is freed after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
+    """`torch.cuda.graph(graph, pool=pool)` with Python's garbage collector held off while it captures."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
