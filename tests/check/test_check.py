@@ -158,7 +158,7 @@ def test_bug_zoo_doc_describes_every_entry():
 @pytest.mark.slow
 def test_conformance_tiny_catches_every_applicable_mutant(capsys):
     det_before = torch.are_deterministic_algorithms_enabled()
-    rc = dsv4_main(["check", "conformance", "--preset", "tiny", "--json"])
+    rc = dsv4_main(["check", "conformance", "--preset", "tiny", "--device", "cpu", "--json"])  # also on a GPU machine
     out = json.loads(capsys.readouterr().out)
     assert torch.are_deterministic_algorithms_enabled() == det_before  # global state restored
     assert not any(b.startswith(("mutant_", "probe")) for op in ops.ops() for b in ops.backends(op))

@@ -235,24 +235,25 @@ def _mhc():
     return importlib.import_module("dsv4.ops.triton.mhc")
 
 
-def _hc_inputs(seed: int = 0, b: int = 2, s: int = 9, hc: int = 4, d: int = 64):
+def _hc_inputs(seed: int = 0, b: int = 2, s: int = 9, hc: int = 4, d: int = 64, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     mix = (2 + hc) * hc
     x = torch.randn(b, s, hc, d, generator=g)
     x[0, 0] *= 30.0  # one token with a large residual
     if b > 1 and s > 2:
         x[1, 2, 1] = 0.0  # one all-zero copy
-    x = x.to(torch.bfloat16)
+    x = x.to(dtype)
     fn = torch.randn(mix, hc * d, generator=g) * 0.05
     scale = torch.rand(3, generator=g) + 0.5
     base = torch.randn(mix, generator=g) * 0.3
     return x, fn, scale, base
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])  # fp16 x meets bf16 weight parts
 @pytest.mark.parametrize("split", [0, None])  # single kernel; automatic (split K at 18 tokens)
-def test_hc_pre_matches_reference_forward_and_backward(split, monkeypatch):
+def test_hc_pre_matches_reference_forward_and_backward(split, dtype, monkeypatch):
     monkeypatch.setattr(_mhc(), "SPLIT_K", split)
-    x, fn, scale, base = _hc_inputs()
+    x, fn, scale, base = _hc_inputs(dtype=dtype)
     leaves0 = [t.clone().requires_grad_() for t in (x, fn, scale, base)]
     leaves1 = [t.clone().requires_grad_() for t in (x, fn, scale, base)]
     out0 = R.hc_pre(*leaves0, 1e-6, 1e-6, 20)

@@ -59,12 +59,24 @@ def _hc_pre_mix(
         xk = tl.load(x_ptr + ts64[:, None] * K + ks[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
         xf = xk.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
+        # the weight parts are bf16, and an MMA takes one dtype: an fp16 x is the sum of two bf16 parts
+        # (11 significant bits; its range lies inside bf16's), exactly
+        if xk.dtype == tl.float16:
+            xh = xf.to(tl.bfloat16)
+            xl = (xf - xh.to(tl.float32)).to(tl.bfloat16)
+        else:
+            xh = xk
+            xl = xk  # unused
         for part in tl.static_range(3):  # fn = hi + mid + lo, each exactly bf16
             w = tl.load(fpp_ptr + part * K * P1 + ks[:, None] * P1 + c1[None, :], mask=kmask[:, None], other=0.0)
-            acc_pp = mma(xk, w, acc_pp, UPCAST)
+            acc_pp = mma(xh, w, acc_pp, UPCAST)
+            if xk.dtype == tl.float16:
+                acc_pp = mma(xl, w, acc_pp, UPCAST)
             if not HEAD:
                 w2 = tl.load(fcb_ptr + part * K * P2 + ks[:, None] * P2 + c2[None, :], mask=kmask[:, None], other=0.0)
-                acc_cb = mma(xk, w2, acc_cb, UPCAST)
+                acc_cb = mma(xh, w2, acc_cb, UPCAST)
+                if xk.dtype == tl.float16:
+                    acc_cb = mma(xl, w2, acc_cb, UPCAST)
     return acc_pp, acc_cb, ss
 
 

@@ -1,0 +1,145 @@
+"""Every Triton kernel the model launches compiles for a Hopper GPU (sm_90), checked on a machine without one.
+
+The CPU interpreter runs the kernels' arithmetic but not the compiler's type rules: an MMA of an fp16 tile
+with a bf16 one ran there and failed to compile on the H200 (`--dtype fp16`). Here a child process runs
+the tiny model on the interpreter (bf16 and fp16: a prefill, then a decode step) and records every
+launch: the kernel, its argument dtypes and its compile-time constants. This process then compiles each
+launch for sm_90 with Triton's own CUDA backend (its bundled ptxas; no driver needed), once as recorded
+and once with tensor-core dots where the interpreter upcast them (`UPCAST`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from subproc import checkout_env  # noqa: E402
+
+RECORD = r"""
+import json, sys
+import torch
+import triton.language as tl
+from triton.runtime import interpreter as interp
+from dsv4 import ops
+from dsv4.config import ModelConfig
+from dsv4.model import DeepSeekV4
+
+records, keys = [], set()
+plain_run = interp.InterpretedFunction.run
+
+def enc(v):
+    if isinstance(v, torch.Tensor):
+        return ["tensor", str(v.dtype).removeprefix("torch.")]
+    if isinstance(v, tl.dtype):
+        return ["tl", v.name]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return ["value", v]
+    return ["other", repr(v)]
+
+def run(self, *args, grid, warmup, **kwargs):
+    rec = {"module": self.fn.__module__, "name": self.fn.__name__,
+           "args": [enc(a) for a in args], "kwargs": {k: enc(v) for k, v in kwargs.items()}}
+    key = json.dumps(rec, sort_keys=True)
+    if key not in keys:
+        keys.add(key)
+        records.append(rec)
+    return plain_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+interp.InterpretedFunction.run = run
+cfg = ModelConfig.preset("tiny")
+tokens = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+for dtype in (torch.bfloat16, torch.float16):
+    model = DeepSeekV4.from_config(cfg, seed=0, dtype=dtype)
+    with ops.prefer_backend("triton"), torch.no_grad():
+        cache = model.new_cache(1, max_len=9)
+        model.prefill(tokens[:, :8], cache)
+        model.decode_step(tokens[:, 8:], cache)
+print(json.dumps(records))
+"""
+
+TL_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64", "fp8e4nv": "float8e4nv"}
+
+
+def _compiler():
+    """Triton's internals this check drives, or a skip naming what this Triton lacks."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, make_backend
+        from triton.compiler import compile as triton_compile
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+
+        backend = make_backend(GPUTarget("cuda", 90, 32))
+    except Exception as e:  # noqa: BLE001 - any missing piece means this Triton cannot do it
+        pytest.skip(f"this Triton ({triton.__version__}) cannot compile for CUDA without a GPU here: {e}")
+    if not hasattr(JITFunction, "_pack_args"):
+        pytest.skip(f"this Triton ({triton.__version__}) has no JITFunction._pack_args to bind a launch")
+    return GPUTarget("cuda", 90, 32), backend, ASTSource, triton_compile, JITFunction, create_function_from_signature
+
+
+def _jit_function(module: str, name: str, JITFunction):
+    mod = importlib.import_module(module)
+    for obj in vars(mod).values():
+        if type(obj).__name__ == "Kernel" and getattr(obj, "fn", None) is not None and obj.fn.__name__ == name:
+            return triton.jit(obj.fn)  # dsv4's launch-time choice of compiled / interpreted
+        f = obj
+        for _ in range(3):  # an autotuner or heuristics wraps the JITFunction as .fn
+            if isinstance(f, JITFunction):
+                if f.fn.__name__ == name:
+                    return f
+                break
+            f = getattr(f, "fn", None)
+    raise LookupError(f"{module}.{name}")
+
+
+def _value(v):
+    kind, x = v
+    if kind == "tensor":
+        return torch.empty(64, dtype=getattr(torch, x))
+    if kind == "tl":
+        return getattr(triton.language, TL_NAMES.get(x, x))
+    assert kind == "value", v
+    return x
+
+
+@pytest.mark.slow
+def test_every_kernel_the_model_launches_compiles_for_sm90():
+    from dsv4.ops.triton._common import interpreter_defect
+
+    defect = interpreter_defect()
+    if defect:
+        pytest.skip(defect)
+    target, backend, ASTSource, triton_compile, JITFunction, binder_for = _compiler()
+    env = checkout_env(TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", RECORD], capture_output=True, text=True, env=env, cwd=Path(__file__).parent, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(proc.stdout.strip().splitlines()[-1])
+    names = {r["name"] for r in records}
+    assert {"_fwd_kernel", "_hc_pre_part_kernel", "_norm_fwd_kernel"} <= names or len(names) >= 10, names
+    launches = list(records)
+    for r in records:  # the GPU's form: tensor-core dots where the interpreter upcast them
+        if r["kwargs"].get("UPCAST") == ["value", True]:
+            launches.append({**r, "kwargs": {**r["kwargs"], "UPCAST": ["value", False]}})
+    failed = []
+    for r in launches:
+        fn = _jit_function(r["module"], r["name"], JITFunction)
+        kwargs = {k: _value(v) for k, v in r["kwargs"].items()}
+        kwargs.setdefault("debug", False)
+        try:
+            bound, spec, opts = binder_for(fn.signature, fn.params, backend)(*map(_value, r["args"]), **kwargs)
+            options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+            triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+        except Exception as e:  # noqa: BLE001 - collected and reported together
+            while e.__cause__ is not None:
+                e = e.__cause__
+            failed.append(f"{r['module']}.{r['name']} {r['kwargs']}: {type(e).__name__}: {str(e)[-300:]}")
+    assert not failed, "\n".join(failed)
