@@ -2,7 +2,9 @@
 # The whole test suite on a machine with a CUDA GPU, plus the checks whose numbers the README quotes.
 #   OUT=/some/dir bash scripts/gpu_suite.sh
 # Writes under $OUT (default ./out/gpu-suite): junit.xml (every test with its outcome), summary.txt (machine,
-# versions, date, the pytest counts, the teacher-forcing numbers) and pytest.log. Exit code: pytest's.
+# versions, date, the pytest counts, the teacher-forcing numbers) and pytest.log (every test's line); prints
+# the failures as they come and the counts. WORKERS=N sets the pytest workers (default: one per core).
+# Exit code: pytest's.
 # The tests say which device they mean (the CPU interpreter, gloo on the CPU, or CUDA where a test is about
 # CUDA), so the same suite must pass with or without a GPU.
 set -uo pipefail
@@ -22,7 +24,10 @@ PY=${PYTHON:-python3}
 } > "$OUT/summary.txt"
 
 start=$(date +%s)
-"$PY" -m pytest -p no:cacheprovider --junitxml="$OUT/junit.xml" -rfEs 2>&1 | tee "$OUT/pytest.log"
+# one worker per core (the suite's own default is the 2-core CI machine's); -v names every failure as it
+# happens, so a run stopped by a time limit still says which tests failed
+"$PY" -m pytest -p no:cacheprovider -n "${WORKERS:-$(nproc)}" -v --junitxml="$OUT/junit.xml" -rfEs 2>&1 |
+  tee "$OUT/pytest.log" | grep -E --line-buffered "FAILED|ERROR|passed|failed"
 rc=${PIPESTATUS[0]}
 {
   echo "pytest exit code: $rc, $(( $(date +%s) - start )) s"
