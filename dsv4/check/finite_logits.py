@@ -5,8 +5,10 @@ huge BF16 weight passes every load check) would "generate" token 0 forever and e
 hands the model a check (`DeepSeekV4.watching_logits`) for the duration of a generation, which sees every
 logits tensor its incremental entry points (`append`, `draft`) return: on the CPU at once (NonFiniteLogits
 is raised out of the step), on a GPU into a device flag read once at the end (no host synchronization per
-step). The flag is updated in place, so a CUDA graph captured inside the block checks every replay too
-(the engine's steps are graph replays: a check skipped during capture would never run). `first_nonfinite_module`
+step). The check adds to a counter the model owns (`DeepSeekV4.nonfinite_count`) in place, so a CUDA graph
+captured inside the block checks every replay too (the engine's steps are graph replays: a check skipped
+during capture would never run), and a graph replayed after the block writes to memory that still exists.
+A watch compares the counter with its value at the start (nested watches see their own). `first_nonfinite_module`
 then replays the sequence through the full-sequence forward with `dsv4 check nonfinite`'s hooks to name
 the first module that produced NaN/Inf.
 """
@@ -29,16 +31,17 @@ class LogitsWatch:
     def __init__(self, model: DeepSeekV4):
         self.model = model
         device = model.embed.weight.device
-        # device bool, made before any capture: some logits were non-finite (graph replays set it too)
-        self.flag = torch.zeros((), dtype=torch.bool, device=device) if device.type == "cuda" else None
+        # on a GPU: the model's counter of steps with non-finite logits, and its value now (no sync)
+        self.count = model.nonfinite_count(device) if device.type == "cuda" else None
+        self.start = self.count.clone() if self.count is not None else None
 
     def seen(self) -> bool:
-        """Whether any logits so far were non-finite (reads the device flag: one synchronization)."""
-        return self.flag is not None and bool(self.flag)
+        """Whether any logits since the watch began were non-finite (reads the counter: one synchronization)."""
+        return self.count is not None and bool(self.count > self.start)
 
     def _check(self, logits: torch.Tensor) -> None:
-        if logits.device.type == "cuda" and self.flag is not None and logits.device == self.flag.device:
-            self.flag.logical_or_(~torch.isfinite(logits).all())  # in place: no sync, and graph-capturable
+        if self.count is not None and logits.device == self.count.device:
+            self.count.add_((~torch.isfinite(logits).all()).long())  # in place: no sync, graph-capturable
         elif not bool(torch.isfinite(logits).all()):
             raise NonFiniteLogits("the model returned non-finite logits")
 

@@ -78,6 +78,7 @@ class DeepSeekV4(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
         """dtype / device default to `dsv4.defaults` (fp32, cpu), as the command line's --dtype / --device."""
         super().__init__()
+        self._nonfinite_counts: dict[torch.device, torch.Tensor] = {}  # see `nonfinite_count`
         self.cfg = cfg
         dtype = dtype or defaults.default_dtype()
         device = device or defaults.DEVICE
@@ -193,6 +194,15 @@ class DeepSeekV4(nn.Module):
             yield
         finally:
             self.logits_watchers = prev
+
+    def nonfinite_count(self, device: torch.device) -> torch.Tensor:
+        """A device counter (int64, made once per device and owned by the model) for logits checks that run
+        on the device: a CUDA graph that captured a check adds to it on every replay, so it must live as
+        long as the model whose steps the graph replays (`dsv4.check.finite_logits`)."""
+        device = torch.device(device)
+        if device not in self._nonfinite_counts:
+            self._nonfinite_counts[device] = torch.zeros((), dtype=torch.int64, device=device)
+        return self._nonfinite_counts[device]
 
     def _watched(self, logits: torch.Tensor) -> torch.Tensor:
         for fn in self.logits_watchers:
