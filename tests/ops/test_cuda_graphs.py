@@ -55,3 +55,30 @@ def test_a_capture_survives_the_collector_freeing_an_older_graph():
     g.replay()
     torch.cuda.synchronize()
     assert x.tolist() == [20.0] * 4
+
+
+@pytest.mark.gpu
+def test_the_logits_watch_counts_inside_graph_replays_and_nested_watches_see_their_own():
+    """Engine steps are graph replays: the non-finite check captured in a graph runs on every replay, into
+    the model's own counter (alive as long as the model), and each watch compares with its own start."""
+    from dsv4.check.finite_logits import watch_logits
+    from dsv4.model import DeepSeekV4
+    from dsv4.ops.cuda_graphs import capturing
+
+    model = DeepSeekV4.from_config("tiny", device="cuda", dtype=torch.bfloat16)
+    logits = torch.zeros(2, 8, device="cuda")
+    with watch_logits(model) as outer:
+        with watch_logits(model) as inner:
+            graph = torch.cuda.CUDAGraph()
+            with capturing(graph):
+                model._watched(logits)  # what `append` does with its logits
+            graph.replay()
+            assert not inner.seen()
+            logits[1, 3] = float("nan")
+            graph.replay()
+            assert inner.seen()
+        logits.zero_()
+        with watch_logits(model) as later:
+            graph.replay()  # the graph outlives the watch it was captured in
+            assert not later.seen()
+        assert outer.seen()
