@@ -27,7 +27,7 @@ start=$(date +%s)
 # one worker per core (the suite's own default is the 2-core CI machine's); -v names every failure as it
 # happens, so a run stopped by a time limit still says which tests failed
 "$PY" -m pytest -p no:cacheprovider -n "${WORKERS:-$(nproc)}" -v --junitxml="$OUT/junit.xml" -rfEs 2>&1 |
-  tee "$OUT/pytest.log" | grep -E --line-buffered "FAILED|ERROR|passed|failed"
+  tee "$OUT/pytest.log" | grep -E --line-buffered " (FAILED|ERROR) |^(FAILED|ERROR) |[0-9]+ (passed|failed)"
 rc=${PIPESTATUS[0]}
 {
   echo "pytest exit code: $rc, $(( $(date +%s) - start )) s"

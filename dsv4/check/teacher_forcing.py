@@ -70,13 +70,13 @@ def teacher_forcing(
 
 
 def _exact_backends(exact: bool) -> contextlib.AbstractContextManager:
-    """Under exact accumulation, the reference ops (where none is asked for by the caller): only they
-    accumulate in float64. A fast kernel (Triton on a GPU) accumulates in fp32 in an order of its own that
-    differs between a prefill and a decode step, so their results could differ by an ulp of the working
-    dtype, which the tolerance of an exact comparison does not allow. `exact=False` runs the kernels."""
-    if not exact or any(ops.requested(op) is not None for op in ops.ops()):
+    """Under exact accumulation, each op's reference unless the caller asked for a backend (a planted
+    mutant's, say): only the references accumulate in float64. A fast kernel (Triton on a GPU) accumulates
+    in fp32 in an order of its own that differs between a prefill and a decode step, so their results could
+    differ by an ulp of the working dtype, which an exact comparison does not allow."""
+    if not exact:
         return contextlib.nullcontext()
-    return ops.use_backend("reference")
+    return ops.use_backend({op: ops.requested(op) or "reference" for op in ops.ops()})
 
 
 def _teacher_forcing(

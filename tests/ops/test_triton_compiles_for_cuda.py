@@ -124,7 +124,8 @@ def test_every_kernel_the_model_launches_compiles_for_sm90():
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(proc.stdout.strip().splitlines()[-1])
     names = {r["name"] for r in records}
-    assert {"_fwd_kernel", "_hc_pre_part_kernel", "_norm_fwd_kernel"} <= names or len(names) >= 10, names
+    # attention, mHC, norms, the experts' grouped GEMM: the model ran its Triton backends
+    assert {"_fwd_kernel", "_hc_pre_part_kernel", "_norm_fwd_kernel", "_gmm_kernel"} <= names, names
     launches = list(records)
     for r in records:  # the GPU's form: tensor-core dots where the interpreter upcast them
         if r["kwargs"].get("UPCAST") == ["value", True]:

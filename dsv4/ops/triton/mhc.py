@@ -61,23 +61,25 @@ def _hc_pre_mix(
         ss += tl.sum(xf * xf, axis=1)
         # the weight parts are bf16, and an MMA takes one dtype: an fp16 x is the sum of two bf16 parts
         # (11 significant bits; its range lies inside bf16's), exactly
-        if xk.dtype == tl.float16:
-            xh = xf.to(tl.bfloat16)
-            xl = (xf - xh.to(tl.float32)).to(tl.bfloat16)
-        else:
-            xh = xk
-            xl = xk  # unused
+        SPLIT: tl.constexpr = xk.dtype == tl.float16
+        xh = xf.to(tl.bfloat16) if SPLIT else xk
+        xl = (xf - xh.to(tl.float32)).to(tl.bfloat16) if SPLIT else xk
         for part in tl.static_range(3):  # fn = hi + mid + lo, each exactly bf16
             w = tl.load(fpp_ptr + part * K * P1 + ks[:, None] * P1 + c1[None, :], mask=kmask[:, None], other=0.0)
-            acc_pp = mma(xh, w, acc_pp, UPCAST)
-            if xk.dtype == tl.float16:
-                acc_pp = mma(xl, w, acc_pp, UPCAST)
+            acc_pp = _mma_parts(xh, xl, w, acc_pp, SPLIT, UPCAST)
             if not HEAD:
                 w2 = tl.load(fcb_ptr + part * K * P2 + ks[:, None] * P2 + c2[None, :], mask=kmask[:, None], other=0.0)
-                acc_cb = mma(xh, w2, acc_cb, UPCAST)
-                if xk.dtype == tl.float16:
-                    acc_cb = mma(xl, w2, acc_cb, UPCAST)
+                acc_cb = _mma_parts(xh, xl, w2, acc_cb, SPLIT, UPCAST)
     return acc_pp, acc_cb, ss
+
+
+@triton.jit
+def _mma_parts(xh, xl, w, acc, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + x @ w for x = xh (+ xl where SPLIT: an fp16 x as two bf16 parts)."""
+    acc = mma(xh, w, acc, UPCAST)
+    if SPLIT:
+        acc = mma(xl, w, acc, UPCAST)
+    return acc
 
 
 @triton.jit
