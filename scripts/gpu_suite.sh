@@ -34,7 +34,7 @@ rc=${PIPESTATUS[0]}
   grep -E "^(=+ )?[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -1
   echo "teacher forcing on tiny (CPU, the README's numbers):"
   for flags in "" "--fast-accumulation"; do
-    "$PY" -m dsv4 check teacher-forcing --preset tiny $flags --json 2>&1 | tail -1 | sed "s/^/  ${flags:-default}: /"
+    "$PY" -m dsv4 check teacher-forcing --preset tiny --device cpu $flags --json 2>&1 | tail -1 | sed "s/^/  ${flags:-default}: /"
   done
 } >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"
