@@ -17,31 +17,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-_MASK32 = 0xFFFFFFFF
-_MIX = 0x45D9F3B  # a 27-bit odd multiplier: x * _MIX stays below 2^59 in int64
-STREAM_SAMPLE = 0x2545F491  # separate streams: the token draw, speculative acceptance, the draft's draw
-STREAM_ACCEPT = 0x1B873593
-STREAM_DRAFT = 0x68E31DA4
+from .. import ops
+from ..ops.reference import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, uniform
 
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer on int64 tensors holding values in [0, 2^32)."""
-    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
-    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
-    return x ^ (x >> 16)
-
-
-def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, stream: int = STREAM_SAMPLE) -> torch.Tensor:
-    """[B, n] float64 uniforms in (0, 1), a pure function of (seed [B], counter [B], column, stream).
-
-    seed and counter are int64; only their low 32 bits (seed: low and high words) are used.
-    """
-    s_lo, s_hi = seed & _MASK32, (seed >> 32) & _MASK32
-    key = _hash32(_hash32(s_lo ^ stream) ^ s_hi)
-    key = _hash32(key ^ (counter & _MASK32))  # [B]
-    cols = torch.arange(n, device=seed.device, dtype=torch.int64)
-    x = _hash32((key.unsqueeze(1) + cols * 0x9E3779B1) & _MASK32)  # [B, n]
-    return (x.double() + 0.5) / 2.0**32
+__all__ = [
+    "STREAM_ACCEPT",
+    "STREAM_DRAFT",
+    "STREAM_SAMPLE",
+    "SampleOutput",
+    "Sampler",
+    "SamplingParams",
+    "SamplingTensors",
+    "draw",
+    "sample",
+    "uniform",
+]
 
 
 @dataclass
@@ -261,6 +251,10 @@ class Sampler:
         its log-probabilities are those of the model's distribution renormalized over its allowed tokens
         (its top alternatives are allowed tokens, -inf where it has fewer than asked)."""
         V = logits.size(-1)
+        if not st.filtered and penalties is None and allowed is None and not st.logprobs:
+            # the plain draw (every step a CUDA graph holds): one fused op
+            tokens, lp = ops.gumbel_argmax(logits, st.temperature[:, 0], st.greedy[:, 0], st.seeds, st.counters)
+            return SampleOutput(tokens=tokens, logprobs=lp if st.logprobs is not None else None)
         x = logits.double()
         if allowed is not None:
             x = x.masked_fill(~allowed, float("-inf"))

@@ -241,6 +241,7 @@ fp4_linear = _make("fp4_linear")
 int8_quant = _make("int8_quant")
 int8_gemm = _make("int8_gemm")
 int8_moe_experts = _make("int8_moe_experts")
+gumbel_argmax = _make("gumbel_argmax")
 
 
 def _load_optional_backends() -> None:

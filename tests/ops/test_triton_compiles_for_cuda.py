@@ -3,9 +3,10 @@
 The CPU interpreter runs the kernels' arithmetic but not the compiler's type rules: an MMA of an fp16 tile
 with a bf16 one ran there and failed to compile on the H200 (`--dtype fp16`). Here a child process runs
 the tiny model on the interpreter (bf16 and fp16: a prefill, then a decode step) and records every
-launch: the kernel, its argument dtypes and its compile-time constants. This process then compiles each
-launch for sm_90 with Triton's own CUDA backend (its bundled ptxas; no driver needed), once as recorded
-and once with tensor-core dots where the interpreter upcast them (`UPCAST`).
+launch (and one of the engine's token draw): the kernel, its argument dtypes and its compile-time
+constants. This process then compiles each launch for sm_90 with Triton's own CUDA backend (its bundled
+ptxas; no driver needed), once as recorded and once in the GPU's form where the interpreter's differs
+(`UPCAST`: tensor-core dots; `INTERP`: libdevice math).
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ for dtype in (torch.bfloat16, torch.float16):
         cache = model.new_cache(1, max_len=9)
         model.prefill(tokens[:, :8], cache)
         model.decode_step(tokens[:, 8:], cache)
+B = 3  # the engine's token draw
+ops.gumbel_argmax(torch.randn(B, 300), torch.ones(B, dtype=torch.float64), torch.zeros(B, dtype=torch.bool),
+                  torch.arange(B), torch.arange(B), backend="triton")
 print(json.dumps(records))
 """
 
@@ -125,11 +129,13 @@ def test_every_kernel_the_model_launches_compiles_for_sm90():
     records = json.loads(proc.stdout.strip().splitlines()[-1])
     names = {r["name"] for r in records}
     # attention, mHC, norms, the experts' grouped GEMM: the model ran its Triton backends
-    assert {"_fwd_kernel", "_hc_pre_part_kernel", "_norm_fwd_kernel", "_gmm_kernel"} <= names, names
+    # (and the engine's token draw)
+    assert {"_fwd_kernel", "_hc_pre_part_kernel", "_norm_fwd_kernel", "_gmm_kernel", "_draw_split_kernel"} <= names
     launches = list(records)
-    for r in records:  # the GPU's form: tensor-core dots where the interpreter upcast them
-        if r["kwargs"].get("UPCAST") == ["value", True]:
-            launches.append({**r, "kwargs": {**r["kwargs"], "UPCAST": ["value", False]}})
+    for r in records:  # the GPU's form: tensor-core dots where the interpreter upcast them, libdevice math
+        for flag in ("UPCAST", "INTERP"):
+            if r["kwargs"].get(flag) == ["value", True]:
+                launches.append({**r, "kwargs": {**r["kwargs"], flag: ["value", False]}})
     failed = []
     for r in launches:
         fn = _jit_function(r["module"], r["name"], JITFunction)

@@ -21,6 +21,7 @@ _MODULES = (
     "int8_gemm",
     "elementwise",
     "rownorm_rope",
+    "sampling",
 )
 
 # every module is imported unconditionally: a missing or broken one is an error, never a silently absent op
