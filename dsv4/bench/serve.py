@@ -1,7 +1,8 @@
-"""`dsv4 bench serve`: a load generator against a real `dsv4 serve` HTTP server, in one process.
+"""`dsv4 bench serve`: a load generator against a real `dsv4 serve` HTTP server.
 
 The server (`dsv4 serve` itself, in a process of its own) listens on a loopback port; N
-concurrent clients send streaming /v1/completions requests (prompts of random token ids, lengths drawn
+concurrent clients (`dsv4.bench.load`: one load process per 32 clients, started together once all are
+ready) send streaming /v1/completions requests (prompts of random token ids, lengths drawn
 from a fixed distribution with a fixed seed, a fixed number of requests, `ignore_eos` so every request
 produces its drawn length). Reported, all from the same run:
 - throughput: output tokens / wall time of the load;
@@ -16,7 +17,6 @@ produces its drawn length). Reported, all from the same run:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -27,78 +27,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .. import argtypes, options
 from ..errors import UserError
-
-
-@dataclass
-class Result:
-    ttft: float | None = None
-    gaps: list[float] = field(default_factory=list)
-    tokens: int = 0
-    error: str | None = None
-
-
-async def _stream(host: str, port: int, body: dict) -> Result:
-    """POST /v1/completions with stream=true over a raw connection; time each streamed token."""
-    res = Result()
-    t0 = time.perf_counter()
-    reader, writer = await asyncio.open_connection(host, port)
-    data = json.dumps(body).encode()
-    writer.write(
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
-        + data
-    )
-    await writer.drain()
-    try:
-        status = (await reader.readline()).decode()
-        chunked = False
-        while True:
-            line = (await reader.readline()).decode().strip().lower()
-            if not line:
-                break
-            chunked |= line.startswith("transfer-encoding:") and "chunked" in line
-        if " 200 " not in status:
-            res.error = status.strip() + " " + (await reader.read()).decode()[:200]
-            return res
-        buf, last = "", None
-        while True:
-            if chunked:
-                size = int((await reader.readline()).strip() or b"0", 16)
-                if size == 0:
-                    break
-                piece = (await reader.readexactly(size + 2))[:-2].decode()
-            else:
-                piece = (await reader.read(65536)).decode()
-                if not piece:
-                    break
-            buf += piece
-            while "\n\n" in buf:
-                event, buf = buf.split("\n\n", 1)
-                if not event.startswith("data: ") or event == "data: [DONE]":
-                    continue
-                chunk = json.loads(event[6:])
-                if "error" in chunk:
-                    res.error = str(chunk["error"])
-                    return res
-                n = sum(len((c.get("logprobs") or {}).get("tokens") or []) for c in chunk.get("choices", []))
-                if n:
-                    now = time.perf_counter()
-                    if res.ttft is None:
-                        res.ttft = now - t0
-                    elif last is not None:
-                        res.gaps.extend([(now - last) / n] * n)
-                    last = now
-                    res.tokens += n
-    finally:
-        writer.close()
-    return res
+from .load import drive
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -106,65 +41,6 @@ def _pct(values: list[float], q: float) -> float | None:
         return None
     v = sorted(values)
     return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))]
-
-
-async def _drive(
-    host: str, port: int, model: str, work: list[tuple[int, tuple[list[int], int]]], clients: int
-) -> tuple[list[Result], float]:
-    """`clients` closed-loop clients over the numbered work items. -> (results in work order, wall seconds)."""
-    queue = list(work)
-    results: dict[int, Result] = {}
-
-    async def client() -> None:
-        while queue:
-            i, (prompt, n) = queue.pop(0)
-            body = {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": n,
-                "temperature": 1.0,
-                "seed": i,
-                "ignore_eos": True,
-                "logprobs": 0,
-                "stream": True,
-            }
-            try:
-                results[i] = await _stream(host, port, body)
-            except Exception as e:  # noqa: BLE001 - counted
-                results[i] = Result(error=f"{type(e).__name__}: {e}")
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(min(clients, len(work)))))
-    return [results[i] for i, _ in work], time.perf_counter() - t0
-
-
-def _drive_share(host: str, port: int, model: str, work, clients: int, start_at: float):
-    """One load-generator process: wait for the common start, drive its share. -> (results, end time)."""
-    time.sleep(max(0.0, start_at - time.time()))
-    results, _ = asyncio.run(_drive(host, port, model, work, clients))
-    return results, time.time()
-
-
-def drive(
-    host: str, port: int, model: str, work: list[tuple[list[int], int]], clients: int, procs: int = 1
-) -> tuple[list[Result], float]:
-    """The load, from `procs` processes (one Python process parses at most some ten thousand streamed events
-    a second: at high rates the load generator, not the server, would be measured). -> (results, wall s)."""
-    numbered = list(enumerate(work))
-    procs = max(1, min(procs, clients))
-    if procs == 1:
-        return asyncio.run(_drive(host, port, model, numbered, clients))
-    import concurrent.futures
-    import multiprocessing as mp
-
-    shares = [numbered[k::procs] for k in range(procs)]
-    per = [clients // procs + (k < clients % procs) for k in range(procs)]
-    start_at = time.time() + 2.0
-    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn")) as pool:
-        futs = [pool.submit(_drive_share, host, port, model, shares[k], per[k], start_at) for k in range(procs)]
-        parts = [f.result() for f in futs]
-    by_index = {i: r for (share, (res, _)) in zip(shares, parts) for (i, _), r in zip(share, res)}
-    return [by_index[i] for i in range(len(work))], max(end for _, end in parts) - start_at
 
 
 def _raw_decode_rate(model, batch: int, prompt_len: int, steps: int, device: torch.device) -> dict:

@@ -1,0 +1,168 @@
+"""The load of `dsv4 bench serve`: closed-loop streaming clients of /v1/completions, from one or more processes.
+
+Each client keeps one request in flight over a raw HTTP/1.1 connection and times every streamed token.
+Several load processes start together: each imports this module only (no torch), says it is ready, and
+waits for the common start the parent sends once all are ready, so that the wall time measures the
+server, not how long a process takes to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+READY_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Result:
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str | None = None
+
+
+async def _stream(host: str, port: int, body: dict) -> Result:
+    """POST /v1/completions with stream=true over a raw connection; time each streamed token."""
+    res = Result()
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, port)
+    data = json.dumps(body).encode()
+    writer.write(
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+        + data
+    )
+    await writer.drain()
+    try:
+        status = (await reader.readline()).decode()
+        chunked = False
+        while True:
+            line = (await reader.readline()).decode().strip().lower()
+            if not line:
+                break
+            chunked |= line.startswith("transfer-encoding:") and "chunked" in line
+        if " 200 " not in status:
+            res.error = status.strip() + " " + (await reader.read()).decode()[:200]
+            return res
+        buf, last = "", None
+        while True:
+            if chunked:
+                size = int((await reader.readline()).strip() or b"0", 16)
+                if size == 0:
+                    break
+                piece = (await reader.readexactly(size + 2))[:-2].decode()
+            else:
+                piece = (await reader.read(65536)).decode()
+                if not piece:
+                    break
+            buf += piece
+            while "\n\n" in buf:
+                event, buf = buf.split("\n\n", 1)
+                if not event.startswith("data: ") or event == "data: [DONE]":
+                    continue
+                chunk = json.loads(event[6:])
+                if "error" in chunk:
+                    res.error = str(chunk["error"])
+                    return res
+                n = sum(len((c.get("logprobs") or {}).get("tokens") or []) for c in chunk.get("choices", []))
+                if n:
+                    now = time.perf_counter()
+                    if res.ttft is None:
+                        res.ttft = now - t0
+                    elif last is not None:
+                        res.gaps.extend([(now - last) / n] * n)
+                    last = now
+                    res.tokens += n
+    finally:
+        writer.close()
+    return res
+
+
+async def _drive(
+    host: str, port: int, model: str, work: list[tuple[int, tuple[list[int], int]]], clients: int
+) -> tuple[list[Result], float]:
+    """`clients` closed-loop clients over the numbered work items. -> (results in work order, wall seconds)."""
+    queue = list(work)
+    results: dict[int, Result] = {}
+
+    async def client() -> None:
+        while queue:
+            i, (prompt, n) = queue.pop(0)
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": n,
+                "temperature": 1.0,
+                "seed": i,
+                "ignore_eos": True,
+                "logprobs": 0,
+                "stream": True,
+            }
+            try:
+                results[i] = await _stream(host, port, body)
+            except Exception as e:  # noqa: BLE001 - counted
+                results[i] = Result(error=f"{type(e).__name__}: {e}")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(min(clients, len(work)))))
+    return [results[i] for i, _ in work], time.perf_counter() - t0
+
+
+def _share(conn, host: str, port: int, model: str, work, clients: int) -> None:
+    """One load process: say ready, wait for the common start, drive its share, send back (results, start,
+    end) in wall-clock seconds."""
+    conn.send("ready")
+    start_at = conn.recv()
+    time.sleep(max(0.0, start_at - time.time()))
+    began = time.time()
+    results, _ = asyncio.run(_drive(host, port, model, work, clients))
+    conn.send((results, began, time.time()))
+
+
+def drive(
+    host: str, port: int, model: str, work: list[tuple[list[int], int]], clients: int, procs: int = 1
+) -> tuple[list[Result], float]:
+    """The load, from `procs` processes (one Python process parses at most some ten thousand streamed events
+    a second: at high rates the load generator, not the server, would be measured). -> (results in work
+    order, wall seconds from the common start to the last response)."""
+    numbered = list(enumerate(work))
+    procs = max(1, min(procs, clients))
+    if procs == 1:
+        return asyncio.run(_drive(host, port, model, numbered, clients))
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    shares = [numbered[k::procs] for k in range(procs)]
+    per = [clients // procs + (k < clients % procs) for k in range(procs)]
+    conns, workers = [], []
+    try:
+        for k in range(procs):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_share, args=(theirs, host, port, model, shares[k], per[k]), daemon=True)
+            p.start()
+            theirs.close()
+            conns.append(mine)
+            workers.append(p)
+        for k, conn in enumerate(conns):
+            if not conn.poll(READY_TIMEOUT_S):
+                raise RuntimeError(f"load process {k} was not ready in {READY_TIMEOUT_S:.0f} s")
+            conn.recv()
+        start_at = time.time() + 0.05
+        for conn in conns:
+            conn.send(start_at)
+        parts = []
+        for k, (conn, p) in enumerate(zip(conns, workers)):
+            while not conn.poll(1.0):
+                if not p.is_alive():
+                    raise RuntimeError(f"load process {k} exited (code {p.exitcode}) before its results")
+            parts.append(conn.recv())
+    finally:
+        for p in workers:
+            p.join(5)
+            if p.is_alive():
+                p.terminate()
+    by_index = {i: r for share, (res, _, _) in zip(shares, parts) for (i, _), r in zip(share, res)}
+    return [by_index[i] for i in range(len(work))], max(end for _, _, end in parts) - start_at

@@ -1,0 +1,91 @@
+"""The load generator of `dsv4 bench serve` (`dsv4.bench.load`), against a minimal streaming HTTP server.
+
+What makes its numbers the server's: the load processes start from a light module (no torch), and the
+clock starts once every one of them is ready; each client's tokens, first-token time and gaps are its
+own request's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from dsv4.bench.load import drive
+
+
+class SSEServer:
+    """Answers POST /v1/completions with max_tokens streamed chunks of one token each (chunked encoding, as
+    uvicorn sends them), then [DONE]."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        self.requests = 0
+        ready = threading.Event()
+        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
+        assert ready.wait(10)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        ready.set()
+        self.loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        length = 0
+        while line := (await reader.readline()).strip():
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        body = json.loads(await reader.readexactly(length))
+        self.requests += 1
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+        def chunk(text: str) -> bytes:
+            data = text.encode()
+            return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+        for i in range(body["max_tokens"]):
+            event = {"choices": [{"index": 0, "text": "x", "logprobs": {"tokens": [str(i)]}}]}
+            writer.write(chunk(f"data: {json.dumps(event)}\n\n"))
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        writer.write(chunk("data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = SSEServer()
+    yield s
+    s.loop.call_soon_threadsafe(s.loop.stop)
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_every_request_streams_its_own_tokens_in_work_order(server, procs):
+    work = [([1, 2, 3], n) for n in (3, 7, 1, 5, 2, 4)]
+    results, wall = drive("127.0.0.1", server.port, "m", work, clients=4, procs=procs)
+    assert [r.error for r in results] == [None] * len(work)
+    assert [r.tokens for r in results] == [n for _, n in work]
+    assert all(r.ttft is not None and r.ttft > 0 for r in results)
+    assert [len(r.gaps) for r in results] == [n - 1 for _, n in work]
+    assert wall > 0
+
+
+def test_load_processes_do_not_import_torch():
+    """A load process imports dsv4.bench.load only: its start-up is not torch's (seconds on a GPU host)."""
+    code = "import sys, dsv4.bench.load; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_a_refused_request_is_an_error_not_a_hang(server):
+    results, _ = drive("127.0.0.1", 1, "m", [([1], 2)], clients=1)  # nothing listens on port 1
+    assert results[0].error is not None and results[0].tokens == 0
