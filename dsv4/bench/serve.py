@@ -389,9 +389,8 @@ def _print(result: dict, r: dict) -> None:
     phases = {k.split(".", 1)[1]: v for k, v in sm.items() if k.startswith("engine_phase") and "." in k}
     if phases:
         total = sum(phases.values())
-        print(
-            "  engine host time: " + ", ".join(f"{k} {v / total:.0%}" for k, v in phases.items()) + f" of {total:.1f} s"
-        )
+        shares = ", ".join(f"{k} {v / total:.0%}" for k, v in phases.items())
+        print(f"  engine process time: {shares} of {total:.1f} s")
     for e in r["first_errors"]:
         print(f"  error: {e}")
 

@@ -79,10 +79,27 @@ def _child(commands, results, build: Callable, build_args: tuple) -> None:
 
 
 def _serve(engine, commands, results) -> None:
+    # the loop's own time beside the engine's step phases: "idle" waiting for requests with no work, "io"
+    # receiving commands and sending results (both reported with the phases: where a server's time goes)
+    loop = {"io": 0.0, "idle": 0.0}
+
+    def metrics() -> dict:
+        m = engine.metrics()
+        m["step_seconds"] = {**m["step_seconds"], **loop}
+        return m
+
     while True:
+        start = time.monotonic()
+        waited = stepped = 0.0
         timeout = 0.0 if engine.has_work() else 0.5
         handled = False
-        while commands.poll(timeout):
+        while True:
+            t = time.monotonic()
+            ready = commands.poll(timeout)
+            if timeout:
+                waited += time.monotonic() - t
+            if not ready:
+                break
             timeout, handled = 0.0, True
             try:
                 cmd = commands.recv()
@@ -103,19 +120,21 @@ def _serve(engine, commands, results) -> None:
             elif isinstance(cmd, Stop):
                 return
         if handled:  # admissions and aborts move the gauges
-            results.send(Outputs([], engine.metrics(), 0.0))
-        if not engine.has_work():
-            continue
-        t0 = time.monotonic()
-        try:
-            outputs = engine.step()
-        except Exception as e:  # noqa: BLE001 - fail its requests, go on
-            log.exception("engine step failed")
-            for rid in list(engine.requests):
-                engine.abort(rid)
-                results.send(RequestFailed(rid, f"the engine failed while running this request: {e}", False))
-            continue
-        results.send(Outputs(pack_outputs(outputs), engine.metrics(), time.monotonic() - t0))
+            results.send(Outputs([], metrics(), 0.0))
+        if engine.has_work():
+            t = time.monotonic()
+            try:
+                outputs = engine.step()
+            except Exception as e:  # noqa: BLE001 - fail its requests, go on
+                log.exception("engine step failed")
+                for rid in list(engine.requests):
+                    engine.abort(rid)
+                    results.send(RequestFailed(rid, f"the engine failed while running this request: {e}", False))
+                continue
+            stepped = time.monotonic() - t
+            results.send(Outputs(pack_outputs(outputs), metrics(), stepped))
+        loop["idle"] += waited
+        loop["io"] += time.monotonic() - start - waited - stepped
 
 
 class EngineProcess:

@@ -47,7 +47,8 @@ class ServerMetrics:
         )
         self.phase = Counter(
             "dsv4_engine_phase_seconds",
-            "engine host time by step phase (schedule, launch, wait for the device, post-processing)",
+            "engine process time by phase: a step's schedule, launch, wait for the device and post-processing; "
+            "io (commands in, results out) and idle (no work)",
             labels + ["phase"],
             registry=r,
         )

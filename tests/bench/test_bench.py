@@ -445,7 +445,7 @@ def test_serve_bench_percentiles_and_printed_report(capsys):
     assert "p50 10.0 ms (9.0-11.0)  p99 -  (idle 5.0 ms)" in out[3]
     assert "(p99 2.0x p50)" in out[4]
     assert "25.0 (20.0-30.0) tokens/s at batch 2: the server reaches 50% of it" in out[5]
-    assert out[-2] == "  engine host time: schedule 25%, forward 75% of 4.0 s"
+    assert out[-2] == "  engine process time: schedule 25%, forward 75% of 4.0 s"
     assert out[-1] == "  error: TimeoutError: late"
 
 

@@ -79,3 +79,54 @@ def test_text_streams_cut_at_a_stop_string_and_stop_the_choice():
     assert not text.streams and not text.requests
     text.add("huge", prompt, SamplingParams(), 10**9)  # choices cost nothing before they speak
     assert not text.streams
+
+
+def test_the_engine_loop_reports_its_idle_and_io_time_with_the_step_phases():
+    """`_serve` (the engine process's loop, run here in a thread over real pipes): every metrics message
+    carries the step phases plus "idle" (waiting with no work) and "io" (commands and results), both
+    growing, and a step's outputs arrive with its duration."""
+    import multiprocessing as mp
+    import threading
+    import time
+
+    from dsv4.engine.client import AddRequest, Outputs, Stop
+    from dsv4.engine.engine_process import _serve
+
+    class Engine:
+        requests: dict = {}
+
+        def __init__(self):
+            self.todo = []
+
+        def add_request(self, rid, prompt, params, n):
+            self.todo.append(rid)
+
+        def has_work(self):
+            return bool(self.todo)
+
+        def step(self):
+            time.sleep(0.01)
+            self.todo.pop()
+            return [out(0, [7], "x", True, "length")]
+
+        def metrics(self):
+            return {"running": len(self.todo), "step_seconds": {"schedule": 0.0}}
+
+    cmd_recv, cmd_send = mp.Pipe(duplex=False)
+    res_recv, res_send = mp.Pipe(duplex=False)
+    loop = threading.Thread(target=_serve, args=(Engine(), cmd_recv, res_send), daemon=True)
+    loop.start()
+    time.sleep(0.6)  # one idle poll (0.5 s) with no work
+    cmd_send.send(AddRequest("r", [1, 2], SamplingParams()))
+    msgs = []
+    for _ in range(2):  # the admission's gauges, then the step
+        assert res_recv.poll(10)
+        msgs.append(res_recv.recv())
+    cmd_send.send(Stop())
+    loop.join(5)
+    assert not loop.is_alive()
+    assert all(isinstance(m, Outputs) for m in msgs)
+    assert msgs[1].outputs and msgs[1].seconds >= 0.01
+    phases = msgs[1].metrics["step_seconds"]
+    assert set(phases) == {"schedule", "io", "idle"}
+    assert phases["idle"] >= 0.4 and phases["io"] >= 0.0
