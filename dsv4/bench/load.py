@@ -147,18 +147,26 @@ def drive(
             conns.append(mine)
             workers.append(p)
         for k, conn in enumerate(conns):
-            if not conn.poll(READY_TIMEOUT_S):
-                raise RuntimeError(f"load process {k} was not ready in {READY_TIMEOUT_S:.0f} s")
-            conn.recv()
+            try:
+                if not conn.poll(READY_TIMEOUT_S):
+                    raise RuntimeError(f"load process {k} was not ready in {READY_TIMEOUT_S:.0f} s")
+                conn.recv()
+            except EOFError:
+                raise RuntimeError(
+                    f"load process {k} exited (code {workers[k].exitcode}) before it was ready"
+                ) from None
         start_at = time.time() + 0.05
         for conn in conns:
             conn.send(start_at)
         parts = []
         for k, (conn, p) in enumerate(zip(conns, workers)):
-            while not conn.poll(1.0):
-                if not p.is_alive():
-                    raise RuntimeError(f"load process {k} exited (code {p.exitcode}) before its results")
-            parts.append(conn.recv())
+            try:
+                while not conn.poll(1.0):
+                    if not p.is_alive():
+                        raise EOFError
+                parts.append(conn.recv())
+            except EOFError:
+                raise RuntimeError(f"load process {k} exited (code {p.exitcode}) before its results") from None
     finally:
         for p in workers:
             p.join(5)

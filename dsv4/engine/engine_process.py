@@ -85,7 +85,7 @@ def _serve(engine, commands, results) -> None:
 
     def metrics() -> dict:
         m = engine.metrics()
-        m["step_seconds"] = {**m["step_seconds"], **loop}
+        m["step_seconds"] = {**m.get("step_seconds", {}), **loop}
         return m
 
     while True:

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..engine.client import EngineDeadError
+from ..engine.client import EngineDeadError, coalesce
 from ..engine.sequence import RequestError, StepOutput
 from .protocol import APIError
 
@@ -61,17 +61,30 @@ async def merge(
     try:
         left = len(tasks)
         while left:
-            item = await queue.get()
-            if item is _DONE:
-                left -= 1
-            elif item is ENDED:
+            items = [await queue.get()]
+            while not queue.empty():  # a consumer that fell behind takes what waits, merged per choice
+                items.append(queue.get_nowait())
+            outputs: list[tuple[int, StepOutput]] = []
+            end: object = None
+            for item in items:
+                if item is _DONE:
+                    left -= 1
+                elif item is ENDED:
+                    end = ENDED
+                elif isinstance(item, EngineDeadError) and endings is not None and endings.draining:
+                    end = ENDED  # (the engine got the signal too: the requests end, as at the grace's end)
+                elif isinstance(item, BaseException):
+                    end = item
+                else:
+                    outputs.append(item)
+                if end is not None:
+                    break
+            for pair in _coalesced(outputs):
+                yield pair
+            if end is ENDED:
                 return
-            elif isinstance(item, EngineDeadError) and endings is not None and endings.draining:
-                return  # (the engine got the signal too: the requests end, as at the grace's end)
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
+            if end is not None:
+                raise end
     finally:
         if endings is not None:
             endings.queues.discard(queue)
@@ -80,6 +93,17 @@ async def merge(
         for it in streams:
             with contextlib.suppress(Exception):
                 await it.aclose()
+
+
+def _coalesced(pairs: list[tuple[int, StepOutput]]) -> list[tuple[int, StepOutput]]:
+    """(stream, output) pairs with each stream's outputs of the same choice merged (`coalesce`): one chunk
+    per choice for a consumer that fell behind, instead of one per step."""
+    if len(pairs) <= 1:
+        return pairs
+    by_stream: dict[int, list[StepOutput]] = {}
+    for i, out in pairs:
+        by_stream.setdefault(i, []).append(out)
+    return [(i, out) for i, outs in by_stream.items() for out in coalesce(outs)]
 
 
 async def first(it: AsyncIterator[StepOutput], param: str) -> StepOutput | None:

@@ -138,7 +138,8 @@ def check_fields(req: CompletionRequest | ChatCompletionRequest, limits: Limits)
         _check("top_k", req.top_k, top_k_range(limits.vocab_size))
     _check("n", req.n, Range(1, limits.max_n, integer=True))
     for name in ("max_tokens", "max_completion_tokens"):
-        v = getattr(req, name, None)
+        # (a field the request type lacks is absent: pydantic's failing attribute lookup is slow)
+        v = getattr(req, name) if name in type(req).model_fields else None
         if v is not None:
             _check("max_tokens", v, param=name)
     if isinstance(req, CompletionRequest):

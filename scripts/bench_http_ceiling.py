@@ -1,0 +1,176 @@
+"""The HTTP server's own ceiling: `dsv4 serve`'s application and engine pipe, with a model-free engine.
+
+    python3 scripts/bench_http_ceiling.py --clients 256 --step-ms 9 --requests 1024 [--repeats 3]
+
+A synthetic engine (in the engine process, as `dsv4 serve` runs its engine) emits one token per running
+sequence every --step-ms milliseconds; the server process is the real one (`create_app`, the engine pipe,
+detokenization, server-sent events, uvicorn with dsv4's guarded HTTP protocol); the load is `dsv4 bench
+serve`'s (`dsv4.bench.load`). Reported per run: streamed tokens/s against the engine's ceiling (clients x
+1000 / step-ms), the time to first token, and the server process's CPU time per streamed token, which is
+what limits a server whose engine is fast: at 1 s of CPU per second the server, not the model, sets the
+rate. Needs fastapi and uvicorn (`pip install -e .`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import time
+
+from dsv4.bench.load import drive
+from dsv4.engine.sequence import StepOutput, TokenLogprob
+
+
+class SyntheticEngine:
+    """What the engine process's loop uses of an engine: every step, one token for every running sequence,
+    at a fixed pace; a sequence ends at its max_tokens."""
+
+    def __init__(self, step_s: float, max_seqs: int):
+        self.step_s, self.max_seqs = step_s, max_seqs
+        self.requests: dict[str, list[int]] = {}  # id -> [prompt tokens, max tokens, generated]
+        self.waiting: list[tuple[str, int, int]] = []
+        self.next_at = time.monotonic()
+        self.steps = 0
+
+    def add_request(self, request_id, prompt, params, n=1):
+        self.waiting.append((request_id, len(prompt), params.max_tokens))
+
+    def abort(self, request_id):
+        self.requests.pop(request_id, None)
+
+    def abort_sequence(self, request_id, index):
+        self.requests.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.requests or self.waiting)
+
+    def step(self) -> list[StepOutput]:
+        while self.waiting and len(self.requests) < self.max_seqs:
+            rid, prompt, max_tokens = self.waiting.pop(0)
+            self.requests[rid] = [prompt, max_tokens, 0]
+        self.next_at = max(self.next_at + self.step_s, time.monotonic())
+        time.sleep(max(0.0, self.next_at - time.monotonic()))
+        outputs = []
+        for rid, seq in list(self.requests.items()):
+            seq[2] += 1
+            tok = 97 + seq[2] % 26
+            done = seq[2] >= seq[1]
+            lp = [TokenLogprob(tok, -1.0, [])]
+            outputs.append(StepOutput(rid, 0, [tok], lp, done, "length" if done else None, seq[0], seq[2]))
+            if done:
+                del self.requests[rid]
+        self.steps += 1
+        return outputs
+
+    def metrics(self) -> dict:
+        return {"running": len(self.requests), "waiting": len(self.waiting), "cache_usage": 0.0, "steps": self.steps}
+
+    def close(self) -> None:
+        pass
+
+
+def _build(step_s: float, max_seqs: int):
+    info = {"desc": "synthetic", "device": "cpu", "max_model_len": 4096, "max_seqs": max_seqs, "cache_mib": 0.0}
+    info |= {"vocab_size": 256 + 2, "max_n": 1, "max_sequence_tokens": 4096, "threads": 1, "graphs": 0}
+    return SyntheticEngine(step_s, max_seqs), info | {"warmup_s": 0.0}
+
+
+def _server(conn, step_s: float, max_seqs: int) -> None:
+    """The server process: the real application over the synthetic engine; answers "cpu" with its CPU time."""
+    import threading
+
+    import uvicorn
+
+    from dsv4.engine.engine_process import EngineProcess
+    from dsv4.serve.app import ServerState, create_app
+    from dsv4.serve.http_guard import guarded_protocol
+    from dsv4.serve.validate import Limits
+    from dsv4.train.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(0, 1)
+    engine = EngineProcess(_build, (step_s, max_seqs), tokenizer=tok)
+    info = engine.start()
+    limits = Limits(vocab_size=info["vocab_size"], max_model_len=4096, max_sequence_tokens=4096, max_n=1)
+    state = ServerState(engine=engine, tokenizer=tok, model_name="synthetic", max_model_len=4096, limits=limits)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)
+    config = uvicorn.Config(
+        create_app(state), log_level="warning", access_log=False, http=guarded_protocol(30.0, 60.0, 4096)
+    )
+    server = uvicorn.Server(config)
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    conn.send(sock.getsockname()[1])
+    while conn.recv() == "cpu":
+        conn.send(time.process_time())
+    server.should_exit = True
+    engine.shutdown()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--requests", type=int, help="per run (default: 4 x clients)")
+    p.add_argument("--step-ms", type=float, default=5.0, help="the synthetic engine's step time")
+    p.add_argument("--output-len", type=int, default=64, help="tokens per request")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--load-procs", type=int, help="load processes (default: one per 32 clients)")
+    args = p.parse_args()
+    requests = args.requests or 4 * args.clients
+    procs = args.load_procs or max(1, -(-args.clients // 32))
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    server = ctx.Process(target=_server, args=(theirs, args.step_ms / 1e3, args.clients))
+    server.start()
+    if not mine.poll(120):
+        print("the server did not start", file=sys.stderr)
+        server.terminate()
+        return 1
+    port = mine.recv()
+    work = [([98] * args.prompt_len, args.output_len)] * requests
+    drive("127.0.0.1", port, "synthetic", work[: args.clients], args.clients, procs)  # warm-up
+    runs = []
+    for _ in range(args.repeats):
+        mine.send("cpu")
+        c0 = mine.recv()
+        results, wall = drive("127.0.0.1", port, "synthetic", work, args.clients, procs)
+        mine.send("cpu")
+        cpu = mine.recv() - c0
+        tokens = sum(r.tokens for r in results)
+        ttft = sorted(r.ttft for r in results if r.ttft is not None)
+        errors = sum(r.error is not None for r in results)
+        runs.append(
+            {
+                "tokens_per_s": tokens / wall,
+                "server_cpu_us_per_token": cpu / max(tokens, 1) * 1e6,
+                "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3 if ttft else None,
+                "errors": errors,
+            }
+        )
+    mine.send("stop")
+    server.join(15)
+    ceiling = args.clients * 1000 / args.step_ms
+
+    def spread(key: str) -> str:
+        v = [r[key] for r in runs if r[key] is not None]
+        return f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" if v else "-"
+
+    print(
+        f"{args.clients} clients, step {args.step_ms} ms (ceiling {ceiling:.0f} tokens/s), {requests} requests x "
+        f"{args.output_len} tokens, median (min-max) of {len(runs)}:"
+    )
+    print(f"  streamed tokens/s         {spread('tokens_per_s')}")
+    print(f"  server CPU per token, us  {spread('server_cpu_us_per_token')}")
+    print(f"  time to first token, ms   {spread('ttft_p50_ms')} (p50)")
+    print(f"  errors                    {sum(r['errors'] for r in runs)}")
+    print(json.dumps({"args": vars(args), "ceiling": ceiling, "runs": runs}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
