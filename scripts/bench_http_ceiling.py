@@ -146,6 +146,7 @@ def main() -> int:
         errors = sum(r.error is not None for r in results)
         runs.append(
             {
+                "tokens": tokens,
                 "tokens_per_s": tokens / wall,
                 "server_cpu_us_per_token": cpu / max(tokens, 1) * 1e6,
                 "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3 if ttft else None,
