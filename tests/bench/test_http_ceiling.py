@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from subproc import checkout_env
 
 pytest.importorskip("uvicorn")
