@@ -119,7 +119,7 @@ def _serve(engine, commands, results) -> None:
                     engine.abort_sequence(cmd.request_id, cmd.index)
             elif isinstance(cmd, Stop):
                 return
-        if handled:  # admissions and aborts move the gauges
+        if handled and not engine.has_work():  # admissions and aborts move the gauges (a step reports them too)
             results.send(Outputs([], metrics(), 0.0))
         if engine.has_work():
             t = time.monotonic()
