@@ -453,6 +453,19 @@ def cmd_conformance(args) -> int:
     except (KeyError, ValueError) as e:
         raise UserError(f"unknown preset '{args.preset}': {e}") from None
     dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    from ..progress import bar
+
+    shown = None
+
+    def progress(done: int, total: int, what: str) -> None:  # a bar on a terminal (not with --json)
+        nonlocal shown
+        if shown is None:
+            shown = bar(total, "conformance", enabled=not getattr(args, "json", False), unit="step")
+        shown.n = done
+        shown.set_postfix_str(what, refresh=True)
+        if done >= total:
+            shown.close()
+
     try:
         report = run_conformance(
             cfg,
@@ -464,7 +477,11 @@ def cmd_conformance(args) -> int:
             backend=args.backend,
             dtype=dtype,
             checks=checks,
+            progress=progress,
         )
     except ops.BackendUnavailable as e:
         raise UserError(str(e)) from None
+    finally:
+        if shown is not None:
+            shown.close()
     return _emit(args, report, report.ok)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -187,12 +187,14 @@ def run_conformance(
     backend: str | None = None,
     dtype: torch.dtype | None = None,
     checks: list[str] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> ConformanceReport:
     """Plant every selected mutant and run its checks on `device` (see the module docstring).
 
     backend: prefer this backend for every op that has it; dtype: the check model's dtype (default: fp32,
     or bf16 where the device's fast mHC / MoE backends need it); checks: run only these checks (a mutant
-    none of whose checks is selected is reported as skipped)."""
+    none of whose checks is selected is reported as skipped); progress: called as (done, total, what)
+    before each check on the correct code and each mutant."""
     t0 = time.perf_counter()
     preset = cfg if isinstance(cfg, str) else cfg.name
     device = torch.device(device)
@@ -216,11 +218,18 @@ def run_conformance(
         )
         if READS_STAGES & set(needed):
             ctx.clean  # noqa: B018
+        total = len(needed) + len(mutants)
+        step = progress or (lambda done, total, what: None)
         baseline = {}
-        for c in needed:
+        for i, c in enumerate(needed):
+            step(i, total, f"check {c}")
             t = time.perf_counter()
             baseline[c] = dict(_run(c, ctx).__dict__, seconds=round(time.perf_counter() - t, 2))
-        rows = [_mutant_row(m, checks_of(m), ctx, baseline) for m in mutants]
+        rows = []
+        for i, m in enumerate(mutants):
+            step(len(needed) + i, total, f"mutant {m.id}")
+            rows.append(_mutant_row(m, checks_of(m), ctx, baseline))
+        step(total, total, "done")
     ok = all(v["ok"] for v in baseline.values() if not v["skipped"]) and all(
         r.status in ("caught", "pending", "skipped") for r in rows
     )

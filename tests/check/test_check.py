@@ -222,7 +222,11 @@ def test_conformance_skipped_check_is_not_a_pass(monkeypatch):
     from dsv4.check import zoo
 
     monkeypatch.setitem(zoo.CHECKS, "fp4-known-bytes", lambda ctx: zoo.skipped("no packed FP4 here"))
-    rep = run_conformance("tiny", ids=["Z01", "Z02"])
+    seen = []
+    rep = run_conformance("tiny", ids=["Z01", "Z02"], progress=lambda *a: seen.append(a))
+    total = len(rep.baseline) + 2  # progress: every check on the correct code, then every mutant, then done
+    assert [d for d, _, _ in seen] == list(range(total + 1)) and {t for _, t, _ in seen} == {total}
+    assert [w for _, _, w in seen][-3:] == ["mutant Z01", "mutant Z02", "done"]
     rows = {r.id: r for r in rep.rows}
     assert rows["Z01"].status == "skipped" and "no packed FP4 here" in rows["Z01"].detail
     assert rows["Z02"].status == "caught"
