@@ -461,7 +461,7 @@ def cmd_conformance(args) -> int:
         nonlocal shown
         if shown is None:
             shown = bar(total, "conformance", enabled=not getattr(args, "json", False), unit="step")
-        shown.n = done
+        shown.update(done - shown.n)
         shown.set_postfix_str(what, refresh=True)
         if done >= total:
             shown.close()
