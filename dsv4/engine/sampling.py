@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..ops.reference import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, uniform
+from ..ops.reference import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, gumbel_noise, uniform
 
 __all__ = [
     "STREAM_ACCEPT",
@@ -264,7 +264,7 @@ class Sampler:
         scaled = x / st.temperature
         if st.filtered:
             scaled = self._filter(scaled, st.top_k, st.top_p, st.min_p)
-        noise = -torch.log(-torch.log(uniform(st.seeds, st.counters, V)))
+        noise = gumbel_noise(st.seeds, st.counters, V)
         choice = torch.where(st.greedy, x, scaled + noise).argmax(-1)  # [B]
         out = SampleOutput(tokens=choice)
         if st.logprobs is not None:  # log p = logit - logsumexp(logits), float64
@@ -324,7 +324,7 @@ class Sampler:
 def draw(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:
     """One exact draw per row from probs [B, V] (float64, rows summing to 1; zeros never drawn), with the
     counter-hash uniforms of (seed [B], counter [B], stream): Gumbel-max over log-probabilities."""
-    noise = -torch.log(-torch.log(uniform(seeds, counters, probs.size(-1), stream)))
+    noise = gumbel_noise(seeds, counters, probs.size(-1), stream)
     return (torch.log(probs) + noise).argmax(-1)
 
 

@@ -644,6 +644,11 @@ def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, stream: int = STR
     return (x.double() + 0.5) / 2.0**32
 
 
+def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, n: int, stream: int = STREAM_SAMPLE) -> torch.Tensor:
+    """[B, n] float64 Gumbel noise -log(-log(u)) of the counter-hash uniforms (`uniform`)."""
+    return -torch.log(-torch.log(uniform(seed, counter, n, stream)))
+
+
 def gumbel_argmax(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -660,7 +665,7 @@ def gumbel_argmax(
     number (as torch.argmax). temperature [B] float64 (> 0), greedy [B] bool, seeds / counters [B] int64.
     Returns (tokens [B] int64, log p(token) [B] float32: logit - logsumexp(logits) in float64)."""
     x = logits.double()
-    noise = -torch.log(-torch.log(uniform(seeds, counters, x.size(-1), stream)))
+    noise = gumbel_noise(seeds, counters, x.size(-1), stream)
     choice = torch.where(greedy.unsqueeze(1), x, x / temperature.unsqueeze(1) + noise).argmax(-1)  # [B]
     lse = torch.logsumexp(x, -1)  # [B]
     return choice, (x.gather(1, choice.unsqueeze(1)).squeeze(1) - lse).float()

@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .. import register
-from ..reference import _GOLDEN, _MASK32, _MIX
+from ..reference import _GOLDEN, _MASK32, _MIX, STREAM_SAMPLE
 from ._common import Kernel, device_reason, interpret_mode
 
 SPLIT = 8192  # columns per program of the first kernel (fixed: batch-invariant numbers)
@@ -88,7 +88,7 @@ def _draw_split_kernel(
     offs = tl.arange(0, BLOCK)
     for start in range(0, SPLIT, BLOCK):
         cols = (lo + start + offs).to(tl.int64)  # [BLOCK]
-        inside = cols < V
+        inside = (cols < V) & (start + offs < SPLIT)
         x = tl.load(logits_ptr + row * stride_l + cols, mask=inside, other=NEG_INF).to(tl.float64)
         h = (key + cols * GOLDEN) & MASK
         for _ in tl.static_range(2):
@@ -170,18 +170,18 @@ def triton_gumbel_argmax(
     greedy: torch.Tensor,
     seeds: torch.Tensor,
     counters: torch.Tensor,
-    stream: int = 0x2545F491,
+    stream: int = STREAM_SAMPLE,
     split: int = SPLIT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As the reference `gumbel_argmax`; `split` (a multiple of BLOCK, or a power of two below it) is for
-    tests of the combining step at small vocabularies."""
+    """As the reference `gumbel_argmax`; `split` (columns per program) is for tests of the combining step
+    at small vocabularies."""
     B, V = logits.shape
     dev = logits.device
     tokens = torch.empty(B, dtype=torch.int64, device=dev)
     lp = torch.empty(B, dtype=torch.float32, device=dev)
     if B == 0:
         return tokens, lp
-    block = min(BLOCK, split)
+    block = min(BLOCK, triton.next_power_of_2(split))
     n = triton.cdiv(V, split)
     f64 = dict(dtype=torch.float64, device=dev)
     val, x, m, s = (torch.empty(B, n, **f64) for _ in range(4))
@@ -221,7 +221,9 @@ def triton_gumbel_argmax(
     return tokens, lp
 
 
-def _can_run(logits, temperature, greedy, seeds, counters, stream: int = 0, split: int = SPLIT) -> str | None:
+def _can_run(
+    logits, temperature, greedy, seeds, counters, stream: int = STREAM_SAMPLE, split: int = SPLIT
+) -> str | None:
     reason = device_reason(logits, temperature, greedy, seeds, counters)
     if reason:
         return reason
