@@ -115,7 +115,7 @@ def _generate_tokenizer(args):
     path = Path(args.model) if args.model else default_model_dir()
     if path is None or not (path / "tokenizer.json").is_file():
         return None
-    from .train.tokenizer import Tokenizer
+    from .tokenizer import Tokenizer
 
     return Tokenizer.from_file(path)
 

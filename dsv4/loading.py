@@ -169,7 +169,7 @@ def load_model(
     ).eval()
     tokenizer = None
     if (path / "tokenizer.json").exists():
-        from .train.tokenizer import Tokenizer
+        from .tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_file(path)
     return model, tokenizer, str(path)

@@ -89,7 +89,7 @@ def _server(conn, step_s: float, max_seqs: int) -> None:
     from dsv4.serve.app import ServerState, create_app
     from dsv4.serve.http_guard import guarded_protocol
     from dsv4.serve.validate import Limits
-    from dsv4.train.tokenizer import ByteTokenizer
+    from dsv4.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer(0, 1)
     engine = EngineProcess(_build, (step_s, max_seqs), tokenizer=tok)

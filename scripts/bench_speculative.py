@@ -26,7 +26,7 @@ import torch
 from dsv4 import defaults
 from dsv4.checkpoint.load import load_pretrained
 from dsv4.engine import Engine, EngineConfig, SamplingParams
-from dsv4.train.tokenizer import Tokenizer
+from dsv4.tokenizer import Tokenizer
 
 PROMPTS = (
     "def read_lines(path):\n    with open(path) as f:\n",

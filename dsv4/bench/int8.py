@@ -225,8 +225,8 @@ def _prompts(model_dir: str | None, vocab: int, n: int, length: int = 32) -> lis
     """The first tokens of held-out documents (a checkpoint with a tokenizer), else random tokens."""
     if model_dir and (Path(model_dir) / "tokenizer.json").is_file():
         from ..eval.heldout import held_out_documents
+        from ..tokenizer import Tokenizer
         from ..train.data import find_documents, read_text
-        from ..train.tokenizer import Tokenizer
 
         tok = Tokenizer.from_file(Path(model_dir))
         docs = held_out_documents(find_documents(None), 2.0)[:n]

@@ -403,7 +403,7 @@ def cmd_ranges(args) -> int:
     else:
         from pathlib import Path
 
-        from ..train.tokenizer import Tokenizer
+        from ..tokenizer import Tokenizer
 
         if not args.checkpoint or not (Path(args.checkpoint) / "tokenizer.json").is_file():
             raise UserError("--text needs a --checkpoint directory with a tokenizer.json")

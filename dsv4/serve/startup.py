@@ -117,7 +117,7 @@ class EngineSpec:
 def load_tokenizer(source: ModelSource):
     """The tokenizer alone (the server process encodes prompts; the engine process holds the model)."""
     from ..loading import default_model_dir, resolve_config
-    from ..train.tokenizer import ByteTokenizer, Tokenizer
+    from ..tokenizer import ByteTokenizer, Tokenizer
 
     if source.model or not (source.preset or source.config):
         from ..checkpoint.hub import resolve_model_path
@@ -147,7 +147,7 @@ def load(spec: EngineSpec, rank: int = 0, world_size: int = 1):
     """(model, tokenizer, served name, description) of the spec's model, on its device and dtype ("auto":
     resolved here; `spec.resolved()` names them)."""
     from ..loading import load_model
-    from ..train.tokenizer import ByteTokenizer
+    from ..tokenizer import ByteTokenizer
 
     model, tokenizer, desc = load_model(spec.resolved().source, rank=rank, world_size=world_size)
     if tokenizer is None:

@@ -1,6 +1,6 @@
 """Training DeepSeek-V4: data and tokenizer, losses, Muon/AdamW, balancing, trainer, checkpoints."""
 
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 from .trainer import TrainConfig, Trainer, train
 
 __all__ = ["Tokenizer", "TrainConfig", "Trainer", "train"]

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".toml", ".c", ".h", ".cpp", ".js", ".html")
 

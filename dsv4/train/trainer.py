@@ -24,13 +24,13 @@ from .. import ops
 from ..config import ModelConfig
 from ..defaults import resolve_device
 from ..errors import RunFailed, UserError, writing
+from ..tokenizer import Tokenizer
 from . import balance, checkpoint, clipping, data, metrics
 from .dspark_loss import DSparkLossConfig, dspark_loss, sample_anchors
 from .graphed import ReplayAfterFirst
 from .losses import LossParts, total_loss
 from .optim import MuonAdamW, OptimConfig, lr_factor, orthogonalization_error
 from .settings import QUICK_CPU_DEFAULTS, STANDARD_DEFAULTS, TrainConfig  # noqa: F401  (TrainConfig: re-exported)
-from .tokenizer import Tokenizer
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -157,7 +157,7 @@ def test_fifo_config_and_tokenizer(tmp_path):
     with time_bound(BOUND), pytest.raises(ConfigError, match="FIFO"):
         ModelConfig.from_json(tmp_path / "config.json")
     from dsv4.errors import UserError
-    from dsv4.train.tokenizer import Tokenizer
+    from dsv4.tokenizer import Tokenizer
 
     os.mkfifo(tmp_path / "tokenizer.json")
     with time_bound(BOUND), pytest.raises(UserError, match="FIFO"):

@@ -192,3 +192,24 @@ def test_the_graph_sees_deferred_imports():
     assert "dsv4.ops.torch_native" not in edges["dsv4.ops.triton.moe"]
     assert not any(t.startswith("dsv4.ops.triton") for t in edges["dsv4.ops.torch_native"])
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_serving_does_not_reach_the_training_package():
+    """Nothing `dsv4 serve` or the engine imports - directly, through another module, or inside a function -
+    is in dsv4.train (the tokenizer lives in dsv4.tokenizer: a server needs it, not the trainer)."""
+    edges = import_edges()
+    assert "dsv4.tokenizer" in edges["dsv4.serve.startup"]  # the graph sees the deferred import
+    for start in [m for m in edges if m.startswith(("dsv4.serve", "dsv4.engine"))]:
+        parent: dict[str, str] = {start: start}
+        todo = [start]
+        while todo:
+            here = todo.pop()
+            for target in edges.get(here, ()):
+                if target not in parent:
+                    parent[target] = here
+                    todo.append(target)
+        for reached in [m for m in parent if m.startswith("dsv4.train")]:
+            chain = [reached]
+            while chain[-1] != start:
+                chain.append(parent[chain[-1]])
+            raise AssertionError(" <- ".join(chain))

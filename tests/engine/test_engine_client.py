@@ -10,7 +10,7 @@ from dsv4.engine.client import Stream, coalesce, stream_outputs
 from dsv4.engine.output import TextStreams
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.sequence import StepOutput, TokenLogprob
-from dsv4.train.tokenizer import ByteTokenizer
+from dsv4.tokenizer import ByteTokenizer
 
 
 def out(index: int, toks: list[int], text: str = "", finished: bool = False, reason=None) -> StepOutput:

@@ -23,7 +23,7 @@ from dsv4.engine.generate import complete, generate
 from dsv4.engine.healing import MAX_HEALED_BYTES, MAX_HEALED_TOKENS, Healed, Vocabulary, heal
 from dsv4.loading import default_model_dir
 from dsv4.ops.precision import exact_accumulation
-from dsv4.train.tokenizer import ByteTokenizer, Tokenizer
+from dsv4.tokenizer import ByteTokenizer, Tokenizer
 
 GCD = 'def gcd(a, b):\n    """Greatest common divisor by Euclid\'s algorithm."""\n'
 

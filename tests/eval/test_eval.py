@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dsv4 import DeepSeekV4, ModelConfig
 from dsv4.eval.code import FUNCTIONAL_TASKS, has_body, one_line_docstring_prompts, passes, written_function
 from dsv4.eval.heldout import held_out_loss
-from dsv4.train.tokenizer import ByteTokenizer
+from dsv4.tokenizer import ByteTokenizer
 
 SOURCE = '''import os
 

@@ -314,7 +314,7 @@ def test_a_dspark_checkpoint_serves_speculatively(tmp_path):
     acceptance and the verify lengths the confidence head chose."""
     from dsv4.checkpoint import load_pretrained, write_random
     from dsv4.engine import Engine, EngineConfig, SamplingParams
-    from dsv4.train.tokenizer import ByteTokenizer
+    from dsv4.tokenizer import ByteTokenizer
 
     src = write_random(tmp_path / "tiny-dspark", "tiny", draft="dspark")
     proc, url = start_server(

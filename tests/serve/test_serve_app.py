@@ -23,7 +23,7 @@ from dsv4.engine.sequence import RequestError, StepOutput, TokenLogprob
 from dsv4.serve import chat
 from dsv4.serve.app import ServerState, create_app
 from dsv4.serve.metrics import ServerMetrics
-from dsv4.train.tokenizer import ByteTokenizer
+from dsv4.tokenizer import ByteTokenizer
 
 KEY = "sk-app-test"
 NAME = "fake-model"

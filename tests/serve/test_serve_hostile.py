@@ -178,7 +178,7 @@ def test_text_prompts_are_healed_and_token_id_prompts_are_not(srv):
     the text; usage counts the healed prompt (one token fewer than with `token_healing: false`); a stream
     heals as well; the same prompt given as token ids runs as given."""
     from dsv4.loading import default_model_dir
-    from dsv4.train.tokenizer import Tokenizer
+    from dsv4.tokenizer import Tokenizer
 
     gcd = 'def gcd(a, b):\n    """Greatest common divisor by Euclid\'s algorithm."""\n'
     client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=300)

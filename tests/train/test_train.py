@@ -17,8 +17,8 @@ from subproc import checkout_env
 
 from dsv4.config import ModelConfig
 from dsv4.model import DeepSeekV4
+from dsv4.tokenizer import Tokenizer
 from dsv4.train import balance, checkpoint, data, losses, optim
-from dsv4.train.tokenizer import Tokenizer
 from dsv4.train.trainer import TrainConfig, Trainer
 
 MICRO = dict(

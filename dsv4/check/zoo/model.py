@@ -324,7 +324,7 @@ def draft_acceptance(ctx: Context) -> CheckResult:
     from ... import defaults
     from ...checkpoint.load import load_pretrained
     from ...engine import Engine, EngineConfig, SamplingParams
-    from ...train.tokenizer import Tokenizer
+    from ...tokenizer import Tokenizer
 
     path = defaults.shipped_model_dir()
     if path is None:

@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ..errors import UserError
+from .errors import UserError
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -63,7 +63,7 @@ class Tokenizer:
                 f"{file}: no tokenizer.json here; train one with `dsv4 train` or point to a "
                 "checkpoint directory that has one"
             )
-        from ..safe_paths import contained, read_text
+        from .safe_paths import contained, read_text
 
         if path.is_dir():
             contained(path, "tokenizer.json", str(path))  # a checkpoint's files stay inside it
