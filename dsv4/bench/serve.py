@@ -134,12 +134,11 @@ def _server_argv(args: argparse.Namespace) -> list[str]:
         "tensor_parallel_size",
         "worker_timeout",
         "threads",
+        "api_servers",
     ):
         value = getattr(args, flag, None)
         if value is not None and not (flag in ("speculative", "speculative_threshold", "threads") and not value):
             argv += [f"--{flag.replace('_', '-')}", str(value)]
-    if getattr(args, "cuda_graph", True) is False:
-        argv.append("--no-cuda-graph")
     for flag in ("keep_quantized", "no_prefix_caching", "deterministic", "enable_expert_parallel"):
         if getattr(args, flag, False):
             argv.append(f"--{flag.replace('_', '-')}")
@@ -189,6 +188,8 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
     sargs.max_model_len = args.max_model_len or max(longest + 1, 256)
     proc, host, port, banner = _start_server(_server_argv(sargs))
     row: dict = {"clients": clients, "requests": requests, "server": banner.strip().splitlines()[-2:]}
+    http = re.search(r"(\d+) HTTP process", banner)
+    row["api_servers"] = int(http.group(1)) if http else None
     try:
         idle = []
         warm = _work(vocab, 3, args, args.seed + 999)
@@ -350,6 +351,7 @@ def _print(result: dict, r: dict) -> None:
         f"  load: {r['clients']} streaming clients, {r['requests']} requests per run, "
         f"prompt ~{result['prompt_len']}, "
         f"output ~{result['output_len']} (+-{result['spread']:.0%}); median (min-max) of {result['repeats']} runs"
+        + (f"; the server's HTTP processes: {r['api_servers']}" if r.get("api_servers") else "")
     )
     print(f"  throughput      {_fmt(r['tokens_per_s'])} output tokens/s  ({r['errors']} errors)")
     print(
@@ -397,6 +399,7 @@ def _print(result: dict, r: dict) -> None:
 
 def add_bench_serve_parser(subparsers) -> None:
     from ..loading import add_model_args
+    from ..serve.api_servers import MAX_API_SERVERS
     from ..serve.cli import engine_args
 
     p = subparsers.add_parser(
@@ -444,6 +447,12 @@ def add_bench_serve_parser(subparsers) -> None:
         default=None,
         metavar="BATCH",
         help="also time transformers' generate at these batch sizes (e.g. --hf 16 64)",
+    )
+    p.add_argument(
+        "--api-servers",
+        type=argtypes.int_in(1, MAX_API_SERVERS),
+        default=None,
+        help="the server's HTTP processes (dsv4 serve --api-servers; default: its own)",
     )
     p.add_argument("--out", metavar="FILE", default=None, help="write the result as JSON")
     options.add(p, "json")

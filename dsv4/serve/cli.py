@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
-import threading
-import time
 
 from .. import argtypes, options
 from ..errors import UserError
+from .api_servers import MAX_API_SERVERS
 
 
 def engine_args(p: argparse.ArgumentParser) -> None:
@@ -61,120 +59,71 @@ def engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import logging
-
-    import uvicorn
-
-    from ..engine.engine_process import EngineProcess
-    from ..loading import resolve_config
-    from .app import ServerState, create_app
-    from .http_guard import GracefulServer, connection_limit, guarded_protocol
-    from .metrics import ServerMetrics
-    from .startup import EngineSpec, build_engine, check_engine_options, load_tokenizer
-    from .validate import Limits
-    from .workers import build_workers
+    from .api_servers import default_count, listen, shared_metrics
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-        sock.listen(2048)  # connections queue from "ready" on, before uvicorn accepts them
-    except OSError as e:
-        raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    if args.api_servers is None:
+        from .. import defaults
+
+        args.api_servers = default_count(str(defaults.resolve_device(args.device or "auto")), defaults.cores())
+    socks = listen(args.host, args.port, args.api_servers)
+    with shared_metrics(args.api_servers):  # before prometheus_client is imported
+        return _serve(args, socks)
+
+
+def _serve(args: argparse.Namespace, socks) -> int:
     import torch
+
+    from ..engine.engine_process import EngineProcess
+    from ..loading import resolve_config
+    from .api_servers import APIServers
+    from .http_process import log_to_stderr, max_connections, run_http
+    from .metrics import ServerMetrics
+    from .startup import EngineSpec, build_engine, check_engine_options, load_tokenizer
+    from .workers import build_workers
 
     torch.set_num_threads(1)  # this process parses and streams; the engine process computes
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # (the tokenizer's thread pool too)
-    spec = EngineSpec.from_args(args, detokenize=False)  # text is made in this process
+    spec = EngineSpec.from_args(args, detokenize=False)  # text is made in the HTTP processes
     check_engine_options(spec, resolve_config(spec.source))  # before the engine process reads any weights
     tokenizer = load_tokenizer(spec.source)
     name = spec.served_name
     metrics = ServerMetrics(name)
     build = build_workers if spec.tensor_parallel_size > 1 else build_engine
-    engine = EngineProcess(build, (spec,), tokenizer=tokenizer, on_step=metrics.on_step)
+    engine = EngineProcess(build, (spec,), tokenizer=tokenizer, on_step=metrics.on_step, links=args.api_servers)
+    others = None
     try:
-        info = engine.start()
-    except RuntimeError as e:
-        raise UserError(str(e)) from None
-    metrics.on_ready(info)
-    limits = Limits(
-        vocab_size=info["vocab_size"],
-        max_model_len=info["max_model_len"],
-        max_sequence_tokens=info["max_sequence_tokens"],
-        max_n=info["max_n"],
-        max_seqs_per_request=args.max_seqs_per_request,
-        max_messages=args.max_messages,
-        max_prompt_chars=args.max_prompt_chars,
-    )
-    state = ServerState(
-        engine=engine,
-        tokenizer=tokenizer,
-        model_name=name,
-        max_model_len=info["max_model_len"],
-        api_key=args.api_key,
-        metrics=metrics,
-        max_body_bytes=args.max_body_bytes,
-        limits=limits,
-    )
-    app = create_app(state)
-    port = sock.getsockname()[1]
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    max_conn = connection_limit(args.max_connections)
-    print(
-        f"dsv4 serve: {info['desc']} as '{name}' on {info['device']}, {info['max_model_len']}-token context, "
-        f"{info['max_seqs']} sequences, {info['threads']} compute threads, cache {info['cache_mib']:.1f} MiB "
-        f"(at most "
-        f"{info['max_sequence_tokens']} positions per sequence), up to {max_conn} connections"
-        + (f", {info['graphs']} CUDA graphs captured in {info['warmup_s']:.1f} s" if info.get("graphs") else ""),
-        flush=True,
-    )
-    print(f"ready: http://{host}:{port}/v1", flush=True)
-    _log_to_stderr(args.log_level)
-    config = uvicorn.Config(
-        app,
-        log_level=args.log_level,
-        access_log=args.log_level == "debug",
-        http=guarded_protocol(args.header_timeout, args.body_timeout, max_conn),
-        timeout_graceful_shutdown=args.shutdown_grace + 5,
-    )
-    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-    server = GracefulServer(config, args.shutdown_grace, state.begin_drain, state.end_in_flight)
-    died: list[str] = []
-
-    def watch() -> None:  # an engine (or worker) that dies takes the server down
-        while not server.should_exit:
-            if not engine.alive:
-                died.append(f"dsv4 serve: the engine process stopped (exit code {engine.exitcode}): shutting down")
-                server.should_exit = True
-                return
-            time.sleep(0.2)
-
-    threading.Thread(target=watch, name="dsv4-engine-watch", daemon=True).start()
-    try:
-        server.run(sockets=[sock])
+        try:
+            info = engine.start()
+        except RuntimeError as e:
+            raise UserError(str(e)) from None
+        metrics.on_ready(info)
+        if args.api_servers > 1:
+            others = APIServers(args, info, engine, socks[1:])
+            others.wait_ready()
+        port = socks[0].getsockname()[1]
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(
+            f"dsv4 serve: {info['desc']} as '{name}' on {info['device']}, {info['max_model_len']}-token context, "
+            f"{info['max_seqs']} sequences, {info['threads']} compute threads, cache {info['cache_mib']:.1f} MiB "
+            f"(at most {info['max_sequence_tokens']} positions per sequence), "
+            f"{args.api_servers} HTTP process{'es' if args.api_servers > 1 else ''} of up to "
+            f"{max_connections(args)} connections"
+            + (f", {info['graphs']} CUDA graphs captured in {info['warmup_s']:.1f} s" if info.get("graphs") else ""),
+            flush=True,
+        )
+        print(f"ready: http://{host}:{port}/v1", flush=True)
+        log_to_stderr(args.log_level)
+        code = run_http(args, engine, tokenizer, name, metrics, info, socks[0], others=others)
     finally:
+        if others is not None:
+            others.drain()
+            others.stop(args.shutdown_grace + 10)
         engine.shutdown()
-        state.executor.shutdown(wait=False, cancel_futures=True)
-    if died:
-        print(died[0], file=sys.stderr, flush=True)
-        return 1
-    print("dsv4 serve: stopped", file=sys.stderr, flush=True)
-    return 0
-
-
-def _log_to_stderr(level: str) -> None:
-    """dsv4's own server log lines (dsv4.serve, dsv4.engine) on stderr, one line each."""
-    import logging
-
-    logger = logging.getLogger("dsv4")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("dsv4 serve: %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(level.upper())
+    if code == 0:
+        print("dsv4 serve: stopped", file=sys.stderr, flush=True)
+    return code
 
 
 # ------------------------------------------------------------------------------------------ parsers
@@ -257,6 +206,13 @@ def add_serve_parser(sub) -> None:
         default=30.0,
         help="on SIGTERM / Ctrl-C: seconds the requests in flight may still run before they are "
         "ended with finish_reason 'abort' (default 30; new requests get 503 at once)",
+    )
+    p.add_argument(
+        "--api-servers",
+        type=argtypes.int_in(1, MAX_API_SERVERS),
+        default=None,
+        help="HTTP processes over the one engine, sharing the port (each streams some 15-30k tokens/s; "
+        "default: 1 on a CPU, else one per 4 cores, at most 4); --max-connections is shared among them",
     )
     engine_args(p)
     p.set_defaults(func=cmd_serve)

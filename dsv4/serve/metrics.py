@@ -1,23 +1,44 @@
-"""Prometheus metrics of the server (`GET /metrics`), in a registry of its own."""
+"""Prometheus metrics of the server (`GET /metrics`), in a registry of its own.
+
+With several HTTP processes (`dsv4 serve --api-servers N`) every process writes its metrics to files in
+one directory (prometheus_client's multiprocess mode, `PROMETHEUS_MULTIPROC_DIR`, set before
+prometheus_client is imported), and `/metrics`, whichever process answers it, reads them all: counters and
+histograms are summed over the processes; the engine's own figures (gauges, token and step counters,
+phases) are written by the first process only (`engine_wide`), since every process sees them.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _VERIFY_LENGTHS = tuple(range(16))  # drafts one verify checks: 0 ... MAX_SPECULATIVE
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def _gauge(name: str, doc: str, labels: list[str], registry: CollectorRegistry) -> Gauge:
+    # one process writes each engine gauge; "mostrecent" reads its value in multiprocess mode
+    return Gauge(name, doc, labels, registry=registry, multiprocess_mode="mostrecent")
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, engine_wide: bool = True):
+        self.multiprocess_dir = os.environ.get(MULTIPROC_ENV)
+        if self.multiprocess_dir and values.ValueClass is values.MutexValue:
+            raise RuntimeError(f"{MULTIPROC_ENV} was set after prometheus_client was imported")
+        self.engine_wide = engine_wide
         self.registry = r = CollectorRegistry()
         labels = ["model"]
-        self.running = Gauge("dsv4_requests_running", "sequences running in the engine", labels, registry=r)
-        self.waiting = Gauge("dsv4_requests_waiting", "sequences waiting for admission", labels, registry=r)
-        self.cache_usage = Gauge(
+        self.running = _gauge("dsv4_requests_running", "sequences running in the engine", labels, r)
+        self.waiting = _gauge("dsv4_requests_waiting", "sequences waiting for admission", labels, r)
+        self.cache_usage = _gauge(
             "dsv4_cache_usage_ratio", "fraction of cache pages held by running sequences", labels, registry=r
         )
-        self.tokens_per_s = Gauge(
+        self.tokens_per_s = _gauge(
             "dsv4_generation_tokens_per_second", "output tokens per second over the last step", labels, registry=r
         )
         self.prompt_tokens = Counter("dsv4_prompt_tokens", "prompt tokens computed", labels, registry=r)
@@ -64,7 +85,7 @@ class ServerMetrics:
         self.spec_verifies = Counter(
             "dsv4_spec_verify_steps", "sequence-steps that verified drafts", labels, registry=r
         )
-        self.spec_rate = Gauge(
+        self.spec_rate = _gauge(
             "dsv4_spec_acceptance_ratio", "accepted / proposed draft tokens since start", labels, registry=r
         )
         self.spec_lengths = Histogram(
@@ -76,7 +97,7 @@ class ServerMetrics:
             buckets=_VERIFY_LENGTHS,
             registry=r,
         )
-        self.spec_per_step = Gauge(
+        self.spec_per_step = _gauge(
             "dsv4_spec_tokens_per_verify",
             "mean tokens a verify step yields (accepted drafts + 1) since start",
             labels,
@@ -86,17 +107,17 @@ class ServerMetrics:
         self.eager_steps = Counter(
             "dsv4_engine_eager_steps", "steps run eagerly (no graph fits them, or no CUDA)", labels, registry=r
         )
-        self.compiles = Gauge(
+        self.compiles = _gauge(
             "dsv4_kernel_compilations_after_ready",
             "Triton kernel compilations since the server "
             "said it was ready (0: every step shape was warmed at start-up)",
             labels,
             registry=r,
         )
-        self.warmup = Gauge(
+        self.warmup = _gauge(
             "dsv4_warmup_seconds", "start-up time spent capturing CUDA graphs and compiling kernels", labels, registry=r
         )
-        self.graphs = Gauge("dsv4_cuda_graphs", "CUDA graphs captured (one per step bucket)", labels, registry=r)
+        self.graphs = _gauge("dsv4_cuda_graphs", "CUDA graphs captured (one per step bucket)", labels, r)
         self._phases: dict[str, float] = {}
         self._spec = {"verify_steps": 0, "drafted": 0, "accepted": 0}
         self._spec_lengths: list[int] = []
@@ -112,19 +133,29 @@ class ServerMetrics:
 
     def on_ready(self, info: dict) -> None:
         """The engine's start-up report (`build_engine`'s info)."""
+        if not self.engine_wide:
+            return
         self.warmup.labels(self.model).set(info.get("warmup_s", 0.0))
         self.graphs.labels(self.model).set(info.get("graphs", 0))
         self.compiles.labels(self.model).set(0)
 
     def on_step(self, m: dict, outputs, seconds: float) -> None:
-        """Called after each engine step with the engine's metrics (`Engine.metrics()`) and its outputs."""
+        """Called after each engine step with the engine's metrics (`Engine.metrics()`) and its outputs (those
+        of this process's requests)."""
         lab = self.model
+        for o in outputs:
+            if o.finished:
+                self.requests.labels(lab, o.finish_reason or "unknown").inc()
+        if not self.engine_wide:
+            return
         self.running.labels(lab).set(m["running"])
         self.waiting.labels(lab).set(m["waiting"])
         self.cache_usage.labels(lab).set(m["cache_usage"])
         if seconds > 0:  # a step (0: only admissions / aborts)
             self.step.labels(lab).observe(seconds)
-            self.tokens_per_s.labels(lab).set(sum(len(o.new_tokens) for o in outputs) / seconds)
+            # the engine's count, not these outputs': other HTTP processes may hold some of the step's requests
+            generated = m["generated_tokens"] - self._seen["generated_tokens"]
+            self.tokens_per_s.labels(lab).set(generated / seconds)
         for key, counter in (
             ("prompt_tokens", self.prompt_tokens),
             ("generated_tokens", self.generation_tokens),
@@ -163,9 +194,6 @@ class ServerMetrics:
         if self._spec["drafted"]:
             self.spec_rate.labels(lab).set(self._spec["accepted"] / self._spec["drafted"])
             self.spec_per_step.labels(lab).set(1 + self._spec["accepted"] / self._spec["verify_steps"])
-        for o in outputs:
-            if o.finished:
-                self.requests.labels(lab, o.finish_reason or "unknown").inc()
 
     def observe_request(self, ttft: float | None, itls: list[float], total: float) -> None:
         if ttft is not None:
@@ -175,4 +203,10 @@ class ServerMetrics:
         self.e2e.labels(self.model).observe(total)
 
     def render(self) -> bytes:
+        if self.multiprocess_dir:  # every process's files
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=self.multiprocess_dir)
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -114,7 +114,7 @@ def test_the_engine_loop_reports_its_idle_and_io_time_with_the_step_phases():
 
     cmd_recv, cmd_send = mp.Pipe(duplex=False)
     res_recv, res_send = mp.Pipe(duplex=False)
-    loop = threading.Thread(target=_serve, args=(Engine(), cmd_recv, res_send), daemon=True)
+    loop = threading.Thread(target=_serve, args=(Engine(), [(cmd_recv, res_send)]), daemon=True)
     loop.start()
     time.sleep(0.6)  # one idle poll (0.5 s) with no work
     cmd_send.send(AddRequest("r", [1, 2], SamplingParams()))
