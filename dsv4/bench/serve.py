@@ -114,6 +114,9 @@ def _scrape(host: str, port: int) -> dict[str, float]:
     return out
 
 
+IDLE_REQUESTS = 5  # one at a time, on a server with nothing else to do: the idle time to first token
+
+
 def _server_argv(args: argparse.Namespace) -> list[str]:
     """`dsv4 serve` with this benchmark's model and engine settings, on a free loopback port."""
     argv = [sys.executable, "-m", "dsv4", "serve", "--host", "127.0.0.1", "--port", "0"]
@@ -192,12 +195,13 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
     row["api_servers"] = int(http.group(1)) if http else None
     try:
         idle = []
-        warm = _work(vocab, 3, args, args.seed + 999)
-        for item in warm:  # warm-up, and the idle time to first token
+        warm = _work(vocab, 2 + IDLE_REQUESTS, args, args.seed + 999)
+        for k, item in enumerate(warm):  # warm-up (two), then the idle time to first token (the median of five)
             r = drive(host, port, name, [item], 1)[0][0]
             if r.error:
                 raise UserError(f"the server refused a warm-up request: {r.error}")
-            idle.append(r.ttft)
+            if k >= 2:
+                idle.append(r.ttft)
         drive(host, port, name, _work(vocab, clients, args, args.seed + 998), clients, procs)
         before = _scrape(host, port)
         runs = []

@@ -104,18 +104,23 @@ def _serve(args: argparse.Namespace, socks) -> int:
             others.wait_ready()
         port = socks[0].getsockname()[1]
         host = f"[{args.host}]" if ":" in args.host else args.host
-        print(
-            f"dsv4 serve: {info['desc']} as '{name}' on {info['device']}, {info['max_model_len']}-token context, "
-            f"{info['max_seqs']} sequences, {info['threads']} compute threads, cache {info['cache_mib']:.1f} MiB "
-            f"(at most {info['max_sequence_tokens']} positions per sequence), "
-            f"{args.api_servers} HTTP process{'es' if args.api_servers > 1 else ''} of up to "
-            f"{max_connections(args)} connections"
-            + (f", {info['graphs']} CUDA graphs captured in {info['warmup_s']:.1f} s" if info.get("graphs") else ""),
-            flush=True,
-        )
-        print(f"ready: http://{host}:{port}/v1", flush=True)
+
+        def ready() -> None:  # every HTTP process listens and is warm
+            print(
+                f"dsv4 serve: {info['desc']} as '{name}' on {info['device']}, {info['max_model_len']}-token "
+                f"context, {info['max_seqs']} sequences, {info['threads']} compute threads, cache "
+                f"{info['cache_mib']:.1f} MiB (at most {info['max_sequence_tokens']} positions per sequence), "
+                f"{args.api_servers} HTTP process{'es' if args.api_servers > 1 else ''} of up to "
+                f"{max_connections(args)} connections"
+                + (
+                    f", {info['graphs']} CUDA graphs captured in {info['warmup_s']:.1f} s" if info.get("graphs") else ""
+                ),
+                flush=True,
+            )
+            print(f"ready: http://{host}:{port}/v1", flush=True)
+
         log_to_stderr(args.log_level)
-        code = run_http(args, engine, tokenizer, name, metrics, info, socks[0], others=others)
+        code = run_http(args, engine, tokenizer, name, metrics, info, socks[0], on_started=ready, others=others)
     finally:
         if others is not None:
             others.drain()

@@ -29,6 +29,7 @@ from .protocol import APIError
 from .state import ServerState
 from .streams import chain, close_all, first, merge, until_disconnect
 from .usage import Accounting
+from .warmup import WARMUP_PREFIX, WARMUP_SCOPE_KEY
 
 DONE = "data: [DONE]\n\n"
 
@@ -82,7 +83,8 @@ def _accounting(state: ServerState, request: Request, prep: Prepared) -> Account
     """The request's counts; its prompt tokens go to its log line (`middleware.RequestLog`) at once."""
     tally = request.scope.setdefault(TALLY, {})
     tally["prompt"] = sum(len(p) for p in prep.prompts)
-    return Accounting(state.metrics, tally, prep.req.n)
+    metrics = None if request.scope.get(WARMUP_SCOPE_KEY) else state.metrics  # a warm-up request counts nowhere
+    return Accounting(metrics, tally, prep.req.n)
 
 
 def _token_text(state: ServerState, tok: int) -> str:
@@ -146,12 +148,18 @@ def _completion_logprobs(state: ServerState, lps, offset: int) -> dict:
 async def completions(state: ServerState, request: Request):
     raw = await _body(state, request)
     prep = await state.offload(prepare_completion, raw, state.limits, state.tokenizer, state.model_name)
-    return await until_disconnect(request, _completions(state, prep, _accounting(state, request, prep)))
+    rid = _request_id(request, "cmpl")
+    return await until_disconnect(request, _completions(state, prep, _accounting(state, request, prep), rid))
 
 
-async def _completions(state: ServerState, prep: Prepared, acct: Accounting):
+def _request_id(request: Request, kind: str) -> str:
+    """A fresh id; a warm-up request's (`dsv4.serve.warmup`, set in its ASGI scope, which no client can
+    reach) is marked so that the metrics leave it out."""
+    return f"{WARMUP_PREFIX if request.scope.get(WARMUP_SCOPE_KEY) else ''}{kind}-{uuid.uuid4().hex}"
+
+
+async def _completions(state: ServerState, prep: Prepared, acct: Accounting, rid: str):
     req = prep.req
-    rid = f"cmpl-{uuid.uuid4().hex}"
     streams, heads = await _submit(state, rid, prep, "prompt")
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     n_choices = len(prep.prompts) * req.n
@@ -264,12 +272,12 @@ def _chat_finish_reason(out: StepOutput, result) -> str:
 async def chat_completions(state: ServerState, request: Request):
     raw = await _body(state, request)
     prep = await state.offload(prepare_chat, raw, state.limits, state.tokenizer, state.model_name)
-    return await until_disconnect(request, _chat(state, prep, _accounting(state, request, prep)))
+    rid = _request_id(request, "chatcmpl")
+    return await until_disconnect(request, _chat(state, prep, _accounting(state, request, prep), rid))
 
 
-async def _chat(state: ServerState, prep: Prepared, acct: Accounting):
+async def _chat(state: ServerState, prep: Prepared, acct: Accounting, rid: str):
     req = prep.req
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams, heads = await _submit(state, rid, prep, "messages")
     parsers = [chat.ChatStreamParser(thinking=prep.thinking) for _ in range(req.n)]
     base = {"id": rid, "created": int(time.time()), "model": state.model_name}

@@ -207,6 +207,11 @@ class GracefulServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop it serves on (None before it starts)."""
+        return self._loop
+
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop.set_exception_handler(_loop_exception_handler)

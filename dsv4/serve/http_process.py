@@ -5,6 +5,7 @@ it after starting the engine; with --api-servers N, so do the N-1 others (`dsv4.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 import threading
@@ -70,6 +71,7 @@ def run_http(
     from .app import ServerState, create_app
     from .http_guard import GracefulServer, guarded_protocol
     from .validate import Limits
+    from .warmup import warm_up
 
     limits = Limits(
         vocab_size=info["vocab_size"],
@@ -90,8 +92,9 @@ def run_http(
         max_body_bytes=args.max_body_bytes,
         limits=limits,
     )
+    app = create_app(state)
     config = uvicorn.Config(
-        create_app(state),
+        app,
         log_level=args.log_level,
         access_log=args.log_level == "debug",
         http=guarded_protocol(args.header_timeout, args.body_timeout, max_connections(args)),
@@ -107,15 +110,20 @@ def run_http(
     server = GracefulServer(config, args.shutdown_grace, drain, state.end_in_flight)
     died: list[str] = []
     watch(server, engine, others, died)
-    if on_started is not None:
 
-        def announce() -> None:
-            while not server.started and not server.should_exit:
-                time.sleep(0.01)
-            if server.started:
-                on_started()
+    def announce() -> None:  # once uvicorn listens: the warm-up, then "ready"
+        while not server.started and not server.should_exit:
+            time.sleep(0.01)
+        if not server.started:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(warm_up(app, name, args.api_key), server.loop).result()
+        except Exception as e:  # noqa: BLE001 - a server that did not warm up still serves
+            logging.getLogger("dsv4.serve").warning(f"warm-up failed: {type(e).__name__}: {e}")
+        if on_started is not None:
+            on_started()
 
-        threading.Thread(target=announce, name="dsv4-started", daemon=True).start()
+    threading.Thread(target=announce, name="dsv4-started", daemon=True).start()
     try:
         server.run(sockets=[sock])
     finally:

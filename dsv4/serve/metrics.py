@@ -13,6 +13,8 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 
+from .warmup import WARMUP_PREFIX
+
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _VERIFY_LENGTHS = tuple(range(16))  # drafts one verify checks: 0 ... MAX_SPECULATIVE
 
@@ -144,7 +146,7 @@ class ServerMetrics:
         of this process's requests)."""
         lab = self.model
         for o in outputs:
-            if o.finished:
+            if o.finished and not o.request_id.startswith(WARMUP_PREFIX):
                 self.requests.labels(lab, o.finish_reason or "unknown").inc()
         if not self.engine_wide:
             return

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .protocol import APIError
+from .warmup import WARMUP_SCOPE_KEY
 
 log = logging.getLogger("dsv4.serve")
 
@@ -132,7 +133,10 @@ class RequestLog:
         finally:
             tally = scope.get(TALLY) or {}
             tokens = f" {tally.get('prompt', 0)}+{tally.get('completion', 0)} tokens" if tally else ""
-            level = logging.DEBUG if scope.get("path") in ("/health", "/metrics") else logging.INFO
+            quiet = scope.get("path") in ("/health", "/metrics") or scope.get(
+                WARMUP_SCOPE_KEY
+            )  # (a monitor, the warm-up)
+            level = logging.DEBUG if quiet else logging.INFO
             log.log(
                 level, f"{scope.get('method')} {scope.get('path')} {status[0]}{tokens} {time.monotonic() - t0:.2f} s"
             )

@@ -555,3 +555,29 @@ def test_one_log_line_per_request_with_its_tokens(srv, caplog):
     )
     assert lines[1][0] == logging.DEBUG and lines[1][1].startswith("GET /health 200 ")
     assert lines[2][0] == logging.INFO and re.fullmatch(r"POST /v1/completions 400 \d+\.\d\d s", lines[2][1])
+
+
+def test_the_warm_up_runs_every_kind_of_request_and_counts_in_no_request_metric(caplog):
+    """`warm_up` (what each HTTP process runs before it says ready): completions and chat, streamed and
+    whole, through the application (the API key included); the engine sees them (marked "warmup-"), the
+    request metrics and the request log do not, and the next request is counted as the first."""
+    from dsv4.serve.warmup import warm_up
+
+    s = build()
+    with s.client, caplog.at_level(logging.INFO, logger="dsv4.serve"):
+        seconds = asyncio.run(warm_up(s.client.app, NAME, KEY))
+        assert seconds >= 0 and len(s.engine.sent) == 4
+        assert all(rid.startswith(("warmup-cmpl-", "warmup-chatcmpl-")) for rid in s.engine.sent)
+        assert all(sent.outputs and sent.params.max_tokens == 1 for sent in s.engine.sent.values())
+        m = s.metrics()
+        assert not any(
+            k.startswith(("dsv4_requests_finished_total", "dsv4_time_to_first_token_seconds_count")) for k in m
+        )
+        assert m['dsv4_generation_tokens_total{model="fake-model"}'] == 4  # the engine's own count has them
+        assert not [r for r in caplog.records if "POST" in r.getMessage()]
+        r = s.post("/v1/completions", {"model": NAME, "prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 200 and not r.json()["id"].startswith("warmup-")
+        m = s.metrics()
+        assert sum(v for k, v in m.items() if k.startswith("dsv4_requests_finished_total")) == 1
+        assert m['dsv4_time_to_first_token_seconds_count{model="fake-model"}'] == 1
+    s.state.executor.shutdown(wait=True)
