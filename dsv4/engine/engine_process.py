@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import threading
@@ -71,6 +72,17 @@ def unpack_outputs(rows: list[tuple]) -> list[StepOutput]:
     ]
 
 
+def freeze_heap() -> int:
+    """After a collection, move every object alive now out of the cycle collector's sight (`gc.freeze`);
+    how many. A serving process's start-up leaves some 300 thousand objects (torch, FastAPI, the model's
+    modules), and every full collection walked them all: 100-300 ms in which an engine step, or every
+    stream of an HTTP process, stood still (the H200's inter-token p99 at 256 clients was 17x its p50).
+    What start-up made lives as long as the process; only what serving makes is still collected."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def _child(links: list[tuple], build: Callable, build_args: tuple) -> None:
     """The engine process: build the engine, say ready (on the first link), then serve commands and steps
     until told to stop. links[i] = (commands, results) of HTTP process i."""
@@ -80,6 +92,7 @@ def _child(links: list[tuple], build: Callable, build_args: tuple) -> None:
     except BaseException as e:  # noqa: BLE001 - reported, then exit
         results.send(Failed(f"{type(e).__name__}: {e}"))
         return
+    freeze_heap()
     results.send(Ready(info))
     try:
         _serve(engine, links)

@@ -68,6 +68,7 @@ def run_http(
     died. `on_started` runs once uvicorn accepts connections."""
     import uvicorn
 
+    from ..engine.engine_process import freeze_heap
     from .app import ServerState, create_app
     from .http_guard import GracefulServer, guarded_protocol
     from .validate import Limits
@@ -124,6 +125,7 @@ def run_http(
             on_started()
 
     threading.Thread(target=announce, name="dsv4-started", daemon=True).start()
+    freeze_heap()  # start-up's objects: out of every full collection's walk
     try:
         server.run(sockets=[sock])
     finally:

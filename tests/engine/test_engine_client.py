@@ -129,3 +129,30 @@ def test_the_engine_loop_reports_its_idle_and_io_time_with_the_step_phases():
     phases = step.metrics["step_seconds"]
     assert set(phases) == {"schedule", "io", "idle"}
     assert phases["idle"] >= 0.4 and phases["io"] >= 0.0
+
+
+def test_freeze_heap_takes_start_up_objects_out_of_full_collections():
+    """What a serving process made before it serves is frozen (after a collection: no garbage kept), so a
+    full collection later walks only what serving made; its garbage is still collected."""
+    import gc
+    import weakref
+
+    from dsv4.engine.engine_process import freeze_heap
+
+    class Node:
+        pass
+
+    start_up = [Node() for _ in range(1000)]
+    try:
+        frozen = freeze_heap()
+        assert frozen >= 1000 and gc.get_freeze_count() == frozen
+        tracked = {id(x) for x in gc.get_objects()}
+        assert not any(id(x) in tracked for x in start_up)
+        later = Node()
+        later.me = later  # a cycle made while serving
+        alive = weakref.ref(later)
+        del later
+        gc.collect()
+        assert alive() is None
+    finally:
+        gc.unfreeze()
