@@ -1,13 +1,14 @@
-"""The HTTP server's own ceiling: `dsv4 serve`'s application and engine pipe, with a model-free engine.
+"""The HTTP server's own ceiling: `dsv4 serve`'s HTTP processes and engine pipes, with a model-free engine.
 
-    python3 scripts/bench_http_ceiling.py --clients 256 --step-ms 9 --requests 1024 [--repeats 3]
+    python3 scripts/bench_http_ceiling.py --clients 256 --step-ms 9 --requests 1024 [--repeats 3] [--api-servers N]
 
 A synthetic engine (in the engine process, as `dsv4 serve` runs its engine) emits one token per running
-sequence every --step-ms milliseconds; the server process is the real one (`create_app`, the engine pipe,
-detokenization, server-sent events, uvicorn with dsv4's guarded HTTP protocol); the load is `dsv4 bench
+sequence every --step-ms milliseconds; the HTTP processes are the real ones (`run_http`: the application,
+the engine link, detokenization, server-sent events, uvicorn with dsv4's guarded HTTP protocol; with
+--api-servers N, N of them on one port as `dsv4 serve --api-servers N` runs them); the load is `dsv4 bench
 serve`'s (`dsv4.bench.load`). Reported per run: streamed tokens/s against the engine's ceiling (clients x
-1000 / step-ms), the time to first token, and the server process's CPU time per streamed token, which is
-what limits a server whose engine is fast: at 1 s of CPU per second the server, not the model, sets the
+1000 / step-ms), the time to first token, and the HTTP processes' CPU time per streamed token, which is
+what limits a server whose engine is fast: at 1 s of CPU per second a process, not the model, sets the
 rate. Needs fastapi and uvicorn (`pip install -e .`).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import socket
+import os
 import statistics
 import sys
 import time
@@ -79,36 +80,60 @@ def _build(step_s: float, max_seqs: int):
     return SyntheticEngine(step_s, max_seqs), info | {"warmup_s": 0.0}
 
 
-def _server(conn, step_s: float, max_seqs: int) -> None:
-    """The server process: the real application over the synthetic engine; answers "cpu" with its CPU time."""
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (Linux /proc)."""
+    total = 0
+    for pid in pids:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _server(conn, step_s: float, max_seqs: int, api_servers: int) -> None:
+    """The server: the real HTTP processes (`dsv4 serve`'s run_http, --api-servers of them) over the
+    synthetic engine; answers "cpu" with their CPU time together."""
+    import argparse
     import threading
 
-    import uvicorn
+    from dsv4.serve.api_servers import APIServers, listen, shared_metrics
+    from dsv4.serve.cli import add_serve_parser
 
-    from dsv4.engine.engine_process import EngineProcess
-    from dsv4.serve.app import ServerState, create_app
-    from dsv4.serve.http_guard import guarded_protocol
-    from dsv4.serve.validate import Limits
-    from dsv4.tokenizer import ByteTokenizer
-
-    tok = ByteTokenizer(0, 1)
-    engine = EngineProcess(_build, (step_s, max_seqs), tokenizer=tok)
-    info = engine.start()
-    limits = Limits(vocab_size=info["vocab_size"], max_model_len=4096, max_sequence_tokens=4096, max_n=1)
-    state = ServerState(engine=engine, tokenizer=tok, model_name="synthetic", max_model_len=4096, limits=limits)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(2048)
-    config = uvicorn.Config(
-        create_app(state), log_level="warning", access_log=False, http=guarded_protocol(30.0, 60.0, 4096)
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["serve", "--preset", "tiny", "--served-model-name", "synthetic", "--api-servers", str(api_servers)]
+        + ["--log-level", "warning", "--max-connections", str(4096 * api_servers)]
     )
-    server = uvicorn.Server(config)
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    conn.send(sock.getsockname()[1])
-    while conn.recv() == "cpu":
-        conn.send(time.process_time())
-    server.should_exit = True
-    engine.shutdown()
+    socks = listen("127.0.0.1", 0, api_servers)
+    with shared_metrics(api_servers):
+        from dsv4.engine.engine_process import EngineProcess
+        from dsv4.serve.http_process import run_http
+        from dsv4.serve.metrics import ServerMetrics
+        from dsv4.tokenizer import ByteTokenizer
+
+        tok = ByteTokenizer(0, 1)
+        metrics = ServerMetrics("synthetic")
+        engine = EngineProcess(_build, (step_s, max_seqs), tokenizer=tok, on_step=metrics.on_step, links=api_servers)
+        info = engine.start()
+        others = APIServers(args, info, engine, socks[1:]) if api_servers > 1 else None
+        if others is not None:
+            others.wait_ready()
+        ready = threading.Event()
+        threading.Thread(
+            target=run_http,
+            args=(args, engine, tok, "synthetic", metrics, info, socks[0]),
+            kwargs={"on_started": ready.set, "others": others},
+            daemon=True,
+        ).start()
+        ready.wait(120)
+        pids = [os.getpid()] + ([p.pid for p in others.procs] if others is not None else [])
+        conn.send(socks[0].getsockname()[1])
+        while conn.recv() == "cpu":
+            conn.send(_cpu_seconds(pids))
+        if others is not None:
+            others.drain()
+            others.stop(10)
+        engine.shutdown()
 
 
 def main() -> int:
@@ -120,12 +145,13 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--load-procs", type=int, help="load processes (default: one per 32 clients)")
+    p.add_argument("--api-servers", type=int, default=1, help="HTTP processes (dsv4 serve --api-servers)")
     args = p.parse_args()
     requests = args.requests or 4 * args.clients
     procs = args.load_procs or max(1, -(-args.clients // 32))
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
-    server = ctx.Process(target=_server, args=(theirs, args.step_ms / 1e3, args.clients))
+    server = ctx.Process(target=_server, args=(theirs, args.step_ms / 1e3, args.clients, args.api_servers))
     server.start()
     if not mine.poll(120):
         print("the server did not start", file=sys.stderr)
@@ -163,10 +189,10 @@ def main() -> int:
 
     print(
         f"{args.clients} clients, step {args.step_ms} ms (ceiling {ceiling:.0f} tokens/s), {requests} requests x "
-        f"{args.output_len} tokens, median (min-max) of {len(runs)}:"
+        f"{args.output_len} tokens, {args.api_servers} HTTP process(es), median (min-max) of {len(runs)}:"
     )
     print(f"  streamed tokens/s         {spread('tokens_per_s')}")
-    print(f"  server CPU per token, us  {spread('server_cpu_us_per_token')}")
+    print(f"  server CPU per token, us  {spread('server_cpu_us_per_token')} (its HTTP processes together)")
     print(f"  time to first token, ms   {spread('ttft_p50_ms')} (p50)")
     print(f"  errors                    {sum(r['errors'] for r in runs)}")
     print(json.dumps({"args": vars(args), "ceiling": ceiling, "runs": runs}))
