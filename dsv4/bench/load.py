@@ -1,6 +1,9 @@
-"""The load of `dsv4 bench serve`: closed-loop streaming clients of /v1/completions, from one or more processes.
+"""The load of `dsv4 bench serve`: streaming clients of /v1/completions, from one or more processes.
 
 Each client keeps one request in flight over a raw HTTP/1.1 connection and times every streamed token.
+Without a request rate the clients are a closed loop: every client sends at the start, and again as soon as
+its answer ends. With one (`arrivals`), request i is sent at its Poisson arrival time (or as soon as a
+client is free after it), so the load is a steady stream rather than one burst.
 Several load processes start together: each imports this module only (no torch), says it is ready, and
 waits for the common start the parent sends once all are ready, so that the wall time measures the
 server, not how long a process takes to start.
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +26,17 @@ class Result:
     gaps: list[float] = field(default_factory=list)
     tokens: int = 0
     error: str | None = None
+    sent: float | None = None  # seconds from the start of the load to the request's send
+
+
+def arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """n Poisson arrival times at `rate` requests/s (seconds from the start; exponential gaps)."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
 
 
 async def _stream(host: str, port: int, body: dict) -> Result:
@@ -82,15 +97,25 @@ async def _stream(host: str, port: int, body: dict) -> Result:
 
 
 async def _drive(
-    host: str, port: int, model: str, work: list[tuple[int, tuple[list[int], int]]], clients: int
+    host: str,
+    port: int,
+    model: str,
+    work: list[tuple[int, tuple[list[int], int]]],
+    clients: int,
+    at: dict[int, float] | None = None,
 ) -> tuple[list[Result], float]:
-    """`clients` closed-loop clients over the numbered work items. -> (results in work order, wall seconds)."""
+    """`clients` clients over the numbered work items, item i not before at[i] seconds when given.
+    -> (results in work order, wall seconds)."""
     queue = list(work)
     results: dict[int, Result] = {}
+    t0 = time.perf_counter()
 
     async def client() -> None:
         while queue:
             i, (prompt, n) = queue.pop(0)
+            if at is not None:
+                await asyncio.sleep(max(0.0, t0 + at[i] - time.perf_counter()))
+            sent = time.perf_counter() - t0
             body = {
                 "model": model,
                 "prompt": prompt,
@@ -105,33 +130,41 @@ async def _drive(
                 results[i] = await _stream(host, port, body)
             except Exception as e:  # noqa: BLE001 - counted
                 results[i] = Result(error=f"{type(e).__name__}: {e}")
+            results[i].sent = sent
 
-    t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(min(clients, len(work)))))
     return [results[i] for i, _ in work], time.perf_counter() - t0
 
 
-def _share(conn, host: str, port: int, model: str, work, clients: int) -> None:
+def _share(conn, host: str, port: int, model: str, work, clients: int, at: dict[int, float] | None) -> None:
     """One load process: say ready, wait for the common start, drive its share, send back (results, start,
     end) in wall-clock seconds."""
     conn.send("ready")
     start_at = conn.recv()
     time.sleep(max(0.0, start_at - time.time()))
     began = time.time()
-    results, _ = asyncio.run(_drive(host, port, model, work, clients))
+    results, _ = asyncio.run(_drive(host, port, model, work, clients, at))
     conn.send((results, began, time.time()))
 
 
 def drive(
-    host: str, port: int, model: str, work: list[tuple[list[int], int]], clients: int, procs: int = 1
+    host: str,
+    port: int,
+    model: str,
+    work: list[tuple[list[int], int]],
+    clients: int,
+    procs: int = 1,
+    at: list[float] | None = None,
 ) -> tuple[list[Result], float]:
     """The load, from `procs` processes (one Python process parses at most some ten thousand streamed events
-    a second: at high rates the load generator, not the server, would be measured). -> (results in work
-    order, wall seconds from the common start to the last response)."""
+    a second: at high rates the load generator, not the server, would be measured); work item i not sent
+    before at[i] seconds from the start (`arrivals`) when given. -> (results in work order, wall seconds from
+    the common start to the last response)."""
     numbered = list(enumerate(work))
+    times = dict(enumerate(at)) if at is not None else None
     procs = max(1, min(procs, clients))
     if procs == 1:
-        return asyncio.run(_drive(host, port, model, numbered, clients))
+        return asyncio.run(_drive(host, port, model, numbered, clients, times))
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -141,7 +174,8 @@ def drive(
     try:
         for k in range(procs):
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_share, args=(theirs, host, port, model, shares[k], per[k]), daemon=True)
+            args = (theirs, host, port, model, shares[k], per[k], times)
+            p = ctx.Process(target=_share, args=args, daemon=True)
             p.start()
             theirs.close()
             conns.append(mine)

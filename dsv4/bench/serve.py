@@ -33,7 +33,7 @@ import torch
 
 from .. import argtypes, options
 from ..errors import UserError
-from .load import drive
+from .load import arrivals, drive
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -205,8 +205,9 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
         drive(host, port, name, _work(vocab, clients, args, args.seed + 998), clients, procs)
         before = _scrape(host, port)
         runs = []
-        for work in runs_work:
-            results, wall = drive(host, port, name, work, clients, procs)
+        for r, work in enumerate(runs_work):
+            at = arrivals(len(work), args.request_rate, args.seed + r) if args.request_rate else None
+            results, wall = drive(host, port, name, work, clients, procs, at)
             runs.append((results, wall))
         after = _scrape(host, port)
     finally:
@@ -273,6 +274,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         "output_len": args.output_len,
         "spread": args.spread,
         "repeats": args.repeats,
+        "request_rate": args.request_rate,  # None: every client at once, then a closed loop
         "runs": {},
     }
     # the peers first, in this process; then each server in its own process (its own interpreter: the load
@@ -355,6 +357,7 @@ def _print(result: dict, r: dict) -> None:
         f"  load: {r['clients']} streaming clients, {r['requests']} requests per run, "
         f"prompt ~{result['prompt_len']}, "
         f"output ~{result['output_len']} (+-{result['spread']:.0%}); median (min-max) of {result['repeats']} runs"
+        + (f"; Poisson arrivals at {result['request_rate']:g} requests/s" if result.get("request_rate") else "")
         + (f"; the server's HTTP processes: {r['api_servers']}" if r.get("api_servers") else "")
     )
     print(f"  throughput      {_fmt(r['tokens_per_s'])} output tokens/s  ({r['errors']} errors)")
@@ -453,9 +456,18 @@ def add_bench_serve_parser(subparsers) -> None:
         help="also time transformers' generate at these batch sizes (e.g. --hf 16 64)",
     )
     p.add_argument(
+        "--request-rate",
+        type=argtypes.float_in(0.0, 1e6, lo_open=True),
+        default=None,
+        metavar="R",
+        help="send the timed requests at Poisson arrival times, R per second, at most --clients at once "
+        "(default: every client at once, then each again as soon as its answer ends)",
+    )
+    p.add_argument(
         "--api-servers",
         type=argtypes.int_in(1, MAX_API_SERVERS),
         default=None,
+        metavar="N",
         help="the server's HTTP processes (dsv4 serve --api-servers; default: its own)",
     )
     p.add_argument("--out", metavar="FILE", default=None, help="write the result as JSON")

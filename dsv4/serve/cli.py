@@ -216,6 +216,7 @@ def add_serve_parser(sub) -> None:
         "--api-servers",
         type=argtypes.int_in(1, MAX_API_SERVERS),
         default=None,
+        metavar="N",
         help="HTTP processes over the one engine, sharing the port (each streams some 15-30k tokens/s; "
         "default: 1 on a CPU, else one per 4 cores, at most 4); --max-connections is shared among them",
     )

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from dsv4.bench.load import drive
+from dsv4.bench.load import arrivals, drive
 
 
 class SSEServer:
@@ -89,3 +89,23 @@ def test_load_processes_do_not_import_torch():
 def test_a_refused_request_is_an_error_not_a_hang(server):
     results, _ = drive("127.0.0.1", 1, "m", [([1], 2)], clients=1)  # nothing listens on port 1
     assert results[0].error is not None and results[0].tokens == 0
+
+
+def test_poisson_arrivals_have_the_asked_rate():
+    """The gaps are exponential at the rate: their mean is 1/rate within 5 standard errors (1/rate/sqrt(n)),
+    and the same seed draws the same times."""
+    n, rate = 20000, 40.0
+    t = arrivals(n, rate, seed=3)
+    gaps = [b - a for a, b in zip([0.0, *t], t)]
+    assert all(g > 0 for g in gaps) and t == arrivals(n, rate, seed=3) and t != arrivals(n, rate, seed=4)
+    assert abs(sum(gaps) / n - 1 / rate) < 5 * (1 / rate) / n**0.5
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_no_request_is_sent_before_its_arrival(server, procs):
+    work = [([1, 2], 2)] * 8
+    at = [0.05 * k for k in range(8)]
+    results, wall = drive("127.0.0.1", server.port, "m", work, clients=8, procs=procs, at=at)
+    assert [r.error for r in results] == [None] * 8 and [r.tokens for r in results] == [2] * 8
+    assert all(r.sent is not None and r.sent >= a for r, a in zip(results, at))
+    assert wall >= at[-1]
