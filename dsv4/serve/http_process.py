@@ -37,8 +37,9 @@ def watch(server, engine, others, died: list[str]) -> threading.Thread:
     def run() -> None:
         while not server.should_exit:
             if not engine.alive:
-                code = getattr(engine, "exitcode", None)
-                died.append(f"dsv4 serve: the engine process stopped (exit code {code}): shutting down")
+                code = getattr(engine, "exitcode", None)  # (known to the process that started it)
+                how = f" (exit code {code})" if code is not None else ""
+                died.append(f"dsv4 serve: the engine process stopped{how}: shutting down")
                 server.should_exit = True
                 return
             line = others.dead() if others is not None else None
