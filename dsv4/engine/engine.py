@@ -214,10 +214,13 @@ class Engine:
             self.text.drop(request_id)
 
     def abort_sequence(self, request_id: str, index: int, reason: str = "stop") -> None:
-        """Stop one choice of a request (a stop string found in its text)."""
+        """Stop one choice of a request (a stop string found in its text); the request is forgotten once
+        every choice ended (no later output would say so: the text already did)."""
         req = self.requests.get(request_id)
         if req is not None and 0 <= index < len(req.sequences):
             self.scheduler.finish(req.sequences[index], reason)
+            if req.finished:
+                del self.requests[request_id]
 
     @torch.no_grad()
     def follow(self) -> None:

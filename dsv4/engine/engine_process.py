@@ -138,6 +138,8 @@ def _serve(engine, links: list[tuple]) -> None:
                 owner.pop(cmd.request_id, None)
             else:
                 engine.abort_sequence(cmd.request_id, cmd.index)
+                if cmd.request_id not in engine.requests:  # its last choice: no output will end it here
+                    owner.pop(cmd.request_id, None)
         elif isinstance(cmd, Stop):
             return False
         return True

@@ -150,6 +150,21 @@ def test_stops_and_choices(model, prompts):
     assert all(len(v) == 5 for v in got.values()) and len({tuple(v) for v in got.values()}) > 1
 
 
+def test_a_request_whose_choices_all_end_by_stop_string_is_forgotten(model, prompts):
+    """abort_sequence (a stop string found in a choice's text) on the last live choice forgets the
+    request: its pages are free, nothing of it stays in the engine, and the step loop ends."""
+    engine = Engine(model, EngineConfig(max_seqs=4, page_size=16))
+    engine.add_request("r", prompts[0], SamplingParams(max_tokens=50, ignore_eos=True), n=2)
+    engine.step()
+    engine.abort_sequence("r", 0)
+    assert "r" in engine.requests  # choice 1 still runs
+    engine.abort_sequence("r", 1)
+    assert "r" not in engine.requests
+    for _ in range(3):  # an overlapped step in flight is read, and nothing more comes of the request
+        engine.step()
+    assert not engine.has_work() and not engine.requests
+
+
 def test_requests_that_cannot_be_served_are_refused(model):
     engine = Engine(model, EngineConfig(max_seqs=2, max_model_len=64, page_size=16))
     with pytest.raises(RequestError, match="context"):
