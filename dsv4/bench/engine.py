@@ -10,7 +10,8 @@ client count, as the median (min, max) of --repeats runs after an untimed warm-u
 - graph-replayed and eager steps, and Triton compilations after the warm-up (0 when every step shape was
   warmed);
 - with --profile DIR, a torch profiler trace of 20 steps (Chrome format) and the fraction of that window
-  in which the GPU ran a kernel.
+  in which the GPU ran a kernel; on CUDA also the GPU time per kernel of a raw decode step, an engine
+  decode-only step and an engine mixed step (DIR/kernels-N-clients.txt).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import random
 import shutil
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -135,11 +137,76 @@ def _profile(engine, work, clients: int, out_dir: Path) -> dict:
     with raw.open("rb") as src, gzip.open(trace, "wb") as dst:
         shutil.copyfileobj(src, dst)
     raw.unlink()
+    _clear(engine)
+    out = {"trace": str(trace), "gpu_busy": gpu_busy(prof)}
+    if engine.device.type == "cuda":
+        out["kernels"] = _kernel_tables(engine, clients, len(work[0][0]), out_dir)
+    return out
+
+
+def _clear(engine) -> None:
     while engine.has_work():
         for rid in list(engine.requests):
             engine.abort(rid)
         engine.step()
-    return {"trace": str(trace), "gpu_busy": gpu_busy(prof)}
+
+
+def _kernel_tables(engine, clients: int, prompt_len: int, out_dir: Path, top: int = 30) -> dict:
+    """GPU time per kernel name (summed over its launches) of three steps at this batch, written to
+    DIR/kernels-N-clients.txt: the raw decode step (`model.decode_step` on a lockstep cache, as the raw rate
+    measures it), the engine's decode-only step, and its mixed step (half the rows decoding, prompt chunks
+    of new requests filling the rest of the token budget). What separates the engine from the raw rate is
+    the difference of the first two, and what a prompt costs is the third."""
+    from ..engine import SamplingParams
+    from .e2e import kernel_table
+    from .graphs import GraphedDecoder
+
+    model, vocab = engine.model, engine.model.cfg.vocab_size
+    rng = random.Random(7)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(2, vocab) for _ in range(prompt_len)]
+
+    room = engine.max_model_len - prompt_len - 1
+    tables: dict[str, dict] = {}
+
+    def record(name: str, fn, calls: int, note: str) -> None:
+        busy, n, rows = kernel_table(fn, calls)
+        tables[name] = {"gpu_busy_ms": busy, "kernels": n, "note": note, "top": rows[:top]}
+
+    prompts = torch.tensor([prompt() for _ in range(clients)], device=engine.device)
+    cache = model.new_cache(clients, prompt_len + 16)
+    nxt = model.prefill(prompts, cache)[:, -1].argmax(-1, keepdim=True)
+    decoder = GraphedDecoder(model, cache)
+    record("raw decode", partial(decoder.step, nxt), 3, f"batch {clients}, {prompt_len}-token context")
+    del decoder, cache
+    # every request past its prompt: decode-only steps
+    for i in range(clients):
+        engine.add_request(f"k{i}", prompt(), SamplingParams(max_tokens=room, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < clients:
+        started.update(o.request_id for o in engine.step() if o.new_tokens)
+    record("engine decode", engine.step, 3, f"{clients} decode rows")
+    # half of them replaced by new prompts: steps with prompt chunks beside the other half's decodes
+    for i in range(clients // 2):
+        engine.abort(f"k{i}")
+    for i in range(clients // 2):
+        engine.add_request(f"m{i}", prompt(), SamplingParams(max_tokens=room, ignore_eos=True))
+    budget = engine.config.max_batch_tokens
+    calls = max(1, min(3, (clients // 2) * prompt_len // budget - 1))
+    record(
+        "engine mixed",
+        engine.step,
+        calls,
+        f"{clients - clients // 2} decode rows + prompt chunks up to {budget} tokens",
+    )
+    _clear(engine)
+    lines = []
+    for name, t in tables.items():
+        lines.append(f"{name} ({t['note']}): GPU busy {t['gpu_busy_ms']:.3f} ms per step, {t['kernels']:.0f} kernels")
+        lines += [f"  {ms:8.3f} ms  {k:6.1f}x  {kname[:110]}" for kname, ms, k in t["top"]]
+    (out_dir / f"kernels-{clients}-clients.txt").write_text("\n".join(lines) + "\n")
+    return {name: {k: t[k] for k in ("gpu_busy_ms", "kernels", "note")} for name, t in tables.items()}
 
 
 def run_engine_bench(args: argparse.Namespace) -> int:
@@ -266,6 +333,8 @@ def _print_row(r: dict) -> None:
             f"  profile of 20 steps: {r['profile']['trace']}"
             + (f", GPU busy {busy:.1%} of the window" if busy is not None else "")
         )
+        for name, t in r["profile"].get("kernels", {}).items():
+            print(f"  {name} step ({t['note']}): GPU busy {t['gpu_busy_ms']:.2f} ms, {t['kernels']:.0f} kernels")
 
 
 def add_bench_engine_parser(subparsers) -> None:

@@ -169,6 +169,9 @@ def run_speed(args: argparse.Namespace) -> list[dict]:
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in modes}
     for r in range(args.runs):
         for label, quant_mode, dtype in modes if r % 2 == 0 else modes[::-1]:
+            # a fresh process loads (and on a GPU compiles and captures) every time: say what runs
+            print(f"bench int8: round {r + 1}/{args.runs}, {label} ...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
             runs[label].append(
                 _child(
                     {
@@ -188,6 +191,9 @@ def run_speed(args: argparse.Namespace) -> list[dict]:
                     }
                 )
             )
+            rates = ", ".join(f"batch {b['batch']} {b['tokens_per_s']:.1f}" for b in runs[label][-1]["batches"])
+            took = time.perf_counter() - t0
+            print(f"bench int8:   {label}: {rates} tok/s ({took:.0f} s)", file=sys.stderr, flush=True)
     rows = []
     for got in runs.values():
         row = {k: got[0][k] for k in ("mode", "weights_mib", "rss_after_load_mib")}
@@ -240,6 +246,7 @@ def run_accuracy(args: argparse.Namespace) -> dict:
     from ..checkpoint import load_pretrained, model_values, save
     from ..model.quant import quantized_modules
 
+    print("bench int8: accuracy: loading the W8A8, INT8 and W8A16 models ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.model
         if ckpt is None:  # random weights as an FP8 + MXFP4 release checkpoint

@@ -41,7 +41,11 @@ def test_bench_int8_speed_and_accuracy_rows(capsys):
         )
         == 0
     )
-    out = json.loads(capsys.readouterr().out)
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    # progress on stderr: every fresh process says what it runs, and what it measured
+    assert cap.err.count("bench int8: round ") == 6 and cap.err.count("int8:fp32: batch 1 ") == 3
+    assert "accuracy: loading" in cap.err
     int8, bf16 = out["speed"]
     assert int8["mode"] == "int8:fp32" and bf16["mode"] == "bf16"
     assert [b["batch"] for b in int8["batches"]] == [1, 2]
