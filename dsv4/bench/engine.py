@@ -7,6 +7,8 @@ client count, as the median (min, max) of --repeats runs after an untimed warm-u
   (`model.decode_step` in lockstep, from a CUDA graph on CUDA);
 - engine steps/s, and the host's time per step by phase (schedule, launch, wait for the device,
   post-processing): the host is off the critical path when "wait" dominates;
+  the objects alive after the warm-up are frozen out of the cycle collector, as in a server's engine
+  process (`freeze_heap`);
 - graph-replayed and eager steps, and Triton compilations after the warm-up (0 when every step shape was
   warmed);
 - with --profile DIR, a torch profiler trace of 20 steps (Chrome format) and the fraction of that window
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import gzip
 import json
 import random
@@ -212,6 +215,7 @@ def _kernel_tables(engine, clients: int, prompt_len: int, out_dir: Path, top: in
 def run_engine_bench(args: argparse.Namespace) -> int:
     from ..bench.serve import _raw_decode_rate
     from ..engine import Engine
+    from ..engine.engine_process import freeze_heap
     from ..ops import compiles
     from ..serve.startup import EngineSpec, check_engine_options, load
 
@@ -251,6 +255,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         graphs = engine.warmup()
         warm = time.perf_counter() - t0
         drive(engine, work[: 2 * clients], clients, "w")  # untimed: caches, allocator, buckets
+        freeze_heap()  # as the server's engine process does after start-up (undone below)
         at_ready = compiles.count()
         runs, phases = [], []
         for r in range(args.repeats):
@@ -285,6 +290,8 @@ def run_engine_bench(args: argparse.Namespace) -> int:
             row["profile"] = _profile(engine, work, clients, Path(args.profile))
         result["runs"][str(clients)] = row
         del engine
+        gc.unfreeze()  # this engine's objects can be collected again (the next count builds its own)
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if not args.json:

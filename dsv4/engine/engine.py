@@ -245,7 +245,7 @@ class Engine:
             return self._text(self.spec.step())
         prev, self._inflight = self._inflight, None
         outputs: list[StepOutput] = []
-        if prev is not None and not self._overlap_ok():
+        if prev is not None and not self._overlap_ok(prev[2]):
             outputs = self._process(prev)
             prev = None
         t0 = time.perf_counter()
@@ -263,22 +263,24 @@ class Engine:
                 outputs += self._process(cur)
         return self._text(outputs)
 
-    def _overlap_ok(self) -> bool:
-        """Penalties count the previous token, and a token-healing constraint's next allowed tokens depend
-        on it: those steps wait for it."""
-        return self.overlap and not any(s.params.penalized or (s.heal and s.n_pending) for s in self.scheduler.running)
+    def _overlap_ok(self, sampled: list[Sequence]) -> bool:
+        """Whether the next step may launch before the last one's tokens are read: not where one of those
+        tokens decides the next step's draw (penalties count it; a token-healing constraint's next
+        allowed tokens depend on it)."""
+        return self.overlap and not any(s.heal or s.request.params.penalized for s in sampled)
 
     def _launch(self, plan: list[Scheduled]) -> tuple[InFlight, list[Sequence], list[Sequence]]:
         decode: list[Row] = []
         chunks: list[Row] = []
         dseq: list[Sequence] = []
         cseq: list[Sequence] = []
-        for sch in plan:
-            seq, n, s = sch.seq, sch.n, sch.seq.computed
-            if s >= len(seq.tokens):  # its input token is still on the device
+        for sch in plan:  # (one pass over up to max_seqs rows each step: kept lean)
+            seq, n = sch.seq, sch.n
+            s, known = seq.computed, len(seq.tokens)
+            if s >= known:  # its input token is still on the device
                 row = Row([0], s, seq.pages.state, True, feed=seq.pending_index)
             else:
-                row = Row(seq.tokens[s : s + n], s, seq.pages.state, s + n == seq.n_tokens)
+                row = Row(seq.tokens[s : s + n], s, seq.pages.state, s + n == known + seq.n_pending)
             if n == 1:
                 decode.append(row)
                 dseq.append(seq)
@@ -286,21 +288,29 @@ class Engine:
                 chunks.append(row)
                 cseq.append(seq)
         order = dseq + cseq
+        rows = decode + chunks
         samples, samplers = [], []
-        for i, (seq, row) in enumerate(zip(order, decode + chunks)):
-            if row.want_logits:
-                pen = (seq.tokens[seq.prompt_len :], seq.request.prompt) if seq.params.penalized else None
-                samples.append((i, SampleRow(seq.params, seq.seed, seq.n_generated, pen, self.allowed(seq))))
+        for i, seq in enumerate(order):
+            if rows[i].want_logits:
+                params = seq.request.params
+                pen = (seq.tokens[seq.prompt_len :], seq.request.prompt) if params.penalized else None
+                allowed = self.allowed(seq) if seq.heal else None
+                counter = len(seq.tokens) + seq.n_pending - seq.prompt_len  # (n_generated)
+                samples.append((i, SampleRow(params, seq.seed, counter, pen, allowed)))
                 samplers.append(seq)
         with exact_accumulation(self.config.deterministic):
             inflight = self.runner.launch(decode, chunks, samples)
-        for seq, row in zip(order, decode + chunks):
-            seq.computed += len(row.tokens)
+        prompt_tokens = 0
+        for seq, row in zip(order, rows):
+            n = len(row.tokens)
+            seq.computed += n
             if seq.computed <= seq.prompt_len:
-                self.stats["prompt_tokens"] += len(row.tokens)
+                prompt_tokens += n
+        self.stats["prompt_tokens"] += prompt_tokens
+        feed = inflight.feed
         for j, seq in enumerate(samplers):
             seq.n_pending += 1
-            seq.pending_index = inflight.feed[j]
+            seq.pending_index = feed[j]
         self.stats["steps"] += 1
         return inflight, order, samplers
 
@@ -312,11 +322,14 @@ class Engine:
         t1 = time.perf_counter()
         self.timing["wait"] += t1 - t0
         outputs: dict[int, StepOutput] = {}
+        out, now = self.output, time.monotonic()
         for j, seq in enumerate(samplers):
             seq.n_pending -= 1
             if seq.finished:  # finished (or aborted) since: a token too many
                 continue
-            self.output.emit(seq, toks[j], self.output.logprob(seq, toks[j], lps, top_ids, top_lps, j), outputs)
+            tok = toks[j]
+            lp = out.logprob(seq, tok, lps, top_ids, top_lps, j) if seq.request.params.logprobs is not None else None
+            out.emit(seq, tok, lp, outputs, now)
         result = self.finish_step(stepped, outputs)
         self.timing["post"] += time.perf_counter() - t1
         return result

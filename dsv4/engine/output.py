@@ -41,9 +41,17 @@ class OutputProcessor:
             return "length"  # (counts tokens read: not the ones on the device)
         return None
 
-    def emit(self, seq: Sequence, tok: int, lp: TokenLogprob | None, outputs: dict[int, StepOutput]) -> None:
-        """One generated token: append it, apply the token-level stops, finish the sequence when it ends."""
-        now = time.monotonic()
+    def emit(
+        self,
+        seq: Sequence,
+        tok: int,
+        lp: TokenLogprob | None,
+        outputs: dict[int, StepOutput],
+        now: float | None = None,
+    ) -> None:
+        """One generated token: append it, apply the token-level stops, finish the sequence when it ends.
+        now: the time it was read (time.monotonic(); one reading serves a step's tokens)."""
+        now = time.monotonic() if now is None else now
         seq.tokens.append(tok)
         if seq.heal:  # a token-healing constraint: what is left of it
             seq.heal = self.vocabulary().advance(seq.heal, tok)

@@ -59,15 +59,25 @@ class Staging:
         self.cuda = device.type == "cuda"
         self.dev = torch.zeros(n, dtype=torch.int64, device=device)
         self.host = [torch.zeros(n, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self.arrays = [h.numpy() for h in self.host]
         self.events: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
+        self._views: dict[tuple[Bucket, int], dict[str, np.ndarray]] = {}
 
     def begin(self) -> np.ndarray:
         """The host buffer to fill for the next `send` (free once its last copy is done)."""
         ev = self.events[self.turn]
         if ev is not None:
             ev.synchronize()
-        return self.host[self.turn].numpy()
+        return self.arrays[self.turn]
+
+    def views(self, bucket: Bucket, fields: Fields) -> dict[str, np.ndarray]:
+        """The bucket's field views of the buffer `begin` returned (made once per bucket and buffer)."""
+        key = (bucket, self.turn)
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = fields.views(self.arrays[self.turn])
+        return v
 
     def send(self, n: int) -> torch.Tensor:
         """Copy the first n values of the filled buffer to the device (asynchronously on CUDA)."""
@@ -235,6 +245,7 @@ class Runner:
         self.logits_buf = torch.zeros(n_out, vocab, dtype=torch.float32, device=self.device) if self.pad else None
         self.sampler = Sampler()
         self.graphs: dict[Bucket, BucketGraph] = {}
+        self._fields: dict[Bucket, Fields] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.graph_steps = 0
         self.eager_steps = 0
@@ -257,6 +268,12 @@ class Runner:
         torch.cuda.synchronize(self.device)
         self.warmup_seconds += time.perf_counter() - t0
         return len(self.graphs)
+
+    def bucket_fields(self, bucket: Bucket) -> Fields:
+        f = self._fields.get(bucket)
+        if f is None:
+            f = self._fields[bucket] = bucket.fields()
+        return f
 
     def bucket_for(self, n_decode: int, n_slots: int) -> Bucket | None:
         d = next((s for s in self.decode_sizes if s >= n_decode), None)
@@ -359,8 +376,8 @@ class Runner:
         vocab = self.model.cfg.vocab_size
         host = self.staging.begin()
         if bucket is not None:
-            fields = bucket.fields()
-            v = fields.views(host)
+            fields = self.bucket_fields(bucket)
+            v = self.staging.views(bucket, fields)
             logits_rows = fill_bucket(bucket, decode, chunks, v, self.tables.pad_row)
             self.default_sampling(v)
             out_rows = [logits_rows[i] for i, _ in samples]
