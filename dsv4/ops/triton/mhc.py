@@ -484,17 +484,13 @@ def _split_fn(fn: torch.Tensor, hc: int, head: bool) -> tuple[torch.Tensor, torc
     return fpp, fcb
 
 
-# Split K (small T): with few row tiles per SM the single kernel leaves SMs idle or starved while each
-# program runs the whole K = hc * D reduction serially (decode: 1 token per sequence; prompt chunks).
+# Split K (small T): below this many row tiles per SM the single kernel leaves most SMs idle while each
+# program runs the whole K = hc * D reduction serially (decode: 1 token per sequence).
 SPLIT_K: int | None = None  # None: automatic; 0 or 1: never split; n > 1: force about n K slices
 _SPLIT_BT = 16  # rows per program of the partial kernel (tl.dot needs M >= 16)
 _SPLIT_BK = 32 if _INTERPRET else 128
 _MAX_SPLIT = 32  # K slices at most (the finishing kernel unrolls its sum over them)
 _FINISH_BD = 32 if _INTERPRET else 128
-# The single kernel runs one program per BT-row tile: a prompt chunk of ~2k tokens is ~1 program per SM,
-# each walking K serially with nothing to hide its loads' latency (60 us for 18 MB at T = 2176 on an H200,
-# 6% of copy bandwidth). Below this many tiles per SM, K is split so that each SM holds about this many.
-_PROGRAMS_PER_SM = 4
 _SMS: dict[torch.device, int] = {}
 
 
@@ -513,9 +509,9 @@ def _split_plan(t: int, k: int, dev: torch.device) -> tuple[int, int]:
         want = SPLIT_K
     else:
         sms = _sm_count(dev)
-        if rows >= _PROGRAMS_PER_SM * sms:
+        if 2 * rows >= sms:
             return 1, k
-        want = -(-_PROGRAMS_PER_SM * sms // rows)  # about that many programs on each SM
+        want = sms // rows  # about one wave of programs
     steps = triton.cdiv(k, _SPLIT_BK)
     want = max(1, min(want, steps, _MAX_SPLIT))
     if want == 1:
