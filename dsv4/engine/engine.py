@@ -270,10 +270,8 @@ class Engine:
         return self.overlap and not any(s.heal or s.request.params.penalized for s in sampled)
 
     def _launch(self, plan: list[Scheduled]) -> tuple[InFlight, list[Sequence], list[Sequence]]:
-        decode: list[Row] = []
-        chunks: list[Row] = []
-        dseq: list[Sequence] = []
-        cseq: list[Sequence] = []
+        parts: tuple[list[Row], list[Row]] = ([], [])  # decode rows (one token each), prompt chunks
+        seqs: tuple[list[Sequence], list[Sequence]] = ([], [])
         for sch in plan:  # (one pass over up to max_seqs rows each step: kept lean)
             seq, n = sch.seq, sch.n
             s, known = seq.computed, len(seq.tokens)
@@ -281,14 +279,10 @@ class Engine:
                 row = Row([0], s, seq.pages.state, True, feed=seq.pending_index)
             else:
                 row = Row(seq.tokens[s : s + n], s, seq.pages.state, s + n == known + seq.n_pending)
-            if n == 1:
-                decode.append(row)
-                dseq.append(seq)
-            else:
-                chunks.append(row)
-                cseq.append(seq)
-        order = dseq + cseq
-        rows = decode + chunks
+            parts[n > 1].append(row)
+            seqs[n > 1].append(seq)
+        decode, chunks = parts
+        order, rows = seqs[0] + seqs[1], decode + chunks
         samples, samplers = [], []
         for i, seq in enumerate(order):
             if rows[i].want_logits:
@@ -300,13 +294,10 @@ class Engine:
                 samplers.append(seq)
         with exact_accumulation(self.config.deterministic):
             inflight = self.runner.launch(decode, chunks, samples)
-        prompt_tokens = 0
         for seq, row in zip(order, rows):
-            n = len(row.tokens)
-            seq.computed += n
+            seq.computed += len(row.tokens)
             if seq.computed <= seq.prompt_len:
-                prompt_tokens += n
-        self.stats["prompt_tokens"] += prompt_tokens
+                self.stats["prompt_tokens"] += len(row.tokens)
         feed = inflight.feed
         for j, seq in enumerate(samplers):
             seq.n_pending += 1
