@@ -115,7 +115,7 @@ def _server(conn, step_s: float, max_seqs: int, api_servers: int) -> None:
         metrics = ServerMetrics("synthetic")
         engine = EngineProcess(_build, (step_s, max_seqs), tokenizer=tok, on_step=metrics.on_step, links=api_servers)
         info = engine.start()
-        others = APIServers(args, info, engine, socks[1:]) if api_servers > 1 else None
+        others = APIServers(args, info, engine, socks[1:], tok) if api_servers > 1 else None
         if others is not None:
             others.wait_ready()
         ready = threading.Event()

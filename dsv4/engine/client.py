@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .sampling import SamplingParams
+from .params import SamplingParams
 from .sequence import StepOutput
 
 

@@ -41,7 +41,7 @@ from .client import (
     stream_outputs,
 )
 from .output import TextStreams
-from .sampling import SamplingParams
+from .params import SamplingParams
 from .sequence import RequestError, StepOutput, TokenLogprob
 
 log = logging.getLogger("dsv4.engine")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .detokenize import Detokenizer, StopChecker
 from .healing import Vocabulary
-from .sampling import SamplingParams
+from .params import SamplingParams
 from .sequence import Sequence, StepOutput, TokenLogprob
 
 

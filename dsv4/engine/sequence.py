@@ -8,12 +8,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
-import torch
-
-from .cache_manager import SeqPages
 from .detokenize import Detokenizer, StopChecker
-from .sampling import SamplingParams
+from .params import SamplingParams
+
+if TYPE_CHECKING:  # (annotations only: the HTTP processes import this module without torch)
+    import torch
+
+    from .cache_manager import SeqPages
 
 
 class RequestError(ValueError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine.generate import complete
+from ..engine.offline import complete
 from ..train.data import read_text
 from .code import FUNCTIONAL_TASKS, FunctionPrompt, has_body, one_line_docstring_prompts, passes, written_function
 

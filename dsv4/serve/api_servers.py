@@ -92,16 +92,18 @@ def shared_metrics(n: int):
             shutil.rmtree(made, ignore_errors=True)
 
 
-def _child(args: argparse.Namespace, info: dict, sock, ends, index: int, ready) -> None:
-    """HTTP process `index` >= 1: its own application over its link to the engine, until told to stop."""
+def _child(args: argparse.Namespace, info: dict, sock, ends, index: int, ready, tokenizer) -> None:
+    """HTTP process `index` >= 1: its own application over its link to the engine, until told to stop.
+
+    It imports nothing that loads torch (hundreds of MiB and a second of start-up in each process): the
+    tokenizer comes from the first process, pickled, not through the checkpoint loader."""
     from ..engine.engine_process import EngineLink
     from .http_process import log_to_stderr, run_http
     from .metrics import ServerMetrics
-    from .startup import EngineSpec, load_tokenizer
+    from .startup import EngineSpec
 
     os.setpgrp()  # a terminal's Ctrl-C reaches the first process, which passes SIGTERM on
     spec = EngineSpec.from_args(args, detokenize=False)
-    tokenizer = load_tokenizer(spec.source)
     metrics = ServerMetrics(spec.served_name, engine_wide=False)
     engine = EngineLink(*ends, tokenizer=tokenizer, on_step=metrics.on_step)
     engine.info = info
@@ -115,7 +117,7 @@ def _child(args: argparse.Namespace, info: dict, sock, ends, index: int, ready) 
 class APIServers:
     """HTTP processes 1..N-1 of a server whose engine is `engine` (an `EngineProcess` with N links)."""
 
-    def __init__(self, args: argparse.Namespace, info: dict, engine, socks: list[socket.socket]):
+    def __init__(self, args: argparse.Namespace, info: dict, engine, socks: list[socket.socket], tokenizer):
         ctx = mp.get_context("spawn")
         self.procs: list[mp.Process] = []
         self._ready = []
@@ -123,7 +125,7 @@ class APIServers:
             ready = ctx.Event()
             proc = ctx.Process(
                 target=_child,
-                args=(args, info, sock, engine.link_ends(i), i, ready),
+                args=(args, info, sock, engine.link_ends(i), i, ready, tokenizer),
                 name=f"dsv4-http-{i}",
                 daemon=True,
             )

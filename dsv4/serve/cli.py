@@ -100,7 +100,7 @@ def _serve(args: argparse.Namespace, socks) -> int:
             raise UserError(str(e)) from None
         metrics.on_ready(info)
         if args.api_servers > 1:
-            others = APIServers(args, info, engine, socks[1:])
+            others = APIServers(args, info, engine, socks[1:], tokenizer)
             others.wait_ready()
         port = socks[0].getsockname()[1]
         host = f"[{args.host}]" if ":" in args.host else args.host

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 
 from ..engine.healing import Healed, Vocabulary, heal
-from ..engine.sampling import SamplingParams
+from ..engine.params import SamplingParams
 from . import chat
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, refuse_unsupported, thinking_requested
 from .validate import Limits, check_fields, check_input_size, check_prompt_ids, sampling_params, validated

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ValidationError
 
-from ..engine.sampling import SamplingParams
+from ..engine.params import SamplingParams
 from ..sampling_limits import MAX_STOP, Range, refusal, top_k_range
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 

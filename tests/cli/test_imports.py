@@ -215,6 +215,47 @@ def test_serving_does_not_reach_the_training_package():
             raise AssertionError(" <- ".join(chain))
 
 
+# what a server's HTTP processes other than the first import (`dsv4.serve.api_servers._child`, `run_http`;
+# dsv4.serve.cli: the pickled arguments name its command function)
+HTTP_PROCESS_MODULES = (
+    "dsv4.serve.cli",
+    "dsv4.serve.api_servers",
+    "dsv4.serve.http_process",
+    "dsv4.serve.app",
+    "dsv4.serve.http_guard",
+    "dsv4.serve.metrics",
+    "dsv4.serve.startup",
+    "dsv4.serve.validate",
+    "dsv4.serve.warmup",
+    "dsv4.engine.engine_process",
+    "dsv4.tokenizer",
+)
+
+
+def test_http_processes_do_not_load_torch():
+    """Those modules load without torch (hundreds of MiB and a second of start-up per process); the
+    engine package's names still resolve on use. (The serving test of two HTTP processes checks the
+    running process's memory map.)"""
+    script = (
+        "import importlib, json, sys\n"
+        f"for m in {HTTP_PROCESS_MODULES!r}: importlib.import_module(m)\n"
+        "light = 'torch' not in sys.modules\n"
+        "from dsv4.engine import SamplingParams, StepOutput\n"
+        "p = SamplingParams(max_tokens=3)\n"
+        "light = light and 'torch' not in sys.modules\n"
+        "import dsv4.engine.offline\n"
+        "from dsv4.engine import Engine, generate\n"
+        "print(json.dumps([light, 'torch' in sys.modules, Engine.__module__, generate.__module__]))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    light, loaded, where, gen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert light, "an HTTP process's modules (or SamplingParams, StepOutput) loaded torch"
+    # the lazy package still gives the engine, and `generate` is the function once its module is loaded
+    assert loaded and where == "dsv4.engine.engine" and gen == "dsv4.engine.offline"
+
+
 def test_modules_stay_readable():
     """The engine's loop fits in 400 lines (its parts live beside it), and no module passes 800."""
     lines = {name: len(path.read_text().splitlines()) for name, path in modules().items()}

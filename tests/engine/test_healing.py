@@ -19,8 +19,8 @@ import torch
 from dsv4.checkpoint import load_pretrained
 from dsv4.cli import main
 from dsv4.engine import Engine, EngineConfig, SamplingParams
-from dsv4.engine.generate import complete, generate
 from dsv4.engine.healing import MAX_HEALED_BYTES, MAX_HEALED_TOKENS, Healed, Vocabulary, heal
+from dsv4.engine.offline import complete, generate
 from dsv4.loading import default_model_dir
 from dsv4.ops.precision import exact_accumulation
 from dsv4.tokenizer import ByteTokenizer, Tokenizer

@@ -165,7 +165,9 @@ class Server:
         self.proc = subprocess.Popen(
             cmd,
             cwd=ROOT,
-            env=checkout_env(OMP_NUM_THREADS="1", TMPDIR=str(tmp)),
+            # (torch makes its compile cache in the temporary directory when it loads, unless told where:
+            # elsewhere, so that `tmp` holds only what the server makes)
+            env=checkout_env(OMP_NUM_THREADS="1", TMPDIR=str(tmp), TORCHINDUCTOR_CACHE_DIR=f"{tmp}-inductor"),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
@@ -219,6 +221,15 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def _mapped_files(pid: int) -> set[str] | None:
+    """The files a process has mapped (Linux /proc), or None where that cannot be read."""
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return None
+    return {line.split()[-1] for line in lines if len(line.split()) >= 6}
 
 
 def _process_group(pid: int) -> int | None:
@@ -275,6 +286,11 @@ def test_an_http_process_that_dies_takes_the_server_down(tmp_path):
         children = s.children()
         others = [p for p in children if _process_group(p) == p]  # the other HTTP process leads its group
         assert len(others) == 1
+        # it never loaded torch (the engine process, the other child, did: the probe can see it)
+        maps = {p: _mapped_files(p) for p in children}
+        if all(m is not None for m in maps.values()):
+            assert not any("libtorch" in f for f in maps[others[0]]), "the HTTP process loaded torch"
+            assert any("libtorch" in f for p in children if p != others[0] for f in maps[p])
         os.kill(others[0], signal.SIGKILL)
         assert s.proc.wait(60) == 1
         s._reader.join(10)
