@@ -5,6 +5,8 @@
 #   OUT=/some/dir bash scripts/gpu_serving.sh serve256   # dsv4 bench serve at 256 clients
 #   OUT=/some/dir bash scripts/gpu_serving.sh spec       # speculative decoding: batch 1, and the server at 1-4 clients
 #   OUT=/some/dir bash scripts/gpu_serving.sh determ     # the price of --deterministic at 64 clients
+#   OUT=/some/dir bash scripts/gpu_serving.sh budget     # the engine at 256 clients, 2048 vs 4096 tokens per step
+#   OUT=/some/dir bash scripts/gpu_serving.sh stream     # bench serve, 256 clients, Poisson arrivals at 300/s
 # Every figure is the median of 3 or more timed runs with min and max, written as JSON under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +34,14 @@ case "${1:-}" in
       "$PY" -m dsv4 bench engine "${COMMON[@]}" --clients 64 --repeats 3 --no-raw $flag \
         --out "$OUT/engine${flag:+-deterministic}.json"
     done ;;
+  budget)
+    for n in 2048 4096; do
+      "$PY" -m dsv4 bench engine "${COMMON[@]}" --clients 256 --repeats 3 --max-batch-tokens "$n" \
+        --out "$OUT/engine-budget$n.json"
+    done ;;
+  stream)
+    "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 256 --request-rate 300 --repeats 3 --no-raw \
+      --out "$OUT/serve-stream.json" ;;
   *)
-    sed -n 2,8p "$0"; exit 2 ;;
+    sed -n 2,10p "$0"; exit 2 ;;
 esac
