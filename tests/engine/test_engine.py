@@ -216,6 +216,28 @@ def test_overlapped_steps_give_the_same_tokens(model, prompts):
     assert engine.stats["preemptions"] > 0 and over == plain
 
 
+def test_overlap_waits_for_the_tokens_that_decide_the_next_draw(model, prompts):
+    """A penalized row's draw counts its last token: a step after one that sampled such a row waits for
+    that step's tokens. With overlap, penalized requests beside plain ones, arriving at other steps, get
+    the tokens they get without it. (A negative frequency penalty makes a random model repeat the tokens
+    it drew, so whether the last one is counted decides the next: a stale count changes the text.)"""
+    params = [
+        SamplingParams(
+            max_tokens=NEW,
+            temperature=0.0 if i % 2 else 0.9,
+            seed=200 + i,
+            ignore_eos=True,
+            frequency_penalty=-2.0 if i % 2 else 0.0,
+            repetition_penalty=1.5 if i % 3 == 0 else 1.0,
+        )
+        for i in range(len(prompts))
+    ]
+    assert any(p.penalized for p in params) and not all(p.penalized for p in params)
+    sync, _, _ = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], max_batch_tokens=11)
+    over, _, _ = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], max_batch_tokens=11, overlap=True)
+    assert over == sync
+
+
 @pytest.mark.parametrize("sampled,logprobs", [(False, 2), (True, 2), (True, None)])
 def test_bucketed_steps_give_the_ragged_steps_numbers(model, prompts, sampled, logprobs):
     """Steps padded to buckets - what a GPU replays from one CUDA graph per bucket: one-token rows, prompt
