@@ -72,3 +72,22 @@ def test_graphed_steps_equal_the_eager_bucketed_steps(model, prompts, sampled, l
     m = e1.metrics()
     assert m["kernel_compiles_after_ready"] in (0, None)
     assert e1.manager.free_pages()[0] == e1.layout.n_window_pages - 1  # every page came back
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_deterministic_mode_batching_does_not_change_tokens(model, prompts, sampled):
+    """`--deterministic` on the GPU, every step from its bucket's graph (README: "Batching does not change
+    results"): each request alone gives the tokens and log-probabilities it gets in a busy batch with
+    arrivals at other steps, bit for bit. The Triton kernels run here, not the reference ops: each must
+    compute a row the same way whatever else is in the step (hc_pre's K split, for one, is fixed under
+    exact accumulation for this)."""
+    params = [
+        SamplingParams(max_tokens=NEW, temperature=0.8 if sampled else 0, seed=7 + i, ignore_eos=True, logprobs=0)
+        for i in range(len(prompts))
+    ]
+    busy, busy_lp, engine = run(model, prompts, params, warm=False, deterministic=True)
+    assert engine.runner.eager_steps == 0
+    for i, p in enumerate(prompts):
+        alone, alone_lp, _ = run(model, [p], [params[i]], warm=False, deterministic=True, max_seqs=1)
+        assert alone[0] == busy[i], f"request {i}: alone {alone[0]}, in the batch {busy[i]}"
+        assert alone_lp[0] == busy_lp[i], f"request {i}: log-probabilities differ"

@@ -249,6 +249,27 @@ def _hc_inputs(seed: int = 0, b: int = 2, s: int = 9, hc: int = 4, d: int = 64, 
     return x, fn, scale, base
 
 
+def test_hc_rows_do_not_depend_on_the_batch_under_exact_accumulation():
+    """The engine's deterministic mode (exact accumulation): a token's hc_pre and hc_head outputs alone
+    equal its outputs among others, bit for bit, at token counts whose automatic K split differs."""
+    from dsv4.ops.precision import exact_accumulation
+
+    mhc = _mhc()
+    x, fn, scale, base = _hc_inputs(seed=21, b=1, s=80, d=256)
+    counts = (1, 7, 80)
+    assert len({mhc._split_plan(t, 4 * 256, x.device) for t in counts}) > 1  # (the automatic plans differ)
+    g = torch.Generator().manual_seed(22)
+    hfn, hscale, hbase = torch.randn(4, 4 * 256, generator=g) * 0.05, torch.rand(1, generator=g) + 0.5, torch.randn(4)
+    with torch.no_grad(), exact_accumulation(True):
+        assert len({mhc._split_plan(t, 4 * 256, x.device) for t in counts}) == 1
+        outs = [ops.hc_pre(x[:, :t], fn, scale, base, 1e-6, 1e-6, 20, backend="triton") for t in counts]
+        heads = [ops.hc_head(x[:, :t], hfn, hscale, hbase, 1e-6, 1e-6, backend="triton") for t in counts]
+    for out in outs[1:]:
+        assert all(torch.equal(a, b[:, :1]) for a, b in zip(outs[0], out))
+        assert all(torch.equal(a[:, :7], b[:, :7]) for a, b in zip(outs[1], out))
+    assert all(torch.equal(heads[0], h[:, :1]) for h in heads[1:])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])  # fp16 x meets bf16 weight parts
 @pytest.mark.parametrize("split", [0, None])  # single kernel; automatic (split K at 18 tokens)
 def test_hc_pre_matches_reference_forward_and_backward(split, dtype, monkeypatch):

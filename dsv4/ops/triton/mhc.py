@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import register
+from ..precision import is_exact
 from ._common import num_sms
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason, mma, round_to
@@ -490,6 +491,11 @@ SPLIT_K: int | None = None  # None: automatic; 0 or 1: never split; n > 1: force
 _SPLIT_BT = 16  # rows per program of the partial kernel (tl.dot needs M >= 16)
 _SPLIT_BK = 32 if _INTERPRET else 128
 _MAX_SPLIT = 32  # K slices at most (the finishing kernel unrolls its sum over them)
+# Under exact accumulation (`dsv4.ops.precision`: the engine's deterministic mode) every call splits K into
+# this many slices: the automatic plan depends on the number of tokens, so a row's mix would round
+# differently alone and in a batch. 8 keeps decode near its split speed; calls of 4k tokens and more take
+# about 1.6x the single kernel (H200, `scripts/bench_hc_split.py`).
+EXACT_SPLIT = 8
 _FINISH_BD = 32 if _INTERPRET else 128
 _SMS: dict[torch.device, int] = {}
 
@@ -507,6 +513,8 @@ def _split_plan(t: int, k: int, dev: torch.device) -> tuple[int, int]:
         return 1, k
     if SPLIT_K is not None:
         want = SPLIT_K
+    elif is_exact():  # deterministic mode: a plan that t does not change, so each row's sums run in one
+        want = EXACT_SPLIT  # order whatever else is in the batch (a request's numbers alone = in a batch)
     else:
         sms = _sm_count(dev)
         if 2 * rows >= sms:
