@@ -25,6 +25,7 @@ import triton.language as tl
 from .. import int8_quant, register
 from ..int8_native import INT_MM_MIN_TOKENS_CUDA
 from ..moe_shared import clamped_swiglu
+from ..precision import is_exact
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason, grouped_tile, round_to
 from ._mm_utils import launch as _launch
@@ -250,8 +251,8 @@ register(
 # ----------------------------------------------------------------------------- grouped experts
 def _block_m(n_rows: int, n_groups: int) -> int:
     """Row tile of the grouped GEMM: 16 while an expert gets a few rows on average (decode), more for
-    prefill-sized batches."""
-    if _INTERPRET or n_rows <= 8 * n_groups:
+    prefill-sized batches; under exact accumulation (deterministic mode) 16 whatever the batch."""
+    if _INTERPRET or n_rows <= 8 * n_groups or is_exact():
         return 16
     return 64 if n_rows < 128 * n_groups else 128
 

@@ -34,6 +34,7 @@ from ..moe_shared import (
     moe_plan,
     register_plan_builder,
 )
+from ..precision import is_exact
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason, mma, round_to
 from ._mm_utils import launch as _launch
@@ -450,6 +451,11 @@ def _plan_and_tiles(
 
 
 def _block_m(n_rows: int, n_groups: int) -> int:
+    """Row tile of the grouped GEMM. Under exact accumulation (the engine's deterministic mode) one tile
+    whatever the batch: the autotuned launch config is keyed on it, so another tile can mean another
+    K order for the same row."""
+    if is_exact():
+        return 64
     return 64 if n_rows < 128 * n_groups or _INTERPRET else 128
 
 

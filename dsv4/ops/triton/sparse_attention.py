@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ... import ops as _ops
+from ..precision import is_exact
 from ._common import (
     FLOAT_DTYPES,
     LOG2E,
@@ -457,10 +458,13 @@ def choose_splits(n_programs: int, k: int, device: torch.device, max_splits: int
 
 
 def plan_forward(b: int, s: int, h: int, k: int, device: torch.device) -> tuple[int, int, dict]:
-    """(BLOCK_H, key splits, launch config) for a forward over b*s queries of h heads and k keys."""
+    """(BLOCK_H, key splits, launch config) for a forward over b*s queries of h heads and k keys. Under
+    exact accumulation (the engine's deterministic mode) the plan does not depend on b*s: the decode plan's
+    key blocks (BLOCK_N) and splits would rescale a query's online softmax at other points than the
+    prefill plan's, so a query's output would round differently alone and in a batch."""
     cap = 16 if interpret_mode() else None  # the CPU interpreter: small head blocks, same decisions
     bh = _block_h(h, cap or FWD_CONFIG["BLOCK_H"])
-    if b * s * triton.cdiv(h, bh) >= 2 * num_sms(device):
+    if is_exact() or b * s * triton.cdiv(h, bh) >= 2 * num_sms(device):
         return bh, 1, FWD_CONFIG
     bh = _block_h(h, cap or DECODE_CONFIG["BLOCK_H"])
     splits = choose_splits(b * s * triton.cdiv(h, bh), k, device, DECODE_CONFIG["max_splits"])
