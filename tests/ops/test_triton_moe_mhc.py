@@ -272,11 +272,12 @@ def test_hc_rows_do_not_depend_on_the_batch_under_exact_accumulation():
 
 def test_launch_plans_do_not_depend_on_the_batch_under_exact_accumulation(monkeypatch):
     """Under exact accumulation a kernel's plan for a row is the same at any row count: the grouped GEMMs'
-    row tile (their autotuned config is keyed on it) and sparse attention's plan (key block, splits), which
-    otherwise change between decode-sized and prefill-sized calls. Checked as compiled for a GPU (the
+    row tile (their autotuned config is keyed on it), sparse attention's plan (key block, splits) and the
+    RMSNorm's rows per program (how threads share a row's sum), which otherwise change between
+    decode-sized and prefill-sized calls. Checked as compiled for a GPU (the
     interpreter pins some of them)."""
     from dsv4.ops.precision import exact_accumulation
-    from dsv4.ops.triton import int8_gemm, moe, sparse_attention
+    from dsv4.ops.triton import int8_gemm, moe, rownorm_rope, sparse_attention
 
     for mod in (moe, int8_gemm):
         monkeypatch.setattr(mod, "_INTERPRET", False)
@@ -287,10 +288,12 @@ def test_launch_plans_do_not_depend_on_the_batch_under_exact_accumulation(monkey
     # the automatic plans differ with the batch (what makes this test able to fail)
     assert len({moe._block_m(n, 8) for n in rows}) > 1 and len({int8_gemm._block_m(n, 8) for n in rows}) > 1
     assert len({str(sparse_attention.plan_forward(n, 1, 64, 640, dev)) for n in rows}) > 1
+    assert len({rownorm_rope._norm_tiles(1024, n) for n in rows}) > 1
     with exact_accumulation(True):
         assert len({moe._block_m(n, 8) for n in rows}) == 1
         assert len({int8_gemm._block_m(n, 8) for n in rows}) == 1
         assert len({str(sparse_attention.plan_forward(n, 1, 64, 640, dev)) for n in rows}) == 1
+        assert len({rownorm_rope._norm_tiles(1024, n) for n in rows}) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])  # fp16 x meets bf16 weight parts

@@ -24,6 +24,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .. import register
+from ..precision import is_exact
 from ._common import Kernel, device_reason, interpret_mode, num_sms
 from ._common import rows_view as _rows
 
@@ -248,8 +249,12 @@ def _bf16_fix(dtype: torch.dtype) -> bool:
 
 # ----------------------------------------------------------------------------- rms_norm
 def _norm_tiles(n: int, rows: int) -> tuple[int, int, int]:
+    """(columns, rows per program, warps). The rows per program set how a program's threads share a row,
+    and so the order of its sum: under exact accumulation (the engine's deterministic mode) they do not
+    follow the row count, so that a row's norm rounds the same alone and in a batch."""
     bn = triton.next_power_of_2(n)
-    br = max(1, min(max(1, 4096 // bn), triton.next_power_of_2(max(rows, 1))))
+    most = max(1, 4096 // bn)
+    br = most if is_exact() else max(1, min(most, triton.next_power_of_2(max(rows, 1))))
     warps = 4 if bn * br <= 4096 else 8
     return bn, br, warps
 
