@@ -92,7 +92,9 @@ def _jit_function(module: str, name: str, JITFunction):
     mod = importlib.import_module(module)
     for obj in vars(mod).values():
         if type(obj).__name__ == "Kernel" and getattr(obj, "fn", None) is not None and obj.fn.__name__ == name:
-            return triton.jit(obj.fn)  # dsv4's launch-time choice of compiled / interpreted
+            # dsv4's launch-time choice of compiled / interpreted: its compiled form, whatever TRITON_INTERPRET
+            # says now (triton.jit would give an interpreted function where a test left it set)
+            return JITFunction(obj.fn)
         f = obj
         for _ in range(3):  # an autotuner or heuristics wraps the JITFunction as .fn
             if isinstance(f, JITFunction):
