@@ -19,6 +19,7 @@ sampled tokens), so a step can be launched before the host has read the last one
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -96,19 +97,25 @@ class Bucket:
         return self.decode + self.slots * -(-self.slot_len // ratio)
 
     def fields(self) -> Fields:
-        spec = _base_spec(self.tokens, self.rows)
-        spec += [(f"g{r}", (self.group_len(r),)) for r in self.ratios]
-        if self.decode:
-            spec += [("imap0", (self.decode, 1)), ("irow0", (self.decode,))]
-        if self.slots:
-            spec += [("imap1", (self.slots, self.slot_len)), ("irow1", (self.slots,))]
-        spec += [("out", (self.n_out,))]
-        # every out row is drawn in the graph with its settings (`SamplingTensors.pack`: floats as float64 bits)
-        spec += [("s_f", (self.n_out, 4)), ("s_i", (self.n_out, 4))]
-        return Fields(spec)
+        """The bucket's layout (made once per bucket: every step of the bucket asks for it)."""
+        return _bucket_fields(self)
 
     def fits(self, n_decode: int, n_slots: int) -> bool:
         return n_decode <= self.decode and n_slots <= self.slots
+
+
+@functools.cache
+def _bucket_fields(b: Bucket) -> Fields:
+    spec = _base_spec(b.tokens, b.rows)
+    spec += [(f"g{r}", (b.group_len(r),)) for r in b.ratios]
+    if b.decode:
+        spec += [("imap0", (b.decode, 1)), ("irow0", (b.decode,))]
+    if b.slots:
+        spec += [("imap1", (b.slots, b.slot_len)), ("irow1", (b.slots,))]
+    spec += [("out", (b.n_out,))]
+    # every out row is drawn in the graph with its settings (`SamplingTensors.pack`: floats as float64 bits)
+    spec += [("s_f", (b.n_out, 4)), ("s_i", (b.n_out, 4))]
+    return Fields(spec)
 
 
 def fill_bucket(b: Bucket, decode: list[Row], chunks: list[Row], v: dict[str, np.ndarray], pad_trow: int) -> list[int]:

@@ -318,9 +318,7 @@ class Engine:
             seq.n_pending -= 1
             if seq.finished:  # finished (or aborted) since: a token too many
                 continue
-            tok = toks[j]
-            lp = out.logprob(seq, tok, lps, top_ids, top_lps, j) if seq.request.params.logprobs is not None else None
-            out.emit(seq, tok, lp, outputs, now)
+            out.emit(seq, toks[j], out.logprob(seq, toks[j], lps, top_ids, top_lps, j), outputs, now)
         result = self.finish_step(stepped, outputs)
         self.timing["post"] += time.perf_counter() - t1
         return result

@@ -71,12 +71,12 @@ class Staging:
             ev.synchronize()
         return self.arrays[self.turn]
 
-    def views(self, bucket: Bucket, fields: Fields) -> dict[str, np.ndarray]:
+    def views(self, bucket: Bucket) -> dict[str, np.ndarray]:
         """The bucket's field views of the buffer `begin` returned (made once per bucket and buffer)."""
         key = (bucket, self.turn)
         v = self._views.get(key)
         if v is None:
-            v = self._views[key] = fields.views(self.arrays[self.turn])
+            v = self._views[key] = bucket.fields().views(self.arrays[self.turn])
         return v
 
     def send(self, n: int) -> torch.Tensor:
@@ -245,7 +245,6 @@ class Runner:
         self.logits_buf = torch.zeros(n_out, vocab, dtype=torch.float32, device=self.device) if self.pad else None
         self.sampler = Sampler()
         self.graphs: dict[Bucket, BucketGraph] = {}
-        self._fields: dict[Bucket, Fields] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.graph_steps = 0
         self.eager_steps = 0
@@ -268,12 +267,6 @@ class Runner:
         torch.cuda.synchronize(self.device)
         self.warmup_seconds += time.perf_counter() - t0
         return len(self.graphs)
-
-    def bucket_fields(self, bucket: Bucket) -> Fields:
-        f = self._fields.get(bucket)
-        if f is None:
-            f = self._fields[bucket] = bucket.fields()
-        return f
 
     def bucket_for(self, n_decode: int, n_slots: int) -> Bucket | None:
         d = next((s for s in self.decode_sizes if s >= n_decode), None)
@@ -376,8 +369,8 @@ class Runner:
         vocab = self.model.cfg.vocab_size
         host = self.staging.begin()
         if bucket is not None:
-            fields = self.bucket_fields(bucket)
-            v = self.staging.views(bucket, fields)
+            fields = bucket.fields()
+            v = self.staging.views(bucket)
             logits_rows = fill_bucket(bucket, decode, chunks, v, self.tables.pad_row)
             self.default_sampling(v)
             out_rows = [logits_rows[i] for i, _ in samples]
