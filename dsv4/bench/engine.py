@@ -10,10 +10,12 @@ client count, as the median (min, max) of --repeats runs after an untimed warm-u
   the objects alive after the warm-up are frozen out of the cycle collector, as in a server's engine
   process (`freeze_heap`);
 - graph-replayed and eager steps, and Triton compilations after the warm-up (0 when every step shape was
-  warmed);
+  warmed); the timed steps' mix: real decode rows and prompt tokens per step, and the share of steps by
+  bucket shape;
 - with --profile DIR, a torch profiler trace of 20 steps (Chrome format) and the fraction of that window
   in which the GPU ran a kernel; on CUDA also the GPU time per kernel of a raw decode step, an engine
-  decode-only step and an engine mixed step (DIR/kernels-N-clients.txt).
+  decode-only step, a step of one new prompt beside the other rows' decodes (the steady state of a
+  closed loop) and a mixed step that fills the token budget (DIR/kernels-N-clients.txt).
 """
 
 from __future__ import annotations
@@ -147,6 +149,32 @@ def _profile(engine, work, clients: int, out_dir: Path) -> dict:
     return out
 
 
+def _step_mix(runner, since: dict | None = None) -> dict:
+    """The timed runs' steps: how many, the real decode rows and prompt tokens per step, and the share of
+    steps by bucket ("decode rows+chunk slots"; "ragged" for unpadded steps), largest first. With `since`
+    (an earlier call's result), the difference."""
+    now = {
+        "steps": runner.graph_steps + runner.eager_steps,
+        "decode_rows": runner.decode_rows,
+        "prompt_tokens": runner.prompt_tokens,
+        "buckets": {f"{d}+{c}": n for (d, c), n in runner.bucket_steps.items()},
+    }
+    if since is None:
+        return now
+    steps = max(1, now["steps"] - since["steps"])
+    counts = {k: n - since["buckets"].get(k, 0) for k, n in now["buckets"].items()}
+    ragged = steps - sum(counts.values())
+    if ragged > 0:
+        counts["ragged"] = ragged
+    shares = {k: n / steps for k, n in sorted(counts.items(), key=lambda kv: -kv[1]) if n > 0}
+    return {
+        "steps": steps,
+        "decode_rows_per_step": (now["decode_rows"] - since["decode_rows"]) / steps,
+        "prompt_tokens_per_step": (now["prompt_tokens"] - since["prompt_tokens"]) / steps,
+        "bucket_share": shares,
+    }
+
+
 def _clear(engine) -> None:
     while engine.has_work():
         for rid in list(engine.requests):
@@ -155,11 +183,12 @@ def _clear(engine) -> None:
 
 
 def _kernel_tables(engine, clients: int, prompt_len: int, out_dir: Path, top: int = 30) -> dict:
-    """GPU time per kernel name (summed over its launches) of three steps at this batch, written to
+    """GPU time per kernel name (summed over its launches) of four steps at this batch, written to
     DIR/kernels-N-clients.txt: the raw decode step (`model.decode_step` on a lockstep cache, as the raw rate
-    measures it), the engine's decode-only step, and its mixed step (half the rows decoding, prompt chunks
+    measures it), the engine's decode-only step, a step where one request's prompt joins the other rows'
+    decodes (what most steps of a closed loop are), and a mixed step (half the rows decoding, prompt chunks
     of new requests filling the rest of the token budget). What separates the engine from the raw rate is
-    the difference of the first two, and what a prompt costs is the third."""
+    the difference of the first two, and what a prompt costs is in the last two."""
     from ..engine import SamplingParams
     from .e2e import kernel_table
     from .graphs import GraphedDecoder
@@ -190,6 +219,12 @@ def _kernel_tables(engine, clients: int, prompt_len: int, out_dir: Path, top: in
     while len(started) < clients:
         started.update(o.request_id for o in engine.step() if o.new_tokens)
     record("engine decode", engine.step, 3, f"{clients} decode rows")
+    # one request replaced by a new one: its prompt's chunks beside the other rows' decodes
+    engine.abort("k0")
+    engine.add_request("p0", prompt(), SamplingParams(max_tokens=room, ignore_eos=True))
+    record("engine decode + 1 prompt", engine.step, 1, f"{clients - 1} decode rows + one {prompt_len}-token prompt")
+    engine.abort("p0")
+    engine.add_request("k0", prompt(), SamplingParams(max_tokens=room, ignore_eos=True))
     # half of them replaced by new prompts: steps with prompt chunks beside the other half's decodes
     for i in range(clients // 2):
         engine.abort(f"k{i}")
@@ -258,10 +293,12 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         freeze_heap()  # as the server's engine process does after start-up (undone below)
         at_ready = compiles.count()
         runs, phases = [], []
+        mix0 = _step_mix(engine.runner)
         for r in range(args.repeats):
             before = dict(engine.timing)
             runs.append(drive(engine, work, clients, f"t{r}-"))
             phases.append({k: (engine.timing[k] - before[k]) / runs[-1]["steps"] * 1e3 for k in before})
+        mix = _step_mix(engine.runner, mix0)
         row = {
             "clients": clients,
             "requests": requests,
@@ -276,6 +313,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
             "ttft_p50_s": spread([x["ttft_p50_s"] for x in runs]),
             "ttft_p99_s": spread([x["ttft_p99_s"] for x in runs]),
             "host_ms_per_step": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
+            "step_mix": mix,
         }
         if args.speculative:
             row["speculative"] = engine.metrics()["speculative"]  # since the engine started (warm-up too)
@@ -319,6 +357,12 @@ def _print_row(r: dict) -> None:
         )
     print(f"  TTFT p50 {_fmt(r['ttft_p50_s'], 1e3, ' ms')}, p99 {_fmt(r['ttft_p99_s'], 1e3, ' ms')}")
     print("  host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items()))
+    m = r["step_mix"]
+    shares = ", ".join(f"{k} {v:.0%}" for k, v in list(m["bucket_share"].items())[:6])
+    print(
+        f"  per step: {m['decode_rows_per_step']:.1f} decode rows, {m['prompt_tokens_per_step']:.1f} prompt "
+        f"tokens; steps by bucket (decode rows+chunk slots): {shares}"
+    )
     print(
         f"  {r['graphs']} graphs captured in {r['warmup_s']:.1f} s; {r['graph_steps']} graph steps, "
         f"{r['eager_steps']} eager, {r['late_captures']} late captures, "

@@ -15,6 +15,7 @@ host's scheduling and bookkeeping of step N overlap the device's work on step N+
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -249,6 +250,10 @@ class Runner:
         self.graph_steps = 0
         self.eager_steps = 0
         self.padded_steps = 0
+        # steps by (decode rows, chunk slots) of their bucket, and the real rows they carried
+        self.bucket_steps: Counter[tuple[int, int]] = Counter()
+        self.decode_rows = 0
+        self.prompt_tokens = 0
         self.late_captures = 0  # graphs captured on first use, not at start-up
         self.warmup_seconds = 0.0
 
@@ -364,6 +369,10 @@ class Runner:
         if bucket is not None and self.cuda_graphs and bucket not in self.graphs and self.mirror is None:
             self.graphs[bucket] = BucketGraph(self, bucket, self._pool)  # (a server captured them all)
             self.late_captures += 1
+        if bucket is not None:
+            self.bucket_steps[bucket.decode, bucket.slots] += 1
+        self.decode_rows += len(decode)
+        self.prompt_tokens += sum(len(r.tokens) for r in chunks)
         n = len(samples)
         params = [s.params for _, s in samples]
         vocab = self.model.cfg.vocab_size

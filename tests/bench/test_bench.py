@@ -509,3 +509,27 @@ def test_gpu_train_bench_script_runs_its_commands_on_the_cpu(tmp_path):
         env=env,
     )
     assert res.returncode == 2 and res.stderr.startswith("error: unknown argument --bogus")
+
+
+# ------------------------------------------------------------------------------ bench engine
+def test_engine_bench_accounts_for_every_step_it_times(tmp_path, capsys):
+    """`bench engine` on tiny: every timed output token past a request's first is one decode row of some
+    timed step (the first comes from the prompt's step), the bucket shares of the timed steps sum to one,
+    and the rows per step are printed."""
+    from dsv4.bench.engine import _work
+
+    out = tmp_path / "engine.json"
+    args = ["--preset", "tiny", "--device", "cpu", "--clients", "2", "--requests", "5", "--prompt-len", "9"]
+    args += ["--output-len", "4", "--repeats", "2", "--no-raw", "--seed", "3", "--out", str(out)]
+    assert main(["bench", "engine", *args]) == 0
+    text = capsys.readouterr().out
+    row = json.loads(out.read_text())["runs"]["2"]
+    mix = row["step_mix"]
+    work = _work(ModelConfig.preset("tiny").vocab_size, 5, 9, 4, 0.25, 3)
+    per_run = sum(n - 1 for _, n in work)  # decode rows of one run
+    assert per_run > 0
+    assert mix["decode_rows_per_step"] * mix["steps"] == pytest.approx(2 * per_run)
+    assert 0 < mix["prompt_tokens_per_step"] * mix["steps"] <= 2 * sum(len(p) for p, _ in work)
+    assert sum(mix["bucket_share"].values()) == pytest.approx(1.0)
+    assert mix["bucket_share"] == {"ragged": 1.0}  # a CPU engine runs unpadded steps
+    assert f"per step: {mix['decode_rows_per_step']:.1f} decode rows" in text
