@@ -1,11 +1,15 @@
 """`hc_pre`'s forward by K split, per token count: which split `dsv4.ops.triton.mhc._split_plan` should pick.
 
-    python3 scripts/bench_hc_split.py [--tokens 64 256 1024 2176 4096 8192] [--dim 1024] [--hc 4]
+    python3 scripts/bench_hc_split.py [--tokens 64 256 1024 2176 4096 8192] [--dim 1024] [--hc 4] [--anatomy]
 
 For each token count T: the time of one `hc_pre` call (the Triton backend, bf16 x [1, T, hc, dim]) with the
 automatic plan ("auto") and with K forced into 1 (the single kernel), 2, 3, 4, 6, 8 and 16 slices
 (`mhc.SPLIT_K`), and the bytes it must move (x read once, y written) per second. Each time is the median of
 5 replays of a CUDA graph of 50 calls, captured after 3 warm-up calls. Needs a CUDA GPU.
+
+--anatomy times the single kernel instead, to see where its time goes: with 20 Sinkhorn iterations, with
+1, without the comb columns and Sinkhorn (`hc_head`), and each of its autotuning configurations at 1 to 4
+pipeline stages.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dsv4
 
@@ -54,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 1024, 2176, 4096, 8192])
     p.add_argument("--dim", type=int, default=1024, help="model dimension (small: 1024)")
     p.add_argument("--hc", type=int, default=4, help="hyper-connection copies")
+    p.add_argument("--anatomy", action="store_true", help="the single kernel's parts and configurations")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_hc_split: needs a CUDA GPU (it times Triton kernels)", file=sys.stderr)
@@ -62,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator(device=dev).manual_seed(0)
     fn = torch.randn((2 + hc) * hc, hc * d, device=dev, generator=g) * 0.02
     scale, base = torch.ones(3, device=dev), torch.zeros((2 + hc) * hc, device=dev)
+    if args.anatomy:
+        return anatomy(args.tokens, hc, d, fn, scale, base, g)
     print(f"hc_pre forward, hc={hc}, dim={d}, bf16, {torch.cuda.get_device_name()}: us per call (GB/s) by K split")
     for t in args.tokens:
         x = torch.randn(1, t, hc, d, device=dev, dtype=torch.bfloat16, generator=g)
@@ -75,6 +84,49 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             mhc.SPLIT_K = None
         print(f"  T={t:>5}  " + "  ".join(cells), flush=True)
+    return 0
+
+
+def _launch_one(kernel, grid, args, kw) -> None:
+    kernel[grid](*args, **kw)
+
+
+def anatomy(tokens, hc, d, fn, scale, base, g) -> int:
+    dev = fn.device
+    print(f"hc_pre single kernel, hc={hc}, dim={d}, bf16, {torch.cuda.get_device_name()}: us per call")
+    head_fn = fn[:hc].contiguous()
+    for t in tokens:
+        x = torch.randn(1, t, hc, d, device=dev, dtype=torch.bfloat16, generator=g)
+        cells = []
+        mhc.SPLIT_K = 1
+        try:
+            for label, call in (
+                ("iters 20", lambda x=x: ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20, backend="triton")),
+                ("iters 1", lambda x=x: ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 1, backend="triton")),
+                ("head", lambda x=x: ops.hc_head(x, head_fn, scale[:1], base[:hc], 1e-6, 1e-6, backend="triton")),
+            ):
+                cells.append(f"{label}: {time_ms(call) * 1e3:.1f}")
+        finally:
+            mhc.SPLIT_K = None
+        print(f"  T={t:>5}  " + "  ".join(cells), flush=True)
+        fpp, fcb = mhc._split_fn(fn, hc, False)
+        xs = x.contiguous()
+        y = torch.empty(1, t, d, dtype=x.dtype, device=dev)
+        post = torch.empty(t, hc, device=dev)
+        comb = torch.empty(t, hc, hc, device=dev)
+        mix = torch.empty(t, (2 + hc) * hc, device=dev)
+        rs = torch.empty(t, device=dev)
+        sc, bs = scale.float().contiguous(), base.float().contiguous()
+        args = (xs, fpp, fcb, sc, bs, y, post, comb, mix, rs, t, d, 1e-6, 1e-6)
+        meta = dict(ITERS=20, HC=hc, P1=mhc._pp_width(hc), HEAD=False, UPCAST=False)
+        for cfg in mhc._PRE_CONFIGS:
+            bt, bk, bd = cfg.kwargs["BT"], cfg.kwargs["BK"], cfg.kwargs["BD"]
+            row = []
+            for stages in (1, 2, 3, 4):
+                kw = dict(meta, BT=bt, BK=bk, BD=bd, num_warps=cfg.num_warps, num_stages=stages)
+                call = partial(_launch_one, mhc._hc_pre_fwd_kernel, (triton.cdiv(t, bt),), args, kw)
+                row.append(f"{stages} stages: {time_ms(call) * 1e3:.1f}")
+            print(f"    BT={bt} BK={bk} BD={bd} warps={cfg.num_warps}: " + "  ".join(row), flush=True)
     return 0
 
 

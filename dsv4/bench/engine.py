@@ -203,7 +203,13 @@ def _kernel_tables(engine, clients: int, prompt_len: int, out_dir: Path, top: in
     tables: dict[str, dict] = {}
 
     def record(name: str, fn, calls: int, note: str) -> None:
+        runner = engine.runner
+        before = (runner.decode_rows, runner.prompt_tokens, runner.graph_steps + runner.eager_steps)
         busy, n, rows = kernel_table(fn, calls)
+        if fn == engine.step:  # what the steps really carried (kernel_table runs one untimed call first)
+            ran = runner.graph_steps + runner.eager_steps - before[2]
+            d, p = runner.decode_rows - before[0], runner.prompt_tokens - before[1]
+            note += f"; ran {d / max(1, ran):.0f} decode rows and {p / max(1, ran):.0f} prompt tokens per step"
         tables[name] = {"gpu_busy_ms": busy, "kernels": n, "note": note, "top": rows[:top]}
 
     prompts = torch.tensor([prompt() for _ in range(clients)], device=engine.device)
