@@ -215,7 +215,9 @@ class Attention(nn.Module):
         b, s = o.shape[:2]
         o = o.reshape(b, s, self.o_groups, -1)  # [b, s, g, h/g*d]
         wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)  # [g, R, h/g*d]
-        acc = acc_dtype() if o.dtype == torch.float32 else o.dtype
+        # in o's dtype (fp32 or bf16 as the official code), or float64 under exact accumulation: a bf16
+        # batched GEMM's fp32 order follows the batch on CUDA (cuBLAS picks its kernel by the row count)
+        acc = torch.float64 if acc_dtype() == torch.float64 else o.dtype
         o = torch.einsum("bsgd,grd->bsgr", o.to(acc), wo_a.to(acc)).to(o.dtype)
         return record_as(f"{self.stage}.out", self.wo_b(o.flatten(2)), shape)
 

@@ -99,6 +99,37 @@ def test_batching_does_not_change_tokens(model, prompts, sampled):
     assert engine.manager.free_pages()[0] == engine.layout.n_window_pages - 1  # every page came back
 
 
+def test_deterministic_steps_multiply_in_float64_also_for_a_bf16_model(prompts):
+    """Deterministic mode rounds every matrix product once from float64, whatever the model's dtype: a
+    product left in bf16 or fp32 sums in an order that the device's GEMM picks by the row count, so a
+    request's numbers would follow the batch on a GPU (cuBLAS chooses its kernel per shape). Every
+    matmul that the engine's steps dispatch, prompt chunks and decode rows of two requests, is checked."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    products = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes: list[tuple[str, torch.dtype]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in products:
+                self.dtypes += [(str(func), a.dtype) for a in args if isinstance(a, torch.Tensor)]
+            return func(*args, **(kwargs or {}))
+
+    bf16 = DeepSeekV4.from_config(check_config("tiny"), seed=0, dtype=torch.bfloat16).eval()
+    engine = Engine(bf16, EngineConfig(max_seqs=2, max_batch_tokens=24, page_size=16, deterministic=True))
+    for i, p in enumerate(prompts[1:3]):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    with Products() as seen:
+        while engine.has_work():
+            engine.step()
+    assert {func for func, _ in seen.dtypes} >= {"aten.mm.default", "aten.bmm.default"}
+    assert {(func, d) for func, d in seen.dtypes if d != torch.float64} == set()
+
+
 def test_prefix_cache_reuses_pages_and_changes_nothing(model):
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(2, model.cfg.vocab_size, (40,), generator=g).tolist()
