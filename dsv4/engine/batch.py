@@ -9,7 +9,9 @@ views and the device receives it in a single transfer. Two layouts:
   chunk of n tokens fills ceil(n / L) consecutive slots), then one padding token. Every shape depends on
   (D, C, L) only, so one CUDA graph per bucket replays any step that fits it. Padding tokens belong to a
   row without pages: their writes go to the trash page and they complete no group, so the real rows
-  compute exactly what the ragged layout computes.
+  compute exactly what the ragged layout computes. Where a compressor keeps fewer raw rows than a slot
+  holds tokens (`KeepRule`), the bucket also lists, per slot, the tokens that may leave raw rows for
+  later steps; only those are written (the rest of a long chunk would all be written to the trash row).
 
 Tables are not in the fields: each row names its table row (`trow`, the sequence's ring slot), and the
 device gathers the rows of the page tables it keeps (`BlockTables`, copied a few changed rows per step).
@@ -72,6 +74,37 @@ def _base_spec(T: int, B: int) -> list[tuple[str, tuple[int, ...]]]:
 
 # ------------------------------------------------------------------------------------------ bucketed
 @dataclass(frozen=True)
+class KeepRule:
+    """Tokens of a chunk that leave raw rows in a compressor of `ratio` (`CacheLayout.raw_keep`): the last
+    `ring` of the chunk, and those at a position p with p % page >= page - tail; at most `per_slot` in a
+    slot (`CacheLayout.keep_bound`)."""
+
+    ratio: int
+    ring: int
+    tail: int
+    page: int
+    per_slot: int
+
+    @classmethod
+    def for_layout(cls, layout, slot_len: int) -> tuple[KeepRule, ...]:
+        """The rules of the ratios where a slot holds more tokens than can leave raw rows."""
+        rules = []
+        for r in layout.ratios:
+            ring, tail = layout.raw_keep(r)
+            k = layout.keep_bound(r, slot_len)
+            if k < slot_len:
+                rules.append(cls(r, ring, tail, layout.page_size, k))
+        return tuple(rules)
+
+    def kept(self, pos: np.ndarray, length: int) -> np.ndarray:
+        """bool [n]: which tokens at positions pos (a chunk ending at length) may leave raw rows."""
+        mask = pos >= length - self.ring
+        if self.tail:
+            mask |= pos % self.page >= self.page - self.tail
+        return mask
+
+
+@dataclass(frozen=True)
 class Bucket:
     """A fixed step shape: `decode` one-token rows, `slots` chunk slots of `slot_len` tokens."""
 
@@ -79,6 +112,7 @@ class Bucket:
     slots: int
     slot_len: int
     ratios: tuple[int, ...]
+    keep: tuple[KeepRule, ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -108,6 +142,8 @@ class Bucket:
 def _bucket_fields(b: Bucket) -> Fields:
     spec = _base_spec(b.tokens, b.rows)
     spec += [(f"g{r}", (b.group_len(r),)) for r in b.ratios]
+    if b.slots:
+        spec += [(f"k{k.ratio}", (b.decode + b.slots * k.per_slot,)) for k in b.keep]
     if b.decode:
         spec += [("imap0", (b.decode, 1)), ("irow0", (b.decode,))]
     if b.slots:
@@ -154,6 +190,11 @@ def fill_bucket(b: Bucket, decode: list[Row], chunks: list[Row], v: dict[str, np
         g = v[f"g{r}"]
         g[:] = T - 1
         g[:nd] = np.arange(nd)
+    keep = b.keep if b.slots else ()
+    for k in keep:
+        kt = v[f"k{k.ratio}"]
+        kt[:] = T - 1
+        kt[:nd] = np.arange(nd)
     out = v["out"]
     out[:] = T - 1
     out[:nd] = np.arange(nd)
@@ -186,6 +227,14 @@ def fill_bucket(b: Bucket, decode: list[Row], chunks: list[Row], v: dict[str, np
                 mine = done[(done >= lo + s * L) & (done < lo + (s + 1) * L)]
                 at = D + (slot + s) * m
                 g[at : at + len(mine)] = mine
+        for rule in keep:
+            kept = lo + np.nonzero(rule.kept(pos, r.start + n))[0]
+            kt = v[f"k{rule.ratio}"]
+            for s in range(k):
+                mine = kept[(kept >= lo + s * L) & (kept < lo + (s + 1) * L)]
+                assert len(mine) <= rule.per_slot, "CacheLayout.keep_bound undercounts"
+                at = D + (slot + s) * rule.per_slot
+                kt[at : at + len(mine)] = mine
         logits_rows.append(D + slot + k - 1)
         slot += k
     return logits_rows
@@ -266,6 +315,7 @@ def step_inputs(
         ctable=tables_c[trow],
         state=t["state"],
         groups={r: t[f"g{r}"] for r in ratios},
+        keep={r: t[f"k{r}"] for r in ratios if f"k{r}" in t},
         index_maps=maps,
         index_rows=rows,
         out=t["out"],

@@ -25,7 +25,7 @@ import torch
 from ..model import DeepSeekV4
 from ..model.paged import PagedKVCache, StepInputs
 from ..ops.cuda_graphs import capturing
-from .batch import Bucket, Fields, Row, fill_bucket, ragged_fields, step_inputs
+from .batch import Bucket, Fields, KeepRule, Row, fill_bucket, ragged_fields, step_inputs
 from .cache_manager import BlockTables
 from .mirror import RESTORE, STEP, STOP, TABLES, Mirror
 from .sampling import SampleOutput, Sampler, SamplingParams, SamplingTensors
@@ -221,11 +221,10 @@ class Runner:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.pad = pad or self.cuda_graphs  # bucketed steps (eagerly where there are no graphs)
         self.slot_len = slot_len
+        self.keep = KeepRule.for_layout(cache.layout, slot_len)  # chunk tokens that leave raw rows
         self.decode_sizes = bucket_sizes(max_decode, DECODE_BUCKETS)
         self.slot_sizes = bucket_sizes(max_slots, SLOT_BUCKETS) if max_slots else [0]
-        self.buckets = [
-            Bucket(d, c, slot_len, self.ratios) for d in self.decode_sizes for c in self.slot_sizes if d or c
-        ]
+        self.buckets = [self.bucket(d, c) for d in self.decode_sizes for c in self.slot_sizes if d or c]
         vocab = model.cfg.vocab_size
         n_out = max_decode + max(self.slot_sizes)
         width = tables.w.shape[1]
@@ -278,7 +277,11 @@ class Runner:
         c = next((s for s in self.slot_sizes if s >= n_slots), None)
         if d is None or c is None or not (d or c):
             return None
-        return Bucket(d, c, self.slot_len, self.ratios)
+        return self.bucket(d, c)
+
+    def bucket(self, n_decode: int, n_slots: int) -> Bucket:
+        """The bucket of exactly these sizes."""
+        return Bucket(n_decode, n_slots, self.slot_len, self.ratios, self.keep)
 
     # ------------------------------------------------------------------ one step
     def forward(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -488,7 +491,7 @@ class Runner:
             self._apply_tables(dev)
             if kind != STEP:
                 continue
-            bucket = Bucket(a, b, self.slot_len, self.ratios)
+            bucket = self.bucket(a, b)
             if bucket in self.graphs:
                 self.graphs[bucket].replay()
                 self.graph_steps += 1

@@ -130,6 +130,8 @@ class Compressor(nn.Module):
         pooled = ops.compress_pool(g_kv, g_score)  # [G, c]
         out = self.finish(pooled.unsqueeze(0), rp.group_j, x.dtype).squeeze(0)
         entries.index_copy_(0, rp.entry_write, out.to(entries.dtype))
+        if rp.keep_tok is not None:  # a prompt chunk's earlier tokens leave no raw rows: not copied
+            kv, score = kv[rp.keep_tok], score[rp.keep_tok]
         ring.kv.index_copy_(0, rp.ring_write, kv)
         ring.score.index_copy_(0, rp.ring_write, score)
         if tail is not None and rp.tail_write is not None:

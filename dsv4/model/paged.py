@@ -118,6 +118,19 @@ class CacheLayout:
     def ring_len(self, ratio: int) -> int:
         return (2 if overlap(ratio) else 1) * ratio + SPEC_ROWS
 
+    def raw_keep(self, ratio: int) -> tuple[int, int]:
+        """Which tokens of a prompt chunk leave raw rows for later steps: its last `R` tokens (the ring)
+        and, where page tails are kept, every token whose position p has p % page_size >= page_size - t.
+        -> (R, t), t = 0 without tails."""
+        tail = ratio if self.page_tails and overlap(ratio) else 0
+        return self.ring_len(ratio), tail
+
+    def keep_bound(self, ratio: int, chunk: int) -> int:
+        """At most this many tokens of `chunk` consecutive positions of one sequence leave raw rows
+        (`raw_keep`): the last R, and t of each page end the chunk reaches (at most chunk // page + 1)."""
+        R, t = self.raw_keep(ratio)
+        return min(chunk, R + t * (chunk // self.page_size + 1))
+
 
 @dataclass
 class Ring:
@@ -231,6 +244,9 @@ class StepInputs:
     # verify: completion is decided on the device)
     groups: dict[int, torch.Tensor | None] = field(default_factory=dict)
     # indexer groups: token index maps [b_g, s_g] (-1: padding) and the row of each map row [b_g]
+    # ratio -> [K] flat indices of the tokens whose raw rows may be kept (a superset: the others are not
+    # written at all); absent: every token (`CacheLayout.raw_keep`)
+    keep: dict[int, torch.Tensor] = field(default_factory=dict)
     index_maps: list[torch.Tensor] = field(default_factory=list)
     index_rows: list[torch.Tensor] = field(default_factory=list)
     out: torch.Tensor | None = None  # [n_out] flat indices whose logits are wanted (None: all)
@@ -249,8 +265,9 @@ class RatioPlan:
     group_new: torch.Tensor | None = None  # [G, coff*r] flat token index of each slot's row, or -1
     group_ring: torch.Tensor | None = None  # [G, coff*r] ring row when not new (EMPTY_ROW: none)
     entry_write: torch.Tensor | None = None  # [G] entry slot to write (TRASH unless complete)
-    ring_write: torch.Tensor | None = None  # [T] ring row for each token's raw row (TRASH: not kept)
-    tail_write: torch.Tensor | None = None  # [T] page-tail row (TRASH: not a page's last group)
+    keep_tok: torch.Tensor | None = None  # [K] the tokens whose raw rows are written (None: all T)
+    ring_write: torch.Tensor | None = None  # [K] ring row for each such token's raw row (TRASH: not kept)
+    tail_write: torch.Tensor | None = None  # [K] page-tail row (TRASH: not a page's last group)
     visible: torch.Tensor | None = None  # [T, max_entries] entry slots visible (HCA), -1 none
     cand: list[torch.Tensor] = field(default_factory=list)  # per indexer group [b_g, max_entries]
 
@@ -327,13 +344,16 @@ def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int) -> RatioPlan:
     slot = entry_slot(g_row, entry_index(g_pos, r))
     plan.entry_write = torch.where(complete & (slot >= 0), slot, TRASH)
 
-    # -- raw rows kept for later steps: the last R positions of each row
-    keep = (pos >= inp.length[rows] - R) & has_page
-    plan.ring_write = torch.where(keep, RING_BASE + inp.state[rows] * R + pos % R, TRASH)
+    # -- raw rows kept for later steps: the last R positions of each row (of the listed tokens only)
+    kt = inp.keep.get(r)
+    k_pos, k_rows, k_page = (pos, rows, has_page) if kt is None else (pos[kt], rows[kt], has_page[kt])
+    plan.keep_tok = kt
+    keep = (k_pos >= inp.length[k_rows] - R) & k_page
+    plan.ring_write = torch.where(keep, RING_BASE + inp.state[k_rows] * R + k_pos % R, TRASH)
     if layout.page_tails and overlap(r):
-        cpage = lookup_page(inp.ctable, rows, torch.div(pos, P, rounding_mode="floor"))
-        last_group = (pos % P >= P - r) & (cpage > 0)
-        plan.tail_write = torch.where(last_group, cpage * r + pos % r, TRASH)
+        cpage = lookup_page(inp.ctable, k_rows, torch.div(k_pos, P, rounding_mode="floor"))
+        last_group = (k_pos % P >= P - r) & (cpage > 0)
+        plan.tail_write = torch.where(last_group, cpage * r + k_pos % r, TRASH)
 
     # -- what each token may read
     n_max = layout.max_entries(r)

@@ -99,6 +99,30 @@ def test_batching_does_not_change_tokens(model, prompts, sampled):
     assert engine.manager.free_pages()[0] == engine.layout.n_window_pages - 1  # every page came back
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_chunks_longer_than_the_raw_rows_kept_write_only_those(model, prefix_caching):
+    """Slots of 48 tokens hold more than the compressors keep (a ring of 24 rows at ratio 4, 32 at ratio
+    16, and with prefix caching ratio 4's last group of each 16-position page): the bucket lists the
+    tokens that may leave raw rows and only those are written. Tokens and pages must equal the ragged
+    steps', also for requests that resume from a cached prefix (their ring rows restored from the page
+    tails) and for chunks that end a few tokens into a slot (the ring's rows then straddle two slots).
+    The first request's first chunk runs past the shared prefix's last page end by more than a ring:
+    that page's tail is written only because the bucket lists it."""
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(2, model.cfg.vocab_size, (70,), generator=g).tolist()
+    prompts = [shared + torch.randint(2, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (50, 29, 3)]
+    prompts += [torch.randint(2, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (97, 5, 49)]
+    kw = dict(arrivals=[0, 6, 9, 0, 2, 3], max_batch_tokens=100, chunk_len=48, prefix_caching=prefix_caching)
+    plain, _, _ = run(model, prompts, greedy(), **kw)
+    padded, engine, _ = run(model, prompts, greedy(), pad_steps=True, **kw)
+    # the narrowed writes ran: ratio 4 keeps 2 x 4 + 16 ring rows (+ 4 per page end), ratio 16 16 + 16
+    assert {k.ratio: k.per_slot for k in engine.runner.keep} == {4: 40 if prefix_caching else 24, 16: 32}
+    assert padded == plain
+    if prefix_caching:
+        assert engine.manager.hits > 0
+    assert engine.manager.free_pages()[0] == engine.layout.n_window_pages - 1
+
+
 def test_deterministic_steps_multiply_in_float64_also_for_a_bf16_model(prompts):
     """Deterministic mode rounds every matrix product once from float64, whatever the model's dtype: a
     product left in bf16 or fp32 sums in an order that the device's GEMM picks by the row count, so a
