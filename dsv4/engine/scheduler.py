@@ -68,6 +68,13 @@ class Scheduler:
         self._admissions = itertools.count()
         self.stats = stats if stats is not None else {}
         self.stats.setdefault("preemptions", 0)
+        # pools that hold max_seqs sequences at max_model_len (the engine's default sizes) never force a
+        # preemption, so admission needs no pages in reserve there: a reserve would keep the last seat
+        # empty whenever the others hold their full pages
+        w, c = self.window_pages_needed(config.max_model_len)
+        self.roomy = manager.wpool.n_pages - 1 >= config.max_seqs * w and (
+            manager.cpool is None or manager.cpool.n_pages - 1 >= config.max_seqs * c
+        )
 
     # ------------------------------------------------------------------ membership
     def add(self, seq: Sequence) -> None:
@@ -154,6 +161,7 @@ class Scheduler:
             budget -= self._slots(n) * L if seq.prefilling else n
         # admission keeps a few pages free (1% of each pool, as vLLM's watermark) and one for each running
         # sequence that starts a new page at its next token, so that admitting does not force a preemption
+        # (where preemption can happen at all: not `roomy`)
         m = self.manager
         watermark = (max(1, m.wpool.n_pages // 100), max(1, m.cpool.n_pages // 100) if m.cpool else 0)
         at_edge = sum(1 for s in self.running if (s.computed + 1) % P == 0)
@@ -166,7 +174,7 @@ class Scheduler:
                 break
             cached = self.manager.match(pages, seq.tokens) if seq.computed == 0 else 0
             n = min((budget // L) * L, len(seq.tokens) - cached)
-            reserve = (watermark[0] + at_edge, watermark[1] + at_edge) if self.running else (0, 0)
+            reserve = (watermark[0] + at_edge, watermark[1] + at_edge) if self.running and not self.roomy else (0, 0)
             if not (
                 self.manager.can_fit(cached, cached + n, reserve) and self.manager.allocate(pages, cached, cached + n)
             ):

@@ -160,3 +160,35 @@ def test_memory_pressure_preempts_the_latest_and_recomputes_it():
         assert steps < 2000
     assert s.stats["preemptions"] > 0
     assert all(len(r.sequences[0].tokens) == 55 for r in reqs)
+
+
+def test_pools_sized_for_every_seat_keep_no_seat_empty():
+    """Pools that hold max_seqs sequences at max_model_len (the engine's default sizes) admit the last
+    seat while the others run, even when they hold every other page: no preemption can be needed there,
+    so admission keeps no pages in reserve (a reserve kept the last seat empty until a sequence ended).
+    A pool one page smaller keeps the reserve."""
+    max_seqs, max_len, P = 4, 64, 16
+    full = max_seqs * (max_len // P)
+    assert not make(n_window=32, n_comp=full - 1, max_seqs=max_seqs, budget=64, chunk=1, prefix=False, P=P).roomy
+    s = make(n_window=32, n_comp=full, max_seqs=max_seqs, budget=64, chunk=1, prefix=False, P=P, max_len=max_len)
+    assert s.roomy
+    seqs = []
+    for i in range(max_seqs):  # 49 positions: 4 pages each
+        req = Request(str(i), [7] * 49, SamplingParams(max_tokens=8, temperature=0))
+        req.sequences.append(Sequence(req, 0, [7] * 49, seed=0, prompt_len=49))
+        seqs.append(req.sequences[0])
+    for seq in seqs[:-1]:
+        s.add(seq)
+    while any(seq.prefilling or not seq.running for seq in seqs[:-1]):  # the model's part, as above
+        plan = s.schedule()
+        for r in plan:
+            want = r.want_logits
+            r.seq.computed += r.n
+            if want:
+                r.seq.tokens.append(3)
+        s.after_step([r.seq for r in plan])
+    assert s.manager.free_pages()[1] == 4  # exactly the last seat's pages
+    s.add(seqs[-1])
+    s.schedule()
+    assert seqs[-1].running
+    check_pages(s)
