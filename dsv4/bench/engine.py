@@ -4,7 +4,8 @@ N clients each keep one request in flight (a closed loop, as `dsv4 bench serve` 
 of random token ids, lengths drawn from a fixed distribution with a fixed seed, `ignore_eos`. Reported per
 client count, as the median (min, max) of --repeats runs after an untimed warm-up run:
 - output tokens/s, and as a fraction of the raw batched decode rate at the same batch measured here
-  (`model.decode_step` in lockstep, from a CUDA graph on CUDA);
+  (`model.decode_step` in lockstep, from a CUDA graph on CUDA); beside it the most this closed loop lets
+  any engine reach (`load.closed_loop_ceiling`: the seats left empty while the last requests finish);
 - engine steps/s, and the host's time per step by phase (schedule, launch, wait for the device,
   post-processing): the host is off the critical path when "wait" dominates;
   the objects alive after the warm-up are frozen out of the cycle collector, as in a server's engine
@@ -36,6 +37,7 @@ import torch
 
 from .. import argtypes, options
 from ..errors import UserError
+from .load import closed_loop_ceiling
 
 
 def _work(
@@ -320,6 +322,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
             "ttft_p99_s": spread([x["ttft_p99_s"] for x in runs]),
             "host_ms_per_step": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
             "step_mix": mix,
+            "closed_loop_ceiling": closed_loop_ceiling([n for _, n in work], clients),
         }
         if args.speculative:
             row["speculative"] = engine.metrics()["speculative"]  # since the engine started (warm-up too)
@@ -361,6 +364,10 @@ def _print_row(r: dict) -> None:
             f"  raw decode at batch {r['clients']}: {_fmt(r['raw_decode_tokens_per_s'])} tokens/s: the engine "
             f"reaches {r['fraction_of_raw_decode']:.0%} of it"
         )
+    print(
+        f"  this closed loop lets an engine reach at most {r['closed_loop_ceiling']:.0%} of raw decode (every step "
+        "at the raw step's cost, seats refilled at once: the loss is the seats left empty at the end)"
+    )
     print(f"  TTFT p50 {_fmt(r['ttft_p50_s'], 1e3, ' ms')}, p99 {_fmt(r['ttft_p99_s'], 1e3, ' ms')}")
     print("  host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items()))
     m = r["step_mix"]

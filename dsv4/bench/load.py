@@ -29,6 +29,24 @@ class Result:
     sent: float | None = None  # seconds from the start of the load to the request's send
 
 
+def closed_loop_ceiling(outputs: list[int], clients: int) -> float:
+    """The most a closed loop of `clients` over requests of these output lengths (in order) lets any engine
+    reach, as a fraction of the raw batched decode rate at batch `clients`: an engine whose every step
+    costs the raw decode step, prompts included, and that refills a seat in the step after it empties.
+    Each step every running request makes one token, so a request of n tokens holds its seat n steps;
+    the seats the last requests leave empty while the longest ones finish are the loss.
+    -> tokens / (steps x clients)."""
+    if clients < 1 or not outputs:
+        raise ValueError("a closed loop needs at least one client and one request")
+    queue, running, steps = list(outputs), [], 0
+    while queue or running:
+        while queue and len(running) < clients:
+            running.append(queue.pop(0))
+        steps += 1
+        running = [n - 1 for n in running if n > 1]
+    return sum(outputs) / (steps * clients)
+
+
 def arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     """n Poisson arrival times at `rate` requests/s (seconds from the start; exponential gaps)."""
     rng = random.Random(seed)

@@ -33,7 +33,7 @@ import torch
 
 from .. import argtypes, options
 from ..errors import UserError
-from .load import arrivals, drive
+from .load import arrivals, closed_loop_ceiling, drive
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -191,6 +191,9 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
     sargs.max_model_len = args.max_model_len or max(longest + 1, 256)
     proc, host, port, banner = _start_server(_server_argv(sargs))
     row: dict = {"clients": clients, "requests": requests, "server": banner.strip().splitlines()[-2:]}
+    if not args.request_rate:  # (the median over the runs' workloads)
+        ceilings = [closed_loop_ceiling([n for _, n in w], clients) for w in runs_work]
+        row["closed_loop_ceiling"] = statistics.median(ceilings)
     http = re.search(r"(\d+) HTTP process", banner)
     row["api_servers"] = int(http.group(1)) if http else None
     try:
@@ -376,6 +379,11 @@ def _print(result: dict, r: dict) -> None:
             f"  raw decode      {_fmt(r['raw_decode_tokens_per_s'])} tokens/s at batch {r['clients']}: the server "
             f"reaches {r['fraction_of_raw_decode']:.0%} of it"
         )
+        if "closed_loop_ceiling" in r:
+            print(
+                f"                  (this closed loop lets a server reach at most {r['closed_loop_ceiling']:.0%}: the "
+                "seats left empty while the last requests finish)"
+            )
     if "speedup_over_hf_best" in r:
         print(f"  dsv4 serve / best transformers generate: {r['speedup_over_hf_best']:.1f}x")
     sm = r.get("server_metrics", {})

@@ -533,3 +533,7 @@ def test_engine_bench_accounts_for_every_step_it_times(tmp_path, capsys):
     assert sum(mix["bucket_share"].values()) == pytest.approx(1.0)
     assert mix["bucket_share"] == {"ragged": 1.0}  # a CPU engine runs unpadded steps
     assert f"per step: {mix['decode_rows_per_step']:.1f} decode rows" in text
+    from dsv4.bench.load import closed_loop_ceiling
+
+    assert row["closed_loop_ceiling"] == closed_loop_ceiling([n for _, n in work], 2)
+    assert f"at most {row['closed_loop_ceiling']:.0%} of raw decode" in text

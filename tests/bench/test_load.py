@@ -109,3 +109,16 @@ def test_no_request_is_sent_before_its_arrival(server, procs):
     assert [r.error for r in results] == [None] * 8 and [r.tokens for r in results] == [2] * 8
     assert all(r.sent is not None and r.sent >= a for r, a in zip(results, at))
     assert wall >= at[-1]
+
+
+def test_closed_loop_ceiling_counts_the_seats_left_empty():
+    """Equal requests that fill every seat in waves lose nothing; otherwise the ceiling is the tokens over
+    steps x seats of a loop whose seats refill at once (worked by hand below)."""
+    from dsv4.bench.load import closed_loop_ceiling
+
+    assert closed_loop_ceiling([5] * 8, 4) == 1.0
+    assert closed_loop_ceiling([5, 3], 4) == 8 / (5 * 4)  # two of four seats, 5 steps
+    # seats: [3, 1] -> step 2 refills the second seat with the third request: [2, 1] -> [1] -> done
+    assert closed_loop_ceiling([3, 1, 1], 2) == 5 / (3 * 2)
+    with pytest.raises(ValueError):
+        closed_loop_ceiling([], 2)
