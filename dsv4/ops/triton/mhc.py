@@ -47,20 +47,12 @@ def _hc_pre_mix(
     BK: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Raw mixes and sum of squares of rows `ts` over the reduction slice [k_lo, k_hi) of K = hc * D.
-
-    fn = hi + mid + lo (each part exactly bf16) is multiplied part by part into its own accumulator, and
-    the three are added once at the end: the parts' MMAs then do not wait for each other every K step
-    (one chain per part instead of one chain through all three)."""
+    """Raw mixes and sum of squares of rows `ts` over the reduction slice [k_lo, k_hi) of K = hc * D."""
     P2: tl.constexpr = HC * HC
     c1 = tl.arange(0, P1)
     c2 = tl.arange(0, P2)
-    pp0 = tl.zeros((BT, P1), dtype=tl.float32)  # pre | post mixes (zero-padded columns), per part
-    pp1 = tl.zeros((BT, P1), dtype=tl.float32)
-    pp2 = tl.zeros((BT, P1), dtype=tl.float32)
-    cb0 = tl.zeros((BT, P2), dtype=tl.float32)  # comb mixes, row-major hc x hc, per part
-    cb1 = tl.zeros((BT, P2), dtype=tl.float32)
-    cb2 = tl.zeros((BT, P2), dtype=tl.float32)
+    acc_pp = tl.zeros((BT, P1), dtype=tl.float32)  # pre | post mixes (zero-padded columns)
+    acc_cb = tl.zeros((BT, P2), dtype=tl.float32)  # comb mixes, row-major hc x hc
     ss = tl.zeros((BT,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         ks = k0 + tl.arange(0, BK)
@@ -73,16 +65,13 @@ def _hc_pre_mix(
         SPLIT: tl.constexpr = xk.dtype == tl.float16
         xh = xf.to(tl.bfloat16) if SPLIT else xk
         xl = (xf - xh.to(tl.float32)).to(tl.bfloat16) if SPLIT else xk
-        w1 = fpp_ptr + ks[:, None] * P1 + c1[None, :]
-        pp0 = _mma_parts(xh, xl, tl.load(w1, mask=kmask[:, None], other=0.0), pp0, SPLIT, UPCAST)
-        pp1 = _mma_parts(xh, xl, tl.load(w1 + K * P1, mask=kmask[:, None], other=0.0), pp1, SPLIT, UPCAST)
-        pp2 = _mma_parts(xh, xl, tl.load(w1 + 2 * K * P1, mask=kmask[:, None], other=0.0), pp2, SPLIT, UPCAST)
-        if not HEAD:
-            w2 = fcb_ptr + ks[:, None] * P2 + c2[None, :]
-            cb0 = _mma_parts(xh, xl, tl.load(w2, mask=kmask[:, None], other=0.0), cb0, SPLIT, UPCAST)
-            cb1 = _mma_parts(xh, xl, tl.load(w2 + K * P2, mask=kmask[:, None], other=0.0), cb1, SPLIT, UPCAST)
-            cb2 = _mma_parts(xh, xl, tl.load(w2 + 2 * K * P2, mask=kmask[:, None], other=0.0), cb2, SPLIT, UPCAST)
-    return (pp0 + pp1) + pp2, (cb0 + cb1) + cb2, ss
+        for part in tl.static_range(3):  # fn = hi + mid + lo, each exactly bf16
+            w = tl.load(fpp_ptr + part * K * P1 + ks[:, None] * P1 + c1[None, :], mask=kmask[:, None], other=0.0)
+            acc_pp = _mma_parts(xh, xl, w, acc_pp, SPLIT, UPCAST)
+            if not HEAD:
+                w2 = tl.load(fcb_ptr + part * K * P2 + ks[:, None] * P2 + c2[None, :], mask=kmask[:, None], other=0.0)
+                acc_cb = _mma_parts(xh, xl, w2, acc_cb, SPLIT, UPCAST)
+    return acc_pp, acc_cb, ss
 
 
 @triton.jit
