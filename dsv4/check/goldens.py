@@ -39,7 +39,12 @@ window-only main layers and a two-stage draft in the official inference layout, 
 code's blocks (the draft's attention, taps and heads as the release defines them, written in the official
 primitives) and DeepSpec's Markov head, confidence head and per-position verify length; 40 tokens, five
 anchors whose context windows are partly and wholly filled (`compare_dspark`; measured: within 1.4e-5 at
-every stage, the same drafts and verify lengths).
+every stage on the CPU, the same drafts and verify lengths). The draft's context keys pass through the
+FP8 round trip of the KV (QAT), so, as in the fp8-fp4 case, an fp32 difference of an ulp in its input
+(another device's summation order) can move a key element by a whole E4M3 step: on CUDA a 3.8e-6
+difference before that round trip became 8.9e-3 after it and 7.5e-4 in the base logits. The draft's
+stages (`mtp.*`, `dspark.*`) are therefore held to 2^-4, the main model's taps and logits to 4e-5, and
+the drafted tokens and verify lengths must be equal.
 """
 
 from __future__ import annotations
@@ -115,7 +120,7 @@ def compare_dspark(device: str | torch.device = "cpu", model=None) -> list[Stage
     written out in them, DeepSpec's Markov and confidence heads and per-position verify length): load it
     with the checkpoint loader (unless `model` is given), run the draft over the fixture's anchors
     (`DSparkDraft.sequence_blocks`, greedy `chain`) and compare the taps, every stage's attention and MoE
-    output, the base and Markov-corrected logits, the confidence logits (fp32 tolerance), the drafted
+    output, the base and Markov-corrected logits, the confidence logits (`dspark_tolerance`), the drafted
     tokens and the verify length at the fixture's threshold (equal: error 0, else inf)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -162,8 +167,13 @@ def compare_dspark(device: str | torch.device = "cpu", model=None) -> list[Stage
             err = 0.0 if torch.equal(mine, want) else float("inf")
         else:
             err = float((got[name].float().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-30))
-        rows.append(StageError(DSPARK_CASE, name, err, FP32_TOL))
+        rows.append(StageError(DSPARK_CASE, name, err, dspark_tolerance(name)))
     return rows
+
+
+def dspark_tolerance(stage: str) -> float:
+    """The main model's stages: fp32; the draft's, downstream of its context keys' FP8 round trip: 2^-4."""
+    return W8A8_TOL if stage.startswith(("mtp.", "dspark.")) else FP32_TOL
 
 
 def fixture_metadata(case: str) -> dict[str, str]:
