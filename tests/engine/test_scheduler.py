@@ -136,6 +136,20 @@ def test_random_traffic_keeps_every_invariant(seed):
     assert (m.tables.w == -1).all() and (m.tables.c == -1).all()
 
 
+def model_step(s: Scheduler) -> None:
+    """One step with the model's part played: scheduled positions become computed, a row that reaches its
+    last known token gains a token, a sequence with max_tokens generated finishes."""
+    plan = s.schedule()
+    for r in plan:
+        want = r.want_logits
+        r.seq.computed += r.n
+        if want:
+            r.seq.tokens.append(3)
+            if r.seq.n_generated >= r.seq.params.max_tokens:
+                s.finish(r.seq, "length")
+    s.after_step([r.seq for r in plan])
+
+
 def test_memory_pressure_preempts_the_latest_and_recomputes_it():
     s = make(n_window=64, n_comp=6, max_seqs=4, budget=64, chunk=1, prefix=False)
     reqs = []
@@ -146,15 +160,7 @@ def test_memory_pressure_preempts_the_latest_and_recomputes_it():
         s.add(req.sequences[0])
     steps = 0
     while s.has_work():
-        plan = s.schedule()
-        for r in plan:
-            want = r.want_logits
-            r.seq.computed += r.n
-            if want:
-                r.seq.tokens.append(3)
-                if r.seq.n_generated >= 40:
-                    s.finish(r.seq, "length")
-        s.after_step([r.seq for r in plan])
+        model_step(s)
         check_pages(s)
         steps += 1
         assert steps < 2000
@@ -179,14 +185,8 @@ def test_pools_sized_for_every_seat_keep_no_seat_empty():
         seqs.append(req.sequences[0])
     for seq in seqs[:-1]:
         s.add(seq)
-    while any(seq.prefilling or not seq.running for seq in seqs[:-1]):  # the model's part, as above
-        plan = s.schedule()
-        for r in plan:
-            want = r.want_logits
-            r.seq.computed += r.n
-            if want:
-                r.seq.tokens.append(3)
-        s.after_step([r.seq for r in plan])
+    while any(seq.prefilling or not seq.running for seq in seqs[:-1]):
+        model_step(s)
     assert s.manager.free_pages()[1] == 4  # exactly the last seat's pages
     s.add(seqs[-1])
     s.schedule()
