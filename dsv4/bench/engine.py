@@ -11,8 +11,8 @@ client count, as the median (min, max) of --repeats runs after an untimed warm-u
   the objects alive after the warm-up are frozen out of the cycle collector, as in a server's engine
   process (`freeze_heap`);
 - graph-replayed and eager steps, and Triton compilations after the warm-up (0 when every step shape was
-  warmed); the timed steps' mix: real decode rows and prompt tokens per step, and the share of steps by
-  bucket shape;
+  warmed); the timed steps' mix: real decode rows and chunk tokens (prompts; with --speculative also
+  verifies) per step, and the share of steps by bucket shape;
 - with --profile DIR, a torch profiler trace of 20 steps (Chrome format) and the fraction of that window
   in which the GPU ran a kernel; on CUDA also the GPU time per kernel of a raw decode step, an engine
   decode-only step, a step of one new prompt beside the other rows' decodes (the steady state of a
@@ -152,13 +152,13 @@ def _profile(engine, work, clients: int, out_dir: Path) -> dict:
 
 
 def _step_mix(runner, since: dict | None = None) -> dict:
-    """The timed runs' steps: how many, the real decode rows and prompt tokens per step, and the share of
+    """The timed runs' steps: how many, the real decode rows and chunk tokens per step, and the share of
     steps by bucket ("decode rows+chunk slots"; "ragged" for unpadded steps), largest first. With `since`
     (an earlier call's result), the difference."""
     now = {
         "steps": runner.graph_steps + runner.eager_steps,
         "decode_rows": runner.decode_rows,
-        "prompt_tokens": runner.prompt_tokens,
+        "chunk_tokens": runner.chunk_tokens,
         "buckets": {f"{d}+{c}": n for (d, c), n in runner.bucket_steps.items()},
     }
     if since is None:
@@ -172,7 +172,7 @@ def _step_mix(runner, since: dict | None = None) -> dict:
     return {
         "steps": steps,
         "decode_rows_per_step": (now["decode_rows"] - since["decode_rows"]) / steps,
-        "prompt_tokens_per_step": (now["prompt_tokens"] - since["prompt_tokens"]) / steps,
+        "chunk_tokens_per_step": (now["chunk_tokens"] - since["chunk_tokens"]) / steps,
         "bucket_share": shares,
     }
 
@@ -206,12 +206,12 @@ def _kernel_tables(engine, clients: int, prompt_len: int, out_dir: Path, top: in
 
     def record(name: str, fn, calls: int, note: str) -> None:
         runner = engine.runner
-        before = (runner.decode_rows, runner.prompt_tokens, runner.graph_steps + runner.eager_steps)
+        before = (runner.decode_rows, runner.chunk_tokens, runner.graph_steps + runner.eager_steps)
         busy, n, rows = kernel_table(fn, calls)
         if fn == engine.step:  # what the steps really carried (kernel_table runs one untimed call first)
             ran = runner.graph_steps + runner.eager_steps - before[2]
-            d, p = runner.decode_rows - before[0], runner.prompt_tokens - before[1]
-            note += f"; ran {d / max(1, ran):.0f} decode rows and {p / max(1, ran):.0f} prompt tokens per step"
+            d, p = runner.decode_rows - before[0], runner.chunk_tokens - before[1]
+            note += f"; ran {d / max(1, ran):.0f} decode rows and {p / max(1, ran):.0f} chunk tokens per step"
         tables[name] = {"gpu_busy_ms": busy, "kernels": n, "note": note, "top": rows[:top]}
 
     prompts = torch.tensor([prompt() for _ in range(clients)], device=engine.device)
@@ -373,7 +373,7 @@ def _print_row(r: dict) -> None:
     m = r["step_mix"]
     shares = ", ".join(f"{k} {v:.0%}" for k, v in list(m["bucket_share"].items())[:6])
     print(
-        f"  per step: {m['decode_rows_per_step']:.1f} decode rows, {m['prompt_tokens_per_step']:.1f} prompt "
+        f"  per step: {m['decode_rows_per_step']:.1f} decode rows, {m['chunk_tokens_per_step']:.1f} chunk "
         f"tokens; steps by bucket (decode rows+chunk slots): {shares}"
     )
     print(

@@ -252,7 +252,7 @@ class Runner:
         # steps by (decode rows, chunk slots) of their bucket, and the real rows they carried
         self.bucket_steps: Counter[tuple[int, int]] = Counter()
         self.decode_rows = 0
-        self.prompt_tokens = 0
+        self.chunk_tokens = 0  # tokens of multi-token rows: prompt chunks (and speculative verifies)
         self.late_captures = 0  # graphs captured on first use, not at start-up
         self.warmup_seconds = 0.0
 
@@ -375,7 +375,7 @@ class Runner:
         if bucket is not None:
             self.bucket_steps[bucket.decode, bucket.slots] += 1
         self.decode_rows += len(decode)
-        self.prompt_tokens += sum(len(r.tokens) for r in chunks)
+        self.chunk_tokens += sum(len(r.tokens) for r in chunks)
         n = len(samples)
         params = [s.params for _, s in samples]
         vocab = self.model.cfg.vocab_size

@@ -529,7 +529,7 @@ def test_engine_bench_accounts_for_every_step_it_times(tmp_path, capsys):
     per_run = sum(n - 1 for _, n in work)  # decode rows of one run
     assert per_run > 0
     assert mix["decode_rows_per_step"] * mix["steps"] == pytest.approx(2 * per_run)
-    assert 0 < mix["prompt_tokens_per_step"] * mix["steps"] <= 2 * sum(len(p) for p, _ in work)
+    assert 0 < mix["chunk_tokens_per_step"] * mix["steps"] <= 2 * sum(len(p) for p, _ in work)
     assert sum(mix["bucket_share"].values()) == pytest.approx(1.0)
     assert mix["bucket_share"] == {"ragged": 1.0}  # a CPU engine runs unpadded steps
     assert f"per step: {mix['decode_rows_per_step']:.1f} decode rows" in text
