@@ -167,6 +167,9 @@ class BucketGraph:
         self.bucket = bucket
         self.fields = bucket.fields()
         r = runner
+        # a capture on first use comes between two steps: the last one's draws in `sampled` are what the
+        # next one feeds (`feed`), and the empty steps below draw into it too, so they are put back after
+        drawn = r.sampled.clone()
         host = np.zeros(self.fields.size, np.int64)
         v = self.fields.views(host)
         fill_bucket(bucket, [], [], v, r.tables.pad_row)  # an empty step: all padding
@@ -188,7 +191,8 @@ class BucketGraph:
             g.replay()  # uploads it (the empty step writes only to trash)
             self.graphs.append(g)
         self.turn = 0
-        # the warm-up steps wrote only to the trash page (padding rows): nothing to restore
+        # the warm-up steps wrote only to the trash page (padding rows) and to the draw buffers
+        r.sampled.copy_(drawn)
 
     def replay(self) -> None:
         self.graphs[self.turn].replay()

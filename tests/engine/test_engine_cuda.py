@@ -75,6 +75,21 @@ def test_graphed_steps_equal_the_eager_bucketed_steps(model, prompts, sampled, l
 
 
 @pytest.mark.parametrize("sampled", [False, True])
+def test_graphs_captured_between_steps_change_nothing(model, prompts, sampled):
+    """Without the start-up capture each bucket's graph is captured when a step first needs it, between
+    two steps: its empty warm-up steps draw into the buffer that holds the last step's tokens, which the
+    next step feeds to its decode rows (overlap). Those tokens must survive: the same tokens as eager."""
+    params = [
+        SamplingParams(max_tokens=NEW, temperature=0.8 if sampled else 0, seed=7 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    eager, _, _ = run(model, prompts, params, warm=False, cuda_graphs=False, pad_steps=True, overlap=False)
+    late, _, engine = run(model, prompts, params, warm=False)
+    assert engine.runner.late_captures > 1 and engine.runner.eager_steps == 0
+    assert late == eager
+
+
+@pytest.mark.parametrize("sampled", [False, True])
 def test_deterministic_mode_batching_does_not_change_tokens(model, prompts, sampled):
     """`--deterministic` on the GPU, every step from its bucket's graph (README: "Batching does not change
     results"): each request alone gives the tokens and log-probabilities it gets in a busy batch with
