@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.paged import StepInputs
+from ..model.paged import CacheLayout, StepInputs
 
 
 @dataclass
@@ -86,7 +86,7 @@ class KeepRule:
     per_slot: int
 
     @classmethod
-    def for_layout(cls, layout, slot_len: int) -> tuple[KeepRule, ...]:
+    def for_layout(cls, layout: CacheLayout, slot_len: int) -> tuple[KeepRule, ...]:
         """The rules of the ratios where a slot holds more tokens than can leave raw rows."""
         rules = []
         for r in layout.ratios:
