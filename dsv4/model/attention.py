@@ -328,7 +328,7 @@ class Attention(nn.Module):
     def _select_paged(
         self, x: torch.Tensor, qr: torch.Tensor, plan: Plan, rp: RatioPlan, keys: torch.Tensor
     ) -> torch.Tensor:
-        """Indexer top-k per token over its own sequence's entries -> [T, index_topk] entry slots, -1 none.
+        """Indexer top-k per token over its own sequence's entries -> [T, min(index_topk, entries)] slots, -1 none.
 
         Tokens are scored in groups that share a dense layout (`plan.inputs.index_maps`): the decode rows
         together, each prefill chunk on its own; candidates are the row's entries in entry order, so the
@@ -338,7 +338,10 @@ class Attention(nn.Module):
         T = inp.positions.numel()
         q, w = self.indexer.queries(x, qr, inp.positions)  # [1, T, H, D], [1, T, H]
         q, w = q[0], w[0]
-        out = torch.full((T + 1, self.indexer.topk), -1, dtype=torch.long, device=x.device)
+        # a row selects min(topk, candidates) entries: no wider, so attention walks no column that is -1
+        # for every token (the candidate width is the layout's entries per sequence, fixed per engine)
+        width = min(self.indexer.topk, rp.cand[0].size(1)) if rp.cand else 0
+        out = torch.full((T + 1, width), -1, dtype=torch.long, device=x.device)
         for qmap, cand in zip(inp.index_maps, rp.cand):
             valid = qmap >= 0
             tok = qmap.clamp_min(0)  # [b_g, s_g]

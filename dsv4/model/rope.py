@@ -64,5 +64,8 @@ class Rope:
 
 
 def apply_rope_tail(x: torch.Tensor, rope: Rope, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate only the last `rope.dim` dims of x (the RoPE dims of a V4 head), leave the rest."""
-    return ops.rope_tail(x, positions, rope._freq_on(positions.device), inverse)
+    """Rotate only the last `rope.dim` dims of x (the RoPE dims of a V4 head), leave the rest. With grad off
+    (inference) x - a tensor the caller has just made and owns - is rotated in place: the kernel then reads
+    and writes its tail only, not the whole head."""
+    inplace = not torch.is_grad_enabled()
+    return ops.rope_tail(x, positions, rope._freq_on(positions.device), inverse, inplace=inplace)

@@ -257,15 +257,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
-def rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rope_tail(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False, inplace: bool = False
+) -> torch.Tensor:
     """Rotary embedding of the last `r = 2 * inv_freq.numel()` dims of x, the first `d - r` unchanged.
 
     x [b, s, d] or [b, s, h, d]; positions [s] integer (or [1] for every row: decode, s == 1); inv_freq
     [r/2] fp32. Interleaved pairs: x0 = even, x1 = odd dims of the tail, angle = position * inv_freq:
     `y0 = x0 cos - x1 sin`, `y1 = x0 sin + x1 cos` in fp32 (`inverse`: sin negated, the inverse rotation),
     cast to x's dtype. Differentiable in x (the gradient is the inverse rotation; the rest passes through).
+    `inplace=True` writes the rotated tail into x and returns x (inference: refused where autograd records).
     """
     r = 2 * inv_freq.numel()
+    if inplace:
+        check_inplace_rope(x)
+        x[..., -r:] = rope_tail(x[..., -r:], positions, inv_freq, inverse)
+        return x
     nope, pe = x[..., :-r], x[..., -r:]
     angles = torch.outer(positions.float(), inv_freq)  # [s, r/2]
     cos, sin = angles.cos(), angles.sin()
@@ -277,6 +284,12 @@ def rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, 
     x0, x1 = pf[..., 0::2], pf[..., 1::2]
     y = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
     return torch.cat([nope, y.to(x.dtype)], dim=-1)
+
+
+def check_inplace_rope(x: torch.Tensor) -> None:
+    """`rope_tail(..., inplace=True)` rotates x in place: only where autograd does not record x."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError("rope_tail(inplace=True) on a tensor that requires grad: use inplace=False in training")
 
 
 # ----------------------------------------------------------------------------- sparse attention

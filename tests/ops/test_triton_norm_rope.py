@@ -257,6 +257,36 @@ def test_rope_repeatable_and_structured(poisoned):
     check_close(y1, ref.rope_tail(x, pos, f), ulps=8)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_rewrites_only_the_tail(backend, dtype):
+    """inplace=True returns x itself, its tail rotated as the out-of-place op rotates it (same bits), its
+    first d - r dims left as they were (marked with NaN: anything written there but their own values shows);
+    strided views included. Refused where autograd records x."""
+    f = freqs(64)
+    pos = torch.arange(5, device=DEV) * 31 + 7
+    base = torch.randn(2, 5, 3, 128, device=DEV).to(dtype)  # [b, s, h, d]
+    wide = torch.randn(2, 5, 200, device=DEV).to(dtype)
+    heads_major = base.transpose(1, 2).contiguous()  # [b, h, s, d]: its transpose is a strided [b, s, h, d]
+    for make in (lambda: base.clone(), lambda: heads_major.clone().transpose(1, 2), lambda: wide.clone()[..., 40:168]):
+        for inverse in (False, True):
+            x = make()
+            want = ops.rope_tail(x, pos, f, inverse, backend=backend)
+            nope = x[..., :-64]
+            nope.fill_(float("nan"))  # marked: the in-place op must leave these alone
+            got = ops.rope_tail(x, pos, f, inverse, inplace=True, backend=backend)
+            assert got is x
+            assert torch.isnan(x[..., :-64]).all()
+            assert torch.equal(bits(x[..., -64:]), bits(want[..., -64:]))
+    with torch.enable_grad():
+        xr = base.clone().requires_grad_()
+        with pytest.raises(ValueError, match="requires grad"):
+            ops.rope_tail(xr, pos, f, inplace=True, backend=backend)
+    with torch.no_grad():  # under no_grad the same tensor may be rotated in place
+        xr = base.clone().requires_grad_()
+        assert ops.rope_tail(xr, pos, f, inplace=True, backend=backend) is xr
+
+
 def test_rope_refusals(monkeypatch):
     f = freqs(64)
     x = torch.randn(2, 4, 128, device=DEV)

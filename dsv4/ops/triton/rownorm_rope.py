@@ -13,7 +13,8 @@ fixed order (no atomics: the weight gradient is bitwise repeatable for a given s
 are copied unchanged (same bits), the last r are rotated pairwise in fp32 with the reference's formula,
 each product and sum rounded separately (no FMA contraction), with libdevice `cosf` / `sinf` when
 compiled, so the compiled kernel reproduces torch's CUDA results. The backward is the same kernel with the
-inverse rotation applied to the incoming gradient.
+inverse rotation applied to the incoming gradient. `inplace=True` (inference) writes into x and skips the
+copy of the first d - r dims: a [T, h, 512] head with a 64-dim tail moves an eighth of the bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from triton.language.extra import libdevice
 
 from .. import register
 from ..precision import is_exact
+from ..reference import check_inplace_rope
 from ._common import Kernel, device_reason, interpret_mode, num_sms
 from ._common import rows_view as _rows
 
@@ -177,8 +179,10 @@ def _rope_kernel(
     INVERSE: tl.constexpr,
     INTERP: tl.constexpr,
     RNE_BF16: tl.constexpr,
+    COPY_NOPE: tl.constexpr,
 ):
-    """BR rows (b, s, h) of x: copy the first NOPE dims, rotate the RH interleaved pairs after them."""
+    """BR rows (b, s, h) of x: copy the first NOPE dims (unless out is x: COPY_NOPE False), rotate the RH
+    interleaved pairs after them."""
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)
     rmask = rows < R
@@ -188,7 +192,7 @@ def _rope_kernel(
     bi = rows64 // (H * S)
     xrow = x_ptr + bi * sxb + si * sxs + hi * sxh  # [BR] pointers
     orow = out_ptr + bi * sob + si * sos + hi * soh
-    if NOPE > 0:
+    if NOPE > 0 and COPY_NOPE:
         c = tl.arange(0, BNOPE)
         m = rmask[:, None] & (c < NOPE)[None, :]
         v = tl.load(xrow[:, None] + c[None, :], mask=m, other=0.0)
@@ -383,12 +387,17 @@ def _norm_can_run(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> s
 
 
 # ----------------------------------------------------------------------------- rope_tail
-def _rope_launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool) -> torch.Tensor:
+def _rope_launch(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool, inplace: bool = False
+) -> torch.Tensor:
+    """-> x rotated (a new tensor; inplace=True: x itself, its tail rewritten, the rest not touched)."""
     s, d = x.size(1), x.size(-1)
     rh = inv_freq.numel()
     if positions.numel() not in (1, s):
         raise ValueError(f"rope_tail: {positions.numel()} positions for {s} tokens")
-    out = _alloc(x.shape, dtype=x.dtype, device=x.device)
+    if inplace and x.stride(-1) != 1:  # the kernel addresses rows through strides, dims contiguously
+        return x.copy_(_rope_launch(x, positions, inv_freq, inverse))
+    out = x if inplace else _alloc(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return out
     xv = x if x.stride(-1) == 1 else x.contiguous()
@@ -424,6 +433,7 @@ def _rope_launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
         INVERSE=inverse,
         INTERP=interpret_mode(),
         RNE_BF16=_bf16_fix(x.dtype),
+        COPY_NOPE=not inplace,
         num_warps=4,
         **_launch_opts(),
     )
@@ -446,15 +456,18 @@ class _RopeTail(torch.autograd.Function):
 
 
 def triton_rope_tail(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False, inplace: bool = False
 ) -> torch.Tensor:
+    if inplace:
+        check_inplace_rope(x)
+        return _rope_launch(x, positions, inv_freq, inverse, inplace=True)
     if torch.is_grad_enabled() and x.requires_grad:
         return _RopeTail.apply(x, positions, inv_freq, inverse)
     return _rope_launch(x.detach(), positions, inv_freq, inverse)
 
 
 def _rope_can_run(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False, inplace: bool = False
 ) -> str | None:
     reason = device_reason(x, positions, inv_freq)
     if reason:
