@@ -1,11 +1,9 @@
 """Small building blocks: RMSNorm (fp32), fp32 linear, stage recording for `dsv4 check`.
 
-`Linear` (the model's bf16 / fp32 projections) calls `dsv4.ops.reference.linear` directly instead of going
-through `dsv4.ops` dispatch. Dispatch exists for ops that have several implementations to choose between
-and to report; a dense `x @ W^T` has one, torch's own GEMM on every device, and no dsv4 backend would
-replace it. What the reference adds is the accumulation precision: float64 under `exact_accumulation()`.
-The fp32 projections (router, compressor, head) do dispatch (`ops.linear_fp32`), since they have a fast
-backend ("bf16x3").
+`Linear` (the model's bf16 / fp32 projections) dispatches `ops.linear`: torch's own GEMM (the reference,
+float64 under `exact_accumulation()`), or under exact accumulation on a GPU the "triton" fixed-plan GEMM,
+whose rows do not depend on the batch without float64 copies of the weights (deterministic serving). The
+fp32 projections (router, compressor, head) dispatch `ops.linear_fp32` (fast backend "bf16x3").
 """
 
 from __future__ import annotations
@@ -63,7 +61,7 @@ class Linear(nn.Linear):
             x = ops.fp8_round_trip(x, reference.ACT_BLOCK, reference.act_pow2(self.act_format))
         if out_dtype is not None and out_dtype != x.dtype:
             return reference.linear(x.to(out_dtype), self.weight.to(out_dtype))
-        return reference.linear(x, self.weight)
+        return ops.linear(x, self.weight)
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:

@@ -228,6 +228,7 @@ compress_pool = _make("compress_pool")
 fp8_round_trip = _make("fp8_round_trip")
 fp4_round_trip = _make("fp4_round_trip")
 hadamard = _make("hadamard")
+linear = _make("linear")
 linear_fp32 = _make("linear_fp32")
 rms_norm = _make("rms_norm")
 rope_tail = _make("rope_tail")
@@ -291,6 +292,7 @@ __all__ = [
     "fp8_round_trip",
     "fp4_round_trip",
     "hadamard",
+    "linear",
     "rms_norm",
     "rope_tail",
     "moe_experts",

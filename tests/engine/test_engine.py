@@ -124,10 +124,12 @@ def test_chunks_longer_than_the_raw_rows_kept_write_only_those(model, prefix_cac
 
 
 def test_deterministic_steps_multiply_in_float64_also_for_a_bf16_model(prompts):
-    """Deterministic mode rounds every matrix product once from float64, whatever the model's dtype: a
-    product left in bf16 or fp32 sums in an order that the device's GEMM picks by the row count, so a
-    request's numbers would follow the batch on a GPU (cuBLAS chooses its kernel per shape). Every
-    matmul that the engine's steps dispatch, prompt chunks and decode rows of two requests, is checked."""
+    """Deterministic mode leaves no matrix product to torch in bf16 or fp32, whatever the model's dtype: such
+    a product sums in an order that the device's GEMM picks by the row count, so a request's numbers would
+    follow the batch on a GPU (cuBLAS chooses its kernel per shape). On the CPU every product is rounded
+    once from float64 (on a GPU the dense projections take the fixed-plan GEMM, `tests/ops/
+    test_fixed_gemm.py`). Every matmul of the engine's steps, prompt chunks and decode rows of two
+    requests, is checked."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     aten = torch.ops.aten

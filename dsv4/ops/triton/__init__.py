@@ -22,6 +22,7 @@ _MODULES = (
     "elementwise",
     "rownorm_rope",
     "sampling",
+    "fixed_gemm",
 )
 
 # every module is imported unconditionally: a missing or broken one is an error, never a silently absent op

@@ -1,0 +1,131 @@
+"""A dense projection `x @ w^T` whose numbers do not depend on the batch (backend "triton" of `linear`).
+
+Deterministic mode (`dsv4.ops.precision.exact_accumulation`) needs every row of a step computed the same
+way whatever else the step holds. The reference gets there by multiplying in float64 and rounding once;
+on a GPU that means a float64 copy of every weight at every call and float64 GEMMs, which cost the
+engine a quarter of its throughput. torch's own half-precision GEMM is not an option: cuBLAS chooses its
+kernel, and with it the order of each row's sum, by the shape of the call.
+
+Here the plan is fixed: one program per [BLOCK_M, BLOCK_N] tile of the output, the K reduction walked
+in BLOCK_K steps in order, products of the storage-dtype operands summed in fp32 on tensor cores,
+rounded once to x's dtype. Tiles, warps and stages are constants, never chosen by the row count, so a
+row's output is the same alone and in a batch of any size, and at any place in its tile (rows never mix:
+an MMA computes each output from its own row of x). Against the reference's float64 sum the result is
+within fp32 accumulation error (K * 2^-24 of the sum of |x_k w_k|) before the final rounding, i.e. the
+same value or one unit in the last place of the output dtype.
+
+The default backend under exact accumulation on CUDA (`prefer`); otherwise torch's GEMM stays the
+default. Forward only: refused where autograd records the call.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import register
+from ..precision import is_exact
+from ._common import Kernel, device_reason, dot_type, interpret_mode
+
+DTYPES = (torch.bfloat16, torch.float16)
+# the plan: constants, so that no row's order of summation follows the shape of the call
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
+NUM_WARPS, NUM_STAGES = 4, 3
+_alloc = torch.empty
+
+
+def _fixed_mm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    sxm,
+    swn,
+    sym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_T: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
+    """y[M, N] = x[M, K] @ w[N, K]^T (unit inner strides), fp32 sums over K in BLOCK_K steps, in order."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + rk < K
+        a = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + rn[:, None] * swn + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(a.to(DOT_T), tl.trans(b.to(DOT_T)), out_dtype=tl.float32)
+    if RNE_BF16:  # the interpreter's fp32 -> bf16 cast truncates: round to nearest even by hand
+        u = acc.to(tl.uint32, bitcast=True)
+        acc = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    tl.store(
+        y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :]
+    )
+
+
+_fixed_mm = Kernel(_fixed_mm_kernel)
+
+
+def fixed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T -> [..., N] in x's dtype, by the fixed plan (see the module docstring)."""
+    k, n = x.size(-1), w.size(0)
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w2 = w if w.stride(-1) == 1 else w.contiguous()
+    m = x2.size(0)
+    y = _alloc((m, n), dtype=x.dtype, device=x.device)
+    if m and n:
+        if k == 0:
+            y.zero_()
+        else:
+            _fixed_mm[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))](
+                x2,
+                w2,
+                y,
+                m,
+                n,
+                k,
+                x2.stride(0),
+                w2.stride(0),
+                y.stride(0),
+                BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N,
+                BLOCK_K=BLOCK_K,
+                DOT_T=dot_type(x.dtype),
+                RNE_BF16=interpret_mode() and x.dtype == torch.bfloat16,
+                **({} if interpret_mode() else {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}),
+            )
+    return y.view(*x.shape[:-1], n)
+
+
+def _can_run(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    reason = device_reason(x, w)
+    if reason:
+        return reason
+    if x.dtype not in DTYPES or w.dtype != x.dtype:
+        return f"x {x.dtype} and w {w.dtype}: the fixed-plan GEMM takes bf16 or fp16, both the same"
+    if w.dim() != 2 or x.dim() < 1 or x.size(-1) != w.size(1):
+        return f"shapes x {tuple(x.shape)}, w {tuple(w.shape)}: need x [..., K] and w [N, K]"
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return "forward only: autograd records this call (the fixed-plan GEMM is for deterministic inference)"
+    return None
+
+
+def _prefer(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The default only under exact accumulation (deterministic mode); torch's GEMM otherwise."""
+    return is_exact()
+
+
+register("linear", "triton", fixed_linear, can_run=_can_run, deterministic=True, priority=10, prefer=_prefer)
+
+__all__ = ["fixed_linear"]

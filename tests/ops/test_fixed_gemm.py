@@ -1,0 +1,130 @@
+"""The fixed-plan GEMM (`ops.linear`, backend "triton"): deterministic mode's dense projections on a GPU.
+
+Two properties: each output is the float64 product of the operands within fp32 accumulation error
+(K * 2^-24 of the sum of |x_k w_k|) plus the final rounding to the output dtype; and a row's output has
+the same bits whatever rows share its call, and wherever it sits in its tile. On a machine without
+CUDA the kernel runs on the Triton CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: no triton backend to test")
+
+from triton_interp import CUDA, DEV, interpret_unless_cuda, poison_allocator  # noqa: E402
+
+import dsv4.ops as ops  # noqa: E402
+import dsv4.ops.triton.fixed_gemm as fg  # noqa: E402  (a missing kernel module is an error, not a skip)
+from dsv4.ops import reference as ref  # noqa: E402
+from dsv4.ops.precision import exact_accumulation  # noqa: E402
+from dsv4.ops.triton._common import interpreter_defect  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    if not CUDA and interpreter_defect():
+        pytest.skip(interpreter_defect())
+    interpret_unless_cuda(monkeypatch)
+    poison_allocator(monkeypatch, fg)  # every output element must be written
+    ops.reset_calls()
+
+
+def within_accumulation_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """|y - x @ w^T (float64)| <= K 2^-24 sum|x_k w_k| (fp32 sums) + half an ulp of the output dtype at the
+    largest value the fp32 sum can take (the final rounding)."""
+    k = x.size(-1)
+    xd, wd = x.double().cpu(), w.double().cpu()
+    exact = xd @ wd.T
+    acc_err = k * 2.0**-24 * (xd.abs() @ wd.abs().T)
+    mant = {torch.bfloat16: 8, torch.float16: 11}[y.dtype]  # significand bits
+    top = exact.abs() + acc_err
+    half_ulp = torch.exp2(torch.floor(torch.log2(top.clamp_min(torch.finfo(y.dtype).tiny))) - mant)
+    err = (y.double().cpu() - exact).abs()
+    bad = err > acc_err + half_ulp
+    assert not bad.any(), f"{int(bad.sum())} outputs off, worst {float((err - acc_err - half_ulp).max()):.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 64), (37, 200, 96), (130, 128, 70), (3, 1, 5)])
+def test_outputs_are_the_float64_product_within_fp32_accumulation(dtype, m, k, n):
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEV)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEV)
+    y = ops.linear(x, w, backend="triton")
+    assert y.shape == (m, n) and y.dtype == dtype
+    within_accumulation_error(y, x, w)
+    # structured rows: zeros, huge and tiny magnitudes, cancelling terms; x with leading dims
+    s = torch.zeros(2, 3, k, dtype=torch.float32)
+    s[0, 1] = 2.0**10
+    s[0, 2] = 2.0**-10
+    s[1, 0, ::2], s[1, 0, 1::2] = 1.0, -1.0
+    s[1, 1] = torch.arange(k) % 7 - 3.0
+    s = s.to(dtype).to(DEV)
+    ys = ops.linear(s, w, backend="triton")
+    assert ys.shape == (2, 3, n)
+    assert torch.equal(ys[0, 0], torch.zeros_like(ys[0, 0]))
+    within_accumulation_error(ys.reshape(-1, n), s.reshape(-1, k), w)
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it():
+    """The same rows alone, in calls of other sizes and at other places in their tiles: same bits. Two
+    rows make the order of the K sum visible in the output: +-2^24 products 32 columns apart with small
+    ones between, which an fp32 sum keeps or loses depending on where its partial sums start."""
+    gen = torch.Generator().manual_seed(3)
+    k, n = 160, 80
+    w = torch.randn(n, k, generator=gen)
+    w[:, 0] = w[:, 32] = 2.0**12
+    w[:, 1:32] = 0.25 * (torch.arange(n) % 4 + 1).unsqueeze(1)
+    w = w.bfloat16().to(DEV)
+    rows = torch.randn(4, k, generator=gen)
+    for r in (2, 3):
+        rows[r, 0], rows[r, 32], rows[r, 1:32] = 2.0**12, -(2.0**12), 1.0 + r
+    rows = rows.bfloat16().to(DEV)
+    alone = [ops.linear(r[None], w, backend="triton")[0] for r in rows]
+    for m, at in ((5, [0, 1, 2, 4]), (70, [0, 63, 64, 69]), (150, [17, 100, 128, 149])):
+        batch = (torch.randn(m, k, generator=gen) * 100).bfloat16().to(DEV)
+        batch[at] = rows
+        got = ops.linear(batch, w, backend="triton")
+        for i, j in enumerate(at):
+            assert torch.equal(got[j], alone[i]), (m, j)
+
+
+def test_the_default_under_exact_accumulation_only():
+    """Deterministic mode (exact accumulation) picks the fixed plan; otherwise torch's GEMM stays the default;
+    a model's `Linear` dispatches through the op."""
+    from dsv4.model.layers import Linear
+
+    x = torch.randn(4, 32).bfloat16().to(DEV)
+    w = torch.randn(16, 32).bfloat16().to(DEV)
+    assert ops.resolve("linear", None, x, w).name == "reference"
+    with exact_accumulation(True):
+        assert ops.resolve("linear", None, x, w).name == "triton"
+        assert ops.resolve("linear", None, x.float(), w.float()).name == "reference"  # fp32: float64 stays
+        lin = Linear(32, 16, dtype=torch.bfloat16).to(DEV)
+        with torch.no_grad(), ops.which_ran() as ran:
+            y = lin(x)
+        assert ran == {"linear": ["triton"]}
+        want = ref.linear(x, lin.weight)  # float64, rounded once
+        within_accumulation_error(y, x, lin.weight.detach())
+        assert (y.float() - want.float()).abs().max() <= 2.0**-7 * want.float().abs().max()
+
+
+def test_refusals(monkeypatch):
+    x = torch.randn(4, 32).bfloat16().to(DEV)
+    w = torch.randn(16, 32).bfloat16().to(DEV)
+    with pytest.raises(ops.BackendUnavailable, match="bf16 or fp16"):
+        ops.linear(x, w.float(), backend="triton")
+    with pytest.raises(ops.BackendUnavailable, match="bf16 or fp16"):
+        ops.linear(x.float(), w.float(), backend="triton")
+    with pytest.raises(ops.BackendUnavailable, match="shapes"):
+        ops.linear(x, w[:, :31], backend="triton")
+    with pytest.raises(ops.BackendUnavailable, match="forward only"):
+        ops.linear(x, w.clone().requires_grad_(), backend="triton")
+    with exact_accumulation(True):  # the default then falls back to the differentiable reference
+        assert ops.resolve("linear", None, x, w.clone().requires_grad_()).name == "reference"
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ops.BackendUnavailable, match="CUDA"):
+            ops.linear(x, w, backend="triton")
