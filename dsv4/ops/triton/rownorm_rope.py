@@ -407,7 +407,8 @@ def _rope_launch(
     rows = b * s * h
     nope = d - 2 * rh
     brh = triton.next_power_of_2(rh)
-    br = max(1, min(max(1, 4096 // max(brh, triton.next_power_of_2(max(nope, 1)))), triton.next_power_of_2(rows)))
+    width = brh if inplace else max(brh, triton.next_power_of_2(max(nope, 1)))  # elements a row holds in registers
+    br = max(1, min(max(1, 4096 // width), triton.next_power_of_2(rows)))
     pos = positions if positions.stride(0) == 1 or positions.numel() == 1 else positions.contiguous()
     freq = inv_freq if inv_freq.stride(0) == 1 else inv_freq.contiguous()
     _rope_k[(triton.cdiv(rows, br),)](
