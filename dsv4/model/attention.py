@@ -217,10 +217,12 @@ class Attention(nn.Module):
         b, s = o.shape[:2]
         o = o.reshape(b, s, self.o_groups, -1)  # [b, s, g, h/g*d]
         wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)  # [g, R, h/g*d]
-        # in o's dtype (fp32 or bf16 as the official code), or float64 under exact accumulation: a bf16
-        # batched GEMM's fp32 order follows the batch on CUDA (cuBLAS picks its kernel by the row count)
-        acc = torch.float64 if acc_dtype() == torch.float64 else o.dtype
-        o = torch.einsum("bsgd,grd->bsgr", o.to(acc), wo_a.to(acc)).to(o.dtype)
+        if acc_dtype() == torch.float64:
+            # exact accumulation: a bf16 batched GEMM's fp32 order follows the batch on CUDA (cuBLAS picks its
+            # kernel by the row count), so each group is an `ops.linear` (float64, or the fixed-plan GEMM)
+            o = torch.stack([ops.linear(o[:, :, i], wo_a[i]) for i in range(self.o_groups)], 2)
+        else:  # in o's dtype (fp32 or bf16), as the official code
+            o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
         return record_as(f"{self.stage}.out", self.wo_b(o.flatten(2)), shape)
 
     def _window_idx(self, s: int, device) -> torch.Tensor:

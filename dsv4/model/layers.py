@@ -3,7 +3,8 @@
 `Linear` (the model's bf16 / fp32 projections) dispatches `ops.linear`: torch's own GEMM (the reference,
 float64 under `exact_accumulation()`), or under exact accumulation on a GPU the "triton" fixed-plan GEMM,
 whose rows do not depend on the batch without float64 copies of the weights (deterministic serving). The
-fp32 projections (router, compressor, head) dispatch `ops.linear_fp32` (fast backend "bf16x3").
+fp32 projections (router, compressor, head) dispatch `ops.linear_fp32` (fast backend "bf16x3"; under exact
+accumulation on a GPU the fixed-plan GEMM too).
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ import threading
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
 from ..ops import reference
-from ..ops.precision import is_exact
 from ..scoped import scoped
 
 
@@ -80,9 +79,7 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T in fp32, also inside an autocast region (router, compressor, head): `ops.linear_fp32`."""
     with torch.autocast(device_type=x.device.type, enabled=False):
-        if is_exact():
-            return F.linear(x.double(), weight.double()).float()
-        return ops.linear_fp32(x, weight)
+        return ops.linear_fp32(x, weight)  # float64 under exact accumulation, or there the fixed-plan GEMM
 
 
 # ------------------------------------------------------------------------------------ stage capture

@@ -238,9 +238,11 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight^T` in fp32 (router, compressor and head projections, kept in fp32 by the spec).
 
-    x [..., K] any float dtype, weight [N, K] fp32 -> [..., N] fp32. Differentiable in both.
+    x [..., K] any float dtype, weight [N, K] fp32 -> [..., N] fp32 (accumulated in float64 under exact
+    accumulation). Differentiable in both.
     """
-    return F.linear(x.float(), weight.float())
+    acc = acc_dtype()
+    return F.linear(x.to(acc), weight.to(acc)).float()
 
 
 # ----------------------------------------------------------------------------- norm and rotary embedding

@@ -1,4 +1,5 @@
-"""The fixed-plan GEMM (`ops.linear`, backend "triton"): deterministic mode's dense projections on a GPU.
+"""The fixed-plan GEMM (`ops.linear` and `ops.linear_fp32`, backend "triton"): deterministic mode's
+dense projections on a GPU.
 
 Two properties: each output is the float64 product of the operands within fp32 accumulation error
 (K * 2^-24 of the sum of |x_k w_k|) plus the final rounding to the output dtype; and a row's output has
@@ -68,6 +69,23 @@ def test_outputs_are_the_float64_product_within_fp32_accumulation(dtype, m, k, n
     within_accumulation_error(ys.reshape(-1, n), s.reshape(-1, k), w)
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 64, 64), (37, 200, 96), (130, 128, 70)])
+def test_fp32_weights_split_three_ways_keep_fp32_accuracy(m, k, n):
+    """`linear_fp32`: bf16 x times fp32 w as w's three bf16 parts: within the fp32 matmul's error bound
+    (K * 2^-24 of the sum of |x_k w_k|, plus the fp32 output's half ulp), not bf16's; fp32 out."""
+    gen = torch.Generator().manual_seed(m + k + n)
+    x = torch.randn(m, k, generator=gen).bfloat16().to(DEV)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEV)  # fp32: most values need all three parts
+    y = ops.linear_fp32(x, w, backend="triton")
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    xd, wd = x.double().cpu(), w.double().cpu()
+    exact = xd @ wd.T
+    bound = (k + 1) * 2.0**-24 * (xd.abs() @ wd.abs().T) + 2.0**-24 * exact.abs()
+    assert ((y.double().cpu() - exact).abs() <= bound).all()
+    hi_only = (xd @ wd.bfloat16().double().T - exact).abs()  # the bound rejects a bf16 weight's products
+    assert (hi_only > bound).float().mean() > 0.5
+
+
 def test_a_row_does_not_depend_on_the_rows_beside_it():
     """The same rows alone, in calls of other sizes and at other places in their tiles: same bits. Two
     rows make the order of the K sum visible in the output: +-2^24 products 32 columns apart with small
@@ -89,12 +107,19 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
         got = ops.linear(batch, w, backend="triton")
         for i, j in enumerate(at):
             assert torch.equal(got[j], alone[i]), (m, j)
+    wf = w.float().cpu().to(DEV) * (1 + 2.0**-12)  # fp32 weights that need their lower parts
+    alone = [ops.linear_fp32(r[None], wf, backend="triton")[0] for r in rows]
+    batch = torch.randn(150, k, generator=gen).bfloat16().to(DEV)
+    batch[[3, 64, 100, 149]] = rows
+    got = ops.linear_fp32(batch, wf, backend="triton")
+    assert all(torch.equal(got[j], alone[i]) for i, j in enumerate([3, 64, 100, 149]))
 
 
 def test_the_default_under_exact_accumulation_only():
     """Deterministic mode (exact accumulation) picks the fixed plan; otherwise torch's GEMM stays the default;
-    a model's `Linear` dispatches through the op."""
-    from dsv4.model.layers import Linear
+    a model's `Linear` and fp32 projections dispatch through the ops; where the fixed plan cannot run (fp32
+    activations) the fp32 projection is the reference's float64 product."""
+    from dsv4.model.layers import Linear, linear_fp32
 
     x = torch.randn(4, 32).bfloat16().to(DEV)
     w = torch.randn(16, 32).bfloat16().to(DEV)
@@ -109,6 +134,13 @@ def test_the_default_under_exact_accumulation_only():
         want = ref.linear(x, lin.weight)  # float64, rounded once
         within_accumulation_error(y, x, lin.weight.detach())
         assert (y.float() - want.float()).abs().max() <= 2.0**-7 * want.float().abs().max()
+        wf = torch.randn(16, 32).to(DEV)
+        with ops.which_ran() as ran:
+            linear_fp32(x, wf)
+            y64 = linear_fp32(x.float(), wf)
+        assert ran == {"linear_fp32": ["reference", "triton"]}
+        assert torch.equal(y64, (x.double() @ wf.double().T).float())
+    assert ops.resolve("linear_fp32", None, x, wf).name != "triton"
 
 
 def test_refusals(monkeypatch):
@@ -122,6 +154,13 @@ def test_refusals(monkeypatch):
         ops.linear(x, w[:, :31], backend="triton")
     with pytest.raises(ops.BackendUnavailable, match="forward only"):
         ops.linear(x, w.clone().requires_grad_(), backend="triton")
+    with pytest.raises(ops.BackendUnavailable, match="needs bf16 x with fp32 w"):
+        ops.linear_fp32(x.float(), w.float(), backend="triton")
+    with pytest.raises(ops.BackendUnavailable, match="needs bf16 x with fp32 w"):
+        ops.linear_fp32(x.half(), w.float(), backend="triton")
+    y = ops.linear_fp32(x, w, backend="triton")  # a half-precision weight: its products as they are
+    assert y.dtype == torch.float32
+    within_accumulation_error(y.bfloat16(), x, w)
     with exact_accumulation(True):  # the default then falls back to the differentiable reference
         assert ops.resolve("linear", None, x, w.clone().requires_grad_()).name == "reference"
     if not CUDA:

@@ -1,4 +1,4 @@
-"""A dense projection `x @ w^T` whose numbers do not depend on the batch (backend "triton" of `linear`).
+"""Dense projections whose numbers do not depend on the batch (backend "triton" of `linear`, `linear_fp32`).
 
 Deterministic mode (`dsv4.ops.precision.exact_accumulation`) needs every row of a step computed the same
 way whatever else the step holds. The reference gets there by multiplying in float64 and rounding once;
@@ -14,8 +14,12 @@ an MMA computes each output from its own row of x). Against the reference's floa
 within fp32 accumulation error (K * 2^-24 of the sum of |x_k w_k|) before the final rounding, i.e. the
 same value or one unit in the last place of the output dtype.
 
-The default backend under exact accumulation on CUDA (`prefer`); otherwise torch's GEMM stays the
-default. Forward only: refused where autograd records the call.
+`linear_fp32` (router, compressor, head: bf16 activations, fp32 weights, fp32 out) uses the same plan on
+the exact three-way bf16 split of each weight tile (hi + mid + lo = w, split in registers), three
+tensor-core products per K step, smallest part first: the same fp32 accuracy, no float64.
+
+The default backend under exact accumulation on CUDA (`prefer`); otherwise torch's GEMM (and "bf16x3")
+stay the default. Forward only: refused where autograd records the call.
 """
 
 from __future__ import annotations
@@ -50,8 +54,10 @@ def _fixed_mm_kernel(
     BLOCK_K: tl.constexpr,
     DOT_T: tl.constexpr,
     RNE_BF16: tl.constexpr,
+    SPLIT3: tl.constexpr,
 ):
-    """y[M, N] = x[M, K] @ w[N, K]^T (unit inner strides), fp32 sums over K in BLOCK_K steps, in order."""
+    """y[M, N] = x[M, K] @ w[N, K]^T (unit inner strides), fp32 sums over K in BLOCK_K steps, in order.
+    SPLIT3: w is fp32, multiplied as its three bf16 parts (x bf16)."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -63,7 +69,17 @@ def _fixed_mm_kernel(
         k_ok = k0 + rk < K
         a = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptr + rn[:, None] * swn + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(a.to(DOT_T), tl.trans(b.to(DOT_T)), out_dtype=tl.float32)
+        if SPLIT3:
+            hi = b.to(tl.bfloat16)
+            rest = b - hi.to(tl.float32)  # exact in fp32
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            a = a.to(DOT_T)
+            acc += tl.dot(a, tl.trans(lo.to(DOT_T)), out_dtype=tl.float32)
+            acc += tl.dot(a, tl.trans(mid.to(DOT_T)), out_dtype=tl.float32)
+            acc += tl.dot(a, tl.trans(hi.to(DOT_T)), out_dtype=tl.float32)
+        else:
+            acc += tl.dot(a.to(DOT_T), tl.trans(b.to(DOT_T)), out_dtype=tl.float32)
     if RNE_BF16:  # the interpreter's fp32 -> bf16 cast truncates: round to nearest even by hand
         u = acc.to(tl.uint32, bitcast=True)
         acc = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
@@ -75,15 +91,15 @@ def _fixed_mm_kernel(
 _fixed_mm = Kernel(_fixed_mm_kernel)
 
 
-def fixed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w [N, K]^T -> [..., N] in x's dtype, by the fixed plan (see the module docstring)."""
+def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T -> [..., N] in out_dtype by the fixed plan; an fp32 w is split three ways."""
     k, n = x.size(-1), w.size(0)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     w2 = w if w.stride(-1) == 1 else w.contiguous()
     m = x2.size(0)
-    y = _alloc((m, n), dtype=x.dtype, device=x.device)
+    y = _alloc((m, n), dtype=out_dtype, device=x.device)
     if m and n:
         if k == 0:
             y.zero_()
@@ -102,10 +118,30 @@ def fixed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                 BLOCK_N=BLOCK_N,
                 BLOCK_K=BLOCK_K,
                 DOT_T=dot_type(x.dtype),
-                RNE_BF16=interpret_mode() and x.dtype == torch.bfloat16,
+                RNE_BF16=interpret_mode() and out_dtype == torch.bfloat16,
+                SPLIT3=w.dtype == torch.float32,
                 **({} if interpret_mode() else {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}),
             )
     return y.view(*x.shape[:-1], n)
+
+
+def fixed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`linear`: x [..., K] @ w [N, K]^T -> [..., N] in x's dtype, by the fixed plan."""
+    return _launch(x, w, x.dtype)
+
+
+def fixed_linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`linear_fp32`: x [..., K] @ w [N, K]^T -> fp32 [..., N], by the fixed plan: bf16 x with an fp32 w
+    split three ways (the same products as the fp32 matmul), or x and w of one half dtype."""
+    return _launch(x, w, torch.float32)
+
+
+def _common_refusal(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    if w.dim() != 2 or x.dim() < 1 or x.size(-1) != w.size(1):
+        return f"shapes x {tuple(x.shape)}, w {tuple(w.shape)}: need x [..., K] and w [N, K]"
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return "forward only: autograd records this call (the fixed-plan GEMM is for deterministic inference)"
+    return None
 
 
 def _can_run(x: torch.Tensor, w: torch.Tensor) -> str | None:
@@ -114,11 +150,16 @@ def _can_run(x: torch.Tensor, w: torch.Tensor) -> str | None:
         return reason
     if x.dtype not in DTYPES or w.dtype != x.dtype:
         return f"x {x.dtype} and w {w.dtype}: the fixed-plan GEMM takes bf16 or fp16, both the same"
-    if w.dim() != 2 or x.dim() < 1 or x.size(-1) != w.size(1):
-        return f"shapes x {tuple(x.shape)}, w {tuple(w.shape)}: need x [..., K] and w [N, K]"
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return "forward only: autograd records this call (the fixed-plan GEMM is for deterministic inference)"
-    return None
+    return _common_refusal(x, w)
+
+
+def _can_run_fp32(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    reason = device_reason(x, w)
+    if reason:
+        return reason
+    if not (x.dtype in DTYPES and w.dtype == x.dtype) and not (x.dtype == torch.bfloat16 and w.dtype == torch.float32):
+        return f"x {x.dtype}, w {w.dtype}: needs bf16 x with fp32 w (split exactly), or x and w both bf16 or fp16"
+    return _common_refusal(x, w)
 
 
 def _prefer(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -127,5 +168,8 @@ def _prefer(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 register("linear", "triton", fixed_linear, can_run=_can_run, deterministic=True, priority=10, prefer=_prefer)
+register(
+    "linear_fp32", "triton", fixed_linear_fp32, can_run=_can_run_fp32, deterministic=True, priority=10, prefer=_prefer
+)
 
-__all__ = ["fixed_linear"]
+__all__ = ["fixed_linear", "fixed_linear_fp32"]
