@@ -71,8 +71,9 @@ def test_outputs_are_the_float64_product_within_fp32_accumulation(dtype, m, k, n
 
 @pytest.mark.parametrize("m,k,n", [(1, 64, 64), (37, 200, 96), (130, 128, 70)])
 def test_fp32_weights_split_three_ways_keep_fp32_accuracy(m, k, n):
-    """`linear_fp32`: bf16 x times fp32 w as w's three bf16 parts: within the fp32 matmul's error bound
-    (K * 2^-24 of the sum of |x_k w_k|, plus the fp32 output's half ulp), not bf16's; fp32 out."""
+    """`linear_fp32`: bf16 x times fp32 w as w's three bf16 parts (each product exact in fp32): within the
+    error bound of 3K fp32 additions (3K * 2^-24 of the sum of |x_k w_k|, plus the fp32 output's half ulp),
+    which a bf16 weight's products exceed; fp32 out."""
     gen = torch.Generator().manual_seed(m + k + n)
     x = torch.randn(m, k, generator=gen).bfloat16().to(DEV)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEV)  # fp32: most values need all three parts
@@ -80,10 +81,15 @@ def test_fp32_weights_split_three_ways_keep_fp32_accuracy(m, k, n):
     assert y.dtype == torch.float32 and y.shape == (m, n)
     xd, wd = x.double().cpu(), w.double().cpu()
     exact = xd @ wd.T
-    bound = (k + 1) * 2.0**-24 * (xd.abs() @ wd.abs().T) + 2.0**-24 * exact.abs()
+    bound = 3 * k * 2.0**-24 * (xd.abs() @ wd.abs().T) + 2.0**-24 * exact.abs()
     assert ((y.double().cpu() - exact).abs() <= bound).all()
     hi_only = (xd @ wd.bfloat16().double().T - exact).abs()  # the bound rejects a bf16 weight's products
     assert (hi_only > bound).float().mean() > 0.5
+    # one-hot rows pick weight columns: one exact product each, so the three parts must give w's bits
+    cols = torch.arange(min(m, k)) * 7 % k
+    onehot = torch.zeros(len(cols), k).index_put_((torch.arange(len(cols)), cols), torch.tensor(1.0))
+    picked = ops.linear_fp32(onehot.bfloat16().to(DEV), w, backend="triton")
+    assert torch.equal(picked.cpu(), w.T[cols].cpu())
 
 
 def test_a_row_does_not_depend_on_the_rows_beside_it():
