@@ -11,8 +11,8 @@ in BLOCK_K steps in order, products of the storage-dtype operands summed in fp32
 rounded once to x's dtype. Tiles, warps and stages are constants, never chosen by the row count, so a
 row's output is the same alone and in a batch of any size, and at any place in its tile (rows never mix:
 an MMA computes each output from its own row of x). Against the reference's float64 sum the result is
-within fp32 accumulation error (K * 2^-24 of the sum of |x_k w_k|) before the final rounding, i.e. the
-same value or one unit in the last place of the output dtype.
+within fp32 accumulation error (at most 2K * 2^-24 of the sum of |x_k w_k|) before the final rounding:
+without heavy cancellation, the same value or one unit in the last place of the output dtype.
 
 `linear_fp32` (router, compressor, head: bf16 activations, fp32 weights, fp32 out) uses the same plan on
 the exact three-way bf16 split of each weight tile (hi + mid + lo = w, split in registers), three
