@@ -15,6 +15,7 @@ import asyncio
 import json
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 READY_TIMEOUT_S = 120.0
@@ -38,10 +39,10 @@ def closed_loop_ceiling(outputs: list[int], clients: int) -> float:
     -> tokens / (steps x clients)."""
     if clients < 1 or not outputs:
         raise ValueError("a closed loop needs at least one client and one request")
-    queue, running, steps = list(outputs), [], 0
+    queue, running, steps = deque(outputs), [], 0
     while queue or running:
         while queue and len(running) < clients:
-            running.append(queue.pop(0))
+            running.append(queue.popleft())
         steps += 1
         running = [n - 1 for n in running if n > 1]
     return sum(outputs) / (steps * clients)

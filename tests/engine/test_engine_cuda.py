@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4 import DeepSeekV4
+from dsv4 import DeepSeekV4, ops
 from dsv4.check.inputs import check_config
 from dsv4.engine import Engine, EngineConfig, SamplingParams
 
@@ -100,8 +100,11 @@ def test_deterministic_mode_batching_does_not_change_tokens(model, prompts, samp
         SamplingParams(max_tokens=NEW, temperature=0.8 if sampled else 0, seed=7 + i, ignore_eos=True, logprobs=0)
         for i in range(len(prompts))
     ]
-    busy, busy_lp, engine = run(model, prompts, params, warm=False, deterministic=True)
+    with ops.which_ran() as ran:
+        busy, busy_lp, engine = run(model, prompts, params, warm=False, deterministic=True)
     assert engine.runner.eager_steps == 0
+    # the projections took the fixed-plan GEMM (captured into the graphs), not float64 products
+    assert "triton" in ran["linear"] and "triton" in ran["linear_fp32"]
     for i, p in enumerate(prompts):
         alone, alone_lp, _ = run(model, [p], [params[i]], warm=False, deterministic=True, max_seqs=1)
         assert alone[0] == busy[i], f"request {i}: alone {alone[0]}, in the batch {busy[i]}"

@@ -202,8 +202,17 @@ def backend_evidence(ctx: Context) -> CheckResult:
     """Ask for a 'probe' backend (the reference under another name) for every op; every op the model
     must dispatch has to show up as having run on it (`dsv4.ops.calls()`)."""
     cfg = ctx.cfg
-    must = {"sparse_attention", "hc_pre", "hc_post", "hc_head", "moe_experts", "rms_norm", "rope_tail", "linear"}
-    must.add("linear_fp32")
+    must = {
+        "sparse_attention",
+        "hc_pre",
+        "hc_post",
+        "hc_head",
+        "moe_experts",
+        "rms_norm",
+        "rope_tail",
+        "linear",
+        "linear_fp32",
+    }
     if any(cfg.compress_ratios[: cfg.n_layers]):
         must.add("compress_pool")
     if 4 in cfg.compress_ratios[: cfg.n_layers]:
