@@ -408,7 +408,9 @@ def _rope_launch(
     nope = d - 2 * rh
     brh = triton.next_power_of_2(rh)
     width = brh if inplace else max(brh, triton.next_power_of_2(max(nope, 1)))  # elements a row holds in registers
-    br = max(1, min(max(1, 4096 // width), triton.next_power_of_2(rows)))
+    # rows per program: at most 4096 elements in registers, and few enough rows that the grid keeps about 512
+    # programs (a decode step's 64 x 64 head rows as 32 programs of 128 left most of the GPU idle)
+    br = max(1, min(4096 // width, triton.next_power_of_2(triton.cdiv(rows, 512))))
     pos = positions if positions.stride(0) == 1 or positions.numel() == 1 else positions.contiguous()
     freq = inv_freq if inv_freq.stride(0) == 1 else inv_freq.contiguous()
     _rope_k[(triton.cdiv(rows, br),)](
