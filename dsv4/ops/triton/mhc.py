@@ -517,9 +517,12 @@ def _split_plan(t: int, k: int, dev: torch.device) -> tuple[int, int]:
         want = EXACT_SPLIT  # order whatever else is in the batch (a request's numbers alone = in a batch)
     else:
         sms = _sm_count(dev)
-        if 2 * rows >= sms:
+        if rows > sms:
             return 1, k
-        want = sms // rows  # about one wave of programs
+        # under half a wave: about one wave of programs. Between half a wave and one, the single kernel is
+        # latency-bound (62 us at every T from 1,088 to 4,096 tokens, dim 1024, on an H200) and 4-7 slices
+        # (about four waves) took 13-35% less (scripts/bench_hc_split.py); past one wave it is the fastest
+        want = sms // rows if 2 * rows < sms else min(8, 4 * sms // rows)
     steps = triton.cdiv(k, _SPLIT_BK)
     want = max(1, min(want, steps, _MAX_SPLIT))
     if want == 1:
