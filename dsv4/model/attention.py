@@ -111,23 +111,14 @@ class Compressor(nn.Module):
         groups they complete into `entries` (entry-region rows).
 
         Each group's rows come from this step's tokens (`rp.group_new`) or from the ring (`rp.group_ring`,
-        written by earlier steps); the pooled entry is written only when the group is complete (else to
-        the trash row), so decode and verify steps keep static shapes.
+        written by earlier steps); the pooled entry is written only when the group is complete (else, as
+        zeros, to the trash row), so decode and verify steps keep static shapes.
         """
         kv, score = self.project(x, positions)  # [1, T, coff*c] fp32
         kv, score = kv[0], score[0]  # [T, W]
-        new = rp.group_new
-        take_new = (new >= 0).unsqueeze(-1)  # [G, n, 1]
-
-        def rows(src: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-            return torch.where(take_new, src[new.clamp_min(0)], kept[rp.group_ring])  # [G, coff*r, W]
-
-        g_kv, g_score = rows(kv, ring.kv), rows(score, ring.score)
-        if self.overlap:  # previous group's first half of channels, current group's second
-            c, r = self.head_dim, self.ratio
-            g_kv = torch.cat([g_kv[:, :r, :c], g_kv[:, r:, c:]], 1)  # [G, 2r, c]
-            g_score = torch.cat([g_score[:, :r, :c], g_score[:, r:, c:]], 1)
-        pooled = ops.compress_pool(g_kv, g_score)  # [G, c]
+        # [G, c]: each group's coff*r rows from this step's tokens or the ring (overlap: the previous group's
+        # first half of channels, the current group's second); 0 for the groups that stay incomplete
+        pooled = ops.pool_groups(kv, score, ring.kv, ring.score, rp.group_new, rp.group_ring, rp.group_live, self.coff)
         out = self.finish(pooled.unsqueeze(0), rp.group_j, x.dtype).squeeze(0)
         entries.index_copy_(0, rp.entry_write, out.to(entries.dtype))
         if rp.keep_tok is not None:  # a prompt chunk's earlier tokens leave no raw rows: not copied

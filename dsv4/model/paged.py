@@ -265,6 +265,7 @@ class RatioPlan:
     group_new: torch.Tensor | None = None  # [G, coff*r] flat token index of each slot's row, or -1
     group_ring: torch.Tensor | None = None  # [G, coff*r] ring row when not new (EMPTY_ROW: none)
     entry_write: torch.Tensor | None = None  # [G] entry slot to write (TRASH unless complete)
+    group_live: torch.Tensor | None = None  # [G] bool: complete, with a slot to write (entry_write != TRASH)
     keep_tok: torch.Tensor | None = None  # [K] the tokens whose raw rows are written (None: all T)
     ring_write: torch.Tensor | None = None  # [K] ring row for each such token's raw row (TRASH: not kept)
     tail_write: torch.Tensor | None = None  # [K] page-tail row (TRASH: not a page's last group)
@@ -342,7 +343,8 @@ def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int) -> RatioPlan:
     plan.group_ring = torch.where((q >= 0) & (q < start), ring, EMPTY_ROW)
     plan.group_pos, plan.group_j = g_pos, j
     slot = entry_slot(g_row, entry_index(g_pos, r))
-    plan.entry_write = torch.where(complete & (slot >= 0), slot, TRASH)
+    plan.group_live = complete & (slot >= 0)
+    plan.entry_write = torch.where(plan.group_live, slot, TRASH)
 
     # -- raw rows kept for later steps: the last R positions of each row (of the listed tokens only)
     kt = inp.keep.get(r)

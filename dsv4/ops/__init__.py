@@ -225,6 +225,7 @@ hc_pre = _make("hc_pre")
 hc_post = _make("hc_post")
 hc_head = _make("hc_head")
 compress_pool = _make("compress_pool")
+pool_groups = _make("pool_groups")
 fp8_round_trip = _make("fp8_round_trip")
 fp4_round_trip = _make("fp4_round_trip")
 hadamard = _make("hadamard")
@@ -289,6 +290,7 @@ __all__ = [
     "hc_post",
     "hc_head",
     "compress_pool",
+    "pool_groups",
     "fp8_round_trip",
     "fp4_round_trip",
     "hadamard",

@@ -441,6 +441,37 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     return (kv.to(acc) * score.to(acc).softmax(-2)).sum(-2).to(kv.dtype)
 
 
+def pool_groups(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ring_kv: torch.Tensor,
+    ring_score: torch.Tensor,
+    group_new: torch.Tensor,
+    group_ring: torch.Tensor,
+    live: torch.Tensor,
+    coff: int,
+) -> torch.Tensor:
+    """A step's compression groups pooled (`compress_pool`) from rows gathered out of this step's raw rows
+    or the ring of earlier steps' rows; groups that are not live give 0.
+
+    kv, score [T, W] this step's raw rows, ring_kv, ring_score [R, W] kept rows (W = coff * c channels);
+    group_new [G, n] (n = coff * r slots): the row of kv / score that each slot reads, or -1 for the ring
+    row group_ring [G, n]; slot i reads channel block i // r (coff 2, overlap: the previous group's r
+    rows their first c channels, the group's own rows their last c); live [G] bool. -> [G, c], kv's dtype.
+    Indices must be in range.
+    """
+    n = group_new.size(-1)
+    r, c = n // coff, kv.size(-1) // coff
+    fresh = (group_new >= 0).unsqueeze(-1)  # [G, n, 1]
+
+    def rows(src: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        g = torch.where(fresh, src[group_new.clamp_min(0)], kept[group_ring])  # [G, n, W]
+        return torch.cat([g[:, i * r : (i + 1) * r, i * c : (i + 1) * c] for i in range(coff)], 1)  # [G, n, c]
+
+    pooled = compress_pool(rows(kv, ring_kv), rows(score, ring_score))
+    return torch.where(live.unsqueeze(-1), pooled, 0).to(kv.dtype)
+
+
 # ----------------------------------------------------------------------------- MoE
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w^T in x's dtype (accumulated in float64 under exact accumulation)."""

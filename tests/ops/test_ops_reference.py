@@ -63,6 +63,45 @@ def test_non_overlap_pooling_is_group_softmax():
     assert torch.allclose(ops.compress_pool(kv, score), expected, atol=1e-6)
 
 
+def pool_group_inputs(T=7, R=9, G=5, r=4, coff=2, c=6, seed=0):
+    """Random rows and indices for `pool_groups`: slots from this step's rows, from the ring, and ring row 1
+    holding an empty slot (kv 0, score -inf) as the paged cache keeps it."""
+    g = torch.Generator().manual_seed(seed)
+    W, n = coff * c, coff * r
+    kv, score = torch.randn(T, W, generator=g), torch.randn(T, W, generator=g) * 2
+    ring_kv, ring_score = torch.randn(R, W, generator=g), torch.randn(R, W, generator=g) * 2
+    ring_kv[1], ring_score[1] = 0.0, float("-inf")
+    new = torch.randint(0, T, (G, n), generator=g)
+    new[torch.rand(G, n, generator=g) < 0.4] = -1
+    new[0] = -1  # a group wholly from the ring
+    new[1] = torch.arange(n) % T  # wholly from this step
+    ring = torch.randint(1, R, (G, n), generator=g)
+    ring[0, : r if coff == 2 else 1] = 1  # empty slots (coff 2: the "group before the first one")
+    live = torch.rand(G, generator=g) < 0.6
+    live[:2] = True
+    return kv, score, ring_kv, ring_score, new, ring, live
+
+
+@pytest.mark.parametrize("coff,r,c", [(2, 4, 6), (1, 8, 5)])
+def test_pool_groups_gathers_each_slot_by_hand(coff, r, c):
+    """Slot i of group g is row new[g, i] of this step's rows or, where that is -1, ring row ring[g, i],
+    at channel block i // r; the group is compress_pool of those slots, and 0 where it is not live."""
+    kv, score, ring_kv, ring_score, new, ring, live = pool_group_inputs(r=r, coff=coff, c=c)
+    G, n = new.shape
+    got = ops.pool_groups(kv, score, ring_kv, ring_score, new, ring, live, coff)
+    assert got.shape == (G, c) and ops.last_backend("pool_groups") == "reference"
+    for gi in range(G):
+        rows_kv, rows_sc = [], []
+        for i in range(n):
+            src_kv, src_sc, row = (kv, score, new[gi, i]) if new[gi, i] >= 0 else (ring_kv, ring_score, ring[gi, i])
+            blk = i // r
+            rows_kv.append(src_kv[row, blk * c : (blk + 1) * c])
+            rows_sc.append(src_sc[row, blk * c : (blk + 1) * c])
+        want = ref.compress_pool(torch.stack(rows_kv), torch.stack(rows_sc)) if live[gi] else torch.zeros(c)
+        assert torch.equal(got[gi], want), gi
+    assert not got.isnan().any()
+
+
 def test_sink_joins_denominator_only():
     b, s, h, d, n = 2, 5, 3, 16, 9
     q, kv = torch.randn(b, s, h, d), torch.randn(b, n, d)

@@ -1,4 +1,4 @@
-"""Triton round trips, Hadamard and compress_pool vs the plain-torch reference.
+"""Triton round trips, Hadamard, compress_pool and pool_groups vs the plain-torch reference.
 
 Round trips must be bit-identical (random and structured inputs: all-zero blocks, huge / tiny / subnormal
 magnitudes, grid midpoints, scales just above a power of two, NaN / inf blocks, signed zeros). Hadamard
@@ -315,6 +315,86 @@ def test_compressor_pool_matches_reference_in_the_model():
         got = comp(x, pos)[0]
     assert ops.calls().get(("compress_pool", "triton"), 0) >= 1
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def pool_groups_inputs(T, R, G, r, coff, c, seed, index_dtype=torch.int64):
+    """Rows and indices as a paged step has them: slots from this step's rows and from the ring, ring row 1
+    an empty slot (kv 0, score -inf), a group wholly from each source, a peaked softmax, dead groups."""
+    g = torch.Generator().manual_seed(seed)
+    W, n = coff * c, coff * r
+    kv, score = torch.randn(T, W, generator=g) * 2, torch.randn(T, W, generator=g) * 3
+    ring_kv, ring_score = torch.randn(R, W, generator=g) * 2, torch.randn(R, W, generator=g) * 3
+    ring_kv[1], ring_score[1] = 0.0, float("-inf")
+    score[0, 0] = 80.0  # one slot takes everything where row 0 is read
+    new = torch.randint(0, T, (G, n), generator=g)
+    new[torch.rand(G, n, generator=g) < 0.5] = -1
+    new[0] = -1
+    new[1] = torch.arange(n) % T
+    ring = torch.randint(2, R, (G, n), generator=g)
+    ring[0, : r if coff == 2 else 1] = 1
+    live = torch.rand(G, generator=g) < 0.5
+    live[:2] = True
+    live[-1] = False
+    args = [kv, score, ring_kv, ring_score, new.to(index_dtype), ring.to(index_dtype), live]
+    return [a.to(DEV) for a in args] + [coff]
+
+
+def gathered(kv, score, ring_kv, ring_score, new, ring, live, coff):
+    """The groups as [G, n, c] tensors (what `pool_groups` pools), built with plain indexing."""
+    n = new.size(1)
+    r, c = n // coff, kv.size(1) // coff
+    fresh = (new >= 0).unsqueeze(-1)
+    new, ring = new.long(), ring.long()
+    out = []
+    for src, kept in ((kv, ring_kv), (score, ring_score)):
+        rows = torch.where(fresh, src[new.clamp_min(0)], kept[ring])
+        out.append(torch.cat([rows[:, i * r : (i + 1) * r, i * c : (i + 1) * c] for i in range(coff)], 1))
+    return out
+
+
+@pytest.mark.parametrize(
+    "T,R,G,r,coff,c,index_dtype",
+    [(9, 11, 6, 4, 2, 40, torch.int64), (5, 7, 4, 128, 1, 33, torch.int64), (3, 6, 5, 4, 2, 16, torch.int32)],
+)
+def test_pool_groups_carries_compress_pools_bits(T, R, G, r, coff, c, index_dtype, poisoned):
+    """The fused gather + pool gives, for every live group, the bits the compress_pool kernel gives the
+    gathered group (the same arithmetic after the loads), and 0 for the others; against the reference, the
+    tolerance of compress_pool's own test."""
+    args = pool_groups_inputs(T, R, G, r, coff, c, seed=G + c, index_dtype=index_dtype)
+    live = args[6]
+    got = run_op("pool_groups", *args)
+    assert ops.last_backend("pool_groups") == "triton"
+    g_kv, g_score = gathered(*args)
+    pooled = run_op("compress_pool", g_kv, g_score)
+    assert same_bits(got[live], pooled[live])
+    assert torch.equal(got[~live], torch.zeros_like(got[~live])) and not got.isnan().any()
+    want = ref.pool_groups(*args)
+    assert torch.allclose(got, want, rtol=2e-6, atol=2e-6), (got - want).abs().max()
+    with exact_accumulation():
+        got64, pooled64 = run_op("pool_groups", *args), run_op("compress_pool", g_kv, g_score)
+    assert same_bits(got64[live], pooled64[live])
+
+
+def test_pool_groups_strided_rows_and_refusals():
+    """Rows read through their row stride (the model passes kv[0] of a [1, T, W] projection, the rings are
+    row slices of one buffer); what the kernel cannot take is refused with its reason."""
+    kv, score, ring_kv, ring_score, new, ring, live, coff = pool_groups_inputs(6, 8, 4, 4, 2, 24, seed=3)
+    wide = torch.zeros(kv.size(0), 3 * kv.size(1), device=DEV)
+    wide[:, 5 : 5 + kv.size(1)] = kv
+    kv_view = wide[:, 5 : 5 + kv.size(1)]
+    args = (kv_view, score, ring_kv, ring_score, new, ring, live, coff)
+    assert same_bits(run_op("pool_groups", *args), run_op("pool_groups", kv, *args[1:]))
+    bad = {
+        "forward only": (kv.clone().requires_grad_(True), *args[1:]),
+        "dtypes": (kv.bfloat16(), *args[1:]),
+        "coff": (*args[:7], 3),
+        "unit channel stride": (kv.t().contiguous().t(), *args[1:]),
+        "live is": (*args[:6], live.long(), coff),
+        "group_new": (kv, score, ring_kv, ring_score, new[:, :4], ring, live, coff),
+    }
+    for why, a in bad.items():
+        with pytest.raises(ops.BackendUnavailable, match=why):
+            run_op("pool_groups", *a)
 
 
 @pytest.mark.parametrize("op", sorted(ROUND_TRIPS))

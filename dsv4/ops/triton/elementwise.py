@@ -1,5 +1,5 @@
 """Row-local ops of the attention path (backends "triton"): `fp8_round_trip`, `fp4_round_trip`,
-`hadamard`, `compress_pool`. Each call is one kernel launch (backward: one more), with no host sync.
+`hadamard`, `compress_pool`, `pool_groups`. Each call is one kernel launch (backward: one more), with no host sync.
 
 Round trips and `act_quant`: one program quantizes BM blocks of one row-major [rows, n] view (a row stride
 is passed, so the model's `kv[..., :-64]` slice is read in place; a ragged last block of a row is masked).
@@ -19,6 +19,9 @@ sums are exact (+-1-weighted fp32 values spanning fewer than ~22 binades).
 `compress_pool`: one program per (group, channel tile) holds all slots of the tile: max, exp, sum,
 weights and the weighted sum in registers; the backward recomputes the softmax (nothing but the inputs is
 saved). fp32 within a few ulp of the reference (exp is libdevice `expf`, as in torch's CUDA kernel).
+`pool_groups` is the same kernel loading each slot from where it lies (this step's rows or the ring), so
+its entries carry the bits that `compress_pool` gives the gathered groups; a group that is not live (a
+paged step pools every group it touches, but keeps only the complete ones) costs one masked program.
 """
 
 from __future__ import annotations
@@ -201,6 +204,15 @@ def _pool_kernel(
     sdkv_s,
     sdsc_g,
     sdsc_s,
+    new_ptr,
+    ring_ptr,
+    live_ptr,
+    rkv_ptr,
+    rsc_ptr,
+    snew,
+    sring,
+    srkv,
+    srsc,
     S: tl.constexpr,
     SP: tl.constexpr,
     BC: tl.constexpr,
@@ -208,16 +220,41 @@ def _pool_kernel(
     F64: tl.constexpr,
     INTERP: tl.constexpr,
     RNE_BF16: tl.constexpr,
+    GATHER: tl.constexpr = False,
+    R: tl.constexpr = 1,
 ):
-    """Softmax over the S slots of score[g, :, c-tile], then the weighted sum of kv (or its gradients)."""
+    """Softmax over the S slots of score[g, :, c-tile], then the weighted sum of kv (or its gradients).
+
+    GATHER (`pool_groups`, forward only): slot i of group g is row new[g, i] of kv / score ([T, W], row
+    strides skv_s / ssc_s), or where that is -1 row ring[g, i] of rkv / rsc, at channels (i // R) * C + c;
+    a group whose live byte is 0 loads nothing and stores 0. The arithmetic after the loads is the same."""
     pid_g = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
     ss = tl.arange(0, SP)
     cs = pid_c * BC + tl.arange(0, BC)
     cmask = cs < C
     m2 = (ss < S)[:, None] & cmask[None, :]
-    sc = tl.load(sc_ptr + pid_g * ssc_g + ss[:, None] * ssc_s + cs[None, :], mask=m2, other=float("-inf"))
-    kv = tl.load(kv_ptr + pid_g * skv_g + ss[:, None] * skv_s + cs[None, :], mask=m2, other=0.0)
+    if GATHER:
+        live = (tl.zeros([SP], dtype=tl.int32) + tl.load(live_ptr + pid_g).to(tl.int32)) != 0  # [SP]
+        nw = tl.load(new_ptr + pid_g * snew + ss, mask=ss < S, other=-1)  # [SP]
+        rg = tl.load(ring_ptr + pid_g * sring + ss, mask=ss < S, other=0)
+        col = (ss // R)[:, None] * C + cs[None, :]  # [SP, BC] channel of the W-wide row
+        fresh = (nw >= 0)[:, None]
+        mn = m2 & fresh & live[:, None]
+        mr = m2 & (nw < 0)[:, None] & live[:, None]
+        sc = tl.where(
+            fresh,
+            tl.load(sc_ptr + nw[:, None] * ssc_s + col, mask=mn, other=float("-inf")),
+            tl.load(rsc_ptr + rg[:, None] * srsc + col, mask=mr, other=float("-inf")),
+        )
+        kv = tl.where(
+            fresh,
+            tl.load(kv_ptr + nw[:, None] * skv_s + col, mask=mn, other=0.0),
+            tl.load(rkv_ptr + rg[:, None] * srkv + col, mask=mr, other=0.0),
+        )
+    else:
+        sc = tl.load(sc_ptr + pid_g * ssc_g + ss[:, None] * ssc_s + cs[None, :], mask=m2, other=float("-inf"))
+        kv = tl.load(kv_ptr + pid_g * skv_g + ss[:, None] * skv_s + cs[None, :], mask=m2, other=0.0)
     if F64:
         sc = sc.to(tl.float64)
         kv = kv.to(tl.float64)
@@ -257,6 +294,8 @@ def _pool_kernel(
         )
     else:
         y = tl.sum(kv * w, axis=0)  # [BC]
+        if GATHER:
+            y = tl.where(tl.max(live.to(tl.int32), axis=0) != 0, y, 0.0)
         if RNE_BF16:
             u = y.to(tl.float32).to(tl.uint32, bitcast=True)
             y = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
@@ -459,6 +498,11 @@ def _pool_tiles(slots: int, c: int) -> tuple[int, int]:
     return sp, bc
 
 
+def _no_gather(t: torch.Tensor) -> tuple:
+    """pool_groups' kernel arguments, unused by compress_pool (any tensor stands for the pointers)."""
+    return (t,) * 5 + (0,) * 4
+
+
 def _grouped(t: torch.Tensor) -> torch.Tensor:
     """[..., slots, c] as [groups, slots, c] with unit channel stride."""
     t3 = t.reshape(-1, t.size(-2), t.size(-1))
@@ -496,6 +540,7 @@ def _pool_launch(kv: torch.Tensor, score: torch.Tensor, grad: torch.Tensor | Non
             0,
             0,
             0,
+            *_no_gather(o2),
             S=slots,
             SP=sp,
             BC=bc,
@@ -535,6 +580,7 @@ def _pool_launch(kv: torch.Tensor, score: torch.Tensor, grad: torch.Tensor | Non
         dkv3.stride(1),
         dsc3.stride(0),
         dsc3.stride(1),
+        *_no_gather(g2),
         S=slots,
         SP=sp,
         BC=bc,
@@ -580,11 +626,121 @@ def _pool_can_run(kv: torch.Tensor, score: torch.Tensor) -> str | None:
     return None
 
 
+# ----------------------------------------------------------------------------- pool_groups
+def triton_pool_groups(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ring_kv: torch.Tensor,
+    ring_score: torch.Tensor,
+    group_new: torch.Tensor,
+    group_ring: torch.Tensor,
+    live: torch.Tensor,
+    coff: int,
+) -> torch.Tensor:
+    """`pool_groups` in one launch: the pooling kernel reading each slot's row where it lies (no gathered
+    copies), with the tiles `compress_pool` takes for [G, n, c] groups, hence its bits. Groups that are not
+    live read nothing."""
+    g, n = group_new.shape
+    c = kv.size(-1) // coff
+    out = _alloc((g, c), dtype=kv.dtype, device=kv.device)
+    if out.numel() == 0:
+        return out
+    sp, bc = _pool_tiles(n, c)
+    new = group_new if group_new.stride(-1) == 1 else group_new.contiguous()
+    ring = group_ring if group_ring.stride(-1) == 1 else group_ring.contiguous()
+    interp = interpret_mode()
+    _pool_k[(g, triton.cdiv(c, bc))](
+        kv,
+        score,
+        out,
+        out,
+        out,
+        out,
+        c,
+        0,
+        kv.stride(0),
+        0,
+        score.stride(0),
+        0,
+        out.stride(0),
+        0,
+        0,
+        0,
+        0,
+        new,
+        ring,
+        live.view(torch.uint8),
+        ring_kv,
+        ring_score,
+        new.stride(0),
+        ring.stride(0),
+        ring_kv.stride(0),
+        ring_score.stride(0),
+        S=n,
+        SP=sp,
+        BC=bc,
+        BACKWARD=False,
+        F64=acc_dtype() == torch.float64,
+        INTERP=interp,
+        RNE_BF16=interp and kv.dtype == torch.bfloat16,
+        GATHER=True,
+        R=n // coff,
+        num_warps=4,
+        **_launch_opts(),
+    )
+    return out
+
+
+def _pool_groups_can_run(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ring_kv: torch.Tensor,
+    ring_score: torch.Tensor,
+    group_new: torch.Tensor,
+    group_ring: torch.Tensor,
+    live: torch.Tensor,
+    coff: int,
+) -> str | None:
+    reason = device_reason(kv, score, ring_kv, ring_score, group_new, group_ring, live)
+    if reason:
+        return reason
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (kv, score, ring_kv, ring_score)):
+        return "forward only: autograd records this call (pool_groups is the paged cache's inference path)"
+    if kv.dtype not in DTYPES or any(t.dtype != kv.dtype for t in (score, ring_kv, ring_score)):
+        kinds = f"kv={kv.dtype} score={score.dtype} rings={ring_kv.dtype}/{ring_score.dtype}"
+        return f"dtypes {kinds} (need all fp32, all bf16 or all fp16)"
+    if coff not in (1, 2):
+        return f"coff {coff} (need 1 or 2)"
+    if kv.dim() != 2 or score.shape != kv.shape or ring_kv.dim() != 2 or ring_score.shape != ring_kv.shape:
+        return f"kv {tuple(kv.shape)}, score {tuple(score.shape)} and rings {tuple(ring_kv.shape)} must be [rows, W]"
+    if ring_kv.size(1) != kv.size(1) or kv.size(1) % coff:
+        return f"row widths {kv.size(1)} and {ring_kv.size(1)} must be equal and divisible by coff {coff}"
+    if any(t.stride(-1) != 1 for t in (kv, score, ring_kv, ring_score)):
+        return "rows must have unit channel stride"
+    if group_new.dim() != 2 or group_ring.shape != group_new.shape or live.shape != group_new.shape[:1]:
+        return f"group_new {tuple(group_new.shape)}, group_ring {tuple(group_ring.shape)}, live {tuple(live.shape)}"
+    if group_new.dtype not in (torch.int32, torch.int64) or group_ring.dtype not in (torch.int32, torch.int64):
+        return f"index dtypes {group_new.dtype} / {group_ring.dtype} (need int32 or int64)"
+    if live.dtype != torch.bool:
+        return f"live is {live.dtype} (need bool)"
+    n = group_new.size(1)
+    if n < 1 or n > 1024 or n % coff:
+        return f"{n} slots (need 1..1024, divisible by coff {coff})"
+    return None
+
+
 # ----------------------------------------------------------------------------- registration
 register("fp8_round_trip", "triton", triton_fp8_round_trip, can_run=_fp8_can_run, deterministic=True, priority=10)
 register("fp4_round_trip", "triton", triton_fp4_round_trip, can_run=_fp4_can_run, deterministic=True, priority=10)
 register("act_quant", "triton", triton_act_quant, can_run=_act_quant_can_run, deterministic=True, priority=10)
 register("hadamard", "triton", triton_hadamard, can_run=_hadamard_can_run, deterministic=True, priority=10)
 register("compress_pool", "triton", triton_compress_pool, can_run=_pool_can_run, deterministic=True, priority=10)
+register("pool_groups", "triton", triton_pool_groups, can_run=_pool_groups_can_run, deterministic=True, priority=10)
 
-__all__ = ["triton_fp8_round_trip", "triton_fp4_round_trip", "triton_hadamard", "triton_compress_pool"]
+__all__ = [
+    "triton_fp8_round_trip",
+    "triton_fp4_round_trip",
+    "triton_hadamard",
+    "triton_compress_pool",
+    "triton_pool_groups",
+]
