@@ -34,6 +34,8 @@ draft it runs on is rank 0's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -46,8 +48,11 @@ HEADER = 8
 class Mirror:
     """Rank 0's side (`send`) and the followers' (`recv`) of the step messages, on one process group."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
+    def __init__(
+        self, group: dist.ProcessGroup | None, device: torch.device, on_stop: Callable[[], None] | None = None
+    ):
         self.group = group
+        self.on_stop = on_stop  # rank 0: called before STOP goes out (the followers' exits are expected then)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.device = device
@@ -61,6 +66,8 @@ class Mirror:
 
     def send(self, kind: int, *values: int) -> None:
         """Rank 0: announce a message (the header: kind and up to 7 integers)."""
+        if kind == STOP and self.on_stop is not None:
+            self.on_stop()
         self._host.zero_()
         self._host[0] = kind
         for i, v in enumerate(values):

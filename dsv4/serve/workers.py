@@ -17,15 +17,15 @@ import multiprocessing as mp
 import os
 import sys
 import threading
-import time
 
 from .startup import EngineSpec, engine_info, ignore_interrupts, load, make_engine
 
 log = logging.getLogger("dsv4.serve")
 
 
-def _join(spec: EngineSpec, rank: int, world: int, port: int):
-    """This worker's group, model and engine (the same on every rank but for the experts it holds)."""
+def _join(spec: EngineSpec, rank: int, world: int, port: int, on_stop=None):
+    """This worker's group, model and engine (the same on every rank but for the experts it holds).
+    on_stop (rank 0): called when the engine tells the others to stop."""
     from .. import defaults
     from ..engine.mirror import Mirror
     from ..parallel import init_workers, parallelize_for_serving
@@ -39,7 +39,7 @@ def _join(spec: EngineSpec, rank: int, world: int, port: int):
     spec = spec.on_device(str(w.device))
     model, tokenizer, name, desc = load(spec, rank=rank, world_size=world)
     parallelize_for_serving(model, w.group, attention="replicated")
-    engine = make_engine(spec, model, tokenizer, mirror=Mirror(w.group, w.device))
+    engine = make_engine(spec, model, tokenizer, mirror=Mirror(w.group, w.device, on_stop=on_stop))
     return engine, desc, threads
 
 
@@ -58,18 +58,20 @@ def _follower(spec: EngineSpec, rank: int, world: int, port: int) -> None:
     shutdown_workers()
 
 
-def _watch(procs: list[mp.Process]) -> None:
-    """Rank 0: end the engine process when another worker exits (its collectives would fail or hang)."""
-    while True:
+def _watch(procs: list[mp.Process], stopping: threading.Event, poll_s: float = 0.2) -> None:
+    """Rank 0: end the engine process when another worker exits (its collectives would fail or hang), until
+    the engine stops them itself (`stopping`): from then on they exit, or are ended with this process, as
+    they should."""
+    while not stopping.is_set():
         for rank, p in enumerate(procs, start=1):
-            if p.exitcode is not None:
+            if p.exitcode is not None and not stopping.is_set():
                 print(
                     f"dsv4 serve: worker {rank} exited (code {p.exitcode}): stopping the engine",
                     file=sys.stderr,
                     flush=True,
                 )
                 os._exit(3)
-        time.sleep(0.2)
+        stopping.wait(poll_s)
 
 
 def build_workers(spec: EngineSpec, own_process: bool = True):
@@ -91,8 +93,9 @@ def build_workers(spec: EngineSpec, own_process: bool = True):
     ]
     for p in procs:
         p.start()
-    threading.Thread(target=_watch, args=(procs,), name="dsv4-worker-watch", daemon=True).start()
-    engine, desc, threads = _join(spec, 0, world, port)
+    stopping = threading.Event()
+    threading.Thread(target=_watch, args=(procs, stopping), name="dsv4-worker-watch", daemon=True).start()
+    engine, desc, threads = _join(spec, 0, world, port, on_stop=stopping.set)
     graphs = engine.warmup()
     info = engine_info(engine, desc, threads, graphs)
     info.update(device=f"{engine.device} and {world - 1} more worker(s)", workers=world)
