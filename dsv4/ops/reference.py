@@ -463,10 +463,12 @@ def pool_groups(
     n = group_new.size(-1)
     r, c = n // coff, kv.size(-1) // coff
     fresh = (group_new >= 0).unsqueeze(-1)  # [G, n, 1]
+    block = torch.arange(n, device=group_new.device) // r  # [n] the channel block each slot reads
 
-    def rows(src: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-        g = torch.where(fresh, src[group_new.clamp_min(0)], kept[group_ring])  # [G, n, W]
-        return torch.cat([g[:, i * r : (i + 1) * r, i * c : (i + 1) * c] for i in range(coff)], 1)  # [G, n, c]
+    def rows(src: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:  # -> [G, n, c]
+        new = src.reshape(-1, c)[group_new.clamp_min(0) * coff + block]  # rows as [T * coff, c] blocks
+        old = kept.reshape(-1, c)[group_ring * coff + block]
+        return torch.where(fresh, new, old)
 
     pooled = compress_pool(rows(kv, ring_kv), rows(score, ring_score))
     return torch.where(live.unsqueeze(-1), pooled, 0).to(kv.dtype)
