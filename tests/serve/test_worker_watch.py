@@ -50,7 +50,7 @@ def test_workers_ending_after_stop_are_not_a_failure(exits):
     assert not watch.is_alive() and exits == []
 
 
-def test_mirror_calls_on_stop_before_stop_goes_out(tmp_path):
+def test_mirror_calls_on_stop_when_it_sends_stop_only(tmp_path):
     if dist.is_initialized():
         pytest.fail("a process group is already initialized in this test process")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

@@ -235,7 +235,8 @@ def _pool_kernel(
     cmask = cs < C
     m2 = (ss < S)[:, None] & cmask[None, :]
     if GATHER:
-        live = (tl.zeros([SP], dtype=tl.int32) + tl.load(live_ptr + pid_g).to(tl.int32)) != 0  # [SP]
+        alive = tl.load(live_ptr + pid_g) != 0
+        live = (tl.zeros([SP], dtype=tl.int32) + alive.to(tl.int32)) != 0  # [SP] (block masks: the interpreter)
         nw = tl.load(new_ptr + pid_g * snew + ss, mask=ss < S, other=-1)  # [SP]
         rg = tl.load(ring_ptr + pid_g * sring + ss, mask=ss < S, other=0)
         col = (ss // R)[:, None] * C + cs[None, :]  # [SP, BC] channel of the W-wide row
@@ -295,7 +296,7 @@ def _pool_kernel(
     else:
         y = tl.sum(kv * w, axis=0)  # [BC]
         if GATHER:
-            y = tl.where(tl.max(live.to(tl.int32), axis=0) != 0, y, 0.0)
+            y = tl.where(alive, y, 0.0)
         if RNE_BF16:
             u = y.to(tl.float32).to(tl.uint32, bitcast=True)
             y = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
@@ -648,6 +649,7 @@ def triton_pool_groups(
     sp, bc = _pool_tiles(n, c)
     new = group_new if group_new.stride(-1) == 1 else group_new.contiguous()
     ring = group_ring if group_ring.stride(-1) == 1 else group_ring.contiguous()
+    live = live if live.stride(0) == 1 else live.contiguous()  # (read as live_ptr + group)
     interp = interpret_mode()
     _pool_k[(g, triton.cdiv(c, bc))](
         kv,
