@@ -81,12 +81,6 @@ class Engine:
         self.cache = PagedKVCache(cfg, self.layout, p.device, p.dtype)
         self.manager = CacheManager(self.layout, c.prefix_caching, has_compressed=bool(self.layout.ratios))
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
-        self.scheduler = Scheduler(
-            SchedulerConfig(c.max_seqs, self.max_model_len, c.max_batch_tokens, c.chunk_len, c.prefix_caching),
-            self.manager,
-            self._restore_prefix,
-            self.stats,
-        )
         self.runner = Runner(
             model,
             self.cache,
@@ -97,6 +91,16 @@ class Engine:
             slot_len=c.chunk_len,
             pad=c.pad_steps or mirror is not None,
             mirror=mirror,
+        )
+        # padded steps: the chunks of a step take a number of slots that a bucket has (no padding slots)
+        slot_sizes = tuple(self.runner.slot_sizes) if self.runner.pad else ()
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                c.max_seqs, self.max_model_len, c.max_batch_tokens, c.chunk_len, c.prefix_caching, slot_sizes
+            ),
+            self.manager,
+            self._restore_prefix,
+            self.stats,
         )
         self.sampler = self.runner.sampler
         self.overlap = on_gpu if c.overlap is None else c.overlap

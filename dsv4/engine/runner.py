@@ -31,7 +31,7 @@ from .mirror import RESTORE, STEP, STOP, TABLES, Mirror
 from .sampling import SampleOutput, Sampler, SamplingParams, SamplingTensors
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+SLOT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # (steps of 1.5x: a step pads under a third)
 GRAPH_BUCKETS = DECODE_BUCKETS  # batch sizes of the fixed-shape speculative step
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for
 

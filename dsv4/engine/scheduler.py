@@ -33,6 +33,10 @@ class SchedulerConfig:
     max_batch_tokens: int  # tokens per step: decode rows + prompt chunks
     chunk_len: int = 1  # prompt chunks are taken in slots of this many tokens
     prefix_caching: bool = True
+    # the step sizes, in chunk slots, that a padded step is laid out in (the runner's buckets); () = any.
+    # Where the budget leaves room for a number of slots between two of them, the chunks take the smaller:
+    # the bucket above would carry the difference as padding, computed and thrown away
+    slot_sizes: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -125,6 +129,15 @@ class Scheduler:
     def _slots(self, n: int) -> int:
         return -(-n // self.config.chunk_len)
 
+    def _chunk_budget(self, budget: int) -> int:
+        """The tokens left for prompt chunks, in whole slots of a size that `slot_sizes` has."""
+        sizes = self.config.slot_sizes
+        if not sizes or budget <= 0:
+            return budget
+        L = self.config.chunk_len
+        fit = max((n for n in sizes if n * L <= budget), default=0)
+        return fit * L
+
     def schedule(self) -> list[Scheduled]:
         """The rows of the next step: decoding sequences first, then prompt chunks (running, then new)."""
         c = self.config
@@ -135,30 +148,15 @@ class Scheduler:
         planned: set[int] = set()
         decoding = [s for s in self.running if not s.prefilling]
         chunked = [s for s in self.running if s.prefilling]
-        for seq in decoding + chunked:
+        for seq in decoding:
             if budget <= 0:
                 break
-            if not seq.running or self._done(seq):  # (preempted by an earlier one in this loop)
-                continue
-            if seq.prefilling:
-                n = min(seq.n_tokens - seq.computed, (budget // L) * L)
-                if n <= 0:
-                    continue
-            else:
-                n = 1 + len(seq.drafts)
-            # (a one-token row inside a page it has already started needs no new page)
-            while (n > 1 or seq.computed % P == 0) and not self.manager.allocate(
-                seq.pages, seq.computed, seq.computed + n
-            ):
-                victim = max((s for s in self.running if id(s) not in planned), key=lambda s: s.admitted_at)
-                self.preempt(victim)
-                if victim is seq:
-                    break
-            if not seq.running:
-                continue
-            plan.append(Scheduled(seq, n))
-            planned.add(id(seq))
-            budget -= self._slots(n) * L if seq.prefilling else n
+            budget -= self._plan_row(seq, budget, plan, planned)
+        budget = self._chunk_budget(budget)
+        for seq in chunked:
+            if budget <= 0:
+                break
+            budget -= self._plan_row(seq, budget, plan, planned)
         # admission keeps a few pages free (1% of each pool, as vLLM's watermark) and one for each running
         # sequence that starts a new page at its next token, so that admitting does not force a preemption
         # (where preemption can happen at all: not `roomy`)
@@ -196,6 +194,30 @@ class Scheduler:
             planned.add(id(seq))
             budget -= self._slots(n) * L
         return plan
+
+    def _plan_row(self, seq: Sequence, budget: int, plan: list[Scheduled], planned: set[int]) -> int:
+        """Plan a running sequence's row (preempting the latest admitted where it needs pages). -> the
+        budget it takes: its tokens, a prompt chunk's in whole slots."""
+        L, P = self.config.chunk_len, self.manager.P
+        if not seq.running or self._done(seq):  # (preempted by an earlier one in this step)
+            return 0
+        if seq.prefilling:
+            n = min(seq.n_tokens - seq.computed, (budget // L) * L)
+            if n <= 0:
+                return 0
+        else:
+            n = 1 + len(seq.drafts)
+        # (a one-token row inside a page it has already started needs no new page)
+        while (n > 1 or seq.computed % P == 0) and not self.manager.allocate(seq.pages, seq.computed, seq.computed + n):
+            victim = max((s for s in self.running if id(s) not in planned), key=lambda s: s.admitted_at)
+            self.preempt(victim)
+            if victim is seq:
+                break
+        if not seq.running:
+            return 0
+        plan.append(Scheduled(seq, n))
+        planned.add(id(seq))
+        return self._slots(n) * L if seq.prefilling else n
 
     def _sibling_prefilling(self, seq: Sequence) -> bool:
         """With prefix caching, choices 1..n-1 wait until choice 0 has computed the shared prompt."""

@@ -34,9 +34,11 @@ def make(
     P: int = 16,
     window: int = 16,
     max_len: int = 256,
+    slot_sizes: tuple[int, ...] = (),
 ) -> Scheduler:
     layout = CacheLayout(P, window, (4, 16), n_window + 1, n_comp + 1, max_seqs, max_len, prefix)
-    return Scheduler(SchedulerConfig(max_seqs, max_len, budget, chunk, prefix), CacheManager(layout, prefix))
+    config = SchedulerConfig(max_seqs, max_len, budget, chunk, prefix, slot_sizes)
+    return Scheduler(config, CacheManager(layout, prefix))
 
 
 def check_pages(s: Scheduler) -> None:
@@ -56,18 +58,22 @@ def check_pages(s: Scheduler) -> None:
         assert all(p in cached.values() for p in shared)  # only prefix-cache pages are shared
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(9))
 def test_random_traffic_keeps_every_invariant(seed):
     rng = random.Random(seed)
     prefix = seed % 2 == 0
     chunk = (1, 4, 8)[seed % 3]
+    budget = rng.randint(16, 64)
+    # seeds 6-8: padded steps, whose chunks take a number of slots that the runner has a bucket for
+    slot_sizes = (0, 1, 2, 3, 4, 6, budget // chunk) if seed >= 6 else ()
     s = make(
         n_window=rng.randint(8, 40),
         n_comp=rng.randint(12, 60),
         max_seqs=rng.randint(2, 6),
-        budget=rng.randint(16, 64),
+        budget=budget,
         chunk=chunk,
         prefix=prefix,
+        slot_sizes=slot_sizes,
     )
     P = s.manager.P
     shared = [rng.randrange(2, 1000) for _ in range(40)]
@@ -98,6 +104,10 @@ def test_random_traffic_keeps_every_invariant(seed):
         plan = s.schedule()
         used = sum(-(-r.n // chunk) * chunk if r.seq.prefilling else r.n for r in plan)
         assert used <= s.config.max_batch_tokens and len(s.running) <= s.config.max_seqs
+        if slot_sizes:  # the chunks fit the largest bucket size that the decode rows leave room for
+            decode = sum(r.n for r in plan if not r.seq.prefilling)
+            slots = sum(-(-r.n // chunk) for r in plan if r.seq.prefilling)
+            assert slots <= max(n for n in slot_sizes if n * chunk <= budget - decode)
         assert len({id(r.seq) for r in plan}) == len(plan)
         for r in plan:
             seq = r.seq
@@ -192,3 +202,25 @@ def test_pools_sized_for_every_seat_keep_no_seat_empty():
     s.schedule()
     assert seqs[-1].running
     check_pages(s)
+
+
+def test_padded_steps_take_the_chunk_slots_of_a_bucket():
+    """With the runner's bucket sizes given, the budget that decode rows leave goes to chunks in the largest
+    number of slots that a bucket has: 3 decode rows and a budget of 3 + 28 slots take 24 slots (a 32-slot
+    bucket would compute 4 slots of padding); the rest of the prompt follows. Without sizes: 28 slots."""
+    L = 4
+    for sizes, want in (((0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32), 24), ((), 28)):
+        s = make(n_window=200, n_comp=200, max_seqs=4, budget=3 + 28 * L, chunk=L, prefix=False, slot_sizes=sizes)
+        for i in range(3):  # three sequences decoding
+            req = Request(str(i), [7] * 4, SamplingParams(max_tokens=100, temperature=0))
+            req.sequences.append(Sequence(req, 0, [7] * 4, seed=0, prompt_len=4))
+            s.add(req.sequences[0])
+        model_step(s)
+        assert all(not q.prefilling for q in s.running) and len(s.running) == 3
+        long = Request("long", [9] * 200, SamplingParams(max_tokens=1, temperature=0))
+        long.sequences.append(Sequence(long, 0, [9] * 200, seed=0, prompt_len=200))
+        s.add(long.sequences[0])
+        plan = s.schedule()
+        chunk = [r for r in plan if r.seq is long.sequences[0]]
+        assert [r.n for r in plan if r.n == 1] == [1, 1, 1] and len(chunk) == 1
+        assert chunk[0].n == want * L, (sizes, chunk[0].n)
