@@ -168,7 +168,8 @@ class MoE(nn.Module):
     `experts` is whatever computes the routed experts, (x [T, dim], weights [T, k], indices [T, k]) ->
     fp32 [T, dim]: `Experts`, or a module a pass swapped in (kept quantized, INT8, or split over ranks by
     expert parallelism, `dsv4.parallel.expert`). `load` is the expert load ([E] token counts) the last
-    forward measured; the load-balancing bias update reads it (`dsv4.train.balance`)."""
+    forward measured in training mode or with autograd on; the load-balancing bias update reads it
+    (`dsv4.train.balance`). An inference forward (eval mode under no_grad) measures none: None."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -203,10 +204,12 @@ class MoE(nn.Module):
         weights, indices, scores = self.gate(flat, token_ids.reshape(-1))
         indices = record(f"{self.stage}.router_indices", indices)
         weights = record(f"{self.stage}.router_weights", weights)
-        flat_idx = indices.flatten().detach()  # no host sync
-        self.load = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, flat_idx, torch.ones_like(flat_idx)
-        )
+        self.load = None  # (an inference step skips the count's three kernels: nothing reads it)
+        if self.training or torch.is_grad_enabled():
+            flat_idx = indices.flatten().detach()  # no host sync
+            self.load = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+                0, flat_idx, torch.ones_like(flat_idx)
+            )
         if balance_alpha > 0 and self.training:
             losses["balance"] = self._balance_loss(scores, indices, shape[0], balance_alpha)
         y = record(f"{self.stage}.routed", self.experts(flat, weights, indices))  # fp32 [T, dim]

@@ -36,7 +36,8 @@ class ModelOutput:
     mtp_logits: list[torch.Tensor] = field(default_factory=list)  # depth k: [b, s-1-k, vocab], predicts t+k+2
     indexer_loss: torch.Tensor | None = None  # summed over CSA layers
     balance_loss: torch.Tensor | None = None  # summed over MoE layers (when alpha > 0)
-    expert_load: list[torch.Tensor] = field(default_factory=list)  # per layer [E] token counts
+    # per layer [E] token counts (measured in training mode or with autograd on: `MoE.load`)
+    expert_load: list[torch.Tensor | None] = field(default_factory=list)
     taps: torch.Tensor | None = None  # [b, s, len(targets) * dim]: a DSpark draft's input
 
 

@@ -312,6 +312,25 @@ def test_a_training_forward_leaves_the_modules_as_they_were():
     assert all(a is layer.ffn.load for a, layer in zip(out.expert_load, model.layers, strict=True))
 
 
+def test_the_expert_load_is_counted_where_it_is_read():
+    """The load ([E] token counts of the routed choices) is measured in training mode or with autograd on
+    (the bias update and the trainer read it); an inference forward (eval, no_grad: every engine step)
+    measures none, so a stale count cannot be mistaken for its own."""
+    model = DeepSeekV4.from_config(ModelConfig.preset("tiny"), seed=0)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    k, t = model.cfg.n_activated_experts, tokens.numel()
+    for train, grad in ((True, False), (False, True), (False, False)):
+        model.train(train)
+        with torch.set_grad_enabled(grad):
+            out = model(tokens)
+        for load, layer in zip(out.expert_load, model.layers, strict=True):
+            assert load is layer.ffn.load
+            if train or grad:
+                assert load.dtype == torch.long and int(load.sum()) == k * t and bool((load >= 0).all())
+            else:
+                assert load is None
+
+
 def test_what_has_nowhere_to_go_is_refused_in_one_line():
     model = DeepSeekV4.from_config(ModelConfig.preset("tiny"), seed=0).train()
     layer = model.layers[1]
