@@ -7,7 +7,8 @@ client count, as the median (min, max) of --repeats runs after an untimed warm-u
   (`model.decode_step` in lockstep, from a CUDA graph on CUDA); beside it the most this closed loop lets
   any engine reach (`load.closed_loop_ceiling`: the seats left empty while the last requests finish);
 - engine steps/s, and the host's time per step by phase (schedule, launch, wait for the device,
-  post-processing): the host is off the critical path when "wait" dominates;
+  post-processing): the host is off the critical path when "wait" dominates; on CUDA the device's time
+  per step from events around each step (`Runner.clock`, no profiler): busy, and idle between steps;
   the objects alive after the warm-up are frozen out of the cycle collector, as in a server's engine
   process (`freeze_heap`);
 - graph-replayed and eager steps, and Triton compilations after the warm-up (0 when every step shape was
@@ -85,6 +86,18 @@ def drive(engine, work: list[tuple[list[int], int]], clients: int, tag: str = "r
         "ttft_p50_s": _pct(ttft, 50),
         "ttft_p99_s": _pct(ttft, 99),
     }
+
+
+def device_time(clock: list | None) -> dict | None:
+    """A run's steps on the device from the CUDA events around each one (`Runner.clock`), per step: `busy`
+    (from the copy of its inputs to the copy of its tokens) and `idle` (from one step's end to the next
+    one's start: the device waiting for the host), both in ms. None without events."""
+    if not clock:
+        return None
+    torch.cuda.synchronize()
+    busy = sum(a.elapsed_time(b) for a, b in clock)
+    idle = sum(max(0.0, end.elapsed_time(nxt)) for (_, end), (nxt, _) in zip(clock, clock[1:], strict=False))
+    return {"busy": busy / len(clock), "idle": idle / len(clock)}
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -300,12 +313,15 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         drive(engine, work[: 2 * clients], clients, "w")  # untimed: caches, allocator, buckets
         freeze_heap()  # as the server's engine process does after start-up (undone below)
         at_ready = compiles.count()
-        runs, phases = [], []
+        runs, phases, clocks = [], [], []
         mix0 = _step_mix(engine.runner)
         for r in range(args.repeats):
             before = dict(engine.timing)
+            engine.runner.clock = [] if device.type == "cuda" else None
             runs.append(drive(engine, work, clients, f"t{r}-"))
             phases.append({k: (engine.timing[k] - before[k]) / runs[-1]["steps"] * 1e3 for k in before})
+            clocks.append(device_time(engine.runner.clock))
+            engine.runner.clock = None
         mix = _step_mix(engine.runner, mix0)
         row = {
             "clients": clients,
@@ -321,6 +337,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
             "ttft_p50_s": spread([x["ttft_p50_s"] for x in runs]),
             "ttft_p99_s": spread([x["ttft_p99_s"] for x in runs]),
             "host_ms_per_step": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
+            "device_ms_per_step": None if None in clocks else {k: spread([c[k] for c in clocks]) for k in clocks[0]},
             "step_mix": mix,
             "closed_loop_ceiling": closed_loop_ceiling([n for _, n in work], clients),
         }
@@ -354,6 +371,10 @@ def _fmt(s: dict, scale: float = 1.0, unit: str = "") -> str:
     return f"{s['median'] * scale:.1f}{unit} ({s['min'] * scale:.1f}-{s['max'] * scale:.1f})"
 
 
+def _fmt2(s: dict) -> str:
+    return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
+
+
 def _print_row(r: dict) -> None:
     print(
         f"{r['clients']} clients, {r['requests']} requests: {_fmt(r['tokens_per_s'])} output tokens/s, "
@@ -370,6 +391,13 @@ def _print_row(r: dict) -> None:
     )
     print(f"  TTFT p50 {_fmt(r['ttft_p50_s'], 1e3, ' ms')}, p99 {_fmt(r['ttft_p99_s'], 1e3, ' ms')}")
     print("  host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items()))
+    if r.get("device_ms_per_step"):
+        d = r["device_ms_per_step"]
+        print(
+            f"  device ms per step (CUDA events around each step, no profiler): busy {_fmt2(d['busy'])}, idle "
+            f"between steps {_fmt2(d['idle'])}: the device waits for the host "
+            f"{d['idle']['median'] / (d['busy']['median'] + d['idle']['median']):.1%} of the time"
+        )
     m = r["step_mix"]
     shares = ", ".join(f"{k} {v:.0%}" for k, v in list(m["bucket_share"].items())[:6])
     print(

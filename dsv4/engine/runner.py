@@ -259,6 +259,10 @@ class Runner:
         self.chunk_tokens = 0  # tokens of multi-token rows: prompt chunks (and speculative verifies)
         self.late_captures = 0  # graphs captured on first use, not at start-up
         self.warmup_seconds = 0.0
+        # a list to time steps on the device (`dsv4 bench engine`): each step launched appends (start, end)
+        # CUDA events around its device work, from the copy of its inputs to the copy of its tokens
+        self.clock: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        self._started: torch.cuda.Event | None = None
 
     # ------------------------------------------------------------------ graphs
     def capture_graphs(self, progress=None) -> int:
@@ -369,6 +373,15 @@ class Runner:
     def launch(self, decode: list[Row], chunks: list[Row], samples: list[tuple[int, SampleRow]]) -> InFlight:
         """Run one step: decode rows (one token each) then prompt chunks; sample the rows listed in
         `samples` as (index of the row in decode + chunks, settings). -> the step in flight."""
+        if self.clock is None or self.device.type != "cuda":
+            return self._launch(decode, chunks, samples)
+        inflight = self._launch(decode, chunks, samples)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.clock.append((self._started, end))
+        return inflight
+
+    def _launch(self, decode: list[Row], chunks: list[Row], samples: list[tuple[int, SampleRow]]) -> InFlight:
         n_slots = sum(-(-len(r.tokens) // self.slot_len) for r in chunks)
         bucket = self.bucket_for(len(decode), n_slots) if self.pad else None
         if self.mirror is not None and bucket is None:
@@ -416,6 +429,9 @@ class Runner:
                 host[sf:si].view(np.float64).reshape(n, -1),
                 host[si:at].reshape(n, -1),
             )
+        if self.clock is not None and self.device.type == "cuda":  # (a step's first device work: this copy)
+            self._started = torch.cuda.Event(enable_timing=True)
+            self._started.record()
         dev = self.staging.send(at)
         if self.mirror is not None:
             update = self._table_update[:2] if self._table_update is not None else (0, 0)

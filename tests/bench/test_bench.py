@@ -532,6 +532,7 @@ def test_engine_bench_accounts_for_every_step_it_times(tmp_path, capsys):
     assert 0 < mix["chunk_tokens_per_step"] * mix["steps"] <= 2 * sum(len(p) for p, _ in work)
     assert sum(mix["bucket_share"].values()) == pytest.approx(1.0)
     assert mix["bucket_share"] == {"ragged": 1.0}  # a CPU engine runs unpadded steps
+    assert row["device_ms_per_step"] is None and "device ms per step" not in text  # (CUDA events only)
     assert f"per step: {mix['decode_rows_per_step']:.1f} decode rows" in text
     from dsv4.bench.load import closed_loop_ceiling
 

@@ -110,3 +110,27 @@ def test_deterministic_mode_batching_does_not_change_tokens(model, prompts, samp
         alone, alone_lp, _ = run(model, [p], [params[i]], warm=False, deterministic=True, max_seqs=1)
         assert alone[0] == busy[i], f"request {i}: alone {alone[0]}, in the batch {busy[i]}"
         assert alone_lp[0] == busy_lp[i], f"request {i}: log-probabilities differ"
+
+
+def test_the_step_clock_times_every_launched_step_in_order(model, prompts):
+    """`Runner.clock` (what `bench engine` reads the device's busy and idle time from): one (start, end)
+    pair of events per launched step, each span positive, each step starting at or after the last one's
+    end (one stream); `device_time` sums them per step."""
+    from dsv4.bench.engine import device_time
+
+    engine = Engine(model, EngineConfig(max_seqs=8, max_batch_tokens=48, page_size=16, chunk_len=8))
+    engine.warmup()
+    engine.runner.clock = []
+    before = engine.runner.graph_steps + engine.runner.eager_steps
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    clock = engine.runner.clock
+    torch.cuda.synchronize()
+    assert len(clock) == engine.runner.graph_steps + engine.runner.eager_steps - before > 0
+    assert all(start.elapsed_time(end) > 0 for start, end in clock)
+    assert all(end.elapsed_time(nxt) >= 0 for (_, end), (nxt, _) in zip(clock, clock[1:], strict=False))
+    t = device_time(clock)
+    assert t["busy"] * len(clock) == pytest.approx(sum(a.elapsed_time(b) for a, b in clock))
+    assert t["idle"] >= 0
