@@ -4,8 +4,8 @@
 
 For each token count T: the time of one `hc_pre` call (the Triton backend, bf16 x [1, T, hc, dim]) with the
 automatic plan ("auto") and with K forced into 1 (the single kernel), 2, 3, 4, 6, 8 and 16 slices
-(`mhc.SPLIT_K`), and the bytes it must move (x read once, y written) per second. Each time is the median of
-5 replays of a CUDA graph of 50 calls, captured after 3 warm-up calls. Needs a CUDA GPU.
+(`mhc.SPLIT_K`), and the bytes it must move (x read once, y written) per second [GB/s]. Each time is the
+median (min-max) of 5 replays of a CUDA graph of 50 calls, captured after 3 warm-up calls. Needs a CUDA GPU.
 
 --anatomy times the single kernel instead, to see where its time goes: with 20 Sinkhorn iterations, with
 1, without the comb columns and Sinkhorn (`hc_head`), and each of its autotuning configurations at 1 to 4
@@ -31,8 +31,8 @@ from dsv4.ops.triton import mhc  # noqa: E402
 SPLITS = (None, 1, 2, 3, 4, 6, 8, 16)
 
 
-def time_ms(fn, calls: int = 50, repeats: int = 5) -> float:
-    """Median ms per call of fn replayed from a CUDA graph of `calls` calls."""
+def time_ms(fn, calls: int = 50, repeats: int = 5) -> tuple[float, float, float]:
+    """(median, min, max) ms per call of fn over `repeats` replays of a CUDA graph of `calls` calls."""
     for _ in range(3):
         fn()
     side = torch.cuda.Stream()
@@ -52,7 +52,12 @@ def time_ms(fn, calls: int = 50, repeats: int = 5) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return statistics.median(times), min(times), max(times)
+
+
+def us(t: tuple[float, float, float]) -> str:
+    """A time_ms result in us: median (min-max)."""
+    return f"{t[0] * 1e3:.1f} ({t[1] * 1e3:.1f}-{t[2] * 1e3:.1f})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     scale, base = torch.ones(3, device=dev), torch.zeros((2 + hc) * hc, device=dev)
     if args.anatomy:
         return anatomy(args.tokens, hc, d, fn, scale, base, g)
-    print(f"hc_pre forward, hc={hc}, dim={d}, bf16, {torch.cuda.get_device_name()}: us per call (GB/s) by K split")
+    print(f"hc_pre forward, hc={hc}, dim={d}, bf16, {torch.cuda.get_device_name()}: us per call [GB/s] by K split")
     for t in args.tokens:
         x = torch.randn(1, t, hc, d, device=dev, dtype=torch.bfloat16, generator=g)
         nbytes = x.numel() * 2 + t * d * 2
@@ -79,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for split in SPLITS:
                 mhc.SPLIT_K = split
-                ms = time_ms(lambda x=x: ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20, backend="triton"))
-                cells.append(f"{'auto' if split is None else split}: {ms * 1e3:.1f} ({nbytes / ms / 1e6:.0f})")
+                t_ms = time_ms(lambda x=x: ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20, backend="triton"))
+                cells.append(f"{'auto' if split is None else split}: {us(t_ms)} [{nbytes / t_ms[0] / 1e6:.0f}]")
         finally:
             mhc.SPLIT_K = None
         print(f"  T={t:>5}  " + "  ".join(cells), flush=True)
@@ -105,7 +110,7 @@ def anatomy(tokens, hc, d, fn, scale, base, g) -> int:
                 ("iters 1", lambda x=x: ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 1, backend="triton")),
                 ("head", lambda x=x: ops.hc_head(x, head_fn, scale[:1], base[:hc], 1e-6, 1e-6, backend="triton")),
             ):
-                cells.append(f"{label}: {time_ms(call) * 1e3:.1f}")
+                cells.append(f"{label}: {us(time_ms(call))}")
         finally:
             mhc.SPLIT_K = None
         print(f"  T={t:>5}  " + "  ".join(cells), flush=True)
@@ -125,7 +130,7 @@ def anatomy(tokens, hc, d, fn, scale, base, g) -> int:
             for stages in (1, 2, 3, 4):
                 kw = dict(meta, BT=bt, BK=bk, BD=bd, num_warps=cfg.num_warps, num_stages=stages)
                 call = partial(_launch_one, mhc._hc_pre_fwd_kernel, (triton.cdiv(t, bt),), args, kw)
-                row.append(f"{stages} stages: {time_ms(call) * 1e3:.1f}")
+                row.append(f"{stages} stages: {us(time_ms(call))}")
             print(f"    BT={bt} BK={bk} BD={bd} warps={cfg.num_warps}: " + "  ".join(row), flush=True)
     return 0
 
