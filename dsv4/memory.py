@@ -90,6 +90,21 @@ def _weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> WeightBytes:
     return WeightBytes(params, in_memory, kept, sum(by_format.values()), by_format)
 
 
+@functools.lru_cache(maxsize=16)
+def split_bytes(cfg: ModelConfig) -> int:
+    """The bf16 parts (three per fp32 element: 6 bytes) of the fp32 projections' weights (head, compressors)
+    that a GPU engine keeps once split (`ops.keep_splits`; the bf16x3 backend, which CUDA runs from 64
+    rows): an upper bound, as a weight is split at its first such call."""
+    from .model import DeepSeekV4
+
+    model = DeepSeekV4(cfg, dtype=torch.bfloat16, device="meta")  # (what stays fp32 does in any dtype)
+    return sum(
+        6 * p.numel()
+        for name, p in model.named_parameters()
+        if p.dtype == torch.float32 and p.dim() == 2 and name.endswith(".weight")
+    )
+
+
 _ST_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
 
 
@@ -480,10 +495,11 @@ class RankMemory:
     cache: int
     activations: int
     exchange: int  # of which the expert exchange's buffers
+    splits: int = 0  # the fp32 projections' bf16 parts kept on a GPU (`split_bytes`; 0 for the CPU path)
 
     @property
     def total(self) -> int:
-        return self.weights + self.cache + self.activations
+        return self.weights + self.splits + self.cache + self.activations
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -525,7 +541,8 @@ def rank_bytes(
         if ordered:
             exchange += world * T * k * D * (a + 4)  # slot rows and the sorted copy
     act = activation_bytes(cfg, chunk, context, a, logits_rows=seqs, fused=fused) + exchange
-    return RankMemory(world, attention, total - experts + share, share, cache, act, exchange)
+    splits = split_bytes(cfg) if fused else 0
+    return RankMemory(world, attention, total - experts + share, share, cache, act, exchange, splits)
 
 
 def serving_gpus(
@@ -568,10 +585,10 @@ class Requirements:
     cache_no_prefix: CacheBytes  # with --no-prefix-caching (no fp32 raw tail per compressed page)
     activation_peak: int  # one prefill chunk, reference ops (a CPU)
     activation_peak_fused: int  # the same with the fused CUDA kernels
-    inference_total: int  # on a GPU: weights dequantized + cache + fused activation peak
+    inference_total: int  # on a GPU: weights dequantized + kept splits + cache + fused activation peak
     inference_total_quantized: int  # the same with keep_quantized weights
     inference_gpus: int  # GPUs that would hold inference_total (dsv4 serves on one)
-    inference_gpus_quantized: int
+    inference_gpus_quantized: int  # (both totals include `splits`)
     train: TrainState
     train_activations: int  # per rank, fused kernels, no checkpointing (sum of train_terms)
     train_activations_ckpt: int
@@ -580,6 +597,7 @@ class Requirements:
     settings: dict
     train_terms: dict | None = None  # train_activation_terms without / with checkpointing
     train_terms_ckpt: dict | None = None
+    splits: int = 0  # the fp32 projections' bf16 parts a GPU engine keeps (`split_bytes`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -604,7 +622,9 @@ def requirements(
     cache_no_prefix = cache_bytes(cfg, context, batch, a, max_batch_tokens=chunk, prefix_caching=False)
     act = activation_bytes(cfg, chunk, context, a, logits_rows=batch)
     act_fused = activation_bytes(cfg, chunk, context, a, logits_rows=batch, fused=True)
-    inf, inf_q = w.dequantized + cache.total + act_fused, w.kept_quantized + cache.total + act_fused
+    splits = split_bytes(cfg)
+    inf = w.dequantized + splits + cache.total + act_fused
+    inf_q = w.kept_quantized + splits + cache.total + act_fused
     st = train_state_bytes(cfg)
     terms = train_activation_terms(cfg, train_batch, train_seq_len, False, a)
     terms_ckpt = train_activation_terms(cfg, train_batch, train_seq_len, True, a)
@@ -636,6 +656,7 @@ def requirements(
         },
         terms,
         terms_ckpt,
+        splits,
     )
 
 

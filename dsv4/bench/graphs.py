@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops
 from ..model import BatchCache, DeepSeekV4
 from ..ops.cuda_graphs import capturing
 
@@ -30,6 +31,7 @@ class GraphedDecoder:
         if dev.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA cache, this one is on {dev}")
         self.model, self.cache = model, cache
+        ops.keep_splits(model)  # the graph replays fixed weights: fp32 projections split once
         batch = cache.batch_size
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         state = [t.clone() for t in cache.tensors()]
@@ -94,6 +96,7 @@ class GraphedPrefill:
             raise ValueError(f"CUDA graphs need a model on a CUDA device, this one is on {dev}")
         max_len = seq if max_len is None else max_len
         self.model, self.shape = model, (batch, seq)
+        ops.keep_splits(model)  # the graph replays fixed weights: fp32 projections split once
         self.cache = model.new_cache(batch, max_len)
         self.tokens = torch.zeros(batch, seq, dtype=torch.long, device=dev)
         self._initial = _initial_state(self.cache)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .. import ops
 from ..model import DeepSeekV4
 from ..model.paged import PagedKVCache, StepInputs
 from ..ops.cuda_graphs import capturing
@@ -218,6 +219,7 @@ class Runner:
         """mirror: the engine on several workers (`dsv4.engine.mirror`): every step is bucketed, rank 0 sends
         its device work to the other ranks, which run `follow`."""
         self.model, self.cache, self.tables = model, cache, tables
+        ops.keep_splits(model)  # its weights are fixed while it serves: fp32 projections split once
         self.device = cache.device
         self.mirror = mirror
         pad = pad or mirror is not None

@@ -246,6 +246,15 @@ int8_moe_experts = _make("int8_moe_experts")
 gumbel_argmax = _make("gumbel_argmax")
 
 
+def keep_splits(module: torch.nn.Module) -> int:
+    """Mark the fp32 matrices of `module` as fixed while it serves: `linear_fp32`'s bf16x3 backend then splits
+    each into its three bf16 parts once, not at every call (`dsv4.ops.torch_native.keep_splits`; what a
+    serving engine and the graphed decoders do). -> the number of matrices newly marked."""
+    from .torch_native import keep_splits as keep
+
+    return keep(module)
+
+
 def _load_optional_backends() -> None:
     """Fast backends register themselves on import; a missing dependency only means not registered.
 
@@ -282,6 +291,7 @@ __all__ = [
     "is_deterministic",
     "resolve",
     "call",
+    "keep_splits",
     "sparse_attention",
     "indexer_scores",
     "indexer_topk",

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import fp8_round_trip, register
 from .moe_shared import act_round_trip, build_plan, clamped_swiglu, combine_rows, gate_dtype, gather_rows, mask_rows
@@ -102,13 +103,50 @@ def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 _PAIRS = ((2, 0), (0, 2), (1, 1), (1, 0), (0, 1), (0, 0))
 
 
+# fp32 matrices that stay as they are while a serving engine or a graphed decoder uses them (`keep_splits`):
+# weight -> None, then ((version, storage address), its [N, 3K] split) from its first split
+_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def keep_splits(module: torch.nn.Module) -> int:
+    """Mark the fp32 matrices of `module` as fixed while it serves, so that the bf16x3 projection splits each
+    once instead of at every call (eight kernels over the weight per call; the head's weight is the size of
+    the vocabulary). The split is made at a marked weight's first bf16x3 call with autograd off for it,
+    outside a CUDA graph capture, and kept (1.5x the fp32 matrix in bf16 parts); a graph captured after
+    that replays the kept split. A weight written in place (its version counter moves) or given other
+    storage is split again at its next call outside a capture; a write that bypasses the version counter
+    (`param.data.copy_`) is not seen, and neither is any change after a graph was captured: the weights
+    of a serving engine are fixed. -> the number of matrices newly marked."""
+    n = 0
+    for p in module.parameters():
+        if p.dtype == torch.float32 and p.dim() == 2 and p not in _KEPT:
+            _KEPT[p] = None
+            n += 1
+    return n
+
+
+def weight_split(weight: torch.Tensor) -> torch.Tensor:
+    """The [N, 3K] bf16 split of an fp32 weight: the kept one where `keep_splits` marked the weight, autograd
+    is off for it and it is unchanged since; else made now (and kept, for a marked weight outside a capture)."""
+    if weight not in _KEPT or (torch.is_grad_enabled() and weight.requires_grad):
+        return split_bf16x3(weight.detach())
+    key = (weight._version, weight.data_ptr())
+    kept = _KEPT[weight]
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    w3 = split_bf16x3(weight.detach())
+    if not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a capture's tensors are its pool's)
+        _KEPT[weight] = (key, w3)
+    return w3
+
+
 class _Bf16x3Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+        """w3: `weight_split(weight)`, taken before autograd's forward (which runs with autograd off)."""
         k, n = x.size(-1), weight.size(0)
         x2 = x.reshape(-1, k)  # [M, K] bf16
         x3 = torch.cat([x2, x2, x2], dim=1)  # [M, 3K]
-        w3 = split_bf16x3(weight.detach())  # [N, 3K]
         y = _mm_fp32_out(x3, w3.t())  # one GEMM over the concatenated K
         ctx.save_for_backward(x, weight)
         return y.view(*x.shape[:-1], n)
@@ -133,11 +171,11 @@ class _Bf16x3Linear(torch.autograd.Function):
                 term = _mm_fp32_out(gs[i].t(), xb)
                 acc = term if acc is None else acc + term
             gw = acc.to(weight.dtype)
-        return gx, gw
+        return gx, gw, None
 
 
 def bf16x3_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return _Bf16x3Linear.apply(x, weight)
+    return _Bf16x3Linear.apply(x, weight, weight_split(weight))
 
 
 def _bf16x3_can_run(x: torch.Tensor, weight: torch.Tensor) -> str | None:

@@ -218,3 +218,22 @@ def test_info_measure_sets_the_cpu_peak_beside_the_estimate(capsys):
     assert [r["what"].split(" ")[0] for r in rows] == ["serving", "one", "one"]
     for r in rows:
         _within(r["estimated"], r["measured"])
+
+
+def test_the_kept_splits_estimate_is_what_a_serving_model_keeps():
+    """`split_bytes` (the bf16 parts a GPU engine keeps of the fp32 projections' weights) equals what
+    `ops.keep_splits` keeps once a forward has run every fp32 projection through the bf16x3 backend (as
+    CUDA does from 64 rows): the head, the compressors and the indexers' compressors."""
+    from dsv4 import ops
+    from dsv4.check.inputs import check_config
+    from dsv4.ops import torch_native
+
+    model = DeepSeekV4.from_config(check_config("tiny"), seed=0, dtype=torch.bfloat16).eval()
+    ops.keep_splits(model)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 70), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), ops.prefer_backend("bf16x3"), ops.which_ran() as ran:
+        model(tokens)
+    assert "bf16x3" in ran["linear_fp32"]  # (the router's bf16 weight takes the reference)
+    kept = [torch_native._KEPT[p] for p in model.parameters() if p in torch_native._KEPT]
+    nbytes = sum(k[1].numel() * k[1].element_size() for k in kept if k is not None)
+    assert nbytes == mem.split_bytes(model.cfg) > 0
