@@ -92,7 +92,7 @@ class Engine:
             pad=c.pad_steps or mirror is not None,
             mirror=mirror,
         )
-        # padded steps: the chunks of a step take a number of slots that a bucket has (no padding slots)
+        # padded steps: where the budget bounds a step's chunks, they take a slot count that a bucket has
         slot_sizes = tuple(self.runner.slot_sizes) if self.runner.pad else ()
         self.scheduler = Scheduler(
             SchedulerConfig(
