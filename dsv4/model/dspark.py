@@ -291,7 +291,9 @@ class DSparkDraft:
             x = stage(x, flat, attend)
         last = self.stages[-1]
         h = hc_head(x, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, cfg)  # [1, N*B, dim]
-        base = record(f"{last.stage}.base_logits", linear_fp32(last.norm(h), self.model.head.weight.detach()))
+        head = self.model.head.weight  # (no gradient into the main head; at inference its kept split serves)
+        head = head.detach() if torch.is_grad_enabled() else head
+        base = record(f"{last.stage}.base_logits", linear_fp32(last.norm(h), head))
         return DraftBlocks(h.view(N, B, -1), base.view(N, B, -1))
 
     def heads(self, blocks: DraftBlocks, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
