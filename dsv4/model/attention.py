@@ -325,7 +325,8 @@ class Attention(nn.Module):
 
         Tokens are scored in groups that share a dense layout (`plan.inputs.index_maps`): the decode rows
         together, each prefill chunk on its own; candidates are the row's entries in entry order, so the
-        candidate index is the entry id and `positions` decides visibility.
+        candidate index is the entry id and `positions` decides visibility. What the groups' layout alone
+        decides (`RatioPlan.index_cells`) is planned once per step for every indexer layer.
         """
         inp = plan.inputs
         T = inp.positions.numel()
@@ -335,14 +336,10 @@ class Attention(nn.Module):
         # for every token (the candidate width is the layout's entries per sequence, fixed per engine)
         width = min(self.indexer.topk, rp.cand[0].size(1)) if rp.cand else 0
         out = torch.full((T + 1, width), -1, dtype=torch.long, device=x.device)
-        for qmap, cand in zip(inp.index_maps, rp.cand):
-            valid = qmap >= 0
-            tok = qmap.clamp_min(0)  # [b_g, s_g]
-            pos = torch.where(valid, inp.positions[tok], -1)
+        for (tok, pos, dst), cand in zip(rp.index_cells, rp.cand, strict=True):
             sel = ops.indexer_topk(q[tok], keys[cand], w[tok], pos, self.ratio, self.indexer.topk)
             sel = record(f"{self.stage}.indexer.topk", sel)  # [b_g, s_g, k] entry ids
             k = sel.size(-1)
             phys = torch.where(sel >= 0, cand.gather(1, sel.clamp_min(0).flatten(1)).view_as(sel), -1)
-            dst = torch.where(valid, qmap, T).flatten()
             out[:, :k].index_copy_(0, dst, phys.flatten(0, 1))
         return out[:T]

@@ -271,6 +271,10 @@ class RatioPlan:
     tail_write: torch.Tensor | None = None  # [K] page-tail row (TRASH: not a page's last group)
     visible: torch.Tensor | None = None  # [T, max_entries] entry slots visible (HCA), -1 none
     cand: list[torch.Tensor] = field(default_factory=list)  # per indexer group [b_g, max_entries]
+    # per indexer group, what every indexer layer of the step reads alike: the token of each map cell
+    # [b_g, s_g] (padding: 0), its position (padding: -1) and the flat row its selection goes to [b_g * s_g]
+    # (padding: T, a spare row)
+    index_cells: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -367,6 +371,10 @@ def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int) -> RatioPlan:
         for g_rows in inp.index_rows:
             c = entry_slot(g_rows.unsqueeze(1).expand(-1, n_max), jj.unsqueeze(0).expand(g_rows.numel(), -1))
             plan.cand.append(torch.where(c >= 0, c, TRASH))
+        for qmap in inp.index_maps:
+            valid = qmap >= 0
+            tok = qmap.clamp_min(0)  # [b_g, s_g]
+            plan.index_cells.append((tok, torch.where(valid, pos[tok], -1), torch.where(valid, qmap, T).flatten()))
     return plan
 
 
