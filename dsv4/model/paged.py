@@ -309,14 +309,16 @@ def plan_step(inp: StepInputs, layout: CacheLayout, compressed: bool = True) -> 
         return torch.where((page > 0) & (q >= 0), page * P + q % P, -1)
 
     wslot = window_slot(rows, pos)
-    window_write = torch.where(wslot >= 0, wslot, TRASH)
+    has_page = wslot >= 0  # [T] a real token: its window page exists (positions are >= 0)
+    window_write = torch.where(has_page, wslot, TRASH)
     q = pos.unsqueeze(1) - w + 1 + torch.arange(w, device=dev)  # [T, w]
     window_idx = window_slot(rows.unsqueeze(1).expand_as(q), q)
-    ratios = {r: _ratio_plan(inp, layout, r) for r in layout.ratios} if compressed else {}
+    ratios = {r: _ratio_plan(inp, layout, r, has_page) for r in layout.ratios} if compressed else {}
     return Plan(inp, window_write, window_idx, ratios)
 
 
-def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int) -> RatioPlan:
+def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int, has_page: torch.Tensor) -> RatioPlan:
+    """has_page [T]: each token's window page exists (a real token, not padding)."""
     P = layout.page_size
     E = P // r
     pos, rows = inp.positions, inp.rows
@@ -328,7 +330,6 @@ def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int) -> RatioPlan:
         return torch.where(page > 0, page * E + j % E, -1)
 
     plan = RatioPlan(r, n_visible=torch.div(pos + 1, r, rounding_mode="floor"), entry_slot_fn=entry_slot)
-    has_page = lookup_page(inp.wtable, rows, torch.div(pos, P, rounding_mode="floor")) > 0  # a real token
 
     # -- groups completing in this step
     g = inp.groups.get(r)
