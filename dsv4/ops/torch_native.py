@@ -116,7 +116,8 @@ def keep_splits(module: torch.nn.Module) -> int:
     that replays the kept split. A weight written in place (its version counter moves) or given other
     storage is split again at its next call outside a capture; a write that bypasses the version counter
     (`param.data.copy_`) is not seen, and neither is any change after a graph was captured: the weights
-    of a serving engine are fixed. -> the number of matrices newly marked."""
+    of a serving engine are fixed. Weights made under `torch.inference_mode` have no version counter and
+    are split at every call. -> the number of matrices newly marked."""
     n = 0
     for p in module.parameters():
         if p.dtype == torch.float32 and p.dim() == 2 and p not in _KEPT:
@@ -128,8 +129,8 @@ def keep_splits(module: torch.nn.Module) -> int:
 def weight_split(weight: torch.Tensor) -> torch.Tensor:
     """The [N, 3K] bf16 split of an fp32 weight: the kept one where `keep_splits` marked the weight, autograd
     is off for it and it is unchanged since; else made now (and kept, for a marked weight outside a capture)."""
-    if weight not in _KEPT or (torch.is_grad_enabled() and weight.requires_grad):
-        return split_bf16x3(weight.detach())
+    if weight not in _KEPT or (torch.is_grad_enabled() and weight.requires_grad) or weight.is_inference():
+        return split_bf16x3(weight.detach())  # (an inference tensor has no version counter to check)
     key = (weight._version, weight.data_ptr())
     kept = _KEPT[weight]
     if kept is not None and kept[0] == key:

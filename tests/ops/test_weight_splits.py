@@ -90,6 +90,18 @@ def test_unmarked_or_tracked_weights_are_split_at_every_call(splits):
     assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
 
 
+def test_a_weight_made_in_inference_mode_is_split_at_every_call(splits):
+    """An inference tensor has no version counter, so a kept split could not see a write: none is kept."""
+    with torch.inference_mode():
+        lin = _layer(4)
+    x = _x()
+    ops.keep_splits(lin)
+    with torch.inference_mode():
+        got = [ops.linear_fp32(x, lin.weight, backend="bf16x3") for _ in range(2)]
+    assert len(splits) == 2 and torch_native._KEPT[lin.weight] is None
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], _fresh(lin.weight, x))
+
+
 def test_the_engine_marks_its_models_fp32_matrices():
     from dsv4 import DeepSeekV4
     from dsv4.check.inputs import check_config
