@@ -60,6 +60,11 @@ class WeightBytes:
     kept_quantized: int  # in memory with keep_quantized: FP8 / FP4 weights as stored
     stored: int  # on disk in the release layout (config's dtype / expert_dtype)
     by_format: dict  # stored bytes by safetensors dtype
+    # the bf16 parts (three per fp32 element: 6 bytes) of the fp32 projections' weights (head, compressors)
+    # that a GPU engine keeps once split (`ops.keep_splits`; the bf16x3 backend, which CUDA runs from 64
+    # rows of bf16 activations, so 0 in other dtypes): an upper bound, as a weight is split at its first
+    # such call
+    splits: int = 0
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> WeightBytes:
@@ -87,22 +92,14 @@ def _weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> WeightBytes:
             if not name.endswith(("weight_scale_inv", ".scale")):
                 quant_logical += math.prod(shape) * (2 if st_dtype == "I8" else 1)
     kept = in_memory - quant_logical * torch.finfo(dtype).bits // 8 + quant_stored
-    return WeightBytes(params, in_memory, kept, sum(by_format.values()), by_format)
-
-
-@functools.lru_cache(maxsize=16)
-def split_bytes(cfg: ModelConfig) -> int:
-    """The bf16 parts (three per fp32 element: 6 bytes) of the fp32 projections' weights (head, compressors)
-    that a GPU engine keeps once split (`ops.keep_splits`; the bf16x3 backend, which CUDA runs from 64
-    rows): an upper bound, as a weight is split at its first such call."""
-    from .model import DeepSeekV4
-
-    model = DeepSeekV4(cfg, dtype=torch.bfloat16, device="meta")  # (what stays fp32 does in any dtype)
-    return sum(
-        6 * p.numel()
-        for name, p in model.named_parameters()
-        if p.dtype == torch.float32 and p.dim() == 2 and name.endswith(".weight")
-    )
+    splits = 0
+    if dtype == torch.bfloat16:
+        splits = sum(
+            6 * p.numel()
+            for name, p in model.named_parameters()
+            if p.dtype == torch.float32 and p.dim() == 2 and name.endswith(".weight")
+        )
+    return WeightBytes(params, in_memory, kept, sum(by_format.values()), by_format, splits)
 
 
 _ST_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
@@ -495,7 +492,7 @@ class RankMemory:
     cache: int
     activations: int
     exchange: int  # of which the expert exchange's buffers
-    splits: int = 0  # the fp32 projections' bf16 parts kept on a GPU (`split_bytes`; 0 for the CPU path)
+    splits: int = 0  # the fp32 projections' bf16 parts kept on a GPU (`WeightBytes.splits`; 0 for the CPU path)
 
     @property
     def total(self) -> int:
@@ -541,7 +538,7 @@ def rank_bytes(
         if ordered:
             exchange += world * T * k * D * (a + 4)  # slot rows and the sorted copy
     act = activation_bytes(cfg, chunk, context, a, logits_rows=seqs, fused=fused) + exchange
-    splits = split_bytes(cfg) if fused else 0
+    splits = w.splits if fused else 0
     return RankMemory(world, attention, total - experts + share, share, cache, act, exchange, splits)
 
 
@@ -597,7 +594,7 @@ class Requirements:
     settings: dict
     train_terms: dict | None = None  # train_activation_terms without / with checkpointing
     train_terms_ckpt: dict | None = None
-    splits: int = 0  # the fp32 projections' bf16 parts a GPU engine keeps (`split_bytes`)
+    splits: int = 0  # the fp32 projections' bf16 parts a GPU engine keeps (`WeightBytes.splits`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -622,7 +619,7 @@ def requirements(
     cache_no_prefix = cache_bytes(cfg, context, batch, a, max_batch_tokens=chunk, prefix_caching=False)
     act = activation_bytes(cfg, chunk, context, a, logits_rows=batch)
     act_fused = activation_bytes(cfg, chunk, context, a, logits_rows=batch, fused=True)
-    splits = split_bytes(cfg)
+    splits = w.splits
     inf = w.dequantized + splits + cache.total + act_fused
     inf_q = w.kept_quantized + splits + cache.total + act_fused
     st = train_state_bytes(cfg)

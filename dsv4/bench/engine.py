@@ -367,12 +367,9 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt(s: dict, scale: float = 1.0, unit: str = "") -> str:
-    return f"{s['median'] * scale:.1f}{unit} ({s['min'] * scale:.1f}-{s['max'] * scale:.1f})"
-
-
-def _fmt2(s: dict) -> str:
-    return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
+def _fmt(s: dict, scale: float = 1.0, unit: str = "", digits: int = 1) -> str:
+    m, lo, hi = (f"{s[k] * scale:.{digits}f}" for k in ("median", "min", "max"))
+    return f"{m}{unit} ({lo}-{hi})"
 
 
 def _print_row(r: dict) -> None:
@@ -394,8 +391,8 @@ def _print_row(r: dict) -> None:
     if r.get("device_ms_per_step"):
         d = r["device_ms_per_step"]
         print(
-            f"  device ms per step (CUDA events around each step, no profiler): busy {_fmt2(d['busy'])}, idle "
-            f"between steps {_fmt2(d['idle'])}: the device waits for the host "
+            f"  device ms per step (CUDA events around each step, no profiler): busy {_fmt(d['busy'], digits=2)}, idle "
+            f"between steps {_fmt(d['idle'], digits=2)}: the device waits for the host "
             f"{d['idle']['median'] / (d['busy']['median'] + d['idle']['median']):.1%} of the time"
         )
     m = r["step_mix"]

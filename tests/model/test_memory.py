@@ -221,7 +221,7 @@ def test_info_measure_sets_the_cpu_peak_beside_the_estimate(capsys):
 
 
 def test_the_kept_splits_estimate_is_what_a_serving_model_keeps():
-    """`split_bytes` (the bf16 parts a GPU engine keeps of the fp32 projections' weights) equals what
+    """`WeightBytes.splits` (the bf16 parts a GPU engine keeps of the fp32 projections' weights) equals what
     `ops.keep_splits` keeps once a forward has run every fp32 projection through the bf16x3 backend (as
     CUDA does from 64 rows): the head, the compressors and the indexers' compressors."""
     from dsv4 import ops
@@ -236,4 +236,5 @@ def test_the_kept_splits_estimate_is_what_a_serving_model_keeps():
     assert "bf16x3" in ran["linear_fp32"]  # (the router's bf16 weight takes the reference)
     kept = [torch_native._KEPT[p] for p in model.parameters() if p in torch_native._KEPT]
     nbytes = sum(k[1].numel() * k[1].element_size() for k in kept if k is not None)
-    assert nbytes == mem.split_bytes(model.cfg) > 0
+    assert nbytes == mem.weight_bytes(model.cfg).splits > 0
+    assert mem.weight_bytes(model.cfg, torch.float32).splits == 0  # (fp32 activations: no bf16x3)

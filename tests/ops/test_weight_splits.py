@@ -131,6 +131,9 @@ def test_a_graph_replays_the_kept_split(splits):
                 y = ops.linear_fp32(x, lin.weight, backend="bf16x3")
             graph.replay()
             torch.cuda.synchronize()
-        assert torch.equal(y, want)
+        # the same exact products of the same split (cuBLAS may order the sum otherwise inside a capture):
+        # each output sums 3 * 96 of them in fp32
+        bound = 3 * 96 * 2.0**-24 * (x.float().abs() @ lin.weight.abs().t())
+        assert ((y - want).abs() <= bound).all()
         assert len(splits) - before == (0 if first_outside else 1)
         assert (torch_native._KEPT[lin.weight] is not None) == first_outside
