@@ -165,7 +165,8 @@ def test_unreferenced_kv_rows_get_no_gradient(mode, monkeypatch):
 @pytest.mark.parametrize("d_split", [1, 2])
 def test_forward_column_split_matches_reference(d_split, monkeypatch):
     """D_SPLIT programs per (query, head block), each owning a slice of the output columns."""
-    monkeypatch.setitem(sa.FWD_CONFIG, "D_SPLIT", d_split)
+    for cfg in (sa.FWD_CONFIG, sa.FWD_CONFIG_NARROW):  # (6 heads: the narrow plan)
+        monkeypatch.setitem(cfg, "D_SPLIT", d_split)
     q, kv, sink, idx = attn_inputs(2, 3, 6, 48, 30, 17, torch.bfloat16, "padding")
     (o, lse, dq, dkv, dsink), (ro, rl, rdq, rdkv, rdsink) = run_both(q, kv, sink, idx, 48**-0.5)
     assert rel(o, ro) < 1e-2 and (lse - rl).abs().max() < 1e-4
@@ -332,3 +333,33 @@ def test_indexer_scores_canary():
     assert not view.isnan().any()
     want = ref.indexer_scores(q, k, w, pos, 4)
     assert torch.equal(torch.isfinite(view), torch.isfinite(want))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_forward_trims_invalid_key_blocks_exactly(splits, monkeypatch):
+    """TRIM runs only the key blocks from the first to the last holding a valid key: a block of -1 keys
+    changes no running value, so the outputs equal the untrimmed kernel's bit for bit, and the reference's
+    within the bf16 bound. Valid keys at the end (a window's early positions), at the start (unselected
+    compressed keys), in one middle block only, and none at all."""
+    b, s, h, d, n, k = 1, 4, 16, 64, 40, 96
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(b, s, h, d, generator=g).to(DEV, torch.bfloat16)
+    kv = torch.randn(b, n, d, generator=g).to(DEV, torch.bfloat16)
+    sink = torch.randn(h, generator=g).to(DEV)
+    idx = torch.full((b, s, k), -1, dtype=torch.int64)
+    idx[0, 0, 70:] = torch.arange(26)  # the last blocks only
+    idx[0, 1, :20] = torch.arange(5, 25)  # the first block only
+    idx[0, 2, 40:45] = torch.tensor([1, 3, 5, 7, 9])  # one block in the middle
+    idx = idx.to(DEV)  # query 3: no key at all (o = 0, lse = sink)
+    scale = d**-0.5
+    outs = {}
+    for trim in (False, True):
+        for cfg in (sa.FWD_CONFIG, sa.FWD_CONFIG_NARROW, sa.DECODE_CONFIG, sa.DECODE_CONFIG_NARROW):
+            monkeypatch.setitem(cfg, "TRIM", trim)
+        outs[trim] = sa.sparse_attention_fwd(q, kv, sink, idx, scale, splits)
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
+    o_ref, lse_ref = ref.sparse_attention(q.float(), kv.float(), sink, idx, scale)
+    assert rel(outs[True][0][:, :3], o_ref[:, :3]) < tol(torch.bfloat16)[0]
+    assert torch.equal(outs[True][0][0, 3].float(), torch.zeros(h, d, device=DEV))
+    assert torch.equal(outs[True][1][0, 3], sink.float())
+    assert torch.allclose(outs[True][1][:, :3], lse_ref[:, :3], rtol=1e-5, atol=1e-5)  # fp32 sums of exact products
