@@ -398,7 +398,10 @@ def test_model_wiring_triton_close_to_reference():
     """The model's norms and rotary embeddings go through the ops: with the triton backend the fp32 logits
     agree with the reference backend's. Each op agrees to <= 8 fp32 ulps of its row's scale (~1e-6
     relative); the tiny model applies them a few dozen times with gains of order one, so the logits agree
-    to 1e-4 of their largest magnitude - a single bf16 rounding anywhere (2^-9 relative) would not."""
+    to 1e-4 of their largest magnitude - a single bf16 rounding anywhere (2^-9 relative) would not. Every
+    other op runs its reference in both passes: the other ops' own backends differ by their own roundings,
+    which can flip a near-tie of the indexer's or the router's top-k, a discrete change this bound is not
+    about."""
     from dsv4.config import ModelConfig
     from dsv4.model.transformer import DeepSeekV4
 
@@ -410,9 +413,11 @@ def test_model_wiring_triton_close_to_reference():
         with ops.use_backend("reference"):
             want = model(tokens).logits.float()
         ops.reset_calls()
-        with ops.use_backend({"rms_norm": "triton", "rope_tail": "triton"}):
+        with ops.use_backend("reference"), ops.use_backend({"rms_norm": "triton", "rope_tail": "triton"}, inherit=True):
             got = model(tokens).logits.float()
-    assert ops.calls()[("rms_norm", "triton")] > 10 and ops.calls()[("rope_tail", "triton")] > 4
+    ran = ops.calls()
+    assert ran[("rms_norm", "triton")] > 10 and ran[("rope_tail", "triton")] > 4
+    assert {b for (op, b) in ran if op not in ("rms_norm", "rope_tail")} == {"reference"}
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 

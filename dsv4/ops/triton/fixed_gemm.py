@@ -55,9 +55,12 @@ def _fixed_mm_kernel(
     DOT_T: tl.constexpr,
     RNE_BF16: tl.constexpr,
     SPLIT3: tl.constexpr,
+    ROWWISE: tl.constexpr,
 ):
     """y[M, N] = x[M, K] @ w[N, K]^T (unit inner strides), fp32 sums over K in BLOCK_K steps, in order.
-    SPLIT3: w is fp32, multiplied as its three bf16 parts (x bf16)."""
+    SPLIT3: w is fp32, multiplied as its three bf16 parts (x bf16). ROWWISE (the CPU interpreter): each
+    K step's products summed per output as an fp32 reduction of its own row, instead of `tl.dot`, which the
+    interpreter hands to numpy's matmul: its BLAS may order a row's sum by the other rows of the tile."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -75,9 +78,18 @@ def _fixed_mm_kernel(
             mid = rest.to(tl.bfloat16)
             lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
             a = a.to(DOT_T)
-            acc += tl.dot(a, tl.trans(lo.to(DOT_T)), out_dtype=tl.float32)
-            acc += tl.dot(a, tl.trans(mid.to(DOT_T)), out_dtype=tl.float32)
-            acc += tl.dot(a, tl.trans(hi.to(DOT_T)), out_dtype=tl.float32)
+            if ROWWISE:
+                af = a.to(tl.float32)[:, None, :]
+                acc += tl.sum(af * lo.to(tl.float32)[None, :, :], axis=2)
+                acc += tl.sum(af * mid.to(tl.float32)[None, :, :], axis=2)
+                acc += tl.sum(af * hi.to(tl.float32)[None, :, :], axis=2)
+            else:
+                acc += tl.dot(a, tl.trans(lo.to(DOT_T)), out_dtype=tl.float32)
+                acc += tl.dot(a, tl.trans(mid.to(DOT_T)), out_dtype=tl.float32)
+                acc += tl.dot(a, tl.trans(hi.to(DOT_T)), out_dtype=tl.float32)
+        elif ROWWISE:
+            prod = a.to(DOT_T).to(tl.float32)[:, None, :] * b.to(DOT_T).to(tl.float32)[None, :, :]  # exact
+            acc += tl.sum(prod, axis=2)
         else:
             acc += tl.dot(a.to(DOT_T), tl.trans(b.to(DOT_T)), out_dtype=tl.float32)
     if RNE_BF16:  # the interpreter's fp32 -> bf16 cast truncates: round to nearest even by hand
@@ -120,6 +132,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.T
                 DOT_T=dot_type(x.dtype),
                 RNE_BF16=interpret_mode() and out_dtype == torch.bfloat16,
                 SPLIT3=w.dtype == torch.float32,
+                ROWWISE=interpret_mode(),
                 **({} if interpret_mode() else {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}),
             )
     return y.view(*x.shape[:-1], n)
