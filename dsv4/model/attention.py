@@ -13,7 +13,7 @@ from .. import ops
 from ..config import ModelConfig
 from ..ops.precision import acc_dtype
 from .layers import Linear, RMSNorm, linear_fp32, record, record_as, rms_normalize
-from .paged import LayerPool, Plan, RatioPlan, Ring, copy_rows_
+from .paged import LayerPool, Plan, RatioPlan, Ring
 from .rope import Rope, apply_rope_tail
 
 
@@ -120,14 +120,14 @@ class Compressor(nn.Module):
         # first half of channels, the current group's second); 0 for the groups that stay incomplete
         pooled = ops.pool_groups(kv, score, ring.kv, ring.score, rp.group_new, rp.group_ring, rp.group_live, self.coff)
         out = self.finish(pooled.unsqueeze(0), rp.group_j, x.dtype).squeeze(0)
-        copy_rows_(entries, rp.entry_write, out.to(entries.dtype))
+        entries.index_copy_(0, rp.entry_write, out.to(entries.dtype))
         if rp.keep_tok is not None:  # a prompt chunk's earlier tokens leave no raw rows: not copied
             kv, score = kv[rp.keep_tok], score[rp.keep_tok]
-        copy_rows_(ring.kv, rp.ring_write, kv)
-        copy_rows_(ring.score, rp.ring_write, score)
+        ring.kv.index_copy_(0, rp.ring_write, kv)
+        ring.score.index_copy_(0, rp.ring_write, score)
         if tail is not None and rp.tail_write is not None:
-            copy_rows_(tail.kv, rp.tail_write, kv)
-            copy_rows_(tail.score, rp.tail_write, score)
+            tail.kv.index_copy_(0, rp.tail_write, kv)
+            tail.score.index_copy_(0, rp.tail_write, score)
 
 
 # ------------------------------------------------------------------------------------------ indexer
@@ -304,7 +304,7 @@ class Attention(nn.Module):
         T = positions.numel()
         x = x.reshape(1, T, -1)  # [1, T, dim]
         qr, q, kv = self._q_kv(x, positions, shape)
-        copy_rows_(pool.kv, plan.window_write, kv[0].to(pool.kv.dtype))
+        pool.kv.index_copy_(0, plan.window_write, kv[0].to(pool.kv.dtype))
         idx = plan.window_idx  # [T, w]
         if self.ratio:
             rp = plan.ratios[self.ratio]

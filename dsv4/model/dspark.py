@@ -83,7 +83,7 @@ from ..config import ModelConfig
 from .attention import Attention
 from .block import Block, hc_head
 from .layers import Linear, RMSNorm, autocast_dtype, linear_fp32, record
-from .paged import PagedKVCache, StepInputs, copy_rows_, plan_step
+from .paged import PagedKVCache, StepInputs, plan_step
 
 
 # ------------------------------------------------------------------------------------------ modules
@@ -256,7 +256,7 @@ class DSparkDraft:
         plan = plan_step(inputs, cache.layout, compressed=False)
         for stage, kv in zip(self.stages, self.context(taps, inputs.positions)):
             pool = cache.layers[stage.layer_id]
-            copy_rows_(pool.kv, plan.window_write, kv.to(pool.kv.dtype))
+            pool.kv.index_copy_(0, plan.window_write, kv.to(pool.kv.dtype))
 
     # ---------------------------------------------------------------- the block
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -285,29 +285,6 @@ class Plan:
     ratios: dict[int, RatioPlan]
 
 
-def copy_rows_(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """dst[index[i]] = src[i] for rows of a 2-D cache tensor (`dst.index_copy_(0, index, src)`), the bytes
-    moved as 8-byte words where both layouts allow: torch's index_copy moves one element per thread step,
-    so fp32 rows moved as words take half the kernel time and bf16 rows a quarter. Bit-identical."""
-    if _words_ok(dst) and _words_ok(src) and src.dtype == dst.dtype and src.is_contiguous():
-        dst.view(torch.int64).index_copy_(0, index, src.view(torch.int64))
-    else:
-        dst.index_copy_(0, index, src)
-    return dst
-
-
-def _words_ok(t: torch.Tensor) -> bool:
-    """t [n, w] with unit column stride whose rows, row stride and start are whole 8-byte words."""
-    e = t.element_size()
-    return (
-        t.dim() == 2
-        and t.stride(1) == 1
-        and (t.size(1) * e) % 8 == 0
-        and (t.stride(0) * e) % 8 == 0
-        and t.data_ptr() % 8 == 0
-    )
-
-
 def lookup_page(table: torch.Tensor, rows: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
     """The physical page of logical page `col` of each row: table[rows, col], -1 outside the table."""
     inside = col.clamp(0, table.size(1) - 1)
