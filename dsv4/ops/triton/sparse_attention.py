@@ -78,10 +78,8 @@ def _fwd_kernel(
 ):
     """D_SPLIT > 1: D_SPLIT programs share a (query, head block), each accumulating 1/D_SPLIT of the
     output columns (scores are computed by each of them: less register pressure for more QK work).
-    TRIM: a first pass over the query's key ids finds the first and last key blocks that hold a valid key
-    and the main loop runs over those only. A block of invalid keys changes nothing (its scores are -inf:
-    the running max, sum and accumulator keep their values exactly), so the result is the same; a prompt
-    token early in its sequence sees a window that is mostly empty slots."""
+    TRIM: a first pass over the key ids finds the first and last blocks holding a valid key; the loop runs
+    over those only (a block of -1 keys leaves the running max, sum and accumulator exactly as they were)."""
     pid_q = tl.program_id(0).to(tl.int64)  # b * S + s
     pid_h = tl.program_id(1) // D_SPLIT
     pid_dh = tl.program_id(1) % D_SPLIT
@@ -110,16 +108,13 @@ def _fwd_kernel(
         k_hi = K
     acc = tl.zeros([BLOCK_H, BLOCK_D // D_SPLIT], tl.float32)
     if TRIM:  # only the key blocks from the first to the last holding a valid key (same block bounds)
-        t_lo = k_hi
-        t_hi = k_lo
+        t_lo, t_hi = k_hi, k_lo
         for start in range(k_lo, k_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             ids = tl.load(idx_ptr + pid_q * K + offs_n, mask=offs_n < k_hi, other=-1)
             live = tl.max(ids, axis=0) >= 0
-            t_lo = tl.where(live, tl.minimum(t_lo, start), t_lo)
-            t_hi = tl.where(live, start + BLOCK_N, t_hi)
-        k_lo = t_lo
-        k_hi = tl.minimum(t_hi, k_hi)
+            t_lo, t_hi = tl.where(live, tl.minimum(t_lo, start), t_lo), tl.where(live, start + BLOCK_N, t_hi)
+        k_lo, k_hi = t_lo, tl.minimum(t_hi, k_hi)
     for start in range(k_lo, k_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         ids = tl.load(idx_ptr + pid_q * K + offs_n, mask=offs_n < k_hi, other=-1).to(tl.int64)
@@ -445,12 +440,10 @@ def _block_h(h: int, cap: int = 64) -> int:
 
 
 # (BLOCK_N, num_warps, num_stages) by phase; tuned on an H200 at d=512, 64 heads (see BENCHMARKS.md)
-# TRIM: only the key blocks between the first and the last valid key (the same result; a cache's key slots
-# are sized for its longest sequence, so a shorter one's are mostly -1): 778 -> 519 us for 2,048 causal
-# queries of 64 heads over 640 slots, 126 -> 95 us (with the narrow config) for a serving step of 16 heads
-# (`scripts/bench_attn_prefill.py`, H200)
+# TRIM (key slots are sized for the longest sequence: a shorter one's are mostly -1), H200: 778 -> 519 us for
+# 2,048 causal 64-head queries over 640 slots (`scripts/bench_attn_prefill.py`)
 FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "D_SPLIT": 1, "TRIM": True}
-# at most 16 heads (one 16-row head block): smaller key blocks, more programs per SM
+# <= 16 heads (one 16-row head block): smaller key blocks, more programs per SM (a 16-head step 126 -> 95 us)
 FWD_CONFIG_NARROW = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "D_SPLIT": 1, "TRIM": True}
 # backward "two_pass" (heads <= 64): pass 1 (dq; BWD_CONFIG) stores P and dS, pass 2 (dkv; DKV_CONFIG)
 # reduces all heads per key on tensor cores before one scatter. "fused": one kernel, a scatter per head block.
@@ -459,17 +452,8 @@ DKV_CONFIG = {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 FUSED_BWD_CONFIG = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}  # 64-head blocks overflow smem
 # few queries (decode): smaller head blocks first (more programs, KV re-read from L2), key splits only if
 # that still leaves the device idle ("max_splits"; partial accumulators cost h*d*4 bytes per split)
-DECODE_CONFIG = {
-    "BLOCK_H": 64,
-    "BLOCK_N": 32,
-    "num_warps": 4,
-    "num_stages": 3,
-    "max_splits": 1,
-    "D_SPLIT": 2,
-    "TRIM": True,
-}
-# at most 16 heads: splitting the output columns doubles the score work of a 16-row block for nothing
-# (256 decode queries over 192 slots: 52 -> 27 us)
+DECODE_CONFIG = dict(BLOCK_H=64, BLOCK_N=32, num_warps=4, num_stages=3, max_splits=1, D_SPLIT=2, TRIM=True)
+# <= 16 heads: no column split (it doubles a 16-row block's score work): 256 decode rows 52 -> 27 us
 DECODE_CONFIG_NARROW = {**FWD_CONFIG_NARROW, "max_splits": 1}
 
 
