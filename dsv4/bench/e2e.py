@@ -114,10 +114,15 @@ def kernel_table(fn, calls: int = 3) -> tuple[float, float, list[tuple[str, floa
     return busy, len(kernels) / calls, rows
 
 
-def _profile_step(fn, steps: int) -> dict:
-    """Per call: CUDA kernels launched and their summed GPU time (ms)."""
-    busy, n, _ = kernel_table(fn, steps)
-    return {"kernels_per_step": round(n, 1), "gpu_busy_ms_per_step": round(busy, 3)}
+def _profile_step(fn, steps: int, top: int = 15) -> dict:
+    """Per call: CUDA kernels launched, their summed GPU time (ms), and the `top` kernels by GPU time as
+    [name, ms per call, launches per call] (where the time goes)."""
+    busy, n, rows = kernel_table(fn, steps)
+    return {
+        "kernels_per_step": round(n, 1),
+        "gpu_busy_ms_per_step": round(busy, 3),
+        "top_kernels": [[name[:100], round(ms, 4), round(k, 1)] for name, ms, k in rows[:top]],
+    }
 
 
 def build_model(preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -582,6 +587,7 @@ def render(result: dict) -> str:
         name = r.get("variant", r["path"])
         batch = f" batch {r['batch']:<4d}" if "variant" in r else ""
         lines.append(f"{r['bench']:8s} {name:10s}{batch} {rate}{'  ' + str(extra) if extra else ''}")
+        lines += [f"  {ms:8.3f} ms {k:7.1f}x  {kname}" for kname, ms, k in r.get("top_kernels", [])]
     if "speedup_by_batch" in result:  # two models: what each ran
         for label in dict.fromkeys(r["variant"] for r in rows):
             lines.append(f"{label} backends: {next(r['backends'] for r in rows if r['variant'] == label)}")

@@ -98,6 +98,11 @@ def test_optimizer_only_times_both_paths_on_a_micro_model():
     lines = e2e.render(_result(rows, preset="micro", dtype="fp32", speedup=1.5)).splitlines()
     assert lines[1].startswith("train    fast") and "ms/optimizer step" in lines[1] and "'adamw': 'fused'" in lines[1]
     assert lines[-1] == "speed-up fast / old: 1.5x" and not any("backends" in ln for ln in lines)
+    # a profiled row lists its largest kernels under it, and not in the row's own line
+    rows[0]["top_kernels"] = [["nvjet_sm90_bmm", 12.5, 30.0], ["foreach_lerp", 0.25, 4.0]]
+    lines = e2e.render(_result(rows, preset="micro", dtype="fp32", speedup=1.5)).splitlines()
+    assert lines[2:4] == ["    12.500 ms    30.0x  nvjet_sm90_bmm", "     0.250 ms     4.0x  foreach_lerp"]
+    assert "top_kernels" not in lines[1] and lines[4].startswith("train    old")
 
 
 def test_e2e_bench_refuses_another_device_without_allow_cpu(capsys):
