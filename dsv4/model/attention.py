@@ -120,14 +120,11 @@ class Compressor(nn.Module):
         # first half of channels, the current group's second); 0 for the groups that stay incomplete
         pooled = ops.pool_groups(kv, score, ring.kv, ring.score, rp.group_new, rp.group_ring, rp.group_live, self.coff)
         out = self.finish(pooled.unsqueeze(0), rp.group_j, x.dtype).squeeze(0)
-        entries.index_copy_(0, rp.entry_write, out.to(entries.dtype))
-        if rp.keep_tok is not None:  # a prompt chunk's earlier tokens leave no raw rows: not copied
-            kv, score = kv[rp.keep_tok], score[rp.keep_tok]
-        ring.kv.index_copy_(0, rp.ring_write, kv)
-        ring.score.index_copy_(0, rp.ring_write, score)
+        ops.write_rows((out.to(entries.dtype),), None, (entries,), rp.entry_write)
+        # raw rows kept for later steps (a prompt chunk's earlier tokens leave none: `keep_tok` lists the others)
+        ops.write_rows((kv, score), rp.keep_tok, (ring.kv, ring.score), rp.ring_write)
         if tail is not None and rp.tail_write is not None:
-            tail.kv.index_copy_(0, rp.tail_write, kv)
-            tail.score.index_copy_(0, rp.tail_write, score)
+            ops.write_rows((kv, score), rp.keep_tok, (tail.kv, tail.score), rp.tail_write)
 
 
 # ------------------------------------------------------------------------------------------ indexer
@@ -304,7 +301,7 @@ class Attention(nn.Module):
         T = positions.numel()
         x = x.reshape(1, T, -1)  # [1, T, dim]
         qr, q, kv = self._q_kv(x, positions, shape)
-        pool.kv.index_copy_(0, plan.window_write, kv[0].to(pool.kv.dtype))
+        ops.write_rows((kv[0].to(pool.kv.dtype),), None, (pool.kv,), plan.window_write)
         idx = plan.window_idx  # [T, w]
         if self.ratio:
             rp = plan.ratios[self.ratio]

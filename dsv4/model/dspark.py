@@ -256,7 +256,7 @@ class DSparkDraft:
         plan = plan_step(inputs, cache.layout, compressed=False)
         for stage, kv in zip(self.stages, self.context(taps, inputs.positions)):
             pool = cache.layers[stage.layer_id]
-            pool.kv.index_copy_(0, plan.window_write, kv.to(pool.kv.dtype))
+            ops.write_rows((kv.to(pool.kv.dtype),), None, (pool.kv,), plan.window_write)
 
     # ---------------------------------------------------------------- the block
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:

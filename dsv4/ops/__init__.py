@@ -226,6 +226,7 @@ hc_post = _make("hc_post")
 hc_head = _make("hc_head")
 compress_pool = _make("compress_pool")
 pool_groups = _make("pool_groups")
+write_rows = _make("write_rows")
 fp8_round_trip = _make("fp8_round_trip")
 fp4_round_trip = _make("fp4_round_trip")
 hadamard = _make("hadamard")
@@ -301,6 +302,7 @@ __all__ = [
     "hc_head",
     "compress_pool",
     "pool_groups",
+    "write_rows",
     "fp8_round_trip",
     "fp4_round_trip",
     "hadamard",

@@ -474,6 +474,18 @@ def pool_groups(
     return torch.where(live.unsqueeze(-1), pooled, 0).to(kv.dtype)
 
 
+def write_rows(
+    srcs: tuple[torch.Tensor, ...], pick: torch.Tensor | None, dsts: tuple[torch.Tensor, ...], index: torch.Tensor
+) -> None:
+    """The paged cache's row writes, in place: for each pair, dst[index[i]] = src[pick[i]] (pick None:
+    src[i]) for every i. srcs [T, W] and dsts [N, W] pairwise of one dtype and width; index [K] rows of the
+    dsts, pick [K] rows of the srcs (None: K = T). Indices must be in range; a dst row listed twice gets one
+    of its writes (which one is not specified: the cache lists its trash row only so)."""
+    index = index.long()  # (int32 indices too)
+    for src, dst in zip(srcs, dsts, strict=True):
+        dst.index_copy_(0, index, src if pick is None else src[pick.long()])
+
+
 # ----------------------------------------------------------------------------- MoE
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w^T in x's dtype (accumulated in float64 under exact accumulation)."""

@@ -106,6 +106,7 @@ def test_deterministic_mode_batching_does_not_change_tokens(model, prompts, samp
     # the projections took the fixed-plan GEMM (captured into the graphs), not float64 products
     assert "triton" in ran["linear"] and "triton" in ran["linear_fp32"]
     assert ran["pool_groups"] == ["triton"]  # the compressors' paged pooling, in place of gathered copies
+    assert ran["write_rows"] == ["triton"]  # the caches' row writes
     for i, p in enumerate(prompts):
         alone, alone_lp, _ = run(model, [p], [params[i]], warm=False, deterministic=True, max_seqs=1)
         assert alone[0] == busy[i], f"request {i}: alone {alone[0]}, in the batch {busy[i]}"

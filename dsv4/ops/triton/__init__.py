@@ -20,6 +20,7 @@ _MODULES = (
     "w8a8_gemm",
     "int8_gemm",
     "elementwise",
+    "rows",
     "rownorm_rope",
     "sampling",
     "fixed_gemm",
