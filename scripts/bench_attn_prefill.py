@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -28,6 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dsv4
+
+from bench_hc_split import time_ms  # noqa: E402  (this folder: the same graph-replay timing)
 
 from dsv4.ops.triton import sparse_attention as sa  # noqa: E402
 
@@ -44,30 +45,6 @@ CANDIDATES = [  # (BLOCK_N, num_warps, num_stages, D_SPLIT)
     (16, 2, 3, 2),
     (32, 8, 3, 1),
 ]
-
-
-def time_ms(fn, calls: int = 20, repeats: int = 5) -> tuple[float, float, float]:
-    """(median, min, max) ms per call of fn over `repeats` replays of a CUDA graph of `calls` calls."""
-    for _ in range(3):
-        fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times), min(times), max(times)
 
 
 def step_inputs(positions: list[int], h: int, d: int, window: int, compressed: int, ratio: int, seed: int = 0):
@@ -141,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                     target.update(cfg)
                 got = sa.sparse_attention_fwd(q, kv, sink, idx, scale)
                 err = float((got[0].float() - want[0].float()).norm() / want[0].float().norm())
-                t = time_ms(partial(sa.sparse_attention_fwd, q, kv, sink, idx, scale))
+                t = time_ms(partial(sa.sparse_attention_fwd, q, kv, sink, idx, scale), calls=20)
                 row = {"shape": name, "config": label, "us": [x * 1e3 for x in t], "rel_err_vs_auto": err}
                 print(json.dumps(row))
             except Exception as e:  # out of shared memory or registers
