@@ -91,13 +91,30 @@ def drive(engine, work: list[tuple[list[int], int]], clients: int, tag: str = "r
 def device_time(clock: list | None) -> dict | None:
     """A run's steps on the device from the CUDA events around each one (`Runner.clock`), per step: `busy`
     (from the copy of its inputs to the copy of its tokens) and `idle` (from one step's end to the next
-    one's start: the device waiting for the host), both in ms. None without events."""
+    one's start: the device waiting for the host), both in ms; `by_shape`: each step shape's busy times
+    (ms, one per step). None without events."""
     if not clock:
         return None
     torch.cuda.synchronize()
-    busy = sum(a.elapsed_time(b) for a, b in clock)
-    idle = sum(max(0.0, end.elapsed_time(nxt)) for (_, end), (nxt, _) in zip(clock, clock[1:], strict=False))
-    return {"busy": busy / len(clock), "idle": idle / len(clock)}
+    spans = [a.elapsed_time(b) for a, b, _ in clock]
+    idle = sum(max(0.0, end.elapsed_time(nxt)) for (_, end, _), (nxt, _, _) in zip(clock, clock[1:], strict=False))
+    by_shape: dict[str, list[float]] = {}
+    for (_, _, shape), ms in zip(clock, spans, strict=True):
+        by_shape.setdefault(shape, []).append(ms)
+    return {"busy": sum(spans) / len(clock), "idle": idle / len(clock), "by_shape": by_shape}
+
+
+def shape_times(clocks: list[dict]) -> dict:
+    """Busy ms per step of each step shape over all runs' steps: {shape: {steps, median, p10, p90}}, the
+    most frequent shape first (what a step of that bucket costs the device, and how much it varies)."""
+    pooled: dict[str, list[float]] = {}
+    for c in clocks:
+        for shape, ms in c["by_shape"].items():
+            pooled.setdefault(shape, []).extend(ms)
+    out = {}
+    for shape, ms in sorted(pooled.items(), key=lambda kv: -len(kv[1])):
+        out[shape] = {"steps": len(ms), "median": statistics.median(ms), "p10": _pct(ms, 10), "p90": _pct(ms, 90)}
+    return out
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -221,7 +238,7 @@ def _kernel_tables(engine, clients: int, prompt_len: int, out_dir: Path, top: in
         runner = engine.runner
         before = (runner.decode_rows, runner.chunk_tokens, runner.graph_steps + runner.eager_steps)
         busy, n, rows = kernel_table(fn, calls)
-        if fn == engine.step:  # what the steps really carried (kernel_table runs one untimed call first)
+        if name != "raw decode":  # what the steps really carried (kernel_table runs one untimed call first)
             ran = runner.graph_steps + runner.eager_steps - before[2]
             d, p = runner.decode_rows - before[0], runner.chunk_tokens - before[1]
             note += f"; ran {d / max(1, ran):.0f} decode rows and {p / max(1, ran):.0f} chunk tokens per step"
@@ -240,11 +257,19 @@ def _kernel_tables(engine, clients: int, prompt_len: int, out_dir: Path, top: in
     while len(started) < clients:
         started.update(o.request_id for o in engine.step() if o.new_tokens)
     record("engine decode", engine.step, 3, f"{clients} decode rows")
-    # one request replaced by a new one: its prompt's chunks beside the other rows' decodes
+    # one request replaced by a new one before every step: its prompt's chunks beside the other rows' decodes
+    fresh = iter(range(1 << 30))
     engine.abort("k0")
-    engine.add_request("p0", prompt(), SamplingParams(max_tokens=room, ignore_eos=True))
-    record("engine decode + 1 prompt", engine.step, 1, f"{clients - 1} decode rows + one {prompt_len}-token prompt")
-    engine.abort("p0")
+
+    def one_prompt():
+        for rid in [r for r in engine.requests if r.startswith("p")]:  # the last call's prompt, now decoding
+            engine.abort(rid)
+        engine.add_request(f"p{next(fresh)}", prompt(), SamplingParams(max_tokens=room, ignore_eos=True))
+        return engine.step()
+
+    record("engine decode + 1 prompt", one_prompt, 3, f"{clients - 1} decode rows + one {prompt_len}-token prompt")
+    for rid in [r for r in engine.requests if r.startswith("p")]:
+        engine.abort(rid)
     engine.add_request("k0", prompt(), SamplingParams(max_tokens=room, ignore_eos=True))
     # half of them replaced by new prompts: steps with prompt chunks beside the other half's decodes
     for i in range(clients // 2):
@@ -337,7 +362,10 @@ def run_engine_bench(args: argparse.Namespace) -> int:
             "ttft_p50_s": spread([x["ttft_p50_s"] for x in runs]),
             "ttft_p99_s": spread([x["ttft_p99_s"] for x in runs]),
             "host_ms_per_step": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
-            "device_ms_per_step": None if None in clocks else {k: spread([c[k] for c in clocks]) for k in clocks[0]},
+            "device_ms_per_step": None
+            if None in clocks
+            else {k: spread([c[k] for c in clocks]) for k in ("busy", "idle")},
+            "device_ms_by_bucket": None if None in clocks else shape_times(clocks),
             "step_mix": mix,
             "closed_loop_ceiling": closed_loop_ceiling([n for _, n in work], clients),
         }
@@ -394,6 +422,11 @@ def _print_row(r: dict) -> None:
             f"  device ms per step (CUDA events around each step, no profiler): busy {_fmt(d['busy'], digits=2)}, idle "
             f"between steps {_fmt(d['idle'], digits=2)}: the device waits for the host "
             f"{d['idle']['median'] / (d['busy']['median'] + d['idle']['median']):.1%} of the time"
+        )
+        shapes = list(r["device_ms_by_bucket"].items())[:8]
+        print(
+            "  device ms per step by bucket (median over its steps, p10-p90): "
+            + ", ".join(f"{k} {v['median']:.2f} ({v['p10']:.2f}-{v['p90']:.2f}) x{v['steps']}" for k, v in shapes)
         )
     m = r["step_mix"]
     shares = ", ".join(f"{k} {v:.0%}" for k, v in list(m["bucket_share"].items())[:6])

@@ -263,8 +263,11 @@ class Runner:
         self.warmup_seconds = 0.0
         # a list to time steps on the device (`dsv4 bench engine`): each step launched appends (start, end)
         # CUDA events around its device work, from the copy of its inputs to the copy of its tokens
-        self.clock: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        # set to [] to record (start, end, shape) CUDA events around every launched step; shape is the
+        # bucket's "decode rows+chunk slots", or "ragged" for an unpadded step
+        self.clock: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] | None = None
         self._started: torch.cuda.Event | None = None
+        self._shape = "ragged"
 
     # ------------------------------------------------------------------ graphs
     def capture_graphs(self, progress=None) -> int:
@@ -380,7 +383,7 @@ class Runner:
         inflight = self._launch(decode, chunks, samples)
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self.clock.append((self._started, end))
+        self.clock.append((self._started, end, self._shape))
         return inflight
 
     def _launch(self, decode: list[Row], chunks: list[Row], samples: list[tuple[int, SampleRow]]) -> InFlight:
@@ -393,6 +396,7 @@ class Runner:
             self.late_captures += 1
         if bucket is not None:
             self.bucket_steps[bucket.decode, bucket.slots] += 1
+        self._shape = "ragged" if bucket is None else f"{bucket.decode}+{bucket.slots}"
         self.decode_rows += len(decode)
         self.chunk_tokens += sum(len(r.tokens) for r in chunks)
         n = len(samples)

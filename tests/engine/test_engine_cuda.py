@@ -114,9 +114,9 @@ def test_deterministic_mode_batching_does_not_change_tokens(model, prompts, samp
 
 
 def test_the_step_clock_times_every_launched_step_in_order(model, prompts):
-    """`Runner.clock` (what `bench engine` reads the device's busy and idle time from): one (start, end)
-    pair of events per launched step, each span positive, each step starting at or after the last one's
-    end (one stream); `device_time` sums them per step."""
+    """`Runner.clock` (what `bench engine` reads the device's busy and idle time from): one (start, end,
+    shape) per launched step, each span positive, each step starting at or after the last one's end (one
+    stream); `device_time` sums them per step and splits them by step shape without losing a step."""
     from dsv4.bench.engine import device_time
 
     engine = Engine(model, EngineConfig(max_seqs=8, max_batch_tokens=48, page_size=16, chunk_len=8))
@@ -130,8 +130,11 @@ def test_the_step_clock_times_every_launched_step_in_order(model, prompts):
     clock = engine.runner.clock
     torch.cuda.synchronize()
     assert len(clock) == engine.runner.graph_steps + engine.runner.eager_steps - before > 0
-    assert all(start.elapsed_time(end) > 0 for start, end in clock)
-    assert all(end.elapsed_time(nxt) >= 0 for (_, end), (nxt, _) in zip(clock, clock[1:], strict=False))
+    assert all(start.elapsed_time(end) > 0 for start, end, _ in clock)
+    assert all(end.elapsed_time(nxt) >= 0 for (_, end, _), (nxt, _, _) in zip(clock, clock[1:], strict=False))
     t = device_time(clock)
-    assert t["busy"] * len(clock) == pytest.approx(sum(a.elapsed_time(b) for a, b in clock))
+    assert t["busy"] * len(clock) == pytest.approx(sum(a.elapsed_time(b) for a, b, _ in clock))
     assert t["idle"] >= 0
+    steps = engine.runner.bucket_steps
+    shapes = {f"{d}+{c}" for d, c in steps} | ({"ragged"} if engine.runner.eager_steps else set())
+    assert set(t["by_shape"]) <= shapes and sum(map(len, t["by_shape"].values())) == len(clock)
