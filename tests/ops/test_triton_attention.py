@@ -321,6 +321,41 @@ def test_indexer_topk_per_row_positions_matches_reference():
         ops.indexer_scores(q, k, w, pos, ratio, backend="triton")
 
 
+def test_score_tiles_follow_the_rows_there_are():
+    """The scoring kernel's query tile: the full tile for long prompts, at least 16 rows, a power of two, no
+    more rows than needed (a decode group's one row per sequence takes 16), smaller while the grid is under
+    one program per SM; under exact accumulation always the full tile (a plan that does not follow the call)."""
+    full = ix.SCORE_CONFIG
+    assert ix.score_config(1, 4096, 1024, 132) == full  # a long prompt: 256 programs
+    assert ix.score_config(256, 1, 64, 132)["BLOCK_M"] == 16  # decode rows
+    assert ix.score_config(3, 64, 64, 132)["BLOCK_M"] == 16  # three chunk slots against few entries
+    assert ix.score_config(8, 128, 2048, 132)["BLOCK_M"] == 64  # 128 programs at 128 rows, 256 at 64
+    for b, rows, n in ((1, 1, 1), (7, 33, 300), (2, 1000, 9), (64, 1, 2048)):
+        bm = ix.score_config(b, rows, n, 132)["BLOCK_M"]
+        assert 16 <= bm <= full["BLOCK_M"] and bm & (bm - 1) == 0
+        assert bm == 16 or bm < 2 * rows
+    from dsv4.ops.precision import exact_accumulation
+
+    with exact_accumulation(True):
+        assert ix.score_config(256, 1, 64, 132) == full
+
+
+@pytest.mark.parametrize("bm", [16, 32, 64, 128])
+def test_indexer_scores_match_reference_at_every_query_tile(bm, monkeypatch):
+    """Whatever query tile the rule picks, the scores are the reference's and the top-k the same picks."""
+    monkeypatch.setattr(ix, "score_config", lambda *a: {**ix.SCORE_CONFIG, "BLOCK_M": bm, "num_warps": 4})
+    b, s, h, d, n, ratio = 2, 37, 3, 32, 23, 2
+    q, k, w = (x.to(DEV) for x in indexer_inputs(b, s, h, d, n, torch.float32, seed=6))
+    pos = torch.arange(s, device=DEV) + 5
+    sc = ops.indexer_scores(q, k, w, pos, ratio, backend="triton")
+    want = ref.indexer_scores(q, k, w, pos, ratio)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(sc)) and rel(sc[fin], want[fin]) < tol(torch.float32)[0]
+    assert torch.equal(
+        ops.indexer_topk(q, k, w, pos, ratio, 7, backend="triton"), ref.indexer_topk(q, k, w, pos, ratio, 7)
+    )
+
+
 def test_indexer_scores_canary():
     """Scores written into a view of a NaN-filled buffer leave the surroundings untouched (docs/bugzoo.md Z12)."""
     b, s, h, d, n = 2, 11, 2, 32, 19

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ... import ops as _ops
 from .. import reference as _ref
+from ..precision import is_exact
 from ._common import FLOAT_DTYPES, Kernel, device_reason, dot_precision, dot_type, interpret_mode, num_sms
 
 
@@ -205,10 +206,32 @@ BWD_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 MAX_CHUNK_ENTRIES = 1 << 26  # top-k scores buffer bound (fp32 entries)
 
 
-def _opts(cfg: dict) -> dict:
+def _opts(cfg: dict, keep_m: bool = False) -> dict:
+    """Launch options; on the interpreter small key tiles (and query tiles unless keep_m: the scoring
+    kernel's tile choice is tested there too)."""
     if interpret_mode():
-        return {"BLOCK_M": 16, "BLOCK_N": 16}
+        return {"BLOCK_M": cfg["BLOCK_M"] if keep_m else 16, "BLOCK_N": 16}
     return dict(cfg)
+
+
+def score_config(b: int, rows: int, n: int, sms: int) -> dict:
+    """The scoring kernel's tiles for b batches of `rows` query rows against n keys on `sms` SMs.
+
+    The full tile (SCORE_CONFIG) suits long prompts. A serving step's groups are small: a decode group is b
+    sequences of one row each (a 128-row tile would multiply 127 rows of padding per head), a prompt
+    chunk is a few slots of 64 rows against few entries (a handful of programs). So the query tile shrinks
+    to the rows there are (at least 16, what tl.dot takes), and further while the grid is under one
+    program per SM. Under exact accumulation the full tile stays: a plan that depends on the call's size
+    would let a row's scores round differently alone and in a batch."""
+    if is_exact():
+        return dict(SCORE_CONFIG)
+    bm = min(SCORE_CONFIG["BLOCK_M"], max(16, triton.next_power_of_2(max(1, rows))))
+    tiles_n = triton.cdiv(n, SCORE_CONFIG["BLOCK_N"])
+    while bm > 16 and b * triton.cdiv(rows, bm) * tiles_n < sms:
+        bm //= 2
+    if bm == SCORE_CONFIG["BLOCK_M"]:
+        return dict(SCORE_CONFIG)
+    return {**SCORE_CONFIG, "BLOCK_M": bm, "num_warps": 4}
 
 
 def _block_d(d: int) -> int:
@@ -235,7 +258,7 @@ def _scores_rows(
         raise ValueError("out must be [b, rows, n] fp32 with contiguous rows")
     if b * n_rows * n == 0:
         return out
-    cfg = _opts(SCORE_CONFIG)
+    cfg = _opts(score_config(b, n_rows, n, num_sms(q.device)), keep_m=True)
     grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), b)
     pos_bstride = positions.stride(0) if positions.dim() == 2 else 0
     _score[grid](

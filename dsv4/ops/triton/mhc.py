@@ -488,8 +488,10 @@ def _split_fn(fn: torch.Tensor, hc: int, head: bool) -> tuple[torch.Tensor, torc
 # Split K (small T): below this many row tiles per SM the single kernel leaves most SMs idle while each
 # program runs the whole K = hc * D reduction serially (decode: 1 token per sequence).
 SPLIT_K: int | None = None  # None: automatic; 0 or 1: never split; n > 1: force about n K slices
-_SPLIT_BT = 16  # rows per program of the partial kernel (tl.dot needs M >= 16)
-_SPLIT_BK = 32 if _INTERPRET else 128
+# rows per program of the partial kernel: 64 read each K slice of the (3-part) weight a quarter as often as
+# 16 (H200, dim 1024, hc 4: 21.6 vs 42.4 us at 1,341 tokens, 13.3 vs 17.0 at 257; scripts/bench_step_kernels.py)
+_SPLIT_BT, _SPLIT_BK, _SPLIT_WARPS = 64, 32 if _INTERPRET else 128, 4
+_SINGLE_ROWS = 16  # the single kernel's plan counts row tiles of 16 tokens (its sizes are autotuned)
 _MAX_SPLIT = 32  # K slices at most (the finishing kernel unrolls its sum over them)
 # Under exact accumulation (`dsv4.ops.precision`: the engine's deterministic mode) every call splits K into
 # this many slices: the automatic plan depends on the number of tokens, so a row's mix would round
@@ -508,7 +510,7 @@ def _sm_count(dev: torch.device) -> int:
 
 def _split_plan(t: int, k: int, dev: torch.device) -> tuple[int, int]:
     """(number of K slices, slice length in elements): (1, k) keeps the single-kernel path."""
-    rows = triton.cdiv(t, _SPLIT_BT)
+    rows = triton.cdiv(t, _SPLIT_BT)  # the partial kernel's row tiles
     if rows == 0:
         return 1, k
     if SPLIT_K is not None:
@@ -517,11 +519,12 @@ def _split_plan(t: int, k: int, dev: torch.device) -> tuple[int, int]:
         want = EXACT_SPLIT  # order whatever else is in the batch (a request's numbers alone = in a batch)
     else:
         sms = _sm_count(dev)
-        if rows > sms:
+        if triton.cdiv(t, _SINGLE_ROWS) > sms:
             return 1, k
         # under half a wave: about one wave of programs. Between half a wave and one, the single kernel is
         # latency-bound (62 us at every T from 1,088 to 4,096 tokens, dim 1024, on an H200) and 4-7 slices
-        # (about four waves) took 13-35% less (scripts/bench_hc_split.py); past one wave it is the fastest
+        # (about four waves) took 13-35% less (scripts/bench_hc_split.py); past one wave of 16-token tiles
+        # it is the fastest
         want = sms // rows if 2 * rows < sms else min(8, 4 * sms // rows)
     steps = triton.cdiv(k, _SPLIT_BK)
     want = max(1, min(want, steps, _MAX_SPLIT))
@@ -579,7 +582,7 @@ def _launch_pre(
             BT=_SPLIT_BT,
             BK=_SPLIT_BK,
             UPCAST=_INTERPRET,
-            num_warps=4,
+            num_warps=_SPLIT_WARPS,
         )
         bt = min(16, max(4, triton.next_power_of_2(t)))
         rows = triton.cdiv(t, bt)

@@ -1,0 +1,120 @@
+"""Serving-step kernels by launch plan, on one GPU: what `dsv4.ops.triton` should pick (diagnostic figures).
+
+    python3 scripts/bench_step_kernels.py [--only draw hc_pre pad] [--out FILE]
+
+- draw: the fused token draw (`gumbel_argmax`, backend "triton") of B rows (64, 256) of a 32,768-token
+  vocabulary (fp32 logits, temperature 1) by columns per program (`split`) and warps; every plan must
+  draw the same tokens (asserted).
+- hc_pre: one `hc_pre` call (bf16 x [1, T, 4, 1024]) by the partial kernel's rows per program
+  (`mhc._SPLIT_BT`) and warps, at serving step sizes T; the automatic K split at each.
+- pad: the raw graphed decode step (`model.decode_step`, `small` preset) at b and b + 1 rows: the price of
+  one padding row in a step's matrix products.
+
+Times are the median (min-max) of 5 replays of a CUDA graph of 20 calls (`bench_hc_split.time_ms`); the
+raw decode step's, the median (min-max) of 3 timed runs of 64 steps. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dsv4
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_hc_split import time_ms  # noqa: E402
+
+from dsv4 import ops  # noqa: E402
+from dsv4.ops.triton import mhc  # noqa: E402
+from dsv4.ops.triton import sampling as ts  # noqa: E402
+
+
+def us(t: tuple[float, float, float]) -> list[float]:
+    return [round(v * 1e3, 1) for v in t]
+
+
+def draw(dev: torch.device, show) -> None:
+    V = 32768
+    for B in (64, 256):
+        g = torch.Generator(device=dev).manual_seed(0)
+        logits = torch.randn(B, V, device=dev, generator=g)
+        temp = torch.ones(B, dtype=torch.float64, device=dev)
+        greedy = torch.zeros(B, dtype=torch.bool, device=dev)
+        seeds, counters = torch.arange(B, device=dev) * 7919, torch.arange(B, device=dev)
+        want, _ = ts.triton_gumbel_argmax(logits, temp, greedy, seeds, counters)
+        try:
+            for warps in (4, 8):
+                ts.NUM_WARPS = warps
+                for split in (1024, 2048, 4096, 8192):
+                    call = partial(ts.triton_gumbel_argmax, logits, temp, greedy, seeds, counters, split=split)
+
+                    assert torch.equal(call()[0], want), "a launch plan changed the drawn tokens"
+                    show(f"draw rows={B} warps={warps} split={split} us", us(time_ms(call, calls=20)))
+        finally:
+            ts.NUM_WARPS = 4
+
+
+def hc_pre(dev: torch.device, show) -> None:
+    d, hc = 1024, 4
+    g = torch.Generator(device=dev).manual_seed(0)
+    fn = torch.randn((2 + hc) * hc, hc * d, device=dev, generator=g) * 0.02
+    scale, base = torch.ones(3, device=dev), torch.zeros((2 + hc) * hc, device=dev)
+    keep = mhc._SPLIT_BT, mhc._SPLIT_WARPS
+    try:
+        for t in (65, 257, 449, 1341, 2049):
+            x = torch.randn(1, t, hc, d, device=dev, dtype=torch.bfloat16, generator=g)
+            for bt in (16, 32, 64):
+                for warps in (4, 8):
+                    mhc._SPLIT_BT, mhc._SPLIT_WARPS = bt, warps
+
+                    def call(x=x):
+                        return ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20, backend="triton")
+
+                    plan = mhc._split_plan(t, hc * d, dev)
+                    show(f"hc_pre tokens={t} rows={bt} warps={warps} split={plan[0]} us", us(time_ms(call, calls=20)))
+    finally:
+        mhc._SPLIT_BT, mhc._SPLIT_WARPS = keep
+
+
+def pad(dev: torch.device, show) -> None:
+    from dsv4.bench.serve import _raw_decode_rate
+    from dsv4.cli import build_parser
+    from dsv4.serve.startup import EngineSpec, load
+
+    argv = ["bench", "engine", "--preset", "small", "--device", "cuda"]
+    model = load(EngineSpec.from_args(build_parser(argv).parse_args(argv)).resolved())[0]
+    for b in (64, 65, 256, 257):
+        ms = [_raw_decode_rate(model, b, 128, 64, dev)["ms_per_step"] for _ in range(3)]
+        show(f"raw decode rows={b} ms", [round(statistics.median(ms), 3), round(min(ms), 3), round(max(ms), 3)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="+", choices=("draw", "hc_pre", "pad"), default=["draw", "hc_pre", "pad"])
+    p.add_argument("--out", metavar="FILE", help="also write the figures as JSON")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_step_kernels: needs a CUDA GPU (it times Triton kernels and CUDA graphs)", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    out: dict[str, list] = {"gpu": torch.cuda.get_device_name(dev)}
+
+    def show(key: str, value: list) -> None:
+        out[key] = value
+        print(f"{key}: {value[0]} ({value[1]}-{value[2]})", flush=True)
+
+    for name in args.only:
+        {"draw": draw, "hc_pre": hc_pre, "pad": pad}[name](dev, show)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
