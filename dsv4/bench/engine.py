@@ -8,7 +8,8 @@ client count, as the median (min, max) of --repeats runs after an untimed warm-u
   any engine reach (`load.closed_loop_ceiling`: the seats left empty while the last requests finish);
 - engine steps/s, and the host's time per step by phase (schedule, launch, wait for the device,
   post-processing): the host is off the critical path when "wait" dominates; on CUDA the device's time
-  per step from events around each step (`Runner.clock`, no profiler): busy, and idle between steps;
+  per step from events around each step (`Runner.clock`, no profiler): busy, idle between steps, and the
+  busy time of each bucket shape's steps (median, p10-p90: the price of a decode step and of prompt slots);
   the objects alive after the warm-up are frozen out of the cycle collector, as in a server's engine
   process (`freeze_heap`);
 - graph-replayed and eager steps, and Triton compilations after the warm-up (0 when every step shape was

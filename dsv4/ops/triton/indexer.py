@@ -9,7 +9,9 @@ Design
   loop over heads multiplies each head's query tile [BLOCK_M, d] with it on tensor cores, applies ReLU
   and the per-(query, head) weight and accumulates into one fp32 [BLOCK_M, BLOCK_N] tile. The
   [s, heads, n] product never exists in memory; only the head-summed [s, n] scores are written. Key tiles
-  that no query of the tile can see (causal) skip the head loop and store -inf.
+  that no query of the tile can see (causal) skip the head loop and store -inf. The query tile is 128
+  rows for long prompts and follows the rows a call has in small ones (`score_config`; fixed under exact
+  accumulation).
 - Top-k is two-stage: the fused kernel scores a chunk of query rows into a bounded fp32 buffer
   (at most ~64 Mi entries), then the reference's `select_topk` (stable descending sort: ties go to the
   lower index, -inf winners become -1) selects per row. The buffer is reused chunk by chunk, so memory
