@@ -261,10 +261,9 @@ class Runner:
         self.chunk_tokens = 0  # tokens of multi-token rows: prompt chunks (and speculative verifies)
         self.late_captures = 0  # graphs captured on first use, not at start-up
         self.warmup_seconds = 0.0
-        # a list to time steps on the device (`dsv4 bench engine`): each step launched appends (start, end)
-        # CUDA events around its device work, from the copy of its inputs to the copy of its tokens
-        # set to [] to record (start, end, shape) CUDA events around every launched step; shape is the
-        # bucket's "decode rows+chunk slots", or "ragged" for an unpadded step
+        # a list to time steps on the device (`dsv4 bench engine`): each step launched appends (start, end,
+        # shape): CUDA events around its device work, from the copy of its inputs to the copy of its tokens,
+        # and its bucket's "decode rows+chunk slots" ("ragged" for an unpadded step)
         self.clock: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] | None = None
         self._started: torch.cuda.Event | None = None
         self._shape = "ragged"

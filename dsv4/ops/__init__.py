@@ -245,6 +245,8 @@ int8_quant = _make("int8_quant")
 int8_gemm = _make("int8_gemm")
 int8_moe_experts = _make("int8_moe_experts")
 gumbel_argmax = _make("gumbel_argmax")
+muon_momentum = _make("muon_momentum")
+muon_apply = _make("muon_apply")
 
 
 def keep_splits(module: torch.nn.Module) -> int:
@@ -319,4 +321,6 @@ __all__ = [
     "int8_quant",
     "int8_gemm",
     "int8_moe_experts",
+    "muon_momentum",
+    "muon_apply",
 ]

@@ -729,3 +729,23 @@ def gumbel_argmax(
     choice = torch.where(greedy.unsqueeze(1), x, x / temperature.unsqueeze(1) + noise).argmax(-1)  # [B]
     lse = torch.logsumexp(x, -1)  # [B]
     return choice, (x.gather(1, choice.unsqueeze(1)).squeeze(1) - lse).float()
+
+
+# ----------------------------------------------------------------------------- optimizer
+def muon_momentum(
+    buf: torch.Tensor, grad: torch.Tensor, momentum: float, nesterov: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Muon's momentum on one weight, `torch.optim.Muon`'s arithmetic: buf <- buf.lerp(grad, 1 - momentum) in
+    place, then the update (nesterov: grad.lerp(buf, momentum); else buf) rounded to bf16 -> out (a new
+    tensor when None): the input of Newton-Schulz. buf and grad: one shape and dtype; out: that shape, bf16."""
+    buf.lerp_(grad, 1 - momentum)
+    update = grad.lerp(buf, momentum) if nesterov else buf
+    return update.bfloat16() if out is None else out.copy_(update)
+
+
+def muon_apply(w: torch.Tensor, ortho: torch.Tensor, decay: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Muon's weight update, in place: w <- w * decay + ortho * scale, each product rounded to w's dtype
+    (decay = 1 - lr * weight_decay, scale = -lr * the adjusted rate: 0-dim fp32 tensors on w's device, so a
+    captured step replays any learning rate). ortho: Newton-Schulz's output, w's shape. Returns w."""
+    w.mul_(decay)
+    return w.add_(ortho.to(w.dtype) * scale)  # (out of place: ortho of w's dtype is not a copy)

@@ -5,14 +5,14 @@ the optimizer's state object changes, e.g. after a checkpoint load). It groups e
 2-D weights and the experts of every layer alike - into chunks of at most `max_elems` elements and gives
 each chunk one contiguous momentum buffer [N, rows, cols]; torch's Muon state keeps, under each 2-D
 parameter, the slice of that buffer, so checkpoints see the layout they always did. A step is then, per
-chunk: the momentum lerp and the Nesterov mix as foreach ops over the chunk's members, one batched bf16
-Newton-Schulz on the [N, rows, cols] stack, one scale and one foreach add into the weights; weight decay is
-one foreach multiply over every weight. The learning rate is a device scalar (`lr`), so the step reads
-nothing on the host, branches on no device value and can be captured in a CUDA graph (`graphed.py`).
+chunk: each weight's momentum lerp, Nesterov mix and rounding to bf16 (`ops.muon_momentum`, one pass over
+its momentum and gradient), one batched bf16 Newton-Schulz on the [N, rows, cols] stack, and each weight's
+decay and update (`ops.muon_apply`, one pass over it). The learning rate is a device scalar (`lr`), so the
+step reads nothing on the host, branches on no device value and can be captured in a CUDA graph
+(`graphed.py`).
 
 The arithmetic per matrix is torch.optim.Muon's (`reference_muon_step` is that per-matrix computation,
-written plainly); only the batching (the order of the fp32 sums inside the kernels) and the Nesterov mix
-(m buf + (1 - m) grad instead of a lerp: a few fp32 roundings, far below the bf16 of Newton-Schulz) differ.
+written plainly); only the batching (the order of the fp32 sums inside the products) differs.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from .. import ops
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -123,24 +125,23 @@ class MuonPlan:
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], lr: torch.Tensor) -> None:
-        """One Muon step: grads like self.weights ([k, rows, cols] each), lr a 0-dim tensor on their device."""
+        """One Muon step: grads like self.weights ([k, rows, cols] each), lr a 0-dim tensor on their device.
+
+        Per chunk: each weight's momentum and bf16 update (`ops.muon_momentum`, written into the chunk's
+        [N, rows, cols] stack), one batched Newton-Schulz, then each weight decayed and updated
+        (`ops.muon_apply`): one read of each tensor per pass on a GPU."""
         g = self.group
         momentum, wd = g["momentum"], g["weight_decay"]
-        if wd:
-            torch._foreach_mul_(self.weights, (lr * -wd).add_(1))
+        decay = (lr * -wd).add_(1) if wd else torch.ones_like(lr)
         for ch in self.chunks:
-            ws = [self.weights[i] for i in ch.members]
-            gs = [grads[i] for i in ch.members]
-            bufs = list(ch.buf.split(ch.sizes))
-            torch._foreach_lerp_(bufs, gs, 1 - momentum)
-            if g["nesterov"]:
-                update = ch.buf * momentum  # [N, rows, cols]
-                torch._foreach_add_(list(update.split(ch.sizes)), gs, alpha=1 - momentum)
-            else:
-                update = ch.buf
-            ortho = batched_newton_schulz(update, g["ns_coefficients"], g["ns_steps"], g["eps"])
-            scaled = ortho.to(ws[0].dtype).mul_(lr * -ch.adjust)
-            torch._foreach_add_(ws, list(scaled.split(ch.sizes)))
+            update = torch.empty(ch.buf.shape, dtype=torch.bfloat16, device=ch.buf.device)  # [N, rows, cols]
+            for i, buf, u in zip(ch.members, ch.buf.split(ch.sizes), update.split(ch.sizes), strict=True):
+                ops.muon_momentum(buf, grads[i], momentum, g["nesterov"], out=u)
+            # (a wide chunk's result is a transposed view: one bf16 copy makes each weight's part one block)
+            ortho = batched_newton_schulz(update, g["ns_coefficients"], g["ns_steps"], g["eps"]).contiguous()
+            scale = lr * -ch.adjust
+            for i, o in zip(ch.members, ortho.split(ch.sizes), strict=True):
+                ops.muon_apply(self.weights[i], o, decay, scale)
 
 
 @torch.no_grad()

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import ops
 from .muon_batched import (  # noqa: F401  (re-exported)
     NS_COEFFICIENTS,
     NS_STEPS,
@@ -245,7 +246,10 @@ class MuonAdamW:
             else "default"
         )
         muon = "batched" if self.cfg.fast else "per-matrix"
-        return {"muon": muon + (" + sharded" if self._sharded else ""), "adamw": adamw}
+        out = {"muon": muon + (" + sharded" if self._sharded else ""), "adamw": adamw}
+        if self.cfg.fast and self._plan is not None:  # the backend of its elementwise passes, as it last ran
+            out["muon_passes"] = ops.last_backend("muon_apply") or "not run"
+        return out
 
     def zero_grad(self) -> None:
         for o in self.optimizers:

@@ -479,7 +479,7 @@ def test_fast_step_reads_nothing_on_the_host():
     with _HostReads() as reads:
         opt.step()
     assert (reads.scalar, reads.to_cpu) == (0, 0)
-    assert opt.implementation == {"muon": "batched", "adamw": "fused"}
+    assert opt.implementation == {"muon": "batched", "adamw": "fused", "muon_passes": "reference"}
     assert float(opt.adamw.param_groups[0]["lr"]) == pytest.approx(0.005)
     assert float(opt._muon_lr) == pytest.approx(0.005)
 

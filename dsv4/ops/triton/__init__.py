@@ -24,6 +24,7 @@ _MODULES = (
     "rownorm_rope",
     "sampling",
     "fixed_gemm",
+    "optim",
 )
 
 # every module is imported unconditionally: a missing or broken one is an error, never a silently absent op
