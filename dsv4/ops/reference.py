@@ -744,8 +744,10 @@ def muon_momentum(
 
 
 def muon_apply(w: torch.Tensor, ortho: torch.Tensor, decay: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Muon's weight update, in place: w <- w * decay + ortho * scale, each product rounded to w's dtype
-    (decay = 1 - lr * weight_decay, scale = -lr * the adjusted rate: 0-dim fp32 tensors on w's device, so a
-    captured step replays any learning rate). ortho: Newton-Schulz's output, w's shape. Returns w."""
-    w.mul_(decay)
-    return w.add_(ortho.to(w.dtype) * scale)  # (out of place: ortho of w's dtype is not a copy)
+    """Muon's weight update, in place: w <- w * decay + ortho * scale, each product taken in fp32 and rounded
+    to w's dtype, then their sum (torch.optim.Muon's arithmetic with its Python-float factors; decay = 1 - lr
+    * weight_decay and scale = -lr * the adjusted rate are 0-dim fp32 tensors on w's device, so a captured
+    step replays any learning rate, and are never rounded to a bf16 w's dtype first). Returns w."""
+    kept = (w.float() * decay).to(w.dtype)
+    step = (ortho.float() * scale).to(w.dtype)
+    return w.copy_(kept.float() + step.float())
