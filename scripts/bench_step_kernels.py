@@ -53,7 +53,6 @@ def draw(dev: torch.device, show) -> None:
                 ts.NUM_WARPS = warps
                 for split in (1024, 2048, 4096, 8192):
                     call = partial(ts.triton_gumbel_argmax, logits, temp, greedy, seeds, counters, split=split)
-
                     assert torch.equal(call()[0], want), "a launch plan changed the drawn tokens"
                     show(f"draw rows={B} warps={warps} split={split} us", us(time_ms(call, calls=20)))
         finally:

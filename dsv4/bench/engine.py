@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import gc
 import gzip
+import itertools
 import json
 import random
 import shutil
@@ -259,7 +260,7 @@ def _kernel_tables(engine, clients: int, prompt_len: int, out_dir: Path, top: in
         started.update(o.request_id for o in engine.step() if o.new_tokens)
     record("engine decode", engine.step, 3, f"{clients} decode rows")
     # one request replaced by a new one before every step: its prompt's chunks beside the other rows' decodes
-    fresh = iter(range(1 << 30))
+    fresh = itertools.count()
     engine.abort("k0")
 
     def one_prompt():

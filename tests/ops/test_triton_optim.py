@@ -1,6 +1,6 @@
 """Muon's elementwise passes (`muon_momentum`, `muon_apply`): the reference is torch.optim.Muon's arithmetic
-written plainly; the Triton kernels (CPU interpreter here, compiled on CUDA) against it, and a whole batched
-Muon step run through either backend."""
+written plainly; the Triton kernels (CPU interpreter here, compiled on CUDA) against it. A whole batched
+Muon step through either backend: `tests/train/test_optim.py::test_plan_chunks_and_mixes_stacks_and_matrices`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from triton_interp import DEV, interpret_unless_cuda  # noqa: E402
 
 import dsv4.ops as ops  # noqa: E402
 from dsv4.ops.triton import optim as to  # noqa: E402, F401  (a missing kernel module is an error, not a skip)
-from dsv4.train import optim  # noqa: E402
 
 U32, U16 = 2.0**-24, 2.0**-8  # unit roundoff of fp32 and bf16
 
@@ -81,33 +80,3 @@ def test_refusals_name_the_reason():
         ops.muon_momentum(buf, grad.half(), 0.95, True, backend="triton")
     with pytest.raises(ops.BackendUnavailable, match="one-element fp32"):
         ops.muon_apply(buf, grad.bfloat16(), torch.ones(2, device=DEV), torch.ones((), device=DEV), backend="triton")
-
-
-def test_a_batched_muon_step_through_either_backend():
-    """MuonPlan (stacked and plain weights of two shapes, two steps so the momentum carries) with the Triton
-    passes and with the reference's: the momentum within the momentum test's bound, and the weights within
-    what a one-unit bf16 difference of the Newton-Schulz input can make of an update (lr' times a 2^-7
-    relative change, at most one bf16 unit per element of an orthogonalized update) plus fp32 roundings."""
-    group = dict(momentum=0.95, nesterov=True, ns_coefficients=optim.NS_COEFFICIENTS, ns_steps=optim.NS_STEPS, eps=1e-7)
-    group.update(weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    shapes = [(3, 16, 24), (1, 16, 24), (2, 24, 16)]
-    gen = torch.Generator().manual_seed(2)
-    w0 = [torch.randn(s, generator=gen).to(DEV) for s in shapes]
-    grads = [[torch.randn(s, generator=gen).to(DEV) for s in shapes] for _ in range(2)]
-    out = {}
-    for backend in ("reference", "triton"):
-        w = [t.clone() for t in w0]
-        views = [[torch.nn.Parameter(t[i]) for i in range(t.size(0))] for t in w]
-        state: dict = {}
-        plan = optim.MuonPlan(w, views, state, group)
-        with ops.use_backend({"muon_momentum": backend, "muon_apply": backend}):
-            for gs in grads:
-                plan.step([g.clone() for g in gs], torch.tensor(0.02, device=DEV))
-        assert ops.last_backend("muon_apply") == backend
-        out[backend] = (w, [ch.buf.clone() for ch in plan.chunks])
-    (rw, rb), (tw, tb) = out["reference"], out["triton"]
-    for a, b in zip(tb, rb, strict=True):
-        assert ((a - b).abs() <= 8 * U32 * (b.abs() + 10)).all()
-    for a, b, s in zip(tw, rw, shapes, strict=True):
-        lr_adj = 0.02 * optim.adjust_lr(1.0, "match_rms_adamw", s[-2], s[-1])
-        assert ((a - b).abs() <= 2 * lr_adj * 2 * U16 + 4 * U32 * b.abs()).all()

@@ -19,11 +19,13 @@ from bounds import U32, U_BF16, gamma, within
 from test_train import _train_cfg, micro_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dsv4 import ops
 from dsv4.train import balance, optim
 from dsv4.train.trainer import Trainer
 
 A, B, C = optim.NS_COEFFICIENTS
 U = U_BF16
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 # ------------------------------------------------------------------------------------------ bounds
@@ -158,27 +160,39 @@ _GROUP = {
 }
 
 
-def _plan_step(ws: list[torch.Tensor], gs: list[torch.Tensor], max_elems: int) -> list[torch.Tensor]:
-    """One MuonPlan step from zero momentum on copies of ws (each [k, m, n]); -> the new weights."""
-    w = [t.clone() for t in ws]
+def _plan_step(
+    ws: list[torch.Tensor], gs: list[torch.Tensor], max_elems: int, backend: str = "reference"
+) -> list[torch.Tensor]:
+    """One MuonPlan step from zero momentum on copies of ws (each [k, m, n]), its elementwise passes
+    (`ops.muon_momentum`, `ops.muon_apply`) on `backend`, on DEV; -> the new weights (on the CPU)."""
+    w = [t.clone().to(DEV) for t in ws]
     views = [[torch.nn.Parameter(t[i]) for i in range(t.size(0))] for t in w]
     state: dict = {}
     plan = optim.MuonPlan(w, views, state, _GROUP, max_elems)
-    plan.step([g.clone() for g in gs], torch.tensor(_GROUP["lr"]))
+    with ops.use_backend({"muon_momentum": backend, "muon_apply": backend}):
+        plan.step([g.clone().to(DEV) for g in gs], torch.tensor(_GROUP["lr"], device=DEV))
+    assert (ops.last_backend("muon_momentum"), ops.last_backend("muon_apply")) == (backend, backend)
     bufs = {ch.buf.data_ptr() for ch in plan.chunks}
     for vs, g in zip(views, gs):  # the state keeps each matrix's momentum, (1 - 0.9) g, as a
         for v, gi in zip(vs, g):  # slice of its chunk's buffer
             mom = state[v]["momentum_buffer"]
-            torch.testing.assert_close(mom, 0.1 * gi, rtol=0, atol=0)
+            torch.testing.assert_close(mom.cpu(), 0.1 * gi, rtol=0, atol=0)
             assert mom.untyped_storage().data_ptr() in bufs
-    return w
+    return [t.cpu() for t in w]
 
 
-def test_plan_chunks_and_mixes_stacks_and_matrices():
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_plan_chunks_and_mixes_stacks_and_matrices(backend, monkeypatch):
     """A MuonPlan over a stack [4, m, n], two [m, n] weights and a [2, n, m] stack equals the per-matrix
     reference (`reference_muon_step`, torch's Muon arithmetic) whatever the chunking (the batch entries
     are independent: chunking changes which matrices share a call, not the arithmetic of any one), within
-    twice the chain bound of the update times the adjusted lr plus two fp32 roundings of the weight."""
+    twice the chain bound of the update times the adjusted lr plus two fp32 roundings of the weight; with
+    the elementwise passes on either backend (Triton: compiled on CUDA, else the CPU interpreter)."""
+    if backend == "triton":
+        pytest.importorskip("triton", reason="triton is not installed: no triton backend to test")
+        from triton_interp import interpret_unless_cuda
+
+        interpret_unless_cuda(monkeypatch)
     torch.manual_seed(0)
     shapes = [(4, 16, 24), (1, 16, 24), (1, 16, 24), (2, 24, 16)]
     ws = [torch.randn(s) for s in shapes]
@@ -190,7 +204,7 @@ def test_plan_chunks_and_mixes_stacks_and_matrices():
             optim.reference_muon_step(w[i], g[i], torch.zeros_like(g[i]), _GROUP)
         ref.append(w)
     for max_elems in (1 << 20, 16 * 24 * 3, 1):
-        for got, want, g in zip(_plan_step(ws, gs, max_elems), ref, gs):
+        for got, want, g in zip(_plan_step(ws, gs, max_elems, backend), ref, gs):
             upd = g.lerp(0.1 * g, 0.9)
             adj = 0.05 * 0.2 * math.sqrt(max(g.shape[-2:]))
             bound = 2 * adj * _chain_bound(upd) + 2 * U32 * want.norm(dim=(-2, -1)).double()
