@@ -25,7 +25,7 @@ case "${1:-}" in
     "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 256 --repeats 3 --out "$OUT/serve256.json" ;;
   spec)
     "$PY" scripts/bench_speculative.py --device cuda --tokens 256 --k 2 3 --repeats 5 | tee "$OUT/spec.jsonl"
-    for k in 0 2; do
+    for k in 0 3; do  # (k = 3: the fastest MTP setting at batch 1, BENCHMARKS.md)
       "$PY" -m dsv4 bench serve --device cuda --clients 1 4 --requests 8 --output-len 128 --repeats 3 --no-raw \
         --speculative "$k" --out "$OUT/serve-spec$k.json"
     done ;;

@@ -70,7 +70,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="+", help="text files or directories (default: the Python stdlib)")
     p.add_argument(
         "--max-docs",
-        type=argtypes.positive_int,
+        type=argtypes.nonneg_int,
         help=f"use at most this many documents, spread evenly (0 = all; {_default('max_docs')})",
     )
     p.add_argument(

@@ -111,6 +111,19 @@ def test_shared_options_come_from_the_table_and_twins_are_aliases(path, parser):
     assert wrong == []
 
 
+@pytest.mark.parametrize("path,parser", LEAVES, ids=[" ".join(p) for p, _ in LEAVES])
+def test_a_zero_that_the_help_gives_a_meaning_is_accepted(path, parser):
+    """An option whose help says what 0 means ("0 = all", "(0 = off)") parses 0."""
+    refused = []
+    for a in parser._actions:
+        if a.option_strings and callable(a.type) and re.search(r"\b0 = ", a.help or ""):
+            try:
+                a.type("0")
+            except argparse.ArgumentTypeError as e:
+                refused.append(f"{a.option_strings[0]}: {e}")
+    assert refused == []
+
+
 def test_one_help_line_per_command_matches_its_parser():
     """`dsv4 --help` lists one-line stubs (no command module imported); they say what the full parsers say."""
     full = build_parser()
