@@ -5,7 +5,7 @@ process.
                                          [--dspark DIR [--dspark-k 3 5] [--threshold 0 0.5]]
 
 Loads the model once (default: the shipped model; its MTP block drafts for --k), and with --dspark a
-checkpoint of the same main model whose draft is DSpark (`dsv4 train --init-from DIR --draft dspark
+checkpoint of the same main model whose draft is DSpark (`dsv4 train --model DIR --draft dspark
 --freeze-main --export DST`), which drafts for every --dspark-k and --threshold (the confidence head's
 survival threshold, 0 = always k). Per setting (speculation off, k drafts) builds one engine, captures its
 graphs and runs every prompt once untimed (so no timed run captures a graph or compiles a kernel), then
