@@ -37,7 +37,7 @@ PROMPTS = (
 
 def run(engine: Engine, prompt: list[int], tokens: int) -> tuple[list[int], float, dict]:
     """One prompt through a warm engine: (tokens, seconds, the engine's speculative counters of this run)."""
-    before = {**engine.spec_stats, "verify_lengths": list(engine.spec_stats["verify_lengths"])}  # (a copy)
+    before = engine.metrics()["speculative"]  # (a copy of the counters)
     engine.add_request(
         f"r{time.perf_counter_ns()}", prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     )
