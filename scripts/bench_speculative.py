@@ -77,6 +77,7 @@ def measure(
         run(engine, p, a.tokens)
     rates, outs = [], []
     stats = {"drafted": 0, "accepted": 0, "verify_steps": 0, "verify_lengths": [0] * 16}
+    timing, steps = dict(engine.timing), engine.stats["steps"]
     for _ in range(a.repeats):
         n, secs, outs = 0, 0.0, []
         for p in prompts:
@@ -88,6 +89,12 @@ def measure(
             stats["verify_lengths"] = [x + y for x, y in zip(stats["verify_lengths"], st["verify_lengths"])]
         rates.append(n / secs)
     row = {"tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates)}
+    # the engine's host phases per step over the timed runs (ms): where a step's time goes (`wait`: the
+    # host waiting for the device's tokens; `launch`: building inputs and launching, and the device time a
+    # step waits for without a separate read)
+    n_steps = max(1, engine.stats["steps"] - steps)
+    row["steps"] = n_steps
+    row["host_ms_per_step"] = {k: round(1e3 * (v - timing[k]) / n_steps, 4) for k, v in engine.timing.items()}
     if k:
         rows = max(1, sum(stats["verify_lengths"]))
         row["acceptance"] = stats["accepted"] / max(1, stats["drafted"])

@@ -3,7 +3,8 @@
 #   OUT=/some/dir bash scripts/gpu_serving.sh engine     # dsv4 bench engine at 64 and 256 clients (+ profile)
 #   OUT=/some/dir bash scripts/gpu_serving.sh serve64    # dsv4 bench serve at 64 clients, with transformers
 #   OUT=/some/dir bash scripts/gpu_serving.sh serve256   # dsv4 bench serve at 256 clients
-#   OUT=/some/dir bash scripts/gpu_serving.sh spec       # speculative decoding: batch 1, and the server at 1-4 clients
+#   OUT=/some/dir bash scripts/gpu_serving.sh spec       # speculative decoding at batch 1 (bench_speculative)
+#   OUT=/some/dir bash scripts/gpu_serving.sh specserve  # the server with and without it, 1-4 clients, T = 0 and 1
 #   OUT=/some/dir bash scripts/gpu_serving.sh determ     # the price of --deterministic at 64 clients
 #   OUT=/some/dir bash scripts/gpu_serving.sh budget     # the engine at 256 clients, 2048 vs 4096 tokens per step
 #   OUT=/some/dir bash scripts/gpu_serving.sh stream     # bench serve, 256 clients, Poisson arrivals at 300/s
@@ -24,10 +25,13 @@ case "${1:-}" in
   serve256)
     "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 256 --repeats 3 --out "$OUT/serve256.json" ;;
   spec)
-    "$PY" scripts/bench_speculative.py --device cuda --tokens 256 --k 2 3 --repeats 5 | tee "$OUT/spec.jsonl"
-    for k in 0 3; do  # (k = 3: the fastest MTP setting at batch 1, BENCHMARKS.md)
-      "$PY" -m dsv4 bench serve --device cuda --clients 1 4 --requests 8 --output-len 128 --repeats 3 --no-raw \
-        --speculative "$k" --out "$OUT/serve-spec$k.json"
+    "$PY" scripts/bench_speculative.py --device cuda --tokens 256 --k 2 3 --repeats 5 | tee "$OUT/spec.jsonl" ;;
+  specserve)
+    for t in 0 1; do  # greedy clients, then sampling ones (each request its own seed)
+      for k in 0 3; do  # (k = 3: the fastest MTP setting at batch 1, BENCHMARKS.md)
+        "$PY" -m dsv4 bench serve --device cuda --clients 1 4 --requests 8 --output-len 128 --repeats 3 --no-raw \
+          --temperature "$t" --speculative "$k" --out "$OUT/serve-spec$k-t$t.json"
+      done
     done ;;
   determ)
     for flag in "" "--deterministic"; do
@@ -43,5 +47,5 @@ case "${1:-}" in
     "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 256 --request-rate 300 --repeats 3 --no-raw \
       --out "$OUT/serve-stream.json" ;;
   *)
-    sed -n 2,10p "$0"; exit 2 ;;
+    sed -n 2,11p "$0"; exit 2 ;;
 esac

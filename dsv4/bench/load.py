@@ -122,6 +122,7 @@ async def _drive(
     work: list[tuple[int, tuple[list[int], int]]],
     clients: int,
     at: dict[int, float] | None = None,
+    temperature: float = 1.0,
 ) -> tuple[list[Result], float]:
     """`clients` clients over the numbered work items, item i not before at[i] seconds when given.
     -> (results in work order, wall seconds)."""
@@ -139,7 +140,7 @@ async def _drive(
                 "model": model,
                 "prompt": prompt,
                 "max_tokens": n,
-                "temperature": 1.0,
+                "temperature": temperature,
                 "seed": i,
                 "ignore_eos": True,
                 "logprobs": 0,
@@ -155,14 +156,16 @@ async def _drive(
     return [results[i] for i, _ in work], time.perf_counter() - t0
 
 
-def _share(conn, host: str, port: int, model: str, work, clients: int, at: dict[int, float] | None) -> None:
+def _share(
+    conn, host: str, port: int, model: str, work, clients: int, at: dict[int, float] | None, temperature: float
+) -> None:
     """One load process: say ready, wait for the common start, drive its share, send back (results, start,
     end) in wall-clock seconds."""
     conn.send("ready")
     start_at = conn.recv()
     time.sleep(max(0.0, start_at - time.time()))
     began = time.time()
-    results, _ = asyncio.run(_drive(host, port, model, work, clients, at))
+    results, _ = asyncio.run(_drive(host, port, model, work, clients, at, temperature))
     conn.send((results, began, time.time()))
 
 
@@ -174,16 +177,18 @@ def drive(
     clients: int,
     procs: int = 1,
     at: list[float] | None = None,
+    temperature: float = 1.0,
 ) -> tuple[list[Result], float]:
     """The load, from `procs` processes (one Python process parses at most some ten thousand streamed events
     a second: at high rates the load generator, not the server, would be measured); work item i not sent
     before at[i] seconds from the start (`arrivals`) when given. -> (results in work order, wall seconds from
-    the common start to the last response)."""
+    the common start to the last response). Every request samples at `temperature` (0: greedy) with its own
+    seed and asks for its tokens' log-probabilities (the stream's token count)."""
     numbered = list(enumerate(work))
     times = dict(enumerate(at)) if at is not None else None
     procs = max(1, min(procs, clients))
     if procs == 1:
-        return asyncio.run(_drive(host, port, model, numbered, clients, times))
+        return asyncio.run(_drive(host, port, model, numbered, clients, times, temperature))
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -193,7 +198,7 @@ def drive(
     try:
         for k in range(procs):
             mine, theirs = ctx.Pipe()
-            args = (theirs, host, port, model, shares[k], per[k], times)
+            args = (theirs, host, port, model, shares[k], per[k], times, temperature)
             p = ctx.Process(target=_share, args=args, daemon=True)
             p.start()
             theirs.close()

@@ -200,17 +200,18 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
         idle = []
         warm = _work(vocab, 2 + IDLE_REQUESTS, args, args.seed + 999)
         for k, item in enumerate(warm):  # warm-up (two), then the idle time to first token (the median of five)
-            r = drive(host, port, name, [item], 1)[0][0]
+            r = drive(host, port, name, [item], 1, temperature=args.temperature)[0][0]
             if r.error:
                 raise UserError(f"the server refused a warm-up request: {r.error}")
             if k >= 2:
                 idle.append(r.ttft)
-        drive(host, port, name, _work(vocab, clients, args, args.seed + 998), clients, procs)
+        warm = _work(vocab, clients, args, args.seed + 998)
+        drive(host, port, name, warm, clients, procs, temperature=args.temperature)
         before = _scrape(host, port)
         runs = []
         for r, work in enumerate(runs_work):
             at = arrivals(len(work), args.request_rate, args.seed + r) if args.request_rate else None
-            results, wall = drive(host, port, name, work, clients, procs, at)
+            results, wall = drive(host, port, name, work, clients, procs, at, args.temperature)
             runs.append((results, wall))
         after = _scrape(host, port)
     finally:
@@ -278,6 +279,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         "spread": args.spread,
         "repeats": args.repeats,
         "request_rate": args.request_rate,  # None: every client at once, then a closed loop
+        "temperature": args.temperature,
         "runs": {},
     }
     # the peers first, in this process; then each server in its own process (its own interpreter: the load
@@ -454,6 +456,7 @@ def add_bench_serve_parser(subparsers) -> None:
         help="lengths uniform in mean*(1 +- spread) (default 0.25)",
     )
     options.add(p, "seed", default=0, note="of the drawn prompts and lengths")
+    options.add(p, "temperature", default=1.0, note="of every request (each with its own seed; 0: greedy)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw batched decode measurement")
     p.add_argument(
         "--hf",

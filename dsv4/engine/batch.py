@@ -41,6 +41,8 @@ class Row:
     want_logits: bool
     all_logits: bool = False  # logits at every position of the row (a speculative verify), not the last
     feed: int = -1  # >= 0: the (single) input token is the previous step's sampled token [feed]
+    after: int = -1  # >= 0: the token after the row's last position, known (a prompt chunk the prompt goes on
+    # after); else it is the row's sampled token. Read by a bucket that carries the MTP catch-up (`Bucket.mtp`)
 
 
 class Fields:
@@ -113,6 +115,7 @@ class Bucket:
     slot_len: int
     ratios: tuple[int, ...]
     keep: tuple[KeepRule, ...] = ()
+    mtp: bool = False  # the step also runs the MTP block's catch-up (speculative decoding): fields nx, nxo
 
     @property
     def tokens(self) -> int:
@@ -151,6 +154,8 @@ def _bucket_fields(b: Bucket) -> Fields:
     spec += [("out", (b.n_out,))]
     # every out row is drawn in the graph with its settings (`SamplingTensors.pack`: floats as float64 bits)
     spec += [("s_f", (b.n_out, 4)), ("s_i", (b.n_out, 4))]
+    if b.mtp:  # the token after each position: nx, or where nxo >= 0 the step's draw at out row nxo
+        spec += [("nx", (b.tokens,)), ("nxo", (b.tokens,))]
     return Fields(spec)
 
 
@@ -170,6 +175,11 @@ def fill_bucket(b: Bucket, decode: list[Row], chunks: list[Row], v: dict[str, np
     v["trow"][:] = pad_trow
     nd = len(decode)
     logits_rows = list(range(nd))
+    if b.mtp:
+        v["nx"][:] = 0
+        v["nxo"][:] = -1
+        for i, r in enumerate(decode):
+            v["nx"][i], v["nxo"][i] = max(r.after, 0), -1 if r.after >= 0 or not r.want_logits else i
     if nd:
         start = np.fromiter((r.start for r in decode), np.int64, nd)
         state = np.fromiter((r.state for r in decode), np.int64, nd)
@@ -236,6 +246,13 @@ def fill_bucket(b: Bucket, decode: list[Row], chunks: list[Row], v: dict[str, np
                 at = D + (slot + s) * rule.per_slot
                 kt[at : at + len(mine)] = mine
         logits_rows.append(D + slot + k - 1)
+        if b.mtp:
+            v["nx"][lo : lo + n - 1] = r.tokens[1:]
+            last = lo + n - 1
+            v["nx"][last], v["nxo"][last] = (
+                max(r.after, 0),
+                -1 if r.after >= 0 or not r.want_logits else D + slot + k - 1,
+            )
         slot += k
     return logits_rows
 

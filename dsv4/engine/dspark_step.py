@@ -253,7 +253,7 @@ class DSparkSteps(SpeculativeSteps):
             for sch in plan
         )  # a row's padding positions too
 
-    def _greedy_fixed(self, plan: list[Scheduled]) -> list[StepOutput]:
+    def _fixed(self, plan: list[Scheduled]) -> list[StepOutput]:
         e, k = self.engine, self.k
         self._count_unverified(plan)
         seqs = [sch.seq for sch in plan]
@@ -289,6 +289,14 @@ class DSparkSteps(SpeculativeSteps):
         e.stats["steps"] += 1
         self.stats["fixed_steps"] += 1
         return e.finish_step(seqs, outputs)
+
+    def widths(self) -> list[int]:
+        """A step's width is its largest verify length: 0 ... k."""
+        return list(range(self.k + 1))
+
+    def variants(self) -> tuple[bool, ...]:
+        """Greedy steps only (a sampled row verifies eagerly)."""
+        return (False,)
 
     def _fixed_step(self, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`dspark_greedy_step` on a fixed-shape step's integers on the device (capturable)."""

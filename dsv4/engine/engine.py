@@ -35,8 +35,7 @@ from .runner import InFlight, Runner, SampleRow
 from .sampling import SamplingParams, SamplingTensors
 from .scheduler import Scheduled, Scheduler, SchedulerConfig
 from .sequence import Request, RequestError, Sequence, Status, StepOutput, TokenLogprob
-from .spec_step import SpeculativeSteps, new_stats
-from .speculative import MAX_SPECULATIVE
+from .spec_step import SpeculativeSteps, check_speculative, new_stats
 
 __all__ = ["Engine", "EngineConfig", "RequestError", "StepOutput", "TokenLogprob", "Sequence", "Request", "Status"]
 
@@ -91,6 +90,7 @@ class Engine:
             slot_len=c.chunk_len,
             pad=c.pad_steps or mirror is not None,
             mirror=mirror,
+            mtp=bool(c.speculative) and not cfg.dspark,  # speculative steps with prompt chunks: bucketed
         )
         # padded steps: where the budget bounds a step's chunks, they take a slot count that a bucket has
         slot_sizes = tuple(self.runner.slot_sizes) if self.runner.pad else ()
@@ -112,15 +112,7 @@ class Engine:
         self.text = TextStreams(tokenizer, self.abort_sequence) if tokenizer is not None and detokenize else None
         self.spec: SpeculativeSteps | None = None
         if c.speculative:
-            if not 0 < c.speculative <= MAX_SPECULATIVE:
-                raise ValueError(f"speculative must be in [0, {MAX_SPECULATIVE}] draft tokens, got {c.speculative}")
-            if not 0 <= c.speculative_threshold <= 1:
-                raise ValueError(f"speculative_threshold must be in [0, 1], got {c.speculative_threshold}")
-            if c.speculative_threshold and not cfg.dspark:
-                raise ValueError(
-                    "speculative_threshold applies to a DSpark draft's confidence head; this "
-                    "model drafts with an MTP block, which has none"
-                )
+            check_speculative(c, cfg)
             self.spec = steps_for(self, c.speculative)
             self.overlap = False  # every step reads its acceptance before the next is planned
         self._inflight: tuple[InFlight, list[Sequence], list[Sequence]] | None = None
@@ -281,8 +273,9 @@ class Engine:
             s, known = seq.computed, len(seq.tokens)
             if s >= known:  # its input token is still on the device
                 row = Row([0], s, seq.pages.state, True, feed=seq.pending_index)
-            else:
-                row = Row(seq.tokens[s : s + n], s, seq.pages.state, s + n == known + seq.n_pending)
+            else:  # (after: the MTP catch-up's next token, where the prompt goes on)
+                after = seq.tokens[s + n] if s + n < known else -1
+                row = Row(seq.tokens[s : s + n], s, seq.pages.state, s + n == known + seq.n_pending, after=after)
             parts[n > 1].append(row)
             seqs[n > 1].append(seq)
         decode, chunks = parts
@@ -374,6 +367,8 @@ class Engine:
         compiles.install()
         with torch.no_grad(), exact_accumulation(self.config.deterministic):
             n = self.runner.capture_graphs(progress)
+            if self.spec is not None:  # the fixed-shape speculative steps too
+                n += self.spec.capture(progress)
         self._compiles_at_ready = compiles.count()
         return n
 

@@ -215,10 +215,13 @@ class Runner:
         slot_len: int = 64,
         pad: bool = False,
         mirror: Mirror | None = None,
+        mtp: bool = False,
     ):
         """mirror: the engine on several workers (`dsv4.engine.mirror`): every step is bucketed, rank 0 sends
-        its device work to the other ranks, which run `follow`."""
+        its device work to the other ranks, which run `follow`. mtp (speculative decoding with the MTP
+        block): every bucketed step also runs the block's catch-up on its positions (`bucket_forward`)."""
         self.model, self.cache, self.tables = model, cache, tables
+        self.mtp = mtp
         ops.keep_splits(model)  # its weights are fixed while it serves: fp32 projections split once
         self.device = cache.device
         self.mirror = mirror
@@ -269,6 +272,11 @@ class Runner:
         self._shape = "ragged"
 
     # ------------------------------------------------------------------ graphs
+    @property
+    def graph_pool(self):
+        """The memory pool every graph of this runner is captured in (None without graphs)."""
+        return self._pool
+
     def capture_graphs(self, progress=None) -> int:
         """Capture every bucket's graph now (a server does it before it says it is ready, so that no
         request waits for a capture or a kernel compilation). Returns the number of graphs."""
@@ -293,7 +301,7 @@ class Runner:
 
     def bucket(self, n_decode: int, n_slots: int) -> Bucket:
         """The bucket of exactly these sizes."""
-        return Bucket(n_decode, n_slots, self.slot_len, self.ratios, self.keep)
+        return Bucket(n_decode, n_slots, self.slot_len, self.ratios, self.keep, self.mtp)
 
     # ------------------------------------------------------------------ one step
     def forward(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -305,12 +313,21 @@ class Runner:
         """A bucket's step as its graph holds it: the model, its logits kept, and every out row drawn with
         its settings (the plain draw); tokens into `sampled`, log-probabilities into `sample_lp`."""
         n = bucket.n_out
-        logits = self.forward(t)
+        if bucket.mtp:
+            tokens, inputs = step_inputs(t, self.ratios, self.tables_w, self.tables_c, self.sampled)
+            logits, hidden = self.model.append(tokens, inputs, self.cache, return_hidden=True)
+        else:
+            logits = self.forward(t)
         self.logits_buf[:n].copy_(logits)
         st = SamplingTensors.unpack(t["s_f"].view(torch.float64), t["s_i"], None)
         out = self.sampler.sample(logits, st)
         self.sampled[:n].copy_(out.tokens)
         self.sample_lp[:n].copy_(out.logprobs)
+        if bucket.mtp:  # the MTP block catches up on every position, its next token now known (its logits unused)
+            self.share(self.sampled[:n])  # (several workers: every block reads rank 0's draws)
+            nxo = t["nxo"]
+            nxt = torch.where(nxo >= 0, self.sampled[nxo.clamp_min(0)], t["nx"])
+            self.model.draft(hidden, nxt.view(1, -1), inputs, self.cache)
 
     def default_sampling(self, v: dict[str, np.ndarray]) -> None:
         """Neutral settings in every out row of a bucket's fields (rows nobody samples)."""
@@ -420,6 +437,8 @@ class Runner:
         at = self._sync_tables(host, fields.size)
         constrained = [s.allowed for _, s in samples]
         plain = bucket is not None and SamplingTensors.plain(params) and all(c is None for c in constrained)
+        if self.mtp and n and not plain:  # its MTP catch-up reads the graph's draws
+            raise RuntimeError("a step with the MTP catch-up must be bucketed and draw every row in its graph")
         pick = sf = si = None
         if not plain and n:  # rows drawn eagerly: their logits rows and settings
             pick = at

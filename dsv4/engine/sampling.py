@@ -9,7 +9,7 @@ noise over the allowed tokens), an exact draw from the filtered softmax, compute
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +27,7 @@ __all__ = [
     "Sampler",
     "SamplingParams",
     "SamplingTensors",
+    "distribution",
     "draw",
     "sample",
     "uniform",
@@ -188,12 +189,13 @@ class Sampler:
             dtype=torch.float64,
         ).to(dev)
         top_k = torch.tensor([[p.top_k or V] for p in params], dtype=torch.int64).to(dev)
-        scaled = x / floats[:, 0:1]
+        filtered = None
         if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params):
-            scaled = self._filter(scaled, top_k, floats[:, 2:3], floats[:, 3:4])
-        probs = scaled.softmax(-1)
-        onehot = torch.nn.functional.one_hot(x.argmax(-1), V).double()
-        return torch.where(floats[:, 1:2] > 0, onehot, probs)
+
+            def filtered(scaled: torch.Tensor) -> torch.Tensor:
+                return self._filter(scaled, top_k, floats[:, 2:3], floats[:, 3:4])
+
+        return distribution(x, floats[:, 0:1], floats[:, 1:2] > 0, filtered)
 
     @staticmethod
     def _penalize(
@@ -220,6 +222,24 @@ class Sampler:
         drop[:, 0] = False
         values = values.masked_fill(drop, float("-inf"))
         return torch.full_like(scaled, float("-inf")).scatter(-1, order, values)
+
+
+def distribution(
+    x: torch.Tensor,
+    temperature: torch.Tensor,
+    greedy: torch.Tensor,
+    filtered: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The distribution a row samples from: x [..., V] float64 logits, temperature [..., 1] (1 for greedy
+    rows), greedy [..., 1] bool -> softmax(x / T) (after `filtered`, a top-k / top-p / min-p mask of the
+    scaled logits), or the one-hot of the argmax for a greedy row; float64, on the device with no host
+    synchronization. `Sampler.probabilities` and the fixed-shape speculative step both draw from it."""
+    scaled = x / temperature
+    if filtered is not None:
+        scaled = filtered(scaled)
+    probs = scaled.softmax(-1)
+    onehot = torch.nn.functional.one_hot(x.argmax(-1), x.size(-1)).to(probs.dtype)
+    return torch.where(greedy, onehot, probs)
 
 
 def draw(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:

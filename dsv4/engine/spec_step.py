@@ -26,10 +26,12 @@ from ..ops.precision import exact_accumulation
 from .batch import Row
 from .mirror import DRAFT, FIXED, VERIFY, pack_rows, unpack_rows
 from .runner import GRAPH_BUCKETS
+from .sampling import SamplingTensors
 from .scheduler import Scheduled
 from .sequence import Sequence, StepOutput, TokenLogprob
 from .speculative import (
     MAX_SPECULATIVE,
+    SAMPLING_COLS,
     Drafter,
     DraftRow,
     FixedStepGraph,
@@ -38,6 +40,8 @@ from .speculative import (
     fixed_inputs,
     greedy_spec_step,
     pack_draft_rows,
+    sampled_spec_step,
+    sampling_args,
     unpack_draft_rows,
 )
 
@@ -55,19 +59,52 @@ def new_stats() -> dict:
     }
 
 
+def check_speculative(config, cfg) -> None:
+    """Refuse, in one line, an engine config's speculative settings that the model cannot run."""
+    if not 0 < config.speculative <= MAX_SPECULATIVE:
+        raise ValueError(f"speculative must be in [0, {MAX_SPECULATIVE}] draft tokens, got {config.speculative}")
+    if not 0 <= config.speculative_threshold <= 1:
+        raise ValueError(f"speculative_threshold must be in [0, 1], got {config.speculative_threshold}")
+    if config.speculative_threshold and not cfg.dspark:
+        raise ValueError(
+            "speculative_threshold applies to a DSpark draft's confidence head; this "
+            "model drafts with an MTP block, which has none"
+        )
+
+
 class SpeculativeSteps:
     """The steps of one `Engine` (its scheduler, runner, output processor and counters) with k drafts."""
 
     def __init__(self, engine, k: int):
         self.engine, self.k = engine, k
+        r = engine.runner
+        # the logits that drafted each table row's drafts (their q, for a sampled fixed-shape step)
+        self.draft_store = (
+            torch.zeros(r.tables.w.shape[0], k, engine.model.cfg.vocab_size, dtype=torch.float32, device=r.device)
+            if True in self.variants()
+            else None
+        )
         self.drafter = self.new_drafter()
-        self.graphs: dict[tuple[int, int], FixedStepGraph] = {}
+        self.graphs: dict[tuple[int, int, bool], FixedStepGraph] = {}
         self.stats = new_stats()
         self._aux = None  # a follower: what the last VERIFY left for the DRAFT after it
+        self._prompt: set[int] = set()  # the eager step's sequences that ran prompt chunks
+
+    @property
+    def drafter(self) -> Drafter:
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter) -> None:
+        """A drafter set from outside (`Engine.drafter`) keeps its drafts' logits where this engine's
+        fixed-shape steps read them."""
+        if getattr(drafter, "store", False) is None:
+            drafter.store = self.draft_store
+        self._drafter = drafter
 
     def new_drafter(self) -> Drafter:
         e = self.engine
-        return Drafter(e.model, e.runner, e.sampler)
+        return Drafter(e.model, e.runner, e.sampler, self.draft_store)
 
     def step(self) -> list[StepOutput]:
         e = self.engine
@@ -76,11 +113,13 @@ class SpeculativeSteps:
         t1 = time.perf_counter()
         if not plan:
             return []
-        if self._fixed_ok(plan):
-            outputs = self._greedy_fixed(plan)
+        if self._fixed_ok(plan) or self._split_ok(plan):
+            inside = e.timing["wait"] + e.timing["post"]  # (the steps time their own read and bookkeeping)
+            outputs = self._fixed(plan) if not any(sch.seq.prefilling for sch in plan) else self._split(plan)
             e.timing["schedule"] += t1 - t0
-            e.timing["launch"] += time.perf_counter() - t1
+            e.timing["launch"] += time.perf_counter() - t1 - (e.timing["wait"] + e.timing["post"] - inside)
             return outputs
+        self._prompt = {id(sch.seq) for sch in plan if sch.seq.prefilling}  # (they draft from the next step)
         rows: list[Row] = []
         for sch in plan:
             seq, n, s = sch.seq, sch.n, sch.seq.computed
@@ -131,7 +170,7 @@ class SpeculativeSteps:
             self._follow_draft(ints)
             self._aux = None
         elif kind == FIXED:
-            self._follow_fixed(*values[1:4])
+            self._follow_fixed(*values[1:5])
         else:
             raise RuntimeError(f"unknown message {kind} from rank 0")
 
@@ -146,21 +185,22 @@ class SpeculativeSteps:
         st["accepted"] += accepted
         st["verify_lengths"][drafted] += 1
 
-    # ------------------------------------------------------------------ the fixed-shape greedy step
+    # ------------------------------------------------------------------ the fixed-shape step
     def _fixed_ok(self, plan: list[Scheduled]) -> bool:
-        """Only greedy verifies of exactly k drafts: the common case of speculative decode."""
+        """Only decodes with at most k drafts, greedy or sampled without top-k / top-p / min-p, no penalties,
+        at most their own log-probabilities: the common case of speculative decode."""
         e = self.engine
-        if not e.runner.pad or len(plan) > e.config.max_seqs:
+        if not e.runner.pad or len(plan) > min(e.config.max_seqs, GRAPH_BUCKETS[-1]):
             return False
         for sch in plan:
             seq, p = sch.seq, sch.seq.params
             if (
                 seq.prefilling
-                or len(seq.drafts) != self.k
-                or not p.greedy
-                or p.logprobs is not None
+                or len(seq.drafts) > self.k
+                or p.logprobs
                 or p.penalized
                 or seq.heal
+                or (not p.greedy and (p.top_k or p.top_p < 1 or p.min_p > 0))
             ):
                 return False
         return all(
@@ -168,68 +208,165 @@ class SpeculativeSteps:
             for sch in plan
         )  # the next drafts' positions too (their MTP rows are written now)
 
-    def _greedy_fixed(self, plan: list[Scheduled]) -> list[StepOutput]:
+    def _split_ok(self, plan: list[Scheduled]) -> bool:
+        """Prompt chunks that a bucket's graph runs with the MTP catch-up (`Runner(mtp=True)`: drawn in the
+        graph, no healing constraint) beside decodes that the fixed-shape step takes."""
+        r = self.engine.runner
+        if not (r.mtp and r.pad):
+            return False
+        prompt = [sch for sch in plan if sch.seq.prefilling]
+        if not prompt or any(sch.seq.heal or not SamplingTensors.plain([sch.seq.params]) for sch in prompt):
+            return False
+        slots = sum(-(-sch.n // r.slot_len) for sch in prompt if sch.n > 1)
+        if r.bucket_for(sum(sch.n == 1 for sch in prompt), slots) is None:
+            return False
+        decode = [sch for sch in plan if not sch.seq.prefilling]
+        return not decode or self._fixed_ok(decode)
+
+    def _split(self, plan: list[Scheduled]) -> list[StepOutput]:
+        """The prompt chunks through the engine's bucketed step (its graph writes the MTP block's rows too:
+        a sequence whose prompt ends here decodes its next token in a fixed-shape step with no drafts, and
+        drafts from there), then the decodes in the fixed-shape step."""
+        e = self.engine
+        decode = [sch for sch in plan if not sch.seq.prefilling]
+        outputs = e._process(e._launch([sch for sch in plan if sch.seq.prefilling]))
+        if decode:
+            outputs += self._fixed(decode)
+            e.stats["steps"] -= 1  # (one step of the engine)
+        return outputs
+
+    @staticmethod
+    def _sampled(seqs: list[Sequence]) -> bool:
+        """Whether a fixed-shape step of these sequences takes the sampled variant (`sampled_spec_step`)."""
+        return any(not s.params.greedy or s.params.logprobs is not None for s in seqs)
+
+    def _fixed(self, plan: list[Scheduled]) -> list[StepOutput]:
         e, k = self.engine, self.k
         seqs = [sch.seq for sch in plan]
+        sampled = self._sampled(seqs)
         ints = fixed_inputs(
-            [[seq.tokens[seq.computed]] + seq.drafts for seq in seqs],
-            [k] * len(seqs),
+            [[seq.tokens[seq.computed]] + seq.drafts + [0] * (k - len(seq.drafts)) for seq in seqs],
+            [len(seq.drafts) for seq in seqs],
             [seq.computed for seq in seqs],
             [seq.pages.state for seq in seqs],
+            (
+                [s.seed for s in seqs],
+                [s.n_generated for s in seqs],
+                [s.params.greedy for s in seqs],
+                [s.params.temperature for s in seqs],
+            )
+            if sampled
+            else None,
         )
         with exact_accumulation(e.config.deterministic):
-            accepted, bonus, drafts = self._fixed_run(ints)
-        host = torch.cat([accepted, bonus, drafts.flatten()]).tolist()  # one device read
+            out = self._fixed_run(ints, sampled)
         n = len(seqs)
+        t0 = time.perf_counter()
+        if sampled:  # one device read (token ids are exact in float64)
+            host = torch.cat([out[0].double(), out[1].double(), out[2].flatten().double(), out[3].flatten()]).tolist()
+        else:
+            host = torch.cat([out[0], out[1], out[2].flatten()]).tolist()
+        t1 = time.perf_counter()
+        at_lp = 2 * n + n * k
         outputs: dict[int, StepOutput] = {}
         for b, seq in enumerate(seqs):
-            a = host[b]
-            emitted = seq.drafts[:a] + [host[n + b]]
-            self.count_verify(k, a)
+            a = int(host[b])
+            emitted = seq.drafts[:a] + [int(host[n + b])]
+            if seq.drafts:
+                self.count_verify(len(seq.drafts), a)
             seq.computed += a + 1
             seq.drafts, seq.draft_q = [], None
-            for tok in emitted:
+            want = sampled and seq.params.logprobs is not None
+            for j, tok in enumerate(emitted):
                 if seq.finished:
                     break
-                e.output.emit(seq, tok, None, outputs)
+                lp = TokenLogprob(tok, host[at_lp + b * (k + 1) + j], []) if want else None
+                e.output.emit(seq, tok, lp, outputs)
             if seq.running:
                 end = len(seq.tokens) - 1
                 keep = min(k, e.max_model_len - 1 - end, seq.params.max_tokens - seq.n_generated - 1)
-                seq.drafts = host[2 * n + b * k : 2 * n + b * k + max(keep, 0)]
+                seq.drafts = [int(t) for t in host[2 * n + b * k : 2 * n + b * k + max(keep, 0)]]
         e.stats["steps"] += 1
         self.stats["fixed_steps"] += 1
-        return e.finish_step(seqs, outputs)
+        result = e.finish_step(seqs, outputs)
+        e.timing["wait"] += t1 - t0
+        e.timing["post"] += time.perf_counter() - t1
+        return result
 
-    def _fixed_run(self, ints: np.ndarray) -> tuple[torch.Tensor, ...]:
-        """The fixed-shape step of n rows of width w (ints [n, w + 4], `fixed_inputs`): replayed from the
-        graph of its batch bucket and width (captured on first use), or eagerly. -> its outputs, n rows."""
+    def _fixed_run(self, ints: np.ndarray, sampled: bool = False) -> tuple[torch.Tensor, ...]:
+        """The fixed-shape step of n rows of width w (ints [n, w + 4], or [n, w + 8] sampled: `fixed_inputs`):
+        replayed from the graph of its batch bucket, width and variant (captured at warm-up or on first
+        use), or eagerly. -> its outputs, n rows."""
         r = self.engine.runner
-        n, w = ints.shape[0], ints.shape[1] - 4
+        n = ints.shape[0]
+        w = ints.shape[1] - 4 - (SAMPLING_COLS if sampled else 0)
         batch = next(b for b in GRAPH_BUCKETS if b >= n) if r.cuda_graphs else n
         r.sync_tables()
-        r.announce(FIXED, [], batch, w, n)  # before a capture: every worker captures here
+        r.announce(FIXED, [], batch, w, n, int(sampled))  # before a capture: every worker captures here
         if r.cuda_graphs:
-            return self._graph(batch, w).run(ints)
-        return self._fixed_step(r.share(torch.from_numpy(ints).to(r.device)))
+            r.graph_steps += 1
+            return self._graph(batch, w, sampled).run(ints)
+        r.eager_steps += 1
+        r.padded_steps += 1
+        cols = w + 4 + (SAMPLING_COLS if sampled else 0)
+        return self._step_for(sampled)(r.share(torch.from_numpy(ints).to(r.device).view(n, cols)))
 
-    def _follow_fixed(self, batch: int, w: int, n: int) -> None:
+    def _follow_fixed(self, batch: int, w: int, n: int, sampled: int = 0) -> None:
         r = self.engine.runner
         if r.cuda_graphs:
-            self._graph(batch, w).follow()
+            self._graph(batch, w, bool(sampled)).follow()
         else:
-            self._fixed_step(r.share(torch.empty(n, w + 4, dtype=torch.long, device=r.device)))
+            cols = w + 4 + (SAMPLING_COLS if sampled else 0)
+            self._step_for(bool(sampled))(r.share(torch.empty(n, cols, dtype=torch.long, device=r.device)))
 
-    def _graph(self, batch: int, w: int) -> FixedStepGraph:
-        graph = self.graphs.get((batch, w))
+    def widths(self) -> list[int]:
+        """The widths of this draft's fixed-shape steps (MTP: always k)."""
+        return [self.k]
+
+    def variants(self) -> tuple[bool, ...]:
+        """Whether each kind of fixed-shape step samples (MTP: a greedy and a sampled variant)."""
+        return (False, True)
+
+    def capture(self, progress=None) -> int:
+        """Capture the fixed-shape steps' graphs (every batch bucket up to the engine's sequences, width and
+        variant) before the first request, as the runner does its buckets. -> the number captured."""
+        r = self.engine.runner
+        if not r.cuda_graphs:
+            return 0
+        last = next((b for b in GRAPH_BUCKETS if b >= self.engine.config.max_seqs), GRAPH_BUCKETS[-1])
+        keys = [(b, w, v) for b in GRAPH_BUCKETS if b <= last for w in self.widths() for v in self.variants()]
+        for i, (b, w, v) in enumerate(sorted(keys, reverse=True)):  # largest first: pool sizes
+            self._graph(b, w, v)
+            if progress is not None:
+                progress(i + 1, len(keys))
+        return len(keys)
+
+    def _graph(self, batch: int, w: int, sampled: bool = False) -> FixedStepGraph:
+        graph = self.graphs.get((batch, w, sampled))
         if graph is None:
-            graph = self.graphs[(batch, w)] = FixedStepGraph(self.engine.runner, batch, w, self._fixed_step)
+            r = self.engine.runner
+            step = self._step_for(sampled)
+            graph = FixedStepGraph(r, batch, w, step, pool=r.graph_pool, sampled=sampled)
+            self.graphs[(batch, w, sampled)] = graph
         return graph
+
+    def _step_for(self, sampled: bool):
+        return self._sampled_step if sampled else self._fixed_step
 
     def _fixed_step(self, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`greedy_spec_step` on a fixed-shape step's integers on the device (capturable)."""
         e = self.engine
-        tokens, _, start, wtable, ctable, state = fixed_args(e.runner, ints)
-        return greedy_spec_step(e.model, e.cache, tokens, start, wtable, ctable, state, self._share())
+        tokens, n_drafts, start, wtable, ctable, state = fixed_args(e.runner, ints)
+        return greedy_spec_step(e.model, e.cache, tokens, start, wtable, ctable, state, self._share(), n_drafts)
+
+    def _sampled_step(self, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`sampled_spec_step` on a sampled fixed-shape step's integers on the device (capturable)."""
+        e = self.engine
+        tokens, n_drafts, start, wtable, ctable, state = fixed_args(e.runner, ints, sampled=True)
+        rows = sampling_args(ints)
+        return sampled_spec_step(
+            e.model, e.cache, tokens, start, wtable, ctable, state, n_drafts, *rows, self.draft_store, self._share()
+        )
 
     def _share(self):
         """`Runner.share` on several workers, else nothing to share."""
@@ -269,8 +406,12 @@ class SpeculativeSteps:
             drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
             for b, (seq, a, w) in enumerate(spec):
                 target[b, :w] = e.sampler.probabilities(logits[a : a + w], [seq.params] * w)
-                if seq.draft_q is None:  # drafts of a fixed-shape greedy step: one-hot
-                    seq.draft_q = torch.nn.functional.one_hot(torch.tensor(seq.drafts, device=dev), V).double()
+                if seq.draft_q is None:  # drafts of a fixed-shape step: q from the logits that drew them
+                    if seq.params.greedy:
+                        seq.draft_q = torch.nn.functional.one_hot(torch.tensor(seq.drafts, device=dev), V).double()
+                    else:
+                        kept = self.draft_store[seq.pages.state, : w - 1]
+                        seq.draft_q = e.sampler.probabilities(kept, [seq.params] * (w - 1))
                 q[b, : w - 1] = seq.draft_q
                 drafts[b, : w - 1] = torch.tensor(seq.drafts, device=dev)
             n_drafts = torch.tensor([w - 1 for _, _, w in spec], device=dev)
@@ -312,7 +453,9 @@ class SpeculativeSteps:
                 continue
             end = s + m  # the next main input's position, when caught up
             k = 0
-            if end == len(seq.tokens) - 1 and not seq.heal:  # (a healing constraint: no drafts yet)
+            # no drafts yet under a healing constraint, nor after a prompt chunk: a sequence's first token after
+            # its prompt is drawn plainly on every path (`_split`'s bucketed steps draft nothing)
+            if end == len(seq.tokens) - 1 and not seq.heal and id(seq) not in self._prompt:
                 k = min(self.k, e.max_model_len - 1 - end, seq.params.max_tokens - seq.n_generated - 1)
                 if k > 0 and not e.manager.allocate(seq.pages, end, end + k + 1):
                     k = 0  # no pages for the drafts: decode plainly

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import ops
 from ..model import DeepSeekV4
 from ..model.paged import SPEC_ROWS, PagedKVCache
 from ..ops.cuda_graphs import capturing
@@ -96,23 +97,29 @@ class DraftRow:
 class Drafter:
     """Runs the MTP block over a step's rows: catch-up, then chained drafts."""
 
-    def __init__(self, model: DeepSeekV4, runner: Runner, sampler: Sampler):
+    def __init__(self, model: DeepSeekV4, runner: Runner, sampler: Sampler, store: torch.Tensor | None = None):
+        """store: `draft_store` of the engine's steps - each draft's logits, where a fixed-shape step of a
+        later step reads its q (None: not kept)."""
         if model.cfg.n_mtp_layers < 1:
             raise ValueError(
                 "speculative decoding drafts with the model's MTP block, and this model has none (n_mtp_layers = 0)"
             )
         self.model, self.runner, self.sampler = model, runner, sampler
         self.cache = runner.cache
+        self.store = store
 
     def __call__(self, hidden: torch.Tensor, rows: list[DraftRow]) -> list[tuple[list[int], torch.Tensor]]:
         """hidden [T, hc, dim] (the verify step's). -> per row: (drafts, their q [k, V] float64)."""
         dev = hidden.device
         live = [r for r in rows if r.k > 0]
         seeds = torch.tensor([r.seed for r in live], dtype=torch.long, device=dev)
+        states = torch.tensor([r.state for r in live], dtype=torch.long, device=dev)
         params = [r.params for r in live]
         qs: list[torch.Tensor] = []
 
         def choose(j: int, logits: torch.Tensor) -> torch.Tensor:
+            if self.store is not None:
+                self.store[states, j] = logits.float()
             counters = torch.tensor([r.counter + j for r in live], dtype=torch.long, device=dev)
             q = self.sampler.probabilities(logits, params)  # [n, V]
             qs.append(q)
@@ -194,6 +201,7 @@ def greedy_spec_step(
     ctable: torch.Tensor,
     state: torch.Tensor,
     share: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    n_drafts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A whole greedy speculative step for B sequences with k drafts each, on the device with no host
     synchronization (so it can be captured in one CUDA graph).
@@ -202,7 +210,8 @@ def greedy_spec_step(
     prefix of drafts equal to the target's argmax, take the argmax after it, let the MTP block catch up on
     the positions now final and draft k tokens for the next step by its own argmax. share (several
     workers, `Runner.share`): rank 0's accepted lengths, next tokens and drafts replace a follower's before
-    the draft reads them.
+    the draft reads them. n_drafts [B]: each row's own drafts, the rest padding that acceptance stops at
+    (None: k each; 0: the row decodes one token plainly, then drafts).
     -> (accepted [B], next token [B], next drafts [B, k]).
     """
     from ..model.paged import uniform_inputs
@@ -215,7 +224,10 @@ def greedy_spec_step(
     logits, hidden = model.append(tokens, inputs, cache, return_hidden=True)  # [B(k+1), V]
     target = logits.view(B, k1, -1).argmax(-1)  # [B, k+1]
     i = torch.arange(k1, device=dev)
-    accepted = (tokens[:, 1:] == target[:, :k]).long().cumprod(1).sum(1)  # [B]
+    match = tokens[:, 1:] == target[:, :k]  # [B, k]
+    if n_drafts is not None:
+        match &= i[:k].unsqueeze(0) < n_drafts.unsqueeze(1)
+    accepted = match.long().cumprod(1).sum(1)  # [B]
     bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)  # [B]
     if share is not None:
         accepted, bonus = share(torch.stack([accepted, bonus])).unbind(0)
@@ -237,29 +249,126 @@ def greedy_spec_step(
     return accepted, bonus, torch.stack(drafts, 1)
 
 
+def sampled_spec_step(
+    model: DeepSeekV4,
+    cache: PagedKVCache,
+    tokens: torch.Tensor,
+    start: torch.Tensor,
+    wtable: torch.Tensor,
+    ctable: torch.Tensor,
+    state: torch.Tensor,
+    n_drafts: torch.Tensor,
+    trow: torch.Tensor,
+    seeds: torch.Tensor,
+    counters: torch.Tensor,
+    greedy: torch.Tensor,
+    temperature: torch.Tensor,
+    store: torch.Tensor,
+    share: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`greedy_spec_step` for rows that sample (without top-k / top-p / min-p) or want their tokens'
+    log-probabilities, greedy rows among them: the step the eager path takes, at a fixed shape with no host
+    synchronization.
+
+    tokens [B, k + 1], start [B], n_drafts [B] as there; trow [B]: each row's table row; seeds, counters [B] (tokens the
+    sequence generated so far), greedy [B] bool, temperature [B] float64 (1 for greedy rows); store [rows,
+    k, V] float32: the logits that drafted each table row's drafts (read for their q, then overwritten by
+    the next drafts'). Acceptance is `accept` on p = softmax(logits / T) and the drafts' q (one-hot for a
+    greedy row); each next draft is drawn from its q on the stream and counter the eager `Drafter` uses,
+    so a sequence's tokens do not depend on which path ran its step. -> (accepted [B], next token [B], next
+    drafts [B, k], log-probabilities [B, k + 1] float64 of the tokens at each verified position: drafts while
+    accepted, then the next token).
+    """
+    from ..model.paged import uniform_inputs
+    from .sampling import distribution
+
+    B, k1 = tokens.shape
+    k = k1 - 1
+    dev = tokens.device
+    layout = cache.layout
+    inputs = uniform_inputs(tokens, start, wtable, ctable, state, layout)
+    logits, hidden = model.append(tokens, inputs, cache, return_hidden=True)  # [B(k+1), V]
+    V = logits.size(-1)
+    x = logits.view(B, k1, V).double()
+    temp, flag = temperature.view(B, 1, 1), greedy.view(B, 1, 1)
+    target = distribution(x, temp, flag)  # [B, k+1, V]
+    drafts = tokens[:, 1:]
+    q = distribution(store[trow, :k].double(), temp, flag)  # [B, k, V]
+    q = torch.where(flag, torch.nn.functional.one_hot(drafts, V).double(), q)
+    accepted, bonus = accept(target, q, drafts, n_drafts, seeds, counters)
+    # a row without drafts draws as a plain decode row does (the sampler's draw), whichever path runs it
+    plain, _ = ops.gumbel_argmax(logits.view(B, k1, V)[:, 0], temperature, greedy, seeds, counters)
+    bonus = torch.where(n_drafts == 0, plain, bonus)
+    if share is not None:
+        accepted, bonus = share(torch.stack([accepted, bonus])).unbind(0)
+    i = torch.arange(k1, device=dev)
+    shifted = torch.cat([drafts, bonus.unsqueeze(1)], 1)  # [B, k+1]
+    nxt = torch.where(i.unsqueeze(0) < accepted.unsqueeze(1), shifted, bonus.unsqueeze(1))
+    logprobs = torch.log_softmax(x, -1).gather(2, nxt.unsqueeze(2)).squeeze(2)  # [B, k+1]
+    inputs.out = inputs.seg_start + accepted  # [B]
+    d_logits, h = model.draft(hidden, nxt.reshape(1, -1), inputs, cache)
+    base = counters + accepted + 1  # the first next draft's index in its sequence
+    temp, flag = temperature.view(B, 1), greedy.view(B, 1)
+    out = []
+    last = inputs.out
+    for j in range(k):
+        store[trow, j] = d_logits.float()
+        out.append(draw(distribution(d_logits.double(), temp, flag), seeds, base + j, STREAM_DRAFT))
+        if j + 1 == k:
+            break
+        if share is not None:
+            share(out[-1])
+        link = uniform_inputs(out[-1].view(B, 1), start + accepted + j + 1, wtable, ctable, state, layout)
+        d_logits, h = model.draft(h[last], out[-1].view(1, B), link, cache)
+        last = torch.arange(B, device=dev)
+    return accepted, bonus, torch.stack(out, 1), logprobs
+
+
 FixedStep = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+SAMPLING_COLS = 4  # a sampled fixed-shape step's integers per row after the others: seed, counter, greedy, T
 
 
-def fixed_inputs(tokens: list[list[int]], n_drafts: list[int], start: list[int], state: list[int]) -> np.ndarray:
+def fixed_inputs(
+    tokens: list[list[int]],
+    n_drafts: list[int],
+    start: list[int],
+    state: list[int],
+    sampling: tuple[list[int], list[int], list[bool], list[float]] | None = None,
+) -> np.ndarray:
     """The integers of a fixed-shape step of n rows of width w: [n, w + 4] = each row's w + 1 tokens (its
-    last token and drafts, padded), its own drafts, its start and its table row."""
-    return np.concatenate(
-        [
-            np.asarray(tokens, np.int64).reshape(len(tokens), -1),
-            np.asarray([n_drafts, start, state], np.int64).T.reshape(len(tokens), 3),
-        ],
-        1,
-    )
+    last token and drafts, padded), its own drafts, its start and its table row; with sampling = (seeds,
+    counters: tokens generated so far, greedy flags, temperatures), 4 more columns: [n, w + 8], the
+    temperature's float64 bits in the last."""
+    n = len(tokens)
+    cols = [np.asarray(tokens, np.int64).reshape(n, -1), np.asarray([n_drafts, start, state], np.int64).T.reshape(n, 3)]
+    if sampling is not None:
+        seeds, counters, greedy, temperature = sampling
+        temps = np.asarray([t if not g else 1.0 for t, g in zip(temperature, greedy)], np.float64).view(np.int64)
+        cols.append(np.asarray([seeds, counters, greedy, temps], np.int64).T.reshape(n, SAMPLING_COLS))
+    return np.concatenate(cols, 1)
 
 
-def fixed_args(runner: Runner, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def padding_inputs(width: int, pad_row: int, sampled: bool) -> np.ndarray:
+    """The integers of a padding row of a fixed-shape step (`fixed_inputs`): no pages, a greedy draw."""
+    return fixed_inputs([[0] * (width + 1)], [0], [0], [pad_row], ([0], [0], [True], [1.0]) if sampled else None)[0]
+
+
+def fixed_args(runner: Runner, ints: torch.Tensor, sampled: bool = False) -> tuple[torch.Tensor, ...]:
     """A fixed-shape step's integers [B, w + 4] (`fixed_inputs`) on the device -> (tokens [B, w + 1], n_drafts
     [B], start [B], wtable, ctable, state [B]), the tables gathered (rows of the padding table row have no
     pages). No host synchronization (capturable)."""
-    w = ints.size(1) - 4
+    w = ints.size(1) - 4 - (SAMPLING_COLS if sampled else 0)
     trow = ints[:, w + 3]
     state = torch.where(trow == runner.tables.pad_row, 0, trow)
     return ints[:, : w + 1], ints[:, w + 1], ints[:, w + 2], runner.tables_w[trow], runner.tables_c[trow], state
+
+
+def sampling_args(ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A sampled fixed-shape step's integers [B, w + 8] -> (table row [B], seeds [B], counters [B], greedy
+    [B] bool, temperature [B] float64)."""
+    c = ints.size(1) - SAMPLING_COLS
+    temperature = ints[:, c + 3].contiguous().view(torch.float64)
+    return ints[:, c - 1], ints[:, c], ints[:, c + 1], ints[:, c + 2] > 0, temperature
 
 
 class FixedStepGraph:
@@ -268,12 +377,13 @@ class FixedStepGraph:
     device; on several workers rank 0's integers are every worker's (`follow`), and every worker captures
     it at the same point."""
 
-    def __init__(self, runner: Runner, batch: int, width: int, step: FixedStep, pool=None):
+    def __init__(self, runner: Runner, batch: int, width: int, step: FixedStep, pool=None, sampled: bool = False):
         dev = runner.device
         self.runner, self.shape = runner, (batch, width)
-        self.host = torch.zeros(batch, width + 4, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self.dev = torch.zeros(batch, width + 4, dtype=torch.long, device=dev)
-        self.dev[:, width + 3] = runner.tables.pad_row  # padding rows: no pages
+        self.pad = padding_inputs(width, runner.tables.pad_row, sampled)  # padding rows: no pages
+        cols = self.pad.size
+        self.host = torch.zeros(batch, cols, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.dev = torch.from_numpy(np.tile(self.pad, (batch, 1))).to(dev)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # compile / autotune outside the graph
@@ -287,10 +397,8 @@ class FixedStepGraph:
 
     def run(self, ints: np.ndarray) -> tuple[torch.Tensor, ...]:
         n = ints.shape[0]
-        B, w = self.shape
         h = self.host.numpy()
-        h[:] = 0
-        h[:, w + 3] = self.runner.tables.pad_row
+        h[n:] = self.pad
         h[:n] = ints
         self.dev.copy_(self.host, non_blocking=True)
         self.follow()

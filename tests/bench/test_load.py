@@ -26,6 +26,7 @@ class SSEServer:
         self.loop = asyncio.new_event_loop()
         self.port = 0
         self.requests = 0
+        self.temperatures: list[float] = []
         ready = threading.Event()
         threading.Thread(target=self._run, args=(ready,), daemon=True).start()
         assert ready.wait(10)
@@ -44,6 +45,7 @@ class SSEServer:
                 length = int(line.split(b":")[1])
         body = json.loads(await reader.readexactly(length))
         self.requests += 1
+        self.temperatures.append(body["temperature"])
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
 
         def chunk(text: str) -> bytes:
@@ -65,6 +67,14 @@ def server():
     s = SSEServer()
     yield s
     s.loop.call_soon_threadsafe(s.loop.stop)
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_every_request_samples_at_the_temperature_asked(server, procs):
+    before = len(server.temperatures)
+    results, _ = drive("127.0.0.1", server.port, "m", [([1], 2)] * 3, clients=2, procs=procs, temperature=0.0)
+    assert [r.error for r in results] == [None] * 3
+    assert server.temperatures[before:] == [0.0] * 3
 
 
 @pytest.mark.parametrize("procs", [1, 2])

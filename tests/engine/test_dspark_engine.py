@@ -102,7 +102,7 @@ def test_fixed_shape_steps_with_the_confidence_head_give_the_plain_tokens(model,
 
     def spy(engine: Engine) -> OracleDrafter:
         steps = engine.spec
-        inner = steps._greedy_fixed
+        inner = steps._fixed
 
         def greedy_fixed(plan):
             before = steps.stats["accepted"]
@@ -111,7 +111,7 @@ def test_fixed_shape_steps_with_the_confidence_head_give_the_plain_tokens(model,
             fixed.append((lengths, steps.stats["accepted"] - before))
             return out
 
-        steps._greedy_fixed = greedy_fixed
+        steps._fixed = greedy_fixed
         return OracleDrafter(engine, plain, lambda i: i % 3 == 2, lambda i: 4 - i % 3)
 
     spec, engine = run(
@@ -167,14 +167,14 @@ def test_the_engine_drafts_what_the_whole_sequence_draft_drafts(model, prompts, 
 
     def record(engine: Engine) -> RecordingDrafter:
         steps = engine.spec
-        inner = steps._greedy_fixed
+        inner = steps._fixed
 
         def greedy_fixed(plan):
             out = inner(plan)
             seen.extend((sch.seq.computed, sch.seq.seed, list(sch.seq.drafts)) for sch in plan if sch.seq.running)
             return out
 
-        steps._greedy_fixed = greedy_fixed
+        steps._fixed = greedy_fixed
         return RecordingDrafter(engine, log)
 
     params = [greedy(i) for i in which]

@@ -113,6 +113,30 @@ def test_deterministic_mode_batching_does_not_change_tokens(model, prompts, samp
         assert alone_lp[0] == busy_lp[i], f"request {i}: log-probabilities differ"
 
 
+def test_speculative_steps_replay_graphs_captured_at_warm_up(model, prompts):
+    """`--speculative`: prompt chunks in the buckets' graphs (with the MTP block's catch-up), and greedy rows,
+    sampled rows and rows that want their log-probabilities in the fixed-shape step's graphs, all captured
+    by `warmup`: no eager step, no capture and no kernel compilation after it; the tokens of the same steps
+    run eagerly (deterministic mode: a row computes the same way at any batch)."""
+    temps = (0.8, 0, 1.3, 0, 1.0, 0.5, 0, 0.9)
+    params = [
+        SamplingParams(max_tokens=NEW, temperature=t, seed=7 + i, ignore_eos=True, logprobs=0 if i % 2 else None)
+        for i, t in enumerate(temps)
+    ]
+    spec = dict(speculative=2, deterministic=True)
+    eager, _, e0 = run(model, prompts, params, warm=False, cuda_graphs=False, pad_steps=True, **spec)
+    warm = Engine(model, EngineConfig(max_seqs=8, max_batch_tokens=48, page_size=16, chunk_len=8, **spec))
+    n_graphs = warm.warmup() - len(warm.runner.graphs)
+    assert n_graphs == len(warm.spec.graphs) == 4 * 2  # batches 1, 2, 4, 8; greedy and sampled
+    graphed, graphed_lp, e1 = run(model, prompts, params, warm=True, **spec)
+    assert len(e1.spec.graphs) == n_graphs and e1.runner.late_captures == 0  # no capture after the warm-up
+    assert e1.runner.eager_steps == 0 and e1.runner.graph_steps > 0
+    assert e1.metrics()["kernel_compiles_after_ready"] == 0
+    assert graphed == eager
+    assert all((lp == []) == (params[i].logprobs is None) for i, lp in enumerate(graphed_lp))
+    assert e0.spec_stats["fixed_steps"] > 0 and e1.spec_stats["fixed_steps"] == e0.spec_stats["fixed_steps"]
+
+
 def test_the_step_clock_times_every_launched_step_in_order(model, prompts):
     """`Runner.clock` (what `bench engine` reads the device's busy and idle time from): one (start, end,
     shape) per launched step, each span positive, each step starting at or after the last one's end (one

@@ -108,14 +108,21 @@ def test_real_mtp_drafts_change_no_token(model, prompts):
     assert engine.spec_stats["drafted"] > 0
 
 
-def test_sampled_speculation_is_reproducible_and_batch_invariant(model, prompts):
+@pytest.mark.parametrize("pad", [False, True])
+def test_sampled_speculation_is_reproducible_and_batch_invariant(model, prompts, pad):
+    """Alone or in a busy batch, the same tokens. Padded (as on a GPU), the busy batch mixes steps of every
+    kind: while the top-p request (eager steps only) runs, every step is eager; otherwise prompt chunks run
+    bucketed and decodes in the fixed-shape step."""
     params = [
-        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=50 + i, ignore_eos=True)
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95 if i == 2 else 1.0, seed=50 + i, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    alone = [run(model, [p], [params[i]], max_seqs=1, speculative=2)[0][0] for i, p in enumerate(prompts)]
-    busy, _ = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], speculative=2)
+    alone = [
+        run(model, [p], [params[i]], max_seqs=1, speculative=2, pad_steps=pad)[0][0] for i, p in enumerate(prompts)
+    ]
+    busy, engine = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], speculative=2, pad_steps=pad)
     assert busy == alone
+    assert (engine.spec_stats["fixed_steps"] > 0) == pad
 
 
 def test_the_draft_is_the_training_mtp_head(model):
@@ -207,6 +214,51 @@ def test_fixed_shape_greedy_step_gives_the_plain_tokens(model, prompts, k):
     )
     assert spec == plain
     assert engine.spec_stats["fixed_steps"] > 0
+
+
+def run_logprobs(model, prompts, params, **config) -> tuple[list[list[tuple[int, float | None]]], Engine]:
+    """`run`, each request's (token, its log-probability or None) in order."""
+    engine = Engine(model, EngineConfig(**{**dict(max_seqs=8, max_batch_tokens=64, page_size=16), **config}))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params[i])
+    outs: dict[int, list] = {i: [] for i in range(len(prompts))}
+    while engine.has_work():
+        for out in engine.step():
+            lps = out.new_logprobs or [None] * len(out.new_tokens)
+            outs[int(out.request_id)] += [(t, lp.logprob if lp else None) for t, lp in zip(out.new_tokens, lps)]
+    return [outs[i] for i in range(len(prompts))], engine
+
+
+@pytest.mark.slow
+def test_fixed_shape_sampled_step_gives_the_eager_steps_tokens(model, prompts):
+    """Sampled rows (and greedy rows that want their log-probabilities) beside greedy ones in the fixed-shape
+    step (what a CUDA graph replays), prompt chunks in bucketed steps that also run the MTP block's catch-up:
+    the same tokens and log-probabilities as the eager speculative steps, which keep the target
+    distribution (`test_acceptance_keeps_the_target_distribution`). While the top-p request runs, every
+    step is eager (the fixed-shape step does not filter); before and after, the fixed-shape and bucketed
+    ones: each path reads the drafts (and draft logits) the other made."""
+    params = [
+        SamplingParams(max_tokens=NEW, temperature=0.8, seed=60, ignore_eos=True),
+        SamplingParams(max_tokens=NEW, temperature=0.0, seed=61, ignore_eos=True, logprobs=0),
+        SamplingParams(max_tokens=NEW, temperature=1.3, seed=62, ignore_eos=True, logprobs=0),
+        SamplingParams(max_tokens=NEW, temperature=0.0, seed=63, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=64, ignore_eos=True),
+        SamplingParams(max_tokens=NEW, temperature=0.5, seed=65, ignore_eos=True, logprobs=0),
+    ]
+    eager, plain = run_logprobs(model, prompts, params, deterministic=True, speculative=2)
+    fixed, padded = run_logprobs(model, prompts, params, deterministic=True, speculative=2, pad_steps=True)
+    assert plain.spec_stats["fixed_steps"] == 0 < padded.spec_stats["fixed_steps"]
+    r = padded.runner
+    assert 0 < r.padded_steps < r.eager_steps  # bucketed prompt steps, and eager (ragged) speculative steps
+    assert [[t for t, _ in o] for o in fixed] == [[t for t, _ in o] for o in eager]
+    for i, (a, b) in enumerate(zip(fixed, eager)):
+        assert (params[i].logprobs is None) == (a[0][1] is None)
+        # the verify's float32 logits come from two layouts of the same step (ragged rows, uniform rows),
+        # whose reductions may round differently: each logit within some float32 ulps of its size, so the
+        # log-softmax (a logit minus a logsumexp) within twice that
+        eps = torch.finfo(torch.float32).eps
+        for (_, x), (_, y) in zip(a, b):
+            assert (x is None) == (y is None) and (x is None or abs(x - y) <= 64 * eps * (1 + abs(y)))
 
 
 def test_the_command_line_bound_is_the_engine_bound():
