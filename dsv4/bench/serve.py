@@ -157,7 +157,14 @@ def _start_server(argv: list[str]) -> tuple[subprocess.Popen, str, int, str]:
         lines.append(line)
         m = re.search(r"ready: http://([^:/]+):(\d+)/v1", line)
         if m:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+            proc.warnings = []  # the server's warnings after it said ready (kept; the rest of its output drained)
+
+            def drain() -> None:
+                for line in proc.stdout:
+                    if "warning" in line.lower():
+                        proc.warnings.append(line.strip())
+
+            threading.Thread(target=drain, daemon=True).start()
             return proc, m.group(1), int(m.group(2)), "".join(lines)
     proc.wait()
     raise UserError("the server did not start:\n" + "".join(lines[-20:]))
@@ -243,6 +250,7 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
         else None
     )
     row["errors"], row["first_errors"] = len(errors), errors[:3]
+    row["server_warnings"] = getattr(proc, "warnings", [])[:20]
     row["server_metrics"] = {
         k: v - before.get(k, 0.0) if k.endswith("_total") or "_total." in k else v for k, v in after.items()
     }
@@ -412,6 +420,8 @@ def _print(result: dict, r: dict) -> None:
         print(f"  engine process time: {shares} of {total:.1f} s")
     for e in r["first_errors"]:
         print(f"  error: {e}")
+    for w in r.get("server_warnings", []):
+        print(f"  server: {w}")
 
 
 def add_bench_serve_parser(subparsers) -> None:

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
 
+from ..ops import compiles
 from .client import (
     Abort,
     AddRequest,
@@ -107,6 +108,7 @@ def _serve(engine, links: list[tuple]) -> None:
     # the loop's own time beside the engine's step phases: "idle" waiting for requests with no work, "io"
     # receiving commands and sending results (both reported with the phases: where a server's time goes)
     loop = {"io": 0.0, "idle": 0.0}
+    said = [0]  # kernel compilations after ready already logged
     owner: dict[str, int] = {}  # request id -> the link it came from
     open_links = {conn: i for i, (conn, _) in enumerate(links)}
 
@@ -198,6 +200,11 @@ def _serve(engine, links: list[tuple]) -> None:
                 if o.finished and o.request_id not in engine.requests:
                     owner.pop(o.request_id, None)
             m = metrics()
+            late = m.get("kernel_compiles_after_ready") or 0
+            if late > said[0]:  # a step waited for a compilation: say which kernel, once
+                names = compiles.names((compiles.count() or 0) - (late - said[0])) or ["?"]
+                log.warning(f"kernel compiled after the server was ready (a step waited): {', '.join(names)}")
+                said[0] = late
             for i in sorted({0, *by_link}):  # the first link every step: it reports the engine's metrics
                 send(i, Outputs(pack_outputs(by_link.get(i, [])), m, stepped))
         loop["idle"] += waited

@@ -238,7 +238,7 @@ class SpeculativeSteps:
     @staticmethod
     def _sampled(seqs: list[Sequence]) -> bool:
         """Whether a fixed-shape step of these sequences takes the sampled variant (`sampled_spec_step`)."""
-        return any(not s.params.greedy or s.params.logprobs is not None for s in seqs)
+        return any(not s.params.greedy for s in seqs)
 
     def _fixed(self, plan: list[Scheduled]) -> list[StepOutput]:
         e, k = self.engine, self.k
@@ -262,7 +262,8 @@ class SpeculativeSteps:
             out = self._fixed_run(ints, sampled)
         n = len(seqs)
         t0 = time.perf_counter()
-        if sampled:  # one device read (token ids are exact in float64)
+        want = any(s.params.logprobs is not None for s in seqs)
+        if want:  # one device read (token ids are exact in float64)
             host = torch.cat([out[0].double(), out[1].double(), out[2].flatten().double(), out[3].flatten()]).tolist()
         else:
             host = torch.cat([out[0], out[1], out[2].flatten()]).tolist()
@@ -276,11 +277,10 @@ class SpeculativeSteps:
                 self.count_verify(len(seq.drafts), a)
             seq.computed += a + 1
             seq.drafts, seq.draft_q = [], None
-            want = sampled and seq.params.logprobs is not None
             for j, tok in enumerate(emitted):
                 if seq.finished:
                     break
-                lp = TokenLogprob(tok, host[at_lp + b * (k + 1) + j], []) if want else None
+                lp = TokenLogprob(tok, host[at_lp + b * (k + 1) + j], []) if seq.params.logprobs is not None else None
                 e.output.emit(seq, tok, lp, outputs)
             if seq.running:
                 end = len(seq.tokens) - 1

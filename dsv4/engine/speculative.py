@@ -212,7 +212,9 @@ def greedy_spec_step(
     workers, `Runner.share`): rank 0's accepted lengths, next tokens and drafts replace a follower's before
     the draft reads them. n_drafts [B]: each row's own drafts, the rest padding that acceptance stops at
     (None: k each; 0: the row decodes one token plainly, then drafts).
-    -> (accepted [B], next token [B], next drafts [B, k]).
+    -> (accepted [B], next token [B], next drafts [B, k], log-probabilities [B, k + 1] float64 of the tokens at
+    each verified position (drafts while accepted, then the next token; a float32 log-sum-exp: one
+    reduction, whether or not a row asks for them)).
     """
     from ..model.paged import uniform_inputs
 
@@ -235,6 +237,8 @@ def greedy_spec_step(
     # then the bonus (positions past c + accepted are rewritten before anything reads them)
     shifted = torch.cat([tokens[:, 1:], bonus.unsqueeze(1)], 1)  # [B, k+1]
     nxt = torch.where(i.unsqueeze(0) < accepted.unsqueeze(1), shifted, bonus.unsqueeze(1))
+    x = logits.view(B, k1, -1)
+    logprobs = (x.gather(2, nxt.unsqueeze(2)).squeeze(2) - torch.logsumexp(x, -1)).double()  # [B, k+1]
     inputs.out = inputs.seg_start + accepted  # [B]
     d_logits, h = model.draft(hidden, nxt.reshape(1, -1), inputs, cache)
     drafts = [d_logits.argmax(-1)]
@@ -246,7 +250,7 @@ def greedy_spec_step(
         d_logits, h = model.draft(h[last], drafts[-1].view(1, B), link, cache)
         drafts.append(d_logits.argmax(-1))
         last = torch.arange(B, device=dev)
-    return accepted, bonus, torch.stack(drafts, 1)
+    return accepted, bonus, torch.stack(drafts, 1), logprobs
 
 
 def sampled_spec_step(

@@ -12,6 +12,8 @@ import threading
 
 _LOCK = threading.Lock()
 _STATE = {"installed": False, "count": 0}
+_NAMES: list[str] = []  # each compilation's kernel, in order (the first MAX_NAMES)
+MAX_NAMES = 1000
 
 
 def install() -> bool:
@@ -29,8 +31,12 @@ def install() -> bool:
         prev = knobs.jit_cache_hook
 
         def hook(*args, **kwargs):
+            fn = kwargs.get("fn")
+            name = getattr(getattr(fn, "jit_function", fn), "__name__", None) or str(kwargs.get("repr", "?"))
             with _LOCK:
                 _STATE["count"] += 1
+                if len(_NAMES) < MAX_NAMES:
+                    _NAMES.append(name)
             return prev(*args, **kwargs) if prev is not None else None
 
         knobs.jit_cache_hook = hook
@@ -41,3 +47,9 @@ def install() -> bool:
 def count() -> int | None:
     """Compilations since `install()`, or None when not counting."""
     return _STATE["count"] if _STATE["installed"] else None
+
+
+def names(since: int = 0) -> list[str]:
+    """The kernels of compilations `since` ... now (by count: `names(count_then)`), as far as recorded."""
+    with _LOCK:
+        return list(_NAMES[since:])

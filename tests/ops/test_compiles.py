@@ -1,5 +1,5 @@
 """The count of Triton kernel compilations (`dsv4.ops.compiles`): it counts each call of Triton's compile
-hook and keeps calling a hook that was there before it."""
+hook, names the kernel each compiled, and keeps calling a hook that was there before it."""
 
 from __future__ import annotations
 
@@ -23,8 +23,13 @@ def test_the_hook_counts_and_chains():
         assert compiles.install() is True and compiles.install() is True
         before = compiles.count()
         knobs.jit_cache_hook(key="k1")
-        knobs.jit_cache_hook(key="k2")
+
+        def my_kernel():
+            pass
+
+        knobs.jit_cache_hook(key="k2", fn=my_kernel)
         assert compiles.count() == before + 2
+        assert compiles.names(before)[-1] == "my_kernel"  # (the first, without fn: its repr or "?")
         if seen:
             assert seen == ["k1", "k2"]
     finally:
