@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
 
-from ..ops import compiles
 from .client import (
     Abort,
     AddRequest,
@@ -107,6 +106,8 @@ def _serve(engine, links: list[tuple]) -> None:
     started the engine is gone), another's aborts that process's requests."""
     # the loop's own time beside the engine's step phases: "idle" waiting for requests with no work, "io"
     # receiving commands and sending results (both reported with the phases: where a server's time goes)
+    from ..ops import compiles  # (the engine's side only: an HTTP process loads no torch)
+
     loop = {"io": 0.0, "idle": 0.0}
     said = [0]  # kernel compilations after ready already logged
     owner: dict[str, int] = {}  # request id -> the link it came from
