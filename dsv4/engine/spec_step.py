@@ -2,9 +2,12 @@
 
 A sequence that carries drafts runs them as a verify row [x_c, d_1, ..., d_k]; acceptance keeps a prefix and
 draws one more token (`speculative.accept`); then the MTP block catches up on the positions that are final
-and drafts the next k for each sequence (`speculative.Drafter`). A step that is only greedy verifies of
-exactly k drafts runs at a fixed shape (`greedy_spec_step`), replayed from a CUDA graph on a GPU (eagerly
-where steps are padded without graphs: `EngineConfig.pad_steps`, several workers on CPUs).
+and drafts the next k for each sequence (`speculative.Drafter`). Where steps are padded (a GPU's graphs;
+`EngineConfig.pad_steps`, several workers on CPUs), a step of decodes with at most k drafts each, greedy or
+sampled without top-k / top-p / min-p, runs at a fixed shape (`speculative.spec_step`: a greedy and a
+sampled variant per batch bucket, every graph captured at warm-up), and a step with prompt chunks runs
+them in the engine's bucketed step, whose graph also runs the MTP block's catch-up (`_split`); other
+steps run eagerly.
 
 On several workers (`dsv4.engine.mirror`) rank 0 runs these steps and the others `follow`: each step's
 rows (VERIFY), the draft's rows with the tokens rank 0 accepted (DRAFT) and the fixed-shape step's inputs
@@ -38,10 +41,9 @@ from .speculative import (
     accept,
     fixed_args,
     fixed_inputs,
-    greedy_spec_step,
     pack_draft_rows,
-    sampled_spec_step,
     sampling_args,
+    spec_step,
     unpack_draft_rows,
 )
 
@@ -229,15 +231,16 @@ class SpeculativeSteps:
         drafts from there), then the decodes in the fixed-shape step."""
         e = self.engine
         decode = [sch for sch in plan if not sch.seq.prefilling]
-        outputs = e._process(e._launch([sch for sch in plan if sch.seq.prefilling]))
+        prompt = e._launch([sch for sch in plan if sch.seq.prefilling])  # (read after the decodes' step)
+        outputs = []
         if decode:
-            outputs += self._fixed(decode)
+            outputs = self._fixed(decode)
             e.stats["steps"] -= 1  # (one step of the engine)
-        return outputs
+        return e._process(prompt) + outputs
 
     @staticmethod
     def _sampled(seqs: list[Sequence]) -> bool:
-        """Whether a fixed-shape step of these sequences takes the sampled variant (`sampled_spec_step`)."""
+        """Whether a fixed-shape step of these sequences takes the sampled variant of `spec_step`."""
         return any(not s.params.greedy for s in seqs)
 
     def _fixed(self, plan: list[Scheduled]) -> list[StepOutput]:
@@ -353,20 +356,15 @@ class SpeculativeSteps:
     def _step_for(self, sampled: bool):
         return self._sampled_step if sampled else self._fixed_step
 
-    def _fixed_step(self, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`greedy_spec_step` on a fixed-shape step's integers on the device (capturable)."""
+    def _fixed_step(self, ints: torch.Tensor, sampled: bool = False) -> tuple[torch.Tensor, ...]:
+        """`spec_step` on a fixed-shape step's integers on the device (capturable)."""
         e = self.engine
-        tokens, n_drafts, start, wtable, ctable, state = fixed_args(e.runner, ints)
-        return greedy_spec_step(e.model, e.cache, tokens, start, wtable, ctable, state, self._share(), n_drafts)
+        tokens, n_drafts, start, wtable, ctable, state = fixed_args(e.runner, ints, sampled=sampled)
+        sampling = sampling_args(ints, self.draft_store) if sampled else None
+        return spec_step(e.model, e.cache, tokens, start, wtable, ctable, state, n_drafts, sampling, self._share())
 
     def _sampled_step(self, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`sampled_spec_step` on a sampled fixed-shape step's integers on the device (capturable)."""
-        e = self.engine
-        tokens, n_drafts, start, wtable, ctable, state = fixed_args(e.runner, ints, sampled=True)
-        rows = sampling_args(ints)
-        return sampled_spec_step(
-            e.model, e.cache, tokens, start, wtable, ctable, state, n_drafts, *rows, self.draft_store, self._share()
-        )
+        return self._fixed_step(ints, sampled=True)
 
     def _share(self):
         """`Runner.share` on several workers, else nothing to share."""

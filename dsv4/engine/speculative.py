@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,7 +37,16 @@ from ..model.paged import SPEC_ROWS, PagedKVCache
 from ..ops.cuda_graphs import capturing
 from .batch import Row
 from .runner import Runner
-from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, Sampler, SamplingParams, draw, uniform
+from .sampling import (
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_SAMPLE,
+    Sampler,
+    SamplingParams,
+    distribution,
+    draw,
+    uniform,
+)
 
 MAX_SPECULATIVE = SPEC_ROWS - 1  # a verify of k + 1 tokens must fit the rows a sequence can roll back
 
@@ -63,7 +73,8 @@ def accept(
         i = torch.arange(K, device=dev)
         p_d = target[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
         q_d = draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
-        u = torch.stack([uniform(seeds, counters + j, 1, STREAM_ACCEPT)[:, 0] for j in range(K)], 1)  # [B, K]
+        flat = (counters.unsqueeze(1) + i).flatten()  # every row's K tests in one call (a per-row function)
+        u = uniform(seeds.repeat_interleave(K), flat, 1, STREAM_ACCEPT).view(B, K)  # [B, K]
         ok = (u * q_d <= p_d) & (i.unsqueeze(0) < n_drafts.unsqueeze(1))
         accepted = ok.long().cumprod(1).sum(1)  # [B]
     else:
@@ -76,6 +87,25 @@ def accept(
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-300), p)
     return accepted, draw(residual, seeds, counters + accepted, STREAM_SAMPLE)
+
+
+def draft_draw(
+    logits: torch.Tensor,
+    q: torch.Tensor | None,
+    filtered: torch.Tensor | None,
+    temperature: torch.Tensor,
+    greedy: torch.Tensor,
+    seeds: torch.Tensor,
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    """A draft token per row from its q on the draft stream: for a row without top-k / top-p / min-p, the
+    fused draw of logits [n, V] at its temperature (`ops.gumbel_argmax`, the plain sampler's; greedy rows
+    their argmax), which the fixed-shape step takes too; a filtered row (filtered [n] bool) draws from its
+    q [n, V] (`draw`). q / filtered None: no row is filtered."""
+    tokens, _ = ops.gumbel_argmax(logits, temperature, greedy, seeds, counters, STREAM_DRAFT)
+    if filtered is None or q is None:
+        return tokens
+    return torch.where(filtered, draw(q, seeds, counters, STREAM_DRAFT), tokens)
 
 
 @dataclass
@@ -117,13 +147,17 @@ class Drafter:
         params = [r.params for r in live]
         qs: list[torch.Tensor] = []
 
+        filtered = torch.tensor([p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params], device=dev)
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev).double()
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+
         def choose(j: int, logits: torch.Tensor) -> torch.Tensor:
             if self.store is not None:
                 self.store[states, j] = logits.float()
             counters = torch.tensor([r.counter + j for r in live], dtype=torch.long, device=dev)
             q = self.sampler.probabilities(logits, params)  # [n, V]
             qs.append(q)
-            return draw(q, seeds, counters, STREAM_DRAFT)  # [n]
+            return draft_draw(logits, q, filtered, temperature, greedy, seeds, counters)  # [n]
 
         drafts = self.chain(hidden, rows, choose)
         host = torch.stack(drafts, 1).tolist() if drafts else []  # [n][k_max], one read
@@ -192,68 +226,18 @@ def unpack_draft_rows(ints: list[int]) -> list[DraftRow]:
     return rows
 
 
-def greedy_spec_step(
-    model: DeepSeekV4,
-    cache: PagedKVCache,
-    tokens: torch.Tensor,
-    start: torch.Tensor,
-    wtable: torch.Tensor,
-    ctable: torch.Tensor,
-    state: torch.Tensor,
-    share: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    n_drafts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A whole greedy speculative step for B sequences with k drafts each, on the device with no host
-    synchronization (so it can be captured in one CUDA graph).
+class SpecSampling(NamedTuple):
+    """What the sampled variant of `spec_step` reads per row (device tensors [B]) besides the tokens."""
 
-    tokens [B, k + 1]: each row's last token x_c and its drafts; start [B]: c. Verify, accept the longest
-    prefix of drafts equal to the target's argmax, take the argmax after it, let the MTP block catch up on
-    the positions now final and draft k tokens for the next step by its own argmax. share (several
-    workers, `Runner.share`): rank 0's accepted lengths, next tokens and drafts replace a follower's before
-    the draft reads them. n_drafts [B]: each row's own drafts, the rest padding that acceptance stops at
-    (None: k each; 0: the row decodes one token plainly, then drafts).
-    -> (accepted [B], next token [B], next drafts [B, k], log-probabilities [B, k + 1] float64 of the tokens at
-    each verified position (drafts while accepted, then the next token; a float32 log-sum-exp: one
-    reduction, whether or not a row asks for them)).
-    """
-    from ..model.paged import uniform_inputs
-
-    B, k1 = tokens.shape
-    k = k1 - 1
-    dev = tokens.device
-    layout = cache.layout
-    inputs = uniform_inputs(tokens, start, wtable, ctable, state, layout)
-    logits, hidden = model.append(tokens, inputs, cache, return_hidden=True)  # [B(k+1), V]
-    target = logits.view(B, k1, -1).argmax(-1)  # [B, k+1]
-    i = torch.arange(k1, device=dev)
-    match = tokens[:, 1:] == target[:, :k]  # [B, k]
-    if n_drafts is not None:
-        match &= i[:k].unsqueeze(0) < n_drafts.unsqueeze(1)
-    accepted = match.long().cumprod(1).sum(1)  # [B]
-    bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)  # [B]
-    if share is not None:
-        accepted, bonus = share(torch.stack([accepted, bonus])).unbind(0)
-    # MTP catch-up at positions c .. c + k: the token after position c + i is draft i + 1 while accepted,
-    # then the bonus (positions past c + accepted are rewritten before anything reads them)
-    shifted = torch.cat([tokens[:, 1:], bonus.unsqueeze(1)], 1)  # [B, k+1]
-    nxt = torch.where(i.unsqueeze(0) < accepted.unsqueeze(1), shifted, bonus.unsqueeze(1))
-    x = logits.view(B, k1, -1)
-    logprobs = (x.gather(2, nxt.unsqueeze(2)).squeeze(2) - torch.logsumexp(x, -1)).double()  # [B, k+1]
-    inputs.out = inputs.seg_start + accepted  # [B]
-    d_logits, h = model.draft(hidden, nxt.reshape(1, -1), inputs, cache)
-    drafts = [d_logits.argmax(-1)]
-    last = inputs.out
-    for j in range(1, k):
-        if share is not None:
-            share(drafts[-1])
-        link = uniform_inputs(drafts[-1].view(B, 1), start + accepted + j, wtable, ctable, state, layout)
-        d_logits, h = model.draft(h[last], drafts[-1].view(1, B), link, cache)
-        drafts.append(d_logits.argmax(-1))
-        last = torch.arange(B, device=dev)
-    return accepted, bonus, torch.stack(drafts, 1), logprobs
+    trow: torch.Tensor  # table row: where `store` keeps the row's draft logits
+    seeds: torch.Tensor
+    counters: torch.Tensor  # tokens the sequence generated so far
+    greedy: torch.Tensor  # bool
+    temperature: torch.Tensor  # float64 (1 for greedy rows)
+    store: torch.Tensor  # [table rows, k, V] float32: the logits that drafted each row's drafts
 
 
-def sampled_spec_step(
+def spec_step(
     model: DeepSeekV4,
     cache: PagedKVCache,
     tokens: torch.Tensor,
@@ -262,29 +246,25 @@ def sampled_spec_step(
     ctable: torch.Tensor,
     state: torch.Tensor,
     n_drafts: torch.Tensor,
-    trow: torch.Tensor,
-    seeds: torch.Tensor,
-    counters: torch.Tensor,
-    greedy: torch.Tensor,
-    temperature: torch.Tensor,
-    store: torch.Tensor,
+    sampling: SpecSampling | None = None,
     share: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`greedy_spec_step` for rows that sample (without top-k / top-p / min-p) or want their tokens'
-    log-probabilities, greedy rows among them: the step the eager path takes, at a fixed shape with no host
-    synchronization.
+    """A whole speculative step for B sequences, on the device with no host synchronization (so it can be
+    captured in one CUDA graph): the eager steps' verify, acceptance and draft at a fixed shape.
 
-    tokens [B, k + 1], start [B], n_drafts [B] as there; trow [B]: each row's table row; seeds, counters [B] (tokens the
-    sequence generated so far), greedy [B] bool, temperature [B] float64 (1 for greedy rows); store [rows,
-    k, V] float32: the logits that drafted each table row's drafts (read for their q, then overwritten by
-    the next drafts'). Acceptance is `accept` on p = softmax(logits / T) and the drafts' q (one-hot for a
-    greedy row); each next draft is drawn from its q on the stream and counter the eager `Drafter` uses,
-    so a sequence's tokens do not depend on which path ran its step. -> (accepted [B], next token [B], next
-    drafts [B, k], log-probabilities [B, k + 1] float64 of the tokens at each verified position: drafts while
-    accepted, then the next token).
+    tokens [B, k + 1]: each row's last token x_c and its drafts, padded; start [B]: c; n_drafts [B]: the row's
+    own drafts, acceptance stops there (0: the row decodes one token as a plain decode row draws it, then
+    drafts). Verify; accept (sampling None: every row greedy, the longest prefix of drafts equal to the
+    target's argmax, then the argmax after it; else rejection sampling, `accept`, on p = softmax(logits / T)
+    and each draft's q from the logits in `sampling.store`, one-hot for a greedy row); let the MTP block
+    catch up on the positions now final; draft k tokens for the next step (argmax, or `draft_draw` on the
+    stream and counter the eager `Drafter` uses, their logits kept in the store), so a sequence's tokens do
+    not depend on which path ran its step. share (several workers, `Runner.share`): rank 0's accepted
+    lengths, next tokens and drafts replace a follower's before the draft reads them.
+    -> (accepted [B], next token [B], next drafts [B, k], log-probabilities [B, k + 1] float64 of the tokens at
+    each verified position: drafts while accepted, then the next token; one float32 log-sum-exp).
     """
     from ..model.paged import uniform_inputs
-    from .sampling import distribution
 
     B, k1 = tokens.shape
     k = k1 - 1
@@ -293,31 +273,42 @@ def sampled_spec_step(
     inputs = uniform_inputs(tokens, start, wtable, ctable, state, layout)
     logits, hidden = model.append(tokens, inputs, cache, return_hidden=True)  # [B(k+1), V]
     V = logits.size(-1)
-    x = logits.view(B, k1, V).double()
-    temp, flag = temperature.view(B, 1, 1), greedy.view(B, 1, 1)
-    target = distribution(x, temp, flag)  # [B, k+1, V]
+    x = logits.view(B, k1, V)
     drafts = tokens[:, 1:]
-    q = distribution(store[trow, :k].double(), temp, flag)  # [B, k, V]
-    q = torch.where(flag, torch.nn.functional.one_hot(drafts, V).double(), q)
-    accepted, bonus = accept(target, q, drafts, n_drafts, seeds, counters)
-    # a row without drafts draws as a plain decode row does (the sampler's draw), whichever path runs it
-    plain, _ = ops.gumbel_argmax(logits.view(B, k1, V)[:, 0], temperature, greedy, seeds, counters)
-    bonus = torch.where(n_drafts == 0, plain, bonus)
+    i = torch.arange(k1, device=dev)
+    if sampling is None:
+        target = x.argmax(-1)  # [B, k+1]
+        match = (drafts == target[:, :k]) & (i[:k].unsqueeze(0) < n_drafts.unsqueeze(1))  # [B, k]
+        accepted = match.long().cumprod(1).sum(1)  # [B]
+        bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)  # [B]
+    else:
+        sp = sampling
+        temp, flag = sp.temperature.view(B, 1, 1), sp.greedy.view(B, 1, 1)
+        target = distribution(x.double(), temp, flag)  # [B, k+1, V]
+        q = distribution(sp.store[sp.trow, :k].double(), temp, flag)  # [B, k, V]
+        q = torch.where(flag, torch.nn.functional.one_hot(drafts, V).double(), q)
+        accepted, bonus = accept(target, q, drafts, n_drafts, sp.seeds, sp.counters)
+        # a row without drafts draws as a plain decode row does (the sampler's draw), whichever path runs it
+        plain, _ = ops.gumbel_argmax(x[:, 0], sp.temperature, sp.greedy, sp.seeds, sp.counters)
+        bonus = torch.where(n_drafts == 0, plain, bonus)
     if share is not None:
         accepted, bonus = share(torch.stack([accepted, bonus])).unbind(0)
-    i = torch.arange(k1, device=dev)
+    # MTP catch-up at positions c .. c + k: the token after position c + i is draft i + 1 while accepted,
+    # then the bonus (positions past c + accepted are rewritten before anything reads them)
     shifted = torch.cat([drafts, bonus.unsqueeze(1)], 1)  # [B, k+1]
     nxt = torch.where(i.unsqueeze(0) < accepted.unsqueeze(1), shifted, bonus.unsqueeze(1))
-    logprobs = torch.log_softmax(x, -1).gather(2, nxt.unsqueeze(2)).squeeze(2)  # [B, k+1]
+    logprobs = (x.gather(2, nxt.unsqueeze(2)).squeeze(2) - torch.logsumexp(x, -1)).double()  # [B, k+1]
     inputs.out = inputs.seg_start + accepted  # [B]
     d_logits, h = model.draft(hidden, nxt.reshape(1, -1), inputs, cache)
-    base = counters + accepted + 1  # the first next draft's index in its sequence
-    temp, flag = temperature.view(B, 1), greedy.view(B, 1)
     out = []
     last = inputs.out
     for j in range(k):
-        store[trow, j] = d_logits.float()
-        out.append(draw(distribution(d_logits.double(), temp, flag), seeds, base + j, STREAM_DRAFT))
+        if sampling is None:
+            out.append(d_logits.argmax(-1))
+        else:
+            sp.store[sp.trow, j] = d_logits.float()
+            base = sp.counters + accepted + 1  # the first next draft's index in its sequence
+            out.append(draft_draw(d_logits, None, None, sp.temperature, sp.greedy, sp.seeds, base + j))
         if j + 1 == k:
             break
         if share is not None:
@@ -367,12 +358,12 @@ def fixed_args(runner: Runner, ints: torch.Tensor, sampled: bool = False) -> tup
     return ints[:, : w + 1], ints[:, w + 1], ints[:, w + 2], runner.tables_w[trow], runner.tables_c[trow], state
 
 
-def sampling_args(ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A sampled fixed-shape step's integers [B, w + 8] -> (table row [B], seeds [B], counters [B], greedy
-    [B] bool, temperature [B] float64)."""
+def sampling_args(ints: torch.Tensor, store: torch.Tensor) -> SpecSampling:
+    """A sampled fixed-shape step's integers [B, w + 8] (`fixed_inputs`) and the draft logits' store -> what
+    `spec_step` samples with."""
     c = ints.size(1) - SAMPLING_COLS
     temperature = ints[:, c + 3].contiguous().view(torch.float64)
-    return ints[:, c - 1], ints[:, c], ints[:, c + 1], ints[:, c + 2] > 0, temperature
+    return SpecSampling(ints[:, c - 1], ints[:, c], ints[:, c + 1], ints[:, c + 2] > 0, temperature, store)
 
 
 class FixedStepGraph:
