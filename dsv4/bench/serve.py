@@ -177,13 +177,43 @@ def _spread(values: list[float]) -> dict | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
 
 
-def _work(vocab: int, n: int, args: argparse.Namespace, seed: int) -> list[tuple[list[int], int]]:
+def code_pool(tokenizer, held_out_pct: float = 2.0, max_docs: int = 64) -> list[list[int]]:
+    """`--prompts code`: the token streams of (up to max_docs of) the Python standard library files that
+    `dsv4 train` keeps out of training at held_out_pct (its default), BOS first: text like what the shipped
+    model writes, which it has not seen."""
+    from ..eval.heldout import held_out_documents
+    from ..train.data import find_documents, read_text
+
+    if tokenizer is None:
+        raise UserError("--prompts code needs the model's tokenizer: give --model (a preset has none)")
+    docs = held_out_documents(find_documents(None), held_out_pct)[:max_docs]
+    pool = [[tokenizer.bos_id] + tokenizer.encode(read_text(path)) for _, path in docs]
+    pool = [t for t in pool if len(t) > 1]
+    if not pool:
+        raise UserError("--prompts code: this Python has no held-out standard library sources")
+    return pool
+
+
+def _work(
+    vocab: int, n: int, args: argparse.Namespace, seed: int, pool: list[list[int]] | None = None
+) -> list[tuple[list[int], int]]:
+    """n (prompt, output length) items, the lengths uniform in mean * (1 +- spread): random token ids, or
+    with a pool (`code_pool`) a window at a random offset of a document longer than the prompt (of the
+    longest where none is)."""
     rng = random.Random(seed)
 
     def draw(mean: int) -> int:
         return max(1, round(mean * (1 + args.spread * (2 * rng.random() - 1))))
 
-    return [([rng.randrange(2, vocab) for _ in range(draw(args.prompt_len))], draw(args.output_len)) for _ in range(n)]
+    def prompt(n_tokens: int) -> list[int]:
+        if pool is None:
+            return [rng.randrange(2, vocab) for _ in range(n_tokens)]
+        long = [d for d in pool if len(d) > n_tokens] or [max(pool, key=len)]
+        doc = long[rng.randrange(len(long))]
+        at = rng.randrange(max(1, len(doc) - n_tokens))
+        return doc[at : at + n_tokens]
+
+    return [(prompt(draw(args.prompt_len)), draw(args.output_len)) for _ in range(n)]
 
 
 def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -> dict:
@@ -191,7 +221,8 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
     cache must not serve a repeat)."""
     requests = args.requests or 4 * clients
     procs = args.load_procs or min(8, -(-clients // 32))
-    runs_work = [_work(vocab, requests, args, args.seed + 1000 * r) for r in range(args.repeats)]
+    pool = args.code_pool
+    runs_work = [_work(vocab, requests, args, args.seed + 1000 * r, pool) for r in range(args.repeats)]
     longest = max(len(p) + n for w in runs_work for p, n in w)
     sargs = argparse.Namespace(**vars(args))
     sargs.max_num_seqs = args.max_num_seqs or clients
@@ -205,14 +236,14 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
     row["api_servers"] = int(http.group(1)) if http else None
     try:
         idle = []
-        warm = _work(vocab, 2 + IDLE_REQUESTS, args, args.seed + 999)
+        warm = _work(vocab, 2 + IDLE_REQUESTS, args, args.seed + 999, pool)
         for k, item in enumerate(warm):  # warm-up (two), then the idle time to first token (the median of five)
             r = drive(host, port, name, [item], 1, temperature=args.temperature)[0][0]
             if r.error:
                 raise UserError(f"the server refused a warm-up request: {r.error}")
             if k >= 2:
                 idle.append(r.ttft)
-        warm = _work(vocab, clients, args, args.seed + 998)
+        warm = _work(vocab, clients, args, args.seed + 998, pool)
         drive(host, port, name, warm, clients, procs, temperature=args.temperature)
         before = _scrape(host, port)
         runs = []
@@ -221,6 +252,7 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
             results, wall = drive(host, port, name, work, clients, procs, at, args.temperature)
             runs.append((results, wall))
         after = _scrape(host, port)
+        warned = list(getattr(proc, "warnings", []))  # (before the stop: not its shutdown's messages)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -250,7 +282,7 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
         else None
     )
     row["errors"], row["first_errors"] = len(errors), errors[:3]
-    row["server_warnings"] = getattr(proc, "warnings", [])[:20]
+    row["server_warnings"] = warned[:20]
     row["server_metrics"] = {
         k: v - before.get(k, 0.0) if k.endswith("_total") or "_total." in k else v for k, v in after.items()
     }
@@ -272,8 +304,9 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     spec = EngineSpec.from_args(args).resolved()
     # the servers run on the device and dtype resolved here
     args = argparse.Namespace(**{**vars(args), "device": spec.source.device, "dtype": spec.source.dtype})
-    model, _tokenizer, name, desc = load(spec)
+    model, tokenizer, name, desc = load(spec)
     device = model.embed.weight.device
+    args.code_pool = code_pool(tokenizer) if args.prompts == "code" else None
     result: dict = {
         "bench": "serve",
         "model": desc,
@@ -288,6 +321,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "request_rate": args.request_rate,  # None: every client at once, then a closed loop
         "temperature": args.temperature,
+        "prompts": args.prompts,
         "runs": {},
     }
     # the peers first, in this process; then each server in its own process (its own interpreter: the load
@@ -301,7 +335,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
             ]
             raw[clients] = _spread([x["tokens_per_s"] for x in rates])
     if args.hf:
-        same = [p for p, _ in _work(model.cfg.vocab_size, max(args.hf), args, args.seed)]
+        same = [p for p, _ in _work(model.cfg.vocab_size, max(args.hf), args, args.seed, args.code_pool)]
         hf = {
             str(b): _spread(
                 [
@@ -467,6 +501,13 @@ def add_bench_serve_parser(subparsers) -> None:
     )
     options.add(p, "seed", default=0, note="of the drawn prompts and lengths")
     options.add(p, "temperature", default=1.0, note="of every request (each with its own seed; 0: greedy)")
+    p.add_argument(
+        "--prompts",
+        choices=("random", "code"),
+        default="random",
+        help="random token ids, or windows of the Python standard library files the shipped model's "
+        "training kept out (needs the model's tokenizer; what a speculative draft meets in use)",
+    )
     p.add_argument("--no-raw", action="store_true", help="skip the raw batched decode measurement")
     p.add_argument(
         "--hf",

@@ -388,6 +388,29 @@ def test_bad_serve_and_w8a8_bench_options_exit_2(argv, capsys):
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
 
 
+def test_serve_bench_code_prompts_are_windows_of_held_out_sources():
+    """`--prompts code`: every prompt is a window of a held-out standard library file's tokens (what the
+    shipped model has not trained on), of the drawn length; the same seed draws the same work."""
+    from dsv4 import defaults
+    from dsv4.bench import serve as bench_serve
+    from dsv4.tokenizer import Tokenizer
+    from dsv4.train.data import find_documents, is_held_out
+
+    tok = Tokenizer.from_file(defaults.shipped_model_dir())
+    pool = bench_serve.code_pool(tok, max_docs=8)
+    held = [n for n, _ in find_documents(None) if is_held_out(n, 2.0)]
+    assert 0 < len(pool) <= 8 and len(held) >= len(pool)
+    assert all(p[0] == tok.bos_id for p in pool)
+    a = build_parser().parse_args(["bench", "serve", "--prompts", "code", "--prompt-len", "40", "--spread", "0.5"])
+    work = bench_serve._work(tok.vocab_size, 12, a, 7, pool)
+    assert work == bench_serve._work(tok.vocab_size, 12, a, 7, pool)
+    for prompt, n in work:
+        assert 20 <= len(prompt) <= 60 and n >= 1  # (the drawn length: these documents are longer)
+        assert any(doc[i : i + len(prompt)] == prompt for doc in pool for i in range(len(doc)))
+    with pytest.raises(UserError, match="tokenizer"):
+        bench_serve.code_pool(None)
+
+
 def test_serve_bench_refuses_bad_settings_before_loading_a_model():
     from dsv4.bench import serve as bench_serve
 
