@@ -79,6 +79,26 @@ class OracleDrafter(Drafter):
         return out
 
 
+def plant(engine: Engine, answers: list[list[int]], wrong) -> OracleDrafter:
+    """`OracleDrafter` for the eager steps, and the same drafts planted into every greedy row before each
+    fixed-shape step (whose greedy variant reads only the draft tokens), replacing what the last step's
+    device drafted."""
+    steps, vocab = engine.spec, engine.vocab
+    inner = steps._fixed
+
+    def fixed(plan):
+        for sch in plan:
+            seq = sch.seq
+            if seq.drafts and seq.params.greedy:
+                c = seq.n_generated
+                want = answers[seq.seed][c : c + len(seq.drafts)]
+                seq.drafts = [(t + 1) % vocab if wrong(c + j) else t for j, t in enumerate(want)]
+        return inner(plan)
+
+    steps._fixed = fixed
+    return OracleDrafter(engine, answers, wrong)
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_speculation_gives_the_plain_tokens_with_drafts_accepted_and_rejected(model, prompts, k):
     params = [greedy(i) for i in range(len(prompts))]
@@ -203,17 +223,20 @@ def test_fixed_shape_greedy_step_gives_the_plain_tokens(model, prompts, k):
     spec, engine = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], speculative=k, pad_steps=True)
     assert spec == plain
     assert engine.spec_stats["fixed_steps"] > 0
-    # with oracle drafts (accepted except every third) the fixed-shape steps accept and roll back
+    # with oracle drafts (accepted except every third) the fixed-shape steps accept and roll back: planted
+    # before each fixed-shape step (every greedy step is one here, prompt steps bucketed), as the eager
+    # steps' drafter would propose them
     spec, engine = run(
         model,
         prompts,
         params,
         speculative=k,
         pad_steps=True,
-        drafter=lambda e: OracleDrafter(e, plain, lambda i: i % 3 == 1),
+        drafter=lambda e: plant(e, plain, lambda i: i % 3 == 1),
     )
     assert spec == plain
-    assert engine.spec_stats["fixed_steps"] > 0
+    st = engine.spec_stats
+    assert st["fixed_steps"] > 0 and 0 < st["accepted"] < st["drafted"]
 
 
 def run_logprobs(model, prompts, params, **config) -> tuple[list[list[tuple[int, float | None]]], Engine]:
