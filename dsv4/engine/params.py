@@ -98,6 +98,11 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def filtered(self) -> bool:
+        """Top-k, top-p or min-p cuts the distribution (the fused plain draw does not)."""
+        return bool(self.top_k) or self.top_p < 1 or self.min_p > 0
+
+    @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 

@@ -95,7 +95,7 @@ class SamplingTensors:
             top_k=ints[:, 0:1],
             seeds=ints[:, 2],
             counters=ints[:, 3],
-            filtered=not plain and any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params),
+            filtered=not plain and any(p.filtered for p in params),
             logprobs=0 if plain else max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
 
@@ -103,7 +103,7 @@ class SamplingTensors:
     def plain(params: Sequence[SamplingParams]) -> bool:
         """Whether the plain draw serves these rows: no filtering, no penalties, no alternatives (a row
         with a token-healing constraint is not plain either: the runner checks its `SampleRow.allowed`)."""
-        return not any(p.top_k or p.top_p < 1 or p.min_p > 0 or p.penalized or p.logprobs for p in params)
+        return not any(p.filtered or p.penalized or p.logprobs for p in params)
 
     @classmethod
     def build(
@@ -190,7 +190,7 @@ class Sampler:
         ).to(dev)
         top_k = torch.tensor([[p.top_k or V] for p in params], dtype=torch.int64).to(dev)
         filtered = None
-        if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params):
+        if any(p.filtered for p in params):
 
             def filtered(scaled: torch.Tensor) -> torch.Tensor:
                 return self._filter(scaled, top_k, floats[:, 2:3], floats[:, 3:4])

@@ -20,6 +20,7 @@ forward (`_forward`: the taps and the draft's context instead of the hidden stat
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -202,7 +203,7 @@ class SpeculativeSteps:
                 or p.logprobs
                 or p.penalized
                 or seq.heal
-                or (not p.greedy and (p.top_k or p.top_p < 1 or p.min_p > 0))
+                or (not p.greedy and p.filtered)
             ):
                 return False
         return all(
@@ -354,7 +355,8 @@ class SpeculativeSteps:
         return graph
 
     def _step_for(self, sampled: bool):
-        return self._sampled_step if sampled else self._fixed_step
+        """The device step of a variant (`_fixed_step`, which DSpark's steps replace; sampled: MTP's only)."""
+        return functools.partial(self._fixed_step, sampled=True) if sampled else self._fixed_step
 
     def _fixed_step(self, ints: torch.Tensor, sampled: bool = False) -> tuple[torch.Tensor, ...]:
         """`spec_step` on a fixed-shape step's integers on the device (capturable)."""
@@ -362,9 +364,6 @@ class SpeculativeSteps:
         tokens, n_drafts, start, wtable, ctable, state = fixed_args(e.runner, ints, sampled=sampled)
         sampling = sampling_args(ints, self.draft_store) if sampled else None
         return spec_step(e.model, e.cache, tokens, start, wtable, ctable, state, n_drafts, sampling, self._share())
-
-    def _sampled_step(self, ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self._fixed_step(ints, sampled=True)
 
     def _share(self):
         """`Runner.share` on several workers, else nothing to share."""

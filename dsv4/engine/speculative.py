@@ -147,7 +147,8 @@ class Drafter:
         params = [r.params for r in live]
         qs: list[torch.Tensor] = []
 
-        filtered = torch.tensor([p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params], device=dev)
+        cut = [p.filtered for p in params]
+        filtered = torch.tensor(cut, device=dev) if any(cut) else None  # (None: every row's fused draw)
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev).double()
         greedy = torch.tensor([p.greedy for p in params], device=dev)
 
@@ -302,12 +303,12 @@ def spec_step(
     d_logits, h = model.draft(hidden, nxt.reshape(1, -1), inputs, cache)
     out = []
     last = inputs.out
+    base = None if sampling is None else sp.counters + accepted + 1  # first next draft's index
     for j in range(k):
         if sampling is None:
             out.append(d_logits.argmax(-1))
         else:
             sp.store[sp.trow, j] = d_logits.float()
-            base = sp.counters + accepted + 1  # the first next draft's index in its sequence
             out.append(draft_draw(d_logits, None, None, sp.temperature, sp.greedy, sp.seeds, base + j))
         if j + 1 == k:
             break
