@@ -31,7 +31,7 @@ case "${1:-}" in
     for t in ${TEMPS:-0 1}; do  # greedy clients, then sampling ones (each request its own seed; TEMPS="0": greedy only)
       for k in 0 3; do  # (k = 3: the fastest MTP setting at batch 1, BENCHMARKS.md)
         "$PY" -m dsv4 bench serve --device cuda --clients 1 4 --requests 8 --output-len 128 --repeats 3 --no-raw \
-          --temperature "$t" --speculative "$k" --prompts "${PROMPTS:-random}" --out "$OUT/serve-spec$k-t$t.json"
+          --temperature "$t" --speculative "$k" --prompts "${PROMPTS:-random}" --out "$OUT/serve-spec$k-t$t-${PROMPTS:-random}.json"
       done
     done ;;
   determ)

@@ -30,6 +30,8 @@ import torch
 
 from ..model.paged import CacheLayout, StepInputs
 
+HEAL_ROWS = 4  # rows under a token-healing constraint that a step with the MTP catch-up draws in its graph
+
 
 @dataclass
 class Row:
@@ -154,8 +156,9 @@ def _bucket_fields(b: Bucket) -> Fields:
     spec += [("out", (b.n_out,))]
     # every out row is drawn in the graph with its settings (`SamplingTensors.pack`: floats as float64 bits)
     spec += [("s_f", (b.n_out, 4)), ("s_i", (b.n_out, 4))]
-    if b.mtp:  # the token after each position: nx, or where nxo >= 0 the step's draw at out row nxo
-        spec += [("nx", (b.tokens,)), ("nxo", (b.tokens,))]
+    if b.mtp:  # the token after each position: nx, or where nxo >= 0 the step's draw at out row nxo;
+        # heal: the out rows drawn under a token-healing constraint (-1: none; `Runner.heal_rows`)
+        spec += [("nx", (b.tokens,)), ("nxo", (b.tokens,)), ("heal", (HEAL_ROWS,))]
     return Fields(spec)
 
 
@@ -178,6 +181,7 @@ def fill_bucket(b: Bucket, decode: list[Row], chunks: list[Row], v: dict[str, np
     if b.mtp:
         v["nx"][:] = 0
         v["nxo"][:] = -1
+        v["heal"][:] = -1
         for i, r in enumerate(decode):
             v["nx"][i], v["nxo"][i] = max(r.after, 0), -1 if r.after >= 0 or not r.want_logits else i
     if nd:

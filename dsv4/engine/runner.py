@@ -26,7 +26,7 @@ from .. import ops
 from ..model import DeepSeekV4
 from ..model.paged import PagedKVCache, StepInputs
 from ..ops.cuda_graphs import capturing
-from .batch import Bucket, Fields, KeepRule, Row, fill_bucket, ragged_fields, step_inputs
+from .batch import HEAL_ROWS, Bucket, Fields, KeepRule, Row, fill_bucket, ragged_fields, step_inputs
 from .cache_manager import BlockTables
 from .mirror import RESTORE, STEP, STOP, TABLES, Mirror
 from .sampling import SampleOutput, Sampler, SamplingParams, SamplingTensors
@@ -50,7 +50,7 @@ class SampleRow:
     seed: int
     counter: int
     penalty: tuple[list[int], list[int]] | None = None  # (output tokens, prompt tokens) of a penalized row
-    allowed: np.ndarray | None = None  # token healing: the ids the row may draw (None: any; drawn eagerly)
+    allowed: np.ndarray | None = None  # token healing: the ids the row may draw (None: any; `Runner.heal_rows`)
 
 
 class Staging:
@@ -251,7 +251,14 @@ class Runner:
         tables.dirty.clear()
         self.sampled = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
         self.sample_lp = torch.zeros(self.max_rows, dtype=torch.float32, device=self.device)
-        self.logits_buf = torch.zeros(n_out, vocab, dtype=torch.float32, device=self.device) if self.pad else None
+        # token healing in a step with the MTP catch-up: up to heal_rows constrained rows are drawn in its graph,
+        # their allowed tokens in heal_mask (elsewhere a constrained row is drawn after the graph, eagerly);
+        # logits_buf's last heal_rows rows take the masking of the unused ones
+        self.heal_rows = HEAL_ROWS if mtp and mirror is None else 0
+        self.heal_mask = torch.ones(self.heal_rows, vocab, dtype=torch.bool, device=self.device)
+        self.heal_spare = torch.arange(n_out, n_out + HEAL_ROWS, device=self.device)
+        rows = n_out + (HEAL_ROWS if mtp else 0)
+        self.logits_buf = torch.zeros(rows, vocab, dtype=torch.float32, device=self.device) if self.pad else None
         self.sampler = Sampler()
         self.graphs: dict[Bucket, BucketGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
@@ -319,6 +326,12 @@ class Runner:
         else:
             logits = self.forward(t)
         self.logits_buf[:n].copy_(logits)
+        if bucket.mtp and self.heal_rows:  # the constrained rows' disallowed tokens to -inf (spare rows: none)
+            h = t["heal"]
+            idx = torch.where(h >= 0, h, self.heal_spare)
+            rows = self.logits_buf.index_select(0, idx).masked_fill(~self.heal_mask, float("-inf"))
+            self.logits_buf.index_copy_(0, idx, rows)
+            logits = self.logits_buf[:n]
         st = SamplingTensors.unpack(t["s_f"].view(torch.float64), t["s_i"], None)
         out = self.sampler.sample(logits, st)
         self.sampled[:n].copy_(out.tokens)
@@ -436,7 +449,12 @@ class Runner:
             out_rows = [logits_rows[i] for i, _ in samples]
         at = self._sync_tables(host, fields.size)
         constrained = [s.allowed for _, s in samples]
-        plain = bucket is not None and SamplingTensors.plain(params) and all(c is None for c in constrained)
+        healing = [j for j, c in enumerate(constrained) if c is not None]
+        in_graph = bucket is not None and bucket.mtp and len(healing) <= self.heal_rows  # (mask applied there)
+        plain = bucket is not None and SamplingTensors.plain(params) and (not healing or in_graph)
+        if plain and healing:
+            v["heal"][: len(healing)] = [out_rows[j] for j in healing]
+            self.heal_mask[: len(healing)].copy_(self.allowed_mask([constrained[j] for j in healing]))
         if self.mtp and n and not plain:  # its MTP catch-up reads the graph's draws
             raise RuntimeError("a step with the MTP catch-up must be bucketed and draw every row in its graph")
         pick = sf = si = None

@@ -118,11 +118,11 @@ class SpeculativeSteps:
             return []
         if self._fixed_ok(plan) or self._split_ok(plan):
             inside = e.timing["wait"] + e.timing["post"]  # (the steps time their own read and bookkeeping)
-            outputs = self._fixed(plan) if not any(sch.seq.prefilling for sch in plan) else self._split(plan)
+            outputs = self._split(plan) if any(map(self._bucketed, plan)) else self._fixed(plan)
             e.timing["schedule"] += t1 - t0
             e.timing["launch"] += time.perf_counter() - t1 - (e.timing["wait"] + e.timing["post"] - inside)
             return outputs
-        self._prompt = {id(sch.seq) for sch in plan if sch.seq.prefilling}  # (they draft from the next step)
+        self._prompt = {id(sch.seq) for sch in plan if self._bucketed(sch)}  # (they draft from the next step)
         rows: list[Row] = []
         for sch in plan:
             seq, n, s = sch.seq, sch.n, sch.seq.computed
@@ -211,28 +211,37 @@ class SpeculativeSteps:
             for sch in plan
         )  # the next drafts' positions too (their MTP rows are written now)
 
+    @staticmethod
+    def _bucketed(sch: Scheduled) -> bool:
+        """Whether a row goes through the engine's bucketed step, not the fixed-shape one: prompt chunks, and
+        decodes under a token-healing constraint (which draft nothing: `_draft`)."""
+        return sch.seq.prefilling or bool(sch.seq.heal)
+
     def _split_ok(self, plan: list[Scheduled]) -> bool:
-        """Prompt chunks that a bucket's graph runs with the MTP catch-up (`Runner(mtp=True)`: drawn in the
-        graph, no healing constraint) beside decodes that the fixed-shape step takes."""
+        """Prompt chunks and healing decodes that a bucket's graph runs with the MTP catch-up (`Runner(mtp=True)`:
+        drawn in the graph, at most `Runner.heal_rows` of them under a constraint) beside decodes that the
+        fixed-shape step takes."""
         r = self.engine.runner
         if not (r.mtp and r.pad):
             return False
-        prompt = [sch for sch in plan if sch.seq.prefilling]
-        if not prompt or any(sch.seq.heal or not SamplingTensors.plain([sch.seq.params]) for sch in prompt):
+        bucketed = [sch for sch in plan if self._bucketed(sch)]
+        if not bucketed or any(sch.seq.drafts or not SamplingTensors.plain([sch.seq.params]) for sch in bucketed):
             return False
-        slots = sum(-(-sch.n // r.slot_len) for sch in prompt if sch.n > 1)
-        if r.bucket_for(sum(sch.n == 1 for sch in prompt), slots) is None:
+        if sum(bool(sch.seq.heal) for sch in bucketed) > r.heal_rows:
             return False
-        decode = [sch for sch in plan if not sch.seq.prefilling]
+        slots = sum(-(-sch.n // r.slot_len) for sch in bucketed if sch.n > 1)
+        if r.bucket_for(sum(sch.n == 1 for sch in bucketed), slots) is None:
+            return False
+        decode = [sch for sch in plan if not self._bucketed(sch)]
         return not decode or self._fixed_ok(decode)
 
     def _split(self, plan: list[Scheduled]) -> list[StepOutput]:
-        """The prompt chunks through the engine's bucketed step (its graph writes the MTP block's rows too:
-        a sequence whose prompt ends here decodes its next token in a fixed-shape step with no drafts, and
-        drafts from there), then the decodes in the fixed-shape step."""
+        """The prompt chunks (and healing decodes) through the engine's bucketed step (its graph writes the
+        MTP block's rows too: a sequence whose prompt ends here decodes its next token in a fixed-shape step
+        with no drafts, and drafts from there), then the decodes in the fixed-shape step."""
         e = self.engine
-        decode = [sch for sch in plan if not sch.seq.prefilling]
-        prompt = e._launch([sch for sch in plan if sch.seq.prefilling])  # (read after the decodes' step)
+        decode = [sch for sch in plan if not self._bucketed(sch)]
+        prompt = e._launch([sch for sch in plan if self._bucketed(sch)])  # (read after the decodes' step)
         outputs = []
         if decode:
             outputs = self._fixed(decode)
@@ -450,8 +459,8 @@ class SpeculativeSteps:
                 continue
             end = s + m  # the next main input's position, when caught up
             k = 0
-            # no drafts yet under a healing constraint, nor after a prompt chunk: a sequence's first token after
-            # its prompt is drawn plainly on every path (`_split`'s bucketed steps draft nothing)
+            # no drafts after a prompt chunk or a draw under a healing constraint: such tokens are drawn plainly
+            # on every path (`_split`'s bucketed steps draft nothing)
             if end == len(seq.tokens) - 1 and not seq.heal and id(seq) not in self._prompt:
                 k = min(self.k, e.max_model_len - 1 - end, seq.params.max_tokens - seq.n_generated - 1)
                 if k > 0 and not e.manager.allocate(seq.pages, end, end + k + 1):

@@ -241,6 +241,31 @@ def test_speculative_decoding_keeps_the_constraint_and_the_greedy_tokens(model, 
     assert all(c.healed_text for c in plain)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_healing_keeps_a_padded_speculative_engine_on_its_fixed_shapes(model, tok, vocab, temperature):
+    """Padded (as on a GPU, where each shape is a CUDA graph), a speculative engine draws a healing row in
+    its bucketed step, under a mask the step itself applies: no step runs ragged (a new shape, eager, on a
+    GPU), and the tokens are those of the eager speculative steps (greedy: plain decoding's too)."""
+    prompts = [GCD, "def greatest_common_divi", "for i in range(10): ", "import o"]
+    healed = [heal(vocab, tok.encode(p, bos=True)) for p in prompts]
+    assert all(h.text for h in healed)
+    kw = dict(max_new_tokens=6, temperature=temperature, seed=5, tokenizer=tok)
+
+    def engine(**config):
+        cfg = EngineConfig(max_seqs=4, max_model_len=128, deterministic=True, speculative=2, **config)
+        return Engine(model, cfg, tokenizer=tok, detokenize=False)
+
+    eager = generate(model, healed, engine=engine(), **kw)
+    padded = engine(pad_steps=True)
+    assert generate(model, healed, engine=padded, **kw) == eager
+    r = padded.runner
+    assert r.eager_steps == r.padded_steps > 0  # every step bucketed or fixed-shape: none ragged
+    for h, out in zip(healed, eager):
+        assert _bytes(vocab, out).startswith(h.text.encode())
+    if temperature == 0:
+        assert eager == generate(model, healed, deterministic=True, **kw)
+
+
 def test_generate_command_heals_text_prompts_unless_told_not_to(capsys):
     assert main(["generate", GCD, "--max-new-tokens", "4", "--json"]) == 0
     on = json.loads(capsys.readouterr().out)
