@@ -1,8 +1,8 @@
-"""Batch-1 greedy decode with and without speculative decoding (the MTP draft, a DSpark draft), in one
-process.
+"""Greedy decode with and without speculative decoding (the MTP draft, a DSpark draft), in one process.
 
     python3 scripts/bench_speculative.py [--device cuda] [--model DIR] [--tokens 256] [--k 1 2 3]
                                          [--dspark DIR [--dspark-k 3 5] [--threshold 0 0.5]]
+                                         [--batch 4] [--profile]
 
 Loads the model once (default: the shipped model; its MTP block drafts for --k), and with --dspark a
 checkpoint of the same main model whose draft is DSpark (`dsv4 train --model DIR --draft dspark
@@ -11,7 +11,10 @@ survival threshold, 0 = always k). Per setting (speculation off, k drafts) build
 graphs and runs every prompt once untimed (so no timed run captures a graph or compiles a kernel), then
 times --repeats runs over the prompts and prints the median tokens/s with min and max, the speed-up over
 plain decoding, acceptance, tokens per verify step, drafts verified per decode row, and whether the tokens
-equal plain decoding's (of the DSpark checkpoint's own main model for its settings).
+equal plain decoding's (of the DSpark checkpoint's own main model for its settings). --batch B decodes B
+prompts at once (the prompts in turn), each run B requests in one engine. --profile (CUDA) adds, per
+setting, the kernels of 10 steps of a full batch under the torch profiler: GPU-busy ms and kernels per
+step, and the largest kernels (a diagnostic: one profiled window, no spread).
 """
 
 from __future__ import annotations
@@ -35,25 +38,47 @@ PROMPTS = (
 )
 
 
-def run(engine: Engine, prompt: list[int], tokens: int) -> tuple[list[int], float, dict]:
-    """One prompt through a warm engine: (tokens, seconds, the engine's speculative counters of this run)."""
+def run(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], float, dict]:
+    """Prompts decoded together through a warm engine: (each one's tokens, seconds, the engine's speculative
+    counters of this run)."""
     before = engine.metrics()["speculative"]  # (a copy of the counters)
-    engine.add_request(
-        f"r{time.perf_counter_ns()}", prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    )
-    out = []
+    ids = []
+    for p in prompts:
+        ids.append(f"r{time.perf_counter_ns()}")
+        engine.add_request(ids[-1], p, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    out: dict[str, list[int]] = {i: [] for i in ids}
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     while engine.has_work():
         for o in engine.step():
-            out += o.new_tokens
+            out[o.request_id] += o.new_tokens
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     after = engine.spec_stats
     diff = {k: after[k] - before[k] for k in after if k != "verify_lengths"}
     diff["verify_lengths"] = [a - b for a, b in zip(after["verify_lengths"], before["verify_lengths"])]
-    return out, time.perf_counter() - t0, diff
+    return [out[i] for i in ids], time.perf_counter() - t0, diff
+
+
+def batches(prompts: list[list[int]], b: int) -> list[list[list[int]]]:
+    """A run's requests, b at a time: as many batches as prompts, batch i from prompt i on, in turn."""
+    return [[prompts[(i + j) % len(prompts)] for j in range(b)] for i in range(len(prompts))]
+
+
+def profile(engine: Engine, batch: list[list[int]], tokens: int) -> dict:
+    """10 steps of a full batch under the torch profiler (after 4 steps): kernels and GPU time per step."""
+    from dsv4.bench.e2e import kernel_table
+
+    for i, p in enumerate(batch):
+        engine.add_request(f"prof{i}", p, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    busy, n, rows = kernel_table(engine.step, 10)
+    while engine.has_work():
+        engine.step()
+    top = [[name[:80], round(ms, 4), round(k, 1)] for name, ms, k in rows[:12]]
+    return {"gpu_busy_ms_per_step": round(busy, 3), "kernels_per_step": round(n, 1), "top_kernels": top}
 
 
 def measure(
@@ -64,7 +89,7 @@ def measure(
     engine = Engine(
         model,
         EngineConfig(
-            max_seqs=1,
+            max_seqs=a.batch,
             speculative=k,
             speculative_threshold=threshold,
             cuda_graphs=graphs,
@@ -73,17 +98,18 @@ def measure(
         ),
     )
     engine.warmup()
-    for p in prompts:  # untimed: every graph and kernel shape of the run
-        run(engine, p, a.tokens)
+    work = batches(prompts, a.batch)
+    for b in work:  # untimed: every graph and kernel shape of the run
+        run(engine, b, a.tokens)
     rates, outs = [], []
     stats = {"drafted": 0, "accepted": 0, "verify_steps": 0, "verify_lengths": [0] * 16}
     timing, steps = dict(engine.timing), engine.stats["steps"]
     for _ in range(a.repeats):
         n, secs, outs = 0, 0.0, []
-        for p in prompts:
-            o, s, st = run(engine, p, a.tokens)
-            outs.append(o)
-            n, secs = n + len(o), secs + s
+        for b in work:
+            o, s, st = run(engine, b, a.tokens)
+            outs += o
+            n, secs = n + sum(map(len, o)), secs + s
             for key in ("drafted", "accepted", "verify_steps"):
                 stats[key] += st[key]
             stats["verify_lengths"] = [x + y for x, y in zip(stats["verify_lengths"], st["verify_lengths"])]
@@ -101,6 +127,8 @@ def measure(
         row["tokens_per_verify"] = 1 + stats["accepted"] / max(1, stats["verify_steps"])
         row["drafts_verified_per_row"] = sum(i * c for i, c in enumerate(stats["verify_lengths"])) / rows
         row["verify_lengths"] = {i: c for i, c in enumerate(stats["verify_lengths"]) if c}
+    if a.profile and engine.device.type == "cuda":
+        row["profile"] = profile(engine, work[0], a.tokens)
     del engine
     return row, outs
 
@@ -121,7 +149,11 @@ def main() -> None:
         help="DSpark survival thresholds of the verify length (0 = always k)",
     )
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per setting (default 5): median, min, max")
+    ap.add_argument("--batch", type=int, default=1, help="requests decoded at once (default 1)")
+    ap.add_argument("--profile", action="store_true", help="CUDA: the kernels of 10 steps per setting (diagnostic)")
     a = ap.parse_args()
+    if a.batch < 1:
+        ap.error(f"--batch must be >= 1, got {a.batch}")
     path = a.model or defaults.shipped_model_dir()
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32  # the fused GPU kernels' dtype
     model = load_pretrained(path, device=a.device, dtype=dtype, progress=False).eval()
@@ -132,6 +164,7 @@ def main() -> None:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "tokens": a.tokens,
+        "batch": a.batch,
         "repeats": a.repeats,
         "settings": {},
     }
