@@ -61,9 +61,9 @@ class WeightBytes:
     stored: int  # on disk in the release layout (config's dtype / expert_dtype)
     by_format: dict  # stored bytes by safetensors dtype
     # the bf16 parts (three per fp32 element: 6 bytes) of the fp32 projections' weights (head, compressors)
-    # that a GPU engine keeps once split (`ops.keep_splits`; the bf16x3 backend, which CUDA runs from 64
-    # rows of bf16 activations, so 0 in other dtypes): an upper bound, as a weight is split at its first
-    # such call
+    # that a GPU engine keeps once split (`ops.keep_splits`; the bf16x3 backend, which CUDA runs from 2 rows
+    # of bf16 activations, `torch_native.prefers_split`, so 0 in other dtypes): an upper bound, as a weight is
+    # split at its first such call
     splits: int = 0
 
 

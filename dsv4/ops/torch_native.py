@@ -73,7 +73,21 @@ register("moe_experts", "grouped", grouped_moe_experts, can_run=_grouped_can_run
 
 
 # ----------------------------------------------------------------------------- fp32 projections
-BF16X3_MIN_ROWS = 64  # default selection from this many rows (a GEMV reads W's three parts: slower)
+# When bf16x3 is the default on CUDA (`prefers_split`), from `python3 scripts/bench_linear_fp32.py` on an H200
+# (BENCHMARKS.md): at one row the fp32 GEMV is faster (it reads 4 bytes per weight, the split 6); from two
+# rows the split's tensor-core GEMM is faster for weights up to 4096 x 4096 and more (cuBLAS's fp32 kernels
+# for 2-32 rows took 2-11x longer there, 34-55 us at 8-16 rows of a 256 x 256 weight); a weight the size of
+# a vocabulary head stays faster in fp32 up to 4 rows, where reading it is the whole cost.
+BF16X3_MIN_ROWS = 8  # the split from this many rows whatever the weight
+BF16X3_SMALL_ROWS = 2  # ... and from this many where the weight has at most BF16X3_SMALL_WEIGHT elements
+BF16X3_SMALL_WEIGHT = 1 << 24
+
+
+def prefers_split(rows: int, weight_elements: int) -> bool:
+    """Whether `linear_fp32`'s default on CUDA is the bf16x3 split for a call of `rows` rows of x."""
+    if rows >= BF16X3_MIN_ROWS:
+        return True
+    return rows >= BF16X3_SMALL_ROWS and weight_elements <= BF16X3_SMALL_WEIGHT
 
 
 def bf16_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -192,7 +206,7 @@ def _bf16x3_can_run(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 
 
 def _bf16x3_prefer(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.is_cuda and x.numel() // x.size(-1) >= BF16X3_MIN_ROWS
+    return x.is_cuda and prefers_split(x.numel() // x.size(-1), weight.numel())
 
 
 register(

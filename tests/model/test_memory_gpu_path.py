@@ -49,7 +49,7 @@ def test_moe_saves_what_the_estimate_counts():
     b, s = 2, 22  # token and slot counts unlike any weight dimension (the copies are told by shape)
     x = torch.randn(b, s, cfg.dim).to(torch.bfloat16).requires_grad_()
     tokens = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
-    # the router's fp32 projection as CUDA runs it from 64 rows on: bf16x3 (saves the bf16 input itself)
+    # the router's fp32 projection as CUDA runs it at these rows: bf16x3 (saves the bf16 input itself)
     with ops.which_ran() as ran, ops.use_backend({"linear_fp32": "bf16x3"}, inherit=True):
         saved, copies = _saved_bytes(model, lambda: moe(x, tokens, {}, 1e-4))
     assert ran["moe_experts"] == ["triton"] and ran["linear_fp32"] == ["bf16x3"]

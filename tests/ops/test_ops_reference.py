@@ -339,3 +339,15 @@ def test_linear_fp32_bf16x3_refuses_and_is_default_only_on_gpus():
         ops.linear_fp32(torch.randn(4, 16, dtype=torch.bfloat16), w.bfloat16(), backend="bf16x3")
     ops.linear_fp32(torch.randn(128, 16, dtype=torch.bfloat16), w)  # CPU: the reference stays default
     assert ops.last_backend("linear_fp32") == "reference"
+
+
+def test_the_bf16x3_split_is_the_gpu_default_where_it_was_measured_faster():
+    """The selection rule (`torch_native.prefers_split`) at the crossovers of `scripts/bench_linear_fp32.py`
+    on an H200: a one-row GEMV stays fp32 (it reads fewer bytes); from two rows the split wins for weights
+    up to 4096 x 4096; a vocabulary head's weight stays fp32 below 8 rows."""
+    from dsv4.ops.torch_native import prefers_split
+
+    head, compressor = 129280 * 4096, 1024 * 4096
+    assert not any(prefers_split(1, n) for n in (256 * 256, compressor, head))
+    assert all(prefers_split(m, n) for m in (2, 4, 16) for n in (256 * 256, compressor, 4096 * 4096))
+    assert not prefers_split(4, head) and all(prefers_split(m, head) for m in (8, 64, 128))
