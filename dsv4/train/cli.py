@@ -193,6 +193,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--time-budget-s", type=argtypes.positive_float, help="shorten --steps so training fits this many seconds"
     )
+    p.add_argument(
+        "--stop-after-s",
+        type=argtypes.positive_float,
+        help="end this invocation after this many seconds of training steps, saving a checkpoint that --resume "
+        "continues from with the same schedule (a long run in stages; the run's end exports and samples)",
+    )
     options.add(p, "threads", default=None)
     p.add_argument(
         "--skip-nonfinite",

@@ -77,6 +77,8 @@ class TrainConfig:
     sample_prompt: str = "import os\n\ndef "
     peak_tflops: float | None = None
     time_budget_s: float = 0.0  # >0: cut `steps` so training fits this wall time
+    stop_after_s: float = 0.0  # >0: end this invocation after so many seconds of steps, with a checkpoint
+    # to resume from (the schedule of `steps` unchanged: a long run in stages)
     threads: int = 0  # CPU threads for torch (0 = torch's default)
     progress: bool = True
     skip_nonfinite: bool = False  # skip a step whose loss or gradients are NaN/Inf

@@ -85,6 +85,13 @@ class Trainer:
             resolve_device(cfg.device)
         if cfg.export and os.path.lexists(cfg.export):  # refused now, not after the whole run
             raise UserError(f"--export {cfg.export}: already exists; choose a new destination")
+        if cfg.stop_after_s and cfg.save_every is not None and cfg.save_every < 0:
+            raise UserError("--stop-after-s ends a stage with a checkpoint to resume from: not with --save-every -1")
+        if cfg.stop_after_s and cfg.time_budget_s:
+            raise UserError(
+                "--stop-after-s with --time-budget-s: each stage would shorten the schedule from its own speed; "
+                "give the run's --steps instead"
+            )
         self.dist = _distributed_module()
         self.rank, self.world = 0, 1
         if self.dist is not None:
@@ -614,6 +621,7 @@ class Trainer:
         tokens_done = 0
         step_times: list[float] = []
         first_step = self.step
+        stopped = False  # by stop_after_s: a stage of a longer run
         while self.step < c.steps:
             batch = self.loader.next_batch()
             t0 = time.perf_counter()
@@ -652,6 +660,9 @@ class Trainer:
                 )
             if c.save_every > 0 and self.step % c.save_every == 0:
                 self.save_checkpoint()
+            if c.stop_after_s and self.step < c.steps and self._mean(time.perf_counter() - t_start) >= c.stop_after_s:
+                stopped = True  # (every rank decides on the same mean)
+                break
         if bar is not None:
             bar.close()
         wall = time.perf_counter() - t_start
@@ -665,6 +676,13 @@ class Trainer:
             summary["checkpoint"] = str(self.save_checkpoint())
         elif c.save_every >= 0:
             self.save_checkpoint()
+        if stopped:  # a stage: the run's end (sample, export) comes with its last stage
+            if self.rank == 0:
+                summary["stopped"] = f"after {wall:.0f} s at step {self.step} of {c.steps}: --resume continues"
+                self.log(f"stage done: {summary['stopped']}")
+                self.jsonl.write({"event": "stage", **summary})
+            self._barrier()
+            return summary
         # After the last step every rank takes the same path: a sharded model cannot sample or export on one
         # rank (its FSDP gathers and expert exchanges need every rank), so all ranks gather one plain copy
         # (a collective), rank 0 alone samples / exports with it, and the others wait at a barrier.

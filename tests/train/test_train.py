@@ -16,6 +16,7 @@ import torch
 from subproc import checkout_env
 
 from dsv4.config import ModelConfig
+from dsv4.errors import UserError
 from dsv4.model import DeepSeekV4
 from dsv4.tokenizer import Tokenizer
 from dsv4.train import balance, checkpoint, data, losses, optim
@@ -387,6 +388,36 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
         assert key in step_rows[0], key
     assert step_rows[0]["nonfinite"] == 0 and 0 <= step_rows[0]["mhc_violation"] < 1e-2
     assert rows[0]["event"] == "start" and rows[0]["param_dtypes"] == {"float32": rows[0]["params"]}
+
+
+def test_a_run_in_stages_ends_with_the_uninterrupted_runs_weights(tmp_path):
+    """--stop-after-s: each invocation stops at a step boundary with a checkpoint, --resume continues the same
+    schedule; only the last stage exports. Here every stage stops after its first step."""
+    quiet = dict(eval_every=0, diag_every=0)
+    full = Trainer(_train_cfg(tmp_path, **quiet), log=lambda *_: None)
+    full.fit()
+    final = {k: v.clone() for k, v in full.model.state_dict().items()}
+    out, export = tmp_path / "staged", tmp_path / "export"
+    summaries = []
+    for _ in range(6):
+        cfg = _train_cfg(tmp_path, **quiet, out=str(out), resume="auto", stop_after_s=1e-9, export=str(export))
+        t = Trainer(cfg, log=lambda *_: None)
+        summaries.append(t.fit())
+        if "stopped" not in summaries[-1]:
+            break
+        assert not export.exists()
+    assert [s["steps"] for s in summaries] == [1, 2, 3, 4] and "stopped" not in summaries[-1]
+    assert summaries[0]["stopped"].endswith("at step 1 of 4: --resume continues")
+    assert (export / "config.json").exists()
+    for k, v in t.model.state_dict().items():
+        assert torch.equal(v, final[k]), k
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "grad_norm" in r] == [1, 2, 3, 4]
+    assert sum(r.get("event") == "stage" for r in rows) == 3
+    with pytest.raises(UserError, match="not with --save-every -1"):
+        Trainer(_train_cfg(tmp_path, stop_after_s=60, save_every=-1), log=lambda *_: None)
+    with pytest.raises(UserError, match="give the run's --steps"):
+        Trainer(_train_cfg(tmp_path, stop_after_s=60, time_budget_s=600), log=lambda *_: None)
 
 
 def test_corrupt_checkpoint_is_refused(tmp_path):
