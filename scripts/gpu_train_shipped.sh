@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Train the larger shipped-model candidate (dsv4/train/recipes/pycode-base.toml) on one GPU in stages, each
+# short enough for a command limit, every stage resuming from the last one's checkpoint on this machine.
+#   RUN=/some/dir MINUTES=25 bash scripts/gpu_train_shipped.sh probe   # corpus, tokenized data, speed -> steps
+#   RUN=/some/dir STAGE_S=480 bash scripts/gpu_train_shipped.sh stage  # one stage (repeat until it says done)
+#   RUN=/some/dir OUT=/dir bash scripts/gpu_train_shipped.sh finish    # export, FP8 + MXFP4 copy, evaluations
+# probe: writes $RUN/corpus.json (stdlib + installed packages), tokenizes it into $RUN/cache, times 30 steps
+# and writes $RUN/steps: the steps that fill MINUTES of training at that speed. stage: trains for STAGE_S
+# seconds (`--stop-after-s`) from the run's latest checkpoint and prints the stage's summary; the stage that
+# reaches the last step exports $RUN/export (bf16). finish: `dsv4 convert --to fp8 --expert-dtype fp4`
+# into $OUT/model (the shipped layout) and `dsv4 eval heldout` / `completions` on it and on the shipped model,
+# JSON under $OUT.
+# SMOKE=1 runs every part at toy sizes (a CPU check of the pipeline, not a training run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+RUN=${RUN:-runs/pycode}
+OUT=${OUT:-$RUN/out}
+MINUTES=${MINUTES:-25}
+STAGE_S=${STAGE_S:-480}
+RECIPE=dsv4/train/recipes/pycode-base.toml
+TOK=dsv4/assets/stdlib-v4-mini
+mkdir -p "$RUN" "$OUT"
+COMMON=(--train-config "$RECIPE" --data "$RUN/corpus.json" --tokenizer "$TOK" --cache-dir "$RUN/cache" --no-progress)
+if [ "${SMOKE:-0}" = 1 ]; then  # toy sizes: the pipeline on a CPU
+  COMMON+=(--max-docs 40 --held-out-pct 20 --batch-size 2 --seq-len 128 --eval-every 2 --eval-windows 2
+    --diag-every 0 --save-every 2 --sample-prompt "")
+  PACKAGES=(--packages)  # the standard library alone
+  PROBE_STEPS=3
+else
+  COMMON+=(--cuda-graph)
+  PACKAGES=()
+  PROBE_STEPS=30
+fi
+
+case "${1:-}" in
+  probe)
+    [ -f "$RUN/corpus.json" ] || "$PY" -m dsv4.train.corpus --out "$RUN/corpus.json" "${PACKAGES[@]}"
+    "$PY" -m dsv4 train "${COMMON[@]}" --steps "$PROBE_STEPS" --save-every -1 --eval-every 0 --sample-prompt "" \
+      --out "$RUN/probe" --json | tail -1 > "$RUN/probe.json"
+    "$PY" - "$RUN" "$MINUTES" "$RECIPE" "${SMOKE:-0}" <<'EOF'
+import json, sys, tomllib
+run, minutes, recipe, smoke = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+probe = json.load(open(f"{run}/probe.json"))
+r = tomllib.load(open(recipe, "rb"))
+tokens = 2 * 128 if smoke else r["batch_size"] * r["seq_len"]
+tps = probe["mean_tokens_per_s"]
+steps = max(4, int(minutes * 60 * tps / tokens * 0.93))  # (evaluations and checkpoints: about 7%)
+open(f"{run}/steps", "w").write(f"{steps}\n")
+print(f"probe: {tps:,.0f} tokens/s -> {steps} steps of {tokens} tokens in {minutes:g} minutes")
+EOF
+    ;;
+  stage)
+    [ -f "$RUN/steps" ] || { echo "error: no $RUN/steps: run the probe first" >&2; exit 2; }
+    args=(--steps "$(cat "$RUN/steps")" --out "$RUN/train" --resume --stop-after-s "$STAGE_S")
+    [ -e "$RUN/export" ] || args+=(--export "$RUN/export")
+    "$PY" -m dsv4 train "${COMMON[@]}" "${args[@]}" --json | tail -1 | tee "$RUN/stage.json"
+    if grep -q '"stopped"' "$RUN/stage.json"; then echo "stage: more to do"; else echo "stage: done"; fi
+    ;;
+  finish)
+    [ -d "$RUN/export" ] || { echo "error: no $RUN/export: the last stage has not run" >&2; exit 2; }
+    [ -e "$OUT/model" ] || "$PY" -m dsv4 convert --model "$RUN/export" --to fp8 --expert-dtype fp4 --shard-gb 0.015 \
+      "$OUT/model"
+    cp "$RUN/train/metrics.jsonl" "$OUT/" 2>/dev/null || true
+    cp "$RUN/train/loss.png" "$OUT/" 2>/dev/null || true
+    du -b "$OUT/model"/* | sort -n | tail -3
+    for m in shipped candidate; do  # the shipped model and the candidate, measured the same way, here
+      model=(); [ $m = candidate ] && model=(--model "$OUT/model")
+      "$PY" -m dsv4 eval heldout "${model[@]}" --json > "$OUT/heldout-$m.json" || true
+      "$PY" -m dsv4 eval completions "${model[@]}" --json > "$OUT/completions-$m.json" || true
+    done
+    tail -c 400 "$OUT"/heldout-*.json "$OUT"/completions-*.json
+    ;;
+  *)
+    sed -n 2,12p "$0"; exit 2 ;;
+esac
