@@ -395,6 +395,12 @@ def bench_optimizer(model, args, device, path: str) -> dict:
     sec = reps[len(reps) // 2]
     n_muon = len(opt.muon_params)
     impl = opt.implementation
+    from ..train import metrics
+    from ..train.muon_batched import newton_schulz_flops
+
+    # the Newton-Schulz products alone, and the time they take at the device's bf16 peak: a floor of the step
+    ns = newton_schulz_flops([tuple(p.shape[-2:]) for p in opt.muon_params])
+    peak = metrics.peak_tflops(device, None)
     row = {
         "bench": "train",
         "path": path,
@@ -403,6 +409,8 @@ def bench_optimizer(model, args, device, path: str) -> dict:
         "s_reps": [round(t, 5) for t in reps],
         "ms_per_step": round(sec * 1e3, 3),
         "muon_matrices": n_muon,
+        "newton_schulz_flops": ns,
+        "newton_schulz_ms_at_peak": round(ns / (peak * 1e12) * 1e3, 3) if peak else None,
         "adamw_tensors": len(opt.adamw_names),
         "muon": impl["muon"],
         "adamw": impl["adamw"],
@@ -576,6 +584,8 @@ def render(result: dict) -> str:
             "adamw",
             "cuda_graph",
             "muon_matrices",
+            "newton_schulz_flops",
+            "newton_schulz_ms_at_peak",
             "optimizer",
         )
         extra = {k: r[k] for k in keys if k in r}

@@ -53,6 +53,16 @@ def batched_newton_schulz(g: torch.Tensor, coeffs, steps: int, eps: float) -> to
     return x.mT if wide else x
 
 
+def newton_schulz_flops(shapes: list[tuple[int, int]], steps: int = NS_STEPS) -> int:
+    """Floating-point operations of `batched_newton_schulz` on matrices of these [rows, cols] shapes: per
+    iteration, with m <= n the two sides, x x^T (2 m^2 n), G G (2 m^3) and (b G + c G G) x (2 m^2 n)."""
+    total = 0
+    for rows, cols in shapes:
+        m, n = min(rows, cols), max(rows, cols)
+        total += steps * (4 * m * m * n + 2 * m**3)
+    return total
+
+
 def ns_iteration(x: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
     """One quintic Newton-Schulz iteration on each matrix of x [E, m, n] (m <= n), in x's dtype:
     G = x x^T, x <- a x + (b G + c G G) x (fp32 sums inside the matmuls, one rounding per product)."""

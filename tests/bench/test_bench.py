@@ -95,6 +95,18 @@ def test_optimizer_only_times_both_paths_on_a_micro_model():
     assert [r["path"] for r in rows] == ["fast", "old"] and all(r["ms_per_step"] > 0 for r in rows)
     assert [r["adamw"] for r in rows] == ["fused", "default"] and rows[0]["muon_matrices"] > 0
     assert [r["muon"] for r in rows] == ["batched", "per-matrix"] and not any(r["cuda_graph"] for r in rows)
+    # the Newton-Schulz products of a step: torch's FLOP counter over one orthogonalization of each Muon matrix
+    # (a CPU has no known bf16 peak: no floor)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dsv4.train.muon_batched import NS_COEFFICIENTS, NS_STEPS, batched_newton_schulz
+    from dsv4.train.optim import MuonAdamW, OptimConfig
+
+    with FlopCounterMode(display=False) as fc:
+        for v in MuonAdamW(m, OptimConfig()).muon_params:
+            batched_newton_schulz(v.detach().unsqueeze(0), NS_COEFFICIENTS, NS_STEPS, 1e-7)
+    assert all(r["newton_schulz_flops"] == fc.get_total_flops() > 0 for r in rows)
+    assert all(r["newton_schulz_ms_at_peak"] is None for r in rows)
     lines = e2e.render(_result(rows, preset="micro", dtype="fp32", speedup=1.5)).splitlines()
     assert lines[1].startswith("train    fast") and "ms/optimizer step" in lines[1] and "'adamw': 'fused'" in lines[1]
     assert lines[-1] == "speed-up fast / old: 1.5x" and not any("backends" in ln for ln in lines)
