@@ -6,8 +6,8 @@ and drafts the next k for each sequence (`speculative.Drafter`). Where steps are
 `EngineConfig.pad_steps`, several workers on CPUs), a step of decodes with at most k drafts each, greedy or
 sampled without top-k / top-p / min-p, runs at a fixed shape (`speculative.spec_step`: a greedy and a
 sampled variant per batch bucket, every graph captured at warm-up), and a step with prompt chunks runs
-them in the engine's bucketed step, whose graph also runs the MTP block's catch-up (`_split`); other
-steps run eagerly.
+them in the engine's bucketed step, whose graph also runs the MTP block's catch-up (`_split`), as it does
+the decodes of a token-healing constraint (their draw masked in the graph); other steps run eagerly.
 
 On several workers (`dsv4.engine.mirror`) rank 0 runs these steps and the others `follow`: each step's
 rows (VERIFY), the draft's rows with the tokens rank 0 accepted (DRAFT) and the fixed-shape step's inputs
@@ -91,7 +91,7 @@ class SpeculativeSteps:
         self.graphs: dict[tuple[int, int, bool], FixedStepGraph] = {}
         self.stats = new_stats()
         self._aux = None  # a follower: what the last VERIFY left for the DRAFT after it
-        self._prompt: set[int] = set()  # the eager step's sequences that ran prompt chunks
+        self._prompt: set[int] = set()  # the eager step's sequences that `_split` would bucket (no drafts after)
 
     @property
     def drafter(self) -> Drafter:
