@@ -252,7 +252,7 @@ def test_healing_keeps_a_padded_speculative_engine_on_its_fixed_shapes(model, to
     kw = dict(max_new_tokens=6, temperature=temperature, seed=5, tokenizer=tok)
 
     def engine(**config):
-        cfg = EngineConfig(max_seqs=4, max_model_len=128, deterministic=True, speculative=2, **config)
+        cfg = EngineConfig(**{"max_seqs": 4, "max_model_len": 128, "deterministic": True, "speculative": 2, **config})
         return Engine(model, cfg, tokenizer=tok, detokenize=False)
 
     eager = generate(model, healed, engine=engine(), **kw)
@@ -264,6 +264,12 @@ def test_healing_keeps_a_padded_speculative_engine_on_its_fixed_shapes(model, to
         assert _bytes(vocab, out).startswith(h.text.encode())
     if temperature == 0:
         assert eager == generate(model, healed, deterministic=True, **kw)
+    # more healing rows than a step draws in its graph (`Runner.heal_rows`): those steps run eagerly, the same tokens
+    more = healed + [heal(vocab, tok.encode(p, bos=True)) for p in ("x = [1, 2", "while Tru")]
+    assert all(h.text for h in more) and len(more) > padded.runner.heal_rows
+    crowded = engine(pad_steps=True, max_seqs=6)
+    assert generate(model, more, engine=crowded, **kw) == generate(model, more, engine=engine(max_seqs=6), **kw)
+    assert crowded.runner.eager_steps > crowded.runner.padded_steps  # (some steps ragged: the crowded ones)
 
 
 def test_generate_command_heals_text_prompts_unless_told_not_to(capsys):
