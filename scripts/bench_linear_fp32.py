@@ -18,22 +18,14 @@ import statistics
 import torch
 
 from dsv4 import ops
+from dsv4.bench.report import capture_graph
 
 SHAPES = ("256x256", "128x256", "1024x4096", "512x4096", "256x4096", "4096x256", "129280x4096")
 
 
 def per_call_us(fn, reps: int, calls: int = 20) -> tuple[float, float, float]:
     """(median, min, max) microseconds per call over `reps` replays of a graph of `calls` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+    g = capture_graph(lambda: [fn() for _ in range(calls)])
     g.replay()
     torch.cuda.synchronize()
     times = []
