@@ -65,7 +65,16 @@ def newton_schulz_flops(shapes: list[tuple[int, int]], steps: int = NS_STEPS) ->
 
 def ns_iteration(x: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
     """One quintic Newton-Schulz iteration on each matrix of x [E, m, n] (m <= n), in x's dtype:
-    G = x x^T, x <- a x + (b G + c G G) x (fp32 sums inside the matmuls, one rounding per product)."""
+    G = x x^T, x <- a x + (b G + c G G) x (fp32 sums inside the matmuls, one rounding per product).
+
+    On a CPU a bf16 x is multiplied as fp32 and each product rounded to bf16 once: the same exact products
+    and fp32 sums as a bf16 GEMM (which most CPUs emulate, 6x slower than fp32 on the 2-core test machine),
+    in another order."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        xf = x.float()
+        gram = (xf @ xf.mT).bfloat16().float()
+        inner = torch.baddbmm(gram, gram, gram, beta=b, alpha=c).bfloat16().float()
+        return torch.baddbmm(xf, inner, xf, beta=a).bfloat16()
     gram = x @ x.mT  # [E, m, m]
     return torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
 
