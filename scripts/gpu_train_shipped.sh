@@ -28,6 +28,7 @@ if [ "${SMOKE:-0}" = 1 ]; then  # toy sizes: the pipeline on a CPU
     --diag-every 0 --save-every 2 --sample-prompt "")
   PACKAGES=(--packages)  # the standard library alone
   PROBE_STEPS=3
+  STAGE_S=1  # a step or so per stage: the resume path
 else
   COMMON+=(--cuda-graph)
   PACKAGES=()

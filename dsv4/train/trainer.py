@@ -85,6 +85,8 @@ class Trainer:
             resolve_device(cfg.device)
         if cfg.export and os.path.lexists(cfg.export):  # refused now, not after the whole run
             raise UserError(f"--export {cfg.export}: already exists; choose a new destination")
+        if (cfg.stop_after_s or 0) < 0 or (cfg.time_budget_s or 0) < 0:
+            raise UserError("--stop-after-s and --time-budget-s are seconds: not negative")
         if cfg.stop_after_s and cfg.save_every is not None and cfg.save_every < 0:
             raise UserError("--stop-after-s ends a stage with a checkpoint to resume from: not with --save-every -1")
         if cfg.stop_after_s and cfg.time_budget_s:
