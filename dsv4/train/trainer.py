@@ -89,11 +89,8 @@ class Trainer:
             raise UserError("--stop-after-s and --time-budget-s are seconds: not negative")
         if cfg.stop_after_s and cfg.save_every is not None and cfg.save_every < 0:
             raise UserError("--stop-after-s ends a stage with a checkpoint to resume from: not with --save-every -1")
-        if cfg.stop_after_s and cfg.time_budget_s:
-            raise UserError(
-                "--stop-after-s with --time-budget-s: each stage would shorten the schedule from its own speed; "
-                "give the run's --steps instead"
-            )
+        if cfg.stop_after_s and cfg.time_budget_s:  # (each stage would shorten the schedule from its own speed)
+            raise UserError("--stop-after-s with --time-budget-s: give the run's --steps instead")
         self.dist = _distributed_module()
         self.rank, self.world = 0, 1
         if self.dist is not None:
