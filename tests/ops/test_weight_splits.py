@@ -137,3 +137,19 @@ def test_a_graph_replays_the_kept_split(splits):
         assert ((y - want).abs() <= bound).all()
         assert len(splits) - before == (0 if first_outside else 1)
         assert (torch_native._KEPT[lin.weight] is not None) == first_outside
+
+
+@pytest.mark.gpu
+def test_the_default_on_cuda_runs_the_split_from_two_rows():
+    """`torch_native.prefers_split` is what runs: one row of bf16 activations stays the fp32 GEMV, two and
+    sixteen take the bf16x3 split, with the same products (each output a sum of 96 in fp32)."""
+    lin = _layer(3, "cuda")
+    ran = {}
+    for rows in (1, 2, 16):
+        x = torch.randn(rows, 96, device="cuda").bfloat16()
+        with torch.no_grad():
+            y = ops.linear_fp32(x, lin.weight)
+        ran[rows] = ops.last_backend("linear_fp32")
+        bound = 3 * 96 * 2.0**-24 * (x.float().abs() @ lin.weight.abs().t())
+        assert ((y - x.float() @ lin.weight.t()).abs() <= bound).all()
+    assert ran == {1: "reference", 2: "bf16x3", 16: "bf16x3"}
