@@ -10,7 +10,8 @@
 # reaches the last step exports $RUN/export (bf16). finish: `dsv4 convert --to fp8 --expert-dtype fp4`
 # into $OUT/model (the shipped layout) and `dsv4 eval heldout` / `completions` on it and on the shipped model,
 # JSON under $OUT.
-# SMOKE=1 runs every part at toy sizes (a CPU check of the pipeline, not a training run).
+# EVAL=0 makes finish stop after the conversion. Where --cuda-graph training fails in the probe, the stages
+# train eagerly. SMOKE=1 runs every part at toy sizes (a CPU check of the pipeline, not a training run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -28,9 +29,10 @@ if [ "${SMOKE:-0}" = 1 ]; then  # toy sizes: the pipeline on a CPU
     --diag-every 0 --save-every 2 --sample-prompt "")
   PACKAGES=(--packages)  # the standard library alone
   PROBE_STEPS=3
+  GRAPH=
   STAGE_S=1  # a step or so per stage: the resume path
 else
-  COMMON+=(--cuda-graph)
+  GRAPH=--cuda-graph
   PACKAGES=()
   PROBE_STEPS=30
 fi
@@ -38,8 +40,15 @@ fi
 case "${1:-}" in
   probe)
     [ -f "$RUN/corpus.json" ] || "$PY" -m dsv4.train.corpus --out "$RUN/corpus.json" "${PACKAGES[@]}"
-    "$PY" -m dsv4 train "${COMMON[@]}" --steps "$PROBE_STEPS" --save-every -1 --eval-every 0 --sample-prompt "" \
-      --out "$RUN/probe" --json | tail -1 > "$RUN/probe.json"
+    probe() { "$PY" -m dsv4 train "${COMMON[@]}" "$@" --steps "$PROBE_STEPS" --save-every -1 --eval-every 0 \
+      --sample-prompt "" --out "$RUN/probe" --json | tail -1 > "$RUN/probe.json"; }
+    : > "$RUN/flags"
+    if ! probe $GRAPH; then  # CUDA-graph training refused or failed here: the stages train eagerly
+      [ -n "$GRAPH" ] || exit 1
+      echo "probe: --cuda-graph failed (above); training without it" >&2
+      rm -rf "$RUN/probe"; echo "eager" > "$RUN/flags"
+      probe
+    fi
     "$PY" - "$RUN" "$MINUTES" "$RECIPE" "${SMOKE:-0}" <<'EOF'
 import json, sys, tomllib
 run, minutes, recipe, smoke = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
@@ -57,6 +66,7 @@ EOF
   stage)
     [ -f "$RUN/steps" ] || { echo "error: no $RUN/steps: run the probe first" >&2; exit 2; }
     args=(--steps "$(cat "$RUN/steps")" --out "$RUN/train" --resume --stop-after-s "$STAGE_S")
+    grep -q eager "$RUN/flags" 2>/dev/null || args+=($GRAPH)
     [ -e "$RUN/export" ] || args+=(--export "$RUN/export")
     "$PY" -m dsv4 train "${COMMON[@]}" "${args[@]}" --json | tail -1 | tee "$RUN/stage.json"
     if grep -q '"stopped"' "$RUN/stage.json"; then echo "stage: more to do"; else echo "stage: done"; fi
@@ -68,6 +78,7 @@ EOF
     cp "$RUN/train/metrics.jsonl" "$OUT/" 2>/dev/null || true
     cp "$RUN/train/loss.png" "$OUT/" 2>/dev/null || true
     du -b "$OUT/model"/* | sort -n | tail -3
+    [ "${EVAL:-1}" = 1 ] || exit 0  # EVAL=0: the model only (evaluate it elsewhere)
     for m in shipped candidate; do  # the shipped model and the candidate, measured the same way, here
       model=(); [ $m = candidate ] && model=(--model "$OUT/model")
       "$PY" -m dsv4 eval heldout "${model[@]}" --json > "$OUT/heldout-$m.json" || true
