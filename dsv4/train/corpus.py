@@ -29,6 +29,7 @@ from ..errors import UserError
 MANIFEST_KEY = "dsv4_corpus"
 DOC_SUFFIXES = (".py", ".md", ".rst", ".txt")
 SKIP_PARTS = {"__pycache__", "site-packages", "dist-packages"}
+SELF = "dsv4"  # never in a corpus: `dsv4 eval`'s prompts and test cases are part of its source
 MAX_FILE_BYTES = 400_000  # generated tables and minified data are not text to learn from
 Group = tuple[str, str, str, list[tuple[str, Path]]]  # package, version, licence, (name, path) of its files
 
@@ -74,14 +75,16 @@ def _package_files(dist: metadata.Distribution) -> list[tuple[str, Path]]:
 
 
 def build_manifest(packages: list[str] | None = None, stdlib: bool = True) -> dict:
-    """packages None = every installed distribution (sorted by name); [] = none."""
+    """packages None = every installed distribution but dsv4 itself (sorted by name); [] = none."""
     dists = {(d.metadata["Name"] or "").lower(): d for d in metadata.distributions() if d.metadata["Name"]}
     if packages is None:
-        names = sorted(dists)
+        names = sorted(n for n in dists if n != SELF)
     else:
         missing = [p for p in packages if p.lower() not in dists]
         if missing:
             raise UserError(f"--packages: not installed here: {', '.join(missing)}")
+        if SELF in {p.lower() for p in packages}:
+            raise UserError(f"--packages {SELF}: its evaluation prompts and their answers cannot be training text")
         names = sorted({p.lower() for p in packages})
     groups: list[Group] = []
     if stdlib:

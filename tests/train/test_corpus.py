@@ -81,3 +81,16 @@ def test_an_installed_package_is_listed_with_its_metadata_and_an_unknown_one_is_
     assert any(d["name"].endswith(".py") for d in entry["documents"])
     with pytest.raises(UserError, match="not installed here: no-such-package-xyz"):
         corpus.build_manifest(packages=["no-such-package-xyz"], stdlib=False)
+
+
+def test_dsv4_itself_is_never_training_text(monkeypatch):
+    # its source holds `dsv4 eval`'s prompts and the test cases that judge the answers
+    real = corpus.metadata.distributions
+    keep = {"dsv4", "safetensors"}
+    monkeypatch.setattr(corpus.metadata, "distributions", lambda: [d for d in real() if d.metadata["Name"] in keep])
+    if "dsv4" not in {d.metadata["Name"] for d in corpus.metadata.distributions()}:
+        pytest.skip("dsv4 is not installed as a distribution here (run from a source tree)")
+    m = corpus.build_manifest(packages=None, stdlib=False)
+    assert [e["package"] for e in m["packages"]] == ["safetensors"]
+    with pytest.raises(UserError, match="cannot be training text"):
+        corpus.build_manifest(packages=["DSV4"], stdlib=False)
