@@ -43,16 +43,15 @@ def _functions(tree: ast.Module):
             yield from (n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
 
 
-def one_line_docstring_prompts(name: str, text: str) -> list[FunctionPrompt]:
-    """A prompt per documented function of one file whose body has more than its docstring: the `def`
-    line(s), dedented to column 0 (a method keeps its `self`), and the docstring's first line as a one-line
-    docstring."""
+def _documented(text: str):
+    """(node, prompt text, source lines) of every documented function of one file whose body has more than
+    its docstring; the prompt: the `def` line(s), dedented to column 0 (a method keeps its `self`), and the
+    docstring's first line as a one-line docstring."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
-        return []
+        return
     lines = text.splitlines()
-    out = []
     for node in _functions(tree):
         if len(node.body) < 2:
             continue
@@ -67,7 +66,28 @@ def one_line_docstring_prompts(name: str, text: str) -> list[FunctionPrompt]:
             continue
         header = [line[node.col_offset :] for line in header]
         indent = " " * (doc.col_offset - node.col_offset)
-        out.append(FunctionPrompt(name, node.name, "\n".join(header) + f'\n{indent}"""{first}"""'))
+        yield node, "\n".join(header) + f'\n{indent}"""{first}"""', lines
+
+
+def one_line_docstring_prompts(name: str, text: str) -> list[FunctionPrompt]:
+    """A prompt per documented function of one file whose body has more than its docstring (`_documented`)."""
+    return [FunctionPrompt(name, node.name, prompt) for node, prompt, _ in _documented(text)]
+
+
+def one_line_docstring_examples(text: str) -> list[str]:
+    """Each function of `one_line_docstring_prompts`, written out whole: its prompt followed by its own body
+    (the statements after the docstring, dedented as the prompt is). Functions whose docstring shares its
+    last line with code, or whose body is indented less than the `def`, are left out. Training text in
+    the form the completion prompts take (`dsv4.train.functions`)."""
+    out = []
+    for node, prompt, lines in _documented(text):
+        doc = node.body[0]
+        if lines[doc.end_lineno - 1][doc.end_col_offset :].strip():
+            continue
+        body = lines[doc.end_lineno : node.end_lineno]
+        if any(line[: node.col_offset].strip() for line in body):
+            continue
+        out.append(prompt + "\n" + "\n".join(line[node.col_offset :] for line in body).rstrip() + "\n")
     return out
 
 

@@ -1,0 +1,99 @@
+"""Function examples: the documented functions of a corpus's training documents, in the completion prompts' form.
+
+    python3 -m dsv4.train.functions --data corpus.json --out functions/   # from a corpus manifest
+    python3 -m dsv4.train.functions --out functions/                      # from the Python stdlib
+    dsv4 train --data corpus.json functions/ ...                          # train on both
+
+Library code documents its functions with long docstrings, so a model trained on it alone learns that a
+docstring goes on for lines and that the body comes late; the completion prompts (`dsv4.eval.code`), and
+people, give a `def` line and a one-line docstring and expect the body next. Each example here is one real
+function of the corpus written that way: its `def` line(s) at column 0, its docstring's first line as a
+one-line docstring, then its own body (`dsv4.eval.code.one_line_docstring_examples`). The examples of a
+document are written to a file of the same relative name under --out, so `dsv4 train`'s held-out split
+(a hash of the name, `dsv4.train.data.is_held_out`) treats the file as it treats its source; documents of
+the held-out split are left out altogether, so nothing held out is trained on in either form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
+from pathlib import Path
+
+from ..errors import UserError
+from ..eval.code import one_line_docstring_examples
+from .data import find_documents, is_held_out, read_text
+
+
+def _examples_of(path: Path) -> list[str]:
+    return one_line_docstring_examples(read_text(path))
+
+
+def write_examples(docs: list[tuple[str, Path]], out: Path, held_out_pct: float, workers: int = 1) -> dict:
+    """Write out/<name> for every training document with at least one example (parsed by `workers`
+    processes); -> counts."""
+    todo = [(name, path) for name, path in docs if name.endswith(".py") and not is_held_out(name, held_out_pct)]
+    skipped = sum(1 for name, _ in docs if name.endswith(".py") and is_held_out(name, held_out_pct))
+    files = examples = 0
+    root = out.resolve()
+    with ProcessPoolExecutor(workers) if workers > 1 else nullcontext() as pool:
+        paths = [path for _, path in todo]
+        found_all = pool.map(_examples_of, paths, chunksize=32) if pool else map(_examples_of, paths)
+        for (name, _), found in zip(todo, found_all):
+            if not found:
+                continue
+            dst = (out / name).resolve()
+            if root not in dst.parents:  # a manifest's name never leaves --out
+                raise UserError(f"document name {name!r} would be written outside --out")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(dst.name + ".tmp")
+            tmp.write_text("\n\n".join(found), encoding="utf-8")  # two blank lines between functions
+            os.replace(tmp, dst)
+            files += 1
+            examples += len(found)
+    return {"files": files, "examples": examples, "held_out_documents_left_out": skipped}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m dsv4.train.functions", description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--data", nargs="*", default=None, help="files, directories or a corpus manifest (default: the Python stdlib)"
+    )
+    ap.add_argument("--out", required=True, help="a new or empty directory for the examples")
+    ap.add_argument(
+        "--held-out-pct", type=float, default=2.0, help="the training run's --held-out-pct (default: 2.0, the recipes')"
+    )
+    ap.add_argument(
+        "--workers", type=int, default=0, help="processes that parse the sources; 0 = one per core (default)"
+    )
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = args.workers or cores
+    try:
+        if args.workers < 0:
+            raise UserError(f"--workers {args.workers}: must be >= 0 (0 = one per core)")
+        if not 0 <= args.held_out_pct < 100:
+            raise UserError(f"--held-out-pct {args.held_out_pct}: must be in [0, 100)")
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise UserError(f"--out {out}: exists and is not an empty directory (nothing written)")
+        out.mkdir(parents=True, exist_ok=True)
+        counts = write_examples(find_documents(args.data), out, args.held_out_pct, workers)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"error: --out {out}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(
+        f"{out}: {counts['examples']} functions in {counts['files']} files "
+        f"({counts['held_out_documents_left_out']} held-out documents left out)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
