@@ -4,7 +4,8 @@
 #   RUN=/some/dir MINUTES=25 bash scripts/gpu_train_shipped.sh probe   # corpus, tokenized data, speed -> steps
 #   RUN=/some/dir STAGE_S=420 bash scripts/gpu_train_shipped.sh stage  # one stage (repeat until it says done)
 #   RUN=/some/dir OUT=/dir bash scripts/gpu_train_shipped.sh finish    # export, FP8 + MXFP4 copy, evaluations
-# probe: writes $RUN/corpus.json (stdlib + installed packages), tokenizes it into $RUN/cache, times 30 steps
+# probe: writes $RUN/corpus.json (stdlib + installed packages) and $RUN/functions (its documented functions in
+# the completion prompts' form, `dsv4.train.functions`), tokenizes both into $RUN/cache, times 30 steps
 # and writes $RUN/steps: the steps that fill MINUTES of training at that speed. stage: trains for STAGE_S
 # seconds (`--stop-after-s`) from the run's latest checkpoint and prints the stage's summary; the stage that
 # reaches the last step exports $RUN/export (bf16). finish: `dsv4 convert --to fp8 --expert-dtype fp4`
@@ -23,9 +24,12 @@ STAGE_S=${STAGE_S:-420}  # (+ start-up, a checkpoint and, last, the export: unde
 RECIPE=dsv4/train/recipes/pycode-base.toml
 TOK=dsv4/assets/stdlib-v4-mini
 mkdir -p "$RUN" "$OUT"
-COMMON=(--train-config "$RECIPE" --data "$RUN/corpus.json" --tokenizer "$TOK" --cache-dir "$RUN/cache" --no-progress)
+HELD=2.0  # the recipe's held_out_pct (the function examples leave out the same documents)
+[ "${SMOKE:-0}" = 1 ] && HELD=20
+COMMON=(--train-config "$RECIPE" --data "$RUN/corpus.json" "$RUN/functions" --held-out-pct "$HELD" --tokenizer "$TOK"
+  --cache-dir "$RUN/cache" --no-progress)
 if [ "${SMOKE:-0}" = 1 ]; then  # toy sizes: the pipeline on a CPU
-  COMMON+=(--max-docs 40 --held-out-pct 20 --batch-size 2 --seq-len 128 --eval-every 2 --eval-windows 2
+  COMMON+=(--max-docs 40 --batch-size 2 --seq-len 128 --eval-every 2 --eval-windows 2
     --diag-every 0 --save-every 2 --sample-prompt "")
   PACKAGES=(--packages)  # the standard library alone
   PROBE_STEPS=3
@@ -40,6 +44,8 @@ fi
 case "${1:-}" in
   probe)
     [ -f "$RUN/corpus.json" ] || "$PY" -m dsv4.train.corpus --out "$RUN/corpus.json" "${PACKAGES[@]}"
+    [ -d "$RUN/functions" ] || "$PY" -m dsv4.train.functions --data "$RUN/corpus.json" --held-out-pct "$HELD" \
+      --out "$RUN/functions"
     probe() { "$PY" -m dsv4 train "${COMMON[@]}" "$@" --steps "$PROBE_STEPS" --save-every -1 --eval-every 0 \
       --sample-prompt "" --out "$RUN/probe" --json | tail -1 > "$RUN/probe.json"; }
     : > "$RUN/flags"
@@ -52,10 +58,13 @@ case "${1:-}" in
     "$PY" - "$RUN" "$MINUTES" "$RECIPE" "${SMOKE:-0}" <<'EOF'
 import json, sys, tomllib
 run, minutes, recipe, smoke = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
-probe = json.load(open(f"{run}/probe.json"))
 r = tomllib.load(open(recipe, "rb"))
 tokens = 2 * 128 if smoke else r["batch_size"] * r["seq_len"]
-tps = probe["mean_tokens_per_s"]
+# the steps' own speed (the median after the first three), not the probe's mean: its first steps include the
+# compilation and the graph capture (a minute here), which a stage pays once and a step never again
+rates = [x for x in (json.loads(line).get("tokens_per_s") for line in open(f"{run}/probe/metrics.jsonl")) if x]
+rates = sorted(rates[3:] or rates)
+tps = rates[len(rates) // 2]
 steps = max(4, int(minutes * 60 * tps / tokens * 0.93))  # (evaluations and checkpoints: about 7%)
 if smoke:
     steps = min(steps, 6)
