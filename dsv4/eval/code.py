@@ -23,6 +23,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from ..train.functions import documented_functions
+
 
 @dataclass(frozen=True)
 class FunctionPrompt:
@@ -34,61 +36,10 @@ class FunctionPrompt:
     prompt: str
 
 
-def _functions(tree: ast.Module):
-    """Top-level functions and the methods of top-level classes (not functions nested in functions)."""
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield node
-        elif isinstance(node, ast.ClassDef):
-            yield from (n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
-
-
-def _documented(text: str):
-    """(node, prompt text, source lines) of every documented function of one file whose body has more than
-    its docstring; the prompt: the `def` line(s), dedented to column 0 (a method keeps its `self`), and the
-    docstring's first line as a one-line docstring."""
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
-        return
-    lines = text.splitlines()
-    for node in _functions(tree):
-        if len(node.body) < 2:
-            continue
-        doc = node.body[0]
-        if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
-            continue
-        first = (doc.value.value.strip().splitlines() or [""])[0].strip()
-        if not first or '"""' in first or first.endswith("\\"):
-            continue
-        header = lines[node.lineno - 1 : doc.lineno - 1]
-        if any(line[: node.col_offset].strip() for line in header):
-            continue
-        header = [line[node.col_offset :] for line in header]
-        indent = " " * (doc.col_offset - node.col_offset)
-        yield node, "\n".join(header) + f'\n{indent}"""{first}"""', lines
-
-
 def one_line_docstring_prompts(name: str, text: str) -> list[FunctionPrompt]:
-    """A prompt per documented function of one file whose body has more than its docstring (`_documented`)."""
-    return [FunctionPrompt(name, node.name, prompt) for node, prompt, _ in _documented(text)]
-
-
-def one_line_docstring_examples(text: str) -> list[str]:
-    """Each function of `one_line_docstring_prompts`, written out whole: its prompt followed by its own body
-    (the statements after the docstring, dedented as the prompt is). Functions whose docstring shares its
-    last line with code, or whose body is indented less than the `def`, are left out. Training text in
-    the form the completion prompts take (`dsv4.train.functions`)."""
-    out = []
-    for node, prompt, lines in _documented(text):
-        doc = node.body[0]
-        if lines[doc.end_lineno - 1][doc.end_col_offset :].strip():
-            continue
-        body = lines[doc.end_lineno : node.end_lineno]
-        if any(line[: node.col_offset].strip() for line in body):
-            continue
-        out.append(prompt + "\n" + "\n".join(line[node.col_offset :] for line in body).rstrip() + "\n")
-    return out
+    """A prompt per documented function of one file whose body has more than its docstring, cut by the rule
+    the training examples share (`dsv4.train.functions.documented_functions`)."""
+    return [FunctionPrompt(name, node.name, prompt) for node, prompt, _ in documented_functions(text)]
 
 
 def written_function(prompt: str, completion: str, finished: bool) -> str:

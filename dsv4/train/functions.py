@@ -8,15 +8,17 @@ Library code documents its functions with long docstrings, so a model trained on
 docstring goes on for lines and that the body comes late; the completion prompts (`dsv4.eval.code`), and
 people, give a `def` line and a one-line docstring and expect the body next. Each example here is one real
 function of the corpus written that way: its `def` line(s) at column 0, its docstring's first line as a
-one-line docstring, then its own body (`dsv4.eval.code.one_line_docstring_examples`). The examples of a
-document are written to a file of the same relative name under --out, so `dsv4 train`'s held-out split
-(a hash of the name, `dsv4.train.data.is_held_out`) treats the file as it treats its source; documents of
-the held-out split are left out altogether, so nothing held out is trained on in either form.
+one-line docstring, then its own body (`one_line_docstring_examples`; the prompts are cut by the same rule,
+`documented_functions`). The examples of a document are written to a file of the same relative name under
+--out, so `dsv4 train`'s held-out split (a hash of the name, `dsv4.train.data.is_held_out`) treats the file
+as it treats its source; documents of the held-out split are left out altogether, so nothing held out is
+trained on in either form.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -24,8 +26,59 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from ..errors import UserError
-from ..eval.code import one_line_docstring_examples
 from .data import find_documents, is_held_out, read_text
+
+
+def _functions(tree: ast.Module):
+    """Top-level functions and the methods of top-level classes (not functions nested in functions)."""
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+        elif isinstance(node, ast.ClassDef):
+            yield from (n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+
+def documented_functions(text: str):
+    """(node, prompt text, source lines) of every documented function of one file whose body has more than
+    its docstring; the prompt: the `def` line(s), dedented to column 0 (a method keeps its `self`), and the
+    docstring's first line as a one-line docstring."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return
+    lines = text.splitlines()
+    for node in _functions(tree):
+        if len(node.body) < 2:
+            continue
+        doc = node.body[0]
+        if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+            continue
+        first = (doc.value.value.strip().splitlines() or [""])[0].strip()
+        if not first or '"""' in first or first.endswith("\\"):
+            continue
+        header = lines[node.lineno - 1 : doc.lineno - 1]
+        if any(line[: node.col_offset].strip() for line in header):
+            continue
+        header = [line[node.col_offset :] for line in header]
+        indent = " " * (doc.col_offset - node.col_offset)
+        yield node, "\n".join(header) + f'\n{indent}"""{first}"""', lines
+
+
+def one_line_docstring_examples(text: str) -> list[str]:
+    """Each function of `documented_functions` (those `dsv4.eval.code.one_line_docstring_prompts` asks about)
+    written out whole: its prompt followed by its own body (the statements after the docstring, dedented as
+    the prompt is). Functions whose docstring shares its last line with code, or whose body is indented less
+    than the `def`, are left out."""
+    out = []
+    for node, prompt, lines in documented_functions(text):
+        doc = node.body[0]
+        if lines[doc.end_lineno - 1][doc.end_col_offset :].strip():
+            continue
+        body = lines[doc.end_lineno : node.end_lineno]
+        if any(line[: node.col_offset].strip() for line in body):
+            continue
+        out.append(prompt + "\n" + "\n".join(line[node.col_offset :] for line in body).rstrip() + "\n")
+    return out
 
 
 def _examples_of(path: Path) -> list[str]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import ast
 
-from dsv4.eval.code import has_body, one_line_docstring_examples, one_line_docstring_prompts
+from dsv4.eval.code import has_body, one_line_docstring_prompts
 from dsv4.train import functions
 from dsv4.train.data import find_documents, is_held_out
+from dsv4.train.functions import one_line_docstring_examples
 
 SOURCE = '''"""A module."""
 import os
