@@ -130,12 +130,12 @@ def test_a_missing_shard_is_named_before_any_weight_is_read(hub_cache):
     files = shipped_files()
     index = json.loads(files["model.safetensors.index.json"])
     shards = sorted(set(index["weight_map"].values()))
-    assert len(shards) == 2
+    assert len(shards) >= 2  # (the shipped model comes in shards)
     del files[shards[1]]
     add_snapshot(hub_cache, "dsv4-test/partial", COMMIT, files)
     with pytest.raises(
         CheckpointError,
-        match=rf"dsv4-test/partial: shard {shards[1]} \(1 of 2 named by the index\) "
+        match=rf"dsv4-test/partial: shard {shards[1]} \(1 of {len(shards)} named by the index\) "
         r"is not in the Hugging Face cache",
     ):
         load_pretrained("dsv4-test/partial")

@@ -213,6 +213,7 @@ def _shipped(rank: int) -> dict:
         ],
         "plan_read": par.checkpoint_plan["read"]["tensors"],
         "experts": par.checkpoint_plan["experts"],
+        "n_experts": n,
     }
     P.parallelize_for_serving(par, attention="replicated")
     gen = torch.Generator().manual_seed(3)
@@ -417,7 +418,8 @@ def test_engine_tokens_on_two_processes_equal_one_process(ranks):
 def test_a_rank_reads_only_the_tensors_it_owns(ranks):
     for r, res in enumerate(ranks):
         s = res["shipped"]
-        assert s["experts"] == [4 * r, 4 * r + 4]
+        per = s["n_experts"] // WORLD  # (the shipped model's routed experts, split evenly)
+        assert s["experts"] == [per * r, per * r + per]
         assert s["foreign_read"] == [] and s["read_equal_owned"]
         assert s["read"] < s["stored"]
         assert s["plan_read"] > 0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dsv4.defaults import shipped_model_dir
 from dsv4.errors import UserError
 from dsv4.serve.chat import (
     ASSISTANT,
@@ -39,7 +40,7 @@ from dsv4.serve.chat import (
 )
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "chat_encoding"
-ASSET_TOKENIZER = Path(__file__).resolve().parents[2] / "dsv4" / "assets" / "stdlib-v4-mini" / "tokenizer.json"
+ASSET_TOKENIZER = shipped_model_dir() / "tokenizer.json"
 # How the official test harness encodes each vector (the mode is not stored in the files).
 THINKING = {1: True, 2: True, 3: True, 4: False}
 
