@@ -9,10 +9,11 @@
 # and writes $RUN/steps: the steps that fill MINUTES of training at that speed. stage: trains for STAGE_S
 # seconds (`--stop-after-s`) from the run's latest checkpoint and prints the stage's summary; the stage that
 # reaches the last step exports $RUN/export (bf16). finish: `dsv4 convert --to fp8 --expert-dtype fp4`
-# into $OUT/model (the shipped layout) and `dsv4 eval heldout` / `completions` on it and on the shipped model,
-# JSON under $OUT.
-# EVAL=0 makes finish stop after the conversion. Where --cuda-graph training fails in the probe, the stages
-# train eagerly. SMOKE=1 runs every part at toy sizes (a CPU check of the pipeline, not a training run).
+# into $OUT/model (the shipped layout) and `dsv4 eval heldout` / `completions` on it and on the shipped model;
+# $OUT/record.tar.gz holds the evaluations' JSON, metrics.jsonl, loss.png and the summary (so $OUT is eight
+# files: the model's seven and the record). EVAL=candidate evaluates the candidate alone, EVAL=0 neither.
+# Where --cuda-graph training fails in the probe, the stages train eagerly. SMOKE=1 runs every part at toy
+# sizes (a CPU check of the pipeline, not a training run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -84,16 +85,18 @@ EOF
     [ -d "$RUN/export" ] || { echo "error: no $RUN/export: the last stage has not run" >&2; exit 2; }
     [ -e "$OUT/model" ] || "$PY" -m dsv4 convert --model "$RUN/export" --to fp8 --expert-dtype fp4 --shard-gb 0.015 \
       "$OUT/model"
-    cp "$RUN/train/metrics.jsonl" "$OUT/" 2>/dev/null || true
-    cp "$RUN/train/loss.png" "$OUT/" 2>/dev/null || true
     du -b "$OUT/model"/* | sort -n | tail -3
-    [ "${EVAL:-1}" = 1 ] || exit 0  # EVAL=0: the model only (evaluate it elsewhere)
-    for m in shipped candidate; do  # the shipped model and the candidate, measured the same way, here
-      model=(); [ $m = candidate ] && model=(--model "$OUT/model")
-      "$PY" -m dsv4 eval heldout "${model[@]}" --json > "$OUT/heldout-$m.json" || true
-      "$PY" -m dsv4 eval completions "${model[@]}" --json > "$OUT/completions-$m.json" || true
+    rec="$RUN/record"; mkdir -p "$rec"  # the run's record, packed into one file beside the model's seven
+    for f in metrics.jsonl loss.png summary.json; do cp "$RUN/train/$f" "$rec/" 2>/dev/null || true; done
+    cp "$RUN/steps" "$RUN/probe.json" "$rec/" 2>/dev/null || true
+    case "${EVAL:-1}" in 1) models="shipped candidate" ;; candidate) models=candidate ;; *) models= ;; esac
+    for m in $models; do  # the shipped model and the candidate, measured the same way, here
+      model=(); [ "$m" = candidate ] && model=(--model "$OUT/model")
+      "$PY" -m dsv4 eval heldout "${model[@]}" --json > "$rec/heldout-$m.json" || true
+      "$PY" -m dsv4 eval completions "${model[@]}" --json > "$rec/completions-$m.json" || true
+      tail -c 400 "$rec/heldout-$m.json" "$rec/completions-$m.json"
     done
-    tail -c 400 "$OUT"/heldout-*.json "$OUT"/completions-*.json
+    tar -czf "$OUT/record.tar.gz" -C "$RUN" record
     ;;
   *)
     sed -n 2,12p "$0"; exit 2 ;;
