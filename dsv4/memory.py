@@ -22,8 +22,11 @@ code stores, not a generic transformer formula:
   what each op and fused autograd Function saves (`train_layer_saved`; with `activation_checkpointing`
   only each block's input), the heads' saved tensors (fp32 log-softmax over the vocabulary) and the first
   head projection's backward splitting the fp32 logits gradient into bf16 parts. The optimizer step's
-  temporaries (Newton-Schulz iterates of one matrix) come after the backward has freed every activation,
-  so they do not add to this peak. The CPU reference path (fp32, no autocast) is estimated by the older
+  temporaries come after the backward has freed every activation and are left out: Muon's Newton-Schulz
+  iterates every matrix of one shape at once (`MuonPlan`, up to 2^27 elements a batch; as fp32 on a CPU),
+  so with many stacked experts they can exceed the backward's activations and set the step's peak (a
+  57M-parameter model with 16 experts x 8 layers, 2 x 256 tokens with checkpointing on the CPU: 1.33 GB
+  measured, 0.91 GB estimated). The CPU reference path (fp32, no autocast) is estimated by the older
   per-layer model in `train_activation_bytes(fused=False)`.
 
 Parallelism dsv4 supports: inference on one device or on N workers with the routed experts split over
