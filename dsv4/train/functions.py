@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"error: --out {out}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {e.filename or out}: {e.strerror or e}", file=sys.stderr)  # a source or the output
         return 1
     print(
         f"{out}: {counts['examples']} functions in {counts['files']} files "
