@@ -291,12 +291,10 @@ def measure_memory(cfg: ModelConfig, args, model_dir=None) -> list[dict]:
             "estimated": est,
         }
     ]
-    st = mem.train_state_bytes(cfg)
-    state = st.weights + st.grads + st.optimizer
     for ckpt in (False, True):
         # the balance loss on (dsv4 train's default) both ways: checkpointing recomputes one block at a time
         m = mem.measure_training(cfg, args.train_batch, args.train_seq_len, ckpt, 1e-4)
-        e = state + mem.train_activation_bytes(cfg, args.train_batch, args.train_seq_len, ckpt, 4)
+        e = mem.train_step_estimate(cfg, args.train_batch, args.train_seq_len, ckpt)
         what = "with checkpointing" if ckpt else "without checkpointing"
         rows.append(
             {

@@ -22,11 +22,13 @@ code stores, not a generic transformer formula:
   what each op and fused autograd Function saves (`train_layer_saved`; with `activation_checkpointing`
   only each block's input), the heads' saved tensors (fp32 log-softmax over the vocabulary) and the first
   head projection's backward splitting the fp32 logits gradient into bf16 parts. The optimizer step's
-  temporaries come after the backward has freed every activation and are left out: Muon's Newton-Schulz
-  iterates every matrix of one shape at once (`MuonPlan`, up to 2^27 elements a batch; as fp32 on a CPU),
-  so with many stacked experts they can exceed the backward's activations and set the step's peak (a
-  57M-parameter model with 16 experts x 8 layers, 2 x 256 tokens with checkpointing on the CPU: 1.33 GB
-  measured, 0.91 GB estimated). The CPU reference path (fp32, no autocast) is estimated by the older
+  temporaries come after the backward has freed every activation: Muon's Newton-Schulz iterates every
+  matrix of one shape at once (`MuonPlan`, up to 2^27 elements a batch; as fp32 on a CPU), so with many
+  stacked experts they can exceed the backward's activations and set the step's peak (`muon_step_bytes`;
+  a 57M-parameter model with 16 experts x 8 layers, 2 x 256 tokens with checkpointing on the CPU: 1.33 GB
+  measured, 0.91 GB estimated from the activations alone, 1.31 GB with the larger of the two). The CPU
+  measurement's estimate (`dsv4 info --measure`) takes the larger; the GPU counts below do not yet. The
+  CPU reference path (fp32, no autocast) is estimated by the older
   per-layer model in `train_activation_bytes(fused=False)`.
 
 Parallelism dsv4 supports: inference on one device or on N workers with the routed experts split over
@@ -416,6 +418,49 @@ def train_state_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> 
     return TrainState(
         w, w, opt, experts / (w + w + opt), dense_block, dense * low, sum(per_block) * low, max(per_block) * low
     )
+
+
+def muon_step_bytes(cfg: ModelConfig, cpu: bool, max_elems: int = 1 << 27) -> int:
+    """The largest Newton-Schulz working set of one optimizer step: `MuonPlan` iterates every matrix of one
+    shape at once (whole tensors, up to max_elems elements a batch), so the step's temporaries scale with a
+    shape group, not with one matrix. Per batch of P elements and Q = (matrices x min(rows, cols)^2) Gram
+    elements: the bf16 update, iterate and result (2 bytes each per element) and the Gram and inner products
+    (bf16 on a GPU: 6P + 4Q bytes); a CPU multiplies fp32 copies (`ns_iteration`: + an fp32 iterate and
+    product, fp32 Gram and inner: 14P + 8Q). It comes after the backward has freed the activations, so the
+    step's peak holds the larger of the two (`train_step_estimate`)."""
+    from .model import DeepSeekV4
+    from .train.optim import uses_muon
+
+    model = DeepSeekV4(cfg, dtype=torch.float32, device="meta")
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for name, p in model.named_parameters():
+        if p.dim() >= 2 and uses_muon(name, p):
+            rows, cols = p.shape[-2:]
+            by_shape.setdefault((rows, cols), []).append(p.numel() // (rows * cols))
+    worst = 0
+    for (rows, cols), counts in by_shape.items():
+        per_batch = max(1, max_elems // (rows * cols))
+        batches, n = [], 0
+        for k in counts:  # (as MuonPlan groups them: whole tensors, at most per_batch matrices or one tensor)
+            if n and n + k > per_batch:
+                batches.append(n)
+                n = 0
+            n += k
+        batches.append(n)
+        side = min(rows, cols)
+        for n in batches:
+            P, Q = n * rows * cols, n * side * side
+            worst = max(worst, 14 * P + 8 * Q if cpu else 6 * P + 4 * Q)
+    return worst
+
+
+def train_step_estimate(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool) -> int:
+    """The peak of one fp32 training step on a CPU as `measure_training` runs it: weights, gradients and
+    optimizer state, plus the larger of the backward's activations and the optimizer step's Newton-Schulz
+    working set."""
+    st = train_state_bytes(cfg)
+    acts = train_activation_bytes(cfg, batch, seq_len, checkpointing, 4)
+    return st.weights + st.grads + st.optimizer + max(acts, muon_step_bytes(cfg, cpu=True))
 
 
 # ------------------------------------------------------------------------------------------ GPU counts
