@@ -420,16 +420,17 @@ def train_state_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> 
     )
 
 
-def muon_step_bytes(cfg: ModelConfig, cpu: bool, max_elems: int = 1 << 27) -> int:
+def muon_step_bytes(cfg: ModelConfig, cpu: bool) -> int:
     """The largest Newton-Schulz working set of one optimizer step: `MuonPlan` iterates every matrix of one
-    shape at once (whole tensors, up to max_elems elements a batch), so the step's temporaries scale with a
+    shape at once (whole tensors, up to `OptimConfig.ns_batch_elems` a batch), so the step's temporaries scale with a
     shape group, not with one matrix. Per batch of P elements and Q = (matrices x min(rows, cols)^2) Gram
     elements: the bf16 update, iterate and result (2 bytes each per element) and the Gram and inner products
     (bf16 on a GPU: 6P + 4Q bytes); a CPU multiplies fp32 copies (`ns_iteration`: + an fp32 iterate and
     product, fp32 Gram and inner: 14P + 8Q). It comes after the backward has freed the activations, so the
     step's peak holds the larger of the two (`train_step_estimate`)."""
     from .model import DeepSeekV4
-    from .train.optim import uses_muon
+    from .train.muon_batched import chunk_runs
+    from .train.optim import OptimConfig, uses_muon
 
     model = DeepSeekV4(cfg, dtype=torch.float32, device="meta")
     by_shape: dict[tuple[int, int], list[int]] = {}
@@ -438,17 +439,10 @@ def muon_step_bytes(cfg: ModelConfig, cpu: bool, max_elems: int = 1 << 27) -> in
             rows, cols = p.shape[-2:]
             by_shape.setdefault((rows, cols), []).append(p.numel() // (rows * cols))
     worst = 0
-    for (rows, cols), counts in by_shape.items():
-        per_batch = max(1, max_elems // (rows * cols))
-        batches, n = [], 0
-        for k in counts:  # (as MuonPlan groups them: whole tensors, at most per_batch matrices or one tensor)
-            if n and n + k > per_batch:
-                batches.append(n)
-                n = 0
-            n += k
-        batches.append(n)
+    for (rows, cols), sizes in by_shape.items():
         side = min(rows, cols)
-        for n in batches:
+        for run in chunk_runs(sizes, rows, cols, OptimConfig().ns_batch_elems):
+            n = sum(sizes[run.start : run.stop])
             P, Q = n * rows * cols, n * side * side
             worst = max(worst, 14 * P + 8 * Q if cpu else 6 * P + 4 * Q)
     return worst

@@ -88,8 +88,9 @@ def _examples_of(path: Path) -> list[str]:
 def write_examples(docs: list[tuple[str, Path]], out: Path, held_out_pct: float, workers: int = 1) -> dict:
     """Write out/<name> for every training document with at least one example (parsed by `workers`
     processes); -> counts."""
-    todo = [(name, path) for name, path in docs if name.endswith(".py") and not is_held_out(name, held_out_pct)]
-    skipped = sum(1 for name, _ in docs if name.endswith(".py") and is_held_out(name, held_out_pct))
+    py = [(name, path) for name, path in docs if name.endswith(".py")]
+    todo = [(name, path) for name, path in py if not is_held_out(name, held_out_pct)]
+    skipped = len(py) - len(todo)
     files = examples = 0
     root = out.resolve()
     with ProcessPoolExecutor(workers) if workers > 1 else nullcontext() as pool:

@@ -79,6 +79,21 @@ def ns_iteration(x: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
     return torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
 
 
+def chunk_runs(sizes: list[int], rows: int, cols: int, max_elems: int) -> list[range]:
+    """How `MuonPlan` batches the weights of one [rows, cols] shape (sizes: each weight's matrices, in
+    order): consecutive runs of whole tensors of at most max_elems elements, or one tensor alone."""
+    per_chunk = max(1, max_elems // (rows * cols))
+    runs, start = [], 0
+    while start < len(sizes):
+        end, n = start, 0
+        while end < len(sizes) and (n == 0 or n + sizes[end] <= per_chunk):
+            n += sizes[end]
+            end += 1
+        runs.append(range(start, end))
+        start = end
+    return runs
+
+
 @dataclass
 class _Chunk:
     rows: int
@@ -112,14 +127,8 @@ class MuonPlan:
             by_shape.setdefault((w.size(-2), w.size(-1)), []).append(i)
         self.chunks: list[_Chunk] = []
         for (rows, cols), idx in by_shape.items():
-            per_chunk = max(1, max_elems // (rows * cols))
-            start = 0
-            while start < len(idx):  # whole tensors per chunk, at most per_chunk matrices (or one tensor)
-                end, n = start, 0
-                while end < len(idx) and (n == 0 or n + weights[idx[end]].size(0) <= per_chunk):
-                    n += weights[idx[end]].size(0)
-                    end += 1
-                members = idx[start:end]
+            for run in chunk_runs([weights[i].size(0) for i in idx], rows, cols, max_elems):
+                members = idx[run.start : run.stop]
                 self.chunks.append(
                     _Chunk(
                         rows,
@@ -130,7 +139,6 @@ class MuonPlan:
                         adjust_lr(1.0, group.get("adjust_lr_fn"), rows, cols),
                     )
                 )
-                start = end
 
     def _bind(self, members: list[int], views: list[list[torch.nn.Parameter]], state: dict) -> torch.Tensor:
         """One [N, rows, cols] buffer holding the chunk's momentum (the state's values, or zeros where none);

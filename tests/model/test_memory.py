@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from subproc import checkout_env
+from test_recipes import RECIPES, model_config
 
 from dsv4 import memory as mem
 from dsv4.checkpoint import load_pretrained, model_values, save
@@ -22,7 +23,6 @@ from dsv4.cli import default_model_dir
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine, EngineConfig
 from dsv4.model import DeepSeekV4
-from dsv4.train.settings import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = default_model_dir()
@@ -106,11 +106,6 @@ def test_inference_estimate_within_25_percent_of_measured(which, shipped_model):
         _within(est, got["peak"])
 
 
-def _recipe_model(stem: str) -> ModelConfig:
-    cfg = TrainConfig.from_file(Path(mem.__file__).parent / "train" / "recipes" / f"{stem}.toml")
-    return ModelConfig.preset(cfg.preset).replace(**cfg.model)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "which,checkpointing", [("tiny", False), ("tiny", True), ("shipped", False), ("pycode-base", True)]
@@ -119,7 +114,7 @@ def test_training_estimate_within_25_percent_of_measured(which, checkpointing):
     if which == "tiny":
         cfg = ModelConfig.preset("tiny")
     else:
-        cfg = load_config(SHIPPED) if which == "shipped" else _recipe_model(which)
+        cfg = load_config(SHIPPED) if which == "shipped" else model_config(next(r for r in RECIPES if r.stem == which))
     # the balance loss on both ways (dsv4 train's default): with checkpointing the backward recomputes one
     # block at a time (tests/train/test_checkpointing.py), so the estimate holds with it; with 16 experts x
     # 8 layers (pycode-base) the optimizer step's batched Newton-Schulz sets the peak instead
