@@ -6,12 +6,18 @@ views and the device receives it in a single transfer. Two layouts:
 - **ragged** (`ragged_fields`): the rows exactly as scheduled, no padding; the shapes change every step, so
   it runs eagerly (CPUs, and steps no bucket covers).
 - **bucketed** (`Bucket`, `fill_bucket`): D one-token rows, then C slots of L tokens for prompt chunks (a
-  chunk of n tokens fills ceil(n / L) consecutive slots), then one padding token. Every shape depends on
-  (D, C, L) only, so one CUDA graph per bucket replays any step that fits it. Padding tokens belong to a
-  row without pages: their writes go to the trash page and they complete no group, so the real rows
-  compute exactly what the ragged layout computes. Where a compressor keeps fewer raw rows than a slot
-  holds tokens (`KeepRule`), the bucket also lists, per slot, the tokens that may leave raw rows for
-  later steps; only those are written (the rest of a long chunk would all be written to the trash row).
+  chunk of n tokens fills ceil(n / L) consecutive slots), D + C x L tokens in all. Every shape depends on
+  (D, C, L) only, so one CUDA graph per bucket replays any step that fits it. Padding tokens (unused
+  decode rows, the rest of a slot) belong to the padding row, which has no pages: their writes go to the
+  trash page and they complete no group, so the real rows compute exactly what the ragged layout
+  computes. The fixed-length lists (groups, kept rows, logits rows) name, where a row has fewer entries
+  than its share, a token of the same row or slot: a decode row its own token, a slot its last token (in
+  a partly filled slot a padding token; in a full one a real token, whose listing again writes what its
+  own listing writes, or, as it completes no group, writes to the trash page). No token is added for
+  them: one more token costs every kernel of the step a row (1-2% of a decode step). Where a compressor
+  keeps fewer raw rows than a slot holds tokens (`KeepRule`), the bucket also lists, per slot, the tokens
+  that may leave raw rows for later steps; only those are written (the rest of a long chunk would all be
+  written to the trash row).
 
 Tables are not in the fields: each row names its table row (`trow`, the sequence's ring slot), and the
 device gathers the rows of the page tables it keeps (`BlockTables`, copied a few changed rows per step).
@@ -121,7 +127,7 @@ class Bucket:
 
     @property
     def tokens(self) -> int:
-        return self.decode + self.slots * self.slot_len + 1  # + the padding token
+        return self.decode + self.slots * self.slot_len
 
     @property
     def rows(self) -> int:
@@ -200,18 +206,20 @@ def fill_bucket(b: Bucket, decode: list[Row], chunks: list[Row], v: dict[str, np
     if D:
         v["imap0"][:, 0] = np.where(np.arange(D) < nd, np.arange(D), -1)
         v["irow0"][:] = np.where(np.arange(D) < nd, np.arange(D), pad)
+    # the lists' entries that no row fills: a decode row's own token, a slot's last token (see the docstring)
+    slot_last = D + np.arange(b.slots, dtype=np.int64) * L + L - 1
     for r in b.ratios:
         g = v[f"g{r}"]
-        g[:] = T - 1
-        g[:nd] = np.arange(nd)
+        g[:D] = np.arange(D)
+        g[D:] = np.repeat(slot_last, -(-L // r))
     keep = b.keep if b.slots else ()
     for k in keep:
         kt = v[f"k{k.ratio}"]
-        kt[:] = T - 1
-        kt[:nd] = np.arange(nd)
+        kt[:D] = np.arange(D)
+        kt[D:] = np.repeat(slot_last, k.per_slot)
     out = v["out"]
-    out[:] = T - 1
-    out[:nd] = np.arange(nd)
+    out[:D] = np.arange(D)
+    out[D:] = slot_last
     if b.slots:
         v["imap1"][:] = -1
         v["irow1"][:] = pad

@@ -324,3 +324,31 @@ def test_bucketed_steps_give_the_ragged_steps_numbers(model, prompts, sampled, l
                 assert (i == j or abs(u - v) <= tol) and abs(u - v) <= tol
     assert engine.runner.padded_steps == engine.stats["steps"] and ragged.runner.padded_steps == 0
     assert engine.stats["steps"] == ragged.stats["steps"]  # the same plan, padded
+
+
+def test_a_bucket_filled_to_the_last_token_gives_the_ragged_steps_numbers(model, monkeypatch):
+    """A bucket holds D + C x L tokens and no spare padding token: in a step that fills every decode row
+    and every slot, the lists' unfilled entries name real tokens of their own slot. Such steps give the
+    ragged steps' tokens bit for bit (deterministic mode), and such steps happen here."""
+    import dsv4.engine.runner as runner_mod
+
+    full = []
+    fill = runner_mod.fill_bucket
+
+    def watch(b, decode, chunks, v, pad_trow):
+        rows = fill(b, decode, chunks, v, pad_trow)
+        used = sum(-(-len(r.tokens) // b.slot_len) for r in chunks)
+        tight = all(len(r.tokens) % b.slot_len == 0 for r in chunks)
+        full.append(len(decode) == b.decode and used == b.slots and tight and b.slots > 0 and b.decode > 0)
+        assert b.tokens == b.decode + b.slots * b.slot_len
+        assert all((v[name] < b.tokens).all() for name in v if name[0] in "gk" or name == "out")
+        return rows
+
+    monkeypatch.setattr(runner_mod, "fill_bucket", watch)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, model.cfg.vocab_size, (16,), generator=g).tolist() for _ in range(4)]
+    kw = dict(arrivals=[0, 0, 3, 3], max_batch_tokens=34, chunk_len=8)
+    plain, _, _ = run(model, prompts, greedy(), **kw)
+    padded, engine, _ = run(model, prompts, greedy(), pad_steps=True, **kw)
+    assert padded == plain and engine.runner.padded_steps == engine.stats["steps"]
+    assert any(full), "no step filled its bucket: the test does not test what it says"
