@@ -27,7 +27,8 @@ code stores, not a generic transformer formula:
   stacked experts they can exceed the backward's activations and set the step's peak (`muon_step_bytes`;
   a 57M-parameter model with 16 experts x 8 layers, 2 x 256 tokens with checkpointing on the CPU: 1.33 GB
   measured, 0.91 GB estimated from the activations alone, 1.31 GB with the larger of the two). The CPU
-  measurement's estimate (`dsv4 info --measure`) takes the larger; the GPU counts below do not yet. The
+  measurement's estimate (`dsv4 info --measure`) and the GPU counts take the larger (on a GPU the
+  iterates stay bf16; on one of W expert-parallel ranks the expert stacks are 1/W). The
   CPU reference path (fp32, no autocast) is estimated by the older
   per-layer model in `train_activation_bytes(fused=False)`.
 
@@ -420,26 +421,37 @@ def train_state_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> 
     )
 
 
-def muon_step_bytes(cfg: ModelConfig, cpu: bool) -> int:
+@functools.lru_cache(maxsize=16)
+def _muon_shapes(cfg: ModelConfig) -> dict[tuple[int, int], tuple[tuple[int, bool], ...]]:
+    """{(rows, cols): ((matrices of one tensor, stacked routed experts?), ...)} of the Muon-stepped weights."""
+    from .model import DeepSeekV4
+    from .train.optim import uses_muon
+
+    model = DeepSeekV4(cfg, dtype=torch.float32, device="meta")
+    by_shape: dict[tuple[int, int], list[tuple[int, bool]]] = {}
+    for name, p in model.named_parameters():
+        if p.dim() >= 2 and uses_muon(name, p):
+            rows, cols = p.shape[-2:]
+            by_shape.setdefault((rows, cols), []).append((p.numel() // (rows * cols), ".experts.w" in name))
+    return {k: tuple(v) for k, v in by_shape.items()}
+
+
+def muon_step_bytes(cfg: ModelConfig, cpu: bool, expert_shards: int = 1) -> int:
     """The largest Newton-Schulz working set of one optimizer step: `MuonPlan` iterates every matrix of one
     shape at once (whole tensors, up to `OptimConfig.ns_batch_elems` a batch), so the step's temporaries scale with a
     shape group, not with one matrix. Per batch of P elements and Q = (matrices x min(rows, cols)^2) Gram
     elements: the bf16 update, iterate and result (2 bytes each per element) and the Gram and inner products
     (bf16 on a GPU: 6P + 4Q bytes); a CPU multiplies fp32 copies (`ns_iteration`: + an fp32 iterate and
     product, fp32 Gram and inner: 14P + 8Q). It comes after the backward has freed the activations, so the
-    step's peak holds the larger of the two (`train_step_estimate`)."""
-    from .model import DeepSeekV4
+    step's peak holds the larger of the two (`train_step_estimate`). On one of `expert_shards`
+    expert-parallel ranks each stacked routed-expert tensor holds 1/expert_shards of its experts (FSDP2's
+    row shards of the other matrices are gathered whole for Newton-Schulz, `sharded_muon_step`)."""
     from .train.muon_batched import chunk_runs
-    from .train.optim import OptimConfig, uses_muon
+    from .train.optim import OptimConfig
 
-    model = DeepSeekV4(cfg, dtype=torch.float32, device="meta")
-    by_shape: dict[tuple[int, int], list[int]] = {}
-    for name, p in model.named_parameters():
-        if p.dim() >= 2 and uses_muon(name, p):
-            rows, cols = p.shape[-2:]
-            by_shape.setdefault((rows, cols), []).append(p.numel() // (rows * cols))
     worst = 0
-    for (rows, cols), sizes in by_shape.items():
+    for (rows, cols), tensors in _muon_shapes(cfg).items():
+        sizes = [n // expert_shards if expert else n for n, expert in tensors]
         side = min(rows, cols)
         for run in chunk_runs(sizes, rows, cols, OptimConfig().ns_batch_elems):
             n = sum(sizes[run.start : run.stop])
@@ -481,15 +493,15 @@ def training_gpus(
     checkpointing: bool = False,
 ) -> int | None:
     """The fewest ranks W (dividing the expert count) for which FSDP2 + expert parallelism fits each GPU:
-    a 1/W share of the fp32 state, the bf16 weight copies (`TrainState.copies`), the activations, and
+    a 1/W share of the fp32 state, the bf16 weight copies (`TrainState.copies`), the larger of the
+    activations and the optimizer step's Newton-Schulz working set on that rank (`muon_step_bytes`), and
     one gathered block beyond the own shard."""
     total = state.weights + state.grads + state.optimizer
     for world in range(1, max_world + 1):
         if cfg.n_routed_experts % world:
             continue
-        per_rank = (
-            total / world + state.copies(world, checkpointing) + activations + (state.largest_block if world > 1 else 0)
-        )
+        peak = max(activations, muon_step_bytes(cfg, cpu=False, expert_shards=world))
+        per_rank = total / world + state.copies(world, checkpointing) + peak + (state.largest_block if world > 1 else 0)
         if per_rank <= gpu_bytes * USABLE_FRACTION:
             return world
     return None

@@ -155,13 +155,26 @@ def test_gpu_counts():
     cfg = ModelConfig.preset("flash")
     st = mem.train_state_bytes(cfg)
     total = st.weights + st.grads + st.optimizer
-    n = mem.training_gpus(cfg, st, 10 * mem.GB, 141 * mem.GB)
-    assert n is not None and cfg.n_routed_experts % n == 0
     usable = 141 * mem.GB * mem.USABLE_FRACTION
-    assert total / n + st.copies(n) + 10 * mem.GB + st.largest_block <= usable  # fits at n
-    smaller = [w for w in range(1, n) if cfg.n_routed_experts % w == 0]
-    assert all(total / w + st.copies(w) + 10 * mem.GB + st.largest_block > usable for w in smaller)
+
+    def need(w: int, acts: int) -> float:  # a rank's share, the larger of activations and Newton-Schulz
+        return total / w + st.copies(w) + max(acts, mem.muon_step_bytes(cfg, False, w)) + st.largest_block
+
+    for acts in (10 * mem.GB, 0):
+        n = mem.training_gpus(cfg, st, acts, 141 * mem.GB)
+        assert n is not None and cfg.n_routed_experts % n == 0
+        assert need(n, acts) <= usable  # fits at n
+        assert all(need(w, acts) > usable for w in range(1, n) if cfg.n_routed_experts % w == 0)
+    # the expert stacks' share of the Newton-Schulz set shrinks with the expert-parallel ranks, the rest not
+    ns = [mem.muon_step_bytes(cfg, False, w) for w in (1, 2, 8)]
+    assert ns[0] > ns[1] > ns[2] > 0 and ns[0] > 10 * mem.GB  # flash's 256-expert stacks: more than 10 GB
     assert mem.training_gpus(cfg, st, 200 * mem.GB, 141 * mem.GB) is None  # activations alone overflow
+    # a GPU that holds one rank's state and activations but not the Newton-Schulz set on top: not one rank
+    small = ModelConfig.preset("small")
+    sst = mem.train_state_bytes(small)
+    one = sst.weights + sst.grads + sst.optimizer + sst.copies(1)
+    gpu = int((one + mem.muon_step_bytes(small, False) // 2) / mem.USABLE_FRACTION)
+    assert mem.training_gpus(small, sst, 0, gpu) > 1
     assert mem.inference_gpus(int(usable), 141 * mem.GB) == 1 and mem.inference_gpus(int(usable) + 1, 141 * mem.GB) == 2
     assert mem.parse_size("141GB") == 141 * 10**9 and mem.parse_size("80GiB") == 80 * 2**30
     assert mem.parse_size("1.5G") == 1_500_000_000 and mem.parse_size("4096") == 4096
