@@ -125,10 +125,10 @@ def _profile_step(fn, steps: int, top: int = 15) -> dict:
     }
 
 
-def build_model(preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+def build_model(preset: str | ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0):
     from ..model import DeepSeekV4
 
-    cfg = ModelConfig.preset(preset)
+    cfg = preset if isinstance(preset, ModelConfig) else ModelConfig.preset(preset)
     torch.manual_seed(seed)
     return DeepSeekV4(cfg, dtype=dtype, device=device)
 
@@ -299,6 +299,7 @@ def bench_train(model, args, device, path: str) -> dict:
             sec = reps[len(reps) // 2]
             if not graphed:
                 used = _backends_used()
+            profiled = _profile_step(lambda: step(None), 3) if args.profile and device.type == "cuda" else {}
     finally:
         model.eval()
         model.set_options(activation_checkpointing=False)
@@ -318,6 +319,7 @@ def bench_train(model, args, device, path: str) -> dict:
     }
     if opt is not None:
         row["optimizer"] = opt.implementation | {"graphed": graphed}
+    row.update(profiled)
     peak = peak_tflops(device, getattr(args, "peak_tflops", None))
     flops = train_flops_per_token(cfg, args.seq, mtp=mtp)
     row["model_tflops"] = round(flops * tok_s / 1e12, 2)
@@ -425,6 +427,20 @@ def bench_optimizer(model, args, device, path: str) -> dict:
     return row
 
 
+def _bench_config(args: argparse.Namespace) -> str | ModelConfig:
+    """--preset, or with `bench train --train-config FILE` the model that recipe trains (its preset or
+    config.json with its [model] overrides, as `dsv4 train` builds it)."""
+    recipe = getattr(args, "train_config", None)
+    if not recipe:
+        return args.preset
+    from ..train.settings import TrainConfig, model_config_of
+
+    c = TrainConfig.from_file(recipe)
+    if c.init_from:
+        raise UserError(f"--train-config {recipe}: continues a checkpoint (init_from); time its preset instead")
+    return model_config_of(c)
+
+
 _BENCHES = {"prefill": bench_prefill, "decode": bench_decode, "train": bench_train}
 _DEFAULTS = {"prefill": {"batch": 1, "seq": 4096}, "decode": {"batch": 1, "seq": 0}, "train": {"batch": 2, "seq": 2048}}
 
@@ -457,7 +473,7 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
         args.dtype = "fp32"  # the weights it steps (no forward runs)
     if args.bench == "decode":
         return _run_decode(args, device, dtype, t0)
-    model = build_model(args.preset, device, dtype)
+    model = build_model(_bench_config(args), device, dtype)
     model.eval()
     paths = ["fast", "old" if only else "reference"] if not args.no_reference else ["fast"]
     rows = []
@@ -470,7 +486,7 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
-        "preset": args.preset,
+        "preset": getattr(args, "train_config", None) or args.preset,
         "dtype": args.dtype,
         "rows": rows,
         "seconds": round(time.time() - t0, 1),
@@ -645,7 +661,9 @@ def add_bench_parsers(subparsers) -> None:
         p.add_argument("--steps", type=argtypes.positive_int, default=32, help="decode: timed steps per rep")
         p.add_argument("--reps", type=argtypes.positive_int, default=3, help="timed repetitions (median, min, max)")
         p.add_argument(
-            "--profile", action="store_true", help="decode, train --optimizer-only: kernels, GPU ms, syncs per step"
+            "--profile",
+            action="store_true",
+            help="decode, train: kernels and GPU ms per step, by kernel (decode, --optimizer-only: also host syncs)",
         )
         if name != "train":
             options.add(p, "cuda_graph", note=f"here the {'step' if name == 'decode' else 'prefill'}")
@@ -681,6 +699,13 @@ def add_bench_parsers(subparsers) -> None:
             )
             p.add_argument(
                 "--peak-tflops", type=argtypes.positive_float, help="device bf16 peak for MFU (default: known GPUs)"
+            )
+            p.add_argument(
+                "--train-config",
+                type=argtypes.path,
+                default=None,
+                help="time the model a training recipe trains (its preset and [model] overrides, e.g. "
+                "dsv4/train/recipes/pycode-base.toml) instead of --preset (default: none)",
             )
         options.add(p, "device")
         options.add(p, "threads")

@@ -128,6 +128,33 @@ class TrainConfig:
         return dataclasses.replace(self, **{k: v for k, v in table.items() if getattr(self, k) is None})
 
 
+def model_config_of(c: TrainConfig, base=None):
+    """The ModelConfig a run of `c` trains: `base` (a checkpoint's, for init_from), else its config.json
+    or its preset; then its [model] overrides, its draft and its simulation flags."""
+    from ..config import ModelConfig
+
+    if base is not None:
+        mcfg = base
+    elif c.model_config:
+        from ..checkpoint import read_config_file
+
+        mcfg = read_config_file(c.model_config)
+    else:
+        mcfg = ModelConfig.preset(c.preset)
+    if c.model:
+        try:
+            mcfg = mcfg.replace(**c.model)
+        except TypeError as e:
+            raise UserError(f"bad model override: {e}") from None
+    if c.draft is not None:
+        mcfg = mcfg.with_draft(c.draft)
+    if c.fp8_kv_sim is not None:
+        mcfg = mcfg.replace(fp8_kv_sim=c.fp8_kv_sim)
+    if c.fp4_indexer_sim is not None:
+        mcfg = mcfg.replace(fp4_indexer_sim=c.fp4_indexer_sim)
+    return mcfg
+
+
 # Settings whose default depends on the run. STANDARD: any preset on a GPU, and presets other than tiny
 # (or a --model-config / --init-from model) on a CPU. QUICK_CPU: the tiny preset on a CPU, sized so that a
 # bare `dsv4 train --preset tiny` (tokenizer, data, training, evaluation) ends within about two minutes

@@ -30,7 +30,7 @@ from .dspark_loss import DSparkLossConfig, dspark_loss, sample_anchors
 from .graphed import ReplayAfterFirst
 from .losses import LossParts, total_loss
 from .optim import MuonAdamW, OptimConfig, lr_factor, orthogonalization_error
-from .settings import QUICK_CPU_DEFAULTS, STANDARD_DEFAULTS, TrainConfig  # noqa: F401  (TrainConfig: re-exported)
+from .settings import QUICK_CPU_DEFAULTS, STANDARD_DEFAULTS, TrainConfig, model_config_of  # noqa: F401  (TrainConfig: re-exported)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -163,36 +163,20 @@ class Trainer:
 
     def _model_config(self) -> ModelConfig:
         c = self.cfg
+        base = None
         if c.init_from:
             from ..checkpoint import plan
 
             # the config the loader would build (the layout's semantics, e.g. no MTP in an HF directory);
             # trained weights leave the FP8 / FP4 grid after the first step: a float model (W8A16 numerics)
-            mcfg = plan(c.init_from, overrides={"quant_mode": "w8a16"}).cfg
-            self.init_draft = "dspark" if mcfg.dspark else "mtp" if mcfg.n_mtp_layers else "none"
+            base = plan(c.init_from, overrides={"quant_mode": "w8a16"}).cfg
+            self.init_draft = "dspark" if base.dspark else "mtp" if base.n_mtp_layers else "none"
             if c.no_mtp:
                 from ..checkpoint.layouts import without_mtp
 
-                mcfg = without_mtp(mcfg)
+                base = without_mtp(base)
                 self.init_draft = "none"
-        elif c.model_config:
-            from ..checkpoint import read_config_file
-
-            mcfg = read_config_file(c.model_config)
-        else:
-            mcfg = ModelConfig.preset(c.preset)
-        if c.model:
-            try:
-                mcfg = mcfg.replace(**c.model)
-            except TypeError as e:
-                raise UserError(f"bad model override: {e}") from None
-        if c.draft is not None:
-            mcfg = mcfg.with_draft(c.draft)
-        if c.fp8_kv_sim is not None:
-            mcfg = mcfg.replace(fp8_kv_sim=c.fp8_kv_sim)
-        if c.fp4_indexer_sim is not None:
-            mcfg = mcfg.replace(fp4_indexer_sim=c.fp4_indexer_sim)
-        return mcfg
+        return model_config_of(c, base)
 
     def _build_data(self) -> None:
         c = self.cfg

@@ -38,6 +38,23 @@ def test_bench_subcommands_parse_their_options():
     assert a.optimizer_only and a.profile and not a.optimizer and not parse(["bench", "train"]).optimizer_only
 
 
+def test_bench_train_times_the_model_a_recipe_trains(tmp_path):
+    """`--train-config` builds what `dsv4 train` would from the recipe: its preset with its [model]
+    overrides; a recipe that continues a checkpoint is refused by name."""
+    from dsv4.train.settings import TrainConfig, model_config_of
+
+    recipe = "dsv4/train/recipes/pycode-base.toml"
+    a = build_parser().parse_args(["bench", "train", "--train-config", recipe])
+    cfg = e2e._bench_config(a)
+    assert cfg == model_config_of(TrainConfig.from_file(recipe))
+    assert (cfg.dim, cfg.n_layers, cfg.n_routed_experts) == (384, 8, 16) != (ModelConfig.preset("tiny").dim, 0, 0)
+    assert e2e._bench_config(build_parser().parse_args(["bench", "train", "--preset", "small"])) == "small"
+    cont = tmp_path / "cont.toml"
+    cont.write_text('init_from = "somewhere"\n')
+    with pytest.raises(UserError, match="continues a checkpoint"):
+        e2e._bench_config(build_parser().parse_args(["bench", "train", "--train-config", str(cont)]))
+
+
 @pytest.mark.parametrize(
     "argv",
     [
