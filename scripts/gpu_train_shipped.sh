@@ -4,16 +4,17 @@
 #   RUN=/some/dir MINUTES=25 bash scripts/gpu_train_shipped.sh probe   # corpus, tokenized data, speed -> steps
 #   RUN=/some/dir STAGE_S=420 bash scripts/gpu_train_shipped.sh stage  # one stage (repeat until it says done)
 #   RUN=/some/dir OUT=/dir bash scripts/gpu_train_shipped.sh finish    # export, FP8 + MXFP4 copy, evaluations
-# probe: writes $RUN/corpus.json (stdlib + installed packages) and $RUN/functions (its documented functions in
-# the completion prompts' form, `dsv4.train.functions`), tokenizes both into $RUN/cache, times 30 steps
-# and writes $RUN/steps: the steps that fill MINUTES of training at that speed. stage: trains for STAGE_S
-# seconds (`--stop-after-s`) from the run's latest checkpoint and prints the stage's summary; the stage that
-# reaches the last step exports $RUN/export (bf16). finish: `dsv4 convert --to fp8 --expert-dtype fp4`
-# into $OUT/model (the shipped layout) and `dsv4 eval heldout` / `completions` on it and on the shipped model;
-# $OUT/record.tar.gz holds the evaluations' JSON, metrics.jsonl, loss.png and the summary (so $OUT is eight
-# files: the model's seven and the record). EVAL=candidate evaluates the candidate alone, EVAL=0 neither.
-# Where --cuda-graph training fails in the probe, the stages train eagerly. SMOKE=1 runs every part at toy
-# sizes (a CPU check of the pipeline, not a training run).
+# probe: writes $RUN/corpus.json (stdlib + installed packages), $RUN/functions (its documented functions in
+# the completion prompts' form, `dsv4.train.functions`) and $RUN/chat (the public ones as V4 chat exchanges:
+# asked for by signature and docstring, answered with the code; `--chat`), tokenizes all three into
+# $RUN/cache, times 30 steps and writes $RUN/steps: the steps that fill MINUTES of training at that speed.
+# stage: trains for STAGE_S seconds (`--stop-after-s`) from the run's latest checkpoint and prints the
+# stage's summary; the stage that reaches the last step exports $RUN/export (bf16). finish: `dsv4 convert
+# --to fp8 --expert-dtype fp4` into $OUT/model (the shipped layout) and `dsv4 eval heldout` / `completions`
+# / `chat` on it and on the shipped model; $OUT/record.tar.gz holds the evaluations' JSON, metrics.jsonl,
+# loss.png and the summary (so $OUT is eight files: the model's seven and the record). EVAL=candidate
+# evaluates the candidate alone, EVAL=0 neither. Where --cuda-graph training fails in the probe, the stages
+# train eagerly. SMOKE=1 runs every part at toy sizes (a CPU check of the pipeline, not a training run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -27,7 +28,8 @@ TOK=dsv4/assets/stdlib-v4-mini
 mkdir -p "$RUN" "$OUT"
 HELD=2.0  # the recipe's held_out_pct (the function examples leave out the same documents)
 [ "${SMOKE:-0}" = 1 ] && HELD=20
-COMMON=(--train-config "$RECIPE" --data "$RUN/corpus.json" "$RUN/functions" --held-out-pct "$HELD" --tokenizer "$TOK"
+COMMON=(--train-config "$RECIPE" --data "$RUN/corpus.json" "$RUN/functions" "$RUN/chat" --held-out-pct "$HELD"
+  --tokenizer "$TOK"
   --cache-dir "$RUN/cache" --no-progress)
 if [ "${SMOKE:-0}" = 1 ]; then  # toy sizes: the pipeline on a CPU
   COMMON+=(--max-docs 40 --batch-size 2 --seq-len 128 --eval-every 2 --eval-windows 2
@@ -47,6 +49,8 @@ case "${1:-}" in
     [ -f "$RUN/corpus.json" ] || "$PY" -m dsv4.train.corpus --out "$RUN/corpus.json" "${PACKAGES[@]}"
     [ -d "$RUN/functions" ] || "$PY" -m dsv4.train.functions --data "$RUN/corpus.json" --held-out-pct "$HELD" \
       --out "$RUN/functions"
+    [ -d "$RUN/chat" ] || "$PY" -m dsv4.train.functions --data "$RUN/corpus.json" --held-out-pct "$HELD" \
+      --out "$RUN/chat" --chat
     probe() { "$PY" -m dsv4 train "${COMMON[@]}" "$@" --steps "$PROBE_STEPS" --save-every -1 --eval-every 0 \
       --sample-prompt "" --out "$RUN/probe" --json | tail -1 > "$RUN/probe.json"; }
     : > "$RUN/flags"
@@ -94,7 +98,8 @@ EOF
       model=(); [ "$m" = candidate ] && model=(--model "$OUT/model")
       "$PY" -m dsv4 eval heldout "${model[@]}" --json > "$rec/heldout-$m.json" || true
       "$PY" -m dsv4 eval completions "${model[@]}" --json > "$rec/completions-$m.json" || true
-      tail -c 400 "$rec/heldout-$m.json" "$rec/completions-$m.json"
+      "$PY" -m dsv4 eval chat "${model[@]}" --json > "$rec/chat-$m.json" || true
+      tail -c 400 "$rec/heldout-$m.json" "$rec/completions-$m.json" "$rec/chat-$m.json"
     done
     tar -czf "$OUT/record.tar.gz" -C "$RUN" record
     ;;

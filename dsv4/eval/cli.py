@@ -2,9 +2,10 @@
 
     dsv4 eval heldout      [--model DIR] [--data PATH ...] [--held-out-pct 2]
     dsv4 eval completions  [--model DIR] [--data PATH ...] [--prompts 100] [--samples 5]
+    dsv4 eval chat         [--model DIR] [--data PATH ...] [--prompts 100] [--samples 5]
 
-Both default to the shipped model and its training corpus (the Python standard library, 2% held out),
-so the numbers in BENCHMARKS.md for the shipped model come from these two commands as written.
+All default to the shipped model and its training corpus (the Python standard library, 2% held out),
+so the numbers in BENCHMARKS.md for the shipped model come from these commands as written.
 """
 
 from __future__ import annotations
@@ -59,26 +60,32 @@ def add_eval_parser(sub) -> None:
         "completions",
         help="does the model finish held-out functions with bodies that parse, and well-known ones correctly",
     )
-    _common(p)
-    p.add_argument(
-        "--prompts",
-        type=argtypes.positive_int,
-        default=100,
-        help="held-out functions (signature + one-line docstring) to complete (default %(default)s)",
+    _generation_args(p, "held-out functions (signature + one-line docstring) to complete", 80, "written functions")
+    options.add(p, "token_healing", note="every prompt")
+    p.set_defaults(func=cmd_completions)
+    p = esub.add_parser(
+        "chat",
+        help="asked for a function in the V4 chat format (signature + docstring line), does the model answer "
+        "with code that parses, and with well-known ones that work",
     )
+    _generation_args(p, "held-out functions to ask for", 160, "answers")
+    p.set_defaults(func=cmd_chat)
+
+
+def _generation_args(p: argparse.ArgumentParser, prompts_help: str, max_new: int, shown: str) -> None:
+    _common(p)
+    p.add_argument("--prompts", type=argtypes.positive_int, default=100, help=f"{prompts_help} (default %(default)s)")
     p.add_argument(
         "--samples",
         type=argtypes.positive_int,
         default=5,
         help="samples per well-known function of the functional check (default %(default)s)",
     )
-    options.add(p, "max_new_tokens", default=80, note="per completion")
+    options.add(p, "max_new_tokens", default=max_new, note="per answer")
     options.add(p, "temperature", default=0.7)
     options.add(p, "top_p", default=0.9)
     options.add(p, "seed", default=0, note="prompt i samples with seed + i (fixed: the figures are reproducible)")
-    p.add_argument("--show", type=argtypes.int_in(0), default=0, help="print this many written functions")
-    options.add(p, "token_healing", note="every prompt")
-    p.set_defaults(func=cmd_completions)
+    p.add_argument("--show", type=argtypes.int_in(0), default=0, help=f"print this many {shown}")
 
 
 def _documents(args: argparse.Namespace):
@@ -174,4 +181,44 @@ def cmd_completions(args: argparse.Namespace) -> int:
     for fn in rep.written[: args.show]:
         print("-" * 60)
         print(fn, end="")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .chat import evaluate_chat
+
+    docs = _documents(args)
+    model, tokenizer, desc = _load(args)
+    rep = evaluate_chat(
+        model,
+        tokenizer,
+        docs,
+        n_prompts=args.prompts,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        progress=not args.json,
+    )
+    s = rep.summary()
+    if args.json:
+        print(json.dumps({"model": desc, **s}))
+        return 0
+    print(
+        f"chat answers of {desc} (temperature {args.temperature}, top-p {args.top_p}, "
+        f"{args.max_new_tokens} new tokens, seed {args.seed}):"
+    )
+    print(
+        f"  held-out functions answered with code defining them: {s['with_code']} of {s['requests']} "
+        f"({100 * s['with_code_fraction']:.0f}%)"
+    )
+    print(
+        f"  well-known functions right: {s['functional_right']} of {s['functional_samples']} samples "
+        f"({100 * s['functional_fraction']:.0f}%; {len(s['functional_by_task'])} functions x {args.samples})"
+    )
+    print("    " + ", ".join(f"{k} {v}/{args.samples}" for k, v in s["functional_by_task"].items()))
+    for answer in rep.answers[: args.show]:
+        print("-" * 60)
+        print(answer)
     return 0

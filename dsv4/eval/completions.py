@@ -56,9 +56,11 @@ def _complete(
     progress: bool = False,
     desc: str = "completions",
     token_healing: bool = True,
+    bos: bool = True,
 ) -> list[tuple[str, bool]]:
     """(completion text after the prompt, ended by EOS) per prompt; prompt i samples with seed + i.
-    `progress`: a bar of the prompts finished (by EOS or length) on a terminal."""
+    `progress`: a bar of the prompts finished (by EOS or length) on a terminal; bos=False: the prompts
+    carry their own (chat prompts)."""
     from ..progress import bar
 
     made = [0] * len(prompts)
@@ -74,6 +76,7 @@ def _complete(
             tokenizer,
             prompts,
             token_healing=token_healing,
+            bos=bos,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,

@@ -2,7 +2,8 @@
 
     python3 -m dsv4.train.functions --data corpus.json --out functions/   # from a corpus manifest
     python3 -m dsv4.train.functions --out functions/                      # from the Python stdlib
-    dsv4 train --data corpus.json functions/ ...                          # train on both
+    python3 -m dsv4.train.functions --data corpus.json --out chat/ --chat # as V4 chat exchanges
+    dsv4 train --data corpus.json functions/ chat/ ...                    # train on all three
 
 Library code documents its functions with long docstrings, so a model trained on it alone learns that a
 docstring goes on for lines and that the body comes late; the completion prompts (`dsv4.eval.code`), and
@@ -13,12 +14,18 @@ one-line docstring, then its own body (`one_line_docstring_examples`; the prompt
 --out, so `dsv4 train`'s held-out split (a hash of the name, `dsv4.train.data.is_held_out`) treats the file
 as it treats its source; documents of the held-out split are left out altogether, so nothing held out is
 trained on in either form.
+
+`--chat` writes the same functions (the public top-level ones) as V4 chat exchanges instead: the user asks
+for the function by its signature and its docstring's first line, in one of a few phrasings
+(`CHAT_ASKS`), and the assistant answers with the function in a fenced block (`chat_examples`); `dsv4 eval
+chat` asks for functions the same way.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -64,12 +71,11 @@ def documented_functions(text: str):
         yield node, "\n".join(header) + f'\n{indent}"""{first}"""', lines
 
 
-def one_line_docstring_examples(text: str) -> list[str]:
-    """Each function of `documented_functions` (those `dsv4.eval.code.one_line_docstring_prompts` asks about)
-    written out whole: its prompt followed by its own body (the statements after the docstring, dedented as
-    the prompt is). Functions whose docstring shares its last line with code, or whose body is indented less
-    than the `def`, are left out."""
-    out = []
+def _whole_functions(text: str):
+    """(node, the function written out whole) for each function of `documented_functions`: its prompt
+    followed by its own body (the statements after the docstring, dedented as the prompt is). Functions
+    whose docstring shares its last line with code, or whose body is indented less than the `def`, are
+    left out."""
     for node, prompt, lines in documented_functions(text):
         doc = node.body[0]
         if lines[doc.end_lineno - 1][doc.end_col_offset :].strip():
@@ -77,17 +83,77 @@ def one_line_docstring_examples(text: str) -> list[str]:
         body = lines[doc.end_lineno : node.end_lineno]
         if any(line[: node.col_offset].strip() for line in body):
             continue
-        out.append(prompt + "\n" + "\n".join(line[node.col_offset :] for line in body).rstrip() + "\n")
+        yield node, prompt + "\n" + "\n".join(line[node.col_offset :] for line in body).rstrip() + "\n"
+
+
+def one_line_docstring_examples(text: str) -> list[str]:
+    """Each function of `documented_functions` (those `dsv4.eval.code.one_line_docstring_prompts` asks about)
+    written out whole (`_whole_functions`)."""
+    return [fn for _, fn in _whole_functions(text)]
+
+
+# ------------------------------------------------------------------------------------------ chat form
+# How a user asks for a function; an example's phrasing is chosen by its name (`chat_request`)
+CHAT_ASKS = (
+    "Write a Python function `{signature}`: {doc}",
+    "Implement `{signature}` in Python. {doc}",
+    "{doc} Write it as a Python function `{signature}`.",
+    "I need a Python function `{signature}`. {doc}",
+)
+
+
+def chat_request(signature: str, doc: str) -> str:
+    """The user's request for the function `signature` ("name(args)") that does `doc` (one line)."""
+    name = signature.split("(")[0]
+    pick = int.from_bytes(hashlib.sha1(name.encode()).digest()[:4], "little") % len(CHAT_ASKS)
+    return CHAT_ASKS[pick].format(signature=signature, doc=doc)
+
+
+def chat_answer(function: str) -> str:
+    """The assistant's answer: the function in a fenced Python block."""
+    return "```python\n" + function.rstrip("\n") + "\n```"
+
+
+def chat_examples(text: str) -> list[str]:
+    """Each documented top-level public function of one file (`_whole_functions`) as a V4 chat exchange:
+    the user asks for it by its signature and its docstring's first line (`chat_request`), the assistant
+    answers with the whole function (`chat_answer`). Rendered by the V4 chat encoder, not thinking, without
+    BOS (the training loader puts one before each document; `chat_document` joins a file's exchanges)."""
+    from ..serve.chat.encode import encode_chat
+
+    out = []
+    for node, fn in _whole_functions(text):
+        if node.col_offset or node.name.startswith("_"):  # a method, or private: not what people ask for
+            continue
+        doc = (ast.get_docstring(node) or "").strip().splitlines()[0].strip()
+        request = chat_request(f"{node.name}({ast.unparse(node.args)})", doc)
+        messages = [{"role": "user", "content": request}, {"role": "assistant", "content": chat_answer(fn)}]
+        out.append(encode_chat(messages, add_bos=False))
     return out
+
+
+def chat_document(exchanges: list[str]) -> str:
+    """One training document of several exchanges: BOS between them, none before the first and no EOS
+    after the last (the loader writes each document as BOS ... EOS)."""
+    from ..serve.chat.tokens import BOS, EOS
+
+    text = BOS.join(exchanges)
+    return text[: -len(EOS)] if text.endswith(EOS) else text
 
 
 def _examples_of(path: Path) -> list[str]:
     return one_line_docstring_examples(read_text(path))
 
 
-def write_examples(docs: list[tuple[str, Path]], out: Path, held_out_pct: float, workers: int = 1) -> dict:
+def _chat_of(path: Path) -> list[str]:
+    return chat_examples(read_text(path))
+
+
+def write_examples(
+    docs: list[tuple[str, Path]], out: Path, held_out_pct: float, workers: int = 1, chat: bool = False
+) -> dict:
     """Write out/<name> for every training document with at least one example (parsed by `workers`
-    processes); -> counts."""
+    processes; chat: the exchanges of `chat_examples` instead); -> counts."""
     py = [(name, path) for name, path in docs if name.endswith(".py")]
     todo = [(name, path) for name, path in py if not is_held_out(name, held_out_pct)]
     skipped = len(py) - len(todo)
@@ -95,7 +161,8 @@ def write_examples(docs: list[tuple[str, Path]], out: Path, held_out_pct: float,
     root = out.resolve()
     with ProcessPoolExecutor(workers) if workers > 1 else nullcontext() as pool:
         paths = [path for _, path in todo]
-        found_all = pool.map(_examples_of, paths, chunksize=32) if pool else map(_examples_of, paths)
+        of = _chat_of if chat else _examples_of
+        found_all = pool.map(of, paths, chunksize=32) if pool else map(of, paths)
         for (name, _), found in zip(todo, found_all):
             if not found:
                 continue
@@ -104,7 +171,8 @@ def write_examples(docs: list[tuple[str, Path]], out: Path, held_out_pct: float,
                 raise UserError(f"document name {name!r} would be written outside --out")
             dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = dst.with_name(dst.name + ".tmp")
-            tmp.write_text("\n\n".join(found), encoding="utf-8")  # two blank lines between functions
+            # two blank lines between functions; BOS between chat exchanges
+            tmp.write_text(chat_document(found) if chat else "\n\n".join(found), encoding="utf-8")
             os.replace(tmp, dst)
             files += 1
             examples += len(found)
@@ -123,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--workers", type=int, default=0, help="processes that parse the sources; 0 = one per core (default)"
     )
+    ap.add_argument(
+        "--chat",
+        action="store_true",
+        help="write each public top-level function as a V4 chat exchange instead (the user asks for it by "
+        "signature and docstring line, the assistant answers with the code): a model trained on these "
+        "answers `dsv4 chat` and /v1/chat/completions",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -135,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise UserError(f"--out {out}: exists and is not an empty directory (nothing written)")
         out.mkdir(parents=True, exist_ok=True)
-        counts = write_examples(find_documents(args.data), out, args.held_out_pct, workers)
+        counts = write_examples(find_documents(args.data), out, args.held_out_pct, workers, chat=args.chat)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -143,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e.filename or out}: {e.strerror or e}", file=sys.stderr)  # a source or the output
         return 1
     print(
-        f"{out}: {counts['examples']} functions in {counts['files']} files "
+        f"{out}: {counts['examples']} {'chat exchanges' if args.chat else 'functions'} in {counts['files']} files "
         f"({counts['held_out_documents_left_out']} held-out documents left out)"
     )
     return 0

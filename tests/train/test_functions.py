@@ -99,3 +99,48 @@ def test_the_command_writes_into_a_new_directory_only_and_refuses_bad_arguments(
     assert functions.main(["--data", str(tmp_path / "missing"), "--out", str(tmp_path / "o4")]) == 1
     err = capsys.readouterr().err
     assert "--held-out-pct 100" in err and "--workers -1" in err and "no such file" in err
+
+
+def test_chat_examples_ask_for_public_top_level_functions_and_answer_with_the_whole_function():
+    from dsv4.serve.chat.encode import encode_chat
+
+    (ex,) = functions.chat_examples(SOURCE)  # `size` is a method, `only_doc` has no body
+    whole = one_line_docstring_examples(SOURCE)[0]
+    request = functions.chat_request("add(a, b)", "Add two numbers.")
+    assert request in [a.format(signature="add(a, b)", doc="Add two numbers.") for a in functions.CHAT_ASKS]
+    messages = [{"role": "user", "content": request}, {"role": "assistant", "content": "```python\n" + whole + "```"}]
+    assert ex == encode_chat(messages, add_bos=False)
+    assert ex.startswith("<｜User｜>") and ex.endswith("```<｜end▁of▁sentence｜>")
+    assert functions.chat_examples('def _private():\n    """Doc."""\n    return 1\n') == []
+    # every phrasing is used, chosen by the name alone
+    names = [f"f{i}" for i in range(40)]
+    picks = {functions.chat_request(f"{n}(x)", "Do it.").replace(n, "NAME") for n in names}
+    assert len(picks) == len(functions.CHAT_ASKS)
+    assert functions.chat_request("f1(x)", "Do it.") == functions.chat_request("f1(x)", "Do it.")
+
+
+def test_a_chat_document_is_bos_exchange_eos_for_each_exchange_once_the_loader_wraps_it():
+    from dsv4.defaults import shipped_model_dir
+    from dsv4.serve.chat.tokens import BOS, EOS
+    from dsv4.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(shipped_model_dir() / "tokenizer.json")
+    two = functions.chat_examples(SOURCE.replace("def add(", "def plus(") + "\n" + SOURCE)
+    assert len(two) == 2
+    text = functions.chat_document(two)
+    assert not text.startswith(BOS) and not text.endswith(EOS)
+    ids = tok.encode(BOS + text + EOS)
+    assert ids.count(tok.bos_id) == 2 and ids.count(tok.eos_id) == 2  # the special tokens, not their text
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert ids.index(tok.eos_id) + 1 == len(ids) - 1 - ids[::-1].index(tok.bos_id)  # EOS then BOS between
+
+
+def test_the_chat_command_writes_exchanges_under_the_same_names(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text(SOURCE, encoding="utf-8")
+    out = tmp_path / "chat"
+    argv = ["--data", str(src), "--out", str(out), "--held-out-pct", "0", "--workers", "1", "--chat"]
+    assert functions.main(argv) == 0
+    assert "1 chat exchanges in 1 files" in capsys.readouterr().out
+    assert (out / "a.py").read_text() == functions.chat_document(functions.chat_examples(SOURCE))
