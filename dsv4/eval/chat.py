@@ -20,7 +20,7 @@ from pathlib import Path
 from ..serve.chat.encode import encode_chat
 from ..train.data import read_text
 from ..train.functions import chat_request, documented_functions
-from .code import FUNCTIONAL_TASKS, FunctionalTask, has_body, passes
+from .code import FUNCTIONAL_TASKS, FunctionalTask, functional_summary, has_body, passes
 from .completions import _complete
 
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.S)
@@ -83,16 +83,11 @@ class ChatReport:
     answers: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
-        right = sum(sum(v) for v in self.functional.values())
-        samples = sum(len(v) for v in self.functional.values())
         return {
             "requests": len(self.with_code),
             "with_code": sum(self.with_code),
             "with_code_fraction": sum(self.with_code) / max(1, len(self.with_code)),
-            "functional_right": right,
-            "functional_samples": samples,
-            "functional_fraction": right / max(1, samples),
-            "functional_by_task": {k: sum(v) for k, v in self.functional.items()},
+            **functional_summary(self.functional),
         }
 
 

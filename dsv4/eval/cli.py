@@ -105,6 +105,27 @@ def _load(args: argparse.Namespace):
     return model, tokenizer, desc
 
 
+def _sampling(args: argparse.Namespace) -> dict:
+    """The generation settings `completions` and `chat` share."""
+    return dict(
+        n_prompts=args.prompts,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        progress=not args.json,
+    )
+
+
+def _print_functional(s: dict, samples: int) -> None:
+    print(
+        f"  well-known functions right: {s['functional_right']} of {s['functional_samples']} samples "
+        f"({100 * s['functional_fraction']:.0f}%; {len(s['functional_by_task'])} functions x {samples})"
+    )
+    print("    " + ", ".join(f"{k} {v}/{samples}" for k, v in s["functional_by_task"].items()))
+
+
 def cmd_heldout(args: argparse.Namespace) -> int:
     from .heldout import held_out_loss
 
@@ -143,19 +164,7 @@ def cmd_completions(args: argparse.Namespace) -> int:
 
     docs = _documents(args)
     model, tokenizer, desc = _load(args)
-    rep = evaluate_completions(
-        model,
-        tokenizer,
-        docs,
-        n_prompts=args.prompts,
-        samples=args.samples,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        progress=not args.json,
-        token_healing=args.token_healing,
-    )
+    rep = evaluate_completions(model, tokenizer, docs, **_sampling(args), token_healing=args.token_healing)
     if args.json:
         print(json.dumps({"model": desc, "token_healing": args.token_healing, **rep.summary()}))
         return 0
@@ -173,11 +182,7 @@ def cmd_completions(args: argparse.Namespace) -> int:
         f"  the same prompts ending in a newline: {s['with_body_newline']} of {s['prompts']} "
         f"({100 * s['with_body_newline_fraction']:.0f}%)"
     )
-    print(
-        f"  well-known functions right: {s['functional_right']} of {s['functional_samples']} samples "
-        f"({100 * s['functional_fraction']:.0f}%; {len(s['functional_by_task'])} functions x {args.samples})"
-    )
-    print("    " + ", ".join(f"{k} {v}/{args.samples}" for k, v in s["functional_by_task"].items()))
+    _print_functional(s, args.samples)
     for fn in rep.written[: args.show]:
         print("-" * 60)
         print(fn, end="")
@@ -189,18 +194,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     docs = _documents(args)
     model, tokenizer, desc = _load(args)
-    rep = evaluate_chat(
-        model,
-        tokenizer,
-        docs,
-        n_prompts=args.prompts,
-        samples=args.samples,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        progress=not args.json,
-    )
+    rep = evaluate_chat(model, tokenizer, docs, **_sampling(args))
     s = rep.summary()
     if args.json:
         print(json.dumps({"model": desc, **s}))
@@ -213,11 +207,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         f"  held-out functions answered with code defining them: {s['with_code']} of {s['requests']} "
         f"({100 * s['with_code_fraction']:.0f}%)"
     )
-    print(
-        f"  well-known functions right: {s['functional_right']} of {s['functional_samples']} samples "
-        f"({100 * s['functional_fraction']:.0f}%; {len(s['functional_by_task'])} functions x {args.samples})"
-    )
-    print("    " + ", ".join(f"{k} {v}/{args.samples}" for k, v in s["functional_by_task"].items()))
+    _print_functional(s, args.samples)
     for answer in rep.answers[: args.show]:
         print("-" * 60)
         print(answer)

@@ -188,6 +188,18 @@ print(json.dumps(bool(ok)))
 """
 
 
+def functional_summary(functional: dict[str, list[bool]]) -> dict:
+    """The functional check's counts: right samples, all samples, their fraction, right samples per task."""
+    right = sum(sum(v) for v in functional.values())
+    samples = sum(len(v) for v in functional.values())
+    return {
+        "functional_right": right,
+        "functional_samples": samples,
+        "functional_fraction": right / max(1, samples),
+        "functional_by_task": {k: sum(v) for k, v in functional.items()},
+    }
+
+
 def passes(task: FunctionalTask, function_source: str, timeout_s: float = 5.0) -> bool:
     """Run the written function against the task's cases in an isolated Python process (-I) with a time
     limit: True only when every case returns the expected value."""

@@ -11,7 +11,15 @@ from pathlib import Path
 
 from ..engine.offline import complete
 from ..train.data import read_text
-from .code import FUNCTIONAL_TASKS, FunctionPrompt, has_body, one_line_docstring_prompts, passes, written_function
+from .code import (
+    FUNCTIONAL_TASKS,
+    FunctionPrompt,
+    functional_summary,
+    has_body,
+    one_line_docstring_prompts,
+    passes,
+    written_function,
+)
 
 
 @dataclass
@@ -22,18 +30,13 @@ class CompletionReport:
     written: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
-        right = sum(sum(v) for v in self.functional.values())
-        samples = sum(len(v) for v in self.functional.values())
         return {
             "prompts": len(self.with_body),
             "with_body": sum(self.with_body),
             "with_body_fraction": sum(self.with_body) / max(1, len(self.with_body)),
             "with_body_newline": sum(self.with_body_newline),
             "with_body_newline_fraction": sum(self.with_body_newline) / max(1, len(self.with_body_newline)),
-            "functional_right": right,
-            "functional_samples": samples,
-            "functional_fraction": right / max(1, samples),
-            "functional_by_task": {k: sum(v) for k, v in self.functional.items()},
+            **functional_summary(self.functional),
         }
 
 
