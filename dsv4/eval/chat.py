@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..serve.chat.encode import encode_chat
 from ..train.data import read_text
-from ..train.functions import chat_request, documented_functions
+from ..train.functions import chat_functions, chat_request
 from .code import FUNCTIONAL_TASKS, FunctionalTask, functional_summary, has_body, passes
 from .completions import _complete
 
@@ -56,14 +56,9 @@ class ChatAsk:
 
 
 def held_out_asks(docs: list[tuple[str, Path]], n: int) -> list[ChatAsk]:
-    """n requests spread evenly over the public top-level documented functions of the held-out documents."""
-    pool = []
-    for _, path in docs:
-        for node, _, _ in documented_functions(read_text(path)):
-            if node.col_offset or node.name.startswith("_"):
-                continue
-            doc = (ast.get_docstring(node) or "").strip().splitlines()[0].strip()
-            pool.append(ChatAsk(node.name, chat_request(f"{node.name}({ast.unparse(node.args)})", doc)))
+    """n requests spread evenly over the held-out documents' functions that chat examples are made of
+    (`dsv4.train.functions.chat_functions`)."""
+    pool = [ChatAsk(name, request) for _, path in docs for name, request, _ in chat_functions(read_text(path))]
     if len(pool) <= n:
         return pool
     return [pool[i * len(pool) // n] for i in range(n)]

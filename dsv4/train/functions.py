@@ -114,19 +114,29 @@ def chat_answer(function: str) -> str:
     return "```python\n" + function.rstrip("\n") + "\n```"
 
 
-def chat_examples(text: str) -> list[str]:
-    """Each documented top-level public function of one file (`_whole_functions`) as a V4 chat exchange:
-    the user asks for it by its signature and its docstring's first line (`chat_request`), the assistant
-    answers with the whole function (`chat_answer`). Rendered by the V4 chat encoder, not thinking, without
-    BOS (the training loader puts one before each document; `chat_document` joins a file's exchanges)."""
-    from ..serve.chat.encode import encode_chat
+def chat_functions(text: str):
+    """(name, the user's request, the whole function) of each documented top-level public function of one
+    file (`_whole_functions`): what the chat examples answer and `dsv4 eval chat` asks."""
+    from ..serve.chat.tokens import TOKENIZER_SPECIAL_STRINGS
 
-    out = []
     for node, fn in _whole_functions(text):
         if node.col_offset or node.name.startswith("_"):  # a method, or private: not what people ask for
             continue
+        if any(m in fn for m in TOKENIZER_SPECIAL_STRINGS):  # code that spells the format's markers (a chat
+            continue  # encoder's own source) would read as turn boundaries once tokenized
         doc = (ast.get_docstring(node) or "").strip().splitlines()[0].strip()
-        request = chat_request(f"{node.name}({ast.unparse(node.args)})", doc)
+        yield node.name, chat_request(f"{node.name}({ast.unparse(node.args)})", doc), fn
+
+
+def chat_examples(text: str) -> list[str]:
+    """Each function of `chat_functions` as a V4 chat exchange: the user asks for it by its signature and
+    its docstring's first line (`chat_request`), the assistant answers with the whole function
+    (`chat_answer`). Rendered by the V4 chat encoder, not thinking, without BOS (the training loader puts
+    one before each document; `chat_document` joins a file's exchanges)."""
+    from ..serve.chat.encode import encode_chat
+
+    out = []
+    for _, request, fn in chat_functions(text):
         messages = [{"role": "user", "content": request}, {"role": "assistant", "content": chat_answer(fn)}]
         out.append(encode_chat(messages, add_bos=False))
     return out

@@ -112,6 +112,8 @@ def test_chat_examples_ask_for_public_top_level_functions_and_answer_with_the_wh
     assert ex == encode_chat(messages, add_bos=False)
     assert ex.startswith("<｜User｜>") and ex.endswith("```<｜end▁of▁sentence｜>")
     assert functions.chat_examples('def _private():\n    """Doc."""\n    return 1\n') == []
+    marker = 'def eos():\n    """The end."""\n    return "<｜end▁of▁sentence｜>"\n'  # it would end the exchange
+    assert functions.chat_examples(marker) == [] and one_line_docstring_examples(marker) != []
     # every phrasing is used, chosen by the name alone
     names = [f"f{i}" for i in range(40)]
     picks = {functions.chat_request(f"{n}(x)", "Do it.").replace(n, "NAME") for n in names}
