@@ -11,10 +11,12 @@
 # stage: trains for STAGE_S seconds (`--stop-after-s`) from the run's latest checkpoint and prints the
 # stage's summary; the stage that reaches the last step exports $RUN/export (bf16). finish: `dsv4 convert
 # --to fp8 --expert-dtype fp4` into $OUT/model (the shipped layout) and `dsv4 eval heldout` / `completions`
-# / `chat` on it and on the shipped model; $OUT/record.tar.gz holds the evaluations' JSON, metrics.jsonl,
-# loss.png and the summary (so $OUT is eight files: the model's seven and the record). EVAL=candidate
-# evaluates the candidate alone, EVAL=0 neither. Where --cuda-graph training fails in the probe, the stages
-# train eagerly. SMOKE=1 runs every part at toy sizes (a CPU check of the pipeline, not a training run).
+# / `chat` on it and on the shipped model (held-out loss and completions also on the run's own held-out
+# split of corpus.json, besides the stdlib's that the shipped model was measured on); $OUT/record.tar.gz
+# holds the evaluations' JSON, metrics.jsonl, loss.png and the summary (so $OUT is eight files: the model's
+# seven and the record). EVAL=candidate evaluates the candidate alone, EVAL=0 neither. Where --cuda-graph
+# training fails in the probe, the stages train eagerly. SMOKE=1 runs every part at toy sizes (a CPU check
+# of the pipeline, not a training run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -37,11 +39,13 @@ if [ "${SMOKE:-0}" = 1 ]; then  # toy sizes: the pipeline on a CPU
   PACKAGES=(--packages)  # the standard library alone
   PROBE_STEPS=3
   GRAPH=
+  HOPTS=(--token-budget 4000); COPTS=(--prompts 2 --samples 1 --max-new-tokens 8)  # evaluations: a glance
   STAGE_S=1  # a step or so per stage: the resume path
 else
   GRAPH=--cuda-graph
   PACKAGES=()
   PROBE_STEPS=30
+  HOPTS=(); COPTS=()
 fi
 
 case "${1:-}" in
@@ -96,11 +100,22 @@ EOF
     case "${EVAL:-1}" in 1) models="shipped candidate" ;; candidate) models=candidate ;; *) models= ;; esac
     for m in $models; do  # the shipped model and the candidate, measured the same way, here
       model=(); [ "$m" = candidate ] && model=(--model "$OUT/model")
-      "$PY" -m dsv4 eval heldout "${model[@]}" --json > "$rec/heldout-$m.json" || true
-      "$PY" -m dsv4 eval completions "${model[@]}" --json > "$rec/completions-$m.json" || true
-      "$PY" -m dsv4 eval chat "${model[@]}" --json > "$rec/chat-$m.json" || true
+      "$PY" -m dsv4 eval heldout "${model[@]}" "${HOPTS[@]}" --json > "$rec/heldout-$m.json" || true
+      "$PY" -m dsv4 eval completions "${model[@]}" "${COPTS[@]}" --json > "$rec/completions-$m.json" || true
+      "$PY" -m dsv4 eval chat "${model[@]}" "${COPTS[@]}" --json > "$rec/chat-$m.json" || true
       tail -c 400 "$rec/heldout-$m.json" "$rec/completions-$m.json" "$rec/chat-$m.json"
     done
+    if [ -n "$models" ]; then  # both on the run's own held-out split too (the corpus's, not the stdlib's alone)
+      for m in $models; do
+        model=(); [ "$m" = candidate ] && model=(--model "$OUT/model")
+        split=(--data "$RUN/corpus.json" --held-out-pct "$HELD")
+        "$PY" -m dsv4 eval heldout "${model[@]}" "${split[@]}" "${HOPTS[@]}" --json \
+          > "$rec/heldout-corpus-$m.json" || true
+        "$PY" -m dsv4 eval completions "${model[@]}" "${split[@]}" "${COPTS[@]}" --json \
+          > "$rec/completions-corpus-$m.json" || true
+        tail -c 400 "$rec/heldout-corpus-$m.json" "$rec/completions-corpus-$m.json"
+      done
+    fi
     tar -czf "$OUT/record.tar.gz" -C "$RUN" record
     ;;
   *)
