@@ -53,6 +53,9 @@ def test_dense_w8a8_compiled(m, fmt):
     absprod = R.act_dequant(q, s).double().abs() @ wd.double().abs().t()
     want = getattr(R, op)(q, s, wq, ws, torch.float32)
     for be in [b for b in ops.backends(op) if b != "reference"]:
+        if be == "triton_splitk" and m > 64:  # decode-sized calls only (its refusal says so)
+            assert "decode-sized" in ops.refusal(op, be, q, s, wq, ws, torch.bfloat16)
+            continue
         try:
             got = ops.call(op, q, s, wq, ws, torch.bfloat16, backend=be)
         except ops.BackendUnavailable as e:

@@ -68,6 +68,14 @@ for dtype in (torch.bfloat16, torch.float16):
 B = 3  # the engine's token draw
 ops.gumbel_argmax(torch.randn(B, 300), torch.ones(B, dtype=torch.float64), torch.zeros(B, dtype=torch.bool),
                   torch.arange(B), torch.arange(B), backend="triton")
+from dsv4 import formats  # the W8A8 GEMMs of FP8 / MXFP4 checkpoints (dense and split-K): not in a bf16 model
+from dsv4.ops import reference as R
+q, s = R.act_quant(torch.randn(2, 256), 128, True)
+wq, ws = formats.quantize_fp8(torch.randn(64, 256))
+wp, wps = formats.quantize_mxfp4(torch.randn(64, 256))
+for be in ("triton", "triton_splitk"):
+    ops.fp8_gemm(q, s, wq, ws, torch.bfloat16, backend=be)
+    ops.fp4_gemm(q, s, wp, wps, torch.bfloat16, backend=be)
 print(json.dumps(records))
 """
 
@@ -163,10 +171,15 @@ def test_every_kernel_the_model_launches_compiles_for_sm90():
     # backends (and the engine's token draw)
     kernels = {"_fwd_kernel", "_hc_pre_part_kernel", "_norm_fwd_kernel", "_gmm_kernel", "_fixed_mm_kernel"}
     kernels.add("_write_rows_kernel")  # the caches' row writes
+    kernels |= {"_w8a8_kernel", "_w8a8_splitk_kernel", "_sum_splits_kernel"}  # W8A8 GEMMs, dense and split-K
     assert kernels | {"_draw_split_kernel"} <= names
     for r in records:  # the fixed-plan GEMM's interpreter-only sums never run on a GPU: its GPU form only
         if r["kwargs"].get("ROWWISE") == ["value", True]:
             r["kwargs"] = {**r["kwargs"], "ROWWISE": ["value", False]}
+        # nor do the W8A8 GEMMs' interpreter dots of FP8 values upcast to fp32 (Triton's CUDA backend
+        # refuses them: "Unsupported lhs dtype fp8e4nv"): their FP8 tensor-core form only
+        if r["name"] in ("_w8a8_kernel", "_w8a8_splitk_kernel") and r["kwargs"].get("UPCAST") == ["value", True]:
+            r["kwargs"] = {**r["kwargs"], "UPCAST": ["value", False]}
     launches = list(records)
     for r in records:  # the GPU's form: tensor-core dots where the interpreter upcast them, libdevice math
         for flag in ("UPCAST", "INTERP"):

@@ -18,6 +18,7 @@ _MODULES = (
     "mhc",
     "quant_gemm",
     "w8a8_gemm",
+    "w8a8_decode",
     "int8_gemm",
     "elementwise",
     "rows",

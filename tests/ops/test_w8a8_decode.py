@@ -1,0 +1,80 @@
+"""The split-K W8A8 GEMMs for decode-sized calls (`triton_splitk` of fp8_gemm / fp4_gemm) vs the references.
+
+On the CPU interpreter the block products are exact fp32 products, so kernel and reference differ only in
+the fp32 summation order (the bound of test_w8a8_gemm.py). The split count follows the programs a GPU needs,
+so the tests check that K really is split, and that the sums repeat bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv4.ops as ops
+from dsv4 import formats
+from dsv4.ops import reference as R
+
+pytest.importorskip("triton", reason="triton is not installed: no triton backend to test")
+from test_w8a8_gemm import abs_products, within_fp32_sum_bound  # noqa: E402
+from triton_interp import interpret_env, interpreted_kernels  # noqa: E402,F401  (autouse fixtures)
+
+import dsv4.ops.triton.w8a8_decode as wd  # noqa: E402
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_split_k_fp8_gemm_matches_reference(rows, scale_fmt, out_dtype):
+    g = torch.Generator().manual_seed(rows)
+    n, k = 72, 640  # five K blocks; N not a multiple of the column tile
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, k)
+    wq, ws = formats.quantize_fp8(w, scale_fmt=scale_fmt)
+    x = torch.randn(rows, k, generator=g) * torch.logspace(0, -2, k)
+    q, s = R.act_quant(x, 128, pow2=scale_fmt == "ue8m0")
+    splits, per = wd.splits_for(rows, n, k, 16, 32, wd._sm_count(q.device))
+    assert splits > 1 and (splits - 1) * per < 5 <= splits * per  # K is split, no split empty
+    got = ops.fp8_gemm(q, s, wq, ws, out_dtype, backend="triton_splitk")
+    assert ops.last_backend("fp8_gemm") == "triton_splitk" and got.shape == (rows, n) and got.dtype == out_dtype
+    want = R.fp8_gemm(q, s, wq, ws, out_dtype)
+    assert within_fp32_sum_bound(got, want, abs_products(q, s, formats.dequantize_fp8(wq, ws)), k, out_dtype)
+    assert torch.equal(got, ops.fp8_gemm(q, s, wq, ws, out_dtype, backend="triton_splitk"))  # repeats
+
+
+def test_split_k_reads_each_block_scale_and_every_split():
+    """Unit activations read the weight back: each element times its own block scale, whichever split
+    holds its K block (a split skipped, summed twice or given another's scale would show)."""
+    n, k = 64, 512
+    codes = torch.randint(0, 126, (n, k), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    wq = formats.fp8_from_bytes(codes)
+    ws = formats.e8m0_from_bytes(torch.tensor([[120, 127, 131, 118]], dtype=torch.uint8))
+    cols = [0, 127, 128, 200, 255, 256, 300, 383, 384, 400, 450, 511, 1, 130, 260, 390]  # every K block
+    x = torch.zeros(len(cols), k)
+    x[torch.arange(len(cols)), cols] = 1.0
+    q, s = R.act_quant(x, 128, True)
+    assert wd.splits_for(len(cols), n, k, 16, 32, wd._sm_count(q.device)) == (4, 1)  # a split per K block
+    got = ops.fp8_gemm(q, s, wq, ws, torch.float32, backend="triton_splitk")
+    assert torch.equal(got, R.fp8_gemm(q, s, wq, ws, torch.float32))  # one non-zero product each
+    assert torch.equal(got, formats.dequantize_fp8(wq, ws)[:, cols].t())  # (a unit is 256 x 2^-8 exactly)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_split_k_fp4_gemm_matches_reference(rows):
+    g = torch.Generator().manual_seed(2)
+    n, k = 96, 384
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, k)
+    wp, ws = formats.quantize_mxfp4(w)
+    q, s = R.act_quant(torch.randn(rows, k, generator=g), 128, True)
+    got = ops.fp4_gemm(q, s, wp, ws, torch.float32, backend="triton_splitk")
+    assert ops.last_backend("fp4_gemm") == "triton_splitk"
+    want = R.fp4_gemm(q, s, wp, ws, torch.float32)
+    assert within_fp32_sum_bound(got, want, abs_products(q, s, formats.dequantize_mxfp4(wp, ws)), k, torch.float32)
+
+
+def test_split_k_is_for_decode_sized_calls_and_not_a_default():
+    g = torch.Generator().manual_seed(3)
+    wq, ws = formats.quantize_fp8(torch.randn(64, 256, generator=g))
+    q, s = R.act_quant(torch.randn(wd.MAX_ROWS + 1, 256, generator=g), 128, True)
+    with pytest.raises(ops.BackendUnavailable, match="decode-sized"):
+        ops.fp8_gemm(q, s, wq, ws, torch.float32, backend="triton_splitk")
+    ops.fp8_gemm(q[:1], s[:1], wq, ws, torch.float32)
+    assert ops.last_backend("fp8_gemm") == "triton"  # the dense kernel stays the default until measured
+    assert "triton_splitk" in ops.backends("fp8_gemm") and "triton_splitk" in ops.backends("fp4_gemm")
