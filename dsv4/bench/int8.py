@@ -39,14 +39,27 @@ MODES = ("fp32", "bf16", "fp16", "int8", "w8a8")
 
 
 def parse_mode(mode: str, device: str) -> tuple[str, str, str]:
-    """'int8:bf16' -> (label, quant_mode, dtype); a bare dtype is the float model (W8A16 numerics)."""
-    kind, _, dtype = mode.partition(":")
+    """'int8:bf16' -> (label, quant_mode, dtype); a bare dtype is the float model (W8A16 numerics). A
+    suffix '+BACKEND' (e.g. 'int8:bf16+triton_splitk') runs the mode with that ops backend preferred wherever
+    it can run a call (`ops.prefer_backend`: a backend registered by name only, timed against the default)."""
+    from .. import ops
+
+    spec, _, backend = mode.partition("+")
+    if "+" in mode and backend not in {b for op in ops.ops() for b in ops.backends(op)}:
+        raise UserError(f"--modes: '{mode}': no ops backend named '{backend}' here")
+    suffix = f"+{backend}" if backend else ""
+    kind, _, dtype = spec.partition(":")
     if kind in ("fp32", "bf16", "fp16") and not dtype:
-        return mode, "w8a16", kind
+        return spec + suffix, "w8a16", kind
     if kind in ("int8", "w8a8") and dtype in ("", "fp32", "bf16", "fp16"):
         dtype = dtype or ("bf16" if device.startswith("cuda") else "fp32")
-        return f"{kind}:{dtype}", kind, dtype
-    raise UserError(f"--modes: unknown mode '{mode}' (fp32, bf16, fp16, int8[:DTYPE], w8a8[:DTYPE])")
+        return f"{kind}:{dtype}{suffix}", kind, dtype
+    raise UserError(f"--modes: unknown mode '{mode}' (fp32, bf16, fp16, int8[:DTYPE], w8a8[:DTYPE], each +BACKEND)")
+
+
+def preferred_backend(label: str) -> str | None:
+    """The backend a mode's label prefers ('int8:bf16+triton_splitk' -> 'triton_splitk'), or None."""
+    return label.partition("+")[2] or None
 
 
 def _config(preset: str, layers: int | None):
@@ -94,6 +107,13 @@ def _rss_mib() -> float:
 @torch.no_grad()
 def speed_child(opts: dict) -> dict:
     """Load one mode and time `steps` greedy decode steps at every batch size, once (a fresh process)."""
+    from .. import ops
+
+    with ops.prefer_backend(preferred_backend(opts["label"])):
+        return _time_mode(opts)
+
+
+def _time_mode(opts: dict) -> dict:
     from .. import ops
 
     if opts.get("threads"):
@@ -400,8 +420,9 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--modes",
         default="",
-        help="comma list of fp32, bf16, fp16, int8[:DTYPE], w8a8[:DTYPE] (default "
-        "fp32,bf16,int8 on a CPU; bf16,int8:bf16,fp16,int8:fp16 on CUDA)",
+        help="comma list of fp32, bf16, fp16, int8[:DTYPE], w8a8[:DTYPE], each optionally +BACKEND, an ops "
+        "backend preferred where it can run (e.g. int8:bf16+triton_splitk) (default fp32,bf16,int8 on a "
+        "CPU; bf16,int8:bf16,fp16,int8:fp16 on CUDA)",
     )
     p.add_argument("--batch", type=argtypes.positive_int, nargs="+", default=[1, 16], help="decode batch sizes")
     p.add_argument("--prompt", type=argtypes.positive_int, default=32, help="prompt tokens before decoding")

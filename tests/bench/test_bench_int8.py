@@ -64,3 +64,16 @@ def test_bench_int8_speed_and_accuracy_rows(capsys):
 def test_bench_int8_refuses_bad_modes(capsys):
     assert main(["bench", "int8", "--preset", "tiny", "--modes", "int4"]) == 2
     assert "unknown mode 'int4'" in capsys.readouterr().err
+
+
+def test_a_mode_can_prefer_a_backend_that_runs_by_name_only(capsys):
+    """'+BACKEND' times a mode with that ops backend preferred where it can run (the split-K INT8 GEMM
+    beside the default); the label keeps it, and a backend that does not exist is refused by name."""
+    from dsv4.bench.int8 import parse_mode, preferred_backend
+
+    assert parse_mode("int8:bf16+triton_splitk", "cuda") == ("int8:bf16+triton_splitk", "int8", "bf16")
+    assert parse_mode("int8+triton_splitk", "cpu") == ("int8:fp32+triton_splitk", "int8", "fp32")
+    assert parse_mode("bf16", "cuda") == ("bf16", "w8a16", "bf16")
+    assert preferred_backend("int8:bf16+triton_splitk") == "triton_splitk" and preferred_backend("bf16") is None
+    assert main(["bench", "int8", "--preset", "tiny", "--modes", "int8+nonesuch"]) == 2
+    assert "no ops backend named 'nonesuch'" in capsys.readouterr().err

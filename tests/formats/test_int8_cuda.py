@@ -36,6 +36,8 @@ def test_int8_gemm_compiled_is_exact(m, out_dtype):
     q, s = R.int8_quant(torch.randn(m, k, device=DEV, generator=g))
     want = R.int8_gemm(q, s, wq, ws.squeeze(-1), out_dtype)
     assert torch.equal(ops.int8_gemm(q, s, wq, ws.squeeze(-1), out_dtype, backend="triton"), want)
+    if m <= 64:  # the decode-sized split-K kernel: INT32 partials, exact as well
+        assert torch.equal(ops.int8_gemm(q, s, wq, ws.squeeze(-1), out_dtype, backend="triton_splitk"), want)
     if m > 16:
         assert torch.equal(ops.int8_gemm(q, s, wq, ws.squeeze(-1), out_dtype, backend="int_mm"), want)
     else:

@@ -73,9 +73,12 @@ from dsv4.ops import reference as R
 q, s = R.act_quant(torch.randn(2, 256), 128, True)
 wq, ws = formats.quantize_fp8(torch.randn(64, 256))
 wp, wps = formats.quantize_mxfp4(torch.randn(64, 256))
+iq, iqs = R.int8_quant(torch.randn(2, 256))
+iw, iws = R.int8_quant(torch.randn(64, 256))
 for be in ("triton", "triton_splitk"):
     ops.fp8_gemm(q, s, wq, ws, torch.bfloat16, backend=be)
     ops.fp4_gemm(q, s, wp, wps, torch.bfloat16, backend=be)
+    ops.int8_gemm(iq, iqs, iw, iws.squeeze(-1), torch.bfloat16, backend=be)
 print(json.dumps(records))
 """
 
@@ -172,6 +175,7 @@ def test_every_kernel_the_model_launches_compiles_for_sm90():
     kernels = {"_fwd_kernel", "_hc_pre_part_kernel", "_norm_fwd_kernel", "_gmm_kernel", "_fixed_mm_kernel"}
     kernels.add("_write_rows_kernel")  # the caches' row writes
     kernels |= {"_w8a8_kernel", "_w8a8_splitk_kernel", "_sum_splits_kernel"}  # W8A8 GEMMs, dense and split-K
+    kernels |= {"_int8_mm_kernel", "_int8_splitk_kernel", "_int8_dequant_splits_kernel"}  # INT8, both
     assert kernels | {"_draw_split_kernel"} <= names
     for r in records:  # the fixed-plan GEMM's interpreter-only sums never run on a GPU: its GPU form only
         if r["kwargs"].get("ROWWISE") == ["value", True]:

@@ -20,6 +20,7 @@ _MODULES = (
     "w8a8_gemm",
     "w8a8_decode",
     "int8_gemm",
+    "int8_decode",
     "elementwise",
     "rows",
     "rownorm_rope",

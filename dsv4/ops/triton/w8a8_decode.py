@@ -105,9 +105,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def splits_for(m: int, n: int, k: int, bm: int, bn: int, sms: int) -> tuple[int, int]:
-    """(S, K blocks per split): enough splits for PROGRAMS_PER_SM programs per SM, none of them empty."""
-    nk = triton.cdiv(k, ACT_BLOCK)
+def splits_for(m: int, n: int, k: int, bm: int, bn: int, sms: int, block: int = ACT_BLOCK) -> tuple[int, int]:
+    """(S, K blocks of `block` columns per split): enough splits for PROGRAMS_PER_SM programs per SM, none
+    of them empty."""
+    nk = triton.cdiv(k, block)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     want = max(1, min(nk, triton.cdiv(PROGRAMS_PER_SM * sms, tiles)))
     per = triton.cdiv(nk, want)
