@@ -21,7 +21,7 @@ from .. import register
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import launch as _launch
 from ._mm_utils import round_to
-from .int8_gemm import _dense_can_run
+from .int8_gemm import _dense_can_run, operands
 from .w8a8_decode import MAX_ROWS, _rows_reason, _sm_count, splits_for
 
 
@@ -70,15 +70,12 @@ def _int8_dequant_splits_kernel(
 def splitk_int8_gemm(
     q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    k, n = q.size(-1), weight.size(0)
-    a = q.reshape(-1, k).contiguous()
-    sa = s.reshape(-1).float().contiguous()
-    m = a.size(0)
+    n = weight.size(0)
+    a, sa, w, sb = operands(q, s, weight, scale)
+    m, k = a.shape
     c = torch.empty(m, n, dtype=out_dtype, device=q.device)
     if m == 0:
         return c.view(*q.shape[:-1], n)
-    w = weight.contiguous()
-    sb = scale.float().contiguous()
     bm, bn, bk = (16, 32, 64) if _INTERPRET else (16, 64, 256)
     n_splits, per = splits_for(m, n, k, bm, bn, _sm_count(q.device), block=bk)
     partial = torch.empty(n_splits, m, n, dtype=torch.int32, device=q.device)

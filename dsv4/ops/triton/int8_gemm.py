@@ -178,18 +178,22 @@ def _m_bucket(m: int) -> int:
 
 
 # ----------------------------------------------------------------------------- dense
+def operands(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor):
+    """The dense kernels' operands: q [M, K] int8, its token scales [M] and the weight's row scales [N]
+    (fp32) -> (a, sa, w, sb)."""
+    a = q.reshape(-1, q.size(-1)).contiguous()
+    return a, s.reshape(-1).float().contiguous(), weight.contiguous(), scale.float().contiguous()
+
+
 def triton_int8_gemm(
     q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    k, n = q.size(-1), weight.size(0)
-    a = q.reshape(-1, k).contiguous()
-    sa = s.reshape(-1).float().contiguous()
-    m = a.size(0)
+    n = weight.size(0)
+    a, sa, w, sb = operands(q, s, weight, scale)
+    m, k = a.shape
     c = torch.empty(m, n, dtype=out_dtype, device=q.device)
     if m == 0:
         return c.view(*q.shape[:-1], n)
-    w = weight.contiguous()
-    sb = scale.float().contiguous()
     args = (a, sa, w, sb, c, m, n, k, a.stride(0), w.stride(0), c.stride(0), _m_bucket(m))
     if _INTERPRET:
         _launch(

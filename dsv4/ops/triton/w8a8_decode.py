@@ -28,7 +28,7 @@ from ..reference import ACT_BLOCK
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import launch as _launch
 from ._mm_utils import round_to
-from .w8a8_gemm import _b_tile, _block_dot, _fp4_can_run, _fp8_can_run, _fp8_view, _scale_arg
+from .w8a8_gemm import _b_tile, _block_dot, _fp4_can_run, _fp8_can_run, operands
 
 MAX_ROWS = 64  # token rows up to which this backend runs (decode and small speculative verifies)
 PROGRAMS_PER_SM = 2
@@ -118,16 +118,12 @@ def splits_for(m: int, n: int, k: int, bm: int, bn: int, sms: int, block: int = 
 def _splitk(
     q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, fp4: bool
 ) -> torch.Tensor:
-    k = q.size(-1)
     n = weight.size(0)
-    a = _fp8_view(q).reshape(-1, k).contiguous()
-    sa = s.reshape(-1, s.size(-1)).float().contiguous()
-    m = a.size(0)
+    a, sa, w, bs, e8m0 = operands(q, s, weight, scale, fp4)
+    m, k = a.shape
     c = torch.empty(m, n, dtype=out_dtype, device=q.device)
     if m == 0:
         return c.view(*q.shape[:-1], n)
-    w = weight.view(torch.uint8).contiguous() if fp4 else _fp8_view(weight).contiguous()
-    bs, e8m0 = _scale_arg(scale)
     bm, bn, warps = (16, 32, 4) if _INTERPRET else (64, 64, 4)
     n_splits, per = splits_for(m, n, k, bm, bn, _sm_count(q.device))
     partial = torch.empty(n_splits, m, n, dtype=torch.float32, device=q.device)

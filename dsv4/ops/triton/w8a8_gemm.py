@@ -276,19 +276,24 @@ def _fp8_view(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float8_e4m3fn else t.view(torch.uint8).view(torch.float8_e4m3fn)
 
 
+def operands(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp4: bool):
+    """The dense kernels' operands: activations [M, K] as E4M3 and their scales [M, K/128] (fp32), the
+    weight's bytes (E4M3, or packed E2M1) and its scales (E8M0 bytes or fp32) -> (a, sa, w, bs, e8m0)."""
+    a = _fp8_view(q).reshape(-1, q.size(-1)).contiguous()
+    sa = s.reshape(-1, s.size(-1)).float().contiguous()
+    w = weight.view(torch.uint8).contiguous() if fp4 else _fp8_view(weight).contiguous()
+    return (a, sa, w, *_scale_arg(scale))
+
+
 def _dense(
     q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, fp4: bool
 ) -> torch.Tensor:
-    k = q.size(-1)
     n = weight.size(0)
-    a = _fp8_view(q).reshape(-1, k).contiguous()
-    sa = s.reshape(-1, s.size(-1)).float().contiguous()
-    m = a.size(0)
+    a, sa, w, bs, e8m0 = operands(q, s, weight, scale, fp4)
+    m, k = a.shape
     c = torch.empty(m, n, dtype=out_dtype, device=q.device)
     if m == 0:
         return c.view(*q.shape[:-1], n)
-    w = weight.view(torch.uint8).contiguous() if fp4 else _fp8_view(weight).contiguous()
-    bs, e8m0 = _scale_arg(scale)
     args = (
         a,
         sa,
