@@ -381,7 +381,7 @@ COMMANDS: dict[str, str] = {
     "convert": "convert a checkpoint between layouts and formats",
     "init": "write a checkpoint of random weights for any preset, in the release layout",
     "train": "train or continue-train a V4 model (Muon + AdamW, MTP, indexer and balance losses)",
-    "eval": "held-out loss and code-completion quality of a trained model",
+    "eval": "held-out loss, code-completion and chat-answer quality of a trained model",
     "serve": "an OpenAI-compatible HTTP server (continuous batching, streaming)",
     "chat": "chat in the terminal with a model (loaded here, or a running server)",
     "bench": "benchmarks that print ratios against measured limits",

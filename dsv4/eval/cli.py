@@ -1,4 +1,4 @@
-"""`dsv4 eval`: how good is a trained model? Held-out loss and code-completion quality, one command each.
+"""`dsv4 eval`: how good is a trained model? Held-out loss, code completions and chat answers, one command each.
 
     dsv4 eval heldout      [--model DIR] [--data PATH ...] [--held-out-pct 2]
     dsv4 eval completions  [--model DIR] [--data PATH ...] [--prompts 100] [--samples 5]
@@ -40,7 +40,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_eval_parser(sub) -> None:
-    pe = sub.add_parser("eval", help="held-out loss and code-completion quality of a trained model")
+    pe = sub.add_parser("eval", help="held-out loss, code-completion and chat-answer quality of a trained model")
     esub = pe.add_subparsers(dest="eval_command", metavar="EVAL")
     p = esub.add_parser("heldout", help="held-out cross-entropy: nats per token and bits per byte")
     _common(p)
