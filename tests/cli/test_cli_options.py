@@ -75,6 +75,7 @@ def test_the_walk_finds_every_command():
         "check conformance",
         "eval heldout",
         "eval completions",
+        "eval chat",
         "bench serve",
     ):
         assert cmd in names, cmd
