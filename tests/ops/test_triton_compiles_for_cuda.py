@@ -75,10 +75,18 @@ wq, ws = formats.quantize_fp8(torch.randn(64, 256))
 wp, wps = formats.quantize_mxfp4(torch.randn(64, 256))
 iq, iqs = R.int8_quant(torch.randn(2, 256))
 iw, iws = R.int8_quant(torch.randn(64, 256))
+experts = {}
+for fmt in ("fp8", "fp4"):  # 4 experts [256 x 256] as gate, up and down
+    w = torch.randn(4, 256, 256)
+    pairs = [formats.quantize_fp8(w[j]) if fmt == "fp8" else formats.quantize_mxfp4(w[j]) for j in range(4)]
+    ew = (torch.stack([p[0] for p in pairs]).view(torch.uint8), torch.stack([p[1] for p in pairs]).view(torch.uint8))
+    experts[fmt] = (torch.randn(2, 256).bfloat16(), torch.ones(2, 2), torch.tensor([[0, 1], [2, 3]]), *ew, *ew, *ew)
 for be in ("triton", "triton_splitk"):
     ops.fp8_gemm(q, s, wq, ws, torch.bfloat16, backend=be)
     ops.fp4_gemm(q, s, wp, wps, torch.bfloat16, backend=be)
     ops.int8_gemm(iq, iqs, iw, iws.squeeze(-1), torch.bfloat16, backend=be)
+    for fmt, ex in experts.items():
+        ops.quantized_moe_experts(*ex, 8.0, 0, fmt, "ue8m0", backend=be)
 print(json.dumps(records))
 """
 
@@ -176,13 +184,15 @@ def test_every_kernel_the_model_launches_compiles_for_sm90():
     kernels.add("_write_rows_kernel")  # the caches' row writes
     kernels |= {"_w8a8_kernel", "_w8a8_splitk_kernel", "_sum_splits_kernel"}  # W8A8 GEMMs, dense and split-K
     kernels |= {"_int8_mm_kernel", "_int8_splitk_kernel", "_int8_dequant_splits_kernel"}  # INT8, both
+    kernels |= {"_w8a8_gmm_kernel", "_w8a8_gmm_splitk_kernel", "_sum_splits_rows_kernel"}  # W8A8 experts
     assert kernels | {"_draw_split_kernel"} <= names
     for r in records:  # the fixed-plan GEMM's interpreter-only sums never run on a GPU: its GPU form only
         if r["kwargs"].get("ROWWISE") == ["value", True]:
             r["kwargs"] = {**r["kwargs"], "ROWWISE": ["value", False]}
         # nor do the W8A8 GEMMs' interpreter dots of FP8 values upcast to fp32 (Triton's CUDA backend
         # refuses them: "Unsupported lhs dtype fp8e4nv"): their FP8 tensor-core form only
-        if r["name"] in ("_w8a8_kernel", "_w8a8_splitk_kernel") and r["kwargs"].get("UPCAST") == ["value", True]:
+        fp8_dots = ("_w8a8_kernel", "_w8a8_splitk_kernel", "_w8a8_gmm_kernel", "_w8a8_gmm_splitk_kernel")
+        if r["name"] in fp8_dots and r["kwargs"].get("UPCAST") == ["value", True]:
             r["kwargs"] = {**r["kwargs"], "UPCAST": ["value", False]}
     launches = list(records)
     for r in records:  # the GPU's form: tensor-core dots where the interpreter upcast them, libdevice math

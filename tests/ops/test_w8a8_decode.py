@@ -78,3 +78,47 @@ def test_split_k_is_for_decode_sized_calls_and_not_a_default():
     ops.fp8_gemm(q[:1], s[:1], wq, ws, torch.float32)
     assert ops.last_backend("fp8_gemm") == "triton"  # the dense kernel stays the default until measured
     assert "triton_splitk" in ops.backends("fp8_gemm") and "triton_splitk" in ops.backends("fp4_gemm")
+
+
+@pytest.mark.parametrize("fmt,t", [("fp8", 5), ("fp4", 1), ("fp4", 5)])
+def test_split_k_grouped_experts_match_the_grouped_kernel_and_the_reference(fmt, t, monkeypatch):
+    """Decode-sized grouped W8A8 experts with K split in all three GEMMs (a GPU's SM count, so that the
+    interpreter's shapes split): a rank holding experts 2..6 of 9 (foreign slots zero); the grouped
+    kernel's bound against the reference, and repeats bit for bit."""
+    from test_w8a8_gemm import _experts
+
+    monkeypatch.setattr(wd, "_sm_count", lambda device: 64)
+    splits, launch = [], wd._launch
+
+    def record(kernel, grid, *a, **kw):
+        if kernel is wd._w8a8_gmm_splitk_kernel:
+            splits.append(grid[2])
+        launch(kernel, grid, *a, **kw)
+
+    monkeypatch.setattr(wd, "_launch", record)
+
+    g = torch.Generator().manual_seed(10 + t)
+    k_top, e, offset, d, inter = 2, 5, 2, 384, 256
+    ws = _experts(fmt, e, inter, d, g)
+    x = torch.randn(t, d, generator=g)
+    idx = torch.stack([torch.randperm(9, generator=g)[:k_top] for _ in range(t)])
+    if t > 1:
+        idx[0] = torch.tensor([0, 8])  # a token routed only to foreign experts
+    wts = torch.rand(t, k_top, generator=g) + 0.1
+    args = (x, wts, idx, *ws["w1"], *ws["w2"], *ws["w3"], 4.0, offset, fmt, "ue8m0")
+    got = ops.quantized_moe_experts(*args, backend="triton_splitk")
+    assert ops.last_backend("quantized_moe_experts") == "triton_splitk"
+    assert len(splits) == 3 and min(splits) > 1  # gate, up, down: each split along K
+    want = R.quantized_moe_experts(*args)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    err = float((got - want).norm() / want.norm())
+    assert err < 1e-5, err
+    if t > 1:
+        assert torch.equal(got[0], torch.zeros_like(got[0])) and torch.equal(want[0], got[0])
+    assert torch.equal(got, ops.quantized_moe_experts(*args, backend="triton_splitk"))
+    big = torch.randn(wd.MAX_ROWS + 1, d, generator=g)
+    bidx = torch.zeros(wd.MAX_ROWS + 1, k_top, dtype=torch.long)
+    with pytest.raises(ops.BackendUnavailable, match="decode-sized"):
+        ops.quantized_moe_experts(
+            big, torch.ones_like(bidx, dtype=torch.float32), bidx, *args[3:], backend="triton_splitk"
+        )

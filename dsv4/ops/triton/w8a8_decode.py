@@ -1,4 +1,5 @@
-"""W8A8 GEMMs split along K for decode-sized calls: backend "triton_splitk" of `fp8_gemm` and `fp4_gemm`.
+"""W8A8 GEMMs split along K for decode-sized calls: backend "triton_splitk" of `fp8_gemm`, `fp4_gemm` and
+`quantized_moe_experts`.
 
 A few token rows against a weight of few row tiles give the dense kernel (`w8a8_gemm`) one program per
 column tile: a 1024-row weight is 16 programs of 64 columns on a GPU of 132 SMs, each walking all of K
@@ -8,7 +9,10 @@ two programs per SM; each program sums its range's block products exactly as the
 (`_b_tile`, `_block_dot`: the same FP8 values, scales and fp32 accumulation) into an fp32 partial, and a
 second kernel adds the S partials in split order and rounds once to the output dtype. The sums are those
 of the dense kernel grouped differently (fp32 rounding of the block sums only, the bound the tests use);
-the order is fixed, so results repeat bit for bit.
+the order is fixed, so results repeat bit for bit. The grouped experts (`quantized_moe_experts`: the
+routing plan, tile table and activation quantizations of `w8a8_gemm.grouped_experts`) split each of their
+three grouped GEMMs the same way; the partials are kept in sorted-row order and the sum kernel rounds and
+scatters them as the grouped kernel writes its rows.
 
 Only for calls of at most `MAX_ROWS` token rows (decode); registered below the dense kernel's priority, so
 it runs when asked for by name (`backend="triton_splitk"`, `dsv4 bench w8a8 --only decode` times every
@@ -28,7 +32,16 @@ from ..reference import ACT_BLOCK
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import launch as _launch
 from ._mm_utils import round_to
-from .w8a8_gemm import _b_tile, _block_dot, _fp4_can_run, _fp8_can_run, operands
+from .w8a8_gemm import (
+    _b_tile,
+    _block_dot,
+    _fp4_can_run,
+    _fp8_can_run,
+    _moe_can_run,
+    _scale_arg,
+    grouped_experts,
+    operands,
+)
 
 MAX_ROWS = 64  # token rows up to which this backend runs (decode and small speculative verifies)
 PROGRAMS_PER_SM = 2
@@ -150,6 +163,169 @@ def splitk_fp4_gemm(
     return _splitk(q, s, weight, scale, out_dtype, fp4=True)
 
 
+# ----------------------------------------------------------------------------- grouped experts
+@triton.jit
+def _w8a8_gmm_splitk_kernel(
+    a_ptr,
+    as_ptr,
+    a_idx_ptr,
+    b_ptr,
+    bs_ptr,
+    p_ptr,
+    tile_group_ptr,
+    tile_row_ptr,
+    tile_end_ptr,
+    M,
+    N,
+    K,
+    n_groups,
+    stride_am,
+    stride_asm,
+    stride_be,
+    stride_bse,
+    stride_bn,
+    stride_bsn,
+    bs_cols,
+    per_split,
+    GATHER_A: tl.constexpr,
+    FP4: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """P[s, r] = the W8A8 product of sorted row r with its group's weight over the K blocks of split s (the
+    grouped kernel's tiles and sums); rows of the foreign bucket (g >= n_groups) are zeros."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    g = tl.load(tile_group_ptr + pid_m)
+    row0 = tl.load(tile_row_ptr + pid_m)
+    rend = tl.load(tile_end_ptr + pid_m)
+    if row0 >= rend:
+        return
+    rows = row0 + tl.arange(0, BM)
+    rmask = rows < rend
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    rows64 = rows.to(tl.int64)
+    p_ptrs = p_ptr + pid_s.to(tl.int64) * M * N + rows64[:, None] * N + rn[None, :]
+    smask = rmask[:, None] & nmask[None, :]
+    if g >= n_groups:
+        tl.store(p_ptrs, tl.zeros((BM, BN), dtype=tl.float32), mask=smask)
+        return
+    if GATHER_A:
+        a_rows = tl.load(a_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        a_rows = rows64
+    rn64 = rn.to(tl.int64)
+    b_base = b_ptr + g.to(tl.int64) * stride_be
+    bs_base = bs_ptr + g.to(tl.int64) * stride_bse
+    ks = tl.arange(0, BK)
+    kb0 = pid_s * per_split
+    kb1 = tl.minimum(kb0 + per_split, tl.cdiv(K, BK))
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(kb0, kb1):
+        k0 = kb * BK
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :],
+            mask=rmask[:, None] & ((k0 + ks) < K)[None, :],
+            other=0.0,
+        )
+        sa = tl.load(as_ptr + a_rows * stride_asm + kb, mask=rmask, other=0.0)
+        w, sw = _b_tile(
+            b_base, bs_base, rn64, nmask, k0, K, stride_bn, stride_bsn, bs_cols, FP4, SCALE_E8M0, BN, BK, UPCAST
+        )
+        acc += _block_dot(a, w, UPCAST) * (sa[:, None] * sw[None, :])
+    tl.store(p_ptrs, acc, mask=smask)
+
+
+@triton.jit
+def _sum_splits_rows_kernel(
+    p_ptr,
+    c_ptr,
+    c_idx_ptr,
+    N,
+    MN,
+    stride_cm,
+    n_splits,
+    SCATTER_C: tl.constexpr,
+    BLOCK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """C[out row of r] = P[0, r] + P[1, r] + ... in split order, rounded once (out row: c_idx[r] or r)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, n_splits):
+        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+    r = offs // N
+    if SCATTER_C:
+        r = tl.load(c_idx_ptr + r, mask=mask, other=0).to(tl.int64)
+    tl.store(c_ptr + r * stride_cm + offs % N, round_to(acc, c_ptr.dtype.element_ty, UPCAST), mask=mask)
+
+
+def _launch_gmm_splitk(a, sa, b, bs, out, tiles, *, fp4: bool, a_idx=None, c_idx=None) -> None:
+    """`w8a8_gemm._launch_gmm`, its K split over about two programs per SM: fp32 partials of the sorted
+    rows, then their sum in split order, rounded to out's dtype and scattered (c_idx) as the grouped
+    kernel writes them."""
+    n, k, m = b.size(1), a.size(1), out.size(0)
+    bsv, e8m0 = _scale_arg(bs)
+    bn = 32 if _INTERPRET else 64
+    # the tile table's row tiles (an upper bound: some may be empty) in place of cdiv(M, BM)
+    n_splits, per = splits_for(tiles.n_tiles, n, k, 1, bn, _sm_count(a.device))
+    partial = torch.empty(n_splits, m, n, dtype=torch.float32, device=a.device)
+    dummy = tiles.group
+    args = (
+        a,
+        sa,
+        a_idx if a_idx is not None else dummy,
+        b,
+        bsv,
+        partial,
+        tiles.group,
+        tiles.row,
+        tiles.end,
+        m,
+        n,
+        k,
+        tiles.n_groups,
+        a.stride(0),
+        sa.stride(0),
+        b.stride(0),
+        bsv.stride(0),
+        b.stride(1),
+        bsv.stride(1),
+        bsv.size(-1),
+        per,
+    )
+    meta = dict(GATHER_A=a_idx is not None, FP4=fp4, SCALE_E8M0=e8m0, BM=tiles.bm, BN=bn, BK=ACT_BLOCK)
+    meta["UPCAST"] = _INTERPRET
+    if not _INTERPRET:
+        meta.update(num_warps=4, num_stages=4)
+    _launch(_w8a8_gmm_splitk_kernel, (triton.cdiv(n, bn), tiles.n_tiles, n_splits), *args, **meta)
+    block = 1024
+    grid = (triton.cdiv(m * n, block),)
+    c_args = (partial, out, c_idx if c_idx is not None else dummy, n, m * n, out.stride(0), n_splits)
+    _launch(_sum_splits_rows_kernel, grid, *c_args, SCATTER_C=c_idx is not None, BLOCK=block, UPCAST=_INTERPRET)
+
+
+def splitk_quantized_moe_experts(
+    x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expert_offset=0, fmt="fp8", act="ue8m0"
+) -> torch.Tensor:
+    """`quantized_moe_experts` with its three grouped GEMMs split along K (decode-sized calls)."""
+    args = (x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expert_offset, fmt, act)
+    return grouped_experts(*args, launch=_launch_gmm_splitk)
+
+
+def _moe_splitk_can_run(
+    x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expert_offset=0, fmt="fp8", act="ue8m0"
+) -> str | None:
+    args = (x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expert_offset, fmt, act)
+    return _moe_can_run(*args) or _rows_reason(x)
+
+
 def _rows_reason(q: torch.Tensor) -> str | None:
     rows = q.numel() // max(q.size(-1), 1)
     if rows > MAX_ROWS:
@@ -168,3 +344,11 @@ def _fp4_splitk_can_run(q, s, weight, scale, out_dtype=torch.bfloat16) -> str | 
 # below the dense kernel (priority 10): by name only, until measured (module docstring)
 register("fp8_gemm", "triton_splitk", splitk_fp8_gemm, can_run=_fp8_splitk_can_run, deterministic=True, priority=5)
 register("fp4_gemm", "triton_splitk", splitk_fp4_gemm, can_run=_fp4_splitk_can_run, deterministic=True, priority=5)
+register(
+    "quantized_moe_experts",
+    "triton_splitk",
+    splitk_quantized_moe_experts,
+    can_run=_moe_splitk_can_run,
+    deterministic=True,
+    priority=5,
+)

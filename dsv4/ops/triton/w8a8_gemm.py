@@ -423,6 +423,15 @@ def triton_quantized_moe_experts(
     act: str = "ue8m0",
 ) -> torch.Tensor:
     """`quantized_moe_experts` as W8A8 grouped GEMMs over all local experts (see the module docstring)."""
+    args = (x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expert_offset, fmt, act)
+    return grouped_experts(*args, launch=_launch_gmm)
+
+
+def grouped_experts(
+    x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expert_offset, fmt, act, *, launch
+) -> torch.Tensor:
+    """The grouped W8A8 experts with `launch(a, sa, b, bs, out, tiles, fp4=, a_idx=, c_idx=)` as each of
+    their three grouped GEMMs (`_launch_gmm`, or a split-K one: `w8a8_decode`)."""
     from .. import act_quant
 
     fp4 = fmt == "fp4"
@@ -436,12 +445,12 @@ def triton_quantized_moe_experts(
     gate = torch.empty(m, inter, dtype=gate_dtype(x.dtype), device=x.device)  # [M, I], sorted slots
     up = torch.empty_like(gate)
     wv = (lambda w: w.view(torch.uint8)) if fp4 else _fp8_view
-    _launch_gmm(xq, xs, wv(w1), s1, gate, tiles, fp4=fp4, a_idx=plan.token)
-    _launch_gmm(xq, xs, wv(w3), s3, up, tiles, fp4=fp4, a_idx=plan.token)
+    launch(xq, xs, wv(w1), s1, gate, tiles, fp4=fp4, a_idx=plan.token)
+    launch(xq, xs, wv(w3), s3, up, tiles, fp4=fp4, a_idx=plan.token)
     h = (clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype)
     hq, hs = act_quant(h, ACT_BLOCK, pow2)
     out = torch.empty(m, x.size(1), dtype=x.dtype, device=x.device)  # [T*k, D] slot order
-    _launch_gmm(_fp8_view(hq).contiguous(), hs.contiguous(), wv(w2), s2, out, tiles, fp4=fp4, c_idx=plan.order)
+    launch(_fp8_view(hq).contiguous(), hs.contiguous(), wv(w2), s2, out, tiles, fp4=fp4, c_idx=plan.order)
     return out.view(plan.n_tokens, plan.topk, -1).sum(1, dtype=torch.float32)
 
 
