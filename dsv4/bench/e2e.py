@@ -547,14 +547,19 @@ def _run_decode(args, device: torch.device, dtype: torch.dtype, t0: float) -> in
     batches = list(args.batch) if isinstance(args.batch, (list, tuple)) else [args.batch]
     rows: list[dict] = []
     model = None
-    for label, path, make in _decode_variants(args, device, dtype):
+    prefer = getattr(args, "prefer_backend", None)
+    if prefer and prefer not in ops.backend_names():
+        raise UserError(f"--prefer-backend {prefer}: no op has it (registered: {', '.join(ops.backend_names())})")
+    for i, (label, path, make) in enumerate(_decode_variants(args, device, dtype)):
         if model is None or args.keep_quantized:
             model = None
             gc.collect()
             model = make()
+        chosen = prefer if i == 0 else None  # the variant the speed-up is of
         for b in batches:
-            row = bench_decode(model, argparse.Namespace(**{**vars(args), "batch": b}), device, path)
-            row["variant"] = label
+            with ops.prefer_backend(chosen):
+                row = bench_decode(model, argparse.Namespace(**{**vars(args), "batch": b}), device, path)
+            row["variant"] = label + (f"+{chosen}" if chosen else "")
             rows.append(row)
             if args.jsonl:
                 print(json.dumps(row), flush=True)
@@ -653,6 +658,12 @@ def add_bench_parsers(subparsers) -> None:
                 action="store_true",
                 help="with --model: time its FP8/FP4 weights kept quantized against the same weights "
                 "dequantized to --dtype (the speed-up per batch)",
+            )
+            p.add_argument(
+                "--prefer-backend",
+                default=None,
+                help="run the first variant (the quantized one with --keep-quantized) with this ops backend "
+                "preferred wherever it can run a call, e.g. triton_splitk (default: none)",
             )
         else:
             p.add_argument("--batch", type=argtypes.positive_int, default=None, help="sequences (default: by bench)")

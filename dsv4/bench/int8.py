@@ -45,7 +45,7 @@ def parse_mode(mode: str, device: str) -> tuple[str, str, str]:
     from .. import ops
 
     spec, _, backend = mode.partition("+")
-    if "+" in mode and backend not in {b for op in ops.ops() for b in ops.backends(op)}:
+    if "+" in mode and backend not in ops.backend_names():
         raise UserError(f"--modes: '{mode}': no ops backend named '{backend}' here")
     suffix = f"+{backend}" if backend else ""
     kind, _, dtype = spec.partition(":")

@@ -67,7 +67,7 @@ def backend_choice(name: str) -> tuple[dict[str, str], list[str]]:
     for op in ops.ops():
         (have.__setitem__(op, name) if name in ops.backends(op) else missing.append(op))
     if not have:
-        known = sorted({b for op in ops.ops() for b in ops.backends(op)})
+        known = ops.backend_names()
         raise UserError(f"no op has a backend named '{name}' (registered: {', '.join(known)})")
     return have, missing
 

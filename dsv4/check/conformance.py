@@ -148,7 +148,7 @@ def preferred_backend(name: str | None, cfg: ModelConfig, device: torch.device) 
         return
     have = [op for op in ops.ops() if name in ops.backends(op)]
     if not have:
-        known = sorted({b for op in ops.ops() for b in ops.backends(op)})
+        known = ops.backend_names()
         raise ops.BackendUnavailable(f"no op has a backend named '{name}' (registered: {', '.join(known)})")
     refused = backend_refusals(name, cfg, device)
     if refused:

@@ -82,6 +82,11 @@ def backends(op: str) -> list[str]:
     return sorted(_REGISTRY.get(op, {}))
 
 
+def backend_names() -> list[str]:
+    """Every backend name some op has."""
+    return sorted({name for table in _REGISTRY.values() for name in table})
+
+
 def ops() -> list[str]:
     return sorted(_REGISTRY)
 

@@ -595,3 +595,19 @@ def test_engine_bench_accounts_for_every_step_it_times(tmp_path, capsys):
 
     assert row["closed_loop_ceiling"] == closed_loop_ceiling([n for _, n in work], 2)
     assert f"at most {row['closed_loop_ceiling']:.0%} of raw decode" in text
+
+
+def test_decode_bench_prefers_a_backend_for_the_variant_it_times(tmp_path, capsys):
+    """`--prefer-backend NAME` runs the first variant (the quantized one) with NAME preferred where it can
+    run and says so in its label; the comparison variant runs as before; an unknown name is refused."""
+    ckpt = str(tmp_path / "q")
+    assert main(["init", ckpt, "--preset", "tiny", "--to", "fp8", "--expert-dtype", "fp4"]) == 0
+    capsys.readouterr()
+    argv = ["bench", "decode", "--model", ckpt, "--keep-quantized", "--device", "cpu", "--allow-cpu", "--dtype"]
+    argv += ["fp32", "--batch", "1", "--prompt", "4", "--steps", "1", "--reps", "1", "--json"]
+    assert main([*argv, "--prefer-backend", "triton_splitk"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["variant"] for r in out["rows"]] == ["quantized+triton_splitk", "fp32"]
+    assert out["speedup_of"] == "quantized+triton_splitk / fp32" and "fp8_gemm" in out["rows"][0]["backends"]
+    assert main([*argv, "--prefer-backend", "nonesuch"]) == 2
+    assert "--prefer-backend nonesuch: no op has it" in capsys.readouterr().err
