@@ -48,6 +48,52 @@ PROGRAMS_PER_SM = 2
 
 
 @triton.jit
+def _split_sum(
+    a_ptr,
+    as_ptr,
+    a_rows,
+    rmask,
+    b_ptr,
+    bs_ptr,
+    rn64,
+    nmask,
+    pid_s,
+    per_split,
+    K,
+    stride_am,
+    stride_asm,
+    stride_bn,
+    stride_bsn,
+    bs_cols,
+    FP4: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The fp32 sum over the K blocks of split pid_s of (A_kb . W_kb^T) x (a_scale[:, kb] x w_scale[kb]) for
+    the activation rows a_rows [BM] (int64) and weight rows rn64 [BN]: the dense kernel's block sums."""
+    ks = tl.arange(0, BK)
+    kb0 = pid_s * per_split
+    kb1 = tl.minimum(kb0 + per_split, tl.cdiv(K, BK))
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(kb0, kb1):
+        k0 = kb * BK
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :],
+            mask=rmask[:, None] & ((k0 + ks) < K)[None, :],
+            other=0.0,
+        )
+        sa = tl.load(as_ptr + a_rows * stride_asm + kb, mask=rmask, other=0.0)
+        w, sw = _b_tile(
+            b_ptr, bs_ptr, rn64, nmask, k0, K, stride_bn, stride_bsn, bs_cols, FP4, SCALE_E8M0, BN, BK, UPCAST
+        )
+        acc += _block_dot(a, w, UPCAST) * (sa[:, None] * sw[None, :])
+    return acc
+
+
+@triton.jit
 def _w8a8_splitk_kernel(
     a_ptr,
     as_ptr,
@@ -80,22 +126,30 @@ def _w8a8_splitk_kernel(
     nmask = rn < N
     rm64 = rm.to(tl.int64)
     rn64 = rn.to(tl.int64)
-    ks = tl.arange(0, BK)
-    kb0 = pid_s * per_split
-    kb1 = tl.minimum(kb0 + per_split, tl.cdiv(K, BK))
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in range(kb0, kb1):
-        k0 = kb * BK
-        a = tl.load(
-            a_ptr + rm64[:, None] * stride_am + (k0 + ks)[None, :],
-            mask=mmask[:, None] & ((k0 + ks) < K)[None, :],
-            other=0.0,
-        )
-        sa = tl.load(as_ptr + rm64 * stride_asm + kb, mask=mmask, other=0.0)
-        w, sw = _b_tile(
-            b_ptr, bs_ptr, rn64, nmask, k0, K, stride_bn, stride_bsn, bs_cols, FP4, SCALE_E8M0, BN, BK, UPCAST
-        )
-        acc += _block_dot(a, w, UPCAST) * (sa[:, None] * sw[None, :])
+    acc = _split_sum(
+        a_ptr,
+        as_ptr,
+        rm64,
+        mmask,
+        b_ptr,
+        bs_ptr,
+        rn64,
+        nmask,
+        pid_s,
+        per_split,
+        K,
+        stride_am,
+        stride_asm,
+        stride_bn,
+        stride_bsn,
+        bs_cols,
+        FP4,
+        SCALE_E8M0,
+        BM,
+        BN,
+        BK,
+        UPCAST,
+    )
     p_ptrs = p_ptr + pid_s.to(tl.int64) * M * N + rm64[:, None] * N + rn64[None, :]
     tl.store(p_ptrs, acc, mask=mmask[:, None] & nmask[None, :])
 
@@ -219,25 +273,32 @@ def _w8a8_gmm_splitk_kernel(
         a_rows = tl.load(a_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
     else:
         a_rows = rows64
-    rn64 = rn.to(tl.int64)
     b_base = b_ptr + g.to(tl.int64) * stride_be
     bs_base = bs_ptr + g.to(tl.int64) * stride_bse
-    ks = tl.arange(0, BK)
-    kb0 = pid_s * per_split
-    kb1 = tl.minimum(kb0 + per_split, tl.cdiv(K, BK))
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in range(kb0, kb1):
-        k0 = kb * BK
-        a = tl.load(
-            a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :],
-            mask=rmask[:, None] & ((k0 + ks) < K)[None, :],
-            other=0.0,
-        )
-        sa = tl.load(as_ptr + a_rows * stride_asm + kb, mask=rmask, other=0.0)
-        w, sw = _b_tile(
-            b_base, bs_base, rn64, nmask, k0, K, stride_bn, stride_bsn, bs_cols, FP4, SCALE_E8M0, BN, BK, UPCAST
-        )
-        acc += _block_dot(a, w, UPCAST) * (sa[:, None] * sw[None, :])
+    acc = _split_sum(
+        a_ptr,
+        as_ptr,
+        a_rows,
+        rmask,
+        b_base,
+        bs_base,
+        rn.to(tl.int64),
+        nmask,
+        pid_s,
+        per_split,
+        K,
+        stride_am,
+        stride_asm,
+        stride_bn,
+        stride_bsn,
+        bs_cols,
+        FP4,
+        SCALE_E8M0,
+        BM,
+        BN,
+        BK,
+        UPCAST,
+    )
     tl.store(p_ptrs, acc, mask=smask)
 
 
