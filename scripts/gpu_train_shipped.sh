@@ -31,8 +31,7 @@ mkdir -p "$RUN" "$OUT"
 HELD=2.0  # the recipe's held_out_pct (the function examples leave out the same documents)
 [ "${SMOKE:-0}" = 1 ] && HELD=20
 COMMON=(--train-config "$RECIPE" --data "$RUN/corpus.json" "$RUN/functions" "$RUN/chat" --held-out-pct "$HELD"
-  --tokenizer "$TOK"
-  --cache-dir "$RUN/cache" --no-progress)
+  --tokenizer "$TOK" --cache-dir "$RUN/cache" --no-progress)
 if [ "${SMOKE:-0}" = 1 ]; then  # toy sizes: the pipeline on a CPU
   COMMON+=(--max-docs 40 --batch-size 2 --seq-len 128 --eval-every 2 --eval-windows 2
     --diag-every 0 --save-every 2 --sample-prompt "")
@@ -98,24 +97,18 @@ EOF
     for f in metrics.jsonl loss.png summary.json; do cp "$RUN/train/$f" "$rec/" 2>/dev/null || true; done
     cp "$RUN/steps" "$RUN/probe.json" "$rec/" 2>/dev/null || true
     case "${EVAL:-1}" in 1) models="shipped candidate" ;; candidate) models=candidate ;; *) models= ;; esac
+    split=(--data "$RUN/corpus.json" --held-out-pct "$HELD")  # the run's own held-out split (not the stdlib's)
     for m in $models; do  # the shipped model and the candidate, measured the same way, here
       model=(); [ "$m" = candidate ] && model=(--model "$OUT/model")
       "$PY" -m dsv4 eval heldout "${model[@]}" "${HOPTS[@]}" --json > "$rec/heldout-$m.json" || true
       "$PY" -m dsv4 eval completions "${model[@]}" "${COPTS[@]}" --json > "$rec/completions-$m.json" || true
       "$PY" -m dsv4 eval chat "${model[@]}" "${COPTS[@]}" --json > "$rec/chat-$m.json" || true
-      tail -c 400 "$rec/heldout-$m.json" "$rec/completions-$m.json" "$rec/chat-$m.json"
+      "$PY" -m dsv4 eval heldout "${model[@]}" "${split[@]}" "${HOPTS[@]}" --json \
+        > "$rec/heldout-corpus-$m.json" || true
+      "$PY" -m dsv4 eval completions "${model[@]}" "${split[@]}" "${COPTS[@]}" --json \
+        > "$rec/completions-corpus-$m.json" || true
+      for f in heldout completions chat heldout-corpus completions-corpus; do tail -c 400 "$rec/$f-$m.json"; done
     done
-    if [ -n "$models" ]; then  # both on the run's own held-out split too (the corpus's, not the stdlib's alone)
-      for m in $models; do
-        model=(); [ "$m" = candidate ] && model=(--model "$OUT/model")
-        split=(--data "$RUN/corpus.json" --held-out-pct "$HELD")
-        "$PY" -m dsv4 eval heldout "${model[@]}" "${split[@]}" "${HOPTS[@]}" --json \
-          > "$rec/heldout-corpus-$m.json" || true
-        "$PY" -m dsv4 eval completions "${model[@]}" "${split[@]}" "${COPTS[@]}" --json \
-          > "$rec/completions-corpus-$m.json" || true
-        tail -c 400 "$rec/heldout-corpus-$m.json" "$rec/completions-corpus-$m.json"
-      done
-    fi
     tar -czf "$OUT/record.tar.gz" -C "$RUN" record
     ;;
   *)

@@ -182,7 +182,7 @@ def test_every_kernel_the_model_launches_compiles_for_sm90():
     # backends (and the engine's token draw)
     kernels = {"_fwd_kernel", "_hc_pre_part_kernel", "_norm_fwd_kernel", "_gmm_kernel", "_fixed_mm_kernel"}
     kernels.add("_write_rows_kernel")  # the caches' row writes
-    kernels |= {"_w8a8_kernel", "_w8a8_splitk_kernel", "_sum_splits_kernel"}  # W8A8 GEMMs, dense and split-K
+    kernels |= {"_w8a8_kernel", "_w8a8_splitk_kernel", "_sum_splits_rows_kernel"}  # W8A8 GEMMs, dense and split-K
     kernels |= {"_int8_mm_kernel", "_int8_splitk_kernel", "_int8_dequant_splits_kernel"}  # INT8, both
     kernels |= {"_w8a8_gmm_kernel", "_w8a8_gmm_splitk_kernel", "_sum_splits_rows_kernel"}  # W8A8 experts
     assert kernels | {"_draw_split_kernel"} <= names

@@ -154,17 +154,6 @@ def _w8a8_splitk_kernel(
     tl.store(p_ptrs, acc, mask=mmask[:, None] & nmask[None, :])
 
 
-@triton.jit
-def _sum_splits_kernel(p_ptr, c_ptr, MN, n_splits, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
-    """C = P[0] + P[1] + ... in split order, rounded once to C's dtype."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, n_splits):
-        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(c_ptr + offs, round_to(acc, c_ptr.dtype.element_ty, UPCAST), mask=mask)
-
-
 @functools.lru_cache(maxsize=8)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -199,9 +188,7 @@ def _splitk(
     if not _INTERPRET:
         meta.update(num_warps=warps, num_stages=4)
     _launch(_w8a8_splitk_kernel, (triton.cdiv(n, bn), n_splits, triton.cdiv(m, bm)), *args, **meta)
-    block = 1024
-    grid = (triton.cdiv(m * n, block),)
-    _launch(_sum_splits_kernel, grid, partial, c, m * n, n_splits, BLOCK=block, UPCAST=_INTERPRET)
+    _sum_splits(partial, c)
     return c.view(*q.shape[:-1], n)
 
 
@@ -327,6 +314,15 @@ def _sum_splits_rows_kernel(
     tl.store(c_ptr + r * stride_cm + offs % N, round_to(acc, c_ptr.dtype.element_ty, UPCAST), mask=mask)
 
 
+def _sum_splits(partial: torch.Tensor, out: torch.Tensor, c_idx: torch.Tensor | None = None) -> None:
+    """out[row] (out[c_idx[row]] given c_idx) = the sum of partial [S, M, N] over S in split order, rounded."""
+    n_splits, m, n = partial.shape
+    block = 1024
+    args = (partial, out, c_idx if c_idx is not None else partial, n, m * n, out.stride(0), n_splits)
+    grid = (triton.cdiv(m * n, block),)
+    _launch(_sum_splits_rows_kernel, grid, *args, SCATTER_C=c_idx is not None, BLOCK=block, UPCAST=_INTERPRET)
+
+
 def _launch_gmm_splitk(a, sa, b, bs, out, tiles, *, fp4: bool, a_idx=None, c_idx=None) -> None:
     """`w8a8_gemm._launch_gmm`, its K split over about two programs per SM: fp32 partials of the sorted
     rows, then their sum in split order, rounded to out's dtype and scattered (c_idx) as the grouped
@@ -366,10 +362,7 @@ def _launch_gmm_splitk(a, sa, b, bs, out, tiles, *, fp4: bool, a_idx=None, c_idx
     if not _INTERPRET:
         meta.update(num_warps=4, num_stages=4)
     _launch(_w8a8_gmm_splitk_kernel, (triton.cdiv(n, bn), tiles.n_tiles, n_splits), *args, **meta)
-    block = 1024
-    grid = (triton.cdiv(m * n, block),)
-    c_args = (partial, out, c_idx if c_idx is not None else dummy, n, m * n, out.stride(0), n_splits)
-    _launch(_sum_splits_rows_kernel, grid, *c_args, SCATTER_C=c_idx is not None, BLOCK=block, UPCAST=_INTERPRET)
+    _sum_splits(partial, out, c_idx)
 
 
 def splitk_quantized_moe_experts(
