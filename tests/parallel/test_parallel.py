@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from bounds import gamma
+from spawn import launch
 
 from dsv4 import parallel as P
 from dsv4.checkpoint import load_pretrained
@@ -358,7 +359,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, qdir: str) -> None:
 
 
 def _launch(worker, out: Path, *args, timeout_s: float = TIMEOUT_S) -> list[mp.Process]:
-    """Run worker(rank, WORLD, port, out, *args) in WORLD spawned processes; kill them past timeout_s."""
+    """Run worker(rank, WORLD, port, out, *args) in WORLD spawned processes; kill them past timeout_s.
+    Unlike `spawn.launch`, a rank that exits early leaves the other running: the stall tests need that."""
     ctx = mp.start_processes(
         worker, args=(WORLD, P.free_port(), str(out), *args), nprocs=WORLD, join=False, start_method="spawn"
     )
@@ -377,9 +379,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("parallel")
     qdir = out / "tiny-fp8-fp4"
     init_checkpoint(qdir, ModelConfig.preset("tiny"), to="fp8", expert_dtype="fp4", seed=3)
-    procs = _launch(_worker, out, str(qdir))
-    assert [p.exitcode for p in procs] == [0] * WORLD, [p.exitcode for p in procs]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return launch(_worker, out, str(qdir), world=WORLD, timeout_s=TIMEOUT_S)
 
 
 # ----------------------------------------------------------------------------- the judgements

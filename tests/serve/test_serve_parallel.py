@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawn import launch
 from subproc import checkout_env
 
 pytestmark = pytest.mark.slow  # several processes, each with a model
@@ -352,8 +352,6 @@ def _spec_worker(rank: int, world: int, port: int, out_dir: str, answers: dict) 
 def speculative_runs(tmp_path_factory) -> dict:
     """One process (plain; speculative with padded steps, as on several workers, so that it takes the
     same fixed-shape steps) and two workers (speculative), both drafts."""
-    from dsv4.parallel import free_port
-
     one: dict = {}
     for draft in ("mtp", "dspark"):
         cfg, requests, spec = _spec_case(draft)
@@ -364,18 +362,7 @@ def speculative_runs(tmp_path_factory) -> dict:
         }
     out = tmp_path_factory.mktemp("spec_parallel")
     answers = {draft: one[draft]["plain"]["tokens"] for draft in one}
-    ctx = mp.start_processes(
-        _spec_worker, args=(2, free_port(), str(out), answers), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + SPEC_TIMEOUT_S
-    while any(p.is_alive() for p in ctx.processes):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the workers did not finish in {SPEC_TIMEOUT_S} s")
-        time.sleep(0.5)
-    assert [p.exitcode for p in ctx.processes] == [0, 0]
-    leader, follower = (json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
+    leader, follower = launch(_spec_worker, out, answers, world=2, timeout_s=SPEC_TIMEOUT_S)
     return {"one": one, "leader": leader, "follower": follower}
 
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from bounds import U32, gamma
+from spawn import launch
 from test_train import MICRO
 
 from dsv4.engine import generate
@@ -170,23 +169,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
 
 
-def _launch(worker, out: Path) -> list[dict]:
-    """Run worker(rank, WORLD, port, out) in WORLD spawned processes; -> each rank's rank<r>.json."""
-    ctx = mp.start_processes(
-        worker, args=(WORLD, P._free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"distributed workers did not finish in {TIMEOUT_S} s")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return _launch(_worker, tmp_path_factory.mktemp("dist"))
+    return launch(_worker, tmp_path_factory.mktemp("dist"), world=WORLD, timeout_s=TIMEOUT_S)
 
 
 def test_expert_ranges_follow_the_live_rank(ranks):
@@ -371,7 +356,7 @@ def resume_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def resumed(resume_dir) -> list[dict]:
-    return _launch(_resume_worker, resume_dir)
+    return launch(_resume_worker, resume_dir, world=WORLD, timeout_s=TIMEOUT_S)
 
 
 def test_two_process_resume_restores_optimizer_state(resumed):
