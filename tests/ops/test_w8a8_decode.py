@@ -80,7 +80,7 @@ def test_split_k_is_for_decode_sized_calls_and_not_a_default():
     assert "triton_splitk" in ops.backends("fp8_gemm") and "triton_splitk" in ops.backends("fp4_gemm")
 
 
-@pytest.mark.parametrize("fmt,t", [("fp8", 5), ("fp4", 1), ("fp4", 5)])
+@pytest.mark.parametrize("fmt,t", [("fp8", 1), ("fp4", 5)])
 def test_split_k_grouped_experts_match_the_grouped_kernel_and_the_reference(fmt, t, monkeypatch):
     """Decode-sized grouped W8A8 experts with K split in all three GEMMs (a GPU's SM count, so that the
     interpreter's shapes split): a rank holding experts 2..6 of 9 (foreign slots zero); the grouped
@@ -98,7 +98,7 @@ def test_split_k_grouped_experts_match_the_grouped_kernel_and_the_reference(fmt,
     monkeypatch.setattr(wd, "_launch", record)
 
     g = torch.Generator().manual_seed(10 + t)
-    k_top, e, offset, d, inter = 2, 5, 2, 384, 256
+    k_top, e, offset, d, inter = 2, 5, 2, 256, 256
     ws = _experts(fmt, e, inter, d, g)
     x = torch.randn(t, d, generator=g)
     idx = torch.stack([torch.randperm(9, generator=g)[:k_top] for _ in range(t)])
