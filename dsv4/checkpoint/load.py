@@ -134,6 +134,7 @@ _QUANT = ("fp8", "fp4")
 
 def _narrow_experts(model: nn.Module, lo: int, hi: int, dtype: torch.dtype) -> None:
     """On the meta model: every MoE layer's routed experts become experts [lo, hi) only."""
+    from ..model.layers import building_on
     from ..model.moe import Experts, MoE
 
     for path, moe in list(model.named_modules()):
@@ -141,7 +142,7 @@ def _narrow_experts(model: nn.Module, lo: int, hi: int, dtype: torch.dtype) -> N
             prev = torch.get_default_dtype()
             torch.set_default_dtype(dtype)
             try:
-                with torch.device("meta"):
+                with torch.device("meta"), building_on("meta"):
                     model.set_submodule(f"{path}.experts", Experts(model.cfg, hi - lo, lo))
             finally:
                 torch.set_default_dtype(prev)

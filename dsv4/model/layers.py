@@ -112,3 +112,26 @@ def recording(fn: Callable[[str, torch.Tensor], torch.Tensor | None]) -> Iterato
     """Route every `record(name, tensor)` call in this thread to fn while the block runs."""
     with scoped(_RECORDER, "fn", fn):
         yield
+
+
+class _NoFillOnMeta(torch.overrides.TorchFunctionMode):
+    """Random or constant fills of meta tensors (the initializers nn.Linear / nn.Embedding run in their
+    constructors) return the tensor untouched: a meta tensor has no values to fill, and torch's meta
+    implementations of the fills import its compiler (~2 s on a CPU) the first time one runs. Only this
+    thread's calls pass through a mode."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes its tensor by keyword
+        is_fill = getattr(func, "__module__", None) == "torch.nn.init" or getattr(func, "__name__", "") in _FILLS
+        if is_fill and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
+
+
+_FILLS = {"normal_", "uniform_", "fill_", "zero_", "trunc_normal_", "exponential_", "random_"}
+
+
+def building_on(device: torch.device | str | None) -> contextlib.AbstractContextManager:
+    """The context a model builds its modules in on `device`: on the meta device, no initializer runs."""
+    return _NoFillOnMeta() if device is not None and torch.device(device).type == "meta" else contextlib.nullcontext()

@@ -9,6 +9,8 @@ run them at once; `dsv4.checkpoint` maps these to the official per-expert names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,7 +94,17 @@ class Experts(nn.Module):
     stored_format: str | None = None
     act_format: str | None = None
     fp4_fake_quant: bool = False
-    eager_under_compile: bool = False
+    _eager_under_compile: bool = False
+
+    @property
+    def eager_under_compile(self) -> bool:
+        return self._eager_under_compile
+
+    @eager_under_compile.setter
+    def eager_under_compile(self, on: bool) -> None:
+        if on:
+            _eager_experts()  # made now, before any trace reaches `forward`
+        self._eager_under_compile = bool(on)
 
     def __init__(self, cfg: ModelConfig, n_experts: int | None = None, offset: int = 0):
         super().__init__()
@@ -118,8 +130,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> fp32 [T, dim] (sum over the token's experts held here)."""
-        if self.eager_under_compile:
-            return _eager_experts(self, x, weights, indices)
+        if self._eager_under_compile:
+            return _eager_experts()(self, x, weights, indices)
         return self._compute(x, weights, indices)
 
     def _compute(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -135,9 +147,19 @@ class Experts(nn.Module):
         return ops.moe_experts(x, weights, indices, w1, w2, w3, self.swiglu_limit, self.offset)
 
 
-@torch.compiler.disable
-def _eager_experts(experts: Experts, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def _experts_compute(experts: Experts, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return experts._compute(x, weights, indices)
+
+
+_EAGER: list = []  # [torch.compiler.disable(_experts_compute)] once wanted: disable imports torch._dynamo (~2 s)
+
+
+def _eager_experts() -> Callable[..., torch.Tensor]:
+    """`_experts_compute` that torch.compile leaves eager, made on first use, so that importing the model
+    (every command line that loads one) does not import the compiler."""
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(_experts_compute))
+    return _EAGER[0]
 
 
 class Expert(nn.Module):

@@ -24,7 +24,7 @@ from ..config import ModelConfig
 from .block import Block, MTPBlock, hc_head
 from .dspark import DSparkDraft, DSparkStage, draft_of
 from .int8 import quantize_int8
-from .layers import RMSNorm, autocast_dtype, linear_fp32, record
+from .layers import RMSNorm, autocast_dtype, building_on, linear_fp32, record
 from .moe import Experts, Gate
 from .paged import BatchCache, PagedKVCache, StepInputs, plan_step
 
@@ -83,7 +83,7 @@ class DeepSeekV4(nn.Module):
         self.cfg = cfg
         dtype = dtype or defaults.default_dtype()
         device = device or defaults.DEVICE
-        with _default_dtype(dtype), torch.device(device):
+        with _default_dtype(dtype), torch.device(device), building_on(device):
             self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
             self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
