@@ -87,20 +87,15 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
-@functools.cache  # constants a captured CUDA graph may hold: never evicted
-def _e2m1_grid(device: str) -> torch.Tensor:
-    return torch.tensor(FP4_E2M1_GRID, dtype=torch.float32, device=device)
-
-
 def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values in [-6, 6] to the nearest E2M1 value, ties to the even code."""
-    grid = _e2m1_grid(str(v.device))
-    a = v.abs().unsqueeze(-1)  # [..., 1]
-    dist = (a - grid).abs()  # [..., 8]
-    tied = dist == dist.amin(-1, keepdim=True)
-    odd = torch.arange(8, device=v.device) % 2  # prefer even codes on ties
-    code = torch.where(tied, odd, 2).argmin(-1)  # [...]
-    return torch.copysign(grid[code], v)
+    """Round fp32 values in [-6, 6] to the nearest E2M1 value, ties to the even code.
+
+    The grid is uniform in three ranges - step 0.5 below 2, 1 from 2 to 4, 2 from 4 to 6 - and an even code
+    is an even multiple of its range's step, so rounding |v| / step to the nearest integer, ties to even
+    (`torch.round`), is the rule; the power-of-two scalings are exact. (A NaN stays NaN.)"""
+    a = v.abs()
+    per_step = torch.where(a < 2.0, 2.0, torch.where(a < 4.0, 1.0, 0.5))  # 1 / step
+    return torch.copysign(torch.round(a * per_step) / per_step, v)
 
 
 def fp8_round_trip(x: torch.Tensor, block: int = 64, pow2: bool = True) -> torch.Tensor:

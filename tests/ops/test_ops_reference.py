@@ -261,6 +261,28 @@ def test_fp4_rounding_grid_and_ties_to_even():
     assert torch.equal(ops.fp4_round_trip(block, 32), block)
 
 
+def _nearest_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """The rule by its definition: the grid value at the smallest distance, the even code among two."""
+    grid = torch.tensor(ref.FP4_E2M1_GRID, dtype=torch.float64)
+    dist = (v.double().abs().unsqueeze(-1) - grid).abs()  # exact in float64
+    tied = dist == dist.amin(-1, keepdim=True)
+    code = torch.where(tied, torch.arange(8) % 2, 2).argmin(-1)  # the lowest even code among the nearest
+    return torch.copysign(grid[code].float(), v)
+
+
+def test_fp4_rounding_is_the_nearest_grid_value_at_and_beside_every_tie():
+    grid = torch.tensor(ref.FP4_E2M1_GRID)
+    mids = (grid[1:] + grid[:-1]) / 2
+    points = torch.cat([grid, mids])
+    beside = torch.cat([torch.nextafter(points, points + 1), torch.nextafter(points, points - 1)]).clamp(0, 6)
+    rand = torch.rand(20000, generator=torch.Generator().manual_seed(0)) * 6
+    tiny = torch.tensor([1e-30, 1e-40, 2.0**-126, 0.0])  # subnormal and the smallest normal round to 0
+    v = torch.cat([points, beside, rand, tiny])
+    v = torch.cat([v, -v])
+    got = ref.round_to_e2m1(v)
+    assert torch.equal(got.view(torch.int32), _nearest_e2m1(v).view(torch.int32))  # bit for bit, signed zeros too
+
+
 def test_hadamard_is_orthonormal():
     x = torch.eye(128)
     h = ops.hadamard(x)
