@@ -24,7 +24,12 @@ import torch.multiprocessing as mp
 from dsv4.parallel import free_port
 
 
-def _run_once(worker: Callable, world: int, out: Path, args: tuple, timeout_s: float) -> list[int]:
+def run_workers(
+    worker: Callable, world: int, out: Path, args: tuple, timeout_s: float, stop_on_death: bool = True
+) -> list[int]:
+    """worker(rank, world, port, str(out), *args) in `world` spawned processes; -> their exit codes (-N: killed
+    by signal N). stop_on_death: when one ends with an error, kill the others (they would wait on it);
+    otherwise let them run (a test of how the survivors notice)."""
     ctx = mp.start_processes(
         worker, args=(world, free_port(), str(out), *args), nprocs=world, join=False, start_method="spawn"
     )
@@ -34,7 +39,7 @@ def _run_once(worker: Callable, world: int, out: Path, args: tuple, timeout_s: f
             for proc in ctx.processes:
                 proc.kill()
             pytest.fail(f"the {world} workers did not finish in {timeout_s:.0f} s")
-        if any(p.exitcode not in (None, 0) for p in ctx.processes):  # one died: the others wait on it forever
+        if stop_on_death and any(p.exitcode not in (None, 0) for p in ctx.processes):
             time.sleep(2.0)  # let a worker that is itself failing report first
             for proc in ctx.processes:
                 if proc.is_alive():
@@ -59,7 +64,7 @@ def launch(worker: Callable, out: Path, *args: Any, world: int = 2, timeout_s: f
     for attempt in (1, 2):
         for path in set(Path(out).iterdir()) - before:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-        codes = _run_once(worker, world, out, args, timeout_s)
+        codes = run_workers(worker, world, out, args, timeout_s)
         crashed = [c for c in codes if c is not None and c < 0 and -c != signal.SIGKILL]
         if attempt == 1 and crashed and all(c <= 0 for c in codes):
             why = _signal_name(crashed[0])

@@ -23,9 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from bounds import gamma
-from spawn import launch
+from spawn import launch, run_workers
 
 from dsv4 import parallel as P
 from dsv4.checkpoint import load_pretrained
@@ -358,22 +357,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str, qdir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
 
 
-def _launch(worker, out: Path, *args, timeout_s: float = TIMEOUT_S) -> list[mp.Process]:
-    """Run worker(rank, WORLD, port, out, *args) in WORLD spawned processes; kill them past timeout_s.
-    Unlike `spawn.launch`, a rank that exits early leaves the other running: the stall tests need that."""
-    ctx = mp.start_processes(
-        worker, args=(WORLD, P.free_port(), str(out), *args), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout_s
-    while any(p.is_alive() for p in ctx.processes):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"workers did not finish in {timeout_s} s")
-        time.sleep(0.5)
-    return ctx.processes
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("parallel")
@@ -472,7 +455,7 @@ def _stall_worker(rank: int, world: int, port: int, out_dir: str, how: str) -> N
 
 @pytest.mark.parametrize("how", ["hangs", "dies"])
 def test_a_stalled_or_dead_peer_raises_instead_of_hanging(tmp_path, how):
-    procs = _launch(_stall_worker, tmp_path, how, timeout_s=120)
+    codes = run_workers(_stall_worker, WORLD, tmp_path, (how,), timeout_s=120, stop_on_death=False)
     res = json.loads((tmp_path / "rank0.json").read_text())
     assert res["error"], res
     # a live peer that never joins: the collective gives up after the 2 s timeout (the peer sleeps 8 s,
@@ -480,7 +463,7 @@ def test_a_stalled_or_dead_peer_raises_instead_of_hanging(tmp_path, how):
     assert res["waited"] < 7, res
     if how == "hangs":
         assert res["waited"] >= 1.8, res
-    assert procs[1].exitcode == (3 if how == "dies" else 0)
+    assert codes[1] == (3 if how == "dies" else 0)
 
 
 # ----------------------------------------------------------------------------- one process
