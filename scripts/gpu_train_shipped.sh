@@ -16,7 +16,11 @@
 # holds the evaluations' JSON, metrics.jsonl, loss.png and the summary (so $OUT is eight files: the model's
 # seven and the record). EVAL=candidate evaluates the candidate alone, EVAL=0 neither. Where --cuda-graph
 # training fails in the probe, the stages train eagerly. SMOKE=1 runs every part at toy sizes (a CPU check
-# of the pipeline, not a training run).
+# of the pipeline, not a training run). INIT=dir continues training a model (e.g. an earlier run's export or
+# its FP8 + MXFP4 copy) instead of starting from random weights: the recipe's schedule runs again from its
+# start (give it EXTRA="--lr ... --warmup ..." for a gentler one). EXTRA: more `dsv4 train` flags for the probe
+# and every stage. STEPS=N makes the probe write the corpus and set the steps to N without timing any (the
+# first stage then tokenizes the data).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -32,6 +36,9 @@ HELD=2.0  # the recipe's held_out_pct (the function examples leave out the same 
 [ "${SMOKE:-0}" = 1 ] && HELD=20
 COMMON=(--train-config "$RECIPE" --data "$RUN/corpus.json" "$RUN/functions" "$RUN/chat" --held-out-pct "$HELD"
   --tokenizer "$TOK" --cache-dir "$RUN/cache" --no-progress)
+[ -n "${INIT:-}" ] && COMMON+=(--model "$INIT")
+# shellcheck disable=SC2206  # EXTRA is a list of flags, split on spaces on purpose
+[ -n "${EXTRA:-}" ] && COMMON+=($EXTRA)
 if [ "${SMOKE:-0}" = 1 ]; then  # toy sizes: the pipeline on a CPU
   COMMON+=(--max-docs 40 --batch-size 2 --seq-len 128 --eval-every 2 --eval-windows 2
     --diag-every 0 --save-every 2 --sample-prompt "")
@@ -57,6 +64,9 @@ case "${1:-}" in
     probe() { "$PY" -m dsv4 train "${COMMON[@]}" "$@" --steps "$PROBE_STEPS" --save-every -1 --eval-every 0 \
       --sample-prompt "" --out "$RUN/probe" --json | tail -1 > "$RUN/probe.json"; }
     : > "$RUN/flags"
+    if [ -n "${STEPS:-}" ]; then  # steps known from an earlier probe (the first stage tokenizes the data)
+      echo "$STEPS" > "$RUN/steps"; echo "probe: $STEPS steps (given, not timed)"; exit 0
+    fi
     if ! probe $GRAPH; then  # CUDA-graph training refused or failed here: the stages train eagerly
       [ -n "$GRAPH" ] || exit 1
       echo "probe: --cuda-graph failed (above); training without it" >&2
