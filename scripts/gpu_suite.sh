@@ -4,7 +4,9 @@
 # Writes under $OUT (default ./out/gpu-suite): junit.xml (every test with its outcome), summary.txt (machine,
 # versions, date, the pytest counts, the teacher-forcing numbers) and pytest.log (every test's line); prints
 # the failures as they come and the counts. WORKERS=N sets the pytest workers (default: one per core).
-# Exit code: pytest's.
+# Exit code: pytest's. The serving tests need fastapi, uvicorn and openai: where they are missing and a folder of
+# wheels is at hand (WHEELS, default .whl/, e.g. made elsewhere with `pip download fastapi uvicorn openai`), they
+# are installed from it first (no index); where they are still missing, the suite says so before it starts.
 # The tests say which device they mean (the CPU interpreter, gloo on the CPU, or CUDA where a test is about
 # CUDA), so the same suite must pass with or without a GPU.
 set -uo pipefail
@@ -22,6 +24,14 @@ PY=${PYTHON:-python3}
   "$PY" -c 'import triton; print("triton", triton.__version__)' 2>/dev/null || echo "triton: not installed"
   nproc | sed 's/^/cpu cores: /'
 } > "$OUT/summary.txt"
+
+serving_deps() { "$PY" -c 'import fastapi, uvicorn, openai' 2>/dev/null; }
+WHEELS=${WHEELS:-.whl}
+if ! serving_deps && [ -d "$WHEELS" ]; then
+  "$PY" -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn openai 2>&1 | tail -2
+fi
+serving_deps || echo "warning: fastapi / uvicorn / openai are not installed: the serving tests will fail" \
+  "(pip install -e '.[test]', or put their wheels in $WHEELS/)" | tee -a "$OUT/summary.txt" >&2
 
 start=$(date +%s)
 # one worker per core (the suite's own default is the 2-core CI machine's); -v names every failure as it
