@@ -120,7 +120,10 @@ class Tokenizer:
         return ([self.bos_id] if bos else []) + ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        """Each text's ids, the texts in parallel; without the character offsets where the tokenizers
+        library can skip them (`encode_batch_fast`, tokenizers >= 0.21: the same ids, a quarter less time)."""
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -122,7 +122,7 @@ def tokenize_corpus(
             return np.load(files[0]), np.load(files[1])
     dtype = np.uint16 if tok.vocab_size <= 65535 else np.int32
     parts: dict[bool, list[np.ndarray]] = {True: [], False: []}
-    batch = 64
+    batch = 512  # documents per call: the tokenizer runs a call's documents in parallel
     for i in range(0, len(docs), batch):
         chunk = docs[i : i + batch]
         ids = tok.encode_batch([read_text(p) for _, p in chunk])

@@ -309,6 +309,8 @@ def test_tokenizer_round_trip_and_save(tmp_path):
     ids = tok.encode(text, bos=True, eos=True)
     assert ids[0] == 0 and ids[-1] == 1 and tok.decode(ids) == text
     assert "".join(tok.decode_stream(ids)) == text
+    texts = [text, "", "x = 1\n", *(p.read_text() for p in sorted(root.iterdir()))]
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]  # the batch path: the same ids
     tok.save(tmp_path / "tk")
     tok2 = Tokenizer.from_file(tmp_path / "tk")
     assert tok2.encode(text) == tok.encode(text) and tok2.bos_id == 0 and tok2.eos_id == 1
