@@ -5,8 +5,9 @@
 # versions, date, the pytest counts, the teacher-forcing numbers) and pytest.log (every test's line); prints
 # the failures as they come and the counts. WORKERS=N sets the pytest workers (default: one per core).
 # Exit code: pytest's. The serving tests need fastapi, uvicorn and openai: where they are missing and a folder of
-# wheels is at hand (WHEELS, default .whl/, e.g. made elsewhere with `pip download fastapi uvicorn openai`), they
-# are installed from it first (no index); where they are still missing, the suite says so before it starts.
+# wheels is at hand (WHEELS, default .whl/: theirs and those they need, e.g. from `pip download` elsewhere),
+# every wheel there is installed into a folder put on PYTHONPATH (no index, no change to the environment);
+# where they are still missing, the suite says so before it starts.
 # The tests say which device they mean (the CPU interpreter, gloo on the CPU, or CUDA where a test is about
 # CUDA), so the same suite must pass with or without a GPU.
 set -uo pipefail
@@ -27,11 +28,13 @@ PY=${PYTHON:-python3}
 
 serving_deps() { "$PY" -c 'import fastapi, uvicorn, openai' 2>/dev/null; }
 WHEELS=${WHEELS:-.whl}
-if ! serving_deps && [ -d "$WHEELS" ]; then
-  "$PY" -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn openai 2>&1 | tail -2
+if ! serving_deps && compgen -G "$WHEELS/*.whl" >/dev/null; then  # into a folder of their own, on the path
+  site="${TMPDIR:-/tmp}/dsv4-suite-site"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$WHEELS"/*.whl 2>&1 | tail -2
+  export PYTHONPATH="$site:$PYTHONPATH"
 fi
 serving_deps || echo "warning: fastapi / uvicorn / openai are not installed: the serving tests will fail" \
-  "(pip install -e '.[test]', or put their wheels in $WHEELS/)" | tee -a "$OUT/summary.txt" >&2
+  "(pip install -e '.[test]', or put their wheels, with those they need, in $WHEELS/)" | tee -a "$OUT/summary.txt" >&2
 
 start=$(date +%s)
 # one worker per core (the suite's own default is the 2-core CI machine's); -v names every failure as it
