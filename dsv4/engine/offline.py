@@ -6,7 +6,7 @@ produce the same tokens for the same prompt, settings and seed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..model import DeepSeekV4
@@ -34,6 +34,7 @@ def generate(
     tokenizer=None,
     token_healing: bool = True,
     engine: Engine | None = None,
+    stop: Sequence[str] = (),
 ) -> list[list[int]]:
     """Continue each prompt (lists of token ids) -> the generated ids of each. temperature 0 = greedy.
 
@@ -52,6 +53,8 @@ def generate(
     A prompt whose last token nothing extends is run exactly as without healing.
     engine: run on this engine (one the caller built, e.g. on several workers) instead of a new one; the
     settings of the engine apply (it needs the tokenizer to run healed prompts).
+    stop: strings that end a sequence where its text (after the prompt) first holds one (needs the
+    tokenizer); its ids end with the token that completed the string, as the server's do.
     """
     healed = _healed(prompts, tokenizer, token_healing)
     if not healed or any(not h.prompt for h in healed):
@@ -60,6 +63,8 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if tokenizer is None and any(h.text for h in healed):
         raise ValueError("healed prompts need the tokenizer they were healed with (tokenizer=...)")
+    if stop and tokenizer is None:
+        raise ValueError("stop strings need the tokenizer (tokenizer=...)")
     if engine is None:
         longest = max(len(h.prompt) for h in healed) + max_new_tokens
         config = engine_config or EngineConfig(
@@ -71,7 +76,8 @@ def generate(
             speculative=speculative,
             speculative_threshold=speculative_threshold,
         )
-        engine = Engine(model, config, tokenizer=tokenizer, eos_token_id=eos_token_id, detokenize=False)
+        # text (and so stop strings) only where asked for: detokenizing costs host time per token
+        engine = Engine(model, config, tokenizer=tokenizer, eos_token_id=eos_token_id, detokenize=bool(stop))
     base = 0 if seed is None else seed
     for i, h in enumerate(healed):
         params = SamplingParams(
@@ -82,6 +88,7 @@ def generate(
             seed=base + i,
             ignore_eos=not stop_at_eos,
             heal_text=h.text,
+            stop=list(stop),
         )
         engine.add_request(str(i), h.prompt, params)
     results: list[list[int]] = [[] for _ in healed]
@@ -115,13 +122,15 @@ class Completion:
     text: str  # the completion after the prompt's text
     healed_text: str = ""  # the prompt's text that healing removed and `tokens` spell again
     eos: bool = False  # ended by the end-of-sequence token
+    stopped: bool = False  # ended by one of the stop strings (`text` ends before it)
 
 
 def complete(
     model: DeepSeekV4, tokenizer, prompts: list[str], token_healing: bool = True, bos: bool = True, **kwargs
 ) -> list[Completion]:
     """Continue text prompts (encoded with BOS, healed unless token_healing=False) -> their `Completion`s;
-    kwargs are `generate`'s (sampling, on_token, ...)."""
+    kwargs are `generate`'s (sampling, on_token, stop, ...). A completion that a stop string ended ends
+    before it, as the server's text does (its last token may spell more than the string)."""
     vocab = Vocabulary.of(tokenizer)
     healed = []
     for text in prompts:
@@ -129,8 +138,10 @@ def complete(
         healed.append(heal(vocab, ids) if token_healing else Healed(ids))
     eos = kwargs.get("eos_token_id")
     eos = tokenizer.eos_id if eos is None else eos
-    outs = generate(model, healed, tokenizer=tokenizer, **kwargs)
-    return [
-        Completion(h.prompt, o, h.completion(tokenizer.decode(o)), h.text, bool(o) and o[-1] == eos)
-        for h, o in zip(healed, outs)
-    ]
+    stop = list(kwargs.get("stop", ()))
+    done = []
+    for h, o in zip(healed, generate(model, healed, tokenizer=tokenizer, **kwargs)):
+        text = h.completion(tokenizer.decode(o))
+        at = min((j for j in (text.find(s) for s in stop) if j >= 0), default=-1)  # (the engine ended it there)
+        done.append(Completion(h.prompt, o, text[:at] if at >= 0 else text, h.text, bool(o) and o[-1] == eos, at >= 0))
+    return done

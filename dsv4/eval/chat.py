@@ -102,15 +102,14 @@ def evaluate_chat(
     sampling = (max_new_tokens, temperature, top_p, seed, progress)
     asks = held_out_asks(docs, n_prompts)
     answers = _complete(
-        model, tokenizer, [a.prompt for a in asks], *sampling, "chat: held-out functions", False, bos=False
+        model, tokenizer, [a.prompt for a in asks], *sampling, "chat: held-out functions", False, bos=False, stop=()
     )
     for ask, (text, _) in zip(asks, answers):
         rep.with_code.append(defines_with_body(answer_code(text), ask.name))
         rep.answers.append(f"{ask.request}\n{text}")
     tasks = [t for t in FUNCTIONAL_TASKS for _ in range(samples)]
-    answers = _complete(
-        model, tokenizer, [task_ask(t).prompt for t in tasks], *sampling, "chat: well-known functions", False, bos=False
-    )
+    prompts = [task_ask(t).prompt for t in tasks]
+    answers = _complete(model, tokenizer, prompts, *sampling, "chat: well-known functions", False, bos=False, stop=())
     for t, (text, _) in zip(tasks, answers):
         rep.functional.setdefault(t.name, []).append(passes(t, answer_code(text)))
     return rep

@@ -48,6 +48,30 @@ def held_out_prompts(docs: list[tuple[str, Path]], n: int) -> list[FunctionPromp
     return [pool[i * len(pool) // n] for i in range(n)]
 
 
+# Lines at column 0 that end a function: generation stops at them (the function written is cut at the first
+# non-blank line at column 0 anyway, `written_function`; these save the tokens after it). Sequences that end
+# sooner change the batch's size, so in the default (not batch-invariant) numerics another sequence's later
+# draws may differ from a run without stops: an equally valid sample, not the same one.
+FUNCTION_END = (
+    "\ndef ",
+    "\nclass ",
+    "\nasync ",
+    "\n@",
+    "\nif ",
+    "\nfor ",
+    "\nwhile ",
+    "\nwith ",
+    "\ntry:",
+    "\nimport ",
+    "\nfrom ",
+    "\n#",
+    "\nprint(",
+    '\n"""',
+    "\n__",
+    "\n_",
+)
+
+
 def _complete(
     model,
     tokenizer,
@@ -60,18 +84,25 @@ def _complete(
     desc: str = "completions",
     token_healing: bool = True,
     bos: bool = True,
+    stop: tuple[str, ...] = FUNCTION_END,
+    deterministic: bool = False,
 ) -> list[tuple[str, bool]]:
-    """(completion text after the prompt, ended by EOS) per prompt; prompt i samples with seed + i.
-    `progress`: a bar of the prompts finished (by EOS or length) on a terminal; bos=False: the prompts
-    carry their own (chat prompts)."""
+    """(completion text after the prompt, ended by EOS or a stop string) per prompt; prompt i samples with
+    seed + i.
+    `progress`: a bar of the prompts finished on a terminal; bos=False: the prompts carry their own (chat
+    prompts); stop: no stop strings for chat answers (their code is fenced); deterministic: batch-invariant
+    numerics (a sequence's draws do not change when others end earlier)."""
     from ..progress import bar
 
     made = [0] * len(prompts)
+    ended = 0
     with bar(len(prompts), desc, progress, unit="prompt") as done:
 
         def on_token(i: int, tok: int) -> None:
+            nonlocal ended
             made[i] += 1
             if tok == tokenizer.eos_id or made[i] == max_new_tokens:
+                ended += 1
                 done.update(1)
 
         outs = complete(
@@ -86,8 +117,11 @@ def _complete(
             seed=seed,
             eos_token_id=tokenizer.eos_id,
             on_token=on_token,
+            stop=stop,
+            deterministic=deterministic,
         )
-    return [(c.text, c.eos) for c in outs]
+        done.update(len(prompts) - ended)  # (the ones a stop string ended)
+    return [(c.text, c.eos or c.stopped) for c in outs]
 
 
 def evaluate_completions(
