@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,6 +54,48 @@ def watch_interrupts() -> None:
         and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     ):
         signal.signal(signal.SIGINT, _on_sigint)
+        if hasattr(signal, "pthread_sigmask") and not any(isinstance(f, _HoldCtrlC) for f in sys.meta_path):
+            sys.meta_path.insert(0, _HoldCtrlC())
+
+
+class _HoldCtrlC:
+    """Import hook: while torch's package runs its start-up, a Ctrl-C waits until it is done. A
+    KeyboardInterrupt raised in Python code that torch's C++ start-up called aborts the whole process
+    (SIGABRT and a C++ stack) instead of reaching `interrupted()`; held back, the signal arrives as the
+    import returns and ends the command as any other Ctrl-C does (one line, exit 130)."""
+
+    names = ("torch",)
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.names or name in sys.modules:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        spec.loader = _HeldLoader(spec.loader)
+        return spec
+
+
+class _HeldLoader:
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        import signal
+
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.loader.exec_module(module)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a Ctrl-C that came meanwhile arrives here
+
+    def __getattr__(self, name):  # (the rest of the loader's interface: resources, get_source, ...)
+        return getattr(self.loader, name)
 
 
 def interrupted() -> bool:
@@ -65,7 +108,6 @@ def exit_process(code: int) -> None:
     the process ends at once: a KeyboardInterrupt that reached C code running Python (torch's and numpy's
     start-up do) leaves a flag that would make the interpreter kill itself with SIGINT on its way out, so
     the shell would see a signal instead of the documented 130."""
-    import sys
 
     if code == 130 and _interrupted:
         import atexit

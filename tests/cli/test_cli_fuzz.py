@@ -476,6 +476,42 @@ def test_ctrl_c_while_starting_is_one_line_exit_130():
     assert interrupted >= 1
 
 
+@pytest.mark.skipif(not hasattr(__import__("signal"), "pthread_sigmask"), reason="POSIX signal masks")
+def test_a_ctrl_c_while_torch_starts_waits_for_its_import(tmp_path):
+    """A KeyboardInterrupt raised inside torch's start-up (Python code its C++ calls) aborts the process; with
+    the CLI's interrupt watch, a Ctrl-C that comes during `import torch` arrives when the import returns.
+    A stand-in torch package signals itself half-way through its start-up and records whether it finished."""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "import builtins, os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(0.2)  # (a Ctrl-C let through ends this sleep with KeyboardInterrupt)\n"
+        "builtins.stand_in_finished = True\n"
+    )
+    script = (
+        "import builtins\n"
+        "from dsv4.errors import interrupted, watch_interrupts\n"
+        "{watch}\n"
+        "try:\n"
+        "    import torch\n"
+        "    print('no interrupt')\n"
+        "except KeyboardInterrupt:\n"
+        "    print('finished' if getattr(builtins, 'stand_in_finished', False) else 'cut', interrupted())\n"
+    )
+    env = checkout_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    got = {}
+    for watch in ("watch_interrupts()", "pass"):
+        run = subprocess.run(
+            [sys.executable, "-c", script.format(watch=watch)], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        got[watch] = run.stdout.split()
+    assert got["watch_interrupts()"] == ["finished", "True"]  # held until the import returned
+    assert got["pass"] == ["cut", "False"]  # (the stand-in does signal inside its start-up)
+
+
 def test_non_finite_logits_stop_generate_naming_the_first_module(tmp_path, capsys):
     """A finite but huge weight (3.39e38, a BF16 value) passes the load checks; the logits it leads to are
     Inf/NaN: generate says so (exit 1) and names the first module that produced one, instead of printing
