@@ -67,7 +67,6 @@ FUNCTION_END = (
     "\n#",
     "\nprint(",
     '\n"""',
-    "\n__",
     "\n_",
 )
 
