@@ -108,7 +108,6 @@ def exit_process(code: int) -> None:
     the process ends at once: a KeyboardInterrupt that reached C code running Python (torch's and numpy's
     start-up do) leaves a flag that would make the interpreter kill itself with SIGINT on its way out, so
     the shell would see a signal instead of the documented 130."""
-
     if code == 130 and _interrupted:
         import atexit
         import os

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..model import DeepSeekV4
+from .detokenize import StopChecker
 from .engine import Engine, EngineConfig
 from .healing import Healed, Vocabulary, heal
 from .sampling import SamplingParams
@@ -138,10 +139,10 @@ def complete(
         healed.append(heal(vocab, ids) if token_healing else Healed(ids))
     eos = kwargs.get("eos_token_id")
     eos = tokenizer.eos_id if eos is None else eos
-    stop = list(kwargs.get("stop", ()))
+    stops = StopChecker(list(kwargs.get("stop", ())))  # the engine's rule, to cut the whole text where it stopped
     done = []
     for h, o in zip(healed, generate(model, healed, tokenizer=tokenizer, **kwargs)):
         text = h.completion(tokenizer.decode(o))
-        at = min((j for j in (text.find(s) for s in stop) if j >= 0), default=-1)  # (the engine ended it there)
-        done.append(Completion(h.prompt, o, text[:at] if at >= 0 else text, h.text, bool(o) and o[-1] == eos, at >= 0))
+        at = stops.check(text, len(text))
+        done.append(Completion(h.prompt, o, text[:at], h.text, bool(o) and o[-1] == eos, at is not None))
     return done
