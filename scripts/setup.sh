@@ -3,14 +3,16 @@
 #   bash scripts/setup.sh          # the package and its runtime dependencies
 #   bash scripts/setup.sh --test   # plus the test dependencies (pytest, ruff, triton for the interpreter tests, transformers)
 # An existing torch (e.g. a CUDA build) is kept as it is; with no torch, the CPU build is installed.
+# pip installs without byte-compiling; the files are compiled afterwards on every core at once (pip compiles
+# one file at a time: 37 of torch's 51 s install on 2 cores, against 21 s in parallel; the same .pyc files).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "setup: no torch found, installing the CPU build"
-  "$PY" -m pip install -q "torch==2.13.0" \
-    || "$PY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+  "$PY" -m pip install -q --no-compile "torch==2.13.0" \
+    || "$PY" -m pip install -q --no-compile torch --index-url https://download.pytorch.org/whl/cpu
 else
   echo "setup: keeping the installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
 fi
@@ -19,5 +21,11 @@ extras=""
 if [ "${1:-}" = "--test" ]; then
   extras="[test]"
 fi
-"$PY" -m pip install -q -e ".${extras}"
+"$PY" -m pip install -q --no-compile -e ".${extras}"
+# byte-compile what pip installed (files already compiled are skipped; a file that only a newer Python
+# parses fails here as it does under pip: ignored)
+site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ -w "$site" ]; then
+  "$PY" -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
+fi
 echo "setup: done ($("$PY" -c 'import dsv4, torch; print("dsv4", dsv4.__version__, "torch", torch.__version__)'))"
