@@ -3,11 +3,13 @@
 #   bash scripts/setup.sh          # the package and its runtime dependencies
 #   bash scripts/setup.sh --test   # plus the test dependencies (pytest, ruff, triton for the interpreter tests, transformers)
 # An existing torch (e.g. a CUDA build) is kept as it is; with no torch, the CPU build is installed.
-# pip installs without byte-compiling; the files are compiled afterwards on every core at once (pip compiles
+# pip installs without byte-compiling; what it wrote is compiled afterwards on every core at once (pip compiles
 # one file at a time: 37 of torch's 51 s install on 2 cores, against 21 s in parallel; the same .pyc files).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+stamp=$(mktemp)  # what pip writes from here on is newer than this file
+trap 'rm -f "$stamp"' EXIT
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "setup: no torch found, installing the CPU build"
@@ -22,10 +24,12 @@ if [ "${1:-}" = "--test" ]; then
   extras="[test]"
 fi
 "$PY" -m pip install -q --no-compile -e ".${extras}"
-# byte-compile what pip installed (files already compiled are skipped; a file that only a newer Python
-# parses fails here as it does under pip: ignored)
-site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-if [ -w "$site" ]; then
-  "$PY" -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
-fi
+# byte-compile the packages pip wrote in this run (the entries of site-packages changed since the stamp; a
+# file that only a newer Python parses fails here as it does under pip: ignored)
+for site in $("$PY" -c 'import sysconfig as s; print(*sorted({s.get_path("purelib"), s.get_path("platlib")}))'); do
+  mapfile -t changed < <(find "$site" -mindepth 1 -maxdepth 1 -newer "$stamp" 2>/dev/null)
+  if [ "${#changed[@]}" -gt 0 ] && [ -w "$site" ]; then
+    "$PY" -m compileall -q -j 0 "${changed[@]}" >/dev/null 2>&1 || true
+  fi
+done
 echo "setup: done ($("$PY" -c 'import dsv4, torch; print("dsv4", dsv4.__version__, "torch", torch.__version__)'))"
