@@ -26,11 +26,11 @@ fi
 "$PY" -m pip install -q --no-compile -e ".${extras}"
 # byte-compile the packages pip wrote in this run (the entries of site-packages changed since the stamp; a
 # file that only a newer Python parses fails here as it does under pip: ignored)
-for site in $("$PY" -c 'import sysconfig as s; print(*sorted({s.get_path("purelib"), s.get_path("platlib")}))'); do
+while IFS= read -r site; do
   changed=()  # (a read loop, not mapfile: bash 3.2 has none)
   while IFS= read -r -d '' entry; do changed+=("$entry"); done < <(find "$site" -mindepth 1 -maxdepth 1 -newer "$stamp" -print0 2>/dev/null)
   if [ "${#changed[@]}" -gt 0 ] && [ -w "$site" ]; then
     "$PY" -m compileall -q -j 0 "${changed[@]}" >/dev/null 2>&1 || true
   fi
-done
+done < <("$PY" -c 'import sysconfig as s; print(*sorted({s.get_path("purelib"), s.get_path("platlib")}), sep="\n")')
 echo "setup: done ($("$PY" -c 'import dsv4, torch; print("dsv4", dsv4.__version__, "torch", torch.__version__)'))"
