@@ -13,6 +13,10 @@ if [ -z "$cmd" ]; then
   echo "time_first_command: no bash block in $ROOT/README.md" >&2
   exit 2
 fi
+if [ -n "${SETUP:-}" ] && [ ! -f "$SETUP" ]; then
+  echo "time_first_command: SETUP=$SETUP is not a file" >&2
+  exit 2
+fi
 echo "command: $cmd"
 echo "commit $(git -C "$ROOT" rev-parse --short HEAD), $(date -u +%Y-%m-%d), $(nproc) cores${SETUP:+, setup.sh from $SETUP}"
 times=()
