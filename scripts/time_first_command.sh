@@ -13,6 +13,9 @@ if [ -z "$cmd" ]; then
   echo "time_first_command: no bash block in $ROOT/README.md" >&2
   exit 2
 fi
+case "$RUNS" in
+  '' | *[!0-9]* | 0) echo "time_first_command: RUNS must be a whole number >= 1, got '$RUNS'" >&2; exit 2 ;;
+esac
 if [ -n "${SETUP:-}" ] && [ ! -f "$SETUP" ]; then
   echo "time_first_command: SETUP=$SETUP is not a file" >&2
   exit 2
