@@ -333,6 +333,8 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         config = dataclasses.replace(
             spec, max_num_seqs=clients, max_model_len=min(model.cfg.max_seq_len, max(longest + 1, 256))
         ).engine_config()
+        if args.chunk_len is not None:
+            config.chunk_len = args.chunk_len
         engine = Engine(model, config)
         t0 = time.perf_counter()
         graphs = engine.warmup()
@@ -353,6 +355,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         row = {
             "clients": clients,
             "requests": requests,
+            "chunk_len": engine.config.chunk_len,
             "graphs": graphs,
             "warmup_s": warm,
             "graph_steps": engine.runner.graph_steps,
@@ -495,6 +498,13 @@ def add_bench_engine_parser(subparsers) -> None:
         type=argtypes.positive_int,
         default=None,
         help="tokens per engine step (default: the engine's)",
+    )
+    p.add_argument(
+        "--chunk-len",
+        type=argtypes.positive_int,
+        default=None,
+        help="tokens per prompt-chunk slot of a bucketed step: a prompt of n tokens fills ceil(n / L) slots "
+        "(default: the engine's, 64)",
     )
     p.add_argument(
         "--deterministic",
