@@ -1,5 +1,5 @@
-"""The Triton INT8 kernels (`int8_gemm`, grouped `int8_moe_experts`) vs the references, on the CPU
-interpreter (TRITON_INTERPRET=1) at small shapes.
+"""The Triton INT8 kernels (`int8_quant`, `int8_gemm`, grouped `int8_moe_experts`) vs the references, on
+the CPU interpreter (TRITON_INTERPRET=1) at small shapes.
 
 INT32 sums of INT8 products are exact and the kernels dequantize with the reference's fp32 operations in
 its order (fp32(acc) * token scale * row scale, then one rounding to the output dtype), so they must agree
@@ -19,6 +19,48 @@ pytest.importorskip("triton", reason="triton is not installed: no triton backend
 from triton_interp import interpret_env, interpreted_kernels  # noqa: E402,F401  (autouse fixtures)
 
 import dsv4.ops.triton.int8_gemm  # noqa: E402,F401  (a missing kernel module is an error, not a skip)
+import dsv4.ops.triton.int8_quant  # noqa: E402,F401
+
+
+def _quant_cases() -> list[torch.Tensor]:
+    """Rows that exercise every rule of the definition: random spreads, a zero row (the floor), quotients
+    that are exact ties (amax 127: s = 1, so x / s = x), tiny and huge magnitudes, a row longer than one
+    loop block of the kernel (1,024 columns)."""
+    g = torch.Generator().manual_seed(11)
+    k = 200
+    rand = torch.randn(5, k, generator=g) * torch.logspace(-3, 3, 5).unsqueeze(1)
+    ties = torch.zeros(1, k)
+    ties[0, :8] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5])
+    tiny = torch.randn(1, k, generator=g) * 2.0**-120  # below the floor: s = 2^-100 / 127, codes 0
+    huge = torch.randn(1, k, generator=g) * 1e37
+    return [torch.cat([rand, torch.zeros(1, k), ties, tiny, huge]), torch.randn(3, 2500, generator=g)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_quant_kernel_is_exact(dtype):
+    for x in _quant_cases():
+        x = x.to(dtype) if dtype != torch.float16 else x.clamp(-6e4, 6e4).to(dtype)
+        ops.reset_calls()
+        q, s = ops.int8_quant(x.view(1, *x.shape), backend="triton")  # leading dims kept
+        assert ops.last_backend("int8_quant") == "triton"
+        want_q, want_s = R.int8_quant(x.view(1, *x.shape))
+        assert q.dtype == torch.int8 and q.shape == want_q.shape and s.shape == want_s.shape
+        assert torch.equal(q, want_q) and torch.equal(s, want_s)
+
+
+def test_int8_quant_kernel_ties_and_non_finite_rows():
+    """Ties round to even; a NaN row gets the reference's NaN scale and an infinite row its inf scale, with
+    codes 0 (where the reference casts NaN to int8, which torch leaves undefined); other rows unchanged."""
+    x = torch.zeros(3, 8)
+    x[0] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5])
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    q, s = ops.int8_quant(x, backend="triton")
+    assert q[0].tolist() == [127, 0, 2, 2, 0, -2, -2, 126] and s[0].item() == 1.0
+    want_s = R.int8_quant(x)[1]
+    assert bool(s[1].isnan()) and bool(want_s[1].isnan())
+    assert s[2].item() == float("inf") == want_s[2].item()
+    assert q[1:].eq(0).all()
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -56,6 +98,8 @@ def test_int8_grouped_experts_kernel_is_exact(offset):
 
 
 def test_int8_triton_refusals():
+    assert "dtype" in ops.refusal("int8_quant", "triton", torch.zeros(2, 8, dtype=torch.float64))
+    assert "empty" in ops.refusal("int8_quant", "triton", torch.zeros(2, 0))
     q, s = quant_rows(torch.randn(3, 64))
     wq, ws = quant_rows(torch.randn(16, 64))
     assert "int8" in ops.refusal("int8_gemm", "triton", q.float(), s, wq, ws.squeeze(-1))

@@ -21,6 +21,7 @@ _MODULES = (
     "w8a8_decode",
     "int8_gemm",
     "int8_decode",
+    "int8_quant",
     "elementwise",
     "rows",
     "rownorm_rope",
