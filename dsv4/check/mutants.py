@@ -454,6 +454,14 @@ def int8_quant_batch_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return q, s.expand(*xf.shape[:-1], 1).contiguous()
 
 
+@contextlib.contextmanager
+def _plant_z27(ctx) -> Iterator[None]:
+    # the INT8 linears too: a fused kernel of `int8_linear` quantizes inside its GEMM, around int8_quant
+    with temporary_backend("int8_quant", "mutant_batch_scale", int8_quant_batch_scale):
+        with ops.use_backend({"int8_linear": "parts"}, inherit=True):
+            yield
+
+
 def _plant_z26(ctx):
     from ..model import int8
 
@@ -692,7 +700,7 @@ MUTANTS: list[Mutant] = [
         "Z27",
         "INT8 activation scale over the whole batch, not per token",
         ["int8-per-token"],
-        lambda ctx: temporary_backend("int8_quant", "mutant_batch_scale", int8_quant_batch_scale),
+        _plant_z27,
         symptom="none seen in a port yet (planted with INT8 mode); on the shipped model a sequence's logits "
         "move 4.9% with three others in its batch, 8% of its greedy tokens change",
         mutant="an `int8_quant` backend that takes one scale over all the tokens of the call",

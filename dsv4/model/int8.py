@@ -37,7 +37,8 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """y = int8_gemm(int8_quant(x), weight_q, scale) in x's dtype: weight_q [N, K] int8, scale [N] fp32.
+    """y = int8_gemm(int8_quant(x), weight_q, scale) in x's dtype (`ops.int8_linear`): weight_q [N, K] int8,
+    scale [N] fp32.
 
     `weight` gives the dequantized weight (fp32), for code that reads a weight directly."""
 
@@ -61,8 +62,7 @@ class Int8Linear(nn.Module):
         return ops.int8_gemm(q, s, self.weight_q, self.scale, out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, s = ops.int8_quant(x)
-        return self.project(q, s, x.dtype)
+        return ops.int8_linear(x, self.weight_q, self.scale)  # int8_quant, then int8_gemm (fused where it can)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int8 per-row (from {self.source_format})"

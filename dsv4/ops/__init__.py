@@ -248,6 +248,7 @@ fp8_linear = _make("fp8_linear")
 fp4_linear = _make("fp4_linear")
 int8_quant = _make("int8_quant")
 int8_gemm = _make("int8_gemm")
+int8_linear = _make("int8_linear")
 int8_moe_experts = _make("int8_moe_experts")
 gumbel_argmax = _make("gumbel_argmax")
 muon_momentum = _make("muon_momentum")
@@ -325,6 +326,7 @@ __all__ = [
     "fp4_linear",
     "int8_quant",
     "int8_gemm",
+    "int8_linear",
     "int8_moe_experts",
     "muon_momentum",
     "muon_apply",

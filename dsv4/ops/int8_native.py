@@ -1,6 +1,7 @@
 """INT8 W8A8 backends written with torch ops only (no Triton): backend "int_mm" of `int8_gemm` and of
 `int8_moe_experts`, through `torch._int_mm` (INT8 x INT8 -> INT32; oneDNN / VNNI on CPU, cuBLASLt IMMA on
-CUDA).
+CUDA), and backend "parts" of `int8_linear`: `ops.int8_quant` then `ops.int8_gemm`, each on its own best
+backend (what runs wherever the fused kernel does not: the CPU, prompt-sized calls).
 
 The INT32 result is exact, and the dequantization afterwards is the reference's (`fp32(acc) * s_token *
 s_row`, in that order), so these backends agree with `dsv4.ops.reference` bit for bit.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import int8_quant, register
+from . import int8_gemm, int8_quant, register
 from .moe_shared import build_plan, clamped_swiglu, combine_rows
 
 INT32_MAX = 2**31 - 1
@@ -51,6 +52,16 @@ def _int_mm(a: torch.Tensor, w: torch.Tensor, pad: bool = False) -> torch.Tensor
     if pad and a.is_cuda and 0 < m < CUDA_MIN_ROWS:
         a = torch.cat([a, a.new_zeros(CUDA_MIN_ROWS - m, a.size(1))])
     return torch._int_mm(a.contiguous(), w.t())[:m]
+
+
+# ----------------------------------------------------------------------------- linear
+def parts_int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    q, s = int8_quant(x)
+    return int8_gemm(q, s, weight, scale, x.dtype)
+
+
+# below a fused kernel (priority 10), above the reference: the two ops then each pick their own backend
+register("int8_linear", "parts", parts_int8_linear, deterministic=True, priority=5)
 
 
 # ----------------------------------------------------------------------------- dense

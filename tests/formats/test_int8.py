@@ -87,6 +87,27 @@ def test_int8_gemm_reference_and_int_mm_are_exact(out_dtype):
     assert not torch.equal(got, ops.int8_gemm(q, s * 2, wq, ws.squeeze(-1), out_dtype))  # the scale is read
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_is_quant_then_gemm_on_every_backend(dtype):
+    """`int8_linear` (what an INT8 linear runs) = the definition's per-token codes times the INT8 weight, in
+    x's dtype; on a CPU backend "parts" runs, which dispatches the two ops to their own backends."""
+    from dsv4.model.int8 import Int8Linear
+
+    g = torch.Generator().manual_seed(4)
+    n, k = 96, 200
+    w = rand_weight(n, k, 3)
+    x = (torch.randn(2, 3, k, generator=g) * torch.logspace(-2, 2, 3).unsqueeze(1)).to(dtype)
+    q, s = quant_rows(x)
+    wq, ws = quant_rows(w)
+    want = gemm_exact(q, s, wq, ws.squeeze(-1)).to(dtype)
+    assert torch.equal(R.int8_linear(x, wq, ws.squeeze(-1)), want)
+    lin = Int8Linear.from_weight(w)
+    ops.reset_calls()
+    got = lin(x)
+    assert ops.last_backend("int8_linear") == "parts" and ops.last_backend("int8_gemm") == "int_mm"
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
 def test_int8_gemm_large_sums_stay_exact():
     """|sum| up to K * 127^2 = 2^25+: past fp32's 2^24, the INT32 (and float64) sums stay exact and round
     to fp32 once, identically on every backend."""

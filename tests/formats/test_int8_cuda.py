@@ -22,7 +22,8 @@ pytestmark = [
     ),
 ]
 pytest.importorskip("triton", reason="triton is not installed: no triton backend to test")
-import dsv4.ops.triton.int8_gemm  # noqa: E402,F401  (a missing kernel module is an error, not a skip)
+import dsv4.ops.triton.int8_decode  # noqa: E402,F401  (a missing kernel module is an error, not a skip)
+import dsv4.ops.triton.int8_gemm  # noqa: E402,F401
 
 DEV = torch.device("cuda")
 
@@ -44,6 +45,26 @@ def test_int8_gemm_compiled_is_exact(m, out_dtype):
         assert "more than 16 rows" in ops.refusal("int8_gemm", "int_mm", q, s, wq, ws.squeeze(-1), out_dtype)
     ops.int8_gemm(q, s, wq, ws.squeeze(-1), out_dtype)
     assert ops.last_backend("int8_gemm") == ("int_mm" if m >= 256 else "triton")
+
+
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int8_quant_and_fused_linear_compiled_are_exact(m, dtype):
+    """`int8_quant`'s kernel and the fused `int8_linear` (quantization inside the GEMM), compiled: the
+    reference's codes, scales and outputs bit for bit (div_rn and ties to even as torch computes them); a
+    decode-sized INT8 linear takes the fused kernel by default."""
+    g = torch.Generator(device=DEV).manual_seed(m)
+    n, k = 384, 1024
+    wq, ws = R.int8_quant(torch.randn(n, k, device=DEV, generator=g))
+    x = (torch.randn(m, k, device=DEV, generator=g) * torch.logspace(-3, 3, m, device=DEV).unsqueeze(1)).to(dtype)
+    q, s = ops.int8_quant(x, backend="triton")
+    want_q, want_s = R.int8_quant(x)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s)
+    want = R.int8_linear(x, wq, ws.squeeze(-1))
+    assert torch.equal(ops.int8_linear(x, wq, ws.squeeze(-1), backend="triton"), want)
+    ops.reset_calls()
+    assert torch.equal(ops.int8_linear(x, wq, ws.squeeze(-1)), want)
+    assert ops.last_backend("int8_linear") == "triton"
 
 
 @pytest.mark.parametrize("t", [1, 64])

@@ -1,5 +1,5 @@
-"""The Triton INT8 kernels (`int8_quant`, `int8_gemm`, grouped `int8_moe_experts`) vs the references, on
-the CPU interpreter (TRITON_INTERPRET=1) at small shapes.
+"""The Triton INT8 kernels (`int8_quant`, `int8_gemm`, the fused `int8_linear`, grouped `int8_moe_experts`)
+vs the references, on the CPU interpreter (TRITON_INTERPRET=1) at small shapes.
 
 INT32 sums of INT8 products are exact and the kernels dequantize with the reference's fp32 operations in
 its order (fp32(acc) * token scale * row scale, then one rounding to the output dtype), so they must agree
@@ -18,7 +18,8 @@ from dsv4.ops import reference as R
 pytest.importorskip("triton", reason="triton is not installed: no triton backend to test")
 from triton_interp import interpret_env, interpreted_kernels  # noqa: E402,F401  (autouse fixtures)
 
-import dsv4.ops.triton.int8_gemm  # noqa: E402,F401  (a missing kernel module is an error, not a skip)
+import dsv4.ops.triton.int8_decode  # noqa: E402,F401  (a missing kernel module is an error, not a skip)
+import dsv4.ops.triton.int8_gemm  # noqa: E402,F401
 import dsv4.ops.triton.int8_quant  # noqa: E402,F401
 
 
@@ -95,6 +96,30 @@ def test_int8_grouped_experts_kernel_is_exact(offset):
     got = ops.int8_moe_experts(**case, expert_offset=offset, backend="triton")
     assert ops.last_backend("int8_moe_experts") == "triton"
     assert torch.equal(got, R.int8_moe_experts(**case, expert_offset=offset))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_fused_int8_linear_is_exact(dtype, rows):
+    """Quantization and GEMM in one kernel: `int8_gemm(int8_quant(x))` bit for bit, with ragged column and K
+    tiles (K = 300 spans several K blocks) and rows of magnitudes four decades apart (each its own scale)."""
+    g = torch.Generator().manual_seed(rows)
+    for n, k in ((72, 300), (40, 64)):
+        wq, ws = quant_rows(rand_weight(n, k, 5))
+        x = (torch.randn(rows, k, generator=g) * torch.logspace(-2, 2, rows).unsqueeze(1)).to(dtype)
+        ops.reset_calls()
+        got = ops.int8_linear(x.view(1, rows, k), wq, ws.squeeze(-1), backend="triton")
+        assert ops.last_backend("int8_linear") == "triton" and got.dtype == dtype and got.shape == (1, rows, n)
+        assert torch.equal(got[0], R.int8_linear(x, wq, ws.squeeze(-1)))
+
+
+def test_fused_int8_linear_refuses_prompt_sized_calls():
+    wq, ws = quant_rows(torch.randn(16, 64))
+    reason = ops.refusal("int8_linear", "triton", torch.randn(17, 64), wq, ws.squeeze(-1))
+    assert "17 token rows" in reason
+    ops.reset_calls()
+    ops.int8_linear(torch.randn(17, 64), wq, ws.squeeze(-1))
+    assert ops.last_backend("int8_linear") == "parts" and ops.last_backend("int8_gemm") == "triton"
 
 
 def test_int8_triton_refusals():

@@ -73,8 +73,10 @@ from dsv4.ops import reference as R
 q, s = R.act_quant(torch.randn(2, 256), 128, True)
 wq, ws = formats.quantize_fp8(torch.randn(64, 256))
 wp, wps = formats.quantize_mxfp4(torch.randn(64, 256))
+iw8, iws8 = R.int8_quant(torch.randn(64, 256))
 for dt in (torch.float32, torch.bfloat16, torch.float16):
     ops.int8_quant(torch.randn(2, 256).to(dt), backend="triton")
+    ops.int8_linear(torch.randn(2, 256).to(dt), iw8, iws8.squeeze(-1), backend="triton")
 iq, iqs = R.int8_quant(torch.randn(2, 256))
 iw, iws = R.int8_quant(torch.randn(64, 256))
 experts = {}
