@@ -57,10 +57,6 @@ class Int8Linear(nn.Module):
     def weight(self) -> torch.Tensor:
         return ops.reference.int8_dequant(self.weight_q, self.scale)
 
-    def project(self, q: torch.Tensor, s: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """The GEMM alone, on activations already quantized (q [..., K] int8, s [..., 1] fp32)."""
-        return ops.int8_gemm(q, s, self.weight_q, self.scale, out_dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.int8_linear(x, self.weight_q, self.scale)  # int8_quant, then int8_gemm (fused where it can)
 
@@ -69,8 +65,8 @@ class Int8Linear(nn.Module):
 
 
 class Int8SharedExpert(nn.Module):
-    """The shared expert on INT8 weights: x quantized per token once, gate and up to fp32, the clamped
-    SwiGLU in fp32, quantized per token again, the down projection in x's dtype."""
+    """The shared expert on INT8 weights: x quantized per token (the same codes for gate and up), gate and up
+    to fp32, the clamped SwiGLU in fp32, quantized per token again, the down projection in x's dtype."""
 
     def __init__(self, w1: Int8Linear, w2: Int8Linear, w3: Int8Linear, swiglu_limit: float):
         super().__init__()
@@ -78,11 +74,10 @@ class Int8SharedExpert(nn.Module):
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, s = ops.int8_quant(x)
-        gate = self.w1.project(q, s, torch.float32)
-        up = self.w3.project(q, s, torch.float32)
-        hq, hs = ops.int8_quant(clamped_swiglu(gate, up, self.swiglu_limit))
-        return self.w2.project(hq, hs, x.dtype)
+        # (int8_linear quantizes x per token for each GEMM: the same codes twice, one launch each at decode)
+        gate = ops.int8_linear(x, self.w1.weight_q, self.w1.scale, torch.float32)
+        up = ops.int8_linear(x, self.w3.weight_q, self.w3.scale, torch.float32)
+        return ops.int8_linear(clamped_swiglu(gate, up, self.swiglu_limit), self.w2.weight_q, self.w2.scale, x.dtype)
 
 
 class Int8Experts(nn.Module):

@@ -55,9 +55,11 @@ def _int_mm(a: torch.Tensor, w: torch.Tensor, pad: bool = False) -> torch.Tensor
 
 
 # ----------------------------------------------------------------------------- linear
-def parts_int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def parts_int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     q, s = int8_quant(x)
-    return int8_gemm(q, s, weight, scale, x.dtype)
+    return int8_gemm(q, s, weight, scale, out_dtype or x.dtype)
 
 
 # below a fused kernel (priority 10), above the reference: the two ops then each pick their own backend

@@ -197,13 +197,16 @@ def int8_gemm(
     return (acc.float() * s.float() * scale.float()).to(out_dtype)
 
 
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """An INT8 linear: x quantized per token (`int8_quant`), times the INT8 weight (`int8_gemm`), in x's dtype.
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """An INT8 linear: x quantized per token (`int8_quant`), times the INT8 weight (`int8_gemm`).
 
-    x [..., K] float; weight [N, K] int8 with scale [N] fp32 -> [..., N] in x.dtype. What `Int8Linear` runs;
-    a backend may fuse the two steps (one launch at decode sizes), never change their numbers."""
+    x [..., K] float; weight [N, K] int8 with scale [N] fp32 -> [..., N] in out_dtype (default x.dtype). What
+    the INT8 linears and shared experts run; a backend may fuse the two steps (one launch at decode
+    sizes), never change their numbers."""
     q, s = int8_quant(x)
-    return int8_gemm(q, s, weight, scale, x.dtype)
+    return int8_gemm(q, s, weight, scale, out_dtype or x.dtype)
 
 
 @functools.cache  # constants a captured CUDA graph may hold: never evicted

@@ -111,6 +111,8 @@ def test_fused_int8_linear_is_exact(dtype, rows):
         got = ops.int8_linear(x.view(1, rows, k), wq, ws.squeeze(-1), backend="triton")
         assert ops.last_backend("int8_linear") == "triton" and got.dtype == dtype and got.shape == (1, rows, n)
         assert torch.equal(got[0], R.int8_linear(x, wq, ws.squeeze(-1)))
+        wide = ops.int8_linear(x, wq, ws.squeeze(-1), torch.float32, backend="triton")  # (the shared expert's)
+        assert wide.dtype == torch.float32 and torch.equal(wide, R.int8_linear(x, wq, ws.squeeze(-1), torch.float32))
 
 
 def test_fused_int8_linear_refuses_prompt_sized_calls():

@@ -167,13 +167,15 @@ def _int8_linear_kernel(
     )
 
 
-def fused_int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fused_int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     n, k = weight.shape
     x2 = x.detach().reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.size(0)
-    c = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    c = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m:
         w, sb = weight.contiguous(), scale.float().contiguous()
         bm, bk = 16, (64 if _INTERPRET else 256)
@@ -187,12 +189,14 @@ def fused_int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     return c.view(*x.shape[:-1], n)
 
 
-def _fused_can_run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> str | None:
+def _fused_can_run(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> str | None:
     reason = device_reason(x) or _int8_cores_reason(x)
     if reason:
         return reason
-    if x.dtype not in OUT_DTYPES:
-        return f"x must be fp32, bf16 or fp16, got {x.dtype}"
+    if x.dtype not in OUT_DTYPES or (out_dtype or x.dtype) not in OUT_DTYPES:
+        return f"x and out_dtype must be fp32, bf16 or fp16, got {x.dtype} and {out_dtype}"
     if weight.dtype != torch.int8 or weight.dim() != 2 or weight.size(1) != x.size(-1) or x.size(-1) == 0:
         return f"weight must be int8 [N, K={x.size(-1)}] with K >= 1, got {weight.dtype} {tuple(weight.shape)}"
     if tuple(scale.shape) != (weight.size(0),):
