@@ -77,6 +77,7 @@ iw8, iws8 = R.int8_quant(torch.randn(64, 256))
 for dt in (torch.float32, torch.bfloat16, torch.float16):
     ops.int8_quant(torch.randn(2, 256).to(dt), backend="triton")
     ops.int8_linear(torch.randn(2, 256).to(dt), iw8, iws8.squeeze(-1), backend="triton")
+    ops.int8_linear(torch.randn(2, 256), iw8, iws8.squeeze(-1), dt, backend="triton")  # fp32 in (SwiGLU), dt out
 iq, iqs = R.int8_quant(torch.randn(2, 256))
 iw, iws = R.int8_quant(torch.randn(64, 256))
 experts = {}
