@@ -22,10 +22,10 @@ import triton.language as tl
 
 from .. import register
 from ..reference import INT8_AMAX_FLOOR, INT8_MAX
-from ._common import Kernel, device_reason, interpret_mode
+from ._common import Kernel, interpret_mode
+from .elementwise import _vector_reason
 
 BLOCK = 1024  # columns per loop iteration
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _int8_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, floor, qmax, BLOCK: tl.constexpr):
@@ -74,16 +74,10 @@ def triton_int8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _can_run(x: torch.Tensor) -> str | None:
-    reason = device_reason(x)
-    if reason:
-        return reason
-    if x.dtype not in DTYPES:
-        return f"dtype {x.dtype} (need fp32, bf16 or fp16)"
-    if x.dim() == 0:
-        return "a 0-d tensor has no last dim"
-    if x.size(-1) == 0:
+    reason = _vector_reason(x)
+    if reason is None and x.size(-1) == 0:
         return "the last dim is empty (the reference raises: an amax of nothing)"
-    return None
+    return reason
 
 
 register("int8_quant", "triton", triton_int8_quant, can_run=_can_run, deterministic=True, priority=10)
