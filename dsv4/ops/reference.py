@@ -170,7 +170,9 @@ def int8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     xf = x.detach().float()
     amax = xf.abs().amax(-1, keepdim=True).clamp_min(INT8_AMAX_FLOOR)
-    s = amax / INT8_MAX
+    # a tensor divisor: torch's CUDA division by a Python scalar multiplies by its reciprocal (not always
+    # the correctly rounded quotient, so a CUDA scale could differ from the CPU's in its last bit)
+    s = amax / torch.full_like(amax, INT8_MAX)
     q = torch.round(xf / s).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, s
 
