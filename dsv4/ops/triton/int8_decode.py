@@ -1,5 +1,5 @@
 """INT8 W8A8 for decode-sized calls: backend "triton_splitk" of `int8_gemm`, and backend "triton" of
-`int8_linear` (the activations' quantization and the GEMM in one launch; last section).
+`int8_linear` (the activations' quantization and the GEMM in one launch; last section; by name only).
 
 At a few token rows the dense kernel (`int8_gemm`) has one program per column tile, each walking all of K:
 a narrow weight leaves most SMs idle while it is read. Here the K blocks are split into S consecutive
@@ -211,6 +211,9 @@ def _fused_can_run(
     return None
 
 
-register("int8_linear", "triton", fused_int8_linear, can_run=_fused_can_run, deterministic=True, priority=10)
+# by name only: on one H200 (2026-12-05, `small`) decoding with it ran 0.71x / 0.89x bf16 at batch 1 / 16,
+# against 0.96x / 0.97x for backend "parts" (int8_quant's kernel, then int8_gemm's): every column tile
+# quantizes the whole row again (21 us a call at one row, BENCHMARKS.md)
+register("int8_linear", "triton", fused_int8_linear, can_run=_fused_can_run, deterministic=True, priority=3)
 
 __all__ = ["FUSED_MAX_ROWS", "MAX_ROWS", "fused_int8_linear", "splitk_int8_gemm"]
