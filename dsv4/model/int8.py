@@ -65,8 +65,8 @@ class Int8Linear(nn.Module):
 
 
 class Int8SharedExpert(nn.Module):
-    """The shared expert on INT8 weights: x quantized per token (the same codes for gate and up), gate and up
-    to fp32, the clamped SwiGLU in fp32, quantized per token again, the down projection in x's dtype."""
+    """The shared expert on INT8 weights: x quantized per token once, gate and up to fp32, the clamped SwiGLU
+    in fp32, then the down projection (`int8_linear`: quantized per token again) in x's dtype."""
 
     def __init__(self, w1: Int8Linear, w2: Int8Linear, w3: Int8Linear, swiglu_limit: float):
         super().__init__()
@@ -74,9 +74,9 @@ class Int8SharedExpert(nn.Module):
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (int8_linear quantizes x per token for each GEMM: the same codes twice, one launch each at decode)
-        gate = ops.int8_linear(x, self.w1.weight_q, self.w1.scale, torch.float32)
-        up = ops.int8_linear(x, self.w3.weight_q, self.w3.scale, torch.float32)
+        q, s = ops.int8_quant(x)  # once for gate and up
+        gate = ops.int8_gemm(q, s, self.w1.weight_q, self.w1.scale, torch.float32)
+        up = ops.int8_gemm(q, s, self.w3.weight_q, self.w3.scale, torch.float32)
         return ops.int8_linear(clamped_swiglu(gate, up, self.swiglu_limit), self.w2.weight_q, self.w2.scale, x.dtype)
 
 
