@@ -244,7 +244,7 @@ def _kernel_tables(engine, clients: int, prompt_len: int, out_dir: Path, top: in
             ran = runner.graph_steps + runner.eager_steps - before[2]
             d, p = runner.decode_rows - before[0], runner.chunk_tokens - before[1]
             note += f"; ran {d / max(1, ran):.0f} decode rows and {p / max(1, ran):.0f} chunk tokens per step"
-        tables[name] = {"gpu_busy_ms": busy, "kernels": n, "note": note, "top": rows[:top]}
+        tables[name] = {"gpu_busy_ms": busy, "kernels": n, "note": note, "top": rows[:top], "all": rows}
 
     prompts = torch.tensor([prompt() for _ in range(clients)], device=engine.device)
     cache = model.new_cache(clients, prompt_len + 16)
@@ -291,8 +291,28 @@ def _kernel_tables(engine, clients: int, prompt_len: int, out_dir: Path, top: in
     for name, t in tables.items():
         lines.append(f"{name} ({t['note']}): GPU busy {t['gpu_busy_ms']:.3f} ms per step, {t['kernels']:.0f} kernels")
         lines += [f"  {ms:8.3f} ms  {k:6.1f}x  {kname[:110]}" for kname, ms, k in t["top"]]
+    for a, b in (("raw decode", "engine decode"), ("engine decode", "engine decode + 1 prompt")):
+        lines += kernel_difference(tables[a]["all"], tables[b]["all"], f"{b} minus {a}")
     (out_dir / f"kernels-{clients}-clients.txt").write_text("\n".join(lines) + "\n")
     return {name: {k: t[k] for k in ("gpu_busy_ms", "kernels", "note")} for name, t in tables.items()}
+
+
+def kernel_difference(before: list, after: list, title: str, top: int = 40) -> list[str]:
+    """Lines of a per-kernel-name difference of two kernel tables ([(name, ms, launches)] per step):
+    every name whose time or launch count changed, the largest time changes first (what one step adds
+    over the other, kernel by kernel, including the names below either table's top rows)."""
+    old = {name: (ms, k) for name, ms, k in before}
+    new = {name: (ms, k) for name, ms, k in after}
+    rows = []
+    for name in old.keys() | new.keys():
+        (ms0, k0), (ms1, k1) = old.get(name, (0.0, 0.0)), new.get(name, (0.0, 0.0))
+        if abs(ms1 - ms0) >= 5e-4 or k1 != k0:
+            rows.append((ms1 - ms0, k1 - k0, name))
+    rows.sort(key=lambda r: -abs(r[0]))
+    total = sum(r[0] for r in rows)
+    lines = [f"{title}: {total:+.3f} ms over {len(rows)} kernel names that changed"]
+    lines += [f"  {d:+8.3f} ms  {k:+6.1f}x  {name[:110]}" for d, k, name in rows[:top]]
+    return lines
 
 
 def run_engine_bench(args: argparse.Namespace) -> int:

@@ -611,3 +611,17 @@ def test_decode_bench_prefers_a_backend_for_the_variant_it_times(tmp_path, capsy
     assert out["speedup_of"] == "quantized+triton_splitk / fp32" and "fp8_gemm" in out["rows"][0]["backends"]
     assert main([*argv, "--prefer-backend", "nonesuch"]) == 2
     assert "--prefer-backend nonesuch: no op has it" in capsys.readouterr().err
+
+
+def test_kernel_difference_lists_every_changed_name_largest_change_first():
+    """Names only in one table count from zero; unchanged names are left out; the total is the sum of the
+    listed changes."""
+    from dsv4.bench.engine import kernel_difference
+
+    before = [("gemm_a", 1.0, 10.0), ("same", 0.5, 4.0), ("gone", 0.5, 1.0)]
+    after = [("gemm_a", 1.25, 10.0), ("same", 0.5, 4.0), ("radix_sort", 0.125, 8.0)]
+    lines = kernel_difference(before, after, "b minus a")  # (binary fractions: exact sums)
+    assert lines[0] == "b minus a: -0.125 ms over 3 kernel names that changed"
+    names = [line.split()[-1] for line in lines[1:]]
+    assert names == ["gone", "gemm_a", "radix_sort"]
+    assert "-1.0x" in lines[1] and "+0.0x" in lines[2] and "+8.0x" in lines[3]
