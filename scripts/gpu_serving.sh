@@ -6,7 +6,8 @@
 #   OUT=/some/dir bash scripts/gpu_serving.sh spec       # speculative decoding at batch 1 (bench_speculative)
 #   OUT=/some/dir bash scripts/gpu_serving.sh specserve  # the server with and without it, 1-4 clients, T = 0 and 1
 #                                                        # (TEMPS="0": greedy only; PROMPTS=code: source-code prompts;
-#                                                        #  CLIENTS="4": those client counts only)
+#                                                        #  CLIENTS="4": those client counts only; KS="0 2": drafts per
+#                                                        #  step, 0 = without; REQUESTS=N per run, default 32)
 #   OUT=/some/dir bash scripts/gpu_serving.sh determ     # the price of --deterministic at 64 clients
 #   OUT=/some/dir bash scripts/gpu_serving.sh budget     # the engine at 256 clients, 2048 vs 4096 tokens per step
 #   OUT=/some/dir bash scripts/gpu_serving.sh stream     # bench serve, 256 clients, Poisson arrivals at 300/s
@@ -30,8 +31,8 @@ case "${1:-}" in
     "$PY" scripts/bench_speculative.py --device cuda --tokens 256 --k 2 3 --repeats 5 | tee "$OUT/spec.jsonl" ;;
   specserve)
     for t in ${TEMPS:-0 1}; do  # greedy clients, then sampling ones (each request its own seed; TEMPS="0": greedy only)
-      for k in 0 3; do  # (k = 3: the fastest MTP setting at batch 1, BENCHMARKS.md)
-        "$PY" -m dsv4 bench serve --device cuda --clients ${CLIENTS:-1 4} --requests 8 --output-len 128 --repeats 3 --no-raw \
+      for k in ${KS:-0 2 3}; do  # (32 requests: a run of 8 at 4 clients is two waves, its ramp and drain most of it)
+        "$PY" -m dsv4 bench serve --device cuda --clients ${CLIENTS:-1 4} --requests "${REQUESTS:-32}" --output-len 128 --repeats 3 --no-raw \
           --temperature "$t" --speculative "$k" --prompts "${PROMPTS:-random}" --out "$OUT/serve-spec$k-t$t-${PROMPTS:-random}.json"
       done
     done ;;
@@ -49,5 +50,5 @@ case "${1:-}" in
     "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 256 --request-rate 300 --repeats 3 --no-raw \
       --out "$OUT/serve-stream.json" ;;
   *)
-    sed -n 2,13p "$0"; exit 2 ;;
+    sed -n 2,14p "$0"; exit 2 ;;
 esac
