@@ -20,7 +20,9 @@
 # its FP8 + MXFP4 copy) instead of starting from random weights: the recipe's schedule runs again from its
 # start (give it EXTRA="--lr ... --warmup ..." for a gentler one). EXTRA: more `dsv4 train` flags for the probe
 # and every stage. STEPS=N makes the probe write the corpus and set the steps to N without timing any (the
-# first stage then tokenizes the data).
+# first stage then tokenizes the data). EX_COPIES=N (default 4; 0: none): the probe also writes $RUN/exercises
+# (`dsv4.train.exercises`: everyday functions from templates, each run, none solving a held-out task, each
+# written N times) and $RUN/ex-chat (the same as chat exchanges), and every stage trains on them too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -34,8 +36,11 @@ TOK=dsv4/assets/stdlib-v4-mini
 mkdir -p "$RUN" "$OUT"
 HELD=2.0  # the recipe's held_out_pct (the function examples leave out the same documents)
 [ "${SMOKE:-0}" = 1 ] && HELD=20
-COMMON=(--train-config "$RECIPE" --data "$RUN/corpus.json" "$RUN/functions" "$RUN/chat" --held-out-pct "$HELD"
-  --tokenizer "$TOK" --cache-dir "$RUN/cache" --no-progress)
+EX_COPIES=${EX_COPIES:-4}
+EXERCISES=()
+[ "$EX_COPIES" != 0 ] && EXERCISES=("$RUN/exercises" "$RUN/ex-chat")
+COMMON=(--train-config "$RECIPE" --data "$RUN/corpus.json" "$RUN/functions" "$RUN/chat" ${EXERCISES[@]+"${EXERCISES[@]}"}
+  --held-out-pct "$HELD" --tokenizer "$TOK" --cache-dir "$RUN/cache" --no-progress)
 [ -n "${INIT:-}" ] && COMMON+=(--model "$INIT")
 # shellcheck disable=SC2206  # EXTRA is a list of flags, split on spaces on purpose
 [ -n "${EXTRA:-}" ] && COMMON+=($EXTRA)
@@ -61,6 +66,11 @@ case "${1:-}" in
       --out "$RUN/functions"
     [ -d "$RUN/chat" ] || "$PY" -m dsv4.train.functions --data "$RUN/corpus.json" --held-out-pct "$HELD" \
       --out "$RUN/chat" --chat
+    if [ "$EX_COPIES" != 0 ] && [ ! -d "$RUN/exercises" ]; then
+      EX_COUNT=40000; [ "${SMOKE:-0}" = 1 ] && EX_COUNT=200
+      "$PY" -m dsv4.train.exercises --out "$RUN/exercises" --count "$EX_COUNT" --copies "$EX_COPIES"
+      "$PY" -m dsv4.train.functions --data "$RUN/exercises" --held-out-pct "$HELD" --out "$RUN/ex-chat" --chat
+    fi
     probe() { "$PY" -m dsv4 train "${COMMON[@]}" "$@" --steps "$PROBE_STEPS" --save-every -1 --eval-every 0 \
       --sample-prompt "" --out "$RUN/probe" --json | tail -1 > "$RUN/probe.json"; }
     : > "$RUN/flags"
