@@ -112,7 +112,7 @@ def _char_predicate(rng: random.Random, v: str) -> dict:
     c = rng.choice("abcdefgkmnorstxz")
     return rng.choice(
         [
-            {"name": "digits", "what": "digits", "code": f"{v}.isdigit()"},
+            {"name": "digit_chars", "what": "digits", "code": f"{v}.isdigit()"},
             {"name": "uppercase", "what": "uppercase letters", "code": f"{v}.isupper()"},
             {"name": "spaces", "what": "spaces", "code": f"{v} == ' '"},
             {"name": "letters", "what": "letters", "code": f"{v}.isalpha()"},
@@ -166,7 +166,7 @@ def _list_reduce(rng: random.Random) -> Exercise:
         )
     elif kind == "count":
         name = rng.choice([f"count_{nm}", f"number_of_{nm}", f"how_many_{nm}"])
-        doc = f"Return the number of {what}."
+        doc = f"Return how many numbers in {p} are {pred.get('adj') or pred['post']}."
         body = (
             ("count = 0", f"for x in {p}:", f"    if {cond}:", "        count += 1", "return count")
             if loop
@@ -341,19 +341,19 @@ def _ranges(rng: random.Random) -> Exercise:
             (f"return [i * i for i in range(1, {n} + 1)]",),
         ),
         f"first_multiples_of_{k}": (
-            f"Return a list of the first {n} positive multiples of {k}.",
-            (f"return [{k} * i for i in range(1, {n} + 1)]",),
+            f"Return a list of the first n positive multiples of {k}.",
+            (f"return [{k} * i for i in range(1, n + 1)]",),
         ),
         "countdown": (
             f"Return a list of the integers from {n} down to 1.",
             (f"return list(range({n}, 0, -1))",),
         ),
         "triangle_numbers": (
-            f"Return a list of the first {n} triangle numbers (1, 3, 6, ...).",
+            "Return a list of the first n triangle numbers (1, 3, 6, ...).",
             (
                 "result = []",
                 "total = 0",
-                f"for i in range(1, {n} + 1):",
+                "for i in range(1, n + 1):",
                 "    total += i",
                 "    result.append(total)",
                 "return result",
@@ -362,7 +362,8 @@ def _ranges(rng: random.Random) -> Exercise:
     }
     name = rng.choice(sorted(options))
     doc, body = options[name]
-    return Exercise(name, (n,), doc, body, _naturals(rng))
+    first_n = name in (f"first_multiples_of_{k}", "triangle_numbers")  # ("the first limit ..." reads badly)
+    return Exercise(name, ("n",) if first_n else (n,), doc, body, _naturals(rng))
 
 
 def _digits(rng: random.Random) -> Exercise:
