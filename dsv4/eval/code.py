@@ -11,7 +11,7 @@ least one statement beyond its docstring.
 
 Functional checks: well-known functions (mean, gcd, clamp, flatten, ...) given as a signature and a
 docstring; the function the model wrote is run in a separate Python process with a time limit against
-cases written here, and counts as right only when every case passes.
+cases of `dsv4.function_tasks`, and counts as right only when every case passes.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from ..function_tasks import FUNCTIONAL_TASKS as FUNCTIONAL_TASKS  # (re-exported: the checks run them)
+from ..function_tasks import FunctionalTask
 from ..train.functions import documented_functions
 
 
@@ -76,103 +78,6 @@ def has_body(function_source: str) -> bool:
     )
     return len(body) > (1 if has_doc else 0)
 
-
-@dataclass(frozen=True)
-class FunctionalTask:
-    name: str
-    prompt: str
-    cases: tuple[tuple[tuple, object], ...]  # (arguments, expected result)
-
-
-def _task(signature: str, doc: str, *cases: tuple[tuple, object]) -> FunctionalTask:
-    return FunctionalTask(signature.split("(")[0], f'def {signature}:\n    """{doc}"""', cases)
-
-
-FUNCTIONAL_TASKS: tuple[FunctionalTask, ...] = (
-    _task(
-        "mean(values)",
-        "Return the arithmetic mean of a non-empty list of numbers.",
-        (([1, 2, 3, 4],), 2.5),
-        (([5],), 5),
-        (([-1, 1],), 0),
-    ),
-    _task(
-        "gcd(a, b)",
-        "Return the greatest common divisor of two non-negative integers.",
-        ((12, 18), 6),
-        ((7, 5), 1),
-        ((0, 9), 9),
-        ((21, 14), 7),
-    ),
-    _task(
-        "clamp(x, lo, hi)",
-        "Return x limited to the range [lo, hi].",
-        ((5, 0, 10), 5),
-        ((-3, 0, 10), 0),
-        ((12, 0, 10), 10),
-    ),
-    _task(
-        "flatten(lists)",
-        "Return a single list with the items of a list of lists, in order.",
-        (([[1, 2], [3], []],), [1, 2, 3]),
-        (([],), []),
-        (([["a"], ["b", "c"]],), ["a", "b", "c"]),
-    ),
-    _task(
-        "factorial(n)", "Return n! for a non-negative integer n.", ((0,), 1), ((1,), 1), ((5,), 120), ((10,), 3628800)
-    ),
-    _task(
-        "is_palindrome(s)",
-        "Return True if the string s reads the same forwards and backwards.",
-        (("abba",), True),
-        (("abc",), False),
-        (("",), True),
-        (("racecar",), True),
-    ),
-    _task(
-        "is_prime(n)",
-        "Return True if n is a prime number.",
-        ((2,), True),
-        ((1,), False),
-        ((9,), False),
-        ((13,), True),
-        ((97,), True),
-    ),
-    _task(
-        "fibonacci(n)",
-        "Return the n-th Fibonacci number, with fibonacci(0) == 0 and fibonacci(1) == 1.",
-        ((0,), 0),
-        ((1,), 1),
-        ((10,), 55),
-    ),
-    _task(
-        "reverse_words(text)",
-        "Return the words of text in reverse order, joined by single spaces.",
-        (("a b c",), "c b a"),
-        (("hello world",), "world hello"),
-    ),
-    _task(
-        "count_vowels(text)",
-        "Return the number of vowels (a, e, i, o, u) in the lowercase string text.",
-        (("hello",), 2),
-        (("xyz",), 0),
-        (("aeiou",), 5),
-    ),
-    _task(
-        "maximum(values)",
-        "Return the largest item of a non-empty list without using max().",
-        (([3, 1, 2],), 3),
-        (([-5, -2],), -2),
-        (([7],), 7),
-    ),
-    _task(
-        "unique(items)",
-        "Return the items of a list without duplicates, keeping the first occurrence order.",
-        (([1, 2, 1, 3, 2],), [1, 2, 3]),
-        (([],), []),
-        ((["a", "a"],), ["a"]),
-    ),
-)
 
 _RUNNER = r"""
 import json, sys

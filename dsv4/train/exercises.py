@@ -14,7 +14,7 @@ lists; two numbers; dictionaries; lists of lists; recursion.
 
 Every exercise is compiled and run on inputs of its own kind before it is kept, so none is wrong by
 construction. **None solves a held-out task**: each is also run on the cases of every task of
-`dsv4.eval.code.FUNCTIONAL_TASKS` with the same number of arguments, and one that returns every expected
+`dsv4.function_tasks.FUNCTIONAL_TASKS` with the same number of arguments, and one that returns every expected
 result of a task is dropped (`solves_a_task`), whatever its name; no family rewords one of those tasks.
 """
 
@@ -690,9 +690,9 @@ def runs(ex: Exercise) -> bool:
 
 
 def solves_a_task(fn: Callable, n_params: int) -> str | None:
-    """The name of the first `dsv4.eval.code.FUNCTIONAL_TASKS` task with n_params arguments whose every case
+    """The name of the first `dsv4.function_tasks.FUNCTIONAL_TASKS` task with n_params arguments whose every case
     `fn` answers right (None: none): an exercise that does so is not training data."""
-    from ..eval.code import FUNCTIONAL_TASKS
+    from ..function_tasks import FUNCTIONAL_TASKS
 
     for task in FUNCTIONAL_TASKS:
         if any(len(args) != n_params for args, _ in task.cases):
