@@ -1,8 +1,8 @@
-"""Greedy decode with and without speculative decoding (the MTP draft, a DSpark draft), in one process.
+"""Decode with and without speculative decoding (the MTP draft, a DSpark draft), in one process.
 
     python3 scripts/bench_speculative.py [--device cuda] [--model DIR] [--tokens 256] [--k 1 2 3]
                                          [--dspark DIR [--dspark-k 3 5] [--threshold 0 0.5]]
-                                         [--batch 4] [--profile]
+                                         [--batch 4] [--temperature 1] [--profile]
 
 Loads the model once (default: the shipped model; its MTP block drafts for --k), and with --dspark a
 checkpoint of the same main model whose draft is DSpark (`dsv4 train --model DIR --draft dspark
@@ -14,7 +14,10 @@ plain decoding, acceptance, tokens per verify step, drafts verified per decode r
 equal plain decoding's (of the DSpark checkpoint's own main model for its settings). --batch B decodes B
 prompts at once (the prompts in turn), each run B requests in one engine. --profile (CUDA) adds, per
 setting, the kernels of 10 steps of a full batch under the torch profiler: GPU-busy ms and kernels per
-step, and the largest kernels (a diagnostic: one profiled window, no spread).
+step, and the largest kernels (a diagnostic: one profiled window, no spread). --temperature T > 0 samples
+(each request its own seed, the same in every run and setting; the sampled speculative step's rejection
+sampling): the tokens then follow the model's distribution but are not plain decoding's draws, so
+`same_tokens` is null; greedy decoding (the default, T = 0) must give plain decoding's tokens exactly.
 """
 
 from __future__ import annotations
@@ -38,14 +41,21 @@ PROMPTS = (
 )
 
 
-def run(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], float, dict]:
+def params(tokens: int, temperature: float, i: int) -> SamplingParams:
+    """Request i's settings: greedy at temperature 0, else sampled with seed i (the same in every run)."""
+    return SamplingParams(max_tokens=tokens, temperature=temperature, seed=i if temperature else None, ignore_eos=True)
+
+
+def run(
+    engine: Engine, prompts: list[list[int]], tokens: int, temperature: float = 0.0
+) -> tuple[list[list[int]], float, dict]:
     """Prompts decoded together through a warm engine: (each one's tokens, seconds, the engine's speculative
     counters of this run)."""
     before = engine.metrics()["speculative"]  # (a copy of the counters)
     ids = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         ids.append(f"r{time.perf_counter_ns()}")
-        engine.add_request(ids[-1], p, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        engine.add_request(ids[-1], p, params(tokens, temperature, i))
     out: dict[str, list[int]] = {i: [] for i in ids}
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
@@ -66,12 +76,12 @@ def batches(prompts: list[list[int]], b: int) -> list[list[list[int]]]:
     return [[prompts[(i + j) % len(prompts)] for j in range(b)] for i in range(len(prompts))]
 
 
-def profile(engine: Engine, batch: list[list[int]], tokens: int) -> dict:
+def profile(engine: Engine, batch: list[list[int]], tokens: int, temperature: float = 0.0) -> dict:
     """10 steps of a full batch under the torch profiler (after 4 steps): kernels and GPU time per step."""
     from dsv4.bench.e2e import kernel_table
 
     for i, p in enumerate(batch):
-        engine.add_request(f"prof{i}", p, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        engine.add_request(f"prof{i}", p, params(tokens, temperature, i))
     for _ in range(4):
         engine.step()
     busy, n, rows = kernel_table(engine.step, 10)
@@ -100,14 +110,14 @@ def measure(
     engine.warmup()
     work = batches(prompts, a.batch)
     for b in work:  # untimed: every graph and kernel shape of the run
-        run(engine, b, a.tokens)
+        run(engine, b, a.tokens, a.temperature)
     rates, outs = [], []
     stats = {"drafted": 0, "accepted": 0, "verify_steps": 0, "verify_lengths": [0] * 16}
     timing, steps = dict(engine.timing), engine.stats["steps"]
     for _ in range(a.repeats):
         n, secs, outs = 0, 0.0, []
         for b in work:
-            o, s, st = run(engine, b, a.tokens)
+            o, s, st = run(engine, b, a.tokens, a.temperature)
             outs += o
             n, secs = n + sum(map(len, o)), secs + s
             for key in ("drafted", "accepted", "verify_steps"):
@@ -128,7 +138,7 @@ def measure(
         row["drafts_verified_per_row"] = sum(i * c for i, c in enumerate(stats["verify_lengths"])) / rows
         row["verify_lengths"] = {i: c for i, c in enumerate(stats["verify_lengths"]) if c}
     if a.profile and engine.device.type == "cuda":
-        row["profile"] = profile(engine, work[0], a.tokens)
+        row["profile"] = profile(engine, work[0], a.tokens, a.temperature)
     del engine
     return row, outs
 
@@ -151,9 +161,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per setting (default 5): median, min, max")
     ap.add_argument("--batch", type=int, default=1, help="requests decoded at once (default 1)")
     ap.add_argument("--profile", action="store_true", help="CUDA: the kernels of 10 steps per setting (diagnostic)")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 (default): greedy; T > 0: sampled, each request its own fixed seed (tokens not compared)",
+    )
     a = ap.parse_args()
     if a.batch < 1:
         ap.error(f"--batch must be >= 1, got {a.batch}")
+    if not 0 <= a.temperature <= 100:
+        ap.error(f"--temperature must be in [0, 100], got {a.temperature}")
     path = a.model or defaults.shipped_model_dir()
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32  # the fused GPU kernels' dtype
     model = load_pretrained(path, device=a.device, dtype=dtype, progress=False).eval()
@@ -166,6 +184,7 @@ def main() -> None:
         "tokens": a.tokens,
         "batch": a.batch,
         "repeats": a.repeats,
+        "temperature": a.temperature,
         "settings": {},
     }
     settings = [("plain", model, 0, 0.0)] + [(f"mtp k={k}", model, k, 0.0) for k in a.k if k]
@@ -182,7 +201,7 @@ def main() -> None:
         row, outs = measure(m, prompts, k, t, a)
         if not k:
             plain[id(m)] = outs
-        row["same_tokens"] = outs == plain[id(m)]
+        row["same_tokens"] = outs == plain[id(m)] if not a.temperature else None
         base = result["settings"]["plain"]["tokens_per_s"] if name != "plain" else row["tokens_per_s"]
         row["speedup"] = row["tokens_per_s"] / base
         if name != "plain":
