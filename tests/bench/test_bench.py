@@ -625,3 +625,30 @@ def test_kernel_difference_lists_every_changed_name_largest_change_first():
     names = [line.split()[-1] for line in lines[1:]]
     assert names == ["gone", "gemm_a", "radix_sort"]
     assert "-1.0x" in lines[1] and "+0.0x" in lines[2] and "+8.0x" in lines[3]
+
+
+def test_speculative_bench_script_greedy_equals_plain_and_sampled_is_not_compared():
+    """scripts/bench_speculative.py on the CPU with the shipped model, two prompts at once: greedy MTP
+    decoding gives plain decoding's tokens (`same_tokens` true) and counts its drafts; with --temperature 1
+    the tokens are sampled, so they are not compared (`same_tokens` null); a bad temperature is refused."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    base = [sys.executable, str(root / "scripts" / "bench_speculative.py"), "--tokens", "6", "--k", "2"]
+    base += ["--repeats", "1", "--batch", "2"]
+    for temperature, same in (("0", True), ("1", None)):
+        res = subprocess.run(
+            [*base, "--temperature", temperature], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert res.returncode == 0, res.stderr[-2000:]
+        result = json.loads(res.stdout.splitlines()[-1])
+        assert result["temperature"] == float(temperature) and result["batch"] == 2
+        mtp = result["settings"]["mtp k=2"]
+        assert mtp["same_tokens"] is same and result["settings"]["plain"]["same_tokens"] is same
+        assert mtp["verify_lengths"] and 0 <= mtp["acceptance"] <= 1
+    res = subprocess.run([*base, "--temperature", "-1"], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 2 and "--temperature must be in [0, 100], got -1.0" in res.stderr
