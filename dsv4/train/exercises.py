@@ -63,15 +63,18 @@ def solves_a_task(fn: Callable, n_params: int) -> str | None:
     return None
 
 
-def generate(count: int, seed: int = 0) -> tuple[list[Exercise], dict[str, int]]:
+def generate(count: int, seed: int = 0, progress: bool = False) -> tuple[list[Exercise], dict[str, int]]:
     """Up to `count` distinct exercises, each checked (`runs`) and none solving a held-out task
     (`solves_a_task`); fewer where the templates run out (STALE draws in a row gave nothing new). ->
-    (exercises, counts of what was dropped and why)."""
+    (exercises, counts of what was dropped and why). progress: a bar on a terminal (`dsv4.progress`)."""
+    from ..progress import bar
+
     rng = random.Random(seed)
     seen: set[str] = set()
     out: list[Exercise] = []
     dropped = {"repeated": 0, "failed_its_inputs": 0, "solves_a_task": 0}
     stale = 0
+    shown = bar(count, "exercises", enabled=progress)
     while len(out) < count and stale < STALE:
         ex = rng.choice(FAMILIES)(rng)
         src = ex.source()
@@ -88,6 +91,8 @@ def generate(count: int, seed: int = 0) -> tuple[list[Exercise], dict[str, int]]
             dropped["solves_a_task"] += 1
             continue
         out.append(ex)
+        shown.update(1)
+    shown.close()
     return out, dropped
 
 
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--copies {args.copies}: must be >= 1")
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise UserError(f"--out {out}: exists and is not an empty directory (nothing written)")
-        exercises, dropped = generate(args.count, args.seed)
+        exercises, dropped = generate(args.count, args.seed, progress=True)
         out.mkdir(parents=True, exist_ok=True)
         files = write(exercises, out, args.copies, args.seed)
     except UserError as e:
