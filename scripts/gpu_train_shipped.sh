@@ -67,7 +67,7 @@ case "${1:-}" in
     [ -d "$RUN/chat" ] || "$PY" -m dsv4.train.functions --data "$RUN/corpus.json" --held-out-pct "$HELD" \
       --out "$RUN/chat" --chat
     if [ "$EX_COPIES" != 0 ] && [ ! -d "$RUN/exercises" ]; then
-      EX_COUNT=40000; [ "${SMOKE:-0}" = 1 ] && EX_COUNT=200
+      EX_COUNT=30000; [ "${SMOKE:-0}" = 1 ] && EX_COUNT=200
       "$PY" -m dsv4.train.exercises --out "$RUN/exercises" --count "$EX_COUNT" --copies "$EX_COPIES"
       "$PY" -m dsv4.train.functions --data "$RUN/exercises" --held-out-pct "$HELD" --out "$RUN/ex-chat" --chat
     fi

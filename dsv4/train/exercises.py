@@ -1,6 +1,6 @@
 """Exercises: small everyday Python functions written from templates, each one run before it is kept.
 
-    python3 -m dsv4.train.exercises --out exercises/                          # up to 40,000 functions, seed 0
+    python3 -m dsv4.train.exercises --out exercises/                          # 30,000 functions, seed 0
     python3 -m dsv4.train.functions --data exercises/ --out ex-chat/ --chat   # the same as chat exchanges
     dsv4 train --data corpus.json functions/ exercises/ ex-chat/ ...
 
@@ -120,7 +120,13 @@ def write(exercises: list[Exercise], out: Path, copies: int = 1, seed: int = 0) 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m dsv4.train.exercises", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="a new or empty directory for the exercises' files")
-    ap.add_argument("--count", type=int, default=40000, help="distinct exercises wanted (default: 40000)")
+    ap.add_argument(
+        "--count",
+        type=int,
+        default=30000,
+        help="distinct exercises wanted (default: 30000; the templates hold about 34,000, and the last ones "
+        "take the most draws)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="the draws' seed (default: 0); the same seed, the same files")
     ap.add_argument(
         "--copies",
