@@ -45,7 +45,6 @@ from .sampling import (
     SamplingParams,
     distribution,
     draw,
-    uniform,
 )
 
 MAX_SPECULATIVE = SPEC_ROWS - 1  # a verify of k + 1 tokens must fit the rows a sequence can roll back
@@ -74,7 +73,7 @@ def accept(
         p_d = target[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
         q_d = draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
         flat = (counters.unsqueeze(1) + i).flatten()  # every row's K tests in one call (a per-row function)
-        u = uniform(seeds.repeat_interleave(K), flat, 1, STREAM_ACCEPT).view(B, K)  # [B, K]
+        u = ops.uniform(seeds.repeat_interleave(K), flat, 1, STREAM_ACCEPT).view(B, K)  # [B, K]
         ok = (u * q_d <= p_d) & (i.unsqueeze(0) < n_drafts.unsqueeze(1))
         accepted = ok.long().cumprod(1).sum(1)  # [B]
     else:

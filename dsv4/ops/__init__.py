@@ -251,6 +251,7 @@ int8_gemm = _make("int8_gemm")
 int8_linear = _make("int8_linear")
 int8_moe_experts = _make("int8_moe_experts")
 gumbel_argmax = _make("gumbel_argmax")
+uniform = _make("uniform")
 muon_momentum = _make("muon_momentum")
 muon_apply = _make("muon_apply")
 

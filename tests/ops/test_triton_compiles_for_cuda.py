@@ -66,8 +66,10 @@ for dtype in (torch.bfloat16, torch.float16):
         model.prefill(tokens[:, :8], cache)
         model.decode_step(tokens[:, 8:], cache)
 B = 3  # the engine's token draw
-ops.gumbel_argmax(torch.randn(B, 300), torch.ones(B, dtype=torch.float64), torch.zeros(B, dtype=torch.bool),
-                  torch.arange(B), torch.arange(B), backend="triton")
+for dt in (torch.float32, torch.float64):  # (float64: the speculative step's draws, `sampling.draw`)
+    ops.gumbel_argmax(torch.randn(B, 300, dtype=dt), torch.ones(B, dtype=torch.float64),
+                      torch.zeros(B, dtype=torch.bool), torch.arange(B), torch.arange(B), backend="triton")
+ops.uniform(torch.arange(B), torch.arange(B), 1, backend="triton")  # speculative acceptance's tests
 from dsv4 import formats  # the W8A8 GEMMs of FP8 / MXFP4 checkpoints (dense and split-K): not in a bf16 model
 from dsv4.ops import reference as R
 q, s = R.act_quant(torch.randn(2, 256), 128, True)

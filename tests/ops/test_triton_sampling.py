@@ -42,20 +42,20 @@ def rows(B: int, seed: int = 0):
     return [t.to(DEV) for t in (temp, greedy, seeds, counters)]
 
 
-def draw_values(logits, temp, greedy, seeds, counters) -> torch.Tensor:
+def draw_values(logits, temp, greedy, seeds, counters, stream: int = ref.STREAM_SAMPLE) -> torch.Tensor:
     """The reference's candidate values [B, V] (float64), for judging ties to rounding."""
     x = logits.double()
-    noise = ref.gumbel_noise(seeds, counters, x.size(-1))
+    noise = ref.gumbel_noise(seeds, counters, x.size(-1), stream)
     return torch.where(greedy.unsqueeze(1), x, x / temp.unsqueeze(1) + noise)
 
 
-def assert_tokens_agree(tok, want_tok, logits, settings) -> None:
+def assert_tokens_agree(tok, want_tok, logits, settings, stream: int = ref.STREAM_SAMPLE) -> None:
     """Equal on CUDA; on the interpreter, a different token only where the two candidates tie to within a
     few float64 ulps (numpy's log against torch's)."""
     if CUDA:
         assert torch.equal(tok, want_tok)
         return
-    vals = draw_values(logits, *settings)
+    vals = draw_values(logits, *settings, stream=stream)
     a = vals.gather(1, tok.unsqueeze(1)).squeeze(1)
     b = vals.gather(1, want_tok.unsqueeze(1)).squeeze(1)
     differ = tok != want_tok
@@ -81,7 +81,7 @@ def assert_same_draw(logits, settings, split: int | None = None) -> None:
     assert torch.all(both_nan | close | (lp.double() == lp_ref)), (lp, lp_ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("V,split", [(3000, 1024), (1024, 256), (777, 64), (129, 8192), (1000, 100)])
 def test_random_logits(dtype, V, split):
     g = torch.Generator().manual_seed(V)
@@ -181,6 +181,55 @@ def test_the_sampler_draws_plain_rows_with_the_fused_op_and_others_as_before():
     assert plain.logprobs is not None and plain.logprobs.shape == (B,)
 
 
+def test_the_speculative_draw_is_the_fused_op_at_temperature_one():
+    """`sampling.draw` (rejection sampling's resample, a filtered draft's draw): argmax(log p + noise) on
+    float64 probabilities with zeros, through the fused op, gives the composed reference's tokens (equal on
+    CUDA; on the interpreter up to float64 ties, `assert_tokens_agree`), never a zero-probability token."""
+    from dsv4.engine.sampling import draw
+
+    g = torch.Generator().manual_seed(5)
+    probs = torch.rand(9, 2000, generator=g, dtype=torch.float64)
+    probs[probs < 0.6] = 0  # most of each row impossible, as after top-k / the residual max(p - q, 0)
+    probs = (probs / probs.sum(-1, keepdim=True)).to(DEV)
+    _, _, seeds, counters = rows(9)
+    with ops.which_ran() as ran:
+        tok = draw(probs, seeds, counters, ref.STREAM_ACCEPT)
+    assert ran == {"gumbel_argmax": ["triton"]}
+    want = (torch.log(probs) + ref.gumbel_noise(seeds, counters, probs.size(-1), ref.STREAM_ACCEPT)).argmax(-1)
+    one = torch.ones(9, dtype=torch.float64, device=DEV)
+    free = torch.zeros(9, dtype=torch.bool, device=DEV)
+    assert_tokens_agree(tok, want, torch.log(probs), (one, free, seeds, counters), ref.STREAM_ACCEPT)
+    assert torch.all(probs.gather(1, tok.unsqueeze(1)) > 0)
+
+
+@pytest.mark.parametrize("n", [1, 5, 1000, 3000])
+@pytest.mark.parametrize("stream", [ref.STREAM_SAMPLE, ref.STREAM_ACCEPT, 0, 2**32 - 1])
+def test_uniforms_are_the_references_bits(n, stream):
+    """Integer hashing and a division by 2^32: equal to the reference everywhere, interpreter included."""
+    _, _, seeds, counters = rows(11, seed=n)
+    got = ops.uniform(seeds, counters, n, stream, backend="triton")
+    want = ref.uniform(seeds, counters, n, stream)
+    assert got.dtype == torch.float64 and got.shape == (11, n)
+    assert torch.equal(got, want)
+    assert torch.all((got > 0) & (got < 1))
+
+
+def test_uniforms_of_strided_rows_and_as_acceptance_draws_them():
+    """Seeds and counters as views with strides (the packed step inputs), and the shape speculative
+    acceptance asks for (B * K rows of one column, counters c .. c + K - 1); through the registry."""
+    _, _, seeds, counters = rows(8)
+    packed = torch.stack([seeds, counters], 1)  # [8, 2]: each column a strided view
+    with ops.which_ran() as ran:
+        got = ops.uniform(packed[:, 0], packed[:, 1], 7)
+    assert ran == {"uniform": ["triton"]}
+    assert torch.equal(got, ref.uniform(seeds, counters, 7))
+    K = 3
+    flat = (counters.unsqueeze(1) + torch.arange(K, device=DEV)).flatten()
+    got = ops.uniform(seeds.repeat_interleave(K), flat, 1, ref.STREAM_ACCEPT, backend="triton")
+    assert torch.equal(got, ref.uniform(seeds.repeat_interleave(K), flat, 1, ref.STREAM_ACCEPT))
+    assert ops.uniform(seeds[:0], counters[:0], 4, backend="triton").shape == (0, 4)
+
+
 def test_refusals_name_the_reason():
     logits = torch.randn(2, 10).to(DEV)
     temp, greedy, seeds, counters = rows(2)
@@ -189,6 +238,9 @@ def test_refusals_name_the_reason():
     assert "contiguous" in ops.refusal("gumbel_argmax", "triton", logits.t(), temp, greedy, seeds, counters)
     with pytest.raises(ops.BackendUnavailable, match="seeds"):
         ops.gumbel_argmax(logits, temp, greedy, seeds[:1], counters, backend="triton")
+    assert "int64" in ops.refusal("uniform", "triton", seeds.int(), counters, 4)
+    assert "one entry per row" in ops.refusal("uniform", "triton", seeds, counters[:1], 4)
+    assert "stream" in ops.refusal("uniform", "triton", seeds, counters, 4, 2**32)
 
 
 @pytest.mark.gpu

@@ -15,6 +15,10 @@ vocabulary that is about a millisecond of a 7 ms decode step. Here:
 The token is therefore the reference's; the log-probability agrees to float64 rounding (its logsumexp
 adds in another order) before both round it to float32. The splits are fixed columns, not a function of
 the batch, so a row's numbers do not depend on which rows share its step.
+
+`uniform` (backend "triton"): the counter-hash uniforms themselves, [B, n] float64, in one launch instead of
+some forty integer kernels (speculative acceptance's tests). Integer arithmetic and a division by 2^32:
+the reference's bits everywhere, the interpreter included.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ SPLIT = 1024
 BLOCK = 1024  # columns per loop iteration
 MAX_SPLITS = 1024  # V up to 1M columns at SPLIT
 NUM_WARPS = 4
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # (float64: the speculative step's draws)
 
 
 def _draw_split_kernel(
@@ -166,8 +170,43 @@ def _draw_combine_kernel(
     tl.store(lp_ptr + row, (xt - lse).to(tl.float32))
 
 
+def _uniform_kernel(
+    seed_ptr,
+    counter_ptr,
+    out_ptr,
+    n,
+    stride_seed,
+    stride_c,
+    stream,
+    BLOCK: tl.constexpr,
+    MIX: tl.constexpr,
+    MASK: tl.constexpr,
+    GOLDEN: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    seed = tl.load(seed_ptr + row * stride_seed).to(tl.int64)
+    counter = tl.load(counter_ptr + row * stride_c).to(tl.int64)
+    key = (seed & MASK) ^ stream  # the row key, as `_draw_split_kernel` computes it
+    for i in tl.static_range(3):
+        for _ in tl.static_range(2):
+            key = ((key ^ (key >> 16)) * MIX) & MASK
+        key = key ^ (key >> 16)
+        if i == 0:
+            key = key ^ ((seed >> 32) & MASK)
+        if i == 1:
+            key = key ^ (counter & MASK)
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    h = ((key + cols * GOLDEN) & MASK).to(tl.uint32)
+    for _ in tl.static_range(2):
+        h = (h ^ (h >> 16)) * MIX
+    h = h ^ (h >> 16)
+    tl.store(out_ptr + row * n + cols, (h.to(tl.float64) + 0.5) / 4294967296.0, mask=cols < n)
+
+
 _split = Kernel(_draw_split_kernel)
 _combine = Kernel(_draw_combine_kernel)
+_uniform = Kernel(_uniform_kernel)
+UNIFORM_BLOCK = 1024  # columns per program
 
 
 def triton_gumbel_argmax(
@@ -236,7 +275,7 @@ def _can_run(
     if logits.dim() != 2 or logits.stride(1) != 1:
         return f"logits {tuple(logits.shape)} must be a [B, V] matrix with contiguous rows"
     if logits.dtype not in DTYPES:
-        return f"logits dtype {logits.dtype} (need fp32, bf16 or fp16)"
+        return f"logits dtype {logits.dtype} (need fp32, bf16, fp16 or fp64)"
     B, V = logits.shape
     for name, t, dtypes in (
         ("temperature", temperature, (torch.float64,)),
@@ -253,4 +292,46 @@ def _can_run(
 
 register("gumbel_argmax", "triton", triton_gumbel_argmax, can_run=_can_run, deterministic=True, priority=10)
 
-__all__ = ["triton_gumbel_argmax"]
+
+def triton_uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, stream: int = STREAM_SAMPLE) -> torch.Tensor:
+    """As the reference `uniform`: [B, n] float64 uniforms in (0, 1) of (seed [B], counter [B], column, stream)."""
+    B = seed.size(0)
+    out = torch.empty(B, n, dtype=torch.float64, device=seed.device)
+    if B == 0 or n == 0:
+        return out
+    block = min(UNIFORM_BLOCK, triton.next_power_of_2(n))
+    opts = {} if interpret_mode() else {"num_warps": 1 if block <= 128 else 4}
+    _uniform[(B, triton.cdiv(n, block))](
+        seed,
+        counter,
+        out,
+        n,
+        seed.stride(0),
+        counter.stride(0),
+        stream,
+        BLOCK=block,
+        MIX=_MIX,
+        MASK=_MASK32,
+        GOLDEN=_GOLDEN,
+        **opts,
+    )
+    return out
+
+
+def _can_run_uniform(seed, counter, n, stream: int = STREAM_SAMPLE) -> str | None:
+    reason = device_reason(seed, counter)
+    if reason:
+        return reason
+    for name, t in (("seed", seed), ("counter", counter)):
+        if t.dim() != 1 or t.dtype != torch.int64:
+            return f"{name} must be a 1-d int64 tensor, got {tuple(t.shape)} {t.dtype}"
+    if counter.size(0) != seed.size(0):
+        return f"seed [{seed.size(0)}] and counter [{counter.size(0)}] must have one entry per row"
+    if not 0 <= int(stream) < 2**32 or int(n) < 0:
+        return f"stream {stream} must be in [0, 2^32) and n {n} >= 0"
+    return None
+
+
+register("uniform", "triton", triton_uniform, can_run=_can_run_uniform, deterministic=True, priority=10)
+
+__all__ = ["triton_gumbel_argmax", "triton_uniform"]
