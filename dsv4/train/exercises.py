@@ -36,15 +36,16 @@ STALE = 20000  # draws in a row that repeat earlier exercises: the templates are
 
 
 # ------------------------------------------------------------------------------------------ checks
-def runs(ex: Exercise) -> bool:
-    """The exercise compiles and returns (no exception) on every one of its inputs."""
+def runs(ex: Exercise) -> Callable | None:
+    """The exercise's function if it compiles and returns (no exception) on every one of its inputs, else
+    None."""
     try:
         fn = ex.compiled()
         for args in ex.inputs:
             fn(*copy.deepcopy(args))
     except Exception:  # noqa: BLE001 (a template that fails its own inputs is dropped, whatever the error)
-        return False
-    return True
+        return None
+    return fn
 
 
 def solves_a_task(fn: Callable, n_params: int) -> str | None:
@@ -84,10 +85,11 @@ def generate(count: int, seed: int = 0, progress: bool = False) -> tuple[list[Ex
             continue
         stale = 0
         seen.add(src)
-        if not runs(ex):
+        fn = runs(ex)
+        if fn is None:
             dropped["failed_its_inputs"] += 1
             continue
-        if solves_a_task(ex.compiled(), len(ex.params)):
+        if solves_a_task(fn, len(ex.params)):
             dropped["solves_a_task"] += 1
             continue
         out.append(ex)
