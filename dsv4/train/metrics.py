@@ -166,6 +166,21 @@ class JsonlLog:
             with writing(self.path, kept="the rows of earlier steps are kept"), open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    def rows(self) -> list[dict]:
+        """Every intact row of the log: the whole run, every stage of a resumed one (a torn last line is
+        skipped)."""
+        if not self.path or not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                out.append(row)
+        return out
+
     def truncate_after(self, step: int) -> int:
         """Keep the log up to training step `step` and drop the rest (returns the rows dropped).
 

@@ -77,6 +77,9 @@ def compile_blocks(model: torch.nn.Module, device: torch.device, backend: str = 
         block.compile(backend=backend)
 
 
+HISTORY_KEPT = 1000  # metric rows a checkpoint carries (metrics.jsonl keeps them all)
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, log=print):
         self.cfg = cfg
@@ -505,7 +508,7 @@ class Trainer:
             "loader": self.loader.state_dict(),
             "train_config": self.cfg.to_dict(),
             "model_config": self.mcfg.to_dict(),
-            "history": self.history[-1000:],
+            "history": self.history[-HISTORY_KEPT:],
         }
         root = self.out / "checkpoints"
         latest = checkpoint.latest_name(root)
@@ -673,7 +676,8 @@ class Trainer:
         if self.world > 1 and (c.sample_prompt or c.export):
             plain = self.dist.unsharded_copy(self.model)
         if self.rank == 0:
-            png = metrics.plot_losses(self.history, self.out / "loss.png")
+            # the log holds every stage of a resumed run; the history only what the checkpoint carried
+            png = metrics.plot_losses(self.jsonl.rows() or self.history, self.out / "loss.png")
             summary["plot"] = str(png) if png else f"not written: {metrics.PLOT_UNAVAILABLE}"
             if c.sample_prompt:
                 summary["sample"] = self.sample(c.sample_prompt, model=plain)

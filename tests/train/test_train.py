@@ -413,9 +413,15 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert rows[0]["event"] == "start" and rows[0]["param_dtypes"] == {"float32": rows[0]["params"]}
 
 
-def test_a_run_in_stages_ends_with_the_uninterrupted_runs_weights(tmp_path):
+def test_a_run_in_stages_ends_with_the_uninterrupted_runs_weights(tmp_path, monkeypatch):
     """--stop-after-s: each invocation stops at a step boundary with a checkpoint, --resume continues the same
-    schedule; only the last stage exports. Here every stage stops after its first step."""
+    schedule; only the last stage exports, and its loss picture shows every stage's steps. Here every stage
+    stops after its first step."""
+    from dsv4.train import metrics, trainer
+
+    plotted: list[list[dict]] = []
+    monkeypatch.setattr(metrics, "plot_losses", lambda rows, path: plotted.append(list(rows)))
+    monkeypatch.setattr(trainer, "HISTORY_KEPT", 1)  # a checkpoint carries fewer rows than the run logged
     quiet = dict(eval_every=0, diag_every=0)
     full = Trainer(_train_cfg(tmp_path, **quiet), log=lambda *_: None)
     full.fit()
@@ -437,6 +443,9 @@ def test_a_run_in_stages_ends_with_the_uninterrupted_runs_weights(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "grad_norm" in r] == [1, 2, 3, 4]
     assert sum(r.get("event") == "stage" for r in rows) == 3
+    # two plots: the uninterrupted run's and the last stage's, each over steps 1-4 (the last stage's own
+    # process ran step 4 alone)
+    assert [[r["step"] for r in p if "lm" in r] for p in plotted] == [[1, 2, 3, 4]] * 2
     with pytest.raises(UserError, match="not with --save-every -1"):
         Trainer(_train_cfg(tmp_path, stop_after_s=60, save_every=-1), log=lambda *_: None)
     with pytest.raises(UserError, match="give the run's --steps"):
