@@ -76,6 +76,7 @@ class ChatReport:
     with_code: list[bool] = field(default_factory=list)
     functional: dict[str, list[bool]] = field(default_factory=dict)
     answers: list[str] = field(default_factory=list)
+    samples: list[tuple[str, bool, str]] = field(default_factory=list)  # well-known: (name, right, answer)
 
     def summary(self) -> dict:
         return {
@@ -111,5 +112,7 @@ def evaluate_chat(
     prompts = [task_ask(t).prompt for t in tasks]
     answers = _complete(model, tokenizer, prompts, *sampling, "chat: well-known functions", False, bos=False, stop=())
     for t, (text, _) in zip(tasks, answers):
-        rep.functional.setdefault(t.name, []).append(passes(t, answer_code(text)))
+        ok = passes(t, answer_code(text))
+        rep.functional.setdefault(t.name, []).append(ok)
+        rep.samples.append((t.name, ok, text))
     return rep

@@ -85,7 +85,13 @@ def _generation_args(p: argparse.ArgumentParser, prompts_help: str, max_new: int
     options.add(p, "temperature", default=0.7)
     options.add(p, "top_p", default=0.9)
     options.add(p, "seed", default=0, note="prompt i samples with seed + i (fixed: the figures are reproducible)")
-    p.add_argument("--show", type=argtypes.int_in(0), default=0, help=f"print this many {shown}")
+    p.add_argument(
+        "--show",
+        type=argtypes.int_in(0),
+        default=0,
+        help=f"print this many {shown}, then this many of the well-known functions' samples (the first of each "
+        "function first), each marked right or wrong",
+    )
 
 
 def _documents(args: argparse.Namespace):
@@ -116,6 +122,16 @@ def _sampling(args: argparse.Namespace) -> dict:
         seed=args.seed,
         progress=not args.json,
     )
+
+
+def _print_samples(samples: list[tuple[str, bool, str]], n: int, per_task: int) -> None:
+    """n of the well-known functions' samples, round-robin over the functions (each one's first sample, then
+    each one's second, ...), each with its verdict."""
+    order = sorted(range(len(samples)), key=lambda i: (i % per_task, i // per_task))
+    for i in order[:n]:
+        name, ok, text = samples[i]
+        print(f"---- {name}, sample {i % per_task + 1}: {'right' if ok else 'wrong'} " + "-" * 30)
+        print(text.rstrip("\n"))
 
 
 def _print_functional(s: dict, samples: int) -> None:
@@ -186,6 +202,7 @@ def cmd_completions(args: argparse.Namespace) -> int:
     for fn in rep.written[: args.show]:
         print("-" * 60)
         print(fn, end="")
+    _print_samples(rep.samples, args.show, args.samples)
     return 0
 
 
@@ -211,4 +228,5 @@ def cmd_chat(args: argparse.Namespace) -> int:
     for answer in rep.answers[: args.show]:
         print("-" * 60)
         print(answer)
+    _print_samples(rep.samples, args.show, args.samples)
     return 0

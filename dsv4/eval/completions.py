@@ -28,6 +28,7 @@ class CompletionReport:
     with_body_newline: list[bool] = field(default_factory=list)  # the same prompts, ending in a newline
     functional: dict[str, list[bool]] = field(default_factory=dict)
     written: list[str] = field(default_factory=list)
+    samples: list[tuple[str, bool, str]] = field(default_factory=list)  # well-known: (name, right, function)
 
     def summary(self) -> dict:
         return {
@@ -187,5 +188,8 @@ def evaluate_completions(
         token_healing,
     )
     for t, (text, finished) in zip(tasks, done):
-        rep.functional.setdefault(t.name, []).append(passes(t, written_function(t.prompt, text, finished)))
+        fn = written_function(t.prompt, text, finished)
+        ok = passes(t, fn)
+        rep.functional.setdefault(t.name, []).append(ok)
+        rep.samples.append((t.name, ok, fn))
     return rep

@@ -86,3 +86,4 @@ def test_the_evaluation_runs_every_request_through_the_engine(tmp_path):
         t.name for t in FUNCTIONAL_TASKS
     }
     assert s["functional_right"] == 0  # four bytes from random weights write no working function
+    assert [(name, ok) for name, ok, _ in rep.samples] == [(t.name, False) for t in FUNCTIONAL_TASKS]

@@ -181,3 +181,20 @@ def test_a_token_budget_takes_whole_documents_that_fit_and_refuses_when_none_doe
 
     with pytest.raises(UserError, match="no held-out document fits in 5 tokens"):
         held_out_loss(model, tok, docs, seq_len=16, max_tokens=5)
+
+
+def test_show_prints_the_well_known_samples_round_robin_with_their_verdicts(capsys):
+    from dsv4.eval.cli import _print_samples
+
+    # two functions x 3 samples each, in the evaluation's order (a function's samples together)
+    samples = [("gcd", i == 1, f"def gcd_{i}(): pass\n") for i in range(3)]
+    samples += [("mean", False, f"def mean_{i}(): pass\n") for i in range(3)]
+    _print_samples(samples, 3, 3)
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if line.startswith("---- ")]
+    assert [h.split(" -")[0] for h in heads] == [
+        "---- gcd, sample 1: wrong",
+        "---- mean, sample 1: wrong",
+        "---- gcd, sample 2: right",
+    ]
+    assert "def gcd_1(): pass" in out and "def mean_1" not in out and "def gcd_2" not in out
