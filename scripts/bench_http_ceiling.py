@@ -21,9 +21,12 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
-from dsv4.bench.load import drive
-from dsv4.engine.sequence import StepOutput, TokenLogprob
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dsv4, also when not installed
+
+from dsv4.bench.load import drive  # noqa: E402
+from dsv4.engine.sequence import StepOutput, TokenLogprob  # noqa: E402
 
 
 class SyntheticEngine:

@@ -14,11 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from dsv4 import ops
-from dsv4.bench.report import capture_graph
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dsv4, also when not installed
+
+from dsv4 import ops  # noqa: E402
+from dsv4.bench.report import capture_graph  # noqa: E402
 
 SHAPES = ("256x256", "128x256", "1024x4096", "512x4096", "256x4096", "4096x256", "129280x4096")
 

@@ -25,14 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from dsv4 import defaults
-from dsv4.checkpoint.load import load_pretrained
-from dsv4.engine import Engine, EngineConfig, SamplingParams
-from dsv4.tokenizer import Tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dsv4, also when not installed
+
+from dsv4 import defaults  # noqa: E402
+from dsv4.checkpoint.load import load_pretrained  # noqa: E402
+from dsv4.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from dsv4.tokenizer import Tokenizer  # noqa: E402
 
 PROMPTS = (
     "def read_lines(path):\n    with open(path) as f:\n",

@@ -6,14 +6,18 @@ and 16: the top kernels by time (a diagnostic; `dsv4 bench int8` gives the rates
 
 from __future__ import annotations
 
+import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 
-from dsv4.bench.e2e import kernel_table
-from dsv4.bench.graphs import GraphedDecoder
-from dsv4.config import ModelConfig
-from dsv4.model import DeepSeekV4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dsv4, also when not installed
+
+from dsv4.bench.e2e import kernel_table  # noqa: E402
+from dsv4.bench.graphs import GraphedDecoder  # noqa: E402
+from dsv4.config import ModelConfig  # noqa: E402
+from dsv4.model import DeepSeekV4  # noqa: E402
 
 
 def main() -> None:

@@ -652,3 +652,25 @@ def test_speculative_bench_script_greedy_equals_plain_and_sampled_is_not_compare
         assert mtp["verify_lengths"] and 0 <= mtp["acceptance"] <= 1
     res = subprocess.run([*base, "--temperature", "-1"], capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 2 and "--temperature must be in [0, 100], got -1.0" in res.stderr
+
+
+def test_every_python_script_finds_this_checkouts_dsv4_without_an_install(tmp_path):
+    """`python3 scripts/X.py` from any directory, with no PYTHONPATH and no user site (`-E -s`, as on a machine
+    that received only the checkout; this suite's own dsv4 comes from PYTHONPATH): each script puts its
+    checkout first on the path, so `--help` never fails on importing dsv4."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    scripts = sorted((Path(__file__).resolve().parents[2] / "scripts").glob("*.py"))
+    assert len(scripts) >= 10
+    runs = {
+        s.name: subprocess.Popen(
+            [sys.executable, "-E", "-s", str(s), "--help"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for s in scripts
+    }
+    for name, proc in runs.items():
+        _, err = proc.communicate(timeout=300)
+        assert "No module named 'dsv4'" not in err.decode(), name
+        assert "No module named" not in err.decode() or proc.returncode == 0, (name, err.decode()[-500:])
