@@ -249,8 +249,8 @@ def draw(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, strea
     (x / 1 is x), the same numbers; its fused backend replaces the hash's some forty elementwise launches."""
     B = probs.size(0)
     one = torch.ones(B, dtype=torch.float64, device=probs.device)
-    sampled = torch.zeros(B, dtype=torch.bool, device=probs.device)
-    return ops.gumbel_argmax(torch.log(probs), one, sampled, seeds, counters, stream)[0]
+    greedy = torch.zeros(B, dtype=torch.bool, device=probs.device)  # every row draws
+    return ops.gumbel_argmax(torch.log(probs), one, greedy, seeds, counters, stream)[0]
 
 
 def sample(

@@ -18,7 +18,7 @@ The draft (`Drafter`): after the verify, the MTP block catches up on the positio
 position t combines the main model's hidden state at t with the embedding of x_{t+1} - and its output at
 the last one proposes d'_1; each further draft feeds the block its own output hidden and the draft just
 made (the chained application of the one MTP block). Random numbers are counter-hashed per sequence
-(`sampling.uniform`): a draft's draw, an acceptance test and a token's draw use separate streams keyed on
+(`ops.uniform`): a draft's draw, an acceptance test and a token's draw use separate streams keyed on
 the index of the token in the sequence, so results do not depend on the rest of the batch.
 """
 
