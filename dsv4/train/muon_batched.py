@@ -39,18 +39,20 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> floa
 
 @torch.no_grad()
 def batched_newton_schulz(g: torch.Tensor, coeffs, steps: int, eps: float) -> torch.Tensor:
-    """torch.optim.Muon's bf16 quintic Newton-Schulz on each matrix of g [E, m, n] at once -> bf16 [E, m, n]."""
+    """torch.optim.Muon's bf16 quintic Newton-Schulz on each matrix of g [E, m, n] at once -> bf16 [E, m, n].
+
+    torch's Muon runs a tall matrix (m > n) transposed and transposes the result back; here a tall stack keeps
+    its layout and each iteration multiplies from the other side (`ns_iteration(tall=True)`): the same
+    products, with no transposed copies of the stack."""
     a, b, c = coeffs
     x = g.bfloat16()
-    wide = g.size(-2) > g.size(-1)
-    if wide:
-        x = x.mT
+    tall = g.size(-2) > g.size(-1)
     # the fp32 norm of the bf16 matrix (no fp32 copy of it), rounded to bf16 as torch's bf16 norm is
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
     x = x / norm.bfloat16().clamp(min=eps)  # spectral norm <= 1
     for _ in range(steps):
-        x = ns_iteration(x, a, b, c)
-    return x.mT if wide else x
+        x = ns_iteration(x, a, b, c, tall)
+    return x
 
 
 def newton_schulz_flops(shapes: list[tuple[int, int]], steps: int = NS_STEPS) -> int:
@@ -63,20 +65,26 @@ def newton_schulz_flops(shapes: list[tuple[int, int]], steps: int = NS_STEPS) ->
     return total
 
 
-def ns_iteration(x: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
+def ns_iteration(x: torch.Tensor, a: float, b: float, c: float, tall: bool = False) -> torch.Tensor:
     """One quintic Newton-Schulz iteration on each matrix of x [E, m, n] (m <= n), in x's dtype:
     G = x x^T, x <- a x + (b G + c G G) x (fp32 sums inside the matmuls, one rounding per product).
+
+    tall: x is [E, n, m] (n > m), the transpose of the matrix iterated, and so is the result: G = x^T x and
+    x <- a x + x (b G + c G G)^T, element for element the products of the iteration on x^T.
 
     On a CPU a bf16 x is multiplied as fp32 and each product rounded to bf16 once: the same exact products
     and fp32 sums as a bf16 GEMM (which most CPUs emulate, 6x slower than fp32 on the 2-core test machine),
     in another order."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        xf = x.float()
-        gram = (xf @ xf.mT).bfloat16().float()
-        inner = torch.baddbmm(gram, gram, gram, beta=b, alpha=c).bfloat16().float()
-        return torch.baddbmm(xf, inner, xf, beta=a).bfloat16()
-    gram = x @ x.mT  # [E, m, m]
-    return torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    cpu = x.dtype == torch.bfloat16 and x.device.type == "cpu"
+    y = x.float() if cpu else x
+    gram = y.mT @ y if tall else y @ y.mT  # [E, m, m]
+    if cpu:
+        gram = gram.bfloat16().float()
+    inner = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+    if cpu:
+        inner = inner.bfloat16().float()
+    out = torch.baddbmm(y, y, inner.mT, beta=a) if tall else torch.baddbmm(y, inner, y, beta=a)
+    return out.bfloat16() if cpu else out
 
 
 def chunk_runs(sizes: list[int], rows: int, cols: int, max_elems: int) -> list[range]:
@@ -164,8 +172,7 @@ class MuonPlan:
             update = torch.empty(ch.buf.shape, dtype=torch.bfloat16, device=ch.buf.device)  # [N, rows, cols]
             for i, buf, u in zip(ch.members, ch.buf.split(ch.sizes), update.split(ch.sizes), strict=True):
                 ops.muon_momentum(buf, grads[i], momentum, g["nesterov"], out=u)
-            # (a wide chunk's result is a transposed view: one bf16 copy makes each weight's part one block)
-            ortho = batched_newton_schulz(update, g["ns_coefficients"], g["ns_steps"], g["eps"]).contiguous()
+            ortho = batched_newton_schulz(update, g["ns_coefficients"], g["ns_steps"], g["eps"])  # [N, rows, cols]
             scale = lr * -ch.adjust
             for i, o in zip(ch.members, ortho.split(ch.sizes), strict=True):
                 ops.muon_apply(self.weights[i], o, decay, scale)

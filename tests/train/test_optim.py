@@ -101,12 +101,16 @@ def test_ns_iterations_within_bf16_rounding_of_fp64(shape):
     g = _grads(shape, 1)
     for k in range(optim.NS_STEPS):
         x = optim.batched_newton_schulz(g, optim.NS_COEFFICIENTS, k, 1e-7)
-        if x.size(-2) > x.size(-1):
-            x = x.mT
-        got = optim.ns_iteration(x, A, B, C)
+        tall = x.size(-2) > x.size(-1)
+        got = optim.ns_iteration(x, A, B, C, tall)  # a tall stack iterates in its own layout
+        if tall:
+            x, got = x.mT, got.mT
         exact, bound = ns_iteration_bound(x)
         ok, msg = within(got, exact, bound)
         assert ok, f"iteration {k + 1}: {msg}"
+        if tall:  # the same iteration written on the transpose: within the bound too
+            ok, msg = within(optim.ns_iteration(x, A, B, C), exact, bound)
+            assert ok, f"iteration {k + 1}, transposed: {msg}"
 
 
 def _chain_bound(g: torch.Tensor) -> torch.Tensor:
