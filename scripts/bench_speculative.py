@@ -116,7 +116,14 @@ def measure(
     for b in work:  # untimed: every graph and kernel shape of the run
         run(engine, b, a.tokens, a.temperature)
     rates, outs = [], []
-    stats = {"drafted": 0, "accepted": 0, "verify_steps": 0, "verify_lengths": [0] * 16}
+    stats = {
+        "drafted": 0,
+        "accepted": 0,
+        "verify_steps": 0,
+        "fixed_steps": 0,
+        "fed_steps": 0,
+        "verify_lengths": [0] * 16,
+    }
     timing, steps = dict(engine.timing), engine.stats["steps"]
     for _ in range(a.repeats):
         n, secs, outs = 0, 0.0, []
@@ -124,7 +131,7 @@ def measure(
             o, s, st = run(engine, b, a.tokens, a.temperature)
             outs += o
             n, secs = n + sum(map(len, o)), secs + s
-            for key in ("drafted", "accepted", "verify_steps"):
+            for key in ("drafted", "accepted", "verify_steps", "fixed_steps", "fed_steps"):
                 stats[key] += st[key]
             stats["verify_lengths"] = [x + y for x, y in zip(stats["verify_lengths"], st["verify_lengths"])]
         rates.append(n / secs)
@@ -141,6 +148,8 @@ def measure(
         row["tokens_per_verify"] = 1 + stats["accepted"] / max(1, stats["verify_steps"])
         row["drafts_verified_per_row"] = sum(i * c for i, c in enumerate(stats["verify_lengths"])) / rows
         row["verify_lengths"] = {i: c for i, c in enumerate(stats["verify_lengths"]) if c}
+        # fixed-shape steps, and those launched before the last one was read (overlap)
+        row["fixed_steps"], row["fed_steps"] = stats["fixed_steps"], stats["fed_steps"]
     if a.profile and engine.device.type == "cuda":
         row["profile"] = profile(engine, work[0], a.tokens, a.temperature)
     del engine

@@ -171,6 +171,9 @@ def dspark_greedy_step(
 class DSparkSteps(SpeculativeSteps):
     """`SpeculativeSteps` with the DSpark draft: up to k drafts per verify, k at most the block size."""
 
+    OVERLAP = False  # (its steps' widths follow the drafts the host read: each is read before the next)
+    FEED = 0
+
     def __init__(self, engine, k: int):
         cfg = engine.model.cfg
         if not 0 < k <= cfg.dspark_block_size:
@@ -265,7 +268,7 @@ class DSparkSteps(SpeculativeSteps):
             [seq.pages.state for seq in seqs],
         )
         with exact_accumulation(e.config.deterministic):
-            out = self._fixed_run(ints)
+            out = self._fixed_run(ints, w)
         accepted, bonus, drafts, lengths = out
         host = torch.cat([accepted, bonus, lengths, drafts.flatten()]).tolist()  # one device read
         n = len(seqs)

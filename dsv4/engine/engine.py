@@ -114,7 +114,7 @@ class Engine:
         if c.speculative:
             check_speculative(c, cfg)
             self.spec = steps_for(self, c.speculative)
-            self.overlap = False  # every step reads its acceptance before the next is planned
+            self.overlap = False  # a step reads its acceptance before the next is planned (`spec.overlap` aside)
         self._inflight: tuple[InFlight, list[Sequence], list[Sequence]] | None = None
         self.requests: dict[str, Request] = {}
         # host seconds per phase of a step: scheduling, building inputs + launching the model and the sampler,
@@ -230,7 +230,9 @@ class Engine:
         self.runner.stop_followers()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
+        return (
+            self.scheduler.has_work() or self._inflight is not None or (self.spec is not None and self.spec.in_flight)
+        )
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()

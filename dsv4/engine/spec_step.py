@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,30 +35,35 @@ from .sampling import SamplingTensors
 from .scheduler import Scheduled
 from .sequence import Sequence, StepOutput, TokenLogprob
 from .speculative import (
+    FEED_COLS,
     MAX_SPECULATIVE,
     SAMPLING_COLS,
     Drafter,
     DraftRow,
     FixedStepGraph,
     accept,
+    feed_columns,
+    feed_from_carry,
     fixed_args,
     fixed_inputs,
     pack_draft_rows,
     sampling_args,
     spec_step,
     unpack_draft_rows,
+    write_carry,
 )
 
 
 def new_stats() -> dict:
     """Counters of speculative decoding: sequence-steps that verified drafts, drafts verified, drafts
-    accepted, fixed-shape steps, and `verify_lengths[n]`: decode rows of speculating sequences that
-    verified n drafts."""
+    accepted, fixed-shape steps, those of them launched before the last one was read (`fed_steps`), and
+    `verify_lengths[n]`: decode rows of speculating sequences that verified n drafts."""
     return {
         "verify_steps": 0,
         "drafted": 0,
         "accepted": 0,
         "fixed_steps": 0,
+        "fed_steps": 0,
         "verify_lengths": [0] * (MAX_SPECULATIVE + 1),
     }
 
@@ -75,8 +81,41 @@ def check_speculative(config, cfg) -> None:
         )
 
 
+class _Readback:
+    """Pinned host buffers that a fixed-shape step's results are copied into (one step's at a time): per row
+    its accepted count, next token and k next drafts; with log-probabilities, k + 1 floats."""
+
+    def __init__(self, device: torch.device, rows: int, k: int):
+        self.cuda = device.type == "cuda"
+        self.ints = torch.zeros(rows * (k + 2), dtype=torch.long, pin_memory=self.cuda)
+        self.floats = torch.zeros(rows * (k + 1), dtype=torch.float64, pin_memory=self.cuda)
+
+    def copy(self, ints: torch.Tensor, floats: torch.Tensor | None) -> torch.cuda.Event | None:
+        self.ints[: ints.numel()].copy_(ints, non_blocking=self.cuda)
+        if floats is not None:
+            self.floats[: floats.numel()].copy_(floats, non_blocking=self.cuda)
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+
+@dataclass
+class FixedInFlight:
+    """A launched fixed-shape step: its sequences and where its results arrive on the host."""
+
+    seqs: list[Sequence]
+    readback: _Readback
+    event: torch.cuda.Event | None
+    logprobs: bool
+
+
 class SpeculativeSteps:
     """The steps of one `Engine` (its scheduler, runner, output processor and counters) with k drafts."""
+
+    OVERLAP = True  # fixed-shape steps may overlap (off on several workers, and where the engine's overlap is)
+    FEED = FEED_COLS  # integers per row of a fixed-shape step after `fixed_inputs`' (`feed_from_carry`)
 
     def __init__(self, engine, k: int):
         self.engine, self.k = engine, k
@@ -92,6 +131,14 @@ class SpeculativeSteps:
         self.stats = new_stats()
         self._aux = None  # a follower: what the last VERIFY left for the DRAFT after it
         self._prompt: set[int] = set()  # the eager step's sequences that `_split` would bucket (no drafts after)
+        # overlap: a fixed-shape step of the same sequences is launched before the last one is read, its rows
+        # fed from what that step left on the device (`carry`: per table row, the next step's integers)
+        self.overlap = self.OVERLAP and engine.overlap and r.mirror is None
+        self.carry = torch.zeros(r.tables.w.shape[0], k + 4, dtype=torch.long, device=r.device) if self.FEED else None
+        self._inflight: FixedInFlight | None = None
+        rows = min(engine.config.max_seqs, GRAPH_BUCKETS[-1])  # (a fixed-shape step's most)
+        self._readback = [_Readback(r.device, rows, k) for _ in range(2)]  # used in turn
+        self._turn = 0
 
     @property
     def drafter(self) -> Drafter:
@@ -109,19 +156,37 @@ class SpeculativeSteps:
         e = self.engine
         return Drafter(e.model, e.runner, e.sampler, self.draft_store)
 
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None
+
     def step(self) -> list[StepOutput]:
         e = self.engine
+        done: list[StepOutput] = []
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            t0 = time.perf_counter()
+            self._inflight = self._feed(prev)  # the next step of the same sequences, before reading this one
+            e.timing["launch"] += time.perf_counter() - t0
+            done = self._fixed_finish(prev)
+            if self._inflight is not None:
+                return done
         t0 = time.perf_counter()
         plan = e.scheduler.schedule()
         t1 = time.perf_counter()
         if not plan:
-            return []
+            return done
         if self._fixed_ok(plan) or self._split_ok(plan):
             inside = e.timing["wait"] + e.timing["post"]  # (the steps time their own read and bookkeeping)
-            outputs = self._split(plan) if any(map(self._bucketed, plan)) else self._fixed(plan)
+            if any(map(self._bucketed, plan)):
+                outputs = self._split(plan)
+            elif self.overlap:  # read at the next step, after the one it feeds is launched
+                outputs, self._inflight = [], self._fixed_launch([sch.seq for sch in plan])
+            else:
+                outputs = self._fixed(plan)
             e.timing["schedule"] += t1 - t0
             e.timing["launch"] += time.perf_counter() - t1 - (e.timing["wait"] + e.timing["post"] - inside)
-            return outputs
+            return done + outputs
         self._prompt = {id(sch.seq) for sch in plan if self._bucketed(sch)}  # (they draft from the next step)
         rows: list[Row] = []
         for sch in plan:
@@ -151,7 +216,7 @@ class SpeculativeSteps:
         e.timing["schedule"] += t1 - t0
         e.timing["launch"] += t2 - t1
         e.timing["post"] += time.perf_counter() - t2
-        return e.finish_step([sch.seq for sch in plan], outputs)
+        return done + e.finish_step([sch.seq for sch in plan], outputs)
 
     def _forward(self, plan: list[Scheduled], rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's rows through the main model, eagerly: (logits [n, V], what `_draft` reads)."""
@@ -254,13 +319,34 @@ class SpeculativeSteps:
         return any(not s.params.greedy for s in seqs)
 
     def _fixed(self, plan: list[Scheduled]) -> list[StepOutput]:
+        return self._fixed_finish(self._fixed_launch([sch.seq for sch in plan]))
+
+    def _feed(self, prev: FixedInFlight) -> FixedInFlight | None:
+        """The next fixed-shape step of the sequences of `prev` (not read yet), fed from the carry its rows
+        left on the device, where nothing else could run instead: no request waits, every running sequence
+        was in it and still runs, the budget holds their verify rows, and pages for the furthest positions
+        the step can reach are there. -> the step launched, or None."""
+        e, k, seqs = self.engine, self.k, prev.seqs
+        sch = e.scheduler
+        if sch.waiting or len(sch.running) != len(seqs) or not all(s.running for s in seqs):
+            return None
+        if len(seqs) * (k + 1) > e.config.max_batch_tokens:
+            return None
+        # (the host's position is one step behind: up to k + 1 tokens, then this step's and the drafts' rows)
+        if not all(e.manager.allocate(s.pages, s.computed, min(s.computed + 3 * k + 2, e.max_model_len)) for s in seqs):
+            return None
+        return self._fixed_launch(seqs, fed=True)
+
+    def _fixed_launch(self, seqs: list[Sequence], fed: bool = False) -> FixedInFlight:
+        """Launch a fixed-shape step of these sequences (fed: their rows from the carry) and start copying its
+        results to the host; nothing is waited for."""
         e, k = self.engine, self.k
-        seqs = [sch.seq for sch in plan]
         sampled = self._sampled(seqs)
+        blank = [0] * (k + 1)
         ints = fixed_inputs(
-            [[seq.tokens[seq.computed]] + seq.drafts + [0] * (k - len(seq.drafts)) for seq in seqs],
-            [len(seq.drafts) for seq in seqs],
-            [seq.computed for seq in seqs],
+            [blank if fed else [seq.tokens[seq.computed]] + seq.drafts + blank[: k - len(seq.drafts)] for seq in seqs],
+            [0 if fed else len(seq.drafts) for seq in seqs],
+            [0 if fed else seq.computed for seq in seqs],
             [seq.pages.state for seq in seqs],
             (
                 [s.seed for s in seqs],
@@ -271,21 +357,35 @@ class SpeculativeSteps:
             if sampled
             else None,
         )
+        feed = feed_columns([fed] * len(seqs), [s.n_generated for s in seqs], [s.params.max_tokens for s in seqs])
         with exact_accumulation(e.config.deterministic):
-            out = self._fixed_run(ints, sampled)
+            out = self._fixed_run(np.concatenate([ints, feed], 1), k, sampled)
+        want = any(s.params.logprobs is not None for s in seqs)
+        rb, self._turn = self._readback[self._turn], self._turn ^ 1
+        event = rb.copy(torch.cat([out[0], out[1], out[2].flatten()]), out[3].flatten() if want else None)
+        e.stats["steps"] += 1
+        self.stats["fixed_steps"] += 1
+        self.stats["fed_steps"] += fed
+        return FixedInFlight(seqs, rb, event, want)
+
+    def _fixed_finish(self, step: FixedInFlight) -> list[StepOutput]:
+        """Read a fixed-shape step's results (waits for the device) and do the bookkeeping: emit each
+        sequence's accepted drafts and next token, keep its next drafts. A sequence that ended since the
+        step was launched (a stop found in the step before, an abort) takes nothing from it."""
+        e, k, seqs = self.engine, self.k, step.seqs
         n = len(seqs)
         t0 = time.perf_counter()
-        want = any(s.params.logprobs is not None for s in seqs)
-        if want:  # one device read (token ids are exact in float64)
-            host = torch.cat([out[0].double(), out[1].double(), out[2].flatten().double(), out[3].flatten()]).tolist()
-        else:
-            host = torch.cat([out[0], out[1], out[2].flatten()]).tolist()
+        if step.event is not None:
+            step.event.synchronize()
+        host = step.readback.ints[: 2 * n + n * k].tolist()
+        lps = step.readback.floats[: n * (k + 1)].tolist() if step.logprobs else None
         t1 = time.perf_counter()
-        at_lp = 2 * n + n * k
         outputs: dict[int, StepOutput] = {}
         for b, seq in enumerate(seqs):
-            a = int(host[b])
-            emitted = seq.drafts[:a] + [int(host[n + b])]
+            if seq.finished:
+                continue
+            a = host[b]
+            emitted = seq.drafts[:a] + [host[n + b]]
             if seq.drafts:
                 self.count_verify(len(seq.drafts), a)
             seq.computed += a + 1
@@ -293,26 +393,23 @@ class SpeculativeSteps:
             for j, tok in enumerate(emitted):
                 if seq.finished:
                     break
-                lp = TokenLogprob(tok, host[at_lp + b * (k + 1) + j], []) if seq.params.logprobs is not None else None
+                lp = TokenLogprob(tok, lps[b * (k + 1) + j], []) if seq.params.logprobs is not None else None
                 e.output.emit(seq, tok, lp, outputs)
-            if seq.running:
+            if seq.running:  # (the carry's rule: `write_carry`)
                 end = len(seq.tokens) - 1
                 keep = min(k, e.max_model_len - 1 - end, seq.params.max_tokens - seq.n_generated - 1)
-                seq.drafts = [int(t) for t in host[2 * n + b * k : 2 * n + b * k + max(keep, 0)]]
-        e.stats["steps"] += 1
-        self.stats["fixed_steps"] += 1
+                seq.drafts = host[2 * n + b * k : 2 * n + b * k + max(keep, 0)]
         result = e.finish_step(seqs, outputs)
         e.timing["wait"] += t1 - t0
         e.timing["post"] += time.perf_counter() - t1
         return result
 
-    def _fixed_run(self, ints: np.ndarray, sampled: bool = False) -> tuple[torch.Tensor, ...]:
-        """The fixed-shape step of n rows of width w (ints [n, w + 4], or [n, w + 8] sampled: `fixed_inputs`):
-        replayed from the graph of its batch bucket, width and variant (captured at warm-up or on first
-        use), or eagerly. -> its outputs, n rows."""
+    def _fixed_run(self, ints: np.ndarray, w: int, sampled: bool = False) -> tuple[torch.Tensor, ...]:
+        """The fixed-shape step of n rows of width w (ints [n, `_cols`], `fixed_inputs` then this class's feed
+        columns): replayed from the graph of its batch bucket, width and variant (captured at warm-up or on
+        first use), or eagerly. -> its outputs, n rows."""
         r = self.engine.runner
         n = ints.shape[0]
-        w = ints.shape[1] - 4 - (SAMPLING_COLS if sampled else 0)
         batch = next(b for b in GRAPH_BUCKETS if b >= n) if r.cuda_graphs else n
         r.sync_tables()
         r.announce(FIXED, [], batch, w, n, int(sampled))  # before a capture: every worker captures here
@@ -321,15 +418,18 @@ class SpeculativeSteps:
             return self._graph(batch, w, sampled).run(ints)
         r.eager_steps += 1
         r.padded_steps += 1
-        cols = w + 4 + (SAMPLING_COLS if sampled else 0)
-        return self._step_for(sampled)(r.share(torch.from_numpy(ints).to(r.device).view(n, cols)))
+        return self._step_for(sampled)(r.share(torch.from_numpy(ints).to(r.device).view(n, self._cols(w, sampled))))
+
+    def _cols(self, w: int, sampled: bool) -> int:
+        """Integers per row of a fixed-shape step of width w."""
+        return w + 4 + (SAMPLING_COLS if sampled else 0) + self.FEED
 
     def _follow_fixed(self, batch: int, w: int, n: int, sampled: int = 0) -> None:
         r = self.engine.runner
         if r.cuda_graphs:
             self._graph(batch, w, bool(sampled)).follow()
         else:
-            cols = w + 4 + (SAMPLING_COLS if sampled else 0)
+            cols = self._cols(w, bool(sampled))
             self._step_for(bool(sampled))(r.share(torch.empty(n, cols, dtype=torch.long, device=r.device)))
 
     def widths(self) -> list[int]:
@@ -359,7 +459,7 @@ class SpeculativeSteps:
         if graph is None:
             r = self.engine.runner
             step = self._step_for(sampled)
-            graph = FixedStepGraph(r, batch, w, step, pool=r.graph_pool, sampled=sampled)
+            graph = FixedStepGraph(r, batch, w, step, pool=r.graph_pool, sampled=sampled, extra=self.FEED)
             self.graphs[(batch, w, sampled)] = graph
         return graph
 
@@ -368,11 +468,15 @@ class SpeculativeSteps:
         return functools.partial(self._fixed_step, sampled=True) if sampled else self._fixed_step
 
     def _fixed_step(self, ints: torch.Tensor, sampled: bool = False) -> tuple[torch.Tensor, ...]:
-        """`spec_step` on a fixed-shape step's integers on the device (capturable)."""
+        """`spec_step` on a fixed-shape step's integers on the device (capturable): fed rows read the carry
+        first, and every row leaves its next step's integers there."""
         e = self.engine
+        ints, generated, cap = feed_from_carry(ints, self.carry, sampled)
         tokens, n_drafts, start, wtable, ctable, state = fixed_args(e.runner, ints, sampled=sampled)
         sampling = sampling_args(ints, self.draft_store) if sampled else None
-        return spec_step(e.model, e.cache, tokens, start, wtable, ctable, state, n_drafts, sampling, self._share())
+        out = spec_step(e.model, e.cache, tokens, start, wtable, ctable, state, n_drafts, sampling, self._share())
+        write_carry(self.carry, ints, generated, cap, *out[:3], e.max_model_len - 1)
+        return out
 
     def _share(self):
         """`Runner.share` on several workers, else nothing to share."""

@@ -343,9 +343,63 @@ def fixed_inputs(
     return np.concatenate(cols, 1)
 
 
-def padding_inputs(width: int, pad_row: int, sampled: bool) -> np.ndarray:
-    """The integers of a padding row of a fixed-shape step (`fixed_inputs`): no pages, a greedy draw."""
-    return fixed_inputs([[0] * (width + 1)], [0], [0], [pad_row], ([0], [0], [True], [1.0]) if sampled else None)[0]
+def padding_inputs(width: int, pad_row: int, sampled: bool, extra: int = 0) -> np.ndarray:
+    """The integers of a padding row of a fixed-shape step (`fixed_inputs`, then `extra` zeros): no pages, a
+    greedy draw, nothing fed."""
+    row = fixed_inputs([[0] * (width + 1)], [0], [0], [pad_row], ([0], [0], [True], [1.0]) if sampled else None)[0]
+    return np.concatenate([row, np.zeros(extra, np.int64)])
+
+
+# A fixed-shape step that may be launched before the last one's results are read (overlap) takes three more
+# integers per row after `fixed_inputs`' (`feed_columns`): whether the row's tokens, drafts, start and
+# generated count come from the carry the last step left on the device, its generated count otherwise, and
+# the most tokens it may generate minus one.
+FEED_COLS = 3
+
+
+def feed_columns(fed: list[bool], generated: list[int], max_tokens: list[int]) -> np.ndarray:
+    """[n, FEED_COLS]: each row's feed flag, tokens generated so far (read where not fed), max_tokens - 1."""
+    return np.asarray([fed, generated, [m - 1 for m in max_tokens]], np.int64).T.reshape(len(fed), FEED_COLS)
+
+
+def feed_from_carry(
+    ints: torch.Tensor, carry: torch.Tensor, sampled: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fixed-shape step's integers [B, w + 4 (+ SAMPLING_COLS) + FEED_COLS] -> (those of `fixed_inputs`,
+    with each fed row's tokens, drafts, start and generated count taken from carry[table row]; the
+    generated counts [B]; max_tokens - 1 [B]). On the device, no host synchronization (capturable)."""
+    base, flag, generated, cap = ints[:, :-FEED_COLS], *ints[:, -FEED_COLS:].unbind(1)
+    w = base.size(1) - 4 - (SAMPLING_COLS if sampled else 0)
+    c = carry[base[:, w + 3]]  # [B, w + 4]: tokens, n_drafts, start, generated
+    fed = flag > 0
+    generated = torch.where(fed, c[:, w + 3], generated)
+    parts = [torch.where(fed.unsqueeze(1), c[:, : w + 3], base[:, : w + 3]), base[:, w + 3 : w + 4]]
+    if sampled:  # seed, generated, greedy, temperature
+        parts += [base[:, w + 4 : w + 5], generated.unsqueeze(1), base[:, w + 6 :]]
+    return torch.cat(parts, 1), generated, cap
+
+
+def write_carry(
+    carry: torch.Tensor,
+    ints: torch.Tensor,
+    generated: torch.Tensor,
+    cap: torch.Tensor,
+    accepted: torch.Tensor,
+    bonus: torch.Tensor,
+    drafts: torch.Tensor,
+    last_position: int,
+) -> None:
+    """After a fixed-shape step of rows `ints` (`fixed_inputs`' columns): carry[table row] = the integers the
+    host would give each row's next step, [w + 4] = its last token and drafts (zeros past its own), its
+    drafts, start and tokens generated. A row keeps min(w, last_position - start, max_tokens - 1 -
+    generated) drafts, at least 0, as the host's bookkeeping does (`SpeculativeSteps._fixed_finish`)."""
+    B, w = drafts.shape
+    start = ints[:, w + 2] + accepted + 1
+    generated = generated + accepted + 1
+    n = torch.minimum(last_position - start, cap - generated).clamp(min=0, max=w)
+    tokens = torch.cat([bonus.unsqueeze(1), drafts], 1)  # [B, w + 1]
+    tokens = torch.where(torch.arange(w + 1, device=tokens.device) <= n.unsqueeze(1), tokens, 0)
+    carry[ints[:, w + 3]] = torch.cat([tokens, n.unsqueeze(1), start.unsqueeze(1), generated.unsqueeze(1)], 1)
 
 
 def fixed_args(runner: Runner, ints: torch.Tensor, sampled: bool = False) -> tuple[torch.Tensor, ...]:
@@ -367,17 +421,22 @@ def sampling_args(ints: torch.Tensor, store: torch.Tensor) -> SpecSampling:
 
 
 class FixedStepGraph:
-    """A fixed-shape step (ints [B, w + 4] -> its outputs) for B rows of width w, captured in a CUDA graph
-    with the page-table gather: `run` copies the integers in, replays, and returns its outputs on the
-    device; on several workers rank 0's integers are every worker's (`follow`), and every worker captures
-    it at the same point."""
+    """A fixed-shape step (ints [B, w + 4 + extra] -> its outputs) for B rows of width w, captured in a CUDA
+    graph with the page-table gather: `run` copies the integers in (from pinned host buffers used in turn, so
+    a step launched before the last one is read does not overwrite integers still on their way), replays,
+    and returns its outputs on the device; on several workers rank 0's integers are every worker's
+    (`follow`), and every worker captures it at the same point."""
 
-    def __init__(self, runner: Runner, batch: int, width: int, step: FixedStep, pool=None, sampled: bool = False):
+    def __init__(
+        self, runner: Runner, batch: int, width: int, step: FixedStep, pool=None, sampled: bool = False, extra: int = 0
+    ):
         dev = runner.device
         self.runner, self.shape = runner, (batch, width)
-        self.pad = padding_inputs(width, runner.tables.pad_row, sampled)  # padding rows: no pages
+        self.pad = padding_inputs(width, runner.tables.pad_row, sampled, extra)  # padding rows: no pages
         cols = self.pad.size
-        self.host = torch.zeros(batch, cols, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.host = [torch.zeros(batch, cols, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)]
+        self.sent: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
         self.dev = torch.from_numpy(np.tile(self.pad, (batch, 1))).to(dev)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -391,11 +450,16 @@ class FixedStepGraph:
         self.graph.replay()  # uploads it (padding rows write only to trash)
 
     def run(self, ints: np.ndarray) -> tuple[torch.Tensor, ...]:
-        n = ints.shape[0]
-        h = self.host.numpy()
+        n, i = ints.shape[0], self.turn
+        if self.sent[i] is not None:
+            self.sent[i].synchronize()  # (this buffer's last copy is done)
+        h = self.host[i].numpy()
         h[n:] = self.pad
         h[:n] = ints
-        self.dev.copy_(self.host, non_blocking=True)
+        self.dev.copy_(self.host[i], non_blocking=True)
+        self.sent[i] = self.sent[i] or torch.cuda.Event()
+        self.sent[i].record()
+        self.turn ^= 1
         self.follow()
         return tuple(t[:n] for t in self.out)
 

@@ -285,6 +285,35 @@ def test_fixed_shape_sampled_step_gives_the_eager_steps_tokens(model, prompts):
             assert (x is None) == (y is None) and (x is None or abs(x - y) <= 64 * eps * (1 + abs(y)))
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_overlapped_fixed_shape_steps_give_the_same_tokens(model, prompts, k):
+    """overlap=True (the CUDA default): a fixed-shape step of the same sequences is launched before the last
+    one is read, each row fed on the device from what that step left (its next token, drafts, position and
+    count; `write_carry`). Greedy and sampled rows, some wanting log-probabilities, sequences that end by
+    max_tokens or max_model_len inside a verify (the fed step then ran for nothing: its tokens are dropped):
+    the same tokens and log-probabilities, bit for bit, as reading every step before the next (deterministic
+    mode: a row computes the same way in any batch)."""
+    # (the random draft's drafts survive mostly at high temperatures, where p and q are both near uniform:
+    # full acceptances and bonus tokens, and verifies cut by max_tokens, happen there)
+    params = [
+        SamplingParams(max_tokens=NEW, temperature=0.0, seed=70, ignore_eos=True),
+        SamplingParams(max_tokens=7, temperature=5.0, seed=71, ignore_eos=True, logprobs=0),
+        SamplingParams(max_tokens=NEW, temperature=0.0, seed=72, ignore_eos=True, logprobs=0),
+        SamplingParams(max_tokens=NEW, temperature=5.0, seed=73, ignore_eos=True),  # 70 + 24 > max_model_len
+        SamplingParams(max_tokens=3, temperature=0.0, seed=74, ignore_eos=True),
+        SamplingParams(max_tokens=NEW - 1, temperature=5.0, seed=75, ignore_eos=True),
+    ]
+    cfg = dict(deterministic=True, speculative=k, pad_steps=True, max_model_len=82)
+    read, e0 = run_logprobs(model, prompts, params, overlap=False, **cfg)
+    fed, e1 = run_logprobs(model, prompts, params, overlap=True, **cfg)
+    assert fed == read
+    assert [len(o) for o in read] == [NEW, 7, NEW, 82 - 70, 3, NEW - 1]
+    st = e1.spec_stats
+    assert e0.spec_stats["fed_steps"] == 0 < st["fed_steps"] < st["fixed_steps"]
+    assert st["accepted"] > 0 and st["verify_lengths"] == e0.spec_stats["verify_lengths"]
+    assert not e1.has_work() and e1.manager.free_pages() == e0.manager.free_pages()  # every page back
+
+
 def test_the_command_line_bound_is_the_engine_bound():
     from dsv4.cli import build_parser
 
