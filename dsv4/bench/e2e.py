@@ -610,11 +610,17 @@ def render(result: dict) -> str:
             "optimizer",
         )
         extra = {k: r[k] for k in keys if k in r}
-        rate = (
-            f"{r['ms_per_step']:12.3f} ms/optimizer step"
-            if optimizer
-            else f"{r['tokens_per_s']:12.1f} tokens/s  ({r['s']:.4f} s)"
-        )
+        reps = r.get("s_reps") or []
+        if optimizer:
+            rate = f"{r['ms_per_step']:12.3f} ms/optimizer step"
+            spread = f" ({1e3 * min(reps):.3f}-{1e3 * max(reps):.3f})" if len(reps) > 1 else ""
+        else:
+            rate = f"{r['tokens_per_s']:12.1f} tokens/s"
+            # the same tokens over the slowest and the fastest timed run
+            per_s = r["tokens_per_s"] * r["s"]
+            spread = f" ({per_s / max(reps):.1f}-{per_s / min(reps):.1f})" if len(reps) > 1 else ""
+            spread += f"  ({r['s']:.4f} s)"
+        rate += spread
         name = r.get("variant", r["path"])
         batch = f" batch {r['batch']:<4d}" if "variant" in r else ""
         lines.append(f"{r['bench']:8s} {name:10s}{batch} {rate}{'  ' + str(extra) if extra else ''}")

@@ -244,6 +244,24 @@ def test_e2e_table():
     assert lines[4] == "speed-up fast / reference: 10.0x"
 
 
+def test_e2e_table_prints_the_spread_of_the_timed_runs():
+    """A row timed several times prints its median with the slowest and fastest run's rate (the same tokens
+    over each run's seconds), an optimizer row its fastest and slowest ms."""
+    row = {
+        "bench": "train",
+        "path": "fast",
+        "tokens_per_s": 2000.0,
+        "s": 0.5,
+        "s_reps": [0.4, 0.5, 0.8],
+        "backends": {},
+    }
+    lines = e2e.render(_result([row], preset="small", dtype="bf16")).splitlines()
+    assert lines[1] == "train    fast             2000.0 tokens/s (1250.0-2500.0)  (0.5000 s)"
+    opt = {"bench": "train", "path": "fast", "step": "optimizer", "ms_per_step": 29.689, "s_reps": [0.02958, 0.0297]}
+    lines = e2e.render(_result([opt], preset="small", dtype="fp32")).splitlines()
+    assert lines[1] == "train    fast             29.689 ms/optimizer step (29.580-29.700)"
+
+
 def test_emit_prints_a_table_json_or_nothing(capsys):
     result = {"rows": [1]}
     assert report.emit(result, lambda r: "TABLE", as_json=False, as_jsonl=False) == 0
