@@ -116,11 +116,14 @@ class Compressor(nn.Module):
         """
         kv, score = self.project(x, positions)  # [1, T, coff*c] fp32
         kv, score = kv[0], score[0]  # [T, W]
-        # [G, c]: each group's coff*r rows from this step's tokens or the ring (overlap: the previous group's
-        # first half of channels, the current group's second); 0 for the groups that stay incomplete
-        pooled = ops.pool_groups(kv, score, ring.kv, ring.score, rp.group_new, rp.group_ring, rp.group_live, self.coff)
-        out = self.finish(pooled.unsqueeze(0), rp.group_j, x.dtype).squeeze(0)
-        ops.write_rows((out.to(entries.dtype),), None, (entries,), rp.entry_write)
+        if rp.group_new.size(0):  # (an unpadded step that completes no group has none: nothing to pool)
+            # [G, c]: each group's coff*r rows from this step's tokens or the ring (overlap: the previous group's
+            # first half of channels, the current group's second); 0 for the groups that stay incomplete
+            pooled = ops.pool_groups(
+                kv, score, ring.kv, ring.score, rp.group_new, rp.group_ring, rp.group_live, self.coff
+            )
+            out = self.finish(pooled.unsqueeze(0), rp.group_j, x.dtype).squeeze(0)
+            ops.write_rows((out.to(entries.dtype),), None, (entries,), rp.entry_write)
         # raw rows kept for later steps (a prompt chunk's earlier tokens leave none: `keep_tok` lists the others)
         ops.write_rows((kv, score), rp.keep_tok, (ring.kv, ring.score), rp.ring_write)
         if tail is not None and rp.tail_write is not None:
