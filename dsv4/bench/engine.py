@@ -472,7 +472,8 @@ def _print_row(r: dict) -> None:
             f"  speculative: {st['accepted']} of {st['drafted']} drafts accepted "
             f"({st['accepted'] / max(1, st['drafted']):.0%}), {1 + st['accepted'] / max(1, st['verify_steps']):.2f} "
             f"tokens per verify, {sum(n * c for n, c in enumerate(lengths)) / rows:.2f} drafts verified per "
-            f"decode row, {st['fixed_steps']} fixed-shape steps"
+            f"decode row, {st['fixed_steps']} fixed-shape steps ({st.get('fed_steps', 0)} launched before the "
+            "last one was read)"
         )
     if "profile" in r:
         busy = r["profile"]["gpu_busy"]
