@@ -393,7 +393,7 @@ def write_carry(
     host would give each row's next step, [w + 4] = its last token and drafts (zeros past its own), its
     drafts, start and tokens generated. A row keeps min(w, last_position - start, max_tokens - 1 -
     generated) drafts, at least 0, as the host's bookkeeping does (`SpeculativeSteps._fixed_finish`)."""
-    B, w = drafts.shape
+    w = drafts.size(1)
     start = ints[:, w + 2] + accepted + 1
     generated = generated + accepted + 1
     n = torch.minimum(last_position - start, cap - generated).clamp(min=0, max=w)
@@ -421,7 +421,7 @@ def sampling_args(ints: torch.Tensor, store: torch.Tensor) -> SpecSampling:
 
 
 class FixedStepGraph:
-    """A fixed-shape step (ints [B, w + 4 + extra] -> its outputs) for B rows of width w, captured in a CUDA
+    """A fixed-shape step (ints [B, `padding_inputs` columns] -> its outputs) for B rows of width w, captured in a CUDA
     graph with the page-table gather: `run` copies the integers in (from pinned host buffers used in turn, so
     a step launched before the last one is read does not overwrite integers still on their way), replays,
     and returns its outputs on the device; on several workers rank 0's integers are every worker's
