@@ -36,7 +36,7 @@ from ..model import DeepSeekV4
 from ..model.paged import SPEC_ROWS, PagedKVCache
 from ..ops.cuda_graphs import capturing
 from .batch import Row
-from .runner import Runner
+from .runner import Runner, Staging
 from .sampling import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -421,11 +421,11 @@ def sampling_args(ints: torch.Tensor, store: torch.Tensor) -> SpecSampling:
 
 
 class FixedStepGraph:
-    """A fixed-shape step (ints [B, `padding_inputs` columns] -> its outputs) for B rows of width w, captured in a CUDA
-    graph with the page-table gather: `run` copies the integers in (from pinned host buffers used in turn, so
-    a step launched before the last one is read does not overwrite integers still on their way), replays,
-    and returns its outputs on the device; on several workers rank 0's integers are every worker's
-    (`follow`), and every worker captures it at the same point."""
+    """A fixed-shape step (ints [B, `padding_inputs` columns] -> its outputs) for B rows of width w, captured in
+    a CUDA graph with the page-table gather: `run` copies the integers in (through a `Staging`, whose pinned
+    host buffers are used in turn, so a step launched before the last one is read does not overwrite integers
+    still on their way), replays, and returns its outputs on the device; on several workers rank 0's integers
+    are every worker's (`follow`), and every worker captures it at the same point."""
 
     def __init__(
         self, runner: Runner, batch: int, width: int, step: FixedStep, pool=None, sampled: bool = False, extra: int = 0
@@ -433,11 +433,9 @@ class FixedStepGraph:
         dev = runner.device
         self.runner, self.shape = runner, (batch, width)
         self.pad = padding_inputs(width, runner.tables.pad_row, sampled, extra)  # padding rows: no pages
-        cols = self.pad.size
-        self.host = [torch.zeros(batch, cols, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)]
-        self.sent: list[torch.cuda.Event | None] = [None, None]
-        self.turn = 0
-        self.dev = torch.from_numpy(np.tile(self.pad, (batch, 1))).to(dev)
+        self.staging = Staging(batch * self.pad.size, dev)
+        self.dev = self.staging.dev.view(batch, self.pad.size)  # what the graph reads
+        self.dev.copy_(torch.from_numpy(np.tile(self.pad, (batch, 1))))
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # compile / autotune outside the graph
@@ -450,16 +448,11 @@ class FixedStepGraph:
         self.graph.replay()  # uploads it (padding rows write only to trash)
 
     def run(self, ints: np.ndarray) -> tuple[torch.Tensor, ...]:
-        n, i = ints.shape[0], self.turn
-        if self.sent[i] is not None:
-            self.sent[i].synchronize()  # (this buffer's last copy is done)
-        h = self.host[i].numpy()
+        n = ints.shape[0]
+        h = self.staging.begin().reshape(self.dev.shape)
         h[n:] = self.pad
         h[:n] = ints
-        self.dev.copy_(self.host[i], non_blocking=True)
-        self.sent[i] = self.sent[i] or torch.cuda.Event()
-        self.sent[i].record()
-        self.turn ^= 1
+        self.staging.send(h.size)
         self.follow()
         return tuple(t[:n] for t in self.out)
 
