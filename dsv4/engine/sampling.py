@@ -9,7 +9,7 @@ noise over the allowed tokens), an exact draw from the filtered softmax, compute
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +17,7 @@ import torch
 
 from .. import ops
 from ..ops.reference import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, gumbel_noise, uniform
+from ..ops.reference import temperature_distribution as distribution  # (`Sampler.probabilities`' rows)
 from .params import SamplingParams
 
 __all__ = [
@@ -222,24 +223,6 @@ class Sampler:
         drop[:, 0] = False
         values = values.masked_fill(drop, float("-inf"))
         return torch.full_like(scaled, float("-inf")).scatter(-1, order, values)
-
-
-def distribution(
-    x: torch.Tensor,
-    temperature: torch.Tensor,
-    greedy: torch.Tensor,
-    filtered: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """The distribution a row samples from: x [..., V] float64 logits, temperature [..., 1] (1 for greedy
-    rows), greedy [..., 1] bool -> softmax(x / T) (after `filtered`, a top-k / top-p / min-p mask of the
-    scaled logits), or the one-hot of the argmax for a greedy row; float64, on the device with no host
-    synchronization. `Sampler.probabilities` and the fixed-shape speculative step both draw from it."""
-    scaled = x / temperature
-    if filtered is not None:
-        scaled = filtered(scaled)
-    probs = scaled.softmax(-1)
-    onehot = torch.nn.functional.one_hot(x.argmax(-1), x.size(-1)).to(probs.dtype)
-    return torch.where(greedy, onehot, probs)
 
 
 def draw(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:

@@ -18,8 +18,9 @@ The draft (`Drafter`): after the verify, the MTP block catches up on the positio
 position t combines the main model's hidden state at t with the embedding of x_{t+1} - and its output at
 the last one proposes d'_1; each further draft feeds the block its own output hidden and the draft just
 made (the chained application of the one MTP block). Random numbers are counter-hashed per sequence
-(`ops.uniform`): a draft's draw, an acceptance test and a token's draw use separate streams keyed on
-the index of the token in the sequence, so results do not depend on the rest of the batch.
+(`ops.uniform`): a draft's draw, an acceptance test and a token's draw use separate streams keyed on the
+index of the token in the sequence, so results do not depend on the rest of the batch. The fixed-shape
+step takes its acceptance from the logits in one op (`ops.speculative_accept`: one fused kernel on CUDA).
 """
 
 from __future__ import annotations
@@ -38,12 +39,9 @@ from ..ops.cuda_graphs import capturing
 from .batch import Row
 from .runner import Runner, Staging
 from .sampling import (
-    STREAM_ACCEPT,
     STREAM_DRAFT,
-    STREAM_SAMPLE,
     Sampler,
     SamplingParams,
-    distribution,
     draw,
 )
 
@@ -58,34 +56,10 @@ def accept(
     seeds: torch.Tensor,
     counters: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rejection sampling for B rows of up to K drafts.
-
-    target [B, K + 1, V]: p at each verified position (float64, rows summing to 1); draft_probs [B, K, V]:
-    q of each draft; drafts [B, K]; n_drafts [B] (row b's drafts are the first n_drafts[b]); counters [B]:
-    the sequence index of the token each row's first draft proposes. -> (accepted [B]: drafts kept, the
-    next token [B] drawn at position `accepted`).
-    """
-    B, K1, V = target.shape
-    K = K1 - 1
-    dev = target.device
-    if K:
-        i = torch.arange(K, device=dev)
-        p_d = target[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
-        q_d = draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, K]
-        flat = (counters.unsqueeze(1) + i).flatten()  # every row's K tests in one call (a per-row function)
-        u = ops.uniform(seeds.repeat_interleave(K), flat, 1, STREAM_ACCEPT).view(B, K)  # [B, K]
-        ok = (u * q_d <= p_d) & (i.unsqueeze(0) < n_drafts.unsqueeze(1))
-        accepted = ok.long().cumprod(1).sum(1)  # [B]
-    else:
-        accepted = torch.zeros(B, dtype=torch.long, device=dev)
-    rows = torch.arange(B, device=dev)
-    p = target[rows, accepted]  # [B, V]
-    q = torch.cat([draft_probs, torch.zeros(B, 1, V, dtype=draft_probs.dtype, device=dev)], 1)[rows, accepted]
-    q = torch.where((accepted < n_drafts).unsqueeze(1), q, 0)  # after the last draft: the bonus, from p
-    residual = (p - q).clamp_min(0)
-    mass = residual.sum(-1, keepdim=True)
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-300), p)
-    return accepted, draw(residual, seeds, counters + accepted, STREAM_SAMPLE)
+    """Rejection sampling of B rows of up to K drafts from their distributions (`ops.rejection_sample`):
+    target [B, K + 1, V] float64, draft_probs [B, K, V], drafts [B, K], n_drafts [B], counters [B] (the
+    sequence index of each row's first draft) -> (accepted [B], the next token [B])."""
+    return ops.rejection_sample(target, draft_probs, drafts, n_drafts, seeds, counters)
 
 
 def draft_draw(
@@ -282,15 +256,11 @@ def spec_step(
         accepted = match.long().cumprod(1).sum(1)  # [B]
         bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)  # [B]
     else:
-        sp = sampling
-        temp, flag = sp.temperature.view(B, 1, 1), sp.greedy.view(B, 1, 1)
-        target = distribution(x.double(), temp, flag)  # [B, k+1, V]
-        q = distribution(sp.store[sp.trow, :k].double(), temp, flag)  # [B, k, V]
-        q = torch.where(flag, torch.nn.functional.one_hot(drafts, V).double(), q)
-        accepted, bonus = accept(target, q, drafts, n_drafts, sp.seeds, sp.counters)
-        # a row without drafts draws as a plain decode row does (the sampler's draw), whichever path runs it
-        plain, _ = ops.gumbel_argmax(x[:, 0], sp.temperature, sp.greedy, sp.seeds, sp.counters)
-        bonus = torch.where(n_drafts == 0, plain, bonus)
+        sp = sampling  # (a row without drafts draws as a plain decode row does, whichever path runs it)
+        draft_logits = sp.store[sp.trow, :k]  # [B, k, V] float32
+        accepted, bonus = ops.speculative_accept(
+            x, draft_logits, drafts, n_drafts, sp.temperature, sp.greedy, sp.seeds, sp.counters
+        )
     if share is not None:
         accepted, bonus = share(torch.stack([accepted, bonus])).unbind(0)
     # MTP catch-up at positions c .. c + k: the token after position c + i is draft i + 1 while accepted,

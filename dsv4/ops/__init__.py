@@ -252,6 +252,8 @@ int8_linear = _make("int8_linear")
 int8_moe_experts = _make("int8_moe_experts")
 gumbel_argmax = _make("gumbel_argmax")
 uniform = _make("uniform")
+rejection_sample = _make("rejection_sample")
+speculative_accept = _make("speculative_accept")
 muon_momentum = _make("muon_momentum")
 muon_apply = _make("muon_apply")
 

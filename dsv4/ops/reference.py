@@ -679,65 +679,21 @@ def int8_moe_experts(
 
 
 # ----------------------------------------------------------------------------- sampling
-_MASK32 = 0xFFFFFFFF
-_MIX = 0x45D9F3B  # a 27-bit odd multiplier: x * _MIX stays below 2^59 in int64
-_GOLDEN = 0x9E3779B1  # column stride of the counter hash
-STREAM_SAMPLE = 0x2545F491  # separate streams: the token draw, speculative acceptance, the draft's draw
-STREAM_ACCEPT = 0x1B873593
-STREAM_DRAFT = 0x68E31DA4
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer on int64 tensors holding values in [0, 2^32)."""
-    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
-    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
-    return x ^ (x >> 16)
-
-
-def row_keys(seed: torch.Tensor, counter: torch.Tensor, stream: int) -> torch.Tensor:
-    """[B] int64 keys in [0, 2^32) of (seed, counter, stream): the low and high words of the seed and the
-    low word of the counter, mixed."""
-    s_lo, s_hi = seed & _MASK32, (seed >> 32) & _MASK32
-    key = _hash32(_hash32(s_lo ^ stream) ^ s_hi)
-    return _hash32(key ^ (counter & _MASK32))
-
-
-def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, stream: int = STREAM_SAMPLE) -> torch.Tensor:
-    """[B, n] float64 uniforms in (0, 1), a pure function of (seed [B], counter [B], column, stream).
-
-    seed and counter are int64; only their low 32 bits (seed: low and high words) are used.
-    """
-    key = row_keys(seed, counter, stream)  # [B]
-    cols = torch.arange(n, device=seed.device, dtype=torch.int64)
-    x = _hash32((key.unsqueeze(1) + cols * _GOLDEN) & _MASK32)  # [B, n]
-    return (x.double() + 0.5) / 2.0**32
-
-
-def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, n: int, stream: int = STREAM_SAMPLE) -> torch.Tensor:
-    """[B, n] float64 Gumbel noise -log(-log(u)) of the counter-hash uniforms (`uniform`)."""
-    return -torch.log(-torch.log(uniform(seed, counter, n, stream)))
-
-
-def gumbel_argmax(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    greedy: torch.Tensor,
-    seeds: torch.Tensor,
-    counters: torch.Tensor,
-    stream: int = STREAM_SAMPLE,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of logits [B, V], and its log-probability under the model.
-
-    Row b draws argmax(logits / temperature[b] + Gumbel noise) in float64, the noise -log(-log(u)) of the
-    counter-hash uniforms of (seeds[b], counters[b], stream): an exact draw from softmax(logits / T). A
-    greedy[b] row takes argmax(logits) instead. Ties go to the lowest index, and a NaN wins over every
-    number (as torch.argmax). temperature [B] float64 (> 0), greedy [B] bool, seeds / counters [B] int64.
-    Returns (tokens [B] int64, log p(token) [B] float32: logit - logsumexp(logits) in float64)."""
-    x = logits.double()
-    noise = gumbel_noise(seeds, counters, x.size(-1), stream)
-    choice = torch.where(greedy.unsqueeze(1), x, x / temperature.unsqueeze(1) + noise).argmax(-1)  # [B]
-    lse = torch.logsumexp(x, -1)  # [B]
-    return choice, (x.gather(1, choice.unsqueeze(1)).squeeze(1) - lse).float()
+from .reference_sampling import (  # noqa: E402, F401  (the sampling references, in their own module)
+    _GOLDEN,
+    _MASK32,
+    _MIX,
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_SAMPLE,
+    gumbel_argmax,
+    gumbel_noise,
+    rejection_sample,
+    row_keys,
+    speculative_accept,
+    temperature_distribution,
+    uniform,
+)
 
 
 # ----------------------------------------------------------------------------- optimizer

@@ -26,6 +26,7 @@ _MODULES = (
     "rows",
     "rownorm_rope",
     "sampling",
+    "spec_accept",
     "fixed_gemm",
     "optim",
 )
