@@ -33,7 +33,7 @@ from .. import register
 from ..reference import _GOLDEN, _MASK32, _MIX, STREAM_ACCEPT, STREAM_SAMPLE
 from ._common import Kernel, device_reason, interpret_mode
 
-BLOCK = 1024  # vocabulary columns per loop iteration
+BLOCK = 4096  # vocabulary columns per loop iteration (each pass: one block reduction per BLOCK columns)
 NUM_WARPS = 4
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -55,6 +55,11 @@ def _spec_accept_kernel(
     sq_b,
     sq_i,
     sd_b,
+    s_n,
+    s_t,
+    s_g,
+    s_s,
+    s_c,
     K: tl.constexpr,
     NB: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -66,12 +71,12 @@ def _spec_accept_kernel(
     INTERP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    n = tl.load(n_ptr + row).to(tl.int64)
-    temp = tl.load(temp_ptr + row).to(tl.float64)
-    greedy = tl.load(greedy_ptr + row) != 0
+    n = tl.load(n_ptr + row * s_n).to(tl.int64)
+    temp = tl.load(temp_ptr + row * s_t).to(tl.float64)
+    greedy = tl.load(greedy_ptr + row * s_g) != 0
     sampled = ~greedy
-    seed = tl.load(seed_ptr + row).to(tl.int64)
-    counter = tl.load(counter_ptr + row).to(tl.int64)
+    seed = tl.load(seed_ptr + row * s_s).to(tl.int64)
+    counter = tl.load(counter_ptr + row * s_c).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     NEG_INF: tl.constexpr = float("-inf")
     BIG: tl.constexpr = 2**62
@@ -283,16 +288,17 @@ def triton_speculative_accept(
     if B == 0:
         return accepted, token
     block = min(BLOCK, triton.next_power_of_2(V))
-    opts = {} if interpret_mode() else {"num_warps": NUM_WARPS}
+    opts = {} if interpret_mode() else {"num_warps": NUM_WARPS if block < 2048 else 8}
     q = draft_logits if draft_logits.numel() else logits  # (K = 0: never read)
     d = drafts if drafts.numel() else n_drafts
+    g = greedy.view(torch.uint8)
     _kernel[(B,)](
         logits,
         q,
         d,
         n_drafts,
         temperature,
-        greedy.view(torch.uint8),
+        g,
         seeds,
         counters,
         accepted,
@@ -303,6 +309,11 @@ def triton_speculative_accept(
         q.stride(0),
         q.stride(1) if q.dim() == 3 else 0,
         d.stride(0),
+        n_drafts.stride(0),
+        temperature.stride(0),
+        g.stride(0),
+        seeds.stride(0),
+        counters.stride(0),
         K=K1 - 1,
         NB=triton.cdiv(V, block),
         BLOCK=block,
@@ -338,13 +349,30 @@ def _can_run(logits, draft_logits, drafts, n_drafts, temperature, greedy, seeds,
         ("seeds", seeds, torch.int64),
         ("counters", counters, torch.int64),
     ):
-        if tuple(t.shape) != (B,) or t.dtype != dtype or (B and t.stride(0) != 1):
-            return f"{name} must be [{B}] {dtype}, contiguous, got {tuple(t.shape)} {t.dtype}"
+        if tuple(t.shape) != (B,) or t.dtype != dtype:
+            return f"{name} must be [{B}] {dtype}, got {tuple(t.shape)} {t.dtype}"
     if not 1 <= V < 2**31:
         return f"vocabulary of {V} (need 1 .. 2^31 - 1)"
     return None
 
 
-register("speculative_accept", "triton", triton_speculative_accept, can_run=_can_run, deterministic=True, priority=10)
+def _prefer(logits, *args) -> bool:
+    """One program per row reads the vocabulary a dozen times: at V = 4,096 on an H100 it took 113-115 us
+    at 1 to 64 rows against 338-582 us for the reference's ~60 kernels (each replayed from a CUDA graph);
+    at V4's 129,280 columns 3.3 ms at 4 rows against 0.9 ms, 4.1 against 6.5 ms at 64 rows. So: small
+    vocabularies, or many rows."""
+    B, _, V = logits.shape
+    return V <= 32768 or B >= 32
+
+
+register(
+    "speculative_accept",
+    "triton",
+    triton_speculative_accept,
+    can_run=_can_run,
+    deterministic=True,
+    priority=10,
+    prefer=_prefer,
+)
 
 __all__ = ["triton_speculative_accept"]
