@@ -117,7 +117,9 @@ def test_speculative_steps_replay_graphs_captured_at_warm_up(model, prompts):
     """`--speculative`: prompt chunks in the buckets' graphs (with the MTP block's catch-up), and greedy rows,
     sampled rows and rows that want their log-probabilities in the fixed-shape step's graphs, all captured
     by `warmup`: no eager step, no capture and no kernel compilation after it; the tokens of the same steps
-    run eagerly (deterministic mode: a row computes the same way at any batch)."""
+    run eagerly (deterministic mode: a row computes the same way at any batch). The graphs took their
+    sampled acceptance from the fused kernel (its per-row settings are strided columns of the step's
+    integers: a kernel that refused them would leave the reference in the graph, unseen)."""
     temps = (0.8, 0, 1.3, 0, 1.0, 0.5, 0, 0.9)
     params = [
         SamplingParams(max_tokens=NEW, temperature=t, seed=7 + i, ignore_eos=True, logprobs=0 if i % 2 else None)
@@ -126,8 +128,10 @@ def test_speculative_steps_replay_graphs_captured_at_warm_up(model, prompts):
     spec = dict(speculative=2, deterministic=True)
     eager, _, e0 = run(model, prompts, params, warm=False, cuda_graphs=False, pad_steps=True, **spec)
     warm = Engine(model, EngineConfig(max_seqs=8, max_batch_tokens=48, page_size=16, chunk_len=8, **spec))
-    n_graphs = warm.warmup() - len(warm.runner.graphs)
+    with ops.which_ran() as ran:
+        n_graphs = warm.warmup() - len(warm.runner.graphs)
     assert n_graphs == len(warm.spec.graphs) == 4 * 2  # batches 1, 2, 4, 8; greedy and sampled
+    assert ran["speculative_accept"] == ["triton"]  # the sampled variant's acceptance: the fused kernel
     graphed, graphed_lp, e1 = run(model, prompts, params, warm=True, **spec)
     assert len(e1.spec.graphs) == n_graphs and e1.runner.late_captures == 0  # no capture after the warm-up
     assert e1.runner.eager_steps == 0 and e1.runner.graph_steps > 0

@@ -106,7 +106,7 @@ def assert_matches_reference(args, max_ties: int = 1) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["random", "near", "same"])
-@pytest.mark.parametrize("K,V", [(2, 100), (3, 1500), (1, 37)])
+@pytest.mark.parametrize("K,V", [(2, 100), (3, 1500), (1, 37), (1, 5000)])
 def test_random_rows_give_the_references_results(dtype, kind, K, V):
     """Blocks of the vocabulary (V above and below the 1024-column block, not a multiple of it), every
     logits dtype, n_drafts 0 .. K, greedy and sampled rows."""
@@ -160,6 +160,17 @@ def test_nan_logits_as_the_reference():
     acc, tok = ops.speculative_accept(*args, backend="triton")
     want_acc, want_tok = ref.speculative_accept(*args)
     assert torch.equal(acc[:3], want_acc[:3]) and torch.equal(tok[:3], want_tok[:3])
+
+
+def test_per_row_settings_as_columns_of_the_fixed_steps_integers():
+    """The fixed-shape step hands over n_drafts, seeds, counters (and the sampled variant's temperature and
+    greedy flags) as strided columns of one integer / float table: the kernel takes them as they come."""
+    logits, draft_logits, drafts, n_drafts, temp, greedy, seeds, counters = make(5, 2, 300, "near", seed=9)
+    ints = torch.stack([n_drafts, seeds, counters, greedy.long()], 1)  # [B, 4]: every column strided
+    floats = torch.stack([temp, temp], 1)
+    args = (logits, draft_logits, drafts, ints[:, 0], floats[:, 1], ints[:, 3] > 0, ints[:, 1], ints[:, 2])
+    assert ops.refusal("speculative_accept", "triton", *args) is None
+    assert_matches_reference(args)
 
 
 def test_a_row_is_the_same_alone_and_in_any_batch():

@@ -2,8 +2,8 @@
 
 The reference (`dsv4.ops.reference.speculative_accept`) builds float64 distributions over [B, K + 1, V]
 and [B, K, V] (softmax of the logits over T, or one-hots for greedy rows), gathers, hashes, compares and
-draws with some sixty small kernels: at the shipped model's size that was ~0.15 ms of a ~2.6 ms speculative
-step on an H100, most of it launch gaps. Here one program per row does the whole rule in float64:
+draws with some sixty small kernels (0.34-0.58 ms replayed from a CUDA graph at the shipped model's
+vocabulary on an H100; the kernel 0.06-0.08 ms). Here one program per row does the whole rule in float64:
 
 - for each draft while the row keeps accepting: the max of the logits (an exact reduction; a greedy row's
   argmax, NaN first and lowest index as torch.argmax), then sum(exp(x / T - max)); the same of the
@@ -357,10 +357,11 @@ def _can_run(logits, draft_logits, drafts, n_drafts, temperature, greedy, seeds,
 
 
 def _prefer(logits, *args) -> bool:
-    """One program per row reads the vocabulary a dozen times: at V = 4,096 on an H100 it took 113-115 us
-    at 1 to 64 rows against 338-582 us for the reference's ~60 kernels (each replayed from a CUDA graph);
-    at V4's 129,280 columns 3.3 ms at 4 rows against 0.9 ms, 4.1 against 6.5 ms at 64 rows. So: small
-    vocabularies, or many rows."""
+    """One program per row reads the vocabulary about a dozen times. Replayed from a CUDA graph on an H100
+    (2026-12-05, K = 2 or 3, medians of 3 x 200 replays): at V = 4,096 64-77 us for 1 to 64 rows against
+    336-581 us for the reference's ~60 kernels; at V4's 129,280 columns 1.98 ms for 4 rows against 0.92 ms,
+    2.38 ms for 64 rows against 6.42 ms. So: small vocabularies, or many rows (the threshold between the two
+    measured batch sizes is not measured)."""
     B, _, V = logits.shape
     return V <= 32768 or B >= 32
 
