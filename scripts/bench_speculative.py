@@ -3,6 +3,7 @@
     python3 scripts/bench_speculative.py [--device cuda] [--model DIR] [--tokens 256] [--k 1 2 3]
                                          [--dspark DIR [--dspark-k 3 5] [--threshold 0 0.5]]
                                          [--batch 4] [--temperature 1] [--profile]
+                                         [--backend OP=NAME ...]
 
 Loads the model once (default: the shipped model; its MTP block drafts for --k), and with --dspark a
 checkpoint of the same main model whose draft is DSpark (`dsv4 train --model DIR --draft dspark
@@ -18,6 +19,8 @@ step, and the largest kernels (a diagnostic: one profiled window, no spread). --
 (each request its own seed, the same in every run and setting; the sampled speculative step's rejection
 sampling): the tokens then follow the model's distribution but are not plain decoding's draws, so
 `same_tokens` is null; greedy decoding (the default, T = 0) must give plain decoding's tokens exactly.
+--backend OP=NAME runs every setting with that backend of an op (`dsv4.ops.use_backend`; e.g.
+speculative_accept=reference, to time a fused kernel against the reference it replaces).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dsv4, also when not installed
 
-from dsv4 import defaults  # noqa: E402
+from dsv4 import defaults, ops  # noqa: E402
 from dsv4.checkpoint.load import load_pretrained  # noqa: E402
 from dsv4.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from dsv4.tokenizer import Tokenizer  # noqa: E402
@@ -180,7 +183,17 @@ def main() -> None:
         default=0.0,
         help="0 (default): greedy; T > 0: sampled, each request its own fixed seed (tokens not compared)",
     )
+    ap.add_argument(
+        "--backend",
+        nargs="+",
+        default=[],
+        metavar="OP=NAME",
+        help="run with this backend of an op (e.g. speculative_accept=reference)",
+    )
     a = ap.parse_args()
+    backends = dict(b.split("=", 1) for b in a.backend if "=" in b)
+    if len(backends) != len(a.backend) or any(op not in ops.ops() for op in backends):
+        ap.error(f"--backend takes OP=NAME with OP one of dsv4.ops.ops(), got {a.backend}")
     if a.batch < 1:
         ap.error(f"--batch must be >= 1, got {a.batch}")
     if not 0 <= a.temperature <= 100:
@@ -198,6 +211,7 @@ def main() -> None:
         "batch": a.batch,
         "repeats": a.repeats,
         "temperature": a.temperature,
+        "backends": backends,
         "settings": {},
     }
     settings = [("plain", model, 0, 0.0)] + [(f"mtp k={k}", model, k, 0.0) for k in a.k if k]
@@ -211,7 +225,8 @@ def main() -> None:
         ]
     plain: dict[int, list[list[int]]] = {}
     for name, m, k, t in settings:
-        row, outs = measure(m, prompts, k, t, a)
+        with ops.use_backend(backends or None, inherit=True):
+            row, outs = measure(m, prompts, k, t, a)
         if not k:
             plain[id(m)] = outs
         row["same_tokens"] = outs == plain[id(m)] if not a.temperature else None

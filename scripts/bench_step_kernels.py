@@ -1,12 +1,17 @@
 """Serving-step kernels by launch plan, on one GPU: what `dsv4.ops.triton` should pick (diagnostic figures).
 
-    python3 scripts/bench_step_kernels.py [--only draw hc_pre pad] [--out FILE]
+    python3 scripts/bench_step_kernels.py [--only draw hc_pre pad accept] [--out FILE]
 
 - draw: the fused token draw (`gumbel_argmax`, backend "triton") of B rows (64, 256) of a 32,768-token
   vocabulary (fp32 logits, temperature 1) by columns per program (`split`) and warps; every plan must
   draw the same tokens (asserted).
 - hc_pre: one `hc_pre` call (bf16 x [1, T, 4, 1024]) by the partial kernel's rows per program
   (`mhc._SPLIT_BT`) and warps, at serving step sizes T; the automatic K split at each.
+- accept: the fixed-shape speculative step's acceptance (`speculative_accept`), the reference's ~60 kernels
+  against the fused kernel, at the shipped model's vocabulary (4,096) and V4's (129,280), 1 to 64 rows of
+  K = 2 or 3 drafts (bf16 logits, draft logits near them, every row sampled at temperature 1); both must
+  give the same results (asserted: no decision of these inputs is within float64 rounding).
+  `speculative_accept`'s preference rule comes from these figures.
 - pad: the raw graphed decode step (`model.decode_step`, `small` preset) at b and b + 1 rows: the price of
   one padding row in a step's matrix products.
 
@@ -81,6 +86,23 @@ def hc_pre(dev: torch.device, show) -> None:
         mhc._SPLIT_BT, mhc._SPLIT_WARPS = keep
 
 
+def accept(dev: torch.device, show) -> None:
+    for B, K, V in ((1, 2, 4096), (4, 2, 4096), (64, 2, 4096), (4, 2, 129280), (64, 3, 129280)):
+        g = torch.Generator(device=dev).manual_seed(0)
+        logits = (torch.randn(B, K + 1, V, device=dev, generator=g) * 3).bfloat16()
+        draft_logits = logits[:, :K].float() + torch.randn(B, K, V, device=dev, generator=g) * 0.5
+        drafts = torch.randint(0, V, (B, K), device=dev, generator=g)
+        n_drafts, temp = torch.full((B,), K, device=dev), torch.ones(B, dtype=torch.float64, device=dev)
+        greedy, seeds = torch.zeros(B, dtype=torch.bool, device=dev), torch.arange(B, device=dev)
+        args = (logits, draft_logits, drafts, n_drafts, temp, greedy, seeds, seeds * 7)
+        outs = {}
+        for be in ("reference", "triton"):
+            call = partial(ops.speculative_accept, *args, backend=be)
+            outs[be] = [t.tolist() for t in call()]
+            show(f"accept rows={B} K={K} V={V} {be} us", us(time_ms(call, calls=20)))
+        assert outs["reference"] == outs["triton"], "the fused acceptance differs from the reference"
+
+
 def pad(dev: torch.device, show) -> None:
     from dsv4.bench.serve import _raw_decode_rate
     from dsv4.cli import build_parser
@@ -95,7 +117,9 @@ def pad(dev: torch.device, show) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", nargs="+", choices=("draw", "hc_pre", "pad"), default=["draw", "hc_pre", "pad"])
+    p.add_argument(
+        "--only", nargs="+", choices=("draw", "hc_pre", "pad", "accept"), default=["draw", "hc_pre", "pad", "accept"]
+    )
     p.add_argument("--out", metavar="FILE", help="also write the figures as JSON")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -109,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key}: {value[0]} ({value[1]}-{value[2]})", flush=True)
 
     for name in args.only:
-        {"draw": draw, "hc_pre": hc_pre, "pad": pad}[name](dev, show)
+        {"draw": draw, "hc_pre": hc_pre, "pad": pad, "accept": accept}[name](dev, show)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
