@@ -48,18 +48,9 @@ from .sampling import (
 MAX_SPECULATIVE = SPEC_ROWS - 1  # a verify of k + 1 tokens must fit the rows a sequence can roll back
 
 
-def accept(
-    target: torch.Tensor,
-    draft_probs: torch.Tensor,
-    drafts: torch.Tensor,
-    n_drafts: torch.Tensor,
-    seeds: torch.Tensor,
-    counters: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rejection sampling of B rows of up to K drafts from their distributions (`ops.rejection_sample`):
-    target [B, K + 1, V] float64, draft_probs [B, K, V], drafts [B, K], n_drafts [B], counters [B] (the
-    sequence index of each row's first draft) -> (accepted [B], the next token [B])."""
-    return ops.rejection_sample(target, draft_probs, drafts, n_drafts, seeds, counters)
+# rejection sampling of B rows of up to K drafts from their distributions (target [B, K + 1, V] float64,
+# draft_probs [B, K, V], drafts [B, K], n_drafts [B], seeds, counters [B]) -> (accepted [B], next token [B])
+accept = ops.rejection_sample
 
 
 def draft_draw(
