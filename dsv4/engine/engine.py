@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from .. import ops
 from ..model import DeepSeekV4
 from ..model.paged import CacheLayout, PagedKVCache, default_page_size
 from ..ops import compiles
@@ -364,17 +365,20 @@ class Engine:
 
     def warmup(self, progress=None) -> int:
         """Capture every step bucket's CUDA graph (on CUDA; a no-op elsewhere) before the first request, and
-        start counting kernel compilations from here (`metrics()["kernel_compiles_after_ready"]`).
+        start counting kernel compilations from here (`metrics()["kernel_compiles_after_ready"]`). The
+        backends the graphs captured, and those passed over for a refusal, are `metrics()["graph_backends"]`.
         Returns the number of graphs."""
         compiles.install()
         with torch.no_grad(), exact_accumulation(self.config.deterministic):
-            n = self.runner.capture_graphs(progress)
-            if self.spec is not None:  # the fixed-shape speculative steps too
-                n += self.spec.capture(progress)
-        self._compiles_at_ready = compiles.count()
+            with ops.which_ran() as ran, ops.which_refused() as refused:
+                n = self.runner.capture_graphs(progress)
+                if self.spec is not None:  # the fixed-shape speculative steps too
+                    n += self.spec.capture(progress)
+        self._compiles_at_ready, self.graph_backends = compiles.count(), {"ran": ran, "refused": refused}
         return n
 
     _compiles_at_ready: int | None = None
+    graph_backends: dict = {"ran": {}, "refused": {}}  # (no graphs captured)
 
     # ------------------------------------------------------------------ introspection
     def metrics(self) -> dict:
@@ -389,6 +393,7 @@ class Engine:
             **self.stats,
             "speculative": {**self.spec_stats, "verify_lengths": list(self.spec_stats["verify_lengths"])},
             "step_seconds": dict(self.timing),
+            "graph_backends": self.graph_backends,
             "kernel_compiles_after_ready": None
             if self._compiles_at_ready is None
             else compiles.count() - self._compiles_at_ready,

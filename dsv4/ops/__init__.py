@@ -53,6 +53,7 @@ class Backend:
 _REGISTRY: dict[str, dict[str, Backend]] = {}
 _CALLS: Counter = Counter()
 _LAST: dict[str, str] = {}
+_WATCHING: list[dict[str, dict[str, str]]] = []  # the open `which_refused` blocks' results (none: no bookkeeping)
 _STATE = threading.local()
 _DETERMINISTIC = [False]
 
@@ -172,6 +173,21 @@ def which_ran() -> Iterator[dict[str, list[str]]]:
         ran.update({op: sorted(bes) for op, bes in sorted(found.items())})
 
 
+@contextlib.contextmanager
+def which_refused() -> Iterator[dict[str, dict[str, str]]]:
+    """`with which_refused() as refused:` -> after the block, `{op: {backend: reason}}` of the backends that
+    the default choice passed over inside it because they refused the inputs (their `can_run` reason, the
+    last one) although they outranked the backend that ran: where a faster path did not run, and why. (A
+    backend not preferred for the inputs, or not deterministic in deterministic mode, is a choice, not a
+    refusal: not listed.)"""
+    refused: dict[str, dict[str, str]] = {}
+    _WATCHING.append(refused)
+    try:
+        yield refused
+    finally:
+        _WATCHING.remove(refused)
+
+
 def resolve(op: str, backend: str | None, *args, **kwargs) -> Backend:
     """The backend that will run `op` on these inputs (raises for an impossible explicit request)."""
     table = _REGISTRY.get(op)
@@ -189,14 +205,20 @@ def resolve(op: str, backend: str | None, *args, **kwargs) -> Backend:
     if preferred in table and refusal(op, preferred, *args, **kwargs) is None:
         return table[preferred]
     best = table["reference"]
+    refused: list[tuple[Backend, str]] | None = [] if _WATCHING else None  # (only inside `which_refused`)
     for be in table.values():
-        if (
-            be.priority > best.priority
-            and be.can_run(*args, **kwargs) is None
-            and (be.deterministic or not is_deterministic())
-            and (be.prefer is None or be.prefer(*args, **kwargs))
-        ):
-            best = be
+        if be.priority > best.priority and (be.deterministic or not is_deterministic()):
+            reason = be.can_run(*args, **kwargs)
+            if reason is None:
+                if be.prefer is None or be.prefer(*args, **kwargs):
+                    best = be
+            elif refused is not None:
+                refused.append((be, reason))
+    if refused and not torch.compiler.is_compiling():
+        for be, reason in refused:
+            if be.priority > best.priority:
+                for seen in _WATCHING:
+                    seen.setdefault(op, {})[be.name] = reason
     return best
 
 
@@ -299,6 +321,7 @@ __all__ = [
     "prefer_backend",
     "refusal",
     "which_ran",
+    "which_refused",
     "set_deterministic",
     "is_deterministic",
     "resolve",
@@ -331,6 +354,10 @@ __all__ = [
     "int8_gemm",
     "int8_linear",
     "int8_moe_experts",
+    "gumbel_argmax",
+    "uniform",
+    "rejection_sample",
+    "speculative_accept",
     "muon_momentum",
     "muon_apply",
 ]

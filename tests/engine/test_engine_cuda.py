@@ -128,10 +128,10 @@ def test_speculative_steps_replay_graphs_captured_at_warm_up(model, prompts):
     spec = dict(speculative=2, deterministic=True)
     eager, _, e0 = run(model, prompts, params, warm=False, cuda_graphs=False, pad_steps=True, **spec)
     warm = Engine(model, EngineConfig(max_seqs=8, max_batch_tokens=48, page_size=16, chunk_len=8, **spec))
-    with ops.which_ran() as ran:
-        n_graphs = warm.warmup() - len(warm.runner.graphs)
+    n_graphs = warm.warmup() - len(warm.runner.graphs)
     assert n_graphs == len(warm.spec.graphs) == 4 * 2  # batches 1, 2, 4, 8; greedy and sampled
-    assert ran["speculative_accept"] == ["triton"]  # the sampled variant's acceptance: the fused kernel
+    captured = warm.metrics()["graph_backends"]  # the sampled variant's acceptance: the fused kernel
+    assert captured["ran"]["speculative_accept"] == ["triton"] and "speculative_accept" not in captured["refused"]
     graphed, graphed_lp, e1 = run(model, prompts, params, warm=True, **spec)
     assert len(e1.spec.graphs) == n_graphs and e1.runner.late_captures == 0  # no capture after the warm-up
     assert e1.runner.eager_steps == 0 and e1.runner.graph_steps > 0

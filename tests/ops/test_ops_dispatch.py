@@ -60,6 +60,28 @@ def test_which_ran_collects_the_calls_of_the_block(fake):
     assert none == {}
 
 
+def test_which_refused_names_the_faster_backends_passed_over_and_why(fake):
+    """A backend that outranks the reference but refuses the inputs is listed with its reason when the default
+    choice passes it over; not when it runs, not when it is merely not preferred for the inputs, and not a
+    refusing backend that ranks below what ran (the low-priority 'fake')."""
+    x2, x3 = torch.randn(2, 8), torch.randn(1, 2, 8)
+    ops.register("hadamard", "picky", _twice, can_run=_only_3d, priority=20)
+    ops.register("hadamard", "shy", _twice, priority=30, prefer=lambda x: False)
+    try:
+        with ops.which_ran() as ran, ops.which_refused() as refused:
+            ops.hadamard(x2)
+        assert ran == {"hadamard": ["reference"]} and list(refused) == ["hadamard"]
+        assert refused["hadamard"].pop("picky") == "wants a 3-D x, got 2-D"
+        assert set(refused["hadamard"]) <= {"triton"}  # (on a CPU, triton's hadamard refuses CPU tensors too)
+        with ops.which_ran() as ran, ops.which_refused() as refused:
+            ops.hadamard(x3)
+            ops.hadamard(x2, backend="reference")  # an explicit request passes nothing over
+        assert ran == {"hadamard": ["picky", "reference"]} and refused == {}
+    finally:
+        ops.unregister("hadamard", "picky")
+        ops.unregister("hadamard", "shy")
+
+
 def test_requested_and_inherited_choices():
     assert ops.requested("hadamard") is None
     with ops.use_backend("reference"):
