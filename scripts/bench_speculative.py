@@ -139,7 +139,7 @@ def measure(
             stats["verify_lengths"] = [x + y for x, y in zip(stats["verify_lengths"], st["verify_lengths"])]
         rates.append(n / secs)
     row = {"tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates)}
-    row["graph_refusals"] = engine.metrics()["graph_backends"]["refused"]  # faster backends the graphs passed over
+    row["graph_refusals"] = engine.graph_backends["refused"]  # faster backends the graphs passed over
     # the engine's host phases per step over the timed runs (ms): where a step's time goes (`wait`: the
     # host waiting for the device's tokens; `launch`: building inputs and launching, and the device time a
     # step waits for without a separate read)

@@ -366,7 +366,7 @@ class Engine:
     def warmup(self, progress=None) -> int:
         """Capture every step bucket's CUDA graph (on CUDA; a no-op elsewhere) before the first request, and
         start counting kernel compilations from here (`metrics()["kernel_compiles_after_ready"]`). The
-        backends the graphs captured, and those passed over for a refusal, are `metrics()["graph_backends"]`.
+        backends the graphs captured, and those passed over for a refusal, are `graph_backends`.
         Returns the number of graphs."""
         compiles.install()
         with torch.no_grad(), exact_accumulation(self.config.deterministic):
@@ -393,7 +393,6 @@ class Engine:
             **self.stats,
             "speculative": {**self.spec_stats, "verify_lengths": list(self.spec_stats["verify_lengths"])},
             "step_seconds": dict(self.timing),
-            "graph_backends": self.graph_backends,
             "kernel_compiles_after_ready": None
             if self._compiles_at_ready is None
             else compiles.count() - self._compiles_at_ready,

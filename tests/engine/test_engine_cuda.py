@@ -130,7 +130,7 @@ def test_speculative_steps_replay_graphs_captured_at_warm_up(model, prompts):
     warm = Engine(model, EngineConfig(max_seqs=8, max_batch_tokens=48, page_size=16, chunk_len=8, **spec))
     n_graphs = warm.warmup() - len(warm.runner.graphs)
     assert n_graphs == len(warm.spec.graphs) == 4 * 2  # batches 1, 2, 4, 8; greedy and sampled
-    captured = warm.metrics()["graph_backends"]  # the sampled variant's acceptance: the fused kernel
+    captured = warm.graph_backends  # the sampled variant's acceptance: the fused kernel
     assert captured["ran"]["speculative_accept"] == ["triton"] and "speculative_accept" not in captured["refused"]
     graphed, graphed_lp, e1 = run(model, prompts, params, warm=True, **spec)
     assert len(e1.spec.graphs) == n_graphs and e1.runner.late_captures == 0  # no capture after the warm-up
