@@ -359,7 +359,7 @@ def write_carry(
     generated = generated + accepted + 1
     n = torch.minimum(last_position - start, cap - generated).clamp(min=0, max=w)
     tokens = torch.cat([bonus.unsqueeze(1), drafts], 1)  # [B, w + 1]
-    tokens = torch.where(torch.arange(w + 1, device=tokens.device) <= n.unsqueeze(1), tokens, 0)
+    tokens = tokens.masked_fill(torch.arange(w + 1, device=tokens.device) > n.unsqueeze(1), 0)
     carry[ints[:, w + 3]] = torch.cat([tokens, n.unsqueeze(1), start.unsqueeze(1), generated.unsqueeze(1)], 1)
 
 
@@ -369,7 +369,7 @@ def fixed_args(runner: Runner, ints: torch.Tensor, sampled: bool = False) -> tup
     pages). No host synchronization (capturable)."""
     w = ints.size(1) - 4 - (SAMPLING_COLS if sampled else 0)
     trow = ints[:, w + 3]
-    state = torch.where(trow == runner.tables.pad_row, 0, trow)
+    state = trow.masked_fill(trow == runner.tables.pad_row, 0)
     return ints[:, : w + 1], ints[:, w + 1], ints[:, w + 2], runner.tables_w[trow], runner.tables_c[trow], state
 
 

@@ -221,7 +221,7 @@ class Attention(nn.Module):
         w = min(s, self.window)
         t = torch.arange(s, device=device).unsqueeze(1)
         idx = t - w + 1 + torch.arange(w, device=device)
-        return torch.where(idx >= 0, idx, -1)
+        return idx.clamp_min(-1)
 
     def _select(self, x, qr, positions, kv_index, q_ctx, with_scores: bool = False):
         """Indexer top-k over its compressed keys kv_index [b, n, D] for queries at positions; with_scores
@@ -263,7 +263,7 @@ class Attention(nn.Module):
             else:
                 vis = ops.reference.compressed_visible(positions, n, self.ratio)  # [s, n]
                 sel = torch.where(vis, torch.arange(n, device=x.device), -1).expand(b, -1, -1)
-            idx = torch.cat([idx, torch.where(sel >= 0, sel + s, -1)], -1)
+            idx = torch.cat([idx, (sel + s).masked_fill(sel < 0, -1)], -1)
             kv_all = torch.cat([kv, comp], 1)
         o, lse = ops.sparse_attention(q, kv_all, self.attn_sink, idx, self.scale)
         if "scores" in q_ctx:
@@ -314,7 +314,7 @@ class Attention(nn.Module):
                 sel = self._select_paged(x, qr, plan, rp, pool.index_keys)  # [T, topk] entry slots
             else:
                 sel = rp.visible  # [T, n] entry slots
-            idx = torch.cat([idx, torch.where(sel >= 0, sel + pool.entry_offset, -1)], -1)
+            idx = torch.cat([idx, (sel + pool.entry_offset).masked_fill(sel < 0, -1)], -1)
         o, _ = ops.sparse_attention(q, pool.kv.unsqueeze(0), self.attn_sink, idx.unsqueeze(0), self.scale)
         return self._output(o, positions, shape).view(*shape, -1)
 
@@ -340,6 +340,6 @@ class Attention(nn.Module):
             sel = ops.indexer_topk(q[tok], keys[cand], w[tok], pos, self.ratio, self.indexer.topk)
             sel = record(f"{self.stage}.indexer.topk", sel)  # [b_g, s_g, k] entry ids
             k = sel.size(-1)
-            phys = torch.where(sel >= 0, cand.gather(1, sel.clamp_min(0).flatten(1)).view_as(sel), -1)
+            phys = cand.gather(1, sel.clamp_min(0).flatten(1)).view_as(sel).masked_fill(sel < 0, -1)
             out[:, :k].index_copy_(0, dst, phys.flatten(0, 1))
         return out[:T]

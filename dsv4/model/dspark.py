@@ -355,7 +355,7 @@ class DSparkDraft:
         W = slots.size(1)
         ctx = [cache.layers[s.layer_id].kv[slots.clamp_min(0).flatten()] for s in self.stages]  # [N*W, d]
         rows = torch.arange(N * W, device=dev).view(N, W)
-        blocks = self.blocks(anchors, positions, ctx, torch.where(slots >= 0, rows, -1))
+        blocks = self.blocks(anchors, positions, ctx, rows.masked_fill(slots < 0, -1))
         return self.chain(blocks, anchors, choose)
 
     def sequence_blocks(self, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> DraftBlocks:
@@ -368,7 +368,7 @@ class DSparkDraft:
         ctx = self.context(taps.reshape(b * S, -1), pos)
         q = anchors.unsqueeze(-1) - self.window + torch.arange(self.window, device=dev)  # [b, A, W]
         base = (torch.arange(b, device=dev) * S).view(b, 1, 1)
-        ctx_idx = torch.where(q >= 0, base + q, -1).flatten(0, 1)  # [b*A, W]
+        ctx_idx = (base + q).masked_fill(q < 0, -1).flatten(0, 1)  # [b*A, W]
         flat = anchors + base.view(b, 1)
         return self.blocks(tokens.flatten()[flat.flatten()], anchors.flatten(), ctx, ctx_idx)
 
