@@ -37,7 +37,7 @@ import torch
 
 from ..config import ModelConfig
 
-TRASH = 0  # reserved page 0 / ring row 0: the target of writes that must not land
+TRASH = 0  # reserved page 0 / ring row 0: the target of writes that must not land (`or_trash`: 0)
 EMPTY_ROW = 1  # ring row 1: never written; kv 0, score -inf (the "group before the first one")
 RING_BASE = 2  # ring rows of state slot s start at RING_BASE + s * ring_len
 SPEC_ROWS = 16  # ring rows beyond the compressor's history: tokens one step may add to a sequence
@@ -293,6 +293,12 @@ def lookup_page(table: torch.Tensor, rows: torch.Tensor, col: torch.Tensor) -> t
     return table[rows, inside].masked_fill(inside != col, -1)
 
 
+def or_trash(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """x where keep, else TRASH: the product with the mask, one kernel (TRASH is 0; `torch.where(keep, x,
+    TRASH)` would first fill a device tensor with the number, a second kernel in every captured step)."""
+    return x * keep
+
+
 def entry_index(pos: torch.Tensor, ratio: int) -> torch.Tensor:
     """The compressed entry that the group ending at token position `pos` becomes: pos // ratio."""
     return torch.div(pos, ratio, rounding_mode="floor")
@@ -312,7 +318,7 @@ def plan_step(inp: StepInputs, layout: CacheLayout, compressed: bool = True) -> 
 
     wslot = window_slot(rows, pos)
     has_page = wslot >= 0  # [T] a real token: its window page exists (positions are >= 0)
-    window_write = torch.where(has_page, wslot, TRASH)
+    window_write = or_trash(wslot, has_page)
     q = pos.unsqueeze(1) - w + 1 + torch.arange(w, device=dev)  # [T, w]
     window_idx = window_slot(rows.unsqueeze(1).expand_as(q), q)
     ratios = {r: _ratio_plan(inp, layout, r, has_page) for r in layout.ratios} if compressed else {}
@@ -349,14 +355,14 @@ def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int, has_page: torch.Te
     plan.group_pos, plan.group_j = g_pos, j
     slot = entry_slot(g_row, entry_index(g_pos, r))
     plan.group_live = complete & (slot >= 0)
-    plan.entry_write = torch.where(plan.group_live, slot, TRASH)
+    plan.entry_write = or_trash(slot, plan.group_live)
 
     # -- raw rows kept for later steps: the last R positions of each row (of the listed tokens only)
     kt = inp.keep.get(r)
     k_pos, k_rows, k_page = (pos, rows, has_page) if kt is None else (pos[kt], rows[kt], has_page[kt])
     plan.keep_tok = kt
     keep = (k_pos >= inp.length[k_rows] - R) & k_page
-    plan.ring_write = torch.where(keep, RING_BASE + inp.state[k_rows] * R + k_pos % R, TRASH)
+    plan.ring_write = or_trash(RING_BASE + inp.state[k_rows] * R + k_pos % R, keep)
     if layout.page_tails and overlap(r):
         cpage = lookup_page(inp.ctable, k_rows, torch.div(k_pos, P, rounding_mode="floor"))
         plan.tail_write = (cpage * r + k_pos % r).masked_fill((k_pos % P < P - r) | (cpage <= 0), TRASH)
