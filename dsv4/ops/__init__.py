@@ -184,8 +184,8 @@ def which_refused() -> Iterator[dict[str, dict[str, str]]]:
     _WATCHING.append(refused)
     try:
         yield refused
-    finally:
-        _WATCHING.remove(refused)
+    finally:  # (by identity: an enclosing block's dict may be equal to this one, e.g. both empty)
+        del _WATCHING[next(i for i, d in enumerate(_WATCHING) if d is refused)]
 
 
 def resolve(op: str, backend: str | None, *args, **kwargs) -> Backend:

@@ -181,7 +181,6 @@ def engine_info(engine, desc: str, threads: int | None, graphs: int) -> dict:
         "threads": threads,
         "graphs": graphs,
         "warmup_s": engine.runner.warmup_seconds,
-        "graph_backends": engine.graph_backends,  # what the graphs captured, what they passed over and why
     }
 
 

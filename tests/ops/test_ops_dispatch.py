@@ -77,6 +77,15 @@ def test_which_refused_names_the_faster_backends_passed_over_and_why(fake):
             ops.hadamard(x3)
             ops.hadamard(x2, backend="reference")  # an explicit request passes nothing over
         assert ran == {"hadamard": ["picky", "reference"]} and refused == {}
+        with ops.which_refused() as outer:  # nested blocks, both empty when the inner one ends
+            with ops.which_refused() as inner:
+                pass
+            ops.hadamard(x2)
+        assert inner == {} and outer["hadamard"]["picky"] == "wants a 3-D x, got 2-D"
+        with ops.which_refused() as after:
+            pass
+        ops.hadamard(x2)  # outside every block: nothing recorded anywhere
+        assert after == {} and inner == {} and "hadamard" in outer
     finally:
         ops.unregister("hadamard", "picky")
         ops.unregister("hadamard", "shy")
