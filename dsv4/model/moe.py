@@ -18,7 +18,6 @@ from torch import nn
 from .. import ops
 from ..config import ModelConfig
 from ..ops.moe_shared import gate_dtype
-from ..ops.precision import acc_dtype
 from .layers import Linear, autocast_dtype, linear_fp32, record
 
 
@@ -52,28 +51,18 @@ class Gate(nn.Module):
             self.register_buffer("bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, E] fp32 router scores (computed in float64 under exact accumulation: see `weights`)."""
-        logits = linear_fp32(x, self.weight).to(acc_dtype())  # [T, E]
-        if self.score_func == "softmax":
-            return logits.softmax(-1).float()
-        if self.score_func == "sigmoid":
-            return logits.sigmoid().float()
-        return F.softplus(logits).sqrt().float()
+        """[T, E] fp32 router scores (computed in float64 under exact accumulation: `ops.reference.route`)."""
+        return ops.reference.router_scores(linear_fp32(x, self.weight), self.score_func)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, dim], token_ids [T] -> (weights [T, k] fp32, indices [T, k] int64, scores [T, E])."""
-        scores = self.scores(x)
-        if self.hash:
-            indices = self.tid2eid[token_ids].long()
-        else:
-            indices = (scores.detach() + self.bias).topk(self.topk, dim=-1).indices
-        # the normalization runs in the accumulation dtype too: under exact accumulation a token's routing
-        # weights then do not depend on how many tokens share the call (fp32 elementwise kernels take a
-        # different code path for the tail of a tensor, and the tail moves with the token count)
-        weights = scores.gather(1, indices).to(acc_dtype())
-        if self.score_func != "softmax":
-            weights = weights / weights.sum(-1, keepdim=True)
-        return (weights * self.route_scale).float(), indices, scores
+        """x [T, dim], token_ids [T] -> (weights [T, k] fp32, indices [T, k] int64, scores [T, E]).
+
+        Everything after the projection is one op (`ops.route`: the scores, the top-k or the hash table's
+        row, the normalization in the accumulation dtype - under exact accumulation a token's weights then
+        do not depend on how many tokens share the call)."""
+        logits = linear_fp32(x, self.weight)  # [T, E] fp32
+        table, ids = (self.tid2eid, token_ids) if self.hash else (None, None)
+        return ops.route(logits, self.bias, self.topk, self.score_func, self.route_scale, table, ids)
 
 
 class Experts(nn.Module):

@@ -262,6 +262,7 @@ linear_fp32 = _make("linear_fp32")
 rms_norm = _make("rms_norm")
 rope_tail = _make("rope_tail")
 moe_experts = _make("moe_experts")
+route = _make("route")
 act_quant = _make("act_quant")
 fp8_gemm = _make("fp8_gemm")
 fp4_gemm = _make("fp4_gemm")
@@ -344,6 +345,7 @@ __all__ = [
     "rms_norm",
     "rope_tail",
     "moe_experts",
+    "route",
     "act_quant",
     "fp8_gemm",
     "fp4_gemm",

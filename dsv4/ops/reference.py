@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import formats as fm
+from ..config_schema import SCORE_FUNCS
 from ..formats.fp4 import FP4_MAX as FP4_E2M1_MAX
 from ..formats.fp4 import FP4_VALUES
 from ..formats.fp8 import FP8_MAX as FP8_E4M3_MAX
@@ -496,6 +497,52 @@ def write_rows(
 
 
 # ----------------------------------------------------------------------------- MoE
+def router_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    """[T, E] fp32 router scores of [T, E] logits: computed in the accumulation dtype (float64 under exact
+    accumulation), rounded to fp32. sqrtsoftplus is sqrt(softplus(x)), softplus being x above 20 and
+    log1p(exp(x)) elsewhere (torch's threshold)."""
+    x = logits.to(acc_dtype())
+    if score_func == "softmax":
+        return x.softmax(-1).float()
+    if score_func == "sigmoid":
+        return x.sigmoid().float()
+    if score_func != "sqrtsoftplus":
+        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    return F.softplus(x).sqrt().float()
+
+
+def route(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+    score_func: str = "sqrtsoftplus",
+    route_scale: float = 1.0,
+    table: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A MoE router after its projection: logits [T, E] -> (weights [T, k] fp32, indices [T, k] int64,
+    scores [T, E] fp32).
+
+    scores: `router_scores`. indices: a hash layer's `table[token_ids]` (table [vocab, k]), else the k
+    largest of scores + bias (bias [E] fp32 or None; it selects, it does not weigh), largest first (ties:
+    torch.topk's order). weights: the picked scores in the accumulation dtype, divided by their sum (not for
+    softmax) added left to right in `indices` order - a fixed order, so that a one-program kernel gives the
+    same bits - times route_scale, rounded to fp32."""
+    scores = router_scores(logits, score_func)
+    if table is not None:
+        indices = table[token_ids].long()
+    else:
+        biased = scores.detach() if bias is None else scores.detach() + bias
+        indices = biased.topk(k, dim=-1).indices
+    picked = scores.gather(1, indices).to(acc_dtype())
+    if score_func != "softmax":
+        total = picked[:, :1]
+        for i in range(1, picked.size(1)):
+            total = total + picked[:, i : i + 1]
+        picked = picked / total
+    return (picked * route_scale).float(), indices, scores
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w^T in x's dtype (accumulated in float64 under exact accumulation)."""
     if acc_dtype() == torch.float64:

@@ -74,6 +74,9 @@ for dt in (torch.bfloat16, torch.float32):  # the fixed-shape speculative step's
     ops.speculative_accept(torch.randn(B, 3, 300).to(dt), torch.randn(B, 2, 300), torch.zeros(B, 2, dtype=torch.long),
                            torch.arange(B), torch.ones(B, dtype=torch.float64), torch.arange(B) == 1,
                            torch.arange(B), torch.arange(B), backend="triton")
+from dsv4.ops.precision import exact_accumulation
+with exact_accumulation():  # the router under exact accumulation (float64), as deterministic serving runs it
+    ops.route(torch.randn(3, 8), torch.zeros(8), 2, "sqrtsoftplus", 2.5, backend="triton")
 from dsv4 import formats  # the W8A8 GEMMs of FP8 / MXFP4 checkpoints (dense and split-K): not in a bf16 model
 from dsv4.ops import reference as R
 q, s = R.act_quant(torch.randn(2, 256), 128, True)
@@ -196,6 +199,7 @@ def test_every_kernel_the_model_launches_compiles_for_sm90():
     kernels |= {"_w8a8_kernel", "_w8a8_splitk_kernel", "_sum_splits_rows_kernel"}  # W8A8 GEMMs, dense and split-K
     kernels |= {"_int8_mm_kernel", "_int8_splitk_kernel", "_int8_dequant_splits_kernel"}  # INT8, both
     kernels |= {"_w8a8_gmm_kernel", "_w8a8_gmm_splitk_kernel", "_sum_splits_rows_kernel"}  # W8A8 experts
+    kernels.add("_route_kernel")  # the MoE router
     assert kernels | {"_draw_split_kernel", "_spec_accept_kernel"} <= names
     for r in records:  # the fixed-plan GEMM's interpreter-only sums never run on a GPU: its GPU form only
         if r["kwargs"].get("ROWWISE") == ["value", True]:

@@ -212,6 +212,7 @@ def backend_evidence(ctx: Context) -> CheckResult:
         "rope_tail",
         "linear",
         "linear_fp32",
+        "route",
     }
     if any(cfg.compress_ratios[: cfg.n_layers]):
         must.add("compress_pool")

@@ -27,6 +27,7 @@ _MODULES = (
     "rownorm_rope",
     "sampling",
     "spec_accept",
+    "route",
     "fixed_gemm",
     "optim",
 )
