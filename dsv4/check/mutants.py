@@ -298,16 +298,23 @@ def _plant_z07(ctx):
     return _contexts(*(patched(g, route_scale=g.route_scale**2) for g in _gates(ctx.model)))
 
 
-def _plant_z10(ctx):
-    from ..model import paged
+PLAN_OPS = ("plan_window", "plan_groups", "plan_keep", "plan_entries")
 
-    return patched(paged, lookup_page=pages_by_logical_id)
+
+def _plant_z10(ctx):
+    """The plan's references patched, and the plan ops on their references (the kernels compute pages
+    themselves)."""
+    from ..ops import reference_plan
+
+    on_reference = ops.use_backend(dict.fromkeys(PLAN_OPS, "reference"), inherit=True)
+    return _contexts(patched(reference_plan, lookup_page=pages_by_logical_id), on_reference)
 
 
 def _plant_z11(ctx):
-    from ..model import paged
+    from ..ops import reference_plan
 
-    return patched(paged, entry_index=entry_at_raw_position)
+    on_reference = ops.use_backend(dict.fromkeys(PLAN_OPS, "reference"), inherit=True)
+    return _contexts(patched(reference_plan, entry_index=entry_at_raw_position), on_reference)
 
 
 def draft_from_token_zero_with_own_head(draft: Callable) -> Callable:
@@ -559,8 +566,8 @@ MUTANTS: list[Mutant] = [
         _plant_z10,
         symptom="decode read the wrong cache blocks from the second block on; the draft later crashed "
         "on an out-of-range address",
-        mutant="`model.paged.lookup_page` takes a sequence's logical page id for the physical one, ignoring "
-        "its page table",
+        mutant="`ops.reference_plan.lookup_page` (the plan ops on their references) takes a sequence's logical "
+        "page id for the physical one, ignoring its page table",
     ),
     Mutant(
         "Z11",
@@ -568,8 +575,8 @@ MUTANTS: list[Mutant] = [
         ["teacher-forcing", "paged-batching"],
         _plant_z11,
         symptom="an index-out-of-range crash once a request passed 32 tokens",
-        mutant="`model.paged.entry_index` gives a finished compressed entry the raw token position's slot, "
-        "not `pos // ratio`",
+        mutant="`ops.reference_plan.entry_index` (the plan ops on their references) gives a finished compressed "
+        "entry the raw token position's slot, not `pos // ratio`",
     ),
     Mutant(
         "Z12",

@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import ops
 from ..config import ModelConfig
+from ..ops.reference_plan import EMPTY_ROW, RING_BASE, TRASH, lookup_page
 
-TRASH = 0  # reserved page 0 / ring row 0: the target of writes that must not land (`or_trash`: 0)
-EMPTY_ROW = 1  # ring row 1: never written; kv 0, score -inf (the "group before the first one")
-RING_BASE = 2  # ring rows of state slot s start at RING_BASE + s * ring_len
+__all__ = ["EMPTY_ROW", "RING_BASE", "TRASH", "lookup_page"]  # (the plan's references, `dsv4.ops.reference_plan`)
+
 SPEC_ROWS = 16  # ring rows beyond the compressor's history: tokens one step may add to a sequence
 # and still roll back (a speculative verify of up to SPEC_ROWS tokens)
 
@@ -255,11 +256,9 @@ class StepInputs:
 
 @dataclass
 class RatioPlan:
-    """Indices for the layers of one compression ratio."""
+    """Indices for the layers of one compression ratio (`dsv4.ops.reference_plan` defines each)."""
 
     ratio: int
-    n_visible: torch.Tensor  # [T] entries visible to each token: (pos + 1) // r
-    entry_slot_fn: object = None  # (rows [...], j [...]) -> entry slots (entry-region coordinates)
     group_pos: torch.Tensor | None = None  # [G] position of each group's last token
     group_j: torch.Tensor | None = None  # [G] entry id
     group_new: torch.Tensor | None = None  # [G, coff*r] flat token index of each slot's row, or -1
@@ -285,99 +284,39 @@ class Plan:
     ratios: dict[int, RatioPlan]
 
 
-def lookup_page(table: torch.Tensor, rows: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-    """The physical page of logical page `col` of each row: table[rows, col], -1 outside the table."""
-    inside = col.clamp(0, table.size(1) - 1)
-    # (one comparison, and masked_fill takes -1 as a kernel argument: torch.where with a number first fills a
-    # device scalar tensor, one more launch per call in every CUDA graph)
-    return table[rows, inside].masked_fill(inside != col, -1)
-
-
-def or_trash(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """x where keep, else TRASH: the product with the mask, one kernel (TRASH is 0; `torch.where(keep, x,
-    TRASH)` would first fill a device tensor with the number, a second kernel in every captured step)."""
-    return x * keep
-
-
-def entry_index(pos: torch.Tensor, ratio: int) -> torch.Tensor:
-    """The compressed entry that the group ending at token position `pos` becomes: pos // ratio."""
-    return torch.div(pos, ratio, rounding_mode="floor")
-
-
 def plan_step(inp: StepInputs, layout: CacheLayout, compressed: bool = True) -> Plan:
-    """Every index a step needs, computed on the device with shapes fixed by the inputs' shapes.
+    """Every index a step needs, computed on the device with shapes fixed by the inputs' shapes: the ops
+    `plan_window`, `plan_groups`, `plan_keep` and `plan_entries` (one launch each where a Triton backend
+    runs them).
 
     compressed=False plans the window only (the MTP block's window-only layer)."""
-    P, w = layout.page_size, layout.window
-    pos, rows = inp.positions, inp.rows
-    dev = pos.device
-
-    def window_slot(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        page = lookup_page(inp.wtable, r, torch.div(q, P, rounding_mode="floor"))
-        return (page * P + q % P).masked_fill((page <= 0) | (q < 0), -1)
-
-    wslot = window_slot(rows, pos)
-    has_page = wslot >= 0  # [T] a real token: its window page exists (positions are >= 0)
-    window_write = or_trash(wslot, has_page)
-    q = pos.unsqueeze(1) - w + 1 + torch.arange(w, device=dev)  # [T, w]
-    window_idx = window_slot(rows.unsqueeze(1).expand_as(q), q)
+    P = layout.page_size
+    window_write, window_idx, has_page = ops.plan_window(inp.positions, inp.rows, inp.wtable, P, layout.window)
     ratios = {r: _ratio_plan(inp, layout, r, has_page) for r in layout.ratios} if compressed else {}
     return Plan(inp, window_write, window_idx, ratios)
 
 
 def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int, has_page: torch.Tensor) -> RatioPlan:
     """has_page [T]: each token's window page exists (a real token, not padding)."""
-    P = layout.page_size
-    E = P // r
-    pos, rows = inp.positions, inp.rows
-    dev = pos.device
-    T = pos.numel()
-
-    def entry_slot(rr: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        page = lookup_page(inp.ctable, rr, torch.div(j * r, P, rounding_mode="floor"))
-        return (page * E + j % E).masked_fill(page <= 0, -1)
-
-    plan = RatioPlan(r, n_visible=torch.div(pos + 1, r, rounding_mode="floor"), entry_slot_fn=entry_slot)
-
-    # -- groups completing in this step
-    g = inp.groups.get(r)
-    g_tok = torch.arange(T, device=dev) if g is None else g
-    g_pos, g_row = pos[g_tok], rows[g_tok]
-    complete = ((g_pos + 1) % r == 0) & has_page[g_tok]
-    j = torch.div(g_pos, r, rounding_mode="floor")  # entry id (rope position j*r)
-    coff = 2 if overlap(r) else 1
-    q = (j - coff + 1).unsqueeze(1) * r + torch.arange(coff * r, device=dev)  # [G, coff*r]
-    start, seg = inp.start[g_row].unsqueeze(1), inp.seg_start[g_row].unsqueeze(1)
-    R = layout.ring_len(r)
-    ring = RING_BASE + inp.state[g_row].unsqueeze(1) * R + q % R
-    plan.group_new = (seg + q - start).masked_fill((q < start) | (q > g_pos.unsqueeze(1)), -1)  # new rows only
-    plan.group_ring = ring.masked_fill((q < 0) | (q >= start), EMPTY_ROW)  # kept rows only
-    plan.group_pos, plan.group_j = g_pos, j
-    slot = entry_slot(g_row, entry_index(g_pos, r))
-    plan.group_live = complete & (slot >= 0)
-    plan.entry_write = or_trash(slot, plan.group_live)
-
-    # -- raw rows kept for later steps: the last R positions of each row (of the listed tokens only)
-    kt = inp.keep.get(r)
-    k_pos, k_rows, k_page = (pos, rows, has_page) if kt is None else (pos[kt], rows[kt], has_page[kt])
-    plan.keep_tok = kt
-    keep = (k_pos >= inp.length[k_rows] - R) & k_page
-    plan.ring_write = or_trash(RING_BASE + inp.state[k_rows] * R + k_pos % R, keep)
-    if layout.page_tails and overlap(r):
-        cpage = lookup_page(inp.ctable, k_rows, torch.div(k_pos, P, rounding_mode="floor"))
-        plan.tail_write = (cpage * r + k_pos % r).masked_fill((k_pos % P < P - r) | (cpage <= 0), TRASH)
-
-    # -- what each token may read
+    P, R = layout.page_size, layout.ring_len(r)
+    pos, rows, ct = inp.positions, inp.rows, inp.ctable
+    plan = RatioPlan(r, keep_tok=inp.keep.get(r))
+    # groups completing in this step; raw rows kept for later steps (the last R positions of each row)
+    g = ops.plan_groups(
+        inp.groups.get(r), pos, rows, inp.start, inp.seg_start, inp.state, ct, has_page, r, P, R, 2 if overlap(r) else 1
+    )
+    plan.group_pos, plan.group_j, plan.group_new, plan.group_ring, plan.group_live, plan.entry_write = g
+    tails = layout.page_tails and overlap(r)
+    plan.ring_write, plan.tail_write = ops.plan_keep(
+        plan.keep_tok, pos, rows, inp.length, inp.state, ct, has_page, r, P, R, tails
+    )
+    # what each token may read
     n_max = layout.max_entries(r)
-    jj = torch.arange(n_max, device=dev)
     if r != 4:
-        hidden = jj.unsqueeze(0) >= plan.n_visible.unsqueeze(1)  # [T, n_max] entries not visible yet
-        slots = entry_slot(rows.unsqueeze(1).expand(-1, n_max), jj.unsqueeze(0).expand(T, -1))
-        plan.visible = slots.masked_fill(hidden | (slots < 0), -1)
+        plan.visible = ops.plan_entries(rows, ct, r, P, n_max, pos)
     else:
-        for g_rows in inp.index_rows:
-            c = entry_slot(g_rows.unsqueeze(1).expand(-1, n_max), jj.unsqueeze(0).expand(g_rows.numel(), -1))
-            plan.cand.append(c.masked_fill(c < 0, TRASH))
+        plan.cand = [ops.plan_entries(g_rows, ct, r, P, n_max, None) for g_rows in inp.index_rows]
+        T = pos.numel()
         for qmap in inp.index_maps:
             pad = qmap < 0
             tok = qmap.clamp_min(0)  # [b_g, s_g]

@@ -263,6 +263,10 @@ rms_norm = _make("rms_norm")
 rope_tail = _make("rope_tail")
 moe_experts = _make("moe_experts")
 route = _make("route")
+plan_window = _make("plan_window")
+plan_groups = _make("plan_groups")
+plan_keep = _make("plan_keep")
+plan_entries = _make("plan_entries")
 act_quant = _make("act_quant")
 fp8_gemm = _make("fp8_gemm")
 fp4_gemm = _make("fp4_gemm")
@@ -346,6 +350,10 @@ __all__ = [
     "rope_tail",
     "moe_experts",
     "route",
+    "plan_window",
+    "plan_groups",
+    "plan_keep",
+    "plan_entries",
     "act_quant",
     "fp8_gemm",
     "fp4_gemm",

@@ -28,6 +28,7 @@ _MODULES = (
     "sampling",
     "spec_accept",
     "route",
+    "plan",
     "fixed_gemm",
     "optim",
 )

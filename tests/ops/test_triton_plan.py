@@ -1,0 +1,167 @@
+"""The paged step's plan ops (`plan_window`, `plan_groups`, `plan_keep`, `plan_entries`; backend "triton")
+against their plain-torch references: integers from integers, so every output must be equal - values,
+dtypes and shapes - on any inputs, not only on the ones an engine builds. The fuzz draws positions below
+zero (the window's keys before a sequence's start, padding), tables with missing pages (-1), lists of
+tokens with repeats, and page sizes, ratios and windows of every kind the layouts use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: no triton backend to test")
+
+from triton_interp import DEV, interpret_unless_cuda, poison_allocator  # noqa: E402
+
+import dsv4.ops as ops  # noqa: E402
+from dsv4.config import ModelConfig  # noqa: E402
+from dsv4.model.paged import BatchCache, plan_step, uniform_inputs  # noqa: E402
+from dsv4.ops import reference as ref  # noqa: E402
+from dsv4.ops.triton import plan as plan_module  # noqa: E402
+
+PLAN_OPS = ("plan_window", "plan_groups", "plan_keep", "plan_entries")
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    interpret_unless_cuda(monkeypatch)
+    poison_allocator(monkeypatch, plan_module)
+    ops.reset_calls()
+    yield
+
+
+def same(got, want, name: str = "") -> None:
+    if isinstance(want, (tuple, list)):
+        assert isinstance(got, (tuple, list)) and len(got) == len(want), name
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            same(a, b, f"{name}[{i}]")
+        return
+    if want is None:
+        assert got is None, name
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, want.dtype, got.shape, want.shape)
+    assert torch.equal(got, want), f"{name}: {int((got != want).sum())} of {want.numel()} differ"
+
+
+def fuzz(seed: int, T: int = 40, B: int = 5, width: int = 9, max_pos: int = 3000) -> dict:
+    g = torch.Generator().manual_seed(seed)
+
+    def ints(lo: int, hi: int, *shape: int) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=g).to(DEV)
+
+    return {
+        "pos": ints(-150, max_pos, T),
+        "rows": ints(0, B, T),
+        "wt": ints(-1, 60, B, width),
+        "ct": ints(-1, 60, B, width),
+        "start": ints(-3, max_pos, B),
+        "seg": ints(0, T, B),
+        "state": ints(0, 9, B),
+        "length": ints(-3, max_pos, B),
+        "list": ints(0, T, T // 2 + 1),
+        "flags": ints(0, 2, T) == 1,
+    }
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("page_size,window", [(256, 128), (128, 128), (16, 8), (64, 7)])
+def test_window(seed, page_size, window):
+    f = fuzz(seed)
+    args = (f["pos"], f["rows"], f["wt"], page_size, window)
+    same(ops.plan_window(*args, backend="triton"), ref.plan_window(*args))
+    # a strided view of the positions, a table with one column
+    args = (f["pos"][::2], f["rows"][::2], f["wt"][:, :1], page_size, window)
+    same(ops.plan_window(*args, backend="triton"), ref.plan_window(*args))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("ratio,coff,page_size", [(4, 2, 256), (128, 1, 256), (4, 1, 16), (8, 2, 64)])
+@pytest.mark.parametrize("listed", [False, True])
+def test_groups_and_keep(seed, ratio, coff, page_size, listed):
+    f = fuzz(seed)
+    lst = f["list"] if listed else None
+    ring_len = coff * ratio + 16
+    args = (lst, f["pos"], f["rows"], f["start"], f["seg"], f["state"], f["ct"], f["flags"], ratio, page_size)
+    same(ops.plan_groups(*args, ring_len, coff, backend="triton"), ref.plan_groups(*args, ring_len, coff), "groups")
+    for tails in (False, True):
+        args = (lst, f["pos"], f["rows"], f["length"], f["state"], f["ct"], f["flags"], ratio, page_size, ring_len)
+        same(ops.plan_keep(*args, tails, backend="triton"), ref.plan_keep(*args, tails), f"keep tails={tails}")
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("ratio,page_size,n_max", [(4, 256, 750), (128, 256, 23), (4, 16, 0), (128, 128, 5000)])
+def test_entries(seed, ratio, page_size, n_max):
+    f = fuzz(seed)
+    for rows, pos in ((f["rows"], f["pos"]), (f["rows"][:3], None), (f["rows"][1::3], f["pos"][1::3])):
+        args = (rows, f["ct"], ratio, page_size, n_max, pos)
+        same(ops.plan_entries(*args, backend="triton"), ref.plan_entries(*args))
+
+
+def test_empty_lists():
+    f = fuzz(0)
+    none = f["list"][:0]
+    g = ops.plan_groups(none, f["pos"], f["rows"], f["start"], f["seg"], f["state"], f["ct"], f["flags"], 4, 256, 24, 2)
+    same(
+        g,
+        ref.plan_groups(
+            none, f["pos"], f["rows"], f["start"], f["seg"], f["state"], f["ct"], f["flags"], 4, 256, 24, 2
+        ),
+    )
+    args = (none, f["pos"], f["rows"], f["length"], f["state"], f["ct"], f["flags"], 4, 256, 24, True)
+    same(ops.plan_keep(*args, backend="triton"), ref.plan_keep(*args))
+    assert ops.last_backend("plan_keep") == "triton"
+
+
+def plans_equal(a, b) -> None:
+    same(a.window_write, b.window_write, "window_write")
+    same(a.window_idx, b.window_idx, "window_idx")
+    assert a.ratios.keys() == b.ratios.keys()
+    for r, pa in a.ratios.items():
+        pb = b.ratios[r]
+        for name in ("group_pos", "group_j", "group_new", "group_ring", "entry_write", "group_live", "keep_tok"):
+            same(getattr(pa, name), getattr(pb, name), f"{r}.{name}")
+        for name in ("ring_write", "tail_write", "visible"):
+            same(getattr(pa, name), getattr(pb, name), f"{r}.{name}")
+        same(pa.cand, pb.cand, f"{r}.cand")
+        same(pa.index_cells, pb.index_cells, f"{r}.index_cells")
+
+
+@pytest.mark.parametrize("page_tails", [False, True])
+def test_a_models_whole_plan_prefill_decode_and_verify(page_tails):
+    """plan_step on the kernels gives the reference's plan for a prompt, a decode step and a verify step of
+    a real layout (V4's ratios 4 and 128, padding rows with no pages), and reports the kernels ran."""
+    cfg = ModelConfig.preset("tiny")
+    cache = BatchCache(cfg, 3, 300, DEV, torch.float32, page_size=128)
+    layout = cache.layout
+    if page_tails:
+        from dataclasses import replace
+
+        layout = replace(layout, page_tails=True)
+    wt, ct = cache.wtable.clone(), cache.ctable.clone()
+    wt[2], ct[2] = -1, -1  # a padding row
+    g = torch.Generator().manual_seed(0)
+    for s, start, static in ((37, 0, 0), (1, 130, None), (3, 255, None)):
+        tokens = torch.randint(0, cfg.vocab_size, (3, s), generator=g).to(DEV)
+        inp = uniform_inputs(
+            tokens, torch.full((3,), start, device=DEV), wt, ct, cache.state, layout, static_start=static
+        )
+        with ops.use_backend("reference"):
+            want = plan_step(inp, layout)
+        with ops.use_backend({op: "triton" for op in PLAN_OPS}, inherit=True), ops.which_ran() as ran:
+            got = plan_step(inp, layout)
+        assert all(ran[op] == ["triton"] for op in PLAN_OPS)
+        plans_equal(got, want)
+        same(plan_step(inp, layout, compressed=False).window_idx, want.window_idx)
+
+
+def test_refusals_name_their_reason():
+    f = fuzz(0)
+    assert ops.refusal("plan_window", "triton", f["pos"], f["rows"], f["wt"], 256, 128) is None
+    assert "positions" in ops.refusal("plan_window", "triton", f["pos"].int(), f["rows"], f["wt"], 256, 128)
+    assert "wtable" in ops.refusal("plan_window", "triton", f["pos"], f["rows"], f["wt"][0], 256, 128)
+    args = (None, f["pos"], f["rows"], f["start"], f["seg"], f["state"], f["ct"])
+    assert "multiple" in ops.refusal("plan_groups", "triton", *args, f["flags"], 3, 256, 22, 1)
+    assert "has_page" in ops.refusal("plan_groups", "triton", *args, f["flags"].long(), 4, 256, 24, 2)
+    assert "n_max" in ops.refusal("plan_entries", "triton", f["rows"], f["ct"], 4, 256, -1, None)
+    with pytest.raises(ops.BackendUnavailable, match="positions"):
+        ops.plan_window(f["pos"].float(), f["rows"], f["wt"], 256, 128, backend="triton")
