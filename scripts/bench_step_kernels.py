@@ -1,6 +1,6 @@
 """Serving-step kernels by launch plan, on one GPU: what `dsv4.ops.triton` should pick (diagnostic figures).
 
-    python3 scripts/bench_step_kernels.py [--only draw hc_pre pad accept] [--out FILE]
+    python3 scripts/bench_step_kernels.py [--only draw hc_pre pad accept plan route step] [--out FILE]
 
 - draw: the fused token draw (`gumbel_argmax`, backend "triton") of B rows (64, 256) of a 32,768-token
   vocabulary (fp32 logits, temperature 1) by columns per program (`split`) and warps; every plan must
@@ -12,6 +12,14 @@
   K = 2 or 3 drafts (bf16 logits, draft logits near them, every row sampled at temperature 1); both must
   give the same results (asserted: no decision of these inputs is within float64 rounding).
   `speculative_accept`'s preference rule comes from these figures.
+- plan: a decode step's whole plan (`model.paged.plan_step`: `plan_window`, `plan_groups`, `plan_keep`,
+  `plan_entries` and the indexer cells) for the `small` layout (ratios 4 and 128, 4,096 positions per
+  sequence) at 4, 64 and 256 rows, the references' integer kernels against the Triton ones; the plans must
+  be equal (asserted).
+- route: the MoE router after its projection (`route`) at `small`'s 32 experts, top-4, and V4's 256, top-6,
+  1 to 2,048 tokens, reference against the one-launch kernel; the same weights and indices (asserted).
+- step: the raw graphed decode step (`small`) at 4 and 64 rows with the plan ops and the router on their
+  references, then on the Triton kernels (3 runs each, alternating): what the two fusions save per step.
 - pad: the raw graphed decode step (`model.decode_step`, `small` preset) at b and b + 1 rows: the price of
   one padding row in a step's matrix products.
 
@@ -103,6 +111,72 @@ def accept(dev: torch.device, show) -> None:
         assert outs["reference"] == outs["triton"], "the fused acceptance differs from the reference"
 
 
+PLAN_OPS = ("plan_window", "plan_groups", "plan_keep", "plan_entries")
+
+
+def plan(dev: torch.device, show) -> None:
+    from dsv4.config import ModelConfig
+    from dsv4.model.paged import BatchCache, plan_step, uniform_inputs
+
+    cfg = ModelConfig.preset("small")
+    for B in (4, 64, 256):
+        cache = BatchCache(cfg, B, 4096, dev, torch.bfloat16)
+        g = torch.Generator(device=dev).manual_seed(0)
+        start = torch.randint(0, 4000, (B,), device=dev, generator=g)
+        tokens = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        inp = uniform_inputs(tokens, start, cache.wtable, cache.ctable, cache.state, cache.layout)
+        plans = {}
+        for be in ("reference", "triton"):
+            with ops.use_backend(dict.fromkeys(PLAN_OPS, be), inherit=True):
+                call = partial(plan_step, inp, cache.layout)
+                p = call()
+                plans[be] = (
+                    [p.window_write, p.window_idx]
+                    + [
+                        t
+                        for rp in p.ratios.values()
+                        for t in (rp.group_new, rp.group_ring, rp.entry_write, rp.ring_write)
+                    ]
+                    + [t for rp in p.ratios.values() for t in ([rp.visible] if rp.visible is not None else rp.cand)]
+                )
+                show(f"plan rows={B} {be} us", us(time_ms(call, calls=20)))
+        assert all(torch.equal(a, b) for a, b in zip(plans["reference"], plans["triton"], strict=True)), "plans differ"
+
+
+def route(dev: torch.device, show) -> None:
+    for E, k in ((32, 4), (256, 6)):
+        for T in (1, 64, 256, 2048):
+            g = torch.Generator(device=dev).manual_seed(0)
+            logits = torch.randn(T, E, device=dev, generator=g) * 3
+            bias = torch.randn(E, device=dev, generator=g) * 0.05
+            outs = {}
+            for be in ("reference", "triton"):
+                call = partial(ops.route, logits, bias, k, "sqrtsoftplus", 2.5, backend=be)
+                outs[be] = call()[:2]
+                show(f"route tokens={T} E={E} k={k} {be} us", us(time_ms(call, calls=20)))
+            assert all(torch.equal(a, b) for a, b in zip(outs["reference"], outs["triton"])), "the router differs"
+
+
+def step(dev: torch.device, show) -> None:
+    from dsv4.bench.serve import _raw_decode_rate
+    from dsv4.cli import build_parser
+    from dsv4.serve.startup import EngineSpec, load
+
+    argv = ["bench", "engine", "--preset", "small", "--device", "cuda"]
+    model = load(EngineSpec.from_args(build_parser(argv).parse_args(argv)).resolved())[0]
+    for b in (4, 64):
+        ms: dict[str, list[float]] = {"reference": [], "triton": []}
+        for _ in range(3):
+            for be in ms:
+                with ops.use_backend(dict.fromkeys((*PLAN_OPS, "route"), be), inherit=True):
+                    ms[be].append(_raw_decode_rate(model, b, 128, 64, dev)["ms_per_step"])
+        for be, v in ms.items():
+            show(
+                f"raw decode rows={b} plan+route on {be} ms",
+                [round(statistics.median(v), 3), round(min(v), 3), round(max(v), 3)],
+            )
+
+
 def pad(dev: torch.device, show) -> None:
     from dsv4.bench.serve import _raw_decode_rate
     from dsv4.cli import build_parser
@@ -115,11 +189,12 @@ def pad(dev: torch.device, show) -> None:
         show(f"raw decode rows={b} ms", [round(statistics.median(ms), 3), round(min(ms), 3), round(max(ms), 3)])
 
 
+SECTIONS = {"draw": draw, "hc_pre": hc_pre, "pad": pad, "accept": accept, "plan": plan, "route": route, "step": step}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--only", nargs="+", choices=("draw", "hc_pre", "pad", "accept"), default=["draw", "hc_pre", "pad", "accept"]
-    )
+    p.add_argument("--only", nargs="+", choices=tuple(SECTIONS), default=list(SECTIONS), help="sections (default: all)")
     p.add_argument("--out", metavar="FILE", help="also write the figures as JSON")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -133,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key}: {value[0]} ({value[1]}-{value[2]})", flush=True)
 
     for name in args.only:
-        {"draw": draw, "hc_pre": hc_pre, "pad": pad, "accept": accept}[name](dev, show)
+        SECTIONS[name](dev, show)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
