@@ -165,3 +165,49 @@ def test_refusals_name_their_reason():
     assert "n_max" in ops.refusal("plan_entries", "triton", f["rows"], f["ct"], 4, 256, -1, None)
     with pytest.raises(ops.BackendUnavailable, match="positions"):
         ops.plan_window(f["pos"].float(), f["rows"], f["wt"], 256, 128, backend="triton")
+
+
+@pytest.mark.parametrize("mode", ["ragged", "padded", "speculative"])
+def test_every_plan_an_engine_makes_is_the_references(monkeypatch, mode):
+    """The serving engine's own step inputs - prompt chunks beside decode rows, bucketed steps with padding
+    rows, prefix-cache hits, speculative verify steps and the MTP block's window-only plans: each plan is
+    made on the references and on the kernels, and the two must be equal (the kernels' plan is the one
+    the step then uses: the engine finishes every request)."""
+    from dsv4 import DeepSeekV4
+    from dsv4.check.inputs import check_config
+    from dsv4.engine import Engine, EngineConfig, SamplingParams
+    from dsv4.model import transformer
+
+    model = DeepSeekV4.from_config(check_config("tiny"), seed=0).eval().to(DEV)
+    real, made = transformer.plan_step, []
+
+    def both(inp, layout, compressed=True):
+        with ops.use_backend(dict.fromkeys(PLAN_OPS, "reference"), inherit=True):
+            want = real(inp, layout, compressed)
+        with ops.use_backend(dict.fromkeys(PLAN_OPS, "triton"), inherit=True):
+            got = real(inp, layout, compressed)
+        plans_equal(got, want)
+        made.append((inp.positions.numel(), compressed))
+        return got
+
+    monkeypatch.setattr(transformer, "plan_step", both)
+    config = EngineConfig(max_seqs=4, max_batch_tokens=24, page_size=16, cuda_graphs=False, pad_steps=mode != "ragged")
+    if mode == "speculative":
+        config.speculative = 2
+    engine = Engine(model, config)
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(2, model.cfg.vocab_size, (33,), generator=g).tolist()
+    prompts = [shared + torch.randint(2, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 20, 9, 40)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    done: set[str] = set()
+    with ops.use_backend("reference"):  # every other op (on the interpreter the kernels would run it all)
+        for step in range(200):
+            if step < len(prompts) * 3 and step % 3 == 0:  # arrivals while others decode (a prefix-cache hit)
+                engine.add_request(str(step // 3), prompts[step // 3], params)
+            done |= {out.request_id for out in engine.step() if out.finished}
+            if len(done) == len(prompts):
+                break
+    assert len(done) == len(prompts)
+    assert {n for n, _ in made} > {1} and any(n > 1 for n, c in made if c)  # decode-sized and chunked steps
+    if mode == "speculative":
+        assert any(not c for _, c in made)  # the MTP block's window-only plans
