@@ -314,7 +314,7 @@ class Attention(nn.Module):
                 sel = self._select_paged(x, qr, plan, rp, pool.index_keys)  # [T, topk] entry slots
             else:
                 sel = rp.visible  # [T, n] entry slots
-            idx = torch.cat([idx, (sel + pool.entry_offset).masked_fill(sel < 0, -1)], -1)
+            idx = ops.attend_rows(idx, sel, pool.entry_offset)  # [T, w + n] rows of pool.kv
         o, _ = ops.sparse_attention(q, pool.kv.unsqueeze(0), self.attn_sink, idx.unsqueeze(0), self.scale)
         return self._output(o, positions, shape).view(*shape, -1)
 
@@ -339,7 +339,5 @@ class Attention(nn.Module):
         for (tok, pos, dst), cand in zip(rp.index_cells, rp.cand, strict=True):
             sel = ops.indexer_topk(q[tok], keys[cand], w[tok], pos, self.ratio, self.indexer.topk)
             sel = record(f"{self.stage}.indexer.topk", sel)  # [b_g, s_g, k] entry ids
-            k = sel.size(-1)
-            phys = cand.gather(1, sel.clamp_min(0).flatten(1)).view_as(sel).masked_fill(sel < 0, -1)
-            out[:, :k].index_copy_(0, dst, phys.flatten(0, 1))
+            ops.select_rows(out, sel, cand, dst)  # out[dst, :k]: the chosen entries' slots
         return out[:T]

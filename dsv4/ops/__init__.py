@@ -267,6 +267,8 @@ plan_window = _make("plan_window")
 plan_groups = _make("plan_groups")
 plan_keep = _make("plan_keep")
 plan_entries = _make("plan_entries")
+select_rows = _make("select_rows")
+attend_rows = _make("attend_rows")
 act_quant = _make("act_quant")
 fp8_gemm = _make("fp8_gemm")
 fp4_gemm = _make("fp4_gemm")
@@ -354,6 +356,8 @@ __all__ = [
     "plan_groups",
     "plan_keep",
     "plan_entries",
+    "select_rows",
+    "attend_rows",
     "act_quant",
     "fp8_gemm",
     "fp4_gemm",

@@ -727,12 +727,14 @@ def int8_moe_experts(
 
 # ----------------------------------------------------------------------------- sampling
 from .reference_plan import (  # noqa: E402, F401  (the paged step's plan, in its own module)
+    attend_rows,
     entry_slot,
     lookup_page,
     plan_entries,
     plan_groups,
     plan_keep,
     plan_window,
+    select_rows,
     window_slot,
 )
 from .reference_sampling import (  # noqa: E402, F401  (the sampling references, in their own module)

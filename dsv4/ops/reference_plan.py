@@ -1,5 +1,6 @@
 """Plain-torch references of a paged step's plan: every cache index one `append` step needs, from the step's
-small inputs (`dsv4.model.paged.StepInputs`) and its page tables, on the device and with static shapes.
+small inputs (`dsv4.model.paged.StepInputs`) and its page tables, on the device and with static shapes; and
+of the rows each attention layer reads (`select_rows`, `attend_rows`).
 
 Part of `dsv4.ops.reference` (which re-exports every name here). `dsv4.model.paged` describes the layout:
 window pages of `page_size` positions, compressed pages of `page_size / ratio` entries, page 0 and ring row
@@ -151,3 +152,19 @@ def plan_entries(
         return slots.masked_fill(slots < 0, TRASH)
     hidden = jj.unsqueeze(0) >= torch.div(positions + 1, ratio, rounding_mode="floor").unsqueeze(1)  # [N, n_max]
     return slots.masked_fill(hidden | (slots < 0), -1)
+
+
+# ------------------------------------------------------------------------------ a layer's attention rows
+def select_rows(out: torch.Tensor, sel: torch.Tensor, cand: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """The indexer's choices as pool slots, written in place: sel [b, s, k] entry ids (-1 none) of each row's
+    candidates cand [b, n] (entry slots) -> out[dst[i], :k] for the b*s cells in row-major order (dst [b*s];
+    padding cells all go to a spare row, whose content is then unspecified). out: [rows, width >= k]. -> out"""
+    phys = cand.gather(1, sel.clamp_min(0).flatten(1)).view_as(sel).masked_fill(sel < 0, -1)
+    out[:, : sel.size(-1)].index_copy_(0, dst, phys.flatten(0, 1))
+    return out
+
+
+def attend_rows(window_idx: torch.Tensor, slots: torch.Tensor, offset: int) -> torch.Tensor:
+    """The kv rows a layer's tokens attend to: window rows [T, w] and compressed-pool slots [T, n] (-1 none),
+    whose entries start at row `offset` of the layer's kv -> [T, w + n] (-1 none)."""
+    return torch.cat([window_idx, (slots + offset).masked_fill(slots < 0, -1)], -1)

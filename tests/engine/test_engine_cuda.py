@@ -107,8 +107,10 @@ def test_deterministic_mode_batching_does_not_change_tokens(model, prompts, samp
     assert "triton" in ran["linear"] and "triton" in ran["linear_fp32"]
     assert ran["pool_groups"] == ["triton"]  # the compressors' paged pooling, in place of gathered copies
     assert ran["write_rows"] == ["triton"]  # the caches' row writes
-    # the router and the step's plan: one launch each (exact accumulation: the router's float64 form)
-    assert all(ran[op] == ["triton"] for op in ("route", "plan_window", "plan_groups", "plan_keep", "plan_entries"))
+    # the router, the step's plan and each layer's attention rows: one launch each (exact accumulation: the
+    # router's float64 form)
+    index_ops = ("plan_window", "plan_groups", "plan_keep", "plan_entries", "select_rows", "attend_rows")
+    assert all(ran[op] == ["triton"] for op in ("route", *index_ops))
     for i, p in enumerate(prompts):
         alone, alone_lp, _ = run(model, [p], [params[i]], warm=False, deterministic=True, max_seqs=1)
         assert alone[0] == busy[i], f"request {i}: alone {alone[0]}, in the batch {busy[i]}"

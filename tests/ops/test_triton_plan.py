@@ -211,3 +211,63 @@ def test_every_plan_an_engine_makes_is_the_references(monkeypatch, mode):
     assert {n for n, _ in made} > {1} and any(n > 1 for n, c in made if c)  # decode-sized and chunked steps
     if mode == "speculative":
         assert any(not c for _, c in made)  # the MTP block's window-only plans
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("b,s,k,n,width", [(4, 1, 8, 30, 8), (1, 9, 5, 12, 7), (3, 4, 1, 3, 1), (2, 3, 16, 40, 20)])
+def test_select_rows(seed, b, s, k, n, width):
+    g = torch.Generator().manual_seed(seed)
+    T = b * s + 2
+    sel = torch.randint(-1, n, (b, s, k), generator=g)
+    sel[0, 0, -1] = -1  # at least one empty choice
+    cand = torch.randint(0, 500, (b, n), generator=g)
+    dst = torch.randperm(T, generator=g)[: b * s]
+    dst[-1] = T  # a padding cell: the spare row
+    sel, cand, dst = sel.to(DEV), cand.to(DEV), dst.to(DEV)
+    base = torch.full((T + 1, width), -7, dtype=torch.long, device=DEV)
+    got = ops.select_rows(base.clone(), sel, cand, dst, backend="triton")
+    want = ref.select_rows(base.clone(), sel, cand, dst)
+    same(got[:T], want[:T])  # (the spare row T: unspecified)
+
+
+@pytest.mark.parametrize("T,w,n,offset", [(5, 16, 7, 100), (3, 128, 1200, 4096), (1, 8, 0, 0), (4, 1, 3, 9)])
+def test_attend_rows(T, w, n, offset):
+    g = torch.Generator().manual_seed(T + w + n)
+    window = torch.randint(-1, 300, (T, w), generator=g).to(DEV)
+    slots = torch.randint(-1, 300, (T, n), generator=g).to(DEV)
+    same(ops.attend_rows(window, slots, offset, backend="triton"), ref.attend_rows(window, slots, offset))
+    wide = torch.randint(-1, 300, (T, n + 3), generator=g).to(DEV)[:, :n]  # strided rows
+    same(ops.attend_rows(window, wide, offset, backend="triton"), ref.attend_rows(window, wide, offset))
+
+
+@pytest.mark.parametrize("mode", ["ragged", "speculative"])
+def test_an_engine_on_the_index_kernels_gives_the_same_tokens(mode):
+    """The serving engine with the plan, the indexer's row selection and the attention rows on the kernels
+    (every other op on its reference) computes exactly what it computes on the references: the same tokens
+    and log-probabilities, bit for bit (the indices are integers; everything else runs the same code)."""
+    from dsv4 import DeepSeekV4
+    from dsv4.check.inputs import check_config
+    from dsv4.engine import Engine, EngineConfig, SamplingParams
+
+    model = DeepSeekV4.from_config(check_config("tiny"), seed=0).eval().to(DEV)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 40, 23, 17)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    kernels = dict.fromkeys((*PLAN_OPS, "select_rows", "attend_rows"), "triton")
+    results = []
+    for choice in ({}, kernels):
+        engine = Engine(
+            model, EngineConfig(max_seqs=4, max_batch_tokens=16, page_size=16, speculative=2 * (mode != "ragged"))
+        )
+        out: dict[str, list] = {}
+        with ops.use_backend("reference"), ops.use_backend(choice, inherit=True), ops.which_ran() as ran:
+            for i, p in enumerate(prompts):
+                engine.add_request(str(i), p, params)
+            while engine.has_work():
+                for o in engine.step():
+                    out.setdefault(o.request_id, []).extend(
+                        (t, lp.logprob, lp.top) for t, lp in zip(o.new_tokens, o.new_logprobs)
+                    )
+        assert all(ran[op] == [choice.get(op, "reference")] for op in kernels)
+        results.append(out)
+    assert results[0] == results[1] and len(results[0]) == len(prompts)

@@ -1,5 +1,6 @@
-"""The paged step's plan (backend "triton"): `plan_window`, `plan_groups`, `plan_keep`, `plan_entries`, one
-launch each instead of the references' dozens of small integer kernels.
+"""The paged step's indices (backend "triton"): the plan (`plan_window`, `plan_groups`, `plan_keep`,
+`plan_entries`) and each layer's attention rows (`select_rows`, `attend_rows`), one launch each instead of
+the references' dozens of small integer kernels.
 
 Every output is an integer (or a flag) computed from integers with the references' formulas
 (`dsv4.ops.reference_plan`): the same values on any device. Floor division and Python's remainder of a
@@ -241,10 +242,64 @@ def _plan_entries_kernel(
         tl.store(out_ptr + n * N_MAX + jj, out, mask=valid)
 
 
+def _select_rows_kernel(
+    sel_ptr,
+    cand_ptr,
+    dst_ptr,
+    out_ptr,
+    S,
+    s_sel0,
+    s_sel1,
+    s_cand0,
+    s_cand1,
+    s_dst,
+    s_out0,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)  # cell i = (row b, column s) of the map, row-major
+    b = i // S
+    col = i - b * S
+    kk = tl.arange(0, BK)
+    inside = kk < K
+    e = tl.load(sel_ptr + b * s_sel0 + col * s_sel1 + kk, mask=inside, other=-1).to(tl.int64)
+    slot = tl.load(cand_ptr + b * s_cand0 + tl.maximum(e, 0) * s_cand1, mask=inside, other=-1).to(tl.int64)
+    row = tl.load(dst_ptr + i * s_dst).to(tl.int64)
+    tl.store(out_ptr + row * s_out0 + kk, tl.where(e < 0, -1, slot), mask=inside)
+
+
+def _attend_rows_kernel(
+    win_ptr,
+    slot_ptr,
+    out_ptr,
+    W,
+    N,
+    offset,
+    s_win,
+    s_slot,
+    NBW: tl.constexpr,
+    NBN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    row = out_ptr + t * (W + N)
+    for b in range(NBW):
+        c = b * BLOCK + offs
+        tl.store(row + c, tl.load(win_ptr + t * s_win + c, mask=c < W), mask=c < W)
+    for b in range(NBN):
+        c = b * BLOCK + offs
+        v = tl.load(slot_ptr + t * s_slot + c, mask=c < N, other=-1).to(tl.int64)
+        tl.store(row + W + c, tl.where(v < 0, -1, v + offset), mask=c < N)
+
+
 _window = Kernel(_plan_window_kernel)
 _groups = Kernel(_plan_groups_kernel)
 _keep = Kernel(_plan_keep_kernel)
 _entries = Kernel(_plan_entries_kernel)
+_select = Kernel(_select_rows_kernel)
+_attend = Kernel(_attend_rows_kernel)
+ROW_BLOCK = 1024  # columns per loop iteration of `attend_rows`
 
 
 def triton_plan_window(positions, rows, wtable, page_size, window):
@@ -314,6 +369,29 @@ def triton_plan_entries(rows, ctable, ratio, page_size, n_max, positions):
             rows, ctable, pos, out, rows.stride(0), ctable.stride(0), ctable.stride(1), pos.stride(0),
             ctable.size(1), n_max,
             RATIO=ratio, P=page_size, NB=triton.cdiv(n_max, block), BLOCK=block, VISIBLE=positions is not None,
+        )  # fmt: skip
+    return out
+
+
+def triton_select_rows(out, sel, cand, dst):
+    b, s, k = sel.shape
+    if b * s and k:
+        _select[(b * s,)](
+            sel, cand, dst, out, s, sel.stride(0), sel.stride(1), cand.stride(0), cand.stride(1), dst.stride(0),
+            out.stride(0), K=k, BK=triton.next_power_of_2(k),
+        )  # fmt: skip
+    return out
+
+
+def triton_attend_rows(window_idx, slots, offset):
+    T, W = window_idx.shape
+    N = slots.size(1)
+    out = _alloc((T, W + N), dtype=torch.int64, device=window_idx.device)
+    if T and W + N:
+        block = min(ROW_BLOCK, triton.next_power_of_2(max(W, N, 1)))
+        _attend[(T,)](
+            window_idx, slots, out, W, N, offset, window_idx.stride(0), slots.stride(0),
+            NBW=triton.cdiv(W, block), NBN=triton.cdiv(N, block), BLOCK=block,
         )  # fmt: skip
     return out
 
@@ -398,12 +476,51 @@ def _can_entries(rows, ctable, ratio, page_size, n_max, positions) -> str | None
     )
 
 
+def _can_select(out, sel, cand, dst) -> str | None:
+    reason = device_reason(out, sel, cand, dst)
+    if reason:
+        return reason
+    if sel.dim() != 3 or sel.dtype != torch.int64 or (sel.size(2) > 1 and sel.stride(2) != 1):
+        return f"sel must be [b, s, k] int64 with contiguous rows, got {tuple(sel.shape)} {sel.dtype}"
+    b, s, k = sel.shape
+    if cand.dim() != 2 or cand.size(0) != b or cand.dtype != torch.int64:
+        return f"cand must be [{b}, n] int64, got {tuple(cand.shape)} {cand.dtype}"
+    if tuple(dst.shape) != (b * s,) or dst.dtype != torch.int64:
+        return f"dst must be [{b * s}] int64, got {tuple(dst.shape)} {dst.dtype}"
+    if out.dim() != 2 or out.dtype != torch.int64 or out.size(1) < k or (out.size(1) > 1 and out.stride(1) != 1):
+        return f"out must be [rows, >= {k}] int64 with contiguous rows, got {tuple(out.shape)} {out.dtype}"
+    if k > 4096:
+        return f"top-{k} (the kernel takes up to 4096 per row)"
+    return None
+
+
+def _can_attend(window_idx, slots, offset) -> str | None:
+    reason = device_reason(window_idx, slots)
+    if reason:
+        return reason
+    for name, t in (("window_idx", window_idx), ("slots", slots)):
+        if t.dim() != 2 or t.dtype != torch.int64 or (t.size(1) > 1 and t.stride(1) != 1):
+            return f"{name} must be [T, n] int64 with contiguous rows, got {tuple(t.shape)} {t.dtype}"
+    if window_idx.size(0) != slots.size(0):
+        return "window_idx and slots differ in rows"
+    return None if isinstance(offset, int) and offset >= 0 else f"offset {offset!r}"
+
+
 for _op, _fn, _can in (
     ("plan_window", triton_plan_window, _can_window),
     ("plan_groups", triton_plan_groups, _can_groups),
     ("plan_keep", triton_plan_keep, _can_keep),
     ("plan_entries", triton_plan_entries, _can_entries),
+    ("select_rows", triton_select_rows, _can_select),
+    ("attend_rows", triton_attend_rows, _can_attend),
 ):
     register(_op, "triton", _fn, can_run=_can, deterministic=True, priority=10)
 
-__all__ = ["triton_plan_entries", "triton_plan_groups", "triton_plan_keep", "triton_plan_window"]
+__all__ = [
+    "triton_attend_rows",
+    "triton_plan_entries",
+    "triton_plan_groups",
+    "triton_plan_keep",
+    "triton_plan_window",
+    "triton_select_rows",
+]
