@@ -18,8 +18,9 @@
   be equal (asserted).
 - route: the MoE router after its projection (`route`) at `small`'s 32 experts, top-4, and V4's 256, top-6,
   1 to 2,048 tokens, reference against the one-launch kernel; the same weights and indices (asserted).
-- step: the raw graphed decode step (`small`) at 4 and 64 rows with the plan ops and the router on their
-  references, then on the Triton kernels (3 runs each, alternating): what the two fusions save per step.
+- step: the raw graphed decode step (`small`) at 4 and 64 rows with the plan ops, the attention rows
+  (`select_rows`, `attend_rows`) and the router on their references, then on the Triton kernels (3 runs
+  each, alternating): what these fusions save per step.
 - pad: the raw graphed decode step (`model.decode_step`, `small` preset) at b and b + 1 rows: the price of
   one padding row in a step's matrix products.
 
@@ -112,6 +113,7 @@ def accept(dev: torch.device, show) -> None:
 
 
 PLAN_OPS = ("plan_window", "plan_groups", "plan_keep", "plan_entries")
+STEP_OPS = (*PLAN_OPS, "select_rows", "attend_rows", "route")
 
 
 def plan(dev: torch.device, show) -> None:
@@ -168,7 +170,7 @@ def step(dev: torch.device, show) -> None:
         ms: dict[str, list[float]] = {"reference": [], "triton": []}
         for _ in range(3):
             for be in ms:
-                with ops.use_backend(dict.fromkeys((*PLAN_OPS, "route"), be), inherit=True):
+                with ops.use_backend(dict.fromkeys(STEP_OPS, be), inherit=True):
                     ms[be].append(_raw_decode_rate(model, b, 128, 64, dev)["ms_per_step"])
         for be, v in ms.items():
             show(
