@@ -37,9 +37,7 @@ import torch
 
 from .. import ops
 from ..config import ModelConfig
-from ..ops.reference_plan import EMPTY_ROW, RING_BASE, TRASH, lookup_page
-
-__all__ = ["EMPTY_ROW", "RING_BASE", "TRASH", "lookup_page"]  # (the plan's references, `dsv4.ops.reference_plan`)
+from ..ops.reference_plan import EMPTY_ROW, RING_BASE, TRASH, lookup_page  # noqa: F401  (also importable here)
 
 SPEC_ROWS = 16  # ring rows beyond the compressor's history: tokens one step may add to a sequence
 # and still roll back (a speculative verify of up to SPEC_ROWS tokens)
