@@ -156,9 +156,9 @@ def moe_host_split(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=
     return y
 
 
-def indexer_topk_unpadded(q, k, weights, positions, ratio, topk):
+def indexer_topk_unpadded(q, k, weights, positions, ratio, topk, cand=None):
     """Z12: top-k padding slots hold whatever the sort left there instead of -1 (invisible entries leak)."""
-    score = ref.indexer_scores(q, k, weights, positions, ratio)
+    score = ref.indexer_scores(q, k if cand is None else k[cand], weights, positions, ratio)
     kk = min(topk, score.size(-1))
     return torch.sort(score.nan_to_num(neginf=-3.0e38), dim=-1, descending=True, stable=True).indices[..., :kk]
 

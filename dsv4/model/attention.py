@@ -337,7 +337,7 @@ class Attention(nn.Module):
         width = min(self.indexer.topk, rp.cand[0].size(1)) if rp.cand else 0
         out = torch.full((T + 1, width), -1, dtype=torch.long, device=x.device)
         for (tok, pos, dst), cand in zip(rp.index_cells, rp.cand, strict=True):
-            sel = ops.indexer_topk(q[tok], keys[cand], w[tok], pos, self.ratio, self.indexer.topk)
+            sel = ops.indexer_topk(q[tok], keys, w[tok], pos, self.ratio, self.indexer.topk, cand)  # keys[cand]
             sel = record(f"{self.stage}.indexer.topk", sel)  # [b_g, s_g, k] entry ids
             ops.select_rows(out, sel, cand, dst)  # out[dst, :k]: the chosen entries' slots
         return out[:T]

@@ -363,10 +363,21 @@ def select_topk(score: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def indexer_topk(
-    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    positions: torch.Tensor,
+    ratio: int,
+    topk: int,
+    cand: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-`min(topk, n)` visible compressed entries per query by indexer score (ties: lower index
-    first); -1 pads the rest. Returns [b, s, min(topk, n)] int64."""
+    first); -1 pads the rest. Returns [b, s, min(topk, n)] int64.
+
+    cand [b, n] int64 (a paged cache): k is then the pool [rows, d] and row b's keys are k[cand[b]] (here
+    gathered; a kernel may read the pool through cand instead of a gathered copy)."""
+    if cand is not None:
+        k = k[cand]
     return select_topk(indexer_scores(q, k, weights, positions, ratio), topk)
 
 

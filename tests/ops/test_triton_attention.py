@@ -321,6 +321,34 @@ def test_indexer_topk_per_row_positions_matches_reference():
         ops.indexer_scores(q, k, w, pos, ratio, backend="triton")
 
 
+@pytest.mark.parametrize("per_row", [False, True])
+def test_indexer_topk_reads_a_paged_pool_through_its_candidates(per_row, monkeypatch):
+    """The serving engine's form: keys in a pool [rows, d], row b's candidates cand[b] (pool rows; a page
+    that does not exist points at the trash row 0). The kernel reads the pool through cand - no gathered
+    copy - and must pick exactly what the reference picks from the gathered keys, bit for bit, also
+    across several query tiles and chunks."""
+    monkeypatch.setattr(ix, "MAX_CHUNK_ENTRIES", 3 * 5 * 64)  # several chunks
+    b, s, h, d, n, ratio, pool = 3, 9, 4, 32, 64, 4, 500
+    g = torch.Generator().manual_seed(6)
+    q, k, w = (x.to(DEV) for x in indexer_inputs(b, s, h, d, pool, torch.float32, seed=6))
+    keys = k[0]  # [pool, d]
+    cand = torch.randint(0, pool, (b, n), generator=g)
+    cand[1, 40:] = 0  # a row whose later pages do not exist yet
+    cand = cand.to(DEV)
+    if per_row:
+        pos = torch.tensor([list(range(60, 60 + s)), list(range(100, 100 + s)), [-1] * 3 + list(range(6))])
+    else:
+        pos = torch.arange(s) + 200
+    pos = pos.to(DEV)
+    got = ops.indexer_topk(q, keys, w, pos, ratio, 16, cand, backend="triton")
+    assert ops.last_backend("indexer_topk") == "triton"
+    want = ref.indexer_topk(q, keys[cand], w, pos, ratio, 16)
+    assert torch.equal(got, want)
+    assert torch.equal(ref.indexer_topk(q, keys, w, pos, ratio, 16, cand), want)  # the reference's paged form
+    assert "cand" in ops.refusal("indexer_topk", "triton", q, keys, w, pos, ratio, 16, cand.int())
+    assert "shape" in ops.refusal("indexer_topk", "triton", q, keys[:, :16], w, pos, ratio, 16, cand)
+
+
 def test_score_tiles_follow_the_rows_there_are():
     """The scoring kernel's query tile: the full tile for long prompts, at least 16 rows, a power of two, no
     more rows than needed (a decode group's one row per sequence takes 16), smaller while the grid is under

@@ -42,6 +42,7 @@ def _score_kernel(
     w_ptr,
     pos_ptr,
     out_ptr,
+    cand_ptr,
     S,
     H,
     N,
@@ -51,11 +52,13 @@ def _score_kernel(
     n_rows,
     out_bstride,
     pos_bstride,
+    cand_bstride,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PREC: tl.constexpr,
     DOT_T: tl.constexpr,
+    INDIRECT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -69,10 +72,14 @@ def _score_kernel(
     t = (row_lo + offs_m).to(tl.int64)  # query index in the sequence
     pos = tl.load(pos_ptr + b * pos_bstride + t, mask=m_ok, other=0)  # positions [s] (stride 0) or [b, s]
     lim = tl.where(m_ok, tl.maximum(pos + 1, 0) // ratio, 0)  # visible: j < lim (position -1: none)
-    n_heads = tl.where(pid_n * BLOCK_N < tl.max(lim, 0), H, 0)  # skip tiles no query can see
-    kt = tl.load(
-        k_ptr + (b * N + offs_n[:, None]) * D + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
-    )  # [BN, BD]
+    seen = pid_n * BLOCK_N < tl.max(lim, 0)
+    n_heads = tl.where(seen, H, 0)  # skip tiles no query can see (and do not read their keys)
+    k_ok = n_ok & ((pid_n * BLOCK_N + offs_n * 0) < tl.max(lim, 0))  # [BN]
+    if INDIRECT:  # a paged pool: row b's key n is pool row cand[b, n]
+        krow = tl.load(cand_ptr + b * cand_bstride + offs_n, mask=k_ok, other=0).to(tl.int64)
+    else:
+        krow = b * N + offs_n
+    kt = tl.load(k_ptr + krow[:, None] * D + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     row = (b * S + t) * H  # [BM]
     for hh in range(0, n_heads):
@@ -242,13 +249,22 @@ def _block_d(d: int) -> int:
 
 # ----------------------------------------------------------------------------- forward / backward
 def _scores_rows(
-    q, k, weights, positions, ratio: int, row_lo: int, n_rows: int, out: torch.Tensor | None = None
+    q,
+    k,
+    weights,
+    positions,
+    ratio: int,
+    row_lo: int,
+    n_rows: int,
+    out: torch.Tensor | None = None,
+    cand: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores of query rows [row_lo, row_lo + n_rows) -> [b, n_rows, n] fp32 (contiguous inputs).
 
-    `out` may be a view whose rows are contiguous (e.g. `buf[:, :rows]` of a [b, chunk, n] buffer)."""
+    `out` may be a view whose rows are contiguous (e.g. `buf[:, :rows]` of a [b, chunk, n] buffer). cand
+    [b, n] (rows contiguous): k is a pool [rows, d] read through it (`indexer_topk`'s paged form)."""
     b, s, h, d = q.shape
-    n = k.size(1)
+    n = k.size(1) if cand is None else cand.size(1)
     if out is None:
         out = torch.empty(b, n_rows, n, dtype=torch.float32, device=q.device)
     if (
@@ -269,6 +285,7 @@ def _scores_rows(
         weights,
         positions,
         out,
+        out if cand is None else cand,
         s,
         h,
         n,
@@ -278,9 +295,11 @@ def _scores_rows(
         n_rows,
         out.stride(0),
         pos_bstride,
+        0 if cand is None else cand.stride(0),
         BLOCK_D=_block_d(d),
         PREC=dot_precision(q.dtype),
         DOT_T=dot_type(q.dtype),
+        INDIRECT=cand is not None,
         **cfg,
     )
     return out
@@ -344,14 +363,21 @@ def indexer_scores(
 
 
 def indexer_topk(
-    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    positions: torch.Tensor,
+    ratio: int,
+    topk: int,
+    cand: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton backend of `dsv4.ops.indexer_topk`: chunked fused scoring, then per-row top-k."""
+    """Triton backend of `dsv4.ops.indexer_topk`: chunked fused scoring, then per-row top-k. With cand the
+    keys are read from the pool through it (no gathered copy, and no key of a tile no query sees)."""
     with torch.no_grad():
         q, k, weights = q.contiguous(), k.contiguous(), weights.contiguous()
         positions = positions.contiguous()
         b, s, h, d = q.shape
-        n = k.size(1)
+        n = k.size(1) if cand is None else cand.size(1)
         kk = min(topk, n)
         out = torch.empty(b, s, kk, dtype=torch.int64, device=q.device)
         if b * s == 0 or kk == 0:
@@ -360,23 +386,32 @@ def indexer_topk(
         buf = torch.empty(b, chunk, n, dtype=torch.float32, device=q.device)
         for lo in range(0, s, chunk):
             rows = min(chunk, s - lo)
-            score = _scores_rows(q, k, weights, positions, ratio, lo, rows, out=buf[:, :rows])
+            score = _scores_rows(q, k, weights, positions, ratio, lo, rows, out=buf[:, :rows], cand=cand)
             out[:, lo : lo + rows] = _ref.select_topk(score, kk)
         return out
 
 
-def _can_run(q, k, weights, positions, ratio, *_args, row_positions: bool = False) -> str | None:
+def _can_run(
+    q, k, weights, positions, ratio, *_args, row_positions: bool = False, k_shape: tuple | None = None
+) -> str | None:
+    """k_shape: the keys' [b, n, d] where k is a pool read through candidates (`can_run_topk`)."""
     reason = device_reason(q, k, weights, positions)
     if reason:
         return reason
-    if q.dim() != 4 or k.dim() != 3 or weights.dim() != 3 or positions.dim() not in ((1, 2) if row_positions else (1,)):
+    k_shape = tuple(k.shape) if k_shape is None else k_shape
+    if (
+        q.dim() != 4
+        or len(k_shape) != 3
+        or weights.dim() != 3
+        or positions.dim() not in ((1, 2) if row_positions else (1,))
+    ):
         return "expected q [b, s, h, d], k [b, n, d], weights [b, s, h], positions [s]" + (
             " or [b, s]" if row_positions else " (per-row positions [b, s]: top-k only)"
         )
     b, s, h, d = q.shape
     if (
-        k.size(0) != b
-        or k.size(2) != d
+        k_shape[0] != b
+        or k_shape[2] != d
         or weights.shape != (b, s, h)
         or positions.shape[-1] != s
         or (positions.dim() == 2 and positions.size(0) != b)
@@ -397,8 +432,17 @@ def can_run_scores(q, k, weights, positions, ratio) -> str | None:
     return _can_run(q, k, weights, positions, ratio)
 
 
-def can_run_topk(q, k, weights, positions, ratio, topk) -> str | None:
-    return _can_run(q, k, weights, positions, ratio, row_positions=True)
+def can_run_topk(q, k, weights, positions, ratio, topk, cand=None) -> str | None:
+    if cand is None:
+        return _can_run(q, k, weights, positions, ratio, row_positions=True)
+    reason = device_reason(q, k, weights, positions, cand)
+    if reason:
+        return reason
+    if k.dim() != 2 or cand.dim() != 2 or cand.dtype != torch.int64 or (cand.size(1) > 1 and cand.stride(1) != 1):
+        got = f"{tuple(k.shape)}, {tuple(cand.shape)} {cand.dtype}"
+        return f"a paged call needs keys [rows, d] and cand [b, n] int64 with contiguous rows, got {got}"
+    # the rest as for the gathered keys k[cand] [b, n, d] (checked by their shape, not gathered)
+    return _can_run(q, k, weights, positions, ratio, row_positions=True, k_shape=(*cand.shape, k.size(1)))
 
 
 _ops.register("indexer_scores", "triton", indexer_scores, can_run=can_run_scores, deterministic=True, priority=10)
