@@ -1,6 +1,6 @@
 """Serving-step kernels by launch plan, on one GPU: what `dsv4.ops.triton` should pick (diagnostic figures).
 
-    python3 scripts/bench_step_kernels.py [--only draw hc_pre pad accept plan route step] [--out FILE]
+    python3 scripts/bench_step_kernels.py [--only draw hc_pre pad accept plan route step indexer] [--out FILE]
 
 - draw: the fused token draw (`gumbel_argmax`, backend "triton") of B rows (64, 256) of a 32,768-token
   vocabulary (fp32 logits, temperature 1) by columns per program (`split`) and warps; every plan must
@@ -21,6 +21,10 @@
 - step: the raw graphed decode step (`small`) at 4 and 64 rows with the plan ops, the attention rows
   (`select_rows`, `attend_rows`) and the router on their references, then on the Triton kernels (3 runs
   each, alternating): what these fusions save per step.
+- indexer: the serving engine's indexer call at decode (`indexer_topk`, `small`'s 16 heads of 128, top-256,
+  8,192 positions per sequence: 2,048 candidates per row) for 64 and 256 rows, sequences at position 300
+  and 8,000: the keys gathered by their candidates first (`keys[cand]`, as before 331e288) against the
+  kernel reading the pool through the candidates; the same picks (asserted).
 - pad: the raw graphed decode step (`model.decode_step`, `small` preset) at b and b + 1 rows: the price of
   one padding row in a step's matrix products.
 
@@ -159,6 +163,26 @@ def route(dev: torch.device, show) -> None:
             assert all(torch.equal(a, b) for a, b in zip(outs["reference"], outs["triton"])), "the router differs"
 
 
+def indexer(dev: torch.device, show) -> None:
+    h, d, n, topk, ratio = 16, 128, 2048, 256, 4
+    for b in (64, 256):
+        g = torch.Generator(device=dev).manual_seed(0)
+        keys = torch.randn(b * n + 1, d, device=dev, generator=g).bfloat16()  # the pool (row 0: trash)
+        cand = 1 + torch.randperm(b * n, device=dev, generator=g).view(b, n)
+        q = torch.randn(b, 1, h, d, device=dev, generator=g).bfloat16()
+        w = torch.randn(b, 1, h, device=dev, generator=g) * (h * d) ** -0.5
+        for at in (300, 8000):
+            pos = torch.full((b, 1), at, device=dev)
+
+            def gathered(q=q, keys=keys, cand=cand, w=w, pos=pos):
+                return ops.indexer_topk(q, keys[cand], w, pos, ratio, topk, backend="triton")
+
+            paged = partial(ops.indexer_topk, q, keys, w, pos, ratio, topk, cand, backend="triton")
+            assert torch.equal(gathered(), paged()), "the paged indexer picks differently"
+            show(f"indexer rows={b} position={at} gathered us", us(time_ms(gathered, calls=20)))
+            show(f"indexer rows={b} position={at} paged us", us(time_ms(paged, calls=20)))
+
+
 def step(dev: torch.device, show) -> None:
     from dsv4.bench.serve import _raw_decode_rate
     from dsv4.cli import build_parser
@@ -192,6 +216,7 @@ def pad(dev: torch.device, show) -> None:
 
 
 SECTIONS = {"draw": draw, "hc_pre": hc_pre, "pad": pad, "accept": accept, "plan": plan, "route": route, "step": step}
+SECTIONS["indexer"] = indexer
 
 
 def main(argv: list[str] | None = None) -> int:
