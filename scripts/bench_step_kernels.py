@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hc_split import time_ms  # noqa: E402
 
 from dsv4 import ops  # noqa: E402
+from dsv4.ops.reference_plan import INDEX_OPS, PLAN_OPS  # noqa: E402
 from dsv4.ops.triton import mhc  # noqa: E402
 from dsv4.ops.triton import sampling as ts  # noqa: E402
 
@@ -116,8 +117,7 @@ def accept(dev: torch.device, show) -> None:
         assert outs["reference"] == outs["triton"], "the fused acceptance differs from the reference"
 
 
-PLAN_OPS = ("plan_window", "plan_groups", "plan_keep", "plan_entries")
-STEP_OPS = (*PLAN_OPS, "select_rows", "attend_rows", "route")
+STEP_OPS = (*INDEX_OPS, "route")
 
 
 def plan(dev: torch.device, show) -> None:

@@ -28,9 +28,10 @@ from dsv4 import ops  # noqa: E402
 from dsv4.config import ModelConfig  # noqa: E402
 from dsv4.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from dsv4.model import DeepSeekV4, transformer  # noqa: E402
+from dsv4.ops.reference_plan import INDEX_OPS  # noqa: E402
 from dsv4.ops.triton import _common  # noqa: E402
 
-KERNEL_OPS = ("plan_window", "plan_groups", "plan_keep", "plan_entries", "select_rows", "attend_rows", "route")
+KERNEL_OPS = (*INDEX_OPS, "route")
 NO_KERNEL = {"view", "_unsafe_view", "expand", "unsqueeze", "squeeze", "select", "slice", "t", "transpose"}
 NO_KERNEL |= {"permute", "as_strided", "alias", "detach", "reshape", "unbind", "split", "split_with_sizes", "chunk"}
 NO_KERNEL |= {"narrow", "_reshape_alias", "lift_fresh", "empty", "empty_strided", "view_as_real", "diagonal"}

@@ -298,22 +298,19 @@ def _plant_z07(ctx):
     return _contexts(*(patched(g, route_scale=g.route_scale**2) for g in _gates(ctx.model)))
 
 
-PLAN_OPS = ("plan_window", "plan_groups", "plan_keep", "plan_entries")
-
-
 def _plant_z10(ctx):
     """The plan's references patched, and the plan ops on their references (the kernels compute pages
     themselves)."""
     from ..ops import reference_plan
 
-    on_reference = ops.use_backend(dict.fromkeys(PLAN_OPS, "reference"), inherit=True)
+    on_reference = ops.use_backend(dict.fromkeys(reference_plan.PLAN_OPS, "reference"), inherit=True)
     return _contexts(patched(reference_plan, lookup_page=pages_by_logical_id), on_reference)
 
 
 def _plant_z11(ctx):
     from ..ops import reference_plan
 
-    on_reference = ops.use_backend(dict.fromkeys(PLAN_OPS, "reference"), inherit=True)
+    on_reference = ops.use_backend(dict.fromkeys(reference_plan.PLAN_OPS, "reference"), inherit=True)
     return _contexts(patched(reference_plan, entry_index=entry_at_raw_position), on_reference)
 
 

@@ -21,6 +21,10 @@ TRASH = 0  # reserved page 0 / ring row 0: the target of writes that must not la
 EMPTY_ROW = 1  # ring row 1: never written; kv 0, score -inf (the "group before the first one")
 RING_BASE = 2  # ring rows of state slot s start at RING_BASE + s * ring_len
 
+# the ops defined here: the plan's, and with them the ones that assemble each layer's attention rows
+PLAN_OPS = ("plan_window", "plan_groups", "plan_keep", "plan_entries")
+INDEX_OPS = (*PLAN_OPS, "select_rows", "attend_rows")
+
 
 def lookup_page(table: torch.Tensor, rows: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
     """The physical page of logical page `col` of each row: table[rows, col], -1 outside the table."""

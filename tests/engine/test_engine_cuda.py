@@ -15,6 +15,7 @@ import torch
 from dsv4 import DeepSeekV4, ops
 from dsv4.check.inputs import check_config
 from dsv4.engine import Engine, EngineConfig, SamplingParams
+from dsv4.ops.reference_plan import INDEX_OPS
 
 pytestmark = pytest.mark.gpu
 
@@ -109,8 +110,7 @@ def test_deterministic_mode_batching_does_not_change_tokens(model, prompts, samp
     assert ran["write_rows"] == ["triton"]  # the caches' row writes
     # the router, the step's plan and each layer's attention rows: one launch each (exact accumulation: the
     # router's float64 form)
-    index_ops = ("plan_window", "plan_groups", "plan_keep", "plan_entries", "select_rows", "attend_rows")
-    assert all(ran[op] == ["triton"] for op in ("route", *index_ops))
+    assert all(ran[op] == ["triton"] for op in ("route", *INDEX_OPS))
     for i, p in enumerate(prompts):
         alone, alone_lp, _ = run(model, [p], [params[i]], warm=False, deterministic=True, max_seqs=1)
         assert alone[0] == busy[i], f"request {i}: alone {alone[0]}, in the batch {busy[i]}"

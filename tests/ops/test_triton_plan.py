@@ -17,9 +17,8 @@ import dsv4.ops as ops  # noqa: E402
 from dsv4.config import ModelConfig  # noqa: E402
 from dsv4.model.paged import BatchCache, plan_step, uniform_inputs  # noqa: E402
 from dsv4.ops import reference as ref  # noqa: E402
+from dsv4.ops.reference_plan import INDEX_OPS, PLAN_OPS  # noqa: E402
 from dsv4.ops.triton import plan as plan_module  # noqa: E402
-
-PLAN_OPS = ("plan_window", "plan_groups", "plan_keep", "plan_entries")
 
 
 @pytest.fixture(autouse=True)
@@ -253,7 +252,7 @@ def test_an_engine_on_the_index_kernels_gives_the_same_tokens(mode):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(2, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 40, 23, 17)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
-    kernels = dict.fromkeys((*PLAN_OPS, "select_rows", "attend_rows"), "triton")
+    kernels = dict.fromkeys(INDEX_OPS, "triton")
     results = []
     for choice in ({}, kernels):
         engine = Engine(

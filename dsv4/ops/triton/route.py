@@ -21,6 +21,7 @@ The interpreter (CPU tests) has no libdevice: log1p is computed from log there, 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -195,7 +196,7 @@ def _can_run(logits, bias, k, score_func="sqrtsoftplus", route_scale=1.0, table=
             )
         if tuple(token_ids.shape) != (T,) or token_ids.dtype not in (torch.int32, torch.int64):
             return f"token_ids must be [{T}] int32/int64, got {tuple(token_ids.shape)} {token_ids.dtype}"
-    if is_exact() and float(torch.tensor(route_scale, dtype=torch.float32)) != route_scale:
+    if is_exact() and float(np.float32(route_scale)) != route_scale:
         return f"route_scale {route_scale} is not an fp32 number (the kernel takes it as one; exact accumulation)"
     return None
 
