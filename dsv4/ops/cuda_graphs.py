@@ -6,6 +6,10 @@ scope, say): its destructor then runs inside the capture, which CUDA refuses ("o
 stream is capturing"), and the capture fails. torch no longer collects before a capture by default, so a
 process that builds a second engine (a second `generate` call, a test) hit that at random. `capturing` keeps
 the collector off for the duration of the capture; what it would have freed is freed after.
+
+An op that synchronizes with the host (a data-dependent shape: `torch.where`, `nonzero`, a `.item()`) cannot
+be captured; CUDA then says only that the capture was invalidated. `capturing` names the likely cause and the
+way out (the reference backends of some ops are such ops: MoE dispatch, for one).
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from collections.abc import Iterator
 import torch
 
 
+class GraphCaptureError(RuntimeError):
+    """A step could not be captured in a CUDA graph (the message says why and what to do)."""
+
+
 @contextlib.contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
     """`torch.cuda.graph(graph, pool=pool)` with Python's garbage collector held off while it captures."""
@@ -25,6 +33,14 @@ def capturing(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
     try:
         with torch.cuda.graph(graph, pool=pool):
             yield
+    except RuntimeError as e:  # torch.AcceleratorError is one
+        if "captur" not in str(e):
+            raise
+        raise GraphCaptureError(
+            "capturing a CUDA graph failed: an op in the captured step synchronizes with the host (a reference "
+            "backend forced with --backend / ops.use_backend, say: reference MoE dispatch is not capturable); "
+            "run with --no-cuda-graph (EngineConfig(cuda_graphs=False)) or leave those ops on their GPU backends"
+        ) from e
     finally:
         if was_enabled:
             gc.enable()

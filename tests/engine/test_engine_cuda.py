@@ -170,3 +170,17 @@ def test_the_step_clock_times_every_launched_step_in_order(model, prompts):
     steps = engine.runner.bucket_steps
     shapes = {f"{d}+{c}" for d, c in steps} | ({"ragged"} if engine.runner.eager_steps else set())
     assert set(t["by_shape"]) <= shapes and sum(map(len, t["by_shape"].values())) == len(clock)
+
+
+def test_a_step_that_cannot_be_captured_says_why(model, prompts):
+    """Every op forced to its reference: MoE dispatch reads a data-dependent shape (`torch.where`), which a
+    CUDA graph cannot hold. The capture's failure names the cause and the way out instead of CUDA's bare
+    'operation not permitted when stream is capturing'; the same engine without graphs runs."""
+    from dsv4.ops.cuda_graphs import GraphCaptureError
+
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    with ops.use_backend("reference"):
+        with pytest.raises(GraphCaptureError, match="--no-cuda-graph"):
+            run(model, prompts[:2], [params] * 2, warm=True)
+        out, _, _ = run(model, prompts[:2], [params] * 2, warm=False, cuda_graphs=False)
+    assert [len(o) for o in out] == [2, 2]
