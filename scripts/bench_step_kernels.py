@@ -19,8 +19,8 @@
 - route: the MoE router after its projection (`route`) at `small`'s 32 experts, top-4, and V4's 256, top-6,
   1 to 2,048 tokens, reference against the one-launch kernel; the same weights and indices (asserted).
 - step: the raw graphed decode step (`small`) at 4 and 64 rows with the plan ops, the attention rows
-  (`select_rows`, `attend_rows`) and the router on their references, then on the Triton kernels (3 runs
-  each, alternating): what these fusions save per step.
+  (`select_rows`, `attend_rows`), the router and the shared expert's activation (`clamped_swiglu`) on
+  their references, then on the Triton kernels (3 runs each, alternating): what these fusions save per step.
 - indexer: the serving engine's indexer call at decode (`indexer_topk`, `small`'s 16 heads of 128, top-256,
   8,192 positions per sequence: 2,048 candidates per row) for 64 and 256 rows, sequences at position 300
   and 8,000: the keys gathered by their candidates first (`keys[cand]`, as before 331e288) against the
@@ -117,7 +117,7 @@ def accept(dev: torch.device, show) -> None:
         assert outs["reference"] == outs["triton"], "the fused acceptance differs from the reference"
 
 
-STEP_OPS = (*INDEX_OPS, "route")
+STEP_OPS = (*INDEX_OPS, "route", "clamped_swiglu")
 
 
 def plan(dev: torch.device, show) -> None:

@@ -6,9 +6,9 @@ on their Triton kernels, counted by what each would launch on a GPU (a diagnosti
 A count is the torch operations a step dispatches that launch a kernel on a GPU (views and allocations
 excluded) plus the Triton kernels it launches (what the interpreter runs inside a launch is not counted).
 Every other op runs its reference in both columns, so the difference is what the kernels of
-`plan_window`, `plan_groups`, `plan_keep`, `plan_entries`, `select_rows`, `attend_rows` and `route` take off
-a step; the plan alone (`model.paged.plan_step`) is counted too. Without a GPU it needs TRITON_INTERPRET=1;
-on a GPU it runs the compiled kernels and CUDA graphs off (every step eager).
+`plan_window`, `plan_groups`, `plan_keep`, `plan_entries`, `select_rows`, `attend_rows`, `route` and
+`clamped_swiglu` take off a step; the plan alone (`model.paged.plan_step`) is counted too. Without a GPU
+it needs TRITON_INTERPRET=1; on a GPU it runs the compiled kernels and CUDA graphs off (every step eager).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dsv4.model import DeepSeekV4, transformer  # noqa: E402
 from dsv4.ops.reference_plan import INDEX_OPS  # noqa: E402
 from dsv4.ops.triton import _common  # noqa: E402
 
-KERNEL_OPS = (*INDEX_OPS, "route")
+KERNEL_OPS = (*INDEX_OPS, "route", "clamped_swiglu")
 NO_KERNEL = {"view", "_unsafe_view", "expand", "unsqueeze", "squeeze", "select", "slice", "t", "transpose"}
 NO_KERNEL |= {"permute", "as_strided", "alias", "detach", "reshape", "unbind", "split", "split_with_sizes", "chunk"}
 NO_KERNEL |= {"narrow", "_reshape_alias", "lift_fresh", "empty", "empty_strided", "view_as_real", "diagonal"}

@@ -99,6 +99,12 @@ def record(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor if out is None else out
 
 
+def recording_active() -> bool:
+    """Whether a stage recorder is active in this thread (a recorded tensor may be kept: never update one
+    in place then)."""
+    return getattr(_RECORDER, "fn", None) is not None
+
+
 def record_as(name: str, tensor: torch.Tensor, shape: tuple[int, int] | None) -> torch.Tensor:
     """`record` for a tensor in the flat token layout [1, T, ...] offered as [b, s, ...] (the caller's
     layout, `shape` = (b, s)), so stages compare position by position with the full-sequence path."""

@@ -2,9 +2,9 @@
 
 Routed experts are stored stacked per layer (`experts.w1` [E, inter, dim] ...) so a grouped GEMM can
 run them at once; `dsv4.checkpoint` maps these to the official per-expert names. They dispatch
-(`ops.moe_experts`). The shared expert does not: it is three dense matmuls and the clamp for every token
-(`dsv4.ops.reference.expert_ffn`), which torch's GEMMs already run at full speed - for the same reason
-`dsv4.model.layers.Linear` calls the reference directly.
+(`ops.moe_experts`). The shared expert is three dense matmuls for every token, through its `Linear`
+modules (torch's GEMMs, or the weights' own quantized numerics), with the clamped SwiGLU between them as
+one op (`ops.clamped_swiglu`: a single kernel on a GPU instead of seven elementwise ones).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 from .. import ops
 from ..config import ModelConfig
 from ..ops.moe_shared import gate_dtype
-from .layers import Linear, autocast_dtype, linear_fp32, record
+from .layers import Linear, autocast_dtype, linear_fp32, record, recording_active
 
 
 def expert_slice(n_experts: int, rank: int, world: int) -> tuple[int, int]:
@@ -170,7 +170,8 @@ class Expert(nn.Module):
         def project(t: torch.Tensor, i: int) -> torch.Tensor:
             return proj[i](t, out_dtype=wide) if i != 2 and wide != t.dtype else proj[i](t)
 
-        return ops.reference.swiglu_ffn(x, project, self.swiglu_limit, None)
+        gate, up = project(x, 1), project(x, 3)
+        return project(ops.clamped_swiglu(gate, up, self.swiglu_limit, x.dtype), 2)
 
 
 class MoE(nn.Module):
@@ -225,7 +226,11 @@ class MoE(nn.Module):
             losses["balance"] = self._balance_loss(scores, indices, shape[0], balance_alpha)
         y = record(f"{self.stage}.routed", self.experts(flat, weights, indices))  # fp32 [T, dim]
         if self.shared_experts is not None:
-            y = y + record(f"{self.stage}.shared", self.shared_experts(flat)).float()
+            shared = record(f"{self.stage}.shared", self.shared_experts(flat))
+            if y.dtype == torch.float32 and not torch.is_grad_enabled() and not recording_active():
+                y = y.add_(shared)  # y + shared.float() in one kernel (the same fp32 sum; nothing else reads y)
+            else:
+                y = y + shared.float()
         return record(f"{self.stage}.out", y.to(x.dtype).view(shape))
 
     def _balance_loss(self, scores: torch.Tensor, indices: torch.Tensor, b: int, alpha: float) -> torch.Tensor:

@@ -263,6 +263,7 @@ rms_norm = _make("rms_norm")
 rope_tail = _make("rope_tail")
 moe_experts = _make("moe_experts")
 route = _make("route")
+clamped_swiglu = _make("clamped_swiglu")
 plan_window = _make("plan_window")
 plan_groups = _make("plan_groups")
 plan_keep = _make("plan_keep")
@@ -352,6 +353,7 @@ __all__ = [
     "rope_tail",
     "moe_experts",
     "route",
+    "clamped_swiglu",
     "plan_window",
     "plan_groups",
     "plan_keep",

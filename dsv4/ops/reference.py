@@ -571,6 +571,27 @@ def act_pow2(act: str | None) -> bool:
     return act == "ue8m0"
 
 
+def clamped_swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    swiglu_limit: float,
+    out_dtype: torch.dtype,
+    weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The activation between an expert's projections: gate, up [..., I] (any float dtype) ->
+    silu(min(gate, L)) * clamp(up, -L, L) [* weight [..., 1]] in fp32, rounded once to out_dtype [..., I].
+    L = swiglu_limit; 0 or less: no clamp. NaN stays NaN (clamp propagates it)."""
+    gate = gate.float()
+    up = up.float()
+    if swiglu_limit > 0:
+        up = up.clamp(-swiglu_limit, swiglu_limit)
+        gate = gate.clamp(max=swiglu_limit)
+    h = F.silu(gate) * up
+    if weight is not None:
+        h = h * weight
+    return h.to(out_dtype)
+
+
 def swiglu_ffn(
     x: torch.Tensor,
     project: Callable[[torch.Tensor, int], torch.Tensor],
@@ -578,15 +599,9 @@ def swiglu_ffn(
     weight: torch.Tensor | None,
 ) -> torch.Tensor:
     """Clamped SwiGLU around three projections: project(t, i) = t @ W_i^T in t's dtype (i = 1, 2, 3)."""
-    gate = project(x, 1).float()
-    up = project(x, 3).float()
-    if swiglu_limit > 0:
-        up = up.clamp(-swiglu_limit, swiglu_limit)
-        gate = gate.clamp(max=swiglu_limit)
-    h = F.silu(gate) * up
-    if weight is not None:
-        h = h * weight
-    return project(h.to(x.dtype), 2)
+    gate = project(x, 1)
+    up = project(x, 3)
+    return project(clamped_swiglu(gate, up, swiglu_limit, x.dtype, weight), 2)
 
 
 def expert_ffn(

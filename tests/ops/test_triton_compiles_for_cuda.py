@@ -200,6 +200,7 @@ def test_every_kernel_the_model_launches_compiles_for_sm90():
     kernels |= {"_int8_mm_kernel", "_int8_splitk_kernel", "_int8_dequant_splits_kernel"}  # INT8, both
     kernels |= {"_w8a8_gmm_kernel", "_w8a8_gmm_splitk_kernel", "_sum_splits_rows_kernel"}  # W8A8 experts
     kernels.add("_route_kernel")  # the MoE router
+    kernels.add("_swiglu_kernel")  # the shared expert's activation
     kernels |= {"_plan_window_kernel", "_plan_groups_kernel", "_plan_keep_kernel", "_plan_entries_kernel"}  # the plan
     kernels |= {"_select_rows_kernel", "_attend_rows_kernel"}  # each layer's attention rows
     assert kernels | {"_draw_split_kernel", "_spec_accept_kernel"} <= names

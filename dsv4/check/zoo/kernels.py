@@ -214,6 +214,8 @@ def backend_evidence(ctx: Context) -> CheckResult:
         "linear_fp32",
         "route",
     }
+    if cfg.n_shared_experts:
+        must.add("clamped_swiglu")
     if any(cfg.compress_ratios[: cfg.n_layers]):
         must.add("compress_pool")
     if 4 in cfg.compress_ratios[: cfg.n_layers]:

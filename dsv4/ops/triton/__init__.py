@@ -28,6 +28,7 @@ _MODULES = (
     "sampling",
     "spec_accept",
     "route",
+    "swiglu",
     "plan",
     "fixed_gemm",
     "optim",

@@ -1,0 +1,182 @@
+"""The shared expert's clamped SwiGLU (`clamped_swiglu`, backend "triton") against its plain-torch reference.
+
+The kernel does the reference's fp32 operations in the reference's order (module docstring of
+`dsv4.ops.triton.swiglu`). On CUDA it calls libdevice's exp as torch's silu does and divides correctly
+rounded: every output is the reference's bits (`test_cuda_matches_the_reference_bit_for_bit`). On the CPU
+interpreter numpy's exp replaces libdevice's and torch's CPU silu uses its own vectorized exp (each within
+1 ulp): silu's exp differs by at most 2 ulp, which moves 1 + exp by at most 2 ulp; each side rounds the sum,
+the division, the product with up and the weight's product once (half an ulp each, 2 ulp for the two
+sides): under 6 ulp of the larger value, asserted as 8. And the interpreter converts fp32 to bf16 / fp16 by
+its own rule, not always to nearest: its 16-bit outputs are within one ulp of the 16-bit type there.
+The clamps, the NaN that clamp keeps, the overflow of exp (silu = -0) are exact everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: no triton backend to test")
+
+from triton_interp import CUDA, DEV, interpret_unless_cuda, poison_allocator  # noqa: E402
+
+import dsv4.ops as ops  # noqa: E402
+from dsv4.ops import reference as ref  # noqa: E402
+from dsv4.ops.triton import swiglu as swiglu_module  # noqa: E402
+
+ULPS = 8  # fp32 outputs on the interpreter (module docstring)
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    interpret_unless_cuda(monkeypatch)
+    poison_allocator(monkeypatch, swiglu_module)
+    ops.reset_calls()
+    yield
+
+
+def check(gate, up, limit, out_dtype, weight=None):
+    """Run both and assert what must hold (module docstring); return the kernel's output."""
+    got = ops.clamped_swiglu(gate, up, limit, out_dtype, weight, backend="triton")
+    assert ops.last_backend("clamped_swiglu") == "triton"
+    want = ref.clamped_swiglu(gate, up, limit, out_dtype, weight)
+    assert got.dtype == out_dtype and got.shape == gate.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    if CUDA:  # the same bits wherever the value is a number (NaN payloads are not the reference's business)
+        bits = torch.int16 if out_dtype != torch.float32 else torch.int32
+        num = ~want.isnan()
+        assert torch.equal(got[num].view(bits), want[num].view(bits))
+        return got
+    if out_dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=ULPS * 2.0**-23, atol=1e-37, equal_nan=True)
+    else:  # one ulp of the 16-bit type (the interpreter's conversion)
+        g, w = got.float(), want.float()
+        ulp = torch.finfo(out_dtype).eps * torch.maximum(g.abs(), w.abs())
+        ok = ((g - w).abs() <= ulp + torch.finfo(out_dtype).smallest_normal) | (g.isnan() & w.isnan())
+        assert ok.all(), f"{(~ok).sum().item()} elements more than one ulp apart"
+    return got
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_random_inputs_match_the_reference(in_dtype, out_dtype, weighted):
+    g = torch.Generator().manual_seed(1)
+    for T, I in ((1, 512), (7, 96), (64, 768), (3, 5)):
+        gate = (torch.randn(T, I, generator=g) * 6).to(in_dtype).to(DEV)
+        up = (torch.randn(T, I, generator=g) * 6).to(in_dtype).to(DEV)
+        weight = torch.rand(T, 1, generator=g).to(DEV) if weighted else None
+        check(gate, up, 7.0, out_dtype, weight)
+
+
+def test_structured_inputs():
+    """The clamps at and beyond the limit, both signs; zeros; NaN in either input (kept); +inf gates
+    (clamped to the limit); gates so negative that exp overflows (silu = -0, the product a signed zero);
+    no clamp at a limit of 0."""
+    L = 2.5
+    special = [0.0, -0.0, L, -L, L * 1.5, -L * 1.5, 1e30, -1e30, float("nan"), float("inf"), -100.0, -89.0, 88.0]
+    vals = torch.tensor(special)
+    gate = vals.repeat_interleave(len(special)).view(len(special), len(special)).to(DEV)
+    up = vals.repeat(len(special)).view(len(special), len(special)).to(DEV)
+    out = check(gate, up, L, torch.float32)
+    assert out[gate > L].isnan().sum() == up[gate > L].isnan().sum()  # only up's NaN survive a clamped gate
+    assert (out.abs() <= L * L).logical_or(out.isnan()).all()  # |silu(min(g, L))| <= L and |up| <= L
+    check(gate, up, L, torch.bfloat16)
+    finite = torch.where(gate.isinf() | (gate.abs() > 1e3), 0.0, gate)
+    check(finite, up.nan_to_num(posinf=3.0, neginf=-3.0), 0.0, torch.float32)  # no clamp
+
+
+def test_every_element_is_written_at_block_edges():
+    """Sizes around the kernel's block (the poisoned allocator: an unwritten element is NaN)."""
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 1023, 1024, 1025, 3 * 1024 + 7):
+        gate = torch.randn(1, n, generator=g).to(DEV)
+        up = torch.randn(1, n, generator=g).to(DEV)
+        out = check(gate, up, 7.0, torch.float32)
+        assert not out.isnan().any()
+    empty = torch.zeros(0, 8, device=DEV)
+    assert ops.clamped_swiglu(empty, empty, 7.0, torch.bfloat16, backend="triton").shape == (0, 8)
+
+
+def test_refusals_name_their_reason():
+    x = torch.randn(4, 16, device=DEV)
+
+    def why(*args, **kw):
+        return ops.refusal("clamped_swiglu", "triton", *args, **kw)
+
+    assert why(x, x, 7.0, torch.bfloat16) is None
+    assert "one shape" in why(x, x[:, :8], 7.0, torch.bfloat16)
+    assert "contiguous" in why(x.t(), x.t(), 7.0, torch.bfloat16)
+    assert "fp32 / bf16 / fp16" in why(x.double(), x.double(), 7.0, torch.bfloat16)
+    assert "weight" in why(x, x, 7.0, torch.bfloat16, torch.ones(4, device=DEV))
+    x.requires_grad_(True)
+    assert "autograd" in why(x, x, 7.0, torch.bfloat16)
+    with torch.no_grad():
+        assert why(x, x, 7.0, torch.bfloat16) is None
+    with pytest.raises(ops.BackendUnavailable, match="autograd"):
+        ops.clamped_swiglu(x, x, 7.0, torch.bfloat16, backend="triton")
+
+
+def test_the_shared_expert_runs_the_kernel_and_trains_through_the_reference():
+    """A no-grad forward picks the kernel for every layer's shared expert and gives the reference's output
+    (bit for bit on CUDA, within the interpreter's bounds on the CPU); a training forward picks the
+    reference (the kernel has no backward)."""
+    from dsv4.config import ModelConfig
+    from dsv4.model import DeepSeekV4
+
+    cfg = ModelConfig.preset("tiny")
+    model = DeepSeekV4.from_config(cfg, seed=0, dtype=torch.float32).to(DEV)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0)).to(DEV)
+    expert = model.layers[0].ffn.shared_experts
+    x = torch.randn(5, cfg.dim, generator=torch.Generator().manual_seed(3)).to(DEV)
+    with torch.no_grad():
+        with ops.use_backend({"clamped_swiglu": "triton"}, inherit=True):
+            got = expert(x)
+        assert ops.last_backend("clamped_swiglu") == "triton"
+        with ops.use_backend({"clamped_swiglu": "reference"}, inherit=True):
+            want = expert(x)
+    if CUDA:
+        assert torch.equal(got, want)
+    else:  # the interpreter's activation (8 ulp) through the down projection's sum of I terms
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    with ops.prefer_backend("triton"):
+        with torch.no_grad(), ops.which_ran() as ran:
+            model(tokens)
+        assert ran["clamped_swiglu"] == ["triton"]
+        with ops.which_ran() as ran:
+            model(tokens)
+        assert ran["clamped_swiglu"] == ["reference"]
+
+
+def test_the_in_place_sum_of_the_shared_expert_changes_no_bit():
+    """Without autograd or a stage recorder the MoE adds the shared expert into the routed experts' fp32
+    sum in place (one kernel); with either, out of place. The same fp32 additions: the same bits."""
+    from dsv4.config import ModelConfig
+    from dsv4.model import DeepSeekV4
+    from dsv4.model.layers import recording
+
+    cfg = ModelConfig.preset("tiny")
+    model = DeepSeekV4.from_config(cfg, seed=0, dtype=torch.bfloat16).to(DEV)
+    moe = model.layers[-1].ffn
+    x = torch.randn(1, 9, cfg.dim, generator=torch.Generator().manual_seed(4)).to(DEV, torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5)).to(DEV)
+    with ops.use_backend("reference"), torch.no_grad():
+        fast = moe(x, ids, {}, 0.0)
+        with recording(lambda name, t: None):
+            slow = moe(x, ids, {}, 0.0)
+    assert torch.equal(fast, slow)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_matches_the_reference_bit_for_bit():
+    """V4's shapes (moe_inter_dim 2048, 3072) at decode and prefill sizes, bf16 and fp32 projections."""
+    g = torch.Generator().manual_seed(5)
+    for T, I in ((1, 2048), (64, 2048), (4096, 3072)):
+        for dt in (torch.bfloat16, torch.float32):
+            gate = (torch.randn(T, I, generator=g) * 8).to(dt).cuda()
+            up = (torch.randn(T, I, generator=g) * 8).to(dt).cuda()
+            weight = torch.rand(T, 1, generator=g).cuda()
+            for out_dtype in (torch.bfloat16, torch.float32):
+                check(gate, up, 7.0, out_dtype)
+                check(gate, up, 7.0, out_dtype, weight)
