@@ -578,9 +578,8 @@ def clamped_swiglu(
     out_dtype: torch.dtype,
     weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The activation between an expert's projections: gate, up [..., I] (any float dtype) ->
-    silu(min(gate, L)) * clamp(up, -L, L) [* weight [..., 1]] in fp32, rounded once to out_dtype [..., I].
-    L = swiglu_limit; 0 or less: no clamp. NaN stays NaN (clamp propagates it)."""
+    """An expert's activation: gate, up [..., I] (any float dtype) -> silu(min(gate, L)) * clamp(up, -L, L)
+    [* weight [..., 1]] in fp32, rounded once to out_dtype [..., I]. L = swiglu_limit (<= 0: no clamp)."""
     gate = gate.float()
     up = up.float()
     if swiglu_limit > 0:
@@ -599,9 +598,7 @@ def swiglu_ffn(
     weight: torch.Tensor | None,
 ) -> torch.Tensor:
     """Clamped SwiGLU around three projections: project(t, i) = t @ W_i^T in t's dtype (i = 1, 2, 3)."""
-    gate = project(x, 1)
-    up = project(x, 3)
-    return project(clamped_swiglu(gate, up, swiglu_limit, x.dtype, weight), 2)
+    return project(clamped_swiglu(project(x, 1), project(x, 3), swiglu_limit, x.dtype, weight), 2)
 
 
 def expert_ffn(

@@ -7,7 +7,8 @@ min(gate, L) and clamp(up, -L, L) by comparisons (so NaN stays NaN, as torch's c
 silu(g) = g / (1 + exp(-g)) with libdevice's `exp` (what torch's CUDA silu calls) and a correctly rounded
 division, the product, the optional weight, one rounding to the output dtype. So the output is the
 reference's bits on CUDA. On the CPU interpreter numpy's exp stands in for libdevice's and torch's CPU silu
-uses its own vectorized exp: a few ulp apart there.
+uses its own vectorized exp: a few ulp apart there (and the interpreter's fp32 -> bf16 conversion, which
+truncates, is replaced by a rounding to nearest even on the bits).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def _swiglu_kernel(
     CLAMP: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
+    RNE_BF16: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -52,6 +54,9 @@ def _swiglu_kernel(
     h = tl.div_rn(g, 1.0 + e) * u
     if HAS_WEIGHT:
         h = h * tl.load(w_ptr + offs // I, mask=inside, other=0.0)
+    if INTERP and RNE_BF16:  # the interpreter's own fp32 -> bf16 conversion truncates; round to nearest even
+        b = h.to(tl.uint32, bitcast=True)
+        h = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
     tl.store(out_ptr + offs, h.to(out_ptr.dtype.element_ty), mask=inside)
 
 
@@ -81,6 +86,7 @@ def triton_clamped_swiglu(
         CLAMP=swiglu_limit > 0,
         HAS_WEIGHT=weight is not None,
         BLOCK=BLOCK,
+        RNE_BF16=out_dtype == torch.bfloat16,
         INTERP=interpret_mode(),
     )
     return out
