@@ -38,8 +38,8 @@ def capturing(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
             raise
         raise GraphCaptureError(
             "capturing a CUDA graph failed: an op in the captured step synchronizes with the host (a reference "
-            "backend forced with --backend / ops.use_backend, say: reference MoE dispatch is not capturable); "
-            "run with --no-cuda-graph (EngineConfig(cuda_graphs=False)) or leave those ops on their GPU backends"
+            "backend forced with ops.use_backend, say: reference MoE dispatch is not capturable); run with "
+            "--no-cuda-graph (EngineConfig(cuda_graphs=False)) or leave those ops on their GPU backends"
         ) from e
     finally:
         if was_enabled:
