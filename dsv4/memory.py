@@ -66,11 +66,18 @@ class WeightBytes:
     kept_quantized: int  # in memory with keep_quantized: FP8 / FP4 weights as stored
     stored: int  # on disk in the release layout (config's dtype / expert_dtype)
     by_format: dict  # stored bytes by safetensors dtype
-    # the bf16 parts (three per fp32 element: 6 bytes) of the fp32 projections' weights (head, compressors)
-    # that a GPU engine keeps once split (`ops.keep_splits`; the bf16x3 backend, which CUDA runs from 2 rows
-    # of bf16 activations, `torch_native.prefers_split`, so 0 in other dtypes): an upper bound, as a weight is
-    # split at its first such call
+    # bf16 parts a GPU engine keeps once split (`ops.keep_splits`): 6 bytes per fp32 element of the fp32
+    # projections (head, compressors; bf16x3 runs from 2 rows of bf16 activations, so 0 in other dtypes),
+    # and the mHC mix weights' (`hc_fn_split_bytes`); an upper bound: a weight is split at its first call
     splits: int = 0
+
+
+def hc_fn_split_bytes(mix: int, k: int, hc: int) -> int:
+    """The bf16 parts a GPU engine keeps of one mHC mix weight [mix, k] (`dsv4.ops.triton.mhc_fn.kept_bytes`,
+    which needs triton): three parts of the pre | post columns, padded to a 16-wide tile, and of the hc x hc
+    comb columns (the head's weight, with hc rows, has only the first)."""
+    cols = max(16, 1 << (2 * hc - 1).bit_length()) + (0 if mix == hc else hc * hc)
+    return 3 * 2 * k * cols
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> WeightBytes:
@@ -101,9 +108,9 @@ def _weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> WeightBytes:
     splits = 0
     if dtype == torch.bfloat16:
         splits = sum(
-            6 * p.numel()
+            6 * p.numel() if name.endswith(".weight") else hc_fn_split_bytes(*p.shape, cfg.hc_mult)
             for name, p in model.named_parameters()
-            if p.dtype == torch.float32 and p.dim() == 2 and name.endswith(".weight")
+            if p.dtype == torch.float32 and p.dim() == 2 and name.endswith((".weight", "_fn"))
         )
     return WeightBytes(params, in_memory, kept, sum(by_format.values()), by_format, splits)
 

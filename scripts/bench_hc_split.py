@@ -26,7 +26,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dsv4
 
 from dsv4 import ops  # noqa: E402
-from dsv4.ops.triton import mhc  # noqa: E402
+from dsv4.ops.triton import mhc, mhc_fn  # noqa: E402
 
 SPLITS = (None, 1, 2, 3, 4, 6, 8, 16)
 
@@ -114,7 +114,7 @@ def anatomy(tokens, hc, d, fn, scale, base, g) -> int:
         finally:
             mhc.SPLIT_K = None
         print(f"  T={t:>5}  " + "  ".join(cells), flush=True)
-        fpp, fcb = mhc._split_fn(fn, hc, False)
+        fpp, fcb = mhc_fn.make_split(fn, hc, False)
         xs = x.contiguous()
         y = torch.empty(1, t, d, dtype=x.dtype, device=dev)
         post = torch.empty(t, hc, device=dev)
@@ -123,7 +123,7 @@ def anatomy(tokens, hc, d, fn, scale, base, g) -> int:
         rs = torch.empty(t, device=dev)
         sc, bs = scale.float().contiguous(), base.float().contiguous()
         args = (xs, fpp, fcb, sc, bs, y, post, comb, mix, rs, t, d, 1e-6, 1e-6)
-        meta = dict(ITERS=20, HC=hc, P1=mhc._pp_width(hc), HEAD=False, UPCAST=False)
+        meta = dict(ITERS=20, HC=hc, P1=mhc_fn.pp_width(hc), HEAD=False, UPCAST=False)
         for cfg in mhc._PRE_CONFIGS:
             bt, bk, bd = cfg.kwargs["BT"], cfg.kwargs["BK"], cfg.kwargs["BD"]
             row = []

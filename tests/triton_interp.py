@@ -15,7 +15,18 @@ import torch
 
 from dsv4.ops.triton._common import interpreter_defect
 
-MODULES = ("_mm_utils", "moe", "mhc_bwd", "mhc", "quant_gemm", "w8a8_gemm", "w8a8_decode", "int8_gemm", "int8_decode")
+MODULES = (
+    "_mm_utils",
+    "moe",
+    "mhc_bwd",
+    "mhc_fn",
+    "mhc",
+    "quant_gemm",
+    "w8a8_gemm",
+    "w8a8_decode",
+    "int8_gemm",
+    "int8_decode",
+)
 
 
 def rebuild_kernels(interpret: bool) -> None:

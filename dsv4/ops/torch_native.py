@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -140,19 +142,39 @@ def keep_splits(module: torch.nn.Module) -> int:
     return n
 
 
+def _reuse(weight: torch.Tensor, kept, store: Callable[[tuple], None], make: Callable[[torch.Tensor], object]):
+    """The rule of a kept derivation of a marked weight: `kept` ((version, storage address), value) or None is
+    reused while the key matches; otherwise make(weight) now, stored by `store` outside a capture (a
+    capture's tensors are its pool's). Unmarked, autograd-tracked and inference weights: made every call."""
+    if weight not in _KEPT or (torch.is_grad_enabled() and weight.requires_grad) or weight.is_inference():
+        return make(weight.detach())  # (an inference tensor has no version counter to check)
+    key = (weight._version, weight.data_ptr())
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    value = make(weight.detach())
+    if not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+        store((key, value))
+    return value
+
+
 def weight_split(weight: torch.Tensor) -> torch.Tensor:
     """The [N, 3K] bf16 split of an fp32 weight: the kept one where `keep_splits` marked the weight, autograd
     is off for it and it is unchanged since; else made now (and kept, for a marked weight outside a capture)."""
-    if weight not in _KEPT or (torch.is_grad_enabled() and weight.requires_grad) or weight.is_inference():
-        return split_bf16x3(weight.detach())  # (an inference tensor has no version counter to check)
-    key = (weight._version, weight.data_ptr())
-    kept = _KEPT[weight]
-    if kept is not None and kept[0] == key:
-        return kept[1]
-    w3 = split_bf16x3(weight.detach())
-    if not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a capture's tensors are its pool's)
-        _KEPT[weight] = (key, w3)
-    return w3
+    kept = _KEPT.get(weight) if weight in _KEPT else None
+    return _reuse(weight, kept, lambda kv: _KEPT.__setitem__(weight, kv), lambda w: split_bf16x3(w))
+
+
+# other derivations of marked weights that kernels multiply (the mHC mix weight's bf16 parts):
+# weight -> {name: ((version, storage address), value)}
+_DERIVED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def kept_derived(weight: torch.Tensor, name: str, make: Callable[[torch.Tensor], object]):
+    """make(weight) kept under `name` for a weight `keep_splits` marked, by `weight_split`'s rule: reused while
+    the weight is unchanged and autograd does not track it, made again after an in-place write or new
+    storage, never kept from inside a CUDA graph capture; an unmarked weight's is made at every call."""
+    slot = _DERIVED.setdefault(weight, {}) if weight in _KEPT else {}
+    return _reuse(weight, slot.get(name), lambda kv: slot.__setitem__(name, kv), make)
 
 
 class _Bf16x3Linear(torch.autograd.Function):

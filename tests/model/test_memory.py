@@ -239,9 +239,10 @@ def test_info_measure_sets_the_cpu_peak_beside_the_estimate(capsys):
 
 
 def test_the_kept_splits_estimate_is_what_a_serving_model_keeps():
-    """`WeightBytes.splits` (the bf16 parts a GPU engine keeps of the fp32 projections' weights) equals what
-    `ops.keep_splits` keeps once a forward has run every fp32 projection through the bf16x3 backend (as
-    CUDA does from 64 rows): the head, the compressors and the indexers' compressors."""
+    """`WeightBytes.splits` (the bf16 parts a GPU engine keeps of the fp32 projections' and the mHC mix
+    weights) equals what `ops.keep_splits` keeps once a forward has run every fp32 projection through the
+    bf16x3 backend (as CUDA does from 2 rows): the head, the compressors and the indexers' compressors, plus
+    the mix weights' parts."""
     from dsv4 import ops
     from dsv4.check.inputs import check_config
     from dsv4.ops import torch_native
@@ -254,5 +255,10 @@ def test_the_kept_splits_estimate_is_what_a_serving_model_keeps():
     assert "bf16x3" in ran["linear_fp32"]  # (the router's bf16 weight takes the reference)
     kept = [torch_native._KEPT[p] for p in model.parameters() if p in torch_native._KEPT]
     nbytes = sum(k[1].numel() * k[1].element_size() for k in kept if k is not None)
-    assert nbytes == mem.weight_bytes(model.cfg).splits > 0
+    # the mHC mix weights' parts, which the CPU's reference mHC does not make (their formula is held to the
+    # parts the kernels keep in tests/ops/test_triton_moe_mhc.py)
+    fns = [p for n, p in model.named_parameters() if n.endswith("_fn")]
+    hc = sum(mem.hc_fn_split_bytes(*p.shape, model.cfg.hc_mult) for p in fns)
+    assert len(fns) == 2 * (model.cfg.n_layers + model.cfg.n_mtp_layers) + 1 + model.cfg.n_mtp_layers
+    assert nbytes + hc == mem.weight_bytes(model.cfg).splits and nbytes > 0 and hc > 0
     assert mem.weight_bytes(model.cfg, torch.float32).splits == 0  # (fp32 activations: no bf16x3)

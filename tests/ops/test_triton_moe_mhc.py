@@ -414,13 +414,13 @@ def test_hc_fn_split_kernel_is_exact(hc, head):
     are left out: the CPU interpreter flushes them, and mixing weights never come near 1e-38)."""
     from dsv4.ops.torch_native import bf16_parts
 
-    mhc = importlib.import_module("dsv4.ops.triton.mhc")
+    mhc_fn = importlib.import_module("dsv4.ops.triton.mhc_fn")
     k, mix = 96, hc if head else (2 + hc) * hc
     g = torch.Generator().manual_seed(5)
     fn = torch.randn(mix, k, generator=g) * torch.exp2(torch.randint(-40, 40, (mix, k), generator=g).float())
     fn[0, :8] = 0.0
     fn[1, :8] = torch.tensor([1.0, -2.5, 3.0078125, 1 + 2**-8, 1 + 2**-9, 1 + 3 * 2**-9, 3e-30, -1e-20])
-    fpp, fcb = mhc._split_fn(fn, hc, head)
+    fpp, fcb = mhc_fn.make_split(fn, hc, head)
     parts = torch.stack(bf16_parts(fn.t()))  # [3, K, mix]
     n_pp = hc if head else 2 * hc
     assert torch.equal(fpp[:, :, :n_pp].view(torch.int16), parts[:, :, :n_pp].view(torch.int16))
@@ -438,6 +438,56 @@ def _pre_fwd_bwd(fwd, inputs, gs):
     out = fwd(*leaves, 1e-6, 1e-6, 20)
     grads = torch.autograd.grad(out, leaves, gs)
     return [o.detach() for o in out], list(grads)
+
+
+def test_a_marked_mix_weight_is_split_once(monkeypatch):
+    """`ops.keep_splits` (the serving engine, the graphed decoders) marks the mHC mix weights too: hc_pre
+    and hc_head then split a weight into its bf16 parts once, with the bits of a split made at the call,
+    and again after an in-place write; a weight autograd tracks is split at every call (training, whose
+    captured graphs must replay the split against the weights of the moment)."""
+    from torch import nn
+
+    from dsv4.memory import hc_fn_split_bytes
+
+    mhc_fn = importlib.import_module("dsv4.ops.triton.mhc_fn")
+    made: list[tuple[int, bool]] = []
+    real = mhc_fn.make_split
+    monkeypatch.setattr(mhc_fn, "make_split", lambda fn, hc, head: made.append((hc, head)) or real(fn, hc, head))
+    x, fn, scale, base = _hc_inputs(seed=31, b=1, s=5, d=32)
+    g = torch.Generator().manual_seed(32)
+    mod = nn.Module()
+    mod.fn = nn.Parameter(fn.clone())
+    mod.head_fn = nn.Parameter(torch.randn(4, 4 * 32, generator=g) * 0.05)
+
+    def run(fn_, head_fn_):
+        pre = ops.hc_pre(x, fn_, scale, base, 1e-6, 1e-6, 20, backend="triton")
+        return (*pre, ops.hc_head(x, head_fn_, scale[:1], base[:4], 1e-6, 1e-6, backend="triton"))
+
+    def fresh():  # unmarked copies: split at the call
+        return run(mod.fn.detach().clone(), mod.head_fn.detach().clone())
+
+    with torch.no_grad():
+        want = fresh()
+        assert len(made) == 2
+        made.clear()
+        for fn_ in (mod.fn, mod.head_fn):  # what is kept is what `dsv4.memory` counts
+            parts = {id(t): t for t in mhc_fn.split_fn(fn_, 4, fn_.size(0) == 4)}.values()
+            assert sum(t.numel() * t.element_size() for t in parts) == hc_fn_split_bytes(*fn_.shape, 4)
+        ops.keep_splits(mod)
+        made.clear()
+        got = [run(mod.fn, mod.head_fn) for _ in range(3)]
+        assert made == [(4, False), (4, True)]  # once each, the first call
+        assert all(torch.equal(a, b) for out in got for a, b in zip(out, want))
+        mod.fn.mul_(-2.0)  # in place: its version moves
+        made.clear()
+        after = run(mod.fn, mod.head_fn)
+        assert made == [(4, False)]
+        assert all(torch.equal(a, b) for a, b in zip(after, fresh()))
+    made.clear()
+    for _ in range(2):  # tracked by autograd: split at every call
+        y, post, comb = ops.hc_pre(x, mod.fn, scale, base, 1e-6, 1e-6, 20, backend="triton")
+    (y.float().sum() + post.sum() + comb.sum()).backward()
+    assert made == [(4, False)] * 2 and mod.fn.grad is not None and mod.fn.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("t, d, split", [(1, 256, None), (3, 256, 6), (17, 256, 3), (1, 1024, None)])

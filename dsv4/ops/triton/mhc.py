@@ -2,8 +2,9 @@
 
 `hc_pre`: one program per block of BT tokens reads the token's hc residual copies once for the mix
 projection (fp32-exact: the fp32 `fn` is split into three bf16 parts, each multiplied on tensor cores with
-fp32 accumulation, and x is bf16 already), applies the RMS scale, the sigmoids and the 20 Sinkhorn
-iterations in registers, then re-reads its own tile (L2-resident by then) for the weighted reduce.
+fp32 accumulation, and x is bf16 already; `mhc_fn` makes the parts, once for a serving model), applies
+the RMS scale, the sigmoids and the 20 Sinkhorn iterations in registers, then re-reads its own tile
+(L2-resident by then) for the weighted reduce.
 With few row tiles (decode: one token per sequence) that leaves most SMs idle behind a serial K = hc * D
 loop, so K is split instead: one program per (row tile, K slice) writes fp32 partial mixes and sums of
 squares to a workspace, and a second kernel adds them in slice order (deterministic, no atomics) and runs
@@ -28,6 +29,7 @@ from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason, mma, round_to
 from ._mm_utils import launch as _launch
 from .mhc_bwd import _hc_post_bwd_kernel, _hc_split_bwd_kernel
+from .mhc_fn import pp_width, split_fn
 
 
 @triton.jit
@@ -410,81 +412,6 @@ def _rows_grid(t: int):
 
 
 # ----------------------------------------------------------------------------- launchers
-def _pp_width(hc: int) -> int:
-    return max(16, triton.next_power_of_2(2 * hc))
-
-
-@triton.jit
-def _split_parts_store(w, out_ptr, K, ks, cols, mask, NC: tl.constexpr, UPCAST: tl.constexpr):
-    """Stores w [BK, NC] fp32 as three exact bf16 parts at out[part, k, col] (out: [3, K, NC])."""
-    hi = round_to(w, tl.bfloat16, UPCAST)
-    r = w - hi.to(tl.float32)  # exact in fp32
-    mid = round_to(r, tl.bfloat16, UPCAST)
-    lo = round_to(r - mid.to(tl.float32), tl.bfloat16, UPCAST)
-    offs = ks[:, None].to(tl.int64) * NC + cols[None, :]
-    tl.store(out_ptr + offs, hi, mask=mask)
-    tl.store(out_ptr + K * NC + offs, mid, mask=mask)
-    tl.store(out_ptr + 2 * K * NC + offs, lo, mask=mask)
-
-
-@triton.jit
-def _split_fn_kernel(
-    fn_ptr,
-    fpp_ptr,
-    fcb_ptr,
-    K,
-    N_PP: tl.constexpr,
-    P1: tl.constexpr,
-    P2: tl.constexpr,
-    HEAD: tl.constexpr,
-    BK: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """fn [mix, K] fp32 -> fpp [3, K, P1] (pre | post columns, zero-padded), fcb [3, K, P2] (comb columns)."""
-    ks = tl.program_id(0) * BK + tl.arange(0, BK)
-    kmask = ks < K
-    c1 = tl.arange(0, P1)
-    w = tl.load(
-        fn_ptr + c1[None, :].to(tl.int64) * K + ks[:, None], mask=kmask[:, None] & (c1[None, :] < N_PP), other=0.0
-    )
-    _split_parts_store(w, fpp_ptr, K, ks, c1, kmask[:, None], P1, UPCAST)
-    if not HEAD:
-        c2 = tl.arange(0, P2)
-        w2 = tl.load(fn_ptr + (N_PP + c2[None, :]).to(tl.int64) * K + ks[:, None], mask=kmask[:, None], other=0.0)
-        _split_parts_store(w2, fcb_ptr, K, ks, c2, kmask[:, None], P2, UPCAST)
-
-
-def _split_fn(fn: torch.Tensor, hc: int, head: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fn [mix, hc*D] -> (pre|post columns [3, K, P1], comb columns [3, K, hc*hc]) as exact bf16 parts.
-
-    One launch per call, recomputed every time: nothing is cached across calls, so a CUDA graph that
-    captured this replays it against the parameter's current values (a cache keyed on the parameter
-    would hand a captured graph stale or freed parts once the weights are updated).
-    """
-    k = fn.size(1)
-    p1 = _pp_width(hc)
-    fn = fn.detach().float().contiguous()
-    fpp = torch.empty(3, k, p1, dtype=torch.bfloat16, device=fn.device)
-    fcb = torch.empty(3, k, hc * hc, dtype=torch.bfloat16, device=fn.device) if not head else fpp
-    bk = 64
-    _launch(
-        _split_fn_kernel,
-        (triton.cdiv(k, bk),),
-        fn,
-        fpp,
-        fcb,
-        k,
-        N_PP=hc if head else 2 * hc,
-        P1=p1,
-        P2=hc * hc,
-        HEAD=head,
-        BK=bk,
-        UPCAST=_INTERPRET,
-        num_warps=4,
-    )
-    return fpp, fcb
-
-
 # Split K (small T): below this many row tiles per SM the single kernel leaves most SMs idle while each
 # program runs the whole K = hc * D reduction serially (decode: 1 token per sequence).
 SPLIT_K: int | None = None  # None: automatic; 0 or 1: never split; n > 1: force about n K slices
@@ -536,7 +463,7 @@ def _split_plan(t: int, k: int, dev: torch.device) -> tuple[int, int]:
 
 def _launch_pre(
     x: torch.Tensor,
-    fn: torch.Tensor,
+    parts: tuple[torch.Tensor, torch.Tensor],
     scale: torch.Tensor,
     base: torch.Tensor,
     norm_eps: float,
@@ -547,7 +474,7 @@ def _launch_pre(
     b, s, hc, d = x.shape
     t = b * s
     x = x.contiguous()
-    fpp, fcb = _split_fn(fn, hc, head)
+    fpp, fcb = parts  # fn's bf16 parts (`mhc_fn.split_fn`)
     y = torch.empty(b, s, d, dtype=x.dtype, device=x.device)
     dev = x.device
     post = torch.empty(b, s, hc, dtype=torch.float32, device=dev)
@@ -555,7 +482,7 @@ def _launch_pre(
     mix = torch.empty(t, (2 + hc) * hc, dtype=torch.float32, device=dev)
     rs = torch.empty(t, dtype=torch.float32, device=dev)
     sc, bs = scale.float().contiguous(), base.float().contiguous()
-    p1 = _pp_width(hc)
+    p1 = pp_width(hc)
     meta = dict(ITERS=int(iters), HC=hc, P1=p1, HEAD=head, UPCAST=_INTERPRET)
     split, ks = _split_plan(t, hc * d, dev)
     if split > 1:
@@ -624,8 +551,8 @@ def _launch_pre(
 
 class _HcPre(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fn, scale, base, norm_eps, hc_eps, iters):
-        y, post, comb, mix, rs = _launch_pre(x, fn, scale, base, norm_eps, hc_eps, iters, head=False)
+    def forward(ctx, x, fn, scale, base, norm_eps, hc_eps, iters, parts):
+        y, post, comb, mix, rs = _launch_pre(x, parts, scale, base, norm_eps, hc_eps, iters, head=False)
         ctx.save_for_backward(x, fn, scale, base, mix, rs)
         ctx.consts = (hc_eps, iters)
         return y, post, comb
@@ -690,6 +617,7 @@ class _HcPre(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -744,7 +672,8 @@ class _HcPost(torch.autograd.Function):
 
 def triton_hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters):
     """`hc_pre`: fused mix projection, Sinkhorn and weighted reduce (see the module docstring)."""
-    return _HcPre.apply(x, fn, scale, base, norm_eps, hc_eps, iters)
+    parts = split_fn(fn, x.size(2), head=False)  # (here: autograd's forward would hide whether fn is tracked)
+    return _HcPre.apply(x, fn, scale, base, norm_eps, hc_eps, iters, parts)
 
 
 def triton_hc_post(f, residual, post, comb):
@@ -754,7 +683,7 @@ def triton_hc_post(f, residual, post, comb):
 
 def triton_hc_head(x, fn, scale, base, norm_eps, hc_eps):
     """`hc_head` (inference only: the model trains through the reference head)."""
-    y, *_ = _launch_pre(x, fn, scale, base, norm_eps, hc_eps, 1, head=True)
+    y, *_ = _launch_pre(x, split_fn(fn, x.size(2), head=True), scale, base, norm_eps, hc_eps, 1, head=True)
     return y
 
 
