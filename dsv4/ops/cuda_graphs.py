@@ -9,7 +9,8 @@ the collector off for the duration of the capture; what it would have freed is f
 
 An op that synchronizes with the host (a data-dependent shape: `torch.where`, `nonzero`, a `.item()`) cannot
 be captured; CUDA then says only that the capture was invalidated. `capturing` names the likely cause and the
-way out (the reference backends of some ops are such ops: MoE dispatch, for one).
+way out (the reference backends of some ops are such ops: MoE dispatch, for one), and takes the CUDA
+random generators out of the capture mode that the failed capture left them in.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def capturing(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
     except RuntimeError as e:  # torch.AcceleratorError is one
         if "captur" not in str(e):
             raise
+        _release_generators()
         raise GraphCaptureError(
             "capturing a CUDA graph failed: an op in the captured step synchronizes with the host (a reference "
             "backend forced with ops.use_backend, say: reference MoE dispatch is not capturable); run with "
@@ -44,3 +46,17 @@ def capturing(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def _release_generators() -> None:
+    """After a failed capture: the default CUDA generators out of capture mode, at the seed and offset they had.
+
+    A capture puts the generators' state in capture mode and only a completed capture takes it out; after a
+    failed one every random op of the process (a sampled token, a weight init) raised "Offset increment
+    outside graph capture encountered unexpectedly". Each generator is given a fresh state holding its seed
+    and offset (a state object that no capture has touched)."""
+    for i in range(torch.cuda.device_count()):
+        gen = torch.cuda.default_generators[i]
+        fresh = torch.Generator(device=f"cuda:{i}")
+        fresh.set_state(gen.get_state())
+        gen.graphsafe_set_state(fresh.graphsafe_get_state())

@@ -184,3 +184,10 @@ def test_a_step_that_cannot_be_captured_says_why(model, prompts):
             run(model, prompts[:2], [params] * 2, warm=True)
         out, _, _ = run(model, prompts[:2], [params] * 2, warm=False, cuda_graphs=False)
     assert [len(o) for o in out] == [2, 2]
+    # the process loses nothing: random ops run (the failed capture left the generators in capture mode,
+    # and every later draw in the process raised), and a new graphed engine samples
+    seed = torch.cuda.initial_seed()
+    assert torch.randn(4, device="cuda").isfinite().all() and torch.cuda.initial_seed() == seed
+    sampled = SamplingParams(max_tokens=3, temperature=1.0, seed=5, ignore_eos=True)
+    out, _, _ = run(model, prompts[:2], [sampled] * 2, warm=True)
+    assert [len(o) for o in out] == [3, 3]

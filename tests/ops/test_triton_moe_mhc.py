@@ -583,17 +583,17 @@ def test_hc_head_split_k(t, d, monkeypatch):
 
 
 def test_hc_split_plan_by_waves(monkeypatch):
-    """The automatic K split (outside exact accumulation), on a 132-SM device: past one wave of 16-row
-    programs the single kernel; from half a wave to one, 2 to 8 slices; under half a wave, about one wave
-    of programs. Every plan's slices cover K exactly once."""
+    """The automatic K split (outside exact accumulation), on a 132-SM device: past one wave of the partial
+    kernel's 64-row programs the single kernel; up to one wave, 2 to 8 slices (under half a wave, about one
+    wave of programs). Every plan's slices cover K exactly once."""
     mhc = _mhc()
     monkeypatch.setattr(mhc, "_sm_count", lambda dev: 132)
     monkeypatch.setattr(mhc, "_SPLIT_BK", 128)
     monkeypatch.setattr(mhc, "SPLIT_K", None)
     k = 4 * 1024
     dev = torch.device("cpu")
-    assert mhc._split_plan(133 * 16, k, dev) == (1, k)
-    for t in (66 * 16, 1088, 1600, 132 * 16):
+    assert mhc._split_plan(133 * 64, k, dev) == (1, k)
+    for t in (66 * 16, 1088, 1600, 132 * 16, 2176, 4096, 132 * 64):
         n, ks = mhc._split_plan(t, k, dev)
         assert 2 <= n <= 8 and (n - 1) * ks < k <= n * ks and ks % 128 == 0
     n, ks = mhc._split_plan(64, k, dev)  # 4 programs of 16 rows: 32 slices (K's 32 blocks of 128) at most

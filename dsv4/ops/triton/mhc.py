@@ -418,7 +418,6 @@ SPLIT_K: int | None = None  # None: automatic; 0 or 1: never split; n > 1: force
 # rows per program of the partial kernel: 64 read each K slice of the (3-part) weight a quarter as often as
 # 16 (H200, dim 1024, hc 4: 21.6 vs 42.4 us at 1,341 tokens, 13.3 vs 17.0 at 257; scripts/bench_step_kernels.py)
 _SPLIT_BT, _SPLIT_BK, _SPLIT_WARPS = 64, 32 if _INTERPRET else 128, 4
-_SINGLE_ROWS = 16  # the single kernel's plan counts row tiles of 16 tokens (its sizes are autotuned)
 _MAX_SPLIT = 32  # K slices at most (the finishing kernel unrolls its sum over them)
 # Under exact accumulation (`dsv4.ops.precision`: the engine's deterministic mode) every call splits K into
 # this many slices: the automatic plan depends on the number of tokens, so a row's mix would round
@@ -446,12 +445,12 @@ def _split_plan(t: int, k: int, dev: torch.device) -> tuple[int, int]:
         want = EXACT_SPLIT  # order whatever else is in the batch (a request's numbers alone = in a batch)
     else:
         sms = _sm_count(dev)
-        if triton.cdiv(t, _SINGLE_ROWS) > sms:
+        if rows > sms:  # past one wave of the partial kernel's row tiles: the single kernel
             return 1, k
-        # under half a wave: about one wave of programs. Between half a wave and one, the single kernel is
-        # latency-bound (62 us at every T from 1,088 to 4,096 tokens, dim 1024, on an H200) and 4-7 slices
-        # (about four waves) took 13-35% less (scripts/bench_hc_split.py); past one wave of 16-token tiles
-        # it is the fastest
+        # under half a wave: about one wave of programs; from half a wave to one, 4-8 slices. The single
+        # kernel is latency-bound: one program walks all of K (about 61 us at every T from 256 to 2,176
+        # tokens, 64 at 4,096; dim 1024, hc 4, H200), where 3-6 slices took 27.5-28.4 us at 2,176 tokens
+        # and 2-4 slices 45 us at 4,096 (scripts/bench_hc_split.py)
         want = sms // rows if 2 * rows < sms else min(8, 4 * sms // rows)
     steps = triton.cdiv(k, _SPLIT_BK)
     want = max(1, min(want, steps, _MAX_SPLIT))
