@@ -227,7 +227,9 @@ def _pool_kernel(
 
     GATHER (`pool_groups`, forward only): slot i of group g is row new[g, i] of kv / score ([T, W], row
     strides skv_s / ssc_s), or where that is -1 row ring[g, i] of rkv / rsc, at channels (i // R) * C + c;
-    a group whose live byte is 0 loads nothing and stores 0. The arithmetic after the loads is the same."""
+    a group whose live byte is 0 stores 0 and returns (a decode step completes a group in one row of
+    `ratio`: the others skipped the softmax over their slots, 11 calls 0.24 ms of a 2.7 ms step at 256 rows
+    on the H200). The arithmetic after the loads is the same."""
     pid_g = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
     ss = tl.arange(0, SP)
@@ -235,14 +237,15 @@ def _pool_kernel(
     cmask = cs < C
     m2 = (ss < S)[:, None] & cmask[None, :]
     if GATHER:
-        alive = tl.load(live_ptr + pid_g) != 0
-        live = (tl.zeros([SP], dtype=tl.int32) + alive.to(tl.int32)) != 0  # [SP] (block masks: the interpreter)
+        if tl.load(live_ptr + pid_g) == 0:  # a group this step does not complete: 0, nothing read or computed
+            tl.store(out_ptr + pid_g * so_g + cs, tl.zeros([BC], dtype=out_ptr.dtype.element_ty), mask=cmask)
+            return
         nw = tl.load(new_ptr + pid_g * snew + ss, mask=ss < S, other=-1)  # [SP]
         rg = tl.load(ring_ptr + pid_g * sring + ss, mask=ss < S, other=0)
         col = (ss // R)[:, None] * C + cs[None, :]  # [SP, BC] channel of the W-wide row
         fresh = (nw >= 0)[:, None]
-        mn = m2 & fresh & live[:, None]
-        mr = m2 & (nw < 0)[:, None] & live[:, None]
+        mn = m2 & fresh
+        mr = m2 & (nw < 0)[:, None]
         sc = tl.where(
             fresh,
             tl.load(sc_ptr + nw[:, None] * ssc_s + col, mask=mn, other=float("-inf")),
@@ -295,8 +298,6 @@ def _pool_kernel(
         )
     else:
         y = tl.sum(kv * w, axis=0)  # [BC]
-        if GATHER:
-            y = tl.where(alive, y, 0.0)
         if RNE_BF16:
             u = y.to(tl.float32).to(tl.uint32, bitcast=True)
             y = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
