@@ -198,7 +198,7 @@ def step(dev: torch.device, show) -> None:
                     ms[be].append(_raw_decode_rate(model, b, 128, 64, dev)["ms_per_step"])
         for be, v in ms.items():
             show(
-                f"raw decode rows={b} plan+route on {be} ms",
+                f"raw decode rows={b} step ops on {be} ms",
                 [round(statistics.median(v), 3), round(min(v), 3), round(max(v), 3)],
             )
 
