@@ -17,6 +17,16 @@ from .paged import LayerPool, Plan, RatioPlan, Ring
 from .rope import Rope, apply_rope_tail
 
 
+def fp8_nope(kv: torch.Tensor, rope_dim: int, pow2: bool) -> torch.Tensor:
+    """The FP8 round trip (block 64) of a key's dims before its RoPE tail, which stays as it is. With grad
+    off (inference) kv - a tensor the caller has just made and owns - is rewritten in place (one launch, no
+    concatenation)."""
+    if not torch.is_grad_enabled():
+        ops.fp8_round_trip(kv[..., :-rope_dim], 64, pow2, inplace=True)
+        return kv
+    return torch.cat([ops.fp8_round_trip(kv[..., :-rope_dim], 64, pow2), kv[..., -rope_dim:]], -1)
+
+
 # ------------------------------------------------------------------------------------------ compressor
 class Compressor(nn.Module):
     """Learned gated pooling of `ratio` consecutive tokens into one KV entry.
@@ -80,10 +90,7 @@ class Compressor(nn.Module):
             if self.fp4_sim:
                 entries = ops.fp4_round_trip(ops.hadamard(entries), 32)
         elif self.fp8_sim:
-            entries = torch.cat(
-                [ops.fp8_round_trip(entries[..., : -self.rope_dim], 64, self.kv_pow2), entries[..., -self.rope_dim :]],
-                -1,
-            )
+            entries = fp8_nope(entries, self.rope_dim, self.kv_pow2)
         return entries
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -196,10 +203,7 @@ class Attention(nn.Module):
         non-RoPE dims (QAT) -> [b, s, d]."""
         kv = apply_rope_tail(self.kv_norm(self.wkv(x)), self.rope, positions)
         if self.cfg.fp8_kv_sim:
-            kv = torch.cat(
-                [ops.fp8_round_trip(kv[..., : -self.rope_dim], 64, self.cfg.kv_scale_pow2), kv[..., -self.rope_dim :]],
-                -1,
-            )
+            kv = fp8_nope(kv, self.rope_dim, self.cfg.kv_scale_pow2)
         return kv
 
     def _output(self, o: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int] | None = None) -> torch.Tensor:

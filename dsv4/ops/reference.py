@@ -60,8 +60,7 @@ def act_quant(x: torch.Tensor, block: int = ACT_BLOCK, pow2: bool = True) -> tup
     when pow2 (UE8M0, `scale_fmt == "ue8m0"`), else kept as that fp32 value; q = E4M3(clamp(x / s, +-448))
     rounded to nearest, ties to even. When n is not a multiple of block the last block holds the rest.
     x [..., n] any float dtype -> (q [..., n] float8_e4m3fn (uint8 bytes where torch lacks the dtype),
-    s [..., ceil(n/block)] fp32). x is read as its value: no gradient.
-    """
+    s [..., ceil(n/block)] fp32). x is read as its value: no gradient."""
     n = x.size(-1)
     xb = _blocks(x, block)  # [..., nb, block]
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
@@ -99,15 +98,18 @@ def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
     return torch.copysign(torch.round(a * per_step) / per_step, v)
 
 
-def fp8_round_trip(x: torch.Tensor, block: int = 64, pow2: bool = True) -> torch.Tensor:
+def fp8_round_trip(x: torch.Tensor, block: int = 64, pow2: bool = True, inplace: bool = False) -> torch.Tensor:
     """FP8 E4M3 quantize -> dequantize along the last dim in blocks: `act_dequant(act_quant(x))` in x's dtype
     (the official `act_quant(..., inplace=True)`).
 
     Used for the FP8 storage the KV was trained with (QAT, block 64) and for the activations of W8A8
     linears whose weights were dequantized at load (block 128). pow2: power-of-two (UE8M0) scales
     (`scale_fmt == "ue8m0"`), else amax/448 fp32 scales. A ragged last block holds the rest of the dim.
-    Gradient: straight-through.
-    """
+    Gradient: straight-through. `inplace=True` writes the result into x (a view, e.g. a row's first dims)
+    and returns x (inference: refused where autograd records x)."""
+    if inplace:
+        check_inplace(x, "fp8_round_trip")
+        return x.copy_(fp8_round_trip(x, block, pow2))
     q, s = act_quant(x, block, pow2)
     return _StraightThrough.apply(x, act_dequant(q, s, block).to(x.dtype))
 
@@ -116,8 +118,7 @@ def fp4_round_trip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """MXFP4 (E2M1) quantize -> dequantize along the last dim in blocks, power-of-two scales
     (amax * fp32(1/6), rounded up).
 
-    Used by the Lightning Indexer's QAT simulation. Gradient: straight-through.
-    """
+    Used by the Lightning Indexer's QAT simulation. Gradient: straight-through."""
     n = x.size(-1)
     if n % block:
         raise ValueError(f"fp4_round_trip: last dim {n} is not a multiple of block {block}")
@@ -137,8 +138,7 @@ def fp8_gemm(
     returned in out_dtype.
 
     q [..., K] E4M3 with s [..., ceil(K/128)] fp32 (from `act_quant`); weight [N, K] E4M3 with 128x128
-    block scales [ceil(N/128), ceil(K/128)] (E8M0 bytes or fp32). Not differentiable.
-    """
+    block scales [ceil(N/128), ceil(K/128)] (E8M0 bytes or fp32). Not differentiable."""
     a = act_dequant(q, s, ACT_BLOCK)
     w = fm.dequantize_fp8(weight, scale, torch.float32)
     return linear(a, w).to(out_dtype)
@@ -282,7 +282,7 @@ def rope_tail(
     """
     r = 2 * inv_freq.numel()
     if inplace:
-        check_inplace_rope(x)
+        check_inplace(x)
         x[..., -r:] = rope_tail(x[..., -r:], positions, inv_freq, inverse)
         return x
     nope, pe = x[..., :-r], x[..., -r:]
@@ -298,10 +298,10 @@ def rope_tail(
     return torch.cat([nope, y.to(x.dtype)], dim=-1)
 
 
-def check_inplace_rope(x: torch.Tensor) -> None:
-    """`rope_tail(..., inplace=True)` rotates x in place: only where autograd does not record x."""
+def check_inplace(x: torch.Tensor, op: str = "rope_tail") -> None:
+    """An op with `inplace=True` rewrites x: only where autograd does not record x."""
     if torch.is_grad_enabled() and x.requires_grad:
-        raise ValueError("rope_tail(inplace=True) on a tensor that requires grad: use inplace=False in training")
+        raise ValueError(f"{op}(inplace=True) on a tensor that requires grad: use inplace=False in training")
 
 
 # ----------------------------------------------------------------------------- sparse attention

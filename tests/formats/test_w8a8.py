@@ -233,9 +233,9 @@ def test_kv_round_trip_follows_scale_fmt():
     ue8m0, amax/448 when null - every call the attention and the compressors make says so."""
     seen: list[tuple[int, bool]] = []
 
-    def spy(x, block=64, pow2=True):
+    def spy(x, block=64, pow2=True, inplace=False):
         seen.append((block, pow2))
-        return ops.reference.fp8_round_trip(x, block, pow2)
+        return ops.reference.fp8_round_trip(x, block, pow2, inplace)
 
     m = tiny_model(seed=4)
     out = {}

@@ -452,3 +452,32 @@ def test_fp8_round_trip_amax_scales_bit_exact(dtype):
     want = ref.fp8_round_trip(x, 64, False)
     assert same_bits(got, want)
     assert not same_bits(got, ref.fp8_round_trip(x, 64, True))  # the scale format matters
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_round_trip_in_place_on_a_keys_first_dims(backend, dtype, poisoned):
+    """`inplace=True` on a key's dims before its RoPE tail (what inference does instead of a round trip and
+    a concatenation): those dims take the bits of the round trip made out of place, the tail and every
+    other element keep theirs; the result is x itself. Refused where autograd records x; a tensor whose
+    rows have no strided view is not written through a copy (the kernel refuses, the reference runs)."""
+    g = torch.Generator().manual_seed(11)
+    kv = torch.randn(2, 7, 96, generator=g) * torch.exp2(torch.randint(-12, 12, (2, 7, 1), generator=g).float())
+    kv = kv.to(dtype).to(DEV)
+    before = kv.clone()
+    nope = kv[..., :64]  # [2, 7, 64] of rows 96 apart
+    want = ref.fp8_round_trip(before[..., :64], 32, True)
+    with torch.no_grad():
+        out = ops.fp8_round_trip(nope, 32, True, inplace=True, backend=backend)
+    assert out.data_ptr() == nope.data_ptr() and ops.last_backend("fp8_round_trip") == backend
+    assert same_bits(kv[..., :64], want) and same_bits(kv[..., 64:], before[..., 64:])
+    leaf = torch.randn(3, 64, device=DEV, requires_grad=True)
+    with pytest.raises(ValueError, match="requires grad"):
+        ops.fp8_round_trip(leaf, 32, True, inplace=True, backend=backend)
+    if backend == "triton":
+        cols = before.clone().transpose(0, 1)[..., :64]  # [7, 2, 64]: no [14, 64] view of its rows
+        assert "strided view" in ops.refusal("fp8_round_trip", "triton", cols, 32, True, inplace=True)
+        with torch.no_grad():
+            ops.fp8_round_trip(cols, 32, True, inplace=True)  # (the default: triton where it can run)
+        assert ops.last_backend("fp8_round_trip") == "reference"
+        assert same_bits(cols, want.transpose(0, 1))

@@ -33,7 +33,7 @@ from triton.language.extra import libdevice
 
 from .. import register
 from ..precision import acc_dtype
-from ..reference import FP4_E2M1_MAX, FP8_E4M3_MAX
+from ..reference import FP4_E2M1_MAX, FP8_E4M3_MAX, check_inplace
 from ._common import Kernel, device_reason, interpret_mode
 from ._common import rows_view as _rows
 
@@ -315,21 +315,22 @@ def _launch_opts() -> dict:
 
 
 # ----------------------------------------------------------------------------- round trips
-def _quant_launch(x: torch.Tensor, block: int, fp4: bool, pow2: bool, codes: bool):
-    """Launch the block quantizer over the rows of x: the round trip (out in x's dtype), or (codes) the
-    E4M3 bytes [..., n] uint8 and the fp32 scales [..., ceil(n/block)]."""
+def _quant_launch(x: torch.Tensor, block: int, fp4: bool, pow2: bool, codes: bool, inplace: bool = False):
+    """Launch the block quantizer over the rows of x: the round trip (out in x's dtype; inplace: out is x,
+    whose rows view `_fp8_can_run` checked), or (codes) the E4M3 bytes [..., n] uint8 and the fp32 scales
+    [..., ceil(n/block)]."""
     n = x.size(-1)
     nb = -(-n // block)
     if codes:
         out = _alloc(x.shape, dtype=torch.uint8, device=x.device)
         sc = _alloc(x.shape[:-1] + (nb,), dtype=torch.float32, device=x.device)
     else:
-        out = _alloc(x.shape, dtype=x.dtype, device=x.device)
+        out = x if inplace else _alloc(x.shape, dtype=x.dtype, device=x.device)
         sc = out
     if x.numel() == 0:
         return (out, sc) if codes else out
     x2 = _rows(x.detach())
-    o2 = out.view(-1, n)
+    o2 = x2 if inplace else out.view(-1, n)  # (each program reads its blocks before it writes them)
     s2 = sc.view(-1, nb) if codes else o2
     blocks = x2.size(0) * nb
     bm = max(1, min(2048 // block, triton.next_power_of_2(blocks)))
@@ -387,7 +388,10 @@ def _round_trip(x: torch.Tensor, block: int, fp4: bool, pow2: bool = True) -> to
     return _round_trip_forward(x, block, fp4, pow2)
 
 
-def triton_fp8_round_trip(x: torch.Tensor, block: int = 64, pow2: bool = True) -> torch.Tensor:
+def triton_fp8_round_trip(x: torch.Tensor, block: int = 64, pow2: bool = True, inplace: bool = False) -> torch.Tensor:
+    if inplace:
+        check_inplace(x, "fp8_round_trip")
+        return _quant_launch(x, block, False, pow2, codes=False, inplace=True)
     return _round_trip(x, block, False, pow2)
 
 
@@ -422,7 +426,11 @@ def _round_trip_can_run(x: torch.Tensor, block: int = 32) -> str | None:
     return None  # FP4: a last dim that is not a multiple of block raises the reference's ValueError
 
 
-def _fp8_can_run(x: torch.Tensor, block: int = 64, pow2: bool = True) -> str | None:
+def _fp8_can_run(x: torch.Tensor, block: int = 64, pow2: bool = True, inplace: bool = False) -> str | None:
+    if inplace and x.numel():  # written through its [rows, n] view: there must be one
+        rows = x.reshape(-1, x.size(-1))
+        if rows.stride(-1) != 1 or rows.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+            return "inplace=True needs x's rows as one strided view with a contiguous last dim"
     return _round_trip_can_run(x, block)
 
 

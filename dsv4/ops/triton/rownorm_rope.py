@@ -26,7 +26,7 @@ from triton.language.extra import libdevice
 
 from .. import register
 from ..precision import is_exact
-from ..reference import check_inplace_rope
+from ..reference import check_inplace
 from ._common import Kernel, device_reason, interpret_mode, num_sms
 from ._common import rows_view as _rows
 
@@ -464,7 +464,7 @@ def triton_rope_tail(
     x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False, inplace: bool = False
 ) -> torch.Tensor:
     if inplace:
-        check_inplace_rope(x)
+        check_inplace(x)
         return _rope_launch(x, positions, inv_freq, inverse, inplace=True)
     if torch.is_grad_enabled() and x.requires_grad:
         return _RopeTail.apply(x, positions, inv_freq, inverse)
