@@ -50,10 +50,13 @@ class Compressor(nn.Module):
         self.wgate = Linear(cfg.dim, self.coff * head_dim, dtype=torch.float32)
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [b, s, dim] -> raw kv, gate score (+ ape of each token's slot) [b, s, coff*c] fp32."""
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, s, dim] -> raw kv, gate score (+ ape of each token's slot) [b, s, coff*c] fp32. slot:
+        positions % ratio where the caller has it (a paged step's plan)."""
         kv = linear_fp32(x, self.wkv.weight)
-        score = linear_fp32(x, self.wgate.weight) + self.ape[positions % self.ratio]
+        score = linear_fp32(x, self.wgate.weight) + self.ape[positions % self.ratio if slot is None else slot]
         return kv, score
 
     def pool(
@@ -121,7 +124,7 @@ class Compressor(nn.Module):
         written by earlier steps); the pooled entry is written only when the group is complete (else, as
         zeros, to the trash row), so decode and verify steps keep static shapes.
         """
-        kv, score = self.project(x, positions)  # [1, T, coff*c] fp32
+        kv, score = self.project(x, positions, rp.slot)  # [1, T, coff*c] fp32
         kv, score = kv[0], score[0]  # [T, W]
         if rp.group_new.size(0):  # (an unpadded step that completes no group has none: nothing to pool)
             # [G, c]: each group's coff*r rows from this step's tokens or the ring (overlap: the previous group's

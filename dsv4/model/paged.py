@@ -257,6 +257,7 @@ class RatioPlan:
     """Indices for the layers of one compression ratio (`dsv4.ops.reference_plan` defines each)."""
 
     ratio: int
+    slot: torch.Tensor | None = None  # [T] each token's slot in its group (positions % ratio): its `ape` row
     group_pos: torch.Tensor | None = None  # [G] position of each group's last token
     group_j: torch.Tensor | None = None  # [G] entry id
     group_new: torch.Tensor | None = None  # [G, coff*r] flat token index of each slot's row, or -1
@@ -298,7 +299,7 @@ def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int, has_page: torch.Te
     """has_page [T]: each token's window page exists (a real token, not padding)."""
     P, R = layout.page_size, layout.ring_len(r)
     pos, rows, ct = inp.positions, inp.rows, inp.ctable
-    plan = RatioPlan(r, keep_tok=inp.keep.get(r))
+    plan = RatioPlan(r, slot=pos % r, keep_tok=inp.keep.get(r))  # (the slot: once per ratio, not per layer)
     # groups completing in this step; raw rows kept for later steps (the last R positions of each row)
     g = ops.plan_groups(
         inp.groups.get(r), pos, rows, inp.start, inp.seg_start, inp.state, ct, has_page, r, P, R, 2 if overlap(r) else 1
