@@ -187,7 +187,7 @@ def format_parallel(par: dict, gpu_memory: int) -> list[str]:
         return (
             f"{what} {_gpus(f['gpus'])} ({_gb(f['total'])} per GPU: {_gb(f['weights'] - f['experts'])} "
             f"replicated weights + {_gb(f['experts'])} of routed experts, {_gb(f['splits'])} of kept bf16 "
-            f"parts of the fp32 projections, {_gb(f['cache'])} KV cache, "
+            f"parts of the fp32 projections and mix weights, {_gb(f['cache'])} KV cache, "
             f"{_gb(f['activations'])} activations)"
         )
 
@@ -226,7 +226,8 @@ def format_memory(req) -> list[str]:
         f"    activations of one {s['chunk']}-token prefill chunk: {_gb(req.activation_peak_fused)} with the fused "
         f"CUDA kernels, {_gb(req.activation_peak)} with the reference ops (CPU)",
         f"    inference on a GPU: {_gb(req.inference_total)} dequantized, {_gb(req.inference_total_quantized)} kept "
-        f"quantized (each with {_gb(req.splits)} of bf16 parts of the fp32 projections, kept once split): "
+        f"quantized (each with {_gb(req.splits)} of bf16 parts of the fp32 projections and mix weights, kept once "
+        "split): "
         f"{_gpus(req.inference_gpus)} / {_gpus(req.inference_gpus_quantized)} of {gpu} by size alone "
         "(one device holds it all when 1; otherwise split as below)",
         f"    training (fp32 master weights and gradients, Muon momentum + AdamW moments): {_gb(req.train.weights)} + "
