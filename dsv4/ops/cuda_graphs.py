@@ -37,26 +37,32 @@ def capturing(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
     except RuntimeError as e:  # torch.AcceleratorError is one
         if "captur" not in str(e):
             raise
-        _release_generators()
+        reset = _release_generators()
         raise GraphCaptureError(
             "capturing a CUDA graph failed: an op in the captured step synchronizes with the host (a reference "
             "backend forced with ops.use_backend, say: reference MoE dispatch is not capturable); run with "
             "--no-cuda-graph (EngineConfig(cuda_graphs=False)) or leave those ops on their GPU backends"
+            + ("" if reset else "; this process's CUDA random generators could not be reset: start a new one")
         ) from e
     finally:
         if was_enabled:
             gc.enable()
 
 
-def _release_generators() -> None:
+def _release_generators() -> bool:
     """After a failed capture: the default CUDA generators out of capture mode, at the seed and offset they had.
 
     A capture puts the generators' state in capture mode and only a completed capture takes it out; after a
     failed one every random op of the process (a sampled token, a weight init) raised "Offset increment
     outside graph capture encountered unexpectedly". Each generator is given a fresh state holding its seed
-    and offset (a state object that no capture has touched)."""
-    for i in range(torch.cuda.device_count()):
-        gen = torch.cuda.default_generators[i]
-        fresh = torch.Generator(device=f"cuda:{i}")
-        fresh.set_state(gen.get_state())
-        gen.graphsafe_set_state(fresh.graphsafe_get_state())
+    and offset (a state object that no capture has touched). -> whether that worked (the capture's own
+    error is what the caller reports either way)."""
+    try:
+        for i in range(torch.cuda.device_count()):
+            gen = torch.cuda.default_generators[i]
+            fresh = torch.Generator(device=f"cuda:{i}")
+            fresh.set_state(gen.get_state())
+            gen.graphsafe_set_state(fresh.graphsafe_get_state())
+    except RuntimeError:
+        return False
+    return True
