@@ -10,6 +10,10 @@ median (min-max) of 5 replays of a CUDA graph of 50 calls, captured after 3 warm
 --anatomy times the single kernel instead, to see where its time goes: with 20 Sinkhorn iterations, with
 1, without the comb columns and Sinkhorn (`hc_head`), and each of its autotuning configurations at 1 to 4
 pipeline stages.
+
+--finish times the split path's two kernels apart at the automatic plan (decode sizes: --tokens 4 64 256):
+the partial kernel, then the finishing kernel (the sum of the partials, the epilogue, the weighted reduce)
+with 20 and 1 Sinkhorn iterations at 4, 2 and 1 warps (it is launched at 4).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=1024, help="model dimension (small: 1024)")
     p.add_argument("--hc", type=int, default=4, help="hyper-connection copies")
     p.add_argument("--anatomy", action="store_true", help="the single kernel's parts and configurations")
+    p.add_argument("--finish", action="store_true", help="the split path's partial and finishing kernels apart")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_hc_split: needs a CUDA GPU (it times Triton kernels)", file=sys.stderr)
@@ -76,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     scale, base = torch.ones(3, device=dev), torch.zeros((2 + hc) * hc, device=dev)
     if args.anatomy:
         return anatomy(args.tokens, hc, d, fn, scale, base, g)
+    if args.finish:
+        print(f"hc_pre split path, hc={hc}, dim={d}, bf16, {torch.cuda.get_device_name()}: us per call")
+        for line in finish_kernels(args.tokens, hc, d, fn, scale, base, g, time_ms):
+            print(line, flush=True)
+        return 0
     print(f"hc_pre forward, hc={hc}, dim={d}, bf16, {torch.cuda.get_device_name()}: us per call [GB/s] by K split")
     for t in args.tokens:
         x = torch.randn(1, t, hc, d, device=dev, dtype=torch.bfloat16, generator=g)
@@ -94,6 +104,49 @@ def main(argv: list[str] | None = None) -> int:
 
 def _launch_one(kernel, grid, args, kw) -> None:
     kernel[grid](*args, **kw)
+
+
+def finish_kernels(tokens, hc, d, fn, scale, base, g, timer):
+    """Per T, a line: the automatic split's partial kernel and its finishing kernel at several settings,
+    launched with the arguments `mhc._launch_pre` gives them; timer(call) -> (median, min, max) ms."""
+    dev = fn.device
+    fpp, fcb = mhc_fn.make_split(fn, hc, False)
+    p1 = mhc_fn.pp_width(hc)
+    sc, bs = scale.float().contiguous(), base.float().contiguous()
+    for t in tokens:
+        split, ks = mhc._split_plan(t, hc * d, dev)
+        if split == 1:
+            yield f"  T={t:>5}  the automatic plan runs the single kernel"
+            continue
+        x = torch.randn(1, t, hc, d, device=dev, dtype=torch.bfloat16, generator=g)
+        f32 = dict(dtype=torch.float32, device=dev)
+        wpp, wcb, wss = (
+            torch.empty(split, t, p1, **f32),
+            torch.empty(split, t, hc * hc, **f32),
+            torch.empty(split, t, **f32),
+        )
+        rows = triton.cdiv(t, mhc._SPLIT_BT)
+        part_kw = dict(HC=hc, P1=p1, HEAD=False, BT=mhc._SPLIT_BT, BK=mhc._SPLIT_BK, UPCAST=mhc._INTERPRET)
+        part_args = (x, fpp, fcb, wpp, wcb, wss, t, d, ks)
+        part = partial(
+            _launch_one, mhc._hc_pre_part_kernel, (rows, split), part_args, {**part_kw, "num_warps": mhc._SPLIT_WARPS}
+        )
+        bt = min(16, max(4, triton.next_power_of_2(t)))
+        f_rows = triton.cdiv(t, bt)
+        n_d = max(1, min(mhc._sm_count(dev) // f_rows, triton.cdiv(d, mhc._FINISH_BD)))
+        ds = triton.cdiv(triton.cdiv(d, mhc._FINISH_BD), n_d) * mhc._FINISH_BD
+        y = torch.empty(1, t, d, dtype=x.dtype, device=dev)
+        post, comb = torch.empty(1, t, hc, **f32), torch.empty(1, t, hc, hc, **f32)
+        mix, rs = torch.empty(t, (2 + hc) * hc, **f32), torch.empty(t, **f32)
+        fin_args = (wpp, wcb, wss, x, sc, bs, y, post, comb, mix, rs, t, d, ds, 1e-6, 1e-6)
+        cells = [f"{split} slices; partial: {us(timer(part))}"]
+        for iters in (20, 1):
+            for warps in (4, 2, 1):
+                kw = dict(SPLIT=split, ITERS=iters, HC=hc, P1=p1, HEAD=False, UPCAST=mhc._INTERPRET, BT=bt)
+                kw.update(BD=mhc._FINISH_BD, num_warps=warps)
+                call = partial(_launch_one, mhc._hc_pre_finish_kernel, (f_rows, triton.cdiv(d, ds)), fin_args, kw)
+                cells.append(f"finish {iters} iters {warps} warps: {us(timer(call))}")
+        yield f"  T={t:>5}  " + "  ".join(cells)
 
 
 def anatomy(tokens, hc, d, fn, scale, base, g) -> int:
