@@ -39,7 +39,11 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests are skipped, with that reason, where this process has no CUDA device."""
+    """The tests marked slow run first (the order is otherwise kept): in a run of every test (`python3 -m
+    pytest`, scripts/gpu_suite.sh) the longest ones - several processes, a model each - then start at once
+    instead of last, where they set the run's length (a run of one tier, -m slow or -m "not slow", keeps its
+    order). `gpu` tests are skipped, with that reason, where this process has no CUDA device."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # (stable)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
