@@ -73,9 +73,9 @@ class WeightBytes:
 
 
 def hc_fn_split_bytes(mix: int, k: int, hc: int) -> int:
-    """The bf16 parts a GPU engine keeps of one mHC mix weight [mix, k] (`dsv4.ops.triton.mhc_fn.kept_bytes`,
-    which needs triton): three parts of the pre | post columns, padded to a 16-wide tile, and of the hc x hc
-    comb columns (the head's weight, with hc rows, has only the first)."""
+    """The bf16 parts a GPU engine keeps of one mHC mix weight [mix, k] (`dsv4.ops.triton.mhc_fn.make_split`'s
+    tensors): three parts of the pre | post columns, padded to a 16-wide tile, and of the hc x hc comb columns
+    (the head's weight, with hc rows, has only the first)."""
     cols = max(16, 1 << (2 * hc - 1).bit_length()) + (0 if mix == hc else hc * hc)
     return 3 * 2 * k * cols
 

@@ -160,8 +160,8 @@ def _reuse(weight: torch.Tensor, kept, store: Callable[[tuple], None], make: Cal
 def weight_split(weight: torch.Tensor) -> torch.Tensor:
     """The [N, 3K] bf16 split of an fp32 weight: the kept one where `keep_splits` marked the weight, autograd
     is off for it and it is unchanged since; else made now (and kept, for a marked weight outside a capture)."""
-    kept = _KEPT.get(weight) if weight in _KEPT else None
-    return _reuse(weight, kept, lambda kv: _KEPT.__setitem__(weight, kv), lambda w: split_bf16x3(w))
+    # (split_bf16x3 looked up at the call: the tests count splits by replacing it)
+    return _reuse(weight, _KEPT.get(weight), lambda kv: _KEPT.__setitem__(weight, kv), lambda w: split_bf16x3(w))
 
 
 # other derivations of marked weights that kernels multiply (the mHC mix weight's bf16 parts):

@@ -97,10 +97,3 @@ def split_fn(fn: torch.Tensor, hc: int, head: bool) -> tuple[torch.Tensor, torch
     """`make_split`'s parts: kept for a marked, untracked weight (call it outside autograd's forward, where
     autograd still says whether it tracks fn), else made now."""
     return kept_derived(fn, f"hc_split:{hc}:{int(head)}", lambda w: make_split(w, hc, head))
-
-
-def kept_bytes(mix: int, k: int, hc: int) -> int:
-    """Bytes of the parts `split_fn` keeps for one fn [mix, k] (`dsv4.memory`'s kept splits): the head's fn
-    has hc rows and only the pre | post part."""
-    cols = pp_width(hc) + (0 if mix == hc else hc * hc)
-    return 3 * 2 * k * cols
