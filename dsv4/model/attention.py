@@ -14,14 +14,14 @@ from ..config import ModelConfig
 from ..ops.precision import acc_dtype
 from .layers import Linear, RMSNorm, linear_fp32, record, record_as, rms_normalize
 from .paged import LayerPool, Plan, RatioPlan, Ring
-from .rope import Rope, apply_rope_tail
+from .rope import Rope, apply_rope_tail, in_place_ok
 
 
 def fp8_nope(kv: torch.Tensor, rope_dim: int, pow2: bool) -> torch.Tensor:
-    """The FP8 round trip (block 64) of a key's dims before its RoPE tail, which stays as it is. With grad
-    off (inference) kv - a tensor the caller has just made and owns - is rewritten in place (one launch, no
-    concatenation)."""
-    if not torch.is_grad_enabled():
+    """The FP8 round trip (block 64) of a key's dims before its RoPE tail, which stays as it is. At
+    inference (`in_place_ok`) kv - a tensor the caller has just made and owns - is rewritten in place (one
+    launch, no concatenation)."""
+    if in_place_ok():
         ops.fp8_round_trip(kv[..., :-rope_dim], 64, pow2, inplace=True)
         return kv
     return torch.cat([ops.fp8_round_trip(kv[..., :-rope_dim], 64, pow2), kv[..., -rope_dim:]], -1)

@@ -63,9 +63,15 @@ class Rope:
         return ops.rope_tail(x, positions, self._freq_on(positions.device), inverse)
 
 
+def in_place_ok() -> bool:
+    """Whether a block may rewrite a tensor it has just made in place: at inference (grad off), and not
+    while torch.compile traces it (inductor rewrites in-place ops as copies anyway, and its CPU backend
+    fails on a slice written in place in some fusions: pytorch/pytorch#196570, seen with torch 2.11)."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 def apply_rope_tail(x: torch.Tensor, rope: Rope, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate only the last `rope.dim` dims of x (the RoPE dims of a V4 head), leave the rest. With grad off
-    (inference) x - a tensor the caller has just made and owns - is rotated in place: the kernel then reads
-    and writes its tail only, not the whole head."""
-    inplace = not torch.is_grad_enabled()
-    return ops.rope_tail(x, positions, rope._freq_on(positions.device), inverse, inplace=inplace)
+    """Rotate only the last `rope.dim` dims of x (the RoPE dims of a V4 head), leave the rest. At inference
+    (`in_place_ok`) x - a tensor the caller has just made and owns - is rotated in place: the kernel then
+    reads and writes its tail only, not the whole head."""
+    return ops.rope_tail(x, positions, rope._freq_on(positions.device), inverse, inplace=in_place_ok())
