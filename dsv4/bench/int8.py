@@ -67,8 +67,10 @@ def _config(preset: str, layers: int | None):
 
     cfg = ModelConfig.preset(preset)
     if layers is not None and layers < cfg.n_layers:
-        cfg = cfg.replace(
-            n_layers=layers, compress_ratios=cfg.compress_ratios[:layers] + cfg.compress_ratios[cfg.n_layers :]
+        cfg = cfg.replace(  # (the hash-routed layers are the first ones: as many as are kept)
+            n_layers=layers,
+            n_hash_layers=min(cfg.n_hash_layers, layers),
+            compress_ratios=cfg.compress_ratios[:layers] + cfg.compress_ratios[cfg.n_layers :],
         )
     return cfg
 

@@ -77,3 +77,20 @@ def test_a_mode_can_prefer_a_backend_that_runs_by_name_only(capsys):
     assert preferred_backend("int8:bf16+triton_splitk") == "triton_splitk" and preferred_backend("bf16") is None
     assert main(["bench", "int8", "--preset", "tiny", "--modes", "int8+nonesuch"]) == 2
     assert "no ops backend named 'nonesuch'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", ["small", "medium", "flash", "pro"])
+def test_layers_keeps_a_valid_config_of_the_same_shapes(preset):
+    """`--layers N` keeps the first N layers of any preset: a config that validates (the hash-routed layers
+    are the first ones, so at most N of them), with the kept layers' compression ratios and the rest as it was."""
+    from dsv4.bench.int8 import _config
+    from dsv4.config import ModelConfig
+
+    full = ModelConfig.preset(preset)
+    for n in (1, 2, 3):
+        cfg = _config(preset, n)
+        cfg.validate()
+        assert (cfg.n_layers, cfg.n_hash_layers) == (n, min(full.n_hash_layers, n))
+        assert cfg.compress_ratios[:n] == full.compress_ratios[:n]
+        shapes = (cfg.dim, cfg.n_routed_experts, cfg.moe_inter_dim)
+        assert shapes == (full.dim, full.n_routed_experts, full.moe_inter_dim)
