@@ -131,10 +131,7 @@ def finish_kernels(tokens, hc, d, fn, scale, base, g, timer):
         part = partial(
             _launch_one, mhc._hc_pre_part_kernel, (rows, split), part_args, {**part_kw, "num_warps": mhc._SPLIT_WARPS}
         )
-        bt = min(16, max(4, triton.next_power_of_2(t)))
-        f_rows = triton.cdiv(t, bt)
-        n_d = max(1, min(mhc._sm_count(dev) // f_rows, triton.cdiv(d, mhc._FINISH_BD)))
-        ds = triton.cdiv(triton.cdiv(d, mhc._FINISH_BD), n_d) * mhc._FINISH_BD
+        f_grid, bt, ds = mhc.finish_grid(t, d, False, dev)
         y = torch.empty(1, t, d, dtype=x.dtype, device=dev)
         post, comb = torch.empty(1, t, hc, **f32), torch.empty(1, t, hc, hc, **f32)
         mix, rs = torch.empty(t, (2 + hc) * hc, **f32), torch.empty(t, **f32)
@@ -144,7 +141,7 @@ def finish_kernels(tokens, hc, d, fn, scale, base, g, timer):
             for warps in (4, 2, 1):
                 kw = dict(SPLIT=split, ITERS=iters, HC=hc, P1=p1, HEAD=False, UPCAST=mhc._INTERPRET, BT=bt)
                 kw.update(BD=mhc._FINISH_BD, num_warps=warps)
-                call = partial(_launch_one, mhc._hc_pre_finish_kernel, (f_rows, triton.cdiv(d, ds)), fin_args, kw)
+                call = partial(_launch_one, mhc._hc_pre_finish_kernel, f_grid, fin_args, kw)
                 cells.append(f"finish {iters} iters {warps} warps: {us(timer(call))}")
         yield f"  T={t:>5}  " + "  ".join(cells)
 

@@ -290,8 +290,12 @@ def _hc_pre_finish_kernel(
     BD: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Split K, step 2: program (i, j) sums the partials of row tile i in slice order (fixed: deterministic),
-    runs the epilogue and reduces the columns [j * DS, (j + 1) * DS) of y; program (i, 0) stores the rest."""
+    """Split K, step 2: each program sums the partials of row tile i in slice order (fixed: deterministic).
+    Without HEAD, program (i, 0) runs the rest of the epilogue (RMS scale, post, Sinkhorn) and stores it,
+    and programs (i, j >= 1) reduce the columns [(j - 1) * DS, j * DS) of y from the pre weights alone, so
+    the Sinkhorn iterations run beside the weighted reduce instead of before it (the same arithmetic as
+    one program doing both: every program sums the same partials in the same order). With HEAD (no comb
+    mixes, nothing else stored) program (i, j) reduces the columns [j * DS, (j + 1) * DS)."""
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     ts = pid_t * BT + tl.arange(0, BT)
@@ -303,43 +307,73 @@ def _hc_pre_finish_kernel(
     acc_pp = tl.zeros((BT, P1), dtype=tl.float32)
     acc_cb = tl.zeros((BT, P2), dtype=tl.float32)
     ss = tl.zeros((BT,), dtype=tl.float32)
+    mixes = pid_d < 1 - HEAD  # this program: the mixes and Sinkhorn (stored), no y columns
     for s in tl.static_range(SPLIT):  # unrolled: every partial's load issued up front
         row = s * T + ts64  # [BT]
         acc_pp += tl.load(wpp_ptr + row[:, None] * P1 + c1[None, :], mask=tmask[:, None], other=0.0)
         if not HEAD:
-            acc_cb += tl.load(wcb_ptr + row[:, None] * P2 + c2[None, :], mask=tmask[:, None], other=0.0)
+            acc_cb += tl.load(wcb_ptr + row[:, None] * P2 + c2[None, :], mask=tmask[:, None] & mixes, other=0.0)
         ss += tl.load(wss_ptr + row, mask=tmask, other=0.0)
-    d_lo = pid_d * DS
+    d_lo = (pid_d - 1 + HEAD) * DS  # (a y program's columns)
     d_hi = tl.minimum(d_lo + DS, D)
-    smask = ts < tl.where(pid_d == 0, T, 0)  # stores: (i, 0) only
-    _hc_pre_epilogue(
-        acc_pp,
-        acc_cb,
-        ss,
-        x_ptr,
-        scale_ptr,
-        base_ptr,
-        y_ptr,
-        post_ptr,
-        comb_ptr,
-        mix_ptr,
-        rs_ptr,
-        ts64,
-        tmask,
-        smask,
-        D,
-        d_lo,
-        d_hi,
-        norm_eps,
-        hc_eps,
-        ITERS,
-        HC,
-        P1,
-        HEAD,
-        BT,
-        BD,
-        UPCAST,
-    )
+    if mixes:
+        _hc_pre_epilogue(
+            acc_pp,
+            acc_cb,
+            ss,
+            x_ptr,
+            scale_ptr,
+            base_ptr,
+            y_ptr,
+            post_ptr,
+            comb_ptr,
+            mix_ptr,
+            rs_ptr,
+            ts64,
+            tmask,
+            tmask,
+            D,
+            0,
+            0,
+            norm_eps,
+            hc_eps,
+            ITERS,
+            HC,
+            P1,
+            HEAD,
+            BT,
+            BD,
+            UPCAST,
+        )
+    else:  # the pre weights and y only (the epilogue of a head: nothing else is computed or stored)
+        _hc_pre_epilogue(
+            acc_pp,
+            acc_cb,
+            ss,
+            x_ptr,
+            scale_ptr,
+            base_ptr,
+            y_ptr,
+            post_ptr,
+            comb_ptr,
+            mix_ptr,
+            rs_ptr,
+            ts64,
+            tmask,
+            tmask,
+            D,
+            d_lo,
+            d_hi,
+            norm_eps,
+            hc_eps,
+            ITERS,
+            HC,
+            P1,
+            True,
+            BT,
+            BD,
+            UPCAST,
+        )
 
 
 @triton.jit
@@ -460,6 +494,16 @@ def _split_plan(t: int, k: int, dev: torch.device) -> tuple[int, int]:
     return triton.cdiv(k, ks), ks
 
 
+def finish_grid(t: int, d: int, head: bool, dev: torch.device) -> tuple[tuple[int, int], int, int]:
+    """The finishing kernel's grid, rows per program and y columns per program: about one wave of programs
+    over row tiles x column slices of y, plus (without head) one program per row tile for the mixes."""
+    bt = min(16, max(4, triton.next_power_of_2(t)))
+    rows = triton.cdiv(t, bt)
+    n_d = max(1, min(_sm_count(dev) // rows, triton.cdiv(d, _FINISH_BD)))
+    ds = triton.cdiv(triton.cdiv(d, _FINISH_BD), n_d) * _FINISH_BD
+    return (rows, triton.cdiv(d, ds) + (0 if head else 1)), bt, ds
+
+
 def _launch_pre(
     x: torch.Tensor,
     parts: tuple[torch.Tensor, torch.Tensor],
@@ -510,13 +554,10 @@ def _launch_pre(
             UPCAST=_INTERPRET,
             num_warps=_SPLIT_WARPS,
         )
-        bt = min(16, max(4, triton.next_power_of_2(t)))
-        rows = triton.cdiv(t, bt)
-        n_d = max(1, min(_sm_count(dev) // rows, triton.cdiv(d, _FINISH_BD)))
-        ds = triton.cdiv(triton.cdiv(d, _FINISH_BD), n_d) * _FINISH_BD
+        grid, bt, ds = finish_grid(t, d, head, dev)
         _launch(
             _hc_pre_finish_kernel,
-            (rows, triton.cdiv(d, ds)),
+            grid,
             wpp,
             wcb,
             wss,
