@@ -87,7 +87,9 @@ def load(opts: dict, quant_mode: str, dtype: str, device: str):
     cfg = _config(opts["preset"], opts.get("layers"))
     if quant_mode == "int8":
         cfg = cfg.replace(quant_mode="int8")
-    return DeepSeekV4.from_config(cfg, seed=opts.get("seed", 0), dtype=dt, device=device).eval()
+    # on a GPU the random weights are drawn there: a CPU draw of a flash-sized model takes minutes per run
+    on_gpu = not str(device).startswith("cpu")
+    return DeepSeekV4.from_config(cfg, seed=opts.get("seed", 0), init_on_device=on_gpu, dtype=dt, device=device).eval()
 
 
 def _nbytes(tensors) -> int:

@@ -76,8 +76,15 @@ class DeepSeekV4(nn.Module):
     # what every logits tensor of `append` / `draft` goes through first (`watching_logits`)
     logits_watchers: tuple[Callable[[torch.Tensor], None], ...] = ()
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
-        """dtype / device default to `dsv4.defaults` (fp32, cpu), as the command line's --dtype / --device."""
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        init: bool = True,
+    ):
+        """dtype / device default to `dsv4.defaults` (fp32, cpu), as the command line's --dtype / --device;
+        init=False leaves the random init (`reset_parameters`) to the caller."""
         super().__init__()
         self._nonfinite_counts: dict[torch.device, torch.Tensor] = {}  # see `nonfinite_count`
         self.cfg = cfg
@@ -95,31 +102,43 @@ class DeepSeekV4(nn.Module):
                 self.mtp = nn.ModuleList(DSparkStage(cfg, k) for k in range(cfg.n_mtp_layers))
             else:  # the first release: MTP blocks
                 self.mtp = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + k) for k in range(cfg.n_mtp_layers))
-        if str(device) != "meta":
+        if init and str(device) != "meta":
             self.reset_parameters()
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_config(cls, cfg: ModelConfig | str, seed: int = 0, **kw) -> DeepSeekV4:
+    def from_config(cls, cfg: ModelConfig | str, seed: int = 0, init_on_device: bool = False, **kw) -> DeepSeekV4:
         """A randomly initialized model from a ModelConfig or a preset name (with `quant_mode="int8"` its
-        linears and routed experts are then requantized to INT8, `dsv4.model.int8`)."""
+        linears and routed experts are then requantized to INT8, `dsv4.model.int8`). init_on_device: the
+        random numbers are drawn on the model's device (`reset_parameters`)."""
         if isinstance(cfg, str):
             cfg = ModelConfig.preset(cfg)
-        model = cls(cfg, **kw)
-        model.reset_parameters(seed)
+        model = cls(cfg, init=False, **kw)
+        model.reset_parameters(seed, on_device=init_on_device)
         if cfg.quant_mode == "int8":
             quantize_int8(model)
         return model
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int = 0) -> None:
+    def reset_parameters(self, seed: int = 0, on_device: bool = False) -> None:
         """Deterministic random init: linears N(0, 1/in), norms 1, mHC mixing near identity, hash
-        table of distinct experts per token, zero router bias, sinks and ape."""
+        table of distinct experts per token, zero router bias, sinks and ape.
+
+        The numbers come from a CPU generator, so a seed gives the same weights on every device. on_device:
+        from a generator on the model's device instead (seconds, not minutes, for a model of billions of
+        parameters; the same weights on every device of that type, not across types: for benchmarks)."""
         cfg = self.cfg
-        gen = torch.Generator().manual_seed(seed)
+        dev = self.embed.weight.device if on_device else torch.device("cpu")
+        gen = torch.Generator(device=dev).manual_seed(seed)
 
         def normal_(p: torch.Tensor, std: float) -> None:
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
+            if not on_device:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                return
+            rows = p.view(p.size(0), -1) if p.dim() > 1 else p.view(1, -1)
+            step = max(1, (1 << 26) // max(1, rows.size(1)))  # fp32 draws of at most ~256 MB at a time
+            for part in rows.split(step):
+                part.copy_(torch.randn(part.shape, generator=gen, device=dev).mul_(std))
 
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
@@ -142,7 +161,10 @@ class DeepSeekV4(nn.Module):
         for mod in self.modules():
             if not isinstance(mod, Gate):
                 continue
-            if mod.hash:
+            if mod.hash and on_device:  # distinct experts per token: the first k of a random order
+                order = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=gen, device=dev).argsort(-1)
+                mod.tid2eid.copy_(order[:, : cfg.n_activated_experts].to(torch.int32))
+            elif mod.hash:
                 table = torch.stack(
                     [
                         torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.n_activated_experts]

@@ -216,3 +216,27 @@ def test_mixed_precision_feeds_fused_ops_bf16_operands_and_keeps_fp32_gradients(
     w1 = model.layers[1].ffn.experts.w1
     assert w1.dtype == torch.float32 and w1.grad is not None and w1.grad.dtype == torch.float32
     assert bool(torch.isfinite(w1.grad).all()) and float(w1.grad.abs().sum()) > 0
+
+
+def test_random_init_once_and_on_the_device():
+    """`from_config` draws the weights once, the same as building the model and re-initializing it at the
+    seed (the CPU generator: the same weights on every device); `init_on_device` draws them from a generator
+    on the model's device: the same for the same seed, each linear N(0, 1/in) (its sample std within 6
+    standard errors, sqrt(1 / (2n)) relative, of 1/sqrt(in)) and every hash-routed token given distinct
+    experts."""
+    cfg = ModelConfig.preset("tiny")
+    built = DeepSeekV4(cfg)
+    built.reset_parameters(3)
+    once = DeepSeekV4.from_config(cfg, seed=3)
+    for (name, a), b in zip(built.state_dict().items(), once.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    dev = [DeepSeekV4.from_config(cfg, seed=3, init_on_device=True) for _ in range(2)]
+    for (name, a), b in zip(dev[0].state_dict().items(), dev[1].state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    w = dev[0].layers[0].attn.wq_a.weight
+    n = w.numel()
+    assert abs(w.std().item() * w.size(1) ** 0.5 - 1) < 6 * (1 / (2 * n)) ** 0.5
+    table = dev[0].layers[0].ffn.gate.tid2eid
+    assert table.shape == (cfg.vocab_size, cfg.n_activated_experts)
+    assert int(table.min()) >= 0 and int(table.max()) < cfg.n_routed_experts
+    assert all(len(set(row)) == cfg.n_activated_experts for row in table.tolist())
