@@ -123,10 +123,14 @@ def test_the_plan_is_taken_only_where_set(monkeypatch):
     g = torch.Generator().manual_seed(5)
     q, kv, sink = torch.randn(1, t, h, d, generator=g), torch.randn(1, n, d, generator=g), torch.randn(h, generator=g)
     assert not grouped.applies(q)
+    with grouped.enabled():
+        assert grouped.ENABLED
+    assert not grouped.ENABLED
     monkeypatch.setattr(grouped, "ENABLED", True)
     monkeypatch.setattr(grouped, "num_sms", lambda dev: 4)
     assert grouped.applies(q) and grouped.group_size(16) == 4 and grouped.group_size(64) == 1
     assert not grouped.applies(torch.empty(1, t, 64, d))
+    assert not grouped.applies(torch.empty(t, 1, h, d))  # one-token rows: a dense decode step
     with exact_accumulation():  # the engine's deterministic mode
         assert not grouped.applies(q)
     ran = []

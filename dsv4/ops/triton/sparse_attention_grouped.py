@@ -30,6 +30,9 @@ Design
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import triton
 import triton.language as tl
@@ -176,6 +179,17 @@ def _grouped_fwd_kernel(
 _grouped_fwd = Kernel(_grouped_fwd_kernel)
 
 
+@contextlib.contextmanager
+def enabled(on: bool = True) -> Iterator[None]:
+    """`ENABLED` set to `on` inside the block, as it was after it."""
+    global ENABLED
+    before, ENABLED = ENABLED, on
+    try:
+        yield
+    finally:
+        ENABLED = before
+
+
 def group_size(h: int) -> int:
     """Queries per program for h heads: the rows of one tile (1: no grouping)."""
     return max(1, MAX_ROWS // max(16, triton.next_power_of_2(h)))
@@ -183,11 +197,12 @@ def group_size(h: int) -> int:
 
 def applies(q: torch.Tensor) -> bool:
     """Whether a forward over q [b, s, h, d] takes this plan: where set (`ENABLED`), not in deterministic mode
-    (a query's sums would depend on its neighbours), at least two queries per program, and enough groups to
-    give every SM one (fewer queries are the per-query kernel's decode plans)."""
+    (a query's sums would depend on its neighbours), at least two queries per program and a group's worth
+    per batch row (groups do not cross rows: a batch of one-token rows, a dense decode step, shares nothing),
+    and enough groups to give every SM one (fewer queries are the per-query kernel's decode plans)."""
     b, s, h, _ = q.shape
     g = group_size(h)
-    return ENABLED and not is_exact() and g > 1 and b * triton.cdiv(s, g) >= num_sms(q.device)
+    return ENABLED and not is_exact() and 1 < g <= s and b * triton.cdiv(s, g) >= num_sms(q.device)
 
 
 def grouped_forward(
