@@ -88,7 +88,7 @@ def load(opts: dict, quant_mode: str, dtype: str, device: str):
     if quant_mode == "int8":
         cfg = cfg.replace(quant_mode="int8")
     # on a GPU the random weights are drawn there: a CPU draw of a flash-sized model takes minutes per run
-    on_gpu = not str(device).startswith("cpu")
+    on_gpu = str(device).startswith("cuda")
     return DeepSeekV4.from_config(cfg, seed=opts.get("seed", 0), init_on_device=on_gpu, dtype=dt, device=device).eval()
 
 

@@ -135,7 +135,7 @@ class DeepSeekV4(nn.Module):
             if not on_device:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
                 return
-            rows = p.view(p.size(0), -1) if p.dim() > 1 else p.view(1, -1)
+            rows = p.view(p.size(0), -1)  # (every parameter drawn here is a matrix or more)
             step = max(1, (1 << 26) // max(1, rows.size(1)))  # fp32 draws of at most ~256 MB at a time
             for part in rows.split(step):
                 part.copy_(torch.randn(part.shape, generator=gen, device=dev).mul_(std))

@@ -116,8 +116,9 @@ def _hc_pre_epilogue(
 ):
     """Everything after the projection, from the full raw mixes and sum of squares of rows `ts`.
 
-    RMS scale, sigmoids, Sinkhorn; post/comb/mix/rs are stored where `smask`; y is reduced over the
-    columns [d_lo, d_hi) only (the split path spreads the columns of y over several programs).
+    RMS scale, sigmoids, Sinkhorn; post/comb/mix/rs are stored where `smask` (and computed only where some
+    row stores them); y is reduced over the columns [d_lo, d_hi) only (the split path spreads the columns
+    of y over several programs).
     """
     K = HC * D
     P2: tl.constexpr = HC * HC
@@ -131,23 +132,24 @@ def _hc_pre_epilogue(
     pre_m = tl.sum(tl.where(which == 0, pp3, 0.0), axis=1)  # [BT, HC]
     pre = tl.sigmoid(pre_m * tl.load(scale_ptr) + tl.load(base_ptr + hcs)[None, :]) + hc_eps
     if not HEAD:
-        mcb = acc_cb * r[:, None]
-        n_mix = (2 + HC) * HC
-        tl.store(rs_ptr + ts64, r, mask=smask)
-        tl.store(mix_ptr + ts64[:, None] * n_mix + c1[None, :], mpp, mask=smask[:, None] & (c1[None, :] < 2 * HC))
-        tl.store(mix_ptr + ts64[:, None] * n_mix + 2 * HC + c2[None, :], mcb, mask=smask[:, None])
-        post_m = tl.sum(tl.where(which == 1, pp3, 0.0), axis=1)
-        post = 2.0 * tl.sigmoid(post_m * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + hcs)[None, :])
-        tl.store(post_ptr + ts64[:, None] * HC + hcs[None, :], post, mask=smask[:, None])
-        # Sinkhorn on [BT, hc, hc]: row softmax (+eps), column normalisation, then ITERS-1 (row, column)
-        c = tl.reshape(mcb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + c2)[None, :], (BT, HC, HC))
-        c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
-        c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps
-        c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-        for _ in range(ITERS - 1):
-            c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+        if tl.max(smask.to(tl.int32), axis=0) > 0:  # (a program that stores no row's mixes skips them)
+            mcb = acc_cb * r[:, None]
+            n_mix = (2 + HC) * HC
+            tl.store(rs_ptr + ts64, r, mask=smask)
+            tl.store(mix_ptr + ts64[:, None] * n_mix + c1[None, :], mpp, mask=smask[:, None] & (c1[None, :] < 2 * HC))
+            tl.store(mix_ptr + ts64[:, None] * n_mix + 2 * HC + c2[None, :], mcb, mask=smask[:, None])
+            post_m = tl.sum(tl.where(which == 1, pp3, 0.0), axis=1)
+            post = 2.0 * tl.sigmoid(post_m * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + hcs)[None, :])
+            tl.store(post_ptr + ts64[:, None] * HC + hcs[None, :], post, mask=smask[:, None])
+            # Sinkhorn on [BT, hc, hc]: row softmax (+eps), column normalisation, then ITERS-1 (row, column)
+            c = tl.reshape(mcb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + c2)[None, :], (BT, HC, HC))
+            c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
+            c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps
             c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-        tl.store(comb_ptr + ts64[:, None] * P2 + c2[None, :], tl.reshape(c, (BT, P2)), mask=smask[:, None])
+            for _ in range(ITERS - 1):
+                c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+                c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+            tl.store(comb_ptr + ts64[:, None] * P2 + c2[None, :], tl.reshape(c, (BT, P2)), mask=smask[:, None])
     # weighted reduce of the copies (the tile was read for the projection: still in L2)
     for d0 in range(d_lo, d_hi, BD):
         ds = d0 + tl.arange(0, BD)
@@ -315,65 +317,35 @@ def _hc_pre_finish_kernel(
             acc_cb += tl.load(wcb_ptr + row[:, None] * P2 + c2[None, :], mask=tmask[:, None] & mixes, other=0.0)
         ss += tl.load(wss_ptr + row, mask=tmask, other=0.0)
     d_lo = (pid_d - 1 + HEAD) * DS  # (a y program's columns)
-    d_hi = tl.minimum(d_lo + DS, D)
-    if mixes:
-        _hc_pre_epilogue(
-            acc_pp,
-            acc_cb,
-            ss,
-            x_ptr,
-            scale_ptr,
-            base_ptr,
-            y_ptr,
-            post_ptr,
-            comb_ptr,
-            mix_ptr,
-            rs_ptr,
-            ts64,
-            tmask,
-            tmask,
-            D,
-            0,
-            0,
-            norm_eps,
-            hc_eps,
-            ITERS,
-            HC,
-            P1,
-            HEAD,
-            BT,
-            BD,
-            UPCAST,
-        )
-    else:  # the pre weights and y only (the epilogue of a head: nothing else is computed or stored)
-        _hc_pre_epilogue(
-            acc_pp,
-            acc_cb,
-            ss,
-            x_ptr,
-            scale_ptr,
-            base_ptr,
-            y_ptr,
-            post_ptr,
-            comb_ptr,
-            mix_ptr,
-            rs_ptr,
-            ts64,
-            tmask,
-            tmask,
-            D,
-            d_lo,
-            d_hi,
-            norm_eps,
-            hc_eps,
-            ITERS,
-            HC,
-            P1,
-            True,
-            BT,
-            BD,
-            UPCAST,
-        )
+    d_hi = tl.where(mixes, d_lo, tl.minimum(d_lo + DS, D))  # (the mixes program reduces none)
+    _hc_pre_epilogue(
+        acc_pp,
+        acc_cb,
+        ss,
+        x_ptr,
+        scale_ptr,
+        base_ptr,
+        y_ptr,
+        post_ptr,
+        comb_ptr,
+        mix_ptr,
+        rs_ptr,
+        ts64,
+        tmask,
+        tmask & mixes,
+        D,
+        d_lo,
+        d_hi,
+        norm_eps,
+        hc_eps,
+        ITERS,
+        HC,
+        P1,
+        HEAD,
+        BT,
+        BD,
+        UPCAST,
+    )
 
 
 @triton.jit
