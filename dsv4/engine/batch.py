@@ -28,6 +28,7 @@ sampled tokens), so a step can be launched before the host has read the last one
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ from ..model.paged import CacheLayout, StepInputs
 HEAL_ROWS = 4  # rows under a token-healing constraint that a step with the MTP catch-up draws in its graph
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
     """One sequence's part of a step: tokens at positions start ... start + len(tokens) - 1."""
 
@@ -168,28 +169,59 @@ def _bucket_fields(b: Bucket) -> Fields:
     return Fields(spec)
 
 
+@functools.cache
+def _blank(b: Bucket, pad_trow: int) -> dict[str, np.ndarray]:
+    """The fields of bucket b with no row in it: every token, row and list entry as padding (see the
+    module docstring), which `fill_bucket` copies before it writes the rows (made once per bucket)."""
+    D, L, T = b.decode, b.slot_len, b.tokens
+    pad = b.rows - 1
+    fields = b.fields()
+    v = fields.views(np.zeros(fields.size, np.int64))
+    v["feed"][:] = -1
+    v["row"][:] = pad
+    v["seg"][:] = T - 1
+    v["trow"][:] = pad_trow
+    if b.mtp:
+        v["nxo"][:] = -1
+        v["heal"][:] = -1
+    if D:
+        v["imap0"][:] = -1
+        v["irow0"][:] = pad
+    # the lists' entries that no row fills: a decode row's own token, a slot's last token
+    slot_last = D + np.arange(b.slots, dtype=np.int64) * L + L - 1
+    for r in b.ratios:
+        g = v[f"g{r}"]
+        g[:D] = np.arange(D)
+        g[D:] = np.repeat(slot_last, -(-L // r))
+    for k in b.keep if b.slots else ():
+        kt = v[f"k{k.ratio}"]
+        kt[:D] = np.arange(D)
+        kt[D:] = np.repeat(slot_last, k.per_slot)
+    v["out"][:D] = np.arange(D)
+    v["out"][D:] = slot_last
+    if b.slots:
+        v["imap1"][:] = -1
+        v["irow1"][:] = pad
+    v = {name: a for name, a in v.items() if name not in ("s_f", "s_i")}  # (the runner's: sampling settings)
+    for a in v.values():
+        a.flags.writeable = False
+    return v
+
+
+def _within(groups: np.ndarray) -> np.ndarray:
+    """Each entry's rank among the entries of its group, for sorted group ids: [3, 3, 5, 7, 7, 7] ->
+    [0, 1, 0, 0, 1, 2]."""
+    return np.arange(len(groups)) - np.searchsorted(groups, groups)
+
+
 def fill_bucket(b: Bucket, decode: list[Row], chunks: list[Row], v: dict[str, np.ndarray], pad_trow: int) -> list[int]:
     """Write the rows into the field views `v` of bucket b. -> the logits row (index into `out`) of each
     row in order (decode rows, then chunks)."""
-    D, L, T = b.decode, b.slot_len, b.tokens
-    pad = b.rows - 1
-    v["tok"][:] = 0
-    v["feed"][:] = -1
-    v["pos"][:] = 0
-    v["row"][:] = pad
-    v["seg"][:] = T - 1
-    v["start"][:] = 0
-    v["length"][:] = 0
-    v["state"][:] = 0
-    v["trow"][:] = pad_trow
+    D, L = b.decode, b.slot_len
+    for name, blank in _blank(b, pad_trow).items():
+        np.copyto(v[name], blank)
     nd = len(decode)
     logits_rows = list(range(nd))
-    if b.mtp:
-        v["nx"][:] = 0
-        v["nxo"][:] = -1
-        v["heal"][:] = -1
-        for i, r in enumerate(decode):
-            v["nx"][i], v["nxo"][i] = max(r.after, 0), -1 if r.after >= 0 or not r.want_logits else i
     if nd:
         start = np.fromiter((r.start for r in decode), np.int64, nd)
         state = np.fromiter((r.state for r in decode), np.int64, nd)
@@ -203,69 +235,60 @@ def fill_bucket(b: Bucket, decode: list[Row], chunks: list[Row], v: dict[str, np
         v["length"][:nd] = start + 1
         v["state"][:nd] = state
         v["trow"][:nd] = state
-    if D:
-        v["imap0"][:, 0] = np.where(np.arange(D) < nd, np.arange(D), -1)
-        v["irow0"][:] = np.where(np.arange(D) < nd, np.arange(D), pad)
-    # the lists' entries that no row fills: a decode row's own token, a slot's last token (see the docstring)
-    slot_last = D + np.arange(b.slots, dtype=np.int64) * L + L - 1
-    for r in b.ratios:
-        g = v[f"g{r}"]
-        g[:D] = np.arange(D)
-        g[D:] = np.repeat(slot_last, -(-L // r))
-    keep = b.keep if b.slots else ()
-    for k in keep:
-        kt = v[f"k{k.ratio}"]
-        kt[:D] = np.arange(D)
-        kt[D:] = np.repeat(slot_last, k.per_slot)
-    out = v["out"]
-    out[:D] = np.arange(D)
-    out[D:] = slot_last
-    if b.slots:
-        v["imap1"][:] = -1
-        v["irow1"][:] = pad
-    slot = 0
-    per_slot = {r: -(-L // r) for r in b.ratios}
-    for i, r in enumerate(chunks):
-        n = len(r.tokens)
-        k = -(-n // L)
-        row = D + i
-        lo = D + slot * L
-        pos = np.arange(r.start, r.start + n)
-        v["tok"][lo : lo + n] = r.tokens
-        v["pos"][lo : lo + n] = pos
-        v["row"][lo : lo + n] = row
-        v["seg"][row], v["start"][row], v["length"][row] = lo, r.start, r.start + n
-        v["state"][row] = v["trow"][row] = r.state
-        flat = np.full(k * L, -1, np.int64)
-        flat[:n] = lo + np.arange(n)
-        v["imap1"][slot : slot + k] = flat.reshape(k, L)
-        v["irow1"][slot : slot + k] = row
-        ends = np.minimum(np.arange(1, k + 1) * L, n) - 1  # each slot's last real token
-        out[D + slot : D + slot + k] = lo + ends
-        for ratio, m in per_slot.items():
-            done = lo + np.nonzero((pos + 1) % ratio == 0)[0]  # tokens completing a group
-            g = v[f"g{ratio}"]
-            for s in range(k):
-                mine = done[(done >= lo + s * L) & (done < lo + (s + 1) * L)]
-                at = D + (slot + s) * m
-                g[at : at + len(mine)] = mine
-        for rule in keep:
-            kept = lo + np.nonzero(rule.kept(pos, r.start + n))[0]
-            kt = v[f"k{rule.ratio}"]
-            for s in range(k):
-                mine = kept[(kept >= lo + s * L) & (kept < lo + (s + 1) * L)]
-                assert len(mine) <= rule.per_slot, "CacheLayout.keep_bound undercounts"
-                at = D + (slot + s) * rule.per_slot
-                kt[at : at + len(mine)] = mine
-        logits_rows.append(D + slot + k - 1)
+        v["imap0"][:nd, 0] = idx
+        v["irow0"][:nd] = idx
         if b.mtp:
-            v["nx"][lo : lo + n - 1] = r.tokens[1:]
-            last = lo + n - 1
-            v["nx"][last], v["nxo"][last] = (
-                max(r.after, 0),
-                -1 if r.after >= 0 or not r.want_logits else D + slot + k - 1,
-            )
-        slot += k
+            after = np.fromiter((r.after for r in decode), np.int64, nd)
+            want = np.fromiter((r.want_logits for r in decode), bool, nd)
+            v["nx"][:nd] = np.maximum(after, 0)
+            v["nxo"][:nd] = np.where((after >= 0) | ~want, -1, idx)
+    nc = len(chunks)
+    if not nc:
+        return logits_rows
+    # every chunk token at once: chunk c's n tokens fill k = ceil(n / L) slots from its first slot, at
+    # token lo + j (j < n) of the step
+    n = np.fromiter((len(r.tokens) for r in chunks), np.int64, nc)
+    cstart = np.fromiter((r.start for r in chunks), np.int64, nc)
+    k = -(-n // L)
+    slot0 = np.cumsum(k) - k  # each chunk's first slot
+    lo = D + slot0 * L
+    rows = D + np.arange(nc)
+    of = np.repeat(np.arange(nc), n)  # the chunk of each token
+    j = np.arange(len(of)) - np.repeat(np.cumsum(n) - n, n)
+    at = lo[of] + j  # the step's token
+    pos = cstart[of] + j
+    toks = np.fromiter(itertools.chain.from_iterable([r.tokens for r in chunks]), np.int64, len(of))
+    v["tok"][at] = toks
+    v["pos"][at] = pos
+    v["row"][at] = rows[of]
+    v["seg"][rows], v["start"][rows], v["length"][rows] = lo, cstart, cstart + n
+    v["state"][rows] = v["trow"][rows] = np.fromiter((r.state for r in chunks), np.int64, nc)
+    v["imap1"].reshape(-1)[at - D] = at
+    slot_of = np.repeat(np.arange(nc), k)  # the chunk of each slot
+    s = np.arange(len(slot_of)) - np.repeat(slot0, k)  # each slot's index in its chunk
+    v["irow1"][: len(slot_of)] = rows[slot_of]
+    out = v["out"]
+    out[D : D + len(slot_of)] = lo[slot_of] + np.minimum((s + 1) * L, n[slot_of]) - 1  # each slot's last token
+    slot_at = (at - D) // L  # each token's slot
+    for ratio in b.ratios:  # tokens that complete a group, listed in their slot's share
+        done = (pos + 1) % ratio == 0
+        m = -(-L // ratio)
+        v[f"g{ratio}"][D + slot_at[done] * m + _within(slot_at[done])] = at[done]
+    for rule in b.keep:
+        kept = rule.kept(pos, (cstart + n)[of])
+        rank = _within(slot_at[kept])
+        assert not len(rank) or rank.max() < rule.per_slot, "CacheLayout.keep_bound undercounts"
+        v[f"k{rule.ratio}"][D + slot_at[kept] * rule.per_slot + rank] = at[kept]
+    last = D + slot0 + k - 1  # each chunk's logits row: its last slot's
+    logits_rows += last.tolist()
+    if b.mtp:
+        inner = j < n[of] - 1
+        v["nx"][at[inner]] = toks[np.nonzero(inner)[0] + 1]
+        end = lo + n - 1
+        after = np.fromiter((r.after for r in chunks), np.int64, nc)
+        want = np.fromiter((r.want_logits for r in chunks), bool, nc)
+        v["nx"][end] = np.maximum(after, 0)
+        v["nxo"][end] = np.where((after >= 0) | ~want, -1, last)
     return logits_rows
 
 
