@@ -269,20 +269,27 @@ class Engine:
         return self.overlap and not any(s.heal or s.request.params.penalized for s in sampled)
 
     def _launch(self, plan: list[Scheduled]) -> tuple[InFlight, list[Sequence], list[Sequence]]:
-        parts: tuple[list[Row], list[Row]] = ([], [])  # decode rows (one token each), prompt chunks
-        seqs: tuple[list[Sequence], list[Sequence]] = ([], [])
-        for sch in plan:  # (one pass over up to max_seqs rows each step: kept lean)
+        # (up to max_seqs rows each step, a few passes over them: the host's time per
+        # step is what the device waits for at large batches)
+        decode: list[Row] = []  # one-token rows
+        chunks: list[Row] = []  # prompt chunks (and the MTP catch-up's known tokens)
+        dseqs: list[Sequence] = []
+        cseqs: list[Sequence] = []
+        for sch in plan:
             seq, n = sch.seq, sch.n
             s, known = seq.computed, len(seq.tokens)
             if s >= known:  # its input token is still on the device
-                row = Row([0], s, seq.pages.state, True, feed=seq.pending_index)
+                row = Row([0], s, seq.pages.state, True, False, seq.pending_index)  # (feed: positional, the common row)
             else:  # (after: the MTP catch-up's next token, where the prompt goes on)
                 after = seq.tokens[s + n] if s + n < known else -1
                 row = Row(seq.tokens[s : s + n], s, seq.pages.state, s + n == known + seq.n_pending, after=after)
-            parts[n > 1].append(row)
-            seqs[n > 1].append(seq)
-        decode, chunks = parts
-        order, rows = seqs[0] + seqs[1], decode + chunks
+            if n > 1:
+                chunks.append(row)
+                cseqs.append(seq)
+            else:
+                decode.append(row)
+                dseqs.append(seq)
+        order, rows = dseqs + cseqs, decode + chunks
         samples, samplers = [], []
         for i, seq in enumerate(order):
             if rows[i].want_logits:
@@ -294,10 +301,12 @@ class Engine:
                 samplers.append(seq)
         with exact_accumulation(self.config.deterministic):
             inflight = self.runner.launch(decode, chunks, samples)
+        prompt_tokens = 0
         for seq, row in zip(order, rows):
             seq.computed += len(row.tokens)
             if seq.computed <= seq.prompt_len:
-                self.stats["prompt_tokens"] += len(row.tokens)
+                prompt_tokens += len(row.tokens)
+        self.stats["prompt_tokens"] += prompt_tokens
         feed = inflight.feed
         for j, seq in enumerate(samplers):
             seq.n_pending += 1
@@ -316,9 +325,10 @@ class Engine:
         out, now = self.output, time.monotonic()
         for j, seq in enumerate(samplers):
             seq.n_pending -= 1
-            if seq.finished:  # finished (or aborted) since: a token too many
+            if seq.status is Status.FINISHED:  # finished (or aborted) since: a token too many
                 continue
-            out.emit(seq, toks[j], out.logprob(seq, toks[j], lps, top_ids, top_lps, j), outputs, now)
+            lp = None if seq.request.params.logprobs is None else out.logprob(seq, toks[j], lps, top_ids, top_lps, j)
+            out.emit(seq, toks[j], lp, outputs, now)
         result = self.finish_step(stepped, outputs)
         self.timing["post"] += time.perf_counter() - t1
         return result

@@ -33,14 +33,6 @@ class OutputProcessor:
         self.eos, self.max_model_len, self.stats = eos, max_model_len, stats
         self.vocabulary = vocabulary  # the tokenizer's (token healing), built on first use
 
-    def stop_reason(self, seq: Sequence, tok: int) -> str | None:
-        p = seq.params
-        if tok in p.stop_token_ids or (tok == self.eos and not p.ignore_eos):
-            return "stop"
-        if len(seq.tokens) - seq.prompt_len >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
-            return "length"  # (counts tokens read: not the ones on the device)
-        return None
-
     def emit(
         self,
         seq: Sequence,
@@ -51,14 +43,16 @@ class OutputProcessor:
     ) -> None:
         """One generated token: append it, apply the token-level stops, finish the sequence when it ends.
         now: the time it was read (time.monotonic(); one reading serves a step's tokens)."""
-        now = time.monotonic() if now is None else now
+        if now is None:
+            now = time.monotonic()
         seq.tokens.append(tok)
         if seq.heal:  # a token-healing constraint: what is left of it
             seq.heal = self.vocabulary().advance(seq.heal, tok)
         if lp is not None:
             seq.logprobs.append(lp)
         self.stats["generated_tokens"] += 1
-        seq.first_token_time = seq.first_token_time or now
+        if seq.first_token_time is None:
+            seq.first_token_time = now
         seq.last_token_time = now
         out = outputs.get(id(seq))
         if out is None:
@@ -68,9 +62,11 @@ class OutputProcessor:
         out.new_tokens.append(tok)
         if lp is not None:
             out.new_logprobs.append(lp)
-        reason = self.stop_reason(seq, tok)
-        if reason:
-            self.finish(seq, reason)
+        p = seq.params  # the token-level stops
+        if tok in p.stop_token_ids or (tok == self.eos and not p.ignore_eos):
+            self.finish(seq, "stop")
+        elif len(seq.tokens) - seq.prompt_len >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+            self.finish(seq, "length")  # (counts the tokens read, not those still on the device)
 
     @staticmethod
     def logprob(seq: Sequence, tok: int, lps, top_ids, top_lps, j: int) -> TokenLogprob | None:

@@ -42,7 +42,7 @@ def bucket_sizes(limit: int, sizes: tuple[int, ...]) -> list[int]:
     return [0] + [s for s in sizes if s < limit] + [limit]
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRow:
     """A row to sample: its logits row, settings, seed and counter (tokens generated so far)."""
 

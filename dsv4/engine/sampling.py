@@ -104,7 +104,7 @@ class SamplingTensors:
     def plain(params: Sequence[SamplingParams]) -> bool:
         """Whether the plain draw serves these rows: no filtering, no penalties, no alternatives (a row
         with a token-healing constraint is not plain either: the runner checks its `SampleRow.allowed`)."""
-        return not any(p.filtered or p.penalized or p.logprobs for p in params)
+        return all(p.plain for p in params)
 
     @classmethod
     def build(

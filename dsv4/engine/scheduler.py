@@ -39,7 +39,7 @@ class SchedulerConfig:
     slot_sizes: tuple[int, ...] = ()
 
 
-@dataclass(eq=False)
+@dataclass(slots=True, eq=False)
 class Scheduled:
     """One row of a step: `n` tokens of `seq` from position seq.computed."""
 
@@ -115,10 +115,17 @@ class Scheduler:
     def after_step(self, stepped: list[Sequence]) -> None:
         """Pages of the sequences a step advanced: offer complete ones to the prefix cache, release the
         window pages that fell out of the window."""
+        m = self.manager
+        P, window, register = m.P, m.window, m.prefix_caching
         for seq in stepped:
-            if seq.running:
-                self.manager.register(seq.pages, seq.tokens, min(seq.computed, len(seq.tokens)))
-                self.manager.trim_window(seq.pages, seq.computed)
+            if seq.status is not Status.RUNNING:
+                continue
+            pages, computed = seq.pages, seq.computed
+            # (most steps complete no page and move the window past none: checked here before the calls)
+            if register and min(computed, len(seq.tokens)) // P > pages.registered:
+                m.register(pages, seq.tokens, min(computed, len(seq.tokens)))
+            if max(0, computed - window + 1) // P > pages.trimmed:
+                m.trim_window(pages, computed)
 
     # ------------------------------------------------------------------ one step
     def _done(self, seq: Sequence) -> bool:
@@ -146,11 +153,24 @@ class Scheduler:
         budget = c.max_batch_tokens
         plan: list[Scheduled] = []
         planned: set[int] = set()
-        decoding = [s for s in self.running if not s.prefilling]
-        chunked = [s for s in self.running if s.prefilling]
+        decoding: list[Sequence] = []
+        chunked: list[Sequence] = []
+        for s in self.running:  # (s.prefilling, inline: this runs over every running sequence each step)
+            (chunked if s.computed < len(s.tokens) + s.n_pending - 1 else decoding).append(s)
+        max_len, running = c.max_model_len, Status.RUNNING
         for seq in decoding:
             if budget <= 0:
                 break
+            # the common row: one token inside a page it has already started (`_plan_row`, inline)
+            if seq.status is running and not seq.drafts and seq.computed % P:
+                if seq.n_pending:  # (`_done`)
+                    known = len(seq.tokens) + seq.n_pending
+                    if known - seq.prompt_len >= seq.request.params.max_tokens or known >= max_len:
+                        continue
+                plan.append(Scheduled(seq, 1))
+                planned.add(id(seq))
+                budget -= 1
+                continue
             budget -= self._plan_row(seq, budget, plan, planned)
         budget = self._chunk_budget(budget)
         for seq in chunked:
@@ -162,7 +182,7 @@ class Scheduler:
         # (where preemption can happen at all: not `roomy`)
         m = self.manager
         watermark = (max(1, m.wpool.n_pages // 100), max(1, m.cpool.n_pages // 100) if m.cpool else 0)
-        at_edge = sum(1 for s in self.running if (s.computed + 1) % P == 0)
+        at_edge = sum(1 for s in self.running if (s.computed + 1) % P == 0) if self.waiting else 0
         while self.waiting and budget >= L and len(self.running) < c.max_seqs:
             seq = self.waiting[0]
             if self._sibling_prefilling(seq) or seq.n_pending:  # (a preempted one's token is on its way)
