@@ -39,7 +39,7 @@ serving_deps || echo "warning: fastapi / uvicorn / openai are not installed: the
 start=$(date +%s)
 # one worker per core (the suite's own default is the 2-core CI machine's); -v names every failure as it
 # happens, so a run stopped by a time limit still says which tests failed
-"$PY" -m pytest -p no:cacheprovider -n "${WORKERS:-$(nproc)}" -v --junitxml="$OUT/junit.xml" -rfEs 2>&1 |
+"$PY" -m pytest -p no:cacheprovider -n "${WORKERS:-$(nproc)}" -v --durations=40 --junitxml="$OUT/junit.xml" -rfEs 2>&1 |
   tee "$OUT/pytest.log" | grep -E --line-buffered " (FAILED|ERROR) |^(FAILED|ERROR) |[0-9]+ (passed|failed)"
 rc=${PIPESTATUS[0]}
 {

@@ -551,7 +551,7 @@ def add_bench_engine_parser(subparsers) -> None:
         "--grouped-attention",
         action="store_true",
         help="sparse attention's grouped-query plan for steps of many queries (consecutive prompt tokens share "
-        "their key tiles; off by default until measured: `dsv4.ops.triton.sparse_attention_grouped`)",
+        "their key tiles; off by default, measured slower on an H100: `dsv4.ops.triton.sparse_attention_grouped`)",
     )
     p.add_argument("--no-raw", action="store_true", help="skip the raw batched decode measurement")
     p.add_argument(
