@@ -18,15 +18,19 @@ import argparse
 import cProfile
 import pstats
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from dsv4.bench.engine import _work, drive
-from dsv4.config import PRESETS
-from dsv4.engine import Engine, EngineConfig
-from dsv4.engine.engine_process import freeze_heap
-from dsv4.engine.runner import Runner
-from dsv4.model import DeepSeekV4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dsv4, also when not installed
+
+from dsv4.bench.engine import _work, drive  # noqa: E402
+from dsv4.config import PRESETS  # noqa: E402
+from dsv4.engine import Engine, EngineConfig  # noqa: E402
+from dsv4.engine.engine_process import freeze_heap  # noqa: E402
+from dsv4.engine.runner import Runner  # noqa: E402
+from dsv4.model import DeepSeekV4  # noqa: E402
 
 
 def main() -> None:

@@ -269,27 +269,20 @@ class Engine:
         return self.overlap and not any(s.heal or s.request.params.penalized for s in sampled)
 
     def _launch(self, plan: list[Scheduled]) -> tuple[InFlight, list[Sequence], list[Sequence]]:
-        # (up to max_seqs rows each step, a few passes over them: the host's time per
-        # step is what the device waits for at large batches)
-        decode: list[Row] = []  # one-token rows
-        chunks: list[Row] = []  # prompt chunks (and the MTP catch-up's known tokens)
-        dseqs: list[Sequence] = []
-        cseqs: list[Sequence] = []
-        for sch in plan:
+        parts: tuple[list[Row], list[Row]] = ([], [])  # one-token rows, then prompt chunks
+        seqs: tuple[list[Sequence], list[Sequence]] = ([], [])
+        for sch in plan:  # (up to max_seqs rows each step: the host's time per step is what the device waits for)
             seq, n = sch.seq, sch.n
             s, known = seq.computed, len(seq.tokens)
-            if s >= known:  # its input token is still on the device
-                row = Row([0], s, seq.pages.state, True, False, seq.pending_index)  # (feed: positional, the common row)
+            if s >= known:  # its input token is still on the device (feed: positional, the common row)
+                row = Row([0], s, seq.pages.state, True, False, seq.pending_index)
             else:  # (after: the MTP catch-up's next token, where the prompt goes on)
                 after = seq.tokens[s + n] if s + n < known else -1
                 row = Row(seq.tokens[s : s + n], s, seq.pages.state, s + n == known + seq.n_pending, after=after)
-            if n > 1:
-                chunks.append(row)
-                cseqs.append(seq)
-            else:
-                decode.append(row)
-                dseqs.append(seq)
-        order, rows = dseqs + cseqs, decode + chunks
+            parts[n > 1].append(row)
+            seqs[n > 1].append(seq)
+        decode, chunks = parts
+        order, rows = seqs[0] + seqs[1], decode + chunks
         samples, samplers = [], []
         for i, seq in enumerate(order):
             if rows[i].want_logits:
@@ -301,12 +294,10 @@ class Engine:
                 samplers.append(seq)
         with exact_accumulation(self.config.deterministic):
             inflight = self.runner.launch(decode, chunks, samples)
-        prompt_tokens = 0
         for seq, row in zip(order, rows):
             seq.computed += len(row.tokens)
             if seq.computed <= seq.prompt_len:
-                prompt_tokens += len(row.tokens)
-        self.stats["prompt_tokens"] += prompt_tokens
+                self.stats["prompt_tokens"] += len(row.tokens)
         feed = inflight.feed
         for j, seq in enumerate(samplers):
             seq.n_pending += 1
