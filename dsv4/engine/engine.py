@@ -35,7 +35,7 @@ from .output import OutputProcessor, TextStreams
 from .runner import InFlight, Runner, SampleRow
 from .sampling import SamplingParams, SamplingTensors
 from .scheduler import Scheduled, Scheduler, SchedulerConfig
-from .sequence import Request, RequestError, Sequence, Status, StepOutput, TokenLogprob
+from .sequence import Request, RequestError, Sequence, Status, StepOutput, TokenLogprob, token_ids_ok
 from .spec_step import SpeculativeSteps, check_speculative, new_stats
 
 __all__ = ["Engine", "EngineConfig", "RequestError", "StepOutput", "TokenLogprob", "Sequence", "Request", "Status"]
@@ -158,7 +158,7 @@ class Engine:
         """Raise RequestError when a request cannot be served (before it is queued)."""
         if not prompt:
             raise RequestError("the prompt is empty: give at least one token")
-        if any(not isinstance(t, int) or t < 0 or t >= self.vocab for t in prompt):
+        if not token_ids_ok(prompt, self.vocab):
             raise RequestError(f"prompt token ids must be integers in [0, {self.vocab})")
         if not 1 <= n <= self.config.max_n:
             raise RequestError(f"n must be in [1, {self.config.max_n}], got {n}")

@@ -23,6 +23,14 @@ class RequestError(ValueError):
     """A request the engine refuses (too long, bad parameters); the message says why."""
 
 
+def token_ids_ok(ids: list[int], vocab: int) -> bool:
+    """Whether every id is an integer in [0, vocab). A list of plain ints (the common case) is checked at C
+    speed: the engine's loop checks every prompt it admits."""
+    if set(map(type, ids)) == {int}:
+        return 0 <= min(ids) and max(ids) < vocab
+    return all(isinstance(t, int) and 0 <= t < vocab for t in ids)
+
+
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"

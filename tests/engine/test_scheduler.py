@@ -20,7 +20,7 @@ import pytest
 from dsv4.engine.cache_manager import CacheManager
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.scheduler import Scheduler, SchedulerConfig
-from dsv4.engine.sequence import Request, Sequence
+from dsv4.engine.sequence import Request, Sequence, token_ids_ok
 from dsv4.model.paged import CacheLayout
 
 
@@ -224,3 +224,13 @@ def test_padded_steps_take_the_chunk_slots_of_a_bucket():
         chunk = [r for r in plan if r.seq is long.sequences[0]]
         assert [r.n for r in plan if r.n == 1] == [1, 1, 1] and len(chunk) == 1
         assert chunk[0].n == want * L, (sizes, chunk[0].n)
+
+
+def test_prompt_ids_are_checked_as_the_definition_says_whatever_the_list_holds():
+    """token_ids_ok (its fast path for lists of plain ints included) is: every id an int in [0, vocab)."""
+    rng = random.Random(0)
+    pool = [0, 1, 5, 7, 8, -1, True, False, 2.0, "3", None, 10**30]
+    for _ in range(2000):
+        ids = [rng.choice(pool) if rng.random() < 0.2 else rng.randrange(-2, 10) for _ in range(rng.randrange(0, 6))]
+        want = all(isinstance(t, int) and 0 <= t < 8 for t in ids)
+        assert token_ids_ok(ids, 8) == want, ids
