@@ -14,12 +14,6 @@ For each: the planned configuration ("auto") and each candidate, with and withou
 blocks that hold a valid key), each the median (min-max) of 5 replays of a CUDA graph of 20 calls after
 warm-up calls. The outputs of every candidate are checked equal to the planned one's within the bf16
 bound (a different key block or split rounds otherwise). Needs a CUDA GPU.
-
---grouped times the per-query kernel's plan against the grouped-query plan
-(`dsv4.ops.triton.sparse_attention_grouped`) instead, on the same two shapes laid out as the engine lays
-out a step: the tokens of a chunk share their sequence's window rows (token p + 1's window is p's shifted
-by one) and entries (listed in a random order per token, as the indexer's top-k lists them); decode rows
-keep keys of their own.
 """
 
 from __future__ import annotations
@@ -73,51 +67,6 @@ def step_inputs(positions: list[int], h: int, d: int, window: int, compressed: i
     return q, kv, sink, idx
 
 
-def shared_step_inputs(chunks: int, prompt: int, decode: list[int], h: int, d: int, window: int, ratio: int):
-    """A step of `chunks` prompts of `prompt` tokens (positions 0...) then decode rows at `decode` positions,
-    each sequence with its own window rows and entries in the pool. -> q, kv, sink, idx [1, T, window + entries]"""
-    g = torch.Generator().manual_seed(0)
-    entries = max(prompt, max(decode, default=0) + 1) // ratio
-    rows, base = [], 0
-    for p_list in [list(range(prompt))] * chunks + [[p] for p in decode]:
-        last = p_list[-1]
-        for p in p_list:
-            pos = torch.arange(p - window + 1, p + 1)
-            win = torch.where(pos >= 0, base + pos.clamp_min(0), -1)
-            seen = torch.randperm((p + 1) // ratio, generator=g) + base + last + 1
-            rows.append(torch.cat([win, seen, torch.full((entries - seen.numel(),), -1)]))
-        base += last + 1 + entries
-    idx = torch.stack(rows).unsqueeze(0)
-    q = torch.randn(1, idx.size(1), h, d, generator=g).to(torch.bfloat16)
-    kv = torch.randn(1, base, d, generator=g).to(torch.bfloat16)
-    return q, kv, torch.randn(h, generator=g), idx
-
-
-def grouped_rows(args, decode) -> None:
-    """Per-query plan against the grouped-query plan, a JSON line each (microseconds: median, min, max)."""
-    from dsv4.ops.triton import sparse_attention_grouped as grouped
-
-    dev, scale = torch.device("cuda"), args.dim**-0.5
-    for name, (chunks, rows) in {
-        "mixed": (args.chunks, decode(args.decode)),
-        "decode": (0, decode(args.batch)),
-    }.items():
-        q, kv, sink, idx = (
-            t.to(dev)
-            for t in shared_step_inputs(chunks, args.prompt, rows, args.heads, args.dim, args.window, args.ratio)
-        )
-        want = sa.sparse_attention_fwd(q, kv, sink, idx, scale)
-        for plan, fn in (("per-query", sa.sparse_attention_fwd), ("grouped", grouped.grouped_forward)):
-            row = {"shape": name, "queries": idx.size(1), "plan": plan}
-            try:  # (a plan that does not compile here, e.g. out of shared memory, is reported, not fatal)
-                got = fn(q, kv, sink, idx, scale)
-                row["rel_err_vs_per_query"] = float((got[0].float() - want[0].float()).norm() / want[0].float().norm())
-                row["us"] = [x * 1e3 for x in time_ms(partial(fn, q, kv, sink, idx, scale), calls=20)]
-            except Exception as e:  # noqa: BLE001
-                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            print(json.dumps(row))
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", type=int, default=16)
@@ -129,7 +78,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunks", type=int, default=9)
     p.add_argument("--decode", type=int, default=140)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--grouped", action="store_true", help="the per-query plan against the grouped-query plan")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("error: needs a CUDA GPU")
@@ -140,8 +88,6 @@ def main(argv: list[str] | None = None) -> None:
         "mixed": [p for _ in range(args.chunks) for p in range(args.prompt)] + decode(args.decode),
         "decode": decode(args.batch),
     }
-    if args.grouped:
-        return grouped_rows(args, decode)
     scale = args.dim**-0.5
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name(dev)}; heads {args.heads}, dim {args.dim}")
     for name, positions in shapes.items():

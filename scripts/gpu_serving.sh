@@ -11,8 +11,6 @@
 #   OUT=/some/dir bash scripts/gpu_serving.sh determ     # the price of --deterministic at 64 clients
 #   OUT=/some/dir bash scripts/gpu_serving.sh budget     # the engine at 256 clients, 2048 vs 4096 tokens per step
 #   OUT=/some/dir bash scripts/gpu_serving.sh stream     # bench serve, 256 clients, Poisson arrivals at 300/s
-#   OUT=/some/dir bash scripts/gpu_serving.sh grouped    # the engine at 64 and 256 clients with sparse attention's
-#                                                        # per-query plan, then its grouped-query plan
 # Every figure is the median of 3 or more timed runs with min and max, written as JSON under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,11 +49,6 @@ case "${1:-}" in
   stream)
     "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 256 --request-rate 300 --repeats 3 --no-raw \
       --out "$OUT/serve-stream.json" ;;
-  grouped)
-    for flag in "" "--grouped-attention"; do
-      "$PY" -m dsv4 bench engine "${COMMON[@]}" --clients 64 256 --repeats 3 $flag \
-        --out "$OUT/engine${flag:+-grouped}.json"
-    done ;;
   *)
-    sed -n 2,16p "$0"; exit 2 ;;
+    sed -n 2,14p "$0"; exit 2 ;;
 esac

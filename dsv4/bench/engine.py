@@ -316,15 +316,6 @@ def kernel_difference(before: list, after: list, title: str, top: int = 40) -> l
 
 
 def run_engine_bench(args: argparse.Namespace) -> int:
-    if not args.grouped_attention:
-        return _run_engine_bench(args)
-    from ..ops.triton import sparse_attention_grouped
-
-    with sparse_attention_grouped.enabled():
-        return _run_engine_bench(args)
-
-
-def _run_engine_bench(args: argparse.Namespace) -> int:
     from ..bench.serve import _raw_decode_rate
     from ..engine import Engine
     from ..engine.engine_process import freeze_heap
@@ -353,7 +344,6 @@ def _run_engine_bench(args: argparse.Namespace) -> int:
         "output_len": args.output_len,
         "spread": args.spread,
         "repeats": args.repeats,
-        "grouped_attention": bool(args.grouped_attention),
         "runs": {},
     }
     for clients in args.clients:
@@ -385,7 +375,6 @@ def _run_engine_bench(args: argparse.Namespace) -> int:
         row = {
             "clients": clients,
             "requests": requests,
-            "grouped": bool(args.grouped_attention),
             "chunk_len": engine.config.chunk_len,
             "graphs": graphs,
             "warmup_s": warm,
@@ -438,8 +427,7 @@ def _fmt(s: dict, scale: float = 1.0, unit: str = "", digits: int = 1) -> str:
 
 def _print_row(r: dict) -> None:
     print(
-        f"{r['clients']} clients, {r['requests']} requests{' (grouped attention)' if r.get('grouped') else ''}: "
-        f"{_fmt(r['tokens_per_s'])} output tokens/s, "
+        f"{r['clients']} clients, {r['requests']} requests: {_fmt(r['tokens_per_s'])} output tokens/s, "
         f"{_fmt(r['steps_per_s'])} steps/s (median of {r['tokens_per_s']['runs']}, min-max)"
     )
     if "raw_decode_tokens_per_s" in r:
@@ -547,12 +535,6 @@ def add_bench_engine_parser(subparsers) -> None:
     options.add(p, "speculative")
     options.add(p, "speculative_threshold")
     options.add(p, "cuda_graph")
-    p.add_argument(
-        "--grouped-attention",
-        action="store_true",
-        help="sparse attention's grouped-query plan for steps of many queries (consecutive prompt tokens share "
-        "their key tiles; off by default, measured slower on an H100: `dsv4.ops.triton.sparse_attention_grouped`)",
-    )
     p.add_argument("--no-raw", action="store_true", help="skip the raw batched decode measurement")
     p.add_argument(
         "--profile",

@@ -613,12 +613,6 @@ def test_engine_bench_accounts_for_every_step_it_times(tmp_path, capsys):
 
     assert row["closed_loop_ceiling"] == closed_loop_ceiling([n for _, n in work], 2)
     assert f"at most {row['closed_loop_ceiling']:.0%} of raw decode" in text
-    # --grouped-attention: the run says it took the plan, and the process's setting is as it was after it
-    from dsv4.ops.triton import sparse_attention_grouped
-
-    assert main(["bench", "engine", *args[:-2], "--repeats", "1", "--grouped-attention", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["grouped_attention"] is True
-    assert sparse_attention_grouped.ENABLED is False
 
 
 def test_decode_bench_prefers_a_backend_for_the_variant_it_times(tmp_path, capsys):

@@ -65,10 +65,6 @@ for dtype in (torch.bfloat16, torch.float16):
         cache = model.new_cache(1, max_len=9)
         model.prefill(tokens[:, :8], cache)
         model.decode_step(tokens[:, 8:], cache)
-from dsv4.ops.triton import sparse_attention_grouped as grouped  # sparse attention's grouped-query plan
-for dt in (torch.bfloat16, torch.float16, torch.float32):
-    grouped.grouped_forward(torch.randn(1, 8, 16, 64).to(dt), torch.randn(1, 32, 64).to(dt), torch.randn(16),
-                            torch.randint(-1, 32, (1, 8, 24)), 0.125)
 B = 3  # the engine's token draw
 for dt in (torch.float32, torch.float64):  # (float64: the speculative step's draws, `sampling.draw`)
     ops.gumbel_argmax(torch.randn(B, 300, dtype=dt), torch.ones(B, dtype=torch.float64),

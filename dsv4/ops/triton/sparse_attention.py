@@ -24,7 +24,6 @@ Design
   (`dsv4.ops.is_deterministic()` at forward time) a two-pass reduction: every program writes its
   per-slot contribution, then a second kernel sums the contributions of each kv row in a fixed order
   (stable sort of the targets). Gradient for lse is accepted and ignored (lse is not differentiable).
-- Inference over many queries of few heads may take `sparse_attention_grouped`'s plan instead (where set).
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ import triton.language as tl
 
 from ... import ops as _ops
 from ..precision import is_exact
-from . import sparse_attention_grouped as grouped
 from ._common import (
     FLOAT_DTYPES,
     LOG2E,
@@ -772,8 +770,6 @@ def sparse_attention(
     """Triton backend of `dsv4.ops.sparse_attention` (differentiable in q, kv and sink)."""
     if torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or sink.requires_grad):
         return _SparseAttention.apply(q, kv, sink, idx, scale)
-    if grouped.applies(q):  # many queries, few heads: consecutive queries share their key tiles
-        return grouped.grouped_forward(q, kv, sink, idx, scale)
     return sparse_attention_fwd(q, kv, sink, idx, scale)
 
 
