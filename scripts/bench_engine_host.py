@@ -29,11 +29,10 @@ from dsv4.bench.engine import _work, drive  # noqa: E402
 from dsv4.config import PRESETS  # noqa: E402
 from dsv4.engine import Engine, EngineConfig  # noqa: E402
 from dsv4.engine.engine_process import freeze_heap  # noqa: E402
-from dsv4.engine.runner import Runner  # noqa: E402
 from dsv4.model import DeepSeekV4  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--clients", type=int, nargs="+", default=[64, 256])
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
@@ -41,18 +40,24 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N functions of most own time")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.repeats < 1 or min(args.clients) < 1 or args.prompt_len < 1 or args.output_len < 1:
+        p.error("--repeats, --clients, --prompt-len and --output-len must be at least 1")
 
     cfg = PRESETS[args.preset]()
     model = DeepSeekV4(cfg, init=False).to(torch.bfloat16).eval()  # weights never drawn: nothing runs it
-    Runner.bucket_forward = lambda self, t, bucket: None  # no model work: the host's part of a step alone
     for clients in args.clients:
         work = _work(cfg.vocab_size, 4 * clients, args.prompt_len, args.output_len, 0.25, 0)
         longest = max(len(q) + n for q, n in work)
         config = EngineConfig(
-            max_seqs=clients, max_model_len=max(longest + 1, 256), pad_steps=True, overlap=True, max_batch_tokens=2048
+            max_seqs=clients,
+            max_model_len=min(cfg.max_seq_len, max(longest + 1, 256)),
+            pad_steps=True,
+            overlap=True,
+            max_batch_tokens=2048,
         )
         engine = Engine(model, config)
+        engine.runner.bucket_forward = lambda t, bucket: None  # no model work: the host's part of a step alone
         drive(engine, work[: 2 * clients], clients, "w")  # untimed: buckets, allocations
         freeze_heap()  # as the server's engine process does
         phases: dict[str, list[float]] = {k: [] for k in ("schedule", "launch", "post", "total")}
@@ -63,7 +68,8 @@ def main() -> None:
                 phases[k].append((engine.timing[k] - before[k]) / run["steps"] * 1e3)
             phases["total"].append(run["wall_s"] / run["steps"] * 1e3)  # (the loop's own work too)
         cells = [f"{k} {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})" for k, v in phases.items()]
-        print(f"{clients} clients, {4 * clients} requests, host ms per step: " + ", ".join(cells), flush=True)
+        head = f"{clients} clients, {4 * clients} requests ({run['tokens']} tokens in {run['steps']} steps per run)"
+        print(f"{head}, host ms per step: " + ", ".join(cells), flush=True)
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()

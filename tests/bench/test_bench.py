@@ -711,3 +711,32 @@ def test_every_python_script_finds_this_checkouts_dsv4_without_an_install(tmp_pa
         [sys.executable, "-E", "-s", str(spec), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 0 and "--temperature" in res.stdout, res.stderr[-500:]
+
+
+def test_engine_host_script_times_the_host_phases_with_no_model_work():
+    """scripts/bench_engine_host.py on the CPU, tiny preset: the engine with its model's work removed still
+    runs every request to its length (tokens per run = the requests' output lengths) and reports each host
+    phase per step as median (min-max); bad arguments are one error line."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dsv4.bench.engine import _work
+    from dsv4.config import ModelConfig
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    base = [sys.executable, str(root / "scripts" / "bench_engine_host.py"), "--preset", "tiny"]
+    args = ["--clients", "3", "--repeats", "2", "--prompt-len", "20", "--output-len", "6"]
+    res = subprocess.run([*base, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    line = res.stdout.splitlines()[-1]
+    want = sum(n for _, n in _work(ModelConfig.preset("tiny").vocab_size, 12, 20, 6, 0.25, 0))
+    assert line.startswith(f"3 clients, 12 requests ({want} tokens in "), line
+    for phase in ("schedule", "launch", "post", "total"):
+        med, lo, hi = map(float, re.search(rf"{phase} ([0-9.]+) \(([0-9.]+)-([0-9.]+)\)", line).groups())
+        assert 0 <= lo <= med <= hi, line
+    bad = subprocess.run([*base, "--repeats", "0"], capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "must be at least 1" in bad.stderr
