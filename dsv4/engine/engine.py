@@ -274,8 +274,8 @@ class Engine:
         for sch in plan:  # (up to max_seqs rows each step: the host's time per step is what the device waits for)
             seq, n = sch.seq, sch.n
             s, known = seq.computed, len(seq.tokens)
-            if s >= known:  # its input token is still on the device (feed: positional, the common row)
-                row = Row([0], s, seq.pages.state, True, False, seq.pending_index)
+            if s >= known:  # its input token is still on the device
+                row = Row([0], s, seq.pages.state, True, feed=seq.pending_index)
             else:  # (after: the MTP catch-up's next token, where the prompt goes on)
                 after = seq.tokens[s + n] if s + n < known else -1
                 row = Row(seq.tokens[s : s + n], s, seq.pages.state, s + n == known + seq.n_pending, after=after)
@@ -316,10 +316,9 @@ class Engine:
         out, now = self.output, time.monotonic()
         for j, seq in enumerate(samplers):
             seq.n_pending -= 1
-            if seq.status is Status.FINISHED:  # finished (or aborted) since: a token too many
+            if seq.finished:  # finished (or aborted) since: a token too many
                 continue
-            lp = None if seq.request.params.logprobs is None else out.logprob(seq, toks[j], lps, top_ids, top_lps, j)
-            out.emit(seq, toks[j], lp, outputs, now)
+            out.emit(seq, toks[j], out.logprob(seq, toks[j], lps, top_ids, top_lps, j), outputs, now)
         result = self.finish_step(stepped, outputs)
         self.timing["post"] += time.perf_counter() - t1
         return result

@@ -109,16 +109,8 @@ class SamplingParams:
     @property
     def plain(self) -> bool:
         """Neither filtered nor penalized, and no alternatives asked for: the draw that a step's CUDA graph
-        holds serves it (one test of the fields: the runner asks it of every row of every step)."""
-        return not (
-            self.top_k
-            or self.top_p < 1
-            or self.min_p > 0
-            or self.logprobs
-            or self.repetition_penalty != 1
-            or self.frequency_penalty != 0
-            or self.presence_penalty != 0
-        )
+        holds serves it."""
+        return not (self.filtered or self.penalized or self.logprobs)
 
     def resolved_seed(self) -> int:
         """The seed to use: the request's own, or a fresh random one."""

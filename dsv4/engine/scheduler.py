@@ -115,17 +115,10 @@ class Scheduler:
     def after_step(self, stepped: list[Sequence]) -> None:
         """Pages of the sequences a step advanced: offer complete ones to the prefix cache, release the
         window pages that fell out of the window."""
-        m = self.manager
-        P, window, register = m.P, m.window, m.prefix_caching
         for seq in stepped:
-            if seq.status is not Status.RUNNING:
-                continue
-            pages, computed = seq.pages, seq.computed
-            # (most steps complete no page and move the window past none: checked here before the calls)
-            if register and min(computed, len(seq.tokens)) // P > pages.registered:
-                m.register(pages, seq.tokens, min(computed, len(seq.tokens)))
-            if max(0, computed - window + 1) // P > pages.trimmed:
-                m.trim_window(pages, computed)
+            if seq.running:
+                self.manager.register(seq.pages, seq.tokens, min(seq.computed, len(seq.tokens)))
+                self.manager.trim_window(seq.pages, seq.computed)
 
     # ------------------------------------------------------------------ one step
     def _done(self, seq: Sequence) -> bool:
@@ -155,18 +148,15 @@ class Scheduler:
         planned: set[int] = set()
         decoding: list[Sequence] = []
         chunked: list[Sequence] = []
-        for s in self.running:  # (s.prefilling, inline: this runs over every running sequence each step)
-            (chunked if s.computed < len(s.tokens) + s.n_pending - 1 else decoding).append(s)
-        max_len, running = c.max_model_len, Status.RUNNING
+        for s in self.running:
+            (chunked if s.prefilling else decoding).append(s)
         for seq in decoding:
             if budget <= 0:
                 break
-            # the common row: one token inside a page it has already started (`_plan_row`, inline)
-            if seq.status is running and not seq.drafts and seq.computed % P:
-                if seq.n_pending:  # (`_done`)
-                    known = len(seq.tokens) + seq.n_pending
-                    if known - seq.prompt_len >= seq.request.params.max_tokens or known >= max_len:
-                        continue
+            # the common row, planned here: one token inside a page it has already started (no allocation)
+            if seq.running and not seq.drafts and seq.computed % P:
+                if self._done(seq):
+                    continue
                 plan.append(Scheduled(seq, 1))
                 planned.add(id(seq))
                 budget -= 1
