@@ -2,7 +2,8 @@
 # The whole test suite on a machine with a CUDA GPU, plus the checks whose numbers the README quotes.
 #   OUT=/some/dir bash scripts/gpu_suite.sh
 # Writes under $OUT (default ./out/gpu-suite): junit.xml (every test with its outcome), summary.txt (machine,
-# versions, date, the pytest counts, the teacher-forcing numbers) and pytest.log (every test's line); prints
+# versions, date, the pytest counts, the teacher-forcing numbers), pytest.log (the run's output) and times.tsv
+# (each test phase's seconds as it ends, so a run stopped by a time limit still says where its time went); prints
 # the failures as they come and the counts. WORKERS=N sets the pytest workers (default: one per core).
 # Exit code: pytest's. The serving tests need fastapi, uvicorn and openai: where they are missing and a folder of
 # wheels is at hand (WHEELS, default .whl/: theirs and those they need, e.g. from `pip download` elsewhere),
@@ -37,6 +38,8 @@ serving_deps || echo "warning: fastapi / uvicorn / openai are not installed: the
   "(pip install -e '.[test]', or put their wheels, with those they need, in $WHEELS/)" | tee -a "$OUT/summary.txt" >&2
 
 start=$(date +%s)
+export DSV4_TEST_TIMES="$OUT/times.tsv"
+: > "$DSV4_TEST_TIMES"
 # one worker per core (the suite's own default is the 2-core CI machine's); -v names every failure as it
 # happens, so a run stopped by a time limit still says which tests failed
 "$PY" -m pytest -p no:cacheprovider -n "${WORKERS:-$(nproc)}" -v --durations=40 --junitxml="$OUT/junit.xml" -rfEs 2>&1 |
@@ -45,6 +48,8 @@ rc=${PIPESTATUS[0]}
 {
   echo "pytest exit code: $rc, $(( $(date +%s) - start )) s"
   grep -E "^(=+ )?[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -1
+  echo "longest test phases (seconds, phase, outcome, test):"
+  sort -rn "$DSV4_TEST_TIMES" | head -12 | sed 's/^/  /'
   echo "teacher forcing on tiny (CPU, the README's numbers):"
   for flags in "" "--fast-accumulation"; do
     "$PY" -m dsv4 check teacher-forcing --preset tiny --device cpu $flags --json 2>&1 | tail -1 | sed "s/^/  ${flags:-default}: /"
