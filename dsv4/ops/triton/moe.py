@@ -198,11 +198,18 @@ _wgrad_tuned = triton.autotune(_WGRAD_CONFIGS, key=["N", "K"])(_gmm_wgrad_kernel
 
 # ----------------------------------------------------------------------------- tile table (device side)
 @triton.jit
-def _store_tiles(group_ptr, row_ptr, end_ptr, ts, gs, start_g, end_g, n_groups, n_tiles, BM: tl.constexpr):
-    """Tiles ts -> (group, first row, group end), given each group's rows [start_g, end_g)."""
+def _tile_groups(start_g, end_g, BM: tl.constexpr):
+    """Each group's first tile and the end of its tiles (exclusive), given its rows [start_g, end_g)."""
     tiles_g = (end_g - start_g + BM - 1) // BM
     cum = tl.cumsum(tiles_g, 0)
-    first = cum - tiles_g
+    return cum - tiles_g, cum
+
+
+@triton.jit
+def _store_tiles_of(
+    group_ptr, row_ptr, end_ptr, ts, gs, start_g, end_g, first, cum, n_groups, n_tiles, BM: tl.constexpr
+):
+    """Tiles ts -> (group, first row, group end), given `_tile_groups`' first / cum of the groups."""
     hit = (ts[:, None] >= first[None, :]) & (ts[:, None] < cum[None, :])  # [TB, GP] one-hot
     found = tl.sum(hit.to(tl.int32), 1) > 0
     g = tl.sum(tl.where(hit, gs[None, :], 0), 1)
@@ -212,6 +219,13 @@ def _store_tiles(group_ptr, row_ptr, end_ptr, ts, gs, start_g, end_g, n_groups, 
     tl.store(group_ptr + ts, tl.where(found, g, n_groups + 1), mask=tmask)
     tl.store(row_ptr + ts, tl.where(found, row, 0), mask=tmask)
     tl.store(end_ptr + ts, tl.where(found, end, 0), mask=tmask)
+
+
+@triton.jit
+def _store_tiles(group_ptr, row_ptr, end_ptr, ts, gs, start_g, end_g, n_groups, n_tiles, BM: tl.constexpr):
+    """Tiles ts -> (group, first row, group end), given each group's rows [start_g, end_g)."""
+    first, cum = _tile_groups(start_g, end_g, BM)
+    _store_tiles_of(group_ptr, row_ptr, end_ptr, ts, gs, start_g, end_g, first, cum, n_groups, n_tiles, BM)
 
 
 @triton.jit
@@ -321,6 +335,7 @@ def _plan_scatter_kernel(
     expert_offset,
     topk,
     n_tiles,
+    n_progs,
     CH: tl.constexpr,
     S: tl.constexpr,
     EP: tl.constexpr,
@@ -330,7 +345,9 @@ def _plan_scatter_kernel(
     TB: tl.constexpr,
 ):
     """Stable counting sort: chunk c writes its slots at base[b] + (slots of b in chunks < c) + rank.
-    TILES: the chunks also write the grouped GEMM's tile table (blocks c, c + n_chunks, ...)."""
+    TILES: the n_progs >= n_chunks programs also write the grouped GEMM's tile table (blocks c, c +
+    n_progs, ...; programs past the chunks write tiles only: at a few slots and many experts one chunk
+    would otherwise walk the whole table alone)."""
     c = tl.program_id(0)
     bs = tl.arange(0, EP)
     total = tl.zeros((EP,), dtype=tl.int32)
@@ -346,10 +363,12 @@ def _plan_scatter_kernel(
     if c == 0:
         tl.store(ends_ptr + bs, incl, mask=bs < n_local)
     if TILES:  # bucket b holds rows [incl - total, incl); padding buckets are empty
-        for t0 in range(c * TB, n_tiles, n_chunks * TB):
-            _store_tiles(
-                group_ptr, row_ptr, tend_ptr, t0 + tl.arange(0, TB), bs, incl - total, incl, n_local, n_tiles, BM
-            )
+        first, cum = _tile_groups(incl - total, incl, BM)
+        for t0 in range(c * TB, n_tiles, n_progs * TB):
+            ts = t0 + tl.arange(0, TB)
+            _store_tiles_of(group_ptr, row_ptr, tend_ptr, ts, bs, incl - total, incl, first, cum, n_local, n_tiles, BM)
+    if c >= n_chunks:
+        return
     # next[c, b]: the sorted position the chunk's next slot of bucket b goes to
     nxt = next_ptr + c * EP
     tl.store(nxt + bs, incl - total + before)
@@ -377,6 +396,7 @@ def _plan_scatter_kernel(
 _PLAN_S = 64  # slots ranked at once ([S, S] comparisons)
 _PLAN_CT = 8192  # elements of one [chunks, buckets] tile of counts read back
 _PLAN_MAX_BUCKETS = 2048  # beyond this many local experts the [*, buckets] tiles get too wide: sort
+_PLAN_TABLE_PROGRAMS = 64  # programs that share the tile table's blocks, at most
 
 
 def triton_moe_plan(weights: torch.Tensor, indices: torch.Tensor, n_local: int, expert_offset: int) -> MoEPlan:
@@ -413,9 +433,11 @@ def _plan_and_tiles(
     _launch(
         _plan_count_kernel, (n_chunks,), idx, counts[0], n, n_local, expert_offset, CH=ch, S=_PLAN_S, EP=ep, num_warps=4
     )
+    tb = max(4, min(32, 4096 // ep))  # tiles per block of the table
+    n_progs = max(n_chunks, min(triton.cdiv(n_tiles, tb), _PLAN_TABLE_PROGRAMS)) if bm else n_chunks
     _launch(
         _plan_scatter_kernel,
-        (n_chunks,),
+        (n_progs,),
         idx,
         w,
         counts[0],
@@ -434,13 +456,14 @@ def _plan_and_tiles(
         expert_offset,
         k,
         n_tiles,
+        n_progs,
         CH=ch,
         S=_PLAN_S,
         EP=ep,
         CT=max(1, _PLAN_CT // ep),
         TILES=bool(bm),
         BM=bm or 1,
-        TB=max(4, min(32, 4096 // ep)),
+        TB=tb,
         num_warps=4,
         num_stages=1,
     )  # no software pipelining: next[] is re-read after each block's stores
