@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..ops.moe_shared import clamped_swiglu
+from ..ops.moe_shared import swiglu_fp32
 
 # the linears (suffixes of module paths) and the routed experts a release stores quantized, wo_a left out
 INT8_LINEARS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b", "e_proj", "h_proj")
@@ -77,7 +77,7 @@ class Int8SharedExpert(nn.Module):
         q, s = ops.int8_quant(x)  # once for gate and up
         gate = ops.int8_gemm(q, s, self.w1.weight_q, self.w1.scale, torch.float32)
         up = ops.int8_gemm(q, s, self.w3.weight_q, self.w3.scale, torch.float32)
-        return ops.int8_linear(clamped_swiglu(gate, up, self.swiglu_limit), self.w2.weight_q, self.w2.scale, x.dtype)
+        return ops.int8_linear(swiglu_fp32(gate, up, self.swiglu_limit), self.w2.weight_q, self.w2.scale, x.dtype)
 
 
 class Int8Experts(nn.Module):

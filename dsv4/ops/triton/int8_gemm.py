@@ -10,10 +10,10 @@ Decode-sized calls (a few token rows) are bound by reading the weight: row tiles
 `tl.dot` tile) with narrow column tiles give every SM a share of it, at half the bytes of a bf16 weight.
 
 Grouped experts (`int8_moe_experts`): the routing plan and tile table of `dsv4.ops.triton.moe` (built on
-the device, no host sync); x is quantized once per token and each tile gathers its rows; gate and up are
-two grouped GEMMs with fp32 output, then the clamped SwiGLU times the routing weight in fp32, quantized per
-row by `int8_quant`, then the down projection scattered back to slot order; a token's k slots are summed
-in fp32. Rows of other ranks' experts are written as zeros (docs/bugzoo.md Z09).
+the device, no host sync); x is quantized once per token and each tile gathers its rows; gate and up come
+out of one grouped launch (two INT32 accumulators over the same A tiles) in fp32, then the clamped SwiGLU
+times the routing weight in fp32 (`ops.clamped_swiglu`: one kernel), quantized per row by `int8_quant`,
+then the down projection scattered back to slot order; a token's k slots are summed in fp32. Rows of other ranks' experts are written as zeros (docs/bugzoo.md Z09).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .. import int8_quant, register
 from ..int8_native import INT_MM_MIN_TOKENS_CUDA
-from ..moe_shared import clamped_swiglu
+from ..moe_shared import swiglu_fp32
 from ..precision import is_exact
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason, grouped_tile, round_to
@@ -88,6 +88,9 @@ def _int8_gmm_kernel(
     b_ptr,
     bs_ptr,
     c_ptr,
+    b2_ptr,
+    bs2_ptr,
+    c2_ptr,
     c_idx_ptr,
     tile_group_ptr,
     tile_row_ptr,
@@ -102,12 +105,14 @@ def _int8_gmm_kernel(
     stride_cm,
     GATHER_A: tl.constexpr,
     SCATTER_C: tl.constexpr,
+    DUAL: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
     """C[r] = fp32(A[r] . W[g]^T as INT32) * a_scale[r] * w_scale[g, n] for the rows r of group g (fp32
-    output); rows of the foreign bucket (g >= n_groups) are written as zeros."""
+    output); rows of the foreign bucket (g >= n_groups) are written as zeros. DUAL: also C2 from W2 (same
+    shape, strides and A tiles: the gate and up projections in one pass over A)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     g = tl.load(tile_group_ptr + pid_m)
@@ -123,30 +128,38 @@ def _int8_gmm_kernel(
         out_rows = tl.load(c_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
     else:
         out_rows = rows.to(tl.int64)
-    c_ptrs = c_ptr + out_rows[:, None] * stride_cm + rn[None, :]
+    c_off = out_rows[:, None] * stride_cm + rn[None, :]
     smask = rmask[:, None] & nmask[None, :]
     if g >= n_groups:  # slots of other ranks' experts: defined zeros
-        tl.store(c_ptrs, tl.zeros((BM, BN), dtype=tl.float32), mask=smask)
+        tl.store(c_ptr + c_off, tl.zeros((BM, BN), dtype=tl.float32), mask=smask)
+        if DUAL:
+            tl.store(c2_ptr + c_off, tl.zeros((BM, BN), dtype=tl.float32), mask=smask)
         return
     if GATHER_A:
         a_rows = tl.load(a_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
     else:
         a_rows = rows.to(tl.int64)
-    b_base = b_ptr + g.to(tl.int64) * stride_be
+    b_off = g.to(tl.int64) * stride_be
     ks = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.int32)
+    acc2 = tl.zeros((BM, BN), dtype=tl.int32)
     for k0 in range(0, K, BK):
         kmask = (k0 + ks) < K
         a = tl.load(
             a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :], other=0
         )
-        b = tl.load(
-            b_base + rn[None, :] * stride_bn + (k0 + ks)[:, None], mask=kmask[:, None] & nmask[None, :], other=0
-        )
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        bk = b_off + rn[None, :] * stride_bn + (k0 + ks)[:, None]
+        bmask = kmask[:, None] & nmask[None, :]
+        acc = tl.dot(a, tl.load(b_ptr + bk, mask=bmask, other=0), acc, out_dtype=tl.int32)
+        if DUAL:
+            acc2 = tl.dot(a, tl.load(b2_ptr + bk, mask=bmask, other=0), acc2, out_dtype=tl.int32)
     sa = tl.load(as_ptr + a_rows, mask=rmask, other=0.0)
-    sb = tl.load(bs_ptr + g.to(tl.int64) * stride_bse + rn, mask=nmask, other=0.0)
-    tl.store(c_ptrs, acc.to(tl.float32) * sa[:, None] * sb[None, :], mask=smask)
+    s_off = g.to(tl.int64) * stride_bse + rn
+    sb = tl.load(bs_ptr + s_off, mask=nmask, other=0.0)
+    tl.store(c_ptr + c_off, acc.to(tl.float32) * sa[:, None] * sb[None, :], mask=smask)
+    if DUAL:
+        sb2 = tl.load(bs2_ptr + s_off, mask=nmask, other=0.0)
+        tl.store(c2_ptr + c_off, acc2.to(tl.float32) * sa[:, None] * sb2[None, :], mask=smask)
 
 
 _CONFIGS = [
@@ -170,7 +183,7 @@ _GMM_CONFIGS = [
 ]
 # tuned per token-count bucket (an argument the kernel does not read), not per M
 _mm_tuned = triton.autotune(_CONFIGS, key=["M_BUCKET", "N", "K"])(_int8_mm_kernel)
-_gmm_tuned = triton.autotune(_GMM_CONFIGS, key=["N", "K", "BM", "GATHER_A", "SCATTER_C"])(_int8_gmm_kernel)
+_gmm_tuned = triton.autotune(_GMM_CONFIGS, key=["N", "K", "BM", "GATHER_A", "SCATTER_C", "DUAL"])(_int8_gmm_kernel)
 
 
 def _m_bucket(m: int) -> int:
@@ -261,10 +274,15 @@ def _block_m(n_rows: int, n_groups: int) -> int:
     return 64 if n_rows < 128 * n_groups else 128
 
 
-def _launch_gmm(a, sa, b, bs, out, tiles, *, a_idx=None, c_idx=None) -> None:
-    """out[rows of g] = int8 GEMM(a[rows], b[g]) in fp32; b [E, N, K] int8, bs [E, N] fp32."""
+def _launch_gmm(a, sa, b, bs, out, tiles, *, a_idx=None, c_idx=None, second=None) -> None:
+    """out[rows of g] = int8 GEMM(a[rows], b[g]) in fp32; b [E, N, K] int8, bs [E, N] fp32. second: (b2, bs2,
+    out2) of b's shape and strides, multiplied in the same pass over a."""
     n, k = b.size(1), a.size(1)
     dummy = tiles.group
+    if second is not None:
+        b2, bs2, out2 = second
+        assert b2.shape == b.shape and b2.stride() == b.stride() and bs2.stride() == bs.stride()
+        assert out2.shape == out.shape and out2.stride() == out.stride()
     args = (
         a,
         sa,
@@ -272,6 +290,7 @@ def _launch_gmm(a, sa, b, bs, out, tiles, *, a_idx=None, c_idx=None) -> None:
         b,
         bs,
         out,
+        *(second if second is not None else (b, bs, out)),
         c_idx if c_idx is not None else dummy,
         tiles.group,
         tiles.row,
@@ -285,7 +304,7 @@ def _launch_gmm(a, sa, b, bs, out, tiles, *, a_idx=None, c_idx=None) -> None:
         bs.stride(0),
         out.stride(0),
     )
-    flags = dict(GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, BM=tiles.bm)
+    flags = dict(GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, DUAL=second is not None, BM=tiles.bm)
     if _INTERPRET:
         _launch(_int8_gmm_kernel, (triton.cdiv(n, 32), tiles.n_tiles), *args, **flags, BN=32, BK=64)
         return
@@ -316,9 +335,8 @@ def triton_int8_moe_experts(
     inter = w1.size(1)
     gate = torch.empty(m, inter, dtype=torch.float32, device=x.device)  # [M, I], sorted slots
     up = torch.empty_like(gate)
-    _launch_gmm(xq, xs, w1, s1, gate, tiles, a_idx=plan.token)
-    _launch_gmm(xq, xs, w3, s3, up, tiles, a_idx=plan.token)
-    h = clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)  # fp32 [M, I]
+    _launch_gmm(xq, xs, w1, s1, gate, tiles, a_idx=plan.token, second=(w3, s3, up))  # gate and up, one launch
+    h = swiglu_fp32(gate, up, swiglu_limit, plan.weight.unsqueeze(-1))  # fp32 [M, I]
     hq, hs = int8_quant(h)
     out = torch.empty(m, x.size(1), dtype=torch.float32, device=x.device)  # [T*k, D] slot order
     _launch_gmm(hq.contiguous(), hs.reshape(-1).contiguous(), w2, s2, out, tiles, c_idx=plan.order)
