@@ -13,7 +13,8 @@ Grouped experts (`int8_moe_experts`): the routing plan and tile table of `dsv4.o
 the device, no host sync); x is quantized once per token and each tile gathers its rows; gate and up come
 out of one grouped launch (two INT32 accumulators over the same A tiles) in fp32, then the clamped SwiGLU
 times the routing weight in fp32 (`ops.clamped_swiglu`: one kernel), quantized per row by `int8_quant`,
-then the down projection scattered back to slot order; a token's k slots are summed in fp32. Rows of other ranks' experts are written as zeros (docs/bugzoo.md Z09).
+then the down projection scattered back to slot order; a token's k slots are summed in fp32. Rows of other
+ranks' experts are written as zeros (docs/bugzoo.md Z09).
 """
 
 from __future__ import annotations

@@ -98,18 +98,21 @@ def _draw_split_kernel(
         cols = (lo + start + offs).to(tl.int64)  # [BLOCK]
         inside = (cols < V) & (start + offs < SPLIT)
         x = tl.load(logits_ptr + row * stride_l + cols, mask=inside, other=NEG_INF).to(tl.float64)
-        # the column's hash in uint32 arithmetic: products and sums wrap modulo 2^32, which is what the
-        # reference's int64 operations masked to 32 bits keep (one instruction each instead of several)
-        h = ((key + cols * GOLDEN) & MASK).to(tl.uint32)
-        for _ in tl.static_range(2):
-            h = (h ^ (h >> 16)) * MIX
-        h = h ^ (h >> 16)
-        u = (h.to(tl.float64) + 0.5) / 4294967296.0
-        if INTERP:
-            noise = -tl.log(-tl.log(u))
-        else:  # torch's CUDA log of float64 is libdevice's
-            noise = -libdevice.log(-libdevice.log(u))
-        val = tl.where(greedy, x, x / temp + noise)
+        if greedy:  # (the whole program's row: no noise to compute, its two float64 logs per column skipped)
+            val = x
+        else:
+            # the column's hash in uint32 arithmetic: products and sums wrap modulo 2^32, which is what the
+            # reference's int64 operations masked to 32 bits keep (one instruction each instead of several)
+            h = ((key + cols * GOLDEN) & MASK).to(tl.uint32)
+            for _ in tl.static_range(2):
+                h = (h ^ (h >> 16)) * MIX
+            h = h ^ (h >> 16)
+            u = (h.to(tl.float64) + 0.5) / 4294967296.0
+            if INTERP:
+                noise = -tl.log(-tl.log(u))
+            else:  # torch's CUDA log of float64 is libdevice's
+                noise = -libdevice.log(-libdevice.log(u))
+            val = x / temp + noise
         val = tl.where(inside, val, NEG_INF)
         big = tl.full((BLOCK,), 2**62, tl.int64)
         is_nan = (val != val) & inside
