@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..ops.moe_shared import swiglu_fp32
+from ..ops.int8_native import swiglu_fp32
 
 # the linears (suffixes of module paths) and the routed experts a release stores quantized, wo_a left out
 INT8_LINEARS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b", "e_proj", "h_proj")

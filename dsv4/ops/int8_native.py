@@ -16,12 +16,20 @@ from __future__ import annotations
 
 import torch
 
-from . import int8_gemm, int8_quant, register
-from .moe_shared import build_plan, clamped_swiglu, combine_rows
+from . import clamped_swiglu, int8_gemm, int8_quant, register
+from .moe_shared import build_plan, combine_rows
 
 INT32_MAX = 2**31 - 1
 CUDA_MIN_ROWS = 17  # cuBLASLt's INT8 GEMM behind torch._int_mm wants more than 16 rows
 INT_MM_MIN_TOKENS_CUDA = 256  # default selection on CUDA from this many token rows (fewer: the Triton kernel)
+
+
+def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The INT8 experts' activation: the clamped SwiGLU [x weight [..., 1]] in fp32 through `ops.clamped_swiglu`
+    (one kernel on a GPU, the reference's bits there); on the CPU, the Triton interpreter included, the
+    reference itself (the interpreter's `exp` is numpy's, a few ulp from torch's, and the INT8 kernels'
+    exactness tests run there)."""
+    return clamped_swiglu(gate, up, limit, torch.float32, weight, backend=None if gate.is_cuda else "reference")
 
 
 def int_mm_reason(m: int | None, k: int, n: int, device: torch.device) -> str | None:
@@ -142,7 +150,7 @@ def int_mm_int8_moe_experts(
             q, s = rows_q[start:end], rows_s[start:end]
             gate = _int_mm(q, w1[e], pad=True).float() * s * s1[e]  # fp32 [n, I]
             up = _int_mm(q, w3[e], pad=True).float() * s * s3[e]
-            h = clamped_swiglu(gate, up, swiglu_limit) * plan.weight[start:end].unsqueeze(-1)
+            h = swiglu_fp32(gate, up, swiglu_limit, plan.weight[start:end].unsqueeze(-1))
             hq, hs = int8_quant(h)
             out[start:end] = _int_mm(hq, w2[e], pad=True).float() * hs * s2[e]
         start = end

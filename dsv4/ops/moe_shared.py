@@ -141,15 +141,6 @@ def gate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float16 else dtype
 
 
-def swiglu_fp32(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """`clamped_swiglu` [x weight [..., 1]] in fp32 through `ops.clamped_swiglu`: one kernel on a GPU (the
-    reference's bits there), the reference on the CPU, the Triton interpreter included (its `exp` is numpy's,
-    a few ulp from torch's: the INT8 kernels' exactness tests run there). The INT8 experts' activation."""
-    from . import clamped_swiglu as op  # (the ops table is built after this module is imported)
-
-    return op(gate, up, limit, torch.float32, weight, backend=None if gate.is_cuda else "reference")
-
-
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 (limit 0 = no clamp)."""
     gate, up = gate.float(), up.float()

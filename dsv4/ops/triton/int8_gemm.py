@@ -24,8 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import int8_quant, register
-from ..int8_native import INT_MM_MIN_TOKENS_CUDA
-from ..moe_shared import swiglu_fp32
+from ..int8_native import INT_MM_MIN_TOKENS_CUDA, swiglu_fp32
 from ..precision import is_exact
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason, grouped_tile, round_to
