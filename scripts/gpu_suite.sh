@@ -42,7 +42,9 @@ export DSV4_TEST_TIMES="$OUT/times.tsv"
 : > "$DSV4_TEST_TIMES"
 # one worker per core (the suite's own default is the 2-core CI machine's); -v names every failure as it
 # happens, so a run stopped by a time limit still says which tests failed
-"$PY" -m pytest -p no:cacheprovider -n "${WORKERS:-$(nproc)}" -v --durations=40 --junitxml="$OUT/junit.xml" -rfEs 2>&1 |
+# idle workers take queued tests from busy ones (pytest-xdist 3.2+), so a few long tests do not set the run's end
+dist=$("$PY" -c 'import xdist; print("worksteal" if tuple(map(int, xdist.__version__.split(".")[:2])) >= (3, 2) else "load")' 2>/dev/null || echo load)
+"$PY" -m pytest -p no:cacheprovider -n "${WORKERS:-$(nproc)}" --dist "$dist" -v --durations=40 --junitxml="$OUT/junit.xml" -rfEs 2>&1 |
   tee "$OUT/pytest.log" | grep -E --line-buffered " (FAILED|ERROR) |^(FAILED|ERROR) |[0-9]+ (passed|failed)"
 rc=${PIPESTATUS[0]}
 {
