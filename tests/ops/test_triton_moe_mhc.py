@@ -378,7 +378,9 @@ def test_moe_tile_table_covers_every_row_once():
     """Device-built tile table: every row of every group (empty groups, foreign bucket) exactly once."""
     moe = importlib.import_module("dsv4.ops.triton.moe")
     g = torch.Generator().manual_seed(7)
-    for n_groups, n_rows, bm in ((1, 0, 16), (3, 5, 16), (33, 250, 16), (8, 200, 64)):
+    # (a decode step's few rows among many experts: fewer tiles than groups; 6 rows in 257 buckets, the last
+    # one the foreign bucket)
+    for n_groups, n_rows, bm in ((1, 0, 16), (3, 5, 16), (33, 250, 16), (8, 200, 64), (256, 6, 16), (256, 40, 16)):
         key = torch.randint(0, n_groups + 1, (n_rows,), generator=g).sort().values
         ends = torch.searchsorted(key, torch.arange(n_groups), right=True).int()
         t = moe._Tiles(ends, n_rows, bm)
@@ -392,6 +394,23 @@ def test_moe_tile_table_covers_every_row_once():
             assert end == hi and lo <= row < hi and (row - lo) % bm == 0
             seen[row : min(row + bm, end)] += 1
         assert torch.equal(seen, torch.ones_like(seen))
+
+
+def test_moe_tile_count_bounds_every_routing():
+    """`_n_tiles` (known before the routing is) is at least the tiles any routing of n rows over E experts plus
+    the foreign bucket needs, including one row per bucket (the most buckets), and below one tile per expert
+    when the rows are fewer than the experts (a decode step's)."""
+    moe = importlib.import_module("dsv4.ops.triton.moe")
+    g = torch.Generator().manual_seed(3)
+    for n_rows, n_groups, bm in ((1, 256, 16), (6, 256, 16), (96, 256, 64), (250, 8, 16), (1000, 3, 128)):
+        bound = moe._n_tiles(n_rows, bm, n_groups)
+        spread = torch.arange(n_rows) % (n_groups + 1)  # as many buckets as can hold rows
+        routings = [spread] + [torch.randint(0, n_groups + 1, (n_rows,), generator=g) for _ in range(50)]
+        for key in routings:
+            rows = torch.bincount(key, minlength=n_groups + 1)
+            assert int(((rows + bm - 1) // bm).sum()) <= bound
+        if n_rows < n_groups:
+            assert bound < n_groups
 
 
 def test_hc_pre_sees_in_place_updates_of_fn():
