@@ -291,7 +291,7 @@ def _n_tiles(n_rows: int, bm: int, n_groups: int) -> int:
     """The tiles a grouped GEMM launches for n_rows rows in n_groups groups plus the foreign bucket: an upper
     bound known without reading the routing. A bucket of r rows takes ceil(r / bm) <= r / bm + 1 tiles and
     at most min(n_rows, n_groups + 1) buckets hold rows, so the tiles are at most cdiv(n_rows, bm) + that
-    (a decode step's few rows then launch a few tiles, not one per expert: six of 258 at one token and 256
+    (a decode step's few rows then launch a few tiles, not one per expert: 7 of 258 at one token and 256
     experts). The unused tail of the table is marked empty."""
     return max(1, triton.cdiv(n_rows, bm) + min(n_rows, n_groups + 1))
 
