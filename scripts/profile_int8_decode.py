@@ -3,6 +3,7 @@ by time at each batch (a diagnostic; `dsv4 bench int8` gives the rates). CUDA on
 
     python3 scripts/profile_int8_decode.py                                  # small, batch 1 and 16
     python3 scripts/profile_int8_decode.py --preset flash --layers 2 --batch 1 --top 20
+    python3 scripts/profile_int8_decode.py --preset flash --layers 2 --batch 1 --modes int8,bf16   # INT8 first
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ from dsv4.bench.e2e import kernel_table  # noqa: E402
 from dsv4.bench.graphs import GraphedDecoder  # noqa: E402
 from dsv4.bench.int8 import load  # noqa: E402
 
+QUANT = {"bf16": "w8a16", "int8": "int8"}  # mode -> the model's quant_mode (bf16: the float model)
+
+
+def _modes(value: str) -> list[str]:
+    modes = [m.strip() for m in value.split(",") if m.strip()]
+    if not modes or any(m not in QUANT for m in modes) or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"a comma list of distinct modes from {', '.join(QUANT)}, got {value!r}")
+    return modes
+
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
@@ -31,10 +41,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int_in(1), default=None, help="keep only the first N layers")
     p.add_argument("--batch", type=int_in(1), nargs="+", default=[1, 16], help="decode batch sizes")
     p.add_argument("--top", type=int_in(1), default=12, help="kernels listed per profile (default: 12)")
+    p.add_argument(
+        "--modes",
+        type=_modes,
+        default=["bf16", "int8"],
+        help="the modes, profiled in this order in one process (default: bf16,int8)",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_int8_decode: needs a CUDA GPU")
-    for name, quant in (("bf16", "w8a16"), ("int8", "int8")):
+    for name in args.modes:
+        quant = QUANT[name]
         model = load({"preset": args.preset, "layers": args.layers}, quant, "bf16", "cuda")
         for batch in args.batch:
             cache = model.new_cache(batch, 64)
