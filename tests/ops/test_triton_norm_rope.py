@@ -287,6 +287,20 @@ def test_rope_in_place_rewrites_only_the_tail(backend, dtype):
         assert ops.rope_tail(xr, pos, f, inplace=True, backend=backend) is xr
 
 
+def test_rope_many_tokens_and_odd_head_counts_match_the_reference():
+    """Grids with several tokens per program and heads not a power of two (the program's head block is
+    masked): in place and out of place, every head of every token rotated as the reference rotates it."""
+    f = freqs(32)
+    for shape in ((2, 700, 5, 96), (1, 1100, 3, 64), (3, 400, 96)):
+        x = torch.randn(*shape, device=DEV)
+        pos = torch.arange(shape[1], device=DEV) * 3 + 1
+        want = ref.rope_tail(x, pos, f)
+        check_close(ops.rope_tail(x, pos, f, backend="triton"), want)
+        got = ops.rope_tail(x.clone(), pos, f, inplace=True, backend="triton")
+        check_close(got, want)
+        assert torch.equal(bits(got[..., :-32]), bits(x[..., :-32]))
+
+
 def test_rope_refusals(monkeypatch):
     f = freqs(64)
     x = torch.randn(2, 4, 128, device=DEV)
