@@ -228,9 +228,10 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             shared = record(f"{self.stage}.shared", self.shared_experts(flat))
             if y.dtype == torch.float32 and not torch.is_grad_enabled() and not recording_active():
-                y = y.add_(shared)  # y + shared.float() in one kernel (the same fp32 sum; nothing else reads y)
-            else:
-                y = y + shared.float()
+                # (y + shared.float()).to(x.dtype) in one kernel: the fp32 sum rounded once into the output
+                out = torch.empty(y.shape, dtype=x.dtype, device=y.device)
+                return torch.add(y, shared, out=out).view(shape)
+            y = y + shared.float()
         return record(f"{self.stage}.out", y.to(x.dtype).view(shape))
 
     def _balance_loss(self, scores: torch.Tensor, indices: torch.Tensor, b: int, alpha: float) -> torch.Tensor:

@@ -374,6 +374,25 @@ def test_hc_pre_deterministic_and_refuses_fp32():
         ops.hc_pre(x.float(), fn, scale, base, 1e-6, 1e-6, 20, backend="triton")
 
 
+def test_moe_slot_sums_add_in_slot_order_and_follow_no_batch():
+    """The inference path's last launch: a token's k slot rows summed in fp32 from 0.0 in slot order (the
+    bits of that loop, wide magnitudes so that another order would round differently), and a token's sum
+    the same alone as among other tokens."""
+    sum_slots = importlib.import_module("dsv4.ops.triton.moe").sum_slots
+    g = torch.Generator().manual_seed(5)
+    t, k, d = 9, 6, 1100  # d over one program's 1,024 columns
+    mag = torch.tensor([1e6, 1.0, -1e6, 3e-3, 7.0, -2.5]).view(1, k, 1)
+    out = (torch.randn(t, k, d, generator=g) * mag).to(torch.bfloat16)
+    want = torch.zeros(t, d)
+    for j in range(k):
+        want = want + out[:, j].float()
+    got = sum_slots(out.view(t * k, d), t, k)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want)
+    assert torch.equal(sum_slots(out[4].contiguous(), 1, k), want[4:5])
+    assert sum_slots(out[:0].reshape(0, d), 0, k).shape == (0, d)
+
+
 def test_moe_tile_table_covers_every_row_once():
     """Device-built tile table: every row of every group (empty groups, foreign bucket) exactly once."""
     moe = importlib.import_module("dsv4.ops.triton.moe")

@@ -11,7 +11,7 @@ form a last bucket whose rows the kernel writes as zeros, so no output row is le
 
 Inference (no gradient needed) runs two kernels: gate+up with the gather of token rows, the clamped
 SwiGLU and the routing weight fused in, then the down projection, which scatters each row back to its
-(token, k) slot; the k slots of a token are then summed in fixed order. Training uses the same GEMM
+(token, k) slot; one more launch sums the k slots of a token in slot order, in fp32. Training uses the same GEMM
 kernel inside an autograd.Function (dX with transposed weight strides) plus a weight-gradient kernel that
 reduces each expert's rows serially; no atomics anywhere, so repeats are bit-identical.
 """
@@ -593,6 +593,30 @@ class _GroupedMM(torch.autograd.Function):
         return ga, gb, None
 
 
+@triton.jit
+def _slot_sum_kernel(x_ptr, out_ptr, D, KS: tl.constexpr, BD: tl.constexpr):
+    """out[t, cols] = x[t, 0, cols] + x[t, 1, cols] + ... + x[t, KS - 1, cols] in fp32, added in that order
+    from 0.0 (the same order for every row and batch: a row's sum has the same bits alone and in a batch)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    cm = cols < D
+    acc = tl.zeros((BD,), dtype=tl.float32)
+    for j in tl.static_range(KS):
+        acc += tl.load(x_ptr + (t * KS + j) * D + cols, mask=cm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + cols, acc, mask=cm)
+
+
+def sum_slots(out: torch.Tensor, n_tokens: int, topk: int) -> torch.Tensor:
+    """[T*k, D] slot-ordered rows (contiguous) -> [T, D] fp32: each token's k rows summed in slot order."""
+    d = out.size(-1)
+    y = torch.empty(n_tokens, d, dtype=torch.float32, device=out.device)
+    if n_tokens == 0 or d == 0:
+        return y.zero_()
+    bd = min(1024, triton.next_power_of_2(d))
+    _launch(_slot_sum_kernel, (n_tokens, triton.cdiv(d, bd)), out, y, d, KS=topk, BD=bd, num_warps=4)
+    return y
+
+
 # ----------------------------------------------------------------------------- the op
 def triton_moe_experts(
     x: torch.Tensor,
@@ -627,7 +651,7 @@ def triton_moe_experts(
         )
         out = torch.empty(m, x.size(1), dtype=x.dtype, device=x.device)  # [T*k, D] slot order
         _launch_gmm(act_round_trip(h, act, fp8_round_trip), w2.transpose(1, 2), tiles, out, c_idx=plan.order)
-        return out.view(plan.n_tokens, plan.topk, -1).sum(1, dtype=torch.float32)
+        return sum_slots(out, plan.n_tokens, plan.topk)
     xs = gather_rows(x, plan)  # [M, D]
     gate = _GroupedMM.apply(xs, w1.transpose(1, 2), tiles)  # [M, I]
     up = _GroupedMM.apply(xs, w3.transpose(1, 2), tiles)
