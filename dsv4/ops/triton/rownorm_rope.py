@@ -9,8 +9,7 @@ fp32 rounding (a few ulp; the bf16 outputs are nearly always identical). `rsqrt`
 a weight, per-program partial sums of `g * x_hat` over its rows; a second launch adds the partials in a
 fixed order (no atomics: the weight gradient is bitwise repeatable for a given shape and device).
 
-`rope_tail`: one program handles BS tokens x HB heads of x [b, s, (h,) d] through its strides (the
-angles' cosines and sines once per token, shared by its heads): the first d - r dims
+`rope_tail`: one program handles BR rows of x [b, s, (h,) d] through its strides: the first d - r dims
 are copied unchanged (same bits), the last r are rotated pairwise in fp32 with the reference's formula,
 each product and sum rounded separately (no FMA contraction), with libdevice `cosf` / `sinf` when
 compiled, so the compiled kernel reproduces torch's CUDA results. The backward is the same kernel with the
@@ -162,7 +161,7 @@ def _rope_kernel(
     pos_ptr,
     f_ptr,
     out_ptr,
-    T,
+    R,
     S,
     H,
     sxb,
@@ -176,37 +175,37 @@ def _rope_kernel(
     BNOPE: tl.constexpr,
     RH: tl.constexpr,
     BRH: tl.constexpr,
-    BS: tl.constexpr,
-    HB: tl.constexpr,
+    BR: tl.constexpr,
     INVERSE: tl.constexpr,
     INTERP: tl.constexpr,
     RNE_BF16: tl.constexpr,
     COPY_NOPE: tl.constexpr,
 ):
-    """BS tokens (b, s) x HB heads of x: copy the first NOPE dims (unless out is x: COPY_NOPE False), rotate
-    the RH interleaved pairs after them. The angles' cosines and sines are computed once per token and
-    pair and shared by the program's heads (every head of a token turns by the same angles)."""
-    toks = tl.program_id(0) * BS + tl.arange(0, BS)
-    tmask = toks < T
-    t64 = toks.to(tl.int64)
-    si = t64 % S
-    bi = t64 // S
-    heads = tl.program_id(1) * HB + tl.arange(0, HB)
-    hmask = heads < H
-    h64 = heads.to(tl.int64)
-    xrow = x_ptr + (bi * sxb + si * sxs)[:, None] + (h64 * sxh)[None, :]  # [BS, HB] pointers
-    orow = out_ptr + (bi * sob + si * sos)[:, None] + (h64 * soh)[None, :]
-    rm = tmask[:, None] & hmask[None, :]  # [BS, HB]
+    """BR rows (b, s, h) of x: copy the first NOPE dims (unless out is x: COPY_NOPE False), rotate the RH
+    interleaved pairs after them."""
+    pid = tl.program_id(0)
+    rows = pid * BR + tl.arange(0, BR)
+    rmask = rows < R
+    rows64 = rows.to(tl.int64)
+    hi = rows64 % H
+    si = (rows64 // H) % S
+    bi = rows64 // (H * S)
+    xrow = x_ptr + bi * sxb + si * sxs + hi * sxh  # [BR] pointers
+    orow = out_ptr + bi * sob + si * sos + hi * soh
     if NOPE > 0 and COPY_NOPE:
         c = tl.arange(0, BNOPE)
-        m = rm[:, :, None] & (c < NOPE)[None, None, :]
-        v = tl.load(xrow[:, :, None] + c[None, None, :], mask=m, other=0.0)
-        tl.store(orow[:, :, None] + c[None, None, :], v, mask=m)
+        m = rmask[:, None] & (c < NOPE)[None, :]
+        v = tl.load(xrow[:, None] + c[None, :], mask=m, other=0.0)
+        tl.store(orow[:, None] + c[None, :], v, mask=m)
     j = tl.arange(0, BRH)
     jmask = j < RH
-    pos = tl.load(pos_ptr + si * pos_stride, mask=tmask, other=0).to(tl.float32)  # [BS]
+    m2 = rmask[:, None] & jmask[None, :]
+    ev = NOPE + 2 * j
+    x0 = tl.load(xrow[:, None] + ev[None, :], mask=m2, other=0.0).to(tl.float32)  # [BR, BRH]
+    x1 = tl.load(xrow[:, None] + ev[None, :] + 1, mask=m2, other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr + si * pos_stride, mask=rmask, other=0).to(tl.float32)  # [BR]
     f = tl.load(f_ptr + j, mask=jmask, other=0.0).to(tl.float32)  # [BRH]
-    ang = pos[:, None] * f[None, :]  # [BS, BRH]
+    ang = pos[:, None] * f[None, :]
     if INTERP:
         cs = tl.cos(ang)
         sn = tl.sin(ang)
@@ -215,13 +214,6 @@ def _rope_kernel(
         sn = libdevice.sin(ang)
     if INVERSE:
         sn = -sn
-    cs = cs[:, None, :]  # [BS, 1, BRH]: one angle for every head
-    sn = sn[:, None, :]
-    m3 = rm[:, :, None] & jmask[None, None, :]  # [BS, HB, BRH]
-    ev = NOPE + 2 * j
-    xe = xrow[:, :, None] + ev[None, None, :]
-    x0 = tl.load(xe, mask=m3, other=0.0).to(tl.float32)
-    x1 = tl.load(xe + 1, mask=m3, other=0.0).to(tl.float32)
     a = x0 * cs
     b = x1 * sn
     y0 = a - b
@@ -234,9 +226,8 @@ def _rope_kernel(
         u = y1.to(tl.uint32, bitcast=True)
         y1 = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
     ety = out_ptr.dtype.element_ty
-    oe = orow[:, :, None] + ev[None, None, :]
-    tl.store(oe, y0.to(ety), mask=m3)
-    tl.store(oe + 1, y1.to(ety), mask=m3)
+    tl.store(orow[:, None] + ev[None, :], y0.to(ety), mask=m2)
+    tl.store(orow[:, None] + ev[None, :] + 1, y1.to(ety), mask=m2)
 
 
 _norm_fwd_k = Kernel(_norm_fwd_kernel)
@@ -413,26 +404,23 @@ def _rope_launch(
     x4 = xv.unsqueeze(2) if xv.dim() == 3 else xv  # [b, s, h, d]
     o4 = out.unsqueeze(2) if out.dim() == 3 else out
     b, _, h, _ = x4.shape
-    tokens = b * s
+    rows = b * s * h
     nope = d - 2 * rh
     brh = triton.next_power_of_2(rh)
-    bnope = triton.next_power_of_2(max(nope, 1))
-    # a program holds BS tokens x HB heads x `width` dims (at most 4096 values: 128 rows of a 64-dim tail
-    # per program made a 1,600-token step's RoPE 1.48 ms against 0.41 ms with 8 rows on an H200), and few
-    # enough tokens that the grid keeps about 512 programs (a batch-64 decode step's 4,096 head rows as 32
-    # programs took 0.73 ms per step against 0.06 ms as 512)
-    width = brh if inplace else max(brh, bnope)
-    hb = min(triton.next_power_of_2(h), max(1, 4096 // width))
-    groups = triton.cdiv(h, hb)
-    bs = max(1, min(4096 // (hb * width), triton.next_power_of_2(triton.cdiv(tokens * groups, 512))))
+    # rows per program: 4096 // the row's padded width (in place too: 128 rows of a 64-dim tail per program
+    # made a 1,600-token step's RoPE 1.48 ms against 0.41 ms with 8 rows on an H200), and few enough rows
+    # that the grid keeps about 512 programs (a batch-64 decode step's 4,096 head rows as 32 programs of 128
+    # took 0.73 ms per step against 0.06 ms as 512 programs of 8)
+    width = max(brh, triton.next_power_of_2(max(nope, 1)))
+    br = max(1, min(4096 // width, triton.next_power_of_2(triton.cdiv(rows, 512))))
     pos = positions if positions.stride(0) == 1 or positions.numel() == 1 else positions.contiguous()
     freq = inv_freq if inv_freq.stride(0) == 1 else inv_freq.contiguous()
-    _rope_k[(triton.cdiv(tokens, bs), groups)](
+    _rope_k[(triton.cdiv(rows, br),)](
         x4,
         pos,
         freq,
         o4,
-        tokens,
+        rows,
         s,
         h,
         x4.stride(0),
@@ -443,11 +431,10 @@ def _rope_launch(
         o4.stride(2),
         0 if positions.numel() == 1 else pos.stride(0),
         NOPE=nope,
-        BNOPE=bnope,
+        BNOPE=triton.next_power_of_2(max(nope, 1)),
         RH=rh,
         BRH=brh,
-        BS=bs,
-        HB=hb,
+        BR=br,
         INVERSE=inverse,
         INTERP=interpret_mode(),
         RNE_BF16=_bf16_fix(x.dtype),
