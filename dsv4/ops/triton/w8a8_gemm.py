@@ -40,7 +40,7 @@ from ..reference import ACT_BLOCK, act_pow2
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason, grouped_tile, round_to
 from ._mm_utils import launch as _launch
-from .moe import _block_m, _plan_and_tiles
+from .moe import _block_m, _plan_and_tiles, sum_slots
 from .quant_gemm import _e2m1, _e8m0
 
 
@@ -451,7 +451,7 @@ def grouped_experts(
     hq, hs = act_quant(h, ACT_BLOCK, pow2)
     out = torch.empty(m, x.size(1), dtype=x.dtype, device=x.device)  # [T*k, D] slot order
     launch(_fp8_view(hq).contiguous(), hs.contiguous(), wv(w2), s2, out, tiles, fp4=fp4, c_idx=plan.order)
-    return out.view(plan.n_tokens, plan.topk, -1).sum(1, dtype=torch.float32)
+    return sum_slots(out, plan.n_tokens, plan.topk)  # a token's k slots added in slot order, fp32
 
 
 # ----------------------------------------------------------------------------- can_run
