@@ -228,9 +228,9 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             shared = record(f"{self.stage}.shared", self.shared_experts(flat))
             if y.dtype == torch.float32 and not torch.is_grad_enabled() and not recording_active():
-                # (y + shared.float()).to(x.dtype) in one kernel: the fp32 sum rounded once into the output
-                out = torch.empty(y.shape, dtype=x.dtype, device=y.device)
-                return torch.add(y, shared, out=out).view(shape)
+                # (y + shared.float()).to(x.dtype) in one kernel: the fp32 sum rounded once, into the shared
+                # expert's own output (nothing else reads it; each element reads and writes its own place)
+                return torch.add(y, shared, out=shared).view(shape)
             y = y + shared.float()
         return record(f"{self.stage}.out", y.to(x.dtype).view(shape))
 

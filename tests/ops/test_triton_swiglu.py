@@ -158,9 +158,10 @@ def test_the_shared_expert_runs_the_kernel_and_trains_through_the_reference():
         assert ran["clamped_swiglu"] == ["reference"]
 
 
-def test_the_in_place_sum_of_the_shared_expert_changes_no_bit():
-    """Without autograd or a stage recorder the MoE adds the shared expert into the routed experts' fp32
-    sum in place (one kernel); with either, out of place. The same fp32 additions: the same bits."""
+def test_the_fused_sum_of_the_shared_expert_changes_no_bit():
+    """Without autograd or a stage recorder the MoE adds the shared expert to the routed experts' fp32 sum
+    and rounds it to the model's dtype in one kernel (`add` into the shared expert's output); with either,
+    an fp32 sum and then a cast. The same fp32 addition, rounded once: the same bits."""
     from dsv4.config import ModelConfig
     from dsv4.model import DeepSeekV4
     from dsv4.model.layers import recording
@@ -171,21 +172,22 @@ def test_the_in_place_sum_of_the_shared_expert_changes_no_bit():
     x = torch.randn(1, 9, cfg.dim, generator=torch.Generator().manual_seed(4)).to(DEV, torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5)).to(DEV)
     with ops.use_backend("reference"), torch.no_grad():
-        with AddsInPlace() as fast_adds:
+        with AddsIntoOutputs() as fast_adds:
             fast = moe(x, ids, {}, 0.0)
-        with recording(lambda name, t: None), AddsInPlace() as slow_adds:
+        with recording(lambda name, t: None), AddsIntoOutputs() as slow_adds:
             slow = moe(x, ids, {}, 0.0)
-    assert fast_adds.n == slow_adds.n + 1  # the in-place sum ran (and only without the recorder)
+    assert fast_adds.n == slow_adds.n + 1  # the fused sum ran (and only without the recorder)
+    assert fast.dtype == slow.dtype == torch.bfloat16
     assert torch.equal(fast, slow)
 
 
-class AddsInPlace(TorchDispatchMode):
-    """Counts the in-place additions (`add_`) dispatched inside the block."""
+class AddsIntoOutputs(TorchDispatchMode):
+    """Counts the additions into a given output tensor (`add.out`) dispatched inside the block."""
 
     n = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func.overloadpacket.__name__ == "add_"
+        self.n += func.overloadpacket.__name__ == "add" and func._overloadname == "out"
         return func(*args, **(kwargs or {}))
 
 
