@@ -122,6 +122,40 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     assert all(torch.equal(got[j], alone[i]) for i, j in enumerate([3, 64, 100, 149]))
 
 
+def test_split_k_sums_follow_the_weight_not_the_rows():
+    """A narrow weight with a long K is split (`k_splits`: from N and K alone): the splits' fp32 partial sums
+    added in split order stay within the accumulation bound, a row has the same bits alone and in calls of
+    other sizes (the split rows of +-2^24 products make another order visible), and the fp32 weights' path
+    splits the same way."""
+    assert fg.k_splits(40, 200) == (1, 256)  # short K: one split, the plain plan
+    splits, per = fg.k_splits(40, 1000)
+    assert splits == 3 and per % fg.BLOCK_K == 0 and (splits - 1) * per < 1000 <= splits * per
+    assert fg.k_splits(8192, 1024)[0] == 1  # wide weights fill the GPU with column tiles alone
+    gen = torch.Generator().manual_seed(11)
+    k, n = 1000, 40
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    w[:, 0], w[:, per] = 2.0**8, 2.0**8  # one large product at the start of each of the first two splits
+    w = w.to(DEV)
+    rows = torch.randn(3, k, generator=gen)
+    rows[1, 0], rows[1, per] = 2.0**16, -(2.0**16)
+    rows = rows.bfloat16().to(DEV)
+    alone = [ops.linear(r[None], w, backend="triton")[0] for r in rows]
+    for m, at in ((4, [0, 2, 3]), (70, [1, 64, 69])):
+        batch = torch.randn(m, k, generator=gen).bfloat16().to(DEV)
+        batch[at] = rows
+        got = ops.linear(batch, w, backend="triton")
+        within_accumulation_error(got, batch, w)
+        assert all(torch.equal(got[j], alone[i]) for i, j in enumerate(at)), m
+    wf = (torch.randn(n, k, generator=gen) / k**0.5).to(DEV)  # fp32: three parts per split
+    x = torch.randn(70, k, generator=gen).bfloat16().to(DEV)
+    y = ops.linear_fp32(x, wf, backend="triton")
+    xd, wd = x.double().cpu(), wf.double().cpu()
+    exact = xd @ wd.T
+    bound = 6 * k * 2.0**-24 * (xd.abs() @ wd.abs().T) + 2.0**-24 * exact.abs()
+    assert ((y.double().cpu() - exact).abs() <= bound).all()
+    assert torch.equal(ops.linear_fp32(x[5:6], wf, backend="triton")[0], y[5])
+
+
 def test_the_default_under_exact_accumulation_only():
     """Deterministic mode (exact accumulation) picks the fixed plan; otherwise torch's GEMM stays the default;
     a model's `Linear` and fp32 projections dispatch through the ops; where the fixed plan cannot run (fp32

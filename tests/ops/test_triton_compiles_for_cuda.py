@@ -74,6 +74,9 @@ for dt in (torch.bfloat16, torch.float32):  # the fixed-shape speculative step's
     ops.speculative_accept(torch.randn(B, 3, 300).to(dt), torch.randn(B, 2, 300), torch.zeros(B, 2, dtype=torch.long),
                            torch.arange(B), torch.ones(B, dtype=torch.float64), torch.arange(B) == 1,
                            torch.arange(B), torch.arange(B), backend="triton")
+for dt in (torch.bfloat16, torch.float32):  # the fixed-plan GEMM with K split (a narrow weight, a long K)
+    ops.linear_fp32(torch.randn(3, 1024).bfloat16(), torch.randn(40, 1024).to(dt), backend="triton")
+ops.linear(torch.randn(3, 1024).bfloat16(), torch.randn(40, 1024).bfloat16(), backend="triton")
 from dsv4.ops.precision import exact_accumulation
 with exact_accumulation():  # the router under exact accumulation (float64), as deterministic serving runs it
     ops.route(torch.randn(3, 8), torch.zeros(8), 2, "sqrtsoftplus", 2.5, backend="triton")
@@ -195,6 +198,7 @@ def test_every_kernel_the_model_launches_compiles_for_sm90():
     # attention, mHC, norms, the experts' grouped GEMM, the fixed-plan dense GEMM: the model ran its Triton
     # backends (and the engine's token draw)
     kernels = {"_fwd_kernel", "_hc_pre_part_kernel", "_norm_fwd_kernel", "_gmm_kernel", "_fixed_mm_kernel"}
+    kernels.add("_sum_splits_kernel")  # the fixed-plan GEMM's K splits added in order
     kernels.add("_write_rows_kernel")  # the caches' row writes
     kernels |= {"_w8a8_kernel", "_w8a8_splitk_kernel", "_sum_splits_rows_kernel"}  # W8A8 GEMMs, dense and split-K
     kernels |= {"_int8_mm_kernel", "_int8_splitk_kernel", "_int8_dequant_splits_kernel"}  # INT8, both
