@@ -611,7 +611,7 @@ def sum_slots(out: torch.Tensor, n_tokens: int, topk: int) -> torch.Tensor:
     d = out.size(-1)
     y = torch.empty(n_tokens, d, dtype=torch.float32, device=out.device)
     if n_tokens == 0 or d == 0:
-        return y.zero_()
+        return y
     bd = min(1024, triton.next_power_of_2(d))
     _launch(_slot_sum_kernel, (n_tokens, triton.cdiv(d, bd)), out, y, d, KS=topk, BD=bd, num_warps=4)
     return y
