@@ -11,6 +11,8 @@
 #   OUT=/some/dir bash scripts/gpu_serving.sh determ     # the price of --deterministic at 64 clients
 #   OUT=/some/dir bash scripts/gpu_serving.sh budget     # the engine at 256 clients, 2048 vs 4096 tokens per step
 #   OUT=/some/dir bash scripts/gpu_serving.sh stream     # bench serve, 256 clients, Poisson arrivals at 300/s
+#   OUT=/some/dir bash scripts/gpu_serving.sh prefill    # steps of prompts alone at 2048 (off) vs 8192 tokens:
+#                                                        # the engine at 64 and 256 clients, the server at 64
 # Every figure is the median of 3 or more timed runs with min and max, written as JSON under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +51,15 @@ case "${1:-}" in
   stream)
     "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 256 --request-rate 300 --repeats 3 --no-raw \
       --out "$OUT/serve-stream.json" ;;
+  prefill)
+    for n in 2048 8192; do
+      "$PY" -m dsv4 bench engine "${COMMON[@]}" --clients 64 256 --repeats 3 --no-raw --max-prefill-tokens "$n" \
+        --out "$OUT/engine-prefill$n.json"
+    done
+    for n in 2048 8192; do
+      "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 64 --repeats 3 --no-raw --max-prefill-tokens "$n" \
+        --out "$OUT/serve64-prefill$n.json"
+    done ;;
   *)
-    sed -n 2,14p "$0"; exit 2 ;;
+    sed -n 2,16p "$0"; exit 2 ;;
 esac

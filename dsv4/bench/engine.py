@@ -521,6 +521,12 @@ def add_bench_engine_parser(subparsers) -> None:
         help="tokens per engine step (default: the engine's)",
     )
     p.add_argument(
+        "--max-prefill-tokens",
+        type=argtypes.positive_int,
+        default=None,
+        help="tokens per step of prompts alone, no decode rows (default: the engine's, as `dsv4 serve`'s)",
+    )
+    p.add_argument(
         "--chunk-len",
         type=argtypes.positive_int,
         default=None,

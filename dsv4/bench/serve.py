@@ -130,6 +130,7 @@ def _server_argv(args: argparse.Namespace) -> list[str]:
         "max_num_seqs",
         "max_model_len",
         "max_batch_tokens",
+        "max_prefill_tokens",
         "page_size",
         "cache_pages",
         "speculative",

@@ -34,7 +34,7 @@ from .mirror import Mirror
 from .output import OutputProcessor, TextStreams
 from .runner import InFlight, Runner, SampleRow
 from .sampling import SamplingParams, SamplingTensors
-from .scheduler import Scheduled, Scheduler, SchedulerConfig
+from .scheduler import Scheduled, Scheduler
 from .sequence import Request, RequestError, Sequence, Status, StepOutput, TokenLogprob, token_ids_ok
 from .spec_step import SpeculativeSteps, check_speculative, new_stats
 
@@ -61,13 +61,7 @@ class Engine:
         p = model.embed.weight
         on_gpu = p.device.type == "cuda"
         graphs = c.cuda_graphs and on_gpu
-        if c.max_seqs < 1 or (c.max_batch_tokens is not None and c.max_batch_tokens < 1):
-            raise ValueError("max_seqs and max_batch_tokens must be >= 1")
-        if c.max_batch_tokens is None:
-            c.max_batch_tokens = max(2048, c.max_seqs + 512) if on_gpu else 512
-        if c.chunk_len is None:
-            c.chunk_len = 64 if (graphs or c.pad_steps or mirror is not None) else 1
-        c.chunk_len = max(1, min(c.chunk_len, c.max_batch_tokens))
+        c.resolve(cfg, p.device, graphs, padded=c.pad_steps or mirror is not None)
         self.config = c
         self.max_model_len = min(c.max_model_len or min(cfg.max_seq_len, 8192), cfg.max_seq_len)
         P = c.page_size or default_page_size(cfg)
@@ -88,17 +82,14 @@ class Engine:
             cuda_graphs=graphs,
             max_decode=c.max_seqs,
             max_slots=c.max_batch_tokens // c.chunk_len,
+            max_prefill_slots=c.max_prefill_tokens // c.chunk_len,
             slot_len=c.chunk_len,
             pad=c.pad_steps or mirror is not None,
             mirror=mirror,
             mtp=bool(c.speculative) and not cfg.dspark,  # speculative steps with prompt chunks: bucketed
         )
-        # padded steps: where the budget bounds a step's chunks, they take a slot count that a bucket has
-        slot_sizes = tuple(self.runner.slot_sizes) if self.runner.pad else ()
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                c.max_seqs, self.max_model_len, c.max_batch_tokens, c.chunk_len, c.prefix_caching, slot_sizes
-            ),
+            c.scheduler_config(self.max_model_len, self.runner),
             self.manager,
             self._restore_prefix,
             self.stats,
@@ -271,6 +262,7 @@ class Engine:
     def _launch(self, plan: list[Scheduled]) -> tuple[InFlight, list[Sequence], list[Sequence]]:
         parts: tuple[list[Row], list[Row]] = ([], [])  # one-token rows, then prompt chunks
         seqs: tuple[list[Sequence], list[Sequence]] = ([], [])
+        alone = self.scheduler.prompts_alone  # every row a chunk: the step fits a bucket of prompts alone
         for sch in plan:  # (up to max_seqs rows each step: the host's time per step is what the device waits for)
             seq, n = sch.seq, sch.n
             s, known = seq.computed, len(seq.tokens)
@@ -279,8 +271,8 @@ class Engine:
             else:  # (after: the MTP catch-up's next token, where the prompt goes on)
                 after = seq.tokens[s + n] if s + n < known else -1
                 row = Row(seq.tokens[s : s + n], s, seq.pages.state, s + n == known + seq.n_pending, after=after)
-            parts[n > 1].append(row)
-            seqs[n > 1].append(seq)
+            parts[n > 1 or alone].append(row)
+            seqs[n > 1 or alone].append(seq)
         decode, chunks = parts
         order, rows = seqs[0] + seqs[1], decode + chunks
         samples, samplers = [], []

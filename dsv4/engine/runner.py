@@ -32,7 +32,8 @@ from .mirror import RESTORE, STEP, STOP, TABLES, Mirror
 from .sampling import SampleOutput, Sampler, SamplingParams, SamplingTensors
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-SLOT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # (steps of 1.5x: a step pads under a third)
+SLOT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # (steps of 1.5x: a step pads
+# under a third)
 GRAPH_BUCKETS = DECODE_BUCKETS  # batch sizes of the fixed-shape speculative step
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for
 
@@ -212,6 +213,7 @@ class Runner:
         cuda_graphs: bool = False,
         max_decode: int = 64,
         max_slots: int = 0,
+        max_prefill_slots: int = 0,
         slot_len: int = 64,
         pad: bool = False,
         mirror: Mirror | None = None,
@@ -219,7 +221,9 @@ class Runner:
     ):
         """mirror: the engine on several workers (`dsv4.engine.mirror`): every step is bucketed, rank 0 sends
         its device work to the other ranks, which run `follow`. mtp (speculative decoding with the MTP
-        block): every bucketed step also runs the block's catch-up on its positions (`bucket_forward`)."""
+        block): every bucketed step also runs the block's catch-up on its positions (`bucket_forward`).
+        max_prefill_slots: steps with no decode row may hold up to this many chunk slots (buckets of their
+        own, `prefill_sizes`: a burst of prompts in fewer steps)."""
         self.model, self.cache, self.tables = model, cache, tables
         self.mtp = mtp
         ops.keep_splits(model)  # its weights are fixed while it serves: fp32 projections split once
@@ -233,9 +237,13 @@ class Runner:
         self.keep = KeepRule.for_layout(cache.layout, slot_len)  # chunk tokens that leave raw rows
         self.decode_sizes = bucket_sizes(max_decode, DECODE_BUCKETS)
         self.slot_sizes = bucket_sizes(max_slots, SLOT_BUCKETS) if max_slots else [0]
+        top = max(self.slot_sizes)
+        self.prefill_sizes = bucket_sizes(max_prefill_slots, SLOT_BUCKETS)[1:] if max_prefill_slots > top else []
+        self.prefill_sizes = [s for s in self.prefill_sizes if s > top]
         self.buckets = [self.bucket(d, c) for d in self.decode_sizes for c in self.slot_sizes if d or c]
+        self.buckets += [self.bucket(0, c) for c in self.prefill_sizes]
         vocab = model.cfg.vocab_size
-        n_out = max_decode + max(self.slot_sizes)
+        n_out = max(max_decode + top, max(self.prefill_sizes, default=0))
         width = tables.w.shape[1]
         self.max_rows = max(n_out, max_decode * 17, 1)  # sampled rows (verify rows: k + 1 each)
         biggest = max((b.fields().size for b in self.buckets), default=0)
@@ -302,6 +310,8 @@ class Runner:
     def bucket_for(self, n_decode: int, n_slots: int) -> Bucket | None:
         d = next((s for s in self.decode_sizes if s >= n_decode), None)
         c = next((s for s in self.slot_sizes if s >= n_slots), None)
+        if c is None and n_decode == 0:  # prompts alone
+            c = next((s for s in self.prefill_sizes if s >= n_slots), None)
         if d is None or c is None or not (d or c):
             return None
         return self.bucket(d, c)

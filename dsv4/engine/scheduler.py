@@ -12,6 +12,10 @@ The scheduler knows sequences and pages (`CacheManager`), not the model, so it c
 Prompt chunks are counted in slots of `chunk_len` tokens (a chunk of n tokens takes ceil(n / chunk_len)
 slots of the step's budget): a GPU step lays chunks out in fixed slots so that it can be replayed from a
 CUDA graph (`dsv4.engine.batch`), and the plan is the same whether or not the step is padded.
+
+A step that carries no decoding row (a burst of new prompts, as every client of a closed loop sends at
+once) delays no stream, so its budget is `max_prefill_tokens`, which may exceed `max_batch_tokens`: the
+burst is computed in fewer, larger steps (each sequence's chunk still at most `max_batch_tokens`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ class SchedulerConfig:
     # Where the budget leaves room for a number of slots between two of them, the chunks take the smaller:
     # the bucket above would carry the difference as padding, computed and thrown away
     slot_sizes: tuple[int, ...] = ()
+    # a step with no decoding row may take up to this many tokens (0: max_batch_tokens), in slot counts
+    # of slot_sizes or prefill_slot_sizes (the runner's buckets without decode rows)
+    max_prefill_tokens: int = 0
+    prefill_slot_sizes: tuple[int, ...] = ()
 
 
 @dataclass(slots=True, eq=False)
@@ -70,6 +78,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = itertools.count()
+        self.prompts_alone = False  # the last plan's budget was max_prefill_tokens (no decode row)
         self.stats = stats if stats is not None else {}
         self.stats.setdefault("preemptions", 0)
         # pools that hold max_seqs sequences at max_model_len (the engine's default sizes) never force a
@@ -129,9 +138,8 @@ class Scheduler:
     def _slots(self, n: int) -> int:
         return -(-n // self.config.chunk_len)
 
-    def _chunk_budget(self, budget: int) -> int:
-        """The tokens left for prompt chunks, in whole slots of a size that `slot_sizes` has."""
-        sizes = self.config.slot_sizes
+    def _chunk_budget(self, budget: int, sizes: tuple[int, ...]) -> int:
+        """The tokens left for prompt chunks, in whole slots of a size that `sizes` has."""
         if not sizes or budget <= 0:
             return budget
         L = self.config.chunk_len
@@ -162,7 +170,13 @@ class Scheduler:
                 budget -= 1
                 continue
             budget -= self._plan_row(seq, budget, plan, planned)
-        budget = self._chunk_budget(budget)
+        sizes = c.slot_sizes
+        # prompts alone: no stream waits on them (their one-token rows, a one-token prompt's, are chunks too)
+        self.prompts_alone = not plan and c.max_prefill_tokens > c.max_batch_tokens
+        if self.prompts_alone:
+            budget = c.max_prefill_tokens
+            sizes = sizes + c.prefill_slot_sizes if sizes else ()
+        budget = self._chunk_budget(budget, sizes)
         for seq in chunked:
             if budget <= 0:
                 break
@@ -181,7 +195,7 @@ class Scheduler:
             if pages is None:
                 break
             cached = self.manager.match(pages, seq.tokens) if seq.computed == 0 else 0
-            n = min((budget // L) * L, len(seq.tokens) - cached)
+            n = min((budget // L) * L, len(seq.tokens) - cached, self._chunk_cap())
             reserve = (watermark[0] + at_edge, watermark[1] + at_edge) if self.running and not self.roomy else (0, 0)
             if not (
                 self.manager.can_fit(cached, cached + n, reserve) and self.manager.allocate(pages, cached, cached + n)
@@ -212,7 +226,7 @@ class Scheduler:
         if not seq.running or self._done(seq):  # (preempted by an earlier one in this step)
             return 0
         if seq.prefilling:
-            n = min(seq.n_tokens - seq.computed, (budget // L) * L)
+            n = min(seq.n_tokens - seq.computed, (budget // L) * L, self._chunk_cap())
             if n <= 0:
                 return 0
         else:
@@ -228,6 +242,12 @@ class Scheduler:
         plan.append(Scheduled(seq, n))
         planned.add(id(seq))
         return self._slots(n) * L if seq.prefilling else n
+
+    def _chunk_cap(self) -> int:
+        """The most tokens of one sequence's prompt in a step: max_batch_tokens in whole slots (a larger
+        prefill budget admits more sequences, not longer chunks: a sequence's window pages stay bounded)."""
+        L = self.config.chunk_len
+        return max(L, (self.config.max_batch_tokens // L) * L)
 
     def _sibling_prefilling(self, seq: Sequence) -> bool:
         """With prefix caching, choices 1..n-1 wait until choice 0 has computed the shared prompt."""

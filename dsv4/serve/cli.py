@@ -32,6 +32,15 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         "--max-num-seqs + 512 on a GPU, 512 on a CPU)",
     )
     g.add_argument(
+        "--max-prefill-tokens",
+        type=argtypes.positive_int,
+        default=None,
+        help="tokens per step when no sequence is decoding (a burst of new prompts delays no stream, so "
+        "it is computed in fewer, larger steps; each prompt's chunk stays within --max-batch-tokens). "
+        "Default on a GPU: 8192, or 4 x --max-batch-tokens if less (halved while such a step's "
+        "activations would take over 5%% of the GPU's memory); on a CPU --max-batch-tokens",
+    )
+    g.add_argument(
         "--page-size",
         type=argtypes.positive_int,
         default=None,

@@ -35,6 +35,7 @@ class EngineSpec:
     max_num_seqs: int | None = None  # sequences running at once (None: 32)
     max_model_len: int | None = None  # prompt + output per sequence (None: the engine's default)
     max_batch_tokens: int | None = None  # tokens per step (None: the engine's default for the device)
+    max_prefill_tokens: int | None = None  # tokens per step of prompts alone (None: the engine's default)
     page_size: int | None = None
     cache_pages: int | None = None
     prefix_caching: bool = True
@@ -59,6 +60,7 @@ class EngineSpec:
             max_num_seqs=get("max_num_seqs"),
             max_model_len=get("max_model_len"),
             max_batch_tokens=get("max_batch_tokens"),
+            max_prefill_tokens=get("max_prefill_tokens"),
             page_size=get("page_size"),
             cache_pages=get("cache_pages"),
             prefix_caching=not get("no_prefix_caching"),
@@ -104,6 +106,7 @@ class EngineSpec:
             max_seqs=self.max_num_seqs or 32,
             max_model_len=self.max_model_len,
             max_batch_tokens=self.max_batch_tokens,
+            max_prefill_tokens=self.max_prefill_tokens,
             page_size=self.page_size,
             cache_pages=self.cache_pages,
             prefix_caching=self.prefix_caching,
@@ -136,9 +139,14 @@ def check_engine_options(spec: EngineSpec, cfg) -> None:
     problem = speculative_problem(cfg, spec.speculative, spec.speculative_threshold)
     if problem:
         raise UserError(problem)
-    for flag in ("max_num_seqs", "max_batch_tokens"):
+    for flag in ("max_num_seqs", "max_batch_tokens", "max_prefill_tokens"):
         if getattr(spec, flag) is not None and getattr(spec, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
+    if spec.max_prefill_tokens is not None and spec.max_prefill_tokens < (spec.max_batch_tokens or 0):
+        raise UserError(
+            f"--max-prefill-tokens ({spec.max_prefill_tokens}) must be at least --max-batch-tokens "
+            f"({spec.max_batch_tokens}): a step of prompts alone may always take a full step"
+        )
     if spec.max_model_len is not None and not 2 <= spec.max_model_len <= cfg.max_seq_len:
         raise UserError(f"--max-model-len must be in [2, {cfg.max_seq_len}] (the model's context)")
 

@@ -348,6 +348,24 @@ def test_bucketed_steps_give_the_ragged_steps_numbers(model, prompts, sampled, l
     assert engine.stats["steps"] == ragged.stats["steps"]  # the same plan, padded
 
 
+def test_a_burst_of_prompts_in_one_prefill_bucket_gives_the_same_tokens(model, prompts):
+    """Six prompts arriving at once, no stream decoding yet: with max_prefill_tokens = 128 the first step
+    takes all of them (16 slots of 8 tokens, the longer prompts in chunks of at most max_batch_tokens, 32)
+    in a bucket of prompts alone beyond the largest decode-step bucket (4 slots); the tokens are the
+    ragged steps' bit for bit (deterministic mode), and the burst took fewer steps. A prefill budget
+    below max_batch_tokens is refused."""
+    kw = dict(max_batch_tokens=34, chunk_len=8)
+    plain, ragged, _ = run(model, prompts, greedy(), **kw)
+    burst, engine, _ = run(model, prompts, greedy(), pad_steps=True, max_prefill_tokens=128, **kw)
+    assert burst == plain
+    assert engine.runner.slot_sizes[-1] == 4 and engine.runner.prefill_sizes == [6, 8, 12, 16]
+    assert engine.runner.bucket_steps[0, 16] == 1  # the first step: every prompt (1+4+3+4+1+3 slots)
+    assert max(c for d, c in engine.runner.bucket_steps if d) <= 4  # beside decode rows: the usual budget
+    assert engine.stats["steps"] < ragged.stats["steps"]
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        Engine(model, EngineConfig(max_seqs=2, max_batch_tokens=64, max_prefill_tokens=32))
+
+
 def test_a_bucket_filled_to_the_last_token_gives_the_ragged_steps_numbers(model, monkeypatch):
     """A bucket holds D + C x L tokens and no spare padding token: in a step that fills every decode row
     and every slot, the lists' unfilled entries name real tokens of their own slot. Such steps give the

@@ -35,9 +35,11 @@ def make(
     window: int = 16,
     max_len: int = 256,
     slot_sizes: tuple[int, ...] = (),
+    prefill: int = 0,
+    prefill_sizes: tuple[int, ...] = (),
 ) -> Scheduler:
     layout = CacheLayout(P, window, (4, 16), n_window + 1, n_comp + 1, max_seqs, max_len, prefix)
-    config = SchedulerConfig(max_seqs, max_len, budget, chunk, prefix, slot_sizes)
+    config = SchedulerConfig(max_seqs, max_len, budget, chunk, prefix, slot_sizes, prefill, prefill_sizes)
     return Scheduler(config, CacheManager(layout, prefix))
 
 
@@ -58,14 +60,18 @@ def check_pages(s: Scheduler) -> None:
         assert all(p in cached.values() for p in shared)  # only prefix-cache pages are shared
 
 
-@pytest.mark.parametrize("seed", range(9))
+@pytest.mark.parametrize("seed", range(13))
 def test_random_traffic_keeps_every_invariant(seed):
     rng = random.Random(seed)
     prefix = seed % 2 == 0
     chunk = (1, 4, 8)[seed % 3]
     budget = rng.randint(16, 64)
-    # seeds 6-8: padded steps, whose chunks take a number of slots that the runner has a bucket for
-    slot_sizes = (0, 1, 2, 3, 4, 6, budget // chunk) if seed >= 6 else ()
+    # seeds 6-11: padded steps, whose chunks take a number of slots that the runner has a bucket for;
+    # seeds 9-12: a step with no decode row may take up to 3x the budget (padded, and ragged at 12)
+    slot_sizes = (0, 1, 2, 3, 4, 6, budget // chunk) if 6 <= seed < 12 else ()
+    prefill = 3 * budget if seed >= 9 else 0
+    prefill_sizes = (2 * budget // chunk, prefill // chunk) if prefill and slot_sizes else ()
+    cap = max(chunk, budget // chunk * chunk)  # one sequence's chunk: within max_batch_tokens still
     s = make(
         n_window=rng.randint(8, 40),
         n_comp=rng.randint(12, 60),
@@ -74,6 +80,8 @@ def test_random_traffic_keeps_every_invariant(seed):
         chunk=chunk,
         prefix=prefix,
         slot_sizes=slot_sizes,
+        prefill=prefill,
+        prefill_sizes=prefill_sizes,
     )
     P = s.manager.P
     shared = [rng.randrange(2, 1000) for _ in range(40)]
@@ -90,7 +98,7 @@ def test_random_traffic_keeps_every_invariant(seed):
     arrived: list[Request] = []
     order: dict[int, int] = {}  # sequence -> arrival rank
     ever_admitted: set[int] = set()
-    step = 0
+    step = bursts = 0
     while pending or s.has_work():
         while pending and pending[0][0] <= step:
             _, req = pending.pop(0)
@@ -103,11 +111,15 @@ def test_random_traffic_keeps_every_invariant(seed):
                 s.finish(seq, "abort")
         plan = s.schedule()
         used = sum(-(-r.n // chunk) * chunk if r.seq.prefilling else r.n for r in plan)
-        assert used <= s.config.max_batch_tokens and len(s.running) <= s.config.max_seqs
+        decode = sum(r.n for r in plan if not r.seq.prefilling)
+        limit = prefill if prefill and not decode else budget
+        assert used <= limit and len(s.running) <= s.config.max_seqs
+        bursts += used > budget
+        assert all(r.n <= cap for r in plan if r.seq.prefilling)
         if slot_sizes:  # the chunks fit the largest bucket size that the decode rows leave room for
-            decode = sum(r.n for r in plan if not r.seq.prefilling)
+            sizes = slot_sizes + prefill_sizes if limit > budget else slot_sizes
             slots = sum(-(-r.n // chunk) for r in plan if r.seq.prefilling)
-            assert slots <= max(n for n in slot_sizes if n * chunk <= budget - decode)
+            assert slots <= max(n for n in sizes if n * chunk <= limit - decode)
         assert len({id(r.seq) for r in plan}) == len(plan)
         for r in plan:
             seq = r.seq
@@ -138,6 +150,7 @@ def test_random_traffic_keeps_every_invariant(seed):
         step += 1
         assert step < 5000, "the traffic did not drain: some sequence starves"
     assert all(req.finished for _, req in pending) and all(req.finished for req in arrived)
+    assert prefill or not bursts, "only steps of prompts alone may take more than max_batch_tokens"
     m = s.manager
     for pool in (m.wpool, m.cpool):  # every page free, or held by the prefix cache alone (evictable)
         assert pool.n_free + pool.evictable == pool.n_pages - 1
@@ -224,6 +237,43 @@ def test_padded_steps_take_the_chunk_slots_of_a_bucket():
         chunk = [r for r in plan if r.seq is long.sequences[0]]
         assert [r.n for r in plan if r.n == 1] == [1, 1, 1] and len(chunk) == 1
         assert chunk[0].n == want * L, (sizes, chunk[0].n)
+
+
+def test_a_burst_of_prompts_takes_the_prefill_budget_until_a_stream_decodes():
+    """A step with no decode row takes up to max_prefill_tokens of prompt chunks (in a slot count that a
+    prefill bucket has), each sequence's chunk still within max_batch_tokens; the next step carries the
+    burst's decode rows and falls back to max_batch_tokens (what the decode rows leave of it). The 34 slots
+    of prompts take 3 steps so, 6 without a prefill budget."""
+    L, budget = 4, 32
+    for prefill, sizes, want in ((96, (12, 16, 24), [24, 6, 4]), (0, (), [8, 6, 6, 6, 6, 2])):
+        s = make(
+            n_window=200, n_comp=200, max_seqs=8, budget=budget, chunk=L, prefix=False,
+            slot_sizes=(0, 1, 2, 3, 4, 6, 8), prefill=prefill, prefill_sizes=sizes,
+        )  # fmt: skip
+        seqs = []
+        for i in range(8):  # 8 prompts of 12 tokens (3 slots each), and one of 50 (13 slots)
+            n = 50 if i == 7 else 12
+            req = Request(str(i), [7] * n, SamplingParams(max_tokens=4, temperature=0))
+            req.sequences.append(Sequence(req, 0, [7] * n, seed=0, prompt_len=n))
+            s.add(req.sequences[0])
+            seqs.append(req.sequences[0])
+        slots = []
+        while any(q.prefilling or not q.running for q in seqs):
+            plan = s.schedule()
+            chunks = [r for r in plan if r.seq.prefilling]
+            decode = [r for r in plan if not r.seq.prefilling]
+            assert all(r.n <= budget for r in chunks)
+            assert sum(-(-r.n // L) for r in chunks) * L + len(decode) <= (
+                prefill if not decode and prefill else budget
+            )
+            slots.append(sum(-(-r.n // L) for r in chunks))
+            for r in plan:
+                want_logits = r.want_logits
+                r.seq.computed += r.n
+                if want_logits:
+                    r.seq.tokens.append(3)
+            s.after_step([r.seq for r in plan])
+        assert slots == want, (prefill, slots)
 
 
 def test_prompt_ids_are_checked_as_the_definition_says_whatever_the_list_holds():
