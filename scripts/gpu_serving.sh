@@ -12,7 +12,8 @@
 #   OUT=/some/dir bash scripts/gpu_serving.sh budget     # the engine at 256 clients, 2048 vs 4096 tokens per step
 #   OUT=/some/dir bash scripts/gpu_serving.sh stream     # bench serve, 256 clients, Poisson arrivals at 300/s
 #   OUT=/some/dir bash scripts/gpu_serving.sh prefill    # steps of prompts alone at 2048 (off) vs 8192 tokens:
-#                                                        # the engine at 64 and 256 clients, the server at 64
+#                                                        # the engine and the server at 64 clients (CLIENTS="64 256":
+#                                                        # the engine at those too)
 # Every figure is the median of 3 or more timed runs with min and max, written as JSON under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,7 +54,7 @@ case "${1:-}" in
       --out "$OUT/serve-stream.json" ;;
   prefill)
     for n in 2048 8192; do
-      "$PY" -m dsv4 bench engine "${COMMON[@]}" --clients 64 256 --repeats 3 --no-raw --max-prefill-tokens "$n" \
+      "$PY" -m dsv4 bench engine "${COMMON[@]}" --clients ${CLIENTS:-64} --repeats 3 --no-raw --max-prefill-tokens "$n" \
         --out "$OUT/engine-prefill$n.json"
     done
     for n in 2048 8192; do
@@ -61,5 +62,5 @@ case "${1:-}" in
         --out "$OUT/serve64-prefill$n.json"
     done ;;
   *)
-    sed -n 2,16p "$0"; exit 2 ;;
+    sed -n 2,17p "$0"; exit 2 ;;
 esac
