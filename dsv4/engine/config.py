@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..activations import activation_bytes
 from .scheduler import SchedulerConfig
 
 # a step of prompts alone takes up to this many tokens by default (at most 4 x max_batch_tokens) where a
@@ -79,10 +80,8 @@ class EngineConfig:
 
 
 def default_prefill_tokens(cfg, device: torch.device, most: int) -> int:
-    """`most`, halved while one such step's activations (`dsv4.memory.activation_bytes`, the fused
+    """`most`, halved while one such step's activations (`dsv4.activations.activation_bytes`, the fused
     kernels' peak, for a burst of new prompts) would take more than 5% of the device's memory."""
-    from ..memory import activation_bytes
-
     total = torch.cuda.get_device_properties(device).total_memory
     n = most
     while n > 512 and activation_bytes(cfg, n, cfg.window_size, logits_rows=0, fused=True) > total // 20:
