@@ -128,8 +128,9 @@ def keep_splits(module: torch.nn.Module) -> int:
     """Mark the fp32 matrices of `module` as fixed while it serves, so that the bf16x3 projection splits each
     once instead of at every call (eight kernels over the weight per call; the head's weight is the size of
     the vocabulary). The split is made at a marked weight's first bf16x3 call with autograd off for it,
-    outside a CUDA graph capture, and kept (1.5x the fp32 matrix in bf16 parts); a graph captured after
-    that replays the kept split. A weight written in place (its version counter moves) or given other
+    outside a CUDA graph capture, and kept (1.5x the fp32 matrix in bf16 parts, 0.5x for a matrix of bf16
+    values: `weight_split`); a graph captured after that replays the kept split. A weight written in
+    place (its version counter moves) or given other
     storage is split again at its next call outside a capture; a write that bypasses the version counter
     (`param.data.copy_`) is not seen, and neither is any change after a graph was captured: the weights
     of a serving engine are fixed. Weights made under `torch.inference_mode` have no version counter and
@@ -159,9 +160,18 @@ def _reuse(weight: torch.Tensor, kept, store: Callable[[tuple], None], make: Cal
 
 def weight_split(weight: torch.Tensor) -> torch.Tensor:
     """The [N, 3K] bf16 split of an fp32 weight: the kept one where `keep_splits` marked the weight, autograd
-    is off for it and it is unchanged since; else made now (and kept, for a marked weight outside a capture)."""
+    is off for it and it is unchanged since; else made now (and kept, for a marked weight outside a capture).
+    A kept split whose two smaller parts are all zero (a weight that holds bf16 values, as a checkpoint's
+    BF16 head loaded into fp32) is kept as its [N, K] first part alone: the same products, a third of the
+    work and of the bytes read."""
+
+    def keep(kv: tuple) -> None:
+        key, split = kv
+        k = weight.size(1)
+        _KEPT[weight] = (key, split[:, :k].contiguous() if not split[:, k:].any() else split)
+
     # (split_bf16x3 looked up at the call: the tests count splits by replacing it)
-    return _reuse(weight, _KEPT.get(weight), lambda kv: _KEPT.__setitem__(weight, kv), lambda w: split_bf16x3(w))
+    return _reuse(weight, _KEPT.get(weight), keep, lambda w: split_bf16x3(w))
 
 
 # other derivations of marked weights that kernels multiply (the mHC mix weight's bf16 parts):
@@ -183,8 +193,11 @@ class _Bf16x3Linear(torch.autograd.Function):
         """w3: `weight_split(weight)`, taken before autograd's forward (which runs with autograd off)."""
         k, n = x.size(-1), weight.size(0)
         x2 = x.reshape(-1, k)  # [M, K] bf16
-        x3 = torch.cat([x2, x2, x2], dim=1)  # [M, 3K]
-        y = _mm_fp32_out(x3, w3.t())  # one GEMM over the concatenated K
+        if w3.size(1) == k:  # a kept split of a weight that holds bf16 values: its first part is the weight
+            y = _mm_fp32_out(x2, w3.t())
+        else:
+            x3 = torch.cat([x2, x2, x2], dim=1)  # [M, 3K]
+            y = _mm_fp32_out(x3, w3.t())  # one GEMM over the concatenated K
         ctx.save_for_backward(x, weight)
         return y.view(*x.shape[:-1], n)
 

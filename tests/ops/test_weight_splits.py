@@ -60,6 +60,35 @@ def test_a_kept_split_is_made_once_and_gives_the_same_bits(splits):
     assert all(torch.equal(y, want) for y in got)
 
 
+def test_a_weight_of_bf16_values_keeps_its_first_part_alone(splits):
+    """A kept split whose smaller parts are zero (an fp32 weight holding bf16 values, as a checkpoint's BF16
+    head loaded into fp32) is kept as its first part: [N, K] bf16 equal to the weight, one product per
+    term instead of three. Every call is within fp32 accumulation of the exact product (each output a sum
+    of 96 exact bf16 x bf16 terms, 3 x 96 with three parts); a weight with one value off the bf16 grid
+    keeps all three parts."""
+    x = _x()
+    for off_grid in (False, True):
+        lin = _layer(5)
+        with torch.no_grad():
+            lin.weight.copy_(lin.weight.bfloat16().float())
+            if off_grid:
+                lin.weight[3, 7] += lin.weight[3, 7].abs() * 2.0**-12
+        ops.keep_splits(lin)
+        exact = (x.double() @ lin.weight.double().t()).float()
+        terms = 3 * 96 if off_grid else 96  # exact products summed in fp32 per output
+        bound = terms * 2.0**-24 * (x.float().abs() @ lin.weight.abs().t()) + 1e-30
+        before = len(splits)
+        with torch.no_grad():
+            ys = [ops.linear_fp32(x, lin.weight, backend="bf16x3") for _ in range(3)]
+        assert len(splits) - before == 1
+        kept = torch_native._KEPT[lin.weight][1]
+        if off_grid:
+            assert kept.shape == (50, 3 * 96)
+        else:
+            assert kept.shape == (50, 96) and torch.equal(kept.float(), lin.weight)
+        assert all(((y - exact).abs() <= bound).all() for y in ys)
+
+
 def test_a_changed_weight_is_split_again(splits):
     lin, x = _layer(1), _x()
     ops.keep_splits(lin)
