@@ -129,18 +129,43 @@ def keep_splits(module: torch.nn.Module) -> int:
     once instead of at every call (eight kernels over the weight per call; the head's weight is the size of
     the vocabulary). The split is made at a marked weight's first bf16x3 call with autograd off for it,
     outside a CUDA graph capture, and kept (1.5x the fp32 matrix in bf16 parts, 0.5x for a matrix of bf16
-    values: `weight_split`); a graph captured after that replays the kept split. A weight written in
-    place (its version counter moves) or given other
-    storage is split again at its next call outside a capture; a write that bypasses the version counter
-    (`param.data.copy_`) is not seen, and neither is any change after a graph was captured: the weights
-    of a serving engine are fixed. Weights made under `torch.inference_mode` have no version counter and
-    are split at every call. -> the number of matrices newly marked."""
+    values: `weight_split`); a graph captured after that replays the kept split. A CUDA matrix of bf16
+    values has its one-part split made here, so that every call takes it, one row too (`_bf16x3_prefer`:
+    it reads 2 bytes a weight against the fp32 GEMV's 4). A weight written in place (its version counter
+    moves) or given other storage is split again at its next call outside a capture; a write that
+    bypasses the version counter (`param.data.copy_`) is not seen, and neither is any change after a graph
+    was captured: the weights of a serving engine are fixed. Weights made under `torch.inference_mode` have
+    no version counter and are split at every call. -> the number of matrices newly marked."""
     n = 0
     for p in module.parameters():
         if p.dtype == torch.float32 and p.dim() == 2 and p not in _KEPT:
             _KEPT[p] = None
+            if p.is_cuda and not p.is_inference() and not torch.cuda.is_current_stream_capturing():
+                hi = _bf16_values(p.detach())
+                if hi is not None:
+                    _KEPT[p] = ((p._version, p.data_ptr()), hi)
             n += 1
     return n
+
+
+def _bf16_values(w: torch.Tensor, rows: int = 8192) -> torch.Tensor | None:
+    """w (fp32) as bf16 where every value of w is a bf16 value (checked a block of rows at a time), else None."""
+    hi = w.to(torch.bfloat16)
+    for i in range(0, w.size(0), rows):
+        if not torch.equal(hi[i : i + rows].float(), w[i : i + rows]):
+            return None
+    return hi
+
+
+def one_part_split(weight: torch.Tensor) -> bool:
+    """Whether `weight`'s kept split, still valid, is its first part alone (a matrix of bf16 values)."""
+    kept = _KEPT.get(weight)
+    return (
+        kept is not None
+        and kept[1].size(1) == weight.size(1)
+        and not weight.is_inference()
+        and kept[0] == (weight._version, weight.data_ptr())
+    )
 
 
 def _reuse(weight: torch.Tensor, kept, store: Callable[[tuple], None], make: Callable[[torch.Tensor], object]):
@@ -241,7 +266,9 @@ def _bf16x3_can_run(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 
 
 def _bf16x3_prefer(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.is_cuda and prefers_split(x.numel() // x.size(-1), weight.numel())
+    """On CUDA: from the row counts of `prefers_split`, and at any rows for a kept one-part split (a BF16
+    head in fp32: 355 us a call at one row against the fp32 GEMV's 679 on an H100, BENCHMARKS.md)."""
+    return x.is_cuda and (prefers_split(x.numel() // x.size(-1), weight.numel()) or one_part_split(weight))
 
 
 register(

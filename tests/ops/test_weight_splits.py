@@ -83,9 +83,10 @@ def test_a_weight_of_bf16_values_keeps_its_first_part_alone(splits):
         assert len(splits) - before == 1
         kept = torch_native._KEPT[lin.weight][1]
         if off_grid:
-            assert kept.shape == (50, 3 * 96)
+            assert kept.shape == (50, 3 * 96) and not torch_native.one_part_split(lin.weight)
         else:
             assert kept.shape == (50, 96) and torch.equal(kept.float(), lin.weight)
+            assert torch_native.one_part_split(lin.weight)
         assert all(((y - exact).abs() <= bound).all() for y in ys)
 
 
@@ -182,3 +183,30 @@ def test_the_default_on_cuda_runs_the_split_from_two_rows():
         bound = 3 * 96 * 2.0**-24 * (x.float().abs() @ lin.weight.abs().t())
         assert ((y - x.float() @ lin.weight.t()).abs() <= bound).all()
     assert ran == {1: "reference", 2: "bf16x3", 16: "bf16x3"}
+
+
+@pytest.mark.gpu
+def test_a_cuda_weight_of_bf16_values_takes_its_one_part_split_from_one_row(splits):
+    """On CUDA, marking makes a bf16-valued weight's one-part split at once (no three-part split is made),
+    and the default runs it at every row count, one row included (it reads 2 bytes a weight, the fp32
+    GEMV 4); each output within fp32 accumulation of the exact product (96 exact terms). After an
+    in-place write the kept split no longer holds, and one row goes back to the fp32 GEMV."""
+    lin = _layer(6, "cuda")
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.bfloat16().float())
+    ops.keep_splits(lin)
+    assert torch_native.one_part_split(lin.weight) and not splits
+    ran = {}
+    for rows in (1, 2, 16):
+        x = torch.randn(rows, 96, device="cuda").bfloat16()
+        with torch.no_grad():
+            y = ops.linear_fp32(x, lin.weight)
+        ran[rows] = ops.last_backend("linear_fp32")
+        exact = (x.double() @ lin.weight.double().t()).float()
+        bound = 96 * 2.0**-24 * (x.float().abs() @ lin.weight.abs().t()) + 1e-30
+        assert ((y - exact).abs() <= bound).all()
+    assert ran == {1: "bf16x3", 2: "bf16x3", 16: "bf16x3"} and not splits
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # still bf16 values, but the kept split is stale
+        y = ops.linear_fp32(torch.randn(1, 96, device="cuda").bfloat16(), lin.weight)
+    assert not torch_native.one_part_split(lin.weight) and ops.last_backend("linear_fp32") == "reference"
