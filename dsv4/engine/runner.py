@@ -238,8 +238,7 @@ class Runner:
         self.decode_sizes = bucket_sizes(max_decode, DECODE_BUCKETS)
         self.slot_sizes = bucket_sizes(max_slots, SLOT_BUCKETS) if max_slots else [0]
         top = max(self.slot_sizes)
-        self.prefill_sizes = bucket_sizes(max_prefill_slots, SLOT_BUCKETS)[1:] if max_prefill_slots > top else []
-        self.prefill_sizes = [s for s in self.prefill_sizes if s > top]
+        self.prefill_sizes = [s for s in bucket_sizes(max_prefill_slots, SLOT_BUCKETS) if s > top]
         self.buckets = [self.bucket(d, c) for d in self.decode_sizes for c in self.slot_sizes if d or c]
         self.buckets += [self.bucket(0, c) for c in self.prefill_sizes]
         vocab = model.cfg.vocab_size

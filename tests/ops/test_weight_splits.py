@@ -174,15 +174,22 @@ def test_the_default_on_cuda_runs_the_split_from_two_rows():
     """`torch_native.prefers_split` is what runs: one row of bf16 activations stays the fp32 GEMV, two and
     sixteen take the bf16x3 split, with the same products (each output a sum of 96 in fp32)."""
     lin = _layer(3, "cuda")
+    assert _default_by_rows(lin.weight, terms=3 * 96) == {1: "reference", 2: "bf16x3", 16: "bf16x3"}
+
+
+def _default_by_rows(weight: torch.Tensor, terms: int) -> dict[int, str]:
+    """The backend `linear_fp32`'s default runs at 1, 2 and 16 rows of bf16 activations, each output checked
+    within fp32 accumulation of the exact product: `terms` exact products summed in fp32 per output."""
     ran = {}
     for rows in (1, 2, 16):
-        x = torch.randn(rows, 96, device="cuda").bfloat16()
+        x = torch.randn(rows, weight.size(1), device="cuda").bfloat16()
         with torch.no_grad():
-            y = ops.linear_fp32(x, lin.weight)
+            y = ops.linear_fp32(x, weight)
         ran[rows] = ops.last_backend("linear_fp32")
-        bound = 3 * 96 * 2.0**-24 * (x.float().abs() @ lin.weight.abs().t())
-        assert ((y - x.float() @ lin.weight.t()).abs() <= bound).all()
-    assert ran == {1: "reference", 2: "bf16x3", 16: "bf16x3"}
+        exact = (x.double() @ weight.double().t()).float()
+        bound = terms * 2.0**-24 * (x.float().abs() @ weight.abs().t()) + 1e-30
+        assert ((y - exact).abs() <= bound).all()
+    return ran
 
 
 @pytest.mark.gpu
@@ -196,17 +203,8 @@ def test_a_cuda_weight_of_bf16_values_takes_its_one_part_split_from_one_row(spli
         lin.weight.copy_(lin.weight.bfloat16().float())
     ops.keep_splits(lin)
     assert torch_native.one_part_split(lin.weight) and not splits
-    ran = {}
-    for rows in (1, 2, 16):
-        x = torch.randn(rows, 96, device="cuda").bfloat16()
-        with torch.no_grad():
-            y = ops.linear_fp32(x, lin.weight)
-        ran[rows] = ops.last_backend("linear_fp32")
-        exact = (x.double() @ lin.weight.double().t()).float()
-        bound = 96 * 2.0**-24 * (x.float().abs() @ lin.weight.abs().t()) + 1e-30
-        assert ((y - exact).abs() <= bound).all()
-    assert ran == {1: "bf16x3", 2: "bf16x3", 16: "bf16x3"} and not splits
+    assert _default_by_rows(lin.weight, terms=96) == {1: "bf16x3", 2: "bf16x3", 16: "bf16x3"} and not splits
     with torch.no_grad():
         lin.weight.mul_(2.0)  # still bf16 values, but the kept split is stale
-        y = ops.linear_fp32(torch.randn(1, 96, device="cuda").bfloat16(), lin.weight)
+        ops.linear_fp32(torch.randn(1, 96, device="cuda").bfloat16(), lin.weight)
     assert not torch_native.one_part_split(lin.weight) and ops.last_backend("linear_fp32") == "reference"
