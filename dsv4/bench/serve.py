@@ -99,6 +99,12 @@ def _scrape(host: str, port: int) -> dict[str, float]:
         text = r.read().decode()
     out = {}
     for line in text.splitlines():
+        part = re.match(r"dsv4_request_(queue|prefill|transport)_seconds_(bucket|sum|count)\{([^}]*)\} (\S+)", line)
+        if part:
+            le = re.search(r'le="([^"]+)"', part.group(3))
+            key = f"ttft_{part.group(1)}_{part.group(2)}" + (f".{le.group(1)}" if le else "")
+            out[key] = float(part.group(4))
+            continue
         m = re.match(
             r"dsv4_(engine_phase_seconds_total|generation_tokens_total|prompt_tokens_total|preemptions_total|"
             r"prefix_cache_hit_tokens_total|spec_draft_tokens_total|spec_accepted_tokens_total|"
@@ -284,10 +290,26 @@ def _serve_runs(args: argparse.Namespace, name: str, vocab: int, clients: int) -
     )
     row["errors"], row["first_errors"] = len(errors), errors[:3]
     row["server_warnings"] = warned[:20]
-    row["server_metrics"] = {
-        k: v - before.get(k, 0.0) if k.endswith("_total") or "_total." in k else v for k, v in after.items()
-    }
+    counted = ("_total", "_bucket", "_sum", "_count")  # counters: the timed runs' share is the difference
+    row["server_metrics"] = {k: v - before.get(k, 0.0) if any(c in k for c in counted) else v for k, v in after.items()}
+    row["ttft_parts"] = ttft_parts(row["server_metrics"])
     return row
+
+
+def ttft_parts(sm: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The server's own split of the time to first token over the timed runs (its histograms): for the
+    engine's queue and prefill (per sequence) and the rest, the transport (per request), the mean and the
+    bucket bound that holds the 99th percentile (the histogram's resolution, not the exact value)."""
+    parts = {}
+    for name in ("transport", "queue", "prefill"):
+        count = sm.get(f"ttft_{name}_count", 0.0)
+        if count <= 0:
+            continue
+        head = f"ttft_{name}_bucket."
+        buckets = sorted((float(k[len(head) :]), v) for k, v in sm.items() if k.startswith(head))  # ("+Inf" too)
+        p99 = next((le for le, n in buckets if n >= 0.99 * count), float("inf"))
+        parts[name] = {"mean_s": sm.get(f"ttft_{name}_sum", 0.0) / count, "p99_at_most_s": p99, "count": count}
+    return parts
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
@@ -447,6 +469,16 @@ def _print(result: dict, r: dict) -> None:
             f"  engine steps    {sm.get('engine_graph_steps_total', 0):.0f} from CUDA graphs, "
             f"{sm.get('engine_eager_steps_total', 0):.0f} eager; "
             f"{sm.get('kernel_compilations_after_ready', 0):.0f} kernel compilations after ready"
+        )
+    parts = r.get("ttft_parts") or {}
+    if parts:
+        print(
+            "  TTFT parts      "
+            + ", ".join(
+                f"{name} mean {p['mean_s'] * 1e3:.1f} ms, p99 <= {p['p99_at_most_s'] * 1e3:g} ms"
+                for name, p in parts.items()
+            )
+            + " (the server's histograms)"
         )
     phases = {k.split(".", 1)[1]: v for k, v in sm.items() if k.startswith("engine_phase") and "." in k}
     if phases:

@@ -60,6 +60,7 @@ def pack_outputs(outputs: list[StepOutput]) -> list[tuple]:
             o.prompt_tokens,
             o.completion_tokens,
             o.cached_tokens,
+            o.timing,
         )
         for o in outputs
     ]
@@ -67,8 +68,8 @@ def pack_outputs(outputs: list[StepOutput]) -> list[tuple]:
 
 def unpack_outputs(rows: list[tuple]) -> list[StepOutput]:
     return [
-        StepOutput(rid, i, toks, [TokenLogprob(*lp) for lp in lps], fin, why, pt, ct, cached)
-        for rid, i, toks, lps, fin, why, pt, ct, cached in rows
+        StepOutput(rid, i, toks, [TokenLogprob(*lp) for lp in lps], fin, why, pt, ct, cached, timing=timing)
+        for rid, i, toks, lps, fin, why, pt, ct, cached, timing in rows
     ]
 
 

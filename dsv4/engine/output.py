@@ -51,7 +51,8 @@ class OutputProcessor:
         if lp is not None:
             seq.logprobs.append(lp)
         self.stats["generated_tokens"] += 1
-        if seq.first_token_time is None:
+        first = seq.first_token_time is None
+        if first:
             seq.first_token_time = now
         seq.last_token_time = now
         out = outputs.get(id(seq))
@@ -59,6 +60,8 @@ class OutputProcessor:
             out = outputs[id(seq)] = StepOutput(
                 seq.request.request_id, seq.index, [], [], False, None, seq.request.prompt_len, 0, seq.cached_tokens
             )
+        if first and seq.admitted_time is not None:
+            out.timing = (seq.admitted_time - seq.request.arrival, now - seq.admitted_time)
         out.new_tokens.append(tok)
         if lp is not None:
             out.new_logprobs.append(lp)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -213,6 +214,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.pages, seq.computed, seq.cached_tokens = pages, cached, max(seq.cached_tokens, cached)
             seq.status, seq.admitted_at = Status.RUNNING, next(self._admissions)
+            if seq.admitted_time is None:
+                seq.admitted_time = time.monotonic()
             self.running.append(seq)
             plan.append(Scheduled(seq, n))
             planned.add(id(seq))

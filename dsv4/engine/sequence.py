@@ -56,6 +56,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     admitted_at: int = 0  # admission order (preemption picks the latest)
+    admitted_time: float | None = None  # time.monotonic() of its first admission (a preemption keeps it)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] = field(default_factory=list)
     first_token_time: float | None = None
@@ -127,3 +128,6 @@ class StepOutput:
     completion_tokens: int
     cached_tokens: int = 0
     text: str = ""  # new text (with a tokenizer; stop strings applied)
+    # on a sequence's first output: (seconds from the engine's receipt of its request to its admission,
+    # seconds from its admission to this first token), the engine's own clock; else None
+    timing: tuple[float, float] | None = None

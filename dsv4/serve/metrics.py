@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from .warmup import WARMUP_PREFIX
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# the parts of a time to first token: milliseconds on a GPU, so finer at the low end
+_TTFT_PARTS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 10, 60)
 _VERIFY_LENGTHS = tuple(range(16))  # drafts one verify checks: 0 ... MAX_SPECULATIVE
 
 
@@ -57,6 +59,28 @@ class ServerMetrics:
             "time from arrival to the first token",
             labels,
             buckets=_LATENCY,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "dsv4_request_queue_seconds",
+            "time from the engine's receipt of a sequence to its admission (a seat, cache pages, the step's budget)",
+            labels,
+            buckets=_TTFT_PARTS,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "dsv4_request_prefill_seconds",
+            "time from a sequence's admission to its first token (the steps of its prompt)",
+            labels,
+            buckets=_TTFT_PARTS,
+            registry=r,
+        )
+        self.transport = Histogram(
+            "dsv4_request_transport_seconds",
+            "the time to first token outside the engine's queue and prefill: the request's way to the engine "
+            "process and the first output's way back through the HTTP process's event loop",
+            labels,
+            buckets=_TTFT_PARTS,
             registry=r,
         )
         self.itl = Histogram(
@@ -197,9 +221,18 @@ class ServerMetrics:
             self.spec_rate.labels(lab).set(self._spec["accepted"] / self._spec["drafted"])
             self.spec_per_step.labels(lab).set(1 + self._spec["accepted"] / self._spec["verify_steps"])
 
-    def observe_request(self, ttft: float | None, itls: list[float], total: float) -> None:
+    def observe_first(self, queue: float, prefill: float) -> None:
+        """A sequence's first output: its time in the engine's queue and its prompt's steps."""
+        self.queue.labels(self.model).observe(queue)
+        self.prefill.labels(self.model).observe(prefill)
+
+    def observe_request(
+        self, ttft: float | None, itls: list[float], total: float, transport: float | None = None
+    ) -> None:
         if ttft is not None:
             self.ttft.labels(self.model).observe(ttft)
+        if transport is not None:
+            self.transport.labels(self.model).observe(transport)
         for v in itls:
             self.itl.labels(self.model).observe(v)
         self.e2e.labels(self.model).observe(total)

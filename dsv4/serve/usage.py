@@ -24,26 +24,31 @@ class Tracker:
     def __init__(self, metrics: ServerMetrics | None, tally: dict | None = None):
         self.metrics, self.t0 = metrics, time.monotonic()
         self.first: float | None = None
+        self.first_engine: float | None = None  # the engine's queue + prefill of the first token's sequence
         self.last: float | None = None
         self.gaps: list[float] = []
         self.tally = tally if tally is not None else {}  # {"prompt": n, "completion": n}: the log line
         self.tally.setdefault("completion", 0)
 
-    def tokens(self, n: int) -> None:
+    def tokens(self, n: int, timing: tuple[float, float] | None = None) -> None:
+        """n tokens arrived now; `timing`: the engine's (queue, prefill) seconds on a sequence's first output."""
         now = time.monotonic()
         self.tally["completion"] += n
+        if timing is not None and self.metrics is not None:
+            self.metrics.observe_first(*timing)
         if n:
             if self.first is None:
                 self.first = now
+                self.first_engine = sum(timing) if timing is not None else None
             elif self.last is not None:
                 self.gaps.append((now - self.last) / n)
             self.last = now
 
     def done(self) -> None:
         if self.metrics is not None:
-            self.metrics.observe_request(
-                None if self.first is None else self.first - self.t0, self.gaps, time.monotonic() - self.t0
-            )
+            ttft = None if self.first is None else self.first - self.t0
+            transport = None if ttft is None or self.first_engine is None else max(0.0, ttft - self.first_engine)
+            self.metrics.observe_request(ttft, self.gaps, time.monotonic() - self.t0, transport)
 
 
 class Usage:
@@ -96,7 +101,7 @@ class Accounting:
         self, outputs: AsyncIterator[tuple[int, StepOutput]]
     ) -> AsyncIterator[tuple[int, int, StepOutput]]:
         async for stream, out in outputs:
-            self.tracker.tokens(len(out.new_tokens))
+            self.tracker.tokens(len(out.new_tokens), out.timing)
             choice = stream * self.n + out.index  # prompt-major: prompt s's choices are s*n ... s*n+n-1
             self.usage.add(stream, choice, out)
             yield stream, choice, out

@@ -435,6 +435,19 @@ def test_bad_serve_and_w8a8_bench_options_exit_2(argv, capsys):
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
 
 
+def test_serve_bench_splits_the_time_to_first_token_from_the_server_histograms():
+    from dsv4.bench.serve import ttft_parts
+
+    # 100 sequences: 98 queued under 1 ms, one under 5 ms, one under 10 ms; the runs' differences of counters
+    sm = {"ttft_queue_count": 100.0, "ttft_queue_sum": 0.2, "ttft_queue_bucket.+Inf": 100.0}
+    sm |= {"ttft_queue_bucket.0.001": 98.0, "ttft_queue_bucket.0.005": 99.0, "ttft_queue_bucket.0.01": 100.0}
+    parts = ttft_parts(sm)
+    assert list(parts) == ["queue"]  # (no prefill or transport counted: not reported)
+    assert parts["queue"] == {"mean_s": 0.002, "p99_at_most_s": 0.005, "count": 100.0}
+    sm["ttft_queue_bucket.0.005"] = 98.0  # the 99th percentile in the last finite bucket
+    assert ttft_parts(sm)["queue"]["p99_at_most_s"] == 0.01
+
+
 def test_serve_bench_code_prompts_are_windows_of_held_out_sources():
     """`--prompts code`: every prompt is a window of a held-out standard library file's tokens (what the
     shipped model has not trained on), of the drawn length; the same seed draws the same work."""

@@ -10,6 +10,7 @@ compression-group boundaries many times.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ import torch
 from dsv4 import DeepSeekV4
 from dsv4.check.inputs import check_config
 from dsv4.engine import Engine, EngineConfig, RequestError, SamplingParams
+from dsv4.engine.engine_process import pack_outputs, unpack_outputs
+from dsv4.engine.sequence import StepOutput
 from dsv4.ops.precision import exact_accumulation
 
 LENGTHS = (5, 40, 23, 70, 1, 17)
@@ -392,3 +395,28 @@ def test_a_bucket_filled_to_the_last_token_gives_the_ragged_steps_numbers(model,
     padded, engine, _ = run(model, prompts, greedy(), pad_steps=True, **kw)
     assert padded == plain and engine.runner.padded_steps == engine.stats["steps"]
     assert any(full), "no step filled its bucket: the test does not test what it says"
+
+
+def test_each_sequence_first_output_says_how_long_it_queued_and_prefilled(model, prompts):
+    # one seat: the second request waits for the first to finish, so its queue holds the first's whole run
+    engine = Engine(model, EngineConfig(max_seqs=1, page_size=16, max_batch_tokens=32))
+    added = time.monotonic()
+    for i, p in enumerate(prompts[:2]):
+        engine.add_request(str(i), p, greedy())
+    firsts: dict[str, tuple[float, tuple[float, float]]] = {}
+    later = []
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id not in firsts:
+                firsts[out.request_id] = (time.monotonic(), out.timing)
+            else:
+                later.append(out.timing)
+    assert later and all(t is None for t in later)  # only a sequence's first output carries it
+    for seen, (queue, prefill) in firsts.values():
+        assert queue >= 0 and prefill > 0
+        assert queue + prefill <= seen - added  # measured inside the interval the caller saw
+    # the second was admitted after the first's last token: its queue covers the first's prefill
+    assert firsts["1"][1][0] >= sum(firsts["0"][1])
+    # the engine process's pipe carries it
+    out = StepOutput("r", 0, [5], [], False, None, 3, 1, timing=(0.25, 0.5))
+    assert unpack_outputs(pack_outputs([out]))[0].timing == (0.25, 0.5)

@@ -409,3 +409,40 @@ def test_chat_with_a_running_server_prints_the_same_banner(server):
     )
     assert res.returncode == 0, res.stderr
     assert f"chatting with {MODEL} at {server}" in res.stderr and "(conversation reset)" in res.stderr
+
+
+def _ttft_sums(url: str) -> dict[str, float]:
+    """The sums and counts of the time to first token and its parts (/metrics)."""
+    text = metrics_text(url)
+    out = {}
+    for name in ("time_to_first_token", "request_transport", "request_queue", "request_prefill"):
+        for kind in ("sum", "count"):
+            m = re.search(rf'dsv4_{name}_seconds_{kind}\{{model="{MODEL}"\}} (\S+)', text)
+            out[f"{name}_{kind}"] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def test_the_time_to_first_token_is_split_into_its_parts(server, client):
+    """/metrics splits each request's time to first token into the engine's queue and prefill (per
+    sequence) and the rest, the transport: over one-choice requests the three add up to it."""
+    before, deadline = _ttft_sums(server), time.monotonic() + 10
+    while time.monotonic() < deadline:  # (an earlier test's request may still be counted as it ends)
+        time.sleep(0.3)
+        now = _ttft_sums(server)
+        if now == before:
+            break
+        before = now
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt="parts", max_tokens=3, temperature=0, stream=stream)
+        list(r) if stream else r
+    deadline = time.monotonic() + 10
+    while (after := _ttft_sums(server))["request_transport_count"] < before["request_transport_count"] + 2:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.1)
+    d = {k: after[k] - before[k] for k in after}
+    assert d["time_to_first_token_count"] == d["request_transport_count"] == 2
+    assert d["request_queue_count"] == d["request_prefill_count"] == 2
+    assert d["request_prefill_sum"] > 0 and d["request_queue_sum"] >= 0 and d["request_transport_sum"] >= 0
+    parts = d["request_transport_sum"] + d["request_queue_sum"] + d["request_prefill_sum"]
+    # (the transport is the difference, so they agree to the roundings of a few sums of seconds)
+    assert abs(d["time_to_first_token_sum"] - parts) <= 1e-9 * (1 + d["time_to_first_token_sum"])
