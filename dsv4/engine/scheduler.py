@@ -15,7 +15,9 @@ CUDA graph (`dsv4.engine.batch`), and the plan is the same whether or not the st
 
 A step that carries no decoding row (a burst of new prompts, as every client of a closed loop sends at
 once) delays no stream, so its budget is `max_prefill_tokens`, which may exceed `max_batch_tokens`: the
-burst is computed in fewer, larger steps (each sequence's chunk still at most `max_batch_tokens`).
+burst is computed in fewer, larger steps (each sequence's chunk still at most `max_batch_tokens`). Where
+a burst finds streams decoding already (its first requests were admitted while the rest were on their
+way), a step may leave those streams out for one step when the waiting outnumber them (`_burst`).
 """
 
 from __future__ import annotations
@@ -80,8 +82,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._admissions = itertools.count()
         self.prompts_alone = False  # the last plan's budget was max_prefill_tokens (no decode row)
+        self._after_burst = False  # the last plan was a burst's (`_burst`)
         self.stats = stats if stats is not None else {}
         self.stats.setdefault("preemptions", 0)
+        self.stats.setdefault("burst_steps", 0)
         # pools that hold max_seqs sequences at max_model_len (the engine's default sizes) never force a
         # preemption, so admission needs no pages in reserve there: a reserve would keep the last seat
         # empty whenever the others hold their full pages
@@ -148,17 +152,45 @@ class Scheduler:
         return fit * L
 
     def schedule(self) -> list[Scheduled]:
-        """The rows of the next step: decoding sequences first, then prompt chunks (running, then new)."""
+        """The rows of the next step: decoding sequences first, then prompt chunks (running, then new); in
+        a burst (`_burst`) the prompts alone."""
+        decoding: list[Sequence] = []
+        chunked: list[Sequence] = []
+        for s in self.running:
+            (chunked if s.prefilling else decoding).append(s)
+        burst, self._after_burst = self._burst(decoding, chunked), False
+        if burst:
+            plan = self._plan([], chunked)
+            if plan:  # (else nothing could be admitted after all: the streams go on)
+                self.stats["burst_steps"] += 1
+                self._after_burst = True
+                return plan
+        return self._plan(decoding, chunked)
+
+    def _burst(self, decoding: list[Sequence], chunked: list[Sequence]) -> bool:
+        """Whether the next step is the waiting prompts' alone: where steps of prompts alone may take more
+        than a step's budget (`max_prefill_tokens`), more sequences wait for their first token (prefilling,
+        or waiting with a seat free) than are decoding, and their prompts overflow what a step beside the
+        decoding rows could take. Such a step delays fewer streams, by one step each, than it serves, and a
+        burst of requests (every client of a closed loop at its start; the clients whose requests ended
+        together) gets its first tokens in fewer, larger steps instead of trickling into steps of
+        max_batch_tokens. Never two in a row: a decoding stream waits one step at most."""
+        c = self.config
+        if not decoding or self._after_burst or c.max_prefill_tokens <= c.max_batch_tokens:
+            return False
+        newcomers = list(itertools.islice(self.waiting, max(0, c.max_seqs - len(self.running))))
+        if len(chunked) + len(newcomers) <= len(decoding):
+            return False
+        tokens = sum(s.n_tokens - s.computed for s in chunked) + sum(s.n_tokens for s in newcomers)
+        return tokens > c.max_batch_tokens - len(decoding)
+
+    def _plan(self, decoding: list[Sequence], chunked: list[Sequence]) -> list[Scheduled]:
         c = self.config
         L = c.chunk_len
         P = self.manager.P
         budget = c.max_batch_tokens
         plan: list[Scheduled] = []
         planned: set[int] = set()
-        decoding: list[Sequence] = []
-        chunked: list[Sequence] = []
-        for s in self.running:
-            (chunked if s.prefilling else decoding).append(s)
         for seq in decoding:
             if budget <= 0:
                 break

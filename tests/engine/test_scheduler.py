@@ -99,6 +99,7 @@ def test_random_traffic_keeps_every_invariant(seed):
     order: dict[int, int] = {}  # sequence -> arrival rank
     ever_admitted: set[int] = set()
     step = bursts = 0
+    left_out: set[int] = set()  # decoding sequences the last step left out (a burst's)
     while pending or s.has_work():
         while pending and pending[0][0] <= step:
             _, req = pending.pop(0)
@@ -109,7 +110,12 @@ def test_random_traffic_keeps_every_invariant(seed):
         if rng.random() < 0.05 and arrived:  # a client goes away
             for seq in rng.choice(arrived).sequences:
                 s.finish(seq, "abort")
+        decoding = [q for q in s.running if not q.prefilling]
         plan = s.schedule()
+        # a decoding stream (not preempted by this plan) waits one step at most, and only for a burst's
+        out = {id(q) for q in decoding if q.running} - {id(r.seq) for r in plan}
+        assert not out & left_out and (not out or prefill)
+        left_out = out
         used = sum(-(-r.n // chunk) * chunk if r.seq.prefilling else r.n for r in plan)
         decode = sum(r.n for r in plan if not r.seq.prefilling)
         limit = prefill if prefill and not decode else budget
@@ -274,6 +280,49 @@ def test_a_burst_of_prompts_takes_the_prefill_budget_until_a_stream_decodes():
                     r.seq.tokens.append(3)
             s.after_step([r.seq for r in plan])
         assert slots == want, (prefill, slots)
+
+
+def test_a_burst_that_finds_streams_decoding_gets_a_step_of_its_own():
+    """When more sequences wait for their first token than are decoding, and their prompts overflow what a
+    step beside the decode rows could take, the next step is theirs alone (up to max_prefill_tokens); the
+    decoding streams are in the step after it. Not when the prompts fit beside them, nor when they do not
+    outnumber them, nor where steps of prompts alone have no larger budget."""
+    L, budget = 4, 32
+
+    def streams_then(newcomers: int, prompt: int, prefill: int = 96) -> list[tuple[int, int]]:
+        s = make(
+            n_window=300, n_comp=300, max_seqs=16, budget=budget, chunk=L, prefix=False,
+            slot_sizes=(0, 1, 2, 3, 4, 6, 8), prefill=prefill, prefill_sizes=(12, 16, 24) if prefill else (),
+        )  # fmt: skip
+
+        def add(n: int) -> None:
+            req = Request(str(len(s.running) + len(s.waiting)), [7] * n, SamplingParams(max_tokens=9, temperature=0))
+            req.sequences.append(Sequence(req, 0, [7] * n, seed=0, prompt_len=n))
+            s.add(req.sequences[0])
+
+        for _ in range(2):  # two streams decoding
+            add(4)
+        model_step(s)
+        assert all(not q.prefilling for q in s.running) and len(s.running) == 2
+        for _ in range(newcomers):
+            add(prompt)
+        shape = []  # (decode rows, prompt chunk tokens) of the next three steps
+        for _ in range(3):
+            plan = s.schedule()
+            shape.append((sum(not r.seq.prefilling for r in plan), sum(r.n for r in plan if r.seq.prefilling)))
+            for r in plan:
+                want = r.want_logits
+                r.seq.computed += r.n
+                if want:
+                    r.seq.tokens.append(3)
+            s.after_step([r.seq for r in plan])
+        return shape
+
+    # 5 prompts of 12 tokens (15 slots) against 30 tokens of budget beside 2 decode rows: a step of their own
+    assert streams_then(5, 12) == [(0, 60), (7, 0), (7, 0)]
+    assert streams_then(5, 12, prefill=0) == [(2, 24), (4, 24), (6, 12)]  # (no larger budget: chunked)
+    assert streams_then(2, 12) == [(2, 24), (4, 0), (4, 0)]  # they fit beside the decode rows
+    assert streams_then(2, 40)[0] == (2, 24)  # they overflow it, but do not outnumber the streams
 
 
 def test_prompt_ids_are_checked_as_the_definition_says_whatever_the_list_holds():
