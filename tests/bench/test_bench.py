@@ -435,6 +435,13 @@ def test_bad_serve_and_w8a8_bench_options_exit_2(argv, capsys):
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
 
 
+def test_serve_bench_load_processes_follow_the_clients_and_leave_the_server_cores():
+    from dsv4.bench.serve import default_load_procs
+
+    assert [default_load_procs(c, 16) for c in (1, 4, 8, 9, 64, 256)] == [1, 1, 1, 2, 8, 8]
+    assert default_load_procs(64, 2) == 1 and default_load_procs(64, 1) == 1 and default_load_procs(64, 6) == 3
+
+
 def test_serve_bench_splits_the_time_to_first_token_from_the_server_histograms():
     from dsv4.bench.serve import ttft_parts
 
