@@ -363,7 +363,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         freeze_heap()  # as the server's engine process does after start-up (undone below)
         at_ready = compiles.count()
         runs, phases, clocks = [], [], []
-        mix0 = _step_mix(engine.runner)
+        mix0, bursts0 = _step_mix(engine.runner), engine.stats["burst_steps"]
         for r in range(args.repeats):
             before = dict(engine.timing)
             engine.runner.clock = [] if device.type == "cuda" else None
@@ -381,6 +381,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
             "graph_steps": engine.runner.graph_steps,
             "eager_steps": engine.runner.eager_steps,
             "late_captures": engine.runner.late_captures,
+            "burst_steps": engine.stats["burst_steps"] - bursts0,  # (the timed runs')
             "compiles_after_warmup": None if at_ready is None else compiles.count() - at_ready,
             "tokens_per_s": spread([x["tokens_per_s"] for x in runs]),
             "steps_per_s": spread([x["steps_per_s"] for x in runs]),
@@ -462,7 +463,8 @@ def _print_row(r: dict) -> None:
     print(
         f"  {r['graphs']} graphs captured in {r['warmup_s']:.1f} s; {r['graph_steps']} graph steps, "
         f"{r['eager_steps']} eager, {r['late_captures']} late captures, "
-        f"{r['compiles_after_warmup']} kernel compilations after the warm-up"
+        f"{r['compiles_after_warmup']} kernel compilations after the warm-up; {r['burst_steps']} burst steps "
+        "(prompts alone beside waiting streams) in the timed runs"
     )
     if "speculative" in r:
         st = r["speculative"]

@@ -110,7 +110,8 @@ def _scrape(host: str, port: int) -> dict[str, float]:
             r"prefix_cache_hit_tokens_total|spec_draft_tokens_total|spec_accepted_tokens_total|"
             r"spec_acceptance_ratio|spec_tokens_per_verify|spec_verify_length_sum|spec_verify_length_count|"
             r"engine_graph_steps_total|"
-            r"engine_eager_steps_total|kernel_compilations_after_ready|warmup_seconds|cuda_graphs)"
+            r"engine_eager_steps_total|engine_burst_steps_total|kernel_compilations_after_ready|warmup_seconds|"
+            r"cuda_graphs)"
             r"\{([^}]*)\} (\S+)",
             line,
         )
@@ -476,7 +477,8 @@ def _print(result: dict, r: dict) -> None:
         print(
             f"  engine steps    {sm.get('engine_graph_steps_total', 0):.0f} from CUDA graphs, "
             f"{sm.get('engine_eager_steps_total', 0):.0f} eager; "
-            f"{sm.get('kernel_compilations_after_ready', 0):.0f} kernel compilations after ready"
+            f"{sm.get('kernel_compilations_after_ready', 0):.0f} kernel compilations after ready; "
+            f"{sm.get('engine_burst_steps_total', 0):.0f} burst steps"
         )
     parts = r.get("ttft_parts") or {}
     if parts:

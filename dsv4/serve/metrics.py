@@ -130,6 +130,12 @@ class ServerMetrics:
             registry=r,
         )
         self.graph_steps = Counter("dsv4_engine_graph_steps", "steps replayed from a CUDA graph", labels, registry=r)
+        self.burst_steps = Counter(
+            "dsv4_engine_burst_steps",
+            "steps of waiting prompts alone while streams were decoding (each such stream waited one step)",
+            labels,
+            registry=r,
+        )
         self.eager_steps = Counter(
             "dsv4_engine_eager_steps", "steps run eagerly (no graph fits them, or no CUDA)", labels, registry=r
         )
@@ -155,6 +161,7 @@ class ServerMetrics:
             "prefix_hit_tokens": 0,
             "graph_steps": 0,
             "eager_steps": 0,
+            "burst_steps": 0,
         }
 
     def on_ready(self, info: dict) -> None:
@@ -189,8 +196,9 @@ class ServerMetrics:
             ("prefix_hit_tokens", self.prefix_hits),
             ("graph_steps", self.graph_steps),
             ("eager_steps", self.eager_steps),
+            ("burst_steps", self.burst_steps),
         ):
-            delta = m[key] - self._seen[key]
+            delta = m.get(key, 0) - self._seen[key]
             if delta > 0:
                 counter.labels(lab).inc(delta)
             self._seen[key] = m[key]

@@ -63,6 +63,7 @@ class FakeEngine:
             "prefix_hit_tokens": 0,
             "graph_steps": 0,
             "eager_steps": 0,
+            "burst_steps": 0,
         }
 
     @staticmethod
@@ -513,6 +514,7 @@ def test_metrics_count_the_requests_and_their_tokens(srv):
     m = f'{{model="{NAME}"}}'
     before = srv.metrics()
     assert before.get(f"dsv4_request_latency_seconds_count{m}", 0.0) == 0.0
+    srv.engine.totals["burst_steps"] = 3  # (the engine's count since it started; the counter follows it)
     ids = [
         srv.post("/v1/completions", {"model": NAME, "prompt": "metrics", "n": 2, "max_tokens": 5}).json()["id"],
         events(
@@ -531,6 +533,7 @@ def test_metrics_count_the_requests_and_their_tokens(srv):
     assert after[f"dsv4_generation_tokens_total{m}"] == sum(len(p) for p in plans)
     assert after[f"dsv4_prompt_tokens_total{m}"] == sum(len(s.prompt) - FakeEngine.cached(s.prompt) for s in sents)
     assert after[f"dsv4_prefix_cache_hit_tokens_total{m}"] == sum(FakeEngine.cached(s.prompt) for s in sents)
+    assert after[f"dsv4_engine_burst_steps_total{m}"] == 3
     for reason in ("length", "stop"):
         want = sum(
             finish_reason(FakeEngine.plan(s.prompt, i, s.params.max_tokens), s.params.max_tokens) == reason
