@@ -165,10 +165,11 @@ def test_random_traffic_keeps_every_invariant(seed):
     assert (m.tables.w == -1).all() and (m.tables.c == -1).all()
 
 
-def model_step(s: Scheduler) -> None:
-    """One step with the model's part played: scheduled positions become computed, a row that reaches its
-    last known token gains a token, a sequence with max_tokens generated finishes."""
-    plan = s.schedule()
+def model_step(s: Scheduler, plan: list | None = None) -> None:
+    """One step (the next one, or `plan`) with the model's part played: scheduled positions become
+    computed, a row that reaches its last known token gains a token, a sequence with max_tokens generated
+    finishes."""
+    plan = s.schedule() if plan is None else plan
     for r in plan:
         want = r.want_logits
         r.seq.computed += r.n
@@ -310,12 +311,7 @@ def test_a_burst_that_finds_streams_decoding_gets_a_step_of_its_own():
         for _ in range(3):
             plan = s.schedule()
             shape.append((sum(not r.seq.prefilling for r in plan), sum(r.n for r in plan if r.seq.prefilling)))
-            for r in plan:
-                want = r.want_logits
-                r.seq.computed += r.n
-                if want:
-                    r.seq.tokens.append(3)
-            s.after_step([r.seq for r in plan])
+            model_step(s, plan)
         return shape
 
     # 5 prompts of 12 tokens (15 slots) against 30 tokens of budget beside 2 decode rows: a step of their own
