@@ -14,6 +14,10 @@
 #   OUT=/some/dir bash scripts/gpu_serving.sh prefill    # steps of prompts alone at 2048 (off) vs 8192 tokens:
 #                                                        # the engine and the server at 64 clients (CLIENTS="64 256":
 #                                                        # the engine at those too)
+#   OUT=/some/dir bash scripts/gpu_serving.sh latency    # the server at 64 and 256 clients (CLIENTS="64": those only)
+#                                                        # with a burst's own step off (--max-prefill-tokens 2048)
+#                                                        # and on (the default); at 256 also the engine process
+#                                                        # with 4 compute threads (its CPU ops are bookkeeping)
 # Every figure is the median of 3 or more timed runs with min and max, written as JSON under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +65,17 @@ case "${1:-}" in
       "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 64 --repeats 3 --no-raw --max-prefill-tokens "$n" \
         --out "$OUT/serve64-prefill$n.json"
     done ;;
+  latency)
+    for c in ${CLIENTS:-64 256}; do
+      for n in 2048 8192; do
+        "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients "$c" --repeats 3 --no-raw --max-prefill-tokens "$n" \
+          --out "$OUT/latency$c-prefill$n.json"
+      done
+      if [ "$c" = 256 ]; then
+        "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 256 --repeats 3 --no-raw --threads 4 \
+          --out "$OUT/latency256-threads4.json"
+      fi
+    done ;;
   *)
-    sed -n 2,17p "$0"; exit 2 ;;
+    sed -n 2,21p "$0"; exit 2 ;;
 esac
