@@ -369,15 +369,18 @@ def test_a_burst_of_prompts_in_one_prefill_bucket_gives_the_same_tokens(model, p
         Engine(model, EngineConfig(max_seqs=2, max_batch_tokens=64, max_prefill_tokens=32))
 
 
-def test_a_burst_that_finds_streams_decoding_gives_the_same_tokens(model, prompts):
+@pytest.mark.parametrize("speculative", [0, 2])
+def test_a_burst_that_finds_streams_decoding_gives_the_same_tokens(model, prompts, speculative):
     """Two short prompts first, then the other four (their prompts overflow what a step beside two decode
     rows takes): the step after their arrival is theirs alone, in a bucket of prompts alone, and the
-    tokens are the ragged steps' bit for bit (deterministic mode)."""
+    tokens are the ragged steps' bit for bit (deterministic mode), with MTP drafts verified too."""
     order = [4, 0, 1, 2, 3, 5]  # the one-token and the five-token prompt first
     ps, arrivals = [prompts[i] for i in order], [0, 0, 2, 2, 2, 2]
     kw = dict(max_batch_tokens=34, chunk_len=8)
     plain, _, _ = run(model, ps, greedy(), arrivals, **kw)
-    burst, engine, _ = run(model, ps, greedy(), arrivals, pad_steps=True, max_prefill_tokens=128, **kw)
+    burst, engine, _ = run(
+        model, ps, greedy(), arrivals, pad_steps=True, max_prefill_tokens=128, speculative=speculative, **kw
+    )
     assert burst == plain
     assert engine.stats["burst_steps"] == 1
     assert engine.runner.bucket_steps[0, 16] == 1  # 4 + 3 + 4 + 3 slots (chunks of at most 32 tokens)
