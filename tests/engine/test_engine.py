@@ -386,6 +386,20 @@ def test_a_burst_that_finds_streams_decoding_gives_the_same_tokens(model, prompt
     assert engine.runner.bucket_steps[0, 16] == 1  # 4 + 3 + 4 + 3 slots (chunks of at most 32 tokens)
 
 
+@pytest.mark.parametrize("speculative", [0, 2])
+def test_a_burst_step_changes_no_sampled_token(model, prompts, speculative):
+    """The same burst with seeded sampling, steps launched before the last one's tokens are read (a decode
+    row left out while its token is still on the device) and, with drafts, rejection sampling: every token
+    is the one the same engine draws without the burst's step."""
+    ps, arrivals = [prompts[i] for i in [4, 0, 1, 2, 3, 5]], [0, 0, 2, 2, 2, 2]
+    params = SamplingParams(max_tokens=NEW, temperature=1.0, seed=3, ignore_eos=True)
+    kw = dict(max_batch_tokens=34, chunk_len=8, pad_steps=True, overlap=True, speculative=speculative)
+    without, plain_engine, _ = run(model, ps, params, arrivals, **kw)
+    burst, engine, _ = run(model, ps, params, arrivals, max_prefill_tokens=128, **kw)
+    assert burst == without
+    assert (plain_engine.stats["burst_steps"], engine.stats["burst_steps"]) == (0, 1)
+
+
 def test_a_bucket_filled_to_the_last_token_gives_the_ragged_steps_numbers(model, monkeypatch):
     """A bucket holds D + C x L tokens and no spare padding token: in a step that fills every decode row
     and every slot, the lists' unfilled entries name real tokens of their own slot. Such steps give the
