@@ -9,13 +9,13 @@ from .config import ModelConfig
 FUSED_INDEXER_ENTRIES = 64 * 2**20  # the Triton indexer scores at most this many [rows, entries] at a time
 
 
-def _layer_step_bytes(cfg: ModelConfig, ratio: int, T: int, context: int, a: int, fused: bool = False) -> int:
+def layer_step_bytes(cfg: ModelConfig, ratio: int, T: int, context: int, a: int, fused: bool = False) -> int:
     """Peak transient bytes inside one layer for a step of T tokens over a `context`-position cache: the
     attention's and the MoE's intermediates do not live at the same time (inference frees each)."""
-    return max(_layer_parts(cfg, ratio, T, context, a, fused))
+    return max(layer_parts(cfg, ratio, T, context, a, fused))
 
 
-def _layer_parts(cfg: ModelConfig, ratio: int, T: int, context: int, a: int, fused: bool = False) -> tuple[int, int]:
+def layer_parts(cfg: ModelConfig, ratio: int, T: int, context: int, a: int, fused: bool = False) -> tuple[int, int]:
     """(attention, MoE) intermediate bytes of one layer for a step of T tokens over a `context`-position cache.
 
     fused=False: the reference ops (what a CPU runs): gathered keys, fp32 scores and the indexer's
@@ -53,8 +53,8 @@ def activation_bytes(
     """Peak activation bytes of one inference step of `tokens` tokens (a prefill chunk, or a decode batch)."""
     T, a = tokens, dtype_bytes
     streams = 3 * T * cfg.hc_mult * cfg.dim * a + T * cfg.hc_mult * cfg.dim * 4  # in, out, residual; fp32 mix
-    layer = max(_layer_step_bytes(cfg, r, T, context, a, fused) for r in cfg.compress_ratios[: cfg.n_layers])
+    layer = max(layer_step_bytes(cfg, r, T, context, a, fused) for r in cfg.compress_ratios[: cfg.n_layers])
     return streams + layer + logits_rows * cfg.vocab_size * 4
 
 
-__all__ = ["FUSED_INDEXER_ENTRIES", "activation_bytes"]
+__all__ = ["FUSED_INDEXER_ENTRIES", "activation_bytes", "layer_parts", "layer_step_bytes"]

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from .activations import _layer_parts, _layer_step_bytes, activation_bytes
+from .activations import activation_bytes, layer_parts, layer_step_bytes
 from .config import ModelConfig
 
 GB = 10**9
@@ -200,7 +200,7 @@ def train_activation_bytes(
     stream = T * cfg.hc_mult * cfg.dim * a
 
     def transient(ratio: int) -> int:
-        return _layer_step_bytes(cfg, ratio, seq_len, seq_len, a) * batch
+        return layer_step_bytes(cfg, ratio, seq_len, seq_len, a) * batch
 
     def saved(ratio: int) -> int:
         # a layer's intermediates: streams and mHC mixes, the attention's and the MoE's (both kept for the
@@ -208,7 +208,7 @@ def train_activation_bytes(
         # expert input and hidden
         return (
             4 * stream
-            + sum(_layer_parts(cfg, ratio, seq_len, seq_len, a)) * batch
+            + sum(layer_parts(cfg, ratio, seq_len, seq_len, a)) * batch
             + T * (cfg.q_lora_rank + cfg.o_groups * cfg.o_lora_rank + 2 * cfg.dim) * a
             + T * cfg.n_activated_experts * (cfg.dim + 3 * cfg.moe_inter_dim) * a
         )

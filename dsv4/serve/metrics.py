@@ -198,7 +198,7 @@ class ServerMetrics:
             ("eager_steps", self.eager_steps),
             ("burst_steps", self.burst_steps),
         ):
-            delta = m.get(key, 0) - self._seen[key]
+            delta = m[key] - self._seen[key]
             if delta > 0:
                 counter.labels(lab).inc(delta)
             self._seen[key] = m[key]
