@@ -244,19 +244,11 @@ class CacheManager:
         if not self.prefix_caching:
             return 0
         P = self.P
-        n_pages = (len(tokens) - 1) // P
         self.queries += len(tokens)
-        hashes = page_hashes(tokens, P, n_pages)
-        best = -1
-        for k, h in enumerate(hashes):
-            if self.cpool is not None and h not in self.cached_c:
-                break
-            need = range(max(0, (k + 1) * P - self.window) // P, k + 1)
-            if all(hashes[i] in self.cached_w for i in need):
-                best = k
-        if best < 0:
+        hashes = page_hashes(tokens, P, (len(tokens) - 1) // P)
+        m = self._servable(hashes)  # pages reused
+        if m == 0:
             return 0
-        m = best + 1  # pages reused
         if self.cpool is not None:
             for k in range(m):
                 page = self.cached_c[hashes[k]]
@@ -275,6 +267,23 @@ class CacheManager:
         seq.registered = m
         self.hits += m * P
         return m * P
+
+    def cached_prefix(self, hashes: list[bytes]) -> int:
+        """The positions `match` would serve from the cache for a prompt of these page hashes (the first
+        (len(tokens) - 1) // P pages' `page_hashes`), now, without taking anything."""
+        return self._servable(hashes) * self.P if self.prefix_caching else 0
+
+    def _servable(self, hashes: list[bytes]) -> int:
+        """How many leading pages of these hashes the cache can serve: each one's compressed page and the
+        window pages a sequence at its end still reads."""
+        P, best = self.P, -1
+        for k, h in enumerate(hashes):
+            if self.cpool is not None and h not in self.cached_c:
+                break
+            need = range(max(0, (k + 1) * P - self.window) // P, k + 1)
+            if all(hashes[i] in self.cached_w for i in need):
+                best = k
+        return best + 1
 
     def register(self, seq: SeqPages, tokens: list[int], computed: int) -> None:
         """Offer the sequence's newly complete pages (all positions < computed) to the prefix cache."""

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .cache_manager import CacheManager
+from .cache_manager import CacheManager, page_hashes
 from .sequence import Sequence, Status
 
 
@@ -170,19 +170,30 @@ class Scheduler:
     def _burst(self, decoding: list[Sequence], chunked: list[Sequence]) -> bool:
         """Whether the next step is the waiting prompts' alone: where steps of prompts alone may take more
         than a step's budget (`max_prefill_tokens`), more sequences wait for their first token (prefilling,
-        or waiting with a seat free) than are decoding, and their prompts overflow what a step beside the
-        decoding rows could take. Such a step delays fewer streams, by one step each, than it serves, and a
-        burst of requests (every client of a closed loop at its start; the clients whose requests ended
-        together) gets its first tokens in fewer, larger steps instead of trickling into steps of
-        max_batch_tokens. Never two in a row: a decoding stream waits one step at most."""
+        or waiting with a seat free) than are decoding, and their prompts (less what the prefix cache
+        serves) overflow what a step beside the decoding rows could take. Such a step delays fewer streams,
+        by one step each, than it serves, and a burst of requests (every client of a closed loop at its
+        start; the clients whose requests ended together) gets its first tokens in fewer, larger steps
+        instead of trickling into steps of max_batch_tokens. Never two in a row: a decoding stream waits
+        one step at most."""
         c = self.config
         if not decoding or self._after_burst or c.max_prefill_tokens <= c.max_batch_tokens:
             return False
         newcomers = list(itertools.islice(self.waiting, max(0, c.max_seqs - len(self.running))))
         if len(chunked) + len(newcomers) <= len(decoding):
             return False
-        tokens = sum(s.n_tokens - s.computed for s in chunked) + sum(s.n_tokens for s in newcomers)
+        tokens = sum(s.n_tokens - s.computed for s in chunked) + sum(self._uncached(s) for s in newcomers)
         return tokens > c.max_batch_tokens - len(decoding)
+
+    def _uncached(self, seq: Sequence) -> int:
+        """The tokens a waiting sequence would compute if admitted now: less what the prefix cache serves."""
+        m = self.manager
+        if not (m.prefix_caching and m.cached_w) or seq.computed or seq.n_pending:
+            return seq.n_tokens - seq.computed
+        n_pages = (len(seq.tokens) - 1) // m.P
+        if len(seq.page_hashes) != n_pages:  # (hashed once while it waits; a preempted one's tokens grew)
+            seq.page_hashes = page_hashes(seq.tokens, m.P, n_pages)
+        return seq.n_tokens - m.cached_prefix(seq.page_hashes)
 
     def _plan(self, decoding: list[Sequence], chunked: list[Sequence]) -> list[Scheduled]:
         c = self.config

@@ -68,6 +68,7 @@ class Sequence:
     drafts: list[int] = field(default_factory=list)  # speculative: tokens the MTP block proposes next
     draft_q: torch.Tensor | None = None  # their draft distributions [len(drafts), vocab] float64
     heal: bytes = b""  # token healing: what the next tokens must still spell (UTF-8)
+    page_hashes: list[bytes] = field(default_factory=list)  # while waiting: its tokens' (scheduler's burst rule)
 
     @property
     def params(self) -> SamplingParams:

@@ -321,6 +321,37 @@ def test_a_burst_that_finds_streams_decoding_gets_a_step_of_its_own():
     assert streams_then(2, 40)[0] == (2, 24)  # they overflow it, but do not outnumber the streams
 
 
+def test_a_burst_counts_only_what_the_prefix_cache_does_not_serve():
+    """Newcomers whose prompts the prefix cache holds compute only their tails: five such prompts fit beside
+    the decoding streams and take no step of their own; the same prompts, uncached, would."""
+    L, n = 4, 36  # 16-token pages: the cache serves 32 of each prompt's 36 tokens
+
+    def first_step(prefix: bool) -> tuple[int, int]:
+        s = make(
+            n_window=300, n_comp=300, max_seqs=16, budget=32, chunk=L, prefix=prefix,
+            slot_sizes=(0, 1, 2, 3, 4, 6, 8), prefill=96, prefill_sizes=(12, 16, 24),
+        )  # fmt: skip
+
+        def add() -> None:
+            req = Request(str(len(s.running) + len(s.waiting)), [7] * n, SamplingParams(max_tokens=9))
+            req.sequences.append(Sequence(req, 0, [7] * n, seed=0, prompt_len=n))
+            s.add(req.sequences[0])
+
+        for _ in range(2):  # two streams decoding; their prompts' pages are in the cache (where it is on)
+            add()
+            while any(q.prefilling for q in s.running + list(s.waiting)):
+                model_step(s)
+        assert all(not q.prefilling for q in s.running) and len(s.running) == 2
+        assert len(s.manager.cached_w) == (2 if prefix else 0)
+        for _ in range(5):
+            add()
+        plan = s.schedule()
+        return sum(not r.seq.prefilling for r in plan), sum(r.n for r in plan if r.seq.prefilling)
+
+    assert first_step(prefix=False) == (0, 96)  # 180 tokens against 30 beside the streams: their own step
+    assert first_step(prefix=True) == (2, 20)  # 4 tokens each to compute: 20 fit beside the streams
+
+
 def test_prompt_ids_are_checked_as_the_definition_says_whatever_the_list_holds():
     """token_ids_ok (its fast path for lists of plain ints included) is: every id an int in [0, vocab)."""
     rng = random.Random(0)
