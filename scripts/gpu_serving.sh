@@ -2,7 +2,7 @@
 # The serving figures BENCHMARKS.md records, on one GPU, in stages that each fit a 10-minute command:
 #   OUT=/some/dir bash scripts/gpu_serving.sh engine     # dsv4 bench engine at 64 and 256 clients (+ profile)
 #   OUT=/some/dir bash scripts/gpu_serving.sh serve64    # dsv4 bench serve at 64 clients, with transformers
-#   OUT=/some/dir bash scripts/gpu_serving.sh serve256   # dsv4 bench serve at 256 clients
+#   OUT=/some/dir bash scripts/gpu_serving.sh serve256   # dsv4 bench serve at 256 clients, with transformers
 #   OUT=/some/dir bash scripts/gpu_serving.sh spec       # speculative decoding at batch 1 (bench_speculative)
 #   OUT=/some/dir bash scripts/gpu_serving.sh specserve  # the server with and without it, 1-4 clients, T = 0 and 1
 #                                                        # (TEMPS="0": greedy only; PROMPTS=code: source-code prompts;
@@ -33,7 +33,7 @@ case "${1:-}" in
   serve64)
     "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 64 --repeats 3 --hf 64 256 --out "$OUT/serve64.json" ;;
   serve256)
-    "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 256 --repeats 3 --out "$OUT/serve256.json" ;;
+    "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients 256 --repeats 3 --hf 64 256 --out "$OUT/serve256.json" ;;
   spec)
     "$PY" scripts/bench_speculative.py --device cuda --tokens 256 --k 2 3 --repeats 5 | tee "$OUT/spec.jsonl" ;;
   specserve)
