@@ -69,6 +69,29 @@ def test_split_k_fp4_gemm_matches_reference(rows):
     assert within_fp32_sum_bound(got, want, abs_products(q, s, formats.dequantize_mxfp4(wp, ws)), k, torch.float32)
 
 
+def test_each_e2m1_byte_becomes_the_e4m3_bytes_of_its_values_times_2_to_the_minus_6():
+    """The split-K FP4 path's decode (`e2m1_pair_as_e4m3`, bit moves only) against the format's own
+    values, for all 256 bytes: low nibble first, sign included, 0.5 on E4M3's subnormals."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def pairs(p_ptr, lo_ptr, hi_ptr):
+        i = tl.arange(0, 256)
+        lo, hi = wd.e2m1_pair_as_e4m3(tl.load(p_ptr + i))
+        tl.store(lo_ptr + i, lo)
+        tl.store(hi_ptr + i, hi)
+
+    p = torch.arange(256, dtype=torch.int32)
+    lo, hi = torch.empty_like(p), torch.empty_like(p)
+    pairs[(1,)](p, lo, hi)
+    assert int(lo.min()) >= 0 and int(max(lo.max(), hi.max())) <= 255
+    as_fp8 = lambda b: b.to(torch.uint8).view(torch.float8_e4m3fn).float()  # noqa: E731
+    want_lo, want_hi = formats.e2m1_decode(p & 15) / 64, formats.e2m1_decode(p >> 4) / 64
+    assert torch.equal(as_fp8(lo), want_lo) and torch.equal(as_fp8(hi), want_hi)
+    assert torch.equal(as_fp8(lo).signbit(), (p & 8) > 0)  # -0 too: the sign moves with the bits
+
+
 def test_split_k_is_for_decode_sized_calls_and_not_a_default():
     g = torch.Generator().manual_seed(3)
     wq, ws = formats.quantize_fp8(torch.randn(64, 256, generator=g))

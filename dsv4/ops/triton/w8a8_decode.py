@@ -32,6 +32,7 @@ from ..reference import ACT_BLOCK
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import launch as _launch
 from ._mm_utils import round_to
+from .quant_gemm import _e2m1
 from .w8a8_gemm import (
     _b_tile,
     _block_dot,
@@ -45,6 +46,68 @@ from .w8a8_gemm import (
 
 MAX_ROWS = 64  # token rows up to which this backend runs (decode and small speculative verifies)
 PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def e2m1_pair_as_e4m3(p):
+    """A byte of two E2M1 codes (int32 0..255; element 2i in the low nibble) -> the E4M3 bytes (int32) of
+    each value times 2^-6: magnitude bits two places up, the sign bit to the top (E2M1's 0.5 becomes
+    E4M3's subnormal 4/8 x 2^-6; every other code a normal number, exactly)."""
+    return ((p & 7) << 2) | ((p & 8) << 4), ((p >> 2) & 0x1C) | (p & 0x80)
+
+
+@triton.jit
+def _fp4_groups(
+    a_ptr,
+    a_rows,
+    rmask,
+    b_ptr,
+    bs_ptr,
+    rn64,
+    nmask,
+    k0,
+    K,
+    stride_am,
+    stride_bn,
+    stride_bsn,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """sum over the 32-column groups g of K block k0 of (A_g . V_g^T) x 2^(e_g - 127), fp32 [BM, BN]: an
+    MXFP4 weight's block product without its activation scale. Each group's E2M1 codes become E4M3 bytes by
+    bit moves alone (magnitude bits up two places, the sign to the top: the value times 2^-6, 0.5 landing
+    on E4M3's subnormal 2^-6 x 4/8), one FP8 dot per group, and the group's E8M0 scale (times 2^6) on the
+    dot's fp32 result: no per-weight arithmetic, where `_b_tile` decodes and scales every weight in fp32.
+    The products are the same exact values; the block sum is grouped by 32 columns."""
+    G: tl.constexpr = 32
+    kg = tl.arange(0, G)
+    kh = tl.arange(0, G // 2)
+    block = tl.zeros((BM, BN), dtype=tl.float32)
+    for g in tl.static_range(BK // G):
+        kk = k0 + g * G + kg
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + kk[None, :], mask=rmask[:, None] & (kk < K)[None, :], other=0.0
+        )
+        kb = (k0 + g * G) // 2 + kh
+        p = (
+            tl.load(
+                b_ptr + rn64[:, None] * stride_bn + kb[None, :], mask=nmask[:, None] & (kb < K // 2)[None, :], other=0
+            ).to(tl.int32)
+            & 0xFF
+        )  # [BN, 16] bytes: element 2i in the low nibble
+        e = tl.load(bs_ptr + rn64 * stride_bsn + (k0 + g * G) // G, mask=nmask & (k0 + g * G < K), other=0)
+        gs = ((e.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True) * 64.0  # 2^(e - 127) x 2^6
+        if UPCAST:  # (the interpreter: the same values in fp32)
+            v = tl.reshape(tl.join(_e2m1(p & 0xF), _e2m1(p >> 4)), (BN, G)) * 0.015625
+            d = tl.dot(a.to(tl.float32), tl.trans(v), input_precision="ieee")
+        else:
+            lo, hi = e2m1_pair_as_e4m3(p)
+            v = tl.reshape(tl.join(lo, hi), (BN, G)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            d = tl.dot(a, tl.trans(v))
+        block += d * gs[None, :]
+    return block
 
 
 @triton.jit
@@ -78,6 +141,13 @@ def _split_sum(
     kb0 = pid_s * per_split
     kb1 = tl.minimum(kb0 + per_split, tl.cdiv(K, BK))
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if FP4:
+        for kb in range(kb0, kb1):
+            sa = tl.load(as_ptr + a_rows * stride_asm + kb, mask=rmask, other=0.0)
+            block = _fp4_groups(a_ptr, a_rows, rmask, b_ptr, bs_ptr, rn64, nmask, kb * BK, K, stride_am,
+                                stride_bn, stride_bsn, BM, BN, BK, UPCAST)  # fmt: skip
+            acc += block * sa[:, None]
+        return acc
     for kb in range(kb0, kb1):
         k0 = kb * BK
         a = tl.load(
