@@ -103,14 +103,16 @@ def test_split_k_is_for_decode_sized_calls_and_not_a_default():
     assert "triton_splitk" in ops.backends("fp8_gemm") and "triton_splitk" in ops.backends("fp4_gemm")
 
 
-@pytest.mark.parametrize("fmt,t", [("fp8", 1), ("fp4", 5)])
-def test_split_k_grouped_experts_match_the_grouped_kernel_and_the_reference(fmt, t, monkeypatch):
+@pytest.mark.parametrize("fmt,t,row_tile", [("fp8", 1, 0), ("fp4", 5, 0), ("fp4", 5, 4), ("fp4", 14, 2)])
+def test_split_k_grouped_experts_match_the_grouped_kernel_and_the_reference(fmt, t, row_tile, monkeypatch):
     """Decode-sized grouped W8A8 experts with K split in all three GEMMs (a GPU's SM count, so that the
     interpreter's shapes split): a rank holding experts 2..6 of 9 (foreign slots zero); the grouped
-    kernel's bound against the reference, and repeats bit for bit."""
+    kernel's bound against the reference, and repeats bit for bit. MXFP4 both ways: tensor-core tiles
+    (row_tile 0) and row tiles on the CUDA cores (`_fp4_rows_sum`; at 14 tokens experts span several)."""
     from test_w8a8_gemm import _experts
 
-    monkeypatch.setattr(wd, "_sm_count", lambda device: 64)
+    monkeypatch.setattr(wd, "_sm_count", lambda device: 512)
+    monkeypatch.setattr(wd, "FP4_ROW_TILE", row_tile)
     splits, launch = [], wd._launch
 
     def record(kernel, grid, *a, **kw):

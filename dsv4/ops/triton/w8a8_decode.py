@@ -46,6 +46,8 @@ from .w8a8_gemm import (
 
 MAX_ROWS = 64  # token rows up to which this backend runs (decode and small speculative verifies)
 PROGRAMS_PER_SM = 2
+GROUPED_PROGRAMS_PER_SM = 2  # the grouped experts' split count: programs per SM it aims for
+FP4_ROW_TILE = 4  # MXFP4 experts: row tiles of this many rows on the CUDA cores (0: tensor-core tiles)
 
 
 @triton.jit
@@ -108,6 +110,72 @@ def _fp4_groups(
             d = tl.dot(a, tl.trans(v))
         block += d * gs[None, :]
     return block
+
+
+@triton.jit
+def _fp4_rows_sum(
+    a_ptr,
+    as_ptr,
+    a_rows,
+    rmask,
+    b_ptr,
+    bs_ptr,
+    rn64,
+    nmask,
+    pid_s,
+    per_split,
+    K,
+    stride_am,
+    stride_asm,
+    stride_bn,
+    stride_bsn,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """`_split_sum` of an MXFP4 weight for a tile of a few rows (BM <= 8) on the CUDA cores, no tensor-core
+    dot: each K block's 64 bytes per weight row are loaded once, their two codes per byte become fp32 values
+    by bit moves (the E2M1 code as FP16 bits: the value times 2^-14, exactly), and each row's products with
+    the even and odd activation columns are summed per 32-column group, scaled by the group's E8M0 scale,
+    added over the block's groups and times the row's activation scale. The same exact products as the
+    other paths; the sums grouped by 32 columns (the tests' fp32 sum bound)."""
+    G: tl.constexpr = 32
+    kh = tl.arange(0, BK // 2)
+    rid = tl.arange(0, BM)
+    kb0 = pid_s * per_split
+    kb1 = tl.minimum(kb0 + per_split, tl.cdiv(K, BK))
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(kb0, kb1):
+        k0 = kb * BK
+        kbytes = k0 // 2 + kh
+        p = (
+            tl.load(
+                b_ptr + rn64[:, None] * stride_bn + kbytes[None, :],
+                mask=nmask[:, None] & (kbytes < K // 2)[None, :],
+                other=0,
+            ).to(tl.int32)
+            & 0xFF
+        )  # [BN, BK/2]
+        lo = (((p & 8) << 12) | ((p & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (((p & 0x80) << 8) | ((p & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        gk = k0 // G + tl.arange(0, BK // G)
+        e = tl.load(
+            bs_ptr + rn64[:, None] * stride_bsn + gk[None, :], mask=nmask[:, None] & (gk * G < K)[None, :], other=0
+        )
+        gs = ((e.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)  # [BN, BK/32]: 2^(e - 127)
+        for r in tl.static_range(BM):
+            row = tl.sum(tl.where(rid == r, a_rows, 0))  # (a row of the tile, as a scalar)
+            ok = tl.sum(tl.where(rid == r, rmask.to(tl.int32), 0)) > 0
+            ae = tl.load(a_ptr + row * stride_am + k0 + 2 * kh, mask=ok & (k0 + 2 * kh < K), other=0.0).to(tl.float32)
+            ao = tl.load(a_ptr + row * stride_am + k0 + 2 * kh + 1, mask=ok & (k0 + 2 * kh < K), other=0.0).to(
+                tl.float32
+            )
+            prod = lo * ae[None, :] + hi * ao[None, :]  # [BN, BK/2]: group g in bytes 16g .. 16g+15
+            grp = tl.sum(tl.reshape(prod, (BN, BK // G, G // 2)), axis=2)  # [BN, BK/32], times 2^-14
+            blk = tl.sum(grp * gs, axis=1) * 16384.0  # [BN]
+            sa = tl.load(as_ptr + row * stride_asm + kb, mask=ok, other=0.0)
+            acc = tl.where(rid[:, None] == r, acc + blk[None, :] * sa, acc)
+    return acc
 
 
 @triton.jit
@@ -231,12 +299,14 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def splits_for(m: int, n: int, k: int, bm: int, bn: int, sms: int, block: int = ACT_BLOCK) -> tuple[int, int]:
-    """(S, K blocks of `block` columns per split): enough splits for PROGRAMS_PER_SM programs per SM, none
-    of them empty."""
+def splits_for(
+    m: int, n: int, k: int, bm: int, bn: int, sms: int, block: int = ACT_BLOCK, programs: int = PROGRAMS_PER_SM
+) -> tuple[int, int]:
+    """(S, K blocks of `block` columns per split): enough splits for `programs` programs per SM, none of
+    them empty."""
     nk = triton.cdiv(k, block)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    want = max(1, min(nk, triton.cdiv(PROGRAMS_PER_SM * sms, tiles)))
+    want = max(1, min(nk, triton.cdiv(programs * sms, tiles)))
     per = triton.cdiv(nk, want)
     return triton.cdiv(nk, per), per
 
@@ -332,6 +402,11 @@ def _w8a8_gmm_splitk_kernel(
         a_rows = rows64
     b_base = b_ptr + g.to(tl.int64) * stride_be
     bs_base = bs_ptr + g.to(tl.int64) * stride_bse
+    if FP4 and BM <= 8:
+        acc = _fp4_rows_sum(a_ptr, as_ptr, a_rows, rmask, b_base, bs_base, rn.to(tl.int64), nmask, pid_s,
+                            per_split, K, stride_am, stride_asm, stride_bn, stride_bsn, BM, BN, BK)  # fmt: skip
+        tl.store(p_ptrs, acc, mask=smask)
+        return
     acc = _split_sum(
         a_ptr,
         as_ptr,
@@ -401,7 +476,7 @@ def _launch_gmm_splitk(a, sa, b, bs, out, tiles, *, fp4: bool, a_idx=None, c_idx
     bsv, e8m0 = _scale_arg(bs)
     bn = 32 if _INTERPRET else 64
     # the tile table's row tiles (an upper bound: some may be empty) in place of cdiv(M, BM)
-    n_splits, per = splits_for(tiles.n_tiles, n, k, 1, bn, _sm_count(a.device))
+    n_splits, per = splits_for(tiles.n_tiles, n, k, 1, bn, _sm_count(a.device), programs=GROUPED_PROGRAMS_PER_SM)
     partial = torch.empty(n_splits, m, n, dtype=torch.float32, device=a.device)
     dummy = tiles.group
     args = (
@@ -440,7 +515,8 @@ def splitk_quantized_moe_experts(
 ) -> torch.Tensor:
     """`quantized_moe_experts` with its three grouped GEMMs split along K (decode-sized calls)."""
     args = (x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expert_offset, fmt, act)
-    return grouped_experts(*args, launch=_launch_gmm_splitk)
+    bm = FP4_ROW_TILE if fmt == "fp4" and FP4_ROW_TILE else None  # (rows on the CUDA cores: `_fp4_rows_sum`)
+    return grouped_experts(*args, launch=_launch_gmm_splitk, bm=bm)
 
 
 def _moe_splitk_can_run(

@@ -428,17 +428,18 @@ def triton_quantized_moe_experts(
 
 
 def grouped_experts(
-    x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expert_offset, fmt, act, *, launch
+    x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expert_offset, fmt, act, *, launch, bm=None
 ) -> torch.Tensor:
     """The grouped W8A8 experts with `launch(a, sa, b, bs, out, tiles, fp4=, a_idx=, c_idx=)` as each of
-    their three grouped GEMMs (`_launch_gmm`, or a split-K one: `w8a8_decode`)."""
+    their three grouped GEMMs (`_launch_gmm`, or a split-K one: `w8a8_decode`); bm: the row tile (default
+    the grouped GEMM's)."""
     from .. import act_quant
 
     fp4 = fmt == "fp4"
     pow2 = act_pow2(act)
     n_local = w1.size(0)
     m = indices.numel()
-    plan, tiles = _plan_and_tiles(weights, indices, n_local, expert_offset, _block_m(m, n_local))
+    plan, tiles = _plan_and_tiles(weights, indices, n_local, expert_offset, bm or _block_m(m, n_local))
     xq, xs = act_quant(x, ACT_BLOCK, pow2)  # once per token
     xq, xs = _fp8_view(xq).contiguous(), xs.contiguous()
     inter = w1.size(1)
