@@ -92,6 +92,44 @@ def test_each_e2m1_byte_becomes_the_e4m3_bytes_of_its_values_times_2_to_the_minu
     assert torch.equal(as_fp8(lo).signbit(), (p & 8) > 0)  # -0 too: the sign moves with the bits
 
 
+def test_split_k_fp4_expert_rows_do_not_depend_on_the_batch_under_exact_accumulation(monkeypatch):
+    """Deterministic mode's promise for the MXFP4 experts' row tiles: a token's output is the same bits alone
+    or in a step of 14 tokens. Outside exact accumulation the K split count follows the step's row tiles
+    (so the sums' grouping may change with the batch); under it the split is the same for every batch."""
+    from test_w8a8_gemm import _experts
+
+    from dsv4.ops.precision import exact_accumulation
+
+    monkeypatch.setattr(wd, "_sm_count", lambda device: 64)
+    monkeypatch.setattr(wd, "FP4_ROW_TILE", 4)
+    splits, launch = [], wd._launch
+
+    def record(kernel, grid, *a, **kw):
+        if kernel is wd._w8a8_gmm_splitk_kernel:
+            splits.append(grid[2])
+        launch(kernel, grid, *a, **kw)
+
+    monkeypatch.setattr(wd, "_launch", record)
+    g = torch.Generator().manual_seed(21)
+    t, k_top, d, inter = 14, 2, 256, 512
+    ws = _experts("fp4", 5, inter, d, g)
+    x = torch.randn(t, d, generator=g)
+    idx = torch.stack([torch.randperm(9, generator=g)[:k_top] for _ in range(t)])
+    wts = torch.rand(t, k_top, generator=g) + 0.1
+    rest = (*ws["w1"], *ws["w2"], *ws["w3"], 4.0, 2, "fp4", "ue8m0")
+
+    def run(rows: slice) -> torch.Tensor:
+        return ops.quantized_moe_experts(x[rows], wts[rows], idx[rows], *rest, backend="triton_splitk")
+
+    run(slice(0, t)), run(slice(3, 4))
+    assert splits[:3] != splits[3:]  # the batch changes the split outside exact accumulation
+    splits.clear()
+    with exact_accumulation():
+        full, one = run(slice(0, t)), run(slice(3, 4))
+    assert splits[:3] == splits[3:]
+    assert torch.equal(full[3], one[0])
+
+
 def test_split_k_is_for_decode_sized_calls_and_not_a_default():
     g = torch.Generator().manual_seed(3)
     wq, ws = formats.quantize_fp8(torch.randn(64, 256, generator=g))

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .. import register
+from ..precision import is_exact
 from ..reference import ACT_BLOCK
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import launch as _launch
@@ -475,8 +476,11 @@ def _launch_gmm_splitk(a, sa, b, bs, out, tiles, *, fp4: bool, a_idx=None, c_idx
     n, k, m = b.size(1), a.size(1), out.size(0)
     bsv, e8m0 = _scale_arg(bs)
     bn = 32 if _INTERPRET else 64
-    # the tile table's row tiles (an upper bound: some may be empty) in place of cdiv(M, BM)
-    n_splits, per = splits_for(tiles.n_tiles, n, k, 1, bn, _sm_count(a.device), programs=GROUPED_PROGRAMS_PER_SM)
+    # the tile table's row tiles (an upper bound: some may be empty) in place of cdiv(M, BM); under exact
+    # accumulation (deterministic mode) one row tile whatever the batch, so that a row's K splits, and so
+    # its sums, do not depend on the other rows of the step
+    row_tiles = 1 if is_exact() else tiles.n_tiles
+    n_splits, per = splits_for(row_tiles, n, k, 1, bn, _sm_count(a.device), programs=GROUPED_PROGRAMS_PER_SM)
     partial = torch.empty(n_splits, m, n, dtype=torch.float32, device=a.device)
     dummy = tiles.group
     args = (
