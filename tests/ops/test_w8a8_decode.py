@@ -20,6 +20,22 @@ from triton_interp import interpret_env, interpreted_kernels  # noqa: E402,F401 
 import dsv4.ops.triton.w8a8_decode as wd  # noqa: E402
 
 
+def grouped_splits(monkeypatch, sms: int, row_tile: int) -> list[int]:
+    """The grouped split-K launches' split counts, recorded as they run (with `sms` SMs and MXFP4 row tiles of
+    `row_tile` rows)."""
+    monkeypatch.setattr(wd, "_sm_count", lambda device: sms)
+    monkeypatch.setattr(wd, "FP4_ROW_TILE", row_tile)
+    splits, launch = [], wd._launch
+
+    def record(kernel, grid, *a, **kw):
+        if kernel is wd._w8a8_gmm_splitk_kernel:
+            splits.append(grid[2])
+        launch(kernel, grid, *a, **kw)
+
+    monkeypatch.setattr(wd, "_launch", record)
+    return splits
+
+
 @pytest.mark.parametrize("rows", [1, 3, 17])
 @pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
@@ -100,16 +116,7 @@ def test_split_k_fp4_expert_rows_do_not_depend_on_the_batch_under_exact_accumula
 
     from dsv4.ops.precision import exact_accumulation
 
-    monkeypatch.setattr(wd, "_sm_count", lambda device: 64)
-    monkeypatch.setattr(wd, "FP4_ROW_TILE", 4)
-    splits, launch = [], wd._launch
-
-    def record(kernel, grid, *a, **kw):
-        if kernel is wd._w8a8_gmm_splitk_kernel:
-            splits.append(grid[2])
-        launch(kernel, grid, *a, **kw)
-
-    monkeypatch.setattr(wd, "_launch", record)
+    splits = grouped_splits(monkeypatch, sms=64, row_tile=4)
     g = torch.Generator().manual_seed(21)
     t, k_top, d, inter = 14, 2, 256, 512
     ws = _experts("fp4", 5, inter, d, g)
@@ -149,16 +156,7 @@ def test_split_k_grouped_experts_match_the_grouped_kernel_and_the_reference(fmt,
     (row_tile 0) and row tiles on the CUDA cores (`_fp4_rows_sum`; at 14 tokens experts span several)."""
     from test_w8a8_gemm import _experts
 
-    monkeypatch.setattr(wd, "_sm_count", lambda device: 512)
-    monkeypatch.setattr(wd, "FP4_ROW_TILE", row_tile)
-    splits, launch = [], wd._launch
-
-    def record(kernel, grid, *a, **kw):
-        if kernel is wd._w8a8_gmm_splitk_kernel:
-            splits.append(grid[2])
-        launch(kernel, grid, *a, **kw)
-
-    monkeypatch.setattr(wd, "_launch", record)
+    splits = grouped_splits(monkeypatch, sms=512, row_tile=row_tile)
 
     g = torch.Generator().manual_seed(10 + t)
     k_top, e, offset, d, inter = 2, 5, 2, 256, 256
