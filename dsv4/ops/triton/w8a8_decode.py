@@ -81,8 +81,8 @@ def _fp4_groups(
     """sum over the 32-column groups g of K block k0 of (A_g . V_g^T) x 2^(e_g - 127), fp32 [BM, BN]: an
     MXFP4 weight's block product without its activation scale. Each group's E2M1 codes become E4M3 bytes by
     bit moves alone (magnitude bits up two places, the sign to the top: the value times 2^-6, 0.5 landing
-    on E4M3's subnormal 2^-6 x 4/8), one FP8 dot per group, and the group's E8M0 scale (times 2^6) on the
-    dot's fp32 result: no per-weight arithmetic, where `_b_tile` decodes and scales every weight in fp32.
+    on E4M3's subnormal 2^-6 x 4/8), one FP8 dot per group, and the group's E8M0 scale on the dot's fp32
+    result times 2^6: no per-weight arithmetic, where `_b_tile` decodes and scales every weight in fp32.
     The products are the same exact values; the block sum is grouped by 32 columns."""
     G: tl.constexpr = 32
     kg = tl.arange(0, G)
@@ -101,7 +101,7 @@ def _fp4_groups(
             & 0xFF
         )  # [BN, 16] bytes: element 2i in the low nibble
         e = tl.load(bs_ptr + rn64 * stride_bsn + (k0 + g * G) // G, mask=nmask & (k0 + g * G < K), other=0)
-        gs = ((e.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True) * 64.0  # 2^(e - 127) x 2^6
+        gs = ((e.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127)
         if UPCAST:  # (the interpreter: the same values in fp32)
             v = tl.reshape(tl.join(_e2m1(p & 0xF), _e2m1(p >> 4)), (BN, G)) * 0.015625
             d = tl.dot(a.to(tl.float32), tl.trans(v), input_precision="ieee")
@@ -109,7 +109,7 @@ def _fp4_groups(
             lo, hi = e2m1_pair_as_e4m3(p)
             v = tl.reshape(tl.join(lo, hi), (BN, G)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
             d = tl.dot(a, tl.trans(v))
-        block += d * gs[None, :]
+        block += (d * 64.0) * gs[None, :]  # (the 2^6 first: exact, and no overflow where the result has none)
     return block
 
 
@@ -172,8 +172,8 @@ def _fp4_rows_sum(
                 tl.float32
             )
             prod = lo * ae[None, :] + hi * ao[None, :]  # [BN, BK/2]: group g in bytes 16g .. 16g+15
-            grp = tl.sum(tl.reshape(prod, (BN, BK // G, G // 2)), axis=2)  # [BN, BK/32], times 2^-14
-            blk = tl.sum(grp * gs, axis=1) * 16384.0  # [BN]
+            grp = tl.sum(tl.reshape(prod, (BN, BK // G, G // 2)), axis=2) * 16384.0  # [BN, BK/32] (2^14: exact)
+            blk = tl.sum(grp * gs, axis=1)  # [BN]
             sa = tl.load(as_ptr + row * stride_asm + kb, mask=ok, other=0.0)
             acc = tl.where(rid[:, None] == r, acc + blk[None, :] * sa, acc)
     return acc
