@@ -137,6 +137,38 @@ def test_split_k_fp4_expert_rows_do_not_depend_on_the_batch_under_exact_accumula
     assert torch.equal(full[3], one[0])
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_split_k_dense_rows_do_not_depend_on_the_batch_under_exact_accumulation(fmt, monkeypatch):
+    """The dense split-K GEMMs under exact accumulation: a row's result is the same bits alone or among 40
+    rows (the K split no longer follows the batch; outside exact accumulation it does)."""
+    from dsv4.ops.precision import exact_accumulation
+
+    monkeypatch.setattr(wd, "_sm_count", lambda device: 8)
+    splits, launch = [], wd._launch
+
+    def record(kernel, grid, *a, **kw):
+        if kernel is wd._w8a8_splitk_kernel:
+            splits.append(grid[1])
+        launch(kernel, grid, *a, **kw)
+
+    monkeypatch.setattr(wd, "_launch", record)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 1024, generator=g)
+    wq, ws = formats.quantize_fp8(w) if fmt == "fp8" else formats.quantize_mxfp4(w)
+    q, s = R.act_quant(torch.randn(40, 1024, generator=g), 128, True)
+    gemm = ops.fp8_gemm if fmt == "fp8" else ops.fp4_gemm
+
+    def run(rows: slice) -> torch.Tensor:
+        return gemm(q[rows], s[rows], wq, ws, torch.float32, backend="triton_splitk")
+
+    run(slice(0, 40)), run(slice(7, 8))
+    assert splits[0] != splits[1]
+    splits.clear()
+    with exact_accumulation():
+        full, one = run(slice(0, 40)), run(slice(7, 8))
+    assert splits[0] == splits[1] and torch.equal(full[7], one[0])
+
+
 def test_split_k_is_for_decode_sized_calls_and_not_a_default():
     g = torch.Generator().manual_seed(3)
     wq, ws = formats.quantize_fp8(torch.randn(64, 256, generator=g))
