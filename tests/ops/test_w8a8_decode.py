@@ -20,16 +20,17 @@ from triton_interp import interpret_env, interpreted_kernels  # noqa: E402,F401 
 import dsv4.ops.triton.w8a8_decode as wd  # noqa: E402
 
 
-def grouped_splits(monkeypatch, sms: int, row_tile: int) -> list[int]:
-    """The grouped split-K launches' split counts, recorded as they run (with `sms` SMs and MXFP4 row tiles of
-    `row_tile` rows)."""
+def recorded_splits(monkeypatch, sms: int, row_tile: int = 0) -> list[int]:
+    """The split counts of the split-K launches (dense and grouped), recorded as they run, with `sms` SMs and
+    MXFP4 row tiles of `row_tile` rows."""
     monkeypatch.setattr(wd, "_sm_count", lambda device: sms)
     monkeypatch.setattr(wd, "FP4_ROW_TILE", row_tile)
     splits, launch = [], wd._launch
+    split_axis = {wd._w8a8_splitk_kernel: 1, wd._w8a8_gmm_splitk_kernel: 2}  # (their grids' split dimension)
 
     def record(kernel, grid, *a, **kw):
-        if kernel is wd._w8a8_gmm_splitk_kernel:
-            splits.append(grid[2])
+        if kernel in split_axis:
+            splits.append(grid[split_axis[kernel]])
         launch(kernel, grid, *a, **kw)
 
     monkeypatch.setattr(wd, "_launch", record)
@@ -116,7 +117,7 @@ def test_split_k_fp4_expert_rows_do_not_depend_on_the_batch_under_exact_accumula
 
     from dsv4.ops.precision import exact_accumulation
 
-    splits = grouped_splits(monkeypatch, sms=64, row_tile=4)
+    splits = recorded_splits(monkeypatch, sms=64, row_tile=4)
     g = torch.Generator().manual_seed(21)
     t, k_top, d, inter = 14, 2, 256, 512
     ws = _experts("fp4", 5, inter, d, g)
@@ -143,15 +144,7 @@ def test_split_k_dense_rows_do_not_depend_on_the_batch_under_exact_accumulation(
     rows (the K split no longer follows the batch; outside exact accumulation it does)."""
     from dsv4.ops.precision import exact_accumulation
 
-    monkeypatch.setattr(wd, "_sm_count", lambda device: 8)
-    splits, launch = [], wd._launch
-
-    def record(kernel, grid, *a, **kw):
-        if kernel is wd._w8a8_splitk_kernel:
-            splits.append(grid[1])
-        launch(kernel, grid, *a, **kw)
-
-    monkeypatch.setattr(wd, "_launch", record)
+    splits = recorded_splits(monkeypatch, sms=8)
     g = torch.Generator().manual_seed(5)
     w = torch.randn(64, 1024, generator=g)
     wq, ws = formats.quantize_fp8(w) if fmt == "fp8" else formats.quantize_mxfp4(w)
@@ -188,7 +181,7 @@ def test_split_k_grouped_experts_match_the_grouped_kernel_and_the_reference(fmt,
     (row_tile 0) and row tiles on the CUDA cores (`_fp4_rows_sum`; at 14 tokens experts span several)."""
     from test_w8a8_gemm import _experts
 
-    splits = grouped_splits(monkeypatch, sms=512, row_tile=row_tile)
+    splits = recorded_splits(monkeypatch, sms=512, row_tile=row_tile)
 
     g = torch.Generator().manual_seed(10 + t)
     k_top, e, offset, d, inter = 2, 5, 2, 256, 256

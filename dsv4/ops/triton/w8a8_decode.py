@@ -210,6 +210,9 @@ def _split_sum(
     kb0 = pid_s * per_split
     kb1 = tl.minimum(kb0 + per_split, tl.cdiv(K, BK))
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if FP4 and BM <= 8:  # a few rows: on the CUDA cores
+        return _fp4_rows_sum(a_ptr, as_ptr, a_rows, rmask, b_ptr, bs_ptr, rn64, nmask, pid_s, per_split, K,
+                             stride_am, stride_asm, stride_bn, stride_bsn, BM, BN, BK)  # fmt: skip
     if FP4:
         for kb in range(kb0, kb1):
             sa = tl.load(as_ptr + a_rows * stride_asm + kb, mask=rmask, other=0.0)
@@ -404,11 +407,6 @@ def _w8a8_gmm_splitk_kernel(
         a_rows = rows64
     b_base = b_ptr + g.to(tl.int64) * stride_be
     bs_base = bs_ptr + g.to(tl.int64) * stride_bse
-    if FP4 and BM <= 8:
-        acc = _fp4_rows_sum(a_ptr, as_ptr, a_rows, rmask, b_base, bs_base, rn.to(tl.int64), nmask, pid_s,
-                            per_split, K, stride_am, stride_asm, stride_bn, stride_bsn, BM, BN, BK)  # fmt: skip
-        tl.store(p_ptrs, acc, mask=smask)
-        return
     acc = _split_sum(
         a_ptr,
         as_ptr,
