@@ -59,7 +59,7 @@ def bench_tokens(t: int, cfg: ModelConfig, experts: dict, args: argparse.Namespa
         err = f"{float((y - want).norm() / want.norm()):.1e}" if want is not None else "-"
         med, lo, hi = timed(lambda b=backend: ops.quantized_moe_experts(*call, backend=b), args.repeats)
         print(
-            f"  {name:32s} {med:8.1f} ({lo:.1f}-{hi:.1f}) us  {mb / med * 1e-3:6.2f} TB/s"
+            f"  {name:32s} {med:8.1f} ({lo:.1f}-{hi:.1f}) us  {mb / med:6.2f} TB/s"
             f"  {bf16[0] / med:5.2f}x bf16  rel {err}",
             flush=True,
         )

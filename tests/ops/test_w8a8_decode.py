@@ -20,11 +20,12 @@ from triton_interp import interpret_env, interpreted_kernels  # noqa: E402,F401 
 import dsv4.ops.triton.w8a8_decode as wd  # noqa: E402
 
 
-def recorded_splits(monkeypatch, sms: int, row_tile: int = 0) -> list[int]:
-    """The split counts of the split-K launches (dense and grouped), recorded as they run, with `sms` SMs and
-    MXFP4 row tiles of `row_tile` rows."""
+def recorded_splits(monkeypatch, sms: int, row_tile: int = 0, programs: int = 2) -> list[int]:
+    """The split counts of the split-K launches (dense and grouped), recorded as they run, with `sms` SMs,
+    MXFP4 row tiles of `row_tile` rows and the grouped split aiming at `programs` programs per SM."""
     monkeypatch.setattr(wd, "_sm_count", lambda device: sms)
     monkeypatch.setattr(wd, "FP4_ROW_TILE", row_tile)
+    monkeypatch.setattr(wd, "GROUPED_PROGRAMS_PER_SM", programs)
     splits, launch = [], wd._launch
     split_axis = {wd._w8a8_splitk_kernel: 1, wd._w8a8_gmm_splitk_kernel: 2}  # (their grids' split dimension)
 
@@ -173,7 +174,9 @@ def test_split_k_is_for_decode_sized_calls_and_not_a_default():
     assert "triton_splitk" in ops.backends("fp8_gemm") and "triton_splitk" in ops.backends("fp4_gemm")
 
 
-@pytest.mark.parametrize("fmt,t,row_tile", [("fp8", 1, 0), ("fp4", 5, 0), ("fp4", 5, 4), ("fp4", 14, 2)])
+@pytest.mark.parametrize(
+    "fmt,t,row_tile", [("fp8", 1, 0), ("fp4", 5, 0), ("fp4", 5, 4), ("fp4", 14, 2), ("fp4", 14, 1)]
+)
 def test_split_k_grouped_experts_match_the_grouped_kernel_and_the_reference(fmt, t, row_tile, monkeypatch):
     """Decode-sized grouped W8A8 experts with K split in all three GEMMs (a GPU's SM count, so that the
     interpreter's shapes split): a rank holding experts 2..6 of 9 (foreign slots zero); the grouped
@@ -208,3 +211,23 @@ def test_split_k_grouped_experts_match_the_grouped_kernel_and_the_reference(fmt,
         ops.quantized_moe_experts(
             big, torch.ones_like(bidx, dtype=torch.float32), bidx, *args[3:], backend="triton_splitk"
         )
+
+
+def test_mxfp4_experts_run_split_k_by_default_at_decode_sizes_only():
+    """With no backend named, MXFP4 experts of at most MAX_ROWS tokens run the split-K kernel (the measured
+    faster one); FP8 experts, and MXFP4 experts of more tokens, the dense grouped kernel."""
+    from test_w8a8_gemm import _experts
+
+    g = torch.Generator().manual_seed(3)
+    k_top, e, d, inter = 2, 4, 256, 256
+    for fmt, t, want in [
+        ("fp4", 1, "triton_splitk"),
+        ("fp4", wd.MAX_ROWS, "triton_splitk"),
+        ("fp4", wd.MAX_ROWS + 1, "triton"),
+        ("fp8", 1, "triton"),
+    ]:
+        ws = _experts(fmt, e, inter, d, g)
+        x = torch.randn(t, d, generator=g)
+        idx = torch.stack([torch.randperm(e, generator=g)[:k_top] for _ in range(t)])
+        args = (x, torch.rand(t, k_top, generator=g), idx, *ws["w1"], *ws["w2"], *ws["w3"], 4.0, 0, fmt, "ue8m0")
+        assert ops.resolve("quantized_moe_experts", None, *args).name == want, (fmt, t)

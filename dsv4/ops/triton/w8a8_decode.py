@@ -14,9 +14,10 @@ routing plan, tile table and activation quantizations of `w8a8_gemm.grouped_expe
 three grouped GEMMs the same way; the partials are kept in sorted-row order and the sum kernel rounds and
 scatters them as the grouped kernel writes its rows.
 
-Only for calls of at most `MAX_ROWS` token rows (decode); registered below the dense kernel's priority, so
-it runs when asked for by name (`backend="triton_splitk"`, `dsv4 bench w8a8 --only decode` times every
-backend) until a measurement makes it a default.
+Only for calls of at most `MAX_ROWS` token rows (decode). The MXFP4 experts at those sizes run here by
+default (measured 2.0-2.9x the dense kernel, `scripts/bench_fp4_experts.py`); the FP8 GEMMs and FP8 experts
+run here when asked for by name (`backend="triton_splitk"`, `dsv4 bench w8a8 --only decode` times every
+backend) until a measurement makes them a default.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ from .w8a8_gemm import (
 
 MAX_ROWS = 64  # token rows up to which this backend runs (decode and small speculative verifies)
 PROGRAMS_PER_SM = 2
-GROUPED_PROGRAMS_PER_SM = 2  # the grouped experts' split count: programs per SM it aims for
-FP4_ROW_TILE = 4  # MXFP4 experts: row tiles of this many rows on the CUDA cores (0: tensor-core tiles)
+# the grouped experts' layout, from `scripts/bench_fp4_experts.py` (flash's shapes, one H100, BENCHMARKS.md):
+# MXFP4 rows one at a time on the CUDA cores, about 16 programs per SM (2.0-2.9x the dense kernel at 1-64 tokens)
+GROUPED_PROGRAMS_PER_SM = 16  # the grouped experts' split count: programs per SM it aims for
+FP4_ROW_TILE = 1  # MXFP4 experts: row tiles of this many rows on the CUDA cores (0: tensor-core tiles)
 
 
 @triton.jit
@@ -544,7 +547,15 @@ def _fp4_splitk_can_run(q, s, weight, scale, out_dtype=torch.bfloat16) -> str | 
     return _fp4_can_run(q, s, weight, scale, out_dtype) or _rows_reason(q)
 
 
-# below the dense kernel (priority 10): by name only, until measured (module docstring)
+def _moe_splitk_prefer(
+    x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expert_offset=0, fmt="fp8", act="ue8m0"
+):
+    """The default for MXFP4 experts (their row tiles on the CUDA cores); FP8 experts keep the dense kernel."""
+    return fmt == "fp4"
+
+
+# the GEMMs below the dense kernel (priority 10): by name only, until measured (module docstring); the
+# grouped experts above it where `_moe_splitk_prefer` says so (MXFP4), below it otherwise
 register("fp8_gemm", "triton_splitk", splitk_fp8_gemm, can_run=_fp8_splitk_can_run, deterministic=True, priority=5)
 register("fp4_gemm", "triton_splitk", splitk_fp4_gemm, can_run=_fp4_splitk_can_run, deterministic=True, priority=5)
 register(
@@ -553,5 +564,6 @@ register(
     splitk_quantized_moe_experts,
     can_run=_moe_splitk_can_run,
     deterministic=True,
-    priority=5,
+    priority=11,
+    prefer=_moe_splitk_prefer,
 )
