@@ -77,6 +77,10 @@ for dt in (torch.bfloat16, torch.float32):  # the fixed-shape speculative step's
 for dt in (torch.bfloat16, torch.float32):  # the fixed-plan GEMM with K split (a narrow weight, a long K)
     ops.linear_fp32(torch.randn(3, 1024).bfloat16(), torch.randn(40, 1024).to(dt), backend="triton")
 ops.linear(torch.randn(3, 1024).bfloat16(), torch.randn(40, 1024).bfloat16(), backend="triton")
+x = torch.randn(1, 20, 4, 64).bfloat16().requires_grad_()  # hc_pre's backward (training): its three kernels
+fnw = (torch.randn(24, 256) * 0.05).requires_grad_()
+y, post, comb = ops.hc_pre(x, fnw, torch.ones(3), torch.zeros(24), 1e-6, 1e-6, 20, backend="triton")
+(y.float().sum() + post.sum() + comb.sum()).backward()
 from dsv4.ops.precision import exact_accumulation
 with exact_accumulation():  # the router under exact accumulation (float64), as deterministic serving runs it
     ops.route(torch.randn(3, 8), torch.zeros(8), 2, "sqrtsoftplus", 2.5, backend="triton")
@@ -198,6 +202,7 @@ def test_every_kernel_the_model_launches_compiles_for_sm90():
     # attention, mHC, norms, the experts' grouped GEMM, the fixed-plan dense GEMM: the model ran its Triton
     # backends (and the engine's token draw)
     kernels = {"_fwd_kernel", "_hc_pre_part_kernel", "_norm_fwd_kernel", "_gmm_kernel", "_fixed_mm_kernel"}
+    kernels |= {"_hc_pre_gpre_kernel", "_hc_split_bwd_kernel", "_hc_pre_gx_kernel"}  # hc_pre's backward
     kernels.add("_sum_splits_kernel")  # the fixed-plan GEMM's K splits added in order
     kernels.add("_write_rows_kernel")  # the caches' row writes
     kernels |= {"_w8a8_kernel", "_w8a8_splitk_kernel", "_sum_splits_rows_kernel"}  # W8A8 GEMMs, dense and split-K

@@ -478,6 +478,71 @@ def _pre_fwd_bwd(fwd, inputs, gs):
     return [o.detach() for o in out], list(grads)
 
 
+@pytest.mark.parametrize("with_y", [True, False])
+def test_hc_pre_projection_grads_over_several_token_splits(with_y, monkeypatch):
+    """The backward's one-pass g_x / g_fn kernel with its tokens in several splits (the last one partial)
+    and K in several column tiles, against the reference's autograd; without y in the loss (g_y None) only
+    the mixes carry x's gradient. g_x: fp32 on both sides, each rounded once to bf16, so at most one bf16
+    step (2^-7 relative) apart per element; g_fn, scale, base: fp32 sums of the same products in another
+    order (far below 1e-4 relative at 70 tokens)."""
+    mhc_bwd = importlib.import_module("dsv4.ops.triton.mhc_bwd")
+    grids, launch = [], mhc_bwd._launch
+
+    def record(kernel, grid, *a, **kw):
+        if kernel is mhc_bwd._hc_pre_gx_kernel:
+            grids.append(grid)
+        launch(kernel, grid, *a, **kw)
+
+    monkeypatch.setattr(mhc_bwd, "_launch", record)
+    inputs = _hc_inputs(seed=31, b=2, s=35, d=96)
+    g = torch.Generator().manual_seed(32)
+    gs = [torch.randn(2, 35, 96, generator=g).bfloat16(), torch.randn(2, 35, 4, generator=g)]
+    gs.append(torch.randn(2, 35, 4, 4, generator=g))
+    grads = []
+    for fwd in (R.hc_pre, lambda *a: ops.hc_pre(*a, backend="triton")):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fwd(*leaves, 1e-6, 1e-6, 20)
+        used = range(3) if with_y else range(1, 3)
+        grads.append(torch.autograd.grad([out[i] for i in used], leaves, [gs[i] for i in used]))
+    assert len(grids) == 1 and grids[0][0] > 1 and grids[0][1] > 1, grids  # K tiles x token splits
+    (gx0, *rest0), (gx1, *rest1) = grads
+    assert gx1.dtype == gx0.dtype == torch.bfloat16
+    assert rel(gx1, gx0) <= 2.0**-7, rel(gx1, gx0)
+    for name, a, b in zip(["fn", "scale", "base"], rest1, rest0):
+        assert rel(a, b) < 1e-4, (name, rel(a, b))
+
+
+def check_projection_kernel(device: torch.device, t: int, d: int, hc: int = 4, mix: int = 24) -> None:
+    """`mhc_bwd.projection_grads` on fp32 inputs whose three g_x terms are of one size (so that each one
+    shows), against the formula in float64: g_x = gmr fn - c x + pre g_y, g_fn = gmr^T x. fp32 products
+    and sums of n terms are within n * 2^-24 of the sum of the terms' magnitudes (plus the final rounding).
+    Also without g_y (the pre term drops, g_fn is unchanged)."""
+    mhc_bwd = importlib.import_module("dsv4.ops.triton.mhc_bwd")
+    g = torch.Generator().manual_seed(33)
+    x = torch.randn(t, hc * d, generator=g)
+    gy = torch.randn(t, d, generator=g)
+    fn = torch.randn(mix, hc * d, generator=g) / mix**0.5
+    gmr = torch.randn(t, mix, generator=g)
+    c = torch.randn(t, generator=g)
+    pre = torch.rand(t, hc, generator=g) + 0.5
+    X, G, F, M, C, P = (v.double() for v in (x, gy, fn, gmr, c, pre))
+    x, gy, fn, gmr, c, pre = (v.to(device) for v in (x, gy, fn, gmr, c, pre))
+    g_x, g_fn = (v.cpu() for v in mhc_bwd.projection_grads(x, gy, fn, gmr, c, pre))
+    pg = P.repeat_interleave(d, 1) * G.repeat(1, hc)  # pre[t, k // d] g_y[t, k % d]
+    want_x = M @ F - C[:, None] * X + pg
+    size_x = M.abs() @ F.abs() + (C[:, None] * X).abs() + pg.abs()
+    assert ((g_x.double() - want_x).abs() <= (mix + 4) * 2.0**-24 * size_x).all()
+    want_fn, size_fn = M.t() @ X, M.t().abs() @ X.abs()
+    assert ((g_fn.double() - want_fn).abs() <= (t + 2) * 2.0**-24 * size_fn).all()
+    g_x0, g_fn0 = (v.cpu() for v in mhc_bwd.projection_grads(x, None, fn, gmr, c, pre))
+    assert ((g_x0.double() - (want_x - pg)).abs() <= (mix + 4) * 2.0**-24 * size_x).all()
+    assert torch.equal(g_fn0, g_fn)
+
+
+def test_hc_pre_projection_kernel_against_its_formula_in_float64():
+    check_projection_kernel(torch.device("cpu"), t=45, d=40)  # 3 token splits, 5 column tiles here
+
+
 def test_a_marked_mix_weight_is_split_once(monkeypatch):
     """`ops.keep_splits` (the serving engine, the graphed decoders) marks the mHC mix weights too: hc_pre
     and hc_head then split a weight into its bf16 parts once, with the bits of a split made at the call,

@@ -13,7 +13,8 @@ the same epilogue (`_hc_pre_epilogue`), its programs sharing out the columns of 
 gradients of post and comb per token, in registers, in a fixed order).
 
 The `hc_pre` backward differentiates the Sinkhorn map per token in one kernel (replaying it from the
-saved mixes, [T, 24] numbers, in registers) and computes the projection gradients with torch ops.
+saved mixes, [T, 24] numbers, in registers); g_pre before it and the projection gradients after it each
+take one pass over x (`mhc_bwd`), the [T, 24]-sized steps between them are torch ops.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from ._common import num_sms
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason, mma, round_to
 from ._mm_utils import launch as _launch
-from .mhc_bwd import _hc_post_bwd_kernel, _hc_split_bwd_kernel
+from .mhc_bwd import GPRE_BD as _GPRE_BD
+from .mhc_bwd import _hc_post_bwd_kernel, _hc_pre_gpre_kernel, _hc_split_bwd_kernel
+from .mhc_bwd import projection_grads as _projection_grads
 from .mhc_fn import pp_width, split_fn
 
 
@@ -575,13 +578,12 @@ class _HcPre(torch.autograd.Function):
         hc_eps, iters = ctx.consts
         b, s, hc, d = x.shape
         t = b * s
-        xf = x.reshape(t, hc * d).float()  # [T, K]
         dev = x.device
-        g_pre = (
-            torch.einsum("tid,td->ti", xf.view(t, hc, d), g_y.reshape(t, d).float())
-            if g_y is not None
-            else torch.zeros(t, hc, device=dev)
-        )
+        xk = x.reshape(t, hc * d).contiguous()  # [T, K], read in its own dtype by the kernels below
+        gy = g_y.reshape(t, d).contiguous() if g_y is not None else None
+        g_pre = torch.zeros(t, hc, device=dev)
+        if gy is not None:
+            _launch(_hc_pre_gpre_kernel, (triton.cdiv(t, 32),), xk, gy, g_pre, t, d, HC=hc, BT=32, BD=_GPRE_BD)
         g_post = g_post.reshape(t, hc).float().contiguous() if g_post is not None else torch.zeros(t, hc, device=dev)
         g_comb = (
             g_comb.reshape(t, hc, hc).float().contiguous() if g_comb is not None else torch.zeros(t, hc, hc, device=dev)
@@ -596,7 +598,7 @@ class _HcPre(torch.autograd.Function):
             mix,
             sc,
             bs,
-            g_pre.contiguous(),
+            g_pre,
             g_post,
             g_comb,
             glogit,
@@ -615,12 +617,10 @@ class _HcPre(torch.autograd.Function):
         g_bs = glogit.sum(0)
         g_sc = torch.stack([part.sum() for part in (glogit * mix).split([hc, hc, hc * hc], dim=1)])
         r = rs.unsqueeze(-1)  # [T, 1]
-        gmr = g_m * r  # d loss / d raw mixes
+        gmr = (g_m * r).contiguous()  # d loss / d raw mixes
         g_r = (g_m * mix).sum(-1, keepdim=True) / r  # d loss / d rsqrt
-        g_x = gmr @ fn.float() - g_r * r.pow(3) / (hc * d) * xf  # [T, K]
-        if g_y is not None:
-            g_x = g_x.view(t, hc, d) + pre.unsqueeze(-1) * g_y.reshape(t, 1, d).float()
-        g_fn = gmr.t() @ xf
+        c = (g_r * r.pow(3) / (hc * d)).reshape(t).contiguous()  # g_x's term in x (the rsqrt's gradient)
+        g_x, g_fn = _projection_grads(xk, gy, fn, gmr, c, pre)
         return (
             g_x.reshape(x.shape).to(x.dtype),
             g_fn.to(fn.dtype),

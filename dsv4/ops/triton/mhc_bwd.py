@@ -1,13 +1,18 @@
 """The backward kernels of the fused hyper-connections (`dsv4.ops.triton.mhc`, whose docstring describes
 them): `hc_post`'s (the gradients of the residual copies and of post and comb, reduced per token in registers
-in a fixed order) and the Sinkhorn map's of `hc_pre` (replayed per token from the saved mixes)."""
+in a fixed order), the Sinkhorn map's of `hc_pre` (replayed per token from the saved mixes), and `hc_pre`'s
+projection gradients (g_x and g_fn in one pass over x, after g_pre in another: x is read in its own dtype
+twice instead of being copied to fp32 and passed over by a dozen full-size torch ops)."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from ._mm_utils import round_to
+from ._common import num_sms
+from ._mm_utils import INTERPRET, round_to
+from ._mm_utils import launch as _launch
 
 
 @triton.jit
@@ -167,3 +172,127 @@ def _hc_split_bwd_kernel(
     dc = _colnorm_bwd(dc, c0, hc_eps)
     dz = p * (dc - tl.sum(dc * p, axis=2)[:, :, None])
     tl.store(glogit_ptr + ts64[:, None, None] * n_mix + 2 * HC + cc[None, :, :], dz, mask=m3)
+
+
+@triton.jit
+def _hc_pre_gpre_kernel(x_ptr, gy_ptr, gpre_ptr, T, D, HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """g_pre[t, i] = sum_d x[t, i, d] g_y[t, d] in fp32 (x read in its own dtype: no fp32 copy of it)."""
+    pid = tl.program_id(0)
+    ts = pid * BT + tl.arange(0, BT)
+    tmask = ts < T
+    ts64 = ts.to(tl.int64)
+    hcs = tl.arange(0, HC)
+    acc = tl.zeros((BT, HC), dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        ds = d0 + tl.arange(0, BD)
+        m = tmask[:, None] & (ds < D)[None, :]
+        gy = tl.load(gy_ptr + ts64[:, None] * D + ds[None, :], mask=m, other=0.0).to(tl.float32)
+        for i in tl.static_range(HC):
+            xi = tl.load(x_ptr + ts64[:, None] * (HC * D) + i * D + ds[None, :], mask=m, other=0.0).to(tl.float32)
+            acc = tl.where(hcs[None, :] == i, acc + tl.sum(xi * gy, axis=1)[:, None], acc)
+    tl.store(gpre_ptr + ts64[:, None] * HC + hcs[None, :], acc, mask=tmask[:, None])
+
+
+@triton.jit
+def _hc_pre_gx_kernel(
+    x_ptr,
+    gy_ptr,
+    fn_ptr,
+    gmr_ptr,
+    c_ptr,
+    pre_ptr,
+    gx_ptr,
+    gfn_ptr,
+    T,
+    D,
+    per_split,
+    MIX: tl.constexpr,
+    HC: tl.constexpr,
+    MP: tl.constexpr,
+    HAS_GY: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """The projection gradients of hc_pre in one pass over x, for the K columns of program axis 0 and the
+    tokens of split axis 1 (K = HC * D, column k = copy k // D, channel k % D):
+
+        g_x[t, k] = sum_m gmr[t, m] fn[m, k] - c[t] x[t, k] (+ pre[t, k // D] g_y[t, k % D])   in x's dtype
+        g_fn part[split, m, k] = sum over the split's tokens of gmr[t, m] x[t, k]               fp32
+
+    gmr = d loss / d raw mixes [T, MIX], c = the rsqrt's gradient term [T]; fp32 products and sums (the
+    caller adds the parts in split order: no atomics, the same bits at every run)."""
+    pid_k = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    K = HC * D
+    ks = pid_k * BK + tl.arange(0, BK)
+    kmask = ks < K
+    ms = tl.arange(0, MP)
+    mmask = ms < MIX
+    fnt = tl.load(fn_ptr + ms[:, None] * K + ks[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0).to(
+        tl.float32
+    )  # [MP, BK]
+    acc = tl.zeros((MP, BK), dtype=tl.float32)
+    t0 = pid_s * per_split
+    t1 = tl.minimum(t0 + per_split, T)
+    for tb in range(t0, t1, BT):
+        ts = tb + tl.arange(0, BT)
+        tmask = ts < t1
+        ts64 = ts.to(tl.int64)
+        m = tmask[:, None] & kmask[None, :]
+        gmr = tl.load(gmr_ptr + ts64[:, None] * MIX + ms[None, :], mask=tmask[:, None] & mmask[None, :], other=0.0)
+        xt = tl.load(x_ptr + ts64[:, None] * K + ks[None, :], mask=m, other=0.0).to(tl.float32)  # [BT, BK]
+        c = tl.load(c_ptr + ts64, mask=tmask, other=0.0)
+        g = tl.dot(gmr, fnt, input_precision="ieee") - c[:, None] * xt
+        if HAS_GY:
+            pre = tl.load(pre_ptr + ts64[:, None] * HC + (ks // D)[None, :], mask=m, other=0.0)
+            gy = tl.load(gy_ptr + ts64[:, None] * D + (ks % D)[None, :], mask=m, other=0.0).to(tl.float32)
+            g += pre * gy
+        tl.store(gx_ptr + ts64[:, None] * K + ks[None, :], g.to(gx_ptr.dtype.element_ty), mask=m)
+        acc += tl.dot(tl.trans(gmr), xt, input_precision="ieee")
+    tl.store(gfn_ptr + pid_s * MP * K + ms[:, None] * K + ks[None, :], acc, mask=mmask[:, None] & kmask[None, :])
+
+
+GPRE_BD = 32 if INTERPRET else 128  # channels per step of the g_pre kernel
+# the projection kernel's tiles: tokens per step and K columns per program (smaller in the interpreter)
+GX_BT, GX_BK = (16, 32) if INTERPRET else (64, 64)
+GX_PROGRAMS_PER_SM = 4  # (K tiles x token splits): about this many programs per SM
+
+
+def projection_grads(
+    xk: torch.Tensor, gy: torch.Tensor | None, fn: torch.Tensor, gmr: torch.Tensor, c: torch.Tensor, pre: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g_x [T, K] in x's dtype, g_fn [MIX, K] fp32) of hc_pre for x [T, K] (K = HC * D), g_y [T, D] or None,
+    fn [MIX, K], gmr [T, MIX] fp32, c [T] fp32, pre [T, HC] fp32: `_hc_pre_gx_kernel` over (K tiles, token
+    splits), its fp32 g_fn parts added in split order."""
+    t, k = xk.shape
+    mix, hc = gmr.size(1), pre.size(1)
+    k_tiles = triton.cdiv(k, GX_BK)
+    want = max(1, GX_PROGRAMS_PER_SM * num_sms(xk.device) // k_tiles)
+    per_split = triton.cdiv(triton.cdiv(t, min(want, triton.cdiv(t, GX_BT))), GX_BT) * GX_BT
+    splits = triton.cdiv(t, per_split)
+    mp = max(16, triton.next_power_of_2(mix))
+    g_x = torch.empty_like(xk)
+    parts = torch.empty(splits, mp, k, dtype=torch.float32, device=xk.device)
+    _launch(
+        _hc_pre_gx_kernel,
+        (k_tiles, splits),
+        xk,
+        gy if gy is not None else xk,
+        fn.contiguous(),
+        gmr,
+        c,
+        pre,
+        g_x,
+        parts,
+        t,
+        k // hc,
+        per_split,
+        MIX=mix,
+        HC=hc,
+        MP=mp,
+        HAS_GY=gy is not None,
+        BT=GX_BT,
+        BK=GX_BK,
+        num_warps=4,
+    )
+    return g_x, parts.sum(0)[:mix]
