@@ -287,10 +287,19 @@ class Attention(nn.Module):
         if comp_idx is None:
             return scores.sum() * 0
         valid = comp_idx >= 0  # [b, s, k]
-        b = q.size(0)
+        b, s, h, d = q.shape
+        comp = kv_all[:, offset:]  # [b, n, d]
         with torch.no_grad():
-            keys = kv_all[torch.arange(b, device=q.device).view(b, 1, 1), comp_idx.clamp_min(0)].float()
-            logits = torch.einsum("bshd,bskd->bshk", q.float(), keys) * self.scale
+            if h * comp.size(1) <= comp_idx.size(-1) * d:
+                # every query against every compressed entry ([b, s, h, n]: one GEMM), then the selected
+                # columns: less to write than the selected keys of each query ([b, s, k, d]: 2 GB at 64 x
+                # 1024 tokens, top-64 of 256 entries, d 128), the same products
+                logits = torch.einsum("bshd,bnd->bshn", q.float(), comp.float())
+                logits = logits.gather(-1, (comp_idx - offset).clamp_min(0).unsqueeze(2).expand(b, s, h, -1))
+            else:  # (long sequences: many entries, few selected)
+                keys = comp.float()[torch.arange(b, device=q.device).view(b, 1, 1), (comp_idx - offset).clamp_min(0)]
+                logits = torch.einsum("bshd,bskd->bshk", q.float(), keys)
+            logits = logits * self.scale  # [b, s, h, k]
             p = torch.exp(logits - lse.unsqueeze(-1)).masked_fill(~valid.unsqueeze(2), 0).sum(2)  # [b, s, k]
             target = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
         sel_scores = scores.gather(-1, (comp_idx - offset).clamp_min(0)).masked_fill(~valid, float("-inf"))

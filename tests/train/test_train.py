@@ -111,13 +111,17 @@ def test_balance_loss_by_hand():
     assert got == pytest.approx(0.01 * want / b, rel=1e-5)
 
 
-def test_indexer_loss_by_hand():
+@pytest.mark.parametrize("n", [4, 100])
+def test_indexer_loss_by_hand(n):
     """KL(target || indexer) over the selected entries, target = main attention's probabilities summed over
-    heads and renormalized; invalid (-1) slots excluded; rows without a valid slot ignored."""
+    heads and renormalized; invalid (-1) slots excluded; rows without a valid slot ignored. Both ways the
+    model computes the target's logits: 4 entries (h * n <= k * d: every entry's product, then the selected
+    columns) and 100 (the selected keys gathered first)."""
     m = micro_model()
     attn = m.layers[1].attn
     torch.manual_seed(3)
-    b, s, h, d, n = 1, 3, 2, 80, 4
+    b, s, h, d = 1, 3, 2, 80
+    assert (h * n <= 2 * d) == (n == 4)  # (k = 2 slots below)
     q = torch.randn(b, s, h, d)
     kv_all = torch.randn(b, s + n, d)
     comp_idx = torch.tensor([[[-1, -1], [s + 0, -1], [s + 2, s + 1]]])  # [b, s, k], into kv_all
