@@ -81,6 +81,10 @@ x = torch.randn(1, 20, 4, 64).bfloat16().requires_grad_()  # hc_pre's backward (
 fnw = (torch.randn(24, 256) * 0.05).requires_grad_()
 y, post, comb = ops.hc_pre(x, fnw, torch.ones(3), torch.zeros(24), 1e-6, 1e-6, 20, backend="triton")
 (y.float().sum() + post.sum() + comb.sum()).backward()
+import dsv4.ops.triton.mhc_bwd as mhc_bwd  # its projection kernel also with the GPU's tiles (smaller here)
+mhc_bwd.GX_BT, mhc_bwd.GX_BK = 64, 64
+mhc_bwd.projection_grads(torch.randn(70, 256).bfloat16(), torch.randn(70, 64).bfloat16(), torch.randn(24, 256),
+                         torch.randn(70, 24), torch.randn(70), torch.rand(70, 4))
 from dsv4.ops.precision import exact_accumulation
 with exact_accumulation():  # the router under exact accumulation (float64), as deterministic serving runs it
     ops.route(torch.randn(3, 8), torch.zeros(8), 2, "sqrtsoftplus", 2.5, backend="triton")
