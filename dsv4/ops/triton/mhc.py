@@ -582,7 +582,7 @@ class _HcPre(torch.autograd.Function):
         xk = x.reshape(t, hc * d).contiguous()  # [T, K], read in its own dtype by the kernels below
         gy = g_y.reshape(t, d).contiguous() if g_y is not None else None
         g_pre = torch.zeros(t, hc, device=dev)
-        if gy is not None:
+        if gy is not None and t > 0:
             _launch(_hc_pre_gpre_kernel, (triton.cdiv(t, 32),), xk, gy, g_pre, t, d, HC=hc, BT=32, BD=_GPRE_BD)
         g_post = g_post.reshape(t, hc).float().contiguous() if g_post is not None else torch.zeros(t, hc, device=dev)
         g_comb = (

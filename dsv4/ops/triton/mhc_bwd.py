@@ -266,6 +266,8 @@ def projection_grads(
     splits), its fp32 g_fn parts added in split order."""
     t, k = xk.shape
     mix, hc = gmr.size(1), pre.size(1)
+    if t == 0:  # no tokens: nothing to launch (a zero grid is an error)
+        return torch.empty_like(xk), torch.zeros(mix, k, dtype=torch.float32, device=xk.device)
     k_tiles = triton.cdiv(k, GX_BK)
     want = max(1, GX_PROGRAMS_PER_SM * num_sms(xk.device) // k_tiles)
     per_split = triton.cdiv(triton.cdiv(t, min(want, triton.cdiv(t, GX_BT))), GX_BT) * GX_BT
