@@ -543,6 +543,14 @@ def test_hc_pre_projection_kernel_against_its_formula_in_float64():
     check_projection_kernel(torch.device("cpu"), t=45, d=40)  # 3 token splits, 5 column tiles here
 
 
+def test_hc_pre_backward_of_an_empty_batch():
+    """No tokens: empty gradients for x, zero ones for the weights, and no launch (a zero grid fails)."""
+    x, fn, scale, base = (t.requires_grad_() for t in _hc_inputs(seed=2, b=1, s=1))
+    y, post, comb = ops.hc_pre(x[:, :0], fn, scale, base, 1e-6, 1e-6, 20, backend="triton")
+    (y.float().sum() + post.sum() + comb.sum()).backward()
+    assert x.grad.abs().sum() == 0 and fn.grad.abs().sum() == 0 and base.grad.abs().sum() == 0
+
+
 def test_a_marked_mix_weight_is_split_once(monkeypatch):
     """`ops.keep_splits` (the serving engine, the graphed decoders) marks the mHC mix weights too: hc_pre
     and hc_head then split a weight into its bf16 parts once, with the bits of a split made at the call,
