@@ -591,6 +591,7 @@ class _HcPre(torch.autograd.Function):
         sc, bs = scale.detach().float().contiguous(), base.detach().float().contiguous()
         glogit = torch.empty_like(mix)  # [T, mix]
         pre = torch.empty(t, hc, device=dev)
+        its = torch.empty(t, max(int(iters) - 1, 1), hc, hc, device=dev)  # the Sinkhorn's iterates (scratch)
         bt = 16
         _launch(
             _hc_split_bwd_kernel,
@@ -603,6 +604,7 @@ class _HcPre(torch.autograd.Function):
             g_comb,
             glogit,
             pre,
+            its,
             t,
             float(hc_eps),
             ITERS=int(iters),
