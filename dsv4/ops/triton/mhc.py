@@ -12,8 +12,8 @@ the same epilogue (`_hc_pre_epilogue`), its programs sharing out the columns of 
 `hc_post`: one pass over the residual copies, forward and backward (the backward also reduces the
 gradients of post and comb per token, in registers, in a fixed order).
 
-The `hc_pre` backward differentiates the Sinkhorn map per token in one kernel (replaying it from the
-saved mixes, [T, 24] numbers, in registers); g_pre before it and the projection gradients after it each
+The `hc_pre` backward differentiates the Sinkhorn map per token in one kernel (replaying it once from the
+saved mixes, [T, 24] numbers, its iterates kept in a scratch buffer and walked back); g_pre before it and the projection gradients after it each
 take one pass over x (`mhc_bwd`), the [T, 24]-sized steps between them are torch ops.
 """
 
