@@ -551,3 +551,29 @@ def test_per_rank_loading_holds_its_share_plus_one_tensor(tmp_path, keep_quantiz
     one = max(e.nbytes + 5 * torch.Size(e.spec.shape).numel() for e in plan(src).entries.values())
     assert share <= peak <= share + one + (64 << 10), (peak, share, one)
     assert share < nbytes(load_pretrained(src, keep_quantized=keep_quantized))
+
+
+def _crash_once_worker(rank: int, world: int, port: int, out_dir: str, marker: str) -> None:
+    """First launch: rank 0 aborts (a native crash), rank 1 exits 1 (as a peer on a broken link does); second
+    launch: both report."""
+    first = Path(f"{marker}.{rank}")  # each rank's own: the other's progress cannot change its launch
+    if not first.exists():
+        first.write_text("launched")
+        if rank == 0:
+            deadline = time.monotonic() + 60
+            while not Path(f"{marker}.1").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)  # (rank 1 has seen its first launch before rank 0 dies)
+            os.abort()
+        time.sleep(1.0)
+        os._exit(1)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank}))
+
+
+def test_a_crashed_worker_is_launched_once_more_whatever_its_peer_did(tmp_path):
+    """tests/spawn.py: a worker killed by a signal sends the workers round once more (with a warning naming
+    the signal), also where its peer then exited non-zero; a crash in the second launch would fail."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.warns(UserWarning, match="SIGABRT"):
+        reports = launch(_crash_once_worker, out, str(tmp_path / "marker"), world=2, timeout_s=120)
+    assert [r["rank"] for r in reports] == [0, 1]
