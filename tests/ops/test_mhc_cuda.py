@@ -22,9 +22,10 @@ def test_hc_pre_projection_kernel_against_its_formula_in_float64():
 
 
 def test_hc_pre_backward_matches_reference_at_a_training_shape():
-    """4 x 512 tokens of dim 384 (the shipped-model recipe's width): g_x rounded once to bf16 on both sides
-    from fp32 values (one bf16 step, 2^-7 relative, apart at most per element); g_fn, scale and base fp32
-    sums of the same products in another order."""
+    """4 x 512 tokens of dim 384 (the shipped-model recipe's width), the bounds of the CPU test
+    (`test_hc_pre_projection_grads_over_several_token_splits`): g_x within 1e-2 in norm (the reference's
+    autograd rounds the gradients of x's two uses to bf16 and adds them in bf16), g_fn, scale and base
+    fp32 sums of the same products in another order."""
     inputs = [v.to(DEV) for v in _hc_inputs(seed=40, b=4, s=512, d=384)]
     g = torch.Generator(device=DEV).manual_seed(41)
     gs = [torch.randn(4, 512, 384, device=DEV, generator=g).bfloat16()]
@@ -34,6 +35,6 @@ def test_hc_pre_backward_matches_reference_at_a_training_shape():
         leaves = [t.clone().requires_grad_() for t in inputs]
         grads.append(torch.autograd.grad(fwd(*leaves, 1e-6, 1e-6, 20), leaves, gs))
     (gx0, *rest0), (gx1, *rest1) = grads
-    assert gx1.dtype == torch.bfloat16 and rel(gx1, gx0) <= 2.0**-7, rel(gx1, gx0)
+    assert gx1.dtype == torch.bfloat16 and rel(gx1, gx0) < 1e-2, rel(gx1, gx0)
     for name, a, b in zip(["fn", "scale", "base"], rest1, rest0):
         assert rel(a, b) < 1e-4, (name, rel(a, b))

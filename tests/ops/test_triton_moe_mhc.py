@@ -482,9 +482,11 @@ def _pre_fwd_bwd(fwd, inputs, gs):
 def test_hc_pre_projection_grads_over_several_token_splits(with_y, monkeypatch):
     """The backward's one-pass g_x / g_fn kernel with its tokens in several splits (the last one partial)
     and K in several column tiles, against the reference's autograd; without y in the loss (g_y None) only
-    the mixes carry x's gradient. g_x: fp32 on both sides, each rounded once to bf16, so at most one bf16
-    step (2^-7 relative) apart per element; g_fn, scale, base: fp32 sums of the same products in another
-    order (far below 1e-4 relative at 70 tokens)."""
+    the mixes carry x's gradient. g_x: the kernel rounds its fp32 sum once to bf16, the reference's autograd
+    rounds the gradients of x's two uses (the mixes, the weighted sum) to bf16 and adds them in bf16: a few
+    bf16 steps (2^-8 relative each) of the terms apart, 1e-2 in norm as the test above (the float64 formula
+    test below checks the kernel's g_x tightly); g_fn, scale, base: fp32 sums of the same products in
+    another order (far below 1e-4 relative at 70 tokens)."""
     mhc_bwd = importlib.import_module("dsv4.ops.triton.mhc_bwd")
     grids, launch = [], mhc_bwd._launch
 
@@ -507,7 +509,7 @@ def test_hc_pre_projection_grads_over_several_token_splits(with_y, monkeypatch):
     assert len(grids) == 1 and grids[0][0] > 1 and grids[0][1] > 1, grids  # K tiles x token splits
     (gx0, *rest0), (gx1, *rest1) = grads
     assert gx1.dtype == gx0.dtype == torch.bfloat16
-    assert rel(gx1, gx0) <= 2.0**-7, rel(gx1, gx0)
+    assert rel(gx1, gx0) < 1e-2, rel(gx1, gx0)
     for name, a, b in zip(["fn", "scale", "base"], rest1, rest0):
         assert rel(a, b) < 1e-4, (name, rel(a, b))
 
