@@ -13,8 +13,9 @@ the same epilogue (`_hc_pre_epilogue`), its programs sharing out the columns of 
 gradients of post and comb per token, in registers, in a fixed order).
 
 The `hc_pre` backward differentiates the Sinkhorn map per token in one kernel (replaying it once from the
-saved mixes, [T, 24] numbers, its iterates kept in a scratch buffer and walked back); g_pre before it and the projection gradients after it each
-take one pass over x (`mhc_bwd`), the [T, 24]-sized steps between them are torch ops.
+saved mixes, [T, 24] numbers, its iterates kept in a scratch buffer and walked back); g_pre before it
+and the projection gradients after it each take one pass over x (`mhc_bwd`), the [T, 24]-sized steps
+between them are torch ops.
 """
 
 from __future__ import annotations
@@ -581,8 +582,8 @@ class _HcPre(torch.autograd.Function):
         dev = x.device
         xk = x.reshape(t, hc * d).contiguous()  # [T, K], read in its own dtype by the kernels below
         gy = g_y.reshape(t, d).contiguous() if g_y is not None else None
-        g_pre = torch.zeros(t, hc, device=dev)
-        if gy is not None and t > 0:
+        g_pre = torch.empty(t, hc, device=dev) if gy is not None else torch.zeros(t, hc, device=dev)
+        if gy is not None and t > 0:  # (the kernel writes every row)
             _launch(_hc_pre_gpre_kernel, (triton.cdiv(t, 32),), xk, gy, g_pre, t, d, HC=hc, BT=32, BD=_GPRE_BD)
         g_post = g_post.reshape(t, hc).float().contiguous() if g_post is not None else torch.zeros(t, hc, device=dev)
         g_comb = (

@@ -303,4 +303,4 @@ def projection_grads(
         BK=GX_BK,
         num_warps=4,
     )
-    return g_x, parts.sum(0)[:mix]
+    return g_x, parts[:, :mix].sum(0)  # (rows past MIX pad the dots and are never written)
