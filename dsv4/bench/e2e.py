@@ -50,12 +50,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device: torch.device, reps: int, setup=None) -> float:
-    """Median wall seconds of fn(state) over reps (setup() builds a fresh state, untimed)."""
-    times = _timed_reps(fn, device, reps, setup)
-    return times[len(times) // 2]
-
-
 def _timed_reps(fn, device: torch.device, reps: int, setup=None) -> list[float]:
     """Wall seconds of each of reps calls of fn(state), sorted (setup() builds a fresh state, untimed)."""
     times = []
@@ -154,7 +148,7 @@ def bench_prefill(model, args, device, path: str) -> dict:
             ops.reset_calls()
             prefill = GraphedPrefill(model, args.batch, args.seq, max_len)  # warm-up + capture
             used = _backends_used()  # what the graph replays
-            sec = _timed(lambda _: prefill.run(tokens), device, args.reps)
+            reps = _timed_reps(lambda _: prefill.run(tokens), device, args.reps)
         else:
 
             def run(cache):
@@ -162,8 +156,9 @@ def bench_prefill(model, args, device, path: str) -> dict:
 
             run(model.new_cache(args.batch, max_len))  # warm-up (compiles, autotunes)
             ops.reset_calls()
-            sec = _timed(run, device, args.reps, setup=lambda: model.new_cache(args.batch, max_len))
+            reps = _timed_reps(run, device, args.reps, setup=lambda: model.new_cache(args.batch, max_len))
             used = _backends_used()
+    sec = reps[len(reps) // 2]
     return {
         "bench": "prefill",
         "path": path,
@@ -171,6 +166,7 @@ def bench_prefill(model, args, device, path: str) -> dict:
         "seq": args.seq,
         "s": round(sec, 4),
         "tokens_per_s": round(args.batch * args.seq / sec, 1),
+        "s_reps": [round(t, 5) for t in reps],
         "cuda_graph": graphed,
         "backends": used,
     }
@@ -201,7 +197,8 @@ def bench_decode(model, args, device, path: str) -> dict:
             for _ in range(args.steps):
                 state["nxt"] = step(state["nxt"])[:, -1].argmax(-1, keepdim=True)
 
-        sec = _timed(run, device, args.reps)
+        reps = _timed_reps(run, device, args.reps)
+        sec = reps[len(reps) // 2]
         if not graphed:
             used = _backends_used()
         row = {
@@ -213,6 +210,7 @@ def bench_decode(model, args, device, path: str) -> dict:
             "s": round(sec, 4),
             "tokens_per_s": round(args.batch * args.steps / sec, 2),
             "ms_per_step": round(sec / args.steps * 1e3, 3),
+            "s_reps": [round(t, 5) for t in reps],
             "cuda_graph": graphed,
             "backends": used,
         }
