@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from bounds import U32
 from subproc import checkout_env
 
@@ -79,6 +80,35 @@ def test_next_token_and_mtp_losses_by_hand():
                 n += 1
         per_depth.append(float(tot) / n)
     assert losses.mtp_loss(mtp, tokens).item() == pytest.approx(sum(per_depth) / 2, rel=1e-6)
+
+
+def test_losses_take_whole_logits_as_the_sliced_definition_does():
+    """The losses read their logits whole, the positions without a target ignored: the same loss and the
+    same gradient as cross-entropy over the slice of positions that have one, a zero gradient at the
+    others, and a window too short for a depth adds nothing. The losses compute in fp32 (as training
+    does): the two ways add the same fp32 terms in another order, so they agree to the sum's rounding,
+    about (rows + vocabulary) ulps at most."""
+    torch.manual_seed(2)
+    b, s, v = 3, 7, 11
+    tokens = torch.randint(0, v, (b, s))
+    logits = torch.randn(b, s, v, requires_grad=True)
+    mtp = [torch.randn(b, s - 1 - k, v, requires_grad=True) for k in range(2)]
+    got = losses.next_token_loss(logits, tokens) + losses.mtp_loss(mtp, tokens)
+    g_got = torch.autograd.grad(got, [logits, *mtp])
+
+    def sliced(lg, shift):
+        n = s - shift
+        return F.cross_entropy(lg[:, :n].reshape(-1, v), tokens[:, shift:].reshape(-1))
+
+    want = sliced(logits, 1) + (sliced(mtp[0], 2) + sliced(mtp[1], 3)) / 2
+    g_want = torch.autograd.grad(want, [logits, *mtp])
+    tol = (b * s + v) * 2.0**-24
+    assert got.item() == pytest.approx(want.item(), rel=tol)
+    for a, w in zip(g_got, g_want):
+        torch.testing.assert_close(a, w, rtol=tol, atol=tol * w.abs().max().item())
+    assert not g_got[0][:, -1].any() and not g_got[1][:, -1].any()  # no target: no gradient
+    short = torch.randint(0, v, (b, 2))
+    assert losses.mtp_loss([torch.randn(b, 1, v)], short) is None
 
 
 def test_total_loss_weights_parts():
