@@ -163,15 +163,33 @@ def test_split_k_dense_rows_do_not_depend_on_the_batch_under_exact_accumulation(
     assert splits[0] == splits[1] and torch.equal(full[7], one[0])
 
 
-def test_split_k_is_for_decode_sized_calls_and_not_a_default():
+def test_split_k_is_the_default_for_deep_fp8_gemms_at_decode_sizes_only():
+    """With no backend named, an FP8 GEMM runs the split-K kernel where it was measured faster (at most
+    MAX_ROWS rows, K >= FP8_SPLITK_MIN_K, N >= FP8_SPLITK_MIN_N) and the dense kernel elsewhere, and
+    everywhere under exact accumulation (a row's sums must not follow its step's size); MXFP4 GEMMs keep
+    the dense kernel; more than MAX_ROWS rows are refused by name."""
+    from dsv4.ops.precision import exact_accumulation
+
     g = torch.Generator().manual_seed(3)
-    wq, ws = formats.quantize_fp8(torch.randn(64, 256, generator=g))
-    q, s = R.act_quant(torch.randn(wd.MAX_ROWS + 1, 256, generator=g), 128, True)
+    k, n = wd.FP8_SPLITK_MIN_K, wd.FP8_SPLITK_MIN_N
+    deep = formats.quantize_fp8(torch.randn(n, k, generator=g))
+    shallow = formats.quantize_fp8(torch.randn(n, k // 2, generator=g))
+    narrow = formats.quantize_fp8(torch.randn(n // 2, k, generator=g))
+    q, s = R.act_quant(torch.randn(wd.MAX_ROWS + 1, k, generator=g), 128, True)
+
+    def chosen(rows: int, w, exact: bool = False) -> str:
+        kk = w[0].size(1)
+        with exact_accumulation(exact):
+            return ops.resolve("fp8_gemm", None, q[:rows, :kk], s[:rows, : kk // 128], *w, torch.float32).name
+
+    assert chosen(1, deep) == chosen(wd.MAX_ROWS, deep) == "triton_splitk"
+    assert chosen(wd.MAX_ROWS + 1, deep) == "triton"
+    assert chosen(1, shallow) == chosen(1, narrow) == "triton"
+    assert chosen(1, deep, exact=True) == chosen(wd.MAX_ROWS, deep, exact=True) == "triton"
     with pytest.raises(ops.BackendUnavailable, match="decode-sized"):
-        ops.fp8_gemm(q, s, wq, ws, torch.float32, backend="triton_splitk")
-    ops.fp8_gemm(q[:1], s[:1], wq, ws, torch.float32)
-    assert ops.last_backend("fp8_gemm") == "triton"  # the dense kernel stays the default until measured
-    assert "triton_splitk" in ops.backends("fp8_gemm") and "triton_splitk" in ops.backends("fp4_gemm")
+        ops.fp8_gemm(q, s, *deep, torch.float32, backend="triton_splitk")
+    w4 = formats.quantize_mxfp4(torch.randn(n, k, generator=g))
+    assert ops.resolve("fp4_gemm", None, q[:1], s[:1], *w4, torch.float32).name == "triton"
 
 
 @pytest.mark.parametrize(
@@ -215,8 +233,11 @@ def test_split_k_grouped_experts_match_the_grouped_kernel_and_the_reference(fmt,
 
 def test_mxfp4_experts_run_split_k_by_default_at_decode_sizes_only():
     """With no backend named, MXFP4 experts of at most MAX_ROWS tokens run the split-K kernel (the measured
-    faster one); FP8 experts, and MXFP4 experts of more tokens, the dense grouped kernel."""
+    faster one); FP8 experts, MXFP4 experts of more tokens and any under exact accumulation (deterministic
+    mode: a row's sums must not follow its step's size) the dense grouped kernel."""
     from test_w8a8_gemm import _experts
+
+    from dsv4.ops.precision import exact_accumulation
 
     g = torch.Generator().manual_seed(3)
     k_top, e, d, inter = 2, 4, 256, 256
@@ -225,9 +246,13 @@ def test_mxfp4_experts_run_split_k_by_default_at_decode_sizes_only():
         ("fp4", wd.MAX_ROWS, "triton_splitk"),
         ("fp4", wd.MAX_ROWS + 1, "triton"),
         ("fp8", 1, "triton"),
+        ("fp4 exact", 1, "triton"),
     ]:
+        exact = fmt.endswith(" exact")
+        fmt = fmt.removesuffix(" exact")
         ws = _experts(fmt, e, inter, d, g)
         x = torch.randn(t, d, generator=g)
         idx = torch.stack([torch.randperm(e, generator=g)[:k_top] for _ in range(t)])
         args = (x, torch.rand(t, k_top, generator=g), idx, *ws["w1"], *ws["w2"], *ws["w3"], 4.0, 0, fmt, "ue8m0")
-        assert ops.resolve("quantized_moe_experts", None, *args).name == want, (fmt, t)
+        with exact_accumulation(exact):
+            assert ops.resolve("quantized_moe_experts", None, *args).name == want, (fmt, t, exact)

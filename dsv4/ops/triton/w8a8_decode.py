@@ -14,10 +14,11 @@ routing plan, tile table and activation quantizations of `w8a8_gemm.grouped_expe
 three grouped GEMMs the same way; the partials are kept in sorted-row order and the sum kernel rounds and
 scatters them as the grouped kernel writes its rows.
 
-Only for calls of at most `MAX_ROWS` token rows (decode). The MXFP4 experts at those sizes run here by
-default (measured 2.0-2.9x the dense kernel, `scripts/bench_fp4_experts.py`); the FP8 GEMMs and FP8 experts
-run here when asked for by name (`backend="triton_splitk"`, `dsv4 bench w8a8 --only decode` times every
-backend) until a measurement makes them a default.
+Only for calls of at most `MAX_ROWS` token rows (decode). At those sizes the MXFP4 experts run here by
+default (measured 2.0-2.9x the dense kernel, `scripts/bench_fp4_experts.py`), and so do FP8 GEMMs with K >=
+4096 and N >= 1024 (1.1-1.7x, `dsv4 bench w8a8 --only decode`); not in deterministic mode, where the dense
+kernel runs every batch so that a row's sums do not change with its step's size. The other FP8 GEMMs, the
+MXFP4 GEMMs and the FP8 experts run here when asked for by name (`backend="triton_splitk"`).
 """
 
 from __future__ import annotations
@@ -547,16 +548,39 @@ def _fp4_splitk_can_run(q, s, weight, scale, out_dtype=torch.bfloat16) -> str | 
     return _fp4_can_run(q, s, weight, scale, out_dtype) or _rows_reason(q)
 
 
+# FP8 GEMMs of at least these sizes take the split-K kernel by default at decode sizes: `dsv4 bench w8a8
+# --only decode` (flash's shapes, one H100, BENCHMARKS.md) had it faster at 1, 16 and 64 rows for K = 4096
+# or 8192 with N >= 1024 (wq_a, wo_b, the shared expert's w1: 1.1-1.7x) and no faster for K <= 2048 or the
+# 512-row wkv, where the dense kernel's column tiles fill the GPU already
+FP8_SPLITK_MIN_K = 4096
+FP8_SPLITK_MIN_N = 1024
+
+
+def _fp8_splitk_prefer(q, s, weight, scale, out_dtype=torch.bfloat16) -> bool:
+    """The default for the deep FP8 GEMMs above, outside deterministic mode (there a row's sums must not
+    depend on whether its step holds more than MAX_ROWS rows, past which the dense kernel's grouping runs)."""
+    return not is_exact() and q.size(-1) >= FP8_SPLITK_MIN_K and weight.size(0) >= FP8_SPLITK_MIN_N
+
+
 def _moe_splitk_prefer(
     x, weights, indices, w1, s1, w2, s2, w3, s3, swiglu_limit, expert_offset=0, fmt="fp8", act="ue8m0"
-):
-    """The default for MXFP4 experts (their row tiles on the CUDA cores); FP8 experts keep the dense kernel."""
-    return fmt == "fp4"
+) -> bool:
+    """The default for MXFP4 experts (their row tiles on the CUDA cores) outside deterministic mode (as
+    above); FP8 experts keep the dense kernel."""
+    return fmt == "fp4" and not is_exact()
 
 
-# the GEMMs below the dense kernel (priority 10): by name only, until measured (module docstring); the
-# grouped experts above it where `_moe_splitk_prefer` says so (MXFP4), below it otherwise
-register("fp8_gemm", "triton_splitk", splitk_fp8_gemm, can_run=_fp8_splitk_can_run, deterministic=True, priority=5)
+# below the dense kernel (priority 10) by name; above it where a `prefer` says so (deep FP8 GEMMs, MXFP4
+# experts), and always refusing calls of more than MAX_ROWS rows
+register(
+    "fp8_gemm",
+    "triton_splitk",
+    splitk_fp8_gemm,
+    can_run=_fp8_splitk_can_run,
+    deterministic=True,
+    priority=11,
+    prefer=_fp8_splitk_prefer,
+)
 register("fp4_gemm", "triton_splitk", splitk_fp4_gemm, can_run=_fp4_splitk_can_run, deterministic=True, priority=5)
 register(
     "quantized_moe_experts",
