@@ -241,15 +241,13 @@ def test_mxfp4_experts_run_split_k_by_default_at_decode_sizes_only():
 
     g = torch.Generator().manual_seed(3)
     k_top, e, d, inter = 2, 4, 256, 256
-    for fmt, t, want in [
-        ("fp4", 1, "triton_splitk"),
-        ("fp4", wd.MAX_ROWS, "triton_splitk"),
-        ("fp4", wd.MAX_ROWS + 1, "triton"),
-        ("fp8", 1, "triton"),
-        ("fp4 exact", 1, "triton"),
+    for fmt, t, exact, want in [
+        ("fp4", 1, False, "triton_splitk"),
+        ("fp4", wd.MAX_ROWS, False, "triton_splitk"),
+        ("fp4", wd.MAX_ROWS + 1, False, "triton"),
+        ("fp8", 1, False, "triton"),
+        ("fp4", 1, True, "triton"),
     ]:
-        exact = fmt.endswith(" exact")
-        fmt = fmt.removesuffix(" exact")
         ws = _experts(fmt, e, inter, d, g)
         x = torch.randn(t, d, generator=g)
         idx = torch.stack([torch.randperm(e, generator=g)[:k_top] for _ in range(t)])
