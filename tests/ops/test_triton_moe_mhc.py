@@ -515,30 +515,37 @@ def test_hc_pre_projection_grads_over_several_token_splits(with_y, monkeypatch):
 
 
 def check_projection_kernel(device: torch.device, t: int, d: int, hc: int = 4, mix: int = 24) -> None:
-    """`mhc_bwd.projection_grads` on fp32 inputs whose three g_x terms are of one size (so that each one
-    shows), against the formula in float64: g_x = gmr fn - c x + pre g_y, g_fn = gmr^T x. fp32 products
-    and sums of n terms are within n * 2^-24 of the sum of the terms' magnitudes (plus the final rounding).
-    Also without g_y (the pre term drops, g_fn is unchanged)."""
+    """`mhc_bwd.projection_grads` on inputs whose three g_x terms are of one size (so that each one shows),
+    against the formula in float64: g_x = gmr fn - c x + pre g_y, g_fn = gmr^T x. The kernel's products are
+    exact (tensor-core products of exact bf16 parts of the fp32 operands) and those it leaves out are below
+    2^-24 relative each, so fp32 sums of n terms stay within (n + 4) 2^-24 of the sum of the terms'
+    magnitudes; a g_x of bf16 x is rounded once more to bf16 (within 2^-8 of itself). x fp32 (split three
+    ways as gmr) and bf16 (one exact part); also without g_y (the pre term drops, g_fn is unchanged)."""
     mhc_bwd = importlib.import_module("dsv4.ops.triton.mhc_bwd")
     g = torch.Generator().manual_seed(33)
-    x = torch.randn(t, hc * d, generator=g)
+    x32 = torch.randn(t, hc * d, generator=g)
     gy = torch.randn(t, d, generator=g)
     fn = torch.randn(mix, hc * d, generator=g) / mix**0.5
     gmr = torch.randn(t, mix, generator=g)
     c = torch.randn(t, generator=g)
     pre = torch.rand(t, hc, generator=g) + 0.5
-    X, G, F, M, C, P = (v.double() for v in (x, gy, fn, gmr, c, pre))
-    x, gy, fn, gmr, c, pre = (v.to(device) for v in (x, gy, fn, gmr, c, pre))
-    g_x, g_fn = (v.cpu() for v in mhc_bwd.projection_grads(x, gy, fn, gmr, c, pre))
-    pg = P.repeat_interleave(d, 1) * G.repeat(1, hc)  # pre[t, k // d] g_y[t, k % d]
-    want_x = M @ F - C[:, None] * X + pg
-    size_x = M.abs() @ F.abs() + (C[:, None] * X).abs() + pg.abs()
-    assert ((g_x.double() - want_x).abs() <= (mix + 4) * 2.0**-24 * size_x).all()
-    want_fn, size_fn = M.t() @ X, M.t().abs() @ X.abs()
-    assert ((g_fn.double() - want_fn).abs() <= (t + 2) * 2.0**-24 * size_fn).all()
-    g_x0, g_fn0 = (v.cpu() for v in mhc_bwd.projection_grads(x, None, fn, gmr, c, pre))
-    assert ((g_x0.double() - (want_x - pg)).abs() <= (mix + 4) * 2.0**-24 * size_x).all()
-    assert torch.equal(g_fn0, g_fn)
+    for x in (x32, x32.bfloat16()):
+        X, G, F, M, C, P = (v.double() for v in (x, gy, fn, gmr, c, pre))
+        on = [v.to(device) for v in (x, gy, fn, gmr, c, pre)]
+        g_x, g_fn = (v.cpu() for v in mhc_bwd.projection_grads(*on))
+        assert g_x.dtype == x.dtype and g_fn.dtype == torch.float32
+        pg = P.repeat_interleave(d, 1) * G.repeat(1, hc)  # pre[t, k // d] g_y[t, k % d]
+        want_x = M @ F - C[:, None] * X + pg
+        size_x = M.abs() @ F.abs() + (C[:, None] * X).abs() + pg.abs()
+        rounding = 2.0**-8 * g_x.double().abs() if x.dtype == torch.bfloat16 else 0.0
+        assert ((g_x.double() - want_x).abs() <= (mix + 4) * 2.0**-24 * size_x + rounding).all()
+        want_fn, size_fn = M.t() @ X, M.t().abs() @ X.abs()
+        assert ((g_fn.double() - want_fn).abs() <= (t + 4) * 2.0**-24 * size_fn).all()
+        on[1] = None
+        g_x0, g_fn0 = (v.cpu() for v in mhc_bwd.projection_grads(*on))
+        rounding = 2.0**-8 * g_x0.double().abs() if x.dtype == torch.bfloat16 else 0.0
+        assert ((g_x0.double() - (want_x - pg)).abs() <= (mix + 4) * 2.0**-24 * size_x + rounding).all()
+        assert torch.equal(g_fn0, g_fn)
 
 
 def test_hc_pre_projection_kernel_against_its_formula_in_float64():

@@ -70,3 +70,14 @@ def round_to(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
         u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
         return u.to(tl.float32, bitcast=True).to(dtype)
     return x.to(dtype)
+
+
+@triton.jit
+def split3(x, UPCAST: tl.constexpr):
+    """fp32 -> three bf16 parts (hi, mid, lo), hi + mid + lo == x exactly for normal fp32 values: part i
+    carries about 2^(-8 i) of x, so tensor-core products of the parts are exact in fp32."""
+    hi = round_to(x, tl.bfloat16, UPCAST)
+    r = x - hi.to(tl.float32)  # exact in fp32
+    mid = round_to(r, tl.bfloat16, UPCAST)
+    lo = round_to(r - mid.to(tl.float32), tl.bfloat16, UPCAST)
+    return hi, mid, lo

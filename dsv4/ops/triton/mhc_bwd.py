@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ._common import num_sms
-from ._mm_utils import INTERPRET, round_to
+from ._mm_utils import INTERPRET, mma, round_to, split3
 from ._mm_utils import launch as _launch
 
 
@@ -216,8 +216,10 @@ def _hc_pre_gx_kernel(
     HC: tl.constexpr,
     MP: tl.constexpr,
     HAS_GY: tl.constexpr,
+    X_BF16: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """The projection gradients of hc_pre in one pass over x, for the K columns of program axis 0 and the
     tokens of split axis 1 (K = HC * D, column k = copy k // D, channel k % D):
@@ -225,8 +227,11 @@ def _hc_pre_gx_kernel(
         g_x[t, k] = sum_m gmr[t, m] fn[m, k] - c[t] x[t, k] (+ pre[t, k // D] g_y[t, k % D])   in x's dtype
         g_fn part[split, m, k] = sum over the split's tokens of gmr[t, m] x[t, k]               fp32
 
-    gmr = d loss / d raw mixes [T, MIX], c = the rsqrt's gradient term [T]; fp32 products and sums (the
-    caller adds the parts in split order: no atomics, the same bits at every run)."""
+    gmr = d loss / d raw mixes [T, MIX], c = the rsqrt's gradient term [T]. Both sums run on bf16 tensor
+    cores with fp32 accumulation over exact three-way bf16 splits (`split3`) of the fp32 operands: g_x keeps
+    the six of nine part products that matter at fp32 precision (i + j <= 2: the rest are below 2^-24
+    relative), g_fn the three of gmr's parts times x when x holds bf16 values (exact: one part), else six as
+    g_x. The caller adds the parts in split order: no atomics, the same bits at every run."""
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
     K = HC * D
@@ -237,6 +242,7 @@ def _hc_pre_gx_kernel(
     fnt = tl.load(fn_ptr + ms[:, None] * K + ks[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0).to(
         tl.float32
     )  # [MP, BK]
+    f0, f1, f2 = split3(fnt, UPCAST)
     acc = tl.zeros((MP, BK), dtype=tl.float32)
     t0 = pid_s * per_split
     t1 = tl.minimum(t0 + per_split, T)
@@ -246,15 +252,36 @@ def _hc_pre_gx_kernel(
         ts64 = ts.to(tl.int64)
         m = tmask[:, None] & kmask[None, :]
         gmr = tl.load(gmr_ptr + ts64[:, None] * MIX + ms[None, :], mask=tmask[:, None] & mmask[None, :], other=0.0)
-        xt = tl.load(x_ptr + ts64[:, None] * K + ks[None, :], mask=m, other=0.0).to(tl.float32)  # [BT, BK]
+        g0, g1, g2 = split3(gmr, UPCAST)  # [BT, MP] each
+        xr = tl.load(x_ptr + ts64[:, None] * K + ks[None, :], mask=m, other=0.0)  # [BT, BK] in x's dtype
+        xt = xr.to(tl.float32)
         c = tl.load(c_ptr + ts64, mask=tmask, other=0.0)
-        g = tl.dot(gmr, fnt, input_precision="ieee") - c[:, None] * xt
+        d = tl.zeros((BT, BK), dtype=tl.float32)  # gmr fn, smallest products first
+        d = mma(g2, f0, d, UPCAST)
+        d = mma(g0, f2, d, UPCAST)
+        d = mma(g1, f1, d, UPCAST)
+        d = mma(g1, f0, d, UPCAST)
+        d = mma(g0, f1, d, UPCAST)
+        d = mma(g0, f0, d, UPCAST)
+        g = d - c[:, None] * xt
         if HAS_GY:
             pre = tl.load(pre_ptr + ts64[:, None] * HC + (ks // D)[None, :], mask=m, other=0.0)
             gy = tl.load(gy_ptr + ts64[:, None] * D + (ks % D)[None, :], mask=m, other=0.0).to(tl.float32)
             g += pre * gy
-        tl.store(gx_ptr + ts64[:, None] * K + ks[None, :], g.to(gx_ptr.dtype.element_ty), mask=m)
-        acc += tl.dot(tl.trans(gmr), xt, input_precision="ieee")
+        tl.store(gx_ptr + ts64[:, None] * K + ks[None, :], round_to(g, gx_ptr.dtype.element_ty, UPCAST), mask=m)
+        g0t, g1t, g2t = tl.trans(g0), tl.trans(g1), tl.trans(g2)  # [MP, BT]
+        if X_BF16:
+            acc = mma(g2t, xr, acc, UPCAST)
+            acc = mma(g1t, xr, acc, UPCAST)
+            acc = mma(g0t, xr, acc, UPCAST)
+        else:
+            x0, x1, x2 = split3(xt, UPCAST)
+            acc = mma(g2t, x0, acc, UPCAST)
+            acc = mma(g0t, x2, acc, UPCAST)
+            acc = mma(g1t, x1, acc, UPCAST)
+            acc = mma(g1t, x0, acc, UPCAST)
+            acc = mma(g0t, x1, acc, UPCAST)
+            acc = mma(g0t, x0, acc, UPCAST)
     tl.store(gfn_ptr + pid_s * MP * K + ms[:, None] * K + ks[None, :], acc, mask=mmask[:, None] & kmask[None, :])
 
 
@@ -299,8 +326,10 @@ def projection_grads(
         HC=hc,
         MP=mp,
         HAS_GY=gy is not None,
+        X_BF16=xk.dtype == torch.bfloat16,
         BT=GX_BT,
         BK=GX_BK,
+        UPCAST=INTERPRET,
         num_warps=4,
     )
     return g_x, parts[:, :mix].sum(0)  # (rows past MIX pad the dots and are never written)

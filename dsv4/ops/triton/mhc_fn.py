@@ -18,7 +18,7 @@ import triton.language as tl
 from ..torch_native import kept_derived
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import launch as _launch
-from ._mm_utils import round_to
+from ._mm_utils import split3
 
 
 def pp_width(hc: int) -> int:
@@ -29,10 +29,7 @@ def pp_width(hc: int) -> int:
 @triton.jit
 def _split_parts_store(w, out_ptr, K, ks, cols, mask, NC: tl.constexpr, UPCAST: tl.constexpr):
     """Stores w [BK, NC] fp32 as three exact bf16 parts at out[part, k, col] (out: [3, K, NC])."""
-    hi = round_to(w, tl.bfloat16, UPCAST)
-    r = w - hi.to(tl.float32)  # exact in fp32
-    mid = round_to(r, tl.bfloat16, UPCAST)
-    lo = round_to(r - mid.to(tl.float32), tl.bfloat16, UPCAST)
+    hi, mid, lo = split3(w, UPCAST)
     offs = ks[:, None].to(tl.int64) * NC + cols[None, :]
     tl.store(out_ptr + offs, hi, mask=mask)
     tl.store(out_ptr + K * NC + offs, mid, mask=mask)
