@@ -82,7 +82,7 @@ fnw = (torch.randn(24, 256) * 0.05).requires_grad_()
 y, post, comb = ops.hc_pre(x, fnw, torch.ones(3), torch.zeros(24), 1e-6, 1e-6, 20, backend="triton")
 (y.float().sum() + post.sum() + comb.sum()).backward()
 import dsv4.ops.triton.mhc_bwd as mhc_bwd  # its projection kernel also with the GPU's tiles (smaller here)
-mhc_bwd.GX_BT, mhc_bwd.GX_BK = 64, 64
+mhc_bwd.GX_BT, mhc_bwd.GX_BK = 32, 128
 mhc_bwd.projection_grads(torch.randn(70, 256).bfloat16(), torch.randn(70, 64).bfloat16(), torch.randn(24, 256),
                          torch.randn(70, 24), torch.randn(70), torch.rand(70, 4))
 from dsv4.ops.precision import exact_accumulation

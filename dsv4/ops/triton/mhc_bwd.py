@@ -287,7 +287,7 @@ def _hc_pre_gx_kernel(
 
 GPRE_BD = 32 if INTERPRET else 128  # channels per step of the g_pre kernel
 # the projection kernel's tiles: tokens per step and K columns per program (smaller in the interpreter)
-GX_BT, GX_BK = (16, 32) if INTERPRET else (64, 64)
+GX_BT, GX_BK = (16, 32) if INTERPRET else (32, 128)
 GX_PROGRAMS_PER_SM = 4  # (K tiles x token splits): about this many programs per SM
 
 
