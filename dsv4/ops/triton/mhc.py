@@ -14,7 +14,8 @@ gradients of post and comb per token, in registers, in a fixed order).
 
 The `hc_pre` backward differentiates the Sinkhorn map per token in one kernel (replaying it once from the
 saved mixes, [T, 24] numbers, its iterates kept in a scratch buffer and walked back); g_pre before it
-and the projection gradients after it each take one pass over x (`mhc_bwd`), the [T, 24]-sized steps
+and the projection gradients after it each take one pass over x (`mhc_bwd`; the projection's products run
+on tensor cores over exact bf16 parts of their fp32 operands, as the forward's), the [T, 24]-sized steps
 between them are torch ops.
 """
 
