@@ -9,7 +9,8 @@
   the concatenated K axis with fp32 accumulation and output. Same products as the fp32 matmul, other
   summation order: agrees to fp32 rounding, at the bf16 GEMM rate instead of the fp32 SIMT rate.
   The backward splits the fp32 output gradient three ways as well and keeps the six products of the two
-  splits that matter at fp32 precision (the other three are below 2^-24 relative).
+  splits that matter at fp32 precision (the other three are below 2^-24 relative), for the input's
+  gradient as one GEMM over the six pairs laid side by side (smallest first).
 """
 
 from __future__ import annotations
@@ -234,11 +235,11 @@ class _Bf16x3Linear(torch.autograd.Function):
         gx = gw = None
         if ctx.needs_input_grad[0]:
             ws = bf16_parts(weight.detach())  # 3 x [N, K]
-            acc = None
-            for i, j in _PAIRS:
-                term = _mm_fp32_out(gs[i], ws[j])
-                acc = term if acc is None else acc + term
-            gx = acc.view(x.shape).to(x.dtype)
+            # the six products as one GEMM over the pairs' concatenated N axis, smallest first (not six
+            # GEMMs and five fp32 adds of [M, K]: at training sizes those adds were the cost)
+            g6 = torch.cat([gs[i] for i, _ in _PAIRS], dim=1)  # [M, 6N]
+            w6 = torch.cat([ws[j] for _, j in _PAIRS], dim=0)  # [6N, K]
+            gx = _mm_fp32_out(g6, w6).view(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
             xb = x.reshape(-1, x.size(-1))  # bf16: exact, one part
             acc = None
