@@ -114,17 +114,98 @@ def test_refusals_name_their_reason():
     assert "fp32 / bf16 / fp16" in why(x.double(), x.double(), 7.0, torch.bfloat16)
     assert "weight" in why(x, x, 7.0, torch.bfloat16, torch.ones(4, device=DEV))
     x.requires_grad_(True)
-    assert "autograd" in why(x, x, 7.0, torch.bfloat16)
-    with torch.no_grad():
-        assert why(x, x, 7.0, torch.bfloat16) is None
-    with pytest.raises(ops.BackendUnavailable, match="autograd"):
-        ops.clamped_swiglu(x, x, 7.0, torch.bfloat16, backend="triton")
+    assert why(x, x, 7.0, torch.bfloat16) is None  # autograd: the kernel has its backward
 
 
-def test_the_shared_expert_runs_the_kernel_and_trains_through_the_reference():
+def _grads(fn, gate, up, weight, limit, out_dtype, go):
+    leaves = [t.clone().requires_grad_() for t in (gate, up)] + (
+        [weight.clone().requires_grad_()] if weight is not None else []
+    )
+    out = fn(*leaves[:2], limit, out_dtype, leaves[2] if weight is not None else None)
+    out.backward(go)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def check_backward(gate, up, limit, out_dtype, weight=None, seed=0):
+    """The kernel's gradients against the reference's autograd. Each side evaluates the same fp32 formulas:
+    the sigmoid s from exp (within 2 ulp: libdevice or numpy against torch's) and two roundings, so within 4u
+    relative (u = 2^-24); silu's derivative s (1 + g (1 - s)) within 6u (1 + |g|) of s absolutely, the
+    products within a few u more: gate's gradient within 16u |go w up| s (1 + |g|) per side, up's within 16u
+    |go w silu(g)| (as the forward's 8 ulp), the weight's (a sum over the row of I terms) within (I + 16)u
+    of the sum of |go silu(g) up|. Twice that between the two sides, plus one ulp of a 16-bit gradient; the
+    clamped elements' gradient is exactly 0 on both."""
+    g = torch.Generator().manual_seed(seed)
+    go = (torch.randn(gate.shape, generator=g) * 3).to(out_dtype).to(DEV)
+    _, got = _grads(lambda *a: ops.clamped_swiglu(*a, backend="triton"), gate, up, weight, limit, out_dtype, go)
+    assert ops.last_backend("clamped_swiglu") == "triton"
+    _, want = _grads(ref.clamped_swiglu, gate, up, weight, limit, out_dtype, go)
+    G, U, O = gate.double(), up.double(), go.double()
+    W = weight.double() if weight is not None else torch.ones_like(G[..., :1])
+    if limit > 0:
+        G, U = G.clamp(max=limit), U.clamp(-limit, limit)
+    sig = torch.sigmoid(G)
+    # (a NaN input's magnitude counts 0: where its gradient is a number, both sides must agree exactly)
+    mags = [((O * W * U).abs() * sig * (1 + G.abs())).nan_to_num(0.0), (O * W * G * sig).abs().nan_to_num(0.0)]
+    u = 2.0**-24
+    for name, a, b, mag, t in zip(("gate", "up"), got[:2], want[:2], mags, (gate, up)):
+        assert a.dtype == t.dtype and a.shape == t.shape
+        assert torch.equal(a.isnan(), b.isnan()), name
+        num = ~b.isnan()
+        ulp = torch.finfo(t.dtype).eps * torch.maximum(a.abs(), b.abs()).double() if t.dtype != torch.float32 else 0
+        bound = 32 * u * mag + ulp + torch.finfo(t.dtype).smallest_normal
+        assert ((a.double() - b.double()).abs() <= bound)[num].all(), name
+        assert torch.equal(a[b == 0], b[b == 0]), name  # the clamped elements pass nothing
+    if weight is not None:
+        a, b = got[2], want[2]
+        assert a.dtype == torch.float32 and a.shape == weight.shape
+        i = gate.size(-1)
+        bound = 2 * (i + 16) * u * (O * G * sig * U).abs().nan_to_num(0.0).sum(-1, keepdim=True)
+        assert torch.equal(a.isnan(), b.isnan())
+        assert ((a.double() - b.double()).abs() <= bound + 1e-37)[~b.isnan()].all(), "weight"
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_backward_matches_the_reference_autograd(in_dtype, weighted):
+    g = torch.Generator().manual_seed(6)
+    for T, I, limit in ((1, 512, 7.0), (7, 96, 7.0), (40, 300, 7.0), (3, 5, 0.0), (17, 130, 2.0)):
+        gate = (torch.randn(T, I, generator=g) * 6).to(in_dtype).to(DEV)
+        up = (torch.randn(T, I, generator=g) * 6).to(in_dtype).to(DEV)
+        weight = torch.rand(T, 1, generator=g).to(DEV) if weighted else None
+        check_backward(gate, up, limit, in_dtype, weight, seed=T)
+
+
+def test_the_backward_at_the_limits():
+    """Gates and ups at, beyond and inside the clamps, both signs, zeros, very negative gates (exp
+    overflows), NaN (its gradient NaN where it is not clamped away, as the reference's)."""
+    L = 2.5
+    special = [0.0, -0.0, L, -L, L * 1.5, -L * 1.5, -1.2785, -100.0, -89.0, 88.0, 1e30, -1e30, float("nan")]
+    vals = torch.tensor(special)
+    gate = vals.repeat_interleave(len(special)).view(len(special), len(special)).to(DEV)
+    up = vals.repeat(len(special)).view(len(special), len(special)).to(DEV)
+    weight = torch.rand(len(special), 1, generator=torch.Generator().manual_seed(7)).to(DEV)
+    check_backward(gate, up, L, torch.float32, weight)
+    check_backward(gate[:, :-1], up[:, :-1], L, torch.float32, weight)  # no NaN up: numbers in every row's sum
+    check_backward(gate.bfloat16(), up.bfloat16(), L, torch.bfloat16)
+
+
+def test_the_backward_writes_every_element_of_empty_and_odd_shapes():
+    """Row counts around the backward's row block, columns around its column step (the poisoned allocator
+    makes an unwritten gradient NaN); no rows: empty gradients and a zero weight gradient."""
+    g = torch.Generator().manual_seed(8)
+    for t, i in ((1, 1), (15, 129), (16, 128), (33, 257)):
+        gate, up = (torch.randn(t, i, generator=g).to(DEV) for _ in range(2))
+        check_backward(gate, up, 7.0, torch.float32, torch.rand(t, 1, generator=g).to(DEV))
+    gate = torch.zeros(0, 8, device=DEV, requires_grad=True)
+    w = torch.zeros(0, 1, device=DEV, requires_grad=True)
+    ops.clamped_swiglu(gate, gate, 7.0, torch.bfloat16, w, backend="triton").sum().backward()
+    assert gate.grad.shape == (0, 8) and w.grad.shape == (0, 1)
+
+
+def test_the_shared_expert_runs_the_kernel_forward_and_backward():
     """A no-grad forward picks the kernel for every layer's shared expert and gives the reference's output
-    (bit for bit on CUDA, within the interpreter's bounds on the CPU); a training forward picks the
-    reference (the kernel has no backward)."""
+    (bit for bit on CUDA, within the interpreter's bounds on the CPU); so does a training forward, whose
+    backward is the kernel's too."""
     from dsv4.config import ModelConfig
     from dsv4.model import DeepSeekV4
 
@@ -155,7 +236,7 @@ def test_the_shared_expert_runs_the_kernel_and_trains_through_the_reference():
         assert ran["clamped_swiglu"] == ["triton"]
         with ops.which_ran() as ran:
             model(tokens)
-        assert ran["clamped_swiglu"] == ["reference"]
+        assert ran["clamped_swiglu"] == ["triton"]
 
 
 def test_the_fused_sum_of_the_shared_expert_changes_no_bit():

@@ -26,7 +26,6 @@ from .. import fp8_round_trip, register
 from ..moe_shared import (
     MoEPlan,
     act_round_trip,
-    clamped_swiglu,
     combine_rows,
     gate_dtype,
     gather_rows,
@@ -38,6 +37,7 @@ from ..precision import is_exact
 from ._mm_utils import INTERPRET as _INTERPRET
 from ._mm_utils import device_reason, mma, round_to
 from ._mm_utils import launch as _launch
+from .swiglu import triton_clamped_swiglu
 
 
 @triton.jit
@@ -655,8 +655,9 @@ def triton_moe_experts(
     xs = gather_rows(x, plan)  # [M, D]
     gate = _GroupedMM.apply(xs, w1.transpose(1, 2), tiles)  # [M, I]
     up = _GroupedMM.apply(xs, w3.transpose(1, 2), tiles)
+    # the weighted SwiGLU in one launch each way (`swiglu`), the reference's fp32 operations
     h = act_round_trip(
-        (clamped_swiglu(gate, up, swiglu_limit) * plan.weight.unsqueeze(-1)).to(x.dtype), act, fp8_round_trip
+        triton_clamped_swiglu(gate, up, swiglu_limit, x.dtype, plan.weight.float().unsqueeze(-1)), act, fp8_round_trip
     )
     out = mask_rows(_GroupedMM.apply(h, w2.transpose(1, 2), tiles), plan)  # [M, D]
     return combine_rows(out, plan)
