@@ -48,6 +48,17 @@ def closed_loop_ceiling(outputs: list[int], clients: int) -> float:
     return sum(outputs) / (steps * clients)
 
 
+def after_opening_wave(results: list[Result], clients: int) -> list[Result]:
+    """The requests of a closed loop after its opening wave: all but the `clients` sent first (every client's
+    first request, sent together at the start: a burst the load makes, which later arrivals, spread by the
+    requests' own lengths, do not repeat)."""
+    if clients < 1:
+        raise ValueError("a closed loop needs at least one client")
+    order = sorted(range(len(results)), key=lambda i: (results[i].sent is None, results[i].sent or 0.0, i))
+    later = set(order[clients:])
+    return [r for i, r in enumerate(results) if i in later]
+
+
 def arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     """n Poisson arrival times at `rate` requests/s (seconds from the start; exponential gaps)."""
     rng = random.Random(seed)

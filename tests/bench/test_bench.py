@@ -524,6 +524,8 @@ def test_serve_bench_percentiles_and_printed_report(capsys):
         "ttft_p99_s": None,
         "ttft_idle_s": 0.005,
         "ttft_p99_over_idle": None,
+        "ttft_p99_after_opening_s": spread(0.02, 0.03, 0.04),
+        "ttft_p99_after_opening_over_idle": 6.0,
         "itl_p50_s": spread(0.002, 0.002, 0.003),
         "itl_p99_s": spread(0.004, 0.004, 0.004),
         "itl_p99_over_p50": 2.0,
@@ -538,8 +540,9 @@ def test_serve_bench_percentiles_and_printed_report(capsys):
     assert "2 streaming clients, 4 requests per run, prompt ~8, output ~4 (+-25%); median (min-max) of 3 runs" in out[1]
     assert "12.5 (12.0-13.0) output tokens/s  (1 errors)" in out[2]
     assert "p50 10.0 ms (9.0-11.0)  p99 -  (idle 5.0 ms)" in out[3]
-    assert "(p99 2.0x p50)" in out[4]
-    assert "25.0 (20.0-30.0) tokens/s at batch 2: the server reaches 50% of it" in out[5]
+    assert "after the opening wave (each client's first request): p99 30.0 ms (20.0-40.0) (6.0x idle)" in out[4]
+    assert "(p99 2.0x p50)" in out[5]
+    assert "25.0 (20.0-30.0) tokens/s at batch 2: the server reaches 50% of it" in out[6]
     assert out[-2] == "  engine process time: schedule 25%, forward 75% of 4.0 s"
     assert out[-1] == "  error: TimeoutError: late"
 

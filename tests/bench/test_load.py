@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from dsv4.bench.load import arrivals, drive
+from dsv4.bench.load import Result, after_opening_wave, arrivals, drive
 
 
 class SSEServer:
@@ -132,3 +132,14 @@ def test_closed_loop_ceiling_counts_the_seats_left_empty():
     assert closed_loop_ceiling([3, 1, 1], 2) == 5 / (3 * 2)
     with pytest.raises(ValueError):
         closed_loop_ceiling([], 2)
+
+
+def test_the_opening_wave_is_each_clients_first_request():
+    """A closed loop's clients send their first requests together; the requests after that wave are the
+    rest, in work order, whatever order the sends came in (and with a send time missing, last)."""
+    sent = [0.0, 0.001, 0.4, 0.0005, 0.9, None, 0.3]
+    results = [Result(ttft=float(i), sent=t) for i, t in enumerate(sent)]
+    assert [r.ttft for r in after_opening_wave(results, 3)] == [2.0, 4.0, 5.0, 6.0]
+    assert after_opening_wave(results, 7) == [] and len(after_opening_wave(results, 1)) == 6
+    with pytest.raises(ValueError):
+        after_opening_wave(results, 0)
