@@ -10,7 +10,8 @@
   summation order: agrees to fp32 rounding, at the bf16 GEMM rate instead of the fp32 SIMT rate.
   The backward splits the fp32 output gradient three ways as well and keeps the six products of the two
   splits that matter at fp32 precision (the other three are below 2^-24 relative), for the input's
-  gradient as one GEMM over the six pairs laid side by side (smallest first).
+  gradient as one GEMM over the six pairs laid side by side (smallest first) where the weight's output
+  side is not much wider than its input side, else as six GEMMs whose fp32 outputs are added.
 """
 
 from __future__ import annotations
@@ -114,6 +115,11 @@ def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
+
+# the input gradient's six part products run as one GEMM over their concatenation where N < this times K (the
+# concatenation's traffic, 24 bytes per [M, N] element, against six GEMM outputs and five adds, some 84 per
+# [M, K] element: 3.5 by that count, taken lower), else as six GEMMs and five adds
+CONCAT_MAX_N_PER_K = 2
 
 # the products of two three-way splits kept for fp32 accuracy: part i carries about 2^(-8 i) of the
 # value, so (i, j) with i + j <= 2 (six of nine) leave out terms below 2^-24 relative; smallest first
@@ -235,11 +241,21 @@ class _Bf16x3Linear(torch.autograd.Function):
         gx = gw = None
         if ctx.needs_input_grad[0]:
             ws = bf16_parts(weight.detach())  # 3 x [N, K]
-            # the six products as one GEMM over the pairs' concatenated N axis, smallest first (not six
-            # GEMMs and five fp32 adds of [M, K]: at training sizes those adds were the cost)
-            g6 = torch.cat([gs[i] for i, _ in _PAIRS], dim=1)  # [M, 6N]
-            w6 = torch.cat([ws[j] for _, j in _PAIRS], dim=0)  # [6N, K]
-            gx = _mm_fp32_out(g6, w6).view(x.shape).to(x.dtype)
+            n, k = weight.shape
+            if n < CONCAT_MAX_N_PER_K * k:
+                # the six products as one GEMM over the pairs' concatenated N axis, smallest first: the
+                # concatenation moves 24 bytes per [M, N] element, six GEMMs' fp32 outputs and their five
+                # adds some 84 per [M, K] element (a compressor's or the router's N of 256 or fewer against
+                # a dim of 384: the adds were the cost)
+                g6 = torch.cat([gs[i] for i, _ in _PAIRS], dim=1)  # [M, 6N]
+                w6 = torch.cat([ws[j] for _, j in _PAIRS], dim=0)  # [6N, K]
+                acc = _mm_fp32_out(g6, w6)
+            else:  # wide N (a vocabulary head): six GEMMs, their fp32 outputs added smallest first
+                acc = None
+                for i, j in _PAIRS:
+                    term = _mm_fp32_out(gs[i], ws[j])
+                    acc = term if acc is None else acc + term
+            gx = acc.view(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
             xb = x.reshape(-1, x.size(-1))  # bf16: exact, one part
             acc = None

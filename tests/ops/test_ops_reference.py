@@ -321,16 +321,18 @@ def _wide_fp32(shape, seed):
     return torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape, generator=g).float())
 
 
-def test_linear_fp32_bf16x3_matches_fp32_forward_and_backward():
+@pytest.mark.parametrize("n, k", [(50, 96), (300, 40)])  # the input gradient as one GEMM / as six (N >= 2K)
+def test_linear_fp32_bf16x3_matches_fp32_forward_and_backward(n, k):
     """bf16 activations times an fp32 weight through the three-way bf16 split: the same products as the
     fp32 matmul (every part exact), so the result agrees to fp32 rounding; so does the split backward."""
-    from dsv4.ops.torch_native import split_bf16x3
+    from dsv4.ops.torch_native import CONCAT_MAX_N_PER_K, split_bf16x3
 
-    w = _wide_fp32((50, 96), 0)
-    parts = split_bf16x3(w).float()  # [50, 3*96]
-    assert torch.equal(parts[:, :96] + parts[:, 96:192] + parts[:, 192:], w)  # the split is exact
-    x = _wide_fp32((3, 37, 96), 1).to(torch.bfloat16)
-    g = _wide_fp32((3, 37, 50), 2)  # not bf16-exact: split too
+    assert (n < CONCAT_MAX_N_PER_K * k) == (n == 50)  # each of the backward's two forms
+    w = _wide_fp32((n, k), 0)
+    parts = split_bf16x3(w).float()  # [n, 3k]
+    assert torch.equal(parts[:, :k] + parts[:, k : 2 * k] + parts[:, 2 * k :], w)  # the split is exact
+    x = _wide_fp32((3, 37, k), 1).to(torch.bfloat16)
+    g = _wide_fp32((3, 37, n), 2)  # not bf16-exact: split too
     outs = {}
     for be in ("reference", "bf16x3"):
         xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -339,17 +341,17 @@ def test_linear_fp32_bf16x3_matches_fp32_forward_and_backward():
         outs[be] = (y.detach(), xl.grad, wl.grad)
         assert ops.last_backend("linear_fp32") == be
     (y0, gx0, gw0), (y1, gx1, gw1) = outs["reference"], outs["bf16x3"]
-    assert y1.dtype == torch.float32 and y1.shape == (3, 37, 50)
-    # each output is a sum of 96 exact products: only the summation order differs
-    bound = 96 * 2.0**-24 * (x.float().abs() @ w.abs().t())
+    assert y1.dtype == torch.float32 and y1.shape == (3, 37, n)
+    # each output is a sum of k exact products: only the summation order differs
+    bound = k * 2.0**-24 * (x.float().abs() @ w.abs().t())
     assert ((y1 - y0).abs() <= bound).all()
-    # backward: sums of 50 (dx) and 111 (dw) products, three of nine split terms left out (< 2^-24 each)
-    ga = g.abs().reshape(-1, 50)
+    # backward: sums of n (dx) and 111 (dw) products, three of nine split terms left out (< 2^-24 each)
+    ga = g.abs().reshape(-1, n)
     # dx is bf16: two fp32 sums that close may round to neighbouring bf16 values, one ulp apart (up to 2^-7
-    # of the value: 7 stored bits), whatever the summation order (one GEMM over the six parts here)
-    bound_x = (50 + 4) * 2.0**-24 * (ga @ w.abs()).view(gx0.shape) + 2.0**-7 * gx0.float().abs()
+    # of the value: 7 stored bits), whatever the summation order
+    bound_x = (n + 4) * 2.0**-24 * (ga @ w.abs()).view(gx0.shape) + 2.0**-7 * gx0.float().abs()
     assert ((gx1.float() - gx0.float()).abs() <= bound_x).all()
-    bound_w = (111 + 4) * 2.0**-24 * (ga.t() @ x.float().abs().reshape(-1, 96))
+    bound_w = (111 + 4) * 2.0**-24 * (ga.t() @ x.float().abs().reshape(-1, k))
     assert ((gw1 - gw0).abs() <= bound_w).all()
 
 
