@@ -81,6 +81,11 @@ x = torch.randn(1, 20, 4, 64).bfloat16().requires_grad_()  # hc_pre's backward (
 fnw = (torch.randn(24, 256) * 0.05).requires_grad_()
 y, post, comb = ops.hc_pre(x, fnw, torch.ones(3), torch.zeros(24), 1e-6, 1e-6, 20, backend="triton")
 (y.float().sum() + post.sum() + comb.sum()).backward()
+for dt in (torch.bfloat16, torch.float32):  # clamped SwiGLU's backward (training): weighted, clamped or not
+    gu = [torch.randn(5, 40).to(dt).requires_grad_() for _ in range(2)]
+    wt = torch.rand(5, 1).requires_grad_()
+    ops.clamped_swiglu(*gu, 7.0, torch.bfloat16, wt, backend="triton").float().sum().backward()
+    ops.clamped_swiglu(*gu, 0.0, dt, backend="triton").float().sum().backward()
 import dsv4.ops.triton.mhc_bwd as mhc_bwd  # its projection kernel also with the GPU's tiles (smaller here)
 mhc_bwd.GX_BT, mhc_bwd.GX_BK = 32, 128
 mhc_bwd.projection_grads(torch.randn(70, 256).bfloat16(), torch.randn(70, 64).bfloat16(), torch.randn(24, 256),
@@ -207,6 +212,7 @@ def test_every_kernel_the_model_launches_compiles_for_sm90():
     # backends (and the engine's token draw)
     kernels = {"_fwd_kernel", "_hc_pre_part_kernel", "_norm_fwd_kernel", "_gmm_kernel", "_fixed_mm_kernel"}
     kernels |= {"_hc_pre_gpre_kernel", "_hc_split_bwd_kernel", "_hc_pre_gx_kernel"}  # hc_pre's backward
+    kernels.add("_swiglu_bwd_kernel")  # clamped SwiGLU's backward
     kernels.add("_sum_splits_kernel")  # the fixed-plan GEMM's K splits added in order
     kernels.add("_write_rows_kernel")  # the caches' row writes
     kernels |= {"_w8a8_kernel", "_w8a8_splitk_kernel", "_sum_splits_rows_kernel"}  # W8A8 GEMMs, dense and split-K
