@@ -245,10 +245,10 @@ def train_layer_saved(cfg: ModelConfig, ratio: int, batch: int, seq_len: int, dt
       loss's gather index (int64), log-softmax (fp32) and masks over the top-k entries.
     - router: fp32 logits and scores [experts] (softplus, sqrt), the chosen indices (int64) and weights.
     - moe: the normed input [dim]; each routed slot (token x top-k): its gathered input [dim] (saved by
-      `_GroupedMM` for w1 and w3), the clamped SwiGLU's fp32 intermediates [inter] (gate and up upcast,
-      both clamped, silu: five with a swiglu_limit, three without; and the product the routing weight
-      scales), the weighted hidden [inter] (w2's input) and the plan's int64 slot order and token ids; the
-      shared expert the same SwiGLU intermediates (no routing weight) and hidden per token.
+      `_GroupedMM` for w1 and w3), the clamped SwiGLU's gate and up [inter] in their dtype and its routing
+      weight (fp32; the Triton kernel's backward recomputes the rest), the weighted hidden [inter] (w2's
+      input) and the plan's int64 slot order and token ids; the shared expert the same gate, up and hidden
+      per token.
     """
     b, s, a = batch, seq_len, dtype_bytes
     T = b * s
@@ -285,12 +285,8 @@ def train_layer_saved(cfg: ModelConfig, ratio: int, batch: int, seq_len: int, dt
             T * (cfg.index_n_heads * cfg.index_head_dim * a + cfg.index_n_heads * 4 + picked * (8 + 4 + 3)) + T * n * 4
         )
     router = T * (2 * E * 4 + k * (8 + 4) + 8)
-    swiglu = (5 if cfg.swiglu_limit > 0 else 3) * inter * 4  # + the product the routing weight scales
-    moe = (
-        T * D * a
-        + T * k * (D * a + swiglu + inter * 4 + inter * a + 8 + 8 + 4)
-        + T * cfg.n_shared_experts * (swiglu + inter * a)
-    )
+    swiglu = 2 * inter * a  # gate and up, what the SwiGLU kernel's backward reads
+    moe = T * D * a + T * k * (D * a + swiglu + inter * a + 8 + 8 + 4) + T * cfg.n_shared_experts * (swiglu + inter * a)
     return {"mhc": mhc, "attention": attn, "compressors": comp, "indexer": indexer, "router": router, "moe": moe}
 
 
