@@ -287,8 +287,8 @@ def _hc_pre_gx_kernel(
 
 GPRE_BD = 32 if INTERPRET else 128  # channels per step of the g_pre kernel
 # the projection kernel's tiles: tokens per step and K columns per program (smaller in the interpreter);
-# 32 x 128 was the fastest of nine on an H100 at 65,536 tokens of 4 x 384 (BENCHMARKS.md, "The `hc_pre`
-# projection gradients on tensor cores")
+# 32 x 128 was the fastest of nine on an H100 at 65,536 tokens of 4 x 384 (BENCHMARKS.md, "The training
+# step 21% faster")
 GX_BT, GX_BK = (16, 32) if INTERPRET else (32, 128)
 GX_PROGRAMS_PER_SM = 4  # (K tiles x token splits): about this many programs per SM
 
