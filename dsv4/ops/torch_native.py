@@ -243,10 +243,8 @@ class _Bf16x3Linear(torch.autograd.Function):
             ws = bf16_parts(weight.detach())  # 3 x [N, K]
             n, k = weight.shape
             if n < CONCAT_MAX_N_PER_K * k:
-                # the six products as one GEMM over the pairs' concatenated N axis, smallest first: the
-                # concatenation moves 24 bytes per [M, N] element, six GEMMs' fp32 outputs and their five
-                # adds some 84 per [M, K] element (a compressor's or the router's N of 256 or fewer against
-                # a dim of 384: the adds were the cost)
+                # the six products as one GEMM over the pairs' concatenated N axis, smallest first (a
+                # compressor's or the router's N against a dim of 384; CONCAT_MAX_N_PER_K says why)
                 g6 = torch.cat([gs[i] for i, _ in _PAIRS], dim=1)  # [M, 6N]
                 w6 = torch.cat([ws[j] for _, j in _PAIRS], dim=0)  # [6N, K]
                 acc = _mm_fp32_out(g6, w6)

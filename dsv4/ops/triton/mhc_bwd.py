@@ -200,6 +200,18 @@ def _hc_pre_gpre_kernel(x_ptr, gy_ptr, gpre_ptr, T, D, HC: tl.constexpr, BT: tl.
 
 
 @triton.jit
+def _mma_pairs(a0, a1, a2, b0, b1, b2, acc, UPCAST: tl.constexpr):
+    """acc + (a0 + a1 + a2) @ (b0 + b1 + b2) over three-way bf16 splits, the six part products whose terms
+    matter at fp32 precision (i + j <= 2), smallest first."""
+    acc = mma(a2, b0, acc, UPCAST)
+    acc = mma(a0, b2, acc, UPCAST)
+    acc = mma(a1, b1, acc, UPCAST)
+    acc = mma(a1, b0, acc, UPCAST)
+    acc = mma(a0, b1, acc, UPCAST)
+    return mma(a0, b0, acc, UPCAST)
+
+
+@triton.jit
 def _hc_pre_gx_kernel(
     x_ptr,
     gy_ptr,
@@ -256,13 +268,7 @@ def _hc_pre_gx_kernel(
         xr = tl.load(x_ptr + ts64[:, None] * K + ks[None, :], mask=m, other=0.0)  # [BT, BK] in x's dtype
         xt = xr.to(tl.float32)
         c = tl.load(c_ptr + ts64, mask=tmask, other=0.0)
-        d = tl.zeros((BT, BK), dtype=tl.float32)  # gmr fn, smallest products first
-        d = mma(g2, f0, d, UPCAST)
-        d = mma(g0, f2, d, UPCAST)
-        d = mma(g1, f1, d, UPCAST)
-        d = mma(g1, f0, d, UPCAST)
-        d = mma(g0, f1, d, UPCAST)
-        d = mma(g0, f0, d, UPCAST)
+        d = _mma_pairs(g0, g1, g2, f0, f1, f2, tl.zeros((BT, BK), dtype=tl.float32), UPCAST)  # gmr fn
         g = d - c[:, None] * xt
         if HAS_GY:
             pre = tl.load(pre_ptr + ts64[:, None] * HC + (ks // D)[None, :], mask=m, other=0.0)
@@ -276,12 +282,7 @@ def _hc_pre_gx_kernel(
             acc = mma(g0t, xr, acc, UPCAST)
         else:
             x0, x1, x2 = split3(xt, UPCAST)
-            acc = mma(g2t, x0, acc, UPCAST)
-            acc = mma(g0t, x2, acc, UPCAST)
-            acc = mma(g1t, x1, acc, UPCAST)
-            acc = mma(g1t, x0, acc, UPCAST)
-            acc = mma(g0t, x1, acc, UPCAST)
-            acc = mma(g0t, x0, acc, UPCAST)
+            acc = _mma_pairs(g0t, g1t, g2t, x0, x1, x2, acc, UPCAST)
     tl.store(gfn_ptr + pid_s * MP * K + ms[:, None] * K + ks[None, :], acc, mask=mmask[:, None] & kmask[None, :])
 
 

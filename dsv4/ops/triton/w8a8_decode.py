@@ -549,7 +549,7 @@ def _fp4_splitk_can_run(q, s, weight, scale, out_dtype=torch.bfloat16) -> str | 
 
 
 # FP8 GEMMs of at least these sizes take the split-K kernel by default at decode sizes: `dsv4 bench w8a8
-# --only decode` (flash's shapes, one H100, one run: BENCHMARKS.md) had it faster at 1, 16 and 64 rows for K = 4096
+# --only decode` (flash's shapes, one H100, three runs: BENCHMARKS.md) had it faster at 1, 16 and 64 rows for K = 4096
 # or 8192 with N >= 1024 (wq_a, wo_b, the shared expert's w1: 1.1-1.7x) and no faster for K <= 2048 or the
 # 512-row wkv, where the dense kernel's column tiles fill the GPU already
 FP8_SPLITK_MIN_K = 4096
