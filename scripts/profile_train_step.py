@@ -1,7 +1,7 @@
 """One eager training step under the torch profiler, by op and input shape: which calls launch a step's kernels.
 
     python3 scripts/profile_train_step.py [--train-config dsv4/train/recipes/pycode-base.toml] [--batch 64]
-                                          [--seq-len 1024] [--out DIR]
+                                          [--seq-len 1024] [--activation-checkpointing] [--out DIR]
 
 The model a recipe trains (or --preset), random weights in fp32 (master weights) and random tokens; forward
 with every loss (MTP, indexer) under bf16 autocast, backward, as `dsv4 train` runs them but eagerly (a CUDA
@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64, help="sequences per step (default 64)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--rows", type=int, default=30, help="rows of each table (default 30)")
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each block's forward in backward (how `medium` fits one GPU)",
+    )
     p.add_argument("--out", default=None, help="folder for by_shape.txt (default: not written)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -43,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     model = DeepSeekV4(cfg, dtype=torch.float32, device=dev).train()
+    model.set_options(activation_checkpointing=args.activation_checkpointing)
     tokens = _tokens(cfg, args.batch, args.seq_len, dev)
     mtp = cfg.n_mtp_layers > 0 and not cfg.dspark
 

@@ -15,8 +15,9 @@ of each op on the device (the ops that ran are listed from `dsv4.ops.calls()`, s
   `dsv4 train` (fp32 master weights, bf16 autocast, all losses, clipping, Muon + AdamW, bias update).
   `--cuda-graph` replays forward + losses + backward from one graph (`GraphedBackward`) and, with
   --optimizer, the update (clipping, Muon + AdamW, router bias) from a second one captured at the second
-  step (`ReplayAfterFirst`), as `dsv4 train --cuda-graph` does. tokens/s = b*s / time; MFU from the config's
-  active FLOPs per token (`dsv4.train.metrics`).
+  step (`ReplayAfterFirst`), as `dsv4 train --cuda-graph` does. `--grad-accum N`: N micro-batches of [b, s]
+  a step, their gradients summed (the graph adds into its gradient buffers), one update. tokens/s =
+  N*b*s / time; MFU from the config's active FLOPs per token (`dsv4.train.metrics`).
   `--optimizer-only` times the optimizer part of that step alone, on random gradients and expert loads:
   gradient norm and clipping, the non-finite check, Muon + AdamW and the router-bias update, as
   `Trainer.train_step` runs them ("fast": `OptimConfig(fast=True)`, one device read; with --cuda-graph
@@ -234,7 +235,9 @@ def bench_train(model, args, device, path: str) -> dict:
     from ..train.optim import MuonAdamW, OptimConfig
 
     cfg = model.cfg
-    tokens = _tokens(cfg, args.batch, args.seq, device)
+    n_micro = getattr(args, "grad_accum", None) or 1
+    batches = [_tokens(cfg, args.batch, args.seq, device, seed=i) for i in range(n_micro)]  # a step's micro-batches
+    tokens = batches[0]
     model.train()
     model.set_options(activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)))
     full = bool(getattr(args, "optimizer", False))
@@ -261,9 +264,10 @@ def bench_train(model, args, device, path: str) -> dict:
             model.zero_grad(set_to_none=True)
 
     def eager_step(_):
-        with autocast:
-            loss = loss_fn(tokens)["loss"]
-        loss.backward()
+        for batch in batches:
+            with autocast:
+                loss = loss_fn(batch)["loss"]
+            (loss if n_micro == 1 else loss / n_micro).backward()
         optimizer_step()
 
     graphed = path != "reference" and device.type == "cuda" and bool(getattr(args, "cuda_graph", False))
@@ -273,7 +277,14 @@ def bench_train(model, args, device, path: str) -> dict:
                 from ..train.graphed import GraphedBackward
 
                 ops.reset_calls()
-                graph = GraphedBackward(model, loss_fn, tokens, torch.bfloat16 if full else None)
+                graph = GraphedBackward(
+                    model,
+                    loss_fn,
+                    tokens,
+                    torch.bfloat16 if full else None,
+                    accumulate=n_micro > 1,
+                    loss_scale=1.0 / n_micro,
+                )
                 used = _backends_used()  # what the graph replays
 
                 if opt is not None:  # the update replayed too, from the second call on
@@ -282,7 +293,8 @@ def bench_train(model, args, device, path: str) -> dict:
                     replay = ReplayAfterFirst(update)
 
                 def step(_):
-                    graph.run(tokens)
+                    for i, batch in enumerate(batches):
+                        graph.run(batch, zero=i == 0)
                     if opt is not None:
                         replay()
                         opt.zero_grad()
@@ -301,13 +313,14 @@ def bench_train(model, args, device, path: str) -> dict:
     finally:
         model.eval()
         model.set_options(activation_checkpointing=False)
-    tok_s = args.batch * args.seq / sec
+    tok_s = n_micro * args.batch * args.seq / sec
     row = {
         "bench": "train",
         "path": path,
         "step": "full" if full else "fwd+bwd",
         "batch": args.batch,
         "seq": args.seq,
+        "grad_accum": n_micro,
         "s": round(sec, 4),
         "tokens_per_s": round(tok_s, 1),
         "cuda_graph": graphed,
@@ -597,6 +610,7 @@ def render(result: dict) -> str:
             "kernels_per_step",
             "gpu_busy_ms_per_step",
             "host_syncs_per_step",
+            "grad_accum",
             "model_tflops",
             "mfu",
             "muon",
@@ -711,6 +725,15 @@ def add_bench_parsers(subparsers) -> None:
                 action="store_true",
                 help="recompute each block's forward in backward (the MFU counts the model's FLOPs, "
                 "not the recomputation): how `medium` fits one H200",
+            )
+            p.add_argument(
+                "--grad-accum",
+                type=argtypes.positive_int,
+                default=1,
+                metavar="N",
+                help="micro-batches per step: forward + backward on N batches of --batch sequences, gradients "
+                "summed, then (with --optimizer) one update, as `dsv4 train --grad-accum N`; tokens/s and "
+                "MFU count all N (default 1)",
             )
             p.add_argument(
                 "--peak-tflops", type=argtypes.positive_float, help="device bf16 peak for MFU (default: known GPUs)"

@@ -83,6 +83,14 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-size", type=argtypes.positive_int, help=f"global batch size in sequences ({_default('batch_size')})"
     )
+    p.add_argument(
+        "--grad-accum",
+        type=argtypes.positive_int,
+        metavar="N",
+        help="micro-batches per optimizer step: forward + backward on N batches of --batch-size sequences, "
+        "their gradients summed (each loss weighted 1/N), then one update; N x --batch-size sequences a step "
+        "at one batch's activation memory (default 1)",
+    )
     options.add(p, "seq_len", note=_default("seq_len"))
     p.add_argument(
         "--lr", type=argtypes.positive_float, help=f"peak learning rate of Muon and AdamW ({_default('lr')})"

@@ -14,6 +14,11 @@ loss_fn returns) are the graph's buffers, overwritten by the next replay. The gr
 accumulated (the capture starts from `.grad = None`), and re-attached after each replay, so an optimizer
 that sets them to None between steps keeps working. Under autocast the capture runs with autocast's weight
 cache off, as CUDA graphs require.
+
+With `accumulate=True` (gradient accumulation over micro-batches) the gradients are buffers allocated
+before the capture, which the captured backward adds into in place: `run(batch, zero=True)` clears them
+first (the step's first micro-batch), `run(batch, zero=False)` adds the next micro-batch's gradients;
+`loss_scale` (e.g. 1/N for N micro-batches) weights the loss that backward starts from, not the outputs.
 """
 
 from __future__ import annotations
@@ -33,11 +38,14 @@ class GraphedBackward:
         example: torch.Tensor,
         autocast_dtype: torch.dtype | None = None,
         warmup: int = 2,
+        accumulate: bool = False,
+        loss_scale: float = 1.0,
     ):
         dev = example.device
         if dev.type != "cuda":
             raise ValueError(f"CUDA graphs need CUDA tensors, this batch is on {dev}")
         self.model, self.loss_fn, self.autocast_dtype = model, loss_fn, autocast_dtype
+        self.loss_scale = loss_scale
         self.batch = example.clone()
         self.params = [p for p in model.parameters() if p.requires_grad]
         side = torch.cuda.Stream(dev)
@@ -46,31 +54,42 @@ class GraphedBackward:
             for _ in range(warmup):
                 self._forward_backward()
         torch.cuda.current_stream(dev).wait_stream(side)
-        for p in self.params:
-            p.grad = None
+        self.accumulate = accumulate
+        for p in self.params:  # accumulating: buffers the captured backward adds into (AccumulateGrad's
+            p.grad = torch.zeros_like(p) if accumulate else None  # in-place add, as grad mode is off there)
         self.graph = torch.cuda.CUDAGraph()
         with capturing(self.graph):
             self.outputs = self._forward_backward()
-        self.grads = [p.grad for p in self.params]  # None where the loss does not reach
+        self.grads = [p.grad for p in self.params]  # None where the loss does not reach (not accumulating)
+        if accumulate:
+            self._zero()
+
+    def _zero(self) -> None:
+        torch._foreach_zero_([g for g in self.grads if g is not None])
 
     def _forward_backward(self) -> dict[str, torch.Tensor]:
         if self.autocast_dtype is None:
             out = self.loss_fn(self.batch)
-            out["loss"].backward()
-            return out
-        with torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False):
-            out = self.loss_fn(self.batch)
-        out["loss"].backward()
+        else:
+            with torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False):
+                out = self.loss_fn(self.batch)
+        loss = out["loss"]
+        (loss if self.loss_scale == 1.0 else loss * self.loss_scale).backward()
         return out
 
-    def run(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Replays forward + backward on `batch` (same shape and dtype as the example); -> loss_fn's outputs."""
+    def run(self, batch: torch.Tensor, zero: bool = True) -> dict[str, torch.Tensor]:
+        """Replays forward + backward on `batch` (same shape and dtype as the example); -> loss_fn's outputs.
+        Accumulating, `zero=False` adds this batch's gradients to the buffers instead of replacing them."""
+        if not zero and not self.accumulate:
+            raise ValueError("this graph sets the gradients; capture it with accumulate=True to add to them")
         if batch.shape != self.batch.shape or batch.dtype != self.batch.dtype:
             raise ValueError(
                 f"this graph was captured for a {self.batch.dtype} batch of shape "
                 f"{list(self.batch.shape)}, got {batch.dtype} {list(batch.shape)}"
             )
         self.batch.copy_(batch)
+        if self.accumulate and zero:
+            self._zero()
         self.graph.replay()
         for p, g in zip(self.params, self.grads):
             p.grad = g

@@ -32,6 +32,7 @@ class TrainConfig:
     held_out_pct: float = 2.0
     seq_len: int | None = None
     batch_size: int | None = None
+    grad_accum: int = 1  # micro-batches of batch_size per optimizer step (gradient accumulation)
     cache_dir: str | None = None
     # optimization
     steps: int | None = None

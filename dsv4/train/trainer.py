@@ -26,9 +26,11 @@ from ..defaults import resolve_device
 from ..errors import RunFailed, UserError, writing
 from ..tokenizer import Tokenizer
 from . import balance, checkpoint, clipping, data, metrics
+from .compiled import compile_blocks
 from .dspark_loss import DSparkLossConfig, dspark_loss, sample_anchors
 from .graphed import ReplayAfterFirst
 from .losses import LossParts, total_loss
+from .micro import MicroSums, routers_with_load
 from .optim import MuonAdamW, OptimConfig, lr_factor, orthogonalization_error
 from .settings import QUICK_CPU_DEFAULTS, STANDARD_DEFAULTS, TrainConfig, model_config_of  # noqa: F401  (TrainConfig: re-exported)
 
@@ -50,33 +52,6 @@ def _distributed_module():
     return distributed
 
 
-def compile_blocks(model: torch.nn.Module, device: torch.device, backend: str = "inductor") -> None:
-    """`--compile`: torch.compile (inductor by default) every main and MTP block. The routed experts stay eager: their
-    loop over experts is data-dependent (under expert parallelism the exchange sizes are host values too),
-    so tracing them would only add graph breaks and recompilations."""
-    import shutil
-
-    import torch._dynamo
-
-    if (
-        backend == "inductor"
-        and device.type == "cpu"
-        and not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++"))
-    ):
-        raise UserError(
-            "--compile on a CPU needs a C++ compiler for inductor (g++ not found): install one, "
-            "set CXX, or train without --compile"
-        )
-    blocks = [*model.layers, *model.mtp]
-    # all blocks share one code object, so each block is a separately guarded variant (and the rope
-    # cache's first fill adds one more): allow that many before dynamo falls back to eager
-    dyn = torch._dynamo.config
-    dyn.recompile_limit = max(dyn.recompile_limit, 4 * len(blocks))
-    model.set_options(eager_experts_under_compile=True)
-    for block in blocks:
-        block.compile(backend=backend)
-
-
 HISTORY_KEPT = 1000  # metric rows a checkpoint carries (metrics.jsonl keeps them all)
 
 
@@ -92,6 +67,8 @@ class Trainer:
             raise UserError("--stop-after-s and --time-budget-s are seconds: not negative")
         if cfg.stop_after_s and cfg.save_every is not None and cfg.save_every < 0:
             raise UserError("--stop-after-s ends a stage with a checkpoint to resume from: not with --save-every -1")
+        if not isinstance(cfg.grad_accum, int) or isinstance(cfg.grad_accum, bool) or cfg.grad_accum < 1:
+            raise UserError(f"grad_accum must be a whole number of micro-batches >= 1, got {cfg.grad_accum!r}")
         if cfg.stop_after_s and cfg.time_budget_s:  # (each stage would shorten the schedule from its own speed)
             raise UserError("--stop-after-s with --time-budget-s: give the run's --steps instead")
         self.dist = _distributed_module()
@@ -102,6 +79,7 @@ class Trainer:
         self.device = self._pick_device()
         self.cfg = cfg = cfg.resolved(self.device.type)  # defaults that depend on preset and device
         self._graph = None
+        self._micro = 0  # the micro-batch of the step being run (--grad-accum)
         self._gnorm_in: torch.Tensor | None = None  # the norm the update clips by (_update)
         if cfg.draft not in (None, "none", "mtp", "dspark"):
             raise UserError(f"--draft must be none, mtp or dspark, got {cfg.draft!r}")
@@ -286,15 +264,24 @@ class Trainer:
         return float(t) / self.world
 
     # ---------------------------------------------------------------- one step
-    def train_step(self, tokens: torch.Tensor) -> dict[str, Any]:
+    def train_step(self, tokens: torch.Tensor | list[torch.Tensor]) -> dict[str, Any]:
+        """One optimizer step on a batch, or on a list of micro-batches whose gradients add up (`micro`)."""
         c, m = self.cfg, self.model
-        tokens = tokens.to(self.device, non_blocking=True)
-        if c.cuda_graph:
-            parts = self._graphed_forward_backward(tokens)
-        else:
-            with self._backend(), self._autocast():
-                parts = self._losses(tokens)
-            parts.total.backward()
+        micro = tokens if isinstance(tokens, list) else [tokens]
+        sums = MicroSums(routers_with_load(m)) if len(micro) > 1 else None
+        for i, t in enumerate(micro):
+            tokens = t.to(self.device, non_blocking=True)
+            self._micro = i
+            if c.cuda_graph:
+                parts = self._graphed_forward_backward(tokens, len(micro), first=i == 0)
+            else:
+                with self._backend(), self._autocast():
+                    parts = self._losses(tokens)
+                (parts.total if sums is None else parts.total / len(micro)).backward()
+            if sums is not None:
+                sums.add(parts)
+        if sums is not None:
+            parts = sums.result()
         max_norm = c.grad_clip if c.grad_clip > 0 else math.inf
         gnorm_t = self._grad_norm()  # on the device; clipping waits for it
         if self.dist is not None:  # global loads: identical bias on every rank
@@ -334,7 +321,7 @@ class Trainer:
             expert_load_max_min=load_ratios,
         )
         if self._diag_now(before=False):
-            row["mhc_violation"] = self._mhc(tokens)
+            row["mhc_violation"] = self._mhc(tokens)  # (the last micro-batch)
         return row
 
     def _update(self, max_norm: float, gnorm_t: torch.Tensor) -> None:
@@ -400,7 +387,7 @@ class Trainer:
                 indexer_loss=c.indexer_weight > 0 and not frozen,
                 balance_alpha=0.0 if frozen else c.balance_alpha,
             )
-        gen = torch.Generator().manual_seed(c.seed * 1_000_003 + self.step * 7919 + self.rank)
+        gen = torch.Generator().manual_seed(c.seed * 1_000_003 + self.step * 7919 + self.rank + self._micro * 104_729)
         anchors = sample_anchors(tokens.size(0), tokens.size(1), c.dspark_anchors, gen, tokens.device)
         d = dspark_loss(
             self.model,
@@ -423,13 +410,15 @@ class Trainer:
             dspark_tau=d.tau,
         )
 
-    def _graphed_forward_backward(self, tokens: torch.Tensor) -> LossParts:
+    def _graphed_forward_backward(self, tokens: torch.Tensor, n_micro: int = 1, first: bool = True) -> LossParts:
         """`--cuda-graph`: forward, losses and backward replayed from one graph captured at the first call.
 
         The graph's outputs are the loss parts and every MoE's expert load: each MoE is handed the graph's
         load buffer after each replay (`MoE.set_load`; an eager forward in between, e.g. the held-out
-        evaluation, measures its own), so the bias update reads this step's loads."""
-        moes = [mod for mod in self.model.modules() if hasattr(mod, "gate") and hasattr(mod, "load")]
+        evaluation, measures its own), so the bias update reads this step's loads. With n_micro > 1
+        micro-batches the graph adds into its gradient buffers (cleared by the `first`), its loss weighted
+        1 / n_micro."""
+        moes = routers_with_load(self.model)
         names = ("lm", "mtp", "indexer", "balance")  # LossParts besides the total
         if self._graph is None:
             from .graphed import GraphedBackward
@@ -442,9 +431,14 @@ class Trainer:
 
             with self._backend():
                 self._graph = GraphedBackward(
-                    self.model, loss_fn, tokens, torch.bfloat16 if self.precision == "bf16" else None
+                    self.model,
+                    loss_fn,
+                    tokens,
+                    torch.bfloat16 if self.precision == "bf16" else None,
+                    accumulate=n_micro > 1,
+                    loss_scale=1.0 / n_micro,
                 )
-        out = self._graph.run(tokens)
+        out = self._graph.run(tokens, zero=first)
         for i, mod in enumerate(moes):
             mod.set_load(out.get(f"load.{i}", mod.load))
         return LossParts(total=out["loss"], **{n: out.get(n) for n in names})
@@ -563,6 +557,8 @@ class Trainer:
             "precision": self.precision,
             "device": str(self.device),
             "world": self.world,
+            "grad_accum": self.cfg.grad_accum,
+            "tokens_per_step": self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum,
             "train_flops_per_token": flops,
             **est,
         }
@@ -598,7 +594,7 @@ class Trainer:
             from ..progress import bar as progress_bar
 
             bar = progress_bar(c.steps, "train", unit="step", initial=self.step)
-        global_tokens = c.batch_size * c.seq_len
+        global_tokens = c.batch_size * c.seq_len * c.grad_accum
         last_eval = None
         if self.step == 0 and c.eval_every > 0:
             last_eval = self.evaluate()
@@ -609,7 +605,7 @@ class Trainer:
         first_step = self.step
         stopped = False  # by stop_after_s: a stage of a longer run
         while self.step < c.steps:
-            batch = self.loader.next_batch()
+            batch = [self.loader.next_batch() for _ in range(c.grad_accum)]  # micro-batches
             t0 = time.perf_counter()
             row = self.train_step(batch)
             if self.device.type == "cuda":
@@ -700,7 +696,8 @@ class Trainer:
         """Shorten the run so that it ends within time_budget_s (decided early, before the schedule decays)."""
         c = self.cfg
         per = self._mean(sum(times) / len(times))
-        evals = c.eval_windows / max(1, c.batch_size) * per / 3 / max(1, c.eval_every) if c.eval_every else 0
+        fwd = per / 3 / c.grad_accum  # a forward of one batch: about a third of its forward + backward
+        evals = c.eval_windows / max(1, c.batch_size) * fwd / max(1, c.eval_every) if c.eval_every else 0
         left = int(max(0.0, c.time_budget_s - self._mean(elapsed)) * 0.97 / (per + evals))
         steps = max(self.step + 1, min(c.steps, self.step + left))
         if steps < c.steps:

@@ -796,7 +796,7 @@ def test_inductor_compiled_block_forward_matches_eager():
     and reorders fp32 reductions: a few ulp per op, ~1e-5 of the logits' scale after a block)."""
     import torch._dynamo
 
-    from dsv4.train.trainer import compile_blocks
+    from dsv4.train.compiled import compile_blocks
 
     kw = dict(n_layers=1, n_mtp_layers=0, n_hash_layers=0, compress_ratios=(0,))
     tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(9))
@@ -820,7 +820,7 @@ def test_compiled_training_step_matches_eager(backend):
     reorders fp32 reductions)."""
     import torch._dynamo
 
-    from dsv4.train.trainer import compile_blocks
+    from dsv4.train.compiled import compile_blocks
 
     kw = dict(n_layers=1, n_mtp_layers=0, n_hash_layers=0, compress_ratios=(4,))
     tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(9))
@@ -873,7 +873,7 @@ def test_compile_without_a_cxx_compiler_is_refused(monkeypatch):
     import shutil
 
     from dsv4.errors import UserError
-    from dsv4.train.trainer import compile_blocks
+    from dsv4.train.compiled import compile_blocks
 
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
@@ -973,3 +973,116 @@ def test_training_a_dspark_draft_with_or_without_the_main_model(tmp_path, frozen
     assert any(not k.startswith("mtp.") for k in moved) != frozen, sorted(moved)[:5]
     if frozen:
         assert all(r["loss"] == r["dspark"] for r in rows)
+
+
+# ------------------------------------------------------------------------------ gradient accumulation
+def _micro_grads(t: Trainer, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One micro-batch's own gradients (eager forward + backward of its unweighted loss, from zero)."""
+    t.model.zero_grad(set_to_none=True)
+    with t._backend(), t._autocast():
+        t._losses(batch).total.backward()
+    return {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+
+
+def test_grad_accum_adds_the_micro_batches_gradients_bit_for_bit(tmp_path):
+    """--grad-accum 2: the update sees (g1 + g2) / 2 of the two micro-batches' own backward passes,
+    exactly: each backward starts from the loss halved, and halving is exact in binary floating point
+    and commutes with every rounding after it, so the sum of the halves is the halved sum."""
+    t = Trainer(_train_cfg(tmp_path, grad_accum=2, eval_every=0, diag_every=0), log=lambda *_: None)
+    b1, b2 = t.loader.next_batch(), t.loader.next_batch()
+    g1, g2 = _micro_grads(t, b1), _micro_grads(t, b2)
+    t.model.zero_grad(set_to_none=True)
+    seen: dict[str, torch.Tensor] = {}
+
+    def update(max_norm, gnorm):  # what the optimizer would step with (before clipping)
+        seen.update({n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None})
+
+    t._update = update
+    t.train_step([b1, b2])
+    assert seen.keys() == g1.keys() and len(g1) > 50
+    for n in g1:
+        assert torch.equal(seen[n], (g1[n] + g2[n]) * 0.5), n
+    assert not torch.equal(g1[n], g2[n])  # two different batches (the test can tell them apart)
+
+
+def test_grad_accum_reports_the_mean_loss_and_moves_the_bias_by_the_step_s_tokens(tmp_path):
+    """A step of two micro-batches logs the mean of their losses (the same float32 arithmetic) and moves
+    each router's bias by the sign rule on the sum of their loads, not on the last micro-batch's; the
+    loader hands out grad_accum batches a step and the step counts all their tokens."""
+    t = Trainer(_train_cfg(tmp_path, grad_accum=2, eval_every=0, diag_every=0), log=lambda *_: None)
+    b1, b2 = t.loader.next_batch(), t.loader.next_batch()
+    routers = balance.routers(t.model)
+    assert routers
+    losses, loads = [], []
+    for b in (b1, b2):
+        with torch.no_grad(), t._backend(), t._autocast():
+            losses.append(t._losses(b).total.detach().float())
+        loads.append([m.load.clone() for m in routers])
+    before = [m.gate.bias.detach().clone() for m in routers]
+    row = t.train_step([b1, b2])
+    assert row["loss"] == float((losses[0] + losses[1]) / 2)
+    gamma = t.cfg.bias_gamma
+    moved_by_last_alone = 0
+    for m, b0, l1, l2 in zip(routers, before, *loads):
+        total = (l1 + l2).float()
+        want = b0 + (gamma * torch.sign(total.mean() - total)).to(b0.dtype)
+        assert torch.equal(m.gate.bias, want)
+        last = b0 + (gamma * torch.sign(l2.float().mean() - l2.float())).to(b0.dtype)
+        moved_by_last_alone += int(not torch.equal(last, want))
+    assert moved_by_last_alone > 0  # the sum and the last micro-batch's load disagree somewhere
+    assert t.describe()["tokens_per_step"] == 2 * t.cfg.batch_size * t.cfg.seq_len
+
+    (tmp_path / "b").mkdir()
+    fresh = Trainer(_train_cfg(tmp_path / "b", grad_accum=3, steps=2, eval_every=0, diag_every=0), log=lambda *_: None)
+    fresh.fit()
+    assert fresh.loader.state.epoch == 0
+    assert fresh.loader.state.index == 2 * 3 * fresh.cfg.batch_size
+    rows = [r for r in fresh.history if "tokens_per_s" in r]
+    for r in rows:  # tokens/s over the step's time: all three micro-batches' tokens
+        assert r["tokens_per_s"] * r["step_time_s"] == pytest.approx(3 * 2 * 32, rel=1e-3)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_grad_accum_must_be_a_whole_number_of_micro_batches(tmp_path, bad):
+    with pytest.raises(UserError, match="grad_accum must be a whole number"):
+        Trainer(_train_cfg(tmp_path, grad_accum=bad), log=lambda *_: None)
+
+
+@pytest.mark.gpu  # graph capture
+def test_graphed_accumulation_adds_replays_into_its_gradient_buffers():
+    """GraphedBackward(accumulate=True): run(b, zero=True) replaces the buffers with b's gradients (the loss
+    scaled by loss_scale), run(b, zero=False) adds to them: replay 1 then 2 gives exactly g1 + g2 of the
+    same graph's single replays (the same kernels; one float add per element, as autograd's in-place
+    accumulation does), and a graph that sets its gradients refuses to add."""
+    from dsv4.train.graphed import GraphedBackward
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny")
+    model = DeepSeekV4(cfg, dtype=torch.float32, device="cuda").train()
+    gen = torch.Generator().manual_seed(1)
+    b1, b2 = (torch.randint(2, cfg.vocab_size, (2, 64), generator=gen).cuda() for _ in range(2))
+
+    def loss_fn(batch):
+        return {"loss": losses.total_loss(model(batch, mtp=True, indexer_loss=True), batch).total}
+
+    graph = GraphedBackward(model, loss_fn, b1, torch.bfloat16, accumulate=True, loss_scale=0.5)
+
+    def grads():
+        return [p.grad.clone() for p in graph.params if p.grad is not None]
+
+    graph.run(b1)
+    one = grads()
+    graph.run(b2)
+    two = grads()
+    graph.run(b1)
+    assert all(torch.equal(a, b) for a, b in zip(one, grads()))  # zero=True cleared the sum
+    graph.run(b2, zero=False)
+    both = grads()
+    assert len(both) == len(one) > 50
+    assert all(torch.equal(s, a + b) for s, a, b in zip(both, one, two))
+    assert any(not torch.equal(a, b) for a, b in zip(one, two))
+    setting = GraphedBackward(model, loss_fn, b1, torch.bfloat16)
+    with pytest.raises(ValueError, match="accumulate=True"):
+        setting.run(b2, zero=False)
