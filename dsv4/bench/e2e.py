@@ -239,7 +239,10 @@ def bench_train(model, args, device, path: str) -> dict:
     batches = [_tokens(cfg, args.batch, args.seq, device, seed=i) for i in range(n_micro)]  # a step's micro-batches
     tokens = batches[0]
     model.train()
-    model.set_options(activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)))
+    head = getattr(args, "head_precision", None) or "fp32"
+    model.set_options(
+        activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)), head_precision=head
+    )
     full = bool(getattr(args, "optimizer", False))
     mtp = full and cfg.n_mtp_layers > 0 and not cfg.dspark
     opt = MuonAdamW(model, OptimConfig(lr=1e-4)) if full else None
@@ -312,7 +315,7 @@ def bench_train(model, args, device, path: str) -> dict:
             profiled = _profile_step(lambda: step(None), 3) if args.profile and device.type == "cuda" else {}
     finally:
         model.eval()
-        model.set_options(activation_checkpointing=False)
+        model.set_options(activation_checkpointing=False, head_precision="fp32")
     tok_s = n_micro * args.batch * args.seq / sec
     row = {
         "bench": "train",
@@ -321,6 +324,7 @@ def bench_train(model, args, device, path: str) -> dict:
         "batch": args.batch,
         "seq": args.seq,
         "grad_accum": n_micro,
+        "head_precision": head if full else "fp32",  # (an option of autocast: --optimizer)
         "s": round(sec, 4),
         "tokens_per_s": round(tok_s, 1),
         "cuda_graph": graphed,
@@ -725,6 +729,13 @@ def add_bench_parsers(subparsers) -> None:
                 action="store_true",
                 help="recompute each block's forward in backward (the MFU counts the model's FLOPs, "
                 "not the recomputation): how `medium` fits one H200",
+            )
+            p.add_argument(
+                "--head-precision",
+                choices=("fp32", "bf16"),
+                default="fp32",
+                help="the vocabulary heads' products under autocast (--optimizer), as `dsv4 train "
+                "--head-precision`: fp32 (default) or bf16 (one product per term, fp32 sums)",
             )
             p.add_argument(
                 "--grad-accum",

@@ -82,6 +82,12 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return ops.linear_fp32(x, weight)  # float64 under exact accumulation, or there the fixed-plan GEMM
 
 
+def linear_bf16_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T from bf16 operands into fp32 (a head under head_precision="bf16"): `ops.linear_bf16_fp32`."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return ops.linear_bf16_fp32(x, weight)
+
+
 # ------------------------------------------------------------------------------------ stage capture
 _RECORDER = threading.local()
 

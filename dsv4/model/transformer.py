@@ -24,7 +24,7 @@ from ..config import ModelConfig
 from .block import Block, MTPBlock, hc_head
 from .dspark import DSparkDraft, DSparkStage, draft_of
 from .int8 import quantize_int8
-from .layers import RMSNorm, autocast_dtype, building_on, linear_fp32, record
+from .layers import RMSNorm, autocast_dtype, building_on, linear_bf16_fp32, linear_fp32, record
 from .moe import Experts, Gate
 from .paged import BatchCache, PagedKVCache, StepInputs, plan_step
 
@@ -70,11 +70,16 @@ def init_hc_base(p: torch.Tensor, hc: int) -> None:
     p[2 * hc :] = comb.flatten()
 
 
+HEAD_PRECISIONS = ("fp32", "bf16")
+
+
 class DeepSeekV4(nn.Module):
     # what a checkpoint loader read into this model (`loaded_from`); None for a model built or initialized here
     checkpoint_plan: dict | None = None
     # what every logits tensor of `append` / `draft` goes through first (`watching_logits`)
     logits_watchers: tuple[Callable[[torch.Tensor], None], ...] = ()
+    # the vocabulary heads' products under bf16 autocast (`set_options(head_precision=...)`)
+    head_precision: str = "fp32"
 
     def __init__(
         self,
@@ -182,14 +187,22 @@ class DeepSeekV4(nn.Module):
         activation_checkpointing: bool | None = None,
         fp4_fake_quant: bool | None = None,
         eager_experts_under_compile: bool | None = None,
+        head_precision: str | None = None,
     ) -> DeepSeekV4:
         """Switch the model's run-time options (None leaves one as it is); returns the model.
 
         activation_checkpointing: every main and MTP block recomputes its forward in backward
         (`Block.activation_checkpointing`); fp4_fake_quant: the routed experts compute with FP4-rounded
         weights, gradients straight through (`Experts.fp4_fake_quant`); eager_experts_under_compile: the
-        routed experts stay eager inside a torch.compile'd block (`Experts.eager_under_compile`).
+        routed experts stay eager inside a torch.compile'd block (`Experts.eager_under_compile`);
+        head_precision: "fp32" (the spec's fp32 logits, `ops.linear_fp32`) or "bf16": inside a bf16 autocast
+        region (mixed-precision training) the vocabulary heads take one bf16 product per term, summed and
+        returned in fp32 (`ops.linear_bf16_fp32`); outside autocast (inference) the heads stay fp32.
         """
+        if head_precision is not None:
+            if head_precision not in HEAD_PRECISIONS:
+                raise ValueError(f"head_precision must be one of {HEAD_PRECISIONS}, got {head_precision!r}")
+            self.head_precision = head_precision
         if activation_checkpointing is not None:
             for block in [*self.layers, *self.mtp]:
                 block.activation_checkpointing = activation_checkpointing
@@ -235,6 +248,8 @@ class DeepSeekV4(nn.Module):
     # ------------------------------------------------------------------ pieces
     def _head(self, h: torch.Tensor, fn, scale, base, norm: RMSNorm) -> torch.Tensor:
         x = norm(hc_head(h, fn, scale, base, self.cfg))
+        if self.head_precision == "bf16" and autocast_dtype(x.device.type) == torch.bfloat16:
+            return record("head.logits", linear_bf16_fp32(x, self.head.weight))
         return record("head.logits", linear_fp32(x, self.head.weight))
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:

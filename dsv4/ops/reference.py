@@ -18,6 +18,7 @@ from ..formats.fp4 import FP4_MAX as FP4_E2M1_MAX
 from ..formats.fp4 import FP4_VALUES
 from ..formats.fp8 import FP8_MAX as FP8_E4M3_MAX
 from .precision import acc_dtype
+from .reference_linear import linear, linear_bf16_fp32, linear_fp32  # noqa: F401  (re-exported: their own module)
 
 FP4_E2M1_GRID = FP4_VALUES[:8]  # E2M1 magnitudes by code 0..7 (codes 8..15 are the negatives)
 
@@ -242,17 +243,6 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     """y = x @ W^T with W = dequant(MXFP4 weight) rounded to x.dtype. x [..., K] -> [..., N]."""
     w = fm.dequantize_mxfp4(weight, scale, dtype=torch.float32).to(x.dtype)
     return F.linear(x, w)
-
-
-# ----------------------------------------------------------------------------- fp32 projections
-def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight^T` in fp32 (router, compressor and head projections, kept in fp32 by the spec).
-
-    x [..., K] any float dtype, weight [N, K] fp32 -> [..., N] fp32 (accumulated in float64 under exact
-    accumulation). Differentiable in both.
-    """
-    acc = acc_dtype()
-    return F.linear(x.to(acc), weight.to(acc)).float()
 
 
 # ----------------------------------------------------------------------------- norm and rotary embedding
@@ -552,13 +542,6 @@ def route(
             total = total + picked[:, i : i + 1]
         picked = picked / total
     return (picked * route_scale).float(), indices, scores
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w^T in x's dtype (accumulated in float64 under exact accumulation)."""
-    if acc_dtype() == torch.float64:
-        return F.linear(x.double(), w.double()).to(x.dtype)
-    return F.linear(x, w)
 
 
 ACT_FORMATS = (None, "ue8m0", "fp32")

@@ -12,6 +12,8 @@
   splits that matter at fp32 precision (the other three are below 2^-24 relative), for the input's
   gradient as one GEMM over the six pairs laid side by side (smallest first) where the weight's output
   side is not much wider than its input side, else as six GEMMs whose fp32 outputs are added.
+- `linear_bf16_fp32` backend "bf16_mm" (CUDA): the reference's bf16 products summed in fp32, as three
+  cuBLAS GEMMs with fp32 output (forward, input gradient, weight gradient).
 """
 
 from __future__ import annotations
@@ -295,3 +297,48 @@ register(
     priority=5,
     prefer=_bf16x3_prefer,
 )
+
+
+# ----------------------------------------------------------------------------- bf16 products into fp32
+class _Bf16MmLinear(torch.autograd.Function):
+    """`linear_bf16_fp32` as three cuBLAS GEMMs (forward, input and weight gradients), each on bf16 operands
+    with fp32 accumulation and output (`torch.mm(..., out_dtype=torch.float32)`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.size(-1)).bfloat16()  # [M, K]
+        wb = weight.bfloat16()  # [N, K]
+        ctx.save_for_backward(x2, wb)
+        ctx.meta = (x.shape, x.dtype, weight.dtype)
+        return _mm_fp32_out(x2, wb.t()).view(*x.shape[:-1], weight.size(0))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x2, wb = ctx.saved_tensors
+        shape, x_dtype, w_dtype = ctx.meta
+        gb = g.reshape(-1, wb.size(0)).bfloat16()  # [M, N]: the one rounding of backward
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = _mm_fp32_out(gb, wb).to(x_dtype).view(shape)
+        if ctx.needs_input_grad[1]:
+            gw = _mm_fp32_out(gb.t(), x2).to(w_dtype)
+        return gx, gw
+
+
+def bf16_mm_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _Bf16MmLinear.apply(x, weight)
+
+
+def _bf16_mm_can_run(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    if not x.is_cuda:
+        return (
+            "CUDA only: bf16 GEMMs with fp32 output on tensor cores (elsewhere the reference's are the same products)"
+        )
+    if weight.dim() != 2 or x.device != weight.device:
+        return f"needs a 2-D weight on x's device, got {tuple(weight.shape)} on {weight.device}"
+    if is_exact():
+        return "exact_accumulation() asks for float64 sums"
+    return None
+
+
+register("linear_bf16_fp32", "bf16_mm", bf16_mm_linear, can_run=_bf16_mm_can_run, deterministic=True, priority=5)

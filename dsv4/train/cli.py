@@ -144,6 +144,14 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="recompute each block's activations in the backward pass (default off)",
     )
+    p.add_argument(
+        "--head-precision",
+        choices=("fp32", "bf16"),
+        default=None,
+        help="the vocabulary heads' products under bf16 autocast: fp32 (default; the spec's fp32 logits, "
+        "three bf16 products per term forward and nine backward) or bf16 (one product per term, summed in "
+        "fp32, fp32 logits; needs --precision bf16). Inference is not affected",
+    )
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
     options.add(
         p,

@@ -59,6 +59,7 @@ class TrainConfig:
     fp4_indexer_sim: bool | None = None
     fp4_experts: bool = False  # FP4 fake-quant of routed experts (STE)
     activation_checkpointing: bool = False
+    head_precision: str = "fp32"  # fp32 | bf16: the vocabulary heads' products under bf16 autocast
     compile: bool = False
     cuda_graph: bool = False  # forward + backward replayed from a CUDA graph
     deterministic: bool = False

@@ -24,6 +24,7 @@ from .. import ops
 from ..config import ModelConfig
 from ..defaults import resolve_device
 from ..errors import RunFailed, UserError, writing
+from ..model.transformer import HEAD_PRECISIONS
 from ..tokenizer import Tokenizer
 from . import balance, checkpoint, clipping, data, metrics
 from .compiled import compile_blocks
@@ -78,6 +79,14 @@ class Trainer:
             self.rank, self.world, _ = self.dist.setup_distributed(device=dev)
         self.device = self._pick_device()
         self.cfg = cfg = cfg.resolved(self.device.type)  # defaults that depend on preset and device
+        if cfg.head_precision not in HEAD_PRECISIONS:
+            raise UserError(f"--head-precision must be one of {', '.join(HEAD_PRECISIONS)}, got {cfg.head_precision!r}")
+        in_fp32 = cfg.precision == "fp32" or (cfg.precision == "auto" and self.device.type != "cuda")
+        if cfg.head_precision == "bf16" and in_fp32:
+            raise UserError(
+                "--head-precision bf16 gives the heads bf16 products under bf16 autocast: it needs --precision "
+                f"bf16 (this run computes in fp32{' (auto on a CPU)' if cfg.precision == 'auto' else ''})"
+            )
         self._graph = None
         self._micro = 0  # the micro-batch of the step being run (--grad-accum)
         self._gnorm_in: torch.Tensor | None = None  # the norm the update clips by (_update)
@@ -231,7 +240,11 @@ class Trainer:
                 "forward): run without torchrun"
             )
         model.train()
-        model.set_options(fp4_fake_quant=c.fp4_experts, activation_checkpointing=c.activation_checkpointing)
+        model.set_options(
+            fp4_fake_quant=c.fp4_experts,
+            activation_checkpointing=c.activation_checkpointing,
+            head_precision=c.head_precision,
+        )
         if self.dist is not None:
             sharded = self.dist.shard_model(model, ep=c.expert_parallel)
             model = sharded if sharded is not None else model

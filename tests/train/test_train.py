@@ -1086,3 +1086,20 @@ def test_graphed_accumulation_adds_replays_into_its_gradient_buffers():
     setting = GraphedBackward(model, loss_fn, b1, torch.bfloat16)
     with pytest.raises(ValueError, match="accumulate=True"):
         setting.run(b2, zero=False)
+
+
+def test_head_precision_bf16_trains_the_heads_on_bf16_products_and_needs_bf16_compute(tmp_path):
+    from dsv4 import ops
+
+    with pytest.raises(UserError, match="needs --precision bf16"):
+        Trainer(_train_cfg(tmp_path, head_precision="bf16", device="cpu"), log=lambda *_: None)
+    with pytest.raises(UserError, match="--head-precision must be one of"):
+        Trainer(_train_cfg(tmp_path, head_precision="int8"), log=lambda *_: None)
+    t = Trainer(
+        _train_cfg(tmp_path, head_precision="bf16", precision="bf16", steps=2, eval_every=0, diag_every=0),
+        log=lambda *_: None,
+    )
+    with ops.which_ran() as ran:
+        t.fit()
+    assert ran["linear_bf16_fp32"] == ["reference"]  # (the CPU's backend)
+    assert all(math.isfinite(r["loss"]) for r in t.history if "loss" in r)
