@@ -244,8 +244,8 @@ def train_layer_saved(cfg: ModelConfig, ratio: int, batch: int, seq_len: int, dt
       `_IndexerScores`); its fp32 scores over every entry [seq / 4] (the loss's gather keeps them), the
       loss's gather index (int64), log-softmax (fp32) and masks over the top-k entries.
     - router: fp32 logits and scores [experts] (softplus, sqrt), the chosen indices (int64) and weights.
-    - moe: the normed input [dim]; each routed slot (token x top-k): its gathered input [dim] (saved by
-      `_GroupedMM` for w1 and w3), the clamped SwiGLU's gate and up [inter] in their dtype and its routing
+    - moe: the normed input [dim] (the gate/up kernel gathers its rows and keeps it, not the rows); each
+      routed slot (token x top-k): the clamped SwiGLU's gate and up [inter] in their dtype and its routing
       weight (fp32; the Triton kernel's backward recomputes the rest), the weighted hidden [inter] (w2's
       input) and the plan's int64 slot order and token ids; the shared expert the same gate, up and hidden
       per token.
@@ -286,7 +286,7 @@ def train_layer_saved(cfg: ModelConfig, ratio: int, batch: int, seq_len: int, dt
         )
     router = T * (2 * E * 4 + k * (8 + 4) + 8)
     swiglu = 2 * inter * a  # gate and up, what the SwiGLU kernel's backward reads
-    moe = T * D * a + T * k * (D * a + swiglu + inter * a + 8 + 8 + 4) + T * cfg.n_shared_experts * (swiglu + inter * a)
+    moe = T * D * a + T * k * (swiglu + inter * a + 8 + 8 + 4) + T * cfg.n_shared_experts * (swiglu + inter * a)
     return {"mhc": mhc, "attention": attn, "compressors": comp, "indexer": indexer, "router": router, "moe": moe}
 
 
@@ -333,7 +333,7 @@ class TrainState:
     # bf16): kept in autocast's cache for the whole forward and saved for the
     # backward by the matmuls, on every rank (FSDP2 gathers them whole)
     expert_copies: int = 0  # the routed experts' bf16 copies (`Experts.forward` casts them each step,
-    # `_GroupedMM` saves them): split over the expert-parallel ranks
+    # the grouped GEMMs save them): split over the expert-parallel ranks
     expert_copies_block: int = 0  # the largest block's share of expert_copies
 
     def copies(self, world: int = 1, checkpointing: bool = False) -> int:

@@ -11,9 +11,10 @@ form a last bucket whose rows the kernel writes as zeros, so no output row is le
 
 Inference (no gradient needed) runs two kernels: gate+up with the gather of token rows, the clamped
 SwiGLU and the routing weight fused in, then the down projection, which scatters each row back to its
-(token, k) slot; one more launch sums the k slots of a token in slot order, in fp32. Training uses the same GEMM
-kernel inside an autograd.Function (dX with transposed weight strides) plus a weight-gradient kernel that
-reduces each expert's rows serially; no atomics anywhere, so repeats are bit-identical.
+(token, k) slot; one more launch sums the k slots of a token in slot order, in fp32. Training runs the same
+gather and scatter GEMMs inside autograd.Functions with the SwiGLU kernel between them (dX with transposed
+weight strides, scattered to the slots and summed per token the same way), plus a weight-gradient kernel
+that reduces each expert's rows serially; no atomics anywhere, so repeats are bit-identical.
 """
 
 from __future__ import annotations
@@ -26,10 +27,7 @@ from .. import fp8_round_trip, register
 from ..moe_shared import (
     MoEPlan,
     act_round_trip,
-    combine_rows,
     gate_dtype,
-    gather_rows,
-    mask_rows,
     moe_plan,
     register_plan_builder,
 )
@@ -567,30 +565,73 @@ def _launch_wgrad(a: torch.Tensor, g: torch.Tensor, tiles: _Tiles, out: torch.Te
     _wgrad_tuned[lambda meta: (triton.cdiv(n, meta["BN"]), triton.cdiv(k, meta["BK"]), tiles.n_groups)](*args)
 
 
-class _GroupedMM(torch.autograd.Function):
-    """c = a @ b[g] per group. a [M, K]; b [E, K, N] (a transposed view of the stored weight)."""
+class _GatherGateUp(torch.autograd.Function):
+    """gate, up = x[token[r]] @ b1[g], x[token[r]] @ b3[g] for the sorted rows r of group g, the token rows
+    gathered in the kernel (no [T*k, D] copy; rows of other ranks' experts are zeros). b1, b3 [E, D, I].
+    Backward: a token's input gradient is its k slots' dgate b1^T + dup b3^T, both products written in
+    fp32 to the slot's two rows and summed per token in slot order (`sum_slots`), rounded once; the
+    weight gradients read the gathered rows, made once."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, tiles: _Tiles) -> torch.Tensor:
-        a = a.contiguous()
-        out = torch.empty(a.size(0), b.size(2), dtype=a.dtype, device=a.device)
-        _launch_gmm(a, b, tiles, out)
-        ctx.save_for_backward(a, b)
-        ctx.tiles = tiles
-        return out
+    def forward(ctx, x, b1, b3, token, order, tiles, topk):
+        x = x.contiguous()
+        gate = torch.empty(token.numel(), b1.size(2), dtype=x.dtype, device=x.device)  # [M, I]
+        up = torch.empty_like(gate)
+        _launch_gmm(x, b1, tiles, gate, a_idx=token)
+        _launch_gmm(x, b3, tiles, up, a_idx=token)
+        ctx.save_for_backward(x, b1, b3, token, order)
+        ctx.tiles, ctx.topk = tiles, topk
+        return gate, up
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        a, b = ctx.saved_tensors
-        grad = grad.contiguous()
-        ga = gb = None
+    def backward(ctx, g_gate, g_up):
+        x, b1, b3, token, order = ctx.saved_tensors
+        tiles = ctx.tiles
+        g_gate, g_up = g_gate.contiguous(), g_up.contiguous()
+        gx = gb1 = gb3 = None
         if ctx.needs_input_grad[0]:
-            ga = torch.empty_like(a)
-            _launch_gmm(grad, b.transpose(1, 2), ctx.tiles, ga)
+            parts = torch.empty(2 * token.numel(), x.size(1), dtype=torch.float32, device=x.device)  # [T, k, 2, D]
+            _launch_gmm(g_gate, b1.transpose(1, 2), tiles, parts, c_idx=order * 2)
+            _launch_gmm(g_up, b3.transpose(1, 2), tiles, parts, c_idx=order * 2 + 1)
+            gx = sum_slots(parts, x.size(0), 2 * ctx.topk).to(x.dtype)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            xs = x[token]  # [M, D] (rows of other ranks' slots are never read)
+            if ctx.needs_input_grad[1]:
+                gb1 = torch.empty(b1.shape, dtype=b1.dtype, device=b1.device)
+                _launch_wgrad(xs, g_gate, tiles, gb1)
+            if ctx.needs_input_grad[2]:
+                gb3 = torch.empty(b3.shape, dtype=b3.dtype, device=b3.device)
+                _launch_wgrad(xs, g_up, tiles, gb3)
+        return gx, gb1, gb3, None, None, None, None
+
+
+class _DownToSlots(torch.autograd.Function):
+    """y[t] = sum over t's k slots of h[r] @ b[g] (b [E, I, D]): each product row written to its (token, k)
+    slot (zeros for other ranks' experts), a token's k rows summed in fp32 in slot order (`sum_slots`).
+    Backward: each sorted row takes its token's gradient, rounded to h's dtype."""
+
+    @staticmethod
+    def forward(ctx, h, b, token, order, tiles, topk):
+        h = h.contiguous()
+        n_tokens = token.numel() // topk
+        out = torch.empty(token.numel(), b.size(2), dtype=h.dtype, device=h.device)  # [T*k, D] slot order
+        _launch_gmm(h, b, tiles, out, c_idx=order)
+        ctx.save_for_backward(h, b, token)
+        ctx.tiles = tiles
+        return sum_slots(out, n_tokens, topk)
+
+    @staticmethod
+    def backward(ctx, gy):
+        h, b, token = ctx.saved_tensors
+        g = gy.to(h.dtype)[token]  # [M, D]
+        gh = gb = None
+        if ctx.needs_input_grad[0]:
+            gh = torch.empty_like(h)
+            _launch_gmm(g, b.transpose(1, 2), ctx.tiles, gh)
         if ctx.needs_input_grad[1]:
             gb = torch.empty(b.shape, dtype=b.dtype, device=b.device)
-            _launch_wgrad(a, grad, ctx.tiles, gb)
-        return ga, gb, None
+            _launch_wgrad(h, g, ctx.tiles, gb)
+        return gh, gb, None, None, None, None
 
 
 @triton.jit
@@ -652,15 +693,13 @@ def triton_moe_experts(
         out = torch.empty(m, x.size(1), dtype=x.dtype, device=x.device)  # [T*k, D] slot order
         _launch_gmm(act_round_trip(h, act, fp8_round_trip), w2.transpose(1, 2), tiles, out, c_idx=plan.order)
         return sum_slots(out, plan.n_tokens, plan.topk)
-    xs = gather_rows(x, plan)  # [M, D]
-    gate = _GroupedMM.apply(xs, w1.transpose(1, 2), tiles)  # [M, I]
-    up = _GroupedMM.apply(xs, w3.transpose(1, 2), tiles)
-    # the weighted SwiGLU in one launch each way (`swiglu`), the reference's fp32 operations
+    # training: the token rows gathered inside the gate/up GEMMs and the down GEMM's rows scattered to their
+    # slots, as at inference, with the SwiGLU between them differentiable (`swiglu`: one launch each way)
+    gate, up = _GatherGateUp.apply(x, w1.transpose(1, 2), w3.transpose(1, 2), plan.token, plan.order, tiles, plan.topk)
     h = act_round_trip(
         triton_clamped_swiglu(gate, up, swiglu_limit, x.dtype, plan.weight.float().unsqueeze(-1)), act, fp8_round_trip
     )
-    out = mask_rows(_GroupedMM.apply(h, w2.transpose(1, 2), tiles), plan)  # [M, D]
-    return combine_rows(out, plan)
+    return _DownToSlots.apply(h, w2.transpose(1, 2), plan.token, plan.order, tiles, plan.topk)  # [T, D] fp32
 
 
 def _can_run(x, weights, indices, w1, w2, w3, swiglu_limit, expert_offset=0, act=None) -> str | None:
