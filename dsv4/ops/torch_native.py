@@ -100,9 +100,9 @@ def bf16_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """fp32 -> (hi, mid, lo) bf16 with hi + mid + lo == t (exact for normal fp32 values)."""
     t = t.float()
     hi = t.to(torch.bfloat16)
-    rest = t - hi.float()  # exact in fp32
+    rest = t - hi  # exact in fp32 (hi widened inside the kernel: no fp32 copy of it)
     mid = rest.to(torch.bfloat16)
-    lo = (rest - mid.float()).to(torch.bfloat16)
+    lo = rest.sub_(mid).to(torch.bfloat16)  # (in place on rest, exact again)
     return hi, mid, lo
 
 
