@@ -580,7 +580,8 @@ class _GatherGateUp(torch.autograd.Function):
         _launch_gmm(x, b1, tiles, gate, a_idx=token)
         _launch_gmm(x, b3, tiles, up, a_idx=token)
         ctx.save_for_backward(x, b1, b3, token, order)
-        ctx.tiles, ctx.topk = tiles, topk
+        ctx.tiles = tiles
+        ctx.slots_per_token = topk
         return gate, up
 
     @staticmethod
@@ -593,7 +594,7 @@ class _GatherGateUp(torch.autograd.Function):
             parts = torch.empty(2 * token.numel(), x.size(1), dtype=torch.float32, device=x.device)  # [T, k, 2, D]
             _launch_gmm(g_gate, b1.transpose(1, 2), tiles, parts, c_idx=order * 2)
             _launch_gmm(g_up, b3.transpose(1, 2), tiles, parts, c_idx=order * 2 + 1)
-            gx = sum_slots(parts, x.size(0), 2 * ctx.topk).to(x.dtype)
+            gx = sum_slots(parts, x.size(0), 2 * ctx.slots_per_token).to(x.dtype)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             xs = x[token]  # [M, D] (rows of other ranks' slots are never read)
             if ctx.needs_input_grad[1]:
