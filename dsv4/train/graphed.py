@@ -42,6 +42,8 @@ class GraphedBackward:
         loss_scale: float = 1.0,
     ):
         dev = example.device
+        if accumulate and warmup < 1:
+            raise ValueError("accumulate=True needs a warm-up step: it tells which parameters the loss reaches")
         if dev.type != "cuda":
             raise ValueError(f"CUDA graphs need CUDA tensors, this batch is on {dev}")
         self.model, self.loss_fn, self.autocast_dtype = model, loss_fn, autocast_dtype
@@ -55,12 +57,13 @@ class GraphedBackward:
                 self._forward_backward()
         torch.cuda.current_stream(dev).wait_stream(side)
         self.accumulate = accumulate
-        for p in self.params:  # accumulating: buffers the captured backward adds into (AccumulateGrad's
-            p.grad = torch.zeros_like(p) if accumulate else None  # in-place add, as grad mode is off there)
+        reached = [p.grad is not None for p in self.params]  # by the warm-up's backward
+        for p, r in zip(self.params, reached):  # accumulating: buffers the captured backward adds into
+            p.grad = torch.zeros_like(p) if accumulate and r else None  # (AccumulateGrad's in-place add)
         self.graph = torch.cuda.CUDAGraph()
         with capturing(self.graph):
             self.outputs = self._forward_backward()
-        self.grads = [p.grad for p in self.params]  # None where the loss does not reach (not accumulating)
+        self.grads = [p.grad for p in self.params]  # None where the loss does not reach
         if accumulate:
             self._zero()
 

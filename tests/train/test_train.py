@@ -1063,19 +1063,20 @@ def test_graphed_accumulation_adds_replays_into_its_gradient_buffers():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
+    mlp = torch.nn.Sequential(
         torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 8)
-    ).cuda()
+    )
+    model = torch.nn.ModuleDict({"mlp": mlp, "unused": torch.nn.Linear(4, 4)}).cuda()  # one the loss never reaches
     gen = torch.Generator().manual_seed(1)
     b1, b2 = (torch.randn(512, 64, generator=gen).cuda() for _ in range(2))
 
     def loss_fn(batch):
-        return {"loss": model(batch).float().square().mean()}
+        return {"loss": mlp(batch).float().square().mean()}
 
     graph = GraphedBackward(model, loss_fn, b1, torch.bfloat16, accumulate=True, loss_scale=0.5)
 
     def grads():
-        return [p.grad.clone() for p in graph.params]
+        return [p.grad.clone() for p in graph.params if p.grad is not None]
 
     graph.run(b1)
     one = grads()
@@ -1085,12 +1086,14 @@ def test_graphed_accumulation_adds_replays_into_its_gradient_buffers():
     assert all(torch.equal(a, b) for a, b in zip(one, grads()))  # zero=True cleared the sum
     graph.run(b2, zero=False)
     both = grads()
-    assert len(both) == len(one) == 6
+    assert len(both) == len(one) == 6  # the unused layer keeps no gradient (None, as without accumulation)
+    assert model["unused"].weight.grad is None and model["unused"].bias.grad is None
     assert all(torch.equal(s, a + b) for s, a, b in zip(both, one, two))
     assert all(not torch.equal(a, b) for a, b in zip(one, two))
     unscaled = GraphedBackward(model, loss_fn, b1, torch.bfloat16, accumulate=True)  # the same kernels
     unscaled.run(b1)
-    assert all(torch.equal(p.grad, 2 * g) for p, g in zip(unscaled.params, one))  # halving is exact
+    full = [p.grad for p in unscaled.params if p.grad is not None]
+    assert all(torch.equal(f, 2 * g) for f, g in zip(full, one))  # halving is exact
     setting = GraphedBackward(model, loss_fn, b1, torch.bfloat16)
     with pytest.raises(ValueError, match="accumulate=True"):
         setting.run(b2, zero=False)
