@@ -81,8 +81,11 @@ class Trainer:
         self.cfg = cfg = cfg.resolved(self.device.type)  # defaults that depend on preset and device
         if cfg.head_precision not in HEAD_PRECISIONS:
             raise UserError(f"--head-precision must be one of {', '.join(HEAD_PRECISIONS)}, got {cfg.head_precision!r}")
-        in_fp32 = cfg.precision == "fp32" or (cfg.precision == "auto" and self.device.type != "cuda")
-        if cfg.head_precision == "bf16" and in_fp32:
+        prec = cfg.precision if cfg.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        if prec not in ("bf16", "fp32"):  # (refused before any data or model work)
+            raise UserError(f"--precision must be auto, bf16 or fp32, got '{prec}'")
+        self.precision = prec
+        if cfg.head_precision == "bf16" and prec == "fp32":
             raise UserError(
                 "--head-precision bf16 gives the heads bf16 products under bf16 autocast: it needs --precision "
                 f"bf16 (this run computes in fp32{' (auto on a CPU)' if cfg.precision == 'auto' else ''})"
@@ -249,12 +252,6 @@ class Trainer:
             sharded = self.dist.shard_model(model, ep=c.expert_parallel)
             model = sharded if sharded is not None else model
         self.model = model
-        prec = c.precision
-        if prec == "auto":
-            prec = "bf16" if self.device.type == "cuda" else "fp32"
-        if prec not in ("bf16", "fp32"):
-            raise UserError(f"--precision must be auto, bf16 or fp32, got '{prec}'")
-        self.precision = prec
 
     def _autocast(self):
         if self.precision == "bf16":
