@@ -344,17 +344,62 @@ def test_hc_post_matches_reference_forward_and_backward():
         assert rel(a, bb) < 5e-3, (name, rel(a, bb))
 
 
-def test_hc_head_matches_reference():
-    x, *_ = _hc_inputs(seed=4)
-    g = torch.Generator().manual_seed(5)
-    fn = torch.randn(4, 4 * 64, generator=g) * 0.05
+def _head_inputs(seed: int, b: int = 2, s: int = 9, d: int = 64, dtype=torch.bfloat16):
+    x, *_ = _hc_inputs(seed=seed, b=b, s=s, d=d, dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    fn = torch.randn(4, 4 * d, generator=g) * 0.2  # (mixes of a few units: the sigmoids far from flat)
     scale = torch.rand(1, generator=g) + 0.5
     base = torch.randn(4, generator=g) * 0.3
-    with torch.no_grad():
-        y1 = ops.hc_head(x, fn, scale, base, 1e-6, 1e-6, backend="triton")
+    return x, fn, scale, base
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split", [0, None])  # single kernel; automatic (split K at 18 tokens)
+def test_hc_head_matches_reference_forward_and_backward(split, dtype, monkeypatch):
+    """The head's forward keeps its mixes and RMS scales; its backward (g_pre, the sigmoid's derivative, the
+    projection and RMS gradients: hc_pre's without the Sinkhorn) against the reference's autograd."""
+    monkeypatch.setattr(_mhc(), "SPLIT_K", split)
+    inputs = _head_inputs(4, dtype=dtype)
+    x = inputs[0]
+    assert (_mhc()._split_plan(x.size(0) * x.size(1), 4 * x.size(3), x.device)[0] > 1) == (split is None)
+    leaves0 = [t.clone().requires_grad_() for t in inputs]
+    leaves1 = [t.clone().requires_grad_() for t in inputs]
+    y0 = R.hc_head(*leaves0, 1e-6, 1e-6)
+    ops.reset_calls()
+    y1 = ops.hc_head(*leaves1, 1e-6, 1e-6, backend="triton")
     assert ops.last_backend("hc_head") == "triton"
-    y0 = R.hc_head(x, fn, scale, base, 1e-6, 1e-6)
+    assert y1.dtype == x.dtype
     assert (y1.float() - y0.float()).abs().max() <= 1e-2 * y0.float().abs().max()
+    gy = torch.randn(y0.shape, generator=torch.Generator().manual_seed(6)).to(dtype)
+    g0 = torch.autograd.grad(y0, leaves0, gy)
+    g1 = torch.autograd.grad(y1, leaves1, gy)
+    # g_x = t1 + t2: t1 = pre_i g_y (the weighted sum's), t2 = the mixes' (projection and RMS scale). The
+    # triton backward sums them in fp32 and rounds once to x's dtype (unit roundoff u: 2^-8 bf16, 2^-11
+    # fp16); the reference's autograd rounds t1 and t2 to x's dtype apart and adds them there. So per element
+    # |triton - reference| <= u (|t1| + |t2|) + 2 u |t1 + t2| (+ fp32 slack); the parameters' fp32 gradients
+    # differ by fp32 sums in another order and the two sigmoids' last bits
+    u = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    with torch.no_grad():
+        xf = x.double().flatten(-2)  # [b, s, K]
+        fn, scale, base = (t.double() for t in inputs[1:])
+        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)
+        mix = (xf @ fn.t()) * r
+        sig = torch.sigmoid(mix * scale + base)  # [b, s, hc]
+        t1 = (sig + 1e-6).unsqueeze(-1) * gy.double().unsqueeze(-2)  # [b, s, hc, d]
+        g_m = (x.double() * gy.double().unsqueeze(-2)).sum(-1) * sig * (1 - sig) * scale
+        rms_term = (-((g_m * mix).sum(-1, keepdim=True) * r.square() / xf.size(-1)) * xf).view_as(t1)
+        t2 = ((g_m * r) @ fn).view_as(t1) + rms_term
+        gx_bound = u * (t1.abs() + t2.abs()) + 2 * u * (t1 + t2).abs() + 1e-5 * (t1 + t2).abs().max()
+    for name, a, b in zip(["x", "fn", "scale", "base"], g1, g0):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.isfinite(a).all(), name
+        if name == "x":
+            assert ((a.double() - b.double()).abs() <= gx_bound).all()
+            assert ((a.double() - (t1 + t2)).abs() <= u * (t1 + t2).abs() + 1e-5 * (t1 + t2).abs().max()).all()
+        else:
+            assert rel(a, b) < 1e-4, (name, rel(a, b))
+    # the smallest part of g_x, the RMS scale's gradient, exceeds those bounds: a g_x without it fails
+    assert (rms_term.abs() > gx_bound).any()
 
 
 def test_hc_pre_deterministic_and_refuses_fp32():

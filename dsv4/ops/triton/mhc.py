@@ -12,7 +12,8 @@ the same epilogue (`_hc_pre_epilogue`), its programs sharing out the columns of 
 `hc_post`: one pass over the residual copies, forward and backward (the backward also reduces the
 gradients of post and comb per token, in registers, in a fixed order).
 
-The `hc_pre` backward differentiates the Sinkhorn map per token in one kernel (replaying it once from the
+`hc_head` (the last block's reduce of the copies, no Sinkhorn) runs `hc_pre`'s kernels with HEAD set, forward
+and backward. The `hc_pre` backward differentiates the Sinkhorn map per token in one kernel (replaying it once from the
 saved mixes, [T, 24] numbers, its iterates kept in a scratch buffer and walked back); g_pre before it
 and the projection gradients after it each take one pass over x (`mhc_bwd`; the projection's products run
 on tensor cores over exact bf16 parts of their fp32 operands, as the forward's), the [T, 24]-sized steps
@@ -33,6 +34,7 @@ from ._mm_utils import device_reason, mma, round_to
 from ._mm_utils import launch as _launch
 from .mhc_bwd import GPRE_BD as _GPRE_BD
 from .mhc_bwd import _hc_post_bwd_kernel, _hc_pre_gpre_kernel, _hc_split_bwd_kernel
+from .mhc_bwd import head_grads as _head_grads
 from .mhc_bwd import projection_grads as _projection_grads
 from .mhc_fn import pp_width, split_fn
 
@@ -122,8 +124,8 @@ def _hc_pre_epilogue(
     """Everything after the projection, from the full raw mixes and sum of squares of rows `ts`.
 
     RMS scale, sigmoids, Sinkhorn; post/comb/mix/rs are stored where `smask` (and computed only where some
-    row stores them); y is reduced over the columns [d_lo, d_hi) only (the split path spreads the columns
-    of y over several programs).
+    row stores them; with HEAD, mix [T, HC] and rs only); y is reduced over the columns [d_lo, d_hi) only
+    (the split path spreads the columns of y over several programs).
     """
     K = HC * D
     P2: tl.constexpr = HC * HC
@@ -136,7 +138,11 @@ def _hc_pre_epilogue(
     which = tl.arange(0, P1 // HC)[None, :, None]
     pre_m = tl.sum(tl.where(which == 0, pp3, 0.0), axis=1)  # [BT, HC]
     pre = tl.sigmoid(pre_m * tl.load(scale_ptr) + tl.load(base_ptr + hcs)[None, :]) + hc_eps
-    if not HEAD:
+    if HEAD:  # what the head's backward starts from: its HC mixes and the RMS scale
+        if tl.max(smask.to(tl.int32), axis=0) > 0:
+            tl.store(rs_ptr + ts64, r, mask=smask)
+            tl.store(mix_ptr + ts64[:, None] * HC + hcs[None, :], pre_m, mask=smask[:, None])
+    else:
         if tl.max(smask.to(tl.int32), axis=0) > 0:  # (a program that stores no row's mixes skips them)
             mcb = acc_cb * r[:, None]
             n_mix = (2 + HC) * HC
@@ -302,7 +308,7 @@ def _hc_pre_finish_kernel(
     and programs (i, j >= 1) reduce the columns [(j - 1) * DS, j * DS) of y from the pre weights alone, so
     the Sinkhorn iterations run beside the weighted reduce instead of before it (the same arithmetic as
     one program doing both: every program sums the same partials in the same order). With HEAD (no comb
-    mixes, nothing else stored) program (i, j) reduces the columns [j * DS, (j + 1) * DS)."""
+    mixes) program (i, j) reduces the columns [j * DS, (j + 1) * DS), and (i, 0) also stores the mixes."""
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     ts = pid_t * BT + tl.arange(0, BT)
@@ -315,6 +321,7 @@ def _hc_pre_finish_kernel(
     acc_cb = tl.zeros((BT, P2), dtype=tl.float32)
     ss = tl.zeros((BT,), dtype=tl.float32)
     mixes = pid_d < 1 - HEAD  # this program: the mixes and Sinkhorn (stored), no y columns
+    stores = tmask & (pid_d == 0)  # (with HEAD: the first y program stores the head's mixes and rs)
     for s in tl.static_range(SPLIT):  # unrolled: every partial's load issued up front
         row = s * T + ts64  # [BT]
         acc_pp += tl.load(wpp_ptr + row[:, None] * P1 + c1[None, :], mask=tmask[:, None], other=0.0)
@@ -337,7 +344,7 @@ def _hc_pre_finish_kernel(
         rs_ptr,
         ts64,
         tmask,
-        tmask & mixes,
+        stores,
         D,
         d_lo,
         d_hi,
@@ -499,7 +506,7 @@ def _launch_pre(
     dev = x.device
     post = torch.empty(b, s, hc, dtype=torch.float32, device=dev)
     comb = torch.empty(b, s, hc, hc, dtype=torch.float32, device=dev)
-    mix = torch.empty(t, (2 + hc) * hc, dtype=torch.float32, device=dev)
+    mix = torch.empty(t, hc if head else (2 + hc) * hc, dtype=torch.float32, device=dev)
     rs = torch.empty(t, dtype=torch.float32, device=dev)
     sc, bs = scale.float().contiguous(), base.float().contiguous()
     p1 = pp_width(hc)
@@ -686,6 +693,19 @@ class _HcPost(torch.autograd.Function):
         return gf, gres, gpost.to(ctx.dtypes[0]), gcomb.to(ctx.dtypes[1])
 
 
+class _HcHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fn, scale, base, norm_eps, hc_eps, parts):
+        y, _, _, mix, rs = _launch_pre(x, parts, scale, base, norm_eps, hc_eps, 1, head=True)
+        ctx.save_for_backward(x, fn, scale, base, mix, rs)
+        ctx.hc_eps = hc_eps
+        return y
+
+    @staticmethod
+    def backward(ctx, g_y):
+        return (*_head_grads(*ctx.saved_tensors, ctx.hc_eps, g_y), None, None, None)
+
+
 def triton_hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters):
     """`hc_pre`: fused mix projection, Sinkhorn and weighted reduce (see the module docstring)."""
     parts = split_fn(fn, x.size(2), head=False)  # (here: autograd's forward would hide whether fn is tracked)
@@ -698,9 +718,8 @@ def triton_hc_post(f, residual, post, comb):
 
 
 def triton_hc_head(x, fn, scale, base, norm_eps, hc_eps):
-    """`hc_head` (inference only: the model trains through the reference head)."""
-    y, *_ = _launch_pre(x, split_fn(fn, x.size(2), head=True), scale, base, norm_eps, hc_eps, 1, head=True)
-    return y
+    """`hc_head`: `hc_pre`'s kernels without the Sinkhorn (the forward keeps the mixes for the backward)."""
+    return _HcHead.apply(x, fn, scale, base, norm_eps, hc_eps, split_fn(fn, x.size(2), head=True))
 
 
 def _x_reason(x: torch.Tensor) -> str | None:
@@ -721,12 +740,7 @@ def _pre_can_run(x, fn, scale, base, norm_eps, hc_eps, iters):
 
 
 def _head_can_run(x, fn, scale, base, norm_eps, hc_eps):
-    reason = _x_reason(x)
-    if reason:
-        return reason
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, fn, scale, base)):
-        return "hc_head has no triton backward (gradients requested)"
-    return None
+    return _x_reason(x)
 
 
 def _post_can_run(f, residual, post, comb):

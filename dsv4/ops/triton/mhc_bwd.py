@@ -336,3 +336,35 @@ def projection_grads(
         num_warps=4,
     )
     return g_x, parts[:, :mix].sum(0)  # (rows past MIX pad the dots and are never written)
+
+
+def head_grads(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    mix: torch.Tensor,
+    rs: torch.Tensor,
+    hc_eps: float,
+    g_y: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (x, fn, scale, base) of `hc_head` from its forward's RMS-scaled mixes mix [T, HC] and RMS
+    scales rs [T]: pre = sigmoid(mix * scale + base) + hc_eps, y = sum_i pre_i x_i (no Sinkhorn). g_pre and
+    the projection gradients are `hc_pre`'s kernels; the [T, HC] steps between them are torch ops."""
+    b, s, hc, d = x.shape
+    t = b * s
+    xk = x.reshape(t, hc * d).contiguous()
+    gy = g_y.reshape(t, d).contiguous()
+    g_pre = torch.empty(t, hc, device=x.device)
+    if t > 0:
+        _launch(_hc_pre_gpre_kernel, (triton.cdiv(t, 32),), xk, gy, g_pre, t, d, HC=hc, BT=32, BD=GPRE_BD)
+    sc, bs = scale.detach().float(), base.detach().float()
+    sig = torch.sigmoid(mix * sc + bs)  # [T, HC]
+    glogit = g_pre * sig * (1.0 - sig)  # d loss / d (mix * scale + base)
+    g_m = glogit * sc  # d loss / d mix
+    r = rs.unsqueeze(-1)  # [T, 1]
+    g_r = (g_m * mix).sum(-1, keepdim=True) / r  # d loss / d rsqrt (mix = raw mixes * rsqrt)
+    c = (g_r * r.pow(3) / (hc * d)).reshape(t).contiguous()  # g_x's term in x (the rsqrt's gradient)
+    g_x, g_fn = projection_grads(xk, gy, fn, (g_m * r).contiguous(), c, sig + hc_eps)
+    g_sc = (glogit * mix).sum().reshape(scale.shape)
+    return g_x.reshape(x.shape).to(x.dtype), g_fn.to(fn.dtype), g_sc.to(scale.dtype), glogit.sum(0).to(base.dtype)
