@@ -1,6 +1,7 @@
-"""The compiled hc_pre backward on a CUDA GPU (training shapes: several token splits and column tiles) against
-its formula in float64 and against the reference's autograd. Skipped without a CUDA GPU; the CPU suite runs
-the same kernels on the Triton interpreter (tests/ops/test_triton_moe_mhc.py, whose bounds these reuse)."""
+"""The compiled hc_pre and hc_head backward on a CUDA GPU (training shapes: several token splits and column
+tiles) against their formula in float64 and against the reference's autograd. Skipped without a CUDA GPU;
+the CPU suite runs the same kernels on the Triton interpreter (tests/ops/test_triton_moe_mhc.py, whose
+bounds these reuse)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dsv4.ops import reference as R
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton", reason="triton is not installed: no triton backend to test")
-from test_triton_moe_mhc import _hc_inputs, check_projection_kernel, rel  # noqa: E402
+from test_triton_moe_mhc import _hc_inputs, check_head_backward, check_projection_kernel, rel  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -38,3 +39,9 @@ def test_hc_pre_backward_matches_reference_at_a_training_shape():
     assert gx1.dtype == torch.bfloat16 and rel(gx1, gx0) < 1e-2, rel(gx1, gx0)
     for name, a, b in zip(["fn", "scale", "base"], rest1, rest0):
         assert rel(a, b) < 1e-4, (name, rel(a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hc_head_backward_at_a_training_shape(dtype):
+    """The head's backward compiled, 4 x 512 tokens of dim 384, with the CPU test's per-element bounds."""
+    check_head_backward(DEV, dtype, b=4, s=512, d=384, seed=42)

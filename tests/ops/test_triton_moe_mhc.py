@@ -359,9 +359,14 @@ def test_hc_head_matches_reference_forward_and_backward(split, dtype, monkeypatc
     """The head's forward keeps its mixes and RMS scales; its backward (g_pre, the sigmoid's derivative, the
     projection and RMS gradients: hc_pre's without the Sinkhorn) against the reference's autograd."""
     monkeypatch.setattr(_mhc(), "SPLIT_K", split)
-    inputs = _head_inputs(4, dtype=dtype)
+    assert (_mhc()._split_plan(2 * 9, 4 * 64, torch.device("cpu"))[0] > 1) == (split is None)
+    check_head_backward(torch.device("cpu"), dtype, b=2, s=9, d=64, seed=4)
+
+
+def check_head_backward(dev: torch.device, dtype: torch.dtype, b: int, s: int, d: int, seed: int) -> None:
+    """hc_head's triton forward and backward against the reference's autograd and the float64 formula."""
+    inputs = [v.to(dev) for v in _head_inputs(seed, b=b, s=s, d=d, dtype=dtype)]
     x = inputs[0]
-    assert (_mhc()._split_plan(x.size(0) * x.size(1), 4 * x.size(3), x.device)[0] > 1) == (split is None)
     leaves0 = [t.clone().requires_grad_() for t in inputs]
     leaves1 = [t.clone().requires_grad_() for t in inputs]
     y0 = R.hc_head(*leaves0, 1e-6, 1e-6)
@@ -370,7 +375,7 @@ def test_hc_head_matches_reference_forward_and_backward(split, dtype, monkeypatc
     assert ops.last_backend("hc_head") == "triton"
     assert y1.dtype == x.dtype
     assert (y1.float() - y0.float()).abs().max() <= 1e-2 * y0.float().abs().max()
-    gy = torch.randn(y0.shape, generator=torch.Generator().manual_seed(6)).to(dtype)
+    gy = torch.randn(y0.shape, generator=torch.Generator().manual_seed(seed + 2)).to(dev, dtype)
     g0 = torch.autograd.grad(y0, leaves0, gy)
     g1 = torch.autograd.grad(y1, leaves1, gy)
     # g_x = t1 + t2: t1 = pre_i g_y (the weighted sum's), t2 = the mixes' (projection and RMS scale). The
