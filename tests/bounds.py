@@ -77,3 +77,53 @@ def hc_weighted_sum_error(
     pre_err = abs(float(scale[0])) / 4 * mix_err[..., :hc] + FUNC_ULPS * U32  # [..., hc]
     xa = x.double().abs()  # [..., hc, d]
     return (pre_err.unsqueeze(-1) * xa).sum(-2) + gamma(hc) * (1 + hc_eps) * xa.sum(-2)
+
+
+def hc_head_grad_x(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    gy: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hc_head's input gradient g_x = t1 + proj + rms in float64 (t1 = pre_i g_y, the weighted sum's; proj and
+    rms, the mixes': their projection's and the RMS scale's) and a first-order bound on an fp32 evaluation's
+    |g_x - exact| before any rounding to x's dtype -> (t1, proj, rms, bound), each [..., hc, d].
+
+    Propagated: the mixes' error (`hc_mix_error`) through pre (sigmoid' <= 1/4) and sigmoid'' (<= 0.1);
+    g_pre = sum_d x g_y (gamma(d)); g_m = g_pre sigmoid' scale; the RMS scale r (relative gamma(K) / 2 plus
+    FUNC_ULPS u); the hc-term projection sum_m g_m r fn_mk and c = r^2 / K sum_m g_m mix_m (gamma(hc + 2));
+    each product and the final three-term sum add their roundings.
+    """
+    u, hc, d = U32, x.size(-2), x.size(-1)
+    mix, mix_err = hc_mix_error(x, fn, norm_eps)  # [..., hc]
+    xd, gyd, fnd, sc = x.double(), gy.double().unsqueeze(-2), fn.double(), abs(float(scale.reshape(-1)[0]))
+    xf = xd.flatten(-2)
+    k = xf.size(-1)
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)  # [..., 1]
+    rel_r = gamma(k) / 2 + FUNC_ULPS * u
+    s = torch.sigmoid(mix * float(scale.reshape(-1)[0]) + base.double())
+    pre_err = sc / 4 * mix_err + FUNC_ULPS * u
+    t1 = (s + hc_eps).unsqueeze(-1) * gyd
+    t1_err = pre_err.unsqueeze(-1) * gyd.abs() + u * t1.abs()
+    g_pre = (xd * gyd).sum(-1)  # [..., hc]
+    g_pre_err = gamma(d) * (xd * gyd).abs().sum(-1)
+    sigp = s * (1 - s)
+    sigp_err = 0.1 * sc * mix_err + (FUNC_ULPS + 2) * u
+    g_m = g_pre * sigp * float(scale.reshape(-1)[0])
+    g_m_err = sc * (g_pre_err * sigp + g_pre.abs() * sigp_err) + 3 * u * g_m.abs()
+    gmr, gmr_err = g_m * r, (g_m_err + g_m.abs() * (rel_r + u)) * r
+    proj = (gmr @ fnd).view_as(t1)
+    proj_err = (gmr_err @ fnd.abs() + gamma(hc + 2) * (gmr.abs() @ fnd.abs())).view_as(t1)
+    dot = (g_m * mix).sum(-1, keepdim=True)  # [..., 1]
+    dot_err = (g_m_err * mix.abs() + g_m.abs() * mix_err).sum(-1, keepdim=True) + gamma(hc + 2) * (g_m * mix).abs().sum(
+        -1, keepdim=True
+    )
+    c = dot * r.square() / k
+    c_err = dot_err * r.square() / k + c.abs() * (2 * rel_r + 4 * u)
+    rms = (-c * xf).view_as(t1)
+    rms_err = (c_err * xf.abs() + u * (c * xf).abs()).view_as(t1)
+    bound = t1_err + proj_err + rms_err + gamma(3) * (t1.abs() + proj.abs() + rms.abs())
+    return t1, proj, rms, bound

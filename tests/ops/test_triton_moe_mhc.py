@@ -379,32 +379,27 @@ def check_head_backward(dev: torch.device, dtype: torch.dtype, b: int, s: int, d
     g0 = torch.autograd.grad(y0, leaves0, gy)
     g1 = torch.autograd.grad(y1, leaves1, gy)
     # g_x = t1 + t2: t1 = pre_i g_y (the weighted sum's), t2 = the mixes' (projection and RMS scale). The
-    # triton backward sums them in fp32 and rounds once to x's dtype (unit roundoff u: 2^-8 bf16, 2^-11
-    # fp16); the reference's autograd rounds t1 and t2 to x's dtype apart and adds them there. So per element
-    # |triton - reference| <= u (|t1| + |t2|) + 2 u |t1 + t2| (+ fp32 slack); the parameters' fp32 gradients
-    # differ by fp32 sums in another order and the two sigmoids' last bits
-    u = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
-    with torch.no_grad():
-        xf = x.double().flatten(-2)  # [b, s, K]
-        fn, scale, base = (t.double() for t in inputs[1:])
-        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)
-        mix = (xf @ fn.t()) * r
-        sig = torch.sigmoid(mix * scale + base)  # [b, s, hc]
-        t1 = (sig + 1e-6).unsqueeze(-1) * gy.double().unsqueeze(-2)  # [b, s, hc, d]
-        g_m = (x.double() * gy.double().unsqueeze(-2)).sum(-1) * sig * (1 - sig) * scale
-        rms_term = (-((g_m * mix).sum(-1, keepdim=True) * r.square() / xf.size(-1)) * xf).view_as(t1)
-        t2 = ((g_m * r) @ fn).view_as(t1) + rms_term
-        gx_bound = u * (t1.abs() + t2.abs()) + 2 * u * (t1 + t2).abs() + 1e-5 * (t1 + t2).abs().max()
+    # triton backward evaluates it in fp32 (within err of the exact value, `bounds.hc_head_grad_x`) and rounds
+    # once to x's dtype (unit roundoff u); the reference's autograd evaluates t1 and t2 in fp32, rounds each
+    # to x's dtype and adds them there. The parameters' fp32 gradients differ by fp32 sums in another order and
+    # the two sigmoids' last bits
+    u = bounds.U[dtype]
+    t1, proj, rms, err = bounds.hc_head_grad_x(x, *inputs[1:], gy, 1e-6, 1e-6)
+    t2 = proj + rms
+    exact = t1 + t2
+    to_exact = err + u * (exact.abs() + err)
+    to_reference = 2 * err + u * (t1.abs() + t2.abs() + 2 * exact.abs() + 4 * err)
     for name, a, b in zip(["x", "fn", "scale", "base"], g1, g0):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert torch.isfinite(a).all(), name
         if name == "x":
-            assert ((a.double() - b.double()).abs() <= gx_bound).all()
-            assert ((a.double() - (t1 + t2)).abs() <= u * (t1 + t2).abs() + 1e-5 * (t1 + t2).abs().max()).all()
+            for want, bound in ((exact, to_exact), (b, to_reference)):
+                ok, msg = bounds.within(a, want, bound)
+                assert ok, msg
         else:
             assert rel(a, b) < 1e-4, (name, rel(a, b))
     # the smallest part of g_x, the RMS scale's gradient, exceeds those bounds: a g_x without it fails
-    assert (rms_term.abs() > gx_bound).any()
+    assert (rms.abs() > to_reference).any()
 
 
 def test_hc_pre_deterministic_and_refuses_fp32():
