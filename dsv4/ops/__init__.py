@@ -260,6 +260,7 @@ hadamard = _make("hadamard")
 linear = _make("linear")
 linear_fp32 = _make("linear_fp32")
 linear_bf16_fp32 = _make("linear_bf16_fp32")
+cross_entropy = _make("cross_entropy")
 rms_norm = _make("rms_norm")
 rope_tail = _make("rope_tail")
 moe_experts = _make("moe_experts")
@@ -350,6 +351,7 @@ __all__ = [
     "fp4_round_trip",
     "hadamard",
     "linear",
+    "cross_entropy",
     "rms_norm",
     "rope_tail",
     "moe_experts",

@@ -19,6 +19,7 @@ from ..formats.fp4 import FP4_VALUES
 from ..formats.fp8 import FP8_MAX as FP8_E4M3_MAX
 from .precision import acc_dtype
 from .reference_linear import linear, linear_bf16_fp32, linear_fp32  # noqa: F401  (re-exported: their own module)
+from .reference_loss import cross_entropy  # noqa: F401  (re-exported: its own module)
 
 FP4_E2M1_GRID = FP4_VALUES[:8]  # E2M1 magnitudes by code 0..7 (codes 8..15 are the negatives)
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from .. import ops
 
 
 @dataclass
@@ -66,7 +67,7 @@ def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """logits [b, s, V] fp32, tokens [b, s] -> mean CE of logits[:, :-1] against tokens[:, 1:]."""
     v = logits.size(-1)
     target = shifted_targets(tokens, 1, logits.size(1))
-    return F.cross_entropy(logits.reshape(-1, v).float(), target.reshape(-1), ignore_index=IGNORE)
+    return ops.cross_entropy(logits.reshape(-1, v).float(), target.reshape(-1), IGNORE)
 
 
 def mtp_loss(mtp_logits: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor | None:
@@ -78,7 +79,7 @@ def mtp_loss(mtp_logits: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tens
             break
         v = lg.size(-1)
         target = shifted_targets(tokens, k + 2, lg.size(1))
-        losses.append(F.cross_entropy(lg.reshape(-1, v).float(), target.reshape(-1), ignore_index=IGNORE))
+        losses.append(ops.cross_entropy(lg.reshape(-1, v).float(), target.reshape(-1), IGNORE))
     return torch.stack(losses).mean() if losses else None
 
 

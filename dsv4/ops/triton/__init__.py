@@ -32,6 +32,7 @@ _MODULES = (
     "plan",
     "fixed_gemm",
     "optim",
+    "cross_entropy",
 )
 
 # every module is imported unconditionally: a missing or broken one is an error, never a silently absent op
