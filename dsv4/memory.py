@@ -299,12 +299,12 @@ def train_activation_terms(
 
     - blocks: every block's `train_layer_saved` (with checkpointing: each block's input stream, the only
       tensor a checkpointed block saves; a block is recomputed later, when the heads' tensors are gone).
-    - heads: per head (the main one and each MTP block's), the reference hc_head's two fp32 copies of the
-      stream [hc, dim] and its fp32 mixes, the final norm's input and output [dim] and the cross-entropy's
-      fp32 log-softmax [vocab]; each MTP block's combine: the fp32 embedding and its bf16 cast [dim], the
-      hidden norm's input and output [hc, dim].
+    - heads: per head (the main one and each MTP block's), the Triton hc_head's input stream [hc, dim]
+      and its fp32 mixes [hc] and RMS scale, the final norm's input and output [dim] and the fp32 logits
+      [vocab] that the cross entropy keeps; each MTP block's combine: the fp32 embedding and its bf16 cast
+      [dim], the hidden norm's input and output [hc, dim].
     - logits_grad: the head projection's backward (`linear_fp32`'s bf16x3 backend) splits the fp32 logits
-      gradient [vocab] (which takes the place of that head's freed log-softmax) into three bf16 parts:
+      gradient [vocab] (which takes the place of that head's freed logits) into three bf16 parts:
       bf16 hi, fp32 rest, bf16 mid, its fp32 upcast and fp32 remainder coexist, 16 bytes per vocab entry.
     """
     b, s, a = batch, seq_len, dtype_bytes
@@ -316,7 +316,7 @@ def train_activation_terms(
         blocks = len(ratios) * T * hc * D * a
     else:
         blocks = sum(sum(train_layer_saved(cfg, r, b, s, a).values()) for r in ratios)
-    head = T * (2 * hc * D * 4 + (hc + 2) * 4 + 2 * D * a + V * 4)
+    head = T * (hc * D * a + (hc + 1) * 4 + 2 * D * a + V * 4)
     combine = T * (D * 4 + D * a + 2 * hc * D * a)
     return {"blocks": blocks, "heads": (1 + n_mtp) * head + n_mtp * combine, "logits_grad": T * V * 16}
 
