@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dsv4
 
 from dsv4.bench.e2e import _bench_config, _tokens  # noqa: E402
+from dsv4.config import ModelConfig  # noqa: E402
 from dsv4.model import DeepSeekV4  # noqa: E402
 from dsv4.train.losses import total_loss  # noqa: E402
 
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     cfg = _bench_config(argparse.Namespace(train_config=None if args.preset else args.train_config, preset=args.preset))
+    if isinstance(cfg, str):  # a preset's name
+        cfg = ModelConfig.preset(cfg)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     model = DeepSeekV4(cfg, dtype=torch.float32, device=dev).train()
