@@ -337,10 +337,12 @@ class TrainState:
     expert_copies_block: int = 0  # the largest block's share of expert_copies
 
     def copies(self, world: int = 1, checkpointing: bool = False) -> int:
-        """bf16 weight copies alive at the training peak on one of `world` ranks. With checkpointing the
-        blocks save nothing: only one block's expert copies exist at a time (autocast's cache of the dense
-        ones lasts to the end of the forward, where every block's input is saved as well)."""
-        experts = self.expert_copies_block if checkpointing else self.expert_copies
+        """bf16 weight copies alive at the training peak on one of `world` ranks. One process keeps every
+        routed expert's copy for the whole step (`dsv4.train.casts`); on several ranks they are cast at
+        each use and, with checkpointing, only one block's exist at a time (the blocks save nothing;
+        autocast's cache of the dense ones lasts to the end of the forward, where every block's input is
+        saved as well)."""
+        experts = self.expert_copies_block if checkpointing and world > 1 else self.expert_copies
         return self.dense_copies + experts // world
 
 

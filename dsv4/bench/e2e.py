@@ -230,6 +230,7 @@ def bench_train(model, args, device, path: str) -> dict:
     `dsv4 train`: fp32 master weights under bf16 autocast, every loss the config has (MTP, indexer KL),
     gradient clipping, the Muon + AdamW step and the router bias update."""
     from ..train import balance
+    from ..train.casts import ExpertCasts
     from ..train.losses import total_loss
     from ..train.metrics import peak_tflops, train_flops_per_token
     from ..train.optim import MuonAdamW, OptimConfig
@@ -247,6 +248,8 @@ def bench_train(model, args, device, path: str) -> dict:
     mtp = full and cfg.n_mtp_layers > 0 and not cfg.dspark
     opt = MuonAdamW(model, OptimConfig(lr=1e-4)) if full else None
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if full else contextlib.nullcontext()
+    casts = ExpertCasts(model) if full and not getattr(args, "uncached_expert_casts", False) else None
+    model.set_options(expert_casts=casts or False)  # (as `dsv4 train` in one process: casts.py)
 
     def loss_fn(batch: torch.Tensor) -> dict[str, torch.Tensor]:
         if full:
@@ -258,6 +261,8 @@ def bench_train(model, args, device, path: str) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         balance.update_bias(model, 1e-3)
+        if casts is not None:
+            casts.refresh()
 
     def optimizer_step() -> None:
         if opt is not None:
@@ -315,7 +320,7 @@ def bench_train(model, args, device, path: str) -> dict:
             profiled = _profile_step(lambda: step(None), 3) if args.profile and device.type == "cuda" else {}
     finally:
         model.eval()
-        model.set_options(activation_checkpointing=False, head_precision="fp32")
+        model.set_options(activation_checkpointing=False, head_precision="fp32", expert_casts=False)
     tok_s = n_micro * args.batch * args.seq / sec
     row = {
         "bench": "train",
@@ -330,6 +335,7 @@ def bench_train(model, args, device, path: str) -> dict:
         "cuda_graph": graphed,
         "s_reps": [round(t, 5) for t in reps],
         "activation_checkpointing": bool(getattr(args, "activation_checkpointing", False)),
+        "expert_casts": ("per step" if casts is not None else "per forward") if full else None,
         "backends": used,
     }
     if opt is not None:
@@ -736,6 +742,12 @@ def add_bench_parsers(subparsers) -> None:
                 default="fp32",
                 help="the vocabulary heads' products under autocast (--optimizer), as `dsv4 train "
                 "--head-precision`: fp32 (default) or bf16 (one product per term, fp32 sums)",
+            )
+            p.add_argument(
+                "--uncached-expert-casts",
+                action="store_true",
+                help="with --optimizer: cast the routed experts' fp32 weights to bf16 at every forward "
+                "instead of once per optimizer step as `dsv4 train` does in one process (an A/B)",
             )
             p.add_argument(
                 "--grad-accum",

@@ -77,12 +77,16 @@ class Experts(nn.Module):
     - `fp4_fake_quant`: the experts compute with their weights rounded to FP4 (MXFP4-style, blocks of 32:
       `ops.fp4_round_trip`) and gradients pass straight through to the full-precision weights;
     - `eager_under_compile`: the experts stay eager inside a torch.compile'd block (their loop over
-      experts is data-dependent, so tracing it only adds graph breaks and recompilations).
+      experts is data-dependent, so tracing it only adds graph breaks and recompilations);
+    - `cast_cache`: under autocast, where it holds a copy of a weight in the autocast dtype
+      (`cast_cache.get(weight, dtype)`, e.g. `dsv4.train.casts.ExpertCasts`), the experts compute with it
+      instead of casting the weight at every forward (the same values; gradients flow to the weight).
     """
 
     stored_format: str | None = None
     act_format: str | None = None
     fp4_fake_quant: bool = False
+    cast_cache = None
     _eager_under_compile: bool = False
 
     @property
@@ -130,10 +134,14 @@ class Experts(nn.Module):
             return ops.moe_experts(x, weights, indices, q(w1, 32), q(w2, 32), q(w3, 32), self.swiglu_limit, self.offset)
         low = autocast_dtype(x.device.type)
         if low is not None:  # mixed precision: the grouped GEMMs take bf16 operands, as autocast would
-            x, w1, w2, w3 = (t.to(low) for t in (x, w1, w2, w3))
+            x, w1, w2, w3 = x.to(low), *(self._cast(w, low) for w in (w1, w2, w3))
         if self.act_format is not None:
             return ops.moe_experts(x, weights, indices, w1, w2, w3, self.swiglu_limit, self.offset, act=self.act_format)
         return ops.moe_experts(x, weights, indices, w1, w2, w3, self.swiglu_limit, self.offset)
+
+    def _cast(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        kept = self.cast_cache.get(w, dtype) if self.cast_cache is not None else None
+        return kept if kept is not None else w.to(dtype)
 
 
 def _experts_compute(experts: Experts, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -188,6 +188,7 @@ class DeepSeekV4(nn.Module):
         fp4_fake_quant: bool | None = None,
         eager_experts_under_compile: bool | None = None,
         head_precision: str | None = None,
+        expert_casts=None,
     ) -> DeepSeekV4:
         """Switch the model's run-time options (None leaves one as it is); returns the model.
 
@@ -197,7 +198,8 @@ class DeepSeekV4(nn.Module):
         routed experts stay eager inside a torch.compile'd block (`Experts.eager_under_compile`);
         head_precision: "fp32" (the spec's fp32 logits, `ops.linear_fp32`) or "bf16": inside a bf16 autocast
         region (mixed-precision training) the vocabulary heads take one bf16 product per term, summed and
-        returned in fp32 (`ops.linear_bf16_fp32`); outside autocast (inference) the heads stay fp32.
+        returned in fp32 (`ops.linear_bf16_fp32`); outside autocast (inference) the heads stay fp32;
+        expert_casts: the routed experts' `cast_cache` (False removes it; `dsv4.train.casts.ExpertCasts`).
         """
         if head_precision is not None:
             if head_precision not in HEAD_PRECISIONS:
@@ -212,6 +214,8 @@ class DeepSeekV4(nn.Module):
                     m.fp4_fake_quant = fp4_fake_quant
                 if eager_experts_under_compile is not None:
                     m.eager_under_compile = eager_experts_under_compile
+                if expert_casts is not None:
+                    m.cast_cache = expert_casts or None
         return self
 
     def loaded_from(self, plan: dict) -> DeepSeekV4:

@@ -27,6 +27,7 @@ from ..errors import RunFailed, UserError, writing
 from ..model.transformer import HEAD_PRECISIONS
 from ..tokenizer import Tokenizer
 from . import balance, checkpoint, clipping, data, metrics
+from .casts import ExpertCasts
 from .compiled import compile_blocks
 from .dspark_loss import DSparkLossConfig, dspark_loss, sample_anchors
 from .graphed import ReplayAfterFirst
@@ -90,7 +91,7 @@ class Trainer:
                 "--head-precision bf16 gives the heads bf16 products under bf16 autocast: it needs --precision "
                 f"bf16 (this run computes in fp32{' (auto on a CPU)' if cfg.precision == 'auto' else ''})"
             )
-        self._graph = None
+        self._graph = self.casts = None  # (casts: the experts' bf16 copies, `ExpertCasts`)
         self._micro = 0  # the micro-batch of the step being run (--grad-accum)
         self._gnorm_in: torch.Tensor | None = None  # the norm the update clips by (_update)
         if cfg.draft not in (None, "none", "mtp", "dspark"):
@@ -248,6 +249,9 @@ class Trainer:
             activation_checkpointing=c.activation_checkpointing,
             head_precision=c.head_precision,
         )
+        if self.dist is None and self.precision == "bf16":  # one cast of the experts a step (casts.py)
+            model.set_options(expert_casts=(casts := ExpertCasts(model)))
+            self.casts = casts
         if self.dist is not None:
             sharded = self.dist.shard_model(model, ep=c.expert_parallel)
             model = sharded if sharded is not None else model
@@ -346,6 +350,8 @@ class Trainer:
                 self._clip(max_norm, self._gnorm_in)
                 self.opt.step()
                 balance.update_bias(target, self.cfg.bias_gamma)
+                if self.casts is not None:
+                    self.casts.refresh()
 
             self._updater = ReplayAfterFirst(update) if self.cfg.cuda_graph else update
         self._gnorm_in.copy_(gnorm_t)
