@@ -35,6 +35,7 @@ from .losses import LossParts, total_loss
 from .micro import MicroSums, routers_with_load
 from .optim import MuonAdamW, OptimConfig, lr_factor, orthogonalization_error
 from .settings import QUICK_CPU_DEFAULTS, STANDARD_DEFAULTS, TrainConfig, model_config_of  # noqa: F401  (TrainConfig: re-exported)
+from .stops import nonfinite_stop
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -725,29 +726,12 @@ class Trainer:
                 bar.total = steps
 
     def _stop_if_nonfinite(self, row: dict, bar) -> None:
-        """A step whose loss or gradients turned NaN/Inf stops the run (RunFailed: exit 1, naming the step and
-        what the last checkpoint is), unless --skip-nonfinite skips such batches; a non-finite held-out loss
-        (the weights themselves) stops it either way."""
-        bad_eval = "eval_loss" in row and not math.isfinite(row["eval_loss"])
-        if not (bad_eval or (row.get("skipped") and not self.cfg.skip_nonfinite)):
-            return
-        if bar is not None:
-            bar.close()
-        root = self.out / "checkpoints"
-        kept = checkpoint.latest_name(root)
-        what = (
-            f"the held-out loss is {row['eval_loss']}"
-            if bad_eval
-            else f"the loss is {row.get('loss')}"
-            if not math.isfinite(row.get("loss", 0.0))
-            else f"{row['nonfinite']} gradient elements are NaN/Inf"
-        )
-        hint = "" if bad_eval else "; --skip-nonfinite skips such batches instead"
-        raise RunFailed(
-            f"training stopped at step {row['step']}: {what} (metrics.jsonl has every step so far; "
-            f"{f'the last checkpoint, {kept}, is kept' if kept else 'no checkpoint was written'}"
-            f"{hint})"
-        )
+        """Raise RunFailed (exit 1) where the step's numbers stop the run (`stops.nonfinite_stop`)."""
+        why = nonfinite_stop(row, self.cfg.skip_nonfinite, self.out / "checkpoints")
+        if why:
+            if bar is not None:
+                bar.close()
+            raise RunFailed(why)
 
     def _record(self, row: dict) -> None:
         self.history.append(row)
