@@ -335,15 +335,16 @@ class TrainState:
     expert_copies: int = 0  # the routed experts' bf16 copies (`Experts.forward` casts them each step,
     # the grouped GEMMs save them): split over the expert-parallel ranks
     expert_copies_block: int = 0  # the largest block's share of expert_copies
+    head_split: int = 0  # the fp32 head's bf16x3 split one process keeps for a step (`dsv4.train.casts`)
 
     def copies(self, world: int = 1, checkpointing: bool = False) -> int:
         """bf16 weight copies alive at the training peak on one of `world` ranks. One process keeps every
-        routed expert's copy for the whole step (`dsv4.train.casts`); on several ranks they are cast at
-        each use and, with checkpointing, only one block's exist at a time (the blocks save nothing;
-        autocast's cache of the dense ones lasts to the end of the forward, where every block's input is
-        saved as well)."""
+        routed expert's copy and the head's split for the whole step (`dsv4.train.casts`); on several ranks
+        the experts are cast at each use and, with checkpointing, only one block's exist at a time (the
+        blocks save nothing; autocast's cache of the dense ones lasts to the end of the forward, where every
+        block's input is saved as well)."""
         experts = self.expert_copies_block if checkpointing and world > 1 else self.expert_copies
-        return self.dense_copies + experts // world
+        return self.dense_copies + experts // world + (self.head_split if world == 1 else 0)
 
 
 def train_state_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> TrainState:
@@ -371,8 +372,9 @@ def train_state_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> 
     per_block = [
         sum(p.numel() for n, p in b.named_parameters() if ".experts.w" in f".{n}") for b in [*ref.layers, *ref.mtp]
     ]
+    head = cfg.vocab_size * cfg.dim * 3 * 2  # [V, 3 dim] bf16
     return TrainState(
-        w, w, opt, experts / (w + w + opt), dense_block, dense * low, sum(per_block) * low, max(per_block) * low
+        w, w, opt, experts / (w + w + opt), dense_block, dense * low, sum(per_block) * low, max(per_block) * low, head
     )
 
 

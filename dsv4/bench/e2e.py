@@ -230,7 +230,7 @@ def bench_train(model, args, device, path: str) -> dict:
     `dsv4 train`: fp32 master weights under bf16 autocast, every loss the config has (MTP, indexer KL),
     gradient clipping, the Muon + AdamW step and the router bias update."""
     from ..train import balance
-    from ..train.casts import ExpertCasts
+    from ..train.casts import StepCasts
     from ..train.losses import total_loss
     from ..train.metrics import peak_tflops, train_flops_per_token
     from ..train.optim import MuonAdamW, OptimConfig
@@ -248,7 +248,9 @@ def bench_train(model, args, device, path: str) -> dict:
     mtp = full and cfg.n_mtp_layers > 0 and not cfg.dspark
     opt = MuonAdamW(model, OptimConfig(lr=1e-4)) if full else None
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if full else contextlib.nullcontext()
-    casts = ExpertCasts(model) if full and not getattr(args, "uncached_expert_casts", False) else None
+    per_use = getattr(args, "per_use_casts", False)
+    split = device.type == "cuda" and head == "fp32"  # (where the fp32 head takes the bf16x3 split)
+    casts = StepCasts(model, head_split=split) if full and not per_use else None
     model.set_options(expert_casts=casts or False)  # (as `dsv4 train` in one process: casts.py)
 
     def loss_fn(batch: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -321,6 +323,8 @@ def bench_train(model, args, device, path: str) -> dict:
     finally:
         model.eval()
         model.set_options(activation_checkpointing=False, head_precision="fp32", expert_casts=False)
+        if casts is not None:
+            casts.close()
     tok_s = n_micro * args.batch * args.seq / sec
     row = {
         "bench": "train",
@@ -335,7 +339,7 @@ def bench_train(model, args, device, path: str) -> dict:
         "cuda_graph": graphed,
         "s_reps": [round(t, 5) for t in reps],
         "activation_checkpointing": bool(getattr(args, "activation_checkpointing", False)),
-        "expert_casts": ("per step" if casts is not None else "per forward") if full else None,
+        "weight_casts": ("per step" if casts is not None else "per use") if full else None,
         "backends": used,
     }
     if opt is not None:
@@ -744,10 +748,11 @@ def add_bench_parsers(subparsers) -> None:
                 "--head-precision`: fp32 (default) or bf16 (one product per term, fp32 sums)",
             )
             p.add_argument(
-                "--uncached-expert-casts",
+                "--per-use-casts",
                 action="store_true",
-                help="with --optimizer: cast the routed experts' fp32 weights to bf16 at every forward "
-                "instead of once per optimizer step as `dsv4 train` does in one process (an A/B)",
+                help="with --optimizer: cast the routed experts' fp32 weights to bf16 and split the fp32 "
+                "head at every use instead of once per optimizer step as `dsv4 train` does in one "
+                "process (an A/B)",
             )
             p.add_argument(
                 "--grad-accum",

@@ -79,7 +79,7 @@ class Experts(nn.Module):
     - `eager_under_compile`: the experts stay eager inside a torch.compile'd block (their loop over
       experts is data-dependent, so tracing it only adds graph breaks and recompilations);
     - `cast_cache`: under autocast, where it holds a copy of a weight in the autocast dtype
-      (`cast_cache.get(weight, dtype)`, e.g. `dsv4.train.casts.ExpertCasts`), the experts compute with it
+      (`cast_cache.get(weight, dtype)`, e.g. `dsv4.train.casts.StepCasts`), the experts compute with it
       instead of casting the weight at every forward (the same values; gradients flow to the weight).
     """
 

@@ -199,7 +199,7 @@ class DeepSeekV4(nn.Module):
         head_precision: "fp32" (the spec's fp32 logits, `ops.linear_fp32`) or "bf16": inside a bf16 autocast
         region (mixed-precision training) the vocabulary heads take one bf16 product per term, summed and
         returned in fp32 (`ops.linear_bf16_fp32`); outside autocast (inference) the heads stay fp32;
-        expert_casts: the routed experts' `cast_cache` (False removes it; `dsv4.train.casts.ExpertCasts`).
+        expert_casts: the routed experts' `cast_cache` (False removes it; `dsv4.train.casts.StepCasts`).
         """
         if head_precision is not None:
             if head_precision not in HEAD_PRECISIONS:

@@ -192,6 +192,39 @@ def _reuse(weight: torch.Tensor, kept, store: Callable[[tuple], None], make: Cal
     return value
 
 
+# fp32 matrices a trainer keeps split for its optimizer step (`keep_step_split`): weight -> [split, version]
+_STEP: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def keep_step_split(weight: torch.Tensor) -> None:
+    """Keep `weight`'s [N, 3K] bf16 split for a training step (`dsv4.train.casts.HeadSplits`): its bf16x3
+    calls, forward and backward, read the kept split instead of splitting the weight at each call (the
+    vocabulary head: a pass over the weight per call, forward and backward, at every micro-batch). Made now;
+    `refresh_step_split` makes it again in place (a CUDA graph of the optimizer step replays that), and,
+    outside a capture, a call that finds the weight's version counter moved since makes it again first."""
+    _STEP[weight] = [split_bf16x3(weight.detach()), weight._version]
+
+
+def drop_step_split(weight: torch.Tensor) -> None:
+    _STEP.pop(weight, None)
+
+
+@torch.no_grad()
+def refresh_step_split(weight: torch.Tensor) -> None:
+    entry = _STEP[weight]
+    torch.cat(bf16_parts(weight.detach()), dim=1, out=entry[0])
+    entry[1] = weight._version
+
+
+def _step_split(weight: torch.Tensor) -> torch.Tensor | None:
+    entry = _STEP.get(weight)
+    if entry is None:
+        return None
+    if entry[1] != weight._version and not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+        refresh_step_split(weight)
+    return entry[0]
+
+
 def weight_split(weight: torch.Tensor) -> torch.Tensor:
     """The [N, 3K] bf16 split of an fp32 weight: the kept one where `keep_splits` marked the weight, autograd
     is off for it and it is unchanged since; else made now (and kept, for a marked weight outside a capture).
@@ -204,6 +237,9 @@ def weight_split(weight: torch.Tensor) -> torch.Tensor:
         k = weight.size(1)
         _KEPT[weight] = (key, split[:, :k].contiguous() if not split[:, k:].any() else split)
 
+    step = _step_split(weight)
+    if step is not None:
+        return step
     # (split_bf16x3 looked up at the call: the tests count splits by replacing it)
     return _reuse(weight, _KEPT.get(weight), keep, lambda w: split_bf16x3(w))
 
@@ -232,18 +268,20 @@ class _Bf16x3Linear(torch.autograd.Function):
         else:
             x3 = torch.cat([x2, x2, x2], dim=1)  # [M, 3K]
             y = _mm_fp32_out(x3, w3.t())  # one GEMM over the concatenated K
-        ctx.save_for_backward(x, weight)
+        kept = _STEP.get(weight)
+        # a split kept for the step is the backward's too (a per-call one is not kept alive for it)
+        ctx.save_for_backward(x, weight, *([w3] if kept is not None and kept[0] is w3 else []))
         return y.view(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         """fp32 gradients from bf16 products: g [M, N] (fp32, not bf16-exact) is split three ways too."""
-        x, weight = ctx.saved_tensors
+        x, weight, *w3 = ctx.saved_tensors
         gs = bf16_parts(g.reshape(-1, weight.size(0)))  # 3 x [M, N]
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            ws = bf16_parts(weight.detach())  # 3 x [N, K]
             n, k = weight.shape
+            ws = (w3[0][:, :k], w3[0][:, k : 2 * k], w3[0][:, 2 * k :]) if w3 else bf16_parts(weight.detach())
             if n < CONCAT_MAX_N_PER_K * k:
                 # the six products as one GEMM over the pairs' concatenated N axis, smallest first (a
                 # compressor's or the router's N against a dim of 384; CONCAT_MAX_N_PER_K says why)

@@ -27,7 +27,7 @@ from ..errors import RunFailed, UserError, writing
 from ..model.transformer import HEAD_PRECISIONS
 from ..tokenizer import Tokenizer
 from . import balance, checkpoint, clipping, data, metrics
-from .casts import ExpertCasts
+from .casts import StepCasts
 from .compiled import compile_blocks
 from .dspark_loss import DSparkLossConfig, dspark_loss, sample_anchors
 from .graphed import ReplayAfterFirst
@@ -92,7 +92,7 @@ class Trainer:
                 "--head-precision bf16 gives the heads bf16 products under bf16 autocast: it needs --precision "
                 f"bf16 (this run computes in fp32{' (auto on a CPU)' if cfg.precision == 'auto' else ''})"
             )
-        self._graph = self.casts = None  # (casts: the experts' bf16 copies, `ExpertCasts`)
+        self._graph = self.casts = None  # (casts: the weights' bf16 forms kept for a step, `StepCasts`)
         self._micro = 0  # the micro-batch of the step being run (--grad-accum)
         self._gnorm_in: torch.Tensor | None = None  # the norm the update clips by (_update)
         if cfg.draft not in (None, "none", "mtp", "dspark"):
@@ -250,8 +250,9 @@ class Trainer:
             activation_checkpointing=c.activation_checkpointing,
             head_precision=c.head_precision,
         )
-        if self.dist is None and self.precision == "bf16":  # one cast of the experts a step (casts.py)
-            model.set_options(expert_casts=(casts := ExpertCasts(model)))
+        if self.dist is None and self.precision == "bf16":  # experts cast, head split once a step (casts.py)
+            split = self.device.type == "cuda" and c.head_precision == "fp32"  # (bf16x3's default there)
+            model.set_options(expert_casts=(casts := StepCasts(model, head_split=split)))
             self.casts = casts
         if self.dist is not None:
             sharded = self.dist.shard_model(model, ep=c.expert_parallel)

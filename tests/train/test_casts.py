@@ -1,4 +1,4 @@
-"""The routed experts' bf16 copies kept for an optimizer step (`dsv4.train.casts.ExpertCasts`): the same
+"""The routed experts' bf16 copies kept for an optimizer step (`dsv4.train.casts.StepCasts`): the same
 losses and gradients as casting at every forward, bit for bit; no cast of an expert weight inside a
 forward or backward; fresh after every update and after any in-place write of a weight."""
 
@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4.config import ModelConfig
 from dsv4.model import DeepSeekV4
-from dsv4.train.casts import ExpertCasts
+from dsv4.train.casts import StepCasts
 from dsv4.train.losses import total_loss
 from dsv4.train.trainer import Trainer
 
@@ -59,7 +59,7 @@ def test_kept_copies_give_the_cast_at_each_use_bit_for_bit(checkpointing):
     every weight is written in place (as an optimizer does), then `refresh()` as the trainer's update calls it."""
     m0 = _model().set_options(activation_checkpointing=checkpointing)
     m1 = copy.deepcopy(m0)
-    casts = ExpertCasts(m1)
+    casts = StepCasts(m1)
     m1.set_options(expert_casts=casts)
     assert len(casts) == 3 * sum(1 for n, _ in m1.named_modules() if n.endswith(".experts"))
     g = torch.Generator().manual_seed(1)
@@ -87,7 +87,7 @@ def test_no_expert_weight_is_cast_inside_a_step():
         _step(m, tok)
     n_weights = sum(1 for n, _ in m.named_parameters() if ".experts.w" in n)
     assert uncached.n >= 2 * n_weights  # (the test can fail: the count sees the casts)
-    m.set_options(expert_casts=ExpertCasts(m))
+    m.set_options(expert_casts=StepCasts(m))
     with _ExpertCastCount(shapes) as cached:
         _step(m, tok)
     assert cached.n == 0
@@ -97,7 +97,7 @@ def test_a_weight_written_in_place_is_cast_again_before_use():
     """Outside a CUDA graph capture `get` compares the weight's version counter with its copy's: a write
     without `refresh()` (a checkpoint load, a manual edit) is seen; `get` declines other dtypes and weights."""
     m = _model()
-    casts = ExpertCasts(m)
+    casts = StepCasts(m)
     w = next(p for n, p in m.named_parameters() if n.endswith(".experts.w1"))
     assert torch.equal(casts.get(w, torch.bfloat16), w.detach().bfloat16())
     with torch.no_grad():
@@ -139,9 +139,55 @@ def test_graphed_training_refreshes_the_copies_in_its_update_graph(tmp_path, mon
     kept.fit()
     experts = [p for n, p in kept.model.named_parameters() if ".experts.w" in n]
     assert all(torch.equal(kept.casts._copies[p][0], p.detach().bfloat16()) for p in experts)
-    monkeypatch.setattr(trainer_module, "ExpertCasts", lambda model: None)  # cast at each use
+    monkeypatch.setattr(trainer_module, "StepCasts", lambda model: None)  # cast at each use
     each = Trainer(_train_cfg(tmp_path, **kw, out=str(tmp_path / "each")), log=lambda *_: None)
     assert each.casts is None
     each.fit()
     losses = [[r["loss"] for r in t.history if "loss" in r] for t in (kept, each)]
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+def test_the_kept_head_split_gives_the_per_call_split_bit_for_bit(monkeypatch):
+    """With the head's bf16x3 split kept for the step (`head_split=True`), its calls, forward and backward,
+    split the weight no more; losses and gradients equal the per-call split's, across in-place writes and
+    `refresh()`; `close()` stops keeping it."""
+    import dsv4.ops as ops
+    from dsv4.ops import torch_native
+
+    splits = []
+    for name in ("split_bf16x3", "bf16_parts"):
+        real = getattr(torch_native, name)
+
+        def counted(t, _real=real):
+            splits.append(tuple(t.shape))
+            return _real(t)
+
+        monkeypatch.setattr(torch_native, name, counted)
+    m0 = _model()
+    m1 = copy.deepcopy(m0)
+    casts = StepCasts(m1, head_split=True)
+    m1.set_options(expert_casts=casts)
+    head = tuple(m1.head.weight.shape)
+    g = torch.Generator().manual_seed(3)
+    with ops.use_backend({"linear_fp32": "bf16x3"}):
+        for _ in range(2):
+            micro = [torch.randint(0, m0.cfg.vocab_size, (2, 32), generator=g) for _ in range(2)]
+            splits.clear()
+            with ops.which_ran() as ran:
+                l0, g0 = _step(m0, micro)
+            assert "bf16x3" in ran["linear_fp32"] and head in splits  # (per call: the head split each time)
+            splits.clear()
+            l1, g1 = _step(m1, micro)
+            assert head not in splits
+            assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+            assert all(torch.equal(g0[k], g1[k]) for k in g0) and g0.keys() == g1.keys()
+            with torch.no_grad():
+                for m in (m0, m1):
+                    m.head.weight.mul_(0.97)
+            casts.refresh()  # (read below without a call first: `refresh` itself made the split again)
+            kept = torch_native._STEP[m1.head.weight][0]
+            assert torch.equal(kept, torch.cat(torch_native.bf16_parts(m1.head.weight.detach()), dim=1))
+        casts.close()
+        splits.clear()
+        _step(m1, micro)
+        assert head in splits
