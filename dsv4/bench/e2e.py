@@ -492,6 +492,21 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
             f"--optimizer-only --cuda-graph replays the update from a CUDA graph; this run is on "
             f"{device.type}: leave out --cuda-graph"
         )
+    if args.bench == "train" and not (args.optimizer or only):
+        autocast_only = [
+            f
+            for f, on in (
+                ("--head-precision bf16", getattr(args, "head_precision", "fp32") != "fp32"),
+                ("--per-use-casts", getattr(args, "per_use_casts", False)),
+            )
+            if on
+        ]
+        if autocast_only:
+            raise UserError(
+                f"{' and '.join(autocast_only)} act{'s' if len(autocast_only) == 1 else ''} on the full step's "
+                "bf16 autocast: add --optimizer (without it "
+                "bench train times forward + backward of a bf16 model)"
+            )
     if args.bench == "train" and (args.optimizer or only):
         dtype = torch.float32  # fp32 master weights, bf16 autocast
     if only:

@@ -82,6 +82,16 @@ def test_gpu_benches_refuse_a_cpu_with_the_reason(bench, no_cuda, capsys):
     assert len(out.err.strip().splitlines()) == 1
 
 
+def test_autocast_options_without_the_full_step_are_refused(capsys):
+    """Without --optimizer bench train times a bf16 model (no autocast): --head-precision bf16 and
+    --per-use-casts would change nothing, so they are refused in one line before any model is built."""
+    cpu = ["--preset", "tiny", "--device", "cpu", "--allow-cpu"]
+    for flags in (["--head-precision", "bf16"], ["--per-use-casts"]):
+        assert main(["bench", "train", *cpu, *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {flags[0]}") and "add --optimizer" in err and len(err.splitlines()) == 1
+
+
 def test_optimizer_only_refuses_a_cpu_and_a_cuda_graph(no_cuda, capsys):
     assert main(["bench", "train", "--optimizer-only"]) == 2
     assert capsys.readouterr().err.startswith("error: dsv4 bench train needs a CUDA device")
