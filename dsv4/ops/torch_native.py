@@ -197,7 +197,7 @@ _STEP: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def keep_step_split(weight: torch.Tensor) -> None:
-    """Keep `weight`'s [N, 3K] bf16 split for a training step (`dsv4.train.casts.HeadSplits`): its bf16x3
+    """Keep `weight`'s [N, 3K] bf16 split for a training step (`dsv4.train.casts.StepCasts`): its bf16x3
     calls, forward and backward, read the kept split instead of splitting the weight at each call (the
     vocabulary head: a pass over the weight per call, forward and backward, at every micro-batch). Made now;
     `refresh_step_split` makes it again in place (a CUDA graph of the optimizer step replays that), and,
