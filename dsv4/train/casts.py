@@ -45,16 +45,23 @@ class _FromCopy(torch.autograd.Function):
 
 
 class StepCasts:
-    """The routed experts' bf16 copies of `model` and, with `head_split`, its fp32 head's bf16x3 split,
-    kept for an optimizer step (module docstring)."""
+    """The routed experts' bf16 copies of `model` (unless `experts` is False: FP4 fake quantization computes
+    with its own rounding of the fp32 weights) and, with `head_split`, its fp32 head's bf16x3 split, kept for
+    an optimizer step (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, head_split: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        dtype: torch.dtype = torch.bfloat16,
+        head_split: bool = False,
+        experts: bool = True,
+    ):
         from ..model.moe import Experts
 
         self.dtype = dtype
         self._copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> [copy, version at the cast]
         for m in model.modules():
-            if isinstance(m, Experts):
+            if experts and isinstance(m, Experts):
                 for w in (m.w1, m.w2, m.w3):
                     if type(w) is torch.nn.Parameter and w.dtype == torch.float32:  # (not a DTensor shard)
                         self._copies[w] = [torch.empty_like(w, dtype=dtype), -1]

@@ -252,7 +252,8 @@ class Trainer:
         )
         if self.dist is None and self.precision == "bf16":  # experts cast, head split once a step (casts.py)
             split = self.device.type == "cuda" and c.head_precision == "fp32"  # (bf16x3's default there)
-            model.set_options(expert_casts=(casts := StepCasts(model, head_split=split)))
+            casts = StepCasts(model, head_split=split, experts=not c.fp4_experts)
+            model.set_options(expert_casts=casts)
             self.casts = casts
         if self.dist is not None:
             sharded = self.dist.shard_model(model, ep=c.expert_parallel)

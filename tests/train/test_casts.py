@@ -121,6 +121,13 @@ def test_the_trainer_keeps_copies_under_bf16_and_refreshes_them_after_every_upda
     assert all(torch.equal(t.casts._copies[p][0], p.detach().bfloat16()) for p in experts)
     fp32 = Trainer(_train_cfg(tmp_path, precision="fp32", steps=1, out=str(tmp_path / "b")), log=lambda *_: None)
     assert fp32.casts is None
+    # FP4 fake quantization computes from the fp32 weights with its own rounding: no bf16 copies of them
+    fp4 = Trainer(
+        _train_cfg(tmp_path, precision="bf16", fp4_experts=True, out=str(tmp_path / "c")), log=lambda *_: None
+    )
+    assert fp4.casts is not None and not any(
+        ".experts.w" in n for n, p in fp4.model.named_parameters() if p in fp4.casts._copies
+    )
 
 
 @pytest.mark.gpu  # graph capture
