@@ -74,16 +74,16 @@ class StepCasts:
     def __len__(self) -> int:
         return len(self._copies) + len(self.split)
 
-    def nbytes(self) -> int:
-        split = sum(w.numel() * 3 * 2 for w in self.split)
-        return split + sum(c.numel() * c.element_size() for c, _ in self._copies.values())
-
+    @staticmethod
     @torch.no_grad()
+    def _cast(w: torch.Tensor, entry: list) -> None:
+        entry[0].copy_(w)
+        entry[1] = w._version
+
     def refresh(self) -> None:
         """Make every copy again in place (inside a CUDA graph capture: captured, replayed with it)."""
         for w, entry in self._copies.items():
-            entry[0].copy_(w)
-            entry[1] = w._version
+            self._cast(w, entry)
         for w in self.split:
             refresh_step_split(w)
 
@@ -100,7 +100,5 @@ class StepCasts:
         if entry is None:
             return None
         if entry[1] != w._version and not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
-            with torch.no_grad():
-                entry[0].copy_(w)
-            entry[1] = w._version
+            self._cast(w, entry)
         return _FromCopy.apply(w, entry[0]) if torch.is_grad_enabled() and w.requires_grad else entry[0]
