@@ -321,12 +321,16 @@ def _hc_pre_finish_kernel(
     acc_cb = tl.zeros((BT, P2), dtype=tl.float32)
     ss = tl.zeros((BT,), dtype=tl.float32)
     mixes = pid_d < 1 - HEAD  # this program: the mixes and Sinkhorn (stored), no y columns
-    stores = tmask & (pid_d == 0)  # (with HEAD: the first y program stores the head's mixes and rs)
+    # (with HEAD: the first y program stores the head's mixes and rs; a scalar condition joins a mask through
+    # tl.where, not &: Triton 3.9's interpreter gives a splatted scalar comparison int32 values, no mask)
+    stores = tl.where(pid_d == 0, tmask, False)
     for s in tl.static_range(SPLIT):  # unrolled: every partial's load issued up front
         row = s * T + ts64  # [BT]
         acc_pp += tl.load(wpp_ptr + row[:, None] * P1 + c1[None, :], mask=tmask[:, None], other=0.0)
         if not HEAD:
-            acc_cb += tl.load(wcb_ptr + row[:, None] * P2 + c2[None, :], mask=tmask[:, None] & mixes, other=0.0)
+            acc_cb += tl.load(
+                wcb_ptr + row[:, None] * P2 + c2[None, :], mask=tl.where(mixes, tmask[:, None], False), other=0.0
+            )
         ss += tl.load(wss_ptr + row, mask=tmask, other=0.0)
     d_lo = (pid_d - 1 + HEAD) * DS  # (a y program's columns)
     d_hi = tl.where(mixes, d_lo, tl.minimum(d_lo + DS, D))  # (the mixes program reduces none)

@@ -104,7 +104,11 @@ def _fp4_groups(
             ).to(tl.int32)
             & 0xFF
         )  # [BN, 16] bytes: element 2i in the low nibble
-        e = tl.load(bs_ptr + rn64 * stride_bsn + (k0 + g * G) // G, mask=nmask & (k0 + g * G < K), other=0)
+        # (a scalar condition joins a mask through tl.where, not &: Triton 3.9's interpreter gives a splatted
+        # scalar comparison int32 values, which no load takes as a mask)
+        e = tl.load(
+            bs_ptr + rn64 * stride_bsn + (k0 + g * G) // G, mask=tl.where(k0 + g * G < K, nmask, False), other=0
+        )
         gs = ((e.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127)
         if UPCAST:  # (the interpreter: the same values in fp32)
             v = tl.reshape(tl.join(_e2m1(p & 0xF), _e2m1(p >> 4)), (BN, G)) * 0.015625
@@ -171,10 +175,12 @@ def _fp4_rows_sum(
         for r in tl.static_range(BM):
             row = tl.sum(tl.where(rid == r, a_rows, 0))  # (a row of the tile, as a scalar)
             ok = tl.sum(tl.where(rid == r, rmask.to(tl.int32), 0)) > 0
-            ae = tl.load(a_ptr + row * stride_am + k0 + 2 * kh, mask=ok & (k0 + 2 * kh < K), other=0.0).to(tl.float32)
-            ao = tl.load(a_ptr + row * stride_am + k0 + 2 * kh + 1, mask=ok & (k0 + 2 * kh < K), other=0.0).to(
-                tl.float32
-            )
+            ae = tl.load(
+                a_ptr + row * stride_am + k0 + 2 * kh, mask=tl.where(ok, k0 + 2 * kh < K, False), other=0.0
+            ).to(tl.float32)
+            ao = tl.load(
+                a_ptr + row * stride_am + k0 + 2 * kh + 1, mask=tl.where(ok, k0 + 2 * kh < K, False), other=0.0
+            ).to(tl.float32)
             prod = lo * ae[None, :] + hi * ao[None, :]  # [BN, BK/2]: group g in bytes 16g .. 16g+15
             grp = tl.sum(tl.reshape(prod, (BN, BK // G, G // 2)), axis=2) * 16384.0  # [BN, BK/32] (2^14: exact)
             blk = tl.sum(grp * gs, axis=1)  # [BN]
