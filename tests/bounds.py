@@ -79,6 +79,76 @@ def hc_weighted_sum_error(
     return (pre_err.unsqueeze(-1) * xa).sum(-2) + gamma(hc) * (1 + hc_eps) * xa.sum(-2)
 
 
+def _hc_head_backward(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    gy: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+) -> dict:
+    """hc_head's backward up to the mixes' gradient, in float64, with first-order bounds on an fp32
+    evaluation (what `hc_head_grad_x` and `hc_head_param_grads` share): the mixes and the sigmoid s, the
+    gradient g_s = g_pre sigmoid' of the sigmoid's argument before the scale, g_m = g_s scale of the mixes,
+    and gmr = g_m r of the projection's output (before the RMS scale)."""
+    u, d = U32, x.size(-1)
+    mix, mix_err = hc_mix_error(x, fn, norm_eps)  # [..., hc]
+    xd, gyd, sv = x.double(), gy.double().unsqueeze(-2), float(scale.reshape(-1)[0])
+    sc = abs(sv)
+    xf = xd.flatten(-2)
+    k = xf.size(-1)
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)  # [..., 1]
+    rel_r = gamma(k) / 2 + FUNC_ULPS * u
+    s = torch.sigmoid(mix * sv + base.double())
+    g_pre = (xd * gyd).sum(-1)  # [..., hc]
+    g_pre_err = gamma(d) * (xd * gyd).abs().sum(-1)
+    sigp = s * (1 - s)
+    sigp_err = 0.1 * sc * mix_err + (FUNC_ULPS + 2) * u
+    g_s = g_pre * sigp
+    g_s_err = g_pre_err * sigp + g_pre.abs() * sigp_err + 2 * u * g_s.abs()
+    g_m, g_m_err = g_s * sv, sc * g_s_err + 3 * u * (g_s * sv).abs()
+    gmr, gmr_err = g_m * r, (g_m_err + g_m.abs() * (rel_r + u)) * r
+    return dict(
+        k=k, xf=xf, r=r, rel_r=rel_r, gyd=gyd, s=s, pre_err=sc / 4 * mix_err + FUNC_ULPS * u,
+        mix=mix, mix_err=mix_err, g_s=g_s, g_s_err=g_s_err, g_m=g_m, g_m_err=g_m_err, gmr=gmr, gmr_err=gmr_err,
+    )  # fmt: skip
+
+
+def hc_head_param_grads(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    gy: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """hc_head's parameter gradients in float64 and a first-order bound on an fp32 evaluation's distance
+    from them, in any order of its sums -> {"fn": (exact [hc, hc d], bound), "scale": ..., "base": ...}.
+
+    Each is a sum over the T tokens (and the hc mixes) of per-token terms whose fp32 values carry the
+    errors of `_hc_head_backward`: fn's gradient sum_t gmr_t x_t (T terms), the scale's sum_t,j g_s mix
+    (T hc terms), the base's sum_t g_s (T terms); each sum adds gamma(terms + 1) * sum |term|. fn's sum may
+    run on tensor cores over exact three-way bf16 splits (`mhc_bwd.projection_grads`): up to six part
+    products per token and the token splits' partial sums (gamma(6 T + 8)), and the three dropped part
+    products, each below 2^-24 of its term (3 u)."""
+    t = _hc_head_backward(x, fn, scale, base, gy, norm_eps, hc_eps)
+    hc = x.size(-2)
+    gmr, gmr_err = t["gmr"].reshape(-1, hc), t["gmr_err"].reshape(-1, hc)  # [T, hc]
+    g_s, g_s_err = t["g_s"].reshape(-1, hc), t["g_s_err"].reshape(-1, hc)
+    mix, mix_err = t["mix"].reshape(-1, hc), t["mix_err"].reshape(-1, hc)
+    xf = t["xf"].reshape(gmr.size(0), -1)  # [T, K]
+    n = gmr.size(0)
+    fn_g = gmr.t() @ xf
+    fn_b = gmr_err.t() @ xf.abs() + (gamma(6 * n + 8) + 4 * U32) * (gmr.abs().t() @ xf.abs())
+    sc_g = (g_s * mix).sum()
+    sc_b = (g_s_err * mix.abs() + g_s.abs() * mix_err).sum() + gamma(n * hc + 1) * (g_s * mix).abs().sum()
+    base_g = g_s.sum(0)
+    base_b = g_s_err.sum(0) + gamma(n + 1) * g_s.abs().sum(0)
+    return {"fn": (fn_g, fn_b), "scale": (sc_g.reshape(1), sc_b.reshape(1)), "base": (base_g, base_b)}
+
+
 def hc_head_grad_x(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -97,24 +167,11 @@ def hc_head_grad_x(
     FUNC_ULPS u); the hc-term projection sum_m g_m r fn_mk and c = r^2 / K sum_m g_m mix_m (gamma(hc + 2));
     each product and the final three-term sum add their roundings.
     """
-    u, hc, d = U32, x.size(-2), x.size(-1)
-    mix, mix_err = hc_mix_error(x, fn, norm_eps)  # [..., hc]
-    xd, gyd, fnd, sc = x.double(), gy.double().unsqueeze(-2), fn.double(), abs(float(scale.reshape(-1)[0]))
-    xf = xd.flatten(-2)
-    k = xf.size(-1)
-    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)  # [..., 1]
-    rel_r = gamma(k) / 2 + FUNC_ULPS * u
-    s = torch.sigmoid(mix * float(scale.reshape(-1)[0]) + base.double())
-    pre_err = sc / 4 * mix_err + FUNC_ULPS * u
-    t1 = (s + hc_eps).unsqueeze(-1) * gyd
-    t1_err = pre_err.unsqueeze(-1) * gyd.abs() + u * t1.abs()
-    g_pre = (xd * gyd).sum(-1)  # [..., hc]
-    g_pre_err = gamma(d) * (xd * gyd).abs().sum(-1)
-    sigp = s * (1 - s)
-    sigp_err = 0.1 * sc * mix_err + (FUNC_ULPS + 2) * u
-    g_m = g_pre * sigp * float(scale.reshape(-1)[0])
-    g_m_err = sc * (g_pre_err * sigp + g_pre.abs() * sigp_err) + 3 * u * g_m.abs()
-    gmr, gmr_err = g_m * r, (g_m_err + g_m.abs() * (rel_r + u)) * r
+    t = _hc_head_backward(x, fn, scale, base, gy, norm_eps, hc_eps)
+    u, hc, k, fnd, xf, r, rel_r = U32, x.size(-2), t["k"], fn.double(), t["xf"], t["r"], t["rel_r"]
+    mix, mix_err, g_m, g_m_err, gmr, gmr_err = (t[n] for n in ("mix", "mix_err", "g_m", "g_m_err", "gmr", "gmr_err"))
+    t1 = (t["s"] + hc_eps).unsqueeze(-1) * t["gyd"]
+    t1_err = t["pre_err"].unsqueeze(-1) * t["gyd"].abs() + u * t1.abs()
     proj = (gmr @ fnd).view_as(t1)
     proj_err = (gmr_err @ fnd.abs() + gamma(hc + 2) * (gmr.abs() @ fnd.abs())).view_as(t1)
     dot = (g_m * mix).sum(-1, keepdim=True)  # [..., 1]
