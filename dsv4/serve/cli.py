@@ -227,7 +227,7 @@ def add_serve_parser(sub) -> None:
         default=None,
         metavar="N",
         help="HTTP processes over the one engine, sharing the port (each streams some 15-30k tokens/s; "
-        "default: 1 on a CPU, else one per 4 cores, at most 4); --max-connections is shared among them",
+        "default: 1 on a CPU, else one per 2 cores, at most 8); --max-connections is shared among them",
     )
     engine_args(p)
     p.set_defaults(func=cmd_serve)

@@ -135,7 +135,8 @@ def test_a_link_that_closes_has_its_requests_aborted_and_the_first_one_ends_the_
 # ------------------------------------------------------------------------------------------ sockets
 def test_default_count_and_listening_sockets():
     assert default_count("cpu", 64) == 1
-    assert default_count("cuda", 16) == 4 and default_count("cuda", 6) == 1 and default_count("cuda:1", 128) == 4
+    assert default_count("cuda", 16) == 8 and default_count("cuda", 6) == 3 and default_count("cuda:1", 128) == 8
+    assert default_count("cuda", 1) == 1
     socks = listen("127.0.0.1", 0, 3)
     try:
         ports = {s.getsockname()[1] for s in socks}
