@@ -16,7 +16,9 @@
 #                                                        # the engine at those too)
 #   OUT=/some/dir bash scripts/gpu_serving.sh latency    # the server at 64 and 256 clients (CLIENTS="64": those only)
 #                                                        # with a burst's own step off (--max-prefill-tokens 2048)
-#                                                        # and on (the default); at 256 also the engine process
+#                                                        # and on (the default; PREFILLS="8192 16384": those
+#                                                        # budgets, 16384 a whole 64-prompt wave in one step);
+#                                                        # at 256 also the engine process
 #                                                        # with 4 compute threads (its CPU ops are bookkeeping)
 # Every figure is the median of 3 or more timed runs with min and max, written as JSON under $OUT.
 set -uo pipefail
@@ -67,7 +69,7 @@ case "${1:-}" in
     done ;;
   latency)
     for c in ${CLIENTS:-64 256}; do
-      for n in 2048 8192; do
+      for n in ${PREFILLS:-2048 8192}; do
         "$PY" -m dsv4 bench serve "${COMMON[@]}" --clients "$c" --repeats 3 --no-raw --max-prefill-tokens "$n" \
           --out "$OUT/latency$c-prefill$n.json"
       done
@@ -77,5 +79,5 @@ case "${1:-}" in
       fi
     done ;;
   *)
-    sed -n 2,21p "$0"; exit 2 ;;
+    sed -n 2,23p "$0"; exit 2 ;;
 esac
