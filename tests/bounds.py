@@ -131,8 +131,8 @@ def hc_head_param_grads(
     errors of `_hc_head_backward`: fn's gradient sum_t gmr_t x_t (T terms), the scale's sum_t,j g_s mix
     (T hc terms), the base's sum_t g_s (T terms); each sum adds gamma(terms + 1) * sum |term|. fn's sum may
     run on tensor cores over exact three-way bf16 splits (`mhc_bwd.projection_grads`): up to six part
-    products per token and the token splits' partial sums (gamma(6 T + 8)), and the three dropped part
-    products, each below 2^-24 of its term (3 u)."""
+    products per token and the token splits' partial sums (gamma(6 T + 8)), the three dropped part
+    products, each below 2^-24 of its term (3 u), and the product's own rounding (u)."""
     t = _hc_head_backward(x, fn, scale, base, gy, norm_eps, hc_eps)
     hc = x.size(-2)
     gmr, gmr_err = t["gmr"].reshape(-1, hc), t["gmr_err"].reshape(-1, hc)  # [T, hc]
