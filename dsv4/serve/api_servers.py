@@ -38,8 +38,8 @@ def default_count(device: str, cores: int) -> int:
     """HTTP processes when --api-servers is not given: one on a CPU (the engine needs the cores), else one
     per 2 cores, at most 8. Each streams some 15-30k tokens/s, and a burst of new requests waits on their
     CPU: at 64 clients on one H100 (16 cores, beside the load generator's 8 processes) 8 processes against 4
-    took the time to first token's p99 from 38.3 to 35.8 ms and the inter-token p99 from 1.9x to 1.7x its
-    p50 at the same throughput (BENCHMARKS.md, "HTTP processes at 64 clients")."""
+    took the time to first token's p99 from 38.3 to 35.8-36.9 ms (two runs) at the same throughput, the
+    inter-token p99 1.7-1.9x its p50 against 1.9x (BENCHMARKS.md, "HTTP processes at 64 clients")."""
     if device.startswith("cpu"):
         return 1
     return max(1, min(8, cores // 2))
