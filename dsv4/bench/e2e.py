@@ -249,9 +249,9 @@ def bench_train(model, args, device, path: str) -> dict:
     opt = MuonAdamW(model, OptimConfig(lr=1e-4)) if full else None
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if full else contextlib.nullcontext()
     per_use = getattr(args, "per_use_casts", False)
-    split = device.type == "cuda" and head == "fp32"  # (where the fp32 head takes the bf16x3 split)
-    casts = StepCasts(model, head_split=split) if full and not per_use else None
-    model.set_options(expert_casts=casts or False)  # (as `dsv4 train` in one process: casts.py)
+    casts = StepCasts.attach(model, device, head) if full and not per_use else None  # (as `dsv4 train`)
+    if casts is None:
+        model.set_options(expert_casts=False)  # (cast at each use)
 
     def loss_fn(batch: torch.Tensor) -> dict[str, torch.Tensor]:
         if full:

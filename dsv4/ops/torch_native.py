@@ -216,11 +216,18 @@ def refresh_step_split(weight: torch.Tensor) -> None:
     entry[1] = weight._version
 
 
+def step_copy_stale(weight: torch.Tensor, version: int) -> bool:
+    """Whether a copy of `weight` kept for a training step (made at `version`) must be made again before a
+    use: the weight changed since, and this is not a CUDA graph capture (there the update's refresh, which
+    the graph replays, keeps it current)."""
+    return version != weight._version and not (weight.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def _step_split(weight: torch.Tensor) -> torch.Tensor | None:
     entry = _STEP.get(weight)
     if entry is None:
         return None
-    if entry[1] != weight._version and not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if step_copy_stale(weight, entry[1]):
         refresh_step_split(weight)
     return entry[0]
 

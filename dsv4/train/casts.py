@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..ops.torch_native import drop_step_split, keep_step_split, refresh_step_split
+from ..ops.torch_native import drop_step_split, keep_step_split, refresh_step_split, step_copy_stale
 
 
 class _FromCopy(torch.autograd.Function):
@@ -71,6 +71,16 @@ class StepCasts:
             keep_step_split(w)
         self.refresh()
 
+    @classmethod
+    def attach(
+        cls, model: torch.nn.Module, device: torch.device, head_precision: str, experts: bool = True
+    ) -> StepCasts:
+        """The copies of a one-process training step of `model` on `device`, installed as its experts'
+        `cast_cache`: the head's split where bf16x3 computes the fp32 head (CUDA, head_precision "fp32")."""
+        casts = cls(model, head_split=device.type == "cuda" and head_precision == "fp32", experts=experts)
+        model.set_options(expert_casts=casts)
+        return casts
+
     def __len__(self) -> int:
         return len(self._copies) + len(self.split)
 
@@ -99,6 +109,6 @@ class StepCasts:
         entry = self._copies.get(w) if dtype == self.dtype else None
         if entry is None:
             return None
-        if entry[1] != w._version and not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if step_copy_stale(w, entry[1]):
             self._cast(w, entry)
         return _FromCopy.apply(w, entry[0]) if torch.is_grad_enabled() and w.requires_grad else entry[0]

@@ -251,10 +251,7 @@ class Trainer:
             head_precision=c.head_precision,
         )
         if self.dist is None and self.precision == "bf16":  # experts cast, head split once a step (casts.py)
-            split = self.device.type == "cuda" and c.head_precision == "fp32"  # (bf16x3's default there)
-            casts = StepCasts(model, head_split=split, experts=not c.fp4_experts)
-            model.set_options(expert_casts=casts)
-            self.casts = casts
+            self.casts = StepCasts.attach(model, self.device, c.head_precision, experts=not c.fp4_experts)
         if self.dist is not None:
             sharded = self.dist.shard_model(model, ep=c.expert_parallel)
             model = sharded if sharded is not None else model
