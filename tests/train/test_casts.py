@@ -153,7 +153,7 @@ def test_graphed_training_refreshes_the_copies_in_its_update_graph(tmp_path, mon
     assert experts and all(torch.equal(kept.casts._copies[p][0], p.detach().bfloat16()) for p in experts)
     head = kept.model.head.weight
     assert torch.equal(torch_native._STEP[head][0], torch.cat(torch_native.bf16_parts(head.detach()), dim=1))
-    monkeypatch.setattr(trainer_module, "StepCasts", lambda model, **_: None)  # cast at each use
+    monkeypatch.setattr(trainer_module.StepCasts, "attach", classmethod(lambda *_, **__: None))  # cast at each use
     each = Trainer(_train_cfg(tmp_path, **kw, out=str(tmp_path / "each")), log=lambda *_: None)
     assert each.casts is None
     each.fit()
