@@ -233,8 +233,8 @@ def format_memory(req) -> list[str]:
         f"    training (fp32 master weights and gradients, Muon momentum + AdamW moments): {_gb(req.train.weights)} + "
         f"{_gb(req.train.grads)} + {_gb(req.train.optimizer)}; bf16 weight copies under autocast "
         f"{_gb(req.train.dense_copies)} on every rank + {_gb(req.train.expert_copies)} of routed experts split "
-        f"over the ranks (one process: all kept for the step, and on a GPU the fp32 head's "
-        f"{_gb(req.train.head_split)} bf16x3 split; none with --head-precision bf16)",
+        f"over the ranks (one process: all kept for the step, plus on a GPU the fp32 head's "
+        f"{_gb(req.train.head_split)} bf16x3 split, which --head-precision bf16 does not keep)",
         f"    training activations per rank for {s['train_batch']} x {s['train_seq_len']} tokens at the peak (early "
         f"in backward): {_gb(req.train_activations)} ({_terms(req.train_terms)}), "
         f"{_gb(req.train_activations_ckpt)} with --activation-checkpointing ({_terms(req.train_terms_ckpt)})",
