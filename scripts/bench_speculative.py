@@ -2,7 +2,7 @@
 
     python3 scripts/bench_speculative.py [--device cuda] [--model DIR] [--tokens 256] [--k 1 2 3]
                                          [--dspark DIR [--dspark-k 3 5] [--threshold 0 0.5]]
-                                         [--batch 4] [--temperature 1] [--profile]
+                                         [--batch 4] [--temperature 1] [--profile] [--regions]
                                          [--backend OP=NAME ...]
 
 Loads the model once (default: the shipped model; its MTP block drafts for --k), and with --dspark a
@@ -15,7 +15,10 @@ plain decoding, acceptance, tokens per verify step, drafts verified per decode r
 equal plain decoding's (of the DSpark checkpoint's own main model for its settings). --batch B decodes B
 prompts at once (the prompts in turn), each run B requests in one engine. --profile (CUDA) adds, per
 setting, the kernels of 10 steps of a full batch under the torch profiler: GPU-busy ms and kernels per
-step, and the largest kernels (a diagnostic: one profiled window, no spread). --temperature T > 0 samples
+step, and the largest kernels (a diagnostic: one profiled window, no spread). --regions (CUDA) adds, per
+setting, 10 steps of a full batch run eagerly at the graphs' fixed shapes with the device synchronized
+around the main model's forward and the MTP passes: kernels and device ms per step in each, and in the
+rest of the step (`dsv4.bench.regions`; a diagnostic, not a timing). --temperature T > 0 samples
 (each request its own seed, the same in every run and setting; the sampled speculative step's rejection
 sampling): the tokens then follow the model's distribution but are not plain decoding's draws, so
 `same_tokens` is null; greedy decoding (the default, T = 0) must give plain decoding's tokens exactly.
@@ -98,6 +101,33 @@ def profile(engine: Engine, batch: list[list[int]], tokens: int, temperature: fl
     return {"gpu_busy_ms_per_step": round(busy, 3), "kernels_per_step": round(n, 1), "top_kernels": top}
 
 
+def regions(model, batch: list[list[int]], k: int, threshold: float, a: argparse.Namespace) -> dict:
+    """A full batch's steps by region (`dsv4.bench.regions.region_table`): 10 steps after 4, each run eagerly
+    at its fixed shape (`pad_steps`: the graphs' kernels, launched one by one)."""
+    from dsv4.bench.regions import region_table
+
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_seqs=len(batch),
+            speculative=k,
+            speculative_threshold=threshold,
+            cuda_graphs=False,
+            pad_steps=True,
+            prefix_caching=False,
+            max_model_len=max(map(len, batch)) + a.tokens + 8,
+        ),
+    )
+    for i, p in enumerate(batch):
+        engine.add_request(f"reg{i}", p, params(a.tokens, a.temperature, i))
+    for _ in range(4):
+        engine.step()
+    table = region_table(engine.step, 10, model)
+    while engine.has_work():
+        engine.step()
+    return table
+
+
 def measure(
     model, prompts: list[list[int]], k: int, threshold: float, a: argparse.Namespace
 ) -> tuple[dict, list[list[int]]]:
@@ -157,6 +187,8 @@ def measure(
     if a.profile and engine.device.type == "cuda":
         row["profile"] = profile(engine, work[0], a.tokens, a.temperature)
     del engine
+    if a.regions:
+        row["regions"] = regions(model, work[0], k, threshold, a)
     return row, outs
 
 
@@ -179,6 +211,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="requests decoded at once (default 1)")
     ap.add_argument("--profile", action="store_true", help="CUDA: the kernels of 10 steps per setting (diagnostic)")
     ap.add_argument(
+        "--regions",
+        action="store_true",
+        help="CUDA: 10 eager fixed-shape steps per setting by region: forward, MTP passes, the rest (diagnostic)",
+    )
+    ap.add_argument(
         "--temperature",
         type=float,
         default=0.0,
@@ -197,6 +234,8 @@ def main() -> None:
         ap.error(f"--backend takes OP=NAME with OP one of dsv4.ops.ops(), got {a.backend}")
     if a.batch < 1:
         ap.error(f"--batch must be >= 1, got {a.batch}")
+    if a.regions and not a.device.startswith("cuda"):
+        ap.error("--regions times kernels by region: it needs --device cuda")
     if not 0 <= a.temperature <= 100:
         ap.error(f"--temperature must be in [0, 100], got {a.temperature}")
     path = a.model or defaults.shipped_model_dir()

@@ -682,8 +682,8 @@ def test_kernel_difference_lists_every_changed_name_largest_change_first():
 def test_speculative_bench_script_greedy_equals_plain_and_sampled_is_not_compared():
     """scripts/bench_speculative.py on the CPU with the shipped model, two prompts at once: greedy MTP
     decoding gives plain decoding's tokens (`same_tokens` true) and counts its drafts; with --temperature 1
-    the tokens are sampled, so they are not compared (`same_tokens` null); a bad temperature and an unknown
-    op of --backend are refused."""
+    the tokens are sampled, so they are not compared (`same_tokens` null); a bad temperature, an unknown
+    op of --backend and --regions without CUDA are refused."""
     import os
     import subprocess
     import sys
@@ -707,6 +707,8 @@ def test_speculative_bench_script_greedy_equals_plain_and_sampled_is_not_compare
     assert res.returncode == 2 and "--temperature must be in [0, 100], got -1.0" in res.stderr
     res = subprocess.run([*base, "--backend", "no_such_op=x"], capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 2 and "--backend takes OP=NAME" in res.stderr
+    res = subprocess.run([*base, "--regions"], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 2 and "--regions times kernels by region: it needs --device cuda" in res.stderr
 
 
 def test_every_python_script_finds_this_checkouts_dsv4_without_an_install(tmp_path):

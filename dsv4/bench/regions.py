@@ -1,0 +1,104 @@
+"""Device time by region of a step: which kernels ran inside the model's forward, inside its draft passes,
+and around them (a diagnostic, CUDA only; one profiled window, no spread).
+
+`region_table(step, steps, model)` profiles `steps` calls of `step` with the model's `append` and `draft`
+wrapped so that the device is synchronized as each begins and ends: every kernel then runs inside the
+window of the region that launched it, and is counted there by its start time (`attribute`); kernels
+outside every window are the step's "rest" (acceptance, draws, input building, bookkeeping). The
+synchronizations serialize the host with the device, so the step is run eagerly for this and its total is
+no timing of the graphed step: the per-region kernel counts and device times are what it is for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+REGIONS = ("append", "draft")
+_PREFIX = "dsv4.region."
+
+
+def attribute(
+    spans: Sequence[tuple[str, float, float]], kernels: Sequence[tuple[float, float]], steps: int
+) -> dict[str, dict[str, float]]:
+    """spans: (region, start, end) windows; kernels: (start, duration) of each kernel, on the spans' clock.
+    -> {region: {"kernels": per step, "ms": device ms per step}} with "rest" for the kernels of no window and
+    "total" for all (durations in microseconds in, milliseconds out)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    ordered = sorted(spans, key=lambda s: s[1])
+    table = {name: {"kernels": 0.0, "ms": 0.0} for name in [*dict.fromkeys(s[0] for s in ordered), "rest", "total"]}
+    for start, duration in kernels:
+        region = next((name for name, t0, t1 in ordered if t0 <= start <= t1), "rest")
+        for key in (region, "total"):
+            table[key]["kernels"] += 1
+            table[key]["ms"] += duration / 1e3
+    return {n: {"kernels": round(v["kernels"] / steps, 1), "ms": round(v["ms"] / steps, 4)} for n, v in table.items()}
+
+
+@contextlib.contextmanager
+def synced_regions(model: torch.nn.Module, names: Sequence[str] = REGIONS) -> Iterator[None]:
+    """Inside the block, the model's methods `names` synchronize the device before and after their work and
+    appear to the torch profiler as user annotations `dsv4.region.<name>`; restored on exit."""
+    cuda = next(model.parameters()).is_cuda
+
+    def wrapped(name: str, fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            with torch.profiler.record_function(_PREFIX + name):
+                out = fn(*args, **kwargs)
+                if cuda:
+                    torch.cuda.synchronize()
+            return out
+
+        return run
+
+    for name in names:
+        setattr(model, name, wrapped(name, getattr(model, name)))
+    try:
+        yield
+    finally:
+        for name in names:
+            vars(model).pop(name, None)  # the class's method again
+
+
+def region_table(step: Callable[[], object], steps: int, model: torch.nn.Module) -> dict[str, dict[str, float]]:
+    """Profile `steps` calls of step with the model's regions synchronized: `attribute`'s table of the device's
+    kernels (a model on the CPU has none: its table holds the regions' rows at zero)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = next(model.parameters()).is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with synced_regions(model):
+        step()  # untimed: first-call work out of the window
+        sync()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            sync()
+    spans, kernels = split_events(prof.events())
+    return attribute(spans, kernels, steps)
+
+
+def split_events(events) -> tuple[list[tuple[str, float, float]], list[tuple[float, float]]]:
+    """The profiler's events -> (the regions' host windows (name, start, end), the device events (start,
+    duration)); the device-side copies of the regions' annotations are neither."""
+
+    def on_device(e) -> bool:
+        return str(getattr(e, "device_type", "")).endswith("CUDA")
+
+    spans = [
+        (e.name[len(_PREFIX) :], e.time_range.start, e.time_range.end)
+        for e in events
+        if e.name.startswith(_PREFIX) and not on_device(e)
+    ]
+    kernels = [
+        (e.time_range.start, e.time_range.end - e.time_range.start)
+        for e in events
+        if on_device(e) and not e.name.startswith(_PREFIX)
+    ]
+    return spans, kernels
