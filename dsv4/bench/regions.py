@@ -1,5 +1,6 @@
 """Device time by region of a step: which kernels ran inside the model's forward, inside its draft passes,
-and around them (a diagnostic, CUDA only; one profiled window, no spread).
+and around them (a diagnostic for CUDA, one profiled window, no spread; on the CPU the regions are
+annotated, and there is no device kernel to count).
 
 `region_table(step, steps, model)` profiles `steps` calls of `step` with the model's `append` and `draft`
 wrapped so that the device is synchronized as each begins and ends: every kernel then runs inside the
