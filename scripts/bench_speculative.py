@@ -17,8 +17,8 @@ prompts at once (the prompts in turn), each run B requests in one engine. --prof
 setting, the kernels of 10 steps of a full batch under the torch profiler: GPU-busy ms and kernels per
 step, and the largest kernels (a diagnostic: one profiled window, no spread). --regions (CUDA) adds, per
 setting, 10 steps of a full batch run eagerly at the graphs' fixed shapes with the device synchronized
-around the main model's forward and the MTP passes: kernels and device ms per step in each, and in the
-rest of the step (`dsv4.bench.regions`; a diagnostic, not a timing). --temperature T > 0 samples
+around the main model's blocks and each pass of the MTP block: kernels and device ms per step in each, and
+in the rest of the step (`dsv4.bench.regions`; a diagnostic, not a timing). --temperature T > 0 samples
 (each request its own seed, the same in every run and setting; the sampled speculative step's rejection
 sampling): the tokens then follow the model's distribution but are not plain decoding's draws, so
 `same_tokens` is null; greedy decoding (the default, T = 0) must give plain decoding's tokens exactly.
@@ -213,7 +213,7 @@ def main() -> None:
     ap.add_argument(
         "--regions",
         action="store_true",
-        help="CUDA: 10 eager fixed-shape steps per setting by region: forward, MTP passes, the rest (diagnostic)",
+        help="CUDA: 10 eager fixed-shape steps per setting by region: blocks, MTP passes, the rest (diagnostic)",
     )
     ap.add_argument(
         "--temperature",

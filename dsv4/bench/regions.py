@@ -1,13 +1,14 @@
-"""Device time by region of a step: which kernels ran inside the model's forward, inside its draft passes,
-and around them (a diagnostic for CUDA, one profiled window, no spread; on the CPU the regions are
+"""Device time by region of a step: which kernels ran inside the model's transformer blocks, inside its MTP
+block, and around them (a diagnostic for CUDA, one profiled window, no spread; on the CPU the regions are
 annotated, and there is no device kernel to count).
 
-`region_table(step, steps, model)` profiles `steps` calls of `step` with the model's `append` and `draft`
-wrapped so that the device is synchronized as each begins and ends: every kernel then runs inside the
-window of the region that launched it, and is counted there by its start time (`attribute`); kernels
-outside every window are the step's "rest" (acceptance, draws, input building, bookkeeping). The
-synchronizations serialize the host with the device, so the step is run eagerly for this and its total is
-no timing of the graphed step: the per-region kernel counts and device times are what it is for.
+`region_table(step, steps, model)` profiles `steps` calls of `step` with forward hooks on the model's blocks
+(`synced_regions`: the main model's blocks as one region, "layers", and each pass of an MTP block, "mtp")
+that synchronize the device as a region begins and ends: every kernel then runs inside the window of the
+region that launched it, and is counted there by its start time (`attribute`); kernels outside every window
+are the step's "rest" (embedding, heads, acceptance, draws, input building). The synchronizations serialize
+the host with the device, so the step is run eagerly for this and its total is no timing of the graphed
+step: the per-region kernel counts and device times are what it is for.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-REGIONS = ("append", "draft")
 _PREFIX = "dsv4.region."
 
 
@@ -40,30 +40,38 @@ def attribute(
 
 
 @contextlib.contextmanager
-def synced_regions(model: torch.nn.Module, names: Sequence[str] = REGIONS) -> Iterator[None]:
-    """Inside the block, the model's methods `names` synchronize the device before and after their work and
-    appear to the torch profiler as user annotations `dsv4.region.<name>`; restored on exit."""
+def synced_regions(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, forward hooks (removed on exit) open a region as the model's first transformer block
+    starts and close it as its last one ends ("layers"), and likewise around each MTP block ("mtp"): the
+    device is synchronized at both ends and the region is a profiler annotation `dsv4.region.<name>`."""
     cuda = next(model.parameters()).is_cuda
+    open_: list[torch.profiler.record_function] = []
 
-    def wrapped(name: str, fn: Callable) -> Callable:
-        def run(*args, **kwargs):
+    def begin(name: str) -> Callable:
+        def hook(module, args) -> None:
             if cuda:
                 torch.cuda.synchronize()
-            with torch.profiler.record_function(_PREFIX + name):
-                out = fn(*args, **kwargs)
-                if cuda:
-                    torch.cuda.synchronize()
-            return out
+            open_.append(torch.profiler.record_function(_PREFIX + name))
+            open_[-1].__enter__()
 
-        return run
+        return hook
 
-    for name in names:
-        setattr(model, name, wrapped(name, getattr(model, name)))
+    def end(module, args, output) -> None:
+        if cuda:
+            torch.cuda.synchronize()
+        open_.pop().__exit__(None, None, None)
+
+    layers = list(model.layers)
+    handles = [layers[0].register_forward_pre_hook(begin("layers")), layers[-1].register_forward_hook(end)]
+    for block in getattr(model, "mtp", []):
+        handles += [block.register_forward_pre_hook(begin("mtp")), block.register_forward_hook(end)]
     try:
         yield
     finally:
-        for name in names:
-            vars(model).pop(name, None)  # the class's method again
+        for h in handles:
+            h.remove()
+        while open_:  # a step that raised inside a region
+            open_.pop().__exit__(None, None, None)
 
 
 def region_table(step: Callable[[], object], steps: int, model: torch.nn.Module) -> dict[str, dict[str, float]]:

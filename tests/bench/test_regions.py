@@ -1,5 +1,5 @@
-"""`dsv4.bench.regions`: kernels counted in the region whose window they start in, and the model's regions
-annotated for the profiler without changing what the model computes."""
+"""`dsv4.bench.regions`: kernels counted in the region whose window they start in, and the model's blocks
+annotated for the profiler (by forward hooks, removed after) without changing what the model computes."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from dsv4.model import DeepSeekV4
 
 
 def test_attribute_counts_each_kernel_in_the_window_it_starts_in():
-    spans = [("append", 10.0, 20.0), ("draft", 30.0, 40.0), ("append", 50.0, 60.0)]
+    spans = [("layers", 10.0, 20.0), ("mtp", 30.0, 40.0), ("layers", 50.0, 60.0)]
     # (start, duration in us): inside, on a window's end, between windows, on a start, a later window, after all
     kernels = [(12.0, 2.0), (20.0, 1.0), (25.0, 3.0), (30.0, 4.0), (55.0, 1.0), (70.0, 5.0)]
     want = {
-        "append": {"kernels": 1.5, "ms": 0.002},
-        "draft": {"kernels": 0.5, "ms": 0.002},
+        "layers": {"kernels": 1.5, "ms": 0.002},
+        "mtp": {"kernels": 0.5, "ms": 0.002},
         "rest": {"kernels": 1.0, "ms": 0.004},
         "total": {"kernels": 3.0, "ms": 0.008},
     }
@@ -52,10 +52,10 @@ def _drain(engine: Engine, step=None) -> dict[str, list[int]]:
         outs = engine.step()
 
 
-def test_synced_regions_annotate_the_forward_and_the_draft_and_change_no_token():
-    """A speculative engine's steps under `region_table` on the CPU: the forward and the MTP passes appear as
-    regions (no device kernels to count there), the engine's tokens equal an unwrapped engine's, and the
-    model's methods are its class's again afterwards."""
+def test_synced_regions_annotate_the_blocks_and_the_mtp_block_and_change_no_token():
+    """A speculative engine's steps under `region_table` on the CPU: the main model's blocks and the MTP
+    block's passes appear as regions (no device kernels to count there), the engine's tokens equal an
+    unhooked engine's, and no hook is left on the model afterwards."""
     model = DeepSeekV4.from_config(ModelConfig.preset("tiny"), seed=0).eval()
     plain = _drain(_engine(model))
     wrapped = _engine(model)
@@ -67,14 +67,18 @@ def test_synced_regions_annotate_the_forward_and_the_draft_and_change_no_token()
         return outs
 
     table = region_table(step, 3, model)
-    assert set(table) == {"append", "draft", "rest", "total"}, table
+    assert set(table) == {"layers", "mtp", "rest", "total"}, table
     assert all(v == {"kernels": 0.0, "ms": 0.0} for v in table.values())  # a CPU model: no device kernels
-    assert "append" not in vars(model) and "draft" not in vars(model)
+    hooked = [model.layers[0], model.layers[-1], *model.mtp]
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in hooked)
     assert len(seen) == 4  # one untimed step, then three
     got = _drain(wrapped, lambda: [o for outs in seen for o in outs])
     assert plain and sum(map(len, plain.values())) == 24 and got == plain
     with synced_regions(model):
-        assert "append" in vars(model)
+        assert model.layers[0]._forward_pre_hooks and model.mtp[0]._forward_hooks
         with torch.profiler.profile() as prof:
-            _engine(model).step()
-    assert any(e.name == "dsv4.region.append" for e in prof.events())
+            engine = _engine(model)
+            engine.step()
+            engine.step()  # (the first step is the prompts': the MTP block catches up on them too)
+    names = {e.name for e in prof.events()}
+    assert {"dsv4.region.layers", "dsv4.region.mtp"} <= names, names
