@@ -187,8 +187,11 @@ def measure(
     if a.profile and engine.device.type == "cuda":
         row["profile"] = profile(engine, work[0], a.tokens, a.temperature)
     del engine
-    if a.regions:
-        row["regions"] = regions(model, work[0], k, threshold, a)
+    if a.regions:  # a diagnostic: where it fails, its row says why and the timings above still stand
+        try:
+            row["regions"] = regions(model, work[0], k, threshold, a)
+        except Exception as e:  # noqa: BLE001
+            row["regions"] = {"error": f"{type(e).__name__}: {e}"}
     return row, outs
 
 
