@@ -33,6 +33,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -86,64 +87,53 @@ def batches(prompts: list[list[int]], b: int) -> list[list[list[int]]]:
     return [[prompts[(i + j) % len(prompts)] for j in range(b)] for i in range(len(prompts))]
 
 
-def profile(engine: Engine, batch: list[list[int]], tokens: int, temperature: float = 0.0) -> dict:
+def config(a: argparse.Namespace, prompts: list[list[int]], k: int, threshold: float, **kw) -> EngineConfig:
+    """A setting's engine: a batch of --batch requests, k drafts, room for the longest prompt's output."""
+    return EngineConfig(
+        max_seqs=a.batch,
+        speculative=k,
+        speculative_threshold=threshold,
+        prefix_caching=False,
+        max_model_len=max(map(len, prompts)) + a.tokens + 8,
+        **kw,
+    )
+
+
+def on_full_batch(engine: Engine, batch: list[list[int]], a: argparse.Namespace, fn: Callable):
+    """fn(engine.step) once a full batch of requests has run 4 steps; then the requests run to their end."""
+    for i, p in enumerate(batch):
+        engine.add_request(f"prof{i}", p, params(a.tokens, a.temperature, i))
+    for _ in range(4):
+        engine.step()
+    out = fn(engine.step)
+    while engine.has_work():
+        engine.step()
+    return out
+
+
+def profile(engine: Engine, batch: list[list[int]], a: argparse.Namespace) -> dict:
     """10 steps of a full batch under the torch profiler (after 4 steps): kernels and GPU time per step."""
     from dsv4.bench.e2e import kernel_table
 
-    for i, p in enumerate(batch):
-        engine.add_request(f"prof{i}", p, params(tokens, temperature, i))
-    for _ in range(4):
-        engine.step()
-    busy, n, rows = kernel_table(engine.step, 10)
-    while engine.has_work():
-        engine.step()
+    busy, n, rows = on_full_batch(engine, batch, a, lambda step: kernel_table(step, 10))
     top = [[name[:80], round(ms, 4), round(k, 1)] for name, ms, k in rows[:12]]
     return {"gpu_busy_ms_per_step": round(busy, 3), "kernels_per_step": round(n, 1), "top_kernels": top}
 
 
-def regions(model, batch: list[list[int]], k: int, threshold: float, a: argparse.Namespace) -> dict:
+def regions(model, prompts: list[list[int]], k: int, threshold: float, a: argparse.Namespace) -> dict:
     """A full batch's steps by region (`dsv4.bench.regions.region_table`): 10 steps after 4, each run eagerly
     at its fixed shape (`pad_steps`: the graphs' kernels, launched one by one)."""
     from dsv4.bench.regions import region_table
 
-    engine = Engine(
-        model,
-        EngineConfig(
-            max_seqs=len(batch),
-            speculative=k,
-            speculative_threshold=threshold,
-            cuda_graphs=False,
-            pad_steps=True,
-            prefix_caching=False,
-            max_model_len=max(map(len, batch)) + a.tokens + 8,
-        ),
-    )
-    for i, p in enumerate(batch):
-        engine.add_request(f"reg{i}", p, params(a.tokens, a.temperature, i))
-    for _ in range(4):
-        engine.step()
-    table = region_table(engine.step, 10, model)
-    while engine.has_work():
-        engine.step()
-    return table
+    engine = Engine(model, config(a, prompts, k, threshold, cuda_graphs=False, pad_steps=True))
+    return on_full_batch(engine, batches(prompts, a.batch)[0], a, lambda step: region_table(step, 10, model))
 
 
 def measure(
     model, prompts: list[list[int]], k: int, threshold: float, a: argparse.Namespace
 ) -> tuple[dict, list[list[int]]]:
     """One setting: (its row, the tokens of its last timed run)."""
-    graphs = a.device.startswith("cuda")
-    engine = Engine(
-        model,
-        EngineConfig(
-            max_seqs=a.batch,
-            speculative=k,
-            speculative_threshold=threshold,
-            cuda_graphs=graphs,
-            prefix_caching=False,
-            max_model_len=max(map(len, prompts)) + a.tokens + 8,
-        ),
-    )
+    engine = Engine(model, config(a, prompts, k, threshold, cuda_graphs=a.device.startswith("cuda")))
     engine.warmup()
     work = batches(prompts, a.batch)
     for b in work:  # untimed: every graph and kernel shape of the run
@@ -185,11 +175,11 @@ def measure(
         # fixed-shape steps, and those launched before the last one was read (overlap)
         row["fixed_steps"], row["fed_steps"] = stats["fixed_steps"], stats["fed_steps"]
     if a.profile and engine.device.type == "cuda":
-        row["profile"] = profile(engine, work[0], a.tokens, a.temperature)
+        row["profile"] = profile(engine, work[0], a)
     del engine
     if a.regions:  # a diagnostic: where it fails, its row says why and the timings above still stand
         try:
-            row["regions"] = regions(model, work[0], k, threshold, a)
+            row["regions"] = regions(model, prompts, k, threshold, a)
         except Exception as e:  # noqa: BLE001
             row["regions"] = {"error": f"{type(e).__name__}: {e}"}
     return row, outs

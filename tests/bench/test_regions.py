@@ -4,11 +4,12 @@ annotated for the profiler (by forward hooks, removed after) without changing wh
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from dsv4.bench.regions import attribute, region_table, synced_regions
+from dsv4.bench.regions import attribute, region_table, split_events, synced_regions
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine, EngineConfig, SamplingParams
 from dsv4.model import DeepSeekV4
@@ -31,6 +32,27 @@ def test_attribute_counts_each_kernel_in_the_window_it_starts_in():
     assert attribute([], kernels, steps=1)["rest"] == {"kernels": 6.0, "ms": 0.016}
     with pytest.raises(ValueError, match="steps must be >= 1"):
         attribute(spans, kernels, steps=0)
+
+
+def test_split_events_keeps_host_windows_and_device_events():
+    """The profiler's events as a CUDA run gives them: a region's annotation on the host is a window, its
+    device-side copy is neither a window nor a kernel; kernels and copies on the device are device events;
+    other host events are ignored."""
+
+    def event(name, device, start, end):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [
+        event("dsv4.region.layers", "DeviceType.CPU", 10.0, 20.0),
+        event("dsv4.region.layers", "DeviceType.CUDA", 11.0, 19.0),
+        event("aten::mm", "DeviceType.CPU", 12.0, 13.0),
+        event("gemm_kernel", "DeviceType.CUDA", 12.5, 14.0),
+        event("Memcpy HtoD", "DeviceType.CUDA", 21.0, 21.5),
+    ]
+    spans, kernels = split_events(events)
+    assert spans == [("layers", 10.0, 20.0)]
+    assert kernels == [(12.5, 1.5), (21.0, 0.5)]
+    assert attribute(spans, kernels, 1)["layers"] == {"kernels": 1.0, "ms": 0.0015}
 
 
 def _engine(model: DeepSeekV4) -> Engine:
