@@ -18,7 +18,8 @@ setting, the kernels of 10 steps of a full batch under the torch profiler: GPU-b
 step, and the largest kernels (a diagnostic: one profiled window, no spread). --regions (CUDA) adds, per
 setting, 10 steps of a full batch run eagerly at the graphs' fixed shapes with the device synchronized
 around the main model's blocks and each pass of the MTP block: kernels and device ms per step in each, and
-in the rest of the step (`dsv4.bench.regions`; a diagnostic, not a timing). --temperature T > 0 samples
+in the rest of the step, with each region's largest kernels (`dsv4.bench.regions`; a diagnostic, not a
+timing). --temperature T > 0 samples
 (each request its own seed, the same in every run and setting; the sampled speculative step's rejection
 sampling): the tokens then follow the model's distribution but are not plain decoding's draws, so
 `same_tokens` is null; greedy decoding (the default, T = 0) must give plain decoding's tokens exactly.

@@ -6,7 +6,8 @@ annotated, and there is no device kernel to count).
 (`synced_regions`: the main model's blocks as one region, "layers", and each pass of an MTP block, "mtp")
 that synchronize the device as a region begins and ends: every kernel then runs inside the window of the
 region that launched it, and is counted there by its start time (`attribute`); kernels outside every window
-are the step's "rest" (embedding, heads, acceptance, draws, input building). The synchronizations serialize
+are the step's "rest" (embedding, heads, acceptance, draws, input building). Each region also names its
+largest kernels by device time, which says what its time is made of. The synchronizations serialize
 the host with the device, so the step is run eagerly for this and its total is no timing of the graphed
 step: the per-region kernel counts and device times are what it is for.
 """
@@ -19,24 +20,46 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 _PREFIX = "dsv4.region."
+TOP = 8  # kernels named per region
+TOP_NAME = 80  # characters of a kernel's name kept (C++ template names run to hundreds)
 
 
 def attribute(
-    spans: Sequence[tuple[str, float, float]], kernels: Sequence[tuple[float, float]], steps: int
-) -> dict[str, dict[str, float]]:
-    """spans: (region, start, end) windows; kernels: (start, duration) of each kernel, on the spans' clock.
-    -> {region: {"kernels": per step, "ms": device ms per step}} with "rest" for the kernels of no window and
-    "total" for all (durations in microseconds in, milliseconds out)."""
+    spans: Sequence[tuple[str, float, float]],
+    kernels: Sequence[tuple[float, float] | tuple[float, float, str]],
+    steps: int,
+    top: int = TOP,
+) -> dict[str, dict]:
+    """spans: (region, start, end) windows; kernels: (start, duration[, name]) of each kernel, on the spans'
+    clock. -> {region: {"kernels": per step, "ms": device ms per step, "top": [[name, ms per step, calls per
+    step], ...]}} with "rest" for the kernels of no window and "total" for all (durations in microseconds in,
+    milliseconds out); "top" holds a region's `top` named kernels with the most device time (ties by name)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     ordered = sorted(spans, key=lambda s: s[1])
-    table = {name: {"kernels": 0.0, "ms": 0.0} for name in [*dict.fromkeys(s[0] for s in ordered), "rest", "total"]}
-    for start, duration in kernels:
+    names = [*dict.fromkeys(s[0] for s in ordered), "rest", "total"]
+    table = {name: {"kernels": 0.0, "ms": 0.0} for name in names}
+    by_name: dict[str, dict[str, list[float]]] = {name: {} for name in names}
+    for start, duration, *label in kernels:
         region = next((name for name, t0, t1 in ordered if t0 <= start <= t1), "rest")
         for key in (region, "total"):
             table[key]["kernels"] += 1
             table[key]["ms"] += duration / 1e3
-    return {n: {"kernels": round(v["kernels"] / steps, 1), "ms": round(v["ms"] / steps, 4)} for n, v in table.items()}
+            if label:
+                acc = by_name[key].setdefault(label[0], [0.0, 0])
+                acc[0] += duration / 1e3
+                acc[1] += 1
+    return {
+        n: {
+            "kernels": round(v["kernels"] / steps, 1),
+            "ms": round(v["ms"] / steps, 4),
+            "top": [
+                [k[:TOP_NAME], round(ms / steps, 4), round(calls / steps, 1)]
+                for k, (ms, calls) in sorted(by_name[n].items(), key=lambda kv: (-kv[1][0], kv[0]))[:top]
+            ],
+        }
+        for n, v in table.items()
+    }
 
 
 @contextlib.contextmanager
@@ -93,9 +116,9 @@ def region_table(step: Callable[[], object], steps: int, model: torch.nn.Module)
     return attribute(spans, kernels, steps)
 
 
-def split_events(events) -> tuple[list[tuple[str, float, float]], list[tuple[float, float]]]:
+def split_events(events) -> tuple[list[tuple[str, float, float]], list[tuple[float, float, str]]]:
     """The profiler's events -> (the regions' host windows (name, start, end), the device events (start,
-    duration)); the device-side copies of the regions' annotations are neither."""
+    duration, name)); the device-side copies of the regions' annotations are neither."""
 
     def on_device(e) -> bool:
         return str(getattr(e, "device_type", "")).endswith("CUDA")
@@ -106,7 +129,7 @@ def split_events(events) -> tuple[list[tuple[str, float, float]], list[tuple[flo
         if e.name.startswith(_PREFIX) and not on_device(e)
     ]
     kernels = [
-        (e.time_range.start, e.time_range.end - e.time_range.start)
+        (e.time_range.start, e.time_range.end - e.time_range.start, e.name)
         for e in events
         if on_device(e) and not e.name.startswith(_PREFIX)
     ]

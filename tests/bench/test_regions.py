@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsv4.bench.regions import attribute, region_table, split_events, synced_regions
+from dsv4.bench.regions import TOP_NAME, attribute, region_table, split_events, synced_regions
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine, EngineConfig, SamplingParams
 from dsv4.model import DeepSeekV4
@@ -20,18 +20,41 @@ def test_attribute_counts_each_kernel_in_the_window_it_starts_in():
     # (start, duration in us): inside, on a window's end, between windows, on a start, a later window, after all
     kernels = [(12.0, 2.0), (20.0, 1.0), (25.0, 3.0), (30.0, 4.0), (55.0, 1.0), (70.0, 5.0)]
     want = {
-        "layers": {"kernels": 1.5, "ms": 0.002},
-        "mtp": {"kernels": 0.5, "ms": 0.002},
-        "rest": {"kernels": 1.0, "ms": 0.004},
-        "total": {"kernels": 3.0, "ms": 0.008},
+        "layers": {"kernels": 1.5, "ms": 0.002, "top": []},
+        "mtp": {"kernels": 0.5, "ms": 0.002, "top": []},
+        "rest": {"kernels": 1.0, "ms": 0.004, "top": []},
+        "total": {"kernels": 3.0, "ms": 0.008, "top": []},
     }
     assert attribute(spans, kernels, steps=2) == want
     shuffled = spans[:]
     random.Random(0).shuffle(shuffled)
     assert attribute(shuffled, kernels[::-1], steps=2) == want  # order of neither input matters
-    assert attribute([], kernels, steps=1)["rest"] == {"kernels": 6.0, "ms": 0.016}
+    assert attribute([], kernels, steps=1)["rest"] == {"kernels": 6.0, "ms": 0.016, "top": []}
     with pytest.raises(ValueError, match="steps must be >= 1"):
         attribute(spans, kernels, steps=0)
+
+
+def test_attribute_names_each_regions_largest_kernels():
+    """Named kernels: per region the `top` with the most device time per step, with their calls per step,
+    ties broken by name, names cut to TOP_NAME characters; "total" ranks them over every region."""
+    spans = [("layers", 0.0, 100.0)]
+    long = "void cutlass::Kernel2<" + "x" * 200 + ">"
+    kernels = [
+        (1.0, 4.0, "gemm"),
+        (2.0, 4.0, "gemm"),
+        (3.0, 2.0, "norm"),
+        (4.0, 2.0, "add"),
+        (5.0, 1.0, long),
+        (150.0, 6.0, "accept"),
+        (160.0, 1.0, "draw"),
+    ]
+    table = attribute(spans, kernels, steps=2, top=3)
+    assert table["layers"]["top"] == [["gemm", 0.004, 1.0], ["add", 0.001, 0.5], ["norm", 0.001, 0.5]]
+    assert table["rest"]["top"] == [["accept", 0.003, 0.5], ["draw", 0.0005, 0.5]]
+    assert table["total"]["top"] == [["gemm", 0.004, 1.0], ["accept", 0.003, 0.5], ["add", 0.001, 0.5]]
+    cut = attribute(spans, [(1.0, 1.0, long)], steps=1)["layers"]["top"]
+    assert cut == [[long[:TOP_NAME], 0.001, 1.0]] and len(cut[0][0]) == TOP_NAME
+    assert table["layers"]["kernels"] == 2.5 and table["layers"]["ms"] == 0.0065
 
 
 def test_split_events_keeps_host_windows_and_device_events():
@@ -51,8 +74,12 @@ def test_split_events_keeps_host_windows_and_device_events():
     ]
     spans, kernels = split_events(events)
     assert spans == [("layers", 10.0, 20.0)]
-    assert kernels == [(12.5, 1.5), (21.0, 0.5)]
-    assert attribute(spans, kernels, 1)["layers"] == {"kernels": 1.0, "ms": 0.0015}
+    assert kernels == [(12.5, 1.5, "gemm_kernel"), (21.0, 0.5, "Memcpy HtoD")]
+    assert attribute(spans, kernels, 1)["layers"] == {
+        "kernels": 1.0,
+        "ms": 0.0015,
+        "top": [["gemm_kernel", 0.0015, 1.0]],
+    }
 
 
 def _engine(model: DeepSeekV4) -> Engine:
@@ -90,7 +117,7 @@ def test_synced_regions_annotate_the_blocks_and_the_mtp_block_and_change_no_toke
 
     table = region_table(step, 3, model)
     assert set(table) == {"layers", "mtp", "rest", "total"}, table
-    assert all(v == {"kernels": 0.0, "ms": 0.0} for v in table.values())  # a CPU model: no device kernels
+    assert all(v == {"kernels": 0.0, "ms": 0.0, "top": []} for v in table.values())  # a CPU model: no device kernels
     hooked = [model.layers[0], model.layers[-1], *model.mtp]
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in hooked)
     assert len(seen) == 4  # one untimed step, then three
