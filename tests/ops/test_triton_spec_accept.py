@@ -162,6 +162,34 @@ def test_nan_logits_as_the_reference():
     assert torch.equal(acc[:3], want_acc[:3]) and torch.equal(tok[:3], want_tok[:3])
 
 
+def test_chunks_cover_the_vocabulary():
+    """Phases 1-2's chunks: a power of two of columns each, every chunk holding at least one column, at most
+    MAX_CHUNKS of them, for vocabularies from 1 column to beyond V4's."""
+    from dsv4.ops.triton.spec_accept import MAX_CHUNKS, chunking
+
+    for V in (1, 2, 37, 511, 512, 513, 1500, 4096, 129_280, 2**20 + 1):
+        ch, nc = chunking(V)
+        assert ch & (ch - 1) == 0 and 1 <= nc <= MAX_CHUNKS, (V, ch, nc)
+        assert (nc - 1) * ch < V <= nc * ch, (V, ch, nc)
+
+
+def test_nan_and_minus_inf_in_later_chunks_as_the_reference():
+    """V = 1,500 (three chunks of 512): a greedy row whose only NaN is in the last chunk (its argmax: that
+    column), a sampled row with a NaN there at the position it stops (the draw takes it), and rows whose
+    first two chunks are -inf (only the last chunk can be drawn); every row as the reference."""
+    args = list(make(6, 2, 1500, "near", seed=13))
+    logits = args[0].clone()
+    logits[1, :, 1200] = float("nan")  # row 1 is greedy (every third row from 1)
+    logits[0, 0, 1300] = float("nan")  # row 0 samples; with n_drafts 0 it draws at position 0
+    logits[2:, :, :1024] = float("-inf")
+    args[0] = logits
+    acc, tok = ops.speculative_accept(*args, backend="triton")
+    want_acc, want_tok = ref.speculative_accept(*args)
+    assert int(tok[1]) == 1200 and int(tok[0]) == 1300
+    assert torch.all(tok[2:] >= 1024)
+    assert torch.equal(acc, want_acc) and torch.equal(tok, want_tok)
+
+
 def test_per_row_settings_as_columns_of_the_fixed_steps_integers():
     """The fixed-shape step hands over n_drafts, seeds, counters (and the sampled variant's temperature and
     greedy flags) as strided columns of one integer / float table: the kernel takes them as they come."""
