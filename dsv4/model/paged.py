@@ -324,6 +324,40 @@ def _ratio_plan(inp: StepInputs, layout: CacheLayout, r: int, has_page: torch.Te
 
 
 # ------------------------------------------------------------------------------ simple batches
+_LAYOUTS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, ...]] = {}
+LAYOUT_MAX_S = 16  # rows of at most this many tokens (decodes, verifies, draft links) keep their layout
+LAYOUT_ENTRIES = 1024  # layouts kept at most (then new shapes are made each time: a kept one is never
+# dropped, since a CUDA graph captured with it reads its memory for as long as the graph lives)
+
+
+def row_layout(b: int, s: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """What b rows of s tokens index by, a function of the shape alone: (offsets [s], each token's row
+    [b * s], each row's first token [b], the token of each row's cells [b, s], the row ids [b]).
+
+    Made once per shape and device for short rows and kept, so a step replayed from a CUDA graph reads
+    them as constants instead of making them with a handful of small kernels every replay. Made outside
+    inference mode (a later step with autograd may index with them) and not kept when made during a graph
+    capture (they would hold their values only once the graph has run); never dropped once kept (a graph
+    reads them by address). Nothing writes to them."""
+    key = (b, s, dev)
+    got = _LAYOUTS.get(key)
+    if got is not None:
+        return got
+    with torch.inference_mode(False), torch.no_grad():
+        ids = torch.arange(b, device=dev)
+        got = (
+            torch.arange(s, device=dev),
+            ids.repeat_interleave(s),
+            ids * s,
+            torch.arange(b * s, device=dev).view(b, s),
+            ids,
+        )
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if s <= LAYOUT_MAX_S and not capturing and len(_LAYOUTS) < LAYOUT_ENTRIES:
+        _LAYOUTS[key] = got
+    return got
+
+
 def uniform_inputs(
     tokens: torch.Tensor,
     start: torch.Tensor,
@@ -341,10 +375,8 @@ def uniform_inputs(
     """
     b, s = tokens.shape
     dev = tokens.device
-    offs = torch.arange(s, device=dev)
+    offs, rows, seg_start, cells, row_ids = row_layout(b, s, dev)
     positions = (start.view(b, 1) + offs).flatten()
-    rows = torch.arange(b, device=dev).repeat_interleave(s)
-    seg_start = torch.arange(b, device=dev) * s
     groups: dict[int, torch.Tensor | None] = {}
     for r in layout.ratios:
         if static_start is None or s <= r:
@@ -365,8 +397,8 @@ def uniform_inputs(
         ctable=ctable,
         state=state,
         groups=groups,
-        index_maps=[torch.arange(b * s, device=dev).view(b, s)],
-        index_rows=[torch.arange(b, device=dev)],
+        index_maps=[cells],
+        index_rows=[row_ids],
         out=out,
         shape=(b, s),
     )
