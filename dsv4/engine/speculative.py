@@ -351,16 +351,10 @@ def write_carry(
     last_position: int,
 ) -> None:
     """After a fixed-shape step of rows `ints` (`fixed_inputs`' columns): carry[table row] = the integers the
-    host would give each row's next step, [w + 4] = its last token and drafts (zeros past its own), its
-    drafts, start and tokens generated. A row keeps min(w, last_position - start, max_tokens - 1 -
-    generated) drafts, at least 0, as the host's bookkeeping does (`SpeculativeSteps._fixed_finish`)."""
-    w = drafts.size(1)
-    start = ints[:, w + 2] + accepted + 1
-    generated = generated + accepted + 1
-    n = torch.minimum(last_position - start, cap - generated).clamp(min=0, max=w)
-    tokens = torch.cat([bonus.unsqueeze(1), drafts], 1)  # [B, w + 1]
-    tokens = tokens.masked_fill(torch.arange(w + 1, device=tokens.device) > n.unsqueeze(1), 0)
-    carry[ints[:, w + 3]] = torch.cat([tokens, n.unsqueeze(1), start.unsqueeze(1), generated.unsqueeze(1)], 1)
+    host would give each row's next step (`ops.write_carry`: one launch where its Triton backend runs). A row
+    keeps min(w, last_position - start, max_tokens - 1 - generated) drafts, at least 0, as the host's
+    bookkeeping does (`SpeculativeSteps._fixed_finish`)."""
+    ops.write_carry(carry, ints, generated, cap, accepted, bonus, drafts, last_position)
 
 
 def fixed_args(runner: Runner, ints: torch.Tensor, sampled: bool = False) -> tuple[torch.Tensor, ...]:

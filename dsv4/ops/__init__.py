@@ -286,6 +286,7 @@ gumbel_argmax = _make("gumbel_argmax")
 uniform = _make("uniform")
 rejection_sample = _make("rejection_sample")
 speculative_accept = _make("speculative_accept")
+write_carry = _make("write_carry")
 muon_momentum = _make("muon_momentum")
 muon_apply = _make("muon_apply")
 
@@ -377,6 +378,7 @@ __all__ = [
     "uniform",
     "rejection_sample",
     "speculative_accept",
+    "write_carry",
     "muon_momentum",
     "muon_apply",
 ]

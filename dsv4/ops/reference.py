@@ -758,6 +758,7 @@ from .reference_sampling import (  # noqa: E402, F401  (the sampling references,
     speculative_accept,
     temperature_distribution,
     uniform,
+    write_carry,
 )
 
 

@@ -1,4 +1,5 @@
-"""Plain-torch references of sampling: the counter-hash uniforms, the token draw and speculative acceptance.
+"""Plain-torch references of sampling: the counter-hash uniforms, the token draw, speculative acceptance, and
+the fixed-shape speculative step's carry (what it leaves for the next step of the same sequences).
 
 Part of `dsv4.ops.reference` (which re-exports every name here): the definitions that the fused sampling
 backends are tested against. Every random number is a pure function of (seed, counter, column, stream),
@@ -159,3 +160,31 @@ def speculative_accept(
     accepted, bonus = rejection_sample(target, q, drafts, n_drafts, seeds, counters)
     plain, _ = gumbel_argmax(logits[:, 0], temperature, greedy, seeds, counters)
     return accepted, torch.where(n_drafts == 0, plain, bonus)
+
+
+def write_carry(
+    carry: torch.Tensor,
+    ints: torch.Tensor,
+    generated: torch.Tensor,
+    cap: torch.Tensor,
+    accepted: torch.Tensor,
+    bonus: torch.Tensor,
+    drafts: torch.Tensor,
+    last_position: int,
+) -> None:
+    """In place, after a fixed-shape speculative step of B rows with w drafts each: carry[table row] = the
+    integers the host would give each row's next step, [w + 4] = its last token (the bonus) and drafts
+    (zeros past its own), its drafts' count, start and tokens generated. A row keeps n = min(w, last_position
+    - start, cap - generated) drafts, at least 0, as the engine's bookkeeping does; start = its step's start
+    + accepted + 1, generated likewise.
+
+    carry [R, w + 4] int64 with contiguous rows; ints [B, >= w + 4] int64 (`fixed_inputs`' columns: the
+    start in column w + 2, the table row in column w + 3); generated, cap (max_tokens - 1), accepted, bonus
+    [B] int64; drafts [B, w] int64. Rows naming the same table row (padding) leave one of their writes."""
+    w = drafts.size(1)
+    start = ints[:, w + 2] + accepted + 1
+    generated = generated + accepted + 1
+    n = torch.minimum(last_position - start, cap - generated).clamp(min=0, max=w)
+    tokens = torch.cat([bonus.unsqueeze(1), drafts], 1)  # [B, w + 1]
+    tokens = tokens.masked_fill(torch.arange(w + 1, device=tokens.device) > n.unsqueeze(1), 0)
+    carry[ints[:, w + 3]] = torch.cat([tokens, n.unsqueeze(1), start.unsqueeze(1), generated.unsqueeze(1)], 1)

@@ -74,6 +74,11 @@ for dt in (torch.bfloat16, torch.float32):  # the fixed-shape speculative step's
     ops.speculative_accept(torch.randn(B, 3, 300).to(dt), torch.randn(B, 2, 300), torch.zeros(B, 2, dtype=torch.long),
                            torch.arange(B), torch.ones(B, dtype=torch.float64), torch.arange(B) == 1,
                            torch.arange(B), torch.arange(B), backend="triton")
+ints = torch.zeros(B, 9, dtype=torch.long)  # the fixed-shape speculative step's carry (K = 2; strided columns)
+ints[:, 5] = torch.arange(B)  # (each row's table row)
+one = torch.ones(B, dtype=torch.long)
+ops.write_carry(torch.zeros(8, 6, dtype=torch.long), ints[:, :6], ints[:, 6], ints[:, 8], one, torch.arange(B),
+                torch.zeros(B, 2, dtype=torch.long), 40, backend="triton")
 for dt in (torch.bfloat16, torch.float32):  # the fixed-plan GEMM with K split (a narrow weight, a long K)
     ops.linear_fp32(torch.randn(3, 1024).bfloat16(), torch.randn(40, 1024).to(dt), backend="triton")
 ops.linear(torch.randn(3, 1024).bfloat16(), torch.randn(40, 1024).bfloat16(), backend="triton")
@@ -222,7 +227,7 @@ def test_every_kernel_the_model_launches_compiles_for_sm90():
     kernels.add("_swiglu_kernel")  # the shared expert's activation
     kernels |= {"_plan_window_kernel", "_plan_groups_kernel", "_plan_keep_kernel", "_plan_entries_kernel"}  # the plan
     kernels |= {"_select_rows_kernel", "_attend_rows_kernel"}  # each layer's attention rows
-    assert kernels | {"_draw_split_kernel", "_spec_accept_kernel"} <= names
+    assert kernels | {"_draw_split_kernel", "_spec_accept_kernel", "_write_carry_kernel"} <= names
     for r in records:  # the fixed-plan GEMM's interpreter-only sums never run on a GPU: its GPU form only
         if r["kwargs"].get("ROWWISE") == ["value", True]:
             r["kwargs"] = {**r["kwargs"], "ROWWISE": ["value", False]}

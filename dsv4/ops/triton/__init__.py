@@ -27,6 +27,7 @@ _MODULES = (
     "rownorm_rope",
     "sampling",
     "spec_accept",
+    "spec_carry",
     "route",
     "swiglu",
     "plan",
