@@ -229,7 +229,7 @@ def spec_step(
     -> (accepted [B], next token [B], next drafts [B, k], log-probabilities [B, k + 1] float64 of the tokens at
     each verified position: drafts while accepted, then the next token; one float32 log-sum-exp).
     """
-    from ..model.paged import uniform_inputs
+    from ..model.paged import row_layout, uniform_inputs
 
     B, k1 = tokens.shape
     k = k1 - 1
@@ -240,7 +240,7 @@ def spec_step(
     V = logits.size(-1)
     x = logits.view(B, k1, V)
     drafts = tokens[:, 1:]
-    i = torch.arange(k1, device=dev)
+    i = row_layout(B, k1, dev)[0]  # [k + 1]: 0 .. k (kept per shape: no kernel in a graph)
     if sampling is None:
         target = x.argmax(-1)  # [B, k+1]
         match = (drafts == target[:, :k]) & (i[:k].unsqueeze(0) < n_drafts.unsqueeze(1))  # [B, k]
@@ -276,7 +276,7 @@ def spec_step(
             share(out[-1])
         link = uniform_inputs(out[-1].view(B, 1), start + accepted + j + 1, wtable, ctable, state, layout)
         d_logits, h = model.draft(h[last], out[-1].view(1, B), link, cache)
-        last = torch.arange(B, device=dev)
+        last = row_layout(B, 1, dev)[4]  # [B]: 0 .. B - 1
     return accepted, bonus, torch.stack(out, 1), logprobs
 
 
