@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import ops
 from ..ops.precision import exact_accumulation
 from .batch import Row
 from .mirror import DRAFT, FIXED, VERIFY, pack_rows, unpack_rows
@@ -50,7 +51,6 @@ from .speculative import (
     sampling_args,
     spec_step,
     unpack_draft_rows,
-    write_carry,
 )
 
 
@@ -395,7 +395,7 @@ class SpeculativeSteps:
                     break
                 lp = TokenLogprob(tok, lps[b * (k + 1) + j], []) if seq.params.logprobs is not None else None
                 e.output.emit(seq, tok, lp, outputs)
-            if seq.running:  # (the carry's rule: `write_carry`)
+            if seq.running:  # (the carry's rule: `ops.write_carry`)
                 end = len(seq.tokens) - 1
                 keep = min(k, e.max_model_len - 1 - end, seq.params.max_tokens - seq.n_generated - 1)
                 seq.drafts = host[2 * n + b * k : 2 * n + b * k + max(keep, 0)]
@@ -475,7 +475,7 @@ class SpeculativeSteps:
         tokens, n_drafts, start, wtable, ctable, state = fixed_args(e.runner, ints, sampled=sampled)
         sampling = sampling_args(ints, self.draft_store) if sampled else None
         out = spec_step(e.model, e.cache, tokens, start, wtable, ctable, state, n_drafts, sampling, self._share())
-        write_carry(self.carry, ints, generated, cap, *out[:3], e.max_model_len - 1)
+        ops.write_carry(self.carry, ints, generated, cap, *out[:3], e.max_model_len - 1)  # (one launch on a GPU)
         return out
 
     def _share(self):

@@ -340,23 +340,6 @@ def feed_from_carry(
     return torch.cat(parts, 1), generated, cap
 
 
-def write_carry(
-    carry: torch.Tensor,
-    ints: torch.Tensor,
-    generated: torch.Tensor,
-    cap: torch.Tensor,
-    accepted: torch.Tensor,
-    bonus: torch.Tensor,
-    drafts: torch.Tensor,
-    last_position: int,
-) -> None:
-    """After a fixed-shape step of rows `ints` (`fixed_inputs`' columns): carry[table row] = the integers the
-    host would give each row's next step (`ops.write_carry`: one launch where its Triton backend runs). A row
-    keeps min(w, last_position - start, max_tokens - 1 - generated) drafts, at least 0, as the host's
-    bookkeeping does (`SpeculativeSteps._fixed_finish`)."""
-    ops.write_carry(carry, ints, generated, cap, accepted, bonus, drafts, last_position)
-
-
 def fixed_args(runner: Runner, ints: torch.Tensor, sampled: bool = False) -> tuple[torch.Tensor, ...]:
     """A fixed-shape step's integers [B, w + 4] (`fixed_inputs`) on the device -> (tokens [B, w + 1], n_drafts
     [B], start [B], wtable, ctable, state [B]), the tables gathered (rows of the padding table row have no

@@ -289,7 +289,7 @@ def test_fixed_shape_sampled_step_gives_the_eager_steps_tokens(model, prompts):
 def test_overlapped_fixed_shape_steps_give_the_same_tokens(model, prompts, k):
     """overlap=True (the CUDA default): a fixed-shape step of the same sequences is launched before the last
     one is read, each row fed on the device from what that step left (its next token, drafts, position and
-    count; `write_carry`). Greedy and sampled rows, some wanting log-probabilities, sequences that end by
+    count; `ops.write_carry`). Greedy and sampled rows, some wanting log-probabilities, sequences that end by
     max_tokens or max_model_len inside a verify (the fed step then ran for nothing: its tokens are dropped):
     the same tokens and log-probabilities, bit for bit, as reading every step before the next (deterministic
     mode: a row computes the same way in any batch)."""
