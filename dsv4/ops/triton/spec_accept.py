@@ -427,15 +427,11 @@ def _can_run(logits, draft_logits, drafts, n_drafts, temperature, greedy, seeds,
     return None
 
 
-def _prefer(logits, *args) -> bool:
-    """Measured with the kernel's earlier form, one program per row reading the vocabulary about a dozen
-    times, replayed from a CUDA graph on an H100 (2026-12-05, K = 2 or 3, medians of 3 x 200 replays): at V =
-    4,096 64-77 us for 1 to 64 rows against 336-581 us for the reference's ~60 kernels; at V4's 129,280
-    columns 1.98 ms for 4 rows against 0.92 ms, 2.38 ms for 64 rows against 6.42 ms. So: small
-    vocabularies, or many rows. The phased form spreads those passes over more programs; until it is timed
-    at V4's vocabulary the rule stays."""
-    B, _, V = logits.shape
-    return V <= 32768 or B >= 32
+# Timed in its phased form on one H100 (2026-12-07, `scripts/bench_step_kernels.py --only accept`, medians of
+# 3 x 200 graph replays): 21-30 us for 1 to 64 rows at V = 4,096 against the reference's 379-577 us; at V4's
+# 129,280 columns 185 us for 4 rows (K = 2) against 917 us and 892 us for 64 rows (K = 3) against 6.52 ms.
+# Faster at every shape timed, so it is preferred wherever it can run (its one-program-per-row form lost at
+# V4's vocabulary under 32 rows and was kept to small vocabularies or many rows).
 
 
 register(
@@ -445,7 +441,6 @@ register(
     can_run=_can_run,
     deterministic=True,
     priority=10,
-    prefer=_prefer,
 )
 
 __all__ = ["triton_speculative_accept"]
