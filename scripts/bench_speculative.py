@@ -113,12 +113,19 @@ def on_full_batch(engine: Engine, batch: list[list[int]], a: argparse.Namespace,
 
 
 def profile(engine: Engine, batch: list[list[int]], a: argparse.Namespace) -> dict:
-    """10 steps of a full batch under the torch profiler (after 4 steps): kernels and GPU time per step."""
-    from dsv4.bench.e2e import kernel_table
+    """10 steps of a full batch under the torch profiler (after 4 steps): kernels and GPU time per step, and
+    the device's idle time between its kernels (`dsv4.bench.e2e.device_gaps`: short gaps are the spacing
+    of a graph's kernels, long ones the device waiting on the host)."""
+    from dsv4.bench.e2e import kernel_gaps
 
-    busy, n, rows = on_full_batch(engine, batch, a, lambda step: kernel_table(step, 10))
+    busy, n, rows, gaps = on_full_batch(engine, batch, a, lambda step: kernel_gaps(step, 10))
     top = [[name[:80], round(ms, 4), round(k, 1)] for name, ms, k in rows[:12]]
-    return {"gpu_busy_ms_per_step": round(busy, 3), "kernels_per_step": round(n, 1), "top_kernels": top}
+    return {
+        "gpu_busy_ms_per_step": round(busy, 3),
+        "kernels_per_step": round(n, 1),
+        "idle_ms_per_step": gaps,
+        "top_kernels": top,
+    }
 
 
 def regions(model, prompts: list[list[int]], k: int, threshold: float, a: argparse.Namespace) -> dict:

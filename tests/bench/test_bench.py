@@ -776,3 +776,17 @@ def test_engine_host_script_times_the_host_phases_with_no_model_work():
         assert 0 <= lo <= med <= hi, line
     bad = subprocess.run([*base, "--repeats", "0"], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "must be at least 1" in bad.stderr
+
+
+def test_device_gaps_split_idle_time_by_length_and_merge_overlaps():
+    from dsv4.bench.e2e import device_gaps
+
+    # us: [0, 10] and [5, 12] overlap (no gap), 2 us to [14, 20], 30 us to [50, 60], 1 us to [61, 70]
+    iv = [(50.0, 60.0), (0.0, 10.0), (14.0, 20.0), (5.0, 12.0), (61.0, 70.0)]
+    g = device_gaps(iv, calls=2, short_us=5.0)
+    assert g == {"span": 70 / 2 / 1e3, "short": 3 / 2 / 1e3, "long": 30 / 2 / 1e3, "long_gaps": 0.5}
+    # busy + idle = the span, whatever the threshold
+    for t in (0.5, 1.5, 2.5, 40.0):
+        g = device_gaps(iv, calls=1, short_us=t)
+        assert g["short"] + g["long"] == 33 / 1e3
+    assert device_gaps([], calls=3) == {"span": 0.0, "short": 0.0, "long": 0.0, "long_gaps": 0.0}
