@@ -44,8 +44,6 @@ from .speculative import (
     FixedStepGraph,
     accept,
     feed_columns,
-    feed_from_carry,
-    fixed_args,
     fixed_inputs,
     pack_draft_rows,
     sampling_args,
@@ -115,7 +113,7 @@ class SpeculativeSteps:
     """The steps of one `Engine` (its scheduler, runner, output processor and counters) with k drafts."""
 
     OVERLAP = True  # fixed-shape steps may overlap (off on several workers, and where the engine's overlap is)
-    FEED = FEED_COLS  # integers per row of a fixed-shape step after `fixed_inputs`' (`feed_from_carry`)
+    FEED = FEED_COLS  # integers per row of a fixed-shape step after `fixed_inputs`' (`ops.read_carry`)
 
     def __init__(self, engine, k: int):
         self.engine, self.k = engine, k
@@ -470,9 +468,11 @@ class SpeculativeSteps:
     def _fixed_step(self, ints: torch.Tensor, sampled: bool = False) -> tuple[torch.Tensor, ...]:
         """`spec_step` on a fixed-shape step's integers on the device (capturable): fed rows read the carry
         first, and every row leaves its next step's integers there."""
-        e = self.engine
-        ints, generated, cap = feed_from_carry(ints, self.carry, sampled)
-        tokens, n_drafts, start, wtable, ctable, state = fixed_args(e.runner, ints, sampled=sampled)
+        e, r, w = self.engine, self.engine.runner, self.k
+        ints, generated, cap, wtable, ctable, state = ops.read_carry(
+            ints, self.carry, r.tables_w, r.tables_c, r.tables.pad_row
+        )
+        tokens, n_drafts, start = ints[:, : w + 1], ints[:, w + 1], ints[:, w + 2]
         sampling = sampling_args(ints, self.draft_store) if sampled else None
         out = spec_step(e.model, e.cache, tokens, start, wtable, ctable, state, n_drafts, sampling, self._share())
         ops.write_carry(self.carry, ints, generated, cap, *out[:3], e.max_model_len - 1)  # (one launch on a GPU)

@@ -227,7 +227,7 @@ def spec_step(
     not depend on which path ran its step. share (several workers, `Runner.share`): rank 0's accepted
     lengths, next tokens and drafts replace a follower's before the draft reads them.
     -> (accepted [B], next token [B], next drafts [B, k], log-probabilities [B, k + 1] float64 of the tokens at
-    each verified position: drafts while accepted, then the next token; one float32 log-sum-exp).
+    each verified position: drafts while accepted, then the next token; `ops.token_logprobs`).
     """
     from ..model.paged import row_layout, uniform_inputs
 
@@ -258,7 +258,7 @@ def spec_step(
     # then the bonus (positions past c + accepted are rewritten before anything reads them)
     shifted = torch.cat([drafts, bonus.unsqueeze(1)], 1)  # [B, k+1]
     nxt = torch.where(i.unsqueeze(0) < accepted.unsqueeze(1), shifted, bonus.unsqueeze(1))
-    logprobs = (x.gather(2, nxt.unsqueeze(2)).squeeze(2) - torch.logsumexp(x, -1)).double()  # [B, k+1]
+    logprobs = ops.token_logprobs(logits, nxt.view(-1)).view(B, k1)  # [B, k+1] float64 (one launch on a GPU)
     inputs.out = inputs.seg_start + accepted  # [B]
     d_logits, h = model.draft(hidden, nxt.reshape(1, -1), inputs, cache)
     out = []
@@ -314,30 +314,13 @@ def padding_inputs(width: int, pad_row: int, sampled: bool, extra: int = 0) -> n
 # A fixed-shape step that may be launched before the last one's results are read (overlap) takes three more
 # integers per row after `fixed_inputs`' (`feed_columns`): whether the row's tokens, drafts, start and
 # generated count come from the carry the last step left on the device, its generated count otherwise, and
-# the most tokens it may generate minus one.
+# the most tokens it may generate minus one (`ops.read_carry` reads them, `ops.write_carry` leaves the carry).
 FEED_COLS = 3
 
 
 def feed_columns(fed: list[bool], generated: list[int], max_tokens: list[int]) -> np.ndarray:
     """[n, FEED_COLS]: each row's feed flag, tokens generated so far (read where not fed), max_tokens - 1."""
     return np.asarray([fed, generated, [m - 1 for m in max_tokens]], np.int64).T.reshape(len(fed), FEED_COLS)
-
-
-def feed_from_carry(
-    ints: torch.Tensor, carry: torch.Tensor, sampled: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A fixed-shape step's integers [B, w + 4 (+ SAMPLING_COLS) + FEED_COLS] -> (those of `fixed_inputs`,
-    with each fed row's tokens, drafts, start and generated count taken from carry[table row]; the
-    generated counts [B]; max_tokens - 1 [B]). On the device, no host synchronization (capturable)."""
-    base, flag, generated, cap = ints[:, :-FEED_COLS], *ints[:, -FEED_COLS:].unbind(1)
-    w = base.size(1) - 4 - (SAMPLING_COLS if sampled else 0)
-    c = carry[base[:, w + 3]]  # [B, w + 4]: tokens, n_drafts, start, generated
-    fed = flag > 0
-    generated = torch.where(fed, c[:, w + 3], generated)
-    parts = [torch.where(fed.unsqueeze(1), c[:, : w + 3], base[:, : w + 3]), base[:, w + 3 : w + 4]]
-    if sampled:  # seed, generated, greedy, temperature
-        parts += [base[:, w + 4 : w + 5], generated.unsqueeze(1), base[:, w + 6 :]]
-    return torch.cat(parts, 1), generated, cap
 
 
 def fixed_args(runner: Runner, ints: torch.Tensor, sampled: bool = False) -> tuple[torch.Tensor, ...]:
@@ -354,7 +337,7 @@ def sampling_args(ints: torch.Tensor, store: torch.Tensor) -> SpecSampling:
     """A sampled fixed-shape step's integers [B, w + 8] (`fixed_inputs`) and the draft logits' store -> what
     `spec_step` samples with."""
     c = ints.size(1) - SAMPLING_COLS
-    temperature = ints[:, c + 3].contiguous().view(torch.float64)
+    temperature = ints[:, c + 3].view(torch.float64)  # (the same element size: a view, no copy)
     return SpecSampling(ints[:, c - 1], ints[:, c], ints[:, c + 1], ints[:, c + 2] > 0, temperature, store)
 
 

@@ -287,6 +287,8 @@ uniform = _make("uniform")
 rejection_sample = _make("rejection_sample")
 speculative_accept = _make("speculative_accept")
 write_carry = _make("write_carry")
+read_carry = _make("read_carry")
+token_logprobs = _make("token_logprobs")
 muon_momentum = _make("muon_momentum")
 muon_apply = _make("muon_apply")
 
@@ -379,6 +381,8 @@ __all__ = [
     "rejection_sample",
     "speculative_accept",
     "write_carry",
+    "read_carry",
+    "token_logprobs",
     "muon_momentum",
     "muon_apply",
 ]

@@ -1,5 +1,6 @@
 """Plain-torch references of sampling: the counter-hash uniforms, the token draw, speculative acceptance, and
-the fixed-shape speculative step's carry (what it leaves for the next step of the same sequences).
+the fixed-shape speculative step's carry (what it leaves for the next step of the same sequences, and how
+that step reads it).
 
 Part of `dsv4.ops.reference` (which re-exports every name here): the definitions that the fused sampling
 backends are tested against. Every random number is a pure function of (seed, counter, column, stream),
@@ -188,3 +189,39 @@ def write_carry(
     tokens = torch.cat([bonus.unsqueeze(1), drafts], 1)  # [B, w + 1]
     tokens = tokens.masked_fill(torch.arange(w + 1, device=tokens.device) > n.unsqueeze(1), 0)
     carry[ints[:, w + 3]] = torch.cat([tokens, n.unsqueeze(1), start.unsqueeze(1), generated.unsqueeze(1)], 1)
+
+
+def read_carry(
+    ints: torch.Tensor, carry: torch.Tensor, tables_w: torch.Tensor, tables_c: torch.Tensor, pad_row: int
+) -> tuple[torch.Tensor, ...]:
+    """Before a fixed-shape speculative step of B rows with w drafts each: its integers with the fed rows' taken
+    from the carry the last step left (`write_carry`), and its page tables gathered.
+
+    ints [B, w + 4 + S + 3] int64 (S = 0, or 4 for a sampled step): per row its w + 1 tokens (last token and
+    drafts), drafts' count, start, table row; with S = 4 its seed, tokens generated, greedy flag and the
+    temperature's float64 bits; then whether the row is fed, its tokens generated, and max_tokens - 1. carry
+    [R, w + 4] int64: per table row tokens, drafts' count, start, generated. tables_w / tables_c [R', P]
+    int64: page tables by table row; pad_row: the padding rows' table row.
+    -> (base [B, w + 4 + S]: ints' first columns, a fed row's first w + 3 from carry[table row] and with S =
+    4 its generated count too; generated [B] (a fed row's from the carry); max_tokens - 1 [B]; the page
+    tables' rows wtable, ctable [B, P]; state [B]: the table row, 0 for padding rows)."""
+    w = carry.size(1) - 4
+    base, flag, generated, cap = ints[:, :-3], ints[:, -3], ints[:, -2], ints[:, -1]
+    sampled = base.size(1) == w + 8
+    c = carry[base[:, w + 3]]  # [B, w + 4]: tokens, n_drafts, start, generated
+    fed = flag > 0
+    generated = torch.where(fed, c[:, w + 3], generated)
+    parts = [torch.where(fed.unsqueeze(1), c[:, : w + 3], base[:, : w + 3]), base[:, w + 3 : w + 4]]
+    if sampled:  # seed, generated, greedy, temperature
+        parts += [base[:, w + 4 : w + 5], generated.unsqueeze(1), base[:, w + 6 :]]
+    trow = base[:, w + 3]
+    state = trow.masked_fill(trow == pad_row, 0)
+    return torch.cat(parts, 1), generated, cap, tables_w[trow], tables_c[trow], state
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token) of each row: logits [N, V] (any float dtype), tokens [N] int64 -> [N] float64, logit -
+    logsumexp(logits) in float64 (torch's logsumexp: a row of -inf gives -inf, a token's -inf logit there
+    NaN; a NaN logit makes its row NaN)."""
+    x = logits.double()
+    return x.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(x, -1)

@@ -124,7 +124,7 @@ def test_speculative_steps_replay_graphs_captured_at_warm_up(model, prompts):
     run eagerly (deterministic mode: a row computes the same way at any batch). The graphs took their
     sampled acceptance from the fused kernel (its per-row settings are strided columns of the step's
     integers: a kernel that refused them would leave the reference in the graph, unseen), and the carry
-    that feeds the next step from one launch likewise."""
+    that feeds the next step, left and read in one launch each, likewise."""
     temps = (0.8, 0, 1.3, 0, 1.0, 0.5, 0, 0.9)
     params = [
         SamplingParams(max_tokens=NEW, temperature=t, seed=7 + i, ignore_eos=True, logprobs=0 if i % 2 else None)
@@ -137,7 +137,8 @@ def test_speculative_steps_replay_graphs_captured_at_warm_up(model, prompts):
     assert n_graphs == len(warm.spec.graphs) == 4 * 2  # batches 1, 2, 4, 8; greedy and sampled
     captured = warm.graph_backends  # the sampled variant's acceptance: the fused kernel
     assert captured["ran"]["speculative_accept"] == ["triton"] and "speculative_accept" not in captured["refused"]
-    assert captured["ran"]["write_carry"] == ["triton"] and "write_carry" not in captured["refused"]  # the carry
+    for op in ("write_carry", "read_carry", "token_logprobs"):  # the carry, left and read; the log-probabilities
+        assert captured["ran"][op] == ["triton"] and op not in captured["refused"]
     graphed, graphed_lp, e1 = run(model, prompts, params, warm=True, **spec)
     assert len(e1.spec.graphs) == n_graphs and e1.runner.late_captures == 0  # no capture after the warm-up
     assert e1.runner.eager_steps == 0 and e1.runner.graph_steps > 0

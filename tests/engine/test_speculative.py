@@ -278,8 +278,8 @@ def test_fixed_shape_sampled_step_gives_the_eager_steps_tokens(model, prompts):
         assert (params[i].logprobs is None) == (a[0][1] is None)
         # the verify's float32 logits come from two layouts of the same step (ragged rows, uniform rows),
         # whose reductions (blocked / pairwise sums of at most 2^10 terms here: vocabulary 1024, width 128)
-        # may round differently, each by O(log2(n) eps) relative; the fixed-shape step's log-sum-exp is float32
-        # too (log2(1024) eps). 64 eps of (1 + |log p|) bounds the sum of those with room to spare.
+        # may round differently, each by O(log2(n) eps) relative; both log-sum-exps are float64. 64 eps of
+        # (1 + |log p|) bounds the sum of those with room to spare.
         eps = torch.finfo(torch.float32).eps
         for (_, x), (_, y) in zip(a, b):
             assert (x is None) == (y is None) and (x is None or abs(x - y) <= 64 * eps * (1 + abs(y)))

@@ -79,6 +79,13 @@ ints[:, 5] = torch.arange(B)  # (each row's table row)
 one = torch.ones(B, dtype=torch.long)
 ops.write_carry(torch.zeros(8, 6, dtype=torch.long), ints[:, :6], ints[:, 6], ints[:, 8], one, torch.arange(B),
                 torch.zeros(B, 2, dtype=torch.long), 40, backend="triton")
+for cols in (9, 13):  # ... and how the next step reads it (greedy and sampled columns)
+    ints = torch.zeros(B, cols, dtype=torch.long)
+    ints[:, 5] = torch.arange(B)
+    ops.read_carry(ints, torch.zeros(8, 6, dtype=torch.long), torch.zeros(8, 5, dtype=torch.long),
+                   torch.zeros(8, 5, dtype=torch.long), 7, backend="triton")
+for dt in (torch.float32, torch.bfloat16):  # the verified tokens' log-probabilities
+    ops.token_logprobs(torch.randn(B, 300).to(dt), torch.arange(B), backend="triton")
 for dt in (torch.bfloat16, torch.float32):  # the fixed-plan GEMM with K split (a narrow weight, a long K)
     ops.linear_fp32(torch.randn(3, 1024).bfloat16(), torch.randn(40, 1024).to(dt), backend="triton")
 ops.linear(torch.randn(3, 1024).bfloat16(), torch.randn(40, 1024).bfloat16(), backend="triton")
@@ -227,7 +234,9 @@ def test_every_kernel_the_model_launches_compiles_for_sm90():
     kernels.add("_swiglu_kernel")  # the shared expert's activation
     kernels |= {"_plan_window_kernel", "_plan_groups_kernel", "_plan_keep_kernel", "_plan_entries_kernel"}  # the plan
     kernels |= {"_select_rows_kernel", "_attend_rows_kernel"}  # each layer's attention rows
-    assert kernels | {"_draw_split_kernel", "_spec_accept_kernel", "_write_carry_kernel"} <= names
+    kernels |= {"_draw_split_kernel", "_spec_accept_kernel"}  # the speculative step's draws and acceptance
+    kernels |= {"_write_carry_kernel", "_read_carry_kernel", "_token_logprobs_kernel"}  # its carry, log p
+    assert kernels <= names
     for r in records:  # the fixed-plan GEMM's interpreter-only sums never run on a GPU: its GPU form only
         if r["kwargs"].get("ROWWISE") == ["value", True]:
             r["kwargs"] = {**r["kwargs"], "ROWWISE": ["value", False]}

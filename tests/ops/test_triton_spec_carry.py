@@ -1,6 +1,7 @@
-"""`write_carry`, the fixed-shape speculative step's carry: the reference by hand on the rule (how many drafts
-a row keeps), the Triton kernel's rows against the reference's exactly (the CPU interpreter here, compiled
-on CUDA), with the step's integers as the strided columns the engine hands over, and the refusals."""
+"""`write_carry` and `read_carry`, the fixed-shape speculative step's carry: the references by hand (how many
+drafts a row keeps; what a fed row reads), the Triton kernels' results against the references' exactly (the
+CPU interpreter here, compiled on CUDA), with the step's integers as the strided columns the engine hands
+over, and the refusals."""
 
 from __future__ import annotations
 
@@ -81,3 +82,60 @@ def test_refusals_name_the_reason():
     bad[7] = 2**40
     assert "int32" in ops.refusal("write_carry", "triton", *bad)
     assert ops.refusal("write_carry", "triton", *args) is None
+
+
+def read_step(B: int, w: int, R: int, P: int, sampled: bool, seed: int = 0) -> tuple:
+    """A step's `read_carry` arguments: B rows on table rows of R (the last the padding row, which several rows
+    may name), about half of them fed; ints with S = 4 sampling columns when sampled."""
+    g = torch.Generator().manual_seed(seed)
+    carry = torch.randint(-9, 10**6, (R, w + 4), generator=g)
+    trows = torch.randint(0, R, (B,), generator=g)
+    own = torch.randint(0, 10**6, (B, w + 3), generator=g)
+    cols = [own, trows[:, None]]
+    if sampled:
+        temps = torch.rand(B, 1, generator=g, dtype=torch.float64).mul(2).view(torch.int64)
+        cols.append(torch.cat([torch.randint(0, 2**40, (B, 2), generator=g), torch.randint(0, 2, (B, 1)), temps], 1))
+    feed = [torch.randint(0, 2, (B, 1), generator=g), torch.randint(0, 500, (B, 2), generator=g)]
+    ints = torch.cat(cols + feed, 1)
+    tables_w = torch.randint(-1, 10**5, (R, P), generator=g)
+    tables_c = torch.randint(-1, 10**5, (R, P), generator=g)
+    return tuple(t.to(DEV) for t in (ints, carry, tables_w, tables_c)) + (R - 1,)
+
+
+def test_read_reference_takes_a_fed_rows_integers_from_the_carry():
+    """w = 1: tokens (2), n_drafts, start from carry[table row] where fed, else the row's own; the table row,
+    cap, tables and state always the row's."""
+    carry = torch.tensor([[7, 8, 1, 30, 4], [0, 0, 0, 0, 0], [5, 6, 0, 9, 2]])  # tokens, n, start, generated
+    ints = torch.tensor([[1, 2, 1, 10, 0, 1, 3, 99], [3, 4, 0, 11, 2, 0, 6, 98]])  # ..., trow, fed, gen, cap
+    tw, tc = torch.arange(6).view(3, 2), -torch.arange(6).view(3, 2)
+    base, gen, cap, wt, ct, state = ops.read_carry(ints, carry, tw, tc, 2, backend="reference")
+    assert base.tolist() == [[7, 8, 1, 30, 0], [3, 4, 0, 11, 2]]
+    assert gen.tolist() == [4, 6] and cap.tolist() == [99, 98] and state.tolist() == [0, 0]
+    assert wt.tolist() == [[0, 1], [4, 5]] and ct.tolist() == [[0, -1], [-4, -5]]
+
+
+@pytest.mark.parametrize("B,w,P,sampled", [(1, 1, 3, False), (5, 2, 17, True), (9, 3, 1, False), (4, 8, 1500, True)])
+def test_read_kernel_equals_the_reference(B, w, P, sampled):
+    for seed in range(3):
+        args = read_step(B, w, R=B + 3, P=P, sampled=sampled, seed=seed * 100 + B * 10 + w)
+        want = ops.read_carry(*args, backend="reference")
+        with ops.which_ran() as ran:
+            got = ops.read_carry(*args)
+        assert ran == {"read_carry": ["triton"]}
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_read_refusals_name_the_reason():
+    args = list(read_step(3, 2, R=6, P=4, sampled=False))
+    bad = args.copy()
+    bad[0] = bad[0][:, :-1]
+    assert "ints" in ops.refusal("read_carry", "triton", *bad)
+    bad = args.copy()
+    bad[2] = bad[2].int()
+    assert "tables_w" in ops.refusal("read_carry", "triton", *bad)
+    bad = args.copy()
+    bad[3] = bad[3][:, :3]
+    assert "one shape" in ops.refusal("read_carry", "triton", *bad)
+    assert ops.refusal("read_carry", "triton", *args) is None

@@ -28,6 +28,7 @@ _MODULES = (
     "sampling",
     "spec_accept",
     "spec_carry",
+    "logprobs",
     "route",
     "swiglu",
     "plan",

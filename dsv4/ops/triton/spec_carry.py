@@ -1,9 +1,12 @@
-"""`write_carry` (backend "triton"): the fixed-shape speculative step's carry in one launch instead of ~14.
+"""`write_carry` and `read_carry` (backend "triton"): the fixed-shape speculative step's carry, each in one
+launch instead of ~14 and ~9.
 
 After a fixed-shape step, each row leaves in `carry[table row]` the integers the host would give its next
 step (`dsv4.ops.reference.write_carry`): some fourteen small integer kernels in the reference (adds, a
-minimum and a clamp, two concatenations, a masked fill, an indexed write), here one program per row. Every
-value is the reference's integer arithmetic, so the rows written are the reference's exactly.
+minimum and a clamp, two concatenations, a masked fill, an indexed write), here one program per row. The
+next step reads them back (`read_carry`: the carry's gather, the fed rows' selections, a concatenation, the
+page tables' gathers and the padding rows' state, about nine kernels), also one program per row. Every
+value is the reference's integers, moved or compared, so both are the reference's exactly.
 """
 
 from __future__ import annotations
@@ -119,4 +122,123 @@ def _can_run(carry, ints, generated, cap, accepted, bonus, drafts, last_position
 
 register("write_carry", "triton", triton_write_carry, can_run=_can_run, deterministic=True, priority=10)
 
-__all__ = ["triton_write_carry"]
+
+def _read_carry_kernel(
+    base_ptr,
+    gen_ptr,
+    cap_ptr,
+    wt_ptr,
+    ct_ptr,
+    state_ptr,
+    ints_ptr,
+    carry_ptr,
+    tw_ptr,
+    tc_ptr,
+    pad_row,
+    P,
+    s_i0,
+    s_i1,
+    s_carry,
+    s_tw,
+    s_tc,
+    W: tl.constexpr,
+    NB: tl.constexpr,
+    BC: tl.constexpr,
+    BP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    ints = ints_ptr + row * s_i0
+    trow = tl.load(ints + (W + 3) * s_i1).to(tl.int64)
+    j = tl.arange(0, BC).to(tl.int64)
+    # the row's flag as a block (a scalar comparison joined with a block mask is not portable across Triton's
+    # versions and its interpreter): fed columns are the first W + 3 of a fed row
+    flag = tl.load(ints + NB * s_i1 + j * 0)
+    take = (flag > 0) & (j < W + 3)
+    # (every table row names a row of the carry and of the tables, padding rows too: read unconditionally)
+    gen = tl.where(
+        flag > 0, tl.load(carry_ptr + trow * s_carry + W + 3 + j * 0), tl.load(ints + (NB + 1) * s_i1 + j * 0)
+    )
+    own = tl.load(ints + j * s_i1, mask=j < NB, other=0)
+    carried = tl.load(carry_ptr + trow * s_carry + j, mask=j < W + 3, other=0)
+    val = tl.where(take, carried, own)
+    val = tl.where(j == W + 5, gen, val)  # (a sampled step's generated count; beyond NB otherwise)
+    tl.store(base_ptr + row * NB + j, val, mask=j < NB)
+    tl.store(gen_ptr + row + j * 0, gen, mask=j == 0)
+    tl.store(cap_ptr + row, tl.load(ints + (NB + 2) * s_i1))
+    tl.store(state_ptr + row, tl.where(trow == pad_row, 0, trow))
+    for p0 in range(0, P, BP):
+        p = p0 + tl.arange(0, BP)
+        m = p < P
+        tl.store(wt_ptr + row * P + p, tl.load(tw_ptr + trow * s_tw + p, mask=m), mask=m)
+        tl.store(ct_ptr + row * P + p, tl.load(tc_ptr + trow * s_tc + p, mask=m), mask=m)
+
+
+_read_kernel = Kernel(_read_carry_kernel)
+
+
+def triton_read_carry(
+    ints: torch.Tensor, carry: torch.Tensor, tables_w: torch.Tensor, tables_c: torch.Tensor, pad_row: int
+) -> tuple[torch.Tensor, ...]:
+    """As the reference `read_carry`, one program per row."""
+    B, C = ints.shape
+    w, P = carry.size(1) - 4, tables_w.size(1)
+    nb = C - 3
+    dev = ints.device
+    base = torch.empty(B, nb, dtype=torch.int64, device=dev)
+    gen, cap, state = (torch.empty(B, dtype=torch.int64, device=dev) for _ in range(3))
+    wt = torch.empty(B, P, dtype=torch.int64, device=dev)
+    ct = torch.empty(B, P, dtype=torch.int64, device=dev)
+    if B:
+        _read_kernel[(B,)](
+            base,
+            gen,
+            cap,
+            wt,
+            ct,
+            state,
+            ints,
+            carry,
+            tables_w,
+            tables_c,
+            int(pad_row),
+            P,
+            ints.stride(0),
+            ints.stride(1),
+            carry.stride(0),
+            tables_w.stride(0),
+            tables_c.stride(0),
+            W=w,
+            NB=nb,
+            BC=triton.next_power_of_2(nb),
+            BP=min(1024, triton.next_power_of_2(max(P, 1))),
+        )
+    return base, gen, cap, wt, ct, state
+
+
+def _can_run_read(ints, carry, tables_w, tables_c, pad_row) -> str | None:
+    reason = device_reason(ints, carry, tables_w, tables_c)
+    if reason:
+        return reason
+    for name, t in (("ints", ints), ("carry", carry), ("tables_w", tables_w), ("tables_c", tables_c)):
+        if t.dtype != torch.int64:
+            return f"{name} must be int64, got {t.dtype}"
+        if t.dim() != 2:
+            return f"{name} must be 2-D, got {tuple(t.shape)}"
+    w = carry.size(1) - 4
+    if w < 0 or carry.stride(1) != 1:
+        return f"carry must be [R, w + 4] with contiguous rows, got {tuple(carry.shape)}"
+    if ints.size(1) not in (w + 7, w + 11):
+        return f"ints must be [B, {w + 7}] or [B, {w + 11}] for a carry of width {w + 4}, got {tuple(ints.shape)}"
+    if tables_w.shape != tables_c.shape or tables_w.stride(1) != 1 or tables_c.stride(1) != 1:
+        return (
+            f"tables_w and tables_c must be one shape with contiguous rows, got {tuple(tables_w.shape)} and "
+            f"{tuple(tables_c.shape)}"
+        )
+    if not -(2**63) <= int(pad_row) < 2**63:
+        return f"pad_row {pad_row} outside int64"
+    return None
+
+
+register("read_carry", "triton", triton_read_carry, can_run=_can_run_read, deterministic=True, priority=10)
+
+__all__ = ["triton_read_carry", "triton_write_carry"]
