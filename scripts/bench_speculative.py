@@ -116,7 +116,7 @@ def profile(engine: Engine, batch: list[list[int]], a: argparse.Namespace) -> di
     """10 steps of a full batch under the torch profiler (after 4 steps): kernels and GPU time per step, and
     the device's idle time between its kernels (`dsv4.bench.e2e.device_gaps`: short gaps are the spacing
     of a graph's kernels, long ones the device waiting on the host)."""
-    from dsv4.bench.e2e import kernel_gaps
+    from dsv4.bench.device_profile import kernel_gaps
 
     busy, n, rows, gaps = on_full_batch(engine, batch, a, lambda step: kernel_gaps(step, 10))
     top = [[name[:80], round(ms, 4), round(k, 1)] for name, ms, k in rows[:12]]

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dsv4, also when not installed
 
 from dsv4.argtypes import int_in, preset  # noqa: E402
-from dsv4.bench.e2e import kernel_table  # noqa: E402
+from dsv4.bench.device_profile import kernel_table  # noqa: E402
 from dsv4.bench.graphs import GraphedDecoder  # noqa: E402
 from dsv4.bench.int8 import load  # noqa: E402
 

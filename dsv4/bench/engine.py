@@ -224,7 +224,7 @@ def _kernel_tables(engine, clients: int, prompt_len: int, out_dir: Path, top: in
     of new requests filling the rest of the token budget). What separates the engine from the raw rate is
     the difference of the first two, and what a prompt costs is in the last two."""
     from ..engine import SamplingParams
-    from .e2e import kernel_table
+    from .device_profile import kernel_table
     from .graphs import GraphedDecoder
 
     model, vocab = engine.model, engine.model.cfg.vocab_size

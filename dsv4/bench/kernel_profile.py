@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
-from .e2e import build_model, kernel_table
+from .device_profile import kernel_table
+from .e2e import build_model
 from .report import refused, require_cuda
 
 

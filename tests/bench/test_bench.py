@@ -779,7 +779,7 @@ def test_engine_host_script_times_the_host_phases_with_no_model_work():
 
 
 def test_device_gaps_split_idle_time_by_length_and_merge_overlaps():
-    from dsv4.bench.e2e import device_gaps
+    from dsv4.bench.device_profile import device_gaps
 
     # us: [0, 10] and [5, 12] overlap (no gap), 2 us to [14, 20], 30 us to [50, 60], 1 us to [61, 70]
     iv = [(50.0, 60.0), (0.0, 10.0), (14.0, 20.0), (5.0, 12.0), (61.0, 70.0)]
