@@ -263,18 +263,22 @@ def spec_step(
     d_logits, h = model.draft(hidden, nxt.reshape(1, -1), inputs, cache)
     out = []
     last = inputs.out
-    base = None if sampling is None else sp.counters + accepted + 1  # first next draft's index
+    # (each sum once, not one kernel per term: start + accepted + 1 + j is the next draft j's position, and
+    # counters + accepted + 1 + j its draw's index)
+    step = accepted + 1  # [B]
+    after = start + step if k > 1 else None  # [B]: the first next draft's position
+    base = None if sampling is None else sp.counters + step  # [B]: the first next draft's index
     for j in range(k):
         if sampling is None:
             out.append(d_logits.argmax(-1))
         else:
             sp.store[sp.trow, j] = d_logits.float()
-            out.append(draft_draw(d_logits, None, None, sp.temperature, sp.greedy, sp.seeds, base + j))
+            out.append(draft_draw(d_logits, None, None, sp.temperature, sp.greedy, sp.seeds, base + j if j else base))
         if j + 1 == k:
             break
         if share is not None:
             share(out[-1])
-        link = uniform_inputs(out[-1].view(B, 1), start + accepted + j + 1, wtable, ctable, state, layout)
+        link = uniform_inputs(out[-1].view(B, 1), after + j if j else after, wtable, ctable, state, layout)
         d_logits, h = model.draft(h[last], out[-1].view(1, B), link, cache)
         last = row_layout(B, 1, dev)[4]  # [B]: 0 .. B - 1
     return accepted, bonus, torch.stack(out, 1), logprobs
