@@ -142,6 +142,7 @@ def speculative_accept(
     greedy: torch.Tensor,
     seeds: torch.Tensor,
     counters: torch.Tensor,
+    draft_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A verify step's acceptance from logits: the target p_i = softmax(logits[:, i] / T) and each draft's q_i
     = softmax(draft_logits[:, i] / T) in float64 (`temperature_distribution`; for a greedy row p is the
@@ -151,9 +152,13 @@ def speculative_accept(
 
     logits [B, K + 1, V] (any float dtype), draft_logits [B, K, V] (the logits that drew each draft), drafts
     [B, K] int64, n_drafts [B] int64 in [0, K], temperature [B] float64 (1 for greedy rows), greedy [B] bool,
-    seeds / counters [B] int64 (counter: the sequence index of the first draft's token). -> (accepted [B],
-    next token [B]), int64."""
+    seeds / counters [B] int64 (counter: the sequence index of the first draft's token). draft_rows [B] int64
+    (optional): draft_logits is then a store [R, >= K, V] and row b's drafts were drawn from
+    draft_logits[draft_rows[b], :K] (a fused backend reads them there instead of a gathered copy). ->
+    (accepted [B], next token [B]), int64."""
     B, K1, V = logits.shape
+    if draft_rows is not None:
+        draft_logits = draft_logits[draft_rows, : K1 - 1]
     temp, flag = temperature.view(B, 1, 1), greedy.view(B, 1, 1)
     target = temperature_distribution(logits.double(), temp, flag)  # [B, K + 1, V]
     q = temperature_distribution(draft_logits.double(), temp, flag)  # [B, K, V]

@@ -74,6 +74,9 @@ for dt in (torch.bfloat16, torch.float32):  # the fixed-shape speculative step's
     ops.speculative_accept(torch.randn(B, 3, 300).to(dt), torch.randn(B, 2, 300), torch.zeros(B, 2, dtype=torch.long),
                            torch.arange(B), torch.ones(B, dtype=torch.float64), torch.arange(B) == 1,
                            torch.arange(B), torch.arange(B), backend="triton")
+ops.speculative_accept(torch.randn(B, 3, 300), torch.randn(5, 2, 300), torch.zeros(B, 2, dtype=torch.long),  # a store
+                       torch.arange(B), torch.ones(B, dtype=torch.float64), torch.arange(B) == 1, torch.arange(B),
+                       torch.arange(B), torch.arange(B) + 1, backend="triton")
 ints = torch.zeros(B, 9, dtype=torch.long)  # the fixed-shape speculative step's carry (K = 2; strided columns)
 ints[:, 5] = torch.arange(B)  # (each row's table row)
 one = torch.ones(B, dtype=torch.long)

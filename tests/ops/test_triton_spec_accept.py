@@ -201,6 +201,27 @@ def test_per_row_settings_as_columns_of_the_fixed_steps_integers():
     assert_matches_reference(args)
 
 
+def test_draft_logits_read_in_place_from_a_store():
+    """draft_rows: the draft logits are rows of a store [R, >= K, V] (the engine's, one row per sequence slot,
+    the table rows a strided column of the step's integers): the same results as the gathered copy, on the
+    reference and on the kernel, whose programs read each row where it is."""
+    B, K, V, R = 6, 2, 700, 11
+    args = make(B, K, V, "near", seed=21)
+    rows = torch.randperm(R, generator=torch.Generator().manual_seed(2))[:B].to(DEV)
+    store = torch.randn(R, K + 1, V, generator=torch.Generator().manual_seed(3)).to(DEV)  # (a wider store)
+    store[rows, :K] = args[1]
+    ints = torch.stack([rows, rows], 1)  # (a strided column, as the engine hands the table rows over)
+    stored = (args[0], store, *args[2:], ints[:, 1])
+    for backend in ("reference", "triton"):  # each backend: the same results from the store as from the copy
+        want = ops.speculative_accept(*args, backend=backend)
+        got = ops.speculative_accept(*stored, backend=backend)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), backend
+    assert_matches_reference(args)  # (and the two backends agree, as everywhere)
+    assert ops.refusal("speculative_accept", "triton", *stored) is None
+    assert "draft_rows" in ops.refusal("speculative_accept", "triton", *stored[:-1], rows[:3])
+    assert "store" in ops.refusal("speculative_accept", "triton", args[0], store[:, :1], *args[2:], rows)
+
+
 def test_a_row_is_the_same_alone_and_in_any_batch():
     args = make(8, 2, 500, "near", seed=5)
     acc, tok = ops.speculative_accept(*args)

@@ -55,6 +55,7 @@ LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 def _spec_accept_kernel(
     x_ptr,
     q_ptr,
+    qrow_ptr,
     d_ptr,
     n_ptr,
     temp_ptr,
@@ -76,6 +77,7 @@ def _spec_accept_kernel(
     s_g,
     s_s,
     s_c,
+    s_qr,
     K: tl.constexpr,
     NB: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -89,6 +91,7 @@ def _spec_accept_kernel(
     S_ACCEPT: tl.constexpr,
     S_SAMPLE: tl.constexpr,
     INTERP: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
     # scratch, per row: floats [2K + 1 distributions x (max / T, sum)] then [C mass parts] then [C candidate
     # values]; ints [K + 1 argmaxes] then [C candidate columns] then [C first NaN columns]
@@ -102,6 +105,10 @@ def _spec_accept_kernel(
     sampled = ~greedy
     seed = tl.load(seed_ptr + row * s_s).to(tl.int64)
     counter = tl.load(counter_ptr + row * s_c).to(tl.int64)
+    if HAS_ROWS:  # the draft logits' row in a store (`draft_rows`), else the row itself
+        qrow = tl.load(qrow_ptr + row * s_qr).to(tl.int64)
+    else:
+        qrow = row
     fr = f_ptr + row * FR
     ir = i_ptr + row * IR
     NEG_INF: tl.constexpr = float("-inf")
@@ -152,7 +159,7 @@ def _spec_accept_kernel(
             # -- the draft's logits at position i = job - K - 1 (read only for a sampled row's own drafts)
             i = job - K - 1
             if sampled & (i < n):
-                qp = q_ptr + row * sq_b + i * sq_i
+                qp = q_ptr + qrow * sq_b + i * sq_i
                 qmax = tl.full((), NEG_INF, tl.float64)
                 for b in range(NB):
                     cols = (b * BLOCK + offs).to(tl.int64)
@@ -200,7 +207,7 @@ def _spec_accept_kernel(
                             xd = tl.load(x_ptr + row * sx_b + i * sx_i + d).to(tl.float64) / temp
                             mq = tl.load(fr + 2 * (K + 1 + i))
                             sq = tl.load(fr + 2 * (K + 1 + i) + 1)
-                            qd = tl.load(q_ptr + row * sq_b + i * sq_i + d).to(tl.float64) / temp
+                            qd = tl.load(q_ptr + qrow * sq_b + i * sq_i + d).to(tl.float64) / temp
                             if INTERP:
                                 p_d = tl.exp(xd - mp) / sp
                                 q_d = tl.exp(qd - mq) / sq
@@ -235,7 +242,7 @@ def _spec_accept_kernel(
         # -- the next token at position a = acc, over this program's chunk of the vocabulary
         a = acc
         xp = x_ptr + row * sx_b + a * sx_i
-        qp = q_ptr + row * sq_b + tl.minimum(a, K - 1).to(tl.int64) * sq_i
+        qp = q_ptr + qrow * sq_b + tl.minimum(a, K - 1).to(tl.int64) * sq_i
         residual = (n > 0) & sampled
         Vq = tl.where(use_q, V, 0)  # the columns of q that are read (none after the last draft)
         cols = job * CH + tl.arange(0, CH).to(tl.int64)
@@ -334,8 +341,10 @@ def triton_speculative_accept(
     greedy: torch.Tensor,
     seeds: torch.Tensor,
     counters: torch.Tensor,
+    draft_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As the reference `speculative_accept`, in four phases (the module's docstring)."""
+    """As the reference `speculative_accept`, in four phases (the module's docstring); with draft_rows each
+    row's draft logits are read in place from their row of the store."""
     B, K1, V = logits.shape
     K = K1 - 1
     dev = logits.device
@@ -347,12 +356,15 @@ def triton_speculative_accept(
     ch, nc = chunking(V)
     floats = torch.empty(B, 2 * (2 * K + 1) + 2 * nc, dtype=torch.float64, device=dev)
     ints = torch.empty(B, K + 1 + 2 * nc, dtype=torch.int64, device=dev)
-    q = draft_logits if draft_logits.numel() else logits  # (K = 0: never read)
+    q = draft_logits if K and draft_logits.numel() else logits  # (K = 0: never read)
+    rows = draft_rows if draft_rows is not None and q is draft_logits else None
+    qr = rows if rows is not None else n_drafts  # (without rows: never read)
     d = drafts if drafts.numel() else n_drafts
     g = greedy.view(torch.uint8)
     args = (
         logits,
         q,
+        qr,
         d,
         n_drafts,
         temperature,
@@ -374,6 +386,7 @@ def triton_speculative_accept(
         g.stride(0),
         seeds.stride(0),
         counters.stride(0),
+        qr.stride(0),
     )
     consts = {
         "K": K,
@@ -388,6 +401,7 @@ def triton_speculative_accept(
         "S_ACCEPT": STREAM_ACCEPT,
         "S_SAMPLE": STREAM_SAMPLE,
         "INTERP": interpret_mode(),
+        "HAS_ROWS": rows is not None,
     }
     interp = interpret_mode()
     wide = {} if interp else {"num_warps": NUM_WARPS if block < 2048 else 8}
@@ -399,15 +413,27 @@ def triton_speculative_accept(
     return accepted, token
 
 
-def _can_run(logits, draft_logits, drafts, n_drafts, temperature, greedy, seeds, counters) -> str | None:
-    reason = device_reason(logits, draft_logits, drafts, n_drafts, temperature, greedy, seeds, counters)
+def _can_run(
+    logits, draft_logits, drafts, n_drafts, temperature, greedy, seeds, counters, draft_rows=None
+) -> str | None:
+    tensors = (logits, draft_logits, drafts, n_drafts, temperature, greedy, seeds, counters)
+    reason = device_reason(*tensors, *(() if draft_rows is None else (draft_rows,)))
     if reason:
         return reason
     if logits.dim() != 3 or logits.stride(2) != 1 or logits.dtype not in LOGIT_DTYPES:
         return f"logits must be [B, K + 1, V] float with contiguous rows, got {tuple(logits.shape)} {logits.dtype}"
     B, K1, V = logits.shape
     K = K1 - 1
-    if tuple(draft_logits.shape) != (B, K, V) or draft_logits.dtype not in LOGIT_DTYPES:
+    if draft_rows is not None:
+        if tuple(draft_rows.shape) != (B,) or draft_rows.dtype != torch.int64:
+            return f"draft_rows must be [{B}] int64, got {tuple(draft_rows.shape)} {draft_rows.dtype}"
+        ok = draft_logits.dim() == 3 and draft_logits.size(1) >= K and draft_logits.size(2) == V
+        if not ok or draft_logits.dtype not in LOGIT_DTYPES:
+            return (
+                f"draft_logits with draft_rows must be a store [R, >= {K}, {V}] float, got "
+                f"{tuple(draft_logits.shape)} {draft_logits.dtype}"
+            )
+    elif tuple(draft_logits.shape) != (B, K, V) or draft_logits.dtype not in LOGIT_DTYPES:
         return f"draft_logits must be [{B}, {K}, {V}] float, got {tuple(draft_logits.shape)} {draft_logits.dtype}"
     if K and draft_logits.stride(2) != 1:
         return "draft_logits rows must be contiguous"
