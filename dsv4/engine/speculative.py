@@ -151,11 +151,10 @@ class Drafter:
         idx = torch.tensor(
             [r.seg + i for r in rows for i in range(len(r.next))], dtype=torch.long, device=hidden.device
         )
-        logits, h = self.model.draft(hidden[idx], tokens, inputs, self.cache)
+        logits, h = self.model.draft(hidden[idx], tokens, inputs, self.cache, selected=True)  # h: the live rows'
         live = [r for r in rows if r.k > 0]
         if not live:
             return []
-        last = inputs.out  # [n] flat index of each live row's end
         pos = [r.start + len(r.next) for r in live]  # position of the next link
         k_max = max(r.k for r in live)
         drafts = []
@@ -167,8 +166,7 @@ class Drafter:
             self.runner.share(d)  # every worker's next link reads rank 0's drafts
             links = [Row([0], pos[i] + j, r.state, want_logits=True) for i, r in enumerate(live)]
             _, inputs, _ = self.runner.inputs(links)
-            logits, h = self.model.draft(h[last], d.view(1, -1), inputs, self.cache)
-            last = inputs.out
+            logits, h = self.model.draft(h, d.view(1, -1), inputs, self.cache, selected=True)
         return drafts
 
 
@@ -248,9 +246,8 @@ def spec_step(
         bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)  # [B]
     else:
         sp = sampling  # (a row without drafts draws as a plain decode row does, whichever path runs it)
-        draft_logits = sp.store[sp.trow, :k]  # [B, k, V] float32
-        accepted, bonus = ops.speculative_accept(
-            x, draft_logits, drafts, n_drafts, sp.temperature, sp.greedy, sp.seeds, sp.counters
+        accepted, bonus = ops.speculative_accept(  # (each row's draft logits read in place: sp.store[sp.trow])
+            x, sp.store, drafts, n_drafts, sp.temperature, sp.greedy, sp.seeds, sp.counters, sp.trow
         )
     if share is not None:
         accepted, bonus = share(torch.stack([accepted, bonus])).unbind(0)
@@ -260,9 +257,8 @@ def spec_step(
     nxt = torch.where(i.unsqueeze(0) < accepted.unsqueeze(1), shifted, bonus.unsqueeze(1))
     logprobs = ops.token_logprobs(logits, nxt.view(-1)).view(B, k1)  # [B, k+1] float64 (one launch on a GPU)
     inputs.out = inputs.seg_start + accepted  # [B]
-    d_logits, h = model.draft(hidden, nxt.reshape(1, -1), inputs, cache)
+    d_logits, h = model.draft(hidden, nxt.reshape(1, -1), inputs, cache, selected=True)  # h [B, hc, dim]
     out = []
-    last = inputs.out
     # (each sum once, not one kernel per term: start + accepted + 1 + j is the next draft j's position, and
     # counters + accepted + 1 + j its draw's index)
     step = accepted + 1  # [B]
@@ -279,8 +275,7 @@ def spec_step(
         if share is not None:
             share(out[-1])
         link = uniform_inputs(out[-1].view(B, 1), after + j if j else after, wtable, ctable, state, layout)
-        d_logits, h = model.draft(h[last], out[-1].view(1, B), link, cache)
-        last = row_layout(B, 1, dev)[4]  # [B]: 0 .. B - 1
+        d_logits, h = model.draft(h, out[-1].view(1, B), link, cache, selected=True)
     return accepted, bonus, torch.stack(out, 1), logprobs
 
 

@@ -397,7 +397,13 @@ class DeepSeekV4(nn.Module):
 
     @torch.no_grad()
     def draft(
-        self, hidden: torch.Tensor, tokens: torch.Tensor, inputs: StepInputs, cache: PagedKVCache, depth: int = 0
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        inputs: StepInputs,
+        cache: PagedKVCache,
+        depth: int = 0,
+        selected: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP block as a speculative draft, on the paged cache.
 
@@ -407,7 +413,9 @@ class DeepSeekV4(nn.Module):
         combines the two, runs its window-only layer at the positions of `inputs` (writing its window
         rows into the MTP layer's pool of `cache`), and predicts the token after the next with the main
         model's embedding and head (docs/bugzoo.md Z20). -> (fp32 logits [n, vocab] of the tokens
-        `inputs.out` names, the block's output hidden [T, hc, dim] for the next link of a chain).
+        `inputs.out` names, the block's output hidden [T, hc, dim] for the next link of a chain; with
+        selected, only its n rows that `inputs.out` names [n, hc, dim], the rows the head read: what the next
+        link reads, without gathering them twice).
         """
         if self.cfg.dspark:
             raise ValueError(
@@ -422,7 +430,7 @@ class DeepSeekV4(nn.Module):
         logits = self._head(sel.unsqueeze(0), block.hc_head_fn, block.hc_head_scale, block.hc_head_base, block.norm)[
             0
         ]  # [n, vocab]
-        return self._watched(logits), h
+        return self._watched(logits), sel if selected else h
 
     def new_cache(self, batch_size: int, max_len: int = 4096) -> BatchCache:
         """A cache for `batch_size` sequences decoded in lockstep (`prefill`, `decode_step`)."""
