@@ -54,7 +54,8 @@ from .speculative import (
 
 def new_stats() -> dict:
     """Counters of speculative decoding: sequence-steps that verified drafts, drafts verified, drafts
-    accepted, fixed-shape steps, those of them launched before the last one was read (`fed_steps`), and
+    accepted, fixed-shape steps, those of them launched before the last one was read (`fed_steps`), rows
+    that joined such a step with their own integers (`joined`: a prompt that had just ended), and
     `verify_lengths[n]`: decode rows of speculating sequences that verified n drafts."""
     return {
         "verify_steps": 0,
@@ -62,6 +63,7 @@ def new_stats() -> dict:
         "accepted": 0,
         "fixed_steps": 0,
         "fed_steps": 0,
+        "joined": 0,
         "verify_lengths": [0] * (MAX_SPECULATIVE + 1),
     }
 
@@ -307,7 +309,10 @@ class SpeculativeSteps:
         prompt = e._launch([sch for sch in plan if self._bucketed(sch)])  # (read after the decodes' step)
         outputs = []
         if decode:
-            outputs = self._fixed(decode)
+            if self.overlap:  # read at the next step, which a prompt that ends here may join (`_feed`)
+                self._inflight = self._fixed_launch([sch.seq for sch in decode])
+            else:
+                outputs = self._fixed(decode)
             e.stats["steps"] -= 1  # (one step of the engine)
         return e._process(prompt) + outputs
 
@@ -321,30 +326,59 @@ class SpeculativeSteps:
 
     def _feed(self, prev: FixedInFlight) -> FixedInFlight | None:
         """The next fixed-shape step of the sequences of `prev` (not read yet), fed from the carry its rows
-        left on the device, where nothing else could run instead: no request waits, every running sequence
-        was in it and still runs, the budget holds their verify rows, and pages for the furthest positions
-        the step can reach are there. -> the step launched, or None."""
+        left on the device, where nothing else could run instead: no request waits, every sequence of it
+        still runs, the budget holds their verify rows, and pages for the furthest positions the step can
+        reach are there. A running sequence that was not in it joins with its own row where a fixed-shape
+        step can take it and the host knows its tokens (a prompt that ended in the step before: its first
+        token read, no drafts yet): a new request does not cost the device a step's wait. -> the step
+        launched, or None."""
         e, k, seqs = self.engine, self.k, prev.seqs
         sch = e.scheduler
-        if sch.waiting or len(sch.running) != len(seqs) or not all(s.running for s in seqs):
+        if sch.waiting or not all(s.running for s in seqs):
             return None
-        if len(seqs) * (k + 1) > e.config.max_batch_tokens:
+        known = {id(s) for s in seqs}
+        new = [s for s in sch.running if id(s) not in known]
+        if len(sch.running) != len(seqs) + len(new) or not all(map(self._joins, new)):
+            return None
+        n = len(seqs) + len(new)
+        if n * (k + 1) > e.config.max_batch_tokens or n > min(e.config.max_seqs, GRAPH_BUCKETS[-1]):
             return None
         # (the host's position is one step behind: up to k + 1 tokens, then this step's and the drafts' rows)
         if not all(e.manager.allocate(s.pages, s.computed, min(s.computed + 3 * k + 2, e.max_model_len)) for s in seqs):
             return None
-        return self._fixed_launch(seqs, fed=True)
+        if not all(e.manager.allocate(s.pages, s.computed, min(s.computed + 2 * k + 1, e.max_model_len)) for s in new):
+            return None
+        return self._fixed_launch(seqs + new, fed=[True] * len(seqs) + [False] * len(new))
 
-    def _fixed_launch(self, seqs: list[Sequence], fed: bool = False) -> FixedInFlight:
-        """Launch a fixed-shape step of these sequences (fed: their rows from the carry) and start copying its
-        results to the host; nothing is waited for."""
+    def _joins(self, seq: Sequence) -> bool:
+        """Whether a running sequence outside the step in flight can join the next one with its own row: a
+        decode that a fixed-shape step takes (`_fixed_ok`'s rules), its tokens all on the host."""
+        p = seq.params
+        return not (
+            seq.prefilling
+            or seq.n_pending
+            or seq.computed >= len(seq.tokens)
+            or len(seq.drafts) > self.k
+            or p.logprobs
+            or p.penalized
+            or seq.heal
+            or (not p.greedy and p.filtered)
+        )
+
+    def _fixed_launch(self, seqs: list[Sequence], fed: bool | list[bool] = False) -> FixedInFlight:
+        """Launch a fixed-shape step of these sequences (fed: all their rows, or each row's, from the carry)
+        and start copying its results to the host; nothing is waited for."""
         e, k = self.engine, self.k
+        feds = fed if isinstance(fed, list) else [fed] * len(seqs)
         sampled = self._sampled(seqs)
         blank = [0] * (k + 1)
         ints = fixed_inputs(
-            [blank if fed else [seq.tokens[seq.computed]] + seq.drafts + blank[: k - len(seq.drafts)] for seq in seqs],
-            [0 if fed else len(seq.drafts) for seq in seqs],
-            [0 if fed else seq.computed for seq in seqs],
+            [
+                blank if f else [seq.tokens[seq.computed]] + seq.drafts + blank[: k - len(seq.drafts)]
+                for seq, f in zip(seqs, feds)
+            ],
+            [0 if f else len(seq.drafts) for seq, f in zip(seqs, feds)],
+            [0 if f else seq.computed for seq, f in zip(seqs, feds)],
             [seq.pages.state for seq in seqs],
             (
                 [s.seed for s in seqs],
@@ -355,7 +389,7 @@ class SpeculativeSteps:
             if sampled
             else None,
         )
-        feed = feed_columns([fed] * len(seqs), [s.n_generated for s in seqs], [s.params.max_tokens for s in seqs])
+        feed = feed_columns(feds, [s.n_generated for s in seqs], [s.params.max_tokens for s in seqs])
         with exact_accumulation(e.config.deterministic):
             out = self._fixed_run(np.concatenate([ints, feed], 1), k, sampled)
         want = any(s.params.logprobs is not None for s in seqs)
@@ -363,7 +397,8 @@ class SpeculativeSteps:
         event = rb.copy(torch.cat([out[0], out[1], out[2].flatten()]), out[3].flatten() if want else None)
         e.stats["steps"] += 1
         self.stats["fixed_steps"] += 1
-        self.stats["fed_steps"] += fed
+        self.stats["fed_steps"] += any(feds)
+        self.stats["joined"] += any(feds) * feds.count(False)
         return FixedInFlight(seqs, rb, event, want)
 
     def _fixed_finish(self, step: FixedInFlight) -> list[StepOutput]:

@@ -314,6 +314,39 @@ def test_overlapped_fixed_shape_steps_give_the_same_tokens(model, prompts, k):
     assert not e1.has_work() and e1.manager.free_pages() == e0.manager.free_pages()  # every page back
 
 
+def test_a_new_request_joins_the_overlapped_steps(model, prompts):
+    """A request that arrives while others decode (or waits for a free slot): its prompt runs beside their
+    fixed-shape step, which is left in flight, and its first decode joins the next step fed from the carry
+    with its own row (`joined`) instead of waiting for the device. The same tokens and log-probabilities, bit
+    for bit, as reading every step before the next, every page back."""
+    params = [
+        SamplingParams(max_tokens=NEW, temperature=t, seed=80 + i, ignore_eos=True, logprobs=0 if i % 3 else None)
+        for i, t in enumerate((0.0, 5.0, 0.0, 1.0, 5.0, 0.0))
+    ]
+    cfg = dict(
+        deterministic=True, speculative=2, pad_steps=True, max_seqs=3, max_batch_tokens=64, page_size=16, chunk_len=8
+    )
+    runs = []
+    for overlap in (False, True):
+        engine = Engine(model, EngineConfig(**cfg, overlap=overlap))
+        outs: dict[int, list] = {i: [] for i in range(len(prompts))}
+        arrivals = {0: [0, 1], 6: [2], 9: [3], 14: [4, 5]}  # step -> requests added before it
+        step = 0
+        while engine.has_work() or any(a > step for a in arrivals):
+            for i in arrivals.get(step, []):
+                engine.add_request(str(i), prompts[i], params[i])
+            for out in engine.step():
+                lps = out.new_logprobs or [None] * len(out.new_tokens)
+                outs[int(out.request_id)] += [(t, lp.logprob if lp else None) for t, lp in zip(out.new_tokens, lps)]
+            step += 1
+        runs.append(([outs[i] for i in range(len(prompts))], engine))
+    (read, e0), (fed, e1) = runs
+    assert fed == read and all(len(o) == NEW for o in read)
+    assert e0.spec_stats["joined"] == 0 < e1.spec_stats["joined"]
+    assert e1.spec_stats["fed_steps"] > 0
+    assert not e1.has_work() and e1.manager.free_pages() == e0.manager.free_pages()
+
+
 def test_the_command_line_bound_is_the_engine_bound():
     from dsv4.cli import build_parser
 
