@@ -338,7 +338,7 @@ class SpeculativeSteps:
             return None
         known = {id(s) for s in seqs}
         new = [s for s in sch.running if id(s) not in known]
-        if len(sch.running) != len(seqs) + len(new) or not all(map(self._joins, new)):
+        if not all(map(self._joins, new)):
             return None
         n = len(seqs) + len(new)
         if n * (k + 1) > e.config.max_batch_tokens or n > min(e.config.max_seqs, GRAPH_BUCKETS[-1]):
@@ -354,7 +354,7 @@ class SpeculativeSteps:
         """Whether a running sequence outside the step in flight can join the next one with its own row: a
         decode that a fixed-shape step takes (`_fixed_ok`'s rules), its tokens all on the host."""
         p = seq.params
-        return not (
+        return seq.running and not (
             seq.prefilling
             or seq.n_pending
             or seq.computed >= len(seq.tokens)
