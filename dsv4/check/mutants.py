@@ -318,7 +318,7 @@ def draft_from_token_zero_with_own_head(draft: Callable) -> Callable:
     """Z20: the MTP draft fed token 0 instead of the token after each position, and predicting through a
     head of its own (untrained, random) instead of the main model's."""
 
-    def mutant(self, hidden, tokens, inputs, cache, depth: int = 0):
+    def mutant(self, hidden, tokens, inputs, cache, depth: int = 0, selected: bool = False):
         g = torch.Generator().manual_seed(20)
         w = self.head.weight
         own = (torch.randn(w.shape, generator=g) * w.size(1) ** -0.5).to(w.device, w.dtype)
@@ -326,7 +326,7 @@ def draft_from_token_zero_with_own_head(draft: Callable) -> Callable:
         with torch.no_grad():
             w.copy_(own)
         try:
-            return draft(self, hidden, torch.zeros_like(tokens), inputs, cache, depth)
+            return draft(self, hidden, torch.zeros_like(tokens), inputs, cache, depth, selected)
         finally:
             with torch.no_grad():
                 w.copy_(kept)
