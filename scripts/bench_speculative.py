@@ -11,7 +11,8 @@ checkpoint of the same main model whose draft is DSpark (`dsv4 train --model DIR
 survival threshold, 0 = always k). Per setting (speculation off, k drafts) builds one engine, captures its
 graphs and runs every prompt once untimed (so no timed run captures a graph or compiles a kernel), then
 times --repeats runs over the prompts and prints the median tokens/s with min and max, the speed-up over
-plain decoding, acceptance, tokens per verify step, drafts verified per decode row, and whether the tokens
+plain decoding, acceptance, tokens per verify step, drafts verified per decode row, how full the fixed-shape
+steps ran (`batch_fill`: rows per fixed-shape step over --batch), and whether the tokens
 equal plain decoding's (of the DSpark checkpoint's own main model for its settings). --batch B decodes B
 prompts at once (the prompts in turn), each run B requests in one engine. --profile (CUDA) adds, per
 setting, the kernels of 10 steps of a full batch under the torch profiler: GPU-busy ms and kernels per
@@ -152,6 +153,7 @@ def measure(
         "accepted": 0,
         "verify_steps": 0,
         "fixed_steps": 0,
+        "fixed_rows": 0,
         "fed_steps": 0,
         "verify_lengths": [0] * 16,
     }
@@ -162,7 +164,7 @@ def measure(
             o, s, st = run(engine, b, a.tokens, a.temperature)
             outs += o
             n, secs = n + sum(map(len, o)), secs + s
-            for key in ("drafted", "accepted", "verify_steps", "fixed_steps", "fed_steps"):
+            for key in ("drafted", "accepted", "verify_steps", "fixed_steps", "fixed_rows", "fed_steps"):
                 stats[key] += st[key]
             stats["verify_lengths"] = [x + y for x, y in zip(stats["verify_lengths"], st["verify_lengths"])]
         rates.append(n / secs)
@@ -182,6 +184,10 @@ def measure(
         row["verify_lengths"] = {i: c for i, c in enumerate(stats["verify_lengths"]) if c}
         # fixed-shape steps, and those launched before the last one was read (overlap)
         row["fixed_steps"], row["fed_steps"] = stats["fixed_steps"], stats["fed_steps"]
+        # how full they ran: rows per fixed-shape step over the batch (a batch's rows end at different steps
+        # under speculation, so its last steps run part empty; plain decoding's end together)
+        fixed = stats["fixed_steps"]
+        row["batch_fill"] = stats["fixed_rows"] / (fixed * a.batch) if fixed else None
     if a.profile and engine.device.type == "cuda":
         row["profile"] = profile(engine, work[0], a)
     del engine

@@ -54,14 +54,16 @@ from .speculative import (
 
 def new_stats() -> dict:
     """Counters of speculative decoding: sequence-steps that verified drafts, drafts verified, drafts
-    accepted, fixed-shape steps, those of them launched before the last one was read (`fed_steps`), rows
-    that joined such a step with their own integers (`joined`: a prompt that had just ended), and
+    accepted, fixed-shape steps and their rows (`fixed_rows`), those of them launched before the last one
+    was read (`fed_steps`), rows that joined such a step with their own integers (`joined`: a prompt that
+    had just ended), and
     `verify_lengths[n]`: decode rows of speculating sequences that verified n drafts."""
     return {
         "verify_steps": 0,
         "drafted": 0,
         "accepted": 0,
         "fixed_steps": 0,
+        "fixed_rows": 0,
         "fed_steps": 0,
         "joined": 0,
         "verify_lengths": [0] * (MAX_SPECULATIVE + 1),
@@ -397,6 +399,7 @@ class SpeculativeSteps:
         event = rb.copy(torch.cat([out[0], out[1], out[2].flatten()]), out[3].flatten() if want else None)
         e.stats["steps"] += 1
         self.stats["fixed_steps"] += 1
+        self.stats["fixed_rows"] += len(seqs)
         self.stats["fed_steps"] += any(feds)
         self.stats["joined"] += any(feds) * feds.count(False)
         return FixedInFlight(seqs, rb, event, want)

@@ -703,6 +703,7 @@ def test_speculative_bench_script_greedy_equals_plain_and_sampled_is_not_compare
         mtp = result["settings"]["mtp k=2"]
         assert mtp["same_tokens"] is same and result["settings"]["plain"]["same_tokens"] is same
         assert mtp["verify_lengths"] and 0 <= mtp["acceptance"] <= 1
+        assert mtp["batch_fill"] is None or 0 < mtp["batch_fill"] <= 1  # (None: no fixed-shape step ran)
     res = subprocess.run([*base, "--temperature", "-1"], capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 2 and "--temperature must be in [0, 100], got -1.0" in res.stderr
     res = subprocess.run([*base, "--backend", "no_such_op=x"], capture_output=True, text=True, timeout=120, env=env)
