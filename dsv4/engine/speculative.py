@@ -227,7 +227,7 @@ def spec_step(
     -> (accepted [B], next token [B], next drafts [B, k], log-probabilities [B, k + 1] float64 of the tokens at
     each verified position: drafts while accepted, then the next token; `ops.token_logprobs`).
     """
-    from ..model.paged import row_layout, uniform_inputs
+    from ..model.paged import row_layout, token_inputs, uniform_inputs
 
     B, k1 = tokens.shape
     k = k1 - 1
@@ -252,29 +252,25 @@ def spec_step(
     if share is not None:
         accepted, bonus = share(torch.stack([accepted, bonus])).unbind(0)
     # MTP catch-up at positions c .. c + k: the token after position c + i is draft i + 1 while accepted,
-    # then the bonus (positions past c + accepted are rewritten before anything reads them)
-    shifted = torch.cat([drafts, bonus.unsqueeze(1)], 1)  # [B, k+1]
-    nxt = torch.where(i.unsqueeze(0) < accepted.unsqueeze(1), shifted, bonus.unsqueeze(1))
+    # then the bonus (positions past c + accepted are rewritten before anything reads them); the head reads
+    # each row's last accepted position; positions[j] = c + accepted + 1 + j, the next step's j-th token's
+    # (draft j's link: its input position, positions[j + 1] its length), indices[j] next draft j's draw index
+    counters = None if sampling is None else sp.counters
+    nxt, inputs.out, positions, indices = ops.spec_advance(accepted, bonus, drafts, start, counters)  # one launch
     logprobs = ops.token_logprobs(logits, nxt.view(-1)).view(B, k1)  # [B, k+1] float64 (one launch on a GPU)
-    inputs.out = inputs.seg_start + accepted  # [B]
     d_logits, h = model.draft(hidden, nxt.reshape(1, -1), inputs, cache, selected=True)  # h [B, hc, dim]
     out = []
-    # (each sum once, not one kernel per term: start + accepted + 1 + j is the next draft j's position, and
-    # counters + accepted + 1 + j its draw's index)
-    step = accepted + 1  # [B]
-    after = start + step if k > 1 else None  # [B]: the first next draft's position
-    base = None if sampling is None else sp.counters + step  # [B]: the first next draft's index
     for j in range(k):
         if sampling is None:
             out.append(d_logits.argmax(-1))
         else:
             sp.store[sp.trow, j] = d_logits.float()
-            out.append(draft_draw(d_logits, None, None, sp.temperature, sp.greedy, sp.seeds, base + j if j else base))
+            out.append(draft_draw(d_logits, None, None, sp.temperature, sp.greedy, sp.seeds, indices[j]))
         if j + 1 == k:
             break
         if share is not None:
             share(out[-1])
-        link = uniform_inputs(out[-1].view(B, 1), after + j if j else after, wtable, ctable, state, layout)
+        link = token_inputs(out[-1].view(B, 1), positions[j], positions[j + 1], wtable, ctable, state, layout)
         d_logits, h = model.draft(h, out[-1].view(1, B), link, cache, selected=True)
     return accepted, bonus, torch.stack(out, 1), logprobs
 

@@ -404,6 +404,39 @@ def uniform_inputs(
     )
 
 
+def token_inputs(
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    length: torch.Tensor,
+    wtable: torch.Tensor,
+    ctable: torch.Tensor,
+    state: torch.Tensor,
+    layout: CacheLayout,
+) -> StepInputs:
+    """`uniform_inputs` for b rows of one token each whose positions [b] and lengths [b] (positions + 1) the
+    caller has made (a chained draft's link: `ops.spec_advance`): no kernel. The inputs keep both tensors as
+    they are, so they must be the caller's own, not a tensor it later changes in place."""
+    b, s = tokens.shape
+    if s != 1:
+        raise ValueError(f"token_inputs takes rows of one token, got {s}")
+    _, rows, seg_start, cells, row_ids = row_layout(b, 1, tokens.device)
+    return StepInputs(
+        tokens=tokens.flatten(),
+        positions=positions,
+        rows=rows,
+        seg_start=seg_start,
+        start=positions,
+        length=length,
+        wtable=wtable,
+        ctable=ctable,
+        state=state,
+        groups={r: None for r in layout.ratios},
+        index_maps=[cells],
+        index_rows=[row_ids],
+        shape=(b, 1),
+    )
+
+
 class BatchCache:
     """b sequences decoded in lockstep from position 0 (the `prefill` / `decode_step` API).
 

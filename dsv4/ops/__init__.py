@@ -287,6 +287,7 @@ uniform = _make("uniform")
 rejection_sample = _make("rejection_sample")
 speculative_accept = _make("speculative_accept")
 write_carry = _make("write_carry")
+spec_advance = _make("spec_advance")
 read_carry = _make("read_carry")
 token_logprobs = _make("token_logprobs")
 muon_momentum = _make("muon_momentum")
@@ -381,6 +382,7 @@ __all__ = [
     "rejection_sample",
     "speculative_accept",
     "write_carry",
+    "spec_advance",
     "read_carry",
     "token_logprobs",
     "muon_momentum",

@@ -196,6 +196,34 @@ def write_carry(
     carry[ints[:, w + 3]] = torch.cat([tokens, n.unsqueeze(1), start.unsqueeze(1), generated.unsqueeze(1)], 1)
 
 
+def spec_advance(
+    accepted: torch.Tensor,
+    bonus: torch.Tensor,
+    drafts: torch.Tensor,
+    start: torch.Tensor,
+    counters: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What a fixed-shape speculative step of B rows with w drafts each derives from its acceptance, before the
+    MTP block catches up and drafts again.
+
+    accepted, bonus, start [B] int64 (start: the position of each row's first verified token); drafts [B, w]
+    int64 (any strides); counters [B] int64, the tokens each row generated before the step, or None.
+    -> (nxt [B, w + 1]: the token after each verified position, draft i + 1 while i < accepted, then the bonus;
+    out [B]: the flat index of each row's last accepted position in the step's B rows of w + 1 tokens, b (w +
+    1) + accepted; positions [w + 1, B]: start + accepted + 1 + j in row j, the position of the next step's
+    j-th token (the bonus, then the next drafts); indices [w, B]: counters + accepted + 1 + j in row j, the
+    sequence index of next draft j, None without counters). Each row of positions and indices is contiguous."""
+    B, w = drafts.shape
+    j = torch.arange(w + 1, device=drafts.device)
+    shifted = torch.cat([drafts, bonus.unsqueeze(1)], 1)  # [B, w + 1]
+    nxt = torch.where(j.unsqueeze(0) < accepted.unsqueeze(1), shifted, bonus.unsqueeze(1))
+    out = torch.arange(B, device=drafts.device) * (w + 1) + accepted
+    step = accepted + 1
+    positions = (start + step).unsqueeze(0) + j.unsqueeze(1)  # [w + 1, B]
+    indices = None if counters is None else (counters + step).unsqueeze(0) + j[:w].unsqueeze(1)  # [w, B]
+    return nxt, out, positions, indices
+
+
 def read_carry(
     ints: torch.Tensor, carry: torch.Tensor, tables_w: torch.Tensor, tables_c: torch.Tensor, pad_row: int
 ) -> tuple[torch.Tensor, ...]:

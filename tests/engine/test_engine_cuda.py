@@ -137,7 +137,7 @@ def test_speculative_steps_replay_graphs_captured_at_warm_up(model, prompts):
     assert n_graphs == len(warm.spec.graphs) == 4 * 2  # batches 1, 2, 4, 8; greedy and sampled
     captured = warm.graph_backends  # the sampled variant's acceptance: the fused kernel
     assert captured["ran"]["speculative_accept"] == ["triton"] and "speculative_accept" not in captured["refused"]
-    for op in ("write_carry", "read_carry", "token_logprobs"):  # the carry, left and read; the log-probabilities
+    for op in ("write_carry", "read_carry", "token_logprobs", "spec_advance"):  # the carry; log p; the draft's integers
         assert captured["ran"][op] == ["triton"] and op not in captured["refused"]
     graphed, graphed_lp, e1 = run(model, prompts, params, warm=True, **spec)
     assert len(e1.spec.graphs) == n_graphs and e1.runner.late_captures == 0  # no capture after the warm-up

@@ -82,6 +82,8 @@ ints[:, 5] = torch.arange(B)  # (each row's table row)
 one = torch.ones(B, dtype=torch.long)
 ops.write_carry(torch.zeros(8, 6, dtype=torch.long), ints[:, :6], ints[:, 6], ints[:, 8], one, torch.arange(B),
                 torch.zeros(B, 2, dtype=torch.long), 40, backend="triton")
+for counters in (None, ints[:, 7]):  # what the step derives from its acceptance (greedy, sampled)
+    ops.spec_advance(one, torch.arange(B), ints[:, 1:3], ints[:, 4], counters, backend="triton")
 for cols in (9, 13):  # ... and how the next step reads it (greedy and sampled columns)
     ints = torch.zeros(B, cols, dtype=torch.long)
     ints[:, 5] = torch.arange(B)
@@ -239,6 +241,7 @@ def test_every_kernel_the_model_launches_compiles_for_sm90():
     kernels |= {"_select_rows_kernel", "_attend_rows_kernel"}  # each layer's attention rows
     kernels |= {"_draw_split_kernel", "_spec_accept_kernel"}  # the speculative step's draws and acceptance
     kernels |= {"_write_carry_kernel", "_read_carry_kernel", "_token_logprobs_kernel"}  # its carry, log p
+    kernels.add("_spec_advance_kernel")  # its integers between acceptance and draft
     assert kernels <= names
     for r in records:  # the fixed-plan GEMM's interpreter-only sums never run on a GPU: its GPU form only
         if r["kwargs"].get("ROWWISE") == ["value", True]:

@@ -1,12 +1,15 @@
-"""`write_carry` and `read_carry` (backend "triton"): the fixed-shape speculative step's carry, each in one
-launch instead of ~14 and ~9.
+"""`write_carry`, `read_carry` and `spec_advance` (backend "triton"): the fixed-shape speculative step's
+integers, each in one launch instead of ~14, ~9 and ~8.
 
 After a fixed-shape step, each row leaves in `carry[table row]` the integers the host would give its next
 step (`dsv4.ops.reference.write_carry`): some fourteen small integer kernels in the reference (adds, a
 minimum and a clamp, two concatenations, a masked fill, an indexed write), here one program per row. The
 next step reads them back (`read_carry`: the carry's gather, the fed rows' selections, a concatenation, the
-page tables' gathers and the padding rows' state, about nine kernels), also one program per row. Every
-value is the reference's integers, moved or compared, so both are the reference's exactly.
+page tables' gathers and the padding rows' state, about nine kernels), also one program per row. Between
+the acceptance and the draft, `spec_advance` makes the tokens the MTP block catches up on, the rows its
+head reads, and the next drafts' positions and draw indices (a concatenation, a comparison, a selection and
+a handful of adds in the reference), one program per row. Every value is the reference's integers, moved,
+added or compared, so each is the reference's exactly.
 """
 
 from __future__ import annotations
@@ -241,4 +244,105 @@ def _can_run_read(ints, carry, tables_w, tables_c, pad_row) -> str | None:
 
 register("read_carry", "triton", triton_read_carry, can_run=_can_run_read, deterministic=True, priority=10)
 
-__all__ = ["triton_read_carry", "triton_write_carry"]
+
+def _spec_advance_kernel(
+    nxt_ptr,
+    out_ptr,
+    pos_ptr,
+    idx_ptr,
+    acc_ptr,
+    bonus_ptr,
+    drafts_ptr,
+    start_ptr,
+    cnt_ptr,
+    B,
+    s_acc,
+    s_bonus,
+    s_d0,
+    s_d1,
+    s_start,
+    s_cnt,
+    W: tl.constexpr,
+    BW: tl.constexpr,
+    COUNTERS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BW).to(tl.int64)
+    live = j <= W
+    a = tl.load(acc_ptr + row * s_acc + j * 0).to(tl.int64)  # (as blocks: see `_read_carry_kernel`)
+    bonus = tl.load(bonus_ptr + row * s_bonus + j * 0).to(tl.int64)
+    d = tl.load(drafts_ptr + row * s_d0 + j * s_d1, mask=j < W, other=0).to(tl.int64)
+    tl.store(nxt_ptr + row * (W + 1) + j, tl.where(j < a, d, bonus), mask=live)
+    tl.store(out_ptr + row + j * 0, row * (W + 1) + a, mask=j == 0)
+    first = tl.load(start_ptr + row * s_start + j * 0).to(tl.int64) + a + 1
+    tl.store(pos_ptr + j * B + row, first + j, mask=live)
+    if COUNTERS:
+        c = tl.load(cnt_ptr + row * s_cnt + j * 0).to(tl.int64) + a + 1
+        tl.store(idx_ptr + j * B + row, c + j, mask=j < W)
+
+
+_advance_kernel = Kernel(_spec_advance_kernel)
+
+
+def triton_spec_advance(
+    accepted: torch.Tensor,
+    bonus: torch.Tensor,
+    drafts: torch.Tensor,
+    start: torch.Tensor,
+    counters: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """As the reference `spec_advance`, one program per row."""
+    B, w = drafts.shape
+    dev = drafts.device
+    nxt = torch.empty(B, w + 1, dtype=torch.int64, device=dev)
+    out = torch.empty(B, dtype=torch.int64, device=dev)
+    pos = torch.empty(w + 1, B, dtype=torch.int64, device=dev)
+    idx = None if counters is None else torch.empty(w, B, dtype=torch.int64, device=dev)
+    if B:
+        cnt = start if counters is None else counters  # (not read without counters)
+        _advance_kernel[(B,)](
+            nxt,
+            out,
+            pos,
+            pos if idx is None else idx,
+            accepted,
+            bonus,
+            drafts,
+            start,
+            cnt,
+            B,
+            accepted.stride(0),
+            bonus.stride(0),
+            drafts.stride(0),
+            drafts.stride(1),
+            start.stride(0),
+            cnt.stride(0),
+            W=w,
+            BW=triton.next_power_of_2(w + 1),
+            COUNTERS=counters is not None,
+        )
+    return nxt, out, pos, idx
+
+
+def _can_run_advance(accepted, bonus, drafts, start, counters=None) -> str | None:
+    named = [("accepted", accepted), ("bonus", bonus), ("drafts", drafts), ("start", start)]
+    if counters is not None:
+        named.append(("counters", counters))
+    reason = device_reason(*(t for _, t in named))
+    if reason:
+        return reason
+    if drafts.dim() != 2:
+        return f"drafts must be [B, w], got {tuple(drafts.shape)}"
+    B = drafts.size(0)
+    for name, t in named:
+        if t.dtype != torch.int64:
+            return f"{name} must be int64, got {t.dtype}"
+        if name != "drafts" and tuple(t.shape) != (B,):
+            return f"{name} must be [{B}], got {tuple(t.shape)}"
+    return None
+
+
+register("spec_advance", "triton", triton_spec_advance, can_run=_can_run_advance, deterministic=True, priority=10)
+
+
+__all__ = ["triton_read_carry", "triton_spec_advance", "triton_write_carry"]
