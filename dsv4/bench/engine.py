@@ -475,7 +475,8 @@ def _print_row(r: dict) -> None:
             f"({st['accepted'] / max(1, st['drafted']):.0%}), {1 + st['accepted'] / max(1, st['verify_steps']):.2f} "
             f"tokens per verify, {sum(n * c for n, c in enumerate(lengths)) / rows:.2f} drafts verified per "
             f"decode row, {st['fixed_steps']} fixed-shape steps ({st.get('fed_steps', 0)} launched before the "
-            f"last one was read, {st.get('joined', 0)} rows joining them)"
+            f"last one was read, {st.get('joined', 0)} rows joining them with their own integers, "
+            f"{st.get('carried', 0)} from the carry of {st.get('admitted', 0)} prompt steps launched beside them)"
         )
     if "profile" in r:
         busy = r["profile"]["gpu_busy"]

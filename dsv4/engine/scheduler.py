@@ -167,6 +167,21 @@ class Scheduler:
                 return plan
         return self._plan(decoding, chunked)
 
+    def admit(self) -> list[Scheduled]:
+        """The waiting sequences that start now, in a step of their prompts beside a step already launched
+        for the running ones, which all decode (none of whose rows this plans): admission as `schedule`
+        would admit them beside those decode rows - in the budget the rows leave, or in a burst's step
+        (`_burst`) - so each prompt is cut into the same chunks, and computes the same numbers, either way."""
+        decoding = [s for s in self.running if not self._done(s)]
+        burst, self._after_burst = self._burst(decoding, []), False
+        if burst:
+            plan = self._plan([], [])
+            if plan:
+                self.stats["burst_steps"] += 1
+                self._after_burst = True
+                return plan
+        return self._plan([], [], reserve=sum(1 + len(s.drafts) for s in decoding))
+
     def _burst(self, decoding: list[Sequence], chunked: list[Sequence]) -> bool:
         """Whether the next step is the waiting prompts' alone: where steps of prompts alone may take more
         than a step's budget (`max_prefill_tokens`), more sequences wait for their first token (prefilling,
@@ -195,11 +210,12 @@ class Scheduler:
             seq.page_hashes = page_hashes(seq.tokens, m.P, n_pages)
         return seq.n_tokens - m.cached_prefix(seq.page_hashes)
 
-    def _plan(self, decoding: list[Sequence], chunked: list[Sequence]) -> list[Scheduled]:
+    def _plan(self, decoding: list[Sequence], chunked: list[Sequence], reserve: int = 0) -> list[Scheduled]:
+        """reserve: tokens of decode rows that run beside this plan in a step of their own (`admit`)."""
         c = self.config
         L = c.chunk_len
         P = self.manager.P
-        budget = c.max_batch_tokens
+        budget = c.max_batch_tokens - reserve
         plan: list[Scheduled] = []
         planned: set[int] = set()
         for seq in decoding:
@@ -216,7 +232,7 @@ class Scheduler:
             budget -= self._plan_row(seq, budget, plan, planned)
         sizes = c.slot_sizes
         # prompts alone: no stream waits on them (their one-token rows, a one-token prompt's, are chunks too)
-        self.prompts_alone = not plan and c.max_prefill_tokens > c.max_batch_tokens
+        self.prompts_alone = not plan and not reserve and c.max_prefill_tokens > c.max_batch_tokens
         if self.prompts_alone:
             budget = c.max_prefill_tokens
             sizes = sizes + c.prefill_slot_sizes if sizes else ()

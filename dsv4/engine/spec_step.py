@@ -21,6 +21,7 @@ forward (`_forward`: the taps and the draft's context instead of the hidden stat
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -56,7 +57,8 @@ def new_stats() -> dict:
     """Counters of speculative decoding: sequence-steps that verified drafts, drafts verified, drafts
     accepted, fixed-shape steps and their rows (`fixed_rows`), those of them launched before the last one
     was read (`fed_steps`), rows that joined such a step with their own integers (`joined`: a prompt that
-    had just ended), and
+    had just ended), prompt steps launched beside a fed step in flight (`admitted`) and the rows whose first
+    decode joined the next fed step from the carry such a prompt step left (`carried`), and
     `verify_lengths[n]`: decode rows of speculating sequences that verified n drafts."""
     return {
         "verify_steps": 0,
@@ -66,6 +68,8 @@ def new_stats() -> dict:
         "fixed_rows": 0,
         "fed_steps": 0,
         "joined": 0,
+        "admitted": 0,
+        "carried": 0,
         "verify_lengths": [0] * (MAX_SPECULATIVE + 1),
     }
 
@@ -138,6 +142,10 @@ class SpeculativeSteps:
         self.overlap = self.OVERLAP and engine.overlap and r.mirror is None
         self.carry = torch.zeros(r.tables.w.shape[0], k + 4, dtype=torch.long, device=r.device) if self.FEED else None
         self._inflight: FixedInFlight | None = None
+        # a prompt step launched beside the fed step in flight (`_admit`), read at the next step, and the
+        # sequences whose first token it leaves in the carry (they join the next fed step from there)
+        self._admitted = None
+        self._carried: set[int] = set()
         rows = min(engine.config.max_seqs, GRAPH_BUCKETS[-1])  # (a fixed-shape step's most)
         self._readback = [_Readback(r.device, rows, k) for _ in range(2)]  # used in turn
         self._turn = 0
@@ -160,19 +168,25 @@ class SpeculativeSteps:
 
     @property
     def in_flight(self) -> bool:
-        return self._inflight is not None
+        return self._inflight is not None or self._admitted is not None
 
     def step(self) -> list[StepOutput]:
         e = self.engine
         done: list[StepOutput] = []
         prev, self._inflight = self._inflight, None
+        admitted, self._admitted = self._admitted, None
         if prev is not None:
             t0 = time.perf_counter()
             self._inflight = self._feed(prev)  # the next step of the same sequences, before reading this one
+            self._carried.clear()
             e.timing["launch"] += time.perf_counter() - t0
             done = self._fixed_finish(prev)
+            if admitted is not None:  # (launched after prev: its prompts' first tokens)
+                done += e._process(admitted)
             if self._inflight is not None:
-                return done
+                return done + self._admit()
+        elif admitted is not None:
+            done = e._process(admitted)
         t0 = time.perf_counter()
         plan = e.scheduler.schedule()
         t1 = time.perf_counter()
@@ -189,6 +203,13 @@ class SpeculativeSteps:
             e.timing["schedule"] += t1 - t0
             e.timing["launch"] += time.perf_counter() - t1 - (e.timing["wait"] + e.timing["post"] - inside)
             return done + outputs
+        e.timing["schedule"] += t1 - t0
+        return done + self._general(plan)
+
+    def _general(self, plan: list[Scheduled]) -> list[StepOutput]:
+        """A step of any rows, eagerly: verify (or prompt chunks, plain decodes), acceptance, the draft."""
+        e = self.engine
+        t1 = time.perf_counter()
         self._prompt = {id(sch.seq) for sch in plan if self._bucketed(sch)}  # (they draft from the next step)
         rows: list[Row] = []
         for sch in plan:
@@ -215,10 +236,9 @@ class SpeculativeSteps:
         e.stats["steps"] += 1
         with exact_accumulation(e.config.deterministic):
             self._draft(plan, rows, aux)
-        e.timing["schedule"] += t1 - t0
         e.timing["launch"] += t2 - t1
         e.timing["post"] += time.perf_counter() - t2
-        return done + e.finish_step([sch.seq for sch in plan], outputs)
+        return e.finish_step([sch.seq for sch in plan], outputs)
 
     def _forward(self, plan: list[Scheduled], rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's rows through the main model, eagerly: (logits [n, V], what `_draft` reads)."""
@@ -327,20 +347,24 @@ class SpeculativeSteps:
         return self._fixed_finish(self._fixed_launch([sch.seq for sch in plan]))
 
     def _feed(self, prev: FixedInFlight) -> FixedInFlight | None:
-        """The next fixed-shape step of the sequences of `prev` (not read yet), fed from the carry its rows
-        left on the device, where nothing else could run instead: no request waits, every sequence of it
-        still runs, the budget holds their verify rows, and pages for the furthest positions the step can
-        reach are there. A running sequence that was not in it joins with its own row where a fixed-shape
-        step can take it and the host knows its tokens (a prompt that ended in the step before: its first
-        token read, no drafts yet): a new request does not cost the device a step's wait. -> the step
-        launched, or None."""
-        e, k, seqs = self.engine, self.k, prev.seqs
+        """The next fixed-shape step of the sequences of `prev` (not read yet; one that ended since takes no
+        row), fed from the carry its rows left on the device, where nothing else could run instead: no
+        request waits that could start now other than beside it (`_admit`), the budget holds the verify
+        rows, and pages for the furthest positions the step can reach are there. A running sequence that was
+        not in it joins: fed from the carry where a prompt step beside the last fed step left its first token
+        there (`_carried`), else with its own row where a fixed-shape step can take it and the host knows its
+        tokens (a prompt that ended in the step before: its first token read, no drafts yet). A new request
+        then costs no wait for the device. -> the step launched, or None."""
+        e, k = self.engine, self.k
         sch = e.scheduler
-        if sch.waiting or not all(s.running for s in seqs):
+        if sch.waiting and not self._can_admit():
             return None
+        seqs = [s for s in prev.seqs if s.running]
         known = {id(s) for s in seqs}
         new = [s for s in sch.running if id(s) not in known]
-        if not all(map(self._joins, new)):
+        carried = [s for s in new if id(s) in self._carried]
+        own = [s for s in new if id(s) not in self._carried]
+        if not all(map(self._joins, own)) or not (seqs or new):
             return None
         n = len(seqs) + len(new)
         if n * (k + 1) > e.config.max_batch_tokens or n > min(e.config.max_seqs, GRAPH_BUCKETS[-1]):
@@ -350,7 +374,67 @@ class SpeculativeSteps:
             return None
         if not all(e.manager.allocate(s.pages, s.computed, min(s.computed + 2 * k + 1, e.max_model_len)) for s in new):
             return None
-        return self._fixed_launch(seqs + new, fed=[True] * len(seqs) + [False] * len(new))
+        self.stats["carried"] += len(carried)
+        fed = [True] * (len(seqs) + len(carried)) + [False] * len(own)
+        return self._fixed_launch(seqs + carried + own, fed=fed)
+
+    def _can_admit(self) -> bool:
+        """Whether the waiting requests that could start next may start in a prompt step beside a fed step in
+        flight (`_admit`): overlap with the carry, the engine's buckets with the MTP catch-up, a cache that
+        never preempts (the sequences in flight keep their pages), and requests that such a step draws for
+        in its graph and whose next decode a fixed-shape step takes (no penalties, no top-k / top-p / min-p,
+        no top log-probabilities, no token-healing constraint), none preempted before."""
+        e = self.engine
+        r, sch = e.runner, e.scheduler
+        if not (self.overlap and self.carry is not None and r.mtp and r.pad and sch.roomy):
+            return False
+        room = max(1, e.config.max_seqs - len(sch.running))
+        return all(
+            s.params.plain and not (s.heal or s.computed or s.n_pending) for s in itertools.islice(sch.waiting, room)
+        )
+
+    def _admit(self) -> list[StepOutput]:
+        """Waiting requests started beside the fed step just launched: their prompts in the engine's bucketed
+        step (its graph draws each first token and runs the MTP catch-up), queued on the device behind the
+        fed step, read at the next step (`_admitted`); each first token is copied into its sequence's carry
+        on the device, so its first decode joins the next fed step from there (`_carried`) before the host
+        has read it. -> outputs of an eager step, where the plan's rows are not a bucket's."""
+        e = self.engine
+        if not (e.scheduler.waiting and self._can_admit()):
+            return []
+        t0 = time.perf_counter()
+        plan = e.scheduler.admit()
+        t1 = time.perf_counter()
+        e.timing["schedule"] += t1 - t0
+        # (a row of one token, a prompt of one token or all but one served by the prefix cache, is a decode's:
+        # it joins the next fed step with its own row, `_joins`, as the schedule would have put it in this one)
+        plan = [sch for sch in plan if self._bucketed(sch)]
+        if not plan:
+            return []
+        if not self._split_ok(plan):
+            return self._general(plan)
+        self._admitted = e._launch(plan)
+        self.stats["admitted"] += 1
+        e.stats["steps"] -= 1  # (one step of the engine)
+        ready = [s for s in self._admitted[2] if not s.prefilling]  # (sampled: prompts that ended here)
+        if ready:
+            self._carry_first_tokens(ready)
+            self._carried = {id(s) for s in ready}
+        e.timing["launch"] += time.perf_counter() - t1
+        return []
+
+    def _carry_first_tokens(self, seqs: list[Sequence]) -> None:
+        """carry[table row] of each sequence = the integers of its first decode (`write_carry`'s layout): its
+        first token, still on the device in the runner's draws, at position `computed`, no drafts, one token
+        generated - copied there on the device, after the prompt step that draws it."""
+        r, k = self.engine.runner, self.k
+        rows = [[s.pending_index, s.pages.state, s.computed, s.n_generated] for s in seqs]
+        host = torch.tensor(rows, dtype=torch.long)
+        if r.device.type == "cuda":
+            host = host.pin_memory()  # (an asynchronous copy: the host does not wait for the device)
+        d = host.to(r.device, non_blocking=True)  # [n, 4]
+        zeros = torch.zeros(len(seqs), k + 1, dtype=torch.long, device=r.device)  # the drafts, their count
+        self.carry[d[:, 1]] = torch.cat([r.sampled[d[:, 0]].unsqueeze(1), zeros, d[:, 2:]], 1)
 
     def _joins(self, seq: Sequence) -> bool:
         """Whether a running sequence outside the step in flight can join the next one with its own row: a
@@ -414,7 +498,8 @@ class SpeculativeSteps:
         if step.event is not None:
             step.event.synchronize()
         host = step.readback.ints[: 2 * n + n * k].tolist()
-        lps = step.readback.floats[: n * (k + 1)].tolist() if step.logprobs else None
+        # (float64, rounded to float32 as the plain draw's: the same number whichever step computed a token's)
+        lps = step.readback.floats[: n * (k + 1)].float().tolist() if step.logprobs else None
         t1 = time.perf_counter()
         outputs: dict[int, StepOutput] = {}
         for b, seq in enumerate(seqs):
@@ -573,11 +658,14 @@ class SpeculativeSteps:
                 lps: list[TokenLogprob | None] = [None] * len(toks)
                 k = seq.params.logprobs
                 if k is not None:
-                    lp = torch.log_softmax(logits[a : a + len(toks)].double(), -1)  # [n, V]
-                    own = lp.gather(1, torch.tensor(toks, device=dev).unsqueeze(1))[:, 0].tolist()
+                    # (logit - logsumexp in float64, rounded to float32: the plain draw's numbers, so a token's
+                    # log-probability does not depend on which step computed it)
+                    x = logits[a : a + len(toks)].double()
+                    lp = x - torch.logsumexp(x, -1, keepdim=True)  # [n, V]
+                    own = lp.gather(1, torch.tensor(toks, device=dev).unsqueeze(1))[:, 0].float().tolist()
                     top = lp.topk(k, -1) if k else None
                     ids = top.indices.tolist() if top is not None else None
-                    vals = top.values.tolist() if top is not None else None
+                    vals = top.values.float().tolist() if top is not None else None
                     lps = [
                         TokenLogprob(t, own[i], list(zip(ids[i], vals[i])) if ids else []) for i, t in enumerate(toks)
                     ]

@@ -321,6 +321,40 @@ def test_a_burst_that_finds_streams_decoding_gets_a_step_of_its_own():
     assert streams_then(2, 40)[0] == (2, 24)  # they overflow it, but do not outnumber the streams
 
 
+def test_admission_beside_launched_decodes_cuts_prompts_as_the_schedule_would():
+    """`admit` (prompts started in a step of their own beside a step already launched for the decoding
+    sequences) plans no running row and cuts each new prompt into the chunks that `schedule` would have cut
+    beside those decode rows (drafts included), or a burst's step where `schedule` would give one."""
+    L, budget = 4, 32
+
+    def plans(newcomers: int, prompt: int, drafts: int = 0, prefill: int = 96):
+        out = []
+        for admit in (False, True):
+            s = make(
+                n_window=300, n_comp=300, max_seqs=16, budget=budget, chunk=L, prefix=False,
+                slot_sizes=(0, 1, 2, 3, 4, 6, 8), prefill=prefill, prefill_sizes=(12, 16, 24) if prefill else (),
+            )  # fmt: skip
+            for i in range(2 + newcomers):  # two streams decoding, then the newcomers
+                n = 4 if i < 2 else prompt
+                req = Request(str(i), [7] * n, SamplingParams(max_tokens=9, temperature=0))
+                req.sequences.append(Sequence(req, 0, [7] * n, seed=0, prompt_len=n))
+                s.add(req.sequences[0])
+                if i == 1:
+                    model_step(s)
+                    for q in s.running:
+                        q.drafts = [5] * drafts
+            plan = s.admit() if admit else s.schedule()
+            out.append([(r.seq.request.request_id, r.n) for r in plan if r.seq.prefilling or r.seq.computed == 0])
+            if admit:
+                assert all(r.seq.computed == 0 for r in plan)  # no running row
+        assert out[0] == out[1] and out[0]
+        return out[1]
+
+    assert plans(2, 14) == [("2", 14), ("3", 8)]  # beside 2 one-token rows: 30 tokens, 6 slots of 4
+    assert plans(2, 14, drafts=7) == [("2", 14)]  # beside 2 rows of 8 tokens: 16, 4 slots
+    assert plans(5, 12) == [(str(i), 12) for i in range(2, 7)]  # a burst: a step of the prompts alone
+
+
 def test_a_burst_counts_only_what_the_prefix_cache_does_not_serve():
     """Newcomers whose prompts the prefix cache holds compute only their tails: five such prompts fit beside
     the decoding streams and take no step of their own; the same prompts, uncached, would."""

@@ -314,37 +314,70 @@ def test_overlapped_fixed_shape_steps_give_the_same_tokens(model, prompts, k):
     assert not e1.has_work() and e1.manager.free_pages() == e0.manager.free_pages()  # every page back
 
 
-def test_a_new_request_joins_the_overlapped_steps(model, prompts):
-    """A request that arrives while others decode (or waits for a free slot): its prompt runs beside their
-    fixed-shape step, which is left in flight, and its first decode joins the next step fed from the carry
-    with its own row (`joined`) instead of waiting for the device. The same tokens and log-probabilities, bit
-    for bit, as reading every step before the next, every page back."""
-    params = [
-        SamplingParams(max_tokens=NEW, temperature=t, seed=80 + i, ignore_eos=True, logprobs=0 if i % 3 else None)
-        for i, t in enumerate((0.0, 5.0, 0.0, 1.0, 5.0, 0.0))
-    ]
+def _staggered(model, prompts, params, arrivals, overlap: bool) -> tuple[list[list], Engine]:
+    """Requests added before the steps `arrivals` names (step -> request indices), every step's outputs
+    collected: -> (per request its (token, log-probability) pairs, the engine)."""
     cfg = dict(
         deterministic=True, speculative=2, pad_steps=True, max_seqs=3, max_batch_tokens=64, page_size=16, chunk_len=8
     )
-    runs = []
-    for overlap in (False, True):
-        engine = Engine(model, EngineConfig(**cfg, overlap=overlap))
-        outs: dict[int, list] = {i: [] for i in range(len(prompts))}
-        arrivals = {0: [0, 1], 6: [2], 9: [3], 14: [4, 5]}  # step -> requests added before it
-        step = 0
-        while engine.has_work() or any(a > step for a in arrivals):
-            for i in arrivals.get(step, []):
-                engine.add_request(str(i), prompts[i], params[i])
-            for out in engine.step():
-                lps = out.new_logprobs or [None] * len(out.new_tokens)
-                outs[int(out.request_id)] += [(t, lp.logprob if lp else None) for t, lp in zip(out.new_tokens, lps)]
-            step += 1
-        runs.append(([outs[i] for i in range(len(prompts))], engine))
-    (read, e0), (fed, e1) = runs
+    engine = Engine(model, EngineConfig(**cfg, overlap=overlap))
+    outs: dict[int, list] = {i: [] for i in range(len(prompts))}
+    step = 0
+    while engine.has_work() or any(a > step for a in arrivals):
+        for i in arrivals.get(step, []):
+            engine.add_request(str(i), prompts[i], params[i])
+        for out in engine.step():
+            lps = out.new_logprobs or [None] * len(out.new_tokens)
+            outs[int(out.request_id)] += [(t, lp.logprob if lp else None) for t, lp in zip(out.new_tokens, lps)]
+        step += 1
+    return [outs[i] for i in range(len(prompts))], engine
+
+
+STAGGERED = [
+    SamplingParams(max_tokens=NEW, temperature=t, seed=80 + i, ignore_eos=True, logprobs=0 if i % 3 else None)
+    for i, t in enumerate((0.0, 5.0, 0.0, 1.0, 5.0, 0.0))
+]
+
+
+def test_a_new_request_joins_the_overlapped_steps(model, prompts):
+    """A request that arrives while others decode (or waits for a free slot) starts without waiting for the
+    device: its prompt runs in a step launched beside their fed fixed-shape step (`admitted`), and its first
+    decode joins the next fed step from the carry that the prompt step left (`carried`), or with its own row
+    (`joined`: a prompt of one token, a decode's row). The same tokens and log-probabilities, bit for bit, as
+    reading every step before the next, every page back."""
+    arrivals = {0: [0, 1], 6: [2], 9: [3], 14: [4, 5]}
+    (read, e0), (fed, e1) = (_staggered(model, prompts, STAGGERED, arrivals, overlap) for overlap in (False, True))
     assert fed == read and all(len(o) == NEW for o in read)
-    assert e0.spec_stats["joined"] == 0 < e1.spec_stats["joined"]
+    assert e0.spec_stats["joined"] == e0.spec_stats["admitted"] == e0.spec_stats["carried"] == 0
     st = e1.spec_stats
+    assert st["joined"] > 0 and st["admitted"] > 0 and st["carried"] > 0
     assert st["fed_steps"] > 0 and st["fixed_steps"] <= st["fixed_rows"] <= 3 * st["fixed_steps"]  # max_seqs 3
+    assert not e1.has_work() and e1.manager.free_pages() == e0.manager.free_pages()
+
+
+def test_requests_that_end_at_their_first_token_or_cannot_join(model, prompts):
+    """A request that ends at its first token (max_tokens = 1; here also a prefix-cache hit) was carried into
+    a fed step that it takes nothing from; one that wants top log-probabilities is not admitted beside a fed
+    step (the fixed-shape step does not take it) and waits for the schedule, whose steps are then eager. The
+    same tokens as reading every step before the next, every page back. The log-probabilities agree to
+    within two float32 units in the last place: where a first decode shares another step than without
+    overlap, a few tokens come from another form of the step (eager or bucketed instead of fixed-shape),
+    whose float32 logits the engine does not keep bit-identical (the engine without overlap shows the same
+    when an unrelated request arrives: `deterministic` is batch-invariant per form of step)."""
+    prompts = prompts + [prompts[1][:30], prompts[3][:20]]
+    params = STAGGERED + [
+        SamplingParams(max_tokens=1, temperature=1.0, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=NEW, temperature=1.0, seed=8, ignore_eos=True, logprobs=2),
+    ]
+    arrivals = {0: [0, 1], 6: [2], 9: [3], 11: [6], 14: [4, 5], 24: [7]}
+    (read, e0), (fed, e1) = (_staggered(model, prompts, params, arrivals, overlap) for overlap in (False, True))
+    assert [[t for t, _ in o] for o in fed] == [[t for t, _ in o] for o in read]
+    assert [len(o) for o in read] == [NEW] * 6 + [1, NEW]
+    for a, b in zip(fed, read):
+        for (_, x), (_, y) in zip(a, b):
+            assert (x is None) == (y is None)
+            assert x is None or abs(x - y) <= 2 * math.ulp(abs(y)) * 2**29  # two float32 units in the last place
+    assert e1.spec_stats["carried"] > 0
     assert not e1.has_work() and e1.manager.free_pages() == e0.manager.free_pages()
 
 
