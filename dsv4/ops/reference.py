@@ -439,7 +439,11 @@ def hc_head(
 ) -> torch.Tensor:
     """Final mHC reduce (no Sinkhorn): x [b, s, hc, d] -> [b, s, d]."""
     _, mixes = _hc_mixes(x, fn, norm_eps)
-    pre = torch.sigmoid(mixes * scale + base) + hc_eps  # [b, s, hc]
+    # (in the accumulation dtype, rounded to fp32, as `hc_split_sinkhorn`'s pre: under exact accumulation a
+    # token's value then does not depend on how many tokens share the call - fp32's vectorized sigmoid and
+    # its scalar tail differ in the last bit)
+    acc = acc_dtype()
+    pre = (torch.sigmoid(mixes.to(acc) * scale.to(acc) + base.to(acc)) + hc_eps).float()  # [b, s, hc]
     return (pre.unsqueeze(-1) * x.float()).sum(-2).to(x.dtype)
 
 
