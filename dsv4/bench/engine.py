@@ -185,13 +185,17 @@ def _profile(engine, work, clients: int, out_dir: Path) -> dict:
 
 def _step_mix(runner, since: dict | None = None) -> dict:
     """The timed runs' steps: how many, the real decode rows and chunk tokens per step, and the share of
-    steps by bucket ("decode rows+chunk slots"; "ragged" for unpadded steps), largest first. With `since`
-    (an earlier call's result), the difference."""
+    steps by bucket ("decode rows+chunk slots"; "ragged" for unpadded steps; "fixed BxS" for a speculating
+    engine's fixed-shape steps, their verify rows counted as decode rows), largest first. With `since` (an
+    earlier call's result), the difference."""
     now = {
         "steps": runner.graph_steps + runner.eager_steps,
         "decode_rows": runner.decode_rows,
         "chunk_tokens": runner.chunk_tokens,
-        "buckets": {f"{d}+{c}": n for (d, c), n in runner.bucket_steps.items()},
+        "buckets": {
+            **{f"{d}+{c}": n for (d, c), n in runner.bucket_steps.items()},
+            **{f"fixed {b}x{t}": n for (b, t), n in runner.fixed_steps.items()},  # (a speculating engine's)
+        },
     }
     if since is None:
         return now

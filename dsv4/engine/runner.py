@@ -274,13 +274,16 @@ class Runner:
         self.padded_steps = 0
         # steps by (decode rows, chunk slots) of their bucket, and the real rows they carried
         self.bucket_steps: Counter[tuple[int, int]] = Counter()
+        # a speculating engine's fixed-shape steps by (batch bucket, tokens a row) (`dsv4.engine.spec_step`)
+        self.fixed_steps: Counter[tuple[int, int]] = Counter()
         self.decode_rows = 0
         self.chunk_tokens = 0  # tokens of multi-token rows: prompt chunks (and speculative verifies)
         self.late_captures = 0  # graphs captured on first use, not at start-up
         self.warmup_seconds = 0.0
         # a list to time steps on the device (`dsv4 bench engine`): each step launched appends (start, end,
         # shape): CUDA events around its device work, from the copy of its inputs to the copy of its tokens,
-        # and its bucket's "decode rows+chunk slots" ("ragged" for an unpadded step)
+        # and its bucket's "decode rows+chunk slots" ("ragged" for an unpadded step; a speculating engine's
+        # fixed-shape step: "fixed BxS", B rows of S tokens)
         self.clock: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] | None = None
         self._started: torch.cuda.Event | None = None
         self._shape = "ragged"

@@ -534,12 +534,25 @@ class SpeculativeSteps:
         batch = next(b for b in GRAPH_BUCKETS if b >= n) if r.cuda_graphs else n
         r.sync_tables()
         r.announce(FIXED, [], batch, w, n, int(sampled))  # before a capture: every worker captures here
+        r.fixed_steps[batch, w + 1] += 1
+        r.decode_rows += n
+        timed = r.clock is not None and r.device.type == "cuda"  # (`dsv4 bench engine`'s device time per step)
+        if timed:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         if r.cuda_graphs:
             r.graph_steps += 1
-            return self._graph(batch, w, sampled).run(ints)
-        r.eager_steps += 1
-        r.padded_steps += 1
-        return self._step_for(sampled)(r.share(torch.from_numpy(ints).to(r.device).view(n, self._cols(w, sampled))))
+            out = self._graph(batch, w, sampled).run(ints)
+        else:
+            r.eager_steps += 1
+            r.padded_steps += 1
+            cols = self._cols(w, sampled)
+            out = self._step_for(sampled)(r.share(torch.from_numpy(ints).to(r.device).view(n, cols)))
+        if timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            r.clock.append((start, end, f"fixed {batch}x{w + 1}"))
+        return out
 
     def _cols(self, w: int, sampled: bool) -> int:
         """Integers per row of a fixed-shape step of width w."""

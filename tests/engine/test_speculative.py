@@ -351,6 +351,8 @@ def test_a_new_request_joins_the_overlapped_steps(model, prompts):
     st = e1.spec_stats
     assert st["joined"] > 0 and st["admitted"] > 0 and st["carried"] > 0
     assert st["fed_steps"] > 0 and st["fixed_steps"] <= st["fixed_rows"] <= 3 * st["fixed_steps"]  # max_seqs 3
+    # (the runner counts them by shape for `bench engine`: batch buckets of rows of 1 + k tokens)
+    assert sum(e1.runner.fixed_steps.values()) == st["fixed_steps"] and {s for _, s in e1.runner.fixed_steps} == {3}
     assert not e1.has_work() and e1.manager.free_pages() == e0.manager.free_pages()
 
 
