@@ -374,6 +374,39 @@ def test_requests_that_end_at_their_first_token_or_cannot_join(model, prompts):
     assert not e1.has_work() and e1.manager.free_pages() == e0.manager.free_pages()
 
 
+def test_parallel_samples_admitted_beside_a_fed_step(model, prompts):
+    """A request for n = 3 samples that arrives while others decode: its siblings start one after another
+    (the later ones from the prefix cache of the first's prompt) beside the fed steps, each with its own
+    seed stream. Per (request, sample) the same tokens and log-probabilities, bit for bit, as reading every
+    step before the next, every page back."""
+    params = [
+        SamplingParams(max_tokens=NEW, temperature=1.0, seed=90 + i, ignore_eos=True, logprobs=0) for i in range(3)
+    ]
+    runs = []
+    for overlap in (False, True):
+        cfg = dict(deterministic=True, speculative=2, pad_steps=True, max_seqs=4, max_batch_tokens=64, page_size=16)
+        engine = Engine(model, EngineConfig(**cfg, chunk_len=8, overlap=overlap))
+        outs: dict[tuple[str, int], list] = {}
+        step = 0
+        while engine.has_work() or step < 8:
+            if step == 0:
+                engine.add_request("a", prompts[0], params[0])
+                engine.add_request("b", prompts[2], params[1])
+            if step == 7:
+                engine.add_request("c", prompts[1][:40], params[2], n=3)
+            for out in engine.step():
+                outs.setdefault((out.request_id, out.index), []).extend(
+                    (t, lp.logprob) for t, lp in zip(out.new_tokens, out.new_logprobs)
+                )
+            step += 1
+        runs.append((outs, engine))
+    (read, e0), (fed, e1) = runs
+    assert fed == read and len(read) == 5 and all(len(o) == NEW for o in read.values())
+    assert len({tuple(t for t, _ in read["c", i]) for i in range(3)}) == 3  # (three samples, not one)
+    assert e1.spec_stats["admitted"] > 0
+    assert not e1.has_work() and e1.manager.free_pages() == e0.manager.free_pages()
+
+
 def test_a_tokens_numbers_do_not_depend_on_the_step_that_computed_them(model, prompts):
     """A request that wants top log-probabilities makes every step it is in an eager one (the fixed-shape step
     does not take it): the other requests' tokens and log-probabilities, computed there instead of in
