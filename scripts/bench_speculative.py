@@ -115,7 +115,7 @@ def on_full_batch(engine: Engine, batch: list[list[int]], a: argparse.Namespace,
 
 def profile(engine: Engine, batch: list[list[int]], a: argparse.Namespace) -> dict:
     """10 steps of a full batch under the torch profiler (after 4 steps): kernels and GPU time per step, and
-    the device's idle time between its kernels (`dsv4.bench.e2e.device_gaps`: short gaps are the spacing
+    the device's idle time between its kernels (`dsv4.bench.device_profile.device_gaps`: short gaps are the spacing
     of a graph's kernels, long ones the device waiting on the host)."""
     from dsv4.bench.device_profile import kernel_gaps
 
