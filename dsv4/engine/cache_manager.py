@@ -13,6 +13,13 @@ up to its end; a new sequence whose prompt starts with the same tokens reuses co
 the window pages covering the window before position (m+1)*P, and resumes there. The ratio-4
 compressors' pooling overlaps the previous group, so each compressed page also keeps its last group's
 raw rows (`page_tails`), which are copied into the new sequence's ring.
+
+With speculative decoding by the MTP block (`next_token_keys`), window pages also hold that block's rows,
+and its row at a position is computed from the token after it: the row at a page's last position depends
+on the first token of the next page. A window page is then keyed by its chain hash and that token too, so a
+sequence reuses it only where its own next token is the same (and the page is offered to the cache once
+that token is known): the drafts, and so a sampled request's tokens, never depend on which sequence
+computed a shared prefix.
 """
 
 from __future__ import annotations
@@ -106,6 +113,7 @@ class SeqPages:
     tables: BlockTables
     hashes: list[bytes] = field(default_factory=list)  # chain hash of each complete page's tokens
     registered: int = 0  # pages offered to the prefix cache so far
+    wregistered: int = 0  # window pages offered so far (with next-token keys, up to the last known token)
     trimmed: int = 0  # window pages before this one are released
 
     @property
@@ -131,7 +139,13 @@ def page_hashes(tokens: list[int], page_size: int, n_pages: int, parent: bytes =
 class CacheManager:
     """Allocates pages and ring slots for sequences and runs the prefix cache (LRU eviction)."""
 
-    def __init__(self, layout: CacheLayout, prefix_caching: bool = True, has_compressed: bool = True):
+    def __init__(
+        self,
+        layout: CacheLayout,
+        prefix_caching: bool = True,
+        has_compressed: bool = True,
+        next_token_keys: bool = False,
+    ):
         self.layout = layout
         self.P, self.window = layout.page_size, layout.window
         self.wpool = PagePool(layout.n_window_pages)
@@ -139,6 +153,7 @@ class CacheManager:
         self.tables = BlockTables(layout.n_states, layout.table_width())
         self.free_states = list(range(layout.n_states - 1, -1, -1))
         self.prefix_caching = prefix_caching
+        self.next_token_keys = next_token_keys  # window pages keyed by the token after them too (module doc)
         # page hash -> page, least recently used first; each holds one reference on its page
         self.cached_c: OrderedDict[bytes, int] = OrderedDict()
         self.cached_w: OrderedDict[bytes, int] = OrderedDict()
@@ -246,7 +261,8 @@ class CacheManager:
         P = self.P
         self.queries += len(tokens)
         hashes = page_hashes(tokens, P, (len(tokens) - 1) // P)
-        m = self._servable(hashes)  # pages reused
+        wkeys = self._window_keys(hashes, tokens)
+        m = self._servable(hashes, wkeys)  # pages reused
         if m == 0:
             return 0
         if self.cpool is not None:
@@ -257,31 +273,45 @@ class CacheManager:
                 seq.ctable[k] = page
         first = max(0, m * P - self.window) // P
         for k in range(first, m):
-            page = self.cached_w[hashes[k]]
-            self.cached_w.move_to_end(hashes[k])
+            page = self.cached_w[wkeys[k]]
+            self.cached_w.move_to_end(wkeys[k])
             self.wpool.incref(page)
             seq.wtable[k] = page
         self.tables.dirty.add(seq.state)
         seq.trimmed = first
         seq.hashes = hashes[:m]
-        seq.registered = m
+        seq.registered = seq.wregistered = m
         self.hits += m * P
         return m * P
 
-    def cached_prefix(self, hashes: list[bytes]) -> int:
-        """The positions `match` would serve from the cache for a prompt of these page hashes (the first
-        (len(tokens) - 1) // P pages' `page_hashes`), now, without taking anything."""
-        return self._servable(hashes) * self.P if self.prefix_caching else 0
+    def cached_prefix(self, hashes: list[bytes], tokens: list[int]) -> int:
+        """The positions `match` would serve from the cache for a prompt of these tokens and page hashes (the
+        first (len(tokens) - 1) // P pages' `page_hashes`), now, without taking anything."""
+        if not self.prefix_caching:
+            return 0
+        return self._servable(hashes, self._window_keys(hashes, tokens)) * self.P
 
-    def _servable(self, hashes: list[bytes]) -> int:
+    def _window_keys(self, hashes: list[bytes], tokens: list[int]) -> list[bytes]:
+        """The window pages' cache keys: their hashes, or with `next_token_keys` each hash with the token
+        after its page (only for pages whose next token is among `tokens`)."""
+        if not self.next_token_keys:
+            return hashes
+        P = self.P
+        return [
+            hashlib.blake2b(h + b">" + str(tokens[(k + 1) * P]).encode(), digest_size=16).digest()
+            for k, h in enumerate(hashes)
+            if (k + 1) * P < len(tokens)
+        ]
+
+    def _servable(self, hashes: list[bytes], wkeys: list[bytes]) -> int:
         """How many leading pages of these hashes the cache can serve: each one's compressed page and the
-        window pages a sequence at its end still reads."""
+        window pages a sequence at its end still reads (looked up by `wkeys`)."""
         P, best = self.P, -1
-        for k, h in enumerate(hashes):
+        for k, h in enumerate(hashes[: len(wkeys)]):
             if self.cpool is not None and h not in self.cached_c:
                 break
             need = range(max(0, (k + 1) * P - self.window) // P, k + 1)
-            if all(hashes[i] in self.cached_w for i in need):
+            if all(wkeys[i] in self.cached_w for i in need):
                 best = k
         return best + 1
 
@@ -291,17 +321,23 @@ class CacheManager:
             return
         P = self.P
         n = computed // P
-        if n <= seq.registered:
+        nw = min(n, (len(tokens) - 1) // P) if self.next_token_keys else n  # (their next token known)
+        if n <= seq.registered and nw <= seq.wregistered:
             return
-        parent = seq.hashes[-1] if seq.hashes else b""
-        seq.hashes.extend(page_hashes(tokens[len(seq.hashes) * P :], P, n - len(seq.hashes), parent))
+        if n > len(seq.hashes):
+            parent = seq.hashes[-1] if seq.hashes else b""
+            seq.hashes.extend(page_hashes(tokens[len(seq.hashes) * P :], P, n - len(seq.hashes), parent))
         wt, ct = seq.wtable, seq.ctable
         for k in range(seq.registered, n):
             h = seq.hashes[k]
             if self.cpool is not None and ct[k] > 0 and h not in self.cached_c:
                 self.cpool.cache(int(ct[k]))
                 self.cached_c[h] = int(ct[k])
-            if wt[k] > 0 and h not in self.cached_w:
-                self.wpool.cache(int(wt[k]))
-                self.cached_w[h] = int(wt[k])
-        seq.registered = n
+        seq.registered = max(seq.registered, n)
+        if nw > seq.wregistered:
+            wkeys = self._window_keys(seq.hashes[:nw], tokens)
+            for k in range(seq.wregistered, nw):
+                if wt[k] > 0 and wkeys[k] not in self.cached_w:
+                    self.wpool.cache(int(wt[k]))
+                    self.cached_w[wkeys[k]] = int(wt[k])
+            seq.wregistered = nw

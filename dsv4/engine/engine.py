@@ -73,7 +73,10 @@ class Engine:
             cfg, n_w + 1, n_c + 1, c.max_seqs, self.max_model_len, P, page_tails=c.prefix_caching
         )
         self.cache = PagedKVCache(cfg, self.layout, p.device, p.dtype)
-        self.manager = CacheManager(self.layout, c.prefix_caching, has_compressed=bool(self.layout.ratios))
+        mtp = bool(c.speculative) and not cfg.dspark  # the MTP block drafts: its rows fill the window pages too
+        self.manager = CacheManager(
+            self.layout, c.prefix_caching, has_compressed=bool(self.layout.ratios), next_token_keys=mtp
+        )
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
         self.runner = Runner(
             model,
@@ -86,7 +89,7 @@ class Engine:
             slot_len=c.chunk_len,
             pad=c.pad_steps or mirror is not None,
             mirror=mirror,
-            mtp=bool(c.speculative) and not cfg.dspark,  # speculative steps with prompt chunks: bucketed
+            mtp=mtp,  # speculative steps with prompt chunks: bucketed
         )
         self.scheduler = Scheduler(
             c.scheduler_config(self.max_model_len, self.runner),

@@ -208,7 +208,7 @@ class Scheduler:
         n_pages = (len(seq.tokens) - 1) // m.P
         if len(seq.page_hashes) != n_pages:  # (hashed once while it waits; a preempted one's tokens grew)
             seq.page_hashes = page_hashes(seq.tokens, m.P, n_pages)
-        return seq.n_tokens - m.cached_prefix(seq.page_hashes)
+        return seq.n_tokens - m.cached_prefix(seq.page_hashes, seq.tokens)
 
     def _plan(self, decoding: list[Sequence], chunked: list[Sequence], reserve: int = 0) -> list[Scheduled]:
         """reserve: tokens of decode rows that run beside this plan in a step of their own (`admit`)."""

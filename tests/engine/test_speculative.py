@@ -407,6 +407,41 @@ def test_parallel_samples_admitted_beside_a_fed_step(model, prompts):
     assert not e1.has_work() and e1.manager.free_pages() == e0.manager.free_pages()
 
 
+class RecordingDrafter(Drafter):
+    """The MTP drafts as they are, each row's draft distributions q kept by (seed, counter)."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(engine.model, engine.runner, engine.sampler)
+        self.q: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(self, hidden, rows):
+        results = super().__call__(hidden, rows)
+        for r, (_, q) in zip(rows, results):
+            if r.k:
+                self.q[r.seed, r.counter] = q.cpu()
+        return results
+
+
+def test_a_prefix_another_request_computed_gives_the_same_drafts(model, prompts):
+    """The MTP block's row at a position is computed from the token after it, so a window page's last row
+    depends on the next page's first token: a prompt is served from another request's pages only where that
+    token is its own too. A request after two that share its first page (one also its next token) drafts
+    exactly as alone (every draft distribution, bit for bit), so its sampled tokens are its solo ones; its
+    prefix comes from the request whose next token is its own. (Eager steps, where the drafts' distributions
+    reach the host; the fixed-shape steps keep the same cache.)"""
+    mine, other = prompts[3][:30], prompts[1]
+    prompts = [mine[:16] + other[:10], mine[:17] + other[:12], mine]
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=60 + i, ignore_eos=True) for i in range(3)]
+    cfg = dict(speculative=2, page_size=16)
+    alone, e0 = run(model, prompts[2:], params[2:], drafter=RecordingDrafter, **cfg)
+    after, e1 = run(model, prompts, params, arrivals=[0, 0, 12], drafter=RecordingDrafter, **cfg)
+    assert after[2] == alone[0] and len(alone[0]) == 8
+    mine_q = {key: q for key, q in e1.drafter.q.items() if key[0] == 62}
+    assert mine_q.keys() == e0.drafter.q.keys() and len(mine_q) > 0
+    assert all(torch.equal(q, e0.drafter.q[key]) for key, q in mine_q.items())
+    assert e1.manager.hits == 16  # (the first page, from the request whose next token is its own)
+
+
 def test_a_tokens_numbers_do_not_depend_on_the_step_that_computed_them(model, prompts):
     """A request that wants top log-probabilities makes every step it is in an eager one (the fixed-shape step
     does not take it): the other requests' tokens and log-probabilities, computed there instead of in
