@@ -1,6 +1,6 @@
 """Serving-step kernels by launch plan, on one GPU: what `dsv4.ops.triton` should pick (diagnostic figures).
 
-    python3 scripts/bench_step_kernels.py [--only draw hc_pre pad accept plan route step indexer] [--out FILE]
+    python3 scripts/bench_step_kernels.py [--only draw hc_pre pad accept plan route step indexer rope moe] [--out FILE]
 
 - draw: the fused token draw (`gumbel_argmax`, backend "triton") of B rows (64, 256) of a 32,768-token
   vocabulary (fp32 logits, temperature 1) by columns per program (`split`) and warps; every plan must
@@ -25,6 +25,10 @@
   8,192 positions per sequence: 2,048 candidates per row) for 64 and 256 rows, sequences at position 300
   and 8,000: the keys gathered by their candidates first (`keys[cand]`, as before 331e288) against the
   kernel reading the pool through the candidates; the same picks (asserted).
+- rope: `rope_tail` in place on [1, T, h, 512] bf16 heads (`small`'s q / o and kv rows), its angles computed
+  in the kernel against read from `rope_table`; both must rotate the same bits (asserted).
+- moe: the routed experts (`moe_experts`, backend "triton", `small`'s 32 experts, top-4) at 256 to 8,192
+  tokens: the autotuned tiles as they are, every row tile of 64, and a wider list of tile configs.
 - pad: the raw graphed decode step (`model.decode_step`, `small` preset) at b and b + 1 rows: the price of
   one padding row in a step's matrix products.
 
@@ -215,8 +219,65 @@ def pad(dev: torch.device, show) -> None:
         show(f"raw decode rows={b} ms", [round(statistics.median(ms), 3), round(min(ms), 3), round(max(ms), 3)])
 
 
+def rope(dev: torch.device, show) -> None:
+    from dsv4.model.rope import TABLE_POSITIONS, rope_table
+
+    inv = (1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)).to(dev)
+    table = rope_table(inv, TABLE_POSITIONS)
+    for tokens, heads in ((256, 16), (1340, 16), (1340, 1), (4096, 16)):  # q / o heads and kv rows of `small`
+        x = torch.randn(1, tokens, heads, 512, device=dev, dtype=torch.bfloat16)
+        pos = torch.arange(1000, 1000 + tokens, device=dev)
+        a, b = x.clone(), x.clone()
+        ops.rope_tail(a, pos, inv, inplace=True, backend="triton")
+        ops.rope_tail(b, pos, inv, inplace=True, table=table, backend="triton")
+        assert torch.equal(a, b), "the table changed the rotation"
+        for name, tab in (("computed", None), ("table", table)):
+            call = partial(ops.rope_tail, x, pos, inv, inplace=True, table=tab, backend="triton")
+            show(f"rope tokens={tokens} heads={heads} in place, {name} us", us(time_ms(call)))
+
+
+def moe(dev: torch.device, show) -> None:
+    import triton
+
+    from dsv4.ops.triton import moe as tm
+
+    E, k, D, I = 32, 4, 1024, 512  # `small`'s experts
+    g = torch.Generator(device=dev).manual_seed(0)
+    w1, w3 = (torch.randn(E, I, D, device=dev, generator=g).bfloat16() * 0.03 for _ in range(2))
+    w2 = torch.randn(E, D, I, device=dev, generator=g).bfloat16() * 0.03
+    wide_gmm = tm._GMM_CONFIGS + [
+        triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s)
+        for bn, bk, w, s in ((128, 128, 8, 3), (128, 128, 4, 3), (256, 32, 8, 4), (128, 32, 4, 5), (64, 128, 4, 3))
+    ]
+    wide_swiglu = tm._SWIGLU_CONFIGS + [
+        triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s)
+        for bn, bk, w, s in ((64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (32, 64, 4, 4), (64, 32, 4, 5))
+    ]
+    kernels, block_m = (tm._gmm_tuned, tm._swiglu_tuned), tm._block_m
+    plans = {"as is": None, "BM 64": 64, "wider configs": "wide"}
+    try:
+        for name, plan in plans.items():
+            if plan == "wide":
+                tm._gmm_tuned = triton.autotune(wide_gmm, key=["N", "K", "BM", "SCATTER_C", "GATHER_A"])(tm._gmm_kernel)
+                tm._swiglu_tuned = triton.autotune(wide_swiglu, key=["N", "K", "BM"])(tm._gmm_kernel)
+            elif plan is not None:
+                tm._block_m = lambda n_rows, n_groups, bm=plan: bm
+            for T in (256, 1340, 2048, 8192):  # decode rows, a mixed step, prompt steps
+                x = torch.randn(T, D, device=dev, generator=g).bfloat16()
+                wts, idx = torch.rand(T, E, device=dev, generator=g).topk(k, -1)
+                call = partial(ops.moe_experts, x, wts.float(), idx, w1, w2, w3, 10.0, backend="triton")
+                t = time_ms(call)
+                show(f"moe T={T} {name} us", us(t))
+                show(f"moe T={T} {name} TFLOP/s", [round(6 * T * k * D * I / v / 1e9) for v in (t[0], t[2], t[1])])
+            tm._gmm_tuned, tm._swiglu_tuned = kernels
+            tm._block_m = block_m
+    finally:
+        tm._gmm_tuned, tm._swiglu_tuned = kernels
+        tm._block_m = block_m
+
+
 SECTIONS = {"draw": draw, "hc_pre": hc_pre, "pad": pad, "accept": accept, "plan": plan, "route": route, "step": step}
-SECTIONS["indexer"] = indexer
+SECTIONS |= {"indexer": indexer, "rope": rope, "moe": moe}
 
 
 def main(argv: list[str] | None = None) -> int:
