@@ -1,9 +1,8 @@
 """Rotary position embedding with YaRN, on interleaved pairs (dims 2i, 2i+1 form one complex number).
 
 Window-only layers: theta = rope_theta, no YaRN. Compressed layers: theta = compress_rope_theta with
-YaRN frequency interpolation (no mscale on cos/sin). Angles come from absolute positions, so there is no
-maximum length; on a GPU the kernel reads the cos / sin of positions below `TABLE_POSITIONS` from a table
-of the same values (`rope_table`, made once per frequency set and device), computing the rest.
+YaRN frequency interpolation (no mscale on cos/sin). Angles are computed from absolute positions on the
+fly, so there is no table and no maximum length.
 """
 
 from __future__ import annotations
@@ -15,18 +14,6 @@ import torch
 
 from .. import ops
 from ..config import ModelConfig
-
-TABLE_POSITIONS = 65536  # positions [0, n) whose cos / sin a GPU keeps: 16 MiB per frequency set at r = 64
-
-
-def rope_table(inv_freq: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [n, r/2] fp32 of position * inv_freq for positions [0, n), on inv_freq's device, computed as
-    the reference `rope_tail` computes them (`ops.rope_tail`'s `table`)."""
-    angles = torch.outer(torch.arange(n, device=inv_freq.device).float(), inv_freq)
-    return angles.cos().contiguous(), angles.sin().contiguous()
-
-
-_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (frequency set, device) -> rope_table
 
 
 @functools.lru_cache(maxsize=16)
@@ -56,11 +43,11 @@ class Rope:
     def __init__(self, cfg: ModelConfig, compressed: bool):
         self.dim = cfg.rope_head_dim
         if compressed:
-            theta, factor, original = cfg.compress_rope_theta, cfg.rope_factor, cfg.original_seq_len
+            self.inv_freq = inv_frequencies(
+                self.dim, cfg.compress_rope_theta, cfg.rope_factor, cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow
+            )
         else:
-            theta, factor, original = cfg.rope_theta, 1.0, 0
-        self.inv_freq = inv_frequencies(self.dim, theta, factor, original, cfg.beta_fast, cfg.beta_slow)
-        self._key = (self.dim, theta, factor, original, cfg.beta_fast, cfg.beta_slow)  # the frequency set
+            self.inv_freq = inv_frequencies(self.dim, cfg.rope_theta, 1.0, 0, cfg.beta_fast, cfg.beta_slow)
         self._by_device: dict[torch.device, torch.Tensor] = {}
 
     def _freq_on(self, device: torch.device) -> torch.Tensor:
@@ -69,20 +56,6 @@ class Rope:
         if cached is None:
             cached = self._by_device[device] = self.inv_freq.to(device)
         return cached
-
-    def table_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`rope_table` of the first TABLE_POSITIONS positions on a CUDA device, made once per frequency set
-        and device and shared by every layer that uses the set; None elsewhere (the CPU computes its angles),
-        and while a CUDA graph is being captured before the table exists (it is made eagerly, not recorded)."""
-        if device.type != "cuda":
-            return None
-        key = (self._key, device)
-        table = _TABLES.get(key)
-        if table is None:
-            if torch.cuda.is_current_stream_capturing():
-                return None
-            table = _TABLES[key] = rope_table(self._freq_on(device), TABLE_POSITIONS)
-        return table
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x [b, s, (h,) dim] rotated at positions [s]; inverse=True undoes the rotation (`ops.rope_tail`
@@ -101,5 +74,4 @@ def apply_rope_tail(x: torch.Tensor, rope: Rope, positions: torch.Tensor, invers
     """Rotate only the last `rope.dim` dims of x (the RoPE dims of a V4 head), leave the rest. At inference
     (`in_place_ok`) x - a tensor the caller has just made and owns - is rotated in place: the kernel then
     reads and writes its tail only, not the whole head."""
-    dev = positions.device
-    return ops.rope_tail(x, positions, rope._freq_on(dev), inverse, inplace=in_place_ok(), table=rope.table_on(dev))
+    return ops.rope_tail(x, positions, rope._freq_on(positions.device), inverse, inplace=in_place_ok())

@@ -261,12 +261,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def rope_tail(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    inverse: bool = False,
-    inplace: bool = False,
-    table: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False, inplace: bool = False
 ) -> torch.Tensor:
     """Rotary embedding of the last `r = 2 * inv_freq.numel()` dims of x, the first `d - r` unchanged.
 
@@ -275,8 +270,6 @@ def rope_tail(
     `y0 = x0 cos - x1 sin`, `y1 = x0 sin + x1 cos` in fp32 (`inverse`: sin negated, the inverse rotation),
     cast to x's dtype. Differentiable in x (the gradient is the inverse rotation; the rest passes through).
     `inplace=True` writes the rotated tail into x and returns x (inference: refused where autograd records).
-    `table`: (cos, sin) [n, r/2] fp32, these angles' cos and sin for positions [0, n) as computed here
-    (`dsv4.model.rope.rope_table`); a backend may read them there instead (the definition computes them).
     """
     r = 2 * inv_freq.numel()
     if inplace:

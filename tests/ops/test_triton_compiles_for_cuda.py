@@ -89,11 +89,6 @@ for cols in (9, 13):  # ... and how the next step reads it (greedy and sampled c
     ints[:, 5] = torch.arange(B)
     ops.read_carry(ints, torch.zeros(8, 6, dtype=torch.long), torch.zeros(8, 5, dtype=torch.long),
                    torch.zeros(8, 5, dtype=torch.long), 7, backend="triton")
-from dsv4.model.rope import rope_table  # RoPE reading its cos / sin table (what a GPU passes), in place or not
-f = 1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
-for inplace in (False, True):
-    ops.rope_tail(torch.randn(1, 5, 2, 128).bfloat16(), torch.arange(5), f, inplace=inplace,
-                  table=rope_table(f, 8), backend="triton")
 for dt in (torch.float32, torch.bfloat16):  # the verified tokens' log-probabilities
     ops.token_logprobs(torch.randn(B, 300).to(dt), torch.arange(B), backend="triton")
 for dt in (torch.bfloat16, torch.float32):  # the fixed-plan GEMM with K split (a narrow weight, a long K)

@@ -301,63 +301,6 @@ def test_rope_many_tokens_and_odd_head_counts_match_the_reference():
         assert torch.equal(bits(got[..., :-32]), bits(x[..., :-32]))
 
 
-def test_rope_table_is_read_below_its_length_and_computed_beyond():
-    """With a table of n positions, a program whose rows all lie below n reads the table, any other computes
-    its angles (a position crossing n, a negative one): the table here is marked (cos 1, sin 0, the identity)
-    so that what read it shows; then the true table (`rope_table`) gives the reference's results, in place and
-    not, forward and inverse, with the gradient through it."""
-    from dsv4.model.rope import rope_table
-
-    f = freqs(64)
-    n = 300
-    x = torch.randn(1, 700, 2, 128, device=DEV)
-    pos = torch.arange(700, device=DEV)  # programs below 300, across it, above it
-    mark = (torch.ones(n, 32, device=DEV), torch.zeros(n, 32, device=DEV))
-    got = ops.rope_tail(x, pos, f, table=mark, backend="triton")
-    want = ref.rope_tail(x, pos, f)
-    rows = nr._rope_rows(x.size(1) * x.size(2), 32, 64)  # rows (token x head) per program
-    first = (n * 2 // rows) * rows // 2  # the first token of the program that holds position n
-    assert torch.equal(got[:, :first], x[:, :first])  # the marked identity: read
-    check_close(got[:, first:], want[:, first:])  # computed: the programs from the one holding n
-    table = rope_table(f, n)
-    for inverse in (False, True):
-        want = ref.rope_tail(x, pos, f, inverse)
-        check_close(ops.rope_tail(x, pos, f, inverse, table=table, backend="triton"), want)
-        check_close(ops.rope_tail(x.clone(), pos, f, inverse, inplace=True, table=table, backend="triton"), want)
-    g = torch.randn_like(x)
-    xr = x.clone().requires_grad_()
-    ops.rope_tail(xr, pos, f, table=mark, backend="triton").backward(g)
-    assert torch.equal(xr.grad[:, :first], g[:, :first])  # the backward reads it too
-    neg = torch.arange(700, device=DEV) - 5  # (a negative position: its program computes)
-    check_close(ops.rope_tail(x, neg, f, table=mark, backend="triton")[:, :2], ref.rope_tail(x, neg, f)[:, :2])
-
-
-def test_rope_table_values_are_the_references():
-    """`rope_table` holds cos / sin of position * inv_freq as the reference computes them (one fp32 ulp: a
-    CPU's vectorized cos may round its last bit by lane), and a layer's table is shared, made on CUDA only."""
-    from dsv4.config import ModelConfig
-    from dsv4.model.rope import Rope, rope_table
-
-    f = freqs(64)
-    pos = torch.tensor([0, 1, 2, 77, 4095, 60000], device=DEV)
-    cos, sin = rope_table(f, 65536)
-    angles = torch.outer(pos.float(), f)
-    for got, want in ((cos[pos], angles.cos()), (sin[pos], angles.sin())):
-        assert (got - want).abs().max().item() <= 2.0**-23
-    cfg = ModelConfig.preset("tiny")
-    a, b = Rope(cfg, compressed=True), Rope(cfg, compressed=True)
-    assert a.table_on(torch.device("cpu")) is None
-    if CUDA:
-        dev = torch.device(DEV)
-        assert a.table_on(dev) is b.table_on(dev)
-        c = Rope(cfg, compressed=False).table_on(dev)
-        assert not torch.equal(c[0], a.table_on(dev)[0])  # another frequency set, another table
-        x = torch.randn(2, 9, 4, 128, device=DEV)
-        p = torch.arange(9, device=DEV) * 1000
-        want = ref.rope_tail(x, p, a._freq_on(dev))
-        assert torch.equal(ops.rope_tail(x, p, a._freq_on(dev), table=a.table_on(dev), backend="triton"), want)
-
-
 def test_rope_refusals(monkeypatch):
     f = freqs(64)
     x = torch.randn(2, 4, 128, device=DEV)
@@ -372,11 +315,6 @@ def test_rope_refusals(monkeypatch):
         ops.rope_tail(x, pos, freqs(256), backend="triton")
     with pytest.raises(ops.BackendUnavailable, match="inv_freq"):
         ops.rope_tail(x, pos, f.double(), backend="triton")
-    cos = torch.ones(8, 32, device=DEV)
-    with pytest.raises(ops.BackendUnavailable, match="table sin"):
-        ops.rope_tail(x, pos, f, table=(cos, cos[:4]), backend="triton")
-    with pytest.raises(ops.BackendUnavailable, match="table cos"):
-        ops.rope_tail(x, pos, f, table=(cos.double(), cos), backend="triton")
     if not CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ops.BackendUnavailable, match="CUDA"):

@@ -171,9 +171,6 @@ def _rope_kernel(
     sos,
     soh,
     pos_stride,
-    cos_ptr,
-    sin_ptr,
-    n_table,
     NOPE: tl.constexpr,
     BNOPE: tl.constexpr,
     RH: tl.constexpr,
@@ -183,11 +180,9 @@ def _rope_kernel(
     INTERP: tl.constexpr,
     RNE_BF16: tl.constexpr,
     COPY_NOPE: tl.constexpr,
-    HAS_TABLE: tl.constexpr,
 ):
     """BR rows (b, s, h) of x: copy the first NOPE dims (unless out is x: COPY_NOPE False), rotate the RH
-    interleaved pairs after them. HAS_TABLE: cos / sin [n_table, RH] fp32 of positions [0, n_table), read
-    where every row of the program lies in the table (else computed, as without one)."""
+    interleaved pairs after them."""
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)
     rmask = rows < R
@@ -210,25 +205,15 @@ def _rope_kernel(
     mt = rmask[:, None] & (c2 < 2 * RH)[None, :]
     tail = tl.load(xrow[:, None] + NOPE + c2[None, :], mask=mt, other=0.0).to(tl.float32)
     x0, x1 = tl.split(tl.reshape(tail, (BR, BRH, 2)))  # [BR, BRH] each
-    ipos = tl.load(pos_ptr + si * pos_stride, mask=rmask, other=0)  # [BR]
-    listed = False
-    if HAS_TABLE:
-        listed = (tl.max(ipos, axis=0) < n_table) & (tl.min(ipos, axis=0) >= 0)
-    if listed:  # the cached values (`rope_table`): no trigonometry in the kernel
-        at = ipos.to(tl.int64)[:, None] * RH + j[None, :]
-        tm = rmask[:, None] & jmask[None, :]
-        cs = tl.load(cos_ptr + at, mask=tm, other=0.0)
-        sn = tl.load(sin_ptr + at, mask=tm, other=0.0)
+    pos = tl.load(pos_ptr + si * pos_stride, mask=rmask, other=0).to(tl.float32)  # [BR]
+    f = tl.load(f_ptr + j, mask=jmask, other=0.0).to(tl.float32)  # [BRH]
+    ang = pos[:, None] * f[None, :]
+    if INTERP:
+        cs = tl.cos(ang)
+        sn = tl.sin(ang)
     else:
-        pos = ipos.to(tl.float32)
-        f = tl.load(f_ptr + j, mask=jmask, other=0.0).to(tl.float32)  # [BRH]
-        ang = pos[:, None] * f[None, :]
-        if INTERP:
-            cs = tl.cos(ang)
-            sn = tl.sin(ang)
-        else:
-            cs = libdevice.cos(ang)
-            sn = libdevice.sin(ang)
+        cs = libdevice.cos(ang)
+        sn = libdevice.sin(ang)
     if INVERSE:
         sn = -sn
     a = x0 * cs
@@ -404,22 +389,8 @@ def _norm_can_run(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> s
 
 
 # ----------------------------------------------------------------------------- rope_tail
-def _rope_rows(rows: int, brh: int, nope: int) -> int:
-    """Rows per program: 4096 // the row's padded width (in place too: 128 rows of a 64-dim tail per program
-    made a 1,600-token step's RoPE 1.48 ms against 0.41 ms with 8 rows on an H200), and few enough rows
-    that the grid keeps about 512 programs (a batch-64 decode step's 4,096 head rows as 32 programs of 128
-    took 0.73 ms per step against 0.06 ms as 512 programs of 8)."""
-    width = max(brh, triton.next_power_of_2(max(nope, 1)))
-    return max(1, min(4096 // width, triton.next_power_of_2(triton.cdiv(rows, 512))))
-
-
 def _rope_launch(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    inverse: bool,
-    inplace: bool = False,
-    table: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool, inplace: bool = False
 ) -> torch.Tensor:
     """-> x rotated (a new tensor; inplace=True: x itself, its tail rewritten, the rest not touched)."""
     s, d = x.size(1), x.size(-1)
@@ -427,7 +398,7 @@ def _rope_launch(
     if positions.numel() not in (1, s):
         raise ValueError(f"rope_tail: {positions.numel()} positions for {s} tokens")
     if inplace and x.stride(-1) != 1:  # the kernel addresses rows through strides, dims contiguously
-        return x.copy_(_rope_launch(x, positions, inv_freq, inverse, table=table))
+        return x.copy_(_rope_launch(x, positions, inv_freq, inverse))
     out = x if inplace else _alloc(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return out
@@ -438,10 +409,14 @@ def _rope_launch(
     rows = b * s * h
     nope = d - 2 * rh
     brh = triton.next_power_of_2(rh)
-    br = _rope_rows(rows, brh, nope)
+    # rows per program: 4096 // the row's padded width (in place too: 128 rows of a 64-dim tail per program
+    # made a 1,600-token step's RoPE 1.48 ms against 0.41 ms with 8 rows on an H200), and few enough rows
+    # that the grid keeps about 512 programs (a batch-64 decode step's 4,096 head rows as 32 programs of 128
+    # took 0.73 ms per step against 0.06 ms as 512 programs of 8)
+    width = max(brh, triton.next_power_of_2(max(nope, 1)))
+    br = max(1, min(4096 // width, triton.next_power_of_2(triton.cdiv(rows, 512))))
     pos = positions if positions.stride(0) == 1 or positions.numel() == 1 else positions.contiguous()
     freq = inv_freq if inv_freq.stride(0) == 1 else inv_freq.contiguous()
-    cos, sin = table if table is not None else (freq, freq)  # (unread without a table)
     _rope_k[(triton.cdiv(rows, br),)](
         x4,
         pos,
@@ -457,9 +432,6 @@ def _rope_launch(
         o4.stride(1),
         o4.stride(2),
         0 if positions.numel() == 1 else pos.stride(0),
-        cos,
-        sin,
-        cos.size(0) if table is not None else 0,
         NOPE=nope,
         BNOPE=triton.next_power_of_2(max(nope, 1)),
         RH=rh,
@@ -469,7 +441,6 @@ def _rope_launch(
         INTERP=interpret_mode(),
         RNE_BF16=_bf16_fix(x.dtype),
         COPY_NOPE=not inplace,
-        HAS_TABLE=table is not None,
         num_warps=4,
         **_launch_opts(),
     )
@@ -480,51 +451,34 @@ class _RopeTail(torch.autograd.Function):
     """Linear in x: the gradient is the inverse rotation of the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool, table):
+    def forward(ctx, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool):
         ctx.save_for_backward(positions, inv_freq)
-        ctx.inverse, ctx.table = inverse, table
-        return _rope_launch(x, positions, inv_freq, inverse, table=table)
+        ctx.inverse = inverse
+        return _rope_launch(x, positions, inv_freq, inverse)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         positions, inv_freq = ctx.saved_tensors
-        return _rope_launch(grad, positions, inv_freq, not ctx.inverse, table=ctx.table), None, None, None, None
+        return _rope_launch(grad, positions, inv_freq, not ctx.inverse), None, None, None
 
 
 def triton_rope_tail(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    inverse: bool = False,
-    inplace: bool = False,
-    table: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False, inplace: bool = False
 ) -> torch.Tensor:
     if inplace:
         check_inplace(x)
-        return _rope_launch(x, positions, inv_freq, inverse, inplace=True, table=table)
+        return _rope_launch(x, positions, inv_freq, inverse, inplace=True)
     if torch.is_grad_enabled() and x.requires_grad:
-        return _RopeTail.apply(x, positions, inv_freq, inverse, table)
-    return _rope_launch(x.detach(), positions, inv_freq, inverse, table=table)
+        return _RopeTail.apply(x, positions, inv_freq, inverse)
+    return _rope_launch(x.detach(), positions, inv_freq, inverse)
 
 
 def _rope_can_run(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    inverse: bool = False,
-    inplace: bool = False,
-    table: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False, inplace: bool = False
 ) -> str | None:
-    reason = device_reason(x, positions, inv_freq, *(table or ()))
+    reason = device_reason(x, positions, inv_freq)
     if reason:
         return reason
-    if table is not None:
-        cos, sin = table
-        want = (cos.size(0) if cos.dim() == 2 else -1, inv_freq.numel())
-        for name, t in (("cos", cos), ("sin", sin)):
-            if t.dim() != 2 or tuple(t.shape) != want or t.dtype != torch.float32 or not t.is_contiguous():
-                got = f"{tuple(t.shape)} {t.dtype}"
-                return f"table {name} must be contiguous fp32 [n, {inv_freq.numel()}] as the other, got {got}"
     if x.dtype not in DTYPES:
         return f"dtype {x.dtype} (need fp32, bf16 or fp16)"
     if x.dim() not in (3, 4):
