@@ -1,6 +1,6 @@
 """Serving-step kernels by launch plan, on one GPU: what `dsv4.ops.triton` should pick (diagnostic figures).
 
-    python3 scripts/bench_step_kernels.py [--only draw hc_pre pad accept plan route step indexer rope moe] [--out FILE]
+    python3 scripts/bench_step_kernels.py [--only draw hc_pre pad accept plan route step indexer moe] [--out FILE]
 
 - draw: the fused token draw (`gumbel_argmax`, backend "triton") of B rows (64, 256) of a 32,768-token
   vocabulary (fp32 logits, temperature 1) by columns per program (`split`) and warps; every plan must
@@ -25,8 +25,6 @@
   8,192 positions per sequence: 2,048 candidates per row) for 64 and 256 rows, sequences at position 300
   and 8,000: the keys gathered by their candidates first (`keys[cand]`, as before 331e288) against the
   kernel reading the pool through the candidates; the same picks (asserted).
-- rope: `rope_tail` in place on [1, T, h, 512] bf16 heads (`small`'s q / o and kv rows), its angles computed
-  in the kernel against read from `rope_table`; both must rotate the same bits (asserted).
 - moe: the routed experts (`moe_experts`, backend "triton", `small`'s 32 experts, top-4) at 256 to 8,192
   tokens: the autotuned tiles as they are, every row tile of 64, and a wider list of tile configs.
 - pad: the raw graphed decode step (`model.decode_step`, `small` preset) at b and b + 1 rows: the price of
@@ -219,23 +217,6 @@ def pad(dev: torch.device, show) -> None:
         show(f"raw decode rows={b} ms", [round(statistics.median(ms), 3), round(min(ms), 3), round(max(ms), 3)])
 
 
-def rope(dev: torch.device, show) -> None:
-    from dsv4.model.rope import TABLE_POSITIONS, rope_table
-
-    inv = (1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)).to(dev)
-    table = rope_table(inv, TABLE_POSITIONS)
-    for tokens, heads in ((256, 16), (1340, 16), (1340, 1), (4096, 16)):  # q / o heads and kv rows of `small`
-        x = torch.randn(1, tokens, heads, 512, device=dev, dtype=torch.bfloat16)
-        pos = torch.arange(1000, 1000 + tokens, device=dev)
-        a, b = x.clone(), x.clone()
-        ops.rope_tail(a, pos, inv, inplace=True, backend="triton")
-        ops.rope_tail(b, pos, inv, inplace=True, table=table, backend="triton")
-        assert torch.equal(a, b), "the table changed the rotation"
-        for name, tab in (("computed", None), ("table", table)):
-            call = partial(ops.rope_tail, x, pos, inv, inplace=True, table=tab, backend="triton")
-            show(f"rope tokens={tokens} heads={heads} in place, {name} us", us(time_ms(call)))
-
-
 def moe(dev: torch.device, show) -> None:
     import triton
 
@@ -277,7 +258,7 @@ def moe(dev: torch.device, show) -> None:
 
 
 SECTIONS = {"draw": draw, "hc_pre": hc_pre, "pad": pad, "accept": accept, "plan": plan, "route": route, "step": step}
-SECTIONS |= {"indexer": indexer, "rope": rope, "moe": moe}
+SECTIONS |= {"indexer": indexer, "moe": moe}
 
 
 def main(argv: list[str] | None = None) -> int:
