@@ -260,8 +260,7 @@ class CacheManager:
             return 0
         P = self.P
         self.queries += len(tokens)
-        hashes = page_hashes(tokens, P, (len(tokens) - 1) // P)
-        wkeys = self._window_keys(hashes, tokens)
+        hashes, wkeys = self.prompt_keys(tokens)
         m = self._servable(hashes, wkeys)  # pages reused
         if m == 0:
             return 0
@@ -284,12 +283,16 @@ class CacheManager:
         self.hits += m * P
         return m * P
 
-    def cached_prefix(self, hashes: list[bytes], tokens: list[int]) -> int:
-        """The positions `match` would serve from the cache for a prompt of these tokens and page hashes (the
-        first (len(tokens) - 1) // P pages' `page_hashes`), now, without taking anything."""
-        if not self.prefix_caching:
-            return 0
-        return self._servable(hashes, self._window_keys(hashes, tokens)) * self.P
+    def prompt_keys(self, tokens: list[int]) -> tuple[list[bytes], list[bytes]]:
+        """(page hashes, window page keys) of the pages a prompt of these tokens may reuse: its first
+        (len(tokens) - 1) // P pages (one token is always left to compute)."""
+        hashes = page_hashes(tokens, self.P, (len(tokens) - 1) // self.P)
+        return hashes, self._window_keys(hashes, tokens)
+
+    def cached_prefix(self, keys: tuple[list[bytes], list[bytes]]) -> int:
+        """The positions `match` would serve from the cache for a prompt of these `prompt_keys`, now, without
+        taking anything."""
+        return self._servable(*keys) * self.P if self.prefix_caching else 0
 
     def _window_keys(self, hashes: list[bytes], tokens: list[int]) -> list[bytes]:
         """The window pages' cache keys: their hashes, or with `next_token_keys` each hash with the token

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .cache_manager import CacheManager, page_hashes
+from .cache_manager import CacheManager
 from .sequence import Sequence, Status
 
 
@@ -205,10 +205,10 @@ class Scheduler:
         m = self.manager
         if not (m.prefix_caching and m.cached_w) or seq.computed or seq.n_pending:
             return seq.n_tokens - seq.computed
-        n_pages = (len(seq.tokens) - 1) // m.P
-        if len(seq.page_hashes) != n_pages:  # (hashed once while it waits; a preempted one's tokens grew)
-            seq.page_hashes = page_hashes(seq.tokens, m.P, n_pages)
-        return seq.n_tokens - m.cached_prefix(seq.page_hashes, seq.tokens)
+        # (keyed once while it waits; a preempted one's tokens grew)
+        if len(seq.page_keys[0]) != (len(seq.tokens) - 1) // m.P:
+            seq.page_keys = m.prompt_keys(seq.tokens)
+        return seq.n_tokens - m.cached_prefix(seq.page_keys)
 
     def _plan(self, decoding: list[Sequence], chunked: list[Sequence], reserve: int = 0) -> list[Scheduled]:
         """reserve: tokens of decode rows that run beside this plan in a step of their own (`admit`)."""

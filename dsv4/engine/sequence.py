@@ -68,7 +68,8 @@ class Sequence:
     drafts: list[int] = field(default_factory=list)  # speculative: tokens the MTP block proposes next
     draft_q: torch.Tensor | None = None  # their draft distributions [len(drafts), vocab] float64
     heal: bytes = b""  # token healing: what the next tokens must still spell (UTF-8)
-    page_hashes: list[bytes] = field(default_factory=list)  # while waiting: its tokens' (scheduler's burst rule)
+    # while waiting: its prompt's `CacheManager.prompt_keys` (the scheduler's burst rule)
+    page_keys: tuple[list[bytes], list[bytes]] = field(default_factory=lambda: ([], []))
 
     @property
     def params(self) -> SamplingParams:

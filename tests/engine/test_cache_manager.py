@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4.engine.cache_manager import CacheManager, page_hashes
+from dsv4.engine.cache_manager import CacheManager
 from dsv4.model.paged import CacheLayout
 
 P = 16
@@ -37,11 +37,7 @@ def test_a_page_is_served_where_the_next_token_allows(next_token_keys):
     other_next = base[:P] + [9, 10, 11]
     assert m.match(m.new_sequence(), same_next) == P
     assert m.match(m.new_sequence(), other_next) == (0 if next_token_keys else P)
-    assert m.cached_prefix(m_hashes(other_next), other_next) == (0 if next_token_keys else P)
-
-
-def m_hashes(tokens: list[int]) -> list[bytes]:
-    return page_hashes(tokens, P, (len(tokens) - 1) // P)
+    assert m.cached_prefix(m.prompt_keys(other_next)) == (0 if next_token_keys else P)
 
 
 def test_a_window_page_is_offered_once_its_next_token_is_known():
