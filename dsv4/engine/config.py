@@ -76,6 +76,8 @@ class EngineConfig:
             sizes,
             max_prefill_tokens=prefill,
             prefill_slot_sizes=prefill_sizes,
+            resume_decoding=bool(self.speculative),
+            draft_lookahead=self.speculative + 1 if runner.mtp else 0,  # (the next drafts' MTP rows)
         )
 
 

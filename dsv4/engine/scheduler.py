@@ -7,7 +7,9 @@ The scheduler knows sequences and pages (`CacheManager`), not the model, so it c
 2. waiting sequences are admitted (prefix cache looked up first) while the budget, the running limit and
    the free pages allow;
 3. when a running sequence needs a page and none is free, the most recently admitted sequence that is not
-   in this step yet is preempted: its pages are released and it is recomputed later from its tokens.
+   in this step yet is preempted: its pages are released and it is recomputed later from its tokens (in a
+   speculative engine, up to its last token, `Sequence.resume`: its next step then verifies the drafts it
+   kept, as it would have without the preemption).
 
 Prompt chunks are counted in slots of `chunk_len` tokens (a chunk of n tokens takes ceil(n / chunk_len)
 slots of the step's budget): a GPU step lays chunks out in fixed slots so that it can be replayed from a
@@ -48,6 +50,12 @@ class SchedulerConfig:
     # of slot_sizes or prefill_slot_sizes (the runner's buckets without decode rows)
     max_prefill_tokens: int = 0
     prefill_slot_sizes: tuple[int, ...] = ()
+    # speculative engines: a sequence preempted after generating keeps its drafts and is recomputed up to its
+    # last token only, so that its next step is the one it would have run without the preemption
+    resume_decoding: bool = False
+    # positions past a decoding row that its step writes after the row (the MTP block's next drafts: k + 1),
+    # allocated with the row, so that whether a sequence drafts never depends on the memory left
+    draft_lookahead: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -74,10 +82,12 @@ class Scheduler:
         manager: CacheManager,
         on_prefix_hit: Callable[[Sequence, int], None] | None = None,
         stats: dict | None = None,
+        on_preempt: Callable[[Sequence], None] | None = None,
     ):
         self.config = config
         self.manager = manager
         self.on_prefix_hit = on_prefix_hit  # (seq, positions served): restore its ring from the cache
+        self.on_preempt = on_preempt  # (seq): a resuming sequence's pages are about to go back
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = itertools.count()
@@ -118,8 +128,13 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     def preempt(self, seq: Sequence) -> None:
-        """Give a running sequence's pages back; it is recomputed from its tokens when readmitted."""
-        seq.drafts, seq.draft_q = [], None
+        """Give a running sequence's pages back; it is recomputed from its tokens when readmitted (resuming:
+        up to its last token, its drafts kept; `on_preempt` sees it first)."""
+        seq.resume = self.config.resume_decoding and seq.n_generated > 0 and not seq.n_pending
+        if seq.resume and self.on_preempt is not None:
+            self.on_preempt(seq)
+        if not seq.resume:
+            seq.drafts, seq.draft_q = [], None
         self.running.remove(seq)
         self.manager.release(seq.pages)
         seq.pages, seq.computed, seq.status = None, 0, Status.WAITING
@@ -197,18 +212,19 @@ class Scheduler:
         newcomers = list(itertools.islice(self.waiting, max(0, c.max_seqs - len(self.running))))
         if len(chunked) + len(newcomers) <= len(decoding):
             return False
-        tokens = sum(s.n_tokens - s.computed for s in chunked) + sum(self._uncached(s) for s in newcomers)
+        tokens = sum(s.known_end - s.computed for s in chunked) + sum(self._uncached(s) for s in newcomers)
         return tokens > c.max_batch_tokens - len(decoding)
 
     def _uncached(self, seq: Sequence) -> int:
         """The tokens a waiting sequence would compute if admitted now: less what the prefix cache serves."""
         m = self.manager
+        end = seq.known_end
         if not (m.prefix_caching and m.cached_w) or seq.computed or seq.n_pending:
-            return seq.n_tokens - seq.computed
+            return end - seq.computed
         # (keyed once while it waits; a preempted one's tokens grew)
-        if len(seq.page_keys[0]) != (len(seq.tokens) - 1) // m.P:
-            seq.page_keys = m.prompt_keys(seq.tokens)
-        return seq.n_tokens - m.cached_prefix(seq.page_keys)
+        if len(seq.page_keys[0]) != (end - 1) // m.P:
+            seq.page_keys = m.prompt_keys(seq.tokens[:end])
+        return end - m.cached_prefix(seq.page_keys)
 
     def _plan(self, decoding: list[Sequence], chunked: list[Sequence], reserve: int = 0) -> list[Scheduled]:
         """reserve: tokens of decode rows that run beside this plan in a step of their own (`admit`)."""
@@ -218,11 +234,13 @@ class Scheduler:
         budget = c.max_batch_tokens - reserve
         plan: list[Scheduled] = []
         planned: set[int] = set()
+        look = c.draft_lookahead
         for seq in decoding:
             if budget <= 0:
                 break
-            # the common row, planned here: one token inside a page it has already started (no allocation)
-            if seq.running and not seq.drafts and seq.computed % P:
+            # the common row, planned here: one token inside a page it has already started (no allocation;
+            # with a draft lookahead, where that too stays inside the page)
+            if seq.running and not seq.drafts and seq.computed % P and (seq.computed + look) // P == seq.computed // P:
                 if self._done(seq):
                     continue
                 plan.append(Scheduled(seq, 1))
@@ -254,8 +272,9 @@ class Scheduler:
             pages = self.manager.new_sequence()
             if pages is None:
                 break
-            cached = self.manager.match(pages, seq.tokens) if seq.computed == 0 else 0
-            n = min((budget // L) * L, len(seq.tokens) - cached, self._chunk_cap())
+            end = seq.known_end  # (its tokens all on the host: no token on its way)
+            cached = self.manager.match(pages, seq.tokens[:end]) if seq.computed == 0 else 0
+            n = min((budget // L) * L, end - cached, self._chunk_cap())
             reserve = (watermark[0] + at_edge, watermark[1] + at_edge) if self.running and not self.roomy else (0, 0)
             if not (
                 self.manager.can_fit(cached, cached + n, reserve) and self.manager.allocate(pages, cached, cached + n)
@@ -288,13 +307,16 @@ class Scheduler:
         if not seq.running or self._done(seq):  # (preempted by an earlier one in this step)
             return 0
         if seq.prefilling:
-            n = min(seq.n_tokens - seq.computed, (budget // L) * L, self._chunk_cap())
+            n = min(seq.known_end - seq.computed, (budget // L) * L, self._chunk_cap())
             if n <= 0:
                 return 0
         else:
             n = 1 + len(seq.drafts)
+        end = self._row_end(seq, n)
         # (a one-token row inside a page it has already started needs no new page)
-        while (n > 1 or seq.computed % P == 0) and not self.manager.allocate(seq.pages, seq.computed, seq.computed + n):
+        while (n > 1 or seq.computed % P == 0 or (end - 1) // P != seq.computed // P) and not self.manager.allocate(
+            seq.pages, seq.computed, end
+        ):
             victim = max((s for s in self.running if id(s) not in planned), key=lambda s: s.admitted_at)
             self.preempt(victim)
             if victim is seq:
@@ -304,6 +326,13 @@ class Scheduler:
         plan.append(Scheduled(seq, n))
         planned.add(id(seq))
         return self._slots(n) * L if seq.prefilling else n
+
+    def _row_end(self, seq: Sequence, n: int) -> int:
+        """The end of the positions a row of n tokens needs pages for: a decoding row's step writes
+        `draft_lookahead` more (within max_model_len)."""
+        if seq.prefilling:
+            return seq.computed + n
+        return min(seq.computed + n + self.config.draft_lookahead, self.config.max_model_len)
 
     def _chunk_cap(self) -> int:
         """The most tokens of one sequence's prompt in a step: max_batch_tokens in whole slots (a larger

@@ -68,6 +68,10 @@ class Sequence:
     drafts: list[int] = field(default_factory=list)  # speculative: tokens the MTP block proposes next
     draft_q: torch.Tensor | None = None  # their draft distributions [len(drafts), vocab] float64
     heal: bytes = b""  # token healing: what the next tokens must still spell (UTF-8)
+    # speculative engines: preempted after generating, it is recomputed up to its last token only (which its
+    # next step verifies with the drafts it kept, as it would have without the preemption)
+    resume: bool = False
+    draft_logits: torch.Tensor | None = None  # kept through a preemption: the logits that drew its drafts
     # while waiting: its prompt's `CacheManager.prompt_keys` (the scheduler's burst rule)
     page_keys: tuple[list[bytes], list[bytes]] = field(default_factory=lambda: ([], []))
 
@@ -88,6 +92,12 @@ class Sequence:
     def prefilling(self) -> bool:
         """Still computing known tokens (its prompt, or its tokens again after a preemption)."""
         return self.computed < self.n_tokens - 1
+
+    @property
+    def known_end(self) -> int:
+        """Where its computing of known tokens stops: its length (the last chunk draws the next token), or,
+        resuming after a preemption, its last position (which its next decode row computes)."""
+        return self.n_tokens - 1 if self.resume else self.n_tokens
 
     @property
     def running(self) -> bool:

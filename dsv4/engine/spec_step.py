@@ -133,6 +133,7 @@ class SpeculativeSteps:
             else None
         )
         self.drafter = self.new_drafter()
+        engine.scheduler.on_preempt = self._keep_draft_logits
         self.graphs: dict[tuple[int, int, bool], FixedStepGraph] = {}
         self.stats = new_stats()
         self._aux = None  # a follower: what the last VERIFY left for the DRAFT after it
@@ -189,6 +190,7 @@ class SpeculativeSteps:
             done = e._process(admitted)
         t0 = time.perf_counter()
         plan = e.scheduler.schedule()
+        self._restore_draft_logits(plan)
         t1 = time.perf_counter()
         if not plan:
             return done
@@ -228,7 +230,8 @@ class SpeculativeSteps:
             if seq.computed + n <= seq.prompt_len:
                 e.stats["prompt_tokens"] += n
             seq.computed += len(row.tokens) if not row.all_logits else len(emitted[id(seq)][0])
-            seq.drafts, seq.draft_q = [], None
+            if row.want_logits:  # (drafts verified, or none; a resuming recompute keeps its drafts)
+                seq.drafts, seq.draft_q = [], None
             for tok, lp in zip(*emitted.get(id(seq), ((), ()))):
                 if seq.finished:
                     break
@@ -312,7 +315,9 @@ class SpeculativeSteps:
         if not (r.mtp and r.pad):
             return False
         bucketed = [sch for sch in plan if self._bucketed(sch)]
-        if not bucketed or any(sch.seq.drafts or not SamplingTensors.plain([sch.seq.params]) for sch in bucketed):
+        if not bucketed or any(
+            (sch.seq.drafts and sch.want_logits) or not SamplingTensors.plain([sch.seq.params]) for sch in bucketed
+        ):  # (a resuming recompute's drafts wait for its next step)
             return False
         if sum(bool(sch.seq.heal) for sch in bucketed) > r.heal_rows:
             return False
@@ -342,6 +347,20 @@ class SpeculativeSteps:
     def _sampled(seqs: list[Sequence]) -> bool:
         """Whether a fixed-shape step of these sequences takes the sampled variant of `spec_step`."""
         return any(not s.params.greedy for s in seqs)
+
+    def _keep_draft_logits(self, seq: Sequence) -> None:
+        """`Scheduler.on_preempt`: a sampled sequence that resumes keeps the logits that drew its drafts (its
+        table row's are another sequence's from now on), which a fixed-shape step reads for their q."""
+        if seq.drafts and self.draft_store is not None and not seq.params.greedy:
+            seq.draft_logits = self.draft_store[seq.pages.state, : len(seq.drafts)].clone()
+
+    def _restore_draft_logits(self, plan: list[Scheduled]) -> None:
+        """Kept draft logits into the table row of a sequence readmitted after a preemption."""
+        for sch in plan:
+            seq = sch.seq
+            if seq.draft_logits is not None and seq.pages is not None:
+                self.draft_store[seq.pages.state, : seq.draft_logits.size(0)] = seq.draft_logits
+                seq.draft_logits = None
 
     def _fixed(self, plan: list[Scheduled]) -> list[StepOutput]:
         return self._fixed_finish(self._fixed_launch([sch.seq for sch in plan]))
@@ -404,6 +423,7 @@ class SpeculativeSteps:
             return []
         t0 = time.perf_counter()
         plan = e.scheduler.admit()
+        self._restore_draft_logits(plan)
         t1 = time.perf_counter()
         e.timing["schedule"] += t1 - t0
         # (a row of one token, a prompt of one token or all but one served by the prefix cache, is a decode's:

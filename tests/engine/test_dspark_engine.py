@@ -20,6 +20,7 @@ from dsv4.check.goldens import FP32_TOL
 from dsv4.check.inputs import check_config
 from dsv4.engine import Engine, EngineConfig, SamplingParams
 from dsv4.engine.dspark_step import AnchorRow, DSparkDrafter
+from dsv4.engine.scheduler import Scheduler
 from dsv4.loading import speculative_problem
 from dsv4.model.dspark import verify_length
 from dsv4.ops.precision import exact_accumulation
@@ -221,6 +222,26 @@ def test_sampled_dspark_is_reproducible_and_batch_invariant(model, prompts):
     assert busy == alone
     st = engine.spec_stats
     assert 0 < st["accepted"] < st["drafted"]  # sampled drafts of a random model: some kept, some not
+
+
+def test_a_sampled_sequence_preempted_for_memory_keeps_its_solo_tokens(model, monkeypatch):
+    """Four sampled requests outgrowing a small cache (test_speculative.py's test of the same name): a
+    sequence preempted with drafts is recomputed up to its last token, proposes its block again from the
+    same context there, and its tokens are its solo run's."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, model.cfg.vocab_size, (15,), generator=g).tolist() for _ in range(4)]
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=70 + i, ignore_eos=True) for i in range(4)]
+    alone = [run(model, [p], [params[i]], max_seqs=1, speculative=2)[0][0] for i, p in enumerate(prompts)]
+    carried: list[int] = []
+    preempt = Scheduler.preempt
+
+    def recording(self, seq):
+        carried.append(len(seq.drafts))
+        preempt(self, seq)
+
+    monkeypatch.setattr(Scheduler, "preempt", recording)
+    tight, _ = run(model, prompts, params, speculative=2, cache_pages=8, window_pages=10, prefix_caching=False)
+    assert tight == alone and any(carried)
 
 
 def test_the_drafter_verifies_what_it_drew_from_the_sampler(model, prompts):

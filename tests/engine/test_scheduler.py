@@ -37,9 +37,14 @@ def make(
     slot_sizes: tuple[int, ...] = (),
     prefill: int = 0,
     prefill_sizes: tuple[int, ...] = (),
+    k: int = 0,
 ) -> Scheduler:
+    """k > 0: a speculative engine's scheduler with k drafts (it resumes preempted sequences, and a decoding
+    row's pages reach k + 1 positions past it for the MTP block's next drafts)."""
     layout = CacheLayout(P, window, (4, 16), n_window + 1, n_comp + 1, max_seqs, max_len, prefix)
-    config = SchedulerConfig(max_seqs, max_len, budget, chunk, prefix, slot_sizes, prefill, prefill_sizes)
+    config = SchedulerConfig(
+        max_seqs, max_len, budget, chunk, prefix, slot_sizes, prefill, prefill_sizes, bool(k), k + 1 if k else 0
+    )
     return Scheduler(config, CacheManager(layout, prefix))
 
 
@@ -394,3 +399,80 @@ def test_prompt_ids_are_checked_as_the_definition_says_whatever_the_list_holds()
         ids = [rng.choice(pool) if rng.random() < 0.2 else rng.randrange(-2, 10) for _ in range(rng.randrange(0, 6))]
         want = all(isinstance(t, int) and 0 <= t < 8 for t in ids)
         assert token_ids_ok(ids, 8) == want, ids
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_speculating_sequences_resume_where_the_preemption_found_them(seed):
+    """A speculative engine's scheduler (k drafts) under memory pressure, the model's part played as a verify:
+    a decoding row is [last token, drafts], a random number of drafts is accepted and k new drafts are made.
+    Every decoding row has pages for k + 1 positions past it (where the MTP block writes its next drafts, so
+    that whether a sequence drafts never depends on the memory left). A sequence preempted after generating
+    is recomputed up to its last token only, no row of the recompute draws a token, and its next row verifies
+    the drafts it had: the step it would have run without the preemption."""
+    rng = random.Random(seed)
+    k = rng.choice([1, 2, 3])
+    s = make(
+        n_window=rng.randint(10, 14),
+        n_comp=rng.randint(6, 9),
+        max_seqs=4,
+        budget=32,
+        chunk=4,
+        prefix=seed % 2 == 0,
+        k=k,
+    )
+    P, max_len = s.manager.P, s.config.max_model_len
+    reqs = []
+    for i in range(6):
+        n = rng.choice([5, 15, 16, 17, 30])
+        req = Request(str(i), [rng.randrange(2, 9) for _ in range(n)], SamplingParams(max_tokens=rng.randint(20, 50)))
+        req.sequences.append(Sequence(req, 0, list(req.prompt), seed=0, prompt_len=n))
+        reqs.append(req)
+        s.add(req.sequences[0])
+    at_preemption: dict[int, tuple[int, list[int]]] = {}  # a sequence preempted after generating -> (its length,
+    # its drafts) then
+    preempt = s.preempt
+
+    def recording(seq: Sequence) -> None:
+        if seq.n_generated:  # (one preempted in its prompt is recomputed as a prompt)
+            at_preemption[id(seq)] = (seq.n_tokens, list(seq.drafts))
+        preempt(seq)
+
+    s.preempt = recording
+    resumed = steps = 0
+    while s.has_work():
+        plan = s.schedule()
+        for r in plan:
+            seq = r.seq
+            assert seq.running
+            if not seq.prefilling:  # a decoding row: its positions and the next drafts' have pages
+                end = min(seq.computed + r.n + k + 1, max_len)
+                assert (seq.pages.ctable[seq.computed // P : (end - 1) // P + 1] > 0).all()
+                assert (seq.pages.wtable[max(seq.computed // P, seq.pages.trimmed) : (end - 1) // P + 1] > 0).all()
+            if id(seq) in at_preemption:
+                length, drafts = at_preemption[id(seq)]
+                if seq.prefilling:  # recomputing: up to its last token, drawing nothing
+                    assert seq.computed + r.n <= length - 1 and not r.want_logits and seq.drafts == drafts
+                else:  # its first row after the recompute: the verify it would have run
+                    assert seq.computed == length - 1 and r.n == 1 + len(drafts) and seq.drafts == drafts
+                    del at_preemption[id(seq)]
+                    resumed += 1
+        for r in plan:  # the model's part
+            seq, chunk, want = r.seq, r.seq.prefilling, r.want_logits
+            if not want:  # a chunk that draws nothing (a resuming one keeps its drafts)
+                seq.computed += r.n
+                continue
+            a = rng.randint(0, len(seq.drafts)) if r.verify else 0  # drafts accepted, then one token drawn
+            seq.tokens += seq.drafts[:a] + [rng.randrange(2, 9)]
+            seq.computed += r.n if chunk else a + 1
+            room = min(k, max_len - len(seq.tokens), seq.params.max_tokens - seq.n_generated - 1)
+            seq.drafts = [] if chunk else [rng.randrange(2, 9) for _ in range(max(room, 0))]  # (a prompt: none yet)
+            if seq.n_generated >= seq.params.max_tokens or len(seq.tokens) >= max_len:
+                s.finish(seq, "length")
+        s.after_step([r.seq for r in plan])
+        check_pages(s)
+        steps += 1
+        assert steps < 3000, "the traffic did not drain"
+    assert s.stats["preemptions"] > 0 and resumed > 0
+    assert all(req.finished for req in reqs)
+    m = s.manager
+    assert sorted(m.free_states) == list(range(m.layout.n_states))

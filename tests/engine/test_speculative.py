@@ -20,6 +20,7 @@ from dsv4 import DeepSeekV4
 from dsv4.check.inputs import check_config
 from dsv4.engine import Engine, EngineConfig, SamplingParams
 from dsv4.engine.sampling import STREAM_DRAFT, draw
+from dsv4.engine.scheduler import Scheduler
 from dsv4.engine.speculative import MAX_SPECULATIVE, Drafter, accept
 from dsv4.ops.precision import exact_accumulation
 
@@ -142,6 +143,40 @@ def test_sampled_speculation_is_reproducible_and_batch_invariant(model, prompts,
     ]
     busy, engine = run(model, prompts, params, arrivals=[0, 2, 3, 0, 7, 5], speculative=2, pad_steps=pad)
     assert busy == alone
+    assert (engine.spec_stats["fixed_steps"] > 0) == pad
+
+
+PRESSURE = [SamplingParams(max_tokens=40, temperature=1.0, seed=70 + i, ignore_eos=True) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def pressure(model) -> tuple[list[list[int]], list[list[int]]]:
+    """Four prompts of 15 tokens, and each one's tokens under `PRESSURE` alone (eager steps)."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, model.cfg.vocab_size, (15,), generator=g).tolist() for _ in range(4)]
+    return prompts, [run(model, [p], [PRESSURE[i]], max_seqs=1, speculative=2)[0][0] for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("pad,overlap", [(False, False), (True, False), (True, True)])
+def test_a_sampled_sequence_preempted_for_memory_keeps_its_solo_tokens(model, pressure, pad, overlap, monkeypatch):
+    """Four sampled requests whose outputs outgrow a small cache: running sequences are preempted while they
+    carry drafts. Each resumes where it was (recomputed up to its last token, its drafts kept, their logits
+    too), so its next step verifies the drafts it would have verified without the preemption, and its
+    tokens are its solo run's, on eager steps and on fixed-shape ones (sampled variant), overlapped or not.
+    (Before, the recompute drew the next token plainly: another sample from there on.)"""
+    prompts, alone = pressure
+    carried: list[int] = []  # drafts each preempted sequence carried
+    preempt = Scheduler.preempt
+
+    def recording(self, seq):
+        carried.append(len(seq.drafts))
+        preempt(self, seq)
+
+    monkeypatch.setattr(Scheduler, "preempt", recording)
+    config = dict(speculative=2, pad_steps=pad, overlap=overlap, chunk_len=8, prefix_caching=False)
+    tight, engine = run(model, prompts, PRESSURE, cache_pages=8, window_pages=10, **config)
+    assert tight == alone
+    assert any(carried) and engine.stats["preemptions"] == len(carried)
     assert (engine.spec_stats["fixed_steps"] > 0) == pad
 
 
