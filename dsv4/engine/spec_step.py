@@ -726,8 +726,10 @@ class SpeculativeSteps:
             # on every path (`_split`'s bucketed steps draft nothing)
             if end == len(seq.tokens) - 1 and not seq.heal and id(seq) not in self._prompt:
                 k = min(self.k, e.max_model_len - 1 - end, seq.params.max_tokens - seq.n_generated - 1)
+                # (the scheduler allocated these pages with the row, `SchedulerConfig.draft_lookahead`, so this
+                # guard never finds them missing: whether a sequence drafts must not depend on memory)
                 if k > 0 and not e.manager.allocate(seq.pages, end, end + k + 1):
-                    k = 0  # no pages for the drafts: decode plainly
+                    k = 0
             draft_rows.append(
                 DraftRow(
                     seg,
