@@ -318,6 +318,11 @@ class Scheduler:
             seq.pages, seq.computed, end
         ):
             victim = max((s for s in self.running if id(s) not in planned), key=lambda s: s.admitted_at)
+            if victim is seq and len(self.running) == 1:  # alone, and still short: it never could go on
+                raise RuntimeError(
+                    f"the cache cannot hold a sequence of {end} positions even alone: give the "
+                    "engine more cache pages or a smaller max_model_len"
+                )
             self.preempt(victim)
             if victim is seq:
                 break
@@ -329,10 +334,12 @@ class Scheduler:
 
     def _row_end(self, seq: Sequence, n: int) -> int:
         """The end of the positions a row of n tokens needs pages for: a decoding row's step writes
-        `draft_lookahead` more (within max_model_len)."""
+        `draft_lookahead` more, within max_model_len and the sequence's own last position (no drafts are
+        made past its max_tokens)."""
         if seq.prefilling:
             return seq.computed + n
-        return min(seq.computed + n + self.config.draft_lookahead, self.config.max_model_len)
+        last = min(self.config.max_model_len, seq.prompt_len + seq.params.max_tokens)
+        return max(seq.computed + n, min(seq.computed + n + self.config.draft_lookahead, last))
 
     def _chunk_cap(self) -> int:
         """The most tokens of one sequence's prompt in a step: max_batch_tokens in whole slots (a larger

@@ -204,6 +204,24 @@ def test_preemption_recomputes_the_same_tokens(model):
     assert tight == plain
 
 
+@pytest.mark.parametrize("speculative", [0, 2])
+def test_a_sequence_the_cache_cannot_hold_even_alone_is_an_error_not_a_loop(model, speculative):
+    """4 compressed pages hold 64 positions; a request growing past them with nothing else running cannot
+    go on. Its prompt chunks and first pages fit, so admission takes it; when its next row needs a page it
+    would preempt itself and be recomputed forever (it did, before). It is one clear error instead. (The
+    server refuses such a request at admission: `dsv4.serve.capacity`.)"""
+    engine = Engine(
+        model,
+        EngineConfig(max_seqs=2, max_batch_tokens=64, page_size=16, cache_pages=4, window_pages=4,
+                     prefix_caching=False, speculative=speculative, max_model_len=120),
+    )  # fmt: skip
+    engine.add_request("a", list(range(2, 17)), SamplingParams(max_tokens=100, temperature=1.0, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="cannot hold a sequence of .* positions even alone"):
+        for _ in range(200):
+            engine.step()
+    assert engine.stats["preemptions"] == 0
+
+
 def test_abort_and_finish_free_every_page(model, prompts):
     engine = Engine(model, EngineConfig(max_seqs=4, page_size=16, max_batch_tokens=32))
     free = engine.manager.free_pages()

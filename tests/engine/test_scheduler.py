@@ -405,10 +405,11 @@ def test_prompt_ids_are_checked_as_the_definition_says_whatever_the_list_holds()
 def test_speculating_sequences_resume_where_the_preemption_found_them(seed):
     """A speculative engine's scheduler (k drafts) under memory pressure, the model's part played as a verify:
     a decoding row is [last token, drafts], a random number of drafts is accepted and k new drafts are made.
-    Every decoding row has pages for k + 1 positions past it (where the MTP block writes its next drafts, so
-    that whether a sequence drafts never depends on the memory left). A sequence preempted after generating
-    is recomputed up to its last token only, no row of the recompute draws a token, and its next row verifies
-    the drafts it had: the step it would have run without the preemption."""
+    Every decoding row has pages for k + 1 positions past it, up to the sequence's last position (where the
+    MTP block writes its next drafts, so that whether a sequence drafts never depends on the memory left).
+    A sequence preempted after generating is recomputed up to its last token only, no row of the recompute
+    draws a token, and its next row verifies the drafts it had: the step it would have run without the
+    preemption."""
     rng = random.Random(seed)
     k = rng.choice([1, 2, 3])
     s = make(
@@ -445,7 +446,7 @@ def test_speculating_sequences_resume_where_the_preemption_found_them(seed):
             seq = r.seq
             assert seq.running
             if not seq.prefilling:  # a decoding row: its positions and the next drafts' have pages
-                end = min(seq.computed + r.n + k + 1, max_len)
+                end = min(seq.computed + r.n + k + 1, max_len, seq.prompt_len + seq.params.max_tokens)
                 assert (seq.pages.ctable[seq.computed // P : (end - 1) // P + 1] > 0).all()
                 assert (seq.pages.wtable[max(seq.computed // P, seq.pages.trimmed) : (end - 1) // P + 1] > 0).all()
             if id(seq) in at_preemption:
