@@ -134,6 +134,7 @@ class SpeculativeSteps:
         )
         self.drafter = self.new_drafter()
         engine.scheduler.on_preempt = self._keep_draft_logits
+        self._kept: list[Sequence] = []  # preempted sequences holding their draft logits (`_keep_draft_logits`)
         self.graphs: dict[tuple[int, int, bool], FixedStepGraph] = {}
         self.stats = new_stats()
         self._aux = None  # a follower: what the last VERIFY left for the DRAFT after it
@@ -190,7 +191,7 @@ class SpeculativeSteps:
             done = e._process(admitted)
         t0 = time.perf_counter()
         plan = e.scheduler.schedule()
-        self._restore_draft_logits(plan)
+        self._restore_draft_logits()
         t1 = time.perf_counter()
         if not plan:
             return done
@@ -353,14 +354,24 @@ class SpeculativeSteps:
         table row's are another sequence's from now on), which a fixed-shape step reads for their q."""
         if seq.drafts and self.draft_store is not None and not seq.params.greedy:
             seq.draft_logits = self.draft_store[seq.pages.state, : len(seq.drafts)].clone()
+            self._kept.append(seq)
 
-    def _restore_draft_logits(self, plan: list[Scheduled]) -> None:
-        """Kept draft logits into the table row of a sequence readmitted after a preemption."""
-        for sch in plan:
-            seq = sch.seq
-            if seq.draft_logits is not None and seq.pages is not None:
+    def _restore_draft_logits(self) -> None:
+        """Kept draft logits into the table row of each sequence readmitted since (after the schedule that
+        readmits it, before any step reads the store); one that ended while waiting drops them. Nothing to
+        do in the common step: no preempted sequence keeps any."""
+        if not self._kept:
+            return
+        waiting = []
+        for seq in self._kept:
+            if seq.running:
                 self.draft_store[seq.pages.state, : seq.draft_logits.size(0)] = seq.draft_logits
                 seq.draft_logits = None
+            elif not seq.finished:
+                waiting.append(seq)
+            else:
+                seq.draft_logits = None
+        self._kept = waiting
 
     def _fixed(self, plan: list[Scheduled]) -> list[StepOutput]:
         return self._fixed_finish(self._fixed_launch([sch.seq for sch in plan]))
@@ -423,7 +434,7 @@ class SpeculativeSteps:
             return []
         t0 = time.perf_counter()
         plan = e.scheduler.admit()
-        self._restore_draft_logits(plan)
+        self._restore_draft_logits()
         t1 = time.perf_counter()
         e.timing["schedule"] += t1 - t0
         # (a row of one token, a prompt of one token or all but one served by the prefix cache, is a decode's:

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_speculative import run  # the engine driven step by step, arrivals staggered
+from test_speculative import record_preemptions, run  # the engine driven step by step, arrivals staggered
 
 from dsv4 import DeepSeekV4
 from dsv4.check.goldens import FP32_TOL
 from dsv4.check.inputs import check_config
 from dsv4.engine import Engine, EngineConfig, SamplingParams
 from dsv4.engine.dspark_step import AnchorRow, DSparkDrafter
-from dsv4.engine.scheduler import Scheduler
 from dsv4.loading import speculative_problem
 from dsv4.model.dspark import verify_length
 from dsv4.ops.precision import exact_accumulation
@@ -232,14 +231,7 @@ def test_a_sampled_sequence_preempted_for_memory_keeps_its_solo_tokens(model, mo
     prompts = [torch.randint(2, model.cfg.vocab_size, (15,), generator=g).tolist() for _ in range(4)]
     params = [SamplingParams(max_tokens=40, temperature=1.0, seed=70 + i, ignore_eos=True) for i in range(4)]
     alone = [run(model, [p], [params[i]], max_seqs=1, speculative=2)[0][0] for i, p in enumerate(prompts)]
-    carried: list[int] = []
-    preempt = Scheduler.preempt
-
-    def recording(self, seq):
-        carried.append(len(seq.drafts))
-        preempt(self, seq)
-
-    monkeypatch.setattr(Scheduler, "preempt", recording)
+    carried = record_preemptions(monkeypatch)
     tight, _ = run(model, prompts, params, speculative=2, cache_pages=8, window_pages=10, prefix_caching=False)
     assert tight == alone and any(carried)
 

@@ -146,6 +146,19 @@ def test_sampled_speculation_is_reproducible_and_batch_invariant(model, prompts,
     assert (engine.spec_stats["fixed_steps"] > 0) == pad
 
 
+def record_preemptions(monkeypatch) -> list[int]:
+    """From now on, the number of drafts each sequence the scheduler preempts carries, in order."""
+    carried: list[int] = []
+    preempt = Scheduler.preempt
+
+    def recording(self, seq):
+        carried.append(len(seq.drafts))
+        preempt(self, seq)
+
+    monkeypatch.setattr(Scheduler, "preempt", recording)
+    return carried
+
+
 PRESSURE = [SamplingParams(max_tokens=40, temperature=1.0, seed=70 + i, ignore_eos=True) for i in range(4)]
 
 
@@ -165,14 +178,7 @@ def test_a_sampled_sequence_preempted_for_memory_keeps_its_solo_tokens(model, pr
     tokens are its solo run's, on eager steps and on fixed-shape ones (sampled variant), overlapped or not.
     (Before, the recompute drew the next token plainly: another sample from there on.)"""
     prompts, alone = pressure
-    carried: list[int] = []  # drafts each preempted sequence carried
-    preempt = Scheduler.preempt
-
-    def recording(self, seq):
-        carried.append(len(seq.drafts))
-        preempt(self, seq)
-
-    monkeypatch.setattr(Scheduler, "preempt", recording)
+    carried = record_preemptions(monkeypatch)
     config = dict(speculative=2, pad_steps=pad, overlap=overlap, chunk_len=8, prefix_caching=False)
     tight, engine = run(model, prompts, PRESSURE, cache_pages=8, window_pages=10, **config)
     assert tight == alone
