@@ -202,10 +202,11 @@ async def _completion_events(
             async for si, idx, out in counted:
                 lp = None
                 if req.logprobs is not None and out.new_logprobs:
-                    lp = _completion_logprobs(
-                        state, out.new_logprobs, offsets.get(idx, -len(prep.params[si].heal_text))
-                    )
-                offsets[idx] = offsets.get(idx, 0) + len(out.text)
+                    # offsets run over the tokens' own texts, as the whole answer's do: a healed prompt's first
+                    # tokens spell its removed end again, which the visible text leaves out
+                    start = offsets.get(idx, -len(prep.params[si].heal_text))
+                    lp = _completion_logprobs(state, out.new_logprobs, start)
+                    offsets[idx] = start + sum(map(len, lp["tokens"]))
                 if out.text or out.finished or lp:
                     reason = out.finish_reason if out.finished else None
                     yield _sse(

@@ -196,6 +196,22 @@ def test_text_prompts_are_healed_and_token_id_prompts_are_not(srv):
     assert client.completions.create(prompt=ids, **kw).usage.prompt_tokens == len(ids) == off.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("prompt", ["def fo", "x = sel"])
+def test_a_healed_streams_logprobs_are_the_whole_answers(srv, prompt):
+    """Half a word healed: the first tokens re-spell the removed end in pieces (some carry no visible text
+    of their own). The streamed chunks' logprobs, joined, are the unstreamed answer's, and the offsets run
+    over the tokens' texts from minus the removed length."""
+    client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=300)
+    kw = dict(model=_model(srv), prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw) if c.choices]
+    streamed = {k: [v for lp in chunks if lp for v in getattr(lp, k)] for k in ("tokens", "text_offset")}
+    assert streamed == {"tokens": whole.tokens, "text_offset": whole.text_offset}
+    removed = whole.text_offset[0]
+    assert removed < 0 and "".join(whole.tokens)[:-removed] == prompt[removed:]
+    assert all(b - a == len(t) for a, b, t in zip(whole.text_offset, whole.text_offset[1:], whole.tokens))
+
+
 def test_prompts_times_n_is_capped_and_every_400_names_its_param(srv):
     model = _model(srv)
     cases = [  # body, param, words the message must hold
