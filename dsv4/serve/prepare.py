@@ -10,6 +10,7 @@ Errors are `APIError`s (400 with the field's `param`).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from ..engine.healing import Healed, Vocabulary, heal
@@ -101,16 +102,69 @@ def prepare_chat(raw: bytes, limits: Limits, tokenizer, model_name: str) -> Prep
     refuse_unsupported(req)
     check_fields(req, limits)
     thinking = thinking_requested(req)
-    tools = req.tools if req.tool_choice != "none" else None
+    messages = _continued(req.messages)
     try:
-        text = chat.encode_chat(req.messages, tools=tools, thinking=thinking, reasoning_effort=req.reasoning_effort)
+        tools = req.tools if req.tool_choice != "none" else None
+        if req.tools is not None and tools is None:  # left out of the prompt, checked all the same
+            chat.check_tools(req.tools)
+        text = chat.encode_chat(messages, tools=tools, thinking=thinking, reasoning_effort=req.reasoning_effort)
     except chat.ChatFormatError as e:
-        raise APIError(400, str(e), param="messages") from None
+        raise APIError(400, str(e), param=_chat_param(str(e))) from None
     except RecursionError:
         raise APIError(400, "messages nest too deeply", param="messages") from None
+    _check_reply_opens(messages)
     prompt = _encode(tokenizer, text, bos=False)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(
         req, limits, max_tokens, len(prompt), (req.top_logprobs or 0) if req.logprobs else None, chat=True
     )
-    return Prepared(req, [prompt], [params], thinking)
+    # the answer starts in the reasoning where the prompt opens it; a continued assistant turn (its reasoning
+    # closed) goes on with its content
+    return Prepared(req, [prompt], [params], thinking and text.endswith(chat.THINK_START))
+
+
+def _chat_param(message: str) -> str:
+    """The request field a chat format error names first ('tools[0].function.name: ...' -> 'tools')."""
+    head = re.match(r"[a-z_]+", message)
+    return head.group() if head and head.group() in ChatCompletionRequest.model_fields else "messages"
+
+
+def _continued(messages: list[dict]) -> list[dict]:
+    """DeepSeek's chat prefix completion: a last assistant message with `prefix: true` is continued, as the
+    format's own `wo_eos` leaves it open."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "prefix" not in m:
+            continue
+        if not isinstance(m["prefix"], bool):
+            raise APIError(400, f"messages[{i}].prefix: must be true or false", param="messages")
+        if m["prefix"] and (i != len(messages) - 1 or m.get("role") != "assistant"):
+            raise APIError(
+                400, f"messages[{i}].prefix: only the last message, an assistant's, can be continued", param="messages"
+            )
+    last = messages[-1]
+    if isinstance(last, dict) and last.get("prefix") is True:
+        return [*messages[:-1], {**last, "wo_eos": True}]
+    return messages
+
+
+def _check_reply_opens(messages: list[dict]) -> None:
+    """A chat completion answers the conversation: its prompt must end where the assistant speaks next (after
+    a user, developer or tool message, a reminder or a task) or inside an assistant turn left open. After a
+    system message or a finished assistant turn the format opens nothing, and the model would only go on
+    with a new document."""
+    last = messages[-1]
+    if last.get("task") is not None:
+        return
+    if last.get("role") == "system":
+        raise APIError(
+            400,
+            "messages: the last message is a system message, which opens no reply: end with a user or tool message",
+            param="messages",
+        )
+    if last.get("role") == "assistant" and not last.get("wo_eos"):
+        raise APIError(
+            400,
+            "messages: the last message is a finished assistant message, which opens no reply: end with a user "
+            "or tool message, or give it `prefix: true` to have the answer continue it",
+            param="messages",
+        )

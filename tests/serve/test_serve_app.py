@@ -402,6 +402,47 @@ def test_draining_refuses_new_requests_and_health_says_so(srv):
 
 
 # ------------------------------------------------------------------------------------------ errors
+def test_a_chat_is_answered_only_where_the_format_opens_a_reply(srv):
+    """After a system message or a finished assistant turn the V4 format opens no reply (the model would
+    start a new document): a 400 naming the way out. A last assistant message with DeepSeek's `prefix:
+    true` is continued - its `wo_eos` rendering - and the answer is its content even in thinking mode (the
+    prompt has closed the reasoning)."""
+    user, done = {"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi"}
+    for messages in ([{"role": "system", "content": "be brief"}], [user, done]):
+        e = error_of(srv.post("/v1/chat/completions", {"model": NAME, "messages": messages}), 400)
+        assert e["param"] == "messages" and "opens no reply" in e["message"], e
+    for bad, says in [
+        ([user, {**done, "prefix": "yes"}], "messages[1].prefix: must be true or false"),
+        ([{**user, "prefix": True}], "messages[0].prefix: only the last message"),
+        ([{**done, "prefix": True}, user], "messages[0].prefix: only the last message"),
+    ]:
+        e = error_of(srv.post("/v1/chat/completions", {"model": NAME, "messages": bad}), 400)
+        assert e["param"] == "messages" and e["message"].startswith(says), e
+    assert srv.engine.sent == {}
+    for thinking in (False, True):
+        body = {"model": NAME, "messages": [user, {**done, "prefix": True}], "max_tokens": 6, "thinking": thinking}
+        r = srv.post("/v1/chat/completions", body)
+        (sent,) = engine_requests(srv, r.json()["id"], 1)
+        continued = chat.encode_chat([user, {**done, "wo_eos": True}], thinking=thinking)
+        assert continued.endswith(chat.THINK_END + "Hi")
+        assert sent.prompt == srv.tokenizer.encode(continued, bos=False)
+        (plan,) = choice_plans([sent])
+        assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": srv.tokenizer.decode(plan)}
+
+
+def test_chat_format_errors_name_the_field_they_are_about(srv):
+    good = {"model": NAME, "messages": MESSAGES}
+    for extra, param in [
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+        ({"tools": [{}], "tool_choice": "none"}, "tools"),  # tools left out of the prompt are checked too
+        ({"reasoning_effort": "ultra"}, "reasoning_effort"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ]:
+        e = error_of(srv.post("/v1/chat/completions", {**good, **extra}), 400)
+        assert e["param"] == param and e["message"].startswith(param), (extra, e)
+    assert srv.engine.sent == {}
+
+
 def error_of(r, status: int) -> dict:
     assert r.status_code == status, (r.status_code, r.text[:300])
     body = r.json()

@@ -40,7 +40,7 @@ reach the parser. Generation of an assistant turn ends at `stop_strings()`.
 
 from __future__ import annotations
 
-from .encode import encode_chat
+from .encode import check_tools, encode_chat
 from .parse import ChatResult, ChatStreamParser, ContentDelta, ReasoningDelta, ToolCall, ToolCallEvent, parse_completion
 from .tokens import (
     ASSISTANT,
@@ -100,6 +100,7 @@ __all__ = [
     "TOOL_RESULT_START",
     "ToolCall",
     "ToolCallEvent",
+    "check_tools",
     "USER",
     "encode_chat",
     "parse_completion",

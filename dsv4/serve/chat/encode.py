@@ -142,6 +142,12 @@ def _response_format(value: Any, where: str) -> dict | None:
     return None if value.get("type") == "text" else dict(value)
 
 
+def check_tools(tools: Any) -> None:
+    """Raise ChatFormatError for OpenAI tool definitions the format cannot encode (`encode_chat` checks those
+    it renders; a request may carry tools it does not render)."""
+    _tool_schemas(tools, "tools")
+
+
 def _call_arguments(arguments: Any, where: str) -> dict:
     """A tool call's JSON arguments as the object whose entries become DSML parameters. Text that is not
     JSON at all is kept whole as one string parameter named "arguments" (as the official encoder does)."""
