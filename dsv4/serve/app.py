@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP API over the engine (FastAPI): the application, built from its parts.
 
-Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus), answered by `dsv4.serve.handlers`. Streaming answers are server-sent events
-exactly as OpenAI streams them (`data: {chunk}` ... `data: [DONE]`). Every error is OpenAI's shape with a
-4xx status (`dsv4.serve.middleware`); a client that goes away mid-request has its sequences aborted and
-their cache pages freed at once.
+Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (and `/v1/models/{id}`),
+`GET` (or `HEAD`) `/health`, `GET /metrics` (Prometheus), answered by `dsv4.serve.handlers`. Streaming answers
+are server-sent events exactly as OpenAI streams them (`data: {chunk}` ... `data: [DONE]`). Every error is
+OpenAI's shape with a 4xx status (`dsv4.serve.middleware`); a client that goes away mid-request has its
+sequences aborted and their cache pages freed at once.
 
 A request's CPU work (parsing, validation, chat encoding, tokenization: `dsv4.serve.prepare`) runs in a
 worker thread, never on the event loop. On shutdown (`ServerState.begin_drain`) new requests get 503 while
@@ -30,13 +30,17 @@ def create_app(state: ServerState):
     app.state.dsv4 = state
     add_error_handlers(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def _health():
         return await handlers.health(state)
 
     @app.get("/v1/models")
     async def _models():
         return await handlers.models(state)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def _model(model_id: str):
+        return await handlers.model(state, model_id)
 
     @app.get("/metrics")
     async def _metrics():

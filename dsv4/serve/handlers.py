@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect
 from ..engine.sequence import StepOutput
 from . import chat
 from .middleware import TALLY
-from .prepare import Prepared, prepare_chat, prepare_completion
+from .prepare import Prepared, check_model, prepare_chat, prepare_completion
 from .protocol import APIError
 from .state import ServerState
 from .streams import chain, close_all, first, merge, until_disconnect
@@ -43,19 +43,24 @@ async def health(state: ServerState):
     return {"status": "ok"}
 
 
-async def models(state: ServerState):
+def _model_card(state: ServerState) -> dict:
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": state.model_name,
-                "object": "model",
-                "created": state.created,
-                "owned_by": "dsv4",
-                "max_model_len": state.max_model_len,
-            }
-        ],
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "dsv4",
+        "max_model_len": state.max_model_len,
     }
+
+
+async def models(state: ServerState):
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+async def model(state: ServerState, model_id: str):
+    """GET /v1/models/{id}: the served model's card (the openai client's `models.retrieve`)."""
+    check_model(model_id, state.model_name)
+    return _model_card(state)
 
 
 async def metrics(state: ServerState):

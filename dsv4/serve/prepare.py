@@ -46,7 +46,7 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-def _check_model(name: str, served: str) -> None:
+def check_model(name: str, served: str) -> None:
     if name != served:
         raise APIError(
             404,
@@ -81,7 +81,7 @@ def prepare_completion(raw: bytes, limits: Limits, tokenizer, model_name: str) -
     body = parse_body(raw)
     check_input_size(body, limits, chat=False)
     req = validated(CompletionRequest, body)
-    _check_model(req.model, model_name)
+    check_model(req.model, model_name)
     refuse_unsupported(req)
     check_fields(req, limits)
     healed = _completion_prompts(tokenizer, req)
@@ -98,7 +98,7 @@ def prepare_chat(raw: bytes, limits: Limits, tokenizer, model_name: str) -> Prep
     body = parse_body(raw)
     check_input_size(body, limits, chat=True)
     req = validated(ChatCompletionRequest, body)
-    _check_model(req.model, model_name)
+    check_model(req.model, model_name)
     refuse_unsupported(req)
     check_fields(req, limits)
     thinking = thinking_requested(req)

@@ -121,6 +121,8 @@ def thinking_requested(req: ChatCompletionRequest) -> bool:
 
 
 def refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options: only allowed with stream: true", param="stream_options")
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
     if isinstance(req, CompletionRequest):

@@ -361,6 +361,9 @@ def test_the_openai_client_reads_the_answers():
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == s.tokenizer.decode(plan)
         assert chunks[-1].usage.completion_tokens == len(plan)
         assert [m.id for m in client.models.list().data] == [NAME]
+        assert client.models.retrieve(NAME).id == NAME
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("other")
     s.state.executor.shutdown(wait=True)
 
 
@@ -369,7 +372,8 @@ def test_the_openai_client_reads_the_answers():
 @pytest.mark.parametrize("stream", [False, True])
 def test_requests_ended_by_the_shutdown_finish_with_abort_and_count_what_they_got(srv, path, stream):
     srv.engine.after_first = srv.state.end_in_flight  # the grace period ends after one output
-    body = {"model": NAME, "n": 2, "max_tokens": 8, "stream": stream, "stream_options": {"include_usage": True}}
+    body = {"model": NAME, "n": 2, "max_tokens": 8, "stream": stream}
+    body.update({"stream_options": {"include_usage": True}} if stream else {})
     body.update({"prompt": "grace"} if path == "/v1/completions" else {"messages": MESSAGES})
     r = srv.post(path, body)
     assert r.status_code == 200
@@ -549,6 +553,19 @@ def test_models_and_health(srv):
         ],
     }
     assert srv.client.get("/health").json() == {"status": "ok"}
+    assert srv.client.head("/health").status_code == 200
+    assert srv.client.get(f"/v1/models/{NAME}").json() == body["data"][0]
+    e = error_of(srv.client.get("/v1/models/org/other"), 404)
+    assert e["code"] == "model_not_found" and "org/other" in e["message"]
+
+
+def test_stream_options_need_a_stream(srv):
+    for path, good in [("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MESSAGES})]:
+        body = {"model": NAME, **good, "stream_options": {"include_usage": True}}
+        e = error_of(srv.post(path, body), 400)
+        assert e["param"] == "stream_options" and "stream: true" in e["message"]
+        assert error_of(srv.post(path, {**body, "stream": False}), 400)["param"] == "stream_options"
+    assert srv.engine.sent == {}
 
 
 def test_metrics_count_the_requests_and_their_tokens(srv):
