@@ -89,7 +89,7 @@ def _accounting(state: ServerState, request: Request, prep: Prepared) -> Account
     tally = request.scope.setdefault(TALLY, {})
     tally["prompt"] = sum(len(p) for p in prep.prompts)
     metrics = None if request.scope.get(WARMUP_SCOPE_KEY) else state.metrics  # a warm-up request counts nowhere
-    return Accounting(metrics, tally, prep.req.n)
+    return Accounting(metrics, tally, prep.req.n, len(prep.prompts))
 
 
 def _token_text(state: ServerState, tok: int) -> str:

@@ -234,6 +234,10 @@ class ServerMetrics:
         self.queue.labels(self.model).observe(queue)
         self.prefill.labels(self.model).observe(prefill)
 
+    def observe_aborted(self, sequences: int) -> None:
+        """Sequences that ended without finishing (their client went away, or the shutdown's grace ran out)."""
+        self.requests.labels(self.model, "abort").inc(sequences)
+
     def observe_request(
         self, ttft: float | None, itls: list[float], total: float, transport: float | None = None
     ) -> None:

@@ -79,8 +79,10 @@ class Accounting:
     request goes to the engine). `tally`: the request's log line counts (`{"prompt": n}`; completion tokens
     are added)."""
 
-    def __init__(self, metrics: ServerMetrics | None, tally: dict, n: int):
+    def __init__(self, metrics: ServerMetrics | None, tally: dict, n: int, prompts: int = 1):
         self.n = n
+        self.choices = n * prompts
+        self.finished: set[int] = set()
         self.usage = Usage()
         self.tracker = Tracker(metrics, tally)
 
@@ -96,6 +98,9 @@ class Accounting:
         finally:
             await items.aclose()
             self.tracker.done()
+            if self.tracker.metrics is not None and len(self.finished) < self.choices:
+                # the client left, or the server's shutdown ended them: the engine reports no finish for these
+                self.tracker.metrics.observe_aborted(self.choices - len(self.finished))
 
     async def _count(
         self, outputs: AsyncIterator[tuple[int, StepOutput]]
@@ -104,6 +109,8 @@ class Accounting:
             self.tracker.tokens(len(out.new_tokens), out.timing)
             choice = stream * self.n + out.index  # prompt-major: prompt s's choices are s*n ... s*n+n-1
             self.usage.add(stream, choice, out)
+            if out.finished:
+                self.finished.add(choice)
             yield stream, choice, out
 
     def body(self) -> dict:

@@ -387,6 +387,7 @@ def test_requests_ended_by_the_shutdown_finish_with_abort_and_count_what_they_go
     (sent,) = engine_requests(srv, rid, 1)
     first = sent.outputs[0]  # the one output the request took
     assert reasons == {0: "abort", 1: "abort"}
+    assert srv.metrics()[f'dsv4_requests_finished_total{{model="{NAME}",reason="abort"}}'] == 2
     assert usage == {
         "prompt_tokens": len(sent.prompt),
         "completion_tokens": len(first.new_tokens),
