@@ -8,9 +8,11 @@ import secrets
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. Validated on construction (ValueError with the field's name).
+    """How one request samples. Validated on construction (ValueError with the field's name), and not changed
+    after it (`dataclasses.replace` makes another): the flags the engine reads for every row of every step
+    (`greedy`, `filtered`, `penalized`, `plain`) are worked out once.
 
     temperature 0 = greedy; top_k 0 = off; top_p 1 = off; min_p 0 = off. Penalties: repetition (> 0, 1 =
     off; on prompt and output tokens, the convention of vLLM and transformers), frequency and presence
@@ -93,24 +95,23 @@ class SamplingParams:
             "must be a string of at most 256 characters",
         )
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+        # greedy; filtered: top-k, top-p or min-p cuts the distribution (the fused plain draw does not);
+        # penalized; plain: neither filtered nor penalized, and no alternatives asked for (the draw that a
+        # step's CUDA graph holds serves it)
+        filtered = bool(self.top_k) or self.top_p < 1 or self.min_p > 0
+        penalized = self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+        for name, value in (
+            ("greedy", self.temperature == 0),
+            ("filtered", filtered),
+            ("penalized", penalized),
+            ("plain", not (filtered or penalized or self.logprobs)),
+        ):
+            object.__setattr__(self, name, value)
 
-    @property
-    def filtered(self) -> bool:
-        """Top-k, top-p or min-p cuts the distribution (the fused plain draw does not)."""
-        return bool(self.top_k) or self.top_p < 1 or self.min_p > 0
-
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
-
-    @property
-    def plain(self) -> bool:
-        """Neither filtered nor penalized, and no alternatives asked for: the draw that a step's CUDA graph
-        holds serves it."""
-        return not (self.filtered or self.penalized or self.logprobs)
+    greedy: bool = field(init=False, repr=False, compare=False)
+    filtered: bool = field(init=False, repr=False, compare=False)
+    penalized: bool = field(init=False, repr=False, compare=False)
+    plain: bool = field(init=False, repr=False, compare=False)
 
     def resolved_seed(self) -> int:
         """The seed to use: the request's own, or a fresh random one."""

@@ -166,7 +166,9 @@ def save(
     state: dict,
     keep: int = 2,
 ) -> Path:
-    """Write step_<step>/ atomically and point `latest` at it; keep the newest `keep` checkpoints."""
+    """Write step_<step>/ atomically and point `latest` at it; keep it and the `keep` - 1 before it. Those of
+    later steps (a run resumed from an earlier checkpoint into the same folder: another history) are left as
+    they are until this run's own saves replace them."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
@@ -193,7 +195,8 @@ def save(
             for p in root.iterdir()
             if _STEP_RE.match(p.name) and not p.is_symlink() and p.is_dir() and (p / "manifest.json").exists()
         ]
-        for p in sorted(ours)[:-keep]:
+        upto = sorted((int(p.name[5:]), p) for p in ours if int(p.name[5:]) <= step)
+        for _, p in upto[:-keep]:
             shutil.rmtree(p, ignore_errors=True)
     return final
 

@@ -195,3 +195,24 @@ def test_the_command_line_exits_1_naming_the_step(tmp_path, capsys):
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and err[0].startswith("error: training stopped at step "), err
+
+
+def test_a_save_never_prunes_itself_nor_a_later_history(tmp_path):
+    """A run resumed from an earlier checkpoint into a folder holding later ones (another history): the
+    checkpoint just written stays and `latest` names it; of the steps up to it the newest `keep` stay; the
+    later steps' folders are left until this run's own saves replace them."""
+    t = {"w": torch.zeros(2)}
+    for step in (6, 8):
+        checkpoint.save(tmp_path, step, t, t, {"step": step}, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000006", "step_00000008"]
+    for step in (2, 3, 4):
+        final = checkpoint.save(tmp_path, step, t, t, {"step": step}, keep=2)
+        assert final.is_dir() and checkpoint.follow_latest(tmp_path) == final
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [
+        "step_00000003",
+        "step_00000004",
+        "step_00000006",
+        "step_00000008",
+    ]
+    checkpoint.save(tmp_path, 7, t, t, {"step": 7}, keep=2)  # past 6: its own history now
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000006", "step_00000007", "step_00000008"]
