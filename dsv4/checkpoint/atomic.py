@@ -132,6 +132,19 @@ def clean_stale(parent: str | Path) -> list[Path]:
     return removed
 
 
+def _umask() -> int:
+    """The process's umask (read without changing it where Linux shows it; else set and put back)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_directory(dst: str | Path, replace: bool = False) -> Iterator[Path]:
     """Yield an empty temporary directory beside `dst`; when the block ends normally it becomes `dst`.
@@ -145,6 +158,7 @@ def atomic_directory(dst: str | Path, replace: bool = False) -> Iterator[Path]:
     dst.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(dst.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{TMP_TAG}", dir=dst.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # (mkdtemp's 0700 would become dst's: a folder only its writer can read)
     old: Path | None = None
     try:
         (tmp / MARKER).write_text(

@@ -396,3 +396,20 @@ def test_training_resume_pointer_stays_inside_the_run(tmp_path):
     os.mkfifo(run / "latest")
     with time_bound(BOUND), pytest.raises(UserError, match="FIFO"):
         tc.resolve(run)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_a_written_folder_has_the_modes_the_umask_gives_any_new_folder(tmp_path, umask):
+    """The temporary folder a checkpoint is written in becomes the checkpoint: it gets the mode a plain
+    mkdir would (readable by a serving account under the usual umask), not the temporary folder's 0700."""
+    from dsv4.checkpoint.atomic import atomic_directory
+
+    old = os.umask(umask)
+    try:
+        with atomic_directory(tmp_path / "ckpt") as tmp:
+            (tmp / "x").write_text("x")
+        (tmp_path / "plain").mkdir()
+    finally:
+        os.umask(old)
+    mode = (tmp_path / "ckpt").stat().st_mode & 0o777
+    assert mode == (tmp_path / "plain").stat().st_mode & 0o777 == 0o777 & ~umask
