@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -667,6 +668,32 @@ def test_cli_and_config_file(tmp_path):
 
     with pytest.raises(UserError, match="unknown training setting"):
         TrainConfig.from_dict({"stepz": 3})
+
+
+@pytest.mark.parametrize(
+    "setting, says",
+    [
+        ("steps = -5", "steps: must be an integer >= 1"),
+        ("steps = 1.5", "steps: must be an integer >= 1"),
+        ("steps = true", "steps: must be a single value"),
+        ('lr = "0.1"', "lr: must be a number, not the string"),
+        ("lr = -1.0", "lr: must be a finite number > 0"),
+        ("batch_size = 0", "batch_size: must be an integer >= 1"),
+        ("seq_len = 1", "seq_len: must be an integer >= 2"),
+        ('schedule = "linear"', "schedule: must be one of cosine, wsd, constant"),
+        ("compile = 1", "compile: must be true or false"),
+        ('data = "x.py"', "data: must be a list of strings"),
+    ],
+)
+def test_a_settings_file_value_the_flag_would_refuse_is_refused(tmp_path, setting, says):
+    """The values of --train-config go through the checks of the flags of the same names: one line naming
+    the file and the key, before any data or model is built (they trained 0 steps for -5, 2 for 1.5)."""
+    from dsv4.errors import UserError
+
+    toml = tmp_path / "run.toml"
+    toml.write_text(setting + "\n")
+    with pytest.raises(UserError, match=f"^{re.escape(str(toml))}: {re.escape(says)}"):
+        TrainConfig.from_file(toml)
 
 
 def test_train_flops_counts_active_experts_only():
