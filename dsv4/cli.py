@@ -220,6 +220,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         model, desc = engine.model, info["desc"]
     else:
         model, tokenizer, desc = load_model(source)
+    # the loaded model's draft (a layout without one, e.g. transformers', drops it), before anything is printed
+    problem = speculative_problem(model.cfg, args.speculative, args.speculative_threshold)
+    if problem:
+        if engine is not None:
+            engine.close()
+        raise UserError(problem)
     try:
         return _generate_and_print(args, model, tokenizer, desc, ids, text, seed, engine)
     finally:

@@ -123,8 +123,10 @@ def resolve_config(args: argparse.Namespace | ModelSource, default_preset: str |
         if shipped is None:
             raise UserError("no model given and no shipped model installed: pass --preset or --model DIR")
         from .checkpoint import read_config_file
+        from .checkpoint.layouts import without_mtp
 
-        return read_config_file(shipped / "config.json")
+        cfg = read_config_file(shipped / "config.json")
+        return without_mtp(cfg) if src.no_mtp else cfg
     except ConfigError as e:
         raise UserError(str(e)) from None
 

@@ -507,3 +507,24 @@ def test_the_command_line_bound_is_the_engine_bound():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "x", "--speculative", str(MAX_SPECULATIVE + 1)])
     assert build_parser().parse_args(["generate", "x", "--speculative", str(MAX_SPECULATIVE)]).speculative == 15
+
+
+@pytest.mark.parametrize("how", ["--no-mtp", "hf layout"])
+def test_generate_speculative_without_a_draft_is_one_line_before_any_output(tmp_path, capsys, how):
+    """A model with no draft - the shipped one under --no-mtp, or a transformers-layout copy, whose loader
+    drops the MTP block - refuses --speculative in one line (exit 2) and prints nothing of the prompt."""
+    from dsv4.checkpoint import convert
+    from dsv4.cli import main
+    from dsv4.loading import default_model_dir
+
+    argv = ["generate", "def f():", "--speculative", "2", "--max-new-tokens", "2"]
+    if how == "--no-mtp":
+        argv.append("--no-mtp")
+    else:
+        convert(default_model_dir(), tmp_path / "hf", to="hf")
+        argv += ["--model", str(tmp_path / "hf")]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines()[-1] == (
+        "error: --speculative drafts with the model's MTP block, and this model has none"
+    )
