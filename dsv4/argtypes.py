@@ -73,6 +73,8 @@ def float_in(
 
 positive_int = int_in(1)  # counts: tokens, steps, batch sizes, clients
 nonneg_int = int_in(0)  # counts where 0 means "off" or "default"
+MAX_THREADS = 1024  # (OpenMP fails to start thousands of threads: a crash, not an error, past a few thousand)
+thread_count = int_in(0, MAX_THREADS, "a thread count")  # --threads: 0 = the cores this process may use
 seed_int = int_in(0, 2**63 - 1, "an integer seed")
 port = int_in(0, 65535, "a port")
 # sampling settings: the ranges of dsv4.sampling_limits, which the HTTP API checks too

@@ -85,7 +85,7 @@ SHARED: dict[str, Opt] = {
         Opt(
             "--threads",
             "CPU threads for the model's compute; 0 = the cores this process may use",
-            dict(type=argtypes.nonneg_int, default=0, metavar="N"),
+            dict(type=argtypes.thread_count, default=0, metavar="N"),
         ),
         Opt(
             "--cuda-graph",

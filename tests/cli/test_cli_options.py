@@ -299,3 +299,8 @@ def test_every_command_that_computes_takes_threads(path, parser):
     flags = {f for a in parser._actions for f in a.option_strings}
     computes = (path[0] == "bench" or "--device" in flags or "--model" in flags) and path not in NO_COMPUTE
     assert not computes or "--threads" in flags, path
+    if "--threads" in flags:  # bounded: OpenMP crashes (no message) starting thousands of threads
+        (threads,) = [a for a in parser._actions if "--threads" in a.option_strings]
+        assert threads.type("1024") == 1024
+        with pytest.raises(argparse.ArgumentTypeError, match=r"\[0, 1024\]"):
+            threads.type("5000")
