@@ -116,7 +116,7 @@ def add_memory_args(p) -> None:
     g.add_argument(
         "--gpu-memory",
         default="141GB",
-        help="memory of one GPU: 141GB, 80GB, 139.8GiB ... (GB = 10^9 bytes; default 141GB, an H200)",
+        help="memory of one GPU, with its unit: 141GB, 80GB, 139.8GiB ... (GB = 10^9 bytes; default 141GB: an H200)",
     )
     g.add_argument("--train-seq-len", type=count, default=4096, help="training tokens per sequence (default 4096)")
     g.add_argument("--train-batch", type=count, default=1, help="training sequences per rank (default 1)")
@@ -141,6 +141,8 @@ def memory_requirements(cfg: ModelConfig, args):
         raise UserError(f"--gpu-memory: not a size: '{args.gpu_memory}' (e.g. 141GB, 80GB, 139.8GiB)") from None
     if gpu <= 0:
         raise UserError("--gpu-memory must be positive")
+    if gpu < 2**20:  # a bare number is bytes: '80' meant 80GB
+        raise UserError(f"--gpu-memory {args.gpu_memory}: {gpu} bytes is no GPU's memory; give a unit (80GB, 139.8GiB)")
     return requirements(
         cfg,
         context=args.context,

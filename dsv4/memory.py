@@ -430,10 +430,15 @@ def train_step_estimate(cfg: ModelConfig, batch: int, seq_len: int, checkpointin
 def parse_size(text: str) -> int:
     """'141GB' / '80GiB' / '24G' / a number of bytes -> bytes (GB = 10^9, GiB = 2^30, G = 10^9)."""
     t = text.strip().upper().replace(" ", "")
-    for suffix, mult in (("GIB", GIB), ("GB", GB), ("G", GB), ("MIB", 2**20), ("MB", 10**6), ("TB", 10**12), ("B", 1)):
+    number, mult = t, 1
+    for suffix, m in (("GIB", GIB), ("GB", GB), ("G", GB), ("MIB", 2**20), ("MB", 10**6), ("TB", 10**12), ("B", 1)):
         if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(float(t))
+            number, mult = t[: -len(suffix)], m
+            break
+    value = float(number) * mult
+    if not math.isfinite(value):  # ('inf', '1e400GB': no size)
+        raise ValueError(f"not a finite size: {text!r}")
+    return int(value)
 
 
 def inference_gpus(need: int, gpu_bytes: int) -> int:

@@ -202,7 +202,13 @@ def test_info_reports_memory_and_refuses_bad_sizes(capsys):
     text = capsys.readouterr().out
     for want in ("weights:", "KV cache:", "prefill chunk", "inference on a GPU", "training GPUs of 141 GB"):
         assert want in text, text
-    for bad, why in ((("--gpu-memory", "lots"), "--gpu-memory: not a size"), (("--context", "0"), "--context")):
+    for bad, why in (
+        (("--gpu-memory", "lots"), "--gpu-memory: not a size"),
+        (("--gpu-memory", "1e400GB"), "--gpu-memory: not a size"),
+        (("--gpu-memory", "infGB"), "--gpu-memory: not a size"),
+        (("--gpu-memory", "80"), "give a unit"),
+        (("--context", "0"), "--context"),
+    ):
         assert main(["info", "--preset", "tiny", *bad]) == 2
         out, err = capsys.readouterr()
         assert err.startswith("error: ") and why in err and len(err.strip().splitlines()) == 1 and not out, err
