@@ -323,7 +323,7 @@ def cmd_teacher_forcing(args: argparse.Namespace) -> int:
 
     from .check.teacher_forcing import teacher_forcing
 
-    n, k = args.seq_len, args.prefill
+    n, k = args.seq_len, args.prefill if args.prefill is not None else min(7, args.seq_len - 1)
     if not 1 <= k <= n:
         raise UserError(f"--prefill must be in [1, --seq-len={n}], got {k}")
     ctx = resolve_config(args, default_preset="tiny").max_seq_len
@@ -465,7 +465,12 @@ def _add_check(sub) -> None:
     options.add(
         p, "seq_len", default=300, note="300 crosses the window, several ratio-4 groups and two ratio-128 groups"
     )
-    p.add_argument("--prefill", type=argtypes.positive_int, default=7, help="tokens in the prefill before decoding")
+    p.add_argument(
+        "--prefill",
+        type=argtypes.positive_int,
+        default=None,
+        help="tokens in the prefill before decoding (default 7, or --seq-len - 1 where that is less)",
+    )
     p.add_argument("--batch", type=argtypes.positive_int, default=1, help="sequences checked at once")
     options.add(p, "seed", default=0, note="of the random tokens (and of a preset's random weights)")
     p.add_argument("--tolerance", type=argtypes.positive_float, default=1e-4, help="max relative logit error")

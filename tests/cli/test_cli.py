@@ -103,6 +103,11 @@ def test_teacher_forcing_cli_exit_code(capsys):
     rep = json.loads(capsys.readouterr().out)
     assert rep["ok"] and rep["max_rel_error"] < 1e-4 and rep["tokens"] == 140
     assert main(["check", "teacher-forcing", "--preset", "tiny", "--seq-len", "10", "--prefill", "11"]) == 2
+    capsys.readouterr()
+    # a sequence shorter than the default prefill of 7 prefills all but its last token
+    assert main(["check", "teacher-forcing", "--preset", "tiny", "--seq-len", "5", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["ok"] and rep["tokens"] == 5 and rep["prefill"] == 4
 
 
 def test_shipped_model_is_the_default_and_generates_text(capsys):
