@@ -17,13 +17,18 @@ def inspect_dir(path: str | Path, config: ModelConfig | None = None, layout: str
     against the config (missing / unexpected / wrong dtype or shape / scale rules). No payload is read."""
     root = Path(path)
     found, files, mp, headers = scan(root)
+    copies = layouts.get(layout or found).replicated  # a full copy in every rank file: its parameters count once
     by_dtype: Counter = Counter()
     bytes_by_dtype: Counter = Counter()
     n_params = 0
+    counted: set[str] = set()
     for h in headers.values():
         for info in h.values():
             by_dtype[info.dtype] += 1
             bytes_by_dtype[info.dtype] += info.nbytes
+            if info.name in counted and copies(info.name):
+                continue
+            counted.add(info.name)
             n_params += logical_numel(info.shape, info.dtype, info.name) if info.dtype != "F4" else info.numel
     report: dict = {
         "path": str(root),

@@ -98,6 +98,16 @@ def test_every_layout_round_trips_through_its_files(layout, source, tmp_path):
     assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])]
 
 
+def test_inspect_counts_a_models_parameters_once_in_every_layout(source, tmp_path):
+    """Rank files each hold a full copy of the replicated tensors: those count once, so the inference
+    layout's two ranks give the parameters of the release layout (14.4M against 11.8M on the shipped model
+    before, each copy counted)."""
+    save(model_values(source), source.cfg, tmp_path / "bf16", "bf16")
+    save(model_values(source), source.cfg, tmp_path / "mp2", "inference", mp=2)
+    whole = inspect_dir(tmp_path / "bf16")["parameters"]
+    assert inspect_dir(tmp_path / "mp2")["mp"] == 2 and inspect_dir(tmp_path / "mp2")["parameters"] == whole
+
+
 class ToyLayout(Layout):
     """A release checkpoint that carries one extra F32 tensor `toy.stamp`, and whose config means no QAT
     simulation: a layout defined only here, to show that nothing else has to name it."""
