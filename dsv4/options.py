@@ -207,6 +207,7 @@ def add(p, name: str, note: str | None = None, deprecated: tuple[str, ...] = (),
     """Add shared option `name` to parser (or group) `p`: its one flag and help (+ what it means here, `note`),
     its kwargs with `changes` (a default, narrower choices); `deprecated`: this command's own old spellings."""
     opt = SHARED[name]
+    own_help = changes.pop("help", None)  # where the shared words do not hold here (narrower choices)
     kw = {**opt.kwargs, **changes}
     old = tuple(dict.fromkeys((*opt.deprecated, *deprecated)))
     old = tuple(o for o in old if o not in _existing(p))
@@ -214,7 +215,7 @@ def add(p, name: str, note: str | None = None, deprecated: tuple[str, ...] = (),
         action = kw.pop("action", None)
         base = action if isinstance(action, type) else _ACTIONS[action]
         kw["action"] = _deprecating(base, old, opt.flag)
-    text = opt.help + (f"; {note}" if note else "")
+    text = (own_help or opt.help) + (f"; {note}" if note else "")
     if old:
         text += f" (old spelling{'s' if len(old) > 1 else ''}, for one release: {', '.join(old)})"
     dest = kw.pop("dest", name)

@@ -671,7 +671,7 @@ def add_bench_parsers(subparsers) -> None:
     for name, text in helps.items():
         p = subparsers.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         options.add(p, "preset", default="small")
-        options.add(p, "dtype", default="bf16", choices=("bf16", "fp32"))
+        options.add(p, "dtype", default="bf16", choices=("bf16", "fp32"), help="weights and activations")
         if name == "decode":
             p.add_argument(
                 "--batch",

@@ -110,7 +110,8 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--expert-dtype",
         choices=("fp8", "fp4"),
-        help="--to fp8: experts as FP8 or MXFP4 (default: as the source/config)",
+        help="with --to fp8: the routed experts as FP8 or MXFP4 (default: as the source/config); refused with "
+        "other targets",
     )
     p.add_argument(
         "--shard-gb",
@@ -128,6 +129,11 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
 def run_convert(args: argparse.Namespace) -> int:
     from .writer import convert
 
+    if args.expert_dtype is not None and args.to != "fp8":
+        raise UserError(
+            f"--expert-dtype applies to --to fp8 (the release layout's quantized experts); --to {args.to} writes "
+            "the experts as it writes every linear"
+        )
     ed = None if args.expert_dtype in (None, "fp8") else "fp4"
     if args.expert_dtype == "fp8":
         ed = "fp8"

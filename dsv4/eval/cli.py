@@ -30,7 +30,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--held-out-pct",
-        type=argtypes.positive_float,
+        type=argtypes.float_in(0.0, 100.0, hi_open=True),
         default=2.0,
         help="the training run's --held-out-pct (default: %(default)s, the shipped recipe's)",
     )

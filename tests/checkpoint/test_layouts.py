@@ -288,3 +288,16 @@ def test_training_the_draft_of_a_dspark_checkpoint_keeps_the_main_model(source, 
     assert changed and all(n.startswith("mtp.") for n in changed), sorted(changed)[:5]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("dspark" in r and "dspark_tau" in r for r in rows)
+
+
+@pytest.mark.parametrize("to", ["bf16", "hf", "inference"])
+def test_convert_refuses_an_expert_dtype_its_target_does_not_write(tmp_path, capsys, to):
+    """--expert-dtype is the release layout's FP8 / MXFP4 experts (--to fp8): elsewhere it was ignored (hf,
+    inference) or wrote MXFP4 experts into a bf16 checkpoint whose config.json did not say so."""
+    from dsv4.loading import default_model_dir
+
+    argv = ["convert", "--model", str(default_model_dir()), str(tmp_path / "out"), "--to", to, "--expert-dtype", "fp4"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.startswith("error: --expert-dtype applies to --to fp8") and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
