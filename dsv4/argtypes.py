@@ -156,7 +156,12 @@ def comma_ints(lo: int | None = None) -> Callable[[str], list[int]]:
     """Comma-separated integers (token ids), each >= lo."""
 
     def parse(value: str) -> list[int]:
-        items = [x for x in value.split(",") if x.strip()]
+        items = value.split(",")
+        if len(items) > 1 and not items[-1].strip():
+            items.pop()  # (a trailing comma)
+        if any(not x.strip() for x in items) and len(items) > 1:  # "1,,2": an id left out, not a separator
+            raise argparse.ArgumentTypeError(f"has an empty item in {value!r} (comma-separated integers, e.g. 0,15,27)")
+        items = [x for x in items if x.strip()]
         try:
             ids = [int(x, 10) for x in items]
         except ValueError:

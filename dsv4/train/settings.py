@@ -187,6 +187,13 @@ def model_config_of(c: TrainConfig, base=None):
     else:
         mcfg = ModelConfig.preset(c.preset)
     if c.model:
+        known = {f.name for f in dataclasses.fields(mcfg)}
+        unknown = sorted(set(c.model) - known)
+        if unknown:
+            raise UserError(
+                f"unknown model setting(s) {unknown} in --set / [model] (ModelConfig fields, e.g. dim, n_layers, "
+                "n_routed_experts; `dsv4 info --preset tiny --json` lists them under config)"
+            )
         try:
             mcfg = mcfg.replace(**c.model)
         except TypeError as e:

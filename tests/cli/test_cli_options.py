@@ -304,3 +304,13 @@ def test_every_command_that_computes_takes_threads(path, parser):
         assert threads.type("1024") == 1024
         with pytest.raises(argparse.ArgumentTypeError, match=r"\[0, 1024\]"):
             threads.type("5000")
+
+
+def test_token_id_lists_refuse_an_empty_item_and_allow_a_trailing_comma():
+    from dsv4.argtypes import comma_ints
+
+    ids = comma_ints(0)
+    assert ids("1,2") == ids("1, 2,") == [1, 2]
+    for bad in ("1,,2", ",1", "", ","):
+        with pytest.raises(argparse.ArgumentTypeError):
+            ids(bad)

@@ -696,6 +696,13 @@ def test_a_settings_file_value_the_flag_would_refuse_is_refused(tmp_path, settin
         TrainConfig.from_file(toml)
 
 
+def test_an_unknown_model_setting_is_named_in_one_line(tmp_path):
+    from dsv4.train.settings import model_config_of
+
+    with pytest.raises(UserError, match=r"^unknown model setting\(s\) \['foo'\] in --set / \[model\]"):
+        model_config_of(TrainConfig(model={"foo": 1, "dim": 64}))
+
+
 def test_train_flops_counts_active_experts_only():
     from dsv4.train import metrics
     from dsv4.train.metrics import train_flops_per_token
