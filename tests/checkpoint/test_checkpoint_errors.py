@@ -252,3 +252,15 @@ def test_inference_rank_files_checked(source, tmp_path):
     refused(d, "layers.0.attn.kv_norm.weight", "model1-mp2.safetensors", "[64]", "[128]")
     rank1.unlink()
     refused(d, "missing shard", "model1-mp2.safetensors")
+
+
+@pytest.mark.parametrize("text", [b"\xff\xfe", b"{", b"[]"])
+def test_a_broken_config_json_is_named_once(good, tmp_path, text):
+    from dsv4.checkpoint.inspect import inspect_dir
+
+    d = rewrite(good, tmp_path / "cfg")
+    (d / "config.json").write_bytes(text)
+    with pytest.raises(CheckpointError) as e:
+        load_pretrained(d)
+    for said in (str(e.value), *inspect_dir(d)["problems"]):
+        assert said.count(str(d / "config.json")) == 1, said

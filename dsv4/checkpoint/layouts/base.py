@@ -310,7 +310,8 @@ def load_config(path: str | Path, overrides: dict | None = None) -> ModelConfig:
     try:
         return config_from_json(cfg_path, overrides)
     except ConfigError as e:
-        raise CheckpointError(f"{cfg_path}: {e}") from None
+        said = str(e)  # (the reader names the file where the fault is its text)
+        raise CheckpointError(said if said.startswith(f"{cfg_path}:") else f"{cfg_path}: {said}") from None
 
 
 def config_from_json(cfg_path: str | Path, overrides: dict | None = None) -> ModelConfig:
