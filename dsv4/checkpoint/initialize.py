@@ -89,6 +89,8 @@ def parse_overrides(items: list[str]) -> dict:
             raise UserError(f"--override {item!r}: expected KEY=VALUE (a config field, e.g. n_layers=4)")
         if key not in fields or key == "name":
             raise UserError(f"--override {key}: not a config field (one of {', '.join(sorted(fields - {'name'}))})")
+        if key in out:
+            raise UserError(f"--override {key}: given twice ({key}={out[key]!r} and {item!r}): keep one")
         try:
             value = json.loads(raw)
         except ValueError:

@@ -102,6 +102,7 @@ def test_drafts_and_overrides(tmp_path, capsys):
     [
         (["--override", "nlayers=3"], "not a config field"),
         (["--override", "n_layers"], "KEY=VALUE"),
+        (["--override", "n_layers=3", "n_layers=4"], "n_layers: given twice"),
         (["--override", "n_layers=9"], "give compress_ratios"),
         (["--override", "n_hash_layers=7"], "n_hash_layers"),
         (["--override", "dim=100", "--expert-dtype", "fp4"], "multiples of 32"),
