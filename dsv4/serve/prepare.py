@@ -118,9 +118,10 @@ def prepare_chat(raw: bytes, limits: Limits, tokenizer, model_name: str) -> Prep
     params = sampling_params(
         req, limits, max_tokens, len(prompt), (req.top_logprobs or 0) if req.logprobs else None, chat=True
     )
-    # the answer starts in the reasoning where the prompt opens it; a continued assistant turn (its reasoning
-    # closed) goes on with its content
-    return Prepared(req, [prompt], [params], thinking and text.endswith(chat.THINK_START))
+    # a continued assistant turn (its reasoning closed in the prompt) goes on with its content
+    last = messages[-1]
+    continued = last.get("role") == "assistant" and bool(last.get("wo_eos"))
+    return Prepared(req, [prompt], [params], thinking and not continued)
 
 
 def _chat_param(message: str) -> str:
