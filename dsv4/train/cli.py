@@ -250,6 +250,48 @@ def _training_settings(path: str) -> bool:
     return isinstance(raw, dict) and bool(raw) and set(raw) <= fields
 
 
+def checked_values(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """A settings file's values through the checks of the `dsv4 train` flags of the same names: a number, an
+    on/off setting or a choice the command line refuses (`steps: -5`, `lr: "0.1"`, `batch_size: 0`, `schedule:
+    "linear"`) is refused here too, in one line naming the file and the key. Paths and devices are checked
+    where the run uses them; keys with no flag of their own pass as they are."""
+    flags = {a.dest: a for a in add_train_parser(argparse.ArgumentParser().add_subparsers())._actions}
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    kinds = {name: str(f.type) for name, f in fields.items()}
+    out = dict(raw)
+    for name, value in raw.items():
+        a = flags.get(name)
+        if a is None or value is None or name in ("model", "init_from", "model_config"):
+            continue  # (`model` is the [model] overrides here, a checkpoint on the command line)
+        if name in fields and value == fields[name].default and type(value) is type(fields[name].default):
+            continue  # a setting's default (0.0 = off) is always valid, as a saved run's settings write it
+        if a.nargs == 0:  # an on/off flag
+            if not isinstance(value, bool):
+                raise UserError(f"{source}: {name}: must be true or false, got {value!r}")
+            continue
+        if a.nargs == "+":  # a list of paths
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise UserError(f"{source}: {name}: must be a list of strings")
+            continue
+        if isinstance(value, (bool, list, dict)):
+            raise UserError(f"{source}: {name}: must be a single value, got {value!r}")
+        kind = kinds.get(name, "").split(" ")[0]
+        if kind in ("int", "float"):  # (checks of paths and devices wait for the run, as the flags' values do)
+            if isinstance(value, str):
+                raise UserError(f"{source}: {name}: must be a number, not the string {value!r}")
+            if a.type is not None:
+                try:
+                    value = a.type(str(value))
+                except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+                    raise UserError(f"{source}: {name}: {e}") from None
+        elif kind == "str" and not isinstance(value, str):
+            raise UserError(f"{source}: {name}: must be a string, got {value!r}")
+        if a.choices is not None and value not in a.choices:
+            raise UserError(f"{source}: {name}: must be one of {', '.join(map(str, a.choices))}, got {value!r}")
+        out[name] = value
+    return out
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     import sys
 
@@ -284,7 +326,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                 model[k.strip()] = v
         over["model"] = model
     if train_config:
-        cfg = TrainConfig.from_file(train_config)
+        cfg = TrainConfig.from_file(train_config, check=checked_values)
         if "model" in over:
             over["model"] = {**cfg.model, **over["model"]}
         return dataclasses.replace(cfg, **over)

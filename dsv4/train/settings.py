@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,8 +88,11 @@ class TrainConfig:
     # (default: stop the run with exit 1 naming it)
 
     @classmethod
-    def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
-        """Read a JSON or TOML file of TrainConfig keys ([model] holds ModelConfig overrides)."""
+    def from_file(
+        cls, path: str | Path, check: Callable[[dict, str], dict] | None = None, **overrides: Any
+    ) -> TrainConfig:
+        """Read a JSON or TOML file of TrainConfig keys ([model] holds ModelConfig overrides). check(values,
+        source): the values' checks before they are used (`dsv4 train` passes its flags' own)."""
         from ..safe_paths import MAX_TEXT_BYTES, read_bytes
 
         path = Path(path)
@@ -107,7 +111,9 @@ class TrainConfig:
             raise UserError(f"{path}: cannot parse ({str(e)[:200]})") from None
         if not isinstance(raw, dict):
             raise UserError(f"{path}: must hold an object of training settings, not {type(raw).__name__}")
-        return cls.from_dict({**checked_values(raw, str(path)), **overrides}, source=str(path))
+        if check is not None:
+            raw = check(raw, str(path))
+        return cls.from_dict({**raw, **overrides}, source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> TrainConfig:
@@ -128,49 +134,6 @@ class TrainConfig:
         """A copy with every setting left at None filled from QUICK_CPU_DEFAULTS or STANDARD_DEFAULTS."""
         table = QUICK_CPU_DEFAULTS if self.quick_profile(device_type) else STANDARD_DEFAULTS
         return dataclasses.replace(self, **{k: v for k, v in table.items() if getattr(self, k) is None})
-
-
-def checked_values(raw: dict[str, Any], source: str) -> dict[str, Any]:
-    """A settings file's values through the checks of the `dsv4 train` flags of the same names: a number, an
-    on/off setting or a choice the command line refuses (`steps: -5`, `lr: "0.1"`, `batch_size: 0`, `schedule:
-    "linear"`) is refused here too, in one line naming the file and the key. Paths and devices are checked
-    where the run uses them; keys with no flag of their own pass as they are."""
-    import argparse
-
-    from .cli import add_train_parser
-
-    flags = {a.dest: a for a in add_train_parser(argparse.ArgumentParser().add_subparsers())._actions}
-    kinds = {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}
-    out = dict(raw)
-    for name, value in raw.items():
-        a = flags.get(name)
-        if a is None or value is None or name in ("model", "init_from", "model_config"):
-            continue  # (`model` is the [model] overrides here, a checkpoint on the command line)
-        if a.nargs == 0:  # an on/off flag
-            if not isinstance(value, bool):
-                raise UserError(f"{source}: {name}: must be true or false, got {value!r}")
-            continue
-        if a.nargs == "+":  # a list of paths
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise UserError(f"{source}: {name}: must be a list of strings")
-            continue
-        if isinstance(value, (bool, list, dict)):
-            raise UserError(f"{source}: {name}: must be a single value, got {value!r}")
-        kind = kinds.get(name, "").split(" ")[0]
-        if kind in ("int", "float"):  # (checks of paths and devices wait for the run, as the flags' values do)
-            if isinstance(value, str):
-                raise UserError(f"{source}: {name}: must be a number, not the string {value!r}")
-            if a.type is not None:
-                try:
-                    value = a.type(str(value))
-                except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
-                    raise UserError(f"{source}: {name}: {e}") from None
-        elif kind == "str" and not isinstance(value, str):
-            raise UserError(f"{source}: {name}: must be a string, got {value!r}")
-        if a.choices is not None and value not in a.choices:
-            raise UserError(f"{source}: {name}: must be one of {', '.join(map(str, a.choices))}, got {value!r}")
-        out[name] = value
-    return out
 
 
 def model_config_of(c: TrainConfig, base=None):

@@ -689,11 +689,16 @@ def test_a_settings_file_value_the_flag_would_refuse_is_refused(tmp_path, settin
     """The values of --train-config go through the checks of the flags of the same names: one line naming
     the file and the key, before any data or model is built (they trained 0 steps for -5, 2 for 1.5)."""
     from dsv4.errors import UserError
+    from dsv4.train.cli import checked_values
 
     toml = tmp_path / "run.toml"
     toml.write_text(setting + "\n")
     with pytest.raises(UserError, match=f"^{re.escape(str(toml))}: {re.escape(says)}"):
-        TrainConfig.from_file(toml)
+        TrainConfig.from_file(toml, check=checked_values)
+    # a saved run's settings (every field, defaults such as time_budget_s = 0.0 = off included) pass
+    saved = tmp_path / "settings.json"
+    saved.write_text(json.dumps(TrainConfig().to_dict()))
+    assert TrainConfig.from_file(saved, check=checked_values) == TrainConfig()
 
 
 def test_an_unknown_model_setting_is_named_in_one_line(tmp_path):
