@@ -95,6 +95,7 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "paths",
         nargs="*",
+        type=argtypes.path,
         metavar="DST",
         help="where to write the converted checkpoint (a new directory); the old form SRC DST is "
         "accepted for one release",

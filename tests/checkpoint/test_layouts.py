@@ -301,3 +301,10 @@ def test_convert_refuses_an_expert_dtype_its_target_does_not_write(tmp_path, cap
     out, err = capsys.readouterr()
     assert not out and err.startswith("error: --expert-dtype applies to --to fp8") and len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_an_empty_destination(capsys):
+    from dsv4.loading import default_model_dir
+
+    assert main(["convert", "--model", str(default_model_dir()), "", "--to", "bf16"]) == 2
+    assert "is not a usable path: ''" in capsys.readouterr().err
