@@ -133,10 +133,11 @@ def _local_replier(args) -> tuple[Callable, str]:
         prompt = tokenizer.encode(text, bos=False)
         room = engine.max_model_len - len(prompt)
         if room < 1:
+            more = ", or raise --max-model-len" if engine.max_model_len < model.cfg.max_seq_len else ""
             raise UserError(
                 f"the conversation is {len(prompt)} tokens and the context is {engine.max_model_len} "
                 f"tokens (prompt + output; the model's max_position_embeddings is "
-                f"{model.cfg.max_seq_len}): /reset to start over, or raise --max-model-len"
+                f"{model.cfg.max_seq_len}): /reset to start over{more}"
             )
         counter[0] += 1
         rid = f"chat-{counter[0]}"

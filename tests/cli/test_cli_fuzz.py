@@ -374,6 +374,7 @@ def test_chat_refuses_a_message_past_the_context_or_not_utf8_and_goes_on():
 
     ctx = read_config_file(default_model_dir() / "config.json").max_seq_len
     assert "the context is 128 tokens" in errors[0] and f"max_position_embeddings is {ctx}" in errors[0]
+    assert "raise --max-model-len" in errors[0]  # (128 < the model's context: raising it would help)
     assert re.search(r"the conversation is \d{3,} tokens", errors[0])
     assert res.stdout.strip() != ""  # the second message was answered
 
