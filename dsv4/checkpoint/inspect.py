@@ -17,7 +17,7 @@ def inspect_dir(path: str | Path, config: ModelConfig | None = None, layout: str
     against the config (missing / unexpected / wrong dtype or shape / scale rules). No payload is read."""
     root = Path(path)
     found, files, mp, headers = scan(root)
-    copies = layouts.get(layout or found).replicated  # a full copy in every rank file: its parameters count once
+    lay = layouts.get(layout or found)
     by_dtype: Counter = Counter()
     bytes_by_dtype: Counter = Counter()
     n_params = 0
@@ -26,8 +26,8 @@ def inspect_dir(path: str | Path, config: ModelConfig | None = None, layout: str
         for info in h.values():
             by_dtype[info.dtype] += 1
             bytes_by_dtype[info.dtype] += info.nbytes
-            if info.name in counted and copies(info.name):
-                continue
+            if info.name in counted and lay.replicated(info.name):
+                continue  # a full copy in every rank file: its parameters count once
             counted.add(info.name)
             n_params += logical_numel(info.shape, info.dtype, info.name) if info.dtype != "F4" else info.numel
     report: dict = {
@@ -42,7 +42,6 @@ def inspect_dir(path: str | Path, config: ModelConfig | None = None, layout: str
         "problems": [],
         "warnings": [],
     }
-    lay = layouts.get(report["layout"])
     cfg = config
     try:
         p = plan(root, config, layout)
